@@ -1,0 +1,30 @@
+//! The crate's one error type. Variants name what was wrong and where.
+
+use crate::canon::{Dtype, Modality};
+
+/// Everything that can go wrong in omniprefix, with the facts needed to fix it.
+///
+/// Helpers add variants here as their modules need them; keep them structured
+/// (expected vs found, which item / tensor / field).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor's dtype is not the one the caller promised or the op supports.
+    #[error("item {item}: dtype {found:?} where {expected} was expected")]
+    DtypeMismatch { item: usize, expected: String, found: Dtype },
+    /// A tensor's shape does not fit what its layout says.
+    #[error("item {item} ({modality:?}): shape {found:?} does not fit {expected}")]
+    ShapeMismatch { item: usize, modality: Modality, expected: String, found: Vec<usize> },
+    /// NaN or ±Inf inside an item's content.
+    #[error("item {item}: non-finite value at flat index {index}")]
+    NonFinite { item: usize, index: usize },
+    /// An item with no bytes or no rows.
+    #[error("item {item}: empty ({what})")]
+    EmptyItem { item: usize, what: &'static str },
+    /// Anything else about a request that cannot be canonicalised.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+}
+
+/// Crate-wide result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,20 @@
+//! # omniprefix
+//!
+//! Prefix caching for multimodal ("Omni") LLM inference.
+//!
+//! Data flow: `prompt` (preprocess: canonical atoms, index map, positions) →
+//! `sched` (owns the prefix `index` and the `kv` block pool) → `runner` on a
+//! `backend` → full hidden states.
+
+/// The scheduler-to-runner contract.
+pub mod batch;
+/// Canonical bytes, dtypes and keyed fingerprints of multimodal items.
+pub mod canon;
+/// The crate's error type.
+pub mod error;
+/// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.
+pub mod index;
+/// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
+pub mod prompt;
+
+pub use error::{Error, Result};

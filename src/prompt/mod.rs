@@ -1,0 +1,78 @@
+//! Canonical prompts: the self-contained result of preprocessing.
+//!
+//! A prompt is a sequence of atoms (runs of text token ids, and row spans of
+//! fingerprinted items), plus the token ids the model sees, the index map of
+//! which positions hold which item rows, and the position ids. Positions are a
+//! pure function of the atoms: equal atoms give equal positions and so equal KV.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::canon::ItemIdentity;
+
+/// Run-length key unit of a prompt.
+#[derive(Debug, Clone)]
+pub enum Atom {
+    /// A run of plain text token ids.
+    Text(Vec<u32>),
+    /// Rows `rows` of one item's embedding sequence, at consecutive positions.
+    Item { id: Arc<ItemIdentity>, rows: Range<u32> },
+}
+
+/// Where an item's rows sit in the prompt (audio-in-video gives several spans per item).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemSpan {
+    /// Index into `CanonicalPrompt::items`.
+    pub item: u32,
+    /// Rows of that item's embedding sequence.
+    pub rows: Range<u32>,
+    /// Prompt position of the first row.
+    pub start: u32,
+}
+
+/// Which prompt positions hold which item rows.
+#[derive(Debug, Clone, Default)]
+pub struct IndexMap {
+    /// All placeholder positions.
+    pub placeholders: roaring::RoaringBitmap,
+    /// The spans in position order.
+    pub spans: Vec<ItemSpan>,
+}
+
+/// Rotary position ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Positions {
+    /// Plain 1-D positions `0..len`.
+    Linear(Vec<i64>),
+    /// 3-D M-RoPE positions (temporal, height, width) as HF `get_rope_index`
+    /// computes them, and the rope delta for decoding after the prompt.
+    Mrope { t: Vec<i64>, h: Vec<i64>, w: Vec<i64>, rope_delta: i64 },
+}
+
+/// Tenant salt: prompts with different salts never share cache entries.
+pub type TenantSalt = u64;
+
+/// A request after preprocessing; all the scheduler ever sees.
+#[derive(Debug, Clone)]
+pub struct CanonicalPrompt {
+    pub tenant: TenantSalt,
+    pub atoms: Vec<Atom>,
+    /// One id per position; placeholder positions hold their modality's pad id.
+    pub token_ids: Vec<u32>,
+    /// The items in order of first appearance.
+    pub items: Vec<Arc<ItemIdentity>>,
+    pub index_map: IndexMap,
+    pub positions: Positions,
+}
+
+impl CanonicalPrompt {
+    /// Number of positions (tokens) in the prompt.
+    pub fn len(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    /// True for a prompt with no tokens.
+    pub fn is_empty(&self) -> bool {
+        self.token_ids.is_empty()
+    }
+}
