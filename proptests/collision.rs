@@ -84,7 +84,7 @@ fn run(policy: ValidationPolicy, (inserts, queries): &Scenario) -> Report {
 }
 
 fn validated_matches_equal_oracle(policy: ValidationPolicy) {
-    let config = Config { cases: cases(64), ..Config::default() };
+    let config = Config { cases: cases(256), ..Config::default() };
     proptest!(config, |(s in scenario())| {
         let r = run(policy, &s);
         prop_assert!(r.errors.is_empty(), "{:?}", r.errors);
@@ -106,7 +106,7 @@ fn exact_bytes_never_gives_a_wrong_hit() {
 /// the collisions it meets show up as validation failures instead.
 #[test]
 fn unvalidated_fingerprints_do_give_wrong_hits() {
-    let config = Config { cases: cases(64), ..Config::default() };
+    let config = Config { cases: cases(256), ..Config::default() };
     let mut runner = TestRunner::new_with_rng(config.clone(), TestRng::deterministic_rng(config.rng_algorithm));
     let (mut wrong, mut failures) = (0, 0);
     for _ in 0..config.cases {

@@ -157,8 +157,9 @@ impl Ledger {
         self.blocks.remove(&b).is_some()
     }
 
-    pub fn owns(&self, b: BlockId) -> bool {
-        self.blocks.contains_key(&b)
+    /// Number of blocks the index should hold.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
     }
 
     /// Every returned block is live, belongs to `tenant`, sits at its own
