@@ -161,7 +161,10 @@ fn locks_pin_the_path_and_stale_handles_do_nothing() -> Result<()> {
     ix.lock(&m);
     ix.insert(&p, &[4, 5])?;
     valid(&ix)?;
-    assert_eq!(ix.evict(10).len(), 2, "a stale handle must not lock the new entry");
+    let mut forged = ix.match_prefix(&p);
+    forged.blocks = vec![4, 9];
+    ix.lock(&forged);
+    assert_eq!(ix.evict(10).len(), 2, "stale or forged matches must not lock anything");
     Ok(())
 }
 

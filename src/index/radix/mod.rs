@@ -321,6 +321,24 @@ impl RadixIndex {
         Ok((walk, cached))
     }
 
+    /// The node `m`'s handle names, if it is live and `m`'s last block still
+    /// sits at its block position on the path from that node up (a split may
+    /// have moved it to a new parent); a stale or foreign match is refused.
+    fn resolve_match(&self, m: &PrefixMatch) -> Option<NodeId> {
+        let id = self.nodes.resolve(m.handle)?;
+        let position = m.blocks.len().checked_sub(1)?;
+        let mut cur = id;
+        loop {
+            let n = self.node(cur);
+            n.parent?;
+            let first = n.start / self.config.block_size;
+            if position >= first {
+                return (n.blocks.get(position - first) == m.blocks.last()).then_some(id);
+            }
+            cur = n.parent?;
+        }
+    }
+
     fn root_for(&mut self, tenant: TenantSalt) -> NodeId {
         if let Some(&root) = self.roots.get(&tenant) {
             return root;
@@ -484,9 +502,10 @@ impl PrefixIndex for RadixIndex {
         Ok(outcome)
     }
 
-    /// A stale handle (its node was evicted) or the empty match locks nothing.
+    /// A stale or foreign match (its node was evicted, or it names another
+    /// block) or the empty match locks nothing.
     fn lock(&mut self, m: &PrefixMatch) {
-        let Some(id) = self.nodes.resolve(m.handle) else { return };
+        let Some(id) = self.resolve_match(m) else { return };
         self.lru_leave(id);
         let mut cur = Some(id);
         while let Some(c) = cur {
@@ -501,7 +520,7 @@ impl PrefixIndex for RadixIndex {
 
     /// Unlocking a node that holds no lock is ignored (lock counts never go negative).
     fn unlock(&mut self, m: &PrefixMatch) {
-        let Some(id) = self.nodes.resolve(m.handle) else { return };
+        let Some(id) = self.resolve_match(m) else { return };
         if self.node(id).lock == 0 {
             return;
         }
