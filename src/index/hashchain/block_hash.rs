@@ -45,7 +45,10 @@ impl BlockHash {
         debug_assert!(digest.len() <= 32);
         let mut bytes = [0u8; 32];
         bytes[..digest.len()].copy_from_slice(digest);
-        BlockHash { bytes, len: digest.len() as u8 }
+        BlockHash {
+            bytes,
+            len: digest.len() as u8,
+        }
     }
 
     /// The digest bytes, as Python's `bytes` value.
@@ -184,7 +187,11 @@ impl BlockHasher {
         if block_size == 0 {
             return Err(Error::InvalidBlockSize { found: block_size });
         }
-        Ok(BlockHasher { hash_fn, block_size, none_hash: none_hash(hash_fn, seed) })
+        Ok(BlockHasher {
+            hash_fn,
+            block_size,
+            none_hash: none_hash(hash_fn, seed),
+        })
     }
 
     /// Tokens per block.
@@ -211,7 +218,11 @@ impl BlockHasher {
     /// assert_eq!(hashes.len(), 3);
     /// assert!(hashes[0].to_hex().starts_with("c78a554a"));
     /// ```
-    pub fn request_block_hashes(&self, req: &BlockKeyRequest<'_>, max_blocks: usize) -> Vec<BlockHash> {
+    pub fn request_block_hashes(
+        &self,
+        req: &BlockKeyRequest<'_>,
+        max_blocks: usize,
+    ) -> Vec<BlockHash> {
         let n = (req.tokens.len() / self.block_size).min(max_blocks);
         let mut hashes = Vec::with_capacity(n);
         let mut buf = Vec::with_capacity(64 + self.block_size * 5);
@@ -249,7 +260,10 @@ fn block_extra_keys<'a>(
         }
         if item_end > start {
             // Positions are prompt indices, far below i64::MAX.
-            keys.push(ExtraKey::Mm { hash: item.hash, offset: start as i64 - item.offset as i64 });
+            keys.push(ExtraKey::Mm {
+                hash: item.hash,
+                offset: start as i64 - item.offset as i64,
+            });
         }
         if item_end > end {
             break; // the item continues into the next block
@@ -289,8 +303,16 @@ mod tests {
     fn extra_keys_follow_vllm_order_and_overlap() {
         let tokens = vec![0u32; 48];
         let items = [
-            MmPlaceholder { hash: "a", offset: 4, length: 12 },  // ends at 16
-            MmPlaceholder { hash: "b", offset: 20, length: 20 }, // blocks 1, 2
+            MmPlaceholder {
+                hash: "a",
+                offset: 4,
+                length: 12,
+            }, // ends at 16
+            MmPlaceholder {
+                hash: "b",
+                offset: 20,
+                length: 20,
+            }, // blocks 1, 2
         ];
         let req = BlockKeyRequest {
             tokens: &tokens,
@@ -307,21 +329,55 @@ mod tests {
         }
         assert_eq!(
             per_block[0],
-            [ExtraKey::Lora("l"), ExtraKey::Mm { hash: "a", offset: -4 }, ExtraKey::CacheSalt("s")]
+            [
+                ExtraKey::Lora("l"),
+                ExtraKey::Mm {
+                    hash: "a",
+                    offset: -4
+                },
+                ExtraKey::CacheSalt("s")
+            ]
         );
-        assert_eq!(per_block[1], [ExtraKey::Lora("l"), ExtraKey::Mm { hash: "b", offset: -4 }]);
-        assert_eq!(per_block[2], [ExtraKey::Lora("l"), ExtraKey::Mm { hash: "b", offset: 12 }]);
+        assert_eq!(
+            per_block[1],
+            [
+                ExtraKey::Lora("l"),
+                ExtraKey::Mm {
+                    hash: "b",
+                    offset: -4
+                }
+            ]
+        );
+        assert_eq!(
+            per_block[2],
+            [
+                ExtraKey::Lora("l"),
+                ExtraKey::Mm {
+                    hash: "b",
+                    offset: 12
+                }
+            ]
+        );
     }
 
     #[test]
     fn partial_blocks_are_not_hashed_and_max_blocks_caps() {
         let hasher = BlockHasher::new(HashFn::Sha256Cbor, 4, "seed").unwrap();
         let tokens: Vec<u32> = (0..11).collect();
-        let req = BlockKeyRequest { tokens: &tokens, ..Default::default() };
+        let req = BlockKeyRequest {
+            tokens: &tokens,
+            ..Default::default()
+        };
         let all = hasher.request_block_hashes(&req, usize::MAX);
         assert_eq!(all.len(), 2);
         assert_eq!(hasher.request_block_hashes(&req, 1), all[..1]);
-        assert_eq!(all[0], hash_block_tokens(HashFn::Sha256Cbor, &hasher.none_hash(), &tokens[..4], &[]));
-        assert_eq!(all[1], hash_block_tokens(HashFn::Sha256Cbor, &all[0], &tokens[4..8], &[]));
+        assert_eq!(
+            all[0],
+            hash_block_tokens(HashFn::Sha256Cbor, &hasher.none_hash(), &tokens[..4], &[])
+        );
+        assert_eq!(
+            all[1],
+            hash_block_tokens(HashFn::Sha256Cbor, &all[0], &tokens[4..8], &[])
+        );
     }
 }

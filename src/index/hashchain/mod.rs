@@ -33,7 +33,7 @@ pub use block_hash::{
     BlockHash, BlockHasher, BlockKeyRequest, DEFAULT_NONE_HASH_SEED, ExtraKey, HashFn,
     MmPlaceholder, hash_block_tokens, none_hash,
 };
-pub use mm_hasher::{Kwarg, MmMedia, hash_kwargs, hash_mm_item};
+pub use mm_hasher::{Kwarg, MmHashAlgorithm, MmMedia, hash_kwargs, hash_mm_item};
 
 use super::{BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch};
 use crate::prompt::{CanonicalPrompt, TenantSalt};
@@ -80,21 +80,33 @@ fn tenant_salt(tenant: TenantSalt) -> Option<String> {
 
 /// The mm identifier of an item from its fingerprint (a caller-supplied uuid in vLLM terms).
 fn fingerprint_hashes(prompt: &CanonicalPrompt) -> Vec<String> {
-    prompt.items.iter().map(|it| format!("{:032x}", it.fingerprint.0)).collect()
+    prompt
+        .items
+        .iter()
+        .map(|it| format!("{:032x}", it.fingerprint.0))
+        .collect()
 }
 
 /// Placeholder range of each item (first span start to last span end), sorted by offset.
-fn placeholders<'a>(prompt: &CanonicalPrompt, mm_hashes: &'a [String]) -> Result<Vec<MmPlaceholder<'a>>> {
+fn placeholders<'a>(
+    prompt: &CanonicalPrompt,
+    mm_hashes: &'a [String],
+) -> Result<Vec<MmPlaceholder<'a>>> {
     if mm_hashes.len() != prompt.items.len() {
-        return Err(Error::MmHashCount { expected: prompt.items.len(), found: mm_hashes.len() });
+        return Err(Error::MmHashCount {
+            expected: prompt.items.len(),
+            found: mm_hashes.len(),
+        });
     }
     let mut ranges: Vec<Option<(usize, usize)>> = vec![None; prompt.items.len()];
     for (i, span) in prompt.index_map.spans.iter().enumerate() {
-        let slot = ranges.get_mut(span.item as usize).ok_or(Error::SpanItemOutOfRange {
-            span: i,
-            item: span.item,
-            items: prompt.items.len(),
-        })?;
+        let slot = ranges
+            .get_mut(span.item as usize)
+            .ok_or(Error::SpanItemOutOfRange {
+                span: i,
+                item: span.item,
+                items: prompt.items.len(),
+            })?;
         let start = span.start as usize;
         let end = start + span.rows.len();
         *slot = Some(match *slot {
@@ -105,7 +117,13 @@ fn placeholders<'a>(prompt: &CanonicalPrompt, mm_hashes: &'a [String]) -> Result
     let mut out: Vec<MmPlaceholder<'a>> = ranges
         .iter()
         .zip(mm_hashes)
-        .filter_map(|(r, h)| r.map(|(s, e)| MmPlaceholder { hash: h, offset: s, length: e - s }))
+        .filter_map(|(r, h)| {
+            r.map(|(s, e)| MmPlaceholder {
+                hash: h,
+                offset: s,
+                length: e - s,
+            })
+        })
         .collect();
     out.sort_by_key(|p| p.offset);
     Ok(out)
@@ -114,7 +132,11 @@ fn placeholders<'a>(prompt: &CanonicalPrompt, mm_hashes: &'a [String]) -> Result
 impl HashChainIndex {
     /// An empty index with vLLM's defaults: `sha256_cbor` and the vectors' `NONE_HASH` seed.
     pub fn new(block_size: usize) -> Result<Self> {
-        Ok(Self::with_hasher(BlockHasher::new(HashFn::Sha256Cbor, block_size, DEFAULT_NONE_HASH_SEED)?))
+        Ok(Self::with_hasher(BlockHasher::new(
+            HashFn::Sha256Cbor,
+            block_size,
+            DEFAULT_NONE_HASH_SEED,
+        )?))
     }
 
     /// An empty index over a configured hasher.
@@ -149,13 +171,21 @@ impl HashChainIndex {
     }
 
     /// Hashes of every full block of `prompt` (see [`Self::block_hashes_upto`]).
-    pub fn block_hashes(&self, prompt: &CanonicalPrompt, mm_hashes: &[String]) -> Result<Vec<BlockHash>> {
+    pub fn block_hashes(
+        &self,
+        prompt: &CanonicalPrompt,
+        mm_hashes: &[String],
+    ) -> Result<Vec<BlockHash>> {
         self.block_hashes_upto(prompt, mm_hashes, usize::MAX)
     }
 
     /// `match_prefix` with items identified by `mm_hashes` (e.g. from
     /// [`hash_mm_item`] over raw media) instead of their fingerprints.
-    pub fn match_with_mm_hashes(&mut self, prompt: &CanonicalPrompt, mm_hashes: &[String]) -> Result<PrefixMatch> {
+    pub fn match_with_mm_hashes(
+        &mut self,
+        prompt: &CanonicalPrompt,
+        mm_hashes: &[String],
+    ) -> Result<PrefixMatch> {
         let hashes = self.block_hashes(prompt, mm_hashes)?;
         Ok(self.lookup(prompt.len(), &hashes))
     }
@@ -169,7 +199,10 @@ impl HashChainIndex {
     ) -> Result<InsertOutcome> {
         let full = prompt.len() / self.hasher.block_size();
         if blocks.len() > full {
-            return Err(Error::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: full });
+            return Err(Error::BlocksExceedPrompt {
+                blocks: blocks.len(),
+                full_blocks: full,
+            });
         }
         let hashes = self.block_hashes_upto(prompt, mm_hashes, blocks.len())?;
         self.adopt(&hashes, blocks)
@@ -181,7 +214,9 @@ impl HashChainIndex {
         let tick = self.clock;
         let mut blocks = Vec::new();
         for h in hashes {
-            let Some(e) = self.entries.get_mut(h) else { break };
+            let Some(e) = self.entries.get_mut(h) else {
+                break;
+            };
             if e.evictable() {
                 self.evictable.remove(&(e.last_used, e.block));
                 self.evictable.insert((tick, e.block));
@@ -196,7 +231,12 @@ impl HashChainIndex {
             self.stats.hits += 1;
             self.stats.hit_tokens += tokens as u64;
         }
-        PrefixMatch { tokens, aligned_tokens: tokens, blocks, handle: MatchHandle(tick) }
+        PrefixMatch {
+            tokens,
+            aligned_tokens: tokens,
+            blocks,
+            handle: MatchHandle(tick),
+        }
     }
 
     /// Adopts `blocks[i]` for `hashes[i]` where that hash is new. Checks
@@ -235,7 +275,16 @@ impl HashChainIndex {
                     }
                     p.children += 1;
                 }
-                self.entries.insert(*h, Entry { block: b, parent, children: 0, refs: 0, last_used: tick });
+                self.entries.insert(
+                    *h,
+                    Entry {
+                        block: b,
+                        parent,
+                        children: 0,
+                        refs: 0,
+                        last_used: tick,
+                    },
+                );
                 self.by_block.insert(b, *h);
                 self.evictable.insert((tick, b));
                 out.adopted.push(b);
@@ -297,9 +346,15 @@ impl PrefixIndex for HashChainIndex {
     fn evict(&mut self, max_blocks: usize) -> Vec<BlockId> {
         let mut out = Vec::new();
         while out.len() < max_blocks {
-            let Some((_, block)) = self.evictable.pop_first() else { break };
-            let Some(hash) = self.by_block.remove(&block) else { break };
-            let Some(entry) = self.entries.remove(&hash) else { break };
+            let Some((_, block)) = self.evictable.pop_first() else {
+                break;
+            };
+            let Some(hash) = self.by_block.remove(&block) else {
+                break;
+            };
+            let Some(entry) = self.entries.remove(&hash) else {
+                break;
+            };
             if let Some(p) = entry.parent.and_then(|p| self.entries.get_mut(&p)) {
                 p.children -= 1;
                 if p.evictable() {
@@ -328,10 +383,18 @@ impl PrefixIndex for HashChainIndex {
 
     fn validate(&self) -> std::result::Result<(), String> {
         if self.entries.len() != self.by_block.len() {
-            return Err(format!("{} entries but {} block ids", self.entries.len(), self.by_block.len()));
+            return Err(format!(
+                "{} entries but {} block ids",
+                self.entries.len(),
+                self.by_block.len()
+            ));
         }
         if self.stats.cached_blocks != self.entries.len() as u64 {
-            return Err(format!("stats say {} cached, map holds {}", self.stats.cached_blocks, self.entries.len()));
+            return Err(format!(
+                "stats say {} cached, map holds {}",
+                self.stats.cached_blocks,
+                self.entries.len()
+            ));
         }
         let mut children: FxHashMap<BlockHash, u32> = FxHashMap::default();
         for (h, e) in &self.entries {
@@ -339,11 +402,17 @@ impl PrefixIndex for HashChainIndex {
                 return Err(format!("block {} does not map back to its hash", e.block));
             }
             if e.last_used > self.clock {
-                return Err(format!("block {} used at {} after clock {}", e.block, e.last_used, self.clock));
+                return Err(format!(
+                    "block {} used at {} after clock {}",
+                    e.block, e.last_used, self.clock
+                ));
             }
             if let Some(p) = e.parent {
                 if !self.entries.contains_key(&p) {
-                    return Err(format!("block {} has an evicted parent: its chain has a hole", e.block));
+                    return Err(format!(
+                        "block {} has an evicted parent: its chain has a hole",
+                        e.block
+                    ));
                 }
                 *children.entry(p).or_default() += 1;
             }
@@ -351,15 +420,25 @@ impl PrefixIndex for HashChainIndex {
         for (h, e) in &self.entries {
             let want = children.get(h).copied().unwrap_or(0);
             if e.children != want {
-                return Err(format!("block {} counts {} children, has {want}", e.block, e.children));
+                return Err(format!(
+                    "block {} counts {} children, has {want}",
+                    e.block, e.children
+                ));
             }
             if e.evictable() != self.evictable.contains(&(e.last_used, e.block)) {
-                return Err(format!("block {} evictable={} disagrees with the LRU set", e.block, e.evictable()));
+                return Err(format!(
+                    "block {} evictable={} disagrees with the LRU set",
+                    e.block,
+                    e.evictable()
+                ));
             }
         }
         let evictable = self.entries.values().filter(|e| e.evictable()).count();
         if evictable != self.evictable.len() {
-            return Err(format!("LRU set holds {} blocks, {evictable} are evictable", self.evictable.len()));
+            return Err(format!(
+                "LRU set holds {} blocks, {evictable} are evictable",
+                self.evictable.len()
+            ));
         }
         Ok(())
     }

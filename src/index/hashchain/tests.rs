@@ -29,7 +29,9 @@ fn item(fp: u128, n: usize) -> Arc<ItemIdentity> {
         check: None,
         retained: None,
         modality: Modality::Image,
-        layout: ItemLayout::Image { grid_thw: [1, 2, 2] },
+        layout: ItemLayout::Image {
+            grid_thw: [1, 2, 2],
+        },
         num_tokens: n,
         content_bytes: 0,
     })
@@ -42,7 +44,11 @@ fn mm_prompt(fp: u128, len: usize, start: usize, n: usize) -> CanonicalPrompt {
         *t = 9;
     }
     p.items = vec![item(fp, n)];
-    p.index_map.spans = vec![ItemSpan { item: 0, rows: 0..n as u32, start: start as u32 }];
+    p.index_map.spans = vec![ItemSpan {
+        item: 0,
+        rows: 0..n as u32,
+        start: start as u32,
+    }];
     p
 }
 
@@ -69,12 +75,27 @@ fn insert_then_match_is_block_granular() {
     q[9] = 99;
     let m = ix.match_prefix(&text_prompt(0, &q));
     ok(&ix);
-    assert_eq!((m.tokens, m.aligned_tokens, m.blocks.clone()), (8, 8, vec![1, 2]));
+    assert_eq!(
+        (m.tokens, m.aligned_tokens, m.blocks.clone()),
+        (8, 8, vec![1, 2])
+    );
     // A change in block 0 breaks the chain for every later block.
     q[0] = 77;
-    assert_eq!(ix.match_prefix(&text_prompt(0, &q)).blocks, Vec::<BlockId>::new());
+    assert_eq!(
+        ix.match_prefix(&text_prompt(0, &q)).blocks,
+        Vec::<BlockId>::new()
+    );
     let s = ix.stats();
-    assert_eq!((s.queries, s.hits, s.hit_tokens, s.query_tokens, s.cached_blocks), (2, 1, 8, 22, 2));
+    assert_eq!(
+        (
+            s.queries,
+            s.hits,
+            s.hit_tokens,
+            s.query_tokens,
+            s.cached_blocks
+        ),
+        (2, 1, 8, 22, 2)
+    );
 }
 
 #[test]
@@ -99,7 +120,13 @@ fn bad_inserts_are_typed_errors_without_state_change() {
     let mut ix = index();
     let p = text_prompt(0, &(0..9).collect::<Vec<_>>());
     let err = ix.insert(&p, &[1, 2, 3]).unwrap_err();
-    assert!(matches!(err, Error::BlocksExceedPrompt { blocks: 3, full_blocks: 2 }));
+    assert!(matches!(
+        err,
+        Error::BlocksExceedPrompt {
+            blocks: 3,
+            full_blocks: 2
+        }
+    ));
     let err = ix.insert(&p, &[4, 4]).unwrap_err();
     assert!(matches!(err, Error::BlockAlreadyCached { block: 4 }));
     ix.insert(&p, &[1]).unwrap();
@@ -113,9 +140,24 @@ fn bad_inserts_are_typed_errors_without_state_change() {
     let mut bad = mm_prompt(1, 12, 2, 4);
     bad.index_map.spans[0].item = 3;
     let err = ix.insert(&bad, &[8]).unwrap_err();
-    assert!(matches!(err, Error::SpanItemOutOfRange { span: 0, item: 3, items: 1 }));
-    let err = ix.match_with_mm_hashes(&mm_prompt(1, 12, 2, 4), &[]).unwrap_err();
-    assert!(matches!(err, Error::MmHashCount { expected: 1, found: 0 }));
+    assert!(matches!(
+        err,
+        Error::SpanItemOutOfRange {
+            span: 0,
+            item: 3,
+            items: 1
+        }
+    ));
+    let err = ix
+        .match_with_mm_hashes(&mm_prompt(1, 12, 2, 4), &[])
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::MmHashCount {
+            expected: 1,
+            found: 0
+        }
+    ));
     assert_eq!(ix.stats().cached_blocks, 1);
     ok(&ix);
 }
@@ -139,7 +181,10 @@ fn items_with_equal_placeholders_do_not_share_blocks() {
     ix.insert(&a, &[1, 2, 3]).unwrap();
     let b = mm_prompt(0xbbbb, 12, 2, 6);
     assert_eq!(a.token_ids, b.token_ids);
-    assert!(ix.match_prefix(&b).blocks.is_empty(), "item starts in block 0");
+    assert!(
+        ix.match_prefix(&b).blocks.is_empty(),
+        "item starts in block 0"
+    );
     assert_eq!(ix.match_prefix(&a).blocks, [1, 2, 3]);
     // Item in block 1 only: block 0 is shared, block 1 is not.
     let c = mm_prompt(0xaaaa, 12, 5, 2);
@@ -163,7 +208,11 @@ fn locks_pin_and_eviction_takes_lru_tails_first() {
     let m = ix.match_prefix(&p); // p is now the most recent
     ix.lock(&m);
     ok(&ix);
-    assert_eq!(ix.evict(10), [5, 4], "locked chain stays, q goes tail first");
+    assert_eq!(
+        ix.evict(10),
+        [5, 4],
+        "locked chain stays, q goes tail first"
+    );
     ok(&ix);
     ix.lock(&m);
     ix.unlock(&m);
@@ -242,7 +291,10 @@ fn random_ops_keep_invariants_and_match_oracle() {
             }
             _ => {
                 for b in ix.evict(rng.random_range(0..4)) {
-                    assert!(!locked.iter().any(|m| m.blocks.contains(&b)), "evicted locked block {b}");
+                    assert!(
+                        !locked.iter().any(|m| m.blocks.contains(&b)),
+                        "evicted locked block {b}"
+                    );
                     owner.remove(&b);
                 }
             }
