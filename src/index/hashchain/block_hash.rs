@@ -163,10 +163,13 @@ pub struct MmPlaceholder<'a> {
 /// Everything of a request that enters its block hashes.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BlockKeyRequest<'a> {
+    /// The prompt's token ids; only full blocks are hashed.
     pub tokens: &'a [u32],
     /// Items sorted by `offset` (the order vLLM keeps `mm_features` in).
     pub mm_items: &'a [MmPlaceholder<'a>],
+    /// `request.cache_salt`: an extra key of block 0.
     pub cache_salt: Option<&'a str>,
+    /// `request.lora_request.lora_name`: an extra key of every block.
     pub lora_name: Option<&'a str>,
 }
 

@@ -7,6 +7,17 @@
 //! hash-map probe per block that stops at the first miss, as vLLM's
 //! `find_longest_cache_hit`. Results are block granular only.
 //!
+//! Mapping from a [`CanonicalPrompt`](crate::prompt::CanonicalPrompt): item
+//! `i`'s placeholder range runs from its first span's start to its last
+//! span's end, and its mm identifier is the hex of its fingerprint (vLLM's
+//! caller-supplied multimodal uuid) unless explicit mm hashes are given
+//! ([`match_with_mm_hashes`](crate::index::hashchain::HashChainIndex::match_with_mm_hashes),
+//! the baseline path over raw media hashed with
+//! [`hash_mm_item`](crate::index::hashchain::hash_mm_item)). Tenant 0 is the
+//! unsalted default; any other tenant `t` salts block 0 with `tenant-{t:016x}`.
+//! Like the trait, the index reports what is cached: vLLM's "recompute the
+//! last prompt token" cap belongs to the scheduler.
+//!
 //! ```
 //! use omniprefix::index::hashchain::HashChainIndex;
 //! use omniprefix::index::PrefixIndex;
