@@ -21,6 +21,24 @@ pub enum Error {
     /// An item with no bytes or no rows.
     #[error("item {item}: empty ({what})")]
     EmptyItem { item: usize, what: &'static str },
+    /// A block size of zero tokens.
+    #[error("block size must be positive, found {found}")]
+    InvalidBlockSize { found: usize },
+    /// More blocks handed to `insert` than the prompt has full blocks.
+    #[error("{blocks} blocks given for a prompt with {full_blocks} full blocks")]
+    BlocksExceedPrompt { blocks: usize, full_blocks: usize },
+    /// A block id the index already owns (under other content), or repeated in one insert.
+    #[error("block {block} is already cached under other content or repeated")]
+    BlockAlreadyCached { block: u32 },
+    /// One multimodal hash per prompt item was expected.
+    #[error("{found} multimodal hashes for a prompt with {expected} items")]
+    MmHashCount { expected: usize, found: usize },
+    /// An index-map span names an item the prompt does not have.
+    #[error("index map span {span} names item {item}, prompt has {items} items")]
+    SpanItemOutOfRange { span: usize, item: u32, items: usize },
+    /// Raw media whose shape does not fit what it claims to be.
+    #[error("{what}: shape {found:?} where {expected} was expected")]
+    MediaShape { what: &'static str, expected: String, found: Vec<usize> },
     /// Anything else about a request that cannot be canonicalised.
     #[error("invalid request: {0}")]
     InvalidRequest(String),

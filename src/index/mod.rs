@@ -3,6 +3,9 @@
 //! Two implementations side by side: the validated radix tree over atoms (the
 //! main matcher) and a byte-exact port of vLLM's hash chain (the baseline).
 
+/// Byte-exact port of vLLM V1 block hashing and its hash-map prefix cache (the baseline).
+pub mod hashchain;
+
 use crate::prompt::CanonicalPrompt;
 use crate::Result;
 
