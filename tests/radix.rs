@@ -29,7 +29,7 @@ fn valid(ix: &RadixIndex) -> Result<()> {
 #[test]
 fn zero_block_size_is_a_config_error() {
     let err = RadixIndex::new(RadixConfig { block_size: 0, ..Default::default() }).unwrap_err();
-    assert!(matches!(err, Error::IndexConfig { field: "block_size", .. }));
+    assert!(matches!(err, Error::InvalidBlockSize { found: 0 }));
 }
 
 #[test]
@@ -75,11 +75,11 @@ fn bad_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
     ix.insert(&p, &[1])?;
     let before = ix.stats();
     let err = ix.insert(&p, &[1, 2, 3]).unwrap_err();
-    assert!(matches!(err, Error::InsertBeyondPrompt { blocks: 3, block_size: 4, prompt_tokens: 8 }));
+    assert!(matches!(err, Error::BlocksExceedPrompt { blocks: 3, full_blocks: 2 }));
     let err = ix.insert(&text(0, &[9; 8]), &[7, 7]).unwrap_err();
-    assert!(matches!(err, Error::DuplicateBlockId { block: 7, first: 0, second: 1 }));
+    assert!(matches!(err, Error::BlockAlreadyCached { block: 7 }), "repeated in one insert");
     let err = ix.insert(&text(0, &[9; 8]), &[2, 1]).unwrap_err();
-    assert!(matches!(err, Error::BlockAlreadyOwned { block: 1, position: 1 }));
+    assert!(matches!(err, Error::BlockAlreadyCached { block: 1 }), "owned under other content");
     let mut broken = p.clone();
     broken.token_ids.pop();
     let err = ix.insert(&broken, &[5]).unwrap_err();

@@ -138,11 +138,7 @@ impl RadixIndex {
     /// An empty index; `block_size` must be at least 1.
     pub fn new(config: RadixConfig) -> Result<Self> {
         if config.block_size == 0 {
-            return Err(Error::IndexConfig {
-                field: "block_size",
-                expected: "at least 1",
-                found: "0".into(),
-            });
+            return Err(Error::InvalidBlockSize { found: 0 });
         }
         Ok(RadixIndex {
             config,
@@ -284,21 +280,13 @@ impl RadixIndex {
         if atoms != prompt.len() {
             return Err(Error::AtomsLengthMismatch { atoms, tokens: prompt.len() });
         }
-        let too_long = || Error::InsertBeyondPrompt {
-            blocks: blocks.len(),
-            block_size: bs,
-            prompt_tokens: atoms,
-        };
-        let total = blocks.len().checked_mul(bs).ok_or_else(too_long)?;
-        if total > atoms {
-            return Err(too_long());
+        if blocks.len() > atoms / bs {
+            return Err(Error::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs });
         }
-        let mut first_at: FxHashMap<BlockId, usize> = FxHashMap::default();
-        for (i, &b) in blocks.iter().enumerate() {
-            if let Some(&first) = first_at.get(&b) {
-                return Err(Error::DuplicateBlockId { block: b, first, second: i });
-            }
-            first_at.insert(b, i);
+        let total = blocks.len() * bs;
+        let mut given: FxHashSet<BlockId> = FxHashSet::default();
+        if let Some(&block) = blocks.iter().find(|&&b| !given.insert(b)) {
+            return Err(Error::BlockAlreadyCached { block });
         }
         let walk = match self.roots.get(&prompt.tenant) {
             Some(&root) => {
@@ -313,9 +301,9 @@ impl RadixIndex {
             .flat_map(|&id| self.node(id).blocks.iter().copied())
             .take(walk.matched / bs)
             .collect();
-        for (position, &b) in blocks.iter().enumerate() {
-            if self.owned.contains(&b) && cached.get(position) != Some(&b) {
-                return Err(Error::BlockAlreadyOwned { block: b, position });
+        for (position, &block) in blocks.iter().enumerate() {
+            if self.owned.contains(&block) && cached.get(position) != Some(&block) {
+                return Err(Error::BlockAlreadyCached { block });
             }
         }
         Ok((walk, cached))
