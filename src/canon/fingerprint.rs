@@ -198,7 +198,11 @@ impl Fingerprinter {
         let (content, content_bytes) = match &item.content {
             ItemContent::Tensor(view) => {
                 check_shape(item_index, item.modality, &item.layout, view)?;
-                (Content::Tensor(view), view.canonical_len())
+                // Broadcast (stride-0) views can be logically larger than memory.
+                let bytes = view.len().checked_mul(view.dtype().size()).ok_or_else(|| {
+                    Error::InvalidRequest(format!("item {item_index}: {} elements overflow a byte count", view.len()))
+                })?;
+                (Content::Tensor(view), bytes)
             }
             ItemContent::Encoded { bytes: [], .. } => {
                 return Err(Error::EmptyItem { item: item_index, what: "encoded item with no bytes" });
@@ -479,6 +483,18 @@ mod tests {
             let b = fp.identify(0, &spec(TensorView::F32(copy.view())))?;
             assert_eq!((a.fingerprint, a.check), (b.fingerprint, b.check));
         }
+        Ok(())
+    }
+
+    #[test]
+    fn broadcast_view_equals_its_materialised_copy() -> Result<()> {
+        let fp = fingerprinter(1, ValidationPolicy::SecondDigest)?;
+        let row = ArrayD::from_shape_fn(IxDyn(&[1, 7, 3]), |ix| (ix[1] * 3 + ix[2]) as u8);
+        let wide = row.broadcast(IxDyn(&[9, 7, 3])).ok_or(Error::InvalidRequest("broadcast".into()))?;
+        let copy = wide.to_owned();
+        let a = fp.identify(0, &image(TensorView::U8(wide), [1, 2, 2]))?;
+        let b = fp.identify(0, &image(TensorView::U8(copy.view()), [1, 2, 2]))?;
+        assert_eq!((a.fingerprint, a.check, a.content_bytes), (b.fingerprint, b.check, 189));
         Ok(())
     }
 

@@ -136,9 +136,10 @@ impl TensorView<'_> {
         self.len() == 0
     }
 
-    /// Length of the canonical byte stream (elements × dtype size).
+    /// Length of the canonical byte stream (elements × dtype size),
+    /// saturating for broadcast views too large to have one.
     pub fn canonical_len(&self) -> usize {
-        self.len() * self.dtype().size()
+        self.len().saturating_mul(self.dtype().size())
     }
 }
 
