@@ -3,8 +3,10 @@
 //!
 //! Bytes are pushed into a [`ByteSink`] in bounded pieces so the digests eat
 //! them while they are hot in cache: contiguous integer tensors are passed
-//! straight from their slice (no copy); floats and strided views go through a
-//! 64 KiB buffer. Any element range can be emitted on its own, which is what
+//! straight from their slice (no copy); contiguous floats are scanned 64 KiB
+//! at a time and passed in place when the piece holds no `-0.0` (NaN/Inf
+//! error out), else folded into a 64 KiB staging buffer; strided views always
+//! go through the staging buffer. Any element range can be emitted on its own, which is what
 //! lets the fingerprint tree hash fixed-size chunks in parallel.
 
 use std::ops::Range;
@@ -32,6 +34,9 @@ pub(crate) trait CanonElem: bytemuck::Pod + Send + Sync {
     fn finite(self) -> bool;
     /// Canonical bits, little-endian in memory; `-0.0` becomes `+0.0`.
     fn canonical(self) -> Self::Bits;
+    /// Whether the value's native bits already are its canonical bits
+    /// (finite and not `-0.0`; byte order is checked separately).
+    fn native_is_canonical(self) -> bool;
 }
 
 macro_rules! int_elem {
@@ -46,6 +51,10 @@ macro_rules! int_elem {
             #[inline(always)]
             fn canonical(self) -> $t {
                 self.to_le()
+            }
+            #[inline(always)]
+            fn native_is_canonical(self) -> bool {
+                true
             }
         }
     };
@@ -69,6 +78,11 @@ macro_rules! float_elem {
                 // -0.0 is the sign bit alone; fold it into +0.0.
                 let folded = if bits == $sign { 0 } else { bits };
                 folded.to_le()
+            }
+            #[inline(always)]
+            fn native_is_canonical(self) -> bool {
+                let bits = self.to_bits();
+                (bits & $exponent != $exponent) & (bits != $sign)
             }
         }
     };
@@ -214,11 +228,32 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
 
     fn push_slice(&mut self, run: &[T]) -> Result<()> {
         if Self::ZERO_COPY {
-            self.flush();
-            self.sink.consume(bytemuck::cast_slice(run));
-            self.next_index += run.len();
+            self.pass_through(run);
             return Ok(());
         }
+        for piece in run.chunks(self.staging.len()) {
+            // Most float pieces hold no -0.0 and no NaN: one read-only scan
+            // proves it, then the digests read the piece in place, still in
+            // cache, instead of a staged copy.
+            let clean = cfg!(target_endian = "little") && piece.iter().fold(true, |ok, &s| ok & s.native_is_canonical());
+            if clean {
+                self.pass_through(piece);
+            } else {
+                self.stage(piece)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands elements whose native bytes are canonical straight to the sink.
+    fn pass_through(&mut self, run: &[T]) {
+        self.flush();
+        self.sink.consume(bytemuck::cast_slice(run));
+        self.next_index += run.len();
+    }
+
+    /// Encodes elements into the staging buffer, folding and checking them.
+    fn stage(&mut self, run: &[T]) -> Result<()> {
         let mut rest = run;
         while !rest.is_empty() {
             let room = self.staging.len() - self.filled;
@@ -388,6 +423,19 @@ mod tests {
             emit_tensor(0, &view, lo..hi, &mut part)?;
             assert_eq!(part.0, whole[lo..hi], "byte range {lo}..{hi}");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn clean_and_folded_pieces_interleave_in_order() -> Result<()> {
+        // Pieces without -0.0 pass through in place; pieces with one are staged.
+        let cap = STAGING_BYTES / 4;
+        let mut a = ArrayD::from_shape_fn(IxDyn(&[3 * cap + 5]), |ix| ix[0] as f32 + 0.5);
+        for i in [cap + 3, 2 * cap - 1, 3 * cap + 4] {
+            a[[i]] = -0.0;
+        }
+        let expected: Vec<u8> = a.iter().flat_map(|&x| if x == 0.0 { [0; 4] } else { x.to_le_bytes() }).collect();
+        assert_eq!(canonical(0, &TensorView::F32(a.view()))?, expected);
         Ok(())
     }
 
