@@ -4,7 +4,8 @@
 //! mel-feature tensor (fold + finite check through the staging buffer). For
 //! each: the read floor (sum of u64 words), fingerprint only, fingerprint +
 //! same-pass check digest, and an exact compare (memcmp of two equal
-//! buffers), all single-threaded and with `Throughput::Bytes` of the item.
+//! buffers), single-threaded and with `Throughput::Bytes` of the item; plus
+//! fingerprint + check on 2 threads (the 60 MB item takes the leaf tree).
 //!
 //! `cargo bench --bench fingerprint` measures the release profile. To reuse
 //! the dev dependency builds instead, turn off the debug assertions and
@@ -48,7 +49,8 @@ fn mel_f32() -> ArrayD<f32> {
 fn bench_item(c: &mut Criterion, name: &str, item: &ItemSpec<'_>, bytes: &[u8]) {
     let fingerprint = Fingerprinter::new(FingerprintKey::fixed(1), 1, ValidationPolicy::Unvalidated);
     let with_check = Fingerprinter::new(FingerprintKey::fixed(1), 1, ValidationPolicy::SecondDigest);
-    let (Ok(fingerprint), Ok(with_check)) = (fingerprint, with_check) else {
+    let two_threads = Fingerprinter::new(FingerprintKey::fixed(1), 2, ValidationPolicy::SecondDigest);
+    let (Ok(fingerprint), Ok(with_check), Ok(two_threads)) = (fingerprint, with_check, two_threads) else {
         eprintln!("cannot build fingerprinters");
         return;
     };
@@ -62,6 +64,10 @@ fn bench_item(c: &mut Criterion, name: &str, item: &ItemSpec<'_>, bytes: &[u8]) 
     });
     group.bench_function(BenchmarkId::new("fingerprint+check", bytes.len()), |b| {
         b.iter(|| with_check.identify(0, black_box(item)).map(|id| (id.fingerprint, id.check)))
+    });
+    // Items above the tree threshold split into 1 MiB leaves across threads.
+    group.bench_function(BenchmarkId::new("fingerprint+check/2threads", bytes.len()), |b| {
+        b.iter(|| two_threads.identify(0, black_box(item)).map(|id| (id.fingerprint, id.check)))
     });
     group.bench_function(BenchmarkId::new("exact_compare", bytes.len()), |b| {
         b.iter(|| black_box(bytes) == black_box(&copy[..]))
