@@ -42,6 +42,12 @@ pub enum Error {
     /// A prompt whose atoms cover a different number of tokens than its token ids.
     #[error("prompt atoms cover {atoms} tokens but token_ids has {tokens}")]
     AtomsLengthMismatch { atoms: usize, tokens: usize },
+    /// An image/video grid whose t·h·w patches do not merge into whole tokens.
+    #[error("item {item}: grid t·h·w {grid_thw:?} is not divisible by merge {merge}x{merge}")]
+    GridNotMergeable { item: usize, grid_thw: [u32; 3], merge: u32 },
+    /// A layout field that cannot describe any item (wrong kind for the modality, non-finite time step).
+    #[error("item {item}: layout field {field} is invalid: expected {expected}, found {found}")]
+    InvalidLayout { item: usize, field: &'static str, expected: &'static str, found: String },
     /// Anything else about a request that cannot be canonicalised.
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -10,6 +10,18 @@ use std::sync::Arc;
 
 use ndarray::ArrayViewD;
 
+mod fingerprint;
+mod header;
+mod key;
+mod layout;
+mod stream;
+
+pub use fingerprint::{Fingerprinter, TREE_CHUNK, TREE_THRESHOLD, read_floor};
+pub use header::ITEM_DOMAIN;
+pub use key::FingerprintKey;
+pub use layout::{SPATIAL_MERGE, audio_tokens, check_shape};
+pub use stream::STAGING_BYTES;
+
 /// Which encoder an item feeds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -1,0 +1,240 @@
+//! Placeholder token counts (Qwen3-Omni rules) and the shape checks that tie a
+//! tensor to its layout.
+//!
+//! The token count fixes how many placeholder positions an item occupies, so an
+//! item whose layout and tensor disagree must be rejected before it is hashed.
+
+use super::{Dtype, ItemLayout, Modality, TensorView};
+use crate::error::{Error, Result};
+
+/// Spatial merge of the vision encoder: 2x2 patches become one token.
+pub const SPATIAL_MERGE: u32 = 2;
+
+/// Mel frames per audio-encoder window (`n_window` 50, doubled by the conv stride).
+const AUDIO_WINDOW_FRAMES: i64 = 100;
+/// Tokens one full window of `AUDIO_WINDOW_FRAMES` frames produces.
+const AUDIO_TOKENS_PER_WINDOW: i64 = 13;
+
+/// Python floor division for a positive divisor (`a // b`).
+fn floor_div(a: i64, b: i64) -> i64 {
+    debug_assert!(b > 0);
+    a.div_euclid(b)
+}
+
+/// Audio tokens for `mel_frames` frames: a port of HF Qwen3-Omni
+/// `_get_feat_extract_output_lengths` with Python floor-division semantics,
+/// so a remainder of zero frames contributes nothing.
+///
+/// ```
+/// use omniprefix::canon::audio_tokens;
+/// assert_eq!(audio_tokens(250), 33);
+/// assert_eq!(audio_tokens(100), 13);
+/// ```
+pub fn audio_tokens(mel_frames: u32) -> usize {
+    let frames = i64::from(mel_frames);
+    let leave = frames % AUDIO_WINDOW_FRAMES;
+    let feat = floor_div(leave - 1, 2) + 1;
+    let tail = floor_div(floor_div(feat - 1, 2) + 1 - 1, 2) + 1;
+    let out = tail + (frames / AUDIO_WINDOW_FRAMES) * AUDIO_TOKENS_PER_WINDOW;
+    // `out` >= 0 for every u32 input: the tail term is >= 0 (tested at leave = 0).
+    usize::try_from(out).unwrap_or(0)
+}
+
+impl ItemLayout {
+    /// Number of placeholder tokens (= embedding rows) the item occupies.
+    ///
+    /// Image/video: t·h·w / merge² (merge 2); audio: [`audio_tokens`]. For a
+    /// grid that [`ItemLayout::try_num_tokens`] would reject, the patch count
+    /// is floor-divided; call the fallible form on anything a user supplied.
+    ///
+    /// ```
+    /// use omniprefix::canon::ItemLayout;
+    /// assert_eq!(ItemLayout::Image { grid_thw: [1, 4, 6] }.num_tokens(), 6);
+    /// assert_eq!(ItemLayout::Audio { mel_frames: 3000 }.num_tokens(), 390);
+    /// ```
+    pub fn num_tokens(&self) -> usize {
+        match *self {
+            ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
+                grid_patches(grid_thw).saturating_div(merge_area())
+            }
+            ItemLayout::Audio { mel_frames } => audio_tokens(mel_frames),
+        }
+    }
+
+    /// Token count after checking the layout itself: no zero grid side or
+    /// zero mel frames, a patch count that merges into whole tokens, and a
+    /// finite, positive `seconds_per_grid`.
+    pub fn try_num_tokens(&self, item: usize) -> Result<usize> {
+        match *self {
+            ItemLayout::Image { grid_thw } => grid_tokens(item, grid_thw),
+            ItemLayout::Video { grid_thw, seconds_per_grid } => {
+                if !(seconds_per_grid.is_finite() && seconds_per_grid > 0.0) {
+                    return Err(Error::InvalidLayout {
+                        item,
+                        field: "seconds_per_grid",
+                        expected: "a finite number > 0",
+                        found: seconds_per_grid.to_string(),
+                    });
+                }
+                grid_tokens(item, grid_thw)
+            }
+            ItemLayout::Audio { mel_frames: 0 } => {
+                Err(Error::EmptyItem { item, what: "audio layout with 0 mel frames" })
+            }
+            ItemLayout::Audio { mel_frames } => Ok(audio_tokens(mel_frames)),
+        }
+    }
+
+    /// Whether this layout kind describes items of `modality`.
+    pub fn fits(&self, modality: Modality) -> bool {
+        matches!(
+            (self, modality),
+            (ItemLayout::Image { .. }, Modality::Image)
+                | (ItemLayout::Video { .. }, Modality::Video)
+                | (ItemLayout::Audio { .. }, Modality::Audio)
+        )
+    }
+}
+
+fn merge_area() -> usize {
+    (SPATIAL_MERGE * SPATIAL_MERGE) as usize
+}
+
+/// t·h·w in usize; saturates instead of wrapping on absurd grids.
+fn grid_patches(grid_thw: [u32; 3]) -> usize {
+    grid_thw.iter().fold(1usize, |acc, &d| acc.saturating_mul(d as usize))
+}
+
+fn grid_tokens(item: usize, grid_thw: [u32; 3]) -> Result<usize> {
+    if grid_thw.contains(&0) {
+        return Err(Error::EmptyItem { item, what: "grid_thw with a zero side" });
+    }
+    let patches = grid_patches(grid_thw);
+    if !patches.is_multiple_of(merge_area()) {
+        return Err(Error::GridNotMergeable { item, grid_thw, merge: SPATIAL_MERGE });
+    }
+    Ok(patches / merge_area())
+}
+
+fn is_float(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32)
+}
+
+/// Checks a tensor against its layout where the relation is known.
+///
+/// | modality    | tensor                       | rule                          |
+/// |-------------|------------------------------|-------------------------------|
+/// | image/video | float, 2-D (processed patches) | rows == t·h·w               |
+/// | audio       | float, 2-D (mel features `[n_mels, frames]`) | columns == mel_frames |
+/// | any         | anything else (raw HWC u8 image, f32 waveform, THWC u8 frames, ids) | any non-empty shape |
+///
+/// Raw media are accepted with any shape because their relation to the grid
+/// depends on the processor's resize, which the processor params record.
+pub fn check_shape(item: usize, modality: Modality, layout: &ItemLayout, view: &TensorView<'_>) -> Result<()> {
+    let shape = view.shape();
+    if view.is_empty() {
+        return Err(Error::EmptyItem { item, what: "tensor with a zero dimension" });
+    }
+    if !is_float(view.dtype()) || shape.len() != 2 {
+        return Ok(());
+    }
+    let mismatch = |expected: String| Error::ShapeMismatch { item, modality, expected, found: shape.to_vec() };
+    match *layout {
+        ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
+            let patches = grid_patches(grid_thw);
+            if shape[0] != patches {
+                return Err(mismatch(format!("{patches} patch rows (grid t·h·w {grid_thw:?})")));
+            }
+        }
+        ItemLayout::Audio { mel_frames } => {
+            if shape[1] != mel_frames as usize {
+                return Err(mismatch(format!("[n_mels, {mel_frames}] mel features")));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{ArrayD, IxDyn};
+
+    #[test]
+    fn audio_tokens_match_hf_reference_points() {
+        assert_eq!(audio_tokens(250), 33);
+        assert_eq!(audio_tokens(3000), 390);
+        assert_eq!(audio_tokens(300), 39);
+        assert_eq!(audio_tokens(100), 13);
+        assert_eq!(audio_tokens(1), 1);
+        assert_eq!(audio_tokens(u32::MAX), audio_tokens(u32::MAX)); // no overflow panic
+    }
+
+    #[test]
+    fn audio_tokens_follow_python_formula_everywhere() {
+        // Independent re-derivation of the HF expression, step by step as Python evaluates it.
+        let py = |l: i64| {
+            let leave = l % 100;
+            let feat = (leave - 1).div_euclid(2) + 1;
+            ((feat - 1).div_euclid(2) + 1 - 1).div_euclid(2) + 1 + (l / 100) * 13
+        };
+        for l in 1..2000u32 {
+            assert_eq!(audio_tokens(l) as i64, py(i64::from(l)), "mel_frames {l}");
+        }
+    }
+
+    #[test]
+    fn grid_tokens_divide_by_merge_area() {
+        assert_eq!(ItemLayout::Image { grid_thw: [1, 4, 6] }.try_num_tokens(0).ok(), Some(6));
+        let video = ItemLayout::Video { grid_thw: [2, 4, 4], seconds_per_grid: 2.0 };
+        assert_eq!(video.try_num_tokens(0).ok(), Some(8));
+        assert_eq!(video.num_tokens(), 8);
+    }
+
+    #[test]
+    fn bad_layouts_are_typed_errors() {
+        let odd = ItemLayout::Image { grid_thw: [1, 3, 5] };
+        assert!(matches!(odd.try_num_tokens(4), Err(Error::GridNotMergeable { item: 4, merge: 2, .. })));
+        let zero = ItemLayout::Image { grid_thw: [1, 0, 4] };
+        assert!(matches!(zero.try_num_tokens(1), Err(Error::EmptyItem { item: 1, .. })));
+        let nan = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: f32::NAN };
+        assert!(matches!(nan.try_num_tokens(2), Err(Error::InvalidLayout { field: "seconds_per_grid", .. })));
+        let silent = ItemLayout::Audio { mel_frames: 0 };
+        assert!(matches!(silent.try_num_tokens(3), Err(Error::EmptyItem { item: 3, .. })));
+    }
+
+    #[test]
+    fn processed_tensors_must_fit_their_layout() {
+        let patches = ArrayD::<f32>::zeros(IxDyn(&[16, 8]));
+        let grid = ItemLayout::Image { grid_thw: [1, 4, 4] };
+        assert!(check_shape(0, Modality::Image, &grid, &TensorView::F32(patches.view())).is_ok());
+        let wrong = ItemLayout::Image { grid_thw: [1, 4, 2] };
+        assert!(matches!(
+            check_shape(5, Modality::Image, &wrong, &TensorView::F32(patches.view())),
+            Err(Error::ShapeMismatch { item: 5, modality: Modality::Image, .. })
+        ));
+        let mel = ArrayD::<f32>::zeros(IxDyn(&[128, 250]));
+        let ok = ItemLayout::Audio { mel_frames: 250 };
+        assert!(check_shape(0, Modality::Audio, &ok, &TensorView::F32(mel.view())).is_ok());
+        let short = ItemLayout::Audio { mel_frames: 200 };
+        assert!(matches!(
+            check_shape(1, Modality::Audio, &short, &TensorView::F32(mel.view())),
+            Err(Error::ShapeMismatch { item: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn raw_media_accept_any_non_empty_shape() {
+        let hwc = ArrayD::<u8>::zeros(IxDyn(&[37, 53, 3]));
+        let grid = ItemLayout::Image { grid_thw: [1, 4, 4] };
+        assert!(check_shape(0, Modality::Image, &grid, &TensorView::U8(hwc.view())).is_ok());
+        let wave = ArrayD::<f32>::zeros(IxDyn(&[16000]));
+        let audio = ItemLayout::Audio { mel_frames: 100 };
+        assert!(check_shape(0, Modality::Audio, &audio, &TensorView::F32(wave.view())).is_ok());
+        let empty = ArrayD::<u8>::zeros(IxDyn(&[0, 4, 3]));
+        assert!(matches!(
+            check_shape(2, Modality::Image, &grid, &TensorView::U8(empty.view())),
+            Err(Error::EmptyItem { item: 2, .. })
+        ));
+    }
+}
