@@ -16,6 +16,8 @@ mod builder;
 mod mrope;
 /// Special token ids and placeholder counts of Qwen3-Omni-style models.
 mod omni_tokens;
+#[cfg(test)]
+mod tests;
 
 pub use builder::PromptBuilder;
 pub use mrope::{PositionKind, positions_from_atoms};
