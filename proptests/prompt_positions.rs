@@ -70,7 +70,8 @@ fn build(steps: &[Step], kind: PositionKind) -> Result<CanonicalPrompt> {
                 b.push_item(item(&tokens, n, Modality::Audio, ItemLayout::Audio { mel_frames: *mel })?)?
             }
             Step::AudioInVideo(g, s, mel) => {
-                let video = item(&tokens, n, Modality::Video, ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s })?;
+                let video =
+                    item(&tokens, n, Modality::Video, ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s })?;
                 let audio = item(&tokens, n + 1000, Modality::Audio, ItemLayout::Audio { mel_frames: *mel })?;
                 b.push_audio_in_video(video, audio)?
             }

@@ -31,10 +31,14 @@ fn u32s(v: &Value) -> Vec<u32> {
 }
 
 fn grids(v: &Value) -> Vec<[u32; 3]> {
-    v.as_array().into_iter().flatten().map(|g| {
-        let g = u32s(g);
-        [g[0], g[1], g[2]]
-    }).collect()
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|g| {
+            let g = u32s(g);
+            [g[0], g[1], g[2]]
+        })
+        .collect()
 }
 
 /// The case's items: images, videos (with seconds per grid), audios.
@@ -43,7 +47,8 @@ fn case_items(tokens: &OmniTokens, case: &Value) -> Result<Vec<Arc<ItemIdentity>
     for grid_thw in grids(&case["image_grid_thw"]) {
         items.push(item(tokens, items.len() as u128, Modality::Image, ItemLayout::Image { grid_thw })?);
     }
-    let seconds: Vec<f64> = case["second_per_grid"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
+    let seconds: Vec<f64> =
+        case["second_per_grid"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
     for (grid_thw, spg) in grids(&case["video_grid_thw"]).into_iter().zip(seconds) {
         let layout = ItemLayout::Video { grid_thw, seconds_per_grid: spg as f32 };
         items.push(item(tokens, items.len() as u128, Modality::Video, layout)?);
@@ -57,8 +62,8 @@ fn case_items(tokens: &OmniTokens, case: &Value) -> Result<Vec<Arc<ItemIdentity>
 #[test]
 fn every_fixture_case_matches_hf_get_rope_index() -> Result<()> {
     let data = fixture()?;
-    let tokens: OmniTokens = serde_json::from_value(data["special_ids"].clone())
-        .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    let tokens: OmniTokens =
+        serde_json::from_value(data["special_ids"].clone()).map_err(|e| Error::InvalidRequest(e.to_string()))?;
     assert_eq!(tokens, OmniTokens::tiny());
     let cases = data["cases"].as_array().cloned().unwrap_or_default();
     assert_eq!(cases.len(), 8);

@@ -143,8 +143,7 @@ impl PromptBuilder {
     /// `use_audio_in_video` (video first on ties), without wrapper tokens.
     pub fn push_audio_in_video(&mut self, video: Arc<ItemIdentity>, audio: Arc<ItemIdentity>) -> Result<&mut Self> {
         let (video_index, audio_index) = (self.items.len(), self.items.len() + 1);
-        for (index, item, expected) in
-            [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
+        for (index, item, expected) in [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
         {
             if item.modality != expected {
                 return Err(Error::ItemModalityMismatch { item: index, expected, found: item.modality });

@@ -281,9 +281,6 @@ mod tests {
     fn slice_rejects_out_of_range() {
         let p = Positions::Mrope { t: vec![0, 1], h: vec![0, 1], w: vec![0, 1], rope_delta: 0 };
         assert!(matches!(p.slice(1..3), Err(Error::PositionRangeOutOfBounds { start: 1, end: 3, len: 2 })));
-        assert_eq!(
-            p.slice(1..2).ok(),
-            Some(Positions::Mrope { t: vec![1], h: vec![1], w: vec![1], rope_delta: 0 })
-        );
+        assert_eq!(p.slice(1..2).ok(), Some(Positions::Mrope { t: vec![1], h: vec![1], w: vec![1], rope_delta: 0 }));
     }
 }

@@ -91,9 +91,7 @@ impl OmniTokens {
 
     /// The modality whose placeholder `token` is, if it is one.
     pub fn placeholder_modality(&self, token: u32) -> Option<Modality> {
-        [Modality::Image, Modality::Video, Modality::Audio]
-            .into_iter()
-            .find(|&m| self.pad_id(m) == token)
+        [Modality::Image, Modality::Video, Modality::Audio].into_iter().find(|&m| self.pad_id(m) == token)
     }
 
     /// Placeholder tokens an item with `layout` occupies under this model's merge size.

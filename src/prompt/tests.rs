@@ -81,8 +81,7 @@ fn mixed_prompt_expands_to_8546_tokens_at_the_documented_offsets() -> Result<()>
     let prompt = unexpanded(&ids(&mixed["token_ids_unexpanded"]), &items)?;
     assert_eq!(prompt.len(), 8546);
     assert_eq!(prompt.index_map.placeholders.len(), 8470);
-    let spans: Vec<(u32, usize)> =
-        prompt.index_map.spans.iter().map(|s| (s.start, s.rows.len())).collect();
+    let spans: Vec<(u32, usize)> = prompt.index_map.spans.iter().map(|s| (s.start, s.rows.len())).collect();
     assert_eq!(spans, vec![(44, 390), (436, 880), (1318, 7200)]);
     for range in mixed["placeholder_ranges"].as_array().into_iter().flatten() {
         let (offset, length) = (range["offset"].as_u64().unwrap_or(0), range["length"].as_u64().unwrap_or(0));
