@@ -96,10 +96,10 @@ impl PromptBuilder {
             if self.tokens.placeholder_modality(token).is_some() {
                 return Err(Error::StrayPlaceholder { position, token });
             }
-            if let Some(vocab_size) = self.tokens.vocab_size {
-                if token >= vocab_size {
-                    return Err(Error::TokenOutOfVocab { position, token, vocab_size });
-                }
+            if let Some(vocab_size) = self.tokens.vocab_size
+                && token >= vocab_size
+            {
+                return Err(Error::TokenOutOfVocab { position, token, vocab_size });
             }
         }
         self.check_room(ids.len())?;
@@ -120,17 +120,16 @@ impl PromptBuilder {
     pub fn push_item(&mut self, item: Arc<ItemIdentity>) -> Result<&mut Self> {
         let index = self.items.len();
         let count = self.tokens.checked_token_count(&item, index)?;
-        if item.modality == Modality::Audio {
-            if let Some(Atom::Item { id, .. }) = self.atoms.last() {
-                if id.modality == Modality::Video {
-                    return Err(Error::MalformedAudioInVideo {
-                        item: index,
-                        position: self.len(),
-                        expected: "text between a video and a separate audio (or push_audio_in_video)".into(),
-                        found: "an audio item directly after a video item".into(),
-                    });
-                }
-            }
+        if item.modality == Modality::Audio
+            && let Some(Atom::Item { id, .. }) = self.atoms.last()
+            && id.modality == Modality::Video
+        {
+            return Err(Error::MalformedAudioInVideo {
+                item: index,
+                position: self.len(),
+                expected: "text between a video and a separate audio (or push_audio_in_video)".into(),
+                found: "an audio item directly after a video item".into(),
+            });
         }
         self.check_room(count)?;
         self.items.push(item);

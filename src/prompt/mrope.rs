@@ -128,6 +128,7 @@ impl MropeWalk {
             return Err(Error::MalformedAtoms { atom, problem: "item rows empty or past the item's token count" });
         }
         let base = if rows.start == 0 {
+            tokens.checked_token_count(id, atom)?;
             self.open_occurrence(atom, id, num_tokens, rows.end)?
         } else {
             let open = self
@@ -236,7 +237,7 @@ pub(crate) fn audio_in_video_runs(
         ItemLayout::Video { grid_thw, .. } | ItemLayout::Image { grid_thw } => *grid_thw,
         ItemLayout::Audio { .. } => [0, 0, 0],
     };
-    let per_frame = if grid_thw[0] == 0 { 0 } else { video_tokens / grid_thw[0] };
+    let per_frame = video_tokens.checked_div(grid_thw[0]).unwrap_or(0);
     let mut audio = 0;
     for frame in 0..grid_thw[0] {
         let time = frame_time(video, frame, tokens);

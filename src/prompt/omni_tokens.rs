@@ -21,12 +21,19 @@ use crate::error::{Error, Result};
 /// ```
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OmniTokens {
+    /// `<|image_pad|>`: one per image token.
     pub image_token_id: u32,
+    /// `<|video_pad|>`: one per video token.
     pub video_token_id: u32,
+    /// `<|audio_pad|>`: one per audio token.
     pub audio_token_id: u32,
+    /// `<|vision_start|>`: opens an image or video (and an audio-in-video).
     pub vision_start_token_id: u32,
+    /// `<|vision_end|>`: closes an image or video.
     pub vision_end_token_id: u32,
+    /// `<|audio_start|>`: opens an audio.
     pub audio_start_token_id: u32,
+    /// `<|audio_end|>`: closes an audio.
     pub audio_end_token_id: u32,
     /// Side of the square of vision patches merged into one LLM token.
     #[serde(default = "default_merge_size")]
@@ -48,7 +55,9 @@ fn default_position_id_per_seconds() -> u32 {
 }
 
 impl OmniTokens {
-    /// Qwen3-Omni (30B-A3B) thinker: the ids of its tokenizer and config.
+    /// Qwen3-Omni (30B-A3B) thinker: the ids of its tokenizer and config
+    /// (`fixtures/qwen3_omni.json`). The vocab size is left unknown: set it from
+    /// the checkpoint's config to have out-of-vocab ids rejected.
     pub fn qwen3_omni() -> Self {
         Self {
             image_token_id: 151_655,
@@ -60,7 +69,7 @@ impl OmniTokens {
             audio_end_token_id: 151_670,
             spatial_merge_size: default_merge_size(),
             position_id_per_seconds: default_position_id_per_seconds(),
-            vocab_size: Some(152_064),
+            vocab_size: None,
         }
     }
 
@@ -114,12 +123,14 @@ impl OmniTokens {
                 found: format!("{:?}", item.layout),
             });
         }
-        if let ItemLayout::Video { seconds_per_grid, .. } = item.layout {
-            if !seconds_per_grid.is_finite() || seconds_per_grid < 0.0 {
+        if let ItemLayout::Video { grid_thw, seconds_per_grid } = item.layout {
+            let last_offset =
+                grid_thw[0].saturating_sub(1) as f32 * seconds_per_grid * self.position_id_per_seconds as f32;
+            if !(seconds_per_grid >= 0.0 && last_offset <= MAX_TEMPORAL_OFFSET) {
                 return Err(Error::InvalidLayout {
                     item: index,
-                    expected: "finite, non-negative seconds per grid".into(),
-                    found: seconds_per_grid.to_string(),
+                    expected: format!("seconds per grid >= 0 with temporal offsets up to {MAX_TEMPORAL_OFFSET}"),
+                    found: format!("seconds_per_grid {seconds_per_grid} (last offset {last_offset})"),
                 });
             }
         }
@@ -139,6 +150,10 @@ impl OmniTokens {
     }
 }
 
+/// Largest temporal M-RoPE offset accepted inside one video (2^31): keeps
+/// positions far from `i64` overflow whatever `seconds_per_grid` says.
+const MAX_TEMPORAL_OFFSET: f32 = 2_147_483_648.0;
+
 /// Placeholder tokens an item layout occupies under Qwen3-Omni's rules:
 /// vision `t·h·w / merge²`; audio from mel frames through HF
 /// `_get_feat_extract_output_lengths` (n_window 50, Python floor division).
@@ -154,7 +169,13 @@ pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize
                     found: format!("grid_thw {grid_thw:?}"),
                 });
             }
-            (t as usize) * (h / merge) as usize * (w / merge) as usize
+            [t, h / merge, w / merge].iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(|| {
+                Error::InvalidLayout {
+                    item: 0,
+                    expected: "a token count that fits in usize".into(),
+                    found: format!("grid_thw {grid_thw:?}"),
+                }
+            })?
         }
         ItemLayout::Audio { mel_frames } => audio_output_len(i64::from(mel_frames)) as usize,
     };

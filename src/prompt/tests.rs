@@ -213,7 +213,8 @@ fn placeholder_id_in_text_is_rejected() {
 
 #[test]
 fn token_past_the_vocab_is_rejected() {
-    let mut builder = PromptBuilder::new(OmniTokens::qwen3_omni());
+    let tokens = OmniTokens { vocab_size: Some(152_064), ..OmniTokens::qwen3_omni() };
+    let mut builder = PromptBuilder::new(tokens);
     let err = builder.extend_unexpanded(&[1, 152_064], &[], false).err();
     assert!(matches!(err, Some(Error::TokenOutOfVocab { position: 1, token: 152_064, vocab_size: 152_064 })));
 }
@@ -244,6 +245,13 @@ fn layouts_that_disagree_are_rejected() {
     assert!(matches!(builder.push_item(Arc::new(mislabeled)).err(), Some(Error::InvalidLayout { .. })));
     let nan = item(4, ItemLayout::Video { grid_thw: [1, 2, 2], seconds_per_grid: f32::NAN });
     assert!(matches!(builder.push_item(nan).err(), Some(Error::InvalidLayout { .. })));
+    let far = item(5, ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 1e30 });
+    assert!(matches!(builder.push_item(far).err(), Some(Error::InvalidLayout { .. })));
+    let mut too_big = (*image(6)).clone();
+    too_big.layout = ItemLayout::Image { grid_thw: [1 << 16, 1 << 10, 1 << 10] };
+    too_big.num_tokens = 1 << 34;
+    let err = builder.push_item(Arc::new(too_big)).err();
+    assert!(matches!(err, Some(Error::InvalidRequest(_))), "prompt past u32 positions: {err:?}");
     assert!(builder.is_empty());
 }
 
