@@ -165,7 +165,8 @@ impl PromptBuilder {
     /// pads must be exactly its token count; a video run followed directly by
     /// audio pads is audio-in-video and must interleave as the HF processor
     /// does. Each pad run takes the next unused item of its modality from
-    /// `items`; every item must be used.
+    /// `items`; every item must be used. Two items of one modality need a
+    /// token between them (HF wraps each in start/end tokens anyway).
     pub fn extend_expanded(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>]) -> Result<&mut Self> {
         self.extend(ids, items, Placeholders::Expanded)
     }
