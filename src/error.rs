@@ -51,6 +51,40 @@ pub enum Error {
     /// Anything else about a request that cannot be canonicalised.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A prompt with no tokens at all.
+    #[error("empty prompt: no tokens")]
+    EmptyPrompt,
+    /// A placeholder id used as plain text, outside any item span.
+    #[error("position {position}: placeholder id {token} in text, outside any item span")]
+    StrayPlaceholder { position: usize, token: u32 },
+    /// A token id at or past the vocabulary size.
+    #[error("position {position}: token id {token} is not below the vocab size {vocab_size}")]
+    TokenOutOfVocab { position: usize, token: u32, vocab_size: u32 },
+    /// A run of expanded placeholders whose length disagrees with its item's layout.
+    #[error("item {item} at position {position}: {found} placeholder tokens where its layout needs {expected}")]
+    PlaceholderCountMismatch { item: usize, position: usize, expected: usize, found: usize },
+    /// A placeholder with no item of its modality left to fill it.
+    #[error("position {position}: {modality:?} placeholder but all {available} {modality:?} item(s) are used")]
+    MissingItem { position: usize, modality: Modality, available: usize },
+    /// Items that no placeholder asked for.
+    #[error("{count} {modality:?} item(s) have no placeholder; first unused is item {first}")]
+    UnusedItems { first: usize, modality: Modality, count: usize },
+    /// An item of one modality where another was required.
+    #[error("item {item}: modality {found:?} where {expected:?} was required")]
+    ItemModalityMismatch { item: usize, expected: Modality, found: Modality },
+    /// An item whose layout cannot be placed (grid not divisible by the merge size,
+    /// token count disagreeing with the layout, non-finite seconds per grid...).
+    #[error("item {item}: invalid layout: expected {expected}, found {found}")]
+    LayoutMismatch { item: usize, expected: String, found: String },
+    /// A video with interleaved audio that does not follow the Qwen3-Omni layout.
+    #[error("audio-in-video of item {item} at position {position}: expected {expected}, found {found}")]
+    MalformedAudioInVideo { item: usize, position: usize, expected: String, found: String },
+    /// Atoms that do not describe whole items in row order.
+    #[error("atom {atom}: {problem}")]
+    MalformedAtoms { atom: usize, problem: &'static str },
+    /// A position range that does not lie inside the prompt.
+    #[error("position range {start}..{end} is outside a prompt of {len} positions")]
+    PositionRangeOutOfBounds { start: usize, end: usize, len: usize },
 }
 
 /// Crate-wide result alias.

@@ -10,6 +10,19 @@ use std::sync::Arc;
 
 use crate::canon::ItemIdentity;
 
+/// `PromptBuilder`: text, items and whole id sequences into a `CanonicalPrompt`.
+mod builder;
+/// Position ids (1-D and Qwen3-Omni M-RoPE) computed from atoms.
+mod mrope;
+/// Special token ids and placeholder counts of Qwen3-Omni-style models.
+mod omni_tokens;
+#[cfg(test)]
+mod tests;
+
+pub use builder::PromptBuilder;
+pub use mrope::{PositionKind, positions_from_atoms};
+pub use omni_tokens::OmniTokens;
+
 /// Run-length key unit of a prompt.
 #[derive(Debug, Clone)]
 pub enum Atom {

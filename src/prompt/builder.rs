@@ -1,0 +1,388 @@
+//! Builds a `CanonicalPrompt` from text ids and fingerprinted items, either
+//! piece by piece or from a whole id sequence whose placeholders are expanded
+//! (one pad per item token) or unexpanded (one pad per item).
+
+use std::sync::Arc;
+
+use crate::canon::{ItemIdentity, Modality};
+use crate::error::{Error, Result};
+
+use super::mrope::{PositionKind, audio_in_video_runs, positions_from_atoms};
+use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
+
+/// Accumulates atoms, token ids and the index map of one prompt.
+///
+/// Every `push_*` / `extend_*` either applies completely or returns an error
+/// and leaves the builder unchanged.
+///
+/// ```
+/// use std::sync::Arc;
+/// use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+/// use omniprefix::prompt::{OmniTokens, Positions, PromptBuilder};
+///
+/// let image = Arc::new(ItemIdentity {
+///     fingerprint: Fingerprint(7),
+///     check: None,
+///     retained: None,
+///     modality: Modality::Image,
+///     layout: ItemLayout::Image { grid_thw: [1, 4, 6] },
+///     num_tokens: 6,
+///     content_bytes: 0,
+/// });
+/// let tokens = OmniTokens::tiny();
+/// let mut builder = PromptBuilder::new(tokens.clone());
+/// // Unexpanded: one image pad stands for the whole image.
+/// builder.extend_unexpanded(&[100, 503, 500, 504, 200], &[image], false)?;
+/// let prompt = builder.build()?;
+/// assert_eq!(prompt.len(), 10);
+/// assert_eq!(prompt.index_map.placeholders.len(), 6);
+/// let Positions::Mrope { rope_delta, .. } = prompt.positions else { unreachable!() };
+/// assert_eq!(rope_delta, -3);
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct PromptBuilder {
+    tokens: OmniTokens,
+    tenant: TenantSalt,
+    kind: PositionKind,
+    atoms: Vec<Atom>,
+    token_ids: Vec<u32>,
+    items: Vec<Arc<ItemIdentity>>,
+    index_map: IndexMap,
+}
+
+impl PromptBuilder {
+    /// An empty prompt for the model whose special ids are `tokens`
+    /// (tenant 0, M-RoPE positions).
+    pub fn new(tokens: OmniTokens) -> Self {
+        Self {
+            tokens,
+            tenant: 0,
+            kind: PositionKind::default(),
+            atoms: Vec::new(),
+            token_ids: Vec::new(),
+            items: Vec::new(),
+            index_map: IndexMap::default(),
+        }
+    }
+
+    /// Sets the tenant salt: prompts of different tenants never share cache.
+    pub fn with_tenant(mut self, tenant: TenantSalt) -> Self {
+        self.tenant = tenant;
+        self
+    }
+
+    /// Chooses 1-D or M-RoPE positions.
+    pub fn with_positions(mut self, kind: PositionKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// Number of positions so far.
+    pub fn len(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    /// True before anything was pushed.
+    pub fn is_empty(&self) -> bool {
+        self.token_ids.is_empty()
+    }
+
+    /// Appends plain text ids (wrapper tokens such as `vision_start` are text).
+    /// Placeholder ids are rejected here: items bring their own.
+    pub fn push_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
+        for (offset, &token) in ids.iter().enumerate() {
+            let position = self.token_ids.len() + offset;
+            if self.tokens.placeholder_modality(token).is_some() {
+                return Err(Error::StrayPlaceholder { position, token });
+            }
+            if let Some(vocab_size) = self.tokens.vocab_size
+                && token >= vocab_size
+            {
+                return Err(Error::TokenOutOfVocab { position, token, vocab_size });
+            }
+        }
+        self.check_room(ids.len())?;
+        if ids.is_empty() {
+            return Ok(self);
+        }
+        match self.atoms.last_mut() {
+            Some(Atom::Text(run)) => run.extend_from_slice(ids),
+            _ => self.atoms.push(Atom::Text(ids.to_vec())),
+        }
+        self.token_ids.extend_from_slice(ids);
+        Ok(self)
+    }
+
+    /// Appends one item's placeholders (without wrapper tokens). An audio item
+    /// cannot follow a video item directly: that layout means audio-in-video,
+    /// which `push_audio_in_video` builds.
+    pub fn push_item(&mut self, item: Arc<ItemIdentity>) -> Result<&mut Self> {
+        let index = self.items.len();
+        let count = self.tokens.checked_token_count(&item, index)?;
+        if item.modality == Modality::Audio
+            && let Some(Atom::Item { id, .. }) = self.atoms.last()
+            && id.modality == Modality::Video
+        {
+            return Err(Error::MalformedAudioInVideo {
+                item: index,
+                position: self.len(),
+                expected: "text between a video and a separate audio (or push_audio_in_video)".into(),
+                found: "an audio item directly after a video item".into(),
+            });
+        }
+        self.check_room(count)?;
+        self.items.push(item);
+        self.push_span(index, 0..count as u32);
+        Ok(self)
+    }
+
+    /// Appends a video and the audio of its soundtrack, their placeholders
+    /// interleaved by time as the HF Qwen3-Omni processor emits them with
+    /// `use_audio_in_video` (video first on ties), without wrapper tokens.
+    pub fn push_audio_in_video(&mut self, video: Arc<ItemIdentity>, audio: Arc<ItemIdentity>) -> Result<&mut Self> {
+        let (video_index, audio_index) = (self.items.len(), self.items.len() + 1);
+        for (index, item, expected) in [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
+        {
+            if item.modality != expected {
+                return Err(Error::ItemModalityMismatch { item: index, expected, found: item.modality });
+            }
+        }
+        let video_tokens = self.tokens.checked_token_count(&video, video_index)?;
+        let audio_tokens = self.tokens.checked_token_count(&audio, audio_index)?;
+        self.check_room(video_tokens + audio_tokens)?;
+        let runs = audio_in_video_runs(&video.layout, video_tokens as u32, audio_tokens as u32, &self.tokens);
+        self.items.push(video);
+        self.items.push(audio);
+        for (modality, rows) in runs {
+            let index = if modality == Modality::Video { video_index } else { audio_index };
+            self.push_span(index, rows);
+        }
+        Ok(self)
+    }
+
+    /// Appends ids whose placeholders are already expanded: each item's run of
+    /// pads must be exactly its token count; a video run followed directly by
+    /// audio pads is audio-in-video and must interleave as the HF processor
+    /// does. Each pad run takes the next unused item of its modality from
+    /// `items`; every item must be used. Two items of one modality need a
+    /// token between them (HF wraps each in start/end tokens anyway).
+    pub fn extend_expanded(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>]) -> Result<&mut Self> {
+        self.extend(ids, items, Placeholders::Expanded)
+    }
+
+    /// Appends ids in which each placeholder id appears once per item and
+    /// is expanded to the next unused item of its modality. With
+    /// `audio_in_video`, every `vision_start video_pad vision_end` becomes
+    /// `vision_start audio_start <interleaved video+audio> audio_end vision_end`,
+    /// taking the next audio item too (the HF processor's rewrite).
+    pub fn extend_unexpanded(
+        &mut self,
+        ids: &[u32],
+        items: &[Arc<ItemIdentity>],
+        audio_in_video: bool,
+    ) -> Result<&mut Self> {
+        self.extend(ids, items, Placeholders::Unexpanded { audio_in_video })
+    }
+
+    /// The canonical prompt of everything pushed so far.
+    pub fn build(&self) -> Result<CanonicalPrompt> {
+        if self.token_ids.is_empty() {
+            return Err(Error::EmptyPrompt);
+        }
+        let positions = positions_from_atoms(&self.atoms, &self.tokens, self.kind)?;
+        Ok(CanonicalPrompt {
+            tenant: self.tenant,
+            atoms: self.atoms.clone(),
+            token_ids: self.token_ids.clone(),
+            items: self.items.clone(),
+            index_map: self.index_map.clone(),
+            positions,
+        })
+    }
+
+    /// Shared walk of `extend_expanded` / `extend_unexpanded`, applied to a
+    /// copy so a rejected request leaves `self` unchanged.
+    fn extend(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: Placeholders) -> Result<&mut Self> {
+        for (index, item) in items.iter().enumerate() {
+            self.tokens.checked_token_count(item, index)?;
+        }
+        let mut next = self.clone();
+        let mut queues = ItemQueues::new(items);
+        let (mut cursor, mut text_start) = (0, 0);
+        while let Some(&token) = ids.get(cursor) {
+            let Some(modality) = next.tokens.placeholder_modality(token) else {
+                cursor += 1;
+                continue;
+            };
+            next.push_text(&ids[text_start..cursor])?;
+            let (index, item) = queues.take(modality, next.len())?;
+            cursor += match form {
+                Placeholders::Expanded => next.expanded_item(&ids[cursor..], index, item, &mut queues)?,
+                Placeholders::Unexpanded { audio_in_video } => {
+                    if modality == Modality::Video && audio_in_video {
+                        next.unexpanded_audio_in_video(ids, cursor, index, item, &mut queues)?;
+                    } else {
+                        next.push_item(item)?;
+                    }
+                    1
+                }
+            };
+            text_start = cursor;
+        }
+        next.push_text(&ids[text_start..])?;
+        queues.check_all_used()?;
+        *self = next;
+        Ok(self)
+    }
+
+    /// Places one item from expanded ids starting at its first pad; returns
+    /// how many ids it consumed.
+    fn expanded_item(
+        &mut self,
+        ids: &[u32],
+        index: usize,
+        item: Arc<ItemIdentity>,
+        queues: &mut ItemQueues,
+    ) -> Result<usize> {
+        let pad = self.tokens.pad_id(item.modality);
+        let run = ids.iter().take_while(|&&t| t == pad).count();
+        let audio_follows = ids.get(run) == Some(&self.tokens.audio_token_id);
+        if item.modality == Modality::Video && audio_follows {
+            let (_, audio) = queues.take(Modality::Audio, self.len() + run)?;
+            let runs = audio_in_video_runs(&item.layout, item.num_tokens as u32, audio.num_tokens as u32, &self.tokens);
+            let mut offset = 0;
+            for (modality, rows) in runs {
+                for _ in rows {
+                    let expected = self.tokens.pad_id(modality);
+                    let found = ids.get(offset).copied();
+                    if found != Some(expected) {
+                        return Err(Error::MalformedAudioInVideo {
+                            item: index,
+                            position: self.len() + offset,
+                            expected: format!("{modality:?} pad {expected}"),
+                            found: found.map_or("end of prompt".into(), |t| format!("token {t}")),
+                        });
+                    }
+                    offset += 1;
+                }
+            }
+            self.push_audio_in_video(item, audio)?;
+            return Ok(offset);
+        }
+        if run != item.num_tokens {
+            return Err(Error::PlaceholderCountMismatch {
+                item: index,
+                position: self.len(),
+                expected: item.num_tokens,
+                found: run,
+            });
+        }
+        self.push_item(item)?;
+        Ok(run)
+    }
+
+    /// Rewrites `vision_start video_pad vision_end` (pad at `ids[cursor]`) into
+    /// the audio-in-video layout; the wrappers outside stay in the text.
+    fn unexpanded_audio_in_video(
+        &mut self,
+        ids: &[u32],
+        cursor: usize,
+        index: usize,
+        video: Arc<ItemIdentity>,
+        queues: &mut ItemQueues,
+    ) -> Result<()> {
+        let before = cursor.checked_sub(1).and_then(|i| ids.get(i)).copied();
+        let after = ids.get(cursor + 1).copied();
+        if before != Some(self.tokens.vision_start_token_id) || after != Some(self.tokens.vision_end_token_id) {
+            return Err(Error::MalformedAudioInVideo {
+                item: index,
+                position: self.len(),
+                expected: "video pad between vision_start and vision_end".into(),
+                found: format!("neighbours {before:?} and {after:?}"),
+            });
+        }
+        let (_, audio) = queues.take(Modality::Audio, self.len())?;
+        self.push_text(&[self.tokens.audio_start_token_id])?;
+        self.push_audio_in_video(video, audio)?;
+        self.push_text(&[self.tokens.audio_end_token_id])?;
+        Ok(())
+    }
+
+    /// Appends rows `rows` of item `index` at the end of the prompt.
+    fn push_span(&mut self, index: usize, rows: std::ops::Range<u32>) {
+        let item = Arc::clone(&self.items[index]);
+        let start = self.token_ids.len() as u32;
+        let len = rows.len() as u32;
+        self.token_ids.extend(std::iter::repeat_n(self.tokens.pad_id(item.modality), len as usize));
+        self.index_map.placeholders.insert_range(start..start + len);
+        self.index_map.spans.push(ItemSpan { item: index as u32, rows: rows.clone(), start });
+        self.atoms.push(Atom::Item { id: item, rows });
+    }
+
+    /// Positions are `u32` in the index map: refuse to grow past that.
+    fn check_room(&self, extra: usize) -> Result<()> {
+        let total = self.token_ids.len().saturating_add(extra);
+        if u32::try_from(total).is_err() {
+            return Err(Error::InvalidRequest(format!("prompt of {total} positions exceeds u32::MAX")));
+        }
+        Ok(())
+    }
+}
+
+/// How placeholders appear in a whole id sequence.
+#[derive(Debug, Clone, Copy)]
+enum Placeholders {
+    Expanded,
+    Unexpanded { audio_in_video: bool },
+}
+
+/// The caller's items split by modality, consumed in order per modality.
+struct ItemQueues<'a> {
+    items: &'a [Arc<ItemIdentity>],
+    /// Per modality (image, video, audio): indices into `items`, and how many are used.
+    indices: [Vec<usize>; 3],
+    used: [usize; 3],
+}
+
+const MODALITIES: [Modality; 3] = [Modality::Image, Modality::Video, Modality::Audio];
+
+fn slot(modality: Modality) -> usize {
+    match modality {
+        Modality::Image => 0,
+        Modality::Video => 1,
+        Modality::Audio => 2,
+    }
+}
+
+impl<'a> ItemQueues<'a> {
+    fn new(items: &'a [Arc<ItemIdentity>]) -> Self {
+        let mut indices: [Vec<usize>; 3] = Default::default();
+        for (index, item) in items.iter().enumerate() {
+            indices[slot(item.modality)].push(index);
+        }
+        Self { items, indices, used: [0; 3] }
+    }
+
+    /// The next unused item of `modality`, for a placeholder at `position`.
+    fn take(&mut self, modality: Modality, position: usize) -> Result<(usize, Arc<ItemIdentity>)> {
+        let s = slot(modality);
+        let index = *self.indices[s].get(self.used[s]).ok_or(Error::MissingItem {
+            position,
+            modality,
+            available: self.indices[s].len(),
+        })?;
+        self.used[s] += 1;
+        Ok((index, Arc::clone(&self.items[index])))
+    }
+
+    fn check_all_used(&self) -> Result<()> {
+        for modality in MODALITIES {
+            let s = slot(modality);
+            if let Some(&first) = self.indices[s].get(self.used[s]) {
+                return Err(Error::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,247 @@
+//! Special token ids and placement constants of a Qwen3-Omni-style thinker,
+//! and the number of placeholder tokens each item layout occupies.
+
+use crate::canon::{ItemIdentity, ItemLayout, Modality};
+use crate::error::{Error, Result};
+
+/// The ids and constants the prompt builder needs to lay out items.
+///
+/// Field names follow the Hugging Face thinker config (`image_token_id`, ...),
+/// so the config's JSON (or the `special_ids` object of
+/// `fixtures/mrope_position_vectors.json`) deserialises directly.
+///
+/// ```
+/// use omniprefix::prompt::OmniTokens;
+/// let tokens: OmniTokens = serde_json::from_str(
+///     r#"{"image_token_id": 500, "video_token_id": 501, "audio_token_id": 502,
+///         "vision_start_token_id": 503, "vision_end_token_id": 504,
+///         "audio_start_token_id": 505, "audio_end_token_id": 506}"#,
+/// ).unwrap();
+/// assert_eq!(tokens, OmniTokens::tiny());
+/// ```
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OmniTokens {
+    /// `<|image_pad|>`: one per image token.
+    pub image_token_id: u32,
+    /// `<|video_pad|>`: one per video token.
+    pub video_token_id: u32,
+    /// `<|audio_pad|>`: one per audio token.
+    pub audio_token_id: u32,
+    /// `<|vision_start|>`: opens an image or video (and an audio-in-video).
+    pub vision_start_token_id: u32,
+    /// `<|vision_end|>`: closes an image or video.
+    pub vision_end_token_id: u32,
+    /// `<|audio_start|>`: opens an audio.
+    pub audio_start_token_id: u32,
+    /// `<|audio_end|>`: closes an audio.
+    pub audio_end_token_id: u32,
+    /// Side of the square of vision patches merged into one LLM token.
+    #[serde(default = "default_merge_size")]
+    pub spatial_merge_size: u32,
+    /// Temporal M-RoPE positions per second of video.
+    #[serde(default = "default_position_id_per_seconds")]
+    pub position_id_per_seconds: u32,
+    /// Token ids must be below this when it is known.
+    #[serde(default)]
+    pub vocab_size: Option<u32>,
+}
+
+fn default_merge_size() -> u32 {
+    2
+}
+
+fn default_position_id_per_seconds() -> u32 {
+    13
+}
+
+impl OmniTokens {
+    /// Qwen3-Omni (30B-A3B) thinker: the ids of its tokenizer and config
+    /// (`fixtures/qwen3_omni.json`). The vocab size is left unknown: set it from
+    /// the checkpoint's config to have out-of-vocab ids rejected.
+    pub fn qwen3_omni() -> Self {
+        Self {
+            image_token_id: 151_655,
+            video_token_id: 151_656,
+            audio_token_id: 151_675,
+            vision_start_token_id: 151_652,
+            vision_end_token_id: 151_653,
+            audio_start_token_id: 151_669,
+            audio_end_token_id: 151_670,
+            spatial_merge_size: default_merge_size(),
+            position_id_per_seconds: default_position_id_per_seconds(),
+            vocab_size: None,
+        }
+    }
+
+    /// The tiny vocabulary of `fixtures/mrope_position_vectors.json`, for tests and examples.
+    pub fn tiny() -> Self {
+        Self {
+            image_token_id: 500,
+            video_token_id: 501,
+            audio_token_id: 502,
+            vision_start_token_id: 503,
+            vision_end_token_id: 504,
+            audio_start_token_id: 505,
+            audio_end_token_id: 506,
+            spatial_merge_size: default_merge_size(),
+            position_id_per_seconds: default_position_id_per_seconds(),
+            vocab_size: None,
+        }
+    }
+
+    /// The placeholder (pad) id of a modality.
+    pub fn pad_id(&self, modality: Modality) -> u32 {
+        match modality {
+            Modality::Image => self.image_token_id,
+            Modality::Video => self.video_token_id,
+            Modality::Audio => self.audio_token_id,
+        }
+    }
+
+    /// The modality whose placeholder `token` is, if it is one.
+    pub fn placeholder_modality(&self, token: u32) -> Option<Modality> {
+        [Modality::Image, Modality::Video, Modality::Audio].into_iter().find(|&m| self.pad_id(m) == token)
+    }
+
+    /// Placeholder tokens an item with `layout` occupies under this model's merge size.
+    pub fn placeholder_count(&self, layout: &ItemLayout) -> Result<usize> {
+        placeholder_count(layout, self.spatial_merge_size)
+    }
+
+    /// Number of placeholder tokens of `item` (index `index` in the caller's
+    /// list), after checking that its modality, layout and declared count agree.
+    pub(crate) fn checked_token_count(&self, item: &ItemIdentity, index: usize) -> Result<usize> {
+        let layout_modality = match item.layout {
+            ItemLayout::Image { .. } => Modality::Image,
+            ItemLayout::Video { .. } => Modality::Video,
+            ItemLayout::Audio { .. } => Modality::Audio,
+        };
+        if layout_modality != item.modality {
+            return Err(Error::LayoutMismatch {
+                item: index,
+                expected: format!("a {:?} layout", item.modality),
+                found: format!("{:?}", item.layout),
+            });
+        }
+        if let ItemLayout::Video { grid_thw, seconds_per_grid } = item.layout {
+            let last_offset =
+                grid_thw[0].saturating_sub(1) as f32 * seconds_per_grid * self.position_id_per_seconds as f32;
+            if !(seconds_per_grid >= 0.0 && last_offset <= MAX_TEMPORAL_OFFSET) {
+                return Err(Error::LayoutMismatch {
+                    item: index,
+                    expected: format!("seconds per grid >= 0 with temporal offsets up to {MAX_TEMPORAL_OFFSET}"),
+                    found: format!("seconds_per_grid {seconds_per_grid} (last offset {last_offset})"),
+                });
+            }
+        }
+        let count = self.placeholder_count(&item.layout).map_err(|e| match e {
+            Error::LayoutMismatch { expected, found, .. } => Error::LayoutMismatch { item: index, expected, found },
+            Error::EmptyItem { what, .. } => Error::EmptyItem { item: index, what },
+            other => other,
+        })?;
+        if count != item.num_tokens {
+            return Err(Error::LayoutMismatch {
+                item: index,
+                expected: format!("num_tokens {count} from its layout"),
+                found: format!("num_tokens {}", item.num_tokens),
+            });
+        }
+        Ok(count)
+    }
+}
+
+/// Largest temporal M-RoPE offset accepted inside one video (2^31): keeps
+/// positions far from `i64` overflow whatever `seconds_per_grid` says.
+const MAX_TEMPORAL_OFFSET: f32 = 2_147_483_648.0;
+
+/// Placeholder tokens an item layout occupies under Qwen3-Omni's rules:
+/// vision `t·h·w / merge²`; audio from mel frames through HF
+/// `_get_feat_extract_output_lengths` (n_window 50, Python floor division).
+/// Errors name item 0; callers re-label them with the real item index.
+pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize> {
+    let count = match *layout {
+        ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
+            let [t, h, w] = grid_thw;
+            if merge == 0 || h % merge != 0 || w % merge != 0 {
+                return Err(Error::LayoutMismatch {
+                    item: 0,
+                    expected: format!("grid h and w divisible by the merge size {merge}"),
+                    found: format!("grid_thw {grid_thw:?}"),
+                });
+            }
+            [t, h / merge, w / merge].iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(|| {
+                Error::LayoutMismatch {
+                    item: 0,
+                    expected: "a token count that fits in usize".into(),
+                    found: format!("grid_thw {grid_thw:?}"),
+                }
+            })?
+        }
+        ItemLayout::Audio { mel_frames } => audio_output_len(i64::from(mel_frames)) as usize,
+    };
+    if count == 0 {
+        return Err(Error::EmptyItem { item: 0, what: "zero placeholder tokens" });
+    }
+    Ok(count)
+}
+
+/// HF `_get_feat_extract_output_lengths` with `n_window = 50` (chunks of 100 mel
+/// frames, 13 tokens each); `div_euclid` is Python's floor division here.
+fn audio_output_len(mel_frames: i64) -> i64 {
+    let leave = mel_frames % 100;
+    let feat = (leave - 1).div_euclid(2) + 1;
+    ((feat - 1).div_euclid(2) + 1 - 1).div_euclid(2) + 1 + (mel_frames / 100) * 13
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn audio_lengths_match_hf_reference_values() {
+        assert_eq!(audio_output_len(250), 33);
+        assert_eq!(audio_output_len(3000), 390);
+        assert_eq!(audio_output_len(300), 39);
+        assert_eq!(audio_output_len(100), 13);
+        assert_eq!(audio_output_len(1), 1);
+        assert_eq!(audio_output_len(0), 0);
+    }
+
+    #[test]
+    fn vision_counts_divide_by_merge_squared() -> Result<()> {
+        assert_eq!(placeholder_count(&ItemLayout::Image { grid_thw: [1, 44, 80] }, 2)?, 880);
+        let video = ItemLayout::Video { grid_thw: [10, 40, 72], seconds_per_grid: 1.0 };
+        assert_eq!(placeholder_count(&video, 2)?, 7200);
+        let odd = placeholder_count(&ItemLayout::Image { grid_thw: [1, 3, 4] }, 2);
+        assert!(matches!(odd, Err(Error::LayoutMismatch { .. })));
+        let empty = placeholder_count(&ItemLayout::Image { grid_thw: [0, 4, 4] }, 2);
+        assert!(matches!(empty, Err(Error::EmptyItem { .. })));
+        Ok(())
+    }
+
+    #[test]
+    fn constructors_match_fixture_ids() -> Result<()> {
+        let fixture = |path: &str| -> serde_json::Value {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            serde_json::from_str(&text).unwrap_or_default()
+        };
+        let tiny: OmniTokens =
+            serde_json::from_value(fixture("fixtures/mrope_position_vectors.json")["special_ids"].clone())
+                .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+        assert_eq!(tiny, OmniTokens::tiny());
+        let special = &fixture("fixtures/qwen3_omni.json")["special_tokens"];
+        let q = OmniTokens::qwen3_omni();
+        for (name, id) in [
+            ("<|image_pad|>", q.image_token_id),
+            ("<|video_pad|>", q.video_token_id),
+            ("<|audio_pad|>", q.audio_token_id),
+            ("<|vision_start|>", q.vision_start_token_id),
+            ("<|vision_end|>", q.vision_end_token_id),
+            ("<|audio_start|>", q.audio_start_token_id),
+            ("<|audio_end|>", q.audio_end_token_id),
+        ] {
+            assert_eq!(special[name].as_u64(), Some(u64::from(id)), "{name}");
+        }
+        Ok(())
+    }
+}
