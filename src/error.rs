@@ -85,6 +85,15 @@ pub enum Error {
     /// A position range that does not lie inside the prompt.
     #[error("position range {start}..{end} is outside a prompt of {len} positions")]
     PositionRangeOutOfBounds { start: usize, end: usize, len: usize },
+    /// A workload name `bench match` does not know.
+    #[error("unknown workload {name:?}; known: {known}")]
+    UnknownWorkload { name: String, known: String },
+    /// An embedded fixture that does not hold what the code expects.
+    #[error("fixture {file}: {problem}")]
+    Fixture { file: &'static str, problem: String },
+    /// Writing a report failed.
+    #[error("cannot write the report: {0}")]
+    Io(#[from] std::io::Error),
 }
 
 /// Crate-wide result alias.
