@@ -132,7 +132,10 @@ mod tests {
         let nan = RawRequest { token_ids: &ids, items: vec![audio(&wave, 100)], audio_in_video: false };
         assert!(matches!(preprocessor(0)?.preprocess(&nan), Err(Error::NonFinite { item: 0, .. })));
         let missing = RawRequest { token_ids: &ids, items: vec![], audio_in_video: false };
-        assert!(matches!(preprocessor(0)?.preprocess(&missing), Err(Error::MissingItem { position: 2, modality: Modality::Audio, .. })));
+        assert!(matches!(
+            preprocessor(0)?.preprocess(&missing),
+            Err(Error::MissingItem { position: 2, modality: Modality::Audio, .. })
+        ));
         Ok(())
     }
 }

@@ -221,8 +221,9 @@ impl OmniShapes {
             grid_thw: f.items.video.processed.video_grid_thw.ok_or_else(|| fixture_error("no video_grid_thw"))?,
             seconds_per_grid: VIDEO_SECONDS_PER_GRID,
         };
-        let audio =
-            ItemLayout::Audio { mel_frames: f.items.audio.processed.mel_frames.ok_or_else(|| fixture_error("no mel_frames"))? };
+        let audio = ItemLayout::Audio {
+            mel_frames: f.items.audio.processed.mel_frames.ok_or_else(|| fixture_error("no mel_frames"))?,
+        };
         for (layout, item) in [(&image, &f.items.image), (&audio, &f.items.audio), (&video, &f.items.video)] {
             if layout.num_tokens() != item.num_placeholder_tokens {
                 return Err(fixture_error(format!(
@@ -365,7 +366,8 @@ impl Workload {
             items: vec![Modality::Audio, Modality::Image, Modality::Video],
         };
         let alone = |modality| -> Result<(Vec<RequestPlan>, RequestPlan)> {
-            let plan = RequestPlan { token_ids: keep_only(&mixed.token_ids, modality, &tokens)?, items: vec![modality] };
+            let plan =
+                RequestPlan { token_ids: keep_only(&mixed.token_ids, modality, &tokens)?, items: vec![modality] };
             Ok((vec![plan.clone()], plan))
         };
         let (warmup, measured) = match name {
@@ -412,7 +414,8 @@ fn keep_only(ids: &[u32], keep: Modality, tokens: &OmniTokens) -> Result<Vec<u32
     while let Some(id) = iter.next() {
         match tokens.placeholder_modality(id) {
             Some(m) if m != keep => {
-                let start = if m == Modality::Audio { tokens.audio_start_token_id } else { tokens.vision_start_token_id };
+                let start =
+                    if m == Modality::Audio { tokens.audio_start_token_id } else { tokens.vision_start_token_id };
                 let end = if m == Modality::Audio { tokens.audio_end_token_id } else { tokens.vision_end_token_id };
                 if out.pop() != Some(start) || iter.next() != Some(end) {
                     return Err(fixture_error(format!("{m:?} pad not wrapped in {start} .. {end}")));
@@ -503,6 +506,8 @@ mod tests {
     #[test]
     fn unknown_workload_names_the_known_ones() {
         let err = "text64k".parse::<WorkloadName>();
-        assert!(matches!(&err, Err(Error::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round")));
+        assert!(
+            matches!(&err, Err(Error::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
+        );
     }
 }

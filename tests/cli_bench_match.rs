@@ -39,8 +39,11 @@ const FIELDS: [&str; 20] = [
 #[test]
 fn json_lines_carry_every_field() -> Result<()> {
     let out = run_args(&["--workload", "all", "--scale", "tiny", "--runs", "1", "--threads", "2", "--json"])?;
-    let lines: Vec<serde_json::Value> =
-        out.lines().map(serde_json::from_str).collect::<Result<_, _>>().map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()
+        .map_err(|e| Error::InvalidRequest(e.to_string()))?;
     let names: Vec<&str> = lines.iter().filter_map(|l| l["workload"].as_str()).collect();
     assert_eq!(names, ["mixed", "image", "audio", "video", "text1k", "text8k", "text32k", "multi_round"]);
     for line in &lines {

@@ -29,7 +29,8 @@ fn mixed_request_expands_to_8546_tokens_and_matches_warm() -> Result<()> {
         let pre = preprocessor(policy)?;
         let first = pre.preprocess(&workload.raw(&workload.measured))?;
         assert_eq!(first.len(), 8546);
-        let spans: Vec<(u32, u32)> = first.index_map.spans.iter().map(|s| (s.start, s.rows.end - s.rows.start)).collect();
+        let spans: Vec<(u32, u32)> =
+            first.index_map.spans.iter().map(|s| (s.start, s.rows.end - s.rows.start)).collect();
         assert_eq!(spans, vec![(44, 390), (436, 880), (1318, 7200)]);
         assert_eq!(first.index_map.placeholders.len(), 8470);
 

@@ -143,8 +143,8 @@ fn vllm_hashes(workload: &Workload) -> Result<BTreeMap<Modality, String>> {
     let mut hashes = BTreeMap::new();
     for plan in workload.warmup.iter().chain([&workload.measured]) {
         for &m in &plan.items {
-            if !hashes.contains_key(&m) {
-                hashes.insert(m, hash_mm_item(MODEL_ID, m, workload.media.vllm_media(m))?);
+            if let std::collections::btree_map::Entry::Vacant(slot) = hashes.entry(m) {
+                slot.insert(hash_mm_item(MODEL_ID, m, workload.media.vllm_media(m))?);
             }
         }
     }
