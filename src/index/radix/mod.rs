@@ -405,11 +405,13 @@ impl PrefixIndex for RadixIndex {
         let deepest = *path.last().expect("walk path starts at the root");
         self.block_holder(deepest, matched, &mut path);
         let holder = *path.last().expect("walk path starts at the root");
-        let blocks: Vec<BlockId> = path
-            .iter()
-            .flat_map(|&id| self.node(id).blocks.iter().copied())
-            .take(matched.div_ceil(bs))
-            .collect();
+        // Slice copies per node: a flat_map + take over 2k ids costs microseconds.
+        let want = matched.div_ceil(bs);
+        let mut blocks: Vec<BlockId> = Vec::with_capacity(want);
+        for &id in &path {
+            let held = &self.node(id).blocks;
+            blocks.extend_from_slice(&held[..held.len().min(want - blocks.len())]);
+        }
         self.touch(&path);
         self.stats.hits += 1;
         self.stats.hit_tokens += matched as u64;
