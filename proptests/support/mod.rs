@@ -64,10 +64,10 @@ impl ShadowPages {
             if seq.block_table.len() * bs < end || end > keys.len() || seq.prompt_len != keys.len() {
                 return Err(format!("request {}: table of {} blocks for tokens ..{end}", seq.request, seq.block_table.len()));
             }
-            for p in 0..seq.num_computed_tokens {
+            for (p, &key) in keys.iter().enumerate().take(seq.num_computed_tokens) {
                 let found = self.slots[slot(p)];
-                if found != Some((*tenant, keys[p])) {
-                    return Err(format!("request {}: position {p} reads {found:?}, wants {:?}", seq.request, keys[p]));
+                if found != Some((*tenant, key)) {
+                    return Err(format!("request {}: position {p} reads {found:?}, wants {key:?}", seq.request));
                 }
             }
             for (i, p) in (seq.num_computed_tokens..end).enumerate() {

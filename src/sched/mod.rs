@@ -390,7 +390,7 @@ impl Scheduler {
         let chunk = (len - computed).min(budget);
         let need = (computed + chunk).div_ceil(bs) - shared;
         // Pin before evicting so eviction cannot take what was just matched.
-        let lock = (computed > 0).then_some(m);
+        let lock = (computed > 0).then(|| pinned_part(m, computed, bs));
         if let Some(m) = &lock {
             self.index.lock(m);
         }
@@ -503,6 +503,7 @@ impl Scheduler {
                 m.aligned_tokens / bs
             )));
         }
+        let m = pinned_part(m, n_full * bs, bs);
         self.index.lock(&m);
         for i in t.num_shared..n_full {
             let (old, new) = (t.block_table[i], m.blocks[i]);
@@ -549,4 +550,16 @@ impl Scheduler {
     fn tracked_mut(&mut self, id: RequestId) -> Result<&mut Tracked> {
         self.requests.get_mut(&id).ok_or(Error::UnknownRequest { id })
     }
+}
+
+/// The part of a match a request actually reads: its first `tokens` tokens.
+///
+/// Locking only that keeps what one request pins within its own block count
+/// (+1 for a copy-on-write source), which is what lets the oldest request
+/// always progress in a pool that admission sized for it.
+fn pinned_part(m: PrefixMatch, tokens: usize, block_size: usize) -> PrefixMatch {
+    debug_assert!(tokens <= m.tokens && tokens.div_ceil(block_size) <= m.blocks.len());
+    let mut blocks = m.blocks;
+    blocks.truncate(tokens.div_ceil(block_size));
+    PrefixMatch { tokens, aligned_tokens: tokens / block_size * block_size, blocks, handle: m.handle }
 }
