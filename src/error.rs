@@ -21,6 +21,21 @@ pub enum Error {
     /// An item with no bytes or no rows.
     #[error("item {item}: empty ({what})")]
     EmptyItem { item: usize, what: &'static str },
+    /// A prefix-index configuration value out of range.
+    #[error("index config: {field} = {found} (expected {expected})")]
+    IndexConfig { field: &'static str, expected: &'static str, found: String },
+    /// A prompt whose atoms cover a different number of tokens than its token ids.
+    #[error("prompt atoms cover {atoms} tokens but token_ids has {tokens}")]
+    AtomsLengthMismatch { atoms: usize, tokens: usize },
+    /// Insert was given more full blocks than the prompt holds.
+    #[error("insert of {blocks} blocks of {block_size} tokens into a {prompt_tokens}-token prompt")]
+    InsertBeyondPrompt { blocks: usize, block_size: usize, prompt_tokens: usize },
+    /// The same block id passed twice in one insert.
+    #[error("block id {block} passed at block positions {first} and {second}")]
+    DuplicateBlockId { block: u32, first: usize, second: usize },
+    /// A block id the index already owns, passed for a position where it is not the cached block.
+    #[error("block id {block} at block position {position} is already owned by the index elsewhere")]
+    BlockAlreadyOwned { block: u32, position: usize },
     /// Anything else about a request that cannot be canonicalised.
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -6,6 +6,11 @@
 use crate::prompt::CanonicalPrompt;
 use crate::Result;
 
+/// The validated radix tree over atoms: the main matcher.
+pub mod radix;
+/// Collision validation of fingerprint hits.
+pub mod validate;
+
 /// Id of a KV block in the block pool (payload of one full cached block).
 pub type BlockId = u32;
 

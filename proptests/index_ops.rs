@@ -1,0 +1,190 @@
+//! Random operation sequences against the radix index.
+//!
+//! Insert / match / lock / unlock / evict over several tenants, with a tiny
+//! vocabulary so prompts share prefixes. After every operation the index's own
+//! invariant checker must pass; the harness also checks, against a ledger of
+//! adopted blocks and a brute-force oracle, that locked blocks are never
+//! evicted, that evicted ids are never matched again until re-inserted, that
+//! tenants never share a block, and that matches never exceed (and, before any
+//! eviction, equal) the oracle's longest common prefix.
+
+mod common;
+
+use std::collections::HashSet;
+
+use common::{cases, pieces, ItemModel, Ledger, Oracle, Piece};
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};
+use proptest::prelude::*;
+use proptest::sample::Index;
+
+const BS: usize = 4;
+const ITEMS: ItemModel = ItemModel { rows: 3, fp_bits: None };
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Cache a fraction of the prompt's full blocks; `reuse` passes the ids a
+    /// match returned for the cached part (as a scheduler does) instead of fresh ones.
+    Insert { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, frac: f64, reuse: bool },
+    Match { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, lock: bool },
+    Unlock(Index),
+    Evict(usize),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let derived = || (0..3u64, any::<Index>(), 0..5usize, pieces(4, 6, 4));
+    prop_oneof![
+        4 => (derived(), 0.0..=1.0f64, any::<bool>()).prop_map(|((tenant, base, keep, extra), frac, reuse)| {
+            Op::Insert { tenant, base, keep, extra, frac, reuse }
+        }),
+        4 => (derived(), any::<bool>()).prop_map(|((tenant, base, keep, extra), lock)| {
+            Op::Match { tenant, base, keep, extra, lock }
+        }),
+        1 => any::<Index>().prop_map(Op::Unlock),
+        2 => (0..8usize).prop_map(Op::Evict),
+    ]
+}
+
+/// The harness: the index under test plus everything needed to judge it.
+struct Harness {
+    index: RadixIndex,
+    oracle: Oracle,
+    ledger: Ledger,
+    /// Prompts inserted so far, to derive sharing queries from.
+    history: Vec<Vec<Piece>>,
+    locked: Vec<PrefixMatch>,
+    free: Vec<BlockId>,
+    next_id: BlockId,
+    evicted_any: bool,
+}
+
+impl Harness {
+    fn new() -> Result<Self, TestCaseError> {
+        let config = RadixConfig { block_size: BS, validation: ValidationPolicy::SecondDigest };
+        let index = RadixIndex::new(config).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        Ok(Harness {
+            index,
+            oracle: Oracle::default(),
+            ledger: Ledger::default(),
+            history: Vec::new(),
+            locked: Vec::new(),
+            free: Vec::new(),
+            next_id: 0,
+            evicted_any: false,
+        })
+    }
+
+    fn fresh_id(&mut self) -> BlockId {
+        self.free.pop().unwrap_or_else(|| {
+            self.next_id += 1;
+            self.next_id - 1
+        })
+    }
+
+    fn derive(&self, base: &Index, keep: usize, extra: &[Piece]) -> Vec<Piece> {
+        let mut q: Vec<Piece> = if self.history.is_empty() {
+            Vec::new()
+        } else {
+            self.history[base.index(self.history.len())].iter().take(keep).cloned().collect()
+        };
+        q.extend(extra.iter().cloned());
+        q
+    }
+
+    fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        match op {
+            Op::Insert { tenant, base, keep, extra, frac, reuse } => {
+                let p = self.derive(base, *keep, extra);
+                let (prompt, truth) = ITEMS.build(*tenant, &p);
+                let k = ((truth.len() / BS) as f64 * frac) as usize;
+                let reused: Vec<BlockId> = if *reuse {
+                    let m = self.index.match_prefix(&prompt);
+                    m.blocks.into_iter().take((m.aligned_tokens / BS).min(k)).collect()
+                } else {
+                    Vec::new()
+                };
+                let fresh: Vec<BlockId> = (reused.len()..k).map(|_| self.fresh_id()).collect();
+                let blocks: Vec<BlockId> = reused.iter().chain(&fresh).copied().collect();
+                let out = self.index.insert(&prompt, &blocks).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let fresh_set: HashSet<BlockId> = fresh.iter().copied().collect();
+                let mut returned: Vec<BlockId> = out.adopted.iter().chain(&out.duplicates).copied().collect();
+                prop_assert!(returned.iter().all(|b| fresh_set.contains(b)), "reused id handed back: {out:?}");
+                returned.sort_unstable();
+                let mut expected = fresh.clone();
+                expected.sort_unstable();
+                prop_assert_eq!(returned, expected, "adopted + duplicates must be the fresh ids");
+                self.free.extend(out.duplicates.iter().copied());
+                self.ledger.adopt(*tenant, &truth, BS, &blocks, &out.adopted);
+                self.oracle.insert(*tenant, &truth[..k * BS]);
+                self.history.push(p);
+            }
+            Op::Match { tenant, base, keep, extra, lock } => {
+                let (prompt, truth) = ITEMS.build(*tenant, &self.derive(base, *keep, extra));
+                let m = self.index.match_prefix(&prompt);
+                self.ledger.check(*tenant, &truth, BS, &m).map_err(TestCaseError::fail)?;
+                let best = self.oracle.longest(*tenant, &truth);
+                prop_assert!(m.tokens <= best, "matched {} beyond oracle {best}", m.tokens);
+                if !self.evicted_any {
+                    prop_assert_eq!(m.tokens, best, "nothing evicted yet, so the match must be complete");
+                }
+                if *lock {
+                    self.index.lock(&m);
+                    self.locked.push(m);
+                }
+            }
+            Op::Unlock(i) => {
+                if !self.locked.is_empty() {
+                    let m = self.locked.swap_remove(i.index(self.locked.len()));
+                    self.index.unlock(&m);
+                }
+            }
+            Op::Evict(n) => {
+                let freed = self.index.evict(*n);
+                prop_assert!(freed.len() <= *n);
+                let pinned: HashSet<BlockId> = self.locked.iter().flat_map(|m| m.blocks.iter().copied()).collect();
+                for b in &freed {
+                    prop_assert!(!pinned.contains(b), "locked block {b} evicted");
+                    prop_assert!(self.ledger.evict(*b), "evicted block {b} was not cached");
+                }
+                if freed.len() < *n {
+                    prop_assert!(self.index.evict(1).is_empty(), "evict stopped early");
+                }
+                self.evicted_any |= !freed.is_empty();
+                self.free.extend(freed);
+            }
+        }
+        self.index.validate().map_err(TestCaseError::fail)?;
+        let stats = self.index.stats();
+        prop_assert_eq!(stats.cached_blocks as usize, self.ledger.len());
+        Ok(())
+    }
+
+    /// Releases every lock and evicts everything: the index must end empty.
+    fn drain(&mut self) -> Result<(), TestCaseError> {
+        for m in std::mem::take(&mut self.locked) {
+            self.index.unlock(&m);
+        }
+        let freed = self.index.evict(usize::MAX);
+        for b in &freed {
+            prop_assert!(self.ledger.evict(*b), "drained block {b} was not cached");
+        }
+        prop_assert_eq!(self.ledger.len(), 0, "blocks left in the ledger after a full drain");
+        self.index.validate().map_err(TestCaseError::fail)?;
+        let stats = self.index.stats();
+        prop_assert_eq!((stats.cached_blocks, stats.nodes), (0, 0));
+        Ok(())
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(256), ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_operations_keep_every_invariant(ops in prop::collection::vec(op(), 1..40)) {
+        let mut h = Harness::new()?;
+        for op in &ops {
+            h.apply(op)?;
+        }
+        h.drain()?;
+    }
+}

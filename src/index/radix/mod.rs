@@ -1,0 +1,562 @@
+//! The validated radix prefix index over atoms.
+//!
+//! A radix tree per tenant (tenant salt → root; tenants never share nodes),
+//! nodes in a slot [`arena`], edges as compressed atom runs ([`edge`]),
+//! children in an `FxHashMap` keyed by the edge head (a text token, or an
+//! item's fingerprint and row) and then *confirmed against the real content*.
+//!
+//! **Collisions.** A head key maps to a short list of candidate children, not
+//! one: two items with colliding fingerprints (same key) but different content
+//! coexist as siblings. Matching takes the candidate whose content validates
+//! (per [`ValidationPolicy`]); if none does, matching stops there (a miss,
+//! counted in `validation_failures`). Insert never merges into a candidate that
+//! fails validation, it adds a sibling under the same key.
+//!
+//! **Blocks.** Block `i` covers positions `i*bs .. (i+1)*bs` and is stored on the
+//! node whose edge holds its last position, so a node split keeps each id with
+//! the side that holds that position. Every leaf ends on a block boundary, so
+//! every position in the tree is covered by a cached block.
+//!
+//! **Eviction.** Unlocked leaves sit in an LRU set ordered by a logical clock
+//! (touched on match and insert). Eviction trims or removes them; a parent that
+//! becomes childless is trimmed back to its last block boundary and becomes a
+//! leaf itself (or is removed if it holds no block).
+
+mod arena;
+mod check;
+mod edge;
+
+use std::collections::BTreeSet;
+
+use fxhash::{FxHashMap, FxHashSet};
+
+use crate::error::Error;
+use crate::index::{
+    BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch, ValidationPolicy,
+};
+use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
+use crate::Result;
+
+use arena::{Arena, NodeId};
+use edge::{atom_len, Cursor, Edge, Head, Validator};
+
+/// Settings of a [`RadixIndex`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct RadixConfig {
+    /// Tokens per KV block (default 16).
+    pub block_size: usize,
+    /// How fingerprint hits are confirmed (default `SecondDigest`).
+    pub validation: ValidationPolicy,
+}
+
+impl Default for RadixConfig {
+    fn default() -> Self {
+        RadixConfig { block_size: 16, validation: ValidationPolicy::default() }
+    }
+}
+
+/// One tree node: the edge from its parent and the blocks whose last position lies on it.
+#[derive(Debug)]
+struct Node {
+    parent: Option<NodeId>,
+    tenant: TenantSalt,
+    /// Tokens before this edge (depth of the edge start).
+    start: usize,
+    edge: Edge,
+    /// Candidate children per head key (several only under fingerprint collisions).
+    children: FxHashMap<Head, Vec<NodeId>>,
+    blocks: Vec<BlockId>,
+    /// Number of live locks on paths through this node.
+    lock: u32,
+    last_access: u64,
+}
+
+impl Node {
+    fn end(&self) -> usize {
+        self.start + self.edge.len()
+    }
+
+    fn is_leaf(&self) -> bool {
+        self.children.is_empty()
+    }
+
+    fn heap_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(Head, Vec<NodeId>)>() + 1;
+        let lists: usize = self.children.values().map(|v| v.capacity() * 4).sum();
+        self.edge.heap_bytes()
+            + self.blocks.capacity() * std::mem::size_of::<BlockId>()
+            + self.children.capacity() * entry
+            + lists
+    }
+}
+
+/// Where a walk down the tree stopped.
+#[derive(Debug)]
+struct Walk {
+    /// Root first; the last node is the deepest one entered (maybe partly).
+    path: Vec<NodeId>,
+    /// Tokens matched from the start of the prompt.
+    matched: usize,
+}
+
+/// The validated radix prefix index.
+///
+/// ```
+/// use omniprefix::index::radix::{RadixConfig, RadixIndex};
+/// use omniprefix::index::PrefixIndex;
+/// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+///
+/// let prompt = |ids: Vec<u32>| CanonicalPrompt {
+///     tenant: 0,
+///     atoms: vec![Atom::Text(ids.clone())],
+///     positions: Positions::Linear((0..ids.len() as i64).collect()),
+///     token_ids: ids,
+///     items: vec![],
+///     index_map: IndexMap::default(),
+/// };
+/// let mut index = RadixIndex::new(RadixConfig { block_size: 4, ..Default::default() })?;
+/// index.insert(&prompt((0..8).collect()), &[10, 11])?;
+/// let m = index.match_prefix(&prompt(vec![0, 1, 2, 3, 4, 5, 9, 9]));
+/// assert_eq!((m.tokens, m.aligned_tokens, m.blocks), (6, 4, vec![10, 11]));
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct RadixIndex {
+    config: RadixConfig,
+    nodes: Arena<Node>,
+    roots: FxHashMap<TenantSalt, NodeId>,
+    /// Unlocked non-root leaves by (last access, id): eviction order.
+    lru: BTreeSet<(u64, NodeId)>,
+    /// Every block id the tree holds.
+    owned: FxHashSet<BlockId>,
+    clock: u64,
+    stats: IndexStats,
+}
+
+impl RadixIndex {
+    /// An empty index; `block_size` must be at least 1.
+    pub fn new(config: RadixConfig) -> Result<Self> {
+        if config.block_size == 0 {
+            return Err(Error::IndexConfig {
+                field: "block_size",
+                expected: "at least 1",
+                found: "0".into(),
+            });
+        }
+        Ok(RadixIndex {
+            config,
+            nodes: Arena::default(),
+            roots: FxHashMap::default(),
+            lru: BTreeSet::new(),
+            owned: FxHashSet::default(),
+            clock: 0,
+            stats: IndexStats::default(),
+        })
+    }
+
+    /// The settings this index runs with.
+    pub fn config(&self) -> RadixConfig {
+        self.config
+    }
+
+    fn node(&self, id: NodeId) -> &Node {
+        self.nodes.get(id)
+    }
+
+    fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        self.nodes.get_mut(id)
+    }
+
+    /// The LRU key of `id` if it belongs in the LRU set (unlocked non-root leaf).
+    fn lru_key(&self, id: NodeId) -> Option<(u64, NodeId)> {
+        let n = self.node(id);
+        (n.parent.is_some() && n.is_leaf() && n.lock == 0).then_some((n.last_access, id))
+    }
+
+    /// Takes `id` out of the LRU set before its state changes.
+    fn lru_leave(&mut self, id: NodeId) {
+        if let Some(key) = self.lru_key(id) {
+            self.lru.remove(&key);
+        }
+    }
+
+    /// Puts `id` back into the LRU set if it now qualifies.
+    fn lru_enter(&mut self, id: NodeId) {
+        if let Some(key) = self.lru_key(id) {
+            self.lru.insert(key);
+        }
+    }
+
+    /// Marks every node of `path` as used now.
+    fn touch(&mut self, path: &[NodeId]) {
+        self.clock += 1;
+        for &id in path {
+            self.lru_leave(id);
+            self.node_mut(id).last_access = self.clock;
+            self.lru_enter(id);
+        }
+    }
+
+    /// Follows `atoms` down from `root` as far as cached, validated content agrees.
+    fn walk(&self, root: NodeId, atoms: &[Atom], limit: usize, v: &mut Validator) -> Walk {
+        let mut path = vec![root];
+        let mut matched = 0;
+        let mut q = Cursor::new(atoms);
+        let mut cur = root;
+        while matched < limit {
+            let Some(head) = q.head() else { break };
+            let Some(candidates) = self.node(cur).children.get(&head) else { break };
+            let entered = candidates.iter().find_map(|&c| {
+                let mut probe = q.clone();
+                let n = self.node(c).edge.common_prefix(&mut probe, limit - matched, v);
+                (n > 0).then_some((c, n, probe))
+            });
+            let Some((child, n, probe)) = entered else { break };
+            q = probe;
+            matched += n;
+            path.push(child);
+            if n < self.node(child).edge.len() {
+                break;
+            }
+            cur = child;
+        }
+        Walk { path, matched }
+    }
+
+    /// The node holding the last block a match of `tokens` ending in `deepest`
+    /// needs; descends when that block's last position lies below `deepest`.
+    /// Any child will do: they all agree on the matched part of the block.
+    fn block_holder(&self, deepest: NodeId, tokens: usize, path: &mut Vec<NodeId>) {
+        let last_pos = tokens.div_ceil(self.config.block_size) * self.config.block_size - 1;
+        let mut cur = deepest;
+        while last_pos >= self.node(cur).end() {
+            let next = self.node(cur).children.values().flatten().copied().min();
+            let Some(next) = next else {
+                debug_assert!(false, "leaf {cur} ends before block boundary");
+                return;
+            };
+            path.push(next);
+            cur = next;
+        }
+    }
+
+    /// Splits `id` so that its first `k` edge tokens move to a new parent,
+    /// which is returned. `id` keeps its slot (and so its handles) and the
+    /// blocks whose last position is on its remaining edge.
+    fn split(&mut self, id: NodeId, k: usize) -> NodeId {
+        let bs = self.config.block_size;
+        let n = self.node_mut(id);
+        debug_assert!(0 < k && k < n.edge.len());
+        let tail = n.edge.split_off(k);
+        let head_edge = std::mem::replace(&mut n.edge, tail);
+        let split_at = n.start + k;
+        let upper_blocks: Vec<BlockId> = n.blocks.drain(..split_at / bs - n.start / bs).collect();
+        let tail_head = n.edge.head().expect("split leaves a non-empty tail");
+        let upper = Node {
+            parent: n.parent,
+            tenant: n.tenant,
+            start: n.start,
+            edge: head_edge,
+            children: std::iter::once((tail_head, vec![id])).collect(),
+            blocks: upper_blocks,
+            lock: n.lock,
+            last_access: n.last_access,
+        };
+        n.start = split_at;
+        let parent = n.parent.expect("the root is never split");
+        let key = upper.edge.head().expect("split leaves a non-empty head");
+        let upper_id = self.nodes.alloc(upper);
+        self.node_mut(id).parent = Some(upper_id);
+        if let Some(list) = self.node_mut(parent).children.get_mut(&key) {
+            for c in list.iter_mut().filter(|c| **c == id) {
+                *c = upper_id;
+            }
+        }
+        upper_id
+    }
+
+    /// Checks an insert request without changing anything: which block
+    /// positions are new, and which ids are duplicates of cached content.
+    fn plan_insert(&self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<(Walk, Vec<BlockId>)> {
+        let bs = self.config.block_size;
+        let atoms: usize = prompt.atoms.iter().map(atom_len).sum();
+        if atoms != prompt.len() {
+            return Err(Error::AtomsLengthMismatch { atoms, tokens: prompt.len() });
+        }
+        let too_long = || Error::InsertBeyondPrompt {
+            blocks: blocks.len(),
+            block_size: bs,
+            prompt_tokens: atoms,
+        };
+        let total = blocks.len().checked_mul(bs).ok_or_else(too_long)?;
+        if total > atoms {
+            return Err(too_long());
+        }
+        let mut first_at: FxHashMap<BlockId, usize> = FxHashMap::default();
+        for (i, &b) in blocks.iter().enumerate() {
+            if let Some(&first) = first_at.get(&b) {
+                return Err(Error::DuplicateBlockId { block: b, first, second: i });
+            }
+            first_at.insert(b, i);
+        }
+        let walk = match self.roots.get(&prompt.tenant) {
+            Some(&root) => {
+                let mut v = Validator::new(self.config.validation);
+                self.walk(root, &prompt.atoms, total, &mut v)
+            }
+            None => Walk { path: Vec::new(), matched: 0 },
+        };
+        let cached: Vec<BlockId> = walk
+            .path
+            .iter()
+            .flat_map(|&id| self.node(id).blocks.iter().copied())
+            .take(walk.matched / bs)
+            .collect();
+        for (position, &b) in blocks.iter().enumerate() {
+            if self.owned.contains(&b) && cached.get(position) != Some(&b) {
+                return Err(Error::BlockAlreadyOwned { block: b, position });
+            }
+        }
+        Ok((walk, cached))
+    }
+
+    fn root_for(&mut self, tenant: TenantSalt) -> NodeId {
+        if let Some(&root) = self.roots.get(&tenant) {
+            return root;
+        }
+        let root = self.nodes.alloc(Node {
+            parent: None,
+            tenant,
+            start: 0,
+            edge: Edge::default(),
+            children: FxHashMap::default(),
+            blocks: Vec::new(),
+            lock: 0,
+            last_access: self.clock,
+        });
+        self.roots.insert(tenant, root);
+        root
+    }
+
+    /// Removes leaf `id` and returns its blocks; a parent left childless is
+    /// trimmed to its last block boundary, or removed too if it holds no block.
+    fn remove_leaf(&mut self, mut id: NodeId) -> Vec<BlockId> {
+        let bs = self.config.block_size;
+        let mut freed = Vec::new();
+        loop {
+            self.lru_leave(id);
+            let node = self.nodes.free(id);
+            freed.extend(node.blocks);
+            let Some(parent) = node.parent else {
+                self.roots.remove(&node.tenant);
+                return freed;
+            };
+            let key = node.edge.head().expect("non-root edges are non-empty");
+            let p = self.node_mut(parent);
+            if let Some(list) = p.children.get_mut(&key) {
+                list.retain(|&c| c != id);
+                if list.is_empty() {
+                    p.children.remove(&key);
+                }
+            }
+            if !p.is_leaf() {
+                return freed;
+            }
+            p.children.shrink_to_fit();
+            if p.parent.is_some() {
+                let aligned = p.end() / bs * bs;
+                if aligned > p.start {
+                    let keep = aligned - p.start;
+                    p.edge.truncate(keep);
+                    self.lru_enter(parent);
+                    return freed;
+                }
+                debug_assert!(p.blocks.is_empty() && p.lock == 0);
+            }
+            id = parent;
+        }
+    }
+}
+
+impl PrefixIndex for RadixIndex {
+    fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    fn match_prefix(&mut self, prompt: &CanonicalPrompt) -> PrefixMatch {
+        self.stats.queries += 1;
+        self.stats.query_tokens += prompt.len() as u64;
+        let Some(&root) = self.roots.get(&prompt.tenant) else { return PrefixMatch::default() };
+        let limit = prompt.atoms.iter().map(atom_len).sum();
+        let mut v = Validator::new(self.config.validation);
+        let Walk { mut path, matched } = self.walk(root, &prompt.atoms, limit, &mut v);
+        self.stats.validation_failures += v.failures;
+        if matched == 0 {
+            return PrefixMatch::default();
+        }
+        let bs = self.config.block_size;
+        let deepest = *path.last().expect("walk path starts at the root");
+        self.block_holder(deepest, matched, &mut path);
+        let holder = *path.last().expect("walk path starts at the root");
+        let blocks: Vec<BlockId> = path
+            .iter()
+            .flat_map(|&id| self.node(id).blocks.iter().copied())
+            .take(matched.div_ceil(bs))
+            .collect();
+        self.touch(&path);
+        self.stats.hits += 1;
+        self.stats.hit_tokens += matched as u64;
+        PrefixMatch {
+            tokens: matched,
+            aligned_tokens: matched / bs * bs,
+            blocks,
+            handle: self.nodes.handle(holder),
+        }
+    }
+
+    /// Blocks whose content is already cached come back in `duplicates`,
+    /// except an id equal to the one cached at that position (the caller got
+    /// it from a match; the index keeps owning it, it is in neither list).
+    fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome> {
+        let (walk, cached) = self.plan_insert(prompt, blocks)?;
+        let mut outcome = InsertOutcome::default();
+        if blocks.is_empty() {
+            return Ok(outcome);
+        }
+        let bs = self.config.block_size;
+        let total = blocks.len() * bs;
+        let m = walk.matched;
+        let first_new = m / bs;
+        outcome.duplicates = blocks[..first_new]
+            .iter()
+            .zip(&cached)
+            .filter(|(b, c)| b != c)
+            .map(|(b, _)| *b)
+            .collect();
+        let root = self.root_for(prompt.tenant);
+        let mut path = walk.path;
+        if path.is_empty() {
+            path.push(root);
+        }
+        if m < total {
+            let last = *path.last().expect("path starts at the root");
+            let attach = if m < self.node(last).end() {
+                let upper = self.split(last, m - self.node(last).start);
+                *path.last_mut().expect("path starts at the root") = upper;
+                upper
+            } else {
+                last
+            };
+            let mut q = Cursor::new(&prompt.atoms);
+            q.advance(m);
+            let edge = q.take_edge(total - m);
+            let new_blocks = blocks[first_new..].to_vec();
+            self.lru_leave(attach);
+            let a = self.node(attach);
+            if a.parent.is_some() && a.is_leaf() {
+                let a = self.node_mut(attach);
+                a.edge.append(edge);
+                a.blocks.extend_from_slice(&new_blocks);
+            } else {
+                let key = edge.head().expect("a non-empty new edge");
+                let tenant = prompt.tenant;
+                let child = self.nodes.alloc(Node {
+                    parent: Some(attach),
+                    tenant,
+                    start: m,
+                    edge,
+                    children: FxHashMap::default(),
+                    blocks: new_blocks.clone(),
+                    lock: 0,
+                    last_access: self.clock,
+                });
+                self.node_mut(attach).children.entry(key).or_default().push(child);
+                self.lru_enter(child);
+                path.push(child);
+            }
+            self.lru_enter(attach);
+            self.owned.extend(new_blocks.iter().copied());
+            self.stats.cached_blocks += new_blocks.len() as u64;
+            outcome.adopted = new_blocks;
+        }
+        self.touch(&path);
+        Ok(outcome)
+    }
+
+    /// A stale handle (its node was evicted) or the empty match locks nothing.
+    fn lock(&mut self, m: &PrefixMatch) {
+        let Some(id) = self.nodes.resolve(m.handle) else { return };
+        self.lru_leave(id);
+        let mut cur = Some(id);
+        while let Some(c) = cur {
+            let n = self.node_mut(c);
+            if n.parent.is_none() {
+                break;
+            }
+            n.lock += 1;
+            cur = n.parent;
+        }
+    }
+
+    /// Unlocking a node that holds no lock is ignored (lock counts never go negative).
+    fn unlock(&mut self, m: &PrefixMatch) {
+        let Some(id) = self.nodes.resolve(m.handle) else { return };
+        if self.node(id).lock == 0 {
+            return;
+        }
+        let mut cur = Some(id);
+        while let Some(c) = cur {
+            let n = self.node_mut(c);
+            if n.parent.is_none() {
+                break;
+            }
+            n.lock -= 1;
+            cur = n.parent;
+        }
+        self.lru_enter(id);
+    }
+
+    fn evict(&mut self, max_blocks: usize) -> Vec<BlockId> {
+        let bs = self.config.block_size;
+        let mut freed = Vec::new();
+        while freed.len() < max_blocks {
+            let Some(&(_, id)) = self.lru.first() else { break };
+            let need = max_blocks - freed.len();
+            let have = self.node(id).blocks.len();
+            if have > need {
+                let n = self.node_mut(id);
+                let keep = n.edge.len() - need * bs;
+                n.edge.truncate(keep);
+                freed.extend(n.blocks.drain(have - need..));
+            } else {
+                freed.extend(self.remove_leaf(id));
+            }
+        }
+        for b in &freed {
+            self.owned.remove(b);
+        }
+        self.stats.cached_blocks -= freed.len() as u64;
+        self.stats.evicted_blocks += freed.len() as u64;
+        freed
+    }
+
+    /// `nodes` counts tenant roots too; `index_bytes` is computed on call
+    /// from the live structure (node table, edges, child maps, block lists,
+    /// LRU set and the owned-block set).
+    fn stats(&self) -> IndexStats {
+        let nodes: usize = self.nodes.iter().map(|(_, n)| n.heap_bytes()).sum();
+        let lru = self.lru.len() * (std::mem::size_of::<(u64, NodeId)>() + 8);
+        let owned = self.owned.capacity() * (std::mem::size_of::<BlockId>() + 1);
+        let roots = self.roots.capacity() * (std::mem::size_of::<(TenantSalt, NodeId)>() + 1);
+        IndexStats {
+            nodes: self.nodes.len() as u64,
+            index_bytes: (self.nodes.table_bytes() + nodes + lru + owned + roots) as u64,
+            ..self.stats.clone()
+        }
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        check::check(self)
+    }
+}
