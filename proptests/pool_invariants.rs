@@ -13,6 +13,7 @@ use std::collections::VecDeque;
 
 use omniprefix::batch::{RequestId, ScheduledBatch};
 use omniprefix::index::PrefixIndex;
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::sched::{Scheduler, SchedulerConfig};
 use omniprefix::Error;
 use proptest::prelude::*;
@@ -181,5 +182,12 @@ proptest! {
     fn random_operations_keep_every_invariant_with_the_reference_index(case in case()) {
         let index = Box::new(ReferenceIndex::new(case.config.block_size));
         run_case(&case, index)?;
+    }
+
+    #[test]
+    fn random_operations_keep_every_invariant_with_the_radix_index(case in case()) {
+        let config = RadixConfig { block_size: case.config.block_size, ..RadixConfig::default() };
+        let index = RadixIndex::new(config).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        run_case(&case, Box::new(index))?;
     }
 }

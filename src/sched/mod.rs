@@ -192,10 +192,15 @@ impl Scheduler {
             if t.in_flight.is_none() {
                 let chunk = (t.req.prompt.len() - t.num_computed).min(budget);
                 let need = (t.num_computed + chunk).div_ceil(self.config.block_size).saturating_sub(t.block_table.len());
-                if let Some(fresh) = self.reserve(need, Some(i))? {
-                    self.tracked_mut(id)?.block_table.extend(fresh);
-                    self.emit(id, chunk, &mut batch)?;
-                    budget -= chunk;
+                match self.reserve(need, Some(i))? {
+                    Some(fresh) => {
+                        self.tracked_mut(id)?.block_table.extend(fresh);
+                        self.emit(id, chunk, &mut batch)?;
+                        budget -= chunk;
+                    }
+                    // It preempted itself and is back at the head of the queue.
+                    None if self.running.get(i) != Some(&id) => continue,
+                    None => {}
                 }
             }
             i += 1;
@@ -384,22 +389,32 @@ impl Scheduler {
         }
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
-        let computed = if self.config.token_granular_reuse { usable } else { usable / bs * bs };
-        let shared = computed / bs;
-        let copy_src = (computed % bs != 0).then(|| m.blocks[shared]);
-        let chunk = (len - computed).min(budget);
-        let need = (computed + chunk).div_ceil(bs) - shared;
+        let mut computed = if self.config.token_granular_reuse { usable } else { usable / bs * bs };
         // Pin before evicting so eviction cannot take what was just matched.
-        let lock = (computed > 0).then(|| pinned_part(m, computed, bs));
+        let mut lock = (computed > 0).then(|| pinned_part(m, computed, bs));
         if let Some(m) = &lock {
             self.index.lock(m);
         }
-        let Some(fresh) = self.reserve(need, None)? else {
-            if let Some(m) = &lock {
-                self.index.unlock(m);
+        let mut whole_prompt = false;
+        let fresh = loop {
+            let upto = if whole_prompt { len } else { computed + (len - computed).min(budget) };
+            if let Some(fresh) = self.reserve(upto.div_ceil(bs) - computed / bs, None)? {
+                break fresh;
             }
-            return Ok(false);
+            let Some(m) = lock.take() else { return Ok(false) };
+            self.index.unlock(&m);
+            // An index may pin more than the match (a whole tree node). When
+            // nothing else runs, start without reuse and take every block the
+            // prompt needs now, so later locks cannot starve it.
+            if !self.running.is_empty() {
+                return Ok(false);
+            }
+            computed = 0;
+            whole_prompt = true;
         };
+        let shared = computed / bs;
+        let chunk = (len - computed).min(budget);
+        let copy_src = lock.as_ref().filter(|_| computed % bs != 0).and_then(|m| m.blocks.get(shared).copied());
         if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {
             batch.copies.push(BlockCopy { src, dst });
             self.stats.block_copies += 1;
@@ -461,15 +476,19 @@ impl Scheduler {
             if let Some(fresh) = self.pool.allocate(need) {
                 return Ok(Some(fresh));
             }
-            let victim = preempt_after.and_then(|after| {
-                self.running
-                    .iter()
-                    .enumerate()
-                    .rev()
-                    .find(|&(j, id)| j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none()))
-                    .map(|(j, _)| j)
-            });
-            let Some(j) = victim else { return Ok(None) };
+            let Some(after) = preempt_after else { return Ok(None) };
+            let newer = self
+                .running
+                .iter()
+                .enumerate()
+                .rev()
+                .find(|&(j, id)| j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none()))
+                .map(|(j, _)| j);
+            // Alone and still short: its own lock pins more than it reads (an
+            // index that locks whole tree nodes). Restarting re-matches, which
+            // reuses what it committed and releases the rest.
+            let alone = (self.running.len() == 1).then_some(after);
+            let Some(j) = newer.or(alone) else { return Ok(None) };
             let id = self.running.remove(j);
             self.release_cache_state(id)?;
             let t = self.tracked_mut(id)?;
@@ -477,6 +496,9 @@ impl Scheduler {
             t.num_computed = 0;
             self.waiting.push_front(id);
             self.stats.preemptions += 1;
+            if j == after {
+                return Ok(None);
+            }
         }
     }
 
