@@ -11,18 +11,22 @@ mod support;
 
 use std::collections::VecDeque;
 
+use omniprefix::Error;
 use omniprefix::batch::{RequestId, ScheduledBatch};
 use omniprefix::index::PrefixIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::sched::{Scheduler, SchedulerConfig};
-use omniprefix::Error;
 use proptest::prelude::*;
 use support::{ReferenceIndex, ShadowPages, text_request};
 
 #[derive(Debug, Clone)]
 enum Op {
     /// A prompt made of shared base `base` followed by `tail`, for `tenant`.
-    Admit { base: usize, tail: Vec<u32>, tenant: u64 },
+    Admit {
+        base: usize,
+        tail: Vec<u32>,
+        tenant: u64,
+    },
     /// Build a batch and run it on the shadow pages (completed later).
     Schedule,
     /// Complete the oldest outstanding batch.
@@ -41,15 +45,28 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    let config = (6usize..16, prop_oneof![Just(2usize), Just(4)], 1usize..20, 1usize..4, any::<bool>()).prop_map(
-        |(num_blocks, block_size, max_tokens_per_step, max_seqs_per_step, token_granular_reuse)| SchedulerConfig {
-            num_blocks,
-            block_size,
-            max_tokens_per_step,
-            max_seqs_per_step,
-            token_granular_reuse,
-        },
-    );
+    let config = (
+        6usize..16,
+        prop_oneof![Just(2usize), Just(4)],
+        1usize..20,
+        1usize..4,
+        any::<bool>(),
+    )
+        .prop_map(
+            |(
+                num_blocks,
+                block_size,
+                max_tokens_per_step,
+                max_seqs_per_step,
+                token_granular_reuse,
+            )| SchedulerConfig {
+                num_blocks,
+                block_size,
+                max_tokens_per_step,
+                max_seqs_per_step,
+                token_granular_reuse,
+            },
+        );
     let bases = prop::collection::vec(prop::collection::vec(0u32..3, 0..14), 1..4);
     let op = prop_oneof![
         3 => (0usize..4, prop::collection::vec(0u32..3, 1..10), 0u64..2)
@@ -59,7 +76,11 @@ fn case() -> impl Strategy<Value = Case> {
         2 => (0usize..8).prop_map(Op::Finish),
         1 => (0usize..8).prop_map(Op::Abort),
     ];
-    (config, bases, prop::collection::vec(op, 1..60)).prop_map(|(config, bases, ops)| Case { config, bases, ops })
+    (config, bases, prop::collection::vec(op, 1..60)).prop_map(|(config, bases, ops)| Case {
+        config,
+        bases,
+        ops,
+    })
 }
 
 /// The state the test keeps beside the scheduler.
@@ -74,9 +95,17 @@ struct Harness {
 
 impl Harness {
     fn new(config: SchedulerConfig, index: Box<dyn PrefixIndex>) -> Result<Self, TestCaseError> {
-        let sched = Scheduler::new(config, index).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let sched =
+            Scheduler::new(config, index).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let pages = ShadowPages::new(config.num_blocks, config.block_size);
-        Ok(Self { sched, pages, outstanding: VecDeque::new(), live: Vec::new(), completed: Vec::new(), next_id: 0 })
+        Ok(Self {
+            sched,
+            pages,
+            outstanding: VecDeque::new(),
+            live: Vec::new(),
+            completed: Vec::new(),
+            next_id: 0,
+        })
     }
 
     fn apply(&mut self, op: &Op, bases: &[Vec<u32>]) -> Result<(), TestCaseError> {
@@ -88,7 +117,8 @@ impl Harness {
                 let req = text_request(self.next_id, *tenant, &ids);
                 self.next_id += 1;
                 let cfg = *self.sched.config();
-                let needed = ids.len().div_ceil(cfg.block_size) + usize::from(cfg.token_granular_reuse);
+                let needed =
+                    ids.len().div_ceil(cfg.block_size) + usize::from(cfg.token_granular_reuse);
                 let before = self.sched.stats();
                 self.pages.register(&req);
                 let id = req.id;
@@ -111,7 +141,8 @@ impl Harness {
             }
             Op::Complete => {
                 if let Some(batch) = self.outstanding.pop_front() {
-                    self.completed.extend(self.sched.complete(&batch).map_err(fail)?);
+                    self.completed
+                        .extend(self.sched.complete(&batch).map_err(fail)?);
                 }
             }
             Op::Finish(k) => {
@@ -145,17 +176,27 @@ impl Harness {
                 return Ok(());
             }
             self.apply(&Op::Schedule, &[])?;
-            prop_assert!(!self.outstanding.is_empty(), "live requests {:?} but nothing can be scheduled", self.live);
+            prop_assert!(
+                !self.outstanding.is_empty(),
+                "live requests {:?} but nothing can be scheduled",
+                self.live
+            );
             self.apply(&Op::Complete, &[])?;
         }
-        Err(TestCaseError::fail(format!("requests {:?} never finished", self.live)))
+        Err(TestCaseError::fail(format!(
+            "requests {:?} never finished",
+            self.live
+        )))
     }
 
     /// After everything finished: every block is free or owned by the index.
     fn check_nothing_leaked(&self) -> Result<(), TestCaseError> {
         let stats = self.sched.stats();
         prop_assert_eq!(stats.blocks_in_use, 0, "blocks leaked: {:?}", stats);
-        prop_assert_eq!(stats.blocks_free + stats.blocks_cached, self.sched.config().num_blocks);
+        prop_assert_eq!(
+            stats.blocks_free + stats.blocks_cached,
+            self.sched.config().num_blocks
+        );
         prop_assert_eq!((stats.waiting, stats.running), (0, 0));
         Ok(())
     }

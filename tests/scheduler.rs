@@ -8,6 +8,8 @@ use std::sync::Arc;
 use ndarray::Array2;
 use omniprefix::batch::{BlockCopy, RequestId, ScheduledBatch};
 use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::index::PrefixIndex;
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
@@ -27,12 +29,26 @@ fn scheduler(cfg: SchedulerConfig) -> Result<Scheduler> {
     Scheduler::new(cfg, Box::new(ReferenceIndex::new(cfg.block_size)))
 }
 
+/// Both indexes: the brute-force reference and the radix tree.
+fn indexes(block_size: usize) -> Result<Vec<(&'static str, Box<dyn PrefixIndex>)>> {
+    let radix = RadixIndex::new(RadixConfig {
+        block_size,
+        ..RadixConfig::default()
+    })?;
+    Ok(vec![
+        ("reference", Box::new(ReferenceIndex::new(block_size))),
+        ("radix", Box::new(radix)),
+    ])
+}
+
 fn rfc_pair() -> Result<(Vec<u32>, Vec<u32>)> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/scenarios.json");
     let text = std::fs::read_to_string(path).map_err(|e| Error::InvalidRequest(e.to_string()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::InvalidRequest(e.to_string()))?;
     let ids = |key: &str| -> Result<Vec<u32>> {
-        serde_json::from_value(json["rfc_text_pair"][key].clone()).map_err(|e| Error::InvalidRequest(e.to_string()))
+        serde_json::from_value(json["rfc_text_pair"][key].clone())
+            .map_err(|e| Error::InvalidRequest(e.to_string()))
     };
     Ok((ids("prompt1")?, ids("prompt2")?))
 }
@@ -57,7 +73,9 @@ fn drive(sched: &mut Scheduler, pages: &mut ShadowPages) -> Result<Vec<Scheduled
         check(sched)?;
         batches.push(batch);
     }
-    Err(Error::InvalidRequest("scheduler did not drain in 1000 steps".into()))
+    Err(Error::InvalidRequest(
+        "scheduler did not drain in 1000 steps".into(),
+    ))
 }
 
 fn admit(sched: &mut Scheduler, pages: &mut ShadowPages, req: Request) -> Result<()> {
@@ -70,34 +88,60 @@ fn rfc_pair_reuses_32_tokens_aligned_and_46_token_granular() -> Result<()> {
     let (p1, p2) = rfc_pair()?;
     assert_eq!((p1.len(), p2.len()), (67, 57));
     for (switch, cached) in [(false, 32), (true, 46)] {
-        let mut sched = scheduler(config(32, 256, switch))?;
-        let mut pages = ShadowPages::new(32, 16);
-        admit(&mut sched, &mut pages, text_request(1, 0, &p1))?;
-        let first = sched.schedule()?;
-        let p1_table = first.seqs[0].block_table.clone();
-        pages.run(&first).map_err(Error::InvalidRequest)?;
-        assert_eq!(sched.complete(&first)?, vec![1]);
-        sched.finish(1)?;
-        assert_eq!(sched.stats().blocks_cached, 4, "67 tokens leave 4 full blocks cached");
+        for (name, index) in indexes(16)? {
+            let mut sched = Scheduler::new(config(32, 256, switch), index)?;
+            let mut pages = ShadowPages::new(32, 16);
+            admit(&mut sched, &mut pages, text_request(1, 0, &p1))?;
+            let first = sched.schedule()?;
+            let p1_table = first.seqs[0].block_table.clone();
+            pages.run(&first).map_err(Error::InvalidRequest)?;
+            assert_eq!(sched.complete(&first)?, vec![1]);
+            sched.finish(1)?;
+            assert_eq!(
+                sched.stats().blocks_cached,
+                4,
+                "67 tokens leave 4 full blocks cached"
+            );
 
-        admit(&mut sched, &mut pages, text_request(2, 0, &p2))?;
-        let batch = sched.schedule()?;
-        let seq = &batch.seqs[0];
-        assert_eq!(seq.num_computed_tokens, cached, "token_granular_reuse = {switch}");
-        assert_eq!(seq.token_ids, p2[cached..]);
-        assert_eq!(seq.block_table[..2], p1_table[..2], "whole cached blocks are shared");
-        let want_copies = if switch { vec![BlockCopy { src: p1_table[2], dst: seq.block_table[2] }] } else { vec![] };
-        assert_eq!(batch.copies, want_copies);
-        assert_eq!(seq.positions, Positions::Linear((cached as i64..57).collect()));
-        assert!(seq.emits_output);
-        pages.run(&batch).map_err(Error::InvalidRequest)?;
-        sched.complete(&batch)?;
-        sched.finish(2)?;
-        let stats = sched.stats();
-        assert_eq!((stats.queries, stats.hits, stats.hit_tokens), (2, 1, cached as u64));
-        assert_eq!(stats.blocks_in_use, 0);
-        assert_eq!(stats.blocks_free + stats.blocks_cached, 32);
-        check(&sched)?;
+            admit(&mut sched, &mut pages, text_request(2, 0, &p2))?;
+            let batch = sched.schedule()?;
+            let seq = &batch.seqs[0];
+            assert_eq!(
+                seq.num_computed_tokens, cached,
+                "{name} index, token_granular_reuse = {switch}"
+            );
+            assert_eq!(seq.token_ids, p2[cached..]);
+            assert_eq!(
+                seq.block_table[..2],
+                p1_table[..2],
+                "whole cached blocks are shared"
+            );
+            let want_copies = if switch {
+                vec![BlockCopy {
+                    src: p1_table[2],
+                    dst: seq.block_table[2],
+                }]
+            } else {
+                vec![]
+            };
+            assert_eq!(batch.copies, want_copies);
+            assert_eq!(
+                seq.positions,
+                Positions::Linear((cached as i64..57).collect())
+            );
+            assert!(seq.emits_output);
+            pages.run(&batch).map_err(Error::InvalidRequest)?;
+            sched.complete(&batch)?;
+            sched.finish(2)?;
+            let stats = sched.stats();
+            assert_eq!(
+                (stats.queries, stats.hits, stats.hit_tokens),
+                (2, 1, cached as u64)
+            );
+            assert_eq!(stats.blocks_in_use, 0);
+            assert_eq!(stats.blocks_free + stats.blocks_cached, 32);
+            check(&sched)?;
+        }
     }
     Ok(())
 }
@@ -112,9 +156,19 @@ fn chunked_prefill_covers_each_prompt_exactly_once_within_budget() -> Result<()>
     admit(&mut sched, &mut pages, text_request(2, 7, &p2))?;
     let batches = drive(&mut sched, &mut pages)?;
     for (id, prompt) in [(1, &p1), (2, &p2)] {
-        let seqs: Vec<_> = batches.iter().flat_map(|b| &b.seqs).filter(|s| s.request == id).collect();
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.token_ids.iter().copied()).collect();
-        assert_eq!(&tokens, prompt, "request {id}: chunks cover the prompt once, in order");
+        let seqs: Vec<_> = batches
+            .iter()
+            .flat_map(|b| &b.seqs)
+            .filter(|s| s.request == id)
+            .collect();
+        let tokens: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.token_ids.iter().copied())
+            .collect();
+        assert_eq!(
+            &tokens, prompt,
+            "request {id}: chunks cover the prompt once, in order"
+        );
         let mut next = 0;
         for s in &seqs {
             assert_eq!(s.num_computed_tokens, next);
@@ -125,7 +179,10 @@ fn chunked_prefill_covers_each_prompt_exactly_once_within_budget() -> Result<()>
         assert_eq!(seqs.iter().filter(|s| s.emits_output).count(), 1);
     }
     assert!(batches.iter().all(|b| b.num_new_tokens() <= budget));
-    assert!(batches.iter().any(|b| b.seqs.len() == 2), "two requests share a step");
+    assert!(
+        batches.iter().any(|b| b.seqs.len() == 2),
+        "two requests share a step"
+    );
     assert_eq!(sched.stats().blocks_in_use, 0);
     Ok(())
 }
@@ -142,7 +199,10 @@ fn fully_cached_prompt_still_computes_its_last_token() -> Result<()> {
         admit(&mut sched, &mut pages, text_request(2, 0, &aligned))?;
         let batches = drive(&mut sched, &mut pages)?;
         let seq = &batches[0].seqs[0];
-        assert_eq!(seq.num_computed_tokens, want, "token_granular_reuse = {switch}");
+        assert_eq!(
+            seq.num_computed_tokens, want,
+            "token_granular_reuse = {switch}"
+        );
         assert!(seq.emits_output);
         assert_eq!(batches[0].copies.len(), usize::from(switch));
     }
@@ -161,11 +221,21 @@ fn identical_prompts_in_one_step_end_up_sharing_the_index_copy() -> Result<()> {
     pages.run(&batch).map_err(Error::InvalidRequest)?;
     assert_eq!(sched.complete(&batch)?, vec![1, 2]);
     check(&sched)?;
-    let (t1, t2) = (sched.block_table(1).unwrap_or_default(), sched.block_table(2).unwrap_or_default());
-    assert_eq!(t1[..4], t2[..4], "request 2's duplicate full blocks were swapped for the index's");
+    let (t1, t2) = (
+        sched.block_table(1).unwrap_or_default(),
+        sched.block_table(2).unwrap_or_default(),
+    );
+    assert_eq!(
+        t1[..4],
+        t2[..4],
+        "request 2's duplicate full blocks were swapped for the index's"
+    );
     assert_ne!(t1[4], t2[4], "partial last blocks stay private");
     let stats = sched.stats();
-    assert_eq!((stats.blocks_cached, stats.blocks_in_use, stats.blocks_free), (4, 2, 10));
+    assert_eq!(
+        (stats.blocks_cached, stats.blocks_in_use, stats.blocks_free),
+        (4, 2, 10)
+    );
     sched.finish(1)?;
     sched.finish(2)?;
     check(&sched)
@@ -195,7 +265,10 @@ fn pool_pressure_evicts_unlocked_cache_lru_first() -> Result<()> {
     assert_eq!(sched.stats().evicted_blocks, 4);
     admit(&mut sched, &mut pages, text_request(5, 0, &a))?;
     let batches = drive(&mut sched, &mut pages)?;
-    assert_eq!(batches[0].seqs[0].num_computed_tokens, 0, "a was evicted entirely");
+    assert_eq!(
+        batches[0].seqs[0].num_computed_tokens, 0,
+        "a was evicted entirely"
+    );
     Ok(())
 }
 
@@ -210,7 +283,13 @@ fn short_pool_preempts_the_newest_so_the_oldest_progresses() -> Result<()> {
     // Two steps in flight at once: b starts while a's first chunk is out.
     let first = sched.schedule()?;
     let second = sched.schedule()?;
-    let ids = |batch: &ScheduledBatch| batch.seqs.iter().map(|s| s.request).collect::<Vec<RequestId>>();
+    let ids = |batch: &ScheduledBatch| {
+        batch
+            .seqs
+            .iter()
+            .map(|s| s.request)
+            .collect::<Vec<RequestId>>()
+    };
     assert_eq!((ids(&first), ids(&second)), (vec![1], vec![2]));
     for batch in [&first, &second] {
         pages.run(batch).map_err(Error::InvalidRequest)?;
@@ -218,11 +297,24 @@ fn short_pool_preempts_the_newest_so_the_oldest_progresses() -> Result<()> {
     }
     // a needs 3 more blocks, 2 are free and b pins the rest: b is sent back.
     let batches = drive(&mut sched, &mut pages)?;
-    let finished: Vec<RequestId> = batches.iter().flat_map(|b| &b.seqs).filter(|s| s.emits_output).map(|s| s.request).collect();
+    let finished: Vec<RequestId> = batches
+        .iter()
+        .flat_map(|b| &b.seqs)
+        .filter(|s| s.emits_output)
+        .map(|s| s.request)
+        .collect();
     assert_eq!(finished, vec![1, 2]);
     assert_eq!(sched.stats().preemptions, 1);
-    let restart = batches.iter().flat_map(|b| &b.seqs).find(|s| s.request == 2).map(|s| s.num_computed_tokens);
-    assert_eq!(restart, Some(16), "b rematches what survived of its committed blocks");
+    let restart = batches
+        .iter()
+        .flat_map(|b| &b.seqs)
+        .find(|s| s.request == 2)
+        .map(|s| s.num_computed_tokens);
+    assert_eq!(
+        restart,
+        Some(16),
+        "b rematches what survived of its committed blocks"
+    );
     Ok(())
 }
 
@@ -240,10 +332,16 @@ fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> Result<()> {
     let batch = sched.schedule()?;
     pages.run(&batch).map_err(Error::InvalidRequest)?;
     sched.abort(1)?;
-    assert!(sched.complete(&batch)?.is_empty(), "an aborted request's share is ignored");
+    assert!(
+        sched.complete(&batch)?.is_empty(),
+        "an aborted request's share is ignored"
+    );
     check(&sched)?;
     let stats = sched.stats();
-    assert_eq!((stats.blocks_cached, stats.blocks_in_use, stats.blocks_free), (1, 0, 4));
+    assert_eq!(
+        (stats.blocks_cached, stats.blocks_in_use, stats.blocks_free),
+        (1, 0, 4)
+    );
     // No lock is left: a request needing the whole pool can evict that block.
     let other: Vec<u32> = (1000..1080).collect();
     admit(&mut sched, &mut pages, text_request(2, 0, &other))?;
@@ -258,7 +356,9 @@ fn image_prompt(tenant: u64) -> (CanonicalPrompt, Arc<Array2<f32>>) {
         check: None,
         retained: None,
         modality: Modality::Image,
-        layout: ItemLayout::Image { grid_thw: [1, 4, 6] },
+        layout: ItemLayout::Image {
+            grid_thw: [1, 4, 6],
+        },
         num_tokens: 6,
         content_bytes: 96,
     });
@@ -266,10 +366,24 @@ fn image_prompt(tenant: u64) -> (CanonicalPrompt, Arc<Array2<f32>>) {
     let token_ids = vec![1, 2, 3, pad, pad, pad, pad, pad, pad, 4, 5];
     let prompt = CanonicalPrompt {
         tenant,
-        atoms: vec![Atom::Text(vec![1, 2, 3]), Atom::Item { id: identity.clone(), rows: 0..6 }, Atom::Text(vec![4, 5])],
+        atoms: vec![
+            Atom::Text(vec![1, 2, 3]),
+            Atom::Item {
+                id: identity.clone(),
+                rows: 0..6,
+            },
+            Atom::Text(vec![4, 5]),
+        ],
         token_ids,
         items: vec![identity],
-        index_map: IndexMap { placeholders: (3u32..9).collect(), spans: vec![ItemSpan { item: 0, rows: 0..6, start: 3 }] },
+        index_map: IndexMap {
+            placeholders: (3u32..9).collect(),
+            spans: vec![ItemSpan {
+                item: 0,
+                rows: 0..6,
+                start: 3,
+            }],
+        },
         positions: Positions::Linear((0..11).collect()),
     };
     let emb = Array2::from_shape_fn((6, 8), |(r, c)| (r * 8 + c) as f32);
@@ -278,19 +392,45 @@ fn image_prompt(tenant: u64) -> (CanonicalPrompt, Arc<Array2<f32>>) {
 
 #[test]
 fn item_rows_are_placed_in_the_chunk_that_holds_them() -> Result<()> {
-    let cfg = SchedulerConfig { num_blocks: 8, block_size: 4, max_tokens_per_step: 5, max_seqs_per_step: 1, token_granular_reuse: false };
+    let cfg = SchedulerConfig {
+        num_blocks: 8,
+        block_size: 4,
+        max_tokens_per_step: 5,
+        max_seqs_per_step: 1,
+        token_granular_reuse: false,
+    };
     let mut sched = Scheduler::new(cfg, Box::new(ReferenceIndex::new(4)))?;
     let mut pages = ShadowPages::new(8, 4);
     let (prompt, emb) = image_prompt(0);
-    admit(&mut sched, &mut pages, Request { id: 1, prompt, item_embeddings: vec![emb.clone()], hidden_size: Some(8) })?;
+    admit(
+        &mut sched,
+        &mut pages,
+        Request {
+            id: 1,
+            prompt,
+            item_embeddings: vec![emb.clone()],
+            hidden_size: Some(8),
+        },
+    )?;
     let batches = drive(&mut sched, &mut pages)?;
     let placed: Vec<Vec<(usize, std::ops::Range<usize>)>> = batches
         .iter()
-        .map(|b| b.seqs[0].embeds.iter().map(|e| (e.step_offset, e.rows.clone())).collect())
+        .map(|b| {
+            b.seqs[0]
+                .embeds
+                .iter()
+                .map(|e| (e.step_offset, e.rows.clone()))
+                .collect()
+        })
         .collect();
     // Chunks 0..5, 5..10, 10..11; the image sits at positions 3..9.
     assert_eq!(placed, vec![vec![(3, 0..2)], vec![(0, 2..6)], vec![]]);
-    assert!(batches.iter().flat_map(|b| &b.seqs[0].embeds).all(|e| Arc::ptr_eq(&e.embeddings, &emb)));
+    assert!(
+        batches
+            .iter()
+            .flat_map(|b| &b.seqs[0].embeds)
+            .all(|e| Arc::ptr_eq(&e.embeddings, &emb))
+    );
     Ok(())
 }
 
@@ -305,38 +445,166 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     let table = sched.block_table(1).map(<[u32]>::to_vec);
 
     let err = sched.admit(text_request(1, 0, &p1)).err();
-    assert!(matches!(err, Some(Error::DuplicateRequest { id: 1 })), "{err:?}");
+    assert!(
+        matches!(err, Some(Error::DuplicateRequest { id: 1 })),
+        "{err:?}"
+    );
     let long: Vec<u32> = (0..81).collect();
     let err = sched.admit(text_request(2, 0, &long)).err();
-    assert!(matches!(err, Some(Error::RequestTooLarge { id: 2, needed: 6, num_blocks: 5 })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::RequestTooLarge {
+                id: 2,
+                needed: 6,
+                num_blocks: 5
+            })
+        ),
+        "{err:?}"
+    );
     let err = sched.admit(text_request(3, 0, &[])).err();
-    assert!(matches!(err, Some(Error::PromptMismatch { id: 3, what: "prompt length", .. })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::PromptMismatch {
+                id: 3,
+                what: "prompt length",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
     let mut bad_positions = text_request(4, 0, &[1, 2, 3]);
     bad_positions.prompt.positions = Positions::Linear(vec![0, 1]);
     let err = sched.admit(bad_positions).err();
-    assert!(matches!(err, Some(Error::PromptMismatch { what: "positions length", expected: 3, found: 2, .. })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::PromptMismatch {
+                what: "positions length",
+                expected: 3,
+                found: 2,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
 
     let (prompt, emb) = image_prompt(0);
-    let missing = Request { id: 5, prompt: prompt.clone(), item_embeddings: vec![], hidden_size: None };
+    let missing = Request {
+        id: 5,
+        prompt: prompt.clone(),
+        item_embeddings: vec![],
+        hidden_size: None,
+    };
     let err = sched.admit(missing).err();
-    assert!(matches!(err, Some(Error::EmbeddingMismatch { what: "number of item embeddings", expected: 1, found: 0, .. })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::EmbeddingMismatch {
+                what: "number of item embeddings",
+                expected: 1,
+                found: 0,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
     let short = Arc::new(Array2::<f32>::zeros((5, 8)));
-    let err = sched.admit(Request { id: 6, prompt: prompt.clone(), item_embeddings: vec![short], hidden_size: None }).err();
-    assert!(matches!(err, Some(Error::EmbeddingMismatch { what: "embedding rows", expected: 6, found: 5, .. })), "{err:?}");
-    let err = sched.admit(Request { id: 7, prompt: prompt.clone(), item_embeddings: vec![emb.clone()], hidden_size: Some(16) }).err();
-    assert!(matches!(err, Some(Error::EmbeddingMismatch { what: "embedding columns", expected: 16, found: 8, .. })), "{err:?}");
+    let err = sched
+        .admit(Request {
+            id: 6,
+            prompt: prompt.clone(),
+            item_embeddings: vec![short],
+            hidden_size: None,
+        })
+        .err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::EmbeddingMismatch {
+                what: "embedding rows",
+                expected: 6,
+                found: 5,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let err = sched
+        .admit(Request {
+            id: 7,
+            prompt: prompt.clone(),
+            item_embeddings: vec![emb.clone()],
+            hidden_size: Some(16),
+        })
+        .err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::EmbeddingMismatch {
+                what: "embedding columns",
+                expected: 16,
+                found: 8,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
     let mut out_of_range = prompt;
     out_of_range.index_map.spans[0].start = 8;
-    let err = sched.admit(Request { id: 8, prompt: out_of_range, item_embeddings: vec![emb], hidden_size: None }).err();
-    assert!(matches!(err, Some(Error::PromptMismatch { what: "index map span end", expected: 11, found: 14, .. })), "{err:?}");
+    let err = sched
+        .admit(Request {
+            id: 8,
+            prompt: out_of_range,
+            item_embeddings: vec![emb],
+            hidden_size: None,
+        })
+        .err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::PromptMismatch {
+                what: "index map span end",
+                expected: 11,
+                found: 14,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
 
     let mut forged = batch.clone();
     forged.seqs[0].token_ids.pop();
     let err = sched.complete(&forged).err();
-    assert!(matches!(err, Some(Error::BatchMismatch { id: 1, what: "new tokens", expected: 16, found: 15 })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::BatchMismatch {
+                id: 1,
+                what: "new tokens",
+                expected: 16,
+                found: 15
+            })
+        ),
+        "{err:?}"
+    );
     let err = sched.finish(1).err();
-    assert!(matches!(err, Some(Error::RequestNotFinished { id: 1, computed: 0, len: 67 })), "{err:?}");
-    assert!(matches!(sched.abort(42), Err(Error::UnknownRequest { id: 42 })));
+    assert!(
+        matches!(
+            err,
+            Some(Error::RequestNotFinished {
+                id: 1,
+                computed: 0,
+                len: 67
+            })
+        ),
+        "{err:?}"
+    );
+    assert!(matches!(
+        sched.abort(42),
+        Err(Error::UnknownRequest { id: 42 })
+    ));
 
     assert_eq!(sched.stats(), before);
     assert_eq!(sched.block_table(1).map(<[u32]>::to_vec), table);
@@ -344,14 +612,42 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     pages.run(&batch).map_err(Error::InvalidRequest)?;
     sched.complete(&batch)?;
     let err = sched.complete(&batch).err();
-    assert!(matches!(err, Some(Error::BatchMismatch { what: "new tokens", expected: 0, .. })), "completing twice: {err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::BatchMismatch {
+                what: "new tokens",
+                expected: 0,
+                ..
+            })
+        ),
+        "completing twice: {err:?}"
+    );
     check(&sched)
 }
 
 #[test]
 fn config_must_agree_with_the_index() {
     let err = Scheduler::new(config(8, 16, false), Box::new(ReferenceIndex::new(32))).err();
-    assert!(matches!(err, Some(Error::InvalidConfig { field: "block_size", .. })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::InvalidConfig {
+                field: "block_size",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
     let err = scheduler(config(8, 0, false)).err();
-    assert!(matches!(err, Some(Error::InvalidConfig { field: "max_tokens_per_step", .. })), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::InvalidConfig {
+                field: "max_tokens_per_step",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
 }

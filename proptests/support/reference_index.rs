@@ -6,7 +6,9 @@
 //! run against while the radix index is written in parallel.
 
 use omniprefix::Result;
-use omniprefix::index::{BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch};
+use omniprefix::index::{
+    BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch,
+};
 use omniprefix::prompt::{Atom, CanonicalPrompt};
 
 /// What determines a position's KV: its text token, or (item fingerprint, row).
@@ -22,7 +24,9 @@ pub fn keys_of(prompt: &CanonicalPrompt) -> Vec<Key> {
     for atom in &prompt.atoms {
         match atom {
             Atom::Text(ids) => keys.extend(ids.iter().map(|&t| Key::Text(t))),
-            Atom::Item { id, rows } => keys.extend(rows.clone().map(|r| Key::Row(id.fingerprint.0, r))),
+            Atom::Item { id, rows } => {
+                keys.extend(rows.clone().map(|r| Key::Row(id.fingerprint.0, r)))
+            }
         }
     }
     keys
@@ -49,21 +53,33 @@ pub struct ReferenceIndex {
 
 impl ReferenceIndex {
     pub fn new(block_size: usize) -> Self {
-        Self { block_size, entries: Vec::new(), clock: 0, stats: IndexStats::default() }
+        Self {
+            block_size,
+            entries: Vec::new(),
+            clock: 0,
+            stats: IndexStats::default(),
+        }
     }
 
     fn find(&self, tenant: u64, keys: &[Key]) -> Option<usize> {
-        self.entries.iter().position(|e| e.tenant == tenant && e.keys == keys)
+        self.entries
+            .iter()
+            .position(|e| e.tenant == tenant && e.keys == keys)
     }
 
     fn has_child(&self, e: &Entry) -> bool {
         self.entries.iter().any(|c| {
-            c.tenant == e.tenant && c.keys.len() == e.keys.len() + self.block_size && c.keys.starts_with(&e.keys)
+            c.tenant == e.tenant
+                && c.keys.len() == e.keys.len() + self.block_size
+                && c.keys.starts_with(&e.keys)
         })
     }
 
     fn entry_of_block(&mut self, block: BlockId) -> &mut Entry {
-        self.entries.iter_mut().find(|e| e.block == block).expect("locked block is cached")
+        self.entries
+            .iter_mut()
+            .find(|e| e.block == block)
+            .expect("locked block is cached")
     }
 }
 
@@ -94,9 +110,20 @@ impl PrefixIndex for ReferenceIndex {
             .iter()
             .enumerate()
             .filter(|(_, e)| {
-                e.tenant == prompt.tenant && e.keys.len() == aligned + bs && e.keys[..aligned] == keys[..aligned]
+                e.tenant == prompt.tenant
+                    && e.keys.len() == aligned + bs
+                    && e.keys[..aligned] == keys[..aligned]
             })
-            .map(|(i, e)| (e.keys[aligned..].iter().zip(rest).take_while(|(a, b)| a == b).count(), i))
+            .map(|(i, e)| {
+                (
+                    e.keys[aligned..]
+                        .iter()
+                        .zip(rest)
+                        .take_while(|(a, b)| a == b)
+                        .count(),
+                    i,
+                )
+            })
             .max()
             .filter(|&(lcp, _)| lcp > 0);
         let mut tokens = aligned;

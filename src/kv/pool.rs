@@ -71,7 +71,11 @@ impl BlockPool {
         let blocks = (0..num_blocks as BlockId)
             .map(|id| Block {
                 state: BlockState::Free,
-                next: if id + 1 == num_blocks as BlockId { NIL } else { id + 1 },
+                next: if id + 1 == num_blocks as BlockId {
+                    NIL
+                } else {
+                    id + 1
+                },
             })
             .collect();
         Ok(Self {
@@ -118,7 +122,11 @@ impl BlockPool {
         for _ in 0..n {
             let id = self.head;
             let block = &mut self.blocks[id as usize];
-            debug_assert_eq!(block.state, BlockState::Free, "free list holds a non-free block");
+            debug_assert_eq!(
+                block.state,
+                BlockState::Free,
+                "free list holds a non-free block"
+            );
             self.head = block.next;
             block.next = NIL;
             block.state = BlockState::InUse { refs: 1 };
@@ -200,7 +208,10 @@ impl BlockPool {
                 .get(cursor as usize)
                 .ok_or_else(|| format!("free list points at block {cursor} outside the pool"))?;
             if block.state != BlockState::Free {
-                return Err(format!("block {cursor} is on the free list but {:?}", block.state));
+                return Err(format!(
+                    "block {cursor} is on the free list but {:?}",
+                    block.state
+                ));
             }
             if std::mem::replace(&mut on_list[cursor as usize], true) {
                 return Err(format!("free list revisits block {cursor} (cycle)"));
@@ -210,15 +221,22 @@ impl BlockPool {
             cursor = block.next;
         }
         if last != self.tail {
-            return Err(format!("free list ends at {last} but tail is {}", self.tail));
+            return Err(format!(
+                "free list ends at {last} but tail is {}",
+                self.tail
+            ));
         }
         let (mut free, mut indexed) = (0usize, 0usize);
         for (id, block) in self.blocks.iter().enumerate() {
             match block.state {
-                BlockState::Free if !on_list[id] => return Err(format!("free block {id} is not on the free list")),
+                BlockState::Free if !on_list[id] => {
+                    return Err(format!("free block {id} is not on the free list"));
+                }
                 BlockState::Free => free += 1,
                 BlockState::Indexed => indexed += 1,
-                BlockState::InUse { refs: 0 } => return Err(format!("in-use block {id} has no references")),
+                BlockState::InUse { refs: 0 } => {
+                    return Err(format!("in-use block {id} has no references"));
+                }
                 BlockState::InUse { .. } => {}
             }
         }
@@ -229,7 +247,10 @@ impl BlockPool {
             ));
         }
         if indexed != self.num_indexed {
-            return Err(format!("indexed count {} but {indexed} blocks indexed", self.num_indexed));
+            return Err(format!(
+                "indexed count {} but {indexed} blocks indexed",
+                self.num_indexed
+            ));
         }
         Ok(())
     }
@@ -247,7 +268,10 @@ impl BlockPool {
     fn block(&self, block: BlockId) -> Result<&Block> {
         self.blocks
             .get(block as usize)
-            .ok_or(Error::BlockOutOfRange { block, num_blocks: self.blocks.len() })
+            .ok_or(Error::BlockOutOfRange {
+                block,
+                num_blocks: self.blocks.len(),
+            })
     }
 
     fn block_mut(&mut self, block: BlockId) -> Result<&mut Block> {
@@ -259,7 +283,11 @@ impl BlockPool {
 }
 
 fn misuse(op: &'static str, block: BlockId, state: BlockState) -> Error {
-    Error::BlockStateMisuse { op, block, state: format!("{state:?}") }
+    Error::BlockStateMisuse {
+        op,
+        block,
+        state: format!("{state:?}"),
+    }
 }
 
 #[cfg(test)]
@@ -271,7 +299,9 @@ mod tests {
         let mut pool = BlockPool::new(3)?;
         assert_eq!(pool.allocate(4), None);
         assert_eq!(pool.num_free(), 3);
-        let a = pool.allocate(2).ok_or(Error::InvalidRequest("pool short".into()))?;
+        let a = pool
+            .allocate(2)
+            .ok_or(Error::InvalidRequest("pool short".into()))?;
         assert_eq!(a, vec![0, 1]);
         pool.release(1)?;
         pool.release(0)?;
@@ -285,7 +315,9 @@ mod tests {
     #[test]
     fn refcounts_count_users_and_never_go_negative() -> Result<()> {
         let mut pool = BlockPool::new(2)?;
-        let id = pool.allocate(1).ok_or(Error::InvalidRequest("pool short".into()))?[0];
+        let id = pool
+            .allocate(1)
+            .ok_or(Error::InvalidRequest("pool short".into()))?[0];
         pool.retain(id)?;
         assert_eq!(pool.state(id)?, BlockState::InUse { refs: 2 });
         pool.release(id)?;
@@ -293,9 +325,28 @@ mod tests {
         pool.release(id)?;
         assert_eq!(pool.state(id)?, BlockState::Free);
         let err = pool.release(id).err();
-        assert!(matches!(err, Some(Error::BlockStateMisuse { op: "release", block: 0, .. })), "{err:?}");
-        assert!(matches!(pool.retain(id), Err(Error::BlockStateMisuse { op: "retain", .. })));
-        assert!(matches!(pool.release(9), Err(Error::BlockOutOfRange { block: 9, num_blocks: 2 })));
+        assert!(
+            matches!(
+                err,
+                Some(Error::BlockStateMisuse {
+                    op: "release",
+                    block: 0,
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+        assert!(matches!(
+            pool.retain(id),
+            Err(Error::BlockStateMisuse { op: "retain", .. })
+        ));
+        assert!(matches!(
+            pool.release(9),
+            Err(Error::BlockOutOfRange {
+                block: 9,
+                num_blocks: 2
+            })
+        ));
         assert_eq!(pool.num_free(), 2);
         pool.validate().map_err(Error::InvalidRequest)
     }
@@ -303,23 +354,46 @@ mod tests {
     #[test]
     fn indexed_blocks_leave_the_free_list_until_evicted() -> Result<()> {
         let mut pool = BlockPool::new(2)?;
-        let ids = pool.allocate(2).ok_or(Error::InvalidRequest("pool short".into()))?;
+        let ids = pool
+            .allocate(2)
+            .ok_or(Error::InvalidRequest("pool short".into()))?;
         pool.retain(ids[1])?;
         // Only a block with a single user can be handed over.
-        assert!(matches!(pool.adopt_by_index(ids[1]), Err(Error::BlockStateMisuse { op: "adopt", .. })));
+        assert!(matches!(
+            pool.adopt_by_index(ids[1]),
+            Err(Error::BlockStateMisuse { op: "adopt", .. })
+        ));
         pool.adopt_by_index(ids[0])?;
-        assert_eq!((pool.num_free(), pool.num_indexed(), pool.num_in_use()), (0, 1, 1));
-        assert!(matches!(pool.release(ids[0]), Err(Error::BlockStateMisuse { .. })));
-        assert!(matches!(pool.reclaim_evicted(ids[1]), Err(Error::BlockStateMisuse { op: "reclaim", .. })));
+        assert_eq!(
+            (pool.num_free(), pool.num_indexed(), pool.num_in_use()),
+            (0, 1, 1)
+        );
+        assert!(matches!(
+            pool.release(ids[0]),
+            Err(Error::BlockStateMisuse { .. })
+        ));
+        assert!(matches!(
+            pool.reclaim_evicted(ids[1]),
+            Err(Error::BlockStateMisuse { op: "reclaim", .. })
+        ));
         pool.reclaim_evicted(ids[0])?;
         assert_eq!(pool.state(ids[0])?, BlockState::Free);
-        assert_eq!((pool.num_free(), pool.num_indexed(), pool.num_in_use()), (1, 0, 1));
+        assert_eq!(
+            (pool.num_free(), pool.num_indexed(), pool.num_in_use()),
+            (1, 0, 1)
+        );
         pool.validate().map_err(Error::InvalidRequest)
     }
 
     #[test]
     fn rejects_empty_pool() {
-        assert!(matches!(BlockPool::new(0), Err(Error::InvalidConfig { field: "num_blocks", .. })));
+        assert!(matches!(
+            BlockPool::new(0),
+            Err(Error::InvalidConfig {
+                field: "num_blocks",
+                ..
+            })
+        ));
     }
 
     #[test]

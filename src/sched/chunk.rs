@@ -17,14 +17,26 @@ pub(super) fn slice_positions(positions: &Positions, range: Range<usize>) -> Pos
     };
     match positions {
         Positions::Linear(p) => Positions::Linear(cut(p)),
-        Positions::Mrope { t, h, w, rope_delta } => {
-            Positions::Mrope { t: cut(t), h: cut(h), w: cut(w), rope_delta: *rope_delta }
-        }
+        Positions::Mrope {
+            t,
+            h,
+            w,
+            rope_delta,
+        } => Positions::Mrope {
+            t: cut(t),
+            h: cut(h),
+            w: cut(w),
+            rope_delta: *rope_delta,
+        },
     }
 }
 
 /// Item rows whose positions fall in `range`, with offsets relative to the chunk.
-pub(super) fn embeds_in(index_map: &IndexMap, embeddings: &[Arc<Array2<f32>>], range: Range<usize>) -> Vec<EmbedRows> {
+pub(super) fn embeds_in(
+    index_map: &IndexMap,
+    embeddings: &[Arc<Array2<f32>>],
+    range: Range<usize>,
+) -> Vec<EmbedRows> {
     index_map
         .spans
         .iter()
@@ -46,7 +58,11 @@ pub(super) fn embeds_in(index_map: &IndexMap, embeddings: &[Arc<Array2<f32>>], r
 }
 
 /// Pool slot of every position in `range`, given a block table that covers it.
-pub(super) fn slot_mapping(block_table: &[BlockId], block_size: usize, range: Range<usize>) -> Vec<i64> {
+pub(super) fn slot_mapping(
+    block_table: &[BlockId],
+    block_size: usize,
+    range: Range<usize>,
+) -> Vec<i64> {
     range
         .map(|pos| {
             let block = block_table.get(pos / block_size).copied();
@@ -68,12 +84,23 @@ mod tests {
             placeholders: (3u32..9).collect(),
             // Item 0 rows 0..4 at positions 3..7, rows 4..6 at 7..9 (an interleaved split).
             spans: vec![
-                ItemSpan { item: 0, rows: 0..4, start: 3 },
-                ItemSpan { item: 0, rows: 4..6, start: 7 },
+                ItemSpan {
+                    item: 0,
+                    rows: 0..4,
+                    start: 3,
+                },
+                ItemSpan {
+                    item: 0,
+                    rows: 4..6,
+                    start: 7,
+                },
             ],
         };
         let got = embeds_in(&map, &[emb], 5..8);
-        let got: Vec<_> = got.iter().map(|e| (e.step_offset, e.rows.clone())).collect();
+        let got: Vec<_> = got
+            .iter()
+            .map(|e| (e.step_offset, e.rows.clone()))
+            .collect();
         assert_eq!(got, vec![(0, 2..4), (2, 4..5)]);
     }
 
@@ -84,8 +111,18 @@ mod tests {
 
     #[test]
     fn mrope_slices_keep_the_delta() {
-        let p = Positions::Mrope { t: vec![0, 1, 2], h: vec![0, 1, 1], w: vec![0, 2, 2], rope_delta: -3 };
-        let want = Positions::Mrope { t: vec![1, 2], h: vec![1, 1], w: vec![2, 2], rope_delta: -3 };
+        let p = Positions::Mrope {
+            t: vec![0, 1, 2],
+            h: vec![0, 1, 1],
+            w: vec![0, 2, 2],
+            rope_delta: -3,
+        };
+        let want = Positions::Mrope {
+            t: vec![1, 2],
+            h: vec![1, 1],
+            w: vec![2, 2],
+            rope_delta: -3,
+        };
         assert_eq!(slice_positions(&p, 1..3), want);
     }
 }

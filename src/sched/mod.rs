@@ -91,13 +91,50 @@ struct Tracked {
 
 /// Admits requests, matches their prefixes and builds the batches the runner executes.
 ///
-/// ```ignore
+/// ```
+/// use omniprefix::index::radix::{RadixConfig, RadixIndex};
+/// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+/// use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+///
+/// let text = |id, ids: Vec<u32>| Request {
+///     id,
+///     prompt: CanonicalPrompt {
+///         tenant: 0,
+///         atoms: vec![Atom::Text(ids.clone())],
+///         positions: Positions::Linear((0..ids.len() as i64).collect()),
+///         token_ids: ids,
+///         items: vec![],
+///         index_map: IndexMap::default(),
+///     },
+///     item_embeddings: vec![],
+///     hidden_size: None,
+/// };
+/// let config = SchedulerConfig {
+///     num_blocks: 8,
+///     block_size: 4,
+///     max_tokens_per_step: 6,
+///     max_seqs_per_step: 2,
+///     token_granular_reuse: true,
+/// };
+/// let index = RadixIndex::new(RadixConfig { block_size: 4, ..Default::default() })?;
 /// let mut sched = Scheduler::new(config, Box::new(index))?;
-/// sched.admit(request)?;
-/// while let batch = sched.schedule()? && !batch.seqs.is_empty() {
-///     runner.run(&batch)?;
-///     for id in sched.complete(&batch)? { /* read outputs */ sched.finish(id)?; }
+/// sched.admit(text(1, (0..10).collect()))?;
+/// loop {
+///     let batch = sched.schedule()?;
+///     if batch.seqs.is_empty() {
+///         break;
+///     }
+///     // ... the runner executes `batch` here ...
+///     for id in sched.complete(&batch)? {
+///         sched.finish(id)?; // after reading its outputs
+///     }
 /// }
+/// // Two full blocks (tokens 0..8) are cached now; the partial third is not.
+/// sched.admit(text(2, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 99]))?;
+/// let batch = sched.schedule()?;
+/// assert_eq!(batch.seqs[0].num_computed_tokens, 8);
+/// sched.validate().map_err(omniprefix::Error::InvalidRequest)?;
+/// # Ok::<(), omniprefix::Error>(())
 /// ```
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -117,7 +154,11 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig, index: Box<dyn PrefixIndex>) -> Result<Self> {
         let positive = |field, value: usize| {
             if value == 0 {
-                Err(Error::InvalidConfig { field, expected: "positive".into(), found: "0".into() })
+                Err(Error::InvalidConfig {
+                    field,
+                    expected: "positive".into(),
+                    found: "0".into(),
+                })
             } else {
                 Ok(())
             }
@@ -157,9 +198,14 @@ impl Scheduler {
         req.validate()?;
         // The oldest request must fit on its own: its blocks plus, with
         // copy-on-write, the pinned source of the copied block.
-        let needed = req.prompt.len().div_ceil(self.config.block_size) + usize::from(self.config.token_granular_reuse);
+        let needed = req.prompt.len().div_ceil(self.config.block_size)
+            + usize::from(self.config.token_granular_reuse);
         if needed > self.pool.num_blocks() {
-            return Err(Error::RequestTooLarge { id: req.id, needed, num_blocks: self.pool.num_blocks() });
+            return Err(Error::RequestTooLarge {
+                id: req.id,
+                needed,
+                num_blocks: self.pool.num_blocks(),
+            });
         }
         let id = req.id;
         let tracked = Tracked {
@@ -184,14 +230,19 @@ impl Scheduler {
         let mut batch = ScheduledBatch::default();
         let mut budget = self.config.max_tokens_per_step;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 && batch.seqs.len() < self.config.max_seqs_per_step {
+        while i < self.running.len()
+            && budget > 0
+            && batch.seqs.len() < self.config.max_seqs_per_step
+        {
             let id = self.running[i];
             let Some(t) = self.requests.get(&id) else {
                 return Err(Error::UnknownRequest { id });
             };
             if t.in_flight.is_none() {
                 let chunk = (t.req.prompt.len() - t.num_computed).min(budget);
-                let need = (t.num_computed + chunk).div_ceil(self.config.block_size).saturating_sub(t.block_table.len());
+                let need = (t.num_computed + chunk)
+                    .div_ceil(self.config.block_size)
+                    .saturating_sub(t.block_table.len());
                 match self.reserve(need, Some(i))? {
                     Some(fresh) => {
                         self.tracked_mut(id)?.block_table.extend(fresh);
@@ -206,7 +257,10 @@ impl Scheduler {
             i += 1;
         }
         while let Some(&id) = self.waiting.front() {
-            if budget == 0 || batch.seqs.len() >= self.config.max_seqs_per_step || !self.start(id, budget, &mut batch)? {
+            if budget == 0
+                || batch.seqs.len() >= self.config.max_seqs_per_step
+                || !self.start(id, budget, &mut batch)?
+            {
                 break;
             }
             budget -= batch.seqs.last().map_or(0, |s| s.token_ids.len());
@@ -223,7 +277,12 @@ impl Scheduler {
         for seq in &batch.seqs {
             let id = seq.request;
             if !seen.insert(id) {
-                return Err(Error::BatchMismatch { id, what: "occurrences in the batch", expected: 1, found: 2 });
+                return Err(Error::BatchMismatch {
+                    id,
+                    what: "occurrences in the batch",
+                    expected: 1,
+                    found: 2,
+                });
             }
             if self.aborted_in_flight.contains(&id) {
                 continue;
@@ -231,9 +290,21 @@ impl Scheduler {
             let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
             let found = seq.token_ids.len();
             match t.in_flight {
-                None => return Err(Error::BatchMismatch { id, what: "new tokens", expected: 0, found }),
+                None => {
+                    return Err(Error::BatchMismatch {
+                        id,
+                        what: "new tokens",
+                        expected: 0,
+                        found,
+                    });
+                }
                 Some(chunk) if chunk != found => {
-                    return Err(Error::BatchMismatch { id, what: "new tokens", expected: chunk, found });
+                    return Err(Error::BatchMismatch {
+                        id,
+                        what: "new tokens",
+                        expected: chunk,
+                        found,
+                    });
                 }
                 Some(_) if t.num_computed != seq.num_computed_tokens => {
                     return Err(Error::BatchMismatch {
@@ -269,7 +340,11 @@ impl Scheduler {
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
         let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
         if t.phase != Phase::Finished {
-            return Err(Error::RequestNotFinished { id, computed: t.num_computed, len: t.req.prompt.len() });
+            return Err(Error::RequestNotFinished {
+                id,
+                computed: t.num_computed,
+                len: t.req.prompt.len(),
+            });
         }
         self.remove(id)
     }
@@ -327,22 +402,39 @@ impl Scheduler {
                 Phase::Finished => (false, false),
             };
             if listed != expected {
-                return Err(format!("request {id} is {:?} but listed (waiting, running) = {listed:?}", t.phase));
+                return Err(format!(
+                    "request {id} is {:?} but listed (waiting, running) = {listed:?}",
+                    t.phase
+                ));
             }
-            if t.phase == Phase::Waiting && (!t.block_table.is_empty() || t.lock.is_some() || t.num_computed > 0) {
-                return Err(format!("waiting request {id} holds blocks, a lock or computed tokens"));
+            if t.phase == Phase::Waiting
+                && (!t.block_table.is_empty() || t.lock.is_some() || t.num_computed > 0)
+            {
+                return Err(format!(
+                    "waiting request {id} holds blocks, a lock or computed tokens"
+                ));
             }
             let covered = t.num_computed + t.in_flight.unwrap_or(0);
-            if t.phase != Phase::Waiting && t.block_table.len() < covered.div_ceil(self.config.block_size) {
-                return Err(format!("request {id}: {} blocks cannot hold {covered} tokens", t.block_table.len()));
+            if t.phase != Phase::Waiting
+                && t.block_table.len() < covered.div_ceil(self.config.block_size)
+            {
+                return Err(format!(
+                    "request {id}: {} blocks cannot hold {covered} tokens",
+                    t.block_table.len()
+                ));
             }
             if t.num_shared > t.block_table.len() || (t.num_shared > 0 && t.lock.is_none()) {
-                return Err(format!("request {id}: {} shared blocks without a covering lock", t.num_shared));
+                return Err(format!(
+                    "request {id}: {} shared blocks without a covering lock",
+                    t.num_shared
+                ));
             }
             for (i, &b) in t.block_table.iter().enumerate() {
                 if i < t.num_shared {
                     if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Indexed {
-                        return Err(format!("request {id}: shared block {b} is not owned by the index"));
+                        return Err(format!(
+                            "request {id}: shared block {b} is not owned by the index"
+                        ));
                     }
                 } else {
                     *users.entry(b).or_default() += 1;
@@ -357,17 +449,24 @@ impl Scheduler {
             let users = users.get(&b).copied().unwrap_or(0);
             match self.pool.state(b).map_err(|e| e.to_string())? {
                 BlockState::InUse { refs } if refs != users => {
-                    return Err(format!("block {b} has {refs} refs but {users} request users"));
+                    return Err(format!(
+                        "block {b} has {refs} refs but {users} request users"
+                    ));
                 }
                 BlockState::Free | BlockState::Indexed if users > 0 => {
-                    return Err(format!("block {b} is free or index-owned but privately used by {users} requests"));
+                    return Err(format!(
+                        "block {b} is free or index-owned but privately used by {users} requests"
+                    ));
                 }
                 _ => {}
             }
         }
         let cached = self.index.stats().cached_blocks;
         if cached != self.pool.num_indexed() as u64 {
-            return Err(format!("index caches {cached} blocks but the pool has {} index-owned", self.pool.num_indexed()));
+            return Err(format!(
+                "index caches {cached} blocks but the pool has {} index-owned",
+                self.pool.num_indexed()
+            ));
         }
         Ok(())
     }
@@ -379,7 +478,10 @@ impl Scheduler {
         let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
         let len = t.req.prompt.len();
         let m = self.index.match_prefix(&t.req.prompt);
-        if m.tokens > len || m.blocks.len() != m.tokens.div_ceil(bs) || m.aligned_tokens != m.tokens / bs * bs {
+        if m.tokens > len
+            || m.blocks.len() != m.tokens.div_ceil(bs)
+            || m.aligned_tokens != m.tokens / bs * bs
+        {
             return Err(Error::IndexContract(format!(
                 "match of {} tokens ({} aligned) with {} blocks for a {len}-token prompt",
                 m.tokens,
@@ -389,7 +491,11 @@ impl Scheduler {
         }
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
-        let mut computed = if self.config.token_granular_reuse { usable } else { usable / bs * bs };
+        let mut computed = if self.config.token_granular_reuse {
+            usable
+        } else {
+            usable / bs * bs
+        };
         // Pin before evicting so eviction cannot take what was just matched.
         let mut lock = (computed > 0).then(|| pinned_part(m, computed, bs));
         if let Some(m) = &lock {
@@ -397,11 +503,17 @@ impl Scheduler {
         }
         let mut whole_prompt = false;
         let fresh = loop {
-            let upto = if whole_prompt { len } else { computed + (len - computed).min(budget) };
+            let upto = if whole_prompt {
+                len
+            } else {
+                computed + (len - computed).min(budget)
+            };
             if let Some(fresh) = self.reserve(upto.div_ceil(bs) - computed / bs, None)? {
                 break fresh;
             }
-            let Some(m) = lock.take() else { return Ok(false) };
+            let Some(m) = lock.take() else {
+                return Ok(false);
+            };
             self.index.unlock(&m);
             // An index may pin more than the match (a whole tree node). When
             // nothing else runs, start without reuse and take every block the
@@ -414,7 +526,10 @@ impl Scheduler {
         };
         let shared = computed / bs;
         let chunk = (len - computed).min(budget);
-        let copy_src = lock.as_ref().filter(|_| computed % bs != 0).and_then(|m| m.blocks.get(shared).copied());
+        let copy_src = lock
+            .as_ref()
+            .filter(|_| computed % bs != 0)
+            .and_then(|m| m.blocks.get(shared).copied());
         if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {
             batch.copies.push(BlockCopy { src, dst });
             self.stats.block_copies += 1;
@@ -425,7 +540,10 @@ impl Scheduler {
             self.stats.hit_tokens += computed as u64;
         }
         let t = self.tracked_mut(id)?;
-        t.block_table = lock.as_ref().map_or(&[][..], |m| &m.blocks[..shared]).to_vec();
+        t.block_table = lock
+            .as_ref()
+            .map_or(&[][..], |m| &m.blocks[..shared])
+            .to_vec();
         t.block_table.extend(fresh);
         t.num_shared = shared;
         t.num_computed = computed;
@@ -447,7 +565,11 @@ impl Scheduler {
             request: id,
             block_table: t.block_table.clone(),
             num_computed_tokens: t.num_computed,
-            token_ids: prompt.token_ids.get(range.clone()).unwrap_or_default().to_vec(),
+            token_ids: prompt
+                .token_ids
+                .get(range.clone())
+                .unwrap_or_default()
+                .to_vec(),
             embeds: chunk::embeds_in(&prompt.index_map, &t.req.item_embeddings, range.clone()),
             positions: chunk::slice_positions(&prompt.positions, range.clone()),
             slot_mapping: chunk::slot_mapping(&t.block_table, bs, range.clone()),
@@ -461,7 +583,11 @@ impl Scheduler {
     /// Takes `need` blocks from the pool, evicting unlocked index entries and,
     /// when `preempt_after` is given, preempting running requests newer than
     /// that position. `None` when the blocks cannot be found now.
-    fn reserve(&mut self, need: usize, preempt_after: Option<usize>) -> Result<Option<Vec<BlockId>>> {
+    fn reserve(
+        &mut self,
+        need: usize,
+        preempt_after: Option<usize>,
+    ) -> Result<Option<Vec<BlockId>>> {
         loop {
             while self.pool.num_free() < need {
                 let evicted = self.index.evict(need - self.pool.num_free());
@@ -476,19 +602,25 @@ impl Scheduler {
             if let Some(fresh) = self.pool.allocate(need) {
                 return Ok(Some(fresh));
             }
-            let Some(after) = preempt_after else { return Ok(None) };
+            let Some(after) = preempt_after else {
+                return Ok(None);
+            };
             let newer = self
                 .running
                 .iter()
                 .enumerate()
                 .rev()
-                .find(|&(j, id)| j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none()))
+                .find(|&(j, id)| {
+                    j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none())
+                })
                 .map(|(j, _)| j);
             // Alone and still short: its own lock pins more than it reads (an
             // index that locks whole tree nodes). Restarting re-matches, which
             // reuses what it committed and releases the rest.
             let alone = (self.running.len() == 1).then_some(after);
-            let Some(j) = newer.or(alone) else { return Ok(None) };
+            let Some(j) = newer.or(alone) else {
+                return Ok(None);
+            };
             let id = self.running.remove(j);
             self.release_cache_state(id)?;
             let t = self.tracked_mut(id)?;
@@ -506,7 +638,10 @@ impl Scheduler {
     /// them; blocks the index already had are swapped for its copies and freed.
     fn commit_full_blocks(&mut self, id: RequestId) -> Result<()> {
         let bs = self.config.block_size;
-        let t = self.requests.get_mut(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self
+            .requests
+            .get_mut(&id)
+            .ok_or(Error::UnknownRequest { id })?;
         let n_full = t.num_computed / bs;
         if n_full <= t.num_shared {
             return Ok(());
@@ -514,7 +649,9 @@ impl Scheduler {
         let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
         for &b in &outcome.adopted {
             if !t.block_table[t.num_shared..n_full].contains(&b) {
-                return Err(Error::IndexContract(format!("insert adopted block {b}, which request {id} did not offer")));
+                return Err(Error::IndexContract(format!(
+                    "insert adopted block {b}, which request {id} did not offer"
+                )));
             }
             self.pool.adopt_by_index(b)?;
         }
@@ -536,7 +673,9 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-                return Err(Error::IndexContract(format!("match returned block {new}, which the index does not own")));
+                return Err(Error::IndexContract(format!(
+                    "match returned block {new}, which the index does not own"
+                )));
             }
         }
         if let Some(old) = t.lock.replace(m) {
@@ -557,7 +696,10 @@ impl Scheduler {
 
     /// Gives up a request's index lock and private blocks.
     fn release_cache_state(&mut self, id: RequestId) -> Result<()> {
-        let t = self.requests.get_mut(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self
+            .requests
+            .get_mut(&id)
+            .ok_or(Error::UnknownRequest { id })?;
         if let Some(m) = t.lock.take() {
             self.index.unlock(&m);
         }
@@ -570,7 +712,9 @@ impl Scheduler {
     }
 
     fn tracked_mut(&mut self, id: RequestId) -> Result<&mut Tracked> {
-        self.requests.get_mut(&id).ok_or(Error::UnknownRequest { id })
+        self.requests
+            .get_mut(&id)
+            .ok_or(Error::UnknownRequest { id })
     }
 }
 
@@ -583,5 +727,10 @@ fn pinned_part(m: PrefixMatch, tokens: usize, block_size: usize) -> PrefixMatch 
     debug_assert!(tokens <= m.tokens && tokens.div_ceil(block_size) <= m.blocks.len());
     let mut blocks = m.blocks;
     blocks.truncate(tokens.div_ceil(block_size));
-    PrefixMatch { tokens, aligned_tokens: tokens / block_size * block_size, blocks, handle: m.handle }
+    PrefixMatch {
+        tokens,
+        aligned_tokens: tokens / block_size * block_size,
+        blocks,
+        handle: m.handle,
+    }
 }

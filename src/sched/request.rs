@@ -27,7 +27,12 @@ impl Request {
         let id = self.id;
         let len = self.prompt.len();
         if len == 0 {
-            return Err(Error::PromptMismatch { id, what: "prompt length", expected: 1, found: 0 });
+            return Err(Error::PromptMismatch {
+                id,
+                what: "prompt length",
+                expected: 1,
+                found: 0,
+            });
         }
         let positions_len = match &self.prompt.positions {
             Positions::Linear(p) => p.len(),
@@ -44,7 +49,12 @@ impl Request {
             }
         };
         if positions_len != len {
-            return Err(Error::PromptMismatch { id, what: "positions length", expected: len, found: positions_len });
+            return Err(Error::PromptMismatch {
+                id,
+                what: "positions length",
+                expected: len,
+                found: positions_len,
+            });
         }
         let items = &self.prompt.items;
         if self.item_embeddings.len() != items.len() {
@@ -56,7 +66,9 @@ impl Request {
                 found: self.item_embeddings.len(),
             });
         }
-        let hidden = self.hidden_size.or_else(|| self.item_embeddings.first().map(|e| e.ncols()));
+        let hidden = self
+            .hidden_size
+            .or_else(|| self.item_embeddings.first().map(|e| e.ncols()));
         for (item, (identity, emb)) in items.iter().zip(&self.item_embeddings).enumerate() {
             if emb.nrows() != identity.num_tokens {
                 return Err(Error::EmbeddingMismatch {
@@ -68,24 +80,45 @@ impl Request {
                 });
             }
             if let Some(hidden) = hidden.filter(|&h| h != emb.ncols()) {
-                return Err(Error::EmbeddingMismatch { id, item, what: "embedding columns", expected: hidden, found: emb.ncols() });
+                return Err(Error::EmbeddingMismatch {
+                    id,
+                    item,
+                    what: "embedding columns",
+                    expected: hidden,
+                    found: emb.ncols(),
+                });
             }
         }
         let mut placeholder_rows = 0u64;
         for span in &self.prompt.index_map.spans {
             let item = span.item as usize;
-            let rows = self.item_embeddings.get(item).map(|e| e.nrows()).ok_or(Error::PromptMismatch {
-                id,
-                what: "index map item index",
-                expected: items.len(),
-                found: item,
-            })?;
+            let rows =
+                self.item_embeddings
+                    .get(item)
+                    .map(|e| e.nrows())
+                    .ok_or(Error::PromptMismatch {
+                        id,
+                        what: "index map item index",
+                        expected: items.len(),
+                        found: item,
+                    })?;
             if span.rows.start > span.rows.end || span.rows.end as usize > rows {
-                return Err(Error::EmbeddingMismatch { id, item, what: "index map row end", expected: rows, found: span.rows.end as usize });
+                return Err(Error::EmbeddingMismatch {
+                    id,
+                    item,
+                    what: "index map row end",
+                    expected: rows,
+                    found: span.rows.end as usize,
+                });
             }
             let end = span.start as usize + span.rows.len();
             if end > len {
-                return Err(Error::PromptMismatch { id, what: "index map span end", expected: len, found: end });
+                return Err(Error::PromptMismatch {
+                    id,
+                    what: "index map span end",
+                    expected: len,
+                    found: end,
+                });
             }
             placeholder_rows += span.rows.len() as u64;
         }
