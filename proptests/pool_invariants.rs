@@ -117,8 +117,7 @@ impl Harness {
                 let req = text_request(self.next_id, *tenant, &ids);
                 self.next_id += 1;
                 let cfg = *self.sched.config();
-                let needed =
-                    ids.len().div_ceil(cfg.block_size) + usize::from(cfg.token_granular_reuse);
+                let needed = ids.len().div_ceil(cfg.block_size);
                 let before = self.sched.stats();
                 self.pages.register(&req);
                 let id = req.id;

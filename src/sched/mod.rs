@@ -11,11 +11,19 @@
 //! Blocks are never lost: a request's block table is a prefix of index-owned
 //! blocks (pinned by one index lock) followed by private pool blocks. Only full
 //! blocks whose KV was written enter the index, so an aborted request leaves no
-//! partial block behind. When the free list runs dry the scheduler evicts
-//! unlocked index entries, then preempts (recompute-style) the newest running
-//! requests so the oldest one always progresses.
+//! partial block behind.
+//!
+//! Progress: when the free list runs dry the scheduler evicts unlocked index
+//! entries, then preempts (recompute-style) the newest running requests, so the
+//! oldest one always progresses. An index may pin more than a match reports
+//! (the radix tree locks whole nodes), so a request that finds itself alone
+//! and still short restarts, and a request that cannot start while nothing
+//! runs starts without reuse and takes all its blocks at once: any prompt of
+//! at most `num_blocks` blocks finishes.
 
+mod check;
 mod chunk;
+mod config;
 mod request;
 
 use std::collections::VecDeque;
@@ -27,45 +35,8 @@ use crate::error::{Error, Result};
 use crate::index::{BlockId, IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockPool, BlockState};
 
+pub use config::{SchedulerConfig, SchedulerStats};
 pub use request::Request;
-
-/// Sizes and switches of a scheduler.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SchedulerConfig {
-    /// Blocks in the KV pool.
-    pub num_blocks: usize,
-    /// Tokens per block; must equal the index's.
-    pub block_size: usize,
-    /// Chunked-prefill budget: new tokens per step across all sequences.
-    pub max_tokens_per_step: usize,
-    /// Sequences per step.
-    pub max_seqs_per_step: usize,
-    /// Reuse a match that ends inside a block by copying that block
-    /// (copy-on-write) instead of recomputing the whole block.
-    pub token_granular_reuse: bool,
-}
-
-/// Counters and occupancy of a scheduler.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct SchedulerStats {
-    /// Requests matched against the index when they started running.
-    pub queries: u64,
-    /// Of those, requests that reused at least one cached token.
-    pub hits: u64,
-    /// Cached tokens reused (not recomputed).
-    pub hit_tokens: u64,
-    /// Blocks the index gave back under pool pressure.
-    pub evicted_blocks: u64,
-    /// Running requests sent back to the queue to free blocks.
-    pub preemptions: u64,
-    /// Copy-on-write block copies emitted.
-    pub block_copies: u64,
-    pub blocks_free: usize,
-    pub blocks_in_use: usize,
-    pub blocks_cached: usize,
-    pub waiting: usize,
-    pub running: usize,
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -196,10 +167,8 @@ impl Scheduler {
             return Err(Error::DuplicateRequest { id: req.id });
         }
         req.validate()?;
-        // The oldest request must fit on its own: its blocks plus, with
-        // copy-on-write, the pinned source of the copied block.
-        let needed = req.prompt.len().div_ceil(self.config.block_size)
-            + usize::from(self.config.token_granular_reuse);
+        // Alone, a request can always get this many blocks (see `start`).
+        let needed = req.prompt.len().div_ceil(self.config.block_size);
         if needed > self.pool.num_blocks() {
             return Err(Error::RequestTooLarge {
                 id: req.id,
@@ -385,90 +354,6 @@ impl Scheduler {
     /// The prefix index's own counters.
     pub fn index_stats(&self) -> IndexStats {
         self.index.stats()
-    }
-
-    /// Checks pool, index and request bookkeeping against each other; `Err`
-    /// names the first broken invariant.
-    pub fn validate(&self) -> std::result::Result<(), String> {
-        self.pool.validate()?;
-        self.index.validate()?;
-        let mut users: FxHashMap<BlockId, u32> = FxHashMap::default();
-        let mut tenant_of: FxHashMap<BlockId, u64> = FxHashMap::default();
-        for (&id, t) in &self.requests {
-            let listed = (self.waiting.contains(&id), self.running.contains(&id));
-            let expected = match t.phase {
-                Phase::Waiting => (true, false),
-                Phase::Running => (false, true),
-                Phase::Finished => (false, false),
-            };
-            if listed != expected {
-                return Err(format!(
-                    "request {id} is {:?} but listed (waiting, running) = {listed:?}",
-                    t.phase
-                ));
-            }
-            if t.phase == Phase::Waiting
-                && (!t.block_table.is_empty() || t.lock.is_some() || t.num_computed > 0)
-            {
-                return Err(format!(
-                    "waiting request {id} holds blocks, a lock or computed tokens"
-                ));
-            }
-            let covered = t.num_computed + t.in_flight.unwrap_or(0);
-            if t.phase != Phase::Waiting
-                && t.block_table.len() < covered.div_ceil(self.config.block_size)
-            {
-                return Err(format!(
-                    "request {id}: {} blocks cannot hold {covered} tokens",
-                    t.block_table.len()
-                ));
-            }
-            if t.num_shared > t.block_table.len() || (t.num_shared > 0 && t.lock.is_none()) {
-                return Err(format!(
-                    "request {id}: {} shared blocks without a covering lock",
-                    t.num_shared
-                ));
-            }
-            for (i, &b) in t.block_table.iter().enumerate() {
-                if i < t.num_shared {
-                    if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Indexed {
-                        return Err(format!(
-                            "request {id}: shared block {b} is not owned by the index"
-                        ));
-                    }
-                } else {
-                    *users.entry(b).or_default() += 1;
-                }
-                let tenant = t.req.prompt.tenant;
-                if *tenant_of.entry(b).or_insert(tenant) != tenant {
-                    return Err(format!("block {b} is shared across tenants (request {id})"));
-                }
-            }
-        }
-        for b in 0..self.pool.num_blocks() as BlockId {
-            let users = users.get(&b).copied().unwrap_or(0);
-            match self.pool.state(b).map_err(|e| e.to_string())? {
-                BlockState::InUse { refs } if refs != users => {
-                    return Err(format!(
-                        "block {b} has {refs} refs but {users} request users"
-                    ));
-                }
-                BlockState::Free | BlockState::Indexed if users > 0 => {
-                    return Err(format!(
-                        "block {b} is free or index-owned but privately used by {users} requests"
-                    ));
-                }
-                _ => {}
-            }
-        }
-        let cached = self.index.stats().cached_blocks;
-        if cached != self.pool.num_indexed() as u64 {
-            return Err(format!(
-                "index caches {cached} blocks but the pool has {} index-owned",
-                self.pool.num_indexed()
-            ));
-        }
-        Ok(())
     }
 
     /// Matches a waiting request, pins its cached prefix, allocates its first
@@ -720,9 +605,8 @@ impl Scheduler {
 
 /// The part of a match a request actually reads: its first `tokens` tokens.
 ///
-/// Locking only that keeps what one request pins within its own block count
-/// (+1 for a copy-on-write source), which is what lets the oldest request
-/// always progress in a pool that admission sized for it.
+/// An index that locks block by block then pins no more than the request
+/// reads (+1 for a copy-on-write source), so restarts stay rare.
 fn pinned_part(m: PrefixMatch, tokens: usize, block_size: usize) -> PrefixMatch {
     debug_assert!(tokens <= m.tokens && tokens.div_ceil(block_size) <= m.blocks.len());
     let mut blocks = m.blocks;
