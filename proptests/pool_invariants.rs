@@ -1,8 +1,8 @@
 //! Random admit / schedule / complete / finish / abort sequences over a tiny
-//! vocabulary (so prompts share prefixes and blocks) and a small pool (so
+//! vocabulary and two images (so prompts share prefixes and blocks) and a small pool (so
 //! eviction and preemption happen). After every operation the scheduler's
 //! `validate` must pass and the shadow runner must read the right KV for every
-//! reused position; at the end no block is leaked and every request that was
+//! reused position and the right token or image row for every new one; at the end no block is leaked and every request that was
 //! not aborted finishes.
 //!
 //! Case count: `PROPTEST_CASES` (default 64).
@@ -17,11 +17,12 @@ use omniprefix::index::PrefixIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::sched::{Scheduler, SchedulerConfig};
 use proptest::prelude::*;
-use support::{ReferenceIndex, ShadowPages, text_request};
+use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// A prompt made of shared base `base` followed by `tail`, for `tenant`.
+    /// A prompt made of shared base `base` followed by `tail`, for `tenant`
+    /// (ids from `IMAGE_MARKER` up stand for images).
     Admit {
         base: usize,
         tail: Vec<u32>,
@@ -67,9 +68,11 @@ fn case() -> impl Strategy<Value = Case> {
                 token_granular_reuse,
             },
         );
-    let bases = prop::collection::vec(prop::collection::vec(0u32..3, 0..14), 1..4);
+    // Mostly text from 3 tokens, now and then one of 2 images (3 rows each).
+    let unit = || prop_oneof![8 => 0u32..3, 1 => IMAGE_MARKER..=u32::MAX];
+    let bases = prop::collection::vec(prop::collection::vec(unit(), 0..10), 1..4);
     let op = prop_oneof![
-        3 => (0usize..4, prop::collection::vec(0u32..3, 1..10), 0u64..2)
+        3 => (0usize..4, prop::collection::vec(unit(), 1..8), 0u64..2)
             .prop_map(|(base, tail, tenant)| Op::Admit { base, tail, tenant }),
         4 => Just(Op::Schedule),
         4 => Just(Op::Complete),
@@ -114,10 +117,10 @@ impl Harness {
             Op::Admit { base, tail, tenant } => {
                 let mut ids = bases[base % bases.len()].clone();
                 ids.extend(tail);
-                let req = text_request(self.next_id, *tenant, &ids);
+                let req = request(self.next_id, *tenant, &ids);
                 self.next_id += 1;
                 let cfg = *self.sched.config();
-                let needed = ids.len().div_ceil(cfg.block_size);
+                let needed = req.prompt.len().div_ceil(cfg.block_size);
                 let before = self.sched.stats();
                 self.pages.register(&req);
                 let id = req.id;

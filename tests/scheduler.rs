@@ -7,13 +7,12 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 use omniprefix::batch::{BlockCopy, RequestId, ScheduledBatch};
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
 use omniprefix::index::PrefixIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
-use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
+use omniprefix::prompt::Positions;
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
-use support::{ReferenceIndex, ShadowPages, text_request};
+use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 
 fn config(num_blocks: usize, budget: usize, token_granular_reuse: bool) -> SchedulerConfig {
     SchedulerConfig {
@@ -91,7 +90,7 @@ fn rfc_pair_reuses_32_tokens_aligned_and_46_token_granular() -> Result<()> {
         for (name, index) in indexes(16)? {
             let mut sched = Scheduler::new(config(32, 256, switch), index)?;
             let mut pages = ShadowPages::new(32, 16);
-            admit(&mut sched, &mut pages, text_request(1, 0, &p1))?;
+            admit(&mut sched, &mut pages, request(1, 0, &p1))?;
             let first = sched.schedule()?;
             let p1_table = first.seqs[0].block_table.clone();
             pages.run(&first).map_err(Error::InvalidRequest)?;
@@ -103,7 +102,7 @@ fn rfc_pair_reuses_32_tokens_aligned_and_46_token_granular() -> Result<()> {
                 "67 tokens leave 4 full blocks cached"
             );
 
-            admit(&mut sched, &mut pages, text_request(2, 0, &p2))?;
+            admit(&mut sched, &mut pages, request(2, 0, &p2))?;
             let batch = sched.schedule()?;
             let seq = &batch.seqs[0];
             assert_eq!(
@@ -152,8 +151,8 @@ fn chunked_prefill_covers_each_prompt_exactly_once_within_budget() -> Result<()>
     let budget = 10;
     let mut sched = scheduler(config(16, budget, true))?;
     let mut pages = ShadowPages::new(16, 16);
-    admit(&mut sched, &mut pages, text_request(1, 0, &p1))?;
-    admit(&mut sched, &mut pages, text_request(2, 7, &p2))?;
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
+    admit(&mut sched, &mut pages, request(2, 7, &p2))?;
     let batches = drive(&mut sched, &mut pages)?;
     for (id, prompt) in [(1, &p1), (2, &p2)] {
         let seqs: Vec<_> = batches
@@ -194,9 +193,9 @@ fn fully_cached_prompt_still_computes_its_last_token() -> Result<()> {
     for (switch, want) in [(false, 48), (true, 63)] {
         let mut sched = scheduler(config(16, 256, switch))?;
         let mut pages = ShadowPages::new(16, 16);
-        admit(&mut sched, &mut pages, text_request(1, 0, &aligned))?;
+        admit(&mut sched, &mut pages, request(1, 0, &aligned))?;
         drive(&mut sched, &mut pages)?;
-        admit(&mut sched, &mut pages, text_request(2, 0, &aligned))?;
+        admit(&mut sched, &mut pages, request(2, 0, &aligned))?;
         let batches = drive(&mut sched, &mut pages)?;
         let seq = &batches[0].seqs[0];
         assert_eq!(
@@ -214,8 +213,8 @@ fn identical_prompts_in_one_step_end_up_sharing_the_index_copy() -> Result<()> {
     let (p1, _) = rfc_pair()?;
     let mut sched = scheduler(config(16, 256, false))?;
     let mut pages = ShadowPages::new(16, 16);
-    admit(&mut sched, &mut pages, text_request(1, 0, &p1))?;
-    admit(&mut sched, &mut pages, text_request(2, 0, &p1))?;
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
+    admit(&mut sched, &mut pages, request(2, 0, &p1))?;
     let batch = sched.schedule()?;
     assert_eq!(batch.seqs.len(), 2);
     pages.run(&batch).map_err(Error::InvalidRequest)?;
@@ -248,22 +247,22 @@ fn pool_pressure_evicts_unlocked_cache_lru_first() -> Result<()> {
     let c: Vec<u32> = (200..280).collect();
     let mut sched = scheduler(config(10, 256, false))?;
     let mut pages = ShadowPages::new(10, 16);
-    admit(&mut sched, &mut pages, text_request(1, 0, &a))?;
+    admit(&mut sched, &mut pages, request(1, 0, &a))?;
     drive(&mut sched, &mut pages)?;
-    admit(&mut sched, &mut pages, text_request(2, 0, &b))?;
+    admit(&mut sched, &mut pages, request(2, 0, &b))?;
     drive(&mut sched, &mut pages)?;
     assert_eq!(sched.stats().blocks_cached, 8);
     // c needs 5 blocks, 2 are free: the 3 oldest leaves go, all from a.
-    admit(&mut sched, &mut pages, text_request(3, 0, &c))?;
+    admit(&mut sched, &mut pages, request(3, 0, &c))?;
     drive(&mut sched, &mut pages)?;
     assert_eq!(sched.stats().evicted_blocks, 3);
     // b's blocks survived: reused up to len - 1 (48 of 64, block aligned); its
     // one new block takes a's last cached block, the least recently used.
-    admit(&mut sched, &mut pages, text_request(4, 0, &b))?;
+    admit(&mut sched, &mut pages, request(4, 0, &b))?;
     let batches = drive(&mut sched, &mut pages)?;
     assert_eq!(batches[0].seqs[0].num_computed_tokens, 48);
     assert_eq!(sched.stats().evicted_blocks, 4);
-    admit(&mut sched, &mut pages, text_request(5, 0, &a))?;
+    admit(&mut sched, &mut pages, request(5, 0, &a))?;
     let batches = drive(&mut sched, &mut pages)?;
     assert_eq!(
         batches[0].seqs[0].num_computed_tokens, 0,
@@ -278,8 +277,8 @@ fn short_pool_preempts_the_newest_so_the_oldest_progresses() -> Result<()> {
     let b: Vec<u32> = (100..180).collect();
     let mut sched = scheduler(config(6, 32, false))?;
     let mut pages = ShadowPages::new(6, 16);
-    admit(&mut sched, &mut pages, text_request(1, 0, &a))?;
-    admit(&mut sched, &mut pages, text_request(2, 0, &b))?;
+    admit(&mut sched, &mut pages, request(1, 0, &a))?;
+    admit(&mut sched, &mut pages, request(2, 0, &b))?;
     // Two steps in flight at once: b starts while a's first chunk is out.
     let first = sched.schedule()?;
     let second = sched.schedule()?;
@@ -323,7 +322,7 @@ fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> Result<()> {
     let (p1, _) = rfc_pair()?;
     let mut sched = scheduler(config(5, 20, false))?;
     let mut pages = ShadowPages::new(5, 16);
-    admit(&mut sched, &mut pages, text_request(1, 0, &p1))?;
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
     let batch = sched.schedule()?;
     pages.run(&batch).map_err(Error::InvalidRequest)?;
     sched.complete(&batch)?;
@@ -344,50 +343,10 @@ fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> Result<()> {
     );
     // No lock is left: a request needing the whole pool can evict that block.
     let other: Vec<u32> = (1000..1080).collect();
-    admit(&mut sched, &mut pages, text_request(2, 0, &other))?;
+    admit(&mut sched, &mut pages, request(2, 0, &other))?;
     drive(&mut sched, &mut pages)?;
     assert_eq!(sched.stats().evicted_blocks, 1);
     Ok(())
-}
-
-fn image_prompt(tenant: u64) -> (CanonicalPrompt, Arc<Array2<f32>>) {
-    let identity = Arc::new(ItemIdentity {
-        fingerprint: Fingerprint(0xfeed),
-        check: None,
-        retained: None,
-        modality: Modality::Image,
-        layout: ItemLayout::Image {
-            grid_thw: [1, 4, 6],
-        },
-        num_tokens: 6,
-        content_bytes: 96,
-    });
-    let pad = 9;
-    let token_ids = vec![1, 2, 3, pad, pad, pad, pad, pad, pad, 4, 5];
-    let prompt = CanonicalPrompt {
-        tenant,
-        atoms: vec![
-            Atom::Text(vec![1, 2, 3]),
-            Atom::Item {
-                id: identity.clone(),
-                rows: 0..6,
-            },
-            Atom::Text(vec![4, 5]),
-        ],
-        token_ids,
-        items: vec![identity],
-        index_map: IndexMap {
-            placeholders: (3u32..9).collect(),
-            spans: vec![ItemSpan {
-                item: 0,
-                rows: 0..6,
-                start: 3,
-            }],
-        },
-        positions: Positions::Linear((0..11).collect()),
-    };
-    let emb = Array2::from_shape_fn((6, 8), |(r, c)| (r * 8 + c) as f32);
-    (prompt, Arc::new(emb))
 }
 
 #[test]
@@ -401,17 +360,10 @@ fn item_rows_are_placed_in_the_chunk_that_holds_them() -> Result<()> {
     };
     let mut sched = Scheduler::new(cfg, Box::new(ReferenceIndex::new(4)))?;
     let mut pages = ShadowPages::new(8, 4);
-    let (prompt, emb) = image_prompt(0);
-    admit(
-        &mut sched,
-        &mut pages,
-        Request {
-            id: 1,
-            prompt,
-            item_embeddings: vec![emb.clone()],
-            hidden_size: Some(8),
-        },
-    )?;
+    // Image 0 (3 rows) at positions 3..6 of 8.
+    let image = request(1, 0, &[1, 2, 3, IMAGE_MARKER, 4, 5]);
+    let emb = image.item_embeddings[0].clone();
+    admit(&mut sched, &mut pages, image)?;
     let batches = drive(&mut sched, &mut pages)?;
     let placed: Vec<Vec<(usize, std::ops::Range<usize>)>> = batches
         .iter()
@@ -423,8 +375,8 @@ fn item_rows_are_placed_in_the_chunk_that_holds_them() -> Result<()> {
                 .collect()
         })
         .collect();
-    // Chunks 0..5, 5..10, 10..11; the image sits at positions 3..9.
-    assert_eq!(placed, vec![vec![(3, 0..2)], vec![(0, 2..6)], vec![]]);
+    // Chunks 0..5 and 5..8.
+    assert_eq!(placed, vec![vec![(3, 0..2)], vec![(0, 2..3)]]);
     assert!(
         batches
             .iter()
@@ -439,18 +391,18 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     let (p1, _) = rfc_pair()?;
     let mut sched = scheduler(config(5, 16, false))?;
     let mut pages = ShadowPages::new(5, 16);
-    admit(&mut sched, &mut pages, text_request(1, 0, &p1))?;
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
     let batch = sched.schedule()?;
     let before = sched.stats();
     let table = sched.block_table(1).map(<[u32]>::to_vec);
 
-    let err = sched.admit(text_request(1, 0, &p1)).err();
+    let err = sched.admit(request(1, 0, &p1)).err();
     assert!(
         matches!(err, Some(Error::DuplicateRequest { id: 1 })),
         "{err:?}"
     );
     let long: Vec<u32> = (0..81).collect();
-    let err = sched.admit(text_request(2, 0, &long)).err();
+    let err = sched.admit(request(2, 0, &long)).err();
     assert!(
         matches!(
             err,
@@ -462,7 +414,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
         ),
         "{err:?}"
     );
-    let err = sched.admit(text_request(3, 0, &[])).err();
+    let err = sched.admit(request(3, 0, &[])).err();
     assert!(
         matches!(
             err,
@@ -474,7 +426,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
         ),
         "{err:?}"
     );
-    let mut bad_positions = text_request(4, 0, &[1, 2, 3]);
+    let mut bad_positions = request(4, 0, &[1, 2, 3]);
     bad_positions.prompt.positions = Positions::Linear(vec![0, 1]);
     let err = sched.admit(bad_positions).err();
     assert!(
@@ -490,7 +442,8 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
         "{err:?}"
     );
 
-    let (prompt, emb) = image_prompt(0);
+    let image = request(5, 0, &[1, 2, 3, IMAGE_MARKER, 4, 5]);
+    let (prompt, emb) = (image.prompt, image.item_embeddings[0].clone());
     let missing = Request {
         id: 5,
         prompt: prompt.clone(),
@@ -510,7 +463,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
         ),
         "{err:?}"
     );
-    let short = Arc::new(Array2::<f32>::zeros((5, 8)));
+    let short = Arc::new(Array2::<f32>::zeros((2, 2)));
     let err = sched
         .admit(Request {
             id: 6,
@@ -524,8 +477,8 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
             err,
             Some(Error::EmbeddingMismatch {
                 what: "embedding rows",
-                expected: 6,
-                found: 5,
+                expected: 3,
+                found: 2,
                 ..
             })
         ),
@@ -545,14 +498,14 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
             Some(Error::EmbeddingMismatch {
                 what: "embedding columns",
                 expected: 16,
-                found: 8,
+                found: 2,
                 ..
             })
         ),
         "{err:?}"
     );
     let mut out_of_range = prompt;
-    out_of_range.index_map.spans[0].start = 8;
+    out_of_range.index_map.spans[0].start = 6;
     let err = sched
         .admit(Request {
             id: 8,
@@ -566,8 +519,8 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
             err,
             Some(Error::PromptMismatch {
                 what: "index map span end",
-                expected: 11,
-                found: 14,
+                expected: 8,
+                found: 9,
                 ..
             })
         ),
