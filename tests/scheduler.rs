@@ -331,6 +331,11 @@ fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> Result<()> {
     let batch = sched.schedule()?;
     pages.run(&batch).map_err(Error::InvalidRequest)?;
     sched.abort(1)?;
+    let err = sched.admit(request(1, 0, &p1)).err();
+    assert!(
+        matches!(err, Some(Error::DuplicateRequest { id: 1 })),
+        "id reused before its batch completed: {err:?}"
+    );
     assert!(
         sched.complete(&batch)?.is_empty(),
         "an aborted request's share is ignored"

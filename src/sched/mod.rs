@@ -163,7 +163,8 @@ impl Scheduler {
 
     /// Queues a request after checking it can ever run; on error nothing changes.
     pub fn admit(&mut self, req: Request) -> Result<()> {
-        if self.requests.contains_key(&req.id) {
+        // An id aborted while its batch is out stays taken until that batch completes.
+        if self.requests.contains_key(&req.id) || self.aborted_in_flight.contains(&req.id) {
             return Err(Error::DuplicateRequest { id: req.id });
         }
         req.validate()?;
