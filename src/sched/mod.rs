@@ -358,7 +358,7 @@ impl Scheduler {
     }
 
     /// Matches a waiting request, pins its cached prefix, allocates its first
-    /// chunk and emits it; `false` (nothing changed) when blocks are short.
+    /// chunk and emits it; `false` when blocks are short (it stays queued).
     fn start(&mut self, id: RequestId, budget: usize, batch: &mut ScheduledBatch) -> Result<bool> {
         let bs = self.config.block_size;
         let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
