@@ -19,7 +19,11 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 
 const BS: usize = 4;
-const ITEMS: ItemModel = ItemModel { rows: 3, fp_bits: None };
+/// Collision-free fingerprints, and weak ones that force colliding siblings
+/// (so splits and evictions also run on shared head keys).
+const MODELS: [ItemModel; 2] =
+    [ItemModel { rows: 3, fp_bits: None }, ItemModel { rows: 3, fp_bits: Some(1) }];
+const POLICIES: [ValidationPolicy; 2] = [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes];
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -48,6 +52,7 @@ fn op() -> impl Strategy<Value = Op> {
 /// The harness: the index under test plus everything needed to judge it.
 struct Harness {
     index: RadixIndex,
+    items: ItemModel,
     oracle: Oracle,
     ledger: Ledger,
     /// Prompts inserted so far, to derive sharing queries from.
@@ -59,11 +64,12 @@ struct Harness {
 }
 
 impl Harness {
-    fn new() -> Result<Self, TestCaseError> {
-        let config = RadixConfig { block_size: BS, validation: ValidationPolicy::SecondDigest };
+    fn new(items: ItemModel, validation: ValidationPolicy) -> Result<Self, TestCaseError> {
+        let config = RadixConfig { block_size: BS, validation };
         let index = RadixIndex::new(config).map_err(|e| TestCaseError::fail(e.to_string()))?;
         Ok(Harness {
             index,
+            items,
             oracle: Oracle::default(),
             ledger: Ledger::default(),
             history: Vec::new(),
@@ -95,7 +101,7 @@ impl Harness {
         match op {
             Op::Insert { tenant, base, keep, extra, frac, reuse } => {
                 let p = self.derive(base, *keep, extra);
-                let (prompt, truth) = ITEMS.build(*tenant, &p);
+                let (prompt, truth) = self.items.build(*tenant, &p);
                 let k = ((truth.len() / BS) as f64 * frac) as usize;
                 let reused: Vec<BlockId> = if *reuse {
                     let m = self.index.match_prefix(&prompt);
@@ -119,7 +125,7 @@ impl Harness {
                 self.history.push(p);
             }
             Op::Match { tenant, base, keep, extra, lock } => {
-                let (prompt, truth) = ITEMS.build(*tenant, &self.derive(base, *keep, extra));
+                let (prompt, truth) = self.items.build(*tenant, &self.derive(base, *keep, extra));
                 let m = self.index.match_prefix(&prompt);
                 self.ledger.check(*tenant, &truth, BS, &m).map_err(TestCaseError::fail)?;
                 let best = self.oracle.longest(*tenant, &truth);
@@ -180,8 +186,12 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(256), ..ProptestConfig::default() })]
 
     #[test]
-    fn random_operations_keep_every_invariant(ops in prop::collection::vec(op(), 1..40)) {
-        let mut h = Harness::new()?;
+    fn random_operations_keep_every_invariant(
+        ops in prop::collection::vec(op(), 1..40),
+        model in 0..MODELS.len(),
+        policy in 0..POLICIES.len(),
+    ) {
+        let mut h = Harness::new(MODELS[model], POLICIES[policy])?;
         for op in &ops {
             h.apply(op)?;
         }

@@ -21,21 +21,27 @@ pub enum Error {
     /// An item with no bytes or no rows.
     #[error("item {item}: empty ({what})")]
     EmptyItem { item: usize, what: &'static str },
-    /// A prefix-index configuration value out of range.
-    #[error("index config: {field} = {found} (expected {expected})")]
-    IndexConfig { field: &'static str, expected: &'static str, found: String },
+    /// A block size of zero tokens.
+    #[error("block size must be positive, found {found}")]
+    InvalidBlockSize { found: usize },
+    /// More blocks handed to `insert` than the prompt has full blocks.
+    #[error("{blocks} blocks given for a prompt with {full_blocks} full blocks")]
+    BlocksExceedPrompt { blocks: usize, full_blocks: usize },
+    /// A block id the index already owns (under other content), or repeated in one insert.
+    #[error("block {block} is already cached under other content or repeated")]
+    BlockAlreadyCached { block: u32 },
+    /// One multimodal hash per prompt item was expected.
+    #[error("{found} multimodal hashes for a prompt with {expected} items")]
+    MmHashCount { expected: usize, found: usize },
+    /// An index-map span names an item the prompt does not have.
+    #[error("index map span {span} names item {item}, prompt has {items} items")]
+    SpanItemOutOfRange { span: usize, item: u32, items: usize },
+    /// Raw media whose shape does not fit what it claims to be.
+    #[error("{what}: shape {found:?} where {expected} was expected")]
+    MediaShape { what: &'static str, expected: String, found: Vec<usize> },
     /// A prompt whose atoms cover a different number of tokens than its token ids.
     #[error("prompt atoms cover {atoms} tokens but token_ids has {tokens}")]
     AtomsLengthMismatch { atoms: usize, tokens: usize },
-    /// Insert was given more full blocks than the prompt holds.
-    #[error("insert of {blocks} blocks of {block_size} tokens into a {prompt_tokens}-token prompt")]
-    InsertBeyondPrompt { blocks: usize, block_size: usize, prompt_tokens: usize },
-    /// The same block id passed twice in one insert.
-    #[error("block id {block} passed at block positions {first} and {second}")]
-    DuplicateBlockId { block: u32, first: usize, second: usize },
-    /// A block id the index already owns, passed for a position where it is not the cached block.
-    #[error("block id {block} at block position {position} is already owned by the index elsewhere")]
-    BlockAlreadyOwned { block: u32, position: usize },
     /// Anything else about a request that cannot be canonicalised.
     #[error("invalid request: {0}")]
     InvalidRequest(String),

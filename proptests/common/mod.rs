@@ -81,8 +81,8 @@ impl ItemModel {
                     let item = items.len() as u32;
                     items.push(Arc::clone(&id));
                     let cut = split % self.rows;
-                    let spans = if cut == 0 { vec![0..self.rows] } else { vec![0..cut, cut..self.rows] };
-                    for rows in spans {
+                    let spans = if cut == 0 { [0..self.rows, 0..0] } else { [0..cut, cut..self.rows] };
+                    for rows in spans.into_iter().filter(|r| !r.is_empty()) {
                         let start = truth.len() as u32;
                         index_map.placeholders.insert_range(start..start + rows.len() as u32);
                         index_map.spans.push(ItemSpan { item, rows: rows.clone(), start });

@@ -3,13 +3,15 @@
 //! Two implementations side by side: the validated radix tree over atoms (the
 //! main matcher) and a byte-exact port of vLLM's hash chain (the baseline).
 
-use crate::prompt::CanonicalPrompt;
-use crate::Result;
-
+/// Byte-exact port of vLLM V1 block hashing and its hash-map prefix cache (the baseline).
+pub mod hashchain;
 /// The validated radix tree over atoms: the main matcher.
 pub mod radix;
 /// Collision validation of fingerprint hits.
 pub mod validate;
+
+use crate::prompt::CanonicalPrompt;
+use crate::Result;
 
 /// Id of a KV block in the block pool (payload of one full cached block).
 pub type BlockId = u32;

@@ -67,7 +67,7 @@ pub(super) fn check(index: &RadixIndex) -> Result<(), String> {
                     return Err(format!("block {b} appears twice in the tree"));
                 }
             }
-            if !is_root && n.is_leaf() && (n.end() % bs != 0 || n.blocks.is_empty()) {
+            if !is_root && n.is_leaf() && (!n.end().is_multiple_of(bs) || n.blocks.is_empty()) {
                 return Err(format!("leaf {id}: ends at {} off a block boundary", n.end()));
             }
             let should_be_in_lru = !is_root && n.is_leaf() && n.lock == 0;

@@ -295,3 +295,66 @@ impl Validator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::canon::{ItemLayout, Modality};
+
+    fn item(fp: u128, check: u128) -> Arc<ItemIdentity> {
+        Arc::new(ItemIdentity {
+            fingerprint: Fingerprint(fp),
+            check: Some(Fingerprint(check)),
+            retained: None,
+            modality: Modality::Video,
+            layout: ItemLayout::Video { grid_thw: [2, 4, 4], seconds_per_grid: 2.0 },
+            num_tokens: 8,
+            content_bytes: 0,
+        })
+    }
+
+    fn label(atoms: &[Atom]) -> Edge {
+        let total = atoms.iter().map(atom_len).sum();
+        Cursor::new(atoms).take_edge(total)
+    }
+
+    #[test]
+    fn contiguous_atoms_merge_and_split_restores_them() {
+        let v = item(1, 1);
+        let atoms = [
+            Atom::Text(vec![1, 2]),
+            Atom::Text(vec![3]),
+            Atom::Item { id: Arc::clone(&v), rows: 0..3 },
+            Atom::Item { id: Arc::clone(&v), rows: 3..8 },
+        ];
+        let mut edge = label(&atoms);
+        assert_eq!((edge.len(), edge.segs.len()), (11, 2), "runs merge into one text and one item piece");
+        let tail = edge.split_off(5);
+        assert_eq!((edge.len(), tail.len()), (5, 6));
+        assert_eq!(tail.head(), Some(Head::Item(Fingerprint(1), 2)));
+        edge.append(tail);
+        assert_eq!((edge.len(), edge.segs.len()), (11, 2), "re-joined pieces merge again");
+        edge.truncate(2);
+        assert_eq!((edge.len(), edge.head()), (2, Some(Head::Text(1))));
+    }
+
+    #[test]
+    fn item_spans_compare_whole_and_a_collision_is_a_counted_miss() {
+        let cached = label(&[Atom::Text(vec![9]), Atom::Item { id: item(5, 50), rows: 0..8 }]);
+        let same = item(5, 50);
+        let split = [
+            Atom::Text(vec![9]),
+            Atom::Item { id: Arc::clone(&same), rows: 0..4 },
+            Atom::Item { id: Arc::clone(&same), rows: 4..8 },
+        ];
+        let mut v = Validator::new(ValidationPolicy::SecondDigest);
+        assert_eq!(cached.common_prefix(&mut Cursor::new(&split), usize::MAX, &mut v), 9);
+        assert_eq!(v.failures, 0);
+        let colliding = [Atom::Text(vec![9]), Atom::Item { id: item(5, 51), rows: 0..8 }];
+        assert_eq!(cached.common_prefix(&mut Cursor::new(&colliding), usize::MAX, &mut v), 1);
+        assert_eq!(v.failures, 1);
+        let shifted = [Atom::Text(vec![9]), Atom::Item { id: same, rows: 1..8 }];
+        assert_eq!(cached.common_prefix(&mut Cursor::new(&shifted), usize::MAX, &mut v), 1);
+        assert_eq!(cached.common_prefix(&mut Cursor::new(&split), 6, &mut v), 6, "stops at the limit");
+    }
+}

@@ -138,11 +138,7 @@ impl RadixIndex {
     /// An empty index; `block_size` must be at least 1.
     pub fn new(config: RadixConfig) -> Result<Self> {
         if config.block_size == 0 {
-            return Err(Error::IndexConfig {
-                field: "block_size",
-                expected: "at least 1",
-                found: "0".into(),
-            });
+            return Err(Error::InvalidBlockSize { found: 0 });
         }
         Ok(RadixIndex {
             config,
@@ -284,21 +280,13 @@ impl RadixIndex {
         if atoms != prompt.len() {
             return Err(Error::AtomsLengthMismatch { atoms, tokens: prompt.len() });
         }
-        let too_long = || Error::InsertBeyondPrompt {
-            blocks: blocks.len(),
-            block_size: bs,
-            prompt_tokens: atoms,
-        };
-        let total = blocks.len().checked_mul(bs).ok_or_else(too_long)?;
-        if total > atoms {
-            return Err(too_long());
+        if blocks.len() > atoms / bs {
+            return Err(Error::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs });
         }
-        let mut first_at: FxHashMap<BlockId, usize> = FxHashMap::default();
-        for (i, &b) in blocks.iter().enumerate() {
-            if let Some(&first) = first_at.get(&b) {
-                return Err(Error::DuplicateBlockId { block: b, first, second: i });
-            }
-            first_at.insert(b, i);
+        let total = blocks.len() * bs;
+        let mut given: FxHashSet<BlockId> = FxHashSet::default();
+        if let Some(&block) = blocks.iter().find(|&&b| !given.insert(b)) {
+            return Err(Error::BlockAlreadyCached { block });
         }
         let walk = match self.roots.get(&prompt.tenant) {
             Some(&root) => {
@@ -313,12 +301,30 @@ impl RadixIndex {
             .flat_map(|&id| self.node(id).blocks.iter().copied())
             .take(walk.matched / bs)
             .collect();
-        for (position, &b) in blocks.iter().enumerate() {
-            if self.owned.contains(&b) && cached.get(position) != Some(&b) {
-                return Err(Error::BlockAlreadyOwned { block: b, position });
+        for (position, &block) in blocks.iter().enumerate() {
+            if self.owned.contains(&block) && cached.get(position) != Some(&block) {
+                return Err(Error::BlockAlreadyCached { block });
             }
         }
         Ok((walk, cached))
+    }
+
+    /// The node `m`'s handle names, if it is live and `m`'s last block still
+    /// sits at its block position on the path from that node up (a split may
+    /// have moved it to a new parent); a stale or foreign match is refused.
+    fn resolve_match(&self, m: &PrefixMatch) -> Option<NodeId> {
+        let id = self.nodes.resolve(m.handle)?;
+        let position = m.blocks.len().checked_sub(1)?;
+        let mut cur = id;
+        loop {
+            let n = self.node(cur);
+            n.parent?;
+            let first = n.start / self.config.block_size;
+            if position >= first {
+                return (n.blocks.get(position - first) == m.blocks.last()).then_some(id);
+            }
+            cur = n.parent?;
+        }
     }
 
     fn root_for(&mut self, tenant: TenantSalt) -> NodeId {
@@ -484,9 +490,10 @@ impl PrefixIndex for RadixIndex {
         Ok(outcome)
     }
 
-    /// A stale handle (its node was evicted) or the empty match locks nothing.
+    /// A stale or foreign match (its node was evicted, or it names another
+    /// block) or the empty match locks nothing.
     fn lock(&mut self, m: &PrefixMatch) {
-        let Some(id) = self.nodes.resolve(m.handle) else { return };
+        let Some(id) = self.resolve_match(m) else { return };
         self.lru_leave(id);
         let mut cur = Some(id);
         while let Some(c) = cur {
@@ -501,7 +508,7 @@ impl PrefixIndex for RadixIndex {
 
     /// Unlocking a node that holds no lock is ignored (lock counts never go negative).
     fn unlock(&mut self, m: &PrefixMatch) {
-        let Some(id) = self.nodes.resolve(m.handle) else { return };
+        let Some(id) = self.resolve_match(m) else { return };
         if self.node(id).lock == 0 {
             return;
         }

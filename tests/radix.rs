@@ -1,0 +1,209 @@
+//! Behaviour of the radix index on hand-made cases: payload placement across
+//! splits, collision siblings, locking, LRU eviction, bad input, structure size.
+
+#[path = "../proptests/common/mod.rs"]
+mod common;
+
+use std::sync::Arc;
+
+use common::{ItemModel, Piece};
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::index::{PrefixIndex, ValidationPolicy};
+use omniprefix::prompt::CanonicalPrompt;
+use omniprefix::{Error, Result};
+
+const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None };
+
+fn index(block_size: usize) -> Result<RadixIndex> {
+    RadixIndex::new(RadixConfig { block_size, validation: ValidationPolicy::SecondDigest })
+}
+
+fn text(tenant: u64, ids: &[u32]) -> CanonicalPrompt {
+    STRONG.build(tenant, &[Piece::Text(ids.to_vec())]).0
+}
+
+fn valid(ix: &RadixIndex) -> Result<()> {
+    ix.validate().map_err(Error::InvalidRequest)
+}
+
+#[test]
+fn zero_block_size_is_a_config_error() {
+    let err = RadixIndex::new(RadixConfig { block_size: 0, ..Default::default() }).unwrap_err();
+    assert!(matches!(err, Error::InvalidBlockSize { found: 0 }));
+}
+
+#[test]
+fn split_keeps_block_ids_with_the_side_holding_their_last_token() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert(&text(0, &[1, 2, 3, 4, 5, 6, 7, 8]), &[10, 11])?;
+    // Diverges at position 6, inside block 1: the node splits at 6. Block 0
+    // was cached by the first insert, so the second one's id 20 is a duplicate.
+    let second = ix.insert(&text(0, &[1, 2, 3, 4, 5, 6, 9, 9]), &[20, 21])?;
+    assert_eq!((second.adopted, second.duplicates), (vec![21], vec![20]));
+    valid(&ix)?;
+    let a = ix.match_prefix(&text(0, &[1, 2, 3, 4, 5, 6, 7, 8]));
+    assert_eq!((a.tokens, a.blocks), (8, vec![10, 11]));
+    let b = ix.match_prefix(&text(0, &[1, 2, 3, 4, 5, 6, 9, 9]));
+    assert_eq!((b.tokens, b.blocks), (8, vec![10, 21]));
+    let partial = ix.match_prefix(&text(0, &[1, 2, 3, 4, 5, 6, 0]));
+    assert_eq!((partial.tokens, partial.aligned_tokens, partial.blocks.len()), (6, 4, 2));
+    assert_eq!(partial.blocks[0], 10);
+    assert!([11, 21].contains(&partial.blocks[1]));
+    assert_eq!(ix.stats().cached_blocks, 3);
+    Ok(())
+}
+
+#[test]
+fn duplicates_and_reused_ids_on_insert() -> Result<()> {
+    let mut ix = index(4)?;
+    let p = text(0, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+    let first = ix.insert(&p, &[1, 2])?;
+    assert_eq!((first.adopted, first.duplicates), (vec![1, 2], vec![]));
+    let again = ix.insert(&p, &[3, 4])?;
+    assert_eq!((again.adopted, again.duplicates), (vec![], vec![3, 4]));
+    // The ids a match returned are the index's own: neither adopted nor duplicate.
+    let longer = ix.insert(&p, &[1, 2, 5])?;
+    assert_eq!((longer.adopted, longer.duplicates), (vec![5], vec![]));
+    assert_eq!(ix.match_prefix(&p).blocks, vec![1, 2, 5]);
+    valid(&ix)
+}
+
+#[test]
+fn bad_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
+    let mut ix = index(4)?;
+    let p = text(0, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    ix.insert(&p, &[1])?;
+    let before = ix.stats();
+    let err = ix.insert(&p, &[1, 2, 3]).unwrap_err();
+    assert!(matches!(err, Error::BlocksExceedPrompt { blocks: 3, full_blocks: 2 }));
+    let err = ix.insert(&text(0, &[9; 8]), &[7, 7]).unwrap_err();
+    assert!(matches!(err, Error::BlockAlreadyCached { block: 7 }), "repeated in one insert");
+    let err = ix.insert(&text(0, &[9; 8]), &[2, 1]).unwrap_err();
+    assert!(matches!(err, Error::BlockAlreadyCached { block: 1 }), "owned under other content");
+    let mut broken = p.clone();
+    broken.token_ids.pop();
+    let err = ix.insert(&broken, &[5]).unwrap_err();
+    assert!(matches!(err, Error::AtomsLengthMismatch { atoms: 8, tokens: 7 }));
+    assert_eq!(ix.stats(), before);
+    valid(&ix)
+}
+
+#[test]
+fn tenants_never_share_entries() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert(&text(1, &[1, 2, 3, 4]), &[1])?;
+    assert_eq!(ix.match_prefix(&text(2, &[1, 2, 3, 4])).tokens, 0);
+    let own = ix.insert(&text(2, &[1, 2, 3, 4]), &[2])?;
+    assert_eq!(own.adopted, vec![2]);
+    assert_eq!(ix.match_prefix(&text(1, &[1, 2, 3, 4])).blocks, vec![1]);
+    assert_eq!(ix.match_prefix(&text(2, &[1, 2, 3, 4])).blocks, vec![2]);
+    valid(&ix)
+}
+
+#[test]
+fn colliding_items_coexist_as_siblings_and_count_failures() -> Result<()> {
+    let weak = ItemModel { rows: 3, fp_bits: Some(1) };
+    let item = |content| [Piece::Text(vec![7]), Piece::Item { content, split: 0 }];
+    let (a, _) = weak.build(0, &item(0));
+    let (b, _) = weak.build(0, &item(2));
+    assert_eq!(a.items[0].fingerprint, b.items[0].fingerprint);
+    for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes] {
+        let mut ix = RadixIndex::new(RadixConfig { block_size: 2, validation: policy })?;
+        ix.insert(&a, &[1, 2])?;
+        let miss = ix.match_prefix(&b);
+        assert_eq!((miss.tokens, ix.stats().validation_failures), (1, 1), "{policy:?}");
+        // Block 0 holds text 7 and the item's row 0, so it differs too.
+        let sibling = ix.insert(&b, &[3, 4])?;
+        assert_eq!((sibling.adopted, sibling.duplicates), (vec![3, 4], vec![]));
+        assert_eq!(ix.match_prefix(&a).blocks, vec![1, 2]);
+        assert_eq!(ix.match_prefix(&b).blocks, vec![3, 4]);
+        valid(&ix)?;
+    }
+    let mut trusting =
+        RadixIndex::new(RadixConfig { block_size: 2, validation: ValidationPolicy::Unvalidated })?;
+    trusting.insert(&a, &[1, 2])?;
+    assert_eq!(trusting.match_prefix(&b).tokens, 4, "without validation the collision is a wrong hit");
+    Ok(())
+}
+
+#[test]
+fn a_long_item_span_matches_whole_and_split_atoms_agree() -> Result<()> {
+    let big = ItemModel { rows: 7200, fp_bits: None };
+    let (cached, _) = big.build(0, &[Piece::Text(vec![1, 2]), Piece::Item { content: 5, split: 0 }]);
+    let (query, _) = big.build(0, &[Piece::Text(vec![1, 2]), Piece::Item { content: 5, split: 3001 }]);
+    let mut ix = index(16)?;
+    let blocks: Vec<u32> = (0..7202 / 16).collect();
+    ix.insert(&cached, &blocks)?;
+    let m = ix.match_prefix(&query);
+    assert_eq!((m.tokens, m.blocks), (7202 / 16 * 16, blocks));
+    assert_eq!(ix.stats().nodes, 2, "one root and one node for text + item span");
+    Ok(())
+}
+
+#[test]
+fn locks_pin_the_path_and_stale_handles_do_nothing() -> Result<()> {
+    let mut ix = index(4)?;
+    let p = text(0, &[1, 2, 3, 4, 5, 6, 7, 8]);
+    ix.insert(&p, &[1, 2])?;
+    ix.insert(&text(0, &[1, 2, 3, 4, 9, 9, 9, 9]), &[1, 3])?;
+    let m = ix.match_prefix(&p);
+    ix.lock(&m);
+    ix.lock(&m);
+    assert_eq!(ix.evict(10), vec![3]);
+    ix.unlock(&m);
+    assert!(ix.evict(10).is_empty(), "still locked once");
+    ix.unlock(&m);
+    ix.unlock(&m);
+    valid(&ix)?;
+    let mut freed = ix.evict(10);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![1, 2]);
+    ix.lock(&m);
+    ix.insert(&p, &[4, 5])?;
+    valid(&ix)?;
+    let mut forged = ix.match_prefix(&p);
+    forged.blocks = vec![4, 9];
+    ix.lock(&forged);
+    assert_eq!(ix.evict(10).len(), 2, "stale or forged matches must not lock anything");
+    Ok(())
+}
+
+#[test]
+fn eviction_takes_least_recently_used_leaves_first_and_never_more_than_asked() -> Result<()> {
+    let mut ix = index(4)?;
+    let a = text(0, &[1; 12]);
+    let b = text(0, &[2; 12]);
+    ix.insert(&a, &[1, 2, 3])?;
+    ix.insert(&b, &[4, 5, 6])?;
+    ix.match_prefix(&a);
+    assert_eq!(ix.evict(2), vec![5, 6], "b is older; its tail goes first");
+    assert_eq!(ix.match_prefix(&b).blocks, vec![4]);
+    assert_eq!(ix.evict(1), vec![3], "b was just touched, so a is older now");
+    let stats = ix.stats();
+    assert_eq!((stats.evicted_blocks, stats.cached_blocks), (3, 3));
+    valid(&ix)
+}
+
+#[test]
+fn index_bytes_stay_under_16_per_cached_text_token() -> Result<()> {
+    let ids: Vec<u32> = (0..32_768u32).map(|i| i.wrapping_mul(2_654_435_761) % 151_000).collect();
+    let mut ix = index(16)?;
+    let blocks: Vec<u32> = (0..2048).collect();
+    ix.insert(&text(3, &ids), &blocks)?;
+    let bytes = ix.stats().index_bytes as f64;
+    let per_token = bytes / 32_768.0;
+    println!("index_bytes = {bytes} ({per_token:.2} B per cached text token)");
+    assert!(per_token <= 16.0, "{per_token} bytes per token");
+    assert!(per_token >= 4.0, "the estimate must at least count the token ids");
+    Ok(())
+}
+
+#[test]
+fn the_index_keeps_one_reference_to_an_item_not_a_copy() -> Result<()> {
+    let (p, _) = STRONG.build(0, &[Piece::Item { content: 1, split: 0 }, Piece::Text(vec![1])]);
+    let before = Arc::strong_count(&p.items[0]);
+    let mut ix = index(4)?;
+    ix.insert(&p, &[9])?;
+    assert_eq!(Arc::strong_count(&p.items[0]), before + 1);
+    Ok(())
+}
