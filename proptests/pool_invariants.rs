@@ -3,7 +3,8 @@
 //! eviction and preemption happen). After every operation the scheduler's
 //! `validate` must pass and the shadow runner must read the right KV for every
 //! reused position and the right token or image row for every new one; at the end no block is leaked and every request that was
-//! not aborted finishes.
+//! not aborted finishes, and a prompt as long as the pool still fits (no lock
+//! outlived its request).
 //!
 //! Case count: `PROPTEST_CASES` (default 64).
 
@@ -204,13 +205,30 @@ impl Harness {
     }
 }
 
+impl Harness {
+    /// A fresh tenant's prompt as long as the whole pool finishes only if
+    /// every cached block can be evicted, i.e. no index lock outlived its request.
+    fn check_no_lock_left(&mut self) -> Result<(), TestCaseError> {
+        let cfg = *self.sched.config();
+        let ids: Vec<u32> = (0..(cfg.num_blocks * cfg.block_size) as u32).collect();
+        let req = request(self.next_id, 99, &ids);
+        self.pages.register(&req);
+        self.live.push(req.id);
+        self.sched.admit(req).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        self.drain()?;
+        prop_assert_eq!(self.sched.stats().blocks_cached, cfg.num_blocks);
+        Ok(())
+    }
+}
+
 fn run_case(case: &Case, index: Box<dyn PrefixIndex>) -> Result<(), TestCaseError> {
     let mut h = Harness::new(case.config, index)?;
     for op in &case.ops {
         h.apply(op, &case.bases)?;
     }
     h.drain()?;
-    h.check_nothing_leaked()
+    h.check_nothing_leaked()?;
+    h.check_no_lock_left()
 }
 
 proptest! {
