@@ -1,9 +1,10 @@
 //! Random admit / schedule / complete / finish / abort sequences over a tiny
-//! vocabulary and two images (so prompts share prefixes and blocks) and a small pool (so
-//! eviction and preemption happen). After every operation the scheduler's
-//! `validate` must pass and the shadow runner must read the right KV for every
-//! reused position and the right token or image row for every new one; at the end no block is leaked and every request that was
-//! not aborted finishes, and a prompt as long as the pool still fits (no lock
+//! vocabulary and two images (so prompts share prefixes and blocks) and a
+//! small pool (so eviction and preemption happen). After every operation the
+//! scheduler's `validate` must pass, and the shadow runner must read the right
+//! KV for every reused position and get the right token or image row for every
+//! new one. At the end no block is leaked, every request that was not aborted
+//! finishes, and a prompt as long as the pool still fits (no index lock
 //! outlived its request).
 //!
 //! Case count: `PROPTEST_CASES` (default 64).
