@@ -85,6 +85,41 @@ pub enum Error {
     /// A position range that does not lie inside the prompt.
     #[error("position range {start}..{end} is outside a prompt of {len} positions")]
     PositionRangeOutOfBounds { start: usize, end: usize, len: usize },
+
+    // ---- kv block pool and scheduler ----
+    /// A block id outside the pool.
+    #[error("block {block} is outside the pool of {num_blocks} blocks")]
+    BlockOutOfRange { block: u32, num_blocks: usize },
+    /// A pool operation on a block in the wrong state (e.g. releasing a free block).
+    #[error("block pool: cannot {op} block {block} while it is {state}")]
+    BlockStateMisuse { op: &'static str, block: u32, state: String },
+    /// A scheduler or pool setting that cannot work.
+    #[error("scheduler config: {field} must be {expected}, found {found}")]
+    InvalidConfig { field: &'static str, expected: String, found: String },
+    /// A request id that is already admitted.
+    #[error("request {id} is already admitted")]
+    DuplicateRequest { id: u64 },
+    /// A request id the scheduler does not know.
+    #[error("request {id} is not admitted")]
+    UnknownRequest { id: u64 },
+    /// A request that needs more blocks than the whole pool holds.
+    #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
+    RequestTooLarge { id: u64, needed: usize, num_blocks: usize },
+    /// A request's embeddings disagree with its prompt's items or index map.
+    #[error("request {id}, item {item}: {what} is {found}, expected {expected}")]
+    EmbeddingMismatch { id: u64, item: usize, what: &'static str, expected: usize, found: usize },
+    /// A prompt whose parts disagree in length or point outside it.
+    #[error("request {id}: {what} is {found}, expected {expected}")]
+    PromptMismatch { id: u64, what: &'static str, expected: usize, found: usize },
+    /// `finish` on a request whose prompt has not been fully computed.
+    #[error("request {id} is not finished: {computed} of {len} tokens computed")]
+    RequestNotFinished { id: u64, computed: usize, len: usize },
+    /// A completed batch that is not the one the scheduler handed out.
+    #[error("completed batch, request {id}: {what} is {found}, scheduled {expected}")]
+    BatchMismatch { id: u64, what: &'static str, expected: usize, found: usize },
+    /// The prefix index broke its contract (an internal bug, reported instead of panicking).
+    #[error("prefix index broke its contract: {0}")]
+    IndexContract(String),
 }
 
 /// Crate-wide result alias.

@@ -14,7 +14,11 @@ pub mod canon;
 pub mod error;
 /// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.
 pub mod index;
+/// KV block pool: free list, ref counts, index-owned blocks.
+pub mod kv;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
+/// The scheduler: admits requests, matches prefixes, allocates blocks, builds batches.
+pub mod sched;
 
 pub use error::{Error, Result};
