@@ -355,3 +355,236 @@ fn run_step<B: Backend>(
     };
     Ok(StepResult { outputs, all_logits })
 }
+
+#[cfg(test)]
+mod tests {
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::backend::cpu::{CpuBackend, CpuPages};
+    use crate::model::Config;
+
+    const BS: usize = 4;
+
+    /// A prompt of `len` tokens with one item of `rows` rows at position 3 and
+    /// M-RoPE-style positions (text diagonal, the item on a 2-wide grid).
+    fn prompt(cfg: &Config, len: usize, rows: usize, seed: u64) -> PromptInputs {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let token_ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
+        let item = Array2::from_shape_fn((rows + 2, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
+        let embeds = vec![EmbedRows { step_offset: 3, embeddings: Arc::new(item), rows: 1..rows + 1 }];
+        let (mut t, mut h, mut w) = (vec![], vec![], vec![]);
+        for p in 0..len as i64 {
+            let in_item = (3..3 + rows as i64).contains(&p);
+            let r = p - 3;
+            t.push(if in_item { 3 } else { p });
+            h.push(if in_item { 3 + r / 2 } else { p });
+            w.push(if in_item { 3 + r % 2 } else { p });
+        }
+        let positions = if cfg.mrope_section.is_some() { Positions::Mrope { t, h, w, rope_delta: 0 } } else { Positions::Linear(t) };
+        PromptInputs { token_ids, embeds, positions }
+    }
+
+    fn slice_positions(p: &Positions, a: usize, b: usize) -> Positions {
+        match p {
+            Positions::Linear(v) => Positions::Linear(v[a..b].to_vec()),
+            Positions::Mrope { t, h, w, rope_delta } => {
+                Positions::Mrope { t: t[a..b].to_vec(), h: h[a..b].to_vec(), w: w[a..b].to_vec(), rope_delta: *rope_delta }
+            }
+        }
+    }
+
+    /// Prompt positions `a..b` as one scheduled sequence over `table`.
+    fn chunk(p: &PromptInputs, request: RequestId, table: &[u32], a: usize, b: usize) -> ScheduledSeq {
+        let embeds = p
+            .embeds
+            .iter()
+            .filter_map(|e| {
+                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
+                let (lo, hi) = (start.max(a), end.min(b));
+                (lo < hi).then(|| EmbedRows {
+                    step_offset: lo - a,
+                    embeddings: Arc::clone(&e.embeddings),
+                    rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
+                })
+            })
+            .collect();
+        ScheduledSeq {
+            request,
+            block_table: table.to_vec(),
+            num_computed_tokens: a,
+            token_ids: p.token_ids[a..b].to_vec(),
+            embeds,
+            positions: slice_positions(&p.positions, a, b),
+            slot_mapping: (a..b).map(|j| slot_of(table, BS, j)).collect(),
+            prompt_len: p.token_ids.len(),
+            emits_output: b == p.token_ids.len(),
+        }
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * scale, "{what}: first mismatch at flat index {i}: {g} vs {w}");
+        }
+    }
+
+    fn assert_same(out: &SeqOutput, want: &Outputs) {
+        assert_eq!(out.hidden.len(), want.hidden.len());
+        for ((name, got), (wname, w)) in out.hidden.iter().zip(&want.hidden) {
+            assert_eq!(name, wname);
+            assert_eq!(got.dim(), w.dim(), "{name}: shape");
+            assert_close(&name.to_string(), got.as_slice().unwrap(), w.as_slice().unwrap());
+        }
+        assert_close("last_logits", &out.last_logits, &want.last_logits);
+    }
+
+    fn configs() -> Vec<Config> {
+        vec![
+            Config::tiny_qwen3(32, 2, 4, 2, 64),
+            Config::tiny_qwen2_omni(32, 3, 4, 1, 64),
+            Config::tiny_qwen3_omni_moe(32, 2, 4, 4, 64, 4, 2),
+        ]
+    }
+
+    fn runner(cfg: Config, seed: u64) -> ModelRunner<CpuBackend> {
+        let backend = Arc::new(CpuBackend::new());
+        let n = cfg.num_hidden_layers;
+        let thinker = Arc::new(Thinker::random(&*backend, cfg, seed).unwrap());
+        let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(1), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
+        ModelRunner::new(backend, thinker, capture).unwrap()
+    }
+
+    #[test]
+    fn caching_is_invisible_for_every_chunking() {
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        for (ci, cfg) in configs().into_iter().enumerate() {
+            let r = runner(cfg.clone(), ci as u64);
+            let p = prompt(&cfg, 23, 6, ci as u64);
+            let want = run_uncached(r.thinker(), r.backend(), &p, r.capture(), false).unwrap();
+            assert_eq!(want.hidden[0].1.dim(), (23, 32));
+            // Cached prefix lengths (block aligned or not) and the chunk cuts after them.
+            for cuts in [vec![8, 23], vec![4, 13, 23], vec![5, 6, 19, 23], vec![22, 23]] {
+                let mut blocks: Vec<u32> = (0..12).collect();
+                blocks.shuffle(&mut rng);
+                let table = &blocks[..23usize.div_ceil(BS)];
+                let mut pages = r.alloc_pages(12, BS).unwrap();
+                let mut outs = Vec::new();
+                let mut a = 0;
+                for &b in &cuts {
+                    let batch = ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 7, table, a, b)] };
+                    outs = r.execute(&batch, &mut pages).unwrap();
+                    a = b;
+                }
+                assert_eq!(outs.len(), 1, "config {ci} cuts {cuts:?}");
+                assert_eq!(outs[0].request, 7);
+                assert_same(&outs[0], &want);
+            }
+        }
+    }
+
+    #[test]
+    fn shared_prefix_with_copy_on_write_in_a_mixed_batch() {
+        for (ci, cfg) in configs().into_iter().enumerate() {
+            let r = runner(cfg.clone(), 40 + ci as u64);
+            let a = prompt(&cfg, 14, 4, 1);
+            // B shares A's first 10 positions (two full blocks and half of the third).
+            let mut b = prompt(&cfg, 19, 4, 2);
+            b.token_ids[..10].copy_from_slice(&a.token_ids[..10]);
+            b.embeds = a.embeds.clone();
+            let pos = slice_positions(&a.positions, 0, 10);
+            b.positions = match (pos, &b.positions) {
+                (Positions::Linear(mut v), Positions::Linear(rest)) => {
+                    v.extend_from_slice(&rest[10..]);
+                    Positions::Linear(v)
+                }
+                (Positions::Mrope { mut t, mut h, mut w, .. }, Positions::Mrope { t: t2, h: h2, w: w2, .. }) => {
+                    t.extend_from_slice(&t2[10..]);
+                    h.extend_from_slice(&h2[10..]);
+                    w.extend_from_slice(&w2[10..]);
+                    Positions::Mrope { t, h, w, rope_delta: 0 }
+                }
+                _ => unreachable!("both prompts use the config's position kind"),
+            };
+            let c = prompt(&cfg, 9, 2, 3);
+            let mut pages = r.alloc_pages(16, BS).unwrap();
+            let table_a = [5u32, 2, 9, 0];
+            let outs_a = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&a, 1, &table_a, 0, 14)] }, &mut pages).unwrap();
+            assert_same(&outs_a[0], &run_uncached(r.thinker(), r.backend(), &a, r.capture(), false).unwrap());
+            // B reuses blocks 5 and 2, copies block 9 to 11 and continues at position 10;
+            // C's first chunk runs in the same step.
+            let table_b = [5u32, 2, 11, 3, 14];
+            let table_c = [7u32, 8, 12];
+            let batch = ScheduledBatch {
+                copies: vec![BlockCopy { src: 9, dst: 11 }],
+                seqs: vec![chunk(&c, 3, &table_c, 0, 5), chunk(&b, 2, &table_b, 10, 19)],
+            };
+            let outs = r.execute(&batch, &mut pages).unwrap();
+            assert_eq!(outs.len(), 1);
+            assert_same(&outs[0], &run_uncached(r.thinker(), r.backend(), &b, r.capture(), false).unwrap());
+            let outs_c = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&c, 3, &table_c, 5, 9)] }, &mut pages).unwrap();
+            assert_same(&outs_c[0], &run_uncached(r.thinker(), r.backend(), &c, r.capture(), false).unwrap());
+        }
+    }
+
+    #[test]
+    fn all_logits_end_with_the_last_logits() {
+        let cfg = Config::tiny_qwen3(32, 2, 4, 2, 64);
+        let r = runner(cfg.clone(), 9);
+        let p = prompt(&cfg, 6, 2, 9);
+        let out = run_uncached(r.thinker(), r.backend(), &p, r.capture(), true).unwrap();
+        let logits = out.logits.unwrap();
+        assert_eq!(logits.dim(), (6, 64));
+        assert_eq!(logits.row(5).to_vec(), out.last_logits);
+    }
+
+    fn pages_equal(a: &CpuPages, b: &CpuPages) -> bool {
+        a.k == b.k && a.v == b.v && a.hidden == b.hidden
+    }
+
+    #[test]
+    fn invalid_batches_are_rejected_before_any_page_changes() {
+        let cfg = Config::tiny_qwen3(32, 2, 4, 2, 64);
+        let r = runner(cfg.clone(), 1);
+        let p = prompt(&cfg, 10, 2, 4);
+        let table = [0u32, 1, 2];
+        let mut pages = r.alloc_pages(4, BS).unwrap();
+        r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &table, 0, 4)] }, &mut pages).unwrap();
+        let before = pages.clone();
+        let good = chunk(&p, 1, &table, 4, 10);
+        let mut bad_token = good.clone();
+        bad_token.token_ids[2] = 64;
+        let mut bad_slot = good.clone();
+        bad_slot.slot_mapping[0] = 3;
+        let mut short_table = good.clone();
+        short_table.block_table.truncate(2);
+        let mut early_output = chunk(&p, 1, &table, 4, 8);
+        early_output.emits_output = true;
+        let mut bad_embed = good.clone();
+        bad_embed.embeds = vec![EmbedRows { step_offset: 5, embeddings: Arc::new(Array2::zeros((3, 32))), rows: 0..2 }];
+        let mut bad_positions = good.clone();
+        bad_positions.positions = Positions::Linear(vec![0; 2]);
+        for (what, seq) in [
+            ("token", bad_token),
+            ("slot", bad_slot),
+            ("table", short_table),
+            ("early", early_output),
+            ("embed", bad_embed),
+            ("positions", bad_positions),
+        ] {
+            // A valid copy goes first: it must not run either.
+            let batch = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };
+            let err = r.execute(&batch, &mut pages).unwrap_err();
+            assert!(matches!(err, Error::InvalidBatch { request: 1, .. }), "{what}: {err}");
+            assert!(pages_equal(&pages, &before), "{what}: pages changed");
+        }
+        let bad_copy = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 4 }], seqs: vec![] };
+        assert!(matches!(r.execute(&bad_copy, &mut pages), Err(Error::OpIndex { what: "copy block", index: 4, .. })));
+        let mut wrong_pages = r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
+        let err = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![good] }, &mut wrong_pages).unwrap_err();
+        assert!(matches!(err, Error::OpShape { what: "pages", .. }));
+    }
+}
