@@ -194,7 +194,7 @@ pub trait Backend: Send + Sync {
     /// `[rows, cols]` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> [usize; 2];
 
-    /// Allocates zero-filled pages.
+    /// Allocates zero-filled pages; `block_size` must be positive.
     fn alloc_pages(&self, spec: PagesSpec) -> Result<Self::Pages>;
     /// The sizes the pages were allocated with.
     fn pages_spec(&self, pages: &Self::Pages) -> PagesSpec;
@@ -275,7 +275,8 @@ pub trait Backend: Send + Sync {
         x: &Self::Tensor,
         slots: &[i64],
     ) -> Result<()>;
-    /// Reads capture `capture` at `slots[i]` into row `i` of `[slots.len(), hidden]`.
+    /// Reads capture `capture` at `slots[i]` into row `i` of `[slots.len(), hidden]`;
+    /// a negative slot gives a zero row.
     fn gather_hidden(&self, pages: &Self::Pages, capture: usize, slots: &[i64]) -> Result<Self::Tensor>;
 
     /// Copies whole blocks `src → dst` (every layer's K and V and all hidden pages), in

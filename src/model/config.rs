@@ -144,11 +144,10 @@ impl Config {
             ));
         }
         let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
-        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref().or(r.type_.as_deref())) {
-            if !matches!(kind, "default" | "mrope") {
+        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref().or(r.type_.as_deref()))
+            && !matches!(kind, "default" | "mrope") {
                 return Err(unsupported("rope_type", kind, "only default RoPE / M-RoPE is implemented"));
             }
-        }
         let mrope_section = match rope.and_then(|r| r.mrope_section.as_deref()) {
             None => None,
             Some(&[t, h, w]) => Some([t, h, w]),
@@ -199,21 +198,20 @@ impl Config {
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return Err(unsupported("num_attention_heads", self.num_attention_heads, "heads must be positive"));
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(unsupported(
                 "num_key_value_heads",
                 self.num_key_value_heads,
                 "must divide num_attention_heads",
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(unsupported("head_dim", self.head_dim, "must be even and positive"));
         }
-        if let Some(sec) = self.mrope_section {
-            if sec.iter().sum::<usize>() != self.head_dim / 2 {
+        if let Some(sec) = self.mrope_section
+            && sec.iter().sum::<usize>() != self.head_dim / 2 {
                 return Err(unsupported("mrope_section", sec, "sections must sum to head_dim / 2"));
             }
-        }
         if let Some(moe) = &self.moe {
             if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
                 return Err(unsupported(
@@ -233,7 +231,7 @@ impl Config {
     /// (HF: not in `mlp_only_layers` and `(layer + 1) % decoder_sparse_step == 0`).
     pub fn is_sparse_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| {
-            !m.mlp_only_layers.contains(&layer) && (layer + 1) % m.decoder_sparse_step == 0
+            !m.mlp_only_layers.contains(&layer) && (layer + 1).is_multiple_of(m.decoder_sparse_step)
         })
     }
 

@@ -29,7 +29,7 @@ fn seq_slots(seq: &AttnSeq<'_>, rows: usize, pages: &CpuPages) -> Result<Vec<usi
 }
 
 /// Attention of one query head of one sequence: `[num_new, head_dim]` flat.
-fn head_attention(q: &Array2<f32>, k: &[f32], v: &[f32], seq: &AttnSeq<'_>, slots: &[usize], head: usize, kv_head: usize, heads: AttnHeads) -> Vec<f32> {
+fn head_attention(q: &Array2<f32>, (k, v): (&[f32], &[f32]), seq: &AttnSeq<'_>, slots: &[usize], head: usize, kv_head: usize, heads: AttnHeads) -> Vec<f32> {
     let hd = heads.head_dim;
     let width = heads.kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -66,7 +66,7 @@ fn head_attention(q: &Array2<f32>, k: &[f32], v: &[f32], seq: &AttnSeq<'_>, slot
 /// See [`crate::backend::Backend::paged_attention`].
 pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<Array2<f32>> {
     let spec = pages.spec;
-    if heads.kv_heads != spec.kv_heads || heads.head_dim != spec.head_dim || heads.kv_heads == 0 || heads.num_heads % heads.kv_heads != 0 {
+    if heads.kv_heads != spec.kv_heads || heads.head_dim != spec.head_dim || heads.kv_heads == 0 || !heads.num_heads.is_multiple_of(heads.kv_heads) {
         return Err(Error::OpShape {
             op: OP,
             what: "heads (num_heads, kv_heads, head_dim)",
@@ -81,7 +81,7 @@ pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, h
     let jobs: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..heads.num_heads).map(move |h| (s, h))).collect();
     let results: Vec<Vec<f32>> = jobs
         .par_iter()
-        .map(|&(s, h)| head_attention(q, k, v, &seqs[s], &slots[s], h, h / group, heads))
+        .map(|&(s, h)| head_attention(q, (k, v), &seqs[s], &slots[s], h, h / group, heads))
         .collect();
     let hd = heads.head_dim;
     let mut out = Array2::zeros(q.raw_dim());

@@ -97,6 +97,14 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_pages(&self, spec: PagesSpec) -> Result<CpuPages> {
+        if spec.block_size == 0 {
+            return Err(crate::Error::OpShape {
+                op: "alloc_pages",
+                what: "block_size",
+                expected: "> 0".into(),
+                found: vec![spec.block_size],
+            });
+        }
         Ok(CpuPages::new(spec))
     }
 
@@ -166,7 +174,7 @@ impl Backend for CpuBackend {
     fn rms_norm_heads(&self, x: &mut Array2<f32>, w: &Array2<f32>, head_dim: usize, eps: f32) -> Result<()> {
         expect_rows("rms_norm_heads", "weight", w, 1)?;
         expect_cols("rms_norm_heads", "weight", w, head_dim)?;
-        if head_dim == 0 || x.ncols() % head_dim != 0 {
+        if head_dim == 0 || !x.ncols().is_multiple_of(head_dim) {
             return Err(check::shape_error("rms_norm_heads", "x", format!("[n, k * {head_dim}]"), x));
         }
         if !x.is_standard_layout() {
@@ -182,7 +190,7 @@ impl Backend for CpuBackend {
     }
 
     fn swiglu(&self, gate_up: &Array2<f32>) -> Result<Array2<f32>> {
-        if gate_up.ncols() % 2 != 0 {
+        if !gate_up.ncols().is_multiple_of(2) {
             return Err(check::shape_error("swiglu", "gate_up", "[n, 2I]".into(), gate_up));
         }
         Ok(swiglu(gate_up.view()))
@@ -224,5 +232,109 @@ impl Backend for CpuBackend {
 
     fn copy_blocks(&self, pages: &mut CpuPages, copies: &[(BlockId, BlockId)]) -> Result<()> {
         pages.copy_blocks(copies)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+    use ndarray::array;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn rand_rows(seed: u64, r: usize, c: usize) -> Array2<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
+    }
+
+    #[test]
+    fn norms_and_swiglu_match_naive_loops() {
+        let b = CpuBackend;
+        let x = rand_rows(1, 5, 12);
+        let w = rand_rows(2, 1, 12);
+        let eps = 1e-6;
+        let got = b.rms_norm(&x, &w, eps).unwrap();
+        let mut heads = x.clone();
+        let hw = rand_rows(3, 1, 4);
+        b.rms_norm_heads(&mut heads, &hw, 4, eps).unwrap();
+        for r in 0..5 {
+            let ms: f32 = x.row(r).iter().map(|v| v * v).sum::<f32>() / 12.0;
+            for c in 0..12 {
+                let want = x[[r, c]] / (ms + eps).sqrt() * w[[0, c]];
+                assert!((got[[r, c]] - want).abs() < 1e-5, "rms_norm ({r},{c})");
+                let g = c / 4;
+                let hms: f32 = (0..4).map(|i| x[[r, g * 4 + i]].powi(2)).sum::<f32>() / 4.0;
+                let want = x[[r, c]] / (hms + eps).sqrt() * hw[[0, c % 4]];
+                assert!((heads[[r, c]] - want).abs() < 1e-5, "rms_norm_heads ({r},{c})");
+            }
+        }
+        let gu = array![[1.0f32, -2.0, 3.0, 0.5]];
+        let s = b.swiglu(&gu).unwrap();
+        let silu = |v: f32| v / (1.0 + (-v).exp());
+        assert_eq!(s, array![[silu(1.0) * 3.0, silu(-2.0) * 0.5]]);
+        assert!(matches!(b.swiglu(&array![[1.0f32, 2.0, 3.0]]), Err(Error::OpShape { op: "swiglu", .. })));
+        assert!(matches!(b.rms_norm(&x, &hw, eps), Err(Error::OpShape { op: "rms_norm", what: "weight", .. })));
+    }
+
+    #[test]
+    fn matmul_splits_rows_without_changing_results() {
+        let b = CpuBackend;
+        let x = rand_rows(4, 70, 9);
+        let w = rand_rows(5, 6, 9);
+        let got = b.matmul_t(&x, &w).unwrap();
+        for r in 0..70 {
+            for c in 0..6 {
+                let want: f32 = (0..9).map(|k| x[[r, k]] * w[[c, k]]).sum();
+                assert!((got[[r, c]] - want).abs() < 1e-5);
+            }
+        }
+        assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8)), Err(Error::OpShape { op: "matmul_t", what: "x", .. })));
+    }
+
+    #[test]
+    fn row_ops_move_the_named_rows_and_reject_bad_indices() {
+        let b = CpuBackend;
+        let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
+        let e = b.embedding(&table, &[4, 0, 4]).unwrap();
+        assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0]);
+        assert_eq!(e.row(2), e.row(0));
+        assert!(matches!(b.embedding(&table, &[6]), Err(Error::OpIndex { op: "embedding", index: 6, bound: 6, .. })));
+        let mut dst = Array2::zeros((4, 3));
+        b.scatter_rows(&mut dst, &[3, 1], &b.gather_rows(&table, &[2, 5]).unwrap()).unwrap();
+        assert_eq!(dst.row(3).to_vec(), vec![20.0, 21.0, 22.0]);
+        assert_eq!(dst.row(1).to_vec(), vec![50.0, 51.0, 52.0]);
+        assert_eq!(dst.row(0).sum(), 0.0);
+        let before = dst.clone();
+        let err = b.scatter_rows(&mut dst, &[0, 9], &table.slice(ndarray::s![..2, ..]).to_owned()).unwrap_err();
+        assert!(matches!(err, Error::OpIndex { op: "scatter_rows", index: 9, .. }));
+        assert_eq!(dst, before, "a rejected scatter writes nothing");
+    }
+
+    #[test]
+    fn pages_write_gather_and_copy_whole_blocks() {
+        let b = CpuBackend;
+        let spec = PagesSpec { num_layers: 2, num_blocks: 3, block_size: 2, kv_heads: 1, head_dim: 2, captured: 2, hidden: 3 };
+        assert!(matches!(b.alloc_pages(PagesSpec { block_size: 0, ..spec }), Err(Error::OpShape { what: "block_size", .. })));
+        let mut pages = b.alloc_pages(spec).unwrap();
+        let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);
+        b.write_kv(&mut pages, 1, &kv, &kv, &[0, -1, 1]).unwrap();
+        assert_eq!(&pages.k[1][..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
+        assert!(pages.k[0].iter().all(|&v| v == 0.0), "other layers untouched");
+        let h = Array2::from_shape_fn((2, 3), |(r, c)| (r * 3 + c + 1) as f32);
+        b.write_hidden(&mut pages, 1, &h, &[1, 0]).unwrap();
+        let got = b.gather_hidden(&pages, 1, &[0, 1, -1]).unwrap();
+        assert_eq!(got.row(0).to_vec(), vec![4.0, 5.0, 6.0]);
+        assert_eq!(got.row(1).to_vec(), vec![1.0, 2.0, 3.0]);
+        assert_eq!(got.row(2).sum(), 0.0);
+        assert_eq!(b.gather_hidden(&pages, 0, &[0]).unwrap().sum(), 0.0, "capture 0 untouched");
+        b.copy_blocks(&mut pages, &[(0, 2)]).unwrap();
+        assert_eq!(&pages.k[1][8..12], &[1.0, 2.0, 5.0, 6.0]);
+        assert_eq!(b.gather_hidden(&pages, 1, &[4, 5]).unwrap(), got.slice(ndarray::s![..2, ..]));
+        let before = pages.clone();
+        assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::OpIndex { what: "block", index: 3, .. })));
+        assert_eq!(pages.k, before.k, "a rejected copy list copies nothing");
+        assert!(matches!(b.write_kv(&mut pages, 0, &kv, &kv, &[0, 1, 6]), Err(Error::OpIndex { what: "slot", index: 6, .. })));
+        assert!(matches!(b.write_hidden(&mut pages, 2, &h, &[0, 1]), Err(Error::OpIndex { what: "capture", .. })));
     }
 }

@@ -42,7 +42,7 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<Array2<f32>>) -> Result<Ar
     }
     expect_cols(OP, "router", &w.router, hidden)?;
     expect_cols(OP, "gate_up", &w.gate_up, hidden)?;
-    if w.gate_up.nrows() % (2 * e) != 0 {
+    if !w.gate_up.nrows().is_multiple_of(2 * e) {
         return Err(shape_error(OP, "gate_up", format!("[{e} * 2I, {hidden}]"), &w.gate_up));
     }
     let inter = w.gate_up.nrows() / (2 * e);

@@ -27,7 +27,7 @@ fn check_slots(op: &'static str, slots: &[i64], num_slots: usize) -> Result<()> 
 
 impl CpuPages {
     /// Zero-filled pages of `spec`'s sizes.
-    pub fn new(spec: PagesSpec) -> Self {
+    pub(crate) fn new(spec: PagesSpec) -> Self {
         let kv = spec.num_slots() * spec.kv_width();
         Self {
             spec,

@@ -9,7 +9,7 @@ use crate::{Error, Result};
 /// Rotates every head of `x [n, heads*head_dim]` in place by its row's positions.
 pub(crate) fn apply(x: &mut Array2<f32>, spec: &RopeSpec, pos: RopePositions<'_>) -> Result<()> {
     let hd = spec.head_dim;
-    if hd == 0 || hd % 2 != 0 || x.ncols() % hd != 0 {
+    if hd == 0 || !hd.is_multiple_of(2) || !x.ncols().is_multiple_of(hd) {
         return Err(shape_error("rope", "x", format!("[n, heads * {hd}] with even head_dim"), x));
     }
     for (what, p) in [("positions.t", pos.t), ("positions.h", pos.h), ("positions.w", pos.w)] {
