@@ -8,12 +8,15 @@
 //! * Per-step metadata (positions, slot mappings, block tables, query offsets) is
 //!   passed as host slices; a GPU backend uploads them itself.
 //! * Vectors (biases, norm weights) are `[1, n]` tensors.
+//! * The thinker composes these ops: e.g. logits of selected rows are
+//!   `gather_rows` → `rms_norm` → `matmul_t(lm_head)`, so no op needs a host round trip.
 //! * Ops validate operand shapes and indices and return [`Error::OpShape`] /
 //!   [`Error::OpIndex`]; an op that fails leaves its operands unchanged.
 //!
 //! [`Error::OpShape`]: crate::Error::OpShape
 //! [`Error::OpIndex`]: crate::Error::OpIndex
 
+/// The ndarray reference backend.
 pub mod cpu;
 
 use ndarray::{Array2, ArrayView2};
