@@ -11,28 +11,19 @@ use std::sync::Arc;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::batch::{ScheduledBatch, ScheduledSeq};
+use omniprefix::batch::ScheduledBatch;
 use omniprefix::model::{CaptureSpec, Config, Thinker};
 use omniprefix::prompt::Positions;
-use omniprefix::runner::ModelRunner;
+use omniprefix::runner::{ModelRunner, PromptInputs};
 
 const LEN: usize = 512;
 const CACHED: usize = 448;
 const BLOCK: usize = 16;
 
 /// Positions `a..b` of the prompt as one step over a contiguous block table.
-fn step(ids: &[u32], a: usize, b: usize) -> ScheduledBatch {
-    let seq = ScheduledSeq {
-        request: 1,
-        block_table: (0..(LEN / BLOCK) as u32).collect(),
-        num_computed_tokens: a,
-        token_ids: ids[a..b].to_vec(),
-        embeds: vec![],
-        positions: Positions::Linear((a as i64..b as i64).collect()),
-        slot_mapping: (a as i64..b as i64).collect(),
-        prompt_len: LEN,
-        emits_output: b == LEN,
-    };
+fn step(prompt: &PromptInputs, a: usize, b: usize) -> ScheduledBatch {
+    let table: Vec<u32> = (0..(LEN / BLOCK) as u32).collect();
+    let seq = prompt.step(1, &table, BLOCK, a..b).expect("step inside the prompt");
     ScheduledBatch { copies: vec![], seqs: vec![seq] }
 }
 
@@ -42,16 +33,20 @@ fn prefill(c: &mut Criterion) {
     let layers = cfg.num_hidden_layers;
     let thinker = Arc::new(Thinker::random(&*backend, cfg, 7).expect("random model"));
     let runner = ModelRunner::new(backend, thinker, CaptureSpec::default_for(layers)).expect("runner");
-    let ids: Vec<u32> = (0..LEN as u32).map(|i| (i * 7919) % 2048).collect();
+    let prompt = PromptInputs {
+        token_ids: (0..LEN as u32).map(|i| (i * 7919) % 2048).collect(),
+        embeds: vec![],
+        positions: Positions::Linear((0..LEN as i64).collect()),
+    };
 
     let mut group = c.benchmark_group("prefill_512_tokens");
     group.sample_size(10);
     group.throughput(Throughput::Elements(LEN as u64));
     let mut pages = runner.alloc_pages(LEN / BLOCK, BLOCK).expect("pages");
-    let whole = step(&ids, 0, LEN);
+    let whole = step(&prompt, 0, LEN);
     group.bench_function("uncached", |b| b.iter(|| black_box(runner.execute(&whole, &mut pages).expect("step"))));
-    runner.execute(&step(&ids, 0, CACHED), &mut pages).expect("prefix");
-    let suffix = step(&ids, CACHED, LEN);
+    runner.execute(&step(&prompt, 0, CACHED), &mut pages).expect("prefix");
+    let suffix = step(&prompt, CACHED, LEN);
     group.bench_function("cached_prefix_448", |b| {
         b.iter(|| black_box(runner.execute(&suffix, &mut pages).expect("step")))
     });

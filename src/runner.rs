@@ -6,12 +6,14 @@
 //!
 //! The runner never touches an index or a pool: everything it needs is in the batch.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use ndarray::{Array2, s};
 
 use crate::backend::{AttnSeq, Backend, PagesSpec, RopePositions};
 use crate::batch::{BlockCopy, EmbedRows, RequestId, ScheduledBatch, ScheduledSeq};
+use crate::index::BlockId;
 use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
 use crate::prompt::Positions;
 use crate::{Error, Result};
@@ -115,6 +117,72 @@ pub struct PromptInputs {
     pub positions: Positions,
 }
 
+impl PromptInputs {
+    /// Prompt positions `range` as one scheduled sequence over `block_table`: the
+    /// step a scheduler would emit after `range.start` positions are in pages
+    /// (item rows clipped to the range, slots from the table, output on the last chunk).
+    ///
+    /// Errors with [`Error::InvalidBatch`] when the range leaves the prompt, the table
+    /// cannot hold it, or the positions do not cover the prompt.
+    pub fn step(
+        &self,
+        request: RequestId,
+        block_table: &[BlockId],
+        block_size: usize,
+        range: Range<usize>,
+    ) -> Result<ScheduledSeq> {
+        let len = self.token_ids.len();
+        let bad = |what: String| Err(Error::InvalidBatch { request, what });
+        if range.start > range.end || range.end > len {
+            return bad(format!("step {range:?} outside the prompt of {len} positions"));
+        }
+        if block_table.len() * block_size < range.end {
+            return bad(format!("block table of {} blocks of {block_size} cannot hold {} positions", block_table.len(), range.end));
+        }
+        if position_axes(&self.positions).iter().any(|p| p.len() != len) {
+            return bad(format!("positions do not cover the prompt of {len} positions"));
+        }
+        let (a, b) = (range.start, range.end);
+        let embeds = self
+            .embeds
+            .iter()
+            .filter_map(|e| {
+                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
+                let (lo, hi) = (start.max(a), end.min(b));
+                (lo < hi).then(|| EmbedRows {
+                    step_offset: lo - a,
+                    embeddings: Arc::clone(&e.embeddings),
+                    rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
+                })
+            })
+            .collect();
+        Ok(ScheduledSeq {
+            request,
+            block_table: block_table.to_vec(),
+            num_computed_tokens: a,
+            token_ids: self.token_ids[range.clone()].to_vec(),
+            embeds,
+            positions: slice_positions(&self.positions, range.clone()),
+            slot_mapping: range.map(|j| slot_of(block_table, block_size, j)).collect(),
+            prompt_len: len,
+            emits_output: b == len,
+        })
+    }
+}
+
+/// Positions `range` of a prompt's positions (the caller checked the bounds).
+pub(crate) fn slice_positions(p: &Positions, range: Range<usize>) -> Positions {
+    match p {
+        Positions::Linear(v) => Positions::Linear(v[range].to_vec()),
+        Positions::Mrope { t, h, w, rope_delta } => Positions::Mrope {
+            t: t[range.clone()].to_vec(),
+            h: h[range.clone()].to_vec(),
+            w: w[range].to_vec(),
+            rope_delta: *rope_delta,
+        },
+    }
+}
+
 /// What [`run_uncached`] returns.
 #[derive(Debug, Clone)]
 pub struct Outputs {
@@ -141,17 +209,8 @@ pub fn run_uncached<B: Backend>(
     let capture = CaptureSpec::new(capture.points().iter().copied(), thinker.config().num_hidden_layers)?;
     let len = inputs.token_ids.len();
     let num_blocks = len.div_ceil(UNCACHED_BLOCK);
-    let seq = ScheduledSeq {
-        request: 0,
-        block_table: (0..num_blocks as u32).collect(),
-        num_computed_tokens: 0,
-        token_ids: inputs.token_ids.clone(),
-        embeds: inputs.embeds.clone(),
-        positions: inputs.positions.clone(),
-        slot_mapping: (0..len as i64).collect(),
-        prompt_len: len,
-        emits_output: true,
-    };
+    let table: Vec<BlockId> = (0..num_blocks as BlockId).collect();
+    let seq = inputs.step(0, &table, UNCACHED_BLOCK, 0..len)?;
     let batch = ScheduledBatch { copies: vec![], seqs: vec![seq] };
     let mut pages = backend.alloc_pages(pages_spec(thinker, &capture, num_blocks, UNCACHED_BLOCK))?;
     let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, all_logits)?;
@@ -387,41 +446,9 @@ mod tests {
         PromptInputs { token_ids, embeds, positions }
     }
 
-    fn slice_positions(p: &Positions, a: usize, b: usize) -> Positions {
-        match p {
-            Positions::Linear(v) => Positions::Linear(v[a..b].to_vec()),
-            Positions::Mrope { t, h, w, rope_delta } => {
-                Positions::Mrope { t: t[a..b].to_vec(), h: h[a..b].to_vec(), w: w[a..b].to_vec(), rope_delta: *rope_delta }
-            }
-        }
-    }
-
     /// Prompt positions `a..b` as one scheduled sequence over `table`.
     fn chunk(p: &PromptInputs, request: RequestId, table: &[u32], a: usize, b: usize) -> ScheduledSeq {
-        let embeds = p
-            .embeds
-            .iter()
-            .filter_map(|e| {
-                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
-                let (lo, hi) = (start.max(a), end.min(b));
-                (lo < hi).then(|| EmbedRows {
-                    step_offset: lo - a,
-                    embeddings: Arc::clone(&e.embeddings),
-                    rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
-                })
-            })
-            .collect();
-        ScheduledSeq {
-            request,
-            block_table: table.to_vec(),
-            num_computed_tokens: a,
-            token_ids: p.token_ids[a..b].to_vec(),
-            embeds,
-            positions: slice_positions(&p.positions, a, b),
-            slot_mapping: (a..b).map(|j| slot_of(table, BS, j)).collect(),
-            prompt_len: p.token_ids.len(),
-            emits_output: b == p.token_ids.len(),
-        }
+        p.step(request, table, BS, a..b).unwrap()
     }
 
     fn assert_close(what: &str, got: &[f32], want: &[f32]) {
@@ -495,7 +522,7 @@ mod tests {
             let mut b = prompt(&cfg, 19, 4, 2);
             b.token_ids[..10].copy_from_slice(&a.token_ids[..10]);
             b.embeds = a.embeds.clone();
-            let pos = slice_positions(&a.positions, 0, 10);
+            let pos = slice_positions(&a.positions, 0..10);
             b.positions = match (pos, &b.positions) {
                 (Positions::Linear(mut v), Positions::Linear(rest)) => {
                     v.extend_from_slice(&rest[10..]);
