@@ -3,7 +3,7 @@
 //!
 //! Design rules every implementation follows:
 //! * A `Tensor` is a row-major 2-D f32 matrix `[rows, cols]` that lives on the
-//!   device; only [`Backend::upload`] / [`Backend::download`] cross to the host,
+//!   device; only [`Backend::upload`](crate::backend::Backend::upload) / [`Backend::download`](crate::backend::Backend::download) cross to the host,
 //!   so a GPU backend keeps activations on the device between layers.
 //! * Per-step metadata (positions, slot mappings, block tables, query offsets) is
 //!   passed as host slices; a GPU backend uploads them itself.

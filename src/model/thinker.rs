@@ -1,4 +1,4 @@
-//! The Qwen2/Qwen3-family decoder ("thinker" text model), generic over a [`Backend`]:
+//! The Qwen2/Qwen3-family decoder ("thinker" text model), generic over a [`Backend`](crate::backend::Backend):
 //! RMSNorm, GQA attention over paged KV (optional qkv bias and qk-norm, RoPE or
 //! M-RoPE), dense SwiGLU MLP or Qwen3-MoE block per layer.
 
