@@ -454,14 +454,20 @@ mod tests {
     }
 
     #[test]
-    fn truncated_and_integer_safetensors_are_typed_errors() {
+    fn safetensors_f16_converts_and_bad_files_are_typed_errors() {
         let dir = scratch_dir("bad");
         let ints: Vec<u8> = [1i32, 2, 3, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let view = StView::new(safetensors::Dtype::I32, vec![4], &ints).unwrap();
+        let halves: Vec<u8> = [0.5f32, -2.0].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let views = [
+            ("model.norm.weight", StView::new(safetensors::Dtype::I32, vec![4], &ints).unwrap()),
+            ("model.half", StView::new(safetensors::Dtype::F16, vec![2, 1], &halves).unwrap()),
+        ];
         let path = dir.join("model.safetensors");
-        safetensors::serialize_to_file([("model.norm.weight", view)], &None, &path).unwrap();
+        safetensors::serialize_to_file(views, &None, &path).unwrap();
         let src = SafetensorsSource::open_dir(&dir).unwrap();
         assert!(matches!(src.load("model.norm.weight"), Err(Error::TensorDtype { found, .. }) if found == "I32"));
+        assert_eq!(src.load("model.half").unwrap(), HostTensor { shape: vec![2, 1], data: vec![0.5, -2.0] });
+        assert!(matches!(src.load("model.nope"), Err(Error::MissingTensor { name }) if name == "model.nope"));
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
         assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Safetensors { .. })));
