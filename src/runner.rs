@@ -568,6 +568,26 @@ mod tests {
         assert_eq!(logits.row(5).to_vec(), out.last_logits);
     }
 
+    #[test]
+    fn a_copies_only_batch_copies_and_returns_nothing() {
+        for cfg in configs() {
+            let r = runner(cfg.clone(), 2);
+            let p = prompt(&cfg, 8, 2, 5);
+            let mut pages = r.alloc_pages(4, BS).unwrap();
+            r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 1], 0, 6)] }, &mut pages).unwrap();
+            let outs = r.execute(&ScheduledBatch { copies: vec![BlockCopy { src: 1, dst: 3 }], seqs: vec![] }, &mut pages).unwrap();
+            assert!(outs.is_empty());
+            let width = BS * r.pages_spec(4, BS).kv_width();
+            for layer in 0..cfg.num_hidden_layers {
+                assert_eq!(pages.k[layer][width..2 * width], pages.k[layer][3 * width..4 * width]);
+            }
+            // The copy holds positions 4..6 of the prompt: finishing the prompt through it
+            // equals the uncached run.
+            let outs = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 3], 6, 8)] }, &mut pages).unwrap();
+            assert_same(&outs[0], &run_uncached(r.thinker(), r.backend(), &p, r.capture(), false).unwrap());
+        }
+    }
+
     fn pages_equal(a: &CpuPages, b: &CpuPages) -> bool {
         a.k == b.k && a.v == b.v && a.hidden == b.hidden
     }
