@@ -136,7 +136,7 @@ impl PromptInputs {
         if range.start > range.end || range.end > len {
             return bad(format!("step {range:?} outside the prompt of {len} positions"));
         }
-        if block_table.len() * block_size < range.end {
+        if block_table.len().saturating_mul(block_size) < range.end {
             return bad(format!("block table of {} blocks of {block_size} cannot hold {} positions", block_table.len(), range.end));
         }
         if position_axes(&self.positions).iter().any(|p| p.len() != len) {
@@ -240,7 +240,7 @@ fn slot_of(table: &[u32], block_size: usize, j: usize) -> i64 {
 fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, vocab: usize, hidden: usize) -> Result<()> {
     let bad = |what: String| Err(Error::InvalidBatch { request: seq.request, what });
     let n = seq.token_ids.len();
-    let end = seq.num_computed_tokens + n;
+    let end = seq.num_computed_tokens.saturating_add(n);
     if end > seq.prompt_len {
         return bad(format!("{} computed + {n} new tokens exceed prompt_len {}", seq.num_computed_tokens, seq.prompt_len));
     }
@@ -248,7 +248,7 @@ fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, vocab: usize, hidden: usiz
         return bad(format!("emits output but the step ends at {end} of {} with {n} new tokens", seq.prompt_len));
     }
     let needed = if seq.emits_output { seq.prompt_len } else { end };
-    if seq.block_table.len() * spec.block_size < needed {
+    if seq.block_table.len().saturating_mul(spec.block_size) < needed {
         return bad(format!("block table of {} blocks cannot hold {needed} positions", seq.block_table.len()));
     }
     if let Some(b) = seq.block_table.iter().find(|&&b| b as usize >= spec.num_blocks) {
@@ -273,7 +273,7 @@ fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, vocab: usize, hidden: usiz
     }
     for e in &seq.embeds {
         let rows = e.rows.len();
-        if e.rows.end > e.embeddings.nrows() || e.step_offset + rows > n {
+        if e.rows.end > e.embeddings.nrows() || e.step_offset.saturating_add(rows) > n {
             return bad(format!(
                 "item rows {:?} (of {}) at step offset {} do not fit {n} new tokens",
                 e.rows,

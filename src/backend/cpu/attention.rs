@@ -15,9 +15,9 @@ fn seq_slots(seq: &AttnSeq<'_>, rows: usize, pages: &CpuPages) -> Result<Vec<usi
     let spec = pages.spec;
     let end = seq.query_start.checked_add(seq.num_new).filter(|&e| e <= rows);
     if end.is_none() {
-        return Err(Error::OpIndex { op: OP, what: "query end", index: (seq.query_start + seq.num_new) as i64, bound: rows + 1 });
+        return Err(Error::OpIndex { op: OP, what: "query end", index: seq.query_start.saturating_add(seq.num_new) as i64, bound: rows + 1 });
     }
-    let len = seq.num_computed + seq.num_new;
+    let len = seq.num_computed.saturating_add(seq.num_new);
     let blocks_needed = len.div_ceil(spec.block_size);
     if seq.block_table.len() < blocks_needed {
         return Err(Error::OpIndex { op: OP, what: "position (block table too short)", index: len as i64 - 1, bound: seq.block_table.len() * spec.block_size });
