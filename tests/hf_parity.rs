@@ -7,18 +7,24 @@
 //! Here each checkpoint goes through our loader and our thinker on the CPU
 //! backend, and every recorded tensor must match within [`TOLERANCE`]
 //! relative error: `max|ours - ref| / max(max|ref|, TINY)`.
+//!
+//! Two ways to run a prompt: `run_uncached` (one step), and `ModelRunner::execute`
+//! in small chunks over a scattered block table, where every step reads the
+//! earlier ones' K/V from pages and the full hidden states come back from the
+//! hidden pages — so "caching is invisible" is checked against HF itself.
 
 use std::collections::BTreeMap;
 use std::error::Error as StdError;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::{Array2, ArrayView2, s};
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::batch::EmbedRows;
+use omniprefix::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
 use omniprefix::model::{CaptureName, CaptureSpec, Thinker};
 use omniprefix::prompt::Positions;
-use omniprefix::runner::{PromptInputs, run_uncached};
+use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
@@ -111,14 +117,23 @@ impl Reference {
             .collect()
     }
 
-    /// Capture names recorded for prompt `p` (`hidden.<k>`, `final`), plus `logits`.
-    fn outputs_of<'a>(&'a self, p: &str) -> impl Iterator<Item = (&'a str, &'a Array2<f32>)> {
+    /// Names of the outputs recorded for prompt `p`: `hidden.<k>`, `final`, `logits`.
+    fn outputs_of<'a>(&'a self, p: &str) -> impl Iterator<Item = &'a str> {
         let prefix = format!("{p}.");
-        self.f32s.iter().filter_map(move |(k, v)| {
+        self.f32s.keys().filter_map(move |k| {
             let what = k.strip_prefix(&prefix)?;
-            (what == "final" || what == "logits" || what.starts_with("hidden."))
-                .then_some((what, v))
+            (what == "final" || what == "logits" || what.starts_with("hidden.")).then_some(what)
         })
+    }
+
+    /// The reference for output `what` of prompt `p`; `last_logits` is the last row of `logits`.
+    fn expected(&self, p: &str, what: &str) -> TestResult<ArrayView2<'_, f32>> {
+        if what == "last_logits" {
+            let logits = self.matrix(&format!("{p}.logits"))?;
+            let last = logits.nrows().checked_sub(1).ok_or("empty logits")?;
+            return Ok(logits.slice(s![last.., ..]));
+        }
+        Ok(self.matrix(&format!("{p}.{what}"))?.view())
     }
 }
 
@@ -158,7 +173,7 @@ fn compare(
     }
 }
 
-/// Checks every recorded output of prompt `p` against `ours` (capture name → matrix).
+/// Checks each of our outputs of prompt `p` (output name → matrix) against the reference.
 /// Returns the worst relative error, or every failure message.
 fn check_prompt(
     model: &str,
@@ -168,14 +183,15 @@ fn check_prompt(
 ) -> Result<f32, Vec<String>> {
     let mut worst = 0f32;
     let mut failures = Vec::new();
-    for (what, expected) in reference.outputs_of(p) {
+    for (what, got) in ours {
         let label = format!("{model}/{p}.{what}");
-        match ours.get(what) {
-            None => failures.push(format!("{label}: not produced by our run")),
-            Some(got) => match compare(&label, got.view(), expected.view()) {
-                Ok(err) => worst = worst.max(err),
-                Err(msg) => failures.push(msg),
-            },
+        let checked = reference
+            .expected(p, what)
+            .map_err(|e| format!("{label}: {e}"))
+            .and_then(|expected| compare(&label, got.view(), expected));
+        match checked {
+            Ok(err) => worst = worst.max(err),
+            Err(msg) => failures.push(msg),
         }
     }
     if failures.is_empty() {
@@ -246,14 +262,121 @@ fn prompt_inputs(reference: &Reference, p: &str) -> TestResult<PromptInputs> {
     })
 }
 
-/// Loads `fixtures/tiny/<model>` with our loader, runs every recorded prompt
-/// uncached on the CPU backend and compares all outputs. Returns the worst
+/// How our side runs a prompt.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    /// `run_uncached`: one step; every row's logits.
+    Uncached,
+    /// `ModelRunner::execute` in steps of `chunk` tokens over `block_size`-token
+    /// blocks laid out in a reversed, non-contiguous block table; the last step
+    /// returns the full hidden states and the last row's logits.
+    Chunked { chunk: usize, block_size: usize },
+}
+
+/// Output name → matrix, as `check_prompt` takes it.
+fn named(hidden: Vec<(CaptureName, Array2<f32>)>) -> BTreeMap<String, Array2<f32>> {
+    hidden
+        .into_iter()
+        .map(|(name, m)| (name.to_string(), m))
+        .collect()
+}
+
+fn slice_positions(p: &Positions, r: Range<usize>) -> Positions {
+    match p {
+        Positions::Linear(v) => Positions::Linear(v[r].to_vec()),
+        Positions::Mrope {
+            t,
+            h,
+            w,
+            rope_delta,
+        } => Positions::Mrope {
+            t: t[r.clone()].to_vec(),
+            h: h[r.clone()].to_vec(),
+            w: w[r].to_vec(),
+            rope_delta: *rope_delta,
+        },
+    }
+}
+
+/// The parts of whole-prompt item rows that fall in `step`, re-based to the step.
+fn step_embeds(items: &[EmbedRows], step: &Range<usize>) -> Vec<EmbedRows> {
+    items
+        .iter()
+        .filter_map(|e| {
+            let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
+            let (lo, hi) = (start.max(step.start), end.min(step.end));
+            (lo < hi).then(|| EmbedRows {
+                step_offset: lo - step.start,
+                embeddings: Arc::clone(&e.embeddings),
+                rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
+            })
+        })
+        .collect()
+}
+
+fn run_chunked(
+    runner: &ModelRunner<CpuBackend>,
+    inputs: &PromptInputs,
+    chunk: usize,
+    block_size: usize,
+) -> TestResult<BTreeMap<String, Array2<f32>>> {
+    let len = inputs.token_ids.len();
+    let needed = len.div_ceil(block_size);
+    let num_blocks = 2 * needed;
+    let block_table: Vec<u32> = (0..needed)
+        .map(|i| (num_blocks - 1 - 2 * i) as u32)
+        .collect();
+    let slot = |j: usize| {
+        i64::from(block_table[j / block_size]) * block_size as i64 + (j % block_size) as i64
+    };
+    let mut pages = runner.alloc_pages(num_blocks, block_size)?;
+    let mut last = None;
+    for start in (0..len).step_by(chunk) {
+        let step = start..(start + chunk).min(len);
+        let seq = ScheduledSeq {
+            request: 1,
+            block_table: block_table.clone(),
+            num_computed_tokens: start,
+            token_ids: inputs.token_ids[step.clone()].to_vec(),
+            embeds: step_embeds(&inputs.embeds, &step),
+            positions: slice_positions(&inputs.positions, step.clone()),
+            slot_mapping: step.clone().map(slot).collect(),
+            prompt_len: len,
+            emits_output: step.end == len,
+        };
+        let mut outputs = runner.execute(
+            &ScheduledBatch {
+                copies: vec![],
+                seqs: vec![seq],
+            },
+            &mut pages,
+        )?;
+        assert_eq!(
+            outputs.len(),
+            usize::from(step.end == len),
+            "outputs only on the last step"
+        );
+        last = outputs.pop();
+    }
+    let out = last.ok_or("empty prompt")?;
+    let vocab = out.last_logits.len();
+    let mut ours = named(out.hidden);
+    ours.insert(
+        "last_logits".into(),
+        Array2::from_shape_vec((1, vocab), out.last_logits)?,
+    );
+    Ok(ours)
+}
+
+/// Loads `fixtures/tiny/<model>` with our loader, runs every recorded prompt on
+/// the CPU backend as `mode` says and compares all outputs. Returns the worst
 /// relative error over everything compared.
-fn check_model(model: &str, expected_prompts: &[&str]) -> TestResult<f32> {
-    let backend = CpuBackend::new();
-    let thinker = Thinker::from_dir(&backend, &model_dir(model))?;
+fn check_model(model: &str, expected_prompts: &[&str], mode: Mode) -> TestResult<f32> {
+    let backend = Arc::new(CpuBackend::new());
+    let thinker = Arc::new(Thinker::from_dir(&*backend, &model_dir(model))?);
     let num_layers = thinker.config().num_hidden_layers;
     let capture = all_captures(num_layers)?;
+    let runner = ModelRunner::new(Arc::clone(&backend), Arc::clone(&thinker), capture.clone())?;
     let reference = Reference::open(model)?;
     assert_eq!(
         reference.prompts(),
@@ -264,37 +387,42 @@ fn check_model(model: &str, expected_prompts: &[&str]) -> TestResult<f32> {
     let mut worst = 0f32;
     let mut failures = Vec::new();
     for p in reference.prompts() {
-        let out = run_uncached(
-            &thinker,
-            &backend,
-            &prompt_inputs(&reference, p)?,
-            &capture,
-            true,
-        )?;
-        let mut ours: BTreeMap<String, Array2<f32>> = out
-            .hidden
-            .into_iter()
-            .map(|(name, m)| (name.to_string(), m))
-            .collect();
-        ours.insert(
-            "logits".into(),
-            out.logits
-                .ok_or("run_uncached returned no per-row logits")?,
-        );
-        // The fixture must cover every capture point, or parity would be claimed for fewer.
-        let recorded = reference.outputs_of(p).count();
+        let inputs = prompt_inputs(&reference, p)?;
+        let ours = match mode {
+            Mode::Uncached => {
+                let out = run_uncached(&thinker, &*backend, &inputs, &capture, true)?;
+                let mut ours = named(out.hidden);
+                ours.insert(
+                    "logits".into(),
+                    out.logits
+                        .ok_or("run_uncached returned no per-row logits")?,
+                );
+                ours
+            }
+            Mode::Chunked { chunk, block_size } => {
+                run_chunked(&runner, &inputs, chunk, block_size)?
+            }
+        };
+        // Every recorded hidden state is checked, or parity would be claimed for fewer.
+        let recorded: Vec<&str> = reference.outputs_of(p).collect();
         assert_eq!(
-            recorded,
+            recorded.len(),
             num_layers + 3,
-            "{model}/{p}: hidden.0..={num_layers}, final and logits recorded"
+            "{model}/{p}: hidden.0..={num_layers}, final, logits"
         );
+        for what in recorded.iter().filter(|w| **w != "logits") {
+            assert!(
+                ours.contains_key(*what),
+                "{model}/{p}: our run lacks {what}"
+            );
+        }
         match check_prompt(model, p, &reference, &ours) {
             Ok(err) => worst = worst.max(err),
             Err(mut msgs) => failures.append(&mut msgs),
         }
     }
     eprintln!(
-        "{model}: worst relative error {worst:.3e} over {} prompts",
+        "{model} ({mode:?}): worst relative error {worst:.3e} over {} prompts",
         expected_prompts.len()
     );
     if failures.is_empty() {
@@ -306,10 +434,28 @@ fn check_model(model: &str, expected_prompts: &[&str]) -> TestResult<f32> {
 
 // ------------------------------------------------------------------ tests
 
+const TEXT_PROMPTS: &[&str] = &["text_a", "text_b", "text_c"];
+const OMNI_PROMPTS: &[&str] = &["mm", "text_a", "text_b", "text_c"];
+
+/// The same references through the paged runner: 7-token steps over 8-token blocks
+/// (steps never block aligned; in `mm` the image, audio and video items each straddle
+/// a step boundary), blocks reversed and non-contiguous.
+#[test]
+fn chunked_prefill_reading_the_prefix_from_pages_matches_transformers() -> TestResult {
+    let mode = Mode::Chunked {
+        chunk: 7,
+        block_size: 8,
+    };
+    check_model("qwen3_dense", TEXT_PROMPTS, mode)?;
+    check_model("omni_thinker", OMNI_PROMPTS, mode)?;
+    check_model("qwen2_dense", TEXT_PROMPTS, mode)?;
+    Ok(())
+}
+
 /// Qwen3 dense: qk-norm, GQA 4/2, 1-D RoPE, untied lm_head.
 #[test]
 fn qwen3_dense_matches_transformers() -> TestResult {
-    check_model("qwen3_dense", &["text_a", "text_b", "text_c"])?;
+    check_model("qwen3_dense", TEXT_PROMPTS, Mode::Uncached)?;
     Ok(())
 }
 
@@ -318,14 +464,14 @@ fn qwen3_dense_matches_transformers() -> TestResult {
 /// embeddings scattered at the placeholders and HF's interleaved M-RoPE positions.
 #[test]
 fn omni_thinker_matches_transformers_on_text_and_multimodal_prompts() -> TestResult {
-    check_model("omni_thinker", &["mm", "text_a", "text_b", "text_c"])?;
+    check_model("omni_thinker", OMNI_PROMPTS, Mode::Uncached)?;
     Ok(())
 }
 
 /// Qwen2 dense: q/k/v bias, no qk-norm, tied embeddings (no `lm_head.weight`).
 #[test]
 fn qwen2_dense_matches_transformers() -> TestResult {
-    check_model("qwen2_dense", &["text_a", "text_b", "text_c"])?;
+    check_model("qwen2_dense", TEXT_PROMPTS, Mode::Uncached)?;
     Ok(())
 }
 
