@@ -281,6 +281,7 @@ fn named(hidden: Vec<(CaptureName, Array2<f32>)>) -> BTreeMap<String, Array2<f32
         .collect()
 }
 
+/// The positions of the prompt rows in `r` (one step's share).
 fn slice_positions(p: &Positions, r: Range<usize>) -> Positions {
     match p {
         Positions::Linear(v) => Positions::Linear(v[r].to_vec()),
@@ -314,6 +315,7 @@ fn step_embeds(items: &[EmbedRows], step: &Range<usize>) -> Vec<EmbedRows> {
         .collect()
 }
 
+/// Runs a prompt as [`Mode::Chunked`] says; returns the captures and `last_logits`.
 fn run_chunked(
     runner: &ModelRunner<CpuBackend>,
     inputs: &PromptInputs,
