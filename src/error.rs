@@ -24,6 +24,42 @@ pub enum Error {
     /// Anything else about a request that cannot be canonicalised.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    /// A model `config.json` that is not valid JSON or lacks a required field.
+    #[error("model config: {0}")]
+    ConfigParse(String),
+    /// A model config field whose value this crate does not implement.
+    #[error("model config field `{field}` = {value}: {reason}")]
+    UnsupportedConfig { field: &'static str, value: String, reason: &'static str },
+    /// A safetensors file that cannot be parsed.
+    #[error("safetensors {path}: {message}")]
+    Safetensors { path: String, message: String },
+    /// A weight the model needs is absent from the checkpoint.
+    #[error("weight `{name}` is missing from the checkpoint")]
+    MissingTensor { name: String },
+    /// A weight whose shape differs from what the config implies.
+    #[error("weight `{name}`: shape {found:?} where {expected:?} was expected")]
+    TensorShape { name: String, expected: Vec<usize>, found: Vec<usize> },
+    /// A weight stored in a dtype the loader does not convert.
+    #[error("weight `{name}`: dtype {found} (only f32, f16 and bf16 are accepted)")]
+    TensorDtype { name: String, found: String },
+    /// A backend op called with operands of incompatible shapes.
+    #[error("backend op {op}: {what} has shape {found:?} where {expected} was expected")]
+    OpShape { op: &'static str, what: &'static str, expected: String, found: Vec<usize> },
+    /// A backend op given an index outside its operand (row, slot, block, layer).
+    #[error("backend op {op}: {what} {index} out of range 0..{bound}")]
+    OpIndex { op: &'static str, what: &'static str, index: i64, bound: usize },
+    /// A capture point that names no layer of the model.
+    #[error("capture `hidden.{layer}`: the model has {num_layers} layers (valid 0..={num_layers})")]
+    CaptureLayer { layer: usize, num_layers: usize },
+    /// A scheduled sequence whose fields disagree with each other or the model.
+    #[error("request {request}: {what}")]
+    InvalidBatch { request: u64, what: String },
+    /// A GPU / device failure (adapter, buffer mapping, shader compilation).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// Crate-wide result alias.

@@ -6,6 +6,8 @@
 //! `sched` (owns the prefix `index` and the `kv` block pool) → `runner` on a
 //! `backend` → full hidden states.
 
+/// The ops a forward needs, behind one trait; the CPU reference backend.
+pub mod backend;
 /// The scheduler-to-runner contract.
 pub mod batch;
 /// Canonical bytes, dtypes and keyed fingerprints of multimodal items.
@@ -14,6 +16,8 @@ pub mod canon;
 pub mod error;
 /// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.
 pub mod index;
+/// The thinker model: config, weights, Qwen-family decoder, encoder cache.
+pub mod model;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
 
