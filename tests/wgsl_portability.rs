@@ -80,3 +80,36 @@ fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
         assert!(hlsl.contains("[numthreads("), "{}: HLSL has no compute entry", path.display());
     }
 }
+
+/// Limit and size checks that need no device.
+mod limits {
+    use omniprefix::Error;
+    use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool};
+
+    #[test]
+    fn adapter_below_kernel_limits_is_named() {
+        let mut limits = wgpu::Limits::downlevel_defaults();
+        limits.max_storage_buffers_per_shader_stage = 4;
+        let err = check_limits("tiny adapter", &limits).unwrap_err();
+        assert!(
+            matches!(&err, Error::GpuLimit { adapter, limit: "max_storage_buffers_per_shader_stage", required: 7, available: 4 } if adapter == "tiny adapter"),
+            "{err}"
+        );
+        let mut limits = wgpu::Limits::default();
+        limits.max_compute_workgroup_storage_size = 8192;
+        let err = check_limits("a", &limits).unwrap_err();
+        assert!(matches!(err, Error::GpuLimit { limit: "max_compute_workgroup_storage_size", required: 10240, .. }), "{err}");
+        assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());
+    }
+
+    #[test]
+    fn pools_split_into_whole_blocks_and_refuse_what_cannot_be_bound() {
+        // 10 blocks of 100 f32 (400 B) under a 1000 B binding: 2 blocks per chunk, 5 chunks.
+        assert_eq!(plan_pool("a", "hidden", 10, 100, 1000, None).unwrap(), PoolPlan { blocks_per_chunk: 2, chunks: 5 });
+        assert_eq!(plan_pool("a", "kv", 10, 100, 4000, Some(2)).unwrap(), PoolPlan { blocks_per_chunk: 10, chunks: 1 });
+        let err = plan_pool("a", "kv", 10, 100, 1000, Some(2)).unwrap_err();
+        assert!(matches!(err, Error::GpuTooLarge { requested: 4000, max: 1600, .. }), "{err}");
+        let err = plan_pool("a", "kv", 10, 1000, 1000, None).unwrap_err();
+        assert!(matches!(err, Error::GpuTooLarge { requested: 4000, max: 1000, .. }), "{err}");
+    }
+}

@@ -1,7 +1,9 @@
 // In-place elementwise ops on acc with a second operand rhs:
 //   add_assign: acc[i] += rhs[i]                (residual add)
 //   bias_add:   acc[i] += rhs[i % width]        (linear bias over rows of `width`)
-//   swiglu:     acc[i] = silu(acc[i]) * rhs[i]  (acc = gate projection, rhs = up projection)
+//   swiglu:     acc[r, c] = silu(rhs[r, c]) * rhs[r, width + c]
+//               (rhs = fused gate/up product [rows, 2 * width], gate columns first;
+//                acc = output [rows, width])
 
 struct EwParams {
     len: u32,
@@ -52,7 +54,8 @@ fn swiglu(
 ) {
     let i = flat_index(wid, nwg, lid);
     if (i < p.len) {
-        let g = acc[i];
-        acc[i] = g / (1.0 + exp(-g)) * rhs[i];
+        let base = (i / p.width) * 2u * p.width + i % p.width;
+        let g = rhs[base];
+        acc[i] = g / (1.0 + exp(-g)) * rhs[base + p.width];
     }
 }

@@ -1,4 +1,5 @@
-// y[m, n] = sum_k x[m, k] * w[n, k]   (x @ W^T, the layout of HF linear weights).
+// y[m, n] = sum_k x[m, k] * w[w_row0 + n, k]   (x @ W^T, the layout of HF linear weights;
+// w_row0 selects a row block of a stacked weight, e.g. one expert of a MoE layer).
 //
 // 64x64 output tiles per workgroup of 16x16 invocations, each computing a 4x4 block
 // (rows ty + 16 i, cols tx + 16 j); K is walked in steps of 16 through workgroup memory.
@@ -7,7 +8,7 @@ struct MatmulParams {
     m: u32,
     n: u32,
     k: u32,
-    _pad: u32,
+    w_row0: u32,
 }
 
 const TM: u32 = 64u;
@@ -43,7 +44,7 @@ fn matmul_xwt(
             x_tile[e] = xv;
             var wv = 0.0;
             if (col0 + r < p.n && c < p.k) {
-                wv = w[(col0 + r) * p.k + c];
+                wv = w[(p.w_row0 + col0 + r) * p.k + c];
             }
             w_tile[e] = wv;
         }

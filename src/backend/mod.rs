@@ -15,6 +15,8 @@
 //! [`Error::OpIndex`]: crate::Error::OpIndex
 
 pub mod cpu;
+/// The wgpu backend: the WGSL kernels of `wgsl/` behind the same trait.
+pub mod wgpu;
 
 use ndarray::{Array2, ArrayView2};
 
