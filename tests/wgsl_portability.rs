@@ -95,8 +95,7 @@ mod limits {
             matches!(&err, Error::GpuLimit { adapter, limit: "max_storage_buffers_per_shader_stage", required: 7, available: 4 } if adapter == "tiny adapter"),
             "{err}"
         );
-        let mut limits = wgpu::Limits::default();
-        limits.max_compute_workgroup_storage_size = 8192;
+        let limits = wgpu::Limits { max_compute_workgroup_storage_size: 8192, ..Default::default() };
         let err = check_limits("a", &limits).unwrap_err();
         assert!(matches!(err, Error::GpuLimit { limit: "max_compute_workgroup_storage_size", required: 10240, .. }), "{err}");
         assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());

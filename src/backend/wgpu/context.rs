@@ -14,8 +14,12 @@ pub struct GpuOptions {
     pub max_binding_bytes: Option<u64>,
 }
 
-/// What the kernels need from an adapter, checked before a device is requested.
-const REQUIRED_LIMITS: &[(&str, fn(&wgpu::Limits) -> u64, u64)] = &[
+/// Reads one limit of an adapter.
+type LimitOf = fn(&wgpu::Limits) -> u64;
+
+/// What the kernels need from an adapter (name, getter, minimum), checked before a
+/// device is requested.
+const REQUIRED_LIMITS: &[(&str, LimitOf, u64)] = &[
     // paged attention binds q, row info, two K chunks, two V chunks and an output
     ("max_storage_buffers_per_shader_stage", |l| l.max_storage_buffers_per_shader_stage.into(), 7),
     // decode attention keeps a GQA group's queries (8 x 256 f32) and scores (8 x 64 f32)
@@ -23,7 +27,7 @@ const REQUIRED_LIMITS: &[(&str, fn(&wgpu::Limits) -> u64, u64)] = &[
     ("max_compute_invocations_per_workgroup", |l| l.max_compute_invocations_per_workgroup.into(), 256),
     ("max_compute_workgroup_size_x", |l| l.max_compute_workgroup_size_x.into(), 256),
     ("max_compute_workgroup_size_y", |l| l.max_compute_workgroup_size_y.into(), 16),
-    ("max_uniform_buffer_binding_size", |l| l.max_uniform_buffer_binding_size.into(), 64),
+    ("max_uniform_buffer_binding_size", |l| l.max_uniform_buffer_binding_size, 64),
 ];
 
 /// Checks that `limits` cover what the kernels need; names the first limit that does not.
@@ -42,7 +46,7 @@ pub fn check_limits(adapter: &str, limits: &wgpu::Limits) -> Result<()> {
 /// ```no_run
 /// use omniprefix::backend::wgpu::{GpuContext, GpuOptions};
 /// let ctx = GpuContext::new(&GpuOptions::default())?;
-/// let x = ctx.upload(&[1.0, 2.0, 3.0, 4.0], &[2, 2])?;
+/// let x = ctx.upload(&[1.0, 2.0, 3.0, 4.0], [2, 2])?;
 /// let y = ctx.matmul_xwt(&x, &x)?; // x @ x^T
 /// assert_eq!(ctx.download(&y)?, vec![5.0, 11.0, 11.0, 25.0]);
 /// # Ok::<(), omniprefix::Error>(())

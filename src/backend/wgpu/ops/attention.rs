@@ -49,7 +49,7 @@ pub fn decode_split_len(max_visible: usize) -> usize {
 fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<()> {
     let pool = kv.k;
     let kv_width = heads.kv_heads * heads.head_dim;
-    if heads.kv_heads == 0 || heads.num_heads % heads.kv_heads != 0 || kv_width != pool.slot_elems {
+    if heads.kv_heads == 0 || !heads.num_heads.is_multiple_of(heads.kv_heads) || kv_width != pool.slot_elems {
         return Err(Error::OpShape {
             op: OP,
             what: "heads (num_heads, kv_heads, head_dim)",

@@ -98,7 +98,7 @@ impl GpuContext {
 
     /// `silu(gate) * up` of a fused `gate_up [n, 2I]` (gate columns first) → `[n, I]`.
     pub fn swiglu(&self, gate_up: &GpuTensor) -> Result<GpuTensor> {
-        if gate_up.cols % 2 != 0 {
+        if !gate_up.cols.is_multiple_of(2) {
             return Err(gate_up.shape_error("swiglu", "gate_up", "[n, 2I]".into()));
         }
         let out = self.zeros([gate_up.rows, gate_up.cols / 2])?;
@@ -117,7 +117,7 @@ impl GpuContext {
     pub fn rms_norm_heads(&self, x: &GpuTensor, w: &GpuTensor, head_dim: usize, eps: f32) -> Result<GpuTensor> {
         w.expect_rows("rms_norm_heads", "weight", 1)?;
         w.expect_cols("rms_norm_heads", "weight", head_dim)?;
-        if head_dim == 0 || x.cols % head_dim != 0 {
+        if head_dim == 0 || !x.cols.is_multiple_of(head_dim) {
             return Err(x.shape_error("rms_norm_heads", "x", format!("[n, k * {head_dim}]")));
         }
         self.rms_norm_groups(x, w, head_dim, eps)

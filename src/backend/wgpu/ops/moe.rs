@@ -42,7 +42,7 @@ fn intermediate_size(x: &GpuTensor, w: &MoeWeights<GpuTensor>) -> Result<usize> 
     }
     w.router.expect_cols(OP, "router", hidden)?;
     w.gate_up.expect_cols(OP, "gate_up", hidden)?;
-    if w.gate_up.rows % (2 * e) != 0 {
+    if !w.gate_up.rows.is_multiple_of(2 * e) {
         return Err(w.gate_up.shape_error(OP, "gate_up", format!("[{e} * 2I, {hidden}]")));
     }
     let inter = w.gate_up.rows / (2 * e);

@@ -44,6 +44,25 @@ pub(crate) struct SlotColumns {
     pub width: usize,
 }
 
+/// Which way rows move, and the dense side's buffer.
+#[derive(Clone, Copy)]
+enum Direction<'a> {
+    /// Dense rows into the pool (`scatter_rows`).
+    Scatter(&'a wgpu::Buffer),
+    /// Pool into dense rows (`gather_rows`).
+    Gather(&'a wgpu::Buffer),
+}
+
+impl Direction<'_> {
+    /// Entry point, dense-side binding and pool binding in `paged_rows.wgsl`.
+    fn entry_and_bindings(self) -> (&'static str, u32, u32) {
+        match self {
+            Direction::Scatter(_) => ("scatter_rows", 2, 3),
+            Direction::Gather(_) => ("gather_rows", 5, 4),
+        }
+    }
+}
+
 /// Checks every non-negative slot lies in `0..num_slots` and converts to the kernels' i32.
 pub(crate) fn checked_slots(op: &'static str, slots: &[i64], num_slots: usize) -> Result<Vec<i32>> {
     slots
@@ -62,20 +81,19 @@ pub(crate) fn checked_slots(op: &'static str, slots: &[i64], num_slots: usize) -
 }
 
 impl GpuContext {
-    /// Runs `entry` of the row kernels once per chunk that holds at least one of `slots`.
+    /// Runs the row kernel once per chunk that holds at least one of `slots`.
     fn rows_per_chunk(
         &self,
         op: &'static str,
-        entry: &'static str,
+        direction: Direction<'_>,
         pool: &PagedPool,
         slots: &[i32],
         cols: SlotColumns,
-        rows: &wgpu::Buffer,
-        rows_binding: u32,
     ) -> Result<()> {
+        let (entry, rows_binding, pool_binding) = direction.entry_and_bindings();
+        let (Direction::Scatter(rows) | Direction::Gather(rows)) = direction;
         let pipeline = self.pipeline(Shader::PagedRows, entry, &[])?;
         let slot_buffer = self.storage_from("slots", slots)?;
-        let pool_binding = if rows_binding == 2 { 3 } else { 4 };
         for (c, chunk) in pool.chunks.iter().enumerate() {
             let base = c * pool.blocks_per_chunk * pool.block_size;
             let count = pool.blocks_in_chunk(c) * pool.block_size;
@@ -117,7 +135,7 @@ impl GpuContext {
         rows.expect_rows(op, "rows", slots.len())?;
         rows.expect_cols(op, "rows", cols.width)?;
         let slots = checked_slots(op, slots, pool.num_slots())?;
-        self.rows_per_chunk(op, "scatter_rows", pool, &slots, cols, &rows.buffer, 2)
+        self.rows_per_chunk(op, Direction::Scatter(&rows.buffer), pool, &slots, cols)
     }
 
     /// Reads slot `slots[i]` at `cols` into row `i` of a new `[slots.len(), cols.width]`
@@ -131,7 +149,7 @@ impl GpuContext {
     ) -> Result<GpuTensor> {
         let slots = checked_slots(op, slots, pool.num_slots())?;
         let out = self.zeros([slots.len(), cols.width])?;
-        self.rows_per_chunk(op, "gather_rows", pool, &slots, cols, &out.buffer, 5)?;
+        self.rows_per_chunk(op, Direction::Gather(&out.buffer), pool, &slots, cols)?;
         Ok(out)
     }
 

@@ -35,7 +35,7 @@ impl GpuContext {
     /// (see [`crate::backend::Backend::rope`]).
     pub fn rope(&self, x: &GpuTensor, spec: &RopeSpec, pos: RopePositions<'_>) -> Result<()> {
         let hd = spec.head_dim;
-        if hd == 0 || hd % 2 != 0 || x.cols % hd != 0 {
+        if hd == 0 || !hd.is_multiple_of(2) || !x.cols.is_multiple_of(hd) {
             return Err(x.shape_error("rope", "x", format!("[n, heads * {hd}] with even head_dim")));
         }
         let mut positions = Vec::with_capacity(3 * x.rows);
