@@ -20,5 +20,7 @@ pub mod index;
 pub mod model;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
+/// Executes a `ScheduledBatch` on a backend and returns full hidden states.
+pub mod runner;
 
 pub use error::{Error, Result};

@@ -317,3 +317,75 @@ fn three_sections(half: usize) -> [usize; 3] {
     let hw = half * 5 / 16;
     [half - 2 * hw, hw, hw]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn omni_text(extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "thinker_config": {{"text_config": {{
+              "model_type": "qwen3_omni_moe_text", "hidden_size": 2048, "intermediate_size": 768,
+              "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+              "rms_norm_eps": 1e-6, "vocab_size": 152064, "hidden_act": "silu",
+              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+              "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "rope_scaling": {{"mrope_section": [24, 20, 20], "interleaved": true, "mrope_interleaved": true, "rope_type": "default"}},
+              "rope_theta": 1000000.0 {extra} }}}}}}"#
+        )
+    }
+
+    #[test]
+    fn reads_the_nested_qwen3_omni_thinker_text_config() {
+        let cfg = Config::from_json_str(&omni_text("")).unwrap();
+        assert!(cfg.qk_norm && !cfg.attention_bias && !cfg.tie_word_embeddings);
+        assert_eq!(cfg.rope_spec().kind, RopeKind::Interleaved([24, 20, 20]));
+        assert_eq!(cfg.rope_theta, 1e6);
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.num_experts_per_tok), (128, 8));
+        assert!(cfg.is_sparse_layer(0) && cfg.is_sparse_layer(47));
+    }
+
+    #[test]
+    fn reads_qwen2_5_omni_style_text_config_with_rope_parameters() {
+        let json = r#"{"text_config": {"model_type": "qwen2_5_omni_text", "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 300,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "mrope_section": [2, 3, 3]}}}"#;
+        let cfg = Config::from_json_str(json).unwrap();
+        assert!(cfg.attention_bias && !cfg.qk_norm);
+        assert_eq!((cfg.head_dim, cfg.num_key_value_heads, cfg.rope_theta), (16, 4, 500.0));
+        assert_eq!(cfg.rope_spec().kind, RopeKind::Sectioned([2, 3, 3]));
+        assert!(cfg.moe.is_none() && !cfg.is_sparse_layer(1));
+    }
+
+    #[test]
+    fn sparse_layers_follow_step_and_mlp_only_layers() {
+        let json = omni_text("").replace(r#""decoder_sparse_step": 1, "mlp_only_layers": []"#, r#""decoder_sparse_step": 2, "mlp_only_layers": [3]"#);
+        let cfg = Config::from_json_str(&json).unwrap();
+        let sparse: Vec<usize> = (0..6).filter(|&l| cfg.is_sparse_layer(l)).collect();
+        assert_eq!(sparse, vec![1, 5]);
+    }
+
+    #[test]
+    fn unsupported_values_name_their_field() {
+        let cases = [
+            (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "use_sliding_window": true"#, "use_sliding_window"),
+        ];
+        for (extra, field) in cases {
+            // Later duplicate keys win in serde_json objects.
+            let err = Config::from_json_str(&omni_text(extra)).unwrap_err();
+            assert!(matches!(err, Error::UnsupportedConfig { field: f, .. } if f == field), "{err}");
+        }
+        let yarn = omni_text("").replace(r#""rope_type": "default""#, r#""rope_type": "yarn""#);
+        assert!(matches!(Config::from_json_str(&yarn), Err(Error::UnsupportedConfig { field: "rope_type", .. })));
+        let bad_sections = omni_text("").replace("[24, 20, 20]", "[24, 20, 21]");
+        assert!(matches!(Config::from_json_str(&bad_sections), Err(Error::UnsupportedConfig { field: "mrope_section", .. })));
+        let llama = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 4}"#;
+        assert!(matches!(Config::from_json_str(llama), Err(Error::UnsupportedConfig { field: "model_type", .. })));
+        assert!(matches!(Config::from_json_str("{}"), Err(Error::ConfigParse(_))));
+        let mut gqa = Config::tiny_qwen3(32, 1, 4, 3, 10);
+        gqa.head_dim = 8;
+        assert!(matches!(gqa.validate(), Err(Error::UnsupportedConfig { field: "num_key_value_heads", .. })));
+    }
+}

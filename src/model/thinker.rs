@@ -333,3 +333,141 @@ pub fn random_source(config: &Config, seed: u64) -> Result<MemorySource> {
     }
     Ok(src)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use safetensors::tensor::TensorView as StView;
+
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::model::CaptureSpec;
+    use crate::prompt::Positions;
+    use crate::runner::{PromptInputs, run_uncached};
+
+    fn tiny() -> Config {
+        Config::tiny_qwen3_omni_moe(32, 2, 4, 2, 40, 4, 2)
+    }
+
+    fn logits_of(thinker: &Thinker<CpuBackend>) -> Vec<f32> {
+        let inputs = PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::Linear((0..5).collect()) };
+        let out = run_uncached(thinker, &CpuBackend, &inputs, &CaptureSpec::default_for(2), false).unwrap();
+        out.last_logits
+    }
+
+    fn scratch_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("omniprefix-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Writes `src` as safetensors in bf16 under `prefix`, split over `shards` files.
+    fn write_checkpoint(dir: &Path, src: &MemorySource, prefix: &str, shards: usize) {
+        let mut names: Vec<&str> = src.names().collect();
+        names.sort();
+        let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = names
+            .iter()
+            .map(|n| {
+                let t = src.load(n).unwrap();
+                let bytes = t.data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+                (format!("{prefix}{n}"), t.shape, bytes)
+            })
+            .collect();
+        let mut weight_map = serde_json::Map::new();
+        let per = encoded.len().div_ceil(shards);
+        for (i, chunk) in encoded.chunks(per).enumerate() {
+            let file = format!("model-{i:05}.safetensors");
+            let views = chunk.iter().map(|(n, shape, bytes)| {
+                weight_map.insert(n.clone(), file.clone().into());
+                (n.clone(), StView::new(safetensors::Dtype::BF16, shape.clone(), bytes).unwrap())
+            });
+            let views: Vec<_> = views.collect();
+            safetensors::serialize_to_file(views, &None, &dir.join(&file)).unwrap();
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    }
+
+    #[test]
+    fn missing_and_misshapen_weights_are_named() {
+        let mut src = random_source(&tiny(), 3).unwrap();
+        let name = "model.layers.1.self_attn.k_proj.weight";
+        let k = src.remove(name).unwrap();
+        let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
+        assert!(matches!(&err, Error::MissingTensor { name: n } if n == name), "{err}");
+        src.insert(name, HostTensor { shape: vec![16, 31], data: k.data[..16 * 31].to_vec() });
+        let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
+        assert!(
+            matches!(&err, Error::TensorShape { name: n, expected, found } if n == name && expected == &[16, 32] && found == &[16, 31]),
+            "{err}"
+        );
+        let err = Thinker::load(&CpuBackend, tiny(), &MemorySource::new()).err().unwrap();
+        assert!(matches!(err, Error::MissingTensor { .. }));
+    }
+
+    #[test]
+    fn sharded_bf16_omni_checkpoint_loads_like_the_rounded_weights() {
+        let cfg = tiny();
+        let src = random_source(&cfg, 9).unwrap();
+        let dir = scratch_dir("sharded");
+        write_checkpoint(&dir, &src, "thinker.", 3);
+        std::fs::write(dir.join("config.json"), r#"{"thinker_config": {"text_config": {"model_type": "qwen3_omni_moe_text",
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 40,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": [0],
+            "rope_scaling": {"mrope_section": [2, 1, 1], "interleaved": true}}}}"#).unwrap();
+        let loaded = Thinker::from_dir(&CpuBackend, &dir).unwrap();
+        assert_eq!(loaded.config(), &cfg);
+        let mut rounded = MemorySource::new();
+        for n in src.names() {
+            let t = src.load(n).unwrap();
+            let data = t.data.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
+            rounded.insert(n, HostTensor { shape: t.shape, data });
+        }
+        let reference = Thinker::load(&CpuBackend, cfg, &rounded).unwrap();
+        assert_eq!(logits_of(&loaded), logits_of(&reference));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn fused_v5_expert_layout_equals_per_expert_layout() {
+        let cfg = tiny();
+        let src = random_source(&cfg, 4).unwrap();
+        let mut fused = src.clone();
+        let (e, h, inter) = (4, 32, 16);
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
+        for x in 0..e {
+            for part in ["gate_proj", "up_proj"] {
+                gate_up.extend(fused.remove(&format!("model.layers.1.mlp.experts.{x}.{part}.weight")).unwrap().data);
+            }
+            down.extend(fused.remove(&format!("model.layers.1.mlp.experts.{x}.down_proj.weight")).unwrap().data);
+        }
+        fused.insert("model.layers.1.mlp.experts.gate_up_proj", HostTensor { shape: vec![e, 2 * inter, h], data: gate_up });
+        fused.insert("model.layers.1.mlp.experts.down_proj", HostTensor { shape: vec![e, h, inter], data: down });
+        let a = Thinker::load(&CpuBackend, cfg.clone(), &src).unwrap();
+        let b = Thinker::load(&CpuBackend, cfg, &fused).unwrap();
+        assert_eq!(logits_of(&a), logits_of(&b));
+    }
+
+    #[test]
+    fn truncated_and_integer_safetensors_are_typed_errors() {
+        let dir = scratch_dir("bad");
+        let ints: Vec<u8> = [1i32, 2, 3, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = StView::new(safetensors::Dtype::I32, vec![4], &ints).unwrap();
+        let path = dir.join("model.safetensors");
+        safetensors::serialize_to_file([("model.norm.weight", view)], &None, &path).unwrap();
+        let src = SafetensorsSource::open_dir(&dir).unwrap();
+        assert!(matches!(src.load("model.norm.weight"), Err(Error::TensorDtype { found, .. }) if found == "I32"));
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+        assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Safetensors { .. })));
+        let empty = scratch_dir("empty");
+        assert!(matches!(SafetensorsSource::open_dir(&empty), Err(Error::Io { .. })));
+        std::fs::remove_dir_all(&dir).ok();
+        std::fs::remove_dir_all(&empty).ok();
+    }
+}

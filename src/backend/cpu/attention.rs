@@ -95,3 +95,104 @@ pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, h
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::PagesSpec;
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn rand_rows(rng: &mut ChaCha8Rng, r: usize, c: usize) -> Array2<f32> {
+        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
+    }
+
+    /// Dense causal attention of one sequence (f64): q `[new, H*d]`, k/v `[len, KH*d]`.
+    fn dense(q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>, computed: usize, heads: AttnHeads) -> Array2<f64> {
+        let d = heads.head_dim;
+        let group = heads.num_heads / heads.kv_heads;
+        let mut out = Array2::zeros((q.nrows(), q.ncols()));
+        for i in 0..q.nrows() {
+            for h in 0..heads.num_heads {
+                let kh = h / group;
+                let scores: Vec<f64> = (0..=computed + i)
+                    .map(|j| (0..d).map(|c| q[[i, h * d + c]] as f64 * k[[j, kh * d + c]] as f64).sum::<f64>() / (d as f64).sqrt())
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                for (j, s) in scores.iter().enumerate() {
+                    for c in 0..d {
+                        out[[i, h * d + c]] += (s - max).exp() / z * v[[j, kh * d + c]] as f64;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_dense_causal_reference_over_random_block_tables() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let d = 8;
+        for (num_heads, kv_heads) in [(4, 4), (4, 2), (4, 1)] {
+            let heads = AttnHeads { num_heads, kv_heads, head_dim: d };
+            let spec = PagesSpec { num_layers: 2, num_blocks: 24, block_size: 4, kv_heads, head_dim: d, captured: 0, hidden: 1 };
+            let mut pages = CpuPages::new(spec);
+            // (computed, new): empty prefix, non-aligned lengths, a one-token step.
+            let shapes = [(0usize, 7usize), (5, 6), (8, 1), (13, 9)];
+            let mut blocks: Vec<u32> = (0..spec.num_blocks as u32).collect();
+            blocks.shuffle(&mut rng);
+            let mut next_block = 0;
+            let mut q_all = Vec::new();
+            let mut expected = Vec::new();
+            let mut tables = Vec::new();
+            for &(computed, new) in &shapes {
+                let len = computed + new;
+                let nb = len.div_ceil(spec.block_size);
+                let table: Vec<u32> = blocks[next_block..next_block + nb].to_vec();
+                next_block += nb;
+                let k = rand_rows(&mut rng, len, kv_heads * d);
+                let v = rand_rows(&mut rng, len, kv_heads * d);
+                let slots: Vec<i64> = (0..len).map(|j| (table[j / 4] as usize * 4 + j % 4) as i64).collect();
+                pages.write_kv(1, &k, &v, &slots).unwrap();
+                let q = rand_rows(&mut rng, new, num_heads * d);
+                expected.push(dense(&q, &k, &v, computed, heads));
+                q_all.push(q);
+                tables.push(table);
+            }
+            let views: Vec<_> = q_all.iter().map(|q| q.view()).collect();
+            let q = ndarray::concatenate(ndarray::Axis(0), &views).unwrap();
+            let mut start = 0;
+            let seqs: Vec<AttnSeq<'_>> = shapes
+                .iter()
+                .zip(&tables)
+                .map(|(&(computed, new), table)| {
+                    let s = AttnSeq { query_start: start, num_new: new, num_computed: computed, block_table: table };
+                    start += new;
+                    s
+                })
+                .collect();
+            let got = paged_attention(&q, &pages, 1, heads, &seqs).unwrap();
+            for (s, want) in seqs.iter().zip(&expected) {
+                for ((i, c), w) in want.indexed_iter() {
+                    let g = got[[s.query_start + i, c]] as f64;
+                    assert!((g - w).abs() < 1e-5, "heads {num_heads}/{kv_heads} row {i} col {c}: {g} vs {w}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_a_short_block_table_and_a_bad_block() {
+        let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 2, captured: 0, hidden: 1 };
+        let pages = CpuPages::new(spec);
+        let heads = AttnHeads { num_heads: 1, kv_heads: 1, head_dim: 2 };
+        let q = Array2::zeros((3, 2));
+        let short = [AttnSeq { query_start: 0, num_new: 3, num_computed: 4, block_table: &[0] }];
+        assert!(matches!(paged_attention(&q, &pages, 0, heads, &short), Err(Error::OpIndex { op: OP, .. })));
+        let bad = [AttnSeq { query_start: 0, num_new: 3, num_computed: 0, block_table: &[7] }];
+        assert!(matches!(paged_attention(&q, &pages, 0, heads, &bad), Err(Error::OpIndex { what: "block", index: 7, .. })));
+        assert!(matches!(paged_attention(&q, &pages, 1, heads, &[]), Err(Error::OpIndex { what: "layer", .. })));
+    }
+}
