@@ -523,3 +523,118 @@ fn oversized_tensor_is_a_typed_error() {
     let err = gpu.upload(Array2::zeros((64, 32)).view()).unwrap_err();
     assert!(matches!(err, Error::GpuTooLarge { requested: 8192, max: SMALL_BINDING, .. }), "{err}");
 }
+
+/// Whole thinker forwards: the GPU runner, with a cached prefix and chunked prefill,
+/// returns the CPU's uncached hidden states and logits (caching invisible on the GPU).
+mod forward {
+    use super::*;
+    use omniprefix::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
+    use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
+    use omniprefix::prompt::Positions;
+    use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, run_uncached};
+
+    const BS: usize = 4;
+
+    /// `len` random tokens with an item of `rows` rows at position 3 on a 2-wide M-RoPE grid.
+    fn prompt(cfg: &Config, len: usize, rows: usize, rng: &mut ChaCha8Rng) -> PromptInputs {
+        let token_ids = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
+        let item = Arc::new(rand_matrix(rng, rows, cfg.hidden_size));
+        let embeds = vec![EmbedRows { step_offset: 3, embeddings: item, rows: 0..rows }];
+        let grid = |p: i64, f: fn(i64) -> i64| if (3..3 + rows as i64).contains(&p) { 3 + f(p - 3) } else { p };
+        let t: Vec<i64> = (0..len as i64).map(|p| grid(p, |_| 0)).collect();
+        let h = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
+        let w = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
+        let positions = if cfg.mrope_section.is_some() { Positions::Mrope { t, h, w, rope_delta: 0 } } else { Positions::Linear(t) };
+        PromptInputs { token_ids, embeds, positions }
+    }
+
+    /// Prompt positions `a..b` as one step of request 1 over `table`.
+    fn chunk(p: &PromptInputs, table: &[u32], a: usize, b: usize) -> ScheduledSeq {
+        let embeds = p
+            .embeds
+            .iter()
+            .filter_map(|e| {
+                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
+                let (lo, hi) = (start.max(a), end.min(b));
+                (lo < hi).then(|| EmbedRows {
+                    step_offset: lo - a,
+                    embeddings: Arc::clone(&e.embeddings),
+                    rows: e.rows.start + lo - start..e.rows.start + hi - start,
+                })
+            })
+            .collect();
+        let positions = match &p.positions {
+            Positions::Linear(v) => Positions::Linear(v[a..b].to_vec()),
+            Positions::Mrope { t, h, w, rope_delta } => {
+                Positions::Mrope { t: t[a..b].to_vec(), h: h[a..b].to_vec(), w: w[a..b].to_vec(), rope_delta: *rope_delta }
+            }
+        };
+        ScheduledSeq {
+            request: 1,
+            block_table: table.to_vec(),
+            num_computed_tokens: a,
+            token_ids: p.token_ids[a..b].to_vec(),
+            embeds,
+            positions,
+            slot_mapping: (a..b).map(|j| (table[j / BS] as usize * BS + j % BS) as i64).collect(),
+            prompt_len: p.token_ids.len(),
+            emits_output: b == p.token_ids.len(),
+        }
+    }
+
+    /// `got ≈ want` relative to the largest magnitude of `want`.
+    fn assert_close_scaled(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= TOL * scale, "{what}: first mismatch at flat index {i}: gpu {g} vs cpu {w}");
+        }
+    }
+
+    fn assert_outputs(what: &str, hidden: &[(CaptureName, Array2<f32>)], last_logits: &[f32], want: &Outputs) {
+        assert_eq!(hidden.len(), want.hidden.len(), "{what}: captures");
+        for ((name, got), (_, w)) in hidden.iter().zip(&want.hidden) {
+            assert_eq!(got.dim(), w.dim(), "{what} {name}: shape");
+            assert_close_scaled(&format!("{what} {name}"), got.as_slice().unwrap(), w.as_slice().unwrap());
+        }
+        assert_close_scaled(&format!("{what} last_logits"), last_logits, &want.last_logits);
+    }
+
+    #[test]
+    fn cached_chunked_gpu_forward_equals_uncached_cpu_forward() {
+        let Some(gpu) = gpu() else { return };
+        let gpu = Arc::new(gpu);
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        let configs = [
+            Config::tiny_qwen3(32, 2, 4, 2, 64),
+            Config::tiny_qwen2_omni(32, 2, 4, 1, 64),
+            Config::tiny_qwen3_omni_moe(32, 2, 4, 4, 64, 4, 2),
+        ];
+        for (ci, cfg) in configs.into_iter().enumerate() {
+            let n = cfg.num_hidden_layers;
+            let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
+            let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), ci as u64).unwrap();
+            let gpu_thinker = Arc::new(Thinker::random(&*gpu, cfg.clone(), ci as u64).unwrap());
+            let p = prompt(&cfg, 19, 6, &mut rng);
+            let want = run_uncached(&cpu_thinker, &CpuBackend, &p, &capture, false).unwrap();
+
+            let uncached = run_uncached(&gpu_thinker, &*gpu, &p, &capture, false).unwrap();
+            assert_outputs(&format!("config {ci} uncached"), &uncached.hidden, &uncached.last_logits, &want);
+
+            let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture).unwrap();
+            let mut blocks: Vec<u32> = (0..8).collect();
+            blocks.shuffle(&mut rng);
+            let table = &blocks[..19usize.div_ceil(BS)];
+            let mut pages = runner.alloc_pages(8, BS).unwrap();
+            let mut outs = Vec::new();
+            let mut a = 0;
+            // A block-aligned cached prefix, a non-aligned chunk, a decode-sized last step.
+            for b in [8, 13, 18, 19] {
+                outs = runner.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, table, a, b)] }, &mut pages).unwrap();
+                a = b;
+            }
+            assert_eq!(outs.len(), 1, "config {ci}");
+            assert_outputs(&format!("config {ci} chunked"), &outs[0].hidden, &outs[0].last_logits, &want);
+        }
+    }
+}
