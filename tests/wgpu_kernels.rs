@@ -33,7 +33,8 @@ fn gpu_with(cap: Option<u64>) -> Option<WgpuBackend> {
                 panic!("OMNIPREFIX_REQUIRE_GPU=1 but no GPU device: {e}");
             }
             // Straight to stderr: the harness would swallow eprintln! of a passing test.
-            let _ = writeln!(std::io::stderr(), "\n!!!!!!!! SKIPPING wgpu kernel tests: no GPU adapter ({e}) !!!!!!!!\n");
+            let _ =
+                writeln!(std::io::stderr(), "\n!!!!!!!! SKIPPING wgpu kernel tests: no GPU adapter ({e}) !!!!!!!!\n");
             None
         }
     })
@@ -139,7 +140,8 @@ fn attn_seqs(seqs: &[SeqCase]) -> Vec<AttnSeq<'_>> {
     let mut start = 0;
     seqs.iter()
         .map(|s| {
-            let a = AttnSeq { query_start: start, num_new: s.num_new, num_computed: s.num_computed, block_table: &s.table };
+            let a =
+                AttnSeq { query_start: start, num_new: s.num_new, num_computed: s.num_computed, block_table: &s.table };
             start += s.num_new;
             a
         })
@@ -149,10 +151,10 @@ fn attn_seqs(seqs: &[SeqCase]) -> Vec<AttnSeq<'_>> {
 fn random_lens(rng: &mut ChaCha8Rng, block_size: usize, n: usize) -> Vec<(usize, usize)> {
     (0..n)
         .map(|i| match i % 4 {
-            0 => (0, rng.random_range(1..12)),                                   // empty prefix
-            1 => (block_size * rng.random_range(1..3), rng.random_range(1..7)),   // full blocks cached
-            2 => (rng.random_range(1..30), 1),                                    // decode row
-            _ => (rng.random_range(1..25), rng.random_range(2..9)),               // non-aligned prefix
+            0 => (0, rng.random_range(1..12)),                                  // empty prefix
+            1 => (block_size * rng.random_range(1..3), rng.random_range(1..7)), // full blocks cached
+            2 => (rng.random_range(1..30), 1),                                  // decode row
+            _ => (rng.random_range(1..25), rng.random_range(2..9)),             // non-aligned prefix
         })
         .collect()
 }
@@ -190,7 +192,15 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for group in [1, 2, 4] {
         let heads = AttnHeads { num_heads: 2 * group, kv_heads: 2, head_dim: 16 };
-        let spec = PagesSpec { num_layers: 1, num_blocks: 64, block_size: 8, kv_heads: 2, head_dim: 16, captured: 0, hidden: 0 };
+        let spec = PagesSpec {
+            num_layers: 1,
+            num_blocks: 64,
+            block_size: 8,
+            kv_heads: 2,
+            head_dim: 16,
+            captured: 0,
+            hidden: 0,
+        };
         // Long, short, block-aligned and single-key contexts in one decode batch.
         let lens = [(149, 1), (7, 1), (64, 1), (0, 1)];
         let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &lens);
@@ -210,7 +220,8 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
-    let spec = PagesSpec { num_layers: 1, num_blocks: 8, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 8, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(3, 2)]);
     let q = gpu.upload(s.q.view()).unwrap();
     let kv = s.gpu_pages.layer("test", 0).unwrap();
@@ -221,7 +232,8 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
 #[test]
 fn attention_rejects_bad_tables_and_unsupported_heads() {
     let Some(gpu) = gpu() else { return };
-    let spec = PagesSpec { num_layers: 1, num_blocks: 4, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 4, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
     let pages = gpu.alloc_pages(spec).unwrap();
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
     let q = gpu.upload(Array2::zeros((3, 16)).view()).unwrap();
@@ -243,7 +255,15 @@ fn hidden_pages_and_copy_blocks_match_cpu() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     for case in 0..cases() {
-        let spec = PagesSpec { num_layers: 2, num_blocks: 12, block_size: 4, kv_heads: 1, head_dim: 4, captured: 3, hidden: 5 };
+        let spec = PagesSpec {
+            num_layers: 2,
+            num_blocks: 12,
+            block_size: 4,
+            kv_heads: 1,
+            head_dim: 4,
+            captured: 3,
+            hidden: 5,
+        };
         let mut gp = gpu.alloc_pages(spec).unwrap();
         let mut cp = CpuBackend.alloc_pages(spec).unwrap();
         let n = rng.random_range(1..20);
@@ -288,14 +308,17 @@ fn pools_split_over_bindings_behave_like_one_pool() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     // K/V blocks: 4 slots x 2 heads x 8 dims x 4 B = 256 B → 16 blocks per chunk, 2 chunks;
     // hidden blocks: 4 x 2 x 24 x 4 B = 768 B → 5 blocks per chunk, 5 chunks.
-    let spec = PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 8, captured: 2, hidden: 24 };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 8, captured: 2, hidden: 24 };
     let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(9, 4), (0, 7), (21, 1), (16, 1)]);
     assert_eq!(s.gpu_pages.layer("test", 0).unwrap().k.num_chunks(), 2, "K pool must be split");
     assert!(s.gpu_pages.hidden().num_chunks() > 2, "hidden pool must be split");
     let seqs = attn_seqs(&s.seqs);
     let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
-    let got = gpu.download(&gpu.paged_attention(&gpu.upload(s.q.view()).unwrap(), &s.gpu_pages, 0, heads, &seqs).unwrap()).unwrap();
+    let got = gpu
+        .download(&gpu.paged_attention(&gpu.upload(s.q.view()).unwrap(), &s.gpu_pages, 0, heads, &seqs).unwrap())
+        .unwrap();
     assert_close("split pool attention", &got, &want);
 
     let (mut gp, mut cp) = (s.gpu_pages, s.cpu_pages);
@@ -329,7 +352,8 @@ fn pools_split_over_bindings_behave_like_one_pool() {
 #[test]
 fn rejected_writes_leave_pages_unchanged() {
     let Some(gpu) = gpu() else { return };
-    let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 1, hidden: 4 };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 1, hidden: 4 };
     let mut pages = gpu.alloc_pages(spec).unwrap();
     let ones = gpu.upload(Array2::ones((2, 4)).view()).unwrap();
     let err = gpu.write_kv(&mut pages, 0, &ones, &ones, &[1, 8]).unwrap_err();
@@ -376,7 +400,11 @@ fn dense_ops_match_cpu_on_random_shapes() {
         assert_close(&format!("case {case} bias + residual"), &g, &c);
 
         let norm_w = rand_matrix(&mut rng, 1, k);
-        let (g, c) = both(&gpu, |b| b.rms_norm(&b.upload(x.view())?, &b.upload(norm_w.view())?, 1e-6), |b| b.rms_norm(&x, &norm_w, 1e-6));
+        let (g, c) = both(
+            &gpu,
+            |b| b.rms_norm(&b.upload(x.view())?, &b.upload(norm_w.view())?, 1e-6),
+            |b| b.rms_norm(&x, &norm_w, 1e-6),
+        );
         assert_close(&format!("case {case} rms_norm"), &g, &c);
 
         let head_dim = [2, 4, 8][case as usize % 3];
@@ -445,7 +473,12 @@ fn row_ops_match_cpu_and_reject_bad_indices() {
 fn rope_plain_sectioned_and_interleaved_match_cpu() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(8);
-    let kinds = [RopeKind::Plain, RopeKind::Sectioned([4, 6, 6]), RopeKind::Interleaved([6, 5, 5]), RopeKind::Interleaved([24, 20, 20])];
+    let kinds = [
+        RopeKind::Plain,
+        RopeKind::Sectioned([4, 6, 6]),
+        RopeKind::Interleaved([6, 5, 5]),
+        RopeKind::Interleaved([24, 20, 20]),
+    ];
     for kind in kinds {
         let spec = RopeSpec { theta: 1_000_000.0, head_dim: 32, kind };
         let n = rng.random_range(1..40);
@@ -500,7 +533,9 @@ fn moe_matches_cpu_and_router_breaks_ties_low() {
         assert_close(&format!("moe top_k {top_k} norm {norm}"), &g, &c);
     }
     // Equal logits: the lower expert ids win, weights renormalised to 1/k.
-    let logits = gpu.upload(Array2::from_shape_vec((2, 4), vec![0.5, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0]).unwrap().view()).unwrap();
+    let logits = gpu
+        .upload(Array2::from_shape_vec((2, 4), vec![0.5, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0]).unwrap().view())
+        .unwrap();
     let routing = gpu.context().router_topk(&logits, 2, true).unwrap();
     assert_eq!(routing.ids, vec![1, 2, 0, 1]);
     let weights = gpu.context().download(&routing.weights).unwrap();
@@ -510,7 +545,10 @@ fn moe_matches_cpu_and_router_breaks_ties_low() {
 #[test]
 fn broken_shader_is_a_typed_error() {
     let Some(gpu) = gpu() else { return };
-    let err = gpu.context().compile_module("broken.wgsl", "@compute @workgroup_size(1) fn main() { let x: f32 = ; }").unwrap_err();
+    let err = gpu
+        .context()
+        .compile_module("broken.wgsl", "@compute @workgroup_size(1) fn main() { let x: f32 = ; }")
+        .unwrap_err();
     assert!(matches!(&err, Error::ShaderCompile { shader, .. } if shader == "broken.wgsl"), "{err}");
     let module = gpu.context().compile_module("ok.wgsl", "@compute @workgroup_size(1) fn main() {}").unwrap();
     let err = gpu.context().build_pipeline("ok.wgsl", &module, "missing_entry", &[]).unwrap_err();
@@ -544,7 +582,11 @@ mod forward {
         let t: Vec<i64> = (0..len as i64).map(|p| grid(p, |_| 0)).collect();
         let h = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
         let w = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
-        let positions = if cfg.mrope_section.is_some() { Positions::Mrope { t, h, w, rope_delta: 0 } } else { Positions::Linear(t) };
+        let positions = if cfg.mrope_section.is_some() {
+            Positions::Mrope { t, h, w, rope_delta: 0 }
+        } else {
+            Positions::Linear(t)
+        };
         PromptInputs { token_ids, embeds, positions }
     }
 
@@ -565,9 +607,12 @@ mod forward {
             .collect();
         let positions = match &p.positions {
             Positions::Linear(v) => Positions::Linear(v[a..b].to_vec()),
-            Positions::Mrope { t, h, w, rope_delta } => {
-                Positions::Mrope { t: t[a..b].to_vec(), h: h[a..b].to_vec(), w: w[a..b].to_vec(), rope_delta: *rope_delta }
-            }
+            Positions::Mrope { t, h, w, rope_delta } => Positions::Mrope {
+                t: t[a..b].to_vec(),
+                h: h[a..b].to_vec(),
+                w: w[a..b].to_vec(),
+                rope_delta: *rope_delta,
+            },
         };
         ScheduledSeq {
             request: 1,
@@ -612,7 +657,8 @@ mod forward {
         ];
         for (ci, cfg) in configs.into_iter().enumerate() {
             let n = cfg.num_hidden_layers;
-            let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
+            let capture =
+                CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
             let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), ci as u64).unwrap();
             let gpu_thinker = Arc::new(Thinker::random(&*gpu, cfg.clone(), ci as u64).unwrap());
             let p = prompt(&cfg, 19, 6, &mut rng);
@@ -630,7 +676,9 @@ mod forward {
             let mut a = 0;
             // A block-aligned cached prefix, a non-aligned chunk, a decode-sized last step.
             for b in [8, 13, 18, 19] {
-                outs = runner.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, table, a, b)] }, &mut pages).unwrap();
+                outs = runner
+                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, table, a, b)] }, &mut pages)
+                    .unwrap();
                 a = b;
             }
             assert_eq!(outs.len(), 1, "config {ci}");

@@ -34,10 +34,8 @@ fn validated(path: &Path) -> (naga::Module, ModuleInfo) {
 
 #[test]
 fn shader_directory_holds_every_kernel() {
-    let names: Vec<String> = shader_files()
-        .iter()
-        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
-        .collect();
+    let names: Vec<String> =
+        shader_files().iter().filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned())).collect();
     for expected in
         ["copy_blocks", "elementwise", "matmul", "moe", "paged_attention", "paged_rows", "rmsnorm", "rope", "rows"]
     {
@@ -68,10 +66,8 @@ fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
             assert!(msl.contains("kernel"), "{}: MSL for {} has no kernel", path.display(), ep.name);
         }
 
-        let hlsl_options = naga::back::hlsl::Options {
-            shader_model: naga::back::hlsl::ShaderModel::V6_0,
-            ..Default::default()
-        };
+        let hlsl_options =
+            naga::back::hlsl::Options { shader_model: naga::back::hlsl::ShaderModel::V6_0, ..Default::default() };
         let hlsl_pipeline = naga::back::hlsl::PipelineOptions::default();
         let mut hlsl = String::new();
         naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
@@ -97,7 +93,10 @@ mod limits {
         );
         let limits = wgpu::Limits { max_compute_workgroup_storage_size: 8192, ..Default::default() };
         let err = check_limits("a", &limits).unwrap_err();
-        assert!(matches!(err, Error::GpuLimit { limit: "max_compute_workgroup_storage_size", required: 10240, .. }), "{err}");
+        assert!(
+            matches!(err, Error::GpuLimit { limit: "max_compute_workgroup_storage_size", required: 10240, .. }),
+            "{err}"
+        );
         assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());
     }
 

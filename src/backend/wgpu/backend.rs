@@ -96,8 +96,11 @@ impl Backend for WgpuBackend {
 
     fn download(&self, t: &GpuTensor) -> Result<Array2<f32>> {
         let data = self.ctx.download(t)?;
-        Array2::from_shape_vec((t.rows, t.cols), data)
-            .map_err(|e| Error::GpuOp { adapter: self.ctx.adapter_name().to_string(), op: "download", message: e.to_string() })
+        Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| Error::GpuOp {
+            adapter: self.ctx.adapter_name().to_string(),
+            op: "download",
+            message: e.to_string(),
+        })
     }
 
     fn shape(&self, t: &GpuTensor) -> [usize; 2] {
@@ -214,7 +217,12 @@ impl Backend for WgpuBackend {
         for &(src, dst) in copies {
             for b in [src, dst] {
                 if b as usize >= pages.spec.num_blocks {
-                    return Err(Error::OpIndex { op: "copy_blocks", what: "block", index: b.into(), bound: pages.spec.num_blocks });
+                    return Err(Error::OpIndex {
+                        op: "copy_blocks",
+                        what: "block",
+                        index: b.into(),
+                        bound: pages.spec.num_blocks,
+                    });
                 }
             }
         }

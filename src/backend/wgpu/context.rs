@@ -93,7 +93,11 @@ impl GpuContext {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
-        .map_err(|e| Error::GpuOp { adapter: adapter_name.clone(), op: "request_device", message: e.to_string() })?;
+        .map_err(|e| Error::GpuOp {
+            adapter: adapter_name.clone(),
+            op: "request_device",
+            message: e.to_string(),
+        })?;
         // Every op runs inside error scopes; anything that still escapes is reported, not a panic.
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| eprintln!("omniprefix: uncaptured wgpu error: {e}")));
         let adapter_binding = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);

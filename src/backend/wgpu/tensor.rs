@@ -7,7 +7,10 @@ use crate::backend::wgpu::context::GpuContext;
 use crate::{Error, Result};
 
 /// A row-major f32 matrix `[rows, cols]` in one device storage buffer.
-#[derive(Debug, Clone)]
+///
+/// Not `Clone`: a clone would share the buffer, and in-place ops on one would
+/// silently change the other.
+#[derive(Debug)]
 pub struct GpuTensor {
     pub(crate) buffer: wgpu::Buffer,
     pub(crate) rows: usize,
@@ -163,10 +166,7 @@ impl GpuContext {
         });
         let gpu_error = |message: String| Error::GpuOp { adapter: self.adapter_name.clone(), op: "download", message };
         self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| gpu_error(e.to_string()))?;
-        receiver
-            .recv()
-            .map_err(|e| gpu_error(e.to_string()))?
-            .map_err(|e| gpu_error(e.to_string()))?;
+        receiver.recv().map_err(|e| gpu_error(e.to_string()))?.map_err(|e| gpu_error(e.to_string()))?;
         let data = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?.to_vec();
         staging.unmap();
         Ok(data)
@@ -219,7 +219,8 @@ impl GpuContext {
             });
             let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(op) });
             {
-                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(op), timestamp_writes: None });
+                let mut pass = encoder
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(op), timestamp_writes: None });
                 pass.set_pipeline(pipeline);
                 pass.set_bind_group(0, &bind_group, &[]);
                 pass.dispatch_workgroups(x, y, 1);

@@ -78,7 +78,12 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
         let needed = len.div_ceil(pool.block_size);
         let Some(table) = seq.block_table.get(..needed) else {
             let bound = seq.block_table.len() * pool.block_size;
-            return Err(Error::OpIndex { op: OP, what: "position (block table too short)", index: len as i64 - 1, bound });
+            return Err(Error::OpIndex {
+                op: OP,
+                what: "position (block table too short)",
+                index: len as i64 - 1,
+                bound,
+            });
         };
         if let Some(&b) = table.iter().find(|&&b| b as usize >= pool.num_blocks) {
             return Err(Error::OpIndex { op: OP, what: "block", index: b.into(), bound: pool.num_blocks });
@@ -150,7 +155,12 @@ impl GpuContext {
     ) -> Result<GpuTensor> {
         validate(q, kv, heads, seqs)?;
         if let Some(seq) = seqs.iter().find(|s| s.num_new != 1) {
-            return Err(Error::OpShape { op: "paged_decode_attention", what: "num_new", expected: "1".into(), found: vec![seq.num_new] });
+            return Err(Error::OpShape {
+                op: "paged_decode_attention",
+                what: "num_new",
+                expected: "1".into(),
+                found: vec![seq.num_new],
+            });
         }
         if split_len == 0 || u32::try_from(split_len).is_err() {
             return Err(Error::GpuUnsupported { what: "split_len", value: split_len, supported: "1..2^32" });
@@ -205,7 +215,8 @@ impl GpuContext {
         let uniform = self.uniform(&Self::attention_params(heads, kv, n_rows));
         let (k0, k1) = Self::pool_bindings(kv.k);
         let (v0, v1) = Self::pool_bindings(kv.v);
-        let bindings = [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, &out.buffer)];
+        let bindings =
+            [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, &out.buffer)];
         self.dispatch("paged_prefill_attention", &pipeline, &bindings, (n_rows * heads.num_heads) as u64)
     }
 
@@ -238,7 +249,8 @@ impl GpuContext {
         let (k0, k1) = Self::pool_bindings(kv.k);
         let (v0, v1) = Self::pool_bindings(kv.v);
         let partial = self.pipeline(Shader::PagedAttention, "paged_decode_partial", &constants)?;
-        let bindings = [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (8, &part.buffer)];
+        let bindings =
+            [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (8, &part.buffer)];
         self.dispatch("paged_decode_partial", &partial, &bindings, (n_rows * heads.kv_heads * n_splits) as u64)?;
         let reduce = self.pipeline(Shader::PagedAttention, "paged_decode_reduce", &constants)?;
         let bindings = [(0, &uniform), (2, &info), (9, &part.buffer), (7, &out.buffer)];

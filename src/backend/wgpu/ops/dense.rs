@@ -3,10 +3,10 @@
 
 use bytemuck::{Pod, Zeroable};
 
+use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::Result;
 
 const MATMUL_TILE: usize = 64;
 const ELEMENTWISE_WG: u64 = 256;
@@ -71,7 +71,14 @@ impl GpuContext {
     }
 
     /// One in-place elementwise entry of `elementwise.wgsl` over `len` outputs.
-    fn elementwise(&self, op: &'static str, entry: &'static str, acc: &GpuTensor, rhs: &GpuTensor, width: usize) -> Result<()> {
+    fn elementwise(
+        &self,
+        op: &'static str,
+        entry: &'static str,
+        acc: &GpuTensor,
+        rhs: &GpuTensor,
+        width: usize,
+    ) -> Result<()> {
         let len = acc.len();
         if len == 0 {
             return Ok(());

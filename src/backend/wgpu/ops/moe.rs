@@ -57,7 +57,12 @@ impl GpuContext {
     /// token (ties to the lower id), optionally renormalised to sum to one.
     pub fn router_topk(&self, logits: &GpuTensor, top_k: usize, renormalize: bool) -> Result<Routing> {
         if top_k == 0 || top_k > logits.cols {
-            return Err(Error::OpShape { op: "router_topk", what: "top_k", expected: format!("1..={}", logits.cols), found: vec![top_k] });
+            return Err(Error::OpShape {
+                op: "router_topk",
+                what: "top_k",
+                expected: format!("1..={}", logits.cols),
+                found: vec![top_k],
+            });
         }
         let weights = self.zeros([logits.rows, top_k])?;
         let ids = self.zeros([logits.rows, top_k])?; // u32 bits in an f32-sized buffer
@@ -112,7 +117,12 @@ impl GpuContext {
         let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); w.num_experts];
         for (slot, &expert) in routing.ids.iter().enumerate() {
             let Some((tokens, slots)) = routed.get_mut(expert as usize) else {
-                return Err(Error::OpIndex { op: OP, what: "routed expert", index: expert.into(), bound: w.num_experts });
+                return Err(Error::OpIndex {
+                    op: OP,
+                    what: "routed expert",
+                    index: expert.into(),
+                    bound: w.num_experts,
+                });
             };
             tokens.push((slot / w.top_k) as u32);
             slots.push(slot as u32);

@@ -41,10 +41,20 @@ impl GpuContext {
         let mut positions = Vec::with_capacity(3 * x.rows);
         for (what, axis) in [("positions.t", pos.t), ("positions.h", pos.h), ("positions.w", pos.w)] {
             if axis.len() != x.rows {
-                return Err(Error::OpShape { op: "rope", what, expected: format!("[{}]", x.rows), found: vec![axis.len()] });
+                return Err(Error::OpShape {
+                    op: "rope",
+                    what,
+                    expected: format!("[{}]", x.rows),
+                    found: vec![axis.len()],
+                });
             }
             for &p in axis {
-                let p32 = i32::try_from(p).map_err(|_| Error::OpIndex { op: "rope", what, index: p, bound: i32::MAX as usize })?;
+                let p32 = i32::try_from(p).map_err(|_| Error::OpIndex {
+                    op: "rope",
+                    what,
+                    index: p,
+                    bound: i32::MAX as usize,
+                })?;
                 positions.push(p32);
             }
         }

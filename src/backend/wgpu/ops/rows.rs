@@ -27,7 +27,14 @@ fn check_indices(op: &'static str, what: &'static str, indices: &[u32], bound: u
 }
 
 impl GpuContext {
-    fn move_rows(&self, op: &'static str, entry: &'static str, src: &GpuTensor, indices: &[u32], dst: &GpuTensor) -> Result<()> {
+    fn move_rows(
+        &self,
+        op: &'static str,
+        entry: &'static str,
+        src: &GpuTensor,
+        indices: &[u32],
+        dst: &GpuTensor,
+    ) -> Result<()> {
         if indices.is_empty() || src.cols == 0 {
             return Ok(());
         }
