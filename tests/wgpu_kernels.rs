@@ -216,6 +216,25 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
 }
 
 #[test]
+fn long_contexts_span_several_key_tiles_in_both_kernels() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    // Contexts of 1..3 tiles of 64 keys, prefixes ending mid-tile and on a tile edge.
+    let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 128, block_size: 4, kv_heads: 2, head_dim: 8, captured: 0, hidden: 0 };
+    let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(130, 5), (64, 3), (0, 70), (191, 1)]);
+    let seqs = attn_seqs(&s.seqs);
+    let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
+    let q = gpu.upload(s.q.view()).unwrap();
+    let routed = gpu.paged_attention(&q, &s.gpu_pages, 0, heads, &seqs).unwrap();
+    assert_close("long contexts, routed", &gpu.download(&routed).unwrap(), &want);
+    let kv = s.gpu_pages.layer("test", 0).unwrap();
+    let prefill = gpu.context().paged_prefill_attention(&q, kv, heads, &seqs).unwrap();
+    assert_close("long contexts, prefill kernel", &gpu.download(&prefill).unwrap(), &want);
+}
+
+#[test]
 fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
