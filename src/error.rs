@@ -156,6 +156,24 @@ pub enum Error {
     /// A GPU / device failure (adapter, buffer mapping, shader compilation).
     #[error("device: {0}")]
     Device(String),
+    /// No GPU adapter could be obtained (no driver, or none of the requested backends).
+    #[error("no GPU adapter for backends {backends}: {reason}")]
+    GpuUnavailable { backends: String, reason: String },
+    /// The adapter offers less of a limit than the kernels need.
+    #[error("GPU adapter `{adapter}`: limit {limit} is {available}, the kernels need {required}")]
+    GpuLimit { adapter: String, limit: &'static str, required: u64, available: u64 },
+    /// A buffer or paged pool larger than the device can allocate or bind.
+    #[error("GPU adapter `{adapter}`: {what} needs {requested} bytes, over {limit} = {max} bytes")]
+    GpuTooLarge { adapter: String, what: String, requested: u64, limit: &'static str, max: u64 },
+    /// A shader module or pipeline the device rejected.
+    #[error("GPU adapter `{adapter}`: shader {shader}, entry point {entry}: {message}")]
+    ShaderCompile { adapter: String, shader: String, entry: String, message: String },
+    /// A device-side failure while running an op (validation, out of memory, mapping, lost device).
+    #[error("GPU adapter `{adapter}`: {op}: {message}")]
+    GpuOp { adapter: String, op: &'static str, message: String },
+    /// A model shape outside what the GPU kernels implement.
+    #[error("GPU kernels: {what} = {value} is unsupported (supported: {supported})")]
+    GpuUnsupported { what: &'static str, value: usize, supported: &'static str },
 }
 
 /// Crate-wide result alias.

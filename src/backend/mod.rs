@@ -18,6 +18,8 @@
 
 /// The ndarray reference backend.
 pub mod cpu;
+/// The wgpu backend: the WGSL kernels of `wgsl/` behind the same trait.
+pub mod wgpu;
 
 use ndarray::{Array2, ArrayView2};
 
