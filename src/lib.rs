@@ -24,8 +24,6 @@ pub mod prompt;
 pub mod sched;
 /// The thinker model: config, weights, Qwen-family decoder, encoder cache.
 pub mod model;
-/// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
-pub mod prompt;
 /// Executes a `ScheduledBatch` on a backend and returns full hidden states.
 pub mod runner;
 
