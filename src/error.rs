@@ -91,9 +91,95 @@ pub enum Error {
     /// An embedded fixture that does not hold what the code expects.
     #[error("fixture {file}: {problem}")]
     Fixture { file: &'static str, problem: String },
-    /// Writing a report failed.
-    #[error("cannot write the report: {0}")]
-    Io(#[from] std::io::Error),
+
+    // ---- kv block pool and scheduler ----
+    /// A block id outside the pool.
+    #[error("block {block} is outside the pool of {num_blocks} blocks")]
+    BlockOutOfRange { block: u32, num_blocks: usize },
+    /// A pool operation on a block in the wrong state (e.g. releasing a free block).
+    #[error("block pool: cannot {op} block {block} while it is {state}")]
+    BlockStateMisuse { op: &'static str, block: u32, state: String },
+    /// A scheduler or pool setting that cannot work.
+    #[error("scheduler config: {field} must be {expected}, found {found}")]
+    InvalidConfig { field: &'static str, expected: String, found: String },
+    /// A request id that is already admitted.
+    #[error("request {id} is already admitted")]
+    DuplicateRequest { id: u64 },
+    /// A request id the scheduler does not know.
+    #[error("request {id} is not admitted")]
+    UnknownRequest { id: u64 },
+    /// A request that needs more blocks than the whole pool holds.
+    #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
+    RequestTooLarge { id: u64, needed: usize, num_blocks: usize },
+    /// A request's embeddings disagree with its prompt's items or index map.
+    #[error("request {id}, item {item}: {what} is {found}, expected {expected}")]
+    EmbeddingMismatch { id: u64, item: usize, what: &'static str, expected: usize, found: usize },
+    /// A prompt whose parts disagree in length or point outside it.
+    #[error("request {id}: {what} is {found}, expected {expected}")]
+    PromptMismatch { id: u64, what: &'static str, expected: usize, found: usize },
+    /// `finish` on a request whose prompt has not been fully computed.
+    #[error("request {id} is not finished: {computed} of {len} tokens computed")]
+    RequestNotFinished { id: u64, computed: usize, len: usize },
+    /// A completed batch that is not the one the scheduler handed out.
+    #[error("completed batch, request {id}: {what} is {found}, scheduled {expected}")]
+    BatchMismatch { id: u64, what: &'static str, expected: usize, found: usize },
+    /// The prefix index broke its contract (an internal bug, reported instead of panicking).
+    #[error("prefix index broke its contract: {0}")]
+    IndexContract(String),
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    /// A model `config.json` that is not valid JSON or lacks a required field.
+    #[error("model config: {0}")]
+    ConfigParse(String),
+    /// A model config field whose value this crate does not implement.
+    #[error("model config field `{field}` = {value}: {reason}")]
+    UnsupportedConfig { field: &'static str, value: String, reason: &'static str },
+    /// A safetensors file that cannot be parsed.
+    #[error("safetensors {path}: {message}")]
+    Safetensors { path: String, message: String },
+    /// A weight the model needs is absent from the checkpoint.
+    #[error("weight `{name}` is missing from the checkpoint")]
+    MissingTensor { name: String },
+    /// A weight whose shape differs from what the config implies.
+    #[error("weight `{name}`: shape {found:?} where {expected:?} was expected")]
+    TensorShape { name: String, expected: Vec<usize>, found: Vec<usize> },
+    /// A weight stored in a dtype the loader does not convert.
+    #[error("weight `{name}`: dtype {found} (only f32, f16 and bf16 are accepted)")]
+    TensorDtype { name: String, found: String },
+    /// A backend op called with operands of incompatible shapes.
+    #[error("backend op {op}: {what} has shape {found:?} where {expected} was expected")]
+    OpShape { op: &'static str, what: &'static str, expected: String, found: Vec<usize> },
+    /// A backend op given an index outside its operand (row, slot, block, layer).
+    #[error("backend op {op}: {what} {index} out of range 0..{bound}")]
+    OpIndex { op: &'static str, what: &'static str, index: i64, bound: usize },
+    /// A capture point that names no layer of the model.
+    #[error("capture `hidden.{layer}`: the model has {num_layers} layers (valid 0..={num_layers})")]
+    CaptureLayer { layer: usize, num_layers: usize },
+    /// A scheduled sequence whose fields disagree with each other or the model.
+    #[error("request {request}: {what}")]
+    InvalidBatch { request: u64, what: String },
+    /// A GPU / device failure (adapter, buffer mapping, shader compilation).
+    #[error("device: {0}")]
+    Device(String),
+    /// No GPU adapter could be obtained (no driver, or none of the requested backends).
+    #[error("no GPU adapter for backends {backends}: {reason}")]
+    GpuUnavailable { backends: String, reason: String },
+    /// The adapter offers less of a limit than the kernels need.
+    #[error("GPU adapter `{adapter}`: limit {limit} is {available}, the kernels need {required}")]
+    GpuLimit { adapter: String, limit: &'static str, required: u64, available: u64 },
+    /// A buffer or paged pool larger than the device can allocate or bind.
+    #[error("GPU adapter `{adapter}`: {what} needs {requested} bytes, over {limit} = {max} bytes")]
+    GpuTooLarge { adapter: String, what: String, requested: u64, limit: &'static str, max: u64 },
+    /// A shader module or pipeline the device rejected.
+    #[error("GPU adapter `{adapter}`: shader {shader}, entry point {entry}: {message}")]
+    ShaderCompile { adapter: String, shader: String, entry: String, message: String },
+    /// A device-side failure while running an op (validation, out of memory, mapping, lost device).
+    #[error("GPU adapter `{adapter}`: {op}: {message}")]
+    GpuOp { adapter: String, op: &'static str, message: String },
+    /// A model shape outside what the GPU kernels implement.
+    #[error("GPU kernels: {what} = {value} is unsupported (supported: {supported})")]
+    GpuUnsupported { what: &'static str, value: usize, supported: &'static str },
 }
 
 /// Crate-wide result alias.

@@ -6,6 +6,8 @@
 //! `sched` (owns the prefix `index` and the `kv` block pool) → `runner` on a
 //! `backend` → full hidden states.
 
+/// The ops a forward needs, behind one trait; the CPU reference backend.
+pub mod backend;
 /// The scheduler-to-runner contract.
 pub mod batch;
 /// Match measurement shared by `omniprefix bench match` and the criterion benches.
@@ -20,8 +22,16 @@ pub mod error;
 pub mod index;
 /// Preprocessing: raw requests into canonical prompts, off the scheduling path.
 pub mod preprocess;
+/// KV block pool: free list, ref counts, index-owned blocks.
+pub mod kv;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
+/// The scheduler: admits requests, matches prefixes, allocates blocks, builds batches.
+pub mod sched;
+/// The thinker model: config, weights, Qwen-family decoder, encoder cache.
+pub mod model;
+/// Executes a `ScheduledBatch` on a backend and returns full hidden states.
+pub mod runner;
 /// Seeded match workloads with the real Qwen3-Omni shapes.
 pub mod workloads;
 

@@ -81,20 +81,26 @@ pub fn run(args: &MatchArgs, out: &mut dyn Write) -> Result<()> {
         seed: SEED,
     };
     if !args.json {
-        writeln!(out, "{}", table_header())?;
+        write_line(out, &table_header())?;
     }
     for name in workloads {
         let report = measure(name, &media, &options)?;
         if args.json {
             let line = serde_json::to_string(&report)
                 .map_err(|e| crate::Error::InvalidRequest(format!("report of {}: {e}", report.workload)))?;
-            writeln!(out, "{line}")?;
+            write_line(out, &line)?;
         } else {
-            writeln!(out, "{}", table_row(&report))?;
+            write_line(out, &table_row(&report))?;
         }
-        out.flush()?;
     }
     Ok(())
+}
+
+/// Writes and flushes one line, so each workload's report appears as soon as it is measured.
+fn write_line(out: &mut dyn Write, line: &str) -> Result<()> {
+    writeln!(out, "{line}")
+        .and_then(|()| out.flush())
+        .map_err(|source| crate::Error::Io { path: "bench match output".into(), source })
 }
 
 fn table_header() -> String {

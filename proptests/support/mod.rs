@@ -1,0 +1,229 @@
+//! Test support shared by `tests/scheduler.rs` and `proptests/pool_invariants.rs`:
+//! a reference index, hand-built prompts, and a shadow runner that tracks what
+//! every KV slot holds so a wrong reuse shows up as a wrong read.
+
+pub mod reference_index;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use ndarray::Array2;
+use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+
+use omniprefix::batch::{RequestId, ScheduledBatch, ScheduledSeq};
+use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
+use omniprefix::sched::Request;
+
+pub use reference_index::{Key, ReferenceIndex, keys_of};
+
+/// A text-only prompt with 1-D positions (what the prompt builder makes for plain text).
+pub fn text_prompt(tenant: u64, ids: &[u32]) -> CanonicalPrompt {
+    CanonicalPrompt {
+        tenant,
+        atoms: vec![Atom::Text(ids.to_vec())],
+        token_ids: ids.to_vec(),
+        items: Vec::new(),
+        index_map: IndexMap::default(),
+        positions: Positions::Linear((0..ids.len() as i64).collect()),
+    }
+}
+
+/// Ids from this value up in [`request`] input stand for images 0 and 1.
+pub const IMAGE_MARKER: u32 = u32::MAX - 1;
+/// Placeholder token id of image rows.
+const IMAGE_PAD: u32 = 9;
+/// Rows (placeholder tokens) of every test image.
+const IMAGE_ROWS: u32 = 3;
+
+/// The embedding value a test image puts at `(row, 0)`: the shadow runner
+/// checks it to catch rows placed at the wrong position.
+fn embedding_value(fingerprint: u128, row: usize) -> f32 {
+    (fingerprint * 10) as f32 + row as f32
+}
+
+/// A request whose `marked` ids below [`IMAGE_MARKER`] are text tokens and
+/// whose ids `IMAGE_MARKER + k` are image `k` (3 rows, fingerprint `100 + k`),
+/// with 1-D positions.
+pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
+    let mut prompt = text_prompt(tenant, &[]);
+    let mut embeddings = Vec::new();
+    for &m in marked {
+        if m < IMAGE_MARKER {
+            match prompt.atoms.last_mut() {
+                Some(Atom::Text(ids)) => ids.push(m),
+                _ => prompt.atoms.push(Atom::Text(vec![m])),
+            }
+            prompt.token_ids.push(m);
+            continue;
+        }
+        let fingerprint = 100 + u128::from(m - IMAGE_MARKER);
+        let item = match prompt
+            .items
+            .iter()
+            .position(|i| i.fingerprint.0 == fingerprint)
+        {
+            Some(item) => item,
+            None => {
+                prompt.items.push(Arc::new(ItemIdentity {
+                    fingerprint: Fingerprint(fingerprint),
+                    check: Some(Fingerprint(fingerprint + 100)),
+                    retained: None,
+                    modality: Modality::Image,
+                    layout: ItemLayout::Image {
+                        grid_thw: [1, 2, 6],
+                    },
+                    num_tokens: IMAGE_ROWS as usize,
+                    content_bytes: 0,
+                }));
+                let rows = Array2::from_shape_fn((IMAGE_ROWS as usize, 2), |(r, _)| {
+                    embedding_value(fingerprint, r)
+                });
+                embeddings.push(Arc::new(rows));
+                prompt.items.len() - 1
+            }
+        };
+        let start = prompt.token_ids.len() as u32;
+        let identity = Arc::clone(&prompt.items[item]);
+        prompt.atoms.push(Atom::Item {
+            id: identity,
+            rows: 0..IMAGE_ROWS,
+        });
+        prompt.index_map.spans.push(ItemSpan {
+            item: item as u32,
+            rows: 0..IMAGE_ROWS,
+            start,
+        });
+        prompt
+            .index_map
+            .placeholders
+            .insert_range(start..start + IMAGE_ROWS);
+        prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS as usize]);
+    }
+    prompt.positions = Positions::Linear((0..prompt.token_ids.len() as i64).collect());
+    Request {
+        id,
+        prompt,
+        item_embeddings: embeddings,
+        hidden_size: Some(2),
+    }
+}
+
+/// What each pool slot holds, written the way a runner would write KV.
+pub struct ShadowPages {
+    block_size: usize,
+    slots: Vec<Option<(u64, Key)>>,
+    /// Tenant and keys of every request seen, by id.
+    prompts: HashMap<RequestId, (u64, Vec<Key>)>,
+}
+
+impl ShadowPages {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self {
+            block_size,
+            slots: vec![None; num_blocks * block_size],
+            prompts: HashMap::new(),
+        }
+    }
+
+    /// Remembers a request's keys so its batches can be checked.
+    pub fn register(&mut self, req: &Request) {
+        self.prompts
+            .insert(req.id, (req.prompt.tenant, keys_of(&req.prompt)));
+    }
+
+    /// Executes `batch`: block copies, then for each sequence checks that its
+    /// block table serves the right KV for every computed position and that
+    /// its slots follow the table, then writes its new positions.
+    pub fn run(&mut self, batch: &ScheduledBatch) -> Result<(), String> {
+        let bs = self.block_size;
+        for c in &batch.copies {
+            let (src, dst) = (c.src as usize * bs, c.dst as usize * bs);
+            let block = self.slots[src..src + bs].to_vec();
+            self.slots[dst..dst + bs].clone_from_slice(&block);
+        }
+        for seq in &batch.seqs {
+            let (tenant, keys) = self
+                .prompts
+                .get(&seq.request)
+                .ok_or(format!("unknown request {}", seq.request))?;
+            let slot = |p: usize| seq.block_table[p / bs] as usize * bs + p % bs;
+            let end = seq.num_computed_tokens + seq.token_ids.len();
+            if seq.block_table.len() * bs < end || end > keys.len() || seq.prompt_len != keys.len()
+            {
+                return Err(format!(
+                    "request {}: table of {} blocks for tokens ..{end}",
+                    seq.request,
+                    seq.block_table.len()
+                ));
+            }
+            for (p, &key) in keys.iter().enumerate().take(seq.num_computed_tokens) {
+                let found = self.slots[slot(p)];
+                if found != Some((*tenant, key)) {
+                    return Err(format!(
+                        "request {}: position {p} reads {found:?}, wants {key:?}",
+                        seq.request
+                    ));
+                }
+            }
+            for (i, p) in (seq.num_computed_tokens..end).enumerate() {
+                if seq.slot_mapping[i] != slot(p) as i64 {
+                    return Err(format!(
+                        "request {}: slot of position {p} is {}",
+                        seq.request, seq.slot_mapping[i]
+                    ));
+                }
+                let s = slot(p);
+                self.slots[s] = Some((*tenant, keys[p]));
+            }
+            check_inputs(seq, &keys[seq.num_computed_tokens..end])?;
+            if seq.emits_output != (end == keys.len()) {
+                return Err(format!(
+                    "request {}: emits_output {} at token {end}",
+                    seq.request, seq.emits_output
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks that a sequence's new positions get the right inputs: each text
+/// token its id, each image row exactly one embedding row with the right value.
+fn check_inputs(seq: &ScheduledSeq, keys: &[Key]) -> Result<(), String> {
+    let id = seq.request;
+    let mut placed = HashSet::new();
+    for e in &seq.embeds {
+        for (j, row) in e.rows.clone().enumerate() {
+            let offset = e.step_offset + j;
+            let value = e.embeddings.get((row, 0)).copied();
+            match keys.get(offset) {
+                Some(&Key::Row(fp, r))
+                    if r as usize == row && value == Some(embedding_value(fp, row)) => {}
+                other => {
+                    return Err(format!(
+                        "request {id}: embedding row {row} at offset {offset} over {other:?}"
+                    ));
+                }
+            }
+            if !placed.insert(offset) {
+                return Err(format!(
+                    "request {id}: two embedding rows at offset {offset}"
+                ));
+            }
+        }
+    }
+    for (offset, key) in keys.iter().enumerate() {
+        match *key {
+            Key::Text(t) if seq.token_ids.get(offset) != Some(&t) => {
+                return Err(format!("request {id}: token at offset {offset} is not {t}"));
+            }
+            Key::Row(..) if !placed.contains(&offset) => {
+                return Err(format!(
+                    "request {id}: image row at offset {offset} has no embedding"
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}

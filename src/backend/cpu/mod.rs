@@ -1,0 +1,340 @@
+//! The CPU reference backend: ndarray matrices, matrixmultiply products split
+//! over rayon, attention parallel over (sequence, head).
+//!
+//! Every op here is the semantic reference the GPU backend is tested against.
+
+mod attention;
+mod check;
+mod moe;
+mod pages;
+mod rope;
+
+use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*};
+
+use crate::Result;
+use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
+use crate::index::BlockId;
+use check::{expect_cols, expect_rows, row_index};
+pub use pages::CpuPages;
+
+/// Rows per parallel task of a matrix product.
+const MATMUL_ROW_CHUNK: usize = 32;
+
+/// The ndarray reference backend.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    /// A CPU backend (uses rayon's global pool).
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+/// `x @ w^T`, rows split over rayon tasks (each row's result does not depend on the split).
+pub(crate) fn matmul_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
+    let mut out = Array2::zeros((x.nrows(), w.nrows()));
+    if x.nrows() <= MATMUL_ROW_CHUNK {
+        general_mat_mul(1.0, &x, &w.t(), 0.0, &mut out);
+    } else {
+        out.axis_chunks_iter_mut(Axis(0), MATMUL_ROW_CHUNK)
+            .into_par_iter()
+            .zip(x.axis_chunks_iter(Axis(0), MATMUL_ROW_CHUNK).into_par_iter())
+            .for_each(|(mut o, xc)| general_mat_mul(1.0, &xc, &w.t(), 0.0, &mut o));
+    }
+    out
+}
+
+/// `x * sigmoid(x)`.
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `silu(gate) * up` of a fused `[n, 2I]` product.
+pub(crate) fn swiglu(gate_up: ArrayView2<'_, f32>) -> Array2<f32> {
+    let inter = gate_up.ncols() / 2;
+    let (gate, up) = gate_up.split_at(Axis(1), inter);
+    let mut out = gate.to_owned();
+    out.zip_mut_with(&up, |g, &u| *g = silu(*g) * u);
+    out
+}
+
+/// RMSNorm of each `width`-column group of each row, in place, scaled by `w`.
+fn rms_norm_groups(x: &mut Array2<f32>, w: &[f32], width: usize, eps: f32) {
+    x.axis_iter_mut(Axis(0)).into_par_iter().for_each(|mut row| {
+        debug_assert!(row.as_slice_mut().is_some(), "rows are contiguous in standard layout");
+        if let Some(row) = row.as_slice_mut() {
+            for group in row.chunks_exact_mut(width) {
+                let ms = group.iter().map(|v| v * v).sum::<f32>() / width as f32;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for (v, g) in group.iter_mut().zip(w) {
+                    *v = *v * inv * g;
+                }
+            }
+        }
+    });
+}
+
+impl Backend for CpuBackend {
+    type Tensor = Array2<f32>;
+    type Pages = CpuPages;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload(&self, host: ArrayView2<'_, f32>) -> Result<Array2<f32>> {
+        // Standard layout, so row slices are contiguous for every op.
+        Ok(host.as_standard_layout().into_owned())
+    }
+
+    fn download(&self, t: &Array2<f32>) -> Result<Array2<f32>> {
+        Ok(t.clone())
+    }
+
+    fn shape(&self, t: &Array2<f32>) -> [usize; 2] {
+        [t.nrows(), t.ncols()]
+    }
+
+    fn alloc_pages(&self, spec: PagesSpec) -> Result<CpuPages> {
+        if spec.block_size == 0 {
+            return Err(crate::Error::OpShape {
+                op: "alloc_pages",
+                what: "block_size",
+                expected: "> 0".into(),
+                found: vec![spec.block_size],
+            });
+        }
+        Ok(CpuPages::new(spec))
+    }
+
+    fn pages_spec(&self, pages: &CpuPages) -> PagesSpec {
+        pages.spec
+    }
+
+    fn embedding(&self, table: &Array2<f32>, ids: &[u32]) -> Result<Array2<f32>> {
+        let rows: Vec<u32> = ids.to_vec();
+        self.gather_rows(table, &rows).map_err(|e| match e {
+            crate::Error::OpIndex { index, bound, .. } => {
+                crate::Error::OpIndex { op: "embedding", what: "token id", index, bound }
+            }
+            other => other,
+        })
+    }
+
+    fn scatter_rows(&self, dst: &mut Array2<f32>, rows: &[u32], src: &Array2<f32>) -> Result<()> {
+        expect_rows("scatter_rows", "src", src, rows.len())?;
+        expect_cols("scatter_rows", "src", src, dst.ncols())?;
+        for &r in rows {
+            row_index("scatter_rows", "row", r as i64, dst.nrows())?;
+        }
+        for (i, &r) in rows.iter().enumerate() {
+            dst.row_mut(r as usize).assign(&src.row(i));
+        }
+        Ok(())
+    }
+
+    fn gather_rows(&self, x: &Array2<f32>, rows: &[u32]) -> Result<Array2<f32>> {
+        let mut out = Array2::zeros((rows.len(), x.ncols()));
+        for (i, &r) in rows.iter().enumerate() {
+            let r = row_index("gather_rows", "row", r as i64, x.nrows())?;
+            out.row_mut(i).assign(&x.row(r));
+        }
+        Ok(out)
+    }
+
+    fn matmul_t(&self, x: &Array2<f32>, w: &Array2<f32>) -> Result<Array2<f32>> {
+        expect_cols("matmul_t", "x", x, w.ncols())?;
+        Ok(matmul_t(x.view(), w.view()))
+    }
+
+    fn add_bias(&self, x: &mut Array2<f32>, bias: &Array2<f32>) -> Result<()> {
+        expect_rows("add_bias", "bias", bias, 1)?;
+        expect_cols("add_bias", "bias", bias, x.ncols())?;
+        *x += bias;
+        Ok(())
+    }
+
+    fn add(&self, x: &mut Array2<f32>, y: &Array2<f32>) -> Result<()> {
+        expect_rows("add", "y", y, x.nrows())?;
+        expect_cols("add", "y", y, x.ncols())?;
+        *x += y;
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &Array2<f32>, w: &Array2<f32>, eps: f32) -> Result<Array2<f32>> {
+        expect_rows("rms_norm", "weight", w, 1)?;
+        expect_cols("rms_norm", "weight", w, x.ncols())?;
+        let mut out = x.as_standard_layout().into_owned();
+        let w: Vec<f32> = w.iter().copied().collect();
+        rms_norm_groups(&mut out, &w, x.ncols().max(1), eps);
+        Ok(out)
+    }
+
+    fn rms_norm_heads(&self, x: &mut Array2<f32>, w: &Array2<f32>, head_dim: usize, eps: f32) -> Result<()> {
+        expect_rows("rms_norm_heads", "weight", w, 1)?;
+        expect_cols("rms_norm_heads", "weight", w, head_dim)?;
+        if head_dim == 0 || !x.ncols().is_multiple_of(head_dim) {
+            return Err(check::shape_error("rms_norm_heads", "x", format!("[n, k * {head_dim}]"), x));
+        }
+        if !x.is_standard_layout() {
+            *x = x.as_standard_layout().into_owned();
+        }
+        let w: Vec<f32> = w.iter().copied().collect();
+        rms_norm_groups(x, &w, head_dim, eps);
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut Array2<f32>, spec: &RopeSpec, pos: RopePositions<'_>) -> Result<()> {
+        rope::apply(x, spec, pos)
+    }
+
+    fn swiglu(&self, gate_up: &Array2<f32>) -> Result<Array2<f32>> {
+        if !gate_up.ncols().is_multiple_of(2) {
+            return Err(check::shape_error("swiglu", "gate_up", "[n, 2I]".into(), gate_up));
+        }
+        Ok(swiglu(gate_up.view()))
+    }
+
+    fn moe(&self, x: &Array2<f32>, w: &MoeWeights<Array2<f32>>) -> Result<Array2<f32>> {
+        moe::forward(x, w)
+    }
+
+    fn write_kv(
+        &self,
+        pages: &mut CpuPages,
+        layer: usize,
+        k: &Array2<f32>,
+        v: &Array2<f32>,
+        slots: &[i64],
+    ) -> Result<()> {
+        pages.write_kv(layer, k, v, slots)
+    }
+
+    fn paged_attention(
+        &self,
+        q: &Array2<f32>,
+        pages: &CpuPages,
+        layer: usize,
+        heads: AttnHeads,
+        seqs: &[AttnSeq<'_>],
+    ) -> Result<Array2<f32>> {
+        attention::paged_attention(q, pages, layer, heads, seqs)
+    }
+
+    fn write_hidden(&self, pages: &mut CpuPages, capture: usize, x: &Array2<f32>, slots: &[i64]) -> Result<()> {
+        pages.write_hidden(capture, x, slots)
+    }
+
+    fn gather_hidden(&self, pages: &CpuPages, capture: usize, slots: &[i64]) -> Result<Array2<f32>> {
+        pages.gather_hidden(capture, slots)
+    }
+
+    fn copy_blocks(&self, pages: &mut CpuPages, copies: &[(BlockId, BlockId)]) -> Result<()> {
+        pages.copy_blocks(copies)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+    use ndarray::array;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn rand_rows(seed: u64, r: usize, c: usize) -> Array2<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
+    }
+
+    #[test]
+    fn norms_and_swiglu_match_naive_loops() {
+        let b = CpuBackend;
+        let x = rand_rows(1, 5, 12);
+        let w = rand_rows(2, 1, 12);
+        let eps = 1e-6;
+        let got = b.rms_norm(&x, &w, eps).unwrap();
+        let mut heads = x.clone();
+        let hw = rand_rows(3, 1, 4);
+        b.rms_norm_heads(&mut heads, &hw, 4, eps).unwrap();
+        for r in 0..5 {
+            let ms: f32 = x.row(r).iter().map(|v| v * v).sum::<f32>() / 12.0;
+            for c in 0..12 {
+                let want = x[[r, c]] / (ms + eps).sqrt() * w[[0, c]];
+                assert!((got[[r, c]] - want).abs() < 1e-5, "rms_norm ({r},{c})");
+                let g = c / 4;
+                let hms: f32 = (0..4).map(|i| x[[r, g * 4 + i]].powi(2)).sum::<f32>() / 4.0;
+                let want = x[[r, c]] / (hms + eps).sqrt() * hw[[0, c % 4]];
+                assert!((heads[[r, c]] - want).abs() < 1e-5, "rms_norm_heads ({r},{c})");
+            }
+        }
+        let gu = array![[1.0f32, -2.0, 3.0, 0.5]];
+        let s = b.swiglu(&gu).unwrap();
+        let silu = |v: f32| v / (1.0 + (-v).exp());
+        assert_eq!(s, array![[silu(1.0) * 3.0, silu(-2.0) * 0.5]]);
+        assert!(matches!(b.swiglu(&array![[1.0f32, 2.0, 3.0]]), Err(Error::OpShape { op: "swiglu", .. })));
+        assert!(matches!(b.rms_norm(&x, &hw, eps), Err(Error::OpShape { op: "rms_norm", what: "weight", .. })));
+    }
+
+    #[test]
+    fn matmul_splits_rows_without_changing_results() {
+        let b = CpuBackend;
+        let x = rand_rows(4, 70, 9);
+        let w = rand_rows(5, 6, 9);
+        let got = b.matmul_t(&x, &w).unwrap();
+        for r in 0..70 {
+            for c in 0..6 {
+                let want: f32 = (0..9).map(|k| x[[r, k]] * w[[c, k]]).sum();
+                assert!((got[[r, c]] - want).abs() < 1e-5);
+            }
+        }
+        assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8)), Err(Error::OpShape { op: "matmul_t", what: "x", .. })));
+    }
+
+    #[test]
+    fn row_ops_move_the_named_rows_and_reject_bad_indices() {
+        let b = CpuBackend;
+        let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
+        let e = b.embedding(&table, &[4, 0, 4]).unwrap();
+        assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0]);
+        assert_eq!(e.row(2), e.row(0));
+        assert!(matches!(b.embedding(&table, &[6]), Err(Error::OpIndex { op: "embedding", index: 6, bound: 6, .. })));
+        let mut dst = Array2::zeros((4, 3));
+        b.scatter_rows(&mut dst, &[3, 1], &b.gather_rows(&table, &[2, 5]).unwrap()).unwrap();
+        assert_eq!(dst.row(3).to_vec(), vec![20.0, 21.0, 22.0]);
+        assert_eq!(dst.row(1).to_vec(), vec![50.0, 51.0, 52.0]);
+        assert_eq!(dst.row(0).sum(), 0.0);
+        let before = dst.clone();
+        let err = b.scatter_rows(&mut dst, &[0, 9], &table.slice(ndarray::s![..2, ..]).to_owned()).unwrap_err();
+        assert!(matches!(err, Error::OpIndex { op: "scatter_rows", index: 9, .. }));
+        assert_eq!(dst, before, "a rejected scatter writes nothing");
+    }
+
+    #[test]
+    fn pages_write_gather_and_copy_whole_blocks() {
+        let b = CpuBackend;
+        let spec = PagesSpec { num_layers: 2, num_blocks: 3, block_size: 2, kv_heads: 1, head_dim: 2, captured: 2, hidden: 3 };
+        assert!(matches!(b.alloc_pages(PagesSpec { block_size: 0, ..spec }), Err(Error::OpShape { what: "block_size", .. })));
+        let mut pages = b.alloc_pages(spec).unwrap();
+        let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);
+        b.write_kv(&mut pages, 1, &kv, &kv, &[0, -1, 1]).unwrap();
+        assert_eq!(&pages.k[1][..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
+        assert!(pages.k[0].iter().all(|&v| v == 0.0), "other layers untouched");
+        let h = Array2::from_shape_fn((2, 3), |(r, c)| (r * 3 + c + 1) as f32);
+        b.write_hidden(&mut pages, 1, &h, &[1, 0]).unwrap();
+        let got = b.gather_hidden(&pages, 1, &[0, 1, -1]).unwrap();
+        assert_eq!(got.row(0).to_vec(), vec![4.0, 5.0, 6.0]);
+        assert_eq!(got.row(1).to_vec(), vec![1.0, 2.0, 3.0]);
+        assert_eq!(got.row(2).sum(), 0.0);
+        assert_eq!(b.gather_hidden(&pages, 0, &[0]).unwrap().sum(), 0.0, "capture 0 untouched");
+        b.copy_blocks(&mut pages, &[(0, 2)]).unwrap();
+        assert_eq!(&pages.k[1][8..12], &[1.0, 2.0, 5.0, 6.0]);
+        assert_eq!(b.gather_hidden(&pages, 1, &[4, 5]).unwrap(), got.slice(ndarray::s![..2, ..]));
+        let before = pages.clone();
+        assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::OpIndex { what: "block", index: 3, .. })));
+        assert_eq!(pages.k, before.k, "a rejected copy list copies nothing");
+        assert!(matches!(b.write_kv(&mut pages, 0, &kv, &kv, &[0, 1, 6]), Err(Error::OpIndex { what: "slot", index: 6, .. })));
+        assert!(matches!(b.write_hidden(&mut pages, 2, &h, &[0, 1]), Err(Error::OpIndex { what: "capture", .. })));
+    }
+}

@@ -1,0 +1,290 @@
+//! The ops a Qwen-family forward needs, behind one trait, so the thinker and the
+//! runner run unchanged on the CPU reference and on the GPU.
+//!
+//! Design rules every implementation follows:
+//! * A `Tensor` is a row-major 2-D f32 matrix `[rows, cols]` that lives on the
+//!   device; only [`Backend::upload`](crate::backend::Backend::upload) / [`Backend::download`](crate::backend::Backend::download) cross to the host,
+//!   so a GPU backend keeps activations on the device between layers.
+//! * Per-step metadata (positions, slot mappings, block tables, query offsets) is
+//!   passed as host slices; a GPU backend uploads them itself.
+//! * Vectors (biases, norm weights) are `[1, n]` tensors.
+//! * The thinker composes these ops: e.g. logits of selected rows are
+//!   `gather_rows` → `rms_norm` → `matmul_t(lm_head)`, so no op needs a host round trip.
+//! * Ops validate operand shapes and indices and return [`Error::OpShape`] /
+//!   [`Error::OpIndex`]; an op that fails leaves its operands unchanged.
+//!
+//! [`Error::OpShape`]: crate::Error::OpShape
+//! [`Error::OpIndex`]: crate::Error::OpIndex
+
+/// The ndarray reference backend.
+pub mod cpu;
+/// The wgpu backend: the WGSL kernels of `wgsl/` behind the same trait.
+pub mod wgpu;
+
+use ndarray::{Array2, ArrayView2};
+
+use crate::Result;
+use crate::index::BlockId;
+
+/// Sizes of a set of pages: per layer K and V `[num_blocks, block_size, kv_heads, head_dim]`
+/// and hidden-state pages `[num_blocks, block_size, captured, hidden]`, all addressed
+/// by the same block ids.
+///
+/// A *slot* is `block * block_size + offset`; slot `s` of layer `l`'s K pages holds
+/// `kv_heads * head_dim` floats at flat offset `s * kv_heads * head_dim`, and slot `s`
+/// of capture `c` of the hidden pages holds `hidden` floats at flat offset
+/// `(s * captured + c) * hidden`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagesSpec {
+    pub num_layers: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Number of captured hidden states per position (may be 0).
+    pub captured: usize,
+    pub hidden: usize,
+}
+
+impl PagesSpec {
+    /// Number of slots (`num_blocks * block_size`).
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+
+    /// Floats of one K (or V) row: `kv_heads * head_dim`.
+    pub fn kv_width(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Bytes the pages occupy (K + V of every layer and the hidden pages).
+    pub fn bytes(&self) -> usize {
+        let kv = 2 * self.num_layers * self.num_slots() * self.kv_width();
+        let hidden = self.num_slots() * self.captured * self.hidden;
+        (kv + hidden) * std::mem::size_of::<f32>()
+    }
+}
+
+/// Which rotary frequencies follow which position axis.
+///
+/// Frequency `i` (of `head_dim / 2`) rotates by `pos[axis(i)] * theta^(-2i / head_dim)`,
+/// where `pos` is the row's (temporal, height, width) position.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeKind {
+    /// 1-D RoPE: every frequency follows the temporal (only) axis.
+    Plain,
+    /// Qwen2-VL / Qwen2.5-Omni M-RoPE: contiguous sections, frequencies
+    /// `0..s0` temporal, `s0..s0+s1` height, the rest width.
+    Sectioned([usize; 3]),
+    /// Qwen3-VL / Qwen3-Omni M-RoPE (`apply_interleaved_mrope`): frequency `i` is
+    /// height when `i % 3 == 1 && i < 3 * s1`, width when `i % 3 == 2 && i < 3 * s2`,
+    /// temporal otherwise.
+    Interleaved([usize; 3]),
+}
+
+/// Rotary embedding parameters (rotate-half convention over the whole head).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeSpec {
+    pub theta: f32,
+    pub head_dim: usize,
+    pub kind: RopeKind,
+}
+
+impl RopeSpec {
+    /// Which position axis (0 temporal, 1 height, 2 width) frequency `i` follows.
+    pub fn axis(&self, i: usize) -> usize {
+        match self.kind {
+            RopeKind::Plain => 0,
+            RopeKind::Sectioned([s0, s1, _]) => {
+                if i < s0 {
+                    0
+                } else if i < s0 + s1 {
+                    1
+                } else {
+                    2
+                }
+            }
+            RopeKind::Interleaved([_, s1, s2]) => match i % 3 {
+                1 if i < 3 * s1 => 1,
+                2 if i < 3 * s2 => 2,
+                _ => 0,
+            },
+        }
+    }
+
+    /// Inverse frequency of frequency `i`, computed in f32 as HF does:
+    /// `1 / theta^((2i) / head_dim)`.
+    pub fn inv_freq(&self, i: usize) -> f32 {
+        1.0 / self.theta.powf((2 * i) as f32 / self.head_dim as f32)
+    }
+}
+
+/// Per-row rotary positions of a step (temporal, height, width), each of length
+/// `rows`. 1-D positions pass the same slice three times.
+#[derive(Debug, Clone, Copy)]
+pub struct RopePositions<'a> {
+    pub t: &'a [i64],
+    pub h: &'a [i64],
+    pub w: &'a [i64],
+}
+
+impl<'a> RopePositions<'a> {
+    /// Positions of axis `a` (0 temporal, 1 height, 2 width).
+    pub fn axis(&self, a: usize) -> &'a [i64] {
+        match a {
+            1 => self.h,
+            2 => self.w,
+            _ => self.t,
+        }
+    }
+}
+
+/// One sequence's share of a varlen attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    /// First row of this sequence's queries in the step's `q` tensor.
+    pub query_start: usize,
+    /// Number of new tokens (query rows) of this sequence.
+    pub num_new: usize,
+    /// Positions already in pages before this step; the new tokens are positions
+    /// `num_computed..num_computed + num_new` and their K/V must already be written.
+    pub num_computed: usize,
+    /// The blocks holding positions `0..num_computed + num_new` in order.
+    pub block_table: &'a [BlockId],
+}
+
+/// Head layout of an attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnHeads {
+    pub num_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Weights of one Mixture-of-Experts block, already on the device.
+///
+/// Expert `e`'s gate rows are `gate_up[e*2I .. e*2I+I]`, its up rows
+/// `gate_up[e*2I+I .. (e+1)*2I]` (HF Linear layout `[out, in]`), its down rows
+/// `down[e*H .. (e+1)*H]`.
+#[derive(Debug)]
+pub struct MoeWeights<T> {
+    /// Router `[num_experts, hidden]`.
+    pub router: T,
+    /// `[num_experts * 2 * moe_intermediate, hidden]`.
+    pub gate_up: T,
+    /// `[num_experts * hidden, moe_intermediate]`.
+    pub down: T,
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Divide the top-k routing weights by their sum.
+    pub norm_topk_prob: bool,
+}
+
+/// The ops of a Qwen-family decoder forward over paged KV.
+///
+/// Every op's contract is stated in terms of `[rows, cols]` row-major f32 matrices.
+pub trait Backend: Send + Sync {
+    /// A device-resident row-major f32 matrix `[rows, cols]`.
+    type Tensor: Send + Sync;
+    /// Per-layer K/V pages and hidden-state pages (see [`PagesSpec`]), zero-filled.
+    type Pages: Send;
+
+    /// Short name for logs and bench labels.
+    fn name(&self) -> &'static str;
+
+    /// Copies a host matrix to the device.
+    fn upload(&self, host: ArrayView2<'_, f32>) -> Result<Self::Tensor>;
+    /// Copies a device matrix to the host (a GPU backend waits for pending work).
+    fn download(&self, t: &Self::Tensor) -> Result<Array2<f32>>;
+    /// `[rows, cols]` of a tensor.
+    fn shape(&self, t: &Self::Tensor) -> [usize; 2];
+
+    /// Allocates zero-filled pages; `block_size` must be positive.
+    fn alloc_pages(&self, spec: PagesSpec) -> Result<Self::Pages>;
+    /// The sizes the pages were allocated with.
+    fn pages_spec(&self, pages: &Self::Pages) -> PagesSpec;
+
+    /// `out[i] = table[ids[i]]`: `table [vocab, hidden]` → `[ids.len(), hidden]`.
+    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    /// `dst[rows[i]] = src[i]` for every `i`: `src [rows.len(), cols]`, `dst [n, cols]`.
+    fn scatter_rows(&self, dst: &mut Self::Tensor, rows: &[u32], src: &Self::Tensor) -> Result<()>;
+    /// `out[i] = x[rows[i]]`: `[rows.len(), cols]`.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[u32]) -> Result<Self::Tensor>;
+
+    /// `x @ w^T` with `w` in HF Linear layout: `x [n, in]`, `w [out, in]` → `[n, out]`.
+    fn matmul_t(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `x[i, j] += bias[0, j]`: `bias [1, cols]`.
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()>;
+    /// `x += y`, same shapes (the residual add).
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+
+    /// RMSNorm of whole rows: `out[i, j] = x[i, j] / sqrt(mean_j(x[i]^2) + eps) * w[0, j]`,
+    /// `w [1, cols]`.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// RMSNorm in place of each head: columns `h*head_dim..(h+1)*head_dim` of each row are
+    /// normalised on their own and scaled by `w [1, head_dim]` (Qwen3 qk-norm).
+    fn rms_norm_heads(&self, x: &mut Self::Tensor, w: &Self::Tensor, head_dim: usize, eps: f32)
+    -> Result<()>;
+
+    /// Rotary embedding in place, rotate-half convention, on every head of `x [n, heads*head_dim]`.
+    /// For row `r`, frequency `i < head_dim/2`: `angle = pos[spec.axis(i)][r] as f32 *
+    /// spec.inv_freq(i)`; `(a, b) = (x[i], x[i + head_dim/2])` of the head becomes
+    /// `(a cos − b sin, b cos + a sin)`.
+    fn rope(&self, x: &mut Self::Tensor, spec: &RopeSpec, pos: RopePositions<'_>) -> Result<()>;
+
+    /// SwiGLU on a fused gate/up product: `gate_up [n, 2I]` (gate columns first) →
+    /// `silu(gate) * up`, `[n, I]`.
+    fn swiglu(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
+
+    /// The Qwen MoE block on `x [n, hidden]` → `[n, hidden]`: per row, router logits
+    /// `x @ router^T`, softmax over experts, the `top_k` largest probabilities (ties to
+    /// the lower expert id), divided by their sum if `norm_topk_prob`, and the
+    /// weighted sum of those experts' SwiGLU MLPs `down_e(silu(gate_e x) * up_e x)`.
+    fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self::Tensor>) -> Result<Self::Tensor>;
+
+    /// Writes rows of `k`, `v [n, kv_heads*head_dim]` into layer `layer`'s pages at
+    /// `slots[i]`; a negative slot skips its row.
+    fn write_kv(
+        &self,
+        pages: &mut Self::Pages,
+        layer: usize,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        slots: &[i64],
+    ) -> Result<()>;
+
+    /// Varlen causal attention over paged K/V of layer `layer`.
+    ///
+    /// `q [total_new, num_heads*head_dim]` holds each sequence's new tokens at rows
+    /// `query_start..query_start+num_new`. For new row `i` of a sequence, key/value
+    /// position `j` is visible iff `j <= num_computed + i`; position `j` lives in slot
+    /// `block_table[j / block_size] * block_size + j % block_size`. Query head `h`
+    /// reads KV head `h / (num_heads / kv_heads)` (GQA). Scores are scaled by
+    /// `1/sqrt(head_dim)` and softmaxed in f32. Output `[total_new, num_heads*head_dim]`;
+    /// rows no sequence covers are zero.
+    fn paged_attention(
+        &self,
+        q: &Self::Tensor,
+        pages: &Self::Pages,
+        layer: usize,
+        heads: AttnHeads,
+        seqs: &[AttnSeq<'_>],
+    ) -> Result<Self::Tensor>;
+
+    /// Writes rows of `x [n, hidden]` as capture `capture` of the hidden pages at
+    /// `slots[i]`; a negative slot skips its row.
+    fn write_hidden(
+        &self,
+        pages: &mut Self::Pages,
+        capture: usize,
+        x: &Self::Tensor,
+        slots: &[i64],
+    ) -> Result<()>;
+    /// Reads capture `capture` at `slots[i]` into row `i` of `[slots.len(), hidden]`;
+    /// a negative slot gives a zero row.
+    fn gather_hidden(&self, pages: &Self::Pages, capture: usize, slots: &[i64]) -> Result<Self::Tensor>;
+
+    /// Copies whole blocks `src → dst` (every layer's K and V and all hidden pages), in
+    /// order; used for copy-on-write before a step runs.
+    fn copy_blocks(&self, pages: &mut Self::Pages, copies: &[(BlockId, BlockId)]) -> Result<()>;
+}

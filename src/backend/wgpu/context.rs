@@ -1,0 +1,136 @@
+//! Device setup: one adapter, one device with the adapter's own limits, and a
+//! pipeline cache. Everything that can fail here returns a typed [`Error`].
+
+use std::sync::Arc;
+
+use crate::backend::wgpu::pipelines::PipelineCache;
+use crate::{Error, Result};
+
+/// How to open the device.
+#[derive(Debug, Clone, Default)]
+pub struct GpuOptions {
+    /// Cap on the bytes of one storage binding, below the adapter's own limit.
+    /// Pools larger than this are split into chunks; tests use it to exercise the split.
+    pub max_binding_bytes: Option<u64>,
+}
+
+/// Reads one limit of an adapter.
+type LimitOf = fn(&wgpu::Limits) -> u64;
+
+/// What the kernels need from an adapter (name, getter, minimum), checked before a
+/// device is requested.
+const REQUIRED_LIMITS: &[(&str, LimitOf, u64)] = &[
+    // paged attention binds q, row info, two K chunks, two V chunks and an output
+    ("max_storage_buffers_per_shader_stage", |l| l.max_storage_buffers_per_shader_stage.into(), 7),
+    // decode attention keeps a GQA group's queries (8 x 256 f32) and scores (8 x 64 f32)
+    ("max_compute_workgroup_storage_size", |l| l.max_compute_workgroup_storage_size.into(), 10 * 1024),
+    ("max_compute_invocations_per_workgroup", |l| l.max_compute_invocations_per_workgroup.into(), 256),
+    ("max_compute_workgroup_size_x", |l| l.max_compute_workgroup_size_x.into(), 256),
+    ("max_compute_workgroup_size_y", |l| l.max_compute_workgroup_size_y.into(), 16),
+    ("max_uniform_buffer_binding_size", |l| l.max_uniform_buffer_binding_size, 64),
+];
+
+/// Checks that `limits` cover what the kernels need; names the first limit that does not.
+pub fn check_limits(adapter: &str, limits: &wgpu::Limits) -> Result<()> {
+    for &(limit, get, required) in REQUIRED_LIMITS {
+        let available = get(limits);
+        if available < required {
+            return Err(Error::GpuLimit { adapter: adapter.to_string(), limit, required, available });
+        }
+    }
+    Ok(())
+}
+
+/// An open GPU device with the kernels' pipeline cache.
+///
+/// ```no_run
+/// use omniprefix::backend::wgpu::{GpuContext, GpuOptions};
+/// let ctx = GpuContext::new(&GpuOptions::default())?;
+/// let x = ctx.upload(&[1.0, 2.0, 3.0, 4.0], [2, 2])?;
+/// let y = ctx.matmul_xwt(&x, &x)?; // x @ x^T
+/// assert_eq!(ctx.download(&y)?, vec![5.0, 11.0, 11.0, 25.0]);
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub struct GpuContext {
+    pub(crate) device: wgpu::Device,
+    pub(crate) queue: wgpu::Queue,
+    pub(crate) adapter_name: String,
+    pub(crate) limits: wgpu::Limits,
+    /// Bytes one storage binding may span (adapter limit, possibly capped by options).
+    pub(crate) max_binding_bytes: u64,
+    pub(crate) pipelines: PipelineCache,
+}
+
+impl std::fmt::Debug for GpuContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuContext")
+            .field("adapter", &self.adapter_name)
+            .field("max_binding_bytes", &self.max_binding_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuContext {
+    /// Opens the first adapter of the backends named by `WGPU_BACKEND` (all by default),
+    /// requesting the adapter's own limits (WebGPU defaults are lower than real GPUs).
+    pub fn new(options: &GpuOptions) -> Result<Self> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+        let backends = format!("{:?}", wgpu::Backends::from_env().unwrap_or(wgpu::Backends::all()));
+        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            ..Default::default()
+        }))
+        .map_err(|e| Error::GpuUnavailable { backends, reason: e.to_string() })?;
+        let info = adapter.get_info();
+        let adapter_name = format!("{} ({:?})", info.name, info.backend);
+        let limits = adapter.limits();
+        check_limits(&adapter_name, &limits)?;
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("omniprefix"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| Error::GpuOp {
+            adapter: adapter_name.clone(),
+            op: "request_device",
+            message: e.to_string(),
+        })?;
+        // Every op runs inside error scopes; anything that still escapes is reported, not a panic.
+        device.on_uncaptured_error(Arc::new(|e: wgpu::Error| eprintln!("omniprefix: uncaptured wgpu error: {e}")));
+        let adapter_binding = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);
+        let max_binding_bytes = options.max_binding_bytes.map_or(adapter_binding, |cap| cap.min(adapter_binding));
+        Ok(Self { device, queue, adapter_name, limits, max_binding_bytes, pipelines: PipelineCache::default() })
+    }
+
+    /// The adapter's name and API, as errors report it.
+    pub fn adapter_name(&self) -> &str {
+        &self.adapter_name
+    }
+
+    /// The limits the device was opened with (the adapter's own).
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.limits
+    }
+
+    /// Bytes one storage binding may span.
+    pub fn max_binding_bytes(&self) -> u64 {
+        self.max_binding_bytes
+    }
+
+    /// Runs `record` inside validation and out-of-memory error scopes and maps what
+    /// they catch to [`Error::GpuOp`] naming `op`.
+    pub(crate) fn scoped<T>(&self, op: &'static str, record: impl FnOnce() -> T) -> Result<T> {
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let value = record();
+        let validation_error = pollster::block_on(validation.pop());
+        let oom_error = pollster::block_on(oom.pop());
+        match validation_error.or(oom_error) {
+            None => Ok(value),
+            Some(e) => Err(Error::GpuOp { adapter: self.adapter_name.clone(), op, message: e.to_string() }),
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! Paged attention: prefill (any number of new rows per sequence) and decode (one
+//! row per sequence, GQA groups sharing K/V reads, split-KV with a reduce pass).
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::pipelines::Shader;
+use crate::backend::wgpu::pool::PagedPool;
+use crate::backend::wgpu::tensor::GpuTensor;
+use crate::backend::{AttnHeads, AttnSeq};
+use crate::{Error, Result};
+
+const OP: &str = "paged_attention";
+/// Head dims up to this are supported (the kernels keep 4 dims per invocation of 64).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Query heads per KV head up to this are supported (decode keeps a group in one workgroup).
+pub const MAX_GQA_GROUP: usize = 8;
+/// Keys per decode split before contexts are split across workgroups.
+const DECODE_SPLIT_KEYS: usize = 512;
+/// Most splits per (sequence, KV head).
+const MAX_DECODE_SPLITS: usize = 64;
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct AttnParams {
+    n_rows: u32,
+    blocks_per_chunk: u32,
+    scale: f32,
+    n_splits: u32,
+    split_len: u32,
+    part_ml_offset: u32,
+    _pad: [u32; 2],
+}
+
+/// K and V pools of one layer, as the attention kernels read them.
+#[derive(Debug, Clone, Copy)]
+pub struct KvPools<'a> {
+    pub k: &'a PagedPool,
+    pub v: &'a PagedPool,
+}
+
+/// Keys per split of a decode call whose longest context is `max_visible`.
+pub fn decode_split_len(max_visible: usize) -> usize {
+    DECODE_SPLIT_KEYS.max(max_visible.div_ceil(MAX_DECODE_SPLITS))
+}
+
+/// Checks heads, `q` and every sequence against the pools (the CPU backend's checks,
+/// plus the kernels' own size limits).
+fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<()> {
+    let pool = kv.k;
+    let kv_width = heads.kv_heads * heads.head_dim;
+    if heads.kv_heads == 0 || !heads.num_heads.is_multiple_of(heads.kv_heads) || kv_width != pool.slot_elems {
+        return Err(Error::OpShape {
+            op: OP,
+            what: "heads (num_heads, kv_heads, head_dim)",
+            expected: format!("kv_heads dividing num_heads, kv_heads * head_dim = {}", pool.slot_elems),
+            found: vec![heads.num_heads, heads.kv_heads, heads.head_dim],
+        });
+    }
+    if heads.head_dim == 0 || heads.head_dim > MAX_HEAD_DIM {
+        return Err(Error::GpuUnsupported { what: "head_dim", value: heads.head_dim, supported: "1..=256" });
+    }
+    let group = heads.num_heads / heads.kv_heads;
+    if group > MAX_GQA_GROUP {
+        return Err(Error::GpuUnsupported { what: "num_heads / kv_heads", value: group, supported: "1..=8" });
+    }
+    q.expect_cols(OP, "q", heads.num_heads * heads.head_dim)?;
+    for seq in seqs {
+        let end = seq.query_start.checked_add(seq.num_new).filter(|&e| e <= q.rows);
+        if end.is_none() {
+            let index = seq.query_start.saturating_add(seq.num_new) as i64;
+            return Err(Error::OpIndex { op: OP, what: "query end", index, bound: q.rows + 1 });
+        }
+        let len = seq.num_computed.saturating_add(seq.num_new);
+        if u32::try_from(len).is_err() {
+            return Err(Error::OpIndex { op: OP, what: "position", index: len as i64, bound: u32::MAX as usize });
+        }
+        let needed = len.div_ceil(pool.block_size);
+        let Some(table) = seq.block_table.get(..needed) else {
+            let bound = seq.block_table.len() * pool.block_size;
+            return Err(Error::OpIndex {
+                op: OP,
+                what: "position (block table too short)",
+                index: len as i64 - 1,
+                bound,
+            });
+        };
+        if let Some(&b) = table.iter().find(|&&b| b as usize >= pool.num_blocks) {
+            return Err(Error::OpIndex { op: OP, what: "block", index: b.into(), bound: pool.num_blocks });
+        }
+    }
+    Ok(())
+}
+
+/// The kernels' row descriptions: `[q_row, visible, table_offset]` per row, then the
+/// block tables (only the blocks each sequence needs).
+fn row_info(seqs: &[&AttnSeq<'_>], block_size: usize) -> Vec<u32> {
+    let n_rows: usize = seqs.iter().map(|s| s.num_new).sum();
+    let mut rows = Vec::with_capacity(3 * n_rows);
+    let mut tables = Vec::new();
+    for seq in seqs {
+        let table_offset = (3 * n_rows + tables.len()) as u32;
+        let len = seq.num_computed + seq.num_new;
+        tables.extend_from_slice(&seq.block_table[..len.div_ceil(block_size)]);
+        for i in 0..seq.num_new {
+            rows.extend([(seq.query_start + i) as u32, (seq.num_computed + i + 1) as u32, table_offset]);
+        }
+    }
+    rows.extend(tables);
+    rows
+}
+
+impl GpuContext {
+    /// Varlen causal attention (see [`crate::backend::Backend::paged_attention`]):
+    /// sequences with one new row take the decode kernel, the rest the prefill kernel.
+    pub fn paged_attention(
+        &self,
+        q: &GpuTensor,
+        kv: KvPools<'_>,
+        heads: AttnHeads,
+        seqs: &[AttnSeq<'_>],
+    ) -> Result<GpuTensor> {
+        validate(q, kv, heads, seqs)?;
+        let out = self.zeros(q.shape())?;
+        let (decode, prefill): (Vec<&AttnSeq<'_>>, Vec<&AttnSeq<'_>>) = seqs.iter().partition(|s| s.num_new == 1);
+        self.run_prefill(q, kv, heads, &prefill, &out)?;
+        let max_visible = decode.iter().map(|s| s.num_computed + 1).max().unwrap_or(0);
+        self.run_decode(q, kv, heads, &decode, decode_split_len(max_visible), &out)?;
+        Ok(out)
+    }
+
+    /// Attention with the prefill kernel for every sequence (one workgroup per row and head).
+    pub fn paged_prefill_attention(
+        &self,
+        q: &GpuTensor,
+        kv: KvPools<'_>,
+        heads: AttnHeads,
+        seqs: &[AttnSeq<'_>],
+    ) -> Result<GpuTensor> {
+        validate(q, kv, heads, seqs)?;
+        let out = self.zeros(q.shape())?;
+        self.run_prefill(q, kv, heads, &seqs.iter().collect::<Vec<_>>(), &out)?;
+        Ok(out)
+    }
+
+    /// Attention with the decode kernel: every sequence has one new row; contexts are
+    /// split into `split_len`-key parts that are merged by a reduce pass.
+    pub fn paged_decode_attention(
+        &self,
+        q: &GpuTensor,
+        kv: KvPools<'_>,
+        heads: AttnHeads,
+        seqs: &[AttnSeq<'_>],
+        split_len: usize,
+    ) -> Result<GpuTensor> {
+        validate(q, kv, heads, seqs)?;
+        if let Some(seq) = seqs.iter().find(|s| s.num_new != 1) {
+            return Err(Error::OpShape {
+                op: "paged_decode_attention",
+                what: "num_new",
+                expected: "1".into(),
+                found: vec![seq.num_new],
+            });
+        }
+        if split_len == 0 || u32::try_from(split_len).is_err() {
+            return Err(Error::GpuUnsupported { what: "split_len", value: split_len, supported: "1..2^32" });
+        }
+        let out = self.zeros(q.shape())?;
+        self.run_decode(q, kv, heads, &seqs.iter().collect::<Vec<_>>(), split_len, &out)?;
+        Ok(out)
+    }
+
+    fn attention_constants(heads: AttnHeads, block_size: usize) -> [(&'static str, u32); 4] {
+        [
+            ("HEAD_DIM", heads.head_dim as u32),
+            ("NUM_HEADS", heads.num_heads as u32),
+            ("NUM_KV_HEADS", heads.kv_heads as u32),
+            ("BLOCK_SIZE", block_size as u32),
+        ]
+    }
+
+    fn attention_params(heads: AttnHeads, kv: KvPools<'_>, n_rows: usize) -> AttnParams {
+        AttnParams {
+            n_rows: n_rows as u32,
+            blocks_per_chunk: kv.k.blocks_per_chunk as u32,
+            scale: 1.0 / (heads.head_dim as f32).sqrt(),
+            n_splits: 1,
+            split_len: 0,
+            part_ml_offset: 0,
+            _pad: [0; 2],
+        }
+    }
+
+    /// The second chunk of a pool, or the first again when there is one (read-only aliasing).
+    fn pool_bindings(pool: &PagedPool) -> (&wgpu::Buffer, &wgpu::Buffer) {
+        debug_assert!(!pool.chunks.is_empty() && pool.chunks.len() <= 2, "attention pools have 1-2 chunks");
+        (&pool.chunks[0], pool.chunks.get(1).unwrap_or(&pool.chunks[0]))
+    }
+
+    fn run_prefill(
+        &self,
+        q: &GpuTensor,
+        kv: KvPools<'_>,
+        heads: AttnHeads,
+        seqs: &[&AttnSeq<'_>],
+        out: &GpuTensor,
+    ) -> Result<()> {
+        let n_rows: usize = seqs.iter().map(|s| s.num_new).sum();
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let constants = Self::attention_constants(heads, kv.k.block_size);
+        let pipeline = self.pipeline(Shader::PagedAttention, "paged_prefill_attention", &constants)?;
+        let info = self.storage_from("attention rows", &row_info(seqs, kv.k.block_size))?;
+        let uniform = self.uniform(&Self::attention_params(heads, kv, n_rows));
+        let (k0, k1) = Self::pool_bindings(kv.k);
+        let (v0, v1) = Self::pool_bindings(kv.v);
+        let bindings =
+            [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, &out.buffer)];
+        self.dispatch("paged_prefill_attention", &pipeline, &bindings, (n_rows * heads.num_heads) as u64)
+    }
+
+    fn run_decode(
+        &self,
+        q: &GpuTensor,
+        kv: KvPools<'_>,
+        heads: AttnHeads,
+        seqs: &[&AttnSeq<'_>],
+        split_len: usize,
+        out: &GpuTensor,
+    ) -> Result<()> {
+        let n_rows = seqs.len();
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let max_visible = seqs.iter().map(|s| s.num_computed + 1).max().unwrap_or(1);
+        let n_splits = max_visible.div_ceil(split_len);
+        let partials = n_rows * heads.num_heads * n_splits;
+        let part = self.zeros([1, partials * (heads.head_dim + 2)])?;
+        let constants = Self::attention_constants(heads, kv.k.block_size);
+        let info = self.storage_from("attention rows", &row_info(seqs, kv.k.block_size))?;
+        let params = AttnParams {
+            n_splits: n_splits as u32,
+            split_len: split_len as u32,
+            part_ml_offset: (partials * heads.head_dim) as u32,
+            ..Self::attention_params(heads, kv, n_rows)
+        };
+        let uniform = self.uniform(&params);
+        let (k0, k1) = Self::pool_bindings(kv.k);
+        let (v0, v1) = Self::pool_bindings(kv.v);
+        let partial = self.pipeline(Shader::PagedAttention, "paged_decode_partial", &constants)?;
+        let bindings =
+            [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (8, &part.buffer)];
+        self.dispatch("paged_decode_partial", &partial, &bindings, (n_rows * heads.kv_heads * n_splits) as u64)?;
+        let reduce = self.pipeline(Shader::PagedAttention, "paged_decode_reduce", &constants)?;
+        let bindings = [(0, &uniform), (2, &info), (9, &part.buffer), (7, &out.buffer)];
+        self.dispatch("paged_decode_reduce", &reduce, &bindings, (n_rows * heads.num_heads) as u64)
+    }
+}

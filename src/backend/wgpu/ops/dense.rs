@@ -1,0 +1,145 @@
+//! Dense ops of a forward: `x @ W^T`, bias and residual adds, RMSNorm (rows and
+//! per head), SwiGLU.
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::Result;
+use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::pipelines::Shader;
+use crate::backend::wgpu::tensor::GpuTensor;
+
+const MATMUL_TILE: usize = 64;
+const ELEMENTWISE_WG: u64 = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct MatmulParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    w_row0: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct NormParams {
+    rows: u32,
+    dim: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct EwParams {
+    len: u32,
+    width: u32,
+    _pad: [u32; 2],
+}
+
+impl GpuContext {
+    /// `x @ w^T`: `x [n, in]`, `w [out, in]` (HF Linear layout) → `[n, out]`.
+    pub fn matmul_xwt(&self, x: &GpuTensor, w: &GpuTensor) -> Result<GpuTensor> {
+        x.expect_cols("matmul_t", "x", w.cols)?;
+        self.matmul_rows(x, w, 0, w.rows)
+    }
+
+    /// `x @ w[w_row0 .. w_row0 + n_out]^T` (callers check the row range).
+    pub(crate) fn matmul_rows(&self, x: &GpuTensor, w: &GpuTensor, w_row0: usize, n_out: usize) -> Result<GpuTensor> {
+        debug_assert!(w_row0 + n_out <= w.rows && x.cols == w.cols);
+        let y = self.zeros([x.rows, n_out])?;
+        if y.is_empty() {
+            return Ok(y);
+        }
+        let params = MatmulParams { m: x.rows as u32, n: n_out as u32, k: x.cols as u32, w_row0: w_row0 as u32 };
+        let pipeline = self.pipeline(Shader::Matmul, "matmul_xwt", &[])?;
+        let uniform = self.uniform(&params);
+        let groups = (n_out.div_ceil(MATMUL_TILE) as u32, x.rows.div_ceil(MATMUL_TILE) as u32);
+        let too_many = u64::from(groups.0.max(groups.1)) > u64::from(self.limits.max_compute_workgroups_per_dimension);
+        if too_many {
+            return Err(crate::Error::GpuTooLarge {
+                adapter: self.adapter_name.clone(),
+                what: format!("matmul [{}, {}] x [{n_out}, {}]^T workgroup grid", x.rows, x.cols, x.cols),
+                requested: u64::from(groups.0.max(groups.1)),
+                limit: "max_compute_workgroups_per_dimension",
+                max: self.limits.max_compute_workgroups_per_dimension.into(),
+            });
+        }
+        let bindings = [(0, &uniform), (1, &x.buffer), (2, &w.buffer), (3, &y.buffer)];
+        self.dispatch_xy("matmul_t", &pipeline, &bindings, groups)?;
+        Ok(y)
+    }
+
+    /// One in-place elementwise entry of `elementwise.wgsl` over `len` outputs.
+    fn elementwise(
+        &self,
+        op: &'static str,
+        entry: &'static str,
+        acc: &GpuTensor,
+        rhs: &GpuTensor,
+        width: usize,
+    ) -> Result<()> {
+        let len = acc.len();
+        if len == 0 {
+            return Ok(());
+        }
+        let pipeline = self.pipeline(Shader::Elementwise, entry, &[])?;
+        let uniform = self.uniform(&EwParams { len: len as u32, width: width as u32, _pad: [0; 2] });
+        let bindings = [(0, &uniform), (1, &acc.buffer), (2, &rhs.buffer)];
+        self.dispatch(op, &pipeline, &bindings, (len as u64).div_ceil(ELEMENTWISE_WG))
+    }
+
+    /// `x[i, j] += bias[0, j]`.
+    pub fn add_bias(&self, x: &GpuTensor, bias: &GpuTensor) -> Result<()> {
+        bias.expect_rows("add_bias", "bias", 1)?;
+        bias.expect_cols("add_bias", "bias", x.cols)?;
+        self.elementwise("add_bias", "bias_add", x, bias, x.cols)
+    }
+
+    /// `x += y` (residual add), same shapes.
+    pub fn add_assign(&self, x: &GpuTensor, y: &GpuTensor) -> Result<()> {
+        y.expect_rows("add", "y", x.rows)?;
+        y.expect_cols("add", "y", x.cols)?;
+        self.elementwise("add", "add_assign", x, y, x.cols)
+    }
+
+    /// `silu(gate) * up` of a fused `gate_up [n, 2I]` (gate columns first) → `[n, I]`.
+    pub fn swiglu(&self, gate_up: &GpuTensor) -> Result<GpuTensor> {
+        if !gate_up.cols.is_multiple_of(2) {
+            return Err(gate_up.shape_error("swiglu", "gate_up", "[n, 2I]".into()));
+        }
+        let out = self.zeros([gate_up.rows, gate_up.cols / 2])?;
+        self.elementwise("swiglu", "swiglu", &out, gate_up, gate_up.cols / 2)?;
+        Ok(out)
+    }
+
+    /// RMSNorm of whole rows: `x [n, d]`, `w [1, d]` → `[n, d]`.
+    pub fn rms_norm(&self, x: &GpuTensor, w: &GpuTensor, eps: f32) -> Result<GpuTensor> {
+        w.expect_rows("rms_norm", "weight", 1)?;
+        w.expect_cols("rms_norm", "weight", x.cols)?;
+        self.rms_norm_groups(x, w, x.cols, eps)
+    }
+
+    /// RMSNorm of each `head_dim` group of columns (Qwen3 qk-norm): `w [1, head_dim]`.
+    pub fn rms_norm_heads(&self, x: &GpuTensor, w: &GpuTensor, head_dim: usize, eps: f32) -> Result<GpuTensor> {
+        w.expect_rows("rms_norm_heads", "weight", 1)?;
+        w.expect_cols("rms_norm_heads", "weight", head_dim)?;
+        if head_dim == 0 || !x.cols.is_multiple_of(head_dim) {
+            return Err(x.shape_error("rms_norm_heads", "x", format!("[n, k * {head_dim}]")));
+        }
+        self.rms_norm_groups(x, w, head_dim, eps)
+    }
+
+    fn rms_norm_groups(&self, x: &GpuTensor, w: &GpuTensor, dim: usize, eps: f32) -> Result<GpuTensor> {
+        let y = self.zeros(x.shape())?;
+        let rows = x.len().checked_div(dim).unwrap_or(0);
+        if rows == 0 {
+            return Ok(y);
+        }
+        let pipeline = self.pipeline(Shader::RmsNorm, "rms_norm", &[])?;
+        let uniform = self.uniform(&NormParams { rows: rows as u32, dim: dim as u32, eps, _pad: 0 });
+        let bindings = [(0, &uniform), (1, &x.buffer), (2, &w.buffer), (3, &y.buffer)];
+        self.dispatch("rms_norm", &pipeline, &bindings, rows as u64)?;
+        Ok(y)
+    }
+}

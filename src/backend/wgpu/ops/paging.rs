@@ -1,0 +1,225 @@
+//! Rows in and out of paged pools (`write_kv`, `write_hidden`, `gather_hidden`) and
+//! block copy-on-write (`copy_blocks`), chunk by chunk.
+
+use std::collections::HashSet;
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::pipelines::Shader;
+use crate::backend::wgpu::pool::PagedPool;
+use crate::backend::wgpu::tensor::GpuTensor;
+use crate::index::BlockId;
+use crate::{Error, Result};
+
+const ROWS_WG: u64 = 256;
+const COPY_WG: u64 = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct RowParams {
+    n_rows: u32,
+    width: u32,
+    slot_stride: u32,
+    slot_offset: u32,
+    slot_base: u32,
+    slot_count: u32,
+    _pad: [u32; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct CopyParams {
+    n_pairs: u32,
+    block_elems: u32,
+    _pad: [u32; 2],
+}
+
+/// Where rows go inside each slot of a pool.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SlotColumns {
+    /// First f32 of the moved part inside a slot.
+    pub offset: usize,
+    /// f32 moved per row.
+    pub width: usize,
+}
+
+/// Which way rows move, and the dense side's buffer.
+#[derive(Clone, Copy)]
+enum Direction<'a> {
+    /// Dense rows into the pool (`scatter_rows`).
+    Scatter(&'a wgpu::Buffer),
+    /// Pool into dense rows (`gather_rows`).
+    Gather(&'a wgpu::Buffer),
+}
+
+impl Direction<'_> {
+    /// Entry point, dense-side binding and pool binding in `paged_rows.wgsl`.
+    fn entry_and_bindings(self) -> (&'static str, u32, u32) {
+        match self {
+            Direction::Scatter(_) => ("scatter_rows", 2, 3),
+            Direction::Gather(_) => ("gather_rows", 5, 4),
+        }
+    }
+}
+
+/// Checks every non-negative slot lies in `0..num_slots` and converts to the kernels' i32.
+pub(crate) fn checked_slots(op: &'static str, slots: &[i64], num_slots: usize) -> Result<Vec<i32>> {
+    slots
+        .iter()
+        .map(|&s| {
+            if s < 0 {
+                return Ok(-1);
+            }
+            usize::try_from(s)
+                .ok()
+                .filter(|&u| u < num_slots)
+                .and_then(|u| i32::try_from(u).ok())
+                .ok_or(Error::OpIndex { op, what: "slot", index: s, bound: num_slots })
+        })
+        .collect()
+}
+
+impl GpuContext {
+    /// Runs the row kernel once per chunk that holds at least one of `slots`.
+    fn rows_per_chunk(
+        &self,
+        op: &'static str,
+        direction: Direction<'_>,
+        pool: &PagedPool,
+        slots: &[i32],
+        cols: SlotColumns,
+    ) -> Result<()> {
+        let (entry, rows_binding, pool_binding) = direction.entry_and_bindings();
+        let (Direction::Scatter(rows) | Direction::Gather(rows)) = direction;
+        let pipeline = self.pipeline(Shader::PagedRows, entry, &[])?;
+        let slot_buffer = self.storage_from("slots", slots)?;
+        for (c, chunk) in pool.chunks.iter().enumerate() {
+            let base = c * pool.blocks_per_chunk * pool.block_size;
+            let count = pool.blocks_in_chunk(c) * pool.block_size;
+            let touched = slots.iter().any(|&s| s >= 0 && (base..base + count).contains(&(s as usize)));
+            if !touched {
+                continue;
+            }
+            let params = RowParams {
+                n_rows: slots.len() as u32,
+                width: cols.width as u32,
+                slot_stride: pool.slot_elems as u32,
+                slot_offset: cols.offset as u32,
+                slot_base: base as u32,
+                slot_count: count as u32,
+                _pad: [0; 2],
+            };
+            let uniform = self.uniform(&params);
+            let elems = (slots.len() * cols.width) as u64;
+            self.dispatch(
+                op,
+                &pipeline,
+                &[(0, &uniform), (1, &slot_buffer), (rows_binding, rows), (pool_binding, chunk)],
+                elems.div_ceil(ROWS_WG),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Writes row `i` of `rows [slots.len(), cols.width]` into slot `slots[i]` at
+    /// `cols.offset`; negative slots skip their row.
+    pub(crate) fn scatter_to_pool(
+        &self,
+        op: &'static str,
+        pool: &PagedPool,
+        rows: &GpuTensor,
+        slots: &[i64],
+        cols: SlotColumns,
+    ) -> Result<()> {
+        rows.expect_rows(op, "rows", slots.len())?;
+        rows.expect_cols(op, "rows", cols.width)?;
+        let slots = checked_slots(op, slots, pool.num_slots())?;
+        self.rows_per_chunk(op, Direction::Scatter(&rows.buffer), pool, &slots, cols)
+    }
+
+    /// Reads slot `slots[i]` at `cols` into row `i` of a new `[slots.len(), cols.width]`
+    /// tensor; rows of negative slots stay zero.
+    pub(crate) fn gather_from_pool(
+        &self,
+        op: &'static str,
+        pool: &PagedPool,
+        slots: &[i64],
+        cols: SlotColumns,
+    ) -> Result<GpuTensor> {
+        let slots = checked_slots(op, slots, pool.num_slots())?;
+        let out = self.zeros([slots.len(), cols.width])?;
+        self.rows_per_chunk(op, Direction::Gather(&out.buffer), pool, &slots, cols)?;
+        Ok(out)
+    }
+
+    /// Copies whole blocks `src → dst` of one pool with the semantics of doing them in
+    /// order: pairs run together only while no pair reads or overwrites a block an
+    /// earlier pair of the same batch writes or reads.
+    pub(crate) fn copy_pool_blocks(&self, pool: &PagedPool, copies: &[(BlockId, BlockId)]) -> Result<()> {
+        let mut batch: Vec<(usize, usize)> = Vec::new();
+        let (mut read, mut written) = (HashSet::new(), HashSet::new());
+        for &(src, dst) in copies {
+            let (src, dst) = (src as usize, dst as usize);
+            if src == dst {
+                continue;
+            }
+            if written.contains(&src) || written.contains(&dst) || read.contains(&dst) {
+                self.copy_block_batch(pool, &batch)?;
+                batch.clear();
+                read.clear();
+                written.clear();
+            }
+            read.insert(src);
+            written.insert(dst);
+            batch.push((src, dst));
+        }
+        self.copy_block_batch(pool, &batch)
+    }
+
+    /// Copies independent block pairs: inside one chunk with the kernel, across chunks
+    /// with buffer copies.
+    fn copy_block_batch(&self, pool: &PagedPool, pairs: &[(usize, usize)]) -> Result<()> {
+        let block_elems = pool.block_elems();
+        if pairs.is_empty() || block_elems == 0 {
+            return Ok(());
+        }
+        let bpc = pool.blocks_per_chunk;
+        let block_bytes = (block_elems * 4) as u64;
+        let mut across = Vec::new();
+        for (c, chunk) in pool.chunks.iter().enumerate() {
+            let local: Vec<u32> = pairs
+                .iter()
+                .filter(|&&(s, d)| s / bpc == c && d / bpc == c)
+                .flat_map(|&(s, d)| [(s % bpc) as u32, (d % bpc) as u32])
+                .collect();
+            if local.is_empty() {
+                continue;
+            }
+            let pipeline = self.pipeline(Shader::CopyBlocks, "copy_blocks", &[])?;
+            let n_pairs = local.len() / 2;
+            let params = CopyParams { n_pairs: n_pairs as u32, block_elems: block_elems as u32, _pad: [0; 2] };
+            let uniform = self.uniform(&params);
+            let pair_buffer = self.storage_from("copy pairs", &local)?;
+            let groups = ((n_pairs * block_elems) as u64).div_ceil(COPY_WG);
+            self.dispatch("copy_blocks", &pipeline, &[(0, &uniform), (1, &pair_buffer), (2, chunk)], groups)?;
+        }
+        across.extend(pairs.iter().filter(|&&(s, d)| s / bpc != d / bpc));
+        if across.is_empty() {
+            return Ok(());
+        }
+        self.scoped("copy_blocks", || {
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            for &(s, d) in &across {
+                encoder.copy_buffer_to_buffer(
+                    &pool.chunks[s / bpc],
+                    (s % bpc) as u64 * block_bytes,
+                    &pool.chunks[d / bpc],
+                    (d % bpc) as u64 * block_bytes,
+                    block_bytes,
+                );
+            }
+            self.queue.submit([encoder.finish()]);
+        })
+    }
+}

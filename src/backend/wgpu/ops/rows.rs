@@ -1,0 +1,77 @@
+//! Dense row movement by index: embedding lookup, gather, scatter.
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::pipelines::Shader;
+use crate::backend::wgpu::tensor::GpuTensor;
+use crate::{Error, Result};
+
+const ROWS_WG: u64 = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+struct DenseRowParams {
+    n_rows: u32,
+    width: u32,
+    src_rows: u32,
+    dst_rows: u32,
+}
+
+/// Checks every index lies in `0..bound`.
+fn check_indices(op: &'static str, what: &'static str, indices: &[u32], bound: usize) -> Result<()> {
+    match indices.iter().find(|&&i| i as usize >= bound) {
+        Some(&i) => Err(Error::OpIndex { op, what, index: i.into(), bound }),
+        None => Ok(()),
+    }
+}
+
+impl GpuContext {
+    fn move_rows(
+        &self,
+        op: &'static str,
+        entry: &'static str,
+        src: &GpuTensor,
+        indices: &[u32],
+        dst: &GpuTensor,
+    ) -> Result<()> {
+        if indices.is_empty() || src.cols == 0 {
+            return Ok(());
+        }
+        let pipeline = self.pipeline(Shader::Rows, entry, &[])?;
+        let params = DenseRowParams {
+            n_rows: indices.len() as u32,
+            width: src.cols as u32,
+            src_rows: src.rows as u32,
+            dst_rows: dst.rows as u32,
+        };
+        let uniform = self.uniform(&params);
+        let index_buffer = self.storage_from("row indices", indices)?;
+        let bindings = [(0, &uniform), (1, &index_buffer), (2, &src.buffer), (3, &dst.buffer)];
+        self.dispatch(op, &pipeline, &bindings, ((indices.len() * src.cols) as u64).div_ceil(ROWS_WG))
+    }
+
+    /// `out[i] = x[rows[i]]` → `[rows.len(), cols]`.
+    pub fn gather_rows(&self, x: &GpuTensor, rows: &[u32]) -> Result<GpuTensor> {
+        check_indices("gather_rows", "row", rows, x.rows)?;
+        let out = self.zeros([rows.len(), x.cols])?;
+        self.move_rows("gather_rows", "gather_dense", x, rows, &out)?;
+        Ok(out)
+    }
+
+    /// `out[i] = table[ids[i]]` (token embedding lookup).
+    pub fn embedding(&self, table: &GpuTensor, ids: &[u32]) -> Result<GpuTensor> {
+        check_indices("embedding", "token id", ids, table.rows)?;
+        let out = self.zeros([ids.len(), table.cols])?;
+        self.move_rows("embedding", "gather_dense", table, ids, &out)?;
+        Ok(out)
+    }
+
+    /// `dst[rows[i]] = src[i]` (item embedding rows into the step's inputs).
+    pub fn scatter_rows(&self, dst: &GpuTensor, rows: &[u32], src: &GpuTensor) -> Result<()> {
+        src.expect_rows("scatter_rows", "src", rows.len())?;
+        src.expect_cols("scatter_rows", "src", dst.cols)?;
+        check_indices("scatter_rows", "row", rows, dst.rows)?;
+        self.move_rows("scatter_rows", "scatter_dense", src, rows, dst)
+    }
+}

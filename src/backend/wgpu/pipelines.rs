@@ -1,0 +1,148 @@
+//! The shaders of `wgsl/` and a cache of compute pipelines keyed by
+//! (shader, entry point, override constants): each is compiled once per device.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::backend::wgpu::context::GpuContext;
+use crate::{Error, Result};
+
+/// One WGSL file of `wgsl/`, compiled into the binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Shader {
+    PagedRows,
+    CopyBlocks,
+    PagedAttention,
+    Matmul,
+    RmsNorm,
+    Rope,
+    Elementwise,
+    Rows,
+    Moe,
+}
+
+impl Shader {
+    /// File name inside `wgsl/`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Shader::PagedRows => "paged_rows.wgsl",
+            Shader::CopyBlocks => "copy_blocks.wgsl",
+            Shader::PagedAttention => "paged_attention.wgsl",
+            Shader::Matmul => "matmul.wgsl",
+            Shader::RmsNorm => "rmsnorm.wgsl",
+            Shader::Rope => "rope.wgsl",
+            Shader::Elementwise => "elementwise.wgsl",
+            Shader::Rows => "rows.wgsl",
+            Shader::Moe => "moe.wgsl",
+        }
+    }
+
+    /// WGSL source.
+    pub fn source(self) -> &'static str {
+        match self {
+            Shader::PagedRows => include_str!("../../../wgsl/paged_rows.wgsl"),
+            Shader::CopyBlocks => include_str!("../../../wgsl/copy_blocks.wgsl"),
+            Shader::PagedAttention => include_str!("../../../wgsl/paged_attention.wgsl"),
+            Shader::Matmul => include_str!("../../../wgsl/matmul.wgsl"),
+            Shader::RmsNorm => include_str!("../../../wgsl/rmsnorm.wgsl"),
+            Shader::Rope => include_str!("../../../wgsl/rope.wgsl"),
+            Shader::Elementwise => include_str!("../../../wgsl/elementwise.wgsl"),
+            Shader::Rows => include_str!("../../../wgsl/rows.wgsl"),
+            Shader::Moe => include_str!("../../../wgsl/moe.wgsl"),
+        }
+    }
+}
+
+/// Cache key: the constants are kept in call order (callers pass them in a fixed order).
+type PipelineKey = (Shader, &'static str, Vec<(&'static str, u32)>);
+
+/// Compiled shader modules and pipelines of one device.
+#[derive(Default)]
+pub struct PipelineCache {
+    modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
+    pipelines: Mutex<HashMap<PipelineKey, Arc<wgpu::ComputePipeline>>>,
+}
+
+impl GpuContext {
+    /// The pipeline of `entry` in `shader` with override `constants`, built on first use.
+    pub(crate) fn pipeline(
+        &self,
+        shader: Shader,
+        entry: &'static str,
+        constants: &[(&'static str, u32)],
+    ) -> Result<Arc<wgpu::ComputePipeline>> {
+        let key = (shader, entry, constants.to_vec());
+        if let Some(found) = lock(&self.pipelines.pipelines).get(&key) {
+            return Ok(found.clone());
+        }
+        let module = {
+            let mut modules = lock(&self.pipelines.modules);
+            match modules.get(&shader) {
+                Some(module) => module.clone(),
+                None => {
+                    let module = self.compile_module(shader.name(), shader.source())?;
+                    modules.insert(shader, module.clone());
+                    module
+                }
+            }
+        };
+        let pipeline = Arc::new(self.build_pipeline(shader.name(), &module, entry, constants)?);
+        lock(&self.pipelines.pipelines).insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// Compiles WGSL `source`; a rejected shader is [`Error::ShaderCompile`], not a panic.
+    pub fn compile_module(&self, name: &str, source: &str) -> Result<wgpu::ShaderModule> {
+        self.scoped("create_shader_module", || {
+            self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(name),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            })
+        })
+        .map_err(|e| self.shader_error(name, "(module)", e))
+    }
+
+    /// Builds a compute pipeline with an automatic layout; failures are [`Error::ShaderCompile`].
+    pub fn build_pipeline(
+        &self,
+        name: &str,
+        module: &wgpu::ShaderModule,
+        entry: &str,
+        constants: &[(&str, u32)],
+    ) -> Result<wgpu::ComputePipeline> {
+        let constants: Vec<(&str, f64)> = constants.iter().map(|&(k, v)| (k, f64::from(v))).collect();
+        self.scoped("create_compute_pipeline", || {
+            self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module,
+                entry_point: Some(entry),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants: &constants,
+                    zero_initialize_workgroup_memory: false,
+                },
+                cache: None,
+            })
+        })
+        .map_err(|e| self.shader_error(name, entry, e))
+    }
+
+    fn shader_error(&self, shader: &str, entry: &str, e: Error) -> Error {
+        let message = match e {
+            Error::GpuOp { message, .. } => message,
+            other => other.to_string(),
+        };
+        Error::ShaderCompile {
+            adapter: self.adapter_name.clone(),
+            shader: shader.to_string(),
+            entry: entry.to_string(),
+            message,
+        }
+    }
+}
+
+/// Locks a cache map; a poisoned lock only means another thread panicked mid-insert
+/// of a complete value, so the map is still consistent.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

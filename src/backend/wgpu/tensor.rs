@@ -1,0 +1,231 @@
+//! Device buffers: f32 tensors with a shape, index buffers, uniforms, and the
+//! dispatch helper every kernel wrapper uses.
+
+use wgpu::util::DeviceExt;
+
+use crate::backend::wgpu::context::GpuContext;
+use crate::{Error, Result};
+
+/// A row-major f32 matrix `[rows, cols]` in one device storage buffer.
+///
+/// Not `Clone`: a clone would share the buffer, and in-place ops on one would
+/// silently change the other.
+#[derive(Debug)]
+pub struct GpuTensor {
+    pub(crate) buffer: wgpu::Buffer,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+impl GpuTensor {
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> [usize; 2] {
+        [self.rows, self.cols]
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// An [`Error::OpShape`] for this tensor as operand `what` of `op`.
+    pub(crate) fn shape_error(&self, op: &'static str, what: &'static str, expected: String) -> Error {
+        Error::OpShape { op, what, expected, found: self.shape().to_vec() }
+    }
+
+    /// Checks the tensor has `rows` rows.
+    pub(crate) fn expect_rows(&self, op: &'static str, what: &'static str, rows: usize) -> Result<()> {
+        if self.rows == rows { Ok(()) } else { Err(self.shape_error(op, what, format!("[{rows}, _]"))) }
+    }
+
+    /// Checks the tensor has `cols` columns.
+    pub(crate) fn expect_cols(&self, op: &'static str, what: &'static str, cols: usize) -> Result<()> {
+        if self.cols == cols { Ok(()) } else { Err(self.shape_error(op, what, format!("[_, {cols}]"))) }
+    }
+}
+
+/// Buffer usages of every storage buffer: bound to kernels and copied both ways.
+const STORAGE_USAGE: wgpu::BufferUsages =
+    wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC).union(wgpu::BufferUsages::COPY_DST);
+
+/// Workgroups per dispatch dimension guaranteed by WebGPU (and requested from the adapter).
+const MIN_GROUPS_PER_DIM: u32 = 65_535;
+
+impl GpuContext {
+    /// Bytes of a storage buffer of `len` f32/u32 elements, checked against the binding limit.
+    pub(crate) fn storage_bytes(&self, what: &str, len: usize) -> Result<u64> {
+        // Zero-sized bindings are invalid: keep one element of room.
+        let bytes = (len.max(1) as u64).saturating_mul(4);
+        if bytes > self.max_binding_bytes {
+            return Err(Error::GpuTooLarge {
+                adapter: self.adapter_name.clone(),
+                what: what.to_string(),
+                requested: bytes,
+                limit: "max_storage_buffer_binding_size",
+                max: self.max_binding_bytes,
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// Uploads row-major `data` as a `[rows, cols]` tensor.
+    pub fn upload(&self, data: &[f32], [rows, cols]: [usize; 2]) -> Result<GpuTensor> {
+        let expected = rows.checked_mul(cols);
+        if expected != Some(data.len()) {
+            return Err(Error::OpShape {
+                op: "upload",
+                what: "data",
+                expected: format!("{rows} x {cols} elements"),
+                found: vec![data.len()],
+            });
+        }
+        let buffer = self.storage_from("tensor", data)?;
+        Ok(GpuTensor { buffer, rows, cols })
+    }
+
+    /// A zero-filled `[rows, cols]` tensor.
+    pub fn zeros(&self, [rows, cols]: [usize; 2]) -> Result<GpuTensor> {
+        let len = rows.saturating_mul(cols);
+        let size = self.storage_bytes("tensor", len)?;
+        let buffer = self.scoped("create_buffer", || {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("tensor"),
+                size,
+                usage: STORAGE_USAGE,
+                mapped_at_creation: false,
+            })
+        })?;
+        Ok(GpuTensor { buffer, rows, cols })
+    }
+
+    /// Reads a tensor back to the host (waits for all queued work).
+    pub fn download(&self, tensor: &GpuTensor) -> Result<Vec<f32>> {
+        let bytes = self.read_buffer(&tensor.buffer, tensor.len() as u64 * 4)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// A storage buffer holding 4-byte elements (f32, u32, i32) from the host.
+    pub(crate) fn storage_from<T: bytemuck::Pod>(&self, what: &str, data: &[T]) -> Result<wgpu::Buffer> {
+        self.storage_from_bytes(what, bytemuck::cast_slice(data), data.len())
+    }
+
+    /// A storage buffer holding `bytes` (`len` 4-byte elements).
+    fn storage_from_bytes(&self, what: &str, bytes: &[u8], len: usize) -> Result<wgpu::Buffer> {
+        self.storage_bytes(what, len)?;
+        let padded;
+        let contents = if bytes.is_empty() {
+            padded = [0u8; 4];
+            &padded[..]
+        } else {
+            bytes
+        };
+        self.scoped("create_buffer", || {
+            self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(what),
+                contents,
+                usage: STORAGE_USAGE,
+            })
+        })
+    }
+
+    /// A uniform buffer holding one parameter struct.
+    pub(crate) fn uniform<T: bytemuck::Pod>(&self, params: &T) -> wgpu::Buffer {
+        self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("params"),
+            contents: bytemuck::bytes_of(params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        })
+    }
+
+    /// Copies the first `size` bytes of `buffer` to the host.
+    pub(crate) fn read_buffer(&self, buffer: &wgpu::Buffer, size: u64) -> Result<Vec<u8>> {
+        if size == 0 {
+            return Ok(Vec::new());
+        }
+        let staging = self.scoped("download", || {
+            let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("staging"),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
+            self.queue.submit([encoder.finish()]);
+            staging
+        })?;
+        let (sender, receiver) = std::sync::mpsc::channel();
+        staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            // The receiver lives until after the poll below; a send error cannot happen.
+            let _ = sender.send(r);
+        });
+        let gpu_error = |message: String| Error::GpuOp { adapter: self.adapter_name.clone(), op: "download", message };
+        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| gpu_error(e.to_string()))?;
+        receiver.recv().map_err(|e| gpu_error(e.to_string()))?.map_err(|e| gpu_error(e.to_string()))?;
+        let data = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?.to_vec();
+        staging.unmap();
+        Ok(data)
+    }
+
+    /// Encodes one dispatch of `groups` workgroups (laid out in x, then y, as the shaders
+    /// expect: `flat = wid.x + wid.y * nwg.x`) and submits it.
+    pub(crate) fn dispatch(
+        &self,
+        op: &'static str,
+        pipeline: &wgpu::ComputePipeline,
+        bindings: &[(u32, &wgpu::Buffer)],
+        groups: u64,
+    ) -> Result<()> {
+        if groups == 0 {
+            return Ok(());
+        }
+        let per_dim = u64::from(self.limits.max_compute_workgroups_per_dimension.min(MIN_GROUPS_PER_DIM));
+        let x = groups.min(per_dim);
+        let y = groups.div_ceil(x);
+        if y > per_dim {
+            return Err(Error::GpuTooLarge {
+                adapter: self.adapter_name.clone(),
+                what: format!("{op} dispatch of {groups} workgroups"),
+                requested: groups,
+                limit: "max_compute_workgroups_per_dimension^2",
+                max: per_dim * per_dim,
+            });
+        }
+        self.dispatch_xy(op, pipeline, bindings, (x as u32, y as u32))
+    }
+
+    /// Encodes one dispatch with an explicit 2-D workgroup grid and submits it.
+    pub(crate) fn dispatch_xy(
+        &self,
+        op: &'static str,
+        pipeline: &wgpu::ComputePipeline,
+        bindings: &[(u32, &wgpu::Buffer)],
+        (x, y): (u32, u32),
+    ) -> Result<()> {
+        self.scoped(op, || {
+            let entries: Vec<wgpu::BindGroupEntry<'_>> = bindings
+                .iter()
+                .map(|&(binding, buffer)| wgpu::BindGroupEntry { binding, resource: buffer.as_entire_binding() })
+                .collect();
+            let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(op),
+                layout: &pipeline.get_bind_group_layout(0),
+                entries: &entries,
+            });
+            let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(op) });
+            {
+                let mut pass = encoder
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(op), timestamp_writes: None });
+                pass.set_pipeline(pipeline);
+                pass.set_bind_group(0, &bind_group, &[]);
+                pass.dispatch_workgroups(x, y, 1);
+            }
+            self.queue.submit([encoder.finish()]);
+        })
+    }
+}

@@ -1,0 +1,389 @@
+//! The thinker's text-model config, read from a Hugging Face `config.json`
+//! (Qwen2, Qwen3, Qwen3-MoE, Qwen2.5-Omni and Qwen3-Omni thinkers).
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::backend::{RopeKind, RopeSpec};
+use crate::{Error, Result};
+
+/// Mixture-of-Experts settings (Qwen3-MoE / Qwen3-Omni thinker).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer (1-based) is sparse...
+    pub decoder_sparse_step: usize,
+    /// ...unless listed here.
+    pub mlp_only_layers: Vec<usize>,
+}
+
+/// Everything the thinker's decoder needs to know about its shape.
+///
+/// ```
+/// let json = r#"{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+///   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+///   "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 100,
+///   "tie_word_embeddings": true}"#;
+/// let cfg = omniprefix::model::Config::from_json_str(json)?;
+/// assert!(cfg.qk_norm && !cfg.attention_bias);
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// HF `model_type` of the text model (decides qk-norm and default biases).
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub vocab_size: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on q/k/v projections (Qwen2 family).
+    pub attention_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3 family).
+    pub qk_norm: bool,
+    /// M-RoPE sections (temporal, height, width) in frequencies; `None` = 1-D RoPE.
+    pub mrope_section: Option<[usize; 3]>,
+    /// Qwen3-Omni interleaves the M-RoPE sections; Qwen2.5-Omni keeps them contiguous.
+    pub mrope_interleaved: bool,
+    pub moe: Option<MoeConfig>,
+}
+
+/// The raw HF fields we read; unknown fields are ignored.
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: Option<String>,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    vocab_size: usize,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    hidden_act: Option<String>,
+    use_sliding_window: Option<bool>,
+    rope_scaling: Option<RawRope>,
+    rope_parameters: Option<RawRope>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    shared_expert_intermediate_size: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+struct RawRope {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    type_: Option<String>,
+    rope_theta: Option<f64>,
+    mrope_section: Option<Vec<usize>>,
+    mrope_interleaved: Option<bool>,
+    interleaved: Option<bool>,
+}
+
+fn unsupported(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Error {
+    Error::UnsupportedConfig { field, value: format!("{value:?}"), reason }
+}
+
+impl Config {
+    /// Reads `config.json` from a file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+        Self::from_json_str(&text)
+    }
+
+    /// Parses a HF config; for Omni checkpoints the text config is found under
+    /// `thinker_config.text_config` or `text_config`.
+    pub fn from_json_str(json: &str) -> Result<Self> {
+        let root: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| Error::ConfigParse(e.to_string()))?;
+        let text = root
+            .pointer("/thinker_config/text_config")
+            .or_else(|| root.get("text_config"))
+            .unwrap_or(&root);
+        let raw = RawConfig::deserialize(text).map_err(|e| Error::ConfigParse(e.to_string()))?;
+        Self::from_raw(raw)
+    }
+
+    fn from_raw(raw: RawConfig) -> Result<Self> {
+        let model_type = raw.model_type.unwrap_or_default();
+        let (qk_norm, default_bias) = if model_type.starts_with("qwen3") {
+            (true, false)
+        } else if model_type.starts_with("qwen2") {
+            (false, true)
+        } else {
+            return Err(unsupported("model_type", &model_type, "expected a qwen2* or qwen3* text model"));
+        };
+        if let Some(act) = raw.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(unsupported("hidden_act", act, "only silu (SwiGLU) is implemented"));
+        }
+        if raw.use_sliding_window == Some(true) {
+            return Err(unsupported("use_sliding_window", true, "sliding-window attention is not implemented"));
+        }
+        if raw.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
+            return Err(unsupported(
+                "shared_expert_intermediate_size",
+                raw.shared_expert_intermediate_size,
+                "shared experts are not implemented",
+            ));
+        }
+        let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref().or(r.type_.as_deref()))
+            && !matches!(kind, "default" | "mrope") {
+                return Err(unsupported("rope_type", kind, "only default RoPE / M-RoPE is implemented"));
+            }
+        let mrope_section = match rope.and_then(|r| r.mrope_section.as_deref()) {
+            None => None,
+            Some(&[t, h, w]) => Some([t, h, w]),
+            Some(other) => return Err(unsupported("mrope_section", other, "expected three sections")),
+        };
+        let mrope_interleaved =
+            rope.is_some_and(|r| r.mrope_interleaved.or(r.interleaved).unwrap_or(false));
+        let rope_theta = rope.and_then(|r| r.rope_theta).or(raw.rope_theta).unwrap_or(10_000.0);
+        let moe = match raw.num_experts.filter(|&n| n > 0) {
+            None => None,
+            Some(num_experts) => Some(MoeConfig {
+                num_experts,
+                num_experts_per_tok: raw
+                    .num_experts_per_tok
+                    .ok_or_else(|| Error::ConfigParse("missing field `num_experts_per_tok`".into()))?,
+                moe_intermediate_size: raw
+                    .moe_intermediate_size
+                    .ok_or_else(|| Error::ConfigParse("missing field `moe_intermediate_size`".into()))?,
+                norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
+                decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
+                mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
+            }),
+        };
+        let cfg = Config {
+            head_dim: raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1)),
+            num_key_value_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            attention_bias: raw.attention_bias.unwrap_or(default_bias),
+            model_type,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: raw.num_attention_heads,
+            rope_theta,
+            vocab_size: raw.vocab_size,
+            qk_norm,
+            mrope_section,
+            mrope_interleaved,
+            moe,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the sizes fit together (heads divide, sections cover the head).
+    pub fn validate(&self) -> Result<()> {
+        if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
+            return Err(unsupported("num_attention_heads", self.num_attention_heads, "heads must be positive"));
+        }
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+            return Err(unsupported(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                "must divide num_attention_heads",
+            ));
+        }
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+            return Err(unsupported("head_dim", self.head_dim, "must be even and positive"));
+        }
+        if let Some(sec) = self.mrope_section
+            && sec.iter().sum::<usize>() != self.head_dim / 2 {
+                return Err(unsupported("mrope_section", sec, "sections must sum to head_dim / 2"));
+            }
+        if let Some(moe) = &self.moe {
+            if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
+                return Err(unsupported(
+                    "num_experts_per_tok",
+                    moe.num_experts_per_tok,
+                    "must be in 1..=num_experts",
+                ));
+            }
+            if moe.decoder_sparse_step == 0 {
+                return Err(unsupported("decoder_sparse_step", 0, "must be positive"));
+            }
+        }
+        Ok(())
+    }
+
+    /// True when layer `layer` uses the MoE block rather than the dense MLP
+    /// (HF: not in `mlp_only_layers` and `(layer + 1) % decoder_sparse_step == 0`).
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| {
+            !m.mlp_only_layers.contains(&layer) && (layer + 1).is_multiple_of(m.decoder_sparse_step)
+        })
+    }
+
+    /// The rotary embedding this config implies.
+    pub fn rope_spec(&self) -> RopeSpec {
+        let kind = match self.mrope_section {
+            None => RopeKind::Plain,
+            Some(s) if self.mrope_interleaved => RopeKind::Interleaved(s),
+            Some(s) => RopeKind::Sectioned(s),
+        };
+        RopeSpec { theta: self.rope_theta as f32, head_dim: self.head_dim, kind }
+    }
+
+    /// A small dense Qwen3 (qk-norm, no bias, 1-D RoPE) for in-memory random models.
+    pub fn tiny_qwen3(hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize) -> Self {
+        Config {
+            model_type: "qwen3".into(),
+            hidden_size: hidden,
+            intermediate_size: 2 * hidden,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim: hidden / heads,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10_000.0,
+            vocab_size: vocab,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            qk_norm: true,
+            mrope_section: None,
+            mrope_interleaved: false,
+            moe: None,
+        }
+    }
+
+    /// A small Qwen2.5-Omni-style thinker: qkv bias, no qk-norm, contiguous M-RoPE.
+    pub fn tiny_qwen2_omni(hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize) -> Self {
+        let head_dim = hidden / heads;
+        Config {
+            model_type: "qwen2_5_omni_text".into(),
+            attention_bias: true,
+            qk_norm: false,
+            tie_word_embeddings: false,
+            mrope_section: Some(three_sections(head_dim / 2)),
+            ..Self::tiny_qwen3(hidden, layers, heads, kv_heads, vocab)
+        }
+    }
+
+    /// A small Qwen3-Omni-style MoE thinker: qk-norm, interleaved M-RoPE, sparse
+    /// layers except layer 0.
+    pub fn tiny_qwen3_omni_moe(
+        hidden: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        vocab: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> Self {
+        let head_dim = hidden / heads;
+        Config {
+            model_type: "qwen3_omni_moe_text".into(),
+            tie_word_embeddings: false,
+            mrope_section: Some(three_sections(head_dim / 2)),
+            mrope_interleaved: true,
+            moe: Some(MoeConfig {
+                num_experts,
+                num_experts_per_tok: top_k,
+                moe_intermediate_size: hidden / 2,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![0],
+            }),
+            ..Self::tiny_qwen3(hidden, layers, heads, kv_heads, vocab)
+        }
+    }
+}
+
+/// Splits `half` frequencies into (t, h, w) sections, temporal taking the remainder.
+fn three_sections(half: usize) -> [usize; 3] {
+    let hw = half * 5 / 16;
+    [half - 2 * hw, hw, hw]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn omni_text(extra: &str) -> String {
+        format!(
+            r#"{{"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "thinker_config": {{"text_config": {{
+              "model_type": "qwen3_omni_moe_text", "hidden_size": 2048, "intermediate_size": 768,
+              "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+              "rms_norm_eps": 1e-6, "vocab_size": 152064, "hidden_act": "silu",
+              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+              "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              "rope_scaling": {{"mrope_section": [24, 20, 20], "interleaved": true, "mrope_interleaved": true, "rope_type": "default"}},
+              "rope_theta": 1000000.0 {extra} }}}}}}"#
+        )
+    }
+
+    #[test]
+    fn reads_the_nested_qwen3_omni_thinker_text_config() {
+        let cfg = Config::from_json_str(&omni_text("")).unwrap();
+        assert!(cfg.qk_norm && !cfg.attention_bias && !cfg.tie_word_embeddings);
+        assert_eq!(cfg.rope_spec().kind, RopeKind::Interleaved([24, 20, 20]));
+        assert_eq!(cfg.rope_theta, 1e6);
+        let moe = cfg.moe.as_ref().unwrap();
+        assert_eq!((moe.num_experts, moe.num_experts_per_tok), (128, 8));
+        assert!(cfg.is_sparse_layer(0) && cfg.is_sparse_layer(47));
+    }
+
+    #[test]
+    fn reads_qwen2_5_omni_style_text_config_with_rope_parameters() {
+        let json = r#"{"text_config": {"model_type": "qwen2_5_omni_text", "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 300,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "mrope_section": [2, 3, 3]}}}"#;
+        let cfg = Config::from_json_str(json).unwrap();
+        assert!(cfg.attention_bias && !cfg.qk_norm);
+        assert_eq!((cfg.head_dim, cfg.num_key_value_heads, cfg.rope_theta), (16, 4, 500.0));
+        assert_eq!(cfg.rope_spec().kind, RopeKind::Sectioned([2, 3, 3]));
+        assert!(cfg.moe.is_none() && !cfg.is_sparse_layer(1));
+    }
+
+    #[test]
+    fn sparse_layers_follow_step_and_mlp_only_layers() {
+        let json = omni_text("").replace(r#""decoder_sparse_step": 1, "mlp_only_layers": []"#, r#""decoder_sparse_step": 2, "mlp_only_layers": [3]"#);
+        let cfg = Config::from_json_str(&json).unwrap();
+        let sparse: Vec<usize> = (0..6).filter(|&l| cfg.is_sparse_layer(l)).collect();
+        assert_eq!(sparse, vec![1, 5]);
+    }
+
+    #[test]
+    fn unsupported_values_name_their_field() {
+        let cases = [
+            (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "use_sliding_window": true"#, "use_sliding_window"),
+        ];
+        for (extra, field) in cases {
+            // Later duplicate keys win in serde_json objects.
+            let err = Config::from_json_str(&omni_text(extra)).unwrap_err();
+            assert!(matches!(err, Error::UnsupportedConfig { field: f, .. } if f == field), "{err}");
+        }
+        let yarn = omni_text("").replace(r#""rope_type": "default""#, r#""rope_type": "yarn""#);
+        assert!(matches!(Config::from_json_str(&yarn), Err(Error::UnsupportedConfig { field: "rope_type", .. })));
+        let bad_sections = omni_text("").replace("[24, 20, 20]", "[24, 20, 21]");
+        assert!(matches!(Config::from_json_str(&bad_sections), Err(Error::UnsupportedConfig { field: "mrope_section", .. })));
+        let llama = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 4}"#;
+        assert!(matches!(Config::from_json_str(llama), Err(Error::UnsupportedConfig { field: "model_type", .. })));
+        assert!(matches!(Config::from_json_str("{}"), Err(Error::ConfigParse(_))));
+        let mut gqa = Config::tiny_qwen3(32, 1, 4, 3, 10);
+        gqa.head_dim = 8;
+        assert!(matches!(gqa.validate(), Err(Error::UnsupportedConfig { field: "num_key_value_heads", .. })));
+    }
+}

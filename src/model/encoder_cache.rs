@@ -1,0 +1,127 @@
+//! Encoder outputs keyed by item fingerprint, so an item seen before skips its
+//! (vision / audio) encoder. Bounded by bytes, least-recently-used out first.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use ndarray::Array2;
+
+use crate::canon::Fingerprint;
+
+struct Entry {
+    value: Arc<Array2<f32>>,
+    /// Logical clock of the last use (key into `by_use`).
+    last_use: u64,
+    bytes: usize,
+}
+
+/// Fingerprint → encoder output `[rows, hidden]`, at most `capacity_bytes` of f32 data.
+///
+/// ```
+/// use std::sync::Arc;
+/// use omniprefix::canon::Fingerprint;
+/// use omniprefix::model::EncoderCache;
+/// let mut cache = EncoderCache::new(1 << 20);
+/// cache.insert(Fingerprint(1), Arc::new(ndarray::Array2::zeros((4, 8))));
+/// assert!(cache.get(Fingerprint(1)).is_some());
+/// ```
+pub struct EncoderCache {
+    capacity_bytes: usize,
+    used_bytes: usize,
+    clock: u64,
+    entries: HashMap<Fingerprint, Entry>,
+    /// Last-use tick → fingerprint, oldest first.
+    by_use: BTreeMap<u64, Fingerprint>,
+}
+
+impl EncoderCache {
+    /// An empty cache holding at most `capacity_bytes` of embeddings.
+    pub fn new(capacity_bytes: usize) -> Self {
+        Self { capacity_bytes, used_bytes: 0, clock: 0, entries: HashMap::new(), by_use: BTreeMap::new() }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// The cached output for `fp`, marking it most recently used.
+    pub fn get(&mut self, fp: Fingerprint) -> Option<Arc<Array2<f32>>> {
+        let now = self.tick();
+        let entry = self.entries.get_mut(&fp)?;
+        self.by_use.remove(&entry.last_use);
+        entry.last_use = now;
+        self.by_use.insert(now, fp);
+        Some(Arc::clone(&entry.value))
+    }
+
+    /// Caches `value` for `fp`, evicting least-recently-used entries to fit.
+    /// Returns false (and caches nothing) when `value` alone exceeds the capacity.
+    pub fn insert(&mut self, fp: Fingerprint, value: Arc<Array2<f32>>) -> bool {
+        let bytes = value.len() * std::mem::size_of::<f32>();
+        if bytes > self.capacity_bytes {
+            return false;
+        }
+        self.remove(fp);
+        while self.used_bytes + bytes > self.capacity_bytes {
+            let Some((_, oldest)) = self.by_use.pop_first() else { break };
+            if let Some(e) = self.entries.remove(&oldest) {
+                self.used_bytes -= e.bytes;
+            }
+        }
+        let now = self.tick();
+        self.by_use.insert(now, fp);
+        self.entries.insert(fp, Entry { value, last_use: now, bytes });
+        self.used_bytes += bytes;
+        true
+    }
+
+    /// Drops `fp`'s entry if present.
+    pub fn remove(&mut self, fp: Fingerprint) -> Option<Arc<Array2<f32>>> {
+        let e = self.entries.remove(&fp)?;
+        self.by_use.remove(&e.last_use);
+        self.used_bytes -= e.bytes;
+        Some(e.value)
+    }
+
+    /// Bytes of embeddings held.
+    pub fn used_bytes(&self) -> usize {
+        self.used_bytes
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize) -> Arc<Array2<f32>> {
+        Arc::new(Array2::from_elem((n, 4), n as f32))
+    }
+
+    #[test]
+    fn evicts_least_recently_used_within_byte_bound() {
+        // Each row is 16 bytes; capacity fits 6 rows.
+        let mut c = EncoderCache::new(96);
+        assert!(c.insert(Fingerprint(1), rows(2)));
+        assert!(c.insert(Fingerprint(2), rows(2)));
+        assert!(c.get(Fingerprint(1)).is_some()); // 2 is now the oldest
+        assert!(c.insert(Fingerprint(3), rows(3)));
+        assert!(c.get(Fingerprint(2)).is_none());
+        assert_eq!(c.get(Fingerprint(1)).unwrap()[[0, 0]], 2.0);
+        assert_eq!(c.used_bytes(), 80);
+        assert!(!c.insert(Fingerprint(4), rows(7)), "larger than the whole cache");
+        assert_eq!(c.len(), 2);
+        assert!(c.insert(Fingerprint(1), rows(1)), "replace shrinks");
+        assert_eq!(c.used_bytes(), 64);
+    }
+}

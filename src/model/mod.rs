@@ -1,0 +1,18 @@
+//! The thinker: config, weights, the Qwen-family decoder and the encoder-output cache.
+
+/// Which hidden states a forward keeps per position.
+pub mod capture;
+/// HF `config.json` → [`Config`].
+pub mod config;
+/// Encoder outputs cached by item fingerprint.
+pub mod encoder_cache;
+/// The decoder layers over a [`crate::backend::Backend`].
+pub mod thinker;
+/// Weight sources (mmapped safetensors, in-memory) and prefix paths.
+pub mod weights;
+
+pub use capture::{CaptureName, CaptureSpec};
+pub use config::{Config, MoeConfig};
+pub use encoder_cache::EncoderCache;
+pub use thinker::{StepMeta, Thinker, random_source};
+pub use weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};

@@ -1,0 +1,479 @@
+//! The Qwen2/Qwen3-family decoder ("thinker" text model), generic over a [`Backend`](crate::backend::Backend):
+//! RMSNorm, GQA attention over paged KV (optional qkv bias and qk-norm, RoPE or
+//! M-RoPE), dense SwiGLU MLP or Qwen3-MoE block per layer.
+
+use std::path::Path;
+
+use ndarray::{Array2, Axis, concatenate};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, RopePositions, RopeSpec};
+use crate::model::config::Config;
+use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
+use crate::{Error, Result};
+
+/// Attention weights of one layer, on the device.
+struct Attention<T> {
+    q: T,
+    k: T,
+    v: T,
+    o: T,
+    /// q, k, v biases `[1, out]` (Qwen2 family).
+    bias: Option<[T; 3]>,
+    /// q and k per-head norm weights `[1, head_dim]` (Qwen3 family).
+    qk_norm: Option<[T; 2]>,
+}
+
+/// The feed-forward block of one layer.
+enum Mlp<T> {
+    /// `down(silu(gate x) * up x)` with gate and up fused row-wise `[2I, H]`.
+    Dense { gate_up: T, down: T },
+    Sparse(MoeWeights<T>),
+}
+
+struct Layer<T> {
+    input_norm: T,
+    attn: Attention<T>,
+    post_norm: T,
+    mlp: Mlp<T>,
+}
+
+/// Per-step inputs every layer shares: rotary positions, KV slots, sequences.
+#[derive(Debug, Clone, Copy)]
+pub struct StepMeta<'a> {
+    pub positions: RopePositions<'a>,
+    /// Slot of each new row (`-1` skips the KV write).
+    pub slots: &'a [i64],
+    pub seqs: &'a [AttnSeq<'a>],
+}
+
+/// A loaded thinker: config plus device weights.
+///
+/// ```
+/// use omniprefix::backend::cpu::CpuBackend;
+/// use omniprefix::model::{Config, Thinker};
+/// let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
+/// let thinker = Thinker::random(&CpuBackend::new(), cfg, 7)?;
+/// assert_eq!(thinker.config().num_hidden_layers, 2);
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub struct Thinker<B: Backend> {
+    config: Config,
+    rope: RopeSpec,
+    embed: B::Tensor,
+    layers: Vec<Layer<B::Tensor>>,
+    norm: B::Tensor,
+    /// `None` when tied to the embeddings.
+    lm_head: Option<B::Tensor>,
+}
+
+/// The weight-name prefixes of a checkpoint (plain HF or Omni `thinker.`).
+fn prefixes(source: &dyn WeightSource) -> Result<(&'static str, &'static str)> {
+    if source.contains("thinker.model.embed_tokens.weight") {
+        Ok(("thinker.model", "thinker.lm_head"))
+    } else if source.contains("model.embed_tokens.weight") {
+        Ok(("model", "lm_head"))
+    } else {
+        Err(Error::MissingTensor { name: "model.embed_tokens.weight".into() })
+    }
+}
+
+/// Stacks matrices row-wise (fusing gate/up, or experts).
+fn stack(parts: &[Array2<f32>]) -> Result<Array2<f32>> {
+    let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
+    concatenate(Axis(0), &views).map_err(|e| Error::InvalidRequest(format!("stacking weights: {e}")))
+}
+
+/// Host weights of one MoE block in the fused layout of [`MoeWeights`].
+fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usize) -> Result<[Array2<f32>; 2]> {
+    let hidden = cfg.hidden_size;
+    let experts = mlp.pp("experts");
+    if experts.contains("gate_up_proj") {
+        // transformers v5 fused layout: gate_up [E, 2I, H], down [E, H, I].
+        let gu = experts.get("gate_up_proj", &[num_experts, 2 * inter, hidden])?;
+        let dn = experts.get("down_proj", &[num_experts, hidden, inter])?;
+        let gate_up = Array2::from_shape_vec((num_experts * 2 * inter, hidden), gu.data);
+        let down = Array2::from_shape_vec((num_experts * hidden, inter), dn.data);
+        return match (gate_up, down) {
+            (Ok(g), Ok(d)) => Ok([g, d]),
+            _ => Err(Error::InvalidRequest("fused expert weights do not reshape".into())),
+        };
+    }
+    let mut gate_up = Vec::with_capacity(2 * num_experts);
+    let mut down = Vec::with_capacity(num_experts);
+    for e in 0..num_experts {
+        let ex = experts.pp(e);
+        gate_up.push(ex.pp("gate_proj").matrix("weight", inter, hidden)?);
+        gate_up.push(ex.pp("up_proj").matrix("weight", inter, hidden)?);
+        down.push(ex.pp("down_proj").matrix("weight", hidden, inter)?);
+    }
+    Ok([stack(&gate_up)?, stack(&down)?])
+}
+
+impl<B: Backend> Thinker<B> {
+    /// Loads `config.json` and the safetensors checkpoint in `dir`.
+    pub fn from_dir(backend: &B, dir: &Path) -> Result<Self> {
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let source = SafetensorsSource::open_dir(dir)?;
+        Self::load(backend, config, &source)
+    }
+
+    /// Loads every weight `config` implies from `source`, shape-checked, and uploads it.
+    /// Names follow HF (`model.layers.3.self_attn.q_proj.weight`), under `thinker.`
+    /// for Omni checkpoints.
+    pub fn load(backend: &B, config: Config, source: &dyn WeightSource) -> Result<Self> {
+        config.validate()?;
+        let (model_prefix, head_prefix) = prefixes(source)?;
+        let root = Weights::root(source, model_prefix);
+        let c = &config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let up = |a: Array2<f32>| backend.upload(a.view());
+
+        let embed = up(root.pp("embed_tokens").matrix("weight", c.vocab_size, h)?)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let lw = root.pp("layers").pp(i);
+            let at = lw.pp("self_attn");
+            let bias = if c.attention_bias {
+                Some([
+                    up(at.pp("q_proj").vector("bias", q_out)?)?,
+                    up(at.pp("k_proj").vector("bias", kv_out)?)?,
+                    up(at.pp("v_proj").vector("bias", kv_out)?)?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = if c.qk_norm {
+                Some([up(at.pp("q_norm").vector("weight", hd)?)?, up(at.pp("k_norm").vector("weight", hd)?)?])
+            } else {
+                None
+            };
+            let attn = Attention {
+                q: up(at.pp("q_proj").matrix("weight", q_out, h)?)?,
+                k: up(at.pp("k_proj").matrix("weight", kv_out, h)?)?,
+                v: up(at.pp("v_proj").matrix("weight", kv_out, h)?)?,
+                o: up(at.pp("o_proj").matrix("weight", h, q_out)?)?,
+                bias,
+                qk_norm,
+            };
+            let mw = lw.pp("mlp");
+            let mlp = match c.moe.as_ref().filter(|_| c.is_sparse_layer(i)) {
+                Some(m) => {
+                    let [gate_up, down] = load_experts(&mw, c, m.num_experts, m.moe_intermediate_size)?;
+                    Mlp::Sparse(MoeWeights {
+                        router: up(mw.pp("gate").matrix("weight", m.num_experts, h)?)?,
+                        gate_up: up(gate_up)?,
+                        down: up(down)?,
+                        num_experts: m.num_experts,
+                        top_k: m.num_experts_per_tok,
+                        norm_topk_prob: m.norm_topk_prob,
+                    })
+                }
+                None => {
+                    let gate = mw.pp("gate_proj").matrix("weight", c.intermediate_size, h)?;
+                    let upm = mw.pp("up_proj").matrix("weight", c.intermediate_size, h)?;
+                    Mlp::Dense {
+                        gate_up: up(stack(&[gate, upm])?)?,
+                        down: up(mw.pp("down_proj").matrix("weight", h, c.intermediate_size)?)?,
+                    }
+                }
+            };
+            layers.push(Layer {
+                input_norm: up(lw.pp("input_layernorm").vector("weight", h)?)?,
+                attn,
+                post_norm: up(lw.pp("post_attention_layernorm").vector("weight", h)?)?,
+                mlp,
+            });
+        }
+        let norm = up(root.pp("norm").vector("weight", h)?)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(up(Weights::root(source, head_prefix).matrix("weight", c.vocab_size, h)?)?)
+        };
+        Ok(Self { rope: config.rope_spec(), config, embed, layers, norm, lm_head })
+    }
+
+    /// A model with seeded random weights (HF names in memory, loaded through [`Thinker::load`]).
+    pub fn random(backend: &B, config: Config, seed: u64) -> Result<Self> {
+        let source = random_source(&config, seed)?;
+        Self::load(backend, config, &source)
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The rotary embedding the layers apply.
+    pub fn rope(&self) -> &RopeSpec {
+        &self.rope
+    }
+
+    /// Token embeddings `[ids.len(), hidden]`; ids must be `< vocab_size`.
+    pub fn embed(&self, backend: &B, ids: &[u32]) -> Result<B::Tensor> {
+        backend.embedding(&self.embed, ids)
+    }
+
+    /// Runs decoder layer `layer` on `x [n, hidden]` in place, writing its K/V at `step.slots`.
+    pub fn forward_layer(
+        &self,
+        backend: &B,
+        layer: usize,
+        x: &mut B::Tensor,
+        step: &StepMeta<'_>,
+        pages: &mut B::Pages,
+    ) -> Result<()> {
+        let lw = self.layers.get(layer).ok_or(Error::OpIndex {
+            op: "forward_layer",
+            what: "layer",
+            index: layer as i64,
+            bound: self.layers.len(),
+        })?;
+        let eps = self.config.rms_norm_eps as f32;
+        let a = &lw.attn;
+        let h = backend.rms_norm(x, &lw.input_norm, eps)?;
+        let mut q = backend.matmul_t(&h, &a.q)?;
+        let mut k = backend.matmul_t(&h, &a.k)?;
+        let mut v = backend.matmul_t(&h, &a.v)?;
+        if let Some([bq, bk, bv]) = &a.bias {
+            backend.add_bias(&mut q, bq)?;
+            backend.add_bias(&mut k, bk)?;
+            backend.add_bias(&mut v, bv)?;
+        }
+        if let Some([nq, nk]) = &a.qk_norm {
+            backend.rms_norm_heads(&mut q, nq, self.config.head_dim, eps)?;
+            backend.rms_norm_heads(&mut k, nk, self.config.head_dim, eps)?;
+        }
+        backend.rope(&mut q, &self.rope, step.positions)?;
+        backend.rope(&mut k, &self.rope, step.positions)?;
+        backend.write_kv(pages, layer, &k, &v, step.slots)?;
+        let heads = AttnHeads {
+            num_heads: self.config.num_attention_heads,
+            kv_heads: self.config.num_key_value_heads,
+            head_dim: self.config.head_dim,
+        };
+        let attn = backend.paged_attention(&q, pages, layer, heads, step.seqs)?;
+        backend.add(x, &backend.matmul_t(&attn, &a.o)?)?;
+        let h = backend.rms_norm(x, &lw.post_norm, eps)?;
+        let mlp_out = match &lw.mlp {
+            Mlp::Dense { gate_up, down } => {
+                backend.matmul_t(&backend.swiglu(&backend.matmul_t(&h, gate_up)?)?, down)?
+            }
+            Mlp::Sparse(w) => backend.moe(&h, w)?,
+        };
+        backend.add(x, &mlp_out)
+    }
+
+    /// The final RMSNorm of `x [n, hidden]`.
+    pub fn final_norm(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        backend.rms_norm(x, &self.norm, self.config.rms_norm_eps as f32)
+    }
+
+    /// Logits `[n, vocab]` of final-normed rows.
+    pub fn logits(&self, backend: &B, normed: &B::Tensor) -> Result<B::Tensor> {
+        backend.matmul_t(normed, self.lm_head.as_ref().unwrap_or(&self.embed))
+    }
+}
+
+/// Seeded random weights under HF names (`model.` prefix), scaled so activations
+/// stay O(1) through many layers.
+pub fn random_source(config: &Config, seed: u64) -> Result<MemorySource> {
+    config.validate()?;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut src = MemorySource::new();
+    let c = config;
+    let (h, hd) = (c.hidden_size, c.head_dim);
+    let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let mut put = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+        let n = shape.iter().product();
+        let data = (0..n).map(|_| offset + scale * (rng.random::<f32>() * 2.0 - 1.0)).collect();
+        src.insert(name, HostTensor { shape, data });
+    };
+    let lin = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    put("model.embed_tokens.weight".into(), vec![c.vocab_size, h], 1.0, 0.0);
+    for i in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        put(format!("{p}.input_layernorm.weight"), vec![h], 0.2, 1.0);
+        put(format!("{p}.post_attention_layernorm.weight"), vec![h], 0.2, 1.0);
+        for (name, out) in [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)] {
+            put(format!("{p}.self_attn.{name}.weight"), vec![out, h], lin(h), 0.0);
+            if c.attention_bias {
+                put(format!("{p}.self_attn.{name}.bias"), vec![out], 0.1, 0.0);
+            }
+        }
+        put(format!("{p}.self_attn.o_proj.weight"), vec![h, q_out], lin(q_out), 0.0);
+        if c.qk_norm {
+            put(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.2, 1.0);
+            put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.2, 1.0);
+        }
+        match c.moe.as_ref().filter(|_| c.is_sparse_layer(i)) {
+            Some(m) => {
+                let inter = m.moe_intermediate_size;
+                put(format!("{p}.mlp.gate.weight"), vec![m.num_experts, h], 1.0, 0.0);
+                for e in 0..m.num_experts {
+                    put(format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![inter, h], lin(h), 0.0);
+                    put(format!("{p}.mlp.experts.{e}.up_proj.weight"), vec![inter, h], lin(h), 0.0);
+                    put(format!("{p}.mlp.experts.{e}.down_proj.weight"), vec![h, inter], lin(inter), 0.0);
+                }
+            }
+            None => {
+                let inter = c.intermediate_size;
+                put(format!("{p}.mlp.gate_proj.weight"), vec![inter, h], lin(h), 0.0);
+                put(format!("{p}.mlp.up_proj.weight"), vec![inter, h], lin(h), 0.0);
+                put(format!("{p}.mlp.down_proj.weight"), vec![h, inter], lin(inter), 0.0);
+            }
+        }
+    }
+    put("model.norm.weight".into(), vec![h], 0.2, 1.0);
+    if !c.tie_word_embeddings {
+        put("lm_head.weight".into(), vec![c.vocab_size, h], lin(h), 0.0);
+    }
+    Ok(src)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use safetensors::tensor::TensorView as StView;
+
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::model::CaptureSpec;
+    use crate::prompt::Positions;
+    use crate::runner::{PromptInputs, run_uncached};
+
+    fn tiny() -> Config {
+        Config::tiny_qwen3_omni_moe(32, 2, 4, 2, 40, 4, 2)
+    }
+
+    fn logits_of(thinker: &Thinker<CpuBackend>) -> Vec<f32> {
+        let inputs = PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::Linear((0..5).collect()) };
+        let out = run_uncached(thinker, &CpuBackend, &inputs, &CaptureSpec::default_for(2), false).unwrap();
+        out.last_logits
+    }
+
+    fn scratch_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("omniprefix-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Writes `src` as safetensors in bf16 under `prefix`, split over `shards` files.
+    fn write_checkpoint(dir: &Path, src: &MemorySource, prefix: &str, shards: usize) {
+        let mut names: Vec<&str> = src.names().collect();
+        names.sort();
+        let encoded: Vec<(String, Vec<usize>, Vec<u8>)> = names
+            .iter()
+            .map(|n| {
+                let t = src.load(n).unwrap();
+                let bytes = t.data.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+                (format!("{prefix}{n}"), t.shape, bytes)
+            })
+            .collect();
+        let mut weight_map = serde_json::Map::new();
+        let per = encoded.len().div_ceil(shards);
+        for (i, chunk) in encoded.chunks(per).enumerate() {
+            let file = format!("model-{i:05}.safetensors");
+            let views = chunk.iter().map(|(n, shape, bytes)| {
+                weight_map.insert(n.clone(), file.clone().into());
+                (n.clone(), StView::new(safetensors::Dtype::BF16, shape.clone(), bytes).unwrap())
+            });
+            let views: Vec<_> = views.collect();
+            safetensors::serialize_to_file(views, &None, &dir.join(&file)).unwrap();
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    }
+
+    #[test]
+    fn missing_and_misshapen_weights_are_named() {
+        let mut src = random_source(&tiny(), 3).unwrap();
+        let name = "model.layers.1.self_attn.k_proj.weight";
+        let k = src.remove(name).unwrap();
+        let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
+        assert!(matches!(&err, Error::MissingTensor { name: n } if n == name), "{err}");
+        src.insert(name, HostTensor { shape: vec![16, 31], data: k.data[..16 * 31].to_vec() });
+        let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
+        assert!(
+            matches!(&err, Error::TensorShape { name: n, expected, found } if n == name && expected == &[16, 32] && found == &[16, 31]),
+            "{err}"
+        );
+        let err = Thinker::load(&CpuBackend, tiny(), &MemorySource::new()).err().unwrap();
+        assert!(matches!(err, Error::MissingTensor { .. }));
+    }
+
+    #[test]
+    fn sharded_bf16_omni_checkpoint_loads_like_the_rounded_weights() {
+        let cfg = tiny();
+        let src = random_source(&cfg, 9).unwrap();
+        let dir = scratch_dir("sharded");
+        write_checkpoint(&dir, &src, "thinker.", 3);
+        std::fs::write(dir.join("config.json"), r#"{"thinker_config": {"text_config": {"model_type": "qwen3_omni_moe_text",
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 40,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true,
+            "decoder_sparse_step": 1, "mlp_only_layers": [0],
+            "rope_scaling": {"mrope_section": [2, 1, 1], "interleaved": true}}}}"#).unwrap();
+        let loaded = Thinker::from_dir(&CpuBackend, &dir).unwrap();
+        assert_eq!(loaded.config(), &cfg);
+        let mut rounded = MemorySource::new();
+        for n in src.names() {
+            let t = src.load(n).unwrap();
+            let data = t.data.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
+            rounded.insert(n, HostTensor { shape: t.shape, data });
+        }
+        let reference = Thinker::load(&CpuBackend, cfg, &rounded).unwrap();
+        assert_eq!(logits_of(&loaded), logits_of(&reference));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn fused_v5_expert_layout_equals_per_expert_layout() {
+        let cfg = tiny();
+        let src = random_source(&cfg, 4).unwrap();
+        let mut fused = src.clone();
+        let (e, h, inter) = (4, 32, 16);
+        let mut gate_up = Vec::new();
+        let mut down = Vec::new();
+        for x in 0..e {
+            for part in ["gate_proj", "up_proj"] {
+                gate_up.extend(fused.remove(&format!("model.layers.1.mlp.experts.{x}.{part}.weight")).unwrap().data);
+            }
+            down.extend(fused.remove(&format!("model.layers.1.mlp.experts.{x}.down_proj.weight")).unwrap().data);
+        }
+        fused.insert("model.layers.1.mlp.experts.gate_up_proj", HostTensor { shape: vec![e, 2 * inter, h], data: gate_up });
+        fused.insert("model.layers.1.mlp.experts.down_proj", HostTensor { shape: vec![e, h, inter], data: down });
+        let a = Thinker::load(&CpuBackend, cfg.clone(), &src).unwrap();
+        let b = Thinker::load(&CpuBackend, cfg, &fused).unwrap();
+        assert_eq!(logits_of(&a), logits_of(&b));
+    }
+
+    #[test]
+    fn safetensors_f16_converts_and_bad_files_are_typed_errors() {
+        let dir = scratch_dir("bad");
+        let ints: Vec<u8> = [1i32, 2, 3, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let halves: Vec<u8> = [0.5f32, -2.0].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let views = [
+            ("model.norm.weight", StView::new(safetensors::Dtype::I32, vec![4], &ints).unwrap()),
+            ("model.half", StView::new(safetensors::Dtype::F16, vec![2, 1], &halves).unwrap()),
+        ];
+        let path = dir.join("model.safetensors");
+        safetensors::serialize_to_file(views, &None, &path).unwrap();
+        let src = SafetensorsSource::open_dir(&dir).unwrap();
+        assert!(matches!(src.load("model.norm.weight"), Err(Error::TensorDtype { found, .. }) if found == "I32"));
+        assert_eq!(src.load("model.half").unwrap(), HostTensor { shape: vec![2, 1], data: vec![0.5, -2.0] });
+        assert!(matches!(src.load("model.nope"), Err(Error::MissingTensor { name }) if name == "model.nope"));
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+        assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Safetensors { .. })));
+        let empty = scratch_dir("empty");
+        assert!(matches!(SafetensorsSource::open_dir(&empty), Err(Error::Io { .. })));
+        std::fs::remove_dir_all(&dir).ok();
+        std::fs::remove_dir_all(&empty).ok();
+    }
+}

@@ -1,0 +1,637 @@
+//! Executes a [`ScheduledBatch`](crate::batch::ScheduledBatch) on a backend: block copies, embeddings with item
+//! rows merged in, every layer writing K/V and captured hidden states into pages,
+//! paged attention over prefix-from-pages plus new tokens, and — for sequences
+//! that finish their prompt — the **full** hidden states `[prompt_len, hidden]`
+//! (cached rows gathered from the hidden pages) and the last position's logits.
+//!
+//! The runner never touches an index or a pool: everything it needs is in the batch.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use ndarray::{Array2, s};
+
+use crate::backend::{AttnSeq, Backend, PagesSpec, RopePositions};
+use crate::batch::{BlockCopy, EmbedRows, RequestId, ScheduledBatch, ScheduledSeq};
+use crate::index::BlockId;
+use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
+use crate::prompt::Positions;
+use crate::{Error, Result};
+
+/// What a sequence that completed its prompt this step returns.
+#[derive(Debug, Clone)]
+pub struct SeqOutput {
+    pub request: RequestId,
+    /// Each captured point's hidden states `[prompt_len, hidden]`, in capture order.
+    pub hidden: Vec<(CaptureName, Array2<f32>)>,
+    /// Logits `[vocab]` of the prompt's last position.
+    pub last_logits: Vec<f32>,
+}
+
+/// Runs scheduled steps of one thinker on one backend.
+///
+/// ```
+/// use std::sync::Arc;
+/// use omniprefix::backend::cpu::CpuBackend;
+/// use omniprefix::model::{CaptureSpec, Config, Thinker};
+/// use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
+/// use omniprefix::prompt::Positions;
+///
+/// let backend = Arc::new(CpuBackend::new());
+/// let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
+/// let thinker = Arc::new(Thinker::random(&*backend, cfg, 1)?);
+/// let capture = CaptureSpec::default_for(2);
+/// let inputs = PromptInputs { token_ids: vec![3, 1, 4, 1, 5], embeds: vec![], positions: Positions::Linear((0..5).collect()) };
+/// let out = run_uncached(&thinker, &*backend, &inputs, &capture, false)?;
+/// assert_eq!(out.hidden[0].1.dim(), (5, 32));
+/// let runner = ModelRunner::new(backend, thinker, capture)?;
+/// let _pages = runner.alloc_pages(8, 16)?;
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub struct ModelRunner<B: Backend> {
+    backend: Arc<B>,
+    thinker: Arc<Thinker<B>>,
+    capture: CaptureSpec,
+}
+
+impl<B: Backend> ModelRunner<B> {
+    /// A runner capturing `capture` (checked against the thinker's layer count).
+    pub fn new(backend: Arc<B>, thinker: Arc<Thinker<B>>, capture: CaptureSpec) -> Result<Self> {
+        let capture = CaptureSpec::new(capture.points().iter().copied(), thinker.config().num_hidden_layers)?;
+        Ok(Self { backend, thinker, capture })
+    }
+
+    /// Page sizes this runner needs for `num_blocks` blocks of `block_size` positions.
+    pub fn pages_spec(&self, num_blocks: usize, block_size: usize) -> PagesSpec {
+        pages_spec(&self.thinker, &self.capture, num_blocks, block_size)
+    }
+
+    /// Allocates zero-filled pages of [`ModelRunner::pages_spec`].
+    pub fn alloc_pages(&self, num_blocks: usize, block_size: usize) -> Result<B::Pages> {
+        self.backend.alloc_pages(self.pages_spec(num_blocks, block_size))
+    }
+
+    /// The captured points, in hidden-page order.
+    pub fn capture(&self) -> &CaptureSpec {
+        &self.capture
+    }
+
+    /// The model this runner executes.
+    pub fn thinker(&self) -> &Thinker<B> {
+        &self.thinker
+    }
+
+    /// The backend this runner executes on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Executes one step. The whole batch is validated first: an invalid batch
+    /// returns [`Error::InvalidBatch`] (or [`Error::OpShape`] for pages of the wrong
+    /// sizes) and leaves the pages untouched.
+    pub fn execute(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
+        Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, false)?.outputs)
+    }
+}
+
+fn pages_spec<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, num_blocks: usize, block_size: usize) -> PagesSpec {
+    let c = thinker.config();
+    PagesSpec {
+        num_layers: c.num_hidden_layers,
+        num_blocks,
+        block_size,
+        kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        captured: capture.len(),
+        hidden: c.hidden_size,
+    }
+}
+
+/// One whole prompt's inputs, for [`run_uncached`].
+#[derive(Debug, Clone)]
+pub struct PromptInputs {
+    /// One id per position (placeholder ids where `embeds` applies).
+    pub token_ids: Vec<u32>,
+    /// Item rows; `step_offset` is the prompt position of the first row.
+    pub embeds: Vec<EmbedRows>,
+    pub positions: Positions,
+}
+
+impl PromptInputs {
+    /// Prompt positions `range` as one scheduled sequence over `block_table`: the
+    /// step a scheduler would emit after `range.start` positions are in pages
+    /// (item rows clipped to the range, slots from the table, output on the last chunk).
+    ///
+    /// Errors with [`Error::InvalidBatch`] when the range leaves the prompt, the table
+    /// cannot hold it, or the positions do not cover the prompt.
+    pub fn step(
+        &self,
+        request: RequestId,
+        block_table: &[BlockId],
+        block_size: usize,
+        range: Range<usize>,
+    ) -> Result<ScheduledSeq> {
+        let len = self.token_ids.len();
+        let bad = |what: String| Err(Error::InvalidBatch { request, what });
+        if range.start > range.end || range.end > len {
+            return bad(format!("step {range:?} outside the prompt of {len} positions"));
+        }
+        if block_table.len().saturating_mul(block_size) < range.end {
+            return bad(format!("block table of {} blocks of {block_size} cannot hold {} positions", block_table.len(), range.end));
+        }
+        if position_axes(&self.positions).iter().any(|p| p.len() != len) {
+            return bad(format!("positions do not cover the prompt of {len} positions"));
+        }
+        let (a, b) = (range.start, range.end);
+        let embeds = self
+            .embeds
+            .iter()
+            .filter_map(|e| {
+                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
+                let (lo, hi) = (start.max(a), end.min(b));
+                (lo < hi).then(|| EmbedRows {
+                    step_offset: lo - a,
+                    embeddings: Arc::clone(&e.embeddings),
+                    rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
+                })
+            })
+            .collect();
+        Ok(ScheduledSeq {
+            request,
+            block_table: block_table.to_vec(),
+            num_computed_tokens: a,
+            token_ids: self.token_ids[range.clone()].to_vec(),
+            embeds,
+            positions: slice_positions(&self.positions, range.clone()),
+            slot_mapping: range.map(|j| slot_of(block_table, block_size, j)).collect(),
+            prompt_len: len,
+            emits_output: b == len,
+        })
+    }
+}
+
+/// Positions `range` of a prompt's positions (the caller checked the bounds).
+pub(crate) fn slice_positions(p: &Positions, range: Range<usize>) -> Positions {
+    match p {
+        Positions::Linear(v) => Positions::Linear(v[range].to_vec()),
+        Positions::Mrope { t, h, w, rope_delta } => Positions::Mrope {
+            t: t[range.clone()].to_vec(),
+            h: h[range.clone()].to_vec(),
+            w: w[range].to_vec(),
+            rope_delta: *rope_delta,
+        },
+    }
+}
+
+/// What [`run_uncached`] returns.
+#[derive(Debug, Clone)]
+pub struct Outputs {
+    /// Each captured point's hidden states `[len, hidden]`.
+    pub hidden: Vec<(CaptureName, Array2<f32>)>,
+    /// Logits of the last position.
+    pub last_logits: Vec<f32>,
+    /// Logits `[len, vocab]` of every position, when asked for.
+    pub logits: Option<Array2<f32>>,
+}
+
+/// Block size of the throwaway pages [`run_uncached`] uses.
+const UNCACHED_BLOCK: usize = 16;
+
+/// Runs a whole prompt in one step on fresh pages with a contiguous block table:
+/// the no-cache reference that cached runs must equal (and the parity tests' entry).
+pub fn run_uncached<B: Backend>(
+    thinker: &Thinker<B>,
+    backend: &B,
+    inputs: &PromptInputs,
+    capture: &CaptureSpec,
+    all_logits: bool,
+) -> Result<Outputs> {
+    let capture = CaptureSpec::new(capture.points().iter().copied(), thinker.config().num_hidden_layers)?;
+    let len = inputs.token_ids.len();
+    let num_blocks = len.div_ceil(UNCACHED_BLOCK);
+    let table: Vec<BlockId> = (0..num_blocks as BlockId).collect();
+    let seq = inputs.step(0, &table, UNCACHED_BLOCK, 0..len)?;
+    let batch = ScheduledBatch { copies: vec![], seqs: vec![seq] };
+    let mut pages = backend.alloc_pages(pages_spec(thinker, &capture, num_blocks, UNCACHED_BLOCK))?;
+    let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, all_logits)?;
+    let out = step.outputs.pop().ok_or_else(|| Error::InvalidBatch { request: 0, what: "no output".into() })?;
+    Ok(Outputs { hidden: out.hidden, last_logits: out.last_logits, logits: step.all_logits })
+}
+
+struct StepResult {
+    outputs: Vec<SeqOutput>,
+    all_logits: Option<Array2<f32>>,
+}
+
+/// The (t, h, w) position slices of a sequence's new tokens.
+fn position_axes(p: &Positions) -> [&[i64]; 3] {
+    match p {
+        Positions::Linear(v) => [v, v, v],
+        Positions::Mrope { t, h, w, .. } => [t, h, w],
+    }
+}
+
+/// Slot of position `j` through a block table (the caller checked the table covers `j`).
+fn slot_of(table: &[u32], block_size: usize, j: usize) -> i64 {
+    (table[j / block_size] as usize * block_size + j % block_size) as i64
+}
+
+/// Checks one sequence against itself, the model and the pages.
+fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, vocab: usize, hidden: usize) -> Result<()> {
+    let bad = |what: String| Err(Error::InvalidBatch { request: seq.request, what });
+    let n = seq.token_ids.len();
+    let end = seq.num_computed_tokens.saturating_add(n);
+    if end > seq.prompt_len {
+        return bad(format!("{} computed + {n} new tokens exceed prompt_len {}", seq.num_computed_tokens, seq.prompt_len));
+    }
+    if seq.emits_output && (end != seq.prompt_len || n == 0) {
+        return bad(format!("emits output but the step ends at {end} of {} with {n} new tokens", seq.prompt_len));
+    }
+    let needed = if seq.emits_output { seq.prompt_len } else { end };
+    if seq.block_table.len().saturating_mul(spec.block_size) < needed {
+        return bad(format!("block table of {} blocks cannot hold {needed} positions", seq.block_table.len()));
+    }
+    if let Some(b) = seq.block_table.iter().find(|&&b| b as usize >= spec.num_blocks) {
+        return bad(format!("block {b} out of range 0..{}", spec.num_blocks));
+    }
+    for (axis, p) in position_axes(&seq.positions).iter().enumerate() {
+        if p.len() != n {
+            return bad(format!("position axis {axis} has {} entries for {n} new tokens", p.len()));
+        }
+    }
+    if seq.slot_mapping.len() != n {
+        return bad(format!("slot mapping has {} entries for {n} new tokens", seq.slot_mapping.len()));
+    }
+    for (i, &slot) in seq.slot_mapping.iter().enumerate() {
+        let want = slot_of(&seq.block_table, spec.block_size, seq.num_computed_tokens + i);
+        if slot != want {
+            return bad(format!("slot {slot} for new token {i} disagrees with the block table (slot {want})"));
+        }
+    }
+    if let Some(t) = seq.token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return bad(format!("token id {t} out of vocabulary 0..{vocab}"));
+    }
+    for e in &seq.embeds {
+        let rows = e.rows.len();
+        if e.rows.end > e.embeddings.nrows() || e.step_offset.saturating_add(rows) > n {
+            return bad(format!(
+                "item rows {:?} (of {}) at step offset {} do not fit {n} new tokens",
+                e.rows,
+                e.embeddings.nrows(),
+                e.step_offset
+            ));
+        }
+        if e.embeddings.ncols() != hidden {
+            return bad(format!("item embeddings have {} columns, the model {hidden}", e.embeddings.ncols()));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the pages fit the model and every copy and sequence is valid.
+fn validate_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch: &ScheduledBatch, spec: &PagesSpec) -> Result<()> {
+    let want = pages_spec(thinker, capture, spec.num_blocks, spec.block_size);
+    if *spec != want || spec.block_size == 0 {
+        return Err(Error::OpShape {
+            op: "execute",
+            what: "pages",
+            expected: format!("{want:?} with block_size > 0"),
+            found: vec![spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, spec.captured, spec.hidden],
+        });
+    }
+    for BlockCopy { src, dst } in &batch.copies {
+        if let Some(b) = [src, dst].into_iter().find(|&&b| b as usize >= spec.num_blocks) {
+            return Err(Error::OpIndex { op: "execute", what: "copy block", index: *b as i64, bound: spec.num_blocks });
+        }
+    }
+    let c = thinker.config();
+    batch.seqs.iter().try_for_each(|seq| validate_seq(seq, spec, c.vocab_size, c.hidden_size))
+}
+
+/// Embeds all new tokens of the step and scatters item rows over their placeholders.
+fn embed_step<B: Backend>(thinker: &Thinker<B>, backend: &B, batch: &ScheduledBatch, starts: &[usize]) -> Result<B::Tensor> {
+    let ids: Vec<u32> = batch.seqs.iter().flat_map(|s| s.token_ids.iter().copied()).collect();
+    let mut x = thinker.embed(backend, &ids)?;
+    for (seq, &start) in batch.seqs.iter().zip(starts) {
+        for e in seq.embeds.iter().filter(|e| !e.rows.is_empty()) {
+            let src = backend.upload(e.embeddings.slice(s![e.rows.clone(), ..]))?;
+            let first = start + e.step_offset;
+            let rows: Vec<u32> = (first..first + e.rows.len()).map(|r| r as u32).collect();
+            backend.scatter_rows(&mut x, &rows, &src)?;
+        }
+    }
+    Ok(x)
+}
+
+/// The core of [`ModelRunner::execute`] and [`run_uncached`].
+fn run_step<B: Backend>(
+    thinker: &Thinker<B>,
+    backend: &B,
+    capture: &CaptureSpec,
+    batch: &ScheduledBatch,
+    pages: &mut B::Pages,
+    all_logits: bool,
+) -> Result<StepResult> {
+    let spec = backend.pages_spec(pages);
+    validate_batch(thinker, capture, batch, &spec)?;
+    let copies: Vec<_> = batch.copies.iter().map(|c| (c.src, c.dst)).collect();
+    backend.copy_blocks(pages, &copies)?;
+
+    let mut starts = Vec::with_capacity(batch.seqs.len());
+    let mut total = 0;
+    for seq in &batch.seqs {
+        starts.push(total);
+        total += seq.token_ids.len();
+    }
+    let mut axes: [Vec<i64>; 3] = Default::default();
+    for seq in &batch.seqs {
+        for (all, p) in axes.iter_mut().zip(position_axes(&seq.positions)) {
+            all.extend_from_slice(p);
+        }
+    }
+    let slots: Vec<i64> = batch.seqs.iter().flat_map(|s| s.slot_mapping.iter().copied()).collect();
+    let seqs: Vec<AttnSeq<'_>> = batch
+        .seqs
+        .iter()
+        .zip(&starts)
+        .map(|(s, &query_start)| AttnSeq {
+            query_start,
+            num_new: s.token_ids.len(),
+            num_computed: s.num_computed_tokens,
+            block_table: &s.block_table,
+        })
+        .collect();
+    let meta = StepMeta {
+        positions: RopePositions { t: &axes[0], h: &axes[1], w: &axes[2] },
+        slots: &slots,
+        seqs: &seqs,
+    };
+
+    let mut x = embed_step(thinker, backend, batch, &starts)?;
+    let num_layers = thinker.config().num_hidden_layers;
+    for layer in 0..=num_layers {
+        if let Some(c) = capture.index_of(CaptureName::Hidden(layer)) {
+            backend.write_hidden(pages, c, &x, &slots)?;
+        }
+        if layer < num_layers {
+            thinker.forward_layer(backend, layer, &mut x, &meta, pages)?;
+        }
+    }
+
+    let final_slot = capture.index_of(CaptureName::Final);
+    let normed = if final_slot.is_some() || all_logits { Some(thinker.final_norm(backend, &x)?) } else { None };
+    if let (Some(c), Some(normed)) = (final_slot, &normed) {
+        backend.write_hidden(pages, c, normed, &slots)?;
+    }
+    let emitting: Vec<usize> = (0..batch.seqs.len()).filter(|&i| batch.seqs[i].emits_output).collect();
+    let last_rows: Vec<u32> =
+        emitting.iter().map(|&i| (starts[i] + batch.seqs[i].token_ids.len() - 1) as u32).collect();
+    let last_logits = if last_rows.is_empty() {
+        Array2::zeros((0, thinker.config().vocab_size))
+    } else {
+        let selected = match &normed {
+            Some(n) => backend.gather_rows(n, &last_rows)?,
+            None => thinker.final_norm(backend, &backend.gather_rows(&x, &last_rows)?)?,
+        };
+        backend.download(&thinker.logits(backend, &selected)?)?
+    };
+
+    let mut outputs = Vec::with_capacity(emitting.len());
+    for (k, &i) in emitting.iter().enumerate() {
+        let seq = &batch.seqs[i];
+        let prompt_slots: Vec<i64> = (0..seq.prompt_len).map(|j| slot_of(&seq.block_table, spec.block_size, j)).collect();
+        let hidden = capture
+            .points()
+            .iter()
+            .enumerate()
+            .map(|(c, &name)| Ok((name, backend.download(&backend.gather_hidden(pages, c, &prompt_slots)?)?)))
+            .collect::<Result<Vec<_>>>()?;
+        outputs.push(SeqOutput { request: seq.request, hidden, last_logits: last_logits.row(k).to_vec() });
+    }
+    let all_logits = match (all_logits, &normed) {
+        (true, Some(n)) => Some(backend.download(&thinker.logits(backend, n)?)?),
+        _ => None,
+    };
+    Ok(StepResult { outputs, all_logits })
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::backend::cpu::{CpuBackend, CpuPages};
+    use crate::model::Config;
+
+    const BS: usize = 4;
+
+    /// A prompt of `len` tokens with one item of `rows` rows at position 3 and
+    /// M-RoPE-style positions (text diagonal, the item on a 2-wide grid).
+    fn prompt(cfg: &Config, len: usize, rows: usize, seed: u64) -> PromptInputs {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let token_ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
+        let item = Array2::from_shape_fn((rows + 2, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
+        let embeds = vec![EmbedRows { step_offset: 3, embeddings: Arc::new(item), rows: 1..rows + 1 }];
+        let (mut t, mut h, mut w) = (vec![], vec![], vec![]);
+        for p in 0..len as i64 {
+            let in_item = (3..3 + rows as i64).contains(&p);
+            let r = p - 3;
+            t.push(if in_item { 3 } else { p });
+            h.push(if in_item { 3 + r / 2 } else { p });
+            w.push(if in_item { 3 + r % 2 } else { p });
+        }
+        let positions = if cfg.mrope_section.is_some() { Positions::Mrope { t, h, w, rope_delta: 0 } } else { Positions::Linear(t) };
+        PromptInputs { token_ids, embeds, positions }
+    }
+
+    /// Prompt positions `a..b` as one scheduled sequence over `table`.
+    fn chunk(p: &PromptInputs, request: RequestId, table: &[u32], a: usize, b: usize) -> ScheduledSeq {
+        p.step(request, table, BS, a..b).unwrap()
+    }
+
+    fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * scale, "{what}: first mismatch at flat index {i}: {g} vs {w}");
+        }
+    }
+
+    fn assert_same(out: &SeqOutput, want: &Outputs) {
+        assert_eq!(out.hidden.len(), want.hidden.len());
+        for ((name, got), (wname, w)) in out.hidden.iter().zip(&want.hidden) {
+            assert_eq!(name, wname);
+            assert_eq!(got.dim(), w.dim(), "{name}: shape");
+            assert_close(&name.to_string(), got.as_slice().unwrap(), w.as_slice().unwrap());
+        }
+        assert_close("last_logits", &out.last_logits, &want.last_logits);
+    }
+
+    fn configs() -> Vec<Config> {
+        vec![
+            Config::tiny_qwen3(32, 2, 4, 2, 64),
+            Config::tiny_qwen2_omni(32, 3, 4, 1, 64),
+            Config::tiny_qwen3_omni_moe(32, 2, 4, 4, 64, 4, 2),
+        ]
+    }
+
+    fn runner(cfg: Config, seed: u64) -> ModelRunner<CpuBackend> {
+        let backend = Arc::new(CpuBackend::new());
+        let n = cfg.num_hidden_layers;
+        let thinker = Arc::new(Thinker::random(&*backend, cfg, seed).unwrap());
+        let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(1), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
+        ModelRunner::new(backend, thinker, capture).unwrap()
+    }
+
+    #[test]
+    fn caching_is_invisible_for_every_chunking() {
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        for (ci, cfg) in configs().into_iter().enumerate() {
+            let r = runner(cfg.clone(), ci as u64);
+            let p = prompt(&cfg, 23, 6, ci as u64);
+            let want = run_uncached(r.thinker(), r.backend(), &p, r.capture(), false).unwrap();
+            assert_eq!(want.hidden[0].1.dim(), (23, 32));
+            // Cached prefix lengths (block aligned or not) and the chunk cuts after them.
+            for cuts in [vec![8, 23], vec![4, 13, 23], vec![5, 6, 19, 23], vec![22, 23]] {
+                let mut blocks: Vec<u32> = (0..12).collect();
+                blocks.shuffle(&mut rng);
+                let table = &blocks[..23usize.div_ceil(BS)];
+                let mut pages = r.alloc_pages(12, BS).unwrap();
+                let mut outs = Vec::new();
+                let mut a = 0;
+                for &b in &cuts {
+                    let batch = ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 7, table, a, b)] };
+                    outs = r.execute(&batch, &mut pages).unwrap();
+                    a = b;
+                }
+                assert_eq!(outs.len(), 1, "config {ci} cuts {cuts:?}");
+                assert_eq!(outs[0].request, 7);
+                assert_same(&outs[0], &want);
+            }
+        }
+    }
+
+    #[test]
+    fn shared_prefix_with_copy_on_write_in_a_mixed_batch() {
+        for (ci, cfg) in configs().into_iter().enumerate() {
+            let r = runner(cfg.clone(), 40 + ci as u64);
+            let a = prompt(&cfg, 14, 4, 1);
+            // B shares A's first 10 positions (two full blocks and half of the third).
+            let mut b = prompt(&cfg, 19, 4, 2);
+            b.token_ids[..10].copy_from_slice(&a.token_ids[..10]);
+            b.embeds = a.embeds.clone();
+            let pos = slice_positions(&a.positions, 0..10);
+            b.positions = match (pos, &b.positions) {
+                (Positions::Linear(mut v), Positions::Linear(rest)) => {
+                    v.extend_from_slice(&rest[10..]);
+                    Positions::Linear(v)
+                }
+                (Positions::Mrope { mut t, mut h, mut w, .. }, Positions::Mrope { t: t2, h: h2, w: w2, .. }) => {
+                    t.extend_from_slice(&t2[10..]);
+                    h.extend_from_slice(&h2[10..]);
+                    w.extend_from_slice(&w2[10..]);
+                    Positions::Mrope { t, h, w, rope_delta: 0 }
+                }
+                _ => unreachable!("both prompts use the config's position kind"),
+            };
+            let c = prompt(&cfg, 9, 2, 3);
+            let mut pages = r.alloc_pages(16, BS).unwrap();
+            let table_a = [5u32, 2, 9, 0];
+            let outs_a = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&a, 1, &table_a, 0, 14)] }, &mut pages).unwrap();
+            assert_same(&outs_a[0], &run_uncached(r.thinker(), r.backend(), &a, r.capture(), false).unwrap());
+            // B reuses blocks 5 and 2, copies block 9 to 11 and continues at position 10;
+            // C's first chunk runs in the same step.
+            let table_b = [5u32, 2, 11, 3, 14];
+            let table_c = [7u32, 8, 12];
+            let batch = ScheduledBatch {
+                copies: vec![BlockCopy { src: 9, dst: 11 }],
+                seqs: vec![chunk(&c, 3, &table_c, 0, 5), chunk(&b, 2, &table_b, 10, 19)],
+            };
+            let outs = r.execute(&batch, &mut pages).unwrap();
+            assert_eq!(outs.len(), 1);
+            assert_same(&outs[0], &run_uncached(r.thinker(), r.backend(), &b, r.capture(), false).unwrap());
+            let outs_c = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&c, 3, &table_c, 5, 9)] }, &mut pages).unwrap();
+            assert_same(&outs_c[0], &run_uncached(r.thinker(), r.backend(), &c, r.capture(), false).unwrap());
+        }
+    }
+
+    #[test]
+    fn all_logits_end_with_the_last_logits() {
+        let cfg = Config::tiny_qwen3(32, 2, 4, 2, 64);
+        let r = runner(cfg.clone(), 9);
+        let p = prompt(&cfg, 6, 2, 9);
+        let out = run_uncached(r.thinker(), r.backend(), &p, r.capture(), true).unwrap();
+        let logits = out.logits.unwrap();
+        assert_eq!(logits.dim(), (6, 64));
+        assert_eq!(logits.row(5).to_vec(), out.last_logits);
+    }
+
+    #[test]
+    fn a_copies_only_batch_copies_and_returns_nothing() {
+        for cfg in configs() {
+            let r = runner(cfg.clone(), 2);
+            let p = prompt(&cfg, 8, 2, 5);
+            let mut pages = r.alloc_pages(4, BS).unwrap();
+            r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 1], 0, 6)] }, &mut pages).unwrap();
+            let outs = r.execute(&ScheduledBatch { copies: vec![BlockCopy { src: 1, dst: 3 }], seqs: vec![] }, &mut pages).unwrap();
+            assert!(outs.is_empty());
+            let width = BS * r.pages_spec(4, BS).kv_width();
+            for layer in 0..cfg.num_hidden_layers {
+                assert_eq!(pages.k[layer][width..2 * width], pages.k[layer][3 * width..4 * width]);
+            }
+            // The copy holds positions 4..6 of the prompt: finishing the prompt through it
+            // equals the uncached run.
+            let outs = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 3], 6, 8)] }, &mut pages).unwrap();
+            assert_same(&outs[0], &run_uncached(r.thinker(), r.backend(), &p, r.capture(), false).unwrap());
+        }
+    }
+
+    fn pages_equal(a: &CpuPages, b: &CpuPages) -> bool {
+        a.k == b.k && a.v == b.v && a.hidden == b.hidden
+    }
+
+    #[test]
+    fn invalid_batches_are_rejected_before_any_page_changes() {
+        let cfg = Config::tiny_qwen3(32, 2, 4, 2, 64);
+        let r = runner(cfg.clone(), 1);
+        let p = prompt(&cfg, 10, 2, 4);
+        let table = [0u32, 1, 2];
+        let mut pages = r.alloc_pages(4, BS).unwrap();
+        r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &table, 0, 4)] }, &mut pages).unwrap();
+        let before = pages.clone();
+        let good = chunk(&p, 1, &table, 4, 10);
+        let mut bad_token = good.clone();
+        bad_token.token_ids[2] = 64;
+        let mut bad_slot = good.clone();
+        bad_slot.slot_mapping[0] = 3;
+        let mut short_table = good.clone();
+        short_table.block_table.truncate(2);
+        let mut early_output = chunk(&p, 1, &table, 4, 8);
+        early_output.emits_output = true;
+        let mut bad_embed = good.clone();
+        bad_embed.embeds = vec![EmbedRows { step_offset: 5, embeddings: Arc::new(Array2::zeros((3, 32))), rows: 0..2 }];
+        let mut bad_positions = good.clone();
+        bad_positions.positions = Positions::Linear(vec![0; 2]);
+        for (what, seq) in [
+            ("token", bad_token),
+            ("slot", bad_slot),
+            ("table", short_table),
+            ("early", early_output),
+            ("embed", bad_embed),
+            ("positions", bad_positions),
+        ] {
+            // A valid copy goes first: it must not run either.
+            let batch = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };
+            let err = r.execute(&batch, &mut pages).unwrap_err();
+            assert!(matches!(err, Error::InvalidBatch { request: 1, .. }), "{what}: {err}");
+            assert!(pages_equal(&pages, &before), "{what}: pages changed");
+        }
+        let bad_copy = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 4 }], seqs: vec![] };
+        assert!(matches!(r.execute(&bad_copy, &mut pages), Err(Error::OpIndex { what: "copy block", index: 4, .. })));
+        let mut wrong_pages = r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
+        let err = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![good] }, &mut wrong_pages).unwrap_err();
+        assert!(matches!(err, Error::OpShape { what: "pages", .. }));
+    }
+}

@@ -1,0 +1,39 @@
+//! What a scheduler is sized by, and what it counts.
+
+/// Sizes and switches of a scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SchedulerConfig {
+    /// Blocks in the KV pool.
+    pub num_blocks: usize,
+    /// Tokens per block; must equal the index's.
+    pub block_size: usize,
+    /// Chunked-prefill budget: new tokens per step across all sequences.
+    pub max_tokens_per_step: usize,
+    /// Sequences per step.
+    pub max_seqs_per_step: usize,
+    /// Reuse a match that ends inside a block by copying that block
+    /// (copy-on-write) instead of recomputing the whole block.
+    pub token_granular_reuse: bool,
+}
+
+/// Counters and occupancy of a scheduler.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SchedulerStats {
+    /// Requests matched against the index when they started running.
+    pub queries: u64,
+    /// Of those, requests that reused at least one cached token.
+    pub hits: u64,
+    /// Cached tokens reused (not recomputed).
+    pub hit_tokens: u64,
+    /// Blocks the index gave back under pool pressure.
+    pub evicted_blocks: u64,
+    /// Running requests sent back to the queue to free blocks.
+    pub preemptions: u64,
+    /// Copy-on-write block copies emitted.
+    pub block_copies: u64,
+    pub blocks_free: usize,
+    pub blocks_in_use: usize,
+    pub blocks_cached: usize,
+    pub waiting: usize,
+    pub running: usize,
+}

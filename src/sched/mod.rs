@@ -1,0 +1,621 @@
+//! The scheduler: the one owner of all cache state (prefix index + block pool).
+//!
+//! Lifecycle of a request: [`Scheduler::admit`] checks it and queues it;
+//! [`Scheduler::schedule`] matches its prefix the first time it is picked
+//! (so it sees everything cached by then), pins the match, allocates blocks for
+//! a chunk within the step's token budget and emits a [`ScheduledBatch`];
+//! [`Scheduler::complete`] advances it after the runner ran the batch and
+//! commits its newly full blocks into the index; [`Scheduler::finish`] or
+//! [`Scheduler::abort`] release its locks and blocks.
+//!
+//! Blocks are never lost: a request's block table is a prefix of index-owned
+//! blocks (pinned by one index lock) followed by private pool blocks. Only full
+//! blocks whose KV was written enter the index, so an aborted request leaves no
+//! partial block behind.
+//!
+//! Progress: when the free list runs dry the scheduler evicts unlocked index
+//! entries, then preempts (recompute-style) the newest running requests, so the
+//! oldest one always progresses. An index may pin more than a match reports
+//! (the radix tree locks whole nodes), so a request that finds itself alone
+//! and still short restarts, and a request that cannot start while nothing
+//! runs starts without reuse and takes all its blocks at once: any prompt of
+//! at most `num_blocks` blocks finishes.
+
+mod check;
+mod chunk;
+mod config;
+mod request;
+
+use std::collections::VecDeque;
+
+use fxhash::{FxHashMap, FxHashSet};
+
+use crate::batch::{BlockCopy, RequestId, ScheduledBatch, ScheduledSeq};
+use crate::error::{Error, Result};
+use crate::index::{BlockId, IndexStats, PrefixIndex, PrefixMatch};
+use crate::kv::{BlockPool, BlockState};
+
+pub use config::{SchedulerConfig, SchedulerStats};
+pub use request::Request;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Running,
+    /// Prompt fully computed; blocks held until `finish` (outputs are being read).
+    Finished,
+}
+
+/// A request and the cache state it holds.
+#[derive(Debug)]
+struct Tracked {
+    req: Request,
+    phase: Phase,
+    /// `[..num_shared]` index-owned (pinned by `lock`), the rest private pool blocks.
+    block_table: Vec<BlockId>,
+    num_shared: usize,
+    num_computed: usize,
+    /// New tokens of the batch handed out and not yet completed.
+    in_flight: Option<usize>,
+    lock: Option<PrefixMatch>,
+}
+
+/// Admits requests, matches their prefixes and builds the batches the runner executes.
+///
+/// ```
+/// use omniprefix::index::radix::{RadixConfig, RadixIndex};
+/// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+/// use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+///
+/// let text = |id, ids: Vec<u32>| Request {
+///     id,
+///     prompt: CanonicalPrompt {
+///         tenant: 0,
+///         atoms: vec![Atom::Text(ids.clone())],
+///         positions: Positions::Linear((0..ids.len() as i64).collect()),
+///         token_ids: ids,
+///         items: vec![],
+///         index_map: IndexMap::default(),
+///     },
+///     item_embeddings: vec![],
+///     hidden_size: None,
+/// };
+/// let config = SchedulerConfig {
+///     num_blocks: 8,
+///     block_size: 4,
+///     max_tokens_per_step: 6,
+///     max_seqs_per_step: 2,
+///     token_granular_reuse: true,
+/// };
+/// let index = RadixIndex::new(RadixConfig { block_size: 4, ..Default::default() })?;
+/// let mut sched = Scheduler::new(config, Box::new(index))?;
+/// sched.admit(text(1, (0..10).collect()))?;
+/// loop {
+///     let batch = sched.schedule()?;
+///     if batch.seqs.is_empty() {
+///         break;
+///     }
+///     // ... the runner executes `batch` here ...
+///     for id in sched.complete(&batch)? {
+///         sched.finish(id)?; // after reading its outputs
+///     }
+/// }
+/// // Two full blocks (tokens 0..8) are cached now; the partial third is not.
+/// sched.admit(text(2, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 99]))?;
+/// let batch = sched.schedule()?;
+/// assert_eq!(batch.seqs[0].num_computed_tokens, 8);
+/// sched.validate().map_err(omniprefix::Error::InvalidRequest)?;
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub struct Scheduler {
+    config: SchedulerConfig,
+    index: Box<dyn PrefixIndex>,
+    pool: BlockPool,
+    requests: FxHashMap<RequestId, Tracked>,
+    waiting: VecDeque<RequestId>,
+    /// Running requests, oldest first.
+    running: Vec<RequestId>,
+    /// Requests aborted while a batch holding them was out; `complete` skips them.
+    aborted_in_flight: FxHashSet<RequestId>,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    /// A scheduler over `index` with an empty pool of `config.num_blocks` blocks.
+    pub fn new(config: SchedulerConfig, index: Box<dyn PrefixIndex>) -> Result<Self> {
+        let positive = |field, value: usize| {
+            if value == 0 {
+                Err(Error::InvalidConfig {
+                    field,
+                    expected: "positive".into(),
+                    found: "0".into(),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        positive("block_size", config.block_size)?;
+        positive("max_tokens_per_step", config.max_tokens_per_step)?;
+        positive("max_seqs_per_step", config.max_seqs_per_step)?;
+        if config.block_size != index.block_size() {
+            return Err(Error::InvalidConfig {
+                field: "block_size",
+                expected: format!("the index's block size {}", index.block_size()),
+                found: config.block_size.to_string(),
+            });
+        }
+        Ok(Self {
+            pool: BlockPool::new(config.num_blocks)?,
+            config,
+            index,
+            requests: FxHashMap::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            aborted_in_flight: FxHashSet::default(),
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request after checking it can ever run; on error nothing changes.
+    pub fn admit(&mut self, req: Request) -> Result<()> {
+        // An id aborted while its batch is out stays taken until that batch completes.
+        if self.requests.contains_key(&req.id) || self.aborted_in_flight.contains(&req.id) {
+            return Err(Error::DuplicateRequest { id: req.id });
+        }
+        req.validate()?;
+        // Alone, a request can always get this many blocks (see `start`).
+        let needed = req.prompt.len().div_ceil(self.config.block_size);
+        if needed > self.pool.num_blocks() {
+            return Err(Error::RequestTooLarge {
+                id: req.id,
+                needed,
+                num_blocks: self.pool.num_blocks(),
+            });
+        }
+        let id = req.id;
+        let tracked = Tracked {
+            req,
+            phase: Phase::Waiting,
+            block_table: Vec::new(),
+            num_shared: 0,
+            num_computed: 0,
+            in_flight: None,
+            lock: None,
+        };
+        self.requests.insert(id, tracked);
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Builds the next step: running requests first (oldest first), then waiting
+    /// ones in arrival order, each with a chunk within the token budget. A
+    /// request whose blocks cannot be found waits; an empty batch means nothing
+    /// can run now.
+    pub fn schedule(&mut self) -> Result<ScheduledBatch> {
+        let mut batch = ScheduledBatch::default();
+        let mut budget = self.config.max_tokens_per_step;
+        let mut i = 0;
+        while i < self.running.len()
+            && budget > 0
+            && batch.seqs.len() < self.config.max_seqs_per_step
+        {
+            let id = self.running[i];
+            let Some(t) = self.requests.get(&id) else {
+                return Err(Error::UnknownRequest { id });
+            };
+            if t.in_flight.is_none() {
+                let chunk = (t.req.prompt.len() - t.num_computed).min(budget);
+                let need = (t.num_computed + chunk)
+                    .div_ceil(self.config.block_size)
+                    .saturating_sub(t.block_table.len());
+                match self.reserve(need, Some(i))? {
+                    Some(fresh) => {
+                        self.tracked_mut(id)?.block_table.extend(fresh);
+                        self.emit(id, chunk, &mut batch)?;
+                        budget -= chunk;
+                    }
+                    // It preempted itself and is back at the head of the queue.
+                    None if self.running.get(i) != Some(&id) => continue,
+                    None => {}
+                }
+            }
+            i += 1;
+        }
+        while let Some(&id) = self.waiting.front() {
+            if budget == 0
+                || batch.seqs.len() >= self.config.max_seqs_per_step
+                || !self.start(id, budget, &mut batch)?
+            {
+                break;
+            }
+            budget -= batch.seqs.last().map_or(0, |s| s.token_ids.len());
+        }
+        Ok(batch)
+    }
+
+    /// Records that the runner executed `batch`: advances each request, commits
+    /// its newly full blocks into the index and returns the requests whose
+    /// prompt is now complete. A batch that is not the one handed out is
+    /// rejected before anything changes.
+    pub fn complete(&mut self, batch: &ScheduledBatch) -> Result<Vec<RequestId>> {
+        let mut seen = FxHashSet::default();
+        for seq in &batch.seqs {
+            let id = seq.request;
+            if !seen.insert(id) {
+                return Err(Error::BatchMismatch {
+                    id,
+                    what: "occurrences in the batch",
+                    expected: 1,
+                    found: 2,
+                });
+            }
+            if self.aborted_in_flight.contains(&id) {
+                continue;
+            }
+            let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+            let found = seq.token_ids.len();
+            match t.in_flight {
+                None => {
+                    return Err(Error::BatchMismatch {
+                        id,
+                        what: "new tokens",
+                        expected: 0,
+                        found,
+                    });
+                }
+                Some(chunk) if chunk != found => {
+                    return Err(Error::BatchMismatch {
+                        id,
+                        what: "new tokens",
+                        expected: chunk,
+                        found,
+                    });
+                }
+                Some(_) if t.num_computed != seq.num_computed_tokens => {
+                    return Err(Error::BatchMismatch {
+                        id,
+                        what: "num_computed_tokens",
+                        expected: t.num_computed,
+                        found: seq.num_computed_tokens,
+                    });
+                }
+                Some(_) => {}
+            }
+        }
+        let mut finished = Vec::new();
+        for seq in &batch.seqs {
+            let id = seq.request;
+            if self.aborted_in_flight.remove(&id) {
+                continue;
+            }
+            let t = self.tracked_mut(id)?;
+            t.num_computed += t.in_flight.take().unwrap_or(0);
+            let done = t.num_computed == t.req.prompt.len();
+            self.commit_full_blocks(id)?;
+            if done {
+                self.tracked_mut(id)?.phase = Phase::Finished;
+                self.running.retain(|&r| r != id);
+                finished.push(id);
+            }
+        }
+        Ok(finished)
+    }
+
+    /// Releases a completed request's locks and blocks (its full blocks stay cached).
+    pub fn finish(&mut self, id: RequestId) -> Result<()> {
+        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        if t.phase != Phase::Finished {
+            return Err(Error::RequestNotFinished {
+                id,
+                computed: t.num_computed,
+                len: t.req.prompt.len(),
+            });
+        }
+        self.remove(id)
+    }
+
+    /// Drops a request in any phase; its partly written blocks go back to the
+    /// free list, never into the index. A batch already handed out that holds
+    /// it may still be completed (its share is ignored).
+    pub fn abort(&mut self, id: RequestId) -> Result<()> {
+        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        if t.in_flight.is_some() {
+            self.aborted_in_flight.insert(id);
+        }
+        self.remove(id)
+    }
+
+    /// The block table of an admitted request (empty while it waits).
+    pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
+        self.requests.get(&id).map(|t| t.block_table.as_slice())
+    }
+
+    /// Tokens of a request whose KV is in pages (cached prefix included).
+    pub fn num_computed_tokens(&self, id: RequestId) -> Option<usize> {
+        self.requests.get(&id).map(|t| t.num_computed)
+    }
+
+    /// Counters and occupancy.
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            blocks_free: self.pool.num_free(),
+            blocks_in_use: self.pool.num_in_use(),
+            blocks_cached: self.pool.num_indexed(),
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// The prefix index's own counters.
+    pub fn index_stats(&self) -> IndexStats {
+        self.index.stats()
+    }
+
+    /// Matches a waiting request, pins its cached prefix, allocates its first
+    /// chunk and emits it; `false` when blocks are short (it stays queued).
+    fn start(&mut self, id: RequestId, budget: usize, batch: &mut ScheduledBatch) -> Result<bool> {
+        let bs = self.config.block_size;
+        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        let len = t.req.prompt.len();
+        let m = self.index.match_prefix(&t.req.prompt);
+        if m.tokens > len
+            || m.blocks.len() != m.tokens.div_ceil(bs)
+            || m.aligned_tokens != m.tokens / bs * bs
+        {
+            return Err(Error::IndexContract(format!(
+                "match of {} tokens ({} aligned) with {} blocks for a {len}-token prompt",
+                m.tokens,
+                m.aligned_tokens,
+                m.blocks.len()
+            )));
+        }
+        // At least the last token runs, so a fully cached prompt still yields outputs.
+        let usable = m.tokens.min(len - 1);
+        let mut computed = if self.config.token_granular_reuse {
+            usable
+        } else {
+            usable / bs * bs
+        };
+        // Pin before evicting so eviction cannot take what was just matched.
+        let mut lock = (computed > 0).then(|| pinned_part(m, computed, bs));
+        if let Some(m) = &lock {
+            self.index.lock(m);
+        }
+        let mut whole_prompt = false;
+        let fresh = loop {
+            let upto = if whole_prompt {
+                len
+            } else {
+                computed + (len - computed).min(budget)
+            };
+            if let Some(fresh) = self.reserve(upto.div_ceil(bs) - computed / bs, None)? {
+                break fresh;
+            }
+            let Some(m) = lock.take() else {
+                return Ok(false);
+            };
+            self.index.unlock(&m);
+            // An index may pin more than the match (a whole tree node). When
+            // nothing else runs, start without reuse and take every block the
+            // prompt needs now, so later locks cannot starve it.
+            if !self.running.is_empty() {
+                return Ok(false);
+            }
+            computed = 0;
+            whole_prompt = true;
+        };
+        let shared = computed / bs;
+        let chunk = (len - computed).min(budget);
+        let copy_src = lock
+            .as_ref()
+            .filter(|_| computed % bs != 0)
+            .and_then(|m| m.blocks.get(shared).copied());
+        if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {
+            batch.copies.push(BlockCopy { src, dst });
+            self.stats.block_copies += 1;
+        }
+        self.stats.queries += 1;
+        if computed > 0 {
+            self.stats.hits += 1;
+            self.stats.hit_tokens += computed as u64;
+        }
+        let t = self.tracked_mut(id)?;
+        t.block_table = lock
+            .as_ref()
+            .map_or(&[][..], |m| &m.blocks[..shared])
+            .to_vec();
+        t.block_table.extend(fresh);
+        t.num_shared = shared;
+        t.num_computed = computed;
+        t.lock = lock;
+        t.phase = Phase::Running;
+        self.waiting.pop_front();
+        self.running.push(id);
+        self.emit(id, chunk, batch)?;
+        Ok(true)
+    }
+
+    /// Appends request `id`'s next `chunk` tokens to the batch (blocks already allocated).
+    fn emit(&mut self, id: RequestId, chunk: usize, batch: &mut ScheduledBatch) -> Result<()> {
+        let bs = self.config.block_size;
+        let t = self.tracked_mut(id)?;
+        let range = t.num_computed..t.num_computed + chunk;
+        let prompt = &t.req.prompt;
+        batch.seqs.push(ScheduledSeq {
+            request: id,
+            block_table: t.block_table.clone(),
+            num_computed_tokens: t.num_computed,
+            token_ids: prompt
+                .token_ids
+                .get(range.clone())
+                .unwrap_or_default()
+                .to_vec(),
+            embeds: chunk::embeds_in(&prompt.index_map, &t.req.item_embeddings, range.clone()),
+            positions: chunk::slice_positions(&prompt.positions, range.clone()),
+            slot_mapping: chunk::slot_mapping(&t.block_table, bs, range.clone()),
+            prompt_len: prompt.len(),
+            emits_output: range.end == prompt.len(),
+        });
+        t.in_flight = Some(chunk);
+        Ok(())
+    }
+
+    /// Takes `need` blocks from the pool, evicting unlocked index entries and,
+    /// when `preempt_after` is given, preempting running requests newer than
+    /// that position. `None` when the blocks cannot be found now.
+    fn reserve(
+        &mut self,
+        need: usize,
+        preempt_after: Option<usize>,
+    ) -> Result<Option<Vec<BlockId>>> {
+        loop {
+            while self.pool.num_free() < need {
+                let evicted = self.index.evict(need - self.pool.num_free());
+                if evicted.is_empty() {
+                    break;
+                }
+                self.stats.evicted_blocks += evicted.len() as u64;
+                for b in evicted {
+                    self.pool.reclaim_evicted(b)?;
+                }
+            }
+            if let Some(fresh) = self.pool.allocate(need) {
+                return Ok(Some(fresh));
+            }
+            let Some(after) = preempt_after else {
+                return Ok(None);
+            };
+            let newer = self
+                .running
+                .iter()
+                .enumerate()
+                .rev()
+                .find(|&(j, id)| {
+                    j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none())
+                })
+                .map(|(j, _)| j);
+            // Alone and still short: its own lock pins more than it reads (an
+            // index that locks whole tree nodes). Restarting re-matches, which
+            // reuses what it committed and releases the rest.
+            let alone = (self.running.len() == 1).then_some(after);
+            let Some(j) = newer.or(alone) else {
+                return Ok(None);
+            };
+            let id = self.running.remove(j);
+            self.release_cache_state(id)?;
+            let t = self.tracked_mut(id)?;
+            t.phase = Phase::Waiting;
+            t.num_computed = 0;
+            self.waiting.push_front(id);
+            self.stats.preemptions += 1;
+            if j == after {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Inserts the request's full computed blocks into the index and re-pins
+    /// them; blocks the index already had are swapped for its copies and freed.
+    fn commit_full_blocks(&mut self, id: RequestId) -> Result<()> {
+        let bs = self.config.block_size;
+        let t = self
+            .requests
+            .get_mut(&id)
+            .ok_or(Error::UnknownRequest { id })?;
+        let n_full = t.num_computed / bs;
+        if n_full <= t.num_shared {
+            return Ok(());
+        }
+        let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
+        for &b in &outcome.adopted {
+            if !t.block_table[t.num_shared..n_full].contains(&b) {
+                return Err(Error::IndexContract(format!(
+                    "insert adopted block {b}, which request {id} did not offer"
+                )));
+            }
+            self.pool.adopt_by_index(b)?;
+        }
+        let m = self.index.match_prefix(&t.req.prompt);
+        if m.aligned_tokens < n_full * bs || m.blocks.len() < n_full {
+            return Err(Error::IndexContract(format!(
+                "request {id}: {} of {n_full} just inserted blocks match again",
+                m.aligned_tokens / bs
+            )));
+        }
+        let m = pinned_part(m, n_full * bs, bs);
+        self.index.lock(&m);
+        for i in t.num_shared..n_full {
+            let (old, new) = (t.block_table[i], m.blocks[i]);
+            if old != new {
+                if matches!(self.pool.state(old)?, BlockState::InUse { .. }) {
+                    self.pool.release(old)?;
+                }
+                t.block_table[i] = new;
+            }
+            if self.pool.state(new)? != BlockState::Indexed {
+                return Err(Error::IndexContract(format!(
+                    "match returned block {new}, which the index does not own"
+                )));
+            }
+        }
+        if let Some(old) = t.lock.replace(m) {
+            self.index.unlock(&old);
+        }
+        t.num_shared = n_full;
+        Ok(())
+    }
+
+    /// Unpins and frees everything a request holds and forgets it.
+    fn remove(&mut self, id: RequestId) -> Result<()> {
+        self.release_cache_state(id)?;
+        self.waiting.retain(|&r| r != id);
+        self.running.retain(|&r| r != id);
+        self.requests.remove(&id);
+        Ok(())
+    }
+
+    /// Gives up a request's index lock and private blocks.
+    fn release_cache_state(&mut self, id: RequestId) -> Result<()> {
+        let t = self
+            .requests
+            .get_mut(&id)
+            .ok_or(Error::UnknownRequest { id })?;
+        if let Some(m) = t.lock.take() {
+            self.index.unlock(&m);
+        }
+        for &b in &t.block_table[t.num_shared..] {
+            self.pool.release(b)?;
+        }
+        t.block_table.clear();
+        t.num_shared = 0;
+        Ok(())
+    }
+
+    fn tracked_mut(&mut self, id: RequestId) -> Result<&mut Tracked> {
+        self.requests
+            .get_mut(&id)
+            .ok_or(Error::UnknownRequest { id })
+    }
+}
+
+/// The part of a match a request actually reads: its first `tokens` tokens.
+///
+/// An index that locks block by block then pins no more than the request
+/// reads (+1 for a copy-on-write source), so restarts stay rare.
+fn pinned_part(m: PrefixMatch, tokens: usize, block_size: usize) -> PrefixMatch {
+    debug_assert!(tokens <= m.tokens && tokens.div_ceil(block_size) <= m.blocks.len());
+    let mut blocks = m.blocks;
+    blocks.truncate(tokens.div_ceil(block_size));
+    PrefixMatch {
+        tokens,
+        aligned_tokens: tokens / block_size * block_size,
+        blocks,
+        handle: m.handle,
+    }
+}

@@ -1,0 +1,136 @@
+//! What a caller submits, and the checks that make it safe to schedule.
+
+use std::sync::Arc;
+
+use ndarray::Array2;
+
+use crate::batch::RequestId;
+use crate::error::{Error, Result};
+use crate::prompt::{CanonicalPrompt, Positions};
+
+/// A preprocessed request with the embeddings of its multimodal items.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Caller-chosen id, unique among admitted requests.
+    pub id: RequestId,
+    pub prompt: CanonicalPrompt,
+    /// One `[num_tokens, hidden]` array per `prompt.items` entry, in the same order.
+    pub item_embeddings: Vec<Arc<Array2<f32>>>,
+    /// The model's hidden size, when known: every embedding must have that many columns.
+    pub hidden_size: Option<usize>,
+}
+
+impl Request {
+    /// Checks that the prompt's parts agree with each other and with the embeddings,
+    /// so that slicing them per chunk cannot go out of range.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let id = self.id;
+        let len = self.prompt.len();
+        if len == 0 {
+            return Err(Error::PromptMismatch {
+                id,
+                what: "prompt length",
+                expected: 1,
+                found: 0,
+            });
+        }
+        let positions_len = match &self.prompt.positions {
+            Positions::Linear(p) => p.len(),
+            Positions::Mrope { t, h, w, .. } => {
+                if t.len() != h.len() || t.len() != w.len() {
+                    return Err(Error::PromptMismatch {
+                        id,
+                        what: "M-RoPE h/w row length",
+                        expected: t.len(),
+                        found: if h.len() != t.len() { h.len() } else { w.len() },
+                    });
+                }
+                t.len()
+            }
+        };
+        if positions_len != len {
+            return Err(Error::PromptMismatch {
+                id,
+                what: "positions length",
+                expected: len,
+                found: positions_len,
+            });
+        }
+        let items = &self.prompt.items;
+        if self.item_embeddings.len() != items.len() {
+            return Err(Error::EmbeddingMismatch {
+                id,
+                item: self.item_embeddings.len().min(items.len()),
+                what: "number of item embeddings",
+                expected: items.len(),
+                found: self.item_embeddings.len(),
+            });
+        }
+        let hidden = self
+            .hidden_size
+            .or_else(|| self.item_embeddings.first().map(|e| e.ncols()));
+        for (item, (identity, emb)) in items.iter().zip(&self.item_embeddings).enumerate() {
+            if emb.nrows() != identity.num_tokens {
+                return Err(Error::EmbeddingMismatch {
+                    id,
+                    item,
+                    what: "embedding rows",
+                    expected: identity.num_tokens,
+                    found: emb.nrows(),
+                });
+            }
+            if let Some(hidden) = hidden.filter(|&h| h != emb.ncols()) {
+                return Err(Error::EmbeddingMismatch {
+                    id,
+                    item,
+                    what: "embedding columns",
+                    expected: hidden,
+                    found: emb.ncols(),
+                });
+            }
+        }
+        let mut placeholder_rows = 0u64;
+        for span in &self.prompt.index_map.spans {
+            let item = span.item as usize;
+            let rows =
+                self.item_embeddings
+                    .get(item)
+                    .map(|e| e.nrows())
+                    .ok_or(Error::PromptMismatch {
+                        id,
+                        what: "index map item index",
+                        expected: items.len(),
+                        found: item,
+                    })?;
+            if span.rows.start > span.rows.end || span.rows.end as usize > rows {
+                return Err(Error::EmbeddingMismatch {
+                    id,
+                    item,
+                    what: "index map row end",
+                    expected: rows,
+                    found: span.rows.end as usize,
+                });
+            }
+            let end = span.start as usize + span.rows.len();
+            if end > len {
+                return Err(Error::PromptMismatch {
+                    id,
+                    what: "index map span end",
+                    expected: len,
+                    found: end,
+                });
+            }
+            placeholder_rows += span.rows.len() as u64;
+        }
+        let placeholders = self.prompt.index_map.placeholders.len();
+        if placeholder_rows != placeholders {
+            return Err(Error::PromptMismatch {
+                id,
+                what: "rows covered by index map spans",
+                expected: placeholders as usize,
+                found: placeholder_rows as usize,
+            });
+        }
+        Ok(())
+    }
+}

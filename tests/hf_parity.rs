@@ -1,0 +1,529 @@
+//! Parity with Hugging Face transformers.
+//!
+//! `fixtures/make_tiny_models.py` built tiny checkpoints with the HF classes
+//! (`Qwen3ForCausalLM`; the Qwen3-Omni MoE thinker with interleaved M-RoPE;
+//! `Qwen2ForCausalLM`) and recorded, per prompt, every hidden state, the
+//! final-norm output and the logits of every row (see `fixtures/tiny/README.md`).
+//! Here each checkpoint goes through our loader and our thinker on the CPU
+//! backend, and every recorded tensor must match within [`TOLERANCE`]
+//! relative error: `max|ours - ref| / max(max|ref|, TINY)`.
+//!
+//! Two ways to run a prompt: `run_uncached` (one step), and `ModelRunner::execute`
+//! in small chunks over a scattered block table, where every step reads the
+//! earlier ones' K/V from pages and the full hidden states come back from the
+//! hidden pages — so "caching is invisible" is checked against HF itself.
+
+use std::collections::BTreeMap;
+use std::error::Error as StdError;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ndarray::{Array2, ArrayView2, s};
+use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
+use omniprefix::model::{CaptureName, CaptureSpec, Thinker};
+use omniprefix::prompt::Positions;
+use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
+
+/// Largest accepted `max|ours - ref| / max(max|ref|, TINY)` per tensor.
+const TOLERANCE: f32 = 1e-4;
+/// Floor of the reference scale, so an all-zero reference does not divide by zero.
+const TINY: f32 = 1e-6;
+
+fn model_dir(model: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/tiny")
+        .join(model)
+}
+
+// ------------------------------------------------------------------ reference file
+
+/// The tensors of one `reference.safetensors`, decoded to host types.
+struct Reference {
+    f32s: BTreeMap<String, Array2<f32>>,
+    i64s: BTreeMap<String, Vec<i64>>,
+}
+
+impl Reference {
+    fn open(model: &str) -> TestResult<Self> {
+        let path = model_dir(model).join("reference.safetensors");
+        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let st = SafeTensors::deserialize(&bytes)?;
+        let (mut f32s, mut i64s) = (BTreeMap::new(), BTreeMap::new());
+        for (name, view) in st.tensors() {
+            match view.dtype() {
+                StDtype::F32 => {
+                    let data: Vec<f32> = view
+                        .data()
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect();
+                    // Matrices are stored 2-D; 1-D f32 tensors do not occur.
+                    let &[rows, cols] = view.shape() else {
+                        return Err(format!(
+                            "{name}: f32 reference of shape {:?}, expected 2-D",
+                            view.shape()
+                        )
+                        .into());
+                    };
+                    f32s.insert(name, Array2::from_shape_vec((rows, cols), data)?);
+                }
+                StDtype::I64 => {
+                    let data = view
+                        .data()
+                        .chunks_exact(8)
+                        .map(|b| {
+                            i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+                        })
+                        .collect();
+                    i64s.insert(name, data);
+                }
+                other => return Err(format!("{name}: unexpected dtype {other:?}").into()),
+            }
+        }
+        Ok(Self { f32s, i64s })
+    }
+
+    fn matrix(&self, name: &str) -> TestResult<&Array2<f32>> {
+        self.f32s
+            .get(name)
+            .ok_or_else(|| format!("reference lacks `{name}`").into())
+    }
+
+    fn ints(&self, name: &str) -> TestResult<&[i64]> {
+        self.i64s
+            .get(name)
+            .map(Vec::as_slice)
+            .ok_or_else(|| format!("reference lacks `{name}`").into())
+    }
+
+    /// Token ids of prompt `p` as the model's `u32`.
+    fn token_ids(&self, p: &str) -> TestResult<Vec<u32>> {
+        self.ints(&format!("{p}.input_ids"))?
+            .iter()
+            .map(|&id| Ok(u32::try_from(id)?))
+            .collect()
+    }
+
+    /// The prompts recorded (every prompt has `<p>.logits`), in name order.
+    fn prompts(&self) -> Vec<&str> {
+        self.f32s
+            .keys()
+            .filter_map(|k| k.strip_suffix(".logits"))
+            .collect()
+    }
+
+    /// Names of the outputs recorded for prompt `p`: `hidden.<k>`, `final`, `logits`.
+    fn outputs_of<'a>(&'a self, p: &str) -> impl Iterator<Item = &'a str> {
+        let prefix = format!("{p}.");
+        self.f32s.keys().filter_map(move |k| {
+            let what = k.strip_prefix(&prefix)?;
+            (what == "final" || what == "logits" || what.starts_with("hidden.")).then_some(what)
+        })
+    }
+
+    /// The reference for output `what` of prompt `p`; `last_logits` is the last row of `logits`.
+    fn expected(&self, p: &str, what: &str) -> TestResult<ArrayView2<'_, f32>> {
+        if what == "last_logits" {
+            let logits = self.matrix(&format!("{p}.logits"))?;
+            let last = logits.nrows().checked_sub(1).ok_or("empty logits")?;
+            return Ok(logits.slice(s![last.., ..]));
+        }
+        Ok(self.matrix(&format!("{p}.{what}"))?.view())
+    }
+}
+
+// ------------------------------------------------------------------ comparison
+
+/// Relative error of `ours` against `reference`, or a message naming the first
+/// element whose error exceeds the tolerance (row-major order).
+fn compare(
+    what: &str,
+    ours: ArrayView2<'_, f32>,
+    reference: ArrayView2<'_, f32>,
+) -> Result<f32, String> {
+    if ours.dim() != reference.dim() {
+        return Err(format!(
+            "{what}: shape {:?}, reference {:?}",
+            ours.dim(),
+            reference.dim()
+        ));
+    }
+    let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(TINY);
+    let mut worst = 0f32;
+    let mut first_bad = None;
+    for ((idx, &a), &b) in ours.indexed_iter().zip(reference.iter()) {
+        let err = (a - b).abs() / scale;
+        // NaN compares false: count it as the worst possible error.
+        let err = if err.is_nan() { f32::INFINITY } else { err };
+        worst = worst.max(err);
+        if err > TOLERANCE && first_bad.is_none() {
+            first_bad = Some((idx, a, b));
+        }
+    }
+    match first_bad {
+        None => Ok(worst),
+        Some(((r, c), a, b)) => Err(format!(
+            "{what}: relative error {worst:.3e} > {TOLERANCE:e}; first at [{r}, {c}]: ours {a}, reference {b} (scale {scale})"
+        )),
+    }
+}
+
+/// Checks each of our outputs of prompt `p` (output name → matrix) against the reference.
+/// Returns the worst relative error, or every failure message.
+fn check_prompt(
+    model: &str,
+    p: &str,
+    reference: &Reference,
+    ours: &BTreeMap<String, Array2<f32>>,
+) -> Result<f32, Vec<String>> {
+    let mut worst = 0f32;
+    let mut failures = Vec::new();
+    for (what, got) in ours {
+        let label = format!("{model}/{p}.{what}");
+        let checked = reference
+            .expected(p, what)
+            .map_err(|e| format!("{label}: {e}"))
+            .and_then(|expected| compare(&label, got.view(), expected));
+        match checked {
+            Ok(err) => worst = worst.max(err),
+            Err(msg) => failures.push(msg),
+        }
+    }
+    if failures.is_empty() {
+        Ok(worst)
+    } else {
+        Err(failures)
+    }
+}
+
+// ------------------------------------------------------------------ our side
+
+/// Every capture point the fixtures hold: `hidden.0..=num_layers` and `final`.
+fn all_captures(num_layers: usize) -> TestResult<CaptureSpec> {
+    let points = (0..=num_layers)
+        .map(CaptureName::Hidden)
+        .chain([CaptureName::Final]);
+    Ok(CaptureSpec::new(points, num_layers)?)
+}
+
+/// Prompt `p` as our runner's inputs: plain text with positions `0..L`, or —
+/// when the reference holds `<p>.position_ids` — HF's 3-D positions and the item
+/// embeddings at their recorded starts.
+fn prompt_inputs(reference: &Reference, p: &str) -> TestResult<PromptInputs> {
+    let token_ids = reference.token_ids(p)?;
+    let len = token_ids.len();
+    let Ok(pos) = reference.ints(&format!("{p}.position_ids")) else {
+        let positions = Positions::Linear((0..len as i64).collect());
+        return Ok(PromptInputs {
+            token_ids,
+            embeds: vec![],
+            positions,
+        });
+    };
+    let axis = |a: usize| {
+        pos.get(a * len..(a + 1) * len)
+            .map(<[i64]>::to_vec)
+            .ok_or("position_ids is not [3, L]")
+    };
+    let rope_delta = *reference
+        .ints(&format!("{p}.rope_delta"))?
+        .first()
+        .ok_or("empty rope_delta")?;
+    let positions = Positions::Mrope {
+        t: axis(0)?,
+        h: axis(1)?,
+        w: axis(2)?,
+        rope_delta,
+    };
+    let mut embeds = Vec::new();
+    for j in 0.. {
+        let Ok(rows) = reference.matrix(&format!("{p}.item.{j}.embeds")) else {
+            break;
+        };
+        let start = *reference
+            .ints(&format!("{p}.item.{j}.start"))?
+            .first()
+            .ok_or("empty item start")?;
+        embeds.push(EmbedRows {
+            step_offset: usize::try_from(start)?,
+            rows: 0..rows.nrows(),
+            embeddings: Arc::new(rows.clone()),
+        });
+    }
+    Ok(PromptInputs {
+        token_ids,
+        embeds,
+        positions,
+    })
+}
+
+/// How our side runs a prompt.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    /// `run_uncached`: one step; every row's logits.
+    Uncached,
+    /// `ModelRunner::execute` in steps of `chunk` tokens over `block_size`-token
+    /// blocks laid out in a reversed, non-contiguous block table; the last step
+    /// returns the full hidden states and the last row's logits.
+    Chunked { chunk: usize, block_size: usize },
+}
+
+/// Output name → matrix, as `check_prompt` takes it.
+fn named(hidden: Vec<(CaptureName, Array2<f32>)>) -> BTreeMap<String, Array2<f32>> {
+    hidden
+        .into_iter()
+        .map(|(name, m)| (name.to_string(), m))
+        .collect()
+}
+
+/// The positions of the prompt rows in `r` (one step's share).
+fn slice_positions(p: &Positions, r: Range<usize>) -> Positions {
+    match p {
+        Positions::Linear(v) => Positions::Linear(v[r].to_vec()),
+        Positions::Mrope {
+            t,
+            h,
+            w,
+            rope_delta,
+        } => Positions::Mrope {
+            t: t[r.clone()].to_vec(),
+            h: h[r.clone()].to_vec(),
+            w: w[r].to_vec(),
+            rope_delta: *rope_delta,
+        },
+    }
+}
+
+/// The parts of whole-prompt item rows that fall in `step`, re-based to the step.
+fn step_embeds(items: &[EmbedRows], step: &Range<usize>) -> Vec<EmbedRows> {
+    items
+        .iter()
+        .filter_map(|e| {
+            let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
+            let (lo, hi) = (start.max(step.start), end.min(step.end));
+            (lo < hi).then(|| EmbedRows {
+                step_offset: lo - step.start,
+                embeddings: Arc::clone(&e.embeddings),
+                rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
+            })
+        })
+        .collect()
+}
+
+/// Runs a prompt as [`Mode::Chunked`] says; returns the captures and `last_logits`.
+fn run_chunked(
+    runner: &ModelRunner<CpuBackend>,
+    inputs: &PromptInputs,
+    chunk: usize,
+    block_size: usize,
+) -> TestResult<BTreeMap<String, Array2<f32>>> {
+    let len = inputs.token_ids.len();
+    let needed = len.div_ceil(block_size);
+    let num_blocks = 2 * needed;
+    let block_table: Vec<u32> = (0..needed)
+        .map(|i| (num_blocks - 1 - 2 * i) as u32)
+        .collect();
+    let slot = |j: usize| {
+        i64::from(block_table[j / block_size]) * block_size as i64 + (j % block_size) as i64
+    };
+    let mut pages = runner.alloc_pages(num_blocks, block_size)?;
+    let mut last = None;
+    for start in (0..len).step_by(chunk) {
+        let step = start..(start + chunk).min(len);
+        let seq = ScheduledSeq {
+            request: 1,
+            block_table: block_table.clone(),
+            num_computed_tokens: start,
+            token_ids: inputs.token_ids[step.clone()].to_vec(),
+            embeds: step_embeds(&inputs.embeds, &step),
+            positions: slice_positions(&inputs.positions, step.clone()),
+            slot_mapping: step.clone().map(slot).collect(),
+            prompt_len: len,
+            emits_output: step.end == len,
+        };
+        let mut outputs = runner.execute(
+            &ScheduledBatch {
+                copies: vec![],
+                seqs: vec![seq],
+            },
+            &mut pages,
+        )?;
+        assert_eq!(
+            outputs.len(),
+            usize::from(step.end == len),
+            "outputs only on the last step"
+        );
+        last = outputs.pop();
+    }
+    let out = last.ok_or("empty prompt")?;
+    let vocab = out.last_logits.len();
+    let mut ours = named(out.hidden);
+    ours.insert(
+        "last_logits".into(),
+        Array2::from_shape_vec((1, vocab), out.last_logits)?,
+    );
+    Ok(ours)
+}
+
+/// Loads `fixtures/tiny/<model>` with our loader, runs every recorded prompt on
+/// the CPU backend as `mode` says and compares all outputs. Returns the worst
+/// relative error over everything compared.
+fn check_model(model: &str, expected_prompts: &[&str], mode: Mode) -> TestResult<f32> {
+    let backend = Arc::new(CpuBackend::new());
+    let thinker = Arc::new(Thinker::from_dir(&*backend, &model_dir(model))?);
+    let num_layers = thinker.config().num_hidden_layers;
+    let capture = all_captures(num_layers)?;
+    let runner = ModelRunner::new(Arc::clone(&backend), Arc::clone(&thinker), capture.clone())?;
+    let reference = Reference::open(model)?;
+    assert_eq!(
+        reference.prompts(),
+        expected_prompts,
+        "{model}: prompts in reference.safetensors"
+    );
+
+    let mut worst = 0f32;
+    let mut failures = Vec::new();
+    for p in reference.prompts() {
+        let inputs = prompt_inputs(&reference, p)?;
+        let ours = match mode {
+            Mode::Uncached => {
+                let out = run_uncached(&thinker, &*backend, &inputs, &capture, true)?;
+                let mut ours = named(out.hidden);
+                ours.insert(
+                    "logits".into(),
+                    out.logits
+                        .ok_or("run_uncached returned no per-row logits")?,
+                );
+                ours
+            }
+            Mode::Chunked { chunk, block_size } => {
+                run_chunked(&runner, &inputs, chunk, block_size)?
+            }
+        };
+        // Every recorded hidden state is checked, or parity would be claimed for fewer.
+        let recorded: Vec<&str> = reference.outputs_of(p).collect();
+        assert_eq!(
+            recorded.len(),
+            num_layers + 3,
+            "{model}/{p}: hidden.0..={num_layers}, final, logits"
+        );
+        for what in recorded.iter().filter(|w| **w != "logits") {
+            assert!(
+                ours.contains_key(*what),
+                "{model}/{p}: our run lacks {what}"
+            );
+        }
+        match check_prompt(model, p, &reference, &ours) {
+            Ok(err) => worst = worst.max(err),
+            Err(mut msgs) => failures.append(&mut msgs),
+        }
+    }
+    eprintln!(
+        "{model} ({mode:?}): worst relative error {worst:.3e} over {} prompts",
+        expected_prompts.len()
+    );
+    if failures.is_empty() {
+        Ok(worst)
+    } else {
+        Err(failures.join("\n").into())
+    }
+}
+
+// ------------------------------------------------------------------ tests
+
+const TEXT_PROMPTS: &[&str] = &["text_a", "text_b", "text_c"];
+const OMNI_PROMPTS: &[&str] = &["mm", "text_a", "text_b", "text_c"];
+
+/// The same references through the paged runner: 7-token steps over 8-token blocks
+/// (steps never block aligned; in `mm` the image, audio and video items each straddle
+/// a step boundary), blocks reversed and non-contiguous.
+#[test]
+fn chunked_prefill_reading_the_prefix_from_pages_matches_transformers() -> TestResult {
+    let mode = Mode::Chunked {
+        chunk: 7,
+        block_size: 8,
+    };
+    check_model("qwen3_dense", TEXT_PROMPTS, mode)?;
+    check_model("omni_thinker", OMNI_PROMPTS, mode)?;
+    check_model("qwen2_dense", TEXT_PROMPTS, mode)?;
+    Ok(())
+}
+
+/// Qwen3 dense: qk-norm, GQA 4/2, 1-D RoPE, untied lm_head.
+#[test]
+fn qwen3_dense_matches_transformers() -> TestResult {
+    check_model("qwen3_dense", TEXT_PROMPTS, Mode::Uncached)?;
+    Ok(())
+}
+
+/// Qwen3-Omni MoE thinker from a checkpoint with the real `thinker.` names and
+/// per-expert weights: text prompts, and a text/image/audio/video prompt with item
+/// embeddings scattered at the placeholders and HF's interleaved M-RoPE positions.
+#[test]
+fn omni_thinker_matches_transformers_on_text_and_multimodal_prompts() -> TestResult {
+    check_model("omni_thinker", OMNI_PROMPTS, Mode::Uncached)?;
+    Ok(())
+}
+
+/// Qwen2 dense: q/k/v bias, no qk-norm, tied embeddings (no `lm_head.weight`).
+#[test]
+fn qwen2_dense_matches_transformers() -> TestResult {
+    check_model("qwen2_dense", TEXT_PROMPTS, Mode::Uncached)?;
+    Ok(())
+}
+
+/// The M-RoPE positions really are 3-D (not `0..L` on every axis), so the
+/// multimodal parity above exercises the interleaved rotary path.
+#[test]
+fn omni_multimodal_prompt_uses_non_linear_positions() -> TestResult {
+    let reference = Reference::open("omni_thinker")?;
+    let inputs = prompt_inputs(&reference, "mm")?;
+    let Positions::Mrope {
+        t,
+        h,
+        w,
+        rope_delta,
+    } = &inputs.positions
+    else {
+        return Err("mm prompt has no 3-D positions".into());
+    };
+    let linear: Vec<i64> = (0..t.len() as i64).collect();
+    assert!(
+        t != &linear && h != t && w != h,
+        "positions degenerate to 1-D"
+    );
+    // HF's definition: the next decode position minus the prompt length.
+    let max_pos = t
+        .iter()
+        .chain(h)
+        .chain(w)
+        .copied()
+        .max()
+        .ok_or("empty positions")?;
+    assert_eq!(*rope_delta, max_pos + 1 - t.len() as i64);
+    assert_eq!(inputs.embeds.len(), 3, "image, audio and video items");
+    Ok(())
+}
+
+/// The comparison is not vacuous: a perturbation just above the tolerance at one
+/// element fails and names that element.
+#[test]
+fn comparison_reports_first_element_over_tolerance() -> TestResult {
+    let reference = Reference::open("qwen3_dense")?;
+    let expected = reference.matrix("text_a.final")?;
+    assert_eq!(compare("same", expected.view(), expected.view()), Ok(0.0));
+    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let mut ours = expected.clone();
+    ours[[3, 5]] += 2.0 * TOLERANCE * scale;
+    let msg = compare("perturbed", ours.view(), expected.view())
+        .expect_err("a 2x-tolerance error must fail");
+    assert!(msg.contains("first at [3, 5]"), "{msg}");
+    ours[[3, 5]] = expected[[3, 5]] + 0.5 * TOLERANCE * scale;
+    assert!(compare("within", ours.view(), expected.view()).is_ok());
+    Ok(())
+}

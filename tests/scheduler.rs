@@ -1,0 +1,611 @@
+//! Scheduler behaviour on the committed scenarios, against the reference index.
+
+#[path = "../proptests/support/mod.rs"]
+mod support;
+
+use std::sync::Arc;
+
+use ndarray::Array2;
+use omniprefix::batch::{BlockCopy, RequestId, ScheduledBatch};
+use omniprefix::index::PrefixIndex;
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::prompt::Positions;
+use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::{Error, Result};
+use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
+
+fn config(num_blocks: usize, budget: usize, token_granular_reuse: bool) -> SchedulerConfig {
+    SchedulerConfig {
+        num_blocks,
+        block_size: 16,
+        max_tokens_per_step: budget,
+        max_seqs_per_step: 4,
+        token_granular_reuse,
+    }
+}
+
+fn scheduler(cfg: SchedulerConfig) -> Result<Scheduler> {
+    Scheduler::new(cfg, Box::new(ReferenceIndex::new(cfg.block_size)))
+}
+
+/// Both indexes: the brute-force reference and the radix tree.
+fn indexes(block_size: usize) -> Result<Vec<(&'static str, Box<dyn PrefixIndex>)>> {
+    let radix = RadixIndex::new(RadixConfig {
+        block_size,
+        ..RadixConfig::default()
+    })?;
+    Ok(vec![
+        ("reference", Box::new(ReferenceIndex::new(block_size))),
+        ("radix", Box::new(radix)),
+    ])
+}
+
+fn rfc_pair() -> Result<(Vec<u32>, Vec<u32>)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/scenarios.json");
+    let text = std::fs::read_to_string(path).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    let ids = |key: &str| -> Result<Vec<u32>> {
+        serde_json::from_value(json["rfc_text_pair"][key].clone())
+            .map_err(|e| Error::InvalidRequest(e.to_string()))
+    };
+    Ok((ids("prompt1")?, ids("prompt2")?))
+}
+
+fn check(sched: &Scheduler) -> Result<()> {
+    sched.validate().map_err(Error::InvalidRequest)
+}
+
+/// Schedules, runs (on the shadow pages) and completes until nothing is left,
+/// finishing requests as they complete; returns every batch.
+fn drive(sched: &mut Scheduler, pages: &mut ShadowPages) -> Result<Vec<ScheduledBatch>> {
+    let mut batches = Vec::new();
+    for _ in 0..1000 {
+        let batch = sched.schedule()?;
+        if batch.seqs.is_empty() {
+            return Ok(batches);
+        }
+        pages.run(&batch).map_err(Error::InvalidRequest)?;
+        for id in sched.complete(&batch)? {
+            sched.finish(id)?;
+        }
+        check(sched)?;
+        batches.push(batch);
+    }
+    Err(Error::InvalidRequest(
+        "scheduler did not drain in 1000 steps".into(),
+    ))
+}
+
+fn admit(sched: &mut Scheduler, pages: &mut ShadowPages, req: Request) -> Result<()> {
+    pages.register(&req);
+    sched.admit(req)
+}
+
+#[test]
+fn rfc_pair_reuses_32_tokens_aligned_and_46_token_granular() -> Result<()> {
+    let (p1, p2) = rfc_pair()?;
+    assert_eq!((p1.len(), p2.len()), (67, 57));
+    for (switch, cached) in [(false, 32), (true, 46)] {
+        for (name, index) in indexes(16)? {
+            let mut sched = Scheduler::new(config(32, 256, switch), index)?;
+            let mut pages = ShadowPages::new(32, 16);
+            admit(&mut sched, &mut pages, request(1, 0, &p1))?;
+            let first = sched.schedule()?;
+            let p1_table = first.seqs[0].block_table.clone();
+            pages.run(&first).map_err(Error::InvalidRequest)?;
+            assert_eq!(sched.complete(&first)?, vec![1]);
+            sched.finish(1)?;
+            assert_eq!(
+                sched.stats().blocks_cached,
+                4,
+                "67 tokens leave 4 full blocks cached"
+            );
+
+            admit(&mut sched, &mut pages, request(2, 0, &p2))?;
+            let batch = sched.schedule()?;
+            let seq = &batch.seqs[0];
+            assert_eq!(
+                seq.num_computed_tokens, cached,
+                "{name} index, token_granular_reuse = {switch}"
+            );
+            assert_eq!(seq.token_ids, p2[cached..]);
+            assert_eq!(
+                seq.block_table[..2],
+                p1_table[..2],
+                "whole cached blocks are shared"
+            );
+            let want_copies = if switch {
+                vec![BlockCopy {
+                    src: p1_table[2],
+                    dst: seq.block_table[2],
+                }]
+            } else {
+                vec![]
+            };
+            assert_eq!(batch.copies, want_copies);
+            assert_eq!(
+                seq.positions,
+                Positions::Linear((cached as i64..57).collect())
+            );
+            assert!(seq.emits_output);
+            pages.run(&batch).map_err(Error::InvalidRequest)?;
+            sched.complete(&batch)?;
+            sched.finish(2)?;
+            let stats = sched.stats();
+            assert_eq!(
+                (stats.queries, stats.hits, stats.hit_tokens),
+                (2, 1, cached as u64)
+            );
+            assert_eq!(stats.blocks_in_use, 0);
+            assert_eq!(stats.blocks_free + stats.blocks_cached, 32);
+            check(&sched)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn chunked_prefill_covers_each_prompt_exactly_once_within_budget() -> Result<()> {
+    let (p1, p2) = rfc_pair()?;
+    let budget = 10;
+    let mut sched = scheduler(config(16, budget, true))?;
+    let mut pages = ShadowPages::new(16, 16);
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
+    admit(&mut sched, &mut pages, request(2, 7, &p2))?;
+    let batches = drive(&mut sched, &mut pages)?;
+    for (id, prompt) in [(1, &p1), (2, &p2)] {
+        let seqs: Vec<_> = batches
+            .iter()
+            .flat_map(|b| &b.seqs)
+            .filter(|s| s.request == id)
+            .collect();
+        let tokens: Vec<u32> = seqs
+            .iter()
+            .flat_map(|s| s.token_ids.iter().copied())
+            .collect();
+        assert_eq!(
+            &tokens, prompt,
+            "request {id}: chunks cover the prompt once, in order"
+        );
+        let mut next = 0;
+        for s in &seqs {
+            assert_eq!(s.num_computed_tokens, next);
+            let positions: Vec<i64> = (next as i64..(next + s.token_ids.len()) as i64).collect();
+            assert_eq!(s.positions, Positions::Linear(positions));
+            next += s.token_ids.len();
+        }
+        assert_eq!(seqs.iter().filter(|s| s.emits_output).count(), 1);
+    }
+    assert!(batches.iter().all(|b| b.num_new_tokens() <= budget));
+    assert!(
+        batches.iter().any(|b| b.seqs.len() == 2),
+        "two requests share a step"
+    );
+    assert_eq!(sched.stats().blocks_in_use, 0);
+    Ok(())
+}
+
+#[test]
+fn fully_cached_prompt_still_computes_its_last_token() -> Result<()> {
+    let (p1, _) = rfc_pair()?;
+    let aligned: Vec<u32> = p1[..64].to_vec();
+    for (switch, want) in [(false, 48), (true, 63)] {
+        let mut sched = scheduler(config(16, 256, switch))?;
+        let mut pages = ShadowPages::new(16, 16);
+        admit(&mut sched, &mut pages, request(1, 0, &aligned))?;
+        drive(&mut sched, &mut pages)?;
+        admit(&mut sched, &mut pages, request(2, 0, &aligned))?;
+        let batches = drive(&mut sched, &mut pages)?;
+        let seq = &batches[0].seqs[0];
+        assert_eq!(
+            seq.num_computed_tokens, want,
+            "token_granular_reuse = {switch}"
+        );
+        assert!(seq.emits_output);
+        assert_eq!(batches[0].copies.len(), usize::from(switch));
+    }
+    Ok(())
+}
+
+#[test]
+fn identical_prompts_in_one_step_end_up_sharing_the_index_copy() -> Result<()> {
+    let (p1, _) = rfc_pair()?;
+    let mut sched = scheduler(config(16, 256, false))?;
+    let mut pages = ShadowPages::new(16, 16);
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
+    admit(&mut sched, &mut pages, request(2, 0, &p1))?;
+    let batch = sched.schedule()?;
+    assert_eq!(batch.seqs.len(), 2);
+    pages.run(&batch).map_err(Error::InvalidRequest)?;
+    assert_eq!(sched.complete(&batch)?, vec![1, 2]);
+    check(&sched)?;
+    let (t1, t2) = (
+        sched.block_table(1).unwrap_or_default(),
+        sched.block_table(2).unwrap_or_default(),
+    );
+    assert_eq!(
+        t1[..4],
+        t2[..4],
+        "request 2's duplicate full blocks were swapped for the index's"
+    );
+    assert_ne!(t1[4], t2[4], "partial last blocks stay private");
+    let stats = sched.stats();
+    assert_eq!(
+        (stats.blocks_cached, stats.blocks_in_use, stats.blocks_free),
+        (4, 2, 10)
+    );
+    sched.finish(1)?;
+    sched.finish(2)?;
+    check(&sched)
+}
+
+#[test]
+fn pool_pressure_evicts_unlocked_cache_lru_first() -> Result<()> {
+    let a: Vec<u32> = (0..64).collect();
+    let b: Vec<u32> = (100..164).collect();
+    let c: Vec<u32> = (200..280).collect();
+    let mut sched = scheduler(config(10, 256, false))?;
+    let mut pages = ShadowPages::new(10, 16);
+    admit(&mut sched, &mut pages, request(1, 0, &a))?;
+    drive(&mut sched, &mut pages)?;
+    admit(&mut sched, &mut pages, request(2, 0, &b))?;
+    drive(&mut sched, &mut pages)?;
+    assert_eq!(sched.stats().blocks_cached, 8);
+    // c needs 5 blocks, 2 are free: the 3 oldest leaves go, all from a.
+    admit(&mut sched, &mut pages, request(3, 0, &c))?;
+    drive(&mut sched, &mut pages)?;
+    assert_eq!(sched.stats().evicted_blocks, 3);
+    // b's blocks survived: reused up to len - 1 (48 of 64, block aligned); its
+    // one new block takes a's last cached block, the least recently used.
+    admit(&mut sched, &mut pages, request(4, 0, &b))?;
+    let batches = drive(&mut sched, &mut pages)?;
+    assert_eq!(batches[0].seqs[0].num_computed_tokens, 48);
+    assert_eq!(sched.stats().evicted_blocks, 4);
+    admit(&mut sched, &mut pages, request(5, 0, &a))?;
+    let batches = drive(&mut sched, &mut pages)?;
+    assert_eq!(
+        batches[0].seqs[0].num_computed_tokens, 0,
+        "a was evicted entirely"
+    );
+    Ok(())
+}
+
+#[test]
+fn short_pool_preempts_the_newest_so_the_oldest_progresses() -> Result<()> {
+    let a: Vec<u32> = (0..80).collect();
+    let b: Vec<u32> = (100..180).collect();
+    let mut sched = scheduler(config(6, 32, false))?;
+    let mut pages = ShadowPages::new(6, 16);
+    admit(&mut sched, &mut pages, request(1, 0, &a))?;
+    admit(&mut sched, &mut pages, request(2, 0, &b))?;
+    // Two steps in flight at once: b starts while a's first chunk is out.
+    let first = sched.schedule()?;
+    let second = sched.schedule()?;
+    let ids = |batch: &ScheduledBatch| {
+        batch
+            .seqs
+            .iter()
+            .map(|s| s.request)
+            .collect::<Vec<RequestId>>()
+    };
+    assert_eq!((ids(&first), ids(&second)), (vec![1], vec![2]));
+    for batch in [&first, &second] {
+        pages.run(batch).map_err(Error::InvalidRequest)?;
+        sched.complete(batch)?;
+    }
+    // a needs 3 more blocks, 2 are free and b pins the rest: b is sent back.
+    let batches = drive(&mut sched, &mut pages)?;
+    let finished: Vec<RequestId> = batches
+        .iter()
+        .flat_map(|b| &b.seqs)
+        .filter(|s| s.emits_output)
+        .map(|s| s.request)
+        .collect();
+    assert_eq!(finished, vec![1, 2]);
+    assert_eq!(sched.stats().preemptions, 1);
+    let restart = batches
+        .iter()
+        .flat_map(|b| &b.seqs)
+        .find(|s| s.request == 2)
+        .map(|s| s.num_computed_tokens);
+    assert_eq!(
+        restart,
+        Some(16),
+        "b rematches what survived of its committed blocks"
+    );
+    Ok(())
+}
+
+#[test]
+fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> Result<()> {
+    let (p1, _) = rfc_pair()?;
+    let mut sched = scheduler(config(5, 20, false))?;
+    let mut pages = ShadowPages::new(5, 16);
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
+    let batch = sched.schedule()?;
+    pages.run(&batch).map_err(Error::InvalidRequest)?;
+    sched.complete(&batch)?;
+    // 20 tokens computed: one full block committed, one partial block private.
+    assert_eq!(sched.index_stats().cached_blocks, 1);
+    let batch = sched.schedule()?;
+    pages.run(&batch).map_err(Error::InvalidRequest)?;
+    sched.abort(1)?;
+    let err = sched.admit(request(1, 0, &p1)).err();
+    assert!(
+        matches!(err, Some(Error::DuplicateRequest { id: 1 })),
+        "id reused before its batch completed: {err:?}"
+    );
+    assert!(
+        sched.complete(&batch)?.is_empty(),
+        "an aborted request's share is ignored"
+    );
+    check(&sched)?;
+    let stats = sched.stats();
+    assert_eq!(
+        (stats.blocks_cached, stats.blocks_in_use, stats.blocks_free),
+        (1, 0, 4)
+    );
+    // No lock is left: a request needing the whole pool can evict that block.
+    let other: Vec<u32> = (1000..1080).collect();
+    admit(&mut sched, &mut pages, request(2, 0, &other))?;
+    drive(&mut sched, &mut pages)?;
+    assert_eq!(sched.stats().evicted_blocks, 1);
+    Ok(())
+}
+
+#[test]
+fn item_rows_are_placed_in_the_chunk_that_holds_them() -> Result<()> {
+    let cfg = SchedulerConfig {
+        num_blocks: 8,
+        block_size: 4,
+        max_tokens_per_step: 5,
+        max_seqs_per_step: 1,
+        token_granular_reuse: false,
+    };
+    let mut sched = Scheduler::new(cfg, Box::new(ReferenceIndex::new(4)))?;
+    let mut pages = ShadowPages::new(8, 4);
+    // Image 0 (3 rows) at positions 3..6 of 8.
+    let image = request(1, 0, &[1, 2, 3, IMAGE_MARKER, 4, 5]);
+    let emb = image.item_embeddings[0].clone();
+    admit(&mut sched, &mut pages, image)?;
+    let batches = drive(&mut sched, &mut pages)?;
+    let placed: Vec<Vec<(usize, std::ops::Range<usize>)>> = batches
+        .iter()
+        .map(|b| {
+            b.seqs[0]
+                .embeds
+                .iter()
+                .map(|e| (e.step_offset, e.rows.clone()))
+                .collect()
+        })
+        .collect();
+    // Chunks 0..5 and 5..8.
+    assert_eq!(placed, vec![vec![(3, 0..2)], vec![(0, 2..3)]]);
+    assert!(
+        batches
+            .iter()
+            .flat_map(|b| &b.seqs[0].embeds)
+            .all(|e| Arc::ptr_eq(&e.embeddings, &emb))
+    );
+    Ok(())
+}
+
+#[test]
+fn rejected_requests_and_batches_change_nothing() -> Result<()> {
+    let (p1, _) = rfc_pair()?;
+    let mut sched = scheduler(config(5, 16, false))?;
+    let mut pages = ShadowPages::new(5, 16);
+    admit(&mut sched, &mut pages, request(1, 0, &p1))?;
+    let batch = sched.schedule()?;
+    let before = sched.stats();
+    let table = sched.block_table(1).map(<[u32]>::to_vec);
+
+    let err = sched.admit(request(1, 0, &p1)).err();
+    assert!(
+        matches!(err, Some(Error::DuplicateRequest { id: 1 })),
+        "{err:?}"
+    );
+    let long: Vec<u32> = (0..81).collect();
+    let err = sched.admit(request(2, 0, &long)).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::RequestTooLarge {
+                id: 2,
+                needed: 6,
+                num_blocks: 5
+            })
+        ),
+        "{err:?}"
+    );
+    let err = sched.admit(request(3, 0, &[])).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::PromptMismatch {
+                id: 3,
+                what: "prompt length",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let mut bad_positions = request(4, 0, &[1, 2, 3]);
+    bad_positions.prompt.positions = Positions::Linear(vec![0, 1]);
+    let err = sched.admit(bad_positions).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::PromptMismatch {
+                what: "positions length",
+                expected: 3,
+                found: 2,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+
+    let image = request(5, 0, &[1, 2, 3, IMAGE_MARKER, 4, 5]);
+    let (prompt, emb) = (image.prompt, image.item_embeddings[0].clone());
+    let missing = Request {
+        id: 5,
+        prompt: prompt.clone(),
+        item_embeddings: vec![],
+        hidden_size: None,
+    };
+    let err = sched.admit(missing).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::EmbeddingMismatch {
+                what: "number of item embeddings",
+                expected: 1,
+                found: 0,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let short = Arc::new(Array2::<f32>::zeros((2, 2)));
+    let err = sched
+        .admit(Request {
+            id: 6,
+            prompt: prompt.clone(),
+            item_embeddings: vec![short],
+            hidden_size: None,
+        })
+        .err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::EmbeddingMismatch {
+                what: "embedding rows",
+                expected: 3,
+                found: 2,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let err = sched
+        .admit(Request {
+            id: 7,
+            prompt: prompt.clone(),
+            item_embeddings: vec![emb.clone()],
+            hidden_size: Some(16),
+        })
+        .err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::EmbeddingMismatch {
+                what: "embedding columns",
+                expected: 16,
+                found: 2,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let mut out_of_range = prompt;
+    out_of_range.index_map.spans[0].start = 6;
+    let err = sched
+        .admit(Request {
+            id: 8,
+            prompt: out_of_range,
+            item_embeddings: vec![emb],
+            hidden_size: None,
+        })
+        .err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::PromptMismatch {
+                what: "index map span end",
+                expected: 8,
+                found: 9,
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+
+    let mut forged = batch.clone();
+    forged.seqs[0].token_ids.pop();
+    let err = sched.complete(&forged).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::BatchMismatch {
+                id: 1,
+                what: "new tokens",
+                expected: 16,
+                found: 15
+            })
+        ),
+        "{err:?}"
+    );
+    let err = sched.finish(1).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::RequestNotFinished {
+                id: 1,
+                computed: 0,
+                len: 67
+            })
+        ),
+        "{err:?}"
+    );
+    assert!(matches!(
+        sched.abort(42),
+        Err(Error::UnknownRequest { id: 42 })
+    ));
+
+    assert_eq!(sched.stats(), before);
+    assert_eq!(sched.block_table(1).map(<[u32]>::to_vec), table);
+    check(&sched)?;
+    pages.run(&batch).map_err(Error::InvalidRequest)?;
+    sched.complete(&batch)?;
+    let err = sched.complete(&batch).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::BatchMismatch {
+                what: "new tokens",
+                expected: 0,
+                ..
+            })
+        ),
+        "completing twice: {err:?}"
+    );
+    check(&sched)
+}
+
+#[test]
+fn config_must_agree_with_the_index() {
+    let err = Scheduler::new(config(8, 16, false), Box::new(ReferenceIndex::new(32))).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::InvalidConfig {
+                field: "block_size",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+    let err = scheduler(config(8, 0, false)).err();
+    assert!(
+        matches!(
+            err,
+            Some(Error::InvalidConfig {
+                field: "max_tokens_per_step",
+                ..
+            })
+        ),
+        "{err:?}"
+    );
+}

@@ -1,0 +1,707 @@
+//! Every wgpu kernel against the CPU reference backend on seeded random shapes:
+//! random block tables, non-aligned lengths, empty and full prefixes, mixed
+//! prefill + decode batches, GQA ratios 1/2/4, pools split over several bindings.
+//!
+//! Without an adapter these tests print a loud skip message and pass, unless
+//! `OMNIPREFIX_REQUIRE_GPU=1` (CI) makes them fail. Run with `WGPU_BACKEND=vulkan`
+//! on machines with lavapipe. Case counts scale with `PROPTEST_CASES`.
+
+use std::io::Write;
+use std::sync::{Arc, OnceLock};
+
+use ndarray::Array2;
+use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::backend::wgpu::{GpuContext, GpuOptions, WgpuBackend};
+use omniprefix::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec};
+use omniprefix::index::BlockId;
+use omniprefix::{Error, Result};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const TOL: f32 = 1e-4;
+
+/// One shared device per binding cap (`None`: the adapter's own limit).
+fn gpu_with(cap: Option<u64>) -> Option<WgpuBackend> {
+    static DEFAULT: OnceLock<Option<WgpuBackend>> = OnceLock::new();
+    static SMALL: OnceLock<Option<WgpuBackend>> = OnceLock::new();
+    let cell = if cap.is_some() { &SMALL } else { &DEFAULT };
+    cell.get_or_init(|| match GpuContext::new(&GpuOptions { max_binding_bytes: cap }) {
+        Ok(ctx) => Some(WgpuBackend::from_context(Arc::new(ctx))),
+        Err(e) => {
+            if std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("OMNIPREFIX_REQUIRE_GPU=1 but no GPU device: {e}");
+            }
+            // Straight to stderr: the harness would swallow eprintln! of a passing test.
+            let _ =
+                writeln!(std::io::stderr(), "\n!!!!!!!! SKIPPING wgpu kernel tests: no GPU adapter ({e}) !!!!!!!!\n");
+            None
+        }
+    })
+    .clone()
+}
+
+fn gpu() -> Option<WgpuBackend> {
+    gpu_with(None)
+}
+
+/// Binding cap small enough to split the test pools into several chunks.
+const SMALL_BINDING: u64 = 4096;
+
+fn cases() -> u64 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(6)
+}
+
+fn rand_matrix(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Array2<f32> {
+    Array2::from_shape_fn((rows, cols), |_| rng.random::<f32>() * 2.0 - 1.0)
+}
+
+/// Asserts `got ≈ want` element-wise, relative to magnitude; names the first failing index.
+fn assert_close(what: &str, got: &Array2<f32>, want: &Array2<f32>) {
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    for ((idx, g), w) in got.indexed_iter().zip(want.iter()) {
+        assert!((g - w).abs() <= TOL * (1.0 + w.abs()), "{what}: first mismatch at {idx:?}: gpu {g} vs cpu {w}");
+    }
+}
+
+/// The same op on both backends, downloaded.
+fn both(
+    gpu: &WgpuBackend,
+    f_gpu: impl FnOnce(&WgpuBackend) -> Result<<WgpuBackend as Backend>::Tensor>,
+    f_cpu: impl FnOnce(&CpuBackend) -> Result<Array2<f32>>,
+) -> (Array2<f32>, Array2<f32>) {
+    let g = f_gpu(gpu).and_then(|t| gpu.download(&t)).expect("gpu op");
+    let c = f_cpu(&CpuBackend).expect("cpu op");
+    (g, c)
+}
+
+/// A sequence of a random attention batch.
+#[derive(Debug, Clone)]
+struct SeqCase {
+    num_computed: usize,
+    num_new: usize,
+    table: Vec<BlockId>,
+}
+
+/// Random varlen batch over a shuffled block pool: each sequence gets distinct blocks.
+fn random_batch(rng: &mut ChaCha8Rng, spec: &PagesSpec, lens: &[(usize, usize)]) -> Vec<SeqCase> {
+    let mut free: Vec<BlockId> = (0..spec.num_blocks as BlockId).collect();
+    free.shuffle(rng);
+    lens.iter()
+        .map(|&(num_computed, num_new)| {
+            let blocks = (num_computed + num_new).div_ceil(spec.block_size);
+            let table = free.split_off(free.len() - blocks);
+            SeqCase { num_computed, num_new, table }
+        })
+        .collect()
+}
+
+/// Slots of positions `range` of a sequence.
+fn slots(seq: &SeqCase, range: std::ops::Range<usize>, block_size: usize) -> Vec<i64> {
+    range.map(|j| (seq.table[j / block_size] as usize * block_size + j % block_size) as i64).collect()
+}
+
+/// Writes prefix K/V, then the new rows' K/V, on both backends; returns q and the batch.
+struct AttnSetup {
+    gpu_pages: <WgpuBackend as Backend>::Pages,
+    cpu_pages: <CpuBackend as Backend>::Pages,
+    q: Array2<f32>,
+    seqs: Vec<SeqCase>,
+}
+
+fn setup_attention(
+    gpu: &WgpuBackend,
+    rng: &mut ChaCha8Rng,
+    spec: PagesSpec,
+    heads: AttnHeads,
+    layer: usize,
+    lens: &[(usize, usize)],
+) -> AttnSetup {
+    let seqs = random_batch(rng, &spec, lens);
+    let mut gpu_pages = gpu.alloc_pages(spec).expect("gpu pages");
+    let mut cpu_pages = CpuBackend.alloc_pages(spec).expect("cpu pages");
+    for seq in &seqs {
+        // The prefix first (an earlier step), then the new rows (this step).
+        for range in [0..seq.num_computed, seq.num_computed..seq.num_computed + seq.num_new] {
+            let s = slots(seq, range.clone(), spec.block_size);
+            let k = rand_matrix(rng, s.len(), spec.kv_width());
+            let v = rand_matrix(rng, s.len(), spec.kv_width());
+            let (gk, gv) = (gpu.upload(k.view()).unwrap(), gpu.upload(v.view()).unwrap());
+            gpu.write_kv(&mut gpu_pages, layer, &gk, &gv, &s).expect("gpu write_kv");
+            CpuBackend.write_kv(&mut cpu_pages, layer, &k, &v, &s).expect("cpu write_kv");
+        }
+    }
+    let total: usize = seqs.iter().map(|s| s.num_new).sum();
+    let q = rand_matrix(rng, total, heads.num_heads * heads.head_dim);
+    AttnSetup { gpu_pages, cpu_pages, q, seqs }
+}
+
+fn attn_seqs(seqs: &[SeqCase]) -> Vec<AttnSeq<'_>> {
+    let mut start = 0;
+    seqs.iter()
+        .map(|s| {
+            let a =
+                AttnSeq { query_start: start, num_new: s.num_new, num_computed: s.num_computed, block_table: &s.table };
+            start += s.num_new;
+            a
+        })
+        .collect()
+}
+
+fn random_lens(rng: &mut ChaCha8Rng, block_size: usize, n: usize) -> Vec<(usize, usize)> {
+    (0..n)
+        .map(|i| match i % 4 {
+            0 => (0, rng.random_range(1..12)),                                  // empty prefix
+            1 => (block_size * rng.random_range(1..3), rng.random_range(1..7)), // full blocks cached
+            2 => (rng.random_range(1..30), 1),                                  // decode row
+            _ => (rng.random_range(1..25), rng.random_range(2..9)),             // non-aligned prefix
+        })
+        .collect()
+}
+
+#[test]
+fn paged_attention_matches_cpu_for_mixed_batches_and_gqa() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for case in 0..cases() {
+        let group = [1, 2, 4][case as usize % 3];
+        let kv_heads = rng.random_range(1..3);
+        let head_dim = [8, 12, 16][rng.random_range(0..3)];
+        let block_size = [4, 5, 16][rng.random_range(0..3)];
+        let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
+        let spec = PagesSpec { num_layers: 2, num_blocks: 40, block_size, kv_heads, head_dim, captured: 0, hidden: 0 };
+        let n_seqs = rng.random_range(1..5);
+        let lens = random_lens(&mut rng, block_size, n_seqs);
+        let s = setup_attention(&gpu, &mut rng, spec, heads, 1, &lens);
+        let seqs = attn_seqs(&s.seqs);
+        let q_gpu = gpu.upload(s.q.view()).unwrap();
+        let got = gpu.download(&gpu.paged_attention(&q_gpu, &s.gpu_pages, 1, heads, &seqs).unwrap()).unwrap();
+        let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 1, heads, &seqs).unwrap();
+        assert_close(&format!("case {case} {heads:?} block {block_size} lens {lens:?}"), &got, &want);
+
+        // The prefill kernel alone handles every row too (decode rows included).
+        let kv = s.gpu_pages.layer("test", 1).unwrap();
+        let prefill = gpu.context().paged_prefill_attention(&q_gpu, kv, heads, &seqs).unwrap();
+        assert_close(&format!("case {case} prefill kernel"), &gpu.download(&prefill).unwrap(), &want);
+    }
+}
+
+#[test]
+fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    for group in [1, 2, 4] {
+        let heads = AttnHeads { num_heads: 2 * group, kv_heads: 2, head_dim: 16 };
+        let spec = PagesSpec {
+            num_layers: 1,
+            num_blocks: 64,
+            block_size: 8,
+            kv_heads: 2,
+            head_dim: 16,
+            captured: 0,
+            hidden: 0,
+        };
+        // Long, short, block-aligned and single-key contexts in one decode batch.
+        let lens = [(149, 1), (7, 1), (64, 1), (0, 1)];
+        let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &lens);
+        let seqs = attn_seqs(&s.seqs);
+        let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
+        let q_gpu = gpu.upload(s.q.view()).unwrap();
+        let kv = s.gpu_pages.layer("test", 0).unwrap();
+        for split_len in [1, 7, 64, 150, 4096] {
+            let out = gpu.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
+            assert_close(&format!("group {group} split_len {split_len}"), &gpu.download(&out).unwrap(), &want);
+        }
+    }
+}
+
+#[test]
+fn long_contexts_span_several_key_tiles_in_both_kernels() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    // Contexts of 1..3 tiles of 64 keys, prefixes ending mid-tile and on a tile edge.
+    let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 128, block_size: 4, kv_heads: 2, head_dim: 8, captured: 0, hidden: 0 };
+    let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(130, 5), (64, 3), (0, 70), (191, 1)]);
+    let seqs = attn_seqs(&s.seqs);
+    let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
+    let q = gpu.upload(s.q.view()).unwrap();
+    let routed = gpu.paged_attention(&q, &s.gpu_pages, 0, heads, &seqs).unwrap();
+    assert_close("long contexts, routed", &gpu.download(&routed).unwrap(), &want);
+    let kv = s.gpu_pages.layer("test", 0).unwrap();
+    let prefill = gpu.context().paged_prefill_attention(&q, kv, heads, &seqs).unwrap();
+    assert_close("long contexts, prefill kernel", &gpu.download(&prefill).unwrap(), &want);
+}
+
+#[test]
+fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 8, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
+    let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(3, 2)]);
+    let q = gpu.upload(s.q.view()).unwrap();
+    let kv = s.gpu_pages.layer("test", 0).unwrap();
+    let err = gpu.context().paged_decode_attention(&q, kv, heads, &attn_seqs(&s.seqs), 64).unwrap_err();
+    assert!(matches!(err, Error::OpShape { what: "num_new", .. }), "{err}");
+}
+
+#[test]
+fn attention_rejects_bad_tables_and_unsupported_heads() {
+    let Some(gpu) = gpu() else { return };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 4, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
+    let pages = gpu.alloc_pages(spec).unwrap();
+    let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
+    let q = gpu.upload(Array2::zeros((3, 16)).view()).unwrap();
+    let seq = |table: &'static [BlockId]| AttnSeq { query_start: 0, num_new: 3, num_computed: 2, block_table: table };
+    let err = gpu.paged_attention(&q, &pages, 0, heads, &[seq(&[0])]).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { what: "position (block table too short)", .. }), "{err}");
+    let err = gpu.paged_attention(&q, &pages, 0, heads, &[seq(&[0, 9])]).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { what: "block", index: 9, bound: 4, .. }), "{err}");
+    let err = gpu.paged_attention(&q, &pages, 1, heads, &[seq(&[0, 1])]).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { what: "layer", index: 1, .. }), "{err}");
+    let wide = AttnHeads { num_heads: 16, kv_heads: 1, head_dim: 8 };
+    let q_wide = gpu.upload(Array2::zeros((3, 128)).view()).unwrap();
+    let err = gpu.paged_attention(&q_wide, &pages, 0, wide, &[seq(&[0, 1])]).unwrap_err();
+    assert!(matches!(err, Error::GpuUnsupported { what: "num_heads / kv_heads", value: 16, .. }), "{err}");
+}
+
+#[test]
+fn hidden_pages_and_copy_blocks_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    for case in 0..cases() {
+        let spec = PagesSpec {
+            num_layers: 2,
+            num_blocks: 12,
+            block_size: 4,
+            kv_heads: 1,
+            head_dim: 4,
+            captured: 3,
+            hidden: 5,
+        };
+        let mut gp = gpu.alloc_pages(spec).unwrap();
+        let mut cp = CpuBackend.alloc_pages(spec).unwrap();
+        let n = rng.random_range(1..20);
+        let slots: Vec<i64> = (0..n).map(|_| rng.random_range(-3..spec.num_slots() as i64)).collect();
+        for capture in 0..spec.captured {
+            let x = rand_matrix(&mut rng, n, spec.hidden);
+            gpu.write_hidden(&mut gp, capture, &gpu.upload(x.view()).unwrap(), &slots).unwrap();
+            CpuBackend.write_hidden(&mut cp, capture, &x, &slots).unwrap();
+            let k = rand_matrix(&mut rng, n, spec.kv_width());
+            let (gk, layer) = (gpu.upload(k.view()).unwrap(), capture % 2);
+            gpu.write_kv(&mut gp, layer, &gk, &gk, &slots).unwrap();
+            CpuBackend.write_kv(&mut cp, layer, &k, &k, &slots).unwrap();
+        }
+        // In-order copies, including a chain (a block copied, then copied on) and a self copy.
+        let copies: Vec<(BlockId, BlockId)> = vec![(1, 2), (2, 3), (5, 5), (rng.random_range(0..12), 7), (7, 0)];
+        gpu.copy_blocks(&mut gp, &copies).unwrap();
+        CpuBackend.copy_blocks(&mut cp, &copies).unwrap();
+        let read: Vec<i64> = (-1..spec.num_slots() as i64).collect();
+        for capture in 0..spec.captured {
+            let (g, c) = both(&gpu, |b| b.gather_hidden(&gp, capture, &read), |b| b.gather_hidden(&cp, capture, &read));
+            assert_close(&format!("case {case} capture {capture} copies {copies:?}"), &g, &c);
+        }
+        // K/V after the copies, read back through attention over every slot of a table.
+        let heads = AttnHeads { num_heads: 1, kv_heads: 1, head_dim: 4 };
+        let table: Vec<BlockId> = (0..12).collect();
+        let q = rand_matrix(&mut rng, 1, 4);
+        let seq = [AttnSeq { query_start: 0, num_new: 1, num_computed: 47, block_table: &table }];
+        for layer in 0..2 {
+            let (g, c) = both(
+                &gpu,
+                |b| b.paged_attention(&b.upload(q.view())?, &gp, layer, heads, &seq),
+                |b| b.paged_attention(&q, &cp, layer, heads, &seq),
+            );
+            assert_close(&format!("case {case} layer {layer} after copies"), &g, &c);
+        }
+    }
+}
+
+#[test]
+fn pools_split_over_bindings_behave_like_one_pool() {
+    let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    // K/V blocks: 4 slots x 2 heads x 8 dims x 4 B = 256 B → 16 blocks per chunk, 2 chunks;
+    // hidden blocks: 4 x 2 x 24 x 4 B = 768 B → 5 blocks per chunk, 5 chunks.
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 8, captured: 2, hidden: 24 };
+    let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
+    let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(9, 4), (0, 7), (21, 1), (16, 1)]);
+    assert_eq!(s.gpu_pages.layer("test", 0).unwrap().k.num_chunks(), 2, "K pool must be split");
+    assert!(s.gpu_pages.hidden().num_chunks() > 2, "hidden pool must be split");
+    let seqs = attn_seqs(&s.seqs);
+    let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
+    let got = gpu
+        .download(&gpu.paged_attention(&gpu.upload(s.q.view()).unwrap(), &s.gpu_pages, 0, heads, &seqs).unwrap())
+        .unwrap();
+    assert_close("split pool attention", &got, &want);
+
+    let (mut gp, mut cp) = (s.gpu_pages, s.cpu_pages);
+    // Every third slot: touches every chunk while the tensor fits the small binding.
+    let all: Vec<i64> = (0..spec.num_slots() as i64).step_by(3).collect();
+    let x = rand_matrix(&mut rng, all.len(), spec.hidden);
+    gpu.write_hidden(&mut gp, 1, &gpu.upload(x.view()).unwrap(), &all).unwrap();
+    CpuBackend.write_hidden(&mut cp, 1, &x, &all).unwrap();
+    // Copies inside one chunk and across chunks, with a chain (3 → 2 → 20).
+    let copies = [(0, 15), (14, 1), (3, 2), (8, 9), (2, 20), (21, 4)];
+    gpu.copy_blocks(&mut gp, &copies).unwrap();
+    CpuBackend.copy_blocks(&mut cp, &copies).unwrap();
+    let (g, c) = both(&gpu, |b| b.gather_hidden(&gp, 1, &all), |b| b.gather_hidden(&cp, 1, &all));
+    assert_close("split hidden pool after copies", &g, &c);
+    let table: Vec<BlockId> = (0..24).collect();
+    let q = rand_matrix(&mut rng, 1, 32);
+    let seq = [AttnSeq { query_start: 0, num_new: 1, num_computed: 95, block_table: &table }];
+    let (g, c) = both(
+        &gpu,
+        |b| b.paged_attention(&b.upload(q.view())?, &gp, 0, heads, &seq),
+        |b| b.paged_attention(&q, &cp, 0, heads, &seq),
+    );
+    assert_close("split KV pool after copies", &g, &c);
+
+    // Three chunks' worth of KV cannot be bound by the attention kernels.
+    let big = PagesSpec { num_blocks: 33, ..spec };
+    let err = gpu.alloc_pages(big).unwrap_err();
+    assert!(matches!(err, Error::GpuTooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. }), "{err}");
+}
+
+#[test]
+fn rejected_writes_leave_pages_unchanged() {
+    let Some(gpu) = gpu() else { return };
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 1, hidden: 4 };
+    let mut pages = gpu.alloc_pages(spec).unwrap();
+    let ones = gpu.upload(Array2::ones((2, 4)).view()).unwrap();
+    let err = gpu.write_kv(&mut pages, 0, &ones, &ones, &[1, 8]).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { op: "write_kv", what: "slot", index: 8, bound: 8 }), "{err}");
+    let err = gpu.write_hidden(&mut pages, 0, &ones, &[0, 1, 2]).unwrap_err();
+    assert!(matches!(err, Error::OpShape { op: "write_hidden", .. }), "{err}");
+    let err = gpu.write_hidden(&mut pages, 1, &ones, &[0, 1]).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { what: "capture", index: 1, .. }), "{err}");
+    let err = gpu.copy_blocks(&mut pages, &[(0, 1), (1, 2)]).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { op: "copy_blocks", index: 2, .. }), "{err}");
+    let kv = pages.layer("test", 0).unwrap();
+    assert!(gpu.context().download_pool(kv.k).unwrap().iter().all(|&x| x == 0.0), "K pages changed");
+    assert!(gpu.context().download_pool(pages.hidden()).unwrap().iter().all(|&x| x == 0.0), "hidden pages changed");
+}
+
+#[test]
+fn dense_ops_match_cpu_on_random_shapes() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    for case in 0..cases() {
+        let (n, k, m) = (rng.random_range(1..80), rng.random_range(1..70), rng.random_range(1..90));
+        let x = rand_matrix(&mut rng, n, k);
+        let w = rand_matrix(&mut rng, m, k);
+        let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &b.upload(w.view())?), |b| b.matmul_t(&x, &w));
+        assert_close(&format!("case {case} matmul [{n},{k}] x [{m},{k}]^T"), &g, &c);
+
+        let bias = rand_matrix(&mut rng, 1, k);
+        let y = rand_matrix(&mut rng, n, k);
+        let (g, c) = both(
+            &gpu,
+            |b| {
+                let mut t = b.upload(x.view())?;
+                b.add_bias(&mut t, &b.upload(bias.view())?)?;
+                b.add(&mut t, &b.upload(y.view())?)?;
+                Ok(t)
+            },
+            |b| {
+                let mut t = x.clone();
+                b.add_bias(&mut t, &bias)?;
+                b.add(&mut t, &y)?;
+                Ok(t)
+            },
+        );
+        assert_close(&format!("case {case} bias + residual"), &g, &c);
+
+        let norm_w = rand_matrix(&mut rng, 1, k);
+        let (g, c) = both(
+            &gpu,
+            |b| b.rms_norm(&b.upload(x.view())?, &b.upload(norm_w.view())?, 1e-6),
+            |b| b.rms_norm(&x, &norm_w, 1e-6),
+        );
+        assert_close(&format!("case {case} rms_norm"), &g, &c);
+
+        let head_dim = [2, 4, 8][case as usize % 3];
+        let xh = rand_matrix(&mut rng, n, head_dim * 3);
+        let wh = rand_matrix(&mut rng, 1, head_dim);
+        let (g, c) = both(
+            &gpu,
+            |b| {
+                let mut t = b.upload(xh.view())?;
+                b.rms_norm_heads(&mut t, &b.upload(wh.view())?, head_dim, 1e-6)?;
+                Ok(t)
+            },
+            |b| {
+                let mut t = xh.clone();
+                b.rms_norm_heads(&mut t, &wh, head_dim, 1e-6)?;
+                Ok(t)
+            },
+        );
+        assert_close(&format!("case {case} rms_norm_heads"), &g, &c);
+
+        let gate_up = rand_matrix(&mut rng, n, 2 * m) * 6.0;
+        let (g, c) = both(&gpu, |b| b.swiglu(&b.upload(gate_up.view())?), |b| b.swiglu(&gate_up));
+        assert_close(&format!("case {case} swiglu"), &g, &c);
+    }
+}
+
+#[test]
+fn row_ops_match_cpu_and_reject_bad_indices() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let table = rand_matrix(&mut rng, 50, 12);
+    let ids: Vec<u32> = (0..17).map(|_| rng.random_range(0..50)).collect();
+    let (g, c) = both(&gpu, |b| b.embedding(&b.upload(table.view())?, &ids), |b| b.embedding(&table, &ids));
+    assert_close("embedding", &g, &c);
+    let (g, c) = both(&gpu, |b| b.gather_rows(&b.upload(table.view())?, &ids), |b| b.gather_rows(&table, &ids));
+    assert_close("gather_rows", &g, &c);
+
+    let items = rand_matrix(&mut rng, 5, 12);
+    let rows = [3u32, 0, 16, 9, 4];
+    let base = rand_matrix(&mut rng, 17, 12);
+    let (g, c) = both(
+        &gpu,
+        |b| {
+            let mut t = b.upload(base.view())?;
+            b.scatter_rows(&mut t, &rows, &b.upload(items.view())?)?;
+            Ok(t)
+        },
+        |b| {
+            let mut t = base.clone();
+            b.scatter_rows(&mut t, &rows, &items)?;
+            Ok(t)
+        },
+    );
+    assert_close("scatter_rows", &g, &c);
+
+    let gt = gpu.upload(table.view()).unwrap();
+    let err = gpu.embedding(&gt, &[1, 50]).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { op: "embedding", what: "token id", index: 50, bound: 50 }), "{err}");
+    let mut dst = gpu.upload(base.view()).unwrap();
+    let err = gpu.scatter_rows(&mut dst, &[0, 1, 2, 3, 17], &gpu.upload(items.view()).unwrap()).unwrap_err();
+    assert!(matches!(err, Error::OpIndex { op: "scatter_rows", index: 17, .. }), "{err}");
+    assert_close("scatter_rows rejected", &gpu.download(&dst).unwrap(), &base);
+}
+
+#[test]
+fn rope_plain_sectioned_and_interleaved_match_cpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let kinds = [
+        RopeKind::Plain,
+        RopeKind::Sectioned([4, 6, 6]),
+        RopeKind::Interleaved([6, 5, 5]),
+        RopeKind::Interleaved([24, 20, 20]),
+    ];
+    for kind in kinds {
+        let spec = RopeSpec { theta: 1_000_000.0, head_dim: 32, kind };
+        let n = rng.random_range(1..40);
+        let x = rand_matrix(&mut rng, n, 3 * 32);
+        let pos: Vec<Vec<i64>> = (0..3).map(|_| (0..n).map(|_| rng.random_range(0..600)).collect()).collect();
+        let p = RopePositions { t: &pos[0], h: &pos[1], w: &pos[2] };
+        let (g, c) = both(
+            &gpu,
+            |b| {
+                let mut t = b.upload(x.view())?;
+                b.rope(&mut t, &spec, p)?;
+                Ok(t)
+            },
+            |b| {
+                let mut t = x.clone();
+                b.rope(&mut t, &spec, p)?;
+                Ok(t)
+            },
+        );
+        assert_close(&format!("rope {kind:?}"), &g, &c);
+    }
+    let mut t = gpu.upload(Array2::zeros((2, 8)).view()).unwrap();
+    let spec = RopeSpec { theta: 10_000.0, head_dim: 8, kind: RopeKind::Plain };
+    let err = gpu.rope(&mut t, &spec, RopePositions { t: &[0], h: &[0], w: &[0] }).unwrap_err();
+    assert!(matches!(err, Error::OpShape { op: "rope", what: "positions.t", .. }), "{err}");
+}
+
+#[test]
+fn moe_matches_cpu_and_router_breaks_ties_low() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let (e, h, inter, n) = (6, 12, 5, 9);
+    for (top_k, norm) in [(1, true), (2, true), (2, false), (6, false)] {
+        let host = MoeWeights {
+            router: rand_matrix(&mut rng, e, h),
+            gate_up: rand_matrix(&mut rng, e * 2 * inter, h),
+            down: rand_matrix(&mut rng, e * h, inter),
+            num_experts: e,
+            top_k,
+            norm_topk_prob: norm,
+        };
+        let dev = MoeWeights {
+            router: gpu.upload(host.router.view()).unwrap(),
+            gate_up: gpu.upload(host.gate_up.view()).unwrap(),
+            down: gpu.upload(host.down.view()).unwrap(),
+            num_experts: e,
+            top_k,
+            norm_topk_prob: norm,
+        };
+        let x = rand_matrix(&mut rng, n, h);
+        let (g, c) = both(&gpu, |b| b.moe(&b.upload(x.view())?, &dev), |b| b.moe(&x, &host));
+        assert_close(&format!("moe top_k {top_k} norm {norm}"), &g, &c);
+    }
+    // Equal logits: the lower expert ids win, weights renormalised to 1/k.
+    let logits = gpu
+        .upload(Array2::from_shape_vec((2, 4), vec![0.5, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0]).unwrap().view())
+        .unwrap();
+    let routing = gpu.context().router_topk(&logits, 2, true).unwrap();
+    assert_eq!(routing.ids, vec![1, 2, 0, 1]);
+    let weights = gpu.context().download(&routing.weights).unwrap();
+    assert!(weights.iter().all(|w| (w - 0.5).abs() < 1e-6), "{weights:?}");
+}
+
+#[test]
+fn broken_shader_is_a_typed_error() {
+    let Some(gpu) = gpu() else { return };
+    let err = gpu
+        .context()
+        .compile_module("broken.wgsl", "@compute @workgroup_size(1) fn main() { let x: f32 = ; }")
+        .unwrap_err();
+    assert!(matches!(&err, Error::ShaderCompile { shader, .. } if shader == "broken.wgsl"), "{err}");
+    let module = gpu.context().compile_module("ok.wgsl", "@compute @workgroup_size(1) fn main() {}").unwrap();
+    let err = gpu.context().build_pipeline("ok.wgsl", &module, "missing_entry", &[]).unwrap_err();
+    assert!(matches!(&err, Error::ShaderCompile { entry, .. } if entry == "missing_entry"), "{err}");
+}
+
+#[test]
+fn oversized_tensor_is_a_typed_error() {
+    let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
+    let err = gpu.upload(Array2::zeros((64, 32)).view()).unwrap_err();
+    assert!(matches!(err, Error::GpuTooLarge { requested: 8192, max: SMALL_BINDING, .. }), "{err}");
+}
+
+/// Whole thinker forwards: the GPU runner, with a cached prefix and chunked prefill,
+/// returns the CPU's uncached hidden states and logits (caching invisible on the GPU).
+mod forward {
+    use super::*;
+    use omniprefix::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
+    use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
+    use omniprefix::prompt::Positions;
+    use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, run_uncached};
+
+    const BS: usize = 4;
+
+    /// `len` random tokens with an item of `rows` rows at position 3 on a 2-wide M-RoPE grid.
+    fn prompt(cfg: &Config, len: usize, rows: usize, rng: &mut ChaCha8Rng) -> PromptInputs {
+        let token_ids = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
+        let item = Arc::new(rand_matrix(rng, rows, cfg.hidden_size));
+        let embeds = vec![EmbedRows { step_offset: 3, embeddings: item, rows: 0..rows }];
+        let grid = |p: i64, f: fn(i64) -> i64| if (3..3 + rows as i64).contains(&p) { 3 + f(p - 3) } else { p };
+        let t: Vec<i64> = (0..len as i64).map(|p| grid(p, |_| 0)).collect();
+        let h = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
+        let w = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
+        let positions = if cfg.mrope_section.is_some() {
+            Positions::Mrope { t, h, w, rope_delta: 0 }
+        } else {
+            Positions::Linear(t)
+        };
+        PromptInputs { token_ids, embeds, positions }
+    }
+
+    /// Prompt positions `a..b` as one step of request 1 over `table`.
+    fn chunk(p: &PromptInputs, table: &[u32], a: usize, b: usize) -> ScheduledSeq {
+        let embeds = p
+            .embeds
+            .iter()
+            .filter_map(|e| {
+                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
+                let (lo, hi) = (start.max(a), end.min(b));
+                (lo < hi).then(|| EmbedRows {
+                    step_offset: lo - a,
+                    embeddings: Arc::clone(&e.embeddings),
+                    rows: e.rows.start + lo - start..e.rows.start + hi - start,
+                })
+            })
+            .collect();
+        let positions = match &p.positions {
+            Positions::Linear(v) => Positions::Linear(v[a..b].to_vec()),
+            Positions::Mrope { t, h, w, rope_delta } => Positions::Mrope {
+                t: t[a..b].to_vec(),
+                h: h[a..b].to_vec(),
+                w: w[a..b].to_vec(),
+                rope_delta: *rope_delta,
+            },
+        };
+        ScheduledSeq {
+            request: 1,
+            block_table: table.to_vec(),
+            num_computed_tokens: a,
+            token_ids: p.token_ids[a..b].to_vec(),
+            embeds,
+            positions,
+            slot_mapping: (a..b).map(|j| (table[j / BS] as usize * BS + j % BS) as i64).collect(),
+            prompt_len: p.token_ids.len(),
+            emits_output: b == p.token_ids.len(),
+        }
+    }
+
+    /// `got ≈ want` relative to the largest magnitude of `want`.
+    fn assert_close_scaled(what: &str, got: &[f32], want: &[f32]) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!((g - w).abs() <= TOL * scale, "{what}: first mismatch at flat index {i}: gpu {g} vs cpu {w}");
+        }
+    }
+
+    fn assert_outputs(what: &str, hidden: &[(CaptureName, Array2<f32>)], last_logits: &[f32], want: &Outputs) {
+        assert_eq!(hidden.len(), want.hidden.len(), "{what}: captures");
+        for ((name, got), (_, w)) in hidden.iter().zip(&want.hidden) {
+            assert_eq!(got.dim(), w.dim(), "{what} {name}: shape");
+            assert_close_scaled(&format!("{what} {name}"), got.as_slice().unwrap(), w.as_slice().unwrap());
+        }
+        assert_close_scaled(&format!("{what} last_logits"), last_logits, &want.last_logits);
+    }
+
+    #[test]
+    fn cached_chunked_gpu_forward_equals_uncached_cpu_forward() {
+        let Some(gpu) = gpu() else { return };
+        let gpu = Arc::new(gpu);
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        let configs = [
+            Config::tiny_qwen3(32, 2, 4, 2, 64),
+            Config::tiny_qwen2_omni(32, 2, 4, 1, 64),
+            Config::tiny_qwen3_omni_moe(32, 2, 4, 4, 64, 4, 2),
+        ];
+        for (ci, cfg) in configs.into_iter().enumerate() {
+            let n = cfg.num_hidden_layers;
+            let capture =
+                CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
+            let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), ci as u64).unwrap();
+            let gpu_thinker = Arc::new(Thinker::random(&*gpu, cfg.clone(), ci as u64).unwrap());
+            let p = prompt(&cfg, 19, 6, &mut rng);
+            let want = run_uncached(&cpu_thinker, &CpuBackend, &p, &capture, false).unwrap();
+
+            let uncached = run_uncached(&gpu_thinker, &*gpu, &p, &capture, false).unwrap();
+            assert_outputs(&format!("config {ci} uncached"), &uncached.hidden, &uncached.last_logits, &want);
+
+            let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture).unwrap();
+            let mut blocks: Vec<u32> = (0..8).collect();
+            blocks.shuffle(&mut rng);
+            let table = &blocks[..19usize.div_ceil(BS)];
+            let mut pages = runner.alloc_pages(8, BS).unwrap();
+            let mut outs = Vec::new();
+            let mut a = 0;
+            // A block-aligned cached prefix, a non-aligned chunk, a decode-sized last step.
+            for b in [8, 13, 18, 19] {
+                outs = runner
+                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, table, a, b)] }, &mut pages)
+                    .unwrap();
+                a = b;
+            }
+            assert_eq!(outs.len(), 1, "config {ci}");
+            assert_outputs(&format!("config {ci} chunked"), &outs[0].hidden, &outs[0].last_logits, &want);
+        }
+    }
+}

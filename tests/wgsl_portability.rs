@@ -1,0 +1,113 @@
+//! Every shader in `wgsl/` parses, validates and translates to SPIR-V, MSL and HLSL
+//! with naga, on the CPU: a broken shader fails `cargo test` without any GPU.
+
+use std::path::{Path, PathBuf};
+
+use naga::back::PipelineConstants;
+use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
+
+fn shader_files() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("wgsl");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|entry| entry.expect("directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "wgsl"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Parses and validates with no optional capabilities (no subgroups, no f16), then
+/// resolves the override constants to their defaults as a pipeline would.
+fn validated(path: &Path) -> (naga::Module, ModuleInfo) {
+    let source = std::fs::read_to_string(path).expect("shader source");
+    let module = naga::front::wgsl::parse_str(&source)
+        .unwrap_or_else(|e| panic!("{}: parse error:\n{}", path.display(), e.emit_to_string(&source)));
+    let info = Validator::new(ValidationFlags::all(), Capabilities::empty())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{}: validation error:\n{}", path.display(), e.emit_to_string(&source)));
+    let (module, info) =
+        naga::back::pipeline_constants::process_overrides(&module, &info, None, &PipelineConstants::default())
+            .unwrap_or_else(|e| panic!("{}: overrides: {e}", path.display()));
+    (module.into_owned(), info.into_owned())
+}
+
+#[test]
+fn shader_directory_holds_every_kernel() {
+    let names: Vec<String> =
+        shader_files().iter().filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned())).collect();
+    for expected in
+        ["copy_blocks", "elementwise", "matmul", "moe", "paged_attention", "paged_rows", "rmsnorm", "rope", "rows"]
+    {
+        assert!(names.iter().any(|n| n == expected), "wgsl/{expected}.wgsl missing; found {names:?}");
+    }
+}
+
+#[test]
+fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
+    let files = shader_files();
+    assert!(!files.is_empty(), "no shaders found in wgsl/");
+    for path in files {
+        let (module, info) = validated(&path);
+        assert!(!module.entry_points.is_empty(), "{}: no entry points", path.display());
+
+        let spv = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)
+            .unwrap_or_else(|e| panic!("{}: SPIR-V: {e}", path.display()));
+        assert_eq!(spv.first(), Some(&0x0723_0203), "{}: SPIR-V magic", path.display());
+
+        let msl_options = naga::back::msl::Options { lang_version: (2, 1), ..Default::default() };
+        for ep in &module.entry_points {
+            let pipeline = naga::back::msl::PipelineOptions {
+                entry_point: Some((ep.stage, ep.name.clone())),
+                ..Default::default()
+            };
+            let (msl, _) = naga::back::msl::write_string(&module, &info, &msl_options, &pipeline)
+                .unwrap_or_else(|e| panic!("{}: MSL ({}): {e}", path.display(), ep.name));
+            assert!(msl.contains("kernel"), "{}: MSL for {} has no kernel", path.display(), ep.name);
+        }
+
+        let hlsl_options =
+            naga::back::hlsl::Options { shader_model: naga::back::hlsl::ShaderModel::V6_0, ..Default::default() };
+        let hlsl_pipeline = naga::back::hlsl::PipelineOptions::default();
+        let mut hlsl = String::new();
+        naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
+            .write(&module, &info, None)
+            .unwrap_or_else(|e| panic!("{}: HLSL: {e}", path.display()));
+        assert!(hlsl.contains("[numthreads("), "{}: HLSL has no compute entry", path.display());
+    }
+}
+
+/// Limit and size checks that need no device.
+mod limits {
+    use omniprefix::Error;
+    use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool};
+
+    #[test]
+    fn adapter_below_kernel_limits_is_named() {
+        let mut limits = wgpu::Limits::downlevel_defaults();
+        limits.max_storage_buffers_per_shader_stage = 4;
+        let err = check_limits("tiny adapter", &limits).unwrap_err();
+        assert!(
+            matches!(&err, Error::GpuLimit { adapter, limit: "max_storage_buffers_per_shader_stage", required: 7, available: 4 } if adapter == "tiny adapter"),
+            "{err}"
+        );
+        let limits = wgpu::Limits { max_compute_workgroup_storage_size: 8192, ..Default::default() };
+        let err = check_limits("a", &limits).unwrap_err();
+        assert!(
+            matches!(err, Error::GpuLimit { limit: "max_compute_workgroup_storage_size", required: 10240, .. }),
+            "{err}"
+        );
+        assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());
+    }
+
+    #[test]
+    fn pools_split_into_whole_blocks_and_refuse_what_cannot_be_bound() {
+        // 10 blocks of 100 f32 (400 B) under a 1000 B binding: 2 blocks per chunk, 5 chunks.
+        assert_eq!(plan_pool("a", "hidden", 10, 100, 1000, None).unwrap(), PoolPlan { blocks_per_chunk: 2, chunks: 5 });
+        assert_eq!(plan_pool("a", "kv", 10, 100, 4000, Some(2)).unwrap(), PoolPlan { blocks_per_chunk: 10, chunks: 1 });
+        let err = plan_pool("a", "kv", 10, 100, 1000, Some(2)).unwrap_err();
+        assert!(matches!(err, Error::GpuTooLarge { requested: 4000, max: 1600, .. }), "{err}");
+        let err = plan_pool("a", "kv", 10, 1000, 1000, None).unwrap_err();
+        assert!(matches!(err, Error::GpuTooLarge { requested: 4000, max: 1000, .. }), "{err}");
+    }
+}

@@ -1,0 +1,61 @@
+// In-place elementwise ops on acc with a second operand rhs:
+//   add_assign: acc[i] += rhs[i]                (residual add)
+//   bias_add:   acc[i] += rhs[i % width]        (linear bias over rows of `width`)
+//   swiglu:     acc[r, c] = silu(rhs[r, c]) * rhs[r, width + c]
+//               (rhs = fused gate/up product [rows, 2 * width], gate columns first;
+//                acc = output [rows, width])
+
+struct EwParams {
+    len: u32,
+    width: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+const WG: u32 = 256u;
+
+@group(0) @binding(0) var<uniform> p: EwParams;
+@group(0) @binding(1) var<storage, read_write> acc: array<f32>;
+@group(0) @binding(2) var<storage, read> rhs: array<f32>;
+
+fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
+    return (wid.x + wid.y * nwg.x) * WG + lid;
+}
+
+@compute @workgroup_size(WG)
+fn add_assign(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = flat_index(wid, nwg, lid);
+    if (i < p.len) {
+        acc[i] += rhs[i];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn bias_add(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = flat_index(wid, nwg, lid);
+    if (i < p.len) {
+        acc[i] += rhs[i % p.width];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn swiglu(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = flat_index(wid, nwg, lid);
+    if (i < p.len) {
+        let base = (i / p.width) * 2u * p.width + i % p.width;
+        let g = rhs[base];
+        acc[i] = g / (1.0 + exp(-g)) * rhs[base + p.width];
+    }
+}

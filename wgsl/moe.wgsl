@@ -1,0 +1,99 @@
+// Mixture-of-experts routing and combination.
+//   router_topk: per token, softmax over `experts` router logits (f32), then the top_k
+//     experts in order of (probability desc, expert index asc); with `renormalize` the
+//     chosen probabilities are divided by their sum (Qwen3-MoE norm_topk_prob).
+//   expert_combine: out[t, :] = sum_j weights[t, j] * expert_out[t * top_k + j, :]
+
+struct MoeParams {
+    tokens: u32,
+    experts: u32,
+    top_k: u32,
+    renormalize: u32,
+    width: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+const WG: u32 = 64u;
+
+@group(0) @binding(0) var<uniform> p: MoeParams;
+// router_topk
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+@group(0) @binding(2) var<storage, read_write> topk_ids: array<u32>;
+@group(0) @binding(3) var<storage, read_write> topk_weights: array<f32>;
+// expert_combine
+@group(0) @binding(4) var<storage, read> weights_in: array<f32>;
+@group(0) @binding(5) var<storage, read> expert_out: array<f32>;
+@group(0) @binding(6) var<storage, read_write> combined: array<f32>;
+
+// True when (pa, a) comes after (pb, b) in (probability desc, index asc) order.
+fn ranks_after(pa: f32, a: u32, pb: f32, b: u32) -> bool {
+    return pa < pb || (pa == pb && a > b);
+}
+
+@compute @workgroup_size(WG)
+fn router_topk(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let t = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (t >= p.tokens) {
+        return;
+    }
+    let base = t * p.experts;
+    var mx = logits[base];
+    for (var e = 1u; e < p.experts; e++) {
+        mx = max(mx, logits[base + e]);
+    }
+    var denom = 0.0;
+    for (var e = 0u; e < p.experts; e++) {
+        denom += exp(logits[base + e] - mx);
+    }
+    // Walk down the ranking: each pick is the best expert ranking after the previous pick.
+    var prev_p = 2.0;
+    var prev_e = 0u;
+    var chosen_sum = 0.0;
+    for (var j = 0u; j < p.top_k; j++) {
+        var best_p = -1.0;
+        var best_e = 0u;
+        for (var e = 0u; e < p.experts; e++) {
+            let pe = exp(logits[base + e] - mx) / denom;
+            let after_prev = j == 0u || ranks_after(pe, e, prev_p, prev_e);
+            if (after_prev && ranks_after(best_p, best_e, pe, e)) {
+                best_p = pe;
+                best_e = e;
+            }
+        }
+        topk_ids[t * p.top_k + j] = best_e;
+        topk_weights[t * p.top_k + j] = best_p;
+        chosen_sum += best_p;
+        prev_p = best_p;
+        prev_e = best_e;
+    }
+    if (p.renormalize != 0u) {
+        for (var j = 0u; j < p.top_k; j++) {
+            topk_weights[t * p.top_k + j] /= chosen_sum;
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn expert_combine(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i >= p.tokens * p.width) {
+        return;
+    }
+    let t = i / p.width;
+    let d = i % p.width;
+    var sum = 0.0;
+    for (var j = 0u; j < p.top_k; j++) {
+        sum += weights_in[t * p.top_k + j] * expert_out[(t * p.top_k + j) * p.width + d];
+    }
+    combined[i] = sum;
+}

@@ -1,0 +1,75 @@
+// Row movement between dense row-major tensors and one chunk of a paged pool.
+//
+// A pool holds `slots` of `slot_stride` f32 each (`slot = block * block_size + offset`);
+// large pools are split into chunks of whole blocks, each its own buffer, and the host
+// dispatches once per chunk: only slots in `slot_base .. slot_base + slot_count` land in
+// the bound chunk. A negative slot means "skip this row".
+//   write_kv:     rows [n, kv_heads * head_dim], slot_stride = kv_heads * head_dim
+//   write_hidden: rows [n, hidden], slot_stride = captured * hidden, slot_offset = layer * hidden
+
+struct RowParams {
+    n_rows: u32,
+    width: u32,
+    slot_stride: u32,
+    slot_offset: u32,
+    slot_base: u32,
+    slot_count: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+const WG: u32 = 256u;
+
+@group(0) @binding(0) var<uniform> p: RowParams;
+@group(0) @binding(1) var<storage, read> slots: array<i32>;
+// scatter_rows
+@group(0) @binding(2) var<storage, read> rows_in: array<f32>;
+@group(0) @binding(3) var<storage, read_write> pool_out: array<f32>;
+// gather_rows
+@group(0) @binding(4) var<storage, read> pool_in: array<f32>;
+@group(0) @binding(5) var<storage, read_write> rows_out: array<f32>;
+
+// Pool element of (row r, column c), or -1 when the row's slot is skipped or in another chunk.
+fn pool_index(r: u32, c: u32) -> i32 {
+    let slot = slots[r];
+    if (slot < 0) {
+        return -1;
+    }
+    let s = u32(slot);
+    if (s < p.slot_base || s - p.slot_base >= p.slot_count) {
+        return -1;
+    }
+    return i32((s - p.slot_base) * p.slot_stride + p.slot_offset + c);
+}
+
+@compute @workgroup_size(WG)
+fn scatter_rows(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let idx = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (idx >= p.n_rows * p.width) {
+        return;
+    }
+    let at = pool_index(idx / p.width, idx % p.width);
+    if (at >= 0) {
+        pool_out[u32(at)] = rows_in[idx];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn gather_rows(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let idx = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (idx >= p.n_rows * p.width) {
+        return;
+    }
+    let at = pool_index(idx / p.width, idx % p.width);
+    if (at >= 0) {
+        rows_out[idx] = pool_in[u32(at)];
+    }
+}

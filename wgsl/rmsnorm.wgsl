@@ -1,0 +1,49 @@
+// y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight   (f32, Qwen RMSNorm).
+// Whole hidden rows use dim = hidden; per-head qk-norm views [n, heads * head_dim] as
+// n * heads rows of dim = head_dim with a head_dim weight.
+
+struct NormParams {
+    rows: u32,
+    dim: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+const WG: u32 = 64u;
+
+@group(0) @binding(0) var<uniform> p: NormParams;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> weight: array<f32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+
+var<workgroup> partial: array<f32, WG>;
+
+@compute @workgroup_size(WG)
+fn rms_norm(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= p.rows) {
+        return;
+    }
+    let base = r * p.dim;
+    var ss = 0.0;
+    for (var d = lid; d < p.dim; d += WG) {
+        let v = x[base + d];
+        ss += v * v;
+    }
+    partial[lid] = ss;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
+        if (lid < stride) {
+            partial[lid] += partial[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let inv = inverseSqrt(partial[0] / f32(p.dim) + p.eps);
+    for (var d = lid; d < p.dim; d += WG) {
+        y[base + d] = x[base + d] * inv * weight[d];
+    }
+}

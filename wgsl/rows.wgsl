@@ -1,0 +1,52 @@
+// Dense row gather and scatter by index (indices validated on the host; out-of-range
+// indices are skipped here as a second line of defence):
+//   gather_dense:  dst[r, :] = src[idx[r], :]   (embedding lookup; tokens routed to an expert)
+//   scatter_dense: dst[idx[r], :] = src[r, :]   (item embedding rows into the step's inputs)
+
+struct DenseRowParams {
+    n_rows: u32,
+    width: u32,
+    src_rows: u32,
+    dst_rows: u32,
+}
+
+const WG: u32 = 256u;
+
+@group(0) @binding(0) var<uniform> p: DenseRowParams;
+@group(0) @binding(1) var<storage, read> idx: array<u32>;
+@group(0) @binding(2) var<storage, read> src: array<f32>;
+@group(0) @binding(3) var<storage, read_write> dst: array<f32>;
+
+@compute @workgroup_size(WG)
+fn gather_dense(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let e = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (e >= p.n_rows * p.width) {
+        return;
+    }
+    let r = e / p.width;
+    let src_row = idx[r];
+    if (src_row < p.src_rows) {
+        dst[e] = src[src_row * p.width + e % p.width];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn scatter_dense(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let e = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (e >= p.n_rows * p.width) {
+        return;
+    }
+    let r = e / p.width;
+    let dst_row = idx[r];
+    if (dst_row < p.dst_rows) {
+        dst[dst_row * p.width + e % p.width] = src[e];
+    }
+}
