@@ -102,6 +102,12 @@ pub enum Error {
     /// A request id the scheduler does not know.
     #[error("request {id} is not admitted")]
     UnknownRequest { id: u64 },
+    /// A prompt longer than the model's context.
+    #[error("request {id}: prompt of {len} tokens exceeds the model context of {max}")]
+    ContextTooLong { id: u64, len: usize, max: usize },
+    /// A tenant salt outside the configured set, when salts are required.
+    #[error("request {id}: tenant {tenant} is not one of the known tenants")]
+    UnknownTenant { id: u64, tenant: u64 },
     /// A request that needs more blocks than the whole pool holds.
     #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
     RequestTooLarge { id: u64, needed: usize, num_blocks: usize },

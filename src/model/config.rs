@@ -171,6 +171,17 @@ impl Config {
                 mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
             }),
         };
+        // Without an explicit head_dim the heads split the hidden size evenly.
+        if raw.head_dim.is_none()
+            && raw.num_attention_heads > 0
+            && !raw.hidden_size.is_multiple_of(raw.num_attention_heads)
+        {
+            return Err(unsupported(
+                "hidden_size",
+                raw.hidden_size,
+                "must be a multiple of num_attention_heads when head_dim is absent",
+            ));
+        }
         let cfg = Config {
             head_dim: raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1)),
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
@@ -195,6 +206,15 @@ impl Config {
 
     /// Checks the sizes fit together (heads divide, sections cover the head).
     pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("vocab_size", self.vocab_size),
+        ];
+        if let Some((field, value)) = sizes.into_iter().find(|&(_, v)| v == 0) {
+            return Err(unsupported(field, value, "must be positive"));
+        }
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return Err(unsupported("num_attention_heads", self.num_attention_heads, "heads must be positive"));
         }
