@@ -351,6 +351,19 @@ impl Scheduler {
         self.remove(id)
     }
 
+    /// Gives up to `max_blocks` cached blocks that no request reads back to
+    /// the free list (least recently used first), e.g. to shrink the cache
+    /// or drop a tenant's data; returns how many were freed. Blocks pinned by
+    /// running requests are never taken.
+    pub fn evict(&mut self, max_blocks: usize) -> Result<usize> {
+        let evicted = self.index.evict(max_blocks);
+        self.stats.evicted_blocks += evicted.len() as u64;
+        for &b in &evicted {
+            self.pool.reclaim_evicted(b)?;
+        }
+        Ok(evicted.len())
+    }
+
     /// The block table of an admitted request (empty while it waits).
     pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
         self.requests.get(&id).map(|t| t.block_table.as_slice())
