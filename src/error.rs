@@ -108,6 +108,9 @@ pub enum Error {
     /// A tenant salt outside the configured set, when salts are required.
     #[error("request {id}: tenant {tenant} is not one of the known tenants")]
     UnknownTenant { id: u64, tenant: u64 },
+    /// Blocks still held by no request and not by the index after every request finished.
+    #[error("{leaked} of {num_blocks} blocks leaked (neither free nor owned by the index)")]
+    BlocksLeaked { leaked: usize, num_blocks: usize },
     /// A request that needs more blocks than the whole pool holds.
     #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
     RequestTooLarge { id: u64, needed: usize, num_blocks: usize },

@@ -26,5 +26,7 @@ pub mod sched;
 pub mod model;
 /// Executes a `ScheduledBatch` on a backend and returns full hidden states.
 pub mod runner;
+/// Soak test: Zipf prefix reuse under eviction pressure, checked for leaks.
+pub mod soak;
 
 pub use error::{Error, Result};
