@@ -240,3 +240,30 @@ fn fuzz_safetensors_files() {
     });
     let _ = std::fs::remove_file(&path);
 }
+
+/// Crashes the fuzzer found, kept as regression tests: sizes whose products
+/// overflowed (or whose preallocation aborted) before any weight was read.
+#[test]
+fn regression_absurd_sizes_are_errors_not_panics() {
+    let dir = Path::new(MODELS[1]);
+    let text = String::from_utf8(read(&dir.join("config.json"))).unwrap_or_default();
+    let source = SafetensorsSource::open_dir(dir);
+    let Ok(source) = source else { panic!("fixture {dir:?} opens") };
+    let cases: [(&str, Value, &str); 5] = [
+        ("num_experts", json!(u64::MAX), "num_experts"),
+        ("num_experts", json!(1u64 << 40), "num_experts"),
+        ("num_hidden_layers", json!(1u64 << 40), "num_hidden_layers"),
+        ("moe_intermediate_size", json!(u64::MAX / 2), "moe_intermediate_size"),
+        ("rope_parameters", json!({"rope_type": "mrope", "mrope_section": [u64::MAX, 2, 2]}), "mrope_section"),
+    ];
+    for (field, value, named) in cases {
+        let mut config: Value = serde_json::from_str(&text).unwrap_or_default();
+        let Some(Value::Object(map)) = config.pointer_mut("/thinker_config/text_config") else { panic!("omni config has a text config") };
+        map.insert(field.into(), value.clone());
+        let err = load(&config.to_string(), &source).err();
+        assert!(
+            matches!(err, Some(Error::UnsupportedConfig { field: f, .. }) if f == named),
+            "{field} = {value}: {err:?}"
+        );
+    }
+}
