@@ -44,7 +44,7 @@ pub struct PrefillRequest<'a> {
     pub items: Vec<ItemInput<'a>>,
 }
 
-impl PrefillRequest<'static> {
+impl PrefillRequest<'_> {
     /// A text-only request of tenant 0.
     pub fn text(token_ids: Vec<u32>) -> Self {
         PrefillRequest { token_ids, ..Default::default() }
