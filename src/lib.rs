@@ -12,12 +12,16 @@ pub mod backend;
 pub mod batch;
 /// Canonical bytes, dtypes and keyed fingerprints of multimodal items.
 pub mod canon;
+/// The library face of a thinker stage: requests in, full hidden states out.
+pub mod engine;
 /// The crate's error type.
 pub mod error;
 /// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.
 pub mod index;
 /// KV block pool: free list, ref counts, index-owned blocks.
 pub mod kv;
+/// The JSON request-file format of `omniprefix hidden`.
+pub mod request_file;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
 /// The scheduler: admits requests, matches prefixes, allocates blocks, builds batches.
@@ -28,5 +32,9 @@ pub mod model;
 pub mod runner;
 /// Soak test: Zipf prefix reuse under eviction pressure, checked for leaks.
 pub mod soak;
+/// Time-to-first-token measurement: cached vs uncached, capture overhead.
+pub mod ttft;
+/// The `omniprefix` command line.
+pub mod cli;
 
 pub use error::{Error, Result};

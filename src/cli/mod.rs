@@ -1,0 +1,70 @@
+//! The `omniprefix` command line: one module per subcommand.
+//!
+//! `main` parses, runs, and turns an error into one line on stderr and a
+//! non-zero exit code; subcommands write their output to the writer they are
+//! given, so tests can run them in process.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::Result;
+
+/// `omniprefix hidden`.
+pub mod hidden;
+/// `omniprefix bench ttft`.
+pub mod ttft;
+
+/// Prefix caching for multimodal (Omni) LLM inference.
+#[derive(Debug, Parser)]
+#[command(name = "omniprefix", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Full hidden states of a request (after optional warm-up requests) into a safetensors file.
+    Hidden(hidden::HiddenArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `omniprefix bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Time to first token, cached vs uncached, on shared-prefix and multi-round workloads.
+    Ttft(ttft::TtftArgs),
+}
+
+/// Runs a parsed command line, writing its output to `out`.
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
+    match cli.command {
+        Command::Hidden(args) => hidden::run(&args, out),
+        Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
+    }
+}
+
+/// The binary's entry point: parse `std::env::args`, run, report errors in one line.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version are "errors" that print to stdout and exit 0.
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    let stdout = std::io::stdout();
+    match run(cli, &mut stdout.lock()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", e.to_string().replace('\n', " "));
+            ExitCode::from(2)
+        }
+    }
+}
