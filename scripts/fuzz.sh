@@ -19,11 +19,13 @@ targets=(
   "fuzz_canon fuzz_encoded_items"
   "fuzz_loader fuzz_config_json"
   "fuzz_loader fuzz_safetensors_files"
+  "fuzz_request_file fuzz_request_files"
+  "fuzz_request_file fuzz_request_bytes"
 )
 per=$(awk "BEGIN { print $total / ${#targets[@]} }")
 echo "fuzz: ${#targets[@]} targets, ${per} s each, first seed ${seed}, ${cases} cases per batch"
 
-cargo test --release --test fuzz_canon --test fuzz_loader --no-run
+cargo test --release --test fuzz_canon --test fuzz_loader --test fuzz_request_file --no-run
 status=0
 log=$(mktemp)
 for t in "${targets[@]}"; do

@@ -522,3 +522,65 @@ fn c20_layouts_that_cannot_describe_their_item() -> Result<()> {
     assert!(matches!(err, Error::ShapeMismatch { item: 3, modality: Modality::Image, .. }), "{err}");
     Ok(())
 }
+
+// ---- request files ----
+
+/// A scratch folder with `media.safetensors` holding `pixels` (u8 [8, 12, 3])
+/// and `emb` (f32 [6, 4]) and a request file written from `json`.
+fn request_file(name: &str, json: &str) -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("omniprefix-bad-requests-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|source| Error::Io { path: dir.display().to_string(), source })?;
+    let pixels = vec![7u8; 8 * 12 * 3];
+    let emb: Vec<u8> = [0.25f32; 24].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let views = [
+        ("pixels", safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![8, 12, 3], &pixels)),
+        ("emb", safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![6, 4], &emb)),
+    ];
+    let views = views
+        .into_iter()
+        .map(|(n, v)| v.map(|v| (n, v)))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::Safetensors { path: "media".into(), message: e.to_string() })?;
+    let bytes = safetensors::serialize(views, &None).map_err(|e| Error::Safetensors { path: "media".into(), message: e.to_string() })?;
+    write(&dir.join("media.safetensors"), &bytes)?;
+    let path = dir.join("request.json");
+    write(&path, json.as_bytes())?;
+    Ok(path)
+}
+
+fn item_json(content: &str, embeddings: &str) -> String {
+    format!(
+        r#"{{"segments": [{{"text": [1, 503]}}, {{"item": {{"modality": "image",
+            "layout": {{"kind": "image", "grid_thw": [1, 4, 6]}},
+            "content": {{"file": "media.safetensors", "tensor": "{content}"}},
+            "embeddings": {{"file": "{embeddings}", "tensor": "emb"}}}}}}, {{"text": [504]}}]}}"#
+    )
+}
+
+#[test]
+fn c21_request_files_that_are_not_json_or_name_missing_tensors() -> Result<()> {
+    use omniprefix::request_file::RequestFile;
+    let load = |name: &str, json: &str| -> Result<()> {
+        let path = request_file(name, json)?;
+        let result = RequestFile::load(&path).map(|_| ());
+        let _ = path.parent().map(std::fs::remove_dir_all);
+        result
+    };
+    // The well-formed file loads.
+    load("good", &item_json("pixels", "media.safetensors"))?;
+    let err = rejected(|_| load("not-json", "{\"segments\": [{\"text\": [1, 2"))?;
+    assert!(matches!(err, Error::RequestFormat { .. }), "{err}");
+    let err = rejected(|_| load("unknown-field", r#"{"segments": [], "tenantt": 3}"#))?;
+    assert!(matches!(err, Error::RequestFormat { ref message, .. } if message.contains("tenantt")), "{err}");
+    let err = rejected(|_| load("negative-id", r#"{"segments": [{"text": [1, -2]}]}"#))?;
+    assert!(matches!(err, Error::RequestFormat { .. }), "{err}");
+    let err = rejected(|_| load("missing-tensor", &item_json("pixelz", "media.safetensors")))?;
+    assert!(matches!(err, Error::TensorNotInFile { ref tensor, .. } if tensor == "pixelz"), "{err}");
+    let err = rejected(|_| load("missing-file", &item_json("pixels", "nowhere.safetensors")))?;
+    assert!(matches!(err, Error::Io { ref path, .. } if path.ends_with("nowhere.safetensors")), "{err}");
+    // Embeddings named where a [rows, hidden] tensor is needed, but of rank 3.
+    let json = item_json("pixels", "media.safetensors").replace(r#""tensor": "emb""#, r#""tensor": "pixels""#);
+    let err = rejected(|_| load("embeddings-rank", &json))?;
+    assert!(matches!(err, Error::RequestTensor { ref tensor, .. } if tensor == "pixels"), "{err}");
+    Ok(())
+}

@@ -35,6 +35,22 @@ fn same_seed_same_figures() -> Result<()> {
 }
 
 #[test]
+fn bench_soak_cli_prints_json_with_zero_leaks() -> Result<()> {
+    use clap::Parser;
+    let args = ["omniprefix", "bench", "soak", "--requests", "400", "--pool-blocks", "64", "--prefixes", "256", "--json"];
+    let cli = omniprefix::cli::Cli::try_parse_from(args).map_err(|e| omniprefix::Error::InvalidRequest(e.to_string()))?;
+    let mut out = Vec::new();
+    omniprefix::cli::run(cli, &mut out)?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&out).map_err(|e| omniprefix::Error::InvalidRequest(e.to_string()))?;
+    assert_eq!(json["requests"], 400);
+    assert_eq!(json["leaked_blocks"], 0);
+    assert!(json["evicted_blocks"].as_u64().is_some_and(|e| e > 0), "{json}");
+    assert!(json["peak_rss_kib"].as_u64().is_some());
+    Ok(())
+}
+
+#[test]
 #[ignore = "full soak: run in release with SOAK_REQUESTS"]
 fn full_soak_from_env() -> Result<()> {
     let requests = std::env::var("SOAK_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);

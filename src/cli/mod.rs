@@ -13,6 +13,8 @@ use crate::error::Result;
 
 /// `omniprefix hidden`.
 pub mod hidden;
+/// `omniprefix bench soak`.
+pub mod soak;
 /// `omniprefix bench ttft`.
 pub mod ttft;
 
@@ -39,6 +41,8 @@ pub enum Command {
 pub enum BenchCommand {
     /// Time to first token, cached vs uncached, on shared-prefix and multi-round workloads.
     Ttft(ttft::TtftArgs),
+    /// Zipf prefix reuse under eviction pressure, no model compute: hit rate, evictions, peak memory, leaks.
+    Soak(soak::SoakArgs),
 }
 
 /// Runs a parsed command line, writing its output to `out`.
@@ -46,6 +50,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Hidden(args) => hidden::run(&args, out),
         Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
+        Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),
     }
 }
 
