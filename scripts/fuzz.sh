@@ -33,7 +33,8 @@ for t in "${targets[@]}"; do
   rc=0
   FUZZ_SECONDS=$per FUZZ_SEED=$seed PROPTEST_CASES=$cases \
     cargo test --release --test "$bin" -- --exact "$name" --nocapture --test-threads=1 >"$log" 2>&1 || rc=$?
-  grep -E "^fuzz |panicked|minimal input|seed .* fails" "$log" || true
+  # The harness prints "test NAME ... " and the target's summary on one line.
+  grep -oE "fuzz [a-z-]+: [0-9]+ execs in [0-9.]+ s|panicked.*|minimal input.*|seed [0-9]+ fails.*" "$log" || true
   if [ "$rc" -ne 0 ]; then
     echo "fuzz: $name FAILED (exit $rc); full output:"
     cat "$log"
