@@ -108,6 +108,15 @@ pub enum Error {
     /// A request id the scheduler does not know.
     #[error("request {id} is not admitted")]
     UnknownRequest { id: u64 },
+    /// A prompt longer than the model's context.
+    #[error("request {id}: prompt of {len} tokens exceeds the model context of {max}")]
+    ContextTooLong { id: u64, len: usize, max: usize },
+    /// A tenant salt outside the configured set, when salts are required.
+    #[error("request {id}: tenant {tenant} is not one of the known tenants")]
+    UnknownTenant { id: u64, tenant: u64 },
+    /// Blocks still held by no request and not by the index after every request finished.
+    #[error("{leaked} of {num_blocks} blocks leaked (neither free nor owned by the index)")]
+    BlocksLeaked { leaked: usize, num_blocks: usize },
     /// A request that needs more blocks than the whole pool holds.
     #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
     RequestTooLarge { id: u64, needed: usize, num_blocks: usize },
@@ -180,6 +189,23 @@ pub enum Error {
     /// A model shape outside what the GPU kernels implement.
     #[error("GPU kernels: {what} = {value} is unsupported (supported: {supported})")]
     GpuUnsupported { what: &'static str, value: usize, supported: &'static str },
+
+    // ---- engine and request files ----
+    /// An item that brought no embeddings, missed the encoder cache and had no encoder to run.
+    #[error("item {item}: no embeddings given, none cached for its fingerprint and no encoder to compute them")]
+    MissingEmbeddings { item: usize },
+    /// Requests are pending but the scheduler can run none of them (an internal bug).
+    #[error("engine stalled: {pending} request(s) pending but the scheduler emitted an empty step")]
+    EngineStalled { pending: usize },
+    /// A request file that is not valid JSON or does not follow the request format.
+    #[error("request file {path}: {message}")]
+    RequestFormat { path: String, message: String },
+    /// A tensor a request file names is not in the safetensors file it names.
+    #[error("{path}: no tensor `{tensor}`")]
+    TensorNotInFile { path: String, tensor: String },
+    /// A tensor a request file names has the wrong dtype or shape for its role.
+    #[error("{path}, tensor `{tensor}`: {found} where {expected} was expected")]
+    RequestTensor { path: String, tensor: String, expected: String, found: String },
 }
 
 /// Crate-wide result alias.

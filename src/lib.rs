@@ -16,6 +16,8 @@ pub mod bench;
 pub mod canon;
 /// The `omniprefix` command line.
 pub mod cli;
+/// The library face of a thinker stage: requests in, full hidden states out.
+pub mod engine;
 /// The crate's error type.
 pub mod error;
 /// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.
@@ -24,6 +26,8 @@ pub mod index;
 pub mod preprocess;
 /// KV block pool: free list, ref counts, index-owned blocks.
 pub mod kv;
+/// The JSON request-file format of `omniprefix hidden`.
+pub mod request_file;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
 /// The scheduler: admits requests, matches prefixes, allocates blocks, builds batches.
@@ -34,5 +38,9 @@ pub mod model;
 pub mod runner;
 /// Seeded match workloads with the real Qwen3-Omni shapes.
 pub mod workloads;
+/// Soak test: Zipf prefix reuse under eviction pressure, checked for leaks.
+pub mod soak;
+/// Time-to-first-token measurement: cached vs uncached, capture overhead.
+pub mod ttft;
 
 pub use error::{Error, Result};

@@ -13,6 +13,12 @@ use crate::error::Result;
 
 /// `omniprefix bench match`.
 pub mod bench_match;
+/// `omniprefix hidden`.
+pub mod hidden;
+/// `omniprefix bench soak`.
+pub mod soak;
+/// `omniprefix bench ttft`.
+pub mod ttft;
 
 /// Prefix caching for multimodal (Omni) LLM inference.
 #[derive(Debug, Parser)]
@@ -25,6 +31,8 @@ pub struct Cli {
 /// Top-level subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Full hidden states of a request (after optional warm-up requests) into a safetensors file.
+    Hidden(hidden::HiddenArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -35,12 +43,19 @@ pub enum Command {
 pub enum BenchCommand {
     /// Match cost per workload: omniprefix (cold, warm) vs the read floor and vLLM's hash chain.
     Match(bench_match::MatchArgs),
+    /// Time to first token, cached vs uncached, on shared-prefix and multi-round workloads.
+    Ttft(ttft::TtftArgs),
+    /// Zipf prefix reuse under eviction pressure, no model compute: hit rate, evictions, peak memory, leaks.
+    Soak(soak::SoakArgs),
 }
 
 /// Runs a parsed command line, writing its output to `out`.
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Bench(BenchCommand::Match(args)) => bench_match::run(&args, out),
+        Command::Hidden(args) => hidden::run(&args, out),
+        Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
+        Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),
     }
 }
 
@@ -58,7 +73,7 @@ pub fn main() -> ExitCode {
     match run(cli, &mut stdout.lock()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", e.to_string().replace('\n', " "));
             ExitCode::from(2)
         }
     }

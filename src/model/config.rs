@@ -96,6 +96,11 @@ struct RawRope {
     interleaved: Option<bool>,
 }
 
+/// Largest size of any one model dimension (hidden, heads, layers, experts...).
+const MAX_DIM: usize = 1 << 20;
+/// Largest vocabulary.
+const MAX_VOCAB: usize = 1 << 24;
+
 fn unsupported(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Error {
     Error::UnsupportedConfig { field, value: format!("{value:?}"), reason }
 }
@@ -171,6 +176,17 @@ impl Config {
                 mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
             }),
         };
+        // Without an explicit head_dim the heads split the hidden size evenly.
+        if raw.head_dim.is_none()
+            && raw.num_attention_heads > 0
+            && !raw.hidden_size.is_multiple_of(raw.num_attention_heads)
+        {
+            return Err(unsupported(
+                "hidden_size",
+                raw.hidden_size,
+                "must be a multiple of num_attention_heads when head_dim is absent",
+            ));
+        }
         let cfg = Config {
             head_dim: raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads.max(1)),
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(raw.num_attention_heads),
@@ -195,6 +211,40 @@ impl Config {
 
     /// Checks the sizes fit together (heads divide, sections cover the head).
     pub fn validate(&self) -> Result<()> {
+        let sizes = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("vocab_size", self.vocab_size),
+        ];
+        if let Some((field, value)) = sizes.into_iter().find(|&(_, v)| v == 0) {
+            return Err(unsupported(field, value, "must be positive"));
+        }
+        // Bounds far above any real model keep every product the loader forms
+        // (e.g. experts x 2 x intermediate x hidden) from overflowing.
+        let moe = self.moe.as_ref();
+        let dims = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("num_experts", moe.map_or(0, |m| m.num_experts)),
+            ("moe_intermediate_size", moe.map_or(0, |m| m.moe_intermediate_size)),
+        ];
+        if let Some((field, value)) = dims.into_iter().find(|&(_, v)| v > MAX_DIM) {
+            return Err(unsupported(field, value, "larger than any supported model (limit 2^20)"));
+        }
+        if self.vocab_size > MAX_VOCAB {
+            return Err(unsupported("vocab_size", self.vocab_size, "larger than any supported model (limit 2^24)"));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(unsupported("rope_theta", self.rope_theta, "must be finite and positive"));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(unsupported("rms_norm_eps", self.rms_norm_eps, "must be finite and non-negative"));
+        }
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
             return Err(unsupported("num_attention_heads", self.num_attention_heads, "heads must be positive"));
         }
@@ -209,7 +259,7 @@ impl Config {
             return Err(unsupported("head_dim", self.head_dim, "must be even and positive"));
         }
         if let Some(sec) = self.mrope_section
-            && sec.iter().sum::<usize>() != self.head_dim / 2 {
+            && sec.iter().fold(0usize, |a, &b| a.saturating_add(b)) != self.head_dim / 2 {
                 return Err(unsupported("mrope_section", sec, "sections must sum to head_dim / 2"));
             }
         if let Some(moe) = &self.moe {

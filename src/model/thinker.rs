@@ -100,8 +100,7 @@ fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usiz
             _ => Err(Error::InvalidRequest("fused expert weights do not reshape".into())),
         };
     }
-    let mut gate_up = Vec::with_capacity(2 * num_experts);
-    let mut down = Vec::with_capacity(num_experts);
+    let (mut gate_up, mut down) = (Vec::new(), Vec::new());
     for e in 0..num_experts {
         let ex = experts.pp(e);
         gate_up.push(ex.pp("gate_proj").matrix("weight", inter, hidden)?);
@@ -132,7 +131,7 @@ impl<B: Backend> Thinker<B> {
         let up = |a: Array2<f32>| backend.upload(a.view());
 
         let embed = up(root.pp("embed_tokens").matrix("weight", c.vocab_size, h)?)?;
-        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        let mut layers = Vec::new();
         for i in 0..c.num_hidden_layers {
             let lw = root.pp("layers").pp(i);
             let at = lw.pp("self_attn");

@@ -21,6 +21,7 @@
 //! runs starts without reuse and takes all its blocks at once: any prompt of
 //! at most `num_blocks` blocks finishes.
 
+mod admission;
 mod check;
 mod chunk;
 mod config;
@@ -34,6 +35,8 @@ use crate::batch::{BlockCopy, RequestId, ScheduledBatch, ScheduledSeq};
 use crate::error::{Error, Result};
 use crate::index::{BlockId, IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockPool, BlockState};
+use crate::prompt::TenantSalt;
+use admission::AdmissionLimits;
 
 pub use config::{SchedulerConfig, SchedulerStats};
 pub use request::Request;
@@ -117,6 +120,7 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     /// Requests aborted while a batch holding them was out; `complete` skips them.
     aborted_in_flight: FxHashSet<RequestId>,
+    limits: AdmissionLimits,
     stats: SchedulerStats,
 }
 
@@ -152,8 +156,24 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted_in_flight: FxHashSet::default(),
+            limits: AdmissionLimits::default(),
             stats: SchedulerStats::default(),
         })
+    }
+
+    /// Rejects prompts longer than `max_context` positions (the model's
+    /// `max_position_embeddings`) at admission with [`Error::ContextTooLong`].
+    pub fn with_max_context(mut self, max_context: usize) -> Self {
+        self.limits.max_context = Some(max_context);
+        self
+    }
+
+    /// Makes tenant salts mandatory: only prompts salted with one of `tenants`
+    /// are admitted, others get [`Error::UnknownTenant`] (a typo'd or forged
+    /// salt would otherwise silently open a cache of its own).
+    pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
+        self.limits.known_tenants = Some(tenants.into_iter().collect());
+        self
     }
 
     /// The configuration in force.
@@ -168,6 +188,7 @@ impl Scheduler {
             return Err(Error::DuplicateRequest { id: req.id });
         }
         req.validate()?;
+        self.limits.check(&req)?;
         // Alone, a request can always get this many blocks (see `start`).
         let needed = req.prompt.len().div_ceil(self.config.block_size);
         if needed > self.pool.num_blocks() {
@@ -328,6 +349,19 @@ impl Scheduler {
             self.aborted_in_flight.insert(id);
         }
         self.remove(id)
+    }
+
+    /// Gives up to `max_blocks` cached blocks that no request reads back to
+    /// the free list (least recently used first), e.g. to shrink the cache
+    /// or drop a tenant's data; returns how many were freed. Blocks pinned by
+    /// running requests are never taken.
+    pub fn evict(&mut self, max_blocks: usize) -> Result<usize> {
+        let evicted = self.index.evict(max_blocks);
+        self.stats.evicted_blocks += evicted.len() as u64;
+        for &b in &evicted {
+            self.pool.reclaim_evicted(b)?;
+        }
+        Ok(evicted.len())
     }
 
     /// The block table of an admitted request (empty while it waits).

@@ -6,7 +6,7 @@ use ndarray::Array2;
 
 use crate::batch::RequestId;
 use crate::error::{Error, Result};
-use crate::prompt::{CanonicalPrompt, Positions};
+use crate::prompt::{Atom, CanonicalPrompt, Positions};
 
 /// A preprocessed request with the embeddings of its multimodal items.
 #[derive(Debug, Clone)]
@@ -56,6 +56,12 @@ impl Request {
                 found: positions_len,
             });
         }
+        // The index keys on the atoms while the runner computes from the ids:
+        // atoms that cover other tokens would file KV under the wrong key.
+        let atoms: usize = self.prompt.atoms.iter().map(atom_len).sum();
+        if atoms != len {
+            return Err(Error::AtomsLengthMismatch { atoms, tokens: len });
+        }
         let items = &self.prompt.items;
         if self.item_embeddings.len() != items.len() {
             return Err(Error::EmbeddingMismatch {
@@ -90,7 +96,18 @@ impl Request {
             }
         }
         let mut placeholder_rows = 0u64;
+        let mut next_free = 0usize;
         for span in &self.prompt.index_map.spans {
+            // Spans in position order and disjoint: an item row is placed once.
+            if (span.start as usize) < next_free {
+                return Err(Error::PromptMismatch {
+                    id,
+                    what: "index map span start (spans must be ordered and disjoint)",
+                    expected: next_free,
+                    found: span.start as usize,
+                });
+            }
+            next_free = span.start as usize + span.rows.len();
             let item = span.item as usize;
             let rows =
                 self.item_embeddings
@@ -132,5 +149,13 @@ impl Request {
             });
         }
         Ok(())
+    }
+}
+
+/// Tokens an atom covers.
+fn atom_len(atom: &Atom) -> usize {
+    match atom {
+        Atom::Text(ids) => ids.len(),
+        Atom::Item { rows, .. } => rows.len(),
     }
 }
