@@ -3,47 +3,25 @@
 //! prefill + decode batches, GQA ratios 1/2/4, pools split over several bindings.
 //!
 //! Without an adapter these tests print a loud skip message and pass, unless
-//! `OMNIPREFIX_REQUIRE_GPU=1` (CI) makes them fail. Run with `WGPU_BACKEND=vulkan`
-//! on machines with lavapipe. Case counts scale with `PROPTEST_CASES`.
+//! `OMNIPREFIX_REQUIRE_GPU=1` (CI) makes them fail (see `shared_gpu`). Run with
+//! `WGPU_BACKEND=vulkan` on machines with lavapipe. Case counts scale with `PROPTEST_CASES`.
 
-use std::io::Write;
-use std::sync::{Arc, OnceLock};
+mod shared_gpu;
+
+use std::sync::Arc;
 
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::backend::wgpu::{GpuContext, GpuOptions, WgpuBackend};
+use omniprefix::backend::wgpu::WgpuBackend;
 use omniprefix::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec};
 use omniprefix::index::BlockId;
 use omniprefix::{Error, Result};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use shared_gpu::{gpu, gpu_with};
 
 const TOL: f32 = 1e-4;
-
-/// One shared device per binding cap (`None`: the adapter's own limit).
-fn gpu_with(cap: Option<u64>) -> Option<WgpuBackend> {
-    static DEFAULT: OnceLock<Option<WgpuBackend>> = OnceLock::new();
-    static SMALL: OnceLock<Option<WgpuBackend>> = OnceLock::new();
-    let cell = if cap.is_some() { &SMALL } else { &DEFAULT };
-    cell.get_or_init(|| match GpuContext::new(&GpuOptions { max_binding_bytes: cap }) {
-        Ok(ctx) => Some(WgpuBackend::from_context(Arc::new(ctx))),
-        Err(e) => {
-            if std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("OMNIPREFIX_REQUIRE_GPU=1 but no GPU device: {e}");
-            }
-            // Straight to stderr: the harness would swallow eprintln! of a passing test.
-            let _ =
-                writeln!(std::io::stderr(), "\n!!!!!!!! SKIPPING wgpu kernel tests: no GPU adapter ({e}) !!!!!!!!\n");
-            None
-        }
-    })
-    .clone()
-}
-
-fn gpu() -> Option<WgpuBackend> {
-    gpu_with(None)
-}
 
 /// Binding cap small enough to split the test pools into several chunks.
 const SMALL_BINDING: u64 = 4096;
