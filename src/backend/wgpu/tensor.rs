@@ -165,11 +165,39 @@ impl GpuContext {
             let _ = sender.send(r);
         });
         let gpu_error = |message: String| Error::GpuOp { adapter: self.adapter_name.clone(), op: "download", message };
-        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| gpu_error(e.to_string()))?;
+        self.wait("download")?;
         receiver.recv().map_err(|e| gpu_error(e.to_string()))?.map_err(|e| gpu_error(e.to_string()))?;
         let data = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?.to_vec();
         staging.unmap();
         Ok(data)
+    }
+
+    /// Blocks until all submitted work has finished (benches stop their clocks after this).
+    pub fn synchronize(&self) -> Result<()> {
+        self.wait("synchronize")
+    }
+
+    fn wait(&self, op: &'static str) -> Result<()> {
+        match self.device.poll(wgpu::PollType::wait_indefinitely()) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(Error::GpuOp { adapter: self.adapter_name.clone(), op, message: e.to_string() }),
+        }
+    }
+
+    /// Copies `src` into `dst` (same shape) with one buffer-to-buffer copy: the
+    /// device's copy bandwidth, the yardstick of the attention bench.
+    pub fn copy_tensor(&self, src: &GpuTensor, dst: &GpuTensor) -> Result<()> {
+        if src.shape() != dst.shape() {
+            return Err(dst.shape_error("copy_tensor", "dst", format!("{:?}", src.shape())));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.scoped("copy_tensor", || {
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            encoder.copy_buffer_to_buffer(&src.buffer, 0, &dst.buffer, 0, (src.len() * 4) as u64);
+            self.queue.submit([encoder.finish()]);
+        })
     }
 
     /// Encodes one dispatch of `groups` workgroups (laid out in x, then y, as the shaders
