@@ -685,3 +685,23 @@ mod forward {
         }
     }
 }
+
+/// Ops are submitted in batches; results must still follow program order across batch
+/// boundaries, through buffer copies, and be complete when downloaded.
+#[test]
+fn batched_submissions_keep_program_order() {
+    let Some(gpu) = gpu() else { return };
+    let ctx = gpu.context();
+    let mut x = gpu.upload(Array2::zeros((3, 70)).view()).unwrap();
+    let one = gpu.upload(Array2::ones((3, 70)).view()).unwrap();
+    let snapshot = gpu.upload(Array2::zeros((3, 70)).view()).unwrap();
+    for i in 1..=45 {
+        gpu.add(&mut x, &one).unwrap();
+        if i == 20 {
+            ctx.copy_tensor(&x, &snapshot).unwrap();
+        }
+    }
+    assert!(gpu.download(&snapshot).unwrap().iter().all(|&v| v == 20.0), "copy saw the first 20 adds only");
+    assert!(gpu.download(&x).unwrap().iter().all(|&v| v == 45.0), "all 45 adds, in order");
+    ctx.synchronize().unwrap();
+}

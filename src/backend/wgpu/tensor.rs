@@ -156,9 +156,11 @@ impl GpuContext {
             });
             let mut encoder = self.device.create_command_encoder(&Default::default());
             encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
-            self.queue.submit([encoder.finish()]);
-            staging
+            (staging, encoder.finish())
         })?;
+        let (staging, copy) = staging;
+        self.submit(copy);
+        self.flush();
         let (sender, receiver) = std::sync::mpsc::channel();
         staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
             // The receiver lives until after the poll below; a send error cannot happen.
@@ -178,6 +180,7 @@ impl GpuContext {
     }
 
     fn wait(&self, op: &'static str) -> Result<()> {
+        self.flush();
         match self.device.poll(wgpu::PollType::wait_indefinitely()) {
             Ok(_) => Ok(()),
             Err(e) => Err(Error::GpuOp { adapter: self.adapter_name.clone(), op, message: e.to_string() }),
@@ -196,12 +199,13 @@ impl GpuContext {
         self.scoped("copy_tensor", || {
             let mut encoder = self.device.create_command_encoder(&Default::default());
             encoder.copy_buffer_to_buffer(&src.buffer, 0, &dst.buffer, 0, (src.len() * 4) as u64);
-            self.queue.submit([encoder.finish()]);
+            encoder.finish()
         })
+        .map(|commands| self.submit(commands))
     }
 
     /// Encodes one dispatch of `groups` workgroups (laid out in x, then y, as the shaders
-    /// expect: `flat = wid.x + wid.y * nwg.x`) and submits it.
+    /// expect: `flat = wid.x + wid.y * nwg.x`) and queues it ([`GpuContext::submit`]).
     pub(crate) fn dispatch(
         &self,
         op: &'static str,
@@ -227,7 +231,7 @@ impl GpuContext {
         self.dispatch_xy(op, pipeline, bindings, (x as u32, y as u32))
     }
 
-    /// Encodes one dispatch with an explicit 2-D workgroup grid and submits it.
+    /// Encodes one dispatch with an explicit 2-D workgroup grid and queues it.
     pub(crate) fn dispatch_xy(
         &self,
         op: &'static str,
@@ -253,7 +257,8 @@ impl GpuContext {
                 pass.set_bind_group(0, &bind_group, &[]);
                 pass.dispatch_workgroups(x, y, 1);
             }
-            self.queue.submit([encoder.finish()]);
+            encoder.finish()
         })
+        .map(|commands| self.submit(commands))
     }
 }
