@@ -1,36 +1,50 @@
-// y[m, n] = sum_k x[m, k] * w[w_row0 + n, k]   (x @ W^T, the layout of HF linear weights;
-// w_row0 selects a row block of a stacked weight, e.g. one expert of a MoE layer).
+// y = x @ W^T with W in the layout of HF linear weights ([out, in], row-major).
+//
+//   matmul_xwt:    y[m, n] = sum_k x[m, k] * w[w_row0 + n, k]
+//                  (w_row0 selects a row block of a stacked weight).
+//   matmul_routed: the grouped expert matmul of a MoE block. Expert e owns the row block
+//                  w[e * n .. (e + 1) * n] and a list of routed slots
+//                  expert_slots[e * m .. e * m + expert_counts[e]] (m = list capacity);
+//                  for each listed slot s: y[s, :] = x[s / in_div, :] @ w_e^T.
+//                  Every slot appears in exactly one list, so y is written once per row.
 //
 // 64x64 output tiles per workgroup of 16x16 invocations, each computing a 4x4 block
 // (rows ty + 16 i, cols tx + 16 j); K is walked in steps of 16 through workgroup memory.
+// The entry points only differ in which x row feeds, and which y row receives, each tile row.
 
 struct MatmulParams {
     m: u32,
     n: u32,
     k: u32,
     w_row0: u32,
+    in_div: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 const TM: u32 = 64u;
 const TN: u32 = 64u;
 const TK: u32 = 16u;
+const NO_ROW: u32 = 0xffffffffu;
 
 @group(0) @binding(0) var<uniform> p: MatmulParams;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> w: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
+// matmul_routed
+@group(0) @binding(4) var<storage, read> expert_counts: array<u32>;
+@group(0) @binding(5) var<storage, read> expert_slots: array<u32>;
 
 var<workgroup> x_tile: array<f32, 1024>; // [TM][TK]
 var<workgroup> w_tile: array<f32, 1024>; // [TN][TK]
+// The x row and the y row of each of the tile's TM rows (NO_ROW: padding).
+var<workgroup> x_rows: array<u32, 64>;
+var<workgroup> y_rows: array<u32, 64>;
 
-@compute @workgroup_size(16, 16)
-fn matmul_xwt(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_id) lid: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-) {
-    let row0 = wid.y * TM;
-    let col0 = wid.x * TN;
+// The 4x4 block of this invocation of tile rows x_rows x weight rows w_row0 + col0 ..,
+// after x_rows / y_rows are set and a barrier.
+fn tile_product(lid: vec3<u32>, li: u32, col0: u32, w_row0: u32) -> array<f32, 16> {
     var acc: array<f32, 16>;
     for (var k0 = 0u; k0 < p.k; k0 += TK) {
         for (var t = 0u; t < 4u; t++) {
@@ -38,13 +52,14 @@ fn matmul_xwt(
             let r = e / TK;
             let c = k0 + e % TK;
             var xv = 0.0;
-            if (row0 + r < p.m && c < p.k) {
-                xv = x[(row0 + r) * p.k + c];
+            let xr = x_rows[r];
+            if (xr != NO_ROW && c < p.k) {
+                xv = x[xr * p.k + c];
             }
             x_tile[e] = xv;
             var wv = 0.0;
             if (col0 + r < p.n && c < p.k) {
-                wv = w[(p.w_row0 + col0 + r) * p.k + c];
+                wv = w[(w_row0 + col0 + r) * p.k + c];
             }
             w_tile[e] = wv;
         }
@@ -64,13 +79,64 @@ fn matmul_xwt(
         }
         workgroupBarrier();
     }
+    return acc;
+}
+
+fn store_tile(acc: array<f32, 16>, lid: vec3<u32>, col0: u32) {
     for (var i = 0u; i < 4u; i++) {
-        let r = row0 + lid.y + 16u * i;
+        let r = y_rows[lid.y + 16u * i];
         for (var j = 0u; j < 4u; j++) {
             let c = col0 + lid.x + 16u * j;
-            if (r < p.m && c < p.n) {
+            if (r != NO_ROW && c < p.n) {
                 y[r * p.n + c] = acc[i * 4u + j];
             }
         }
     }
+}
+
+@compute @workgroup_size(16, 16)
+fn matmul_xwt(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    if (li < TM) {
+        let r = wid.y * TM + li;
+        let row = select(NO_ROW, r, r < p.m);
+        x_rows[li] = row;
+        y_rows[li] = row;
+    }
+    workgroupBarrier();
+    let col0 = wid.x * TN;
+    store_tile(tile_product(lid, li, col0, p.w_row0), lid, col0);
+}
+
+// Workgroup grid: x over column tiles, y over (expert, row tile of its list).
+@compute @workgroup_size(16, 16)
+fn matmul_routed(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let row_tiles = (p.m + TM - 1u) / TM;
+    let e = wid.y / row_tiles;
+    let row0 = (wid.y % row_tiles) * TM;
+    let count = expert_counts[e];
+    // Tiles past the end of an expert's list have nothing to do (uniform per workgroup).
+    if (row0 >= count) {
+        return;
+    }
+    if (li < TM) {
+        var xr = NO_ROW;
+        var yr = NO_ROW;
+        if (row0 + li < count) {
+            yr = expert_slots[e * p.m + row0 + li];
+            xr = yr / p.in_div;
+        }
+        x_rows[li] = xr;
+        y_rows[li] = yr;
+    }
+    workgroupBarrier();
+    let col0 = wid.x * TN;
+    store_tile(tile_product(lid, li, col0, e * p.n), lid, col0);
 }

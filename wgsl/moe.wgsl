@@ -2,6 +2,10 @@
 //   router_topk: per token, softmax over `experts` router logits (f32), then the top_k
 //     experts in order of (probability desc, expert index asc); with `renormalize` the
 //     chosen probabilities are divided by their sum (Qwen3-MoE norm_topk_prob).
+//   expert_lists: per expert e, the routing slots s = t * top_k + j (ascending) with
+//     topk_ids[s] == e, at lists[e * tokens ..], and their number at counts[e]; the
+//     grouped matmul (matmul_routed in matmul.wgsl) reads them, so routing never leaves
+//     the device.
 //   expert_combine: out[t, :] = sum_j weights[t, j] * expert_out[t * top_k + j, :]
 
 struct MoeParams {
@@ -26,6 +30,10 @@ const WG: u32 = 64u;
 @group(0) @binding(4) var<storage, read> weights_in: array<f32>;
 @group(0) @binding(5) var<storage, read> expert_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> combined: array<f32>;
+// expert_lists
+@group(0) @binding(7) var<storage, read> routed_ids: array<u32>;
+@group(0) @binding(8) var<storage, read_write> list_counts: array<u32>;
+@group(0) @binding(9) var<storage, read_write> list_slots: array<u32>;
 
 // True when (pa, a) comes after (pb, b) in (probability desc, index asc) order.
 fn ranks_after(pa: f32, a: u32, pb: f32, b: u32) -> bool {
@@ -96,4 +104,25 @@ fn expert_combine(
         sum += weights_in[t * p.top_k + j] * expert_out[(t * p.top_k + j) * p.width + d];
     }
     combined[i] = sum;
+}
+
+// One invocation per expert; each scans every slot, so lists come out in slot order.
+@compute @workgroup_size(WG)
+fn expert_lists(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let e = (wid.x + wid.y * nwg.x) * WG + lid;
+    if (e >= p.experts) {
+        return;
+    }
+    var n = 0u;
+    for (var s = 0u; s < p.tokens * p.top_k; s++) {
+        if (routed_ids[s] == e) {
+            list_slots[e * p.tokens + n] = s;
+            n++;
+        }
+    }
+    list_counts[e] = n;
 }

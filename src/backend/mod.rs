@@ -16,6 +16,8 @@
 //! [`Error::OpShape`]: crate::Error::OpShape
 //! [`Error::OpIndex`]: crate::Error::OpIndex
 
+/// Choosing a backend at run time: cpu, wgpu, or auto.
+pub mod auto;
 /// The ndarray reference backend.
 pub mod cpu;
 /// The wgpu backend: the WGSL kernels of `wgsl/` behind the same trait.

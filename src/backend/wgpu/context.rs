@@ -1,7 +1,7 @@
 //! Device setup: one adapter, one device with the adapter's own limits, and a
 //! pipeline cache. Everything that can fail here returns a typed [`Error`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::backend::wgpu::pipelines::PipelineCache;
 use crate::{Error, Result};
@@ -59,7 +59,13 @@ pub struct GpuContext {
     /// Bytes one storage binding may span (adapter limit, possibly capped by options).
     pub(crate) max_binding_bytes: u64,
     pub(crate) pipelines: PipelineCache,
+    /// Recorded ops not yet submitted (see [`GpuContext::submit`]).
+    pending: Mutex<Vec<wgpu::CommandBuffer>>,
 }
+
+/// Ops recorded per queue submission: one submit per op costs more than the op on
+/// small shapes, while a long queue delays the device's start.
+const OPS_PER_SUBMIT: usize = 16;
 
 impl std::fmt::Debug for GpuContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -102,7 +108,15 @@ impl GpuContext {
         device.on_uncaptured_error(Arc::new(|e: wgpu::Error| eprintln!("omniprefix: uncaptured wgpu error: {e}")));
         let adapter_binding = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);
         let max_binding_bytes = options.max_binding_bytes.map_or(adapter_binding, |cap| cap.min(adapter_binding));
-        Ok(Self { device, queue, adapter_name, limits, max_binding_bytes, pipelines: PipelineCache::default() })
+        Ok(Self {
+            device,
+            queue,
+            adapter_name,
+            limits,
+            max_binding_bytes,
+            pipelines: PipelineCache::default(),
+            pending: Mutex::default(),
+        })
     }
 
     /// The adapter's name and API, as errors report it.
@@ -118,6 +132,25 @@ impl GpuContext {
     /// Bytes one storage binding may span.
     pub fn max_binding_bytes(&self) -> u64 {
         self.max_binding_bytes
+    }
+
+    /// Queues a recorded op; every [`OPS_PER_SUBMIT`] ops go to the device in one
+    /// submission. Ops keep their order: everything that submits goes through here,
+    /// and whatever reads results back calls [`GpuContext::flush`] first.
+    pub(crate) fn submit(&self, commands: wgpu::CommandBuffer) {
+        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        pending.push(commands);
+        if pending.len() >= OPS_PER_SUBMIT {
+            self.queue.submit(pending.drain(..));
+        }
+    }
+
+    /// Submits every queued op.
+    pub(crate) fn flush(&self) {
+        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !pending.is_empty() {
+            self.queue.submit(pending.drain(..));
+        }
     }
 
     /// Runs `record` inside validation and out-of-memory error scopes and maps what

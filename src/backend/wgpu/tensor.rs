@@ -156,24 +156,56 @@ impl GpuContext {
             });
             let mut encoder = self.device.create_command_encoder(&Default::default());
             encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
-            self.queue.submit([encoder.finish()]);
-            staging
+            (staging, encoder.finish())
         })?;
+        let (staging, copy) = staging;
+        self.submit(copy);
+        self.flush();
         let (sender, receiver) = std::sync::mpsc::channel();
         staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
             // The receiver lives until after the poll below; a send error cannot happen.
             let _ = sender.send(r);
         });
         let gpu_error = |message: String| Error::GpuOp { adapter: self.adapter_name.clone(), op: "download", message };
-        self.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| gpu_error(e.to_string()))?;
+        self.wait("download")?;
         receiver.recv().map_err(|e| gpu_error(e.to_string()))?.map_err(|e| gpu_error(e.to_string()))?;
         let data = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?.to_vec();
         staging.unmap();
         Ok(data)
     }
 
+    /// Blocks until all submitted work has finished (benches stop their clocks after this).
+    pub fn synchronize(&self) -> Result<()> {
+        self.wait("synchronize")
+    }
+
+    fn wait(&self, op: &'static str) -> Result<()> {
+        self.flush();
+        match self.device.poll(wgpu::PollType::wait_indefinitely()) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(Error::GpuOp { adapter: self.adapter_name.clone(), op, message: e.to_string() }),
+        }
+    }
+
+    /// Copies `src` into `dst` (same shape) with one buffer-to-buffer copy: the
+    /// device's copy bandwidth, the yardstick of the attention bench.
+    pub fn copy_tensor(&self, src: &GpuTensor, dst: &GpuTensor) -> Result<()> {
+        if src.shape() != dst.shape() {
+            return Err(dst.shape_error("copy_tensor", "dst", format!("{:?}", src.shape())));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.scoped("copy_tensor", || {
+            let mut encoder = self.device.create_command_encoder(&Default::default());
+            encoder.copy_buffer_to_buffer(&src.buffer, 0, &dst.buffer, 0, (src.len() * 4) as u64);
+            encoder.finish()
+        })
+        .map(|commands| self.submit(commands))
+    }
+
     /// Encodes one dispatch of `groups` workgroups (laid out in x, then y, as the shaders
-    /// expect: `flat = wid.x + wid.y * nwg.x`) and submits it.
+    /// expect: `flat = wid.x + wid.y * nwg.x`) and queues it ([`GpuContext::submit`]).
     pub(crate) fn dispatch(
         &self,
         op: &'static str,
@@ -199,7 +231,7 @@ impl GpuContext {
         self.dispatch_xy(op, pipeline, bindings, (x as u32, y as u32))
     }
 
-    /// Encodes one dispatch with an explicit 2-D workgroup grid and submits it.
+    /// Encodes one dispatch with an explicit 2-D workgroup grid and queues it.
     pub(crate) fn dispatch_xy(
         &self,
         op: &'static str,
@@ -225,7 +257,8 @@ impl GpuContext {
                 pass.set_bind_group(0, &bind_group, &[]);
                 pass.dispatch_workgroups(x, y, 1);
             }
-            self.queue.submit([encoder.finish()]);
+            encoder.finish()
         })
+        .map(|commands| self.submit(commands))
     }
 }

@@ -8,16 +8,20 @@ use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 
-const MATMUL_TILE: usize = 64;
+/// Rows and columns of one matmul output tile (`TM`, `TN` in `matmul.wgsl`).
+pub(crate) const MATMUL_TILE: usize = 64;
 const ELEMENTWISE_WG: u64 = 256;
 
 #[repr(C)]
 #[derive(Clone, Copy, Pod, Zeroable)]
-struct MatmulParams {
-    m: u32,
-    n: u32,
-    k: u32,
-    w_row0: u32,
+pub(crate) struct MatmulParams {
+    pub(crate) m: u32,
+    pub(crate) n: u32,
+    pub(crate) k: u32,
+    pub(crate) w_row0: u32,
+    /// `matmul_routed` only: slot `s` reads x row `s / in_div`.
+    pub(crate) in_div: u32,
+    pub(crate) _pad: [u32; 3],
 }
 
 #[repr(C)]
@@ -51,23 +55,37 @@ impl GpuContext {
         if y.is_empty() {
             return Ok(y);
         }
-        let params = MatmulParams { m: x.rows as u32, n: n_out as u32, k: x.cols as u32, w_row0: w_row0 as u32 };
+        let params = MatmulParams {
+            m: x.rows as u32,
+            n: n_out as u32,
+            k: x.cols as u32,
+            w_row0: w_row0 as u32,
+            in_div: 1,
+            _pad: [0; 3],
+        };
         let pipeline = self.pipeline(Shader::Matmul, "matmul_xwt", &[])?;
         let uniform = self.uniform(&params);
-        let groups = (n_out.div_ceil(MATMUL_TILE) as u32, x.rows.div_ceil(MATMUL_TILE) as u32);
-        let too_many = u64::from(groups.0.max(groups.1)) > u64::from(self.limits.max_compute_workgroups_per_dimension);
-        if too_many {
-            return Err(crate::Error::GpuTooLarge {
-                adapter: self.adapter_name.clone(),
-                what: format!("matmul [{}, {}] x [{n_out}, {}]^T workgroup grid", x.rows, x.cols, x.cols),
-                requested: u64::from(groups.0.max(groups.1)),
-                limit: "max_compute_workgroups_per_dimension",
-                max: self.limits.max_compute_workgroups_per_dimension.into(),
-            });
-        }
+        let what = || format!("matmul [{}, {}] x [{n_out}, {}]^T workgroup grid", x.rows, x.cols, x.cols);
+        let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), x.rows.div_ceil(MATMUL_TILE), what)?;
         let bindings = [(0, &uniform), (1, &x.buffer), (2, &w.buffer), (3, &y.buffer)];
         self.dispatch_xy("matmul_t", &pipeline, &bindings, groups)?;
         Ok(y)
+    }
+
+    /// A 2-D workgroup grid, or [`crate::Error::GpuTooLarge`] naming `what` when a side
+    /// exceeds the adapter's workgroups per dimension.
+    pub(crate) fn tile_grid(&self, x: usize, y: usize, what: impl FnOnce() -> String) -> Result<(u32, u32)> {
+        let max = self.limits.max_compute_workgroups_per_dimension;
+        match (u32::try_from(x), u32::try_from(y)) {
+            (Ok(gx), Ok(gy)) if gx <= max && gy <= max => Ok((gx, gy)),
+            _ => Err(crate::Error::GpuTooLarge {
+                adapter: self.adapter_name.clone(),
+                what: what(),
+                requested: x.max(y) as u64,
+                limit: "max_compute_workgroups_per_dimension",
+                max: max.into(),
+            }),
+        }
     }
 
     /// One in-place elementwise entry of `elementwise.wgsl` over `len` outputs.

@@ -1,10 +1,12 @@
-//! The Qwen MoE block: router softmax + top-k on the device, experts run over the
-//! rows routed to them, results combined with the routing weights.
+//! The Qwen MoE block, entirely on the device: router softmax + top-k, per-expert
+//! lists of the routed rows, a grouped matmul over those lists, and the weighted
+//! combine. Nothing is read back to the host between the router and the output.
 
 use bytemuck::{Pod, Zeroable};
 
 use crate::backend::MoeWeights;
 use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::ops::dense::{MATMUL_TILE, MatmulParams};
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::{Error, Result};
@@ -24,11 +26,28 @@ struct MoeParams {
     _pad: [u32; 3],
 }
 
-/// Per-token routing: `ids[t * top_k + j]` and `weights [tokens, top_k]`.
+/// Per-token routing, on the device: the chosen experts `ids [tokens, top_k]` (u32
+/// bits in the buffer) and their weights `[tokens, top_k]`.
 #[derive(Debug)]
 pub struct Routing {
-    pub ids: Vec<u32>,
+    pub ids: GpuTensor,
     pub weights: GpuTensor,
+}
+
+impl Routing {
+    /// The expert ids on the host, row-major (tests and debugging; the MoE block never reads them back).
+    pub fn download_ids(&self, ctx: &GpuContext) -> Result<Vec<u32>> {
+        let bytes = ctx.read_buffer(&self.ids.buffer, (self.ids.len() * 4) as u64)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+}
+
+/// Per expert, the routing slots routed to it, on the device: `slots[e * tokens ..]`
+/// holds `counts[e]` slots in ascending order.
+struct ExpertLists {
+    counts: GpuTensor,
+    slots: GpuTensor,
+    tokens: usize,
 }
 
 /// Checks the MoE weights against `x` and returns the expert intermediate size.
@@ -80,8 +99,67 @@ impl GpuContext {
             let bindings = [(0, &uniform), (1, &logits.buffer), (2, &ids.buffer), (3, &weights.buffer)];
             self.dispatch("router_topk", &pipeline, &bindings, (logits.rows as u64).div_ceil(ROUTER_WG))?;
         }
-        let id_bytes = self.read_buffer(&ids.buffer, (ids.len() * 4) as u64)?;
-        Ok(Routing { ids: bytemuck::pod_collect_to_vec(&id_bytes), weights })
+        Ok(Routing { ids, weights })
+    }
+
+    /// Groups the routing slots by expert (see [`ExpertLists`]).
+    fn expert_lists(&self, routing: &Routing, num_experts: usize) -> Result<ExpertLists> {
+        let (tokens, top_k) = (routing.ids.rows, routing.ids.cols);
+        let counts = self.zeros([1, num_experts])?;
+        let slots = self.zeros([num_experts, tokens])?;
+        let params = MoeParams {
+            tokens: tokens as u32,
+            experts: num_experts as u32,
+            top_k: top_k as u32,
+            renormalize: 0,
+            width: 0,
+            _pad: [0; 3],
+        };
+        let pipeline = self.pipeline(Shader::Moe, "expert_lists", &[])?;
+        let uniform = self.uniform(&params);
+        let bindings = [(0, &uniform), (7, &routing.ids.buffer), (8, &counts.buffer), (9, &slots.buffer)];
+        self.dispatch("expert_lists", &pipeline, &bindings, (num_experts as u64).div_ceil(ROUTER_WG))?;
+        Ok(ExpertLists { counts, slots, tokens })
+    }
+
+    /// The grouped expert matmul: for every slot `s` routed to expert `e`,
+    /// `out[s] = x[s / in_div] @ w[e * n_out .. (e + 1) * n_out]^T`; `out [tokens * top_k, n_out]`.
+    fn matmul_routed(
+        &self,
+        x: &GpuTensor,
+        w: &GpuTensor,
+        lists: &ExpertLists,
+        in_div: usize,
+        out: &GpuTensor,
+    ) -> Result<()> {
+        let num_experts = lists.counts.cols;
+        let n_out = out.cols;
+        debug_assert!(w.rows == num_experts * n_out && x.cols == w.cols && in_div > 0);
+        if out.is_empty() {
+            return Ok(());
+        }
+        let params = MatmulParams {
+            m: lists.tokens as u32,
+            n: n_out as u32,
+            k: x.cols as u32,
+            w_row0: 0,
+            in_div: in_div as u32,
+            _pad: [0; 3],
+        };
+        let pipeline = self.pipeline(Shader::Matmul, "matmul_routed", &[])?;
+        let uniform = self.uniform(&params);
+        let row_tiles = lists.tokens.div_ceil(MATMUL_TILE);
+        let what = || format!("MoE expert matmul grid ({num_experts} experts x {row_tiles} row tiles)");
+        let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), num_experts.saturating_mul(row_tiles), what)?;
+        let bindings = [
+            (0, &uniform),
+            (1, &x.buffer),
+            (2, &w.buffer),
+            (3, &out.buffer),
+            (4, &lists.counts.buffer),
+            (5, &lists.slots.buffer),
+        ];
+        self.dispatch_xy("moe expert matmul", &pipeline, &bindings, groups)
     }
 
     /// `out[t] = sum_j weights[t, j] * expert_out[t * top_k + j]`.
@@ -111,30 +189,19 @@ impl GpuContext {
     pub fn moe(&self, x: &GpuTensor, w: &MoeWeights<GpuTensor>) -> Result<GpuTensor> {
         let inter = intermediate_size(x, w)?;
         let hidden = x.cols;
+        if x.rows == 0 {
+            return self.zeros([0, hidden]);
+        }
         let logits = self.matmul_xwt(x, &w.router)?;
         let routing = self.router_topk(&logits, w.top_k, w.norm_topk_prob)?;
-        // Rows of the [tokens * top_k, hidden] expert output each expert fills.
-        let mut routed: Vec<(Vec<u32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); w.num_experts];
-        for (slot, &expert) in routing.ids.iter().enumerate() {
-            let Some((tokens, slots)) = routed.get_mut(expert as usize) else {
-                return Err(Error::OpIndex {
-                    op: OP,
-                    what: "routed expert",
-                    index: expert.into(),
-                    bound: w.num_experts,
-                });
-            };
-            tokens.push((slot / w.top_k) as u32);
-            slots.push(slot as u32);
-        }
-        let expert_out = self.zeros([x.rows * w.top_k, hidden])?;
-        for (expert, (tokens, slots)) in routed.iter().enumerate().filter(|(_, r)| !r.0.is_empty()) {
-            let xs = self.gather_rows(x, tokens)?;
-            let gate_up = self.matmul_rows(&xs, &w.gate_up, expert * 2 * inter, 2 * inter)?;
-            let act = self.swiglu(&gate_up)?;
-            let y = self.matmul_rows(&act, &w.down, expert * hidden, hidden)?;
-            self.scatter_rows(&expert_out, slots, &y)?;
-        }
+        let lists = self.expert_lists(&routing, w.num_experts)?;
+        // One row per routing slot `t * top_k + j`, filled by the expert it was routed to.
+        let slots = x.rows * w.top_k;
+        let gate_up = self.zeros([slots, 2 * inter])?;
+        self.matmul_routed(x, &w.gate_up, &lists, w.top_k, &gate_up)?;
+        let act = self.swiglu(&gate_up)?;
+        let expert_out = self.zeros([slots, hidden])?;
+        self.matmul_routed(&act, &w.down, &lists, 1, &expert_out)?;
         self.expert_combine(&routing.weights, &expert_out)
     }
 }

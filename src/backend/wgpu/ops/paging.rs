@@ -219,7 +219,8 @@ impl GpuContext {
                     block_bytes,
                 );
             }
-            self.queue.submit([encoder.finish()]);
+            encoder.finish()
         })
+        .map(|commands| self.submit(commands))
     }
 }

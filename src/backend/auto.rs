@@ -1,0 +1,134 @@
+//! Choosing a backend at run time (`--backend cpu|wgpu|auto`).
+//!
+//! `wgpu` never falls back: a missing adapter, a missing limit or a failed device
+//! request is the typed error itself. `auto` takes wgpu when a device opens and the
+//! CPU backend otherwise, and always says which it chose and why.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::wgpu::WgpuBackend;
+use crate::{Error, Result};
+
+/// The backend a caller asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendKind {
+    /// The ndarray reference backend.
+    Cpu,
+    /// The wgpu backend; an error when no suitable adapter exists.
+    Wgpu,
+    /// wgpu when a suitable adapter exists, else cpu.
+    #[default]
+    Auto,
+}
+
+impl FromStr for BackendKind {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "wgpu" => Ok(Self::Wgpu),
+            "auto" => Ok(Self::Auto),
+            other => Err(Error::InvalidConfig {
+                field: "backend",
+                expected: "cpu, wgpu or auto".into(),
+                found: other.into(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Cpu => "cpu",
+            Self::Wgpu => "wgpu",
+            Self::Auto => "auto",
+        })
+    }
+}
+
+/// An opened backend (callers are generic over [`crate::backend::Backend`], so they
+/// match on this once and run the generic code with the concrete type).
+#[derive(Debug, Clone)]
+pub enum SelectedBackend {
+    Cpu(CpuBackend),
+    Wgpu(WgpuBackend),
+}
+
+/// The backend chosen for a [`BackendKind`], and a line saying why (for logs).
+#[derive(Debug, Clone)]
+pub struct Selection {
+    pub backend: SelectedBackend,
+    pub reason: String,
+}
+
+/// Opens the backend `kind` asks for with the default wgpu adapter.
+///
+/// ```
+/// use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
+/// let chosen = select("cpu".parse::<BackendKind>()?)?;
+/// assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
+/// println!("backend: {}", chosen.reason);
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub fn select(kind: BackendKind) -> Result<Selection> {
+    select_with(kind, WgpuBackend::new)
+}
+
+/// [`select`] with the way to open a wgpu device passed in (tests inject failures).
+pub fn select_with(kind: BackendKind, open_wgpu: impl FnOnce() -> Result<WgpuBackend>) -> Result<Selection> {
+    let cpu = |reason: String| Selection { backend: SelectedBackend::Cpu(CpuBackend::new()), reason };
+    let wgpu = |gpu: WgpuBackend, asked: &str| {
+        let reason = format!("wgpu on {} ({asked})", gpu.context().adapter_name());
+        Selection { backend: SelectedBackend::Wgpu(gpu), reason }
+    };
+    match kind {
+        BackendKind::Cpu => Ok(cpu("cpu (asked for cpu)".into())),
+        BackendKind::Wgpu => Ok(wgpu(open_wgpu()?, "asked for wgpu")),
+        BackendKind::Auto => match open_wgpu() {
+            Ok(gpu) => Ok(wgpu(gpu, "auto: an adapter is available")),
+            Err(e) => Ok(cpu(format!("cpu (auto: no usable wgpu device: {e})"))),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_adapter() -> Result<WgpuBackend> {
+        Err(Error::GpuUnavailable { backends: "VULKAN".into(), reason: "no driver".into() })
+    }
+
+    #[test]
+    fn kinds_parse_and_print_and_reject_unknown_names() {
+        for kind in [BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Auto] {
+            assert_eq!(kind.to_string().parse::<BackendKind>().unwrap(), kind);
+        }
+        let err = "metal".parse::<BackendKind>().unwrap_err();
+        assert!(matches!(&err, Error::InvalidConfig { field: "backend", found, .. } if found == "metal"), "{err}");
+    }
+
+    #[test]
+    fn wgpu_without_adapter_is_the_error_not_a_cpu_fallback() {
+        let err = select_with(BackendKind::Wgpu, no_adapter).unwrap_err();
+        assert!(matches!(&err, Error::GpuUnavailable { reason, .. } if reason == "no driver"), "{err}");
+    }
+
+    #[test]
+    fn auto_without_adapter_chooses_cpu_and_says_why() {
+        let chosen = select_with(BackendKind::Auto, no_adapter).unwrap();
+        assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
+        assert!(chosen.reason.starts_with("cpu (auto") && chosen.reason.contains("no driver"), "{}", chosen.reason);
+    }
+
+    #[test]
+    fn cpu_never_opens_a_gpu() {
+        let chosen =
+            select_with(BackendKind::Cpu, || -> Result<WgpuBackend> { panic!("cpu must not open a device") }).unwrap();
+        assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
+    }
+}

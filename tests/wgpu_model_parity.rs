@@ -1,0 +1,391 @@
+//! Whole-model parity of the wgpu backend on the committed tiny HF checkpoints
+//! (`fixtures/tiny/`, see its README): every captured hidden state and the logits
+//! on the GPU equal the CPU reference backend, and the transformers references,
+//! within [`TOLERANCE`] relative error `max|gpu - want| / max(max|want|, TINY)`.
+//!
+//! Caching is invisible on the GPU too: a prompt whose prefix another request left
+//! in pages (shared whole blocks, or a copied partial block), finished in chunks,
+//! equals the uncached CPU run; and the `rfc_text_pair` of `fixtures/scenarios.json`
+//! through the real `Scheduler` + `RadixIndex` + `ModelRunner<WgpuBackend>` returns
+//! `[57, H]` for every capture with 32 (block-aligned) or 46 (token-granular) tokens
+//! reused, equal to the uncached run.
+//!
+//! GPU availability: see `shared_gpu` (skip loudly, or fail under `OMNIPREFIX_REQUIRE_GPU=1`).
+
+mod shared_gpu;
+
+use std::collections::BTreeMap;
+use std::error::Error as StdError;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ndarray::{Array2, ArrayView2, s};
+use omniprefix::backend::Backend;
+use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::backend::wgpu::WgpuBackend;
+use omniprefix::batch::{BlockCopy, EmbedRows, ScheduledBatch};
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
+use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, SeqOutput, run_uncached};
+use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use safetensors::{Dtype as StDtype, SafeTensors};
+use shared_gpu::gpu;
+
+type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
+
+/// Largest accepted relative error per tensor (f32 on both sides).
+const TOLERANCE: f32 = 1e-4;
+/// Floor of the reference scale, so an all-zero reference does not divide by zero.
+const TINY: f32 = 1e-6;
+/// The fixtures and their recorded prompts.
+const MODELS: [(&str, &[&str]); 3] = [
+    ("qwen3_dense", &["text_a", "text_b", "text_c"]),
+    ("omni_thinker", &["mm", "text_a", "text_b", "text_c"]),
+    ("qwen2_dense", &["text_a", "text_b", "text_c"]),
+];
+
+fn model_dir(model: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny").join(model)
+}
+
+/// The f32 matrices and i64 vectors of one `reference.safetensors`.
+struct Reference {
+    f32s: BTreeMap<String, Array2<f32>>,
+    i64s: BTreeMap<String, Vec<i64>>,
+}
+
+impl Reference {
+    fn open(model: &str) -> TestResult<Self> {
+        let path = model_dir(model).join("reference.safetensors");
+        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let st = SafeTensors::deserialize(&bytes)?;
+        let (mut f32s, mut i64s) = (BTreeMap::new(), BTreeMap::new());
+        for (name, view) in st.tensors() {
+            match (view.dtype(), view.shape()) {
+                (StDtype::F32, &[rows, cols]) => {
+                    let data = bytemuck::pod_collect_to_vec(view.data());
+                    f32s.insert(name, Array2::from_shape_vec((rows, cols), data)?);
+                }
+                (StDtype::I64, _) => {
+                    i64s.insert(name, bytemuck::pod_collect_to_vec(view.data()));
+                }
+                (dtype, shape) => return Err(format!("{name}: unexpected {dtype:?} {shape:?}").into()),
+            }
+        }
+        Ok(Self { f32s, i64s })
+    }
+
+    fn matrix(&self, name: &str) -> TestResult<&Array2<f32>> {
+        self.f32s.get(name).ok_or_else(|| format!("reference lacks `{name}`").into())
+    }
+
+    fn ints(&self, name: &str) -> TestResult<&[i64]> {
+        self.i64s.get(name).map(Vec::as_slice).ok_or_else(|| format!("reference lacks `{name}`").into())
+    }
+
+    fn first_int(&self, name: &str) -> TestResult<i64> {
+        self.ints(name)?.first().copied().ok_or_else(|| format!("`{name}` is empty").into())
+    }
+
+    /// Prompt `p` as runner inputs: text with positions `0..L`, or — when the reference
+    /// holds `<p>.position_ids` — HF's 3-D positions and the item rows at their starts.
+    fn prompt(&self, p: &str) -> TestResult<PromptInputs> {
+        let token_ids =
+            self.ints(&format!("{p}.input_ids"))?.iter().map(|&id| u32::try_from(id)).collect::<Result<Vec<_>, _>>()?;
+        let len = token_ids.len();
+        let Ok(pos) = self.ints(&format!("{p}.position_ids")) else {
+            return Ok(PromptInputs {
+                token_ids,
+                embeds: vec![],
+                positions: Positions::Linear((0..len as i64).collect()),
+            });
+        };
+        let axis = |a: usize| pos.get(a * len..(a + 1) * len).map(<[i64]>::to_vec).ok_or("position_ids is not [3, L]");
+        let rope_delta = self.first_int(&format!("{p}.rope_delta"))?;
+        let positions = Positions::Mrope { t: axis(0)?, h: axis(1)?, w: axis(2)?, rope_delta };
+        let mut embeds = Vec::new();
+        while let Ok(rows) = self.matrix(&format!("{p}.item.{}.embeds", embeds.len())) {
+            let start = self.first_int(&format!("{p}.item.{}.start", embeds.len()))?;
+            embeds.push(EmbedRows {
+                step_offset: usize::try_from(start)?,
+                rows: 0..rows.nrows(),
+                embeddings: Arc::new(rows.clone()),
+            });
+        }
+        Ok(PromptInputs { token_ids, embeds, positions })
+    }
+
+    /// HF's tensor for our output `what` of prompt `p` (`last_logits`: the last row of `logits`).
+    fn expected(&self, p: &str, what: &str) -> TestResult<ArrayView2<'_, f32>> {
+        if what == "last_logits" {
+            let logits = self.matrix(&format!("{p}.logits"))?;
+            return Ok(logits.slice(s![logits.nrows().saturating_sub(1).., ..]));
+        }
+        Ok(self.matrix(&format!("{p}.{what}"))?.view())
+    }
+}
+
+/// Relative error of `got` against `want`, or a message naming the first element over
+/// [`TOLERANCE`] (row-major order).
+fn relative_error(what: &str, got: ArrayView2<'_, f32>, want: ArrayView2<'_, f32>) -> TestResult<f32> {
+    if got.dim() != want.dim() {
+        return Err(format!("{what}: shape {:?}, expected {:?}", got.dim(), want.dim()).into());
+    }
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(TINY);
+    let mut worst = 0f32;
+    let mut first_bad = None;
+    for ((idx, &g), &w) in got.indexed_iter().zip(want) {
+        let err = (g - w).abs() / scale;
+        let err = if err.is_nan() { f32::INFINITY } else { err };
+        worst = worst.max(err);
+        if err > TOLERANCE && first_bad.is_none() {
+            first_bad = Some((idx, g, w));
+        }
+    }
+    match first_bad {
+        None => Ok(worst),
+        Some((idx, g, w)) => {
+            Err(format!("{what}: relative error {worst:.3e} > {TOLERANCE:e}; first at {idx:?}: gpu {g}, want {w}")
+                .into())
+        }
+    }
+}
+
+/// Output name → matrix: every capture, `last_logits` as `[1, vocab]`, and `logits` when present.
+fn named(
+    hidden: &[(CaptureName, Array2<f32>)],
+    last_logits: &[f32],
+    logits: Option<&Array2<f32>>,
+) -> TestResult<BTreeMap<String, Array2<f32>>> {
+    let mut out: BTreeMap<String, Array2<f32>> = hidden.iter().map(|(n, m)| (n.to_string(), m.clone())).collect();
+    out.insert("last_logits".into(), Array2::from_shape_vec((1, last_logits.len()), last_logits.to_vec())?);
+    if let Some(l) = logits {
+        out.insert("logits".into(), l.clone());
+    }
+    Ok(out)
+}
+
+/// Compares every output of `got` with the same-named one of `want`; returns the worst error.
+fn compare_all(
+    label: &str,
+    got: &BTreeMap<String, Array2<f32>>,
+    want: &BTreeMap<String, Array2<f32>>,
+) -> TestResult<f32> {
+    if got.keys().ne(want.keys()) {
+        return Err(format!("{label}: outputs {:?}, expected {:?}", got.keys(), want.keys()).into());
+    }
+    let mut worst = 0f32;
+    for (what, g) in got {
+        worst = worst.max(relative_error(&format!("{label} {what}"), g.view(), want[what].view())?);
+    }
+    Ok(worst)
+}
+
+/// Every capture point the fixtures hold: `hidden.0..=num_layers` and `final`.
+fn all_captures(num_layers: usize) -> TestResult<CaptureSpec> {
+    Ok(CaptureSpec::new((0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]), num_layers)?)
+}
+
+/// A fixture loaded on both backends.
+struct Loaded {
+    cpu: Thinker<CpuBackend>,
+    gpu: Arc<Thinker<WgpuBackend>>,
+    capture: CaptureSpec,
+    reference: Reference,
+}
+
+fn load(gpu: &WgpuBackend, model: &str) -> TestResult<Loaded> {
+    let cpu = Thinker::from_dir(&CpuBackend, &model_dir(model))?;
+    let gpu = Arc::new(Thinker::from_dir(gpu, &model_dir(model))?);
+    let capture = all_captures(cpu.config().num_hidden_layers)?;
+    Ok(Loaded { cpu, gpu, capture, reference: Reference::open(model)? })
+}
+
+fn uncached_outputs(out: &Outputs) -> TestResult<BTreeMap<String, Array2<f32>>> {
+    named(&out.hidden, &out.last_logits, out.logits.as_ref())
+}
+
+/// One-step prefill of every recorded prompt: all hidden states, the final norm and
+/// every row's logits on the GPU equal the CPU backend and the transformers references.
+#[test]
+fn fixtures_on_wgpu_match_cpu_and_transformers() -> TestResult {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    for (model, prompts) in MODELS {
+        let m = load(&gpu, model)?;
+        let (mut vs_cpu, mut vs_hf) = (0f32, 0f32);
+        for &p in prompts {
+            let inputs = m.reference.prompt(p)?;
+            let ours = uncached_outputs(&run_uncached(&m.gpu, &gpu, &inputs, &m.capture, true)?)?;
+            let cpu = uncached_outputs(&run_uncached(&m.cpu, &CpuBackend, &inputs, &m.capture, true)?)?;
+            vs_cpu = vs_cpu.max(compare_all(&format!("{model}/{p} gpu vs cpu"), &ours, &cpu)?);
+            let mut hf = BTreeMap::new();
+            for what in ours.keys() {
+                hf.insert(what.clone(), m.reference.expected(p, what)?.to_owned());
+            }
+            // Every recorded hidden state is compared: hidden.0..=L, final, logits, last_logits.
+            assert_eq!(hf.len(), m.cpu.config().num_hidden_layers + 4, "{model}/{p}: outputs compared");
+            vs_hf = vs_hf.max(compare_all(&format!("{model}/{p} gpu vs transformers"), &ours, &hf)?);
+        }
+        eprintln!("{model}: worst relative error on wgpu {vs_cpu:.3e} vs cpu, {vs_hf:.3e} vs transformers");
+    }
+    Ok(())
+}
+
+/// Runs `inputs` positions `range` as request `request` over `table` in steps of at most
+/// `chunk`, with `copies` before the first step; returns the last step's outputs.
+fn run_steps(
+    runner: &ModelRunner<WgpuBackend>,
+    pages: &mut <WgpuBackend as Backend>::Pages,
+    inputs: &PromptInputs,
+    (request, table, block_size): (u64, &[u32], usize),
+    range: Range<usize>,
+    chunk: usize,
+    mut copies: Vec<BlockCopy>,
+) -> TestResult<Vec<SeqOutput>> {
+    let mut outputs = Vec::new();
+    let mut a = range.start;
+    while a < range.end {
+        let b = (a + chunk).min(range.end);
+        let seq = inputs.step(request, table, block_size, a..b)?;
+        outputs = runner.execute(&ScheduledBatch { copies: std::mem::take(&mut copies), seqs: vec![seq] }, pages)?;
+        a = b;
+    }
+    Ok(outputs)
+}
+
+/// Request 1 computes a prompt's first `prefix + 2` positions; request 2 shares its
+/// first `prefix / block_size` blocks and computes the rest; request 3 also copies the
+/// partly filled block (copy-on-write) and starts at `prefix + 2`. Both return the
+/// uncached CPU outputs, on every fixture prompt.
+#[test]
+fn cached_prefix_on_wgpu_equals_uncached_cpu() -> TestResult {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = Arc::new(gpu);
+    const BS: usize = 4;
+    const CHUNK: usize = 5;
+    for (model, prompts) in MODELS {
+        let m = load(&gpu, model)?;
+        let runner = ModelRunner::new(Arc::clone(&gpu), Arc::clone(&m.gpu), m.capture.clone())?;
+        let mut worst = 0f32;
+        for &p in prompts {
+            let inputs = m.reference.prompt(p)?;
+            let len = inputs.token_ids.len();
+            let want = run_uncached(&m.cpu, &CpuBackend, &inputs, &m.capture, false)?;
+            let want = named(&want.hidden, &want.last_logits, None)?;
+            let blocks = len.div_ceil(BS);
+            // Three disjoint, descending block tables: 0..blocks reversed, then the rest.
+            let mut free: Vec<u32> = (0..3 * blocks as u32).rev().collect();
+            let mut take = |n: usize| free.drain(..n).collect::<Vec<u32>>();
+            let table1 = take(blocks);
+            let shared = len / 2 / BS;
+            let prefix = shared * BS;
+            let mut pages = runner.alloc_pages(3 * blocks, BS)?;
+            run_steps(&runner, &mut pages, &inputs, (1, &table1, BS), 0..prefix + 2, CHUNK, vec![])?;
+
+            let table2 = [&table1[..shared], &take(blocks - shared)[..]].concat();
+            let table3 = [&table1[..shared], &take(blocks - shared)[..]].concat();
+            let copy = BlockCopy { src: table1[shared], dst: table3[shared] };
+            for (request, table, start, copies) in [(2, &table2, prefix, vec![]), (3, &table3, prefix + 2, vec![copy])]
+            {
+                let out = run_steps(&runner, &mut pages, &inputs, (request, table, BS), start..len, CHUNK, copies)?;
+                let [out] = &out[..] else { return Err(format!("{model}/{p}: {} outputs", out.len()).into()) };
+                let got = named(&out.hidden, &out.last_logits, None)?;
+                let label = format!("{model}/{p} request {request} cached {start} of {len}");
+                worst = worst.max(compare_all(&label, &got, &want)?);
+            }
+        }
+        eprintln!("{model}: cached chunked wgpu vs uncached cpu, worst relative error {worst:.3e}");
+    }
+    Ok(())
+}
+
+/// The two prompts of `fixtures/scenarios.json` `rfc_text_pair`.
+fn rfc_pair() -> TestResult<(Vec<u32>, Vec<u32>)> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/scenarios.json");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let ids = |key: &str| serde_json::from_value::<Vec<u32>>(json["rfc_text_pair"][key].clone());
+    Ok((ids("prompt1")?, ids("prompt2")?))
+}
+
+/// A text-only request with 1-D positions.
+fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
+    let prompt = CanonicalPrompt {
+        tenant: 0,
+        atoms: vec![Atom::Text(ids.to_vec())],
+        token_ids: ids.to_vec(),
+        items: vec![],
+        index_map: IndexMap::default(),
+        positions: Positions::Linear((0..ids.len() as i64).collect()),
+    };
+    Request { id, prompt, item_embeddings: vec![], hidden_size: Some(hidden) }
+}
+
+/// Schedules and executes until request `id` returns its output.
+fn drive(
+    sched: &mut Scheduler,
+    runner: &ModelRunner<WgpuBackend>,
+    pages: &mut <WgpuBackend as Backend>::Pages,
+    id: u64,
+) -> TestResult<(usize, SeqOutput)> {
+    let mut first_computed = None;
+    for _ in 0..100 {
+        let batch = sched.schedule()?;
+        let computed = batch.seqs.iter().find(|s| s.request == id).map(|s| s.num_computed_tokens);
+        first_computed = first_computed.or(computed);
+        let outputs = runner.execute(&batch, pages)?;
+        sched.complete(&batch)?;
+        if let Some(out) = outputs.into_iter().find(|o| o.request == id) {
+            sched.finish(id)?;
+            return Ok((first_computed.ok_or("request never scheduled")?, out));
+        }
+    }
+    Err(format!("request {id} did not finish in 100 steps").into())
+}
+
+/// The RFC case on the GPU: prompt 2 after prompt 1 returns `[57, H]` for every captured
+/// layer, equal to the uncached run, with 32 tokens reused at block size 16 (46 with
+/// token-granular reuse). A random Qwen3 whose vocabulary covers the Qwen ids
+/// (151 646 rows of hidden 32: 19 MB per table, under the 128 MiB binding of lavapipe,
+/// so no id remapping is needed).
+#[test]
+fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = Arc::new(gpu);
+    let (p1, p2) = rfc_pair()?;
+    let vocab = 1 + *p1.iter().chain(&p2).max().ok_or("empty prompts")? as usize;
+    let cfg = Config::tiny_qwen3(32, 2, 4, 2, vocab);
+    let capture = all_captures(cfg.num_hidden_layers)?;
+    let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), 7)?;
+    let gpu_thinker = Arc::new(Thinker::random(&*gpu, cfg.clone(), 7)?);
+    let inputs =
+        PromptInputs { token_ids: p2.clone(), embeds: vec![], positions: Positions::Linear((0..57).collect()) };
+    let want = run_uncached(&cpu_thinker, &CpuBackend, &inputs, &capture, false)?;
+    let want = named(&want.hidden, &want.last_logits, None)?;
+    let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture)?;
+    for (token_granular_reuse, cached) in [(false, 32), (true, 46)] {
+        let config = SchedulerConfig {
+            num_blocks: 16,
+            block_size: 16,
+            max_tokens_per_step: 24,
+            max_seqs_per_step: 2,
+            token_granular_reuse,
+        };
+        let index = RadixIndex::new(RadixConfig { block_size: 16, ..RadixConfig::default() })?;
+        let mut sched = Scheduler::new(config, Box::new(index))?;
+        let mut pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
+        sched.admit(text_request(1, &p1, cfg.hidden_size))?;
+        drive(&mut sched, &runner, &mut pages, 1)?;
+        sched.admit(text_request(2, &p2, cfg.hidden_size))?;
+        let (computed, out) = drive(&mut sched, &runner, &mut pages, 2)?;
+        assert_eq!(computed, cached, "token_granular_reuse = {token_granular_reuse}");
+        for (name, h) in &out.hidden {
+            assert_eq!(h.dim(), (57, cfg.hidden_size), "{name}: full hidden states despite {cached} cached tokens");
+        }
+        let got = named(&out.hidden, &out.last_logits, None)?;
+        let worst = compare_all(&format!("rfc prompt 2, {cached} cached"), &got, &want)?;
+        eprintln!("rfc_text_pair on wgpu, {cached} cached tokens: worst relative error {worst:.3e} vs uncached cpu");
+    }
+    Ok(())
+}
