@@ -19,7 +19,7 @@
 //!
 //! **Locks.** A lock pins exactly the blocks its match reports: the node the
 //! match ends in is split at the block boundary after its last block, so the
-//! locked path ends there, and the pin is recorded by that block ([`pin`]).
+//! locked path ends there, and the pin is recorded by that block (module `pin`).
 //! A locked node is never a leaf extended in place by an insert (a new child
 //! takes the new blocks), so blocks beyond a pin stay unpinned and evictable.
 //!
@@ -484,7 +484,7 @@ impl PrefixIndex for RadixIndex {
         Ok(outcome)
     }
 
-    /// Pins exactly `m.blocks` (see [`pin`]). A stale or foreign match (its
+    /// Pins exactly `m.blocks` (see module `pin`). A stale or foreign match (its
     /// node was evicted, or it names blocks not on its path) or the empty
     /// match locks nothing.
     fn lock(&mut self, m: &PrefixMatch) {
