@@ -6,7 +6,9 @@
 //! adopted blocks and a brute-force oracle, that locked blocks are never
 //! evicted, that evicted ids are never matched again until re-inserted, that
 //! tenants never share a block, and that matches never exceed (and, before any
-//! eviction, equal) the oracle's longest common prefix.
+//! eviction, equal) the oracle's longest common prefix. Locks take a match
+//! trimmed to a random number of its blocks (as the scheduler pins only what a
+//! request reads), and once eviction runs dry exactly the pinned blocks remain.
 
 mod common;
 
@@ -30,7 +32,8 @@ enum Op {
     /// Cache a fraction of the prompt's full blocks; `reuse` passes the ids a
     /// match returned for the cached part (as a scheduler does) instead of fresh ones.
     Insert { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, frac: f64, reuse: bool },
-    Match { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, lock: bool },
+    /// `lock` pins the match's first `pin` blocks (an `Index` over 0..=blocks).
+    Match { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, lock: bool, pin: Index },
     Unlock(Index),
     Evict(usize),
 }
@@ -41,12 +44,18 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (derived(), 0.0..=1.0f64, any::<bool>()).prop_map(|((tenant, base, keep, extra), frac, reuse)| {
             Op::Insert { tenant, base, keep, extra, frac, reuse }
         }),
-        4 => (derived(), any::<bool>()).prop_map(|((tenant, base, keep, extra), lock)| {
-            Op::Match { tenant, base, keep, extra, lock }
+        4 => (derived(), any::<bool>(), any::<Index>()).prop_map(|((tenant, base, keep, extra), lock, pin)| {
+            Op::Match { tenant, base, keep, extra, lock, pin }
         }),
         1 => any::<Index>().prop_map(Op::Unlock),
         2 => (0..8usize).prop_map(Op::Evict),
     ]
+}
+
+/// The first `blocks` blocks of `m` (its tokens cut to match), keeping its handle.
+fn trimmed(m: PrefixMatch, blocks: usize) -> PrefixMatch {
+    let tokens = m.tokens.min(blocks * BS);
+    PrefixMatch { tokens, aligned_tokens: tokens / BS * BS, blocks: m.blocks[..blocks].to_vec(), handle: m.handle }
 }
 
 /// The harness: the index under test plus everything needed to judge it.
@@ -124,7 +133,7 @@ impl Harness {
                 self.oracle.insert(*tenant, &truth[..k * BS]);
                 self.history.push(p);
             }
-            Op::Match { tenant, base, keep, extra, lock } => {
+            Op::Match { tenant, base, keep, extra, lock, pin } => {
                 let (prompt, truth) = self.items.build(*tenant, &self.derive(base, *keep, extra));
                 let m = self.index.match_prefix(&prompt);
                 self.ledger.check(*tenant, &truth, BS, &m).map_err(TestCaseError::fail)?;
@@ -134,6 +143,8 @@ impl Harness {
                     prop_assert_eq!(m.tokens, best, "nothing evicted yet, so the match must be complete");
                 }
                 if *lock {
+                    let keep = pin.index(m.blocks.len() + 1);
+                    let m = trimmed(m, keep);
                     self.index.lock(&m);
                     self.locked.push(m);
                 }
@@ -154,6 +165,7 @@ impl Harness {
                 }
                 if freed.len() < *n {
                     prop_assert!(self.index.evict(1).is_empty(), "evict stopped early");
+                    prop_assert_eq!(self.ledger.ids(), pinned, "run dry, the index must hold exactly the pinned blocks");
                 }
                 self.evicted_any |= !freed.is_empty();
                 self.free.extend(freed);

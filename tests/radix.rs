@@ -169,6 +169,61 @@ fn locks_pin_the_path_and_stale_handles_do_nothing() -> Result<()> {
 }
 
 #[test]
+fn a_lock_ending_inside_a_long_edge_pins_only_the_matched_blocks() -> Result<()> {
+    let mut ix = index(4)?;
+    let p = text(0, &(0..16).collect::<Vec<u32>>());
+    ix.insert(&p, &[1, 2, 3, 4])?;
+    // Shares 6 tokens with the one 16-token edge: blocks 1 and 2 (2 partly).
+    let m = ix.match_prefix(&text(0, &[0, 1, 2, 3, 4, 5, 9, 9]));
+    assert_eq!((m.tokens, m.blocks.clone()), (6, vec![1, 2]));
+    ix.lock(&m);
+    valid(&ix)?;
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![3, 4], "exactly the blocks beyond the match are evictable");
+    valid(&ix)?;
+    let again = ix.match_prefix(&p);
+    assert_eq!((again.tokens, again.blocks), (8, vec![1, 2]), "the matched blocks stay cached");
+    // The match's own node was evicted; unlock still releases what lock pinned.
+    ix.unlock(&m);
+    valid(&ix)?;
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![1, 2]);
+    assert_eq!(ix.stats().nodes, 0);
+    Ok(())
+}
+
+#[test]
+fn a_trimmed_match_pins_its_prefix_and_inserts_past_a_pin_stay_evictable() -> Result<()> {
+    let mut ix = index(4)?;
+    let p = text(0, &(0..8).collect::<Vec<u32>>());
+    ix.insert(&p, &[1, 2])?;
+    let full = ix.match_prefix(&p);
+    // As the scheduler does: lock only the part the request reads.
+    let mut first = full.clone();
+    first.blocks.truncate(1);
+    (first.tokens, first.aligned_tokens) = (4, 4);
+    ix.lock(&first);
+    ix.lock(&full);
+    // Extends the locked leaf [4, 8): the new blocks must not join the pin.
+    ix.insert(&text(0, &(0..16).collect::<Vec<u32>>()), &[1, 2, 3, 4])?;
+    valid(&ix)?;
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![3, 4]);
+    ix.unlock(&full);
+    valid(&ix)?;
+    assert_eq!(ix.evict(usize::MAX), vec![2], "block 1 is still pinned by the trimmed lock");
+    ix.unlock(&full);
+    ix.unlock(&first);
+    ix.unlock(&first);
+    valid(&ix)?;
+    assert_eq!(ix.evict(usize::MAX), vec![1], "extra unlocks change nothing");
+    Ok(())
+}
+
+#[test]
 fn eviction_takes_least_recently_used_leaves_first_and_never_more_than_asked() -> Result<()> {
     let mut ix = index(4)?;
     let a = text(0, &[1; 12]);

@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
@@ -160,6 +160,11 @@ impl Ledger {
     /// Number of blocks the index should hold.
     pub fn len(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Ids of the blocks the index should hold.
+    pub fn ids(&self) -> HashSet<BlockId> {
+        self.blocks.keys().copied().collect()
     }
 
     /// Every returned block is live, belongs to `tenant`, sits at its own

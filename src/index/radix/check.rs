@@ -1,8 +1,8 @@
 //! The invariant checker behind [`PrefixIndex::validate`](crate::index::PrefixIndex::validate).
 
-use fxhash::FxHashSet;
+use fxhash::{FxHashMap, FxHashSet};
 
-use super::{NodeId, RadixIndex};
+use super::{BlockId, NodeId, RadixIndex};
 
 /// Walks every tenant tree and cross-checks the side tables; the error names
 /// the first broken invariant and the node it was found at.
@@ -11,6 +11,16 @@ pub(super) fn check(index: &RadixIndex) -> Result<(), String> {
     let mut seen_blocks: FxHashSet<u32> = FxHashSet::default();
     let mut visited = 0usize;
     let mut unlocked_leaves = 0usize;
+    // Pins by the node they end in: (key block, count).
+    let mut pinned_at: FxHashMap<NodeId, (BlockId, u32)> = FxHashMap::default();
+    for (&block, pin) in &index.pins {
+        if pin.count == 0 {
+            return Err(format!("pin of block {block} has no lock"));
+        }
+        if pinned_at.insert(pin.node, (block, pin.count)).is_some() {
+            return Err(format!("node {}: two pins end in it", pin.node));
+        }
+    }
     for (&tenant, &root) in &index.roots {
         let r = index.node(root);
         if r.parent.is_some() || r.edge.len() != 0 || r.start != 0 || r.tenant != tenant {
@@ -50,8 +60,20 @@ pub(super) fn check(index: &RadixIndex) -> Result<(), String> {
                     stack.push(c);
                 }
             }
-            if !is_root && u64::from(n.lock) < child_locks {
-                return Err(format!("node {id}: lock {} below children's {child_locks}", n.lock));
+            let own_pins = match pinned_at.remove(&id) {
+                Some((block, count)) => {
+                    if is_root || !n.end().is_multiple_of(bs) || n.blocks.last() != Some(&block) {
+                        return Err(format!("node {id}: pin of block {block} does not end at its boundary"));
+                    }
+                    u64::from(count)
+                }
+                None => 0,
+            };
+            if !is_root && u64::from(n.lock) != child_locks + own_pins {
+                return Err(format!(
+                    "node {id}: lock {} is not its {own_pins} pins plus its children's {child_locks}",
+                    n.lock
+                ));
             }
             let expected_blocks = n.end() / bs - n.start / bs;
             if n.blocks.len() != expected_blocks {
@@ -78,6 +100,9 @@ pub(super) fn check(index: &RadixIndex) -> Result<(), String> {
                 return Err(format!("node {id}: LRU membership is wrong"));
             }
         }
+    }
+    if let Some((node, (block, _))) = pinned_at.into_iter().next() {
+        return Err(format!("pin of block {block} names node {node}, which is not in the tree"));
     }
     if visited != index.nodes.len() {
         return Err(format!("{} live nodes but {visited} reachable", index.nodes.len()));

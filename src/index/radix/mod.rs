@@ -17,6 +17,12 @@
 //! the side that holds that position. Every leaf ends on a block boundary, so
 //! every position in the tree is covered by a cached block.
 //!
+//! **Locks.** A lock pins exactly the blocks its match reports: the node the
+//! match ends in is split at the block boundary after its last block, so the
+//! locked path ends there, and the pin is recorded by that block (module `pin`).
+//! A locked node is never a leaf extended in place by an insert (a new child
+//! takes the new blocks), so blocks beyond a pin stay unpinned and evictable.
+//!
 //! **Eviction.** Unlocked leaves sit in an LRU set ordered by a logical clock
 //! (touched on match and insert). Eviction trims or removes them; a parent that
 //! becomes childless is trimmed back to its last block boundary and becomes a
@@ -25,6 +31,7 @@
 mod arena;
 mod check;
 mod edge;
+mod pin;
 
 use std::collections::BTreeSet;
 
@@ -39,6 +46,7 @@ use crate::Result;
 
 use arena::{Arena, NodeId};
 use edge::{atom_len, Cursor, Edge, Head, Validator};
+use pin::Pin;
 
 /// Settings of a [`RadixIndex`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -67,7 +75,8 @@ struct Node {
     /// Candidate children per head key (several only under fingerprint collisions).
     children: FxHashMap<Head, Vec<NodeId>>,
     blocks: Vec<BlockId>,
-    /// Number of live locks on paths through this node.
+    /// Live locks whose pinned path runs through this node: the pins ending
+    /// here plus the locks of its children.
     lock: u32,
     last_access: u64,
 }
@@ -130,6 +139,8 @@ pub struct RadixIndex {
     lru: BTreeSet<(u64, NodeId)>,
     /// Every block id the tree holds.
     owned: FxHashSet<BlockId>,
+    /// Live pins by the last block they pin.
+    pins: FxHashMap<BlockId, Pin>,
     clock: u64,
     stats: IndexStats,
 }
@@ -146,6 +157,7 @@ impl RadixIndex {
             roots: FxHashMap::default(),
             lru: BTreeSet::new(),
             owned: FxHashSet::default(),
+            pins: FxHashMap::default(),
             clock: 0,
             stats: IndexStats::default(),
         })
@@ -309,24 +321,6 @@ impl RadixIndex {
         Ok((walk, cached))
     }
 
-    /// The node `m`'s handle names, if it is live and `m`'s last block still
-    /// sits at its block position on the path from that node up (a split may
-    /// have moved it to a new parent); a stale or foreign match is refused.
-    fn resolve_match(&self, m: &PrefixMatch) -> Option<NodeId> {
-        let id = self.nodes.resolve(m.handle)?;
-        let position = m.blocks.len().checked_sub(1)?;
-        let mut cur = id;
-        loop {
-            let n = self.node(cur);
-            n.parent?;
-            let first = n.start / self.config.block_size;
-            if position >= first {
-                return (n.blocks.get(position - first) == m.blocks.last()).then_some(id);
-            }
-            cur = n.parent?;
-        }
-    }
-
     fn root_for(&mut self, tenant: TenantSalt) -> NodeId {
         if let Some(&root) = self.roots.get(&tenant) {
             return root;
@@ -462,7 +456,7 @@ impl PrefixIndex for RadixIndex {
             let new_blocks = blocks[first_new..].to_vec();
             self.lru_leave(attach);
             let a = self.node(attach);
-            if a.parent.is_some() && a.is_leaf() {
+            if a.parent.is_some() && a.is_leaf() && a.lock == 0 {
                 let a = self.node_mut(attach);
                 a.edge.append(edge);
                 a.blocks.extend_from_slice(&new_blocks);
@@ -492,38 +486,18 @@ impl PrefixIndex for RadixIndex {
         Ok(outcome)
     }
 
-    /// A stale or foreign match (its node was evicted, or it names another
-    /// block) or the empty match locks nothing.
+    /// Pins exactly `m.blocks` (see module `pin`). A stale or foreign match (its
+    /// node was evicted, or it names blocks not on its path) or the empty
+    /// match locks nothing.
     fn lock(&mut self, m: &PrefixMatch) {
-        let Some(id) = self.resolve_match(m) else { return };
-        self.lru_leave(id);
-        let mut cur = Some(id);
-        while let Some(c) = cur {
-            let n = self.node_mut(c);
-            if n.parent.is_none() {
-                break;
-            }
-            n.lock += 1;
-            cur = n.parent;
-        }
+        self.pin(m);
     }
 
-    /// Unlocking a node that holds no lock is ignored (lock counts never go negative).
+    /// Releases what one `lock(m)` pinned, even if the tree changed since.
+    /// Unlocking a match that holds no lock is ignored (lock counts never go
+    /// negative).
     fn unlock(&mut self, m: &PrefixMatch) {
-        let Some(id) = self.resolve_match(m) else { return };
-        if self.node(id).lock == 0 {
-            return;
-        }
-        let mut cur = Some(id);
-        while let Some(c) = cur {
-            let n = self.node_mut(c);
-            if n.parent.is_none() {
-                break;
-            }
-            n.lock -= 1;
-            cur = n.parent;
-        }
-        self.lru_enter(id);
+        self.unpin(m);
     }
 
     fn evict(&mut self, max_blocks: usize) -> Vec<BlockId> {
@@ -552,15 +526,16 @@ impl PrefixIndex for RadixIndex {
 
     /// `nodes` counts tenant roots too; `index_bytes` is computed on call
     /// from the live structure (node table, edges, child maps, block lists,
-    /// LRU set and the owned-block set).
+    /// LRU set, owned-block set and pin table).
     fn stats(&self) -> IndexStats {
         let nodes: usize = self.nodes.iter().map(|(_, n)| n.heap_bytes()).sum();
         let lru = self.lru.len() * (std::mem::size_of::<(u64, NodeId)>() + 8);
         let owned = self.owned.capacity() * (std::mem::size_of::<BlockId>() + 1);
         let roots = self.roots.capacity() * (std::mem::size_of::<(TenantSalt, NodeId)>() + 1);
+        let pins = self.pins.capacity() * (std::mem::size_of::<(BlockId, Pin)>() + 1);
         IndexStats {
             nodes: self.nodes.len() as u64,
-            index_bytes: (self.nodes.table_bytes() + nodes + lru + owned + roots) as u64,
+            index_bytes: (self.nodes.table_bytes() + nodes + lru + owned + roots + pins) as u64,
             ..self.stats.clone()
         }
     }
