@@ -46,8 +46,11 @@ fn error_line(out: &Output) -> TestResult<String> {
     Ok(stderr)
 }
 
-/// name → (shape, values) of an output file.
-fn read_tensors(path: &Path) -> TestResult<Vec<(String, Vec<usize>, Vec<f32>)>> {
+/// One tensor of an output file: name, shape, values.
+type Named = (String, Vec<usize>, Vec<f32>);
+
+/// The tensors of an output file, by name.
+fn read_tensors(path: &Path) -> TestResult<Vec<Named>> {
     let bytes = std::fs::read(path)?;
     let st = SafeTensors::deserialize(&bytes)?;
     let mut out: Vec<_> = st
