@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 use crate::backend::Backend;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use crate::engine::{Engine, EngineConfig, ItemInput, PrefillRequest, millis};
+use crate::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
 use crate::error::{Error, Result};
 use crate::model::{Config, Thinker};
 use crate::prompt::{OmniTokens, TenantSalt};
@@ -68,6 +68,35 @@ pub struct TtftReport {
     pub ratio: f64,
     /// `ratio / ideal_ratio` (target ≤ 1.3 for the long prefix).
     pub ratio_over_ideal: f64,
+    /// Model FLOPs of the cached prefill over the uncached one: the floor when
+    /// every op runs at the same FLOP rate (the suffix still attends to the prefix).
+    pub flop_ratio: f64,
+    /// Median scheduler time (match, allocate, commit) of the cached run.
+    pub cached_schedule_ms: f64,
+    /// Median preprocess time (fingerprints, prompt layout) of the cached run.
+    pub cached_preprocess_ms: f64,
+}
+
+/// Forward FLOPs of positions `computed..len` of a prompt (multiply-adds count
+/// two): projections, attention over every visible position, MLP or routed
+/// experts, and the last row's logits.
+pub fn prefill_flops(cfg: &Config, computed: usize, len: usize) -> f64 {
+    let (h, hd) = (cfg.hidden_size as f64, cfg.head_dim as f64);
+    let (q, kv) = (cfg.num_attention_heads as f64 * hd, cfg.num_key_value_heads as f64 * hd);
+    let new = len.saturating_sub(computed) as f64;
+    // Sum over new rows i of the keys they see: computed + i + 1.
+    let visible = new * computed as f64 + new * (new + 1.0) / 2.0;
+    let mut total = 0.0;
+    for layer in 0..cfg.num_hidden_layers {
+        let mlp = match &cfg.moe {
+            Some(m) if cfg.is_sparse_layer(layer) => {
+                2.0 * h * m.num_experts as f64 + 6.0 * h * m.moe_intermediate_size as f64 * m.num_experts_per_tok as f64
+            }
+            _ => 6.0 * h * cfg.intermediate_size as f64,
+        };
+        total += new * (2.0 * h * (2.0 * q + 2.0 * kv) + mlp) + 4.0 * q * visible;
+    }
+    total + 2.0 * h * cfg.vocab_size as f64
 }
 
 /// Prefill time with three captured layers against none.
@@ -194,19 +223,18 @@ impl<B: Backend> Bench<B> {
     fn prefix_repetition(&self, workload: &str, prefix: usize, suffix: usize) -> Result<TtftReport> {
         let mut engine = self.engine(true, None, prefix + suffix)?;
         let mut rng = ChaCha8Rng::seed_from_u64(self.options.seed);
-        let (mut uncached, mut cached, mut hits) = (Vec::new(), Vec::new(), Vec::new());
+        let mut samples = Samples::default();
         for _ in 0..self.options.runs.max(1) {
             let shared = self.text(&engine, &mut rng, prefix);
             let mut first = shared.clone();
             first.extend(self.text(&engine, &mut rng, suffix));
             let mut second = shared;
             second.extend(self.text(&engine, &mut rng, suffix));
-            uncached.push(millis(engine.prefill(PrefillRequest::text(first))?.timings.total));
-            let out = engine.prefill(PrefillRequest::text(second))?;
-            cached.push(millis(out.timings.total));
-            hits.push(out.num_cached_tokens);
+            let uncached = engine.prefill(PrefillRequest::text(first))?;
+            let cached = engine.prefill(PrefillRequest::text(second))?;
+            samples.push(&uncached, &cached);
         }
-        Ok(report(workload, prefix, suffix, self.options.runs.max(1), uncached, cached, hits))
+        Ok(report(workload, self.thinker.config(), prefix, suffix, self.options.runs.max(1), samples))
     }
 
     /// Per run (its own tenant): rounds 1..4 in order on a caching engine, and
@@ -232,7 +260,7 @@ impl<B: Backend> Bench<B> {
         let mut cached_engine = self.engine(true, None, longest)?;
         let mut uncached_engine = self.engine(false, None, longest)?;
         let n = rounds.len();
-        let (mut cached, mut uncached, mut hits, mut lens) = (vec![vec![]; n], vec![vec![]; n], vec![vec![]; n], vec![0; n]);
+        let (mut samples, mut lens) = (vec![Samples::default(); n], vec![0; n]);
         for run in 0..self.options.runs.max(1) {
             for (k, (ids, items)) in rounds.iter().enumerate() {
                 let request = |tenant| PrefillRequest {
@@ -241,19 +269,21 @@ impl<B: Backend> Bench<B> {
                     items: items.iter().map(|m| m.input()).collect(),
                     ..Default::default()
                 };
-                let out = cached_engine.prefill(request(run as TenantSalt + 1))?;
-                cached[k].push(millis(out.timings.total));
-                hits[k].push(out.num_cached_tokens);
-                lens[k] = out.prompt_len;
-                uncached[k].push(millis(uncached_engine.prefill(request(0))?.timings.total));
+                let cached = cached_engine.prefill(request(run as TenantSalt + 1))?;
+                let uncached = uncached_engine.prefill(request(0))?;
+                lens[k] = cached.prompt_len;
+                samples[k].push(&uncached, &cached);
             }
         }
         let runs = self.options.runs.max(1);
-        Ok((0..n)
-            .map(|k| {
-                let hit = median_usize(hits[k].clone());
+        Ok(samples
+            .into_iter()
+            .zip(lens)
+            .enumerate()
+            .map(|(k, (samples, len))| {
+                let hit = median_usize(samples.hits.clone());
                 let name = format!("multi_round.round{}", k + 1);
-                report(&name, hit, lens[k].saturating_sub(hit), runs, uncached[k].clone(), cached[k].clone(), hits[k].clone())
+                report(&name, self.thinker.config(), hit, len.saturating_sub(hit), runs, samples)
             })
             .collect())
     }
@@ -283,17 +313,29 @@ impl<B: Backend> Bench<B> {
     }
 }
 
-fn report(
-    workload: &str,
-    prefix: usize,
-    suffix: usize,
-    runs: usize,
-    uncached: Vec<f64>,
-    cached: Vec<f64>,
+/// Per-run samples of one workload.
+#[derive(Default, Clone)]
+struct Samples {
+    uncached_ms: Vec<f64>,
+    cached_ms: Vec<f64>,
     hits: Vec<usize>,
-) -> TtftReport {
-    let (u, c) = (median(uncached), median(cached));
-    let cached_tokens = median_usize(hits);
+    schedule_ms: Vec<f64>,
+    preprocess_ms: Vec<f64>,
+}
+
+impl Samples {
+    fn push(&mut self, uncached: &Output, cached: &Output) {
+        self.uncached_ms.push(millis(uncached.timings.total));
+        self.cached_ms.push(millis(cached.timings.total));
+        self.hits.push(cached.num_cached_tokens);
+        self.schedule_ms.push(millis(cached.timings.schedule));
+        self.preprocess_ms.push(millis(cached.timings.preprocess));
+    }
+}
+
+fn report(workload: &str, cfg: &Config, prefix: usize, suffix: usize, runs: usize, samples: Samples) -> TtftReport {
+    let (u, c) = (median(samples.uncached_ms), median(samples.cached_ms));
+    let cached_tokens = median_usize(samples.hits);
     let total = (prefix + suffix).max(1);
     let ideal_ratio = (total - cached_tokens.min(total)) as f64 / total as f64;
     let ratio = c / u;
@@ -308,6 +350,9 @@ fn report(
         ideal_ratio,
         ratio,
         ratio_over_ideal: ratio / ideal_ratio,
+        flop_ratio: prefill_flops(cfg, cached_tokens, total) / prefill_flops(cfg, 0, total),
+        cached_schedule_ms: median(samples.schedule_ms),
+        cached_preprocess_ms: median(samples.preprocess_ms),
     }
 }
 
@@ -446,6 +491,19 @@ mod tests {
         assert_eq!(media.get("video")?.tokens, 450); // grid [10, 10, 18]
         assert_eq!(media.get("audio")?.embeddings.dim(), (media.get("audio")?.tokens, 8));
         assert!(media.get("smell").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn flops_split_into_linear_and_attention_parts() -> Result<()> {
+        // 1 layer, hidden 4, 1 head of 4, intermediate 8, vocab 10.
+        let mut cfg = Config::tiny_qwen3(4, 1, 1, 1, 10);
+        cfg.intermediate_size = 8;
+        let linear_per_row = 2.0 * 4.0 * 16.0 + 6.0 * 4.0 * 8.0;
+        let logits = 2.0 * 4.0 * 10.0;
+        // Rows 0..3 see 1 + 2 + 3 keys; rows 2..3 of a 3-row prompt see 3.
+        assert_eq!(prefill_flops(&cfg, 0, 3), 3.0 * linear_per_row + 4.0 * 4.0 * 6.0 + logits);
+        assert_eq!(prefill_flops(&cfg, 2, 3), linear_per_row + 4.0 * 4.0 * 3.0 + logits);
         let full: Vec<usize> = scaled_layouts(1).iter().map(|(_, _, l, _)| l.num_tokens()).collect();
         assert_eq!(full, vec![880, 390, 7200]);
         Ok(())

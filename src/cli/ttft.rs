@@ -79,13 +79,26 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         writeln!(out, "{}", to_json(&capture)?).map_err(io)?;
         return Ok(());
     }
-    writeln!(out, "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6}", "workload", "prefix", "suffix", "uncached", "cached", "hit", "ideal", "ratio", "r/ide")
+    writeln!(
+        out,
+        "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6}",
+        "workload", "prefix", "suffix", "uncached", "cached", "hit", "ideal", "flops", "ratio", "r/ide"
+    )
         .map_err(io)?;
     for r in &reports {
         writeln!(
             out,
-            "{:<26} {:>6} {:>6} {:>8.1}ms {:>8.1}ms {:>7} {:>6.3} {:>6.3} {:>6.2}",
-            r.workload, r.prefix, r.suffix, r.ttft_uncached_ms, r.ttft_cached_ms, r.cached_tokens, r.ideal_ratio, r.ratio, r.ratio_over_ideal
+            "{:<26} {:>6} {:>6} {:>8.1}ms {:>8.1}ms {:>7} {:>6.3} {:>6.3} {:>6.3} {:>6.2}",
+            r.workload,
+            r.prefix,
+            r.suffix,
+            r.ttft_uncached_ms,
+            r.ttft_cached_ms,
+            r.cached_tokens,
+            r.ideal_ratio,
+            r.flop_ratio,
+            r.ratio,
+            r.ratio_over_ideal
         )
         .map_err(io)?;
     }

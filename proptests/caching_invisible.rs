@@ -1,0 +1,194 @@
+//! Invariant 2 through the whole engine: caching is invisible. Random prompts
+//! (tiny vocabulary, an image item sometimes), a warm request sharing a random
+//! prefix, random block sizes, token budgets (chunked prefill) and
+//! token-granular reuse on or off: every captured hidden state and the logits
+//! equal the uncached run (same shape, ≤ 1e-5 relative), the positions that ran
+//! are the whole prompt's positions from `num_cached_tokens` on, and the cached
+//! length never exceeds the prompts' common prefix.
+//!
+//! Cases default to 24; scale with `PROPTEST_CASES`.
+
+use std::sync::Arc;
+
+use ndarray::{Array2, ArrayD, IxDyn};
+use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest};
+use omniprefix::model::{CaptureName, Config, Thinker};
+use omniprefix::prompt::{OmniTokens, Positions};
+use proptest::prelude::*;
+use proptest::test_runner::Config as PtConfig;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const HIDDEN: usize = 32;
+const VOCAB: usize = 512;
+/// Text ids stay below the tiny vocabulary's special ids (500..507).
+const TEXT_IDS: u32 = 480;
+const VISION_START: u32 = 503;
+const IMAGE_PAD: u32 = 500;
+const VISION_END: u32 = 504;
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(24)
+}
+
+fn model(kind: usize) -> Config {
+    match kind {
+        0 => Config::tiny_qwen2_omni(HIDDEN, 2, 4, 2, VOCAB),
+        _ => Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, VOCAB, 4, 2),
+    }
+}
+
+/// One test case's prompts: the warm one shares `shared` leading ids (unexpanded) with the main one.
+#[derive(Debug, Clone)]
+struct Case {
+    kind: usize,
+    block_size: usize,
+    budget: usize,
+    token_granular: bool,
+    /// Unexpanded ids of the main prompt (one image pad at most).
+    main: Vec<u32>,
+    warm: Vec<u32>,
+    /// Image grid (t, h, w) when the main prompt has an image.
+    grid: Option<[u32; 3]>,
+    seed: u64,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (0..2usize, prop::sample::select(vec![4usize, 8, 16]), 1..48usize, any::<bool>(), 1..40usize, 0..30usize, any::<u64>())
+        .prop_flat_map(|(kind, block_size, budget, token_granular, head, tail, seed)| {
+            let image = prop::option::of((1..3u32, 1..4u32));
+            (Just((kind, block_size, budget, token_granular, head, tail, seed)), image, 0..=head + tail + 3, 0..20usize)
+        })
+        .prop_map(|((kind, block_size, budget, token_granular, head, tail, seed), image, cut, warm_extra)| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let mut text = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..TEXT_IDS)).collect() };
+            let mut main = text(head);
+            if image.is_some() {
+                main.extend([VISION_START, IMAGE_PAD, VISION_END]);
+            }
+            main.extend(text(tail));
+            let mut warm = main[..cut.min(main.len())].to_vec();
+            warm.extend(text(warm_extra));
+            if warm.is_empty() {
+                warm.push(1);
+            }
+            let grid = image.map(|(h, w)| [1, 2 * h, 2 * w]);
+            Case { kind, block_size, budget, token_granular, main, warm, grid, seed }
+        })
+}
+
+fn close(what: &str, got: &[f32], want: &[f32]) -> Result<(), TestCaseError> {
+    prop_assert_eq!(got.len(), want.len(), "{}: lengths", what);
+    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+    if let Some(i) = got.iter().zip(want).position(|(g, w)| (g - w).abs() > 1e-5 * scale) {
+        return Err(TestCaseError::fail(format!("{what}: first mismatch at flat index {i}: {} vs {}", got[i], want[i])));
+    }
+    Ok(())
+}
+
+fn slice(p: &Positions, from: usize) -> Positions {
+    match p {
+        Positions::Linear(v) => Positions::Linear(v[from..].to_vec()),
+        Positions::Mrope { t, h, w, rope_delta } => {
+            Positions::Mrope { t: t[from..].to_vec(), h: h[from..].to_vec(), w: w[from..].to_vec(), rope_delta: *rope_delta }
+        }
+    }
+}
+
+/// Length of the common prefix of two expanded prompts (the pad expands to `tokens` copies of one image).
+fn expanded(ids: &[u32], tokens: usize) -> Vec<u32> {
+    ids.iter().flat_map(|&t| std::iter::repeat_n(t, if t == IMAGE_PAD { tokens } else { 1 })).collect()
+}
+
+fn check(case: &Case) -> Result<(), TestCaseError> {
+    let backend = Arc::new(CpuBackend::new());
+    let cfg = model(case.kind);
+    let layers = cfg.num_hidden_layers;
+    let thinker = Arc::new(Thinker::random(&*backend, cfg, case.seed).map_err(|e| TestCaseError::fail(e.to_string()))?);
+    let capture: Vec<CaptureName> = (0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect();
+    let config = |cache: bool| EngineConfig {
+        block_size: case.block_size,
+        num_blocks: 64,
+        max_tokens_per_step: if cache { case.budget } else { 4096 },
+        token_granular_reuse: case.token_granular,
+        cache,
+        capture: Some(capture.clone()),
+        tokens: Some(OmniTokens::tiny()),
+        ..Default::default()
+    };
+    let pixels = ArrayD::from_shape_fn(IxDyn(&[6, 6, 3]), |d| (d[0] * 31 + d[1] * 7 + d[2]) as u8);
+    let tokens = case.grid.map_or(0, |[t, h, w]| (t * h * w / 4) as usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 1);
+    let embeddings = Arc::new(Array2::from_shape_simple_fn((tokens.max(1), HIDDEN), || rng.random::<f32>() * 2.0 - 1.0));
+    let request = |ids: &Vec<u32>| PrefillRequest {
+        token_ids: ids.clone(),
+        items: match case.grid.filter(|_| ids.contains(&IMAGE_PAD)) {
+            Some(grid_thw) => vec![ItemInput {
+                spec: ItemSpec {
+                    modality: Modality::Image,
+                    layout: ItemLayout::Image { grid_thw },
+                    content: ItemContent::Tensor(TensorView::U8(pixels.view())),
+                    params: Default::default(),
+                },
+                embeddings: Some(Arc::clone(&embeddings)),
+            }],
+            None => vec![],
+        },
+        ..Default::default()
+    };
+    let run = |cache: bool, warm: bool| -> Result<Output, TestCaseError> {
+        let mut engine = Engine::new(Arc::clone(&backend), Arc::clone(&thinker), config(cache))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        if warm {
+            engine.prefill(request(&case.warm)).map_err(|e| TestCaseError::fail(format!("warm: {e}")))?;
+        }
+        let out = engine.prefill(request(&case.main)).map_err(|e| TestCaseError::fail(format!("main: {e}")))?;
+        engine.validate().map_err(TestCaseError::fail)?;
+        Ok(out)
+    };
+    let want = run(false, false)?;
+    let got = run(true, true)?;
+    prop_assert_eq!(want.num_cached_tokens, 0);
+    prop_assert_eq!(got.prompt_len, want.prompt_len);
+    for ((name, g), (_, w)) in got.hidden.iter().zip(&want.hidden) {
+        prop_assert_eq!(g.dim(), (want.prompt_len, HIDDEN), "{}", name);
+        prop_assert_eq!(g.dim(), w.dim());
+        close(&name.to_string(), g.as_slice().unwrap_or_default(), w.as_slice().unwrap_or_default())?;
+    }
+    close("last_logits", &got.last_logits, &want.last_logits)?;
+    prop_assert_eq!(&got.computed_positions, &slice(&want.computed_positions, got.num_cached_tokens));
+    let (main, warm) = (expanded(&case.main, tokens), expanded(&case.warm, tokens));
+    let common = main.iter().zip(&warm).take_while(|(a, b)| a == b).count();
+    prop_assert!(got.num_cached_tokens <= common, "cached {} > common prefix {}", got.num_cached_tokens, common);
+    if !case.token_granular {
+        prop_assert_eq!(got.num_cached_tokens % case.block_size, 0);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(PtConfig { cases: cases(), ..PtConfig::default() })]
+
+    #[test]
+    fn cached_outputs_equal_uncached_outputs(case in case()) {
+        check(&case)?;
+    }
+}
+
+#[test]
+fn a_warm_prefix_is_actually_reused() -> Result<(), TestCaseError> {
+    // Guards the property above against passing vacuously with nothing cached.
+    let main: Vec<u32> = (1..40).collect();
+    let case = Case { kind: 1, block_size: 4, budget: 7, token_granular: true, warm: main[..30].to_vec(), main, grid: None, seed: 9 };
+    check(&case)?;
+    let backend = CpuBackend::new();
+    let thinker = Arc::new(Thinker::random(&backend, model(1), 9).map_err(|e| TestCaseError::fail(e.to_string()))?);
+    let config = EngineConfig { block_size: 4, tokens: Some(OmniTokens::tiny()), ..Default::default() };
+    let mut engine = Engine::new(Arc::new(backend), thinker, config).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    engine.prefill(PrefillRequest::text(case.warm.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let out = engine.prefill(PrefillRequest::text(case.main.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert_eq!(out.num_cached_tokens, 28);
+    Ok(())
+}
