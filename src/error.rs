@@ -174,6 +174,15 @@ pub enum Error {
     /// A model shape outside what the GPU kernels implement.
     #[error("GPU kernels: {what} = {value} is unsupported (supported: {supported})")]
     GpuUnsupported { what: &'static str, value: usize, supported: &'static str },
+    /// A workload name `bench match` does not know.
+    #[error("unknown workload {name:?}; known: {known}")]
+    UnknownWorkload { name: String, known: String },
+    /// An embedded fixture that does not hold what the code expects.
+    #[error("fixture {file}: {problem}")]
+    Fixture { file: &'static str, problem: String },
+    /// Writing output (a report, a table) failed.
+    #[error("cannot write the output: {0}")]
+    Write(#[from] std::io::Error),
 }
 
 /// Crate-wide result alias.

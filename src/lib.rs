@@ -10,14 +10,20 @@
 pub mod backend;
 /// The scheduler-to-runner contract.
 pub mod batch;
+/// Match measurement shared by `omniprefix bench match` and the criterion benches.
+pub mod bench;
 /// Canonical bytes, dtypes and keyed fingerprints of multimodal items.
 pub mod canon;
+/// The `omniprefix` command line.
+pub mod cli;
 /// The crate's error type.
 pub mod error;
 /// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.
 pub mod index;
 /// KV block pool: free list, ref counts, index-owned blocks.
 pub mod kv;
+/// Preprocessing: raw requests into canonical prompts, off the scheduling path.
+pub mod preprocess;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
 /// The scheduler: admits requests, matches prefixes, allocates blocks, builds batches.
@@ -26,5 +32,7 @@ pub mod sched;
 pub mod model;
 /// Executes a `ScheduledBatch` on a backend and returns full hidden states.
 pub mod runner;
+/// Seeded match workloads with the real Qwen3-Omni shapes.
+pub mod workloads;
 
 pub use error::{Error, Result};

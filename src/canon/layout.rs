@@ -53,11 +53,29 @@ impl ItemLayout {
     /// assert_eq!(ItemLayout::Audio { mel_frames: 3000 }.num_tokens(), 390);
     /// ```
     pub fn num_tokens(&self) -> usize {
+        self.merged_tokens(SPATIAL_MERGE).unwrap_or(usize::MAX)
+    }
+
+    /// The one definition of the token count, for a vision encoder merging
+    /// `merge`x`merge` patches: `t·h·w / merge²` (floor) for image/video,
+    /// [`audio_tokens`] for audio. `None` when `t·h·w` overflows `usize` or
+    /// `merge` is 0. The prompt builder's placeholder count calls this after
+    /// its own checks on the grid.
+    ///
+    /// ```
+    /// use omniprefix::canon::ItemLayout;
+    /// let video = ItemLayout::Video { grid_thw: [10, 40, 72], seconds_per_grid: 2.0 };
+    /// assert_eq!(video.merged_tokens(2), Some(7200));
+    /// assert_eq!(video.merged_tokens(0), None);
+    /// ```
+    pub fn merged_tokens(&self, merge: u32) -> Option<usize> {
         match *self {
             ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
-                grid_patches(grid_thw).saturating_div(merge_area())
+                let area = (merge as usize).checked_mul(merge as usize).filter(|&a| a > 0)?;
+                let patches = grid_thw.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d as usize))?;
+                Some(patches / area)
             }
-            ItemLayout::Audio { mel_frames } => audio_tokens(mel_frames),
+            ItemLayout::Audio { mel_frames } => Some(audio_tokens(mel_frames)),
         }
     }
 

@@ -154,14 +154,16 @@ impl OmniTokens {
 /// positions far from `i64` overflow whatever `seconds_per_grid` says.
 const MAX_TEMPORAL_OFFSET: f32 = 2_147_483_648.0;
 
-/// Placeholder tokens an item layout occupies under Qwen3-Omni's rules:
-/// vision `t·h·w / merge²`; audio from mel frames through HF
-/// `_get_feat_extract_output_lengths` (n_window 50, Python floor division).
-/// Errors name item 0; callers re-label them with the real item index.
+/// Placeholder tokens an item layout occupies under Qwen3-Omni's rules: the
+/// count itself is [`ItemLayout::merged_tokens`] (one definition for canon and
+/// prompt); this adds the prompt's requirements that the grid's h and w
+/// divide by the merge size (M-RoPE lays tokens out on `h/merge x w/merge`)
+/// and that the item has at least one token. Errors name item 0; callers
+/// re-label them with the real item index.
 pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize> {
     let count = match *layout {
         ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
-            let [t, h, w] = grid_thw;
+            let [_, h, w] = grid_thw;
             if merge == 0 || h % merge != 0 || w % merge != 0 {
                 return Err(Error::LayoutMismatch {
                     item: 0,
@@ -169,15 +171,13 @@ pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize
                     found: format!("grid_thw {grid_thw:?}"),
                 });
             }
-            [t, h / merge, w / merge].iter().try_fold(1usize, |n, &d| n.checked_mul(d as usize)).ok_or_else(|| {
-                Error::LayoutMismatch {
-                    item: 0,
-                    expected: "a token count that fits in usize".into(),
-                    found: format!("grid_thw {grid_thw:?}"),
-                }
+            layout.merged_tokens(merge).ok_or_else(|| Error::LayoutMismatch {
+                item: 0,
+                expected: "a token count that fits in usize".into(),
+                found: format!("grid_thw {grid_thw:?}"),
             })?
         }
-        ItemLayout::Audio { mel_frames } => audio_output_len(i64::from(mel_frames)) as usize,
+        ItemLayout::Audio { .. } => layout.merged_tokens(merge).unwrap_or(0),
     };
     if count == 0 {
         return Err(Error::EmptyItem { item: 0, what: "zero placeholder tokens" });
@@ -185,26 +185,20 @@ pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize
     Ok(count)
 }
 
-/// HF `_get_feat_extract_output_lengths` with `n_window = 50` (chunks of 100 mel
-/// frames, 13 tokens each); `div_euclid` is Python's floor division here.
-fn audio_output_len(mel_frames: i64) -> i64 {
-    let leave = mel_frames % 100;
-    let feat = (leave - 1).div_euclid(2) + 1;
-    ((feat - 1).div_euclid(2) + 1 - 1).div_euclid(2) + 1 + (mel_frames / 100) * 13
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn audio_lengths_match_hf_reference_values() {
-        assert_eq!(audio_output_len(250), 33);
-        assert_eq!(audio_output_len(3000), 390);
-        assert_eq!(audio_output_len(300), 39);
-        assert_eq!(audio_output_len(100), 13);
-        assert_eq!(audio_output_len(1), 1);
-        assert_eq!(audio_output_len(0), 0);
+    fn audio_lengths_match_hf_reference_values() -> Result<()> {
+        let count = |mel_frames| placeholder_count(&ItemLayout::Audio { mel_frames }, 2);
+        assert_eq!(count(250)?, 33);
+        assert_eq!(count(3000)?, 390);
+        assert_eq!(count(300)?, 39);
+        assert_eq!(count(100)?, 13);
+        assert_eq!(count(1)?, 1);
+        assert!(matches!(count(0), Err(Error::EmptyItem { .. })));
+        Ok(())
     }
 
     #[test]

@@ -1,0 +1,65 @@
+//! The `omniprefix` command line: one module per subcommand.
+//!
+//! `main` parses, runs, and turns an error into one line on stderr and a
+//! non-zero exit code; subcommands write their output to the writer they are
+//! given, so tests can run them in process.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::Result;
+
+/// `omniprefix bench match`.
+pub mod bench_match;
+
+/// Prefix caching for multimodal (Omni) LLM inference.
+#[derive(Debug, Parser)]
+#[command(name = "omniprefix", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Top-level subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// `omniprefix bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Match cost per workload: omniprefix (cold, warm) vs the read floor and vLLM's hash chain.
+    Match(bench_match::MatchArgs),
+}
+
+/// Runs a parsed command line, writing its output to `out`.
+pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
+    match cli.command {
+        Command::Bench(BenchCommand::Match(args)) => bench_match::run(&args, out),
+    }
+}
+
+/// The binary's entry point: parse `std::env::args`, run, report errors in one line.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version are "errors" that print to stdout and exit 0.
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    let stdout = std::io::stdout();
+    match run(cli, &mut stdout.lock()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
