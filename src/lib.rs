@@ -16,6 +16,8 @@ pub mod bench;
 pub mod canon;
 /// The `omniprefix` command line.
 pub mod cli;
+/// `omniprefix demo`: every workload run three ways, tables and a JSON report.
+pub mod demo;
 /// The crate's error type.
 pub mod error;
 /// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.

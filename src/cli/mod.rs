@@ -13,6 +13,8 @@ use crate::error::Result;
 
 /// `omniprefix bench match`.
 pub mod bench_match;
+/// `omniprefix demo`.
+pub mod demo;
 
 /// Prefix caching for multimodal (Omni) LLM inference.
 #[derive(Debug, Parser)]
@@ -25,6 +27,8 @@ pub struct Cli {
 /// Top-level subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Runs the demo workloads three ways (radix, hash chain, no cache) and prints a table per workload.
+    Demo(demo::DemoArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -40,6 +44,7 @@ pub enum BenchCommand {
 /// Runs a parsed command line, writing its output to `out`.
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
+        Command::Demo(args) => demo::run(&args, out),
         Command::Bench(BenchCommand::Match(args)) => bench_match::run(&args, out),
     }
 }
