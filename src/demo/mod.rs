@@ -130,6 +130,11 @@ pub fn run_demo<B: Backend>(
     let fingerprinter =
         Fingerprinter::new(FingerprintKey::fixed(options.seed), options.fingerprint_threads, ValidationPolicy::SecondDigest)?;
     let preprocessor = Preprocessor::new(fingerprinter, OmniTokens::qwen3_omni());
+    // One untimed prefill first, so no way pays the first run's page faults and allocations.
+    let warmup = waves(DemoWorkload::RfcTextPair, &options.scale, options.seed)?;
+    let hidden_bar = ProgressBar::hidden();
+    let inputs = WayInputs { runner: &runner, preprocessor: &preprocessor, media: &media, embeddings: &embeddings, progress: &hidden_bar };
+    run_way(&inputs, Way::NoCache, &warmup[..1], options.scale.max_tokens_per_step)?;
     let mut workload_reports = Vec::new();
     for &workload in &options.workloads {
         let waves = waves(workload, &options.scale, options.seed)?;
