@@ -183,6 +183,23 @@ pub enum Error {
     /// Writing output (a report, a table) failed.
     #[error("cannot write the output: {0}")]
     Write(#[from] std::io::Error),
+
+    // ---- engine and request files ----
+    /// An item that brought no embeddings, missed the encoder cache and had no encoder to run.
+    #[error("item {item}: no embeddings given, none cached for its fingerprint and no encoder to compute them")]
+    MissingEmbeddings { item: usize },
+    /// Requests are pending but the scheduler can run none of them (an internal bug).
+    #[error("engine stalled: {pending} request(s) pending but the scheduler emitted an empty step")]
+    EngineStalled { pending: usize },
+    /// A request file that is not valid JSON or does not follow the request format.
+    #[error("request file {path}: {message}")]
+    RequestFormat { path: String, message: String },
+    /// A tensor a request file names is not in the safetensors file it names.
+    #[error("{path}: no tensor `{tensor}`")]
+    TensorNotInFile { path: String, tensor: String },
+    /// A tensor a request file names has the wrong dtype or shape for its role.
+    #[error("{path}, tensor `{tensor}`: {found} where {expected} was expected")]
+    RequestTensor { path: String, tensor: String, expected: String, found: String },
 }
 
 /// Crate-wide result alias.

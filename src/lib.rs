@@ -18,6 +18,8 @@ pub mod canon;
 pub mod cli;
 /// `omniprefix demo`: every workload run three ways, tables and a JSON report.
 pub mod demo;
+/// The library face of a thinker stage: requests in, full hidden states out.
+pub mod engine;
 /// The crate's error type.
 pub mod error;
 /// Prefix indexes over atoms: the validated radix tree and the vLLM hash-chain baseline.
@@ -26,6 +28,8 @@ pub mod index;
 pub mod kv;
 /// Preprocessing: raw requests into canonical prompts, off the scheduling path.
 pub mod preprocess;
+/// The JSON request-file format of `omniprefix hidden`.
+pub mod request_file;
 /// Canonical prompts: atoms, index map, 1-D and M-RoPE position ids.
 pub mod prompt;
 /// The scheduler: admits requests, matches prefixes, allocates blocks, builds batches.
@@ -36,5 +40,7 @@ pub mod model;
 pub mod runner;
 /// Seeded match workloads with the real Qwen3-Omni shapes.
 pub mod workloads;
+/// Time-to-first-token measurement: cached vs uncached, capture overhead.
+pub mod ttft;
 
 pub use error::{Error, Result};

@@ -15,6 +15,10 @@ use crate::error::Result;
 pub mod bench_match;
 /// `omniprefix demo`.
 pub mod demo;
+/// `omniprefix hidden`.
+pub mod hidden;
+/// `omniprefix bench ttft`.
+pub mod ttft;
 
 /// Prefix caching for multimodal (Omni) LLM inference.
 #[derive(Debug, Parser)]
@@ -29,6 +33,8 @@ pub struct Cli {
 pub enum Command {
     /// Runs the demo workloads three ways (radix, hash chain, no cache) and prints a table per workload.
     Demo(demo::DemoArgs),
+    /// Full hidden states of a request (after optional warm-up requests) into a safetensors file.
+    Hidden(hidden::HiddenArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -39,13 +45,17 @@ pub enum Command {
 pub enum BenchCommand {
     /// Match cost per workload: omniprefix (cold, warm) vs the read floor and vLLM's hash chain.
     Match(bench_match::MatchArgs),
+    /// Time to first token, cached vs uncached, on shared-prefix and multi-round workloads.
+    Ttft(ttft::TtftArgs),
 }
 
 /// Runs a parsed command line, writing its output to `out`.
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Demo(args) => demo::run(&args, out),
+        Command::Hidden(args) => hidden::run(&args, out),
         Command::Bench(BenchCommand::Match(args)) => bench_match::run(&args, out),
+        Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
     }
 }
 
@@ -63,7 +73,7 @@ pub fn main() -> ExitCode {
     match run(cli, &mut stdout.lock()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", e.to_string().replace('\n', " "));
             ExitCode::from(2)
         }
     }

@@ -1,0 +1,102 @@
+//! What an [`Engine`](super::Engine) is sized by, and what it counts.
+
+use std::time::Duration;
+
+use crate::canon::FingerprintKey;
+use crate::index::ValidationPolicy;
+use crate::model::CaptureName;
+use crate::prompt::OmniTokens;
+
+/// Which prefix index the engine's scheduler matches with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexKind {
+    /// The validated radix tree over atoms (the main matcher).
+    #[default]
+    Radix,
+    /// vLLM V1's SHA-256 block hash chain (the baseline).
+    HashChain,
+}
+
+/// Sizes and switches of an [`Engine`](super::Engine).
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Tokens per KV block (default 16).
+    pub block_size: usize,
+    /// Blocks in the KV pool (default 1024); a request needing more is rejected.
+    pub num_blocks: usize,
+    /// Captured hidden states; `None` = `hidden.0`, `hidden.<L/2>`, `final`.
+    pub capture: Option<Vec<CaptureName>>,
+    /// Chunked-prefill budget: new tokens per step across all requests (default 2048).
+    pub max_tokens_per_step: usize,
+    /// Requests per step (default 8).
+    pub max_seqs_per_step: usize,
+    /// Reuse a match that ends inside a block by copying that block (default on).
+    pub token_granular_reuse: bool,
+    /// Prefix caching on (default). Off: every request runs under its own
+    /// private tenant, so nothing is ever shared, and the path is otherwise identical.
+    pub cache: bool,
+    pub index: IndexKind,
+    /// How fingerprint hits are confirmed (radix index only).
+    pub validation: ValidationPolicy,
+    /// Key of the item fingerprints (default: a fresh random key per engine).
+    pub fingerprint_key: FingerprintKey,
+    /// Threads that fingerprint one item's bytes.
+    pub fingerprint_threads: usize,
+    /// Bytes of encoder outputs kept by fingerprint (default 256 MiB).
+    pub encoder_cache_bytes: usize,
+    /// Special ids of the model; `None` = from the checkpoint's config, else Qwen3-Omni's.
+    pub tokens: Option<OmniTokens>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 1024,
+            capture: None,
+            max_tokens_per_step: 2048,
+            max_seqs_per_step: 8,
+            token_granular_reuse: true,
+            cache: true,
+            index: IndexKind::Radix,
+            validation: ValidationPolicy::default(),
+            fingerprint_key: FingerprintKey::random(),
+            fingerprint_threads: 1,
+            encoder_cache_bytes: 256 << 20,
+            tokens: None,
+        }
+    }
+}
+
+/// Where one request's time went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    /// Fingerprinting items and building the canonical prompt.
+    pub preprocess: Duration,
+    /// Scheduler calls (match, allocate, commit) of the steps the request was in.
+    pub schedule: Duration,
+    /// Runner steps the request was in (shared with the requests batched with it).
+    pub forward: Duration,
+    /// From `submit` to output: the time to first token.
+    pub total: Duration,
+}
+
+/// Counters of an engine.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EngineStats {
+    /// Requests matched against the prefix index.
+    pub queries: u64,
+    /// Of those, requests that reused at least one cached token.
+    pub hits: u64,
+    /// Cached tokens reused (not recomputed).
+    pub hit_tokens: u64,
+    /// Blocks the index gave back under pool pressure.
+    pub evicted_blocks: u64,
+    /// Requests sent back to the queue to free blocks.
+    pub preemptions: u64,
+    /// Items whose embeddings came from the encoder cache.
+    pub encoder_cache_hits: u64,
+    /// Requests that returned their outputs.
+    pub finished: u64,
+}

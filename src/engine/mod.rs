@@ -1,0 +1,477 @@
+//! The library face of a thinker stage: requests in, full hidden states out.
+//!
+//! [`Engine`] wires the stages of the data flow together — preprocess
+//! (fingerprint items, build the canonical prompt), the scheduler (prefix
+//! index + block pool), the runner on a backend — and returns, per request,
+//! the hidden states of every captured layer for **every** position (cached
+//! rows included) and the last position's logits. Caching changes timings and
+//! `num_cached_tokens`, never the outputs.
+
+mod config;
+mod request;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fxhash::FxHashMap;
+use ndarray::Array2;
+
+use crate::backend::Backend;
+use crate::backend::cpu::CpuBackend;
+use crate::batch::{RequestId, ScheduledBatch};
+use crate::canon::{Fingerprinter, ItemIdentity};
+use crate::error::{Error, Result};
+use crate::index::PrefixIndex;
+use crate::index::hashchain::HashChainIndex;
+use crate::index::radix::{RadixConfig, RadixIndex};
+use crate::model::{CaptureName, CaptureSpec, Config, EncoderCache, Thinker};
+use crate::prompt::{CanonicalPrompt, OmniTokens, PositionKind, Positions, PromptBuilder, TenantSalt};
+use crate::runner::{ModelRunner, SeqOutput};
+use crate::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats};
+
+pub use config::{EngineConfig, EngineStats, IndexKind, Timings};
+pub use request::{ItemInput, PlaceholderForm, PrefillRequest};
+
+/// What a finished prefill returns.
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub request: RequestId,
+    /// Each captured point's hidden states `[prompt_len, hidden]`, in capture order.
+    pub hidden: Vec<(CaptureName, Array2<f32>)>,
+    /// Logits `[vocab]` of the prompt's last position.
+    pub last_logits: Vec<f32>,
+    /// Leading positions whose KV came from the cache (not recomputed).
+    pub num_cached_tokens: usize,
+    /// Length of the expanded prompt.
+    pub prompt_len: usize,
+    /// Position ids of the positions that ran (`num_cached_tokens..prompt_len`),
+    /// as the scheduler handed them to the runner.
+    pub computed_positions: Positions,
+    pub timings: Timings,
+}
+
+impl Output {
+    /// The hidden states captured at `name`, if captured.
+    pub fn hidden_at(&self, name: CaptureName) -> Option<&Array2<f32>> {
+        self.hidden.iter().find(|(n, _)| *n == name).map(|(_, h)| h)
+    }
+}
+
+/// A submitted request until its output is read.
+struct Pending {
+    timings: Timings,
+    submitted: Instant,
+    /// Cached length of the current run (reset when the scheduler restarts it).
+    num_cached: usize,
+    /// Where the next chunk must start if the run was not restarted.
+    next_start: Option<usize>,
+    positions: Option<Positions>,
+}
+
+impl Pending {
+    /// Records one scheduled chunk; a chunk that does not continue the last one
+    /// is a restart (preemption) and starts the record afresh.
+    fn record_chunk(&mut self, start: usize, len: usize, positions: &Positions) {
+        match (self.next_start, &mut self.positions) {
+            (Some(next), Some(acc)) if next == start => append_positions(acc, positions),
+            _ => {
+                self.num_cached = start;
+                self.positions = Some(positions.clone());
+            }
+        }
+        self.next_start = Some(start + len);
+    }
+}
+
+fn append_positions(acc: &mut Positions, more: &Positions) {
+    match (acc, more) {
+        (Positions::Linear(a), Positions::Linear(b)) => a.extend_from_slice(b),
+        (Positions::Mrope { t, h, w, .. }, Positions::Mrope { t: t2, h: h2, w: w2, .. }) => {
+            t.extend_from_slice(t2);
+            h.extend_from_slice(h2);
+            w.extend_from_slice(w2);
+        }
+        // One prompt's chunks share one position kind.
+        _ => debug_assert!(false, "chunks of one prompt mix position kinds"),
+    }
+}
+
+/// A thinker stage with prefix caching: submit requests, run them, read full hidden states.
+///
+/// ```
+/// use omniprefix::engine::{Engine, EngineConfig, PrefillRequest};
+/// use omniprefix::model::Config;
+///
+/// let model = Config::tiny_qwen3(32, 2, 4, 2, 600);
+/// let mut engine = Engine::random(model, 1, EngineConfig { block_size: 4, ..Default::default() })?;
+/// let first = engine.prefill(PrefillRequest::text((0..10).collect()))?;
+/// let second = engine.prefill(PrefillRequest::text((0..14).collect()))?;
+/// assert_eq!(first.num_cached_tokens, 0);
+/// assert_eq!(second.num_cached_tokens, 8); // two full blocks of the first prompt
+/// assert_eq!(second.hidden[0].1.dim(), (14, 32)); // every position, cached ones included
+/// assert_eq!(engine.stats().hits, 1);
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub struct Engine<B: Backend = CpuBackend> {
+    config: EngineConfig,
+    runner: ModelRunner<B>,
+    pages: B::Pages,
+    sched: Scheduler,
+    fingerprinter: Fingerprinter,
+    tokens: OmniTokens,
+    position_kind: PositionKind,
+    encoder_cache: EncoderCache,
+    encoder_cache_hits: u64,
+    finished: u64,
+    next_id: RequestId,
+    pending: FxHashMap<RequestId, Pending>,
+    /// Outputs of requests that finished while another was awaited by `prefill`.
+    ready: Vec<Output>,
+}
+
+impl Engine<CpuBackend> {
+    /// An engine on the CPU backend over the HF checkpoint in `dir`
+    /// (`config.json` + safetensors; special ids from its `thinker_config`).
+    pub fn from_dir(dir: &Path, config: EngineConfig) -> Result<Self> {
+        Self::from_dir_on(Arc::new(CpuBackend::new()), dir, config)
+    }
+
+    /// An engine on the CPU backend over a model with seeded random weights.
+    pub fn random(model: Config, seed: u64, config: EngineConfig) -> Result<Self> {
+        let backend = Arc::new(CpuBackend::new());
+        let thinker = Arc::new(Thinker::random(&*backend, model, seed)?);
+        Self::new(backend, thinker, config)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// An engine on `backend` over the checkpoint in `dir`.
+    pub fn from_dir_on(backend: Arc<B>, dir: &Path, mut config: EngineConfig) -> Result<Self> {
+        if config.tokens.is_none() {
+            config.tokens = tokens_from_config_file(&dir.join("config.json"))?;
+        }
+        let thinker = Arc::new(Thinker::from_dir(&*backend, dir)?);
+        Self::new(backend, thinker, config)
+    }
+
+    /// An engine over a loaded thinker (several engines may share one).
+    pub fn new(backend: Arc<B>, thinker: Arc<Thinker<B>>, config: EngineConfig) -> Result<Self> {
+        let model = thinker.config().clone();
+        let capture = match &config.capture {
+            Some(points) => CaptureSpec::new(points.iter().copied(), model.num_hidden_layers)?,
+            None => CaptureSpec::default_for(model.num_hidden_layers),
+        };
+        let index: Box<dyn PrefixIndex> = match config.index {
+            IndexKind::Radix => Box::new(RadixIndex::new(RadixConfig {
+                block_size: config.block_size,
+                validation: config.validation,
+            })?),
+            IndexKind::HashChain => Box::new(HashChainIndex::new(config.block_size)?),
+        };
+        let sched = Scheduler::new(
+            SchedulerConfig {
+                num_blocks: config.num_blocks,
+                block_size: config.block_size,
+                max_tokens_per_step: config.max_tokens_per_step,
+                max_seqs_per_step: config.max_seqs_per_step,
+                token_granular_reuse: config.token_granular_reuse,
+            },
+            index,
+        )?;
+        let runner = ModelRunner::new(backend, thinker, capture)?;
+        let pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
+        let mut tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
+        tokens.vocab_size = Some(u32::try_from(model.vocab_size).unwrap_or(u32::MAX));
+        let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), config.fingerprint_threads, config.validation)?;
+        let position_kind = if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
+        Ok(Engine {
+            encoder_cache: EncoderCache::new(config.encoder_cache_bytes),
+            config,
+            runner,
+            pages,
+            sched,
+            fingerprinter,
+            tokens,
+            position_kind,
+            encoder_cache_hits: 0,
+            finished: 0,
+            next_id: 0,
+            pending: FxHashMap::default(),
+            ready: Vec::new(),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The model's config.
+    pub fn model_config(&self) -> &Config {
+        self.runner.thinker().config()
+    }
+
+    /// The captured points, in the order of [`Output::hidden`].
+    pub fn capture(&self) -> &CaptureSpec {
+        self.runner.capture()
+    }
+
+    /// The special ids requests are laid out with (vocab size set from the model).
+    pub fn tokens(&self) -> &OmniTokens {
+        &self.tokens
+    }
+
+    /// The runner (its thinker and backend), e.g. for an uncached reference run.
+    pub fn runner(&self) -> &ModelRunner<B> {
+        &self.runner
+    }
+
+    /// Encoder outputs by item fingerprint: items found here need no embeddings.
+    pub fn encoder_cache(&mut self) -> &mut EncoderCache {
+        &mut self.encoder_cache
+    }
+
+    /// Submits, runs everything pending and returns this request's output
+    /// (other requests' outputs wait for [`Engine::run_until_done`]).
+    pub fn prefill(&mut self, request: PrefillRequest<'_>) -> Result<Output> {
+        let id = self.submit(request)?;
+        self.await_output(id)
+    }
+
+    /// [`Engine::prefill`] with `encoder` called for items that bring no
+    /// embeddings and miss the encoder cache (its outputs are cached).
+    pub fn prefill_with_encoder(
+        &mut self,
+        request: PrefillRequest<'_>,
+        encoder: impl FnMut(usize, &ItemIdentity) -> Result<Array2<f32>>,
+    ) -> Result<Output> {
+        let id = self.submit_with_encoder(request, encoder)?;
+        self.await_output(id)
+    }
+
+    /// Checks and queues a request; on error nothing changes.
+    pub fn submit(&mut self, request: PrefillRequest<'_>) -> Result<RequestId> {
+        self.submit_with_encoder(request, |item, _| {
+            Err(Error::MissingEmbeddings { item })
+        })
+    }
+
+    /// [`Engine::submit`] with an encoder for items without embeddings.
+    pub fn submit_with_encoder(
+        &mut self,
+        request: PrefillRequest<'_>,
+        mut encoder: impl FnMut(usize, &ItemIdentity) -> Result<Array2<f32>>,
+    ) -> Result<RequestId> {
+        let started = Instant::now();
+        let prompt = self.preprocess(&request)?;
+        let mut embeddings = Vec::with_capacity(prompt.items.len());
+        let mut fresh = Vec::new();
+        let mut cache_hits = 0;
+        for (index, (identity, input)) in prompt.items.iter().zip(&request.items).enumerate() {
+            let fp = identity.fingerprint;
+            let emb = match &input.embeddings {
+                Some(e) => {
+                    fresh.push((fp, Arc::clone(e)));
+                    Arc::clone(e)
+                }
+                None => match self.encoder_cache.get(fp) {
+                    Some(e) => {
+                        cache_hits += 1;
+                        e
+                    }
+                    None => {
+                        let e = Arc::new(encoder(index, identity)?);
+                        fresh.push((fp, Arc::clone(&e)));
+                        e
+                    }
+                },
+            };
+            embeddings.push(emb);
+        }
+        let id = self.next_id;
+        let hidden = self.model_config().hidden_size;
+        let preprocess = started.elapsed();
+        self.sched.admit(Request { id, prompt, item_embeddings: embeddings, hidden_size: Some(hidden) })?;
+        for (fp, e) in fresh {
+            self.encoder_cache.insert(fp, e);
+        }
+        self.encoder_cache_hits += cache_hits;
+        self.next_id += 1;
+        let timings = Timings { preprocess, ..Default::default() };
+        self.pending.insert(id, Pending { timings, submitted: started, num_cached: 0, next_start: None, positions: None });
+        Ok(id)
+    }
+
+    /// Runs steps (several requests per step, chunked by the token budget)
+    /// until every submitted request has finished; returns their outputs in
+    /// the order they finished.
+    pub fn run_until_done(&mut self) -> Result<Vec<Output>> {
+        while !self.pending.is_empty() {
+            self.step()?;
+        }
+        Ok(std::mem::take(&mut self.ready))
+    }
+
+    /// Counters of the scheduler, index and encoder cache.
+    pub fn stats(&self) -> EngineStats {
+        let s = self.sched.stats();
+        EngineStats {
+            queries: s.queries,
+            hits: s.hits,
+            hit_tokens: s.hit_tokens,
+            evicted_blocks: s.evicted_blocks,
+            preemptions: s.preemptions,
+            encoder_cache_hits: self.encoder_cache_hits,
+            finished: self.finished,
+        }
+    }
+
+    /// The scheduler's counters and pool occupancy.
+    pub fn scheduler_stats(&self) -> SchedulerStats {
+        self.sched.stats()
+    }
+
+    /// Checks the scheduler's pool, index and request bookkeeping; `Err` names
+    /// the first broken invariant.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.sched.validate()
+    }
+
+    /// Fingerprints the items and lays the prompt out (positions included).
+    fn preprocess(&self, request: &PrefillRequest<'_>) -> Result<CanonicalPrompt> {
+        let identities = request
+            .items
+            .iter()
+            .enumerate()
+            .map(|(index, item)| self.fingerprinter.identify(index, &item.spec).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let tenant = if self.config.cache { request.tenant } else { private_tenant(self.next_id) };
+        let mut builder = PromptBuilder::new(self.tokens.clone()).with_tenant(tenant).with_positions(self.position_kind);
+        match request.placeholders {
+            PlaceholderForm::Expanded => builder.extend_expanded(&request.token_ids, &identities)?,
+            PlaceholderForm::Unexpanded => builder.extend_unexpanded(&request.token_ids, &identities, false)?,
+            PlaceholderForm::UnexpandedAudioInVideo => {
+                builder.extend_unexpanded(&request.token_ids, &identities, true)?
+            }
+        };
+        let prompt = builder.build()?;
+        // Placeholder ids are embedded before the item rows replace them: they must be in the vocabulary.
+        let vocab = self.model_config().vocab_size;
+        for span in &prompt.index_map.spans {
+            let token = prompt.token_ids.get(span.start as usize).copied().unwrap_or_default();
+            if token as usize >= vocab {
+                return Err(Error::TokenOutOfVocab {
+                    position: span.start as usize,
+                    token,
+                    vocab_size: u32::try_from(vocab).unwrap_or(u32::MAX),
+                });
+            }
+        }
+        Ok(prompt)
+    }
+
+    /// Steps until `id` has finished; keeps other finished outputs for `run_until_done`.
+    fn await_output(&mut self, id: RequestId) -> Result<Output> {
+        loop {
+            if let Some(i) = self.ready.iter().position(|o| o.request == id) {
+                return Ok(self.ready.swap_remove(i));
+            }
+            if !self.pending.contains_key(&id) {
+                return Err(Error::UnknownRequest { id });
+            }
+            self.step()?;
+        }
+    }
+
+    /// One scheduler step on the runner. A runner failure aborts the batch's
+    /// requests (their blocks go back to the pool) and is returned.
+    fn step(&mut self) -> Result<()> {
+        let t0 = Instant::now();
+        let batch = self.sched.schedule()?;
+        let schedule = t0.elapsed();
+        if batch.seqs.is_empty() {
+            return Err(Error::EngineStalled { pending: self.pending.len() });
+        }
+        for seq in &batch.seqs {
+            if let Some(p) = self.pending.get_mut(&seq.request) {
+                p.record_chunk(seq.num_computed_tokens, seq.token_ids.len(), &seq.positions);
+            }
+        }
+        let t1 = Instant::now();
+        let outputs = match self.runner.execute(&batch, &mut self.pages) {
+            Ok(outputs) => outputs,
+            Err(e) => {
+                self.abort_batch(&batch);
+                return Err(e);
+            }
+        };
+        let forward = t1.elapsed();
+        let t2 = Instant::now();
+        let done = self.sched.complete(&batch)?;
+        let schedule = schedule + t2.elapsed();
+        for seq in &batch.seqs {
+            if let Some(p) = self.pending.get_mut(&seq.request) {
+                p.timings.schedule += schedule;
+                p.timings.forward += forward;
+            }
+        }
+        for out in outputs {
+            if !done.contains(&out.request) {
+                return Err(Error::IndexContract(format!(
+                    "request {} returned outputs but the scheduler did not finish it",
+                    out.request
+                )));
+            }
+            self.sched.finish(out.request)?;
+            self.finish_output(out);
+        }
+        Ok(())
+    }
+
+    fn finish_output(&mut self, out: SeqOutput) {
+        let Some(p) = self.pending.remove(&out.request) else { return };
+        let timings = Timings { total: p.submitted.elapsed(), ..p.timings };
+        self.finished += 1;
+        self.ready.push(Output {
+            request: out.request,
+            hidden: out.hidden,
+            last_logits: out.last_logits,
+            num_cached_tokens: p.num_cached,
+            prompt_len: p.next_start.unwrap_or(0),
+            computed_positions: p.positions.unwrap_or(Positions::Linear(Vec::new())),
+            timings,
+        });
+    }
+
+    fn abort_batch(&mut self, batch: &ScheduledBatch) {
+        for seq in &batch.seqs {
+            // The request is known to the scheduler (it was just scheduled).
+            let _ = self.sched.abort(seq.request);
+            self.pending.remove(&seq.request);
+        }
+    }
+}
+
+/// The tenant of request `id` when caching is off: one per request, from the
+/// top of the salt space, so no two requests ever share an entry.
+fn private_tenant(id: RequestId) -> TenantSalt {
+    TenantSalt::MAX - id
+}
+
+/// Special ids from a checkpoint's `config.json` (`thinker_config` of Omni
+/// checkpoints, or the root); `None` when it names none (a text-only model).
+pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::ConfigParse(e.to_string()))?;
+    let node = root.get("thinker_config").unwrap_or(&root);
+    if node.get("image_token_id").is_none() {
+        return Ok(None);
+    }
+    serde_json::from_value(node.clone()).map(Some).map_err(|e| Error::ConfigParse(format!("special token ids: {e}")))
+}
+
+/// Time as fractional milliseconds (for reports).
+pub fn millis(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -1,0 +1,52 @@
+//! What a caller hands the engine: token ids, items with their content (for
+//! the fingerprint) and their encoder outputs (for the model).
+
+use std::sync::Arc;
+
+use ndarray::Array2;
+
+use crate::canon::ItemSpec;
+use crate::prompt::TenantSalt;
+
+/// How the items' placeholders appear in [`PrefillRequest::token_ids`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlaceholderForm {
+    /// One pad id per item; the engine expands it to the item's token count.
+    #[default]
+    Unexpanded,
+    /// Like `Unexpanded`, and every `vision_start video_pad vision_end` takes
+    /// the next audio item too, interleaved by time (Qwen3-Omni `use_audio_in_video`).
+    UnexpandedAudioInVideo,
+    /// One pad id per item token, already expanded.
+    Expanded,
+}
+
+/// One multimodal item of a request.
+#[derive(Debug, Clone)]
+pub struct ItemInput<'a> {
+    /// Modality, layout and content: what the fingerprint is computed over.
+    pub spec: ItemSpec<'a>,
+    /// The encoder's output `[num_tokens, hidden]`; `None` takes it from the
+    /// engine's encoder cache (or the encoder given to
+    /// [`Engine::submit_with_encoder`](super::Engine::submit_with_encoder)).
+    pub embeddings: Option<Arc<Array2<f32>>>,
+}
+
+/// A prefill request.
+#[derive(Debug, Clone, Default)]
+pub struct PrefillRequest<'a> {
+    /// Requests of different tenants never share cache entries.
+    pub tenant: TenantSalt,
+    /// Text ids with the items' placeholder ids in `placeholders` form.
+    pub token_ids: Vec<u32>,
+    pub placeholders: PlaceholderForm,
+    /// Items in the order their placeholders appear (per modality).
+    pub items: Vec<ItemInput<'a>>,
+}
+
+impl PrefillRequest<'_> {
+    /// A text-only request of tenant 0.
+    pub fn text(token_ids: Vec<u32>) -> Self {
+        PrefillRequest { token_ids, ..Default::default() }
+    }
+}

@@ -1,0 +1,173 @@
+//! The engine's contract beyond one prompt: batches of requests (varlen,
+//! chunked steps) equal their uncached runs; bad requests are typed errors that
+//! leave the engine unchanged; the encoder cache skips encoders for items seen.
+
+use std::error::Error as StdError;
+use std::sync::Arc;
+
+use ndarray::{Array2, ArrayD, IxDyn};
+use omniprefix::Error;
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest};
+use omniprefix::model::Config;
+use omniprefix::prompt::OmniTokens;
+
+type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
+
+const HIDDEN: usize = 32;
+
+fn model() -> Config {
+    Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, 512, 4, 2)
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        num_blocks: 32,
+        max_tokens_per_step: 10,
+        max_seqs_per_step: 3,
+        tokens: Some(OmniTokens::tiny()),
+        ..Default::default()
+    }
+}
+
+/// An image item with a 2x2-token grid (4 placeholders) and its content.
+fn pixels(seed: u8) -> ArrayD<u8> {
+    ArrayD::from_shape_fn(IxDyn(&[4, 4, 3]), |d| seed.wrapping_add(d[0] as u8 * 7 + d[1] as u8))
+}
+
+fn image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>) -> ItemInput<'a> {
+    ItemInput {
+        spec: ItemSpec {
+            modality: Modality::Image,
+            layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
+            content: ItemContent::Tensor(TensorView::U8(content.view())),
+            params: Default::default(),
+        },
+        embeddings: embeddings.map(Arc::new),
+    }
+}
+
+fn rows(n: usize, cols: usize, seed: f32) -> Array2<f32> {
+    Array2::from_shape_fn((n, cols), |(r, c)| ((r * cols + c) as f32 * 0.37 + seed).sin())
+}
+
+/// Text, `vision_start image_pad vision_end`, text (unexpanded).
+fn with_image(head: &[u32], tail: &[u32]) -> Vec<u32> {
+    let mut ids = head.to_vec();
+    ids.extend([503, 500, 504]);
+    ids.extend_from_slice(tail);
+    ids
+}
+
+fn assert_same(got: &Output, want: &Output) {
+    assert_eq!(got.hidden.len(), want.hidden.len());
+    for ((name, g), (_, w)) in got.hidden.iter().zip(&want.hidden) {
+        assert_eq!(g.dim(), w.dim(), "{name}");
+        let scale = w.iter().fold(1f32, |m, v| m.max(v.abs()));
+        let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5 * scale, "{name}: max difference {worst}");
+    }
+    let scale = want.last_logits.iter().fold(1f32, |m, v| m.max(v.abs()));
+    let worst = got.last_logits.iter().zip(&want.last_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(worst <= 1e-5 * scale, "logits: max difference {worst}");
+}
+
+#[test]
+fn batched_chunked_requests_equal_their_uncached_runs() -> TestResult {
+    let content = pixels(1);
+    let shared: Vec<u32> = (10..27).collect();
+    let prompts = [
+        with_image(&shared, &[40, 41, 42]),
+        with_image(&shared, &[50, 51, 52, 53, 54, 55]),
+        (100..123).collect::<Vec<u32>>(),
+    ];
+    let request = |ids: &Vec<u32>| PrefillRequest {
+        token_ids: ids.clone(),
+        items: if ids.contains(&500) { vec![image(&content, Some(rows(4, HIDDEN, 0.5)))] } else { vec![] },
+        ..Default::default()
+    };
+    let mut reference = Engine::random(model(), 5, EngineConfig { cache: false, max_tokens_per_step: 4096, ..config() })?;
+    let want: Vec<Output> = prompts.iter().map(|p| reference.prefill(request(p))).collect::<Result<_, _>>()?;
+
+    let mut engine = Engine::random(model(), 5, config())?;
+    // Warm the shared text prefix, then submit all three at once.
+    engine.prefill(PrefillRequest::text(shared.clone()))?;
+    let ids: Vec<u64> = prompts.iter().map(|p| engine.submit(request(p))).collect::<Result<_, _>>()?;
+    let outs = engine.run_until_done()?;
+    assert_eq!(outs.len(), 3);
+    for (id, want) in ids.iter().zip(&want) {
+        let out = outs.iter().find(|o| o.request == *id).ok_or("missing output")?;
+        assert_same(out, want);
+        assert_eq!(out.prompt_len, want.prompt_len);
+    }
+    // The two image prompts share 16 warm tokens at least (four whole blocks).
+    assert!(outs.iter().filter(|o| o.num_cached_tokens >= 16).count() >= 2);
+    let stats = engine.stats();
+    assert_eq!((stats.queries, stats.finished), (4, 4));
+    assert!(engine.scheduler_stats().running == 0 && engine.scheduler_stats().waiting == 0);
+    engine.validate()?;
+    Ok(())
+}
+
+#[test]
+fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
+    let content = pixels(2);
+    let mut engine = Engine::random(model(), 6, config())?;
+    engine.prefill(PrefillRequest::text((0..9).collect()))?;
+    let before = (engine.stats(), engine.scheduler_stats());
+    let cases: Vec<(&str, PrefillRequest<'_>)> = vec![
+        ("too large", PrefillRequest::text(vec![1; 32 * 4 + 1])),
+        ("out of vocab", PrefillRequest::text(vec![1, 2, 512])),
+        ("rows", PrefillRequest { token_ids: with_image(&[1], &[2]), items: vec![image(&content, Some(rows(3, HIDDEN, 0.0)))], ..Default::default() }),
+        ("hidden", PrefillRequest { token_ids: with_image(&[1], &[2]), items: vec![image(&content, Some(rows(4, HIDDEN + 1, 0.0)))], ..Default::default() }),
+        ("no embeddings", PrefillRequest { token_ids: with_image(&[1], &[2]), items: vec![image(&content, None)], ..Default::default() }),
+        ("no item", PrefillRequest { token_ids: with_image(&[1], &[2]), ..Default::default() }),
+        ("empty", PrefillRequest::text(vec![])),
+    ];
+    for (what, request) in cases {
+        let err = engine.prefill(request).expect_err(what);
+        let expected = match what {
+            "too large" => matches!(err, Error::RequestTooLarge { needed: 33, num_blocks: 32, .. }),
+            "out of vocab" => matches!(err, Error::TokenOutOfVocab { position: 2, token: 512, vocab_size: 512 }),
+            "rows" => matches!(err, Error::EmbeddingMismatch { what: "embedding rows", expected: 4, found: 3, .. }),
+            "hidden" => matches!(err, Error::EmbeddingMismatch { what: "embedding columns", expected: 32, found: 33, .. }),
+            "no embeddings" => matches!(err, Error::MissingEmbeddings { item: 0 }),
+            "no item" => matches!(err, Error::MissingItem { position: 2, modality: Modality::Image, .. }),
+            _ => matches!(err, Error::EmptyPrompt),
+        };
+        assert!(expected, "{what}: {err}");
+        assert_eq!((engine.stats(), engine.scheduler_stats()), before, "{what}: state changed");
+        engine.validate()?;
+    }
+    assert!(engine.encoder_cache().is_empty(), "rejected items are not cached");
+    // Still serves, and the earlier prompt is still cached.
+    let out = engine.prefill(PrefillRequest::text((0..12).collect()))?;
+    assert_eq!(out.num_cached_tokens, 8);
+    Ok(())
+}
+
+#[test]
+fn encoder_runs_once_per_item_content() -> TestResult {
+    let (a, b) = (pixels(3), pixels(4));
+    let mut engine = Engine::random(model(), 7, config())?;
+    let mut calls = Vec::new();
+    let encode = |content: &ArrayD<u8>, calls: &mut Vec<usize>, engine: &mut Engine| -> TestResult<Output> {
+        let request = PrefillRequest { token_ids: with_image(&[7, 8], &[9]), items: vec![image(content, None)], ..Default::default() };
+        Ok(engine.prefill_with_encoder(request, |item, identity| {
+            calls.push(item);
+            Ok(rows(identity.num_tokens, HIDDEN, identity.fingerprint.0 as f32))
+        })?)
+    };
+    let first = encode(&a, &mut calls, &mut engine)?;
+    let again = encode(&a, &mut calls, &mut engine)?;
+    assert_eq!(calls.len(), 1, "second request of the same image skips the encoder");
+    assert_eq!(engine.stats().encoder_cache_hits, 1);
+    assert_same(&again, &first);
+    encode(&b, &mut calls, &mut engine)?;
+    assert_eq!(calls.len(), 2, "different content runs the encoder");
+    // Embeddings may now be omitted for a cached item.
+    let plain = PrefillRequest { token_ids: with_image(&[7, 8], &[9]), items: vec![image(&a, None)], ..Default::default() };
+    assert_same(&engine.prefill(plain)?, &first);
+    Ok(())
+}
