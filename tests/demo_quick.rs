@@ -80,14 +80,11 @@ fn the_json_report_carries_the_table_numbers_and_the_machine() -> Result<()> {
 }
 
 #[test]
-fn a_checkpoint_with_a_small_vocab_runs_the_demo() -> Result<()> {
+fn a_checkpoint_whose_vocab_cannot_hold_the_prompts_is_a_typed_error() {
+    // The tiny test checkpoint has 256 ids; the demo's prompts use Qwen3-Omni's.
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny/omni_thinker");
-    let report = quick_report(&ModelChoice::Dir(dir))?;
-    assert_eq!((report.model.hidden_size, report.model.vocab_size), (64, 256));
-    let rfc = workload(&report, "rfc_text_pair");
-    assert_eq!(rows(rfc, Way::Radix)[1].cached_tokens, 46);
-    assert!(rfc.rows.iter().all(|r| r.max_rel_diff_hidden <= 1e-4));
-    Ok(())
+    let err = quick_report(&ModelChoice::Dir(dir));
+    assert!(matches!(err, Err(Error::TokenOutOfVocab { vocab_size: 256, .. })), "{err:?}");
 }
 
 fn clap_error(e: clap::Error) -> Error {

@@ -32,13 +32,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::backend::Backend;
 use crate::bench::median_ns;
-use crate::canon::{FingerprintKey, Fingerprinter, Modality};
+use crate::canon::{FingerprintKey, Modality};
 use crate::error::Result;
-use crate::index::ValidationPolicy;
-use crate::model::{CaptureSpec, Config, Thinker};
-use crate::preprocess::Preprocessor;
-use crate::prompt::OmniTokens;
-use crate::runner::ModelRunner;
+use crate::model::{Config, Thinker};
 
 pub use machine::Machine;
 pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_way};
@@ -122,19 +118,21 @@ pub fn run_demo<B: Backend>(
         ModelChoice::Dir(dir) => (Thinker::from_dir(&*backend, dir)?, dir.display().to_string()),
     };
     let model_info = model_info(thinker.config(), source);
-    let layers = thinker.config().num_hidden_layers;
-    let hidden = thinker.config().hidden_size;
-    let runner = ModelRunner::new(backend, Arc::new(thinker), CaptureSpec::default_for(layers))?;
+    let thinker = Arc::new(thinker);
     let media = demo_media(&options.scale, options.seed)?;
-    let embeddings = ItemEmbeddings::random(&media, hidden, options.seed);
-    let fingerprinter =
-        Fingerprinter::new(FingerprintKey::fixed(options.seed), options.fingerprint_threads, ValidationPolicy::SecondDigest)?;
-    let preprocessor = Preprocessor::new(fingerprinter, OmniTokens::qwen3_omni());
+    let embeddings = ItemEmbeddings::random(&media, thinker.config().hidden_size, options.seed);
+    let inputs = WayInputs {
+        backend: &backend,
+        thinker: &thinker,
+        media: &media,
+        embeddings: &embeddings,
+        max_tokens_per_step: options.scale.max_tokens_per_step,
+        fingerprint_key: FingerprintKey::fixed(options.seed),
+        fingerprint_threads: options.fingerprint_threads,
+    };
     // One untimed prefill first, so no way pays the first run's page faults and allocations.
     let warmup = waves(DemoWorkload::RfcTextPair, &options.scale, options.seed)?;
-    let hidden_bar = ProgressBar::hidden();
-    let inputs = WayInputs { runner: &runner, preprocessor: &preprocessor, media: &media, embeddings: &embeddings, progress: &hidden_bar };
-    run_way(&inputs, Way::NoCache, &warmup[..1], options.scale.max_tokens_per_step)?;
+    run_way(&inputs, Way::NoCache, &warmup[..1], &ProgressBar::hidden())?;
     let mut workload_reports = Vec::new();
     for &workload in &options.workloads {
         let waves = waves(workload, &options.scale, options.seed)?;
@@ -146,12 +144,11 @@ pub fn run_demo<B: Backend>(
                 Ok(RequestFacts { input_bytes: input_bytes(plan, &media), read_floor_ns })
             })
             .collect::<Result<Vec<_>>>()?;
+        let total = plans.iter().map(|p| expanded_len(p, &media)).sum::<usize>();
         let mut runs = Vec::new();
         for way in Way::ALL {
-            let total = plans.iter().map(|p| expanded_len(p, &media)).sum::<usize>();
             let progress = progress_bar(options.show_progress, format!("{workload} / {}", way.as_str()), total);
-            let inputs = WayInputs { runner: &runner, preprocessor: &preprocessor, media: &media, embeddings: &embeddings, progress: &progress };
-            let way_runs = run_way(&inputs, way, &waves, options.scale.max_tokens_per_step)?;
+            let way_runs = run_way(&inputs, way, &waves, &progress)?;
             progress.finish_and_clear();
             runs.push((way, way_runs));
         }
