@@ -14,6 +14,9 @@ use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice,
 use crate::error::{Error, Result};
 
 /// Arguments of `demo`.
+///
+/// `--backend auto` takes the wgpu adapter when there is a hardware one and the
+/// CPU backend otherwise (no adapter, or a software rasteriser), and says which.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
     /// Where the model runs; `auto` takes wgpu when an adapter exists, else the CPU.
@@ -74,9 +77,13 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
         BackendArg::Cpu => run_on(Arc::new(CpuBackend::new()), "cpu".into(), &model, &options, out)?,
         BackendArg::Wgpu => run_wgpu(WgpuBackend::new()?, &model, &options, out)?,
         BackendArg::Auto => match WgpuBackend::new() {
-            Ok(gpu) => run_wgpu(gpu, &model, &options, out)?,
+            Ok(gpu) if !is_software(gpu.context().adapter_name()) => run_wgpu(gpu, &model, &options, out)?,
+            Ok(gpu) => {
+                writeln!(out, "auto: wgpu adapter {} is a software rasteriser; using the CPU backend", gpu.context().adapter_name())?;
+                run_on(Arc::new(CpuBackend::new()), "cpu".into(), &model, &options, out)?
+            }
             Err(e) => {
-                writeln!(out, "backend: cpu (no wgpu adapter: {e})")?;
+                writeln!(out, "auto: no wgpu adapter ({e}); using the CPU backend")?;
                 run_on(Arc::new(CpuBackend::new()), "cpu".into(), &model, &options, out)?
             }
         },
@@ -88,6 +95,15 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
         writeln!(out, "report written to {}", path.display())?;
     }
     Ok(())
+}
+
+/// Adapters that expose Vulkan or GL but rasterise on the CPU (Mesa llvmpipe /
+/// lavapipe, SwiftShader): slower than the CPU backend, so `auto` skips them.
+const SOFTWARE_ADAPTERS: [&str; 3] = ["llvmpipe", "lavapipe", "swiftshader"];
+
+fn is_software(adapter: &str) -> bool {
+    let name = adapter.to_lowercase();
+    SOFTWARE_ADAPTERS.iter().any(|s| name.contains(s))
 }
 
 fn run_wgpu(gpu: WgpuBackend, model: &ModelChoice, options: &DemoOptions, out: &mut dyn Write) -> Result<DemoReport> {
