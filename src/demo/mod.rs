@@ -7,14 +7,16 @@
 //! of matching against one plain read of the input, TTFT against the uncached
 //! run, and how far the returned full hidden states are from the uncached ones.
 //!
-//! ```no_run
+//! ```
 //! use std::sync::Arc;
 //! use omniprefix::backend::cpu::CpuBackend;
 //! use omniprefix::demo::{DemoOptions, ModelChoice, run_demo};
 //!
 //! let options = DemoOptions::quick();
 //! let report = run_demo(Arc::new(CpuBackend::new()), "cpu".into(), &ModelChoice::Random, &options)?;
-//! let radix = report.workloads[0].rows.iter().find(|r| r.way.as_str() == "radix").unwrap();
+//! let rfc = &report.workloads[0]; // rfc_text_pair: rows per way, then per request
+//! let radix = rfc.rows.iter().filter(|r| r.way.as_str() == "radix").nth(1).expect("two requests");
+//! assert_eq!((radix.prompt_tokens, radix.cached_tokens), (57, 46));
 //! assert!(radix.max_rel_diff_hidden <= 1e-4);
 //! # Ok::<(), omniprefix::Error>(())
 //! ```
@@ -39,7 +41,7 @@ use crate::model::{Config, Thinker};
 pub use machine::Machine;
 pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_way};
 pub use report::{DemoReport, MediaInfo, ModelInfo, RequestFacts, Row, WorkloadReport, print_tables, rel_diff, workload_rows};
-pub use workloads::{DemoScale, DemoWorkload, Wave, demo_media, expanded_len, input_bytes, raw_request, read_floor, waves};
+pub use workloads::{DemoScale, DemoWorkload, Wave, demo_media, expanded_len, input_bytes, read_floor, waves};
 
 /// Temporal grid steps of the default demo's video: 2 of the real clip's 10
 /// (4 s, 8 frames of 1280x720, 1440 tokens) so the demo stays under a minute on 2 cores.

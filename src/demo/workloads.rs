@@ -16,7 +16,6 @@ use serde::Deserialize;
 
 use crate::canon::{ItemLayout, Modality};
 use crate::error::{Error, Result};
-use crate::preprocess::RawRequest;
 use crate::workloads::{Media, MediaScale, RequestPlan, TEXT_VOCAB};
 
 const SCENARIOS_FILE: &str = "fixtures/scenarios.json";
@@ -178,11 +177,6 @@ fn prefix_repetition(scale: &DemoScale, seed: u64) -> Wave {
             RequestPlan { token_ids: ids, items: Vec::new() }
         })
         .collect()
-}
-
-/// `plan` with its items drawn from `media`, as the preprocessor takes it.
-pub fn raw_request<'a>(plan: &'a RequestPlan, media: &'a Media) -> RawRequest<'a> {
-    RawRequest { token_ids: &plan.token_ids, items: plan.items.iter().map(|&m| media.spec(m)).collect(), audio_in_video: false }
 }
 
 /// Bytes `plan` carries: its items' raw bytes and its token ids.
