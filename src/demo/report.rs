@@ -77,6 +77,8 @@ pub struct Row {
     pub read_floor_ns: u64,
     pub match_ns: u64,
     pub match_over_read_floor: f64,
+    /// Submission to full hidden states, as the engine measures it (every way,
+    /// the hash chain included, preprocesses with omniprefix's fingerprints).
     pub ttft_ns: u64,
     /// This way's TTFT over the no-cache way's for the same request.
     pub ttft_over_no_cache: f64,
