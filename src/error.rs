@@ -85,12 +85,6 @@ pub enum Error {
     /// A position range that does not lie inside the prompt.
     #[error("position range {start}..{end} is outside a prompt of {len} positions")]
     PositionRangeOutOfBounds { start: usize, end: usize, len: usize },
-    /// A workload name `bench match` does not know.
-    #[error("unknown workload {name:?}; known: {known}")]
-    UnknownWorkload { name: String, known: String },
-    /// An embedded fixture that does not hold what the code expects.
-    #[error("fixture {file}: {problem}")]
-    Fixture { file: &'static str, problem: String },
 
     // ---- kv block pool and scheduler ----
     /// A block id outside the pool.
@@ -189,6 +183,15 @@ pub enum Error {
     /// A model shape outside what the GPU kernels implement.
     #[error("GPU kernels: {what} = {value} is unsupported (supported: {supported})")]
     GpuUnsupported { what: &'static str, value: usize, supported: &'static str },
+    /// A workload name `bench match` does not know.
+    #[error("unknown workload {name:?}; known: {known}")]
+    UnknownWorkload { name: String, known: String },
+    /// An embedded fixture that does not hold what the code expects.
+    #[error("fixture {file}: {problem}")]
+    Fixture { file: &'static str, problem: String },
+    /// Writing output (a report, a table) failed.
+    #[error("cannot write the output: {0}")]
+    Write(#[from] std::io::Error),
 
     // ---- engine and request files ----
     /// An item that brought no embeddings, missed the encoder cache and had no encoder to run.

@@ -16,6 +16,8 @@ pub mod bench;
 pub mod canon;
 /// The `omniprefix` command line.
 pub mod cli;
+/// `omniprefix demo`: every workload run three ways, tables and a JSON report.
+pub mod demo;
 /// The library face of a thinker stage: requests in, full hidden states out.
 pub mod engine;
 /// The crate's error type.

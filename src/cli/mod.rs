@@ -13,6 +13,8 @@ use crate::error::Result;
 
 /// `omniprefix bench match`.
 pub mod bench_match;
+/// `omniprefix demo`.
+pub mod demo;
 /// `omniprefix hidden`.
 pub mod hidden;
 /// `omniprefix bench soak`.
@@ -31,6 +33,8 @@ pub struct Cli {
 /// Top-level subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Runs the demo workloads three ways (radix, hash chain, no cache) and prints a table per workload.
+    Demo(demo::DemoArgs),
     /// Full hidden states of a request (after optional warm-up requests) into a safetensors file.
     Hidden(hidden::HiddenArgs),
     /// Benchmarks.
@@ -53,6 +57,7 @@ pub enum BenchCommand {
 pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
     match cli.command {
         Command::Bench(BenchCommand::Match(args)) => bench_match::run(&args, out),
+        Command::Demo(args) => demo::run(&args, out),
         Command::Hidden(args) => hidden::run(&args, out),
         Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
         Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# CI: installs notebooks/requirements.txt into a venv, makes a SMALL report set
+# (demo --quick, bench match on tiny media with one run) in a temporary folder,
+# executes every notebook on it headless and checks each wrote its figures.
+# A couple of minutes on 2 cores once the debug binary is built.
+#
+# Env: NOTEBOOK_VENV (default target/notebook-venv), PYTHON (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${NOTEBOOK_VENV:-target/notebook-venv}"
+if [[ ! -x "$venv/bin/python" ]]; then
+    "${PYTHON:-python3}" -m venv "$venv"
+fi
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r notebooks/requirements.txt
+
+cargo build --quiet --bin omniprefix
+bin="${CARGO_TARGET_DIR:-$(pwd)/target}/debug/omniprefix"
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/reports" "$work/figures"
+"$bin" demo --quick --backend cpu --json "$work/reports/demo.json" > "$work/reports/demo.txt"
+"$bin" bench match --workload all --scale tiny --runs 1 --threads 1 --json > "$work/reports/bench_match_1t.jsonl"
+"$bin" bench match --workload all --scale tiny --runs 1 --threads 2 --json > "$work/reports/bench_match_Nt.jsonl"
+
+OMNIPREFIX_REPORTS="$work/reports" OMNIPREFIX_FIGURES="$work/figures" OMNIPREFIX_CRITERION="$work/no-criterion" \
+    "$venv/bin/python" notebooks/execute.py notebooks/*.ipynb
+
+for figure in match_time_vs_bytes ttft_vs_cached_fraction multi_round_hits hidden_state_difference; do
+    if [[ ! -s "$work/figures/$figure.png" ]]; then
+        echo "error: the notebooks did not write $figure.png" >&2
+        exit 1
+    fi
+done
+echo "notebooks OK: $(ls "$work/figures" | tr '\n' ' ')"

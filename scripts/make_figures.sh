@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Regenerates every report in docs/reports/ with a release build, executes the
+# notebooks headless on them and writes the figures to docs/figures/*.png.
+#
+#   scripts/make_figures.sh            # all reports, then the figures
+#   FIGURES_ONLY=1 scripts/make_figures.sh   # figures from the committed reports
+#
+# Env: DEMO_BACKEND (auto | cpu | wgpu, default auto), NOTEBOOK_VENV, PYTHON, CARGO_TARGET_DIR.
+# criterion's output (target/criterion, from `cargo bench`) is plotted when present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$(pwd)"
+reports="$root/docs/reports"
+figures="$root/docs/figures"
+target_dir="${CARGO_TARGET_DIR:-$root/target}"
+mkdir -p "$reports" "$figures"
+
+if [[ -z "${FIGURES_ONLY:-}" ]]; then
+    cargo build --release --quiet --bin omniprefix
+    bin="$target_dir/release/omniprefix"
+    threads="$(nproc)"
+    "$bin" demo --backend "${DEMO_BACKEND:-auto}" --json "$reports/demo.json" | tee "$reports/demo.txt"
+    "$bin" bench match --workload all --threads 1 --json > "$reports/bench_match_1t.jsonl"
+    "$bin" bench match --workload all --threads "$threads" --json > "$reports/bench_match_Nt.jsonl"
+    if "$bin" bench ttft --help > /dev/null 2>&1; then
+        "$bin" bench ttft --json > "$reports/bench_ttft.jsonl"
+    fi
+fi
+
+venv="${NOTEBOOK_VENV:-target/notebook-venv}"
+if [[ ! -x "$venv/bin/python" ]]; then
+    "${PYTHON:-python3}" -m venv "$venv"
+fi
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r notebooks/requirements.txt
+OMNIPREFIX_REPORTS="$reports" OMNIPREFIX_FIGURES="$figures" \
+    OMNIPREFIX_CRITERION="${OMNIPREFIX_CRITERION:-$target_dir/criterion}" \
+    "$venv/bin/python" notebooks/execute.py notebooks/*.ipynb
+ls -l "$figures"
