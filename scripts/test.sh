@@ -18,3 +18,6 @@ mkdir -p "$XDG_RUNTIME_DIR"
 
 cargo test --all-targets "$@"
 cargo test --doc "$@"
+
+# The demo (--quick) and the notebooks, on a small report, so neither can rot.
+bash scripts/ci_notebooks.sh
