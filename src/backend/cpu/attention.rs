@@ -28,35 +28,47 @@ fn seq_slots(seq: &AttnSeq<'_>, rows: usize, pages: &CpuPages) -> Result<Vec<usi
     Ok((0..len).map(|j| seq.block_table[j / spec.block_size] as usize * spec.block_size + j % spec.block_size).collect())
 }
 
+/// Query rows per score tile: bounds the `[tile, len]` score matrix of one head.
+const QUERY_TILE: usize = 256;
+
 /// Attention of one query head of one sequence: `[num_new, head_dim]` flat.
+///
+/// Scores and the weighted sum are matrix products (`Q·Kᵀ`, `P·V`) over the
+/// keys a query tile can see, so the CPU reference runs at matmul speed; keys
+/// past a row's causal limit are masked to zero weight.
 fn head_attention(q: &Array2<f32>, (k, v): (&[f32], &[f32]), seq: &AttnSeq<'_>, slots: &[usize], head: usize, kv_head: usize, heads: AttnHeads) -> Vec<f32> {
     let hd = heads.head_dim;
     let width = heads.kv_heads * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     // This KV head's keys and values, contiguous in position order.
-    let gather = |page: &[f32]| -> Vec<f32> {
-        slots.iter().flat_map(|&s| &page[s * width + kv_head * hd..s * width + (kv_head + 1) * hd]).copied().collect()
+    let gather = |page: &[f32]| -> Array2<f32> {
+        let flat: Vec<f32> = slots.iter().flat_map(|&s| &page[s * width + kv_head * hd..s * width + (kv_head + 1) * hd]).copied().collect();
+        Array2::from_shape_vec((slots.len(), hd), flat).expect("gathered rows are head_dim wide")
     };
     let (keys, values) = (gather(k), gather(v));
     let mut out = vec![0.0f32; seq.num_new * hd];
-    let mut scores = Vec::with_capacity(slots.len());
-    for i in 0..seq.num_new {
-        let qrow = q.row(seq.query_start + i);
-        let qh: Vec<f32> = qrow.iter().skip(head * hd).take(hd).copied().collect();
-        let visible = seq.num_computed + i + 1;
-        scores.clear();
-        scores.extend(keys.chunks_exact(hd).take(visible).map(|kj| qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale));
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut denom = 0.0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            denom += *s;
+    for tile_start in (0..seq.num_new).step_by(QUERY_TILE) {
+        let tile_end = (tile_start + QUERY_TILE).min(seq.num_new);
+        let rows = seq.query_start + tile_start..seq.query_start + tile_end;
+        let qh = q.slice(ndarray::s![rows, head * hd..(head + 1) * hd]);
+        // Keys visible to the tile's last row; earlier rows mask the tail.
+        let visible = seq.num_computed + tile_end;
+        let mut scores = qh.dot(&keys.slice(ndarray::s![..visible, ..]).t());
+        for (r, mut row) in scores.rows_mut().into_iter().enumerate() {
+            let limit = seq.num_computed + tile_start + r + 1;
+            let max = row.iter().take(limit).fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+            let mut denom = 0.0f32;
+            for (j, s) in row.iter_mut().enumerate() {
+                *s = if j < limit { (*s * scale - max).exp() } else { 0.0 };
+                denom += *s;
+            }
+            row.mapv_inplace(|p| p / denom);
         }
-        let o = &mut out[i * hd..(i + 1) * hd];
-        for (p, vj) in scores.iter().zip(values.chunks_exact(hd)) {
-            let w = p / denom;
-            for (acc, x) in o.iter_mut().zip(vj) {
-                *acc += w * x;
+        let tile_out = scores.dot(&values.slice(ndarray::s![..visible, ..]));
+        for (r, row) in tile_out.rows().into_iter().enumerate() {
+            let dst = &mut out[(tile_start + r) * hd..(tile_start + r + 1) * hd];
+            for (d, x) in dst.iter_mut().zip(row) {
+                *d = *x;
             }
         }
     }
