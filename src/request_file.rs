@@ -1,4 +1,4 @@
-//! The JSON request-file format of `omniprefix hidden` (documented in `docs/engine.md`).
+//! The JSON request-file format of `omniprefix hidden` (documented in `the README, "Request format"`).
 //!
 //! ```json
 //! {

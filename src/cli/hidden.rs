@@ -19,7 +19,7 @@ pub struct HiddenArgs {
     /// Checkpoint folder (`config.json` + safetensors).
     #[arg(long)]
     pub model: PathBuf,
-    /// The request file (JSON, see docs/engine.md).
+    /// The request file (JSON, see the README, "Request format").
     #[arg(long)]
     pub request: PathBuf,
     /// Output safetensors file.
