@@ -193,3 +193,34 @@ fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
     assert_eq!(lines[6]["captured"].as_u64(), Some(3));
     Ok(())
 }
+
+#[test]
+fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestResult {
+    let dir = scratch("backend")?;
+    let (warm, req) = (dir.join("warm.json"), dir.join("req.json"));
+    std::fs::write(&warm, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}]}"#)?;
+    std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42]}]}"#)?;
+    let m = model("qwen3_dense");
+    let run = |backend: &str, out: &Path| -> TestResult<Output> {
+        omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--warm", p(&warm), "--block-size", "4", "--backend", backend, "--out", p(out)])
+    };
+    let (on_cpu, on_gpu) = (dir.join("cpu.safetensors"), dir.join("gpu.safetensors"));
+    let stdout = ok_stdout(&run("cpu", &on_cpu)?)?;
+    assert!(stdout.contains("backend: cpu") && stdout.contains("num_cached_tokens: 8"), "{stdout}");
+    let gpu = run("wgpu", &on_gpu)?;
+    if !gpu.status.success() && std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref() != Ok("1") {
+        eprintln!("SKIP hidden --backend wgpu: no adapter ({})", String::from_utf8_lossy(&gpu.stderr).trim());
+        return Ok(());
+    }
+    let stdout = ok_stdout(&gpu)?;
+    assert!(stdout.contains("backend: wgpu on") && stdout.contains("num_cached_tokens: 8"), "{stdout}");
+    for ((name, shape, x), (_, want_shape, y)) in read_tensors(&on_gpu)?.iter().zip(&read_tensors(&on_cpu)?) {
+        assert_eq!(shape, want_shape, "{name}");
+        let scale = y.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let worst = x.iter().zip(y).map(|(u, v)| (u - v).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-4 * scale, "{name}: wgpu differs from cpu by {worst} (scale {scale})");
+    }
+    let bad = omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&on_cpu), "--backend", "metal"])?;
+    assert!(!bad.status.success(), "an unknown backend must fail");
+    Ok(())
+}

@@ -3,11 +3,14 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use clap::Args;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
+use crate::backend::Backend;
+use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::engine::{Engine, EngineConfig, Output};
 use crate::error::{Error, Result};
 use crate::model::{CaptureName, Config};
@@ -40,6 +43,10 @@ pub struct HiddenArgs {
     /// Reuse only whole cached blocks (no copy-on-write of a partly matched block).
     #[arg(long)]
     pub block_aligned: bool,
+    /// Where the model runs: `cpu`, `wgpu` (an error without an adapter, never a
+    /// silent CPU fallback) or `auto` (wgpu when an adapter exists, else cpu).
+    #[arg(long, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
     /// Captured points: comma-separated layers (`0,2`), `final`, or `all`.
     /// Default: `0`, the middle layer, `final`.
     #[arg(long)]
@@ -81,21 +88,31 @@ pub fn run(args: &HiddenArgs, out: &mut dyn Write) -> Result<()> {
         token_granular_reuse: !args.block_aligned,
         ..Default::default()
     };
-    let mut engine = Engine::from_dir(&args.model, config)?;
-    for warm in &args.warm {
-        let file = RequestFile::load(warm)?;
-        engine.prefill(file.request(engine.tokens()))?;
-    }
-    let file = RequestFile::load(&args.request)?;
-    let output = engine.prefill(file.request(engine.tokens()))?;
-    write_output(&output, &args.out)?;
+    let selection = select(args.backend)?;
     let stdout_err = |source| Error::Io { path: "stdout".into(), source };
+    writeln!(out, "backend: {}", selection.reason).map_err(stdout_err)?;
+    let output = match selection.backend {
+        SelectedBackend::Cpu(cpu) => run_on(Arc::new(cpu), args, config)?,
+        SelectedBackend::Wgpu(gpu) => run_on(Arc::new(gpu), args, config)?,
+    };
+    write_output(&output, &args.out)?;
     writeln!(out, "num_cached_tokens: {}", output.num_cached_tokens).map_err(stdout_err)?;
     for (name, h) in &output.hidden {
         writeln!(out, "{}: [{}, {}]", tensor_name(*name), h.nrows(), h.ncols()).map_err(stdout_err)?;
     }
     writeln!(out, "logits: [1, {}] (last position)", output.last_logits.len()).map_err(stdout_err)?;
     Ok(())
+}
+
+/// Runs the warm-up requests, then the request, on one backend.
+fn run_on<B: Backend>(backend: Arc<B>, args: &HiddenArgs, config: EngineConfig) -> Result<Output> {
+    let mut engine = Engine::from_dir_on(backend, &args.model, config)?;
+    for warm in &args.warm {
+        let file = RequestFile::load(warm)?;
+        engine.prefill(file.request(engine.tokens()))?;
+    }
+    let file = RequestFile::load(&args.request)?;
+    engine.prefill(file.request(engine.tokens()))
 }
 
 /// Writes every captured point as f32 `[seq_len, hidden]` and `logits` `[1, vocab]`.
