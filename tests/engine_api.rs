@@ -171,3 +171,18 @@ fn encoder_runs_once_per_item_content() -> TestResult {
     assert_same(&engine.prefill(plain)?, &first);
     Ok(())
 }
+
+#[test]
+fn prompts_longer_than_the_model_context_are_rejected_and_change_nothing() -> TestResult {
+    let model = Config { max_position_embeddings: Some(12), ..model() };
+    let mut engine = Engine::random(model, 8, config())?;
+    engine.prefill(PrefillRequest::text((0..9).collect()))?;
+    let before = (engine.stats(), engine.scheduler_stats());
+    let err = engine.prefill(PrefillRequest::text((0..13).collect())).expect_err("13 tokens > context 12");
+    assert!(matches!(err, Error::ContextTooLong { len: 13, max: 12, .. }), "{err}");
+    assert_eq!((engine.stats(), engine.scheduler_stats()), before, "state changed");
+    engine.validate()?;
+    let out = engine.prefill(PrefillRequest::text((0..12).collect()))?;
+    assert_eq!((out.prompt_len, out.num_cached_tokens), (12, 8), "a prompt of exactly the context still runs");
+    Ok(())
+}

@@ -179,6 +179,11 @@ impl<B: Backend> Engine<B> {
             },
             index,
         )?;
+        // A prompt longer than the model's context is a typed error at admission.
+        let sched = match model.max_position_embeddings {
+            Some(max) => sched.with_max_context(max),
+            None => sched,
+        };
         let runner = ModelRunner::new(backend, thinker, capture)?;
         let pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
         let mut tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);

@@ -55,6 +55,9 @@ pub struct Config {
     /// Qwen3-Omni interleaves the M-RoPE sections; Qwen2.5-Omni keeps them contiguous.
     pub mrope_interleaved: bool,
     pub moe: Option<MoeConfig>,
+    /// Longest prompt the model was trained for (HF `max_position_embeddings`);
+    /// the engine rejects longer requests. `None`: no limit known.
+    pub max_position_embeddings: Option<usize>,
 }
 
 /// The raw HF fields we read; unknown fields are ignored.
@@ -83,6 +86,7 @@ struct RawConfig {
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
     shared_expert_intermediate_size: Option<usize>,
+    max_position_embeddings: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -204,6 +208,7 @@ impl Config {
             mrope_section,
             mrope_interleaved,
             moe,
+            max_position_embeddings: raw.max_position_embeddings,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -314,6 +319,7 @@ impl Config {
             mrope_section: None,
             mrope_interleaved: false,
             moe: None,
+            max_position_embeddings: None,
         }
     }
 
