@@ -565,7 +565,7 @@ fn oversized_tensor_is_a_typed_error() {
 /// returns the CPU's uncached hidden states and logits (caching invisible on the GPU).
 mod forward {
     use super::*;
-    use omniprefix::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
+    use omniprefix::batch::{EmbedRows, ScheduledBatch};
     use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
     use omniprefix::prompt::Positions;
     use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, run_uncached};
@@ -587,43 +587,6 @@ mod forward {
             Positions::Linear(t)
         };
         PromptInputs { token_ids, embeds, positions }
-    }
-
-    /// Prompt positions `a..b` as one step of request 1 over `table`.
-    fn chunk(p: &PromptInputs, table: &[u32], a: usize, b: usize) -> ScheduledSeq {
-        let embeds = p
-            .embeds
-            .iter()
-            .filter_map(|e| {
-                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
-                let (lo, hi) = (start.max(a), end.min(b));
-                (lo < hi).then(|| EmbedRows {
-                    step_offset: lo - a,
-                    embeddings: Arc::clone(&e.embeddings),
-                    rows: e.rows.start + lo - start..e.rows.start + hi - start,
-                })
-            })
-            .collect();
-        let positions = match &p.positions {
-            Positions::Linear(v) => Positions::Linear(v[a..b].to_vec()),
-            Positions::Mrope { t, h, w, rope_delta } => Positions::Mrope {
-                t: t[a..b].to_vec(),
-                h: h[a..b].to_vec(),
-                w: w[a..b].to_vec(),
-                rope_delta: *rope_delta,
-            },
-        };
-        ScheduledSeq {
-            request: 1,
-            block_table: table.to_vec(),
-            num_computed_tokens: a,
-            token_ids: p.token_ids[a..b].to_vec(),
-            embeds,
-            positions,
-            slot_mapping: (a..b).map(|j| (table[j / BS] as usize * BS + j % BS) as i64).collect(),
-            prompt_len: p.token_ids.len(),
-            emits_output: b == p.token_ids.len(),
-        }
     }
 
     /// `got ≈ want` relative to the largest magnitude of `want`.
@@ -676,7 +639,7 @@ mod forward {
             // A block-aligned cached prefix, a non-aligned chunk, a decode-sized last step.
             for b in [8, 13, 18, 19] {
                 outs = runner
-                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, table, a, b)] }, &mut pages)
+                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![p.step(1, table, BS, a..b).unwrap()] }, &mut pages)
                     .unwrap();
                 a = b;
             }
