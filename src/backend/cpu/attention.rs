@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use super::check::{expect_cols, row_index};
 use super::pages::CpuPages;
+use super::softmax::causal_softmax;
 use crate::backend::{AttnHeads, AttnSeq};
 use crate::{Error, Result};
 
@@ -31,43 +32,45 @@ fn seq_slots(seq: &AttnSeq<'_>, rows: usize, pages: &CpuPages) -> Result<Vec<usi
 /// Query rows per score tile: bounds the `[tile, len]` score matrix of one head.
 const QUERY_TILE: usize = 256;
 
-/// Attention of one query head of one sequence: `[num_new, head_dim]` flat.
+/// Attention of the query heads that share KV head `kv_head`, for one sequence:
+/// `group` blocks of `[num_new, head_dim]`, flat, in head order.
 ///
-/// Scores and the weighted sum are matrix products (`Q·Kᵀ`, `P·V`) over the
-/// keys a query tile can see, so the CPU reference runs at matmul speed; keys
-/// past a row's causal limit are masked to zero weight.
-fn head_attention(q: &Array2<f32>, (k, v): (&[f32], &[f32]), seq: &AttnSeq<'_>, slots: &[usize], head: usize, kv_head: usize, heads: AttnHeads) -> Vec<f32> {
+/// The KV head's keys and values are gathered from the pages once for the whole
+/// group. Scores and the weighted sum are matrix products (`Q·Kᵀ`, `P·V`) over
+/// the keys a query tile can see, so the CPU reference runs at matmul speed;
+/// keys past a row's causal limit are masked to zero weight.
+fn kv_group_attention(q: &Array2<f32>, (k, v): (&[f32], &[f32]), seq: &AttnSeq<'_>, slots: &[usize], kv_head: usize, heads: AttnHeads) -> Vec<f32> {
     let hd = heads.head_dim;
     let width = heads.kv_heads * hd;
+    let group = heads.num_heads / heads.kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     // This KV head's keys and values, contiguous in position order.
     let gather = |page: &[f32]| -> Array2<f32> {
-        let flat: Vec<f32> = slots.iter().flat_map(|&s| &page[s * width + kv_head * hd..s * width + (kv_head + 1) * hd]).copied().collect();
+        let mut flat = Vec::with_capacity(slots.len() * hd);
+        for &s in slots {
+            let start = s * width + kv_head * hd;
+            flat.extend_from_slice(&page[start..start + hd]);
+        }
         Array2::from_shape_vec((slots.len(), hd), flat).expect("gathered rows are head_dim wide")
     };
     let (keys, values) = (gather(k), gather(v));
-    let mut out = vec![0.0f32; seq.num_new * hd];
-    for tile_start in (0..seq.num_new).step_by(QUERY_TILE) {
-        let tile_end = (tile_start + QUERY_TILE).min(seq.num_new);
-        let rows = seq.query_start + tile_start..seq.query_start + tile_end;
-        let qh = q.slice(ndarray::s![rows, head * hd..(head + 1) * hd]);
-        // Keys visible to the tile's last row; earlier rows mask the tail.
-        let visible = seq.num_computed + tile_end;
-        let mut scores = qh.dot(&keys.slice(ndarray::s![..visible, ..]).t());
-        for (r, mut row) in scores.rows_mut().into_iter().enumerate() {
-            let limit = seq.num_computed + tile_start + r + 1;
-            let max = row.iter().take(limit).fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-            let mut denom = 0.0f32;
-            for (j, s) in row.iter_mut().enumerate() {
-                *s = if j < limit { (*s * scale - max).exp() } else { 0.0 };
-                denom += *s;
+    let mut out = vec![0.0f32; group * seq.num_new * hd];
+    for (g, head_out) in out.chunks_exact_mut(seq.num_new * hd).enumerate() {
+        let head = kv_head * group + g;
+        for tile_start in (0..seq.num_new).step_by(QUERY_TILE) {
+            let tile_end = (tile_start + QUERY_TILE).min(seq.num_new);
+            let rows = seq.query_start + tile_start..seq.query_start + tile_end;
+            let qh = q.slice(ndarray::s![rows, head * hd..(head + 1) * hd]);
+            // Keys visible to the tile's last row; earlier rows mask the tail.
+            let visible = seq.num_computed + tile_end;
+            let mut scores = qh.dot(&keys.slice(ndarray::s![..visible, ..]).t());
+            for (r, mut row) in scores.rows_mut().into_iter().enumerate() {
+                let limit = seq.num_computed + tile_start + r + 1;
+                causal_softmax(row.as_slice_mut().expect("a fresh product is row-major"), limit, scale);
             }
-            row.mapv_inplace(|p| p / denom);
-        }
-        let tile_out = scores.dot(&values.slice(ndarray::s![..visible, ..]));
-        for (r, row) in tile_out.rows().into_iter().enumerate() {
-            let dst = &mut out[(tile_start + r) * hd..(tile_start + r + 1) * hd];
-            for (d, x) in dst.iter_mut().zip(row) {
+            let tile_out = scores.dot(&values.slice(ndarray::s![..visible, ..]));
+            let dst = &mut head_out[tile_start * hd..tile_end * hd];
+            for (d, x) in dst.iter_mut().zip(tile_out.iter()) {
                 *d = *x;
             }
         }
@@ -89,19 +92,26 @@ pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, h
     expect_cols(OP, "q", q, heads.num_heads * heads.head_dim)?;
     let (k, v) = pages.kv(OP, layer)?;
     let slots = seqs.iter().map(|s| seq_slots(s, q.nrows(), pages)).collect::<Result<Vec<_>>>()?;
-    let group = heads.num_heads / heads.kv_heads;
-    let jobs: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..heads.num_heads).map(move |h| (s, h))).collect();
+    let jobs: Vec<(usize, usize)> = (0..seqs.len()).flat_map(|s| (0..heads.kv_heads).map(move |kh| (s, kh))).collect();
     let results: Vec<Vec<f32>> = jobs
         .par_iter()
-        .map(|&(s, h)| head_attention(q, (k, v), &seqs[s], &slots[s], h, h / group, heads))
+        .map(|&(s, kh)| kv_group_attention(q, (k, v), &seqs[s], &slots[s], kh, heads))
         .collect();
     let hd = heads.head_dim;
+    let group = heads.num_heads / heads.kv_heads;
     let mut out = Array2::zeros(q.raw_dim());
-    for (&(s, h), res) in jobs.iter().zip(&results) {
-        for (i, row) in res.chunks_exact(hd).enumerate() {
-            let mut dst = out.row_mut(seqs[s].query_start + i);
-            for (d, x) in dst.iter_mut().skip(h * hd).zip(row) {
-                *d = *x;
+    for (&(s, kh), res) in jobs.iter().zip(&results) {
+        let per_head = seqs[s].num_new * hd;
+        if per_head == 0 {
+            continue;
+        }
+        for (g, head_res) in res.chunks_exact(per_head).enumerate() {
+            let h = kh * group + g;
+            for (i, row) in head_res.chunks_exact(hd).enumerate() {
+                let mut dst = out.row_mut(seqs[s].query_start + i);
+                for (d, x) in dst.iter_mut().skip(h * hd).zip(row) {
+                    *d = *x;
+                }
             }
         }
     }

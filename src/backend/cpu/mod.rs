@@ -1,24 +1,25 @@
 //! The CPU reference backend: ndarray matrices, matrixmultiply products split
-//! over rayon, attention parallel over (sequence, head).
+//! over rayon by output column, attention parallel over (sequence, head).
 //!
 //! Every op here is the semantic reference the GPU backend is tested against.
 
 mod attention;
 mod check;
+mod fast_exp;
+mod matmul;
 mod moe;
 mod pages;
 mod rope;
+mod softmax;
 
-use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*};
+use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 
 use crate::Result;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
 use crate::index::BlockId;
 use check::{expect_cols, expect_rows, row_index};
+use matmul::matmul_t;
 pub use pages::CpuPages;
-
-/// Rows per parallel task of a matrix product.
-const MATMUL_ROW_CHUNK: usize = 32;
 
 /// The ndarray reference backend.
 #[derive(Debug, Clone, Copy, Default)]
@@ -31,31 +32,19 @@ impl CpuBackend {
     }
 }
 
-/// `x @ w^T`, rows split over rayon tasks (each row's result does not depend on the split).
-pub(crate) fn matmul_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
-    let mut out = Array2::zeros((x.nrows(), w.nrows()));
-    if x.nrows() <= MATMUL_ROW_CHUNK {
-        general_mat_mul(1.0, &x, &w.t(), 0.0, &mut out);
-    } else {
-        out.axis_chunks_iter_mut(Axis(0), MATMUL_ROW_CHUNK)
-            .into_par_iter()
-            .zip(x.axis_chunks_iter(Axis(0), MATMUL_ROW_CHUNK).into_par_iter())
-            .for_each(|(mut o, xc)| general_mat_mul(1.0, &xc, &w.t(), 0.0, &mut o));
-    }
-    out
-}
-
 /// `x * sigmoid(x)`.
 pub(crate) fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + fast_exp::exp(-x))
 }
 
-/// `silu(gate) * up` of a fused `[n, 2I]` product.
+/// `silu(gate) * up` of a fused `[n, 2I]` product, rows in parallel.
 pub(crate) fn swiglu(gate_up: ArrayView2<'_, f32>) -> Array2<f32> {
     let inter = gate_up.ncols() / 2;
-    let (gate, up) = gate_up.split_at(Axis(1), inter);
-    let mut out = gate.to_owned();
-    out.zip_mut_with(&up, |g, &u| *g = silu(*g) * u);
+    let mut out = Array2::zeros((gate_up.nrows(), inter));
+    out.axis_iter_mut(Axis(0)).into_par_iter().zip(gate_up.axis_iter(Axis(0)).into_par_iter()).for_each(|(mut o, gu)| {
+        let (gate, up) = gu.split_at(Axis(0), inter);
+        ndarray::Zip::from(&mut o).and(&gate).and(&up).for_each(|o, &g, &u| *o = silu(g) * u);
+    });
     out
 }
 
@@ -272,23 +261,29 @@ mod tests {
         let gu = array![[1.0f32, -2.0, 3.0, 0.5]];
         let s = b.swiglu(&gu).unwrap();
         let silu = |v: f32| v / (1.0 + (-v).exp());
-        assert_eq!(s, array![[silu(1.0) * 3.0, silu(-2.0) * 0.5]]);
+        let want = array![[silu(1.0) * 3.0, silu(-2.0) * 0.5]];
+        assert!(s.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 1e-6 * w.abs()), "{s} vs {want}");
         assert!(matches!(b.swiglu(&array![[1.0f32, 2.0, 3.0]]), Err(Error::OpShape { op: "swiglu", .. })));
         assert!(matches!(b.rms_norm(&x, &hw, eps), Err(Error::OpShape { op: "rms_norm", what: "weight", .. })));
     }
 
     #[test]
-    fn matmul_splits_rows_without_changing_results() {
+    fn matmul_matches_naive_on_the_dot_and_the_column_split_paths() {
         let b = CpuBackend;
-        let x = rand_rows(4, 70, 9);
-        let w = rand_rows(5, 6, 9);
-        let got = b.matmul_t(&x, &w).unwrap();
-        for r in 0..70 {
-            for c in 0..6 {
-                let want: f32 = (0..9).map(|k| x[[r, k]] * w[[c, k]]).sum();
-                assert!((got[[r, c]] - want).abs() < 1e-5);
+        // 200 weight rows split over several tasks; 1 and 3 rows take dot products.
+        let w = rand_rows(5, 200, 9);
+        for rows in [1, 3, 70] {
+            let x = rand_rows(4, rows, 9);
+            let got = b.matmul_t(&x, &w).unwrap();
+            assert_eq!(got.dim(), (rows, 200));
+            for r in 0..rows {
+                for c in 0..200 {
+                    let want: f32 = (0..9).map(|k| x[[r, k]] * w[[c, k]]).sum();
+                    assert!((got[[r, c]] - want).abs() < 1e-5, "{rows} rows: ({r},{c})");
+                }
             }
         }
+        let x = rand_rows(4, 70, 9);
         assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8)), Err(Error::OpShape { op: "matmul_t", what: "x", .. })));
     }
 
