@@ -268,19 +268,21 @@ mod tests {
     }
 
     #[test]
-    fn matmul_matches_naive_on_the_dot_and_the_column_split_paths() {
+    fn matmul_matches_naive_and_rows_do_not_depend_on_their_batch() {
         let b = CpuBackend;
-        // 200 weight rows split over several tasks; 1 and 3 rows take dot products.
-        let w = rand_rows(5, 200, 9);
-        for rows in [1, 3, 70] {
-            let x = rand_rows(4, rows, 9);
-            let got = b.matmul_t(&x, &w).unwrap();
-            assert_eq!(got.dim(), (rows, 200));
-            for r in 0..rows {
-                for c in 0..200 {
+        // 200 weight rows: packed products split over tasks; 16384: dot products.
+        for n in [200, 16_384] {
+            let w = rand_rows(5, n, 9);
+            let x = rand_rows(4, 70, 9);
+            let all = b.matmul_t(&x, &w).unwrap();
+            assert_eq!(all.dim(), (70, n));
+            for r in [0, 33, 69] {
+                for c in (0..n).step_by(n / 50) {
                     let want: f32 = (0..9).map(|k| x[[r, k]] * w[[c, k]]).sum();
-                    assert!((got[[r, c]] - want).abs() < 1e-5, "{rows} rows: ({r},{c})");
+                    assert!((all[[r, c]] - want).abs() < 1e-5, "n {n}: ({r},{c})");
                 }
+                let alone = b.matmul_t(&x.slice(ndarray::s![r..r + 1, ..]).to_owned(), &w).unwrap();
+                assert_eq!(alone.row(0), all.row(r), "n {n}: row {r} alone differs from row {r} of 70");
             }
         }
         let x = rand_rows(4, 70, 9);
