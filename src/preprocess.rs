@@ -9,7 +9,20 @@ use std::sync::Arc;
 
 use crate::canon::{Fingerprinter, ItemSpec};
 use crate::error::Result;
-use crate::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder, TenantSalt};
+use crate::prompt::{CanonicalPrompt, OmniTokens, PositionKind, PromptBuilder, TenantSalt};
+
+/// How the items' placeholders appear in a request's token ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlaceholderForm {
+    /// One pad id per item; preprocessing expands it to the item's token count.
+    #[default]
+    Unexpanded,
+    /// Like `Unexpanded`, and every `vision_start video_pad vision_end` takes
+    /// the next audio item too, interleaved by time (Qwen3-Omni `use_audio_in_video`).
+    UnexpandedAudioInVideo,
+    /// One pad id per item token, already expanded.
+    Expanded,
+}
 
 /// A request as a client sends it, after tokenisation and media decoding.
 #[derive(Debug, Clone)]
@@ -56,12 +69,19 @@ pub struct Preprocessor {
     fingerprinter: Fingerprinter,
     tokens: OmniTokens,
     tenant: TenantSalt,
+    positions: PositionKind,
 }
 
 impl Preprocessor {
     /// A preprocessor for tenant 0 of the model whose special ids are `tokens`.
     pub fn new(fingerprinter: Fingerprinter, tokens: OmniTokens) -> Self {
-        Preprocessor { fingerprinter, tokens, tenant: 0 }
+        Preprocessor { fingerprinter, tokens, tenant: 0, positions: PositionKind::default() }
+    }
+
+    /// Lays positions out as `kind` (1-D for plain RoPE models, 3-D M-RoPE for Omni ones).
+    pub fn with_positions(mut self, kind: PositionKind) -> Self {
+        self.positions = kind;
+        self
     }
 
     /// Salts every prompt with `tenant`: prompts of different tenants never share cache.
@@ -75,17 +95,39 @@ impl Preprocessor {
         &self.fingerprinter
     }
 
+    /// The model's special token ids.
+    pub fn tokens(&self) -> &OmniTokens {
+        &self.tokens
+    }
+
     /// Fingerprints every item, then expands the placeholders and computes
     /// positions. Any bad item or id is a typed error naming it.
     pub fn preprocess(&self, request: &RawRequest<'_>) -> Result<CanonicalPrompt> {
-        let items = request
-            .items
-            .iter()
+        let form = if request.audio_in_video { PlaceholderForm::UnexpandedAudioInVideo } else { PlaceholderForm::Unexpanded };
+        self.canonicalise(self.tenant, request.token_ids, form, &request.items)
+    }
+
+    /// [`Preprocessor::preprocess`] for callers that keep items in a request type
+    /// of their own (the engine's items also carry embeddings), with the tenant
+    /// and the placeholder form given per call.
+    pub fn canonicalise<'i, 'a: 'i>(
+        &self,
+        tenant: TenantSalt,
+        token_ids: &[u32],
+        form: PlaceholderForm,
+        items: impl IntoIterator<Item = &'i ItemSpec<'a>>,
+    ) -> Result<CanonicalPrompt> {
+        let items = items
+            .into_iter()
             .enumerate()
             .map(|(index, item)| self.fingerprinter.identify(index, item).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
-        let mut builder = PromptBuilder::new(self.tokens.clone()).with_tenant(self.tenant);
-        builder.extend_unexpanded(request.token_ids, &items, request.audio_in_video)?;
+        let mut builder = PromptBuilder::new(self.tokens.clone()).with_tenant(tenant).with_positions(self.positions);
+        match form {
+            PlaceholderForm::Expanded => builder.extend_expanded(token_ids, &items)?,
+            PlaceholderForm::Unexpanded => builder.extend_unexpanded(token_ids, &items, false)?,
+            PlaceholderForm::UnexpandedAudioInVideo => builder.extend_unexpanded(token_ids, &items, true)?,
+        };
         builder.build()
     }
 }

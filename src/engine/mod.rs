@@ -26,7 +26,8 @@ use crate::index::PrefixIndex;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
 use crate::model::{CaptureName, CaptureSpec, Config, EncoderCache, Thinker};
-use crate::prompt::{CanonicalPrompt, OmniTokens, PositionKind, Positions, PromptBuilder, TenantSalt};
+use crate::preprocess::Preprocessor;
+use crate::prompt::{CanonicalPrompt, OmniTokens, PositionKind, Positions, TenantSalt};
 use crate::runner::{ModelRunner, SeqOutput};
 use crate::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats};
 
@@ -118,9 +119,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     runner: ModelRunner<B>,
     pages: B::Pages,
     sched: Scheduler,
-    fingerprinter: Fingerprinter,
-    tokens: OmniTokens,
-    position_kind: PositionKind,
+    /// Fingerprints items and lays prompts out for the engine's model.
+    preprocessor: Preprocessor,
     encoder_cache: EncoderCache,
     encoder_cache_hits: u64,
     finished: u64,
@@ -190,15 +190,14 @@ impl<B: Backend> Engine<B> {
         tokens.vocab_size = Some(u32::try_from(model.vocab_size).unwrap_or(u32::MAX));
         let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), config.fingerprint_threads, config.validation)?;
         let position_kind = if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
+        let preprocessor = Preprocessor::new(fingerprinter, tokens).with_positions(position_kind);
         Ok(Engine {
             encoder_cache: EncoderCache::new(config.encoder_cache_bytes),
             config,
             runner,
             pages,
             sched,
-            fingerprinter,
-            tokens,
-            position_kind,
+            preprocessor,
             encoder_cache_hits: 0,
             finished: 0,
             next_id: 0,
@@ -224,7 +223,7 @@ impl<B: Backend> Engine<B> {
 
     /// The special ids requests are laid out with (vocab size set from the model).
     pub fn tokens(&self) -> &OmniTokens {
-        &self.tokens
+        self.preprocessor.tokens()
     }
 
     /// The runner (its thinker and backend), e.g. for an uncached reference run.
@@ -345,22 +344,9 @@ impl<B: Backend> Engine<B> {
 
     /// Fingerprints the items and lays the prompt out (positions included).
     fn preprocess(&self, request: &PrefillRequest<'_>) -> Result<CanonicalPrompt> {
-        let identities = request
-            .items
-            .iter()
-            .enumerate()
-            .map(|(index, item)| self.fingerprinter.identify(index, &item.spec).map(Arc::new))
-            .collect::<Result<Vec<_>>>()?;
         let tenant = if self.config.cache { request.tenant } else { private_tenant(self.next_id) };
-        let mut builder = PromptBuilder::new(self.tokens.clone()).with_tenant(tenant).with_positions(self.position_kind);
-        match request.placeholders {
-            PlaceholderForm::Expanded => builder.extend_expanded(&request.token_ids, &identities)?,
-            PlaceholderForm::Unexpanded => builder.extend_unexpanded(&request.token_ids, &identities, false)?,
-            PlaceholderForm::UnexpandedAudioInVideo => {
-                builder.extend_unexpanded(&request.token_ids, &identities, true)?
-            }
-        };
-        let prompt = builder.build()?;
+        let specs = request.items.iter().map(|item| &item.spec);
+        let prompt = self.preprocessor.canonicalise(tenant, &request.token_ids, request.placeholders, specs)?;
         // Placeholder ids are embedded before the item rows replace them: they must be in the vocabulary.
         let vocab = self.model_config().vocab_size;
         for span in &prompt.index_map.spans {

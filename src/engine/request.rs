@@ -6,20 +6,8 @@ use std::sync::Arc;
 use ndarray::Array2;
 
 use crate::canon::ItemSpec;
+pub use crate::preprocess::PlaceholderForm;
 use crate::prompt::TenantSalt;
-
-/// How the items' placeholders appear in [`PrefillRequest::token_ids`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PlaceholderForm {
-    /// One pad id per item; the engine expands it to the item's token count.
-    #[default]
-    Unexpanded,
-    /// Like `Unexpanded`, and every `vision_start video_pad vision_end` takes
-    /// the next audio item too, interleaved by time (Qwen3-Omni `use_audio_in_video`).
-    UnexpandedAudioInVideo,
-    /// One pad id per item token, already expanded.
-    Expanded,
-}
 
 /// One multimodal item of a request.
 #[derive(Debug, Clone)]
