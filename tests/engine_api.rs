@@ -186,3 +186,24 @@ fn prompts_longer_than_the_model_context_are_rejected_and_change_nothing() -> Te
     assert_eq!((out.prompt_len, out.num_cached_tokens), (12, 8), "a prompt of exactly the context still runs");
     Ok(())
 }
+
+#[test]
+fn unknown_tenants_are_rejected_and_change_nothing() -> TestResult {
+    for cache in [true, false] {
+        let config = EngineConfig { known_tenants: Some(vec![1, 2]), cache, ..config() };
+        let mut engine = Engine::random(model(), 8, config)?;
+        let request = |tenant| PrefillRequest { tenant, ..PrefillRequest::text((0..9).collect()) };
+        engine.prefill(request(1))?;
+        let before = (engine.stats(), engine.scheduler_stats());
+        let err = engine.prefill(request(3)).expect_err("tenant 3 is not known");
+        assert!(matches!(err, Error::UnknownTenant { tenant: 3, .. }), "{err}");
+        assert!(matches!(engine.prefill(request(0)), Err(Error::UnknownTenant { tenant: 0, .. })), "0 is not implied");
+        assert_eq!((engine.stats(), engine.scheduler_stats()), before, "state changed (cache {cache})");
+        engine.validate()?;
+        let out = engine.prefill(request(2))?;
+        assert_eq!(out.num_cached_tokens, 0, "tenant 2 never shares tenant 1's cache");
+        let again = engine.prefill(request(1))?;
+        assert_eq!(again.num_cached_tokens, if cache { 8 } else { 0 });
+    }
+    Ok(())
+}

@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::canon::FingerprintKey;
 use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
-use crate::prompt::OmniTokens;
+use crate::prompt::{OmniTokens, TenantSalt};
 
 /// Which prefix index the engine's scheduler matches with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -47,6 +47,10 @@ pub struct EngineConfig {
     pub encoder_cache_bytes: usize,
     /// Special ids of the model; `None` = from the checkpoint's config, else Qwen3-Omni's.
     pub tokens: Option<OmniTokens>,
+    /// Tenants a request may name; `None` = any. Another salt is rejected with
+    /// `Error::UnknownTenant` before anything runs, so a typo'd or forged salt
+    /// cannot silently open a cache of its own (checked with caching off too).
+    pub known_tenants: Option<Vec<TenantSalt>>,
 }
 
 impl Default for EngineConfig {
@@ -65,6 +69,7 @@ impl Default for EngineConfig {
             fingerprint_threads: 1,
             encoder_cache_bytes: 256 << 20,
             tokens: None,
+            known_tenants: None,
         }
     }
 }

@@ -268,6 +268,11 @@ impl<B: Backend> Engine<B> {
         mut encoder: impl FnMut(usize, &ItemIdentity) -> Result<Array2<f32>>,
     ) -> Result<RequestId> {
         let started = Instant::now();
+        if let Some(known) = &self.config.known_tenants
+            && !known.contains(&request.tenant)
+        {
+            return Err(Error::UnknownTenant { id: self.next_id, tenant: request.tenant });
+        }
         let prompt = self.preprocess(&request)?;
         let mut embeddings = Vec::with_capacity(prompt.items.len());
         let mut fresh = Vec::new();
