@@ -1,8 +1,10 @@
 //! Choosing a backend at run time (`--backend cpu|wgpu|auto`).
 //!
 //! `wgpu` never falls back: a missing adapter, a missing limit or a failed device
-//! request is the typed error itself. `auto` takes wgpu when a device opens and the
-//! CPU backend otherwise, and always says which it chose and why.
+//! request is the typed error itself. `auto` takes wgpu when a device opens on a
+//! hardware adapter and the CPU backend otherwise (no device, or a software
+//! rasteriser such as lavapipe, which is slower than the CPU backend), and always
+//! says which it chose and why.
 
 use std::fmt;
 use std::str::FromStr;
@@ -18,7 +20,7 @@ pub enum BackendKind {
     Cpu,
     /// The wgpu backend; an error when no suitable adapter exists.
     Wgpu,
-    /// wgpu when a suitable adapter exists, else cpu.
+    /// wgpu when a suitable hardware adapter exists, else cpu.
     #[default]
     Auto,
 }
@@ -89,10 +91,24 @@ pub fn select_with(kind: BackendKind, open_wgpu: impl FnOnce() -> Result<WgpuBac
         BackendKind::Cpu => Ok(cpu("cpu (asked for cpu)".into())),
         BackendKind::Wgpu => Ok(wgpu(open_wgpu()?, "asked for wgpu")),
         BackendKind::Auto => match open_wgpu() {
-            Ok(gpu) => Ok(wgpu(gpu, "auto: an adapter is available")),
+            Ok(gpu) if is_software(gpu.context().adapter_name()) => Ok(cpu(format!(
+                "cpu (auto: wgpu adapter {} is a software rasteriser, slower than the CPU backend)",
+                gpu.context().adapter_name()
+            ))),
+            Ok(gpu) => Ok(wgpu(gpu, "auto: a hardware adapter is available")),
             Err(e) => Ok(cpu(format!("cpu (auto: no usable wgpu device: {e})"))),
         },
     }
+}
+
+/// Adapters that expose Vulkan or GL but rasterise on the CPU (Mesa llvmpipe /
+/// lavapipe, SwiftShader).
+const SOFTWARE_ADAPTERS: [&str; 3] = ["llvmpipe", "lavapipe", "swiftshader"];
+
+/// Whether `adapter` (a name as wgpu reports it) rasterises on the CPU.
+pub fn is_software(adapter: &str) -> bool {
+    let name = adapter.to_lowercase();
+    SOFTWARE_ADAPTERS.iter().any(|s| name.contains(s))
 }
 
 #[cfg(test)]
@@ -123,6 +139,14 @@ mod tests {
         let chosen = select_with(BackendKind::Auto, no_adapter).unwrap();
         assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
         assert!(chosen.reason.starts_with("cpu (auto") && chosen.reason.contains("no driver"), "{}", chosen.reason);
+    }
+
+    #[test]
+    fn software_rasterisers_are_recognised_by_name() {
+        assert!(is_software("llvmpipe (LLVM 15.0.6, 256 bits) (Vulkan)"));
+        assert!(is_software("SwiftShader Device (Subzero) (Vulkan)"));
+        assert!(!is_software("NVIDIA H200 (Vulkan)"));
+        assert!(!is_software("Apple M2 (Metal)"));
     }
 
     #[test]

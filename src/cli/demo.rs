@@ -5,10 +5,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
 
 use crate::backend::Backend;
-use crate::backend::cpu::CpuBackend;
+use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::backend::wgpu::WgpuBackend;
 use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, print_tables, run_demo};
 use crate::error::{Error, Result};
@@ -19,9 +19,9 @@ use crate::error::{Error, Result};
 /// CPU backend otherwise (no adapter, or a software rasteriser), and says which.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Where the model runs; `auto` takes wgpu when an adapter exists, else the CPU.
-    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
-    pub backend: BackendArg,
+    /// Where the model runs: `cpu`, `wgpu`, or `auto` (wgpu on a hardware adapter, else the CPU).
+    #[arg(long, default_value_t = BackendKind::Auto)]
+    pub backend: BackendKind,
     /// A Hugging Face checkpoint directory instead of the seeded random thinker.
     #[arg(long)]
     pub model: Option<PathBuf>,
@@ -41,14 +41,6 @@ pub struct DemoArgs {
     /// Fingerprint threads.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: u16,
-}
-
-/// `--backend`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendArg {
-    Cpu,
-    Wgpu,
-    Auto,
 }
 
 /// Checks the arguments, picks the backend, runs the demo, prints the tables
@@ -73,20 +65,11 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
         show_progress: !args.quick,
         ..DemoOptions::quick()
     };
-    let report = match args.backend {
-        BackendArg::Cpu => run_on(Arc::new(CpuBackend::new()), "cpu".into(), &model, &options, out)?,
-        BackendArg::Wgpu => run_wgpu(WgpuBackend::new()?, &model, &options, out)?,
-        BackendArg::Auto => match WgpuBackend::new() {
-            Ok(gpu) if !is_software(gpu.context().adapter_name()) => run_wgpu(gpu, &model, &options, out)?,
-            Ok(gpu) => {
-                writeln!(out, "auto: wgpu adapter {} is a software rasteriser; using the CPU backend", gpu.context().adapter_name())?;
-                run_on(Arc::new(CpuBackend::new()), "cpu".into(), &model, &options, out)?
-            }
-            Err(e) => {
-                writeln!(out, "auto: no wgpu adapter ({e}); using the CPU backend")?;
-                run_on(Arc::new(CpuBackend::new()), "cpu".into(), &model, &options, out)?
-            }
-        },
+    let selection = select(args.backend)?;
+    writeln!(out, "backend: {}", selection.reason)?;
+    let report = match selection.backend {
+        SelectedBackend::Cpu(cpu) => run_on(Arc::new(cpu), "cpu".into(), &model, &options, out)?,
+        SelectedBackend::Wgpu(gpu) => run_wgpu(gpu, &model, &options, out)?,
     };
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report)
@@ -95,15 +78,6 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
         writeln!(out, "report written to {}", path.display())?;
     }
     Ok(())
-}
-
-/// Adapters that expose Vulkan or GL but rasterise on the CPU (Mesa llvmpipe /
-/// lavapipe, SwiftShader): slower than the CPU backend, so `auto` skips them.
-const SOFTWARE_ADAPTERS: [&str; 3] = ["llvmpipe", "lavapipe", "swiftshader"];
-
-fn is_software(adapter: &str) -> bool {
-    let name = adapter.to_lowercase();
-    SOFTWARE_ADAPTERS.iter().any(|s| name.contains(s))
 }
 
 fn run_wgpu(gpu: WgpuBackend, model: &ModelChoice, options: &DemoOptions, out: &mut dyn Write) -> Result<DemoReport> {
@@ -118,7 +92,6 @@ fn run_on<B: Backend>(
     options: &DemoOptions,
     out: &mut dyn Write,
 ) -> Result<DemoReport> {
-    writeln!(out, "backend: {label}")?;
     out.flush()?;
     let report = run_demo(backend, label, model, options)?;
     print_tables(&report, out)?;
