@@ -52,6 +52,8 @@ impl Default for TtftOptions {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct TtftReport {
     pub workload: String,
+    /// The backend the model ran on (`cpu`, `wgpu`).
+    pub backend: &'static str,
     /// Tokens of the measured prompt that a cache could serve (shared with earlier prompts).
     pub prefix: usize,
     /// The rest of the prompt.
@@ -103,6 +105,8 @@ pub fn prefill_flops(cfg: &Config, computed: usize, len: usize) -> f64 {
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct CaptureReport {
     pub workload: String,
+    /// The backend the model ran on (`cpu`, `wgpu`).
+    pub backend: &'static str,
     pub prompt_tokens: usize,
     pub runs: usize,
     pub ttft_no_capture_ms: f64,
@@ -234,7 +238,7 @@ impl<B: Backend> Bench<B> {
             let cached = engine.prefill(PrefillRequest::text(second))?;
             samples.push(&uncached, &cached);
         }
-        Ok(report(workload, self.thinker.config(), prefix, suffix, self.options.runs.max(1), samples))
+        Ok(report(workload, self.backend.name(), self.thinker.config(), prefix, suffix, self.options.runs.max(1), samples))
     }
 
     /// Per run (its own tenant): rounds 1..4 in order on a caching engine, and
@@ -283,7 +287,7 @@ impl<B: Backend> Bench<B> {
             .map(|(k, (samples, len))| {
                 let hit = median_usize(samples.hits.clone());
                 let name = format!("multi_round.round{}", k + 1);
-                report(&name, self.thinker.config(), hit, len.saturating_sub(hit), runs, samples)
+                report(&name, self.backend.name(), self.thinker.config(), hit, len.saturating_sub(hit), runs, samples)
             })
             .collect())
     }
@@ -303,6 +307,7 @@ impl<B: Backend> Bench<B> {
         let (capture_ms, none_ms) = (median(a), median(b));
         Ok(CaptureReport {
             workload: "capture_overhead".into(),
+            backend: self.backend.name(),
             prompt_tokens: len,
             runs: self.options.runs.max(1),
             ttft_no_capture_ms: none_ms,
@@ -333,7 +338,7 @@ impl Samples {
     }
 }
 
-fn report(workload: &str, cfg: &Config, prefix: usize, suffix: usize, runs: usize, samples: Samples) -> TtftReport {
+fn report(workload: &str, backend: &'static str, cfg: &Config, prefix: usize, suffix: usize, runs: usize, samples: Samples) -> TtftReport {
     let (u, c) = (median(samples.uncached_ms), median(samples.cached_ms));
     let cached_tokens = median_usize(samples.hits);
     let total = (prefix + suffix).max(1);
@@ -341,6 +346,7 @@ fn report(workload: &str, cfg: &Config, prefix: usize, suffix: usize, runs: usiz
     let ratio = c / u;
     TtftReport {
         workload: workload.into(),
+        backend,
         prefix,
         suffix,
         runs,

@@ -162,12 +162,28 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     Ok(())
 }
 
+/// `bench ttft --json` lines of a small run on the tiny Omni thinker.
+fn bench_ttft_lines(backend: &str) -> TestResult<Vec<serde_json::Value>> {
+    let m = model("omni_thinker");
+    let args = ["bench", "ttft", "--model", p(&m), "--prefix", "16", "--suffix", "8", "--long-prefix", "32", "--runs", "1", "--mm-scale", "8", "--block-size", "4", "--threads", "1", "--backend", backend, "--json"];
+    let stdout = ok_stdout(&omniprefix(&args)?)?;
+    Ok(stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
+}
+
+#[test]
+fn bench_ttft_runs_on_wgpu_with_the_cpu_run_s_cache_hits() -> TestResult {
+    let (cpu, gpu) = (bench_ttft_lines("cpu")?, bench_ttft_lines("wgpu")?);
+    assert_eq!(cpu.len(), gpu.len());
+    for (c, g) in cpu.iter().zip(&gpu) {
+        assert_eq!((c["backend"].as_str(), g["backend"].as_str()), (Some("cpu"), Some("wgpu")));
+        assert_eq!((&c["workload"], &c["cached_tokens"], &c["captured"]), (&g["workload"], &g["cached_tokens"], &g["captured"]));
+    }
+    Ok(())
+}
+
 #[test]
 fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
-    let m = model("omni_thinker");
-    let args = ["bench", "ttft", "--model", p(&m), "--prefix", "16", "--suffix", "8", "--long-prefix", "32", "--runs", "1", "--mm-scale", "8", "--block-size", "4", "--threads", "1", "--json"];
-    let stdout = ok_stdout(&omniprefix(&args)?)?;
-    let lines: Vec<serde_json::Value> = stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let lines = bench_ttft_lines("cpu")?;
     let names: Vec<&str> = lines.iter().filter_map(|l| l["workload"].as_str()).collect();
     assert_eq!(
         names,

@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::engine::tokens_from_config_file;
 use crate::error::{Error, Result};
 use crate::model::Thinker;
-use crate::ttft::{TtftOptions, bench_model, run_all};
+use crate::ttft::{CaptureReport, TtftOptions, TtftReport, bench_model, run_all};
 
 /// Arguments of `omniprefix bench ttft`.
 #[derive(Debug, Clone, Args)]
@@ -30,6 +31,9 @@ pub struct TtftArgs {
     /// CPU threads for the forward (default: all).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Where the model runs: `cpu`, `wgpu` (an error without an adapter) or `auto`.
+    #[arg(long, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
     /// Timed runs per figure (medians are reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -63,15 +67,15 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         block_size: args.block_size,
         seed: args.seed,
     };
-    let (reports, capture) = pool.install(|| {
-        let backend = Arc::new(CpuBackend::new());
-        let (thinker, tokens) = match &args.model {
-            Some(dir) => (Thinker::from_dir(&*backend, dir)?, tokens_from_config_file(&dir.join("config.json"))?),
-            None => (Thinker::random(&*backend, bench_model(), args.seed)?, None),
-        };
-        run_all(backend, Arc::new(thinker), tokens, &options)
+    let selection = select(args.backend)?;
+    let (reports, capture) = pool.install(|| match selection.backend {
+        SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
+        SelectedBackend::Wgpu(gpu) => measure(Arc::new(gpu), args, &options),
     })?;
     let io = |source| Error::Io { path: "stdout".into(), source };
+    if !args.json {
+        writeln!(out, "backend: {}", selection.reason).map_err(io)?;
+    }
     if args.json {
         for r in &reports {
             writeln!(out, "{}", to_json(r)?).map_err(io)?;
@@ -112,6 +116,15 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         capture.capture_overhead * 100.0
     )
     .map_err(io)
+}
+
+/// Loads the model on `backend` and runs every workload.
+fn measure<B: Backend>(backend: Arc<B>, args: &TtftArgs, options: &TtftOptions) -> Result<(Vec<TtftReport>, CaptureReport)> {
+    let (thinker, tokens) = match &args.model {
+        Some(dir) => (Thinker::from_dir(&*backend, dir)?, tokens_from_config_file(&dir.join("config.json"))?),
+        None => (Thinker::random(&*backend, bench_model(), args.seed)?, None),
+    };
+    run_all(backend, Arc::new(thinker), tokens, options)
 }
 
 /// One report as one JSON line.
