@@ -44,24 +44,12 @@ fn load(config: &str, source: &SafetensorsSource) -> Result<(), Error> {
 
 /// JSON values of every type, sizes from tiny to absurd.
 fn value() -> impl Strategy<Value = Value> {
+    let sizes = vec![json!(1), json!(3), json!(16), json!(1u64 << 31), json!(1u64 << 40), json!(1.5), json!(-1e300)];
+    let specific = [json!("yarn"), json!([1, 2, 3]), json!({"rope_type": "mrope", "mrope_section": [1, 2, 3]})];
+    // 16 fixed values and one random integer, each as likely as the others.
     prop_oneof![
-        Just(Value::Null),
-        Just(json!(true)),
-        Just(json!(-1)),
-        Just(json!(0)),
-        Just(json!(1)),
-        Just(json!(3)),
-        Just(json!(16)),
-        Just(json!(1u64 << 31)),
-        Just(json!(1u64 << 40)),
-        Just(json!(u64::MAX)),
-        Just(json!(1.5)),
-        Just(json!(-1e300)),
-        Just(json!("yarn")),
-        Just(json!([])),
-        Just(json!([1, 2, 3])),
-        Just(json!({"rope_type": "mrope", "mrope_section": [1, 2, 3]})),
-        any::<i64>().prop_map(|v| json!(v)),
+        16 => fuzz_common::json_value([sizes, specific.to_vec()].concat()),
+        1 => any::<i64>().prop_map(|v| json!(v)),
     ]
 }
 

@@ -4,12 +4,14 @@
 //!
 //! Case count: `PROPTEST_CASES` (default 32).
 
-use std::sync::Arc;
-
 use omniprefix::Result;
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{ItemLayout, Modality};
 use omniprefix::prompt::{CanonicalPrompt, OmniTokens, PositionKind, Positions, PromptBuilder, positions_from_atoms};
 use proptest::prelude::*;
+
+#[path = "../tests/support/items.rs"]
+mod items;
+use items::placeholder_item;
 
 /// One step of a random prompt.
 #[derive(Debug, Clone)]
@@ -39,18 +41,6 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-fn item(tokens: &OmniTokens, n: usize, modality: Modality, layout: ItemLayout) -> Result<Arc<ItemIdentity>> {
-    Ok(Arc::new(ItemIdentity {
-        fingerprint: Fingerprint(n as u128),
-        check: None,
-        retained: None,
-        modality,
-        layout,
-        num_tokens: tokens.placeholder_count(&layout)?,
-        content_bytes: 0,
-    }))
-}
-
 /// Builds the prompt; a text token separates items so each step stands alone.
 fn build(steps: &[Step], kind: PositionKind) -> Result<CanonicalPrompt> {
     let tokens = OmniTokens::tiny();
@@ -61,18 +51,32 @@ fn build(steps: &[Step], kind: PositionKind) -> Result<CanonicalPrompt> {
         }
         match s {
             Step::Text(ids) => b.push_text(ids)?,
-            Step::Image(g) => b.push_item(item(&tokens, n, Modality::Image, ItemLayout::Image { grid_thw: *g })?)?,
+            Step::Image(g) => {
+                b.push_item(placeholder_item(&tokens, n as u128, Modality::Image, ItemLayout::Image { grid_thw: *g })?)?
+            }
             Step::Video(g, s) => {
                 let layout = ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s };
-                b.push_item(item(&tokens, n, Modality::Video, layout)?)?
+                b.push_item(placeholder_item(&tokens, n as u128, Modality::Video, layout)?)?
             }
-            Step::Audio(mel) => {
-                b.push_item(item(&tokens, n, Modality::Audio, ItemLayout::Audio { mel_frames: *mel })?)?
-            }
+            Step::Audio(mel) => b.push_item(placeholder_item(
+                &tokens,
+                n as u128,
+                Modality::Audio,
+                ItemLayout::Audio { mel_frames: *mel },
+            )?)?,
             Step::AudioInVideo(g, s, mel) => {
-                let video =
-                    item(&tokens, n, Modality::Video, ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s })?;
-                let audio = item(&tokens, n + 1000, Modality::Audio, ItemLayout::Audio { mel_frames: *mel })?;
+                let video = placeholder_item(
+                    &tokens,
+                    n as u128,
+                    Modality::Video,
+                    ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s },
+                )?;
+                let audio = placeholder_item(
+                    &tokens,
+                    (n + 1000) as u128,
+                    Modality::Audio,
+                    ItemLayout::Audio { mel_frames: *mel },
+                )?;
                 b.push_audio_in_video(video, audio)?
             }
         };

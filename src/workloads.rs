@@ -21,9 +21,9 @@ use crate::preprocess::RawRequest;
 use crate::prompt::OmniTokens;
 
 const OMNI_FILE: &str = "fixtures/qwen3_omni.json";
-const SCENARIOS_FILE: &str = "fixtures/scenarios.json";
+pub(crate) const SCENARIOS_FILE: &str = "fixtures/scenarios.json";
 const OMNI_JSON: &str = include_str!("../fixtures/qwen3_omni.json");
-const SCENARIOS_JSON: &str = include_str!("../fixtures/scenarios.json");
+pub(crate) const SCENARIOS_JSON: &str = include_str!("../fixtures/scenarios.json");
 
 /// Seconds of video per temporal grid step of the video item.
 pub const VIDEO_SECONDS_PER_GRID: f32 = 2.0;
@@ -110,11 +110,17 @@ impl FromStr for WorkloadName {
     type Err = Error;
 
     fn from_str(name: &str) -> Result<Self> {
-        Self::ALL.into_iter().find(|w| w.as_str() == name).ok_or_else(|| Error::UnknownWorkload {
-            name: name.to_string(),
-            known: Self::ALL.map(WorkloadName::as_str).join(", ") + ", all",
-        })
+        by_name(name, &Self::ALL, Self::as_str)
     }
+}
+
+/// The one of `all` whose `as_str` is `name`; the error lists every known name (and `all`,
+/// which the `select` functions take).
+pub(crate) fn by_name<T: Copy>(name: &str, all: &[T], as_str: fn(T) -> &'static str) -> Result<T> {
+    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| Error::UnknownWorkload {
+        name: name.to_string(),
+        known: all.iter().map(|&w| as_str(w)).collect::<Vec<_>>().join(", ") + ", all",
+    })
 }
 
 /// How large the generated media tensors are.
@@ -182,7 +188,8 @@ struct Round {
     token_ids_unexpanded: Vec<u32>,
 }
 
-fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &str) -> Result<T> {
+/// Parses an embedded fixture; a malformed one is an [`Error::Fixture`] naming `file`.
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &str) -> Result<T> {
     serde_json::from_str(json).map_err(|e| Error::Fixture { file, problem: e.to_string() })
 }
 
@@ -337,6 +344,21 @@ pub struct RequestPlan {
     pub items: Vec<Modality>,
 }
 
+impl RequestPlan {
+    /// Bytes the request carries: its items' raw bytes in `media` and its token ids.
+    pub fn input_bytes(&self, media: &Media) -> usize {
+        let items: usize = self.items.iter().map(|&m| media.bytes(m).len()).sum();
+        items + std::mem::size_of_val(self.token_ids.as_slice())
+    }
+
+    /// The read floor: one plain single-threaded pass over exactly the bytes of
+    /// [`RequestPlan::input_bytes`] (what any matcher must at least read).
+    pub fn read_floor(&self, media: &Media) -> u64 {
+        let ids = read_floor(bytemuck::cast_slice(&self.token_ids));
+        self.items.iter().fold(ids, |acc, &m| acc.wrapping_add(read_floor(media.bytes(m))))
+    }
+}
+
 /// A workload: requests that warm the index, then the measured request.
 #[derive(Debug, Clone)]
 pub struct Workload {
@@ -394,15 +416,13 @@ impl Workload {
 
     /// Bytes the measured request carries: its items' raw bytes and its token ids.
     pub fn input_bytes(&self) -> usize {
-        let items: usize = self.measured.items.iter().map(|&m| self.media.bytes(m).len()).sum();
-        items + std::mem::size_of_val(self.measured.token_ids.as_slice())
+        self.measured.input_bytes(&self.media)
     }
 
     /// The read floor: one plain single-threaded pass over exactly the bytes of
     /// [`Workload::input_bytes`].
     pub fn read_floor(&self) -> u64 {
-        let ids = read_floor(bytemuck::cast_slice(&self.measured.token_ids));
-        self.measured.items.iter().fold(ids, |acc, &m| acc.wrapping_add(read_floor(self.media.bytes(m))))
+        self.measured.read_floor(&self.media)
     }
 }
 
@@ -439,15 +459,21 @@ fn text_pair(len: usize, seed: u64) -> (Vec<RequestPlan>, RequestPlan) {
     (vec![plan(warm)], plan(measured))
 }
 
-/// Rounds 1-3 warm up; round 4 is measured.
-fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
+/// The rounds of the 4-round conversation in `fixtures/scenarios.json`, each
+/// re-sending the history and all earlier media.
+pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
     let scenarios: Scenarios = parse(SCENARIOS_FILE, SCENARIOS_JSON)?;
-    let mut rounds: Vec<RequestPlan> = scenarios
+    Ok(scenarios
         .multi_round
         .rounds
         .into_iter()
         .map(|r| RequestPlan { token_ids: r.token_ids_unexpanded, items: r.items_in_order })
-        .collect();
+        .collect())
+}
+
+/// Rounds 1-3 warm up; round 4 is measured.
+fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
+    let mut rounds = conversation_rounds()?;
     let measured = rounds.pop().ok_or(Error::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
     Ok((rounds, measured))
 }

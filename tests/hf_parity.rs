@@ -5,7 +5,7 @@
 //! `Qwen2ForCausalLM`) and recorded, per prompt, every hidden state, the
 //! final-norm output and the logits of every row (see `fixtures/tiny/README.md`).
 //! Here each checkpoint goes through our loader and our thinker on the CPU
-//! backend, and every recorded tensor must match within [`TOLERANCE`]
+//! backend, and every recorded tensor must match within [`reference::TOLERANCE`]
 //! relative error: `max|ours - ref| / max(max|ref|, TINY)`.
 //!
 //! Two ways to run a prompt: `run_uncached` (one step), and `ModelRunner::execute`
@@ -13,102 +13,23 @@
 //! earlier ones' K/V from pages and the full hidden states come back from the
 //! hidden pages — so "caching is invisible" is checked against HF itself.
 
+#[path = "support/reference.rs"]
+mod reference;
+
 use std::collections::BTreeMap;
-use std::error::Error as StdError;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ndarray::{Array2, ArrayView2, s};
+use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
 use omniprefix::model::{CaptureName, CaptureSpec, Thinker};
 use omniprefix::prompt::Positions;
 use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
-use safetensors::{Dtype as StDtype, SafeTensors};
+use reference::{Reference, TOLERANCE, TestResult, model_dir, relative_error};
 
-type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
-
-/// Largest accepted `max|ours - ref| / max(max|ref|, TINY)` per tensor.
-const TOLERANCE: f32 = 1e-4;
-/// Floor of the reference scale, so an all-zero reference does not divide by zero.
-const TINY: f32 = 1e-6;
-
-fn model_dir(model: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/tiny")
-        .join(model)
-}
-
-// ------------------------------------------------------------------ reference file
-
-/// The tensors of one `reference.safetensors`, decoded to host types.
-struct Reference {
-    f32s: BTreeMap<String, Array2<f32>>,
-    i64s: BTreeMap<String, Vec<i64>>,
-}
-
+/// Reference-only views of the recorded tensors.
 impl Reference {
-    fn open(model: &str) -> TestResult<Self> {
-        let path = model_dir(model).join("reference.safetensors");
-        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let st = SafeTensors::deserialize(&bytes)?;
-        let (mut f32s, mut i64s) = (BTreeMap::new(), BTreeMap::new());
-        for (name, view) in st.tensors() {
-            match view.dtype() {
-                StDtype::F32 => {
-                    let data: Vec<f32> = view
-                        .data()
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect();
-                    // Matrices are stored 2-D; 1-D f32 tensors do not occur.
-                    let &[rows, cols] = view.shape() else {
-                        return Err(format!(
-                            "{name}: f32 reference of shape {:?}, expected 2-D",
-                            view.shape()
-                        )
-                        .into());
-                    };
-                    f32s.insert(name, Array2::from_shape_vec((rows, cols), data)?);
-                }
-                StDtype::I64 => {
-                    let data = view
-                        .data()
-                        .chunks_exact(8)
-                        .map(|b| {
-                            i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
-                        })
-                        .collect();
-                    i64s.insert(name, data);
-                }
-                other => return Err(format!("{name}: unexpected dtype {other:?}").into()),
-            }
-        }
-        Ok(Self { f32s, i64s })
-    }
-
-    fn matrix(&self, name: &str) -> TestResult<&Array2<f32>> {
-        self.f32s
-            .get(name)
-            .ok_or_else(|| format!("reference lacks `{name}`").into())
-    }
-
-    fn ints(&self, name: &str) -> TestResult<&[i64]> {
-        self.i64s
-            .get(name)
-            .map(Vec::as_slice)
-            .ok_or_else(|| format!("reference lacks `{name}`").into())
-    }
-
-    /// Token ids of prompt `p` as the model's `u32`.
-    fn token_ids(&self, p: &str) -> TestResult<Vec<u32>> {
-        self.ints(&format!("{p}.input_ids"))?
-            .iter()
-            .map(|&id| Ok(u32::try_from(id)?))
-            .collect()
-    }
-
     /// The prompts recorded (every prompt has `<p>.logits`), in name order.
     fn prompts(&self) -> Vec<&str> {
         self.f32s
@@ -125,53 +46,9 @@ impl Reference {
             (what == "final" || what == "logits" || what.starts_with("hidden.")).then_some(what)
         })
     }
-
-    /// The reference for output `what` of prompt `p`; `last_logits` is the last row of `logits`.
-    fn expected(&self, p: &str, what: &str) -> TestResult<ArrayView2<'_, f32>> {
-        if what == "last_logits" {
-            let logits = self.matrix(&format!("{p}.logits"))?;
-            let last = logits.nrows().checked_sub(1).ok_or("empty logits")?;
-            return Ok(logits.slice(s![last.., ..]));
-        }
-        Ok(self.matrix(&format!("{p}.{what}"))?.view())
-    }
 }
 
 // ------------------------------------------------------------------ comparison
-
-/// Relative error of `ours` against `reference`, or a message naming the first
-/// element whose error exceeds the tolerance (row-major order).
-fn compare(
-    what: &str,
-    ours: ArrayView2<'_, f32>,
-    reference: ArrayView2<'_, f32>,
-) -> Result<f32, String> {
-    if ours.dim() != reference.dim() {
-        return Err(format!(
-            "{what}: shape {:?}, reference {:?}",
-            ours.dim(),
-            reference.dim()
-        ));
-    }
-    let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs())).max(TINY);
-    let mut worst = 0f32;
-    let mut first_bad = None;
-    for ((idx, &a), &b) in ours.indexed_iter().zip(reference.iter()) {
-        let err = (a - b).abs() / scale;
-        // NaN compares false: count it as the worst possible error.
-        let err = if err.is_nan() { f32::INFINITY } else { err };
-        worst = worst.max(err);
-        if err > TOLERANCE && first_bad.is_none() {
-            first_bad = Some((idx, a, b));
-        }
-    }
-    match first_bad {
-        None => Ok(worst),
-        Some(((r, c), a, b)) => Err(format!(
-            "{what}: relative error {worst:.3e} > {TOLERANCE:e}; first at [{r}, {c}]: ours {a}, reference {b} (scale {scale})"
-        )),
-    }
-}
 
 /// Checks each of our outputs of prompt `p` (output name → matrix) against the reference.
 /// Returns the worst relative error, or every failure message.
@@ -188,7 +65,7 @@ fn check_prompt(
         let checked = reference
             .expected(p, what)
             .map_err(|e| format!("{label}: {e}"))
-            .and_then(|expected| compare(&label, got.view(), expected));
+            .and_then(|expected| relative_error(&label, got.view(), expected));
         match checked {
             Ok(err) => worst = worst.max(err),
             Err(msg) => failures.push(msg),
@@ -209,57 +86,6 @@ fn all_captures(num_layers: usize) -> TestResult<CaptureSpec> {
         .map(CaptureName::Hidden)
         .chain([CaptureName::Final]);
     Ok(CaptureSpec::new(points, num_layers)?)
-}
-
-/// Prompt `p` as our runner's inputs: plain text with positions `0..L`, or —
-/// when the reference holds `<p>.position_ids` — HF's 3-D positions and the item
-/// embeddings at their recorded starts.
-fn prompt_inputs(reference: &Reference, p: &str) -> TestResult<PromptInputs> {
-    let token_ids = reference.token_ids(p)?;
-    let len = token_ids.len();
-    let Ok(pos) = reference.ints(&format!("{p}.position_ids")) else {
-        let positions = Positions::Linear((0..len as i64).collect());
-        return Ok(PromptInputs {
-            token_ids,
-            embeds: vec![],
-            positions,
-        });
-    };
-    let axis = |a: usize| {
-        pos.get(a * len..(a + 1) * len)
-            .map(<[i64]>::to_vec)
-            .ok_or("position_ids is not [3, L]")
-    };
-    let rope_delta = *reference
-        .ints(&format!("{p}.rope_delta"))?
-        .first()
-        .ok_or("empty rope_delta")?;
-    let positions = Positions::Mrope {
-        t: axis(0)?,
-        h: axis(1)?,
-        w: axis(2)?,
-        rope_delta,
-    };
-    let mut embeds = Vec::new();
-    for j in 0.. {
-        let Ok(rows) = reference.matrix(&format!("{p}.item.{j}.embeds")) else {
-            break;
-        };
-        let start = *reference
-            .ints(&format!("{p}.item.{j}.start"))?
-            .first()
-            .ok_or("empty item start")?;
-        embeds.push(EmbedRows {
-            step_offset: usize::try_from(start)?,
-            rows: 0..rows.nrows(),
-            embeddings: Arc::new(rows.clone()),
-        });
-    }
-    Ok(PromptInputs {
-        token_ids,
-        embeds,
-        positions,
-    })
 }
 
 /// How our side runs a prompt.
@@ -389,7 +215,7 @@ fn check_model(model: &str, expected_prompts: &[&str], mode: Mode) -> TestResult
     let mut worst = 0f32;
     let mut failures = Vec::new();
     for p in reference.prompts() {
-        let inputs = prompt_inputs(&reference, p)?;
+        let inputs = reference.prompt(p)?;
         let ours = match mode {
             Mode::Uncached => {
                 let out = run_uncached(&thinker, &*backend, &inputs, &capture, true)?;
@@ -482,7 +308,7 @@ fn qwen2_dense_matches_transformers() -> TestResult {
 #[test]
 fn omni_multimodal_prompt_uses_non_linear_positions() -> TestResult {
     let reference = Reference::open("omni_thinker")?;
-    let inputs = prompt_inputs(&reference, "mm")?;
+    let inputs = reference.prompt("mm")?;
     let Positions::Mrope {
         t,
         h,
@@ -516,14 +342,17 @@ fn omni_multimodal_prompt_uses_non_linear_positions() -> TestResult {
 fn comparison_reports_first_element_over_tolerance() -> TestResult {
     let reference = Reference::open("qwen3_dense")?;
     let expected = reference.matrix("text_a.final")?;
-    assert_eq!(compare("same", expected.view(), expected.view()), Ok(0.0));
+    assert_eq!(
+        relative_error("same", expected.view(), expected.view()),
+        Ok(0.0)
+    );
     let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
     let mut ours = expected.clone();
     ours[[3, 5]] += 2.0 * TOLERANCE * scale;
-    let msg = compare("perturbed", ours.view(), expected.view())
+    let msg = relative_error("perturbed", ours.view(), expected.view())
         .expect_err("a 2x-tolerance error must fail");
     assert!(msg.contains("first at [3, 5]"), "{msg}");
     ours[[3, 5]] = expected[[3, 5]] + 0.5 * TOLERANCE * scale;
-    assert!(compare("within", ours.view(), expected.view()).is_ok());
+    assert!(relative_error("within", ours.view(), expected.view()).is_ok());
     Ok(())
 }

@@ -3,27 +3,19 @@
 
 use std::sync::Arc;
 
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{ItemIdentity, ItemLayout, Modality};
 use omniprefix::prompt::{OmniTokens, Positions, PromptBuilder, positions_from_atoms};
 use omniprefix::{Error, Result};
 use serde_json::Value;
+
+#[path = "support/items.rs"]
+mod items;
+use items::placeholder_item;
 
 fn fixture() -> Result<Value> {
     let text = std::fs::read_to_string("fixtures/mrope_position_vectors.json")
         .map_err(|e| Error::InvalidRequest(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| Error::InvalidRequest(e.to_string()))
-}
-
-fn item(tokens: &OmniTokens, n: u128, modality: Modality, layout: ItemLayout) -> Result<Arc<ItemIdentity>> {
-    Ok(Arc::new(ItemIdentity {
-        fingerprint: Fingerprint(n),
-        check: None,
-        retained: None,
-        modality,
-        layout,
-        num_tokens: tokens.placeholder_count(&layout)?,
-        content_bytes: 0,
-    }))
 }
 
 fn u32s(v: &Value) -> Vec<u32> {
@@ -45,16 +37,16 @@ fn grids(v: &Value) -> Vec<[u32; 3]> {
 fn case_items(tokens: &OmniTokens, case: &Value) -> Result<Vec<Arc<ItemIdentity>>> {
     let mut items = Vec::new();
     for grid_thw in grids(&case["image_grid_thw"]) {
-        items.push(item(tokens, items.len() as u128, Modality::Image, ItemLayout::Image { grid_thw })?);
+        items.push(placeholder_item(tokens, items.len() as u128, Modality::Image, ItemLayout::Image { grid_thw })?);
     }
     let seconds: Vec<f64> =
         case["second_per_grid"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
     for (grid_thw, spg) in grids(&case["video_grid_thw"]).into_iter().zip(seconds) {
         let layout = ItemLayout::Video { grid_thw, seconds_per_grid: spg as f32 };
-        items.push(item(tokens, items.len() as u128, Modality::Video, layout)?);
+        items.push(placeholder_item(tokens, items.len() as u128, Modality::Video, layout)?);
     }
     for mel_frames in u32s(&case["audio_mel_frames"]) {
-        items.push(item(tokens, items.len() as u128, Modality::Audio, ItemLayout::Audio { mel_frames })?);
+        items.push(placeholder_item(tokens, items.len() as u128, Modality::Audio, ItemLayout::Audio { mel_frames })?);
     }
     Ok(items)
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use ndarray::{ArrayD, IxDyn};
 use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality, TensorView};
 use omniprefix::index::hashchain::{
-    BlockHasher, BlockKeyRequest, ExtraKey, HashChainIndex, HashFn, MmMedia, MmPlaceholder,
-    hash_block_tokens, hash_mm_item, none_hash,
+    BlockHash, BlockHasher, BlockKeyRequest, ExtraKey, HashChainIndex, HashFn, MmMedia,
+    MmPlaceholder, hash_block_tokens, hash_mm_item, none_hash,
 };
 use omniprefix::prompt::{CanonicalPrompt, IndexMap, ItemSpan, Positions};
 use serde_json::Value;
@@ -38,6 +38,19 @@ fn tokens_of(case: &Value) -> Result<Vec<u32>, String> {
                 .ok_or_else(|| format!("bad token {t}"))
         })
         .collect()
+}
+
+/// Asserts that `got`, as hex, is the case's `hashes` list (`label` names the case).
+fn assert_chain_matches(got: &[BlockHash], case: &Value, label: &str) -> TestResult {
+    let got: Vec<String> = got.iter().map(BlockHash::to_hex).collect();
+    let want: Vec<&str> = case["hashes"]
+        .as_array()
+        .ok_or("hashes")?
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(got, want, "{label}");
+    Ok(())
 }
 
 /// One block's `extra_keys` as the fixture spells them (`null` or a list of tagged tuples).
@@ -139,18 +152,7 @@ fn block_chains_match_from_request_inputs() -> TestResult {
             }
             other => return Err(format!("unexpected case {other}").into()),
         };
-        let got: Vec<String> = hasher
-            .request_block_hashes(&req, usize::MAX)
-            .iter()
-            .map(|h| h.to_hex())
-            .collect();
-        let want: Vec<&str> = case["hashes"]
-            .as_array()
-            .ok_or("hashes")?
-            .iter()
-            .filter_map(Value::as_str)
-            .collect();
-        assert_eq!(got, want, "{name}");
+        assert_chain_matches(&hasher.request_block_hashes(&req, usize::MAX), case, name)?;
     }
     Ok(())
 }
@@ -194,19 +196,11 @@ fn index_block_hashes_match_the_mm_chain() -> TestResult {
         positions: Positions::Linear((0..48).collect()),
     };
     let index = HashChainIndex::new(16)?;
-    let got: Vec<String> = index
-        .block_hashes(&prompt, &["ab".repeat(32)])?
-        .iter()
-        .map(|h| h.to_hex())
-        .collect();
-    let want: Vec<&str> = case["hashes"]
-        .as_array()
-        .ok_or("hashes")?
-        .iter()
-        .filter_map(Value::as_str)
-        .collect();
-    assert_eq!(got, want);
-    Ok(())
+    assert_chain_matches(
+        &index.block_hashes(&prompt, &["ab".repeat(32)])?,
+        case,
+        "index",
+    )
 }
 
 /// A nested JSON array as (shape, values in C order).

@@ -511,14 +511,7 @@ fn moe_matches_cpu_and_router_breaks_ties_low() {
     // 150 tokens: expert lists longer than one 64-row tile; top_k 1 of 6 over 2 tokens
     // leaves experts with empty lists.
     for (top_k, norm, n) in [(1, true, 9), (2, true, 9), (2, false, 150), (6, false, 9), (1, false, 2)] {
-        let host = MoeWeights {
-            router: rand_matrix(&mut rng, e, h),
-            gate_up: rand_matrix(&mut rng, e * 2 * inter, h),
-            down: rand_matrix(&mut rng, e * h, inter),
-            num_experts: e,
-            top_k,
-            norm_topk_prob: norm,
-        };
+        let host = MoeWeights::random(&mut rng, e, h, inter, top_k, norm);
         let dev = MoeWeights {
             router: gpu.upload(host.router.view()).unwrap(),
             gate_up: gpu.upload(host.gate_up.view()).unwrap(),

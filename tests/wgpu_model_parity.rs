@@ -1,7 +1,7 @@
 //! Whole-model parity of the wgpu backend on the committed tiny HF checkpoints
 //! (`fixtures/tiny/`, see its README): every captured hidden state and the logits
 //! on the GPU equal the CPU reference backend, and the transformers references,
-//! within [`TOLERANCE`] relative error `max|gpu - want| / max(max|want|, TINY)`.
+//! within [`reference::TOLERANCE`] relative error `max|gpu - want| / max(max|want|, TINY)`.
 //!
 //! Caching is invisible on the GPU too: a prompt whose prefix another request left
 //! in pages (shared whole blocks, or a copied partial block), finished in chunks,
@@ -12,146 +12,34 @@
 //!
 //! GPU availability: see `shared_gpu` (skip loudly, or fail under `OMNIPREFIX_REQUIRE_GPU=1`).
 
+#[path = "support/reference.rs"]
+mod reference;
 mod shared_gpu;
 
 use std::collections::BTreeMap;
-use std::error::Error as StdError;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-use ndarray::{Array2, ArrayView2, s};
+use ndarray::Array2;
 use omniprefix::backend::Backend;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
-use omniprefix::batch::{BlockCopy, EmbedRows, ScheduledBatch};
+use omniprefix::batch::{BlockCopy, ScheduledBatch};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
 use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, SeqOutput, run_uncached};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
-use safetensors::{Dtype as StDtype, SafeTensors};
+use reference::{Reference, TestResult, model_dir, relative_error};
 use shared_gpu::gpu;
 
-type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
-
-/// Largest accepted relative error per tensor (f32 on both sides).
-const TOLERANCE: f32 = 1e-4;
-/// Floor of the reference scale, so an all-zero reference does not divide by zero.
-const TINY: f32 = 1e-6;
 /// The fixtures and their recorded prompts.
 const MODELS: [(&str, &[&str]); 3] = [
     ("qwen3_dense", &["text_a", "text_b", "text_c"]),
     ("omni_thinker", &["mm", "text_a", "text_b", "text_c"]),
     ("qwen2_dense", &["text_a", "text_b", "text_c"]),
 ];
-
-fn model_dir(model: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny").join(model)
-}
-
-/// The f32 matrices and i64 vectors of one `reference.safetensors`.
-struct Reference {
-    f32s: BTreeMap<String, Array2<f32>>,
-    i64s: BTreeMap<String, Vec<i64>>,
-}
-
-impl Reference {
-    fn open(model: &str) -> TestResult<Self> {
-        let path = model_dir(model).join("reference.safetensors");
-        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let st = SafeTensors::deserialize(&bytes)?;
-        let (mut f32s, mut i64s) = (BTreeMap::new(), BTreeMap::new());
-        for (name, view) in st.tensors() {
-            match (view.dtype(), view.shape()) {
-                (StDtype::F32, &[rows, cols]) => {
-                    let data = bytemuck::pod_collect_to_vec(view.data());
-                    f32s.insert(name, Array2::from_shape_vec((rows, cols), data)?);
-                }
-                (StDtype::I64, _) => {
-                    i64s.insert(name, bytemuck::pod_collect_to_vec(view.data()));
-                }
-                (dtype, shape) => return Err(format!("{name}: unexpected {dtype:?} {shape:?}").into()),
-            }
-        }
-        Ok(Self { f32s, i64s })
-    }
-
-    fn matrix(&self, name: &str) -> TestResult<&Array2<f32>> {
-        self.f32s.get(name).ok_or_else(|| format!("reference lacks `{name}`").into())
-    }
-
-    fn ints(&self, name: &str) -> TestResult<&[i64]> {
-        self.i64s.get(name).map(Vec::as_slice).ok_or_else(|| format!("reference lacks `{name}`").into())
-    }
-
-    fn first_int(&self, name: &str) -> TestResult<i64> {
-        self.ints(name)?.first().copied().ok_or_else(|| format!("`{name}` is empty").into())
-    }
-
-    /// Prompt `p` as runner inputs: text with positions `0..L`, or — when the reference
-    /// holds `<p>.position_ids` — HF's 3-D positions and the item rows at their starts.
-    fn prompt(&self, p: &str) -> TestResult<PromptInputs> {
-        let token_ids =
-            self.ints(&format!("{p}.input_ids"))?.iter().map(|&id| u32::try_from(id)).collect::<Result<Vec<_>, _>>()?;
-        let len = token_ids.len();
-        let Ok(pos) = self.ints(&format!("{p}.position_ids")) else {
-            return Ok(PromptInputs {
-                token_ids,
-                embeds: vec![],
-                positions: Positions::Linear((0..len as i64).collect()),
-            });
-        };
-        let axis = |a: usize| pos.get(a * len..(a + 1) * len).map(<[i64]>::to_vec).ok_or("position_ids is not [3, L]");
-        let rope_delta = self.first_int(&format!("{p}.rope_delta"))?;
-        let positions = Positions::Mrope { t: axis(0)?, h: axis(1)?, w: axis(2)?, rope_delta };
-        let mut embeds = Vec::new();
-        while let Ok(rows) = self.matrix(&format!("{p}.item.{}.embeds", embeds.len())) {
-            let start = self.first_int(&format!("{p}.item.{}.start", embeds.len()))?;
-            embeds.push(EmbedRows {
-                step_offset: usize::try_from(start)?,
-                rows: 0..rows.nrows(),
-                embeddings: Arc::new(rows.clone()),
-            });
-        }
-        Ok(PromptInputs { token_ids, embeds, positions })
-    }
-
-    /// HF's tensor for our output `what` of prompt `p` (`last_logits`: the last row of `logits`).
-    fn expected(&self, p: &str, what: &str) -> TestResult<ArrayView2<'_, f32>> {
-        if what == "last_logits" {
-            let logits = self.matrix(&format!("{p}.logits"))?;
-            return Ok(logits.slice(s![logits.nrows().saturating_sub(1).., ..]));
-        }
-        Ok(self.matrix(&format!("{p}.{what}"))?.view())
-    }
-}
-
-/// Relative error of `got` against `want`, or a message naming the first element over
-/// [`TOLERANCE`] (row-major order).
-fn relative_error(what: &str, got: ArrayView2<'_, f32>, want: ArrayView2<'_, f32>) -> TestResult<f32> {
-    if got.dim() != want.dim() {
-        return Err(format!("{what}: shape {:?}, expected {:?}", got.dim(), want.dim()).into());
-    }
-    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(TINY);
-    let mut worst = 0f32;
-    let mut first_bad = None;
-    for ((idx, &g), &w) in got.indexed_iter().zip(want) {
-        let err = (g - w).abs() / scale;
-        let err = if err.is_nan() { f32::INFINITY } else { err };
-        worst = worst.max(err);
-        if err > TOLERANCE && first_bad.is_none() {
-            first_bad = Some((idx, g, w));
-        }
-    }
-    match first_bad {
-        None => Ok(worst),
-        Some((idx, g, w)) => {
-            Err(format!("{what}: relative error {worst:.3e} > {TOLERANCE:e}; first at {idx:?}: gpu {g}, want {w}")
-                .into())
-        }
-    }
-}
 
 /// Output name → matrix: every capture, `last_logits` as `[1, vocab]`, and `logits` when present.
 fn named(

@@ -14,8 +14,10 @@
 
 use std::time::{Duration, Instant};
 
+use proptest::sample::select;
 use proptest::strategy::Strategy;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseResult, TestError, TestRng, TestRunner};
+use serde_json::{Value, json};
 
 fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
@@ -48,4 +50,13 @@ pub fn fuzz<S: Strategy>(name: &str, default_cases: u32, strategy: S, test: impl
         }
     }
     println!("fuzz {name}: {execs} execs in {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// A JSON value to plant in a file under test, picked uniformly: one of every type
+/// (`null`, a bool, -1, 0, `u64::MAX`, `[]`) followed by the target's own `specific`
+/// values (sizes, names and objects its format gives meaning to).
+pub fn json_value(specific: Vec<Value>) -> impl Strategy<Value = Value> {
+    let mut values = vec![Value::Null, json!(true), json!(-1), json!(0), json!(u64::MAX), json!([])];
+    values.extend(specific);
+    select(values)
 }

@@ -182,6 +182,34 @@ pub struct MoeWeights<T> {
     pub norm_topk_prob: bool,
 }
 
+impl MoeWeights<Array2<f32>> {
+    /// Host weights uniform in [-1, 1) for `num_experts` experts over `hidden`
+    /// channels with `inter` intermediate channels each, drawn router, gate_up,
+    /// down in that order: the input of the MoE kernel tests (the CPU one against
+    /// its naive oracle, the GPU one against the CPU backend), kept in one place
+    /// so both draw the same shapes the same way.
+    #[doc(hidden)]
+    pub fn random(
+        rng: &mut impl rand::Rng,
+        num_experts: usize,
+        hidden: usize,
+        inter: usize,
+        top_k: usize,
+        norm_topk_prob: bool,
+    ) -> Self {
+        let mut matrix =
+            |rows: usize, cols: usize| Array2::from_shape_fn((rows, cols), |_| rng.random::<f32>() * 2.0 - 1.0);
+        MoeWeights {
+            router: matrix(num_experts, hidden),
+            gate_up: matrix(num_experts * 2 * inter, hidden),
+            down: matrix(num_experts * hidden, inter),
+            num_experts,
+            top_k,
+            norm_topk_prob,
+        }
+    }
+}
+
 /// The ops of a Qwen-family decoder forward over paged KV.
 ///
 /// Every op's contract is stated in terms of `[rows, cols]` row-major f32 matrices.

@@ -41,7 +41,7 @@ use crate::model::{Config, Thinker};
 pub use machine::Machine;
 pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_way};
 pub use report::{DemoReport, MediaInfo, ModelInfo, RequestFacts, Row, WorkloadReport, print_tables, rel_diff, workload_rows};
-pub use workloads::{DemoScale, DemoWorkload, Wave, demo_media, expanded_len, input_bytes, read_floor, waves};
+pub use workloads::{DemoScale, DemoWorkload, Wave, demo_media, expanded_len, waves};
 
 /// Temporal grid steps of the default demo's video: 2 of the real clip's 10
 /// (4 s, 8 frames of 1280x720, 1440 tokens) so the demo stays under a minute on 2 cores.
@@ -142,8 +142,8 @@ pub fn run_demo<B: Backend>(
         let facts = plans
             .iter()
             .map(|plan| {
-                let read_floor_ns = median_ns(5, || Ok(read_floor(plan, &media)))?;
-                Ok(RequestFacts { input_bytes: input_bytes(plan, &media), read_floor_ns })
+                let read_floor_ns = median_ns(5, || Ok(plan.read_floor(&media)))?;
+                Ok(RequestFacts { input_bytes: plan.input_bytes(&media), read_floor_ns })
             })
             .collect::<Result<Vec<_>>>()?;
         let total = plans.iter().map(|p| expanded_len(p, &media)).sum::<usize>();

@@ -14,12 +14,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
-use crate::canon::{ItemLayout, Modality};
+use crate::canon::ItemLayout;
 use crate::error::{Error, Result};
-use crate::workloads::{Media, MediaScale, RequestPlan, TEXT_VOCAB};
-
-const SCENARIOS_FILE: &str = "fixtures/scenarios.json";
-const SCENARIOS_JSON: &str = include_str!("../../fixtures/scenarios.json");
+use crate::workloads::{
+    Media, MediaScale, RequestPlan, SCENARIOS_FILE, SCENARIOS_JSON, TEXT_VOCAB, by_name, conversation_rounds, parse,
+};
 
 /// The workloads `omniprefix demo` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -74,10 +73,7 @@ impl FromStr for DemoWorkload {
     type Err = Error;
 
     fn from_str(name: &str) -> Result<Self> {
-        Self::ALL.into_iter().find(|w| w.as_str() == name).ok_or_else(|| Error::UnknownWorkload {
-            name: name.to_string(),
-            known: Self::ALL.map(DemoWorkload::as_str).join(", ") + ", all",
-        })
+        by_name(name, &Self::ALL, Self::as_str)
     }
 }
 
@@ -154,12 +150,7 @@ pub fn waves(workload: DemoWorkload, scale: &DemoScale, seed: u64) -> Result<Vec
         DemoWorkload::RfcTextPair => {
             vec![vec![text(s.rfc_text_pair.prompt1)], vec![text(s.rfc_text_pair.prompt2)]]
         }
-        DemoWorkload::MultiRound => s
-            .multi_round
-            .rounds
-            .into_iter()
-            .map(|r| vec![RequestPlan { token_ids: r.token_ids_unexpanded, items: r.items_in_order }])
-            .collect(),
+        DemoWorkload::MultiRound => conversation_rounds()?.into_iter().map(|plan| vec![plan]).collect(),
         DemoWorkload::PrefixRepetition => vec![prefix_repetition(scale, seed)],
     })
 }
@@ -179,26 +170,14 @@ fn prefix_repetition(scale: &DemoScale, seed: u64) -> Wave {
         .collect()
 }
 
-/// Bytes `plan` carries: its items' raw bytes and its token ids.
-pub fn input_bytes(plan: &RequestPlan, media: &Media) -> usize {
-    plan.items.iter().map(|&m| media.bytes(m).len()).sum::<usize>() + std::mem::size_of_val(plan.token_ids.as_slice())
-}
-
 /// Prompt tokens of `plan` once each item's one placeholder is expanded to its rows.
 pub fn expanded_len(plan: &RequestPlan, media: &Media) -> usize {
     plan.items.iter().map(|&m| media.shapes.layout(m).num_tokens().saturating_sub(1)).sum::<usize>() + plan.token_ids.len()
 }
 
-/// One plain read of every byte `plan` carries (the floor of any matcher).
-pub fn read_floor(plan: &RequestPlan, media: &Media) -> u64 {
-    let ids = crate::canon::read_floor(bytemuck::cast_slice(&plan.token_ids));
-    plan.items.iter().fold(ids, |acc, &m| acc.wrapping_add(crate::canon::read_floor(media.bytes(m))))
-}
-
 #[derive(Debug, Clone, Deserialize)]
 struct Scenarios {
     rfc_text_pair: RfcTextPair,
-    multi_round: MultiRound,
     prefix_repetition: PrefixRepetition,
 }
 
@@ -206,17 +185,6 @@ struct Scenarios {
 struct RfcTextPair {
     prompt1: Vec<u32>,
     prompt2: Vec<u32>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct MultiRound {
-    rounds: Vec<Round>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Round {
-    items_in_order: Vec<Modality>,
-    token_ids_unexpanded: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -228,7 +196,7 @@ struct PrefixRepetition {
 }
 
 fn scenarios() -> Result<Scenarios> {
-    serde_json::from_str(SCENARIOS_JSON).map_err(|e| Error::Fixture { file: SCENARIOS_FILE, problem: e.to_string() })
+    parse(SCENARIOS_FILE, SCENARIOS_JSON)
 }
 
 #[cfg(test)]

@@ -121,14 +121,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let (e, h, inter, n) = (6, 12, 5, 9);
         for (top_k, norm) in [(1, true), (2, true), (2, false), (6, false)] {
-            let w = MoeWeights {
-                router: rand_matrix(&mut rng, e, h),
-                gate_up: rand_matrix(&mut rng, e * 2 * inter, h),
-                down: rand_matrix(&mut rng, e * h, inter),
-                num_experts: e,
-                top_k,
-                norm_topk_prob: norm,
-            };
+            let w = MoeWeights::random(&mut rng, e, h, inter, top_k, norm);
             let x = rand_matrix(&mut rng, n, h);
             let got = forward(&x, &w).unwrap();
             let want = naive(&x, &w, inter);

@@ -1,0 +1,231 @@
+//! The scheduler state machine both scheduler suites drive
+//! (`proptests/pool_invariants.rs` with a shadow runner, and
+//! `proptests/sched_state_machine.rs` with a real tiny model): random admit /
+//! schedule / complete / finish / abort operations, `validate()` after each,
+//! the drain that runs every live request to its end, and the checks that no
+//! block leaked and no index lock outlived its request. What runs the batches
+//! and what is checked about their results is the suite's [`Runner`].
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use omniprefix::Error;
+use omniprefix::batch::{RequestId, ScheduledBatch};
+use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use proptest::prelude::*;
+
+/// `PROPTEST_CASES` cases (default `default_cases`), no failure files (integration
+/// targets have no lib.rs beside them to persist failures next to).
+pub fn proptest_config(default_cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default_cases),
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+/// Pools of `num_blocks` blocks of 2 or 4 tokens, step budgets of
+/// `max_tokens_per_step` tokens and 1 to 3 sequences, either reuse granularity.
+pub fn scheduler_config(
+    num_blocks: Range<usize>,
+    max_tokens_per_step: Range<usize>,
+) -> impl Strategy<Value = SchedulerConfig> {
+    (num_blocks, prop_oneof![Just(2usize), Just(4)], max_tokens_per_step, 1usize..4, any::<bool>()).prop_map(
+        |(num_blocks, block_size, max_tokens_per_step, max_seqs_per_step, token_granular_reuse)| SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_tokens_per_step,
+            max_seqs_per_step,
+            token_granular_reuse,
+        },
+    )
+}
+
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// A prompt made of shared base `base` followed by `tail`, for `tenant`
+    /// (what the units mean is the runner's).
+    Admit { base: usize, tail: Vec<u32>, tenant: u64 },
+    /// Build a batch and run it (completed later).
+    Schedule,
+    /// Complete the oldest outstanding batch.
+    Complete,
+    /// Finish the `k`-th completed request.
+    Finish(usize),
+    /// Abort the `k`-th live request.
+    Abort(usize),
+}
+
+/// Operations in the proportions both suites use; admitted tails are
+/// `tail_len` units long, for a tenant in `tenants`.
+pub fn op(unit: impl Strategy<Value = u32>, tail_len: Range<usize>, tenants: Range<u64>) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0usize..4, prop::collection::vec(unit, tail_len), tenants)
+            .prop_map(|(base, tail, tenant)| Op::Admit { base, tail, tenant }),
+        4 => Just(Op::Schedule),
+        4 => Just(Op::Complete),
+        2 => (0usize..8).prop_map(Op::Finish),
+        1 => (0usize..8).prop_map(Op::Abort),
+    ]
+}
+
+/// What a suite runs batches on, and what it checks along the way.
+pub trait Runner {
+    /// What running a batch produced, kept until the batch is completed.
+    type Output;
+    /// Request `id` of `tenant` over `units`; the runner notes what it needs to know of it.
+    fn request(&mut self, id: RequestId, tenant: u64, units: &[u32]) -> Request;
+    /// Runs a freshly scheduled batch (possibly empty).
+    fn run(&mut self, batch: &ScheduledBatch) -> Result<Self::Output, TestCaseError>;
+    /// The batch that produced `output` completed the prompts of `done`.
+    fn completed(&mut self, _output: Self::Output, _done: &[RequestId]) -> Result<(), TestCaseError> {
+        Ok(())
+    }
+    /// Request `id` is about to be finished: the place to check what it produced.
+    fn finishing(&mut self, _id: RequestId) -> Result<(), TestCaseError> {
+        Ok(())
+    }
+    /// Request `id` was aborted.
+    fn aborted(&mut self, _id: RequestId) {}
+}
+
+/// The scheduler, the suite's runner and what the test tracks beside them.
+pub struct Machine<R: Runner> {
+    pub sched: Scheduler,
+    pub runner: R,
+    /// Batches run but not yet completed, with what running them produced.
+    outstanding: VecDeque<(ScheduledBatch, R::Output)>,
+    /// Admitted, neither finished nor aborted.
+    live: Vec<RequestId>,
+    /// Prompt completed, waiting to be finished.
+    completed: Vec<RequestId>,
+    next_id: RequestId,
+    /// Requests finished so far.
+    pub finished: usize,
+}
+
+fn fail(e: Error) -> TestCaseError {
+    TestCaseError::fail(e.to_string())
+}
+
+impl<R: Runner> Machine<R> {
+    pub fn new(sched: Scheduler, runner: R) -> Self {
+        Self {
+            sched,
+            runner,
+            outstanding: VecDeque::new(),
+            live: Vec::new(),
+            completed: Vec::new(),
+            next_id: 0,
+            finished: 0,
+        }
+    }
+
+    /// Admits a new request; a prompt longer than the whole pool must be
+    /// refused with `RequestTooLarge` and change nothing. Returns whether it was admitted.
+    pub fn admit(&mut self, tenant: u64, units: &[u32]) -> Result<bool, TestCaseError> {
+        let req = self.runner.request(self.next_id, tenant, units);
+        self.next_id += 1;
+        let cfg = *self.sched.config();
+        let too_large = req.prompt.len().div_ceil(cfg.block_size) > cfg.num_blocks;
+        let before = (self.sched.stats(), self.sched.index_stats());
+        let id = req.id;
+        match self.sched.admit(req) {
+            Ok(()) => {
+                self.live.push(id);
+                Ok(true)
+            }
+            Err(Error::RequestTooLarge { .. }) if too_large => {
+                prop_assert_eq!((self.sched.stats(), self.sched.index_stats()), before, "rejected admit changed state");
+                Ok(false)
+            }
+            Err(e) => Err(fail(e)),
+        }
+    }
+
+    /// Applies `op` (prompt bases from `bases`), then validates the scheduler.
+    pub fn apply(&mut self, op: &Op, bases: &[Vec<u32>]) -> Result<(), TestCaseError> {
+        match op {
+            Op::Admit { base, tail, tenant } => {
+                let mut units = bases[base % bases.len()].clone();
+                units.extend(tail);
+                self.admit(*tenant, &units)?;
+            }
+            Op::Schedule => {
+                let batch = self.sched.schedule().map_err(fail)?;
+                let output = self.runner.run(&batch)?;
+                if !batch.seqs.is_empty() {
+                    self.outstanding.push_back((batch, output));
+                }
+            }
+            Op::Complete => {
+                if let Some((batch, output)) = self.outstanding.pop_front() {
+                    let done = self.sched.complete(&batch).map_err(fail)?;
+                    self.runner.completed(output, &done)?;
+                    self.completed.extend(done);
+                }
+            }
+            Op::Finish(k) => {
+                if !self.completed.is_empty() {
+                    let id = self.completed.remove(k % self.completed.len());
+                    self.runner.finishing(id)?;
+                    self.sched.finish(id).map_err(fail)?;
+                    self.live.retain(|&r| r != id);
+                    self.finished += 1;
+                }
+            }
+            Op::Abort(k) => {
+                if !self.live.is_empty() {
+                    let id = self.live.remove(k % self.live.len());
+                    self.sched.abort(id).map_err(fail)?;
+                    self.completed.retain(|&r| r != id);
+                    self.runner.aborted(id);
+                }
+            }
+        }
+        self.validate()
+    }
+
+    /// The scheduler's own invariant check, as a test failure.
+    pub fn validate(&self) -> Result<(), TestCaseError> {
+        self.sched.validate().map_err(TestCaseError::fail)
+    }
+
+    /// Completes what is outstanding, then runs every live request to the end
+    /// (failing if that takes more than `max_rounds` schedule/complete rounds).
+    pub fn drain(&mut self, max_rounds: usize) -> Result<(), TestCaseError> {
+        while !self.outstanding.is_empty() {
+            self.apply(&Op::Complete, &[])?;
+        }
+        for _ in 0..max_rounds {
+            while !self.completed.is_empty() {
+                self.apply(&Op::Finish(0), &[])?;
+            }
+            if self.live.is_empty() {
+                return Ok(());
+            }
+            self.apply(&Op::Schedule, &[])?;
+            prop_assert!(!self.outstanding.is_empty(), "live requests {:?} but nothing can be scheduled", self.live);
+            self.apply(&Op::Complete, &[])?;
+        }
+        Err(TestCaseError::fail(format!("requests {:?} never finished", self.live)))
+    }
+
+    /// After everything finished: every block is free or owned by the index.
+    pub fn check_nothing_leaked(&self) -> Result<(), TestCaseError> {
+        let stats = self.sched.stats();
+        prop_assert_eq!(stats.blocks_in_use, 0, "blocks leaked: {:?}", stats);
+        prop_assert_eq!(stats.blocks_free + stats.blocks_cached, self.sched.config().num_blocks);
+        Ok(())
+    }
+
+    /// A fresh tenant's prompt of `units`, as long as the whole pool, finishes
+    /// only if every cached block can be evicted, i.e. no index lock outlived its request.
+    pub fn check_no_lock_left(&mut self, units: &[u32], max_rounds: usize) -> Result<(), TestCaseError> {
+        let num_blocks = self.sched.config().num_blocks;
+        prop_assert!(self.admit(99, units)?, "a prompt as long as the pool was refused");
+        self.drain(max_rounds)?;
+        prop_assert_eq!(self.sched.stats().blocks_cached, num_blocks);
+        Ok(())
+    }
+}

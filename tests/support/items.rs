@@ -1,0 +1,28 @@
+//! Hand-made item identities for prompt tests (`tests/mrope_vectors.rs`,
+//! `proptests/prompt_positions.rs`): only the layout and token count matter to
+//! positions, so the content fields stay empty.
+
+use std::sync::Arc;
+
+use omniprefix::Result;
+use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::prompt::OmniTokens;
+
+/// Item `fingerprint` of `modality` laid out as `layout`, with the placeholder
+/// count `tokens` gives that layout (so the builder accepts it).
+pub fn placeholder_item(
+    tokens: &OmniTokens,
+    fingerprint: u128,
+    modality: Modality,
+    layout: ItemLayout,
+) -> Result<Arc<ItemIdentity>> {
+    Ok(Arc::new(ItemIdentity {
+        fingerprint: Fingerprint(fingerprint),
+        check: None,
+        retained: None,
+        modality,
+        layout,
+        num_tokens: tokens.placeholder_count(&layout)?,
+        content_bytes: 0,
+    }))
+}
