@@ -11,10 +11,10 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use xxhash_rust::xxh3::Xxh3;
 
 use super::header::encode_header;
 use super::key::FingerprintKey;
+use super::keyed_xxh3::KeyedXxh3;
 use super::layout::check_shape;
 use super::stream::{ByteSink, emit_tensor};
 use super::{Fingerprint, ItemContent, ItemIdentity, ItemSpec, TensorView};
@@ -112,8 +112,8 @@ impl Content<'_, '_> {
 /// Feeds every piece to the fingerprint, the optional check digest and the
 /// optional retained copy, in the same pass.
 struct DigestSink<'r> {
-    fingerprint: Xxh3,
-    check: Option<Xxh3>,
+    fingerprint: KeyedXxh3,
+    check: Option<KeyedXxh3>,
     retained: Option<&'r mut [u8]>,
     written: usize,
 }
@@ -137,7 +137,7 @@ impl ByteSink for DigestSink<'_> {
 
 impl DigestSink<'_> {
     fn finish(&self) -> (u128, Option<u128>) {
-        (self.fingerprint.digest128(), self.check.as_ref().map(Xxh3::digest128))
+        (self.fingerprint.digest128(), self.check.as_ref().map(KeyedXxh3::digest128))
     }
 }
 
@@ -228,8 +228,8 @@ impl Fingerprinter {
 
     fn sink<'r>(&self, retained: Option<&'r mut [u8]>) -> DigestSink<'r> {
         DigestSink {
-            fingerprint: Xxh3::with_secret(self.fingerprint_secret),
-            check: (self.policy == ValidationPolicy::SecondDigest).then(|| Xxh3::with_secret(self.check_secret)),
+            fingerprint: KeyedXxh3::new(self.fingerprint_secret),
+            check: (self.policy == ValidationPolicy::SecondDigest).then(|| KeyedXxh3::new(self.check_secret)),
             retained,
             written: 0,
         }

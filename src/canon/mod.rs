@@ -13,6 +13,7 @@ use ndarray::ArrayViewD;
 mod fingerprint;
 mod header;
 mod key;
+mod keyed_xxh3;
 mod layout;
 mod stream;
 
