@@ -20,10 +20,10 @@ if [[ -z "${FIGURES_ONLY:-}" ]]; then
     bin="$target_dir/release/omniprefix"
     threads="$(nproc)"
     "$bin" demo --backend "${DEMO_BACKEND:-auto}" --json "$reports/demo.json" | tee "$reports/demo.txt"
-    "$bin" bench match --workload all --threads 1 --json > "$reports/bench_match_1t.jsonl"
-    "$bin" bench match --workload all --threads "$threads" --json > "$reports/bench_match_Nt.jsonl"
+    "$bin" bench match --workload all --threads 1 --runs 21 --json > "$reports/bench_match_1t.jsonl"
+    "$bin" bench match --workload all --threads "$threads" --runs 21 --json > "$reports/bench_match_Nt.jsonl"
     if "$bin" bench ttft --help > /dev/null 2>&1; then
-        "$bin" bench ttft --json > "$reports/bench_ttft.jsonl"
+        "$bin" bench ttft --runs 7 --json > "$reports/bench_ttft.jsonl"
     fi
 fi
 
