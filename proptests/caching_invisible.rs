@@ -54,6 +54,8 @@ struct Case {
     warm: Vec<u32>,
     /// Image grid (t, h, w) when the main prompt has an image.
     grid: Option<[u32; 3]>,
+    /// DeepStack levels of the image (0: none; at most the model's 2 layers).
+    deepstack_levels: usize,
     seed: u64,
 }
 
@@ -77,7 +79,9 @@ fn case() -> impl Strategy<Value = Case> {
                 warm.push(1);
             }
             let grid = image.map(|(h, w)| [1, 2 * h, 2 * w]);
-            Case { kind, block_size, budget, token_granular, main, warm, grid, seed }
+            // Levels from the seed, so the strategy (and its recorded regressions) keep their shape.
+            let deepstack_levels = (seed % 3) as usize;
+            Case { kind, block_size, budget, token_granular, main, warm, grid, deepstack_levels, seed }
         })
 }
 
@@ -108,7 +112,9 @@ fn expanded(ids: &[u32], tokens: usize) -> Vec<u32> {
     ids.iter().flat_map(|&t| std::iter::repeat_n(t, if t == IMAGE_PAD { tokens } else { 1 })).collect()
 }
 
-fn check(case: &Case) -> Result<(), TestCaseError> {
+/// Runs the case uncached and with the warm prefix cached, checks the invariants
+/// and returns the cached run's output.
+fn check(case: &Case) -> Result<Output, TestCaseError> {
     let backend = Arc::new(CpuBackend::new());
     let cfg = model(case.kind);
     let layers = cfg.num_hidden_layers;
@@ -127,7 +133,9 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     let pixels = ArrayD::from_shape_fn(IxDyn(&[6, 6, 3]), |d| (d[0] * 31 + d[1] * 7 + d[2]) as u8);
     let tokens = case.grid.map_or(0, |[t, h, w]| (t * h * w / 4) as usize);
     let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 1);
-    let embeddings = Arc::new(Array2::from_shape_simple_fn((tokens.max(1), HIDDEN), || rng.random::<f32>() * 2.0 - 1.0));
+    let mut rows = || Array2::from_shape_simple_fn((tokens.max(1), HIDDEN), || rng.random::<f32>() * 2.0 - 1.0);
+    let embeddings = Arc::new(rows());
+    let deepstack = (case.deepstack_levels > 0).then(|| Arc::new((0..case.deepstack_levels).map(|_| rows()).collect::<Vec<_>>()));
     let request = |ids: &Vec<u32>| PrefillRequest {
         token_ids: ids.clone(),
         items: match case.grid.filter(|_| ids.contains(&IMAGE_PAD)) {
@@ -139,6 +147,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
                     params: Default::default(),
                 },
                 embeddings: Some(Arc::clone(&embeddings)),
+                deepstack: deepstack.clone(),
             }],
             None => vec![],
         },
@@ -171,7 +180,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     if !case.token_granular {
         prop_assert_eq!(got.num_cached_tokens % case.block_size, 0);
     }
-    Ok(())
+    Ok(got)
 }
 
 proptest! {
@@ -187,7 +196,7 @@ proptest! {
 fn a_warm_prefix_is_actually_reused() -> Result<(), TestCaseError> {
     // Guards the property above against passing vacuously with nothing cached.
     let main: Vec<u32> = (1..40).collect();
-    let case = Case { kind: 1, block_size: 4, budget: 7, token_granular: true, warm: main[..30].to_vec(), main, grid: None, seed: 9 };
+    let case = Case { kind: 1, block_size: 4, budget: 7, token_granular: true, warm: main[..30].to_vec(), main, grid: None, deepstack_levels: 0, seed: 9 };
     check(&case)?;
     let backend = CpuBackend::new();
     let thinker = Arc::new(Thinker::random(&backend, model(1), 9).map_err(|e| TestCaseError::fail(e.to_string()))?);
@@ -197,4 +206,29 @@ fn a_warm_prefix_is_actually_reused() -> Result<(), TestCaseError> {
     let out = engine.prefill(PrefillRequest::text(case.main.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
     prop_assert_eq!(out.num_cached_tokens, 28);
     Ok(())
+}
+
+/// Qwen3-Omni DeepStack through the engine: an image item with 2 levels, a warm
+/// request sharing the text and the image (then other text), so the block-aligned
+/// match ends inside the image rows (5 text + vision start, rows 6..18, cached 16),
+/// finished in 3-token chunks. The cached run equals the uncached one to the last
+/// bit, and DeepStack really changed the outputs.
+#[test]
+fn a_warm_prefix_ending_inside_a_deepstack_image_is_invisible() -> Result<(), TestCaseError> {
+    let case = deepstack_case(2);
+    let got = check(&case)?;
+    prop_assert_eq!(got.num_cached_tokens, 16, "the match ends inside the image rows 6..18");
+    let without = check(&deepstack_case(0))?;
+    let last = |o: &Output| o.hidden.last().map(|(_, h)| h.row(10).to_vec()).unwrap_or_default();
+    prop_assert_ne!(last(&got), last(&without), "DeepStack did not change the image rows");
+    Ok(())
+}
+
+/// The case of [`a_warm_prefix_ending_inside_a_deepstack_image_is_invisible`] with `levels` DeepStack levels.
+fn deepstack_case(levels: usize) -> Case {
+    let head: Vec<u32> = vec![11, 12, 13, 14, 15];
+    let image = [VISION_START, IMAGE_PAD, VISION_END];
+    let main = [&head[..], &image, &[20, 21, 22, 23, 24, 25]].concat();
+    let warm = [&head[..], &image, &[30, 31, 32, 33]].concat();
+    Case { kind: 1, block_size: 4, budget: 3, token_granular: false, main, warm, grid: Some([1, 4, 12]), deepstack_levels: levels, seed: 5 }
 }

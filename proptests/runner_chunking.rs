@@ -35,7 +35,7 @@ fn model(kind: usize) -> Config {
 fn prompt(cfg: &Config, len: usize, start: usize, rows: usize, rng: &mut ChaCha8Rng) -> PromptInputs {
     let token_ids = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
     let item = Array2::from_shape_fn((rows, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
-    let embeds = vec![EmbedRows { step_offset: start, embeddings: Arc::new(item), rows: 0..rows }];
+    let embeds = vec![EmbedRows { step_offset: start, embeddings: Arc::new(item), rows: 0..rows, deepstack: None }];
     let t: Vec<i64> = (0..len as i64).collect();
     let positions = match cfg.mrope_section {
         None => Positions::Linear(t),

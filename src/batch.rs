@@ -14,6 +14,11 @@ use crate::prompt::Positions;
 /// Caller-chosen id of a request.
 pub type RequestId = u64;
 
+/// An item's DeepStack rows (Qwen3-VL / Qwen3-Omni vision items): one
+/// `[rows, hidden]` array per level, row-aligned with the item's embeddings.
+/// Level `i` is added to the item's positions after decoder layer `i`.
+pub type DeepStack = Arc<Vec<Array2<f32>>>;
+
 /// Item embeddings to place at some of this step's positions.
 #[derive(Debug, Clone)]
 pub struct EmbedRows {
@@ -23,6 +28,9 @@ pub struct EmbedRows {
     pub embeddings: Arc<Array2<f32>>,
     /// Which rows of `embeddings` go to `step_offset..step_offset + rows.len()`.
     pub rows: Range<usize>,
+    /// The item's DeepStack levels, if any: the same `rows` of each level are
+    /// added after the matching decoder layer.
+    pub deepstack: Option<DeepStack>,
 }
 
 /// Copy one whole KV block (all layers' K/V and hidden pages) before the step

@@ -117,6 +117,9 @@ pub enum Error {
     /// A request's embeddings disagree with its prompt's items or index map.
     #[error("request {id}, item {item}: {what} is {found}, expected {expected}")]
     EmbeddingMismatch { id: u64, item: usize, what: &'static str, expected: usize, found: usize },
+    /// An item's DeepStack rows disagree with its embeddings, the other items or the model.
+    #[error("request {id}, item {item}, DeepStack level {level}: {what} is {found}, expected {expected}")]
+    DeepStackMismatch { id: u64, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
     /// A prompt whose parts disagree in length or point outside it.
     #[error("request {id}: {what} is {found}, expected {expected}")]
     PromptMismatch { id: u64, what: &'static str, expected: usize, found: usize },

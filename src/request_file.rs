@@ -200,6 +200,7 @@ impl RequestFile {
                     params: item.params.clone(),
                 },
                 embeddings: Some(Arc::clone(&item.embeddings)),
+                deepstack: None,
             })
             .collect();
         PrefillRequest { tenant: self.tenant, token_ids, placeholders, items }

@@ -14,7 +14,7 @@ use ndarray::{Array2, s};
 use crate::backend::{AttnSeq, Backend, PagesSpec, RopePositions};
 use crate::batch::{BlockCopy, EmbedRows, RequestId, ScheduledBatch, ScheduledSeq};
 use crate::index::BlockId;
-use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
+use crate::model::{CaptureName, CaptureSpec, Config, StepMeta, Thinker};
 use crate::prompt::Positions;
 use crate::{Error, Result};
 
@@ -153,6 +153,7 @@ impl PromptInputs {
                     step_offset: lo - a,
                     embeddings: Arc::clone(&e.embeddings),
                     rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
+                    deepstack: e.deepstack.clone(),
                 })
             })
             .collect();
@@ -237,7 +238,8 @@ fn slot_of(table: &[u32], block_size: usize, j: usize) -> i64 {
 }
 
 /// Checks one sequence against itself, the model and the pages.
-fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, vocab: usize, hidden: usize) -> Result<()> {
+fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, c: &Config) -> Result<()> {
+    let (vocab, hidden) = (c.vocab_size, c.hidden_size);
     let bad = |what: String| Err(Error::InvalidBatch { request: seq.request, what });
     let n = seq.token_ids.len();
     let end = seq.num_computed_tokens.saturating_add(n);
@@ -284,6 +286,13 @@ fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, vocab: usize, hidden: usiz
         if e.embeddings.ncols() != hidden {
             return bad(format!("item embeddings have {} columns, the model {hidden}", e.embeddings.ncols()));
         }
+        let levels = e.deepstack.as_deref().map_or(&[][..], Vec::as_slice);
+        if levels.len() > c.num_hidden_layers {
+            return bad(format!("{} DeepStack levels for {} decoder layers", levels.len(), c.num_hidden_layers));
+        }
+        if let Some((level, l)) = levels.iter().enumerate().find(|(_, l)| l.dim() != e.embeddings.dim()) {
+            return bad(format!("DeepStack level {level} is {:?}, the item embeddings {:?}", l.dim(), e.embeddings.dim()));
+        }
     }
     Ok(())
 }
@@ -304,8 +313,7 @@ fn validate_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch
             return Err(Error::OpIndex { op: "execute", what: "copy block", index: *b as i64, bound: spec.num_blocks });
         }
     }
-    let c = thinker.config();
-    batch.seqs.iter().try_for_each(|seq| validate_seq(seq, spec, c.vocab_size, c.hidden_size))
+    batch.seqs.iter().try_for_each(|seq| validate_seq(seq, spec, thinker.config()))
 }
 
 /// Embeds all new tokens of the step and scatters item rows over their placeholders.
@@ -321,6 +329,29 @@ fn embed_step<B: Backend>(thinker: &Thinker<B>, backend: &B, batch: &ScheduledBa
         }
     }
     Ok(x)
+}
+
+/// Adds DeepStack level `level` of every item row of the step to `x` (after
+/// decoder layer `level`): one gather, add and scatter over all sequences.
+fn add_deepstack<B: Backend>(backend: &B, x: &mut B::Tensor, batch: &ScheduledBatch, starts: &[usize], level: usize) -> Result<()> {
+    let mut rows = Vec::new();
+    let mut parts = Vec::new();
+    for (seq, &start) in batch.seqs.iter().zip(starts) {
+        for e in &seq.embeds {
+            let Some(add) = e.deepstack.as_deref().and_then(|levels| levels.get(level)) else { continue };
+            let first = start + e.step_offset;
+            rows.extend((first..first + e.rows.len()).map(|r| r as u32));
+            parts.push(add.slice(s![e.rows.clone(), ..]));
+        }
+    }
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let host = ndarray::concatenate(ndarray::Axis(0), &parts)
+        .map_err(|err| Error::InvalidBatch { request: batch.seqs.first().map_or(0, |s| s.request), what: format!("DeepStack rows: {err}") })?;
+    let mut selected = backend.gather_rows(x, &rows)?;
+    backend.add(&mut selected, &backend.upload(host.view())?)?;
+    backend.scatter_rows(x, &rows, &selected)
 }
 
 /// The core of [`ModelRunner::execute`] and [`run_uncached`].
@@ -369,9 +400,15 @@ fn run_step<B: Backend>(
 
     let mut x = embed_step(thinker, backend, batch, &starts)?;
     let num_layers = thinker.config().num_hidden_layers;
+    let levels = batch.seqs.iter().flat_map(|s| &s.embeds).filter_map(|e| e.deepstack.as_ref().map(|d| d.len())).max().unwrap_or(0);
     for layer in 0..=num_layers {
         if let Some(c) = capture.index_of(CaptureName::Hidden(layer)) {
             backend.write_hidden(pages, c, &x, &slots)?;
+        }
+        // HF records a layer's output before its DeepStack add (a forward hook),
+        // so `hidden.<layer + 1>` is captured above before the add here.
+        if layer > 0 && layer <= levels {
+            add_deepstack(backend, &mut x, batch, &starts, layer - 1)?;
         }
         if layer < num_layers {
             thinker.forward_layer(backend, layer, &mut x, &meta, pages)?;
@@ -433,7 +470,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let token_ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
         let item = Array2::from_shape_fn((rows + 2, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
-        let embeds = vec![EmbedRows { step_offset: 3, embeddings: Arc::new(item), rows: 1..rows + 1 }];
+        let embeds = vec![EmbedRows { step_offset: 3, embeddings: Arc::new(item), rows: 1..rows + 1, deepstack: None }];
         let (mut t, mut h, mut w) = (vec![], vec![], vec![]);
         for p in 0..len as i64 {
             let in_item = (3..3 + rows as i64).contains(&p);
@@ -444,6 +481,16 @@ mod tests {
         }
         let positions = if cfg.mrope_section.is_some() { Positions::Mrope { t, h, w, rope_delta: 0 } } else { Positions::Linear(t) };
         PromptInputs { token_ids, embeds, positions }
+    }
+
+    /// `p` with `levels` seeded random DeepStack levels on its item.
+    fn with_deepstack(mut p: PromptInputs, levels: usize, seed: u64) -> PromptInputs {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        for e in &mut p.embeds {
+            let dim = e.embeddings.dim();
+            e.deepstack = Some(Arc::new((0..levels).map(|_| Array2::from_shape_fn(dim, |_| rng.random::<f32>() * 2.0 - 1.0)).collect()));
+        }
+        p
     }
 
     /// Prompt positions `a..b` as one scheduled sequence over `table`.
@@ -508,6 +555,38 @@ mod tests {
                 }
                 assert_eq!(outs.len(), 1, "config {ci} cuts {cuts:?}");
                 assert_eq!(outs[0].request, 7);
+                assert_same(&outs[0], &want);
+            }
+        }
+    }
+
+    #[test]
+    fn deepstack_is_added_after_its_layer_per_chunk_and_caching_stays_invisible() {
+        let mut rng = ChaCha8Rng::seed_from_u64(8);
+        for (ci, cfg) in configs().into_iter().enumerate() {
+            let r = runner(cfg.clone(), 60 + ci as u64);
+            let plain = prompt(&cfg, 23, 6, ci as u64);
+            let p = with_deepstack(plain.clone(), 2, ci as u64);
+            let want = run_uncached(r.thinker(), r.backend(), &p, r.capture(), false).unwrap();
+            let without = run_uncached(r.thinker(), r.backend(), &plain, r.capture(), false).unwrap();
+            // hidden.0 and hidden.1 (layer 0's output, captured before its add) are
+            // untouched; everything after the first add moves, on the item rows first.
+            assert_eq!(want.hidden[0].1, without.hidden[0].1, "config {ci}: hidden.0");
+            assert_eq!(want.hidden[1].1, without.hidden[1].1, "config {ci}: hidden.1");
+            let last = &want.hidden[2].1;
+            assert_ne!(last.row(4), without.hidden[2].1.row(4), "config {ci}: item row after the adds");
+            assert_eq!(last.row(2), without.hidden[2].1.row(2), "config {ci}: rows before the item see no add");
+            for cuts in [vec![4, 23], vec![5, 6, 19, 23], vec![8, 9, 23]] {
+                let mut blocks: Vec<u32> = (0..12).collect();
+                blocks.shuffle(&mut rng);
+                let table = &blocks[..23usize.div_ceil(BS)];
+                let mut pages = r.alloc_pages(12, BS).unwrap();
+                let mut outs = Vec::new();
+                let mut a = 0;
+                for &b in &cuts {
+                    outs = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 7, table, a, b)] }, &mut pages).unwrap();
+                    a = b;
+                }
                 assert_same(&outs[0], &want);
             }
         }
@@ -611,9 +690,15 @@ mod tests {
         let mut early_output = chunk(&p, 1, &table, 4, 8);
         early_output.emits_output = true;
         let mut bad_embed = good.clone();
-        bad_embed.embeds = vec![EmbedRows { step_offset: 5, embeddings: Arc::new(Array2::zeros((3, 32))), rows: 0..2 }];
+        bad_embed.embeds = vec![EmbedRows { step_offset: 5, embeddings: Arc::new(Array2::zeros((3, 32))), rows: 0..2, deepstack: None }];
         let mut bad_positions = good.clone();
         bad_positions.positions = Positions::Linear(vec![0; 2]);
+        let deep = with_deepstack(p.clone(), 3, 1);
+        let too_many_levels = chunk(&deep, 1, &table, 4, 10);
+        let mut bad_level_shape = chunk(&with_deepstack(p.clone(), 2, 1), 1, &table, 4, 10);
+        for e in &mut bad_level_shape.embeds {
+            e.deepstack = Some(Arc::new(vec![Array2::zeros(e.embeddings.dim()), Array2::zeros((1, 32))]));
+        }
         for (what, seq) in [
             ("token", bad_token),
             ("slot", bad_slot),
@@ -621,6 +706,8 @@ mod tests {
             ("early", early_output),
             ("embed", bad_embed),
             ("positions", bad_positions),
+            ("deepstack levels", too_many_levels),
+            ("deepstack shape", bad_level_shape),
         ] {
             // A valid copy goes first: it must not run either.
             let batch = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };

@@ -228,7 +228,7 @@ impl Catalogue {
             .iter()
             .map(|i| self.embeddings.get(&i.num_tokens).cloned().ok_or(Error::InvalidRequest("no embedding".into())))
             .collect::<Result<_>>()?;
-        Ok((Request { id, prompt, item_embeddings, hidden_size: None }, prefix_len))
+        Ok((Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: None }, prefix_len))
     }
 }
 

@@ -417,6 +417,7 @@ impl MediaItem {
                 params: Default::default(),
             },
             embeddings: Some(Arc::clone(&self.embeddings)),
+            deepstack: None,
         }
     }
 }

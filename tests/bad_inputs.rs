@@ -64,7 +64,7 @@ fn image_prompt(tenant: u64, seed: u8) -> Result<CanonicalPrompt> {
 fn request(id: u64, prompt: CanonicalPrompt) -> Request {
     let item_embeddings =
         prompt.items.iter().map(|i| Arc::new(Array2::from_elem((i.num_tokens, HIDDEN), 0.5f32))).collect();
-    Request { id, prompt, item_embeddings, hidden_size: Some(HIDDEN) }
+    Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: Some(HIDDEN) }
 }
 
 /// Runs everything admitted to the end without a model, finishing each request.
@@ -465,6 +465,28 @@ fn c16_embeddings_that_disagree_with_their_items() -> Result<()> {
     req.item_embeddings.clear();
     let err = rejected(|s| s.admit(req))?;
     assert!(matches!(err, Error::EmbeddingMismatch { id: 25, expected: 1, found: 0, .. }), "{err}");
+    Ok(())
+}
+
+#[test]
+fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
+    let level = |rows: usize| Array2::from_elem((rows, HIDDEN), 0.25f32);
+    let mut req = request(27, image_prompt(0, 1)?);
+    req.item_deepstack = vec![Some(Arc::new(vec![level(6)])), None];
+    let err = rejected(|s| s.admit(req))?;
+    assert!(matches!(err, Error::EmbeddingMismatch { id: 27, what: "number of item DeepStack entries", expected: 1, found: 2, .. }), "{err}");
+    let mut req = request(28, image_prompt(0, 1)?);
+    req.item_deepstack = vec![Some(Arc::new(vec![level(6), level(5)]))];
+    let err = rejected(|s| s.admit(req))?;
+    assert!(matches!(err, Error::DeepStackMismatch { id: 28, item: 0, level: 1, what: "rows", expected: 6, found: 5 }), "{err}");
+    // Audio items (Qwen3-Omni's audio tower) have no DeepStack levels.
+    let mut req = request(29, image_prompt(0, 1)?);
+    let mut audio = (*req.prompt.items[0]).clone();
+    audio.modality = Modality::Audio;
+    req.prompt.items[0] = Arc::new(audio);
+    req.item_deepstack = vec![Some(Arc::new(vec![level(6)]))];
+    let err = rejected(|s| s.admit(req))?;
+    assert!(matches!(err, Error::DeepStackMismatch { id: 29, item: 0, what: "levels of an audio item", found: 1, .. }), "{err}");
     Ok(())
 }
 

@@ -45,6 +45,7 @@ fn image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>) -> ItemIn
             params: Default::default(),
         },
         embeddings: embeddings.map(Arc::new),
+        deepstack: None,
     }
 }
 
@@ -205,5 +206,82 @@ fn unknown_tenants_are_rejected_and_change_nothing() -> TestResult {
         let again = engine.prefill(request(1))?;
         assert_eq!(again.num_cached_tokens, if cache { 8 } else { 0 });
     }
+    Ok(())
+}
+
+/// `image` with DeepStack `levels` (each `[rows, cols]`).
+fn deep_image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>, levels: Vec<Array2<f32>>) -> ItemInput<'a> {
+    ItemInput { deepstack: Some(Arc::new(levels)), ..image(content, embeddings) }
+}
+
+#[test]
+fn deepstack_mismatches_are_typed_errors_and_change_nothing() -> TestResult {
+    let (a, b) = (pixels(5), pixels(6));
+    let mut engine = Engine::random(model(), 9, config())?;
+    engine.prefill(PrefillRequest::text((0..9).collect()))?;
+    let before = (engine.stats(), engine.scheduler_stats());
+    let two_images = [with_image(&[1], &[2]), with_image(&[], &[3])].concat();
+    let level = |n: usize, cols: usize, seed: f32| rows(n, cols, seed);
+    let emb = || Some(rows(4, HIDDEN, 0.0));
+    let cases: Vec<(&str, PrefillRequest<'_>)> = vec![
+        ("levels > layers", PrefillRequest {
+            token_ids: with_image(&[1], &[2]),
+            items: vec![deep_image(&a, emb(), (0..3).map(|i| level(4, HIDDEN, i as f32)).collect())],
+            ..Default::default()
+        }),
+        ("rows", PrefillRequest {
+            token_ids: with_image(&[1], &[2]),
+            items: vec![deep_image(&a, emb(), vec![level(4, HIDDEN, 0.0), level(3, HIDDEN, 1.0)])],
+            ..Default::default()
+        }),
+        ("columns", PrefillRequest {
+            token_ids: with_image(&[1], &[2]),
+            items: vec![deep_image(&a, emb(), vec![level(4, HIDDEN + 1, 0.0)])],
+            ..Default::default()
+        }),
+        ("levels differ", PrefillRequest {
+            token_ids: two_images,
+            items: vec![
+                deep_image(&a, emb(), vec![level(4, HIDDEN, 0.0), level(4, HIDDEN, 1.0)]),
+                deep_image(&b, emb(), vec![level(4, HIDDEN, 2.0)]),
+            ],
+            ..Default::default()
+        }),
+    ];
+    for (what, request) in cases {
+        let err = engine.prefill(request).expect_err(what);
+        let expected = match what {
+            "levels > layers" => matches!(err, Error::DeepStackMismatch { item: 0, level: 2, expected: 2, found: 3, .. }),
+            "rows" => matches!(err, Error::DeepStackMismatch { item: 0, level: 1, what: "rows", expected: 4, found: 3, .. }),
+            "columns" => matches!(err, Error::DeepStackMismatch { item: 0, level: 0, what: "columns", expected: 32, found: 33, .. }),
+            _ => matches!(err, Error::DeepStackMismatch { item: 1, what: "number of levels", expected: 2, found: 1, .. }),
+        };
+        assert!(expected, "{what}: {err}");
+        assert_eq!((engine.stats(), engine.scheduler_stats()), before, "{what}: state changed");
+        engine.validate()?;
+    }
+    assert!(engine.encoder_cache().is_empty(), "rejected items are not cached");
+    Ok(())
+}
+
+/// DeepStack rows change the outputs, and the encoder cache keeps them with the
+/// embeddings: a later request naming the item without either gets both.
+#[test]
+fn deepstack_rows_are_cached_with_the_embeddings() -> TestResult {
+    let content = pixels(7);
+    let ids = with_image(&[4, 5, 6], &[7, 8]);
+    let levels = vec![rows(4, HIDDEN, 3.0), rows(4, HIDDEN, 4.0)];
+    let no_cache = EngineConfig { cache: false, ..config() };
+    let mut engine = Engine::random(model(), 10, no_cache.clone())?;
+    let request = |item| PrefillRequest { token_ids: ids.clone(), items: vec![item], ..Default::default() };
+    let with = engine.prefill(request(deep_image(&content, Some(rows(4, HIDDEN, 0.5)), levels)))?;
+    let from_cache = engine.prefill(request(image(&content, None)))?;
+    assert_eq!(engine.stats().encoder_cache_hits, 1);
+    assert_same(&from_cache, &with);
+    let mut plain_engine = Engine::random(model(), 10, no_cache)?;
+    let plain = plain_engine.prefill(request(image(&content, Some(rows(4, HIDDEN, 0.5)))))?;
+    let last = |o: &Output| o.hidden.last().map(|(_, h)| h.row(5).to_vec()).unwrap_or_default();
+    assert_ne!(last(&with), last(&plain), "DeepStack changed nothing");
+    assert_eq!(with.hidden[0].1, plain.hidden[0].1, "hidden.0 is before any DeepStack add");
     Ok(())
 }

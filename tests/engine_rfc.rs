@@ -158,6 +158,7 @@ fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> Te
                         params: Default::default(),
                     },
                     embeddings: Some(Arc::new(reference.matrix(&format!("mm.item.{j}.embeds"))?.clone())),
+                    deepstack: None,
                 })
             })
             .collect::<TestResult<Vec<_>>>()?;

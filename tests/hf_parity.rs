@@ -136,6 +136,7 @@ fn step_embeds(items: &[EmbedRows], step: &Range<usize>) -> Vec<EmbedRows> {
                 step_offset: lo - step.start,
                 embeddings: Arc::clone(&e.embeddings),
                 rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
+                deepstack: e.deepstack.clone(),
             })
         })
         .collect()
@@ -200,12 +201,17 @@ fn run_chunked(
 /// the CPU backend as `mode` says and compares all outputs. Returns the worst
 /// relative error over everything compared.
 fn check_model(model: &str, expected_prompts: &[&str], mode: Mode) -> TestResult<f32> {
+    check_model_file(model, "reference.safetensors", expected_prompts, mode)
+}
+
+/// [`check_model`] against the recorded prompts of `file` in the model's folder.
+fn check_model_file(model: &str, file: &str, expected_prompts: &[&str], mode: Mode) -> TestResult<f32> {
     let backend = Arc::new(CpuBackend::new());
     let thinker = Arc::new(Thinker::from_dir(&*backend, &model_dir(model))?);
     let num_layers = thinker.config().num_hidden_layers;
     let capture = all_captures(num_layers)?;
     let runner = ModelRunner::new(Arc::clone(&backend), Arc::clone(&thinker), capture.clone())?;
-    let reference = Reference::open(model)?;
+    let reference = Reference::open_file(model, file)?;
     assert_eq!(
         reference.prompts(),
         expected_prompts,
@@ -293,6 +299,34 @@ fn qwen3_dense_matches_transformers() -> TestResult {
 #[test]
 fn omni_thinker_matches_transformers_on_text_and_multimodal_prompts() -> TestResult {
     check_model("omni_thinker", OMNI_PROMPTS, Mode::Uncached)?;
+    Ok(())
+}
+
+/// The `mm` prompt with DeepStack rows on the image and video items (2 levels),
+/// recorded through HF's `Qwen3OmniMoeThinkerTextModel` with `visual_pos_masks` +
+/// `deepstack_visual_embeds`.
+const DEEPSTACK_FILE: &str = "deepstack_reference.safetensors";
+
+/// Qwen3-Omni DeepStack: level `i` of the image and video rows is added after
+/// decoder layer `i`, and `hidden.<i + 1>` is the layer's output before the add,
+/// as HF records it. Checked in one step and through paged prefill in chunks that
+/// cut both items (7-token steps over 8-token blocks, and 5-token steps over
+/// 4-token blocks), where every chunk adds only its own slice of the rows.
+#[test]
+fn omni_thinker_with_deepstack_matches_transformers_uncached_and_chunked() -> TestResult {
+    let reference = Reference::open_file("omni_thinker", DEEPSTACK_FILE)?;
+    let inputs = reference.prompt("mm")?;
+    let levels: Vec<usize> = inputs.embeds.iter().map(|e| e.deepstack.as_ref().map_or(0, |d| d.len())).collect();
+    assert_eq!(levels, [2, 0, 2], "image and video carry 2 levels, audio none");
+    // Not vacuous: DeepStack changes what HF records after layer 1 (hidden.1 is
+    // layer 0's output before the first add, so it equals the plain run's).
+    let plain = Reference::open("omni_thinker")?;
+    assert_eq!(reference.matrix("mm.hidden.1")?, plain.matrix("mm.hidden.1")?);
+    let moved = relative_error("hidden.2", reference.matrix("mm.hidden.2")?.view(), plain.matrix("mm.hidden.2")?.view());
+    assert!(moved.is_err(), "DeepStack did not change hidden.2");
+    for mode in [Mode::Uncached, Mode::Chunked { chunk: 7, block_size: 8 }, Mode::Chunked { chunk: 5, block_size: 4 }] {
+        check_model_file("omni_thinker", DEEPSTACK_FILE, &["mm"], mode)?;
+    }
     Ok(())
 }
 

@@ -453,6 +453,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
         id: 5,
         prompt: prompt.clone(),
         item_embeddings: vec![],
+        item_deepstack: vec![],
         hidden_size: None,
     };
     let err = sched.admit(missing).err();
@@ -474,6 +475,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
             id: 6,
             prompt: prompt.clone(),
             item_embeddings: vec![short],
+            item_deepstack: vec![],
             hidden_size: None,
         })
         .err();
@@ -494,6 +496,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
             id: 7,
             prompt: prompt.clone(),
             item_embeddings: vec![emb.clone()],
+            item_deepstack: vec![],
             hidden_size: Some(16),
         })
         .err();
@@ -516,6 +519,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
             id: 8,
             prompt: out_of_range,
             item_embeddings: vec![emb],
+            item_deepstack: vec![],
             hidden_size: None,
         })
         .err();

@@ -569,7 +569,7 @@ mod forward {
     fn prompt(cfg: &Config, len: usize, rows: usize, rng: &mut ChaCha8Rng) -> PromptInputs {
         let token_ids = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
         let item = Arc::new(rand_matrix(rng, rows, cfg.hidden_size));
-        let embeds = vec![EmbedRows { step_offset: 3, embeddings: item, rows: 0..rows }];
+        let embeds = vec![EmbedRows { step_offset: 3, embeddings: item, rows: 0..rows, deepstack: None }];
         let grid = |p: i64, f: fn(i64) -> i64| if (3..3 + rows as i64).contains(&p) { 3 + f(p - 3) } else { p };
         let t: Vec<i64> = (0..len as i64).map(|p| grid(p, |_| 0)).collect();
         let h = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();

@@ -207,7 +207,7 @@ fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
         index_map: IndexMap::default(),
         positions: Positions::Linear((0..ids.len() as i64).collect()),
     };
-    Request { id, prompt, item_embeddings: vec![], hidden_size: Some(hidden) }
+    Request { id, prompt, item_embeddings: vec![], item_deepstack: vec![], hidden_size: Some(hidden) }
 }
 
 /// Schedules and executes until request `id` returns its output.

@@ -104,6 +104,7 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
         id,
         prompt,
         item_embeddings: embeddings,
+        item_deepstack: vec![],
         hidden_size: Some(2),
     }
 }

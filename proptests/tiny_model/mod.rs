@@ -118,12 +118,12 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
         prompt.index_map.spans.push(ItemSpan { item: item as u32, rows: 0..IMAGE_ROWS as u32, start });
         prompt.index_map.placeholders.insert_range(start..start + IMAGE_ROWS as u32);
         prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS]);
-        embeds.push(EmbedRows { step_offset: start as usize, embeddings: Arc::clone(&embeddings[item]), rows: 0..IMAGE_ROWS });
+        embeds.push(EmbedRows { step_offset: start as usize, embeddings: Arc::clone(&embeddings[item]), rows: 0..IMAGE_ROWS, deepstack: None });
     }
     let positions = Positions::Linear((0..prompt.token_ids.len() as i64).collect());
     prompt.positions = positions.clone();
     let inputs = PromptInputs { token_ids: prompt.token_ids.clone(), embeds, positions };
-    (Request { id, prompt, item_embeddings: embeddings, hidden_size: Some(HIDDEN) }, inputs)
+    (Request { id, prompt, item_embeddings: embeddings, item_deepstack: vec![], hidden_size: Some(HIDDEN) }, inputs)
 }
 
 /// `Ok` when every captured hidden state and the last logits of `got` equal

@@ -172,7 +172,7 @@ fn prefill_request<'a, B: Backend>(plan: &'a RequestPlan, inputs: &WayInputs<'a,
     let items = plan
         .items
         .iter()
-        .map(|&m| Ok(ItemInput { spec: inputs.media.spec(m), embeddings: Some(inputs.embeddings.get(m)?) }))
+        .map(|&m| Ok(ItemInput { spec: inputs.media.spec(m), embeddings: Some(inputs.embeddings.get(m)?), deepstack: None }))
         .collect::<Result<_>>()?;
     Ok(PrefillRequest { token_ids: plan.token_ids.clone(), items, ..PrefillRequest::default() })
 }

@@ -19,7 +19,7 @@ use ndarray::Array2;
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
-use crate::batch::{RequestId, ScheduledBatch};
+use crate::batch::{DeepStack, RequestId, ScheduledBatch};
 use crate::canon::{Fingerprinter, ItemIdentity};
 use crate::error::{Error, Result};
 use crate::index::PrefixIndex;
@@ -275,35 +275,38 @@ impl<B: Backend> Engine<B> {
         }
         let prompt = self.preprocess(&request)?;
         let mut embeddings = Vec::with_capacity(prompt.items.len());
+        let mut deepstack = Vec::with_capacity(prompt.items.len());
         let mut fresh = Vec::new();
         let mut cache_hits = 0;
         for (index, (identity, input)) in prompt.items.iter().zip(&request.items).enumerate() {
             let fp = identity.fingerprint;
-            let emb = match &input.embeddings {
+            let (emb, levels) = match &input.embeddings {
                 Some(e) => {
-                    fresh.push((fp, Arc::clone(e)));
-                    Arc::clone(e)
+                    fresh.push((fp, Arc::clone(e), input.deepstack.clone()));
+                    (Arc::clone(e), input.deepstack.clone())
                 }
-                None => match self.encoder_cache.get(fp) {
-                    Some(e) => {
+                None => match self.encoder_cache.get_with_deepstack(fp) {
+                    Some((e, cached)) => {
                         cache_hits += 1;
-                        e
+                        (e, input.deepstack.clone().or(cached))
                     }
                     None => {
                         let e = Arc::new(encoder(index, identity)?);
-                        fresh.push((fp, Arc::clone(&e)));
-                        e
+                        fresh.push((fp, Arc::clone(&e), input.deepstack.clone()));
+                        (e, input.deepstack.clone())
                     }
                 },
             };
             embeddings.push(emb);
+            deepstack.push(levels);
         }
         let id = self.next_id;
+        check_deepstack_levels(id, &deepstack, self.model_config().num_hidden_layers)?;
         let hidden = self.model_config().hidden_size;
         let preprocess = started.elapsed();
-        self.sched.admit(Request { id, prompt, item_embeddings: embeddings, hidden_size: Some(hidden) })?;
-        for (fp, e) in fresh {
-            self.encoder_cache.insert(fp, e);
+        self.sched.admit(Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: Some(hidden) })?;
+        for (fp, e, levels) in fresh {
+            self.encoder_cache.insert_with_deepstack(fp, e, levels);
         }
         self.encoder_cache_hits += cache_hits;
         self.next_id += 1;
@@ -446,6 +449,22 @@ impl<B: Backend> Engine<B> {
             let _ = self.sched.abort(seq.request);
             self.pending.remove(&seq.request);
         }
+    }
+}
+
+/// DeepStack level `i` is added after decoder layer `i`: an item may carry at
+/// most one level per layer (the scheduler checks the rest of their shape).
+fn check_deepstack_levels(id: RequestId, deepstack: &[Option<DeepStack>], layers: usize) -> Result<()> {
+    match deepstack.iter().enumerate().find_map(|(item, d)| d.as_ref().filter(|d| d.len() > layers).map(|d| (item, d.len()))) {
+        Some((item, found)) => Err(Error::DeepStackMismatch {
+            id,
+            item,
+            level: layers,
+            what: "number of levels (at most one per decoder layer)",
+            expected: layers,
+            found,
+        }),
+        None => Ok(()),
     }
 }
 

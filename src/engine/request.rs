@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 
+use crate::batch::DeepStack;
 use crate::canon::ItemSpec;
 pub use crate::preprocess::PlaceholderForm;
 use crate::prompt::TenantSalt;
@@ -18,6 +19,12 @@ pub struct ItemInput<'a> {
     /// engine's encoder cache (or the encoder given to
     /// [`Engine::submit_with_encoder`](super::Engine::submit_with_encoder)).
     pub embeddings: Option<Arc<Array2<f32>>>,
+    /// DeepStack levels of a vision item (Qwen3-Omni): one `[num_tokens, hidden]`
+    /// array per level, level `i` added at the item's positions after decoder
+    /// layer `i`; at most one level per layer, the same count on every item of
+    /// a request, none on audio. `None` takes the levels cached with the
+    /// embeddings (if any).
+    pub deepstack: Option<DeepStack>,
 }
 
 /// A prefill request.

@@ -10,7 +10,9 @@ use crate::{Error, Result};
 pub enum CaptureName {
     /// `hidden.<L>`: the residual stream entering layer `L`; `hidden.0` is the
     /// embeddings after the multimodal merge, `hidden.<num_layers>` the last
-    /// layer's output before the final norm.
+    /// layer's output before the final norm. With DeepStack items, `hidden.<L>`
+    /// for `1 <= L <= levels` is layer `L - 1`'s output *before* its DeepStack
+    /// add, as HF's `output_hidden_states` records it (a hook on the layer's output).
     Hidden(usize),
     /// `final`: the final-norm output (what `lm_head` reads).
     Final,

@@ -6,10 +6,13 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 
+use crate::batch::DeepStack;
 use crate::canon::Fingerprint;
 
 struct Entry {
     value: Arc<Array2<f32>>,
+    /// The item's DeepStack levels, kept with its embeddings.
+    deepstack: Option<DeepStack>,
     /// Logical clock of the last use (key into `by_use`).
     last_use: u64,
     bytes: usize,
@@ -47,18 +50,29 @@ impl EncoderCache {
 
     /// The cached output for `fp`, marking it most recently used.
     pub fn get(&mut self, fp: Fingerprint) -> Option<Arc<Array2<f32>>> {
+        self.get_with_deepstack(fp).map(|(value, _)| value)
+    }
+
+    /// The cached output for `fp` and its DeepStack levels, marking it most recently used.
+    pub fn get_with_deepstack(&mut self, fp: Fingerprint) -> Option<(Arc<Array2<f32>>, Option<DeepStack>)> {
         let now = self.tick();
         let entry = self.entries.get_mut(&fp)?;
         self.by_use.remove(&entry.last_use);
         entry.last_use = now;
         self.by_use.insert(now, fp);
-        Some(Arc::clone(&entry.value))
+        Some((Arc::clone(&entry.value), entry.deepstack.clone()))
     }
 
     /// Caches `value` for `fp`, evicting least-recently-used entries to fit.
     /// Returns false (and caches nothing) when `value` alone exceeds the capacity.
     pub fn insert(&mut self, fp: Fingerprint, value: Arc<Array2<f32>>) -> bool {
-        let bytes = value.len() * std::mem::size_of::<f32>();
+        self.insert_with_deepstack(fp, value, None)
+    }
+
+    /// [`EncoderCache::insert`] with the item's DeepStack levels (counted in the bytes).
+    pub fn insert_with_deepstack(&mut self, fp: Fingerprint, value: Arc<Array2<f32>>, deepstack: Option<DeepStack>) -> bool {
+        let levels: usize = deepstack.iter().flat_map(|d| d.iter()).map(Array2::len).sum();
+        let bytes = (value.len() + levels) * std::mem::size_of::<f32>();
         if bytes > self.capacity_bytes {
             return false;
         }
@@ -71,7 +85,7 @@ impl EncoderCache {
         }
         let now = self.tick();
         self.by_use.insert(now, fp);
-        self.entries.insert(fp, Entry { value, last_use: now, bytes });
+        self.entries.insert(fp, Entry { value, deepstack, last_use: now, bytes });
         self.used_bytes += bytes;
         true
     }
@@ -123,5 +137,20 @@ mod tests {
         assert_eq!(c.len(), 2);
         assert!(c.insert(Fingerprint(1), rows(1)), "replace shrinks");
         assert_eq!(c.used_bytes(), 64);
+    }
+
+    #[test]
+    fn deepstack_levels_stay_with_their_embeddings_and_count_in_bytes() {
+        let mut c = EncoderCache::new(96);
+        let levels: DeepStack = Arc::new(vec![Array2::from_elem((2, 4), 7.0), Array2::from_elem((2, 4), 8.0)]);
+        assert!(c.insert_with_deepstack(Fingerprint(1), rows(2), Some(Arc::clone(&levels))));
+        assert_eq!(c.used_bytes(), 96, "embeddings and both levels");
+        let (value, got) = c.get_with_deepstack(Fingerprint(1)).unwrap();
+        assert_eq!(value[[0, 0]], 2.0);
+        assert!(got.is_some_and(|g| Arc::ptr_eq(&g, &levels)));
+        assert!(c.insert(Fingerprint(2), rows(1)), "evicts the DeepStack entry to fit");
+        assert!(c.get(Fingerprint(1)).is_none());
+        assert!(matches!(c.get_with_deepstack(Fingerprint(2)), Some((_, None))));
+        assert!(!c.insert_with_deepstack(Fingerprint(3), rows(2), Some(Arc::new(vec![Array2::zeros((5, 4))]))));
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 
-use crate::batch::EmbedRows;
+use crate::batch::{DeepStack, EmbedRows};
 use crate::index::BlockId;
 use crate::prompt::{IndexMap, Positions};
 
@@ -31,10 +31,12 @@ pub(super) fn slice_positions(positions: &Positions, range: Range<usize>) -> Pos
     }
 }
 
-/// Item rows whose positions fall in `range`, with offsets relative to the chunk.
+/// Item rows whose positions fall in `range`, with offsets relative to the chunk
+/// (and the item's DeepStack levels, sliced by the same rows in the runner).
 pub(super) fn embeds_in(
     index_map: &IndexMap,
     embeddings: &[Arc<Array2<f32>>],
+    deepstack: &[Option<DeepStack>],
     range: Range<usize>,
 ) -> Vec<EmbedRows> {
     index_map
@@ -51,6 +53,7 @@ pub(super) fn embeds_in(
                     step_offset: lo - range.start,
                     embeddings: Arc::clone(embeddings),
                     rows: first_row..first_row + (hi - lo),
+                    deepstack: deepstack.get(span.item as usize).cloned().flatten(),
                 }
             })
         })
@@ -96,12 +99,15 @@ mod tests {
                 },
             ],
         };
-        let got = embeds_in(&map, &[emb], 5..8);
-        let got: Vec<_> = got
+        let levels: DeepStack = Arc::new(vec![Array2::zeros((6, 2))]);
+        let got = embeds_in(&map, std::slice::from_ref(&emb), &[Some(Arc::clone(&levels))], 5..8);
+        let rows: Vec<_> = got
             .iter()
             .map(|e| (e.step_offset, e.rows.clone()))
             .collect();
-        assert_eq!(got, vec![(0, 2..4), (2, 4..5)]);
+        assert_eq!(rows, vec![(0, 2..4), (2, 4..5)]);
+        assert!(got.iter().all(|e| e.deepstack.as_ref().is_some_and(|d| Arc::ptr_eq(d, &levels))));
+        assert!(embeds_in(&map, &[emb], &[], 5..8).iter().all(|e| e.deepstack.is_none()));
     }
 
     #[test]

@@ -81,6 +81,7 @@ struct Tracked {
 ///         index_map: IndexMap::default(),
 ///     },
 ///     item_embeddings: vec![],
+///     item_deepstack: vec![],
 ///     hidden_size: None,
 /// };
 /// let config = SchedulerConfig {
@@ -490,7 +491,7 @@ impl Scheduler {
                 .get(range.clone())
                 .unwrap_or_default()
                 .to_vec(),
-            embeds: chunk::embeds_in(&prompt.index_map, &t.req.item_embeddings, range.clone()),
+            embeds: chunk::embeds_in(&prompt.index_map, &t.req.item_embeddings, &t.req.item_deepstack, range.clone()),
             positions: chunk::slice_positions(&prompt.positions, range.clone()),
             slot_mapping: chunk::slot_mapping(&t.block_table, bs, range.clone()),
             prompt_len: prompt.len(),

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 
-use crate::batch::RequestId;
+use crate::batch::{DeepStack, RequestId};
+use crate::canon::Modality;
 use crate::error::{Error, Result};
 use crate::prompt::{Atom, CanonicalPrompt, Positions};
 
@@ -16,6 +17,9 @@ pub struct Request {
     pub prompt: CanonicalPrompt,
     /// One `[num_tokens, hidden]` array per `prompt.items` entry, in the same order.
     pub item_embeddings: Vec<Arc<Array2<f32>>>,
+    /// DeepStack levels per `prompt.items` entry (`None`: the item has none);
+    /// empty when no item has any.
+    pub item_deepstack: Vec<Option<DeepStack>>,
     /// The model's hidden size, when known: every embedding must have that many columns.
     pub hidden_size: Option<usize>,
 }
@@ -95,6 +99,7 @@ impl Request {
                 });
             }
         }
+        self.validate_deepstack(hidden)?;
         let mut placeholder_rows = 0u64;
         let mut next_free = 0usize;
         for span in &self.prompt.index_map.spans {
@@ -147,6 +152,45 @@ impl Request {
                 expected: placeholders as usize,
                 found: placeholder_rows as usize,
             });
+        }
+        Ok(())
+    }
+}
+
+impl Request {
+    /// Checks the DeepStack rows: one entry per item (or none at all), none on
+    /// audio items, every level shaped like the item's embeddings, and the same
+    /// number of levels on every item that has them (HF takes one list of levels).
+    fn validate_deepstack(&self, hidden: Option<usize>) -> Result<()> {
+        let id = self.id;
+        let items = &self.prompt.items;
+        if !self.item_deepstack.is_empty() && self.item_deepstack.len() != items.len() {
+            return Err(Error::EmbeddingMismatch {
+                id,
+                item: self.item_deepstack.len().min(items.len()),
+                what: "number of item DeepStack entries",
+                expected: items.len(),
+                found: self.item_deepstack.len(),
+            });
+        }
+        let mut levels_seen = None;
+        for (item, (identity, levels)) in items.iter().zip(&self.item_deepstack).enumerate() {
+            let Some(levels) = levels else { continue };
+            if identity.modality == Modality::Audio {
+                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found: levels.len() });
+            }
+            let expected = *levels_seen.get_or_insert(levels.len());
+            if levels.len() != expected {
+                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found: levels.len() });
+            }
+            for (level, rows) in levels.iter().enumerate() {
+                if rows.nrows() != identity.num_tokens {
+                    return Err(Error::DeepStackMismatch { id, item, level, what: "rows", expected: identity.num_tokens, found: rows.nrows() });
+                }
+                if let Some(hidden) = hidden.filter(|&h| h != rows.ncols()) {
+                    return Err(Error::DeepStackMismatch { id, item, level, what: "columns", expected: hidden, found: rows.ncols() });
+                }
+            }
         }
         Ok(())
     }

@@ -36,7 +36,12 @@ pub struct Reference {
 impl Reference {
     /// Reads `model`'s reference file; f32 tensors must be 2-D, i64 ones are flattened.
     pub fn open(model: &str) -> TestResult<Self> {
-        let path = model_dir(model).join("reference.safetensors");
+        Self::open_file(model, "reference.safetensors")
+    }
+
+    /// Reads `file` of `model`'s folder (e.g. `deepstack_reference.safetensors`), as [`Reference::open`].
+    pub fn open_file(model: &str, file: &str) -> TestResult<Self> {
+        let path = model_dir(model).join(file);
         let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let st = SafeTensors::deserialize(&bytes)?;
         let (mut f32s, mut i64s) = (BTreeMap::new(), BTreeMap::new());
@@ -70,7 +75,8 @@ impl Reference {
     }
 
     /// Prompt `p` as runner inputs: text with positions `0..L`, or — when the reference
-    /// holds `<p>.position_ids` — HF's 3-D positions and the item rows at their starts.
+    /// holds `<p>.position_ids` — HF's 3-D positions and the item rows at their starts
+    /// (with their DeepStack levels `<p>.item.<j>.deepstack.<i>` where recorded).
     pub fn prompt(&self, p: &str) -> TestResult<PromptInputs> {
         let token_ids =
             self.ints(&format!("{p}.input_ids"))?.iter().map(|&id| u32::try_from(id)).collect::<Result<Vec<_>, _>>()?;
@@ -87,11 +93,16 @@ impl Reference {
         let positions = Positions::Mrope { t: axis(0)?, h: axis(1)?, w: axis(2)?, rope_delta };
         let mut embeds = Vec::new();
         while let Ok(rows) = self.matrix(&format!("{p}.item.{}.embeds", embeds.len())) {
-            let start = self.first_int(&format!("{p}.item.{}.start", embeds.len()))?;
+            let item = format!("{p}.item.{}", embeds.len());
+            let start = self.first_int(&format!("{item}.start"))?;
+            let levels: Vec<Array2<f32>> = (0..)
+                .map_while(|level| self.matrix(&format!("{item}.deepstack.{level}")).ok().cloned())
+                .collect();
             embeds.push(EmbedRows {
                 step_offset: usize::try_from(start)?,
                 rows: 0..rows.nrows(),
                 embeddings: Arc::new(rows.clone()),
+                deepstack: (!levels.is_empty()).then(|| Arc::new(levels)),
             });
         }
         Ok(PromptInputs { token_ids, embeds, positions })
