@@ -21,17 +21,21 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-use ndarray::Array2;
+use ndarray::{Array2, ArrayD, IxDyn};
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest};
 use omniprefix::backend::Backend;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
 use omniprefix::batch::{BlockCopy, ScheduledBatch};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
-use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, OmniTokens, Positions};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, SeqOutput, run_uncached};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
-use reference::{Reference, TestResult, model_dir, relative_error};
+use reference::{Reference, TestResult, model_dir, relative_error, relative_error_within};
 use shared_gpu::gpu;
 
 /// The fixtures and their recorded prompts.
@@ -275,5 +279,62 @@ fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
         let worst = compare_all(&format!("rfc prompt 2, {cached} cached"), &got, &want)?;
         eprintln!("rfc_text_pair on wgpu, {cached} cached tokens: worst relative error {worst:.3e} vs uncached cpu");
     }
+    Ok(())
+}
+
+/// The DeepStack case of `proptests/caching_invisible.rs` on the GPU: an image item
+/// (12 rows at positions 6..18) with 2 DeepStack levels; a warm request shares the
+/// text and the image, so the block-aligned match ends inside the image rows (16
+/// cached), and the rest runs in 3-token chunks through the engine on wgpu. Every
+/// capture and the logits equal the uncached CPU engine within 1e-5 relative.
+#[test]
+fn deepstack_image_with_a_warm_prefix_on_wgpu_equals_uncached_cpu() -> TestResult {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let gpu = Arc::new(gpu);
+    let model = Config::tiny_qwen3_omni_moe(32, 2, 4, 2, 512, 4, 2);
+    let pixels = ArrayD::from_shape_fn(IxDyn(&[6, 6, 3]), |d| (d[0] * 31 + d[1] * 7 + d[2]) as u8);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let mut rows = || Array2::from_shape_simple_fn((12, 32), || rng.random::<f32>() * 2.0 - 1.0);
+    let embeddings = Arc::new(rows());
+    let deepstack = Arc::new(vec![rows(), rows()]);
+    // Tiny special ids: vision start 503, image pad 500, vision end 504.
+    let request = |tail: &[u32]| PrefillRequest {
+        token_ids: [&[11u32, 12, 13, 14, 15][..], &[503, 500, 504], tail].concat(),
+        items: vec![ItemInput {
+            spec: ItemSpec {
+                modality: Modality::Image,
+                layout: ItemLayout::Image { grid_thw: [1, 4, 12] },
+                content: ItemContent::Tensor(TensorView::U8(pixels.view())),
+                params: Default::default(),
+            },
+            embeddings: Some(Arc::clone(&embeddings)),
+            deepstack: Some(Arc::clone(&deepstack)),
+        }],
+        ..Default::default()
+    };
+    let config = EngineConfig {
+        block_size: 4,
+        num_blocks: 32,
+        max_tokens_per_step: 3,
+        token_granular_reuse: false,
+        capture: Some(all_captures(model.num_hidden_layers)?.points().to_vec()),
+        tokens: Some(OmniTokens::tiny()),
+        ..Default::default()
+    };
+    let main_tail = [20, 21, 22, 23, 24, 25];
+    let mut engine = Engine::new(Arc::clone(&gpu), Arc::new(Thinker::random(&*gpu, model.clone(), 5)?), config.clone())?;
+    engine.prefill(request(&[30, 31, 32, 33]))?;
+    let got = engine.prefill(request(&main_tail))?;
+    assert_eq!(got.num_cached_tokens, 16, "the match ends inside the image rows 6..18");
+    let cpu_config = EngineConfig { cache: false, max_tokens_per_step: 4096, ..config };
+    let mut cpu = Engine::new(Arc::new(CpuBackend), Arc::new(Thinker::random(&CpuBackend, model, 5)?), cpu_config)?;
+    let want = cpu.prefill(request(&main_tail))?;
+    let mut worst = 0f32;
+    let outputs = |o: &Output| named(&o.hidden, &o.last_logits, None);
+    let (got, want) = (outputs(&got)?, outputs(&want)?);
+    for (what, g) in &got {
+        worst = worst.max(relative_error_within(&format!("deepstack {what}"), g.view(), want[what].view(), 1e-5)?);
+    }
+    eprintln!("DeepStack warm prefix on wgpu vs uncached cpu: worst relative error {worst:.3e}");
     Ok(())
 }

@@ -122,6 +122,16 @@ impl Reference {
 /// Relative error of `got` against `want`, or a message naming the first element
 /// whose error exceeds [`TOLERANCE`] (row-major order).
 pub fn relative_error(what: &str, got: ArrayView2<'_, f32>, want: ArrayView2<'_, f32>) -> Result<f32, String> {
+    relative_error_within(what, got, want, TOLERANCE)
+}
+
+/// [`relative_error`] with the accepted error `tolerance` instead of [`TOLERANCE`].
+pub fn relative_error_within(
+    what: &str,
+    got: ArrayView2<'_, f32>,
+    want: ArrayView2<'_, f32>,
+    tolerance: f32,
+) -> Result<f32, String> {
     if got.dim() != want.dim() {
         return Err(format!("{what}: shape {:?}, expected {:?}", got.dim(), want.dim()));
     }
@@ -133,14 +143,14 @@ pub fn relative_error(what: &str, got: ArrayView2<'_, f32>, want: ArrayView2<'_,
         // NaN compares false: count it as the worst possible error.
         let err = if err.is_nan() { f32::INFINITY } else { err };
         worst = worst.max(err);
-        if err > TOLERANCE && first_bad.is_none() {
+        if err > tolerance && first_bad.is_none() {
             first_bad = Some((idx, g, w));
         }
     }
     match first_bad {
         None => Ok(worst),
         Some(((r, c), g, w)) => Err(format!(
-            "{what}: relative error {worst:.3e} > {TOLERANCE:e}; first at [{r}, {c}]: got {g}, want {w} (scale {scale})"
+            "{what}: relative error {worst:.3e} > {tolerance:e}; first at [{r}, {c}]: got {g}, want {w} (scale {scale})"
         )),
     }
 }
