@@ -10,7 +10,8 @@
 //!     {"item": {"modality": "image",
 //!               "layout": {"kind": "image", "grid_thw": [1, 4, 6]},
 //!               "content": {"file": "img.safetensors", "tensor": "pixels"},
-//!               "embeddings": {"file": "img.safetensors", "tensor": "emb"}}},
+//!               "embeddings": {"file": "img.safetensors", "tensor": "emb"},
+//!               "deepstack": {"file": "img.safetensors", "tensor": "deepstack"}}},
 //!     {"text": [151653, 151645]}
 //!   ]
 //! }
@@ -20,6 +21,7 @@
 //! default) an item segment stands for its placeholder: the engine expands it
 //! to the item's token count. With `"expanded": true` the text already holds
 //! every placeholder id and item segments only declare the items, in order.
+//! `deepstack` (optional) names an item's DeepStack levels `[levels, rows, hidden]`.
 //! Files are relative to the request file's folder.
 
 use std::collections::BTreeMap;
@@ -30,6 +32,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use safetensors::{Dtype as StDtype, SafeTensors};
 use serde::Deserialize;
 
+use crate::batch::DeepStack;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use crate::engine::{ItemInput, PlaceholderForm, PrefillRequest};
 use crate::error::{Error, Result};
@@ -61,6 +64,9 @@ struct RawItem {
     layout: ItemLayout,
     content: TensorRef,
     embeddings: TensorRef,
+    /// DeepStack levels `[levels, rows, hidden]` of a vision item (Qwen3-Omni).
+    #[serde(default)]
+    deepstack: Option<TensorRef>,
     #[serde(default)]
     params: BTreeMap<String, String>,
 }
@@ -104,6 +110,7 @@ struct LoadedItem {
     params: BTreeMap<String, String>,
     content: OwnedTensor,
     embeddings: Arc<Array2<f32>>,
+    deepstack: Option<DeepStack>,
 }
 
 /// A request file read into memory: ids, items' content and embeddings.
@@ -155,6 +162,10 @@ impl RequestFile {
                 RawSegment::Item(item) => {
                     let content = files.content(base, &item.content)?;
                     let embeddings = Arc::new(files.embeddings(base, &item.embeddings)?);
+                    let deepstack = match &item.deepstack {
+                        Some(r) => Some(Arc::new(files.deepstack(base, r, embeddings.dim())?)),
+                        None => None,
+                    };
                     segments.push(Segment::Item(items.len()));
                     items.push(LoadedItem {
                         modality: item.modality,
@@ -162,6 +173,7 @@ impl RequestFile {
                         params: item.params,
                         content,
                         embeddings,
+                        deepstack,
                     });
                 }
             }
@@ -200,7 +212,7 @@ impl RequestFile {
                     params: item.params.clone(),
                 },
                 embeddings: Some(Arc::clone(&item.embeddings)),
-                deepstack: None,
+                deepstack: item.deepstack.clone(),
             })
             .collect();
         PrefillRequest { tenant: self.tenant, token_ids, placeholders, items }
@@ -241,43 +253,57 @@ impl TensorFiles {
             StDtype::BF16 => OwnedTensor::BF16(ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?),
             StDtype::F32 => OwnedTensor::F32(ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?),
             other => {
-                return Err(Error::RequestTensor {
-                    path: base.join(&r.file).display().to_string(),
-                    tensor: r.tensor.clone(),
-                    expected: "dtype u8, i32, i64, f16, bf16 or f32".into(),
-                    found: format!("{other:?}"),
-                });
+                return Err(request_tensor(base, r, "dtype u8, i32, i64, f16, bf16 or f32".into(), format!("{other:?}")));
             }
         })
     }
 
-    /// Embeddings `[rows, hidden]` as f32 (f16 / bf16 widened).
-    fn embeddings(&mut self, base: &Path, r: &TensorRef) -> Result<Array2<f32>> {
+    /// A float tensor as f32 values (f16 / bf16 widened) with its shape.
+    fn floats(&mut self, base: &Path, r: &TensorRef, what: &str) -> Result<(Vec<usize>, Vec<f32>)> {
         let (dtype, shape, data) = self.tensor(base, r)?;
-        let bad = |expected: &str, found: String| Error::RequestTensor {
-            path: base.join(&r.file).display().to_string(),
-            tensor: r.tensor.clone(),
-            expected: expected.into(),
-            found,
-        };
-        let &[rows, cols] = shape.as_slice() else {
-            return Err(bad("embeddings of shape [rows, hidden]", format!("shape {shape:?}")));
-        };
         let values: Vec<f32> = match dtype {
             StDtype::F32 => bytemuck::pod_collect_to_vec(&data),
             StDtype::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(&data).into_iter().map(f32::from).collect(),
             StDtype::BF16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(&data).into_iter().map(f32::from).collect(),
-            other => return Err(bad("embeddings in f32, f16 or bf16", format!("dtype {other:?}"))),
+            other => return Err(request_tensor(base, r, format!("{what} in f32, f16 or bf16"), format!("dtype {other:?}"))),
+        };
+        Ok((shape, values))
+    }
+
+    /// Embeddings `[rows, hidden]` as f32 (f16 / bf16 widened).
+    fn embeddings(&mut self, base: &Path, r: &TensorRef) -> Result<Array2<f32>> {
+        let (shape, values) = self.floats(base, r, "embeddings")?;
+        let &[rows, cols] = shape.as_slice() else {
+            return Err(request_tensor(base, r, "embeddings of shape [rows, hidden]".into(), format!("shape {shape:?}")));
         };
         Array2::from_shape_vec((rows, cols), values).map_err(|e| shape_error(base, r, e))
     }
+
+    /// DeepStack levels `[levels, rows, hidden]` (at least one level) of an item whose
+    /// embeddings are `[rows, hidden]`, split into one matrix per level.
+    fn deepstack(&mut self, base: &Path, r: &TensorRef, (rows, cols): (usize, usize)) -> Result<Vec<Array2<f32>>> {
+        let (shape, values) = self.floats(base, r, "DeepStack levels")?;
+        let levels = match shape.as_slice() {
+            &[levels, level_rows, level_cols] if levels > 0 && level_rows == rows && level_cols == cols => levels,
+            _ => {
+                let expected = format!("DeepStack of shape [levels >= 1, {rows}, {cols}] (the embeddings' rows and hidden)");
+                return Err(request_tensor(base, r, expected, format!("shape {shape:?}")));
+            }
+        };
+        let per_level = rows * cols;
+        (0..levels)
+            .map(|l| {
+                let level = values.get(l * per_level..(l + 1) * per_level).unwrap_or_default().to_vec();
+                Array2::from_shape_vec((rows, cols), level).map_err(|e| shape_error(base, r, e))
+            })
+            .collect()
+    }
+}
+
+fn request_tensor(base: &Path, r: &TensorRef, expected: String, found: String) -> Error {
+    Error::RequestTensor { path: base.join(&r.file).display().to_string(), tensor: r.tensor.clone(), expected, found }
 }
 
 fn shape_error(base: &Path, r: &TensorRef, e: ndarray::ShapeError) -> Error {
-    Error::RequestTensor {
-        path: base.join(&r.file).display().to_string(),
-        tensor: r.tensor.clone(),
-        expected: "data that fills its shape".into(),
-        found: e.to_string(),
-    }
+    request_tensor(base, r, "data that fills its shape".into(), e.to_string())
 }

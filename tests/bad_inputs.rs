@@ -554,9 +554,13 @@ fn request_file(name: &str, json: &str) -> Result<PathBuf> {
     std::fs::create_dir_all(&dir).map_err(|source| Error::Io { path: dir.display().to_string(), source })?;
     let pixels = vec![7u8; 8 * 12 * 3];
     let emb: Vec<u8> = [0.25f32; 24].iter().flat_map(|x| x.to_le_bytes()).collect();
+    // DeepStack levels [2, 6, 4] holding 0, 1, 2, ...; and one with a row too few per level.
+    let ds: Vec<u8> = (0..48).flat_map(|x| (x as f32).to_le_bytes()).collect();
     let views = [
         ("pixels", safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![8, 12, 3], &pixels)),
         ("emb", safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![6, 4], &emb)),
+        ("ds", safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 6, 4], &ds)),
+        ("ds_rows", safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 5, 4], &ds[..160])),
     ];
     let views = views
         .into_iter()
@@ -577,6 +581,36 @@ fn item_json(content: &str, embeddings: &str) -> String {
             "content": {{"file": "media.safetensors", "tensor": "{content}"}},
             "embeddings": {{"file": "{embeddings}", "tensor": "emb"}}}}}}, {{"text": [504]}}]}}"#
     )
+}
+
+#[test]
+fn c21_request_file_deepstack_levels_load_and_a_bad_shape_is_named() -> Result<()> {
+    use omniprefix::request_file::RequestFile;
+    let with = |tensor: &str| {
+        let ds = format!(r#""tensor": "emb"}}, "deepstack": {{"file": "media.safetensors", "tensor": "{tensor}"}}"#);
+        item_json("pixels", "media.safetensors").replace(r#""tensor": "emb"}"#, &ds)
+    };
+    let path = request_file("deepstack", &with("ds"))?;
+    let file = RequestFile::load(&path);
+    let _ = path.parent().map(std::fs::remove_dir_all);
+    let file = file?;
+    let request = file.request(&OmniTokens::tiny());
+    let levels = request.items.first().and_then(|i| i.deepstack.clone()).expect("the item carries DeepStack levels");
+    assert_eq!(levels.len(), 2);
+    assert_eq!(levels[1].dim(), (6, 4));
+    assert_eq!((levels[0][[0, 1]], levels[1][[0, 0]], levels[1][[5, 3]]), (1.0, 24.0, 47.0));
+    let err = rejected(|_| {
+        let path = request_file("deepstack-rows", &with("ds_rows"))?;
+        let result = RequestFile::load(&path).map(|_| ());
+        let _ = path.parent().map(std::fs::remove_dir_all);
+        result
+    })?;
+    assert!(
+        matches!(err, Error::RequestTensor { ref tensor, ref expected, ref found, .. }
+            if tensor == "ds_rows" && expected.contains("[levels >= 1, 6, 4]") && found == "shape [2, 5, 4]"),
+        "{err}"
+    );
+    Ok(())
 }
 
 #[test]
