@@ -532,6 +532,23 @@ mod tests {
         ModelRunner::new(backend, thinker, capture).unwrap()
     }
 
+    /// Runs prompt `p` (23 positions) as request 7 in chunks ending at `cuts`, over
+    /// a shuffled block table of fresh pages; returns the last step's outputs.
+    fn run_in_chunks(r: &ModelRunner<CpuBackend>, p: &PromptInputs, cuts: &[usize], rng: &mut ChaCha8Rng) -> Vec<SeqOutput> {
+        let mut blocks: Vec<u32> = (0..12).collect();
+        blocks.shuffle(rng);
+        let table = &blocks[..23usize.div_ceil(BS)];
+        let mut pages = r.alloc_pages(12, BS).unwrap();
+        let mut outs = Vec::new();
+        let mut a = 0;
+        for &b in cuts {
+            let batch = ScheduledBatch { copies: vec![], seqs: vec![chunk(p, 7, table, a, b)] };
+            outs = r.execute(&batch, &mut pages).unwrap();
+            a = b;
+        }
+        outs
+    }
+
     #[test]
     fn caching_is_invisible_for_every_chunking() {
         let mut rng = ChaCha8Rng::seed_from_u64(21);
@@ -542,17 +559,7 @@ mod tests {
             assert_eq!(want.hidden[0].1.dim(), (23, 32));
             // Cached prefix lengths (block aligned or not) and the chunk cuts after them.
             for cuts in [vec![8, 23], vec![4, 13, 23], vec![5, 6, 19, 23], vec![22, 23]] {
-                let mut blocks: Vec<u32> = (0..12).collect();
-                blocks.shuffle(&mut rng);
-                let table = &blocks[..23usize.div_ceil(BS)];
-                let mut pages = r.alloc_pages(12, BS).unwrap();
-                let mut outs = Vec::new();
-                let mut a = 0;
-                for &b in &cuts {
-                    let batch = ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 7, table, a, b)] };
-                    outs = r.execute(&batch, &mut pages).unwrap();
-                    a = b;
-                }
+                let outs = run_in_chunks(&r, &p, &cuts, &mut rng);
                 assert_eq!(outs.len(), 1, "config {ci} cuts {cuts:?}");
                 assert_eq!(outs[0].request, 7);
                 assert_same(&outs[0], &want);
@@ -577,17 +584,7 @@ mod tests {
             assert_ne!(last.row(4), without.hidden[2].1.row(4), "config {ci}: item row after the adds");
             assert_eq!(last.row(2), without.hidden[2].1.row(2), "config {ci}: rows before the item see no add");
             for cuts in [vec![4, 23], vec![5, 6, 19, 23], vec![8, 9, 23]] {
-                let mut blocks: Vec<u32> = (0..12).collect();
-                blocks.shuffle(&mut rng);
-                let table = &blocks[..23usize.div_ceil(BS)];
-                let mut pages = r.alloc_pages(12, BS).unwrap();
-                let mut outs = Vec::new();
-                let mut a = 0;
-                for &b in &cuts {
-                    outs = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 7, table, a, b)] }, &mut pages).unwrap();
-                    a = b;
-                }
-                assert_same(&outs[0], &want);
+                assert_same(&run_in_chunks(&r, &p, &cuts, &mut rng)[0], &want);
             }
         }
     }

@@ -68,13 +68,7 @@ impl Request {
         }
         let items = &self.prompt.items;
         if self.item_embeddings.len() != items.len() {
-            return Err(Error::EmbeddingMismatch {
-                id,
-                item: self.item_embeddings.len().min(items.len()),
-                what: "number of item embeddings",
-                expected: items.len(),
-                found: self.item_embeddings.len(),
-            });
+            return Err(count_mismatch(id, "number of item embeddings", items.len(), self.item_embeddings.len()));
         }
         let hidden = self
             .hidden_size
@@ -155,9 +149,7 @@ impl Request {
         }
         Ok(())
     }
-}
 
-impl Request {
     /// Checks the DeepStack rows: one entry per item (or none at all), none on
     /// audio items, every level shaped like the item's embeddings, and the same
     /// number of levels on every item that has them (HF takes one list of levels).
@@ -165,13 +157,7 @@ impl Request {
         let id = self.id;
         let items = &self.prompt.items;
         if !self.item_deepstack.is_empty() && self.item_deepstack.len() != items.len() {
-            return Err(Error::EmbeddingMismatch {
-                id,
-                item: self.item_deepstack.len().min(items.len()),
-                what: "number of item DeepStack entries",
-                expected: items.len(),
-                found: self.item_deepstack.len(),
-            });
+            return Err(count_mismatch(id, "number of item DeepStack entries", items.len(), self.item_deepstack.len()));
         }
         let mut levels_seen = None;
         for (item, (identity, levels)) in items.iter().zip(&self.item_deepstack).enumerate() {
@@ -194,6 +180,12 @@ impl Request {
         }
         Ok(())
     }
+}
+
+/// A per-item list of `found` entries for `expected` items; `item` is the first
+/// index that one of them lacks.
+fn count_mismatch(id: RequestId, what: &'static str, expected: usize, found: usize) -> Error {
+    Error::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }
 }
 
 /// Tokens an atom covers.
