@@ -108,20 +108,39 @@ fn fixtures_on_wgpu_match_cpu_and_transformers() -> TestResult {
         let m = load(&gpu, model)?;
         let (mut vs_cpu, mut vs_hf) = (0f32, 0f32);
         for &p in prompts {
-            let inputs = m.reference.prompt(p)?;
-            let ours = uncached_outputs(&run_uncached(&m.gpu, &gpu, &inputs, &m.capture, true)?)?;
-            let cpu = uncached_outputs(&run_uncached(&m.cpu, &CpuBackend, &inputs, &m.capture, true)?)?;
-            vs_cpu = vs_cpu.max(compare_all(&format!("{model}/{p} gpu vs cpu"), &ours, &cpu)?);
-            let mut hf = BTreeMap::new();
-            for what in ours.keys() {
-                hf.insert(what.clone(), m.reference.expected(p, what)?.to_owned());
-            }
-            // Every recorded hidden state is compared: hidden.0..=L, final, logits, last_logits.
-            assert_eq!(hf.len(), m.cpu.config().num_hidden_layers + 4, "{model}/{p}: outputs compared");
-            vs_hf = vs_hf.max(compare_all(&format!("{model}/{p} gpu vs transformers"), &ours, &hf)?);
+            let (cpu, hf) = uncached_prompt_on_wgpu(&gpu, &m, &m.reference, &format!("{model}/{p}"), p)?;
+            (vs_cpu, vs_hf) = (vs_cpu.max(cpu), vs_hf.max(hf));
         }
         eprintln!("{model}: worst relative error on wgpu {vs_cpu:.3e} vs cpu, {vs_hf:.3e} vs transformers");
     }
+    Ok(())
+}
+
+/// One-step prefill of prompt `p` of `reference` on the GPU against the CPU backend
+/// and the transformers tensors; returns the worst errors (vs cpu, vs transformers).
+fn uncached_prompt_on_wgpu(gpu: &WgpuBackend, m: &Loaded, reference: &Reference, label: &str, p: &str) -> TestResult<(f32, f32)> {
+    let inputs = reference.prompt(p)?;
+    let ours = uncached_outputs(&run_uncached(&m.gpu, gpu, &inputs, &m.capture, true)?)?;
+    let cpu = uncached_outputs(&run_uncached(&m.cpu, &CpuBackend, &inputs, &m.capture, true)?)?;
+    let vs_cpu = compare_all(&format!("{label} gpu vs cpu"), &ours, &cpu)?;
+    let mut hf = BTreeMap::new();
+    for what in ours.keys() {
+        hf.insert(what.clone(), reference.expected(p, what)?.to_owned());
+    }
+    // Every recorded hidden state is compared: hidden.0..=L, final, logits, last_logits.
+    assert_eq!(hf.len(), m.cpu.config().num_hidden_layers + 4, "{label}: outputs compared");
+    Ok((vs_cpu, compare_all(&format!("{label} gpu vs transformers"), &ours, &hf)?))
+}
+
+/// The DeepStack reference (`omni_thinker/deepstack_reference.safetensors`: the `mm`
+/// prompt with 2 DeepStack levels on its image and video items) on the GPU.
+#[test]
+fn deepstack_fixture_on_wgpu_matches_cpu_and_transformers() -> TestResult {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let m = load(&gpu, "omni_thinker")?;
+    let reference = Reference::open_file("omni_thinker", "deepstack_reference.safetensors")?;
+    let (vs_cpu, vs_hf) = uncached_prompt_on_wgpu(&gpu, &m, &reference, "omni_thinker/deepstack mm", "mm")?;
+    eprintln!("omni_thinker DeepStack: worst relative error on wgpu {vs_cpu:.3e} vs cpu, {vs_hf:.3e} vs transformers");
     Ok(())
 }
 
