@@ -1,5 +1,6 @@
 //! Executes a [`ScheduledBatch`](crate::batch::ScheduledBatch) on a backend: block copies, embeddings with item
-//! rows merged in, every layer writing K/V and captured hidden states into pages,
+//! rows merged in, every layer writing K/V and captured hidden states into pages
+//! (and adding the step's DeepStack rows after the layers that take them),
 //! paged attention over prefix-from-pages plus new tokens, and — for sequences
 //! that finish their prompt — the **full** hidden states `[prompt_len, hidden]`
 //! (cached rows gathered from the hidden pages) and the last position's logits.

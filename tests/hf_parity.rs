@@ -12,6 +12,10 @@
 //! in small chunks over a scattered block table, where every step reads the
 //! earlier ones' K/V from pages and the full hidden states come back from the
 //! hidden pages — so "caching is invisible" is checked against HF itself.
+//!
+//! `omni_thinker/deepstack_reference.safetensors` adds Qwen3-Omni DeepStack: the
+//! `mm` prompt with per-level rows on its image and video items, which HF adds
+//! after the first decoder layers.
 
 #[path = "support/reference.rs"]
 mod reference;

@@ -18,7 +18,8 @@ struct Entry {
     bytes: usize,
 }
 
-/// Fingerprint → encoder output `[rows, hidden]`, at most `capacity_bytes` of f32 data.
+/// Fingerprint → encoder output `[rows, hidden]` (with the item's DeepStack levels,
+/// if any), at most `capacity_bytes` of f32 data.
 ///
 /// ```
 /// use std::sync::Arc;
