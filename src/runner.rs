@@ -1,4 +1,4 @@
-//! Executes a [`ScheduledBatch`](crate::batch::ScheduledBatch) on a backend: block copies, embeddings with item
+//! Executes a [`ScheduledBatch`] on a backend: block copies, embeddings with item
 //! rows merged in, every layer writing K/V and captured hidden states into pages,
 //! paged attention over prefix-from-pages plus new tokens, and — for sequences
 //! that finish their prompt — the **full** hidden states `[prompt_len, hidden]`
