@@ -12,7 +12,7 @@ use crate::{Error, Result};
 /// binding (a 151936-row vocabulary matrix on an adapter with 128 MiB bindings)
 /// is split into blocks of whole rows, one buffer each; matmul weights and
 /// embedding tables may be split, every other operand must be whole
-/// ([`GpuContext::whole`] says so with a typed error).
+/// (`GpuContext::whole` says so with a typed error).
 ///
 /// Not `Clone`: a clone would share the buffer, and in-place ops on one would
 /// silently change the other.
