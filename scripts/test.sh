@@ -25,6 +25,8 @@ echo "disk free before the build: $(df -h . | awk 'NR==2 {print $4}')"
 
 cargo test --all-targets "$@"
 cargo test --doc "$@"
+# Broken intra-doc links fail the build, so the API docs stay navigable.
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 
 # The demo (--quick) and the notebooks, on a small report, so neither can rot.
 bash scripts/ci_notebooks.sh

@@ -1,4 +1,4 @@
-//! Executes a [`ScheduledBatch`](crate::batch::ScheduledBatch) on a backend: block copies, embeddings with item
+//! Executes a [`ScheduledBatch`] on a backend: block copies, embeddings with item
 //! rows merged in, every layer writing K/V and captured hidden states into pages
 //! (and adding the step's DeepStack rows after the layers that take them),
 //! paged attention over prefix-from-pages plus new tokens, and — for sequences

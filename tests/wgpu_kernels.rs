@@ -548,9 +548,29 @@ fn broken_shader_is_a_typed_error() {
 }
 
 #[test]
-fn oversized_tensor_is_a_typed_error() {
+fn weights_larger_than_one_binding_split_into_row_blocks() {
     let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
-    let err = gpu.upload(Array2::zeros((64, 32)).view()).unwrap_err();
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    // 75 rows x 32 f32 = 9600 B over a 4096 B binding: blocks of 32, 32 and 11 rows.
+    let table = rand_matrix(&mut rng, 75, 32);
+    let split = gpu.upload(table.view()).unwrap();
+    assert!(split.is_split(), "a 9600 B tensor must not fit one 4096 B binding");
+    assert_eq!(gpu.download(&split).unwrap(), table, "download joins the row blocks");
+    // As a matmul weight: every block writes its own output columns.
+    let x = rand_matrix(&mut rng, 5, 32);
+    let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &split), |b| b.matmul_t(&x, &table));
+    assert_close("matmul with a split weight", &g, &c);
+    // As an embedding table: ids in every block, repeated, first and last rows.
+    let ids = [74, 0, 31, 32, 63, 64, 5, 74, 40];
+    let (g, c) = both(&gpu, |b| b.embedding(&split, &ids), |b| b.embedding(&table, &ids));
+    assert_eq!(g, c, "embedding rows are copied exactly");
+    // Every other op needs its operand whole, and says so.
+    let err = gpu.gather_rows(&split, &[1, 2]).unwrap_err();
+    assert!(matches!(&err, Error::GpuTooLarge { what, .. } if what.starts_with("gather_rows operand")), "{err}");
+    let norm = gpu.upload(Array2::from_elem((1, 32), 1.0).view()).unwrap();
+    assert!(matches!(gpu.rms_norm(&split, &norm, 1e-6), Err(Error::GpuTooLarge { .. })));
+    // A single row wider than a binding cannot be split.
+    let err = gpu.upload(Array2::zeros((2, 2048)).view()).unwrap_err();
     assert!(matches!(err, Error::GpuTooLarge { requested: 8192, max: SMALL_BINDING, .. }), "{err}");
 }
 
@@ -639,6 +659,23 @@ mod forward {
             assert_eq!(outs.len(), 1, "config {ci}");
             assert_outputs(&format!("config {ci} chunked"), &outs[0].hidden, &outs[0].last_logits, &want);
         }
+    }
+    /// A vocabulary too large for one binding: the embedding lookup and the tied
+    /// lm_head run over the row blocks of the split table and match the CPU.
+    #[test]
+    fn a_vocabulary_larger_than_one_binding_runs_split() {
+        let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        // 256 x 16 f32 = 16 KiB of embedding over 4 KiB bindings: 4 row blocks.
+        let cfg = Config::tiny_qwen3(16, 1, 2, 1, 256);
+        assert!(cfg.vocab_size * cfg.hidden_size * 4 > SMALL_BINDING as usize);
+        let capture = CaptureSpec::default_for(cfg.num_hidden_layers);
+        let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), 3).unwrap();
+        let gpu_thinker = Thinker::random(&gpu, cfg.clone(), 3).unwrap();
+        let p = prompt(&cfg, 7, 2, &mut rng);
+        let want = run_uncached(&cpu_thinker, &CpuBackend, &p, &capture, false).unwrap();
+        let got = run_uncached(&gpu_thinker, &gpu, &p, &capture, false).unwrap();
+        assert_outputs("split vocabulary", &got.hidden, &got.last_logits, &want);
     }
 }
 

@@ -1,7 +1,8 @@
 // y = x @ W^T with W in the layout of HF linear weights ([out, in], row-major).
 //
-//   matmul_xwt:    y[m, n] = sum_k x[m, k] * w[w_row0 + n, k]
-//                  (w_row0 selects a row block of a stacked weight).
+//   matmul_xwt:    y[m, y_col0 + n] = sum_k x[m, k] * w[w_row0 + n, k]
+//                  (w_row0 selects a row block of a stacked weight; y_col0 the output
+//                  columns of one block of a weight split over several buffers).
 //   matmul_routed: the grouped expert matmul of a MoE block. Expert e owns the row block
 //                  w[e * n .. (e + 1) * n] and a list of routed slots
 //                  expert_slots[e * m .. e * m + expert_counts[e]] (m = list capacity);
@@ -18,9 +19,11 @@ struct MatmulParams {
     k: u32,
     w_row0: u32,
     in_div: u32,
+    // y row r, column c lives at y[r * y_stride + y_col0 + c] (a split weight's
+    // row block writes its own columns of a wider y).
+    y_stride: u32,
+    y_col0: u32,
     _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
 }
 
 const TM: u32 = 64u;
@@ -88,7 +91,7 @@ fn store_tile(acc: array<f32, 16>, lid: vec3<u32>, col0: u32) {
         for (var j = 0u; j < 4u; j++) {
             let c = col0 + lid.x + 16u * j;
             if (r != NO_ROW && c < p.n) {
-                y[r * p.n + c] = acc[i * 4u + j];
+                y[r * p.y_stride + p.y_col0 + c] = acc[i * 4u + j];
             }
         }
     }

@@ -3,7 +3,7 @@
 //!
 //! Design rules every implementation follows:
 //! * A `Tensor` is a row-major 2-D f32 matrix `[rows, cols]` that lives on the
-//!   device; only [`Backend::upload`](crate::backend::Backend::upload) / [`Backend::download`](crate::backend::Backend::download) cross to the host,
+//!   device; only [`Backend::upload`] / [`Backend::download`] cross to the host,
 //!   so a GPU backend keeps activations on the device between layers.
 //! * Per-step metadata (positions, slot mappings, block tables, query offsets) is
 //!   passed as host slices; a GPU backend uploads them itself.
@@ -16,11 +16,8 @@
 //! [`Error::OpShape`]: crate::Error::OpShape
 //! [`Error::OpIndex`]: crate::Error::OpIndex
 
-/// Choosing a backend at run time: cpu, wgpu, or auto.
 pub mod auto;
-/// The ndarray reference backend.
 pub mod cpu;
-/// The wgpu backend: the WGSL kernels of `wgsl/` behind the same trait.
 pub mod wgpu;
 
 use ndarray::{Array2, ArrayView2};

@@ -1,5 +1,5 @@
 //! The CPU reference backend: ndarray matrices, matrixmultiply products split
-//! over rayon by output column, attention parallel over (sequence, head).
+//! over rayon by output column, attention parallel over (sequence, KV head).
 //!
 //! Every op here is the semantic reference the GPU backend is tested against.
 

@@ -113,7 +113,7 @@ impl GpuContext {
         };
         for c in 0..plan.chunks {
             let len = pool.blocks_in_chunk(c) * block_elems;
-            pool.chunks.push(self.zeros([1, len])?.buffer);
+            pool.chunks.push(self.zeros([1, len])?.into_buffer());
         }
         Ok(pool)
     }

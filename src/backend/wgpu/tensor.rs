@@ -6,18 +6,52 @@ use wgpu::util::DeviceExt;
 use crate::backend::wgpu::context::GpuContext;
 use crate::{Error, Result};
 
-/// A row-major f32 matrix `[rows, cols]` in one device storage buffer.
+/// A row-major f32 matrix `[rows, cols]` on the device.
+///
+/// Normally one storage buffer. An uploaded tensor larger than one storage
+/// binding (a 151936-row vocabulary matrix on an adapter with 128 MiB bindings)
+/// is split into blocks of whole rows, one buffer each; matmul weights and
+/// embedding tables may be split, every other operand must be whole
+/// (`GpuContext::whole` says so with a typed error).
 ///
 /// Not `Clone`: a clone would share the buffer, and in-place ops on one would
 /// silently change the other.
 #[derive(Debug)]
 pub struct GpuTensor {
-    pub(crate) buffer: wgpu::Buffer,
+    /// Rows `0..part_rows` (all of them unless the tensor is split).
+    first: wgpu::Buffer,
+    /// The row blocks after the first, `part_rows` rows each (the last may be shorter).
+    rest: Vec<wgpu::Buffer>,
+    part_rows: usize,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
 }
 
 impl GpuTensor {
+    /// A tensor in one buffer.
+    fn whole_buffer(buffer: wgpu::Buffer, rows: usize, cols: usize) -> Self {
+        GpuTensor { first: buffer, rest: Vec::new(), part_rows: rows, rows, cols }
+    }
+
+    /// Whether the tensor spans several buffers.
+    pub fn is_split(&self) -> bool {
+        !self.rest.is_empty()
+    }
+
+    /// `(first row, rows, buffer)` of each row block, in order (one for a whole tensor).
+    pub(crate) fn row_blocks(&self) -> impl Iterator<Item = (usize, usize, &wgpu::Buffer)> {
+        std::iter::once(&self.first).chain(&self.rest).enumerate().map(|(i, buffer)| {
+            let row0 = i * self.part_rows;
+            (row0, self.part_rows.min(self.rows - row0), buffer)
+        })
+    }
+
+    /// The buffer of a tensor created whole (`zeros`, pool chunks); never a split upload.
+    pub(crate) fn into_buffer(self) -> wgpu::Buffer {
+        debug_assert!(self.rest.is_empty(), "only uploads are split");
+        self.first
+    }
+
     /// `[rows, cols]`.
     pub fn shape(&self) -> [usize; 2] {
         [self.rows, self.cols]
@@ -84,8 +118,48 @@ impl GpuContext {
                 found: vec![data.len()],
             });
         }
-        let buffer = self.storage_from("tensor", data)?;
-        Ok(GpuTensor { buffer, rows, cols })
+        let row_bytes = (cols as u64).saturating_mul(4);
+        if (data.len() as u64).saturating_mul(4) <= self.max_binding_bytes || row_bytes == 0 {
+            let buffer = self.storage_from("tensor", data)?;
+            return Ok(GpuTensor::whole_buffer(buffer, rows, cols));
+        }
+        // Too large for one binding: blocks of as many whole rows as one binding holds.
+        let part_rows = usize::try_from(self.max_binding_bytes / row_bytes).unwrap_or(usize::MAX);
+        if part_rows == 0 {
+            return Err(Error::GpuTooLarge {
+                adapter: self.adapter_name.clone(),
+                what: format!("one row of a [{rows}, {cols}] tensor"),
+                requested: row_bytes,
+                limit: "max_storage_buffer_binding_size",
+                max: self.max_binding_bytes,
+            });
+        }
+        let mut blocks = data
+            .chunks(part_rows * cols)
+            .map(|block| self.storage_from("tensor row block", block))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter();
+        let first = blocks.next().ok_or_else(|| Error::GpuOp {
+            adapter: self.adapter_name.clone(),
+            op: "upload",
+            message: "a split tensor has no row block".into(),
+        })?;
+        Ok(GpuTensor { first, rest: blocks.collect(), part_rows, rows, cols })
+    }
+
+    /// The one buffer of `tensor`, or [`Error::GpuTooLarge`] when it is split: `op`
+    /// cannot take a tensor larger than one storage binding.
+    pub(crate) fn whole<'t>(&self, tensor: &'t GpuTensor, op: &'static str) -> Result<&'t wgpu::Buffer> {
+        if tensor.is_split() {
+            return Err(Error::GpuTooLarge {
+                adapter: self.adapter_name.clone(),
+                what: format!("{op} operand [{}, {}] (only matmul weights and embedding tables may span several bindings)", tensor.rows, tensor.cols),
+                requested: (tensor.len() as u64).saturating_mul(4),
+                limit: "max_storage_buffer_binding_size",
+                max: self.max_binding_bytes,
+            });
+        }
+        Ok(&tensor.first)
     }
 
     /// A zero-filled `[rows, cols]` tensor.
@@ -100,13 +174,17 @@ impl GpuContext {
                 mapped_at_creation: false,
             })
         })?;
-        Ok(GpuTensor { buffer, rows, cols })
+        Ok(GpuTensor::whole_buffer(buffer, rows, cols))
     }
 
     /// Reads a tensor back to the host (waits for all queued work).
     pub fn download(&self, tensor: &GpuTensor) -> Result<Vec<f32>> {
-        let bytes = self.read_buffer(&tensor.buffer, tensor.len() as u64 * 4)?;
-        Ok(bytemuck::pod_collect_to_vec(&bytes))
+        let mut data = Vec::with_capacity(tensor.len());
+        for (_, rows, buffer) in tensor.row_blocks() {
+            let bytes = self.read_buffer(buffer, (rows * tensor.cols) as u64 * 4)?;
+            data.extend(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes));
+        }
+        Ok(data)
     }
 
     /// A storage buffer holding 4-byte elements (f32, u32, i32) from the host.
@@ -196,9 +274,10 @@ impl GpuContext {
         if src.is_empty() {
             return Ok(());
         }
+        let (src_buffer, dst_buffer) = (self.whole(src, "copy_tensor")?, self.whole(dst, "copy_tensor")?);
         self.scoped("copy_tensor", || {
             let mut encoder = self.device.create_command_encoder(&Default::default());
-            encoder.copy_buffer_to_buffer(&src.buffer, 0, &dst.buffer, 0, (src.len() * 4) as u64);
+            encoder.copy_buffer_to_buffer(src_buffer, 0, dst_buffer, 0, (src.len() * 4) as u64);
             encoder.finish()
         })
         .map(|commands| self.submit(commands))

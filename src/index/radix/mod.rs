@@ -1,7 +1,7 @@
 //! The validated radix prefix index over atoms.
 //!
 //! A radix tree per tenant (tenant salt → root; tenants never share nodes),
-//! nodes in a slot [`arena`], edges as compressed atom runs ([`edge`]),
+//! nodes in a slot arena (`arena`), edges as compressed atom runs (`edge`),
 //! children in an `FxHashMap` keyed by the edge head (a text token, or an
 //! item's fingerprint and row) and then *confirmed against the real content*.
 //!

@@ -215,8 +215,8 @@ impl GpuContext {
         let uniform = self.uniform(&Self::attention_params(heads, kv, n_rows));
         let (k0, k1) = Self::pool_bindings(kv.k);
         let (v0, v1) = Self::pool_bindings(kv.v);
-        let bindings =
-            [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, &out.buffer)];
+        let (q, out) = (self.whole(q, "paged_attention")?, self.whole(out, "paged_attention")?);
+        let bindings = [(0, &uniform), (1, q), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, out)];
         self.dispatch("paged_prefill_attention", &pipeline, &bindings, (n_rows * heads.num_heads) as u64)
     }
 
@@ -249,11 +249,12 @@ impl GpuContext {
         let (k0, k1) = Self::pool_bindings(kv.k);
         let (v0, v1) = Self::pool_bindings(kv.v);
         let partial = self.pipeline(Shader::PagedAttention, "paged_decode_partial", &constants)?;
-        let bindings =
-            [(0, &uniform), (1, &q.buffer), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (8, &part.buffer)];
+        let (q, out) = (self.whole(q, "paged_attention")?, self.whole(out, "paged_attention")?);
+        let part = part.into_buffer();
+        let bindings = [(0, &uniform), (1, q), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (8, &part)];
         self.dispatch("paged_decode_partial", &partial, &bindings, (n_rows * heads.kv_heads * n_splits) as u64)?;
         let reduce = self.pipeline(Shader::PagedAttention, "paged_decode_reduce", &constants)?;
-        let bindings = [(0, &uniform), (2, &info), (9, &part.buffer), (7, &out.buffer)];
+        let bindings = [(0, &uniform), (2, &info), (9, &part), (7, out)];
         self.dispatch("paged_decode_reduce", &reduce, &bindings, (n_rows * heads.num_heads) as u64)
     }
 }

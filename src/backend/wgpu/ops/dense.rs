@@ -21,7 +21,11 @@ pub(crate) struct MatmulParams {
     pub(crate) w_row0: u32,
     /// `matmul_routed` only: slot `s` reads x row `s / in_div`.
     pub(crate) in_div: u32,
-    pub(crate) _pad: [u32; 3],
+    /// Elements between rows of `y` (its column count).
+    pub(crate) y_stride: u32,
+    /// First column of `y` written (a split weight's block writes its own columns).
+    pub(crate) y_col0: u32,
+    pub(crate) _pad: u32,
 }
 
 #[repr(C)]
@@ -43,33 +47,47 @@ struct EwParams {
 
 impl GpuContext {
     /// `x @ w^T`: `x [n, in]`, `w [out, in]` (HF Linear layout) → `[n, out]`.
+    /// A split `w` (larger than one binding) is multiplied block by block, each
+    /// block writing its own columns of the output.
     pub fn matmul_xwt(&self, x: &GpuTensor, w: &GpuTensor) -> Result<GpuTensor> {
         x.expect_cols("matmul_t", "x", w.cols)?;
-        self.matmul_rows(x, w, 0, w.rows)
-    }
-
-    /// `x @ w[w_row0 .. w_row0 + n_out]^T` (callers check the row range).
-    pub(crate) fn matmul_rows(&self, x: &GpuTensor, w: &GpuTensor, w_row0: usize, n_out: usize) -> Result<GpuTensor> {
-        debug_assert!(w_row0 + n_out <= w.rows && x.cols == w.cols);
-        let y = self.zeros([x.rows, n_out])?;
+        let y = self.zeros([x.rows, w.rows])?;
         if y.is_empty() {
             return Ok(y);
         }
+        let x_buffer = self.whole(x, "matmul_t")?;
+        for (row0, rows, w_block) in w.row_blocks() {
+            self.matmul_block(x, x_buffer, w_block, rows, &y, row0)?;
+        }
+        Ok(y)
+    }
+
+    /// `y[:, y_col0 .. y_col0 + n_out] = x @ w_block^T` for a block of `n_out` weight rows.
+    fn matmul_block(
+        &self,
+        x: &GpuTensor,
+        x_buffer: &wgpu::Buffer,
+        w_block: &wgpu::Buffer,
+        n_out: usize,
+        y: &GpuTensor,
+        y_col0: usize,
+    ) -> Result<()> {
         let params = MatmulParams {
             m: x.rows as u32,
             n: n_out as u32,
             k: x.cols as u32,
-            w_row0: w_row0 as u32,
+            w_row0: 0,
             in_div: 1,
-            _pad: [0; 3],
+            y_stride: y.cols as u32,
+            y_col0: y_col0 as u32,
+            _pad: 0,
         };
         let pipeline = self.pipeline(Shader::Matmul, "matmul_xwt", &[])?;
         let uniform = self.uniform(&params);
         let what = || format!("matmul [{}, {}] x [{n_out}, {}]^T workgroup grid", x.rows, x.cols, x.cols);
         let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), x.rows.div_ceil(MATMUL_TILE), what)?;
-        let bindings = [(0, &uniform), (1, &x.buffer), (2, &w.buffer), (3, &y.buffer)];
-        self.dispatch_xy("matmul_t", &pipeline, &bindings, groups)?;
-        Ok(y)
+        let bindings = [(0, &uniform), (1, x_buffer), (2, w_block), (3, self.whole(y, "matmul_t")?)];
+        self.dispatch_xy("matmul_t", &pipeline, &bindings, groups)
     }
 
     /// A 2-D workgroup grid, or [`crate::Error::GpuTooLarge`] naming `what` when a side
@@ -103,7 +121,7 @@ impl GpuContext {
         }
         let pipeline = self.pipeline(Shader::Elementwise, entry, &[])?;
         let uniform = self.uniform(&EwParams { len: len as u32, width: width as u32, _pad: [0; 2] });
-        let bindings = [(0, &uniform), (1, &acc.buffer), (2, &rhs.buffer)];
+        let bindings = [(0, &uniform), (1, self.whole(acc, op)?), (2, self.whole(rhs, op)?)];
         self.dispatch(op, &pipeline, &bindings, (len as u64).div_ceil(ELEMENTWISE_WG))
     }
 
@@ -156,7 +174,8 @@ impl GpuContext {
         }
         let pipeline = self.pipeline(Shader::RmsNorm, "rms_norm", &[])?;
         let uniform = self.uniform(&NormParams { rows: rows as u32, dim: dim as u32, eps, _pad: 0 });
-        let bindings = [(0, &uniform), (1, &x.buffer), (2, &w.buffer), (3, &y.buffer)];
+        let op = "rms_norm";
+        let bindings = [(0, &uniform), (1, self.whole(x, op)?), (2, self.whole(w, op)?), (3, self.whole(&y, op)?)];
         self.dispatch("rms_norm", &pipeline, &bindings, rows as u64)?;
         Ok(y)
     }

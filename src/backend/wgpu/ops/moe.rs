@@ -37,7 +37,7 @@ pub struct Routing {
 impl Routing {
     /// The expert ids on the host, row-major (tests and debugging; the MoE block never reads them back).
     pub fn download_ids(&self, ctx: &GpuContext) -> Result<Vec<u32>> {
-        let bytes = ctx.read_buffer(&self.ids.buffer, (self.ids.len() * 4) as u64)?;
+        let bytes = ctx.read_buffer(ctx.whole(&self.ids, "download_ids")?, (self.ids.len() * 4) as u64)?;
         Ok(bytemuck::pod_collect_to_vec(&bytes))
     }
 }
@@ -96,7 +96,8 @@ impl GpuContext {
             };
             let pipeline = self.pipeline(Shader::Moe, "router_topk", &[])?;
             let uniform = self.uniform(&params);
-            let bindings = [(0, &uniform), (1, &logits.buffer), (2, &ids.buffer), (3, &weights.buffer)];
+            let op = "router_topk";
+            let bindings = [(0, &uniform), (1, self.whole(logits, op)?), (2, self.whole(&ids, op)?), (3, self.whole(&weights, op)?)];
             self.dispatch("router_topk", &pipeline, &bindings, (logits.rows as u64).div_ceil(ROUTER_WG))?;
         }
         Ok(Routing { ids, weights })
@@ -117,7 +118,8 @@ impl GpuContext {
         };
         let pipeline = self.pipeline(Shader::Moe, "expert_lists", &[])?;
         let uniform = self.uniform(&params);
-        let bindings = [(0, &uniform), (7, &routing.ids.buffer), (8, &counts.buffer), (9, &slots.buffer)];
+        let op = "expert_lists";
+        let bindings = [(0, &uniform), (7, self.whole(&routing.ids, op)?), (8, self.whole(&counts, op)?), (9, self.whole(&slots, op)?)];
         self.dispatch("expert_lists", &pipeline, &bindings, (num_experts as u64).div_ceil(ROUTER_WG))?;
         Ok(ExpertLists { counts, slots, tokens })
     }
@@ -144,20 +146,23 @@ impl GpuContext {
             k: x.cols as u32,
             w_row0: 0,
             in_div: in_div as u32,
-            _pad: [0; 3],
+            y_stride: n_out as u32,
+            y_col0: 0,
+            _pad: 0,
         };
         let pipeline = self.pipeline(Shader::Matmul, "matmul_routed", &[])?;
         let uniform = self.uniform(&params);
         let row_tiles = lists.tokens.div_ceil(MATMUL_TILE);
         let what = || format!("MoE expert matmul grid ({num_experts} experts x {row_tiles} row tiles)");
         let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), num_experts.saturating_mul(row_tiles), what)?;
+        let op = "moe expert matmul";
         let bindings = [
             (0, &uniform),
-            (1, &x.buffer),
-            (2, &w.buffer),
-            (3, &out.buffer),
-            (4, &lists.counts.buffer),
-            (5, &lists.slots.buffer),
+            (1, self.whole(x, op)?),
+            (2, self.whole(w, op)?),
+            (3, self.whole(out, op)?),
+            (4, self.whole(&lists.counts, op)?),
+            (5, self.whole(&lists.slots, op)?),
         ];
         self.dispatch_xy("moe expert matmul", &pipeline, &bindings, groups)
     }
@@ -180,7 +185,8 @@ impl GpuContext {
         };
         let pipeline = self.pipeline(Shader::Moe, "expert_combine", &[])?;
         let uniform = self.uniform(&params);
-        let bindings = [(0, &uniform), (4, &weights.buffer), (5, &expert_out.buffer), (6, &out.buffer)];
+        let op = "expert_combine";
+        let bindings = [(0, &uniform), (4, self.whole(weights, op)?), (5, self.whole(expert_out, op)?), (6, self.whole(&out, op)?)];
         self.dispatch("expert_combine", &pipeline, &bindings, (out.len() as u64).div_ceil(COMBINE_WG))?;
         Ok(out)
     }

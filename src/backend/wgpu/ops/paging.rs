@@ -135,7 +135,7 @@ impl GpuContext {
         rows.expect_rows(op, "rows", slots.len())?;
         rows.expect_cols(op, "rows", cols.width)?;
         let slots = checked_slots(op, slots, pool.num_slots())?;
-        self.rows_per_chunk(op, Direction::Scatter(&rows.buffer), pool, &slots, cols)
+        self.rows_per_chunk(op, Direction::Scatter(self.whole(rows, op)?), pool, &slots, cols)
     }
 
     /// Reads slot `slots[i]` at `cols` into row `i` of a new `[slots.len(), cols.width]`
@@ -149,7 +149,7 @@ impl GpuContext {
     ) -> Result<GpuTensor> {
         let slots = checked_slots(op, slots, pool.num_slots())?;
         let out = self.zeros([slots.len(), cols.width])?;
-        self.rows_per_chunk(op, Direction::Gather(&out.buffer), pool, &slots, cols)?;
+        self.rows_per_chunk(op, Direction::Gather(self.whole(&out, op)?), pool, &slots, cols)?;
         Ok(out)
     }
 

@@ -76,7 +76,7 @@ impl GpuContext {
         let uniform = self.uniform(&params);
         let pos_buffer = self.storage_from("rope positions", &positions)?;
         let freq_buffer = self.storage_from("rope inv_freq", &inv_freq)?;
-        let bindings = [(0, &uniform), (1, &pos_buffer), (2, &freq_buffer), (3, &x.buffer)];
+        let bindings = [(0, &uniform), (1, &pos_buffer), (2, &freq_buffer), (3, self.whole(x, "rope")?)];
         self.dispatch("rope", &pipeline, &bindings, ((x.len() / 2) as u64).div_ceil(ROPE_WG))
     }
 }

@@ -35,20 +35,34 @@ impl GpuContext {
         indices: &[u32],
         dst: &GpuTensor,
     ) -> Result<()> {
-        if indices.is_empty() || src.cols == 0 {
+        let src_buffer = self.whole(src, op)?;
+        self.move_rows_of(op, entry, (src_buffer, src.rows, src.cols), indices, dst)
+    }
+
+    /// [`Self::move_rows`] with the source given as `(buffer, rows, cols)`: one row
+    /// block of a split table. Indices at or past `rows` are skipped by the kernel.
+    fn move_rows_of(
+        &self,
+        op: &'static str,
+        entry: &'static str,
+        (src, src_rows, cols): (&wgpu::Buffer, usize, usize),
+        indices: &[u32],
+        dst: &GpuTensor,
+    ) -> Result<()> {
+        if indices.is_empty() || cols == 0 {
             return Ok(());
         }
         let pipeline = self.pipeline(Shader::Rows, entry, &[])?;
         let params = DenseRowParams {
             n_rows: indices.len() as u32,
-            width: src.cols as u32,
-            src_rows: src.rows as u32,
+            width: cols as u32,
+            src_rows: src_rows as u32,
             dst_rows: dst.rows as u32,
         };
         let uniform = self.uniform(&params);
         let index_buffer = self.storage_from("row indices", indices)?;
-        let bindings = [(0, &uniform), (1, &index_buffer), (2, &src.buffer), (3, &dst.buffer)];
-        self.dispatch(op, &pipeline, &bindings, ((indices.len() * src.cols) as u64).div_ceil(ROWS_WG))
+        let bindings = [(0, &uniform), (1, &index_buffer), (2, src), (3, self.whole(dst, op)?)];
+        self.dispatch(op, &pipeline, &bindings, ((indices.len() * cols) as u64).div_ceil(ROWS_WG))
     }
 
     /// `out[i] = x[rows[i]]` → `[rows.len(), cols]`.
@@ -63,7 +77,13 @@ impl GpuContext {
     pub fn embedding(&self, table: &GpuTensor, ids: &[u32]) -> Result<GpuTensor> {
         check_indices("embedding", "token id", ids, table.rows)?;
         let out = self.zeros([ids.len(), table.cols])?;
-        self.move_rows("embedding", "gather_dense", table, ids, &out)?;
+        // A split table: each row block gathers the ids that fall in it (block-local
+        // ids; the others are out of its range and skipped).
+        for (row0, rows, block) in table.row_blocks() {
+            let local: Vec<u32> =
+                ids.iter().map(|&id| (id as usize).checked_sub(row0).map_or(u32::MAX, |i| i as u32)).collect();
+            self.move_rows_of("embedding", "gather_dense", (block, rows, table.cols), &local, &out)?;
+        }
         Ok(out)
     }
 
