@@ -264,6 +264,31 @@ fn deepstack_mismatches_are_typed_errors_and_change_nothing() -> TestResult {
     Ok(())
 }
 
+/// A checkpoint that names its DeepStack levels (`deepstack_visual_indexes`) takes
+/// exactly that many per item: fewer or more is a typed error before anything runs.
+#[test]
+fn deepstack_level_count_follows_the_checkpoint() -> TestResult {
+    let a = pixels(7);
+    let model = Config { deepstack_levels: Some(1), ..model() };
+    let mut engine = Engine::random(model, 9, config())?;
+    let request = |levels: usize| PrefillRequest {
+        token_ids: with_image(&[1], &[2]),
+        items: vec![deep_image(&a, Some(rows(4, HIDDEN, 0.0)), (0..levels).map(|i| rows(4, HIDDEN, i as f32)).collect())],
+        ..Default::default()
+    };
+    for levels in [2, 0] {
+        let err = engine.prefill(request(levels)).expect_err("the checkpoint names 1 level");
+        assert!(
+            matches!(&err, Error::DeepStackMismatch { item: 0, expected: 1, found, what, .. }
+                if *found == levels && what.contains("deepstack_visual_indexes")),
+            "{levels} levels: {err}"
+        );
+    }
+    assert_eq!(engine.stats().queries, 0, "nothing ran");
+    assert_eq!(engine.prefill(request(1))?.prompt_len, 2 + 4 + 2);
+    Ok(())
+}
+
 /// DeepStack rows change the outputs, and the encoder cache keeps them with the
 /// embeddings: a later request naming the item without either gets both.
 #[test]

@@ -301,7 +301,7 @@ impl<B: Backend> Engine<B> {
             deepstack.push(levels);
         }
         let id = self.next_id;
-        check_deepstack_levels(id, &deepstack, self.model_config().num_hidden_layers)?;
+        check_deepstack_levels(id, &deepstack, self.model_config())?;
         let hidden = self.model_config().hidden_size;
         let preprocess = started.elapsed();
         self.sched.admit(Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: Some(hidden) })?;
@@ -453,19 +453,21 @@ impl<B: Backend> Engine<B> {
 }
 
 /// DeepStack level `i` is added after decoder layer `i`: an item may carry at
-/// most one level per layer (the scheduler checks the rest of their shape).
-fn check_deepstack_levels(id: RequestId, deepstack: &[Option<DeepStack>], layers: usize) -> Result<()> {
-    match deepstack.iter().enumerate().find_map(|(item, d)| d.as_ref().filter(|d| d.len() > layers).map(|d| (item, d.len()))) {
-        Some((item, found)) => Err(Error::DeepStackMismatch {
-            id,
-            item,
-            level: layers,
-            what: "number of levels (at most one per decoder layer)",
-            expected: layers,
-            found,
-        }),
-        None => Ok(()),
+/// most one level per layer, and exactly as many as the checkpoint's vision
+/// encoder produces when its config names them (the scheduler checks the rest
+/// of their shape).
+fn check_deepstack_levels(id: RequestId, deepstack: &[Option<DeepStack>], model: &Config) -> Result<()> {
+    let layers = model.num_hidden_layers;
+    for (item, levels) in deepstack.iter().enumerate() {
+        let Some(found) = levels.as_ref().map(|d| d.len()) else { continue };
+        let (what, expected) = match model.deepstack_levels {
+            Some(n) if found != n => ("number of levels (the checkpoint's deepstack_visual_indexes)", n),
+            _ if found > layers => ("number of levels (at most one per decoder layer)", layers),
+            _ => continue,
+        };
+        return Err(Error::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found });
     }
+    Ok(())
 }
 
 /// The tenant of request `id` when caching is off: one per request, from the

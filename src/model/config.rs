@@ -58,6 +58,10 @@ pub struct Config {
     /// Longest prompt the model was trained for (HF `max_position_embeddings`);
     /// the engine rejects longer requests. `None`: no limit known.
     pub max_position_embeddings: Option<usize>,
+    /// DeepStack levels the checkpoint's vision encoder produces (the length of
+    /// `vision_config.deepstack_visual_indexes`); `None` when the config names none.
+    /// Level `i` is added after decoder layer `i`.
+    pub deepstack_levels: Option<usize>,
 }
 
 /// The raw HF fields we read; unknown fields are ignored.
@@ -127,7 +131,17 @@ impl Config {
             .or_else(|| root.get("text_config"))
             .unwrap_or(&root);
         let raw = RawConfig::deserialize(text).map_err(|e| Error::ConfigParse(e.to_string()))?;
-        Self::from_raw(raw)
+        let deepstack = root
+            .pointer("/thinker_config/vision_config/deepstack_visual_indexes")
+            .or_else(|| root.pointer("/vision_config/deepstack_visual_indexes"));
+        let deepstack_levels = match deepstack {
+            None => None,
+            Some(serde_json::Value::Array(indexes)) => Some(indexes.len()),
+            Some(other) => return Err(unsupported("deepstack_visual_indexes", other, "expected a list of layer indexes")),
+        };
+        let cfg = Config { deepstack_levels, ..Self::from_raw(raw)? };
+        cfg.validate()?;
+        Ok(cfg)
     }
 
     fn from_raw(raw: RawConfig) -> Result<Self> {
@@ -209,6 +223,7 @@ impl Config {
             mrope_interleaved,
             moe,
             max_position_embeddings: raw.max_position_embeddings,
+            deepstack_levels: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -243,6 +258,9 @@ impl Config {
         }
         if self.vocab_size > MAX_VOCAB {
             return Err(unsupported("vocab_size", self.vocab_size, "larger than any supported model (limit 2^24)"));
+        }
+        if let Some(levels) = self.deepstack_levels.filter(|&l| l > self.num_hidden_layers) {
+            return Err(unsupported("deepstack_visual_indexes", levels, "more DeepStack levels than decoder layers"));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(unsupported("rope_theta", self.rope_theta, "must be finite and positive"));
@@ -320,6 +338,7 @@ impl Config {
             mrope_interleaved: false,
             moe: None,
             max_position_embeddings: None,
+            deepstack_levels: None,
         }
     }
 
@@ -387,6 +406,26 @@ mod tests {
               "rope_scaling": {{"mrope_section": [24, 20, 20], "interleaved": true, "mrope_interleaved": true, "rope_type": "default"}},
               "rope_theta": 1000000.0 {extra} }}}}}}"#
         )
+    }
+
+    #[test]
+    fn deepstack_levels_come_from_the_vision_config() {
+        let with_vision = |indexes: &str| {
+            let text = omni_text("");
+            let vision = format!(r#""vision_config": {{"deepstack_visual_indexes": {indexes}}}, "text_config""#);
+            Config::from_json_str(&text.replacen(r#""text_config""#, &vision, 1))
+        };
+        assert_eq!(Config::from_json_str(&omni_text("")).unwrap().deepstack_levels, None);
+        assert_eq!(with_vision("[8, 16, 24]").unwrap().deepstack_levels, Some(3));
+        assert!(matches!(
+            with_vision("7"),
+            Err(Error::UnsupportedConfig { field: "deepstack_visual_indexes", .. })
+        ));
+        let too_many = format!("[{}]", (0..49).map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
+        assert!(matches!(
+            with_vision(&too_many),
+            Err(Error::UnsupportedConfig { field: "deepstack_visual_indexes", .. })
+        ));
     }
 
     #[test]
