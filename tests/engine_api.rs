@@ -8,7 +8,7 @@ use std::sync::Arc;
 use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::Error;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest};
+use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, ItemInput, Output, PrefillRequest};
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 
@@ -145,6 +145,31 @@ fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
     // Still serves, and the earlier prompt is still cached.
     let out = engine.prefill(PrefillRequest::text((0..12).collect()))?;
     assert_eq!(out.num_cached_tokens, 8);
+    Ok(())
+}
+
+/// An encoder may return DeepStack levels with the embeddings: the run equals one
+/// where the caller passed both, and the levels are cached with the embeddings.
+#[test]
+fn an_encoder_can_hand_over_deepstack_levels() -> TestResult {
+    let content = pixels(9);
+    let ids = with_image(&[4, 5], &[6]);
+    let (emb, levels) = (rows(4, HIDDEN, 0.25), vec![rows(4, HIDDEN, 1.5), rows(4, HIDDEN, 2.5)]);
+    let no_cache = EngineConfig { cache: false, ..config() };
+    let request = |item| PrefillRequest { token_ids: ids.clone(), items: vec![item], ..Default::default() };
+    let mut given = Engine::random(model(), 12, no_cache.clone())?;
+    let want = given.prefill(request(deep_image(&content, Some(emb.clone()), levels.clone())))?;
+    let mut encoded = Engine::random(model(), 12, no_cache)?;
+    let mut calls = 0;
+    let mut encoder = |_item: usize, _id: &_| -> omniprefix::Result<EncoderOutput> {
+        calls += 1;
+        Ok(EncoderOutput { embeddings: emb.clone(), deepstack: levels.clone() })
+    };
+    let got = encoded.prefill_with_encoder(request(image(&content, None)), &mut encoder)?;
+    assert_same(&got, &want);
+    let again = encoded.prefill_with_encoder(request(image(&content, None)), &mut encoder)?;
+    assert_same(&again, &want);
+    assert_eq!((calls, encoded.stats().encoder_cache_hits), (1, 1), "levels come from the cache the second time");
     Ok(())
 }
 

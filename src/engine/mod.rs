@@ -32,7 +32,7 @@ use crate::runner::{ModelRunner, SeqOutput};
 use crate::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats};
 
 pub use config::{EngineConfig, EngineStats, IndexKind, Timings};
-pub use request::{ItemInput, PlaceholderForm, PrefillRequest};
+pub use request::{EncoderOutput, ItemInput, PlaceholderForm, PrefillRequest};
 
 /// What a finished prefill returns.
 #[derive(Debug, Clone)]
@@ -244,11 +244,13 @@ impl<B: Backend> Engine<B> {
     }
 
     /// [`Engine::prefill`] with `encoder` called for items that bring no
-    /// embeddings and miss the encoder cache (its outputs are cached).
-    pub fn prefill_with_encoder(
+    /// embeddings and miss the encoder cache (its outputs, DeepStack levels
+    /// included, are cached). The encoder returns an [`EncoderOutput`] or a bare
+    /// `Array2<f32>` of embeddings.
+    pub fn prefill_with_encoder<E: Into<EncoderOutput>>(
         &mut self,
         request: PrefillRequest<'_>,
-        encoder: impl FnMut(usize, &ItemIdentity) -> Result<Array2<f32>>,
+        encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
     ) -> Result<Output> {
         let id = self.submit_with_encoder(request, encoder)?;
         self.await_output(id)
@@ -256,16 +258,14 @@ impl<B: Backend> Engine<B> {
 
     /// Checks and queues a request; on error nothing changes.
     pub fn submit(&mut self, request: PrefillRequest<'_>) -> Result<RequestId> {
-        self.submit_with_encoder(request, |item, _| {
-            Err(Error::MissingEmbeddings { item })
-        })
+        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::MissingEmbeddings { item }) })
     }
 
     /// [`Engine::submit`] with an encoder for items without embeddings.
-    pub fn submit_with_encoder(
+    pub fn submit_with_encoder<E: Into<EncoderOutput>>(
         &mut self,
         request: PrefillRequest<'_>,
-        mut encoder: impl FnMut(usize, &ItemIdentity) -> Result<Array2<f32>>,
+        mut encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
     ) -> Result<RequestId> {
         let started = Instant::now();
         if let Some(known) = &self.config.known_tenants
@@ -291,9 +291,12 @@ impl<B: Backend> Engine<B> {
                         (e, input.deepstack.clone().or(cached))
                     }
                     None => {
-                        let e = Arc::new(encoder(index, identity)?);
-                        fresh.push((fp, Arc::clone(&e), input.deepstack.clone()));
-                        (e, input.deepstack.clone())
+                        let out: EncoderOutput = encoder(index, identity)?.into();
+                        let e = Arc::new(out.embeddings);
+                        let encoded = (!out.deepstack.is_empty()).then(|| Arc::new(out.deepstack));
+                        let levels = input.deepstack.clone().or(encoded);
+                        fresh.push((fp, Arc::clone(&e), levels.clone()));
+                        (e, levels)
                     }
                 },
             };

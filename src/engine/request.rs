@@ -23,8 +23,25 @@ pub struct ItemInput<'a> {
     /// array per level, level `i` added at the item's positions after decoder
     /// layer `i`; at most one level per layer, the same count on every item of
     /// a request, none on audio. `None` takes the levels cached with the
-    /// embeddings (if any).
+    /// embeddings, or those the encoder returns (if any).
     pub deepstack: Option<DeepStack>,
+}
+
+/// What an encoder hands the engine for one item: its embeddings and, from a
+/// DeepStack vision encoder, one more `[num_tokens, hidden]` per level. An
+/// encoder closure may also return a bare `Array2<f32>` (no levels).
+#[derive(Debug, Clone)]
+pub struct EncoderOutput {
+    /// `[num_tokens, hidden]`, scattered at the item's placeholders.
+    pub embeddings: Array2<f32>,
+    /// DeepStack levels (empty: none).
+    pub deepstack: Vec<Array2<f32>>,
+}
+
+impl From<Array2<f32>> for EncoderOutput {
+    fn from(embeddings: Array2<f32>) -> Self {
+        EncoderOutput { embeddings, deepstack: Vec::new() }
+    }
 }
 
 /// A prefill request.
