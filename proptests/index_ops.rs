@@ -23,8 +23,11 @@ use proptest::sample::Index;
 const BS: usize = 4;
 /// Collision-free fingerprints, and weak ones that force colliding siblings
 /// (so splits and evictions also run on shared head keys).
-const MODELS: [ItemModel; 2] =
-    [ItemModel { rows: 3, fp_bits: None }, ItemModel { rows: 3, fp_bits: Some(1) }];
+/// The harness gives them the evidence of each of the validating policies.
+const MODELS: [ItemModel; 2] = [
+    ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest },
+    ItemModel { rows: 3, fp_bits: Some(1), policy: ValidationPolicy::SecondDigest },
+];
 const POLICIES: [ValidationPolicy; 2] = [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes];
 
 #[derive(Debug, Clone)]
@@ -73,12 +76,12 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(items: ItemModel, validation: ValidationPolicy) -> Result<Self, TestCaseError> {
-        let config = RadixConfig { block_size: BS, validation };
+    fn new(items: ItemModel, policy: ValidationPolicy) -> Result<Self, TestCaseError> {
+        let config = RadixConfig { block_size: BS };
         let index = RadixIndex::new(config).map_err(|e| TestCaseError::fail(e.to_string()))?;
         Ok(Harness {
             index,
-            items,
+            items: items.with_policy(policy),
             oracle: Oracle::default(),
             ledger: Ledger::default(),
             history: Vec::new(),

@@ -12,10 +12,10 @@ use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::{Error, Result};
 
-const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None };
+const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest };
 
 fn index(block_size: usize) -> Result<RadixIndex> {
-    RadixIndex::new(RadixConfig { block_size, validation: ValidationPolicy::SecondDigest })
+    RadixIndex::new(RadixConfig { block_size })
 }
 
 fn text(tenant: u64, ids: &[u32]) -> CanonicalPrompt {
@@ -102,13 +102,13 @@ fn tenants_never_share_entries() -> Result<()> {
 
 #[test]
 fn colliding_items_coexist_as_siblings_and_count_failures() -> Result<()> {
-    let weak = ItemModel { rows: 3, fp_bits: Some(1) };
+    let weak = ItemModel { rows: 3, fp_bits: Some(1), policy: ValidationPolicy::SecondDigest };
     let item = |content| [Piece::Text(vec![7]), Piece::Item { content, split: 0 }];
-    let (a, _) = weak.build(0, &item(0));
-    let (b, _) = weak.build(0, &item(2));
-    assert_eq!(a.items[0].fingerprint, b.items[0].fingerprint);
     for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes] {
-        let mut ix = RadixIndex::new(RadixConfig { block_size: 2, validation: policy })?;
+        let (a, _) = weak.with_policy(policy).build(0, &item(0));
+        let (b, _) = weak.with_policy(policy).build(0, &item(2));
+        assert_eq!(a.items[0].fingerprint, b.items[0].fingerprint);
+        let mut ix = index(2)?;
         ix.insert(&a, &[1, 2])?;
         let miss = ix.match_prefix(&b);
         assert_eq!((miss.tokens, ix.stats().validation_failures), (1, 1), "{policy:?}");
@@ -119,8 +119,10 @@ fn colliding_items_coexist_as_siblings_and_count_failures() -> Result<()> {
         assert_eq!(ix.match_prefix(&b).blocks, vec![3, 4]);
         valid(&ix)?;
     }
-    let mut trusting =
-        RadixIndex::new(RadixConfig { block_size: 2, validation: ValidationPolicy::Unvalidated })?;
+    let trusting_items = weak.with_policy(ValidationPolicy::Unvalidated);
+    let (a, _) = trusting_items.build(0, &item(0));
+    let (b, _) = trusting_items.build(0, &item(2));
+    let mut trusting = index(2)?;
     trusting.insert(&a, &[1, 2])?;
     assert_eq!(trusting.match_prefix(&b).tokens, 4, "without validation the collision is a wrong hit");
     Ok(())
@@ -128,7 +130,7 @@ fn colliding_items_coexist_as_siblings_and_count_failures() -> Result<()> {
 
 #[test]
 fn a_long_item_span_matches_whole_and_split_atoms_agree() -> Result<()> {
-    let big = ItemModel { rows: 7200, fp_bits: None };
+    let big = ItemModel { rows: 7200, ..STRONG };
     let (cached, _) = big.build(0, &[Piece::Text(vec![1, 2]), Piece::Item { content: 5, split: 0 }]);
     let (query, _) = big.build(0, &[Piece::Text(vec![1, 2]), Piece::Item { content: 5, split: 3001 }]);
     let mut ix = index(16)?;

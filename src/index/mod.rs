@@ -16,18 +16,8 @@ use crate::Result;
 /// Id of a KV block in the block pool (payload of one full cached block).
 pub type BlockId = u32;
 
-/// How a fingerprint hit is confirmed before it is reported.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ValidationPolicy {
-    /// Compare the canonical bytes retained at insert with the request's.
-    ExactBytes,
-    /// Compare an independent second digest computed in the same pass.
-    #[default]
-    SecondDigest,
-    /// Trust the fingerprint alone (research only: collisions become wrong hits).
-    Unvalidated,
-}
+/// The fingerprinter's policy; re-exported here, where hits are confirmed.
+pub use crate::canon::ValidationPolicy;
 
 /// Opaque handle of a match, used to lock / unlock what it reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use crate::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 use crate::prompt::{IndexMap, ItemSpan, Positions};
 
 const BS: usize = 4;
@@ -26,8 +26,7 @@ fn text_prompt(tenant: TenantSalt, tokens: &[u32]) -> CanonicalPrompt {
 fn item(fp: u128, n: usize) -> Arc<ItemIdentity> {
     Arc::new(ItemIdentity {
         fingerprint: Fingerprint(fp),
-        check: None,
-        retained: None,
+        evidence: Evidence::Unvalidated,
         modality: Modality::Image,
         layout: ItemLayout::Image {
             grid_thw: [1, 2, 2],

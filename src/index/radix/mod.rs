@@ -8,7 +8,8 @@
 //! **Collisions.** A head key maps to a short list of candidate children, not
 //! one: two items with colliding fingerprints (same key) but different content
 //! coexist as siblings. Matching takes the candidate whose content validates
-//! (per [`ValidationPolicy`]); if none does, matching stops there (a miss,
+//! (with the [`Evidence`](crate::canon::Evidence) both identities carry, see
+//! [`validate`](crate::index::validate)); if none does, matching stops there (a miss,
 //! counted in `validation_failures`). Insert never merges into a candidate that
 //! fails validation, it adds a sibling under the same key.
 //!
@@ -38,9 +39,7 @@ use std::collections::BTreeSet;
 use fxhash::{FxHashMap, FxHashSet};
 
 use crate::error::Error;
-use crate::index::{
-    BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch, ValidationPolicy,
-};
+use crate::index::{BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch};
 use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 use crate::Result;
 
@@ -49,18 +48,19 @@ use edge::{atom_len, Cursor, Edge, Head, Validator};
 use pin::Pin;
 
 /// Settings of a [`RadixIndex`].
+///
+/// There is no validation policy here: hits are confirmed with the evidence
+/// the items carry, which their fingerprinter's policy decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct RadixConfig {
     /// Tokens per KV block (default 16).
     pub block_size: usize,
-    /// How fingerprint hits are confirmed (default `SecondDigest`).
-    pub validation: ValidationPolicy,
 }
 
 impl Default for RadixConfig {
     fn default() -> Self {
-        RadixConfig { block_size: 16, validation: ValidationPolicy::default() }
+        RadixConfig { block_size: 16 }
     }
 }
 
@@ -302,7 +302,7 @@ impl RadixIndex {
         }
         let walk = match self.roots.get(&prompt.tenant) {
             Some(&root) => {
-                let mut v = Validator::new(self.config.validation);
+                let mut v = Validator::default();
                 self.walk(root, &prompt.atoms, total, &mut v)
             }
             None => Walk { path: Vec::new(), matched: 0 },
@@ -389,7 +389,7 @@ impl PrefixIndex for RadixIndex {
         self.stats.query_tokens += prompt.len() as u64;
         let Some(&root) = self.roots.get(&prompt.tenant) else { return PrefixMatch::default() };
         let limit = prompt.atoms.iter().map(atom_len).sum();
-        let mut v = Validator::new(self.config.validation);
+        let mut v = Validator::default();
         let Walk { mut path, matched } = self.walk(root, &prompt.atoms, limit, &mut v);
         self.stats.validation_failures += v.failures;
         if matched == 0 {
