@@ -68,6 +68,46 @@ fn duplicates_and_reused_ids_on_insert() -> Result<()> {
     valid(&ix)
 }
 
+/// Insert reports the prefix as now cached (the index's ids, duplicates
+/// swapped for them), and locking that report pins exactly those blocks,
+/// with no second match: whether the insert extended a leaf, added a child
+/// under a split, or found everything cached already.
+#[test]
+fn insert_reports_the_cached_prefix_ready_to_lock() -> Result<()> {
+    let mut ix = index(4)?;
+    let p = text(0, &(0..16).collect::<Vec<u32>>());
+    let first = ix.insert(&p, &[1, 2])?;
+    assert_eq!((first.cached.tokens, first.cached.aligned_tokens, first.cached.blocks), (8, 8, vec![1, 2]));
+    // Extends the leaf in place; 20 duplicates block 1.
+    let longer = ix.insert(&p, &[20, 21, 22])?;
+    assert_eq!((longer.adopted, longer.duplicates), (vec![22], vec![20, 21]));
+    assert_eq!((longer.cached.tokens, longer.cached.blocks.clone()), (12, vec![1, 2, 22]));
+    ix.lock(&longer.cached);
+    // A sibling under a split at token 9 (inside block 2), and a re-insert of cached blocks.
+    let mut other: Vec<u32> = (0..16).collect();
+    other[9] = 99;
+    let sibling = ix.insert(&text(0, &other), &[30, 31, 32, 33])?;
+    assert_eq!(sibling.cached.blocks, vec![1, 2, 32, 33]);
+    let recommit = ix.insert(&p, &[1])?;
+    assert_eq!((recommit.cached.tokens, recommit.cached.blocks.clone()), (4, vec![1]));
+    ix.lock(&recommit.cached);
+    ix.lock(&sibling.cached);
+    valid(&ix)?;
+    assert_eq!(ix.evict(usize::MAX), Vec::<u32>::new(), "every cached block is pinned");
+    ix.unlock(&sibling.cached);
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![32, 33], "only the sibling's own blocks were pinned by it alone");
+    ix.unlock(&longer.cached);
+    ix.unlock(&recommit.cached);
+    valid(&ix)?;
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![1, 2, 22]);
+    assert_eq!(ix.stats().nodes, 0);
+    Ok(())
+}
+
 #[test]
 fn bad_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
     let mut ix = index(4)?;

@@ -45,6 +45,12 @@ pub struct InsertOutcome {
     /// Blocks the index did not take because equal content was already cached;
     /// the caller still owns them.
     pub duplicates: Vec<BlockId>,
+    /// The inserted prefix as it is cached now: a match of `blocks.len() *
+    /// block_size` tokens (block aligned) whose `blocks` are the index's ids
+    /// at each position (the offered id, or the cached one it duplicated),
+    /// ready to [`lock`](PrefixIndex::lock) without matching again. Empty when
+    /// no block was given.
+    pub cached: PrefixMatch,
 }
 
 /// Counters every index keeps.
@@ -69,7 +75,8 @@ pub trait PrefixIndex {
     fn block_size(&self) -> usize;
     /// Longest cached prefix of `prompt` (validated). Touches LRU clocks and stats only.
     fn match_prefix(&mut self, prompt: &CanonicalPrompt) -> PrefixMatch;
-    /// Caches the first `blocks.len()` full blocks of `prompt` (KV already written).
+    /// Caches the first `blocks.len()` full blocks of `prompt` (KV already
+    /// written) and returns them as now cached ([`InsertOutcome::cached`]).
     fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome>;
     /// Pins what `m` reported so eviction cannot take it; reference counted.
     fn lock(&mut self, m: &PrefixMatch);

@@ -555,8 +555,9 @@ impl Scheduler {
         }
     }
 
-    /// Inserts the request's full computed blocks into the index and re-pins
-    /// them; blocks the index already had are swapped for its copies and freed.
+    /// Inserts the request's full computed blocks into the index and pins
+    /// what the insert reports as cached (no second match); blocks the index
+    /// already had are swapped for its copies and freed.
     fn commit_full_blocks(&mut self, id: RequestId) -> Result<()> {
         let bs = self.config.block_size;
         let t = self
@@ -568,6 +569,15 @@ impl Scheduler {
             return Ok(());
         }
         let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
+        let m = outcome.cached;
+        if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
+            return Err(Error::IndexContract(format!(
+                "request {id}: insert of {n_full} blocks reports {} tokens ({} aligned) in {} blocks cached",
+                m.tokens,
+                m.aligned_tokens,
+                m.blocks.len()
+            )));
+        }
         for &b in &outcome.adopted {
             if !t.block_table[t.num_shared..n_full].contains(&b) {
                 return Err(Error::IndexContract(format!(
@@ -576,14 +586,6 @@ impl Scheduler {
             }
             self.pool.adopt_by_index(b)?;
         }
-        let m = self.index.match_prefix(&t.req.prompt);
-        if m.aligned_tokens < n_full * bs || m.blocks.len() < n_full {
-            return Err(Error::IndexContract(format!(
-                "request {id}: {} of {n_full} just inserted blocks match again",
-                m.aligned_tokens / bs
-            )));
-        }
-        let m = pinned_part(m, n_full * bs, bs);
         self.index.lock(&m);
         for i in t.num_shared..n_full {
             let (old, new) = (t.block_table[i], m.blocks[i]);
@@ -595,7 +597,7 @@ impl Scheduler {
             }
             if self.pool.state(new)? != BlockState::Indexed {
                 return Err(Error::IndexContract(format!(
-                    "match returned block {new}, which the index does not own"
+                    "insert reported block {new} cached, which the index does not own"
                 )));
             }
         }

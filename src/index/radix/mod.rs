@@ -420,8 +420,9 @@ impl PrefixIndex for RadixIndex {
     /// Blocks whose content is already cached come back in `duplicates`,
     /// except an id equal to the one cached at that position (the caller got
     /// it from a match; the index keeps owning it, it is in neither list).
+    /// `cached` names the node holding the last block, as a match would.
     fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome> {
-        let (walk, cached) = self.plan_insert(prompt, blocks)?;
+        let (walk, mut cached) = self.plan_insert(prompt, blocks)?;
         let mut outcome = InsertOutcome::default();
         if blocks.is_empty() {
             return Ok(outcome);
@@ -441,6 +442,10 @@ impl PrefixIndex for RadixIndex {
         if path.is_empty() {
             path.push(root);
         }
+        // All of it was cached: the walk ended in the node holding position
+        // `total - 1`, so its last block.
+        let mut holder = *path.last().expect("path starts at the root");
+        cached.truncate(blocks.len());
         if m < total {
             let last = *path.last().expect("path starts at the root");
             let attach = if m < self.node(last).end() {
@@ -460,6 +465,7 @@ impl PrefixIndex for RadixIndex {
                 let a = self.node_mut(attach);
                 a.edge.append(edge);
                 a.blocks.extend_from_slice(&new_blocks);
+                holder = attach;
             } else {
                 let key = edge.head().expect("a non-empty new edge");
                 let tenant = prompt.tenant;
@@ -476,13 +482,22 @@ impl PrefixIndex for RadixIndex {
                 self.node_mut(attach).children.entry(key).or_default().push(child);
                 self.lru_enter(child);
                 path.push(child);
+                holder = child;
             }
             self.lru_enter(attach);
             self.owned.extend(new_blocks.iter().copied());
             self.stats.cached_blocks += new_blocks.len() as u64;
+            cached.extend_from_slice(&new_blocks);
             outcome.adopted = new_blocks;
         }
         self.touch(&path);
+        debug_assert_eq!(cached.len(), blocks.len());
+        debug_assert!(
+            cached.last().is_some_and(|b| self.node(holder).blocks.contains(b)),
+            "the holder holds the last block"
+        );
+        outcome.cached =
+            PrefixMatch { tokens: total, aligned_tokens: total, blocks: cached, handle: self.nodes.handle(holder) };
         Ok(outcome)
     }
 
