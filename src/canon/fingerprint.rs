@@ -2,8 +2,8 @@
 //!
 //! The fingerprint is xxh3-128 under a secret derived from the
 //! [`FingerprintKey`]; the check digest (for `SecondDigest` validation) is
-//! xxh3-128 under an independently derived secret, fed the same staged bytes
-//! while they are still in cache. Content above [`TREE_THRESHOLD`] bytes is
+//! xxh3-128 under an independently derived secret, computed by the same
+//! hasher from the same loads of each stripe. Content above [`TREE_THRESHOLD`] bytes is
 //! hashed as a tree of fixed [`TREE_CHUNK`]-byte leaves, so the digest depends
 //! on the content only, never on the thread count.
 
@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::header::encode_header;
 use super::key::FingerprintKey;
-use super::keyed_xxh3::KeyedXxh3;
+use super::keyed_xxh3::{KeyedXxh3, State};
 use super::layout::check_shape;
 use super::stream::{ByteSink, emit_tensor};
 use super::{Evidence, Fingerprint, ItemContent, ItemIdentity, ItemSpec, TensorView, ValidationPolicy};
@@ -107,20 +107,33 @@ impl Content<'_, '_> {
     }
 }
 
+/// The digests a sink computes.
+enum Digests {
+    /// The fingerprint alone.
+    Fingerprint(KeyedXxh3),
+    /// The fingerprint and the check digest, from one read of each stripe.
+    WithCheck(KeyedXxh3<2>),
+}
+
+/// Where a [`DigestSink`] was, to roll an optimistically hashed piece back.
+enum Mark {
+    Fingerprint(State<1>),
+    WithCheck(State<2>),
+}
+
 /// Feeds every piece to the fingerprint, the optional check digest and the
 /// optional retained copy, in the same pass.
 struct DigestSink<'r> {
-    fingerprint: KeyedXxh3,
-    check: Option<KeyedXxh3>,
+    digests: Digests,
     retained: Option<&'r mut [u8]>,
     written: usize,
 }
 
 impl ByteSink for DigestSink<'_> {
     fn consume(&mut self, bytes: &[u8]) {
-        self.fingerprint.update(bytes);
-        if let Some(check) = &mut self.check {
-            check.update(bytes);
+        match &mut self.digests {
+            Digests::Fingerprint(fingerprint) => fingerprint.update(bytes),
+            Digests::WithCheck(both) => both.update(bytes),
         }
         if let Some(dst) = self.retained.as_deref_mut() {
             let end = self.written + bytes.len();
@@ -131,11 +144,37 @@ impl ByteSink for DigestSink<'_> {
         }
         self.written += bytes.len();
     }
+
+    type Mark = (Mark, usize);
+
+    fn mark(&self) -> Self::Mark {
+        let digests = match &self.digests {
+            Digests::Fingerprint(fingerprint) => Mark::Fingerprint(fingerprint.checkpoint()),
+            Digests::WithCheck(both) => Mark::WithCheck(both.checkpoint()),
+        };
+        (digests, self.written)
+    }
+
+    /// The retained copy needs no undo: what follows overwrites it from `written`.
+    fn rollback(&mut self, (digests, written): Self::Mark) {
+        match (&mut self.digests, digests) {
+            (Digests::Fingerprint(fingerprint), Mark::Fingerprint(state)) => fingerprint.rollback(state),
+            (Digests::WithCheck(both), Mark::WithCheck(state)) => both.rollback(state),
+            _ => debug_assert!(false, "a mark of another sink"),
+        }
+        self.written = written;
+    }
 }
 
 impl DigestSink<'_> {
     fn finish(&self) -> (u128, Option<u128>) {
-        (self.fingerprint.digest128(), self.check.as_ref().map(KeyedXxh3::digest128))
+        match &self.digests {
+            Digests::Fingerprint(fingerprint) => (fingerprint.digest128(), None),
+            Digests::WithCheck(both) => {
+                let [fingerprint, check] = both.digests();
+                (fingerprint, Some(check))
+            }
+        }
     }
 }
 
@@ -235,12 +274,12 @@ impl Fingerprinter {
     }
 
     fn sink<'r>(&self, retained: Option<&'r mut [u8]>) -> DigestSink<'r> {
-        DigestSink {
-            fingerprint: KeyedXxh3::new(self.fingerprint_secret),
-            check: (self.policy == ValidationPolicy::SecondDigest).then(|| KeyedXxh3::new(self.check_secret)),
-            retained,
-            written: 0,
-        }
+        let digests = if self.policy == ValidationPolicy::SecondDigest {
+            Digests::WithCheck(KeyedXxh3::with_secrets([self.fingerprint_secret, self.check_secret]))
+        } else {
+            Digests::Fingerprint(KeyedXxh3::new(self.fingerprint_secret))
+        };
+        DigestSink { digests, retained, written: 0 }
     }
 
     /// Flat digest of header + content, or a tree above [`TREE_THRESHOLD`].
@@ -264,19 +303,21 @@ impl Fingerprinter {
             rest
         });
         let leaves = self.leaves(item, content, content_bytes, retained_content)?;
-        let mut root = self.sink(None);
-        root.consume(header);
-        root.consume(TREE_TAG);
-        root.consume(&(leaves.len() as u64).to_le_bytes());
-        for (fingerprint, _) in &leaves {
-            root.fingerprint.update(&fingerprint.to_le_bytes());
-        }
-        if let Some(check) = &mut root.check {
-            for (_, leaf_check) in &leaves {
-                check.update(&leaf_check.unwrap_or_default().to_le_bytes());
+        // Each root hashes the header, the tag, the leaf count and its own leaf digests.
+        let root = |secret, digests: &mut dyn Iterator<Item = u128>| {
+            let mut root = KeyedXxh3::new(secret);
+            root.update(header);
+            root.update(TREE_TAG);
+            root.update(&(leaves.len() as u64).to_le_bytes());
+            for digest in digests {
+                root.update(&digest.to_le_bytes());
             }
-        }
-        Ok(root.finish())
+            root.digest128()
+        };
+        let fingerprint = root(self.fingerprint_secret, &mut leaves.iter().map(|(fingerprint, _)| *fingerprint));
+        let check = (self.policy == ValidationPolicy::SecondDigest)
+            .then(|| root(self.check_secret, &mut leaves.iter().map(|(_, check)| check.unwrap_or_default())));
+        Ok((fingerprint, check))
     }
 
     /// Digests of the fixed-size leaves, in order; the first error in content
@@ -394,6 +435,27 @@ mod tests {
         let a = fp.identify(0, &image(TensorView::F32(pos.view()), [1, 2, 2]))?;
         let b = fp.identify(0, &image(TensorView::F32(neg.view()), [1, 2, 2]))?;
         assert_eq!((a.fingerprint, &a.evidence), (b.fingerprint, &b.evidence));
+        Ok(())
+    }
+
+    /// Floats are hashed in place before they are checked; a piece that holds
+    /// a `-0.0` is rolled back and folded, on every policy and both paths.
+    #[test]
+    fn a_folded_piece_after_clean_ones_hashes_as_its_canonical_copy() -> Result<()> {
+        let per_piece = super::super::STAGING_BYTES / 4;
+        for len in [3 * per_piece + 17, TREE_THRESHOLD / 4 + 5] {
+            let folded = ArrayD::from_shape_fn(IxDyn(&[len]), |ix| if ix[0] % 1000 == 999 { 0.0 } else { ix[0] as f32 * 0.5 });
+            let mut signed = folded.clone();
+            for at in [per_piece + 999 - per_piece % 1000, len - len % 1000 - 1] {
+                signed[[at]] = -0.0;
+            }
+            for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes, ValidationPolicy::Unvalidated] {
+                let fp = fingerprinter(1, policy)?;
+                let a = fp.identify(0, &image(TensorView::F32(signed.view()), [1, 2, 2]))?;
+                let b = fp.identify(0, &image(TensorView::F32(folded.view()), [1, 2, 2]))?;
+                assert_eq!((a.fingerprint, &a.evidence), (b.fingerprint, &b.evidence), "{policy:?}, {len} floats");
+            }
+        }
         Ok(())
     }
 

@@ -3,11 +3,13 @@
 //!
 //! Bytes are pushed into a [`ByteSink`] in bounded pieces so the digests eat
 //! them while they are hot in cache: contiguous integer tensors are passed
-//! straight from their slice (no copy); contiguous floats are scanned 64 KiB
-//! at a time and passed in place when the piece holds no `-0.0` (NaN/Inf
-//! error out), else folded into a 64 KiB staging buffer; strided views always
-//! go through the staging buffer. Any element range can be emitted on its own, which is what
-//! lets the fingerprint tree hash fixed-size chunks in parallel.
+//! straight from their slice (no copy); contiguous floats are passed in place
+//! 64 KiB at a time and then scanned while still in cache, and a piece that
+//! holds a `-0.0` or a NaN/Inf is rolled back out of the sink and folded
+//! through a 64 KiB staging buffer (NaN/Inf error out there); strided views
+//! always go through the staging buffer, which is only allocated when used.
+//! Any element range can be emitted on its own, which is what lets the
+//! fingerprint tree hash fixed-size chunks in parallel.
 
 use std::ops::Range;
 
@@ -19,9 +21,15 @@ use crate::error::{Error, Result};
 /// Bytes of the staging buffer floats and strided views are encoded into.
 pub const STAGING_BYTES: usize = 64 * 1024;
 
-/// Something that consumes canonical bytes in order (digests, a retained copy).
+/// Something that consumes canonical bytes in order (digests, a retained copy),
+/// and can forget what it consumed since a mark.
 pub(crate) trait ByteSink {
+    /// Where the sink is: enough to roll back to it.
+    type Mark;
     fn consume(&mut self, bytes: &[u8]);
+    fn mark(&self) -> Self::Mark;
+    /// Forgets everything consumed since `mark` was taken.
+    fn rollback(&mut self, mark: Self::Mark);
 }
 
 /// An element type with a canonical little-endian encoding.
@@ -34,9 +42,9 @@ pub(crate) trait CanonElem: bytemuck::Pod + Send + Sync {
     fn finite(self) -> bool;
     /// Canonical bits, little-endian in memory; `-0.0` becomes `+0.0`.
     fn canonical(self) -> Self::Bits;
-    /// Whether the value's native bits already are its canonical bits
+    /// Whether every value's native bits already are its canonical bits
     /// (finite and not `-0.0`; byte order is checked separately).
-    fn native_is_canonical(self) -> bool;
+    fn all_native_canonical(piece: &[Self]) -> bool;
 }
 
 macro_rules! int_elem {
@@ -53,7 +61,7 @@ macro_rules! int_elem {
                 self.to_le()
             }
             #[inline(always)]
-            fn native_is_canonical(self) -> bool {
+            fn all_native_canonical(_: &[$t]) -> bool {
                 true
             }
         }
@@ -79,10 +87,18 @@ macro_rules! float_elem {
                 let folded = if bits == $sign { 0 } else { bits };
                 folded.to_le()
             }
+            /// Branch-free and without per-element booleans, so it vectorises
+            /// to a few lane operations: the largest magnitude must stay below
+            /// the all-ones exponent (finite), and no value may be the sign bit alone.
             #[inline(always)]
-            fn native_is_canonical(self) -> bool {
-                let bits = self.to_bits();
-                (bits & $exponent != $exponent) & (bits != $sign)
+            fn all_native_canonical(piece: &[$t]) -> bool {
+                let (mut max_magnitude, mut negative_zero): ($bits, $bits) = (0, 0);
+                for value in piece {
+                    let bits = value.to_bits();
+                    max_magnitude = max_magnitude.max(bits & !$sign);
+                    negative_zero |= <$bits>::from(bits == $sign);
+                }
+                max_magnitude < $exponent && negative_zero == 0
             }
         }
     };
@@ -207,20 +223,60 @@ fn walk<T: CanonElem, S: ByteSink>(view: ArrayViewD<'_, T>, elems: Range<usize>,
     Ok(())
 }
 
+/// Whether every element's native bits are its canonical bits (finite, not
+/// `-0.0`): one read-only scan, with 256-bit vectors where the CPU has AVX2.
+fn all_canonical<T: CanonElem>(piece: &[T]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked above), the only requirement
+        // of a `target_feature(enable = "avx2")` function.
+        return unsafe { all_canonical_avx2(piece) };
+    }
+    all_canonical_portable(piece)
+}
+
+/// [`all_canonical_portable`] compiled for AVX2 (the compiler vectorises the
+/// scan with 256-bit registers instead of SSE2's 128).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn all_canonical_avx2<T: CanonElem>(piece: &[T]) -> bool {
+    all_canonical_portable(piece)
+}
+
+#[inline(always)]
+fn all_canonical_portable<T: CanonElem>(piece: &[T]) -> bool {
+    T::all_native_canonical(piece)
+}
+
 /// Turns elements into canonical bytes through a bounded staging buffer.
 struct Encoder<'s, T: CanonElem, S: ByteSink> {
     item: usize,
     /// Flat row-major index of the next element pushed (for `NonFinite`).
     next_index: usize,
+    /// Allocated on first use: clean contiguous content never needs it.
     staging: Vec<T::Bits>,
     filled: usize,
     sink: &'s mut S,
 }
 
 impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
+    /// Elements per staging buffer (and per scanned piece).
+    const CAPACITY: usize = if STAGING_BYTES / std::mem::size_of::<T::Bits>() > 0 {
+        STAGING_BYTES / std::mem::size_of::<T::Bits>()
+    } else {
+        1
+    };
+
     fn new(item: usize, first_index: usize, sink: &'s mut S) -> Self {
-        let capacity = (STAGING_BYTES / std::mem::size_of::<T::Bits>()).max(1);
-        Encoder { item, next_index: first_index, staging: vec![T::Bits::default(); capacity], filled: 0, sink }
+        Encoder { item, next_index: first_index, staging: Vec::new(), filled: 0, sink }
+    }
+
+    /// The staging buffer, allocated the first time it is needed.
+    fn staging(&mut self) -> &mut [T::Bits] {
+        if self.staging.is_empty() {
+            self.staging = vec![T::Bits::default(); Self::CAPACITY];
+        }
+        &mut self.staging
     }
 
     /// Integers on little-endian hosts are already canonical: hash in place.
@@ -231,14 +287,22 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
             self.pass_through(run);
             return Ok(());
         }
-        for piece in run.chunks(self.staging.len()) {
-            // Most float pieces hold no -0.0 and no NaN: one read-only scan
-            // proves it, then the digests read the piece in place, still in
-            // cache, instead of a staged copy.
-            let clean = cfg!(target_endian = "little") && piece.iter().fold(true, |ok, &s| ok & s.native_is_canonical());
-            if clean {
-                self.pass_through(piece);
+        if !cfg!(target_endian = "little") {
+            return self.stage(run);
+        }
+        for piece in run.chunks(Self::CAPACITY) {
+            // Most float pieces hold no -0.0 and no NaN/Inf. The digests read
+            // the piece in place first (its first read from memory, which
+            // their own work hides), then a read-only scan proves it clean
+            // while it is still in cache; a piece that is not is rolled back
+            // and staged (folded, or rejected with the element's index).
+            self.flush();
+            let mark = self.sink.mark();
+            self.sink.consume(bytemuck::cast_slice(piece));
+            if all_canonical(piece) {
+                self.next_index += piece.len();
             } else {
+                self.sink.rollback(mark);
                 self.stage(piece)?;
             }
         }
@@ -256,9 +320,10 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
     fn stage(&mut self, run: &[T]) -> Result<()> {
         let mut rest = run;
         while !rest.is_empty() {
-            let room = self.staging.len() - self.filled;
+            let room = Self::CAPACITY - self.filled;
             let (piece, tail) = rest.split_at(room.min(rest.len()));
-            let dst = &mut self.staging[self.filled..self.filled + piece.len()];
+            let filled = self.filled;
+            let dst = &mut self.staging()[filled..filled + piece.len()];
             let mut all_finite = true;
             for (d, &s) in dst.iter_mut().zip(piece) {
                 all_finite &= s.finite();
@@ -279,10 +344,11 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
         }
         let mut start = 0;
         while start < lane.len() {
-            let room = self.staging.len() - self.filled;
+            let room = Self::CAPACITY - self.filled;
             let end = (start + room).min(lane.len());
             let piece = lane.slice_axis(Axis(0), Slice::from(start..end));
-            let dst = &mut self.staging[self.filled..self.filled + piece.len()];
+            let filled = self.filled;
+            let dst = &mut self.staging()[filled..filled + piece.len()];
             let mut all_finite = true;
             for (d, &s) in dst.iter_mut().zip(piece.iter()) {
                 all_finite &= s.finite();
@@ -306,7 +372,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
     fn advance(&mut self, n: usize) {
         self.filled += n;
         self.next_index += n;
-        if self.filled == self.staging.len() {
+        if self.filled == Self::CAPACITY {
             self.flush();
         }
     }
@@ -324,13 +390,20 @@ mod tests {
     use super::*;
     use ndarray::{ArrayD, IxDyn};
 
-    /// Collects the stream, and how many pieces it came in.
+    /// Collects the stream, and how many pieces it came in (rolled back ones included).
     #[derive(Default)]
     struct Collect(Vec<u8>, usize);
     impl ByteSink for Collect {
+        type Mark = usize;
         fn consume(&mut self, bytes: &[u8]) {
             self.0.extend_from_slice(bytes);
             self.1 += 1;
+        }
+        fn mark(&self) -> usize {
+            self.0.len()
+        }
+        fn rollback(&mut self, mark: usize) {
+            self.0.truncate(mark);
         }
     }
 
@@ -437,6 +510,32 @@ mod tests {
         let expected: Vec<u8> = a.iter().flat_map(|&x| if x == 0.0 { [0; 4] } else { x.to_le_bytes() }).collect();
         assert_eq!(canonical(0, &TensorView::F32(a.view()))?, expected);
         Ok(())
+    }
+
+    #[test]
+    fn the_clean_scan_flags_exactly_non_finite_values_and_negative_zero() {
+        fn agrees<T: CanonElem + std::fmt::Debug>(values: &[T]) {
+            for &v in values {
+                let canonical = v.finite() && bytemuck::bytes_of(&v.canonical()) == bytemuck::bytes_of(&v);
+                // Alone, and at every lane of a vector-sized run of clean values.
+                assert_eq!(all_canonical(&[v]), canonical, "{v:?}");
+                for at in [0, 7, 31, 32, 63] {
+                    let mut run = vec![values[0]; 64];
+                    run[at] = v;
+                    assert_eq!(all_canonical(&run), canonical, "{v:?} at {at}");
+                    assert_eq!(all_canonical_portable(&run), canonical, "{v:?} at {at}, portable");
+                }
+            }
+        }
+        let f32s = [1.0f32, 0.0, -1.5, f32::MAX, f32::MIN, f32::MIN_POSITIVE, -f32::MIN_POSITIVE, 1e-45, -1e-45]
+            .into_iter()
+            .chain([-0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001)])
+            .collect::<Vec<_>>();
+        agrees(&f32s);
+        let f16s = f32s.iter().map(|&x| half::f16::from_f32(x)).chain([half::f16::MAX, half::f16::MIN]).collect::<Vec<_>>();
+        agrees(&f16s);
+        let bf16s = f32s.iter().map(|&x| half::bf16::from_f32(x)).chain([half::bf16::MAX, half::bf16::MIN]).collect::<Vec<_>>();
+        agrees(&bf16s);
     }
 
     #[test]
