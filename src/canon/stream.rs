@@ -88,17 +88,18 @@ macro_rules! float_elem {
                 folded.to_le()
             }
             /// Branch-free and without per-element booleans, so it vectorises
-            /// to a few lane operations: the largest magnitude must stay below
-            /// the all-ones exponent (finite), and no value may be the sign bit alone.
+            /// to two operations per lane and chain: the largest magnitude must
+            /// stay below the all-ones exponent (finite), and no value may be
+            /// the sign bit alone (`-0.0`, the only one whose flipped sign is 0).
             #[inline(always)]
             fn all_native_canonical(piece: &[$t]) -> bool {
-                let (mut max_magnitude, mut negative_zero): ($bits, $bits) = (0, 0);
+                let (mut max_magnitude, mut min_flipped): ($bits, $bits) = (0, <$bits>::MAX);
                 for value in piece {
                     let bits = value.to_bits();
                     max_magnitude = max_magnitude.max(bits & !$sign);
-                    negative_zero |= <$bits>::from(bits == $sign);
+                    min_flipped = min_flipped.min(bits ^ $sign);
                 }
-                max_magnitude < $exponent && negative_zero == 0
+                max_magnitude < $exponent && min_flipped != 0
             }
         }
     };
