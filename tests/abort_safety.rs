@@ -14,7 +14,7 @@ mod tiny_model;
 use omniprefix::backend::cpu::CpuPages;
 use omniprefix::batch::ScheduledBatch;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
-use omniprefix::runner::SeqOutput;
+use omniprefix::runner::{PromptInputs, SeqOutput};
 use omniprefix::sched::{Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
 use tiny_model::{IMAGE_UNIT, TinyModel, equal_outputs, invariant, request};
@@ -137,16 +137,24 @@ fn abort_with_a_chunk_on_the_runner_commits_nothing_of_it() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn aborting_a_reader_of_shared_blocks_leaves_them_cached_and_unlocked() -> Result<()> {
-    let model = TinyModel::new(12)?;
+/// A model (weights from `seed`), its pages, and a scheduler with chunks of
+/// `max_tokens_per_step` that has run `UNITS` as request 1 to the end, so
+/// all its full blocks are cached; with the inputs of `UNITS`.
+fn warmed(seed: u64, max_tokens_per_step: usize) -> Result<(TinyModel, CpuPages, Scheduler, PromptInputs)> {
+    let model = TinyModel::new(seed)?;
     let mut pages = model.pages(NUM_BLOCKS, BLOCK)?;
-    let mut sched = scheduler(8)?;
+    let mut sched = scheduler(max_tokens_per_step)?;
     let (first, inputs) = request(1, 0, &UNITS);
     sched.admit(first)?;
     run_to_end(&mut sched, &model, &mut pages, 1)?;
+    assert_eq!(sched.stats().blocks_cached, PROMPT_LEN / BLOCK);
+    Ok((model, pages, sched, inputs))
+}
+
+#[test]
+fn aborting_a_reader_of_shared_blocks_leaves_them_cached_and_unlocked() -> Result<()> {
+    let (model, mut pages, mut sched, inputs) = warmed(12, 8)?;
     let cached = sched.stats().blocks_cached;
-    assert_eq!(cached, PROMPT_LEN / BLOCK);
     // A second reader pins the cached prefix, runs one chunk, then aborts.
     let (reader, _) = request(2, 0, &UNITS);
     sched.admit(reader)?;
@@ -188,14 +196,7 @@ fn evict_all(sched: &mut Scheduler, expect_freed: usize, expect_cached: usize) -
 /// its outputs and that a third request reuses the whole prompt.
 #[test]
 fn evicting_everything_while_a_request_runs_keeps_its_locked_prefix() -> Result<()> {
-    let model = TinyModel::new(13)?;
-    let mut pages = model.pages(NUM_BLOCKS, BLOCK)?;
-    let mut sched = scheduler(5)?;
-    let (first, _) = request(1, 0, &UNITS);
-    sched.admit(first)?;
-    run_to_end(&mut sched, &model, &mut pages, 1)?;
-    assert_eq!(sched.stats().blocks_cached, PROMPT_LEN / BLOCK);
-
+    let (model, mut pages, mut sched, _) = warmed(13, 5)?;
     let (reader, inputs) = request(2, 0, &DIVERGING);
     assert_eq!(reader.prompt.len(), PROMPT_LEN);
     sched.admit(reader)?;
