@@ -23,7 +23,7 @@ pub mod wgpu;
 use ndarray::{Array2, ArrayView2};
 
 use crate::Result;
-use crate::index::BlockId;
+use crate::kv::BlockId;
 
 /// Sizes of a set of pages: per layer K and V `[num_blocks, block_size, kv_heads, head_dim]`
 /// and hidden-state pages `[num_blocks, block_size, captured, hidden]`, all addressed

@@ -13,8 +13,8 @@ pub mod validate;
 use crate::prompt::CanonicalPrompt;
 use crate::Result;
 
-/// Id of a KV block in the block pool (payload of one full cached block).
-pub type BlockId = u32;
+/// Block ids are defined next to the block tables in [`crate::kv`]; the index stores them.
+pub use crate::kv::BlockId;
 
 /// How a fingerprint hit is confirmed before it is reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]

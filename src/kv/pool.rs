@@ -12,7 +12,7 @@
 //! push, no allocation): the block freed longest ago is reused first.
 
 use crate::error::{Error, Result};
-use crate::index::BlockId;
+use super::BlockId;
 
 /// Marks the end of the free list.
 const NIL: BlockId = BlockId::MAX;

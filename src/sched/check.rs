@@ -3,7 +3,7 @@
 use fxhash::FxHashMap;
 
 use super::{Phase, Scheduler};
-use crate::index::BlockId;
+use crate::kv::BlockId;
 use crate::kv::BlockState;
 
 impl Scheduler {

@@ -16,7 +16,7 @@ use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 
 use crate::Result;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
-use crate::index::BlockId;
+use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
 use matmul::matmul_t;
 pub use pages::CpuPages;

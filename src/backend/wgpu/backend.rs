@@ -11,7 +11,7 @@ use crate::backend::wgpu::ops::paging::SlotColumns;
 use crate::backend::wgpu::pool::{ATTENTION_POOL_CHUNKS, PagedPool};
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
-use crate::index::BlockId;
+use crate::kv::BlockId;
 use crate::{Error, Result};
 
 /// Per-layer K and V pools and the hidden-state pool, on the device.

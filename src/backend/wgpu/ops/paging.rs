@@ -9,7 +9,7 @@ use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::index::BlockId;
+use crate::kv::BlockId;
 use crate::{Error, Result};
 
 const ROWS_WG: u64 = 256;
