@@ -493,7 +493,7 @@ fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
 #[test]
 fn c17_positions_that_do_not_cover_the_prompt() -> Result<()> {
     let mut prompt = text_prompt(0, &[0, 1, 2, 3, 4, 5])?;
-    prompt.positions = omniprefix::prompt::Positions::Linear(vec![0, 1, 2]);
+    prompt.positions = omniprefix::prompt::Positions::linear(3);
     let err = rejected(|s| s.admit(request(26, prompt)))?;
     assert!(matches!(err, Error::PromptMismatch { id: 26, expected: 6, found: 3, .. }), "{err}");
     Ok(())
@@ -512,9 +512,9 @@ fn c19_completing_a_batch_that_was_not_handed_out() -> Result<()> {
         let seq = omniprefix::runner::PromptInputs {
             token_ids: vec![1, 2, 3],
             embeds: vec![],
-            positions: omniprefix::prompt::Positions::Linear(vec![0, 1, 2]),
+            positions: omniprefix::prompt::Positions::linear(3),
         }
-        .step(4, &[0], BLOCK, 0..3)?;
+        .step(4, omniprefix::kv::BlockTable::new(vec![0], BLOCK), 0..3)?;
         s.complete(&ScheduledBatch { copies: vec![], seqs: vec![seq] }).map(|_| ())
     })?;
     assert!(matches!(err, Error::BatchMismatch { id: 4, what: "new tokens", expected: 0, found: 3 }), "{err}");

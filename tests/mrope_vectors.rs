@@ -73,12 +73,11 @@ fn every_fixture_case_matches_hf_get_rope_index() -> Result<()> {
             .flatten()
             .map(|r| r.as_array().into_iter().flatten().filter_map(Value::as_i64).collect())
             .collect();
-        let expected = Positions::Mrope {
-            t: rows[0].clone(),
-            h: rows[1].clone(),
-            w: rows[2].clone(),
-            rope_delta: case["rope_delta"].as_i64().unwrap_or(i64::MIN),
-        };
+        let rope_delta = case["rope_delta"].as_i64().unwrap_or(i64::MIN);
+        assert_eq!(prompt.positions.axes().to_vec(), rows, "{name}: positions");
+        assert_eq!(prompt.positions.rope_delta(), Some(rope_delta), "{name}: rope delta");
+        let expected =
+            Positions::given((0..rows[0].len()).map(|i| [rows[0][i], rows[1][i], rows[2][i]]).collect(), rope_delta);
         assert_eq!(prompt.positions, expected, "{name}: positions");
         // Positions are a pure function of the atoms and item layouts.
         assert_eq!(positions_from_atoms(&prompt.atoms, &tokens, Default::default())?, expected, "{name}: from atoms");

@@ -125,8 +125,8 @@ fn rfc_pair_reuses_32_tokens_aligned_and_46_token_granular() -> Result<()> {
             };
             assert_eq!(batch.copies, want_copies);
             assert_eq!(
-                seq.positions,
-                Positions::Linear((cached as i64..57).collect())
+                seq.positions.axes()[0],
+                (cached as i64..57).collect::<Vec<_>>()
             );
             assert!(seq.emits_output);
             pages.run(&batch).map_err(Error::InvalidRequest)?;
@@ -172,7 +172,7 @@ fn chunked_prefill_covers_each_prompt_exactly_once_within_budget() -> Result<()>
         for s in &seqs {
             assert_eq!(s.num_computed_tokens, next);
             let positions: Vec<i64> = (next as i64..(next + s.token_ids.len()) as i64).collect();
-            assert_eq!(s.positions, Positions::Linear(positions));
+            assert_eq!(s.positions.axes()[0], positions);
             next += s.token_ids.len();
         }
         assert_eq!(seqs.iter().filter(|s| s.emits_output).count(), 1);
@@ -432,7 +432,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
         "{err:?}"
     );
     let mut bad_positions = request(4, 0, &[1, 2, 3]);
-    bad_positions.prompt.positions = Positions::Linear(vec![0, 1]);
+    bad_positions.prompt.positions = Positions::linear(2);
     let err = sched.admit(bad_positions).err();
     assert!(
         matches!(

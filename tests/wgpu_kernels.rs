@@ -580,6 +580,7 @@ mod forward {
     use super::*;
     use omniprefix::batch::{EmbedRows, ScheduledBatch};
     use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
+    use omniprefix::kv::BlockTable;
     use omniprefix::prompt::Positions;
     use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, run_uncached};
 
@@ -592,12 +593,12 @@ mod forward {
         let embeds = vec![EmbedRows { step_offset: 3, embeddings: item, rows: 0..rows, deepstack: None }];
         let grid = |p: i64, f: fn(i64) -> i64| if (3..3 + rows as i64).contains(&p) { 3 + f(p - 3) } else { p };
         let t: Vec<i64> = (0..len as i64).map(|p| grid(p, |_| 0)).collect();
-        let h = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
-        let w = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
+        let h: Vec<i64> = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
+        let w: Vec<i64> = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
         let positions = if cfg.mrope_section.is_some() {
-            Positions::Mrope { t, h, w, rope_delta: 0 }
+            Positions::given((0..len).map(|i| [t[i], h[i], w[i]]).collect(), 0)
         } else {
-            Positions::Linear(t)
+            Positions::linear(len)
         };
         PromptInputs { token_ids, embeds, positions }
     }
@@ -652,7 +653,7 @@ mod forward {
             // A block-aligned cached prefix, a non-aligned chunk, a decode-sized last step.
             for b in [8, 13, 18, 19] {
                 outs = runner
-                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![p.step(1, table, BS, a..b).unwrap()] }, &mut pages)
+                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![p.step(1, BlockTable::new(table.to_vec(), BS), a..b).unwrap()] }, &mut pages)
                     .unwrap();
                 a = b;
             }

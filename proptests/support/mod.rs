@@ -24,7 +24,7 @@ pub fn text_prompt(tenant: u64, ids: &[u32]) -> CanonicalPrompt {
         token_ids: ids.to_vec(),
         items: Vec::new(),
         index_map: IndexMap::default(),
-        positions: Positions::Linear((0..ids.len() as i64).collect()),
+        positions: Positions::linear(ids.len()),
     }
 }
 
@@ -99,7 +99,7 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
             .insert_range(start..start + IMAGE_ROWS);
         prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS as usize]);
     }
-    prompt.positions = Positions::Linear((0..prompt.token_ids.len() as i64).collect());
+    prompt.positions = Positions::linear(prompt.token_ids.len());
     Request {
         id,
         prompt,
@@ -133,8 +133,8 @@ impl ShadowPages {
     }
 
     /// Executes `batch`: block copies, then for each sequence checks that its
-    /// block table serves the right KV for every computed position and that
-    /// its slots follow the table, then writes its new positions.
+    /// block table serves the right KV for every computed position, then
+    /// writes its new positions into the slots the table maps them to.
     pub fn run(&mut self, batch: &ScheduledBatch) -> Result<(), String> {
         let bs = self.block_size;
         for c in &batch.copies {
@@ -148,6 +148,9 @@ impl ShadowPages {
                 .get(&seq.request)
                 .ok_or(format!("unknown request {}", seq.request))?;
             let slot = |p: usize| seq.block_table[p / bs] as usize * bs + p % bs;
+            if seq.block_table.block_size() != bs {
+                return Err(format!("request {}: a table of {}-token blocks", seq.request, seq.block_table.block_size()));
+            }
             let end = seq.num_computed_tokens + seq.token_ids.len();
             if seq.block_table.len() * bs < end || end > keys.len() || seq.prompt_len != keys.len()
             {
@@ -166,15 +169,12 @@ impl ShadowPages {
                     ));
                 }
             }
-            for (i, p) in (seq.num_computed_tokens..end).enumerate() {
-                if seq.slot_mapping[i] != slot(p) as i64 {
-                    return Err(format!(
-                        "request {}: slot of position {p} is {}",
-                        seq.request, seq.slot_mapping[i]
-                    ));
+            // The slots the runner writes come from the table (`ScheduledSeq::slots`).
+            for (p, s) in seq.new_positions().zip(seq.slots()) {
+                if s != slot(p) as i64 {
+                    return Err(format!("request {}: slot of position {p} is {s}", seq.request));
                 }
-                let s = slot(p);
-                self.slots[s] = Some((*tenant, keys[p]));
+                self.slots[s as usize] = Some((*tenant, keys[p]));
             }
             check_inputs(seq, &keys[seq.num_computed_tokens..end])?;
             if seq.emits_output != (end == keys.len()) {

@@ -92,7 +92,7 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
         token_ids: Vec::new(),
         items: Vec::new(),
         index_map: IndexMap::default(),
-        positions: Positions::Linear(Vec::new()),
+        positions: Positions::linear(0),
     };
     let mut embeddings: Vec<Arc<Array2<f32>>> = Vec::new();
     let mut embeds = Vec::new();
@@ -120,7 +120,7 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
         prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS]);
         embeds.push(EmbedRows { step_offset: start as usize, embeddings: Arc::clone(&embeddings[item]), rows: 0..IMAGE_ROWS, deepstack: None });
     }
-    let positions = Positions::Linear((0..prompt.token_ids.len() as i64).collect());
+    let positions = Positions::linear(prompt.token_ids.len());
     prompt.positions = positions.clone();
     let inputs = PromptInputs { token_ids: prompt.token_ids.clone(), embeds, positions };
     (Request { id, prompt, item_embeddings: embeddings, item_deepstack: vec![], hidden_size: Some(HIDDEN) }, inputs)

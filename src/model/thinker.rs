@@ -350,7 +350,7 @@ mod tests {
     }
 
     fn logits_of(thinker: &Thinker<CpuBackend>) -> Vec<f32> {
-        let inputs = PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::Linear((0..5).collect()) };
+        let inputs = PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::linear(5) };
         let out = run_uncached(thinker, &CpuBackend, &inputs, &CaptureSpec::default_for(2), false).unwrap();
         out.last_logits
     }

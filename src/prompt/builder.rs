@@ -18,7 +18,7 @@ use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
 /// ```
 /// use std::sync::Arc;
 /// use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
-/// use omniprefix::prompt::{OmniTokens, Positions, PromptBuilder};
+/// use omniprefix::prompt::{OmniTokens, PromptBuilder};
 ///
 /// let image = Arc::new(ItemIdentity {
 ///     fingerprint: Fingerprint(7),
@@ -36,8 +36,7 @@ use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
 /// let prompt = builder.build()?;
 /// assert_eq!(prompt.len(), 10);
 /// assert_eq!(prompt.index_map.placeholders.len(), 6);
-/// let Positions::Mrope { rope_delta, .. } = prompt.positions else { unreachable!() };
-/// assert_eq!(rope_delta, -3);
+/// assert_eq!(prompt.positions.rope_delta(), Some(-3));
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 #[derive(Debug, Clone)]

@@ -89,8 +89,8 @@ fn mixed_prompt_expands_to_8546_tokens_at_the_documented_offsets() -> Result<()>
         assert!(prompt.token_ids[offset as usize..(offset + length) as usize].iter().all(|&t| t == pad));
         assert_ne!(prompt.token_ids[offset as usize - 1], pad);
     }
-    let Positions::Mrope { t, .. } = &prompt.positions else { panic!("mrope expected") };
-    assert_eq!(t.len(), 8546);
+    assert_eq!(prompt.positions.kind(), PositionKind::Mrope);
+    assert_eq!(prompt.positions.axes()[0].len(), 8546);
     Ok(())
 }
 
@@ -110,12 +110,8 @@ fn multi_round_rounds_expand_and_each_extends_the_last() -> Result<()> {
         if let Some(prev) = &previous {
             let n = prev.len();
             assert_eq!(prompt.token_ids[..n], prev.token_ids[..], "history is re-sent verbatim");
-            let (Positions::Mrope { t: a, h: b, w: c, .. }, Positions::Mrope { t, h, w, .. }) =
-                (&prev.positions, &prompt.positions.slice(0..n)?)
-            else {
-                panic!("mrope expected")
-            };
-            assert_eq!((a, b, c), (t, h, w), "a prefix keeps its positions");
+            let prefix = prompt.positions.slice(0..n)?;
+            assert_eq!(prev.positions.axes(), prefix.axes(), "a prefix keeps its positions");
         }
         lengths.push(prompt.len());
         previous = Some(prompt);
@@ -133,8 +129,8 @@ fn rfc_text_pair_has_67_and_57_tokens_with_linear_mrope() -> Result<()> {
         assert_eq!(prompt.len(), len);
         assert_eq!(prompt.atoms.len(), 1, "one merged text run");
         let linear: Vec<i64> = (0..len as i64).collect();
-        let expected = Positions::Mrope { t: linear.clone(), h: linear.clone(), w: linear, rope_delta: 0 };
-        assert_eq!(prompt.positions, expected);
+        assert_eq!(prompt.positions.axes(), [linear.clone(), linear.clone(), linear]);
+        assert_eq!(prompt.positions.rope_delta(), Some(0));
     }
     Ok(())
 }
@@ -149,7 +145,7 @@ fn pushes_merge_text_and_record_spans() -> Result<()> {
     assert!(matches!(&prompt.atoms[0], Atom::Text(run) if run == &vec![1, 2, 3]));
     assert!(matches!(&prompt.atoms[1], Atom::Item { rows, .. } if *rows == (0..6)));
     assert_eq!(prompt.index_map.spans, vec![ItemSpan { item: 0, rows: 0..6, start: 3 }]);
-    assert_eq!(prompt.positions, Positions::Linear((0..10).collect()));
+    assert_eq!(prompt.positions, Positions::linear(10));
     Ok(())
 }
 
@@ -159,7 +155,8 @@ fn same_item_twice_gets_two_occurrences_and_distinct_positions() -> Result<()> {
     let img = image(1);
     builder.push_item(Arc::clone(&img))?.push_item(img)?;
     let prompt = builder.build()?;
-    let Positions::Mrope { t, h, w, rope_delta } = prompt.positions else { panic!("mrope expected") };
+    let [t, h, w] = prompt.positions.axes();
+    let rope_delta = prompt.positions.rope_delta().expect("mrope");
     // second image starts one past the first one's largest position (w = 2)
     assert_eq!(t, vec![0, 0, 0, 0, 0, 0, 3, 3, 3, 3, 3, 3]);
     assert_eq!(h, vec![0, 0, 0, 1, 1, 1, 3, 3, 3, 4, 4, 4]);

@@ -1,6 +1,7 @@
 //! The scheduler: the one owner of all cache state (prefix index + block pool).
 //!
-//! Lifecycle of a request: [`Scheduler::admit`] checks it and queues it;
+//! Lifecycle of a request: [`Scheduler::admit`] checks it (every check, once,
+//! in `admission`) and queues it;
 //! [`Scheduler::schedule`] matches its prefix the first time it is picked
 //! (so it sees everything cached by then), pins the match, allocates blocks for
 //! a chunk within the step's token budget and emits a [`ScheduledBatch`];
@@ -23,7 +24,6 @@
 
 mod admission;
 mod check;
-mod chunk;
 mod config;
 mod request;
 
@@ -31,12 +31,14 @@ use std::collections::VecDeque;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::batch::{BlockCopy, RequestId, ScheduledBatch, ScheduledSeq};
+use crate::batch::{self, BlockCopy, EmbedRows, ModelShape, RequestId, ScheduledBatch};
 use crate::error::{Error, Result};
-use crate::index::{BlockId, IndexStats, PrefixIndex, PrefixMatch};
-use crate::kv::{BlockPool, BlockState};
+use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
+use crate::kv::{BlockId, BlockPool, BlockState, BlockTable};
 use crate::prompt::TenantSalt;
-use admission::AdmissionLimits;
+use admission::{Admission, PoolLimits};
+
+pub(crate) use admission::check_tenant;
 
 pub use config::{SchedulerConfig, SchedulerStats};
 pub use request::Request;
@@ -53,11 +55,15 @@ enum Phase {
 #[derive(Debug)]
 struct Tracked {
     req: Request,
+    /// The item rows at their prompt positions (chunks clip theirs from these).
+    embeds: Vec<EmbedRows>,
     phase: Phase,
     /// `[..num_shared]` index-owned (pinned by `lock`), the rest private pool blocks.
-    block_table: Vec<BlockId>,
+    block_table: BlockTable,
     num_shared: usize,
     num_computed: usize,
+    /// Leading tokens reused from the cache by the current run (0 after a restart until rematched).
+    num_cached: usize,
     /// New tokens of the batch handed out and not yet completed.
     in_flight: Option<usize>,
     lock: Option<PrefixMatch>,
@@ -75,7 +81,7 @@ struct Tracked {
 ///     prompt: CanonicalPrompt {
 ///         tenant: 0,
 ///         atoms: vec![Atom::Text(ids.clone())],
-///         positions: Positions::Linear((0..ids.len() as i64).collect()),
+///         positions: Positions::linear(ids.len()),
 ///         token_ids: ids,
 ///         items: vec![],
 ///         index_map: IndexMap::default(),
@@ -121,7 +127,7 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     /// Requests aborted while a batch holding them was out; `complete` skips them.
     aborted_in_flight: FxHashSet<RequestId>,
-    limits: AdmissionLimits,
+    admission: Admission,
     stats: SchedulerStats,
 }
 
@@ -157,7 +163,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted_in_flight: FxHashSet::default(),
-            limits: AdmissionLimits::default(),
+            admission: Admission::default(),
             stats: SchedulerStats::default(),
         })
     }
@@ -165,7 +171,16 @@ impl Scheduler {
     /// Rejects prompts longer than `max_context` positions (the model's
     /// `max_position_embeddings`) at admission with [`Error::ContextTooLong`].
     pub fn with_max_context(mut self, max_context: usize) -> Self {
-        self.limits.max_context = Some(max_context);
+        self.admission.max_context = Some(max_context);
+        self
+    }
+
+    /// Admits only requests the model `shape` can run: token ids (placeholders
+    /// included) in its vocabulary, embeddings of its width, DeepStack levels
+    /// as many as it takes. The engine sets this, so the batches it hands the
+    /// runner need no second check.
+    pub fn with_model(mut self, shape: ModelShape) -> Self {
+        self.admission.model = Some(shape);
         self
     }
 
@@ -173,7 +188,7 @@ impl Scheduler {
     /// are admitted, others get [`Error::UnknownTenant`] (a typo'd or forged
     /// salt would otherwise silently open a cache of its own).
     pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
-        self.limits.known_tenants = Some(tenants.into_iter().collect());
+        self.admission.known_tenants = Some(tenants.into_iter().collect());
         self
     }
 
@@ -182,30 +197,25 @@ impl Scheduler {
         &self.config
     }
 
-    /// Queues a request after checking it can ever run; on error nothing changes.
+    /// Queues a request after checking it can ever run and every chunk of it
+    /// is well-formed for the runner; on error nothing changes.
     pub fn admit(&mut self, req: Request) -> Result<()> {
-        // An id aborted while its batch is out stays taken until that batch completes.
-        if self.requests.contains_key(&req.id) || self.aborted_in_flight.contains(&req.id) {
-            return Err(Error::DuplicateRequest { id: req.id });
-        }
-        req.validate()?;
-        self.limits.check(&req)?;
-        // Alone, a request can always get this many blocks (see `start`).
-        let needed = req.prompt.len().div_ceil(self.config.block_size);
-        if needed > self.pool.num_blocks() {
-            return Err(Error::RequestTooLarge {
-                id: req.id,
-                needed,
-                num_blocks: self.pool.num_blocks(),
-            });
-        }
+        let pool = PoolLimits {
+            // An id aborted while its batch is out stays taken until that batch completes.
+            id_taken: self.requests.contains_key(&req.id) || self.aborted_in_flight.contains(&req.id),
+            num_blocks: self.pool.num_blocks(),
+            block_size: self.config.block_size,
+        };
+        self.admission.check(&req, &pool)?;
         let id = req.id;
         let tracked = Tracked {
+            embeds: req.placed_embeds(),
             req,
             phase: Phase::Waiting,
-            block_table: Vec::new(),
+            block_table: BlockTable::empty(self.config.block_size),
             num_shared: 0,
             num_computed: 0,
+            num_cached: 0,
             in_flight: None,
             lock: None,
         };
@@ -367,12 +377,18 @@ impl Scheduler {
 
     /// The block table of an admitted request (empty while it waits).
     pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
-        self.requests.get(&id).map(|t| t.block_table.as_slice())
+        self.requests.get(&id).map(|t| t.block_table.blocks())
     }
 
     /// Tokens of a request whose KV is in pages (cached prefix included).
     pub fn num_computed_tokens(&self, id: RequestId) -> Option<usize> {
         self.requests.get(&id).map(|t| t.num_computed)
+    }
+
+    /// Leading tokens of a request whose KV came from the cache in its current
+    /// run (a preempted request is matched again when it restarts).
+    pub fn num_cached_tokens(&self, id: RequestId) -> Option<usize> {
+        self.requests.get(&id).map(|t| t.num_cached)
     }
 
     /// Counters and occupancy.
@@ -461,13 +477,11 @@ impl Scheduler {
             self.stats.hit_tokens += computed as u64;
         }
         let t = self.tracked_mut(id)?;
-        t.block_table = lock
-            .as_ref()
-            .map_or(&[][..], |m| &m.blocks[..shared])
-            .to_vec();
+        t.block_table = BlockTable::new(lock.as_ref().map_or(&[][..], |m| &m.blocks[..shared]).to_vec(), bs);
         t.block_table.extend(fresh);
         t.num_shared = shared;
         t.num_computed = computed;
+        t.num_cached = computed;
         t.lock = lock;
         t.phase = Phase::Running;
         self.waiting.pop_front();
@@ -476,27 +490,14 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// Appends request `id`'s next `chunk` tokens to the batch (blocks already allocated).
+    /// Appends request `id`'s next `chunk` tokens to the batch (blocks already
+    /// allocated), cut by [`batch::chunk`] like every step.
     fn emit(&mut self, id: RequestId, chunk: usize, batch: &mut ScheduledBatch) -> Result<()> {
-        let bs = self.config.block_size;
         let t = self.tracked_mut(id)?;
         let range = t.num_computed..t.num_computed + chunk;
         let prompt = &t.req.prompt;
-        batch.seqs.push(ScheduledSeq {
-            request: id,
-            block_table: t.block_table.clone(),
-            num_computed_tokens: t.num_computed,
-            token_ids: prompt
-                .token_ids
-                .get(range.clone())
-                .unwrap_or_default()
-                .to_vec(),
-            embeds: chunk::embeds_in(&prompt.index_map, &t.req.item_embeddings, &t.req.item_deepstack, range.clone()),
-            positions: chunk::slice_positions(&prompt.positions, range.clone()),
-            slot_mapping: chunk::slot_mapping(&t.block_table, bs, range.clone()),
-            prompt_len: prompt.len(),
-            emits_output: range.end == prompt.len(),
-        });
+        let seq = batch::chunk(id, &prompt.token_ids, &t.embeds, &prompt.positions, t.block_table.clone(), range)?;
+        batch.seqs.push(seq);
         t.in_flight = Some(chunk);
         Ok(())
     }
@@ -547,6 +548,7 @@ impl Scheduler {
             let t = self.tracked_mut(id)?;
             t.phase = Phase::Waiting;
             t.num_computed = 0;
+            t.num_cached = 0;
             self.waiting.push_front(id);
             self.stats.preemptions += 1;
             if j == after {

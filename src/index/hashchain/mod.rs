@@ -24,7 +24,7 @@
 //! # use omniprefix::prompt::{CanonicalPrompt, IndexMap, Positions};
 //! # let tokens: Vec<u32> = (0..40).collect();
 //! # let prompt = CanonicalPrompt { tenant: 0, atoms: vec![], token_ids: tokens,
-//! #     items: vec![], index_map: IndexMap::default(), positions: Positions::Linear(vec![]) };
+//! #     items: vec![], index_map: IndexMap::default(), positions: Positions::linear(0) };
 //! let mut index = HashChainIndex::new(16).unwrap();
 //! assert_eq!(index.match_prefix(&prompt).tokens, 0);
 //! index.insert(&prompt, &[7, 8]).unwrap();

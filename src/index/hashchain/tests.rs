@@ -19,7 +19,7 @@ fn text_prompt(tenant: TenantSalt, tokens: &[u32]) -> CanonicalPrompt {
         token_ids: tokens.to_vec(),
         items: vec![],
         index_map: IndexMap::default(),
-        positions: Positions::Linear((0..tokens.len() as i64).collect()),
+        positions: Positions::linear(tokens.len()),
     }
 }
 

@@ -45,7 +45,7 @@ use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 use crate::Result;
 
 use arena::{Arena, NodeId};
-use edge::{atom_len, Cursor, Edge, Head, Validator};
+use edge::{Cursor, Edge, Head, Validator};
 use pin::Pin;
 
 /// Settings of a [`RadixIndex`].
@@ -119,7 +119,7 @@ struct Walk {
 /// let prompt = |ids: Vec<u32>| CanonicalPrompt {
 ///     tenant: 0,
 ///     atoms: vec![Atom::Text(ids.clone())],
-///     positions: Positions::Linear((0..ids.len() as i64).collect()),
+///     positions: Positions::linear(ids.len()),
 ///     token_ids: ids,
 ///     items: vec![],
 ///     index_map: IndexMap::default(),
@@ -288,7 +288,7 @@ impl RadixIndex {
     /// positions are new, and which ids are duplicates of cached content.
     fn plan_insert(&self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<(Walk, Vec<BlockId>)> {
         let bs = self.config.block_size;
-        let atoms: usize = prompt.atoms.iter().map(atom_len).sum();
+        let atoms: usize = prompt.atoms.iter().map(Atom::len).sum();
         if atoms != prompt.len() {
             return Err(Error::AtomsLengthMismatch { atoms, tokens: prompt.len() });
         }
@@ -388,7 +388,7 @@ impl PrefixIndex for RadixIndex {
         self.stats.queries += 1;
         self.stats.query_tokens += prompt.len() as u64;
         let Some(&root) = self.roots.get(&prompt.tenant) else { return PrefixMatch::default() };
-        let limit = prompt.atoms.iter().map(atom_len).sum();
+        let limit = prompt.atoms.iter().map(Atom::len).sum();
         let mut v = Validator::new(self.config.validation);
         let Walk { mut path, matched } = self.walk(root, &prompt.atoms, limit, &mut v);
         self.stats.validation_failures += v.failures;
