@@ -128,7 +128,7 @@ impl Preprocessor {
             PlaceholderForm::Unexpanded => builder.extend_unexpanded(token_ids, &items, false)?,
             PlaceholderForm::UnexpandedAudioInVideo => builder.extend_unexpanded(token_ids, &items, true)?,
         };
-        builder.build()
+        builder.into_prompt()
     }
 }
 

@@ -8,7 +8,7 @@ use crate::canon::{ItemIdentity, Modality};
 use crate::error::{Error, Result};
 
 use super::mrope::{PositionKind, audio_in_video_runs, positions_from_atoms};
-use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
+use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt, out_of_vocab};
 
 /// Accumulates atoms, token ids and the index map of one prompt.
 ///
@@ -90,16 +90,20 @@ impl PromptBuilder {
     /// Appends plain text ids (wrapper tokens such as `vision_start` are text).
     /// Placeholder ids are rejected here: items bring their own.
     pub fn push_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
-        for (offset, &token) in ids.iter().enumerate() {
-            let position = self.token_ids.len() + offset;
-            if self.tokens.placeholder_modality(token).is_some() {
-                return Err(Error::StrayPlaceholder { position, token });
-            }
-            if let Some(vocab_size) = self.tokens.vocab_size
-                && token >= vocab_size
-            {
-                return Err(Error::TokenOutOfVocab { position, token, vocab_size });
-            }
+        if let Some((offset, _)) = find_placeholder(&self.tokens, ids) {
+            return Err(Error::StrayPlaceholder { position: self.token_ids.len() + offset, token: ids[offset] });
+        }
+        self.append_text(ids)
+    }
+
+    /// Appends text ids known to hold no placeholder (a scan found none):
+    /// copies them once into the atoms and once into the ids, and checks them
+    /// against the vocabulary when it is known.
+    fn append_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
+        if let Some(vocab_size) = self.tokens.vocab_size
+            && let Some((offset, token)) = out_of_vocab(ids, vocab_size as usize)
+        {
+            return Err(Error::TokenOutOfVocab { position: self.token_ids.len() + offset, token, vocab_size });
         }
         self.check_room(ids.len())?;
         if ids.is_empty() {
@@ -184,55 +188,93 @@ impl PromptBuilder {
         self.extend(ids, items, Placeholders::Unexpanded { audio_in_video })
     }
 
-    /// The canonical prompt of everything pushed so far.
+    /// The canonical prompt of everything pushed so far (the builder stays usable).
     pub fn build(&self) -> Result<CanonicalPrompt> {
+        self.clone().into_prompt()
+    }
+
+    /// The canonical prompt, moving what was pushed instead of copying it
+    /// (what preprocessing calls: a prompt's ids are copied once, not twice).
+    pub fn into_prompt(self) -> Result<CanonicalPrompt> {
         if self.token_ids.is_empty() {
             return Err(Error::EmptyPrompt);
         }
         let positions = positions_from_atoms(&self.atoms, &self.tokens, self.kind)?;
         Ok(CanonicalPrompt {
             tenant: self.tenant,
-            atoms: self.atoms.clone(),
-            token_ids: self.token_ids.clone(),
-            items: self.items.clone(),
-            index_map: self.index_map.clone(),
+            atoms: self.atoms,
+            token_ids: self.token_ids,
+            items: self.items,
+            index_map: self.index_map,
             positions,
         })
     }
 
-    /// Shared walk of `extend_expanded` / `extend_unexpanded`, applied to a
-    /// copy so a rejected request leaves `self` unchanged.
+    /// Shared walk of `extend_expanded` / `extend_unexpanded`: one scan for
+    /// placeholders, text between them appended as it is; a rejected request
+    /// is rolled back, so it leaves `self` unchanged.
     fn extend(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: Placeholders) -> Result<&mut Self> {
         for (index, item) in items.iter().enumerate() {
             self.tokens.checked_token_count(item, index)?;
         }
-        let mut next = self.clone();
+        let mark = self.mark();
+        let result = self.extend_from(ids, items, form);
+        if result.is_err() {
+            self.rollback(mark);
+        }
+        result.map(|()| self)
+    }
+
+    fn extend_from(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: Placeholders) -> Result<()> {
         let mut queues = ItemQueues::new(items);
-        let (mut cursor, mut text_start) = (0, 0);
-        while let Some(&token) = ids.get(cursor) {
-            let Some(modality) = next.tokens.placeholder_modality(token) else {
-                cursor += 1;
-                continue;
-            };
-            next.push_text(&ids[text_start..cursor])?;
-            let (index, item) = queues.take(modality, next.len())?;
+        let mut text_start = 0;
+        while let Some((found, modality)) = find_placeholder(&self.tokens, &ids[text_start..]) {
+            let mut cursor = text_start + found;
+            self.append_text(&ids[text_start..cursor])?;
+            let (index, item) = queues.take(modality, self.len())?;
             cursor += match form {
-                Placeholders::Expanded => next.expanded_item(&ids[cursor..], index, item, &mut queues)?,
+                Placeholders::Expanded => self.expanded_item(&ids[cursor..], index, item, &mut queues)?,
                 Placeholders::Unexpanded { audio_in_video } => {
                     if modality == Modality::Video && audio_in_video {
-                        next.unexpanded_audio_in_video(ids, cursor, index, item, &mut queues)?;
+                        self.unexpanded_audio_in_video(ids, cursor, index, item, &mut queues)?;
                     } else {
-                        next.push_item(item)?;
+                        self.push_item(item)?;
                     }
                     1
                 }
             };
             text_start = cursor;
         }
-        next.push_text(&ids[text_start..])?;
-        queues.check_all_used()?;
-        *self = next;
-        Ok(self)
+        self.append_text(&ids[text_start..])?;
+        queues.check_all_used()
+    }
+
+    /// How long every part of the builder is now.
+    fn mark(&self) -> Mark {
+        let last_text = match self.atoms.last() {
+            Some(Atom::Text(run)) => Some(run.len()),
+            _ => None,
+        };
+        Mark {
+            atoms: self.atoms.len(),
+            last_text,
+            token_ids: self.token_ids.len(),
+            items: self.items.len(),
+            spans: self.index_map.spans.len(),
+        }
+    }
+
+    /// Cuts every part back to `mark` (pushes only ever append).
+    fn rollback(&mut self, mark: Mark) {
+        self.atoms.truncate(mark.atoms);
+        if let (Some(len), Some(Atom::Text(run))) = (mark.last_text, self.atoms.last_mut()) {
+            run.truncate(len);
+        }
+        let end = self.token_ids.len() as u32;
+        self.index_map.placeholders.remove_range(mark.token_ids as u32..end.max(mark.token_ids as u32));
+        self.token_ids.truncate(mark.token_ids);
+        self.items.truncate(mark.items);
+        self.index_map.spans.truncate(mark.spans);
     }
 
     /// Places one item from expanded ids starting at its first pad; returns
@@ -327,6 +369,42 @@ impl PromptBuilder {
         }
         Ok(())
     }
+}
+
+/// The lengths of a builder's parts before an `extend`, to undo it.
+struct Mark {
+    atoms: usize,
+    /// Length of the last atom when it is a text run (an extend may grow it).
+    last_text: Option<usize>,
+    token_ids: usize,
+    items: usize,
+    spans: usize,
+}
+
+/// The first placeholder id in `ids`: its index and modality. Compares a
+/// fixed group of 32 ids into a mask with no early exit, which the compiler
+/// vectorises (a long text prompt costs a fraction of a nanosecond per id);
+/// only a group with a hit is searched id by id.
+fn find_placeholder(tokens: &OmniTokens, ids: &[u32]) -> Option<(usize, Modality)> {
+    const GROUP: usize = 32;
+    let pads = [tokens.image_token_id, tokens.video_token_id, tokens.audio_token_id];
+    let hit = |t: u32| (t == pads[0]) | (t == pads[1]) | (t == pads[2]);
+    let mut groups = ids.chunks_exact(GROUP);
+    let mut offset = 0;
+    let mut found = None;
+    for group in &mut groups {
+        let mut mask = [0u32; GROUP];
+        for (m, &t) in mask.iter_mut().zip(group) {
+            *m = u32::from(t == pads[0]) | u32::from(t == pads[1]) | u32::from(t == pads[2]);
+        }
+        if mask.iter().fold(0, |any, &m| any | m) != 0 {
+            found = group.iter().position(|&t| hit(t)).map(|i| offset + i);
+            break;
+        }
+        offset += GROUP;
+    }
+    let index = found.or_else(|| groups.remainder().iter().position(|&t| hit(t)).map(|i| offset + i))?;
+    Some((index, tokens.placeholder_modality(ids[index])?))
 }
 
 /// How placeholders appear in a whole id sequence.

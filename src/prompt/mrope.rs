@@ -142,9 +142,13 @@ impl Run {
         }
     }
 
-    /// The largest value on any axis (`None` for an empty run).
+    /// The largest value on any axis (`None` for an empty run): arithmetic for
+    /// a diagonal run, a walk over the rows of an item otherwise.
     fn max(&self) -> Option<i64> {
-        (0..self.len()).map(|i| self.at(i)).flat_map(|p| p.into_iter()).max()
+        match self {
+            Run::Diagonal { len, base } => (*len > 0).then(|| base + *len as i64 - 1),
+            _ => (0..self.len()).flat_map(|i| self.at(i)).max(),
+        }
     }
 }
 

@@ -286,3 +286,38 @@ fn malformed_atoms_are_rejected_by_the_position_function() {
     let err = positions_from_atoms(&atoms, &OmniTokens::tiny(), PositionKind::Mrope).err();
     assert!(matches!(err, Some(Error::MalformedAtoms { atom: 0, .. })));
 }
+
+#[test]
+fn placeholders_are_found_in_and_between_scan_groups() -> Result<()> {
+    // The scan compares 32 ids at a time: a pad at each edge of a group and in the tail.
+    for at in [0, 31, 32, 63, 64, 70] {
+        let mut ids: Vec<u32> = (0..71).map(|i| i % 400).collect();
+        ids[at] = 500;
+        let mut builder = PromptBuilder::new(OmniTokens::tiny());
+        let err = builder.push_text(&ids).err();
+        assert!(matches!(err, Some(Error::StrayPlaceholder { position, token: 500 }) if position == at), "pad at {at}");
+        builder.extend_unexpanded(&ids, &[image(1)], false)?;
+        assert_eq!(builder.build()?.index_map.spans[0].start as usize, at, "pad at {at}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rejected_extend_leaves_a_non_empty_builder_as_it_was() -> Result<()> {
+    let mut builder = PromptBuilder::new(OmniTokens::tiny());
+    builder.push_text(&[1, 2])?.push_item(image(1))?.push_text(&[3])?;
+    let before = builder.build()?;
+    // Text that grows the last run, an image, more text, then a second image pad with no item.
+    let ids: Vec<u32> = (10..50).chain([503, 500, 504]).chain(60..100).chain([500]).collect();
+    let err = builder.extend_unexpanded(&ids, &[image(2)], false).err();
+    assert!(matches!(err, Some(Error::MissingItem { modality: Modality::Image, .. })), "{err:?}");
+    let after = builder.build()?;
+    assert_eq!(after.token_ids, before.token_ids);
+    assert_eq!(after.atoms.len(), before.atoms.len());
+    assert!(matches!(after.atoms.last(), Some(Atom::Text(run)) if run == &vec![3]));
+    assert_eq!(after.items.len(), before.items.len());
+    assert_eq!(after.index_map.spans, before.index_map.spans);
+    assert_eq!(after.index_map.placeholders, before.index_map.placeholders);
+    assert_eq!(after.positions, before.positions);
+    Ok(())
+}
