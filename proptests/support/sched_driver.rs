@@ -6,7 +6,7 @@
 //! block leaked and no index lock outlived its request. What runs the batches
 //! and what is checked about their results is the suite's [`Runner`].
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use omniprefix::Error;
@@ -102,6 +102,8 @@ pub struct Machine<R: Runner> {
     next_id: RequestId,
     /// Requests finished so far.
     pub finished: usize,
+    /// Every admitted request's whole-prompt positions, materialised.
+    positions: HashMap<RequestId, Vec<[i64; 3]>>,
 }
 
 fn fail(e: Error) -> TestCaseError {
@@ -118,6 +120,7 @@ impl<R: Runner> Machine<R> {
             completed: Vec::new(),
             next_id: 0,
             finished: 0,
+            positions: HashMap::new(),
         }
     }
 
@@ -130,9 +133,11 @@ impl<R: Runner> Machine<R> {
         let too_large = req.prompt.len().div_ceil(cfg.block_size) > cfg.num_blocks;
         let before = (self.sched.stats(), self.sched.index_stats());
         let id = req.id;
+        let positions = req.prompt.positions.iter().collect();
         match self.sched.admit(req) {
             Ok(()) => {
                 self.live.push(id);
+                self.positions.insert(id, positions);
                 Ok(true)
             }
             Err(Error::RequestTooLarge { .. }) if too_large => {
@@ -153,6 +158,13 @@ impl<R: Runner> Machine<R> {
             }
             Op::Schedule => {
                 let batch = self.sched.schedule().map_err(fail)?;
+                // Every chunk carries the prompt's positions over exactly its range.
+                for seq in &batch.seqs {
+                    let range = seq.new_positions();
+                    let want = self.positions.get(&seq.request).and_then(|p| p.get(range.clone()));
+                    let got: Vec<[i64; 3]> = seq.positions.iter().collect();
+                    prop_assert_eq!(Some(&got[..]), want, "request {}: positions of {:?}", seq.request, range);
+                }
                 let output = self.runner.run(&batch)?;
                 if !batch.seqs.is_empty() {
                     self.outstanding.push_back((batch, output));
