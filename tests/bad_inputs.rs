@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use ndarray::{Array1, Array2, Array3};
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::batch::ScheduledBatch;
+use omniprefix::batch::{ModelShape, ScheduledBatch};
 use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
@@ -28,6 +28,9 @@ const HIDDEN: usize = 8;
 const IMAGE_PROMPT: [u32; 5] = [100, 503, 500, 504, 200];
 const MAX_CONTEXT: usize = 40;
 const TENANTS: [u64; 2] = [0, 7];
+/// The model the warm scheduler admits for: ids below 600 (the tiny special ids
+/// included), `HIDDEN`-wide rows, two decoder layers (at most two DeepStack levels).
+const MODEL: ModelShape = ModelShape { vocab_size: 600, hidden_size: HIDDEN, num_layers: 2, deepstack_levels: None };
 const FIXTURE: &str = "fixtures/tiny/qwen3_dense";
 
 fn fingerprinter() -> Result<Fingerprinter> {
@@ -81,7 +84,8 @@ fn drain(sched: &mut Scheduler) -> Result<()> {
 }
 
 /// A scheduler with cached text and image prefixes for two tenants, a
-/// context limit and mandatory tenant salts, plus one request still waiting.
+/// context limit, mandatory tenant salts and a model to admit for, plus one
+/// request still waiting.
 fn warm() -> Result<Scheduler> {
     let config = SchedulerConfig {
         num_blocks: NUM_BLOCKS,
@@ -93,7 +97,8 @@ fn warm() -> Result<Scheduler> {
     let index = RadixIndex::new(RadixConfig { block_size: BLOCK, ..Default::default() })?;
     let mut sched = Scheduler::new(config, Box::new(index))?
         .with_max_context(MAX_CONTEXT)
-        .require_known_tenants(TENANTS);
+        .require_known_tenants(TENANTS)
+        .with_model(MODEL);
     sched.admit(request(1, text_prompt(0, &(0..13).collect::<Vec<_>>())?))?;
     sched.admit(request(2, image_prompt(0, 1)?))?;
     sched.admit(request(3, image_prompt(7, 2)?))?;
@@ -407,6 +412,34 @@ fn c11_token_ids_outside_the_vocabulary() -> Result<()> {
     let err = rejected(|_| builder.push_text(&[1, 2, 600, 3]).map(|_| ()))?;
     assert!(matches!(err, Error::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 }), "{err}");
     assert!(builder.is_empty(), "the builder is unchanged");
+    Ok(())
+}
+
+/// What the engine used to check itself is admission's now: every id the model
+/// embeds (placeholder ids too) in its vocabulary, rows of its width whatever the
+/// request claims, at most one DeepStack level per decoder layer.
+#[test]
+fn c11_requests_the_model_cannot_run_are_refused_at_admission() -> Result<()> {
+    let err = rejected(|s| s.admit(request(30, text_prompt(0, &[1, 2, 600])?)))?;
+    assert!(matches!(err, Error::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 }), "{err}");
+    // A model whose image pad is past the vocabulary: the placeholder ids are embedded too.
+    let tokens = OmniTokens { image_token_id: 650, ..OmniTokens::tiny() };
+    let mut b = PromptBuilder::new(tokens);
+    b.extend_unexpanded(&[100, 503, 650, 504, 200], &[image(3)?], false)?;
+    let err = rejected(|s| s.admit(request(31, b.build()?)))?;
+    assert!(matches!(err, Error::TokenOutOfVocab { position: 2, token: 650, vocab_size: 600 }), "{err}");
+    let mut narrow = request(32, image_prompt(0, 1)?);
+    narrow.item_embeddings = vec![Arc::new(Array2::zeros((6, HIDDEN / 2)))];
+    narrow.hidden_size = Some(HIDDEN / 2);
+    let err = rejected(|s| s.admit(narrow))?;
+    assert!(matches!(err, Error::EmbeddingMismatch { id: 32, what: "embedding columns", expected: HIDDEN, found: 4, .. }), "{err}");
+    let mut deep = request(33, image_prompt(0, 1)?);
+    deep.item_deepstack = vec![Some(Arc::new(vec![Array2::zeros((6, HIDDEN)); 3]))];
+    let err = rejected(|s| s.admit(deep))?;
+    assert!(
+        matches!(err, Error::DeepStackMismatch { id: 33, item: 0, level: 2, what, expected: 2, found: 3 } if what.contains("decoder layer")),
+        "{err}"
+    );
     Ok(())
 }
 
