@@ -16,8 +16,10 @@
 //! [`Error::OpShape`]: crate::Error::OpShape
 //! [`Error::OpIndex`]: crate::Error::OpIndex
 
+#[cfg(feature = "wgpu")]
 pub mod auto;
 pub mod cpu;
+#[cfg(feature = "wgpu")]
 pub mod wgpu;
 
 use ndarray::{Array2, ArrayView2};

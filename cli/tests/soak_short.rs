@@ -4,8 +4,8 @@
 //! `SOAK_REQUESTS=100000 cargo test --release --test soak_short -- --ignored`
 //! runs the full soak and prints its JSON report.
 
-use omniprefix::Result;
-use omniprefix::soak::{SoakOptions, run_soak};
+use omniprefix_cli::Result;
+use omniprefix_cli::soak::{SoakOptions, run_soak};
 
 #[test]
 fn short_soak_leaks_nothing_and_reuses_under_eviction() -> Result<()> {
@@ -38,9 +38,9 @@ fn same_seed_same_figures() -> Result<()> {
 fn bench_soak_cli_prints_json_with_zero_leaks() -> Result<()> {
     use clap::Parser;
     let args = ["omniprefix", "bench", "soak", "--requests", "400", "--pool-blocks", "64", "--prefixes", "256", "--json"];
-    let cli = omniprefix::cli::Cli::try_parse_from(args).map_err(|e| omniprefix::Error::InvalidRequest(e.to_string()))?;
+    let cli = omniprefix_cli::cli::Cli::try_parse_from(args).map_err(|e| omniprefix::Error::InvalidRequest(e.to_string()))?;
     let mut out = Vec::new();
-    omniprefix::cli::run(cli, &mut out)?;
+    omniprefix_cli::cli::run(cli, &mut out)?;
     let json: serde_json::Value =
         serde_json::from_slice(&out).map_err(|e| omniprefix::Error::InvalidRequest(e.to_string()))?;
     assert_eq!(json["requests"], 400);

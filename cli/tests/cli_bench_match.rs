@@ -2,8 +2,8 @@
 //! typed, and every JSON line has every field (no timing assertions).
 
 use clap::Parser;
-use omniprefix::cli::{Cli, run};
-use omniprefix::{Error, Result};
+use omniprefix_cli::cli::{Cli, run};
+use omniprefix_cli::{Error, Result};
 
 fn run_args(args: &[&str]) -> Result<String> {
     let cli = Cli::try_parse_from(["omniprefix", "bench", "match"].iter().chain(args))

@@ -19,11 +19,10 @@ use crate::error::{Error, Result};
 use crate::index::hashchain::MmMedia;
 use crate::preprocess::RawRequest;
 use crate::prompt::OmniTokens;
+use crate::scenarios::{SCENARIOS_FILE, Scenarios, parse};
 
 const OMNI_FILE: &str = "fixtures/qwen3_omni.json";
-pub(crate) const SCENARIOS_FILE: &str = "fixtures/scenarios.json";
-const OMNI_JSON: &str = include_str!("../fixtures/qwen3_omni.json");
-pub(crate) const SCENARIOS_JSON: &str = include_str!("../fixtures/scenarios.json");
+const OMNI_JSON: &str = include_str!("../../fixtures/qwen3_omni.json");
 
 /// Seconds of video per temporal grid step of the video item.
 pub const VIDEO_SECONDS_PER_GRID: f32 = 2.0;
@@ -83,11 +82,11 @@ impl WorkloadName {
     /// `all` or one workload name.
     ///
     /// ```
-    /// use omniprefix::workloads::WorkloadName;
+    /// use omniprefix_cli::workloads::WorkloadName;
     /// assert_eq!(WorkloadName::select("text32k")?, vec![WorkloadName::Text32k]);
     /// assert_eq!(WorkloadName::select("all")?.len(), 8);
     /// assert!(WorkloadName::select("txt").is_err());
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix_cli::Error>(())
     /// ```
     pub fn select(name: &str) -> Result<Vec<WorkloadName>> {
         if name == "all" {
@@ -170,27 +169,6 @@ struct Processed {
 struct FixtureMixed {
     token_ids_unexpanded: Vec<u32>,
     num_prompt_tokens_total: usize,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Scenarios {
-    multi_round: MultiRound,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct MultiRound {
-    rounds: Vec<Round>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Round {
-    items_in_order: Vec<Modality>,
-    token_ids_unexpanded: Vec<u32>,
-}
-
-/// Parses an embedded fixture; a malformed one is an [`Error::Fixture`] naming `file`.
-pub(crate) fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &str) -> Result<T> {
-    serde_json::from_str(json).map_err(|e| Error::Fixture { file, problem: e.to_string() })
 }
 
 fn fixture_error(problem: impl Into<String>) -> Error {
@@ -374,12 +352,12 @@ impl Workload {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use omniprefix::workloads::{Media, MediaScale, Workload, WorkloadName};
+    /// use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
     /// let media = Arc::new(Media::generate(MediaScale::Tiny, 7)?);
     /// let text = Workload::new(WorkloadName::Text1k, media, 7)?;
     /// assert_eq!(text.measured.token_ids.len(), 1024);
     /// assert_eq!(text.warmup[0].token_ids[..921], text.measured.token_ids[..921]);
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix_cli::Error>(())
     /// ```
     pub fn new(name: WorkloadName, media: Arc<Media>, seed: u64) -> Result<Self> {
         let tokens = OmniTokens::qwen3_omni();
@@ -462,8 +440,7 @@ fn text_pair(len: usize, seed: u64) -> (Vec<RequestPlan>, RequestPlan) {
 /// The rounds of the 4-round conversation in `fixtures/scenarios.json`, each
 /// re-sending the history and all earlier media.
 pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
-    let scenarios: Scenarios = parse(SCENARIOS_FILE, SCENARIOS_JSON)?;
-    Ok(scenarios
+    Ok(Scenarios::load()?
         .multi_round
         .rounds
         .into_iter()

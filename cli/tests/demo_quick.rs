@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use clap::Parser;
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::cli::{Cli, run};
-use omniprefix::demo::{DemoOptions, DemoReport, ModelChoice, Row, Way, WorkloadReport, run_demo};
-use omniprefix::{Error, Result};
+use omniprefix_cli::cli::{Cli, run};
+use omniprefix_cli::demo::{DemoOptions, DemoReport, ModelChoice, Row, Way, WorkloadReport, run_demo};
+use omniprefix_cli::{Error, Result};
 
 fn quick_report(model: &ModelChoice) -> Result<DemoReport> {
     run_demo(Arc::new(CpuBackend::new()), "cpu".into(), model, &DemoOptions::quick())
@@ -82,7 +82,7 @@ fn the_json_report_carries_the_table_numbers_and_the_machine() -> Result<()> {
 #[test]
 fn a_checkpoint_whose_vocab_cannot_hold_the_prompts_is_a_typed_error() {
     // The tiny test checkpoint has 256 ids; the demo's prompts use Qwen3-Omni's.
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny/omni_thinker");
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/omni_thinker");
     let err = quick_report(&ModelChoice::Dir(dir));
     assert!(matches!(err, Err(Error::TokenOutOfVocab { vocab_size: 256, .. })), "{err:?}");
 }

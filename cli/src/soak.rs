@@ -5,11 +5,11 @@
 //! unbounded index growth and memory growth under sustained eviction.
 //!
 //! ```
-//! use omniprefix::soak::{SoakOptions, run_soak};
+//! use omniprefix_cli::soak::{SoakOptions, run_soak};
 //! let report = run_soak(&SoakOptions { requests: 200, pool_blocks: 64, ..SoakOptions::default() })?;
 //! assert_eq!(report.leaked_blocks, 0);
 //! assert!(report.evicted_blocks > 0, "the pool is smaller than the working set");
-//! # Ok::<(), omniprefix::Error>(())
+//! # Ok::<(), omniprefix_cli::Error>(())
 //! ```
 
 use std::sync::Arc;

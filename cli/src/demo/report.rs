@@ -148,7 +148,7 @@ fn hidden_rel_diff(a: &[(CaptureName, ndarray::Array2<f32>)], b: &[(CaptureName,
 /// `max |a − b| / max(max |b|, 1e-12)`; infinite for different lengths.
 ///
 /// ```
-/// use omniprefix::demo::rel_diff;
+/// use omniprefix_cli::demo::rel_diff;
 /// assert_eq!(rel_diff(&[1.0, 2.0], &[1.0, 4.0]), 0.5);
 /// assert!(rel_diff(&[1.0], &[1.0, 2.0]).is_infinite());
 /// ```

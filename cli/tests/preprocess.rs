@@ -4,15 +4,15 @@
 
 use std::sync::Arc;
 
-use omniprefix::bench::{BLOCK_SIZE, MODEL_ID};
+use omniprefix_cli::bench::{BLOCK_SIZE, MODEL_ID};
 use omniprefix::canon::{FingerprintKey, Fingerprinter, Modality};
 use omniprefix::index::hashchain::{HashChainIndex, hash_mm_item};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{BlockId, PrefixIndex, ValidationPolicy};
 use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::OmniTokens;
-use omniprefix::workloads::{Media, MediaScale, Workload, WorkloadName};
-use omniprefix::{Error, Result};
+use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
+use omniprefix_cli::{Error, Result};
 
 fn preprocessor(policy: ValidationPolicy) -> Result<Preprocessor> {
     Ok(Preprocessor::new(Fingerprinter::new(FingerprintKey::fixed(11), 2, policy)?, OmniTokens::qwen3_omni()))
