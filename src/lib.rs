@@ -21,3 +21,14 @@ pub mod model;
 pub mod runner;
 
 pub use error::{Error, Result};
+
+/// The Rust examples of the README and of `docs/engine.md`, compiled and run by
+/// `cargo test --doc` so that they cannot rot.
+#[cfg(doctest)]
+#[allow(dead_code)]
+mod doc_examples {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/engine.md")]
+    struct EngineDoc;
+}

@@ -6,18 +6,44 @@ use crate::error::{Error, Result};
 
 /// The ids and constants the prompt builder needs to lay out items.
 ///
-/// Field names follow the Hugging Face thinker config (`image_token_id`, ...),
-/// so the config's JSON (or the `special_ids` object of
-/// `fixtures/mrope_position_vectors.json`) deserialises directly.
+/// Field names are the Hugging Face thinker config's keys, so the config's
+/// JSON (or the `special_ids` object of `fixtures/mrope_position_vectors.json`)
+/// deserialises directly. They follow one pattern, `<token>_token_id`:
+///
+/// | token | field | [`qwen3_omni`](Self::qwen3_omni) | [`tiny`](Self::tiny) |
+/// |---|---|---:|---:|
+/// | `<\|image_pad\|>` | `image_token_id` | 151655 | 500 |
+/// | `<\|video_pad\|>` | `video_token_id` | 151656 | 501 |
+/// | `<\|audio_pad\|>` | `audio_token_id` | 151675 | 502 |
+/// | `<\|vision_start\|>` | `vision_start_token_id` | 151652 | 503 |
+/// | `<\|vision_end\|>` | `vision_end_token_id` | 151653 | 504 |
+/// | `<\|audio_start\|>` | `audio_start_token_id` | 151669 | 505 |
+/// | `<\|audio_end\|>` | `audio_end_token_id` | 151670 | 506 |
+///
+/// Rather than naming fields, a prompt usually asks by modality:
+/// [`pad_id`](Self::pad_id) for the placeholder, and
+/// [`unexpanded_item`](Self::unexpanded_item) for the start, pad and end ids
+/// of one item in the unexpanded form (the engine expands the pad to the
+/// item's token count). Other ids: struct-update syntax on a preset.
 ///
 /// ```
+/// use omniprefix::canon::Modality;
 /// use omniprefix::prompt::OmniTokens;
-/// let tokens: OmniTokens = serde_json::from_str(
+///
+/// let tokens = OmniTokens::tiny();
+/// assert_eq!(tokens.pad_id(Modality::Image), tokens.image_token_id);
+/// assert_eq!(tokens.unexpanded_item(Modality::Image), [503, 500, 504]);
+/// assert_eq!(tokens.unexpanded_item(Modality::Audio), [505, 502, 506]);
+///
+/// let mine = OmniTokens { image_token_id: 7, vocab_size: Some(1000), ..OmniTokens::tiny() };
+/// assert_eq!(mine.unexpanded_item(Modality::Image), [503, 7, 504]);
+///
+/// let from_json: OmniTokens = serde_json::from_str(
 ///     r#"{"image_token_id": 500, "video_token_id": 501, "audio_token_id": 502,
 ///         "vision_start_token_id": 503, "vision_end_token_id": 504,
 ///         "audio_start_token_id": 505, "audio_end_token_id": 506}"#,
 /// ).unwrap();
-/// assert_eq!(tokens, OmniTokens::tiny());
+/// assert_eq!(from_json, OmniTokens::tiny());
 /// ```
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OmniTokens {
@@ -96,6 +122,17 @@ impl OmniTokens {
             Modality::Video => self.video_token_id,
             Modality::Audio => self.audio_token_id,
         }
+    }
+
+    /// The ids of one item in the unexpanded prompt form: `[start, pad, end]`
+    /// (`vision_start`/`vision_end` around an image or video pad,
+    /// `audio_start`/`audio_end` around an audio pad).
+    pub fn unexpanded_item(&self, modality: Modality) -> [u32; 3] {
+        let (start, end) = match modality {
+            Modality::Image | Modality::Video => (self.vision_start_token_id, self.vision_end_token_id),
+            Modality::Audio => (self.audio_start_token_id, self.audio_end_token_id),
+        };
+        [start, self.pad_id(modality), end]
     }
 
     /// The modality whose placeholder `token` is, if it is one.
