@@ -1,4 +1,4 @@
-//! The JSON request-file format of `omniprefix hidden` (documented in `the README, "Request format"`).
+//! The JSON request-file format of `omniprefix hidden` (documented in `docs/request-format.md`).
 //!
 //! ```json
 //! {

@@ -1,4 +1,4 @@
-//! The bad-input catalogue (README, "Bad inputs"): every class of malformed
+//! The bad-input catalogue (`docs/security.md`, "Bad inputs"): every class of malformed
 //! checkpoint, config or request gets its own typed `Error` variant, and the
 //! cache state of a warm scheduler (pool, radix index, request bookkeeping)
 //! is exactly what it was before — `validate()` passes and every counter is

@@ -22,7 +22,7 @@ pub struct HiddenArgs {
     /// Checkpoint folder (`config.json` + safetensors).
     #[arg(long)]
     pub model: PathBuf,
-    /// The request file (JSON, see the README, "Request format").
+    /// The request file (JSON, see `docs/request-format.md`).
     #[arg(long)]
     pub request: PathBuf,
     /// Output safetensors file.

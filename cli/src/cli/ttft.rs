@@ -16,7 +16,7 @@ use crate::ttft::{CaptureReport, TtftOptions, TtftReport, bench_model, run_all};
 /// Arguments of `omniprefix bench ttft`.
 #[derive(Debug, Clone, Args)]
 pub struct TtftArgs {
-    /// Checkpoint folder; default: the embedded random Qwen3-shaped model (see the README, "TTFT benchmark").
+    /// Checkpoint folder; default: the embedded random Qwen3-shaped model (see `docs/benchmarks.md`, "TTFT benchmark").
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Shared-prefix length (default: fixtures/scenarios.json, 256).
