@@ -14,6 +14,8 @@ pub mod cli;
 pub mod demo;
 pub mod engine;
 pub mod error;
+/// The harness's error type (CLI, demo, benchmarks, workloads); not part of the engine's API.
+pub mod harness_error;
 pub mod index;
 pub mod preprocess;
 pub mod kv;
