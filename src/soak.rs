@@ -22,7 +22,8 @@ use crate::batch::RequestId;
 use crate::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
-use crate::error::{Error, Result};
+use crate::error::{ConfigError, Error};
+use crate::harness_error::{HarnessError, Result};
 use crate::index::ValidationPolicy;
 use crate::index::radix::{RadixConfig, RadixIndex};
 use crate::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder};
@@ -105,7 +106,7 @@ impl SoakReport {
     /// `Err` when the run leaked blocks.
     pub fn check(&self) -> Result<()> {
         if self.leaked_blocks > 0 {
-            return Err(Error::BlocksLeaked { leaked: self.leaked_blocks, num_blocks: self.options.pool_blocks });
+            return Err(HarnessError::BlocksLeaked { leaked: self.leaked_blocks, num_blocks: self.options.pool_blocks });
         }
         Ok(())
     }
@@ -247,11 +248,12 @@ fn proc_status_kib(field: &str) -> u64 {
 /// Runs the soak and reports; leaks are reported, not raised (see [`SoakReport::check`]).
 pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
     if options.requests == 0 || options.prefixes == 0 || options.concurrency == 0 {
-        return Err(Error::InvalidConfig {
+        return Err(ConfigError::Invalid {
+            component: "soak",
             field: "soak requests / prefixes / concurrency",
             expected: "positive".into(),
             found: format!("{} / {} / {}", options.requests, options.prefixes, options.concurrency),
-        });
+        }.into());
     }
     let started = std::time::Instant::now();
     let catalogue = Catalogue::new(options.seed)?;
@@ -293,7 +295,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
             live -= 1;
             finished += 1;
             if finished % sample_every == 0 || finished == options.requests {
-                sched.validate().map_err(Error::IndexContract)?;
+                sched.validate().map_err(Error::from)?;
                 let s = sched.index_stats();
                 samples.push(SoakSample {
                     requests: finished,
@@ -305,7 +307,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
             }
         }
     }
-    sched.validate().map_err(Error::IndexContract)?;
+    sched.validate().map_err(Error::from)?;
     let stats = sched.stats();
     let leaked_blocks = options.pool_blocks - stats.blocks_free - stats.blocks_cached;
     let requests = options.requests;
@@ -346,6 +348,6 @@ mod tests {
     #[test]
     fn zero_requests_are_a_config_error() {
         let err = run_soak(&SoakOptions { requests: 0, ..SoakOptions::default() }).err();
-        assert!(matches!(err, Some(Error::InvalidConfig { .. })), "{err:?}");
+        assert!(matches!(err, Some(Error::Config(ConfigError::Invalid { .. }))), "{err:?}");
     }
 }

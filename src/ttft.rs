@@ -16,7 +16,8 @@ use serde::Deserialize;
 use crate::backend::Backend;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use crate::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointError, Error};
+use crate::harness_error::Result;
 use crate::model::{Config, Thinker};
 use crate::prompt::{OmniTokens, TenantSalt};
 
@@ -153,7 +154,7 @@ struct Round {
 }
 
 fn scenarios() -> Result<Scenarios> {
-    serde_json::from_str(SCENARIOS).map_err(|e| Error::ConfigParse(format!("fixtures/scenarios.json: {e}")))
+    serde_json::from_str(SCENARIOS).map_err(|e| Error::Checkpoint(CheckpointError::ConfigParse(format!("fixtures/scenarios.json: {e}"))))
 }
 
 /// Median of `values` (the mean of the middle two for an even count).

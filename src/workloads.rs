@@ -15,7 +15,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
-use crate::error::{Error, Result};
+use crate::error::Error;
+use crate::harness_error::{HarnessError, Result};
 use crate::index::hashchain::MmMedia;
 use crate::preprocess::RawRequest;
 use crate::prompt::OmniTokens;
@@ -117,7 +118,7 @@ impl FromStr for WorkloadName {
 /// The one of `all` whose `as_str` is `name`; the error lists every known name (and `all`,
 /// which the `select` functions take).
 pub(crate) fn by_name<T: Copy>(name: &str, all: &[T], as_str: fn(T) -> &'static str) -> Result<T> {
-    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| Error::UnknownWorkload {
+    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| HarnessError::UnknownWorkload {
         name: name.to_string(),
         known: all.iter().map(|&w| as_str(w)).collect::<Vec<_>>().join(", ") + ", all",
     })
@@ -188,13 +189,13 @@ struct Round {
     token_ids_unexpanded: Vec<u32>,
 }
 
-/// Parses an embedded fixture; a malformed one is an [`Error::Fixture`] naming `file`.
+/// Parses an embedded fixture; a malformed one is an [`HarnessError::Fixture`](crate::harness_error::HarnessError::Fixture) naming `file`.
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &str) -> Result<T> {
-    serde_json::from_str(json).map_err(|e| Error::Fixture { file, problem: e.to_string() })
+    serde_json::from_str(json).map_err(|e| HarnessError::Fixture { file, problem: e.to_string() })
 }
 
 fn fixture_error(problem: impl Into<String>) -> Error {
-    Error::Fixture { file: OMNI_FILE, problem: problem.into() }
+    HarnessError::Fixture { file: OMNI_FILE, problem: problem.into() }
 }
 
 /// Layouts of the three Qwen3-Omni items and the mixed prompt's size.
@@ -474,7 +475,7 @@ pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
 /// Rounds 1-3 warm up; round 4 is measured.
 fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
     let mut rounds = conversation_rounds()?;
-    let measured = rounds.pop().ok_or(Error::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
+    let measured = rounds.pop().ok_or(HarnessError::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
     Ok((rounds, measured))
 }
 
@@ -533,7 +534,7 @@ mod tests {
     fn unknown_workload_names_the_known_ones() {
         let err = "text64k".parse::<WorkloadName>();
         assert!(
-            matches!(&err, Err(Error::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
+            matches!(&err, Err(HarnessError::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
         );
     }
 }

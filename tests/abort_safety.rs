@@ -14,6 +14,7 @@ use omniprefix::runner::SeqOutput;
 use omniprefix::sched::{Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
 use tiny_model::{IMAGE_UNIT, TinyModel, equal_outputs, invariant, request};
+use omniprefix::error::SchedError;
 
 const BLOCK: usize = 4;
 const NUM_BLOCKS: usize = 12;
@@ -151,7 +152,7 @@ fn aborting_a_reader_of_shared_blocks_leaves_them_cached_and_unlocked() -> Resul
     sched.abort(2)?;
     check(&sched)?;
     assert!(sched.complete(&batch)?.is_empty());
-    assert!(matches!(sched.finish(2), Err(Error::UnknownRequest { id: 2 })));
+    assert!(matches!(sched.finish(2), Err(Error::Sched(SchedError::UnknownRequest { id: 2 }))));
     assert_eq!(sched.stats().blocks_cached, cached);
     let (third, _) = request(3, 0, &UNITS);
     sched.admit(third)?;

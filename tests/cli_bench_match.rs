@@ -4,6 +4,7 @@
 use clap::Parser;
 use omniprefix::cli::{Cli, run};
 use omniprefix::{Error, Result};
+use omniprefix::harness_error::HarnessError;
 
 fn run_args(args: &[&str]) -> Result<String> {
     let cli = Cli::try_parse_from(["omniprefix", "bench", "match"].iter().chain(args))
@@ -81,7 +82,7 @@ fn table_output_has_a_header_and_one_row() -> Result<()> {
 #[test]
 fn unknown_workload_is_a_typed_error() {
     let err = run_args(&["--workload", "text64k", "--scale", "tiny", "--json"]);
-    assert!(matches!(err, Err(Error::UnknownWorkload { ref name, .. }) if name == "text64k"), "{err:?}");
+    assert!(matches!(err, Err(HarnessError::UnknownWorkload { ref name, .. }) if name == "text64k"), "{err:?}");
 }
 
 #[test]

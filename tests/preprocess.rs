@@ -13,6 +13,7 @@ use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::OmniTokens;
 use omniprefix::workloads::{Media, MediaScale, Workload, WorkloadName};
 use omniprefix::{Error, Result};
+use omniprefix::error::RequestError;
 
 fn preprocessor(policy: ValidationPolicy) -> Result<Preprocessor> {
     Ok(Preprocessor::new(Fingerprinter::new(FingerprintKey::fixed(11), 2, policy)?, OmniTokens::qwen3_omni()))
@@ -91,6 +92,6 @@ fn bad_media_is_a_typed_error_naming_the_item() -> Result<()> {
     let err = preprocessor(ValidationPolicy::SecondDigest)?.preprocess(&broken.raw(&broken.measured));
     // Items are numbered in request order: audio is item 0 of the mixed request.
     assert_eq!(broken.measured.items[0], Modality::Audio);
-    assert!(matches!(err, Err(Error::NonFinite { item: 0, index: 5 })), "{err:?}");
+    assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 0, index: 5 }))), "{err:?}");
     Ok(())
 }

@@ -13,6 +13,7 @@ use omniprefix::prompt::Positions;
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
 use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
+use omniprefix::error::{ConfigError, RequestError, SchedError};
 
 fn config(num_blocks: usize, budget: usize, token_granular_reuse: bool) -> SchedulerConfig {
     SchedulerConfig {
@@ -53,7 +54,7 @@ fn rfc_pair() -> Result<(Vec<u32>, Vec<u32>)> {
 }
 
 fn check(sched: &Scheduler) -> Result<()> {
-    sched.validate().map_err(Error::InvalidRequest)
+    sched.validate().map_err(Error::from)
 }
 
 /// Schedules, runs (on the shadow pages) and completes until nothing is left,
@@ -333,7 +334,7 @@ fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> Result<()> {
     sched.abort(1)?;
     let err = sched.admit(request(1, 0, &p1)).err();
     assert!(
-        matches!(err, Some(Error::DuplicateRequest { id: 1 })),
+        matches!(err, Some(Error::Sched(SchedError::DuplicateRequest { id: 1 }))),
         "id reused before its batch completed: {err:?}"
     );
     assert!(
@@ -403,7 +404,7 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
 
     let err = sched.admit(request(1, 0, &p1)).err();
     assert!(
-        matches!(err, Some(Error::DuplicateRequest { id: 1 })),
+        matches!(err, Some(Error::Sched(SchedError::DuplicateRequest { id: 1 }))),
         "{err:?}"
     );
     let long: Vec<u32> = (0..81).collect();
@@ -411,11 +412,11 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::RequestTooLarge {
+            Some(Error::Request(RequestError::RequestTooLarge {
                 id: 2,
                 needed: 6,
                 num_blocks: 5
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -423,11 +424,11 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::PromptMismatch {
+            Some(Error::Request(RequestError::PromptMismatch {
                 id: 3,
                 what: "prompt length",
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -437,12 +438,12 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::PromptMismatch {
+            Some(Error::Request(RequestError::PromptMismatch {
                 what: "positions length",
                 expected: 3,
                 found: 2,
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -460,12 +461,12 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::EmbeddingMismatch {
+            Some(Error::Request(RequestError::EmbeddingMismatch {
                 what: "number of item embeddings",
                 expected: 1,
                 found: 0,
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -482,12 +483,12 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::EmbeddingMismatch {
+            Some(Error::Request(RequestError::EmbeddingMismatch {
                 what: "embedding rows",
                 expected: 3,
                 found: 2,
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -503,12 +504,12 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::EmbeddingMismatch {
+            Some(Error::Request(RequestError::EmbeddingMismatch {
                 what: "embedding columns",
                 expected: 16,
                 found: 2,
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -526,12 +527,12 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::PromptMismatch {
+            Some(Error::Request(RequestError::PromptMismatch {
                 what: "index map span end",
                 expected: 8,
                 found: 9,
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -542,12 +543,12 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::BatchMismatch {
+            Some(Error::Sched(SchedError::BatchMismatch {
                 id: 1,
                 what: "new tokens",
                 expected: 16,
                 found: 15
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -555,17 +556,17 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::RequestNotFinished {
+            Some(Error::Sched(SchedError::RequestNotFinished {
                 id: 1,
                 computed: 0,
                 len: 67
-            })
+            }))
         ),
         "{err:?}"
     );
     assert!(matches!(
         sched.abort(42),
-        Err(Error::UnknownRequest { id: 42 })
+        Err(Error::Sched(SchedError::UnknownRequest { id: 42 }))
     ));
 
     assert_eq!(sched.stats(), before);
@@ -577,11 +578,11 @@ fn rejected_requests_and_batches_change_nothing() -> Result<()> {
     assert!(
         matches!(
             err,
-            Some(Error::BatchMismatch {
+            Some(Error::Sched(SchedError::BatchMismatch {
                 what: "new tokens",
                 expected: 0,
                 ..
-            })
+            }))
         ),
         "completing twice: {err:?}"
     );
@@ -594,10 +595,10 @@ fn config_must_agree_with_the_index() {
     assert!(
         matches!(
             err,
-            Some(Error::InvalidConfig {
+            Some(Error::Config(ConfigError::Invalid {
                 field: "block_size",
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );
@@ -605,10 +606,10 @@ fn config_must_agree_with_the_index() {
     assert!(
         matches!(
             err,
-            Some(Error::InvalidConfig {
+            Some(Error::Config(ConfigError::Invalid {
                 field: "max_tokens_per_step",
                 ..
-            })
+            }))
         ),
         "{err:?}"
     );

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use crate::canon::{FingerprintKey, Fingerprinter, ItemIdentity, Modality};
-use crate::error::Result;
+use crate::harness_error::Result;
 use crate::index::hashchain::{HashChainIndex, hash_mm_item};
 use crate::index::radix::{RadixConfig, RadixIndex};
 use crate::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};

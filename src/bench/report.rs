@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::fixture::MatchFixture;
-use crate::error::Result;
+use crate::harness_error::Result;
 use crate::index::ValidationPolicy;
 use crate::workloads::{Media, Workload, WorkloadName};
 

@@ -18,7 +18,7 @@ use super::keyed_xxh3::KeyedXxh3;
 use super::layout::check_shape;
 use super::stream::{ByteSink, emit_tensor};
 use super::{Fingerprint, ItemContent, ItemIdentity, ItemSpec, TensorView};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 use crate::index::ValidationPolicy;
 
 /// Content longer than this is hashed as a tree of chunks (on any thread count).
@@ -187,12 +187,12 @@ impl Fingerprinter {
     /// in errors.
     pub fn identify(&self, item_index: usize, item: &ItemSpec<'_>) -> Result<ItemIdentity> {
         if !item.layout.fits(item.modality) {
-            return Err(Error::InvalidLayout {
+            return Err(RequestError::InvalidLayout {
                 item: item_index,
                 field: "kind",
                 expected: "the layout kind of the item's modality",
                 found: format!("{:?} layout for a {:?} item", item.layout, item.modality),
-            });
+            }.into());
         }
         let num_tokens = item.layout.try_num_tokens(item_index)?;
         let (content, content_bytes) = match &item.content {
@@ -205,7 +205,7 @@ impl Fingerprinter {
                 (Content::Tensor(view), bytes)
             }
             ItemContent::Encoded { bytes: [], .. } => {
-                return Err(Error::EmptyItem { item: item_index, what: "encoded item with no bytes" });
+                return Err(RequestError::EmptyItem { item: item_index, what: "encoded item with no bytes" }.into());
             }
             ItemContent::Encoded { bytes, .. } => (Content::Encoded(bytes), bytes.len()),
         };
@@ -558,11 +558,11 @@ mod tests {
         a[[TREE_CHUNK / 2 + 17]] = half::f16::INFINITY;
         for threads in [1, 3] {
             let err = fingerprinter(threads, ValidationPolicy::ExactBytes)?.identify(2, &image(TensorView::F16(a.view()), [1, 2, 2]));
-            assert!(matches!(err, Err(Error::NonFinite { item: 2, index }) if index == TREE_CHUNK / 2 + 17), "{err:?}");
+            assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 2, index })) if index == TREE_CHUNK / 2 + 17), "{err:?}");
         }
         let small = ArrayD::from_shape_fn(IxDyn(&[2, 4]), |ix| if ix[0] == 1 && ix[1] == 1 { f32::NEG_INFINITY } else { 1.0 });
         let err = fingerprinter(1, ValidationPolicy::SecondDigest)?.identify(0, &image(TensorView::F32(small.t()), [1, 2, 2]));
-        assert!(matches!(err, Err(Error::NonFinite { item: 0, index: 3 })), "{err:?}");
+        assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 0, index: 3 }))), "{err:?}");
         Ok(())
     }
 
@@ -570,15 +570,15 @@ mod tests {
     fn empty_and_inconsistent_items_are_typed_errors() -> Result<()> {
         let fp = fingerprinter(1, ValidationPolicy::SecondDigest)?;
         let empty = ArrayD::<u8>::zeros(IxDyn(&[3, 0, 3]));
-        assert!(matches!(fp.identify(4, &image(TensorView::U8(empty.view()), [1, 2, 2])), Err(Error::EmptyItem { item: 4, .. })));
+        assert!(matches!(fp.identify(4, &image(TensorView::U8(empty.view()), [1, 2, 2])), Err(Error::Request(RequestError::EmptyItem { item: 4, .. }))));
         let no_bytes = ItemSpec { content: ItemContent::Encoded { bytes: &[], format: "png" }, ..image(TensorView::U8(empty.view()), [1, 2, 2]) };
-        assert!(matches!(fp.identify(1, &no_bytes), Err(Error::EmptyItem { item: 1, .. })));
+        assert!(matches!(fp.identify(1, &no_bytes), Err(Error::Request(RequestError::EmptyItem { item: 1, .. }))));
         let pixels = ArrayD::<u8>::zeros(IxDyn(&[2, 2, 3]));
         let audio_layout = ItemSpec { layout: ItemLayout::Audio { mel_frames: 100 }, ..image(TensorView::U8(pixels.view()), [1, 2, 2]) };
-        assert!(matches!(fp.identify(0, &audio_layout), Err(Error::InvalidLayout { field: "kind", .. })));
-        assert!(matches!(fp.identify(0, &image(TensorView::U8(pixels.view()), [1, 3, 3])), Err(Error::GridNotMergeable { .. })));
+        assert!(matches!(fp.identify(0, &audio_layout), Err(Error::Request(RequestError::InvalidLayout { field: "kind", .. }))));
+        assert!(matches!(fp.identify(0, &image(TensorView::U8(pixels.view()), [1, 3, 3])), Err(Error::Request(RequestError::GridNotMergeable { .. }))));
         let patches = ArrayD::<f32>::zeros(IxDyn(&[15, 4]));
-        assert!(matches!(fp.identify(6, &image(TensorView::F32(patches.view()), [1, 4, 4])), Err(Error::ShapeMismatch { item: 6, .. })));
+        assert!(matches!(fp.identify(6, &image(TensorView::F32(patches.view()), [1, 4, 4])), Err(Error::Request(RequestError::ShapeMismatch { item: 6, .. }))));
         Ok(())
     }
 

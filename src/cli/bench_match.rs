@@ -6,7 +6,7 @@ use std::sync::Arc;
 use clap::{Args, ValueEnum};
 
 use crate::bench::{MatchOptions, MatchReport, measure};
-use crate::error::Result;
+use crate::harness_error::Result;
 use crate::index::ValidationPolicy;
 use crate::workloads::{Media, MediaScale, WorkloadName};
 
@@ -100,7 +100,7 @@ pub fn run(args: &MatchArgs, out: &mut dyn Write) -> Result<()> {
 fn write_line(out: &mut dyn Write, line: &str) -> Result<()> {
     writeln!(out, "{line}")
         .and_then(|()| out.flush())
-        .map_err(|source| crate::Error::Io { path: "bench match output".into(), source })
+        .map_err(|source| crate::Error::Io(crate::error::IoError::write("bench match output", source)))
 }
 
 fn table_header() -> String {

@@ -11,7 +11,8 @@ use crate::backend::Backend;
 use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::backend::wgpu::WgpuBackend;
 use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, print_tables, run_demo};
-use crate::error::{Error, Result};
+use crate::error::{Error, IoError};
+use crate::harness_error::Result;
 
 /// Arguments of `demo`.
 ///
@@ -74,7 +75,7 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report)
             .map_err(|e| Error::InvalidRequest(format!("demo report: {e}")))?;
-        std::fs::write(path, json + "\n").map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+        std::fs::write(path, json + "\n").map_err(|source| IoError::write(&path, source))?;
         writeln!(out, "report written to {}", path.display())?;
     }
     Ok(())
@@ -106,5 +107,5 @@ fn check_writable(path: &Path) -> Result<()> {
         .truncate(true)
         .open(path)
         .map(drop)
-        .map_err(|source| Error::Io { path: path.display().to_string(), source })
+        .map_err(|source| Error::Io(IoError::write(&path, source)))
 }

@@ -12,7 +12,8 @@ use safetensors::tensor::TensorView;
 use crate::backend::Backend;
 use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::engine::{Engine, EngineConfig, Output};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointError, Error, IoError};
+use crate::harness_error::Result;
 use crate::model::{CaptureName, Config};
 use crate::request_file::RequestFile;
 
@@ -89,7 +90,7 @@ pub fn run(args: &HiddenArgs, out: &mut dyn Write) -> Result<()> {
         ..Default::default()
     };
     let selection = select(args.backend)?;
-    let stdout_err = |source| Error::Io { path: "stdout".into(), source };
+    let stdout_err = |source| Error::Io(IoError::write("stdout", source));
     writeln!(out, "backend: {}", selection.reason).map_err(stdout_err)?;
     let output = match selection.backend {
         SelectedBackend::Cpu(cpu) => run_on(Arc::new(cpu), args, config)?,
@@ -127,7 +128,7 @@ fn write_output(output: &Output, path: &Path) -> Result<()> {
         .collect();
     let logits = output.last_logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     tensors.push(("logits".into(), vec![1, output.last_logits.len()], logits));
-    let st_err = |e: safetensors::SafeTensorError| Error::Safetensors { path: path.display().to_string(), message: e.to_string() };
+    let st_err = |e: safetensors::SafeTensorError| Error::Checkpoint(CheckpointError::Safetensors { path: path.display().to_string(), message: e.to_string() });
     let views = tensors
         .iter()
         .map(|(name, shape, bytes)| Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(st_err)?)))

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::error::Result;
+use crate::harness_error::Result;
 
 /// `omniprefix bench match`.
 pub mod bench_match;

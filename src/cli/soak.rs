@@ -5,7 +5,8 @@ use std::io::Write;
 
 use clap::Args;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, IoError};
+use crate::harness_error::Result;
 use crate::soak::{SoakOptions, SoakReport, run_soak};
 
 /// Arguments of `omniprefix bench soak`.
@@ -54,7 +55,7 @@ pub fn run(args: &SoakArgs, out: &mut dyn Write) -> Result<()> {
 }
 
 fn io(source: std::io::Error) -> Error {
-    Error::Io { path: "<stdout>".into(), source }
+    Error::Io(IoError::write("<stdout>", source))
 }
 
 fn summary(r: &SoakReport, out: &mut dyn Write) -> std::io::Result<()> {

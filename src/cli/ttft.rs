@@ -9,7 +9,8 @@ use clap::Args;
 use crate::backend::Backend;
 use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::engine::tokens_from_config_file;
-use crate::error::{Error, Result};
+use crate::error::{Error, IoError};
+use crate::harness_error::Result;
 use crate::model::Thinker;
 use crate::ttft::{CaptureReport, TtftOptions, TtftReport, bench_model, run_all};
 
@@ -72,7 +73,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
         SelectedBackend::Wgpu(gpu) => measure(Arc::new(gpu), args, &options),
     })?;
-    let io = |source| Error::Io { path: "stdout".into(), source };
+    let io = |source| Error::Io(IoError::write("stdout", source));
     if !args.json {
         writeln!(out, "backend: {}", selection.reason).map_err(io)?;
     }

@@ -35,7 +35,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::backend::Backend;
 use crate::bench::median_ns;
 use crate::canon::{FingerprintKey, Modality};
-use crate::error::Result;
+use crate::harness_error::Result;
 use crate::model::{Config, Thinker};
 
 pub use machine::Machine;

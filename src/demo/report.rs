@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::machine::Machine;
 use super::pipeline::{RequestRun, Way};
-use crate::error::Result;
+use crate::harness_error::Result;
 use crate::model::CaptureName;
 
 /// The whole `demo --json` report.

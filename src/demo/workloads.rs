@@ -15,7 +15,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
 use crate::canon::ItemLayout;
-use crate::error::{Error, Result};
+use crate::error::Error;
+use crate::harness_error::Result;
 use crate::workloads::{
     Media, MediaScale, RequestPlan, SCENARIOS_FILE, SCENARIOS_JSON, TEXT_VOCAB, by_name, conversation_rounds, parse,
 };
@@ -202,6 +203,7 @@ fn scenarios() -> Result<Scenarios> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::harness_error::HarnessError;
 
     #[test]
     fn rfc_pair_shares_46_tokens() -> Result<()> {
@@ -230,7 +232,7 @@ mod tests {
         let media = demo_media(&DemoScale::quick(), 1)?;
         assert_eq!(media.shapes.video.num_tokens(), 2 * 4 * 8 / 4);
         let err = "rfc".parse::<DemoWorkload>();
-        assert!(matches!(err, Err(Error::UnknownWorkload { name, .. }) if name == "rfc"));
+        assert!(matches!(err, Err(HarnessError::UnknownWorkload { name, .. }) if name == "rfc"));
         Ok(())
     }
 }

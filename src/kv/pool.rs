@@ -11,7 +11,7 @@
 //! The free list is a FIFO linked through the block array itself (O(1) pop and
 //! push, no allocation): the block freed longest ago is reused first.
 
-use crate::error::{Error, Result};
+use crate::error::{CacheError, ConfigError, Error, Result};
 use crate::index::BlockId;
 
 /// Marks the end of the free list.
@@ -46,7 +46,7 @@ struct Block {
 /// assert_eq!(pool.state(ids[0])?, BlockState::Indexed);
 /// pool.release(ids[1])?;
 /// assert_eq!(pool.num_free(), 2);
-/// pool.validate().map_err(omniprefix::Error::InvalidRequest)?;
+/// pool.validate().map_err(omniprefix::Error::from)?;
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -62,11 +62,12 @@ impl BlockPool {
     /// A pool of `num_blocks` free blocks (at least one, fewer than `u32::MAX`).
     pub fn new(num_blocks: usize) -> Result<Self> {
         if num_blocks == 0 || num_blocks >= NIL as usize {
-            return Err(Error::InvalidConfig {
+            return Err(ConfigError::Invalid {
+                component: "block pool",
                 field: "num_blocks",
                 expected: format!("in 1..{NIL}"),
                 found: num_blocks.to_string(),
-            });
+            }.into());
         }
         let blocks = (0..num_blocks as BlockId)
             .map(|id| Block {
@@ -268,26 +269,26 @@ impl BlockPool {
     fn block(&self, block: BlockId) -> Result<&Block> {
         self.blocks
             .get(block as usize)
-            .ok_or(Error::BlockOutOfRange {
+            .ok_or(Error::Cache(CacheError::BlockOutOfRange {
                 block,
                 num_blocks: self.blocks.len(),
-            })
+            }))
     }
 
     fn block_mut(&mut self, block: BlockId) -> Result<&mut Block> {
         let num_blocks = self.blocks.len();
         self.blocks
             .get_mut(block as usize)
-            .ok_or(Error::BlockOutOfRange { block, num_blocks })
+            .ok_or(Error::Cache(CacheError::BlockOutOfRange { block, num_blocks }))
     }
 }
 
 fn misuse(op: &'static str, block: BlockId, state: BlockState) -> Error {
-    Error::BlockStateMisuse {
+    Error::Cache(CacheError::BlockStateMisuse {
         op,
         block,
         state: format!("{state:?}"),
-    }
+    })
 }
 
 #[cfg(test)]
@@ -309,7 +310,7 @@ mod tests {
         assert_eq!(pool.allocate(3), Some(vec![2, 1, 0]));
         assert_eq!(pool.num_free(), 0);
         assert_eq!(pool.allocate(1), None);
-        pool.validate().map_err(Error::InvalidRequest)
+        pool.validate().map_err(Error::from)
     }
 
     #[test]
@@ -328,27 +329,27 @@ mod tests {
         assert!(
             matches!(
                 err,
-                Some(Error::BlockStateMisuse {
+                Some(Error::Cache(CacheError::BlockStateMisuse {
                     op: "release",
                     block: 0,
                     ..
-                })
+                }))
             ),
             "{err:?}"
         );
         assert!(matches!(
             pool.retain(id),
-            Err(Error::BlockStateMisuse { op: "retain", .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { op: "retain", .. }))
         ));
         assert!(matches!(
             pool.release(9),
-            Err(Error::BlockOutOfRange {
+            Err(Error::Cache(CacheError::BlockOutOfRange {
                 block: 9,
                 num_blocks: 2
-            })
+            }))
         ));
         assert_eq!(pool.num_free(), 2);
-        pool.validate().map_err(Error::InvalidRequest)
+        pool.validate().map_err(Error::from)
     }
 
     #[test]
@@ -361,7 +362,7 @@ mod tests {
         // Only a block with a single user can be handed over.
         assert!(matches!(
             pool.adopt_by_index(ids[1]),
-            Err(Error::BlockStateMisuse { op: "adopt", .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { op: "adopt", .. }))
         ));
         pool.adopt_by_index(ids[0])?;
         assert_eq!(
@@ -370,11 +371,11 @@ mod tests {
         );
         assert!(matches!(
             pool.release(ids[0]),
-            Err(Error::BlockStateMisuse { .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { .. }))
         ));
         assert!(matches!(
             pool.reclaim_evicted(ids[1]),
-            Err(Error::BlockStateMisuse { op: "reclaim", .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { op: "reclaim", .. }))
         ));
         pool.reclaim_evicted(ids[0])?;
         assert_eq!(pool.state(ids[0])?, BlockState::Free);
@@ -382,17 +383,17 @@ mod tests {
             (pool.num_free(), pool.num_indexed(), pool.num_in_use()),
             (1, 0, 1)
         );
-        pool.validate().map_err(Error::InvalidRequest)
+        pool.validate().map_err(Error::from)
     }
 
     #[test]
     fn rejects_empty_pool() {
         assert!(matches!(
             BlockPool::new(0),
-            Err(Error::InvalidConfig {
+            Err(Error::Config(ConfigError::Invalid {
                 field: "num_blocks",
                 ..
-            })
+            }))
         ));
     }
 

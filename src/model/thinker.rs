@@ -12,6 +12,7 @@ use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, RopePositions, Rop
 use crate::model::config::Config;
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
 use crate::{Error, Result};
+use crate::error::{BackendError, CheckpointError};
 
 /// Attention weights of one layer, on the device.
 struct Attention<T> {
@@ -75,7 +76,7 @@ fn prefixes(source: &dyn WeightSource) -> Result<(&'static str, &'static str)> {
     } else if source.contains("model.embed_tokens.weight") {
         Ok(("model", "lm_head"))
     } else {
-        Err(Error::MissingTensor { name: "model.embed_tokens.weight".into() })
+        Err(CheckpointError::MissingTensor { name: "model.embed_tokens.weight".into() }.into())
     }
 }
 
@@ -225,7 +226,7 @@ impl<B: Backend> Thinker<B> {
         step: &StepMeta<'_>,
         pages: &mut B::Pages,
     ) -> Result<()> {
-        let lw = self.layers.get(layer).ok_or(Error::OpIndex {
+        let lw = self.layers.get(layer).ok_or(BackendError::OpIndex {
             op: "forward_layer",
             what: "layer",
             index: layer as i64,
@@ -340,6 +341,7 @@ mod tests {
     use safetensors::tensor::TensorView as StView;
 
     use super::*;
+    use crate::error::IoError;
     use crate::backend::cpu::CpuBackend;
     use crate::model::CaptureSpec;
     use crate::prompt::Positions;
@@ -395,15 +397,15 @@ mod tests {
         let name = "model.layers.1.self_attn.k_proj.weight";
         let k = src.remove(name).unwrap();
         let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
-        assert!(matches!(&err, Error::MissingTensor { name: n } if n == name), "{err}");
+        assert!(matches!(&err, Error::Checkpoint(CheckpointError::MissingTensor { name: n }) if n == name), "{err}");
         src.insert(name, HostTensor { shape: vec![16, 31], data: k.data[..16 * 31].to_vec() });
         let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
         assert!(
-            matches!(&err, Error::TensorShape { name: n, expected, found } if n == name && expected == &[16, 32] && found == &[16, 31]),
+            matches!(&err, Error::Checkpoint(CheckpointError::TensorShape { name: n, expected, found }) if n == name && expected == &[16, 32] && found == &[16, 31]),
             "{err}"
         );
         let err = Thinker::load(&CpuBackend, tiny(), &MemorySource::new()).err().unwrap();
-        assert!(matches!(err, Error::MissingTensor { .. }));
+        assert!(matches!(err, Error::Checkpoint(CheckpointError::MissingTensor { .. })));
     }
 
     #[test]
@@ -464,14 +466,14 @@ mod tests {
         let path = dir.join("model.safetensors");
         safetensors::serialize_to_file(views, &None, &path).unwrap();
         let src = SafetensorsSource::open_dir(&dir).unwrap();
-        assert!(matches!(src.load("model.norm.weight"), Err(Error::TensorDtype { found, .. }) if found == "I32"));
+        assert!(matches!(src.load("model.norm.weight"), Err(Error::Checkpoint(CheckpointError::TensorDtype { found, .. })) if found == "I32"));
         assert_eq!(src.load("model.half").unwrap(), HostTensor { shape: vec![2, 1], data: vec![0.5, -2.0] });
-        assert!(matches!(src.load("model.nope"), Err(Error::MissingTensor { name }) if name == "model.nope"));
+        assert!(matches!(src.load("model.nope"), Err(Error::Checkpoint(CheckpointError::MissingTensor { name })) if name == "model.nope"));
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
-        assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Safetensors { .. })));
+        assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Checkpoint(CheckpointError::Safetensors { .. }))));
         let empty = scratch_dir("empty");
-        assert!(matches!(SafetensorsSource::open_dir(&empty), Err(Error::Io { .. })));
+        assert!(matches!(SafetensorsSource::open_dir(&empty), Err(Error::Io(IoError { .. }))));
         std::fs::remove_dir_all(&dir).ok();
         std::fs::remove_dir_all(&empty).ok();
     }
