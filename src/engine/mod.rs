@@ -21,7 +21,7 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::batch::{DeepStack, RequestId, ScheduledBatch};
 use crate::canon::{Fingerprinter, ItemIdentity};
-use crate::error::{CheckpointError, Error, IoError, RequestError, Result, SchedError};
+use crate::error::{CheckpointError, Error, InvariantViolation, IoError, RequestError, Result, SchedError};
 use crate::index::PrefixIndex;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
@@ -349,7 +349,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks the scheduler's pool, index and request bookkeeping; `Err` names
     /// the first broken invariant.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), InvariantViolation> {
         self.sched.validate()
     }
 

@@ -11,7 +11,7 @@
 //! The free list is a FIFO linked through the block array itself (O(1) pop and
 //! push, no allocation): the block freed longest ago is reused first.
 
-use crate::error::{CacheError, ConfigError, Error, Result};
+use crate::error::{CacheError, Component, ConfigError, Error, InvariantViolation, Result};
 use crate::index::BlockId;
 
 /// Marks the end of the free list.
@@ -198,7 +198,12 @@ impl BlockPool {
 
     /// Checks that every block is in one state, the free list is a consistent
     /// chain over exactly the free blocks, and the counters add up.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        self.broken_invariant().map_err(|what| Component::BlockPool.violation(what))
+    }
+
+    /// The first broken invariant of [`BlockPool::validate`], in words.
+    fn broken_invariant(&self) -> std::result::Result<(), String> {
         let mut on_list = vec![false; self.blocks.len()];
         let mut cursor = self.head;
         let mut last = NIL;
@@ -401,7 +406,7 @@ mod tests {
     fn validate_catches_broken_free_list() -> Result<()> {
         let mut pool = BlockPool::new(3)?;
         pool.blocks[1].next = 0; // cycle 0 -> 1 -> 0
-        assert!(pool.validate().is_err_and(|e| e.contains("cycle")));
+        assert!(pool.validate().is_err_and(|e| e.component == Component::BlockPool && e.what.contains("cycle")));
         let mut pool = BlockPool::new(3)?;
         pool.num_free = 2;
         assert!(pool.validate().is_err());

@@ -49,7 +49,7 @@ pub use mm_hasher::{Kwarg, MmHashAlgorithm, MmMedia, hash_kwargs, hash_mm_item};
 use super::{BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch};
 use crate::prompt::{CanonicalPrompt, TenantSalt};
 use crate::Result;
-use crate::error::CacheError;
+use crate::error::{CacheError, Component, InvariantViolation};
 
 /// One cached block.
 #[derive(Debug, Clone)]
@@ -393,7 +393,14 @@ impl PrefixIndex for HashChainIndex {
         }
     }
 
-    fn validate(&self) -> std::result::Result<(), String> {
+    fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        self.broken_invariant().map_err(|what| Component::HashChainIndex.violation(what))
+    }
+}
+
+impl HashChainIndex {
+    /// The first broken invariant of [`PrefixIndex::validate`], in words.
+    fn broken_invariant(&self) -> std::result::Result<(), String> {
         if self.entries.len() != self.by_block.len() {
             return Err(format!(
                 "{} entries but {} block ids",

@@ -37,7 +37,7 @@ use std::collections::BTreeSet;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::error::{CacheError, RequestError};
+use crate::error::{CacheError, Component, InvariantViolation, RequestError};
 use crate::index::{
     BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch, ValidationPolicy,
 };
@@ -540,7 +540,7 @@ impl PrefixIndex for RadixIndex {
         }
     }
 
-    fn validate(&self) -> std::result::Result<(), String> {
-        check::check(self)
+    fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        check::check(self).map_err(|what| Component::RadixIndex.violation(what))
     }
 }
