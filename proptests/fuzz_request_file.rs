@@ -20,7 +20,7 @@ use omniprefix::prompt::{OmniTokens, PromptBuilder};
 use omniprefix::request_file::RequestFile;
 use proptest::prelude::*;
 use serde_json::{Value, json};
-use omniprefix::error::{CheckpointError, IoError, RequestError, RequestFileError};
+use omniprefix::error::{IoError, RequestError, RequestFileError};
 
 /// A folder with `media.safetensors` (pixels u8 [8, 12, 3], emb f32 [6, 4],
 /// wave f32 [1600], mel f32 [2, 100]) that the request files point into.
@@ -69,7 +69,7 @@ fn is_request_error(e: &Error) -> bool {
         Error::RequestFile(RequestFileError::Format { .. })
             | Error::RequestFile(RequestFileError::TensorNotInFile { .. })
             | Error::RequestFile(RequestFileError::Tensor { .. })
-            | Error::Checkpoint(CheckpointError::Safetensors { .. })
+            | Error::RequestFile(RequestFileError::Safetensors { .. })
             | Error::Io(IoError { .. })
             // From fingerprinting the items and building the prompt:
             | Error::Request(RequestError::NonFinite { .. })

@@ -35,7 +35,7 @@ use serde::Deserialize;
 use crate::batch::DeepStack;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use crate::engine::{ItemInput, PlaceholderForm, PrefillRequest};
-use crate::error::{CheckpointError, Error, IoError, RequestFileError, Result};
+use crate::error::{Error, IoError, RequestFileError, Result};
 use crate::prompt::{OmniTokens, TenantSalt};
 
 #[derive(Debug, Deserialize)]
@@ -235,7 +235,7 @@ impl TensorFiles {
         }
         let data = self.bytes.get(&path).map(Vec::as_slice).unwrap_or_default();
         let st = SafeTensors::deserialize(data)
-            .map_err(|e| CheckpointError::Safetensors { path: path.display().to_string(), message: e.to_string() })?;
+            .map_err(|e| RequestFileError::Safetensors { path: path.display().to_string(), message: e.to_string() })?;
         let view = st
             .tensor(&r.tensor)
             .map_err(|_| RequestFileError::TensorNotInFile { path: path.display().to_string(), tensor: r.tensor.clone() })?;

@@ -567,8 +567,8 @@ fn request_file(name: &str, json: &str) -> Result<PathBuf> {
         .into_iter()
         .map(|(n, v)| v.map(|v| (n, v)))
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| CheckpointError::Safetensors { path: "media".into(), message: e.to_string() })?;
-    let bytes = safetensors::serialize(views, &None).map_err(|e| CheckpointError::Safetensors { path: "media".into(), message: e.to_string() })?;
+        .map_err(|e| RequestFileError::Safetensors { path: "media".into(), message: e.to_string() })?;
+    let bytes = safetensors::serialize(views, &None).map_err(|e| RequestFileError::Safetensors { path: "media".into(), message: e.to_string() })?;
     write(&dir.join("media.safetensors"), &bytes)?;
     let path = dir.join("request.json");
     write(&path, json.as_bytes())?;

@@ -151,7 +151,7 @@ impl Fingerprinter {
                 .num_threads(threads)
                 .thread_name(|i| format!("omniprefix-fp-{i}"))
                 .build()
-                .map_err(|e| Error::InvalidRequest(format!("cannot start {threads} fingerprint threads: {e}")))?;
+                .map_err(|source| Error::ThreadPool { purpose: "fingerprint", threads, source })?;
             Some(pool)
         } else {
             None
@@ -199,8 +199,10 @@ impl Fingerprinter {
             ItemContent::Tensor(view) => {
                 check_shape(item_index, item.modality, &item.layout, view)?;
                 // Broadcast (stride-0) views can be logically larger than memory.
-                let bytes = view.len().checked_mul(view.dtype().size()).ok_or_else(|| {
-                    Error::InvalidRequest(format!("item {item_index}: {} elements overflow a byte count", view.len()))
+                let bytes = view.len().checked_mul(view.dtype().size()).ok_or(RequestError::ItemTooLarge {
+                    item: item_index,
+                    elements: view.len(),
+                    element_bytes: view.dtype().size(),
                 })?;
                 (Content::Tensor(view), bytes)
             }

@@ -420,10 +420,7 @@ impl<B: Backend> Engine<B> {
         }
         for out in outputs {
             if !done.contains(&out.request) {
-                return Err(Error::IndexContract(format!(
-                    "request {} returned outputs but the scheduler did not finish it",
-                    out.request
-                )));
+                return Err(SchedError::OutputsBeforeFinish { id: out.request }.into());
             }
             self.sched.finish(out.request)?;
             self.finish_output(out);

@@ -39,7 +39,7 @@ impl FromStr for CaptureName {
         s.strip_prefix("hidden.")
             .and_then(|l| l.parse().ok())
             .map(CaptureName::Hidden)
-            .ok_or_else(|| Error::InvalidRequest(format!("capture `{s}`: expected `hidden.<layer>` or `final`")))
+            .ok_or_else(|| ConfigError::CaptureSyntax { spec: s.into() }.into())
     }
 }
 

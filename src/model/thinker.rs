@@ -11,7 +11,7 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, RopePositions, RopeSpec};
 use crate::model::config::Config;
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
-use crate::{Error, Result};
+use crate::Result;
 use crate::error::{BackendError, CheckpointError};
 
 /// Attention weights of one layer, on the device.
@@ -80,10 +80,11 @@ fn prefixes(source: &dyn WeightSource) -> Result<(&'static str, &'static str)> {
     }
 }
 
-/// Stacks matrices row-wise (fusing gate/up, or experts).
-fn stack(parts: &[Array2<f32>]) -> Result<Array2<f32>> {
+/// Stacks matrices row-wise (fusing gate/up, or experts) into the weight `name`.
+fn stack(parts: &[Array2<f32>], name: String) -> Result<Array2<f32>> {
     let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
-    concatenate(Axis(0), &views).map_err(|e| Error::InvalidRequest(format!("stacking weights: {e}")))
+    concatenate(Axis(0), &views)
+        .map_err(|e| CheckpointError::WeightLayout { name, problem: format!("parts do not stack: {e}") }.into())
 }
 
 /// Host weights of one MoE block in the fused layout of [`MoeWeights`].
@@ -98,7 +99,11 @@ fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usiz
         let down = Array2::from_shape_vec((num_experts * hidden, inter), dn.data);
         return match (gate_up, down) {
             (Ok(g), Ok(d)) => Ok([g, d]),
-            _ => Err(Error::InvalidRequest("fused expert weights do not reshape".into())),
+            _ => Err(CheckpointError::WeightLayout {
+                name: experts.name("gate_up_proj / down_proj"),
+                problem: "fused expert weights do not reshape to [experts * rows, cols]".into(),
+            }
+            .into()),
         };
     }
     let (mut gate_up, mut down) = (Vec::new(), Vec::new());
@@ -108,7 +113,7 @@ fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usiz
         gate_up.push(ex.pp("up_proj").matrix("weight", inter, hidden)?);
         down.push(ex.pp("down_proj").matrix("weight", hidden, inter)?);
     }
-    Ok([stack(&gate_up)?, stack(&down)?])
+    Ok([stack(&gate_up, experts.name("*.gate_proj+up_proj"))?, stack(&down, experts.name("*.down_proj"))?])
 }
 
 impl<B: Backend> Thinker<B> {
@@ -175,7 +180,7 @@ impl<B: Backend> Thinker<B> {
                     let gate = mw.pp("gate_proj").matrix("weight", c.intermediate_size, h)?;
                     let upm = mw.pp("up_proj").matrix("weight", c.intermediate_size, h)?;
                     Mlp::Dense {
-                        gate_up: up(stack(&[gate, upm])?)?,
+                        gate_up: up(stack(&[gate, upm], mw.name("gate_proj+up_proj"))?)?,
                         down: up(mw.pp("down_proj").matrix("weight", h, c.intermediate_size)?)?,
                     }
                 }
@@ -341,7 +346,7 @@ mod tests {
     use safetensors::tensor::TensorView as StView;
 
     use super::*;
-    use crate::error::IoError;
+    use crate::error::{Error, IoError};
     use crate::backend::cpu::CpuBackend;
     use crate::model::CaptureSpec;
     use crate::prompt::Positions;

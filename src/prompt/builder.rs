@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::canon::{ItemIdentity, Modality};
-use crate::error::{Error, RequestError, Result};
+use crate::error::{RequestError, Result};
 
 use super::mrope::{PositionKind, audio_in_video_runs, positions_from_atoms};
 use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
@@ -324,7 +324,7 @@ impl PromptBuilder {
     fn check_room(&self, extra: usize) -> Result<()> {
         let total = self.token_ids.len().saturating_add(extra);
         if u32::try_from(total).is_err() {
-            return Err(Error::InvalidRequest(format!("prompt of {total} positions exceeds u32::MAX")));
+            return Err(RequestError::PromptTooLong { positions: total }.into());
         }
         Ok(())
     }

@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 use fxhash::{FxHashMap, FxHashSet};
 
 use crate::batch::{BlockCopy, RequestId, ScheduledBatch, ScheduledSeq};
-use crate::error::{ConfigError, Error, RequestError, Result, SchedError};
+use crate::error::{CacheError, ConfigError, Error, RequestError, Result, SchedError};
 use crate::index::{BlockId, IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockPool, BlockState};
 use crate::prompt::TenantSalt;
@@ -405,12 +405,13 @@ impl Scheduler {
             || m.blocks.len() != m.tokens.div_ceil(bs)
             || m.aligned_tokens != m.tokens / bs * bs
         {
-            return Err(Error::IndexContract(format!(
-                "match of {} tokens ({} aligned) with {} blocks for a {len}-token prompt",
-                m.tokens,
-                m.aligned_tokens,
-                m.blocks.len()
-            )));
+            return Err(CacheError::InconsistentMatch {
+                tokens: m.tokens,
+                aligned_tokens: m.aligned_tokens,
+                blocks: m.blocks.len(),
+                prompt_len: len,
+            }
+            .into());
         }
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
@@ -572,18 +573,13 @@ impl Scheduler {
         let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
         for &b in &outcome.adopted {
             if !t.block_table[t.num_shared..n_full].contains(&b) {
-                return Err(Error::IndexContract(format!(
-                    "insert adopted block {b}, which request {id} did not offer"
-                )));
+                return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
             }
             self.pool.adopt_by_index(b)?;
         }
         let m = self.index.match_prefix(&t.req.prompt);
         if m.aligned_tokens < n_full * bs || m.blocks.len() < n_full {
-            return Err(Error::IndexContract(format!(
-                "request {id}: {} of {n_full} just inserted blocks match again",
-                m.aligned_tokens / bs
-            )));
+            return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
         }
         let m = pinned_part(m, n_full * bs, bs);
         self.index.lock(&m);
@@ -596,9 +592,7 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-                return Err(Error::IndexContract(format!(
-                    "match returned block {new}, which the index does not own"
-                )));
+                return Err(CacheError::MatchedUnownedBlock { block: new }.into());
             }
         }
         if let Some(old) = t.lock.replace(m) {
