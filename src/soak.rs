@@ -9,7 +9,7 @@
 //! let report = run_soak(&SoakOptions { requests: 200, pool_blocks: 64, ..SoakOptions::default() })?;
 //! assert_eq!(report.leaked_blocks, 0);
 //! assert!(report.evicted_blocks > 0, "the pool is smaller than the working set");
-//! # Ok::<(), omniprefix::Error>(())
+//! # Ok::<(), omniprefix::harness_error::HarnessError>(())
 //! ```
 
 use std::sync::Arc;
@@ -22,7 +22,7 @@ use crate::batch::RequestId;
 use crate::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
-use crate::error::{ConfigError, Error};
+use crate::error::{ConfigError, Error, SchedError};
 use crate::harness_error::{HarnessError, Result};
 use crate::index::ValidationPolicy;
 use crate::index::radix::{RadixConfig, RadixIndex};
@@ -171,7 +171,7 @@ impl Catalogue {
                     params: Default::default(),
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<crate::Result<Vec<_>>>()?;
         let audios = (0..AUDIO_CONTENTS)
             .map(|i| {
                 let wave = Array1::from_shape_fn(1600, |_| rng.random::<f32>() - 0.5);
@@ -182,7 +182,7 @@ impl Catalogue {
                     params: Default::default(),
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<crate::Result<Vec<_>>>()?;
         let embeddings = images
             .iter()
             .chain(&audios)
@@ -227,7 +227,7 @@ impl Catalogue {
         let item_embeddings = prompt
             .items
             .iter()
-            .map(|i| self.embeddings.get(&i.num_tokens).cloned().ok_or(Error::InvalidRequest("no embedding".into())))
+            .map(|i| self.embeddings.get(&i.num_tokens).cloned().ok_or_else(|| HarnessError::NoEmbeddings { item: format!("an item of {} tokens", i.num_tokens) }))
             .collect::<Result<_>>()?;
         Ok((Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: None }, prefix_len))
     }
@@ -288,7 +288,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         }
         let batch = sched.schedule()?;
         if batch.seqs.is_empty() {
-            return Err(Error::IndexContract(format!("{live} live requests but nothing can be scheduled")));
+            return Err(SchedError::Stalled { pending: live }.into());
         }
         for id in sched.complete(&batch)? {
             sched.finish(id)?;

@@ -16,8 +16,7 @@ use serde::Deserialize;
 use crate::backend::Backend;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use crate::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
-use crate::error::{CheckpointError, Error};
-use crate::harness_error::Result;
+use crate::harness_error::{HarnessError, Result};
 use crate::model::{Config, Thinker};
 use crate::prompt::{OmniTokens, TenantSalt};
 
@@ -154,7 +153,8 @@ struct Round {
 }
 
 fn scenarios() -> Result<Scenarios> {
-    serde_json::from_str(SCENARIOS).map_err(|e| Error::Checkpoint(CheckpointError::ConfigParse(format!("fixtures/scenarios.json: {e}"))))
+    serde_json::from_str(SCENARIOS)
+        .map_err(|e| HarnessError::Fixture { file: "fixtures/scenarios.json", problem: e.to_string() })
 }
 
 /// Median of `values` (the mean of the middle two for an even count).
@@ -459,7 +459,7 @@ impl Media {
                 let mut bytes = vec![0u8; shape.iter().product()];
                 rng.fill(bytes.as_mut_slice());
                 let content = ArrayD::from_shape_vec(IxDyn(&shape), bytes)
-                    .map_err(|e| Error::InvalidRequest(format!("synthetic media: {e}")))?;
+                    .map_err(|source| HarnessError::GeneratedMedia { what: "ttft media", source })?;
                 let embeddings = Array2::from_shape_simple_fn((tokens, hidden), || rng.random::<f32>() * 2.0 - 1.0);
                 Ok((name, MediaItem { modality, layout, content, embeddings: Arc::new(embeddings), tokens }))
             })
@@ -472,7 +472,10 @@ impl Media {
             .iter()
             .find(|(n, _)| *n == name)
             .map(|(_, m)| m)
-            .ok_or_else(|| Error::InvalidRequest(format!("scenario item `{name}` is not image, audio or video")))
+            .ok_or_else(|| HarnessError::Fixture {
+                file: "fixtures/scenarios.json",
+                problem: format!("scenario item `{name}` is not image, audio or video"),
+            })
     }
 }
 

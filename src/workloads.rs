@@ -15,7 +15,6 @@ use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
-use crate::error::Error;
 use crate::harness_error::{HarnessError, Result};
 use crate::index::hashchain::MmMedia;
 use crate::preprocess::RawRequest;
@@ -88,7 +87,7 @@ impl WorkloadName {
     /// assert_eq!(WorkloadName::select("text32k")?, vec![WorkloadName::Text32k]);
     /// assert_eq!(WorkloadName::select("all")?.len(), 8);
     /// assert!(WorkloadName::select("txt").is_err());
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix::harness_error::HarnessError>(())
     /// ```
     pub fn select(name: &str) -> Result<Vec<WorkloadName>> {
         if name == "all" {
@@ -108,7 +107,7 @@ impl WorkloadName {
 }
 
 impl FromStr for WorkloadName {
-    type Err = Error;
+    type Err = HarnessError;
 
     fn from_str(name: &str) -> Result<Self> {
         by_name(name, &Self::ALL, Self::as_str)
@@ -194,7 +193,7 @@ pub(crate) fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &s
     serde_json::from_str(json).map_err(|e| HarnessError::Fixture { file, problem: e.to_string() })
 }
 
-fn fixture_error(problem: impl Into<String>) -> Error {
+fn fixture_error(problem: impl Into<String>) -> HarnessError {
     HarnessError::Fixture { file: OMNI_FILE, problem: problem.into() }
 }
 
@@ -333,8 +332,8 @@ impl Media {
     }
 }
 
-fn shape_error(e: ndarray::ShapeError) -> Error {
-    Error::InvalidRequest(format!("generated media: {e}"))
+fn shape_error(source: ndarray::ShapeError) -> HarnessError {
+    HarnessError::GeneratedMedia { what: "workload media", source }
 }
 
 /// One request of a workload: unexpanded ids and the modality of each item, in order.
@@ -380,7 +379,7 @@ impl Workload {
     /// let text = Workload::new(WorkloadName::Text1k, media, 7)?;
     /// assert_eq!(text.measured.token_ids.len(), 1024);
     /// assert_eq!(text.warmup[0].token_ids[..921], text.measured.token_ids[..921]);
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix::harness_error::HarnessError>(())
     /// ```
     pub fn new(name: WorkloadName, media: Arc<Media>, seed: u64) -> Result<Self> {
         let tokens = OmniTokens::qwen3_omni();

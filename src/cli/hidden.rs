@@ -13,7 +13,7 @@ use crate::backend::Backend;
 use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::engine::{Engine, EngineConfig, Output};
 use crate::error::{CheckpointError, Error, IoError};
-use crate::harness_error::Result;
+use crate::harness_error::{HarnessError, Result};
 use crate::model::{CaptureName, Config};
 use crate::request_file::RequestFile;
 
@@ -66,7 +66,8 @@ pub fn parse_capture(spec: &str, num_layers: usize) -> Result<Vec<CaptureName>> 
             Ok(layer) => Ok(CaptureName::Hidden(layer)),
             Err(_) => part.parse::<CaptureName>(),
         })
-        .collect()
+        .collect::<crate::Result<_>>()
+        .map_err(HarnessError::from)
 }
 
 /// The name a captured point is written under: `hidden.<L>` or `hidden.final`.
@@ -113,7 +114,7 @@ fn run_on<B: Backend>(backend: Arc<B>, args: &HiddenArgs, config: EngineConfig) 
         engine.prefill(file.request(engine.tokens()))?;
     }
     let file = RequestFile::load(&args.request)?;
-    engine.prefill(file.request(engine.tokens()))
+    Ok(engine.prefill(file.request(engine.tokens()))?)
 }
 
 /// Writes every captured point as f32 `[seq_len, hidden]` and `logits` `[1, vocab]`.
@@ -132,6 +133,6 @@ fn write_output(output: &Output, path: &Path) -> Result<()> {
     let views = tensors
         .iter()
         .map(|(name, shape, bytes)| Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(st_err)?)))
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::tensor::serialize_to_file(views, &None, path).map_err(st_err)
+        .collect::<crate::Result<Vec<_>>>()?;
+    Ok(safetensors::tensor::serialize_to_file(views, &None, path).map_err(st_err)?)
 }

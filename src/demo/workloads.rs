@@ -15,8 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
 use crate::canon::ItemLayout;
-use crate::error::Error;
-use crate::harness_error::Result;
+use crate::harness_error::{HarnessError, Result};
 use crate::workloads::{
     Media, MediaScale, RequestPlan, SCENARIOS_FILE, SCENARIOS_JSON, TEXT_VOCAB, by_name, conversation_rounds, parse,
 };
@@ -54,7 +53,7 @@ impl DemoWorkload {
     /// assert_eq!(DemoWorkload::select("multi_round,rfc_text_pair")?,
     ///            vec![DemoWorkload::MultiRound, DemoWorkload::RfcTextPair]);
     /// assert!(DemoWorkload::select("mixed").is_err());
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix::harness_error::HarnessError>(())
     /// ```
     pub fn select(names: &str) -> Result<Vec<DemoWorkload>> {
         if names == "all" {
@@ -71,7 +70,7 @@ impl fmt::Display for DemoWorkload {
 }
 
 impl FromStr for DemoWorkload {
-    type Err = Error;
+    type Err = HarnessError;
 
     fn from_str(name: &str) -> Result<Self> {
         by_name(name, &Self::ALL, Self::as_str)
@@ -203,7 +202,6 @@ fn scenarios() -> Result<Scenarios> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness_error::HarnessError;
 
     #[test]
     fn rfc_pair_shares_46_tokens() -> Result<()> {
