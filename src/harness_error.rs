@@ -16,6 +16,9 @@ pub enum HarnessError {
     /// The engine (library) failed.
     #[error(transparent)]
     Engine(#[from] Error),
+    /// A command line that does not parse.
+    #[error(transparent)]
+    Args(#[from] clap::Error),
     /// A workload name `bench match` or the demo does not know.
     #[error("unknown workload {name:?}; known: {known}")]
     UnknownWorkload { name: String, known: String },

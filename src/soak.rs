@@ -348,6 +348,6 @@ mod tests {
     #[test]
     fn zero_requests_are_a_config_error() {
         let err = run_soak(&SoakOptions { requests: 0, ..SoakOptions::default() }).err();
-        assert!(matches!(err, Some(Error::Config(ConfigError::Invalid { .. }))), "{err:?}");
+        assert!(matches!(err, Some(HarnessError::Engine(Error::Config(ConfigError::Invalid { .. })))), "{err:?}");
     }
 }

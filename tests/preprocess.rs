@@ -12,7 +12,8 @@ use omniprefix::index::{BlockId, PrefixIndex, ValidationPolicy};
 use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::OmniTokens;
 use omniprefix::workloads::{Media, MediaScale, Workload, WorkloadName};
-use omniprefix::{Error, Result};
+use omniprefix::Error;
+use omniprefix::harness_error::Result;
 use omniprefix::error::RequestError;
 
 fn preprocessor(policy: ValidationPolicy) -> Result<Preprocessor> {
@@ -58,7 +59,7 @@ fn hash_chain_agrees_on_the_warm_mixed_request() -> Result<()> {
         .items
         .iter()
         .map(|&m| hash_mm_item(MODEL_ID, m, workload.media.vllm_media(m)))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<omniprefix::Result<Vec<_>>>()?;
     let mut chain = HashChainIndex::new(BLOCK_SIZE)?;
     let blocks: Vec<BlockId> = (0..(prompt.len() / BLOCK_SIZE) as BlockId).collect();
     chain.insert_with_mm_hashes(&prompt, &hashes, &blocks)?;
