@@ -65,6 +65,11 @@ pub enum Error {
 /// Crate-wide result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What a unit test returns when it can also fail for reasons outside the engine
+/// (a fixture that does not parse, a test array of the wrong shape).
+#[cfg(test)]
+pub(crate) type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
+
 /// What a caller sent: items, the prompt, its token ids and placeholders, the
 /// embeddings and DeepStack rows of its items, and what admission checks.
 #[derive(Debug, thiserror::Error)]

@@ -141,11 +141,10 @@ fn rejected(bad: impl FnOnce(&mut Scheduler) -> Result<()>) -> Result<Error> {
 /// A fresh scratch directory holding the fixture's config.json and model.safetensors.
 fn scratch(name: &str) -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("omniprefix-bad-inputs-{}-{name}", std::process::id()));
-    let io = |source, path: &Path| Error::Io { path: path.display().to_string(), source };
-    std::fs::create_dir_all(&dir).map_err(|e| io(e, &dir))?;
+    std::fs::create_dir_all(&dir).map_err(|e| IoError::write(&dir, e))?;
     for file in ["config.json", "model.safetensors"] {
         let from = Path::new(FIXTURE).join(file);
-        std::fs::copy(&from, dir.join(file)).map_err(|e| io(e, &from))?;
+        std::fs::copy(&from, dir.join(file)).map_err(|e| IoError::read(&from, e))?;
     }
     Ok(dir)
 }

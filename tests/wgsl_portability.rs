@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 
 use naga::back::PipelineConstants;
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
-use omniprefix::error::GpuError;
 
 fn shader_files() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("wgsl");
@@ -80,6 +79,7 @@ fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
 
 /// Limit and size checks that need no device.
 mod limits {
+    use omniprefix::error::GpuError;
     use omniprefix::Error;
     use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool};
 

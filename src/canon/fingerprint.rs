@@ -304,6 +304,7 @@ impl Fingerprinter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
     use crate::canon::{ItemLayout, Modality, ProcessorParams};
     use ndarray::{ArrayD, IxDyn};
     use rand::{Rng, SeedableRng};
@@ -334,11 +335,11 @@ mod tests {
     }
 
     #[test]
-    fn flat_digest_is_xxh3_of_retained_header_and_bytes() -> Result<()> {
+    fn flat_digest_is_xxh3_of_retained_header_and_bytes() -> TestResult {
         let a = ArrayD::from_shape_fn(IxDyn(&[16, 6]), |ix| ix[0] as f32 - ix[1] as f32 * 0.5);
         let item = image(TensorView::F32(a.view()), [1, 4, 4]);
         let exact = fingerprinter(1, ValidationPolicy::ExactBytes)?.identify(3, &item)?;
-        let retained = exact.retained.clone().ok_or(Error::InvalidRequest("no retained bytes".into()))?;
+        let retained = exact.retained.clone().ok_or("no retained bytes")?;
         let header = encode_header(&item, 4, 16 * 6 * 4);
         assert_eq!(&retained[..header.len()], &header[..]);
         let body: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -357,8 +358,8 @@ mod tests {
     }
 
     #[test]
-    fn fixed_key_reproduces_a_reference_vector() -> Result<()> {
-        let a = ArrayD::from_shape_vec(IxDyn(&[2, 2, 3]), (0u8..12).collect()).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    fn fixed_key_reproduces_a_reference_vector() -> TestResult {
+        let a = ArrayD::from_shape_vec(IxDyn(&[2, 2, 3]), (0u8..12).collect())?;
         let fp = fp_of(&fingerprinter(1, ValidationPolicy::Unvalidated)?, &image(TensorView::U8(a.view()), [1, 2, 2]))?;
         assert_eq!(format!("{:032x}", fp.0), REFERENCE_FP);
         Ok(())
@@ -489,10 +490,10 @@ mod tests {
     }
 
     #[test]
-    fn broadcast_view_equals_its_materialised_copy() -> Result<()> {
+    fn broadcast_view_equals_its_materialised_copy() -> TestResult {
         let fp = fingerprinter(1, ValidationPolicy::SecondDigest)?;
         let row = ArrayD::from_shape_fn(IxDyn(&[1, 7, 3]), |ix| (ix[1] * 3 + ix[2]) as u8);
-        let wide = row.broadcast(IxDyn(&[9, 7, 3])).ok_or(Error::InvalidRequest("broadcast".into()))?;
+        let wide = row.broadcast(IxDyn(&[9, 7, 3])).ok_or("broadcast")?;
         let copy = wide.to_owned();
         let a = fp.identify(0, &image(TensorView::U8(wide), [1, 2, 2]))?;
         let b = fp.identify(0, &image(TensorView::U8(copy.view()), [1, 2, 2]))?;
@@ -501,10 +502,9 @@ mod tests {
     }
 
     #[test]
-    fn thread_count_never_changes_the_identity() -> Result<()> {
+    fn thread_count_never_changes_the_identity() -> TestResult {
         let bytes = noise_u8(5 * TREE_CHUNK + 12_345, 7);
-        let frames = ArrayD::from_shape_vec(IxDyn(&[bytes.len() / 3, 3]), bytes[..bytes.len() / 3 * 3].to_vec())
-            .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+        let frames = ArrayD::from_shape_vec(IxDyn(&[bytes.len() / 3, 3]), bytes[..bytes.len() / 3 * 3].to_vec())?;
         let item = image(TensorView::U8(frames.view()), [1, 2, 2]);
         let ids = [1, 2, 3]
             .into_iter()
@@ -521,7 +521,7 @@ mod tests {
         assert_eq!(checks[0].check, checks[1].check);
         assert_eq!(checks[0].fingerprint, ids[0].fingerprint);
         // The retained copy is still header + canonical bytes on the tree path.
-        let retained = ids[0].retained.clone().ok_or(Error::InvalidRequest("no retained bytes".into()))?;
+        let retained = ids[0].retained.clone().ok_or("no retained bytes")?;
         assert_eq!(&retained[retained.len() - frames.len()..], frames.as_slice().unwrap_or_default());
         Ok(())
     }
@@ -585,7 +585,7 @@ mod tests {
     }
 
     #[test]
-    fn encoded_items_hash_format_and_bytes() -> Result<()> {
+    fn encoded_items_hash_format_and_bytes() -> TestResult {
         let fp = fingerprinter(1, ValidationPolicy::ExactBytes)?;
         let jpeg = noise_u8(10_000, 11);
         let spec = |bytes: &'static [u8], format: &'static str| ItemSpec {
@@ -597,11 +597,11 @@ mod tests {
         let leaked: &'static [u8] = Box::leak(jpeg.into_boxed_slice());
         let a = fp.identify(0, &spec(leaked, "jpeg"))?;
         assert_eq!(a.content_bytes, 10_000);
-        let retained = a.retained.clone().ok_or(Error::InvalidRequest("no retained bytes".into()))?;
+        let retained = a.retained.clone().ok_or("no retained bytes")?;
         assert_eq!(&retained[retained.len() - leaked.len()..], leaked);
         assert_ne!(a.fingerprint, fp.identify(0, &spec(leaked, "png"))?.fingerprint);
         assert_ne!(a.fingerprint, fp.identify(0, &spec(&leaked[1..], "jpeg"))?.fingerprint);
-        let decoded = ArrayD::from_shape_vec(IxDyn(&[10_000]), leaked.to_vec()).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+        let decoded = ArrayD::from_shape_vec(IxDyn(&[10_000]), leaked.to_vec())?;
         assert_ne!(a.fingerprint, fp.identify(0, &image(TensorView::U8(decoded.view()), [1, 4, 4]))?.fingerprint);
         Ok(())
     }

@@ -322,6 +322,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
     use ndarray::{ArrayD, IxDyn};
 
     /// Collects the stream, and how many pieces it came in.
@@ -334,8 +335,8 @@ mod tests {
         }
     }
 
-    fn arr<T>(shape: &[usize], data: Vec<T>) -> Result<ArrayD<T>> {
-        ArrayD::from_shape_vec(IxDyn(shape), data).map_err(|e| Error::InvalidRequest(e.to_string()))
+    fn arr<T>(shape: &[usize], data: Vec<T>) -> TestResult<ArrayD<T>> {
+        Ok(ArrayD::from_shape_vec(IxDyn(shape), data)?)
     }
 
     fn canonical(item: usize, view: &TensorView<'_>) -> Result<Vec<u8>> {
@@ -345,7 +346,7 @@ mod tests {
     }
 
     #[test]
-    fn each_dtype_is_little_endian_row_major() -> Result<()> {
+    fn each_dtype_is_little_endian_row_major() -> TestResult {
         let u8s = arr(&[2, 2], vec![1u8, 2, 3, 4])?;
         assert_eq!(canonical(0, &TensorView::U8(u8s.view()))?, vec![1, 2, 3, 4]);
         let i32s = arr(&[2], vec![1i32, -2])?;
@@ -392,7 +393,7 @@ mod tests {
     }
 
     #[test]
-    fn strided_views_equal_their_standard_copy() -> Result<()> {
+    fn strided_views_equal_their_standard_copy() -> TestResult {
         // A THWC u8 video viewed as TCHW, a reversed axis, and a step slice.
         let data: Vec<u8> = (0..2 * 37 * 41 * 3).map(|i| (i * 31 % 251) as u8).collect();
         let a = arr(&[2, 37, 41, 3], data)?;

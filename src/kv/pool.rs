@@ -299,15 +299,16 @@ fn misuse(op: &'static str, block: BlockId, state: BlockState) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
 
     #[test]
-    fn allocate_is_all_or_nothing_and_fifo() -> Result<()> {
+    fn allocate_is_all_or_nothing_and_fifo() -> TestResult {
         let mut pool = BlockPool::new(3)?;
         assert_eq!(pool.allocate(4), None);
         assert_eq!(pool.num_free(), 3);
         let a = pool
             .allocate(2)
-            .ok_or(Error::InvalidRequest("pool short".into()))?;
+            .ok_or("pool short")?;
         assert_eq!(a, vec![0, 1]);
         pool.release(1)?;
         pool.release(0)?;
@@ -315,15 +316,15 @@ mod tests {
         assert_eq!(pool.allocate(3), Some(vec![2, 1, 0]));
         assert_eq!(pool.num_free(), 0);
         assert_eq!(pool.allocate(1), None);
-        pool.validate().map_err(Error::from)
+        Ok(pool.validate()?)
     }
 
     #[test]
-    fn refcounts_count_users_and_never_go_negative() -> Result<()> {
+    fn refcounts_count_users_and_never_go_negative() -> TestResult {
         let mut pool = BlockPool::new(2)?;
         let id = pool
             .allocate(1)
-            .ok_or(Error::InvalidRequest("pool short".into()))?[0];
+            .ok_or("pool short")?[0];
         pool.retain(id)?;
         assert_eq!(pool.state(id)?, BlockState::InUse { refs: 2 });
         pool.release(id)?;
@@ -354,15 +355,15 @@ mod tests {
             }))
         ));
         assert_eq!(pool.num_free(), 2);
-        pool.validate().map_err(Error::from)
+        Ok(pool.validate()?)
     }
 
     #[test]
-    fn indexed_blocks_leave_the_free_list_until_evicted() -> Result<()> {
+    fn indexed_blocks_leave_the_free_list_until_evicted() -> TestResult {
         let mut pool = BlockPool::new(2)?;
         let ids = pool
             .allocate(2)
-            .ok_or(Error::InvalidRequest("pool short".into()))?;
+            .ok_or("pool short")?;
         pool.retain(ids[1])?;
         // Only a block with a single user can be handed over.
         assert!(matches!(
@@ -388,7 +389,7 @@ mod tests {
             (pool.num_free(), pool.num_indexed(), pool.num_in_use()),
             (1, 0, 1)
         );
-        pool.validate().map_err(Error::from)
+        Ok(pool.validate()?)
     }
 
     #[test]

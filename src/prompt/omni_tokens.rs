@@ -188,6 +188,7 @@ pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
 
     #[test]
     fn audio_lengths_match_hf_reference_values() -> Result<()> {
@@ -214,14 +215,13 @@ mod tests {
     }
 
     #[test]
-    fn constructors_match_fixture_ids() -> Result<()> {
+    fn constructors_match_fixture_ids() -> TestResult {
         let fixture = |path: &str| -> serde_json::Value {
             let text = std::fs::read_to_string(path).unwrap_or_default();
             serde_json::from_str(&text).unwrap_or_default()
         };
         let tiny: OmniTokens =
-            serde_json::from_value(fixture("fixtures/mrope_position_vectors.json")["special_ids"].clone())
-                .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+            serde_json::from_value(fixture("fixtures/mrope_position_vectors.json")["special_ids"].clone())?;
         assert_eq!(tiny, OmniTokens::tiny());
         let special = &fixture("fixtures/qwen3_omni.json")["special_tokens"];
         let q = OmniTokens::qwen3_omni();

@@ -251,7 +251,7 @@ fn layouts_that_disagree_are_rejected() {
     too_big.layout = ItemLayout::Image { grid_thw: [1 << 16, 1 << 10, 1 << 10] };
     too_big.num_tokens = 1 << 34;
     let err = builder.push_item(Arc::new(too_big)).err();
-    assert!(matches!(err, Some(Error::InvalidRequest(_))), "prompt past u32 positions: {err:?}");
+    assert!(matches!(err, Some(Error::Request(RequestError::PromptTooLong { .. }))), "prompt past u32 positions: {err:?}");
     assert!(builder.is_empty());
 }
 
