@@ -89,7 +89,7 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// Executes one step. The whole batch is validated first: an invalid batch
-    /// returns [`SchedError::InvalidBatch`](crate::error::SchedError::InvalidBatch) (or [`BackendError::OpShape`](crate::error::BackendError::OpShape) for pages of the wrong
+    /// returns [`SchedError::InvalidBatch`] (or [`BackendError::OpShape`] for pages of the wrong
     /// sizes) and leaves the pages untouched.
     pub fn execute(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
         Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, false)?.outputs)
@@ -124,7 +124,7 @@ impl PromptInputs {
     /// step a scheduler would emit after `range.start` positions are in pages
     /// (item rows clipped to the range, slots from the table, output on the last chunk).
     ///
-    /// Errors with [`SchedError::InvalidBatch`](crate::error::SchedError::InvalidBatch) when the range leaves the prompt, the table
+    /// Errors with [`SchedError::InvalidBatch`] when the range leaves the prompt, the table
     /// cannot hold it, or the positions do not cover the prompt.
     pub fn step(
         &self,

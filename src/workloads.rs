@@ -188,7 +188,7 @@ struct Round {
     token_ids_unexpanded: Vec<u32>,
 }
 
-/// Parses an embedded fixture; a malformed one is an [`HarnessError::Fixture`](crate::harness_error::HarnessError::Fixture) naming `file`.
+/// Parses an embedded fixture; a malformed one is an [`HarnessError::Fixture`] naming `file`.
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &str) -> Result<T> {
     serde_json::from_str(json).map_err(|e| HarnessError::Fixture { file, problem: e.to_string() })
 }

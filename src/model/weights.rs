@@ -22,8 +22,8 @@ pub struct HostTensor {
 pub trait WeightSource {
     /// True when the source holds a tensor named `name`.
     fn contains(&self, name: &str) -> bool;
-    /// The tensor `name` as f32; [`CheckpointError::MissingTensor`](crate::error::CheckpointError::MissingTensor) when absent,
-    /// [`CheckpointError::TensorDtype`](crate::error::CheckpointError::TensorDtype) when stored in a type other than f32/f16/bf16.
+    /// The tensor `name` as f32; [`CheckpointError::MissingTensor`] when absent,
+    /// [`CheckpointError::TensorDtype`] when stored in a type other than f32/f16/bf16.
     fn load(&self, name: &str) -> Result<HostTensor>;
 }
 

@@ -155,7 +155,7 @@ impl GpuContext {
     }
 
     /// Runs `record` inside validation and out-of-memory error scopes and maps what
-    /// they catch to [`GpuError::Op`](crate::error::GpuError::Op) naming `op`.
+    /// they catch to [`GpuError::Op`] naming `op`.
     pub(crate) fn scoped<T>(&self, op: &'static str, record: impl FnOnce() -> T) -> Result<T> {
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);

@@ -92,7 +92,7 @@ impl GpuContext {
         Ok(pipeline)
     }
 
-    /// Compiles WGSL `source`; a rejected shader is [`GpuError::ShaderCompile`](crate::error::GpuError::ShaderCompile), not a panic.
+    /// Compiles WGSL `source`; a rejected shader is [`GpuError::ShaderCompile`], not a panic.
     pub fn compile_module(&self, name: &str, source: &str) -> Result<wgpu::ShaderModule> {
         self.scoped("create_shader_module", || {
             self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -103,7 +103,7 @@ impl GpuContext {
         .map_err(|e| self.shader_error(name, "(module)", e))
     }
 
-    /// Builds a compute pipeline with an automatic layout; failures are [`GpuError::ShaderCompile`](crate::error::GpuError::ShaderCompile).
+    /// Builds a compute pipeline with an automatic layout; failures are [`GpuError::ShaderCompile`].
     pub fn build_pipeline(
         &self,
         name: &str,

@@ -68,7 +68,7 @@ impl GpuTensor {
         self.len() == 0
     }
 
-    /// An [`BackendError::OpShape`](crate::error::BackendError::OpShape) for this tensor as operand `what` of `op`.
+    /// An [`BackendError::OpShape`] for this tensor as operand `what` of `op`.
     pub(crate) fn shape_error(&self, op: &'static str, what: &'static str, expected: String) -> Error {
         Error::Backend(BackendError::OpShape { op, what, expected, found: self.shape().to_vec() })
     }
@@ -148,7 +148,7 @@ impl GpuContext {
         Ok(GpuTensor { first, rest: blocks.collect(), part_rows, rows, cols })
     }
 
-    /// The one buffer of `tensor`, or [`GpuError::TooLarge`](crate::error::GpuError::TooLarge) when it is split: `op`
+    /// The one buffer of `tensor`, or [`GpuError::TooLarge`] when it is split: `op`
     /// cannot take a tensor larger than one storage binding.
     pub(crate) fn whole<'t>(&self, tensor: &'t GpuTensor, op: &'static str) -> Result<&'t wgpu::Buffer> {
         if tensor.is_split() {
