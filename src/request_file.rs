@@ -301,7 +301,7 @@ impl TensorFiles {
 }
 
 fn request_tensor(base: &Path, r: &TensorRef, expected: String, found: String) -> Error {
-    Error::RequestFile(RequestFileError::Tensor { path: base.join(&r.file).display().to_string(), tensor: r.tensor.clone(), expected, found })
+    RequestFileError::Tensor { path: base.join(&r.file).display().to_string(), tensor: r.tensor.clone(), expected, found }.into()
 }
 
 fn shape_error(base: &Path, r: &TensorRef, e: ndarray::ShapeError) -> Error {

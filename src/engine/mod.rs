@@ -485,7 +485,7 @@ pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
     if node.get("image_token_id").is_none() {
         return Ok(None);
     }
-    serde_json::from_value(node.clone()).map(Some).map_err(|e| Error::Checkpoint(CheckpointError::ConfigParse(format!("special token ids: {e}"))))
+    serde_json::from_value(node.clone()).map(Some).map_err(|e| CheckpointError::ConfigParse(format!("special token ids: {e}")).into())
 }
 
 /// Time as fractional milliseconds (for reports).

@@ -274,26 +274,26 @@ impl BlockPool {
     fn block(&self, block: BlockId) -> Result<&Block> {
         self.blocks
             .get(block as usize)
-            .ok_or(Error::Cache(CacheError::BlockOutOfRange {
+            .ok_or(CacheError::BlockOutOfRange {
                 block,
                 num_blocks: self.blocks.len(),
-            }))
+            }.into())
     }
 
     fn block_mut(&mut self, block: BlockId) -> Result<&mut Block> {
         let num_blocks = self.blocks.len();
         self.blocks
             .get_mut(block as usize)
-            .ok_or(Error::Cache(CacheError::BlockOutOfRange { block, num_blocks }))
+            .ok_or(CacheError::BlockOutOfRange { block, num_blocks }.into())
     }
 }
 
 fn misuse(op: &'static str, block: BlockId, state: BlockState) -> Error {
-    Error::Cache(CacheError::BlockStateMisuse {
+    CacheError::BlockStateMisuse {
         op,
         block,
         state: format!("{state:?}"),
-    })
+    }.into()
 }
 
 #[cfg(test)]

@@ -111,7 +111,7 @@ const MAX_DIM: usize = 1 << 20;
 const MAX_VOCAB: usize = 1 << 24;
 
 fn unsupported(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Error {
-    Error::Checkpoint(CheckpointError::UnsupportedConfig { field, value: format!("{value:?}"), reason })
+    CheckpointError::UnsupportedConfig { field, value: format!("{value:?}"), reason }.into()
 }
 
 impl Config {

@@ -61,7 +61,7 @@ impl WeightSource for MemorySource {
     }
 
     fn load(&self, name: &str) -> Result<HostTensor> {
-        self.tensors.get(name).cloned().ok_or_else(|| Error::Checkpoint(CheckpointError::MissingTensor { name: name.into() }))
+        self.tensors.get(name).cloned().ok_or_else(|| CheckpointError::MissingTensor { name: name.into() }.into())
     }
 }
 
@@ -216,12 +216,12 @@ impl<'a> Weights<'a> {
     /// A 2-D weight `[rows, cols]` (HF Linear: `[out, in]`).
     pub fn matrix(&self, leaf: &str, rows: usize, cols: usize) -> Result<Array2<f32>> {
         let t = self.get(leaf, &[rows, cols])?;
-        Array2::from_shape_vec((rows, cols), t.data).map_err(|e| Error::Checkpoint(CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }))
+        Array2::from_shape_vec((rows, cols), t.data).map_err(|e| CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into())
     }
 
     /// A 1-D weight `[n]` as a `[1, n]` matrix.
     pub fn vector(&self, leaf: &str, n: usize) -> Result<Array2<f32>> {
         let t = self.get(leaf, &[n])?;
-        Array2::from_shape_vec((1, n), t.data).map_err(|e| Error::Checkpoint(CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }))
+        Array2::from_shape_vec((1, n), t.data).map_err(|e| CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into())
     }
 }

@@ -631,7 +631,7 @@ impl Scheduler {
     fn tracked_mut(&mut self, id: RequestId) -> Result<&mut Tracked> {
         self.requests
             .get_mut(&id)
-            .ok_or(Error::Sched(SchedError::UnknownRequest { id }))
+            .ok_or(SchedError::UnknownRequest { id }.into())
     }
 }
 

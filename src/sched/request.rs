@@ -185,7 +185,7 @@ impl Request {
 /// A per-item list of `found` entries for `expected` items; `item` is the first
 /// index that one of them lacks.
 fn count_mismatch(id: RequestId, what: &'static str, expected: usize, found: usize) -> Error {
-    Error::Request(RequestError::EmbeddingMismatch { id, item: found.min(expected), what, expected, found })
+    RequestError::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }.into()
 }
 
 /// Tokens an atom covers.

@@ -12,7 +12,7 @@ use crate::backend::wgpu::pool::{ATTENTION_POOL_CHUNKS, PagedPool};
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
 use crate::index::BlockId;
-use crate::{Error, Result};
+use crate::Result;
 use crate::error::{BackendError, GpuError};
 
 /// Per-layer K and V pools and the hidden-state pool, on the device.
@@ -97,11 +97,11 @@ impl Backend for WgpuBackend {
 
     fn download(&self, t: &GpuTensor) -> Result<Array2<f32>> {
         let data = self.ctx.download(t)?;
-        Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| Error::Gpu(GpuError::Op {
+        Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| GpuError::Op {
             adapter: self.ctx.adapter_name().to_string(),
             op: "download",
             message: e.to_string(),
-        }))
+        }.into())
     }
 
     fn shape(&self, t: &GpuTensor) -> [usize; 2] {

@@ -70,7 +70,7 @@ impl GpuTensor {
 
     /// An [`BackendError::OpShape`] for this tensor as operand `what` of `op`.
     pub(crate) fn shape_error(&self, op: &'static str, what: &'static str, expected: String) -> Error {
-        Error::Backend(BackendError::OpShape { op, what, expected, found: self.shape().to_vec() })
+        BackendError::OpShape { op, what, expected, found: self.shape().to_vec() }.into()
     }
 
     /// Checks the tensor has `rows` rows.
