@@ -22,7 +22,7 @@ pub mod ttft;
 /// Seeded workloads of the real Qwen3-Omni shapes.
 pub mod workloads;
 
-pub use error::{Error, Result};
+pub use error::{HarnessError, Result};
 
 // Engine modules under their engine names, so harness code reads `crate::engine::Engine`.
 use omniprefix::{backend, batch, canon, engine, index, model, preprocess, prompt, request_file, sched};

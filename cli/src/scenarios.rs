@@ -1,11 +1,11 @@
 //! `fixtures/scenarios.json`, compiled in and parsed by one set of types for
 //! every harness (the demo, `bench ttft`, the match workloads), so a malformed
-//! fixture is one error ([`Error::Fixture`]) wherever it is read.
+//! fixture is one error ([`HarnessError::Fixture`]) wherever it is read.
 
 use serde::Deserialize;
 
 use crate::canon::Modality;
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
 
 /// Where the scenarios come from (named in errors).
 pub const SCENARIOS_FILE: &str = "fixtures/scenarios.json";
@@ -54,14 +54,14 @@ impl Scenarios {
     /// ```
     /// let s = omniprefix_cli::scenarios::Scenarios::load()?;
     /// assert_eq!(s.multi_round.rounds.len(), 4);
-    /// # Ok::<(), omniprefix_cli::Error>(())
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
     pub fn load() -> Result<Self> {
         parse(SCENARIOS_FILE, SCENARIOS_JSON)
     }
 }
 
-/// Parses an embedded fixture; a malformed one is an [`Error::Fixture`] naming `file`.
+/// Parses an embedded fixture; a malformed one is an [`HarnessError::Fixture`] naming `file`.
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &str) -> Result<T> {
-    serde_json::from_str(json).map_err(|e| Error::Fixture { file, problem: e.to_string() })
+    serde_json::from_str(json).map_err(|e| HarnessError::Fixture { file, problem: e.to_string() })
 }

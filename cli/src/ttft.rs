@@ -15,10 +15,10 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::Backend;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use crate::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
 use crate::model::{Config, Thinker};
 use crate::prompt::{OmniTokens, TenantSalt};
-use crate::scenarios::{MultiRound, Scenarios};
+use crate::scenarios::{MultiRound, SCENARIOS_FILE, Scenarios};
 
 
 /// What to measure.
@@ -428,7 +428,7 @@ impl Media {
                 let mut bytes = vec![0u8; shape.iter().product()];
                 rng.fill(bytes.as_mut_slice());
                 let content = ArrayD::from_shape_vec(IxDyn(&shape), bytes)
-                    .map_err(|e| Error::InvalidRequest(format!("synthetic media: {e}")))?;
+                    .map_err(|source| HarnessError::GeneratedMedia { what: "ttft media", source })?;
                 let embeddings = Array2::from_shape_simple_fn((tokens, hidden), || rng.random::<f32>() * 2.0 - 1.0);
                 Ok(MediaItem { modality, layout, content, embeddings: Arc::new(embeddings), tokens })
             })
@@ -440,7 +440,10 @@ impl Media {
         self.items
             .iter()
             .find(|m| m.modality == modality)
-            .ok_or_else(|| Error::InvalidRequest(format!("scenario item {modality:?} has no media")))
+            .ok_or_else(|| HarnessError::Fixture {
+                file: SCENARIOS_FILE,
+                problem: format!("scenario item {modality:?} has no media"),
+            })
     }
 }
 

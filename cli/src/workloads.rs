@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
 use crate::index::hashchain::MmMedia;
 use crate::preprocess::RawRequest;
 use crate::prompt::OmniTokens;
@@ -86,7 +86,7 @@ impl WorkloadName {
     /// assert_eq!(WorkloadName::select("text32k")?, vec![WorkloadName::Text32k]);
     /// assert_eq!(WorkloadName::select("all")?.len(), 8);
     /// assert!(WorkloadName::select("txt").is_err());
-    /// # Ok::<(), omniprefix_cli::Error>(())
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
     pub fn select(name: &str) -> Result<Vec<WorkloadName>> {
         if name == "all" {
@@ -106,7 +106,7 @@ impl WorkloadName {
 }
 
 impl FromStr for WorkloadName {
-    type Err = Error;
+    type Err = HarnessError;
 
     fn from_str(name: &str) -> Result<Self> {
         by_name(name, &Self::ALL, Self::as_str)
@@ -116,7 +116,7 @@ impl FromStr for WorkloadName {
 /// The one of `all` whose `as_str` is `name`; the error lists every known name (and `all`,
 /// which the `select` functions take).
 pub(crate) fn by_name<T: Copy>(name: &str, all: &[T], as_str: fn(T) -> &'static str) -> Result<T> {
-    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| Error::UnknownWorkload {
+    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| HarnessError::UnknownWorkload {
         name: name.to_string(),
         known: all.iter().map(|&w| as_str(w)).collect::<Vec<_>>().join(", ") + ", all",
     })
@@ -171,8 +171,8 @@ struct FixtureMixed {
     num_prompt_tokens_total: usize,
 }
 
-fn fixture_error(problem: impl Into<String>) -> Error {
-    Error::Fixture { file: OMNI_FILE, problem: problem.into() }
+fn fixture_error(problem: impl Into<String>) -> HarnessError {
+    HarnessError::Fixture { file: OMNI_FILE, problem: problem.into() }
 }
 
 /// Layouts of the three Qwen3-Omni items and the mixed prompt's size.
@@ -310,8 +310,8 @@ impl Media {
     }
 }
 
-fn shape_error(e: ndarray::ShapeError) -> Error {
-    Error::InvalidRequest(format!("generated media: {e}"))
+fn shape_error(source: ndarray::ShapeError) -> HarnessError {
+    HarnessError::GeneratedMedia { what: "workload media", source }
 }
 
 /// One request of a workload: unexpanded ids and the modality of each item, in order.
@@ -357,7 +357,7 @@ impl Workload {
     /// let text = Workload::new(WorkloadName::Text1k, media, 7)?;
     /// assert_eq!(text.measured.token_ids.len(), 1024);
     /// assert_eq!(text.warmup[0].token_ids[..921], text.measured.token_ids[..921]);
-    /// # Ok::<(), omniprefix_cli::Error>(())
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
     pub fn new(name: WorkloadName, media: Arc<Media>, seed: u64) -> Result<Self> {
         let tokens = OmniTokens::qwen3_omni();
@@ -451,7 +451,7 @@ pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
 /// Rounds 1-3 warm up; round 4 is measured.
 fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
     let mut rounds = conversation_rounds()?;
-    let measured = rounds.pop().ok_or(Error::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
+    let measured = rounds.pop().ok_or(HarnessError::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
     Ok((rounds, measured))
 }
 
@@ -510,7 +510,7 @@ mod tests {
     fn unknown_workload_names_the_known_ones() {
         let err = "text64k".parse::<WorkloadName>();
         assert!(
-            matches!(&err, Err(Error::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
+            matches!(&err, Err(HarnessError::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
         );
     }
 }

@@ -21,7 +21,7 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::batch::{DeepStack, RequestId, ScheduledBatch};
 use crate::canon::{Fingerprinter, ItemIdentity};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointError, Error, InvariantViolation, IoError, RequestError, Result, SchedError};
 use crate::index::PrefixIndex;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
@@ -258,7 +258,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks and queues a request; on error nothing changes.
     pub fn submit(&mut self, request: PrefillRequest<'_>) -> Result<RequestId> {
-        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::MissingEmbeddings { item }) })
+        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::Request(RequestError::MissingEmbeddings { item })) })
     }
 
     /// [`Engine::submit`] with an encoder for items without embeddings.
@@ -271,7 +271,7 @@ impl<B: Backend> Engine<B> {
         if let Some(known) = &self.config.known_tenants
             && !known.contains(&request.tenant)
         {
-            return Err(Error::UnknownTenant { id: self.next_id, tenant: request.tenant });
+            return Err(RequestError::UnknownTenant { id: self.next_id, tenant: request.tenant }.into());
         }
         let prompt = self.preprocess(&request)?;
         let mut embeddings = Vec::with_capacity(prompt.items.len());
@@ -349,7 +349,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks the scheduler's pool, index and request bookkeeping; `Err` names
     /// the first broken invariant.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), InvariantViolation> {
         self.sched.validate()
     }
 
@@ -363,11 +363,11 @@ impl<B: Backend> Engine<B> {
         for span in &prompt.index_map.spans {
             let token = prompt.token_ids.get(span.start as usize).copied().unwrap_or_default();
             if token as usize >= vocab {
-                return Err(Error::TokenOutOfVocab {
+                return Err(RequestError::TokenOutOfVocab {
                     position: span.start as usize,
                     token,
                     vocab_size: u32::try_from(vocab).unwrap_or(u32::MAX),
-                });
+                }.into());
             }
         }
         Ok(prompt)
@@ -380,7 +380,7 @@ impl<B: Backend> Engine<B> {
                 return Ok(self.ready.swap_remove(i));
             }
             if !self.pending.contains_key(&id) {
-                return Err(Error::UnknownRequest { id });
+                return Err(SchedError::UnknownRequest { id }.into());
             }
             self.step()?;
         }
@@ -393,7 +393,7 @@ impl<B: Backend> Engine<B> {
         let batch = self.sched.schedule()?;
         let schedule = t0.elapsed();
         if batch.seqs.is_empty() {
-            return Err(Error::EngineStalled { pending: self.pending.len() });
+            return Err(SchedError::Stalled { pending: self.pending.len() }.into());
         }
         for seq in &batch.seqs {
             if let Some(p) = self.pending.get_mut(&seq.request) {
@@ -420,10 +420,7 @@ impl<B: Backend> Engine<B> {
         }
         for out in outputs {
             if !done.contains(&out.request) {
-                return Err(Error::IndexContract(format!(
-                    "request {} returned outputs but the scheduler did not finish it",
-                    out.request
-                )));
+                return Err(SchedError::OutputsBeforeFinish { id: out.request }.into());
             }
             self.sched.finish(out.request)?;
             self.finish_output(out);
@@ -468,7 +465,7 @@ fn check_deepstack_levels(id: RequestId, deepstack: &[Option<DeepStack>], model:
             _ if found > layers => ("number of levels (at most one per decoder layer)", layers),
             _ => continue,
         };
-        return Err(Error::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found });
+        return Err(RequestError::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found }.into());
     }
     Ok(())
 }
@@ -482,13 +479,13 @@ fn private_tenant(id: RequestId) -> TenantSalt {
 /// Special ids from a checkpoint's `config.json` (`thinker_config` of Omni
 /// checkpoints, or the root); `None` when it names none (a text-only model).
 pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::ConfigParse(e.to_string()))?;
+    let text = std::fs::read_to_string(path).map_err(|source| IoError::read(&path, source))?;
+    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     let node = root.get("thinker_config").unwrap_or(&root);
     if node.get("image_token_id").is_none() {
         return Ok(None);
     }
-    serde_json::from_value(node.clone()).map(Some).map_err(|e| Error::ConfigParse(format!("special token ids: {e}")))
+    serde_json::from_value(node.clone()).map(Some).map_err(|e| CheckpointError::ConfigParse(format!("special token ids: {e}")).into())
 }
 
 /// Time as fractional milliseconds (for reports).

@@ -12,6 +12,7 @@ pub mod validate;
 
 use crate::prompt::CanonicalPrompt;
 use crate::Result;
+use crate::error::InvariantViolation;
 
 /// Id of a KV block in the block pool (payload of one full cached block).
 pub type BlockId = u32;
@@ -90,5 +91,5 @@ pub trait PrefixIndex {
     /// Counters.
     fn stats(&self) -> IndexStats;
     /// Checks every internal invariant; `Err` names the first one broken.
-    fn validate(&self) -> std::result::Result<(), String>;
+    fn validate(&self) -> std::result::Result<(), InvariantViolation>;
 }

@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use crate::backend::{RopeKind, RopeSpec};
 use crate::{Error, Result};
+use crate::error::{CheckpointError, IoError};
 
 /// Mixture-of-Experts settings (Qwen3-MoE / Qwen3-Omni thinker).
 #[derive(Debug, Clone, PartialEq)]
@@ -114,14 +115,14 @@ const MAX_DIM: usize = 1 << 20;
 const MAX_VOCAB: usize = 1 << 24;
 
 fn unsupported(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Error {
-    Error::UnsupportedConfig { field, value: format!("{value:?}"), reason }
+    CheckpointError::UnsupportedConfig { field, value: format!("{value:?}"), reason }.into()
 }
 
 impl Config {
     /// Reads `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+            .map_err(|source| IoError::read(&path, source))?;
         Self::from_json_str(&text)
     }
 
@@ -129,12 +130,12 @@ impl Config {
     /// `thinker_config.text_config` or `text_config`.
     pub fn from_json_str(json: &str) -> Result<Self> {
         let root: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| Error::ConfigParse(e.to_string()))?;
+            serde_json::from_str(json).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
         let text = root
             .pointer("/thinker_config/text_config")
             .or_else(|| root.get("text_config"))
             .unwrap_or(&root);
-        let raw = RawConfig::deserialize(text).map_err(|e| Error::ConfigParse(e.to_string()))?;
+        let raw = RawConfig::deserialize(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
         let deepstack = root
             .pointer("/thinker_config/vision_config/deepstack_visual_indexes")
             .or_else(|| root.pointer("/vision_config/deepstack_visual_indexes"));
@@ -189,10 +190,10 @@ impl Config {
                 num_experts,
                 num_experts_per_tok: raw
                     .num_experts_per_tok
-                    .ok_or_else(|| Error::ConfigParse("missing field `num_experts_per_tok`".into()))?,
+                    .ok_or_else(|| CheckpointError::ConfigParse("missing field `num_experts_per_tok`".into()))?,
                 moe_intermediate_size: raw
                     .moe_intermediate_size
-                    .ok_or_else(|| Error::ConfigParse("missing field `moe_intermediate_size`".into()))?,
+                    .ok_or_else(|| CheckpointError::ConfigParse("missing field `moe_intermediate_size`".into()))?,
                 norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
                 decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
                 mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
@@ -522,12 +523,12 @@ mod tests {
         assert_eq!(with_vision("[8, 16, 24]").unwrap().deepstack_levels, Some(3));
         assert!(matches!(
             with_vision("7"),
-            Err(Error::UnsupportedConfig { field: "deepstack_visual_indexes", .. })
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "deepstack_visual_indexes", .. }))
         ));
         let too_many = format!("[{}]", (0..49).map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
         assert!(matches!(
             with_vision(&too_many),
-            Err(Error::UnsupportedConfig { field: "deepstack_visual_indexes", .. })
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "deepstack_visual_indexes", .. }))
         ));
     }
 
@@ -571,18 +572,18 @@ mod tests {
         for (extra, field) in cases {
             // Later duplicate keys win in serde_json objects.
             let err = Config::from_json_str(&omni_text(extra)).unwrap_err();
-            assert!(matches!(err, Error::UnsupportedConfig { field: f, .. } if f == field), "{err}");
+            assert!(matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field), "{err}");
         }
         let yarn = omni_text("").replace(r#""rope_type": "default""#, r#""rope_type": "yarn""#);
-        assert!(matches!(Config::from_json_str(&yarn), Err(Error::UnsupportedConfig { field: "rope_type", .. })));
+        assert!(matches!(Config::from_json_str(&yarn), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "rope_type", .. }))));
         let bad_sections = omni_text("").replace("[24, 20, 20]", "[24, 20, 21]");
-        assert!(matches!(Config::from_json_str(&bad_sections), Err(Error::UnsupportedConfig { field: "mrope_section", .. })));
+        assert!(matches!(Config::from_json_str(&bad_sections), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "mrope_section", .. }))));
         let llama = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 4}"#;
-        assert!(matches!(Config::from_json_str(llama), Err(Error::UnsupportedConfig { field: "model_type", .. })));
-        assert!(matches!(Config::from_json_str("{}"), Err(Error::ConfigParse(_))));
+        assert!(matches!(Config::from_json_str(llama), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "model_type", .. }))));
+        assert!(matches!(Config::from_json_str("{}"), Err(Error::Checkpoint(CheckpointError::ConfigParse(_)))));
         let mut gqa = TinyModel { layers: 1, kv_heads: 3, vocab: 10, ..TinyModel::qwen3() }.config();
         gqa.head_dim = 8;
-        assert!(matches!(gqa.validate(), Err(Error::UnsupportedConfig { field: "num_key_value_heads", .. })));
+        assert!(matches!(gqa.validate(), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "num_key_value_heads", .. }))));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::canon::{ItemIdentity, Modality};
-use crate::error::{Error, Result};
+use crate::error::{RequestError, Result};
 
 use super::mrope::{PositionKind, audio_in_video_runs, positions_from_atoms};
 use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
@@ -94,12 +94,12 @@ impl PromptBuilder {
         for (offset, &token) in ids.iter().enumerate() {
             let position = self.token_ids.len() + offset;
             if self.tokens.placeholder_modality(token).is_some() {
-                return Err(Error::StrayPlaceholder { position, token });
+                return Err(RequestError::StrayPlaceholder { position, token }.into());
             }
             if let Some(vocab_size) = self.tokens.vocab_size
                 && token >= vocab_size
             {
-                return Err(Error::TokenOutOfVocab { position, token, vocab_size });
+                return Err(RequestError::TokenOutOfVocab { position, token, vocab_size }.into());
             }
         }
         self.check_room(ids.len())?;
@@ -124,12 +124,12 @@ impl PromptBuilder {
             && let Some(Atom::Item { id, .. }) = self.atoms.last()
             && id.modality == Modality::Video
         {
-            return Err(Error::MalformedAudioInVideo {
+            return Err(RequestError::MalformedAudioInVideo {
                 item: index,
                 position: self.len(),
                 expected: "text between a video and a separate audio (or push_audio_in_video)".into(),
                 found: "an audio item directly after a video item".into(),
-            });
+            }.into());
         }
         self.check_room(count)?;
         self.items.push(item);
@@ -145,7 +145,7 @@ impl PromptBuilder {
         for (index, item, expected) in [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
         {
             if item.modality != expected {
-                return Err(Error::ItemModalityMismatch { item: index, expected, found: item.modality });
+                return Err(RequestError::ItemModalityMismatch { item: index, expected, found: item.modality }.into());
             }
         }
         let video_tokens = self.tokens.checked_token_count(&video, video_index)?;
@@ -188,7 +188,7 @@ impl PromptBuilder {
     /// The canonical prompt of everything pushed so far.
     pub fn build(&self) -> Result<CanonicalPrompt> {
         if self.token_ids.is_empty() {
-            return Err(Error::EmptyPrompt);
+            return Err(RequestError::EmptyPrompt.into());
         }
         let positions = positions_from_atoms(&self.atoms, &self.tokens, self.kind)?;
         Ok(CanonicalPrompt {
@@ -257,12 +257,12 @@ impl PromptBuilder {
                     let expected = self.tokens.pad_id(modality);
                     let found = ids.get(offset).copied();
                     if found != Some(expected) {
-                        return Err(Error::MalformedAudioInVideo {
+                        return Err(RequestError::MalformedAudioInVideo {
                             item: index,
                             position: self.len() + offset,
                             expected: format!("{modality:?} pad {expected}"),
                             found: found.map_or("end of prompt".into(), |t| format!("token {t}")),
-                        });
+                        }.into());
                     }
                     offset += 1;
                 }
@@ -271,12 +271,12 @@ impl PromptBuilder {
             return Ok(offset);
         }
         if run != item.num_tokens {
-            return Err(Error::PlaceholderCountMismatch {
+            return Err(RequestError::PlaceholderCountMismatch {
                 item: index,
                 position: self.len(),
                 expected: item.num_tokens,
                 found: run,
-            });
+            }.into());
         }
         self.push_item(item)?;
         Ok(run)
@@ -295,12 +295,12 @@ impl PromptBuilder {
         let before = cursor.checked_sub(1).and_then(|i| ids.get(i)).copied();
         let after = ids.get(cursor + 1).copied();
         if before != Some(self.tokens.vision_start_token_id) || after != Some(self.tokens.vision_end_token_id) {
-            return Err(Error::MalformedAudioInVideo {
+            return Err(RequestError::MalformedAudioInVideo {
                 item: index,
                 position: self.len(),
                 expected: "video pad between vision_start and vision_end".into(),
                 found: format!("neighbours {before:?} and {after:?}"),
-            });
+            }.into());
         }
         let (_, audio) = queues.take(Modality::Audio, self.len())?;
         self.push_text(&[self.tokens.audio_start_token_id])?;
@@ -324,7 +324,7 @@ impl PromptBuilder {
     fn check_room(&self, extra: usize) -> Result<()> {
         let total = self.token_ids.len().saturating_add(extra);
         if u32::try_from(total).is_err() {
-            return Err(Error::InvalidRequest(format!("prompt of {total} positions exceeds u32::MAX")));
+            return Err(RequestError::PromptTooLong { positions: total }.into());
         }
         Ok(())
     }
@@ -367,7 +367,7 @@ impl<'a> ItemQueues<'a> {
     /// The next unused item of `modality`, for a placeholder at `position`.
     fn take(&mut self, modality: Modality, position: usize) -> Result<(usize, Arc<ItemIdentity>)> {
         let s = slot(modality);
-        let index = *self.indices[s].get(self.used[s]).ok_or(Error::MissingItem {
+        let index = *self.indices[s].get(self.used[s]).ok_or(RequestError::MissingItem {
             position,
             modality,
             available: self.indices[s].len(),
@@ -380,7 +380,7 @@ impl<'a> ItemQueues<'a> {
         for modality in MODALITIES {
             let s = slot(modality);
             if let Some(&first) = self.indices[s].get(self.used[s]) {
-                return Err(Error::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] });
+                return Err(RequestError::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] }.into());
             }
         }
         Ok(())

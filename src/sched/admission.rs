@@ -4,7 +4,7 @@
 use fxhash::FxHashSet;
 
 use super::Request;
-use crate::error::{Error, Result};
+use crate::error::{RequestError, Result};
 use crate::prompt::TenantSalt;
 
 /// Checks a request must pass before it is queued (none by default).
@@ -20,11 +20,11 @@ pub(super) struct AdmissionLimits {
 impl AdmissionLimits {
     pub(super) fn check(&self, req: &Request) -> Result<()> {
         if let Some(max) = self.max_context.filter(|&max| req.prompt.len() > max) {
-            return Err(Error::ContextTooLong { id: req.id, len: req.prompt.len(), max });
+            return Err(RequestError::ContextTooLong { id: req.id, len: req.prompt.len(), max }.into());
         }
         let tenant = req.prompt.tenant;
         if self.known_tenants.as_ref().is_some_and(|known| !known.contains(&tenant)) {
-            return Err(Error::UnknownTenant { id: req.id, tenant });
+            return Err(RequestError::UnknownTenant { id: req.id, tenant }.into());
         }
         Ok(())
     }

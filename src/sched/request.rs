@@ -6,7 +6,7 @@ use ndarray::Array2;
 
 use crate::batch::{DeepStack, RequestId};
 use crate::canon::Modality;
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 use crate::prompt::{Atom, CanonicalPrompt, Positions};
 
 /// A preprocessed request with the embeddings of its multimodal items.
@@ -31,40 +31,40 @@ impl Request {
         let id = self.id;
         let len = self.prompt.len();
         if len == 0 {
-            return Err(Error::PromptMismatch {
+            return Err(RequestError::PromptMismatch {
                 id,
                 what: "prompt length",
                 expected: 1,
                 found: 0,
-            });
+            }.into());
         }
         let positions_len = match &self.prompt.positions {
             Positions::Linear(p) => p.len(),
             Positions::Mrope { t, h, w, .. } => {
                 if t.len() != h.len() || t.len() != w.len() {
-                    return Err(Error::PromptMismatch {
+                    return Err(RequestError::PromptMismatch {
                         id,
                         what: "M-RoPE h/w row length",
                         expected: t.len(),
                         found: if h.len() != t.len() { h.len() } else { w.len() },
-                    });
+                    }.into());
                 }
                 t.len()
             }
         };
         if positions_len != len {
-            return Err(Error::PromptMismatch {
+            return Err(RequestError::PromptMismatch {
                 id,
                 what: "positions length",
                 expected: len,
                 found: positions_len,
-            });
+            }.into());
         }
         // The index keys on the atoms while the runner computes from the ids:
         // atoms that cover other tokens would file KV under the wrong key.
         let atoms: usize = self.prompt.atoms.iter().map(atom_len).sum();
         if atoms != len {
-            return Err(Error::AtomsLengthMismatch { atoms, tokens: len });
+            return Err(RequestError::AtomsLengthMismatch { atoms, tokens: len }.into());
         }
         let items = &self.prompt.items;
         if self.item_embeddings.len() != items.len() {
@@ -75,22 +75,22 @@ impl Request {
             .or_else(|| self.item_embeddings.first().map(|e| e.ncols()));
         for (item, (identity, emb)) in items.iter().zip(&self.item_embeddings).enumerate() {
             if emb.nrows() != identity.num_tokens {
-                return Err(Error::EmbeddingMismatch {
+                return Err(RequestError::EmbeddingMismatch {
                     id,
                     item,
                     what: "embedding rows",
                     expected: identity.num_tokens,
                     found: emb.nrows(),
-                });
+                }.into());
             }
             if let Some(hidden) = hidden.filter(|&h| h != emb.ncols()) {
-                return Err(Error::EmbeddingMismatch {
+                return Err(RequestError::EmbeddingMismatch {
                     id,
                     item,
                     what: "embedding columns",
                     expected: hidden,
                     found: emb.ncols(),
-                });
+                }.into());
             }
         }
         self.validate_deepstack(hidden)?;
@@ -99,12 +99,12 @@ impl Request {
         for span in &self.prompt.index_map.spans {
             // Spans in position order and disjoint: an item row is placed once.
             if (span.start as usize) < next_free {
-                return Err(Error::PromptMismatch {
+                return Err(RequestError::PromptMismatch {
                     id,
                     what: "index map span start (spans must be ordered and disjoint)",
                     expected: next_free,
                     found: span.start as usize,
-                });
+                }.into());
             }
             next_free = span.start as usize + span.rows.len();
             let item = span.item as usize;
@@ -112,40 +112,40 @@ impl Request {
                 self.item_embeddings
                     .get(item)
                     .map(|e| e.nrows())
-                    .ok_or(Error::PromptMismatch {
+                    .ok_or(RequestError::PromptMismatch {
                         id,
                         what: "index map item index",
                         expected: items.len(),
                         found: item,
                     })?;
             if span.rows.start > span.rows.end || span.rows.end as usize > rows {
-                return Err(Error::EmbeddingMismatch {
+                return Err(RequestError::EmbeddingMismatch {
                     id,
                     item,
                     what: "index map row end",
                     expected: rows,
                     found: span.rows.end as usize,
-                });
+                }.into());
             }
             let end = span.start as usize + span.rows.len();
             if end > len {
-                return Err(Error::PromptMismatch {
+                return Err(RequestError::PromptMismatch {
                     id,
                     what: "index map span end",
                     expected: len,
                     found: end,
-                });
+                }.into());
             }
             placeholder_rows += span.rows.len() as u64;
         }
         let placeholders = self.prompt.index_map.placeholders.len();
         if placeholder_rows != placeholders {
-            return Err(Error::PromptMismatch {
+            return Err(RequestError::PromptMismatch {
                 id,
                 what: "rows covered by index map spans",
                 expected: placeholders as usize,
                 found: placeholder_rows as usize,
-            });
+            }.into());
         }
         Ok(())
     }
@@ -163,18 +163,18 @@ impl Request {
         for (item, (identity, levels)) in items.iter().zip(&self.item_deepstack).enumerate() {
             let Some(levels) = levels else { continue };
             if identity.modality == Modality::Audio {
-                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found: levels.len() });
+                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found: levels.len() }.into());
             }
             let expected = *levels_seen.get_or_insert(levels.len());
             if levels.len() != expected {
-                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found: levels.len() });
+                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found: levels.len() }.into());
             }
             for (level, rows) in levels.iter().enumerate() {
                 if rows.nrows() != identity.num_tokens {
-                    return Err(Error::DeepStackMismatch { id, item, level, what: "rows", expected: identity.num_tokens, found: rows.nrows() });
+                    return Err(RequestError::DeepStackMismatch { id, item, level, what: "rows", expected: identity.num_tokens, found: rows.nrows() }.into());
                 }
                 if let Some(hidden) = hidden.filter(|&h| h != rows.ncols()) {
-                    return Err(Error::DeepStackMismatch { id, item, level, what: "columns", expected: hidden, found: rows.ncols() });
+                    return Err(RequestError::DeepStackMismatch { id, item, level, what: "columns", expected: hidden, found: rows.ncols() }.into());
                 }
             }
         }
@@ -185,7 +185,7 @@ impl Request {
 /// A per-item list of `found` entries for `expected` items; `item` is the first
 /// index that one of them lacks.
 fn count_mismatch(id: RequestId, what: &'static str, expected: usize, found: usize) -> Error {
-    Error::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }
+    RequestError::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }.into()
 }
 
 /// Tokens an atom covers.

@@ -102,7 +102,7 @@ fn ratio(num: u64, den: u64) -> f64 {
 /// let options = MatchOptions { runs: 1, ..Default::default() };
 /// let report = measure(WorkloadName::Text1k, &media, &options)?;
 /// assert_eq!((report.prompt_tokens, report.matched_tokens_warm), (1024, 921));
-/// # Ok::<(), omniprefix_cli::Error>(())
+/// # Ok::<(), omniprefix_cli::HarnessError>(())
 /// ```
 pub fn measure(name: WorkloadName, media: &Arc<Media>, options: &MatchOptions) -> Result<MatchReport> {
     let runs = options.runs;

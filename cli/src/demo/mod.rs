@@ -18,7 +18,7 @@
 //! let radix = rfc.rows.iter().filter(|r| r.way.as_str() == "radix").nth(1).expect("two requests");
 //! assert_eq!((radix.prompt_tokens, radix.cached_tokens), (57, 46));
 //! assert!(radix.max_rel_diff_hidden <= 1e-4);
-//! # Ok::<(), omniprefix_cli::Error>(())
+//! # Ok::<(), omniprefix_cli::HarnessError>(())
 //! ```
 
 mod machine;

@@ -8,7 +8,6 @@ use serde::Serialize;
 
 use super::machine::Machine;
 use super::pipeline::{RequestRun, Way};
-use crate::error::Result;
 use crate::model::CaptureName;
 
 /// The whole `demo --json` report.
@@ -162,7 +161,7 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Prints one table per workload.
-pub fn print_tables(report: &DemoReport, out: &mut dyn Write) -> Result<()> {
+pub fn print_tables(report: &DemoReport, out: &mut dyn Write) -> std::io::Result<()> {
     let m = &report.model;
     writeln!(
         out,

@@ -14,7 +14,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::canon::ItemLayout;
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
 use crate::scenarios::Scenarios;
 use crate::workloads::{
     Media, MediaScale, RequestPlan, TEXT_VOCAB, by_name, conversation_rounds,
@@ -53,7 +53,7 @@ impl DemoWorkload {
     /// assert_eq!(DemoWorkload::select("multi_round,rfc_text_pair")?,
     ///            vec![DemoWorkload::MultiRound, DemoWorkload::RfcTextPair]);
     /// assert!(DemoWorkload::select("mixed").is_err());
-    /// # Ok::<(), omniprefix_cli::Error>(())
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
     pub fn select(names: &str) -> Result<Vec<DemoWorkload>> {
         if names == "all" {
@@ -70,7 +70,7 @@ impl fmt::Display for DemoWorkload {
 }
 
 impl FromStr for DemoWorkload {
-    type Err = Error;
+    type Err = HarnessError;
 
     fn from_str(name: &str) -> Result<Self> {
         by_name(name, &Self::ALL, Self::as_str)
@@ -206,7 +206,7 @@ mod tests {
         let media = demo_media(&DemoScale::quick(), 1)?;
         assert_eq!(media.shapes.video.num_tokens(), 2 * 4 * 8 / 4);
         let err = "rfc".parse::<DemoWorkload>();
-        assert!(matches!(err, Err(Error::UnknownWorkload { name, .. }) if name == "rfc"));
+        assert!(matches!(err, Err(HarnessError::UnknownWorkload { name, .. }) if name == "rfc"));
         Ok(())
     }
 }
