@@ -160,7 +160,7 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
             engine.prefill(request(&case.warm)).map_err(|e| TestCaseError::fail(format!("warm: {e}")))?;
         }
         let out = engine.prefill(request(&case.main)).map_err(|e| TestCaseError::fail(format!("main: {e}")))?;
-        engine.validate().map_err(TestCaseError::fail)?;
+        engine.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
         Ok(out)
     };
     let want = run(false, false)?;

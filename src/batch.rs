@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 
-use crate::error::{Error, Result};
+use crate::error::{RequestError, Result};
 use crate::kv::{BlockId, BlockTable};
 use crate::model::Config;
 use crate::prompt::Positions;
@@ -177,7 +177,7 @@ impl LevelMismatch {
 /// step over `block_table`, after `range.start` positions are in pages: the
 /// one place a chunk is cut, for the scheduler and for hand-built steps alike.
 ///
-/// Errors with [`Error::PositionRangeOutOfBounds`] when `range` leaves the prompt.
+/// Errors with [`RequestError::PositionRangeOutOfBounds`] when `range` leaves the prompt.
 ///
 /// ```
 /// use omniprefix::batch::chunk;
@@ -200,7 +200,7 @@ pub fn chunk(
     range: Range<usize>,
 ) -> Result<ScheduledSeq> {
     let len = token_ids.len();
-    let out_of_bounds = || Error::PositionRangeOutOfBounds { start: range.start, end: range.end, len };
+    let out_of_bounds = || RequestError::PositionRangeOutOfBounds { start: range.start, end: range.end, len };
     let ids = token_ids.get(range.clone()).ok_or_else(out_of_bounds)?;
     let positions = positions.slice(range.clone())?;
     Ok(ScheduledSeq {
@@ -238,6 +238,7 @@ pub fn clip_embeds(embeds: &[EmbedRows], range: Range<usize>) -> Vec<EmbedRows> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
     #[test]
     fn embeds_are_clipped_to_the_chunk() {
@@ -264,7 +265,7 @@ mod tests {
         assert_eq!(seq.positions, Positions::given(vec![[1, 1, 2], [2, 1, 2]], -3));
         assert!(matches!(
             chunk(1, &[4, 5, 6], &[], &positions, table, 1..4),
-            Err(Error::PositionRangeOutOfBounds { start: 1, end: 4, len: 3 })
+            Err(Error::Request(RequestError::PositionRangeOutOfBounds { start: 1, end: 4, len: 3 }))
         ));
     }
 }

@@ -25,6 +25,7 @@ use crate::kv::{BlockId, BlockTable};
 use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
 use crate::prompt::{Positions, out_of_vocab};
 use crate::{Error, Result};
+use crate::error::{BackendError, SchedError};
 
 /// What a sequence that completed its prompt this step returns.
 #[derive(Debug, Clone)]
@@ -96,8 +97,8 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Executes one step of a batch built by hand (or by a scheduler that was
     /// not given this model). The whole batch is checked first: an invalid
-    /// batch returns [`Error::InvalidBatch`] (or [`Error::OpShape`] /
-    /// [`Error::OpIndex`] for pages or copies that do not fit) and leaves the
+    /// batch returns [`SchedError::InvalidBatch`] (or [`BackendError::OpShape`] /
+    /// [`BackendError::OpIndex`] for pages or copies that do not fit) and leaves the
     /// pages untouched.
     pub fn execute(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
         check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages))?;
@@ -145,11 +146,11 @@ impl PromptInputs {
     /// step a scheduler would emit after `range.start` positions are in pages,
     /// cut by [`batch::chunk`] as the scheduler's are.
     ///
-    /// Errors with [`Error::InvalidBatch`] when the range leaves the prompt, the table
+    /// Errors with [`SchedError::InvalidBatch`] when the range leaves the prompt, the table
     /// cannot hold it, or the positions do not cover the prompt.
     pub fn step(&self, request: RequestId, block_table: BlockTable, range: Range<usize>) -> Result<ScheduledSeq> {
         let len = self.token_ids.len();
-        let bad = |what: String| Err(Error::InvalidBatch { request, what });
+        let bad = |what: String| Err(Error::Sched(SchedError::InvalidBatch { request, what }));
         if range.start > range.end || range.end > len {
             return bad(format!("step {range:?} outside the prompt of {len} positions"));
         }
@@ -196,7 +197,7 @@ pub fn run_uncached<B: Backend>(
     let mut pages = backend.alloc_pages(pages_spec(thinker, &capture, num_blocks, UNCACHED_BLOCK))?;
     check_batch(thinker, &capture, &batch, &backend.pages_spec(&pages))?;
     let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, all_logits)?;
-    let out = step.outputs.pop().ok_or_else(|| Error::InvalidBatch { request: 0, what: "no output".into() })?;
+    let out = step.outputs.pop().ok_or_else(|| SchedError::InvalidBatch { request: 0, what: "no output".into() })?;
     Ok(Outputs { hidden: out.hidden, last_logits: out.last_logits, logits: step.all_logits })
 }
 
@@ -208,7 +209,7 @@ struct StepResult {
 /// Checks one hand-built sequence against itself, the model and the pages:
 /// what admission guarantees for the scheduler's sequences.
 fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result<()> {
-    let bad = |what: String| Err(Error::InvalidBatch { request: seq.request, what });
+    let bad = |what: String| Err(SchedError::InvalidBatch { request: seq.request, what }.into());
     let n = seq.token_ids.len();
     let end = seq.num_computed_tokens.saturating_add(n);
     if end > seq.prompt_len {
@@ -259,16 +260,16 @@ fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result
 fn check_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch: &ScheduledBatch, spec: &PagesSpec) -> Result<()> {
     let want = pages_spec(thinker, capture, spec.num_blocks, spec.block_size);
     if *spec != want || spec.block_size == 0 {
-        return Err(Error::OpShape {
+        return Err(BackendError::OpShape {
             op: "execute",
             what: "pages",
             expected: format!("{want:?} with block_size > 0"),
             found: vec![spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, spec.captured, spec.hidden],
-        });
+        }.into());
     }
     for BlockCopy { src, dst } in &batch.copies {
         if let Some(b) = [src, dst].into_iter().find(|&&b| b as usize >= spec.num_blocks) {
-            return Err(Error::OpIndex { op: "execute", what: "copy block", index: *b as i64, bound: spec.num_blocks });
+            return Err(BackendError::OpIndex { op: "execute", what: "copy block", index: *b as i64, bound: spec.num_blocks }.into());
         }
     }
     let model = ModelShape::of(thinker.config());
@@ -307,7 +308,7 @@ fn add_deepstack<B: Backend>(backend: &B, x: &mut B::Tensor, batch: &ScheduledBa
         return Ok(());
     }
     let host = ndarray::concatenate(ndarray::Axis(0), &parts)
-        .map_err(|err| Error::InvalidBatch { request: batch.seqs.first().map_or(0, |s| s.request), what: format!("DeepStack rows: {err}") })?;
+        .map_err(|err| SchedError::InvalidBatch { request: batch.seqs.first().map_or(0, |s| s.request), what: format!("DeepStack rows: {err}") })?;
     let mut selected = backend.gather_rows(x, &rows)?;
     backend.add(&mut selected, &backend.upload(host.view())?)?;
     backend.scatter_rows(x, &rows, &selected)
@@ -655,13 +656,13 @@ mod tests {
             // A valid copy goes first: it must not run either.
             let batch = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };
             let err = r.execute(&batch, &mut pages).unwrap_err();
-            assert!(matches!(err, Error::InvalidBatch { request: 1, .. }), "{what}: {err}");
+            assert!(matches!(err, Error::Sched(SchedError::InvalidBatch { request: 1, .. })), "{what}: {err}");
             assert!(pages_equal(&pages, &before), "{what}: pages changed");
         }
         let bad_copy = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 4 }], seqs: vec![] };
-        assert!(matches!(r.execute(&bad_copy, &mut pages), Err(Error::OpIndex { what: "copy block", index: 4, .. })));
+        assert!(matches!(r.execute(&bad_copy, &mut pages), Err(Error::Backend(BackendError::OpIndex { what: "copy block", index: 4, .. }))));
         let mut wrong_pages = r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
         let err = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![good] }, &mut wrong_pages).unwrap_err();
-        assert!(matches!(err, Error::OpShape { what: "pages", .. }));
+        assert!(matches!(err, Error::Backend(BackendError::OpShape { what: "pages", .. })));
     }
 }

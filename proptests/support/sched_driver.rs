@@ -13,6 +13,7 @@ use omniprefix::Error;
 use omniprefix::batch::{RequestId, ScheduledBatch};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
+use omniprefix::error::RequestError;
 
 /// `PROPTEST_CASES` cases (default `default_cases`), no failure files (integration
 /// targets have no lib.rs beside them to persist failures next to).
@@ -140,7 +141,7 @@ impl<R: Runner> Machine<R> {
                 self.positions.insert(id, positions);
                 Ok(true)
             }
-            Err(Error::RequestTooLarge { .. }) if too_large => {
+            Err(Error::Request(RequestError::RequestTooLarge { .. })) if too_large => {
                 prop_assert_eq!((self.sched.stats(), self.sched.index_stats()), before, "rejected admit changed state");
                 Ok(false)
             }
@@ -200,7 +201,7 @@ impl<R: Runner> Machine<R> {
 
     /// The scheduler's own invariant check, as a test failure.
     pub fn validate(&self) -> Result<(), TestCaseError> {
-        self.sched.validate().map_err(TestCaseError::fail)
+        self.sched.validate().map_err(|e| TestCaseError::fail(e.to_string()))
     }
 
     /// Completes what is outstanding, then runs every live request to the end

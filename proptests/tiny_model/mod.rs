@@ -16,7 +16,7 @@ use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
 use omniprefix::runner::{ModelRunner, PromptInputs, SeqOutput, run_uncached};
 use omniprefix::sched::Request;
-use omniprefix::{Error, Result};
+use omniprefix::Result;
 
 /// Vocabulary of the tiny model; text ids come from `0..TEXT_IDS`.
 pub const VOCAB: usize = 8;
@@ -144,9 +144,4 @@ fn close(got: impl Iterator<Item = f32>, want: impl Iterator<Item = f32> + Clone
         None => Ok(()),
         Some((i, (g, w))) => Err(format!("first mismatch at flat index {i}: {g} vs uncached {w}")),
     }
-}
-
-/// Turns an invariant message into the crate error, for `?` in tests.
-pub fn invariant(message: String) -> Error {
-    Error::InvalidRequest(message)
 }

@@ -23,7 +23,7 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::batch::{DeepStack, ModelShape, RequestId, ScheduledBatch};
 use crate::canon::{Fingerprinter, ItemIdentity};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointError, Error, InvariantViolation, IoError, RequestError, Result, SchedError};
 use crate::index::PrefixIndex;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
@@ -236,7 +236,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks and queues a request; on error nothing changes.
     pub fn submit(&mut self, request: PrefillRequest<'_>) -> Result<RequestId> {
-        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::MissingEmbeddings { item }) })
+        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::Request(RequestError::MissingEmbeddings { item })) })
     }
 
     /// [`Engine::submit`] with an encoder for items without embeddings.
@@ -297,7 +297,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks the scheduler's pool, index and request bookkeeping; `Err` names
     /// the first broken invariant.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), InvariantViolation> {
         self.sched.validate()
     }
 
@@ -357,7 +357,7 @@ impl<B: Backend> Engine<B> {
                 return Ok(self.ready.swap_remove(i));
             }
             if !self.pending.contains_key(&id) {
-                return Err(Error::UnknownRequest { id });
+                return Err(SchedError::UnknownRequest { id }.into());
             }
             self.step()?;
         }
@@ -371,7 +371,7 @@ impl<B: Backend> Engine<B> {
         let batch = self.sched.schedule()?;
         let schedule = t0.elapsed();
         if batch.seqs.is_empty() {
-            return Err(Error::EngineStalled { pending: self.pending.len() });
+            return Err(SchedError::Stalled { pending: self.pending.len() }.into());
         }
         let t1 = Instant::now();
         let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages) {
@@ -393,10 +393,7 @@ impl<B: Backend> Engine<B> {
         }
         for out in outputs {
             if !done.contains(&out.request) {
-                return Err(Error::IndexContract(format!(
-                    "request {} returned outputs but the scheduler did not finish it",
-                    out.request
-                )));
+                return Err(SchedError::OutputsBeforeFinish { id: out.request }.into());
             }
             let num_cached = self.sched.num_cached_tokens(out.request).unwrap_or(0);
             self.sched.finish(out.request)?;
@@ -443,13 +440,13 @@ fn private_tenant(id: RequestId) -> TenantSalt {
 /// Special ids from a checkpoint's `config.json` (`thinker_config` of Omni
 /// checkpoints, or the root); `None` when it names none (a text-only model).
 pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::ConfigParse(e.to_string()))?;
+    let text = std::fs::read_to_string(path).map_err(|source| IoError::read(&path, source))?;
+    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     let node = root.get("thinker_config").unwrap_or(&root);
     if node.get("image_token_id").is_none() {
         return Ok(None);
     }
-    serde_json::from_value(node.clone()).map(Some).map_err(|e| Error::ConfigParse(format!("special token ids: {e}")))
+    serde_json::from_value(node.clone()).map(Some).map_err(|e| CheckpointError::ConfigParse(format!("special token ids: {e}")).into())
 }
 
 /// Time as fractional milliseconds (for reports).

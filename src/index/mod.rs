@@ -12,6 +12,7 @@ pub mod validate;
 
 use crate::prompt::CanonicalPrompt;
 use crate::Result;
+use crate::error::InvariantViolation;
 
 /// Block ids are defined next to the block tables in [`crate::kv`]; the index stores them.
 pub use crate::kv::BlockId;
@@ -90,5 +91,5 @@ pub trait PrefixIndex {
     /// Counters.
     fn stats(&self) -> IndexStats;
     /// Checks every internal invariant; `Err` names the first one broken.
-    fn validate(&self) -> std::result::Result<(), String>;
+    fn validate(&self) -> std::result::Result<(), InvariantViolation>;
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::canon::{ItemIdentity, Modality};
-use crate::error::{Error, Result};
+use crate::error::{RequestError, Result};
 
 use super::mrope::{PositionKind, audio_in_video_runs, positions_from_atoms};
 use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt, out_of_vocab};
@@ -91,7 +91,7 @@ impl PromptBuilder {
     /// Placeholder ids are rejected here: items bring their own.
     pub fn push_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
         if let Some((offset, _)) = find_placeholder(&self.tokens, ids) {
-            return Err(Error::StrayPlaceholder { position: self.token_ids.len() + offset, token: ids[offset] });
+            return Err(RequestError::StrayPlaceholder { position: self.token_ids.len() + offset, token: ids[offset] }.into());
         }
         self.append_text(ids)
     }
@@ -103,7 +103,7 @@ impl PromptBuilder {
         if let Some(vocab_size) = self.tokens.vocab_size
             && let Some((offset, token)) = out_of_vocab(ids, vocab_size as usize)
         {
-            return Err(Error::TokenOutOfVocab { position: self.token_ids.len() + offset, token, vocab_size });
+            return Err(RequestError::TokenOutOfVocab { position: self.token_ids.len() + offset, token, vocab_size }.into());
         }
         self.check_room(ids.len())?;
         if ids.is_empty() {
@@ -127,12 +127,12 @@ impl PromptBuilder {
             && let Some(Atom::Item { id, .. }) = self.atoms.last()
             && id.modality == Modality::Video
         {
-            return Err(Error::MalformedAudioInVideo {
+            return Err(RequestError::MalformedAudioInVideo {
                 item: index,
                 position: self.len(),
                 expected: "text between a video and a separate audio (or push_audio_in_video)".into(),
                 found: "an audio item directly after a video item".into(),
-            });
+            }.into());
         }
         self.check_room(count)?;
         self.items.push(item);
@@ -148,7 +148,7 @@ impl PromptBuilder {
         for (index, item, expected) in [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
         {
             if item.modality != expected {
-                return Err(Error::ItemModalityMismatch { item: index, expected, found: item.modality });
+                return Err(RequestError::ItemModalityMismatch { item: index, expected, found: item.modality }.into());
             }
         }
         let video_tokens = self.tokens.checked_token_count(&video, video_index)?;
@@ -197,7 +197,7 @@ impl PromptBuilder {
     /// (what preprocessing calls: a prompt's ids are copied once, not twice).
     pub fn into_prompt(self) -> Result<CanonicalPrompt> {
         if self.token_ids.is_empty() {
-            return Err(Error::EmptyPrompt);
+            return Err(RequestError::EmptyPrompt.into());
         }
         let positions = positions_from_atoms(&self.atoms, &self.tokens, self.kind)?;
         Ok(CanonicalPrompt {
@@ -298,12 +298,12 @@ impl PromptBuilder {
                     let expected = self.tokens.pad_id(modality);
                     let found = ids.get(offset).copied();
                     if found != Some(expected) {
-                        return Err(Error::MalformedAudioInVideo {
+                        return Err(RequestError::MalformedAudioInVideo {
                             item: index,
                             position: self.len() + offset,
                             expected: format!("{modality:?} pad {expected}"),
                             found: found.map_or("end of prompt".into(), |t| format!("token {t}")),
-                        });
+                        }.into());
                     }
                     offset += 1;
                 }
@@ -312,12 +312,12 @@ impl PromptBuilder {
             return Ok(offset);
         }
         if run != item.num_tokens {
-            return Err(Error::PlaceholderCountMismatch {
+            return Err(RequestError::PlaceholderCountMismatch {
                 item: index,
                 position: self.len(),
                 expected: item.num_tokens,
                 found: run,
-            });
+            }.into());
         }
         self.push_item(item)?;
         Ok(run)
@@ -336,12 +336,12 @@ impl PromptBuilder {
         let before = cursor.checked_sub(1).and_then(|i| ids.get(i)).copied();
         let after = ids.get(cursor + 1).copied();
         if before != Some(self.tokens.vision_start_token_id) || after != Some(self.tokens.vision_end_token_id) {
-            return Err(Error::MalformedAudioInVideo {
+            return Err(RequestError::MalformedAudioInVideo {
                 item: index,
                 position: self.len(),
                 expected: "video pad between vision_start and vision_end".into(),
                 found: format!("neighbours {before:?} and {after:?}"),
-            });
+            }.into());
         }
         let (_, audio) = queues.take(Modality::Audio, self.len())?;
         self.push_text(&[self.tokens.audio_start_token_id])?;
@@ -365,7 +365,7 @@ impl PromptBuilder {
     fn check_room(&self, extra: usize) -> Result<()> {
         let total = self.token_ids.len().saturating_add(extra);
         if u32::try_from(total).is_err() {
-            return Err(Error::InvalidRequest(format!("prompt of {total} positions exceeds u32::MAX")));
+            return Err(RequestError::PromptTooLong { positions: total }.into());
         }
         Ok(())
     }
@@ -444,7 +444,7 @@ impl<'a> ItemQueues<'a> {
     /// The next unused item of `modality`, for a placeholder at `position`.
     fn take(&mut self, modality: Modality, position: usize) -> Result<(usize, Arc<ItemIdentity>)> {
         let s = slot(modality);
-        let index = *self.indices[s].get(self.used[s]).ok_or(Error::MissingItem {
+        let index = *self.indices[s].get(self.used[s]).ok_or(RequestError::MissingItem {
             position,
             modality,
             available: self.indices[s].len(),
@@ -457,7 +457,7 @@ impl<'a> ItemQueues<'a> {
         for modality in MODALITIES {
             let s = slot(modality);
             if let Some(&first) = self.indices[s].get(self.used[s]) {
-                return Err(Error::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] });
+                return Err(RequestError::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] }.into());
             }
         }
         Ok(())

@@ -17,7 +17,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
-use crate::error::{Error, Result};
+use crate::error::{RequestError, Result};
 
 use super::{Atom, OmniTokens};
 
@@ -193,7 +193,7 @@ impl Positions {
     /// Costs one step per run, never per token.
     pub fn slice(&self, range: Range<usize>) -> Result<Positions> {
         if range.start > range.end || range.end > self.len {
-            return Err(Error::PositionRangeOutOfBounds { start: range.start, end: range.end, len: self.len });
+            return Err(RequestError::PositionRangeOutOfBounds { start: range.start, end: range.end, len: self.len }.into());
         }
         let mut runs = Vec::new();
         let mut at = 0;
@@ -311,9 +311,9 @@ impl MropeWalk {
 
     fn item(&mut self, atom: usize, id: &ItemIdentity, rows: Range<u32>, tokens: &OmniTokens) -> Result<()> {
         let num_tokens = u32::try_from(id.num_tokens)
-            .map_err(|_| Error::MalformedAtoms { atom, problem: "item has more than u32::MAX rows" })?;
+            .map_err(|_| RequestError::MalformedAtoms { atom, problem: "item has more than u32::MAX rows" })?;
         if rows.is_empty() || rows.end > num_tokens {
-            return Err(Error::MalformedAtoms { atom, problem: "item rows empty or past the item's token count" });
+            return Err(RequestError::MalformedAtoms { atom, problem: "item rows empty or past the item's token count" }.into());
         }
         let base = if rows.start == 0 {
             tokens.checked_token_count(id, atom)?;
@@ -323,7 +323,7 @@ impl MropeWalk {
                 .open
                 .iter_mut()
                 .find(|o| o.fingerprint == id.fingerprint && o.next_row == rows.start)
-                .ok_or(Error::MalformedAtoms { atom, problem: "rows continue no item open right before them" })?;
+                .ok_or(RequestError::MalformedAtoms { atom, problem: "rows continue no item open right before them" })?;
             open.next_row = rows.end;
             open.base
         };
@@ -346,7 +346,7 @@ impl MropeWalk {
             [video] if video.modality == Modality::Video && id.modality == Modality::Audio => video.base,
             _ => {
                 if self.open.iter().any(|o| o.next_row != o.num_tokens) {
-                    return Err(Error::MalformedAtoms { atom, problem: "new item starts inside an unfinished item" });
+                    return Err(RequestError::MalformedAtoms { atom, problem: "new item starts inside an unfinished item" }.into());
                 }
                 self.next
             }
@@ -357,7 +357,7 @@ impl MropeWalk {
 
     fn close_group(&mut self, atom: usize) -> Result<()> {
         if self.open.iter().any(|o| o.next_row != o.num_tokens) {
-            return Err(Error::MalformedAtoms { atom, problem: "an item's rows end before its token count" });
+            return Err(RequestError::MalformedAtoms { atom, problem: "an item's rows end before its token count" }.into());
         }
         self.open.clear();
         Ok(())
@@ -417,6 +417,7 @@ pub(crate) fn audio_in_video_runs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
     #[test]
     fn interleave_puts_video_first_on_ties() {
@@ -443,7 +444,7 @@ mod tests {
     #[test]
     fn slice_rejects_out_of_range() {
         let p = Positions::given(vec![[0, 0, 0], [1, 1, 1]], 0);
-        assert!(matches!(p.slice(1..3), Err(Error::PositionRangeOutOfBounds { start: 1, end: 3, len: 2 })));
+        assert!(matches!(p.slice(1..3), Err(Error::Request(RequestError::PositionRangeOutOfBounds { start: 1, end: 3, len: 2 }))));
         assert_eq!(p.slice(1..2).ok(), Some(Positions::given(vec![[1, 1, 1]], 0)));
     }
 

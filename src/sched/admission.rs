@@ -19,7 +19,7 @@ use fxhash::FxHashSet;
 use super::Request;
 use crate::batch::{LevelMismatch, ModelShape, RequestId};
 use crate::canon::Modality;
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result, SchedError};
 use crate::prompt::{TenantSalt, out_of_vocab};
 
 /// What a request is checked against (nothing but self-consistency by default).
@@ -47,7 +47,7 @@ impl Admission {
     pub(super) fn check(&self, req: &Request, pool: &PoolLimits) -> Result<()> {
         let id = req.id;
         if pool.id_taken {
-            return Err(Error::DuplicateRequest { id });
+            return Err(SchedError::DuplicateRequest { id }.into());
         }
         check_lengths(req)?;
         self.check_items(req)?;
@@ -56,17 +56,17 @@ impl Admission {
             && let Some((position, token)) = out_of_vocab(&req.prompt.token_ids, model.vocab_size)
         {
             let vocab_size = u32::try_from(model.vocab_size).unwrap_or(u32::MAX);
-            return Err(Error::TokenOutOfVocab { position, token, vocab_size });
+            return Err(RequestError::TokenOutOfVocab { position, token, vocab_size }.into());
         }
         let len = req.prompt.len();
         if let Some(max) = self.max_context.filter(|&max| len > max) {
-            return Err(Error::ContextTooLong { id, len, max });
+            return Err(RequestError::ContextTooLong { id, len, max }.into());
         }
         check_tenant(self.known_tenants.as_ref(), id, req.prompt.tenant)?;
         // Alone, a request can always get this many blocks (see `Scheduler::start`).
         let needed = len.div_ceil(pool.block_size);
         if needed > pool.num_blocks {
-            return Err(Error::RequestTooLarge { id, needed, num_blocks: pool.num_blocks });
+            return Err(RequestError::RequestTooLarge { id, needed, num_blocks: pool.num_blocks }.into());
         }
         Ok(())
     }
@@ -86,11 +86,11 @@ impl Admission {
         for (item, (identity, emb)) in items.iter().zip(&req.item_embeddings).enumerate() {
             if emb.nrows() != identity.num_tokens {
                 let found = emb.nrows();
-                return Err(Error::EmbeddingMismatch { id, item, what: "embedding rows", expected: identity.num_tokens, found });
+                return Err(RequestError::EmbeddingMismatch { id, item, what: "embedding rows", expected: identity.num_tokens, found }.into());
             }
             if let Some(hidden) = hidden.filter(|&h| h != emb.ncols()) {
                 let found = emb.ncols();
-                return Err(Error::EmbeddingMismatch { id, item, what: "embedding columns", expected: hidden, found });
+                return Err(RequestError::EmbeddingMismatch { id, item, what: "embedding columns", expected: hidden, found }.into());
             }
         }
         self.check_deepstack(req, hidden)
@@ -112,19 +112,19 @@ impl Admission {
             let Some(levels) = levels else { continue };
             let found = levels.len();
             if identity.modality == Modality::Audio {
-                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found });
+                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found }.into());
             }
             if let Some((what, expected)) = self.model.and_then(|m| m.deepstack_count_violation(found)) {
-                return Err(Error::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found });
+                return Err(RequestError::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found }.into());
             }
             let expected = *levels_seen.get_or_insert(found);
             if found != expected {
-                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found });
+                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found }.into());
             }
             if let Some(LevelMismatch { level, what, expected, found }) =
                 LevelMismatch::first(levels, identity.num_tokens, hidden)
             {
-                return Err(Error::DeepStackMismatch { id, item, level, what, expected, found });
+                return Err(RequestError::DeepStackMismatch { id, item, level, what, expected, found }.into());
             }
         }
         Ok(())
@@ -135,7 +135,7 @@ impl Admission {
 /// tenant rule, which the engine applies before it fingerprints anything.
 pub(crate) fn check_tenant(known: Option<&FxHashSet<TenantSalt>>, id: RequestId, tenant: TenantSalt) -> Result<()> {
     if known.is_some_and(|known| !known.contains(&tenant)) {
-        return Err(Error::UnknownTenant { id, tenant });
+        return Err(RequestError::UnknownTenant { id, tenant }.into());
     }
     Ok(())
 }
@@ -146,16 +146,16 @@ fn check_lengths(req: &Request) -> Result<()> {
     let prompt = &req.prompt;
     let len = prompt.len();
     if len == 0 {
-        return Err(Error::PromptMismatch { id, what: "prompt length", expected: 1, found: 0 });
+        return Err(RequestError::PromptMismatch { id, what: "prompt length", expected: 1, found: 0 }.into());
     }
     if prompt.positions.len() != len {
-        return Err(Error::PromptMismatch { id, what: "positions length", expected: len, found: prompt.positions.len() });
+        return Err(RequestError::PromptMismatch { id, what: "positions length", expected: len, found: prompt.positions.len() }.into());
     }
     // The index keys on the atoms while the runner computes from the ids:
     // atoms that cover other tokens would file KV under the wrong key.
     let atoms: usize = prompt.atoms.iter().map(|a| a.len()).sum();
     if atoms != len {
-        return Err(Error::AtomsLengthMismatch { atoms, tokens: len });
+        return Err(RequestError::AtomsLengthMismatch { atoms, tokens: len }.into());
     }
     Ok(())
 }
@@ -175,25 +175,25 @@ fn check_spans(req: &Request) -> Result<()> {
         let start = span.start as usize;
         if start < next_free {
             let what = "index map span start (spans must be ordered and disjoint)";
-            return Err(Error::PromptMismatch { id, what, expected: next_free, found: start });
+            return Err(RequestError::PromptMismatch { id, what, expected: next_free, found: start }.into());
         }
         next_free = start + span.rows.len();
         let item = span.item as usize;
         let rows = req.item_embeddings.get(item).map(|e| e.nrows());
-        let rows = rows.ok_or(Error::PromptMismatch { id, what: "index map item index", expected: items, found: item })?;
+        let rows = rows.ok_or(RequestError::PromptMismatch { id, what: "index map item index", expected: items, found: item })?;
         if span.rows.start > span.rows.end || span.rows.end as usize > rows {
             let found = span.rows.end as usize;
-            return Err(Error::EmbeddingMismatch { id, item, what: "index map row end", expected: rows, found });
+            return Err(RequestError::EmbeddingMismatch { id, item, what: "index map row end", expected: rows, found }.into());
         }
         if next_free > len {
-            return Err(Error::PromptMismatch { id, what: "index map span end", expected: len, found: next_free });
+            return Err(RequestError::PromptMismatch { id, what: "index map span end", expected: len, found: next_free }.into());
         }
         placeholder_rows += span.rows.len() as u64;
     }
     let placeholders = prompt.index_map.placeholders.len();
     if placeholder_rows != placeholders {
         let (expected, found) = (placeholders as usize, placeholder_rows as usize);
-        return Err(Error::PromptMismatch { id, what: "rows covered by index map spans", expected, found });
+        return Err(RequestError::PromptMismatch { id, what: "rows covered by index map spans", expected, found }.into());
     }
     Ok(())
 }
@@ -201,5 +201,5 @@ fn check_spans(req: &Request) -> Result<()> {
 /// A per-item list of `found` entries for `expected` items; `item` is the first
 /// index that one of them lacks.
 fn count_mismatch(id: RequestId, what: &'static str, expected: usize, found: usize) -> Error {
-    Error::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }
+    RequestError::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }.into()
 }

@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 use fxhash::{FxHashMap, FxHashSet};
 
 use crate::batch::{self, BlockCopy, EmbedRows, ModelShape, RequestId, ScheduledBatch};
-use crate::error::{Error, Result};
+use crate::error::{CacheError, ConfigError, Error, Result, SchedError};
 use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockId, BlockPool, BlockState, BlockTable};
 use crate::prompt::TenantSalt;
@@ -114,7 +114,7 @@ struct Tracked {
 /// sched.admit(text(2, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 99]))?;
 /// let batch = sched.schedule()?;
 /// assert_eq!(batch.seqs[0].num_computed_tokens, 8);
-/// sched.validate().map_err(omniprefix::Error::InvalidRequest)?;
+/// sched.validate().map_err(omniprefix::Error::from)?;
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 pub struct Scheduler {
@@ -136,11 +136,12 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig, index: Box<dyn PrefixIndex>) -> Result<Self> {
         let positive = |field, value: usize| {
             if value == 0 {
-                Err(Error::InvalidConfig {
+                Err(Error::Config(ConfigError::Invalid {
+                    component: "scheduler",
                     field,
                     expected: "positive".into(),
                     found: "0".into(),
-                })
+                }))
             } else {
                 Ok(())
             }
@@ -149,11 +150,12 @@ impl Scheduler {
         positive("max_tokens_per_step", config.max_tokens_per_step)?;
         positive("max_seqs_per_step", config.max_seqs_per_step)?;
         if config.block_size != index.block_size() {
-            return Err(Error::InvalidConfig {
+            return Err(ConfigError::Invalid {
+                component: "scheduler",
                 field: "block_size",
                 expected: format!("the index's block size {}", index.block_size()),
                 found: config.block_size.to_string(),
-            });
+            }.into());
         }
         Ok(Self {
             pool: BlockPool::new(config.num_blocks)?,
@@ -169,7 +171,7 @@ impl Scheduler {
     }
 
     /// Rejects prompts longer than `max_context` positions (the model's
-    /// `max_position_embeddings`) at admission with [`Error::ContextTooLong`].
+    /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`](crate::error::RequestError::ContextTooLong).
     pub fn with_max_context(mut self, max_context: usize) -> Self {
         self.admission.max_context = Some(max_context);
         self
@@ -185,7 +187,7 @@ impl Scheduler {
     }
 
     /// Makes tenant salts mandatory: only prompts salted with one of `tenants`
-    /// are admitted, others get [`Error::UnknownTenant`] (a typo'd or forged
+    /// are admitted, others get [`RequestError::UnknownTenant`](crate::error::RequestError::UnknownTenant) (a typo'd or forged
     /// salt would otherwise silently open a cache of its own).
     pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
         self.admission.known_tenants = Some(tenants.into_iter().collect());
@@ -238,7 +240,7 @@ impl Scheduler {
         {
             let id = self.running[i];
             let Some(t) = self.requests.get(&id) else {
-                return Err(Error::UnknownRequest { id });
+                return Err(SchedError::UnknownRequest { id }.into());
             };
             if t.in_flight.is_none() {
                 let chunk = (t.req.prompt.len() - t.num_computed).min(budget);
@@ -279,42 +281,42 @@ impl Scheduler {
         for seq in &batch.seqs {
             let id = seq.request;
             if !seen.insert(id) {
-                return Err(Error::BatchMismatch {
+                return Err(SchedError::BatchMismatch {
                     id,
                     what: "occurrences in the batch",
                     expected: 1,
                     found: 2,
-                });
+                }.into());
             }
             if self.aborted_in_flight.contains(&id) {
                 continue;
             }
-            let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+            let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
             let found = seq.token_ids.len();
             match t.in_flight {
                 None => {
-                    return Err(Error::BatchMismatch {
+                    return Err(SchedError::BatchMismatch {
                         id,
                         what: "new tokens",
                         expected: 0,
                         found,
-                    });
+                    }.into());
                 }
                 Some(chunk) if chunk != found => {
-                    return Err(Error::BatchMismatch {
+                    return Err(SchedError::BatchMismatch {
                         id,
                         what: "new tokens",
                         expected: chunk,
                         found,
-                    });
+                    }.into());
                 }
                 Some(_) if t.num_computed != seq.num_computed_tokens => {
-                    return Err(Error::BatchMismatch {
+                    return Err(SchedError::BatchMismatch {
                         id,
                         what: "num_computed_tokens",
                         expected: t.num_computed,
                         found: seq.num_computed_tokens,
-                    });
+                    }.into());
                 }
                 Some(_) => {}
             }
@@ -340,13 +342,13 @@ impl Scheduler {
 
     /// Releases a completed request's locks and blocks (its full blocks stay cached).
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
-        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         if t.phase != Phase::Finished {
-            return Err(Error::RequestNotFinished {
+            return Err(SchedError::RequestNotFinished {
                 id,
                 computed: t.num_computed,
                 len: t.req.prompt.len(),
-            });
+            }.into());
         }
         self.remove(id)
     }
@@ -355,7 +357,7 @@ impl Scheduler {
     /// free list, never into the index. A batch already handed out that holds
     /// it may still be completed (its share is ignored).
     pub fn abort(&mut self, id: RequestId) -> Result<()> {
-        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         if t.in_flight.is_some() {
             self.aborted_in_flight.insert(id);
         }
@@ -412,19 +414,20 @@ impl Scheduler {
     /// chunk and emits it; `false` when blocks are short (it stays queued).
     fn start(&mut self, id: RequestId, budget: usize, batch: &mut ScheduledBatch) -> Result<bool> {
         let bs = self.config.block_size;
-        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         let len = t.req.prompt.len();
         let m = self.index.match_prefix(&t.req.prompt);
         if m.tokens > len
             || m.blocks.len() != m.tokens.div_ceil(bs)
             || m.aligned_tokens != m.tokens / bs * bs
         {
-            return Err(Error::IndexContract(format!(
-                "match of {} tokens ({} aligned) with {} blocks for a {len}-token prompt",
-                m.tokens,
-                m.aligned_tokens,
-                m.blocks.len()
-            )));
+            return Err(CacheError::InconsistentMatch {
+                tokens: m.tokens,
+                aligned_tokens: m.aligned_tokens,
+                blocks: m.blocks.len(),
+                prompt_len: len,
+            }
+            .into());
         }
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
@@ -564,7 +567,7 @@ impl Scheduler {
         let t = self
             .requests
             .get_mut(&id)
-            .ok_or(Error::UnknownRequest { id })?;
+            .ok_or(SchedError::UnknownRequest { id })?;
         let n_full = t.num_computed / bs;
         if n_full <= t.num_shared {
             return Ok(());
@@ -572,18 +575,13 @@ impl Scheduler {
         let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
         for &b in &outcome.adopted {
             if !t.block_table[t.num_shared..n_full].contains(&b) {
-                return Err(Error::IndexContract(format!(
-                    "insert adopted block {b}, which request {id} did not offer"
-                )));
+                return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
             }
             self.pool.adopt_by_index(b)?;
         }
         let m = self.index.match_prefix(&t.req.prompt);
         if m.aligned_tokens < n_full * bs || m.blocks.len() < n_full {
-            return Err(Error::IndexContract(format!(
-                "request {id}: {} of {n_full} just inserted blocks match again",
-                m.aligned_tokens / bs
-            )));
+            return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
         }
         let m = pinned_part(m, n_full * bs, bs);
         self.index.lock(&m);
@@ -596,9 +594,7 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-                return Err(Error::IndexContract(format!(
-                    "match returned block {new}, which the index does not own"
-                )));
+                return Err(CacheError::MatchedUnownedBlock { block: new }.into());
             }
         }
         if let Some(old) = t.lock.replace(m) {
@@ -622,7 +618,7 @@ impl Scheduler {
         let t = self
             .requests
             .get_mut(&id)
-            .ok_or(Error::UnknownRequest { id })?;
+            .ok_or(SchedError::UnknownRequest { id })?;
         if let Some(m) = t.lock.take() {
             self.index.unlock(&m);
         }
@@ -637,7 +633,7 @@ impl Scheduler {
     fn tracked_mut(&mut self, id: RequestId) -> Result<&mut Tracked> {
         self.requests
             .get_mut(&id)
-            .ok_or(Error::UnknownRequest { id })
+            .ok_or(SchedError::UnknownRequest { id }.into())
     }
 }
 

@@ -37,7 +37,7 @@ use std::collections::BTreeSet;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::error::Error;
+use crate::error::{CacheError, Component, InvariantViolation, RequestError};
 use crate::index::{
     BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch, ValidationPolicy,
 };
@@ -149,7 +149,7 @@ impl RadixIndex {
     /// An empty index; `block_size` must be at least 1.
     pub fn new(config: RadixConfig) -> Result<Self> {
         if config.block_size == 0 {
-            return Err(Error::InvalidBlockSize { found: 0 });
+            return Err(CacheError::InvalidBlockSize { found: 0 }.into());
         }
         Ok(RadixIndex {
             config,
@@ -290,15 +290,15 @@ impl RadixIndex {
         let bs = self.config.block_size;
         let atoms: usize = prompt.atoms.iter().map(Atom::len).sum();
         if atoms != prompt.len() {
-            return Err(Error::AtomsLengthMismatch { atoms, tokens: prompt.len() });
+            return Err(RequestError::AtomsLengthMismatch { atoms, tokens: prompt.len() }.into());
         }
         if blocks.len() > atoms / bs {
-            return Err(Error::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs });
+            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs }.into());
         }
         let total = blocks.len() * bs;
         let mut given: FxHashSet<BlockId> = FxHashSet::default();
         if let Some(&block) = blocks.iter().find(|&&b| !given.insert(b)) {
-            return Err(Error::BlockAlreadyCached { block });
+            return Err(CacheError::BlockAlreadyCached { block }.into());
         }
         let walk = match self.roots.get(&prompt.tenant) {
             Some(&root) => {
@@ -315,7 +315,7 @@ impl RadixIndex {
             .collect();
         for (position, &block) in blocks.iter().enumerate() {
             if self.owned.contains(&block) && cached.get(position) != Some(&block) {
-                return Err(Error::BlockAlreadyCached { block });
+                return Err(CacheError::BlockAlreadyCached { block }.into());
             }
         }
         Ok((walk, cached))
@@ -540,7 +540,7 @@ impl PrefixIndex for RadixIndex {
         }
     }
 
-    fn validate(&self) -> std::result::Result<(), String> {
-        check::check(self)
+    fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        check::check(self).map_err(|what| Component::RadixIndex.violation(what))
     }
 }

@@ -98,7 +98,7 @@ impl MatchFixture {
     pub fn fingerprint(&self) -> Result<Vec<ItemIdentity>> {
         let raw = self.workload.raw(&self.workload.measured);
         let fingerprinter = self.preprocessor.fingerprinter();
-        raw.items.iter().enumerate().map(|(i, item)| fingerprinter.identify(i, item)).collect()
+        Ok(raw.items.iter().enumerate().map(|(i, item)| fingerprinter.identify(i, item)).collect::<omniprefix::Result<_>>()?)
     }
 
     /// omniprefix, cold: preprocess + match on an index that holds nothing.
@@ -128,13 +128,13 @@ impl MatchFixture {
             .items
             .iter()
             .map(|&m| hash_mm_item(MODEL_ID, m, media.vllm_media(m)))
-            .collect::<Result<Vec<_>>>()?;
-        self.warm_chain.match_with_mm_hashes(&self.prompt, &hashes)
+            .collect::<omniprefix::Result<Vec<_>>>()?;
+        Ok(self.warm_chain.match_with_mm_hashes(&self.prompt, &hashes)?)
     }
 
     /// The block chain + lookup alone (mm hashes already known).
     pub fn hashchain_chain(&mut self) -> Result<PrefixMatch> {
-        self.warm_chain.match_with_mm_hashes(&self.prompt, &self.mm_hashes)
+        Ok(self.warm_chain.match_with_mm_hashes(&self.prompt, &self.mm_hashes)?)
     }
 }
 

@@ -11,7 +11,8 @@ use crate::backend::Backend;
 use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::backend::wgpu::WgpuBackend;
 use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, print_tables, run_demo};
-use crate::error::{Error, Result};
+use omniprefix::error::IoError;
+use crate::error::{HarnessError, Result, output};
 
 /// Arguments of `demo`.
 ///
@@ -66,16 +67,16 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
         ..DemoOptions::quick()
     };
     let selection = select(args.backend)?;
-    writeln!(out, "backend: {}", selection.reason)?;
+    writeln!(out, "backend: {}", selection.reason).map_err(output)?;
     let report = match selection.backend {
         SelectedBackend::Cpu(cpu) => run_on(Arc::new(cpu), "cpu".into(), &model, &options, out)?,
         SelectedBackend::Wgpu(gpu) => run_wgpu(gpu, &model, &options, out)?,
     };
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report)
-            .map_err(|e| Error::InvalidRequest(format!("demo report: {e}")))?;
-        std::fs::write(path, json + "\n").map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-        writeln!(out, "report written to {}", path.display())?;
+            .map_err(|source| HarnessError::Report { what: "the demo report".into(), source })?;
+        std::fs::write(path, json + "\n").map_err(|source| IoError::write(path, source))?;
+        writeln!(out, "report written to {}", path.display()).map_err(output)?;
     }
     Ok(())
 }
@@ -92,9 +93,9 @@ fn run_on<B: Backend>(
     options: &DemoOptions,
     out: &mut dyn Write,
 ) -> Result<DemoReport> {
-    out.flush()?;
+    out.flush().map_err(output)?;
     let report = run_demo(backend, label, model, options)?;
-    print_tables(&report, out)?;
+    print_tables(&report, out).map_err(output)?;
     Ok(report)
 }
 
@@ -106,5 +107,5 @@ fn check_writable(path: &Path) -> Result<()> {
         .truncate(true)
         .open(path)
         .map(drop)
-        .map_err(|source| Error::Io { path: path.display().to_string(), source })
+        .map_err(|source| IoError::write(path, source).into())
 }

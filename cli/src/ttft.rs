@@ -11,17 +11,15 @@ use std::sync::Arc;
 use ndarray::{Array2, ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Deserialize;
 
 use crate::backend::Backend;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use crate::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
 use crate::model::{Config, Thinker};
 use crate::prompt::{OmniTokens, TenantSalt};
+use crate::scenarios::{MultiRound, SCENARIOS_FILE, Scenarios};
 
-/// The workload parameters of `fixtures/scenarios.json`, compiled in.
-const SCENARIOS: &str = include_str!("../fixtures/scenarios.json");
 
 /// What to measure.
 #[derive(Debug, Clone, PartialEq)]
@@ -129,33 +127,6 @@ pub fn bench_model() -> Config {
     }
 }
 
-#[derive(Deserialize)]
-struct Scenarios {
-    prefix_repetition: PrefixRepetition,
-    multi_round: MultiRound,
-}
-
-#[derive(Deserialize)]
-struct PrefixRepetition {
-    prefix_len: usize,
-    suffix_len: usize,
-}
-
-#[derive(Deserialize)]
-struct MultiRound {
-    rounds: Vec<Round>,
-}
-
-#[derive(Deserialize)]
-struct Round {
-    items_in_order: Vec<String>,
-    token_ids_unexpanded: Vec<u32>,
-}
-
-fn scenarios() -> Result<Scenarios> {
-    serde_json::from_str(SCENARIOS).map_err(|e| Error::ConfigParse(format!("fixtures/scenarios.json: {e}")))
-}
-
 /// Median of `values` (the mean of the middle two for an even count).
 pub fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
@@ -179,7 +150,7 @@ pub fn run_all<B: Backend>(
     options: &TtftOptions,
 ) -> Result<(Vec<TtftReport>, CaptureReport)> {
     let bench = Bench { backend, thinker, tokens, options: options.clone() };
-    let sc = scenarios()?;
+    let sc = Scenarios::load()?;
     let prefix = options.prefix.unwrap_or(sc.prefix_repetition.prefix_len);
     let suffix = options.suffix.unwrap_or(sc.prefix_repetition.suffix_len);
     let mut reports = vec![bench.prefix_repetition("prefix_repetition", prefix, suffix)?];
@@ -255,7 +226,7 @@ impl<B: Backend> Bench<B> {
             .iter()
             .map(|r| {
                 let ids = r.token_ids_unexpanded.iter().map(|&t| map_token(t, &qwen, &model_tokens, vocab)).collect();
-                let items = r.items_in_order.iter().map(|name| media.get(name)).collect::<Result<Vec<_>>>()?;
+                let items = r.items_in_order.iter().map(|&m| media.get(m)).collect::<Result<Vec<_>>>()?;
                 Ok((ids, items))
             })
             .collect::<Result<_>>()?;
@@ -424,23 +395,22 @@ impl MediaItem {
 
 /// The image, audio and video of `fixtures/qwen3_omni.json`, scaled down by `scale`.
 struct Media {
-    items: Vec<(&'static str, MediaItem)>,
+    items: Vec<MediaItem>,
 }
 
 /// Layout and raw content shape of the image, audio and video of
 /// `fixtures/qwen3_omni.json`, grid sides divided by `scale` (kept even and at
 /// least 2, for the 2x2 merge) and mel frames by `scale²`.
-fn scaled_layouts(scale: u32) -> [(&'static str, Modality, ItemLayout, Vec<usize>); 3] {
+fn scaled_layouts(scale: u32) -> [(Modality, ItemLayout, Vec<usize>); 3] {
     let scale = scale.max(1);
     let side = |s: u32| ((s / scale) / 2 * 2).max(2);
     let (ih, iw, vh, vw) = (side(44), side(80), side(40), side(72));
     let mel = (3000 / (scale * scale)).max(1);
     let px = |s: u32| s as usize * 16;
     [
-        ("image", Modality::Image, ItemLayout::Image { grid_thw: [1, ih, iw] }, vec![px(ih), px(iw), 3]),
-        ("audio", Modality::Audio, ItemLayout::Audio { mel_frames: mel }, vec![mel as usize * 160]),
+        (Modality::Image, ItemLayout::Image { grid_thw: [1, ih, iw] }, vec![px(ih), px(iw), 3]),
+        (Modality::Audio, ItemLayout::Audio { mel_frames: mel }, vec![mel as usize * 160]),
         (
-            "video",
             Modality::Video,
             ItemLayout::Video { grid_thw: [10, vh, vw], seconds_per_grid: 1.0 },
             vec![20, px(vh), px(vw), 3],
@@ -453,25 +423,27 @@ impl Media {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5EED);
         let items = scaled_layouts(scale)
             .into_iter()
-            .map(|(name, modality, layout, shape)| {
+            .map(|(modality, layout, shape)| {
                 let tokens = layout.try_num_tokens(0)?;
                 let mut bytes = vec![0u8; shape.iter().product()];
                 rng.fill(bytes.as_mut_slice());
                 let content = ArrayD::from_shape_vec(IxDyn(&shape), bytes)
-                    .map_err(|e| Error::InvalidRequest(format!("synthetic media: {e}")))?;
+                    .map_err(|source| HarnessError::GeneratedMedia { what: "ttft media", source })?;
                 let embeddings = Array2::from_shape_simple_fn((tokens, hidden), || rng.random::<f32>() * 2.0 - 1.0);
-                Ok((name, MediaItem { modality, layout, content, embeddings: Arc::new(embeddings), tokens }))
+                Ok(MediaItem { modality, layout, content, embeddings: Arc::new(embeddings), tokens })
             })
             .collect::<Result<_>>()?;
         Ok(Media { items })
     }
 
-    fn get(&self, name: &str) -> Result<&MediaItem> {
+    fn get(&self, modality: Modality) -> Result<&MediaItem> {
         self.items
             .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, m)| m)
-            .ok_or_else(|| Error::InvalidRequest(format!("scenario item `{name}` is not image, audio or video")))
+            .find(|m| m.modality == modality)
+            .ok_or_else(|| HarnessError::Fixture {
+                file: SCENARIOS_FILE,
+                problem: format!("scenario item {modality:?} has no media"),
+            })
     }
 }
 
@@ -494,10 +466,9 @@ mod tests {
     #[test]
     fn scaled_media_have_the_layouts_token_counts() -> Result<()> {
         let media = Media::new(4, 8, 1)?;
-        assert_eq!(media.get("image")?.tokens, 50); // grid [1, 10, 20]
-        assert_eq!(media.get("video")?.tokens, 450); // grid [10, 10, 18]
-        assert_eq!(media.get("audio")?.embeddings.dim(), (media.get("audio")?.tokens, 8));
-        assert!(media.get("smell").is_err());
+        assert_eq!(media.get(Modality::Image)?.tokens, 50); // grid [1, 10, 20]
+        assert_eq!(media.get(Modality::Video)?.tokens, 450); // grid [10, 10, 18]
+        assert_eq!(media.get(Modality::Audio)?.embeddings.dim(), (media.get(Modality::Audio)?.tokens, 8));
         Ok(())
     }
 
@@ -511,7 +482,7 @@ mod tests {
         // Rows 0..3 see 1 + 2 + 3 keys; rows 2..3 of a 3-row prompt see 3.
         assert_eq!(prefill_flops(&cfg, 0, 3), 3.0 * linear_per_row + 4.0 * 4.0 * 6.0 + logits);
         assert_eq!(prefill_flops(&cfg, 2, 3), linear_per_row + 4.0 * 4.0 * 3.0 + logits);
-        let full: Vec<usize> = scaled_layouts(1).iter().map(|(_, _, l, _)| l.num_tokens()).collect();
+        let full: Vec<usize> = scaled_layouts(1).iter().map(|(_, l, _)| l.num_tokens()).collect();
         assert_eq!(full, vec![880, 390, 7200]);
         Ok(())
     }

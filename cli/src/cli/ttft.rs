@@ -9,14 +9,15 @@ use clap::Args;
 use crate::backend::Backend;
 use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::engine::tokens_from_config_file;
-use crate::error::{Error, Result};
+use omniprefix::error::Error;
+use crate::error::{HarnessError, Result, output};
 use crate::model::Thinker;
 use crate::ttft::{CaptureReport, TtftOptions, TtftReport, bench_model, run_all};
 
 /// Arguments of `omniprefix bench ttft`.
 #[derive(Debug, Clone, Args)]
 pub struct TtftArgs {
-    /// Checkpoint folder; default: the embedded random Qwen3-shaped model (see the README, "TTFT benchmark").
+    /// Checkpoint folder; default: the embedded random Qwen3-shaped model (see `docs/benchmarks.md`, "TTFT benchmark").
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Shared-prefix length (default: fixtures/scenarios.json, 256).
@@ -57,7 +58,8 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
     if let Some(n) = args.threads {
         pool = pool.num_threads(n);
     }
-    let pool = pool.build().map_err(|e| Error::InvalidRequest(format!("cannot start the thread pool: {e}")))?;
+    let threads = args.threads.unwrap_or_else(rayon::current_num_threads);
+    let pool = pool.build().map_err(|source| Error::ThreadPool { purpose: "bench ttft", threads, source })?;
     let options = TtftOptions {
         prefix: args.prefix,
         suffix: args.suffix,
@@ -72,15 +74,14 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
         SelectedBackend::Wgpu(gpu) => measure(Arc::new(gpu), args, &options),
     })?;
-    let io = |source| Error::Io { path: "stdout".into(), source };
     if !args.json {
-        writeln!(out, "backend: {}", selection.reason).map_err(io)?;
+        writeln!(out, "backend: {}", selection.reason).map_err(output)?;
     }
     if args.json {
         for r in &reports {
-            writeln!(out, "{}", to_json(r)?).map_err(io)?;
+            writeln!(out, "{}", to_json(r)?).map_err(output)?;
         }
-        writeln!(out, "{}", to_json(&capture)?).map_err(io)?;
+        writeln!(out, "{}", to_json(&capture)?).map_err(output)?;
         return Ok(());
     }
     writeln!(
@@ -88,7 +89,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6}",
         "workload", "prefix", "suffix", "uncached", "cached", "hit", "ideal", "flops", "ratio", "r/ide"
     )
-        .map_err(io)?;
+        .map_err(output)?;
     for r in &reports {
         writeln!(
             out,
@@ -104,7 +105,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
             r.ratio,
             r.ratio_over_ideal
         )
-        .map_err(io)?;
+        .map_err(output)?;
     }
     writeln!(
         out,
@@ -115,7 +116,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         capture.ttft_no_capture_ms,
         capture.capture_overhead * 100.0
     )
-    .map_err(io)
+    .map_err(output)
 }
 
 /// Loads the model on `backend` and runs every workload.
@@ -129,5 +130,5 @@ fn measure<B: Backend>(backend: Arc<B>, args: &TtftArgs, options: &TtftOptions) 
 
 /// One report as one JSON line.
 fn to_json<T: serde::Serialize>(report: &T) -> Result<String> {
-    serde_json::to_string(report).map_err(|e| Error::InvalidRequest(format!("report to JSON: {e}")))
+    serde_json::to_string(report).map_err(|source| HarnessError::Report { what: "a ttft report".into(), source })
 }

@@ -15,15 +15,14 @@ use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
 use crate::index::hashchain::MmMedia;
 use crate::preprocess::RawRequest;
 use crate::prompt::OmniTokens;
+use crate::scenarios::{SCENARIOS_FILE, Scenarios, parse};
 
 const OMNI_FILE: &str = "fixtures/qwen3_omni.json";
-pub(crate) const SCENARIOS_FILE: &str = "fixtures/scenarios.json";
-const OMNI_JSON: &str = include_str!("../fixtures/qwen3_omni.json");
-pub(crate) const SCENARIOS_JSON: &str = include_str!("../fixtures/scenarios.json");
+const OMNI_JSON: &str = include_str!("../../fixtures/qwen3_omni.json");
 
 /// Seconds of video per temporal grid step of the video item.
 pub const VIDEO_SECONDS_PER_GRID: f32 = 2.0;
@@ -83,11 +82,11 @@ impl WorkloadName {
     /// `all` or one workload name.
     ///
     /// ```
-    /// use omniprefix::workloads::WorkloadName;
+    /// use omniprefix_cli::workloads::WorkloadName;
     /// assert_eq!(WorkloadName::select("text32k")?, vec![WorkloadName::Text32k]);
     /// assert_eq!(WorkloadName::select("all")?.len(), 8);
     /// assert!(WorkloadName::select("txt").is_err());
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
     pub fn select(name: &str) -> Result<Vec<WorkloadName>> {
         if name == "all" {
@@ -107,7 +106,7 @@ impl WorkloadName {
 }
 
 impl FromStr for WorkloadName {
-    type Err = Error;
+    type Err = HarnessError;
 
     fn from_str(name: &str) -> Result<Self> {
         by_name(name, &Self::ALL, Self::as_str)
@@ -117,7 +116,7 @@ impl FromStr for WorkloadName {
 /// The one of `all` whose `as_str` is `name`; the error lists every known name (and `all`,
 /// which the `select` functions take).
 pub(crate) fn by_name<T: Copy>(name: &str, all: &[T], as_str: fn(T) -> &'static str) -> Result<T> {
-    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| Error::UnknownWorkload {
+    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| HarnessError::UnknownWorkload {
         name: name.to_string(),
         known: all.iter().map(|&w| as_str(w)).collect::<Vec<_>>().join(", ") + ", all",
     })
@@ -172,29 +171,8 @@ struct FixtureMixed {
     num_prompt_tokens_total: usize,
 }
 
-#[derive(Debug, Clone, Deserialize)]
-struct Scenarios {
-    multi_round: MultiRound,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct MultiRound {
-    rounds: Vec<Round>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Round {
-    items_in_order: Vec<Modality>,
-    token_ids_unexpanded: Vec<u32>,
-}
-
-/// Parses an embedded fixture; a malformed one is an [`Error::Fixture`] naming `file`.
-pub(crate) fn parse<T: serde::de::DeserializeOwned>(file: &'static str, json: &str) -> Result<T> {
-    serde_json::from_str(json).map_err(|e| Error::Fixture { file, problem: e.to_string() })
-}
-
-fn fixture_error(problem: impl Into<String>) -> Error {
-    Error::Fixture { file: OMNI_FILE, problem: problem.into() }
+fn fixture_error(problem: impl Into<String>) -> HarnessError {
+    HarnessError::Fixture { file: OMNI_FILE, problem: problem.into() }
 }
 
 /// Layouts of the three Qwen3-Omni items and the mixed prompt's size.
@@ -332,8 +310,8 @@ impl Media {
     }
 }
 
-fn shape_error(e: ndarray::ShapeError) -> Error {
-    Error::InvalidRequest(format!("generated media: {e}"))
+fn shape_error(source: ndarray::ShapeError) -> HarnessError {
+    HarnessError::GeneratedMedia { what: "workload media", source }
 }
 
 /// One request of a workload: unexpanded ids and the modality of each item, in order.
@@ -374,12 +352,12 @@ impl Workload {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use omniprefix::workloads::{Media, MediaScale, Workload, WorkloadName};
+    /// use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
     /// let media = Arc::new(Media::generate(MediaScale::Tiny, 7)?);
     /// let text = Workload::new(WorkloadName::Text1k, media, 7)?;
     /// assert_eq!(text.measured.token_ids.len(), 1024);
     /// assert_eq!(text.warmup[0].token_ids[..921], text.measured.token_ids[..921]);
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
     pub fn new(name: WorkloadName, media: Arc<Media>, seed: u64) -> Result<Self> {
         let tokens = OmniTokens::qwen3_omni();
@@ -462,8 +440,7 @@ fn text_pair(len: usize, seed: u64) -> (Vec<RequestPlan>, RequestPlan) {
 /// The rounds of the 4-round conversation in `fixtures/scenarios.json`, each
 /// re-sending the history and all earlier media.
 pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
-    let scenarios: Scenarios = parse(SCENARIOS_FILE, SCENARIOS_JSON)?;
-    Ok(scenarios
+    Ok(Scenarios::load()?
         .multi_round
         .rounds
         .into_iter()
@@ -474,7 +451,7 @@ pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
 /// Rounds 1-3 warm up; round 4 is measured.
 fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
     let mut rounds = conversation_rounds()?;
-    let measured = rounds.pop().ok_or(Error::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
+    let measured = rounds.pop().ok_or(HarnessError::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
     Ok((rounds, measured))
 }
 
@@ -533,7 +510,7 @@ mod tests {
     fn unknown_workload_names_the_known_ones() {
         let err = "text64k".parse::<WorkloadName>();
         assert!(
-            matches!(&err, Err(Error::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
+            matches!(&err, Err(HarnessError::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
         );
     }
 }

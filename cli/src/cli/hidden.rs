@@ -12,7 +12,8 @@ use safetensors::tensor::TensorView;
 use crate::backend::Backend;
 use crate::backend::auto::{BackendKind, SelectedBackend, select};
 use crate::engine::{Engine, EngineConfig, Output};
-use crate::error::{Error, Result};
+use omniprefix::error::{CheckpointError, Error, IoError};
+use crate::error::{HarnessError, Result};
 use crate::model::{CaptureName, Config};
 use crate::request_file::RequestFile;
 
@@ -22,7 +23,7 @@ pub struct HiddenArgs {
     /// Checkpoint folder (`config.json` + safetensors).
     #[arg(long)]
     pub model: PathBuf,
-    /// The request file (JSON, see the README, "Request format").
+    /// The request file (JSON, see `docs/request-format.md`).
     #[arg(long)]
     pub request: PathBuf,
     /// Output safetensors file.
@@ -65,7 +66,8 @@ pub fn parse_capture(spec: &str, num_layers: usize) -> Result<Vec<CaptureName>> 
             Ok(layer) => Ok(CaptureName::Hidden(layer)),
             Err(_) => part.parse::<CaptureName>(),
         })
-        .collect()
+        .collect::<omniprefix::Result<_>>()
+        .map_err(HarnessError::from)
 }
 
 /// The name a captured point is written under: `hidden.<L>` or `hidden.final`.
@@ -89,7 +91,7 @@ pub fn run(args: &HiddenArgs, out: &mut dyn Write) -> Result<()> {
         ..Default::default()
     };
     let selection = select(args.backend)?;
-    let stdout_err = |source| Error::Io { path: "stdout".into(), source };
+    let stdout_err = |source| Error::Io(IoError::write("stdout", source));
     writeln!(out, "backend: {}", selection.reason).map_err(stdout_err)?;
     let output = match selection.backend {
         SelectedBackend::Cpu(cpu) => run_on(Arc::new(cpu), args, config)?,
@@ -112,7 +114,7 @@ fn run_on<B: Backend>(backend: Arc<B>, args: &HiddenArgs, config: EngineConfig) 
         engine.prefill(file.request(engine.tokens()))?;
     }
     let file = RequestFile::load(&args.request)?;
-    engine.prefill(file.request(engine.tokens()))
+    Ok(engine.prefill(file.request(engine.tokens()))?)
 }
 
 /// Writes every captured point as f32 `[seq_len, hidden]` and `logits` `[1, vocab]`.
@@ -127,10 +129,10 @@ fn write_output(output: &Output, path: &Path) -> Result<()> {
         .collect();
     let logits = output.last_logits.iter().flat_map(|v| v.to_le_bytes()).collect();
     tensors.push(("logits".into(), vec![1, output.last_logits.len()], logits));
-    let st_err = |e: safetensors::SafeTensorError| Error::Safetensors { path: path.display().to_string(), message: e.to_string() };
+    let st_err = |e: safetensors::SafeTensorError| Error::Checkpoint(CheckpointError::Safetensors { path: path.display().to_string(), message: e.to_string() });
     let views = tensors
         .iter()
         .map(|(name, shape, bytes)| Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(st_err)?)))
-        .collect::<Result<Vec<_>>>()?;
-    safetensors::tensor::serialize_to_file(views, &None, path).map_err(st_err)
+        .collect::<omniprefix::Result<Vec<_>>>()?;
+    Ok(safetensors::tensor::serialize_to_file(views, &None, path).map_err(st_err)?)
 }

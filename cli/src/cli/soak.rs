@@ -5,7 +5,7 @@ use std::io::Write;
 
 use clap::Args;
 
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result, output};
 use crate::soak::{SoakOptions, SoakReport, run_soak};
 
 /// Arguments of `omniprefix bench soak`.
@@ -44,17 +44,13 @@ pub fn run(args: &SoakArgs, out: &mut dyn Write) -> Result<()> {
     let report = run_soak(&options)?;
     let written = if args.json {
         serde_json::to_string(&report)
-            .map_err(|e| Error::InvalidRequest(format!("cannot serialise the report: {e}")))
-            .and_then(|json| writeln!(out, "{json}").map_err(io))
+            .map_err(|source| HarnessError::Report { what: "the soak report".into(), source })
+            .and_then(|json| writeln!(out, "{json}").map_err(output))
     } else {
-        summary(&report, out).map_err(io)
+        summary(&report, out).map_err(output)
     };
     written?;
     report.check()
-}
-
-fn io(source: std::io::Error) -> Error {
-    Error::Io { path: "<stdout>".into(), source }
 }
 
 fn summary(r: &SoakReport, out: &mut dyn Write) -> std::io::Result<()> {

@@ -95,14 +95,14 @@ fn ratio(num: u64, den: u64) -> f64 {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use omniprefix::bench::{MatchOptions, measure};
-/// use omniprefix::workloads::{Media, MediaScale, WorkloadName};
+/// use omniprefix_cli::bench::{MatchOptions, measure};
+/// use omniprefix_cli::workloads::{Media, MediaScale, WorkloadName};
 ///
 /// let media = Arc::new(Media::generate(MediaScale::Tiny, 0)?);
 /// let options = MatchOptions { runs: 1, ..Default::default() };
 /// let report = measure(WorkloadName::Text1k, &media, &options)?;
 /// assert_eq!((report.prompt_tokens, report.matched_tokens_warm), (1024, 921));
-/// # Ok::<(), omniprefix::Error>(())
+/// # Ok::<(), omniprefix_cli::HarnessError>(())
 /// ```
 pub fn measure(name: WorkloadName, media: &Arc<Media>, options: &MatchOptions) -> Result<MatchReport> {
     let runs = options.runs;

@@ -5,11 +5,11 @@
 //! unbounded index growth and memory growth under sustained eviction.
 //!
 //! ```
-//! use omniprefix::soak::{SoakOptions, run_soak};
+//! use omniprefix_cli::soak::{SoakOptions, run_soak};
 //! let report = run_soak(&SoakOptions { requests: 200, pool_blocks: 64, ..SoakOptions::default() })?;
 //! assert_eq!(report.leaked_blocks, 0);
 //! assert!(report.evicted_blocks > 0, "the pool is smaller than the working set");
-//! # Ok::<(), omniprefix::Error>(())
+//! # Ok::<(), omniprefix_cli::HarnessError>(())
 //! ```
 
 use std::sync::Arc;
@@ -22,7 +22,8 @@ use crate::batch::RequestId;
 use crate::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
-use crate::error::{Error, Result};
+use omniprefix::error::{ConfigError, Error, SchedError};
+use crate::error::{HarnessError, Result};
 use crate::index::ValidationPolicy;
 use crate::index::radix::{RadixConfig, RadixIndex};
 use crate::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder};
@@ -105,7 +106,7 @@ impl SoakReport {
     /// `Err` when the run leaked blocks.
     pub fn check(&self) -> Result<()> {
         if self.leaked_blocks > 0 {
-            return Err(Error::BlocksLeaked { leaked: self.leaked_blocks, num_blocks: self.options.pool_blocks });
+            return Err(HarnessError::BlocksLeaked { leaked: self.leaked_blocks, num_blocks: self.options.pool_blocks });
         }
         Ok(())
     }
@@ -170,7 +171,7 @@ impl Catalogue {
                     params: Default::default(),
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<omniprefix::Result<Vec<_>>>()?;
         let audios = (0..AUDIO_CONTENTS)
             .map(|i| {
                 let wave = Array1::from_shape_fn(1600, |_| rng.random::<f32>() - 0.5);
@@ -181,7 +182,7 @@ impl Catalogue {
                     params: Default::default(),
                 })
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<omniprefix::Result<Vec<_>>>()?;
         let embeddings = images
             .iter()
             .chain(&audios)
@@ -226,7 +227,7 @@ impl Catalogue {
         let item_embeddings = prompt
             .items
             .iter()
-            .map(|i| self.embeddings.get(&i.num_tokens).cloned().ok_or(Error::InvalidRequest("no embedding".into())))
+            .map(|i| self.embeddings.get(&i.num_tokens).cloned().ok_or_else(|| HarnessError::NoEmbeddings { item: format!("an item of {} tokens", i.num_tokens) }))
             .collect::<Result<_>>()?;
         Ok((Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: None }, prefix_len))
     }
@@ -247,11 +248,12 @@ fn proc_status_kib(field: &str) -> u64 {
 /// Runs the soak and reports; leaks are reported, not raised (see [`SoakReport::check`]).
 pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
     if options.requests == 0 || options.prefixes == 0 || options.concurrency == 0 {
-        return Err(Error::InvalidConfig {
+        return Err(ConfigError::Invalid {
+            component: "soak",
             field: "soak requests / prefixes / concurrency",
             expected: "positive".into(),
             found: format!("{} / {} / {}", options.requests, options.prefixes, options.concurrency),
-        });
+        }.into());
     }
     let started = std::time::Instant::now();
     let catalogue = Catalogue::new(options.seed)?;
@@ -286,14 +288,14 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         }
         let batch = sched.schedule()?;
         if batch.seqs.is_empty() {
-            return Err(Error::IndexContract(format!("{live} live requests but nothing can be scheduled")));
+            return Err(SchedError::Stalled { pending: live }.into());
         }
         for id in sched.complete(&batch)? {
             sched.finish(id)?;
             live -= 1;
             finished += 1;
             if finished % sample_every == 0 || finished == options.requests {
-                sched.validate().map_err(Error::IndexContract)?;
+                sched.validate().map_err(Error::from)?;
                 let s = sched.index_stats();
                 samples.push(SoakSample {
                     requests: finished,
@@ -305,7 +307,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
             }
         }
     }
-    sched.validate().map_err(Error::IndexContract)?;
+    sched.validate().map_err(Error::from)?;
     let stats = sched.stats();
     let leaked_blocks = options.pool_blocks - stats.blocks_free - stats.blocks_cached;
     let requests = options.requests;
@@ -346,6 +348,6 @@ mod tests {
     #[test]
     fn zero_requests_are_a_config_error() {
         let err = run_soak(&SoakOptions { requests: 0, ..SoakOptions::default() }).err();
-        assert!(matches!(err, Some(Error::InvalidConfig { .. })), "{err:?}");
+        assert!(matches!(err, Some(HarnessError::Engine(Error::Config(ConfigError::Invalid { .. })))), "{err:?}");
     }
 }

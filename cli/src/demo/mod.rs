@@ -10,7 +10,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use omniprefix::backend::cpu::CpuBackend;
-//! use omniprefix::demo::{DemoOptions, ModelChoice, run_demo};
+//! use omniprefix_cli::demo::{DemoOptions, ModelChoice, run_demo};
 //!
 //! let options = DemoOptions::quick();
 //! let report = run_demo(Arc::new(CpuBackend::new()), "cpu".into(), &ModelChoice::Random, &options)?;
@@ -18,7 +18,7 @@
 //! let radix = rfc.rows.iter().filter(|r| r.way.as_str() == "radix").nth(1).expect("two requests");
 //! assert_eq!((radix.prompt_tokens, radix.cached_tokens), (57, 46));
 //! assert!(radix.max_rel_diff_hidden <= 1e-4);
-//! # Ok::<(), omniprefix::Error>(())
+//! # Ok::<(), omniprefix_cli::HarnessError>(())
 //! ```
 
 mod machine;

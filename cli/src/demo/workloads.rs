@@ -12,12 +12,12 @@ use std::str::FromStr;
 use ndarray::s;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Deserialize;
 
 use crate::canon::ItemLayout;
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
+use crate::scenarios::Scenarios;
 use crate::workloads::{
-    Media, MediaScale, RequestPlan, SCENARIOS_FILE, SCENARIOS_JSON, TEXT_VOCAB, by_name, conversation_rounds, parse,
+    Media, MediaScale, RequestPlan, TEXT_VOCAB, by_name, conversation_rounds,
 };
 
 /// The workloads `omniprefix demo` runs.
@@ -48,12 +48,12 @@ impl DemoWorkload {
     /// `all` or a comma-separated list of workload names.
     ///
     /// ```
-    /// use omniprefix::demo::DemoWorkload;
+    /// use omniprefix_cli::demo::DemoWorkload;
     /// assert_eq!(DemoWorkload::select("all")?.len(), 3);
     /// assert_eq!(DemoWorkload::select("multi_round,rfc_text_pair")?,
     ///            vec![DemoWorkload::MultiRound, DemoWorkload::RfcTextPair]);
     /// assert!(DemoWorkload::select("mixed").is_err());
-    /// # Ok::<(), omniprefix::Error>(())
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
     pub fn select(names: &str) -> Result<Vec<DemoWorkload>> {
         if names == "all" {
@@ -70,7 +70,7 @@ impl fmt::Display for DemoWorkload {
 }
 
 impl FromStr for DemoWorkload {
-    type Err = Error;
+    type Err = HarnessError;
 
     fn from_str(name: &str) -> Result<Self> {
         by_name(name, &Self::ALL, Self::as_str)
@@ -101,7 +101,7 @@ impl DemoScale {
     /// grid steps, and the fixture's prefix/suffix lengths and prefix count
     /// with two prompts per prefix.
     pub fn full(video_grid_t: u32) -> Result<Self> {
-        let p = scenarios()?.prefix_repetition;
+        let p = Scenarios::load()?.prefix_repetition;
         Ok(DemoScale {
             full_media: true,
             video_grid_t,
@@ -144,7 +144,7 @@ pub type Wave = Vec<RequestPlan>;
 
 /// The waves of `workload` at `scale`; text ids drawn from `seed`.
 pub fn waves(workload: DemoWorkload, scale: &DemoScale, seed: u64) -> Result<Vec<Wave>> {
-    let s = scenarios()?;
+    let s = Scenarios::load()?;
     let text = |ids: Vec<u32>| RequestPlan { token_ids: ids, items: Vec::new() };
     Ok(match workload {
         DemoWorkload::RfcTextPair => {
@@ -173,30 +173,6 @@ fn prefix_repetition(scale: &DemoScale, seed: u64) -> Wave {
 /// Prompt tokens of `plan` once each item's one placeholder is expanded to its rows.
 pub fn expanded_len(plan: &RequestPlan, media: &Media) -> usize {
     plan.items.iter().map(|&m| media.shapes.layout(m).num_tokens().saturating_sub(1)).sum::<usize>() + plan.token_ids.len()
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Scenarios {
-    rfc_text_pair: RfcTextPair,
-    prefix_repetition: PrefixRepetition,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct RfcTextPair {
-    prompt1: Vec<u32>,
-    prompt2: Vec<u32>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct PrefixRepetition {
-    prefix_len: usize,
-    suffix_len: usize,
-    num_prefixes: usize,
-    num_prompts: usize,
-}
-
-fn scenarios() -> Result<Scenarios> {
-    parse(SCENARIOS_FILE, SCENARIOS_JSON)
 }
 
 #[cfg(test)]
@@ -230,7 +206,7 @@ mod tests {
         let media = demo_media(&DemoScale::quick(), 1)?;
         assert_eq!(media.shapes.video.num_tokens(), 2 * 4 * 8 / 4);
         let err = "rfc".parse::<DemoWorkload>();
-        assert!(matches!(err, Err(Error::UnknownWorkload { name, .. }) if name == "rfc"));
+        assert!(matches!(err, Err(HarnessError::UnknownWorkload { name, .. }) if name == "rfc"));
         Ok(())
     }
 }

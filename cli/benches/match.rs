@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use omniprefix::bench::MatchFixture;
+use omniprefix_cli::bench::MatchFixture;
 use omniprefix::index::ValidationPolicy;
-use omniprefix::workloads::{Media, MediaScale, Workload, WorkloadName};
+use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
 
 fn match_paths(c: &mut Criterion) {
     let media = Arc::new(Media::generate(MediaScale::Full, 0x5eed).expect("embedded fixtures parse"));

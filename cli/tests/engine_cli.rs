@@ -12,7 +12,7 @@ use safetensors::{Dtype, SafeTensors};
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
 
 fn model(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny").join(name)
 }
 
 /// A fresh scratch folder per test.

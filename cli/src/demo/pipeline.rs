@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::bench::MODEL_ID;
 use crate::canon::{FingerprintKey, Modality};
 use crate::engine::{Engine, EngineConfig, IndexKind, ItemInput, PrefillRequest};
-use crate::error::{Error, Result};
+use crate::error::{HarnessError, Result};
 use crate::index::hashchain::hash_mm_item;
 use crate::model::{CaptureName, Thinker};
 use crate::prompt::OmniTokens;
@@ -79,7 +79,7 @@ impl ItemEmbeddings {
         self.by_modality
             .get(&modality)
             .cloned()
-            .ok_or_else(|| Error::InvalidRequest(format!("no embeddings for a {modality:?} item")))
+            .ok_or_else(|| HarnessError::NoEmbeddings { item: format!("a {modality:?} item") })
     }
 }
 

@@ -4,9 +4,14 @@ use std::sync::Arc;
 
 use clap::Parser;
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::cli::{Cli, run};
-use omniprefix::demo::{DemoOptions, DemoReport, ModelChoice, Row, Way, WorkloadReport, run_demo};
-use omniprefix::{Error, Result};
+use omniprefix_cli::cli::{Cli, run};
+use omniprefix_cli::demo::{DemoOptions, DemoReport, ModelChoice, Row, Way, WorkloadReport, run_demo};
+use omniprefix::Error;
+use omniprefix::error::{CheckpointError, IoError, RequestError};
+use omniprefix_cli::{HarnessError, Result};
+
+/// A test that can also fail outside omniprefix (output that is not the JSON it should be).
+type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 fn quick_report(model: &ModelChoice) -> Result<DemoReport> {
     run_demo(Arc::new(CpuBackend::new()), "cpu".into(), model, &DemoOptions::quick())
@@ -57,19 +62,18 @@ fn quick_demo_reuses_the_cache_and_returns_the_uncached_hidden_states() -> Resul
 }
 
 #[test]
-fn the_json_report_carries_the_table_numbers_and_the_machine() -> Result<()> {
+fn the_json_report_carries_the_table_numbers_and_the_machine() -> TestResult {
     let dir = std::env::temp_dir().join(format!("omniprefix-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|source| Error::Io { path: dir.display().to_string(), source })?;
+    std::fs::create_dir_all(&dir).map_err(|source| IoError::write(&dir, source))?;
     let path = dir.join("report.json");
     let path_arg = path.display().to_string();
     let mut out = Vec::new();
-    run(Cli::try_parse_from(["omniprefix", "demo", "--quick", "--backend", "cpu", "--json", &path_arg]).map_err(clap_error)?, &mut out)?;
+    run(Cli::try_parse_from(["omniprefix", "demo", "--quick", "--backend", "cpu", "--json", &path_arg])?, &mut out)?;
     let text = String::from_utf8_lossy(&out);
     assert!(text.contains("== multi_round =="), "{text}");
     let json: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path_arg.clone(), source })?,
-    )
-    .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+        &std::fs::read_to_string(&path).map_err(|source| IoError::read(&path_arg, source))?,
+    )?;
     assert_eq!(json["machine"]["backend"], "cpu");
     assert!(json["machine"]["cores"].as_u64().is_some_and(|c| c >= 1));
     assert_eq!(json["workloads"][0]["name"], "rfc_text_pair");
@@ -82,33 +86,29 @@ fn the_json_report_carries_the_table_numbers_and_the_machine() -> Result<()> {
 #[test]
 fn a_checkpoint_whose_vocab_cannot_hold_the_prompts_is_a_typed_error() {
     // The tiny test checkpoint has 256 ids; the demo's prompts use Qwen3-Omni's.
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny/omni_thinker");
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/omni_thinker");
     let err = quick_report(&ModelChoice::Dir(dir));
-    assert!(matches!(err, Err(Error::TokenOutOfVocab { vocab_size: 256, .. })), "{err:?}");
-}
-
-fn clap_error(e: clap::Error) -> Error {
-    Error::InvalidRequest(e.to_string())
+    assert!(matches!(err, Err(HarnessError::Engine(Error::Request(RequestError::TokenOutOfVocab { vocab_size: 256, .. })))), "{err:?}");
 }
 
 fn demo(args: &[&str]) -> Result<()> {
-    let cli = Cli::try_parse_from(["omniprefix", "demo", "--quick", "--backend", "cpu"].iter().chain(args)).map_err(clap_error)?;
+    let cli = Cli::try_parse_from(["omniprefix", "demo", "--quick", "--backend", "cpu"].iter().chain(args))?;
     run(cli, &mut Vec::new())
 }
 
 #[test]
 fn bad_input_is_a_typed_error_before_anything_runs() -> Result<()> {
-    assert!(matches!(demo(&["--workload", "rfc"]), Err(Error::UnknownWorkload { name, .. }) if name == "rfc"));
-    assert!(matches!(demo(&["--model", "/nonexistent/omniprefix-model"]), Err(Error::Io { .. })));
+    assert!(matches!(demo(&["--workload", "rfc"]), Err(HarnessError::UnknownWorkload { name, .. }) if name == "rfc"));
+    assert!(matches!(demo(&["--model", "/nonexistent/omniprefix-model"]), Err(HarnessError::Engine(Error::Io(IoError { .. })))));
     let unsupported = std::env::temp_dir().join(format!("omniprefix-unsupported-{}", std::process::id()));
-    std::fs::create_dir_all(&unsupported).map_err(|source| Error::Io { path: "tmp".into(), source })?;
+    std::fs::create_dir_all(&unsupported).map_err(|source| IoError::write("tmp", source))?;
     std::fs::write(unsupported.join("config.json"), r#"{"model_type": "llama", "hidden_size": 64}"#)
-        .map_err(|source| Error::Io { path: "tmp".into(), source })?;
+        .map_err(|source| IoError::write("tmp", source))?;
     let err = demo(&["--model", &unsupported.display().to_string()]);
     std::fs::remove_dir_all(&unsupported).ok();
-    assert!(matches!(err, Err(Error::UnsupportedConfig { .. } | Error::ConfigParse(_))), "{err:?}");
+    assert!(matches!(err, Err(HarnessError::Engine(Error::Checkpoint(CheckpointError::UnsupportedConfig { .. } | CheckpointError::ConfigParse(_))))), "{err:?}");
     let unwritable = "/nonexistent-dir/omniprefix/report.json";
-    assert!(matches!(demo(&["--json", unwritable]), Err(Error::Io { path, .. }) if path == unwritable));
+    assert!(matches!(demo(&["--json", unwritable]), Err(HarnessError::Engine(Error::Io(IoError { path, .. }))) if path == unwritable));
     Ok(())
 }
 
@@ -117,7 +117,7 @@ fn the_binary_reports_bad_input_in_one_line_with_a_nonzero_exit() -> Result<()> 
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_omniprefix"))
         .args(["demo", "--quick", "--workload", "mixed"])
         .output()
-        .map_err(|source| Error::Io { path: "omniprefix binary".into(), source })?;
+        .map_err(|source| IoError::read("omniprefix binary", source))?;
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use clap::{Args, ValueEnum};
 
 use crate::bench::{MatchOptions, MatchReport, measure};
-use crate::error::Result;
+use crate::error::{HarnessError, Result, output};
 use crate::index::ValidationPolicy;
 use crate::workloads::{Media, MediaScale, WorkloadName};
 
@@ -87,7 +87,7 @@ pub fn run(args: &MatchArgs, out: &mut dyn Write) -> Result<()> {
         let report = measure(name, &media, &options)?;
         if args.json {
             let line = serde_json::to_string(&report)
-                .map_err(|e| crate::Error::InvalidRequest(format!("report of {}: {e}", report.workload)))?;
+                .map_err(|source| HarnessError::Report { what: format!("the report of {}", report.workload), source })?;
             write_line(out, &line)?;
         } else {
             write_line(out, &table_row(&report))?;
@@ -100,7 +100,7 @@ pub fn run(args: &MatchArgs, out: &mut dyn Write) -> Result<()> {
 fn write_line(out: &mut dyn Write, line: &str) -> Result<()> {
     writeln!(out, "{line}")
         .and_then(|()| out.flush())
-        .map_err(|source| crate::Error::Io { path: "bench match output".into(), source })
+        .map_err(output)
 }
 
 fn table_header() -> String {

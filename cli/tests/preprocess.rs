@@ -4,15 +4,17 @@
 
 use std::sync::Arc;
 
-use omniprefix::bench::{BLOCK_SIZE, MODEL_ID};
+use omniprefix_cli::bench::{BLOCK_SIZE, MODEL_ID};
 use omniprefix::canon::{FingerprintKey, Fingerprinter, Modality};
 use omniprefix::index::hashchain::{HashChainIndex, hash_mm_item};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{BlockId, PrefixIndex, ValidationPolicy};
 use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::OmniTokens;
-use omniprefix::workloads::{Media, MediaScale, Workload, WorkloadName};
-use omniprefix::{Error, Result};
+use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
+use omniprefix::Error;
+use omniprefix_cli::Result;
+use omniprefix::error::RequestError;
 
 fn preprocessor(policy: ValidationPolicy) -> Result<Preprocessor> {
     Ok(Preprocessor::new(Fingerprinter::new(FingerprintKey::fixed(11), 2, policy)?, OmniTokens::qwen3_omni()))
@@ -57,7 +59,7 @@ fn hash_chain_agrees_on_the_warm_mixed_request() -> Result<()> {
         .items
         .iter()
         .map(|&m| hash_mm_item(MODEL_ID, m, workload.media.vllm_media(m)))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<omniprefix::Result<Vec<_>>>()?;
     let mut chain = HashChainIndex::new(BLOCK_SIZE)?;
     let blocks: Vec<BlockId> = (0..(prompt.len() / BLOCK_SIZE) as BlockId).collect();
     chain.insert_with_mm_hashes(&prompt, &hashes, &blocks)?;
@@ -91,6 +93,6 @@ fn bad_media_is_a_typed_error_naming_the_item() -> Result<()> {
     let err = preprocessor(ValidationPolicy::SecondDigest)?.preprocess(&broken.raw(&broken.measured));
     // Items are numbered in request order: audio is item 0 of the mixed request.
     assert_eq!(broken.measured.items[0], Modality::Audio);
-    assert!(matches!(err, Err(Error::NonFinite { item: 0, index: 5 })), "{err:?}");
+    assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 0, index: 5 }))), "{err:?}");
     Ok(())
 }

@@ -8,7 +8,6 @@ use serde::Serialize;
 
 use super::machine::Machine;
 use super::pipeline::{RequestRun, Way};
-use crate::error::Result;
 use crate::model::CaptureName;
 
 /// The whole `demo --json` report.
@@ -148,7 +147,7 @@ fn hidden_rel_diff(a: &[(CaptureName, ndarray::Array2<f32>)], b: &[(CaptureName,
 /// `max |a − b| / max(max |b|, 1e-12)`; infinite for different lengths.
 ///
 /// ```
-/// use omniprefix::demo::rel_diff;
+/// use omniprefix_cli::demo::rel_diff;
 /// assert_eq!(rel_diff(&[1.0, 2.0], &[1.0, 4.0]), 0.5);
 /// assert!(rel_diff(&[1.0], &[1.0, 2.0]).is_infinite());
 /// ```
@@ -162,7 +161,7 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Prints one table per workload.
-pub fn print_tables(report: &DemoReport, out: &mut dyn Write) -> Result<()> {
+pub fn print_tables(report: &DemoReport, out: &mut dyn Write) -> std::io::Result<()> {
     let m = &report.model;
     writeln!(
         out,
