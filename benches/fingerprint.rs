@@ -63,11 +63,11 @@ fn bench_item(c: &mut Criterion, name: &str, item: &ItemSpec<'_>, bytes: &[u8]) 
         b.iter(|| fingerprint.identify(0, black_box(item)).map(|id| id.fingerprint))
     });
     group.bench_function(BenchmarkId::new("fingerprint+check", bytes.len()), |b| {
-        b.iter(|| with_check.identify(0, black_box(item)).map(|id| (id.fingerprint, id.check)))
+        b.iter(|| with_check.identify(0, black_box(item)).map(|id| (id.fingerprint, id.evidence.check())))
     });
     // Items above the tree threshold split into 1 MiB leaves across threads.
     group.bench_function(BenchmarkId::new("fingerprint+check/2threads", bytes.len()), |b| {
-        b.iter(|| two_threads.identify(0, black_box(item)).map(|id| (id.fingerprint, id.check)))
+        b.iter(|| two_threads.identify(0, black_box(item)).map(|id| (id.fingerprint, id.evidence.check())))
     });
     group.bench_function(BenchmarkId::new("exact_compare", bytes.len()), |b| {
         b.iter(|| black_box(bytes) == black_box(&copy[..]))

@@ -13,7 +13,7 @@ use std::hint::black_box;
 use common::{ItemModel, Piece};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
-use omniprefix::index::PrefixIndex;
+use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use rand::{Rng, SeedableRng};
 
 fn omni_prompt_match(c: &mut Criterion) {
@@ -26,7 +26,7 @@ fn omni_prompt_match(c: &mut Criterion) {
         Piece::Item { content: 2, split: 0 },
         text(256),
     ];
-    let video = ItemModel { rows: 7200, fp_bits: None };
+    let video = ItemModel { rows: 7200, fp_bits: None, policy: ValidationPolicy::SecondDigest };
     let (cached, _) = video.build(0, &pieces);
     let (query, _) = video.build(0, &pieces);
     let mut index = RadixIndex::new(RadixConfig::default()).expect("default config is valid");

@@ -17,7 +17,7 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, TestRng, TestRunner};
 
 const BS: usize = 4;
-const WEAK: ItemModel = ItemModel { rows: 3, fp_bits: Some(2) };
+const WEAK: ItemModel = ItemModel { rows: 3, fp_bits: Some(2), policy: ValidationPolicy::SecondDigest };
 
 /// Inserts (tenant, pieces, fraction of full blocks to cache), then queries
 /// (tenant, which insert to start from, how many of its pieces to keep, extra pieces).
@@ -42,16 +42,18 @@ struct Report {
     errors: Vec<String>,
 }
 
+/// `policy` is the fingerprinter's: it decides the evidence the items carry.
 fn run(policy: ValidationPolicy, (inserts, queries): &Scenario) -> Report {
     let mut report = Report::default();
-    let config = RadixConfig { block_size: BS, validation: policy };
+    let items = WEAK.with_policy(policy);
+    let config = RadixConfig { block_size: BS };
     let Ok(mut index) = RadixIndex::new(config) else {
         report.errors.push("config rejected".into());
         return report;
     };
     let (mut oracle, mut ledger, mut next_id) = (Oracle::default(), Ledger::default(), 0u32);
     for (tenant, p, frac) in inserts {
-        let (prompt, truth) = WEAK.build(*tenant, p);
+        let (prompt, truth) = items.build(*tenant, p);
         let k = ((truth.len() / BS) as f64 * frac) as usize;
         let blocks: Vec<u32> = (next_id..next_id + k as u32).collect();
         next_id += k as u32;
@@ -65,7 +67,7 @@ fn run(policy: ValidationPolicy, (inserts, queries): &Scenario) -> Report {
         let (_, base_pieces, _) = &inserts[base.index(inserts.len())];
         let mut q: Vec<Piece> = base_pieces.iter().take(*keep).cloned().collect();
         q.extend(extra.iter().cloned());
-        let (prompt, truth) = WEAK.build(*tenant, &q);
+        let (prompt, truth) = items.build(*tenant, &q);
         let m = index.match_prefix(&prompt);
         let expected = oracle.longest(*tenant, &truth);
         if m.tokens > expected {

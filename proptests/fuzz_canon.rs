@@ -187,7 +187,7 @@ fn same(
     match (a, b) {
         (Ok(x), Ok(y)) => {
             prop_assert_eq!(x.fingerprint, y.fingerprint, "{}: fingerprints differ", what);
-            prop_assert_eq!(x.check, y.check, "{}: check digests differ", what);
+            prop_assert_eq!(&x.evidence, &y.evidence, "{}: check digests differ", what);
             prop_assert_eq!(x.num_tokens, y.num_tokens);
         }
         (Err(x), Err(y)) => prop_assert_eq!(x.to_string(), y.to_string(), "{}: errors differ", what),

@@ -23,15 +23,19 @@ use proptest::sample::Index;
 const BS: usize = 4;
 /// Collision-free fingerprints, and weak ones that force colliding siblings
 /// (so splits and evictions also run on shared head keys).
-const MODELS: [ItemModel; 2] =
-    [ItemModel { rows: 3, fp_bits: None }, ItemModel { rows: 3, fp_bits: Some(1) }];
+/// The harness gives them the evidence of each of the validating policies.
+const MODELS: [ItemModel; 2] = [
+    ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest },
+    ItemModel { rows: 3, fp_bits: Some(1), policy: ValidationPolicy::SecondDigest },
+];
 const POLICIES: [ValidationPolicy; 2] = [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes];
 
 #[derive(Debug, Clone)]
 enum Op {
     /// Cache a fraction of the prompt's full blocks; `reuse` passes the ids a
-    /// match returned for the cached part (as a scheduler does) instead of fresh ones.
-    Insert { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, frac: f64, reuse: bool },
+    /// match returned for the cached part (as a scheduler does) instead of fresh ones;
+    /// `lock` pins what the insert reports cached (as a scheduler's commit does).
+    Insert { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, frac: f64, reuse: bool, lock: bool },
     /// `lock` pins the match's first `pin` blocks (an `Index` over 0..=blocks).
     Match { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, lock: bool, pin: Index },
     Unlock(Index),
@@ -41,9 +45,9 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let derived = || (0..3u64, any::<Index>(), 0..5usize, pieces(4, 6, 4));
     prop_oneof![
-        4 => (derived(), 0.0..=1.0f64, any::<bool>()).prop_map(|((tenant, base, keep, extra), frac, reuse)| {
-            Op::Insert { tenant, base, keep, extra, frac, reuse }
-        }),
+        4 => (derived(), 0.0..=1.0f64, any::<bool>(), any::<bool>()).prop_map(
+            |((tenant, base, keep, extra), frac, reuse, lock)| Op::Insert { tenant, base, keep, extra, frac, reuse, lock }
+        ),
         4 => (derived(), any::<bool>(), any::<Index>()).prop_map(|((tenant, base, keep, extra), lock, pin)| {
             Op::Match { tenant, base, keep, extra, lock, pin }
         }),
@@ -73,12 +77,12 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(items: ItemModel, validation: ValidationPolicy) -> Result<Self, TestCaseError> {
-        let config = RadixConfig { block_size: BS, validation };
+    fn new(items: ItemModel, policy: ValidationPolicy) -> Result<Self, TestCaseError> {
+        let config = RadixConfig { block_size: BS };
         let index = RadixIndex::new(config).map_err(|e| TestCaseError::fail(e.to_string()))?;
         Ok(Harness {
             index,
-            items,
+            items: items.with_policy(policy),
             oracle: Oracle::default(),
             ledger: Ledger::default(),
             history: Vec::new(),
@@ -108,7 +112,7 @@ impl Harness {
 
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Insert { tenant, base, keep, extra, frac, reuse } => {
+            Op::Insert { tenant, base, keep, extra, frac, reuse, lock } => {
                 let p = self.derive(base, *keep, extra);
                 let (prompt, truth) = self.items.build(*tenant, &p);
                 let k = ((truth.len() / BS) as f64 * frac) as usize;
@@ -132,6 +136,14 @@ impl Harness {
                 self.ledger.adopt(*tenant, &truth, BS, &blocks, &out.adopted);
                 self.oracle.insert(*tenant, &truth[..k * BS]);
                 self.history.push(p);
+                // What insert reports cached is the prefix as a match would find it.
+                let cached = out.cached;
+                prop_assert_eq!((cached.tokens, cached.aligned_tokens, cached.blocks.len()), (k * BS, k * BS, k));
+                self.ledger.check(*tenant, &truth, BS, &cached).map_err(TestCaseError::fail)?;
+                if *lock && k > 0 {
+                    self.index.lock(&cached);
+                    self.locked.push(cached);
+                }
             }
             Op::Match { tenant, base, keep, extra, lock, pin } => {
                 let (prompt, truth) = self.items.build(*tenant, &self.derive(base, *keep, extra));

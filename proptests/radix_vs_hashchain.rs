@@ -16,7 +16,7 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 
 const BS: usize = 4;
-const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None };
+const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest };
 
 type Inserts = Vec<(u64, Vec<Piece>, f64)>;
 type Queries = Vec<(u64, Index, usize, Vec<Piece>)>;
@@ -33,7 +33,7 @@ proptest! {
 
     #[test]
     fn radix_hashchain_and_oracle_agree((inserts, queries) in workload()) {
-        let mut radix = RadixIndex::new(RadixConfig { block_size: BS, validation: ValidationPolicy::SecondDigest })
+        let mut radix = RadixIndex::new(RadixConfig { block_size: BS })
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         let mut chain = HashChainIndex::new(BS).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let mut oracle = Oracle::default();

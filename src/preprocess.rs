@@ -38,8 +38,9 @@ pub struct RawRequest<'a> {
 /// Turns [`RawRequest`]s into [`CanonicalPrompt`]s for one tenant.
 ///
 /// The fingerprinter's [`ValidationPolicy`](crate::index::ValidationPolicy)
-/// must match the index's: it decides which validation material (second
-/// digest, retained bytes) each item identity carries.
+/// decides which validation [`Evidence`](crate::canon::Evidence) (second
+/// digest, retained bytes) each item identity carries; the index confirms
+/// hits with that evidence and has no policy of its own.
 ///
 /// ```
 /// use ndarray::Array3;
@@ -163,7 +164,7 @@ mod tests {
         assert_eq!(prompt.tenant, 9);
         assert_eq!(prompt.len(), 4 + 13);
         assert_eq!(prompt.items[0].num_tokens, 13);
-        assert!(prompt.items[0].check.is_some(), "SecondDigest material is computed");
+        assert!(prompt.items[0].evidence.check().is_some(), "SecondDigest material is computed");
         Ok(())
     }
 

@@ -3,6 +3,10 @@
 //! index — never a partially written one — and no lock behind. A later
 //! identical request reuses exactly those blocks and its outputs equal the
 //! uncached run.
+//!
+//! Lock safety: while a request runs, neither evicting everything nor pool
+//! pressure from another request takes the prefix it locked, and its outputs
+//! still equal the uncached run.
 
 #[path = "../proptests/tiny_model/mod.rs"]
 mod tiny_model;
@@ -160,6 +164,63 @@ fn aborting_a_reader_of_shared_blocks_leaves_them_cached_and_unlocked() -> TestR
     let (third, _) = request(3, 0, &UNITS);
     sched.admit(third)?;
     let (out, _) = run_to_end(&mut sched, &model, &mut pages, 3)?;
+    equal_outputs(&out, &model.uncached(&inputs)?)?;
+    assert_no_lock_left(&mut sched, &model, &mut pages)
+}
+
+/// 14 tokens of `UNITS` (text, image 0, text), then a text tail of its own: 24 positions.
+const DIVERGING: [u32; 22] = [0, 1, 2, 3, 0, IMAGE_UNIT, 1, 2, 3, 0, 1, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3];
+
+/// Evicts everything the index may give up and checks what stays cached.
+fn evict_all(sched: &mut Scheduler, expect_freed: usize, expect_cached: usize) -> Result<()> {
+    assert_eq!(sched.evict(usize::MAX)?, expect_freed, "only unlocked blocks are evicted");
+    check(sched)?;
+    let stats = sched.stats();
+    assert_eq!(
+        (stats.blocks_cached, sched.index_stats().cached_blocks as usize),
+        (expect_cached, expect_cached),
+        "the locked prefix stays indexed: {stats:?}"
+    );
+    Ok(())
+}
+
+/// A lock that pinned nothing would let `evict(usize::MAX)` take a running
+/// request's prefix: the index would forget it, and its next chunks would be
+/// written over the freed blocks. Evicts everything while the reader's first
+/// chunk is out on the runner (its lock still ends inside a block it copies
+/// from) and again between chunks (after commit re-locked it), then checks
+/// its outputs and that a third request reuses the whole prompt.
+#[test]
+fn evicting_everything_while_a_request_runs_keeps_its_locked_prefix() -> TestResult {
+    let model = TinyModel::new(13)?;
+    let mut pages = model.pages(NUM_BLOCKS, BLOCK)?;
+    let mut sched = scheduler(5)?;
+    let (first, _) = request(1, 0, &UNITS);
+    sched.admit(first)?;
+    run_to_end(&mut sched, &model, &mut pages, 1)?;
+    assert_eq!(sched.stats().blocks_cached, PROMPT_LEN / BLOCK);
+
+    let (reader, inputs) = request(2, 0, &DIVERGING);
+    assert_eq!(reader.prompt.len(), PROMPT_LEN);
+    sched.admit(reader)?;
+    let batch = sched.schedule()?;
+    assert_eq!(batch.seqs[0].num_computed_tokens, 14, "text, image 0 and text are reused");
+    assert_eq!(batch.copies.len(), 1, "block 3 is partly reused: copied before it is written");
+    // Locked: blocks 0..=3 (3 as the copy source). Blocks 4 and 5 are not.
+    evict_all(&mut sched, 2, 4)?;
+    let outs = model.execute(&batch, &mut pages)?;
+    assert!(outs.iter().all(|o| o.request != 2), "not done after one chunk");
+    assert!(sched.complete(&batch)?.is_empty());
+    check(&sched)?;
+    // Commit re-locked blocks 0..=2 plus its own block 3: the first request's block 3 goes.
+    evict_all(&mut sched, 1, 4)?;
+
+    let (out, _) = run_to_end(&mut sched, &model, &mut pages, 2)?;
+    equal_outputs(&out, &model.uncached(&inputs)?)?;
+    let (third, _) = request(3, 0, &DIVERGING);
+    sched.admit(third)?;
+    let (out, reused) = run_to_end(&mut sched, &model, &mut pages, 3)?;
+    assert_eq!(reused, PROMPT_LEN - 1, "the reader's whole prompt stayed cached");
     equal_outputs(&out, &model.uncached(&inputs)?)?;
     assert_no_lock_left(&mut sched, &model, &mut pages)
 }

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ndarray::{Array1, Array2, Array3};
+use ndarray::{Array1, Array2, Array3, ArrayD, ArrayViewD, IxDyn, s};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::{ModelShape, ScheduledBatch};
 use omniprefix::canon::{
@@ -388,6 +388,97 @@ fn c09_nan_and_inf_tensors() -> Result<()> {
         assert!(matches!(err, Error::Request(RequestError::NonFinite { item: 2, index }) if index == at), "{bad}: {err}");
     }
     Ok(())
+}
+
+/// The flat row-major index of the first non-finite element of `view`, in
+/// logical order (the oracle for strided views).
+fn first_non_finite<T: Copy>(view: &ArrayViewD<'_, T>, finite: impl Fn(T) -> bool) -> Option<usize> {
+    view.iter().position(|&x| !finite(x))
+}
+
+/// Strided views take the staging path, not the contiguous scan: transposed
+/// (mel features, f16 patch rows), stepped (a waveform with every other
+/// sample, where non-finite values in the skipped samples are not part of the
+/// item), and a permuted bf16 video above the tree threshold. Each error names
+/// the flat index in logical order, and nothing changes.
+#[test]
+fn c09_nan_and_inf_in_strided_views() -> Result<()> {
+    let fp = fingerprinter()?;
+    let check = |spec: &ItemSpec<'_>, expected: usize| -> Result<()> {
+        let err = rejected(|_| fp.identify(3, spec).map(|_| ()))?;
+        assert!(matches!(err, Error::Request(RequestError::NonFinite { item: 3, index }) if index == expected), "{:?}: {err}", spec.layout);
+        Ok(())
+    };
+    fn audio(content: TensorView<'_>, mel_frames: u32) -> ItemSpec<'_> {
+        ItemSpec {
+            modality: Modality::Audio,
+            layout: ItemLayout::Audio { mel_frames },
+            content: ItemContent::Tensor(content),
+            params: Default::default(),
+        }
+    }
+
+    // Mel features [8, 3000] stored frame-major and viewed transposed. The NaN
+    // at logical [6, 2345] lies past the first staging buffer (16384 floats);
+    // an Inf at logical [0, 2999] comes before it in logical order, after it in memory.
+    let mut frames = Array2::from_shape_fn((3000, 8), |(f, m)| (f * 8 + m) as f32 * 1e-3);
+    frames[[2345, 6]] = f32::NAN;
+    let late = 6 * 3000 + 2345;
+    assert!(late > omniprefix::canon::STAGING_BYTES / 4);
+    assert_eq!(first_non_finite(&frames.t().into_dyn(), f32::is_finite), Some(late));
+    check(&audio(TensorView::F32(frames.t().into_dyn()), 3000), late)?;
+    frames[[2999, 0]] = f32::INFINITY;
+    let mel = frames.t().into_dyn();
+    assert!(!mel.is_standard_layout());
+    assert_eq!(first_non_finite(&mel, f32::is_finite), Some(2999));
+    check(&audio(TensorView::F32(mel), 3000), 2999)?;
+
+    // f16 patch rows [24, 12] (grid 1x4x6) viewed transposed from [12, 24].
+    let mut patches = ArrayD::from_elem(IxDyn(&[12, 24]), half::f16::ONE);
+    patches[[5, 17]] = half::f16::NEG_INFINITY; // logical [17, 5] = 17 * 12 + 5
+    patches[[11, 20]] = half::f16::NAN; // logical [20, 11]: after it
+    let rows = patches.t();
+    let image = ItemSpec {
+        modality: Modality::Image,
+        layout: ItemLayout::Image { grid_thw: [1, 4, 6] },
+        content: ItemContent::Tensor(TensorView::F16(rows.clone())),
+        params: Default::default(),
+    };
+    assert_eq!(first_non_finite(&rows, half::f16::is_finite), Some(17 * 12 + 5));
+    check(&image, 17 * 12 + 5)?;
+
+    // A stepped waveform: samples 0, 2, 4, ... of 320. Non-finite odd samples
+    // are outside the item; sample 114 is its element 57.
+    let mut wave = Array1::from_iter((0..320).map(|i| (i as f32 * 0.1).sin()));
+    wave[1] = f32::NAN;
+    wave[201] = f32::INFINITY;
+    let clean = wave.clone();
+    let stepped = clean.slice(s![..;2]).into_dyn();
+    assert_eq!(stepped.len(), 160);
+    assert!(fp.identify(3, &audio(TensorView::F32(stepped), 100)).is_ok(), "skipped samples are not the item's");
+    wave[114] = f32::NEG_INFINITY;
+    check(&audio(TensorView::F32(wave.slice(s![..;2]).into_dyn()), 100), 57)?;
+    // Reversed and stepped: element k is sample 319 - 2k (the odd ones), so
+    // the first non-finite one in logical order is sample 201, element 59.
+    let reversed = wave.slice(s![..;-2]).into_dyn();
+    assert_eq!(first_non_finite(&reversed, f32::is_finite), Some(59));
+    check(&audio(TensorView::F32(reversed), 100), 59)?;
+
+    // bf16 video frames [4, 600, 1000] viewed as [1000, 4, 600]: 4.8 MB, so
+    // the tree path hashes it leaf by leaf; the NaN is in a late leaf.
+    let mut video = ArrayD::from_elem(IxDyn(&[4, 600, 1000]), half::bf16::ONE);
+    video[[1, 2, 900]] = half::bf16::NAN;
+    let permuted = video.view().permuted_axes(IxDyn(&[2, 0, 1]));
+    assert!(permuted.len() * 2 > omniprefix::canon::TREE_THRESHOLD);
+    let at = 900 * 4 * 600 + 600 + 2;
+    assert_eq!(first_non_finite(&permuted, half::bf16::is_finite), Some(at));
+    let clip = ItemSpec {
+        modality: Modality::Video,
+        layout: ItemLayout::Video { grid_thw: [2, 4, 4], seconds_per_grid: 2.0 },
+        content: ItemContent::Tensor(TensorView::BF16(permuted)),
+        params: Default::default(),
+    };
+    check(&clip, at)
 }
 
 #[test]

@@ -13,10 +13,10 @@ use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::{Error, Result};
 use omniprefix::error::{CacheError, RequestError};
 
-const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None };
+const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest };
 
 fn index(block_size: usize) -> Result<RadixIndex> {
-    RadixIndex::new(RadixConfig { block_size, validation: ValidationPolicy::SecondDigest })
+    RadixIndex::new(RadixConfig { block_size })
 }
 
 fn text(tenant: u64, ids: &[u32]) -> CanonicalPrompt {
@@ -69,6 +69,46 @@ fn duplicates_and_reused_ids_on_insert() -> Result<()> {
     valid(&ix)
 }
 
+/// Insert reports the prefix as now cached (the index's ids, duplicates
+/// swapped for them), and locking that report pins exactly those blocks,
+/// with no second match: whether the insert extended a leaf, added a child
+/// under a split, or found everything cached already.
+#[test]
+fn insert_reports_the_cached_prefix_ready_to_lock() -> Result<()> {
+    let mut ix = index(4)?;
+    let p = text(0, &(0..16).collect::<Vec<u32>>());
+    let first = ix.insert(&p, &[1, 2])?;
+    assert_eq!((first.cached.tokens, first.cached.aligned_tokens, first.cached.blocks), (8, 8, vec![1, 2]));
+    // Extends the leaf in place; 20 duplicates block 1.
+    let longer = ix.insert(&p, &[20, 21, 22])?;
+    assert_eq!((longer.adopted, longer.duplicates), (vec![22], vec![20, 21]));
+    assert_eq!((longer.cached.tokens, longer.cached.blocks.clone()), (12, vec![1, 2, 22]));
+    ix.lock(&longer.cached);
+    // A sibling under a split at token 9 (inside block 2), and a re-insert of cached blocks.
+    let mut other: Vec<u32> = (0..16).collect();
+    other[9] = 99;
+    let sibling = ix.insert(&text(0, &other), &[30, 31, 32, 33])?;
+    assert_eq!(sibling.cached.blocks, vec![1, 2, 32, 33]);
+    let recommit = ix.insert(&p, &[1])?;
+    assert_eq!((recommit.cached.tokens, recommit.cached.blocks.clone()), (4, vec![1]));
+    ix.lock(&recommit.cached);
+    ix.lock(&sibling.cached);
+    valid(&ix)?;
+    assert_eq!(ix.evict(usize::MAX), Vec::<u32>::new(), "every cached block is pinned");
+    ix.unlock(&sibling.cached);
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![32, 33], "only the sibling's own blocks were pinned by it alone");
+    ix.unlock(&longer.cached);
+    ix.unlock(&recommit.cached);
+    valid(&ix)?;
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![1, 2, 22]);
+    assert_eq!(ix.stats().nodes, 0);
+    Ok(())
+}
+
 #[test]
 fn bad_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
     let mut ix = index(4)?;
@@ -103,13 +143,13 @@ fn tenants_never_share_entries() -> Result<()> {
 
 #[test]
 fn colliding_items_coexist_as_siblings_and_count_failures() -> Result<()> {
-    let weak = ItemModel { rows: 3, fp_bits: Some(1) };
+    let weak = ItemModel { rows: 3, fp_bits: Some(1), policy: ValidationPolicy::SecondDigest };
     let item = |content| [Piece::Text(vec![7]), Piece::Item { content, split: 0 }];
-    let (a, _) = weak.build(0, &item(0));
-    let (b, _) = weak.build(0, &item(2));
-    assert_eq!(a.items[0].fingerprint, b.items[0].fingerprint);
     for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes] {
-        let mut ix = RadixIndex::new(RadixConfig { block_size: 2, validation: policy })?;
+        let (a, _) = weak.with_policy(policy).build(0, &item(0));
+        let (b, _) = weak.with_policy(policy).build(0, &item(2));
+        assert_eq!(a.items[0].fingerprint, b.items[0].fingerprint);
+        let mut ix = index(2)?;
         ix.insert(&a, &[1, 2])?;
         let miss = ix.match_prefix(&b);
         assert_eq!((miss.tokens, ix.stats().validation_failures), (1, 1), "{policy:?}");
@@ -120,8 +160,10 @@ fn colliding_items_coexist_as_siblings_and_count_failures() -> Result<()> {
         assert_eq!(ix.match_prefix(&b).blocks, vec![3, 4]);
         valid(&ix)?;
     }
-    let mut trusting =
-        RadixIndex::new(RadixConfig { block_size: 2, validation: ValidationPolicy::Unvalidated })?;
+    let trusting_items = weak.with_policy(ValidationPolicy::Unvalidated);
+    let (a, _) = trusting_items.build(0, &item(0));
+    let (b, _) = trusting_items.build(0, &item(2));
+    let mut trusting = index(2)?;
     trusting.insert(&a, &[1, 2])?;
     assert_eq!(trusting.match_prefix(&b).tokens, 4, "without validation the collision is a wrong hit");
     Ok(())
@@ -129,7 +171,7 @@ fn colliding_items_coexist_as_siblings_and_count_failures() -> Result<()> {
 
 #[test]
 fn a_long_item_span_matches_whole_and_split_atoms_agree() -> Result<()> {
-    let big = ItemModel { rows: 7200, fp_bits: None };
+    let big = ItemModel { rows: 7200, ..STRONG };
     let (cached, _) = big.build(0, &[Piece::Text(vec![1, 2]), Piece::Item { content: 5, split: 0 }]);
     let (query, _) = big.build(0, &[Piece::Text(vec![1, 2]), Piece::Item { content: 5, split: 3001 }]);
     let mut ix = index(16)?;

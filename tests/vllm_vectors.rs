@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use ndarray::{ArrayD, IxDyn};
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality, TensorView};
+use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality, TensorView};
 use omniprefix::index::hashchain::{
     BlockHash, BlockHasher, BlockKeyRequest, ExtraKey, HashChainIndex, HashFn, MmMedia,
     MmPlaceholder, hash_block_tokens, hash_mm_item, none_hash,
@@ -164,8 +164,7 @@ fn index_block_hashes_match_the_mm_chain() -> TestResult {
     let case = &v["block_chains"][2];
     let item = Arc::new(ItemIdentity {
         fingerprint: Fingerprint(1),
-        check: None,
-        retained: None,
+        evidence: Evidence::Unvalidated,
         modality: Modality::Image,
         layout: ItemLayout::Image {
             grid_thw: [1, 4, 20],

@@ -265,7 +265,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         max_seqs_per_step: options.concurrency,
         token_granular_reuse: true,
     };
-    let index = RadixIndex::new(RadixConfig { block_size: bs, validation: ValidationPolicy::SecondDigest })?;
+    let index = RadixIndex::new(RadixConfig { block_size: bs })?;
     let mut sched = Scheduler::new(config, Box::new(index))?;
     let zipf = Zipf::new(options.prefixes, options.zipf_exponent);
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);

@@ -27,7 +27,8 @@ fn mixed() -> Result<Workload> {
 #[test]
 fn mixed_request_expands_to_8546_tokens_and_matches_warm() -> Result<()> {
     let workload = mixed()?;
-    for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes] {
+    // The policy is given to the fingerprinter only; the index takes none.
+    for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes, ValidationPolicy::Unvalidated] {
         let pre = preprocessor(policy)?;
         let first = pre.preprocess(&workload.raw(&workload.measured))?;
         assert_eq!(first.len(), 8546);
@@ -36,7 +37,7 @@ fn mixed_request_expands_to_8546_tokens_and_matches_warm() -> Result<()> {
         assert_eq!(spans, vec![(44, 390), (436, 880), (1318, 7200)]);
         assert_eq!(first.index_map.placeholders.len(), 8470);
 
-        let mut index = RadixIndex::new(RadixConfig { block_size: BLOCK_SIZE, validation: policy })?;
+        let mut index = RadixIndex::new(RadixConfig { block_size: BLOCK_SIZE })?;
         let blocks: Vec<BlockId> = (0..(first.len() / BLOCK_SIZE) as BlockId).collect();
         index.insert(&first, &blocks)?;
         // A second, independent preprocess of the same request: fresh identities.
@@ -46,7 +47,26 @@ fn mixed_request_expands_to_8546_tokens_and_matches_warm() -> Result<()> {
         assert_eq!((m.tokens, m.aligned_tokens), (8544, 8544));
         assert_eq!(m.blocks, blocks);
         assert_eq!(index.stats().validation_failures, 0);
+        assert!(again.items.iter().all(|item| item.evidence.policy() == policy));
     }
+    Ok(())
+}
+
+/// Identities made by fingerprinters of different policies never confirm
+/// each other: the request misses at the item (counted), it never hits wrongly.
+#[test]
+fn items_of_another_policy_miss_at_the_item() -> Result<()> {
+    let workload = mixed()?;
+    let raw = workload.raw(&workload.measured);
+    let cached = preprocessor(ValidationPolicy::SecondDigest)?.preprocess(&raw)?;
+    let mut index = RadixIndex::new(RadixConfig { block_size: BLOCK_SIZE })?;
+    index.insert(&cached, &(0..(cached.len() / BLOCK_SIZE) as BlockId).collect::<Vec<_>>())?;
+    for policy in [ValidationPolicy::ExactBytes, ValidationPolicy::Unvalidated] {
+        let query = preprocessor(policy)?.preprocess(&raw)?;
+        assert_eq!(query.items[0].fingerprint, cached.items[0].fingerprint, "same key, same fingerprint");
+        assert_eq!(index.match_prefix(&query).tokens, 44, "{policy:?}: stops where the first item starts");
+    }
+    assert_eq!(index.stats().validation_failures, 2);
     Ok(())
 }
 

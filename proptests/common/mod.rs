@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality, ValidationPolicy};
 use omniprefix::index::{BlockId, PrefixMatch};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions, TenantSalt};
 use proptest::prelude::*;
@@ -36,27 +36,41 @@ pub enum Piece {
     Item { content: u32, split: u32 },
 }
 
-/// How items are made: rows per item and how many low bits of the content id
-/// the fingerprint keeps (`None`: a collision-free fingerprint).
+/// How items are made: rows per item, how many low bits of the content id
+/// the fingerprint keeps (`None`: a collision-free fingerprint), and the
+/// policy whose evidence they carry (what a fingerprinter with that policy makes).
 #[derive(Debug, Clone, Copy)]
 pub struct ItemModel {
     pub rows: u32,
     pub fp_bits: Option<u32>,
+    pub policy: ValidationPolicy,
 }
 
 impl ItemModel {
-    /// A fresh identity for `content`; `check` and `retained` always come
-    /// from the true content, only the fingerprint may be weak.
+    /// The same items with the evidence of `policy`.
+    pub const fn with_policy(self, policy: ValidationPolicy) -> Self {
+        ItemModel { policy, ..self }
+    }
+
+    /// A fresh identity for `content`; its evidence (second digest or
+    /// retained bytes) always comes from the true content, only the
+    /// fingerprint may be weak.
     pub fn identity(&self, content: u32) -> Arc<ItemIdentity> {
         let fp = match self.fp_bits {
             Some(bits) => u128::from(content & ((1u32 << bits) - 1)),
             None => u128::from(content) | (1u128 << 100),
         };
         let bytes: Vec<u8> = (0..16u32).flat_map(|i| (content ^ (i * 0x9e37)).to_le_bytes()).collect();
+        let evidence = match self.policy {
+            ValidationPolicy::SecondDigest => {
+                Evidence::SecondDigest(Fingerprint(u128::from(content).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabcd))
+            }
+            ValidationPolicy::ExactBytes => Evidence::ExactBytes(Arc::from(bytes)),
+            ValidationPolicy::Unvalidated => Evidence::Unvalidated,
+        };
         Arc::new(ItemIdentity {
             fingerprint: Fingerprint(fp),
-            check: Some(Fingerprint(u128::from(content).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabcd)),
-            retained: Some(Arc::from(bytes)),
+            evidence,
             modality: Modality::Image,
             layout: ItemLayout::Image { grid_thw: [1, 2, 2 * self.rows] },
             num_tokens: self.rows as usize,

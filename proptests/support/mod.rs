@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ndarray::Array2;
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 
 use omniprefix::batch::{RequestId, ScheduledBatch, ScheduledSeq};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, PositionKind, Positions, positions_from_atoms};
@@ -67,8 +67,7 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
             None => {
                 prompt.items.push(Arc::new(ItemIdentity {
                     fingerprint: Fingerprint(fingerprint),
-                    check: Some(Fingerprint(fingerprint + 100)),
-                    retained: None,
+                    evidence: Evidence::SecondDigest(Fingerprint(fingerprint + 100)),
                     modality: Modality::Image,
                     layout: ItemLayout::Image {
                         grid_thw: [1, 2, 6],

@@ -157,11 +157,13 @@ impl PrefixIndex for ReferenceIndex {
         }
         self.clock += 1;
         let mut outcome = InsertOutcome::default();
+        let mut cached = Vec::with_capacity(blocks.len());
         for (k, &block) in blocks.iter().enumerate() {
             let prefix = &keys[..(k + 1) * bs];
             match self.find(prompt.tenant, prefix) {
                 Some(i) => {
                     self.entries[i].last_used = self.clock;
+                    cached.push(self.entries[i].block);
                     if self.entries[i].block != block {
                         outcome.duplicates.push(block);
                     }
@@ -175,8 +177,14 @@ impl PrefixIndex for ReferenceIndex {
                         last_used: self.clock,
                     });
                     outcome.adopted.push(block);
+                    cached.push(block);
                 }
             }
+        }
+        if !cached.is_empty() {
+            let tokens = cached.len() * bs;
+            outcome.cached =
+                PrefixMatch { tokens, aligned_tokens: tokens, blocks: cached, handle: MatchHandle(self.clock) };
         }
         Ok(outcome)
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use ndarray::Array2;
 use omniprefix::backend::cpu::{CpuBackend, CpuPages};
 use omniprefix::batch::{EmbedRows, RequestId, ScheduledBatch};
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
 use omniprefix::runner::{ModelRunner, PromptInputs, SeqOutput, run_uncached};
@@ -74,8 +74,7 @@ fn image_identity(k: u32) -> Arc<ItemIdentity> {
     let fingerprint = Fingerprint(0x1000 + u128::from(k));
     Arc::new(ItemIdentity {
         fingerprint,
-        check: Some(Fingerprint(0x2000 + u128::from(k))),
-        retained: None,
+        evidence: Evidence::SecondDigest(Fingerprint(0x2000 + u128::from(k))),
         modality: Modality::Image,
         layout: ItemLayout::Image { grid_thw: [1, 2, 2 * IMAGE_ROWS as u32] },
         num_tokens: IMAGE_ROWS,

@@ -17,9 +17,8 @@ use super::key::FingerprintKey;
 use super::keyed_xxh3::KeyedXxh3;
 use super::layout::check_shape;
 use super::stream::{ByteSink, emit_tensor};
-use super::{Fingerprint, ItemContent, ItemIdentity, ItemSpec, TensorView};
+use super::{Evidence, Fingerprint, ItemContent, ItemIdentity, ItemSpec, TensorView, ValidationPolicy};
 use crate::error::{Error, RequestError, Result};
-use crate::index::ValidationPolicy;
 
 /// Content longer than this is hashed as a tree of chunks (on any thread count).
 pub const TREE_THRESHOLD: usize = 4 << 20;
@@ -51,8 +50,7 @@ pub fn read_floor(bytes: &[u8]) -> u64 {
 /// material its [`ValidationPolicy`] needs, on a fixed number of threads.
 ///
 /// ```
-/// use omniprefix::canon::{Fingerprinter, FingerprintKey, ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-/// use omniprefix::index::ValidationPolicy;
+/// use omniprefix::canon::{Evidence, Fingerprinter, FingerprintKey, ItemContent, ItemLayout, ItemSpec, Modality, TensorView, ValidationPolicy};
 /// use ndarray::{ArrayD, IxDyn};
 ///
 /// let fp = Fingerprinter::new(FingerprintKey::fixed(0), 1, ValidationPolicy::SecondDigest)?;
@@ -65,7 +63,7 @@ pub fn read_floor(bytes: &[u8]) -> u64 {
 /// };
 /// let id = fp.identify(0, &item)?;
 /// assert_eq!(id.num_tokens, 4);
-/// assert!(id.check.is_some() && id.retained.is_none());
+/// assert!(matches!(id.evidence, Evidence::SecondDigest(_)));
 /// assert_eq!(id.fingerprint, fp.identify(0, &item)?.fingerprint);
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
@@ -217,10 +215,20 @@ impl Fingerprinter {
         // Freshly allocated and not yet shared, so `get_mut` succeeds.
         let retained_bytes = retained.as_mut().and_then(Arc::get_mut);
         let (fingerprint, check) = self.digest(item_index, &header, content, content_bytes, retained_bytes)?;
+        // The sink computes a check exactly under `SecondDigest`, and `retained`
+        // exists exactly under `ExactBytes`, so each arm has its material.
+        let evidence = match self.policy {
+            ValidationPolicy::Unvalidated => Evidence::Unvalidated,
+            ValidationPolicy::SecondDigest => {
+                Evidence::SecondDigest(Fingerprint(check.expect("a SecondDigest sink computes the check")))
+            }
+            ValidationPolicy::ExactBytes => {
+                Evidence::ExactBytes(retained.expect("ExactBytes allocates the retained copy"))
+            }
+        };
         Ok(ItemIdentity {
             fingerprint: Fingerprint(fingerprint),
-            check: check.map(Fingerprint),
-            retained,
+            evidence,
             modality: item.modality,
             layout: item.layout,
             num_tokens,
@@ -339,20 +347,19 @@ mod tests {
         let a = ArrayD::from_shape_fn(IxDyn(&[16, 6]), |ix| ix[0] as f32 - ix[1] as f32 * 0.5);
         let item = image(TensorView::F32(a.view()), [1, 4, 4]);
         let exact = fingerprinter(1, ValidationPolicy::ExactBytes)?.identify(3, &item)?;
-        let retained = exact.retained.clone().ok_or("no retained bytes")?;
+        let retained = exact.evidence.retained().cloned().ok_or("no retained bytes")?;
         let header = encode_header(&item, 4, 16 * 6 * 4);
         assert_eq!(&retained[..header.len()], &header[..]);
         let body: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
         assert_eq!(&retained[header.len()..], &body[..]);
         let key = FingerprintKey::fixed(42);
         assert_eq!(exact.fingerprint.0, xxh3_128_with_secret(&retained, &key.fingerprint_secret()));
-        assert_eq!((exact.check, exact.num_tokens, exact.content_bytes), (None, 4, 384));
+        assert_eq!((exact.evidence.check(), exact.num_tokens, exact.content_bytes), (None, 4, 384));
         let second = fingerprinter(1, ValidationPolicy::SecondDigest)?.identify(3, &item)?;
         assert_eq!(second.fingerprint, exact.fingerprint);
-        assert_eq!(second.check, Some(Fingerprint(xxh3_128_with_secret(&retained, &key.check_secret()))));
-        assert!(second.retained.is_none());
+        assert_eq!(second.evidence, Evidence::SecondDigest(Fingerprint(xxh3_128_with_secret(&retained, &key.check_secret()))));
         let bare = fingerprinter(1, ValidationPolicy::Unvalidated)?.identify(3, &item)?;
-        assert!(bare.check.is_none() && bare.retained.is_none());
+        assert_eq!(bare.evidence, Evidence::Unvalidated);
         assert_eq!(bare.fingerprint, exact.fingerprint);
         Ok(())
     }
@@ -389,7 +396,7 @@ mod tests {
         neg[[1, 2]] = -0.0;
         let a = fp.identify(0, &image(TensorView::F32(pos.view()), [1, 2, 2]))?;
         let b = fp.identify(0, &image(TensorView::F32(neg.view()), [1, 2, 2]))?;
-        assert_eq!((a.fingerprint, a.check), (b.fingerprint, b.check));
+        assert_eq!((a.fingerprint, &a.evidence), (b.fingerprint, &b.evidence));
         Ok(())
     }
 
@@ -484,7 +491,7 @@ mod tests {
             let spec = |v| ItemSpec { modality: Modality::Video, layout, content: ItemContent::Tensor(v), params: ProcessorParams::new() };
             let a = fp.identify(0, &spec(TensorView::F32(view.clone())))?;
             let b = fp.identify(0, &spec(TensorView::F32(copy.view())))?;
-            assert_eq!((a.fingerprint, a.check), (b.fingerprint, b.check));
+            assert_eq!((a.fingerprint, &a.evidence), (b.fingerprint, &b.evidence));
         }
         Ok(())
     }
@@ -497,7 +504,7 @@ mod tests {
         let copy = wide.to_owned();
         let a = fp.identify(0, &image(TensorView::U8(wide), [1, 2, 2]))?;
         let b = fp.identify(0, &image(TensorView::U8(copy.view()), [1, 2, 2]))?;
-        assert_eq!((a.fingerprint, a.check, a.content_bytes), (b.fingerprint, b.check, 189));
+        assert_eq!((a.fingerprint, &a.evidence, a.content_bytes), (b.fingerprint, &b.evidence, 189));
         Ok(())
     }
 
@@ -512,16 +519,16 @@ mod tests {
             .collect::<Result<Vec<_>>>()?;
         for id in &ids[1..] {
             assert_eq!(id.fingerprint, ids[0].fingerprint);
-            assert_eq!(id.retained, ids[0].retained);
+            assert_eq!(id.evidence, ids[0].evidence);
         }
         let checks = [1, 3]
             .into_iter()
             .map(|threads| fingerprinter(threads, ValidationPolicy::SecondDigest)?.identify(0, &item))
             .collect::<Result<Vec<_>>>()?;
-        assert_eq!(checks[0].check, checks[1].check);
+        assert_eq!(checks[0].evidence, checks[1].evidence);
         assert_eq!(checks[0].fingerprint, ids[0].fingerprint);
         // The retained copy is still header + canonical bytes on the tree path.
-        let retained = ids[0].retained.clone().ok_or("no retained bytes")?;
+        let retained = ids[0].evidence.retained().cloned().ok_or("no retained bytes")?;
         assert_eq!(&retained[retained.len() - frames.len()..], frames.as_slice().unwrap_or_default());
         Ok(())
     }
@@ -597,7 +604,7 @@ mod tests {
         let leaked: &'static [u8] = Box::leak(jpeg.into_boxed_slice());
         let a = fp.identify(0, &spec(leaked, "jpeg"))?;
         assert_eq!(a.content_bytes, 10_000);
-        let retained = a.retained.clone().ok_or("no retained bytes")?;
+        let retained = a.evidence.retained().cloned().ok_or("no retained bytes")?;
         assert_eq!(&retained[retained.len() - leaked.len()..], leaked);
         assert_ne!(a.fingerprint, fp.identify(0, &spec(leaked, "png"))?.fingerprint);
         assert_ne!(a.fingerprint, fp.identify(0, &spec(&leaked[1..], "jpeg"))?.fingerprint);

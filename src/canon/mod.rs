@@ -94,16 +94,74 @@ pub struct ItemSpec<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Fingerprint(pub u128);
 
+/// How a fingerprint hit is confirmed before it is reported.
+///
+/// The policy is given once, to the [`Fingerprinter`]: it decides which
+/// [`Evidence`] every identity carries, and the prefix index confirms a hit
+/// with whatever evidence the two identities hold. An index has no policy of
+/// its own, so it cannot disagree with the fingerprinter that feeds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ValidationPolicy {
+    /// Compare the canonical bytes retained at insert with the request's.
+    ExactBytes,
+    /// Compare an independent second digest computed in the same pass.
+    #[default]
+    SecondDigest,
+    /// Trust the fingerprint alone (research only: collisions become wrong hits).
+    Unvalidated,
+}
+
+/// The validation material of one item, as its fingerprinter's policy made it.
+///
+/// The policy is carried in the evidence: an identity holds exactly the
+/// material of one [`ValidationPolicy`], never a mix, and two identities made
+/// under different policies never confirm each other (a miss, not a wrong hit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Evidence {
+    /// `Unvalidated`: the fingerprint alone is trusted.
+    Unvalidated,
+    /// `SecondDigest`: an independent second digest of the same header + bytes.
+    SecondDigest(Fingerprint),
+    /// `ExactBytes`: the canonical header + bytes.
+    ExactBytes(Arc<[u8]>),
+}
+
+impl Evidence {
+    /// The policy that produces this kind of evidence.
+    pub fn policy(&self) -> ValidationPolicy {
+        match self {
+            Evidence::Unvalidated => ValidationPolicy::Unvalidated,
+            Evidence::SecondDigest(_) => ValidationPolicy::SecondDigest,
+            Evidence::ExactBytes(_) => ValidationPolicy::ExactBytes,
+        }
+    }
+
+    /// The second digest, under `SecondDigest`.
+    pub fn check(&self) -> Option<Fingerprint> {
+        match self {
+            Evidence::SecondDigest(check) => Some(*check),
+            _ => None,
+        }
+    }
+
+    /// The retained canonical header + bytes, under `ExactBytes`.
+    pub fn retained(&self) -> Option<&Arc<[u8]>> {
+        match self {
+            Evidence::ExactBytes(bytes) => Some(bytes),
+            _ => None,
+        }
+    }
+}
+
 /// What the prefix index keeps of an item, and what it validates a
 /// fingerprint hit against.
 #[derive(Debug, Clone)]
 pub struct ItemIdentity {
     /// The keyed digest the index is keyed on.
     pub fingerprint: Fingerprint,
-    /// An independent second digest of the same header + bytes (validation policy `SecondDigest`).
-    pub check: Option<Fingerprint>,
-    /// The canonical header + bytes (validation policy `ExactBytes`).
-    pub retained: Option<Arc<[u8]>>,
+    /// What a fingerprint hit on this item is confirmed against.
+    pub evidence: Evidence,
     pub modality: Modality,
     pub layout: ItemLayout,
     /// Number of embedding rows (= placeholder tokens) the item occupies.

@@ -139,10 +139,7 @@ impl<B: Backend> Engine<B> {
             None => CaptureSpec::default_for(model.num_hidden_layers),
         };
         let index: Box<dyn PrefixIndex> = match config.index {
-            IndexKind::Radix => Box::new(RadixIndex::new(RadixConfig {
-                block_size: config.block_size,
-                validation: config.validation,
-            })?),
+            IndexKind::Radix => Box::new(RadixIndex::new(RadixConfig { block_size: config.block_size })?),
             IndexKind::HashChain => Box::new(HashChainIndex::new(config.block_size)?),
         };
         let sched = Scheduler::new(

@@ -17,18 +17,8 @@ use crate::error::InvariantViolation;
 /// Block ids are defined next to the block tables in [`crate::kv`]; the index stores them.
 pub use crate::kv::BlockId;
 
-/// How a fingerprint hit is confirmed before it is reported.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ValidationPolicy {
-    /// Compare the canonical bytes retained at insert with the request's.
-    ExactBytes,
-    /// Compare an independent second digest computed in the same pass.
-    #[default]
-    SecondDigest,
-    /// Trust the fingerprint alone (research only: collisions become wrong hits).
-    Unvalidated,
-}
+/// The fingerprinter's policy; re-exported here, where hits are confirmed.
+pub use crate::canon::ValidationPolicy;
 
 /// Opaque handle of a match, used to lock / unlock what it reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -56,6 +46,12 @@ pub struct InsertOutcome {
     /// Blocks the index did not take because equal content was already cached;
     /// the caller still owns them.
     pub duplicates: Vec<BlockId>,
+    /// The inserted prefix as it is cached now: a match of `blocks.len() *
+    /// block_size` tokens (block aligned) whose `blocks` are the index's ids
+    /// at each position (the offered id, or the cached one it duplicated),
+    /// ready to [`lock`](PrefixIndex::lock) without matching again. Empty when
+    /// no block was given.
+    pub cached: PrefixMatch,
 }
 
 /// Counters every index keeps.
@@ -80,7 +76,8 @@ pub trait PrefixIndex {
     fn block_size(&self) -> usize;
     /// Longest cached prefix of `prompt` (validated). Touches LRU clocks and stats only.
     fn match_prefix(&mut self, prompt: &CanonicalPrompt) -> PrefixMatch;
-    /// Caches the first `blocks.len()` full blocks of `prompt` (KV already written).
+    /// Caches the first `blocks.len()` full blocks of `prompt` (KV already
+    /// written) and returns them as now cached ([`InsertOutcome::cached`]).
     fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome>;
     /// Pins what `m` reported so eviction cannot take it; reference counted.
     fn lock(&mut self, m: &PrefixMatch);

@@ -2,11 +2,16 @@
 //!
 //! The radix index keys children on an item's fingerprint, so two different
 //! items whose fingerprints collide would otherwise share KV. Every hit is
-//! therefore confirmed here, per [`ValidationPolicy`], against the identity the
-//! index retained at insert; a rejected hit is a miss, never a wrong hit.
+//! therefore confirmed here against the identity the index retained at
+//! insert, with the [`Evidence`] both identities carry; a rejected hit is a
+//! miss, never a wrong hit.
+//!
+//! There is no policy argument: the policy is given once, to the
+//! [`Fingerprinter`](crate::canon::Fingerprinter), and travels in the evidence
+//! it computes, so an index cannot be configured to expect evidence its
+//! fingerprinter does not make.
 
-use crate::canon::ItemIdentity;
-use crate::index::ValidationPolicy;
+use crate::canon::{Evidence, ItemIdentity};
 
 /// Why a fingerprint hit was not confirmed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,52 +20,50 @@ pub enum Rejection {
     FingerprintMismatch,
     /// Modality, layout or row count differ: the items cannot be the same.
     MetadataMismatch,
-    /// The policy needs evidence (second digest or retained bytes) one side lacks.
-    MissingEvidence,
+    /// The identities carry evidence of different policies (they were made by
+    /// differently configured fingerprinters), so neither confirms the other.
+    MixedEvidence,
     /// Both second digests are present and differ.
     DigestMismatch,
     /// Both retained byte strings are present and differ.
     BytesMismatch,
 }
 
-/// Confirms that `query` is the same item as the `cached` one under `policy`.
+/// Confirms that `query` is the same item as the `cached` one, with the
+/// evidence both carry.
 ///
-/// `Unvalidated` trusts the fingerprint alone (research baseline). The two
-/// validating policies also require equal modality, layout and row count, then
-/// compare the second digests (`SecondDigest`) or the retained canonical bytes
-/// (`ExactBytes`, pointer-equal fast path before the memcmp).
+/// `Unvalidated` evidence on both sides trusts the fingerprint alone (research
+/// baseline). Otherwise the items must have equal modality, layout and row
+/// count, and evidence of the same policy that agrees: equal second digests
+/// (`SecondDigest`) or equal retained canonical bytes (`ExactBytes`,
+/// pointer-equal fast path before the memcmp).
 ///
 /// ```
-/// use std::sync::Arc;
-/// use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
-/// use omniprefix::index::ValidationPolicy;
+/// use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 /// use omniprefix::index::validate::{confirm, Rejection};
 ///
-/// let item = |check: u128| ItemIdentity {
+/// let item = |evidence| ItemIdentity {
 ///     fingerprint: Fingerprint(7),
-///     check: Some(Fingerprint(check)),
-///     retained: None,
+///     evidence,
 ///     modality: Modality::Audio,
 ///     layout: ItemLayout::Audio { mel_frames: 400 },
 ///     num_tokens: 50,
 ///     content_bytes: 0,
 /// };
-/// assert_eq!(confirm(ValidationPolicy::SecondDigest, &item(1), &item(1)), Ok(()));
-/// assert_eq!(
-///     confirm(ValidationPolicy::SecondDigest, &item(1), &item(2)),
-///     Err(Rejection::DigestMismatch)
-/// );
-/// assert_eq!(confirm(ValidationPolicy::Unvalidated, &item(1), &item(2)), Ok(()));
+/// let digest = |check| item(Evidence::SecondDigest(Fingerprint(check)));
+/// assert_eq!(confirm(&digest(1), &digest(1)), Ok(()));
+/// assert_eq!(confirm(&digest(1), &digest(2)), Err(Rejection::DigestMismatch));
+/// assert_eq!(confirm(&digest(1), &item(Evidence::Unvalidated)), Err(Rejection::MixedEvidence));
+/// assert_eq!(confirm(&item(Evidence::Unvalidated), &item(Evidence::Unvalidated)), Ok(()));
 /// ```
-pub fn confirm(
-    policy: ValidationPolicy,
-    cached: &ItemIdentity,
-    query: &ItemIdentity,
-) -> Result<(), Rejection> {
+pub fn confirm(cached: &ItemIdentity, query: &ItemIdentity) -> Result<(), Rejection> {
     if cached.fingerprint != query.fingerprint {
         return Err(Rejection::FingerprintMismatch);
     }
-    if std::ptr::eq(cached, query) || policy == ValidationPolicy::Unvalidated {
+    if std::ptr::eq(cached, query) {
+        return Ok(());
+    }
+    if let (Evidence::Unvalidated, Evidence::Unvalidated) = (&cached.evidence, &query.evidence) {
         return Ok(());
     }
     if cached.modality != query.modality
@@ -69,21 +72,17 @@ pub fn confirm(
     {
         return Err(Rejection::MetadataMismatch);
     }
-    match policy {
-        ValidationPolicy::SecondDigest => match (cached.check, query.check) {
-            (Some(a), Some(b)) if a == b => Ok(()),
-            (Some(_), Some(_)) => Err(Rejection::DigestMismatch),
-            _ => Err(Rejection::MissingEvidence),
-        },
-        ValidationPolicy::ExactBytes => match (&cached.retained, &query.retained) {
-            (Some(a), Some(b)) if std::ptr::eq(a.as_ptr(), b.as_ptr()) && a.len() == b.len() => {
-                Ok(())
-            }
-            (Some(a), Some(b)) if a[..] == b[..] => Ok(()),
-            (Some(_), Some(_)) => Err(Rejection::BytesMismatch),
-            _ => Err(Rejection::MissingEvidence),
-        },
-        ValidationPolicy::Unvalidated => Ok(()),
+    match (&cached.evidence, &query.evidence) {
+        (Evidence::SecondDigest(a), Evidence::SecondDigest(b)) if a == b => Ok(()),
+        (Evidence::SecondDigest(_), Evidence::SecondDigest(_)) => Err(Rejection::DigestMismatch),
+        (Evidence::ExactBytes(a), Evidence::ExactBytes(b))
+            if std::ptr::eq(a.as_ptr(), b.as_ptr()) && a.len() == b.len() =>
+        {
+            Ok(())
+        }
+        (Evidence::ExactBytes(a), Evidence::ExactBytes(b)) if a[..] == b[..] => Ok(()),
+        (Evidence::ExactBytes(_), Evidence::ExactBytes(_)) => Err(Rejection::BytesMismatch),
+        _ => Err(Rejection::MixedEvidence),
     }
 }
 
@@ -93,69 +92,65 @@ mod tests {
     use crate::canon::{Fingerprint, ItemLayout, Modality};
     use std::sync::Arc;
 
-    fn identity(fp: u128, check: Option<u128>, bytes: Option<&[u8]>) -> ItemIdentity {
+    fn identity(fp: u128, evidence: Evidence) -> ItemIdentity {
         ItemIdentity {
             fingerprint: Fingerprint(fp),
-            check: check.map(Fingerprint),
-            retained: bytes.map(Arc::from),
+            evidence,
             modality: Modality::Image,
             layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
             num_tokens: 4,
-            content_bytes: bytes.map_or(0, <[u8]>::len),
+            content_bytes: 4,
         }
     }
 
+    fn digest(fp: u128, check: u128) -> ItemIdentity {
+        identity(fp, Evidence::SecondDigest(Fingerprint(check)))
+    }
+
+    fn bytes(fp: u128, bytes: &[u8]) -> ItemIdentity {
+        identity(fp, Evidence::ExactBytes(Arc::from(bytes)))
+    }
+
     #[test]
-    fn second_digest_confirms_equal_and_rejects_different_or_missing() {
-        let p = ValidationPolicy::SecondDigest;
-        assert_eq!(confirm(p, &identity(1, Some(5), None), &identity(1, Some(5), None)), Ok(()));
-        assert_eq!(
-            confirm(p, &identity(1, Some(5), None), &identity(1, Some(6), None)),
-            Err(Rejection::DigestMismatch)
-        );
-        assert_eq!(
-            confirm(p, &identity(1, None, None), &identity(1, Some(6), None)),
-            Err(Rejection::MissingEvidence)
-        );
+    fn second_digest_confirms_equal_and_rejects_different() {
+        assert_eq!(confirm(&digest(1, 5), &digest(1, 5)), Ok(()));
+        assert_eq!(confirm(&digest(1, 5), &digest(1, 6)), Err(Rejection::DigestMismatch));
     }
 
     #[test]
     fn exact_bytes_compares_content_and_shares_pointer_fast_path() {
-        let p = ValidationPolicy::ExactBytes;
-        let a = identity(1, None, Some(b"abcd"));
+        let a = bytes(1, b"abcd");
         let mut shared = a.clone();
-        shared.check = Some(Fingerprint(99));
-        assert_eq!(confirm(p, &a, &shared), Ok(()));
-        assert_eq!(confirm(p, &a, &identity(1, None, Some(b"abcd"))), Ok(()));
-        assert_eq!(
-            confirm(p, &a, &identity(1, None, Some(b"abce"))),
-            Err(Rejection::BytesMismatch)
-        );
-        assert_eq!(
-            confirm(p, &a, &identity(1, Some(1), None)),
-            Err(Rejection::MissingEvidence)
-        );
+        shared.content_bytes = 99;
+        assert_eq!(confirm(&a, &shared), Ok(()));
+        assert_eq!(confirm(&a, &bytes(1, b"abcd")), Ok(()));
+        assert_eq!(confirm(&a, &bytes(1, b"abce")), Err(Rejection::BytesMismatch));
+    }
+
+    #[test]
+    fn evidence_of_different_policies_never_confirms() {
+        let kinds = [digest(1, 5), bytes(1, b"x"), identity(1, Evidence::Unvalidated)];
+        for (i, a) in kinds.iter().enumerate() {
+            for (j, b) in kinds.iter().enumerate() {
+                let expected = if i == j { Ok(()) } else { Err(Rejection::MixedEvidence) };
+                assert_eq!(confirm(a, b), expected, "{:?} vs {:?}", a.evidence.policy(), b.evidence.policy());
+            }
+        }
     }
 
     #[test]
     fn metadata_must_agree_and_fingerprints_must_match() {
-        let a = identity(1, Some(5), Some(b"x"));
+        let a = bytes(1, b"x");
         let mut other_layout = a.clone();
         other_layout.layout = ItemLayout::Image { grid_thw: [1, 8, 2] };
-        assert_eq!(
-            confirm(ValidationPolicy::ExactBytes, &a, &other_layout),
-            Err(Rejection::MetadataMismatch)
-        );
-        let mut other_modality = a.clone();
+        assert_eq!(confirm(&a, &other_layout), Err(Rejection::MetadataMismatch));
+        let mut other_modality = digest(1, 5);
         other_modality.modality = Modality::Video;
-        assert_eq!(
-            confirm(ValidationPolicy::SecondDigest, &a, &other_modality),
-            Err(Rejection::MetadataMismatch)
-        );
-        assert_eq!(
-            confirm(ValidationPolicy::Unvalidated, &a, &identity(2, Some(5), Some(b"x"))),
-            Err(Rejection::FingerprintMismatch)
-        );
-        assert_eq!(confirm(ValidationPolicy::Unvalidated, &a, &other_modality), Ok(()));
+        assert_eq!(confirm(&digest(1, 5), &other_modality), Err(Rejection::MetadataMismatch));
+        let bare = identity(1, Evidence::Unvalidated);
+        assert_eq!(confirm(&bare, &identity(2, Evidence::Unvalidated)), Err(Rejection::FingerprintMismatch));
+        let mut bare_video = bare.clone();
+        bare_video.modality = Modality::Video;
+        assert_eq!(confirm(&bare, &bare_video), Ok(()), "unvalidated trusts the fingerprint alone");
     }
 }

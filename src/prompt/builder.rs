@@ -17,13 +17,12 @@ use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt, o
 ///
 /// ```
 /// use std::sync::Arc;
-/// use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+/// use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 /// use omniprefix::prompt::{OmniTokens, PromptBuilder};
 ///
 /// let image = Arc::new(ItemIdentity {
 ///     fingerprint: Fingerprint(7),
-///     check: None,
-///     retained: None,
+///     evidence: Evidence::Unvalidated,
 ///     modality: Modality::Image,
 ///     layout: ItemLayout::Image { grid_thw: [1, 4, 6] },
 ///     num_tokens: 6,

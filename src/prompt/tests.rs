@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use super::*;
-use crate::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use crate::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 use crate::error::{Error, RequestError, Result};
 
 fn item(n: u128, layout: ItemLayout) -> Arc<ItemIdentity> {
@@ -19,8 +19,7 @@ fn item(n: u128, layout: ItemLayout) -> Arc<ItemIdentity> {
     let num_tokens = OmniTokens::tiny().placeholder_count(&layout).unwrap_or(0);
     Arc::new(ItemIdentity {
         fingerprint: Fingerprint(n),
-        check: None,
-        retained: None,
+        evidence: Evidence::Unvalidated,
         modality,
         layout,
         num_tokens,

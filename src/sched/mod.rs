@@ -560,8 +560,9 @@ impl Scheduler {
         }
     }
 
-    /// Inserts the request's full computed blocks into the index and re-pins
-    /// them; blocks the index already had are swapped for its copies and freed.
+    /// Inserts the request's full computed blocks into the index and pins
+    /// what the insert reports as cached (no second match); blocks the index
+    /// already had are swapped for its copies and freed.
     fn commit_full_blocks(&mut self, id: RequestId) -> Result<()> {
         let bs = self.config.block_size;
         let t = self
@@ -573,17 +574,16 @@ impl Scheduler {
             return Ok(());
         }
         let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
+        let m = outcome.cached;
+        if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
+            return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
+        }
         for &b in &outcome.adopted {
             if !t.block_table[t.num_shared..n_full].contains(&b) {
                 return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
             }
             self.pool.adopt_by_index(b)?;
         }
-        let m = self.index.match_prefix(&t.req.prompt);
-        if m.aligned_tokens < n_full * bs || m.blocks.len() < n_full {
-            return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
-        }
-        let m = pinned_part(m, n_full * bs, bs);
         self.index.lock(&m);
         for i in t.num_shared..n_full {
             let (old, new) = (t.block_table[i], m.blocks[i]);
@@ -594,7 +594,7 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-                return Err(CacheError::MatchedUnownedBlock { block: new }.into());
+return Err(CacheError::MatchedUnownedBlock { block: new }.into());
             }
         }
         if let Some(old) = t.lock.replace(m) {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use omniprefix::Result;
-use omniprefix::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 use omniprefix::prompt::OmniTokens;
 
 /// Item `fingerprint` of `modality` laid out as `layout`, with the placeholder
@@ -18,8 +18,7 @@ pub fn placeholder_item(
 ) -> Result<Arc<ItemIdentity>> {
     Ok(Arc::new(ItemIdentity {
         fingerprint: Fingerprint(fingerprint),
-        check: None,
-        retained: None,
+        evidence: Evidence::Unvalidated,
         modality,
         layout,
         num_tokens: tokens.placeholder_count(&layout)?,

@@ -42,7 +42,7 @@ impl MatchFixture {
     pub fn new(workload: Workload, threads: usize, policy: ValidationPolicy) -> Result<Self> {
         let fingerprinter = Fingerprinter::new(FingerprintKey::random(), threads, policy)?;
         let preprocessor = Preprocessor::new(fingerprinter, OmniTokens::qwen3_omni());
-        let config = RadixConfig { block_size: BLOCK_SIZE, validation: policy };
+        let config = RadixConfig { block_size: BLOCK_SIZE };
         let mut warm_radix = RadixIndex::new(config)?;
         let mut warm_chain = HashChainIndex::new(BLOCK_SIZE)?;
         let vllm_hashes = vllm_hashes(&workload)?;

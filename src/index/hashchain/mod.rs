@@ -267,9 +267,11 @@ impl HashChainIndex {
         self.clock += 1;
         let tick = self.clock;
         let mut out = InsertOutcome::default();
+        let mut cached = Vec::with_capacity(blocks.len());
         let mut parent: Option<BlockHash> = None;
         for (h, &b) in hashes.iter().zip(blocks) {
             if let Some(e) = self.entries.get_mut(h) {
+                cached.push(e.block);
                 if e.evictable() {
                     self.evictable.remove(&(e.last_used, e.block));
                     self.evictable.insert((tick, e.block));
@@ -300,10 +302,15 @@ impl HashChainIndex {
                 self.by_block.insert(b, *h);
                 self.evictable.insert((tick, b));
                 out.adopted.push(b);
+                cached.push(b);
             }
             parent = Some(*h);
         }
         self.stats.cached_blocks = self.entries.len() as u64;
+        if !cached.is_empty() {
+            let tokens = cached.len() * self.hasher.block_size();
+            out.cached = PrefixMatch { tokens, aligned_tokens: tokens, blocks: cached, handle: MatchHandle(tick) };
+        }
         Ok(out)
     }
 

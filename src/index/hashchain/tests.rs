@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
+use crate::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 use crate::prompt::{IndexMap, ItemSpan, Positions};
 use crate::error::{CacheError, Error};
 
@@ -27,8 +27,7 @@ fn text_prompt(tenant: TenantSalt, tokens: &[u32]) -> CanonicalPrompt {
 fn item(fp: u128, n: usize) -> Arc<ItemIdentity> {
     Arc::new(ItemIdentity {
         fingerprint: Fingerprint(fp),
-        check: None,
-        retained: None,
+        evidence: Evidence::Unvalidated,
         modality: Modality::Image,
         layout: ItemLayout::Image {
             grid_thw: [1, 2, 2],
@@ -111,8 +110,10 @@ fn duplicates_and_recommits() {
     assert_eq!(out.duplicates, [5, 6]);
     // Re-committing blocks the index owns is neither adoption nor duplication.
     let out = ix.insert(&p, &[1, 2, 7]).unwrap();
-    assert_eq!(out, InsertOutcome::default());
-    assert_eq!(ix.match_prefix(&p).blocks, [1, 2, 7]);
+    assert_eq!((out.adopted.len(), out.duplicates.len()), (0, 0));
+    let m = ix.match_prefix(&p);
+    assert_eq!(m.blocks, [1, 2, 7]);
+    assert_eq!((out.cached.tokens, out.cached.blocks), (m.tokens, m.blocks), "insert reports what a match finds");
     ok(&ix);
 }
 

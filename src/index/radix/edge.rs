@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use crate::canon::{Fingerprint, ItemIdentity};
 use crate::index::validate::confirm;
-use crate::index::ValidationPolicy;
 use crate::prompt::Atom;
 
 /// The key a child is found under: the first token of its edge.
@@ -273,27 +272,23 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Confirms item hits under a policy, remembering the last confirmed pair
-/// (an item split into many spans is validated once) and counting failures.
-#[derive(Debug)]
+/// Confirms item hits with the evidence they carry, remembering the last
+/// confirmed pair (an item split into many spans is validated once) and
+/// counting failures.
+#[derive(Debug, Default)]
 pub(super) struct Validator {
-    policy: ValidationPolicy,
     last_ok: Option<(*const ItemIdentity, *const ItemIdentity)>,
     /// Fingerprint hits that failed validation.
     pub(super) failures: u64,
 }
 
 impl Validator {
-    pub(super) fn new(policy: ValidationPolicy) -> Self {
-        Validator { policy, last_ok: None, failures: 0 }
-    }
-
     fn confirm(&mut self, cached: &Arc<ItemIdentity>, query: &Arc<ItemIdentity>) -> bool {
         let pair = (Arc::as_ptr(cached), Arc::as_ptr(query));
         if self.last_ok == Some(pair) {
             return true;
         }
-        if confirm(self.policy, cached, query).is_ok() {
+        if confirm(cached, query).is_ok() {
             self.last_ok = Some(pair);
             true
         } else {
@@ -306,13 +301,12 @@ impl Validator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::canon::{ItemLayout, Modality};
+    use crate::canon::{Evidence, ItemLayout, Modality};
 
     fn item(fp: u128, check: u128) -> Arc<ItemIdentity> {
         Arc::new(ItemIdentity {
             fingerprint: Fingerprint(fp),
-            check: Some(Fingerprint(check)),
-            retained: None,
+            evidence: Evidence::SecondDigest(Fingerprint(check)),
             modality: Modality::Video,
             layout: ItemLayout::Video { grid_thw: [2, 4, 4], seconds_per_grid: 2.0 },
             num_tokens: 8,
@@ -368,7 +362,7 @@ mod tests {
             Atom::Item { id: Arc::clone(&same), rows: 0..4 },
             Atom::Item { id: Arc::clone(&same), rows: 4..8 },
         ];
-        let mut v = Validator::new(ValidationPolicy::SecondDigest);
+        let mut v = Validator::default();
         assert_eq!(cached.common_prefix(&mut Cursor::new(&split), usize::MAX, &mut v), 9);
         assert_eq!(v.failures, 0);
         let colliding = [Atom::Text(vec![9]), Atom::Item { id: item(5, 51), rows: 0..8 }];

@@ -8,7 +8,8 @@
 //! **Collisions.** A head key maps to a short list of candidate children, not
 //! one: two items with colliding fingerprints (same key) but different content
 //! coexist as siblings. Matching takes the candidate whose content validates
-//! (per [`ValidationPolicy`]); if none does, matching stops there (a miss,
+//! (with the [`Evidence`](crate::canon::Evidence) both identities carry, see
+//! [`validate`](crate::index::validate)); if none does, matching stops there (a miss,
 //! counted in `validation_failures`). Insert never merges into a candidate that
 //! fails validation, it adds a sibling under the same key.
 //!
@@ -38,9 +39,7 @@ use std::collections::BTreeSet;
 use fxhash::{FxHashMap, FxHashSet};
 
 use crate::error::{CacheError, Component, InvariantViolation, RequestError};
-use crate::index::{
-    BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch, ValidationPolicy,
-};
+use crate::index::{BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch};
 use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 use crate::Result;
 
@@ -49,18 +48,19 @@ use edge::{Cursor, Edge, Head, Validator};
 use pin::Pin;
 
 /// Settings of a [`RadixIndex`].
+///
+/// There is no validation policy here: hits are confirmed with the evidence
+/// the items carry, which their fingerprinter's policy decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct RadixConfig {
     /// Tokens per KV block (default 16).
     pub block_size: usize,
-    /// How fingerprint hits are confirmed (default `SecondDigest`).
-    pub validation: ValidationPolicy,
 }
 
 impl Default for RadixConfig {
     fn default() -> Self {
-        RadixConfig { block_size: 16, validation: ValidationPolicy::default() }
+        RadixConfig { block_size: 16 }
     }
 }
 
@@ -302,7 +302,7 @@ impl RadixIndex {
         }
         let walk = match self.roots.get(&prompt.tenant) {
             Some(&root) => {
-                let mut v = Validator::new(self.config.validation);
+                let mut v = Validator::default();
                 self.walk(root, &prompt.atoms, total, &mut v)
             }
             None => Walk { path: Vec::new(), matched: 0 },
@@ -389,7 +389,7 @@ impl PrefixIndex for RadixIndex {
         self.stats.query_tokens += prompt.len() as u64;
         let Some(&root) = self.roots.get(&prompt.tenant) else { return PrefixMatch::default() };
         let limit = prompt.atoms.iter().map(Atom::len).sum();
-        let mut v = Validator::new(self.config.validation);
+        let mut v = Validator::default();
         let Walk { mut path, matched } = self.walk(root, &prompt.atoms, limit, &mut v);
         self.stats.validation_failures += v.failures;
         if matched == 0 {
@@ -420,8 +420,9 @@ impl PrefixIndex for RadixIndex {
     /// Blocks whose content is already cached come back in `duplicates`,
     /// except an id equal to the one cached at that position (the caller got
     /// it from a match; the index keeps owning it, it is in neither list).
+    /// `cached` names the node holding the last block, as a match would.
     fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome> {
-        let (walk, cached) = self.plan_insert(prompt, blocks)?;
+        let (walk, mut cached) = self.plan_insert(prompt, blocks)?;
         let mut outcome = InsertOutcome::default();
         if blocks.is_empty() {
             return Ok(outcome);
@@ -441,6 +442,10 @@ impl PrefixIndex for RadixIndex {
         if path.is_empty() {
             path.push(root);
         }
+        // All of it was cached: the walk ended in the node holding position
+        // `total - 1`, so its last block.
+        let mut holder = *path.last().expect("path starts at the root");
+        cached.truncate(blocks.len());
         if m < total {
             let last = *path.last().expect("path starts at the root");
             let attach = if m < self.node(last).end() {
@@ -460,6 +465,7 @@ impl PrefixIndex for RadixIndex {
                 let a = self.node_mut(attach);
                 a.edge.append(edge);
                 a.blocks.extend_from_slice(&new_blocks);
+                holder = attach;
             } else {
                 let key = edge.head().expect("a non-empty new edge");
                 let tenant = prompt.tenant;
@@ -476,13 +482,22 @@ impl PrefixIndex for RadixIndex {
                 self.node_mut(attach).children.entry(key).or_default().push(child);
                 self.lru_enter(child);
                 path.push(child);
+                holder = child;
             }
             self.lru_enter(attach);
             self.owned.extend(new_blocks.iter().copied());
             self.stats.cached_blocks += new_blocks.len() as u64;
+            cached.extend_from_slice(&new_blocks);
             outcome.adopted = new_blocks;
         }
         self.touch(&path);
+        debug_assert_eq!(cached.len(), blocks.len());
+        debug_assert!(
+            cached.last().is_some_and(|b| self.node(holder).blocks.contains(b)),
+            "the holder holds the last block"
+        );
+        outcome.cached =
+            PrefixMatch { tokens: total, aligned_tokens: total, blocks: cached, handle: self.nodes.handle(holder) };
         Ok(outcome)
     }
 
