@@ -15,6 +15,3 @@ pub mod ttft;
 pub mod workloads;
 
 pub use error::{HarnessError, Result};
-
-// Engine modules under their engine names, so harness code reads `crate::engine::Engine`.
-use omniprefix::{backend, batch, canon, engine, index, model, preprocess, prompt, request_file, sched};

@@ -4,7 +4,7 @@
 
 use serde::Deserialize;
 
-use crate::canon::Modality;
+use omniprefix::canon::Modality;
 use crate::error::{HarnessError, Result};
 
 /// Where the scenarios come from (named in errors).

@@ -18,16 +18,16 @@ use ndarray::{Array1, Array2, Array3};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::batch::RequestId;
-use crate::canon::{
+use omniprefix::batch::RequestId;
+use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
 use omniprefix::error::{ConfigError, Error, SchedError};
 use crate::error::{HarnessError, Result};
-use crate::index::ValidationPolicy;
-use crate::index::radix::{RadixConfig, RadixIndex};
-use crate::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder};
-use crate::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::index::ValidationPolicy;
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder};
+use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 
 /// What a soak run drives.
 #[derive(Debug, Clone, serde::Serialize)]

@@ -12,12 +12,12 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::backend::Backend;
-use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use crate::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
+use omniprefix::backend::Backend;
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
 use crate::error::{HarnessError, Result};
-use crate::model::{Config, Thinker};
-use crate::prompt::{OmniTokens, TenantSalt};
+use omniprefix::model::{Config, Thinker};
+use omniprefix::prompt::{OmniTokens, TenantSalt};
 use crate::scenarios::{MultiRound, SCENARIOS_FILE, Scenarios};
 
 
@@ -168,7 +168,7 @@ struct Bench<B: Backend> {
 }
 
 impl<B: Backend> Bench<B> {
-    fn engine(&self, cache: bool, capture: Option<Vec<crate::model::CaptureName>>, max_prompt: usize) -> Result<Engine<B>> {
+    fn engine(&self, cache: bool, capture: Option<Vec<omniprefix::model::CaptureName>>, max_prompt: usize) -> Result<Engine<B>> {
         let block_size = self.options.block_size;
         // Room for three prompts at once; older runs' entries are evicted (LRU).
         let num_blocks = (3 * max_prompt.div_ceil(block_size)).max(64);

@@ -14,11 +14,11 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
-use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
 use crate::error::{HarnessError, Result};
-use crate::index::hashchain::MmMedia;
-use crate::preprocess::RawRequest;
-use crate::prompt::OmniTokens;
+use omniprefix::index::hashchain::MmMedia;
+use omniprefix::preprocess::RawRequest;
+use omniprefix::prompt::OmniTokens;
 use crate::scenarios::{SCENARIOS_FILE, Scenarios, parse};
 
 const OMNI_FILE: &str = "fixtures/qwen3_omni.json";

@@ -3,7 +3,7 @@
 //! The radix index keys children on an item's fingerprint, so two different
 //! items whose fingerprints collide would otherwise share KV. Every hit is
 //! therefore confirmed here against the identity the index retained at
-//! insert, with the [`Evidence`] both identities carry; a rejected hit is a
+//! insert, with the [`Evidence`](crate::canon::Evidence) both identities carry; a rejected hit is a
 //! miss, never a wrong hit.
 //!
 //! There is no policy argument: the policy is given once, to the

@@ -4,13 +4,13 @@
 
 use std::collections::BTreeMap;
 
-use crate::canon::{FingerprintKey, Fingerprinter, ItemIdentity, Modality};
+use omniprefix::canon::{FingerprintKey, Fingerprinter, ItemIdentity, Modality};
 use crate::error::Result;
-use crate::index::hashchain::{HashChainIndex, hash_mm_item};
-use crate::index::radix::{RadixConfig, RadixIndex};
-use crate::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};
-use crate::preprocess::Preprocessor;
-use crate::prompt::{CanonicalPrompt, OmniTokens};
+use omniprefix::index::hashchain::{HashChainIndex, hash_mm_item};
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};
+use omniprefix::preprocess::Preprocessor;
+use omniprefix::prompt::{CanonicalPrompt, OmniTokens};
 use crate::workloads::{RequestPlan, Workload};
 
 /// The model id vLLM puts into every multimodal hash.

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::fixture::MatchFixture;
 use crate::error::Result;
-use crate::index::ValidationPolicy;
+use omniprefix::index::ValidationPolicy;
 use crate::workloads::{Media, Workload, WorkloadName};
 
 /// What to measure and how often.

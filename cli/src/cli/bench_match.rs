@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 
 use crate::bench::{MatchOptions, MatchReport, measure};
 use crate::error::{HarnessError, Result, output};
-use crate::index::ValidationPolicy;
+use omniprefix::index::ValidationPolicy;
 use crate::workloads::{Media, MediaScale, WorkloadName};
 
 /// Seed of the generated media and text ids.

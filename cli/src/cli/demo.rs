@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use crate::backend::Backend;
-use crate::backend::auto::{BackendKind, SelectedBackend, select};
-use crate::backend::wgpu::WgpuBackend;
+use omniprefix::backend::Backend;
+use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
+use omniprefix::backend::wgpu::WgpuBackend;
 use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, print_tables, run_demo};
 use omniprefix::error::IoError;
 use crate::error::{HarnessError, Result, output};
@@ -51,7 +51,7 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
     let model = match &args.model {
         Some(dir) => {
             // Fails early with the loader's own error when the config is missing or unsupported.
-            crate::model::Config::from_file(&dir.join("config.json"))?;
+            omniprefix::model::Config::from_file(&dir.join("config.json"))?;
             ModelChoice::Dir(dir.clone())
         }
         None => ModelChoice::Random,

@@ -9,13 +9,13 @@ use clap::Args;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-use crate::backend::Backend;
-use crate::backend::auto::{BackendKind, SelectedBackend, select};
-use crate::engine::{Engine, EngineConfig, Output};
+use omniprefix::backend::Backend;
+use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
+use omniprefix::engine::{Engine, EngineConfig, Output};
 use omniprefix::error::{CheckpointError, Error, IoError};
 use crate::error::{HarnessError, Result};
-use crate::model::{CaptureName, Config};
-use crate::request_file::RequestFile;
+use omniprefix::model::{CaptureName, Config};
+use omniprefix::request_file::RequestFile;
 
 /// Arguments of `omniprefix hidden`.
 #[derive(Debug, Clone, Args)]

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use crate::backend::Backend;
-use crate::backend::auto::{BackendKind, SelectedBackend, select};
-use crate::engine::tokens_from_config_file;
+use omniprefix::backend::Backend;
+use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
+use omniprefix::engine::tokens_from_config_file;
 use omniprefix::error::Error;
 use crate::error::{HarnessError, Result, output};
-use crate::model::Thinker;
+use omniprefix::model::Thinker;
 use crate::ttft::{CaptureReport, TtftOptions, TtftReport, bench_model, run_all};
 
 /// Arguments of `omniprefix bench ttft`.

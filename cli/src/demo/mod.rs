@@ -32,11 +32,11 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::backend::Backend;
+use omniprefix::backend::Backend;
 use crate::bench::median_ns;
-use crate::canon::{FingerprintKey, Modality};
+use omniprefix::canon::{FingerprintKey, Modality};
 use crate::error::Result;
-use crate::model::{Config, Thinker};
+use omniprefix::model::{Config, Thinker};
 
 pub use machine::Machine;
 pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_way};

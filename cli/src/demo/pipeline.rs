@@ -11,14 +11,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::workloads::{Wave, expanded_len};
-use crate::backend::Backend;
+use omniprefix::backend::Backend;
 use crate::bench::MODEL_ID;
-use crate::canon::{FingerprintKey, Modality};
-use crate::engine::{Engine, EngineConfig, IndexKind, ItemInput, PrefillRequest};
+use omniprefix::canon::{FingerprintKey, Modality};
+use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, PrefillRequest};
 use crate::error::{HarnessError, Result};
-use crate::index::hashchain::hash_mm_item;
-use crate::model::{CaptureName, Thinker};
-use crate::prompt::OmniTokens;
+use omniprefix::index::hashchain::hash_mm_item;
+use omniprefix::model::{CaptureName, Thinker};
+use omniprefix::prompt::OmniTokens;
 use crate::workloads::{Media, RequestPlan};
 
 /// Tokens per KV block in every way.

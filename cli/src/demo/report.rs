@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::machine::Machine;
 use super::pipeline::{RequestRun, Way};
-use crate::model::CaptureName;
+use omniprefix::model::CaptureName;
 
 /// The whole `demo --json` report.
 #[derive(Debug, Clone, Serialize)]

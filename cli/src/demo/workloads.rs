@@ -13,7 +13,7 @@ use ndarray::s;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::canon::ItemLayout;
+use omniprefix::canon::ItemLayout;
 use crate::error::{HarnessError, Result};
 use crate::scenarios::Scenarios;
 use crate::workloads::{
