@@ -13,6 +13,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::ScheduledBatch;
 use omniprefix::model::{CaptureSpec, Config, Thinker};
+use omniprefix::kv::BlockTable;
 use omniprefix::prompt::Positions;
 use omniprefix::runner::{ModelRunner, PromptInputs};
 
@@ -22,8 +23,8 @@ const BLOCK: usize = 16;
 
 /// Positions `a..b` of the prompt as one step over a contiguous block table.
 fn step(prompt: &PromptInputs, a: usize, b: usize) -> ScheduledBatch {
-    let table: Vec<u32> = (0..(LEN / BLOCK) as u32).collect();
-    let seq = prompt.step(1, &table, BLOCK, a..b).expect("step inside the prompt");
+    let table = BlockTable::new((0..(LEN / BLOCK) as u32).collect(), BLOCK);
+    let seq = prompt.step(1, table, a..b).expect("step inside the prompt");
     ScheduledBatch { copies: vec![], seqs: vec![seq] }
 }
 
@@ -36,7 +37,7 @@ fn prefill(c: &mut Criterion) {
     let prompt = PromptInputs {
         token_ids: (0..LEN as u32).map(|i| (i * 7919) % 2048).collect(),
         embeds: vec![],
-        positions: Positions::Linear((0..LEN as i64).collect()),
+        positions: Positions::linear(LEN),
     };
 
     let mut group = c.benchmark_group("prefill_512_tokens");

@@ -29,7 +29,7 @@ fn requests() -> Vec<Request> {
             let prompt = CanonicalPrompt {
                 tenant: 0,
                 atoms: vec![Atom::Text(ids.clone())],
-                positions: Positions::Linear((0..LEN as i64).collect()),
+                positions: Positions::linear(LEN),
                 token_ids: ids,
                 items: vec![],
                 index_map: IndexMap::default(),

@@ -79,7 +79,7 @@ fn run(policy: ValidationPolicy, (inserts, queries): &Scenario) -> Report {
         }
     }
     if let Err(e) = index.validate() {
-        report.errors.push(e);
+        report.errors.push(e.to_string());
     }
     report.validation_failures = index.stats().validation_failures;
     report

@@ -20,6 +20,7 @@ use omniprefix::canon::{
 };
 use omniprefix::index::ValidationPolicy;
 use proptest::prelude::*;
+use omniprefix::error::RequestError;
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -113,13 +114,13 @@ fn fingerprinter() -> Fingerprinter {
 fn is_input_error(e: &Error) -> bool {
     matches!(
         e,
-        Error::NonFinite { .. }
-            | Error::EmptyItem { .. }
-            | Error::ShapeMismatch { .. }
-            | Error::GridNotMergeable { .. }
-            | Error::InvalidLayout { .. }
-            | Error::LayoutMismatch { .. }
-            | Error::DtypeMismatch { .. }
+        Error::Request(RequestError::NonFinite { .. })
+            | Error::Request(RequestError::EmptyItem { .. })
+            | Error::Request(RequestError::ShapeMismatch { .. })
+            | Error::Request(RequestError::GridNotMergeable { .. })
+            | Error::Request(RequestError::InvalidLayout { .. })
+            | Error::Request(RequestError::LayoutMismatch { .. })
+            | Error::Request(RequestError::DtypeMismatch { .. })
     )
 }
 

@@ -16,6 +16,7 @@ use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::model::{Config, SafetensorsSource, Thinker};
 use proptest::prelude::*;
 use serde_json::{Value, json};
+use omniprefix::error::{CheckpointError, IoError};
 
 const MODELS: [&str; 2] = ["fixtures/tiny/qwen3_dense", "fixtures/tiny/omni_thinker"];
 
@@ -27,13 +28,13 @@ fn read(path: &Path) -> Vec<u8> {
 fn is_loader_error(e: &Error) -> bool {
     matches!(
         e,
-        Error::ConfigParse(_)
-            | Error::UnsupportedConfig { .. }
-            | Error::Safetensors { .. }
-            | Error::MissingTensor { .. }
-            | Error::TensorShape { .. }
-            | Error::TensorDtype { .. }
-            | Error::Io { .. }
+        Error::Checkpoint(CheckpointError::ConfigParse(_))
+            | Error::Checkpoint(CheckpointError::UnsupportedConfig { .. })
+            | Error::Checkpoint(CheckpointError::Safetensors { .. })
+            | Error::Checkpoint(CheckpointError::MissingTensor { .. })
+            | Error::Checkpoint(CheckpointError::TensorShape { .. })
+            | Error::Checkpoint(CheckpointError::TensorDtype { .. })
+            | Error::Io(IoError { .. })
     )
 }
 
@@ -250,7 +251,7 @@ fn regression_absurd_sizes_are_errors_not_panics() {
         map.insert(field.into(), value.clone());
         let err = load(&config.to_string(), &source).err();
         assert!(
-            matches!(err, Some(Error::UnsupportedConfig { field: f, .. }) if f == named),
+            matches!(err, Some(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. })) if f == named),
             "{field} = {value}: {err:?}"
         );
     }

@@ -20,6 +20,7 @@ use omniprefix::prompt::{OmniTokens, PromptBuilder};
 use omniprefix::request_file::RequestFile;
 use proptest::prelude::*;
 use serde_json::{Value, json};
+use omniprefix::error::{IoError, RequestError, RequestFileError};
 
 /// A folder with `media.safetensors` (pixels u8 [8, 12, 3], emb f32 [6, 4],
 /// wave f32 [1600], mel f32 [2, 100]) that the request files point into.
@@ -65,27 +66,27 @@ fn valid_request() -> Value {
 fn is_request_error(e: &Error) -> bool {
     matches!(
         e,
-        Error::RequestFormat { .. }
-            | Error::TensorNotInFile { .. }
-            | Error::RequestTensor { .. }
-            | Error::Safetensors { .. }
-            | Error::Io { .. }
+        Error::RequestFile(RequestFileError::Format { .. })
+            | Error::RequestFile(RequestFileError::TensorNotInFile { .. })
+            | Error::RequestFile(RequestFileError::Tensor { .. })
+            | Error::RequestFile(RequestFileError::Safetensors { .. })
+            | Error::Io(IoError { .. })
             // From fingerprinting the items and building the prompt:
-            | Error::NonFinite { .. }
-            | Error::EmptyItem { .. }
-            | Error::ShapeMismatch { .. }
-            | Error::GridNotMergeable { .. }
-            | Error::InvalidLayout { .. }
-            | Error::LayoutMismatch { .. }
-            | Error::EmptyPrompt
-            | Error::StrayPlaceholder { .. }
-            | Error::TokenOutOfVocab { .. }
-            | Error::PlaceholderCountMismatch { .. }
-            | Error::MissingItem { .. }
-            | Error::UnusedItems { .. }
-            | Error::ItemModalityMismatch { .. }
-            | Error::MalformedAudioInVideo { .. }
-            | Error::MalformedAtoms { .. }
+            | Error::Request(RequestError::NonFinite { .. })
+            | Error::Request(RequestError::EmptyItem { .. })
+            | Error::Request(RequestError::ShapeMismatch { .. })
+            | Error::Request(RequestError::GridNotMergeable { .. })
+            | Error::Request(RequestError::InvalidLayout { .. })
+            | Error::Request(RequestError::LayoutMismatch { .. })
+            | Error::Request(RequestError::EmptyPrompt)
+            | Error::Request(RequestError::StrayPlaceholder { .. })
+            | Error::Request(RequestError::TokenOutOfVocab { .. })
+            | Error::Request(RequestError::PlaceholderCountMismatch { .. })
+            | Error::Request(RequestError::MissingItem { .. })
+            | Error::Request(RequestError::UnusedItems { .. })
+            | Error::Request(RequestError::ItemModalityMismatch { .. })
+            | Error::Request(RequestError::MalformedAudioInVideo { .. })
+            | Error::Request(RequestError::MalformedAtoms { .. })
     )
 }
 

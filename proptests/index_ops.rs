@@ -183,7 +183,7 @@ impl Harness {
                 self.free.extend(freed);
             }
         }
-        self.index.validate().map_err(TestCaseError::fail)?;
+        self.index.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
         let stats = self.index.stats();
         prop_assert_eq!(stats.cached_blocks as usize, self.ledger.len());
         Ok(())
@@ -199,7 +199,7 @@ impl Harness {
             prop_assert!(self.ledger.evict(*b), "drained block {b} was not cached");
         }
         prop_assert_eq!(self.ledger.len(), 0, "blocks left in the ledger after a full drain");
-        self.index.validate().map_err(TestCaseError::fail)?;
+        self.index.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
         let stats = self.index.stats();
         prop_assert_eq!((stats.cached_blocks, stats.nodes), (0, 0));
         Ok(())

@@ -84,16 +84,9 @@ fn build(steps: &[Step], kind: PositionKind) -> Result<CanonicalPrompt> {
     b.build()
 }
 
+/// The parts' values one after the other, as one M-RoPE prompt's positions.
 fn concat(parts: Vec<Positions>, rope_delta: i64) -> Positions {
-    let (mut t, mut h, mut w) = (Vec::new(), Vec::new(), Vec::new());
-    for part in parts {
-        if let Positions::Mrope { t: a, h: b, w: c, .. } = part {
-            t.extend(a);
-            h.extend(b);
-            w.extend(c);
-        }
-    }
-    Positions::Mrope { t, h, w, rope_delta }
+    Positions::given(parts.iter().flat_map(Positions::iter).collect(), rope_delta)
 }
 
 fn cases() -> u32 {
@@ -115,9 +108,10 @@ proptest! {
             .map(|w| prompt.positions.slice(w[0]..w[1]))
             .collect::<Result<Vec<_>>>()
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let Positions::Mrope { rope_delta, .. } = prompt.positions else {
+        let Some(rope_delta) = prompt.positions.rope_delta() else {
             return Err(TestCaseError::fail("mrope expected"));
         };
+        prop_assert!(parts.iter().all(|p| p.rope_delta() == Some(rope_delta)), "slices keep the rope delta");
         prop_assert_eq!(concat(parts, rope_delta), prompt.positions.clone());
         prop_assert!(prompt.positions.slice(0..len + 1).is_err());
     }
@@ -136,6 +130,6 @@ proptest! {
         prop_assert_eq!(&parsed.index_map.spans, &prompt.index_map.spans);
         prop_assert_eq!(&parsed.positions, &prompt.positions);
         let linear = build(&steps, PositionKind::Linear).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        prop_assert_eq!(linear.positions, Positions::Linear((0..prompt.len() as i64).collect()));
+        prop_assert_eq!(linear.positions, Positions::linear(prompt.len()));
     }
 }

@@ -61,7 +61,7 @@ proptest! {
             prop_assert_eq!(h.aligned_tokens, h.tokens);
             prop_assert_eq!(h.blocks.len(), h.tokens / BS);
         }
-        radix.validate().map_err(TestCaseError::fail)?;
-        chain.validate().map_err(TestCaseError::fail)?;
+        radix.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        chain.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
     }
 }

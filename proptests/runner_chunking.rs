@@ -11,6 +11,7 @@ use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::{EmbedRows, ScheduledBatch};
 use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
+use omniprefix::kv::BlockTable;
 use omniprefix::prompt::Positions;
 use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
 use proptest::prelude::*;
@@ -36,19 +37,13 @@ fn prompt(cfg: &Config, len: usize, start: usize, rows: usize, rng: &mut ChaCha8
     let token_ids = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
     let item = Array2::from_shape_fn((rows, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
     let embeds = vec![EmbedRows { step_offset: start, embeddings: Arc::new(item), rows: 0..rows, deepstack: None }];
-    let t: Vec<i64> = (0..len as i64).collect();
     let positions = match cfg.mrope_section {
-        None => Positions::Linear(t),
+        None => Positions::linear(len),
         Some(_) => {
             let grid = |p: usize, f: fn(usize) -> usize| -> i64 {
                 if (start..start + rows).contains(&p) { (start + f(p - start)) as i64 } else { p as i64 }
             };
-            Positions::Mrope {
-                t: (0..len).map(|p| grid(p, |_| 0)).collect(),
-                h: (0..len).map(|p| grid(p, |r| r / 3)).collect(),
-                w: (0..len).map(|p| grid(p, |r| r % 3)).collect(),
-                rope_delta: 0,
-            }
+            Positions::given((0..len).map(|p| [grid(p, |_| 0), grid(p, |r| r / 3), grid(p, |r| r % 3)]).collect(), 0)
         }
     };
     PromptInputs { token_ids, embeds, positions }
@@ -97,7 +92,7 @@ proptest! {
         let mut a = 0;
         let mut outs = Vec::new();
         for &b in &ends {
-            let seq = p.step(9, table, block_size, a..b).unwrap();
+            let seq = p.step(9, BlockTable::new(table.to_vec(), block_size), a..b).unwrap();
             outs = runner.execute(&ScheduledBatch { copies: vec![], seqs: vec![seq] }, &mut pages).unwrap();
             prop_assert_eq!(outs.len(), usize::from(b == len));
             a = b;

@@ -7,6 +7,10 @@
 #
 # Env: DEMO_BACKEND (auto | cpu | wgpu, default auto), NOTEBOOK_VENV, PYTHON, CARGO_TARGET_DIR.
 # criterion's output (target/criterion, from `cargo bench`) is plotted when present.
+#
+# The docs quote these reports: docs/demo.md (headline numbers), docs/benchmarks.md (the match
+# table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table) and
+# the README's headline figures. Nothing here rewrites them: update them from the new reports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(pwd)"

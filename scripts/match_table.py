@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Markdown table of `omniprefix bench match --json` lines (stdin) for the README."""
+"""Markdown table of `omniprefix bench match --json` lines (stdin) for docs/benchmarks.md ("Match benchmark").
+
+scripts/make_figures.sh writes the lines to docs/reports/bench_match_{1t,Nt}.jsonl:
+    cat docs/reports/bench_match_1t.jsonl docs/reports/bench_match_Nt.jsonl | python3 scripts/match_table.py
+"""
 import json
 import sys
 

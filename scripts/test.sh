@@ -23,6 +23,15 @@ export OMNIPREFIX_ATTN_BENCH_SCALE="${OMNIPREFIX_ATTN_BENCH_SCALE:-16}"
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 echo "disk free before the build: $(df -h . | awk 'NR==2 {print $4}')"
 
+# The engine alone: without default features the library builds with none of the GPU or
+# CLI crates (wgpu, naga, clap, indicatif, criterion) in its normal dependency tree.
+cargo check -p omniprefix --no-default-features --all-targets --quiet
+if cargo tree -p omniprefix --no-default-features -e normal --prefix none | grep -E '^(wgpu|naga|clap|indicatif|criterion) '; then
+  echo "the engine without default features pulls in the crates above" >&2
+  exit 1
+fi
+
+# Root default members: the engine (`omniprefix`) and its harnesses (`omniprefix-cli`).
 cargo test --all-targets "$@"
 cargo test --doc "$@"
 # Broken intra-doc links fail the build, so the API docs stay navigable.

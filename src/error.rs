@@ -1,14 +1,81 @@
-//! The crate's one error type. Variants name what was wrong and where.
+//! The crate's error type: one [`Error`] that wraps one enum per layer that fails.
+//!
+//! | variant | enum | what failed |
+//! | --- | --- | --- |
+//! | [`Error::Request`] | [`RequestError`] | what a caller sent: items, prompt, token ids, placeholders, embeddings, DeepStack rows, sizes, tenant |
+//! | [`Error::RequestFile`] | [`RequestFileError`] | a request file (JSON) or the safetensors it names |
+//! | [`Error::Checkpoint`] | [`CheckpointError`] | a model checkpoint: `config.json`, safetensors, weights |
+//! | [`Error::Config`] | [`ConfigError`] | a setting of the engine, scheduler, pool or backend choice, or a capture point |
+//! | [`Error::Sched`] | [`SchedError`] | the scheduler protocol: request ids, batches handed back, stalls |
+//! | [`Error::Cache`] | [`CacheError`] | the prefix index or the KV block pool used against its contract |
+//! | [`Error::Invariant`] | [`InvariantViolation`] | a `validate()` check: a component's internal state is inconsistent |
+//! | [`Error::Backend`] | [`BackendError`] | a backend op given operands of the wrong shape or an index out of range |
+//! | [`Error::Gpu`] | [`GpuError`] | the wgpu device: adapter, limits, shaders, device-side failures |
+//! | [`Error::Io`] | [`IoError`] | a file (or stream) read or written, with its path |
+//! | [`Error::ThreadPool`] | — | a worker thread pool could not start |
+//!
+//! Every family converts into [`Error`] with `From`, so a site reads
+//! `return Err(RequestError::EmptyPrompt.into())` or `.map_err(|e| IoError::read(path, e))?`.
+//! Each variant names what was wrong and where (item, position, tensor, file, op).
+
+use std::fmt;
+use std::path::Path;
 
 use crate::canon::{Dtype, Modality};
 
-/// Everything that can go wrong in omniprefix, with the facts needed to fix it.
-///
-/// Helpers add variants here as their modules need them; keep them structured
-/// (expected vs found, which item / tensor / field).
+/// Everything that can go wrong in omniprefix, by the layer that failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// What a caller sent cannot be served.
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// A request file or one of the tensor files it names.
+    #[error(transparent)]
+    RequestFile(#[from] RequestFileError),
+    /// A model checkpoint that cannot be loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// A setting that cannot work.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The scheduler's protocol was not followed.
+    #[error(transparent)]
+    Sched(#[from] SchedError),
+    /// The prefix index or the block pool was used against its contract.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// A `validate()` check failed (an internal bug, reported instead of panicking).
+    #[error(transparent)]
+    Invariant(#[from] InvariantViolation),
+    /// A backend op refused its operands.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The GPU device failed or cannot run the kernels.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// A file or stream could not be read or written.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// A worker thread pool could not start.
+    #[error("cannot start {threads} {purpose} threads: {source}")]
+    ThreadPool { purpose: &'static str, threads: usize, source: rayon::ThreadPoolBuildError },
+}
+
+/// Crate-wide result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a unit test returns when it can also fail for reasons outside the engine
+/// (a fixture that does not parse, a test array of the wrong shape).
+#[cfg(test)]
+pub(crate) type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// What a caller sent: items, the prompt, its token ids and placeholders, the
+/// embeddings and DeepStack rows of its items, and what admission checks.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestError {
+    // ---- items ----
     /// A tensor's dtype is not the one the caller promised or the op supports.
     #[error("item {item}: dtype {found:?} where {expected} was expected")]
     DtypeMismatch { item: usize, expected: String, found: Dtype },
@@ -21,39 +88,33 @@ pub enum Error {
     /// An item with no bytes or no rows.
     #[error("item {item}: empty ({what})")]
     EmptyItem { item: usize, what: &'static str },
-    /// A block size of zero tokens.
-    #[error("block size must be positive, found {found}")]
-    InvalidBlockSize { found: usize },
-    /// More blocks handed to `insert` than the prompt has full blocks.
-    #[error("{blocks} blocks given for a prompt with {full_blocks} full blocks")]
-    BlocksExceedPrompt { blocks: usize, full_blocks: usize },
-    /// A block id the index already owns (under other content), or repeated in one insert.
-    #[error("block {block} is already cached under other content or repeated")]
-    BlockAlreadyCached { block: u32 },
-    /// One multimodal hash per prompt item was expected.
-    #[error("{found} multimodal hashes for a prompt with {expected} items")]
-    MmHashCount { expected: usize, found: usize },
-    /// An index-map span names an item the prompt does not have.
-    #[error("index map span {span} names item {item}, prompt has {items} items")]
-    SpanItemOutOfRange { span: usize, item: u32, items: usize },
+    /// An item whose content is too large to count in bytes (a broadcast view, say).
+    #[error("item {item}: {elements} elements of {element_bytes} bytes overflow a byte count")]
+    ItemTooLarge { item: usize, elements: usize, element_bytes: usize },
     /// Raw media whose shape does not fit what it claims to be.
     #[error("{what}: shape {found:?} where {expected} was expected")]
     MediaShape { what: &'static str, expected: String, found: Vec<usize> },
-    /// A prompt whose atoms cover a different number of tokens than its token ids.
-    #[error("prompt atoms cover {atoms} tokens but token_ids has {tokens}")]
-    AtomsLengthMismatch { atoms: usize, tokens: usize },
     /// An image/video grid whose t·h·w patches do not merge into whole tokens.
     #[error("item {item}: grid t·h·w {grid_thw:?} is not divisible by merge {merge}x{merge}")]
     GridNotMergeable { item: usize, grid_thw: [u32; 3], merge: u32 },
     /// A layout field that cannot describe any item (wrong kind for the modality, non-finite time step).
     #[error("item {item}: layout field {field} is invalid: expected {expected}, found {found}")]
     InvalidLayout { item: usize, field: &'static str, expected: &'static str, found: String },
-    /// Anything else about a request that cannot be canonicalised.
-    #[error("invalid request: {0}")]
-    InvalidRequest(String),
+    /// An item whose layout cannot be placed (grid not divisible by the merge size,
+    /// token count disagreeing with the layout, non-finite seconds per grid...).
+    #[error("item {item}: invalid layout: expected {expected}, found {found}")]
+    LayoutMismatch { item: usize, expected: String, found: String },
+    /// An item of one modality where another was required.
+    #[error("item {item}: modality {found:?} where {expected:?} was required")]
+    ItemModalityMismatch { item: usize, expected: Modality, found: Modality },
+
+    // ---- the prompt ----
     /// A prompt with no tokens at all.
     #[error("empty prompt: no tokens")]
     EmptyPrompt,
+    /// A prompt longer than positions can address (`u32`).
+    #[error("prompt of {positions} positions exceeds u32::MAX")]
+    PromptTooLong { positions: usize },
     /// A placeholder id used as plain text, outside any item span.
     #[error("position {position}: placeholder id {token} in text, outside any item span")]
     StrayPlaceholder { position: usize, token: u32 },
@@ -69,79 +130,74 @@ pub enum Error {
     /// Items that no placeholder asked for.
     #[error("{count} {modality:?} item(s) have no placeholder; first unused is item {first}")]
     UnusedItems { first: usize, modality: Modality, count: usize },
-    /// An item of one modality where another was required.
-    #[error("item {item}: modality {found:?} where {expected:?} was required")]
-    ItemModalityMismatch { item: usize, expected: Modality, found: Modality },
-    /// An item whose layout cannot be placed (grid not divisible by the merge size,
-    /// token count disagreeing with the layout, non-finite seconds per grid...).
-    #[error("item {item}: invalid layout: expected {expected}, found {found}")]
-    LayoutMismatch { item: usize, expected: String, found: String },
     /// A video with interleaved audio that does not follow the Qwen3-Omni layout.
     #[error("audio-in-video of item {item} at position {position}: expected {expected}, found {found}")]
     MalformedAudioInVideo { item: usize, position: usize, expected: String, found: String },
     /// Atoms that do not describe whole items in row order.
     #[error("atom {atom}: {problem}")]
     MalformedAtoms { atom: usize, problem: &'static str },
+    /// A prompt whose atoms cover a different number of tokens than its token ids.
+    #[error("prompt atoms cover {atoms} tokens but token_ids has {tokens}")]
+    AtomsLengthMismatch { atoms: usize, tokens: usize },
     /// A position range that does not lie inside the prompt.
     #[error("position range {start}..{end} is outside a prompt of {len} positions")]
     PositionRangeOutOfBounds { start: usize, end: usize, len: usize },
+    /// A prompt whose parts disagree in length or point outside it.
+    #[error("request {id}: {what} is {found}, expected {expected}")]
+    PromptMismatch { id: u64, what: &'static str, expected: usize, found: usize },
 
-    // ---- kv block pool and scheduler ----
-    /// A block id outside the pool.
-    #[error("block {block} is outside the pool of {num_blocks} blocks")]
-    BlockOutOfRange { block: u32, num_blocks: usize },
-    /// A pool operation on a block in the wrong state (e.g. releasing a free block).
-    #[error("block pool: cannot {op} block {block} while it is {state}")]
-    BlockStateMisuse { op: &'static str, block: u32, state: String },
-    /// A scheduler or pool setting that cannot work.
-    #[error("scheduler config: {field} must be {expected}, found {found}")]
-    InvalidConfig { field: &'static str, expected: String, found: String },
-    /// A request id that is already admitted.
-    #[error("request {id} is already admitted")]
-    DuplicateRequest { id: u64 },
-    /// A request id the scheduler does not know.
-    #[error("request {id} is not admitted")]
-    UnknownRequest { id: u64 },
-    /// A prompt longer than the model's context.
-    #[error("request {id}: prompt of {len} tokens exceeds the model context of {max}")]
-    ContextTooLong { id: u64, len: usize, max: usize },
-    /// A tenant salt outside the configured set, when salts are required.
-    #[error("request {id}: tenant {tenant} is not one of the known tenants")]
-    UnknownTenant { id: u64, tenant: u64 },
-    /// Blocks still held by no request and not by the index after every request finished.
-    #[error("{leaked} of {num_blocks} blocks leaked (neither free nor owned by the index)")]
-    BlocksLeaked { leaked: usize, num_blocks: usize },
-    /// A request that needs more blocks than the whole pool holds.
-    #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
-    RequestTooLarge { id: u64, needed: usize, num_blocks: usize },
+    // ---- embeddings ----
+    /// An item that brought no embeddings, missed the encoder cache and had no encoder to run.
+    #[error("item {item}: no embeddings given, none cached for its fingerprint and no encoder to compute them")]
+    MissingEmbeddings { item: usize },
     /// A request's embeddings disagree with its prompt's items or index map.
     #[error("request {id}, item {item}: {what} is {found}, expected {expected}")]
     EmbeddingMismatch { id: u64, item: usize, what: &'static str, expected: usize, found: usize },
     /// An item's DeepStack rows disagree with its embeddings, the other items or the model.
     #[error("request {id}, item {item}, DeepStack level {level}: {what} is {found}, expected {expected}")]
     DeepStackMismatch { id: u64, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
-    /// A prompt whose parts disagree in length or point outside it.
-    #[error("request {id}: {what} is {found}, expected {expected}")]
-    PromptMismatch { id: u64, what: &'static str, expected: usize, found: usize },
-    /// `finish` on a request whose prompt has not been fully computed.
-    #[error("request {id} is not finished: {computed} of {len} tokens computed")]
-    RequestNotFinished { id: u64, computed: usize, len: usize },
-    /// A completed batch that is not the one the scheduler handed out.
-    #[error("completed batch, request {id}: {what} is {found}, scheduled {expected}")]
-    BatchMismatch { id: u64, what: &'static str, expected: usize, found: usize },
-    /// The prefix index broke its contract (an internal bug, reported instead of panicking).
-    #[error("prefix index broke its contract: {0}")]
-    IndexContract(String),
-    /// A file could not be read.
-    #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+
+    // ---- admission ----
+    /// A prompt longer than the model's context.
+    #[error("request {id}: prompt of {len} tokens exceeds the model context of {max}")]
+    ContextTooLong { id: u64, len: usize, max: usize },
+    /// A request that needs more blocks than the whole pool holds.
+    #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
+    RequestTooLarge { id: u64, needed: usize, num_blocks: usize },
+    /// A tenant salt outside the configured set, when salts are required.
+    #[error("request {id}: tenant {tenant} is not one of the known tenants")]
+    UnknownTenant { id: u64, tenant: u64 },
+}
+
+/// A request file (JSON) or a tensor file it names.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestFileError {
+    /// A request file that is not valid JSON or does not follow the request format.
+    #[error("request file {path}: {message}")]
+    Format { path: String, message: String },
+    /// A tensor file a request file names that is not valid safetensors.
+    #[error("request tensors {path}: {message}")]
+    Safetensors { path: String, message: String },
+    /// A tensor a request file names is not in the safetensors file it names.
+    #[error("{path}: no tensor `{tensor}`")]
+    TensorNotInFile { path: String, tensor: String },
+    /// A tensor a request file names has the wrong dtype or shape for its role.
+    #[error("{path}, tensor `{tensor}`: {found} where {expected} was expected")]
+    Tensor { path: String, tensor: String, expected: String, found: String },
+}
+
+/// A model checkpoint: `config.json`, the safetensors files, the weights in them.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
     /// A model `config.json` that is not valid JSON or lacks a required field.
     #[error("model config: {0}")]
     ConfigParse(String),
     /// A model config field whose value this crate does not implement.
     #[error("model config field `{field}` = {value}: {reason}")]
     UnsupportedConfig { field: &'static str, value: String, reason: &'static str },
-    /// A safetensors file that cannot be parsed.
+    /// A safetensors file (or its index) that cannot be parsed.
     #[error("safetensors {path}: {message}")]
     Safetensors { path: String, message: String },
     /// A weight the model needs is absent from the checkpoint.
@@ -153,66 +209,218 @@ pub enum Error {
     /// A weight stored in a dtype the loader does not convert.
     #[error("weight `{name}`: dtype {found} (only f32, f16 and bf16 are accepted)")]
     TensorDtype { name: String, found: String },
+    /// Weights that cannot be reshaped or fused into the layout the model runs
+    /// (gate/up stacking, fused experts).
+    #[error("weight `{name}`: {problem}")]
+    WeightLayout { name: String, problem: String },
+}
+
+/// A setting of the engine, scheduler, block pool or backend choice, or a capture point.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A setting of `component` that cannot work.
+    #[error("{component} config: {field} must be {expected}, found {found}")]
+    Invalid { component: &'static str, field: &'static str, expected: String, found: String },
+    /// A capture point that is neither `hidden.<layer>` nor `final`.
+    #[error("capture `{spec}`: expected `hidden.<layer>` or `final`")]
+    CaptureSyntax { spec: String },
+    /// A capture point that names no layer of the model.
+    #[error("capture `hidden.{layer}`: the model has {num_layers} layers (valid 0..={num_layers})")]
+    CaptureLayer { layer: usize, num_layers: usize },
+}
+
+/// The scheduler's protocol: which requests exist, which batch was handed out,
+/// whether anything can run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SchedError {
+    /// A request id that is already admitted.
+    #[error("request {id} is already admitted")]
+    DuplicateRequest { id: u64 },
+    /// A request id the scheduler does not know.
+    #[error("request {id} is not admitted")]
+    UnknownRequest { id: u64 },
+    /// `finish` on a request whose prompt has not been fully computed.
+    #[error("request {id} is not finished: {computed} of {len} tokens computed")]
+    RequestNotFinished { id: u64, computed: usize, len: usize },
+    /// A completed batch that is not the one the scheduler handed out.
+    #[error("completed batch, request {id}: {what} is {found}, scheduled {expected}")]
+    BatchMismatch { id: u64, what: &'static str, expected: usize, found: usize },
+    /// A scheduled sequence whose fields disagree with each other or the model (checked by the runner).
+    #[error("request {request}: {what}")]
+    InvalidBatch { request: u64, what: String },
+    /// Requests are live but the scheduler emitted an empty step (an internal bug).
+    #[error("scheduler stalled: {pending} request(s) pending but the scheduler emitted an empty step")]
+    Stalled { pending: usize },
+    /// Outputs came back for a request the scheduler did not finish with that batch.
+    #[error("request {id} returned outputs but the scheduler did not finish it")]
+    OutputsBeforeFinish { id: u64 },
+}
+
+/// The prefix index or the KV block pool used against its contract, or
+/// breaking it (an index that answers inconsistently is an internal bug).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CacheError {
+    /// A block size of zero tokens.
+    #[error("block size must be positive, found {found}")]
+    InvalidBlockSize { found: usize },
+    /// More blocks handed to `insert` than the prompt has full blocks.
+    #[error("{blocks} blocks given for a prompt with {full_blocks} full blocks")]
+    BlocksExceedPrompt { blocks: usize, full_blocks: usize },
+    /// A block id the index already owns (under other content), or repeated in one insert.
+    #[error("block {block} is already cached under other content or repeated")]
+    BlockAlreadyCached { block: u32 },
+    /// One multimodal hash per prompt item was expected.
+    #[error("{found} multimodal hashes for a prompt with {expected} items")]
+    MmHashCount { expected: usize, found: usize },
+    /// An index-map span names an item the prompt does not have.
+    #[error("index map span {span} names item {item}, prompt has {items} items")]
+    SpanItemOutOfRange { span: usize, item: u32, items: usize },
+    /// A block id outside the pool.
+    #[error("block {block} is outside the pool of {num_blocks} blocks")]
+    BlockOutOfRange { block: u32, num_blocks: usize },
+    /// A pool operation on a block in the wrong state (e.g. releasing a free block).
+    #[error("block pool: cannot {op} block {block} while it is {state}")]
+    BlockStateMisuse { op: &'static str, block: u32, state: String },
+    /// A match whose token, aligned-token and block counts disagree, or exceed the prompt.
+    #[error(
+        "prefix index broke its contract: match of {tokens} tokens ({aligned_tokens} aligned) \
+         with {blocks} blocks for a {prompt_len}-token prompt"
+    )]
+    InconsistentMatch { tokens: usize, aligned_tokens: usize, blocks: usize, prompt_len: usize },
+    /// `insert` adopted a block the request did not offer.
+    #[error("prefix index broke its contract: insert adopted block {block}, which request {id} did not offer")]
+    AdoptedUnoffered { id: u64, block: u32 },
+    /// Blocks just inserted that a match right after does not return.
+    #[error("prefix index broke its contract: request {id}: {matched} of {inserted} just inserted blocks match again")]
+    InsertNotMatched { id: u64, matched: usize, inserted: usize },
+    /// A match that returned a block the index does not own in the pool.
+    #[error("prefix index broke its contract: match returned block {block}, which the index does not own")]
+    MatchedUnownedBlock { block: u32 },
+}
+
+/// The component whose invariants a `validate()` checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Component {
+    /// [`crate::kv::BlockPool`].
+    BlockPool,
+    /// [`crate::index::radix::RadixIndex`].
+    RadixIndex,
+    /// [`crate::index::hashchain::HashChainIndex`].
+    HashChainIndex,
+    /// Another [`crate::index::PrefixIndex`] implementation, by name.
+    OtherIndex(&'static str),
+    /// [`crate::sched::Scheduler`]: its pool, index and request bookkeeping against each other.
+    Scheduler,
+}
+
+impl Component {
+    /// A broken invariant of this component, described by `what`.
+    pub fn violation(self, what: impl Into<String>) -> InvariantViolation {
+        InvariantViolation { component: self, what: what.into() }
+    }
+}
+
+impl fmt::Display for Component {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Component::BlockPool => f.write_str("block pool"),
+            Component::RadixIndex => f.write_str("radix index"),
+            Component::HashChainIndex => f.write_str("hash-chain index"),
+            Component::OtherIndex(name) => write!(f, "prefix index {name}"),
+            Component::Scheduler => f.write_str("scheduler"),
+        }
+    }
+}
+
+/// The first broken invariant a `validate()` found, and in which component.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{component} invariant broken: {what}")]
+pub struct InvariantViolation {
+    /// Where the invariant lives.
+    pub component: Component,
+    /// Which invariant broke, with the ids and counts involved.
+    pub what: String,
+}
+
+/// A backend op (CPU or GPU) refusing its operands; the op leaves them unchanged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
     /// A backend op called with operands of incompatible shapes.
     #[error("backend op {op}: {what} has shape {found:?} where {expected} was expected")]
     OpShape { op: &'static str, what: &'static str, expected: String, found: Vec<usize> },
     /// A backend op given an index outside its operand (row, slot, block, layer).
     #[error("backend op {op}: {what} {index} out of range 0..{bound}")]
     OpIndex { op: &'static str, what: &'static str, index: i64, bound: usize },
-    /// A capture point that names no layer of the model.
-    #[error("capture `hidden.{layer}`: the model has {num_layers} layers (valid 0..={num_layers})")]
-    CaptureLayer { layer: usize, num_layers: usize },
-    /// A scheduled sequence whose fields disagree with each other or the model.
-    #[error("request {request}: {what}")]
-    InvalidBatch { request: u64, what: String },
-    /// A GPU / device failure (adapter, buffer mapping, shader compilation).
-    #[error("device: {0}")]
-    Device(String),
+}
+
+/// The wgpu device: adapter, limits, shaders and device-side failures.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GpuError {
     /// No GPU adapter could be obtained (no driver, or none of the requested backends).
     #[error("no GPU adapter for backends {backends}: {reason}")]
-    GpuUnavailable { backends: String, reason: String },
+    Unavailable { backends: String, reason: String },
     /// The adapter offers less of a limit than the kernels need.
     #[error("GPU adapter `{adapter}`: limit {limit} is {available}, the kernels need {required}")]
-    GpuLimit { adapter: String, limit: &'static str, required: u64, available: u64 },
+    Limit { adapter: String, limit: &'static str, required: u64, available: u64 },
     /// A buffer or paged pool larger than the device can allocate or bind.
     #[error("GPU adapter `{adapter}`: {what} needs {requested} bytes, over {limit} = {max} bytes")]
-    GpuTooLarge { adapter: String, what: String, requested: u64, limit: &'static str, max: u64 },
+    TooLarge { adapter: String, what: String, requested: u64, limit: &'static str, max: u64 },
     /// A shader module or pipeline the device rejected.
     #[error("GPU adapter `{adapter}`: shader {shader}, entry point {entry}: {message}")]
     ShaderCompile { adapter: String, shader: String, entry: String, message: String },
     /// A device-side failure while running an op (validation, out of memory, mapping, lost device).
     #[error("GPU adapter `{adapter}`: {op}: {message}")]
-    GpuOp { adapter: String, op: &'static str, message: String },
+    Op { adapter: String, op: &'static str, message: String },
     /// A model shape outside what the GPU kernels implement.
     #[error("GPU kernels: {what} = {value} is unsupported (supported: {supported})")]
-    GpuUnsupported { what: &'static str, value: usize, supported: &'static str },
-    /// A workload name `bench match` does not know.
-    #[error("unknown workload {name:?}; known: {known}")]
-    UnknownWorkload { name: String, known: String },
-    /// An embedded fixture that does not hold what the code expects.
-    #[error("fixture {file}: {problem}")]
-    Fixture { file: &'static str, problem: String },
-    /// Writing output (a report, a table) failed.
-    #[error("cannot write the output: {0}")]
-    Write(#[from] std::io::Error),
-
-    // ---- engine and request files ----
-    /// An item that brought no embeddings, missed the encoder cache and had no encoder to run.
-    #[error("item {item}: no embeddings given, none cached for its fingerprint and no encoder to compute them")]
-    MissingEmbeddings { item: usize },
-    /// Requests are pending but the scheduler can run none of them (an internal bug).
-    #[error("engine stalled: {pending} request(s) pending but the scheduler emitted an empty step")]
-    EngineStalled { pending: usize },
-    /// A request file that is not valid JSON or does not follow the request format.
-    #[error("request file {path}: {message}")]
-    RequestFormat { path: String, message: String },
-    /// A tensor a request file names is not in the safetensors file it names.
-    #[error("{path}: no tensor `{tensor}`")]
-    TensorNotInFile { path: String, tensor: String },
-    /// A tensor a request file names has the wrong dtype or shape for its role.
-    #[error("{path}, tensor `{tensor}`: {found} where {expected} was expected")]
-    RequestTensor { path: String, tensor: String, expected: String, found: String },
+    Unsupported { what: &'static str, value: usize, supported: &'static str },
 }
 
-/// Crate-wide result alias.
-pub type Result<T, E = Error> = std::result::Result<T, E>;
+/// Whether an io failure happened reading or writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Opening, mapping, listing or reading.
+    Read,
+    /// Creating, writing or flushing.
+    Write,
+}
+
+impl fmt::Display for Access {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Access::Read => "read",
+            Access::Write => "write",
+        })
+    }
+}
+
+/// A file or stream that could not be read or written: which, and how.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot {access} {path}: {source}")]
+pub struct IoError {
+    /// The file's path as given, or the stream's name (`stdout`).
+    pub path: String,
+    /// Whether the failure was a read or a write.
+    pub access: Access,
+    /// What the operating system said.
+    #[source]
+    pub source: std::io::Error,
+}
+
+impl IoError {
+    /// Reading `path` (or opening, mapping or listing it) failed.
+    pub fn read(path: impl AsRef<Path>, source: std::io::Error) -> Self {
+        IoError { path: path.as_ref().display().to_string(), access: Access::Read, source }
+    }
+
+    /// Writing `path` (or creating it) failed.
+    pub fn write(path: impl AsRef<Path>, source: std::io::Error) -> Self {
+        IoError { path: path.as_ref().display().to_string(), access: Access::Write, source }
+    }
+}

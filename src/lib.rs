@@ -8,10 +8,7 @@
 
 pub mod backend;
 pub mod batch;
-pub mod bench;
 pub mod canon;
-pub mod cli;
-pub mod demo;
 pub mod engine;
 pub mod error;
 pub mod index;
@@ -22,8 +19,16 @@ pub mod prompt;
 pub mod sched;
 pub mod model;
 pub mod runner;
-pub mod workloads;
-pub mod soak;
-pub mod ttft;
 
 pub use error::{Error, Result};
+
+/// The Rust examples of the README and of `docs/engine.md`, compiled and run by
+/// `cargo test --doc` so that they cannot rot.
+#[cfg(doctest)]
+#[allow(dead_code)]
+mod doc_examples {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/engine.md")]
+    struct EngineDoc;
+}

@@ -129,7 +129,7 @@ impl Preprocessor {
             PlaceholderForm::Unexpanded => builder.extend_unexpanded(token_ids, &items, false)?,
             PlaceholderForm::UnexpandedAudioInVideo => builder.extend_unexpanded(token_ids, &items, true)?,
         };
-        builder.build()
+        builder.into_prompt()
     }
 }
 
@@ -137,7 +137,7 @@ impl Preprocessor {
 mod tests {
     use super::*;
     use crate::canon::{FingerprintKey, ItemContent, ItemLayout, Modality, TensorView};
-    use crate::error::Error;
+    use crate::error::{Error, RequestError};
     use crate::index::ValidationPolicy;
     use ndarray::Array1;
 
@@ -173,11 +173,11 @@ mod tests {
         let wave = Array1::from_elem(160, f32::NAN);
         let ids = [7, 505, 502, 506];
         let nan = RawRequest { token_ids: &ids, items: vec![audio(&wave, 100)], audio_in_video: false };
-        assert!(matches!(preprocessor(0)?.preprocess(&nan), Err(Error::NonFinite { item: 0, .. })));
+        assert!(matches!(preprocessor(0)?.preprocess(&nan), Err(Error::Request(RequestError::NonFinite { item: 0, .. }))));
         let missing = RawRequest { token_ids: &ids, items: vec![], audio_in_video: false };
         assert!(matches!(
             preprocessor(0)?.preprocess(&missing),
-            Err(Error::MissingItem { position: 2, modality: Modality::Audio, .. })
+            Err(Error::Request(RequestError::MissingItem { position: 2, modality: Modality::Audio, .. }))
         ));
         Ok(())
     }

@@ -1,4 +1,4 @@
-//! The JSON request-file format of `omniprefix hidden` (documented in `the README, "Request format"`).
+//! The JSON request-file format of `omniprefix hidden` (documented in `docs/request-format.md`).
 //!
 //! ```json
 //! {
@@ -35,7 +35,7 @@ use serde::Deserialize;
 use crate::batch::DeepStack;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use crate::engine::{ItemInput, PlaceholderForm, PrefillRequest};
-use crate::error::{Error, Result};
+use crate::error::{Error, IoError, RequestFileError, Result};
 use crate::prompt::{OmniTokens, TenantSalt};
 
 #[derive(Debug, Deserialize)]
@@ -144,14 +144,14 @@ enum Segment {
 impl RequestFile {
     /// Reads and checks a request file and every tensor it names.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| IoError::read(&path, source))?;
         Self::parse(&text, path)
     }
 
     /// Parses request JSON whose tensor files are relative to `path`'s folder.
     pub fn parse(json: &str, path: &Path) -> Result<Self> {
         let raw: RawFile = serde_json::from_str(json)
-            .map_err(|e| Error::RequestFormat { path: path.display().to_string(), message: e.to_string() })?;
+            .map_err(|e| RequestFileError::Format { path: path.display().to_string(), message: e.to_string() })?;
         let base = path.parent().unwrap_or(Path::new("."));
         let mut files = TensorFiles::default();
         let mut segments = Vec::with_capacity(raw.segments.len());
@@ -230,15 +230,15 @@ impl TensorFiles {
     fn tensor(&mut self, base: &Path, r: &TensorRef) -> Result<(StDtype, Vec<usize>, Vec<u8>)> {
         let path = base.join(&r.file);
         if !self.bytes.contains_key(&path) {
-            let data = std::fs::read(&path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+            let data = std::fs::read(&path).map_err(|source| IoError::read(&path, source))?;
             self.bytes.insert(path.clone(), data);
         }
         let data = self.bytes.get(&path).map(Vec::as_slice).unwrap_or_default();
         let st = SafeTensors::deserialize(data)
-            .map_err(|e| Error::Safetensors { path: path.display().to_string(), message: e.to_string() })?;
+            .map_err(|e| RequestFileError::Safetensors { path: path.display().to_string(), message: e.to_string() })?;
         let view = st
             .tensor(&r.tensor)
-            .map_err(|_| Error::TensorNotInFile { path: path.display().to_string(), tensor: r.tensor.clone() })?;
+            .map_err(|_| RequestFileError::TensorNotInFile { path: path.display().to_string(), tensor: r.tensor.clone() })?;
         Ok((view.dtype(), view.shape().to_vec(), view.data().to_vec()))
     }
 
@@ -301,7 +301,7 @@ impl TensorFiles {
 }
 
 fn request_tensor(base: &Path, r: &TensorRef, expected: String, found: String) -> Error {
-    Error::RequestTensor { path: base.join(&r.file).display().to_string(), tensor: r.tensor.clone(), expected, found }
+    RequestFileError::Tensor { path: base.join(&r.file).display().to_string(), tensor: r.tensor.clone(), expected, found }.into()
 }
 
 fn shape_error(base: &Path, r: &TensorRef, e: ndarray::ShapeError) -> Error {

@@ -6,6 +6,13 @@
 //! (cached rows gathered from the hidden pages) and the last position's logits.
 //!
 //! The runner never touches an index or a pool: everything it needs is in the batch.
+//!
+//! Batches from the scheduler are well-formed by construction (admission
+//! checked their requests against this model), so the engine runs them with
+//! debug assertions only. [`ModelRunner::execute`], the entry for batches
+//! built by hand (parity tests, benches, callers driving the runner without
+//! the scheduler), checks them first: a hand-built batch is untrusted input,
+//! and a bad one must be an error that leaves the pages untouched, not a panic.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -13,11 +20,12 @@ use std::sync::Arc;
 use ndarray::{Array2, s};
 
 use crate::backend::{AttnSeq, Backend, PagesSpec, RopePositions};
-use crate::batch::{BlockCopy, EmbedRows, RequestId, ScheduledBatch, ScheduledSeq};
-use crate::index::BlockId;
-use crate::model::{CaptureName, CaptureSpec, Config, StepMeta, Thinker};
-use crate::prompt::Positions;
+use crate::batch::{self, BlockCopy, EmbedRows, LevelMismatch, ModelShape, RequestId, ScheduledBatch, ScheduledSeq};
+use crate::kv::{BlockId, BlockTable};
+use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
+use crate::prompt::{Positions, out_of_vocab};
 use crate::{Error, Result};
+use crate::error::{BackendError, SchedError};
 
 /// What a sequence that completed its prompt this step returns.
 #[derive(Debug, Clone)]
@@ -42,7 +50,7 @@ pub struct SeqOutput {
 /// let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
 /// let thinker = Arc::new(Thinker::random(&*backend, cfg, 1)?);
 /// let capture = CaptureSpec::default_for(2);
-/// let inputs = PromptInputs { token_ids: vec![3, 1, 4, 1, 5], embeds: vec![], positions: Positions::Linear((0..5).collect()) };
+/// let inputs = PromptInputs { token_ids: vec![3, 1, 4, 1, 5], embeds: vec![], positions: Positions::linear(5) };
 /// let out = run_uncached(&thinker, &*backend, &inputs, &capture, false)?;
 /// assert_eq!(out.hidden[0].1.dim(), (5, 32));
 /// let runner = ModelRunner::new(backend, thinker, capture)?;
@@ -87,10 +95,25 @@ impl<B: Backend> ModelRunner<B> {
         &self.backend
     }
 
-    /// Executes one step. The whole batch is validated first: an invalid batch
-    /// returns [`Error::InvalidBatch`] (or [`Error::OpShape`] for pages of the wrong
-    /// sizes) and leaves the pages untouched.
+    /// Executes one step of a batch built by hand (or by a scheduler that was
+    /// not given this model). The whole batch is checked first: an invalid
+    /// batch returns [`SchedError::InvalidBatch`] (or [`BackendError::OpShape`] /
+    /// [`BackendError::OpIndex`] for pages or copies that do not fit) and leaves the
+    /// pages untouched.
     pub fn execute(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
+        check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages))?;
+        Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, false)?.outputs)
+    }
+
+    /// Executes a batch the scheduler built from requests admitted against
+    /// this runner's model ([`Scheduler::with_model`](crate::sched::Scheduler::with_model))
+    /// on pages this runner allocated: well-formed by construction, so only
+    /// debug builds check it.
+    pub(crate) fn execute_scheduled(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
+        debug_assert!(
+            check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages)).is_ok(),
+            "a scheduled batch is well-formed by construction"
+        );
         Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, false)?.outputs)
     }
 }
@@ -120,68 +143,25 @@ pub struct PromptInputs {
 
 impl PromptInputs {
     /// Prompt positions `range` as one scheduled sequence over `block_table`: the
-    /// step a scheduler would emit after `range.start` positions are in pages
-    /// (item rows clipped to the range, slots from the table, output on the last chunk).
+    /// step a scheduler would emit after `range.start` positions are in pages,
+    /// cut by [`batch::chunk`] as the scheduler's are.
     ///
-    /// Errors with [`Error::InvalidBatch`] when the range leaves the prompt, the table
+    /// Errors with [`SchedError::InvalidBatch`] when the range leaves the prompt, the table
     /// cannot hold it, or the positions do not cover the prompt.
-    pub fn step(
-        &self,
-        request: RequestId,
-        block_table: &[BlockId],
-        block_size: usize,
-        range: Range<usize>,
-    ) -> Result<ScheduledSeq> {
+    pub fn step(&self, request: RequestId, block_table: BlockTable, range: Range<usize>) -> Result<ScheduledSeq> {
         let len = self.token_ids.len();
-        let bad = |what: String| Err(Error::InvalidBatch { request, what });
+        let bad = |what: String| Err(Error::Sched(SchedError::InvalidBatch { request, what }));
         if range.start > range.end || range.end > len {
             return bad(format!("step {range:?} outside the prompt of {len} positions"));
         }
-        if block_table.len().saturating_mul(block_size) < range.end {
-            return bad(format!("block table of {} blocks of {block_size} cannot hold {} positions", block_table.len(), range.end));
+        if !block_table.covers(range.end) {
+            let (blocks, bs) = (block_table.len(), block_table.block_size());
+            return bad(format!("block table of {blocks} blocks of {bs} cannot hold {} positions", range.end));
         }
-        if position_axes(&self.positions).iter().any(|p| p.len() != len) {
+        if self.positions.len() != len {
             return bad(format!("positions do not cover the prompt of {len} positions"));
         }
-        let (a, b) = (range.start, range.end);
-        let embeds = self
-            .embeds
-            .iter()
-            .filter_map(|e| {
-                let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
-                let (lo, hi) = (start.max(a), end.min(b));
-                (lo < hi).then(|| EmbedRows {
-                    step_offset: lo - a,
-                    embeddings: Arc::clone(&e.embeddings),
-                    rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
-                    deepstack: e.deepstack.clone(),
-                })
-            })
-            .collect();
-        Ok(ScheduledSeq {
-            request,
-            block_table: block_table.to_vec(),
-            num_computed_tokens: a,
-            token_ids: self.token_ids[range.clone()].to_vec(),
-            embeds,
-            positions: slice_positions(&self.positions, range.clone()),
-            slot_mapping: range.map(|j| slot_of(block_table, block_size, j)).collect(),
-            prompt_len: len,
-            emits_output: b == len,
-        })
-    }
-}
-
-/// Positions `range` of a prompt's positions (the caller checked the bounds).
-pub(crate) fn slice_positions(p: &Positions, range: Range<usize>) -> Positions {
-    match p {
-        Positions::Linear(v) => Positions::Linear(v[range].to_vec()),
-        Positions::Mrope { t, h, w, rope_delta } => Positions::Mrope {
-            t: t[range.clone()].to_vec(),
-            h: h[range.clone()].to_vec(),
-            w: w[range].to_vec(),
-            rope_delta: *rope_delta,
-        },
+        batch::chunk(request, &self.token_ids, &self.embeds, &self.positions, block_table, range)
     }
 }
 
@@ -211,12 +191,13 @@ pub fn run_uncached<B: Backend>(
     let capture = CaptureSpec::new(capture.points().iter().copied(), thinker.config().num_hidden_layers)?;
     let len = inputs.token_ids.len();
     let num_blocks = len.div_ceil(UNCACHED_BLOCK);
-    let table: Vec<BlockId> = (0..num_blocks as BlockId).collect();
-    let seq = inputs.step(0, &table, UNCACHED_BLOCK, 0..len)?;
+    let table = BlockTable::new((0..num_blocks as BlockId).collect(), UNCACHED_BLOCK);
+    let seq = inputs.step(0, table, 0..len)?;
     let batch = ScheduledBatch { copies: vec![], seqs: vec![seq] };
     let mut pages = backend.alloc_pages(pages_spec(thinker, &capture, num_blocks, UNCACHED_BLOCK))?;
+    check_batch(thinker, &capture, &batch, &backend.pages_spec(&pages))?;
     let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, all_logits)?;
-    let out = step.outputs.pop().ok_or_else(|| Error::InvalidBatch { request: 0, what: "no output".into() })?;
+    let out = step.outputs.pop().ok_or_else(|| SchedError::InvalidBatch { request: 0, what: "no output".into() })?;
     Ok(Outputs { hidden: out.hidden, last_logits: out.last_logits, logits: step.all_logits })
 }
 
@@ -225,23 +206,10 @@ struct StepResult {
     all_logits: Option<Array2<f32>>,
 }
 
-/// The (t, h, w) position slices of a sequence's new tokens.
-fn position_axes(p: &Positions) -> [&[i64]; 3] {
-    match p {
-        Positions::Linear(v) => [v, v, v],
-        Positions::Mrope { t, h, w, .. } => [t, h, w],
-    }
-}
-
-/// Slot of position `j` through a block table (the caller checked the table covers `j`).
-fn slot_of(table: &[u32], block_size: usize, j: usize) -> i64 {
-    (table[j / block_size] as usize * block_size + j % block_size) as i64
-}
-
-/// Checks one sequence against itself, the model and the pages.
-fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, c: &Config) -> Result<()> {
-    let (vocab, hidden) = (c.vocab_size, c.hidden_size);
-    let bad = |what: String| Err(Error::InvalidBatch { request: seq.request, what });
+/// Checks one hand-built sequence against itself, the model and the pages:
+/// what admission guarantees for the scheduler's sequences.
+fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result<()> {
+    let bad = |what: String| Err(SchedError::InvalidBatch { request: seq.request, what }.into());
     let n = seq.token_ids.len();
     let end = seq.num_computed_tokens.saturating_add(n);
     if end > seq.prompt_len {
@@ -250,71 +218,62 @@ fn validate_seq(seq: &ScheduledSeq, spec: &PagesSpec, c: &Config) -> Result<()> 
     if seq.emits_output && (end != seq.prompt_len || n == 0) {
         return bad(format!("emits output but the step ends at {end} of {} with {n} new tokens", seq.prompt_len));
     }
-    let needed = if seq.emits_output { seq.prompt_len } else { end };
-    if seq.block_table.len().saturating_mul(spec.block_size) < needed {
-        return bad(format!("block table of {} blocks cannot hold {needed} positions", seq.block_table.len()));
+    let table = &seq.block_table;
+    if table.block_size() != spec.block_size {
+        return bad(format!("block table of {}-position blocks for pages of {}", table.block_size(), spec.block_size));
     }
-    if let Some(b) = seq.block_table.iter().find(|&&b| b as usize >= spec.num_blocks) {
+    let needed = if seq.emits_output { seq.prompt_len } else { end };
+    if !table.covers(needed) {
+        return bad(format!("block table of {} blocks cannot hold {needed} positions", table.len()));
+    }
+    if let Some(b) = table.iter().find(|&&b| b as usize >= spec.num_blocks) {
         return bad(format!("block {b} out of range 0..{}", spec.num_blocks));
     }
-    for (axis, p) in position_axes(&seq.positions).iter().enumerate() {
-        if p.len() != n {
-            return bad(format!("position axis {axis} has {} entries for {n} new tokens", p.len()));
-        }
+    if seq.positions.len() != n {
+        return bad(format!("positions cover {} entries for {n} new tokens", seq.positions.len()));
     }
-    if seq.slot_mapping.len() != n {
-        return bad(format!("slot mapping has {} entries for {n} new tokens", seq.slot_mapping.len()));
-    }
-    for (i, &slot) in seq.slot_mapping.iter().enumerate() {
-        let want = slot_of(&seq.block_table, spec.block_size, seq.num_computed_tokens + i);
-        if slot != want {
-            return bad(format!("slot {slot} for new token {i} disagrees with the block table (slot {want})"));
-        }
-    }
-    if let Some(t) = seq.token_ids.iter().find(|&&t| t as usize >= vocab) {
-        return bad(format!("token id {t} out of vocabulary 0..{vocab}"));
+    if let Some((_, t)) = out_of_vocab(&seq.token_ids, model.vocab_size) {
+        return bad(format!("token id {t} out of vocabulary 0..{}", model.vocab_size));
     }
     for e in &seq.embeds {
         let rows = e.rows.len();
         if e.rows.end > e.embeddings.nrows() || e.step_offset.saturating_add(rows) > n {
-            return bad(format!(
-                "item rows {:?} (of {}) at step offset {} do not fit {n} new tokens",
-                e.rows,
-                e.embeddings.nrows(),
-                e.step_offset
-            ));
+            let (total, at) = (e.embeddings.nrows(), e.step_offset);
+            return bad(format!("item rows {:?} (of {total}) at step offset {at} do not fit {n} new tokens", e.rows));
         }
-        if e.embeddings.ncols() != hidden {
-            return bad(format!("item embeddings have {} columns, the model {hidden}", e.embeddings.ncols()));
+        if e.embeddings.ncols() != model.hidden_size {
+            return bad(format!("item embeddings have {} columns, the model {}", e.embeddings.ncols(), model.hidden_size));
         }
         let levels = e.deepstack.as_deref().map_or(&[][..], Vec::as_slice);
-        if levels.len() > c.num_hidden_layers {
-            return bad(format!("{} DeepStack levels for {} decoder layers", levels.len(), c.num_hidden_layers));
+        if let Some((what, expected)) = model.layer_violation(levels.len()) {
+            return bad(format!("{} DeepStack levels; {what}: {expected}", levels.len()));
         }
-        if let Some((level, l)) = levels.iter().enumerate().find(|(_, l)| l.dim() != e.embeddings.dim()) {
-            return bad(format!("DeepStack level {level} is {:?}, the item embeddings {:?}", l.dim(), e.embeddings.dim()));
+        let (rows, cols) = e.embeddings.dim();
+        if let Some(LevelMismatch { level, what, expected, found }) = LevelMismatch::first(levels, rows, Some(cols)) {
+            return bad(format!("DeepStack level {level} has {found} {what}, the item embeddings {expected}"));
         }
     }
     Ok(())
 }
 
 /// Checks the pages fit the model and every copy and sequence is valid.
-fn validate_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch: &ScheduledBatch, spec: &PagesSpec) -> Result<()> {
+fn check_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch: &ScheduledBatch, spec: &PagesSpec) -> Result<()> {
     let want = pages_spec(thinker, capture, spec.num_blocks, spec.block_size);
     if *spec != want || spec.block_size == 0 {
-        return Err(Error::OpShape {
+        return Err(BackendError::OpShape {
             op: "execute",
             what: "pages",
             expected: format!("{want:?} with block_size > 0"),
             found: vec![spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, spec.captured, spec.hidden],
-        });
+        }.into());
     }
     for BlockCopy { src, dst } in &batch.copies {
         if let Some(b) = [src, dst].into_iter().find(|&&b| b as usize >= spec.num_blocks) {
-            return Err(Error::OpIndex { op: "execute", what: "copy block", index: *b as i64, bound: spec.num_blocks });
+            return Err(BackendError::OpIndex { op: "execute", what: "copy block", index: *b as i64, bound: spec.num_blocks }.into());
         }
     }
-    batch.seqs.iter().try_for_each(|seq| validate_seq(seq, spec, thinker.config()))
+    let model = ModelShape::of(thinker.config());
+    batch.seqs.iter().try_for_each(|seq| check_seq(seq, spec, &model))
 }
 
 /// Embeds all new tokens of the step and scatters item rows over their placeholders.
@@ -349,7 +308,7 @@ fn add_deepstack<B: Backend>(backend: &B, x: &mut B::Tensor, batch: &ScheduledBa
         return Ok(());
     }
     let host = ndarray::concatenate(ndarray::Axis(0), &parts)
-        .map_err(|err| Error::InvalidBatch { request: batch.seqs.first().map_or(0, |s| s.request), what: format!("DeepStack rows: {err}") })?;
+        .map_err(|err| SchedError::InvalidBatch { request: batch.seqs.first().map_or(0, |s| s.request), what: format!("DeepStack rows: {err}") })?;
     let mut selected = backend.gather_rows(x, &rows)?;
     backend.add(&mut selected, &backend.upload(host.view())?)?;
     backend.scatter_rows(x, &rows, &selected)
@@ -364,8 +323,6 @@ fn run_step<B: Backend>(
     pages: &mut B::Pages,
     all_logits: bool,
 ) -> Result<StepResult> {
-    let spec = backend.pages_spec(pages);
-    validate_batch(thinker, capture, batch, &spec)?;
     let copies: Vec<_> = batch.copies.iter().map(|c| (c.src, c.dst)).collect();
     backend.copy_blocks(pages, &copies)?;
 
@@ -375,13 +332,13 @@ fn run_step<B: Backend>(
         starts.push(total);
         total += seq.token_ids.len();
     }
+    // The dense [3, n] positions and the slots of this step only.
     let mut axes: [Vec<i64>; 3] = Default::default();
+    let mut slots: Vec<i64> = Vec::with_capacity(total);
     for seq in &batch.seqs {
-        for (all, p) in axes.iter_mut().zip(position_axes(&seq.positions)) {
-            all.extend_from_slice(p);
-        }
+        seq.positions.extend_axes(&mut axes);
+        slots.extend(seq.slots());
     }
-    let slots: Vec<i64> = batch.seqs.iter().flat_map(|s| s.slot_mapping.iter().copied()).collect();
     let seqs: Vec<AttnSeq<'_>> = batch
         .seqs
         .iter()
@@ -390,7 +347,7 @@ fn run_step<B: Backend>(
             query_start,
             num_new: s.token_ids.len(),
             num_computed: s.num_computed_tokens,
-            block_table: &s.block_table,
+            block_table: s.block_table.blocks(),
         })
         .collect();
     let meta = StepMeta {
@@ -437,7 +394,7 @@ fn run_step<B: Backend>(
     let mut outputs = Vec::with_capacity(emitting.len());
     for (k, &i) in emitting.iter().enumerate() {
         let seq = &batch.seqs[i];
-        let prompt_slots: Vec<i64> = (0..seq.prompt_len).map(|j| slot_of(&seq.block_table, spec.block_size, j)).collect();
+        let prompt_slots = seq.block_table.slots(0..seq.prompt_len);
         let hidden = capture
             .points()
             .iter()
@@ -472,15 +429,11 @@ mod tests {
         let token_ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
         let item = Array2::from_shape_fn((rows + 2, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
         let embeds = vec![EmbedRows { step_offset: 3, embeddings: Arc::new(item), rows: 1..rows + 1, deepstack: None }];
-        let (mut t, mut h, mut w) = (vec![], vec![], vec![]);
-        for p in 0..len as i64 {
-            let in_item = (3..3 + rows as i64).contains(&p);
+        let grid = (0..len as i64).map(|p| {
             let r = p - 3;
-            t.push(if in_item { 3 } else { p });
-            h.push(if in_item { 3 + r / 2 } else { p });
-            w.push(if in_item { 3 + r % 2 } else { p });
-        }
-        let positions = if cfg.mrope_section.is_some() { Positions::Mrope { t, h, w, rope_delta: 0 } } else { Positions::Linear(t) };
+            if (3..3 + rows as i64).contains(&p) { [3, 3 + r / 2, 3 + r % 2] } else { [p; 3] }
+        });
+        let positions = if cfg.mrope_section.is_some() { Positions::given(grid.collect(), 0) } else { Positions::linear(len) };
         PromptInputs { token_ids, embeds, positions }
     }
 
@@ -496,7 +449,7 @@ mod tests {
 
     /// Prompt positions `a..b` as one scheduled sequence over `table`.
     fn chunk(p: &PromptInputs, request: RequestId, table: &[u32], a: usize, b: usize) -> ScheduledSeq {
-        p.step(request, table, BS, a..b).unwrap()
+        p.step(request, BlockTable::new(table.to_vec(), BS), a..b).unwrap()
     }
 
     fn assert_close(what: &str, got: &[f32], want: &[f32]) {
@@ -599,20 +552,11 @@ mod tests {
             let mut b = prompt(&cfg, 19, 4, 2);
             b.token_ids[..10].copy_from_slice(&a.token_ids[..10]);
             b.embeds = a.embeds.clone();
-            let pos = slice_positions(&a.positions, 0..10);
-            b.positions = match (pos, &b.positions) {
-                (Positions::Linear(mut v), Positions::Linear(rest)) => {
-                    v.extend_from_slice(&rest[10..]);
-                    Positions::Linear(v)
-                }
-                (Positions::Mrope { mut t, mut h, mut w, .. }, Positions::Mrope { t: t2, h: h2, w: w2, .. }) => {
-                    t.extend_from_slice(&t2[10..]);
-                    h.extend_from_slice(&h2[10..]);
-                    w.extend_from_slice(&w2[10..]);
-                    Positions::Mrope { t, h, w, rope_delta: 0 }
-                }
-                _ => unreachable!("both prompts use the config's position kind"),
-            };
+            if cfg.mrope_section.is_some() {
+                let shared = a.positions.slice(0..10).unwrap();
+                let rest = b.positions.slice(10..19).unwrap();
+                b.positions = Positions::given(shared.iter().chain(rest.iter()).collect(), 0);
+            }
             let c = prompt(&cfg, 9, 2, 3);
             let mut pages = r.alloc_pages(16, BS).unwrap();
             let table_a = [5u32, 2, 9, 0];
@@ -681,8 +625,10 @@ mod tests {
         let good = chunk(&p, 1, &table, 4, 10);
         let mut bad_token = good.clone();
         bad_token.token_ids[2] = 64;
+        // Slots come from the block table, so they cannot disagree with it; a
+        // table of another block size than the pages' would misplace them.
         let mut bad_slot = good.clone();
-        bad_slot.slot_mapping[0] = 3;
+        bad_slot.block_table = BlockTable::new(table.to_vec(), 2 * BS);
         let mut short_table = good.clone();
         short_table.block_table.truncate(2);
         let mut early_output = chunk(&p, 1, &table, 4, 8);
@@ -690,7 +636,7 @@ mod tests {
         let mut bad_embed = good.clone();
         bad_embed.embeds = vec![EmbedRows { step_offset: 5, embeddings: Arc::new(Array2::zeros((3, 32))), rows: 0..2, deepstack: None }];
         let mut bad_positions = good.clone();
-        bad_positions.positions = Positions::Linear(vec![0; 2]);
+        bad_positions.positions = Positions::linear(2);
         let deep = with_deepstack(p.clone(), 3, 1);
         let too_many_levels = chunk(&deep, 1, &table, 4, 10);
         let mut bad_level_shape = chunk(&with_deepstack(p.clone(), 2, 1), 1, &table, 4, 10);
@@ -710,13 +656,13 @@ mod tests {
             // A valid copy goes first: it must not run either.
             let batch = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };
             let err = r.execute(&batch, &mut pages).unwrap_err();
-            assert!(matches!(err, Error::InvalidBatch { request: 1, .. }), "{what}: {err}");
+            assert!(matches!(err, Error::Sched(SchedError::InvalidBatch { request: 1, .. })), "{what}: {err}");
             assert!(pages_equal(&pages, &before), "{what}: pages changed");
         }
         let bad_copy = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 4 }], seqs: vec![] };
-        assert!(matches!(r.execute(&bad_copy, &mut pages), Err(Error::OpIndex { what: "copy block", index: 4, .. })));
+        assert!(matches!(r.execute(&bad_copy, &mut pages), Err(Error::Backend(BackendError::OpIndex { what: "copy block", index: 4, .. }))));
         let mut wrong_pages = r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
         let err = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![good] }, &mut wrong_pages).unwrap_err();
-        assert!(matches!(err, Error::OpShape { what: "pages", .. }));
+        assert!(matches!(err, Error::Backend(BackendError::OpShape { what: "pages", .. })));
     }
 }

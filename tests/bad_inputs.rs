@@ -1,4 +1,4 @@
-//! The bad-input catalogue (README, "Bad inputs"): every class of malformed
+//! The bad-input catalogue (`docs/security.md`, "Bad inputs"): every class of malformed
 //! checkpoint, config or request gets its own typed `Error` variant, and the
 //! cache state of a warm scheduler (pool, radix index, request bookkeeping)
 //! is exactly what it was before — `validate()` passes and every counter is
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use ndarray::{Array1, Array2, Array3, ArrayD, ArrayViewD, IxDyn, s};
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::batch::ScheduledBatch;
+use omniprefix::batch::{ModelShape, ScheduledBatch};
 use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
@@ -20,6 +20,7 @@ use omniprefix::prompt::{Atom, CanonicalPrompt, OmniTokens, PositionKind, Prompt
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats};
 use omniprefix::{Error, Result};
 use serde_json::Value;
+use omniprefix::error::{CheckpointError, IoError, RequestError, RequestFileError, SchedError};
 
 const BLOCK: usize = 4;
 const NUM_BLOCKS: usize = 16;
@@ -28,6 +29,9 @@ const HIDDEN: usize = 8;
 const IMAGE_PROMPT: [u32; 5] = [100, 503, 500, 504, 200];
 const MAX_CONTEXT: usize = 40;
 const TENANTS: [u64; 2] = [0, 7];
+/// The model the warm scheduler admits for: ids below 600 (the tiny special ids
+/// included), `HIDDEN`-wide rows, two decoder layers (at most two DeepStack levels).
+const MODEL: ModelShape = ModelShape { vocab_size: 600, hidden_size: HIDDEN, num_layers: 2, deepstack_levels: None };
 const FIXTURE: &str = "fixtures/tiny/qwen3_dense";
 
 fn fingerprinter() -> Result<Fingerprinter> {
@@ -81,7 +85,8 @@ fn drain(sched: &mut Scheduler) -> Result<()> {
 }
 
 /// A scheduler with cached text and image prefixes for two tenants, a
-/// context limit and mandatory tenant salts, plus one request still waiting.
+/// context limit, mandatory tenant salts and a model to admit for, plus one
+/// request still waiting.
 fn warm() -> Result<Scheduler> {
     let config = SchedulerConfig {
         num_blocks: NUM_BLOCKS,
@@ -93,7 +98,8 @@ fn warm() -> Result<Scheduler> {
     let index = RadixIndex::new(RadixConfig { block_size: BLOCK, ..Default::default() })?;
     let mut sched = Scheduler::new(config, Box::new(index))?
         .with_max_context(MAX_CONTEXT)
-        .require_known_tenants(TENANTS);
+        .require_known_tenants(TENANTS)
+        .with_model(MODEL);
     sched.admit(request(1, text_prompt(0, &(0..13).collect::<Vec<_>>())?))?;
     sched.admit(request(2, image_prompt(0, 1)?))?;
     sched.admit(request(3, image_prompt(7, 2)?))?;
@@ -111,7 +117,7 @@ struct Snapshot {
 }
 
 fn snapshot(sched: &Scheduler) -> Result<Snapshot> {
-    sched.validate().map_err(Error::InvalidRequest)?;
+    sched.validate().map_err(Error::from)?;
     Ok(Snapshot { sched: sched.stats(), index: sched.index_stats(), waiting_table: sched.block_table(4).map(<[u32]>::to_vec) })
 }
 
@@ -140,11 +146,10 @@ fn rejected(bad: impl FnOnce(&mut Scheduler) -> Result<()>) -> Result<Error> {
 /// A fresh scratch directory holding the fixture's config.json and model.safetensors.
 fn scratch(name: &str) -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("omniprefix-bad-inputs-{}-{name}", std::process::id()));
-    let io = |source, path: &Path| Error::Io { path: path.display().to_string(), source };
-    std::fs::create_dir_all(&dir).map_err(|e| io(e, &dir))?;
+    std::fs::create_dir_all(&dir).map_err(|e| IoError::write(&dir, e))?;
     for file in ["config.json", "model.safetensors"] {
         let from = Path::new(FIXTURE).join(file);
-        std::fs::copy(&from, dir.join(file)).map_err(|e| io(e, &from))?;
+        std::fs::copy(&from, dir.join(file)).map_err(|e| IoError::read(&from, e))?;
     }
     Ok(dir)
 }
@@ -154,7 +159,7 @@ fn read(path: &Path) -> Vec<u8> {
 }
 
 fn write(path: &Path, bytes: &[u8]) -> Result<()> {
-    std::fs::write(path, bytes).map_err(|source| Error::Io { path: path.display().to_string(), source })
+    std::fs::write(path, bytes).map_err(|source| Error::Io(IoError::write(&path, source)))
 }
 
 /// Rewrites the safetensors header of the checkpoint in `dir` through `edit`.
@@ -162,7 +167,7 @@ fn edit_header(dir: &Path, edit: impl FnOnce(&mut Value)) -> Result<()> {
     let path = dir.join("model.safetensors");
     let bytes = read(&path);
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default()) as usize;
-    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| Error::ConfigParse(e.to_string()))?;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     edit(&mut header);
     let text = header.to_string();
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
@@ -174,7 +179,7 @@ fn edit_header(dir: &Path, edit: impl FnOnce(&mut Value)) -> Result<()> {
 /// Rewrites config.json in `dir` through `edit`.
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) -> Result<()> {
     let path = dir.join("config.json");
-    let mut cfg: Value = serde_json::from_slice(&read(&path)).map_err(|e| Error::ConfigParse(e.to_string()))?;
+    let mut cfg: Value = serde_json::from_slice(&read(&path)).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     if let Some(map) = cfg.as_object_mut() {
         edit(map);
     }
@@ -201,7 +206,7 @@ fn c01_truncated_safetensors() -> Result<()> {
         write(&path, &bytes[..bytes.len() - 100])?;
         load(&dir)
     })?;
-    assert!(matches!(err, Error::Safetensors { ref message, .. } if !message.is_empty()), "{err}");
+    assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { ref message, .. }) if !message.is_empty()), "{err}");
     Ok(())
 }
 
@@ -220,7 +225,7 @@ fn c02_malformed_safetensors_header() -> Result<()> {
             write(&path, &bytes)?;
             load(&dir)
         })?;
-        assert!(matches!(err, Error::Safetensors { .. }), "{case}: {err}");
+        assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { .. })), "{case}: {err}");
     }
     Ok(())
 }
@@ -233,14 +238,14 @@ fn c03_mislabeled_safetensors_dtype() -> Result<()> {
         edit_header(&dir, |h| h["model.norm.weight"]["dtype"] = "I32".into())?;
         load(&dir)
     })?;
-    assert!(matches!(err, Error::TensorDtype { ref name, ref found } if name == "model.norm.weight" && found == "I32"), "{err}");
+    assert!(matches!(err, Error::Checkpoint(CheckpointError::TensorDtype { ref name, ref found }) if name == "model.norm.weight" && found == "I32"), "{err}");
     // A label whose element size disagrees with the stored bytes.
     let err = rejected(|_| {
         let dir = scratch("mislabeled-f64")?;
         edit_header(&dir, |h| h["model.norm.weight"]["dtype"] = "F64".into())?;
         load(&dir)
     })?;
-    assert!(matches!(err, Error::Safetensors { .. }), "{err}");
+    assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { .. })), "{err}");
     Ok(())
 }
 
@@ -253,9 +258,9 @@ fn c04_config_not_json_or_missing_fields() -> Result<()> {
         })?;
         load(&dir)
     })?;
-    assert!(matches!(err, Error::ConfigParse(ref m) if m.contains("num_hidden_layers")), "{err}");
+    assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("num_hidden_layers")), "{err}");
     let err = rejected(|_| Config::from_json_str("{\"model_type\": \"qwen3\", ").map(|_| ()))?;
-    assert!(matches!(err, Error::ConfigParse(_)), "{err}");
+    assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(_))), "{err}");
     Ok(())
 }
 
@@ -285,7 +290,7 @@ fn c05_config_absurd_fields() -> Result<()> {
             edit_config(&dir, edit)?;
             load(&dir)
         })?;
-        assert!(matches!(err, Error::UnsupportedConfig { field: f, .. } if f == field), "{case}: {err}");
+        assert!(matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field), "{case}: {err}");
     }
     let err = rejected(|_| {
         let dir = scratch("negative")?;
@@ -294,7 +299,7 @@ fn c05_config_absurd_fields() -> Result<()> {
         })?;
         load(&dir)
     })?;
-    assert!(matches!(err, Error::ConfigParse(ref m) if m.contains("-64")), "{err}");
+    assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("-64")), "{err}");
     Ok(())
 }
 
@@ -307,7 +312,7 @@ fn c06_weights_of_the_wrong_shape_or_missing() -> Result<()> {
         load(&dir)
     })?;
     assert!(
-        matches!(err, Error::TensorShape { name: ref n, ref expected, ref found } if n == name && expected == &[64, 128] && found == &[128, 64]),
+        matches!(err, Error::Checkpoint(CheckpointError::TensorShape { name: ref n, ref expected, ref found }) if n == name && expected == &[64, 128] && found == &[128, 64]),
         "{err}"
     );
     let err = rejected(|_| {
@@ -321,7 +326,7 @@ fn c06_weights_of_the_wrong_shape_or_missing() -> Result<()> {
         })?;
         load(&dir)
     })?;
-    assert!(matches!(err, Error::MissingTensor { name: ref n } if n == name), "{err}");
+    assert!(matches!(err, Error::Checkpoint(CheckpointError::MissingTensor { name: ref n }) if n == name), "{err}");
     Ok(())
 }
 
@@ -334,7 +339,7 @@ fn c07_placeholder_count_disagrees_with_grid() -> Result<()> {
     builder.push_text(&[100])?;
     let err = rejected(|_| builder.extend_expanded(&[503, 500, 500, 500, 500, 504], &[img]).map(|_| ()))?;
     assert!(
-        matches!(err, Error::PlaceholderCountMismatch { item: 0, position: 2, expected: 6, found: 4 }),
+        matches!(err, Error::Request(RequestError::PlaceholderCountMismatch { item: 0, position: 2, expected: 6, found: 4 })),
         "{err}"
     );
     assert_eq!(builder.len(), 1, "the builder is unchanged");
@@ -351,19 +356,19 @@ fn c08_overlapping_or_out_of_order_items() -> Result<()> {
         Atom::Item { id: Arc::clone(&img), rows: 0..3 },
     ];
     let err = rejected(|_| positions_from_atoms(&atoms, &OmniTokens::tiny(), PositionKind::Mrope).map(|_| ()))?;
-    assert!(matches!(err, Error::MalformedAtoms { atom: 1, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::MalformedAtoms { atom: 1, .. })), "{err}");
     // Two items whose index-map spans overlap.
     let mut two = PromptBuilder::new(OmniTokens::tiny());
     two.extend_unexpanded(&[503, 500, 504, 503, 500, 504], &[image(4)?, image(5)?], false)?;
     let mut prompt = two.build()?;
     prompt.index_map.spans[1].start = prompt.index_map.spans[0].start + 2;
     let err = rejected(|s| s.admit(request(10, prompt)))?;
-    assert!(matches!(err, Error::PromptMismatch { id: 10, what, expected: 7, found: 3 } if what.contains("span start")), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: 10, what, expected: 7, found: 3 }) if what.contains("span start")), "{err}");
     // Spans listed out of position order.
     let mut prompt = two.build()?;
     prompt.index_map.spans.swap(0, 1);
     let err = rejected(|s| s.admit(request(11, prompt)))?;
-    assert!(matches!(err, Error::PromptMismatch { id: 11, what, .. } if what.contains("span start")), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: 11, what, .. }) if what.contains("span start")), "{err}");
     Ok(())
 }
 
@@ -380,7 +385,7 @@ fn c09_nan_and_inf_tensors() -> Result<()> {
             params: Default::default(),
         };
         let err = rejected(|_| fp.identify(2, &spec).map(|_| ()))?;
-        assert!(matches!(err, Error::NonFinite { item: 2, index } if index == at), "{bad}: {err}");
+        assert!(matches!(err, Error::Request(RequestError::NonFinite { item: 2, index }) if index == at), "{bad}: {err}");
     }
     Ok(())
 }
@@ -401,7 +406,7 @@ fn c09_nan_and_inf_in_strided_views() -> Result<()> {
     let fp = fingerprinter()?;
     let check = |spec: &ItemSpec<'_>, expected: usize| -> Result<()> {
         let err = rejected(|_| fp.identify(3, spec).map(|_| ()))?;
-        assert!(matches!(err, Error::NonFinite { item: 3, index } if index == expected), "{:?}: {err}", spec.layout);
+        assert!(matches!(err, Error::Request(RequestError::NonFinite { item: 3, index }) if index == expected), "{:?}: {err}", spec.layout);
         Ok(())
     };
     fn audio(content: TensorView<'_>, mel_frames: u32) -> ItemSpec<'_> {
@@ -481,13 +486,13 @@ fn c10_zero_length_items() -> Result<()> {
     let fp = fingerprinter()?;
     let empty = Array3::<u8>::zeros((0, 12, 3));
     let err = rejected(|_| fp.identify(1, &image_spec(&empty)).map(|_| ()))?;
-    assert!(matches!(err, Error::EmptyItem { item: 1, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmptyItem { item: 1, .. })), "{err}");
     let pixels = Array3::<u8>::zeros((8, 12, 3));
     let spec = ItemSpec { layout: ItemLayout::Image { grid_thw: [1, 0, 6] }, ..image_spec(&pixels) };
     let err = rejected(|_| fp.identify(0, &spec).map(|_| ()))?;
-    assert!(matches!(err, Error::EmptyItem { item: 0, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmptyItem { item: 0, .. })), "{err}");
     let err = rejected(|_| PromptBuilder::new(OmniTokens::tiny()).build().map(|_| ()))?;
-    assert!(matches!(err, Error::EmptyPrompt), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmptyPrompt)), "{err}");
     Ok(())
 }
 
@@ -496,8 +501,36 @@ fn c11_token_ids_outside_the_vocabulary() -> Result<()> {
     let tokens = OmniTokens { vocab_size: Some(600), ..OmniTokens::tiny() };
     let mut builder = PromptBuilder::new(tokens);
     let err = rejected(|_| builder.push_text(&[1, 2, 600, 3]).map(|_| ()))?;
-    assert!(matches!(err, Error::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 })), "{err}");
     assert!(builder.is_empty(), "the builder is unchanged");
+    Ok(())
+}
+
+/// What the engine used to check itself is admission's now: every id the model
+/// embeds (placeholder ids too) in its vocabulary, rows of its width whatever the
+/// request claims, at most one DeepStack level per decoder layer.
+#[test]
+fn c11_requests_the_model_cannot_run_are_refused_at_admission() -> Result<()> {
+    let err = rejected(|s| s.admit(request(30, text_prompt(0, &[1, 2, 600])?)))?;
+    assert!(matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 })), "{err}");
+    // A model whose image pad is past the vocabulary: the placeholder ids are embedded too.
+    let tokens = OmniTokens { image_token_id: 650, ..OmniTokens::tiny() };
+    let mut b = PromptBuilder::new(tokens);
+    b.extend_unexpanded(&[100, 503, 650, 504, 200], &[image(3)?], false)?;
+    let err = rejected(|s| s.admit(request(31, b.build()?)))?;
+    assert!(matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 650, vocab_size: 600 })), "{err}");
+    let mut narrow = request(32, image_prompt(0, 1)?);
+    narrow.item_embeddings = vec![Arc::new(Array2::zeros((6, HIDDEN / 2)))];
+    narrow.hidden_size = Some(HIDDEN / 2);
+    let err = rejected(|s| s.admit(narrow))?;
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 32, what: "embedding columns", expected: HIDDEN, found: 4, .. })), "{err}");
+    let mut deep = request(33, image_prompt(0, 1)?);
+    deep.item_deepstack = vec![Some(Arc::new(vec![Array2::zeros((6, HIDDEN)); 3]))];
+    let err = rejected(|s| s.admit(deep))?;
+    assert!(
+        matches!(err, Error::Request(RequestError::DeepStackMismatch { id: 33, item: 0, level: 2, what, expected: 2, found: 3 }) if what.contains("decoder layer")),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -518,7 +551,7 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
     drain(&mut sched)?;
     let before = snapshot(&sched)?;
     let err = sched.admit(request(20, text_prompt(0, &ids)?)).err();
-    assert!(matches!(err, Some(Error::RequestTooLarge { id: 20, needed: 17, num_blocks: 16 })), "{err:?}");
+    assert!(matches!(err, Some(Error::Request(RequestError::RequestTooLarge { id: 20, needed: 17, num_blocks: 16 }))), "{err:?}");
     assert_unchanged(&sched, &before)
 }
 
@@ -526,14 +559,14 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
 fn c13_requests_longer_than_the_model_context() -> Result<()> {
     let ids: Vec<u32> = (0..MAX_CONTEXT as u32 + 1).collect();
     let err = rejected(|s| s.admit(request(21, text_prompt(0, &ids)?)))?;
-    assert!(matches!(err, Error::ContextTooLong { id: 21, len: 41, max: 40 }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::ContextTooLong { id: 21, len: 41, max: 40 })), "{err}");
     Ok(())
 }
 
 #[test]
 fn c14_unknown_tenant_when_salts_are_required() -> Result<()> {
     let err = rejected(|s| s.admit(request(22, text_prompt(3, &[0, 1, 2, 3, 4])?)))?;
-    assert!(matches!(err, Error::UnknownTenant { id: 22, tenant: 3 }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::UnknownTenant { id: 22, tenant: 3 })), "{err}");
     Ok(())
 }
 
@@ -542,7 +575,7 @@ fn c15_atoms_that_disagree_with_the_token_ids() -> Result<()> {
     let mut prompt = text_prompt(0, &[0, 1, 2, 3, 4, 5])?;
     prompt.atoms = vec![Atom::Text(vec![0, 1, 2, 3])];
     let err = rejected(|s| s.admit(request(23, prompt)))?;
-    assert!(matches!(err, Error::AtomsLengthMismatch { atoms: 4, tokens: 6 }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::AtomsLengthMismatch { atoms: 4, tokens: 6 })), "{err}");
     Ok(())
 }
 
@@ -551,11 +584,11 @@ fn c16_embeddings_that_disagree_with_their_items() -> Result<()> {
     let mut req = request(24, image_prompt(0, 1)?);
     req.item_embeddings[0] = Arc::new(Array2::zeros((5, HIDDEN)));
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::EmbeddingMismatch { id: 24, item: 0, expected: 6, found: 5, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 24, item: 0, expected: 6, found: 5, .. })), "{err}");
     let mut req = request(25, image_prompt(0, 1)?);
     req.item_embeddings.clear();
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::EmbeddingMismatch { id: 25, expected: 1, found: 0, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 25, expected: 1, found: 0, .. })), "{err}");
     Ok(())
 }
 
@@ -565,11 +598,11 @@ fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
     let mut req = request(27, image_prompt(0, 1)?);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6)])), None];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::EmbeddingMismatch { id: 27, what: "number of item DeepStack entries", expected: 1, found: 2, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 27, what: "number of item DeepStack entries", expected: 1, found: 2, .. })), "{err}");
     let mut req = request(28, image_prompt(0, 1)?);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6), level(5)]))];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::DeepStackMismatch { id: 28, item: 0, level: 1, what: "rows", expected: 6, found: 5 }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: 28, item: 0, level: 1, what: "rows", expected: 6, found: 5 })), "{err}");
     // Audio items (Qwen3-Omni's audio tower) have no DeepStack levels.
     let mut req = request(29, image_prompt(0, 1)?);
     let mut audio = (*req.prompt.items[0]).clone();
@@ -577,23 +610,23 @@ fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
     req.prompt.items[0] = Arc::new(audio);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6)]))];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::DeepStackMismatch { id: 29, item: 0, what: "levels of an audio item", found: 1, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: 29, item: 0, what: "levels of an audio item", found: 1, .. })), "{err}");
     Ok(())
 }
 
 #[test]
 fn c17_positions_that_do_not_cover_the_prompt() -> Result<()> {
     let mut prompt = text_prompt(0, &[0, 1, 2, 3, 4, 5])?;
-    prompt.positions = omniprefix::prompt::Positions::Linear(vec![0, 1, 2]);
+    prompt.positions = omniprefix::prompt::Positions::linear(3);
     let err = rejected(|s| s.admit(request(26, prompt)))?;
-    assert!(matches!(err, Error::PromptMismatch { id: 26, expected: 6, found: 3, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: 26, expected: 6, found: 3, .. })), "{err}");
     Ok(())
 }
 
 #[test]
 fn c18_duplicate_request_ids() -> Result<()> {
     let err = rejected(|s| s.admit(request(4, text_prompt(0, &[9, 9])?)))?;
-    assert!(matches!(err, Error::DuplicateRequest { id: 4 }), "{err}");
+    assert!(matches!(err, Error::Sched(SchedError::DuplicateRequest { id: 4 })), "{err}");
     Ok(())
 }
 
@@ -603,16 +636,16 @@ fn c19_completing_a_batch_that_was_not_handed_out() -> Result<()> {
         let seq = omniprefix::runner::PromptInputs {
             token_ids: vec![1, 2, 3],
             embeds: vec![],
-            positions: omniprefix::prompt::Positions::Linear(vec![0, 1, 2]),
+            positions: omniprefix::prompt::Positions::linear(3),
         }
-        .step(4, &[0], BLOCK, 0..3)?;
+        .step(4, omniprefix::kv::BlockTable::new(vec![0], BLOCK), 0..3)?;
         s.complete(&ScheduledBatch { copies: vec![], seqs: vec![seq] }).map(|_| ())
     })?;
-    assert!(matches!(err, Error::BatchMismatch { id: 4, what: "new tokens", expected: 0, found: 3 }), "{err}");
+    assert!(matches!(err, Error::Sched(SchedError::BatchMismatch { id: 4, what: "new tokens", expected: 0, found: 3 })), "{err}");
     let err = rejected(|s| s.finish(4))?;
-    assert!(matches!(err, Error::RequestNotFinished { id: 4, computed: 0, len: 3 }), "{err}");
+    assert!(matches!(err, Error::Sched(SchedError::RequestNotFinished { id: 4, computed: 0, len: 3 })), "{err}");
     let err = rejected(|s| s.abort(99))?;
-    assert!(matches!(err, Error::UnknownRequest { id: 99 }), "{err}");
+    assert!(matches!(err, Error::Sched(SchedError::UnknownRequest { id: 99 })), "{err}");
     Ok(())
 }
 
@@ -622,17 +655,17 @@ fn c20_layouts_that_cannot_describe_their_item() -> Result<()> {
     let pixels = Array3::<u8>::zeros((8, 12, 3));
     let odd = ItemSpec { layout: ItemLayout::Image { grid_thw: [1, 3, 5] }, ..image_spec(&pixels) };
     let err = rejected(|_| fp.identify(0, &odd).map(|_| ()))?;
-    assert!(matches!(err, Error::GridNotMergeable { item: 0, grid_thw: [1, 3, 5], merge: 2 }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 5], merge: 2 })), "{err}");
     let audio_layout = ItemSpec { layout: ItemLayout::Audio { mel_frames: 100 }, ..image_spec(&pixels) };
     let err = rejected(|_| fp.identify(0, &audio_layout).map(|_| ()))?;
-    assert!(matches!(err, Error::InvalidLayout { item: 0, field: "kind", .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::InvalidLayout { item: 0, field: "kind", .. })), "{err}");
     let patches = Array2::<f32>::zeros((20, 4));
     let processed = ItemSpec {
         content: ItemContent::Tensor(TensorView::F32(patches.view().into_dyn())),
         ..image_spec(&pixels)
     };
     let err = rejected(|_| fp.identify(3, &processed).map(|_| ()))?;
-    assert!(matches!(err, Error::ShapeMismatch { item: 3, modality: Modality::Image, .. }), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::ShapeMismatch { item: 3, modality: Modality::Image, .. })), "{err}");
     Ok(())
 }
 
@@ -642,7 +675,7 @@ fn c20_layouts_that_cannot_describe_their_item() -> Result<()> {
 /// and `emb` (f32 [6, 4]) and a request file written from `json`.
 fn request_file(name: &str, json: &str) -> Result<PathBuf> {
     let dir = std::env::temp_dir().join(format!("omniprefix-bad-requests-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|source| Error::Io { path: dir.display().to_string(), source })?;
+    std::fs::create_dir_all(&dir).map_err(|source| IoError::write(&dir, source))?;
     let pixels = vec![7u8; 8 * 12 * 3];
     let emb: Vec<u8> = [0.25f32; 24].iter().flat_map(|x| x.to_le_bytes()).collect();
     // DeepStack levels [2, 6, 4] holding 0, 1, 2, ...; and one with a row too few per level.
@@ -657,8 +690,8 @@ fn request_file(name: &str, json: &str) -> Result<PathBuf> {
         .into_iter()
         .map(|(n, v)| v.map(|v| (n, v)))
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| Error::Safetensors { path: "media".into(), message: e.to_string() })?;
-    let bytes = safetensors::serialize(views, &None).map_err(|e| Error::Safetensors { path: "media".into(), message: e.to_string() })?;
+        .map_err(|e| RequestFileError::Safetensors { path: "media".into(), message: e.to_string() })?;
+    let bytes = safetensors::serialize(views, &None).map_err(|e| RequestFileError::Safetensors { path: "media".into(), message: e.to_string() })?;
     write(&dir.join("media.safetensors"), &bytes)?;
     let path = dir.join("request.json");
     write(&path, json.as_bytes())?;
@@ -697,7 +730,7 @@ fn c21_request_file_deepstack_levels_load_and_a_bad_shape_is_named() -> Result<(
         result
     })?;
     assert!(
-        matches!(err, Error::RequestTensor { ref tensor, ref expected, ref found, .. }
+        matches!(err, Error::RequestFile(RequestFileError::Tensor { ref tensor, ref expected, ref found, .. })
             if tensor == "ds_rows" && expected.contains("[levels >= 1, 6, 4]") && found == "shape [2, 5, 4]"),
         "{err}"
     );
@@ -716,18 +749,18 @@ fn c21_request_files_that_are_not_json_or_name_missing_tensors() -> Result<()> {
     // The well-formed file loads.
     load("good", &item_json("pixels", "media.safetensors"))?;
     let err = rejected(|_| load("not-json", "{\"segments\": [{\"text\": [1, 2"))?;
-    assert!(matches!(err, Error::RequestFormat { .. }), "{err}");
+    assert!(matches!(err, Error::RequestFile(RequestFileError::Format { .. })), "{err}");
     let err = rejected(|_| load("unknown-field", r#"{"segments": [], "tenantt": 3}"#))?;
-    assert!(matches!(err, Error::RequestFormat { ref message, .. } if message.contains("tenantt")), "{err}");
+    assert!(matches!(err, Error::RequestFile(RequestFileError::Format { ref message, .. }) if message.contains("tenantt")), "{err}");
     let err = rejected(|_| load("negative-id", r#"{"segments": [{"text": [1, -2]}]}"#))?;
-    assert!(matches!(err, Error::RequestFormat { .. }), "{err}");
+    assert!(matches!(err, Error::RequestFile(RequestFileError::Format { .. })), "{err}");
     let err = rejected(|_| load("missing-tensor", &item_json("pixelz", "media.safetensors")))?;
-    assert!(matches!(err, Error::TensorNotInFile { ref tensor, .. } if tensor == "pixelz"), "{err}");
+    assert!(matches!(err, Error::RequestFile(RequestFileError::TensorNotInFile { ref tensor, .. }) if tensor == "pixelz"), "{err}");
     let err = rejected(|_| load("missing-file", &item_json("pixels", "nowhere.safetensors")))?;
-    assert!(matches!(err, Error::Io { ref path, .. } if path.ends_with("nowhere.safetensors")), "{err}");
+    assert!(matches!(err, Error::Io(IoError { ref path, .. }) if path.ends_with("nowhere.safetensors")), "{err}");
     // Embeddings named where a [rows, hidden] tensor is needed, but of rank 3.
     let json = item_json("pixels", "media.safetensors").replace(r#""tensor": "emb""#, r#""tensor": "pixels""#);
     let err = rejected(|_| load("embeddings-rank", &json))?;
-    assert!(matches!(err, Error::RequestTensor { ref tensor, .. } if tensor == "pixels"), "{err}");
+    assert!(matches!(err, Error::RequestFile(RequestFileError::Tensor { ref tensor, .. }) if tensor == "pixels"), "{err}");
     Ok(())
 }

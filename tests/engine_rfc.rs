@@ -13,7 +13,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, Output, PlaceholderForm, PrefillRequest};
 use omniprefix::model::{CaptureName, Config};
-use omniprefix::prompt::Positions;
+use omniprefix::prompt::{PositionKind, Positions};
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
@@ -89,7 +89,8 @@ fn rfc_text_pair_returns_full_hidden_states_with_32_or_46_cached_tokens() -> Tes
         }
         assert_same_output(&out, &want);
         // Only the suffix ran, at the suffix's positions.
-        assert_eq!(out.computed_positions, Positions::Linear((cached as i64..57).collect()));
+        assert_eq!(out.computed_positions, Positions::linear(57).slice(cached..57)?);
+        assert_eq!(out.computed_positions.axes()[0], (cached as i64..57).collect::<Vec<_>>());
         let stats = engine.stats();
         assert_eq!((stats.queries, stats.hits, stats.hit_tokens), (2, 1, cached as u64));
         engine.validate()?;
@@ -170,8 +171,8 @@ fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> Te
     // Positions from our prompt builder equal HF's get_rope_index.
     let len = ids.len();
     let hf = reference.ints("mm.position_ids")?;
-    let Positions::Mrope { t, h, w, .. } = &first.computed_positions else { panic!("M-RoPE expected") };
-    assert_eq!([t.as_slice(), h, w].concat(), hf);
+    assert_eq!(first.computed_positions.kind(), PositionKind::Mrope);
+    assert_eq!(first.computed_positions.axes().concat(), hf);
     let second = engine.prefill(request()?)?;
     assert_eq!(first.num_cached_tokens, 0);
     // Only full blocks of the first run were committed; the last position always runs.

@@ -21,14 +21,13 @@
 mod reference;
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::sync::Arc;
 
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
+use omniprefix::batch::ScheduledBatch;
+use omniprefix::kv::BlockTable;
 use omniprefix::model::{CaptureName, CaptureSpec, Thinker};
-use omniprefix::prompt::Positions;
 use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
 use reference::{Reference, TOLERANCE, TestResult, model_dir, relative_error};
 
@@ -111,41 +110,6 @@ fn named(hidden: Vec<(CaptureName, Array2<f32>)>) -> BTreeMap<String, Array2<f32
         .collect()
 }
 
-/// The positions of the prompt rows in `r` (one step's share).
-fn slice_positions(p: &Positions, r: Range<usize>) -> Positions {
-    match p {
-        Positions::Linear(v) => Positions::Linear(v[r].to_vec()),
-        Positions::Mrope {
-            t,
-            h,
-            w,
-            rope_delta,
-        } => Positions::Mrope {
-            t: t[r.clone()].to_vec(),
-            h: h[r.clone()].to_vec(),
-            w: w[r].to_vec(),
-            rope_delta: *rope_delta,
-        },
-    }
-}
-
-/// The parts of whole-prompt item rows that fall in `step`, re-based to the step.
-fn step_embeds(items: &[EmbedRows], step: &Range<usize>) -> Vec<EmbedRows> {
-    items
-        .iter()
-        .filter_map(|e| {
-            let (start, end) = (e.step_offset, e.step_offset + e.rows.len());
-            let (lo, hi) = (start.max(step.start), end.min(step.end));
-            (lo < hi).then(|| EmbedRows {
-                step_offset: lo - step.start,
-                embeddings: Arc::clone(&e.embeddings),
-                rows: e.rows.start + (lo - start)..e.rows.start + (hi - start),
-                deepstack: e.deepstack.clone(),
-            })
-        })
-        .collect()
-}
-
 /// Runs a prompt as [`Mode::Chunked`] says; returns the captures and `last_logits`.
 fn run_chunked(
     runner: &ModelRunner<CpuBackend>,
@@ -156,27 +120,16 @@ fn run_chunked(
     let len = inputs.token_ids.len();
     let needed = len.div_ceil(block_size);
     let num_blocks = 2 * needed;
-    let block_table: Vec<u32> = (0..needed)
+    let blocks: Vec<u32> = (0..needed)
         .map(|i| (num_blocks - 1 - 2 * i) as u32)
         .collect();
-    let slot = |j: usize| {
-        i64::from(block_table[j / block_size]) * block_size as i64 + (j % block_size) as i64
-    };
+    let block_table = BlockTable::new(blocks, block_size);
     let mut pages = runner.alloc_pages(num_blocks, block_size)?;
     let mut last = None;
     for start in (0..len).step_by(chunk) {
         let step = start..(start + chunk).min(len);
-        let seq = ScheduledSeq {
-            request: 1,
-            block_table: block_table.clone(),
-            num_computed_tokens: start,
-            token_ids: inputs.token_ids[step.clone()].to_vec(),
-            embeds: step_embeds(&inputs.embeds, &step),
-            positions: slice_positions(&inputs.positions, step.clone()),
-            slot_mapping: step.clone().map(slot).collect(),
-            prompt_len: len,
-            emits_output: step.end == len,
-        };
+        // The runner's own chunk cut (what the scheduler uses too).
+        let seq = inputs.step(1, block_table.clone(), step.clone())?;
         let mut outputs = runner.execute(
             &ScheduledBatch {
                 copies: vec![],
@@ -347,15 +300,10 @@ fn qwen2_dense_matches_transformers() -> TestResult {
 fn omni_multimodal_prompt_uses_non_linear_positions() -> TestResult {
     let reference = Reference::open("omni_thinker")?;
     let inputs = reference.prompt("mm")?;
-    let Positions::Mrope {
-        t,
-        h,
-        w,
-        rope_delta,
-    } = &inputs.positions
-    else {
+    let Some(rope_delta) = inputs.positions.rope_delta() else {
         return Err("mm prompt has no 3-D positions".into());
     };
+    let [t, h, w] = &inputs.positions.axes();
     let linear: Vec<i64> = (0..t.len() as i64).collect();
     assert!(
         t != &linear && h != t && w != h,
@@ -369,7 +317,7 @@ fn omni_multimodal_prompt_uses_non_linear_positions() -> TestResult {
         .copied()
         .max()
         .ok_or("empty positions")?;
-    assert_eq!(*rope_delta, max_pos + 1 - t.len() as i64);
+    assert_eq!(rope_delta, max_pos + 1 - t.len() as i64);
     assert_eq!(inputs.embeds.len(), 3, "image, audio and video items");
     Ok(())
 }

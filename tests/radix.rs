@@ -11,6 +11,7 @@ use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::{Error, Result};
+use omniprefix::error::{CacheError, RequestError};
 
 const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest };
 
@@ -23,13 +24,13 @@ fn text(tenant: u64, ids: &[u32]) -> CanonicalPrompt {
 }
 
 fn valid(ix: &RadixIndex) -> Result<()> {
-    ix.validate().map_err(Error::InvalidRequest)
+    ix.validate().map_err(Error::from)
 }
 
 #[test]
 fn zero_block_size_is_a_config_error() {
     let err = RadixIndex::new(RadixConfig { block_size: 0, ..Default::default() }).unwrap_err();
-    assert!(matches!(err, Error::InvalidBlockSize { found: 0 }));
+    assert!(matches!(err, Error::Cache(CacheError::InvalidBlockSize { found: 0 })));
 }
 
 #[test]
@@ -115,15 +116,15 @@ fn bad_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
     ix.insert(&p, &[1])?;
     let before = ix.stats();
     let err = ix.insert(&p, &[1, 2, 3]).unwrap_err();
-    assert!(matches!(err, Error::BlocksExceedPrompt { blocks: 3, full_blocks: 2 }));
+    assert!(matches!(err, Error::Cache(CacheError::BlocksExceedPrompt { blocks: 3, full_blocks: 2 })));
     let err = ix.insert(&text(0, &[9; 8]), &[7, 7]).unwrap_err();
-    assert!(matches!(err, Error::BlockAlreadyCached { block: 7 }), "repeated in one insert");
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 7 })), "repeated in one insert");
     let err = ix.insert(&text(0, &[9; 8]), &[2, 1]).unwrap_err();
-    assert!(matches!(err, Error::BlockAlreadyCached { block: 1 }), "owned under other content");
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 1 })), "owned under other content");
     let mut broken = p.clone();
     broken.token_ids.pop();
     let err = ix.insert(&broken, &[5]).unwrap_err();
-    assert!(matches!(err, Error::AtomsLengthMismatch { atoms: 8, tokens: 7 }));
+    assert!(matches!(err, Error::Request(RequestError::AtomsLengthMismatch { atoms: 8, tokens: 7 })));
     assert_eq!(ix.stats(), before);
     valid(&ix)
 }

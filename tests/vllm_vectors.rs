@@ -192,7 +192,7 @@ fn index_block_hashes_match_the_mm_chain() -> TestResult {
                 },
             ],
         },
-        positions: Positions::Linear((0..48).collect()),
+        positions: Positions::linear(48),
     };
     let index = HashChainIndex::new(16)?;
     assert_chain_matches(

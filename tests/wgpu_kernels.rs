@@ -20,6 +20,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use shared_gpu::{gpu, gpu_with};
+use omniprefix::error::{BackendError, GpuError};
 
 const TOL: f32 = 1e-4;
 
@@ -223,7 +224,7 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
     let q = gpu.upload(s.q.view()).unwrap();
     let kv = s.gpu_pages.layer("test", 0).unwrap();
     let err = gpu.context().paged_decode_attention(&q, kv, heads, &attn_seqs(&s.seqs), 64).unwrap_err();
-    assert!(matches!(err, Error::OpShape { what: "num_new", .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpShape { what: "num_new", .. })), "{err}");
 }
 
 #[test]
@@ -236,15 +237,15 @@ fn attention_rejects_bad_tables_and_unsupported_heads() {
     let q = gpu.upload(Array2::zeros((3, 16)).view()).unwrap();
     let seq = |table: &'static [BlockId]| AttnSeq { query_start: 0, num_new: 3, num_computed: 2, block_table: table };
     let err = gpu.paged_attention(&q, &pages, 0, heads, &[seq(&[0])]).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { what: "position (block table too short)", .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "position (block table too short)", .. })), "{err}");
     let err = gpu.paged_attention(&q, &pages, 0, heads, &[seq(&[0, 9])]).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { what: "block", index: 9, bound: 4, .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "block", index: 9, bound: 4, .. })), "{err}");
     let err = gpu.paged_attention(&q, &pages, 1, heads, &[seq(&[0, 1])]).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { what: "layer", index: 1, .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "layer", index: 1, .. })), "{err}");
     let wide = AttnHeads { num_heads: 16, kv_heads: 1, head_dim: 8 };
     let q_wide = gpu.upload(Array2::zeros((3, 128)).view()).unwrap();
     let err = gpu.paged_attention(&q_wide, &pages, 0, wide, &[seq(&[0, 1])]).unwrap_err();
-    assert!(matches!(err, Error::GpuUnsupported { what: "num_heads / kv_heads", value: 16, .. }), "{err}");
+    assert!(matches!(err, Error::Gpu(GpuError::Unsupported { what: "num_heads / kv_heads", value: 16, .. })), "{err}");
 }
 
 #[test]
@@ -343,7 +344,7 @@ fn pools_split_over_bindings_behave_like_one_pool() {
     // Three chunks' worth of KV cannot be bound by the attention kernels.
     let big = PagesSpec { num_blocks: 33, ..spec };
     let err = gpu.alloc_pages(big).unwrap_err();
-    assert!(matches!(err, Error::GpuTooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. }), "{err}");
+    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })), "{err}");
 }
 
 #[test]
@@ -354,13 +355,13 @@ fn rejected_writes_leave_pages_unchanged() {
     let mut pages = gpu.alloc_pages(spec).unwrap();
     let ones = gpu.upload(Array2::ones((2, 4)).view()).unwrap();
     let err = gpu.write_kv(&mut pages, 0, &ones, &ones, &[1, 8]).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { op: "write_kv", what: "slot", index: 8, bound: 8 }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "write_kv", what: "slot", index: 8, bound: 8 })), "{err}");
     let err = gpu.write_hidden(&mut pages, 0, &ones, &[0, 1, 2]).unwrap_err();
-    assert!(matches!(err, Error::OpShape { op: "write_hidden", .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpShape { op: "write_hidden", .. })), "{err}");
     let err = gpu.write_hidden(&mut pages, 1, &ones, &[0, 1]).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { what: "capture", index: 1, .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "capture", index: 1, .. })), "{err}");
     let err = gpu.copy_blocks(&mut pages, &[(0, 1), (1, 2)]).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { op: "copy_blocks", index: 2, .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "copy_blocks", index: 2, .. })), "{err}");
     let kv = pages.layer("test", 0).unwrap();
     assert!(gpu.context().download_pool(kv.k).unwrap().iter().all(|&x| x == 0.0), "K pages changed");
     assert!(gpu.context().download_pool(pages.hidden()).unwrap().iter().all(|&x| x == 0.0), "hidden pages changed");
@@ -459,10 +460,10 @@ fn row_ops_match_cpu_and_reject_bad_indices() {
 
     let gt = gpu.upload(table.view()).unwrap();
     let err = gpu.embedding(&gt, &[1, 50]).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { op: "embedding", what: "token id", index: 50, bound: 50 }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "embedding", what: "token id", index: 50, bound: 50 })), "{err}");
     let mut dst = gpu.upload(base.view()).unwrap();
     let err = gpu.scatter_rows(&mut dst, &[0, 1, 2, 3, 17], &gpu.upload(items.view()).unwrap()).unwrap_err();
-    assert!(matches!(err, Error::OpIndex { op: "scatter_rows", index: 17, .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "scatter_rows", index: 17, .. })), "{err}");
     assert_close("scatter_rows rejected", &gpu.download(&dst).unwrap(), &base);
 }
 
@@ -500,7 +501,7 @@ fn rope_plain_sectioned_and_interleaved_match_cpu() {
     let mut t = gpu.upload(Array2::zeros((2, 8)).view()).unwrap();
     let spec = RopeSpec { theta: 10_000.0, head_dim: 8, kind: RopeKind::Plain };
     let err = gpu.rope(&mut t, &spec, RopePositions { t: &[0], h: &[0], w: &[0] }).unwrap_err();
-    assert!(matches!(err, Error::OpShape { op: "rope", what: "positions.t", .. }), "{err}");
+    assert!(matches!(err, Error::Backend(BackendError::OpShape { op: "rope", what: "positions.t", .. })), "{err}");
 }
 
 #[test]
@@ -541,10 +542,10 @@ fn broken_shader_is_a_typed_error() {
         .context()
         .compile_module("broken.wgsl", "@compute @workgroup_size(1) fn main() { let x: f32 = ; }")
         .unwrap_err();
-    assert!(matches!(&err, Error::ShaderCompile { shader, .. } if shader == "broken.wgsl"), "{err}");
+    assert!(matches!(&err, Error::Gpu(GpuError::ShaderCompile { shader, .. }) if shader == "broken.wgsl"), "{err}");
     let module = gpu.context().compile_module("ok.wgsl", "@compute @workgroup_size(1) fn main() {}").unwrap();
     let err = gpu.context().build_pipeline("ok.wgsl", &module, "missing_entry", &[]).unwrap_err();
-    assert!(matches!(&err, Error::ShaderCompile { entry, .. } if entry == "missing_entry"), "{err}");
+    assert!(matches!(&err, Error::Gpu(GpuError::ShaderCompile { entry, .. }) if entry == "missing_entry"), "{err}");
 }
 
 #[test]
@@ -566,12 +567,12 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     assert_eq!(g, c, "embedding rows are copied exactly");
     // Every other op needs its operand whole, and says so.
     let err = gpu.gather_rows(&split, &[1, 2]).unwrap_err();
-    assert!(matches!(&err, Error::GpuTooLarge { what, .. } if what.starts_with("gather_rows operand")), "{err}");
+    assert!(matches!(&err, Error::Gpu(GpuError::TooLarge { what, .. }) if what.starts_with("gather_rows operand")), "{err}");
     let norm = gpu.upload(Array2::from_elem((1, 32), 1.0).view()).unwrap();
-    assert!(matches!(gpu.rms_norm(&split, &norm, 1e-6), Err(Error::GpuTooLarge { .. })));
+    assert!(matches!(gpu.rms_norm(&split, &norm, 1e-6), Err(Error::Gpu(GpuError::TooLarge { .. }))));
     // A single row wider than a binding cannot be split.
     let err = gpu.upload(Array2::zeros((2, 2048)).view()).unwrap_err();
-    assert!(matches!(err, Error::GpuTooLarge { requested: 8192, max: SMALL_BINDING, .. }), "{err}");
+    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { requested: 8192, max: SMALL_BINDING, .. })), "{err}");
 }
 
 /// Whole thinker forwards: the GPU runner, with a cached prefix and chunked prefill,
@@ -580,6 +581,7 @@ mod forward {
     use super::*;
     use omniprefix::batch::{EmbedRows, ScheduledBatch};
     use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
+    use omniprefix::kv::BlockTable;
     use omniprefix::prompt::Positions;
     use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, run_uncached};
 
@@ -592,12 +594,12 @@ mod forward {
         let embeds = vec![EmbedRows { step_offset: 3, embeddings: item, rows: 0..rows, deepstack: None }];
         let grid = |p: i64, f: fn(i64) -> i64| if (3..3 + rows as i64).contains(&p) { 3 + f(p - 3) } else { p };
         let t: Vec<i64> = (0..len as i64).map(|p| grid(p, |_| 0)).collect();
-        let h = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
-        let w = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
+        let h: Vec<i64> = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
+        let w: Vec<i64> = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
         let positions = if cfg.mrope_section.is_some() {
-            Positions::Mrope { t, h, w, rope_delta: 0 }
+            Positions::given((0..len).map(|i| [t[i], h[i], w[i]]).collect(), 0)
         } else {
-            Positions::Linear(t)
+            Positions::linear(len)
         };
         PromptInputs { token_ids, embeds, positions }
     }
@@ -652,7 +654,7 @@ mod forward {
             // A block-aligned cached prefix, a non-aligned chunk, a decode-sized last step.
             for b in [8, 13, 18, 19] {
                 outs = runner
-                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![p.step(1, table, BS, a..b).unwrap()] }, &mut pages)
+                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![p.step(1, BlockTable::new(table.to_vec(), BS), a..b).unwrap()] }, &mut pages)
                     .unwrap();
                 a = b;
             }

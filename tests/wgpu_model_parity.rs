@@ -30,6 +30,7 @@ use omniprefix::backend::wgpu::WgpuBackend;
 use omniprefix::batch::{BlockCopy, ScheduledBatch};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
+use omniprefix::kv::BlockTable;
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, OmniTokens, Positions};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -159,7 +160,7 @@ fn run_steps(
     let mut a = range.start;
     while a < range.end {
         let b = (a + chunk).min(range.end);
-        let seq = inputs.step(request, table, block_size, a..b)?;
+        let seq = inputs.step(request, BlockTable::new(table.to_vec(), block_size), a..b)?;
         outputs = runner.execute(&ScheduledBatch { copies: std::mem::take(&mut copies), seqs: vec![seq] }, pages)?;
         a = b;
     }
@@ -228,7 +229,7 @@ fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
         token_ids: ids.to_vec(),
         items: vec![],
         index_map: IndexMap::default(),
-        positions: Positions::Linear((0..ids.len() as i64).collect()),
+        positions: Positions::linear(ids.len()),
     };
     Request { id, prompt, item_embeddings: vec![], item_deepstack: vec![], hidden_size: Some(hidden) }
 }
@@ -271,7 +272,7 @@ fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
     let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), 7)?;
     let gpu_thinker = Arc::new(Thinker::random(&*gpu, cfg.clone(), 7)?);
     let inputs =
-        PromptInputs { token_ids: p2.clone(), embeds: vec![], positions: Positions::Linear((0..57).collect()) };
+        PromptInputs { token_ids: p2.clone(), embeds: vec![], positions: Positions::linear(57) };
     let want = run_uncached(&cpu_thinker, &CpuBackend, &inputs, &capture, false)?;
     let want = named(&want.hidden, &want.last_logits, None)?;
     let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture)?;

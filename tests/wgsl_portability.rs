@@ -79,6 +79,7 @@ fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
 
 /// Limit and size checks that need no device.
 mod limits {
+    use omniprefix::error::GpuError;
     use omniprefix::Error;
     use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool};
 
@@ -88,13 +89,13 @@ mod limits {
         limits.max_storage_buffers_per_shader_stage = 4;
         let err = check_limits("tiny adapter", &limits).unwrap_err();
         assert!(
-            matches!(&err, Error::GpuLimit { adapter, limit: "max_storage_buffers_per_shader_stage", required: 7, available: 4 } if adapter == "tiny adapter"),
+            matches!(&err, Error::Gpu(GpuError::Limit { adapter, limit: "max_storage_buffers_per_shader_stage", required: 7, available: 4 }) if adapter == "tiny adapter"),
             "{err}"
         );
         let limits = wgpu::Limits { max_compute_workgroup_storage_size: 8192, ..Default::default() };
         let err = check_limits("a", &limits).unwrap_err();
         assert!(
-            matches!(err, Error::GpuLimit { limit: "max_compute_workgroup_storage_size", required: 10240, .. }),
+            matches!(err, Error::Gpu(GpuError::Limit { limit: "max_compute_workgroup_storage_size", required: 10240, .. })),
             "{err}"
         );
         assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());
@@ -106,8 +107,8 @@ mod limits {
         assert_eq!(plan_pool("a", "hidden", 10, 100, 1000, None).unwrap(), PoolPlan { blocks_per_chunk: 2, chunks: 5 });
         assert_eq!(plan_pool("a", "kv", 10, 100, 4000, Some(2)).unwrap(), PoolPlan { blocks_per_chunk: 10, chunks: 1 });
         let err = plan_pool("a", "kv", 10, 100, 1000, Some(2)).unwrap_err();
-        assert!(matches!(err, Error::GpuTooLarge { requested: 4000, max: 1600, .. }), "{err}");
+        assert!(matches!(err, Error::Gpu(GpuError::TooLarge { requested: 4000, max: 1600, .. })), "{err}");
         let err = plan_pool("a", "kv", 10, 1000, 1000, None).unwrap_err();
-        assert!(matches!(err, Error::GpuTooLarge { requested: 4000, max: 1000, .. }), "{err}");
+        assert!(matches!(err, Error::Gpu(GpuError::TooLarge { requested: 4000, max: 1000, .. })), "{err}");
     }
 }

@@ -113,7 +113,7 @@ impl ItemModel {
                 Truth::Row { .. } => PAD,
             })
             .collect();
-        let positions = Positions::Linear((0..truth.len() as i64).collect());
+        let positions = Positions::linear(truth.len());
         let prompt = CanonicalPrompt { tenant, atoms, token_ids, items, index_map, positions };
         (prompt, truth)
     }

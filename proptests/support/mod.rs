@@ -11,7 +11,7 @@ use ndarray::Array2;
 use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 
 use omniprefix::batch::{RequestId, ScheduledBatch, ScheduledSeq};
-use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
+use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, PositionKind, Positions, positions_from_atoms};
 use omniprefix::sched::Request;
 
 pub use reference_index::{Key, ReferenceIndex, keys_of};
@@ -24,7 +24,7 @@ pub fn text_prompt(tenant: u64, ids: &[u32]) -> CanonicalPrompt {
         token_ids: ids.to_vec(),
         items: Vec::new(),
         index_map: IndexMap::default(),
-        positions: Positions::Linear((0..ids.len() as i64).collect()),
+        positions: Positions::linear(ids.len()),
     }
 }
 
@@ -43,7 +43,8 @@ fn embedding_value(fingerprint: u128, row: usize) -> f32 {
 
 /// A request whose `marked` ids below [`IMAGE_MARKER`] are text tokens and
 /// whose ids `IMAGE_MARKER + k` are image `k` (3 rows, fingerprint `100 + k`),
-/// with 1-D positions.
+/// with M-RoPE positions (an image's rows on its 1x3 grid), so a chunk given
+/// the wrong positions shows in every axis.
 pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
     let mut prompt = text_prompt(tenant, &[]);
     let mut embeddings = Vec::new();
@@ -98,7 +99,8 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
             .insert_range(start..start + IMAGE_ROWS);
         prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS as usize]);
     }
-    prompt.positions = Positions::Linear((0..prompt.token_ids.len() as i64).collect());
+    prompt.positions = positions_from_atoms(&prompt.atoms, &OmniTokens::tiny(), PositionKind::Mrope)
+        .expect("test images are 1x3 grids under the tiny merge size");
     Request {
         id,
         prompt,
@@ -114,6 +116,8 @@ pub struct ShadowPages {
     slots: Vec<Option<(u64, Key)>>,
     /// Tenant and keys of every request seen, by id.
     prompts: HashMap<RequestId, (u64, Vec<Key>)>,
+    /// Every request's whole-prompt positions, materialised, by id.
+    positions: HashMap<RequestId, Vec<[i64; 3]>>,
 }
 
 impl ShadowPages {
@@ -122,6 +126,7 @@ impl ShadowPages {
             block_size,
             slots: vec![None; num_blocks * block_size],
             prompts: HashMap::new(),
+            positions: HashMap::new(),
         }
     }
 
@@ -129,11 +134,12 @@ impl ShadowPages {
     pub fn register(&mut self, req: &Request) {
         self.prompts
             .insert(req.id, (req.prompt.tenant, keys_of(&req.prompt)));
+        self.positions.insert(req.id, req.prompt.positions.iter().collect());
     }
 
     /// Executes `batch`: block copies, then for each sequence checks that its
-    /// block table serves the right KV for every computed position and that
-    /// its slots follow the table, then writes its new positions.
+    /// block table serves the right KV for every computed position, then
+    /// writes its new positions into the slots the table maps them to.
     pub fn run(&mut self, batch: &ScheduledBatch) -> Result<(), String> {
         let bs = self.block_size;
         for c in &batch.copies {
@@ -147,6 +153,9 @@ impl ShadowPages {
                 .get(&seq.request)
                 .ok_or(format!("unknown request {}", seq.request))?;
             let slot = |p: usize| seq.block_table[p / bs] as usize * bs + p % bs;
+            if seq.block_table.block_size() != bs {
+                return Err(format!("request {}: a table of {}-token blocks", seq.request, seq.block_table.block_size()));
+            }
             let end = seq.num_computed_tokens + seq.token_ids.len();
             if seq.block_table.len() * bs < end || end > keys.len() || seq.prompt_len != keys.len()
             {
@@ -165,17 +174,16 @@ impl ShadowPages {
                     ));
                 }
             }
-            for (i, p) in (seq.num_computed_tokens..end).enumerate() {
-                if seq.slot_mapping[i] != slot(p) as i64 {
-                    return Err(format!(
-                        "request {}: slot of position {p} is {}",
-                        seq.request, seq.slot_mapping[i]
-                    ));
+            // The slots the runner writes come from the table (`ScheduledSeq::slots`).
+            for (p, s) in seq.new_positions().zip(seq.slots()) {
+                if s != slot(p) as i64 {
+                    return Err(format!("request {}: slot of position {p} is {s}", seq.request));
                 }
-                let s = slot(p);
-                self.slots[s] = Some((*tenant, keys[p]));
+                self.slots[s as usize] = Some((*tenant, keys[p]));
             }
             check_inputs(seq, &keys[seq.num_computed_tokens..end])?;
+            let whole = self.positions.get(&seq.request).map_or(&[][..], Vec::as_slice);
+            check_positions(seq, whole)?;
             if seq.emits_output != (end == keys.len()) {
                 return Err(format!(
                     "request {}: emits_output {} at token {end}",
@@ -185,6 +193,26 @@ impl ShadowPages {
         }
         Ok(())
     }
+}
+
+/// Checks that a sequence's positions are the whole prompt's positions over
+/// `num_computed_tokens..num_computed_tokens + len`, value by value (so a chunk
+/// cut from the wrong place, e.g. positions restarting at 0, is caught without
+/// trusting the slicing code it tests).
+fn check_positions(seq: &ScheduledSeq, whole: &[[i64; 3]]) -> Result<(), String> {
+    let range = seq.new_positions();
+    let want = whole.get(range.clone()).ok_or(format!("request {}: positions {range:?} past the prompt", seq.request))?;
+    let got: Vec<[i64; 3]> = seq.positions.iter().collect();
+    if got != want {
+        let first = got.iter().zip(want).position(|(g, w)| g != w).unwrap_or(got.len().min(want.len()));
+        return Err(format!(
+            "request {}: positions of {range:?} differ from the prompt's at offset {first}: {:?} vs {:?}",
+            seq.request,
+            got.get(first),
+            want.get(first)
+        ));
+    }
+    Ok(())
 }
 
 /// Checks that a sequence's new positions get the right inputs: each text

@@ -6,6 +6,7 @@
 //! run against while the radix index is written in parallel.
 
 use omniprefix::Result;
+use omniprefix::error::{CacheError, Component, InvariantViolation};
 use omniprefix::index::{
     BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch,
 };
@@ -152,11 +153,7 @@ impl PrefixIndex for ReferenceIndex {
         let bs = self.block_size;
         let keys = keys_of(prompt);
         if blocks.len() * bs > keys.len() {
-            return Err(omniprefix::Error::InvalidRequest(format!(
-                "{} blocks offered for a {}-token prompt",
-                blocks.len(),
-                keys.len()
-            )));
+            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: keys.len() / bs }.into());
         }
         self.clock += 1;
         let mut outcome = InsertOutcome::default();
@@ -226,7 +223,14 @@ impl PrefixIndex for ReferenceIndex {
         }
     }
 
-    fn validate(&self) -> std::result::Result<(), String> {
+    fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        self.broken_invariant().map_err(|what| Component::OtherIndex("reference").violation(what))
+    }
+}
+
+impl ReferenceIndex {
+    /// The first broken invariant of [`PrefixIndex::validate`], in words.
+    fn broken_invariant(&self) -> std::result::Result<(), String> {
         for e in &self.entries {
             if e.keys.is_empty() || e.keys.len() % self.block_size != 0 {
                 return Err(format!("block {} covers {} keys", e.block, e.keys.len()));

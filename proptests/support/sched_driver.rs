@@ -6,13 +6,14 @@
 //! block leaked and no index lock outlived its request. What runs the batches
 //! and what is checked about their results is the suite's [`Runner`].
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use omniprefix::Error;
 use omniprefix::batch::{RequestId, ScheduledBatch};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
+use omniprefix::error::RequestError;
 
 /// `PROPTEST_CASES` cases (default `default_cases`), no failure files (integration
 /// targets have no lib.rs beside them to persist failures next to).
@@ -102,6 +103,8 @@ pub struct Machine<R: Runner> {
     next_id: RequestId,
     /// Requests finished so far.
     pub finished: usize,
+    /// Every admitted request's whole-prompt positions, materialised.
+    positions: HashMap<RequestId, Vec<[i64; 3]>>,
 }
 
 fn fail(e: Error) -> TestCaseError {
@@ -118,6 +121,7 @@ impl<R: Runner> Machine<R> {
             completed: Vec::new(),
             next_id: 0,
             finished: 0,
+            positions: HashMap::new(),
         }
     }
 
@@ -130,12 +134,14 @@ impl<R: Runner> Machine<R> {
         let too_large = req.prompt.len().div_ceil(cfg.block_size) > cfg.num_blocks;
         let before = (self.sched.stats(), self.sched.index_stats());
         let id = req.id;
+        let positions = req.prompt.positions.iter().collect();
         match self.sched.admit(req) {
             Ok(()) => {
                 self.live.push(id);
+                self.positions.insert(id, positions);
                 Ok(true)
             }
-            Err(Error::RequestTooLarge { .. }) if too_large => {
+            Err(Error::Request(RequestError::RequestTooLarge { .. })) if too_large => {
                 prop_assert_eq!((self.sched.stats(), self.sched.index_stats()), before, "rejected admit changed state");
                 Ok(false)
             }
@@ -153,6 +159,13 @@ impl<R: Runner> Machine<R> {
             }
             Op::Schedule => {
                 let batch = self.sched.schedule().map_err(fail)?;
+                // Every chunk carries the prompt's positions over exactly its range.
+                for seq in &batch.seqs {
+                    let range = seq.new_positions();
+                    let want = self.positions.get(&seq.request).and_then(|p| p.get(range.clone()));
+                    let got: Vec<[i64; 3]> = seq.positions.iter().collect();
+                    prop_assert_eq!(Some(&got[..]), want, "request {}: positions of {:?}", seq.request, range);
+                }
                 let output = self.runner.run(&batch)?;
                 if !batch.seqs.is_empty() {
                     self.outstanding.push_back((batch, output));
@@ -188,7 +201,7 @@ impl<R: Runner> Machine<R> {
 
     /// The scheduler's own invariant check, as a test failure.
     pub fn validate(&self) -> Result<(), TestCaseError> {
-        self.sched.validate().map_err(TestCaseError::fail)
+        self.sched.validate().map_err(|e| TestCaseError::fail(e.to_string()))
     }
 
     /// Completes what is outstanding, then runs every live request to the end

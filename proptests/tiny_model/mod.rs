@@ -16,7 +16,7 @@ use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
 use omniprefix::runner::{ModelRunner, PromptInputs, SeqOutput, run_uncached};
 use omniprefix::sched::Request;
-use omniprefix::{Error, Result};
+use omniprefix::Result;
 
 /// Vocabulary of the tiny model; text ids come from `0..TEXT_IDS`.
 pub const VOCAB: usize = 8;
@@ -91,7 +91,7 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
         token_ids: Vec::new(),
         items: Vec::new(),
         index_map: IndexMap::default(),
-        positions: Positions::Linear(Vec::new()),
+        positions: Positions::linear(0),
     };
     let mut embeddings: Vec<Arc<Array2<f32>>> = Vec::new();
     let mut embeds = Vec::new();
@@ -119,7 +119,7 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
         prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS]);
         embeds.push(EmbedRows { step_offset: start as usize, embeddings: Arc::clone(&embeddings[item]), rows: 0..IMAGE_ROWS, deepstack: None });
     }
-    let positions = Positions::Linear((0..prompt.token_ids.len() as i64).collect());
+    let positions = Positions::linear(prompt.token_ids.len());
     prompt.positions = positions.clone();
     let inputs = PromptInputs { token_ids: prompt.token_ids.clone(), embeds, positions };
     (Request { id, prompt, item_embeddings: embeddings, item_deepstack: vec![], hidden_size: Some(HIDDEN) }, inputs)
@@ -143,9 +143,4 @@ fn close(got: impl Iterator<Item = f32>, want: impl Iterator<Item = f32> + Clone
         None => Ok(()),
         Some((i, (g, w))) => Err(format!("first mismatch at flat index {i}: {g} vs uncached {w}")),
     }
-}
-
-/// Turns an invariant message into the crate error, for `?` in tests.
-pub fn invariant(message: String) -> Error {
-    Error::InvalidRequest(message)
 }

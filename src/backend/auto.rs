@@ -12,6 +12,7 @@ use std::str::FromStr;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::wgpu::WgpuBackend;
 use crate::{Error, Result};
+use crate::error::ConfigError;
 
 /// The backend a caller asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,11 +34,12 @@ impl FromStr for BackendKind {
             "cpu" => Ok(Self::Cpu),
             "wgpu" => Ok(Self::Wgpu),
             "auto" => Ok(Self::Auto),
-            other => Err(Error::InvalidConfig {
+            other => Err(ConfigError::Invalid {
+                component: "backend",
                 field: "backend",
                 expected: "cpu, wgpu or auto".into(),
                 found: other.into(),
-            }),
+            }.into()),
         }
     }
 }
@@ -114,9 +116,10 @@ pub fn is_software(adapter: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::GpuError;
 
     fn no_adapter() -> Result<WgpuBackend> {
-        Err(Error::GpuUnavailable { backends: "VULKAN".into(), reason: "no driver".into() })
+        Err(GpuError::Unavailable { backends: "VULKAN".into(), reason: "no driver".into() }.into())
     }
 
     #[test]
@@ -125,13 +128,13 @@ mod tests {
             assert_eq!(kind.to_string().parse::<BackendKind>().unwrap(), kind);
         }
         let err = "metal".parse::<BackendKind>().unwrap_err();
-        assert!(matches!(&err, Error::InvalidConfig { field: "backend", found, .. } if found == "metal"), "{err}");
+        assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "backend", found, .. }) if found == "metal"), "{err}");
     }
 
     #[test]
     fn wgpu_without_adapter_is_the_error_not_a_cpu_fallback() {
         let err = select_with(BackendKind::Wgpu, no_adapter).unwrap_err();
-        assert!(matches!(&err, Error::GpuUnavailable { reason, .. } if reason == "no driver"), "{err}");
+        assert!(matches!(&err, Error::Gpu(GpuError::Unavailable { reason, .. }) if reason == "no driver"), "{err}");
     }
 
     #[test]

@@ -10,20 +10,22 @@
 //! * Vectors (biases, norm weights) are `[1, n]` tensors.
 //! * The thinker composes these ops: e.g. logits of selected rows are
 //!   `gather_rows` → `rms_norm` → `matmul_t(lm_head)`, so no op needs a host round trip.
-//! * Ops validate operand shapes and indices and return [`Error::OpShape`] /
-//!   [`Error::OpIndex`]; an op that fails leaves its operands unchanged.
+//! * Ops validate operand shapes and indices and return [`BackendError::OpShape`](crate::error::BackendError::OpShape) /
+//!   [`BackendError::OpIndex`](crate::error::BackendError::OpIndex); an op that fails leaves its operands unchanged.
 //!
-//! [`Error::OpShape`]: crate::Error::OpShape
-//! [`Error::OpIndex`]: crate::Error::OpIndex
+//! [`BackendError::OpShape`]: crate::error::BackendError::OpShape
+//! [`BackendError::OpIndex`]: crate::error::BackendError::OpIndex
 
+#[cfg(feature = "wgpu")]
 pub mod auto;
 pub mod cpu;
+#[cfg(feature = "wgpu")]
 pub mod wgpu;
 
 use ndarray::{Array2, ArrayView2};
 
 use crate::Result;
-use crate::index::BlockId;
+use crate::kv::BlockId;
 
 /// Sizes of a set of pages: per layer K and V `[num_blocks, block_size, kv_heads, head_dim]`
 /// and hidden-state pages `[num_blocks, block_size, captured, hidden]`, all addressed

@@ -18,7 +18,7 @@ use super::keyed_xxh3::{KeyedXxh3, State};
 use super::layout::check_shape;
 use super::stream::{ByteSink, emit_tensor};
 use super::{Evidence, Fingerprint, ItemContent, ItemIdentity, ItemSpec, TensorView, ValidationPolicy};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 
 /// Content longer than this is hashed as a tree of chunks (on any thread count).
 pub const TREE_THRESHOLD: usize = 4 << 20;
@@ -188,7 +188,7 @@ impl Fingerprinter {
                 .num_threads(threads)
                 .thread_name(|i| format!("omniprefix-fp-{i}"))
                 .build()
-                .map_err(|e| Error::InvalidRequest(format!("cannot start {threads} fingerprint threads: {e}")))?;
+                .map_err(|source| Error::ThreadPool { purpose: "fingerprint", threads, source })?;
             Some(pool)
         } else {
             None
@@ -224,25 +224,27 @@ impl Fingerprinter {
     /// in errors.
     pub fn identify(&self, item_index: usize, item: &ItemSpec<'_>) -> Result<ItemIdentity> {
         if !item.layout.fits(item.modality) {
-            return Err(Error::InvalidLayout {
+            return Err(RequestError::InvalidLayout {
                 item: item_index,
                 field: "kind",
                 expected: "the layout kind of the item's modality",
                 found: format!("{:?} layout for a {:?} item", item.layout, item.modality),
-            });
+            }.into());
         }
         let num_tokens = item.layout.try_num_tokens(item_index)?;
         let (content, content_bytes) = match &item.content {
             ItemContent::Tensor(view) => {
                 check_shape(item_index, item.modality, &item.layout, view)?;
                 // Broadcast (stride-0) views can be logically larger than memory.
-                let bytes = view.len().checked_mul(view.dtype().size()).ok_or_else(|| {
-                    Error::InvalidRequest(format!("item {item_index}: {} elements overflow a byte count", view.len()))
+                let bytes = view.len().checked_mul(view.dtype().size()).ok_or(RequestError::ItemTooLarge {
+                    item: item_index,
+                    elements: view.len(),
+                    element_bytes: view.dtype().size(),
                 })?;
                 (Content::Tensor(view), bytes)
             }
             ItemContent::Encoded { bytes: [], .. } => {
-                return Err(Error::EmptyItem { item: item_index, what: "encoded item with no bytes" });
+                return Err(RequestError::EmptyItem { item: item_index, what: "encoded item with no bytes" }.into());
             }
             ItemContent::Encoded { bytes, .. } => (Content::Encoded(bytes), bytes.len()),
         };
@@ -351,6 +353,7 @@ impl Fingerprinter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
     use crate::canon::{ItemLayout, Modality, ProcessorParams};
     use ndarray::{ArrayD, IxDyn};
     use rand::{Rng, SeedableRng};
@@ -381,11 +384,11 @@ mod tests {
     }
 
     #[test]
-    fn flat_digest_is_xxh3_of_retained_header_and_bytes() -> Result<()> {
+    fn flat_digest_is_xxh3_of_retained_header_and_bytes() -> TestResult {
         let a = ArrayD::from_shape_fn(IxDyn(&[16, 6]), |ix| ix[0] as f32 - ix[1] as f32 * 0.5);
         let item = image(TensorView::F32(a.view()), [1, 4, 4]);
         let exact = fingerprinter(1, ValidationPolicy::ExactBytes)?.identify(3, &item)?;
-        let retained = exact.evidence.retained().cloned().ok_or(Error::InvalidRequest("no retained bytes".into()))?;
+        let retained = exact.evidence.retained().cloned().ok_or("no retained bytes")?;
         let header = encode_header(&item, 4, 16 * 6 * 4);
         assert_eq!(&retained[..header.len()], &header[..]);
         let body: Vec<u8> = a.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -403,8 +406,8 @@ mod tests {
     }
 
     #[test]
-    fn fixed_key_reproduces_a_reference_vector() -> Result<()> {
-        let a = ArrayD::from_shape_vec(IxDyn(&[2, 2, 3]), (0u8..12).collect()).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    fn fixed_key_reproduces_a_reference_vector() -> TestResult {
+        let a = ArrayD::from_shape_vec(IxDyn(&[2, 2, 3]), (0u8..12).collect())?;
         let fp = fp_of(&fingerprinter(1, ValidationPolicy::Unvalidated)?, &image(TensorView::U8(a.view()), [1, 2, 2]))?;
         assert_eq!(format!("{:032x}", fp.0), REFERENCE_FP);
         Ok(())
@@ -556,10 +559,10 @@ mod tests {
     }
 
     #[test]
-    fn broadcast_view_equals_its_materialised_copy() -> Result<()> {
+    fn broadcast_view_equals_its_materialised_copy() -> TestResult {
         let fp = fingerprinter(1, ValidationPolicy::SecondDigest)?;
         let row = ArrayD::from_shape_fn(IxDyn(&[1, 7, 3]), |ix| (ix[1] * 3 + ix[2]) as u8);
-        let wide = row.broadcast(IxDyn(&[9, 7, 3])).ok_or(Error::InvalidRequest("broadcast".into()))?;
+        let wide = row.broadcast(IxDyn(&[9, 7, 3])).ok_or("broadcast")?;
         let copy = wide.to_owned();
         let a = fp.identify(0, &image(TensorView::U8(wide), [1, 2, 2]))?;
         let b = fp.identify(0, &image(TensorView::U8(copy.view()), [1, 2, 2]))?;
@@ -568,10 +571,9 @@ mod tests {
     }
 
     #[test]
-    fn thread_count_never_changes_the_identity() -> Result<()> {
+    fn thread_count_never_changes_the_identity() -> TestResult {
         let bytes = noise_u8(5 * TREE_CHUNK + 12_345, 7);
-        let frames = ArrayD::from_shape_vec(IxDyn(&[bytes.len() / 3, 3]), bytes[..bytes.len() / 3 * 3].to_vec())
-            .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+        let frames = ArrayD::from_shape_vec(IxDyn(&[bytes.len() / 3, 3]), bytes[..bytes.len() / 3 * 3].to_vec())?;
         let item = image(TensorView::U8(frames.view()), [1, 2, 2]);
         let ids = [1, 2, 3]
             .into_iter()
@@ -588,7 +590,7 @@ mod tests {
         assert_eq!(checks[0].evidence, checks[1].evidence);
         assert_eq!(checks[0].fingerprint, ids[0].fingerprint);
         // The retained copy is still header + canonical bytes on the tree path.
-        let retained = ids[0].evidence.retained().cloned().ok_or(Error::InvalidRequest("no retained bytes".into()))?;
+        let retained = ids[0].evidence.retained().cloned().ok_or("no retained bytes")?;
         assert_eq!(&retained[retained.len() - frames.len()..], frames.as_slice().unwrap_or_default());
         Ok(())
     }
@@ -627,11 +629,11 @@ mod tests {
         a[[TREE_CHUNK / 2 + 17]] = half::f16::INFINITY;
         for threads in [1, 3] {
             let err = fingerprinter(threads, ValidationPolicy::ExactBytes)?.identify(2, &image(TensorView::F16(a.view()), [1, 2, 2]));
-            assert!(matches!(err, Err(Error::NonFinite { item: 2, index }) if index == TREE_CHUNK / 2 + 17), "{err:?}");
+            assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 2, index })) if index == TREE_CHUNK / 2 + 17), "{err:?}");
         }
         let small = ArrayD::from_shape_fn(IxDyn(&[2, 4]), |ix| if ix[0] == 1 && ix[1] == 1 { f32::NEG_INFINITY } else { 1.0 });
         let err = fingerprinter(1, ValidationPolicy::SecondDigest)?.identify(0, &image(TensorView::F32(small.t()), [1, 2, 2]));
-        assert!(matches!(err, Err(Error::NonFinite { item: 0, index: 3 })), "{err:?}");
+        assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 0, index: 3 }))), "{err:?}");
         Ok(())
     }
 
@@ -639,20 +641,20 @@ mod tests {
     fn empty_and_inconsistent_items_are_typed_errors() -> Result<()> {
         let fp = fingerprinter(1, ValidationPolicy::SecondDigest)?;
         let empty = ArrayD::<u8>::zeros(IxDyn(&[3, 0, 3]));
-        assert!(matches!(fp.identify(4, &image(TensorView::U8(empty.view()), [1, 2, 2])), Err(Error::EmptyItem { item: 4, .. })));
+        assert!(matches!(fp.identify(4, &image(TensorView::U8(empty.view()), [1, 2, 2])), Err(Error::Request(RequestError::EmptyItem { item: 4, .. }))));
         let no_bytes = ItemSpec { content: ItemContent::Encoded { bytes: &[], format: "png" }, ..image(TensorView::U8(empty.view()), [1, 2, 2]) };
-        assert!(matches!(fp.identify(1, &no_bytes), Err(Error::EmptyItem { item: 1, .. })));
+        assert!(matches!(fp.identify(1, &no_bytes), Err(Error::Request(RequestError::EmptyItem { item: 1, .. }))));
         let pixels = ArrayD::<u8>::zeros(IxDyn(&[2, 2, 3]));
         let audio_layout = ItemSpec { layout: ItemLayout::Audio { mel_frames: 100 }, ..image(TensorView::U8(pixels.view()), [1, 2, 2]) };
-        assert!(matches!(fp.identify(0, &audio_layout), Err(Error::InvalidLayout { field: "kind", .. })));
-        assert!(matches!(fp.identify(0, &image(TensorView::U8(pixels.view()), [1, 3, 3])), Err(Error::GridNotMergeable { .. })));
+        assert!(matches!(fp.identify(0, &audio_layout), Err(Error::Request(RequestError::InvalidLayout { field: "kind", .. }))));
+        assert!(matches!(fp.identify(0, &image(TensorView::U8(pixels.view()), [1, 3, 3])), Err(Error::Request(RequestError::GridNotMergeable { .. }))));
         let patches = ArrayD::<f32>::zeros(IxDyn(&[15, 4]));
-        assert!(matches!(fp.identify(6, &image(TensorView::F32(patches.view()), [1, 4, 4])), Err(Error::ShapeMismatch { item: 6, .. })));
+        assert!(matches!(fp.identify(6, &image(TensorView::F32(patches.view()), [1, 4, 4])), Err(Error::Request(RequestError::ShapeMismatch { item: 6, .. }))));
         Ok(())
     }
 
     #[test]
-    fn encoded_items_hash_format_and_bytes() -> Result<()> {
+    fn encoded_items_hash_format_and_bytes() -> TestResult {
         let fp = fingerprinter(1, ValidationPolicy::ExactBytes)?;
         let jpeg = noise_u8(10_000, 11);
         let spec = |bytes: &'static [u8], format: &'static str| ItemSpec {
@@ -664,11 +666,11 @@ mod tests {
         let leaked: &'static [u8] = Box::leak(jpeg.into_boxed_slice());
         let a = fp.identify(0, &spec(leaked, "jpeg"))?;
         assert_eq!(a.content_bytes, 10_000);
-        let retained = a.evidence.retained().cloned().ok_or(Error::InvalidRequest("no retained bytes".into()))?;
+        let retained = a.evidence.retained().cloned().ok_or("no retained bytes")?;
         assert_eq!(&retained[retained.len() - leaked.len()..], leaked);
         assert_ne!(a.fingerprint, fp.identify(0, &spec(leaked, "png"))?.fingerprint);
         assert_ne!(a.fingerprint, fp.identify(0, &spec(&leaked[1..], "jpeg"))?.fingerprint);
-        let decoded = ArrayD::from_shape_vec(IxDyn(&[10_000]), leaked.to_vec()).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+        let decoded = ArrayD::from_shape_vec(IxDyn(&[10_000]), leaked.to_vec())?;
         assert_ne!(a.fingerprint, fp.identify(0, &image(TensorView::U8(decoded.view()), [1, 4, 4]))?.fingerprint);
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! item whose layout and tensor disagree must be rejected before it is hashed.
 
 use super::{Dtype, ItemLayout, Modality, TensorView};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 
 /// Spatial merge of the vision encoder: 2x2 patches become one token.
 pub const SPATIAL_MERGE: u32 = 2;
@@ -87,17 +87,17 @@ impl ItemLayout {
             ItemLayout::Image { grid_thw } => grid_tokens(item, grid_thw),
             ItemLayout::Video { grid_thw, seconds_per_grid } => {
                 if !(seconds_per_grid.is_finite() && seconds_per_grid > 0.0) {
-                    return Err(Error::InvalidLayout {
+                    return Err(RequestError::InvalidLayout {
                         item,
                         field: "seconds_per_grid",
                         expected: "a finite number > 0",
                         found: seconds_per_grid.to_string(),
-                    });
+                    }.into());
                 }
                 grid_tokens(item, grid_thw)
             }
             ItemLayout::Audio { mel_frames: 0 } => {
-                Err(Error::EmptyItem { item, what: "audio layout with 0 mel frames" })
+                Err(RequestError::EmptyItem { item, what: "audio layout with 0 mel frames" }.into())
             }
             ItemLayout::Audio { mel_frames } => Ok(audio_tokens(mel_frames)),
         }
@@ -125,11 +125,11 @@ fn grid_patches(grid_thw: [u32; 3]) -> usize {
 
 fn grid_tokens(item: usize, grid_thw: [u32; 3]) -> Result<usize> {
     if grid_thw.contains(&0) {
-        return Err(Error::EmptyItem { item, what: "grid_thw with a zero side" });
+        return Err(RequestError::EmptyItem { item, what: "grid_thw with a zero side" }.into());
     }
     let patches = grid_patches(grid_thw);
     if !patches.is_multiple_of(merge_area()) {
-        return Err(Error::GridNotMergeable { item, grid_thw, merge: SPATIAL_MERGE });
+        return Err(RequestError::GridNotMergeable { item, grid_thw, merge: SPATIAL_MERGE }.into());
     }
     Ok(patches / merge_area())
 }
@@ -151,12 +151,12 @@ fn is_float(dtype: Dtype) -> bool {
 pub fn check_shape(item: usize, modality: Modality, layout: &ItemLayout, view: &TensorView<'_>) -> Result<()> {
     let shape = view.shape();
     if view.is_empty() {
-        return Err(Error::EmptyItem { item, what: "tensor with a zero dimension" });
+        return Err(RequestError::EmptyItem { item, what: "tensor with a zero dimension" }.into());
     }
     if !is_float(view.dtype()) || shape.len() != 2 {
         return Ok(());
     }
-    let mismatch = |expected: String| Error::ShapeMismatch { item, modality, expected, found: shape.to_vec() };
+    let mismatch = |expected: String| Error::Request(RequestError::ShapeMismatch { item, modality, expected, found: shape.to_vec() });
     match *layout {
         ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
             let patches = grid_patches(grid_thw);
@@ -212,13 +212,13 @@ mod tests {
     #[test]
     fn bad_layouts_are_typed_errors() {
         let odd = ItemLayout::Image { grid_thw: [1, 3, 5] };
-        assert!(matches!(odd.try_num_tokens(4), Err(Error::GridNotMergeable { item: 4, merge: 2, .. })));
+        assert!(matches!(odd.try_num_tokens(4), Err(Error::Request(RequestError::GridNotMergeable { item: 4, merge: 2, .. }))));
         let zero = ItemLayout::Image { grid_thw: [1, 0, 4] };
-        assert!(matches!(zero.try_num_tokens(1), Err(Error::EmptyItem { item: 1, .. })));
+        assert!(matches!(zero.try_num_tokens(1), Err(Error::Request(RequestError::EmptyItem { item: 1, .. }))));
         let nan = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: f32::NAN };
-        assert!(matches!(nan.try_num_tokens(2), Err(Error::InvalidLayout { field: "seconds_per_grid", .. })));
+        assert!(matches!(nan.try_num_tokens(2), Err(Error::Request(RequestError::InvalidLayout { field: "seconds_per_grid", .. }))));
         let silent = ItemLayout::Audio { mel_frames: 0 };
-        assert!(matches!(silent.try_num_tokens(3), Err(Error::EmptyItem { item: 3, .. })));
+        assert!(matches!(silent.try_num_tokens(3), Err(Error::Request(RequestError::EmptyItem { item: 3, .. }))));
     }
 
     #[test]
@@ -229,7 +229,7 @@ mod tests {
         let wrong = ItemLayout::Image { grid_thw: [1, 4, 2] };
         assert!(matches!(
             check_shape(5, Modality::Image, &wrong, &TensorView::F32(patches.view())),
-            Err(Error::ShapeMismatch { item: 5, modality: Modality::Image, .. })
+            Err(Error::Request(RequestError::ShapeMismatch { item: 5, modality: Modality::Image, .. }))
         ));
         let mel = ArrayD::<f32>::zeros(IxDyn(&[128, 250]));
         let ok = ItemLayout::Audio { mel_frames: 250 };
@@ -237,7 +237,7 @@ mod tests {
         let short = ItemLayout::Audio { mel_frames: 200 };
         assert!(matches!(
             check_shape(1, Modality::Audio, &short, &TensorView::F32(mel.view())),
-            Err(Error::ShapeMismatch { item: 1, .. })
+            Err(Error::Request(RequestError::ShapeMismatch { item: 1, .. }))
         ));
     }
 
@@ -252,7 +252,7 @@ mod tests {
         let empty = ArrayD::<u8>::zeros(IxDyn(&[0, 4, 3]));
         assert!(matches!(
             check_shape(2, Modality::Image, &grid, &TensorView::U8(empty.view())),
-            Err(Error::EmptyItem { item: 2, .. })
+            Err(Error::Request(RequestError::EmptyItem { item: 2, .. }))
         ));
     }
 }

@@ -16,7 +16,7 @@ use std::ops::Range;
 use ndarray::{ArrayView1, ArrayViewD, Axis, Ix1, Slice};
 
 use super::{Dtype, TensorView};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 
 /// Bytes of the staging buffer floats and strided views are encoded into.
 pub const STAGING_BYTES: usize = 64 * 1024;
@@ -367,7 +367,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
     /// The error for the first non-finite element of a piece starting at `next_index`.
     fn non_finite(&self, piece: impl Iterator<Item = T>) -> Error {
         let offset = piece.take_while(|s| s.finite()).count();
-        Error::NonFinite { item: self.item, index: self.next_index + offset }
+        Error::Request(RequestError::NonFinite { item: self.item, index: self.next_index + offset })
     }
 
     fn advance(&mut self, n: usize) {
@@ -389,6 +389,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
     use ndarray::{ArrayD, IxDyn};
 
     /// Collects the stream, and how many pieces it came in (rolled back ones included).
@@ -408,8 +409,8 @@ mod tests {
         }
     }
 
-    fn arr<T>(shape: &[usize], data: Vec<T>) -> Result<ArrayD<T>> {
-        ArrayD::from_shape_vec(IxDyn(shape), data).map_err(|e| Error::InvalidRequest(e.to_string()))
+    fn arr<T>(shape: &[usize], data: Vec<T>) -> TestResult<ArrayD<T>> {
+        Ok(ArrayD::from_shape_vec(IxDyn(shape), data)?)
     }
 
     fn canonical(item: usize, view: &TensorView<'_>) -> Result<Vec<u8>> {
@@ -419,7 +420,7 @@ mod tests {
     }
 
     #[test]
-    fn each_dtype_is_little_endian_row_major() -> Result<()> {
+    fn each_dtype_is_little_endian_row_major() -> TestResult {
         let u8s = arr(&[2, 2], vec![1u8, 2, 3, 4])?;
         assert_eq!(canonical(0, &TensorView::U8(u8s.view()))?, vec![1, 2, 3, 4]);
         let i32s = arr(&[2], vec![1i32, -2])?;
@@ -454,19 +455,19 @@ mod tests {
         a[[0, 4]] = f32::NAN; // logical index 4*3+0 = 12
         let t = a.t();
         let err = canonical(7, &TensorView::F32(t));
-        assert!(matches!(err, Err(Error::NonFinite { item: 7, index: 5 })), "{err:?}");
+        assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 7, index: 5 }))), "{err:?}");
         let b = ArrayD::from_elem(IxDyn(&[100_000]), half::f16::ONE);
         let mut b = b;
         b[[70_000]] = half::f16::NEG_INFINITY;
         let err = canonical(1, &TensorView::F16(b.view()));
-        assert!(matches!(err, Err(Error::NonFinite { item: 1, index: 70_000 })), "{err:?}");
+        assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 1, index: 70_000 }))), "{err:?}");
         let mut c = ArrayD::from_elem(IxDyn(&[4]), half::bf16::ONE);
         c[[3]] = half::bf16::NAN;
-        assert!(matches!(canonical(0, &TensorView::BF16(c.view())), Err(Error::NonFinite { index: 3, .. })));
+        assert!(matches!(canonical(0, &TensorView::BF16(c.view())), Err(Error::Request(RequestError::NonFinite { index: 3, .. }))));
     }
 
     #[test]
-    fn strided_views_equal_their_standard_copy() -> Result<()> {
+    fn strided_views_equal_their_standard_copy() -> TestResult {
         // A THWC u8 video viewed as TCHW, a reversed axis, and a step slice.
         let data: Vec<u8> = (0..2 * 37 * 41 * 3).map(|i| (i * 31 % 251) as u8).collect();
         let a = arr(&[2, 37, 41, 3], data)?;

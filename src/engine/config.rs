@@ -48,7 +48,7 @@ pub struct EngineConfig {
     /// Special ids of the model; `None` = from the checkpoint's config, else Qwen3-Omni's.
     pub tokens: Option<OmniTokens>,
     /// Tenants a request may name; `None` = any. Another salt is rejected with
-    /// `Error::UnknownTenant` before anything runs, so a typo'd or forged salt
+    /// `RequestError::UnknownTenant` before anything runs, so a typo'd or forged salt
     /// cannot silently open a cache of its own (checked with caching off too).
     pub known_tenants: Option<Vec<TenantSalt>>,
 }

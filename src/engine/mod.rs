@@ -1,11 +1,13 @@
 //! The library face of a thinker stage: requests in, full hidden states out.
 //!
-//! [`Engine`] wires the stages of the data flow together — preprocess
-//! (fingerprint items, build the canonical prompt), the scheduler (prefix
-//! index + block pool), the runner on a backend — and returns, per request,
-//! the hidden states of every captured layer for **every** position (cached
-//! rows included) and the last position's logits. Caching changes timings and
-//! `num_cached_tokens`, never the outputs.
+//! [`Engine`] runs one pipeline per request, each stage once and in order:
+//! **preprocess** (fingerprint items, build the canonical prompt, find the
+//! items' embeddings) → **admit** (the scheduler's one admission check, against
+//! this model) → **schedule** (match, allocate, cut chunks) → **run** (the runner
+//! on a backend) → **complete** (commit full blocks) → **output**. It returns,
+//! per request, the hidden states of every captured layer for **every**
+//! position (cached rows included) and the last position's logits. Caching
+//! changes timings and `num_cached_tokens`, never the outputs.
 
 mod config;
 mod request;
@@ -14,14 +16,14 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fxhash::FxHashMap;
+use fxhash::{FxHashMap, FxHashSet};
 use ndarray::Array2;
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
-use crate::batch::{DeepStack, RequestId, ScheduledBatch};
+use crate::batch::{DeepStack, ModelShape, RequestId, ScheduledBatch};
 use crate::canon::{Fingerprinter, ItemIdentity};
-use crate::error::{Error, Result};
+use crate::error::{CheckpointError, Error, InvariantViolation, IoError, RequestError, Result, SchedError};
 use crate::index::PrefixIndex;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
@@ -29,7 +31,7 @@ use crate::model::{CaptureName, CaptureSpec, Config, EncoderCache, Thinker};
 use crate::preprocess::Preprocessor;
 use crate::prompt::{CanonicalPrompt, OmniTokens, PositionKind, Positions, TenantSalt};
 use crate::runner::{ModelRunner, SeqOutput};
-use crate::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats};
+use crate::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats, check_tenant};
 
 pub use config::{EngineConfig, EngineStats, IndexKind, Timings};
 pub use request::{EncoderOutput, ItemInput, PlaceholderForm, PrefillRequest};
@@ -46,8 +48,8 @@ pub struct Output {
     pub num_cached_tokens: usize,
     /// Length of the expanded prompt.
     pub prompt_len: usize,
-    /// Position ids of the positions that ran (`num_cached_tokens..prompt_len`),
-    /// as the scheduler handed them to the runner.
+    /// Position ids of the positions that ran (`num_cached_tokens..prompt_len`):
+    /// the prompt's positions cut by [`Positions::slice`], as every chunk's were.
     pub computed_positions: Positions,
     pub timings: Timings,
 }
@@ -59,43 +61,15 @@ impl Output {
     }
 }
 
+/// An item's encoder output to cache once its request is admitted.
+type FreshRows = (crate::canon::Fingerprint, Arc<Array2<f32>>, Option<DeepStack>);
+
 /// A submitted request until its output is read.
 struct Pending {
     timings: Timings,
     submitted: Instant,
-    /// Cached length of the current run (reset when the scheduler restarts it).
-    num_cached: usize,
-    /// Where the next chunk must start if the run was not restarted.
-    next_start: Option<usize>,
-    positions: Option<Positions>,
-}
-
-impl Pending {
-    /// Records one scheduled chunk; a chunk that does not continue the last one
-    /// is a restart (preemption) and starts the record afresh.
-    fn record_chunk(&mut self, start: usize, len: usize, positions: &Positions) {
-        match (self.next_start, &mut self.positions) {
-            (Some(next), Some(acc)) if next == start => append_positions(acc, positions),
-            _ => {
-                self.num_cached = start;
-                self.positions = Some(positions.clone());
-            }
-        }
-        self.next_start = Some(start + len);
-    }
-}
-
-fn append_positions(acc: &mut Positions, more: &Positions) {
-    match (acc, more) {
-        (Positions::Linear(a), Positions::Linear(b)) => a.extend_from_slice(b),
-        (Positions::Mrope { t, h, w, .. }, Positions::Mrope { t: t2, h: h2, w: w2, .. }) => {
-            t.extend_from_slice(t2);
-            h.extend_from_slice(h2);
-            w.extend_from_slice(w2);
-        }
-        // One prompt's chunks share one position kind.
-        _ => debug_assert!(false, "chunks of one prompt mix position kinds"),
-    }
+    /// The prompt's positions (by run): the output's are cut from them.
+    positions: Positions,
 }
 
 /// A thinker stage with prefix caching: submit requests, run them, read full hidden states.
@@ -128,6 +102,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     pending: FxHashMap<RequestId, Pending>,
     /// Outputs of requests that finished while another was awaited by `prefill`.
     ready: Vec<Output>,
+    /// `config.known_tenants` as a set.
+    known_tenants: Option<FxHashSet<TenantSalt>>,
 }
 
 impl Engine<CpuBackend> {
@@ -176,19 +152,21 @@ impl<B: Backend> Engine<B> {
             },
             index,
         )?;
-        // A prompt longer than the model's context is a typed error at admission.
+        // Admission checks every request against this model (vocabulary,
+        // widths, DeepStack levels, context), so the runner trusts the batches.
+        let sched = sched.with_model(ModelShape::of(&model));
         let sched = match model.max_position_embeddings {
             Some(max) => sched.with_max_context(max),
             None => sched,
         };
         let runner = ModelRunner::new(backend, thinker, capture)?;
         let pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
-        let mut tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
-        tokens.vocab_size = Some(u32::try_from(model.vocab_size).unwrap_or(u32::MAX));
+        let tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
         let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), config.fingerprint_threads, config.validation)?;
         let position_kind = if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
         let preprocessor = Preprocessor::new(fingerprinter, tokens).with_positions(position_kind);
         Ok(Engine {
+            known_tenants: config.known_tenants.as_ref().map(|t| t.iter().copied().collect()),
             encoder_cache: EncoderCache::new(config.encoder_cache_bytes),
             config,
             runner,
@@ -218,7 +196,7 @@ impl<B: Backend> Engine<B> {
         self.runner.capture()
     }
 
-    /// The special ids requests are laid out with (vocab size set from the model).
+    /// The special ids requests are laid out with (admission checks ids against the model's vocabulary).
     pub fn tokens(&self) -> &OmniTokens {
         self.preprocessor.tokens()
     }
@@ -255,63 +233,33 @@ impl<B: Backend> Engine<B> {
 
     /// Checks and queues a request; on error nothing changes.
     pub fn submit(&mut self, request: PrefillRequest<'_>) -> Result<RequestId> {
-        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::MissingEmbeddings { item }) })
+        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::Request(RequestError::MissingEmbeddings { item })) })
     }
 
     /// [`Engine::submit`] with an encoder for items without embeddings.
     pub fn submit_with_encoder<E: Into<EncoderOutput>>(
         &mut self,
         request: PrefillRequest<'_>,
-        mut encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
+        encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
     ) -> Result<RequestId> {
         let started = Instant::now();
-        if let Some(known) = &self.config.known_tenants
-            && !known.contains(&request.tenant)
-        {
-            return Err(Error::UnknownTenant { id: self.next_id, tenant: request.tenant });
-        }
-        let prompt = self.preprocess(&request)?;
-        let mut embeddings = Vec::with_capacity(prompt.items.len());
-        let mut deepstack = Vec::with_capacity(prompt.items.len());
-        let mut fresh = Vec::new();
-        let mut cache_hits = 0;
-        for (index, (identity, input)) in prompt.items.iter().zip(&request.items).enumerate() {
-            let fp = identity.fingerprint;
-            let (emb, levels) = match &input.embeddings {
-                Some(e) => {
-                    fresh.push((fp, Arc::clone(e), input.deepstack.clone()));
-                    (Arc::clone(e), input.deepstack.clone())
-                }
-                None => match self.encoder_cache.get_with_deepstack(fp) {
-                    Some((e, cached)) => {
-                        cache_hits += 1;
-                        (e, input.deepstack.clone().or(cached))
-                    }
-                    None => {
-                        let out: EncoderOutput = encoder(index, identity)?.into();
-                        let e = Arc::new(out.embeddings);
-                        let encoded = (!out.deepstack.is_empty()).then(|| Arc::new(out.deepstack));
-                        let levels = input.deepstack.clone().or(encoded);
-                        fresh.push((fp, Arc::clone(&e), levels.clone()));
-                        (e, levels)
-                    }
-                },
-            };
-            embeddings.push(emb);
-            deepstack.push(levels);
-        }
         let id = self.next_id;
-        check_deepstack_levels(id, &deepstack, self.model_config())?;
-        let hidden = self.model_config().hidden_size;
+        // The cheap rule first: a forged salt costs no fingerprinting (checked with caching off too).
+        check_tenant(self.known_tenants.as_ref(), id, request.tenant)?;
+        let prompt = self.preprocess(&request)?;
+        let positions = prompt.positions.clone();
+        let (embeddings, deepstack, fresh, cache_hits) = self.item_rows(&prompt, &request, encoder)?;
         let preprocess = started.elapsed();
-        self.sched.admit(Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: Some(hidden) })?;
+        let req = Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: None };
+        self.sched.admit(req)?;
+        // Admitted: only now does anything change.
         for (fp, e, levels) in fresh {
             self.encoder_cache.insert_with_deepstack(fp, e, levels);
         }
         self.encoder_cache_hits += cache_hits;
         self.next_id += 1;
         let timings = Timings { preprocess, ..Default::default() };
-        self.pending.insert(id, Pending { timings, submitted: started, num_cached: 0, next_start: None, positions: None });
+        self.pending.insert(id, Pending { timings, submitted: started, positions });
         Ok(id)
     }
 
@@ -346,7 +294,7 @@ impl<B: Backend> Engine<B> {
 
     /// Checks the scheduler's pool, index and request bookkeeping; `Err` names
     /// the first broken invariant.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), InvariantViolation> {
         self.sched.validate()
     }
 
@@ -354,20 +302,49 @@ impl<B: Backend> Engine<B> {
     fn preprocess(&self, request: &PrefillRequest<'_>) -> Result<CanonicalPrompt> {
         let tenant = if self.config.cache { request.tenant } else { private_tenant(self.next_id) };
         let specs = request.items.iter().map(|item| &item.spec);
-        let prompt = self.preprocessor.canonicalise(tenant, &request.token_ids, request.placeholders, specs)?;
-        // Placeholder ids are embedded before the item rows replace them: they must be in the vocabulary.
-        let vocab = self.model_config().vocab_size;
-        for span in &prompt.index_map.spans {
-            let token = prompt.token_ids.get(span.start as usize).copied().unwrap_or_default();
-            if token as usize >= vocab {
-                return Err(Error::TokenOutOfVocab {
-                    position: span.start as usize,
-                    token,
-                    vocab_size: u32::try_from(vocab).unwrap_or(u32::MAX),
-                });
-            }
+        self.preprocessor.canonicalise(tenant, &request.token_ids, request.placeholders, specs)
+    }
+
+    /// Each item's embeddings and DeepStack levels: given with the request, from
+    /// the encoder cache, or from `encoder`. Returns them with the outputs to
+    /// cache once the request is admitted, and the number of cache hits.
+    #[allow(clippy::type_complexity)] // the four results of one pass over the items
+    fn item_rows<E: Into<EncoderOutput>>(
+        &mut self,
+        prompt: &CanonicalPrompt,
+        request: &PrefillRequest<'_>,
+        mut encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
+    ) -> Result<(Vec<Arc<Array2<f32>>>, Vec<Option<DeepStack>>, Vec<FreshRows>, u64)> {
+        let mut embeddings = Vec::with_capacity(prompt.items.len());
+        let mut deepstack = Vec::with_capacity(prompt.items.len());
+        let mut fresh = Vec::new();
+        let mut cache_hits = 0;
+        for (index, (identity, input)) in prompt.items.iter().zip(&request.items).enumerate() {
+            let fp = identity.fingerprint;
+            let (emb, levels) = match &input.embeddings {
+                Some(e) => {
+                    fresh.push((fp, Arc::clone(e), input.deepstack.clone()));
+                    (Arc::clone(e), input.deepstack.clone())
+                }
+                None => match self.encoder_cache.get_with_deepstack(fp) {
+                    Some((e, cached)) => {
+                        cache_hits += 1;
+                        (e, input.deepstack.clone().or(cached))
+                    }
+                    None => {
+                        let out: EncoderOutput = encoder(index, identity)?.into();
+                        let e = Arc::new(out.embeddings);
+                        let encoded = (!out.deepstack.is_empty()).then(|| Arc::new(out.deepstack));
+                        let levels = input.deepstack.clone().or(encoded);
+                        fresh.push((fp, Arc::clone(&e), levels.clone()));
+                        (e, levels)
+                    }
+                },
+            };
+            embeddings.push(emb);
+            deepstack.push(levels);
         }
-        Ok(prompt)
+        Ok((embeddings, deepstack, fresh, cache_hits))
     }
 
     /// Steps until `id` has finished; keeps other finished outputs for `run_until_done`.
@@ -377,28 +354,24 @@ impl<B: Backend> Engine<B> {
                 return Ok(self.ready.swap_remove(i));
             }
             if !self.pending.contains_key(&id) {
-                return Err(Error::UnknownRequest { id });
+                return Err(SchedError::UnknownRequest { id }.into());
             }
             self.step()?;
         }
     }
 
-    /// One scheduler step on the runner. A runner failure aborts the batch's
-    /// requests (their blocks go back to the pool) and is returned.
+    /// One step of the pipeline after admission: schedule → run → complete →
+    /// output. A runner failure aborts the batch's requests (their blocks go
+    /// back to the pool) and is returned.
     fn step(&mut self) -> Result<()> {
         let t0 = Instant::now();
         let batch = self.sched.schedule()?;
         let schedule = t0.elapsed();
         if batch.seqs.is_empty() {
-            return Err(Error::EngineStalled { pending: self.pending.len() });
-        }
-        for seq in &batch.seqs {
-            if let Some(p) = self.pending.get_mut(&seq.request) {
-                p.record_chunk(seq.num_computed_tokens, seq.token_ids.len(), &seq.positions);
-            }
+            return Err(SchedError::Stalled { pending: self.pending.len() }.into());
         }
         let t1 = Instant::now();
-        let outputs = match self.runner.execute(&batch, &mut self.pages) {
+        let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages) {
             Ok(outputs) => outputs,
             Err(e) => {
                 self.abort_batch(&batch);
@@ -417,30 +390,33 @@ impl<B: Backend> Engine<B> {
         }
         for out in outputs {
             if !done.contains(&out.request) {
-                return Err(Error::IndexContract(format!(
-                    "request {} returned outputs but the scheduler did not finish it",
-                    out.request
-                )));
+                return Err(SchedError::OutputsBeforeFinish { id: out.request }.into());
             }
+            let num_cached = self.sched.num_cached_tokens(out.request).unwrap_or(0);
             self.sched.finish(out.request)?;
-            self.finish_output(out);
+            self.output(out, num_cached)?;
         }
         Ok(())
     }
 
-    fn finish_output(&mut self, out: SeqOutput) {
-        let Some(p) = self.pending.remove(&out.request) else { return };
+    /// The last stage: the runner's outputs with what ran (positions from the
+    /// prompt's, cut like every chunk's) and where the time went.
+    fn output(&mut self, out: SeqOutput, num_cached: usize) -> Result<()> {
+        let Some(p) = self.pending.remove(&out.request) else { return Ok(()) };
+        let prompt_len = p.positions.len();
+        let computed_positions = p.positions.slice(num_cached..prompt_len)?;
         let timings = Timings { total: p.submitted.elapsed(), ..p.timings };
         self.finished += 1;
         self.ready.push(Output {
             request: out.request,
             hidden: out.hidden,
             last_logits: out.last_logits,
-            num_cached_tokens: p.num_cached,
-            prompt_len: p.next_start.unwrap_or(0),
-            computed_positions: p.positions.unwrap_or(Positions::Linear(Vec::new())),
+            num_cached_tokens: num_cached,
+            prompt_len,
+            computed_positions,
             timings,
         });
+        Ok(())
     }
 
     fn abort_batch(&mut self, batch: &ScheduledBatch) {
@@ -452,24 +428,6 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// DeepStack level `i` is added after decoder layer `i`: an item may carry at
-/// most one level per layer, and exactly as many as the checkpoint's vision
-/// encoder produces when its config names them (the scheduler checks the rest
-/// of their shape).
-fn check_deepstack_levels(id: RequestId, deepstack: &[Option<DeepStack>], model: &Config) -> Result<()> {
-    let layers = model.num_hidden_layers;
-    for (item, levels) in deepstack.iter().enumerate() {
-        let Some(found) = levels.as_ref().map(|d| d.len()) else { continue };
-        let (what, expected) = match model.deepstack_levels {
-            Some(n) if found != n => ("number of levels (the checkpoint's deepstack_visual_indexes)", n),
-            _ if found > layers => ("number of levels (at most one per decoder layer)", layers),
-            _ => continue,
-        };
-        return Err(Error::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found });
-    }
-    Ok(())
-}
-
 /// The tenant of request `id` when caching is off: one per request, from the
 /// top of the salt space, so no two requests ever share an entry.
 fn private_tenant(id: RequestId) -> TenantSalt {
@@ -479,13 +437,13 @@ fn private_tenant(id: RequestId) -> TenantSalt {
 /// Special ids from a checkpoint's `config.json` (`thinker_config` of Omni
 /// checkpoints, or the root); `None` when it names none (a text-only model).
 pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::ConfigParse(e.to_string()))?;
+    let text = std::fs::read_to_string(path).map_err(|source| IoError::read(&path, source))?;
+    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     let node = root.get("thinker_config").unwrap_or(&root);
     if node.get("image_token_id").is_none() {
         return Ok(None);
     }
-    serde_json::from_value(node.clone()).map(Some).map_err(|e| Error::ConfigParse(format!("special token ids: {e}")))
+    serde_json::from_value(node.clone()).map(Some).map_err(|e| CheckpointError::ConfigParse(format!("special token ids: {e}")).into())
 }
 
 /// Time as fractional milliseconds (for reports).

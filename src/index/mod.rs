@@ -12,9 +12,10 @@ pub mod validate;
 
 use crate::prompt::CanonicalPrompt;
 use crate::Result;
+use crate::error::InvariantViolation;
 
-/// Id of a KV block in the block pool (payload of one full cached block).
-pub type BlockId = u32;
+/// Block ids are defined next to the block tables in [`crate::kv`]; the index stores them.
+pub use crate::kv::BlockId;
 
 /// The fingerprinter's policy; re-exported here, where hits are confirmed.
 pub use crate::canon::ValidationPolicy;
@@ -87,5 +88,5 @@ pub trait PrefixIndex {
     /// Counters.
     fn stats(&self) -> IndexStats;
     /// Checks every internal invariant; `Err` names the first one broken.
-    fn validate(&self) -> std::result::Result<(), String>;
+    fn validate(&self) -> std::result::Result<(), InvariantViolation>;
 }

@@ -1,8 +1,11 @@
-//! KV cache bookkeeping: the block pool that hands out block ids.
+//! KV cache bookkeeping: block ids, the block tables that map a sequence's
+//! positions to pool slots, and the block pool that hands out the ids.
 //!
 //! Page storage (per-layer K/V and hidden pages indexed by these ids) lives in
 //! the backend; only the scheduler mutates the pool.
 
+mod block_table;
 mod pool;
 
+pub use block_table::{BlockId, BlockTable};
 pub use pool::{BlockPool, BlockState};

@@ -11,8 +11,8 @@
 //! The free list is a FIFO linked through the block array itself (O(1) pop and
 //! push, no allocation): the block freed longest ago is reused first.
 
-use crate::error::{Error, Result};
-use crate::index::BlockId;
+use crate::error::{CacheError, Component, ConfigError, Error, InvariantViolation, Result};
+use super::BlockId;
 
 /// Marks the end of the free list.
 const NIL: BlockId = BlockId::MAX;
@@ -46,7 +46,7 @@ struct Block {
 /// assert_eq!(pool.state(ids[0])?, BlockState::Indexed);
 /// pool.release(ids[1])?;
 /// assert_eq!(pool.num_free(), 2);
-/// pool.validate().map_err(omniprefix::Error::InvalidRequest)?;
+/// pool.validate().map_err(omniprefix::Error::from)?;
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -62,11 +62,12 @@ impl BlockPool {
     /// A pool of `num_blocks` free blocks (at least one, fewer than `u32::MAX`).
     pub fn new(num_blocks: usize) -> Result<Self> {
         if num_blocks == 0 || num_blocks >= NIL as usize {
-            return Err(Error::InvalidConfig {
+            return Err(ConfigError::Invalid {
+                component: "block pool",
                 field: "num_blocks",
                 expected: format!("in 1..{NIL}"),
                 found: num_blocks.to_string(),
-            });
+            }.into());
         }
         let blocks = (0..num_blocks as BlockId)
             .map(|id| Block {
@@ -197,7 +198,12 @@ impl BlockPool {
 
     /// Checks that every block is in one state, the free list is a consistent
     /// chain over exactly the free blocks, and the counters add up.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        self.broken_invariant().map_err(|what| Component::BlockPool.violation(what))
+    }
+
+    /// The first broken invariant of [`BlockPool::validate`], in words.
+    fn broken_invariant(&self) -> std::result::Result<(), String> {
         let mut on_list = vec![false; self.blocks.len()];
         let mut cursor = self.head;
         let mut last = NIL;
@@ -268,40 +274,41 @@ impl BlockPool {
     fn block(&self, block: BlockId) -> Result<&Block> {
         self.blocks
             .get(block as usize)
-            .ok_or(Error::BlockOutOfRange {
+            .ok_or(CacheError::BlockOutOfRange {
                 block,
                 num_blocks: self.blocks.len(),
-            })
+            }.into())
     }
 
     fn block_mut(&mut self, block: BlockId) -> Result<&mut Block> {
         let num_blocks = self.blocks.len();
         self.blocks
             .get_mut(block as usize)
-            .ok_or(Error::BlockOutOfRange { block, num_blocks })
+            .ok_or(CacheError::BlockOutOfRange { block, num_blocks }.into())
     }
 }
 
 fn misuse(op: &'static str, block: BlockId, state: BlockState) -> Error {
-    Error::BlockStateMisuse {
+    CacheError::BlockStateMisuse {
         op,
         block,
         state: format!("{state:?}"),
-    }
+    }.into()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
 
     #[test]
-    fn allocate_is_all_or_nothing_and_fifo() -> Result<()> {
+    fn allocate_is_all_or_nothing_and_fifo() -> TestResult {
         let mut pool = BlockPool::new(3)?;
         assert_eq!(pool.allocate(4), None);
         assert_eq!(pool.num_free(), 3);
         let a = pool
             .allocate(2)
-            .ok_or(Error::InvalidRequest("pool short".into()))?;
+            .ok_or("pool short")?;
         assert_eq!(a, vec![0, 1]);
         pool.release(1)?;
         pool.release(0)?;
@@ -309,15 +316,15 @@ mod tests {
         assert_eq!(pool.allocate(3), Some(vec![2, 1, 0]));
         assert_eq!(pool.num_free(), 0);
         assert_eq!(pool.allocate(1), None);
-        pool.validate().map_err(Error::InvalidRequest)
+        Ok(pool.validate()?)
     }
 
     #[test]
-    fn refcounts_count_users_and_never_go_negative() -> Result<()> {
+    fn refcounts_count_users_and_never_go_negative() -> TestResult {
         let mut pool = BlockPool::new(2)?;
         let id = pool
             .allocate(1)
-            .ok_or(Error::InvalidRequest("pool short".into()))?[0];
+            .ok_or("pool short")?[0];
         pool.retain(id)?;
         assert_eq!(pool.state(id)?, BlockState::InUse { refs: 2 });
         pool.release(id)?;
@@ -328,40 +335,40 @@ mod tests {
         assert!(
             matches!(
                 err,
-                Some(Error::BlockStateMisuse {
+                Some(Error::Cache(CacheError::BlockStateMisuse {
                     op: "release",
                     block: 0,
                     ..
-                })
+                }))
             ),
             "{err:?}"
         );
         assert!(matches!(
             pool.retain(id),
-            Err(Error::BlockStateMisuse { op: "retain", .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { op: "retain", .. }))
         ));
         assert!(matches!(
             pool.release(9),
-            Err(Error::BlockOutOfRange {
+            Err(Error::Cache(CacheError::BlockOutOfRange {
                 block: 9,
                 num_blocks: 2
-            })
+            }))
         ));
         assert_eq!(pool.num_free(), 2);
-        pool.validate().map_err(Error::InvalidRequest)
+        Ok(pool.validate()?)
     }
 
     #[test]
-    fn indexed_blocks_leave_the_free_list_until_evicted() -> Result<()> {
+    fn indexed_blocks_leave_the_free_list_until_evicted() -> TestResult {
         let mut pool = BlockPool::new(2)?;
         let ids = pool
             .allocate(2)
-            .ok_or(Error::InvalidRequest("pool short".into()))?;
+            .ok_or("pool short")?;
         pool.retain(ids[1])?;
         // Only a block with a single user can be handed over.
         assert!(matches!(
             pool.adopt_by_index(ids[1]),
-            Err(Error::BlockStateMisuse { op: "adopt", .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { op: "adopt", .. }))
         ));
         pool.adopt_by_index(ids[0])?;
         assert_eq!(
@@ -370,11 +377,11 @@ mod tests {
         );
         assert!(matches!(
             pool.release(ids[0]),
-            Err(Error::BlockStateMisuse { .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { .. }))
         ));
         assert!(matches!(
             pool.reclaim_evicted(ids[1]),
-            Err(Error::BlockStateMisuse { op: "reclaim", .. })
+            Err(Error::Cache(CacheError::BlockStateMisuse { op: "reclaim", .. }))
         ));
         pool.reclaim_evicted(ids[0])?;
         assert_eq!(pool.state(ids[0])?, BlockState::Free);
@@ -382,17 +389,17 @@ mod tests {
             (pool.num_free(), pool.num_indexed(), pool.num_in_use()),
             (1, 0, 1)
         );
-        pool.validate().map_err(Error::InvalidRequest)
+        Ok(pool.validate()?)
     }
 
     #[test]
     fn rejects_empty_pool() {
         assert!(matches!(
             BlockPool::new(0),
-            Err(Error::InvalidConfig {
+            Err(Error::Config(ConfigError::Invalid {
                 field: "num_blocks",
                 ..
-            })
+            }))
         ));
     }
 
@@ -400,7 +407,7 @@ mod tests {
     fn validate_catches_broken_free_list() -> Result<()> {
         let mut pool = BlockPool::new(3)?;
         pool.blocks[1].next = 0; // cycle 0 -> 1 -> 0
-        assert!(pool.validate().is_err_and(|e| e.contains("cycle")));
+        assert!(pool.validate().is_err_and(|e| e.component == Component::BlockPool && e.what.contains("cycle")));
         let mut pool = BlockPool::new(3)?;
         pool.num_free = 2;
         assert!(pool.validate().is_err());

@@ -4,6 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::{Error, Result};
+use crate::error::ConfigError;
 
 /// A point in the forward whose per-token hidden state can be captured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,7 +39,7 @@ impl FromStr for CaptureName {
         s.strip_prefix("hidden.")
             .and_then(|l| l.parse().ok())
             .map(CaptureName::Hidden)
-            .ok_or_else(|| Error::InvalidRequest(format!("capture `{s}`: expected `hidden.<layer>` or `final`")))
+            .ok_or_else(|| ConfigError::CaptureSyntax { spec: s.into() }.into())
     }
 }
 
@@ -56,7 +57,7 @@ impl CaptureSpec {
         if let Some(&CaptureName::Hidden(layer)) =
             points.iter().find(|p| matches!(p, CaptureName::Hidden(l) if *l > num_layers))
         {
-            return Err(Error::CaptureLayer { layer, num_layers });
+            return Err(ConfigError::CaptureLayer { layer, num_layers }.into());
         }
         points.sort();
         points.dedup();
@@ -105,7 +106,7 @@ mod tests {
         assert_eq!(spec.points(), &[CaptureName::Hidden(0), CaptureName::Hidden(2), CaptureName::Final]);
         assert_eq!(spec.index_of(CaptureName::Final), Some(2));
         let err = CaptureSpec::new([CaptureName::Hidden(5)], 4).unwrap_err();
-        assert!(matches!(err, Error::CaptureLayer { layer: 5, num_layers: 4 }));
+        assert!(matches!(err, Error::Config(ConfigError::CaptureLayer { layer: 5, num_layers: 4 })));
         assert!("hidden.x".parse::<CaptureName>().is_err());
         assert_eq!(CaptureName::Hidden(3).to_string(), "hidden.3");
     }

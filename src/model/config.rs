@@ -1,5 +1,6 @@
 //! The thinker's text-model config, read from a Hugging Face `config.json`
-//! (Qwen2, Qwen3, Qwen3-MoE, Qwen2.5-Omni and Qwen3-Omni thinkers).
+//! (Qwen2, Qwen3, Qwen3-MoE, Qwen2.5-Omni and Qwen3-Omni thinkers), or
+//! built in memory for a small random-weight model with [`TinyModel`].
 
 use std::path::Path;
 
@@ -7,6 +8,7 @@ use serde::Deserialize;
 
 use crate::backend::{RopeKind, RopeSpec};
 use crate::{Error, Result};
+use crate::error::{CheckpointError, IoError};
 
 /// Mixture-of-Experts settings (Qwen3-MoE / Qwen3-Omni thinker).
 #[derive(Debug, Clone, PartialEq)]
@@ -22,6 +24,9 @@ pub struct MoeConfig {
 }
 
 /// Everything the thinker's decoder needs to know about its shape.
+///
+/// Read it from a checkpoint's `config.json`, or size a small random-weight
+/// model by name with [`TinyModel`]:
 ///
 /// ```
 /// let json = r#"{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
@@ -110,14 +115,14 @@ const MAX_DIM: usize = 1 << 20;
 const MAX_VOCAB: usize = 1 << 24;
 
 fn unsupported(field: &'static str, value: impl std::fmt::Debug, reason: &'static str) -> Error {
-    Error::UnsupportedConfig { field, value: format!("{value:?}"), reason }
+    CheckpointError::UnsupportedConfig { field, value: format!("{value:?}"), reason }.into()
 }
 
 impl Config {
     /// Reads `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Io { path: path.display().to_string(), source })?;
+            .map_err(|source| IoError::read(&path, source))?;
         Self::from_json_str(&text)
     }
 
@@ -125,12 +130,12 @@ impl Config {
     /// `thinker_config.text_config` or `text_config`.
     pub fn from_json_str(json: &str) -> Result<Self> {
         let root: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| Error::ConfigParse(e.to_string()))?;
+            serde_json::from_str(json).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
         let text = root
             .pointer("/thinker_config/text_config")
             .or_else(|| root.get("text_config"))
             .unwrap_or(&root);
-        let raw = RawConfig::deserialize(text).map_err(|e| Error::ConfigParse(e.to_string()))?;
+        let raw = RawConfig::deserialize(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
         let deepstack = root
             .pointer("/thinker_config/vision_config/deepstack_visual_indexes")
             .or_else(|| root.pointer("/vision_config/deepstack_visual_indexes"));
@@ -185,10 +190,10 @@ impl Config {
                 num_experts,
                 num_experts_per_tok: raw
                     .num_experts_per_tok
-                    .ok_or_else(|| Error::ConfigParse("missing field `num_experts_per_tok`".into()))?,
+                    .ok_or_else(|| CheckpointError::ConfigParse("missing field `num_experts_per_tok`".into()))?,
                 moe_intermediate_size: raw
                     .moe_intermediate_size
-                    .ok_or_else(|| Error::ConfigParse("missing field `moe_intermediate_size`".into()))?,
+                    .ok_or_else(|| CheckpointError::ConfigParse("missing field `moe_intermediate_size`".into()))?,
                 norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
                 decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
                 mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
@@ -318,16 +323,125 @@ impl Config {
         RopeSpec { theta: self.rope_theta as f32, head_dim: self.head_dim, kind }
     }
 
-    /// A small dense Qwen3 (qk-norm, no bias, 1-D RoPE) for in-memory random models.
+    /// Positional shorthand for [`TinyModel`] with [`TinyFamily::Qwen3`].
     pub fn tiny_qwen3(hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize) -> Self {
-        Config {
+        TinyModel { family: TinyFamily::Qwen3, hidden, layers, heads, kv_heads, vocab }.config()
+    }
+
+    /// Positional shorthand for [`TinyModel`] with [`TinyFamily::Qwen2Omni`].
+    pub fn tiny_qwen2_omni(hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize) -> Self {
+        TinyModel { family: TinyFamily::Qwen2Omni, hidden, layers, heads, kv_heads, vocab }.config()
+    }
+
+    /// Positional shorthand for [`TinyModel`] with [`TinyFamily::Qwen3OmniMoe`].
+    pub fn tiny_qwen3_omni_moe(
+        hidden: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        vocab: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> Self {
+        let family = TinyFamily::Qwen3OmniMoe { experts: num_experts, top_k };
+        TinyModel { family, hidden, layers, heads, kv_heads, vocab }.config()
+    }
+}
+
+/// The architecture of a [`TinyModel`]: which Qwen thinker it imitates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TinyFamily {
+    /// Dense Qwen3: qk-norm, no bias, 1-D RoPE, tied embeddings.
+    Qwen3,
+    /// Qwen2.5-Omni-style thinker: qkv bias, no qk-norm, contiguous (sectioned)
+    /// M-RoPE, untied embeddings.
+    Qwen2Omni,
+    /// Qwen3-Omni-style MoE thinker: qk-norm, interleaved M-RoPE, untied
+    /// embeddings; every layer but layer 0 is sparse, with `experts` experts of
+    /// which `top_k` run per token (intermediate size `hidden / 2` each).
+    Qwen3OmniMoe { experts: usize, top_k: usize },
+}
+
+/// A small model for seeded random weights (tests, examples, the demo), sized by name.
+///
+/// Start from a family preset and override what you need with struct-update
+/// syntax; [`TinyModel::config`] (or `Config::from`) gives the full [`Config`]:
+///
+/// ```
+/// use omniprefix::model::{Config, TinyFamily, TinyModel};
+///
+/// // A Qwen3-Omni-style MoE thinker with M-RoPE: hidden 64, 2 layers, 4 query / 2 KV heads.
+/// let model: Config = TinyModel { hidden: 64, vocab: 600, ..TinyModel::qwen3_omni_moe() }.config();
+/// assert_eq!((model.hidden_size, model.num_hidden_layers, model.head_dim), (64, 2, 16));
+/// assert!(model.mrope_section.is_some() && model.moe.is_some());
+///
+/// // Other expert counts go in the family; other sizes in the named fields.
+/// let wide = TinyModel {
+///     family: TinyFamily::Qwen3OmniMoe { experts: 8, top_k: 2 },
+///     layers: 4,
+///     ..TinyModel::qwen3_omni_moe()
+/// };
+/// assert_eq!(Config::from(wide).moe.map(|m| m.num_experts), Some(8));
+///
+/// // Anything else: edit the returned config, whose fields are public.
+/// let tied = Config { tie_word_embeddings: true, ..TinyModel::qwen2_omni().config() };
+/// assert!(tied.attention_bias && tied.tie_word_embeddings);
+/// ```
+///
+/// Derived sizes: `head_dim = hidden / heads`, dense `intermediate_size = 2 * hidden`,
+/// RMSNorm eps 1e-6, RoPE theta 10 000, no context limit, no DeepStack levels.
+/// The presets are hidden 32, 2 layers, 4 query / 2 KV heads and a 512-id
+/// vocabulary, which holds [`OmniTokens::tiny`](crate::prompt::OmniTokens::tiny)'s
+/// special ids (500-506).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TinyModel {
+    pub family: TinyFamily,
+    /// Hidden size of the residual stream.
+    pub hidden: usize,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Query heads; must divide `hidden`.
+    pub heads: usize,
+    /// Key/value heads (GQA); must divide `heads`.
+    pub kv_heads: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+}
+
+impl TinyModel {
+    /// The preset sizes with a given family.
+    pub const fn preset(family: TinyFamily) -> Self {
+        TinyModel { family, hidden: 32, layers: 2, heads: 4, kv_heads: 2, vocab: 512 }
+    }
+
+    /// A dense Qwen3 ([`TinyFamily::Qwen3`]) of the preset sizes.
+    pub const fn qwen3() -> Self {
+        Self::preset(TinyFamily::Qwen3)
+    }
+
+    /// A Qwen2.5-Omni-style thinker ([`TinyFamily::Qwen2Omni`]) of the preset sizes.
+    pub const fn qwen2_omni() -> Self {
+        Self::preset(TinyFamily::Qwen2Omni)
+    }
+
+    /// A Qwen3-Omni-style MoE thinker ([`TinyFamily::Qwen3OmniMoe`]) of the
+    /// preset sizes, 4 experts, top-2.
+    pub const fn qwen3_omni_moe() -> Self {
+        Self::preset(TinyFamily::Qwen3OmniMoe { experts: 4, top_k: 2 })
+    }
+
+    /// The full model config.
+    pub fn config(&self) -> Config {
+        let TinyModel { family, hidden, layers, heads, kv_heads, vocab } = *self;
+        let head_dim = hidden / heads.max(1);
+        let qwen3 = Config {
             model_type: "qwen3".into(),
             hidden_size: hidden,
             intermediate_size: 2 * hidden,
             num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
-            head_dim: hidden / heads,
+            head_dim,
             rms_norm_eps: 1e-6,
             rope_theta: 10_000.0,
             vocab_size: vocab,
@@ -339,49 +453,39 @@ impl Config {
             moe: None,
             max_position_embeddings: None,
             deepstack_levels: None,
+        };
+        match family {
+            TinyFamily::Qwen3 => qwen3,
+            TinyFamily::Qwen2Omni => Config {
+                model_type: "qwen2_5_omni_text".into(),
+                attention_bias: true,
+                qk_norm: false,
+                tie_word_embeddings: false,
+                mrope_section: Some(three_sections(head_dim / 2)),
+                ..qwen3
+            },
+            TinyFamily::Qwen3OmniMoe { experts, top_k } => Config {
+                model_type: "qwen3_omni_moe_text".into(),
+                tie_word_embeddings: false,
+                mrope_section: Some(three_sections(head_dim / 2)),
+                mrope_interleaved: true,
+                moe: Some(MoeConfig {
+                    num_experts: experts,
+                    num_experts_per_tok: top_k,
+                    moe_intermediate_size: hidden / 2,
+                    norm_topk_prob: true,
+                    decoder_sparse_step: 1,
+                    mlp_only_layers: vec![0],
+                }),
+                ..qwen3
+            },
         }
     }
+}
 
-    /// A small Qwen2.5-Omni-style thinker: qkv bias, no qk-norm, contiguous M-RoPE.
-    pub fn tiny_qwen2_omni(hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize) -> Self {
-        let head_dim = hidden / heads;
-        Config {
-            model_type: "qwen2_5_omni_text".into(),
-            attention_bias: true,
-            qk_norm: false,
-            tie_word_embeddings: false,
-            mrope_section: Some(three_sections(head_dim / 2)),
-            ..Self::tiny_qwen3(hidden, layers, heads, kv_heads, vocab)
-        }
-    }
-
-    /// A small Qwen3-Omni-style MoE thinker: qk-norm, interleaved M-RoPE, sparse
-    /// layers except layer 0.
-    pub fn tiny_qwen3_omni_moe(
-        hidden: usize,
-        layers: usize,
-        heads: usize,
-        kv_heads: usize,
-        vocab: usize,
-        num_experts: usize,
-        top_k: usize,
-    ) -> Self {
-        let head_dim = hidden / heads;
-        Config {
-            model_type: "qwen3_omni_moe_text".into(),
-            tie_word_embeddings: false,
-            mrope_section: Some(three_sections(head_dim / 2)),
-            mrope_interleaved: true,
-            moe: Some(MoeConfig {
-                num_experts,
-                num_experts_per_tok: top_k,
-                moe_intermediate_size: hidden / 2,
-                norm_topk_prob: true,
-                decoder_sparse_step: 1,
-                mlp_only_layers: vec![0],
-            }),
-            ..Self::tiny_qwen3(hidden, layers, heads, kv_heads, vocab)
-        }
+impl From<TinyModel> for Config {
+    fn from(model: TinyModel) -> Self {
+        model.config()
     }
 }
 
@@ -419,12 +523,12 @@ mod tests {
         assert_eq!(with_vision("[8, 16, 24]").unwrap().deepstack_levels, Some(3));
         assert!(matches!(
             with_vision("7"),
-            Err(Error::UnsupportedConfig { field: "deepstack_visual_indexes", .. })
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "deepstack_visual_indexes", .. }))
         ));
         let too_many = format!("[{}]", (0..49).map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
         assert!(matches!(
             with_vision(&too_many),
-            Err(Error::UnsupportedConfig { field: "deepstack_visual_indexes", .. })
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "deepstack_visual_indexes", .. }))
         ));
     }
 
@@ -468,17 +572,61 @@ mod tests {
         for (extra, field) in cases {
             // Later duplicate keys win in serde_json objects.
             let err = Config::from_json_str(&omni_text(extra)).unwrap_err();
-            assert!(matches!(err, Error::UnsupportedConfig { field: f, .. } if f == field), "{err}");
+            assert!(matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field), "{err}");
         }
         let yarn = omni_text("").replace(r#""rope_type": "default""#, r#""rope_type": "yarn""#);
-        assert!(matches!(Config::from_json_str(&yarn), Err(Error::UnsupportedConfig { field: "rope_type", .. })));
+        assert!(matches!(Config::from_json_str(&yarn), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "rope_type", .. }))));
         let bad_sections = omni_text("").replace("[24, 20, 20]", "[24, 20, 21]");
-        assert!(matches!(Config::from_json_str(&bad_sections), Err(Error::UnsupportedConfig { field: "mrope_section", .. })));
+        assert!(matches!(Config::from_json_str(&bad_sections), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "mrope_section", .. }))));
         let llama = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 4}"#;
-        assert!(matches!(Config::from_json_str(llama), Err(Error::UnsupportedConfig { field: "model_type", .. })));
-        assert!(matches!(Config::from_json_str("{}"), Err(Error::ConfigParse(_))));
-        let mut gqa = Config::tiny_qwen3(32, 1, 4, 3, 10);
+        assert!(matches!(Config::from_json_str(llama), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "model_type", .. }))));
+        assert!(matches!(Config::from_json_str("{}"), Err(Error::Checkpoint(CheckpointError::ConfigParse(_)))));
+        let mut gqa = TinyModel { layers: 1, kv_heads: 3, vocab: 10, ..TinyModel::qwen3() }.config();
         gqa.head_dim = 8;
-        assert!(matches!(gqa.validate(), Err(Error::UnsupportedConfig { field: "num_key_value_heads", .. })));
+        assert!(matches!(gqa.validate(), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "num_key_value_heads", .. }))));
+    }
+
+    #[test]
+    fn tiny_models_derive_their_sizes_by_family() {
+        let dense = TinyModel::qwen3().config();
+        assert_eq!(dense.model_type, "qwen3");
+        assert_eq!((dense.hidden_size, dense.intermediate_size, dense.num_hidden_layers), (32, 64, 2));
+        assert_eq!((dense.num_attention_heads, dense.num_key_value_heads, dense.head_dim), (4, 2, 8));
+        assert_eq!(dense.vocab_size, 512);
+        assert!(dense.qk_norm && !dense.attention_bias && dense.tie_word_embeddings);
+        assert_eq!(dense.rope_spec().kind, RopeKind::Plain);
+        assert!(dense.moe.is_none() && dense.validate().is_ok());
+
+        let qwen2 = TinyModel { hidden: 64, ..TinyModel::qwen2_omni() }.config();
+        assert_eq!(qwen2.model_type, "qwen2_5_omni_text");
+        assert!(qwen2.attention_bias && !qwen2.qk_norm && !qwen2.tie_word_embeddings);
+        assert_eq!(qwen2.rope_spec().kind, RopeKind::Sectioned([4, 2, 2]));
+        assert!(qwen2.validate().is_ok());
+
+        let family = TinyFamily::Qwen3OmniMoe { experts: 8, top_k: 2 };
+        let moe = Config::from(TinyModel { family, hidden: 256, layers: 4, ..TinyModel::qwen3_omni_moe() });
+        assert_eq!(moe.model_type, "qwen3_omni_moe_text");
+        assert_eq!(moe.rope_spec().kind, RopeKind::Interleaved([12, 10, 10]));
+        let experts = moe.moe.as_ref().unwrap();
+        assert_eq!((experts.num_experts, experts.num_experts_per_tok, experts.moe_intermediate_size), (8, 2, 128));
+        assert!(!moe.is_sparse_layer(0) && moe.is_sparse_layer(1) && moe.is_sparse_layer(3));
+        assert!(moe.validate().is_ok());
+    }
+
+    #[test]
+    fn positional_constructors_are_the_named_presets() {
+        assert_eq!(Config::tiny_qwen3(32, 2, 4, 2, 512), TinyModel::qwen3().config());
+        assert_eq!(Config::tiny_qwen2_omni(32, 2, 4, 2, 512), TinyModel::qwen2_omni().config());
+        assert_eq!(Config::tiny_qwen3_omni_moe(32, 2, 4, 2, 512, 4, 2), TinyModel::qwen3_omni_moe().config());
+        let moe = Config::tiny_qwen3_omni_moe(16, 1, 2, 1, 40, 3, 1);
+        let named = TinyModel {
+            family: TinyFamily::Qwen3OmniMoe { experts: 3, top_k: 1 },
+            hidden: 16,
+            layers: 1,
+            heads: 2,
+            kv_heads: 1,
+            vocab: 40,
+        };
+        assert_eq!(moe, named.config());
     }
 }

@@ -2,7 +2,7 @@
 
 /// Which hidden states a forward keeps per position.
 pub mod capture;
-/// HF `config.json` → [`Config`].
+/// HF `config.json` → [`Config`]; [`TinyModel`] for small random-weight models.
 pub mod config;
 /// Encoder outputs cached by item fingerprint.
 pub mod encoder_cache;
@@ -12,7 +12,7 @@ pub mod thinker;
 pub mod weights;
 
 pub use capture::{CaptureName, CaptureSpec};
-pub use config::{Config, MoeConfig};
+pub use config::{Config, MoeConfig, TinyFamily, TinyModel};
 pub use encoder_cache::EncoderCache;
 pub use thinker::{StepMeta, Thinker, random_source};
 pub use weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};

@@ -11,7 +11,8 @@ use rand_chacha::ChaCha8Rng;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, RopePositions, RopeSpec};
 use crate::model::config::Config;
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::{BackendError, CheckpointError};
 
 /// Attention weights of one layer, on the device.
 struct Attention<T> {
@@ -75,14 +76,15 @@ fn prefixes(source: &dyn WeightSource) -> Result<(&'static str, &'static str)> {
     } else if source.contains("model.embed_tokens.weight") {
         Ok(("model", "lm_head"))
     } else {
-        Err(Error::MissingTensor { name: "model.embed_tokens.weight".into() })
+        Err(CheckpointError::MissingTensor { name: "model.embed_tokens.weight".into() }.into())
     }
 }
 
-/// Stacks matrices row-wise (fusing gate/up, or experts).
-fn stack(parts: &[Array2<f32>]) -> Result<Array2<f32>> {
+/// Stacks matrices row-wise (fusing gate/up, or experts) into the weight `name`.
+fn stack(parts: &[Array2<f32>], name: String) -> Result<Array2<f32>> {
     let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
-    concatenate(Axis(0), &views).map_err(|e| Error::InvalidRequest(format!("stacking weights: {e}")))
+    concatenate(Axis(0), &views)
+        .map_err(|e| CheckpointError::WeightLayout { name, problem: format!("parts do not stack: {e}") }.into())
 }
 
 /// Host weights of one MoE block in the fused layout of [`MoeWeights`].
@@ -97,7 +99,11 @@ fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usiz
         let down = Array2::from_shape_vec((num_experts * hidden, inter), dn.data);
         return match (gate_up, down) {
             (Ok(g), Ok(d)) => Ok([g, d]),
-            _ => Err(Error::InvalidRequest("fused expert weights do not reshape".into())),
+            _ => Err(CheckpointError::WeightLayout {
+                name: experts.name("gate_up_proj / down_proj"),
+                problem: "fused expert weights do not reshape to [experts * rows, cols]".into(),
+            }
+            .into()),
         };
     }
     let (mut gate_up, mut down) = (Vec::new(), Vec::new());
@@ -107,7 +113,7 @@ fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usiz
         gate_up.push(ex.pp("up_proj").matrix("weight", inter, hidden)?);
         down.push(ex.pp("down_proj").matrix("weight", hidden, inter)?);
     }
-    Ok([stack(&gate_up)?, stack(&down)?])
+    Ok([stack(&gate_up, experts.name("*.gate_proj+up_proj"))?, stack(&down, experts.name("*.down_proj"))?])
 }
 
 impl<B: Backend> Thinker<B> {
@@ -174,7 +180,7 @@ impl<B: Backend> Thinker<B> {
                     let gate = mw.pp("gate_proj").matrix("weight", c.intermediate_size, h)?;
                     let upm = mw.pp("up_proj").matrix("weight", c.intermediate_size, h)?;
                     Mlp::Dense {
-                        gate_up: up(stack(&[gate, upm])?)?,
+                        gate_up: up(stack(&[gate, upm], mw.name("gate_proj+up_proj"))?)?,
                         down: up(mw.pp("down_proj").matrix("weight", h, c.intermediate_size)?)?,
                     }
                 }
@@ -225,7 +231,7 @@ impl<B: Backend> Thinker<B> {
         step: &StepMeta<'_>,
         pages: &mut B::Pages,
     ) -> Result<()> {
-        let lw = self.layers.get(layer).ok_or(Error::OpIndex {
+        let lw = self.layers.get(layer).ok_or(BackendError::OpIndex {
             op: "forward_layer",
             what: "layer",
             index: layer as i64,
@@ -340,6 +346,7 @@ mod tests {
     use safetensors::tensor::TensorView as StView;
 
     use super::*;
+    use crate::error::{Error, IoError};
     use crate::backend::cpu::CpuBackend;
     use crate::model::CaptureSpec;
     use crate::prompt::Positions;
@@ -350,7 +357,7 @@ mod tests {
     }
 
     fn logits_of(thinker: &Thinker<CpuBackend>) -> Vec<f32> {
-        let inputs = PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::Linear((0..5).collect()) };
+        let inputs = PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::linear(5) };
         let out = run_uncached(thinker, &CpuBackend, &inputs, &CaptureSpec::default_for(2), false).unwrap();
         out.last_logits
     }
@@ -395,15 +402,15 @@ mod tests {
         let name = "model.layers.1.self_attn.k_proj.weight";
         let k = src.remove(name).unwrap();
         let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
-        assert!(matches!(&err, Error::MissingTensor { name: n } if n == name), "{err}");
+        assert!(matches!(&err, Error::Checkpoint(CheckpointError::MissingTensor { name: n }) if n == name), "{err}");
         src.insert(name, HostTensor { shape: vec![16, 31], data: k.data[..16 * 31].to_vec() });
         let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
         assert!(
-            matches!(&err, Error::TensorShape { name: n, expected, found } if n == name && expected == &[16, 32] && found == &[16, 31]),
+            matches!(&err, Error::Checkpoint(CheckpointError::TensorShape { name: n, expected, found }) if n == name && expected == &[16, 32] && found == &[16, 31]),
             "{err}"
         );
         let err = Thinker::load(&CpuBackend, tiny(), &MemorySource::new()).err().unwrap();
-        assert!(matches!(err, Error::MissingTensor { .. }));
+        assert!(matches!(err, Error::Checkpoint(CheckpointError::MissingTensor { .. })));
     }
 
     #[test]
@@ -464,14 +471,14 @@ mod tests {
         let path = dir.join("model.safetensors");
         safetensors::serialize_to_file(views, &None, &path).unwrap();
         let src = SafetensorsSource::open_dir(&dir).unwrap();
-        assert!(matches!(src.load("model.norm.weight"), Err(Error::TensorDtype { found, .. }) if found == "I32"));
+        assert!(matches!(src.load("model.norm.weight"), Err(Error::Checkpoint(CheckpointError::TensorDtype { found, .. })) if found == "I32"));
         assert_eq!(src.load("model.half").unwrap(), HostTensor { shape: vec![2, 1], data: vec![0.5, -2.0] });
-        assert!(matches!(src.load("model.nope"), Err(Error::MissingTensor { name }) if name == "model.nope"));
+        assert!(matches!(src.load("model.nope"), Err(Error::Checkpoint(CheckpointError::MissingTensor { name })) if name == "model.nope"));
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
-        assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Safetensors { .. })));
+        assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Checkpoint(CheckpointError::Safetensors { .. }))));
         let empty = scratch_dir("empty");
-        assert!(matches!(SafetensorsSource::open_dir(&empty), Err(Error::Io { .. })));
+        assert!(matches!(SafetensorsSource::open_dir(&empty), Err(Error::Io(IoError { .. }))));
         std::fs::remove_dir_all(&dir).ok();
         std::fs::remove_dir_all(&empty).ok();
     }

@@ -9,6 +9,7 @@ use ndarray::Array2;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::{Error, Result};
+use crate::error::{CheckpointError, IoError};
 
 /// A host tensor of any rank, already converted to f32.
 #[derive(Debug, Clone, PartialEq)]
@@ -21,8 +22,8 @@ pub struct HostTensor {
 pub trait WeightSource {
     /// True when the source holds a tensor named `name`.
     fn contains(&self, name: &str) -> bool;
-    /// The tensor `name` as f32; [`Error::MissingTensor`] when absent,
-    /// [`Error::TensorDtype`] when stored in a type other than f32/f16/bf16.
+    /// The tensor `name` as f32; [`CheckpointError::MissingTensor`] when absent,
+    /// [`CheckpointError::TensorDtype`] when stored in a type other than f32/f16/bf16.
     fn load(&self, name: &str) -> Result<HostTensor>;
 }
 
@@ -60,7 +61,7 @@ impl WeightSource for MemorySource {
     }
 
     fn load(&self, name: &str) -> Result<HostTensor> {
-        self.tensors.get(name).cloned().ok_or_else(|| Error::MissingTensor { name: name.into() })
+        self.tensors.get(name).cloned().ok_or_else(|| CheckpointError::MissingTensor { name: name.into() }.into())
     }
 }
 
@@ -88,12 +89,12 @@ impl SafetensorsSource {
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
             let text = std::fs::read_to_string(&index)
-                .map_err(|source| Error::Io { path: index.display().to_string(), source })?;
-            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Safetensors {
+                .map_err(|source| IoError::read(&index, source))?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::Safetensors {
                 path: index.display().to_string(),
                 message: e.to_string(),
             })?;
-            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| Error::Safetensors {
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| CheckpointError::Safetensors {
                 path: index.display().to_string(),
                 message: "no `weight_map` object".into(),
             })?;
@@ -116,14 +117,14 @@ impl SafetensorsSource {
         let mut entries = HashMap::new();
         for (file, path) in paths.iter().enumerate() {
             let shown = path.display().to_string();
-            let handle = std::fs::File::open(path).map_err(|source| Error::Io { path: shown.clone(), source })?;
+            let handle = std::fs::File::open(path).map_err(|source| IoError::read(&shown, source))?;
             // SAFETY: the checkpoint is opened read-only; as with any mmap, a concurrent
             // writer truncating the file is outside what we guard against.
-            let map = unsafe { Mmap::map(&handle) }.map_err(|source| Error::Io { path: shown.clone(), source })?;
-            let st_err = |e: safetensors::SafeTensorError| Error::Safetensors {
+            let map = unsafe { Mmap::map(&handle) }.map_err(|source| IoError::read(&shown, source))?;
+            let st_err = |e: safetensors::SafeTensorError| Error::Checkpoint(CheckpointError::Safetensors {
                 path: shown.clone(),
                 message: e.to_string(),
-            };
+            });
             // `deserialize` checks the header against the file length (truncation).
             SafeTensors::deserialize(&map).map_err(st_err)?;
             let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(st_err)?;
@@ -137,7 +138,7 @@ impl SafetensorsSource {
                     end: base + info.data_offsets.1,
                 };
                 if entries.insert(name.clone(), entry).is_some() {
-                    return Err(Error::Safetensors { path: shown.clone(), message: format!("tensor `{name}` in two files") });
+                    return Err(CheckpointError::Safetensors { path: shown.clone(), message: format!("tensor `{name}` in two files") }.into());
                 }
             }
             maps.push(map);
@@ -152,12 +153,12 @@ impl WeightSource for SafetensorsSource {
     }
 
     fn load(&self, name: &str) -> Result<HostTensor> {
-        let entry = self.entries.get(name).ok_or_else(|| Error::MissingTensor { name: name.into() })?;
+        let entry = self.entries.get(name).ok_or_else(|| CheckpointError::MissingTensor { name: name.into() })?;
         let bytes = self
             .maps
             .get(entry.file)
             .and_then(|m| m.get(entry.start..entry.end))
-            .ok_or_else(|| Error::Safetensors { path: name.into(), message: "data range outside the file".into() })?;
+            .ok_or_else(|| CheckpointError::Safetensors { path: name.into(), message: "data range outside the file".into() })?;
         let data = match entry.dtype {
             StDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             StDtype::F16 => {
@@ -166,7 +167,7 @@ impl WeightSource for SafetensorsSource {
             StDtype::BF16 => {
                 bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
             }
-            other => return Err(Error::TensorDtype { name: name.into(), found: format!("{other:?}") }),
+            other => return Err(CheckpointError::TensorDtype { name: name.into(), found: format!("{other:?}") }.into()),
         };
         Ok(HostTensor { shape: entry.shape.clone(), data })
     }
@@ -206,7 +207,7 @@ impl<'a> Weights<'a> {
         let name = self.name(leaf);
         let t = self.source.load(&name)?;
         if t.shape != shape {
-            return Err(Error::TensorShape { name, expected: shape.to_vec(), found: t.shape });
+            return Err(CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into());
         }
         debug_assert_eq!(t.data.len(), shape.iter().product::<usize>());
         Ok(t)
@@ -215,12 +216,12 @@ impl<'a> Weights<'a> {
     /// A 2-D weight `[rows, cols]` (HF Linear: `[out, in]`).
     pub fn matrix(&self, leaf: &str, rows: usize, cols: usize) -> Result<Array2<f32>> {
         let t = self.get(leaf, &[rows, cols])?;
-        Array2::from_shape_vec((rows, cols), t.data).map_err(|e| Error::Safetensors { path: self.name(leaf), message: e.to_string() })
+        Array2::from_shape_vec((rows, cols), t.data).map_err(|e| CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into())
     }
 
     /// A 1-D weight `[n]` as a `[1, n]` matrix.
     pub fn vector(&self, leaf: &str, n: usize) -> Result<Array2<f32>> {
         let t = self.get(leaf, &[n])?;
-        Array2::from_shape_vec((1, n), t.data).map_err(|e| Error::Safetensors { path: self.name(leaf), message: e.to_string() })
+        Array2::from_shape_vec((1, n), t.data).map_err(|e| CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into())
     }
 }

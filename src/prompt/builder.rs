@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use crate::canon::{ItemIdentity, Modality};
-use crate::error::{Error, Result};
+use crate::error::{RequestError, Result};
 
 use super::mrope::{PositionKind, audio_in_video_runs, positions_from_atoms};
-use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
+use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt, out_of_vocab};
 
 /// Accumulates atoms, token ids and the index map of one prompt.
 ///
@@ -18,7 +18,7 @@ use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
 /// ```
 /// use std::sync::Arc;
 /// use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
-/// use omniprefix::prompt::{OmniTokens, Positions, PromptBuilder};
+/// use omniprefix::prompt::{OmniTokens, PromptBuilder};
 ///
 /// let image = Arc::new(ItemIdentity {
 ///     fingerprint: Fingerprint(7),
@@ -35,8 +35,7 @@ use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
 /// let prompt = builder.build()?;
 /// assert_eq!(prompt.len(), 10);
 /// assert_eq!(prompt.index_map.placeholders.len(), 6);
-/// let Positions::Mrope { rope_delta, .. } = prompt.positions else { unreachable!() };
-/// assert_eq!(rope_delta, -3);
+/// assert_eq!(prompt.positions.rope_delta(), Some(-3));
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -90,16 +89,20 @@ impl PromptBuilder {
     /// Appends plain text ids (wrapper tokens such as `vision_start` are text).
     /// Placeholder ids are rejected here: items bring their own.
     pub fn push_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
-        for (offset, &token) in ids.iter().enumerate() {
-            let position = self.token_ids.len() + offset;
-            if self.tokens.placeholder_modality(token).is_some() {
-                return Err(Error::StrayPlaceholder { position, token });
-            }
-            if let Some(vocab_size) = self.tokens.vocab_size
-                && token >= vocab_size
-            {
-                return Err(Error::TokenOutOfVocab { position, token, vocab_size });
-            }
+        if let Some((offset, _)) = find_placeholder(&self.tokens, ids) {
+            return Err(RequestError::StrayPlaceholder { position: self.token_ids.len() + offset, token: ids[offset] }.into());
+        }
+        self.append_text(ids)
+    }
+
+    /// Appends text ids known to hold no placeholder (a scan found none):
+    /// copies them once into the atoms and once into the ids, and checks them
+    /// against the vocabulary when it is known.
+    fn append_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
+        if let Some(vocab_size) = self.tokens.vocab_size
+            && let Some((offset, token)) = out_of_vocab(ids, vocab_size as usize)
+        {
+            return Err(RequestError::TokenOutOfVocab { position: self.token_ids.len() + offset, token, vocab_size }.into());
         }
         self.check_room(ids.len())?;
         if ids.is_empty() {
@@ -123,12 +126,12 @@ impl PromptBuilder {
             && let Some(Atom::Item { id, .. }) = self.atoms.last()
             && id.modality == Modality::Video
         {
-            return Err(Error::MalformedAudioInVideo {
+            return Err(RequestError::MalformedAudioInVideo {
                 item: index,
                 position: self.len(),
                 expected: "text between a video and a separate audio (or push_audio_in_video)".into(),
                 found: "an audio item directly after a video item".into(),
-            });
+            }.into());
         }
         self.check_room(count)?;
         self.items.push(item);
@@ -144,7 +147,7 @@ impl PromptBuilder {
         for (index, item, expected) in [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
         {
             if item.modality != expected {
-                return Err(Error::ItemModalityMismatch { item: index, expected, found: item.modality });
+                return Err(RequestError::ItemModalityMismatch { item: index, expected, found: item.modality }.into());
             }
         }
         let video_tokens = self.tokens.checked_token_count(&video, video_index)?;
@@ -184,55 +187,93 @@ impl PromptBuilder {
         self.extend(ids, items, Placeholders::Unexpanded { audio_in_video })
     }
 
-    /// The canonical prompt of everything pushed so far.
+    /// The canonical prompt of everything pushed so far (the builder stays usable).
     pub fn build(&self) -> Result<CanonicalPrompt> {
+        self.clone().into_prompt()
+    }
+
+    /// The canonical prompt, moving what was pushed instead of copying it
+    /// (what preprocessing calls: a prompt's ids are copied once, not twice).
+    pub fn into_prompt(self) -> Result<CanonicalPrompt> {
         if self.token_ids.is_empty() {
-            return Err(Error::EmptyPrompt);
+            return Err(RequestError::EmptyPrompt.into());
         }
         let positions = positions_from_atoms(&self.atoms, &self.tokens, self.kind)?;
         Ok(CanonicalPrompt {
             tenant: self.tenant,
-            atoms: self.atoms.clone(),
-            token_ids: self.token_ids.clone(),
-            items: self.items.clone(),
-            index_map: self.index_map.clone(),
+            atoms: self.atoms,
+            token_ids: self.token_ids,
+            items: self.items,
+            index_map: self.index_map,
             positions,
         })
     }
 
-    /// Shared walk of `extend_expanded` / `extend_unexpanded`, applied to a
-    /// copy so a rejected request leaves `self` unchanged.
+    /// Shared walk of `extend_expanded` / `extend_unexpanded`: one scan for
+    /// placeholders, text between them appended as it is; a rejected request
+    /// is rolled back, so it leaves `self` unchanged.
     fn extend(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: Placeholders) -> Result<&mut Self> {
         for (index, item) in items.iter().enumerate() {
             self.tokens.checked_token_count(item, index)?;
         }
-        let mut next = self.clone();
+        let mark = self.mark();
+        let result = self.extend_from(ids, items, form);
+        if result.is_err() {
+            self.rollback(mark);
+        }
+        result.map(|()| self)
+    }
+
+    fn extend_from(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: Placeholders) -> Result<()> {
         let mut queues = ItemQueues::new(items);
-        let (mut cursor, mut text_start) = (0, 0);
-        while let Some(&token) = ids.get(cursor) {
-            let Some(modality) = next.tokens.placeholder_modality(token) else {
-                cursor += 1;
-                continue;
-            };
-            next.push_text(&ids[text_start..cursor])?;
-            let (index, item) = queues.take(modality, next.len())?;
+        let mut text_start = 0;
+        while let Some((found, modality)) = find_placeholder(&self.tokens, &ids[text_start..]) {
+            let mut cursor = text_start + found;
+            self.append_text(&ids[text_start..cursor])?;
+            let (index, item) = queues.take(modality, self.len())?;
             cursor += match form {
-                Placeholders::Expanded => next.expanded_item(&ids[cursor..], index, item, &mut queues)?,
+                Placeholders::Expanded => self.expanded_item(&ids[cursor..], index, item, &mut queues)?,
                 Placeholders::Unexpanded { audio_in_video } => {
                     if modality == Modality::Video && audio_in_video {
-                        next.unexpanded_audio_in_video(ids, cursor, index, item, &mut queues)?;
+                        self.unexpanded_audio_in_video(ids, cursor, index, item, &mut queues)?;
                     } else {
-                        next.push_item(item)?;
+                        self.push_item(item)?;
                     }
                     1
                 }
             };
             text_start = cursor;
         }
-        next.push_text(&ids[text_start..])?;
-        queues.check_all_used()?;
-        *self = next;
-        Ok(self)
+        self.append_text(&ids[text_start..])?;
+        queues.check_all_used()
+    }
+
+    /// How long every part of the builder is now.
+    fn mark(&self) -> Mark {
+        let last_text = match self.atoms.last() {
+            Some(Atom::Text(run)) => Some(run.len()),
+            _ => None,
+        };
+        Mark {
+            atoms: self.atoms.len(),
+            last_text,
+            token_ids: self.token_ids.len(),
+            items: self.items.len(),
+            spans: self.index_map.spans.len(),
+        }
+    }
+
+    /// Cuts every part back to `mark` (pushes only ever append).
+    fn rollback(&mut self, mark: Mark) {
+        self.atoms.truncate(mark.atoms);
+        if let (Some(len), Some(Atom::Text(run))) = (mark.last_text, self.atoms.last_mut()) {
+            run.truncate(len);
+        }
+        let end = self.token_ids.len() as u32;
+        self.index_map.placeholders.remove_range(mark.token_ids as u32..end.max(mark.token_ids as u32));
+        self.token_ids.truncate(mark.token_ids);
+        self.items.truncate(mark.items);
+        self.index_map.spans.truncate(mark.spans);
     }
 
     /// Places one item from expanded ids starting at its first pad; returns
@@ -256,12 +297,12 @@ impl PromptBuilder {
                     let expected = self.tokens.pad_id(modality);
                     let found = ids.get(offset).copied();
                     if found != Some(expected) {
-                        return Err(Error::MalformedAudioInVideo {
+                        return Err(RequestError::MalformedAudioInVideo {
                             item: index,
                             position: self.len() + offset,
                             expected: format!("{modality:?} pad {expected}"),
                             found: found.map_or("end of prompt".into(), |t| format!("token {t}")),
-                        });
+                        }.into());
                     }
                     offset += 1;
                 }
@@ -270,12 +311,12 @@ impl PromptBuilder {
             return Ok(offset);
         }
         if run != item.num_tokens {
-            return Err(Error::PlaceholderCountMismatch {
+            return Err(RequestError::PlaceholderCountMismatch {
                 item: index,
                 position: self.len(),
                 expected: item.num_tokens,
                 found: run,
-            });
+            }.into());
         }
         self.push_item(item)?;
         Ok(run)
@@ -294,12 +335,12 @@ impl PromptBuilder {
         let before = cursor.checked_sub(1).and_then(|i| ids.get(i)).copied();
         let after = ids.get(cursor + 1).copied();
         if before != Some(self.tokens.vision_start_token_id) || after != Some(self.tokens.vision_end_token_id) {
-            return Err(Error::MalformedAudioInVideo {
+            return Err(RequestError::MalformedAudioInVideo {
                 item: index,
                 position: self.len(),
                 expected: "video pad between vision_start and vision_end".into(),
                 found: format!("neighbours {before:?} and {after:?}"),
-            });
+            }.into());
         }
         let (_, audio) = queues.take(Modality::Audio, self.len())?;
         self.push_text(&[self.tokens.audio_start_token_id])?;
@@ -323,10 +364,46 @@ impl PromptBuilder {
     fn check_room(&self, extra: usize) -> Result<()> {
         let total = self.token_ids.len().saturating_add(extra);
         if u32::try_from(total).is_err() {
-            return Err(Error::InvalidRequest(format!("prompt of {total} positions exceeds u32::MAX")));
+            return Err(RequestError::PromptTooLong { positions: total }.into());
         }
         Ok(())
     }
+}
+
+/// The lengths of a builder's parts before an `extend`, to undo it.
+struct Mark {
+    atoms: usize,
+    /// Length of the last atom when it is a text run (an extend may grow it).
+    last_text: Option<usize>,
+    token_ids: usize,
+    items: usize,
+    spans: usize,
+}
+
+/// The first placeholder id in `ids`: its index and modality. Compares a
+/// fixed group of 32 ids into a mask with no early exit, which the compiler
+/// vectorises (a long text prompt costs a fraction of a nanosecond per id);
+/// only a group with a hit is searched id by id.
+fn find_placeholder(tokens: &OmniTokens, ids: &[u32]) -> Option<(usize, Modality)> {
+    const GROUP: usize = 32;
+    let pads = [tokens.image_token_id, tokens.video_token_id, tokens.audio_token_id];
+    let hit = |t: u32| (t == pads[0]) | (t == pads[1]) | (t == pads[2]);
+    let mut groups = ids.chunks_exact(GROUP);
+    let mut offset = 0;
+    let mut found = None;
+    for group in &mut groups {
+        let mut mask = [0u32; GROUP];
+        for (m, &t) in mask.iter_mut().zip(group) {
+            *m = u32::from(t == pads[0]) | u32::from(t == pads[1]) | u32::from(t == pads[2]);
+        }
+        if mask.iter().fold(0, |any, &m| any | m) != 0 {
+            found = group.iter().position(|&t| hit(t)).map(|i| offset + i);
+            break;
+        }
+        offset += GROUP;
+    }
+    let index = found.or_else(|| groups.remainder().iter().position(|&t| hit(t)).map(|i| offset + i))?;
+    Some((index, tokens.placeholder_modality(ids[index])?))
 }
 
 /// How placeholders appear in a whole id sequence.
@@ -366,7 +443,7 @@ impl<'a> ItemQueues<'a> {
     /// The next unused item of `modality`, for a placeholder at `position`.
     fn take(&mut self, modality: Modality, position: usize) -> Result<(usize, Arc<ItemIdentity>)> {
         let s = slot(modality);
-        let index = *self.indices[s].get(self.used[s]).ok_or(Error::MissingItem {
+        let index = *self.indices[s].get(self.used[s]).ok_or(RequestError::MissingItem {
             position,
             modality,
             available: self.indices[s].len(),
@@ -379,7 +456,7 @@ impl<'a> ItemQueues<'a> {
         for modality in MODALITIES {
             let s = slot(modality);
             if let Some(&first) = self.indices[s].get(self.used[s]) {
-                return Err(Error::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] });
+                return Err(RequestError::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] }.into());
             }
         }
         Ok(())

@@ -12,7 +12,7 @@ use crate::canon::ItemIdentity;
 
 /// `PromptBuilder`: text, items and whole id sequences into a `CanonicalPrompt`.
 mod builder;
-/// Position ids (1-D and Qwen3-Omni M-RoPE) computed from atoms.
+/// Position ids (1-D and Qwen3-Omni M-RoPE) computed from atoms, stored by run.
 mod mrope;
 /// Special token ids and placeholder counts of Qwen3-Omni-style models.
 mod omni_tokens;
@@ -20,7 +20,7 @@ mod omni_tokens;
 mod tests;
 
 pub use builder::PromptBuilder;
-pub use mrope::{PositionKind, positions_from_atoms};
+pub use mrope::{PositionKind, Positions, positions_from_atoms};
 pub use omni_tokens::OmniTokens;
 
 /// Run-length key unit of a prompt.
@@ -30,6 +30,22 @@ pub enum Atom {
     Text(Vec<u32>),
     /// Rows `rows` of one item's embedding sequence, at consecutive positions.
     Item { id: Arc<ItemIdentity>, rows: Range<u32> },
+}
+
+impl Atom {
+    /// Number of prompt positions the atom covers: what the index keys on and
+    /// the scheduler checks against the token ids.
+    pub fn len(&self) -> usize {
+        match self {
+            Atom::Text(ids) => ids.len(),
+            Atom::Item { rows, .. } => rows.len(),
+        }
+    }
+
+    /// True for an atom that covers no position.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Where an item's rows sit in the prompt (audio-in-video gives several spans per item).
@@ -52,14 +68,16 @@ pub struct IndexMap {
     pub spans: Vec<ItemSpan>,
 }
 
-/// Rotary position ids.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Positions {
-    /// Plain 1-D positions `0..len`.
-    Linear(Vec<i64>),
-    /// 3-D M-RoPE positions (temporal, height, width) as HF `get_rope_index`
-    /// computes them, and the rope delta for decoding after the prompt.
-    Mrope { t: Vec<i64>, h: Vec<i64>, w: Vec<i64>, rope_delta: i64 },
+/// The first id of `ids` not below `vocab_size`, with its index: the one
+/// vocabulary rule (the prompt builder, admission and the runner's check of
+/// hand-built batches apply it). A max over the ids runs first because it
+/// vectorises; the position is searched only when some id is out.
+pub(crate) fn out_of_vocab(ids: &[u32], vocab_size: usize) -> Option<(usize, u32)> {
+    let vocab = u32::try_from(vocab_size).ok()?;
+    if ids.iter().fold(0, |m, &t| m.max(t)) < vocab {
+        return None;
+    }
+    ids.iter().position(|&t| t >= vocab).map(|i| (i, ids[i]))
 }
 
 /// Tenant salt: prompts with different salts never share cache entries.
@@ -75,6 +93,7 @@ pub struct CanonicalPrompt {
     /// The items in order of first appearance.
     pub items: Vec<Arc<ItemIdentity>>,
     pub index_map: IndexMap,
+    /// Rotary positions, a function of the atoms (stored by run, see [`Positions`]).
     pub positions: Positions,
 }
 

@@ -14,11 +14,12 @@
 //! zero, as Qwen2.5-VL's `get_rope_index` does. All integral cases are exact.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::canon::{Fingerprint, ItemIdentity, ItemLayout, Modality};
-use crate::error::{Error, Result};
+use crate::error::{RequestError, Result};
 
-use super::{Atom, OmniTokens, Positions};
+use super::{Atom, OmniTokens};
 
 /// Which rotary positions a prompt gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -30,43 +31,231 @@ pub enum PositionKind {
     Mrope,
 }
 
+/// Rotary position ids of consecutive prompt positions, stored by run.
+///
+/// A text run is two numbers (its length and first position), a vision item's
+/// rows are its merged grid, so building, slicing and cloning cost per atom,
+/// not per token. [`Positions::slice`] cuts the positions of one scheduler
+/// chunk: the scheduler, the runner and the engine all take chunk positions
+/// from it. Only the runner materialises values, for the chunk it runs
+/// ([`Positions::extend_axes`]).
+///
+/// ```
+/// use omniprefix::prompt::Positions;
+/// let p = Positions::linear(10);
+/// let chunk = p.slice(2..4)?;
+/// assert_eq!(chunk.axes()[0], vec![2, 3]);
+/// assert_eq!(chunk, Positions::linear(4).slice(2..4)?);
+/// assert!(p.slice(8..11).is_err());
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Positions {
+    kind: PositionKind,
+    len: usize,
+    /// One past the largest position of the whole prompt, minus its length
+    /// (M-RoPE only; a slice keeps the whole prompt's).
+    rope_delta: i64,
+    runs: Vec<Run>,
+}
+
+/// Consecutive positions that follow one rule.
+#[derive(Debug, Clone)]
+enum Run {
+    /// `len` positions at `base + i` on every axis: text, audio rows, 1-D positions.
+    Diagonal { len: usize, base: i64 },
+    /// Rows `first_row..first_row + len` of a vision item, at `base` plus
+    /// their (time, row, column) in the merged grid.
+    Grid { len: usize, base: i64, first_row: u32, grid: Grid },
+    /// Positions given value by value (e.g. HF's `position_ids` in parity tests).
+    Given { values: Arc<[[i64; 3]]>, first: usize, len: usize },
+}
+
+/// A vision item's merged grid and its temporal scale.
+#[derive(Debug, Clone, Copy)]
+struct Grid {
+    rows: u32,
+    cols: u32,
+    /// Seconds per temporal grid step (1 for images).
+    seconds: f32,
+    /// Temporal positions per second (`position_id_per_seconds`).
+    per_second: f32,
+}
+
+impl Grid {
+    fn of(layout: &ItemLayout, tokens: &OmniTokens) -> Option<Grid> {
+        let (grid_thw, seconds) = match layout {
+            ItemLayout::Image { grid_thw } => (*grid_thw, 1.0),
+            ItemLayout::Video { grid_thw, seconds_per_grid } => (*grid_thw, *seconds_per_grid),
+            ItemLayout::Audio { .. } => return None,
+        };
+        let merge = tokens.spatial_merge_size.max(1);
+        Some(Grid {
+            rows: grid_thw[1] / merge,
+            cols: grid_thw[2] / merge,
+            seconds,
+            per_second: tokens.position_id_per_seconds as f32,
+        })
+    }
+
+    /// (t, h, w) offsets from the item's base of embedding row `row`; the
+    /// temporal one truncated toward zero (see the module docs).
+    fn offsets(&self, row: u32) -> [i64; 3] {
+        let per_frame = (self.rows * self.cols).max(1);
+        let (frame, cell) = (row / per_frame, row % per_frame);
+        let cols = self.cols.max(1);
+        [self.time(frame) as i64, i64::from(cell / cols), i64::from(cell % cols)]
+    }
+
+    /// Temporal offset of frame `frame`, in f32 as torch computes it
+    /// (`arange(t) * seconds_per_grid * position_id_per_seconds`).
+    fn time(&self, frame: u32) -> f32 {
+        frame as f32 * self.seconds * self.per_second
+    }
+}
+
+impl Run {
+    fn len(&self) -> usize {
+        match self {
+            Run::Diagonal { len, .. } | Run::Grid { len, .. } | Run::Given { len, .. } => *len,
+        }
+    }
+
+    /// Positions `range` of this run (relative to its start).
+    fn sub(&self, range: Range<usize>) -> Run {
+        let len = range.len();
+        match self {
+            Run::Diagonal { base, .. } => Run::Diagonal { len, base: base + range.start as i64 },
+            Run::Grid { base, first_row, grid, .. } => {
+                Run::Grid { len, base: *base, first_row: first_row + range.start as u32, grid: *grid }
+            }
+            Run::Given { values, first, .. } => Run::Given { values: Arc::clone(values), first: first + range.start, len },
+        }
+    }
+
+    /// Position `i` of the run.
+    fn at(&self, i: usize) -> [i64; 3] {
+        match self {
+            Run::Diagonal { base, .. } => [base + i as i64; 3],
+            Run::Grid { base, first_row, grid, .. } => grid.offsets(first_row + i as u32).map(|o| base + o),
+            Run::Given { values, first, .. } => values[first + i],
+        }
+    }
+
+    /// The largest value on any axis (`None` for an empty run): arithmetic for
+    /// a diagonal run, a walk over the rows of an item otherwise.
+    fn max(&self) -> Option<i64> {
+        match self {
+            Run::Diagonal { len, base } => (*len > 0).then(|| base + *len as i64 - 1),
+            _ => (0..self.len()).flat_map(|i| self.at(i)).max(),
+        }
+    }
+}
+
 impl Positions {
+    /// Plain 1-D positions `0..len`.
+    pub fn linear(len: usize) -> Self {
+        Positions { kind: PositionKind::Linear, len, rope_delta: 0, runs: vec![Run::Diagonal { len, base: 0 }] }
+    }
+
+    /// M-RoPE positions given one `[t, h, w]` per position, with the prompt's
+    /// rope delta: for positions computed elsewhere (HF's `position_ids`, test
+    /// layouts). Prompts built from atoms never need it.
+    pub fn given(values: Vec<[i64; 3]>, rope_delta: i64) -> Self {
+        let len = values.len();
+        let values: Arc<[[i64; 3]]> = values.into();
+        Positions { kind: PositionKind::Mrope, len, rope_delta, runs: vec![Run::Given { values, first: 0, len }] }
+    }
+
     /// Number of positions.
     pub fn len(&self) -> usize {
-        match self {
-            Positions::Linear(p) => p.len(),
-            Positions::Mrope { t, .. } => t.len(),
-        }
+        self.len
     }
 
     /// True when there are no positions.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
+    }
+
+    /// 1-D or M-RoPE.
+    pub fn kind(&self) -> PositionKind {
+        self.kind
+    }
+
+    /// M-RoPE's rope delta of the whole prompt (decoding after it starts at
+    /// `len + rope_delta`); `None` for 1-D positions.
+    pub fn rope_delta(&self) -> Option<i64> {
+        (self.kind == PositionKind::Mrope).then_some(self.rope_delta)
     }
 
     /// The positions of prompt positions `range` (a scheduler chunk), keeping
-    /// the rope delta of the whole prompt.
-    ///
-    /// ```
-    /// use omniprefix::prompt::Positions;
-    /// let p = Positions::Linear((0..10).collect());
-    /// assert_eq!(p.slice(2..4).unwrap(), Positions::Linear(vec![2, 3]));
-    /// assert!(p.slice(8..11).is_err());
-    /// ```
+    /// the rope delta of the whole prompt: the one place chunk positions are cut.
+    /// Costs one step per run, never per token.
     pub fn slice(&self, range: Range<usize>) -> Result<Positions> {
-        let len = self.len();
-        if range.start > range.end || range.end > len {
-            return Err(Error::PositionRangeOutOfBounds { start: range.start, end: range.end, len });
+        if range.start > range.end || range.end > self.len {
+            return Err(RequestError::PositionRangeOutOfBounds { start: range.start, end: range.end, len: self.len }.into());
         }
-        Ok(match self {
-            Positions::Linear(p) => Positions::Linear(p[range].to_vec()),
-            Positions::Mrope { t, h, w, rope_delta } => Positions::Mrope {
-                t: t[range.clone()].to_vec(),
-                h: h[range.clone()].to_vec(),
-                w: w[range].to_vec(),
-                rope_delta: *rope_delta,
-            },
-        })
+        let mut runs = Vec::new();
+        let mut at = 0;
+        for run in &self.runs {
+            let (lo, hi) = (at, at + run.len());
+            at = hi;
+            if hi <= range.start || lo == hi {
+                continue;
+            }
+            if lo >= range.end {
+                break;
+            }
+            runs.push(run.sub(range.start.max(lo) - lo..range.end.min(hi) - lo));
+        }
+        Ok(Positions { kind: self.kind, len: range.len(), rope_delta: self.rope_delta, runs })
+    }
+
+    /// Every position as `[t, h, w]` (1-D positions repeat one value), in order.
+    pub fn iter(&self) -> impl Iterator<Item = [i64; 3]> + '_ {
+        self.runs.iter().flat_map(|run| (0..run.len()).map(move |i| run.at(i)))
+    }
+
+    /// Appends the values to per-axis vectors (temporal, height, width): the
+    /// dense `[3, n]` form a step's rotary embedding reads.
+    pub fn extend_axes(&self, axes: &mut [Vec<i64>; 3]) {
+        for axis in axes.iter_mut() {
+            axis.reserve(self.len);
+        }
+        for run in &self.runs {
+            match run {
+                Run::Diagonal { len, base } => {
+                    for axis in axes.iter_mut() {
+                        axis.extend(*base..base + *len as i64);
+                    }
+                }
+                _ => {
+                    for i in 0..run.len() {
+                        for (axis, v) in axes.iter_mut().zip(run.at(i)) {
+                            axis.push(v);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The values per axis (temporal, height, width), materialised.
+    pub fn axes(&self) -> [Vec<i64>; 3] {
+        let mut axes: [Vec<i64>; 3] = Default::default();
+        self.extend_axes(&mut axes);
+        axes
+    }
+}
+
+/// Equal when they have the same kind, length, rope delta and values,
+/// however the values are stored.
+impl PartialEq for Positions {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind
+            && self.len == other.len
+            && self.rope_delta() == other.rope_delta()
+            && self.iter().eq(other.iter())
     }
 }
 
@@ -80,12 +269,12 @@ pub fn positions_from_atoms(atoms: &[Atom], tokens: &OmniTokens, kind: PositionK
         }
     }
     walk.finish(atoms.len())?;
-    let len = walk.t.len();
+    let len = walk.len;
     Ok(match kind {
-        PositionKind::Linear => Positions::Linear((0..len as i64).collect()),
+        PositionKind::Linear => Positions::linear(len),
         PositionKind::Mrope => {
-            let max = walk.t.iter().chain(&walk.h).chain(&walk.w).copied().max().unwrap_or(-1);
-            Positions::Mrope { rope_delta: max + 1 - len as i64, t: walk.t, h: walk.h, w: walk.w }
+            let rope_delta = walk.max.unwrap_or(-1) + 1 - len as i64;
+            Positions { kind, len, rope_delta, runs: walk.runs }
         }
     })
 }
@@ -102,9 +291,10 @@ struct OpenItem {
 /// Running state of the position walk over atoms.
 #[derive(Default)]
 struct MropeWalk {
-    t: Vec<i64>,
-    h: Vec<i64>,
-    w: Vec<i64>,
+    runs: Vec<Run>,
+    len: usize,
+    /// The largest value so far on any axis.
+    max: Option<i64>,
     /// The next text position.
     next: i64,
     /// Occurrences in the current run of item atoms (no text between them).
@@ -114,18 +304,16 @@ struct MropeWalk {
 impl MropeWalk {
     fn text(&mut self, atom: usize, len: usize) -> Result<()> {
         self.close_group(atom)?;
-        for p in self.next..self.next + len as i64 {
-            self.push(p, p, p);
-        }
+        self.push(Run::Diagonal { len, base: self.next });
         self.next += len as i64;
         Ok(())
     }
 
     fn item(&mut self, atom: usize, id: &ItemIdentity, rows: Range<u32>, tokens: &OmniTokens) -> Result<()> {
         let num_tokens = u32::try_from(id.num_tokens)
-            .map_err(|_| Error::MalformedAtoms { atom, problem: "item has more than u32::MAX rows" })?;
+            .map_err(|_| RequestError::MalformedAtoms { atom, problem: "item has more than u32::MAX rows" })?;
         if rows.is_empty() || rows.end > num_tokens {
-            return Err(Error::MalformedAtoms { atom, problem: "item rows empty or past the item's token count" });
+            return Err(RequestError::MalformedAtoms { atom, problem: "item rows empty or past the item's token count" }.into());
         }
         let base = if rows.start == 0 {
             tokens.checked_token_count(id, atom)?;
@@ -135,18 +323,19 @@ impl MropeWalk {
                 .open
                 .iter_mut()
                 .find(|o| o.fingerprint == id.fingerprint && o.next_row == rows.start)
-                .ok_or(Error::MalformedAtoms { atom, problem: "rows continue no item open right before them" })?;
+                .ok_or(RequestError::MalformedAtoms { atom, problem: "rows continue no item open right before them" })?;
             open.next_row = rows.end;
             open.base
         };
-        let mut max = i64::MIN;
-        for row in rows {
-            let (t, h, w) = row_offsets(&id.layout, row, tokens);
-            let (t, h, w) = (base + t, base + h, base + w);
-            max = max.max(t).max(h).max(w);
-            self.push(t, h, w);
-        }
-        self.next = max + 1;
+        let len = rows.len();
+        let run = match Grid::of(&id.layout, tokens) {
+            Some(grid) => Run::Grid { len, base, first_row: rows.start, grid },
+            // Audio rows sit at `base + row` on every axis.
+            None => Run::Diagonal { len, base: base + i64::from(rows.start) },
+        };
+        // After an item, text continues one past the largest value of its last chunk.
+        self.next = run.max().map_or(self.next, |m| m + 1);
+        self.push(run);
         Ok(())
     }
 
@@ -157,7 +346,7 @@ impl MropeWalk {
             [video] if video.modality == Modality::Video && id.modality == Modality::Audio => video.base,
             _ => {
                 if self.open.iter().any(|o| o.next_row != o.num_tokens) {
-                    return Err(Error::MalformedAtoms { atom, problem: "new item starts inside an unfinished item" });
+                    return Err(RequestError::MalformedAtoms { atom, problem: "new item starts inside an unfinished item" }.into());
                 }
                 self.next
             }
@@ -168,7 +357,7 @@ impl MropeWalk {
 
     fn close_group(&mut self, atom: usize) -> Result<()> {
         if self.open.iter().any(|o| o.next_row != o.num_tokens) {
-            return Err(Error::MalformedAtoms { atom, problem: "an item's rows end before its token count" });
+            return Err(RequestError::MalformedAtoms { atom, problem: "an item's rows end before its token count" }.into());
         }
         self.open.clear();
         Ok(())
@@ -178,39 +367,12 @@ impl MropeWalk {
         self.close_group(atoms)
     }
 
-    fn push(&mut self, t: i64, h: i64, w: i64) {
-        self.t.push(t);
-        self.h.push(h);
-        self.w.push(w);
-    }
-}
-
-/// Temporal offset of vision frame `frame`, in f32 as torch computes it
-/// (`arange(t) * seconds_per_grid * position_id_per_seconds`).
-fn frame_time(layout: &ItemLayout, frame: u32, tokens: &OmniTokens) -> f32 {
-    let seconds = match layout {
-        ItemLayout::Video { seconds_per_grid, .. } => *seconds_per_grid,
-        _ => 1.0,
-    };
-    frame as f32 * seconds * tokens.position_id_per_seconds as f32
-}
-
-/// Merged-grid (frame, row, col) of vision row `row`; `(frames, rows, cols)` dims.
-fn vision_cell(grid_thw: [u32; 3], merge: u32, row: u32) -> (u32, u32, u32) {
-    let (gh, gw) = (grid_thw[1] / merge.max(1), grid_thw[2] / merge.max(1));
-    let per_frame = (gh * gw).max(1);
-    let cell = row % per_frame;
-    (row / per_frame, cell / gw.max(1), cell % gw.max(1))
-}
-
-/// (t, h, w) offsets from the item's base of embedding row `row`.
-fn row_offsets(layout: &ItemLayout, row: u32, tokens: &OmniTokens) -> (i64, i64, i64) {
-    match layout {
-        ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
-            let (frame, r, c) = vision_cell(*grid_thw, tokens.spatial_merge_size, row);
-            (frame_time(layout, frame, tokens) as i64, i64::from(r), i64::from(c))
+    fn push(&mut self, run: Run) {
+        if let Some(m) = run.max() {
+            self.max = Some(self.max.map_or(m, |old| old.max(m)));
         }
-        ItemLayout::Audio { .. } => (i64::from(row), i64::from(row), i64::from(row)),
+        self.len += run.len();
+        self.runs.push(run);
     }
 }
 
@@ -233,14 +395,14 @@ pub(crate) fn audio_in_video_runs(
             _ => runs.push((modality, rows)),
         }
     };
-    let grid_thw = match video {
-        ItemLayout::Video { grid_thw, .. } | ItemLayout::Image { grid_thw } => *grid_thw,
-        ItemLayout::Audio { .. } => [0, 0, 0],
+    let (frames, grid) = match (video, Grid::of(video, tokens)) {
+        (ItemLayout::Video { grid_thw, .. } | ItemLayout::Image { grid_thw }, Some(grid)) => (grid_thw[0], grid),
+        _ => return vec![(Modality::Audio, 0..audio_tokens)].into_iter().filter(|(_, r)| !r.is_empty()).collect(),
     };
-    let per_frame = video_tokens.checked_div(grid_thw[0]).unwrap_or(0);
+    let per_frame = video_tokens.checked_div(frames).unwrap_or(0);
     let mut audio = 0;
-    for frame in 0..grid_thw[0] {
-        let time = frame_time(video, frame, tokens);
+    for frame in 0..frames {
+        let time = grid.time(frame);
         let start = audio;
         while audio < audio_tokens && (audio as f32) < time {
             audio += 1;
@@ -255,6 +417,7 @@ pub(crate) fn audio_in_video_runs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
     #[test]
     fn interleave_puts_video_first_on_ties() {
@@ -280,8 +443,19 @@ mod tests {
 
     #[test]
     fn slice_rejects_out_of_range() {
-        let p = Positions::Mrope { t: vec![0, 1], h: vec![0, 1], w: vec![0, 1], rope_delta: 0 };
-        assert!(matches!(p.slice(1..3), Err(Error::PositionRangeOutOfBounds { start: 1, end: 3, len: 2 })));
-        assert_eq!(p.slice(1..2).ok(), Some(Positions::Mrope { t: vec![1], h: vec![1], w: vec![1], rope_delta: 0 }));
+        let p = Positions::given(vec![[0, 0, 0], [1, 1, 1]], 0);
+        assert!(matches!(p.slice(1..3), Err(Error::Request(RequestError::PositionRangeOutOfBounds { start: 1, end: 3, len: 2 }))));
+        assert_eq!(p.slice(1..2).ok(), Some(Positions::given(vec![[1, 1, 1]], 0)));
+    }
+
+    #[test]
+    fn slices_cost_per_run_and_keep_the_delta() {
+        let p = Positions::given(vec![[0, 0, 0], [1, 1, 2], [2, 1, 2]], -3);
+        assert_eq!(p.slice(1..3).unwrap(), Positions::given(vec![[1, 1, 2], [2, 1, 2]], -3));
+        // Text runs stay two numbers whatever their length.
+        let long = Positions::linear(1 << 20).slice(1000..(1 << 19)).unwrap();
+        assert_eq!(long.runs.len(), 1);
+        assert_eq!(long.iter().next(), Some([1000; 3]));
+        assert_eq!(long.rope_delta(), None);
     }
 }

@@ -2,22 +2,48 @@
 //! and the number of placeholder tokens each item layout occupies.
 
 use crate::canon::{ItemIdentity, ItemLayout, Modality};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 
 /// The ids and constants the prompt builder needs to lay out items.
 ///
-/// Field names follow the Hugging Face thinker config (`image_token_id`, ...),
-/// so the config's JSON (or the `special_ids` object of
-/// `fixtures/mrope_position_vectors.json`) deserialises directly.
+/// Field names are the Hugging Face thinker config's keys, so the config's
+/// JSON (or the `special_ids` object of `fixtures/mrope_position_vectors.json`)
+/// deserialises directly. They follow one pattern, `<token>_token_id`:
+///
+/// | token | field | [`qwen3_omni`](Self::qwen3_omni) | [`tiny`](Self::tiny) |
+/// |---|---|---:|---:|
+/// | `<\|image_pad\|>` | `image_token_id` | 151655 | 500 |
+/// | `<\|video_pad\|>` | `video_token_id` | 151656 | 501 |
+/// | `<\|audio_pad\|>` | `audio_token_id` | 151675 | 502 |
+/// | `<\|vision_start\|>` | `vision_start_token_id` | 151652 | 503 |
+/// | `<\|vision_end\|>` | `vision_end_token_id` | 151653 | 504 |
+/// | `<\|audio_start\|>` | `audio_start_token_id` | 151669 | 505 |
+/// | `<\|audio_end\|>` | `audio_end_token_id` | 151670 | 506 |
+///
+/// Rather than naming fields, a prompt usually asks by modality:
+/// [`pad_id`](Self::pad_id) for the placeholder, and
+/// [`unexpanded_item`](Self::unexpanded_item) for the start, pad and end ids
+/// of one item in the unexpanded form (the engine expands the pad to the
+/// item's token count). Other ids: struct-update syntax on a preset.
 ///
 /// ```
+/// use omniprefix::canon::Modality;
 /// use omniprefix::prompt::OmniTokens;
-/// let tokens: OmniTokens = serde_json::from_str(
+///
+/// let tokens = OmniTokens::tiny();
+/// assert_eq!(tokens.pad_id(Modality::Image), tokens.image_token_id);
+/// assert_eq!(tokens.unexpanded_item(Modality::Image), [503, 500, 504]);
+/// assert_eq!(tokens.unexpanded_item(Modality::Audio), [505, 502, 506]);
+///
+/// let mine = OmniTokens { image_token_id: 7, vocab_size: Some(1000), ..OmniTokens::tiny() };
+/// assert_eq!(mine.unexpanded_item(Modality::Image), [503, 7, 504]);
+///
+/// let from_json: OmniTokens = serde_json::from_str(
 ///     r#"{"image_token_id": 500, "video_token_id": 501, "audio_token_id": 502,
 ///         "vision_start_token_id": 503, "vision_end_token_id": 504,
 ///         "audio_start_token_id": 505, "audio_end_token_id": 506}"#,
 /// ).unwrap();
-/// assert_eq!(tokens, OmniTokens::tiny());
+/// assert_eq!(from_json, OmniTokens::tiny());
 /// ```
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OmniTokens {
@@ -98,6 +124,17 @@ impl OmniTokens {
         }
     }
 
+    /// The ids of one item in the unexpanded prompt form: `[start, pad, end]`
+    /// (`vision_start`/`vision_end` around an image or video pad,
+    /// `audio_start`/`audio_end` around an audio pad).
+    pub fn unexpanded_item(&self, modality: Modality) -> [u32; 3] {
+        let (start, end) = match modality {
+            Modality::Image | Modality::Video => (self.vision_start_token_id, self.vision_end_token_id),
+            Modality::Audio => (self.audio_start_token_id, self.audio_end_token_id),
+        };
+        [start, self.pad_id(modality), end]
+    }
+
     /// The modality whose placeholder `token` is, if it is one.
     pub fn placeholder_modality(&self, token: u32) -> Option<Modality> {
         [Modality::Image, Modality::Video, Modality::Audio].into_iter().find(|&m| self.pad_id(m) == token)
@@ -117,34 +154,34 @@ impl OmniTokens {
             ItemLayout::Audio { .. } => Modality::Audio,
         };
         if layout_modality != item.modality {
-            return Err(Error::LayoutMismatch {
+            return Err(RequestError::LayoutMismatch {
                 item: index,
                 expected: format!("a {:?} layout", item.modality),
                 found: format!("{:?}", item.layout),
-            });
+            }.into());
         }
         if let ItemLayout::Video { grid_thw, seconds_per_grid } = item.layout {
             let last_offset =
                 grid_thw[0].saturating_sub(1) as f32 * seconds_per_grid * self.position_id_per_seconds as f32;
             if !(seconds_per_grid >= 0.0 && last_offset <= MAX_TEMPORAL_OFFSET) {
-                return Err(Error::LayoutMismatch {
+                return Err(RequestError::LayoutMismatch {
                     item: index,
                     expected: format!("seconds per grid >= 0 with temporal offsets up to {MAX_TEMPORAL_OFFSET}"),
                     found: format!("seconds_per_grid {seconds_per_grid} (last offset {last_offset})"),
-                });
+                }.into());
             }
         }
         let count = self.placeholder_count(&item.layout).map_err(|e| match e {
-            Error::LayoutMismatch { expected, found, .. } => Error::LayoutMismatch { item: index, expected, found },
-            Error::EmptyItem { what, .. } => Error::EmptyItem { item: index, what },
+            Error::Request(RequestError::LayoutMismatch { expected, found, .. }) => Error::Request(RequestError::LayoutMismatch { item: index, expected, found }),
+            Error::Request(RequestError::EmptyItem { what, .. }) => Error::Request(RequestError::EmptyItem { item: index, what }),
             other => other,
         })?;
         if count != item.num_tokens {
-            return Err(Error::LayoutMismatch {
+            return Err(RequestError::LayoutMismatch {
                 item: index,
                 expected: format!("num_tokens {count} from its layout"),
                 found: format!("num_tokens {}", item.num_tokens),
-            });
+            }.into());
         }
         Ok(count)
     }
@@ -165,13 +202,13 @@ pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize
         ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
             let [_, h, w] = grid_thw;
             if merge == 0 || h % merge != 0 || w % merge != 0 {
-                return Err(Error::LayoutMismatch {
+                return Err(RequestError::LayoutMismatch {
                     item: 0,
                     expected: format!("grid h and w divisible by the merge size {merge}"),
                     found: format!("grid_thw {grid_thw:?}"),
-                });
+                }.into());
             }
-            layout.merged_tokens(merge).ok_or_else(|| Error::LayoutMismatch {
+            layout.merged_tokens(merge).ok_or_else(|| RequestError::LayoutMismatch {
                 item: 0,
                 expected: "a token count that fits in usize".into(),
                 found: format!("grid_thw {grid_thw:?}"),
@@ -180,7 +217,7 @@ pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize
         ItemLayout::Audio { .. } => layout.merged_tokens(merge).unwrap_or(0),
     };
     if count == 0 {
-        return Err(Error::EmptyItem { item: 0, what: "zero placeholder tokens" });
+        return Err(RequestError::EmptyItem { item: 0, what: "zero placeholder tokens" }.into());
     }
     Ok(count)
 }
@@ -188,6 +225,7 @@ pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::TestResult;
 
     #[test]
     fn audio_lengths_match_hf_reference_values() -> Result<()> {
@@ -197,7 +235,7 @@ mod tests {
         assert_eq!(count(300)?, 39);
         assert_eq!(count(100)?, 13);
         assert_eq!(count(1)?, 1);
-        assert!(matches!(count(0), Err(Error::EmptyItem { .. })));
+        assert!(matches!(count(0), Err(Error::Request(RequestError::EmptyItem { .. }))));
         Ok(())
     }
 
@@ -207,21 +245,20 @@ mod tests {
         let video = ItemLayout::Video { grid_thw: [10, 40, 72], seconds_per_grid: 1.0 };
         assert_eq!(placeholder_count(&video, 2)?, 7200);
         let odd = placeholder_count(&ItemLayout::Image { grid_thw: [1, 3, 4] }, 2);
-        assert!(matches!(odd, Err(Error::LayoutMismatch { .. })));
+        assert!(matches!(odd, Err(Error::Request(RequestError::LayoutMismatch { .. }))));
         let empty = placeholder_count(&ItemLayout::Image { grid_thw: [0, 4, 4] }, 2);
-        assert!(matches!(empty, Err(Error::EmptyItem { .. })));
+        assert!(matches!(empty, Err(Error::Request(RequestError::EmptyItem { .. }))));
         Ok(())
     }
 
     #[test]
-    fn constructors_match_fixture_ids() -> Result<()> {
+    fn constructors_match_fixture_ids() -> TestResult {
         let fixture = |path: &str| -> serde_json::Value {
             let text = std::fs::read_to_string(path).unwrap_or_default();
             serde_json::from_str(&text).unwrap_or_default()
         };
         let tiny: OmniTokens =
-            serde_json::from_value(fixture("fixtures/mrope_position_vectors.json")["special_ids"].clone())
-                .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+            serde_json::from_value(fixture("fixtures/mrope_position_vectors.json")["special_ids"].clone())?;
         assert_eq!(tiny, OmniTokens::tiny());
         let special = &fixture("fixtures/qwen3_omni.json")["special_tokens"];
         let q = OmniTokens::qwen3_omni();

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::*;
 use crate::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
-use crate::error::{Error, Result};
+use crate::error::{Error, RequestError, Result};
 
 fn item(n: u128, layout: ItemLayout) -> Arc<ItemIdentity> {
     let modality = match layout {
@@ -88,8 +88,8 @@ fn mixed_prompt_expands_to_8546_tokens_at_the_documented_offsets() -> Result<()>
         assert!(prompt.token_ids[offset as usize..(offset + length) as usize].iter().all(|&t| t == pad));
         assert_ne!(prompt.token_ids[offset as usize - 1], pad);
     }
-    let Positions::Mrope { t, .. } = &prompt.positions else { panic!("mrope expected") };
-    assert_eq!(t.len(), 8546);
+    assert_eq!(prompt.positions.kind(), PositionKind::Mrope);
+    assert_eq!(prompt.positions.axes()[0].len(), 8546);
     Ok(())
 }
 
@@ -109,12 +109,8 @@ fn multi_round_rounds_expand_and_each_extends_the_last() -> Result<()> {
         if let Some(prev) = &previous {
             let n = prev.len();
             assert_eq!(prompt.token_ids[..n], prev.token_ids[..], "history is re-sent verbatim");
-            let (Positions::Mrope { t: a, h: b, w: c, .. }, Positions::Mrope { t, h, w, .. }) =
-                (&prev.positions, &prompt.positions.slice(0..n)?)
-            else {
-                panic!("mrope expected")
-            };
-            assert_eq!((a, b, c), (t, h, w), "a prefix keeps its positions");
+            let prefix = prompt.positions.slice(0..n)?;
+            assert_eq!(prev.positions.axes(), prefix.axes(), "a prefix keeps its positions");
         }
         lengths.push(prompt.len());
         previous = Some(prompt);
@@ -132,8 +128,8 @@ fn rfc_text_pair_has_67_and_57_tokens_with_linear_mrope() -> Result<()> {
         assert_eq!(prompt.len(), len);
         assert_eq!(prompt.atoms.len(), 1, "one merged text run");
         let linear: Vec<i64> = (0..len as i64).collect();
-        let expected = Positions::Mrope { t: linear.clone(), h: linear.clone(), w: linear, rope_delta: 0 };
-        assert_eq!(prompt.positions, expected);
+        assert_eq!(prompt.positions.axes(), [linear.clone(), linear.clone(), linear]);
+        assert_eq!(prompt.positions.rope_delta(), Some(0));
     }
     Ok(())
 }
@@ -148,7 +144,7 @@ fn pushes_merge_text_and_record_spans() -> Result<()> {
     assert!(matches!(&prompt.atoms[0], Atom::Text(run) if run == &vec![1, 2, 3]));
     assert!(matches!(&prompt.atoms[1], Atom::Item { rows, .. } if *rows == (0..6)));
     assert_eq!(prompt.index_map.spans, vec![ItemSpan { item: 0, rows: 0..6, start: 3 }]);
-    assert_eq!(prompt.positions, Positions::Linear((0..10).collect()));
+    assert_eq!(prompt.positions, Positions::linear(10));
     Ok(())
 }
 
@@ -158,7 +154,8 @@ fn same_item_twice_gets_two_occurrences_and_distinct_positions() -> Result<()> {
     let img = image(1);
     builder.push_item(Arc::clone(&img))?.push_item(img)?;
     let prompt = builder.build()?;
-    let Positions::Mrope { t, h, w, rope_delta } = prompt.positions else { panic!("mrope expected") };
+    let [t, h, w] = prompt.positions.axes();
+    let rope_delta = prompt.positions.rope_delta().expect("mrope");
     // second image starts one past the first one's largest position (w = 2)
     assert_eq!(t, vec![0, 0, 0, 0, 0, 0, 3, 3, 3, 3, 3, 3]);
     assert_eq!(h, vec![0, 0, 0, 1, 1, 1, 3, 3, 3, 4, 4, 4]);
@@ -172,7 +169,7 @@ fn same_item_twice_gets_two_occurrences_and_distinct_positions() -> Result<()> {
 fn placeholder_run_shorter_than_its_item_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let err = builder.extend_expanded(&[1, 503, 500, 500, 504], &[image(1)]).err();
-    assert!(matches!(err, Some(Error::PlaceholderCountMismatch { item: 0, position: 2, expected: 6, found: 2 })));
+    assert!(matches!(err, Some(Error::Request(RequestError::PlaceholderCountMismatch { item: 0, position: 2, expected: 6, found: 2 }))));
     assert!(builder.is_empty(), "rejected request leaves the builder unchanged");
 }
 
@@ -181,7 +178,7 @@ fn more_placeholders_than_items_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     builder.push_text(&[7]).ok();
     let err = builder.extend_unexpanded(&[500, 1, 500], &[image(1)], false).err();
-    assert!(matches!(err, Some(Error::MissingItem { position: 8, modality: Modality::Image, available: 1 })));
+    assert!(matches!(err, Some(Error::Request(RequestError::MissingItem { position: 8, modality: Modality::Image, available: 1 }))));
     assert_eq!(builder.len(), 1, "rejected request leaves the builder unchanged");
 }
 
@@ -189,7 +186,7 @@ fn more_placeholders_than_items_is_rejected() {
 fn fewer_placeholders_than_items_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let err = builder.extend_unexpanded(&[500, 1], &[image(1), audio(2), image(3)], false).err();
-    assert!(matches!(err, Some(Error::UnusedItems { first: 2, modality: Modality::Image, count: 1 })));
+    assert!(matches!(err, Some(Error::Request(RequestError::UnusedItems { first: 2, modality: Modality::Image, count: 1 }))));
 }
 
 #[test]
@@ -198,7 +195,7 @@ fn wrong_modality_for_audio_in_video_is_rejected() {
     let err = builder.push_audio_in_video(image(1), audio(2)).err();
     assert!(matches!(
         err,
-        Some(Error::ItemModalityMismatch { item: 0, expected: Modality::Video, found: Modality::Image })
+        Some(Error::Request(RequestError::ItemModalityMismatch { item: 0, expected: Modality::Video, found: Modality::Image }))
     ));
 }
 
@@ -206,7 +203,7 @@ fn wrong_modality_for_audio_in_video_is_rejected() {
 fn placeholder_id_in_text_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let err = builder.push_text(&[1, 2, 502]).err();
-    assert!(matches!(err, Some(Error::StrayPlaceholder { position: 2, token: 502 })));
+    assert!(matches!(err, Some(Error::Request(RequestError::StrayPlaceholder { position: 2, token: 502 }))));
     assert!(builder.is_empty());
 }
 
@@ -215,20 +212,20 @@ fn token_past_the_vocab_is_rejected() {
     let tokens = OmniTokens { vocab_size: Some(152_064), ..OmniTokens::qwen3_omni() };
     let mut builder = PromptBuilder::new(tokens);
     let err = builder.extend_unexpanded(&[1, 152_064], &[], false).err();
-    assert!(matches!(err, Some(Error::TokenOutOfVocab { position: 1, token: 152_064, vocab_size: 152_064 })));
+    assert!(matches!(err, Some(Error::Request(RequestError::TokenOutOfVocab { position: 1, token: 152_064, vocab_size: 152_064 }))));
 }
 
 #[test]
 fn empty_prompt_is_rejected() {
     let builder = PromptBuilder::new(OmniTokens::tiny());
-    assert!(matches!(builder.build(), Err(Error::EmptyPrompt)));
+    assert!(matches!(builder.build(), Err(Error::Request(RequestError::EmptyPrompt))));
 }
 
 #[test]
 fn item_with_zero_tokens_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let err = builder.push_item(item(1, ItemLayout::Audio { mel_frames: 0 })).err();
-    assert!(matches!(err, Some(Error::EmptyItem { item: 0, .. })));
+    assert!(matches!(err, Some(Error::Request(RequestError::EmptyItem { item: 0, .. }))));
 }
 
 #[test]
@@ -236,21 +233,21 @@ fn layouts_that_disagree_are_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let mut wrong_count = (*image(1)).clone();
     wrong_count.num_tokens = 5;
-    assert!(matches!(builder.push_item(Arc::new(wrong_count)).err(), Some(Error::LayoutMismatch { item: 0, .. })));
+    assert!(matches!(builder.push_item(Arc::new(wrong_count)).err(), Some(Error::Request(RequestError::LayoutMismatch { item: 0, .. }))));
     let odd_grid = item(2, ItemLayout::Image { grid_thw: [1, 3, 4] });
-    assert!(matches!(builder.push_item(odd_grid).err(), Some(Error::LayoutMismatch { item: 0, .. })));
+    assert!(matches!(builder.push_item(odd_grid).err(), Some(Error::Request(RequestError::LayoutMismatch { item: 0, .. }))));
     let mut mislabeled = (*image(3)).clone();
     mislabeled.modality = Modality::Audio;
-    assert!(matches!(builder.push_item(Arc::new(mislabeled)).err(), Some(Error::LayoutMismatch { .. })));
+    assert!(matches!(builder.push_item(Arc::new(mislabeled)).err(), Some(Error::Request(RequestError::LayoutMismatch { .. }))));
     let nan = item(4, ItemLayout::Video { grid_thw: [1, 2, 2], seconds_per_grid: f32::NAN });
-    assert!(matches!(builder.push_item(nan).err(), Some(Error::LayoutMismatch { .. })));
+    assert!(matches!(builder.push_item(nan).err(), Some(Error::Request(RequestError::LayoutMismatch { .. }))));
     let far = item(5, ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 1e30 });
-    assert!(matches!(builder.push_item(far).err(), Some(Error::LayoutMismatch { .. })));
+    assert!(matches!(builder.push_item(far).err(), Some(Error::Request(RequestError::LayoutMismatch { .. }))));
     let mut too_big = (*image(6)).clone();
     too_big.layout = ItemLayout::Image { grid_thw: [1 << 16, 1 << 10, 1 << 10] };
     too_big.num_tokens = 1 << 34;
     let err = builder.push_item(Arc::new(too_big)).err();
-    assert!(matches!(err, Some(Error::InvalidRequest(_))), "prompt past u32 positions: {err:?}");
+    assert!(matches!(err, Some(Error::Request(RequestError::PromptTooLong { .. }))), "prompt past u32 positions: {err:?}");
     assert!(builder.is_empty());
 }
 
@@ -264,18 +261,18 @@ fn malformed_audio_in_video_is_rejected() {
     expanded.extend([506, 504]);
     let mut builder = PromptBuilder::new(tokens.clone());
     let err = builder.extend_expanded(&expanded, &[video(1), audio(2)]).err();
-    assert!(matches!(err, Some(Error::MalformedAudioInVideo { item: 0, position: 6, .. })));
+    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 6, .. }))));
     // unexpanded: the video pad must sit between vision_start and vision_end
     let err = builder.extend_unexpanded(&[1, 501, 504], &[video(1), audio(2)], true).err();
-    assert!(matches!(err, Some(Error::MalformedAudioInVideo { item: 0, position: 1, .. })));
+    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 1, .. }))));
     // an audio pushed right after a video would be read as audio-in-video
     builder.push_item(video(1)).ok();
     let err = builder.push_item(audio(2)).err();
-    assert!(matches!(err, Some(Error::MalformedAudioInVideo { item: 1, position: 12, .. })));
+    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAudioInVideo { item: 1, position: 12, .. }))));
     // a video asking for its audio when none is left
     let mut builder = PromptBuilder::new(tokens);
     let err = builder.extend_unexpanded(&[503, 501, 504], &[video(1)], true).err();
-    assert!(matches!(err, Some(Error::MissingItem { modality: Modality::Audio, .. })));
+    assert!(matches!(err, Some(Error::Request(RequestError::MissingItem { modality: Modality::Audio, .. }))));
 }
 
 #[test]
@@ -283,8 +280,43 @@ fn malformed_atoms_are_rejected_by_the_position_function() {
     let img = image(1);
     let atoms = vec![Atom::Item { id: Arc::clone(&img), rows: 0..3 }, Atom::Text(vec![1])];
     let err = positions_from_atoms(&atoms, &OmniTokens::tiny(), PositionKind::Mrope).err();
-    assert!(matches!(err, Some(Error::MalformedAtoms { atom: 1, .. })));
+    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAtoms { atom: 1, .. }))));
     let atoms = vec![Atom::Item { id: img, rows: 3..6 }];
     let err = positions_from_atoms(&atoms, &OmniTokens::tiny(), PositionKind::Mrope).err();
-    assert!(matches!(err, Some(Error::MalformedAtoms { atom: 0, .. })));
+    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAtoms { atom: 0, .. }))));
+}
+
+#[test]
+fn placeholders_are_found_in_and_between_scan_groups() -> Result<()> {
+    // The scan compares 32 ids at a time: a pad at each edge of a group and in the tail.
+    for at in [0, 31, 32, 63, 64, 70] {
+        let mut ids: Vec<u32> = (0..71).map(|i| i % 400).collect();
+        ids[at] = 500;
+        let mut builder = PromptBuilder::new(OmniTokens::tiny());
+        let err = builder.push_text(&ids).err();
+        assert!(matches!(err, Some(Error::Request(RequestError::StrayPlaceholder { position, token: 500 })) if position == at), "pad at {at}");
+        builder.extend_unexpanded(&ids, &[image(1)], false)?;
+        assert_eq!(builder.build()?.index_map.spans[0].start as usize, at, "pad at {at}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_rejected_extend_leaves_a_non_empty_builder_as_it_was() -> Result<()> {
+    let mut builder = PromptBuilder::new(OmniTokens::tiny());
+    builder.push_text(&[1, 2])?.push_item(image(1))?.push_text(&[3])?;
+    let before = builder.build()?;
+    // Text that grows the last run, an image, more text, then a second image pad with no item.
+    let ids: Vec<u32> = (10..50).chain([503, 500, 504]).chain(60..100).chain([500]).collect();
+    let err = builder.extend_unexpanded(&ids, &[image(2)], false).err();
+    assert!(matches!(err, Some(Error::Request(RequestError::MissingItem { modality: Modality::Image, .. }))), "{err:?}");
+    let after = builder.build()?;
+    assert_eq!(after.token_ids, before.token_ids);
+    assert_eq!(after.atoms.len(), before.atoms.len());
+    assert!(matches!(after.atoms.last(), Some(Atom::Text(run)) if run == &vec![3]));
+    assert_eq!(after.items.len(), before.items.len());
+    assert_eq!(after.index_map.spans, before.index_map.spans);
+    assert_eq!(after.index_map.placeholders, before.index_map.placeholders);
+    assert_eq!(after.positions, before.positions);
+    Ok(())
 }

@@ -1,15 +1,32 @@
-//! Admission limits beyond the pool: the model's context length and, when
-//! tenant salts are mandatory, the set of tenants allowed to use the cache.
+//! Admission: every check a request must pass, in one place, before any
+//! state changes.
+//!
+//! A request that passes can be cut into chunks without going out of range,
+//! and every chunk is well-formed for the model: its token ids are in the
+//! vocabulary, its item rows fit their embeddings, its embeddings and
+//! DeepStack levels have the model's width and level count. So the runner
+//! trusts the batches the scheduler builds (it only `debug_assert!`s them).
+//!
+//! The checks, in order: the id is free; positions, atoms and token ids cover
+//! the same positions; the embeddings and DeepStack rows agree with their
+//! items and the model; the index map's spans are ordered, disjoint and inside
+//! the prompt and their items; the token ids (placeholders included) are in
+//! the vocabulary; the prompt fits the context; the tenant is known (when
+//! tenants are required); the prompt fits the pool.
 
 use fxhash::FxHashSet;
 
 use super::Request;
-use crate::error::{Error, Result};
-use crate::prompt::TenantSalt;
+use crate::batch::{LevelMismatch, ModelShape, RequestId};
+use crate::canon::Modality;
+use crate::error::{Error, RequestError, Result, SchedError};
+use crate::prompt::{TenantSalt, out_of_vocab};
 
-/// Checks a request must pass before it is queued (none by default).
+/// What a request is checked against (nothing but self-consistency by default).
 #[derive(Debug, Clone, Default)]
-pub(super) struct AdmissionLimits {
+pub(super) struct Admission {
+    /// The model the batches run on: vocabulary, hidden width, DeepStack levels.
+    pub(super) model: Option<ModelShape>,
     /// Longest prompt the model can attend over (`max_position_embeddings`).
     pub(super) max_context: Option<usize>,
     /// When set, only these tenants are admitted: a request carrying an
@@ -17,15 +34,172 @@ pub(super) struct AdmissionLimits {
     pub(super) known_tenants: Option<FxHashSet<TenantSalt>>,
 }
 
-impl AdmissionLimits {
-    pub(super) fn check(&self, req: &Request) -> Result<()> {
-        if let Some(max) = self.max_context.filter(|&max| req.prompt.len() > max) {
-            return Err(Error::ContextTooLong { id: req.id, len: req.prompt.len(), max });
+/// The scheduler state admission reads (it changes none).
+pub(super) struct PoolLimits {
+    /// The id is held by an admitted request (or one aborted while in flight).
+    pub(super) id_taken: bool,
+    pub(super) num_blocks: usize,
+    pub(super) block_size: usize,
+}
+
+impl Admission {
+    /// Checks `req` against itself, the model and the pool; on error nothing changed.
+    pub(super) fn check(&self, req: &Request, pool: &PoolLimits) -> Result<()> {
+        let id = req.id;
+        if pool.id_taken {
+            return Err(SchedError::DuplicateRequest { id }.into());
         }
-        let tenant = req.prompt.tenant;
-        if self.known_tenants.as_ref().is_some_and(|known| !known.contains(&tenant)) {
-            return Err(Error::UnknownTenant { id: req.id, tenant });
+        check_lengths(req)?;
+        self.check_items(req)?;
+        check_spans(req)?;
+        if let Some(model) = &self.model
+            && let Some((position, token)) = out_of_vocab(&req.prompt.token_ids, model.vocab_size)
+        {
+            let vocab_size = u32::try_from(model.vocab_size).unwrap_or(u32::MAX);
+            return Err(RequestError::TokenOutOfVocab { position, token, vocab_size }.into());
+        }
+        let len = req.prompt.len();
+        if let Some(max) = self.max_context.filter(|&max| len > max) {
+            return Err(RequestError::ContextTooLong { id, len, max }.into());
+        }
+        check_tenant(self.known_tenants.as_ref(), id, req.prompt.tenant)?;
+        // Alone, a request can always get this many blocks (see `Scheduler::start`).
+        let needed = len.div_ceil(pool.block_size);
+        if needed > pool.num_blocks {
+            return Err(RequestError::RequestTooLarge { id, needed, num_blocks: pool.num_blocks }.into());
         }
         Ok(())
     }
+
+    /// Embeddings and DeepStack levels against their items and the model.
+    fn check_items(&self, req: &Request) -> Result<()> {
+        let id = req.id;
+        let items = &req.prompt.items;
+        if req.item_embeddings.len() != items.len() {
+            return Err(count_mismatch(id, "number of item embeddings", items.len(), req.item_embeddings.len()));
+        }
+        let hidden = self
+            .model
+            .map(|m| m.hidden_size)
+            .or(req.hidden_size)
+            .or_else(|| req.item_embeddings.first().map(|e| e.ncols()));
+        for (item, (identity, emb)) in items.iter().zip(&req.item_embeddings).enumerate() {
+            if emb.nrows() != identity.num_tokens {
+                let found = emb.nrows();
+                return Err(RequestError::EmbeddingMismatch { id, item, what: "embedding rows", expected: identity.num_tokens, found }.into());
+            }
+            if let Some(hidden) = hidden.filter(|&h| h != emb.ncols()) {
+                let found = emb.ncols();
+                return Err(RequestError::EmbeddingMismatch { id, item, what: "embedding columns", expected: hidden, found }.into());
+            }
+        }
+        self.check_deepstack(req, hidden)
+    }
+
+    /// DeepStack rows: one entry per item (or none at all), none on audio
+    /// items, as many levels as the model takes and the same number on every
+    /// item that has them (HF takes one list of levels), every level shaped
+    /// like the item's embeddings.
+    fn check_deepstack(&self, req: &Request, hidden: Option<usize>) -> Result<()> {
+        let id = req.id;
+        let items = &req.prompt.items;
+        if !req.item_deepstack.is_empty() && req.item_deepstack.len() != items.len() {
+            let found = req.item_deepstack.len();
+            return Err(count_mismatch(id, "number of item DeepStack entries", items.len(), found));
+        }
+        let mut levels_seen = None;
+        for (item, (identity, levels)) in items.iter().zip(&req.item_deepstack).enumerate() {
+            let Some(levels) = levels else { continue };
+            let found = levels.len();
+            if identity.modality == Modality::Audio {
+                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found }.into());
+            }
+            if let Some((what, expected)) = self.model.and_then(|m| m.deepstack_count_violation(found)) {
+                return Err(RequestError::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found }.into());
+            }
+            let expected = *levels_seen.get_or_insert(found);
+            if found != expected {
+                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found }.into());
+            }
+            if let Some(LevelMismatch { level, what, expected, found }) =
+                LevelMismatch::first(levels, identity.num_tokens, hidden)
+            {
+                return Err(RequestError::DeepStackMismatch { id, item, level, what, expected, found }.into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Rejects a tenant outside `known` (when tenants are required): the one
+/// tenant rule, which the engine applies before it fingerprints anything.
+pub(crate) fn check_tenant(known: Option<&FxHashSet<TenantSalt>>, id: RequestId, tenant: TenantSalt) -> Result<()> {
+    if known.is_some_and(|known| !known.contains(&tenant)) {
+        return Err(RequestError::UnknownTenant { id, tenant }.into());
+    }
+    Ok(())
+}
+
+/// Positions, atoms and token ids cover the same positions.
+fn check_lengths(req: &Request) -> Result<()> {
+    let id = req.id;
+    let prompt = &req.prompt;
+    let len = prompt.len();
+    if len == 0 {
+        return Err(RequestError::PromptMismatch { id, what: "prompt length", expected: 1, found: 0 }.into());
+    }
+    if prompt.positions.len() != len {
+        return Err(RequestError::PromptMismatch { id, what: "positions length", expected: len, found: prompt.positions.len() }.into());
+    }
+    // The index keys on the atoms while the runner computes from the ids:
+    // atoms that cover other tokens would file KV under the wrong key.
+    let atoms: usize = prompt.atoms.iter().map(|a| a.len()).sum();
+    if atoms != len {
+        return Err(RequestError::AtomsLengthMismatch { atoms, tokens: len }.into());
+    }
+    Ok(())
+}
+
+/// The index map's spans are ordered, disjoint, inside the prompt and inside
+/// their items' embeddings, and cover exactly the placeholders, so slicing
+/// item rows per chunk cannot go out of range.
+fn check_spans(req: &Request) -> Result<()> {
+    let id = req.id;
+    let prompt = &req.prompt;
+    let len = prompt.len();
+    let items = prompt.items.len();
+    let mut placeholder_rows = 0u64;
+    let mut next_free = 0usize;
+    for span in &prompt.index_map.spans {
+        // Spans in position order and disjoint: an item row is placed once.
+        let start = span.start as usize;
+        if start < next_free {
+            let what = "index map span start (spans must be ordered and disjoint)";
+            return Err(RequestError::PromptMismatch { id, what, expected: next_free, found: start }.into());
+        }
+        next_free = start + span.rows.len();
+        let item = span.item as usize;
+        let rows = req.item_embeddings.get(item).map(|e| e.nrows());
+        let rows = rows.ok_or(RequestError::PromptMismatch { id, what: "index map item index", expected: items, found: item })?;
+        if span.rows.start > span.rows.end || span.rows.end as usize > rows {
+            let found = span.rows.end as usize;
+            return Err(RequestError::EmbeddingMismatch { id, item, what: "index map row end", expected: rows, found }.into());
+        }
+        if next_free > len {
+            return Err(RequestError::PromptMismatch { id, what: "index map span end", expected: len, found: next_free }.into());
+        }
+        placeholder_rows += span.rows.len() as u64;
+    }
+    let placeholders = prompt.index_map.placeholders.len();
+    if placeholder_rows != placeholders {
+        let (expected, found) = (placeholders as usize, placeholder_rows as usize);
+        return Err(RequestError::PromptMismatch { id, what: "rows covered by index map spans", expected, found }.into());
+    }
+    Ok(())
+}
+
+/// A per-item list of `found` entries for `expected` items; `item` is the first
+/// index that one of them lacks.
+fn count_mismatch(id: RequestId, what: &'static str, expected: usize, found: usize) -> Error {
+    RequestError::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }.into()
 }

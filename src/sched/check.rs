@@ -3,15 +3,21 @@
 use fxhash::FxHashMap;
 
 use super::{Phase, Scheduler};
-use crate::index::BlockId;
+use crate::error::{Component, InvariantViolation};
+use crate::kv::BlockId;
 use crate::kv::BlockState;
 
 impl Scheduler {
     /// Checks pool, index and request bookkeeping against each other; `Err`
-    /// names the first broken invariant.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    /// names the first broken invariant and the component it belongs to.
+    pub fn validate(&self) -> std::result::Result<(), InvariantViolation> {
         self.pool.validate()?;
         self.index.validate()?;
+        self.broken_bookkeeping().map_err(|what| Component::Scheduler.violation(what))
+    }
+
+    /// The first request or block whose bookkeeping disagrees, in words.
+    fn broken_bookkeeping(&self) -> std::result::Result<(), String> {
         let mut users: FxHashMap<BlockId, u32> = FxHashMap::default();
         let mut tenant_of: FxHashMap<BlockId, u64> = FxHashMap::default();
         for (&id, t) in &self.requests {

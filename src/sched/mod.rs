@@ -1,6 +1,7 @@
 //! The scheduler: the one owner of all cache state (prefix index + block pool).
 //!
-//! Lifecycle of a request: [`Scheduler::admit`] checks it and queues it;
+//! Lifecycle of a request: [`Scheduler::admit`] checks it (every check, once,
+//! in `admission`) and queues it;
 //! [`Scheduler::schedule`] matches its prefix the first time it is picked
 //! (so it sees everything cached by then), pins the match, allocates blocks for
 //! a chunk within the step's token budget and emits a [`ScheduledBatch`];
@@ -23,7 +24,6 @@
 
 mod admission;
 mod check;
-mod chunk;
 mod config;
 mod request;
 
@@ -31,12 +31,14 @@ use std::collections::VecDeque;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::batch::{BlockCopy, RequestId, ScheduledBatch, ScheduledSeq};
-use crate::error::{Error, Result};
-use crate::index::{BlockId, IndexStats, PrefixIndex, PrefixMatch};
-use crate::kv::{BlockPool, BlockState};
+use crate::batch::{self, BlockCopy, EmbedRows, ModelShape, RequestId, ScheduledBatch};
+use crate::error::{CacheError, ConfigError, Error, Result, SchedError};
+use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
+use crate::kv::{BlockId, BlockPool, BlockState, BlockTable};
 use crate::prompt::TenantSalt;
-use admission::AdmissionLimits;
+use admission::{Admission, PoolLimits};
+
+pub(crate) use admission::check_tenant;
 
 pub use config::{SchedulerConfig, SchedulerStats};
 pub use request::Request;
@@ -53,11 +55,15 @@ enum Phase {
 #[derive(Debug)]
 struct Tracked {
     req: Request,
+    /// The item rows at their prompt positions (chunks clip theirs from these).
+    embeds: Vec<EmbedRows>,
     phase: Phase,
     /// `[..num_shared]` index-owned (pinned by `lock`), the rest private pool blocks.
-    block_table: Vec<BlockId>,
+    block_table: BlockTable,
     num_shared: usize,
     num_computed: usize,
+    /// Leading tokens reused from the cache by the current run (0 after a restart until rematched).
+    num_cached: usize,
     /// New tokens of the batch handed out and not yet completed.
     in_flight: Option<usize>,
     lock: Option<PrefixMatch>,
@@ -75,7 +81,7 @@ struct Tracked {
 ///     prompt: CanonicalPrompt {
 ///         tenant: 0,
 ///         atoms: vec![Atom::Text(ids.clone())],
-///         positions: Positions::Linear((0..ids.len() as i64).collect()),
+///         positions: Positions::linear(ids.len()),
 ///         token_ids: ids,
 ///         items: vec![],
 ///         index_map: IndexMap::default(),
@@ -108,7 +114,7 @@ struct Tracked {
 /// sched.admit(text(2, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 99]))?;
 /// let batch = sched.schedule()?;
 /// assert_eq!(batch.seqs[0].num_computed_tokens, 8);
-/// sched.validate().map_err(omniprefix::Error::InvalidRequest)?;
+/// sched.validate().map_err(omniprefix::Error::from)?;
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 pub struct Scheduler {
@@ -121,7 +127,7 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     /// Requests aborted while a batch holding them was out; `complete` skips them.
     aborted_in_flight: FxHashSet<RequestId>,
-    limits: AdmissionLimits,
+    admission: Admission,
     stats: SchedulerStats,
 }
 
@@ -130,11 +136,12 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig, index: Box<dyn PrefixIndex>) -> Result<Self> {
         let positive = |field, value: usize| {
             if value == 0 {
-                Err(Error::InvalidConfig {
+                Err(Error::Config(ConfigError::Invalid {
+                    component: "scheduler",
                     field,
                     expected: "positive".into(),
                     found: "0".into(),
-                })
+                }))
             } else {
                 Ok(())
             }
@@ -143,11 +150,12 @@ impl Scheduler {
         positive("max_tokens_per_step", config.max_tokens_per_step)?;
         positive("max_seqs_per_step", config.max_seqs_per_step)?;
         if config.block_size != index.block_size() {
-            return Err(Error::InvalidConfig {
+            return Err(ConfigError::Invalid {
+                component: "scheduler",
                 field: "block_size",
                 expected: format!("the index's block size {}", index.block_size()),
                 found: config.block_size.to_string(),
-            });
+            }.into());
         }
         Ok(Self {
             pool: BlockPool::new(config.num_blocks)?,
@@ -157,23 +165,32 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted_in_flight: FxHashSet::default(),
-            limits: AdmissionLimits::default(),
+            admission: Admission::default(),
             stats: SchedulerStats::default(),
         })
     }
 
     /// Rejects prompts longer than `max_context` positions (the model's
-    /// `max_position_embeddings`) at admission with [`Error::ContextTooLong`].
+    /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`](crate::error::RequestError::ContextTooLong).
     pub fn with_max_context(mut self, max_context: usize) -> Self {
-        self.limits.max_context = Some(max_context);
+        self.admission.max_context = Some(max_context);
+        self
+    }
+
+    /// Admits only requests the model `shape` can run: token ids (placeholders
+    /// included) in its vocabulary, embeddings of its width, DeepStack levels
+    /// as many as it takes. The engine sets this, so the batches it hands the
+    /// runner need no second check.
+    pub fn with_model(mut self, shape: ModelShape) -> Self {
+        self.admission.model = Some(shape);
         self
     }
 
     /// Makes tenant salts mandatory: only prompts salted with one of `tenants`
-    /// are admitted, others get [`Error::UnknownTenant`] (a typo'd or forged
+    /// are admitted, others get [`RequestError::UnknownTenant`](crate::error::RequestError::UnknownTenant) (a typo'd or forged
     /// salt would otherwise silently open a cache of its own).
     pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
-        self.limits.known_tenants = Some(tenants.into_iter().collect());
+        self.admission.known_tenants = Some(tenants.into_iter().collect());
         self
     }
 
@@ -182,30 +199,25 @@ impl Scheduler {
         &self.config
     }
 
-    /// Queues a request after checking it can ever run; on error nothing changes.
+    /// Queues a request after checking it can ever run and every chunk of it
+    /// is well-formed for the runner; on error nothing changes.
     pub fn admit(&mut self, req: Request) -> Result<()> {
-        // An id aborted while its batch is out stays taken until that batch completes.
-        if self.requests.contains_key(&req.id) || self.aborted_in_flight.contains(&req.id) {
-            return Err(Error::DuplicateRequest { id: req.id });
-        }
-        req.validate()?;
-        self.limits.check(&req)?;
-        // Alone, a request can always get this many blocks (see `start`).
-        let needed = req.prompt.len().div_ceil(self.config.block_size);
-        if needed > self.pool.num_blocks() {
-            return Err(Error::RequestTooLarge {
-                id: req.id,
-                needed,
-                num_blocks: self.pool.num_blocks(),
-            });
-        }
+        let pool = PoolLimits {
+            // An id aborted while its batch is out stays taken until that batch completes.
+            id_taken: self.requests.contains_key(&req.id) || self.aborted_in_flight.contains(&req.id),
+            num_blocks: self.pool.num_blocks(),
+            block_size: self.config.block_size,
+        };
+        self.admission.check(&req, &pool)?;
         let id = req.id;
         let tracked = Tracked {
+            embeds: req.placed_embeds(),
             req,
             phase: Phase::Waiting,
-            block_table: Vec::new(),
+            block_table: BlockTable::empty(self.config.block_size),
             num_shared: 0,
             num_computed: 0,
+            num_cached: 0,
             in_flight: None,
             lock: None,
         };
@@ -228,7 +240,7 @@ impl Scheduler {
         {
             let id = self.running[i];
             let Some(t) = self.requests.get(&id) else {
-                return Err(Error::UnknownRequest { id });
+                return Err(SchedError::UnknownRequest { id }.into());
             };
             if t.in_flight.is_none() {
                 let chunk = (t.req.prompt.len() - t.num_computed).min(budget);
@@ -269,42 +281,42 @@ impl Scheduler {
         for seq in &batch.seqs {
             let id = seq.request;
             if !seen.insert(id) {
-                return Err(Error::BatchMismatch {
+                return Err(SchedError::BatchMismatch {
                     id,
                     what: "occurrences in the batch",
                     expected: 1,
                     found: 2,
-                });
+                }.into());
             }
             if self.aborted_in_flight.contains(&id) {
                 continue;
             }
-            let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+            let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
             let found = seq.token_ids.len();
             match t.in_flight {
                 None => {
-                    return Err(Error::BatchMismatch {
+                    return Err(SchedError::BatchMismatch {
                         id,
                         what: "new tokens",
                         expected: 0,
                         found,
-                    });
+                    }.into());
                 }
                 Some(chunk) if chunk != found => {
-                    return Err(Error::BatchMismatch {
+                    return Err(SchedError::BatchMismatch {
                         id,
                         what: "new tokens",
                         expected: chunk,
                         found,
-                    });
+                    }.into());
                 }
                 Some(_) if t.num_computed != seq.num_computed_tokens => {
-                    return Err(Error::BatchMismatch {
+                    return Err(SchedError::BatchMismatch {
                         id,
                         what: "num_computed_tokens",
                         expected: t.num_computed,
                         found: seq.num_computed_tokens,
-                    });
+                    }.into());
                 }
                 Some(_) => {}
             }
@@ -330,13 +342,13 @@ impl Scheduler {
 
     /// Releases a completed request's locks and blocks (its full blocks stay cached).
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
-        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         if t.phase != Phase::Finished {
-            return Err(Error::RequestNotFinished {
+            return Err(SchedError::RequestNotFinished {
                 id,
                 computed: t.num_computed,
                 len: t.req.prompt.len(),
-            });
+            }.into());
         }
         self.remove(id)
     }
@@ -345,7 +357,7 @@ impl Scheduler {
     /// free list, never into the index. A batch already handed out that holds
     /// it may still be completed (its share is ignored).
     pub fn abort(&mut self, id: RequestId) -> Result<()> {
-        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         if t.in_flight.is_some() {
             self.aborted_in_flight.insert(id);
         }
@@ -367,12 +379,18 @@ impl Scheduler {
 
     /// The block table of an admitted request (empty while it waits).
     pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
-        self.requests.get(&id).map(|t| t.block_table.as_slice())
+        self.requests.get(&id).map(|t| t.block_table.blocks())
     }
 
     /// Tokens of a request whose KV is in pages (cached prefix included).
     pub fn num_computed_tokens(&self, id: RequestId) -> Option<usize> {
         self.requests.get(&id).map(|t| t.num_computed)
+    }
+
+    /// Leading tokens of a request whose KV came from the cache in its current
+    /// run (a preempted request is matched again when it restarts).
+    pub fn num_cached_tokens(&self, id: RequestId) -> Option<usize> {
+        self.requests.get(&id).map(|t| t.num_cached)
     }
 
     /// Counters and occupancy.
@@ -396,19 +414,20 @@ impl Scheduler {
     /// chunk and emits it; `false` when blocks are short (it stays queued).
     fn start(&mut self, id: RequestId, budget: usize, batch: &mut ScheduledBatch) -> Result<bool> {
         let bs = self.config.block_size;
-        let t = self.requests.get(&id).ok_or(Error::UnknownRequest { id })?;
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         let len = t.req.prompt.len();
         let m = self.index.match_prefix(&t.req.prompt);
         if m.tokens > len
             || m.blocks.len() != m.tokens.div_ceil(bs)
             || m.aligned_tokens != m.tokens / bs * bs
         {
-            return Err(Error::IndexContract(format!(
-                "match of {} tokens ({} aligned) with {} blocks for a {len}-token prompt",
-                m.tokens,
-                m.aligned_tokens,
-                m.blocks.len()
-            )));
+            return Err(CacheError::InconsistentMatch {
+                tokens: m.tokens,
+                aligned_tokens: m.aligned_tokens,
+                blocks: m.blocks.len(),
+                prompt_len: len,
+            }
+            .into());
         }
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
@@ -461,13 +480,11 @@ impl Scheduler {
             self.stats.hit_tokens += computed as u64;
         }
         let t = self.tracked_mut(id)?;
-        t.block_table = lock
-            .as_ref()
-            .map_or(&[][..], |m| &m.blocks[..shared])
-            .to_vec();
+        t.block_table = BlockTable::new(lock.as_ref().map_or(&[][..], |m| &m.blocks[..shared]).to_vec(), bs);
         t.block_table.extend(fresh);
         t.num_shared = shared;
         t.num_computed = computed;
+        t.num_cached = computed;
         t.lock = lock;
         t.phase = Phase::Running;
         self.waiting.pop_front();
@@ -476,27 +493,14 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// Appends request `id`'s next `chunk` tokens to the batch (blocks already allocated).
+    /// Appends request `id`'s next `chunk` tokens to the batch (blocks already
+    /// allocated), cut by [`batch::chunk`] like every step.
     fn emit(&mut self, id: RequestId, chunk: usize, batch: &mut ScheduledBatch) -> Result<()> {
-        let bs = self.config.block_size;
         let t = self.tracked_mut(id)?;
         let range = t.num_computed..t.num_computed + chunk;
         let prompt = &t.req.prompt;
-        batch.seqs.push(ScheduledSeq {
-            request: id,
-            block_table: t.block_table.clone(),
-            num_computed_tokens: t.num_computed,
-            token_ids: prompt
-                .token_ids
-                .get(range.clone())
-                .unwrap_or_default()
-                .to_vec(),
-            embeds: chunk::embeds_in(&prompt.index_map, &t.req.item_embeddings, &t.req.item_deepstack, range.clone()),
-            positions: chunk::slice_positions(&prompt.positions, range.clone()),
-            slot_mapping: chunk::slot_mapping(&t.block_table, bs, range.clone()),
-            prompt_len: prompt.len(),
-            emits_output: range.end == prompt.len(),
-        });
+        let seq = batch::chunk(id, &prompt.token_ids, &t.embeds, &prompt.positions, t.block_table.clone(), range)?;
+        batch.seqs.push(seq);
         t.in_flight = Some(chunk);
         Ok(())
     }
@@ -547,6 +551,7 @@ impl Scheduler {
             let t = self.tracked_mut(id)?;
             t.phase = Phase::Waiting;
             t.num_computed = 0;
+            t.num_cached = 0;
             self.waiting.push_front(id);
             self.stats.preemptions += 1;
             if j == after {
@@ -563,7 +568,7 @@ impl Scheduler {
         let t = self
             .requests
             .get_mut(&id)
-            .ok_or(Error::UnknownRequest { id })?;
+            .ok_or(SchedError::UnknownRequest { id })?;
         let n_full = t.num_computed / bs;
         if n_full <= t.num_shared {
             return Ok(());
@@ -571,18 +576,11 @@ impl Scheduler {
         let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
         let m = outcome.cached;
         if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
-            return Err(Error::IndexContract(format!(
-                "request {id}: insert of {n_full} blocks reports {} tokens ({} aligned) in {} blocks cached",
-                m.tokens,
-                m.aligned_tokens,
-                m.blocks.len()
-            )));
+            return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
         }
         for &b in &outcome.adopted {
             if !t.block_table[t.num_shared..n_full].contains(&b) {
-                return Err(Error::IndexContract(format!(
-                    "insert adopted block {b}, which request {id} did not offer"
-                )));
+                return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
             }
             self.pool.adopt_by_index(b)?;
         }
@@ -596,9 +594,7 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-                return Err(Error::IndexContract(format!(
-                    "insert reported block {new} cached, which the index does not own"
-                )));
+return Err(CacheError::MatchedUnownedBlock { block: new }.into());
             }
         }
         if let Some(old) = t.lock.replace(m) {
@@ -622,7 +618,7 @@ impl Scheduler {
         let t = self
             .requests
             .get_mut(&id)
-            .ok_or(Error::UnknownRequest { id })?;
+            .ok_or(SchedError::UnknownRequest { id })?;
         if let Some(m) = t.lock.take() {
             self.index.unlock(&m);
         }
@@ -637,7 +633,7 @@ impl Scheduler {
     fn tracked_mut(&mut self, id: RequestId) -> Result<&mut Tracked> {
         self.requests
             .get_mut(&id)
-            .ok_or(Error::UnknownRequest { id })
+            .ok_or(SchedError::UnknownRequest { id }.into())
     }
 }
 

@@ -1,15 +1,16 @@
-//! What a caller submits, and the checks that make it safe to schedule.
+//! What a caller submits to the scheduler.
 
 use std::sync::Arc;
 
 use ndarray::Array2;
 
-use crate::batch::{DeepStack, RequestId};
-use crate::canon::Modality;
-use crate::error::{Error, Result};
-use crate::prompt::{Atom, CanonicalPrompt, Positions};
+use crate::batch::{DeepStack, EmbedRows, RequestId};
+use crate::prompt::CanonicalPrompt;
 
 /// A preprocessed request with the embeddings of its multimodal items.
+///
+/// [`Scheduler::admit`](super::Scheduler::admit) checks every part of it
+/// against the others and the model before anything changes.
 #[derive(Debug, Clone)]
 pub struct Request {
     /// Caller-chosen id, unique among admitted requests.
@@ -20,178 +21,30 @@ pub struct Request {
     /// DeepStack levels per `prompt.items` entry (`None`: the item has none);
     /// empty when no item has any.
     pub item_deepstack: Vec<Option<DeepStack>>,
-    /// The model's hidden size, when known: every embedding must have that many columns.
+    /// The embeddings' width, for a scheduler that was not given the model
+    /// ([`Scheduler::with_model`](super::Scheduler::with_model)), whose width wins.
     pub hidden_size: Option<usize>,
 }
 
 impl Request {
-    /// Checks that the prompt's parts agree with each other and with the embeddings,
-    /// so that slicing them per chunk cannot go out of range.
-    pub(crate) fn validate(&self) -> Result<()> {
-        let id = self.id;
-        let len = self.prompt.len();
-        if len == 0 {
-            return Err(Error::PromptMismatch {
-                id,
-                what: "prompt length",
-                expected: 1,
-                found: 0,
-            });
-        }
-        let positions_len = match &self.prompt.positions {
-            Positions::Linear(p) => p.len(),
-            Positions::Mrope { t, h, w, .. } => {
-                if t.len() != h.len() || t.len() != w.len() {
-                    return Err(Error::PromptMismatch {
-                        id,
-                        what: "M-RoPE h/w row length",
-                        expected: t.len(),
-                        found: if h.len() != t.len() { h.len() } else { w.len() },
-                    });
-                }
-                t.len()
-            }
-        };
-        if positions_len != len {
-            return Err(Error::PromptMismatch {
-                id,
-                what: "positions length",
-                expected: len,
-                found: positions_len,
-            });
-        }
-        // The index keys on the atoms while the runner computes from the ids:
-        // atoms that cover other tokens would file KV under the wrong key.
-        let atoms: usize = self.prompt.atoms.iter().map(atom_len).sum();
-        if atoms != len {
-            return Err(Error::AtomsLengthMismatch { atoms, tokens: len });
-        }
-        let items = &self.prompt.items;
-        if self.item_embeddings.len() != items.len() {
-            return Err(count_mismatch(id, "number of item embeddings", items.len(), self.item_embeddings.len()));
-        }
-        let hidden = self
-            .hidden_size
-            .or_else(|| self.item_embeddings.first().map(|e| e.ncols()));
-        for (item, (identity, emb)) in items.iter().zip(&self.item_embeddings).enumerate() {
-            if emb.nrows() != identity.num_tokens {
-                return Err(Error::EmbeddingMismatch {
-                    id,
-                    item,
-                    what: "embedding rows",
-                    expected: identity.num_tokens,
-                    found: emb.nrows(),
-                });
-            }
-            if let Some(hidden) = hidden.filter(|&h| h != emb.ncols()) {
-                return Err(Error::EmbeddingMismatch {
-                    id,
-                    item,
-                    what: "embedding columns",
-                    expected: hidden,
-                    found: emb.ncols(),
-                });
-            }
-        }
-        self.validate_deepstack(hidden)?;
-        let mut placeholder_rows = 0u64;
-        let mut next_free = 0usize;
-        for span in &self.prompt.index_map.spans {
-            // Spans in position order and disjoint: an item row is placed once.
-            if (span.start as usize) < next_free {
-                return Err(Error::PromptMismatch {
-                    id,
-                    what: "index map span start (spans must be ordered and disjoint)",
-                    expected: next_free,
-                    found: span.start as usize,
-                });
-            }
-            next_free = span.start as usize + span.rows.len();
-            let item = span.item as usize;
-            let rows =
-                self.item_embeddings
-                    .get(item)
-                    .map(|e| e.nrows())
-                    .ok_or(Error::PromptMismatch {
-                        id,
-                        what: "index map item index",
-                        expected: items.len(),
-                        found: item,
-                    })?;
-            if span.rows.start > span.rows.end || span.rows.end as usize > rows {
-                return Err(Error::EmbeddingMismatch {
-                    id,
-                    item,
-                    what: "index map row end",
-                    expected: rows,
-                    found: span.rows.end as usize,
-                });
-            }
-            let end = span.start as usize + span.rows.len();
-            if end > len {
-                return Err(Error::PromptMismatch {
-                    id,
-                    what: "index map span end",
-                    expected: len,
-                    found: end,
-                });
-            }
-            placeholder_rows += span.rows.len() as u64;
-        }
-        let placeholders = self.prompt.index_map.placeholders.len();
-        if placeholder_rows != placeholders {
-            return Err(Error::PromptMismatch {
-                id,
-                what: "rows covered by index map spans",
-                expected: placeholders as usize,
-                found: placeholder_rows as usize,
-            });
-        }
-        Ok(())
-    }
-
-    /// Checks the DeepStack rows: one entry per item (or none at all), none on
-    /// audio items, every level shaped like the item's embeddings, and the same
-    /// number of levels on every item that has them (HF takes one list of levels).
-    fn validate_deepstack(&self, hidden: Option<usize>) -> Result<()> {
-        let id = self.id;
-        let items = &self.prompt.items;
-        if !self.item_deepstack.is_empty() && self.item_deepstack.len() != items.len() {
-            return Err(count_mismatch(id, "number of item DeepStack entries", items.len(), self.item_deepstack.len()));
-        }
-        let mut levels_seen = None;
-        for (item, (identity, levels)) in items.iter().zip(&self.item_deepstack).enumerate() {
-            let Some(levels) = levels else { continue };
-            if identity.modality == Modality::Audio {
-                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found: levels.len() });
-            }
-            let expected = *levels_seen.get_or_insert(levels.len());
-            if levels.len() != expected {
-                return Err(Error::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found: levels.len() });
-            }
-            for (level, rows) in levels.iter().enumerate() {
-                if rows.nrows() != identity.num_tokens {
-                    return Err(Error::DeepStackMismatch { id, item, level, what: "rows", expected: identity.num_tokens, found: rows.nrows() });
-                }
-                if let Some(hidden) = hidden.filter(|&h| h != rows.ncols()) {
-                    return Err(Error::DeepStackMismatch { id, item, level, what: "columns", expected: hidden, found: rows.ncols() });
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-/// A per-item list of `found` entries for `expected` items; `item` is the first
-/// index that one of them lacks.
-fn count_mismatch(id: RequestId, what: &'static str, expected: usize, found: usize) -> Error {
-    Error::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }
-}
-
-/// Tokens an atom covers.
-fn atom_len(atom: &Atom) -> usize {
-    match atom {
-        Atom::Text(ids) => ids.len(),
-        Atom::Item { rows, .. } => rows.len(),
+    /// The item rows at their prompt positions, one entry per index-map span:
+    /// what each chunk's rows are clipped from (the request passed admission,
+    /// so every span lies inside the prompt and its item).
+    pub(super) fn placed_embeds(&self) -> Vec<EmbedRows> {
+        let deepstack = |item: usize| self.item_deepstack.get(item).cloned().flatten();
+        self.prompt
+            .index_map
+            .spans
+            .iter()
+            .filter_map(|span| {
+                let item = span.item as usize;
+                Some(EmbedRows {
+                    step_offset: span.start as usize,
+                    embeddings: Arc::clone(self.item_embeddings.get(item)?),
+                    rows: span.rows.start as usize..span.rows.end as usize,
+                    deepstack: deepstack(item),
+                })
+            })
+            .collect()
     }
 }

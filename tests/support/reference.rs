@@ -85,12 +85,13 @@ impl Reference {
             return Ok(PromptInputs {
                 token_ids,
                 embeds: vec![],
-                positions: Positions::Linear((0..len as i64).collect()),
+                positions: Positions::linear(len),
             });
         };
         let axis = |a: usize| pos.get(a * len..(a + 1) * len).map(<[i64]>::to_vec).ok_or("position_ids is not [3, L]");
         let rope_delta = self.first_int(&format!("{p}.rope_delta"))?;
-        let positions = Positions::Mrope { t: axis(0)?, h: axis(1)?, w: axis(2)?, rope_delta };
+        let (t, h, w) = (axis(0)?, axis(1)?, axis(2)?);
+        let positions = Positions::given((0..len).map(|i| [t[i], h[i], w[i]]).collect(), rope_delta);
         let mut embeds = Vec::new();
         while let Ok(rows) = self.matrix(&format!("{p}.item.{}.embeds", embeds.len())) {
             let item = format!("{p}.item.{}", embeds.len());

@@ -7,7 +7,8 @@ use super::check::{expect_cols, row_index};
 use super::pages::CpuPages;
 use super::softmax::causal_softmax;
 use crate::backend::{AttnHeads, AttnSeq};
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::BackendError;
 
 const OP: &str = "paged_attention";
 
@@ -16,12 +17,12 @@ fn seq_slots(seq: &AttnSeq<'_>, rows: usize, pages: &CpuPages) -> Result<Vec<usi
     let spec = pages.spec;
     let end = seq.query_start.checked_add(seq.num_new).filter(|&e| e <= rows);
     if end.is_none() {
-        return Err(Error::OpIndex { op: OP, what: "query end", index: seq.query_start.saturating_add(seq.num_new) as i64, bound: rows + 1 });
+        return Err(BackendError::OpIndex { op: OP, what: "query end", index: seq.query_start.saturating_add(seq.num_new) as i64, bound: rows + 1 }.into());
     }
     let len = seq.num_computed.saturating_add(seq.num_new);
     let blocks_needed = len.div_ceil(spec.block_size);
     if seq.block_table.len() < blocks_needed {
-        return Err(Error::OpIndex { op: OP, what: "position (block table too short)", index: len as i64 - 1, bound: seq.block_table.len() * spec.block_size });
+        return Err(BackendError::OpIndex { op: OP, what: "position (block table too short)", index: len as i64 - 1, bound: seq.block_table.len() * spec.block_size }.into());
     }
     for &b in &seq.block_table[..blocks_needed] {
         row_index(OP, "block", b as i64, spec.num_blocks)?;
@@ -82,12 +83,12 @@ fn kv_group_attention(q: &Array2<f32>, (k, v): (&[f32], &[f32]), seq: &AttnSeq<'
 pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<Array2<f32>> {
     let spec = pages.spec;
     if heads.kv_heads != spec.kv_heads || heads.head_dim != spec.head_dim || heads.kv_heads == 0 || !heads.num_heads.is_multiple_of(heads.kv_heads) {
-        return Err(Error::OpShape {
+        return Err(BackendError::OpShape {
             op: OP,
             what: "heads (num_heads, kv_heads, head_dim)",
             expected: format!("kv_heads {} dividing num_heads, head_dim {}", spec.kv_heads, spec.head_dim),
             found: vec![heads.num_heads, heads.kv_heads, heads.head_dim],
-        });
+        }.into());
     }
     expect_cols(OP, "q", q, heads.num_heads * heads.head_dim)?;
     let (k, v) = pages.kv(OP, layer)?;
@@ -121,6 +122,7 @@ pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, h
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::backend::PagesSpec;
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
@@ -212,9 +214,9 @@ mod tests {
         let heads = AttnHeads { num_heads: 1, kv_heads: 1, head_dim: 2 };
         let q = Array2::zeros((3, 2));
         let short = [AttnSeq { query_start: 0, num_new: 3, num_computed: 4, block_table: &[0] }];
-        assert!(matches!(paged_attention(&q, &pages, 0, heads, &short), Err(Error::OpIndex { op: OP, .. })));
+        assert!(matches!(paged_attention(&q, &pages, 0, heads, &short), Err(Error::Backend(BackendError::OpIndex { op: OP, .. }))));
         let bad = [AttnSeq { query_start: 0, num_new: 3, num_computed: 0, block_table: &[7] }];
-        assert!(matches!(paged_attention(&q, &pages, 0, heads, &bad), Err(Error::OpIndex { what: "block", index: 7, .. })));
-        assert!(matches!(paged_attention(&q, &pages, 1, heads, &[]), Err(Error::OpIndex { what: "layer", .. })));
+        assert!(matches!(paged_attention(&q, &pages, 0, heads, &bad), Err(Error::Backend(BackendError::OpIndex { what: "block", index: 7, .. }))));
+        assert!(matches!(paged_attention(&q, &pages, 1, heads, &[]), Err(Error::Backend(BackendError::OpIndex { what: "layer", .. }))));
     }
 }

@@ -4,10 +4,11 @@
 use ndarray::Array2;
 
 use crate::{Error, Result};
+use crate::error::BackendError;
 
 /// A shape error for operand `what` of `op`.
 pub(crate) fn shape_error(op: &'static str, what: &'static str, expected: String, found: &Array2<f32>) -> Error {
-    Error::OpShape { op, what, expected, found: found.shape().to_vec() }
+    BackendError::OpShape { op, what, expected, found: found.shape().to_vec() }.into()
 }
 
 /// `t` must have `rows` rows.
@@ -22,5 +23,5 @@ pub(crate) fn expect_cols(op: &'static str, what: &'static str, t: &Array2<f32>,
 
 /// `index` must lie in `0..bound`; returns it as a usize.
 pub(crate) fn row_index(op: &'static str, what: &'static str, index: i64, bound: usize) -> Result<usize> {
-    usize::try_from(index).ok().filter(|&i| i < bound).ok_or(Error::OpIndex { op, what, index, bound })
+    usize::try_from(index).ok().filter(|&i| i < bound).ok_or(BackendError::OpIndex { op, what, index, bound }.into())
 }

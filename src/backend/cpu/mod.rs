@@ -16,7 +16,7 @@ use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 
 use crate::Result;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
-use crate::index::BlockId;
+use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
 use matmul::matmul_t;
 pub use pages::CpuPages;
@@ -87,12 +87,12 @@ impl Backend for CpuBackend {
 
     fn alloc_pages(&self, spec: PagesSpec) -> Result<CpuPages> {
         if spec.block_size == 0 {
-            return Err(crate::Error::OpShape {
+            return Err(crate::error::BackendError::OpShape {
                 op: "alloc_pages",
                 what: "block_size",
                 expected: "> 0".into(),
                 found: vec![spec.block_size],
-            });
+            }.into());
         }
         Ok(CpuPages::new(spec))
     }
@@ -104,8 +104,8 @@ impl Backend for CpuBackend {
     fn embedding(&self, table: &Array2<f32>, ids: &[u32]) -> Result<Array2<f32>> {
         let rows: Vec<u32> = ids.to_vec();
         self.gather_rows(table, &rows).map_err(|e| match e {
-            crate::Error::OpIndex { index, bound, .. } => {
-                crate::Error::OpIndex { op: "embedding", what: "token id", index, bound }
+            crate::Error::Backend(crate::error::BackendError::OpIndex { index, bound, .. }) => {
+                crate::Error::Backend(crate::error::BackendError::OpIndex { op: "embedding", what: "token id", index, bound })
             }
             other => other,
         })
@@ -227,6 +227,7 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::BackendError;
     use crate::Error;
     use ndarray::array;
     use rand::{Rng, SeedableRng};
@@ -263,8 +264,8 @@ mod tests {
         let silu = |v: f32| v / (1.0 + (-v).exp());
         let want = array![[silu(1.0) * 3.0, silu(-2.0) * 0.5]];
         assert!(s.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 1e-6 * w.abs()), "{s} vs {want}");
-        assert!(matches!(b.swiglu(&array![[1.0f32, 2.0, 3.0]]), Err(Error::OpShape { op: "swiglu", .. })));
-        assert!(matches!(b.rms_norm(&x, &hw, eps), Err(Error::OpShape { op: "rms_norm", what: "weight", .. })));
+        assert!(matches!(b.swiglu(&array![[1.0f32, 2.0, 3.0]]), Err(Error::Backend(BackendError::OpShape { op: "swiglu", .. }))));
+        assert!(matches!(b.rms_norm(&x, &hw, eps), Err(Error::Backend(BackendError::OpShape { op: "rms_norm", what: "weight", .. }))));
     }
 
     #[test]
@@ -286,7 +287,7 @@ mod tests {
             }
         }
         let x = rand_rows(4, 70, 9);
-        assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8)), Err(Error::OpShape { op: "matmul_t", what: "x", .. })));
+        assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8)), Err(Error::Backend(BackendError::OpShape { op: "matmul_t", what: "x", .. }))));
     }
 
     #[test]
@@ -296,7 +297,7 @@ mod tests {
         let e = b.embedding(&table, &[4, 0, 4]).unwrap();
         assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0]);
         assert_eq!(e.row(2), e.row(0));
-        assert!(matches!(b.embedding(&table, &[6]), Err(Error::OpIndex { op: "embedding", index: 6, bound: 6, .. })));
+        assert!(matches!(b.embedding(&table, &[6]), Err(Error::Backend(BackendError::OpIndex { op: "embedding", index: 6, bound: 6, .. }))));
         let mut dst = Array2::zeros((4, 3));
         b.scatter_rows(&mut dst, &[3, 1], &b.gather_rows(&table, &[2, 5]).unwrap()).unwrap();
         assert_eq!(dst.row(3).to_vec(), vec![20.0, 21.0, 22.0]);
@@ -304,7 +305,7 @@ mod tests {
         assert_eq!(dst.row(0).sum(), 0.0);
         let before = dst.clone();
         let err = b.scatter_rows(&mut dst, &[0, 9], &table.slice(ndarray::s![..2, ..]).to_owned()).unwrap_err();
-        assert!(matches!(err, Error::OpIndex { op: "scatter_rows", index: 9, .. }));
+        assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "scatter_rows", index: 9, .. })));
         assert_eq!(dst, before, "a rejected scatter writes nothing");
     }
 
@@ -312,7 +313,7 @@ mod tests {
     fn pages_write_gather_and_copy_whole_blocks() {
         let b = CpuBackend;
         let spec = PagesSpec { num_layers: 2, num_blocks: 3, block_size: 2, kv_heads: 1, head_dim: 2, captured: 2, hidden: 3 };
-        assert!(matches!(b.alloc_pages(PagesSpec { block_size: 0, ..spec }), Err(Error::OpShape { what: "block_size", .. })));
+        assert!(matches!(b.alloc_pages(PagesSpec { block_size: 0, ..spec }), Err(Error::Backend(BackendError::OpShape { what: "block_size", .. }))));
         let mut pages = b.alloc_pages(spec).unwrap();
         let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);
         b.write_kv(&mut pages, 1, &kv, &kv, &[0, -1, 1]).unwrap();
@@ -329,9 +330,9 @@ mod tests {
         assert_eq!(&pages.k[1][8..12], &[1.0, 2.0, 5.0, 6.0]);
         assert_eq!(b.gather_hidden(&pages, 1, &[4, 5]).unwrap(), got.slice(ndarray::s![..2, ..]));
         let before = pages.clone();
-        assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::OpIndex { what: "block", index: 3, .. })));
+        assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::Backend(BackendError::OpIndex { what: "block", index: 3, .. }))));
         assert_eq!(pages.k, before.k, "a rejected copy list copies nothing");
-        assert!(matches!(b.write_kv(&mut pages, 0, &kv, &kv, &[0, 1, 6]), Err(Error::OpIndex { what: "slot", index: 6, .. })));
-        assert!(matches!(b.write_hidden(&mut pages, 2, &h, &[0, 1]), Err(Error::OpIndex { what: "capture", .. })));
+        assert!(matches!(b.write_kv(&mut pages, 0, &kv, &kv, &[0, 1, 6]), Err(Error::Backend(BackendError::OpIndex { what: "slot", index: 6, .. }))));
+        assert!(matches!(b.write_hidden(&mut pages, 2, &h, &[0, 1]), Err(Error::Backend(BackendError::OpIndex { what: "capture", .. }))));
     }
 }

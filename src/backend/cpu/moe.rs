@@ -6,7 +6,8 @@ use ndarray::{Array2, s};
 use super::check::{expect_cols, shape_error};
 use super::{matmul_t, swiglu};
 use crate::backend::MoeWeights;
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::BackendError;
 
 /// Top-k experts and weights of one row of router probabilities (ties to the lower id).
 pub(crate) fn route(probs: &[f32], top_k: usize, norm_topk_prob: bool) -> Vec<(usize, f32)> {
@@ -35,7 +36,7 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<Array2<f32>>) -> Result<Ar
     const OP: &str = "moe";
     let (e, hidden) = (w.num_experts, x.ncols());
     if w.top_k == 0 || w.top_k > e {
-        return Err(Error::OpShape { op: OP, what: "top_k", expected: format!("1..={e}"), found: vec![w.top_k] });
+        return Err(BackendError::OpShape { op: OP, what: "top_k", expected: format!("1..={e}"), found: vec![w.top_k] }.into());
     }
     if w.router.nrows() != e {
         return Err(shape_error(OP, "router", format!("[{e}, {hidden}]"), &w.router));

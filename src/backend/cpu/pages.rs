@@ -4,7 +4,7 @@ use ndarray::Array2;
 
 use super::check::{expect_cols, expect_rows, row_index};
 use crate::backend::PagesSpec;
-use crate::index::BlockId;
+use crate::kv::BlockId;
 use crate::Result;
 
 /// K/V pages per layer (`[num_blocks, block_size, kv_heads, head_dim]` flat) and the

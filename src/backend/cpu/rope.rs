@@ -4,7 +4,8 @@ use ndarray::{Array2, Axis, parallel::prelude::*};
 
 use super::check::shape_error;
 use crate::backend::{RopePositions, RopeSpec};
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::BackendError;
 
 /// Rotates every head of `x [n, heads*head_dim]` in place by its row's positions.
 pub(crate) fn apply(x: &mut Array2<f32>, spec: &RopeSpec, pos: RopePositions<'_>) -> Result<()> {
@@ -14,12 +15,12 @@ pub(crate) fn apply(x: &mut Array2<f32>, spec: &RopeSpec, pos: RopePositions<'_>
     }
     for (what, p) in [("positions.t", pos.t), ("positions.h", pos.h), ("positions.w", pos.w)] {
         if p.len() != x.nrows() {
-            return Err(Error::OpShape {
+            return Err(BackendError::OpShape {
                 op: "rope",
                 what,
                 expected: format!("[{}]", x.nrows()),
                 found: vec![p.len()],
-            });
+            }.into());
         }
     }
     if !x.is_standard_layout() {
@@ -52,6 +53,7 @@ pub(crate) fn apply(x: &mut Array2<f32>, spec: &RopeSpec, pos: RopePositions<'_>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::backend::RopeKind;
 
     fn spec(kind: RopeKind) -> RopeSpec {
@@ -125,6 +127,6 @@ mod tests {
         let mut x = Array2::zeros((2, 8));
         let p = [0i64];
         let err = apply(&mut x, &spec(RopeKind::Plain), RopePositions { t: &p, h: &p, w: &p }).unwrap_err();
-        assert!(matches!(err, Error::OpShape { op: "rope", what: "positions.t", .. }));
+        assert!(matches!(err, Error::Backend(BackendError::OpShape { op: "rope", what: "positions.t", .. })));
     }
 }

@@ -11,8 +11,9 @@ use crate::backend::wgpu::ops::paging::SlotColumns;
 use crate::backend::wgpu::pool::{ATTENTION_POOL_CHUNKS, PagedPool};
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
-use crate::index::BlockId;
-use crate::{Error, Result};
+use crate::kv::BlockId;
+use crate::Result;
+use crate::error::{BackendError, GpuError};
 
 /// Per-layer K and V pools and the hidden-state pool, on the device.
 #[derive(Debug)]
@@ -28,7 +29,7 @@ impl WgpuPages {
     pub fn layer(&self, op: &'static str, layer: usize) -> Result<KvPools<'_>> {
         match (self.k.get(layer), self.v.get(layer)) {
             (Some(k), Some(v)) => Ok(KvPools { k, v }),
-            _ => Err(Error::OpIndex { op, what: "layer", index: layer as i64, bound: self.spec.num_layers }),
+            _ => Err(BackendError::OpIndex { op, what: "layer", index: layer as i64, bound: self.spec.num_layers }.into()),
         }
     }
 
@@ -40,7 +41,7 @@ impl WgpuPages {
     /// Columns of capture `capture` inside a hidden slot.
     fn capture_columns(&self, op: &'static str, capture: usize) -> Result<SlotColumns> {
         if capture >= self.spec.captured {
-            return Err(Error::OpIndex { op, what: "capture", index: capture as i64, bound: self.spec.captured });
+            return Err(BackendError::OpIndex { op, what: "capture", index: capture as i64, bound: self.spec.captured }.into());
         }
         Ok(SlotColumns { offset: capture * self.spec.hidden, width: self.spec.hidden })
     }
@@ -96,11 +97,11 @@ impl Backend for WgpuBackend {
 
     fn download(&self, t: &GpuTensor) -> Result<Array2<f32>> {
         let data = self.ctx.download(t)?;
-        Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| Error::GpuOp {
+        Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| GpuError::Op {
             adapter: self.ctx.adapter_name().to_string(),
             op: "download",
             message: e.to_string(),
-        })
+        }.into())
     }
 
     fn shape(&self, t: &GpuTensor) -> [usize; 2] {
@@ -193,12 +194,12 @@ impl Backend for WgpuBackend {
         seqs: &[AttnSeq<'_>],
     ) -> Result<GpuTensor> {
         if heads.kv_heads != pages.spec.kv_heads || heads.head_dim != pages.spec.head_dim {
-            return Err(Error::OpShape {
+            return Err(BackendError::OpShape {
                 op: "paged_attention",
                 what: "heads (num_heads, kv_heads, head_dim)",
                 expected: format!("kv_heads {}, head_dim {}", pages.spec.kv_heads, pages.spec.head_dim),
                 found: vec![heads.num_heads, heads.kv_heads, heads.head_dim],
-            });
+            }.into());
         }
         self.ctx.paged_attention(q, pages.layer("paged_attention", layer)?, heads, seqs)
     }
@@ -217,12 +218,12 @@ impl Backend for WgpuBackend {
         for &(src, dst) in copies {
             for b in [src, dst] {
                 if b as usize >= pages.spec.num_blocks {
-                    return Err(Error::OpIndex {
+                    return Err(BackendError::OpIndex {
                         op: "copy_blocks",
                         what: "block",
                         index: b.into(),
                         bound: pages.spec.num_blocks,
-                    });
+                    }.into());
                 }
             }
         }

@@ -4,7 +4,8 @@
 use std::sync::{Arc, Mutex};
 
 use crate::backend::wgpu::pipelines::PipelineCache;
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::GpuError;
 
 /// How to open the device.
 #[derive(Debug, Clone, Default)]
@@ -35,7 +36,7 @@ pub fn check_limits(adapter: &str, limits: &wgpu::Limits) -> Result<()> {
     for &(limit, get, required) in REQUIRED_LIMITS {
         let available = get(limits);
         if available < required {
-            return Err(Error::GpuLimit { adapter: adapter.to_string(), limit, required, available });
+            return Err(GpuError::Limit { adapter: adapter.to_string(), limit, required, available }.into());
         }
     }
     Ok(())
@@ -86,7 +87,7 @@ impl GpuContext {
             power_preference: wgpu::PowerPreference::HighPerformance,
             ..Default::default()
         }))
-        .map_err(|e| Error::GpuUnavailable { backends, reason: e.to_string() })?;
+        .map_err(|e| GpuError::Unavailable { backends, reason: e.to_string() })?;
         let info = adapter.get_info();
         let adapter_name = format!("{} ({:?})", info.name, info.backend);
         let limits = adapter.limits();
@@ -99,7 +100,7 @@ impl GpuContext {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
-        .map_err(|e| Error::GpuOp {
+        .map_err(|e| GpuError::Op {
             adapter: adapter_name.clone(),
             op: "request_device",
             message: e.to_string(),
@@ -154,7 +155,7 @@ impl GpuContext {
     }
 
     /// Runs `record` inside validation and out-of-memory error scopes and maps what
-    /// they catch to [`Error::GpuOp`] naming `op`.
+    /// they catch to [`GpuError::Op`] naming `op`.
     pub(crate) fn scoped<T>(&self, op: &'static str, record: impl FnOnce() -> T) -> Result<T> {
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -163,7 +164,7 @@ impl GpuContext {
         let oom_error = pollster::block_on(oom.pop());
         match validation_error.or(oom_error) {
             None => Ok(value),
-            Some(e) => Err(Error::GpuOp { adapter: self.adapter_name.clone(), op, message: e.to_string() }),
+            Some(e) => Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into()),
         }
     }
 }

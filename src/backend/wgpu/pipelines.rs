@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::backend::wgpu::context::GpuContext;
 use crate::{Error, Result};
+use crate::error::GpuError;
 
 /// One WGSL file of `wgsl/`, compiled into the binary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,7 +92,7 @@ impl GpuContext {
         Ok(pipeline)
     }
 
-    /// Compiles WGSL `source`; a rejected shader is [`Error::ShaderCompile`], not a panic.
+    /// Compiles WGSL `source`; a rejected shader is [`GpuError::ShaderCompile`], not a panic.
     pub fn compile_module(&self, name: &str, source: &str) -> Result<wgpu::ShaderModule> {
         self.scoped("create_shader_module", || {
             self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -102,7 +103,7 @@ impl GpuContext {
         .map_err(|e| self.shader_error(name, "(module)", e))
     }
 
-    /// Builds a compute pipeline with an automatic layout; failures are [`Error::ShaderCompile`].
+    /// Builds a compute pipeline with an automatic layout; failures are [`GpuError::ShaderCompile`].
     pub fn build_pipeline(
         &self,
         name: &str,
@@ -129,15 +130,15 @@ impl GpuContext {
 
     fn shader_error(&self, shader: &str, entry: &str, e: Error) -> Error {
         let message = match e {
-            Error::GpuOp { message, .. } => message,
+            Error::Gpu(GpuError::Op { message, .. }) => message,
             other => other.to_string(),
         };
-        Error::ShaderCompile {
+        Error::Gpu(GpuError::ShaderCompile {
             adapter: self.adapter_name.clone(),
             shader: shader.to_string(),
             entry: entry.to_string(),
             message,
-        }
+        })
     }
 }
 

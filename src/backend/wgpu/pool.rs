@@ -4,6 +4,7 @@
 
 use crate::backend::wgpu::context::GpuContext;
 use crate::{Error, Result};
+use crate::error::GpuError;
 
 /// Chunks an attention kernel can bind at once (K and V each): the kernels read
 /// `k0`/`k1` and `v0`/`v1`.
@@ -30,21 +31,21 @@ pub fn plan_pool(
 ) -> Result<PoolPlan> {
     let block_bytes = (block_elems as u64).saturating_mul(4);
     let total = block_bytes.saturating_mul(num_blocks as u64);
-    let too_large = |limit: &'static str, max: u64| Error::GpuTooLarge {
+    let too_large = |limit: &'static str, max: u64| Error::Gpu(GpuError::TooLarge {
         adapter: adapter.to_string(),
         what: what.to_string(),
         requested: total,
         limit,
         max,
-    };
+    });
     if block_bytes > max_binding_bytes {
-        return Err(Error::GpuTooLarge {
+        return Err(GpuError::TooLarge {
             adapter: adapter.to_string(),
             what: format!("one block of {what}"),
             requested: block_bytes,
             limit: "max_storage_buffer_binding_size",
             max: max_binding_bytes,
-        });
+        }.into());
     }
     let blocks_per_chunk = match max_binding_bytes.checked_div(block_bytes) {
         Some(fit) => usize::try_from(fit).unwrap_or(usize::MAX).min(num_blocks).max(1),

@@ -5,6 +5,7 @@ use wgpu::util::DeviceExt;
 
 use crate::backend::wgpu::context::GpuContext;
 use crate::{Error, Result};
+use crate::error::{BackendError, GpuError};
 
 /// A row-major f32 matrix `[rows, cols]` on the device.
 ///
@@ -67,9 +68,9 @@ impl GpuTensor {
         self.len() == 0
     }
 
-    /// An [`Error::OpShape`] for this tensor as operand `what` of `op`.
+    /// An [`BackendError::OpShape`] for this tensor as operand `what` of `op`.
     pub(crate) fn shape_error(&self, op: &'static str, what: &'static str, expected: String) -> Error {
-        Error::OpShape { op, what, expected, found: self.shape().to_vec() }
+        BackendError::OpShape { op, what, expected, found: self.shape().to_vec() }.into()
     }
 
     /// Checks the tensor has `rows` rows.
@@ -96,13 +97,13 @@ impl GpuContext {
         // Zero-sized bindings are invalid: keep one element of room.
         let bytes = (len.max(1) as u64).saturating_mul(4);
         if bytes > self.max_binding_bytes {
-            return Err(Error::GpuTooLarge {
+            return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
                 what: what.to_string(),
                 requested: bytes,
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,
-            });
+            }.into());
         }
         Ok(bytes)
     }
@@ -111,12 +112,12 @@ impl GpuContext {
     pub fn upload(&self, data: &[f32], [rows, cols]: [usize; 2]) -> Result<GpuTensor> {
         let expected = rows.checked_mul(cols);
         if expected != Some(data.len()) {
-            return Err(Error::OpShape {
+            return Err(BackendError::OpShape {
                 op: "upload",
                 what: "data",
                 expected: format!("{rows} x {cols} elements"),
                 found: vec![data.len()],
-            });
+            }.into());
         }
         let row_bytes = (cols as u64).saturating_mul(4);
         if (data.len() as u64).saturating_mul(4) <= self.max_binding_bytes || row_bytes == 0 {
@@ -126,20 +127,20 @@ impl GpuContext {
         // Too large for one binding: blocks of as many whole rows as one binding holds.
         let part_rows = usize::try_from(self.max_binding_bytes / row_bytes).unwrap_or(usize::MAX);
         if part_rows == 0 {
-            return Err(Error::GpuTooLarge {
+            return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
                 what: format!("one row of a [{rows}, {cols}] tensor"),
                 requested: row_bytes,
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,
-            });
+            }.into());
         }
         let mut blocks = data
             .chunks(part_rows * cols)
             .map(|block| self.storage_from("tensor row block", block))
             .collect::<Result<Vec<_>>>()?
             .into_iter();
-        let first = blocks.next().ok_or_else(|| Error::GpuOp {
+        let first = blocks.next().ok_or_else(|| GpuError::Op {
             adapter: self.adapter_name.clone(),
             op: "upload",
             message: "a split tensor has no row block".into(),
@@ -147,17 +148,17 @@ impl GpuContext {
         Ok(GpuTensor { first, rest: blocks.collect(), part_rows, rows, cols })
     }
 
-    /// The one buffer of `tensor`, or [`Error::GpuTooLarge`] when it is split: `op`
+    /// The one buffer of `tensor`, or [`GpuError::TooLarge`] when it is split: `op`
     /// cannot take a tensor larger than one storage binding.
     pub(crate) fn whole<'t>(&self, tensor: &'t GpuTensor, op: &'static str) -> Result<&'t wgpu::Buffer> {
         if tensor.is_split() {
-            return Err(Error::GpuTooLarge {
+            return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
                 what: format!("{op} operand [{}, {}] (only matmul weights and embedding tables may span several bindings)", tensor.rows, tensor.cols),
                 requested: (tensor.len() as u64).saturating_mul(4),
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,
-            });
+            }.into());
         }
         Ok(&tensor.first)
     }
@@ -244,7 +245,7 @@ impl GpuContext {
             // The receiver lives until after the poll below; a send error cannot happen.
             let _ = sender.send(r);
         });
-        let gpu_error = |message: String| Error::GpuOp { adapter: self.adapter_name.clone(), op: "download", message };
+        let gpu_error = |message: String| Error::Gpu(GpuError::Op { adapter: self.adapter_name.clone(), op: "download", message });
         self.wait("download")?;
         receiver.recv().map_err(|e| gpu_error(e.to_string()))?.map_err(|e| gpu_error(e.to_string()))?;
         let data = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?.to_vec();
@@ -261,7 +262,7 @@ impl GpuContext {
         self.flush();
         match self.device.poll(wgpu::PollType::wait_indefinitely()) {
             Ok(_) => Ok(()),
-            Err(e) => Err(Error::GpuOp { adapter: self.adapter_name.clone(), op, message: e.to_string() }),
+            Err(e) => Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into()),
         }
     }
 
@@ -299,13 +300,13 @@ impl GpuContext {
         let x = groups.min(per_dim);
         let y = groups.div_ceil(x);
         if y > per_dim {
-            return Err(Error::GpuTooLarge {
+            return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
                 what: format!("{op} dispatch of {groups} workgroups"),
                 requested: groups,
                 limit: "max_compute_workgroups_per_dimension^2",
                 max: per_dim * per_dim,
-            });
+            }.into());
         }
         self.dispatch_xy(op, pipeline, bindings, (x as u32, y as u32))
     }

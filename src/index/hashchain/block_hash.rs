@@ -8,7 +8,8 @@
 use sha2::{Digest, Sha256};
 
 use super::cbor;
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::CacheError;
 
 /// The serialise-then-digest functions vLLM offers for prefix caching.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -188,7 +189,7 @@ impl BlockHasher {
     /// A hasher over blocks of `block_size` tokens; `block_size` must be positive.
     pub fn new(hash_fn: HashFn, block_size: usize, seed: &str) -> Result<Self> {
         if block_size == 0 {
-            return Err(Error::InvalidBlockSize { found: block_size });
+            return Err(CacheError::InvalidBlockSize { found: block_size }.into());
         }
         Ok(BlockHasher {
             hash_fn,
@@ -284,6 +285,7 @@ fn block_extra_keys<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
     #[test]
     fn none_hash_xxhash_matches_python_xxhash() {
@@ -296,7 +298,7 @@ mod tests {
     #[test]
     fn zero_block_size_is_rejected() {
         let err = BlockHasher::new(HashFn::Sha256Cbor, 0, "s").unwrap_err();
-        assert!(matches!(err, Error::InvalidBlockSize { found: 0 }));
+        assert!(matches!(err, Error::Cache(CacheError::InvalidBlockSize { found: 0 })));
     }
 
     /// Extra keys per block: an item overlapping two blocks appears in both,

@@ -15,7 +15,8 @@ use ndarray::{ArrayView3, ArrayViewD};
 use sha2::{Digest, Sha256, Sha512};
 
 use crate::canon::{Modality, TensorView};
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::RequestError;
 
 const TAG_SEQUENCE: u8 = 1;
 const TAG_MAPPING: u8 = 2;
@@ -119,11 +120,11 @@ fn serialize_kwargs(kwargs: &[(&str, Kwarg<'_>)], sink: Sink<'_>) -> Result<()> 
             Kwarg::Str(s) => framed(s.as_bytes(), sink),
             Kwarg::Media(MmMedia::PilRgb(pixels)) => {
                 if pixels.dim().2 != 3 {
-                    return Err(Error::MediaShape {
+                    return Err(RequestError::MediaShape {
                         what: "PIL RGB image",
                         expected: "H x W x 3".into(),
                         found: pixels.shape().to_vec(),
-                    });
+                    }.into());
                 }
                 framed(b"image", sink);
                 mapping_header(2, sink);
@@ -274,6 +275,7 @@ to_le_bytes!(u8 => 1, i32 => 4, i64 => 8, half::f16 => 2, f32 => 4);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use ndarray::{Array3, ArrayD, IxDyn, ShapeBuilder};
 
     /// Collects the framed byte stream instead of hashing it.
@@ -396,10 +398,10 @@ mod tests {
         let err = hash_mm_item("m", Modality::Image, MmMedia::PilRgb(a.view())).unwrap_err();
         assert!(matches!(
             err,
-            Error::MediaShape {
+            Error::Request(RequestError::MediaShape {
                 what: "PIL RGB image",
                 ..
-            }
+            })
         ));
     }
 }

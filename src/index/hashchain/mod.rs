@@ -24,7 +24,7 @@
 //! # use omniprefix::prompt::{CanonicalPrompt, IndexMap, Positions};
 //! # let tokens: Vec<u32> = (0..40).collect();
 //! # let prompt = CanonicalPrompt { tenant: 0, atoms: vec![], token_ids: tokens,
-//! #     items: vec![], index_map: IndexMap::default(), positions: Positions::Linear(vec![]) };
+//! #     items: vec![], index_map: IndexMap::default(), positions: Positions::linear(0) };
 //! let mut index = HashChainIndex::new(16).unwrap();
 //! assert_eq!(index.match_prefix(&prompt).tokens, 0);
 //! index.insert(&prompt, &[7, 8]).unwrap();
@@ -48,7 +48,8 @@ pub use mm_hasher::{Kwarg, MmHashAlgorithm, MmMedia, hash_kwargs, hash_mm_item};
 
 use super::{BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch};
 use crate::prompt::{CanonicalPrompt, TenantSalt};
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::{CacheError, Component, InvariantViolation};
 
 /// One cached block.
 #[derive(Debug, Clone)]
@@ -104,16 +105,16 @@ fn placeholders<'a>(
     mm_hashes: &'a [String],
 ) -> Result<Vec<MmPlaceholder<'a>>> {
     if mm_hashes.len() != prompt.items.len() {
-        return Err(Error::MmHashCount {
+        return Err(CacheError::MmHashCount {
             expected: prompt.items.len(),
             found: mm_hashes.len(),
-        });
+        }.into());
     }
     let mut ranges: Vec<Option<(usize, usize)>> = vec![None; prompt.items.len()];
     for (i, span) in prompt.index_map.spans.iter().enumerate() {
         let slot = ranges
             .get_mut(span.item as usize)
-            .ok_or(Error::SpanItemOutOfRange {
+            .ok_or(CacheError::SpanItemOutOfRange {
                 span: i,
                 item: span.item,
                 items: prompt.items.len(),
@@ -210,10 +211,10 @@ impl HashChainIndex {
     ) -> Result<InsertOutcome> {
         let full = prompt.len() / self.hasher.block_size();
         if blocks.len() > full {
-            return Err(Error::BlocksExceedPrompt {
+            return Err(CacheError::BlocksExceedPrompt {
                 blocks: blocks.len(),
                 full_blocks: full,
-            });
+            }.into());
         }
         let hashes = self.block_hashes_upto(prompt, mm_hashes, blocks.len())?;
         self.adopt(&hashes, blocks)
@@ -257,10 +258,10 @@ impl HashChainIndex {
         let mut seen = BTreeSet::new();
         for (h, &b) in hashes.iter().zip(blocks) {
             if !seen.insert(b) {
-                return Err(Error::BlockAlreadyCached { block: b });
+                return Err(CacheError::BlockAlreadyCached { block: b }.into());
             }
             if self.by_block.get(&b).is_some_and(|owner| owner != h) {
-                return Err(Error::BlockAlreadyCached { block: b });
+                return Err(CacheError::BlockAlreadyCached { block: b }.into());
             }
         }
         self.clock += 1;
@@ -399,7 +400,14 @@ impl PrefixIndex for HashChainIndex {
         }
     }
 
-    fn validate(&self) -> std::result::Result<(), String> {
+    fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        self.broken_invariant().map_err(|what| Component::HashChainIndex.violation(what))
+    }
+}
+
+impl HashChainIndex {
+    /// The first broken invariant of [`PrefixIndex::validate`], in words.
+    fn broken_invariant(&self) -> std::result::Result<(), String> {
         if self.entries.len() != self.by_block.len() {
             return Err(format!(
                 "{} entries but {} block ids",

@@ -9,6 +9,7 @@ use rand_chacha::ChaCha8Rng;
 use super::*;
 use crate::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 use crate::prompt::{IndexMap, ItemSpan, Positions};
+use crate::error::{CacheError, Error};
 
 const BS: usize = 4;
 
@@ -19,7 +20,7 @@ fn text_prompt(tenant: TenantSalt, tokens: &[u32]) -> CanonicalPrompt {
         token_ids: tokens.to_vec(),
         items: vec![],
         index_map: IndexMap::default(),
-        positions: Positions::Linear((0..tokens.len() as i64).collect()),
+        positions: Positions::linear(tokens.len()),
     }
 }
 
@@ -123,18 +124,18 @@ fn bad_inserts_are_typed_errors_without_state_change() {
     let err = ix.insert(&p, &[1, 2, 3]).unwrap_err();
     assert!(matches!(
         err,
-        Error::BlocksExceedPrompt {
+        Error::Cache(CacheError::BlocksExceedPrompt {
             blocks: 3,
             full_blocks: 2
-        }
+        })
     ));
     let err = ix.insert(&p, &[4, 4]).unwrap_err();
-    assert!(matches!(err, Error::BlockAlreadyCached { block: 4 }));
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 4 })));
     ix.insert(&p, &[1]).unwrap();
     // Block 1 already holds other content.
     let q = text_prompt(0, &(50..59).collect::<Vec<_>>());
     let err = ix.insert(&q, &[3, 1]).unwrap_err();
-    assert!(matches!(err, Error::BlockAlreadyCached { block: 1 }));
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 1 })));
     assert_eq!(ix.stats().cached_blocks, 1);
     assert!(ix.match_prefix(&q).blocks.is_empty());
     ok(&ix);
@@ -143,21 +144,21 @@ fn bad_inserts_are_typed_errors_without_state_change() {
     let err = ix.insert(&bad, &[8]).unwrap_err();
     assert!(matches!(
         err,
-        Error::SpanItemOutOfRange {
+        Error::Cache(CacheError::SpanItemOutOfRange {
             span: 0,
             item: 3,
             items: 1
-        }
+        })
     ));
     let err = ix
         .match_with_mm_hashes(&mm_prompt(1, 12, 2, 4), &[])
         .unwrap_err();
     assert!(matches!(
         err,
-        Error::MmHashCount {
+        Error::Cache(CacheError::MmHashCount {
             expected: 1,
             found: 0
-        }
+        })
     ));
     assert_eq!(ix.stats().cached_blocks, 1);
     ok(&ix);

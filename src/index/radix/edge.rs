@@ -213,14 +213,6 @@ pub(super) struct Cursor<'a> {
     off: usize,
 }
 
-/// Tokens an atom covers (an inverted row range covers none).
-pub(super) fn atom_len(atom: &Atom) -> usize {
-    match atom {
-        Atom::Text(t) => t.len(),
-        Atom::Item { rows, .. } => rows.len(),
-    }
-}
-
 impl<'a> Cursor<'a> {
     pub(super) fn new(atoms: &'a [Atom]) -> Self {
         Cursor { atoms, idx: 0, off: 0 }
@@ -229,7 +221,7 @@ impl<'a> Cursor<'a> {
     /// The atom under the cursor and the offset inside it, skipping empty atoms.
     fn current(&mut self) -> Option<(&'a Atom, usize)> {
         while let Some(atom) = self.atoms.get(self.idx) {
-            if self.off < atom_len(atom) {
+            if self.off < atom.len() {
                 return Some((atom, self.off));
             }
             self.idx += 1;
@@ -251,7 +243,7 @@ impl<'a> Cursor<'a> {
     pub(super) fn advance(&mut self, mut n: usize) {
         while n > 0 {
             let Some((atom, off)) = self.current() else { return };
-            let step = (atom_len(atom) - off).min(n);
+            let step = (atom.len() - off).min(n);
             self.off += step;
             n -= step;
         }
@@ -262,7 +254,7 @@ impl<'a> Cursor<'a> {
         let mut edge = Edge::default();
         while n > 0 {
             let Some((atom, off)) = self.current() else { break };
-            let step = (atom_len(atom) - off).min(n);
+            let step = (atom.len() - off).min(n);
             edge.push(match atom {
                 Atom::Text(t) => Seg::Text(t[off..off + step].to_vec()),
                 Atom::Item { id, rows } => Seg::Item {
@@ -323,7 +315,7 @@ mod tests {
     }
 
     fn label(atoms: &[Atom]) -> Edge {
-        let total = atoms.iter().map(atom_len).sum();
+        let total = atoms.iter().map(Atom::len).sum();
         Cursor::new(atoms).take_edge(total)
     }
 

@@ -38,13 +38,13 @@ use std::collections::BTreeSet;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::error::Error;
+use crate::error::{CacheError, Component, InvariantViolation, RequestError};
 use crate::index::{BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch};
 use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 use crate::Result;
 
 use arena::{Arena, NodeId};
-use edge::{atom_len, Cursor, Edge, Head, Validator};
+use edge::{Cursor, Edge, Head, Validator};
 use pin::Pin;
 
 /// Settings of a [`RadixIndex`].
@@ -119,7 +119,7 @@ struct Walk {
 /// let prompt = |ids: Vec<u32>| CanonicalPrompt {
 ///     tenant: 0,
 ///     atoms: vec![Atom::Text(ids.clone())],
-///     positions: Positions::Linear((0..ids.len() as i64).collect()),
+///     positions: Positions::linear(ids.len()),
 ///     token_ids: ids,
 ///     items: vec![],
 ///     index_map: IndexMap::default(),
@@ -149,7 +149,7 @@ impl RadixIndex {
     /// An empty index; `block_size` must be at least 1.
     pub fn new(config: RadixConfig) -> Result<Self> {
         if config.block_size == 0 {
-            return Err(Error::InvalidBlockSize { found: 0 });
+            return Err(CacheError::InvalidBlockSize { found: 0 }.into());
         }
         Ok(RadixIndex {
             config,
@@ -288,17 +288,17 @@ impl RadixIndex {
     /// positions are new, and which ids are duplicates of cached content.
     fn plan_insert(&self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<(Walk, Vec<BlockId>)> {
         let bs = self.config.block_size;
-        let atoms: usize = prompt.atoms.iter().map(atom_len).sum();
+        let atoms: usize = prompt.atoms.iter().map(Atom::len).sum();
         if atoms != prompt.len() {
-            return Err(Error::AtomsLengthMismatch { atoms, tokens: prompt.len() });
+            return Err(RequestError::AtomsLengthMismatch { atoms, tokens: prompt.len() }.into());
         }
         if blocks.len() > atoms / bs {
-            return Err(Error::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs });
+            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs }.into());
         }
         let total = blocks.len() * bs;
         let mut given: FxHashSet<BlockId> = FxHashSet::default();
         if let Some(&block) = blocks.iter().find(|&&b| !given.insert(b)) {
-            return Err(Error::BlockAlreadyCached { block });
+            return Err(CacheError::BlockAlreadyCached { block }.into());
         }
         let walk = match self.roots.get(&prompt.tenant) {
             Some(&root) => {
@@ -315,7 +315,7 @@ impl RadixIndex {
             .collect();
         for (position, &block) in blocks.iter().enumerate() {
             if self.owned.contains(&block) && cached.get(position) != Some(&block) {
-                return Err(Error::BlockAlreadyCached { block });
+                return Err(CacheError::BlockAlreadyCached { block }.into());
             }
         }
         Ok((walk, cached))
@@ -388,7 +388,7 @@ impl PrefixIndex for RadixIndex {
         self.stats.queries += 1;
         self.stats.query_tokens += prompt.len() as u64;
         let Some(&root) = self.roots.get(&prompt.tenant) else { return PrefixMatch::default() };
-        let limit = prompt.atoms.iter().map(atom_len).sum();
+        let limit = prompt.atoms.iter().map(Atom::len).sum();
         let mut v = Validator::default();
         let Walk { mut path, matched } = self.walk(root, &prompt.atoms, limit, &mut v);
         self.stats.validation_failures += v.failures;
@@ -555,7 +555,7 @@ impl PrefixIndex for RadixIndex {
         }
     }
 
-    fn validate(&self) -> std::result::Result<(), String> {
-        check::check(self)
+    fn validate(&self) -> std::result::Result<(), InvariantViolation> {
+        check::check(self).map_err(|what| Component::RadixIndex.violation(what))
     }
 }

@@ -8,7 +8,8 @@ use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{AttnHeads, AttnSeq};
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::{BackendError, GpuError};
 
 const OP: &str = "paged_attention";
 /// Head dims up to this are supported (the kernels keep 4 dims per invocation of 64).
@@ -50,43 +51,43 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
     let pool = kv.k;
     let kv_width = heads.kv_heads * heads.head_dim;
     if heads.kv_heads == 0 || !heads.num_heads.is_multiple_of(heads.kv_heads) || kv_width != pool.slot_elems {
-        return Err(Error::OpShape {
+        return Err(BackendError::OpShape {
             op: OP,
             what: "heads (num_heads, kv_heads, head_dim)",
             expected: format!("kv_heads dividing num_heads, kv_heads * head_dim = {}", pool.slot_elems),
             found: vec![heads.num_heads, heads.kv_heads, heads.head_dim],
-        });
+        }.into());
     }
     if heads.head_dim == 0 || heads.head_dim > MAX_HEAD_DIM {
-        return Err(Error::GpuUnsupported { what: "head_dim", value: heads.head_dim, supported: "1..=256" });
+        return Err(GpuError::Unsupported { what: "head_dim", value: heads.head_dim, supported: "1..=256" }.into());
     }
     let group = heads.num_heads / heads.kv_heads;
     if group > MAX_GQA_GROUP {
-        return Err(Error::GpuUnsupported { what: "num_heads / kv_heads", value: group, supported: "1..=8" });
+        return Err(GpuError::Unsupported { what: "num_heads / kv_heads", value: group, supported: "1..=8" }.into());
     }
     q.expect_cols(OP, "q", heads.num_heads * heads.head_dim)?;
     for seq in seqs {
         let end = seq.query_start.checked_add(seq.num_new).filter(|&e| e <= q.rows);
         if end.is_none() {
             let index = seq.query_start.saturating_add(seq.num_new) as i64;
-            return Err(Error::OpIndex { op: OP, what: "query end", index, bound: q.rows + 1 });
+            return Err(BackendError::OpIndex { op: OP, what: "query end", index, bound: q.rows + 1 }.into());
         }
         let len = seq.num_computed.saturating_add(seq.num_new);
         if u32::try_from(len).is_err() {
-            return Err(Error::OpIndex { op: OP, what: "position", index: len as i64, bound: u32::MAX as usize });
+            return Err(BackendError::OpIndex { op: OP, what: "position", index: len as i64, bound: u32::MAX as usize }.into());
         }
         let needed = len.div_ceil(pool.block_size);
         let Some(table) = seq.block_table.get(..needed) else {
             let bound = seq.block_table.len() * pool.block_size;
-            return Err(Error::OpIndex {
+            return Err(BackendError::OpIndex {
                 op: OP,
                 what: "position (block table too short)",
                 index: len as i64 - 1,
                 bound,
-            });
+            }.into());
         };
         if let Some(&b) = table.iter().find(|&&b| b as usize >= pool.num_blocks) {
-            return Err(Error::OpIndex { op: OP, what: "block", index: b.into(), bound: pool.num_blocks });
+            return Err(BackendError::OpIndex { op: OP, what: "block", index: b.into(), bound: pool.num_blocks }.into());
         }
     }
     Ok(())
@@ -155,15 +156,15 @@ impl GpuContext {
     ) -> Result<GpuTensor> {
         validate(q, kv, heads, seqs)?;
         if let Some(seq) = seqs.iter().find(|s| s.num_new != 1) {
-            return Err(Error::OpShape {
+            return Err(BackendError::OpShape {
                 op: "paged_decode_attention",
                 what: "num_new",
                 expected: "1".into(),
                 found: vec![seq.num_new],
-            });
+            }.into());
         }
         if split_len == 0 || u32::try_from(split_len).is_err() {
-            return Err(Error::GpuUnsupported { what: "split_len", value: split_len, supported: "1..2^32" });
+            return Err(GpuError::Unsupported { what: "split_len", value: split_len, supported: "1..2^32" }.into());
         }
         let out = self.zeros(q.shape())?;
         self.run_decode(q, kv, heads, &seqs.iter().collect::<Vec<_>>(), split_len, &out)?;

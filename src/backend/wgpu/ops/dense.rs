@@ -90,19 +90,19 @@ impl GpuContext {
         self.dispatch_xy("matmul_t", &pipeline, &bindings, groups)
     }
 
-    /// A 2-D workgroup grid, or [`crate::Error::GpuTooLarge`] naming `what` when a side
+    /// A 2-D workgroup grid, or [`GpuError::TooLarge`](crate::error::GpuError::TooLarge) naming `what` when a side
     /// exceeds the adapter's workgroups per dimension.
     pub(crate) fn tile_grid(&self, x: usize, y: usize, what: impl FnOnce() -> String) -> Result<(u32, u32)> {
         let max = self.limits.max_compute_workgroups_per_dimension;
         match (u32::try_from(x), u32::try_from(y)) {
             (Ok(gx), Ok(gy)) if gx <= max && gy <= max => Ok((gx, gy)),
-            _ => Err(crate::Error::GpuTooLarge {
+            _ => Err(crate::error::GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
                 what: what(),
                 requested: x.max(y) as u64,
                 limit: "max_compute_workgroups_per_dimension",
                 max: max.into(),
-            }),
+            }.into()),
         }
     }
 

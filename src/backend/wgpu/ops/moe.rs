@@ -9,7 +9,8 @@ use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::ops::dense::{MATMUL_TILE, MatmulParams};
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::BackendError;
 
 const OP: &str = "moe";
 const ROUTER_WG: u64 = 64;
@@ -54,7 +55,7 @@ struct ExpertLists {
 fn intermediate_size(x: &GpuTensor, w: &MoeWeights<GpuTensor>) -> Result<usize> {
     let (e, hidden) = (w.num_experts, x.cols);
     if w.top_k == 0 || w.top_k > e {
-        return Err(Error::OpShape { op: OP, what: "top_k", expected: format!("1..={e}"), found: vec![w.top_k] });
+        return Err(BackendError::OpShape { op: OP, what: "top_k", expected: format!("1..={e}"), found: vec![w.top_k] }.into());
     }
     if w.router.rows != e {
         return Err(w.router.shape_error(OP, "router", format!("[{e}, {hidden}]")));
@@ -76,12 +77,12 @@ impl GpuContext {
     /// token (ties to the lower id), optionally renormalised to sum to one.
     pub fn router_topk(&self, logits: &GpuTensor, top_k: usize, renormalize: bool) -> Result<Routing> {
         if top_k == 0 || top_k > logits.cols {
-            return Err(Error::OpShape {
+            return Err(BackendError::OpShape {
                 op: "router_topk",
                 what: "top_k",
                 expected: format!("1..={}", logits.cols),
                 found: vec![top_k],
-            });
+            }.into());
         }
         let weights = self.zeros([logits.rows, top_k])?;
         let ids = self.zeros([logits.rows, top_k])?; // u32 bits in an f32-sized buffer

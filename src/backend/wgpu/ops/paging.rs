@@ -9,8 +9,9 @@ use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::index::BlockId;
+use crate::kv::BlockId;
 use crate::{Error, Result};
+use crate::error::BackendError;
 
 const ROWS_WG: u64 = 256;
 const COPY_WG: u64 = 256;
@@ -75,7 +76,7 @@ pub(crate) fn checked_slots(op: &'static str, slots: &[i64], num_slots: usize) -
                 .ok()
                 .filter(|&u| u < num_slots)
                 .and_then(|u| i32::try_from(u).ok())
-                .ok_or(Error::OpIndex { op, what: "slot", index: s, bound: num_slots })
+                .ok_or(Error::Backend(BackendError::OpIndex { op, what: "slot", index: s, bound: num_slots }))
         })
         .collect()
 }

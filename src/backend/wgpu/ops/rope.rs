@@ -6,7 +6,8 @@ use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{RopeKind, RopePositions, RopeSpec};
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::BackendError;
 
 const ROPE_WG: u64 = 256;
 
@@ -41,15 +42,15 @@ impl GpuContext {
         let mut positions = Vec::with_capacity(3 * x.rows);
         for (what, axis) in [("positions.t", pos.t), ("positions.h", pos.h), ("positions.w", pos.w)] {
             if axis.len() != x.rows {
-                return Err(Error::OpShape {
+                return Err(BackendError::OpShape {
                     op: "rope",
                     what,
                     expected: format!("[{}]", x.rows),
                     found: vec![axis.len()],
-                });
+                }.into());
             }
             for &p in axis {
-                let p32 = i32::try_from(p).map_err(|_| Error::OpIndex {
+                let p32 = i32::try_from(p).map_err(|_| BackendError::OpIndex {
                     op: "rope",
                     what,
                     index: p,

@@ -5,7 +5,8 @@ use bytemuck::{Pod, Zeroable};
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::{Error, Result};
+use crate::Result;
+use crate::error::BackendError;
 
 const ROWS_WG: u64 = 256;
 
@@ -21,7 +22,7 @@ struct DenseRowParams {
 /// Checks every index lies in `0..bound`.
 fn check_indices(op: &'static str, what: &'static str, indices: &[u32], bound: usize) -> Result<()> {
     match indices.iter().find(|&&i| i as usize >= bound) {
-        Some(&i) => Err(Error::OpIndex { op, what, index: i.into(), bound }),
+        Some(&i) => Err(BackendError::OpIndex { op, what, index: i.into(), bound }.into()),
         None => Ok(()),
     }
 }

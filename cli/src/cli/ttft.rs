@@ -1,0 +1,134 @@
+//! `omniprefix bench ttft`: time to first token, cached vs uncached (see [`crate::ttft`]).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+
+use omniprefix::backend::Backend;
+use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
+use omniprefix::engine::tokens_from_config_file;
+use omniprefix::error::Error;
+use crate::error::{HarnessError, Result, output};
+use omniprefix::model::Thinker;
+use crate::ttft::{CaptureReport, TtftOptions, TtftReport, bench_model, run_all};
+
+/// Arguments of `omniprefix bench ttft`.
+#[derive(Debug, Clone, Args)]
+pub struct TtftArgs {
+    /// Checkpoint folder; default: the embedded random Qwen3-shaped model (see `docs/benchmarks.md`, "TTFT benchmark").
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Shared-prefix length (default: fixtures/scenarios.json, 256).
+    #[arg(long)]
+    pub prefix: Option<usize>,
+    /// Suffix length (default: fixtures/scenarios.json, 256).
+    #[arg(long)]
+    pub suffix: Option<usize>,
+    /// Prefix length of the long variant.
+    #[arg(long, default_value_t = 2048)]
+    pub long_prefix: usize,
+    /// CPU threads for the forward (default: all).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Where the model runs: `cpu`, `wgpu` (an error without an adapter) or `auto`.
+    #[arg(long, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    /// Timed runs per figure (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Divide multi_round's image/video grid sides (and audio length by its square) by this.
+    #[arg(long, default_value_t = 4)]
+    pub mm_scale: u32,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Seed of the random ids, media and (embedded model) weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs the benchmark and prints one line per workload.
+pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
+    let mut pool = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = args.threads {
+        pool = pool.num_threads(n);
+    }
+    let threads = args.threads.unwrap_or_else(rayon::current_num_threads);
+    let pool = pool.build().map_err(|source| Error::ThreadPool { purpose: "bench ttft", threads, source })?;
+    let options = TtftOptions {
+        prefix: args.prefix,
+        suffix: args.suffix,
+        long_prefix: args.long_prefix,
+        runs: args.runs,
+        mm_scale: args.mm_scale,
+        block_size: args.block_size,
+        seed: args.seed,
+    };
+    let selection = select(args.backend)?;
+    let (reports, capture) = pool.install(|| match selection.backend {
+        SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
+        SelectedBackend::Wgpu(gpu) => measure(Arc::new(gpu), args, &options),
+    })?;
+    if !args.json {
+        writeln!(out, "backend: {}", selection.reason).map_err(output)?;
+    }
+    if args.json {
+        for r in &reports {
+            writeln!(out, "{}", to_json(r)?).map_err(output)?;
+        }
+        writeln!(out, "{}", to_json(&capture)?).map_err(output)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6}",
+        "workload", "prefix", "suffix", "uncached", "cached", "hit", "ideal", "flops", "ratio", "r/ide"
+    )
+        .map_err(output)?;
+    for r in &reports {
+        writeln!(
+            out,
+            "{:<26} {:>6} {:>6} {:>8.1}ms {:>8.1}ms {:>7} {:>6.3} {:>6.3} {:>6.3} {:>6.2}",
+            r.workload,
+            r.prefix,
+            r.suffix,
+            r.ttft_uncached_ms,
+            r.ttft_cached_ms,
+            r.cached_tokens,
+            r.ideal_ratio,
+            r.flop_ratio,
+            r.ratio,
+            r.ratio_over_ideal
+        )
+        .map_err(output)?;
+    }
+    writeln!(
+        out,
+        "capture_overhead ({} tokens, {} points): {:.1} ms vs {:.1} ms without = {:+.1} %",
+        capture.prompt_tokens,
+        capture.captured,
+        capture.ttft_capture_ms,
+        capture.ttft_no_capture_ms,
+        capture.capture_overhead * 100.0
+    )
+    .map_err(output)
+}
+
+/// Loads the model on `backend` and runs every workload.
+fn measure<B: Backend>(backend: Arc<B>, args: &TtftArgs, options: &TtftOptions) -> Result<(Vec<TtftReport>, CaptureReport)> {
+    let (thinker, tokens) = match &args.model {
+        Some(dir) => (Thinker::from_dir(&*backend, dir)?, tokens_from_config_file(&dir.join("config.json"))?),
+        None => (Thinker::random(&*backend, bench_model(), args.seed)?, None),
+    };
+    run_all(backend, Arc::new(thinker), tokens, options)
+}
+
+/// One report as one JSON line.
+fn to_json<T: serde::Serialize>(report: &T) -> Result<String> {
+    serde_json::to_string(report).map_err(|source| HarnessError::Report { what: "a ttft report".into(), source })
+}

@@ -1,0 +1,17 @@
+//! # omniprefix-cli
+//!
+//! The harnesses around the [`omniprefix`] engine: the `omniprefix` command
+//! line, the demo, `bench match` / `bench ttft` / `bench soak`, and the seeded
+//! workload generators they share. None of this is the engine's API: a thinker
+//! stage depends on `omniprefix` alone.
+
+pub mod cli;
+pub mod bench;
+pub mod demo;
+pub mod error;
+pub mod scenarios;
+pub mod soak;
+pub mod ttft;
+pub mod workloads;
+
+pub use error::{HarnessError, Result};

@@ -1,0 +1,516 @@
+//! Seeded match workloads with the real Qwen3-Omni shapes.
+//!
+//! Shapes, layouts and prompts come from the embedded fixtures
+//! (`fixtures/qwen3_omni.json`, `fixtures/scenarios.json`); media content is
+//! seeded noise of exactly the RAW form vLLM hashes (f32 16 kHz waveform,
+//! HWC u8 image, THWC u8 frames). [`MediaScale::Tiny`] keeps every layout and
+//! token count but shrinks the tensors, for tests and smoke runs.
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use ndarray::{Array1, Array3, Array4};
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
+use crate::error::{HarnessError, Result};
+use omniprefix::index::hashchain::MmMedia;
+use omniprefix::preprocess::RawRequest;
+use omniprefix::prompt::OmniTokens;
+use crate::scenarios::{SCENARIOS_FILE, Scenarios, parse};
+
+const OMNI_FILE: &str = "fixtures/qwen3_omni.json";
+const OMNI_JSON: &str = include_str!("../../fixtures/qwen3_omni.json");
+
+/// Seconds of video per temporal grid step of the video item.
+pub const VIDEO_SECONDS_PER_GRID: f32 = 2.0;
+/// Plain-text ids are drawn below this (Qwen's BPE ranks; specials start here).
+pub const TEXT_VOCAB: u32 = 151_643;
+/// Share of a text workload's measured request that its warm-up request also has.
+pub const TEXT_SHARED_FRACTION: f64 = 0.9;
+
+/// The workloads of `bench match`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WorkloadName {
+    /// Audio + image + video + question (vllm-omni's mixed-modalities query, 8546 tokens).
+    Mixed,
+    /// The mixed prompt's framing with the image alone.
+    Image,
+    /// The mixed prompt's framing with the audio alone.
+    Audio,
+    /// The mixed prompt's framing with the video alone.
+    Video,
+    /// 1024 random text ids; the warm-up request shares the first 90 %.
+    Text1k,
+    /// 8192 random text ids; the warm-up request shares the first 90 %.
+    Text8k,
+    /// 32768 random text ids; the warm-up request shares the first 90 %.
+    Text32k,
+    /// Round 4 of the 4-round conversation, after rounds 1-3 warmed the index.
+    MultiRound,
+}
+
+impl WorkloadName {
+    /// Every workload, in report order.
+    pub const ALL: [WorkloadName; 8] = [
+        WorkloadName::Mixed,
+        WorkloadName::Image,
+        WorkloadName::Audio,
+        WorkloadName::Video,
+        WorkloadName::Text1k,
+        WorkloadName::Text8k,
+        WorkloadName::Text32k,
+        WorkloadName::MultiRound,
+    ];
+
+    /// The name on the command line and in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkloadName::Mixed => "mixed",
+            WorkloadName::Image => "image",
+            WorkloadName::Audio => "audio",
+            WorkloadName::Video => "video",
+            WorkloadName::Text1k => "text1k",
+            WorkloadName::Text8k => "text8k",
+            WorkloadName::Text32k => "text32k",
+            WorkloadName::MultiRound => "multi_round",
+        }
+    }
+
+    /// `all` or one workload name.
+    ///
+    /// ```
+    /// use omniprefix_cli::workloads::WorkloadName;
+    /// assert_eq!(WorkloadName::select("text32k")?, vec![WorkloadName::Text32k]);
+    /// assert_eq!(WorkloadName::select("all")?.len(), 8);
+    /// assert!(WorkloadName::select("txt").is_err());
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
+    /// ```
+    pub fn select(name: &str) -> Result<Vec<WorkloadName>> {
+        if name == "all" {
+            return Ok(Self::ALL.to_vec());
+        }
+        Ok(vec![name.parse()?])
+    }
+
+    fn text_len(self) -> Option<usize> {
+        match self {
+            WorkloadName::Text1k => Some(1 << 10),
+            WorkloadName::Text8k => Some(8 << 10),
+            WorkloadName::Text32k => Some(32 << 10),
+            _ => None,
+        }
+    }
+}
+
+impl FromStr for WorkloadName {
+    type Err = HarnessError;
+
+    fn from_str(name: &str) -> Result<Self> {
+        by_name(name, &Self::ALL, Self::as_str)
+    }
+}
+
+/// The one of `all` whose `as_str` is `name`; the error lists every known name (and `all`,
+/// which the `select` functions take).
+pub(crate) fn by_name<T: Copy>(name: &str, all: &[T], as_str: fn(T) -> &'static str) -> Result<T> {
+    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| HarnessError::UnknownWorkload {
+        name: name.to_string(),
+        known: all.iter().map(|&w| as_str(w)).collect::<Vec<_>>().join(", ") + ", all",
+    })
+}
+
+/// How large the generated media tensors are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MediaScale {
+    /// The real raw shapes: 720x1280x3 image, 480000 samples, 20x720x1280x3 frames (60 MB).
+    #[default]
+    Full,
+    /// Same layouts and token counts, tensors of a few hundred bytes.
+    Tiny,
+}
+
+/// The shapes the workloads need from `fixtures/qwen3_omni.json`.
+#[derive(Debug, Clone, Deserialize)]
+struct OmniFixture {
+    items: FixtureItems,
+    mixed: FixtureMixed,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct FixtureItems {
+    image: FixtureItem,
+    audio: FixtureItem,
+    video: FixtureItem,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct FixtureItem {
+    raw_input_hashed_by_vllm: RawInput,
+    processed: Processed,
+    num_placeholder_tokens: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct RawInput {
+    shape: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Processed {
+    image_grid_thw: Option<[u32; 3]>,
+    video_grid_thw: Option<[u32; 3]>,
+    mel_frames: Option<u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct FixtureMixed {
+    token_ids_unexpanded: Vec<u32>,
+    num_prompt_tokens_total: usize,
+}
+
+fn fixture_error(problem: impl Into<String>) -> HarnessError {
+    HarnessError::Fixture { file: OMNI_FILE, problem: problem.into() }
+}
+
+/// Layouts of the three Qwen3-Omni items and the mixed prompt's size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OmniShapes {
+    /// Image grid (1, 44, 80): 880 tokens.
+    pub image: ItemLayout,
+    /// 3000 mel frames: 390 tokens.
+    pub audio: ItemLayout,
+    /// Video grid (10, 40, 72) at [`VIDEO_SECONDS_PER_GRID`]: 7200 tokens.
+    pub video: ItemLayout,
+    /// Raw shapes vLLM hashes: HWC image, waveform samples, THWC frames.
+    pub image_raw: [usize; 3],
+    pub audio_raw: [usize; 1],
+    pub video_raw: [usize; 4],
+    /// Unexpanded ids of the mixed prompt (one pad per item).
+    pub mixed_ids: Vec<u32>,
+    /// Expanded length of the mixed prompt (8546).
+    pub mixed_tokens: usize,
+}
+
+impl OmniShapes {
+    /// Parses the embedded `fixtures/qwen3_omni.json` and checks that each
+    /// layout's token count is the fixture's.
+    pub fn load() -> Result<Self> {
+        let f: OmniFixture = parse(OMNI_FILE, OMNI_JSON)?;
+        let image = ItemLayout::Image {
+            grid_thw: f.items.image.processed.image_grid_thw.ok_or_else(|| fixture_error("no image_grid_thw"))?,
+        };
+        let video = ItemLayout::Video {
+            grid_thw: f.items.video.processed.video_grid_thw.ok_or_else(|| fixture_error("no video_grid_thw"))?,
+            seconds_per_grid: VIDEO_SECONDS_PER_GRID,
+        };
+        let audio = ItemLayout::Audio {
+            mel_frames: f.items.audio.processed.mel_frames.ok_or_else(|| fixture_error("no mel_frames"))?,
+        };
+        for (layout, item) in [(&image, &f.items.image), (&audio, &f.items.audio), (&video, &f.items.video)] {
+            if layout.num_tokens() != item.num_placeholder_tokens {
+                return Err(fixture_error(format!(
+                    "{layout:?} gives {} tokens, the fixture says {}",
+                    layout.num_tokens(),
+                    item.num_placeholder_tokens
+                )));
+            }
+        }
+        let shape = |item: &FixtureItem| item.raw_input_hashed_by_vllm.shape.clone();
+        Ok(OmniShapes {
+            image,
+            audio,
+            video,
+            image_raw: shape(&f.items.image).try_into().map_err(|s| fixture_error(format!("image shape {s:?}")))?,
+            audio_raw: shape(&f.items.audio).try_into().map_err(|s| fixture_error(format!("audio shape {s:?}")))?,
+            video_raw: shape(&f.items.video).try_into().map_err(|s| fixture_error(format!("video shape {s:?}")))?,
+            mixed_ids: f.mixed.token_ids_unexpanded,
+            mixed_tokens: f.mixed.num_prompt_tokens_total,
+        })
+    }
+
+    /// The layout of the item of `modality`.
+    pub fn layout(&self, modality: Modality) -> ItemLayout {
+        match modality {
+            Modality::Image => self.image,
+            Modality::Audio => self.audio,
+            Modality::Video => self.video,
+        }
+    }
+}
+
+/// One raw item per modality, seeded noise in the raw form vLLM hashes.
+#[derive(Debug, Clone)]
+pub struct Media {
+    pub shapes: OmniShapes,
+    /// HWC u8 pixels.
+    pub image: Array3<u8>,
+    /// f32 16 kHz samples in [-1, 1).
+    pub audio: Array1<f32>,
+    /// THWC u8 frames.
+    pub video: Array4<u8>,
+}
+
+impl Media {
+    /// Generates the three items at `scale` from `seed`.
+    pub fn generate(scale: MediaScale, seed: u64) -> Result<Self> {
+        let shapes = OmniShapes::load()?;
+        let (image, audio, video) = match scale {
+            MediaScale::Full => (shapes.image_raw, shapes.audio_raw, shapes.video_raw),
+            MediaScale::Tiny => ([8, 8, 3], [160], [2, 8, 8, 3]),
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut noise = |len: usize| {
+            let mut bytes = vec![0u8; len];
+            rng.fill_bytes(&mut bytes);
+            bytes
+        };
+        let image = Array3::from_shape_vec(image, noise(image.iter().product())).map_err(shape_error)?;
+        let video = Array4::from_shape_vec(video, noise(video.iter().product())).map_err(shape_error)?;
+        let audio = Array1::from_iter((0..audio[0]).map(|_| f32::from(rng.random::<i16>()) / 32768.0));
+        Ok(Media { shapes, image, audio, video })
+    }
+
+    /// The item of `modality` as the preprocessor takes it.
+    pub fn spec(&self, modality: Modality) -> ItemSpec<'_> {
+        let view = match modality {
+            Modality::Image => TensorView::U8(self.image.view().into_dyn()),
+            Modality::Audio => TensorView::F32(self.audio.view().into_dyn()),
+            Modality::Video => TensorView::U8(self.video.view().into_dyn()),
+        };
+        ItemSpec {
+            modality,
+            layout: self.shapes.layout(modality),
+            content: ItemContent::Tensor(view),
+            params: Default::default(),
+        }
+    }
+
+    /// The item of `modality` as vLLM's multimodal hasher receives it
+    /// (a PIL RGB image, numpy waveform and frames).
+    pub fn vllm_media(&self, modality: Modality) -> MmMedia<'_> {
+        match modality {
+            Modality::Image => MmMedia::PilRgb(self.image.view()),
+            Modality::Audio => MmMedia::Array(TensorView::F32(self.audio.view().into_dyn())),
+            Modality::Video => MmMedia::Array(TensorView::U8(self.video.view().into_dyn())),
+        }
+    }
+
+    /// The raw bytes of the item of `modality` (all arrays are standard layout).
+    pub fn bytes(&self, modality: Modality) -> &[u8] {
+        let bytes = match modality {
+            Modality::Image => self.image.as_slice().map(bytemuck::cast_slice),
+            Modality::Audio => self.audio.as_slice().map(bytemuck::cast_slice),
+            Modality::Video => self.video.as_slice().map(bytemuck::cast_slice),
+        };
+        debug_assert!(bytes.is_some(), "generated arrays are contiguous");
+        bytes.unwrap_or_default()
+    }
+}
+
+fn shape_error(source: ndarray::ShapeError) -> HarnessError {
+    HarnessError::GeneratedMedia { what: "workload media", source }
+}
+
+/// One request of a workload: unexpanded ids and the modality of each item, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestPlan {
+    pub token_ids: Vec<u32>,
+    /// Each entry is the one [`Media`] item of that modality.
+    pub items: Vec<Modality>,
+}
+
+impl RequestPlan {
+    /// Bytes the request carries: its items' raw bytes in `media` and its token ids.
+    pub fn input_bytes(&self, media: &Media) -> usize {
+        let items: usize = self.items.iter().map(|&m| media.bytes(m).len()).sum();
+        items + std::mem::size_of_val(self.token_ids.as_slice())
+    }
+
+    /// The read floor: one plain single-threaded pass over exactly the bytes of
+    /// [`RequestPlan::input_bytes`] (what any matcher must at least read).
+    pub fn read_floor(&self, media: &Media) -> u64 {
+        let ids = read_floor(bytemuck::cast_slice(&self.token_ids));
+        self.items.iter().fold(ids, |acc, &m| acc.wrapping_add(read_floor(media.bytes(m))))
+    }
+}
+
+/// A workload: requests that warm the index, then the measured request.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    pub name: WorkloadName,
+    /// Sent (and cached) before the measured request, in order.
+    pub warmup: Vec<RequestPlan>,
+    pub measured: RequestPlan,
+    pub media: Arc<Media>,
+}
+
+impl Workload {
+    /// Builds workload `name` over `media`; text ids are drawn from `seed`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
+    /// let media = Arc::new(Media::generate(MediaScale::Tiny, 7)?);
+    /// let text = Workload::new(WorkloadName::Text1k, media, 7)?;
+    /// assert_eq!(text.measured.token_ids.len(), 1024);
+    /// assert_eq!(text.warmup[0].token_ids[..921], text.measured.token_ids[..921]);
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
+    /// ```
+    pub fn new(name: WorkloadName, media: Arc<Media>, seed: u64) -> Result<Self> {
+        let tokens = OmniTokens::qwen3_omni();
+        let mixed = RequestPlan {
+            token_ids: media.shapes.mixed_ids.clone(),
+            items: vec![Modality::Audio, Modality::Image, Modality::Video],
+        };
+        let alone = |modality| -> Result<(Vec<RequestPlan>, RequestPlan)> {
+            let plan =
+                RequestPlan { token_ids: keep_only(&mixed.token_ids, modality, &tokens)?, items: vec![modality] };
+            Ok((vec![plan.clone()], plan))
+        };
+        let (warmup, measured) = match name {
+            WorkloadName::Mixed => (vec![mixed.clone()], mixed),
+            WorkloadName::Image => alone(Modality::Image)?,
+            WorkloadName::Audio => alone(Modality::Audio)?,
+            WorkloadName::Video => alone(Modality::Video)?,
+            WorkloadName::Text1k | WorkloadName::Text8k | WorkloadName::Text32k => {
+                text_pair(name.text_len().unwrap_or_default(), seed)
+            }
+            WorkloadName::MultiRound => multi_round()?,
+        };
+        Ok(Workload { name, warmup, measured, media })
+    }
+
+    /// `plan` as the preprocessor takes it.
+    pub fn raw<'a>(&'a self, plan: &'a RequestPlan) -> RawRequest<'a> {
+        RawRequest {
+            token_ids: &plan.token_ids,
+            items: plan.items.iter().map(|&m| self.media.spec(m)).collect(),
+            audio_in_video: false,
+        }
+    }
+
+    /// Bytes the measured request carries: its items' raw bytes and its token ids.
+    pub fn input_bytes(&self) -> usize {
+        self.measured.input_bytes(&self.media)
+    }
+
+    /// The read floor: one plain single-threaded pass over exactly the bytes of
+    /// [`Workload::input_bytes`].
+    pub fn read_floor(&self) -> u64 {
+        self.measured.read_floor(&self.media)
+    }
+}
+
+/// The mixed prompt's ids with the wrapped placeholders of every modality but
+/// `keep` removed (`start pad end` triples).
+fn keep_only(ids: &[u32], keep: Modality, tokens: &OmniTokens) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(ids.len());
+    let mut iter = ids.iter().copied();
+    while let Some(id) = iter.next() {
+        match tokens.placeholder_modality(id) {
+            Some(m) if m != keep => {
+                let start =
+                    if m == Modality::Audio { tokens.audio_start_token_id } else { tokens.vision_start_token_id };
+                let end = if m == Modality::Audio { tokens.audio_end_token_id } else { tokens.vision_end_token_id };
+                if out.pop() != Some(start) || iter.next() != Some(end) {
+                    return Err(fixture_error(format!("{m:?} pad not wrapped in {start} .. {end}")));
+                }
+            }
+            _ => out.push(id),
+        }
+    }
+    Ok(out)
+}
+
+/// `len` random text ids, and a warm-up request sharing the first 90 % of them
+/// followed by different random ids.
+fn text_pair(len: usize, seed: u64) -> (Vec<RequestPlan>, RequestPlan) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ len as u64);
+    let measured: Vec<u32> = (0..len).map(|_| rng.random_range(0..TEXT_VOCAB)).collect();
+    let shared = (len as f64 * TEXT_SHARED_FRACTION) as usize;
+    let mut warm = measured[..shared].to_vec();
+    warm.extend((shared..len).map(|_| rng.random_range(0..TEXT_VOCAB)));
+    let plan = |token_ids| RequestPlan { token_ids, items: Vec::new() };
+    (vec![plan(warm)], plan(measured))
+}
+
+/// The rounds of the 4-round conversation in `fixtures/scenarios.json`, each
+/// re-sending the history and all earlier media.
+pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
+    Ok(Scenarios::load()?
+        .multi_round
+        .rounds
+        .into_iter()
+        .map(|r| RequestPlan { token_ids: r.token_ids_unexpanded, items: r.items_in_order })
+        .collect())
+}
+
+/// Rounds 1-3 warm up; round 4 is measured.
+fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
+    let mut rounds = conversation_rounds()?;
+    let measured = rounds.pop().ok_or(HarnessError::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
+    Ok((rounds, measured))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> Result<Arc<Media>> {
+        Ok(Arc::new(Media::generate(MediaScale::Tiny, 3)?))
+    }
+
+    #[test]
+    fn shapes_are_the_real_qwen3_omni_ones() -> Result<()> {
+        let s = OmniShapes::load()?;
+        let counts = [s.image, s.video, s.audio].map(|l| l.num_tokens());
+        assert_eq!(counts, [880, 7200, 390]);
+        assert_eq!((s.image_raw, s.audio_raw, s.video_raw), ([720, 1280, 3], [480_000], [20, 720, 1280, 3]));
+        assert_eq!(s.mixed_tokens, 8546);
+        Ok(())
+    }
+
+    #[test]
+    fn single_modality_workloads_keep_the_framing_of_mixed() -> Result<()> {
+        let media = tiny()?;
+        let mixed = Workload::new(WorkloadName::Mixed, media.clone(), 0)?;
+        let image = Workload::new(WorkloadName::Image, media, 0)?;
+        assert_eq!(image.measured.items, vec![Modality::Image]);
+        assert_eq!(image.measured.token_ids.len(), mixed.measured.token_ids.len() - 6);
+        let tokens = OmniTokens::qwen3_omni();
+        let pads: Vec<_> = image.measured.token_ids.iter().filter_map(|&t| tokens.placeholder_modality(t)).collect();
+        assert_eq!(pads, vec![Modality::Image]);
+        Ok(())
+    }
+
+    #[test]
+    fn text_workloads_share_ninety_percent() -> Result<()> {
+        let w = Workload::new(WorkloadName::Text8k, tiny()?, 5)?;
+        let (warm, measured) = (&w.warmup[0].token_ids, &w.measured.token_ids);
+        let common = warm.iter().zip(measured).take_while(|(a, b)| a == b).count();
+        assert!((7372..7380).contains(&common), "{common}");
+        assert!(measured.iter().all(|&t| t < TEXT_VOCAB));
+        assert_eq!(w.input_bytes(), 8192 * 4);
+        Ok(())
+    }
+
+    #[test]
+    fn multi_round_measures_round_four() -> Result<()> {
+        let w = Workload::new(WorkloadName::MultiRound, tiny()?, 0)?;
+        assert_eq!(w.warmup.len(), 3);
+        assert_eq!(w.measured.token_ids.len(), 172);
+        assert_eq!(w.measured.items, vec![Modality::Image, Modality::Audio, Modality::Video]);
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_workload_names_the_known_ones() {
+        let err = "text64k".parse::<WorkloadName>();
+        assert!(
+            matches!(&err, Err(HarnessError::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
+        );
+    }
+}

@@ -1,0 +1,242 @@
+//! `omniprefix hidden` and `omniprefix bench ttft` end to end, through the binary:
+//! output tensors' names, shapes and values (cached = uncached), and bad input
+//! as one `error:` line with a non-zero exit.
+
+use std::error::Error as StdError;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
+
+fn model(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny").join(name)
+}
+
+/// A fresh scratch folder per test.
+fn scratch(test: &str) -> TestResult<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("omniprefix-engine-cli-{}-{test}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn omniprefix(args: &[&str]) -> TestResult<Output> {
+    Ok(Command::new(env!("CARGO_BIN_EXE_omniprefix")).args(args).output()?)
+}
+
+fn ok_stdout(out: &Output) -> TestResult<String> {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("exit {:?}: {stderr}", out.status.code()).into());
+    }
+    Ok(String::from_utf8(out.stdout.clone())?)
+}
+
+/// The one-line error of a failed run.
+fn error_line(out: &Output) -> TestResult<String> {
+    assert!(!out.status.success(), "expected failure, got {}", String::from_utf8_lossy(&out.stdout));
+    let stderr = String::from_utf8(out.stderr.clone())?;
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    Ok(stderr)
+}
+
+/// One tensor of an output file: name, shape, values.
+type Named = (String, Vec<usize>, Vec<f32>);
+
+/// The tensors of an output file, by name.
+fn read_tensors(path: &Path) -> TestResult<Vec<Named>> {
+    let bytes = std::fs::read(path)?;
+    let st = SafeTensors::deserialize(&bytes)?;
+    let mut out: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| (name, v.shape().to_vec(), bytemuck::pod_collect_to_vec::<u8, f32>(v.data())))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap_or_default()
+}
+
+#[test]
+fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
+    let dir = scratch("text")?;
+    let (warm, req) = (dir.join("warm.json"), dir.join("req.json"));
+    std::fs::write(&warm, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}]}"#)?;
+    std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10]}, {"text": [11, 12, 13, 99, 98]}]}"#)?;
+    let (cached, uncached) = (dir.join("cached.safetensors"), dir.join("uncached.safetensors"));
+    let m = model("qwen3_dense");
+    let common = ["hidden", "--model", p(&m), "--request", p(&req), "--warm", p(&warm), "--block-size", "4", "--capture", "0,2,final"];
+    let stdout = ok_stdout(&omniprefix(&[&common[..], &["--out", p(&cached)]].concat())?)?;
+    // The warm request committed two full blocks (8 tokens); the rest is recomputed.
+    assert!(stdout.contains("num_cached_tokens: 8"), "{stdout}");
+    assert!(stdout.contains("hidden.2: [11, 64]") && stdout.contains("logits: [1, 256]"), "{stdout}");
+    let stdout = ok_stdout(&omniprefix(&[&common[..], &["--out", p(&uncached), "--no-cache"]].concat())?)?;
+    assert!(stdout.contains("num_cached_tokens: 0"), "{stdout}");
+    let (a, b) = (read_tensors(&cached)?, read_tensors(&uncached)?);
+    let names: Vec<(&str, &[usize])> = a.iter().map(|(n, s, _)| (n.as_str(), s.as_slice())).collect();
+    assert_eq!(
+        names,
+        vec![("hidden.0", &[11, 64][..]), ("hidden.2", &[11, 64]), ("hidden.final", &[11, 64]), ("logits", &[1, 256])]
+    );
+    for ((name, _, x), (_, _, y)) in a.iter().zip(&b) {
+        let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
+        assert!(x.iter().zip(y).all(|(u, v)| (u - v).abs() <= 1e-5 * scale), "{name} differs");
+    }
+    let all = dir.join("all.safetensors");
+    ok_stdout(&omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&all), "--capture", "all"])?)?;
+    assert_eq!(read_tensors(&all)?.len(), 3 + 1 + 1 + 1, "hidden.0..=3, hidden.final, logits");
+    Ok(())
+}
+
+/// Writes one safetensors file of `(name, dtype, shape, bytes)`.
+fn write_st(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> TestResult {
+    let views = tensors
+        .iter()
+        .map(|(n, d, s, b)| Ok((n.to_string(), TensorView::new(*d, s.clone(), b)?)))
+        .collect::<TestResult<Vec<_>>>()?;
+    safetensors::tensor::serialize_to_file(views, &None, path)?;
+    Ok(())
+}
+
+#[test]
+fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestResult {
+    let dir = scratch("mm")?;
+    let emb: Vec<u8> = (0..6 * 64).flat_map(|i| ((i as f32) * 0.01).sin().to_le_bytes()).collect();
+    write_st(
+        &dir.join("img.safetensors"),
+        &[
+            ("pixels", Dtype::U8, vec![8, 8, 3], (0..192).map(|i| i as u8).collect()),
+            ("emb", Dtype::F32, vec![6, 64], emb.clone()),
+            ("flat", Dtype::F32, vec![6 * 64], emb),
+        ],
+    )?;
+    // Special ids of the tiny Omni checkpoint: vision_start 250, vision_end 251.
+    let request = |emb: &str| {
+        format!(
+            r#"{{"segments": [{{"text": [1, 2, 250]}},
+                {{"item": {{"modality": "image", "layout": {{"kind": "image", "grid_thw": [1, 4, 6]}},
+                           "content": {{"file": "img.safetensors", "tensor": "pixels"}},
+                           "embeddings": {{"file": "img.safetensors", "tensor": "{emb}"}}}}}},
+                {{"text": [251, 3]}}]}}"#
+        )
+    };
+    let req = dir.join("req.json");
+    std::fs::write(&req, request("emb"))?;
+    let (m, out) = (model("omni_thinker"), dir.join("out.safetensors"));
+    let run = |req: &Path| omniprefix(&["hidden", "--model", p(&m), "--request", p(req), "--out", p(&out), "--warm", p(req), "--block-size", "4"]);
+    let stdout = ok_stdout(&run(&req)?)?;
+    assert!(stdout.contains("num_cached_tokens: 8"), "{stdout}");
+    let tensors = read_tensors(&out)?;
+    let shapes: Vec<(&str, &[usize])> = tensors.iter().map(|(n, s, _)| (n.as_str(), s.as_slice())).collect();
+    // Default capture of a 3-layer model: hidden.0, hidden.1 (the middle), final.
+    assert_eq!(
+        shapes,
+        vec![("hidden.0", &[11, 64][..]), ("hidden.1", &[11, 64]), ("hidden.final", &[11, 64]), ("logits", &[1, 256])]
+    );
+    // hidden.0 rows 3..9 are the item's embeddings.
+    let first_row: Vec<f32> = (0..64).map(|i| ((i as f32) * 0.01).sin()).collect();
+    assert_eq!(&tensors[0].2[3 * 64..4 * 64], first_row.as_slice());
+
+    let bad = |name: &str, text: String| -> TestResult<String> {
+        let path = dir.join(name);
+        std::fs::write(&path, text)?;
+        error_line(&run(&path)?)
+    };
+    assert!(bad("nonjson.json", "{segments".into())?.contains("request file"));
+    assert!(bad("unknown.json", r#"{"segments": [{"txt": [1]}]}"#.into())?.contains("request file"));
+    assert!(bad("missing_tensor.json", request("nope"))?.contains("no tensor `nope`"));
+    assert!(bad("flat.json", request("flat"))?.contains("embeddings of shape [rows, hidden]"));
+    assert!(bad("missing_file.json", request("emb").replace("img.safetensors", "gone.safetensors"))?.contains("gone.safetensors"));
+    assert!(bad("vocab.json", r#"{"segments": [{"text": [1, 256]}]}"#.into())?.contains("vocab"));
+    let missing = error_line(&omniprefix(&["hidden", "--model", p(&dir), "--request", p(&req), "--out", p(&out)])?)?;
+    assert!(missing.contains("config.json"), "{missing}");
+    Ok(())
+}
+
+/// `bench ttft --json` lines of a small run on the tiny Omni thinker.
+fn bench_ttft_lines(backend: &str) -> TestResult<Vec<serde_json::Value>> {
+    let m = model("omni_thinker");
+    let args = ["bench", "ttft", "--model", p(&m), "--prefix", "16", "--suffix", "8", "--long-prefix", "32", "--runs", "1", "--mm-scale", "8", "--block-size", "4", "--threads", "1", "--backend", backend, "--json"];
+    let stdout = ok_stdout(&omniprefix(&args)?)?;
+    Ok(stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
+}
+
+#[test]
+fn bench_ttft_runs_on_wgpu_with_the_cpu_run_s_cache_hits() -> TestResult {
+    let (cpu, gpu) = (bench_ttft_lines("cpu")?, bench_ttft_lines("wgpu")?);
+    assert_eq!(cpu.len(), gpu.len());
+    for (c, g) in cpu.iter().zip(&gpu) {
+        assert_eq!((c["backend"].as_str(), g["backend"].as_str()), (Some("cpu"), Some("wgpu")));
+        assert_eq!((&c["workload"], &c["cached_tokens"], &c["captured"]), (&g["workload"], &g["cached_tokens"], &g["captured"]));
+    }
+    Ok(())
+}
+
+#[test]
+fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
+    let lines = bench_ttft_lines("cpu")?;
+    let names: Vec<&str> = lines.iter().filter_map(|l| l["workload"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "prefix_repetition",
+            "prefix_repetition_long",
+            "multi_round.round1",
+            "multi_round.round2",
+            "multi_round.round3",
+            "multi_round.round4",
+            "capture_overhead"
+        ]
+    );
+    assert_eq!((lines[0]["prefix"].as_u64(), lines[0]["suffix"].as_u64()), (Some(16), Some(8)));
+    assert_eq!(lines[0]["cached_tokens"].as_u64(), Some(16));
+    assert_eq!(lines[1]["cached_tokens"].as_u64(), Some(32));
+    assert!((lines[1]["ideal_ratio"].as_f64().unwrap_or_default() - 8.0 / 40.0).abs() < 1e-12);
+    assert_eq!(lines[2]["cached_tokens"].as_u64(), Some(0), "round 1 has no history");
+    assert!(lines[5]["cached_tokens"].as_u64().unwrap_or_default() > 0, "round 4 reuses the history");
+    for line in &lines[..6] {
+        assert!(line["ttft_cached_ms"].as_f64().is_some_and(|v| v > 0.0) && line["ratio"].as_f64().is_some());
+    }
+    assert_eq!(lines[6]["captured"].as_u64(), Some(3));
+    Ok(())
+}
+
+#[test]
+fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestResult {
+    let dir = scratch("backend")?;
+    let (warm, req) = (dir.join("warm.json"), dir.join("req.json"));
+    std::fs::write(&warm, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}]}"#)?;
+    std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42]}]}"#)?;
+    let m = model("qwen3_dense");
+    let run = |backend: &str, out: &Path| -> TestResult<Output> {
+        omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--warm", p(&warm), "--block-size", "4", "--backend", backend, "--out", p(out)])
+    };
+    let (on_cpu, on_gpu) = (dir.join("cpu.safetensors"), dir.join("gpu.safetensors"));
+    let stdout = ok_stdout(&run("cpu", &on_cpu)?)?;
+    assert!(stdout.contains("backend: cpu") && stdout.contains("num_cached_tokens: 8"), "{stdout}");
+    let gpu = run("wgpu", &on_gpu)?;
+    if !gpu.status.success() && std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref() != Ok("1") {
+        eprintln!("SKIP hidden --backend wgpu: no adapter ({})", String::from_utf8_lossy(&gpu.stderr).trim());
+        return Ok(());
+    }
+    let stdout = ok_stdout(&gpu)?;
+    assert!(stdout.contains("backend: wgpu on") && stdout.contains("num_cached_tokens: 8"), "{stdout}");
+    for ((name, shape, x), (_, want_shape, y)) in read_tensors(&on_gpu)?.iter().zip(&read_tensors(&on_cpu)?) {
+        assert_eq!(shape, want_shape, "{name}");
+        let scale = y.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let worst = x.iter().zip(y).map(|(u, v)| (u - v).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-4 * scale, "{name}: wgpu differs from cpu by {worst} (scale {scale})");
+    }
+    let bad = omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&on_cpu), "--backend", "metal"])?;
+    assert!(!bad.status.success(), "an unknown backend must fail");
+    Ok(())
+}

@@ -1,0 +1,63 @@
+//! A short soak in CI: 2000 requests with Zipf prefix reuse (text, images,
+//! audio) through a pool far smaller than the working set. Nothing leaks,
+//! the cache is reused, eviction runs, and the index stays bounded.
+//! `SOAK_REQUESTS=100000 cargo test --release --test soak_short -- --ignored`
+//! runs the full soak and prints its JSON report.
+
+use omniprefix_cli::Result;
+use omniprefix_cli::soak::{SoakOptions, run_soak};
+
+/// A test that can also fail outside omniprefix (output that is not the JSON it should be).
+type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+#[test]
+fn short_soak_leaks_nothing_and_reuses_under_eviction() -> Result<()> {
+    let options = SoakOptions { requests: 2000, pool_blocks: 256, prefixes: 1024, seed: 7, ..SoakOptions::default() };
+    let report = run_soak(&options)?;
+    report.check()?;
+    assert_eq!(report.leaked_blocks, 0);
+    assert!(report.working_set_blocks > 4 * options.pool_blocks, "working set {} blocks", report.working_set_blocks);
+    assert!(report.evicted_blocks > 0, "{report:?}");
+    assert!(report.hit_rate > 0.3 && report.hit_rate <= 1.0, "hit rate {}", report.hit_rate);
+    assert!(report.hit_tokens > 0 && report.hit_tokens < report.prompt_tokens);
+    // The index never owns more blocks than the pool has, so its nodes stay bounded.
+    for s in &report.samples {
+        assert!(s.cached_blocks as usize <= options.pool_blocks, "{s:?}");
+        assert!(s.index_nodes as usize <= 2 * options.pool_blocks + 64, "{s:?}");
+    }
+    assert_eq!(report.samples.last().map(|s| s.requests), Some(2000));
+    Ok(())
+}
+
+#[test]
+fn same_seed_same_figures() -> Result<()> {
+    let options = SoakOptions { requests: 300, pool_blocks: 64, prefixes: 128, seed: 3, ..SoakOptions::default() };
+    let (a, b) = (run_soak(&options)?, run_soak(&options)?);
+    assert_eq!((a.hits, a.hit_tokens, a.evicted_blocks), (b.hits, b.hit_tokens, b.evicted_blocks));
+    Ok(())
+}
+
+#[test]
+fn bench_soak_cli_prints_json_with_zero_leaks() -> TestResult {
+    use clap::Parser;
+    let args = ["omniprefix", "bench", "soak", "--requests", "400", "--pool-blocks", "64", "--prefixes", "256", "--json"];
+    let cli = omniprefix_cli::cli::Cli::try_parse_from(args)?;
+    let mut out = Vec::new();
+    omniprefix_cli::cli::run(cli, &mut out)?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&out)?;
+    assert_eq!(json["requests"], 400);
+    assert_eq!(json["leaked_blocks"], 0);
+    assert!(json["evicted_blocks"].as_u64().is_some_and(|e| e > 0), "{json}");
+    assert!(json["peak_rss_kib"].as_u64().is_some());
+    Ok(())
+}
+
+#[test]
+#[ignore = "full soak: run in release with SOAK_REQUESTS"]
+fn full_soak_from_env() -> Result<()> {
+    let requests = std::env::var("SOAK_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
+    let report = run_soak(&SoakOptions { requests, ..SoakOptions::default() })?;
+    println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+    report.check()
+}
