@@ -18,6 +18,13 @@ use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
 use omniprefix::error::{ConfigError, RequestError, SchedError};
 
+/// Asserts that `err` (an `Option<Error>` or `Result`) matches `pattern`, printing it otherwise.
+macro_rules! assert_err {
+    ($err:expr, $pattern:pat) => {
+        assert!(matches!($err, $pattern), "{:?}", $err)
+    };
+}
+
 fn config(num_blocks: usize, budget: usize, token_granular_reuse: bool) -> SchedulerConfig {
     SchedulerConfig {
         num_blocks,
@@ -407,43 +414,15 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
     );
     let long: Vec<u32> = (0..81).collect();
     let err = sched.admit(request(2, 0, &long)).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Request(RequestError::RequestTooLarge {
-                id: 2,
-                needed: 6,
-                num_blocks: 5
-            }))
-        ),
-        "{err:?}"
-    );
+    assert_err!(err, Some(Error::Request(RequestError::RequestTooLarge { id: 2, needed: 6, num_blocks: 5 })));
     let err = sched.admit(request(3, 0, &[])).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Request(RequestError::PromptMismatch {
-                id: 3,
-                what: "prompt length",
-                ..
-            }))
-        ),
-        "{err:?}"
-    );
+    assert_err!(err, Some(Error::Request(RequestError::PromptMismatch { id: 3, what: "prompt length", .. })));
     let mut bad_positions = request(4, 0, &[1, 2, 3]);
     bad_positions.prompt.positions = Positions::linear(2);
     let err = sched.admit(bad_positions).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Request(RequestError::PromptMismatch {
-                what: "positions length",
-                expected: 3,
-                found: 2,
-                ..
-            }))
-        ),
-        "{err:?}"
+    assert_err!(
+        err,
+        Some(Error::Request(RequestError::PromptMismatch { what: "positions length", expected: 3, found: 2, .. }))
     );
 
     let image = request(5, 0, &[1, 2, 3, IMAGE_MARKER, 4, 5]);
@@ -456,17 +435,9 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
         hidden_size: None,
     };
     let err = sched.admit(missing).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Request(RequestError::EmbeddingMismatch {
-                what: "number of item embeddings",
-                expected: 1,
-                found: 0,
-                ..
-            }))
-        ),
-        "{err:?}"
+    assert_err!(
+        err,
+        Some(Error::Request(RequestError::EmbeddingMismatch { what: "number of item embeddings", expected: 1, found: 0, .. }))
     );
     let short = Arc::new(Array2::<f32>::zeros((2, 2)));
     let err = sched
@@ -478,17 +449,9 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             hidden_size: None,
         })
         .err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Request(RequestError::EmbeddingMismatch {
-                what: "embedding rows",
-                expected: 3,
-                found: 2,
-                ..
-            }))
-        ),
-        "{err:?}"
+    assert_err!(
+        err,
+        Some(Error::Request(RequestError::EmbeddingMismatch { what: "embedding rows", expected: 3, found: 2, .. }))
     );
     let err = sched
         .admit(Request {
@@ -499,17 +462,9 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             hidden_size: Some(16),
         })
         .err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Request(RequestError::EmbeddingMismatch {
-                what: "embedding columns",
-                expected: 16,
-                found: 2,
-                ..
-            }))
-        ),
-        "{err:?}"
+    assert_err!(
+        err,
+        Some(Error::Request(RequestError::EmbeddingMismatch { what: "embedding columns", expected: 16, found: 2, .. }))
     );
     let mut out_of_range = prompt;
     out_of_range.index_map.spans[0].start = 6;
@@ -522,46 +477,20 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             hidden_size: None,
         })
         .err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Request(RequestError::PromptMismatch {
-                what: "index map span end",
-                expected: 8,
-                found: 9,
-                ..
-            }))
-        ),
-        "{err:?}"
+    assert_err!(
+        err,
+        Some(Error::Request(RequestError::PromptMismatch { what: "index map span end", expected: 8, found: 9, .. }))
     );
 
     let mut forged = batch.clone();
     forged.seqs[0].token_ids.pop();
     let err = sched.complete(&forged).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Sched(SchedError::BatchMismatch {
-                id: 1,
-                what: "new tokens",
-                expected: 16,
-                found: 15
-            }))
-        ),
-        "{err:?}"
+    assert_err!(
+        err,
+        Some(Error::Sched(SchedError::BatchMismatch { id: 1, what: "new tokens", expected: 16, found: 15 }))
     );
     let err = sched.finish(1).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Sched(SchedError::RequestNotFinished {
-                id: 1,
-                computed: 0,
-                len: 67
-            }))
-        ),
-        "{err:?}"
-    );
+    assert_err!(err, Some(Error::Sched(SchedError::RequestNotFinished { id: 1, computed: 0, len: 67 })));
     assert!(matches!(
         sched.abort(42),
         Err(Error::Sched(SchedError::UnknownRequest { id: 42 }))
@@ -590,25 +519,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
 #[test]
 fn config_must_agree_with_the_index() {
     let err = Scheduler::new(config(8, 16, false), Box::new(ReferenceIndex::new(32))).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Config(ConfigError::Invalid {
-                field: "block_size",
-                ..
-            }))
-        ),
-        "{err:?}"
-    );
+    assert_err!(err, Some(Error::Config(ConfigError::Invalid { field: "block_size", .. })));
     let err = scheduler(config(8, 0, false)).err();
-    assert!(
-        matches!(
-            err,
-            Some(Error::Config(ConfigError::Invalid {
-                field: "max_tokens_per_step",
-                ..
-            }))
-        ),
-        "{err:?}"
-    );
+    assert_err!(err, Some(Error::Config(ConfigError::Invalid { field: "max_tokens_per_step", .. })));
 }
