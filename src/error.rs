@@ -158,9 +158,12 @@ pub enum RequestError {
     DeepStackMismatch { id: u64, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
 
     // ---- admission ----
-    /// A prompt longer than the model's context.
-    #[error("request {id}: prompt of {len} tokens exceeds the model context of {max}")]
+    /// A prompt (plus the tokens it may generate) longer than the model's context.
+    #[error("request {id}: {len} positions (prompt + max new tokens) exceed the model context of {max}")]
     ContextTooLong { id: u64, len: usize, max: usize },
+    /// A token appended past the request's `max_new_tokens`.
+    #[error("request {id}: cannot grow past its {max_new_tokens} new tokens")]
+    GenerationLimit { id: u64, max_new_tokens: usize },
     /// A request that needs more blocks than the whole pool holds.
     #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
     RequestTooLarge { id: u64, needed: usize, num_blocks: usize },

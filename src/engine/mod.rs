@@ -250,7 +250,7 @@ impl<B: Backend> Engine<B> {
         let positions = prompt.positions.clone();
         let (embeddings, deepstack, fresh, cache_hits) = self.item_rows(&prompt, &request, encoder)?;
         let preprocess = started.elapsed();
-        let req = Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: None };
+        let req = Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: None, max_new_tokens: 0 };
         self.sched.admit(req)?;
         // Admitted: only now does anything change.
         for (fp, e, levels) in fresh {
