@@ -318,6 +318,8 @@ pub enum Component {
     OtherIndex(&'static str),
     /// [`crate::sched::Scheduler`]: its pool, index and request bookkeeping against each other.
     Scheduler,
+    /// [`crate::engine::Engine`]: the outputs it assembles from the runner's.
+    Engine,
 }
 
 impl Component {
@@ -335,6 +337,7 @@ impl fmt::Display for Component {
             Component::HashChainIndex => f.write_str("hash-chain index"),
             Component::OtherIndex(name) => write!(f, "prefix index {name}"),
             Component::Scheduler => f.write_str("scheduler"),
+            Component::Engine => f.write_str("engine"),
         }
     }
 }
