@@ -2,7 +2,7 @@
 //!
 //! | variant | enum | what failed |
 //! | --- | --- | --- |
-//! | [`Error::Request`] | [`RequestError`] | what a caller sent: items, prompt, token ids, placeholders, embeddings, DeepStack rows, sizes, tenant |
+//! | [`Error::Request`] | [`RequestError`] | what a caller sent: items, prompt, token ids, placeholders, embeddings, DeepStack rows, sizes, tenant, sampling parameters |
 //! | [`Error::RequestFile`] | [`RequestFileError`] | a request file (JSON) or the safetensors it names |
 //! | [`Error::Checkpoint`] | [`CheckpointError`] | a model checkpoint: `config.json`, safetensors, weights |
 //! | [`Error::Config`] | [`ConfigError`] | a setting of the engine, scheduler, pool or backend choice, or a capture point |
@@ -170,6 +170,21 @@ pub enum RequestError {
     /// A tenant salt outside the configured set, when salts are required.
     #[error("request {id}: tenant {tenant} is not one of the known tenants")]
     UnknownTenant { id: u64, tenant: u64 },
+
+    // ---- generation ----
+    /// A sampling parameter outside its domain (`max_tokens` of 0, a negative or
+    /// non-finite temperature, `top_p` outside (0, 1], `top_k` of 0).
+    #[error("sampling parameter {param} = {found}: expected {expected}")]
+    InvalidSampling { param: &'static str, expected: &'static str, found: String },
+    /// A generation whose positions (prompt + generated tokens that run) exceed the model context.
+    #[error(
+        "prompt of {prompt_len} tokens + {max_tokens} generated tokens needs {positions} positions, \
+         over the model context of {max_context}"
+    )]
+    GenerationExceedsContext { prompt_len: usize, max_tokens: usize, positions: usize, max_context: usize },
+    /// A stop token id at or past the vocabulary size.
+    #[error("stop token id {id} is not below the vocab size {vocab_size}")]
+    StopIdOutOfVocab { id: u32, vocab_size: usize },
 }
 
 /// A request file (JSON) or a tensor file it names.
