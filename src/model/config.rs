@@ -194,7 +194,7 @@ impl Config {
     /// also reads `generation_config.json`).
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
-            .map_err(|source| IoError::read(&path, source))?;
+            .map_err(|source| IoError::read(path, source))?;
         Self::from_json_str(&text)
     }
 
