@@ -363,7 +363,7 @@ impl<B: Backend> Engine<B> {
             params.check(model.vocab_size, prompt.len(), model.max_position_embeddings)?;
         }
         // Positions the sequence may grow by: every sampled token but the last runs.
-        let max_new_tokens = params.as_ref().map_or(0, |p| p.max_tokens - 1 + usize::from(p.run_last_token));
+        let max_new_tokens = params.as_ref().map_or(0, |p| p.positions_needed(prompt.len()) - prompt.len());
         let positions = prompt.positions.clone();
         let (embeddings, deepstack, fresh, cache_hits) = self.item_rows(&prompt, &request, encoder)?;
         let preprocess = started.elapsed();
@@ -377,7 +377,7 @@ impl<B: Backend> Engine<B> {
         self.next_id += 1;
         let timings = Timings { preprocess, ..Default::default() };
         let decoding = params.map(|p| {
-            let seed = p.seed.unwrap_or_else(rand::random);
+            let seed = p.seed.unwrap_or_else(crate::sample::random_seed);
             Decoding::new(p, seed, &self.runner.thinker().config().eos_token_ids)
         });
         self.pending.insert(id, Pending { timings, submitted: started, positions, decoding, num_cached: None });
