@@ -19,6 +19,7 @@
 //! fail under `OMNIPREFIX_REQUIRE_GPU=1`).
 
 #[path = "support/reference.rs"]
+#[allow(dead_code)] // the prompt-building half serves the parity tests
 mod reference;
 mod shared_gpu;
 
@@ -77,7 +78,7 @@ struct Case {
     num_layers: usize,
     ids: Vec<u32>,
     hf_tokens: Vec<u32>,
-    gen: Reference,
+    hf: Reference,
     /// `mm.item.<j>.embeds` for `mm_prefix` (from `reference.safetensors`), else empty.
     items: Vec<Arc<Array2<f32>>>,
     /// Stand-in item bytes (only fingerprinted: the embeddings are given).
@@ -86,9 +87,9 @@ struct Case {
 
 impl Case {
     fn open(model: &'static str, num_layers: usize, prompt: &'static str) -> TestResult<Self> {
-        let gen = Reference::open_file(model, GEN_FILE)?;
-        let ids = to_u32(gen.ints(&format!("{prompt}.input_ids"))?)?;
-        let hf_tokens = to_u32(gen.ints(&format!("{prompt}.gen.tokens"))?)?;
+        let hf = Reference::open_file(model, GEN_FILE)?;
+        let ids = to_u32(hf.ints(&format!("{prompt}.input_ids"))?)?;
+        let hf_tokens = to_u32(hf.ints(&format!("{prompt}.gen.tokens"))?)?;
         assert_eq!(hf_tokens.len(), GEN_TOKENS, "{model}/{prompt}: tokens recorded");
         let (mut items, mut contents) = (Vec::new(), Vec::new());
         if prompt.starts_with("mm") {
@@ -104,7 +105,7 @@ impl Case {
                 contents.push(ArrayD::from_elem(IxDyn(&[8, 8, 3]), j as u8));
             }
         }
-        Ok(Case { model, prompt, num_layers, ids, hf_tokens, gen, items, contents })
+        Ok(Case { model, prompt, num_layers, ids, hf_tokens, hf, items, contents })
     }
 
     fn label(&self) -> String {
@@ -145,7 +146,7 @@ impl Case {
         let mut worst = 0f32;
         let mut failures = Vec::new();
         for (name, h) in &got.hidden {
-            let want = self.gen.matrix(&format!("{}.gen.{name}", self.prompt))?;
+            let want = self.hf.matrix(&format!("{}.gen.{name}", self.prompt))?;
             match relative_error(&format!("{label} {name}"), h.view(), want.view()) {
                 Ok(err) => worst = worst.max(err),
                 Err(msg) => failures.push(format!("{msg}{}", first_bad_row(h, want))),
@@ -265,8 +266,8 @@ fn omni_thinker_generates_what_transformers_generates_after_multimodal_items() -
 fn omni_decode_positions_are_transformers_cache_position_plus_rope_deltas() -> TestResult {
     for prompt in ["mm_prefix", "text_c"] {
         let case = Case::open("omni_thinker", 3, prompt)?;
-        let hf = case.gen.ints(&format!("{prompt}.gen.position_ids"))?;
-        let delta = case.gen.ints(&format!("{prompt}.gen.rope_delta"))?[0];
+        let hf = case.hf.ints(&format!("{prompt}.gen.position_ids"))?;
+        let delta = case.hf.ints(&format!("{prompt}.gen.rope_delta"))?[0];
         assert_eq!(delta != 0, prompt == "mm_prefix", "{prompt}: rope delta {delta}");
         let rows = case.ids.len() + GEN_TOKENS - 1;
         assert_eq!(hf.len(), 3 * rows, "{prompt}: [3, L + 11]");
@@ -290,7 +291,7 @@ fn omni_decode_positions_are_transformers_cache_position_plus_rope_deltas() -> T
 #[test]
 fn generate_reference_rows_are_distinct_and_checked_per_row() -> TestResult {
     let case = Case::open("qwen3_dense", 3, "text_a")?;
-    let want = case.gen.matrix("text_a.gen.final")?;
+    let want = case.hf.matrix("text_a.gen.final")?;
     let len = case.ids.len();
     assert_eq!(want.nrows(), len + GEN_TOKENS - 1);
     for r in len..want.nrows() {
