@@ -47,7 +47,7 @@ fn run_all(reqs: Vec<Request>) -> usize {
         max_seqs_per_step: 64,
         token_granular_reuse: true,
     };
-    let index = RadixIndex::new(RadixConfig { block_size: 16, ..RadixConfig::default() })
+    let index = RadixIndex::new(RadixConfig { block_size: 16 })
         .expect("valid radix config");
     let mut sched = Scheduler::new(config, Box::new(index)).expect("valid scheduler config");
     for r in reqs {

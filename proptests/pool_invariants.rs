@@ -89,7 +89,7 @@ proptest! {
 
     #[test]
     fn random_operations_keep_every_invariant_with_the_radix_index(case in case()) {
-        let config = RadixConfig { block_size: case.config.block_size, ..RadixConfig::default() };
+        let config = RadixConfig { block_size: case.config.block_size };
         let index = RadixIndex::new(config).map_err(|e| TestCaseError::fail(e.to_string()))?;
         run_case(&case, Box::new(index))?;
     }

@@ -129,7 +129,7 @@ proptest! {
     fn random_operations_keep_invariants_and_outputs_equal_uncached(case in case()) {
         let model = TinyModel::new(case.seed).map_err(fail)?;
         let cfg = case.config;
-        let index = RadixIndex::new(RadixConfig { block_size: cfg.block_size, ..Default::default() }).map_err(fail)?;
+        let index = RadixIndex::new(RadixConfig { block_size: cfg.block_size }).map_err(fail)?;
         let sched = Scheduler::new(cfg, Box::new(index)).map_err(fail)?;
         let pages = model.pages(cfg.num_blocks, cfg.block_size).map_err(fail)?;
         let mut m = Machine::new(sched, ModelRun { model: &model, pages, inputs: HashMap::new(), outputs: HashMap::new() });

@@ -144,7 +144,7 @@ enum Segment {
 impl RequestFile {
     /// Reads and checks a request file and every tensor it names.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| IoError::read(&path, source))?;
+        let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
         Self::parse(&text, path)
     }
 

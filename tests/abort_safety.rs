@@ -36,7 +36,7 @@ fn scheduler(max_tokens_per_step: usize) -> Result<Scheduler> {
         max_seqs_per_step: 2,
         token_granular_reuse: true,
     };
-    let index = RadixIndex::new(RadixConfig { block_size: BLOCK, ..Default::default() })?;
+    let index = RadixIndex::new(RadixConfig { block_size: BLOCK })?;
     Scheduler::new(config, Box::new(index))
 }
 

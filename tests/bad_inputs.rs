@@ -95,7 +95,7 @@ fn warm() -> Result<Scheduler> {
         max_seqs_per_step: 2,
         token_granular_reuse: true,
     };
-    let index = RadixIndex::new(RadixConfig { block_size: BLOCK, ..Default::default() })?;
+    let index = RadixIndex::new(RadixConfig { block_size: BLOCK })?;
     let mut sched = Scheduler::new(config, Box::new(index))?
         .with_max_context(MAX_CONTEXT)
         .require_known_tenants(TENANTS)
@@ -159,7 +159,7 @@ fn read(path: &Path) -> Vec<u8> {
 }
 
 fn write(path: &Path, bytes: &[u8]) -> Result<()> {
-    std::fs::write(path, bytes).map_err(|source| Error::Io(IoError::write(&path, source)))
+    std::fs::write(path, bytes).map_err(|source| Error::Io(IoError::write(path, source)))
 }
 
 /// Rewrites the safetensors header of the checkpoint in `dir` through `edit`.
@@ -545,7 +545,7 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
             max_seqs_per_step: 2,
             token_granular_reuse: true,
         },
-        Box::new(RadixIndex::new(RadixConfig { block_size: BLOCK, ..Default::default() })?),
+        Box::new(RadixIndex::new(RadixConfig { block_size: BLOCK })?),
     )?;
     sched.admit(request(1, text_prompt(0, &ids[..20])?))?;
     drain(&mut sched)?;

@@ -167,7 +167,7 @@ fn first_bad_row(got: &Array2<f32>, want: &Array2<f32>) -> String {
         .rows()
         .into_iter()
         .zip(want.rows())
-        .position(|(g, w)| g.iter().zip(w).any(|(a, b)| !((a - b).abs() / scale <= reference::TOLERANCE)));
+        .position(|(g, w)| g.iter().zip(w).any(|(a, b)| (a - b).is_nan() || (a - b).abs() / scale > reference::TOLERANCE));
     bad.map_or_else(String::new, |r| format!(" (first bad row: position {r} of {})", got.nrows()))
 }
 

@@ -29,7 +29,7 @@ fn valid(ix: &RadixIndex) -> Result<()> {
 
 #[test]
 fn zero_block_size_is_a_config_error() {
-    let err = RadixIndex::new(RadixConfig { block_size: 0, ..Default::default() }).unwrap_err();
+    let err = RadixIndex::new(RadixConfig { block_size: 0 }).unwrap_err();
     assert!(matches!(err, Error::Cache(CacheError::InvalidBlockSize { found: 0 })));
 }
 

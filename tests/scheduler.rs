@@ -41,10 +41,7 @@ fn scheduler(cfg: SchedulerConfig) -> Result<Scheduler> {
 
 /// Both indexes: the brute-force reference and the radix tree.
 fn indexes(block_size: usize) -> Result<Vec<(&'static str, Box<dyn PrefixIndex>)>> {
-    let radix = RadixIndex::new(RadixConfig {
-        block_size,
-        ..RadixConfig::default()
-    })?;
+    let radix = RadixIndex::new(RadixConfig { block_size })?;
     Ok(vec![
         ("reference", Box::new(ReferenceIndex::new(block_size))),
         ("radix", Box::new(radix)),

@@ -284,7 +284,7 @@ fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
             max_seqs_per_step: 2,
             token_granular_reuse,
         };
-        let index = RadixIndex::new(RadixConfig { block_size: 16, ..RadixConfig::default() })?;
+        let index = RadixIndex::new(RadixConfig { block_size: 16 })?;
         let mut sched = Scheduler::new(config, Box::new(index))?;
         let mut pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
         sched.admit(text_request(1, &p1, cfg.hidden_size))?;

@@ -92,7 +92,7 @@ fn a_changed_video_stops_the_match_where_the_video_starts() -> Result<()> {
     let workload = mixed()?;
     let pre = preprocessor(ValidationPolicy::SecondDigest)?;
     let cached = pre.preprocess(&workload.raw(&workload.measured))?;
-    let mut index = RadixIndex::new(RadixConfig { block_size: BLOCK_SIZE, ..Default::default() })?;
+    let mut index = RadixIndex::new(RadixConfig { block_size: BLOCK_SIZE })?;
     let blocks: Vec<BlockId> = (0..(cached.len() / BLOCK_SIZE) as BlockId).collect();
     index.insert(&cached, &blocks)?;
 

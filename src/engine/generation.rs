@@ -195,6 +195,6 @@ impl Decoding {
 pub(super) fn last_rows(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<(CaptureName, Vec<f32>)> {
     hidden
         .iter()
-        .filter_map(|(name, h)| Some((*name, h.rows().into_iter().last()?.to_vec())))
+        .filter_map(|(name, h)| Some((*name, h.rows().into_iter().next_back()?.to_vec())))
         .collect()
 }

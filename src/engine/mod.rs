@@ -668,7 +668,7 @@ fn private_tenant(id: RequestId) -> TenantSalt {
 /// Special ids from a checkpoint's `config.json` (`thinker_config` of Omni
 /// checkpoints, or the root); `None` when it names none (a text-only model).
 pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
-    let text = std::fs::read_to_string(path).map_err(|source| IoError::read(&path, source))?;
+    let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
     let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     let node = root.get("thinker_config").unwrap_or(&root);
     if node.get("image_token_id").is_none() {

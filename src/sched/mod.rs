@@ -116,7 +116,7 @@ struct Tracked {
 ///     max_seqs_per_step: 2,
 ///     token_granular_reuse: true,
 /// };
-/// let index = RadixIndex::new(RadixConfig { block_size: 4, ..Default::default() })?;
+/// let index = RadixIndex::new(RadixConfig { block_size: 4 })?;
 /// let mut sched = Scheduler::new(config, Box::new(index))?;
 /// sched.admit(text(1, (0..10).collect()))?;
 /// loop {

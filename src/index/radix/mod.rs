@@ -150,7 +150,7 @@ struct Plan {
 ///     items: vec![],
 ///     index_map: IndexMap::default(),
 /// };
-/// let mut index = RadixIndex::new(RadixConfig { block_size: 4, ..Default::default() })?;
+/// let mut index = RadixIndex::new(RadixConfig { block_size: 4 })?;
 /// index.insert(&prompt((0..8).collect()), &[10, 11])?;
 /// let m = index.match_prefix(&prompt(vec![0, 1, 2, 3, 4, 5, 9, 9]));
 /// assert_eq!((m.tokens, m.aligned_tokens, m.blocks), (6, 4, vec![10, 11]));
