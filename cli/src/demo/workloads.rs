@@ -10,14 +10,12 @@ use std::fmt;
 use std::str::FromStr;
 
 use ndarray::s;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 use omniprefix::canon::ItemLayout;
 use crate::error::{HarnessError, Result};
 use crate::scenarios::Scenarios;
 use crate::workloads::{
-    Media, MediaScale, RequestPlan, TEXT_VOCAB, by_name, conversation_rounds,
+    Media, MediaScale, RequestPlan, TEXT_VOCAB, by_name, conversation_rounds, prefix_repetition_prompts,
 };
 
 /// The workloads `omniprefix demo` runs.
@@ -155,18 +153,11 @@ pub fn waves(workload: DemoWorkload, scale: &DemoScale, seed: u64) -> Result<Vec
     })
 }
 
-/// `prefix_prompts` prompts, prompt `i` = prefix `i mod num_prefixes` + its own suffix
-/// (vLLM's dataset: random ids, prefixes shared evenly).
+/// `prefix_prompts` prompts over `num_prefixes` shared prefixes (vLLM's dataset: random ids, prefixes shared evenly).
 fn prefix_repetition(scale: &DemoScale, seed: u64) -> Wave {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut random_ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..TEXT_VOCAB)).collect() };
-    let prefixes: Vec<Vec<u32>> = (0..scale.num_prefixes.max(1)).map(|_| random_ids(scale.prefix_len)).collect();
-    (0..scale.prefix_prompts)
-        .map(|i| {
-            let mut ids = prefixes[i % prefixes.len()].clone();
-            ids.extend(random_ids(scale.suffix_len));
-            RequestPlan { token_ids: ids, items: Vec::new() }
-        })
+    prefix_repetition_prompts(scale.prefix_prompts, scale.num_prefixes, scale.prefix_len, scale.suffix_len, TEXT_VOCAB, seed)
+        .into_iter()
+        .map(|token_ids| RequestPlan { token_ids, items: Vec::new() })
         .collect()
 }
 
