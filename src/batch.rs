@@ -64,10 +64,17 @@ pub struct ScheduledSeq {
     /// Position ids of the new positions (stored by run; the runner
     /// materialises them for the step).
     pub positions: Positions,
-    /// Length of the whole prompt.
-    pub prompt_len: usize,
-    /// True on the step that completes the prompt: the runner returns outputs then.
+    /// Length of the sequence as known now: the prompt plus the generated
+    /// tokens appended so far.
+    pub seq_len: usize,
+    /// True on a step that ends at `seq_len`: the runner returns the hidden
+    /// rows from `output_from` and the last position's logits (to sample from).
     pub emits_output: bool,
+    /// First position whose hidden rows the step returns when it emits:
+    /// 0 for a prompt's first output (cached rows come from the hidden
+    /// pages), the new position for a decode step; rows handed out before a
+    /// preemption are not handed out again.
+    pub output_from: usize,
 }
 
 impl ScheduledSeq {
@@ -210,8 +217,9 @@ pub fn chunk(
         token_ids: ids.to_vec(),
         embeds: clip_embeds(embeds, range.clone()),
         positions,
-        prompt_len: len,
+        seq_len: len,
         emits_output: range.end == len,
+        output_from: 0,
     })
 }
 

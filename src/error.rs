@@ -2,7 +2,7 @@
 //!
 //! | variant | enum | what failed |
 //! | --- | --- | --- |
-//! | [`Error::Request`] | [`RequestError`] | what a caller sent: items, prompt, token ids, placeholders, embeddings, DeepStack rows, sizes, tenant |
+//! | [`Error::Request`] | [`RequestError`] | what a caller sent: items, prompt, token ids, placeholders, embeddings, DeepStack rows, sizes, tenant, sampling parameters |
 //! | [`Error::RequestFile`] | [`RequestFileError`] | a request file (JSON) or the safetensors it names |
 //! | [`Error::Checkpoint`] | [`CheckpointError`] | a model checkpoint: `config.json`, safetensors, weights |
 //! | [`Error::Config`] | [`ConfigError`] | a setting of the engine, scheduler, pool or backend choice, or a capture point |
@@ -158,15 +158,33 @@ pub enum RequestError {
     DeepStackMismatch { id: u64, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
 
     // ---- admission ----
-    /// A prompt longer than the model's context.
-    #[error("request {id}: prompt of {len} tokens exceeds the model context of {max}")]
+    /// A prompt (plus the tokens it may generate) longer than the model's context.
+    #[error("request {id}: {len} positions (prompt + max new tokens) exceed the model context of {max}")]
     ContextTooLong { id: u64, len: usize, max: usize },
+    /// A token appended past the request's `max_new_tokens`.
+    #[error("request {id}: cannot grow past its {max_new_tokens} new tokens")]
+    GenerationLimit { id: u64, max_new_tokens: usize },
     /// A request that needs more blocks than the whole pool holds.
     #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
     RequestTooLarge { id: u64, needed: usize, num_blocks: usize },
     /// A tenant salt outside the configured set, when salts are required.
     #[error("request {id}: tenant {tenant} is not one of the known tenants")]
     UnknownTenant { id: u64, tenant: u64 },
+
+    // ---- generation ----
+    /// A sampling parameter outside its domain (`max_tokens` of 0, a negative or
+    /// non-finite temperature, `top_p` outside (0, 1], `top_k` of 0).
+    #[error("sampling parameter {param} = {found}: expected {expected}")]
+    InvalidSampling { param: &'static str, expected: &'static str, found: String },
+    /// A generation whose positions (prompt + generated tokens that run) exceed the model context.
+    #[error(
+        "prompt of {prompt_len} tokens + {max_tokens} generated tokens needs {positions} positions, \
+         over the model context of {max_context}"
+    )]
+    GenerationExceedsContext { prompt_len: usize, max_tokens: usize, positions: usize, max_context: usize },
+    /// A stop token id at or past the vocabulary size.
+    #[error("stop token id {id} is not below the vocab size {vocab_size}")]
+    StopIdOutOfVocab { id: u32, vocab_size: usize },
 }
 
 /// A request file (JSON) or a tensor file it names.
@@ -315,6 +333,8 @@ pub enum Component {
     OtherIndex(&'static str),
     /// [`crate::sched::Scheduler`]: its pool, index and request bookkeeping against each other.
     Scheduler,
+    /// [`crate::engine::Engine`]: the outputs it assembles from the runner's.
+    Engine,
 }
 
 impl Component {
@@ -332,6 +352,7 @@ impl fmt::Display for Component {
             Component::HashChainIndex => f.write_str("hash-chain index"),
             Component::OtherIndex(name) => write!(f, "prefix index {name}"),
             Component::Scheduler => f.write_str("scheduler"),
+            Component::Engine => f.write_str("engine"),
         }
     }
 }

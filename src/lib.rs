@@ -19,6 +19,7 @@ pub mod prompt;
 pub mod sched;
 pub mod model;
 pub mod runner;
+pub mod sample;
 
 pub use error::{Error, Result};
 

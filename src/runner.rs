@@ -2,8 +2,10 @@
 //! rows merged in, every layer writing K/V and captured hidden states into pages
 //! (and adding the step's DeepStack rows after the layers that take them),
 //! paged attention over prefix-from-pages plus new tokens, and — for sequences
-//! that finish their prompt — the **full** hidden states `[prompt_len, hidden]`
-//! (cached rows gathered from the hidden pages) and the last position's logits.
+//! whose step ends their known tokens — the hidden states of every position
+//! from `output_from` (for a prompt's first output the **full** `[prompt_len,
+//! hidden]`, cached rows gathered from the hidden pages; for a decode step its
+//! one new row) and the last position's logits, which the engine samples from.
 //!
 //! The runner never touches an index or a pool: everything it needs is in the batch.
 //!
@@ -27,13 +29,13 @@ use crate::prompt::{Positions, out_of_vocab};
 use crate::{Error, Result};
 use crate::error::{BackendError, SchedError};
 
-/// What a sequence that completed its prompt this step returns.
+/// What a sequence whose step ended at its `seq_len` returns.
 #[derive(Debug, Clone)]
 pub struct SeqOutput {
     pub request: RequestId,
-    /// Each captured point's hidden states `[prompt_len, hidden]`, in capture order.
+    /// Each captured point's hidden states of positions `output_from..seq_len`, in capture order.
     pub hidden: Vec<(CaptureName, Array2<f32>)>,
-    /// Logits `[vocab]` of the prompt's last position.
+    /// Logits `[vocab]` of the sequence's last position.
     pub last_logits: Vec<f32>,
 }
 
@@ -212,17 +214,18 @@ fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result
     let bad = |what: String| Err(SchedError::InvalidBatch { request: seq.request, what }.into());
     let n = seq.token_ids.len();
     let end = seq.num_computed_tokens.saturating_add(n);
-    if end > seq.prompt_len {
-        return bad(format!("{} computed + {n} new tokens exceed prompt_len {}", seq.num_computed_tokens, seq.prompt_len));
+    if end > seq.seq_len {
+        return bad(format!("{} computed + {n} new tokens exceed seq_len {}", seq.num_computed_tokens, seq.seq_len));
     }
-    if seq.emits_output && (end != seq.prompt_len || n == 0) {
-        return bad(format!("emits output but the step ends at {end} of {} with {n} new tokens", seq.prompt_len));
+    if seq.emits_output && (end != seq.seq_len || n == 0 || seq.output_from > end) {
+        let (len, from) = (seq.seq_len, seq.output_from);
+        return bad(format!("emits output from {from} but the step ends at {end} of {len} with {n} new tokens"));
     }
     let table = &seq.block_table;
     if table.block_size() != spec.block_size {
         return bad(format!("block table of {}-position blocks for pages of {}", table.block_size(), spec.block_size));
     }
-    let needed = if seq.emits_output { seq.prompt_len } else { end };
+    let needed = if seq.emits_output { seq.seq_len } else { end };
     if !table.covers(needed) {
         return bad(format!("block table of {} blocks cannot hold {needed} positions", table.len()));
     }
@@ -394,12 +397,12 @@ fn run_step<B: Backend>(
     let mut outputs = Vec::with_capacity(emitting.len());
     for (k, &i) in emitting.iter().enumerate() {
         let seq = &batch.seqs[i];
-        let prompt_slots = seq.block_table.slots(0..seq.prompt_len);
+        let out_slots = seq.block_table.slots(seq.output_from..seq.seq_len);
         let hidden = capture
             .points()
             .iter()
             .enumerate()
-            .map(|(c, &name)| Ok((name, backend.download(&backend.gather_hidden(pages, c, &prompt_slots)?)?)))
+            .map(|(c, &name)| Ok((name, backend.download(&backend.gather_hidden(pages, c, &out_slots)?)?)))
             .collect::<Result<Vec<_>>>()?;
         outputs.push(SeqOutput { request: seq.request, hidden, last_logits: last_logits.row(k).to_vec() });
     }

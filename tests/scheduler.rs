@@ -432,7 +432,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
         prompt: prompt.clone(),
         item_embeddings: vec![],
         item_deepstack: vec![],
-        hidden_size: None,
+        hidden_size: None, max_new_tokens: 0,
     };
     let err = sched.admit(missing).err();
     assert_err!(
@@ -446,7 +446,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: prompt.clone(),
             item_embeddings: vec![short],
             item_deepstack: vec![],
-            hidden_size: None,
+            hidden_size: None, max_new_tokens: 0,
         })
         .err();
     assert_err!(
@@ -459,7 +459,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: prompt.clone(),
             item_embeddings: vec![emb.clone()],
             item_deepstack: vec![],
-            hidden_size: Some(16),
+            hidden_size: Some(16), max_new_tokens: 0,
         })
         .err();
     assert_err!(
@@ -474,7 +474,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: out_of_range,
             item_embeddings: vec![emb],
             item_deepstack: vec![],
-            hidden_size: None,
+            hidden_size: None, max_new_tokens: 0,
         })
         .err();
     assert_err!(

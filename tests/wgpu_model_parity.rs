@@ -231,7 +231,7 @@ fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
         index_map: IndexMap::default(),
         positions: Positions::linear(ids.len()),
     };
-    Request { id, prompt, item_embeddings: vec![], item_deepstack: vec![], hidden_size: Some(hidden) }
+    Request { id, prompt, item_embeddings: vec![], item_deepstack: vec![], hidden_size: Some(hidden), max_new_tokens: 0 }
 }
 
 /// Schedules and executes until request `id` returns its output.

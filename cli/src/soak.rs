@@ -229,7 +229,7 @@ impl Catalogue {
             .iter()
             .map(|i| self.embeddings.get(&i.num_tokens).cloned().ok_or_else(|| HarnessError::NoEmbeddings { item: format!("an item of {} tokens", i.num_tokens) }))
             .collect::<Result<_>>()?;
-        Ok((Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: None }, prefix_len))
+        Ok((Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: None, max_new_tokens: 0 }, prefix_len))
     }
 }
 

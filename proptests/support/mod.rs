@@ -106,7 +106,7 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
         prompt,
         item_embeddings: embeddings,
         item_deepstack: vec![],
-        hidden_size: Some(2),
+        hidden_size: Some(2), max_new_tokens: 0,
     }
 }
 
@@ -157,7 +157,7 @@ impl ShadowPages {
                 return Err(format!("request {}: a table of {}-token blocks", seq.request, seq.block_table.block_size()));
             }
             let end = seq.num_computed_tokens + seq.token_ids.len();
-            if seq.block_table.len() * bs < end || end > keys.len() || seq.prompt_len != keys.len()
+            if seq.block_table.len() * bs < end || end > keys.len() || seq.seq_len != keys.len()
             {
                 return Err(format!(
                     "request {}: table of {} blocks for tokens ..{end}",

@@ -1,4 +1,5 @@
-//! The library face of a thinker stage: requests in, full hidden states out.
+//! The library face of a thinker stage: requests in, full hidden states and
+//! generated tokens out.
 //!
 //! [`Engine`] runs one pipeline per request, each stage once and in order:
 //! **preprocess** (fingerprint items, build the canonical prompt, find the
@@ -8,8 +9,16 @@
 //! per request, the hidden states of every captured layer for **every**
 //! position (cached rows included) and the last position's logits. Caching
 //! changes timings and `num_cached_tokens`, never the outputs.
+//!
+//! A generating request ([`Engine::generate`]) goes on after its prompt: each
+//! step samples a token from the last position's logits with the request's
+//! seeded sampler, streams it with that position's hidden rows
+//! ([`TokenEvent`]), and appends it to the sequence, which decodes in
+//! continuous batches with other requests until a stop id or `max_tokens`.
+//! Its reply enters the cache like its prompt, so the next round hits.
 
 mod config;
+mod generation;
 mod request;
 
 use std::path::Path;
@@ -30,10 +39,14 @@ use crate::index::radix::{RadixConfig, RadixIndex};
 use crate::model::{CaptureName, CaptureSpec, Config, EncoderCache, Thinker};
 use crate::preprocess::Preprocessor;
 use crate::prompt::{CanonicalPrompt, OmniTokens, PositionKind, Positions, TenantSalt};
+use crate::prompt::out_of_vocab;
 use crate::runner::{ModelRunner, SeqOutput};
+use crate::sample::{FinishReason, SamplingParams};
 use crate::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats, check_tenant};
+use generation::{Decoding, Next, last_rows};
 
 pub use config::{EngineConfig, EngineStats, IndexKind, Timings};
+pub use generation::{Event, Generation, GenerationTimings, TokenEvent};
 pub use request::{EncoderOutput, ItemInput, PlaceholderForm, PrefillRequest};
 
 /// What a finished prefill returns.
@@ -70,6 +83,10 @@ struct Pending {
     submitted: Instant,
     /// The prompt's positions (by run): the output's are cut from them.
     positions: Positions,
+    /// `None` for a prefill.
+    decoding: Option<Decoding>,
+    /// Cached prompt tokens of the run that completed the prompt.
+    num_cached: Option<usize>,
 }
 
 /// A thinker stage with prefix caching: submit requests, run them, read full hidden states.
@@ -100,8 +117,9 @@ pub struct Engine<B: Backend = CpuBackend> {
     finished: u64,
     next_id: RequestId,
     pending: FxHashMap<RequestId, Pending>,
-    /// Outputs of requests that finished while another was awaited by `prefill`.
-    ready: Vec<Output>,
+    /// Events of other requests produced while one was awaited; `step` and
+    /// `run_until_done` hand them out first.
+    backlog: Vec<Event>,
     /// `config.known_tenants` as a set.
     known_tenants: Option<FxHashSet<TenantSalt>>,
 }
@@ -177,7 +195,7 @@ impl<B: Backend> Engine<B> {
             finished: 0,
             next_id: 0,
             pending: FxHashMap::default(),
-            ready: Vec::new(),
+            backlog: Vec::new(),
         })
     }
 
@@ -215,7 +233,7 @@ impl<B: Backend> Engine<B> {
     /// (other requests' outputs wait for [`Engine::run_until_done`]).
     pub fn prefill(&mut self, request: PrefillRequest<'_>) -> Result<Output> {
         let id = self.submit(request)?;
-        self.await_output(id)
+        self.await_prefill(id)
     }
 
     /// [`Engine::prefill`] with `encoder` called for items that bring no
@@ -228,12 +246,89 @@ impl<B: Backend> Engine<B> {
         encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
     ) -> Result<Output> {
         let id = self.submit_with_encoder(request, encoder)?;
-        self.await_output(id)
+        self.await_prefill(id)
+    }
+
+    /// Submits a generating request, runs everything pending and returns its
+    /// generation (other requests' events wait for [`Engine::step`]).
+    ///
+    /// ```
+    /// use omniprefix::engine::{Engine, EngineConfig, PrefillRequest};
+    /// use omniprefix::model::Config;
+    /// use omniprefix::sample::SamplingParams;
+    ///
+    /// let model = Config::tiny_qwen3(32, 2, 4, 2, 600);
+    /// let mut engine = Engine::random(model, 1, EngineConfig { block_size: 4, ..Default::default() })?;
+    /// let prompt: Vec<u32> = (0..10).collect();
+    /// let first = engine.generate(PrefillRequest::text(prompt.clone()), SamplingParams::greedy(6))?;
+    /// assert_eq!(first.tokens.len(), 6);
+    /// assert_eq!(first.hidden[0].1.nrows(), 10 + 6 - 1); // every position that ran
+    /// // The next round re-sends prompt + reply: all of it but the last token is cached.
+    /// let next = [prompt, first.tokens.clone(), vec![7, 8]].concat();
+    /// let second = engine.generate(PrefillRequest::text(next), SamplingParams::greedy(2))?;
+    /// assert_eq!(second.num_cached_tokens, 10 + 6 - 1);
+    /// # Ok::<(), omniprefix::Error>(())
+    /// ```
+    pub fn generate(&mut self, request: PrefillRequest<'_>, params: SamplingParams) -> Result<Generation> {
+        self.generate_streaming(request, params, |_| {})
+    }
+
+    /// [`Engine::generate`], calling `on_token` with each token as it is
+    /// sampled and the hidden rows of the position that produced it: what a
+    /// talker consumes, token by token.
+    pub fn generate_streaming(
+        &mut self,
+        request: PrefillRequest<'_>,
+        params: SamplingParams,
+        on_token: impl FnMut(&TokenEvent),
+    ) -> Result<Generation> {
+        let id = self.submit_generate(request, params)?;
+        match self.await_finish(id, on_token)? {
+            Event::Generated(g) => Ok(g),
+            other => Err(SchedError::OutputsBeforeFinish { id: other.request() }.into()),
+        }
+    }
+
+    /// Checks and queues a generating request; on error nothing changes.
+    /// Its tokens and its end come from [`Engine::step`].
+    pub fn submit_generate(&mut self, request: PrefillRequest<'_>, params: SamplingParams) -> Result<RequestId> {
+        self.submit_generate_with_encoder(request, params, no_encoder)
+    }
+
+    /// [`Engine::submit_generate`] with an encoder for items without embeddings.
+    pub fn submit_generate_with_encoder<E: Into<EncoderOutput>>(
+        &mut self,
+        request: PrefillRequest<'_>,
+        params: SamplingParams,
+        encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
+    ) -> Result<RequestId> {
+        self.submit_inner(request, Some(params), encoder)
+    }
+
+    /// Drops a submitted request at any point (waiting, prefilling or
+    /// decoding): its blocks and locks go back, its partly written blocks
+    /// never enter the index, and no event of it follows.
+    pub fn abort(&mut self, id: RequestId) -> Result<()> {
+        if self.pending.remove(&id).is_none() {
+            return Err(SchedError::UnknownRequest { id }.into());
+        }
+        self.backlog.retain(|e| e.request() != id);
+        self.sched.abort(id)
+    }
+
+    /// True while some submitted request has not finished.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// The checkpoint's eos ids: a generation's stop ids unless it names its own.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.model_config().eos_token_ids
     }
 
     /// Checks and queues a request; on error nothing changes.
     pub fn submit(&mut self, request: PrefillRequest<'_>) -> Result<RequestId> {
-        self.submit_with_encoder(request, |item, _| -> Result<Array2<f32>> { Err(Error::Request(RequestError::MissingEmbeddings { item })) })
+        self.submit_with_encoder(request, no_encoder)
     }
 
     /// [`Engine::submit`] with an encoder for items without embeddings.
@@ -242,15 +337,37 @@ impl<B: Backend> Engine<B> {
         request: PrefillRequest<'_>,
         encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
     ) -> Result<RequestId> {
+        self.submit_inner(request, None, encoder)
+    }
+
+    /// Preprocess → check → encode → admit, for prefills (`params: None`) and
+    /// generations alike; on error nothing changes.
+    fn submit_inner<E: Into<EncoderOutput>>(
+        &mut self,
+        request: PrefillRequest<'_>,
+        params: Option<SamplingParams>,
+        encoder: impl FnMut(usize, &ItemIdentity) -> Result<E>,
+    ) -> Result<RequestId> {
         let started = Instant::now();
         let id = self.next_id;
         // The cheap rule first: a forged salt costs no fingerprinting (checked with caching off too).
         check_tenant(self.known_tenants.as_ref(), id, request.tenant)?;
         let prompt = self.preprocess(&request)?;
+        let model = self.model_config();
+        // Before any encoder runs: ids and sampling settings the model cannot take.
+        if let Some((position, token)) = out_of_vocab(&prompt.token_ids, model.vocab_size) {
+            let vocab_size = u32::try_from(model.vocab_size).unwrap_or(u32::MAX);
+            return Err(RequestError::TokenOutOfVocab { position, token, vocab_size }.into());
+        }
+        if let Some(params) = &params {
+            params.check(model.vocab_size, prompt.len(), model.max_position_embeddings)?;
+        }
+        // Positions the sequence may grow by: every sampled token but the last runs.
+        let max_new_tokens = params.as_ref().map_or(0, |p| p.positions_needed(prompt.len()) - prompt.len());
         let positions = prompt.positions.clone();
         let (embeddings, deepstack, fresh, cache_hits) = self.item_rows(&prompt, &request, encoder)?;
         let preprocess = started.elapsed();
-        let req = Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: None };
+        let req = Request { id, prompt, item_embeddings: embeddings, item_deepstack: deepstack, hidden_size: None, max_new_tokens };
         self.sched.admit(req)?;
         // Admitted: only now does anything change.
         for (fp, e, levels) in fresh {
@@ -259,18 +376,47 @@ impl<B: Backend> Engine<B> {
         self.encoder_cache_hits += cache_hits;
         self.next_id += 1;
         let timings = Timings { preprocess, ..Default::default() };
-        self.pending.insert(id, Pending { timings, submitted: started, positions });
+        let decoding = params.map(|p| {
+            let seed = p.seed.unwrap_or_else(crate::sample::random_seed);
+            Decoding::new(p, seed, &self.runner.thinker().config().eos_token_ids)
+        });
+        self.pending.insert(id, Pending { timings, submitted: started, positions, decoding, num_cached: None });
         Ok(id)
     }
 
     /// Runs steps (several requests per step, chunked by the token budget)
     /// until every submitted request has finished; returns their outputs in
     /// the order they finished.
+    /// Events of generating requests are kept for [`Engine::step`].
     pub fn run_until_done(&mut self) -> Result<Vec<Output>> {
-        while !self.pending.is_empty() {
-            self.step()?;
+        let mut outputs = Vec::new();
+        let mut keep = Vec::new();
+        loop {
+            for event in self.step()? {
+                match event {
+                    Event::Prefilled(out) => outputs.push(out),
+                    other => keep.push(other),
+                }
+            }
+            if self.pending.is_empty() {
+                break;
+            }
         }
-        Ok(std::mem::take(&mut self.ready))
+        self.backlog = keep;
+        Ok(outputs)
+    }
+
+    /// Runs one step of the pipeline after admission (schedule → run →
+    /// complete → sample → output) and returns what it produced: sampled
+    /// tokens and finished requests, after any events kept from earlier calls.
+    /// Empty when nothing is pending. A runner failure aborts the batch's
+    /// requests (their blocks go back to the pool) and is returned.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut events = std::mem::take(&mut self.backlog);
+        if !self.pending.is_empty() {
+            self.step_into(&mut events)?;
+        }
+        Ok(events)
     }
 
     /// Counters of the scheduler, index and encoder cache.
@@ -347,23 +493,45 @@ impl<B: Backend> Engine<B> {
         Ok((embeddings, deepstack, fresh, cache_hits))
     }
 
-    /// Steps until `id` has finished; keeps other finished outputs for `run_until_done`.
-    fn await_output(&mut self, id: RequestId) -> Result<Output> {
-        loop {
-            if let Some(i) = self.ready.iter().position(|o| o.request == id) {
-                return Ok(self.ready.swap_remove(i));
-            }
-            if !self.pending.contains_key(&id) {
-                return Err(SchedError::UnknownRequest { id }.into());
-            }
-            self.step()?;
+    /// [`Engine::await_finish`] for a prefill.
+    fn await_prefill(&mut self, id: RequestId) -> Result<Output> {
+        match self.await_finish(id, |_| {})? {
+            Event::Prefilled(out) => Ok(out),
+            other => Err(SchedError::OutputsBeforeFinish { id: other.request() }.into()),
         }
     }
 
-    /// One step of the pipeline after admission: schedule → run → complete →
-    /// output. A runner failure aborts the batch's requests (their blocks go
-    /// back to the pool) and is returned.
-    fn step(&mut self) -> Result<()> {
+    /// Steps until `id` has finished and returns its last event, passing its
+    /// tokens to `on_token`; other requests' events are kept for `step`.
+    fn await_finish(&mut self, id: RequestId, mut on_token: impl FnMut(&TokenEvent)) -> Result<Event> {
+        let mut kept = Vec::new();
+        let mut events = std::mem::take(&mut self.backlog);
+        let result = loop {
+            let mut finished = None;
+            for event in events.drain(..) {
+                match event {
+                    Event::Token(t) if t.request == id => on_token(&t),
+                    Event::Prefilled(_) | Event::Generated(_) if event.request() == id => finished = Some(event),
+                    other => kept.push(other),
+                }
+            }
+            if let Some(event) = finished {
+                break Ok(event);
+            }
+            if !self.pending.contains_key(&id) {
+                break Err(SchedError::UnknownRequest { id }.into());
+            }
+            if let Err(e) = self.step_into(&mut events) {
+                break Err(e);
+            }
+        };
+        kept.append(&mut self.backlog);
+        self.backlog = kept;
+        result
+    }
+
+    /// One step of the pipeline after admission, its events appended to `events`.
+    fn step_into(&mut self, events: &mut Vec<Event>) -> Result<()> {
         let t0 = Instant::now();
         let batch = self.sched.schedule()?;
         let schedule = t0.elapsed();
@@ -380,7 +548,7 @@ impl<B: Backend> Engine<B> {
         };
         let forward = t1.elapsed();
         let t2 = Instant::now();
-        let done = self.sched.complete(&batch)?;
+        let ready = self.sched.complete(&batch)?;
         let schedule = schedule + t2.elapsed();
         for seq in &batch.seqs {
             if let Some(p) = self.pending.get_mut(&seq.request) {
@@ -389,25 +557,56 @@ impl<B: Backend> Engine<B> {
             }
         }
         for out in outputs {
-            if !done.contains(&out.request) {
+            if !ready.contains(&out.request) {
                 return Err(SchedError::OutputsBeforeFinish { id: out.request }.into());
             }
-            let num_cached = self.sched.num_cached_tokens(out.request).unwrap_or(0);
-            self.sched.finish(out.request)?;
-            self.output(out, num_cached)?;
+            self.on_ready(out, events)?;
         }
         Ok(())
     }
 
+    /// A sequence whose known tokens all ran: a prefill ends; a generation
+    /// samples its next token and decodes on, or ends.
+    fn on_ready(&mut self, out: SeqOutput, events: &mut Vec<Event>) -> Result<()> {
+        let id = out.request;
+        let Some(p) = self.pending.get_mut(&id) else { return Ok(()) };
+        let num_cached = *p.num_cached.get_or_insert_with(|| self.sched.num_cached_tokens(id).unwrap_or(0));
+        let elapsed = p.submitted.elapsed();
+        let Some(d) = p.decoding.as_mut() else {
+            self.sched.finish(id)?;
+            return self.output(out, num_cached, events);
+        };
+        d.add_rows(&out.hidden);
+        let next = match d.stopping {
+            // Its last token just ran (`run_last_token`).
+            Some(reason) => Next::Finish(reason),
+            None => {
+                let next = d.sample(&out.last_logits, elapsed);
+                let index = d.tokens.len() - 1;
+                let position = p.positions.len() + index - 1;
+                let token = d.tokens[index];
+                events.push(Event::Token(TokenEvent { request: id, token, index, position, hidden: last_rows(&out.hidden) }));
+                next
+            }
+        };
+        match next {
+            Next::Continue(token) | Next::RunLast(token) => self.sched.append(id, token),
+            Next::Finish(reason) => {
+                self.sched.finish(id)?;
+                self.generation(id, num_cached, reason, events)
+            }
+        }
+    }
+
     /// The last stage: the runner's outputs with what ran (positions from the
     /// prompt's, cut like every chunk's) and where the time went.
-    fn output(&mut self, out: SeqOutput, num_cached: usize) -> Result<()> {
+    fn output(&mut self, out: SeqOutput, num_cached: usize, events: &mut Vec<Event>) -> Result<()> {
         let Some(p) = self.pending.remove(&out.request) else { return Ok(()) };
         let prompt_len = p.positions.len();
         let computed_positions = p.positions.slice(num_cached..prompt_len)?;
         let timings = Timings { total: p.submitted.elapsed(), ..p.timings };
         self.finished += 1;
-        self.ready.push(Output {
+        events.push(Event::Prefilled(Output {
             request: out.request,
             hidden: out.hidden,
             last_logits: out.last_logits,
@@ -415,7 +614,33 @@ impl<B: Backend> Engine<B> {
             prompt_len,
             computed_positions,
             timings,
-        });
+        }));
+        Ok(())
+    }
+
+    /// A generation's end: its tokens and the rows of every position that ran.
+    fn generation(&mut self, id: RequestId, num_cached: usize, finish_reason: FinishReason, events: &mut Vec<Event>) -> Result<()> {
+        let Some(mut p) = self.pending.remove(&id) else { return Ok(()) };
+        let Some(mut d) = p.decoding.take() else { return Ok(()) };
+        let names = self.runner.capture().points().to_vec();
+        let hidden = d.take_hidden(&names, self.model_config().hidden_size)?;
+        let timings = GenerationTimings {
+            preprocess: p.timings.preprocess,
+            ttft: d.token_times.first().copied().unwrap_or_default(),
+            token_times: std::mem::take(&mut d.token_times),
+            total: p.submitted.elapsed(),
+        };
+        self.finished += 1;
+        events.push(Event::Generated(Generation {
+            request: id,
+            tokens: std::mem::take(&mut d.tokens),
+            hidden,
+            num_cached_tokens: num_cached,
+            prompt_len: p.positions.len(),
+            finish_reason,
+            seed: d.seed,
+            timings,
+        }));
         Ok(())
     }
 
@@ -426,6 +651,12 @@ impl<B: Backend> Engine<B> {
             self.pending.remove(&seq.request);
         }
     }
+}
+
+/// The encoder of requests submitted without one: every item must bring its
+/// embeddings or hit the encoder cache.
+fn no_encoder(item: usize, _: &ItemIdentity) -> Result<Array2<f32>> {
+    Err(Error::Request(RequestError::MissingEmbeddings { item }))
 }
 
 /// The tenant of request `id` when caching is off: one per request, from the

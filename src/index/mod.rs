@@ -52,6 +52,8 @@ pub struct InsertOutcome {
     /// ready to [`lock`](PrefixIndex::lock) without matching again. Empty when
     /// no block was given.
     pub cached: PrefixMatch,
+    /// Blocks the index gave up (a cached partial block superseded); the caller frees them.
+    pub released: Vec<BlockId>,
 }
 
 /// Counters every index keeps.
@@ -79,6 +81,15 @@ pub trait PrefixIndex {
     /// Caches the first `blocks.len()` full blocks of `prompt` (KV already
     /// written) and returns them as now cached ([`InsertOutcome::cached`]).
     fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome>;
+    /// Caches the first `tokens` positions of `prompt`, held by `blocks`
+    /// (the last one may be partly filled). TEMPORARY default until the
+    /// index branch lands: full blocks only, the tail comes back as a duplicate.
+    fn insert_partial(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize) -> Result<InsertOutcome> {
+        let full = tokens / self.block_size();
+        let mut outcome = self.insert(prompt, &blocks[..full.min(blocks.len())])?;
+        outcome.duplicates.extend(blocks.get(full..).into_iter().flatten().copied());
+        Ok(outcome)
+    }
     /// Pins what `m` reported so eviction cannot take it; reference counted.
     fn lock(&mut self, m: &PrefixMatch);
     /// Releases one `lock` of `m`.

@@ -67,6 +67,11 @@ pub struct Config {
     /// `vision_config.deepstack_visual_indexes`); `None` when the config names none.
     /// Level `i` is added after decoder layer `i`.
     pub deepstack_levels: Option<usize>,
+    /// Token ids that end generation (HF `eos_token_id`, one id or a list), each
+    /// below `vocab_size`; empty when the checkpoint names none (and for
+    /// [`TinyModel`] configs). [`Config::from_dir`] prefers `generation_config.json`
+    /// over `config.json`; see there.
+    pub eos_token_ids: Vec<u32>,
 }
 
 /// The raw HF fields we read; unknown fields are ignored.
@@ -118,11 +123,78 @@ fn unsupported(field: &'static str, value: impl std::fmt::Debug, reason: &'stati
     CheckpointError::UnsupportedConfig { field, value: format!("{value:?}"), reason }.into()
 }
 
+/// Where an `eos_token_id` was read, for the error that names it.
+#[derive(Clone, Copy)]
+enum EosSource {
+    Config,
+    GenerationConfig,
+}
+
+/// A HF `eos_token_id`: `null` or absent → `None`; one id or a list of ids → the ids.
+fn parse_eos(value: Option<&serde_json::Value>, source: EosSource) -> Result<Option<Vec<u32>>> {
+    use serde_json::Value;
+    let id = |v: &Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+    let ids = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Array(items)) => items.iter().map(id).collect::<Option<Vec<u32>>>(),
+        Some(one) => id(one).map(|id| vec![id]),
+    };
+    ids.map(Some).ok_or_else(|| {
+        let found = value.unwrap_or(&Value::Null);
+        let reason = match source {
+            EosSource::Config => "config.json: expected a token id (0..2^32) or a list of token ids",
+            EosSource::GenerationConfig => {
+                "generation_config.json: expected a token id (0..2^32) or a list of token ids"
+            }
+        };
+        unsupported("eos_token_id", found, reason)
+    })
+}
+
+/// The eos ids of a `config.json`: the first `eos_token_id` that is set, at the
+/// root, in `thinker_config`, in `thinker_config.text_config`, or in `text_config`.
+fn eos_from_config(root: &serde_json::Value) -> Result<Vec<u32>> {
+    for pointer in ["/eos_token_id", "/thinker_config/eos_token_id", "/thinker_config/text_config/eos_token_id", "/text_config/eos_token_id"] {
+        if let Some(ids) = parse_eos(root.pointer(pointer), EosSource::Config)? {
+            return Ok(ids);
+        }
+    }
+    Ok(Vec::new())
+}
+
 impl Config {
-    /// Reads `config.json` from a file.
+    /// Reads a checkpoint directory's `config.json`, and the eos ids of its
+    /// `generation_config.json` when that file exists.
+    ///
+    /// [`eos_token_ids`](Config::eos_token_ids) come from the first
+    /// `eos_token_id` that is set (not absent, not `null`) in
+    /// `generation_config.json`, then `config.json` at its root, in
+    /// `thinker_config`, in `thinker_config.text_config` (Qwen3-Omni) or in
+    /// `text_config`. Set nowhere: empty. A value that is neither an id nor a list
+    /// of ids is [`CheckpointError::UnsupportedConfig`] with field `eos_token_id`;
+    /// a `generation_config.json` that is not JSON is [`CheckpointError::ConfigParse`].
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let mut cfg = Self::from_file(&dir.join("config.json"))?;
+        let path = dir.join("generation_config.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(cfg),
+            Err(source) => return Err(IoError::read(&path, source).into()),
+        };
+        let generation: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| CheckpointError::ConfigParse(format!("generation_config.json: {e}")))?;
+        if let Some(ids) = parse_eos(generation.get("eos_token_id"), EosSource::GenerationConfig)? {
+            cfg.eos_token_ids = ids;
+            cfg.validate()?;
+        }
+        Ok(cfg)
+    }
+
+    /// Reads `config.json` from a file (eos ids from it alone; [`Config::from_dir`]
+    /// also reads `generation_config.json`).
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
-            .map_err(|source| IoError::read(&path, source))?;
+            .map_err(|source| IoError::read(path, source))?;
         Self::from_json_str(&text)
     }
 
@@ -144,7 +216,8 @@ impl Config {
             Some(serde_json::Value::Array(indexes)) => Some(indexes.len()),
             Some(other) => return Err(unsupported("deepstack_visual_indexes", other, "expected a list of layer indexes")),
         };
-        let cfg = Config { deepstack_levels, ..Self::from_raw(raw)? };
+        let eos_token_ids = eos_from_config(&root)?;
+        let cfg = Config { deepstack_levels, eos_token_ids, ..Self::from_raw(raw)? };
         cfg.validate()?;
         Ok(cfg)
     }
@@ -229,6 +302,7 @@ impl Config {
             moe,
             max_position_embeddings: raw.max_position_embeddings,
             deepstack_levels: None,
+            eos_token_ids: Vec::new(),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -266,6 +340,9 @@ impl Config {
         }
         if let Some(levels) = self.deepstack_levels.filter(|&l| l > self.num_hidden_layers) {
             return Err(unsupported("deepstack_visual_indexes", levels, "more DeepStack levels than decoder layers"));
+        }
+        if let Some(&id) = self.eos_token_ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(unsupported("eos_token_id", id, "must be below vocab_size"));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             return Err(unsupported("rope_theta", self.rope_theta, "must be finite and positive"));
@@ -389,7 +466,7 @@ pub enum TinyFamily {
 /// ```
 ///
 /// Derived sizes: `head_dim = hidden / heads`, dense `intermediate_size = 2 * hidden`,
-/// RMSNorm eps 1e-6, RoPE theta 10 000, no context limit, no DeepStack levels.
+/// RMSNorm eps 1e-6, RoPE theta 10 000, no context limit, no DeepStack levels, no eos ids.
 /// The presets are hidden 32, 2 layers, 4 query / 2 KV heads and a 512-id
 /// vocabulary, which holds [`OmniTokens::tiny`](crate::prompt::OmniTokens::tiny)'s
 /// special ids (500-506).
@@ -453,6 +530,7 @@ impl TinyModel {
             moe: None,
             max_position_embeddings: None,
             deepstack_levels: None,
+            eos_token_ids: Vec::new(),
         };
         match family {
             TinyFamily::Qwen3 => qwen3,
@@ -611,6 +689,100 @@ mod tests {
         assert_eq!((experts.num_experts, experts.num_experts_per_tok, experts.moe_intermediate_size), (8, 2, 128));
         assert!(!moe.is_sparse_layer(0) && moe.is_sparse_layer(1) && moe.is_sparse_layer(3));
         assert!(moe.validate().is_ok());
+    }
+
+    /// A fresh directory holding `config.json` and, when given, `generation_config.json`.
+    fn checkpoint_dir(name: &str, config: &str, generation: Option<&str>) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("omniprefix-eos-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        if let Some(generation) = generation {
+            std::fs::write(dir.join("generation_config.json"), generation).unwrap();
+        }
+        dir
+    }
+
+    /// A dense Qwen3 `config.json` with `extra` fields at its root.
+    fn dense(extra: &str) -> String {
+        format!(
+            r#"{{"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100 {extra}}}"#
+        )
+    }
+
+    fn eos_of(name: &str, config: &str, generation: Option<&str>) -> Result<Vec<u32>> {
+        let dir = checkpoint_dir(name, config, generation);
+        let cfg = Config::from_dir(&dir);
+        std::fs::remove_dir_all(&dir).ok();
+        cfg.map(|c| c.eos_token_ids)
+    }
+
+    #[test]
+    fn eos_ids_come_from_generation_config_then_config() {
+        assert_eq!(eos_of("none", &dense(""), None).unwrap(), Vec::<u32>::new());
+        assert_eq!(eos_of("null", &dense(r#", "eos_token_id": null"#), None).unwrap(), Vec::<u32>::new());
+        assert_eq!(eos_of("int", &dense(r#", "eos_token_id": 7"#), None).unwrap(), vec![7]);
+        assert_eq!(eos_of("list", &dense(r#", "eos_token_id": [9, 7]"#), None).unwrap(), vec![9, 7]);
+        assert_eq!(eos_of("empty-list", &dense(r#", "eos_token_id": []"#), None).unwrap(), Vec::<u32>::new());
+        // generation_config.json wins over config.json...
+        let gen_list = r#"{"bos_token_id": 1, "eos_token_id": [3, 4], "do_sample": true}"#;
+        assert_eq!(eos_of("gen", &dense(r#", "eos_token_id": 7"#), Some(gen_list)).unwrap(), vec![3, 4]);
+        assert_eq!(eos_of("gen-int", &dense(""), Some(r#"{"eos_token_id": 5}"#)).unwrap(), vec![5]);
+        // ...unless it does not set one.
+        let gen_null = r#"{"eos_token_id": null, "temperature": 0.7}"#;
+        assert_eq!(eos_of("gen-null", &dense(r#", "eos_token_id": 7"#), Some(gen_null)).unwrap(), vec![7]);
+        assert_eq!(eos_of("gen-none", &dense(r#", "eos_token_id": 7"#), Some("{}")).unwrap(), vec![7]);
+        // Config::from_file and from_json_str read config.json's alone.
+        assert_eq!(Config::from_json_str(&dense(r#", "eos_token_id": [2]"#)).unwrap().eos_token_ids, vec![2]);
+        assert!(TinyModel::qwen3().config().eos_token_ids.is_empty());
+    }
+
+    #[test]
+    fn eos_ids_are_found_in_the_omni_nesting() {
+        let text = omni_text(r#", "vocab_size": 152064, "eos_token_id": 151645"#);
+        assert_eq!(eos_of("text-config", &text, None).unwrap(), vec![151645]);
+        let thinker = omni_text("").replacen(r#""thinker_config": {"#, r#""thinker_config": {"eos_token_id": [151643, 151645], "#, 1);
+        assert_eq!(eos_of("thinker", &thinker, None).unwrap(), vec![151643, 151645]);
+        // The root before thinker_config before its text_config.
+        let all = omni_text(r#", "eos_token_id": 3"#)
+            .replacen(r#""thinker_config": {"#, r#""eos_token_id": 1, "thinker_config": {"eos_token_id": 2, "#, 1);
+        assert_eq!(eos_of("root", &all, None).unwrap(), vec![1]);
+        let nested = omni_text(r#", "eos_token_id": 3"#)
+            .replacen(r#""thinker_config": {"#, r#""eos_token_id": null, "thinker_config": {"eos_token_id": 2, "#, 1);
+        assert_eq!(eos_of("nested", &nested, None).unwrap(), vec![2]);
+    }
+
+    #[test]
+    fn malformed_eos_ids_are_checkpoint_errors() {
+        let is_eos_error = |r: Result<Vec<u32>>| {
+            matches!(r, Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "eos_token_id", .. })))
+        };
+        for bad in [r#""2""#, "-1", "1.5", "4294967296", r#"[1, "x"]"#, r#"{"id": 1}"#, "true"] {
+            let cfg = dense(&format!(r#", "eos_token_id": {bad}"#));
+            assert!(is_eos_error(eos_of("bad", &cfg, None)), "config.json eos {bad}");
+            let generation = format!(r#"{{"eos_token_id": {bad}}}"#);
+            let err = eos_of("bad-gen", &dense(""), Some(&generation));
+            assert!(is_eos_error(err), "generation_config.json eos {bad}");
+        }
+        let err = eos_of("gen-reason", &dense(""), Some(r#"{"eos_token_id": "x"}"#)).unwrap_err();
+        assert!(err.to_string().contains("generation_config.json"), "{err}");
+        // Ids the model cannot produce.
+        assert!(is_eos_error(eos_of("vocab", &dense(r#", "eos_token_id": [5, 100]"#), None)));
+        assert!(is_eos_error(eos_of("vocab-gen", &dense(""), Some(r#"{"eos_token_id": 100}"#))));
+        assert!(matches!(
+            eos_of("gen-json", &dense(""), Some("{not json")),
+            Err(Error::Checkpoint(CheckpointError::ConfigParse(m))) if m.starts_with("generation_config.json")
+        ));
+    }
+
+    #[test]
+    fn tiny_fixtures_carry_no_eos_ids() {
+        // fixtures/make_tiny_models.py drops generation_config.json and the configs say `null`.
+        for model in ["qwen3_dense", "qwen2_dense", "omni_thinker"] {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny").join(model);
+            assert_eq!(Config::from_dir(&dir).unwrap().eos_token_ids, Vec::<u32>::new(), "{model}");
+        }
     }
 
     #[test]

@@ -117,9 +117,10 @@ fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usiz
 }
 
 impl<B: Backend> Thinker<B> {
-    /// Loads `config.json` and the safetensors checkpoint in `dir`.
+    /// Loads `config.json` (eos ids from `generation_config.json` when present,
+    /// see [`Config::from_dir`]) and the safetensors checkpoint in `dir`.
     pub fn from_dir(backend: &B, dir: &Path) -> Result<Self> {
-        let config = Config::from_file(&dir.join("config.json"))?;
+        let config = Config::from_dir(dir)?;
         let source = SafetensorsSource::open_dir(dir)?;
         Self::load(backend, config, &source)
     }

@@ -103,6 +103,18 @@ impl CanonicalPrompt {
         self.token_ids.len()
     }
 
+    /// Appends a generated token: a text atom of the sequence (merged into a
+    /// trailing text run) at the next decode position, so the index keys the
+    /// reply like any text and a follow-up that re-sends it matches.
+    pub fn push_text(&mut self, token: u32) {
+        self.token_ids.push(token);
+        match self.atoms.last_mut() {
+            Some(Atom::Text(ids)) => ids.push(token),
+            _ => self.atoms.push(Atom::Text(vec![token])),
+        }
+        self.positions.append_text(1);
+    }
+
     /// True for a prompt with no tokens.
     pub fn is_empty(&self) -> bool {
         self.token_ids.is_empty()

@@ -211,6 +211,22 @@ impl Positions {
         Ok(Positions { kind: self.kind, len: range.len(), rope_delta: self.rope_delta, runs })
     }
 
+    /// Appends `n` text positions after the last: generated tokens. They count
+    /// on from the sequence index plus the rope delta, as Hugging Face decodes
+    /// Qwen-Omni (`cache_position + rope_deltas`), so text after the last item
+    /// continues from its largest position + 1; 1-D positions simply continue.
+    pub fn append_text(&mut self, n: usize) {
+        let base = self.len as i64 + if self.kind == PositionKind::Mrope { self.rope_delta } else { 0 };
+        self.len += n;
+        if let Some(Run::Diagonal { len, base: last }) = self.runs.last_mut()
+            && *last + *len as i64 == base
+        {
+            *len += n;
+            return;
+        }
+        self.runs.push(Run::Diagonal { len: n, base });
+    }
+
     /// Every position as `[t, h, w]` (1-D positions repeat one value), in order.
     pub fn iter(&self) -> impl Iterator<Item = [i64; 3]> + '_ {
         self.runs.iter().flat_map(|run| (0..run.len()).map(move |i| run.at(i)))

@@ -320,3 +320,28 @@ fn a_rejected_extend_leaves_a_non_empty_builder_as_it_was() -> Result<()> {
     assert_eq!(after.positions, before.positions);
     Ok(())
 }
+
+#[test]
+fn generated_tokens_continue_where_the_prompt_built_from_atoms_would() -> Result<()> {
+    // A prompt ending in an image, then "generated" text pushed one token at a
+    // time, must get exactly the positions the builder gives the same text.
+    let tokens = OmniTokens::qwen3_omni();
+    let items = [image(7)];
+    let head = [1, 2, tokens.vision_start_token_id, tokens.image_token_id, tokens.vision_end_token_id];
+    let mut sequence = unexpanded(&head, &items)?;
+    let reply = [11, 12, 13];
+    for t in reply {
+        sequence.push_text(t);
+    }
+    let whole = unexpanded(&[&head[..], &reply[..]].concat(), &items)?;
+    assert_eq!(sequence.positions, whole.positions);
+    assert_eq!(sequence.token_ids, whole.token_ids);
+    let atoms: usize = sequence.atoms.iter().map(Atom::len).sum();
+    assert_eq!(atoms, sequence.len());
+    assert!(matches!(sequence.atoms.last(), Some(Atom::Text(ids)) if ids == &[tokens.vision_end_token_id, 11, 12, 13][..]));
+    // 1-D positions continue too.
+    let mut linear = Positions::linear(5);
+    linear.append_text(2);
+    assert_eq!(linear, Positions::linear(7));
+    Ok(())
+}

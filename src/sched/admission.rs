@@ -58,7 +58,8 @@ impl Admission {
             let vocab_size = u32::try_from(model.vocab_size).unwrap_or(u32::MAX);
             return Err(RequestError::TokenOutOfVocab { position, token, vocab_size }.into());
         }
-        let len = req.prompt.len();
+        // The sequence grows by up to `max_new_tokens` positions.
+        let len = req.prompt.len().saturating_add(req.max_new_tokens);
         if let Some(max) = self.max_context.filter(|&max| len > max) {
             return Err(RequestError::ContextTooLong { id, len, max }.into());
         }

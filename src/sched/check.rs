@@ -25,7 +25,7 @@ impl Scheduler {
             let expected = match t.phase {
                 Phase::Waiting => (true, false),
                 Phase::Running => (false, true),
-                Phase::Finished => (false, false),
+                Phase::Ready => (false, false),
             };
             if listed != expected {
                 return Err(format!(
@@ -39,6 +39,17 @@ impl Scheduler {
                 return Err(format!(
                     "waiting request {id} holds blocks, a lock or computed tokens"
                 ));
+            }
+            if t.phase == Phase::Ready && (t.num_computed != t.req.prompt.len() || t.in_flight.is_some()) {
+                return Err(format!(
+                    "ready request {id} has {} of {} tokens computed (in flight: {:?})",
+                    t.num_computed,
+                    t.req.prompt.len(),
+                    t.in_flight
+                ));
+            }
+            if t.delivered > t.req.prompt.len() {
+                return Err(format!("request {id} handed out {} rows of {} positions", t.delivered, t.req.prompt.len()));
             }
             let covered = t.num_computed + t.in_flight.unwrap_or(0);
             if t.phase != Phase::Waiting

@@ -1,22 +1,33 @@
 //! The scheduler: the one owner of all cache state (prefix index + block pool).
 //!
-//! Lifecycle of a request: [`Scheduler::admit`] checks it (every check, once,
-//! in `admission`) and queues it;
-//! [`Scheduler::schedule`] matches its prefix the first time it is picked
-//! (so it sees everything cached by then), pins the match, allocates blocks for
-//! a chunk within the step's token budget and emits a [`ScheduledBatch`];
-//! [`Scheduler::complete`] advances it after the runner ran the batch and
-//! commits its newly full blocks into the index; [`Scheduler::finish`] or
-//! [`Scheduler::abort`] release its locks and blocks.
+//! Lifecycle of a request (a *sequence*: its prompt, then the tokens it
+//! generates): [`Scheduler::admit`] checks it (every check, once, in
+//! `admission`) and queues it; [`Scheduler::schedule`] matches its prefix the
+//! first time it is picked (so it sees everything cached by then), pins the
+//! match, allocates blocks for a chunk within the step's token budget and
+//! emits a [`ScheduledBatch`]; [`Scheduler::complete`] advances it after the
+//! runner ran the batch, commits its newly full blocks into the index and
+//! reports it *ready* once every known token ran. A ready sequence either
+//! grows by the token sampled from its last logits ([`Scheduler::append`]:
+//! it decodes, one token per step) or ends ([`Scheduler::finish`], which also
+//! caches its last, partly filled block); [`Scheduler::abort`] drops it at any
+//! point.
+//!
+//! One token budget per step, as in vLLM V1's unified scheduler: decode
+//! tokens of running sequences first, then their prefill chunks, then waiting
+//! requests.
 //!
 //! Blocks are never lost: a request's block table is a prefix of index-owned
-//! blocks (pinned by one index lock) followed by private pool blocks. Only full
-//! blocks whose KV was written enter the index, so an aborted request leaves no
-//! partial block behind.
+//! blocks (pinned by one index lock) followed by private pool blocks. Only
+//! blocks whose KV was written enter the index: full ones as soon as they
+//! fill, the partly filled last one when the sequence finishes, so an aborted
+//! request leaves no partial block behind and a follow-up that re-sends the
+//! prompt and the reply reuses every position that ran.
 //!
 //! Progress: when the free list runs dry the scheduler evicts unlocked index
 //! entries, then preempts (recompute-style) the newest running requests, so the
-//! oldest one always progresses. An index may pin more than a match reports
+//! oldest one always progresses. A preempted sequence resumes by recomputing
+//! its prompt and generated tokens, reusing whatever of them is still cached. An index may pin more than a match reports
 //! (the radix tree locks whole nodes), so a request that finds itself alone
 //! and still short restarts, and a request that cannot start while nothing
 //! runs starts without reuse and takes all its blocks at once: any prompt of
@@ -32,10 +43,10 @@ use std::collections::VecDeque;
 use fxhash::{FxHashMap, FxHashSet};
 
 use crate::batch::{self, BlockCopy, EmbedRows, ModelShape, RequestId, ScheduledBatch};
-use crate::error::{CacheError, ConfigError, Error, Result, SchedError};
+use crate::error::{CacheError, ConfigError, Error, RequestError, Result, SchedError};
 use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockId, BlockPool, BlockState, BlockTable};
-use crate::prompt::TenantSalt;
+use crate::prompt::{TenantSalt, out_of_vocab};
 use admission::{Admission, PoolLimits};
 
 pub(crate) use admission::check_tenant;
@@ -47,8 +58,9 @@ pub use request::Request;
 enum Phase {
     Waiting,
     Running,
-    /// Prompt fully computed; blocks held until `finish` (outputs are being read).
-    Finished,
+    /// Every known token ran; blocks held until [`Scheduler::append`] (it
+    /// decodes on) or [`Scheduler::finish`].
+    Ready,
 }
 
 /// A request and the cache state it holds.
@@ -64,9 +76,16 @@ struct Tracked {
     num_computed: usize,
     /// Leading tokens reused from the cache by the current run (0 after a restart until rematched).
     num_cached: usize,
+    /// Length of the prompt; `req.prompt` grows past it by generated tokens.
+    prompt_len: usize,
     /// New tokens of the batch handed out and not yet completed.
     in_flight: Option<usize>,
     lock: Option<PrefixMatch>,
+    /// Positions whose hidden rows were handed out (a resumed sequence does
+    /// not hand them out again).
+    delivered: usize,
+    /// Admission order: running sequences are kept sorted by it (oldest first).
+    arrival: u64,
 }
 
 /// Admits requests, matches their prefixes and builds the batches the runner executes.
@@ -88,7 +107,7 @@ struct Tracked {
 ///     },
 ///     item_embeddings: vec![],
 ///     item_deepstack: vec![],
-///     hidden_size: None,
+///     hidden_size: None, max_new_tokens: 0,
 /// };
 /// let config = SchedulerConfig {
 ///     num_blocks: 8,
@@ -128,6 +147,7 @@ pub struct Scheduler {
     /// Requests aborted while a batch holding them was out; `complete` skips them.
     aborted_in_flight: FxHashSet<RequestId>,
     admission: Admission,
+    arrivals: u64,
     stats: SchedulerStats,
 }
 
@@ -166,6 +186,7 @@ impl Scheduler {
             running: Vec::new(),
             aborted_in_flight: FxHashSet::default(),
             admission: Admission::default(),
+            arrivals: 0,
             stats: SchedulerStats::default(),
         })
     }
@@ -210,6 +231,7 @@ impl Scheduler {
         };
         self.admission.check(&req, &pool)?;
         let id = req.id;
+        let prompt_len = req.prompt.len();
         let tracked = Tracked {
             embeds: req.placed_embeds(),
             req,
@@ -218,47 +240,51 @@ impl Scheduler {
             num_shared: 0,
             num_computed: 0,
             num_cached: 0,
+            prompt_len,
             in_flight: None,
             lock: None,
+            delivered: 0,
+            arrival: self.arrivals,
         };
+        self.arrivals += 1;
         self.requests.insert(id, tracked);
         self.waiting.push_back(id);
         Ok(())
     }
 
-    /// Builds the next step: running requests first (oldest first), then waiting
-    /// ones in arrival order, each with a chunk within the token budget. A
-    /// request whose blocks cannot be found waits; an empty batch means nothing
-    /// can run now.
+    /// Builds the next step within one token budget: the decode tokens of
+    /// running sequences first, then their prefill chunks (both oldest first),
+    /// then waiting requests in arrival order. A sequence whose blocks cannot
+    /// be found waits; an empty batch means nothing can run now.
     pub fn schedule(&mut self) -> Result<ScheduledBatch> {
         let mut batch = ScheduledBatch::default();
         let mut budget = self.config.max_tokens_per_step;
-        let mut i = 0;
-        while i < self.running.len()
-            && budget > 0
-            && batch.seqs.len() < self.config.max_seqs_per_step
-        {
-            let id = self.running[i];
-            let Some(t) = self.requests.get(&id) else {
-                return Err(SchedError::UnknownRequest { id }.into());
-            };
-            if t.in_flight.is_none() {
-                let chunk = (t.req.prompt.len() - t.num_computed).min(budget);
-                let need = (t.num_computed + chunk)
-                    .div_ceil(self.config.block_size)
-                    .saturating_sub(t.block_table.len());
-                match self.reserve(need, Some(i))? {
-                    Some(fresh) => {
-                        self.tracked_mut(id)?.block_table.extend(fresh);
-                        self.emit(id, chunk, &mut batch)?;
-                        budget -= chunk;
-                    }
-                    // It preempted itself and is back at the head of the queue.
-                    None if self.running.get(i) != Some(&id) => continue,
-                    None => {}
-                }
+        let remaining = |t: &Tracked| t.req.prompt.len() - t.num_computed;
+        let mut order: Vec<RequestId> = Vec::with_capacity(self.running.len());
+        for decode in [true, false] {
+            order.extend(self.running.iter().copied().filter(|id| {
+                self.requests.get(id).is_some_and(|t| (remaining(t) == 1) == decode)
+            }));
+        }
+        for id in order {
+            if budget == 0 || batch.seqs.len() >= self.config.max_seqs_per_step {
+                break;
             }
-            i += 1;
+            // An earlier reservation may have preempted it.
+            let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
+            let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
+            if t.in_flight.is_some() {
+                continue;
+            }
+            let chunk = remaining(t).min(budget);
+            let need = (t.num_computed + chunk)
+                .div_ceil(self.config.block_size)
+                .saturating_sub(t.block_table.len());
+            if let Some(fresh) = self.reserve(need, Some(i))? {
+                self.tracked_mut(id)?.block_table.extend(fresh);
+                self.emit(id, chunk, &mut batch)?;
+                budget -= chunk;
+            }
         }
         while let Some(&id) = self.waiting.front() {
             if budget == 0
@@ -273,8 +299,10 @@ impl Scheduler {
     }
 
     /// Records that the runner executed `batch`: advances each request, commits
-    /// its newly full blocks into the index and returns the requests whose
-    /// prompt is now complete. A batch that is not the one handed out is
+    /// its newly full blocks into the index and returns the requests that are
+    /// now ready (every known token ran; the runner returned their outputs).
+    /// Each must be [`append`](Self::append)ed to or [`finish`](Self::finish)ed
+    /// before it runs again. A batch that is not the one handed out is
     /// rejected before anything changes.
     pub fn complete(&mut self, batch: &ScheduledBatch) -> Result<Vec<RequestId>> {
         let mut seen = FxHashSet::default();
@@ -321,7 +349,15 @@ impl Scheduler {
                 Some(_) => {}
             }
         }
-        let mut finished = Vec::new();
+        // The batch's copies ran: copy-on-write sources need no pin any more,
+        // so no partly filled cached block is locked when the commits below
+        // insert (an insert may extend such a block's leaf).
+        for seq in &batch.seqs {
+            if !self.aborted_in_flight.contains(&seq.request) {
+                self.unpin_copy_source(seq.request)?;
+            }
+        }
+        let mut ready = Vec::new();
         for seq in &batch.seqs {
             let id = seq.request;
             if self.aborted_in_flight.remove(&id) {
@@ -330,26 +366,60 @@ impl Scheduler {
             let t = self.tracked_mut(id)?;
             t.num_computed += t.in_flight.take().unwrap_or(0);
             let done = t.num_computed == t.req.prompt.len();
+            if done {
+                t.delivered = t.num_computed;
+            }
             self.commit_full_blocks(id)?;
             if done {
-                self.tracked_mut(id)?.phase = Phase::Finished;
+                self.tracked_mut(id)?.phase = Phase::Ready;
                 self.running.retain(|&r| r != id);
-                finished.push(id);
+                ready.push(id);
             }
         }
-        Ok(finished)
+        Ok(ready)
     }
 
-    /// Releases a completed request's locks and blocks (its full blocks stay cached).
+    /// Grows ready sequence `id` by `token` (sampled from its last logits):
+    /// it runs in a later step as a decode token, at the next decode position.
+    /// Errors, with nothing changed, for a sequence that is not ready, a token
+    /// outside the vocabulary, or one beyond the request's `max_new_tokens`.
+    pub fn append(&mut self, id: RequestId, token: u32) -> Result<()> {
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
+        let len = t.req.prompt.len();
+        if t.phase != Phase::Ready {
+            return Err(SchedError::RequestNotFinished { id, computed: t.num_computed, len }.into());
+        }
+        let limit = t.prompt_len + t.req.max_new_tokens;
+        if len >= limit {
+            return Err(RequestError::GenerationLimit { id, max_new_tokens: t.req.max_new_tokens }.into());
+        }
+        if let Some(model) = &self.admission.model
+            && out_of_vocab(&[token], model.vocab_size).is_some()
+        {
+            let vocab_size = u32::try_from(model.vocab_size).unwrap_or(u32::MAX);
+            return Err(RequestError::TokenOutOfVocab { position: len, token, vocab_size }.into());
+        }
+        let arrival = t.arrival;
+        let t = self.tracked_mut(id)?;
+        t.req.prompt.push_text(token);
+        t.phase = Phase::Running;
+        self.enter_running(id, arrival);
+        Ok(())
+    }
+
+    /// Ends a ready sequence: its last, partly filled block enters the index
+    /// (a later match copies it on write), then its locks and blocks are
+    /// released (its blocks stay cached).
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
-        if t.phase != Phase::Finished {
+        if t.phase != Phase::Ready {
             return Err(SchedError::RequestNotFinished {
                 id,
                 computed: t.num_computed,
                 len: t.req.prompt.len(),
             }.into());
         }
+        self.commit_partial_tail(id)?;
         self.remove(id)
     }
 
@@ -487,10 +557,19 @@ impl Scheduler {
         t.num_cached = computed;
         t.lock = lock;
         t.phase = Phase::Running;
+        let arrival = t.arrival;
         self.waiting.pop_front();
-        self.running.push(id);
+        self.enter_running(id, arrival);
         self.emit(id, chunk, batch)?;
         Ok(true)
+    }
+
+    /// Puts `id` into the running list at its admission order (oldest first:
+    /// preemption takes the newest, so a resumed old sequence keeps its rank).
+    fn enter_running(&mut self, id: RequestId, arrival: u64) {
+        let requests = &self.requests;
+        let at = self.running.partition_point(|r| requests.get(r).is_some_and(|t| t.arrival < arrival));
+        self.running.insert(at, id);
     }
 
     /// Appends request `id`'s next `chunk` tokens to the batch (blocks already
@@ -499,7 +578,8 @@ impl Scheduler {
         let t = self.tracked_mut(id)?;
         let range = t.num_computed..t.num_computed + chunk;
         let prompt = &t.req.prompt;
-        let seq = batch::chunk(id, &prompt.token_ids, &t.embeds, &prompt.positions, t.block_table.clone(), range)?;
+        let mut seq = batch::chunk(id, &prompt.token_ids, &t.embeds, &prompt.positions, t.block_table.clone(), range)?;
+        seq.output_from = t.delivered;
         batch.seqs.push(seq);
         t.in_flight = Some(chunk);
         Ok(())
@@ -594,13 +674,63 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-return Err(CacheError::MatchedUnownedBlock { block: new }.into());
+                return Err(CacheError::MatchedUnownedBlock { block: new }.into());
             }
         }
         if let Some(old) = t.lock.replace(m) {
             self.index.unlock(&old);
         }
         t.num_shared = n_full;
+        self.reclaim_released(&outcome.released)
+    }
+
+    /// Caches a finishing sequence's last, partly filled block: every
+    /// position that ran is then reusable (the full blocks are in already).
+    fn commit_partial_tail(&mut self, id: RequestId) -> Result<()> {
+        let bs = self.config.block_size;
+        let t = self.requests.get_mut(&id).ok_or(SchedError::UnknownRequest { id })?;
+        let n = t.num_computed;
+        let n_blocks = n.div_ceil(bs);
+        if n % bs == 0 || n_blocks <= t.num_shared {
+            return Ok(());
+        }
+        let outcome = self.index.insert_partial(&t.req.prompt, &t.block_table[..n_blocks], n)?;
+        let tail = t.block_table[n_blocks - 1];
+        for &b in &outcome.adopted {
+            if b != tail {
+                return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
+            }
+            self.pool.adopt_by_index(b)?;
+            // The index owns it now: releasing the request must not free it.
+            t.num_shared = n_blocks;
+        }
+        self.reclaim_released(&outcome.released)
+    }
+
+    /// Frees the blocks an insert gave up (a cached partial block that a
+    /// longer one superseded; no request reads it).
+    fn reclaim_released(&mut self, released: &[BlockId]) -> Result<()> {
+        for &b in released {
+            self.pool.reclaim_evicted(b)?;
+        }
+        Ok(())
+    }
+
+    /// Once a step's copies ran, a request's copy-on-write source needs no
+    /// pin: its lock shrinks to the shared blocks (none when it has none).
+    fn unpin_copy_source(&mut self, id: RequestId) -> Result<()> {
+        let bs = self.config.block_size;
+        let t = self.requests.get_mut(&id).ok_or(SchedError::UnknownRequest { id })?;
+        if t.lock.as_ref().is_none_or(|m| m.blocks.len() <= t.num_shared) {
+            return Ok(());
+        }
+        let Some(old) = t.lock.take() else { return Ok(()) };
+        let kept = (t.num_shared > 0).then(|| pinned_part(old.clone(), t.num_shared * bs, bs));
+        if let Some(m) = &kept {
+            self.index.lock(m);
+        }
+        self.index.unlock(&old);
+        t.lock = kept;
         Ok(())
     }
 

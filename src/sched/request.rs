@@ -24,6 +24,9 @@ pub struct Request {
     /// The embeddings' width, for a scheduler that was not given the model
     /// ([`Scheduler::with_model`](super::Scheduler::with_model)), whose width wins.
     pub hidden_size: Option<usize>,
+    /// Tokens the sequence may grow by ([`Scheduler::append`](super::Scheduler::append));
+    /// 0 for a prefill. Admission checks prompt + this against the context and the pool.
+    pub max_new_tokens: usize,
 }
 
 impl Request {

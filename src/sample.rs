@@ -1,0 +1,613 @@
+//! Token sampling for generation: the per-request [`SamplingParams`], their
+//! admission [`check`](SamplingParams::check), and the seeded [`Sampler`] that
+//! turns one row of logits into one token id.
+//!
+//! The filters follow Hugging Face `transformers` (`TemperatureLogitsWarper`,
+//! `TopKLogitsWarper`, `TopPLogitsWarper`, applied in that order); the random
+//! draw is this crate's own (see [`Sampler`]), so seeded runs are reproducible
+//! here, not token-for-token equal to `torch.multinomial`.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+use crate::Result;
+use crate::error::RequestError;
+
+/// How one request generates: how many tokens, how they are drawn, when it stops.
+///
+/// Deserializes from JSON with every field optional (missing fields take the
+/// [`Default`]: 16 tokens, greedy) and unknown fields rejected, so a misspelt
+/// parameter is an error rather than silently ignored:
+///
+/// ```
+/// use omniprefix::sample::SamplingParams;
+///
+/// let params: SamplingParams =
+///     serde_json::from_str(r#"{"max_tokens": 32, "temperature": 0.7, "top_p": 0.9, "seed": 7}"#)?;
+/// assert_eq!((params.max_tokens, params.top_k, params.ignore_eos), (32, None, false));
+/// params.check(1000, 100, Some(4096))?;
+///
+/// // A prompt of 100 tokens and 32 generated ones need 100 + 32 - 1 positions:
+/// // the last token is sampled but never runs (unless `run_last_token`).
+/// assert!(params.check(1000, 100, Some(131)).is_ok());
+/// assert!(params.check(1000, 100, Some(130)).is_err());
+///
+/// // The checkpoint's eos ids stop generation unless `stop` replaces them.
+/// assert_eq!(params.stop_ids(&[2, 3]), &[2, 3]);
+/// assert!(SamplingParams { ignore_eos: true, ..params }.stop_ids(&[2, 3]).is_empty());
+/// assert!(serde_json::from_str::<SamplingParams>(r#"{"temprature": 0.7}"#).is_err());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// Tokens to generate at most (the stop token, when one ends the request, included); >= 1.
+    pub max_tokens: usize,
+    /// Softmax temperature; 0 = greedy (argmax, lowest index on ties). Must be finite and >= 0.
+    pub temperature: f32,
+    /// Keep only the `k` largest logits (and any equal to the k-th); `None` = off; `Some(0)` is an error.
+    pub top_k: Option<usize>,
+    /// Nucleus sampling: keep the most probable tokens whose mass reaches `top_p`;
+    /// `None` = 1.0 (off). Must lie in (0, 1].
+    pub top_p: Option<f32>,
+    /// Seed of the request's [`Sampler`]; `None` = a random seed per request (reported back).
+    pub seed: Option<u64>,
+    /// Token ids that end generation; `None` = the checkpoint's eos ids. Each must be below the vocab size.
+    pub stop: Option<Vec<u32>>,
+    /// Don't stop on stop ids: generate exactly `max_tokens` tokens.
+    pub ignore_eos: bool,
+    /// Also run the last sampled token through the model (its KV and hidden rows),
+    /// which costs one position more.
+    pub run_last_token: bool,
+}
+
+impl SamplingParams {
+    /// Greedy decoding of at most `max_tokens` tokens; everything else default.
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams {
+            max_tokens,
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: None,
+            stop: None,
+            ignore_eos: false,
+            run_last_token: false,
+        }
+    }
+
+    /// The positions a sequence of `prompt_len` prompt tokens occupies when it
+    /// generates `max_tokens` tokens: `prompt_len + max_tokens - 1`, since the
+    /// last sampled token never runs, `+ 1` when [`run_last_token`](Self::run_last_token)
+    /// runs it too. Saturates instead of overflowing.
+    pub fn positions_needed(&self, prompt_len: usize) -> usize {
+        prompt_len
+            .saturating_add(self.max_tokens)
+            .saturating_sub(usize::from(!self.run_last_token))
+    }
+
+    /// Checks the parameters against the model (`vocab_size`, `max_context`
+    /// positions, `None` = no limit) and a prompt of `prompt_len` tokens.
+    ///
+    /// Errors, each a [`RequestError`] naming the bad field, in this order:
+    /// [`InvalidSampling`](RequestError::InvalidSampling) for `max_tokens` of 0,
+    /// a temperature that is negative or not finite, `top_p` outside (0, 1]
+    /// (NaN included), `top_k` of `Some(0)`;
+    /// [`StopIdOutOfVocab`](RequestError::StopIdOutOfVocab) for a `stop` id
+    /// `>= vocab_size`; [`GenerationExceedsContext`](RequestError::GenerationExceedsContext)
+    /// when [`positions_needed`](Self::positions_needed)`(prompt_len) > max_context`.
+    pub fn check(&self, vocab_size: usize, prompt_len: usize, max_context: Option<usize>) -> Result<()> {
+        let invalid = |param, expected, found: String| RequestError::InvalidSampling { param, expected, found };
+        if self.max_tokens == 0 {
+            return Err(invalid("max_tokens", "at least 1", "0".into()).into());
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(invalid("temperature", "finite and >= 0", self.temperature.to_string()).into());
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return Err(invalid("top_p", "in (0, 1]", p.to_string()).into());
+        }
+        if self.top_k == Some(0) {
+            return Err(invalid("top_k", "at least 1 (or none)", "0".into()).into());
+        }
+        if let Some(&id) = self.stop.iter().flatten().find(|&&id| id as usize >= vocab_size) {
+            return Err(RequestError::StopIdOutOfVocab { id, vocab_size }.into());
+        }
+        let positions = self.positions_needed(prompt_len);
+        if let Some(max_context) = max_context.filter(|&max| positions > max) {
+            return Err(RequestError::GenerationExceedsContext {
+                prompt_len,
+                max_tokens: self.max_tokens,
+                positions,
+                max_context,
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// The stop ids in force given the checkpoint's `eos` ids: [`stop`](Self::stop)
+    /// when given, else `eos`; empty when [`ignore_eos`](Self::ignore_eos).
+    pub fn stop_ids<'a>(&'a self, eos: &'a [u32]) -> &'a [u32] {
+        if self.ignore_eos {
+            &[]
+        } else {
+            self.stop.as_deref().unwrap_or(eos)
+        }
+    }
+}
+
+impl Default for SamplingParams {
+    /// 16 tokens, greedy.
+    fn default() -> Self {
+        Self::greedy(16)
+    }
+}
+
+/// Why a generation ended. Serializes as `"stop"` / `"length"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop id was generated (it is the last generated token).
+    Stop,
+    /// `max_tokens` tokens were generated (or the request could not grow further).
+    Length,
+}
+
+impl std::fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        })
+    }
+}
+
+/// A fresh random seed, for a request that did not bring one (report it back so
+/// the run can be repeated).
+pub fn random_seed() -> u64 {
+    rand::rng().random()
+}
+
+/// One request's token sampler: a seeded random stream and the filters of
+/// [`SamplingParams`].
+///
+/// The stream is ChaCha8 (`rand_chacha::ChaCha8Rng`, a named, stable algorithm:
+/// the same seed gives the same stream on every platform and version of this
+/// crate), keyed by `SeedableRng::seed_from_u64(seed)`. Each sampled token
+/// (temperature > 0) takes exactly one draw, a `f64` in [0, 1) (the top 53 bits
+/// of one `u64`, times 2^-53), whatever the filters keep; greedy tokens take
+/// none. So a sampler kept with its request continues the same stream after a
+/// preemption, and a run repeats given its seed, logits and parameters.
+///
+/// Sampling a token (temperature > 0), in this order:
+/// 1. NaN logits count as `-inf`; each logit is divided by the temperature (in `f32`, as HF).
+/// 2. top-k (HF `TopKLogitsWarper`): logits below the k-th largest are removed,
+///    so ties with the k-th are kept; `k` above the vocab size keeps everything.
+/// 3. softmax in `f64`, with the maximum subtracted. When some logits are `+inf`
+///    (an overflowing division), they share the mass equally and the rest get none.
+/// 4. top-p (HF `TopPLogitsWarper`): tokens sorted by ascending probability
+///    (ties by ascending index), cumulative sums formed, tokens whose cumulative
+///    probability is `<= 1 - top_p` removed; the most probable token always stays.
+/// 5. the draw `u` picks the first token, in ascending token-id order, at which
+///    the cumulative kept mass exceeds `u` times the total kept mass.
+///
+/// All logits NaN or `-inf` (or none at all): token 0, in both modes.
+///
+/// ```
+/// use omniprefix::sample::{Sampler, SamplingParams};
+///
+/// let logits = [0.5, 2.0, -1.0, 2.0];
+/// // Greedy: the first of the largest logits, no randomness used.
+/// assert_eq!(Sampler::new(0).sample(&logits, &SamplingParams::greedy(8)), 1);
+///
+/// // Seeded sampling repeats exactly.
+/// let params = SamplingParams { temperature: 0.8, top_k: Some(3), seed: Some(42), ..Default::default() };
+/// let draw = |seed| {
+///     let mut sampler = Sampler::new(seed);
+///     (0..20).map(|_| sampler.sample(&logits, &params)).collect::<Vec<u32>>()
+/// };
+/// assert_eq!(draw(42), draw(42));
+/// assert!(draw(42).iter().all(|&t| t != 2)); // top-k 3 removed the smallest logit
+/// ```
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    rng: ChaCha8Rng,
+}
+
+impl Sampler {
+    /// A sampler whose stream is ChaCha8 seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        Sampler { rng: ChaCha8Rng::seed_from_u64(seed) }
+    }
+
+    /// The next token for one row of `logits` (one per vocab id) under `params`.
+    /// Never panics: NaN logits count as `-inf` (see [`Sampler`]).
+    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams) -> u32 {
+        if params.temperature == 0.0 {
+            return argmax(logits);
+        }
+        // The draw comes first, so every sampled token takes exactly one.
+        let u: f64 = self.rng.random();
+        let probs = filtered_probs(logits, params);
+        pick(&probs, u).unwrap_or(0)
+    }
+}
+
+/// NaN as `-inf`.
+fn clean(x: f32) -> f32 {
+    if x.is_nan() { f32::NEG_INFINITY } else { x }
+}
+
+/// The first index of the largest logit (NaN = `-inf`); 0 when all are `-inf`/NaN or there are none.
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = (0usize, f32::NEG_INFINITY);
+    for (i, &x) in logits.iter().enumerate() {
+        let x = clean(x);
+        if x > best.1 {
+            best = (i, x);
+        }
+    }
+    best.0 as u32
+}
+
+/// The probabilities after temperature, top-k, softmax and top-p, unnormalized
+/// after top-p (removed tokens are 0); all zero when no logit is finite or `+inf`.
+fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
+    let t = params.temperature;
+    let mut scaled: Vec<f32> = logits.iter().map(|&x| clean(x) / t).collect();
+    if let Some(k) = params.top_k.filter(|&k| k < scaled.len()) {
+        let mut sorted = scaled.clone();
+        // No NaN is left, so the comparison is total.
+        let k = k.max(1);
+        let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal));
+        let kth = *kth;
+        for x in &mut scaled {
+            if *x < kth {
+                *x = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let max = scaled.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<f64> = if max == f32::INFINITY {
+        scaled.iter().map(|&x| if x == f32::INFINITY { 1.0 } else { 0.0 }).collect()
+    } else if max == f32::NEG_INFINITY {
+        return vec![0.0; scaled.len()];
+    } else {
+        let max = f64::from(max);
+        scaled.iter().map(|&x| (f64::from(x) - max).exp()).collect()
+    };
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if let Some(top_p) = params.top_p.filter(|&p| p < 1.0) {
+        let mut order: Vec<usize> = (0..probs.len()).collect();
+        // Stable: equal probabilities stay in ascending index order.
+        order.sort_by(|&a, &b| probs[a].partial_cmp(&probs[b]).unwrap_or(std::cmp::Ordering::Equal));
+        let cut = 1.0 - f64::from(top_p);
+        let mut cumulative = 0.0;
+        // The last (most probable) token always stays.
+        for &i in &order[..order.len().saturating_sub(1)] {
+            cumulative += probs[i];
+            if cumulative <= cut {
+                probs[i] = 0.0;
+            }
+        }
+    }
+    probs
+}
+
+/// The first index at which the cumulative mass exceeds `u` times the total;
+/// the last positive one when rounding leaves none; `None` when all are zero.
+fn pick(probs: &[f64], u: f64) -> Option<u32> {
+    let total: f64 = probs.iter().sum();
+    if total <= 0.0 || !total.is_finite() {
+        return None;
+    }
+    let target = u * total;
+    let mut cumulative = 0.0;
+    let mut last = None;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            cumulative += p;
+            last = Some(i as u32);
+            if cumulative > target {
+                return last;
+            }
+        }
+    }
+    last
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    fn sampled(temperature: f32) -> SamplingParams {
+        SamplingParams { temperature, ..SamplingParams::default() }
+    }
+
+    fn draws(seed: u64, logits: &[f32], params: &SamplingParams, n: usize) -> Vec<u32> {
+        let mut sampler = Sampler::new(seed);
+        (0..n).map(|_| sampler.sample(logits, params)).collect()
+    }
+
+    /// A row of logits with distinct values, from a seeded stream.
+    fn random_logits(seed: u64, n: usize) -> Vec<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-4.0f32..4.0)).collect()
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_the_first_of_ties() {
+        let greedy = SamplingParams::greedy(4);
+        let mut s = Sampler::new(1);
+        assert_eq!(s.sample(&[0.1, 3.0, -2.0, 3.0, 2.9], &greedy), 1);
+        assert_eq!(s.sample(&[5.0, 5.0], &greedy), 0);
+        assert_eq!(s.sample(&[-1.0, -0.5, -0.5], &greedy), 1);
+        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 2.0], &greedy), 3);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY, f32::INFINITY, f32::INFINITY], &greedy), 1);
+        assert_eq!(s.sample(&[f32::NAN, f32::NAN], &greedy), 0);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY; 3], &greedy), 0);
+        assert_eq!(s.sample(&[], &greedy), 0);
+        // Greedy draws nothing: the stream is where a fresh sampler's is.
+        let params = sampled(1.0);
+        let logits = random_logits(3, 50);
+        assert_eq!(draws(1, &logits, &params, 1)[0], s.sample(&logits, &params));
+    }
+
+    #[test]
+    fn same_seed_same_tokens_different_seeds_differ() {
+        let logits = random_logits(5, 100);
+        let params = SamplingParams { top_k: Some(50), top_p: Some(0.95), ..sampled(1.3) };
+        let a = draws(7, &logits, &params, 200);
+        assert_eq!(a, draws(7, &logits, &params, 200));
+        assert_ne!(a, draws(8, &logits, &params, 200));
+        // Not stuck on one token either.
+        assert!(a.iter().collect::<std::collections::HashSet<_>>().len() > 10);
+    }
+
+    #[test]
+    fn one_draw_per_sampled_token_whatever_the_filters_keep() {
+        let logits = random_logits(9, 64);
+        let wide = sampled(1.0);
+        let narrow = SamplingParams { top_k: Some(1), ..sampled(1.0) };
+        // Interleaving a top-1 (fully determined) token shifts the stream by one draw.
+        let mut s = Sampler::new(11);
+        s.sample(&logits, &narrow);
+        let after: Vec<u32> = (0..20).map(|_| s.sample(&logits, &wide)).collect();
+        assert_eq!(after, draws(11, &logits, &wide, 21)[1..]);
+        // So does an all-NaN row.
+        let mut s = Sampler::new(11);
+        assert_eq!(s.sample(&[f32::NAN; 8], &wide), 0);
+        assert_eq!((0..20).map(|_| s.sample(&logits, &wide)).collect::<Vec<_>>(), after);
+    }
+
+    #[test]
+    fn top_k_1_and_tiny_top_p_are_greedy_at_any_temperature() {
+        for seed in 0..20 {
+            let logits = random_logits(seed, 300);
+            let best = argmax(&logits);
+            for t in [0.01, 0.5, 1.0, 3.0, 100.0] {
+                let top1 = SamplingParams { top_k: Some(1), ..sampled(t) };
+                assert!(draws(seed, &logits, &top1, 20).iter().all(|&x| x == best), "top_k 1, t {t}");
+                let tiny_p = SamplingParams { top_p: Some(1e-6), ..sampled(t) };
+                assert!(draws(seed, &logits, &tiny_p, 20).iter().all(|&x| x == best), "top_p 1e-6, t {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn frequencies_follow_the_softmax() {
+        let logits = [1.0f32, 0.0, 2.0, -1.0, 0.5];
+        let t = 0.8f64;
+        let weights: Vec<f64> = logits.iter().map(|&x| (f64::from(x) / t).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let n = 10_000;
+        let mut counts = [0usize; 5];
+        for token in draws(2024, &logits, &sampled(0.8), n) {
+            counts[token as usize] += 1;
+        }
+        let chi2: f64 = counts
+            .iter()
+            .zip(&weights)
+            .map(|(&c, &w)| {
+                let expected = n as f64 * w / total;
+                (c as f64 - expected).powi(2) / expected
+            })
+            .sum();
+        // 4 degrees of freedom: P(chi2 > 18.5) = 0.001.
+        assert!(chi2 < 18.5, "chi2 {chi2}, counts {counts:?}");
+        // A sampler that ignored the temperature (t = 1) would be far off.
+        let at_one: Vec<f64> = logits.iter().map(|&x| f64::from(x).exp()).collect();
+        let total_one: f64 = at_one.iter().sum();
+        let chi2_one: f64 = counts
+            .iter()
+            .zip(&at_one)
+            .map(|(&c, &w)| (c as f64 - n as f64 * w / total_one).powi(2) / (n as f64 * w / total_one))
+            .sum();
+        assert!(chi2_one > 50.0, "chi2 against t = 1: {chi2_one}");
+    }
+
+    fn kept(probs: &[f64]) -> Vec<usize> {
+        probs.iter().enumerate().filter(|(_, p)| **p > 0.0).map(|(i, _)| i).collect()
+    }
+
+    #[test]
+    fn top_k_and_top_p_masks_match_hand_computed_examples() {
+        let logits = [1.0f32, 2.0, 3.0, 3.0, 0.0];
+        let k = |k| filtered_probs(&logits, &SamplingParams { top_k: Some(k), ..sampled(1.0) });
+        // The 3rd largest is 2.0: keep 2.0, 3.0, 3.0.
+        assert_eq!(kept(&k(3)), vec![1, 2, 3]);
+        // The 2nd largest is 3.0: keep both 3.0s; and k = 1 keeps them too (ties with the k-th).
+        assert_eq!(kept(&k(2)), vec![2, 3]);
+        assert_eq!(kept(&k(1)), vec![2, 3]);
+        assert_eq!(kept(&k(5)), vec![0, 1, 2, 3, 4]);
+        assert_eq!(kept(&k(99)), vec![0, 1, 2, 3, 4]);
+        let p3 = k(3);
+        let e = [(-1.0f64).exp(), 1.0, 1.0];
+        let z: f64 = e.iter().sum();
+        for (i, want) in [(1, e[0] / z), (2, 1.0 / z), (3, 1.0 / z)] {
+            assert!((p3[i] - want).abs() < 1e-12, "{i}: {} vs {want}", p3[i]);
+        }
+
+        // Probabilities 0.1, 0.2, 0.3, 0.4 (index order 3, 0, 2, 1).
+        let logits: Vec<f32> = [0.2f32, 0.4, 0.3, 0.1].iter().map(|p| p.ln()).collect();
+        let p = |p| filtered_probs(&logits, &SamplingParams { top_p: Some(p), ..sampled(1.0) });
+        // Ascending cumulative 0.1, 0.3, 0.6, 1.0; top_p 0.5 drops those <= 0.5: 0.1, 0.3.
+        assert_eq!(kept(&p(0.5)), vec![1, 2]);
+        // top_p 0.8 drops <= 0.2: only the 0.1.
+        assert_eq!(kept(&p(0.8)), vec![0, 1, 2]);
+        assert_eq!(kept(&p(0.45)), vec![1, 2]);
+        assert_eq!(kept(&p(0.35)), vec![1]);
+        assert_eq!(kept(&p(0.3)), vec![1]);
+        assert_eq!(kept(&p(1.0)), vec![0, 1, 2, 3]);
+        // top-k before top-p: top-k 2 leaves 0.4 / 0.3 -> 4/7, 3/7; top_p 0.5 drops 3/7.
+        let both = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.5), ..sampled(1.0) });
+        assert_eq!(kept(&both), vec![1]);
+        let k2 = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.6), ..sampled(1.0) });
+        assert_eq!(kept(&k2), vec![1, 2]);
+        // Equal probabilities at the cut: the lower index is dropped first.
+        let flat = filtered_probs(&[0.0; 4], &SamplingParams { top_p: Some(0.5), ..sampled(1.0) });
+        assert_eq!(kept(&flat), vec![2, 3]);
+    }
+
+    #[test]
+    fn the_draw_picks_in_index_order() {
+        let probs = [0.0, 0.25, 0.0, 0.5, 0.25];
+        assert_eq!(pick(&probs, 0.0), Some(1));
+        assert_eq!(pick(&probs, 0.2499), Some(1));
+        assert_eq!(pick(&probs, 0.25), Some(3));
+        assert_eq!(pick(&probs, 0.7499), Some(3));
+        assert_eq!(pick(&probs, 0.75), Some(4));
+        assert_eq!(pick(&probs, 0.999_999), Some(4));
+        assert_eq!(pick(&[0.0, 0.0], 0.5), None);
+    }
+
+    #[test]
+    fn non_finite_logits_do_not_panic() {
+        let params = SamplingParams { top_k: Some(2), top_p: Some(0.9), ..sampled(0.7) };
+        let mut s = Sampler::new(3);
+        for row in [
+            vec![f32::NAN, 1.0, f32::NAN, 0.5],
+            vec![f32::NAN; 5],
+            vec![f32::NEG_INFINITY; 5],
+            vec![f32::INFINITY, 0.0, f32::INFINITY],
+            vec![],
+        ] {
+            let token = s.sample(&row, &params);
+            assert!((row.is_empty() && token == 0) || (token as usize) < row.len());
+        }
+        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 0.5], &SamplingParams { top_k: Some(1), ..sampled(1.0) }), 1);
+        // +inf logits share the mass; the finite ones get none.
+        let infs = draws(4, &[1.0, f32::INFINITY, 5.0, f32::INFINITY], &sampled(1.0), 200);
+        assert!(infs.iter().all(|&t| t == 1 || t == 3) && infs.contains(&1) && infs.contains(&3));
+        // A temperature so small that the division overflows: the largest logits win.
+        assert!(draws(4, &[-1.0, 3.0, -2.0], &sampled(1e-40), 50).iter().all(|&t| t == 1));
+    }
+
+    fn invalid(err: Error) -> (&'static str, String) {
+        match err {
+            Error::Request(RequestError::InvalidSampling { param, found, .. }) => (param, found),
+            other => panic!("expected InvalidSampling, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn check_names_each_bad_parameter() {
+        let ok = SamplingParams { top_k: Some(5), top_p: Some(1.0), stop: Some(vec![0, 99]), ..sampled(0.5) };
+        assert!(ok.check(100, 10, Some(25)).is_ok());
+        assert!(ok.check(100, 10, None).is_ok());
+        let bad = |p: SamplingParams| invalid(p.check(100, 10, None).unwrap_err());
+        assert_eq!(bad(SamplingParams { max_tokens: 0, ..ok.clone() }), ("max_tokens", "0".into()));
+        assert_eq!(bad(SamplingParams { temperature: -0.1, ..ok.clone() }).0, "temperature");
+        assert_eq!(bad(SamplingParams { temperature: f32::NAN, ..ok.clone() }).0, "temperature");
+        assert_eq!(bad(SamplingParams { temperature: f32::INFINITY, ..ok.clone() }).0, "temperature");
+        for p in [0.0, -0.5, 1.0001, f32::NAN, f32::INFINITY] {
+            assert_eq!(bad(SamplingParams { top_p: Some(p), ..ok.clone() }).0, "top_p", "{p}");
+        }
+        assert!(SamplingParams { top_p: Some(1e-9), ..ok.clone() }.check(100, 10, None).is_ok());
+        assert_eq!(bad(SamplingParams { top_k: Some(0), ..ok.clone() }), ("top_k", "0".into()));
+        // Greedy params are checked too (they are still a request's parameters).
+        assert_eq!(bad(SamplingParams { top_k: Some(0), ..SamplingParams::greedy(3) }).0, "top_k");
+
+        let out_of_vocab = SamplingParams { stop: Some(vec![3, 100, 200]), ..ok.clone() };
+        assert!(matches!(
+            out_of_vocab.check(100, 10, None),
+            Err(Error::Request(RequestError::StopIdOutOfVocab { id: 100, vocab_size: 100 }))
+        ));
+        // The checkpoint's eos ids are not the caller's to check.
+        assert!(SamplingParams { stop: None, ..ok.clone() }.check(1, 10, None).is_ok());
+    }
+
+    #[test]
+    fn context_counts_the_positions_that_run() {
+        let p = SamplingParams::greedy(16);
+        assert_eq!(p.positions_needed(10), 25);
+        assert!(p.check(100, 10, Some(25)).is_ok());
+        assert!(matches!(
+            p.check(100, 10, Some(24)),
+            Err(Error::Request(RequestError::GenerationExceedsContext {
+                prompt_len: 10,
+                max_tokens: 16,
+                positions: 25,
+                max_context: 24
+            }))
+        ));
+        let run_last = SamplingParams { run_last_token: true, ..p.clone() };
+        assert_eq!(run_last.positions_needed(10), 26);
+        assert!(matches!(
+            run_last.check(100, 10, Some(25)),
+            Err(Error::Request(RequestError::GenerationExceedsContext { positions: 26, .. }))
+        ));
+        assert!(run_last.check(100, 10, Some(26)).is_ok());
+        // One token needs only the prompt's positions.
+        assert!(SamplingParams::greedy(1).check(100, 10, Some(10)).is_ok());
+        let huge = SamplingParams::greedy(usize::MAX);
+        assert_eq!(huge.positions_needed(usize::MAX), usize::MAX - 1);
+        assert!(huge.check(100, 5, Some(1 << 20)).is_err());
+    }
+
+    #[test]
+    fn stop_ids_prefer_stop_then_eos_and_ignore_eos_empties_them() {
+        let eos = [7u32, 8];
+        assert_eq!(SamplingParams::default().stop_ids(&eos), &eos);
+        let stop = SamplingParams { stop: Some(vec![1]), ..Default::default() };
+        assert_eq!(stop.stop_ids(&eos), &[1]);
+        assert_eq!(SamplingParams { stop: Some(vec![]), ..Default::default() }.stop_ids(&eos), &[] as &[u32]);
+        assert!(SamplingParams { ignore_eos: true, ..stop }.stop_ids(&eos).is_empty());
+    }
+
+    #[test]
+    fn serde_round_trips_and_defaults() {
+        let d = SamplingParams::default();
+        assert_eq!((d.max_tokens, d.temperature), (16, 0.0));
+        assert_eq!(d, SamplingParams::greedy(16));
+        let full = SamplingParams {
+            max_tokens: 5,
+            temperature: 0.5,
+            top_k: Some(3),
+            top_p: Some(0.25),
+            seed: Some(u64::MAX),
+            stop: Some(vec![1, 2]),
+            ignore_eos: true,
+            run_last_token: true,
+        };
+        let json = serde_json::to_string(&full).unwrap();
+        assert_eq!(serde_json::from_str::<SamplingParams>(&json).unwrap(), full);
+        assert_eq!(serde_json::from_str::<SamplingParams>("{}").unwrap(), d);
+        assert!(serde_json::from_str::<SamplingParams>(r#"{"topk": 3}"#).is_err());
+        assert_eq!(serde_json::to_string(&FinishReason::Stop).unwrap(), r#""stop""#);
+        assert_eq!(serde_json::to_string(&FinishReason::Length).unwrap(), r#""length""#);
+        assert_eq!(serde_json::from_str::<FinishReason>(r#""length""#).unwrap(), FinishReason::Length);
+        assert_eq!(FinishReason::Stop.to_string(), "stop");
+    }
+
+    #[test]
+    fn random_seeds_differ() {
+        assert_ne!(random_seed(), random_seed());
+    }
+}
