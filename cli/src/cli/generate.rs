@@ -90,8 +90,7 @@ impl GenerateReport {
     /// The figures of one generation.
     pub fn of(g: &Generation) -> Self {
         let itl: Vec<f64> = g.timings.itl().into_iter().map(millis).collect();
-        let decode_ms: f64 = itl.iter().sum();
-        let per_s = (!itl.is_empty() && decode_ms > 0.0).then(|| itl.len() as f64 / (decode_ms / 1e3));
+        let decoded = !itl.is_empty();
         GenerateReport {
             tokens: g.tokens.clone(),
             prompt_len: g.prompt_len,
@@ -99,8 +98,8 @@ impl GenerateReport {
             finish_reason: g.finish_reason,
             seed: g.seed,
             ttft_ms: millis(g.timings.ttft),
-            itl_ms_median: (!itl.is_empty()).then(|| median(itl)),
-            decode_tokens_per_s: per_s,
+            itl_ms_median: decoded.then(|| median(itl)),
+            decode_tokens_per_s: decoded.then(|| g.timings.decode_tokens_per_s()),
             total_ms: millis(g.timings.total),
         }
     }
@@ -121,7 +120,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
     writeln!(out, "backend: {reason}").map_err(output)?;
     writeln!(out, "prompt_len: {}", report.prompt_len).map_err(output)?;
     writeln!(out, "tokens: {:?}", report.tokens).map_err(output)?;
-    writeln!(out, "finish_reason: {:?} (seed {})", report.finish_reason, report.seed).map_err(output)?;
+    writeln!(out, "finish_reason: {} (seed {})", report.finish_reason, report.seed).map_err(output)?;
     let itl = report.itl_ms_median.map_or("-".into(), |v| format!("{v:.2} ms"));
     let rate = report.decode_tokens_per_s.map_or("-".into(), |v| format!("{v:.1} tokens/s"));
     writeln!(out, "ttft: {:.2} ms, itl median: {itl}, decode: {rate}", report.ttft_ms).map_err(output)?;

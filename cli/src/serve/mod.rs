@@ -124,7 +124,8 @@ impl ServeOptions {
         })
     }
 
-    /// A CI-sized run: short prompts and replies, few requests, concurrency 1 and 4.
+    /// A CI-sized run: short prompts and replies, few requests (enough that some
+    /// arrive after their prefix was cached at concurrency 4), concurrency 1 and 4.
     pub fn quick() -> Self {
         ServeOptions {
             workloads: ServeWorkload::ALL.to_vec(),
@@ -132,7 +133,7 @@ impl ServeOptions {
             prefix_len: 32,
             suffix_len: 16,
             num_prefixes: 2,
-            prompts_per_prefix: 2,
+            prompts_per_prefix: 3,
             output_len: 8,
             conversations: 2,
             mm_scale: 8,
