@@ -89,6 +89,9 @@ pub struct DemoScale {
     /// Tokens of each shared prefix and of each random suffix.
     pub prefix_len: usize,
     pub suffix_len: usize,
+    /// Tokens of each `multi_round` reply the engine generates (greedy, eos ignored)
+    /// before the next round re-sends it.
+    pub reply_tokens: usize,
     /// Chunked-prefill budget (new tokens per scheduler step): small enough that a
     /// batch spans several steps, so later prompts find what earlier steps cached.
     pub max_tokens_per_step: usize,
@@ -107,13 +110,14 @@ impl DemoScale {
             num_prefixes: p.num_prefixes,
             prefix_len: p.prefix_len,
             suffix_len: p.suffix_len,
+            reply_tokens: 32,
             max_tokens_per_step: 2048,
         })
     }
 
     /// A CI-sized demo: items of a few tokens, a batch of four short prompts.
     pub fn quick() -> Self {
-        DemoScale { full_media: false, video_grid_t: 2, prefix_prompts: 4, num_prefixes: 2, prefix_len: 32, suffix_len: 16, max_tokens_per_step: 64 }
+        DemoScale { full_media: false, video_grid_t: 2, prefix_prompts: 4, num_prefixes: 2, prefix_len: 32, suffix_len: 16, reply_tokens: 8, max_tokens_per_step: 64 }
     }
 }
 
