@@ -287,6 +287,16 @@ pub enum CacheError {
     /// More blocks handed to `insert` than the prompt has full blocks.
     #[error("{blocks} blocks given for a prompt with {full_blocks} full blocks")]
     BlocksExceedPrompt { blocks: usize, full_blocks: usize },
+    /// `insert_partial` of more positions than the prompt has.
+    #[error("{tokens} tokens to cache from a prompt of {prompt_len} positions")]
+    TokensExceedPrompt { tokens: usize, prompt_len: usize },
+    /// `insert_partial` given other than `ceil(tokens / block_size)` blocks.
+    #[error("{blocks} blocks given for {tokens} tokens at block size {block_size}")]
+    PartialBlockCount { blocks: usize, tokens: usize, block_size: usize },
+    /// An insert that would extend a cached partly filled block while a lock
+    /// pins it (the scheduler drops copy-on-write pins before inserting).
+    #[error("insert would extend partial block {block} (cached up to position {end}) while it is locked")]
+    LockedPartialBlock { block: u32, end: usize },
     /// A block id the index already owns (under other content), or repeated in one insert.
     #[error("block {block} is already cached under other content or repeated")]
     BlockAlreadyCached { block: u32 },

@@ -145,7 +145,8 @@ fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
     assert!(engine.encoder_cache().is_empty(), "rejected items are not cached");
     // Still serves, and the earlier prompt is still cached.
     let out = engine.prefill(PrefillRequest::text((0..12).collect()))?;
-    assert_eq!(out.num_cached_tokens, 8);
+    // All 9 positions of the earlier prompt, its partly filled third block included.
+    assert_eq!(out.num_cached_tokens, 9);
     Ok(())
 }
 
@@ -210,7 +211,7 @@ fn prompts_longer_than_the_model_context_are_rejected_and_change_nothing() -> Te
     assert_eq!((engine.stats(), engine.scheduler_stats()), before, "state changed");
     engine.validate()?;
     let out = engine.prefill(PrefillRequest::text((0..12).collect()))?;
-    assert_eq!((out.prompt_len, out.num_cached_tokens), (12, 8), "a prompt of exactly the context still runs");
+    assert_eq!((out.prompt_len, out.num_cached_tokens), (12, 9), "a prompt of exactly the context still runs");
     Ok(())
 }
 

@@ -100,7 +100,7 @@ struct Pending {
 /// let first = engine.prefill(PrefillRequest::text((0..10).collect()))?;
 /// let second = engine.prefill(PrefillRequest::text((0..14).collect()))?;
 /// assert_eq!(first.num_cached_tokens, 0);
-/// assert_eq!(second.num_cached_tokens, 8); // two full blocks of the first prompt
+/// assert_eq!(second.num_cached_tokens, 10); // every position of the first prompt
 /// assert_eq!(second.hidden[0].1.dim(), (14, 32)); // every position, cached ones included
 /// assert_eq!(engine.stats().hits, 1);
 /// # Ok::<(), omniprefix::Error>(())

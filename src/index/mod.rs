@@ -12,7 +12,7 @@ pub mod validate;
 
 use crate::prompt::CanonicalPrompt;
 use crate::Result;
-use crate::error::InvariantViolation;
+use crate::error::{CacheError, InvariantViolation};
 
 /// Block ids are defined next to the block tables in [`crate::kv`]; the index stores them.
 pub use crate::kv::BlockId;
@@ -47,13 +47,29 @@ pub struct InsertOutcome {
     /// the caller still owns them.
     pub duplicates: Vec<BlockId>,
     /// The inserted prefix as it is cached now: a match of `blocks.len() *
-    /// block_size` tokens (block aligned) whose `blocks` are the index's ids
-    /// at each position (the offered id, or the cached one it duplicated),
-    /// ready to [`lock`](PrefixIndex::lock) without matching again. Empty when
-    /// no block was given.
+    /// block_size` tokens (block aligned; for
+    /// [`insert_partial`](PrefixIndex::insert_partial) of its `tokens`, with
+    /// `ceil(tokens / block_size)` blocks, as a match reports them) whose
+    /// `blocks` are the index's ids at each position (the offered id, or the
+    /// cached one it duplicated), ready to [`lock`](PrefixIndex::lock) without
+    /// matching again. Empty when no block was given.
     pub cached: PrefixMatch,
-    /// Blocks the index gave up (a cached partial block superseded); the caller frees them.
+    /// Blocks the index gave up: a cached partly filled last block that a
+    /// longer or full block over the same positions superseded. The caller
+    /// returns them to the free list.
     pub released: Vec<BlockId>,
+}
+
+/// Checks the arguments of [`PrefixIndex::insert_partial`]: `tokens` within a
+/// prompt of `prompt_len` positions and exactly `ceil(tokens / block_size)` blocks.
+pub fn check_partial_args(block_size: usize, prompt_len: usize, blocks: usize, tokens: usize) -> Result<()> {
+    if tokens > prompt_len {
+        return Err(CacheError::TokensExceedPrompt { tokens, prompt_len }.into());
+    }
+    if blocks != tokens.div_ceil(block_size) {
+        return Err(CacheError::PartialBlockCount { blocks, tokens, block_size }.into());
+    }
+    Ok(())
 }
 
 /// Counters every index keeps.
@@ -81,13 +97,27 @@ pub trait PrefixIndex {
     /// Caches the first `blocks.len()` full blocks of `prompt` (KV already
     /// written) and returns them as now cached ([`InsertOutcome::cached`]).
     fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome>;
-    /// Caches the first `tokens` positions of `prompt`, held by `blocks`
-    /// (the last one may be partly filled). TEMPORARY default until the
-    /// index branch lands: full blocks only, the tail comes back as a duplicate.
+    /// Caches the first `tokens` positions of `prompt` held by `blocks`
+    /// (`blocks.len() == tokens.div_ceil(block_size)`; the last block may be
+    /// partly filled): a finished sequence's last block, so a follow-up that
+    /// re-sends the history reuses every position that ran. Superseded
+    /// partial blocks come back in [`InsertOutcome::released`]; on error
+    /// nothing changes.
+    ///
+    /// The default caches the full blocks only, as vLLM does, and hands the
+    /// partial block back in `duplicates` (it must be the caller's own: a
+    /// matched block ending inside the match is copied before it is written).
     fn insert_partial(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize) -> Result<InsertOutcome> {
-        let full = tokens / self.block_size();
-        let mut outcome = self.insert(prompt, &blocks[..full.min(blocks.len())])?;
-        outcome.duplicates.extend(blocks.get(full..).into_iter().flatten().copied());
+        let bs = self.block_size();
+        check_partial_args(bs, prompt.len(), blocks.len(), tokens)?;
+        let full = tokens / bs;
+        if let Some(&partial) = blocks.get(full) {
+            if blocks[..full].contains(&partial) {
+                return Err(CacheError::BlockAlreadyCached { block: partial }.into());
+            }
+        }
+        let mut outcome = self.insert(prompt, &blocks[..full])?;
+        outcome.duplicates.extend(blocks.get(full).copied());
         Ok(outcome)
     }
     /// Pins what `m` reported so eviction cannot take it; reference counted.

@@ -129,10 +129,12 @@ struct Tracked {
 ///         sched.finish(id)?; // after reading its outputs
 ///     }
 /// }
-/// // Two full blocks (tokens 0..8) are cached now; the partial third is not.
+/// // All 10 positions are cached now: two full blocks and, since `finish`,
+/// // the partly filled third (a later match copies it on write).
 /// sched.admit(text(2, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 99]))?;
 /// let batch = sched.schedule()?;
-/// assert_eq!(batch.seqs[0].num_computed_tokens, 8);
+/// assert_eq!(batch.seqs[0].num_computed_tokens, 9);
+/// assert_eq!(batch.copies.len(), 1);
 /// sched.validate().map_err(omniprefix::Error::from)?;
 /// # Ok::<(), omniprefix::Error>(())
 /// ```

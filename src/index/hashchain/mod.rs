@@ -354,6 +354,32 @@ impl PrefixIndex for HashChainIndex {
         self.insert_with_mm_hashes(prompt, &mm, blocks)
     }
 
+    /// vLLM caches full blocks only: the full blocks are inserted and the
+    /// partly filled last block comes back in `duplicates` (the caller still
+    /// owns it and frees it), so each round loses up to a block of reuse;
+    /// `cached` reports the full blocks. An id the index already holds
+    /// there (a full block over these positions) is in neither list.
+    fn insert_partial(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize) -> Result<InsertOutcome> {
+        let bs = self.hasher.block_size();
+        super::check_partial_args(bs, prompt.len(), blocks.len(), tokens)?;
+        let full = tokens / bs;
+        let mm = fingerprint_hashes(prompt);
+        let hashes = self.block_hashes_upto(prompt, &mm, blocks.len())?;
+        let partial = blocks.get(full).copied();
+        // Checked before anything changes: repeated, or owned under other content.
+        if let Some(p) = partial {
+            let own = self.by_block.get(&p).is_some_and(|h| hashes.get(full) == Some(h));
+            if blocks[..full].contains(&p) || self.by_block.contains_key(&p) && !own {
+                return Err(CacheError::BlockAlreadyCached { block: p }.into());
+            }
+        }
+        let mut out = self.adopt(&hashes[..full], &blocks[..full])?;
+        if let Some(p) = partial.filter(|p| !self.by_block.contains_key(p)) {
+            out.duplicates.push(p);
+        }
+        Ok(out)
+    }
+
     fn lock(&mut self, m: &PrefixMatch) {
         self.update_refs(m, |r| r.saturating_add(1));
     }

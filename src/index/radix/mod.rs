@@ -15,17 +15,31 @@
 //!
 //! **Blocks.** Block `i` covers positions `i*bs .. (i+1)*bs` and is stored on the
 //! node whose edge holds its last position, so a node split keeps each id with
-//! the side that holds that position. Every leaf ends on a block boundary, so
-//! every position in the tree is covered by a cached block.
+//! the side that holds that position. A leaf ends on a block boundary, or is a
+//! *partial leaf*: a finished sequence's last, partly filled block
+//! ([`insert_partial`](PrefixIndex::insert_partial)) is stored on the leaf its
+//! valid positions end on, so a leaf holds `ceil(end/bs) - floor(start/bs)`
+//! blocks and every position in the tree is covered by a cached block.
+//! Interior nodes never hold a partial block (two blocks for one index on a
+//! path): an insert that reaches the end of a partial leaf and goes on grows
+//! the leaf in place and gives the partial block up
+//! ([`InsertOutcome::released`]); one that diverges inside it splits it, and
+//! the leaf keeps its partial block.
 //!
 //! **Locks.** A lock pins exactly the blocks its match reports: the node the
 //! match ends in is split at the block boundary after its last block, so the
-//! locked path ends there, and the pin is recorded by that block (module `pin`).
-//! A locked node is never a leaf extended in place by an insert (a new child
+//! locked path ends there (or at the end of a partial leaf, when the partial
+//! block is the last one), and the pin is recorded by that block (module `pin`).
+//! A locked full leaf is never extended in place by an insert (a new child
 //! takes the new blocks), so blocks beyond a pin stay unpinned and evictable.
+//! A locked partial leaf cannot grow at all (its partial block would have to
+//! go): such an insert is a [`CacheError::LockedPartialBlock`]. The scheduler
+//! pins a partial block only as a copy-on-write source and drops that pin
+//! once the copy ran, before it inserts.
 //!
 //! **Eviction.** Unlocked leaves sit in an LRU set ordered by a logical clock
-//! (touched on match and insert). Eviction trims or removes them; a parent that
+//! (touched on match and insert). Eviction trims (a partial leaf's partly
+//! filled block first, back to its block boundary) or removes them; a parent that
 //! becomes childless is trimmed back to its last block boundary and becomes a
 //! leaf itself (or is removed if it holds no block).
 
@@ -39,7 +53,7 @@ use std::collections::BTreeSet;
 use fxhash::{FxHashMap, FxHashSet};
 
 use crate::error::{CacheError, Component, InvariantViolation, RequestError};
-use crate::index::{BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch};
+use crate::index::{check_partial_args, BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch};
 use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 use crate::Result;
 
@@ -107,6 +121,18 @@ struct Walk {
     path: Vec<NodeId>,
     /// Tokens matched from the start of the prompt.
     matched: usize,
+}
+
+/// What [`RadixIndex::plan_insert`] found.
+#[derive(Debug)]
+struct Plan {
+    /// The walk to the inserted length (down to the last block's holder
+    /// when all of it is cached).
+    walk: Walk,
+    /// The index's ids of the blocks the insert finds cached.
+    cached: Vec<BlockId>,
+    /// The walk ends at the end of a partial leaf that the insert grows.
+    extend: bool,
 }
 
 /// The validated radix prefix index.
@@ -232,21 +258,62 @@ impl RadixIndex {
         Walk { path, matched }
     }
 
-    /// The node holding the last block a match of `tokens` ending in `deepest`
-    /// needs; descends when that block's last position lies below `deepest`.
-    /// Any child will do: they all agree on the matched part of the block.
-    fn block_holder(&self, deepest: NodeId, tokens: usize, path: &mut Vec<NodeId>) {
-        let last_pos = tokens.div_ceil(self.config.block_size) * self.config.block_size - 1;
+    /// Whether `id` holds block `idx` (its blocks are the consecutive ids
+    /// from the block of its start on).
+    fn holds(&self, id: NodeId, idx: usize) -> bool {
+        let n = self.node(id);
+        let first = n.start / self.config.block_size;
+        (first..first + n.blocks.len()).contains(&idx)
+    }
+
+    /// Extends `path` from `deepest` (the node the `tokens`-th position lies
+    /// on) down to the node holding the last block a match of `tokens`
+    /// needs, when that block's last position lies below `deepest`. Any
+    /// child will do, they all agree on the matched part of the block; the
+    /// one holding `prefer` is taken if there is one (an insert re-offering
+    /// an id it got from a match).
+    fn block_holder(&self, deepest: NodeId, tokens: usize, path: &mut Vec<NodeId>, prefer: Option<BlockId>) {
+        let last = tokens.div_ceil(self.config.block_size) - 1;
+        if let Some(below) = prefer.and_then(|b| self.path_to_block(deepest, last, b)) {
+            path.extend(below);
+            return;
+        }
         let mut cur = deepest;
-        while last_pos >= self.node(cur).end() {
+        while !self.holds(cur, last) {
             let next = self.node(cur).children.values().flatten().copied().min();
             let Some(next) = next else {
-                debug_assert!(false, "leaf {cur} ends before block boundary");
+                debug_assert!(false, "leaf {cur} does not hold block {last}");
                 return;
             };
             path.push(next);
             cur = next;
         }
+    }
+
+    /// The nodes below `from` down to the one holding `block` as block `idx`,
+    /// if that is how the subtree holds it (searches only nodes that hold no
+    /// block `idx`, i.e. that end before it).
+    fn path_to_block(&self, from: NodeId, idx: usize, block: BlockId) -> Option<Vec<NodeId>> {
+        if self.holds(from, idx) {
+            let n = self.node(from);
+            return (n.blocks[idx - n.start / self.config.block_size] == block).then(Vec::new);
+        }
+        self.node(from).children.values().flatten().find_map(|&c| {
+            let mut below = self.path_to_block(c, idx, block)?;
+            below.insert(0, c);
+            Some(below)
+        })
+    }
+
+    /// The first `want` block ids along `path`.
+    fn blocks_on(&self, path: &[NodeId], want: usize) -> Vec<BlockId> {
+        // Slice copies per node: a flat_map + take over 2k ids costs microseconds.
+        let mut blocks: Vec<BlockId> = Vec::with_capacity(want);
+        for &id in path {
+            let held = &self.node(id).blocks;
+            blocks.extend_from_slice(&held[..held.len().min(want - blocks.len())]);
+        }
+        blocks
     }
 
     /// Splits `id` so that its first `k` edge tokens move to a new parent,
@@ -284,41 +351,151 @@ impl RadixIndex {
         upper_id
     }
 
-    /// Checks an insert request without changing anything: which block
-    /// positions are new, and which ids are duplicates of cached content.
-    fn plan_insert(&self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<(Walk, Vec<BlockId>)> {
-        let bs = self.config.block_size;
+    /// The number of positions `prompt`'s atoms cover, which must be its length.
+    fn atoms_len(prompt: &CanonicalPrompt) -> Result<usize> {
         let atoms: usize = prompt.atoms.iter().map(Atom::len).sum();
         if atoms != prompt.len() {
             return Err(RequestError::AtomsLengthMismatch { atoms, tokens: prompt.len() }.into());
         }
-        if blocks.len() > atoms / bs {
-            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs }.into());
-        }
-        let total = blocks.len() * bs;
+        Ok(atoms)
+    }
+
+    /// Checks an insert of `total` positions held by `blocks` without
+    /// changing anything: how far it is cached, the index's ids for the
+    /// blocks it already covers, and whether a partial leaf must grow.
+    fn plan_insert(&self, prompt: &CanonicalPrompt, blocks: &[BlockId], total: usize) -> Result<Plan> {
+        let bs = self.config.block_size;
         let mut given: FxHashSet<BlockId> = FxHashSet::default();
         if let Some(&block) = blocks.iter().find(|&&b| !given.insert(b)) {
             return Err(CacheError::BlockAlreadyCached { block }.into());
         }
-        let walk = match self.roots.get(&prompt.tenant) {
+        let mut walk = match self.roots.get(&prompt.tenant) {
             Some(&root) => {
                 let mut v = Validator::default();
                 self.walk(root, &prompt.atoms, total, &mut v)
             }
             None => Walk { path: Vec::new(), matched: 0 },
         };
-        let cached: Vec<BlockId> = walk
-            .path
-            .iter()
-            .flat_map(|&id| self.node(id).blocks.iter().copied())
-            .take(walk.matched / bs)
-            .collect();
+        let m = walk.matched;
+        let mut extend = false;
+        let cached = if m == total && total > 0 {
+            // All of it is cached: blocks as a match of `total` reports them.
+            let deepest = *walk.path.last().expect("walk path starts at the root");
+            self.block_holder(deepest, total, &mut walk.path, blocks.last().copied());
+            self.blocks_on(&walk.path, blocks.len())
+        } else {
+            // Blocks wholly inside the matched part; the one `m` falls in is new.
+            if let Some(&last) = walk.path.last() {
+                let n = self.node(last);
+                if n.parent.is_some() && n.is_leaf() && m == n.end() && !m.is_multiple_of(bs) {
+                    let block = *n.blocks.last().expect("a partial leaf holds its partial block");
+                    if n.lock > 0 {
+                        return Err(CacheError::LockedPartialBlock { block, end: m }.into());
+                    }
+                    extend = true;
+                }
+            }
+            self.blocks_on(&walk.path, m / bs)
+        };
         for (position, &block) in blocks.iter().enumerate() {
             if self.owned.contains(&block) && cached.get(position) != Some(&block) {
                 return Err(CacheError::BlockAlreadyCached { block }.into());
             }
         }
-        Ok((walk, cached))
+        Ok(Plan { walk, cached, extend })
+    }
+
+    /// Caches the first `total` positions of `prompt` held by `blocks`
+    /// (`ceil(total / bs)` of them, arguments already checked).
+    fn insert_upto(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], total: usize) -> Result<InsertOutcome> {
+        let Plan { walk, mut cached, extend } = self.plan_insert(prompt, blocks, total)?;
+        let mut outcome = InsertOutcome::default();
+        if blocks.is_empty() {
+            return Ok(outcome);
+        }
+        let bs = self.config.block_size;
+        let m = walk.matched;
+        let first_new = if m == total { blocks.len() } else { m / bs };
+        outcome.duplicates = blocks[..first_new]
+            .iter()
+            .zip(&cached)
+            .filter(|(b, c)| b != c)
+            .map(|(b, _)| *b)
+            .collect();
+        let root = self.root_for(prompt.tenant);
+        let mut path = walk.path;
+        if path.is_empty() {
+            path.push(root);
+        }
+        // All of it was cached: the plan extended the path to the block holder.
+        let mut holder = *path.last().expect("path starts at the root");
+        if m < total {
+            let last = *path.last().expect("path starts at the root");
+            let attach = if m < self.node(last).end() {
+                let upper = self.split(last, m - self.node(last).start);
+                *path.last_mut().expect("path starts at the root") = upper;
+                upper
+            } else {
+                last
+            };
+            let mut q = Cursor::new(&prompt.atoms);
+            q.advance(m);
+            let edge = q.take_edge(total - m);
+            let new_blocks = blocks[first_new..].to_vec();
+            self.lru_leave(attach);
+            let a = self.node(attach);
+            if a.parent.is_some() && a.is_leaf() && a.lock == 0 {
+                // Extends the leaf in place; a partial last block gives way to
+                // the new block over the same positions.
+                let a = self.node_mut(attach);
+                if extend {
+                    outcome.released.extend(a.blocks.pop());
+                }
+                a.edge.append(edge);
+                a.blocks.extend_from_slice(&new_blocks);
+                holder = attach;
+            } else {
+                debug_assert!(!extend, "the plan refuses to grow a locked partial leaf");
+                let key = edge.head().expect("a non-empty new edge");
+                let tenant = prompt.tenant;
+                let child = self.nodes.alloc(Node {
+                    parent: Some(attach),
+                    tenant,
+                    start: m,
+                    edge,
+                    children: FxHashMap::default(),
+                    blocks: new_blocks.clone(),
+                    lock: 0,
+                    last_access: self.clock,
+                });
+                self.node_mut(attach).children.entry(key).or_default().push(child);
+                self.lru_enter(child);
+                path.push(child);
+                holder = child;
+            }
+            self.lru_enter(attach);
+            for b in &outcome.released {
+                self.owned.remove(b);
+            }
+            self.owned.extend(new_blocks.iter().copied());
+            self.stats.cached_blocks += new_blocks.len() as u64;
+            self.stats.cached_blocks -= outcome.released.len() as u64;
+            cached.extend_from_slice(&new_blocks);
+            outcome.adopted = new_blocks;
+        }
+        self.touch(&path);
+        debug_assert_eq!(cached.len(), blocks.len());
+        debug_assert!(
+            cached.last().is_some_and(|b| self.node(holder).blocks.contains(b)),
+            "the holder holds the last block"
+        );
+        outcome.cached = PrefixMatch {
+            tokens: total,
+            aligned_tokens: total / bs * bs,
+            blocks: cached,
+            handle: self.nodes.handle(holder),
+        };
+        Ok(outcome)
     }
 
     fn root_for(&mut self, tenant: TenantSalt) -> NodeId {
@@ -397,15 +574,9 @@ impl PrefixIndex for RadixIndex {
         }
         let bs = self.config.block_size;
         let deepest = *path.last().expect("walk path starts at the root");
-        self.block_holder(deepest, matched, &mut path);
+        self.block_holder(deepest, matched, &mut path, None);
         let holder = *path.last().expect("walk path starts at the root");
-        // Slice copies per node: a flat_map + take over 2k ids costs microseconds.
-        let want = matched.div_ceil(bs);
-        let mut blocks: Vec<BlockId> = Vec::with_capacity(want);
-        for &id in &path {
-            let held = &self.node(id).blocks;
-            blocks.extend_from_slice(&held[..held.len().min(want - blocks.len())]);
-        }
+        let blocks = self.blocks_on(&path, matched.div_ceil(bs));
         self.touch(&path);
         self.stats.hits += 1;
         self.stats.hit_tokens += matched as u64;
@@ -422,83 +593,21 @@ impl PrefixIndex for RadixIndex {
     /// it from a match; the index keeps owning it, it is in neither list).
     /// `cached` names the node holding the last block, as a match would.
     fn insert(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId]) -> Result<InsertOutcome> {
-        let (walk, mut cached) = self.plan_insert(prompt, blocks)?;
-        let mut outcome = InsertOutcome::default();
-        if blocks.is_empty() {
-            return Ok(outcome);
-        }
         let bs = self.config.block_size;
-        let total = blocks.len() * bs;
-        let m = walk.matched;
-        let first_new = m / bs;
-        outcome.duplicates = blocks[..first_new]
-            .iter()
-            .zip(&cached)
-            .filter(|(b, c)| b != c)
-            .map(|(b, _)| *b)
-            .collect();
-        let root = self.root_for(prompt.tenant);
-        let mut path = walk.path;
-        if path.is_empty() {
-            path.push(root);
+        let atoms = Self::atoms_len(prompt)?;
+        if blocks.len() > atoms / bs {
+            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs }.into());
         }
-        // All of it was cached: the walk ended in the node holding position
-        // `total - 1`, so its last block.
-        let mut holder = *path.last().expect("path starts at the root");
-        cached.truncate(blocks.len());
-        if m < total {
-            let last = *path.last().expect("path starts at the root");
-            let attach = if m < self.node(last).end() {
-                let upper = self.split(last, m - self.node(last).start);
-                *path.last_mut().expect("path starts at the root") = upper;
-                upper
-            } else {
-                last
-            };
-            let mut q = Cursor::new(&prompt.atoms);
-            q.advance(m);
-            let edge = q.take_edge(total - m);
-            let new_blocks = blocks[first_new..].to_vec();
-            self.lru_leave(attach);
-            let a = self.node(attach);
-            if a.parent.is_some() && a.is_leaf() && a.lock == 0 {
-                let a = self.node_mut(attach);
-                a.edge.append(edge);
-                a.blocks.extend_from_slice(&new_blocks);
-                holder = attach;
-            } else {
-                let key = edge.head().expect("a non-empty new edge");
-                let tenant = prompt.tenant;
-                let child = self.nodes.alloc(Node {
-                    parent: Some(attach),
-                    tenant,
-                    start: m,
-                    edge,
-                    children: FxHashMap::default(),
-                    blocks: new_blocks.clone(),
-                    lock: 0,
-                    last_access: self.clock,
-                });
-                self.node_mut(attach).children.entry(key).or_default().push(child);
-                self.lru_enter(child);
-                path.push(child);
-                holder = child;
-            }
-            self.lru_enter(attach);
-            self.owned.extend(new_blocks.iter().copied());
-            self.stats.cached_blocks += new_blocks.len() as u64;
-            cached.extend_from_slice(&new_blocks);
-            outcome.adopted = new_blocks;
-        }
-        self.touch(&path);
-        debug_assert_eq!(cached.len(), blocks.len());
-        debug_assert!(
-            cached.last().is_some_and(|b| self.node(holder).blocks.contains(b)),
-            "the holder holds the last block"
-        );
-        outcome.cached =
-            PrefixMatch { tokens: total, aligned_tokens: total, blocks: cached, handle: self.nodes.handle(holder) };
-        Ok(outcome)
+        self.insert_upto(prompt, blocks, blocks.len() * bs)
+    }
+
+    /// The partial block becomes the last block of a partial leaf (see the
+    /// module docs). Errors with [`CacheError::LockedPartialBlock`] when it
+    /// would have to grow a partial leaf a lock pins.
+    fn insert_partial(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize) -> Result<InsertOutcome> {
+        let atoms = Self::atoms_len(prompt)?;
+        check_partial_args(self.config.block_size, atoms, blocks.len(), tokens)?;
+        self.insert_upto(prompt, blocks, tokens)
     }
 
     /// Pins exactly `m.blocks` (see module `pin`). A stale or foreign match (its
@@ -523,9 +632,10 @@ impl PrefixIndex for RadixIndex {
             let need = max_blocks - freed.len();
             let have = self.node(id).blocks.len();
             if have > need {
+                // Back to a block boundary: a partial last block goes first.
                 let n = self.node_mut(id);
-                let keep = n.edge.len() - need * bs;
-                n.edge.truncate(keep);
+                let end = (n.end().div_ceil(bs) - need) * bs;
+                n.edge.truncate(end - n.start);
                 freed.extend(n.blocks.drain(have - need..));
             } else {
                 freed.extend(self.remove_leaf(id));
