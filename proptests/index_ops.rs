@@ -9,14 +9,22 @@
 //! eviction, equal) the oracle's longest common prefix. Locks take a match
 //! trimmed to a random number of its blocks (as the scheduler pins only what a
 //! request reads), and once eviction runs dry exactly the pinned blocks remain.
+//!
+//! Partial inserts cache a prefix of any length (a finished sequence's last,
+//! partly filled block): the ledger then records how far each block is valid,
+//! every released block must be a cached partial block that the insert's
+//! content extends, and an insert may fail only by growing a partial block a
+//! live lock pins.
 
 mod common;
 
 use std::collections::HashSet;
 
-use common::{cases, pieces, ItemModel, Ledger, Oracle, Piece};
+use common::{cases, pieces, ItemModel, Ledger, Oracle, Piece, Truth};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::error::CacheError;
 use omniprefix::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};
+use omniprefix::Error;
 use proptest::prelude::*;
 use proptest::sample::Index;
 
@@ -32,10 +40,11 @@ const POLICIES: [ValidationPolicy; 2] = [ValidationPolicy::SecondDigest, Validat
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// Cache a fraction of the prompt's full blocks; `reuse` passes the ids a
+    /// Cache a fraction of the prompt's full blocks, or with `partial` a
+    /// fraction of its positions (`insert_partial`); `reuse` passes the ids a
     /// match returned for the cached part (as a scheduler does) instead of fresh ones;
     /// `lock` pins what the insert reports cached (as a scheduler's commit does).
-    Insert { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, frac: f64, reuse: bool, lock: bool },
+    Insert { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, frac: f64, reuse: bool, lock: bool, partial: bool },
     /// `lock` pins the match's first `pin` blocks (an `Index` over 0..=blocks).
     Match { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, lock: bool, pin: Index },
     Unlock(Index),
@@ -45,8 +54,10 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     let derived = || (0..3u64, any::<Index>(), 0..5usize, pieces(4, 6, 4));
     prop_oneof![
-        4 => (derived(), 0.0..=1.0f64, any::<bool>(), any::<bool>()).prop_map(
-            |((tenant, base, keep, extra), frac, reuse, lock)| Op::Insert { tenant, base, keep, extra, frac, reuse, lock }
+        4 => (derived(), 0.0..=1.0f64, any::<bool>(), any::<bool>(), any::<bool>()).prop_map(
+            |((tenant, base, keep, extra), frac, reuse, lock, partial)| {
+                Op::Insert { tenant, base, keep, extra, frac, reuse, lock, partial }
+            }
         ),
         4 => (derived(), any::<bool>(), any::<Index>()).prop_map(|((tenant, base, keep, extra), lock, pin)| {
             Op::Match { tenant, base, keep, extra, lock, pin }
@@ -70,7 +81,8 @@ struct Harness {
     ledger: Ledger,
     /// Prompts inserted so far, to derive sharing queries from.
     history: Vec<Vec<Piece>>,
-    locked: Vec<PrefixMatch>,
+    /// Live locks, with the truth of the prompt each came from.
+    locked: Vec<(PrefixMatch, Vec<Truth>)>,
     free: Vec<BlockId>,
     next_id: BlockId,
     evicted_any: bool,
@@ -100,6 +112,11 @@ impl Harness {
         })
     }
 
+    /// Every block a live lock pins.
+    fn pinned(&self) -> HashSet<BlockId> {
+        self.locked.iter().flat_map(|(m, _)| m.blocks.iter().copied()).collect()
+    }
+
     fn derive(&self, base: &Index, keep: usize, extra: &[Piece]) -> Vec<Piece> {
         let mut q: Vec<Piece> = if self.history.is_empty() {
             Vec::new()
@@ -112,19 +129,51 @@ impl Harness {
 
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Insert { tenant, base, keep, extra, frac, reuse, lock } => {
+            Op::Insert { tenant, base, keep, extra, frac, reuse, lock, partial } => {
                 let p = self.derive(base, *keep, extra);
                 let (prompt, truth) = self.items.build(*tenant, &p);
-                let k = ((truth.len() / BS) as f64 * frac) as usize;
+                let tokens = if *partial {
+                    (truth.len() as f64 * frac) as usize
+                } else {
+                    ((truth.len() / BS) as f64 * frac) as usize * BS
+                };
+                let k = tokens.div_ceil(BS);
+                // A matched id is reusable where the match covers every position the block carries.
                 let reused: Vec<BlockId> = if *reuse {
                     let m = self.index.match_prefix(&prompt);
-                    m.blocks.into_iter().take((m.aligned_tokens / BS).min(k)).collect()
+                    let usable = if tokens <= m.tokens { k } else { m.tokens / BS };
+                    m.blocks.into_iter().take(usable).collect()
                 } else {
                     Vec::new()
                 };
                 let fresh: Vec<BlockId> = (reused.len()..k).map(|_| self.fresh_id()).collect();
                 let blocks: Vec<BlockId> = reused.iter().chain(&fresh).copied().collect();
-                let out = self.index.insert(&prompt, &blocks).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let before = self.index.stats();
+                let result = if *partial {
+                    self.index.insert_partial(&prompt, &blocks, tokens)
+                } else {
+                    self.index.insert(&prompt, &blocks)
+                };
+                self.history.push(p);
+                let out = match result {
+                    Ok(out) => out,
+                    Err(Error::Cache(CacheError::LockedPartialBlock { end, .. })) => {
+                        // Only growing a partial block that a live lock pins may fail.
+                        let justified = self.locked.iter().any(|(m, t)| {
+                            m.tokens <= end
+                                && m.tokens > end / BS * BS
+                                && !end.is_multiple_of(BS)
+                                && tokens > end
+                                && truth.get(..m.tokens) == t.get(..m.tokens)
+                        });
+                        prop_assert!(justified, "insert of {tokens} refused with no locked partial block at {end}");
+                        prop_assert_eq!(self.index.stats(), before, "a refused insert changes nothing");
+                        self.free.extend(fresh);
+                        self.index.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        return Ok(());
+                    }
+                    Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                };
                 let fresh_set: HashSet<BlockId> = fresh.iter().copied().collect();
                 let mut returned: Vec<BlockId> = out.adopted.iter().chain(&out.duplicates).copied().collect();
                 prop_assert!(returned.iter().all(|b| fresh_set.contains(b)), "reused id handed back: {out:?}");
@@ -133,16 +182,31 @@ impl Harness {
                 expected.sort_unstable();
                 prop_assert_eq!(returned, expected, "adopted + duplicates must be the fresh ids");
                 self.free.extend(out.duplicates.iter().copied());
-                self.ledger.adopt(*tenant, &truth, BS, &blocks, &out.adopted);
-                self.oracle.insert(*tenant, &truth[..k * BS]);
-                self.history.push(p);
+                let pinned = self.pinned();
+                for &b in &out.released {
+                    prop_assert!(!pinned.contains(&b), "locked block {b} released");
+                    let Some((owner, content)) = self.ledger.take(b) else {
+                        return Err(TestCaseError::fail(format!("released block {b} was not cached")));
+                    };
+                    // Superseded: a partly filled block whose positions the insert covers and goes past.
+                    prop_assert!(
+                        owner == *tenant
+                            && !content.len().is_multiple_of(BS)
+                            && content.len() < tokens
+                            && truth[..content.len()] == content[..],
+                        "released block {b} was not a partial block this insert extends"
+                    );
+                }
+                self.free.extend(out.released.iter().copied());
+                self.ledger.adopt_upto(*tenant, &truth, BS, &blocks, &out.adopted, tokens);
+                self.oracle.insert(*tenant, &truth[..tokens]);
                 // What insert reports cached is the prefix as a match would find it.
                 let cached = out.cached;
-                prop_assert_eq!((cached.tokens, cached.aligned_tokens, cached.blocks.len()), (k * BS, k * BS, k));
+                prop_assert_eq!((cached.tokens, cached.aligned_tokens, cached.blocks.len()), (tokens, tokens / BS * BS, k));
                 self.ledger.check(*tenant, &truth, BS, &cached).map_err(TestCaseError::fail)?;
                 if *lock && k > 0 {
                     self.index.lock(&cached);
-                    self.locked.push(cached);
+                    self.locked.push((cached, truth));
                 }
             }
             Op::Match { tenant, base, keep, extra, lock, pin } => {
@@ -158,19 +222,19 @@ impl Harness {
                     let keep = pin.index(m.blocks.len() + 1);
                     let m = trimmed(m, keep);
                     self.index.lock(&m);
-                    self.locked.push(m);
+                    self.locked.push((m, truth));
                 }
             }
             Op::Unlock(i) => {
                 if !self.locked.is_empty() {
-                    let m = self.locked.swap_remove(i.index(self.locked.len()));
+                    let (m, _) = self.locked.swap_remove(i.index(self.locked.len()));
                     self.index.unlock(&m);
                 }
             }
             Op::Evict(n) => {
                 let freed = self.index.evict(*n);
                 prop_assert!(freed.len() <= *n);
-                let pinned: HashSet<BlockId> = self.locked.iter().flat_map(|m| m.blocks.iter().copied()).collect();
+                let pinned = self.pinned();
                 for b in &freed {
                     prop_assert!(!pinned.contains(b), "locked block {b} evicted");
                     prop_assert!(self.ledger.evict(*b), "evicted block {b} was not cached");
@@ -191,7 +255,7 @@ impl Harness {
 
     /// Releases every lock and evicts everything: the index must end empty.
     fn drain(&mut self) -> Result<(), TestCaseError> {
-        for m in std::mem::take(&mut self.locked) {
+        for (m, _) in std::mem::take(&mut self.locked) {
             self.index.unlock(&m);
         }
         let freed = self.index.evict(usize::MAX);

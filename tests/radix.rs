@@ -305,3 +305,218 @@ fn the_index_keeps_one_reference_to_an_item_not_a_copy() -> Result<()> {
     assert_eq!(Arc::strong_count(&p.items[0]), before + 1);
     Ok(())
 }
+
+// ---- partial leaves: a finished sequence's partly filled last block ----
+
+fn upto(n: u32) -> CanonicalPrompt {
+    text(0, &(0..n).collect::<Vec<u32>>())
+}
+
+/// `upto(n)` with position `at` changed.
+fn diverging(n: u32, at: usize) -> CanonicalPrompt {
+    let mut ids: Vec<u32> = (0..n).collect();
+    ids[at] = 99;
+    text(0, &ids)
+}
+
+#[test]
+fn a_partial_tail_is_matched_token_granular_by_a_longer_prompt() -> Result<()> {
+    let mut ix = index(4)?;
+    let out = ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    assert_eq!((out.adopted, out.duplicates, out.released), (vec![1, 2, 3], vec![], vec![]));
+    assert_eq!((out.cached.tokens, out.cached.aligned_tokens, out.cached.blocks), (10, 8, vec![1, 2, 3]));
+    valid(&ix)?;
+    let m = ix.match_prefix(&upto(14));
+    assert_eq!((m.tokens, m.aligned_tokens, m.blocks), (10, 8, vec![1, 2, 3]));
+    let inside = ix.match_prefix(&diverging(14, 9));
+    assert_eq!((inside.tokens, inside.blocks), (9, vec![1, 2, 3]));
+    assert_eq!(ix.stats().cached_blocks, 3);
+    Ok(())
+}
+
+#[test]
+fn a_longer_partial_insert_grows_the_leaf_and_releases_the_old_partial_block() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    // The ids a match returned for the full blocks, a copy (4) of the partial one.
+    let out = ix.insert_partial(&upto(14), &[1, 2, 4, 5], 14)?;
+    assert_eq!((out.adopted, out.duplicates, out.released), (vec![4, 5], vec![], vec![3]));
+    assert_eq!((out.cached.tokens, out.cached.blocks), (14, vec![1, 2, 4, 5]));
+    valid(&ix)?;
+    assert_eq!(ix.match_prefix(&upto(20)).blocks, vec![1, 2, 4, 5]);
+    assert_eq!(ix.match_prefix(&upto(10)).blocks, vec![1, 2, 4]);
+    let stats = ix.stats();
+    assert_eq!((stats.cached_blocks, stats.evicted_blocks, stats.nodes), (4, 0, 2), "grown in place");
+    Ok(())
+}
+
+#[test]
+fn a_full_insert_through_a_partial_leaf_releases_its_partial_block() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    let out = ix.insert(&upto(16), &[11, 12, 13, 14])?;
+    assert_eq!((out.adopted, out.duplicates, out.released), (vec![13, 14], vec![11, 12], vec![3]));
+    assert_eq!((out.cached.tokens, out.cached.aligned_tokens, out.cached.blocks), (16, 16, vec![1, 2, 13, 14]));
+    valid(&ix)?;
+    assert_eq!(ix.match_prefix(&upto(16)).blocks, vec![1, 2, 13, 14]);
+    assert_eq!(ix.stats().cached_blocks, 4);
+    Ok(())
+}
+
+#[test]
+fn divergence_inside_the_partial_block_keeps_both() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    let full = ix.insert(&diverging(12, 9), &[11, 12, 13])?;
+    assert_eq!((full.adopted, full.duplicates, full.released), (vec![13], vec![11, 12], vec![]));
+    let partial = ix.insert_partial(&diverging(11, 8), &[21, 22, 23], 11)?;
+    assert_eq!((partial.adopted, partial.duplicates, partial.released), (vec![23], vec![21, 22], vec![]));
+    valid(&ix)?;
+    let m = ix.match_prefix(&upto(14));
+    assert_eq!((m.tokens, m.blocks), (10, vec![1, 2, 3]));
+    let m = ix.match_prefix(&diverging(14, 9));
+    assert_eq!((m.tokens, m.blocks), (12, vec![1, 2, 13]));
+    let m = ix.match_prefix(&diverging(14, 8));
+    assert_eq!((m.tokens, m.blocks), (11, vec![1, 2, 23]));
+    // Ends on a boundary inside the shared part: the last block is any of them.
+    let m = ix.match_prefix(&text(0, &[0, 1, 2, 3, 4, 5, 6, 7, 50]));
+    assert_eq!((m.tokens, m.blocks), (8, vec![1, 2]));
+    assert_eq!(ix.stats().cached_blocks, 5);
+    Ok(())
+}
+
+#[test]
+fn eviction_trims_a_partial_leaf_to_its_block_boundary_first() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    ix.insert(&text(0, &[7; 8]), &[4, 5])?;
+    ix.match_prefix(&upto(10));
+    assert_eq!(ix.evict(1), vec![5], "the full leaf is older");
+    assert_eq!(ix.evict(1), vec![4]);
+    assert_eq!(ix.evict(1), vec![3], "the partial block goes first");
+    valid(&ix)?;
+    let m = ix.match_prefix(&upto(10));
+    assert_eq!((m.tokens, m.blocks), (8, vec![1, 2]), "the leaf now ends on the boundary");
+    // Trimming several blocks at once, the partial one included.
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    assert_eq!(ix.evict(2), vec![2, 3]);
+    valid(&ix)?;
+    assert_eq!(ix.match_prefix(&upto(10)).tokens, 4);
+    assert_eq!(ix.evict(5), vec![1]);
+    let stats = ix.stats();
+    assert_eq!((stats.cached_blocks, stats.evicted_blocks, stats.nodes), (0, 6, 0));
+    valid(&ix)
+}
+
+#[test]
+fn a_lock_ending_in_a_partial_leaf_pins_exactly_its_blocks() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    let m = ix.match_prefix(&upto(14));
+    ix.lock(&m);
+    valid(&ix)?;
+    assert!(ix.evict(usize::MAX).is_empty(), "the copy-on-write source is pinned");
+    // A match ending before the partial block pins only the full blocks.
+    let short = ix.match_prefix(&diverging(10, 6));
+    assert_eq!((short.tokens, short.blocks.clone()), (6, vec![1, 2]));
+    ix.lock(&short);
+    ix.unlock(&m);
+    valid(&ix)?;
+    assert_eq!(ix.evict(usize::MAX), vec![3]);
+    ix.unlock(&short);
+    ix.unlock(&short);
+    valid(&ix)?;
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![1, 2]);
+    // The report of a partial insert locks as a match does.
+    let out = ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    ix.lock(&out.cached);
+    ix.lock(&out.cached);
+    ix.unlock(&out.cached);
+    assert!(ix.evict(usize::MAX).is_empty());
+    ix.unlock(&out.cached);
+    assert_eq!(ix.evict(usize::MAX).len(), 3);
+    valid(&ix)
+}
+
+#[test]
+fn growing_a_locked_partial_leaf_is_a_typed_error_that_changes_nothing() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    let m = ix.match_prefix(&upto(14));
+    ix.lock(&m);
+    let before = ix.stats();
+    let err = ix.insert(&upto(12), &[1, 2, 4]).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::LockedPartialBlock { block: 3, end: 10 })), "{err}");
+    let err = ix.insert_partial(&upto(11), &[1, 2, 4], 11).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::LockedPartialBlock { block: 3, end: 10 })), "{err}");
+    assert_eq!(ix.stats(), before);
+    valid(&ix)?;
+    // Inserts that do not grow it still work: covered, or diverging inside it.
+    let covered = ix.insert_partial(&upto(9), &[5, 6, 7], 9)?;
+    assert_eq!((covered.adopted, covered.duplicates), (vec![], vec![5, 6, 7]));
+    let sibling = ix.insert(&diverging(12, 9), &[1, 2, 8])?;
+    assert_eq!((sibling.adopted, sibling.released), (vec![8], vec![]));
+    valid(&ix)?;
+    ix.unlock(&m);
+    let grown = ix.insert(&upto(12), &[1, 2, 4])?;
+    assert_eq!((grown.adopted, grown.released), (vec![4], vec![3]));
+    valid(&ix)
+}
+
+#[test]
+fn a_partial_insert_of_a_cached_tail_is_a_duplicate() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert(&upto(12), &[1, 2, 3])?;
+    let out = ix.insert_partial(&upto(10), &[4, 5, 6], 10)?;
+    assert_eq!((out.adopted, out.duplicates, out.released), (vec![], vec![4, 5, 6], vec![]));
+    assert_eq!((out.cached.tokens, out.cached.aligned_tokens, out.cached.blocks), (10, 8, vec![1, 2, 3]));
+    // A cached partial block covering at least these positions: [0, 10) is
+    // shared, block 2 is held by the full leaf (3) and the partial one (7).
+    let split = ix.insert_partial(&diverging(11, 10), &[1, 2, 7], 11)?;
+    assert_eq!((split.adopted, split.duplicates), (vec![7], vec![]));
+    let out = ix.insert_partial(&diverging(11, 10), &[8, 9, 10], 11)?;
+    assert_eq!((out.adopted, out.duplicates, out.cached.blocks), (vec![], vec![8, 9, 10], vec![1, 2, 7]));
+    // The index's own ids (from a match) are in neither list, whichever
+    // sibling holds the last one.
+    for (prompt, last) in [(diverging(11, 10), 7), (upto(12), 3)] {
+        let m = ix.match_prefix(&prompt);
+        assert_eq!(m.blocks[2], last);
+        let own = ix.insert_partial(&prompt, &m.blocks[..3], 9)?;
+        assert_eq!((own.adopted, own.duplicates, own.cached.blocks), (vec![], vec![], vec![1, 2, last]));
+        assert_eq!((own.cached.tokens, own.cached.aligned_tokens), (9, 8));
+    }
+    assert_eq!(ix.stats().cached_blocks, 4);
+    valid(&ix)
+}
+
+#[test]
+fn bad_partial_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
+    let before = ix.stats();
+    let err = ix.insert_partial(&upto(12), &[4, 5], 10).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::PartialBlockCount { blocks: 2, tokens: 10, block_size: 4 })));
+    let err = ix.insert_partial(&upto(12), &[4, 5, 6, 7], 10).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::PartialBlockCount { blocks: 4, tokens: 10, block_size: 4 })));
+    let err = ix.insert_partial(&upto(10), &[4, 5, 6], 11).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::TokensExceedPrompt { tokens: 11, prompt_len: 10 })));
+    let err = ix.insert_partial(&text(0, &[9; 8]), &[4, 4], 6).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 4 })), "repeated");
+    let err = ix.insert_partial(&text(0, &[9; 8]), &[4, 3], 6).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 3 })), "owned under other content");
+    // Writing past the cached partial block into the index's own id.
+    let err = ix.insert_partial(&upto(12), &[1, 2, 3], 12).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 3 })), "grows the index's block");
+    let mut broken = upto(10);
+    broken.token_ids.pop();
+    let err = ix.insert_partial(&broken, &[4, 5, 6], 9).unwrap_err();
+    assert!(matches!(err, Error::Request(RequestError::AtomsLengthMismatch { atoms: 10, tokens: 9 })));
+    assert_eq!(ix.stats(), before);
+    valid(&ix)?;
+    let empty = ix.insert_partial(&upto(10), &[], 0)?;
+    assert_eq!(empty, Default::default());
+    assert_eq!(ix.match_prefix(&upto(10)).blocks, vec![1, 2, 3]);
+    Ok(())
+}

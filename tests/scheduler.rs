@@ -102,11 +102,10 @@ fn rfc_pair_reuses_32_tokens_aligned_and_46_token_granular() -> TestResult {
             pages.run(&first)?;
             assert_eq!(sched.complete(&first)?, vec![1]);
             sched.finish(1)?;
-            assert_eq!(
-                sched.stats().blocks_cached,
-                4,
-                "67 tokens leave 4 full blocks cached"
-            );
+            // The radix index also keeps the partly filled fifth block (vLLM's
+            // hash chain, which the reference index follows, does not).
+            let cached_blocks = if name == "radix" { 5 } else { 4 };
+            assert_eq!(sched.stats().blocks_cached, cached_blocks, "{name}: 67 tokens, 4 full blocks");
 
             admit(&mut sched, &mut pages, request(2, 0, &p2))?;
             let batch = sched.schedule()?;
@@ -522,4 +521,100 @@ fn config_must_agree_with_the_index() {
     assert_err!(err, Some(Error::Config(ConfigError::Invalid { field: "block_size", .. })));
     let err = scheduler(config(8, 0, false)).err();
     assert_err!(err, Some(Error::Config(ConfigError::Invalid { field: "max_tokens_per_step", .. })));
+}
+
+/// Completes `batch` without running it (the scheduler does not read pages) and
+/// returns the ready requests.
+fn complete(sched: &mut Scheduler, batch: &ScheduledBatch) -> TestResult<Vec<RequestId>> {
+    let ready = sched.complete(batch)?;
+    check(sched)?;
+    Ok(ready)
+}
+
+/// Schedules one step and completes it unrun.
+fn step(sched: &mut Scheduler) -> TestResult<Vec<RequestId>> {
+    let batch = sched.schedule()?;
+    complete(sched, &batch)
+}
+
+fn generating(id: RequestId, ids: &[u32], max_new_tokens: usize) -> Request {
+    Request { max_new_tokens, ..request(id, 0, ids) }
+}
+
+#[test]
+fn decode_tokens_go_first_then_prefill_chunks_within_one_budget() -> TestResult {
+    let mut sched = scheduler(config(32, 8, true))?;
+    sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 4))?;
+    let batch = sched.schedule()?;
+    assert_eq!(complete(&mut sched, &batch)?, vec![1]);
+    sched.append(1, 42)?;
+    // A long prompt arrives; request 1 decodes one token per step ahead of its chunks.
+    sched.admit(request(2, 0, &(100..130).collect::<Vec<_>>()))?;
+    for step in 0..3 {
+        let batch = sched.schedule()?;
+        let shape: Vec<(RequestId, usize)> = batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect();
+        assert_eq!(shape, vec![(1, 1), (2, 7)], "step {step}");
+        let decode = &batch.seqs[0];
+        assert_eq!((decode.num_computed_tokens, decode.seq_len, decode.output_from), (5 + step, 6 + step, 5 + step));
+        assert!(decode.emits_output && !batch.seqs[1].emits_output);
+        assert_eq!(complete(&mut sched, &batch)?, vec![1]);
+        sched.append(1, 43 + step as u32)?;
+    }
+    assert_eq!(sched.num_computed_tokens(1), Some(8));
+    Ok(())
+}
+
+#[test]
+fn append_and_finish_check_the_sequence_and_change_nothing_on_error() -> TestResult {
+    let radix = RadixIndex::new(RadixConfig { block_size: 16 })?;
+    let mut sched = Scheduler::new(config(32, 64, true), Box::new(radix)).map(|s| s.with_model(omniprefix::batch::ModelShape {
+        vocab_size: 200,
+        hidden_size: 2,
+        num_layers: 2,
+        deepstack_levels: None,
+    }))?;
+    sched.admit(generating(1, &[1, 2, 3], 2))?;
+    assert_err!(sched.append(1, 5), Err(Error::Sched(SchedError::RequestNotFinished { id: 1, computed: 0, len: 3 })));
+    let batch = sched.schedule()?;
+    assert_err!(sched.finish(1), Err(Error::Sched(SchedError::RequestNotFinished { id: 1, .. })));
+    complete(&mut sched, &batch)?;
+    assert_err!(sched.append(1, 200), Err(Error::Request(RequestError::TokenOutOfVocab { position: 3, token: 200, .. })));
+    assert_err!(sched.append(9, 5), Err(Error::Sched(SchedError::UnknownRequest { id: 9 })));
+    sched.append(1, 5)?;
+    step(&mut sched)?;
+    sched.append(1, 6)?;
+    step(&mut sched)?;
+    // Two new tokens is all it may grow by.
+    assert_err!(sched.append(1, 7), Err(Error::Request(RequestError::GenerationLimit { id: 1, max_new_tokens: 2 })));
+    assert_eq!(sched.num_computed_tokens(1), Some(5));
+    check(&sched)?;
+    sched.finish(1)?;
+    check(&sched)?;
+    // prompt + reply are cached to the last position.
+    sched.admit(request(2, 0, &[1, 2, 3, 5, 6, 9]))?;
+    let batch = sched.schedule()?;
+    assert_eq!(batch.seqs[0].num_computed_tokens, 5);
+    Ok(())
+}
+
+#[test]
+fn a_sequence_whose_blocks_fill_while_decoding_commits_them_at_once() -> TestResult {
+    let radix = RadixIndex::new(RadixConfig { block_size: 4 })?;
+    let mut sched = Scheduler::new(SchedulerConfig { block_size: 4, ..config(32, 64, true) }, Box::new(radix))?;
+    sched.admit(generating(1, &[1, 2, 3], 8))?;
+    step(&mut sched)?;
+    for t in 10..16 {
+        sched.append(1, t)?;
+        step(&mut sched)?;
+        // Blocks whose KV is written are cached while the sequence still runs.
+        let full = sched.num_computed_tokens(1).unwrap_or(0) / 4;
+        assert_eq!(sched.index_stats().cached_blocks, full as u64, "after token {t}");
+    }
+    sched.abort(1)?;
+    check(&sched)?;
+    // Abort leaves the full blocks cached and unpinned, and never the partial one.
+    assert_eq!(sched.stats().blocks_in_use, 0);
+    assert_eq!(sched.index_stats().cached_blocks, 2);
+    assert_eq!(sched.evict(8)?, 2);
+    Ok(())
 }

@@ -160,15 +160,34 @@ pub struct Ledger {
 impl Ledger {
     /// Records `adopted` from an insert whose blocks were `blocks` for `truth`.
     pub fn adopt(&mut self, tenant: TenantSalt, truth: &[Truth], bs: usize, blocks: &[BlockId], adopted: &[BlockId]) {
+        self.adopt_upto(tenant, truth, bs, blocks, adopted, blocks.len() * bs);
+    }
+
+    /// [`Self::adopt`] for an insert of the first `tokens` positions (the
+    /// last block holds only those it covers).
+    pub fn adopt_upto(
+        &mut self,
+        tenant: TenantSalt,
+        truth: &[Truth],
+        bs: usize,
+        blocks: &[BlockId],
+        adopted: &[BlockId],
+        tokens: usize,
+    ) {
         for (i, b) in blocks.iter().enumerate() {
             if adopted.contains(b) {
-                self.blocks.insert(*b, (tenant, truth[..(i + 1) * bs].to_vec()));
+                self.blocks.insert(*b, (tenant, truth[..((i + 1) * bs).min(tokens)].to_vec()));
             }
         }
     }
 
     pub fn evict(&mut self, b: BlockId) -> bool {
         self.blocks.remove(&b).is_some()
+    }
+
+    /// Removes `b` and returns what it held (tenant, truth up to its last valid position).
+    pub fn take(&mut self, b: BlockId) -> Option<(TenantSalt, Vec<Truth>)> {
+        self.blocks.remove(&b)
     }
 
     /// Number of blocks the index should hold.
@@ -182,7 +201,8 @@ impl Ledger {
     }
 
     /// Every returned block is live, belongs to `tenant`, sits at its own
-    /// block position and holds the query's content up to the matched length.
+    /// block position and holds the query's content up to the matched length
+    /// (a partly filled block at least that far, so only as the last one).
     pub fn check(&self, tenant: TenantSalt, query: &[Truth], bs: usize, m: &PrefixMatch) -> Result<(), String> {
         if m.blocks.len() != m.tokens.div_ceil(bs) || m.aligned_tokens != m.tokens / bs * bs {
             return Err(format!("match shape {m:?} inconsistent with block size {bs}"));
@@ -198,7 +218,8 @@ impl Ledger {
                 return Err(format!("block {b} of tenant {owner} returned to tenant {tenant}"));
             }
             let upto = ((j + 1) * bs).min(m.tokens);
-            if content.len() != (j + 1) * bs || content[..upto] != query[..upto] {
+            let at_own_position = j * bs < content.len() && content.len() <= (j + 1) * bs;
+            if !at_own_position || content.len() < upto || content[..upto] != query[..upto] {
                 return Err(format!("block {b} at position {j} holds other content"));
             }
         }

@@ -111,10 +111,10 @@ pub trait PrefixIndex {
         let bs = self.block_size();
         check_partial_args(bs, prompt.len(), blocks.len(), tokens)?;
         let full = tokens / bs;
-        if let Some(&partial) = blocks.get(full) {
-            if blocks[..full].contains(&partial) {
-                return Err(CacheError::BlockAlreadyCached { block: partial }.into());
-            }
+        if let Some(&partial) = blocks.get(full)
+            && blocks[..full].contains(&partial)
+        {
+            return Err(CacheError::BlockAlreadyCached { block: partial }.into());
         }
         let mut outcome = self.insert(prompt, &blocks[..full])?;
         outcome.duplicates.extend(blocks.get(full).copied());

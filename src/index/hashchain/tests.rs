@@ -98,6 +98,38 @@ fn insert_then_match_is_block_granular() {
     );
 }
 
+/// vLLM caches full blocks only: the partly filled last block of a
+/// finished sequence comes back to the caller, a round loses up to a block.
+#[test]
+fn insert_partial_caches_the_full_blocks_and_hands_the_partial_one_back() {
+    let mut ix = index();
+    let p = text_prompt(0, &(0..14).collect::<Vec<_>>());
+    let out = ix.insert_partial(&p, &[1, 2, 3], 10).unwrap();
+    ok(&ix);
+    assert_eq!((out.adopted, out.duplicates, out.released), (vec![1, 2], vec![3], vec![]));
+    assert_eq!((out.cached.tokens, out.cached.blocks), (8, vec![1, 2]), "cached: the full blocks");
+    assert_eq!(ix.match_prefix(&p).tokens, 8);
+    // The full block over those positions, once cached, is the index's own.
+    ix.insert(&p, &[1, 2, 4]).unwrap();
+    let own = ix.insert_partial(&p, &[1, 2, 4], 10).unwrap();
+    assert_eq!((own.adopted.len(), own.duplicates.len()), (0, 0));
+    let copy = ix.insert_partial(&p, &[5, 6, 7], 10).unwrap();
+    assert_eq!((copy.adopted, copy.duplicates), (vec![], vec![5, 6, 7]));
+    // Bad arguments change nothing.
+    let before = ix.stats();
+    let err = ix.insert_partial(&p, &[5, 6], 10).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::PartialBlockCount { blocks: 2, tokens: 10, block_size: BS })));
+    let err = ix.insert_partial(&p, &[5, 6, 7, 8], 15).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::TokensExceedPrompt { tokens: 15, prompt_len: 14 })));
+    let err = ix.insert_partial(&p, &[5, 6, 5], 10).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 5 })));
+    let other = text_prompt(0, &[9; 10]);
+    let err = ix.insert_partial(&other, &[5, 6, 4], 10).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 4 })), "owned under other content");
+    assert_eq!(ix.stats(), before);
+    ok(&ix);
+}
+
 #[test]
 fn duplicates_and_recommits() {
     let mut ix = index();
