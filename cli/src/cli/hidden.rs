@@ -75,6 +75,7 @@ impl EngineArgs {
 /// Work for an engine on whichever backend `--backend` selected (a trait, not a
 /// closure, because the engine's type differs per backend).
 pub trait EngineJob {
+    /// What the job hands back to its command.
     type Output;
     /// Runs on a fresh engine over `args.model`.
     fn run<B: Backend>(self, engine: Engine<B>, args: &EngineArgs) -> Result<Self::Output>;

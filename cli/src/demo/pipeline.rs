@@ -1,5 +1,6 @@
-//! Runs one workload's waves through an [`Engine`] one way (radix index,
-//! hash-chain baseline, or no cache) and keeps, per request, what the report needs.
+//! Runs one workload through an [`Engine`] one way (radix index, hash-chain
+//! baseline, or no cache) — waves of prefills, or a conversation whose replies
+//! the engine generates — and keeps, per request, what the report needs.
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -49,10 +49,12 @@ pub fn poisson_offsets(n: usize, rate: f64, seed: u64) -> Vec<Duration> {
 /// One request to submit now: `stream`'s round `round`, counted as arrived at `arrived`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Due {
+    /// Index of the stream (a prompt, or a conversation).
     pub stream: usize,
+    /// Index of the request within its stream (a conversation's round).
     pub round: usize,
     /// Since the start: the Poisson arrival of a stream's first request (so time
-    /// spent waiting for the next step counts in its TTFT), else the clock now.
+    /// spent waiting for the next step counts in its TTFT), else the clock when it became due.
     pub arrived: Duration,
 }
 
@@ -113,7 +115,10 @@ impl Dispatcher {
             if s.in_flight || s.next_round >= s.rounds || s.offset > now {
                 continue;
             }
-            let arrived = if s.next_round == 0 { s.offset } else { now };
+            // Only a Poisson stream's first request has an arrival of its own; the rest arrive
+            // when they become due (a closed-loop slot frees, or the previous round finished).
+            let open_loop_first = s.next_round == 0 && matches!(self.arrival, Arrival::Poisson { .. });
+            let arrived = if open_loop_first { s.offset } else { now };
             due.push(Due { stream, round: s.next_round, arrived });
             s.in_flight = true;
             s.next_round += 1;
@@ -180,6 +185,8 @@ mod tests {
         assert!(d.due(Duration::ZERO).is_empty());
         d.finished(1);
         d.finished(1); // finishing twice frees one slot, not two
-        assert_eq!(d.due(Duration::ZERO).iter().map(|r| r.stream).collect::<Vec<_>>(), [4]);
+        // A closed-loop request arrives when its slot frees, not at the start.
+        let later = Duration::from_secs(3);
+        assert_eq!(d.due(later), [Due { stream: 4, round: 0, arrived: later }]);
     }
 }
