@@ -128,7 +128,7 @@ impl Summary {
         let median_ratio = |way: Way| {
             crate::ttft::median(conversation.iter().filter(|r| r.way == way).map(|r| r.match_over_read_floor).collect())
         };
-        let last_round = conversation.iter().filter(|r| r.way == Way::Radix).last();
+        let last_round = conversation.iter().rfind(|r| r.way == Way::Radix);
         Summary {
             prompt_tokens: of_way(Way::NoCache).map(|r| r.prompt_tokens).sum(),
             radix_cached_tokens: of_way(Way::Radix).map(|r| r.cached_tokens).sum(),
