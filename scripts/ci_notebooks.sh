@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI: installs notebooks/requirements.txt into a venv, makes a SMALL report set
-# (demo --quick, bench match on tiny media with one run) in a temporary folder,
+# (demo --quick, bench match on tiny media with one run, bench serve --quick) in a temporary folder,
 # executes every notebook on it headless and checks each wrote its figures.
 # A couple of minutes on 2 cores once the debug binary is built.
 #
@@ -23,11 +23,12 @@ mkdir -p "$work/reports" "$work/figures"
 "$bin" demo --quick --backend cpu --json "$work/reports/demo.json" > "$work/reports/demo.txt"
 "$bin" bench match --workload all --scale tiny --runs 1 --threads 1 --json > "$work/reports/bench_match_1t.jsonl"
 "$bin" bench match --workload all --scale tiny --runs 1 --threads 2 --json > "$work/reports/bench_match_Nt.jsonl"
+"$bin" bench serve --quick --threads 1 --json > "$work/reports/bench_serve.jsonl"
 
 OMNIPREFIX_REPORTS="$work/reports" OMNIPREFIX_FIGURES="$work/figures" OMNIPREFIX_CRITERION="$work/no-criterion" \
     "$venv/bin/python" notebooks/execute.py notebooks/*.ipynb
 
-for figure in match_time_vs_bytes ttft_vs_cached_fraction multi_round_hits hidden_state_difference; do
+for figure in match_time_vs_bytes ttft_vs_cached_fraction multi_round_hits hidden_state_difference serve_ttft_itl; do
     if [[ ! -s "$work/figures/$figure.png" ]]; then
         echo "error: the notebooks did not write $figure.png" >&2
         exit 1

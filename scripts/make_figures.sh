@@ -4,12 +4,14 @@
 #
 #   scripts/make_figures.sh            # all reports, then the figures
 #   FIGURES_ONLY=1 scripts/make_figures.sh   # figures from the committed reports
+#   SERVE_ONLY=1 scripts/make_figures.sh     # only docs/reports/bench_serve.jsonl, then the figures
 #
 # Env: DEMO_BACKEND (auto | cpu | wgpu, default auto), NOTEBOOK_VENV, PYTHON, CARGO_TARGET_DIR.
 # criterion's output (target/criterion, from `cargo bench`) is plotted when present.
 #
 # The docs quote these reports: docs/demo.md (headline numbers), docs/benchmarks.md (the match
-# table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table) and
+# table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table), the README's
+# bench serve table (`scripts/serve_table.py < docs/reports/bench_serve.jsonl`) and
 # the README's headline figures. Nothing here rewrites them: update them from the new reports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +21,7 @@ figures="$root/docs/figures"
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
 mkdir -p "$reports" "$figures"
 
-if [[ -z "${FIGURES_ONLY:-}" ]]; then
+if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
     cargo build --release --quiet --bin omniprefix
     bin="$target_dir/release/omniprefix"
     threads="$(nproc)"
@@ -29,6 +31,16 @@ if [[ -z "${FIGURES_ONLY:-}" ]]; then
     if "$bin" bench ttft --help > /dev/null 2>&1; then
         "$bin" bench ttft --runs 7 --json > "$reports/bench_ttft.jsonl"
     fi
+fi
+# The serve report alone (SERVE_ONLY=1 skips the rest, e.g. on shared cores); the README's
+# bench serve table is `scripts/serve_table.py < docs/reports/bench_serve.jsonl`.
+if [[ -z "${FIGURES_ONLY:-}" || -n "${SERVE_ONLY:-}" ]]; then
+    cargo build --release --quiet --bin omniprefix
+    # The issue's prompt sizes (10 prefixes of 256 + 256-token suffixes, 2 prompts per prefix) with
+    # 32-token replies and 2 conversations: the full defaults (128 tokens, 4 conversations) take
+    # ~30 min on 2 cores.
+    "$target_dir/release/omniprefix" bench serve --output-len 32 --conversations 2 \
+        --concurrency 1,8 --json > "$reports/bench_serve.jsonl"
 fi
 
 venv="${NOTEBOOK_VENV:-target/notebook-venv}"

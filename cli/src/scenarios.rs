@@ -45,6 +45,8 @@ pub struct PrefixRepetition {
     pub prefix_len: usize,
     pub suffix_len: usize,
     pub num_prefixes: usize,
+    /// Tokens generated per request.
+    pub output_len: usize,
     pub num_prompts: usize,
 }
 

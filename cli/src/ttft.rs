@@ -215,7 +215,6 @@ impl<B: Backend> Bench<B> {
     /// Per run (its own tenant): rounds 1..4 in order on a caching engine, and
     /// each round alone on an engine with caching off.
     fn multi_round(&self, scenario: &MultiRound) -> Result<Vec<TtftReport>> {
-        let qwen = OmniTokens::qwen3_omni();
         let probe = self.engine(false, None, 64)?;
         let (model_tokens, vocab, hidden) =
             (probe.tokens().clone(), probe.model_config().vocab_size, probe.model_config().hidden_size);
@@ -225,7 +224,7 @@ impl<B: Backend> Bench<B> {
             .rounds
             .iter()
             .map(|r| {
-                let ids = r.token_ids_unexpanded.iter().map(|&t| map_token(t, &qwen, &model_tokens, vocab)).collect();
+                let ids = map_ids(&r.token_ids_unexpanded, &model_tokens, vocab);
                 let items = r.items_in_order.iter().map(|&m| media.get(m)).collect::<Result<Vec<_>>>()?;
                 Ok((ids, items))
             })
@@ -335,7 +334,7 @@ fn report(workload: &str, backend: &'static str, cfg: &Config, prefix: usize, su
 
 /// Ids below this are plain text for the model: below its vocabulary and its
 /// smallest special id.
-fn text_id_limit(tokens: &OmniTokens, vocab: usize) -> u32 {
+pub(crate) fn text_id_limit(tokens: &OmniTokens, vocab: usize) -> u32 {
     let specials = [
         tokens.image_token_id,
         tokens.video_token_id,
@@ -348,6 +347,12 @@ fn text_id_limit(tokens: &OmniTokens, vocab: usize) -> u32 {
     let smallest = specials.into_iter().min().unwrap_or(u32::MAX);
     // Qwen's regular BPE ranks end at 151643; the rest are control tokens.
     smallest.min(151_643).min(u32::try_from(vocab).unwrap_or(u32::MAX)).max(1)
+}
+
+/// Scenario ids (Qwen3-Omni's) in the vocabulary of a model with special ids `to`.
+pub(crate) fn map_ids(ids: &[u32], to: &OmniTokens, vocab: usize) -> Vec<u32> {
+    let qwen = OmniTokens::qwen3_omni();
+    ids.iter().map(|&t| map_token(t, &qwen, to, vocab)).collect()
 }
 
 /// A Qwen3-Omni id in the model's vocabulary: special ids to the model's
@@ -370,16 +375,16 @@ fn map_token(id: u32, from: &OmniTokens, to: &OmniTokens, vocab: usize) -> u32 {
 
 /// A synthetic item of `multi_round`: raw content for the fingerprint and
 /// random "encoder output" rows for the model.
-struct MediaItem {
+pub(crate) struct MediaItem {
     modality: Modality,
     layout: ItemLayout,
     content: ArrayD<u8>,
     embeddings: Arc<Array2<f32>>,
-    tokens: usize,
+    pub(crate) tokens: usize,
 }
 
 impl MediaItem {
-    fn input(&self) -> ItemInput<'_> {
+    pub(crate) fn input(&self) -> ItemInput<'_> {
         ItemInput {
             spec: ItemSpec {
                 modality: self.modality,
@@ -394,7 +399,7 @@ impl MediaItem {
 }
 
 /// The image, audio and video of `fixtures/qwen3_omni.json`, scaled down by `scale`.
-struct Media {
+pub(crate) struct Media {
     items: Vec<MediaItem>,
 }
 
@@ -419,7 +424,7 @@ fn scaled_layouts(scale: u32) -> [(Modality, ItemLayout, Vec<usize>); 3] {
 }
 
 impl Media {
-    fn new(scale: u32, hidden: usize, seed: u64) -> Result<Self> {
+    pub(crate) fn new(scale: u32, hidden: usize, seed: u64) -> Result<Self> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5EED);
         let items = scaled_layouts(scale)
             .into_iter()
@@ -436,7 +441,7 @@ impl Media {
         Ok(Media { items })
     }
 
-    fn get(&self, modality: Modality) -> Result<&MediaItem> {
+    pub(crate) fn get(&self, modality: Modality) -> Result<&MediaItem> {
         self.items
             .iter()
             .find(|m| m.modality == modality)

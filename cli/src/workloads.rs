@@ -448,6 +448,84 @@ pub(crate) fn conversation_rounds() -> Result<Vec<RequestPlan>> {
         .collect())
 }
 
+/// Qwen's `<|im_end|>`: closes every chat turn (a reply is followed by it).
+pub const IM_END: u32 = 151_645;
+
+/// What a conversation round adds to the history it re-sends: round 1's whole
+/// prompt, then per later round the text after the previous reply (`<|im_end|>`
+/// onwards, ending in `<|im_start|>assistant\n`) and the items it adds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatTurn {
+    pub token_ids: Vec<u32>,
+    pub new_items: Vec<Modality>,
+}
+
+/// The 4-round conversation as turns, so a driver can put the engine's own
+/// reply between them: round `k+1` = round `k` + reply `k` + turn `k+1`.
+/// The fixture's replies (its text up to the next `<|im_end|>`) are dropped.
+pub fn conversation_turns() -> Result<Vec<ChatTurn>> {
+    let rounds = conversation_rounds()?;
+    let mut turns = Vec::with_capacity(rounds.len());
+    let mut previous: Option<&RequestPlan> = None;
+    for round in &rounds {
+        let (ids, items) = (&round.token_ids, &round.items);
+        let (start, old_items) = match previous {
+            None => (0, 0),
+            Some(prev) => {
+                let extends = ids.starts_with(&prev.token_ids) && items.starts_with(&prev.items);
+                let reply_end = ids[prev.token_ids.len().min(ids.len())..].iter().position(|&t| t == IM_END);
+                match reply_end {
+                    Some(reply) if extends => (prev.token_ids.len() + reply, prev.items.len()),
+                    _ => {
+                        return Err(HarnessError::Fixture {
+                            file: SCENARIOS_FILE,
+                            problem: "a round does not re-send the previous round and a reply ending in <|im_end|>".into(),
+                        });
+                    }
+                }
+            }
+        };
+        turns.push(ChatTurn { token_ids: ids[start..].to_vec(), new_items: items[old_items..].to_vec() });
+        previous = Some(round);
+    }
+    Ok(turns)
+}
+
+/// A generated reply as a chat client re-sends it: without the multimodal
+/// special ids (placeholders, vision/audio start and end), which detokenizing
+/// with `skip_special_tokens` drops and which would otherwise ask for items.
+pub fn reply_for_history(reply: &[u32], tokens: &OmniTokens) -> Vec<u32> {
+    let wrappers = [
+        tokens.vision_start_token_id,
+        tokens.vision_end_token_id,
+        tokens.audio_start_token_id,
+        tokens.audio_end_token_id,
+    ];
+    reply.iter().copied().filter(|&t| tokens.placeholder_modality(t).is_none() && !wrappers.contains(&t)).collect()
+}
+
+/// vLLM's `prefix_repetition` prompts: prompt `i` = shared prefix
+/// `i mod num_prefixes` + its own random suffix, ids drawn below `id_limit` from `seed`.
+pub fn prefix_repetition_prompts(
+    prompts: usize,
+    num_prefixes: usize,
+    prefix_len: usize,
+    suffix_len: usize,
+    id_limit: u32,
+    seed: u64,
+) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut random_ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..id_limit.max(1))).collect() };
+    let prefixes: Vec<Vec<u32>> = (0..num_prefixes.max(1)).map(|_| random_ids(prefix_len)).collect();
+    (0..prompts)
+        .map(|i| {
+            let mut ids = prefixes[i % prefixes.len()].clone();
+            ids.extend(random_ids(suffix_len));
+            ids
+        })
+        .collect()
+}
+
 /// Rounds 1-3 warm up; round 4 is measured.
 fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
     let mut rounds = conversation_rounds()?;
@@ -503,6 +581,26 @@ mod tests {
         assert_eq!(w.warmup.len(), 3);
         assert_eq!(w.measured.token_ids.len(), 172);
         assert_eq!(w.measured.items, vec![Modality::Image, Modality::Audio, Modality::Video]);
+        Ok(())
+    }
+
+    #[test]
+    fn turns_rebuild_the_rounds_with_the_fixture_replies_between_them() -> Result<()> {
+        let (rounds, turns) = (conversation_rounds()?, conversation_turns()?);
+        assert_eq!(turns.len(), 4);
+        assert_eq!(turns[0].token_ids, rounds[0].token_ids);
+        let mut history = turns[0].token_ids.clone();
+        for k in 1..4 {
+            assert_eq!(turns[k].token_ids[0], IM_END);
+            let reply = &rounds[k].token_ids[history.len()..rounds[k].token_ids.len() - turns[k].token_ids.len()];
+            assert!(!reply.is_empty() && !reply.contains(&IM_END));
+            history.extend(reply);
+            history.extend(&turns[k].token_ids);
+            assert_eq!(history, rounds[k].token_ids);
+            assert_eq!([&rounds[k - 1].items[..], &turns[k].new_items].concat(), rounds[k].items);
+        }
+        let tokens = OmniTokens::qwen3_omni();
+        assert_eq!(reply_for_history(&[7, tokens.image_token_id, 8, tokens.audio_end_token_id], &tokens), [7, 8]);
         Ok(())
     }
 

@@ -36,7 +36,10 @@ fn quick_demo_reuses_the_cache_and_returns_the_uncached_hidden_states() -> Resul
             assert!(r.max_rel_diff_hidden <= 1e-4, "{} {:?} request {}: {}", w.name, r.way, r.request, r.max_rel_diff_hidden);
             assert!(r.max_rel_diff_logits <= 1e-4, "{} {:?} request {}", w.name, r.way, r.request);
             assert_eq!(r.hidden_shapes.len(), 3, "hidden.0, the middle layer and final");
-            assert!(r.hidden_shapes.iter().all(|(_, s)| *s == [r.prompt_tokens, hidden]), "{:?}", r.hidden_shapes);
+            // A conversation round also runs its reply's tokens but the last (8 generated with --quick).
+            let rows = if w.name == "multi_round" { r.prompt_tokens + 7 } else { r.prompt_tokens };
+            assert!(r.hidden_shapes.iter().all(|(_, s)| *s == [rows, hidden]), "{:?}", r.hidden_shapes);
+            assert!(r.same_reply_as_no_cache, "{} {:?} request {}", w.name, r.way, r.request);
             assert!(r.cached_tokens < r.prompt_tokens);
             if r.way == Way::NoCache {
                 assert_eq!(r.cached_tokens, 0);
@@ -55,6 +58,11 @@ fn quick_demo_reuses_the_cache_and_returns_the_uncached_hidden_states() -> Resul
     let multi = rows(workload(&report, "multi_round"), Way::Radix);
     assert_eq!(multi[0].cached_tokens, 0);
     assert!(multi[1..].iter().all(|r| r.cached_tokens > 0), "{multi:?}");
+    // Each later round re-sends the previous reply: the 7 of its 8 tokens that ran are cached (radix).
+    assert!(multi[1..].iter().all(|r| (r.reply_tokens, r.reply_cached) == (8, 7)), "{multi:?}");
+    let s = &report.summary;
+    assert_eq!((s.reply_tokens, s.radix_reply_cached), (24, 21));
+    assert!(s.same_replies && s.max_rel_diff <= 1e-4 && s.radix_cached_tokens > s.hash_chain_cached_tokens, "{s:?}");
     // The batch spans several steps, so a prompt whose prefix an earlier step cached reuses it.
     let batch = rows(workload(&report, "prefix_repetition"), Way::Radix);
     assert!(batch.iter().any(|r| r.cached_tokens >= 32), "{batch:?}");
@@ -71,12 +79,21 @@ fn the_json_report_carries_the_table_numbers_and_the_machine() -> TestResult {
     run(Cli::try_parse_from(["omniprefix", "demo", "--quick", "--backend", "cpu", "--json", &path_arg])?, &mut out)?;
     let text = String::from_utf8_lossy(&out);
     assert!(text.contains("== multi_round =="), "{text}");
+    // The summary a newcomer reads: one line per claim, after the tables.
+    let summary: Vec<&str> = text.lines().skip_while(|l| *l != "== summary ==").skip(1).take(4).collect();
+    let starts = ["vs the vLLM path: radix reused ", "hidden states equal to uncached: yes ", "TTFT, last multi_round round: ", "reply reuse: 21 of 24 tokens"];
+    assert_eq!(summary.len(), 4, "{text}");
+    for (line, start) in summary.iter().zip(starts) {
+        assert!(line.starts_with(start), "{line:?} should start with {start:?}");
+    }
+    assert!(summary[1].contains("generated replies identical"), "{text}");
     let json: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(&path).map_err(|source| IoError::read(&path_arg, source))?,
     )?;
     assert_eq!(json["machine"]["backend"], "cpu");
     assert!(json["machine"]["cores"].as_u64().is_some_and(|c| c >= 1));
     assert_eq!(json["workloads"][0]["name"], "rfc_text_pair");
+    assert_eq!(json["summary"]["radix_reply_cached"].as_u64(), Some(21));
     let row = &json["workloads"][0]["rows"][3];
     assert_eq!((row["way"].as_str(), row["cached_tokens"].as_u64()), (Some("radix"), Some(46)));
     std::fs::remove_dir_all(&dir).ok();

@@ -1,34 +1,36 @@
 //! `omniprefix hidden`: run warm-up requests, then a request, and write its
 //! full hidden states (`hidden.<L>`, `hidden.final`) and last-row logits.
+//!
+//! The request-file engine setup here ([`EngineArgs`], [`on_selected_backend`],
+//! [`write_tensors`]) is shared with `omniprefix generate`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::Args;
+use ndarray::Array2;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
 use omniprefix::backend::Backend;
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
 use omniprefix::engine::{Engine, EngineConfig, Output};
-use omniprefix::error::{CheckpointError, Error, IoError};
-use crate::error::{HarnessError, Result};
+use omniprefix::error::{CheckpointError, Error};
+use crate::error::{HarnessError, Result, output};
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::request_file::RequestFile;
 
-/// Arguments of `omniprefix hidden`.
+/// What `hidden` and `generate` share: the checkpoint, the request files, the
+/// cache and the backend, so both build their engine the same way.
 #[derive(Debug, Clone, Args)]
-pub struct HiddenArgs {
+pub struct EngineArgs {
     /// Checkpoint folder (`config.json` + safetensors).
     #[arg(long)]
     pub model: PathBuf,
     /// The request file (JSON, see `docs/request-format.md`).
     #[arg(long)]
     pub request: PathBuf,
-    /// Output safetensors file.
-    #[arg(long)]
-    pub out: PathBuf,
     /// Warm-up request files, run in order before the request.
     #[arg(long)]
     pub warm: Vec<PathBuf>,
@@ -52,6 +54,53 @@ pub struct HiddenArgs {
     /// Default: `0`, the middle layer, `final`.
     #[arg(long)]
     pub capture: Option<String>,
+}
+
+impl EngineArgs {
+    /// The engine configuration these arguments ask for (reads the checkpoint's config for `--capture all`).
+    pub fn engine_config(&self) -> Result<EngineConfig> {
+        let model = Config::from_file(&self.model.join("config.json"))?;
+        let capture = self.capture.as_deref().map(|s| parse_capture(s, model.num_hidden_layers)).transpose()?;
+        Ok(EngineConfig {
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            capture,
+            cache: !self.no_cache,
+            token_granular_reuse: !self.block_aligned,
+            ..Default::default()
+        })
+    }
+}
+
+/// Work for an engine on whichever backend `--backend` selected (a trait, not a
+/// closure, because the engine's type differs per backend).
+pub trait EngineJob {
+    /// What the job hands back to its command.
+    type Output;
+    /// Runs on a fresh engine over `args.model`.
+    fn run<B: Backend>(self, engine: Engine<B>, args: &EngineArgs) -> Result<Self::Output>;
+}
+
+/// Selects the backend, builds the engine and runs `job`; returns why that
+/// backend was chosen with the job's output.
+pub fn on_selected_backend<J: EngineJob>(args: &EngineArgs, job: J) -> Result<(String, J::Output)> {
+    let config = args.engine_config()?;
+    let selection = select(args.backend)?;
+    let output = match selection.backend {
+        SelectedBackend::Cpu(cpu) => job.run(Engine::from_dir_on(Arc::new(cpu), &args.model, config)?, args)?,
+        SelectedBackend::Wgpu(gpu) => job.run(Engine::from_dir_on(Arc::new(gpu), &args.model, config)?, args)?,
+    };
+    Ok((selection.reason, output))
+}
+
+/// Arguments of `omniprefix hidden`.
+#[derive(Debug, Clone, Args)]
+pub struct HiddenArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Output safetensors file.
+    #[arg(long)]
+    pub out: PathBuf,
 }
 
 /// Parses `--capture` for a model of `num_layers` layers: `all`, or a comma
@@ -80,55 +129,58 @@ pub fn tensor_name(name: CaptureName) -> String {
 
 /// Runs the command, printing `num_cached_tokens` and the output shapes to `out`.
 pub fn run(args: &HiddenArgs, out: &mut dyn Write) -> Result<()> {
-    let model = Config::from_file(&args.model.join("config.json"))?;
-    let capture = args.capture.as_deref().map(|s| parse_capture(s, model.num_hidden_layers)).transpose()?;
-    let config = EngineConfig {
-        block_size: args.block_size,
-        num_blocks: args.num_blocks,
-        capture,
-        cache: !args.no_cache,
-        token_granular_reuse: !args.block_aligned,
-        ..Default::default()
-    };
-    let selection = select(args.backend)?;
-    let stdout_err = |source| Error::Io(IoError::write("stdout", source));
-    writeln!(out, "backend: {}", selection.reason).map_err(stdout_err)?;
-    let output = match selection.backend {
-        SelectedBackend::Cpu(cpu) => run_on(Arc::new(cpu), args, config)?,
-        SelectedBackend::Wgpu(gpu) => run_on(Arc::new(gpu), args, config)?,
-    };
-    write_output(&output, &args.out)?;
-    writeln!(out, "num_cached_tokens: {}", output.num_cached_tokens).map_err(stdout_err)?;
-    for (name, h) in &output.hidden {
-        writeln!(out, "{}: [{}, {}]", tensor_name(*name), h.nrows(), h.ncols()).map_err(stdout_err)?;
+    let (reason, result) = on_selected_backend(&args.engine, Prefill)?;
+    writeln!(out, "backend: {reason}").map_err(output)?;
+    let mut tensors = hidden_tensors(&result.hidden);
+    tensors.push(f32_tensor("logits".into(), vec![1, result.last_logits.len()], &result.last_logits));
+    write_tensors(tensors, &args.out)?;
+    print_shapes(out, result.num_cached_tokens, &result.hidden)?;
+    writeln!(out, "logits: [1, {}] (last position)", result.last_logits.len()).map_err(output)
+}
+
+/// `hidden`'s job: the warm-up requests, then the request, each prefilled.
+struct Prefill;
+
+impl EngineJob for Prefill {
+    type Output = Output;
+
+    fn run<B: Backend>(self, mut engine: Engine<B>, args: &EngineArgs) -> Result<Output> {
+        for warm in &args.warm {
+            let file = RequestFile::load(warm)?;
+            engine.prefill(file.request(engine.tokens()))?;
+        }
+        let file = RequestFile::load(&args.request)?;
+        Ok(engine.prefill(file.request(engine.tokens()))?)
     }
-    writeln!(out, "logits: [1, {}] (last position)", output.last_logits.len()).map_err(stdout_err)?;
+}
+
+/// Prints `num_cached_tokens` and each captured point's shape, one per line.
+pub fn print_shapes(out: &mut dyn Write, num_cached_tokens: usize, hidden: &[(CaptureName, Array2<f32>)]) -> Result<()> {
+    writeln!(out, "num_cached_tokens: {num_cached_tokens}").map_err(output)?;
+    for (name, h) in hidden {
+        writeln!(out, "{}: [{}, {}]", tensor_name(*name), h.nrows(), h.ncols()).map_err(output)?;
+    }
     Ok(())
 }
 
-/// Runs the warm-up requests, then the request, on one backend.
-fn run_on<B: Backend>(backend: Arc<B>, args: &HiddenArgs, config: EngineConfig) -> Result<Output> {
-    let mut engine = Engine::from_dir_on(backend, &args.model, config)?;
-    for warm in &args.warm {
-        let file = RequestFile::load(warm)?;
-        engine.prefill(file.request(engine.tokens()))?;
-    }
-    let file = RequestFile::load(&args.request)?;
-    Ok(engine.prefill(file.request(engine.tokens()))?)
+/// One f32 tensor to write: name, shape, little-endian bytes.
+pub type F32Tensor = (String, Vec<usize>, Vec<u8>);
+
+/// `values` as a named f32 tensor of `shape`.
+pub fn f32_tensor<'a>(name: String, shape: Vec<usize>, values: impl IntoIterator<Item = &'a f32>) -> F32Tensor {
+    (name, shape, values.into_iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
-/// Writes every captured point as f32 `[seq_len, hidden]` and `logits` `[1, vocab]`.
-fn write_output(output: &Output, path: &Path) -> Result<()> {
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = output
-        .hidden
+/// Every captured point as `hidden.<L>` / `hidden.final`, `[rows, hidden]`.
+pub fn hidden_tensors(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<F32Tensor> {
+    hidden
         .iter()
-        .map(|(name, h)| {
-            let bytes = h.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (tensor_name(*name), vec![h.nrows(), h.ncols()], bytes)
-        })
-        .collect();
-    let logits = output.last_logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-    tensors.push(("logits".into(), vec![1, output.last_logits.len()], logits));
+        .map(|(name, h)| f32_tensor(tensor_name(*name), vec![h.nrows(), h.ncols()], h.iter()))
+        .collect()
+}
+
+/// Writes `tensors` as one safetensors file (f32).
+pub fn write_tensors(tensors: Vec<F32Tensor>, path: &Path) -> Result<()> {
     let st_err = |e: safetensors::SafeTensorError| Error::Checkpoint(CheckpointError::Safetensors { path: path.display().to_string(), message: e.to_string() });
     let views = tensors
         .iter()

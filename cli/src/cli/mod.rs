@@ -15,8 +15,12 @@ use crate::error::Result;
 pub mod bench_match;
 /// `omniprefix demo`.
 pub mod demo;
+/// `omniprefix generate`.
+pub mod generate;
 /// `omniprefix hidden`.
 pub mod hidden;
+/// `omniprefix bench serve`.
+pub mod serve;
 /// `omniprefix bench soak`.
 pub mod soak;
 /// `omniprefix bench ttft`.
@@ -37,6 +41,8 @@ pub enum Command {
     Demo(demo::DemoArgs),
     /// Full hidden states of a request (after optional warm-up requests) into a safetensors file.
     Hidden(hidden::HiddenArgs),
+    /// Generate tokens for a request (after optional warm-up requests): tokens, cache reuse, TTFT and ITL.
+    Generate(generate::GenerateArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -51,6 +57,8 @@ pub enum BenchCommand {
     Ttft(ttft::TtftArgs),
     /// Zipf prefix reuse under eviction pressure, no model compute: hit rate, evictions, peak memory, leaks.
     Soak(soak::SoakArgs),
+    /// `vllm bench serve` on the generation API: TTFT/ITL percentiles, output tokens/s, hit rate, cache on and off.
+    Serve(serve::ServeArgs),
 }
 
 /// Runs a parsed command line, writing its output to `out`.
@@ -59,8 +67,10 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Bench(BenchCommand::Match(args)) => bench_match::run(&args, out),
         Command::Demo(args) => demo::run(&args, out),
         Command::Hidden(args) => hidden::run(&args, out),
+        Command::Generate(args) => generate::run(&args, out),
         Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
         Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),
+        Command::Bench(BenchCommand::Serve(args)) => serve::run(&args, out),
     }
 }
 

@@ -37,10 +37,14 @@ use crate::bench::median_ns;
 use omniprefix::canon::{FingerprintKey, Modality};
 use crate::error::Result;
 use omniprefix::model::{Config, Thinker};
+use crate::workloads::{RequestPlan, conversation_turns};
 
 pub use machine::Machine;
-pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_way};
-pub use report::{DemoReport, MediaInfo, ModelInfo, RequestFacts, Row, WorkloadReport, print_tables, rel_diff, workload_rows};
+pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_conversation, run_way};
+pub use report::{
+    DemoReport, MediaInfo, ModelInfo, RequestFacts, Row, Summary, WorkloadReport, print_summary, print_tables, rel_diff,
+    workload_rows,
+};
 pub use workloads::{DemoScale, DemoWorkload, Wave, demo_media, expanded_len, waves};
 
 /// Temporal grid steps of the default demo's video: all 10 of the real clip
@@ -139,26 +143,34 @@ pub fn run_demo<B: Backend>(
     let mut workload_reports = Vec::new();
     for &workload in &options.workloads {
         let waves = waves(workload, &options.scale, options.seed)?;
-        let plans: Vec<_> = waves.iter().flatten().collect();
-        let facts = plans
+        let total = waves.iter().flatten().map(|p| expanded_len(p, &media)).sum::<usize>();
+        let turns = conversation_turns()?;
+        let mut runs = Vec::new();
+        // The prompts the reference (no cache, first) sent: a conversation's depend on its replies.
+        let mut sent: Option<Vec<RequestPlan>> = None;
+        for way in Way::ALL {
+            let progress = progress_bar(options.show_progress, format!("{workload} / {}", way.as_str()), total);
+            let (way_runs, plans) = match workload {
+                DemoWorkload::MultiRound => run_conversation(&inputs, way, &turns, options.scale.reply_tokens, &progress)?,
+                _ => (run_way(&inputs, way, &waves, &progress)?, waves.iter().flatten().cloned().collect()),
+            };
+            progress.finish_and_clear();
+            sent.get_or_insert(plans);
+            runs.push((way, way_runs));
+        }
+        let facts = sent
+            .unwrap_or_default()
             .iter()
             .map(|plan| {
                 let read_floor_ns = median_ns(5, || Ok(plan.read_floor(&media)))?;
                 Ok(RequestFacts { input_bytes: plan.input_bytes(&media), read_floor_ns })
             })
             .collect::<Result<Vec<_>>>()?;
-        let total = plans.iter().map(|p| expanded_len(p, &media)).sum::<usize>();
-        let mut runs = Vec::new();
-        for way in Way::ALL {
-            let progress = progress_bar(options.show_progress, format!("{workload} / {}", way.as_str()), total);
-            let way_runs = run_way(&inputs, way, &waves, &progress)?;
-            progress.finish_and_clear();
-            runs.push((way, way_runs));
-        }
         workload_reports.push(WorkloadReport { name: workload.to_string(), rows: workload_rows(&facts, &runs) });
     }
+    let summary = Summary::of(&workload_reports);
     Ok(DemoReport {
-        schema: 1,
+        schema: 2,
         quick: options.is_quick(),
         seed: options.seed,
         model: model_info,
@@ -167,6 +179,7 @@ pub fn run_demo<B: Backend>(
         max_tokens_per_step: options.scale.max_tokens_per_step,
         media: media_info(&media, &options.scale),
         workloads: workload_reports,
+        summary,
         wall_s: start.elapsed().as_secs_f64(),
     })
 }

@@ -1,5 +1,6 @@
-//! Runs one workload's waves through an [`Engine`] one way (radix index,
-//! hash-chain baseline, or no cache) and keeps, per request, what the report needs.
+//! Runs one workload through an [`Engine`] one way (radix index, hash-chain
+//! baseline, or no cache) — waves of prefills, or a conversation whose replies
+//! the engine generates — and keeps, per request, what the report needs.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -19,7 +20,8 @@ use crate::error::{HarnessError, Result};
 use omniprefix::index::hashchain::hash_mm_item;
 use omniprefix::model::{CaptureName, Thinker};
 use omniprefix::prompt::OmniTokens;
-use crate::workloads::{Media, RequestPlan};
+use crate::workloads::{ChatTurn, Media, RequestPlan, reply_for_history};
+use omniprefix::sample::SamplingParams;
 
 /// Tokens per KV block in every way.
 pub const BLOCK_SIZE: usize = 16;
@@ -96,7 +98,14 @@ pub struct RequestRun {
     pub ttft_ns: u64,
     /// Each captured point's hidden states.
     pub hidden: Vec<(CaptureName, Array2<f32>)>,
+    /// The last prompt position's logits (empty for a generated round, which returns tokens instead).
     pub last_logits: Vec<f32>,
+    /// Tokens generated (the conversation's replies; empty for a prefill).
+    pub generated: Vec<u32>,
+    /// The previous round's reply as re-sent in this prompt, and how many of
+    /// those tokens were found in the cache (0 and 0 outside a conversation).
+    pub reply_tokens: usize,
+    pub reply_cached: usize,
 }
 
 /// What [`run_way`] needs besides the waves.
@@ -112,19 +121,10 @@ pub struct WayInputs<'a, B: Backend> {
     pub fingerprint_threads: usize,
 }
 
-/// Runs `waves` one way on a fresh engine; results in request order. Each wave is
-/// submitted at once and run to completion before the next; `progress` counts
-/// the prompt tokens of finished requests.
-pub fn run_way<B: Backend>(
-    inputs: &WayInputs<'_, B>,
-    way: Way,
-    waves: &[Wave],
-    progress: &ProgressBar,
-) -> Result<Vec<RequestRun>> {
-    let total_tokens: usize = waves.iter().flatten().map(|p| expanded_len(p, inputs.media)).sum();
-    let requests = waves.iter().map(Vec::len).sum::<usize>();
+/// The engine of one way: room for `tokens` prompt tokens of `requests` requests in `waves` waves.
+fn way_engine<B: Backend>(inputs: &WayInputs<'_, B>, way: Way, tokens: usize, requests: usize, waves: usize) -> Result<Engine<B>> {
     // Room for every prompt's blocks at once, plus a copy-on-write block each.
-    let num_blocks = total_tokens.div_ceil(BLOCK_SIZE) * 2 + 2 * requests + waves.len();
+    let num_blocks = tokens.div_ceil(BLOCK_SIZE) * 2 + 2 * requests + waves;
     let config = EngineConfig {
         block_size: BLOCK_SIZE,
         num_blocks,
@@ -137,7 +137,67 @@ pub fn run_way<B: Backend>(
         tokens: Some(OmniTokens::qwen3_omni()),
         ..EngineConfig::default()
     };
-    let mut engine = Engine::new(Arc::clone(inputs.backend), Arc::clone(inputs.thinker), config)?;
+    Ok(Engine::new(Arc::clone(inputs.backend), Arc::clone(inputs.thinker), config)?)
+}
+
+/// Runs the conversation `turns` one way on a fresh engine, each round
+/// re-sending the history, the engine's own (greedy, `reply_len`-token) reply
+/// to the previous round and the new turn. Returns the runs and the prompts sent.
+pub fn run_conversation<B: Backend>(
+    inputs: &WayInputs<'_, B>,
+    way: Way,
+    turns: &[ChatTurn],
+    reply_len: usize,
+    progress: &ProgressBar,
+) -> Result<(Vec<RequestRun>, Vec<RequestPlan>)> {
+    let tokens = OmniTokens::qwen3_omni();
+    let mut plan = RequestPlan { token_ids: Vec::new(), items: Vec::new() };
+    let longest = turns.iter().map(|t| t.token_ids.len() + reply_len).sum::<usize>()
+        + turns.iter().flat_map(|t| &t.new_items).map(|&m| inputs.media.shapes.layout(m).num_tokens()).sum::<usize>();
+    let mut engine = way_engine(inputs, way, longest * turns.len(), turns.len(), turns.len())?;
+    let (mut runs, mut plans) = (Vec::with_capacity(turns.len()), Vec::with_capacity(turns.len()));
+    // Where the previous prompt ended and how many reply tokens follow it.
+    let (mut previous_len, mut reply_tokens) = (0, 0);
+    for turn in turns {
+        plan.token_ids.extend(&turn.token_ids);
+        plan.items.extend(&turn.new_items);
+        let hash_ns = if way == Way::HashChain { vllm_mm_hash_ns(&plan, inputs.media)? } else { 0 };
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(reply_len) };
+        let g = engine.generate(prefill_request(&plan, inputs)?, params)?;
+        progress.inc(g.prompt_len as u64);
+        let identify_ns = if way == Way::HashChain { hash_ns } else { nanos(g.timings.preprocess) };
+        runs.push(RequestRun {
+            prompt_tokens: g.prompt_len,
+            cached_tokens: g.num_cached_tokens,
+            match_ns: identify_ns,
+            ttft_ns: nanos(g.timings.ttft),
+            hidden: g.hidden,
+            last_logits: Vec::new(),
+            reply_tokens,
+            reply_cached: g.num_cached_tokens.saturating_sub(previous_len).min(reply_tokens),
+            generated: g.tokens.clone(),
+        });
+        plans.push(plan.clone());
+        let reply = reply_for_history(&g.tokens, &tokens);
+        previous_len = g.prompt_len;
+        reply_tokens = reply.len();
+        plan.token_ids.extend(reply);
+    }
+    Ok((runs, plans))
+}
+
+/// Runs `waves` one way on a fresh engine; results in request order. Each wave is
+/// submitted at once and run to completion before the next; `progress` counts
+/// the prompt tokens of finished requests.
+pub fn run_way<B: Backend>(
+    inputs: &WayInputs<'_, B>,
+    way: Way,
+    waves: &[Wave],
+    progress: &ProgressBar,
+) -> Result<Vec<RequestRun>> {
+    let total_tokens: usize = waves.iter().flatten().map(|p| expanded_len(p, inputs.media)).sum();
+    let requests = waves.iter().map(Vec::len).sum::<usize>();
+    let mut engine = way_engine(inputs, way, total_tokens, requests, waves.len())?;
     let mut runs = Vec::with_capacity(requests);
     for wave in waves {
         let mut vllm_hash_ns = FxHashMap::default();
@@ -162,6 +222,9 @@ pub fn run_way<B: Backend>(
                 ttft_ns: nanos(out.timings.total),
                 hidden: out.hidden,
                 last_logits: out.last_logits,
+                generated: Vec::new(),
+                reply_tokens: 0,
+                reply_cached: 0,
             });
         }
     }

@@ -25,6 +25,8 @@ pub struct DemoReport {
     /// What the item tensors are (real Qwen3-Omni shapes, or how they were scaled).
     pub media: MediaInfo,
     pub workloads: Vec<WorkloadReport>,
+    /// The claims at a glance, from the rows above.
+    pub summary: Summary,
     /// Wall time of the whole demo (model build, media, every run).
     pub wall_s: f64,
 }
@@ -85,8 +87,89 @@ pub struct Row {
     pub hidden_shapes: Vec<(String, [usize; 2])>,
     /// max |this − no cache| / max |no cache| over every captured hidden state.
     pub max_rel_diff_hidden: f64,
-    /// The same for the last position's logits.
+    /// The same for the last position's logits (0 for a generated round, which returns none).
     pub max_rel_diff_logits: f64,
+    /// A conversation round: tokens of the previous reply re-sent, and how many were found in the cache.
+    pub reply_tokens: usize,
+    pub reply_cached: usize,
+    /// The tokens this way generated are the no-cache way's (true where nothing was generated).
+    pub same_reply_as_no_cache: bool,
+}
+
+/// The demo's claims over every workload, for a newcomer to read at a glance.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Summary {
+    /// Prompt tokens of every request, and those each way found in the cache.
+    pub prompt_tokens: usize,
+    pub radix_cached_tokens: usize,
+    pub hash_chain_cached_tokens: usize,
+    /// Median match time over the read floor in the `multi_round` rounds (the requests that carry
+    /// media; a text prompt's floor is nanoseconds), radix and vLLM's path (hash chain + its media hashes).
+    pub radix_match_over_floor: f64,
+    pub hash_chain_match_over_floor: f64,
+    /// Largest relative difference of any cached way's hidden states or logits to the no-cache way.
+    pub max_rel_diff: f64,
+    /// Every generated reply equals the no-cache way's.
+    pub same_replies: bool,
+    /// Radix TTFT over no-cache TTFT in the conversation's last round.
+    pub last_round_ttft_ratio: f64,
+    /// Tokens of earlier replies re-sent in later rounds, and those each way found in the cache.
+    pub reply_tokens: usize,
+    pub radix_reply_cached: usize,
+    pub hash_chain_reply_cached: usize,
+}
+
+impl Summary {
+    /// Sums and medians over `workloads`' rows.
+    pub fn of(workloads: &[WorkloadReport]) -> Self {
+        let rows = || workloads.iter().flat_map(|w| &w.rows);
+        let of_way = |way: Way| rows().filter(move |r| r.way == way);
+        let conversation = workloads.iter().find(|w| w.name == "multi_round").map(|w| w.rows.as_slice()).unwrap_or_default();
+        let median_ratio = |way: Way| {
+            crate::ttft::median(conversation.iter().filter(|r| r.way == way).map(|r| r.match_over_read_floor).collect())
+        };
+        let last_round = conversation.iter().rfind(|r| r.way == Way::Radix);
+        Summary {
+            prompt_tokens: of_way(Way::NoCache).map(|r| r.prompt_tokens).sum(),
+            radix_cached_tokens: of_way(Way::Radix).map(|r| r.cached_tokens).sum(),
+            hash_chain_cached_tokens: of_way(Way::HashChain).map(|r| r.cached_tokens).sum(),
+            radix_match_over_floor: median_ratio(Way::Radix),
+            hash_chain_match_over_floor: median_ratio(Way::HashChain),
+            max_rel_diff: rows().map(|r| r.max_rel_diff_hidden.max(r.max_rel_diff_logits)).fold(0.0, f64::max),
+            same_replies: rows().all(|r| r.same_reply_as_no_cache),
+            last_round_ttft_ratio: last_round.map_or(f64::NAN, |r| r.ttft_over_no_cache),
+            reply_tokens: of_way(Way::NoCache).map(|r| r.reply_tokens).sum(),
+            radix_reply_cached: of_way(Way::Radix).map(|r| r.reply_cached).sum(),
+            hash_chain_reply_cached: of_way(Way::HashChain).map(|r| r.reply_cached).sum(),
+        }
+    }
+}
+
+/// Largest relative difference the summary still calls "equal" (f32 noise of a reordered sum).
+pub const EQUAL_REL_DIFF: f64 = 1e-4;
+
+/// Prints the summary: one line per claim.
+pub fn print_summary(s: &Summary, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "\n== summary ==")?;
+    writeln!(
+        out,
+        "vs the vLLM path: radix reused {} of {} prompt tokens, the hash chain {}; matching multi_round took {:.2}x the read floor, vLLM's path {:.2}x (medians)",
+        s.radix_cached_tokens, s.prompt_tokens, s.hash_chain_cached_tokens, s.radix_match_over_floor, s.hash_chain_match_over_floor
+    )?;
+    let equal = s.max_rel_diff <= EQUAL_REL_DIFF && s.same_replies;
+    writeln!(
+        out,
+        "hidden states equal to uncached: {} (max relative difference {:.1e}; generated replies {})",
+        if equal { "yes" } else { "NO" },
+        s.max_rel_diff,
+        if s.same_replies { "identical" } else { "DIFFER" }
+    )?;
+    writeln!(out, "TTFT, last multi_round round: {:.3}x uncached (radix)", s.last_round_ttft_ratio)?;
+    writeln!(
+        out,
+        "reply reuse: {} of {} tokens of earlier replies found in the cache (radix), {} (hash chain)",
+        s.radix_reply_cached, s.reply_tokens, s.hash_chain_reply_cached
+    )
 }
 
 /// The per-request facts every way shares.
@@ -118,6 +201,9 @@ pub fn workload_rows(facts: &[RequestFacts], runs: &[(Way, Vec<RequestRun>)]) ->
                 hidden_shapes: run.hidden.iter().map(|(name, h)| (name.to_string(), [h.nrows(), h.ncols()])).collect(),
                 max_rel_diff_hidden: reference.map_or(f64::NAN, |r| hidden_rel_diff(&run.hidden, &r.hidden)),
                 max_rel_diff_logits: reference.map_or(f64::NAN, |r| rel_diff(&run.last_logits, &r.last_logits)),
+                reply_tokens: run.reply_tokens,
+                reply_cached: run.reply_cached,
+                same_reply_as_no_cache: reference.is_some_and(|r| r.generated == run.generated),
             });
         }
     }
@@ -206,6 +292,7 @@ pub fn print_tables(report: &DemoReport, out: &mut dyn Write) -> std::io::Result
             )?;
         }
     }
+    print_summary(&report.summary, out)?;
     writeln!(out, "\nwall time: {:.1} s", report.wall_s)?;
     Ok(())
 }
@@ -223,6 +310,9 @@ mod tests {
             ttft_ns,
             hidden: vec![(CaptureName::Final, array![[1.0, value], [2.0, 4.0]])],
             last_logits: vec![1.0, value],
+            generated: vec![7],
+            reply_tokens: 0,
+            reply_cached: 0,
         }
     }
 

@@ -10,14 +10,12 @@ use std::fmt;
 use std::str::FromStr;
 
 use ndarray::s;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 
 use omniprefix::canon::ItemLayout;
 use crate::error::{HarnessError, Result};
 use crate::scenarios::Scenarios;
 use crate::workloads::{
-    Media, MediaScale, RequestPlan, TEXT_VOCAB, by_name, conversation_rounds,
+    Media, MediaScale, RequestPlan, TEXT_VOCAB, by_name, conversation_rounds, prefix_repetition_prompts,
 };
 
 /// The workloads `omniprefix demo` runs.
@@ -91,6 +89,9 @@ pub struct DemoScale {
     /// Tokens of each shared prefix and of each random suffix.
     pub prefix_len: usize,
     pub suffix_len: usize,
+    /// Tokens of each `multi_round` reply the engine generates (greedy, eos ignored)
+    /// before the next round re-sends it.
+    pub reply_tokens: usize,
     /// Chunked-prefill budget (new tokens per scheduler step): small enough that a
     /// batch spans several steps, so later prompts find what earlier steps cached.
     pub max_tokens_per_step: usize,
@@ -109,13 +110,14 @@ impl DemoScale {
             num_prefixes: p.num_prefixes,
             prefix_len: p.prefix_len,
             suffix_len: p.suffix_len,
+            reply_tokens: 32,
             max_tokens_per_step: 2048,
         })
     }
 
     /// A CI-sized demo: items of a few tokens, a batch of four short prompts.
     pub fn quick() -> Self {
-        DemoScale { full_media: false, video_grid_t: 2, prefix_prompts: 4, num_prefixes: 2, prefix_len: 32, suffix_len: 16, max_tokens_per_step: 64 }
+        DemoScale { full_media: false, video_grid_t: 2, prefix_prompts: 4, num_prefixes: 2, prefix_len: 32, suffix_len: 16, reply_tokens: 8, max_tokens_per_step: 64 }
     }
 }
 
@@ -155,18 +157,11 @@ pub fn waves(workload: DemoWorkload, scale: &DemoScale, seed: u64) -> Result<Vec
     })
 }
 
-/// `prefix_prompts` prompts, prompt `i` = prefix `i mod num_prefixes` + its own suffix
-/// (vLLM's dataset: random ids, prefixes shared evenly).
+/// `prefix_prompts` prompts over `num_prefixes` shared prefixes (vLLM's dataset: random ids, prefixes shared evenly).
 fn prefix_repetition(scale: &DemoScale, seed: u64) -> Wave {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut random_ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..TEXT_VOCAB)).collect() };
-    let prefixes: Vec<Vec<u32>> = (0..scale.num_prefixes.max(1)).map(|_| random_ids(scale.prefix_len)).collect();
-    (0..scale.prefix_prompts)
-        .map(|i| {
-            let mut ids = prefixes[i % prefixes.len()].clone();
-            ids.extend(random_ids(scale.suffix_len));
-            RequestPlan { token_ids: ids, items: Vec::new() }
-        })
+    prefix_repetition_prompts(scale.prefix_prompts, scale.num_prefixes, scale.prefix_len, scale.suffix_len, TEXT_VOCAB, seed)
+        .into_iter()
+        .map(|token_ids| RequestPlan { token_ids, items: Vec::new() })
         .collect()
 }
 

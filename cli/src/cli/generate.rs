@@ -1,0 +1,151 @@
+//! `omniprefix generate`: run warm-up requests, then a request, generating
+//! tokens for each with the same sampling settings; print the tokens, cache
+//! reuse and timings, and optionally write the hidden states of every position
+//! that ran (prompt + generated tokens but the last) under `hidden`'s names.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::Serialize;
+
+use omniprefix::backend::Backend;
+use omniprefix::engine::{Engine, Generation, millis};
+use omniprefix::request_file::RequestFile;
+use omniprefix::sample::{FinishReason, SamplingParams};
+
+use super::hidden::{EngineArgs, EngineJob, hidden_tensors, on_selected_backend, print_shapes, write_tensors};
+use crate::error::{HarnessError, Result, output};
+use crate::ttft::median;
+
+/// Arguments of `omniprefix generate`.
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Tokens to generate at most (≥ 1).
+    #[arg(long)]
+    pub max_tokens: usize,
+    /// Softmax temperature; 0 = greedy (argmax).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Sample among the `K` likeliest tokens only.
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_k: Option<usize>,
+    /// Sample from the smallest set of tokens whose probability reaches `P` (0 < P ≤ 1).
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Seed of the sampler (default: a random seed, reported back).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Token ids that end generation (default: the checkpoint's eos ids).
+    #[arg(long, value_delimiter = ',')]
+    pub stop: Option<Vec<u32>>,
+    /// Generate `--max-tokens` tokens whatever the stop ids.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Also write the hidden states of every position that ran to this safetensors file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print one JSON object instead of lines of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl GenerateArgs {
+    /// The sampling settings of every request (warm-ups included); the engine checks them.
+    pub fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+            stop: self.stop.clone(),
+            ignore_eos: self.ignore_eos,
+            run_last_token: false,
+        }
+    }
+}
+
+/// What `generate --json` prints.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerateReport {
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    pub num_cached_tokens: usize,
+    pub finish_reason: FinishReason,
+    /// The sampler's seed (the one drawn when `--seed` was not given).
+    pub seed: u64,
+    /// Submission to the first token.
+    pub ttft_ms: f64,
+    /// Median gap between consecutive tokens (`null` with one token).
+    pub itl_ms_median: Option<f64>,
+    /// Tokens after the first over the time from the first to the last (`null` with one token).
+    pub decode_tokens_per_s: Option<f64>,
+    pub total_ms: f64,
+}
+
+impl GenerateReport {
+    /// The figures of one generation.
+    pub fn of(g: &Generation) -> Self {
+        let itl: Vec<f64> = g.timings.itl().into_iter().map(millis).collect();
+        let decoded = !itl.is_empty();
+        GenerateReport {
+            tokens: g.tokens.clone(),
+            prompt_len: g.prompt_len,
+            num_cached_tokens: g.num_cached_tokens,
+            finish_reason: g.finish_reason,
+            seed: g.seed,
+            ttft_ms: millis(g.timings.ttft),
+            itl_ms_median: decoded.then(|| median(itl)),
+            decode_tokens_per_s: decoded.then(|| g.timings.decode_tokens_per_s()),
+            total_ms: millis(g.timings.total),
+        }
+    }
+}
+
+/// Runs the command: the report to `out`, the hidden states to `--out`.
+pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
+    let (reason, generation) = on_selected_backend(&args.engine, Generate(args.sampling()))?;
+    if let Some(path) = &args.out {
+        write_tensors(hidden_tensors(&generation.hidden), path)?;
+    }
+    let report = GenerateReport::of(&generation);
+    if args.json {
+        let json = serde_json::to_string(&report)
+            .map_err(|source| HarnessError::Report { what: "the generate report".into(), source })?;
+        return writeln!(out, "{json}").map_err(output);
+    }
+    writeln!(out, "backend: {reason}").map_err(output)?;
+    writeln!(out, "prompt_len: {}", report.prompt_len).map_err(output)?;
+    writeln!(out, "tokens: {:?}", report.tokens).map_err(output)?;
+    writeln!(out, "finish_reason: {} (seed {})", report.finish_reason, report.seed).map_err(output)?;
+    let itl = report.itl_ms_median.map_or("-".into(), |v| format!("{v:.2} ms"));
+    let rate = report.decode_tokens_per_s.map_or("-".into(), |v| format!("{v:.1} tokens/s"));
+    writeln!(out, "ttft: {:.2} ms, itl median: {itl}, decode: {rate}", report.ttft_ms).map_err(output)?;
+    if args.out.is_some() {
+        print_shapes(out, report.num_cached_tokens, &generation.hidden)
+    } else {
+        writeln!(out, "num_cached_tokens: {}", report.num_cached_tokens).map_err(output)
+    }
+}
+
+/// `generate`'s job: each warm-up request, then the request, generated with the same settings.
+struct Generate(SamplingParams);
+
+impl EngineJob for Generate {
+    type Output = Generation;
+
+    fn run<B: Backend>(self, mut engine: Engine<B>, args: &EngineArgs) -> Result<Generation> {
+        for warm in &args.warm {
+            generate(&mut engine, &RequestFile::load(warm)?, &self.0)?;
+        }
+        generate(&mut engine, &RequestFile::load(&args.request)?, &self.0)
+    }
+}
+
+fn generate<B: Backend>(engine: &mut Engine<B>, file: &RequestFile, params: &SamplingParams) -> Result<Generation> {
+    let request = file.request(engine.tokens());
+    Ok(engine.generate(request, params.clone())?)
+}

@@ -1,0 +1,217 @@
+//! `omniprefix bench serve`: TTFT, ITL, output tokens/s and hit rate under
+//! Poisson or closed-loop arrivals, caching on and off (see [`crate::serve`]).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::Args;
+
+use omniprefix::backend::Backend;
+use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
+use omniprefix::engine::tokens_from_config_file;
+use omniprefix::error::Error;
+use omniprefix::model::{Config, Thinker};
+use omniprefix::prompt::OmniTokens;
+
+use crate::error::{HarnessError, Result, output};
+use crate::serve::{Arrival, ServeOptions, ServeReport, ServeWorkload, run_serve};
+use crate::ttft::bench_model;
+
+/// Arguments of `omniprefix bench serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// prefix_repetition, multi_round (comma-separated), or all.
+    #[arg(long, default_value = "all")]
+    pub workload: String,
+    /// Closed loop: requests in flight, comma-separated for several runs
+    /// (default 1,8; 1,4 with --quick; none when only --rate is given).
+    #[arg(long, value_delimiter = ',')]
+    pub concurrency: Option<Vec<usize>>,
+    /// Open loop: Poisson arrivals per second, comma-separated for several runs.
+    #[arg(long, value_delimiter = ',')]
+    pub rate: Option<Vec<f64>>,
+    /// CI size: a tiny model, short prompts and replies, few requests.
+    #[arg(long)]
+    pub quick: bool,
+    /// Checkpoint folder; default: a random model (`bench ttft`'s, or a tiny one with --quick).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Random model: hidden size (its heads keep head_dim 64, 16 with --quick).
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Random model: decoder layers.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Random model: vocabulary (Qwen3-Omni's special ids need 151676; a smaller one uses ids 500-506).
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// prefix_repetition: tokens of each shared prefix.
+    #[arg(long)]
+    pub prefix_len: Option<usize>,
+    /// prefix_repetition: tokens of each random suffix.
+    #[arg(long)]
+    pub suffix_len: Option<usize>,
+    /// prefix_repetition: shared prefixes.
+    #[arg(long)]
+    pub num_prefixes: Option<usize>,
+    /// prefix_repetition: prompts per prefix.
+    #[arg(long)]
+    pub prompts_per_prefix: Option<usize>,
+    /// Tokens generated per request (exactly: eos is ignored, as `vllm bench serve` does).
+    #[arg(long)]
+    pub output_len: Option<usize>,
+    /// multi_round: conversations (4 rounds each).
+    #[arg(long)]
+    pub conversations: Option<usize>,
+    /// multi_round: divide the image/video grid sides (audio by the square) by this.
+    #[arg(long)]
+    pub mm_scale: Option<u32>,
+    /// Sequences per scheduler step (the decode batch).
+    #[arg(long)]
+    pub max_seqs: Option<usize>,
+    /// CPU threads for the forward (default: all).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Where the model runs: `cpu`, `wgpu` (an error without an adapter) or `auto`.
+    #[arg(long, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
+    /// Seed of the weights, prompts, media and arrivals.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// One JSON object per (workload, cache mode, arrival) line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl ServeArgs {
+    /// `--quick` or the full sizes, with every size flag given applied on top.
+    pub fn options(&self) -> Result<ServeOptions> {
+        let base = if self.quick { ServeOptions::quick() } else { ServeOptions::full()? };
+        let mut arrivals: Vec<Arrival> =
+            self.rate.iter().flatten().map(|&rate| Arrival::Poisson { rate }).collect();
+        let concurrency = match (&self.concurrency, arrivals.is_empty()) {
+            (Some(c), _) => c.iter().map(|&c| Arrival::Concurrency(c)).collect(),
+            (None, true) => base.arrivals.clone(),
+            (None, false) => Vec::new(),
+        };
+        arrivals.splice(0..0, concurrency);
+        for &a in &arrivals {
+            let bad = match a {
+                Arrival::Concurrency(c) => (c == 0).then(|| format!("--concurrency {c}: must be at least 1")),
+                Arrival::Poisson { rate } => {
+                    (!(rate.is_finite() && rate > 0.0)).then(|| format!("--rate {rate}: must be a positive number"))
+                }
+            };
+            if let Some(problem) = bad {
+                return Err(HarnessError::Args(clap::Error::raw(clap::error::ErrorKind::ValueValidation, problem)));
+            }
+        }
+        Ok(ServeOptions {
+            workloads: ServeWorkload::select(&self.workload)?,
+            arrivals,
+            prefix_len: self.prefix_len.unwrap_or(base.prefix_len),
+            suffix_len: self.suffix_len.unwrap_or(base.suffix_len),
+            num_prefixes: self.num_prefixes.unwrap_or(base.num_prefixes),
+            prompts_per_prefix: self.prompts_per_prefix.unwrap_or(base.prompts_per_prefix),
+            output_len: self.output_len.unwrap_or(base.output_len),
+            conversations: self.conversations.unwrap_or(base.conversations),
+            mm_scale: self.mm_scale.unwrap_or(base.mm_scale),
+            max_seqs: self.max_seqs.unwrap_or(base.max_seqs),
+            seed: self.seed,
+            ..base
+        })
+    }
+
+    /// The random model: `bench ttft`'s (hidden 512, 8 layers, Qwen's vocabulary)
+    /// or, with `--quick`, hidden 32, 2 layers, 600 ids; heads keep their head_dim.
+    pub fn random_model(&self) -> Config {
+        let base = if self.quick { Config::tiny_qwen3(32, 2, 2, 1, 600) } else { bench_model() };
+        let hidden = self.hidden.unwrap_or(base.hidden_size);
+        let heads = (hidden / base.head_dim).max(1);
+        let kv_ratio = (base.num_attention_heads / base.num_key_value_heads).max(1);
+        Config {
+            intermediate_size: base.intermediate_size * hidden / base.hidden_size,
+            mrope_section: base.mrope_section,
+            mrope_interleaved: base.mrope_interleaved,
+            ..Config::tiny_qwen3(
+                hidden,
+                self.layers.unwrap_or(base.num_hidden_layers),
+                heads,
+                (heads / kv_ratio).max(1),
+                self.vocab.unwrap_or(base.vocab_size),
+            )
+        }
+    }
+}
+
+/// Runs every (workload, arrival) with caching on and off; prints JSON lines or a table.
+pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
+    let options = args.options()?;
+    let mut pool = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = args.threads {
+        pool = pool.num_threads(n);
+    }
+    let threads = args.threads.unwrap_or_else(rayon::current_num_threads);
+    let pool = pool.build().map_err(|source| Error::ThreadPool { purpose: "bench serve", threads, source })?;
+    let selection = select(args.backend)?;
+    let reports = pool.install(|| match selection.backend {
+        SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
+        SelectedBackend::Wgpu(gpu) => measure(Arc::new(gpu), args, &options),
+    })?;
+    if args.json {
+        for r in &reports {
+            let line = serde_json::to_string(r)
+                .map_err(|source| HarnessError::Report { what: "a serve report".into(), source })?;
+            writeln!(out, "{line}").map_err(output)?;
+        }
+        return Ok(());
+    }
+    writeln!(out, "backend: {}", selection.reason).map_err(output)?;
+    print_table(&reports, out)
+}
+
+/// Loads or builds the model on `backend` and runs the benchmark.
+fn measure<B: Backend>(backend: Arc<B>, args: &ServeArgs, options: &ServeOptions) -> Result<Vec<ServeReport>> {
+    let (thinker, tokens) = match &args.model {
+        Some(dir) => (Thinker::from_dir(&*backend, dir)?, tokens_from_config_file(&dir.join("config.json"))?),
+        None => (Thinker::random(&*backend, args.random_model(), args.seed)?, None),
+    };
+    let vocab = thinker.config().vocab_size;
+    let tokens = tokens.unwrap_or_else(|| if vocab > 151_675 { OmniTokens::qwen3_omni() } else { OmniTokens::tiny() });
+    run_serve(backend, Arc::new(thinker), tokens, options)
+}
+
+/// One row per report: workload, cache, arrival, then the figures.
+pub fn print_table(reports: &[ServeReport], out: &mut dyn Write) -> Result<()> {
+    writeln!(
+        out,
+        "{:<18} {:>5} {:>9} {:>5} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>5}",
+        "workload", "cache", "arrival", "reqs", "out", "ttft p50", "ttft p99", "itl p50", "itl p99", "tok/s", "hit"
+    )
+    .map_err(output)?;
+    for r in reports {
+        let arrival = match (r.concurrency, r.rate) {
+            (Some(c), _) => format!("c={c}"),
+            (None, Some(rate)) => format!("{rate}/s"),
+            (None, None) => "-".into(),
+        };
+        writeln!(
+            out,
+            "{:<18} {:>5} {:>9} {:>5} {:>7} {:>7.1}ms {:>7.1}ms {:>6.2}ms {:>6.2}ms {:>9.1} {:>5.3}",
+            r.workload,
+            if r.cache { "on" } else { "off" },
+            arrival,
+            r.requests,
+            r.output_tokens,
+            r.ttft_ms_p50,
+            r.ttft_ms_p99,
+            r.itl_ms_p50,
+            r.itl_ms_p99,
+            r.output_tokens_per_s,
+            r.hit_rate
+        )
+        .map_err(output)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! `omniprefix bench serve`: `vllm bench serve` on the engine's own generation
+//! API. Requests arrive by a seeded Poisson process or a fixed concurrency,
+//! one thread drives the engine (`submit_generate`, then `step` until done,
+//! the arrival clock checked between steps), and each run reports TTFT and ITL
+//! percentiles, output tokens/s and the cache hit rate, with caching on and
+//! off on the same model, seed and requests.
+//!
+//! Workloads: vLLM's `prefix_repetition` dataset and the 4-round multimodal
+//! conversation of `fixtures/scenarios.json`, whose every round re-sends the
+//! earlier prompts and the engine's own earlier replies (so a conversation's
+//! rounds run in order; several conversations run at once).
+
+mod arrival;
+mod driver;
+mod stats;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use arrival::{Arrival, Dispatcher, Due, poisson_offsets};
+pub use driver::run_serve;
+pub use stats::{RequestSample, RunFacts, ServeReport, percentile};
+
+use crate::error::{HarnessError, Result};
+use crate::scenarios::Scenarios;
+use crate::workloads::by_name;
+
+/// The workloads of `bench serve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ServeWorkload {
+    /// Random prompts over a few shared random prefixes (vLLM's `prefix_repetition`).
+    PrefixRepetition,
+    /// 4-round image/audio/video conversations re-sending their history and replies.
+    MultiRound,
+}
+
+impl ServeWorkload {
+    /// Every workload, in report order.
+    pub const ALL: [ServeWorkload; 2] = [ServeWorkload::PrefixRepetition, ServeWorkload::MultiRound];
+
+    /// The name on the command line and in reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ServeWorkload::PrefixRepetition => "prefix_repetition",
+            ServeWorkload::MultiRound => "multi_round",
+        }
+    }
+
+    /// `all` or a comma-separated list of names.
+    ///
+    /// ```
+    /// use omniprefix_cli::serve::ServeWorkload;
+    /// assert_eq!(ServeWorkload::select("all")?.len(), 2);
+    /// assert_eq!(ServeWorkload::select("multi_round")?, vec![ServeWorkload::MultiRound]);
+    /// assert!(ServeWorkload::select("mixed").is_err());
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
+    /// ```
+    pub fn select(names: &str) -> Result<Vec<ServeWorkload>> {
+        if names == "all" {
+            return Ok(Self::ALL.to_vec());
+        }
+        names.split(',').map(str::parse).collect()
+    }
+}
+
+impl fmt::Display for ServeWorkload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ServeWorkload {
+    type Err = HarnessError;
+
+    fn from_str(name: &str) -> Result<Self> {
+        by_name(name, &Self::ALL, Self::as_str)
+    }
+}
+
+/// The sizes of a `bench serve` run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeOptions {
+    pub workloads: Vec<ServeWorkload>,
+    /// Every arrival setting is run with caching on and off.
+    pub arrivals: Vec<Arrival>,
+    /// `prefix_repetition`: tokens of each shared prefix and of each random suffix.
+    pub prefix_len: usize,
+    pub suffix_len: usize,
+    pub num_prefixes: usize,
+    /// `prefix_repetition`: prompts per prefix (vLLM's `num_prompts / num_prefixes`).
+    pub prompts_per_prefix: usize,
+    /// Tokens generated per request (`ignore_eos`: exactly this many).
+    pub output_len: usize,
+    /// `multi_round`: conversations (each its own tenant, 4 rounds).
+    pub conversations: usize,
+    /// `multi_round`: divides the image/video grid sides (audio by the square); 1 = real token counts.
+    pub mm_scale: u32,
+    pub block_size: usize,
+    /// Sequences per scheduler step (bounds the decode batch).
+    pub max_seqs: usize,
+    /// Seed of the prompts, media, arrivals and sampling.
+    pub seed: u64,
+}
+
+impl ServeOptions {
+    /// The `vllm bench serve` sizes: `prefix_repetition` 10 prefixes of 256 +
+    /// 256-token suffixes, 128 output tokens (fixtures/scenarios.json), 2 prompts
+    /// per prefix; 4 conversations; concurrency 1 and 8.
+    pub fn full() -> Result<Self> {
+        let p = Scenarios::load()?.prefix_repetition;
+        Ok(ServeOptions {
+            workloads: ServeWorkload::ALL.to_vec(),
+            arrivals: vec![Arrival::Concurrency(1), Arrival::Concurrency(8)],
+            prefix_len: p.prefix_len,
+            suffix_len: p.suffix_len,
+            num_prefixes: p.num_prefixes,
+            prompts_per_prefix: 2,
+            output_len: p.output_len,
+            conversations: 4,
+            mm_scale: 4,
+            block_size: 16,
+            max_seqs: 16,
+            seed: 0,
+        })
+    }
+
+    /// A CI-sized run: short prompts and replies, few requests (enough that some
+    /// arrive after their prefix was cached at concurrency 4), concurrency 1 and 4.
+    pub fn quick() -> Self {
+        ServeOptions {
+            workloads: ServeWorkload::ALL.to_vec(),
+            arrivals: vec![Arrival::Concurrency(1), Arrival::Concurrency(4)],
+            prefix_len: 32,
+            suffix_len: 16,
+            num_prefixes: 2,
+            prompts_per_prefix: 3,
+            output_len: 8,
+            conversations: 2,
+            mm_scale: 8,
+            block_size: 16,
+            max_seqs: 16,
+            seed: 0,
+        }
+    }
+}

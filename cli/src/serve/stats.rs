@@ -1,0 +1,140 @@
+//! What one `bench serve` run reports: per-request samples in, percentiles
+//! and throughput out (one JSON line per workload, cache mode and arrival).
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::arrival::Arrival;
+
+/// The `p`-th percentile (0..=100) of `values` with linear interpolation
+/// between the closest ranks (numpy's default, which `vllm bench serve` uses);
+/// NaN when empty.
+///
+/// ```
+/// use omniprefix_cli::serve::percentile;
+/// assert_eq!(percentile(&[4.0, 1.0, 3.0, 2.0], 50.0), 2.5);
+/// assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0, 5.0], 99.0), 4.96);
+/// assert!(percentile(&[], 50.0).is_nan());
+/// ```
+pub fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let Some(last) = sorted.len().checked_sub(1) else { return f64::NAN };
+    let rank = p.clamp(0.0, 100.0) / 100.0 * last as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
+
+/// What the harness saw of one finished request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestSample {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub output_tokens: usize,
+    /// Arrival to the step that returned the first token.
+    pub ttft: Duration,
+    /// Gaps between the steps that returned consecutive tokens.
+    pub itl: Vec<Duration>,
+}
+
+/// One line of `bench serve --json`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServeReport {
+    pub workload: String,
+    /// The backend the model ran on (`cpu`, `wgpu`).
+    pub backend: &'static str,
+    /// Prefix caching on or off (the same model, seed and requests otherwise).
+    pub cache: bool,
+    /// Closed loop: requests in flight (`None` for a Poisson run).
+    pub concurrency: Option<usize>,
+    /// Open loop: Poisson arrivals per second (`None` for a closed-loop run).
+    pub rate: Option<f64>,
+    pub requests: usize,
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the cache.
+    pub cached_tokens: usize,
+    /// `cached_tokens / prompt_tokens`.
+    pub hit_rate: f64,
+    pub output_tokens: usize,
+    /// From the first arrival to the last token.
+    pub duration_s: f64,
+    pub request_throughput: f64,
+    /// `output_tokens / duration_s`.
+    pub output_tokens_per_s: f64,
+    pub ttft_ms_p50: f64,
+    pub ttft_ms_p99: f64,
+    pub itl_ms_p50: f64,
+    pub itl_ms_p99: f64,
+}
+
+/// Where a run's report lines come from: its name, settings and samples.
+#[derive(Debug, Clone)]
+pub struct RunFacts<'a> {
+    pub workload: &'a str,
+    pub backend: &'static str,
+    pub cache: bool,
+    pub arrival: Arrival,
+    pub duration: Duration,
+}
+
+impl ServeReport {
+    /// Percentiles and throughput of `samples`.
+    pub fn new(facts: RunFacts<'_>, samples: &[RequestSample]) -> Self {
+        let ms = |d: &Duration| d.as_secs_f64() * 1e3;
+        let ttft: Vec<f64> = samples.iter().map(|s| ms(&s.ttft)).collect();
+        let itl: Vec<f64> = samples.iter().flat_map(|s| s.itl.iter().map(ms)).collect();
+        let prompt_tokens = samples.iter().map(|s| s.prompt_tokens).sum::<usize>();
+        let cached_tokens = samples.iter().map(|s| s.cached_tokens).sum::<usize>();
+        let output_tokens = samples.iter().map(|s| s.output_tokens).sum::<usize>();
+        let secs = facts.duration.as_secs_f64();
+        let (concurrency, rate) = match facts.arrival {
+            Arrival::Concurrency(c) => (Some(c), None),
+            Arrival::Poisson { rate } => (None, Some(rate)),
+        };
+        ServeReport {
+            workload: facts.workload.to_string(),
+            backend: facts.backend,
+            cache: facts.cache,
+            concurrency,
+            rate,
+            requests: samples.len(),
+            prompt_tokens,
+            cached_tokens,
+            hit_rate: cached_tokens as f64 / prompt_tokens.max(1) as f64,
+            output_tokens,
+            duration_s: secs,
+            request_throughput: samples.len() as f64 / secs,
+            output_tokens_per_s: output_tokens as f64 / secs,
+            ttft_ms_p50: percentile(&ttft, 50.0),
+            ttft_ms_p99: percentile(&ttft, 99.0),
+            itl_ms_p50: percentile(&itl, 50.0),
+            itl_ms_p99: percentile(&itl, 99.0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_sums_tokens_and_takes_percentiles_over_every_gap() {
+        let ms = Duration::from_millis;
+        let sample = |cached, ttft, itl: &[u64]| RequestSample {
+            prompt_tokens: 100,
+            cached_tokens: cached,
+            output_tokens: itl.len() + 1,
+            ttft: ms(ttft),
+            itl: itl.iter().map(|&v| ms(v)).collect(),
+        };
+        let facts =
+            RunFacts { workload: "w", backend: "cpu", cache: true, arrival: Arrival::Concurrency(2), duration: ms(500) };
+        let r = ServeReport::new(facts, &[sample(50, 10, &[1, 2]), sample(0, 30, &[3])]);
+        assert_eq!((r.requests, r.prompt_tokens, r.cached_tokens, r.output_tokens), (2, 200, 50, 5));
+        assert_eq!((r.hit_rate, r.output_tokens_per_s, r.request_throughput), (0.25, 10.0, 4.0));
+        assert_eq!((r.ttft_ms_p50, r.itl_ms_p50), (20.0, 2.0));
+        assert_eq!((r.concurrency, r.rate), (Some(2), None));
+        assert!((r.ttft_ms_p99 - 29.8).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,86 @@
+//! `omniprefix bench serve --quick` in process: one JSON line per (workload,
+//! cache mode, arrival), exact output token counts, cache hits only with
+//! caching on, both concurrencies and a Poisson run, and bad arguments as errors.
+
+use clap::Parser;
+
+use omniprefix_cli::HarnessError;
+use omniprefix_cli::cli::{Cli, run};
+
+type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+fn serve(args: &[&str]) -> Result<String, HarnessError> {
+    let base = ["omniprefix", "bench", "serve", "--quick", "--threads", "1"];
+    let mut out = Vec::new();
+    run(Cli::try_parse_from(base.iter().chain(args))?, &mut out)?;
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+fn lines(stdout: &str) -> TestResult<Vec<serde_json::Value>> {
+    Ok(stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
+}
+
+fn u(v: &serde_json::Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+fn f(v: &serde_json::Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+#[test]
+fn quick_run_reports_both_cache_modes_at_concurrency_1_and_4() -> TestResult {
+    let lines = lines(&serve(&["--json"])?)?;
+    let keys: Vec<(String, bool, u64)> = lines
+        .iter()
+        .map(|l| (l["workload"].as_str().unwrap_or_default().to_string(), l["cache"].as_bool().unwrap_or_default(), u(l, "concurrency")))
+        .collect();
+    let want: Vec<(String, bool, u64)> = ["prefix_repetition", "multi_round"]
+        .into_iter()
+        .flat_map(|w| [1, 4].into_iter().flat_map(move |c| [(w.to_string(), true, c), (w.to_string(), false, c)]))
+        .collect();
+    assert_eq!(keys, want);
+    for l in &lines {
+        // --quick: 2 prefixes x 3 prompts, or 2 conversations x 4 rounds; 8 tokens each, eos ignored.
+        let requests = if l["workload"] == "multi_round" { 8 } else { 6 };
+        assert_eq!((u(l, "requests"), u(l, "output_tokens")), (requests, requests * 8), "{l}");
+        assert!(l["rate"].is_null());
+        for key in ["ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s"] {
+            assert!(f(l, key) > 0.0, "{key} in {l}");
+        }
+        assert!(f(l, "ttft_ms_p50") <= f(l, "ttft_ms_p99") && f(l, "itl_ms_p50") <= f(l, "itl_ms_p99"), "{l}");
+        if l["cache"] == false {
+            assert_eq!((u(l, "cached_tokens"), f(l, "hit_rate")), (0, 0.0), "{l}");
+        }
+    }
+    for pair in lines.chunks(2) {
+        let (on, off) = (&pair[0], &pair[1]);
+        assert!(f(on, "hit_rate") > f(off, "hit_rate"), "caching on reuses prompt tokens: {on}");
+        // Greedy replies do not depend on caching, so both modes send the same prompts.
+        assert_eq!(u(on, "prompt_tokens"), u(off, "prompt_tokens"));
+    }
+    // Each multi_round round re-sends the previous prompt and its 8-token reply:
+    // with caching on all of it is found (only round 1 of each conversation misses).
+    let multi = &lines[4];
+    assert!(f(multi, "hit_rate") > 0.5, "{multi}");
+    Ok(())
+}
+
+#[test]
+fn poisson_arrivals_and_the_table() -> TestResult {
+    let json = lines(&serve(&["--json", "--workload", "prefix_repetition", "--rate", "200", "--output-len", "3"])?)?;
+    assert_eq!(json.len(), 2);
+    assert!(json.iter().all(|l| l["concurrency"].is_null() && f(l, "rate") == 200.0 && u(l, "output_tokens") == 18));
+    let table = serve(&["--workload", "multi_round", "--concurrency", "2", "--conversations", "1", "--output-len", "2"])?;
+    assert!(table.starts_with("backend: cpu"), "{table}");
+    assert_eq!(table.lines().filter(|l| l.starts_with("multi_round")).count(), 2, "{table}");
+    Ok(())
+}
+
+#[test]
+fn bad_arguments_are_errors_before_anything_runs() {
+    assert!(matches!(serve(&["--workload", "mixed"]), Err(HarnessError::UnknownWorkload { name, .. }) if name == "mixed"));
+    assert!(matches!(serve(&["--concurrency", "0"]), Err(HarnessError::Args(_))));
+    assert!(matches!(serve(&["--rate=-2"]), Err(HarnessError::Args(_))));
+    assert!(matches!(serve(&["--rate", "0"]), Err(HarnessError::Args(_))));
+}
