@@ -36,10 +36,9 @@ fi
 # bench serve table is `scripts/serve_table.py < docs/reports/bench_serve.jsonl`.
 if [[ -z "${FIGURES_ONLY:-}" || -n "${SERVE_ONLY:-}" ]]; then
     cargo build --release --quiet --bin omniprefix
-    # The prompt sizes (10 prefixes of 256 + 256-token suffixes, 2 prompts per prefix) with
-    # 32-token replies and 2 conversations: the full defaults (128 tokens, 4 conversations) take
-    # ~30 min on 2 cores.
-    "$target_dir/release/omniprefix" bench serve --output-len 32 --conversations 2 \
+    # The sizes (10 prefixes of 256 + 256-token suffixes, 2 prompts per prefix, 128-token
+    # replies) and 2 conversations of multi_round: ~8 min on 2 cores (4 conversations: ~15).
+    "$target_dir/release/omniprefix" bench serve --output-len 128 --conversations 2 \
         --concurrency 1,8 --json > "$reports/bench_serve.jsonl"
 fi
 
