@@ -21,6 +21,7 @@
 #[path = "support/reference.rs"]
 #[allow(dead_code)] // the prompt-building half serves the parity tests
 mod reference;
+#[cfg(feature = "wgpu")]
 mod shared_gpu;
 
 use std::sync::Arc;
@@ -33,6 +34,7 @@ use omniprefix::engine::{Engine, EngineConfig, Generation, ItemInput, Placeholde
 use omniprefix::model::CaptureName;
 use omniprefix::sample::{FinishReason, SamplingParams};
 use reference::{Reference, TestResult, model_dir, relative_error};
+#[cfg(feature = "wgpu")]
 use shared_gpu::gpu;
 
 const GEN_FILE: &str = "generate_reference.safetensors";
@@ -309,6 +311,7 @@ fn generate_reference_rows_are_distinct_and_checked_per_row() -> TestResult {
 
 /// All three checkpoints on the wgpu backend: HF's tokens, hidden rows within
 /// [`reference::TOLERANCE`], and the cached rounds as on the CPU.
+#[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_generates_what_transformers_generates() -> TestResult {
     let Some(gpu) = gpu() else { return Ok(()) };
