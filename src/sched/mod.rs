@@ -194,7 +194,7 @@ impl Scheduler {
     }
 
     /// Rejects prompts longer than `max_context` positions (the model's
-    /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`](crate::error::RequestError::ContextTooLong).
+    /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`].
     pub fn with_max_context(mut self, max_context: usize) -> Self {
         self.admission.max_context = Some(max_context);
         self
@@ -210,7 +210,7 @@ impl Scheduler {
     }
 
     /// Makes tenant salts mandatory: only prompts salted with one of `tenants`
-    /// are admitted, others get [`RequestError::UnknownTenant`](crate::error::RequestError::UnknownTenant) (a typo'd or forged
+    /// are admitted, others get [`RequestError::UnknownTenant`] (a typo'd or forged
     /// salt would otherwise silently open a cache of its own).
     pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
         self.admission.known_tenants = Some(tenants.into_iter().collect());

@@ -1,8 +1,8 @@
 //! `omniprefix hidden`: run warm-up requests, then a request, and write its
 //! full hidden states (`hidden.<L>`, `hidden.final`) and last-row logits.
 //!
-//! The request-file engine setup here ([`EngineArgs`], [`on_selected_backend`],
-//! [`write_tensors`]) is shared with `omniprefix generate`.
+//! The request-file engine setup here ([`EngineArgs`](crate::cli::hidden::EngineArgs), [`on_selected_backend`](crate::cli::hidden::on_selected_backend),
+//! [`write_tensors`](crate::cli::hidden::write_tensors)) is shared with `omniprefix generate`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
