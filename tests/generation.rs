@@ -63,6 +63,22 @@ fn sampled(n: usize, seed: u64) -> SamplingParams {
     SamplingParams { temperature: 0.9, top_k: Some(40), top_p: Some(0.9), seed: Some(seed), ..greedy(n) }
 }
 
+/// Steps `e` until nothing is pending, checking its invariants after every
+/// step; the finished generations in request order.
+fn drain(e: &mut Engine) -> TestResult<Vec<Generation>> {
+    let mut got = Vec::new();
+    while e.has_pending() {
+        for event in e.step()? {
+            if let Event::Generated(g) = event {
+                got.push(g);
+            }
+        }
+        e.validate()?;
+    }
+    got.sort_by_key(|g| g.request);
+    Ok(got)
+}
+
 /// Equal tokens and bit-equal hidden rows.
 fn assert_same(what: &str, got: &Generation, want: &Generation) {
     assert_eq!(got.tokens, want.tokens, "{what}: tokens");
@@ -109,16 +125,7 @@ fn caching_chunking_and_batching_leave_greedy_and_seeded_output_bit_equal() -> T
             e.generate(text(&prompts[0]), greedy(3))?;
             let submitted: Vec<u64> =
                 prompts.iter().zip(&params).map(|(p, s)| e.submit_generate(text(p), s.clone())).collect::<Result<_, _>>()?;
-            let mut got = Vec::new();
-            while e.has_pending() {
-                for event in e.step()? {
-                    if let Event::Generated(g) = event {
-                        got.push(g);
-                    }
-                }
-                e.validate()?;
-            }
-            got.sort_by_key(|g| g.request);
+            let got = drain(&mut e)?;
             assert_eq!(got.iter().map(|g| g.request).collect::<Vec<_>>(), submitted);
             assert!(got[0].num_cached_tokens > 0, "the warmed prompt hits");
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -140,17 +147,8 @@ fn preempted_sequences_resume_to_the_same_output() -> TestResult {
     for p in &prompts {
         e.submit_generate(text(p), sampled(10, 3))?;
     }
-    let mut got = Vec::new();
-    while e.has_pending() {
-        for event in e.step()? {
-            if let Event::Generated(g) = event {
-                got.push(g);
-            }
-        }
-        e.validate()?;
-    }
+    let got = drain(&mut e)?;
     assert!(e.stats().preemptions > 0, "the pool was too small for all four");
-    got.sort_by_key(|g| g.request);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_same(&format!("prompt {i}"), g, w);
     }
