@@ -89,7 +89,10 @@ pub struct IndexStats {
 }
 
 /// A prefix cache index. The scheduler is its only owner.
-pub trait PrefixIndex {
+///
+/// `Send`, so that an engine (and its scheduler) can move to the thread that
+/// serves it: a worker pool, or a Python call that releases the GIL.
+pub trait PrefixIndex: Send {
     /// Tokens per KV block.
     fn block_size(&self) -> usize;
     /// Longest cached prefix of `prompt` (validated). Touches LRU clocks and stats only.

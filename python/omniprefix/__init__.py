@@ -1,0 +1,52 @@
+"""omniprefix: prefix caching for multimodal (Omni) LLM inference.
+
+The engine (``Engine``) finds the longest cached prefix of a prompt that mixes
+text with image, audio and video items, keyed on the items' content, and
+returns the full hidden states of every position, cached ones included. The
+standalone matcher (``fingerprint``, ``Prompt``, ``PrefixIndex``) serves a
+Python scheduler that owns its own KV blocks.
+
+See docs/python.md for the API and what each call costs.
+"""
+
+from ._omniprefix import (
+    CacheError,
+    CheckpointError,
+    ConfigError,
+    Engine,
+    Error,
+    Generation,
+    GpuError,
+    InsertResult,
+    InternalError,
+    Item,
+    Match,
+    Output,
+    PrefixIndex,
+    Prompt,
+    RequestError,
+    Stream,
+    __version__,
+    fingerprint,
+)
+
+__all__ = [
+    "CacheError",
+    "CheckpointError",
+    "ConfigError",
+    "Engine",
+    "Error",
+    "Generation",
+    "GpuError",
+    "InsertResult",
+    "InternalError",
+    "Item",
+    "Match",
+    "Output",
+    "PrefixIndex",
+    "Prompt",
+    "RequestError",
+    "Stream",
+    "__version__",
+    "fingerprint",
+]

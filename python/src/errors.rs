@@ -1,0 +1,64 @@
+//! The exception classes and the one place a Rust error or panic becomes one.
+//!
+//! `omniprefix.Error` is the base; each error family of the engine has its
+//! subclass, and the message is the Rust error's text. A panic never crosses
+//! into Python: [`guard`] catches it and raises `InternalError`.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use omniprefix::Error as EngineError;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(omniprefix, Error, PyException, "Base class of every omniprefix error.");
+create_exception!(omniprefix, RequestError, Error, "A request the engine cannot serve: token ids, items, layouts, embeddings, sampling settings, tenant.");
+create_exception!(omniprefix, CheckpointError, Error, "A checkpoint folder that cannot be loaded: missing, config.json, safetensors, weights.");
+create_exception!(omniprefix, ConfigError, Error, "An engine or index setting that cannot work (block size, capture point, pool size).");
+create_exception!(omniprefix, CacheError, Error, "A prefix index used against its contract (a block inserted twice, more blocks than the prompt has).");
+create_exception!(omniprefix, GpuError, Error, "The wgpu device: no adapter, limits, shaders, device failures.");
+create_exception!(omniprefix, InternalError, Error, "A broken invariant or a panic inside the engine: a bug, reported instead of crashing.");
+
+/// The exception class of an engine error's family.
+pub fn to_py(error: EngineError) -> PyErr {
+    let message = error.to_string();
+    match error {
+        EngineError::Request(_) | EngineError::RequestFile(_) => RequestError::new_err(message),
+        EngineError::Checkpoint(_) | EngineError::Io(_) => CheckpointError::new_err(message),
+        EngineError::Config(_) => ConfigError::new_err(message),
+        EngineError::Cache(_) => CacheError::new_err(message),
+        EngineError::Gpu(_) => GpuError::new_err(message),
+        _ => InternalError::new_err(message),
+    }
+}
+
+/// Runs `f`, turning an engine error into its exception and a panic into
+/// `InternalError` (with the panic's message).
+pub fn guard<T>(f: impl FnOnce() -> Result<T, EngineError>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result.map_err(to_py),
+        Err(panic) => Err(InternalError::new_err(format!("internal panic: {}", panic_message(&*panic)))),
+    }
+}
+
+/// The text a panic carried, when it carried one.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// Adds the exception classes to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("Error", py.get_type::<Error>())?;
+    m.add("RequestError", py.get_type::<RequestError>())?;
+    m.add("CheckpointError", py.get_type::<CheckpointError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("CacheError", py.get_type::<CacheError>())?;
+    m.add("GpuError", py.get_type::<GpuError>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
+    Ok(())
+}

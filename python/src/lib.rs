@@ -1,0 +1,38 @@
+//! `omniprefix._omniprefix`: the Python extension over the omniprefix engine.
+//!
+//! | module | what it binds |
+//! | --- | --- |
+//! | [`engine`] | `Engine` (prefill, generate, stream) and `Stream` |
+//! | [`outputs`] | `Output`, `Generation` |
+//! | [`item`] | `Item` and the borrowed item specs of one call |
+//! | [`matcher`] | `fingerprint`, `Prompt`, `PrefixIndex`, `Match` |
+//! | [`arrays`] | numpy in (token ids, content views, float matrices) and out |
+//! | [`options`] | engine and matcher keyword options |
+//! | [`errors`] | the exception classes; panics become `InternalError` |
+
+use pyo3::prelude::*;
+
+mod arrays;
+mod engine;
+mod errors;
+mod item;
+mod matcher;
+mod options;
+mod outputs;
+
+#[pymodule]
+fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<engine::PyEngine>()?;
+    m.add_class::<engine::Stream>()?;
+    m.add_class::<outputs::PyOutput>()?;
+    m.add_class::<outputs::PyGeneration>()?;
+    m.add_class::<item::Item>()?;
+    m.add_class::<matcher::Prompt>()?;
+    m.add_class::<matcher::PyPrefixIndex>()?;
+    m.add_class::<matcher::PyMatch>()?;
+    m.add_class::<matcher::InsertResult>()?;
+    m.add_function(wrap_pyfunction!(matcher::fingerprint, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

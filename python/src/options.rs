@@ -1,0 +1,197 @@
+//! The keyword options of `Engine.from_dir` / `Engine.random` and of the
+//! standalone matcher, parsed into the engine's types.
+
+use std::str::FromStr;
+
+use omniprefix::backend::auto::BackendKind;
+use omniprefix::canon::FingerprintKey;
+use omniprefix::engine::EngineConfig;
+use omniprefix::index::ValidationPolicy;
+use omniprefix::model::CaptureName;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyString};
+
+use crate::errors::{ConfigError, to_py};
+
+/// Which hidden states an engine captures, before the model's depth is known.
+#[derive(Debug, Clone, Default)]
+pub enum CaptureChoice {
+    /// Layer 0, the middle layer and the final norm.
+    #[default]
+    Default,
+    /// Every layer boundary and the final norm.
+    All,
+    List(Vec<CaptureName>),
+}
+
+impl CaptureChoice {
+    /// The points for a model of `num_layers` layers (`None`: the engine's default).
+    pub fn resolve(&self, num_layers: usize) -> Option<Vec<CaptureName>> {
+        match self {
+            CaptureChoice::Default => None,
+            CaptureChoice::All => Some((0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect()),
+            CaptureChoice::List(points) => Some(points.clone()),
+        }
+    }
+}
+
+/// Everything the engine options say.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    pub config: EngineConfig,
+    pub capture: CaptureChoice,
+    pub backend: BackendKind,
+}
+
+/// The option names `Engine.from_dir` and `Engine.random` accept.
+const ENGINE_OPTIONS: [&str; 13] = [
+    "block_size",
+    "num_blocks",
+    "capture",
+    "cache",
+    "backend",
+    "dtype",
+    "fingerprint_key",
+    "validation",
+    "tenants",
+    "max_tokens_per_step",
+    "max_seqs_per_step",
+    "fingerprint_threads",
+    "encoder_cache_bytes",
+];
+
+impl EngineOptions {
+    /// Parses `**options`; an unknown name is a `TypeError`, a bad value a
+    /// `TypeError` / `ValueError` naming the option.
+    pub fn parse(options: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let mut out = EngineOptions {
+            config: EngineConfig::default(),
+            capture: CaptureChoice::Default,
+            backend: BackendKind::Cpu,
+        };
+        let Some(options) = options else { return Ok(out) };
+        let config = &mut out.config;
+        for (key, value) in options.iter() {
+            let name: String = key.extract()?;
+            if value.is_none() {
+                continue;
+            }
+            match name.as_str() {
+                "block_size" => config.block_size = count(&value, &name)?,
+                "num_blocks" => config.num_blocks = count(&value, &name)?,
+                "max_tokens_per_step" => config.max_tokens_per_step = count(&value, &name)?,
+                "max_seqs_per_step" => config.max_seqs_per_step = count(&value, &name)?,
+                "fingerprint_threads" => config.fingerprint_threads = count(&value, &name)?,
+                "encoder_cache_bytes" => config.encoder_cache_bytes = count(&value, &name)?,
+                "cache" => config.cache = value.extract().map_err(|_| PyTypeError::new_err("cache must be a bool"))?,
+                "capture" => out.capture = capture_choice(&value)?,
+                "backend" => out.backend = backend_kind(&value)?,
+                "dtype" => check_dtype(&value)?,
+                "fingerprint_key" => config.fingerprint_key = fingerprint_key(&value)?,
+                "validation" => config.validation = validation(&value)?,
+                "tenants" => {
+                    config.known_tenants =
+                        Some(value.extract().map_err(|_| PyTypeError::new_err("tenants must be a list of non-negative ints"))?)
+                }
+                other => {
+                    return Err(PyTypeError::new_err(format!(
+                        "unknown engine option {other:?}; options are {}",
+                        ENGINE_OPTIONS.join(", ")
+                    )));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A non-negative int option.
+fn count(value: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    if !value.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!("{name} must be an int")));
+    }
+    value.extract().map_err(|_| PyValueError::new_err(format!("{name} must be a non-negative int")))
+}
+
+fn string(value: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
+    if !value.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err(format!("{name} must be a str")));
+    }
+    value.extract()
+}
+
+/// `"default"`, `"all"`, or a list of layer numbers, `"hidden.<L>"`, `"final"` / `"hidden.final"`.
+fn capture_choice(value: &Bound<'_, PyAny>) -> PyResult<CaptureChoice> {
+    if value.is_instance_of::<PyString>() {
+        return match value.extract::<String>()?.as_str() {
+            "default" => Ok(CaptureChoice::Default),
+            "all" => Ok(CaptureChoice::All),
+            other => Err(PyValueError::new_err(format!("capture {other:?}: expected \"default\", \"all\" or a list of points"))),
+        };
+    }
+    let points = value
+        .try_iter()
+        .map_err(|_| PyTypeError::new_err("capture must be \"default\", \"all\" or a list such as [0, 2, \"final\"]"))?
+        .map(|point| capture_point(&point?))
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(CaptureChoice::List(points))
+}
+
+/// One capture point: an int layer or a name.
+pub fn capture_point(point: &Bound<'_, PyAny>) -> PyResult<CaptureName> {
+    if point.is_instance_of::<PyInt>() {
+        let layer: usize = point.extract().map_err(|_| PyValueError::new_err("a capture layer must be a non-negative int"))?;
+        return Ok(CaptureName::Hidden(layer));
+    }
+    let name = string(point, "a capture point")?;
+    let spec = if name == "hidden.final" { "final" } else { name.as_str() };
+    CaptureName::from_str(spec).map_err(to_py)
+}
+
+fn backend_kind(value: &Bound<'_, PyAny>) -> PyResult<BackendKind> {
+    let name = string(value, "backend")?;
+    BackendKind::from_str(&name).map_err(|_| PyValueError::new_err(format!("backend {name:?}: expected \"cpu\", \"wgpu\" or \"auto\"")))
+}
+
+/// Weights are held in f32 whatever the checkpoint stores, so `"auto"` and
+/// `"f32"` are the same request and the half-precision ones are refused.
+fn check_dtype(value: &Bound<'_, PyAny>) -> PyResult<()> {
+    match string(value, "dtype")?.as_str() {
+        "auto" | "f32" | "float32" => Ok(()),
+        half @ ("bf16" | "f16" | "bfloat16" | "float16") => Err(ConfigError::new_err(format!(
+            "dtype {half:?}: this build stores weights in f32 only (\"auto\" converts a half-precision checkpoint to f32)"
+        ))),
+        other => Err(PyValueError::new_err(format!("dtype {other:?}: expected \"auto\", \"f32\", \"bf16\" or \"f16\""))),
+    }
+}
+
+/// A 32-byte fleet key given as `bytes`.
+pub fn fingerprint_key(value: &Bound<'_, PyAny>) -> PyResult<FingerprintKey> {
+    let bytes = value.cast::<PyBytes>().map_err(|_| PyTypeError::new_err("fingerprint_key must be bytes"))?.as_bytes();
+    let key: [u8; 32] = bytes
+        .try_into()
+        .map_err(|_| PyValueError::new_err(format!("fingerprint_key must be 32 bytes, found {}", bytes.len())))?;
+    Ok(FingerprintKey::from_bytes(key))
+}
+
+/// `"second_digest"`, `"exact_bytes"` or `"unvalidated"`.
+pub fn validation(value: &Bound<'_, PyAny>) -> PyResult<ValidationPolicy> {
+    match string(value, "validation")?.as_str() {
+        "second_digest" => Ok(ValidationPolicy::SecondDigest),
+        "exact_bytes" => Ok(ValidationPolicy::ExactBytes),
+        "unvalidated" => Ok(ValidationPolicy::Unvalidated),
+        other => Err(PyValueError::new_err(format!(
+            "validation {other:?}: expected \"second_digest\", \"exact_bytes\" or \"unvalidated\""
+        ))),
+    }
+}
+
+/// The Python name of a policy.
+pub fn validation_name(policy: ValidationPolicy) -> &'static str {
+    match policy {
+        ValidationPolicy::SecondDigest => "second_digest",
+        ValidationPolicy::ExactBytes => "exact_bytes",
+        ValidationPolicy::Unvalidated => "unvalidated",
+    }
+}
