@@ -37,5 +37,8 @@ cargo test --doc "$@"
 # Broken intra-doc links fail the build, so the API docs stay navigable.
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
 
+# The Python package: pip install ./python in a fresh venv, then its pytest suite.
+bash scripts/test_python.sh
+
 # The demo (--quick) and the notebooks, on a small report, so neither can rot.
 bash scripts/ci_notebooks.sh

@@ -194,7 +194,8 @@ impl InsertResult {
 }
 
 /// The radix prefix index over canonical prompts, for a scheduler that owns
-/// its KV blocks: `match`, `insert`, `lock` / `unlock`, `evict`.
+/// its KV blocks: `match`, `insert`, `lock` / `unlock`, `evict`. Every call
+/// runs under [`guard`], so a panic in the tree is an `InternalError`.
 #[pyclass(frozen, name = "PrefixIndex", module = "omniprefix")]
 pub struct PyPrefixIndex {
     index: Mutex<RadixIndex>,
@@ -232,36 +233,42 @@ impl PyPrefixIndex {
     #[pyo3(name = "match")]
     fn match_prefix(&self, prompt: &Prompt) -> PyResult<PyMatch> {
         self.check(prompt)?;
-        Ok(PyMatch { inner: self.locked().match_prefix(&prompt.prompt) })
+        Ok(PyMatch { inner: guard(|| Ok(self.locked().match_prefix(&prompt.prompt)))? })
     }
 
     /// Caches the first `len(blocks)` full blocks of `prompt` (their KV written).
     fn insert(&self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>) -> PyResult<InsertResult> {
         self.check(prompt)?;
-        let outcome = self.locked().insert(&prompt.prompt, &blocks).map_err(to_py)?;
+        let outcome = guard(|| self.locked().insert(&prompt.prompt, &blocks))?;
         InsertResult::new(py, outcome)
     }
 
     /// Caches the first `tokens` positions held by `blocks` (the last block may be partly filled).
     fn insert_partial(&self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>, tokens: usize) -> PyResult<InsertResult> {
         self.check(prompt)?;
-        let outcome = self.locked().insert_partial(&prompt.prompt, &blocks, tokens).map_err(to_py)?;
+        let outcome = guard(|| self.locked().insert_partial(&prompt.prompt, &blocks, tokens))?;
         InsertResult::new(py, outcome)
     }
 
     /// Pins a match's blocks against eviction (reference counted).
-    fn lock(&self, m: &PyMatch) {
-        self.locked().lock(&m.inner);
+    fn lock(&self, m: &PyMatch) -> PyResult<()> {
+        guard(|| {
+            self.locked().lock(&m.inner);
+            Ok(())
+        })
     }
 
     /// Releases one `lock` of the match.
-    fn unlock(&self, m: &PyMatch) {
-        self.locked().unlock(&m.inner);
+    fn unlock(&self, m: &PyMatch) -> PyResult<()> {
+        guard(|| {
+            self.locked().unlock(&m.inner);
+            Ok(())
+        })
     }
 
     /// Gives back up to `n` blocks of unlocked least-recently-used entries.
-    fn evict(&self, n: usize) -> Vec<u32> {
-        self.locked().evict(n)
+    fn evict(&self, n: usize) -> PyResult<Vec<u32>> {
+        guard(|| Ok(self.locked().evict(n)))
     }
 
     /// Counters: queries, hits, hit_tokens, query_tokens, validation_failures,

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The Python package's tests: a fresh venv, `pip install ./python` (PEP 517, maturin
+# builds the extension), then pytest over python/tests. Called by scripts/test.sh.
+#
+# CI builds the wheel in the dev profile into the shared target folder, reusing the
+# dependencies the Rust tests compiled (a user's `pip install ./python` builds release).
+# Env: PYTHON_VENV (default target/python-venv), PYTHON (default python3),
+#      OMNIPREFIX_WHEEL_PROFILE (default dev; "release" for a user's build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${PYTHON_VENV:-target/python-venv}"
+rm -rf "$venv"
+"${PYTHON:-python3}" -m venv "$venv"
+pip=("$venv/bin/pip" --quiet --disable-pip-version-check)
+"${pip[@]}" install -r python/requirements-test.txt
+
+profile="${OMNIPREFIX_WHEEL_PROFILE:-dev}"
+echo "pip install ./python (cargo profile $profile)"
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(pwd)/target}" MATURIN_PEP517_ARGS="--profile $profile" \
+    "${pip[@]}" install ./python
+# From outside the source tree, so the tests import the installed wheel, not python/omniprefix.
+(cd python/tests && "../../$venv/bin/python" -m pytest -q -p no:cacheprovider .)
