@@ -201,6 +201,27 @@ fn encoder_runs_once_per_item_content() -> TestResult {
 }
 
 #[test]
+fn an_image_sent_twice_in_one_request_is_encoded_once() -> TestResult {
+    let (a, b) = (pixels(5), pixels(6));
+    let mut engine = Engine::random(model(), 7, config())?;
+    let mut calls = Vec::new();
+    // a, b, a: the third item reuses the first one's rows.
+    let token_ids = [with_image(&[7], &[8]), with_image(&[], &[9]), with_image(&[], &[10])].concat();
+    let items = vec![image(&a, None), image(&b, None), image(&a, None)];
+    let out = engine.prefill_with_encoder(PrefillRequest { token_ids, items, ..Default::default() }, |item, identity| {
+        calls.push(item);
+        Ok(rows(identity.num_tokens, HIDDEN, identity.fingerprint.0 as f32))
+    })?;
+    assert_eq!(calls, vec![0, 1], "item 2 has item 0's content");
+    // hidden.0 is the input embeddings: item 0's rows at positions 2..6, item 2's at 16..20.
+    let layer0 = out.hidden_at(omniprefix::model::CaptureName::Hidden(0)).ok_or("hidden.0 captured")?;
+    for r in 0..4 {
+        assert_eq!(layer0.row(2 + r), layer0.row(16 + r), "row {r} of the repeated image");
+    }
+    Ok(())
+}
+
+#[test]
 fn prompts_longer_than_the_model_context_are_rejected_and_change_nothing() -> TestResult {
     let model = Config { max_position_embeddings: Some(12), ..model() };
     let mut engine = Engine::random(model, 8, config())?;

@@ -13,7 +13,7 @@ use omniprefix::backend::auto::{SelectedBackend, select};
 use omniprefix::backend::{Backend, cpu::CpuBackend, wgpu::WgpuBackend};
 use omniprefix::batch::RequestId;
 use omniprefix::canon::ItemIdentity;
-use omniprefix::engine::{Engine, EngineConfig, EncoderOutput, Event, PlaceholderForm, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, EncoderOutput, Event, PlaceholderForm, PrefillRequest, tokens_from_config_json};
 use omniprefix::error::{RequestError, SchedError};
 use omniprefix::model::{Config, Thinker};
 use omniprefix::sample::SamplingParams;
@@ -324,6 +324,8 @@ impl PyEngine {
         let mut options = EngineOptions::parse(options)?;
         let model = guard(|| Config::from_json_str(&json))?;
         options.config.capture = options.capture.resolve(model.num_hidden_layers);
+        // Special ids from the dict, as `from_dir` reads them from its config.json.
+        options.config.tokens = guard(|| tokens_from_config_json(&json))?;
         py.detach(|| {
             Self::open(options, |backend, config| {
                 fn random_on<B: Backend>(backend: B, model: Config, seed: u64, config: EngineConfig) -> omniprefix::Result<Engine<B>> {

@@ -7,6 +7,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use omniprefix::Error as EngineError;
+use omniprefix::error::CacheError as EngineCacheError;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -25,7 +26,8 @@ pub fn to_py(error: EngineError) -> PyErr {
     match error {
         EngineError::Request(_) | EngineError::RequestFile(_) => RequestError::new_err(message),
         EngineError::Checkpoint(_) | EngineError::Io(_) => CheckpointError::new_err(message),
-        EngineError::Config(_) => ConfigError::new_err(message),
+        // A zero block size is a setting (of an engine or an index), not a misuse of a cache.
+        EngineError::Config(_) | EngineError::Cache(EngineCacheError::InvalidBlockSize { .. }) => ConfigError::new_err(message),
         EngineError::Cache(_) => CacheError::new_err(message),
         EngineError::Gpu(_) => GpuError::new_err(message),
         _ => InternalError::new_err(message),

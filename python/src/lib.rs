@@ -31,7 +31,7 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<matcher::Prompt>()?;
     m.add_class::<matcher::PyPrefixIndex>()?;
     m.add_class::<matcher::PyMatch>()?;
-    m.add_class::<matcher::InsertResult>()?;
+    m.add_class::<matcher::InsertOutcome>()?;
     m.add_function(wrap_pyfunction!(matcher::fingerprint, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -6,7 +6,7 @@ use std::sync::{Mutex, OnceLock};
 
 use omniprefix::canon::{FingerprintKey, Fingerprinter, ItemContent, ItemSpec};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
-use omniprefix::index::{InsertOutcome, PrefixIndex, PrefixMatch, ValidationPolicy};
+use omniprefix::index::{InsertOutcome as Inserted, PrefixIndex, PrefixMatch, ValidationPolicy};
 use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::{CanonicalPrompt, OmniTokens};
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -167,7 +167,7 @@ impl PyMatch {
 
 /// What an insert did with the blocks it was given.
 #[pyclass(frozen, module = "omniprefix")]
-pub struct InsertResult {
+pub struct InsertOutcome {
     /// Blocks the index now owns.
     #[pyo3(get)]
     adopted: Vec<u32>,
@@ -182,9 +182,9 @@ pub struct InsertResult {
     cached: Py<PyMatch>,
 }
 
-impl InsertResult {
-    fn new(py: Python<'_>, outcome: InsertOutcome) -> PyResult<Self> {
-        Ok(InsertResult {
+impl InsertOutcome {
+    fn new(py: Python<'_>, outcome: Inserted) -> PyResult<Self> {
+        Ok(InsertOutcome {
             adopted: outcome.adopted,
             duplicates: outcome.duplicates,
             released: outcome.released,
@@ -237,17 +237,17 @@ impl PyPrefixIndex {
     }
 
     /// Caches the first `len(blocks)` full blocks of `prompt` (their KV written).
-    fn insert(&self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>) -> PyResult<InsertResult> {
+    fn insert(&self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>) -> PyResult<InsertOutcome> {
         self.check(prompt)?;
         let outcome = guard(|| self.locked().insert(&prompt.prompt, &blocks))?;
-        InsertResult::new(py, outcome)
+        InsertOutcome::new(py, outcome)
     }
 
     /// Caches the first `tokens` positions held by `blocks` (the last block may be partly filled).
-    fn insert_partial(&self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>, tokens: usize) -> PyResult<InsertResult> {
+    fn insert_partial(&self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>, tokens: usize) -> PyResult<InsertOutcome> {
         self.check(prompt)?;
         let outcome = guard(|| self.locked().insert_partial(&prompt.prompt, &blocks, tokens))?;
-        InsertResult::new(py, outcome)
+        InsertOutcome::new(py, outcome)
     }
 
     /// Pins a match's blocks against eviction (reference counted).

@@ -477,6 +477,10 @@ impl<B: Backend> Engine<B> {
                         cache_hits += 1;
                         (e, input.deepstack.clone().or(cached))
                     }
+                    // The same content earlier in this request: encoded once.
+                    None if let Some((_, e, levels)) = fresh.iter().find(|(f, _, _)| *f == fp) => {
+                        (Arc::clone(e), input.deepstack.clone().or_else(|| levels.clone()))
+                    }
                     None => {
                         let out: EncoderOutput = encoder(index, identity)?.into();
                         let e = Arc::new(out.embeddings);
@@ -669,7 +673,12 @@ fn private_tenant(id: RequestId) -> TenantSalt {
 /// checkpoints, or the root); `None` when it names none (a text-only model).
 pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
     let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
-    let root: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+    tokens_from_config_json(&text)
+}
+
+/// [`tokens_from_config_file`] over the text of a `config.json`.
+pub fn tokens_from_config_json(text: &str) -> Result<Option<OmniTokens>> {
+    let root: serde_json::Value = serde_json::from_str(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     let node = root.get("thinker_config").unwrap_or(&root);
     if node.get("image_token_id").is_none() {
         return Ok(None);
