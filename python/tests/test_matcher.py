@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import omniprefix
-from conftest import IMAGE_LAYOUT, IMAGE_TOKENS, image_content
+from conftest import IMAGE_LAYOUT, IMAGE_TOKENS, image_content, image_embeddings, model_dir, unexpanded_image
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))
@@ -134,8 +134,6 @@ def test_float64_embeddings_are_converted_like_float32():
     for item in (a, b, c):
         assert item.embeddings.dtype == np.float32
         assert np.array_equal(item.embeddings, emb)
-    from conftest import model_dir, unexpanded_image
-
     ids = [1, 2] + unexpanded_image() + [3]
     outs = [omniprefix.Engine.from_dir(model_dir("omni_thinker"), cache=False).prefill(ids, [item]) for item in (a, b, c)]
     for out in outs[1:]:
@@ -144,8 +142,6 @@ def test_float64_embeddings_are_converted_like_float32():
 
 
 def test_engine_hits_the_cache_for_a_strided_view_of_the_same_image():
-    from conftest import image_embeddings, model_dir, unexpanded_image
-
     engine = omniprefix.Engine.from_dir(model_dir("omni_thinker"), block_size=4)
     base = np.random.default_rng(8).integers(0, 256, size=(3, 16, 16), dtype=np.uint8)
     view = base.transpose(1, 2, 0)  # HWC view of a CHW buffer
