@@ -30,7 +30,7 @@ __all__ = [
     "Error",
     "Generation",
     "GpuError",
-    "InsertOutcome",
+    "InsertResult",
     "InternalError",
     "Item",
     "Match",
@@ -39,8 +39,12 @@ __all__ = [
     "Prompt",
     "RequestError",
     "Stream",
+    "__version__",
     "fingerprint",
 ]
+
+#: The package version.
+__version__: str
 
 # ---------------------------------------------------------------------------------------- types
 
@@ -157,6 +161,9 @@ class Item:
     def embeddings(self) -> Optional[npt.NDArray[np.float32]]:
         """The item's own float32 copy of the embeddings, or ``None``."""
     @property
+    def deepstack(self) -> Optional[list[npt.NDArray[np.float32]]]:
+        """The item's own float32 copies of the DeepStack levels, or ``None``."""
+    @property
     def num_tokens(self) -> int:
         """Placeholder tokens the layout implies (after the 2x2 merge, or the audio formula)."""
 
@@ -209,6 +216,9 @@ class Generation:
     def timings(self) -> dict[str, Any]:
         """``preprocess_ms``, ``ttft_ms`` (submit to first token), ``total_ms``, ``itl_ms``
         (list of inter-token gaps), ``decode_tokens_per_s``."""
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first."""
 
 class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
     """Iterator of ``(token, {capture: row [hidden]})``, one per generated token, from
@@ -380,7 +390,7 @@ def fingerprint(
 
 class Prompt:
     """A prompt laid out for the index, without a model: token ids (placeholders expanded),
-    atoms and item fingerprints. Special ids are Qwen3-Omni's (``image_pad`` 151655,
+    atoms and item fingerprints. Special ids default to Qwen3-Omni's (``image_pad`` 151655,
     ``video_pad`` 151656, ``audio_pad`` 151675, ``vision_start`` 151652, ``vision_end`` 151653,
     ``audio_start`` 151669, ``audio_end`` 151670).
 
@@ -393,9 +403,14 @@ class Prompt:
         *,
         key: Optional[bytes] = None,
         tenant: int = 0,
-        validation: Validation = "second_digest",
+        validation: Optional[Validation] = None,
         placeholders: Placeholders = "unexpanded",
-    ) -> None: ...
+        special_tokens: Optional[Mapping[str, int]] = None,
+    ) -> None:
+        """``validation=None`` is ``"second_digest"``. ``special_tokens``: a dict of
+        ``image_token_id``, ``video_token_id``, ``audio_token_id``, ``vision_start_token_id``,
+        ``vision_end_token_id``, ``audio_start_token_id``, ``audio_end_token_id`` (e.g. a
+        checkpoint's ``thinker_config`` entries); ``None`` is Qwen3-Omni's."""
     def __len__(self) -> int: ...
     @property
     def token_ids(self) -> list[int]:
@@ -403,6 +418,10 @@ class Prompt:
     @property
     def fingerprints(self) -> list[int]:
         """One fingerprint per item, in order."""
+    @property
+    def tenant(self) -> int: ...
+    @property
+    def validation(self) -> Validation: ...
 
 class Match:
     """A lookup result: the cached prefix of a prompt."""
@@ -417,7 +436,7 @@ class Match:
     def blocks(self) -> list[int]:
         """``ceil(tokens / block_size)`` block ids; the last is partly valid when not aligned."""
 
-class InsertOutcome:
+class InsertResult:
     """What :meth:`PrefixIndex.insert` did with the blocks it was given."""
 
     @property
@@ -437,13 +456,18 @@ class PrefixIndex:
     """The validated radix prefix index on its own: maps prompt prefixes to caller-chosen
     block ids. A :class:`Prompt` made under another validation policy raises ``ValueError``."""
 
-    def __init__(self, block_size: int = 16, validation: Validation = "second_digest") -> None: ...
+    def __init__(self, block_size: int = 16, validation: Optional[Validation] = None) -> None:
+        """``validation=None`` is ``"second_digest"``."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def validation(self) -> Validation: ...
     def match(self, prompt: Prompt) -> Match:
         """Longest cached prefix (validated); touches LRU clocks and stats only."""
-    def insert(self, prompt: Prompt, blocks: Sequence[int]) -> InsertOutcome:
+    def insert(self, prompt: Prompt, blocks: Sequence[int]) -> InsertResult:
         """Cache the first ``len(blocks)`` full blocks of ``prompt``. :class:`CacheError` when a
         block id is already cached under other content, repeated, or more than the full blocks."""
-    def insert_partial(self, prompt: Prompt, blocks: Sequence[int], tokens: int) -> InsertOutcome:
+    def insert_partial(self, prompt: Prompt, blocks: Sequence[int], tokens: int) -> InsertResult:
         """Cache the first ``tokens`` positions held by ``ceil(tokens / block_size)`` blocks (the
         last may be partly filled)."""
     def lock(self, match: Match) -> None:

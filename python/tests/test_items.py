@@ -106,7 +106,7 @@ def test_encoder_runs_once_for_the_same_image_twice_in_one_request():
     ids = [1, 2] + unexpanded_image() + [3] + unexpanded_image() + [4]
     items = [omniprefix.Item("image", content, IMAGE_LAYOUT), omniprefix.Item("image", content.copy(), IMAGE_LAYOUT)]
     out = engine.prefill(ids, items, encoder=encoder)
-    assert out.prompt_len == 2 + 3 + 2 * IMAGE_TOKENS + 1 + 1
+    assert out.prompt_len == 2 + (IMAGE_TOKENS + 2) + 1 + (IMAGE_TOKENS + 2) + 1
     assert len(encoder.calls) == 1
 
 
@@ -143,7 +143,8 @@ def test_embeddings_are_copied_at_construction():
     want = omni(cache=False).prefill(ids, [image_item(4, embeddings=emb.copy())])
     before = sys.getrefcount(emb)
     item = image_item(4, embeddings=emb)
-    assert sys.getrefcount(emb) == before, "Item kept a reference to the caller's embeddings"
+    after = sys.getrefcount(emb)  # outside the assert: pytest's rewriting holds references
+    assert after == before, "Item kept a reference to the caller's embeddings"
     emb[:] = 0.0  # the caller reuses its buffer
     got = omni(cache=False).prefill(ids, [item])
     assert_bit_equal("embeddings mutated after Item()", got.hidden, want.hidden)
@@ -157,7 +158,8 @@ def test_content_is_read_at_call_time_and_never_retained():
     refs = sys.getrefcount(content)
     engine.prefill(ids, [item])
     gc.collect()
-    assert sys.getrefcount(content) == refs, "the engine kept a reference to the item content"
+    after = sys.getrefcount(content)
+    assert after == refs, "the engine kept a reference to the item content"
     assert engine.prefill(ids, [item]).num_cached_tokens == len(ids) + IMAGE_TOKENS - 2
     # The caller changes its buffer in place: the next request sees the new bytes, a miss at the image.
     content[0, 0, 0] ^= 0xFF
@@ -170,8 +172,10 @@ def test_encoder_output_is_not_retained():
     encoder = CountingEncoder()
     engine.prefill([1] + unexpanded_image() + [2], [omniprefix.Item("image", image_content(12), IMAGE_LAYOUT)], encoder=encoder)
     gc.collect()
-    # The list in the encoder holds one reference, getrefcount's argument the other.
-    assert sys.getrefcount(encoder.returned[0]) == 2, "the engine kept the encoder's array"
+    # The list in the encoder holds one reference, getrefcount's argument the other (counted
+    # outside the assert: pytest's assertion rewriting keeps references to subexpressions).
+    refs = sys.getrefcount(encoder.returned[0])
+    assert refs == 2, "the engine kept the encoder's array"
     encoder.calls.clear()
     gc.collect()
 

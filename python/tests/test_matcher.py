@@ -85,7 +85,7 @@ def test_non_contiguous_views_fingerprint_like_their_contiguous_copy():
     assert fp(floats[:, ::3]) == fp(np.ascontiguousarray(floats[:, ::3]))
 
 
-@pytest.mark.parametrize("dtype", ["<f4", "<i4", "<i8", "<f2", "<u1"])
+@pytest.mark.parametrize("dtype", ["<f4", "<i4", "<i8", "<f2"])
 def test_big_endian_content_fingerprints_like_native(dtype):
     native = (np.random.default_rng(5).standard_normal((6, 7, 3)) * 50).astype(dtype)
     big = native.astype(native.dtype.newbyteorder(">"))

@@ -3,6 +3,7 @@ released while an engine works (fingerprinting, prefill, generate)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -123,6 +124,22 @@ def progress_during(call, attempts: int = 3, pause: float = 0.0005) -> tuple[int
         if middle > 0:
             break
     return best
+
+
+def test_the_progress_check_sees_a_held_gil():
+    """Not vacuous: a C call that keeps the GIL (the regex engine) shows no progress."""
+    pattern = re.compile(r"(a+)+b")  # exponential backtracking, all inside one C call
+    n = 16
+    while True:
+        t0 = time.perf_counter()
+        pattern.match("a" * n)
+        if time.perf_counter() - t0 > 0.1 or n >= 26:
+            break
+        n += 1
+    middle, duration = progress_during(lambda: pattern.match("a" * n), attempts=1)
+    assert middle == 0, f"{middle} ticks during a {duration * 1000:.0f} ms call that holds the GIL"
+    released, _ = progress_during(lambda: time.sleep(duration), attempts=3)
+    assert released > 0
 
 
 def big_engine(**options):
