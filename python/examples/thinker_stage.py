@@ -66,11 +66,11 @@ class VisionEncoder:
 
 
 def open_thinker(args) -> omniprefix.Engine:
-    options = dict(block_size=16, capture=[0, "final"])
+    # 16-token blocks; the talker reads the embedding row and the final hidden state.
     if args.random:
         with open(DEFAULT_MODEL / "config.json") as f:
-            return omniprefix.Engine.random(json.load(f), args.seed, **options)
-    return omniprefix.Engine.from_dir(str(args.model), **options)
+            return omniprefix.Engine.random(json.load(f), args.seed, block_size=16, capture=[0, "final"])
+    return omniprefix.Engine.from_dir(str(args.model), block_size=16, capture=[0, "final"])
 
 
 def main() -> None:
@@ -123,7 +123,8 @@ def main() -> None:
             if ttft_ms is None:
                 ttft_ms = (time.perf_counter() - start) * 1000.0
             talker.consume(token, rows)
-        reply = stream.generation
+        reply = stream.generation  # the finished Generation, once the stream is exhausted
+        assert reply is not None
         tokens = reply.tokens
         expected = "-" if previous_ran is None else str(previous_ran)  # every position the previous round ran
         print(

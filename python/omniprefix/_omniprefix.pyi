@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from os import PathLike
-from typing import Any, Literal, Optional, Tuple, Union
+from typing import Any, Literal, Optional, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -51,36 +51,36 @@ __version__: str
 #: Token ids: a sequence of Python ints or a 1-D numpy integer array (any integer dtype, any
 #: strides). Each id must be an ``int`` in ``0 .. 2**32 - 1`` (else ``TypeError`` /
 #: ``ValueError``) and below the model's vocabulary (else :class:`RequestError`).
-TokenIds = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
+_TokenIds = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
 
 #: ``"image"``, ``"audio"`` or ``"video"``.
-Modality = Literal["image", "audio", "video"]
+_Modality = Literal["image", "audio", "video"]
 
 #: An item's placeholder layout, as in ``docs/request-format.md``:
 #: ``{"kind": "image", "grid_thw": [t, h, w]}``,
 #: ``{"kind": "video", "grid_thw": [t, h, w], "seconds_per_grid": s}``,
 #: ``{"kind": "audio", "mel_frames": n}``. Grids are patch grids before the 2x2 merge.
-Layout = Mapping[str, Any]
+_Layout = Mapping[str, Any]
 
 #: Any buffer-protocol object of dtype uint8, int32, int64, float16, bfloat16 (ml_dtypes) or
 #: float32, any shape and strides; converted with ``numpy.asarray`` (no copy).
-ArrayLike = Any
+_ArrayLike = Any
 
 #: What an encoder returns: embeddings ``[num_tokens, hidden]``, or ``(embeddings, deepstack)``.
-EncoderOutput = Union[ArrayLike, Tuple[ArrayLike, Union[ArrayLike, Sequence[ArrayLike]]]]
+_EncoderOutput = Union[_ArrayLike, Tuple[_ArrayLike, Union[_ArrayLike, Sequence[_ArrayLike]]]]
 
 #: ``encoder(item) -> embeddings``: called only when an item without embeddings misses the
 #: engine's encoder cache, at most once per distinct content; what it raises propagates unchanged.
-Encoder = Callable[["Item"], EncoderOutput]
+_Encoder = Callable[["Item"], _EncoderOutput]
 
 #: Capture points: ``"default"`` (``hidden.0``, ``hidden.<L/2>``, ``hidden.final``), ``"all"``
 #: (``hidden.0 .. hidden.<L>`` and ``hidden.final``), or a list of layer ints, ``"final"`` and
 #: ``"hidden.<L>"`` names, e.g. ``[0, 2, "final"]``.
-Capture = Union[Literal["default", "all"], Sequence[Union[int, str]]]
+_Capture = Union[Literal["default", "all"], Sequence[Union[int, str]]]
 
-Placeholders = Literal["unexpanded", "expanded", "audio_in_video"]
-Validation = Literal["second_digest", "exact_bytes", "unvalidated"]
-Backend = Literal["cpu", "wgpu", "auto"]
+_Placeholders = Literal["unexpanded", "expanded", "audio_in_video"]
+_Validation = Literal["second_digest", "exact_bytes", "unvalidated"]
+_Backend = Literal["cpu", "wgpu", "auto"]
 
 # ----------------------------------------------------------------------------------- exceptions
 
@@ -121,6 +121,7 @@ class InternalError(Error):
 
 # ----------------------------------------------------------------------------------------- Item
 
+@final
 class Item:
     """One image, audio or video of a prompt.
 
@@ -132,7 +133,7 @@ class Item:
       dtypes raise ``TypeError``. The item holds the array as given; the engine reads it at each
       call, without a copy, and keeps nothing of it (``validation="exact_bytes"`` keeps its own
       copy of the canonical bytes).
-    * ``layout``: the placeholder layout (see ``Layout``); it fixes the token count and the
+    * ``layout``: the placeholder layout (see ``Layout`` above); it fixes the token count and the
       M-RoPE positions.
     * ``embeddings``: the encoder output ``[num_tokens, hidden]``; float32 (other float dtypes
       and any strides are converted); **copied** when the item is made.
@@ -141,17 +142,17 @@ class Item:
     * ``params``: processor parameters (``dict[str, str]``), part of the fingerprint.
     """
 
-    def __init__(
-        self,
-        modality: Modality,
-        content: ArrayLike,
-        layout: Layout,
-        embeddings: Optional[ArrayLike] = None,
-        deepstack: Optional[Union[ArrayLike, Sequence[ArrayLike]]] = None,
+    def __new__(
+        cls,
+        modality: _Modality,
+        content: _ArrayLike,
+        layout: _Layout,
+        embeddings: Optional[_ArrayLike] = None,
+        deepstack: Optional[Union[_ArrayLike, Sequence[_ArrayLike]]] = None,
         params: Optional[Mapping[str, str]] = None,
-    ) -> None: ...
+    ) -> Item: ...
     @property
-    def modality(self) -> Modality: ...
+    def modality(self) -> _Modality: ...
     @property
     def layout(self) -> dict[str, Any]: ...
     @property
@@ -169,6 +170,7 @@ class Item:
 
 # --------------------------------------------------------------------------------------- outputs
 
+@final
 class Output:
     """What :meth:`Engine.prefill` returns."""
 
@@ -193,6 +195,7 @@ class Output:
     def timings(self) -> dict[str, float]:
         """Milliseconds: ``preprocess``, ``schedule``, ``forward``, ``total``."""
 
+@final
 class Generation:
     """What :meth:`Engine.generate` returns (and :attr:`Stream.generation`)."""
 
@@ -220,6 +223,7 @@ class Generation:
     def decode_tokens_per_s(self) -> float:
         """Tokens per second after the first."""
 
+@final
 class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
     """Iterator of ``(token, {capture: row [hidden]})``, one per generated token, from
     :meth:`Engine.stream`. The row is the hidden state of the position that produced the token
@@ -238,6 +242,7 @@ class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
 
 # ----------------------------------------------------------------------------------------- Engine
 
+@final
 class Engine:
     """A thinker stage: a model on a backend, a prefix cache (radix index + KV block pool),
     an encoder cache, and the scheduler between them.
@@ -251,12 +256,12 @@ class Engine:
         *,
         block_size: int = 16,
         num_blocks: Optional[int] = None,
-        capture: Capture = "default",
+        capture: _Capture = "default",
         cache: bool = True,
-        backend: Backend = "cpu",
+        backend: _Backend = "cpu",
         dtype: Literal["auto", "f32"] = "auto",
         fingerprint_key: Optional[bytes] = None,
-        validation: Validation = "second_digest",
+        validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
@@ -265,7 +270,7 @@ class Engine:
         or the Qwen3-Omni thinker). Reads and converts every weight: the one expensive call.
 
         * ``block_size``: tokens per KV block; ``num_blocks``: pool size (default 1024).
-        * ``capture``: which hidden states come back (see ``Capture``).
+        * ``capture``: which hidden states come back (see ``Capture`` above).
         * ``cache=False``: every request runs as if nothing were cached (same code path).
         * ``backend``: ``"cpu"``, ``"wgpu"`` (:class:`GpuError` without an adapter, never a
           silent fallback) or ``"auto"`` (see :attr:`backend` for the choice).
@@ -283,12 +288,12 @@ class Engine:
         *,
         block_size: int = 16,
         num_blocks: Optional[int] = None,
-        capture: Capture = "default",
+        capture: _Capture = "default",
         cache: bool = True,
-        backend: Backend = "cpu",
+        backend: _Backend = "cpu",
         dtype: Literal["auto", "f32"] = "auto",
         fingerprint_key: Optional[bytes] = None,
-        validation: Validation = "second_digest",
+        validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
@@ -298,12 +303,12 @@ class Engine:
         :meth:`from_dir`."""
     def prefill(
         self,
-        token_ids: TokenIds,
+        token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
         tenant: int = 0,
-        encoder: Optional[Encoder] = None,
-        placeholders: Placeholders = "unexpanded",
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
     ) -> Output:
         """Run one prompt and return every captured hidden state of every position.
 
@@ -318,7 +323,7 @@ class Engine:
         ``encoder``. Bad input raises and changes nothing."""
     def generate(
         self,
-        token_ids: TokenIds,
+        token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
         max_tokens: int,
@@ -329,8 +334,8 @@ class Engine:
         stop: Optional[Sequence[int]] = None,
         ignore_eos: bool = False,
         tenant: int = 0,
-        encoder: Optional[Encoder] = None,
-        placeholders: Placeholders = "unexpanded",
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
     ) -> Generation:
         """Prefill, then decode up to ``max_tokens`` tokens (``temperature=0``: greedy, lowest id
         on ties; ``top_k`` / ``top_p`` as transformers' warpers; ChaCha8 seeded per request, so
@@ -339,7 +344,7 @@ class Engine:
         next round that re-sends prompt + reply reuses every position that ran."""
     def stream(
         self,
-        token_ids: TokenIds,
+        token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
         max_tokens: int,
@@ -350,8 +355,8 @@ class Engine:
         stop: Optional[Sequence[int]] = None,
         ignore_eos: bool = False,
         tenant: int = 0,
-        encoder: Optional[Encoder] = None,
-        placeholders: Placeholders = "unexpanded",
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
     ) -> Stream:
         """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
         same tokens as :meth:`generate` with the same seed."""
@@ -380,7 +385,7 @@ class Engine:
 # ----------------------------------------------------------------------------- standalone matcher
 
 def fingerprint(
-    content: ArrayLike, layout: Layout, *, key: bytes, params: Optional[Mapping[str, str]] = None
+    content: _ArrayLike, layout: _Layout, *, key: bytes, params: Optional[Mapping[str, str]] = None
 ) -> int:
     """The 128-bit keyed fingerprint of an item (modality from ``layout["kind"]``): covers the
     canonical bytes of ``content`` (row-major, little-endian, dtype and shape tagged, ``-0.0``
@@ -388,6 +393,7 @@ def fingerprint(
     same fingerprint. ``key`` must be 32 bytes (``ValueError``); NaN/Inf content is a
     :class:`RequestError`. Releases the GIL while hashing; costs about one read of the bytes."""
 
+@final
 class Prompt:
     """A prompt laid out for the index, without a model: token ids (placeholders expanded),
     atoms and item fingerprints. Special ids default to Qwen3-Omni's (``image_pad`` 151655,
@@ -396,17 +402,17 @@ class Prompt:
 
     ``key=None``: one random key per process. Items need no embeddings here."""
 
-    def __init__(
-        self,
-        token_ids: TokenIds,
+    def __new__(
+        cls,
+        token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
         key: Optional[bytes] = None,
         tenant: int = 0,
-        validation: Optional[Validation] = None,
-        placeholders: Placeholders = "unexpanded",
+        validation: Optional[_Validation] = None,
+        placeholders: _Placeholders = "unexpanded",
         special_tokens: Optional[Mapping[str, int]] = None,
-    ) -> None:
+    ) -> Prompt:
         """``validation=None`` is ``"second_digest"``. ``special_tokens``: a dict of
         ``image_token_id``, ``video_token_id``, ``audio_token_id``, ``vision_start_token_id``,
         ``vision_end_token_id``, ``audio_start_token_id``, ``audio_end_token_id`` (e.g. a
@@ -421,8 +427,9 @@ class Prompt:
     @property
     def tenant(self) -> int: ...
     @property
-    def validation(self) -> Validation: ...
+    def validation(self) -> _Validation: ...
 
+@final
 class Match:
     """A lookup result: the cached prefix of a prompt."""
 
@@ -436,6 +443,7 @@ class Match:
     def blocks(self) -> list[int]:
         """``ceil(tokens / block_size)`` block ids; the last is partly valid when not aligned."""
 
+@final
 class InsertResult:
     """What :meth:`PrefixIndex.insert` did with the blocks it was given."""
 
@@ -452,16 +460,17 @@ class InsertResult:
     def cached(self) -> Match:
         """The inserted prefix as cached now, ready to :meth:`PrefixIndex.lock`."""
 
+@final
 class PrefixIndex:
     """The validated radix prefix index on its own: maps prompt prefixes to caller-chosen
     block ids. A :class:`Prompt` made under another validation policy raises ``ValueError``."""
 
-    def __init__(self, block_size: int = 16, validation: Optional[Validation] = None) -> None:
+    def __new__(cls, block_size: int = 16, validation: Optional[_Validation] = None) -> PrefixIndex:
         """``validation=None`` is ``"second_digest"``."""
     @property
     def block_size(self) -> int: ...
     @property
-    def validation(self) -> Validation: ...
+    def validation(self) -> _Validation: ...
     def match(self, prompt: Prompt) -> Match:
         """Longest cached prefix (validated); touches LRU clocks and stats only."""
     def insert(self, prompt: Prompt, blocks: Sequence[int]) -> InsertResult:
@@ -470,9 +479,10 @@ class PrefixIndex:
     def insert_partial(self, prompt: Prompt, blocks: Sequence[int], tokens: int) -> InsertResult:
         """Cache the first ``tokens`` positions held by ``ceil(tokens / block_size)`` blocks (the
         last may be partly filled)."""
-    def lock(self, match: Match) -> None:
-        """Pin what ``match`` reported so eviction cannot take it (reference counted)."""
-    def unlock(self, match: Match) -> None: ...
+    def lock(self, m: Match) -> None:
+        """Pin what ``m`` reported so eviction cannot take it (reference counted)."""
+    def unlock(self, m: Match) -> None:
+        """Release one :meth:`lock` of ``m``."""
     def evict(self, n: int) -> list[int]:
         """Give back up to ``n`` blocks of unlocked least-recently-used entries."""
     def stats(self) -> dict[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ MODELS = {
 
 #: The layouts the fixture script gave HF's ``get_rope_index`` for the ``mm`` items
 #: (``VERSIONS.json``, ``omni_thinker.mm_layout``); item j's rows are ``mm.item.<j>.embeds``.
-MM_ITEMS = [
+MM_ITEMS: list[tuple[Any, dict[str, Any]]] = [
     ("image", {"kind": "image", "grid_thw": [1, 4, 6]}),
     ("audio", {"kind": "audio", "mel_frames": 120}),
     ("video", {"kind": "video", "grid_thw": [2, 4, 4], "seconds_per_grid": 1.0}),
