@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, REPO_ROOT
 
 ROUND = re.compile(
     r"^round (\d+): prompt_len=(\d+) num_cached_tokens=(\d+) expected_cached=(-|\d+) tokens=\[([\d, ]*)\]"
@@ -39,3 +39,12 @@ def test_thinker_stage_example_reuses_the_history_every_round(flags):
         assert prompt_lens[r] > prompt_lens[r - 1]
     summary = [line for line in done.stdout.splitlines() if line.startswith("summary:")]
     assert summary and "encoder_calls=2" in summary[0], done.stdout  # one call per distinct image
+
+
+def test_the_docs_example_runs():
+    """The first code block of docs/python.md runs as written (from the repository root)."""
+    text = (REPO_ROOT / "docs" / "python.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S)
+    assert block, "docs/python.md has no python block"
+    done = subprocess.run([sys.executable, "-c", block.group(1)], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr
