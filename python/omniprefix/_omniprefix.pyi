@@ -1,0 +1,492 @@
+"""Type stubs of ``omniprefix._omniprefix``, the Rust extension (PyO3) re-exported by ``omniprefix``.
+
+Prefix caching for multimodal ("Omni") LLM inference: an :class:`Engine` runs a thinker model
+(Qwen2 / Qwen3 / Qwen3-Omni thinker, CPU or wgpu backend) over prompts that mix text token ids
+with image, audio and video :class:`Item` s, reuses the longest cached prefix (matched by the
+items' *content*, validated), and still returns the **full** hidden states of every prompt
+position. The standalone matcher (:func:`fingerprint`, :class:`Prompt`, :class:`PrefixIndex`)
+exposes the index without a model.
+
+Memory rules: item content is read through the buffer protocol, without a copy, at call time
+only; nothing keeps a reference to a caller's buffer after a call returns (what must be kept,
+such as embeddings, is copied). The GIL is released while fingerprinting, prefilling and
+generating. See ``docs/python.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from os import PathLike
+from typing import Any, Literal, Optional, Tuple, Union, final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "CacheError",
+    "CheckpointError",
+    "ConfigError",
+    "Engine",
+    "Error",
+    "Generation",
+    "GpuError",
+    "InsertResult",
+    "InternalError",
+    "Item",
+    "Match",
+    "Output",
+    "PrefixIndex",
+    "Prompt",
+    "RequestError",
+    "Stream",
+    "__version__",
+    "fingerprint",
+]
+
+#: The package version.
+__version__: str
+
+# ---------------------------------------------------------------------------------------- types
+
+#: Token ids: a sequence of Python ints or a 1-D numpy integer array (any integer dtype, any
+#: strides). Each id must be an ``int`` in ``0 .. 2**32 - 1`` (else ``TypeError`` /
+#: ``ValueError``) and below the model's vocabulary (else :class:`RequestError`).
+_TokenIds = Union[Sequence[int], npt.NDArray[np.integer[Any]]]
+
+#: ``"image"``, ``"audio"`` or ``"video"``.
+_Modality = Literal["image", "audio", "video"]
+
+#: An item's placeholder layout, as in ``docs/request-format.md``:
+#: ``{"kind": "image", "grid_thw": [t, h, w]}``,
+#: ``{"kind": "video", "grid_thw": [t, h, w], "seconds_per_grid": s}``,
+#: ``{"kind": "audio", "mel_frames": n}``. Grids are patch grids before the 2x2 merge.
+_Layout = Mapping[str, Any]
+
+#: Any buffer-protocol object of dtype uint8, int32, int64, float16, bfloat16 (ml_dtypes) or
+#: float32, any shape and strides; converted with ``numpy.asarray`` (no copy).
+_ArrayLike = Any
+
+#: What an encoder returns: embeddings ``[num_tokens, hidden]``, or ``(embeddings, deepstack)``.
+_EncoderOutput = Union[_ArrayLike, Tuple[_ArrayLike, Union[_ArrayLike, Sequence[_ArrayLike]]]]
+
+#: ``encoder(item) -> embeddings``: called only when an item without embeddings misses the
+#: engine's encoder cache, at most once per distinct content; what it raises propagates unchanged.
+_Encoder = Callable[["Item"], _EncoderOutput]
+
+#: Capture points: ``"default"`` (``hidden.0``, ``hidden.<L/2>``, ``hidden.final``), ``"all"``
+#: (``hidden.0 .. hidden.<L>`` and ``hidden.final``), or a list of layer ints, ``"final"`` and
+#: ``"hidden.<L>"`` names, e.g. ``[0, 2, "final"]``.
+_Capture = Union[Literal["default", "all"], Sequence[Union[int, str]]]
+
+_Placeholders = Literal["unexpanded", "expanded", "audio_in_video"]
+_Validation = Literal["second_digest", "exact_bytes", "unvalidated"]
+_Backend = Literal["cpu", "wgpu", "auto"]
+
+# ----------------------------------------------------------------------------------- exceptions
+
+class Error(Exception):
+    """Base class of every error the engine raises; the message is the Rust error's text.
+
+    Python-side type and value problems raise ``TypeError`` (floats as token ids, wrong
+    argument types, unsupported content dtypes such as float64 or bool) or ``ValueError``
+    (negative ids, ids past ``2**32 - 1``, unknown option strings, a fingerprint key that is not
+    32 bytes). A call that raises changes nothing: same ``stats()``, same cache.
+    """
+
+class RequestError(Error):
+    """A request that cannot be served: token ids past the vocabulary, items that do not match
+    the placeholders, layouts, NaN/Inf content, embeddings of the wrong shape, bad sampling
+    settings (``max_tokens=0``, ``top_p`` outside (0, 1], ...), an unknown tenant, a prompt
+    larger than the pool or the model's context."""
+
+class CheckpointError(Error):
+    """A checkpoint folder that is missing or cannot be loaded: ``config.json``, the safetensors
+    files, a weight missing or of the wrong shape (also a bad ``Engine.random`` config dict)."""
+
+class ConfigError(Error):
+    """An engine option value that cannot work: ``block_size=0``, a capture layer past the
+    model's layers, a validation policy name that does not exist."""
+
+class CacheError(Error):
+    """A standalone :class:`PrefixIndex` used against its contract: a block id already cached
+    under other content (or repeated), more blocks than the prompt's full blocks."""
+
+class GpuError(Error):
+    """The GPU device failed, is missing (``backend="wgpu"`` without an adapter) or cannot run
+    the kernels."""
+
+class InternalError(Error):
+    """A scheduler, index or pool invariant broken, a backend failure, or a Rust panic (which
+    never crosses into Python as anything else)."""
+
+# ----------------------------------------------------------------------------------------- Item
+
+@final
+class Item:
+    """One image, audio or video of a prompt.
+
+    ``Item(modality, content, layout, embeddings=None, deepstack=None, params=None)``
+
+    * ``content``: what the fingerprint covers (raw media or processed features): any buffer of
+      dtype uint8, int32, int64, float16, bfloat16 or float32, any shape the layout allows, any
+      strides; big-endian arrays are read as their values (converted to native order). Other
+      dtypes raise ``TypeError``. The item holds the array as given; the engine reads it at each
+      call, without a copy, and keeps nothing of it (``validation="exact_bytes"`` keeps its own
+      copy of the canonical bytes).
+    * ``layout``: the placeholder layout (see ``Layout`` above); it fixes the token count and the
+      M-RoPE positions.
+    * ``embeddings``: the encoder output ``[num_tokens, hidden]``; float32 (other float dtypes
+      and any strides are converted); **copied** when the item is made.
+    * ``deepstack``: DeepStack levels ``[levels, num_tokens, hidden]`` or a list of
+      ``[num_tokens, hidden]`` arrays; copied.
+    * ``params``: processor parameters (``dict[str, str]``), part of the fingerprint.
+    """
+
+    def __new__(
+        cls,
+        modality: _Modality,
+        content: _ArrayLike,
+        layout: _Layout,
+        embeddings: Optional[_ArrayLike] = None,
+        deepstack: Optional[Union[_ArrayLike, Sequence[_ArrayLike]]] = None,
+        params: Optional[Mapping[str, str]] = None,
+    ) -> Item: ...
+    @property
+    def modality(self) -> _Modality: ...
+    @property
+    def layout(self) -> dict[str, Any]: ...
+    @property
+    def content(self) -> Any:
+        """The content object as given (not a copy)."""
+    @property
+    def embeddings(self) -> Optional[npt.NDArray[np.float32]]:
+        """The item's own float32 copy of the embeddings, or ``None``."""
+    @property
+    def deepstack(self) -> Optional[list[npt.NDArray[np.float32]]]:
+        """The item's own float32 copies of the DeepStack levels, or ``None``."""
+    @property
+    def num_tokens(self) -> int:
+        """Placeholder tokens the layout implies (after the 2x2 merge, or the audio formula)."""
+
+# --------------------------------------------------------------------------------------- outputs
+
+@final
+class Output:
+    """What :meth:`Engine.prefill` returns."""
+
+    @property
+    def hidden(self) -> dict[str, npt.NDArray[np.float32]]:
+        """Capture name (``"hidden.<L>"``, ``"hidden.final"``) -> ``[prompt_len, hidden]`` for
+        **every** position, cached ones included. ``hidden.0`` is the embeddings after the item
+        merge, ``hidden.<L>`` the residual stream entering layer L (``hidden.<num_layers>`` the
+        last layer's output before the final norm), ``hidden.final`` the final-norm output.
+        The arrays own the engine's output buffers (no extra copy)."""
+    @property
+    def last_logits(self) -> npt.NDArray[np.float32]:
+        """The last position's logits ``[vocab]``."""
+    @property
+    def num_cached_tokens(self) -> int:
+        """Leading positions reused from the cache (at most ``prompt_len - 1``: the last one
+        always runs)."""
+    @property
+    def prompt_len(self) -> int:
+        """Positions of the prompt, placeholders expanded."""
+    @property
+    def timings(self) -> dict[str, float]:
+        """Milliseconds: ``preprocess``, ``schedule``, ``forward``, ``total``."""
+
+@final
+class Generation:
+    """What :meth:`Engine.generate` returns (and :attr:`Stream.generation`)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        """The generated ids, a stop id included."""
+    @property
+    def hidden(self) -> dict[str, npt.NDArray[np.float32]]:
+        """Capture name -> ``[prompt_len + len(tokens) - 1, hidden]``: every position that ran
+        (the prompt, then each generated token but the last)."""
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def finish_reason(self) -> Literal["stop", "length"]: ...
+    @property
+    def seed(self) -> int:
+        """The sampler's seed (the one given, or the random one chosen): pass it to replay."""
+    @property
+    def timings(self) -> dict[str, Any]:
+        """``preprocess_ms``, ``ttft_ms`` (submit to first token), ``total_ms``, ``itl_ms``
+        (list of inter-token gaps), ``decode_tokens_per_s``."""
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first."""
+
+@final
+class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
+    """Iterator of ``(token, {capture: row [hidden]})``, one per generated token, from
+    :meth:`Engine.stream`. The row is the hidden state of the position that produced the token
+    (token ``i`` comes from position ``prompt_len - 1 + i``), equal to that row of the
+    :class:`Generation`'s ``hidden``. Several streams of one engine may be interleaved
+    (continuous batching); each ``next()`` releases the GIL while the engine steps."""
+
+    def __iter__(self) -> Stream: ...
+    def __next__(self) -> Tuple[int, dict[str, npt.NDArray[np.float32]]]: ...
+    @property
+    def generation(self) -> Optional[Generation]:
+        """The finished :class:`Generation` once the stream is exhausted, else ``None``."""
+    def close(self) -> None:
+        """Abort the generation (also done when the stream is garbage collected); the engine
+        keeps no block or lock of it."""
+
+# ----------------------------------------------------------------------------------------- Engine
+
+@final
+class Engine:
+    """A thinker stage: a model on a backend, a prefix cache (radix index + KV block pool),
+    an encoder cache, and the scheduler between them.
+
+    Calls on one engine are serialized; distinct engines in distinct threads run in parallel
+    (the GIL is released while they work)."""
+
+    @staticmethod
+    def from_dir(
+        path: Union[str, PathLike[str]],
+        *,
+        block_size: int = 16,
+        num_blocks: Optional[int] = None,
+        capture: _Capture = "default",
+        cache: bool = True,
+        backend: _Backend = "cpu",
+        dtype: Literal["auto", "f32"] = "auto",
+        fingerprint_key: Optional[bytes] = None,
+        validation: _Validation = "second_digest",
+        tenants: Optional[Sequence[int]] = None,
+        max_tokens_per_step: Optional[int] = None,
+        max_seqs_per_step: Optional[int] = None,
+    ) -> Engine:
+        """Load a Hugging Face checkpoint folder (``config.json`` + safetensors; Qwen2, Qwen3,
+        or the Qwen3-Omni thinker). Reads and converts every weight: the one expensive call.
+
+        * ``block_size``: tokens per KV block; ``num_blocks``: pool size (default 1024).
+        * ``capture``: which hidden states come back (see ``Capture`` above).
+        * ``cache=False``: every request runs as if nothing were cached (same code path).
+        * ``backend``: ``"cpu"``, ``"wgpu"`` (:class:`GpuError` without an adapter, never a
+          silent fallback) or ``"auto"`` (see :attr:`backend` for the choice).
+        * ``fingerprint_key``: 32 bytes (default: random per engine).
+        * ``validation``: how a fingerprint hit is confirmed.
+        * ``tenants``: the known tenant ids; a request of any other tenant is a :class:`RequestError`.
+
+        Raises :class:`CheckpointError` (missing or bad folder), :class:`ConfigError`,
+        ``ValueError`` (unknown option strings, a key that is not 32 bytes), :class:`GpuError`.
+        """
+    @staticmethod
+    def random(
+        config: Mapping[str, Any],
+        seed: int,
+        *,
+        block_size: int = 16,
+        num_blocks: Optional[int] = None,
+        capture: _Capture = "default",
+        cache: bool = True,
+        backend: _Backend = "cpu",
+        dtype: Literal["auto", "f32"] = "auto",
+        fingerprint_key: Optional[bytes] = None,
+        validation: _Validation = "second_digest",
+        tenants: Optional[Sequence[int]] = None,
+        max_tokens_per_step: Optional[int] = None,
+        max_seqs_per_step: Optional[int] = None,
+    ) -> Engine:
+        """An engine over seeded random weights; ``config`` is a ``config.json`` as a dict
+        (e.g. ``json.load`` of ``fixtures/tiny/qwen3_dense/config.json``). Options as
+        :meth:`from_dir`."""
+    def prefill(
+        self,
+        token_ids: _TokenIds,
+        items: Optional[Sequence[Item]] = None,
+        *,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
+    ) -> Output:
+        """Run one prompt and return every captured hidden state of every position.
+
+        ``placeholders="unexpanded"``: one pad id per item (e.g. ``vision_start image_pad
+        vision_end``), which the engine expands to the item's token count; ``"expanded"``: the
+        ids already hold every placeholder; ``"audio_in_video"``: each video placeholder takes
+        the next audio item too (Qwen3-Omni ``use_audio_in_video``).
+
+        Cost: fingerprinting the items (about one read of their bytes), a radix match
+        (microseconds), the forward of the uncached positions, and one copy of the cached
+        hidden rows out of the pages. The GIL is released throughout, except while calling
+        ``encoder``. Bad input raises and changes nothing."""
+    def generate(
+        self,
+        token_ids: _TokenIds,
+        items: Optional[Sequence[Item]] = None,
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Optional[Sequence[int]] = None,
+        ignore_eos: bool = False,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
+    ) -> Generation:
+        """Prefill, then decode up to ``max_tokens`` tokens (``temperature=0``: greedy, lowest id
+        on ties; ``top_k`` / ``top_p`` as transformers' warpers; ChaCha8 seeded per request, so
+        the same seed gives the same tokens cached or not). Stops at a stop id (``stop``, default
+        the checkpoint's eos ids) unless ``ignore_eos``. The reply is cached with the prompt: a
+        next round that re-sends prompt + reply reuses every position that ran."""
+    def stream(
+        self,
+        token_ids: _TokenIds,
+        items: Optional[Sequence[Item]] = None,
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: Optional[int] = None,
+        stop: Optional[Sequence[int]] = None,
+        ignore_eos: bool = False,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
+    ) -> Stream:
+        """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
+        same tokens as :meth:`generate` with the same seed."""
+    def stats(self) -> dict[str, int]:
+        """``queries``, ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``,
+        ``encoder_cache_hits``, ``finished``."""
+    def validate(self) -> None:
+        """Check the scheduler / index / pool invariants; raises :class:`InternalError`."""
+    @property
+    def capture(self) -> list[str]:
+        """The capture names, in output order."""
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def backend(self) -> str:
+        """The backend in use, in words (``"auto"`` reports its choice here)."""
+    @property
+    def block_size(self) -> int: ...
+
+# ----------------------------------------------------------------------------- standalone matcher
+
+def fingerprint(
+    content: _ArrayLike, layout: _Layout, *, key: bytes, params: Optional[Mapping[str, str]] = None
+) -> int:
+    """The 128-bit keyed fingerprint of an item (modality from ``layout["kind"]``): covers the
+    canonical bytes of ``content`` (row-major, little-endian, dtype and shape tagged, ``-0.0``
+    as ``+0.0``), the layout and ``params``. Equal values in any strides or byte order give the
+    same fingerprint. ``key`` must be 32 bytes (``ValueError``); NaN/Inf content is a
+    :class:`RequestError`. Releases the GIL while hashing; costs about one read of the bytes."""
+
+@final
+class Prompt:
+    """A prompt laid out for the index, without a model: token ids (placeholders expanded),
+    atoms and item fingerprints. Special ids default to Qwen3-Omni's (``image_pad`` 151655,
+    ``video_pad`` 151656, ``audio_pad`` 151675, ``vision_start`` 151652, ``vision_end`` 151653,
+    ``audio_start`` 151669, ``audio_end`` 151670).
+
+    ``key=None``: one random key per process. Items need no embeddings here."""
+
+    def __new__(
+        cls,
+        token_ids: _TokenIds,
+        items: Optional[Sequence[Item]] = None,
+        *,
+        key: Optional[bytes] = None,
+        tenant: int = 0,
+        validation: Optional[_Validation] = None,
+        placeholders: _Placeholders = "unexpanded",
+        special_tokens: Optional[Mapping[str, int]] = None,
+    ) -> Prompt:
+        """``validation=None`` is ``"second_digest"``. ``special_tokens``: a dict of
+        ``image_token_id``, ``video_token_id``, ``audio_token_id``, ``vision_start_token_id``,
+        ``vision_end_token_id``, ``audio_start_token_id``, ``audio_end_token_id`` (e.g. a
+        checkpoint's ``thinker_config`` entries); ``None`` is Qwen3-Omni's."""
+    def __len__(self) -> int: ...
+    @property
+    def token_ids(self) -> list[int]:
+        """The expanded token ids."""
+    @property
+    def fingerprints(self) -> list[int]:
+        """One fingerprint per item, in order."""
+    @property
+    def tenant(self) -> int: ...
+    @property
+    def validation(self) -> _Validation: ...
+
+@final
+class Match:
+    """A lookup result: the cached prefix of a prompt."""
+
+    @property
+    def tokens(self) -> int:
+        """Leading tokens whose KV is cached (may end inside a block)."""
+    @property
+    def aligned_tokens(self) -> int:
+        """``tokens`` rounded down to whole blocks."""
+    @property
+    def blocks(self) -> list[int]:
+        """``ceil(tokens / block_size)`` block ids; the last is partly valid when not aligned."""
+
+@final
+class InsertResult:
+    """What :meth:`PrefixIndex.insert` did with the blocks it was given."""
+
+    @property
+    def adopted(self) -> list[int]:
+        """Blocks the index now owns."""
+    @property
+    def duplicates(self) -> list[int]:
+        """Blocks not taken (equal content already cached); still the caller's."""
+    @property
+    def released(self) -> list[int]:
+        """Cached partly filled blocks a longer insert superseded; back to the caller."""
+    @property
+    def cached(self) -> Match:
+        """The inserted prefix as cached now, ready to :meth:`PrefixIndex.lock`."""
+
+@final
+class PrefixIndex:
+    """The validated radix prefix index on its own: maps prompt prefixes to caller-chosen
+    block ids. A :class:`Prompt` made under another validation policy raises ``ValueError``."""
+
+    def __new__(cls, block_size: int = 16, validation: Optional[_Validation] = None) -> PrefixIndex:
+        """``validation=None`` is ``"second_digest"``."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def validation(self) -> _Validation: ...
+    def match(self, prompt: Prompt) -> Match:
+        """Longest cached prefix (validated); touches LRU clocks and stats only."""
+    def insert(self, prompt: Prompt, blocks: Sequence[int]) -> InsertResult:
+        """Cache the first ``len(blocks)`` full blocks of ``prompt``. :class:`CacheError` when a
+        block id is already cached under other content, repeated, or more than the full blocks."""
+    def insert_partial(self, prompt: Prompt, blocks: Sequence[int], tokens: int) -> InsertResult:
+        """Cache the first ``tokens`` positions held by ``ceil(tokens / block_size)`` blocks (the
+        last may be partly filled)."""
+    def lock(self, m: Match) -> None:
+        """Pin what ``m`` reported so eviction cannot take it (reference counted)."""
+    def unlock(self, m: Match) -> None:
+        """Release one :meth:`lock` of ``m``."""
+    def evict(self, n: int) -> list[int]:
+        """Give back up to ``n`` blocks of unlocked least-recently-used entries."""
+    def stats(self) -> dict[str, int]:
+        """``queries``, ``hits``, ``hit_tokens``, ``query_tokens``, ``validation_failures``,
+        ``evicted_blocks``, ``cached_blocks``, ``nodes``, ``index_bytes``."""
+    def validate(self) -> None:
+        """Check every internal invariant; raises :class:`InternalError`."""
