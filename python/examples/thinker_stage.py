@@ -130,7 +130,7 @@ def main() -> None:
         print(
             f"round {round_no}: prompt_len={reply.prompt_len} num_cached_tokens={reply.num_cached_tokens} "
             f"expected_cached={expected} tokens={tokens} finish={reply.finish_reason} ttft_ms={ttft_ms:.2f} "
-            f"engine_ttft_ms={reply.timings['ttft_ms']:.2f} talker_codes={talker.codes[-len(tokens):]}"
+            f"engine_ttft_ms={reply.timings['ttft']:.2f} talker_codes={talker.codes[-len(tokens):]}"
         )
         # The history keeps the reply; a trailing stop id is not text and is dropped. Either way
         # every position that ran (the prompt and all tokens but the last) is a prefix of the next round.

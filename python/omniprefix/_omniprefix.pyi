@@ -30,7 +30,7 @@ __all__ = [
     "Error",
     "Generation",
     "GpuError",
-    "InsertResult",
+    "InsertOutcome",
     "InternalError",
     "Item",
     "Match",
@@ -217,8 +217,8 @@ class Generation:
         """The sampler's seed (the one given, or the random one chosen): pass it to replay."""
     @property
     def timings(self) -> dict[str, Any]:
-        """``preprocess_ms``, ``ttft_ms`` (submit to first token), ``total_ms``, ``itl_ms``
-        (list of inter-token gaps), ``decode_tokens_per_s``."""
+        """Milliseconds: ``preprocess``, ``ttft`` (submit to first token), ``total``, and
+        ``itl`` (list of inter-token gaps)."""
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens per second after the first."""
@@ -444,7 +444,7 @@ class Match:
         """``ceil(tokens / block_size)`` block ids; the last is partly valid when not aligned."""
 
 @final
-class InsertResult:
+class InsertOutcome:
     """What :meth:`PrefixIndex.insert` did with the blocks it was given."""
 
     @property
@@ -473,10 +473,10 @@ class PrefixIndex:
     def validation(self) -> _Validation: ...
     def match(self, prompt: Prompt) -> Match:
         """Longest cached prefix (validated); touches LRU clocks and stats only."""
-    def insert(self, prompt: Prompt, blocks: Sequence[int]) -> InsertResult:
+    def insert(self, prompt: Prompt, blocks: Sequence[int]) -> InsertOutcome:
         """Cache the first ``len(blocks)`` full blocks of ``prompt``. :class:`CacheError` when a
         block id is already cached under other content, repeated, or more than the full blocks."""
-    def insert_partial(self, prompt: Prompt, blocks: Sequence[int], tokens: int) -> InsertResult:
+    def insert_partial(self, prompt: Prompt, blocks: Sequence[int], tokens: int) -> InsertOutcome:
         """Cache the first ``tokens`` positions held by ``ceil(tokens / block_size)`` blocks (the
         last may be partly filled)."""
     def lock(self, m: Match) -> None:

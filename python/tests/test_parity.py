@@ -87,9 +87,10 @@ def test_generate_matches_transformers_and_the_cached_rounds_are_bit_identical(m
     for name, hidden in first.hidden.items():
         assert hidden.shape == (length + GEN_TOKENS - 1, 64), name
         assert_close(f"{model}/{prompt} generate {name}", hidden, ref[reference_name(prompt, name, gen=True)])
-    for key in ("preprocess_ms", "ttft_ms", "total_ms", "decode_tokens_per_s"):
+    for key in ("preprocess", "ttft", "total"):
         assert first.timings[key] >= 0.0, key
-    assert len(first.timings["itl_ms"]) == GEN_TOKENS - 1
+    assert first.decode_tokens_per_s > 0.0
+    assert len(first.timings["itl"]) == GEN_TOKENS - 1
 
     # The same prompt again: everything but its last position is cached, outputs unchanged.
     again = engine.generate(**request_of(model, prompt, ids), max_tokens=GEN_TOKENS, ignore_eos=True)
