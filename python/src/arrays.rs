@@ -8,7 +8,7 @@ use omniprefix::canon::TensorView;
 use omniprefix::model::CaptureName;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt};
+use pyo3::types::{PyBytes, PyDict, PyFloat, PyString};
 
 /// The dtypes item content may have, as numpy names them.
 const CONTENT_DTYPES: &str = "uint8, int32, int64, float16, bfloat16 or float32";
@@ -42,39 +42,65 @@ fn native_order<'py>(array: Bound<'py, PyUntypedArray>) -> PyResult<Bound<'py, P
 
 /// Token ids from a list of ints or a numpy integer array.
 ///
-/// Floats and booleans are a `TypeError`; ids below 0 or above `u32::MAX`
-/// a `ValueError` naming the position. Ids at or past the vocabulary are the
-/// engine's `RequestError`.
+/// Floats are a `TypeError`; ids below 0 or above `u32::MAX` a `ValueError`
+/// naming the position. Ids at or past the vocabulary are the engine's
+/// `RequestError`. A numpy array is read in place (any integer dtype and
+/// strides) and a list of ints in one extraction; only a failing list is
+/// walked again, to name the element.
 pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let list = if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(PyTypeError::new_err("token_ids must be a sequence of ints or a numpy integer array, not a string"));
-    } else if let Ok(array) = obj.cast::<PyUntypedArray>() {
-        let (kind, name) = dtype_kind_name(array)?;
-        if kind != "i" && kind != "u" {
-            return Err(PyTypeError::new_err(format!("token_ids must have an integer dtype, found {name}")));
+    }
+    if let Ok(array) = obj.cast::<PyUntypedArray>() {
+        return array_ids(array);
+    }
+    match obj.extract::<Vec<i64>>() {
+        Ok(ids) => ids.into_iter().enumerate().map(|(position, id)| id_at(position, i128::from(id))).collect(),
+        Err(_) => list_ids(obj),
+    }
+}
+
+/// An id checked into `u32`.
+fn id_at(position: usize, id: i128) -> PyResult<u32> {
+    u32::try_from(id).map_err(|_| PyValueError::new_err(format!("token_ids[{position}] = {id} is outside 0..=4294967295")))
+}
+
+/// Ids of a 1-D numpy integer array, widened to 64 bits (no copy when already 64-bit).
+fn array_ids(array: &Bound<'_, PyUntypedArray>) -> PyResult<Vec<u32>> {
+    let (kind, name) = dtype_kind_name(array)?;
+    if array.ndim() != 1 {
+        return Err(PyValueError::new_err(format!("token_ids must be 1-D, found shape {:?}", array.shape())));
+    }
+    let widened = |dtype: &str| array.call_method1("astype", (dtype, "K", "same_kind", true, false));
+    match kind.as_str() {
+        "i" => {
+            let ids = widened("int64")?.cast_into::<PyArray1<i64>>()?.readonly();
+            ids.as_array().iter().enumerate().map(|(p, &id)| id_at(p, i128::from(id))).collect()
         }
-        if array.ndim() != 1 {
-            return Err(PyValueError::new_err(format!("token_ids must be 1-D, found shape {:?}", array.shape())));
+        "u" => {
+            let ids = widened("uint64")?.cast_into::<PyArray1<u64>>()?.readonly();
+            ids.as_array().iter().enumerate().map(|(p, &id)| id_at(p, i128::from(id))).collect()
         }
-        array.call_method0("tolist")?
-    } else {
-        obj.clone()
-    };
+        _ => Err(PyTypeError::new_err(format!("token_ids must have an integer dtype, found {name}"))),
+    }
+}
+
+/// The slow path of a sequence that did not extract as ints: names the first bad element.
+fn list_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let items = obj.try_iter().map_err(|_| PyTypeError::new_err("token_ids must be a sequence of ints or a numpy integer array"))?;
     let mut ids = Vec::new();
-    for (position, item) in list.try_iter().map_err(|_| PyTypeError::new_err("token_ids must be a sequence of ints"))?.enumerate() {
+    for (position, item) in items.enumerate() {
         let item = item?;
-        if item.is_instance_of::<PyBool>() || !item.is_instance_of::<PyInt>() {
-            // numpy integer scalars are not `int` but index like one.
-            if item.is_instance_of::<PyFloat>() || item.is_instance_of::<PyBool>() || !item.hasattr("__index__")? {
-                let kind = item.get_type().name()?;
-                return Err(PyTypeError::new_err(format!("token_ids[{position}] is a {kind}, not an int")));
-            }
+        // Ints and int-likes (numpy integer scalars) have `__index__`; floats do not.
+        if item.is_instance_of::<PyFloat>() || !item.hasattr("__index__")? {
+            let kind = item.get_type().name()?;
+            return Err(PyTypeError::new_err(format!("token_ids[{position}] is a {kind}, not an int")));
         }
-        let id: i128 = item.call_method0("__index__")?.extract()?;
-        let id = u32::try_from(id).map_err(|_| {
-            PyValueError::new_err(format!("token_ids[{position}] = {id} is outside 0..=4294967295"))
+        let index = item.call_method0("__index__")?;
+        let id = index.extract::<i128>().map_err(|_| {
+            PyValueError::new_err(format!("token_ids[{position}] = {index} is outside 0..=4294967295"))
         })?;
-        ids.push(id);
+        ids.push(id_at(position, id)?);
     }
     Ok(ids)
 }
@@ -94,25 +120,37 @@ impl<'py> Content<'py> {
     /// Borrows `obj` (any buffer-protocol object; any strides) without copying
     /// it, unless it is byte-swapped: then a native-order copy is read.
     pub fn borrow(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
-        let array = native_order(as_ndarray(obj)?)?;
+        let array = as_ndarray(obj)?;
+        if let Some(content) = Self::typed(&array) {
+            return Ok(content);
+        }
+        // Not a native array of a numpy dtype we read: byte-swapped, bfloat16 or unsupported.
+        let array = native_order(array)?;
+        if let Some(content) = Self::typed(&array) {
+            return Ok(content);
+        }
         let (_, name) = dtype_kind_name(&array)?;
-        Ok(match name.as_str() {
-            "uint8" => Content::U8(array.cast_into::<PyArrayDyn<u8>>()?.readonly()),
-            "int32" => Content::I32(array.cast_into::<PyArrayDyn<i32>>()?.readonly()),
-            "int64" => Content::I64(array.cast_into::<PyArrayDyn<i64>>()?.readonly()),
-            "float16" => Content::F16(array.cast_into::<PyArrayDyn<f16>>()?.readonly()),
-            "float32" => Content::F32(array.cast_into::<PyArrayDyn<f32>>()?.readonly()),
-            "bfloat16" => {
-                let bits = array.call_method1("view", ("uint16",))?;
-                Content::BF16(bits.cast_into::<PyArrayDyn<u16>>()?.readonly())
-            }
-            other => {
-                return Err(PyTypeError::new_err(format!(
-                    "item content has dtype {other}; supported: {CONTENT_DTYPES} (convert it first, \
-                     knowing that the fingerprint is over the values as given)"
-                )));
-            }
-        })
+        if name == "bfloat16" {
+            let bits = array.call_method1("view", ("uint16",))?;
+            return Ok(Content::BF16(bits.cast_into::<PyArrayDyn<u16>>()?.readonly()));
+        }
+        Err(PyTypeError::new_err(format!(
+            "item content has dtype {name}; supported: {CONTENT_DTYPES} (convert it first, \
+             knowing that the fingerprint is over the values as given)"
+        )))
+    }
+
+    /// The array as one of the native dtypes (a numpy type check, no Python call).
+    fn typed(array: &Bound<'py, PyUntypedArray>) -> Option<Self> {
+        fn read<'py, T: numpy::Element>(array: &Bound<'py, PyUntypedArray>) -> Option<PyReadonlyArrayDyn<'py, T>> {
+            array.cast::<PyArrayDyn<T>>().ok()?.try_readonly().ok()
+        }
+        read::<u8>(array)
+            .map(Content::U8)
+            .or_else(|| read::<f32>(array).map(Content::F32))
+            .or_else(|| read::<i64>(array).map(Content::I64))
+            .or_else(|| read::<i32>(array).map(Content::I32))
+            .or_else(|| read::<f16>(array).map(Content::F16))
     }
 
     /// The engine's view of the same memory.

@@ -33,10 +33,9 @@ pub struct Item {
     pub params: BTreeMap<String, String>,
 }
 
-/// A value of a serde enum (`"image"`, a layout dict) from its Python form via JSON.
-fn from_json<T: serde::de::DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
-    let json: String = obj.py().import("json")?.call_method1("dumps", (obj,))?.extract()?;
-    serde_json::from_str(&json).map_err(|e| PyValueError::new_err(format!("{what} {json}: {e}")))
+/// A value of a serde type (`"image"`, a layout dict) from its Python form.
+pub fn from_py<T: serde::de::DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    pythonize::depythonize(obj).map_err(|e| PyValueError::new_err(format!("{what} {}: {e}", obj.repr().map_or_else(|_| "?".into(), |r| r.to_string()))))
 }
 
 /// An item layout from its request-file dict (`{"kind": "image", "grid_thw": [1, 4, 6]}`).
@@ -44,7 +43,7 @@ pub fn layout_from_dict(layout: &Bound<'_, PyAny>) -> PyResult<ItemLayout> {
     if !layout.is_instance_of::<PyDict>() {
         return Err(PyTypeError::new_err("layout must be a dict such as {\"kind\": \"image\", \"grid_thw\": [1, 4, 6]}"));
     }
-    from_json(layout, "layout")
+    from_py(layout, "layout")
 }
 
 /// The modality a layout's kind implies.
@@ -77,7 +76,7 @@ impl Item {
         deepstack: Option<&Bound<'_, PyAny>>,
         params: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let modality: Modality = from_json(modality, "modality (image, audio or video)")?;
+        let modality: Modality = from_py(modality, "modality (image, audio or video)")?;
         let parsed = layout_from_dict(layout)?;
         // Borrowing once checks the dtype now rather than at the first call.
         Content::borrow(content)?;

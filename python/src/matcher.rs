@@ -130,8 +130,7 @@ fn special_tokens_of(value: Option<&Bound<'_, PyAny>>) -> PyResult<OmniTokens> {
     if !value.is_instance_of::<PyDict>() {
         return Err(PyTypeError::new_err("special_tokens must be a dict of token-id fields"));
     }
-    let json: String = value.py().import("json")?.call_method1("dumps", (value,))?.extract()?;
-    serde_json::from_str(&json).map_err(|e| PyValueError::new_err(format!("special_tokens: {e}")))
+    crate::item::from_py(value, "special_tokens")
 }
 
 /// A cached prefix as the index reported it: lock it while its blocks are read.
