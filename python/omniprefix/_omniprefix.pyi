@@ -265,6 +265,8 @@ class Engine:
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
+        fingerprint_threads: Optional[int] = None,
+        encoder_cache_bytes: Optional[int] = None,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (``config.json`` + safetensors; Qwen2, Qwen3,
         or the Qwen3-Omni thinker). Reads and converts every weight: the one expensive call.
@@ -277,6 +279,8 @@ class Engine:
         * ``fingerprint_key``: 32 bytes (default: random per engine).
         * ``validation``: how a fingerprint hit is confirmed.
         * ``tenants``: the known tenant ids; a request of any other tenant is a :class:`RequestError`.
+        * ``max_tokens_per_step`` / ``max_seqs_per_step``: the scheduler's step budget (2048 / 8);
+          ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
 
         Raises :class:`CheckpointError` (missing or bad folder), :class:`ConfigError`,
         ``ValueError`` (unknown option strings, a key that is not 32 bytes), :class:`GpuError`.
@@ -297,6 +301,8 @@ class Engine:
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
+        fingerprint_threads: Optional[int] = None,
+        encoder_cache_bytes: Optional[int] = None,
     ) -> Engine:
         """An engine over seeded random weights; ``config`` is a ``config.json`` as a dict
         (e.g. ``json.load`` of ``fixtures/tiny/qwen3_dense/config.json``). Options as
