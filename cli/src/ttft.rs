@@ -32,6 +32,13 @@ pub struct TtftOptions {
     pub long_prefix: usize,
     /// Timed runs per figure; reports hold medians.
     pub runs: usize,
+    /// Untimed runs of each figure before the timed ones (same sizes, fresh ids).
+    pub warmup: usize,
+    /// Which workloads run (in the fixed order of [`Workload`]); empty = all.
+    pub workloads: Vec<Workload>,
+    /// `prefix_repetition*` and `multi_round` capture no hidden states (only the
+    /// last row's logits come back) instead of the engine's three default points.
+    pub no_capture: bool,
     /// Divides image/video grid sides and audio length (by its square) of
     /// `multi_round`'s items; 1 = the real Qwen3-Omni token counts.
     pub mm_scale: u32,
@@ -42,7 +49,47 @@ pub struct TtftOptions {
 
 impl Default for TtftOptions {
     fn default() -> Self {
-        TtftOptions { prefix: None, suffix: None, long_prefix: 2048, runs: 3, mm_scale: 4, block_size: 16, seed: 0 }
+        TtftOptions {
+            prefix: None,
+            suffix: None,
+            long_prefix: 2048,
+            runs: 3,
+            warmup: 0,
+            workloads: Vec::new(),
+            no_capture: false,
+            mm_scale: 4,
+            block_size: 16,
+            seed: 0,
+        }
+    }
+}
+
+/// A workload of `bench ttft`, named as in its reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Workload {
+    /// `prefix_repetition`: prefix + suffix, the prefix shared.
+    #[value(name = "prefix_repetition")]
+    PrefixRepetition,
+    /// `prefix_repetition_long`: the long prefix + suffix.
+    #[value(name = "prefix_repetition_long")]
+    PrefixRepetitionLong,
+    /// `multi_round.round1..4`: the multimodal conversation (needs the
+    /// model's vocabulary to hold its special ids).
+    #[value(name = "multi_round")]
+    MultiRound,
+    /// `capture_overhead`: three captured layers against none.
+    #[value(name = "capture_overhead")]
+    CaptureOverhead,
+}
+
+impl TtftOptions {
+    fn runs(&self, workload: Workload) -> bool {
+        self.workloads.is_empty() || self.workloads.contains(&workload)
+    }
+
+    /// The capture of the timed workloads' engines: the default, or none.
+    fn capture(&self) -> Option<Vec<omniprefix::model::CaptureName>> {
+        self.no_capture.then(Vec::new)
     }
 }
 
@@ -142,21 +189,32 @@ fn median_usize(values: Vec<usize>) -> usize {
     median(values.into_iter().map(|v| v as f64).collect()).round() as usize
 }
 
-/// Runs every workload on `thinker` and returns the reports, capture last.
+/// Runs the selected workloads (all by default) on `thinker` and returns
+/// their reports in a fixed order, capture last (`None` when not selected).
 pub fn run_all<B: Backend>(
     backend: Arc<B>,
     thinker: Arc<Thinker<B>>,
     tokens: Option<OmniTokens>,
     options: &TtftOptions,
-) -> Result<(Vec<TtftReport>, CaptureReport)> {
+) -> Result<(Vec<TtftReport>, Option<CaptureReport>)> {
     let bench = Bench { backend, thinker, tokens, options: options.clone() };
     let sc = Scenarios::load()?;
     let prefix = options.prefix.unwrap_or(sc.prefix_repetition.prefix_len);
     let suffix = options.suffix.unwrap_or(sc.prefix_repetition.suffix_len);
-    let mut reports = vec![bench.prefix_repetition("prefix_repetition", prefix, suffix)?];
-    reports.push(bench.prefix_repetition("prefix_repetition_long", options.long_prefix, suffix)?);
-    reports.extend(bench.multi_round(&sc.multi_round)?);
-    let capture = bench.capture_overhead(prefix + suffix)?;
+    let mut reports = Vec::new();
+    if options.runs(Workload::PrefixRepetition) {
+        reports.push(bench.prefix_repetition("prefix_repetition", prefix, suffix)?);
+    }
+    if options.runs(Workload::PrefixRepetitionLong) {
+        reports.push(bench.prefix_repetition("prefix_repetition_long", options.long_prefix, suffix)?);
+    }
+    if options.runs(Workload::MultiRound) {
+        reports.extend(bench.multi_round(&sc.multi_round)?);
+    }
+    let capture = match options.runs(Workload::CaptureOverhead) {
+        true => Some(bench.capture_overhead(prefix + suffix)?),
+        false => None,
+    };
     Ok((reports, capture))
 }
 
@@ -196,10 +254,10 @@ impl<B: Backend> Bench<B> {
     /// Per run: a prompt with a new prefix (uncached: nothing of it is cached),
     /// then another prompt with the same prefix and a new suffix (cached).
     fn prefix_repetition(&self, workload: &str, prefix: usize, suffix: usize) -> Result<TtftReport> {
-        let mut engine = self.engine(true, None, prefix + suffix)?;
+        let mut engine = self.engine(true, self.options.capture(), prefix + suffix)?;
         let mut rng = ChaCha8Rng::seed_from_u64(self.options.seed);
         let mut samples = Samples::default();
-        for _ in 0..self.options.runs.max(1) {
+        for run in 0..self.options.warmup + self.options.runs.max(1) {
             let shared = self.text(&engine, &mut rng, prefix);
             let mut first = shared.clone();
             first.extend(self.text(&engine, &mut rng, suffix));
@@ -207,7 +265,9 @@ impl<B: Backend> Bench<B> {
             second.extend(self.text(&engine, &mut rng, suffix));
             let uncached = engine.prefill(PrefillRequest::text(first))?;
             let cached = engine.prefill(PrefillRequest::text(second))?;
-            samples.push(&uncached, &cached);
+            if run >= self.options.warmup {
+                samples.push(&uncached, &cached);
+            }
         }
         Ok(report(workload, self.backend.name(), self.thinker.config(), prefix, suffix, self.options.runs.max(1), samples))
     }
@@ -231,11 +291,11 @@ impl<B: Backend> Bench<B> {
             .collect::<Result<_>>()?;
         let longest = rounds.iter().map(|(ids, items)| ids.len() + items.iter().map(|i| i.tokens).sum::<usize>()).max();
         let longest = longest.unwrap_or(0);
-        let mut cached_engine = self.engine(true, None, longest)?;
-        let mut uncached_engine = self.engine(false, None, longest)?;
+        let mut cached_engine = self.engine(true, self.options.capture(), longest)?;
+        let mut uncached_engine = self.engine(false, self.options.capture(), longest)?;
         let n = rounds.len();
         let (mut samples, mut lens) = (vec![Samples::default(); n], vec![0; n]);
-        for run in 0..self.options.runs.max(1) {
+        for run in 0..self.options.warmup + self.options.runs.max(1) {
             for (k, (ids, items)) in rounds.iter().enumerate() {
                 let request = |tenant| PrefillRequest {
                     tenant,
@@ -246,7 +306,9 @@ impl<B: Backend> Bench<B> {
                 let cached = cached_engine.prefill(request(run as TenantSalt + 1))?;
                 let uncached = uncached_engine.prefill(request(0))?;
                 lens[k] = cached.prompt_len;
-                samples[k].push(&uncached, &cached);
+                if run >= self.options.warmup {
+                    samples[k].push(&uncached, &cached);
+                }
             }
         }
         let runs = self.options.runs.max(1);
@@ -268,11 +330,15 @@ impl<B: Backend> Bench<B> {
         let mut without = self.engine(false, Some(vec![]), len)?;
         let mut rng = ChaCha8Rng::seed_from_u64(self.options.seed ^ 0xC0FFEE);
         let (mut a, mut b) = (Vec::new(), Vec::new());
-        for _ in 0..self.options.runs.max(1) {
+        for run in 0..self.options.warmup + self.options.runs.max(1) {
             let ids = self.text(&with, &mut rng, len);
             // Alternate so drift in machine load hits both sides alike.
-            a.push(millis(with.prefill(PrefillRequest::text(ids.clone()))?.timings.total));
-            b.push(millis(without.prefill(PrefillRequest::text(ids))?.timings.total));
+            let capture_ms = millis(with.prefill(PrefillRequest::text(ids.clone()))?.timings.total);
+            let none_ms = millis(without.prefill(PrefillRequest::text(ids))?.timings.total);
+            if run >= self.options.warmup {
+                a.push(capture_ms);
+                b.push(none_ms);
+            }
         }
         let (capture_ms, none_ms) = (median(a), median(b));
         Ok(CaptureReport {

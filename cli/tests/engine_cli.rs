@@ -211,6 +211,34 @@ fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
     Ok(())
 }
 
+/// `bench ttft --model` on a plain Qwen3 checkpoint (`Qwen3ForCausalLM`, whose
+/// 256-id vocabulary has no Omni special ids): the selected text workloads only,
+/// warmed up, without captures; the cached prefill beats the uncached one.
+#[test]
+fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> TestResult {
+    let m = model("qwen3_dense");
+    let args = [
+        "bench", "ttft", "--model", p(&m), "--workloads", "prefix_repetition,prefix_repetition_long", "--prefix", "32",
+        "--suffix", "16", "--long-prefix", "512", "--runs", "3", "--warmup", "1", "--no-capture", "--threads", "1", "--json",
+    ];
+    let stdout = ok_stdout(&omniprefix(&args)?)?;
+    let lines: Vec<serde_json::Value> = stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let names: Vec<&str> = lines.iter().filter_map(|l| l["workload"].as_str()).collect();
+    assert_eq!(names, ["prefix_repetition", "prefix_repetition_long"], "{stdout}");
+    for (line, prefix) in lines.iter().zip([32, 512]) {
+        assert_eq!((line["backend"].as_str(), line["runs"].as_u64()), (Some("cpu"), Some(3)), "{line}");
+        assert_eq!((line["prefix"].as_u64(), line["suffix"].as_u64()), (Some(prefix), Some(16)), "{line}");
+        assert_eq!(line["cached_tokens"].as_u64(), Some(prefix), "{line}");
+        for key in ["ttft_uncached_ms", "ttft_cached_ms", "ideal_ratio", "ratio", "ratio_over_ideal", "flop_ratio", "cached_schedule_ms", "cached_preprocess_ms"] {
+            assert!(line[key].as_f64().is_some_and(f64::is_finite), "{key}: {line}");
+        }
+    }
+    let long = &lines[1];
+    let (uncached, cached) = (long["ttft_uncached_ms"].as_f64().unwrap_or_default(), long["ttft_cached_ms"].as_f64().unwrap_or_default());
+    assert!(0.0 < cached && cached < uncached, "16 new tokens over a cached 512 vs 528 uncached: {long}");
+    Ok(())
+}
+
 #[test]
 fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestResult {
     let dir = scratch("backend")?;

@@ -12,7 +12,7 @@ use omniprefix::engine::tokens_from_config_file;
 use omniprefix::error::Error;
 use crate::error::{HarnessError, Result, output};
 use omniprefix::model::Thinker;
-use crate::ttft::{CaptureReport, TtftOptions, TtftReport, bench_model, run_all};
+use crate::ttft::{CaptureReport, TtftOptions, TtftReport, Workload, bench_model, run_all};
 
 /// Arguments of `omniprefix bench ttft`.
 #[derive(Debug, Clone, Args)]
@@ -38,6 +38,17 @@ pub struct TtftArgs {
     /// Timed runs per figure (medians are reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Untimed runs of each figure before the timed ones.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
+    /// Run only these workloads (comma-separated; default: all). `multi_round`
+    /// needs a vocabulary that holds the Qwen3-Omni special ids (or the checkpoint's own).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub workloads: Vec<Workload>,
+    /// Capture no hidden states in `prefix_repetition*` and `multi_round` (default:
+    /// the engine's three default points, gathered every prefill).
+    #[arg(long)]
+    pub no_capture: bool,
     /// Divide multi_round's image/video grid sides (and audio length by its square) by this.
     #[arg(long, default_value_t = 4)]
     pub mm_scale: u32,
@@ -65,6 +76,9 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         suffix: args.suffix,
         long_prefix: args.long_prefix,
         runs: args.runs,
+        warmup: args.warmup,
+        workloads: args.workloads.clone(),
+        no_capture: args.no_capture,
         mm_scale: args.mm_scale,
         block_size: args.block_size,
         seed: args.seed,
@@ -81,7 +95,9 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         for r in &reports {
             writeln!(out, "{}", to_json(r)?).map_err(output)?;
         }
-        writeln!(out, "{}", to_json(&capture)?).map_err(output)?;
+        if let Some(capture) = &capture {
+            writeln!(out, "{}", to_json(capture)?).map_err(output)?;
+        }
         return Ok(());
     }
     writeln!(
@@ -107,6 +123,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         )
         .map_err(output)?;
     }
+    let Some(capture) = capture else { return Ok(()) };
     writeln!(
         out,
         "capture_overhead ({} tokens, {} points): {:.1} ms vs {:.1} ms without = {:+.1} %",
@@ -119,8 +136,8 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
     .map_err(output)
 }
 
-/// Loads the model on `backend` and runs every workload.
-fn measure<B: Backend>(backend: Arc<B>, args: &TtftArgs, options: &TtftOptions) -> Result<(Vec<TtftReport>, CaptureReport)> {
+/// Loads the model on `backend` and runs the selected workloads.
+fn measure<B: Backend>(backend: Arc<B>, args: &TtftArgs, options: &TtftOptions) -> Result<(Vec<TtftReport>, Option<CaptureReport>)> {
     let (thinker, tokens) = match &args.model {
         Some(dir) => (Thinker::from_dir(&*backend, dir)?, tokens_from_config_file(&dir.join("config.json"))?),
         None => (Thinker::random(&*backend, bench_model(), args.seed)?, None),
