@@ -333,14 +333,15 @@ fn run_job<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec
     let bs = call.block_size;
     let end = seq.num_computed + job.rows.end;
     let first = seq.num_computed + job.rows.start;
-    for t in 0..end.div_ceil(KEY_TILE) {
+    let row_offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
+    let tiles = end.div_ceil(KEY_TILE);
+    for t in 0..tiles {
         let j0 = t * KEY_TILE;
         let n = (end - j0).min(KEY_TILE);
         keys.clear();
         vals.clear();
         for j in j0..j0 + n {
-            let slot = seq.block_table[j / bs] as usize * bs + j % bs;
-            let off = slot * width + job.kv_head * hd;
+            let off = row_offset(j);
             let (kr, vr) = (&call.k[off..off + hd], &call.v[off..off + hd]);
             if padded {
                 let jj = j - j0;
@@ -354,6 +355,16 @@ fn run_job<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec
         if padded {
             keys.extend((0..n).map(|jj| stage[jj * dp..].as_ptr()));
             vals.extend((0..n).map(|jj| stage[(KEY_TILE + jj) * dp..].as_ptr()));
+        }
+        // The next tile's rows start their way from memory while this one computes.
+        if t + 1 < tiles {
+            for j in j0 + KEY_TILE..(j0 + 2 * KEY_TILE).min(end) {
+                let off = row_offset(j);
+                for line in (0..hd).step_by(16) {
+                    l.prefetch(call.k[off + line..].as_ptr());
+                    l.prefetch(call.v[off + line..].as_ptr());
+                }
+            }
         }
         // Rows whose position is below the tile have finished.
         let r0 = j0.saturating_sub(first) * group;

@@ -32,6 +32,11 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     fn exp(self, x: Self::V) -> Self::V;
     /// Lane `i` of the result is the sum of `x[i]`'s lanes in the tree [`tree_sum`].
     fn reduce8(self, x: [Self::V; 8]) -> Self::V;
+    /// A hint to bring the cache line at `p` closer (no effect on results; any address).
+    #[inline(always)]
+    fn prefetch(self, p: *const f32) {
+        let _ = p;
+    }
 }
 
 /// The lanes summed as `((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7))`.
@@ -235,6 +240,11 @@ mod avx2 {
                 let hi = _mm256_permute2f128_ps(g0, g1, 0x31);
                 _mm256_add_ps(lo, hi)
             }
+        }
+        #[inline(always)]
+        fn prefetch(self, p: *const f32) {
+            // A prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
     }
 }
