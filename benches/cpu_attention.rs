@@ -12,6 +12,11 @@
 //! kernel change is measured as before/after on one machine.
 //!
 //! `cargo bench --bench cpu_attention`
+//!
+//! On a shared machine wall time swings with the other load; with
+//! `CPU_ATTENTION_ITERS=n` the bench instead runs each case `n` times and prints
+//! the process's CPU time per call (all threads, from `/proc/self/task/*/schedstat`)
+//! next to the wall time, which is steadier while other processes take turns.
 
 use std::hint::black_box;
 
@@ -56,13 +61,49 @@ fn filled_pages(b: &CpuBackend, heads: AttnHeads, seqs: usize, len: usize, rng: 
     (pages, tables)
 }
 
+/// CPU time of all this process's threads so far, in seconds (Linux; 0 elsewhere).
+fn cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0.0 };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .sum::<f64>()
+        / 1e9
+}
+
+/// One bench case: criterion's timing, or `CPU_ATTENTION_ITERS` calls timed by CPU time.
+fn case(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: String, mut f: impl FnMut()) {
+    match std::env::var("CPU_ATTENTION_ITERS").ok().and_then(|v| v.parse::<usize>().ok()) {
+        Some(iters) => {
+            f();
+            let (cpu, wall) = (cpu_seconds(), std::time::Instant::now());
+            for _ in 0..iters {
+                f();
+            }
+            let per = |s: f64| s * 1e3 / iters as f64;
+            println!("{}/{name}: cpu {:.3} ms, wall {:.3} ms per call", group_name(), per(cpu_seconds() - cpu), per(wall.elapsed().as_secs_f64()));
+        }
+        None => {
+            group.bench_function(name, |t| t.iter(&mut f));
+        }
+    }
+}
+
+thread_local!(static GROUP: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) });
+
+fn group_name() -> String {
+    GROUP.with(|g| g.borrow().clone())
+}
+
 fn cpu_attention(c: &mut Criterion) {
     let b = CpuBackend::new();
     for kv_heads in [8, 4] {
         let heads = AttnHeads { num_heads: NUM_HEADS, kv_heads, head_dim: HEAD_DIM };
         let q_width = NUM_HEADS * HEAD_DIM;
         let mut rng = ChaCha8Rng::seed_from_u64(kv_heads as u64);
-        let mut group = c.benchmark_group(format!("cpu_attention_{NUM_HEADS}h_{kv_heads}kv_d{HEAD_DIM}"));
+        let name = format!("cpu_attention_{NUM_HEADS}h_{kv_heads}kv_d{HEAD_DIM}");
+        GROUP.with(|g| *g.borrow_mut() = name.clone());
+        let mut group = c.benchmark_group(name);
         group.sample_size(10);
         let attend = |q: &Array2<f32>, pages: &CpuPages, seqs: &[AttnSeq<'_>]| {
             black_box(b.paged_attention(q, pages, 0, heads, seqs).expect("attention"));
@@ -73,12 +114,12 @@ fn cpu_attention(c: &mut Criterion) {
         let q = random(&mut rng, new, q_width);
         let seq = [AttnSeq { query_start: 0, num_new: new, num_computed: cached, block_table: &tables[0] }];
         group.throughput(Throughput::Elements(new as u64));
-        group.bench_function(format!("prefill_cached/{cached}+{new}"), |t| t.iter(|| attend(&q, &pages, &seq)));
+        case(&mut group, format!("prefill_cached/{cached}+{new}"), || attend(&q, &pages, &seq));
         let all = cached + new;
         let q = random(&mut rng, all, q_width);
         let seq = [AttnSeq { query_start: 0, num_new: all, num_computed: 0, block_table: &tables[0] }];
         group.throughput(Throughput::Elements(all as u64));
-        group.bench_function(format!("prefill_uncached/0+{all}"), |t| t.iter(|| attend(&q, &pages, &seq)));
+        case(&mut group, format!("prefill_uncached/0+{all}"), || attend(&q, &pages, &seq));
         drop(pages);
 
         let (nseq, len) = (8, 2048);
@@ -91,7 +132,7 @@ fn cpu_attention(c: &mut Criterion) {
             .collect();
         let kv_bytes = (2 * nseq * len * kv_heads * HEAD_DIM * std::mem::size_of::<f32>()) as u64;
         group.throughput(Throughput::Bytes(kv_bytes));
-        group.bench_function(format!("decode/{nseq}x{len}"), |t| t.iter(|| attend(&q, &pages, &seqs)));
+        case(&mut group, format!("decode/{nseq}x{len}"), || attend(&q, &pages, &seqs));
         group.finish();
     }
 }

@@ -1,31 +1,38 @@
 //! Varlen causal attention over paged K/V (the reference for the GPU kernel).
 //!
 //! Flash-style: K and V rows are read in place from the pages (a key tile is
-//! [`KEY_TILE`] positions, found through the block table), scores of a tile are
-//! folded into each query row's running softmax (max `m`, sum `l`, weighted sum
-//! `acc`) and never held for the whole prefix. A job is one sequence, one KV
-//! head and a tile of query rows; its lane rows are (query row, query head of
-//! the KV head's group) pairs, so each K/V tile is loaded once for every query
-//! head that shares it. Jobs run in parallel on rayon.
+//! [`KEY_TILE`] positions, each row found through the block table; nothing is
+//! gathered), each tile's scores are folded into every query row's running
+//! softmax (max `m`, sum `l`, weighted sum `acc`) and never held for more than
+//! one tile. A job is one sequence, one KV head and a tile of query rows; its
+//! lane rows are (query row, query head of the KV head's group) pairs, so each
+//! K/V tile is read once for all query heads that share it. Jobs run on rayon,
+//! sized so each reads its K/V once while the call still has ~2 jobs a thread.
+//!
+//! Two layouts, one arithmetic:
+//! * [`run_job`]: lane rows in SIMD lanes (q and `acc` transposed, `[dim, lanes]`).
+//!   A score is a broadcast key element times 8 rows' q, a weighted sum a
+//!   broadcast value element times 8 rows' probabilities; max, `exp` and sums
+//!   are lane-wise, with no horizontal reduction anywhere.
+//! * [`run_job_rows`] (decode: at most [`ROW_PATH_MAX`] lane rows): keys in lanes
+//!   for scores (the tile's K transposed once), dims in lanes for `acc`.
 //!
 //! # One row, one arithmetic
 //!
 //! Cached and uncached prefills, decode and every chunking must agree to the
 //! last bit, so a query row's result depends only on its position `p`, its q row
-//! and the K/V rows at positions `0..=p`:
-//! * key tiles are fixed by absolute position (tile `t` is positions
-//!   `t·KEY_TILE .. (t+1)·KEY_TILE`); a row at `p` sees tiles `0..=p / KEY_TILE`,
-//!   the last one up to `p` only;
-//! * a score is an 8-lane chain of fused multiply-adds over `head_dim` (lane `l`
-//!   takes dims `≡ l mod 8`) then the fixed tree [`lanes::tree_sum`];
-//! * a tile's softmax update is lane-wise over the tile's positions (lane = position
-//!   mod 8, summed in the same tree), and `acc` gets `acc · α` then one
-//!   multiply-add per visible key, in position order;
-//! * the kernels that process 1, 2 or 4 rows at once (or 4 or 8 keys) run these
-//!   same per-element chains; keys past a row's limit never touch its state.
+//! and the K/V rows at positions `0..=p`. For a row, both layouts compute exactly:
+//! * `q' = q · (1/√d)`; tiles `t = 0..=p / KEY_TILE` (absolute positions
+//!   `t·KEY_TILE..`), the last one up to `p`;
+//! * score `s_j = fma(k_j[d], q'[d], ·)` chained over `d = 0, 1, …` from 0;
+//! * `m' = max(m, max_j s_j)`, `α = exp(m − m')`, `p_j = exp(s_j − m')`
+//!   ([`super::fast_exp::exp`]'s operations, lane-wise);
+//! * `l = l·α`, then `l += p_j` in key order; `acc[d] = acc[d]·α`, then
+//!   `acc[d] = fma(v_j[d], p_j, acc[d])` in key order; at the end `acc · (1/l)`.
 //!
-//! So neither the rows sharing a step or a job, nor `num_computed`, nor the batch
-//! change any row's arithmetic.
+//! Keys past a row's limit never touch its state (masked lanes keep their old
+//! value), so neither the rows sharing a step or a job, nor `num_computed`, nor
+//! the batch, nor the job size change any row's arithmetic.
 
 use std::ops::Range;
 
@@ -33,7 +40,6 @@ use ndarray::Array2;
 use rayon::prelude::*;
 
 use super::check::{expect_cols, row_index};
-use super::fast_exp::exp;
 use super::lanes::{self, Lanes, Portable};
 use super::pages::CpuPages;
 use crate::backend::{AttnHeads, AttnSeq};
@@ -42,11 +48,24 @@ use crate::error::BackendError;
 
 const OP: &str = "paged_attention";
 
-/// Positions per key tile; tile boundaries are multiples of it (a multiple of 8).
+/// Positions per key tile; tile boundaries are multiples of it.
 const KEY_TILE: usize = 64;
-/// Lane rows (query rows × group heads) per job, about: bounds a job's state and
-/// score buffers to a few tens of KiB.
-const JOB_ROWS: usize = 32;
+
+/// Most lane rows (query rows × group heads) per job: bounds a job's state
+/// (`qt`, `acc`, scores: 3 × 64 KiB at head_dim 64) to L2.
+const MAX_JOB_LANES: usize = 256;
+
+/// Query rows per job, a multiple of 8. Each job reads its sequence's K/V once,
+/// so jobs are as large as they can be while the call still has about two per
+/// thread. Any size gives every row the same arithmetic.
+fn query_tile(seqs: &[AttnSeq<'_>], kv_heads: usize, group: usize) -> usize {
+    let longest = seqs.iter().map(|s| s.num_new).max().unwrap_or(0);
+    let want_jobs = 2 * rayon::current_num_threads().max(1);
+    let per_pair = want_jobs.div_ceil((seqs.len() * kv_heads).max(1));
+    let rows = longest.div_ceil(per_pair).next_multiple_of(8);
+    let cap = (MAX_JOB_LANES / group).max(8) / 8 * 8;
+    rows.clamp(8, cap)
+}
 
 /// Checks one sequence against the step and the pages.
 fn check_seq(seq: &AttnSeq<'_>, rows: usize, pages: &CpuPages) -> Result<()> {
@@ -86,67 +105,326 @@ struct Job {
     rows: Range<usize>,
 }
 
-/// A job's running state: per lane row its q (scaled), limit, `m`, `l`, `acc`,
-/// and the tile's scores / probabilities.
+/// A job's running state, lane rows in SIMD lanes: lane row `r` is query row
+/// `r / group`, head `r % group`; `rpad` lanes (a multiple of 8), the padding
+/// lanes copies of the last row's limit with zero q.
 struct State {
-    /// Floats per q / acc row: `head_dim` rounded up to a multiple of 8 (zero padded).
-    dp: usize,
-    q: Vec<f32>,
-    /// Exclusive key limit of each lane row: its position + 1.
+    rpad: usize,
+    /// Floats between rows of the `[·, rpad]` buffers: `rpad` plus a 64-byte skew,
+    /// so that a power-of-two lane count does not map every row to the same L1 sets.
+    stride: usize,
+    /// `[head_dim, rpad]`: the scaled q rows, transposed.
+    qt: Vec<f32>,
+    /// Exclusive key limit of each lane row (its position + 1).
     limit: Vec<usize>,
     m: Vec<f32>,
     l: Vec<f32>,
     alpha: Vec<f32>,
+    /// `[head_dim, rpad]`: the weighted sums, transposed.
     acc: Vec<f32>,
-    /// `[rows, KEY_TILE]` scores, then probabilities, of the current tile.
-    s: Vec<f32>,
+    /// `[KEY_TILE, rpad]`: the tile's scores, then its probabilities.
+    st: Vec<f32>,
 }
 
-/// Visible keys of the tile starting at `j0` for a row with limit `limit` (> j0).
-#[inline(always)]
-fn visible(limit: usize, j0: usize) -> usize {
-    (limit - j0).min(KEY_TILE)
-}
-
-/// Scores of `R` lane rows against keys `0..n` of the tile (in groups of `NK`,
-/// `R · NK = 8`): `s[r][j] = q_r · k_j`. Keys past `n` in the last group repeat
-/// key `n - 1` and their scores land in the row's tile padding (masked later).
+/// Scores of `NK` keys against `8·RV` lane rows: `st[i][r] = Σ_d k_i[d] · q_r[d]`
+/// as one multiply-add chain over `d` in order.
 ///
 /// # Safety
-/// `q[r]` readable for `dp` floats, `s[r]` writable for `KEY_TILE`, `keys[..n]`
-/// readable for `dp` floats each; `n >= 1`, `dp % 8 == 0`, `KEY_TILE % NK == 0`.
+/// `qt` and `st` point at lane `rv0` of their `[·, rpad]` buffers (`qt` for
+/// `hd` rows, `st` for `NK`); `keys` hold `NK` rows of `hd` floats.
 #[inline(always)]
-unsafe fn scores<L: Lanes, const R: usize, const NK: usize>(l: L, q: [*const f32; R], s: [*mut f32; R], keys: &[*const f32], n: usize, dp: usize) {
-    debug_assert!(R * NK == 8 && n >= 1 && n <= keys.len());
-    let mut j = 0;
-    while j < n {
-        let k: [*const f32; NK] = std::array::from_fn(|i| keys[(j + i).min(n - 1)]);
-        let mut acc = [l.zero(); 8];
-        let mut c = 0;
-        while c < dp {
-            // SAFETY: c + 8 <= dp, within every q and key row (the contract).
-            let kv: [L::V; NK] = std::array::from_fn(|i| unsafe { l.load(k[i].add(c)) });
-            for r in 0..R {
-                let qv = unsafe { l.load(q[r].add(c)) };
-                for i in 0..NK {
-                    acc[r * NK + i] = l.mul_add(qv, kv[i], acc[r * NK + i]);
-                }
-            }
-            c += 8;
-        }
-        let sums = l.to_array(l.reduce8(acc));
-        for r in 0..R {
-            for i in 0..NK {
-                // SAFETY: j + i < j + NK <= KEY_TILE (j is a multiple of NK below n <= KEY_TILE).
-                unsafe { *s[r].add(j + i) = sums[r * NK + i] };
+unsafe fn qk_block<L: Lanes, const NK: usize, const RV: usize>(l: L, qt: *const f32, rpad: usize, keys: &[*const f32], hd: usize, st: *mut f32) {
+    let kp: [*const f32; NK] = std::array::from_fn(|i| keys[i]);
+    let mut acc = [[l.zero(); RV]; NK];
+    for d in 0..hd {
+        // SAFETY: d < hd rows of qt, 8·RV lanes from rv0 < rpad; key rows hold hd floats.
+        let qv: [L::V; RV] = std::array::from_fn(|v| unsafe { l.load(qt.add(d * rpad + v * 8)) });
+        for i in 0..NK {
+            let kb = unsafe { l.splat_at(kp[i].add(d)) };
+            for v in 0..RV {
+                acc[i][v] = l.mul_add(kb, qv[v], acc[i][v]);
             }
         }
-        j += NK;
+    }
+    for i in 0..NK {
+        for v in 0..RV {
+            unsafe { l.store(st.add(i * rpad + v * 8), acc[i][v]) };
+        }
     }
 }
 
-/// `acc_r = acc_r · α_r` (when `alpha` is given), then `acc_r += p_r[j] · v_j` for
-/// `j` in `keys`, in order, on `DV` 8-lane vectors of `acc` from vector `dv0`.
+/// [`qk_block`] over all `keys`: 4 (two lane vectors) or 6 (one) at a time, then
+/// 2 and 1. LLVM loads every key's broadcast before the multiply-adds, so
+/// `NK · (RV + 1) + RV` registers must fit in 16.
+///
+/// # Safety
+/// As [`qk_block`], `st` valid for `keys.len()` rows.
+#[inline(always)]
+unsafe fn qk_rows<L: Lanes, const RV: usize>(l: L, qt: *const f32, rpad: usize, keys: &[*const f32], hd: usize, st: *mut f32) {
+    let n = keys.len();
+    let mut j = 0;
+    unsafe {
+        if RV == 1 {
+            while j + 6 <= n {
+                qk_block::<L, 6, RV>(l, qt, rpad, &keys[j..], hd, st.add(j * rpad));
+                j += 6;
+            }
+        }
+        while j + 4 <= n {
+            qk_block::<L, 4, RV>(l, qt, rpad, &keys[j..], hd, st.add(j * rpad));
+            j += 4;
+        }
+        if j + 2 <= n {
+            qk_block::<L, 2, RV>(l, qt, rpad, &keys[j..], hd, st.add(j * rpad));
+            j += 2;
+        }
+        if j < n {
+            qk_block::<L, 1, RV>(l, qt, rpad, &keys[j..], hd, st.add(j * rpad));
+        }
+    }
+}
+
+/// `acc[d][r] = acc[d][r] · α_r`, then `acc[d][r] = v_j[d] · p_j[r] + acc[d][r]`
+/// (fused) for every key `j` in order, for dims `d0..d0+DB` and `8·RV` lanes; with
+/// `MASK`, lanes whose visible count `n` is not above `j` keep their `acc`.
+///
+/// # Safety
+/// `acc`, `alpha`, `pt` point at lane `rv0` (`acc` at dim row `d0`); `vals` rows
+/// hold `d0 + DB` floats; `pt` holds `vals.len()` rows.
+#[inline(always)]
+unsafe fn pv_block<L: Lanes, const DB: usize, const RV: usize, const MASK: bool>(
+    l: L,
+    acc: *mut f32,
+    rpad: usize,
+    alpha: *const f32,
+    pt: *const f32,
+    vals: &[*const f32],
+    d0: usize,
+    n: [L::V; RV],
+) {
+    let mut a = [[l.zero(); RV]; DB];
+    unsafe {
+        let al: [L::V; RV] = std::array::from_fn(|v| l.load(alpha.add(v * 8)));
+        for d in 0..DB {
+            for v in 0..RV {
+                a[d][v] = l.mul(l.load(acc.add(d * rpad + v * 8)), al[v]);
+            }
+        }
+        for (j, &vj) in vals.iter().enumerate() {
+            let pv: [L::V; RV] = std::array::from_fn(|v| l.load(pt.add(j * rpad + v * 8)));
+            let jv = l.splat(j as f32);
+            for d in 0..DB {
+                let vb = l.splat_at(vj.add(d0 + d));
+                for v in 0..RV {
+                    let next = l.mul_add(vb, pv[v], a[d][v]);
+                    a[d][v] = if MASK { l.select_lt(jv, n[v], next, a[d][v]) } else { next };
+                }
+            }
+        }
+        for d in 0..DB {
+            for v in 0..RV {
+                l.store(acc.add(d * rpad + v * 8), a[d][v]);
+            }
+        }
+    }
+}
+
+/// [`pv_block`] over all `hd` dims: 6 (one lane vector) or 4 (two) at a time,
+/// then 2 and 1; 4 then 1 when masking (more registers).
+///
+/// # Safety
+/// As [`pv_block`] with `acc` at dim row 0 and `vals` rows of `hd` floats.
+#[inline(always)]
+unsafe fn pv_rows<L: Lanes, const RV: usize>(l: L, acc: *mut f32, rpad: usize, alpha: *const f32, pt: *const f32, vals: &[*const f32], hd: usize, n: Option<[L::V; RV]>) {
+    let mut d0 = 0;
+    let at = |d0: usize| unsafe { acc.add(d0 * rpad) };
+    unsafe {
+        match n {
+            Some(n) => {
+                while d0 + 4 <= hd {
+                    pv_block::<L, 4, RV, true>(l, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 4;
+                }
+                while d0 < hd {
+                    pv_block::<L, 1, RV, true>(l, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 1;
+                }
+            }
+            None => {
+                let n = [l.zero(); RV];
+                // As in `qk_rows`: DB · (RV + 1) + RV registers.
+                while RV == 1 && d0 + 6 <= hd {
+                    pv_block::<L, 6, RV, false>(l, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 6;
+                }
+                while d0 + 4 <= hd {
+                    pv_block::<L, 4, RV, false>(l, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 4;
+                }
+                if d0 + 2 <= hd {
+                    pv_block::<L, 2, RV, false>(l, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 2;
+                }
+                if d0 < hd {
+                    pv_block::<L, 1, RV, false>(l, at(d0), rpad, alpha, pt, vals, d0, n);
+                }
+            }
+        }
+    }
+}
+
+/// Folds the tile starting at `j0` (rows `keys` / `vals`, the ones that exist)
+/// into lane vectors `v0..` of `st`.
+#[inline(always)]
+fn fold_tile<L: Lanes>(l: L, st: &mut State, v0: usize, j0: usize, keys: &[*const f32], vals: &[*const f32], hd: usize) {
+    let rpad = st.stride;
+    let nk = keys.len();
+    let nvec = st.rpad / 8;
+    // Visible keys of each lane (0 for rows that have finished), and whether a
+    // vector needs masking (its first lane, the lowest position, sees fewer than nk).
+    let visible = |st: &State, v: usize| -> [f32; 8] { std::array::from_fn(|i| (st.limit[v * 8 + i].saturating_sub(j0)).min(KEY_TILE) as f32) };
+    let masked = |st: &State, v: usize| st.limit[v * 8] < j0 + nk;
+    let (qt, stp) = (st.qt.as_ptr(), st.st.as_mut_ptr());
+    let mut v = v0;
+    // SAFETY (every block below): lane offsets v·8 + 8·RV <= rpad, dim rows < hd,
+    // key rows < nk <= KEY_TILE, key/value rows of hd floats (the caller's pointers).
+    while v < nvec {
+        unsafe {
+            if v + 2 <= nvec {
+                qk_rows::<L, 2>(l, qt.add(v * 8), rpad, keys, hd, stp.add(v * 8));
+            } else {
+                qk_rows::<L, 1>(l, qt.add(v * 8), rpad, keys, hd, stp.add(v * 8));
+            }
+        }
+        v += 2;
+    }
+    for v in v0..nvec {
+        let mask = masked(st, v);
+        let n = l.splat(0.0);
+        let n = if mask { unsafe { l.load(visible(st, v).as_ptr()) } } else { n };
+        let lane = v * 8;
+        unsafe {
+            let m_old = l.load(st.m.as_ptr().add(lane));
+            let mut mx = m_old;
+            for j in 0..nk {
+                let s = l.load(st.st.as_ptr().add(j * rpad + lane));
+                let s = if mask { l.select_lt(l.splat(j as f32), n, s, l.splat(f32::NEG_INFINITY)) } else { s };
+                mx = l.max(mx, s);
+            }
+            let alpha = l.exp(l.sub(m_old, mx));
+            let mut sum = l.mul(l.load(st.l.as_ptr().add(lane)), alpha);
+            for j in 0..nk {
+                let at = st.st.as_mut_ptr().add(j * rpad + lane);
+                let p = l.exp(l.sub(l.load(at), mx));
+                let p = if mask { l.select_lt(l.splat(j as f32), n, p, l.zero()) } else { p };
+                l.store(at, p);
+                sum = l.add(sum, p);
+            }
+            l.store(st.m.as_mut_ptr().add(lane), mx);
+            l.store(st.l.as_mut_ptr().add(lane), sum);
+            l.store(st.alpha.as_mut_ptr().add(lane), alpha);
+        }
+    }
+    let (acc, alpha, pt) = (st.acc.as_mut_ptr(), st.alpha.as_ptr(), st.st.as_ptr());
+    let mut v = v0;
+    while v < nvec {
+        let lane = v * 8;
+        unsafe {
+            if v + 2 <= nvec {
+                let n = (masked(st, v) || masked(st, v + 1)).then(|| [l.load(visible(st, v).as_ptr()), l.load(visible(st, v + 1).as_ptr())]);
+                pv_rows::<L, 2>(l, acc.add(lane), rpad, alpha.add(lane), pt.add(lane), vals, hd, n);
+            } else {
+                let n = masked(st, v).then(|| [l.load(visible(st, v).as_ptr())]);
+                pv_rows::<L, 1>(l, acc.add(lane), rpad, alpha.add(lane), pt.add(lane), vals, hd, n);
+            }
+        }
+        v += 2;
+    }
+}
+
+/// Runs one job; its output rows, `[rows.len() · group, head_dim]` in (query row,
+/// group head) order, which is the row-major layout of the job's output span.
+#[inline(always)]
+fn run_job<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
+    let AttnHeads { num_heads, kv_heads, head_dim: hd } = call.heads;
+    let group = num_heads / kv_heads;
+    let width = kv_heads * hd;
+    let nrows = job.rows.len() * group;
+    let rpad = nrows.next_multiple_of(8);
+    let stride = rpad + 16;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut st = State {
+        rpad,
+        stride,
+        qt: vec![0.0; hd * stride],
+        limit: Vec::with_capacity(rpad),
+        m: vec![f32::NEG_INFINITY; rpad],
+        l: vec![0.0; rpad],
+        alpha: vec![0.0; rpad],
+        acc: vec![0.0; hd * stride],
+        st: vec![0.0; KEY_TILE * stride],
+    };
+    for (ri, i) in job.rows.clone().enumerate() {
+        let q_row = &call.q[(seq.query_start + i) * call.q_cols..][..call.q_cols];
+        for g in 0..group {
+            let h = job.kv_head * group + g;
+            let r = ri * group + g;
+            for (d, x) in q_row[h * hd..(h + 1) * hd].iter().enumerate() {
+                st.qt[d * stride + r] = x * scale;
+            }
+            st.limit.push(seq.num_computed + i + 1);
+        }
+    }
+    let last = *st.limit.last().expect("a job has rows");
+    st.limit.resize(rpad, last);
+    let mut keys: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
+    let mut vals: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
+    let bs = call.block_size;
+    let end = seq.num_computed + job.rows.end;
+    let first = seq.num_computed + job.rows.start;
+    let row_offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
+    let tiles = end.div_ceil(KEY_TILE);
+    for t in 0..tiles {
+        let j0 = t * KEY_TILE;
+        let n = (end - j0).min(KEY_TILE);
+        keys.clear();
+        vals.clear();
+        for j in j0..j0 + n {
+            let off = row_offset(j);
+            keys.push(call.k[off..off + hd].as_ptr());
+            vals.push(call.v[off..off + hd].as_ptr());
+        }
+        // The next tile's rows start their way from memory while this one computes.
+        if t + 1 < tiles {
+            for j in j0 + KEY_TILE..(j0 + 2 * KEY_TILE).min(end) {
+                let off = row_offset(j);
+                for line in (0..hd).step_by(16) {
+                    l.prefetch(call.k[off + line..].as_ptr());
+                    l.prefetch(call.v[off + line..].as_ptr());
+                }
+            }
+        }
+        // Lane vectors all of whose rows are below the tile have finished.
+        let v0 = j0.saturating_sub(first) * group / 8;
+        fold_tile(l, &mut st, v0, j0, &keys, &vals, hd);
+    }
+    let mut out = vec![0.0f32; nrows * hd];
+    for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+        let inv = 1.0 / st.l[r];
+        for (d, x) in o.iter_mut().enumerate() {
+            *x = st.acc[d * stride + r] * inv;
+        }
+    }
+    out
+}
+
+/// Most lane rows a job takes through [`run_job_rows`] (decode: one query row
+/// × a small group); more go through the lane-per-row path of [`run_job`].
+const ROW_PATH_MAX: usize = 4;
+
+/// `acc_r = acc_r · α_r` (when `alpha` is given), then `acc_r = v_j · p_r[j] + acc_r`
+/// (fused) for `j` in `keys`, in order, on `DV` 8-lane vectors of dims from `dv0·8`:
+/// per element the same operations as [`pv_block`].
 ///
 /// # Safety
 /// `acc[r]` read/writable for `(dv0 + DV) · 8` floats, `p[r]` readable at every
@@ -162,201 +440,104 @@ unsafe fn weigh<L: Lanes, const R: usize, const DV: usize>(
     dv0: usize,
 ) {
     let mut a = [[l.zero(); DV]; R];
-    for r in 0..R {
-        for d in 0..DV {
-            // SAFETY: within acc[r] (the contract).
-            a[r][d] = unsafe { l.load(acc[r].add((dv0 + d) * 8)) };
-        }
-        if let Some(alpha) = alpha {
-            let s = l.splat(alpha[r]);
-            for d in 0..DV {
-                a[r][d] = l.mul(a[r][d], s);
-            }
-        }
-    }
-    for j in keys {
-        let vj = vals[j];
-        let vv: [L::V; DV] = std::array::from_fn(|d| unsafe { l.load(vj.add((dv0 + d) * 8)) });
+    unsafe {
         for r in 0..R {
-            let pj = l.splat(unsafe { *p[r].add(j) });
             for d in 0..DV {
-                a[r][d] = l.mul_add(pj, vv[d], a[r][d]);
+                a[r][d] = l.load(acc[r].add((dv0 + d) * 8));
             }
-        }
-    }
-    for r in 0..R {
-        for d in 0..DV {
-            unsafe { l.store(acc[r].add((dv0 + d) * 8), a[r][d]) };
-        }
-    }
-}
-
-/// [`weigh`] over all `dp / 8` vectors of `acc`, `DV` at a time, then one at a time.
-///
-/// # Safety
-/// As [`weigh`] with `dv0 + DV` replaced by `dp / 8`.
-#[inline(always)]
-unsafe fn weigh_all<L: Lanes, const R: usize, const DV: usize>(
-    l: L,
-    acc: [*mut f32; R],
-    p: [*const f32; R],
-    alpha: Option<[f32; R]>,
-    vals: &[*const f32],
-    keys: Range<usize>,
-    dp: usize,
-) {
-    let nv = dp / 8;
-    let mut dv0 = 0;
-    while dv0 + DV <= nv {
-        unsafe { weigh::<L, R, DV>(l, acc, p, alpha, vals, keys.clone(), dv0) };
-        dv0 += DV;
-    }
-    while dv0 < nv {
-        unsafe { weigh::<L, R, 1>(l, acc, p, alpha, vals, keys.clone(), dv0) };
-        dv0 += 1;
-    }
-}
-
-/// Folds the tile starting at `j0` into rows `r0..` of `st`: scores, softmax
-/// update, weighted values. `keys` / `vals` point at the tile's rows that exist.
-#[inline(always)]
-fn fold_tile<L: Lanes>(l: L, st: &mut State, r0: usize, j0: usize, keys: &[*const f32], vals: &[*const f32]) {
-    let rows = st.limit.len();
-    let dp = st.dp;
-    let qp = |st: &State, r: usize| st.q[r * dp..].as_ptr();
-    // Scores: pairs of rows × 4 keys, a last odd row × 8 keys. Rows are in position
-    // order, so a block's last row sees the most keys.
-    let mut r = r0;
-    while r < rows {
-        let (s_ptr, n) = (st.s.as_mut_ptr(), visible(st.limit[(r + 1).min(rows - 1)], j0));
-        debug_assert!(n <= keys.len());
-        // SAFETY: q rows hold dp floats, s rows KEY_TILE, keys[..n] exist (n is at most
-        // the keys of the job's last row) and hold dp floats.
-        unsafe {
-            if r + 1 < rows {
-                scores::<L, 2, 4>(l, [qp(st, r), qp(st, r + 1)], [s_ptr.add(r * KEY_TILE), s_ptr.add((r + 1) * KEY_TILE)], keys, n, dp);
-            } else {
-                scores::<L, 1, 8>(l, [qp(st, r)], [s_ptr.add(r * KEY_TILE)], keys, n, dp);
-            }
-        }
-        r += 2;
-    }
-    // Softmax update of each row over its visible keys; p replaces s.
-    for r in r0..rows {
-        let n = visible(st.limit[r], j0);
-        let row = &mut st.s[r * KEY_TILE..(r + 1) * KEY_TILE];
-        let mut mx = l.splat(f32::NEG_INFINITY);
-        for (c, chunk) in row.chunks_exact(8).enumerate().take(n.div_ceil(8)) {
-            // SAFETY: a chunk holds 8 floats.
-            let x = l.keep_first(unsafe { l.load(chunk.as_ptr()) }, n - c * 8, f32::NEG_INFINITY);
-            mx = l.max(mx, x);
-        }
-        let m_old = st.m[r];
-        let m_new = lanes::tree_max(l.to_array(mx)).max(m_old);
-        let alpha = exp(m_old - m_new);
-        let m_vec = l.splat(m_new);
-        let mut sum = l.zero();
-        for (c, chunk) in row.chunks_exact_mut(8).enumerate().take(n.div_ceil(8)) {
-            // SAFETY: a chunk holds 8 floats.
-            let e = l.keep_first(l.exp(l.sub(unsafe { l.load(chunk.as_ptr()) }, m_vec)), n - c * 8, 0.0);
-            unsafe { l.store(chunk.as_mut_ptr(), e) };
-            sum = l.add(sum, e);
-        }
-        st.l[r] = st.l[r] * alpha + lanes::tree_sum(l.to_array(sum));
-        st.m[r] = m_new;
-        st.alpha[r] = alpha;
-    }
-    // acc = acc·α + Σ p·v: blocks of 4, 2, 1 rows over the keys all of them see,
-    // then each row alone over the rest of its keys.
-    let (acc, p) = (st.acc.as_mut_ptr(), st.s.as_ptr());
-    let mut r = r0;
-    while r < rows {
-        let width = if r + 4 <= rows { 4 } else if r + 2 <= rows { 2 } else { 1 };
-        let common = visible(st.limit[r], j0);
-        let a = |i: usize| unsafe { acc.add((r + i) * dp) };
-        let pp = |i: usize| unsafe { p.add((r + i) * KEY_TILE) };
-        let al = |i: usize| st.alpha[r + i];
-        // SAFETY: acc rows hold dp floats, p rows KEY_TILE, vals[..common] exist with dp floats.
-        unsafe {
-            match width {
-                4 => weigh_all::<L, 4, 2>(l, [a(0), a(1), a(2), a(3)], [pp(0), pp(1), pp(2), pp(3)], Some([al(0), al(1), al(2), al(3)]), vals, 0..common, dp),
-                2 => weigh_all::<L, 2, 4>(l, [a(0), a(1)], [pp(0), pp(1)], Some([al(0), al(1)]), vals, 0..common, dp),
-                _ => weigh_all::<L, 1, 8>(l, [a(0)], [pp(0)], Some([al(0)]), vals, 0..common, dp),
-            }
-            for i in 0..width {
-                let n = visible(st.limit[r + i], j0);
-                if n > common {
-                    weigh_all::<L, 1, 8>(l, [a(i)], [pp(i)], None, vals, common..n, dp);
+            if let Some(alpha) = alpha {
+                let s = l.splat(alpha[r]);
+                for d in 0..DV {
+                    a[r][d] = l.mul(a[r][d], s);
                 }
             }
         }
-        r += width;
+        for j in keys {
+            let vj = vals[j];
+            let vv: [L::V; DV] = std::array::from_fn(|d| l.load(vj.add((dv0 + d) * 8)));
+            for r in 0..R {
+                let pj = l.splat_at(p[r].add(j));
+                for d in 0..DV {
+                    a[r][d] = l.mul_add(vv[d], pj, a[r][d]);
+                }
+            }
+        }
+        for r in 0..R {
+            for d in 0..DV {
+                l.store(acc[r].add((dv0 + d) * 8), a[r][d]);
+            }
+        }
     }
 }
 
-/// Runs one job; its output rows, `[rows.len() · group, head_dim]` in (query row,
-/// group head) order, which is the row-major layout of the job's output span.
+/// [`weigh`] over all `hd / 8` vectors, `DV` at a time, then one at a time.
+///
+/// # Safety
+/// As [`weigh`] with `dv0 + DV` replaced by `hd / 8`.
 #[inline(always)]
-fn run_job<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
+unsafe fn weigh_all<L: Lanes, const R: usize, const DV: usize>(l: L, acc: [*mut f32; R], p: [*const f32; R], alpha: Option<[f32; R]>, vals: &[*const f32], keys: Range<usize>, hd: usize) {
+    let nv = hd / 8;
+    let mut dv0 = 0;
+    unsafe {
+        while dv0 + DV <= nv {
+            weigh::<L, R, DV>(l, acc, p, alpha, vals, keys.clone(), dv0);
+            dv0 += DV;
+        }
+        while dv0 < nv {
+            weigh::<L, R, 1>(l, acc, p, alpha, vals, keys.clone(), dv0);
+            dv0 += 1;
+        }
+    }
+}
+
+/// [`run_job`] for a few lane rows (`<= ROW_PATH_MAX`) and `head_dim % 8 == 0`,
+/// keys in lanes instead of rows: each tile's K rows are transposed once into
+/// `[head_dim, KEY_TILE]`, a row's scores are 8 keys per multiply-add, its
+/// weighted sum 8 dims per multiply-add. Per element these are exactly the
+/// operations of the lane-per-row path: the same multiply-add chain over `d`
+/// for a score, the same `max`, `exp`, sums in key order and `acc` chain.
+#[inline(always)]
+fn run_job_rows<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
     let AttnHeads { num_heads, kv_heads, head_dim: hd } = call.heads;
     let group = num_heads / kv_heads;
     let width = kv_heads * hd;
-    let dp = hd.next_multiple_of(8);
-    let padded = dp != hd;
     let nrows = job.rows.len() * group;
+    debug_assert!(nrows <= ROW_PATH_MAX && hd.is_multiple_of(8));
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut st = State {
-        dp,
-        q: vec![0.0; nrows * dp],
-        limit: Vec::with_capacity(nrows),
-        m: vec![f32::NEG_INFINITY; nrows],
-        l: vec![0.0; nrows],
-        alpha: vec![0.0; nrows],
-        acc: vec![0.0; nrows * dp],
-        s: vec![0.0; nrows * KEY_TILE],
-    };
+    let mut q = vec![0.0f32; nrows * hd];
+    let mut limit = Vec::with_capacity(nrows);
     for (ri, i) in job.rows.clone().enumerate() {
         let q_row = &call.q[(seq.query_start + i) * call.q_cols..][..call.q_cols];
         for g in 0..group {
             let h = job.kv_head * group + g;
-            let dst = &mut st.q[(ri * group + g) * dp..][..hd];
-            for (d, x) in dst.iter_mut().zip(&q_row[h * hd..(h + 1) * hd]) {
+            for (d, x) in q[(ri * group + g) * hd..][..hd].iter_mut().zip(&q_row[h * hd..(h + 1) * hd]) {
                 *d = x * scale;
             }
-            st.limit.push(seq.num_computed + i + 1);
+            limit.push(seq.num_computed + i + 1);
         }
     }
-    // Head dims that are not a multiple of 8 read K/V through a zero-padded copy of the tile.
-    let mut stage = if padded { vec![0.0f32; 2 * KEY_TILE * dp] } else { Vec::new() };
+    let mut m = vec![f32::NEG_INFINITY; nrows];
+    let mut lsum = vec![0.0f32; nrows];
+    let mut alpha = vec![0.0f32; nrows];
+    let mut acc = vec![0.0f32; nrows * hd];
+    let mut p = vec![0.0f32; nrows * KEY_TILE];
+    let mut kt = vec![0.0f32; hd * KEY_TILE];
     let mut keys: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
     let mut vals: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
     let bs = call.block_size;
     let end = seq.num_computed + job.rows.end;
-    let first = seq.num_computed + job.rows.start;
     let row_offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
     let tiles = end.div_ceil(KEY_TILE);
     for t in 0..tiles {
         let j0 = t * KEY_TILE;
-        let n = (end - j0).min(KEY_TILE);
+        let nk = (end - j0).min(KEY_TILE);
         keys.clear();
         vals.clear();
-        for j in j0..j0 + n {
+        for j in j0..j0 + nk {
             let off = row_offset(j);
-            let (kr, vr) = (&call.k[off..off + hd], &call.v[off..off + hd]);
-            if padded {
-                let jj = j - j0;
-                stage[jj * dp..jj * dp + hd].copy_from_slice(kr);
-                stage[(KEY_TILE + jj) * dp..(KEY_TILE + jj) * dp + hd].copy_from_slice(vr);
-            } else {
-                keys.push(kr.as_ptr());
-                vals.push(vr.as_ptr());
-            }
+            keys.push(call.k[off..off + hd].as_ptr());
+            vals.push(call.v[off..off + hd].as_ptr());
         }
-        if padded {
-            keys.extend((0..n).map(|jj| stage[jj * dp..].as_ptr()));
-            vals.extend((0..n).map(|jj| stage[(KEY_TILE + jj) * dp..].as_ptr()));
-        }
-        // The next tile's rows start their way from memory while this one computes.
         if t + 1 < tiles {
             for j in j0 + KEY_TILE..(j0 + 2 * KEY_TILE).min(end) {
                 let off = row_offset(j);
@@ -366,15 +547,89 @@ fn run_job<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec
                 }
             }
         }
-        // Rows whose position is below the tile have finished.
-        let r0 = j0.saturating_sub(first) * group;
-        fold_tile(l, &mut st, r0, j0, &keys, &vals);
+        // kt[d][j] = k_j[d], 8 keys × 8 dims at a time (keys past nk repeat the last).
+        let groups = nk.div_ceil(8);
+        for kg in 0..groups {
+            let rows: [*const f32; 8] = std::array::from_fn(|i| keys[(kg * 8 + i).min(nk - 1)]);
+            for c in (0..hd).step_by(8) {
+                // SAFETY: key rows hold hd floats, c + 8 <= hd; kt holds hd rows of KEY_TILE.
+                unsafe {
+                    let x = l.transpose8(rows.map(|r| l.load(r.add(c))));
+                    for (i, xi) in x.into_iter().enumerate() {
+                        l.store(kt.as_mut_ptr().add((c + i) * KEY_TILE + kg * 8), xi);
+                    }
+                }
+            }
+        }
+        for r in 0..nrows {
+            let n = limit[r].saturating_sub(j0).min(KEY_TILE);
+            if n == 0 {
+                continue;
+            }
+            let pr = &mut p[r * KEY_TILE..(r + 1) * KEY_TILE];
+            let qr = &q[r * hd..(r + 1) * hd];
+            // Scores of keys 0..n, 8 per lane vector (all 8 vectors at once).
+            let used = n.div_ceil(8);
+            let mut sc = [l.zero(); KEY_TILE / 8];
+            for (d, &qd) in qr.iter().enumerate() {
+                let qb = l.splat(qd);
+                for (g, s) in sc.iter_mut().enumerate().take(used) {
+                    // SAFETY: kt row d holds KEY_TILE floats.
+                    *s = l.mul_add(unsafe { l.load(kt.as_ptr().add(d * KEY_TILE + g * 8)) }, qb, *s);
+                }
+            }
+            let mut mx = l.splat(m[r]);
+            for (g, s) in sc.iter().enumerate().take(used) {
+                mx = l.max(mx, l.keep_first(*s, n - g * 8, f32::NEG_INFINITY));
+            }
+            let m_new = lanes::tree_max(l.to_array(mx));
+            let a = l.to_array(l.exp(l.splat(m[r] - m_new)))[0];
+            let mv = l.splat(m_new);
+            for (g, s) in sc.iter().enumerate().take(used) {
+                // SAFETY: p row holds KEY_TILE floats.
+                unsafe { l.store(pr.as_mut_ptr().add(g * 8), l.exp(l.sub(*s, mv))) };
+            }
+            let mut sum = lsum[r] * a;
+            for &pj in &pr[..n] {
+                sum += pj;
+            }
+            lsum[r] = sum;
+            m[r] = m_new;
+            alpha[r] = a;
+        }
+        // acc = acc·α + Σ p·v over each row's visible keys: blocks of rows over the
+        // keys all of them see, then each row alone over the rest.
+        let (ap, pp) = (acc.as_mut_ptr(), p.as_ptr());
+        let first = (0..nrows).find(|&r| limit[r] > j0).unwrap_or(nrows);
+        let mut r = first;
+        while r < nrows {
+            let width = if r + 4 <= nrows { 4 } else if r + 2 <= nrows { 2 } else { 1 };
+            let common = limit[r].saturating_sub(j0).min(KEY_TILE);
+            let a = |i: usize| unsafe { ap.add((r + i) * hd) };
+            let pr = |i: usize| unsafe { pp.add((r + i) * KEY_TILE) };
+            let al = |i: usize| alpha[r + i];
+            // SAFETY: acc rows hold hd floats, p rows KEY_TILE, vals[..n] hold hd floats.
+            unsafe {
+                match width {
+                    4 => weigh_all::<L, 4, 2>(l, [a(0), a(1), a(2), a(3)], [pr(0), pr(1), pr(2), pr(3)], Some([al(0), al(1), al(2), al(3)]), &vals, 0..common, hd),
+                    2 => weigh_all::<L, 2, 4>(l, [a(0), a(1)], [pr(0), pr(1)], Some([al(0), al(1)]), &vals, 0..common, hd),
+                    _ => weigh_all::<L, 1, 8>(l, [a(0)], [pr(0)], Some([al(0)]), &vals, 0..common, hd),
+                }
+                for i in 0..width {
+                    let n = limit[r + i].saturating_sub(j0).min(KEY_TILE);
+                    if n > common {
+                        weigh_all::<L, 1, 8>(l, [a(i)], [pr(i)], None, &vals, common..n, hd);
+                    }
+                }
+            }
+            r += width;
+        }
     }
     let mut out = vec![0.0f32; nrows * hd];
     for (r, o) in out.chunks_exact_mut(hd).enumerate() {
-        let inv = 1.0 / st.l[r];
-        for (d, a) in o.iter_mut().zip(&st.acc[r * dp..r * dp + hd]) {
-            *d = a * inv;
+        let inv = 1.0 / lsum[r];
+        for (x, a) in o.iter_mut().zip(&acc[r * hd..(r + 1) * hd]) {
+            *x = a * inv;
         }
     }
     out
@@ -387,7 +642,19 @@ fn run_job<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn run_job_avx2(l: lanes::Avx2, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
-    run_job(l, call, seq, job)
+    run_either(l, call, seq, job)
+}
+
+/// The row path for a few lane rows, the lane-per-row path otherwise (which
+/// one never changes a row's result).
+#[inline(always)]
+fn run_either<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
+    let group = call.heads.num_heads / call.heads.kv_heads;
+    if job.rows.len() * group <= ROW_PATH_MAX && call.heads.head_dim.is_multiple_of(8) {
+        run_job_rows(l, call, seq, job)
+    } else {
+        run_job(l, call, seq, job)
+    }
 }
 
 /// Which kernel build a machine takes (always the same one on one machine).
@@ -409,7 +676,7 @@ impl Kernel {
 
     fn run(self, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
         match self {
-            Kernel::Portable => run_job(Portable, call, seq, job),
+            Kernel::Portable => run_either(Portable, call, seq, job),
             // SAFETY: the token proves AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2(l) => unsafe { run_job_avx2(l, call, seq, job) },
@@ -445,7 +712,7 @@ fn attention_with(kernel: Kernel, q: &Array2<f32>, pages: &CpuPages, layer: usiz
     let q_std = q.as_standard_layout();
     let call = Call { q: q_std.as_slice().expect("standard layout"), q_cols: q.ncols(), k, v, heads, block_size: spec.block_size };
     let group = heads.num_heads / heads.kv_heads;
-    let tile = (JOB_ROWS / group).max(1);
+    let tile = query_tile(seqs, heads.kv_heads, group);
     let jobs: Vec<Job> = seqs
         .iter()
         .enumerate()

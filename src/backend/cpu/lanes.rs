@@ -16,6 +16,11 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     /// # Safety
     /// `p` must be valid for reading 8 floats.
     unsafe fn load(self, p: *const f32) -> Self::V;
+    /// `*p` in every lane.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading one float.
+    unsafe fn splat_at(self, p: *const f32) -> Self::V;
     /// # Safety
     /// `p` must be valid for writing 8 floats.
     unsafe fn store(self, p: *mut f32, v: Self::V);
@@ -26,23 +31,19 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     /// `a * b + c` (one rounding where the CPU has FMA).
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `x` where `a < b`, `y` elsewhere, lane by lane.
+    fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
     /// Lanes `n..8` replaced by `fill` (`n <= 8`).
     fn keep_first(self, v: Self::V, n: usize, fill: f32) -> Self::V;
     /// [`super::fast_exp::exp`] of each lane, to the last bit.
     fn exp(self, x: Self::V) -> Self::V;
-    /// Lane `i` of the result is the sum of `x[i]`'s lanes in the tree [`tree_sum`].
-    fn reduce8(self, x: [Self::V; 8]) -> Self::V;
+    /// The 8 × 8 transpose: lane `j` of result `i` is lane `i` of `x[j]`.
+    fn transpose8(self, x: [Self::V; 8]) -> [Self::V; 8];
     /// A hint to bring the cache line at `p` closer (no effect on results; any address).
     #[inline(always)]
     fn prefetch(self, p: *const f32) {
         let _ = p;
     }
-}
-
-/// The lanes summed as `((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7))`.
-#[inline(always)]
-pub(crate) fn tree_sum(a: [f32; 8]) -> f32 {
-    ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))
 }
 
 /// Largest lane (no NaN).
@@ -70,6 +71,11 @@ impl Lanes for Portable {
     unsafe fn load(self, p: *const f32) -> [f32; 8] {
         // SAFETY: the caller guarantees 8 readable floats at `p`.
         unsafe { p.cast::<[f32; 8]>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn splat_at(self, p: *const f32) -> [f32; 8] {
+        // SAFETY: the caller guarantees one readable float at `p`.
+        [unsafe { *p }; 8]
     }
     #[inline(always)]
     unsafe fn store(self, p: *mut f32, v: [f32; 8]) {
@@ -101,6 +107,10 @@ impl Lanes for Portable {
         std::array::from_fn(|i| if b[i] > a[i] { b[i] } else { a[i] })
     }
     #[inline(always)]
+    fn select_lt(self, a: [f32; 8], b: [f32; 8], x: [f32; 8], y: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| if a[i] < b[i] { x[i] } else { y[i] })
+    }
+    #[inline(always)]
     fn keep_first(self, v: [f32; 8], n: usize, fill: f32) -> [f32; 8] {
         std::array::from_fn(|i| if i < n { v[i] } else { fill })
     }
@@ -109,8 +119,8 @@ impl Lanes for Portable {
         x.map(super::fast_exp::exp)
     }
     #[inline(always)]
-    fn reduce8(self, x: [[f32; 8]; 8]) -> [f32; 8] {
-        x.map(tree_sum)
+    fn transpose8(self, x: [[f32; 8]; 8]) -> [[f32; 8]; 8] {
+        std::array::from_fn(|i| std::array::from_fn(|j| x[j][i]))
     }
 }
 
@@ -154,6 +164,10 @@ mod avx2 {
             unsafe { _mm256_loadu_ps(p) }
         }
         #[inline(always)]
+        unsafe fn splat_at(self, p: *const f32) -> __m256 {
+            unsafe { _mm256_broadcast_ss(&*p) }
+        }
+        #[inline(always)]
         unsafe fn store(self, p: *mut f32, v: __m256) {
             unsafe { _mm256_storeu_ps(p, v) }
         }
@@ -184,6 +198,10 @@ mod avx2 {
             // `b > a ? b : a`, like the portable lanes (maxps returns its second operand
             // unless the first is greater).
             unsafe { _mm256_max_ps(b, a) }
+        }
+        #[inline(always)]
+        fn select_lt(self, a: __m256, b: __m256, x: __m256, y: __m256) -> __m256 {
+            unsafe { _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_LT_OQ>(a, b)) }
         }
         #[inline(always)]
         fn keep_first(self, v: __m256, n: usize, fill: f32) -> __m256 {
@@ -226,19 +244,34 @@ mod avx2 {
             }
         }
         #[inline(always)]
-        fn reduce8(self, x: [__m256; 8]) -> __m256 {
+        fn transpose8(self, x: [__m256; 8]) -> [__m256; 8] {
             unsafe {
-                // hadd(a, b) per 128-bit half: [a0+a1, a2+a3, b0+b1, b2+b3].
-                let h01 = _mm256_hadd_ps(x[0], x[1]);
-                let h23 = _mm256_hadd_ps(x[2], x[3]);
-                let h45 = _mm256_hadd_ps(x[4], x[5]);
-                let h67 = _mm256_hadd_ps(x[6], x[7]);
-                // Per half: [(a0+a1)+(a2+a3)] for x0..x3 (low half: lanes 0-3, high: 4-7).
-                let g0 = _mm256_hadd_ps(h01, h23);
-                let g1 = _mm256_hadd_ps(h45, h67);
-                let lo = _mm256_permute2f128_ps(g0, g1, 0x20);
-                let hi = _mm256_permute2f128_ps(g0, g1, 0x31);
-                _mm256_add_ps(lo, hi)
+                let t0 = _mm256_unpacklo_ps(x[0], x[1]);
+                let t1 = _mm256_unpackhi_ps(x[0], x[1]);
+                let t2 = _mm256_unpacklo_ps(x[2], x[3]);
+                let t3 = _mm256_unpackhi_ps(x[2], x[3]);
+                let t4 = _mm256_unpacklo_ps(x[4], x[5]);
+                let t5 = _mm256_unpackhi_ps(x[4], x[5]);
+                let t6 = _mm256_unpacklo_ps(x[6], x[7]);
+                let t7 = _mm256_unpackhi_ps(x[6], x[7]);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                [
+                    _mm256_permute2f128_ps::<0x20>(u0, u4),
+                    _mm256_permute2f128_ps::<0x20>(u1, u5),
+                    _mm256_permute2f128_ps::<0x20>(u2, u6),
+                    _mm256_permute2f128_ps::<0x20>(u3, u7),
+                    _mm256_permute2f128_ps::<0x31>(u0, u4),
+                    _mm256_permute2f128_ps::<0x31>(u1, u5),
+                    _mm256_permute2f128_ps::<0x31>(u2, u6),
+                    _mm256_permute2f128_ps::<0x31>(u3, u7),
+                ]
             }
         }
         #[inline(always)]
@@ -271,6 +304,7 @@ mod tests {
         let fused: [f32; 8] = std::array::from_fn(|i| a[i].mul_add(b[i], c[i]));
         let got = l.to_array(l.mul_add(v(a), v(b), v(c)));
         assert!(got == p.mul_add(a, b, c) || got == fused);
+        assert_eq!(l.to_array(l.select_lt(v(a), v(b), v(c), v(b))), p.select_lt(a, b, c, b));
         for n in 0..=8 {
             assert_eq!(l.to_array(l.keep_first(v(a), n, f32::NEG_INFINITY)), p.keep_first(a, n, f32::NEG_INFINITY));
         }
@@ -281,7 +315,8 @@ mod tests {
             assert_eq!(l.to_array(l.exp(v(x))).map(f32::to_bits), p.exp(x).map(f32::to_bits), "exp at step {i}");
         }
         let rows: [[f32; 8]; 8] = std::array::from_fn(|k| sample(10 + k as u32).map(|x| x * 1.3e-3 + 7.0));
-        assert_eq!(l.to_array(l.reduce8(rows.map(v))).map(f32::to_bits), rows.map(tree_sum).map(f32::to_bits));
+        assert_eq!(l.transpose8(rows.map(v)).map(|x| l.to_array(x)), p.transpose8(rows));
+        assert_eq!(p.transpose8(rows)[2][5], rows[5][2]);
     }
 
     #[test]
@@ -294,9 +329,8 @@ mod tests {
     }
 
     #[test]
-    fn tree_max_and_sum_follow_their_trees() {
-        let a = [1.0, 1e8, -1e8, 3.0, 0.5, 0.25, 2.0, -7.0];
-        assert_eq!(tree_sum(a), ((1.0 + 1e8) + (-1e8 + 3.0)) + ((0.5 + 0.25) + (2.0 - 7.0)));
-        assert_eq!(tree_max(a), 1e8);
+    fn tree_max_is_the_largest_lane() {
+        assert_eq!(tree_max([1.0, 1e8, -1e8, 3.0, 0.5, 0.25, 2.0, -7.0]), 1e8);
+        assert_eq!(tree_max([f32::NEG_INFINITY; 8]), f32::NEG_INFINITY);
     }
 }
