@@ -1,16 +1,17 @@
 //! The CPU reference backend: ndarray matrices, matrixmultiply products split
-//! over rayon by output column, attention parallel over (sequence, KV head).
+//! over rayon by output column, flash-style attention over the pages in place,
+//! parallel over (sequence, KV head, query tile).
 //!
 //! Every op here is the semantic reference the GPU backend is tested against.
 
 mod attention;
 mod check;
 mod fast_exp;
+mod lanes;
 mod matmul;
 mod moe;
 mod pages;
 mod rope;
-mod softmax;
 
 use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 

@@ -1,0 +1,336 @@
+//! Eight f32 lanes for the CPU attention kernels: AVX2 + FMA registers where the
+//! CPU has them ([`Avx2`]), plain arrays elsewhere ([`Portable`]).
+//!
+//! Kernels are written once, generic over [`Lanes`], and marked `#[inline(always)]`
+//! so that inside a `#[target_feature(enable = "avx2,fma")]` entry point every
+//! operation becomes one instruction. A machine always takes the same
+//! implementation, and each operation here is lane-wise or a fixed tree, so a
+//! kernel's result for one element never depends on the other lanes.
+
+/// An 8-lane f32 vector type and its operations. The value itself is a token:
+/// holding one proves the CPU supports the implementation.
+pub(crate) trait Lanes: Copy + Send + Sync {
+    type V: Copy;
+    fn zero(self) -> Self::V;
+    fn splat(self, x: f32) -> Self::V;
+    /// # Safety
+    /// `p` must be valid for reading 8 floats.
+    unsafe fn load(self, p: *const f32) -> Self::V;
+    /// `*p` in every lane.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading one float.
+    unsafe fn splat_at(self, p: *const f32) -> Self::V;
+    /// # Safety
+    /// `p` must be valid for writing 8 floats.
+    unsafe fn store(self, p: *mut f32, v: Self::V);
+    fn to_array(self, v: Self::V) -> [f32; 8];
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b + c` (one rounding where the CPU has FMA).
+    fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `x` where `a < b`, `y` elsewhere, lane by lane.
+    fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
+    /// Lanes `n..8` replaced by `fill` (`n <= 8`).
+    fn keep_first(self, v: Self::V, n: usize, fill: f32) -> Self::V;
+    /// [`super::fast_exp::exp`] of each lane, to the last bit.
+    fn exp(self, x: Self::V) -> Self::V;
+    /// The 8 × 8 transpose: lane `j` of result `i` is lane `i` of `x[j]`.
+    fn transpose8(self, x: [Self::V; 8]) -> [Self::V; 8];
+    /// A hint to bring the cache line at `p` closer (no effect on results; any address).
+    #[inline(always)]
+    fn prefetch(self, p: *const f32) {
+        let _ = p;
+    }
+}
+
+/// Largest lane (no NaN).
+#[inline(always)]
+pub(crate) fn tree_max(a: [f32; 8]) -> f32 {
+    let m = |x: f32, y: f32| if y > x { y } else { x };
+    m(m(m(a[0], a[1]), m(a[2], a[3])), m(m(a[4], a[5]), m(a[6], a[7])))
+}
+
+/// Arrays of 8 floats and separate multiply and add: any CPU.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Portable;
+
+impl Lanes for Portable {
+    type V = [f32; 8];
+    #[inline(always)]
+    fn zero(self) -> [f32; 8] {
+        [0.0; 8]
+    }
+    #[inline(always)]
+    fn splat(self, x: f32) -> [f32; 8] {
+        [x; 8]
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable floats at `p`.
+        unsafe { p.cast::<[f32; 8]>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn splat_at(self, p: *const f32) -> [f32; 8] {
+        // SAFETY: the caller guarantees one readable float at `p`.
+        [unsafe { *p }; 8]
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: [f32; 8]) {
+        // SAFETY: the caller guarantees 8 writable floats at `p`.
+        unsafe { p.cast::<[f32; 8]>().write_unaligned(v) }
+    }
+    #[inline(always)]
+    fn to_array(self, v: [f32; 8]) -> [f32; 8] {
+        v
+    }
+    #[inline(always)]
+    fn add(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] + b[i])
+    }
+    #[inline(always)]
+    fn sub(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] - b[i])
+    }
+    #[inline(always)]
+    fn mul(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    fn mul_add(self, a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i] * b[i] + c[i])
+    }
+    #[inline(always)]
+    fn max(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| if b[i] > a[i] { b[i] } else { a[i] })
+    }
+    #[inline(always)]
+    fn select_lt(self, a: [f32; 8], b: [f32; 8], x: [f32; 8], y: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| if a[i] < b[i] { x[i] } else { y[i] })
+    }
+    #[inline(always)]
+    fn keep_first(self, v: [f32; 8], n: usize, fill: f32) -> [f32; 8] {
+        std::array::from_fn(|i| if i < n { v[i] } else { fill })
+    }
+    #[inline(always)]
+    fn exp(self, x: [f32; 8]) -> [f32; 8] {
+        x.map(super::fast_exp::exp)
+    }
+    #[inline(always)]
+    fn transpose8(self, x: [[f32; 8]; 8]) -> [[f32; 8]; 8] {
+        std::array::from_fn(|i| std::array::from_fn(|j| x[j][i]))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::Avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::Lanes;
+
+    /// 256-bit AVX2 registers with fused multiply-add. Only [`Avx2::new`] makes one.
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Avx2(());
+
+    impl Avx2 {
+        /// The token when this CPU has AVX2 and FMA (checked once).
+        pub(crate) fn new() -> Option<Self> {
+            static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let ok = *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
+            ok.then_some(Avx2(()))
+        }
+    }
+
+    // SAFETY (every `unsafe` block below): an `Avx2` exists only where the CPU has
+    // AVX2 and FMA (`Avx2::new`), so the intrinsics are supported; pointer
+    // validity is the caller's contract on `load` / `store`.
+    impl Lanes for Avx2 {
+        type V = __m256;
+        #[inline(always)]
+        fn zero(self) -> __m256 {
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        fn splat(self, x: f32) -> __m256 {
+            unsafe { _mm256_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(self, p: *const f32) -> __m256 {
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn splat_at(self, p: *const f32) -> __m256 {
+            unsafe { _mm256_broadcast_ss(&*p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, v: __m256) {
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        fn to_array(self, v: __m256) -> [f32; 8] {
+            let mut a = [0.0f32; 8];
+            unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+            a
+        }
+        #[inline(always)]
+        fn add(self, a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_add_ps(a, b) }
+        }
+        #[inline(always)]
+        fn sub(self, a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_sub_ps(a, b) }
+        }
+        #[inline(always)]
+        fn mul(self, a: __m256, b: __m256) -> __m256 {
+            unsafe { _mm256_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        fn max(self, a: __m256, b: __m256) -> __m256 {
+            // `b > a ? b : a`, like the portable lanes (maxps returns its second operand
+            // unless the first is greater).
+            unsafe { _mm256_max_ps(b, a) }
+        }
+        #[inline(always)]
+        fn select_lt(self, a: __m256, b: __m256, x: __m256, y: __m256) -> __m256 {
+            unsafe { _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_LT_OQ>(a, b)) }
+        }
+        #[inline(always)]
+        fn keep_first(self, v: __m256, n: usize, fill: f32) -> __m256 {
+            unsafe {
+                let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), idx));
+                _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep)
+            }
+        }
+        #[inline(always)]
+        fn exp(self, x: __m256) -> __m256 {
+            // The operations of `fast_exp::exp`, in its order, on 8 lanes.
+            const LOG2E: f32 = std::f32::consts::LOG2_E;
+            const LN2_HI: f32 = 0.693_359_4;
+            const LN2_LO: f32 = -2.121_944_4e-4;
+            const ROUND: f32 = 12_582_912.0;
+            unsafe {
+                // clamp: f32::clamp is max then min.
+                let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
+                let round = _mm256_set1_ps(ROUND);
+                let t = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round);
+                let n = _mm256_sub_ps(t, round);
+                let r = _mm256_sub_ps(
+                    _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
+                    _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)),
+                );
+                let c = |v: f32| _mm256_set1_ps(v);
+                let step = |acc: __m256, k: f32| _mm256_add_ps(c(k), _mm256_mul_ps(r, acc));
+                let mut p = c(1.0 / 5040.0);
+                p = step(p, 1.0 / 720.0);
+                p = step(p, 1.0 / 120.0);
+                p = step(p, 1.0 / 24.0);
+                p = step(p, 1.0 / 6.0);
+                p = step(p, 0.5);
+                p = step(p, 1.0);
+                p = step(p, 1.0);
+                let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(ROUND.to_bits() as i32));
+                let scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
+                _mm256_mul_ps(p, scale)
+            }
+        }
+        #[inline(always)]
+        fn transpose8(self, x: [__m256; 8]) -> [__m256; 8] {
+            unsafe {
+                let t0 = _mm256_unpacklo_ps(x[0], x[1]);
+                let t1 = _mm256_unpackhi_ps(x[0], x[1]);
+                let t2 = _mm256_unpacklo_ps(x[2], x[3]);
+                let t3 = _mm256_unpackhi_ps(x[2], x[3]);
+                let t4 = _mm256_unpacklo_ps(x[4], x[5]);
+                let t5 = _mm256_unpackhi_ps(x[4], x[5]);
+                let t6 = _mm256_unpacklo_ps(x[6], x[7]);
+                let t7 = _mm256_unpackhi_ps(x[6], x[7]);
+                let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                [
+                    _mm256_permute2f128_ps::<0x20>(u0, u4),
+                    _mm256_permute2f128_ps::<0x20>(u1, u5),
+                    _mm256_permute2f128_ps::<0x20>(u2, u6),
+                    _mm256_permute2f128_ps::<0x20>(u3, u7),
+                    _mm256_permute2f128_ps::<0x31>(u0, u4),
+                    _mm256_permute2f128_ps::<0x31>(u1, u5),
+                    _mm256_permute2f128_ps::<0x31>(u2, u6),
+                    _mm256_permute2f128_ps::<0x31>(u3, u7),
+                ]
+            }
+        }
+        #[inline(always)]
+        fn prefetch(self, p: *const f32) {
+            // A prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(seed: u32) -> [f32; 8] {
+        std::array::from_fn(|i| ((seed as usize * 31 + i * 17) % 23) as f32 * 0.37 - 4.0)
+    }
+
+    /// Every operation of `l` against the portable lanes (which are the definition,
+    /// except that `mul_add` may fuse).
+    fn same_as_portable<L: Lanes>(l: L) {
+        let p = Portable;
+        let (a, b, c) = (sample(1), sample(2), sample(3));
+        // SAFETY: the arrays hold 8 floats.
+        let v = |x: [f32; 8]| unsafe { l.load(x.as_ptr()) };
+        assert_eq!(l.to_array(l.add(v(a), v(b))), p.add(a, b));
+        assert_eq!(l.to_array(l.sub(v(a), v(b))), p.sub(a, b));
+        assert_eq!(l.to_array(l.mul(v(a), v(b))), p.mul(a, b));
+        assert_eq!(l.to_array(l.max(v(a), v(b))), p.max(a, b));
+        let fused: [f32; 8] = std::array::from_fn(|i| a[i].mul_add(b[i], c[i]));
+        let got = l.to_array(l.mul_add(v(a), v(b), v(c)));
+        assert!(got == p.mul_add(a, b, c) || got == fused);
+        assert_eq!(l.to_array(l.select_lt(v(a), v(b), v(c), v(b))), p.select_lt(a, b, c, b));
+        for n in 0..=8 {
+            assert_eq!(l.to_array(l.keep_first(v(a), n, f32::NEG_INFINITY)), p.keep_first(a, n, f32::NEG_INFINITY));
+        }
+        let xs: [f32; 8] = [-1e4, -87.5, -20.3, -0.0, 0.0, 1.7, 60.2, 1e4];
+        assert_eq!(l.to_array(l.exp(v(xs))).map(f32::to_bits), p.exp(xs).map(f32::to_bits));
+        for i in -2000..2000 {
+            let x = sample(i as u32).map(|s| s * i as f32 * 0.01);
+            assert_eq!(l.to_array(l.exp(v(x))).map(f32::to_bits), p.exp(x).map(f32::to_bits), "exp at step {i}");
+        }
+        let rows: [[f32; 8]; 8] = std::array::from_fn(|k| sample(10 + k as u32).map(|x| x * 1.3e-3 + 7.0));
+        assert_eq!(l.transpose8(rows.map(v)).map(|x| l.to_array(x)), p.transpose8(rows));
+        assert_eq!(p.transpose8(rows)[2][5], rows[5][2]);
+    }
+
+    #[test]
+    fn avx2_lanes_match_the_portable_definition() {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(l) = Avx2::new() {
+            same_as_portable(l);
+        }
+        same_as_portable(Portable);
+    }
+
+    #[test]
+    fn tree_max_is_the_largest_lane() {
+        assert_eq!(tree_max([1.0, 1e8, -1e8, 3.0, 0.5, 0.25, 2.0, -7.0]), 1e8);
+        assert_eq!(tree_max([f32::NEG_INFINITY; 8]), f32::NEG_INFINITY);
+    }
+}
