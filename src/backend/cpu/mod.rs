@@ -1,5 +1,6 @@
-//! The CPU reference backend: ndarray matrices, matrixmultiply products split
-//! over rayon by output column, attention parallel over (sequence, KV head).
+//! The CPU reference backend: ndarray matrices, products through the `gemm`
+//! crate (dot products for the vocabulary; see `matmul`), attention parallel
+//! over (sequence, KV head).
 //!
 //! Every op here is the semantic reference the GPU backend is tested against.
 
