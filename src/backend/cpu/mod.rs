@@ -1,6 +1,6 @@
-//! The CPU reference backend: ndarray matrices, matrixmultiply products split
-//! over rayon by output column, flash-style attention over the pages in place,
-//! parallel over (sequence, KV head, query tile).
+//! The CPU reference backend: ndarray matrices, products through the `gemm`
+//! crate (dot products for the vocabulary; see `matmul`), flash-style attention
+//! over the pages in place, parallel over (sequence, KV head, query tile).
 //!
 //! Every op here is the semantic reference the GPU backend is tested against.
 
