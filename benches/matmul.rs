@@ -1,10 +1,12 @@
-//! Question: how much faster is the CPU backend's `matmul_t` (the `gemm` crate) than the
-//! `matrixmultiply` products it replaced, on the products of a real prefill?
+//! Questions: how much faster is the CPU backend's `matmul_t` (the `gemm` crate) than the
+//! `matrixmultiply` products it replaced, on the products of a real prefill? And what do
+//! bf16 and f16 weights (the dot-product kernel, `backend::cpu::dot_matmul`) cost against
+//! f32 ones, at decode (1 row) and prefill sizes?
 //!
 //! Shapes are `bench ttft`'s embedded Qwen3-shaped model (hidden 512, 8 heads and 4 KV
 //! heads of 64, intermediate 1536): q and o `[512, 512]`, k and v `[256, 512]`, the fused
 //! gate/up `[3072, 512]`, down `[512, 1536]`, at 256 rows (a cached 2048+256 prompt's
-//! suffix) and 2304 (the whole prompt uncached). `matrixmultiply` is the previous code:
+//! suffix) and 2304 (the whole prompt uncached), and 1 (a decode step). `matrixmultiply` is the previous code:
 //! one task per thread, each multiplying all rows by its slice of the weight's rows.
 //! Throughput counts floating-point operations (`2 * rows * n * k`).
 
@@ -12,7 +14,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*};
-use omniprefix::backend::Backend;
+use omniprefix::backend::{Backend, HostWeight, WeightDtype};
 use omniprefix::backend::cpu::CpuBackend;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -36,7 +38,7 @@ fn matrixmultiply_split(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array
 fn matmul(c: &mut Criterion) {
     let backend = CpuBackend::new();
     let weights = [("q_o", 512, 512), ("k_v", 256, 512), ("gate_up", 3072, 512), ("down", 512, 1536)];
-    for rows in [256, 2304] {
+    for rows in [1, 256, 2304] {
         let mut group = c.benchmark_group(format!("matmul_t_{rows}_rows"));
         group.sample_size(10);
         for (name, n, k) in weights {
@@ -46,9 +48,13 @@ fn matmul(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new("matrixmultiply", name), &(), |b, _| {
                 b.iter(|| black_box(matrixmultiply_split(x.view(), w.view())))
             });
-            group.bench_with_input(BenchmarkId::new("gemm", name), &(), |b, _| {
-                b.iter(|| black_box(backend.matmul_t(&x, &w).expect("shapes agree")))
-            });
+            for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+                let stored = HostWeight::F32(w.clone()).to_dtype(dtype);
+                let label = if dtype == WeightDtype::F32 { "gemm".to_string() } else { format!("dot_{dtype}") };
+                group.bench_with_input(BenchmarkId::new(label, name), &(), |b, _| {
+                    b.iter(|| black_box(backend.matmul_t(&x, &stored).expect("shapes agree")))
+                });
+            }
         }
         group.finish();
     }

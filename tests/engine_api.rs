@@ -358,3 +358,23 @@ fn deepstack_rows_are_cached_with_the_embeddings() -> TestResult {
     assert_eq!(with.hidden[0].1, plain.hidden[0].1, "hidden.0 is before any DeepStack add");
     Ok(())
 }
+
+/// `EngineConfig::dtype` stores the matrices as asked (`Engine::random` rounds its f32
+/// weights), the default is the checkpoint's own, and a config naming another dtype
+/// than the thinker it is given is a typed error.
+#[test]
+fn engine_dtype_is_the_one_asked_for_and_a_mismatch_is_a_config_error() -> Result<(), Box<dyn StdError>> {
+    use omniprefix::backend::WeightDtype;
+    use omniprefix::backend::cpu::CpuBackend;
+    use omniprefix::error::ConfigError;
+    use omniprefix::model::Thinker;
+    let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
+    let half = Engine::random(cfg.clone(), 3, EngineConfig { dtype: Some(WeightDtype::Bf16), ..Default::default() })?;
+    assert_eq!(half.weight_dtype(), WeightDtype::Bf16);
+    assert_eq!(Engine::random(cfg.clone(), 3, EngineConfig::default())?.weight_dtype(), WeightDtype::F32);
+    let backend = Arc::new(CpuBackend::new());
+    let thinker = Arc::new(Thinker::random(&*backend, cfg, 3)?);
+    let err = Engine::new(backend, thinker, EngineConfig { dtype: Some(WeightDtype::F16), ..Default::default() }).err().ok_or("mismatch accepted")?;
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "engine", field: "dtype", found, .. }) if found == "f16"), "{err}");
+    Ok(())
+}

@@ -24,12 +24,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ndarray::Array2;
+use omniprefix::backend::WeightDtype;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::ScheduledBatch;
 use omniprefix::kv::BlockTable;
 use omniprefix::model::{CaptureName, CaptureSpec, Thinker};
 use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
-use reference::{Reference, TOLERANCE, TestResult, model_dir, relative_error};
+use reference::{Reference, TOLERANCE, TestResult, model_dir, relative_error, relative_error_within};
 
 /// Reference-only views of the recorded tensors.
 impl Reference {
@@ -60,6 +61,7 @@ fn check_prompt(
     p: &str,
     reference: &Reference,
     ours: &BTreeMap<String, Array2<f32>>,
+    tolerance: f32,
 ) -> Result<f32, Vec<String>> {
     let mut worst = 0f32;
     let mut failures = Vec::new();
@@ -68,7 +70,7 @@ fn check_prompt(
         let checked = reference
             .expected(p, what)
             .map_err(|e| format!("{label}: {e}"))
-            .and_then(|expected| relative_error(&label, got.view(), expected));
+            .and_then(|expected| relative_error_within(&label, got.view(), expected, tolerance));
         match checked {
             Ok(err) => worst = worst.max(err),
             Err(msg) => failures.push(msg),
@@ -163,8 +165,15 @@ fn check_model(model: &str, expected_prompts: &[&str], mode: Mode) -> TestResult
 
 /// [`check_model`] against the recorded prompts of `file` in the model's folder.
 fn check_model_file(model: &str, file: &str, expected_prompts: &[&str], mode: Mode) -> TestResult<f32> {
+    check_model_as(model, file, expected_prompts, mode, WeightDtype::F32, TOLERANCE)
+}
+
+/// [`check_model_file`] with the weight matrices stored as `dtype`, every output
+/// within `tolerance`.
+fn check_model_as(model: &str, file: &str, expected_prompts: &[&str], mode: Mode, dtype: WeightDtype, tolerance: f32) -> TestResult<f32> {
     let backend = Arc::new(CpuBackend::new());
-    let thinker = Arc::new(Thinker::from_dir(&*backend, &model_dir(model))?);
+    let thinker = Arc::new(Thinker::from_dir_as(&*backend, &model_dir(model), Some(dtype))?);
+    assert_eq!(thinker.dtype(), dtype);
     let num_layers = thinker.config().num_hidden_layers;
     let capture = all_captures(num_layers)?;
     let runner = ModelRunner::new(Arc::clone(&backend), Arc::clone(&thinker), capture.clone())?;
@@ -207,13 +216,13 @@ fn check_model_file(model: &str, file: &str, expected_prompts: &[&str], mode: Mo
                 "{model}/{p}: our run lacks {what}"
             );
         }
-        match check_prompt(model, p, &reference, &ours) {
+        match check_prompt(model, p, &reference, &ours, tolerance) {
             Ok(err) => worst = worst.max(err),
             Err(mut msgs) => failures.append(&mut msgs),
         }
     }
     eprintln!(
-        "{model} ({mode:?}): worst relative error {worst:.3e} over {} prompts",
+        "{model} ({mode:?}, {dtype} weights, {file}): worst relative error {worst:.3e} over {} prompts",
         expected_prompts.len()
     );
     if failures.is_empty() {
@@ -283,6 +292,44 @@ fn omni_thinker_with_deepstack_matches_transformers_uncached_and_chunked() -> Te
     assert!(moved.is_err(), "DeepStack did not change hidden.2");
     for mode in [Mode::Uncached, Mode::Chunked { chunk: 7, block_size: 8 }, Mode::Chunked { chunk: 5, block_size: 4 }] {
         check_model_file("omni_thinker", DEEPSTACK_FILE, &["mm"], mode)?;
+    }
+    Ok(())
+}
+
+/// bf16 and f16 weight matrices (f32 activations, norms and accumulation) against
+/// transformers in f32 over the same checkpoint with its matrices rounded to that
+/// dtype (`fixtures/make_half_references.py`): the same arithmetic, so the f32
+/// tolerance holds, in one step and through paged chunks.
+#[test]
+fn half_precision_weights_match_transformers_over_the_same_rounded_weights() -> TestResult {
+    for (dtype, file) in [(WeightDtype::Bf16, "bf16_weights_reference.safetensors"), (WeightDtype::F16, "f16_weights_reference.safetensors")] {
+        for model in ["qwen3_dense", "qwen2_dense", "omni_thinker"] {
+            check_model_as(model, file, TEXT_PROMPTS, Mode::Uncached, dtype, TOLERANCE)?;
+        }
+        check_model_as("qwen3_dense", file, TEXT_PROMPTS, Mode::Chunked { chunk: 7, block_size: 8 }, dtype, TOLERANCE)?;
+    }
+    // Not vacuous: rounding the weights moves the outputs far past the tolerance.
+    let f32_ref = Reference::open("qwen3_dense")?;
+    let bf16_ref = Reference::open_file("qwen3_dense", "bf16_weights_reference.safetensors")?;
+    let moved = relative_error("logits", bf16_ref.matrix("text_a.logits")?.view(), f32_ref.matrix("text_a.logits")?.view());
+    assert!(moved.is_err(), "bf16 rounding did not change the logits");
+    Ok(())
+}
+
+/// bf16 weights against transformers run in bf16 (weights and activations). The
+/// tolerance is derived, not tuned: `fixtures/tiny/half_references.json` records how
+/// far transformers' bf16 run lies from its f32 run over the same bf16 weights
+/// (`bf16_native_vs_bf16_weights_max_rel`: 3.8e-2 for qwen3_dense, 9.2e-3 for
+/// qwen2_dense); ours lies within [`TOLERANCE`] of the latter (test above), so it
+/// must lie within their sum of the former.
+#[test]
+fn bf16_weights_are_within_transformers_own_bf16_error_of_transformers_in_bf16() -> TestResult {
+    let facts: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model_dir("half_references.json"))?)?;
+    for model in ["qwen3_dense", "qwen2_dense"] {
+        let own = facts["models"][model]["bf16_native_vs_bf16_weights_max_rel"].as_f64().ok_or("no recorded bf16 error")? as f32;
+        assert!(own > TOLERANCE, "{model}: transformers' bf16 error {own} should exceed the f32 tolerance");
+        let worst = check_model_as(model, "bf16_native_reference.safetensors", TEXT_PROMPTS, Mode::Uncached, WeightDtype::Bf16, own + TOLERANCE)?;
+        eprintln!("{model}: ours (bf16 weights) vs transformers bf16: {worst:.3e}, bound {:.3e}", own + TOLERANCE);
     }
     Ok(())
 }

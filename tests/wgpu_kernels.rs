@@ -13,14 +13,14 @@ use std::sync::Arc;
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
-use omniprefix::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec};
+use omniprefix::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec, WeightDtype};
 use omniprefix::index::BlockId;
 use omniprefix::{Error, Result};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use shared_gpu::{gpu, gpu_with};
-use omniprefix::error::{BackendError, GpuError};
+use omniprefix::error::{BackendError, ConfigError, GpuError};
 
 const TOL: f32 = 1e-4;
 
@@ -375,7 +375,7 @@ fn dense_ops_match_cpu_on_random_shapes() {
         let (n, k, m) = (rng.random_range(1..80), rng.random_range(1..70), rng.random_range(1..90));
         let x = rand_matrix(&mut rng, n, k);
         let w = rand_matrix(&mut rng, m, k);
-        let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &b.upload(w.view())?), |b| b.matmul_t(&x, &w));
+        let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &b.upload(w.view())?), |b| b.matmul_t(&x, &w.clone().into()));
         assert_close(&format!("case {case} matmul [{n},{k}] x [{m},{k}]^T"), &g, &c);
 
         let bias = rand_matrix(&mut rng, 1, k);
@@ -435,7 +435,7 @@ fn row_ops_match_cpu_and_reject_bad_indices() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let table = rand_matrix(&mut rng, 50, 12);
     let ids: Vec<u32> = (0..17).map(|_| rng.random_range(0..50)).collect();
-    let (g, c) = both(&gpu, |b| b.embedding(&b.upload(table.view())?, &ids), |b| b.embedding(&table, &ids));
+    let (g, c) = both(&gpu, |b| b.embedding(&b.upload(table.view())?, &ids), |b| b.embedding(&table.clone().into(), &ids));
     assert_close("embedding", &g, &c);
     let (g, c) = both(&gpu, |b| b.gather_rows(&b.upload(table.view())?, &ids), |b| b.gather_rows(&table, &ids));
     assert_close("gather_rows", &g, &c);
@@ -522,7 +522,7 @@ fn moe_matches_cpu_and_router_breaks_ties_low() {
             norm_topk_prob: norm,
         };
         let x = rand_matrix(&mut rng, n, h);
-        let (g, c) = both(&gpu, |b| b.moe(&b.upload(x.view())?, &dev), |b| b.moe(&x, &host));
+        let (g, c) = both(&gpu, |b| b.moe(&b.upload(x.view())?, &dev), |b| b.moe(&x, &host.try_map(|t| Ok::<_, omniprefix::Error>(t.clone().into()))?));
         assert_close(&format!("moe top_k {top_k} norm {norm} tokens {n}"), &g, &c);
     }
     // Equal logits: the lower expert ids win, weights renormalised to 1/k.
@@ -559,11 +559,11 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     assert_eq!(gpu.download(&split).unwrap(), table, "download joins the row blocks");
     // As a matmul weight: every block writes its own output columns.
     let x = rand_matrix(&mut rng, 5, 32);
-    let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &split), |b| b.matmul_t(&x, &table));
+    let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &split), |b| b.matmul_t(&x, &table.clone().into()));
     assert_close("matmul with a split weight", &g, &c);
     // As an embedding table: ids in every block, repeated, first and last rows.
     let ids = [74, 0, 31, 32, 63, 64, 5, 74, 40];
-    let (g, c) = both(&gpu, |b| b.embedding(&split, &ids), |b| b.embedding(&table, &ids));
+    let (g, c) = both(&gpu, |b| b.embedding(&split, &ids), |b| b.embedding(&table.clone().into(), &ids));
     assert_eq!(g, c, "embedding rows are copied exactly");
     // Every other op needs its operand whole, and says so.
     let err = gpu.gather_rows(&split, &[1, 2]).unwrap_err();
@@ -699,4 +699,18 @@ fn batched_submissions_keep_program_order() {
     assert!(gpu.download(&snapshot).unwrap().iter().all(|&v| v == 20.0), "copy saw the first 20 adds only");
     assert!(gpu.download(&x).unwrap().iter().all(|&v| v == 45.0), "all 45 adds, in order");
     ctx.synchronize().unwrap();
+}
+
+#[test]
+fn half_precision_weights_are_a_config_error_on_wgpu() {
+    let Some(gpu) = gpu() else { return };
+    assert_eq!(gpu.weight_dtypes(), [WeightDtype::F32]);
+    let host = HostWeight::F32(Array2::ones((4, 4))).to_dtype(WeightDtype::Bf16);
+    let err = gpu.upload_weight(host).err().expect("bf16 upload must fail");
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "bf16"), "{err}");
+    let cfg = omniprefix::model::Config::tiny_qwen3(32, 2, 4, 2, 50);
+    let err = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(WeightDtype::F16)).err().expect("f16 thinker on wgpu must fail");
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "wgpu", .. })), "{err}");
+    let thinker = omniprefix::model::Thinker::random(&gpu, cfg, 1).expect("auto on wgpu loads");
+    assert_eq!(thinker.dtype(), WeightDtype::F32);
 }

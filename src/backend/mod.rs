@@ -19,8 +19,11 @@
 #[cfg(feature = "wgpu")]
 pub mod auto;
 pub mod cpu;
+pub(crate) mod weight;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
+
+pub use weight::{HostWeight, UnknownDtype, WeightDtype, WeightView};
 
 use ndarray::{Array2, ArrayView2};
 
@@ -181,6 +184,20 @@ pub struct MoeWeights<T> {
     pub norm_topk_prob: bool,
 }
 
+impl<T> MoeWeights<T> {
+    /// The same block with every matrix passed through `f` (an upload, a dtype change).
+    pub fn try_map<U, E>(&self, mut f: impl FnMut(&T) -> std::result::Result<U, E>) -> std::result::Result<MoeWeights<U>, E> {
+        Ok(MoeWeights {
+            router: f(&self.router)?,
+            gate_up: f(&self.gate_up)?,
+            down: f(&self.down)?,
+            num_experts: self.num_experts,
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+        })
+    }
+}
+
 impl MoeWeights<Array2<f32>> {
     /// Host weights uniform in [-1, 1) for `num_experts` experts over `hidden`
     /// channels with `inter` intermediate channels each, drawn router, gate_up,
@@ -215,6 +232,9 @@ impl MoeWeights<Array2<f32>> {
 pub trait Backend: Send + Sync {
     /// A device-resident row-major f32 matrix `[rows, cols]`.
     type Tensor: Send + Sync;
+    /// A weight matrix `[rows, cols]` in one of [`Backend::weight_dtypes`]: the
+    /// right operand of [`Backend::matmul_t`], an embedding table, MoE experts.
+    type Weight: Send + Sync;
     /// Per-layer K/V pages and hidden-state pages (see [`PagesSpec`]), zero-filled.
     type Pages: Send;
 
@@ -228,20 +248,27 @@ pub trait Backend: Send + Sync {
     /// `[rows, cols]` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> [usize; 2];
 
+    /// The dtypes weights may be stored in; always includes [`WeightDtype::F32`].
+    fn weight_dtypes(&self) -> &'static [WeightDtype];
+    /// Copies a host weight to the device in its own dtype; a dtype outside
+    /// [`Backend::weight_dtypes`] is a [`ConfigError::Invalid`](crate::error::ConfigError::Invalid).
+    fn upload_weight(&self, host: HostWeight) -> Result<Self::Weight>;
+
     /// Allocates zero-filled pages; `block_size` must be positive.
     fn alloc_pages(&self, spec: PagesSpec) -> Result<Self::Pages>;
     /// The sizes the pages were allocated with.
     fn pages_spec(&self, pages: &Self::Pages) -> PagesSpec;
 
     /// `out[i] = table[ids[i]]`: `table [vocab, hidden]` → `[ids.len(), hidden]`.
-    fn embedding(&self, table: &Self::Tensor, ids: &[u32]) -> Result<Self::Tensor>;
+    fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Self::Tensor>;
     /// `dst[rows[i]] = src[i]` for every `i`: `src [rows.len(), cols]`, `dst [n, cols]`.
     fn scatter_rows(&self, dst: &mut Self::Tensor, rows: &[u32], src: &Self::Tensor) -> Result<()>;
     /// `out[i] = x[rows[i]]`: `[rows.len(), cols]`.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[u32]) -> Result<Self::Tensor>;
 
-    /// `x @ w^T` with `w` in HF Linear layout: `x [n, in]`, `w [out, in]` → `[n, out]`.
-    fn matmul_t(&self, x: &Self::Tensor, w: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `x @ w^T` with `w` in HF Linear layout: `x [n, in]`, `w [out, in]` → `[n, out]`,
+    /// accumulated in f32 whatever the weight's dtype.
+    fn matmul_t(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
     /// `x[i, j] += bias[0, j]`: `bias [1, cols]`.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()>;
     /// `x += y`, same shapes (the residual add).
@@ -269,7 +296,7 @@ pub trait Backend: Send + Sync {
     /// `x @ router^T`, softmax over experts, the `top_k` largest probabilities (ties to
     /// the lower expert id), divided by their sum if `norm_topk_prob`, and the
     /// weighted sum of those experts' SwiGLU MLPs `down_e(silu(gate_e x) * up_e x)`.
-    fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self::Tensor>) -> Result<Self::Tensor>;
+    fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self::Weight>) -> Result<Self::Tensor>;
 
     /// Writes rows of `k`, `v [n, kv_heads*head_dim]` into layer `layer`'s pages at
     /// `slots[i]`; a negative slot skips its row.

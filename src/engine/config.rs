@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::backend::WeightDtype;
 use crate::canon::FingerprintKey;
 use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
@@ -51,6 +52,9 @@ pub struct EngineConfig {
     /// `RequestError::UnknownTenant` before anything runs, so a typo'd or forged salt
     /// cannot silently open a cache of its own (checked with caching off too).
     pub known_tenants: Option<Vec<TenantSalt>>,
+    /// The dtype weight matrices are stored in; `None` = the checkpoint's own
+    /// (f32 for random models, and where the backend cannot store it).
+    pub dtype: Option<WeightDtype>,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +74,7 @@ impl Default for EngineConfig {
             encoder_cache_bytes: 256 << 20,
             tokens: None,
             known_tenants: None,
+            dtype: None,
         }
     }
 }

@@ -28,11 +28,11 @@ use std::time::{Duration, Instant};
 use fxhash::{FxHashMap, FxHashSet};
 use ndarray::Array2;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, WeightDtype};
 use crate::backend::cpu::CpuBackend;
 use crate::batch::{DeepStack, ModelShape, RequestId, ScheduledBatch};
 use crate::canon::{Fingerprinter, ItemIdentity};
-use crate::error::{CheckpointError, Error, InvariantViolation, IoError, RequestError, Result, SchedError};
+use crate::error::{CheckpointError, ConfigError, Error, InvariantViolation, IoError, RequestError, Result, SchedError};
 use crate::index::PrefixIndex;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
@@ -134,7 +134,7 @@ impl Engine<CpuBackend> {
     /// An engine on the CPU backend over a model with seeded random weights.
     pub fn random(model: Config, seed: u64, config: EngineConfig) -> Result<Self> {
         let backend = Arc::new(CpuBackend::new());
-        let thinker = Arc::new(Thinker::random(&*backend, model, seed)?);
+        let thinker = Arc::new(Thinker::random_as(&*backend, model, seed, config.dtype)?);
         Self::new(backend, thinker, config)
     }
 }
@@ -145,12 +145,21 @@ impl<B: Backend> Engine<B> {
         if config.tokens.is_none() {
             config.tokens = tokens_from_config_file(&dir.join("config.json"))?;
         }
-        let thinker = Arc::new(Thinker::from_dir(&*backend, dir)?);
+        let thinker = Arc::new(Thinker::from_dir_as(&*backend, dir, config.dtype)?);
         Self::new(backend, thinker, config)
     }
 
     /// An engine over a loaded thinker (several engines may share one).
     pub fn new(backend: Arc<B>, thinker: Arc<Thinker<B>>, config: EngineConfig) -> Result<Self> {
+        if let Some(dtype) = config.dtype.filter(|&d| d != thinker.dtype()) {
+            return Err(ConfigError::Invalid {
+                component: "engine",
+                field: "dtype",
+                expected: format!("the loaded thinker's {}", thinker.dtype()),
+                found: dtype.to_string(),
+            }
+            .into());
+        }
         let model = thinker.config().clone();
         let capture = match &config.capture {
             Some(points) => CaptureSpec::new(points.iter().copied(), model.num_hidden_layers)?,
@@ -207,6 +216,11 @@ impl<B: Backend> Engine<B> {
     /// The model's config.
     pub fn model_config(&self) -> &Config {
         self.runner.thinker().config()
+    }
+
+    /// The dtype the model's weight matrices are stored in (`auto` resolved).
+    pub fn weight_dtype(&self) -> WeightDtype {
+        self.runner.thinker().dtype()
     }
 
     /// The captured points, in the order of [`Output::hidden`].

@@ -4,22 +4,23 @@
 
 use std::path::Path;
 
-use ndarray::{Array2, Axis, concatenate};
+use ndarray::Array2;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, RopePositions, RopeSpec};
+use crate::backend::weight::unsupported_dtype;
+use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, RopePositions, RopeSpec, WeightDtype};
 use crate::model::config::Config;
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
 use crate::Result;
 use crate::error::{BackendError, CheckpointError};
 
-/// Attention weights of one layer, on the device.
-struct Attention<T> {
-    q: T,
-    k: T,
-    v: T,
-    o: T,
+/// Attention weights of one layer, on the device: matrices `W`, vectors `T`.
+struct Attention<T, W> {
+    q: W,
+    k: W,
+    v: W,
+    o: W,
     /// q, k, v biases `[1, out]` (Qwen2 family).
     bias: Option<[T; 3]>,
     /// q and k per-head norm weights `[1, head_dim]` (Qwen3 family).
@@ -27,17 +28,17 @@ struct Attention<T> {
 }
 
 /// The feed-forward block of one layer.
-enum Mlp<T> {
+enum Mlp<W> {
     /// `down(silu(gate x) * up x)` with gate and up fused row-wise `[2I, H]`.
-    Dense { gate_up: T, down: T },
-    Sparse(MoeWeights<T>),
+    Dense { gate_up: W, down: W },
+    Sparse(MoeWeights<W>),
 }
 
-struct Layer<T> {
+struct Layer<T, W> {
     input_norm: T,
-    attn: Attention<T>,
+    attn: Attention<T, W>,
     post_norm: T,
-    mlp: Mlp<T>,
+    mlp: Mlp<W>,
 }
 
 /// Per-step inputs every layer shares: rotary positions, KV slots, sequences.
@@ -62,11 +63,13 @@ pub struct StepMeta<'a> {
 pub struct Thinker<B: Backend> {
     config: Config,
     rope: RopeSpec,
-    embed: B::Tensor,
-    layers: Vec<Layer<B::Tensor>>,
+    dtype: WeightDtype,
+    weight_bytes: usize,
+    embed: B::Weight,
+    layers: Vec<Layer<B::Tensor, B::Weight>>,
     norm: B::Tensor,
     /// `None` when tied to the embeddings.
-    lm_head: Option<B::Tensor>,
+    lm_head: Option<B::Weight>,
 }
 
 /// The weight-name prefixes of a checkpoint (plain HF or Omni `thinker.`).
@@ -81,63 +84,100 @@ fn prefixes(source: &dyn WeightSource) -> Result<(&'static str, &'static str)> {
 }
 
 /// Stacks matrices row-wise (fusing gate/up, or experts) into the weight `name`.
-fn stack(parts: &[Array2<f32>], name: String) -> Result<Array2<f32>> {
-    let views: Vec<_> = parts.iter().map(|p| p.view()).collect();
-    concatenate(Axis(0), &views)
-        .map_err(|e| CheckpointError::WeightLayout { name, problem: format!("parts do not stack: {e}") }.into())
+fn stack(parts: Vec<HostWeight>, name: String) -> Result<HostWeight> {
+    HostWeight::stack(parts).ok_or_else(|| CheckpointError::WeightLayout { name, problem: "parts do not stack".into() }.into())
 }
 
-/// Host weights of one MoE block in the fused layout of [`MoeWeights`].
-fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usize) -> Result<[Array2<f32>; 2]> {
+/// Host weights of one MoE block in the fused layout of [`MoeWeights`], stored as `dtype`.
+fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usize, dtype: WeightDtype) -> Result<[HostWeight; 2]> {
     let hidden = cfg.hidden_size;
     let experts = mlp.pp("experts");
     if experts.contains("gate_up_proj") {
         // transformers v5 fused layout: gate_up [E, 2I, H], down [E, H, I].
-        let gu = experts.get("gate_up_proj", &[num_experts, 2 * inter, hidden])?;
-        let dn = experts.get("down_proj", &[num_experts, hidden, inter])?;
-        let gate_up = Array2::from_shape_vec((num_experts * 2 * inter, hidden), gu.data);
-        let down = Array2::from_shape_vec((num_experts * hidden, inter), dn.data);
-        return match (gate_up, down) {
-            (Ok(g), Ok(d)) => Ok([g, d]),
-            _ => Err(CheckpointError::WeightLayout {
-                name: experts.name("gate_up_proj / down_proj"),
-                problem: "fused expert weights do not reshape to [experts * rows, cols]".into(),
-            }
-            .into()),
-        };
+        let gate_up = experts.weight_reshaped("gate_up_proj", &[num_experts, 2 * inter, hidden], num_experts * 2 * inter, hidden, dtype)?;
+        let down = experts.weight_reshaped("down_proj", &[num_experts, hidden, inter], num_experts * hidden, inter, dtype)?;
+        return Ok([gate_up, down]);
     }
     let (mut gate_up, mut down) = (Vec::new(), Vec::new());
     for e in 0..num_experts {
         let ex = experts.pp(e);
-        gate_up.push(ex.pp("gate_proj").matrix("weight", inter, hidden)?);
-        gate_up.push(ex.pp("up_proj").matrix("weight", inter, hidden)?);
-        down.push(ex.pp("down_proj").matrix("weight", hidden, inter)?);
+        gate_up.push(ex.pp("gate_proj").weight("weight", inter, hidden, dtype)?);
+        gate_up.push(ex.pp("up_proj").weight("weight", inter, hidden, dtype)?);
+        down.push(ex.pp("down_proj").weight("weight", hidden, inter, dtype)?);
     }
-    Ok([stack(&gate_up, experts.name("*.gate_proj+up_proj"))?, stack(&down, experts.name("*.down_proj"))?])
+    Ok([stack(gate_up, experts.name("*.gate_proj+up_proj"))?, stack(down, experts.name("*.down_proj"))?])
+}
+
+/// The dtype weights load as: `requested`, else the checkpoint's own (its
+/// embedding table's), widened to f32 on a backend that cannot store that.
+fn resolve_dtype<B: Backend>(backend: &B, embed: &Weights<'_>, requested: Option<WeightDtype>) -> Result<WeightDtype> {
+    let supported = backend.weight_dtypes();
+    match requested {
+        Some(d) if supported.contains(&d) => Ok(d),
+        Some(d) => Err(unsupported_dtype(backend.name(), supported, d)),
+        None => Ok(embed.stored_dtype("weight").filter(|d| supported.contains(d)).unwrap_or(WeightDtype::F32)),
+    }
 }
 
 impl<B: Backend> Thinker<B> {
     /// Loads `config.json` (eos ids from `generation_config.json` when present,
     /// see [`Config::from_dir`]) and the safetensors checkpoint in `dir`.
     pub fn from_dir(backend: &B, dir: &Path) -> Result<Self> {
+        Self::from_dir_as(backend, dir, None)
+    }
+
+    /// [`Thinker::from_dir`] with the matrices stored as `dtype` (`None`: the checkpoint's own).
+    pub fn from_dir_as(backend: &B, dir: &Path, dtype: Option<WeightDtype>) -> Result<Self> {
         let config = Config::from_dir(dir)?;
         let source = SafetensorsSource::open_dir(dir)?;
-        Self::load(backend, config, &source)
+        Self::load_as(backend, config, &source, dtype)
+    }
+
+    /// Loads every weight `config` implies from `source`, shape-checked, and uploads it,
+    /// matrices in the checkpoint's own dtype where the backend stores it (see [`Thinker::load_as`]).
+    pub fn load(backend: &B, config: Config, source: &dyn WeightSource) -> Result<Self> {
+        Self::load_as(backend, config, source, None)
     }
 
     /// Loads every weight `config` implies from `source`, shape-checked, and uploads it.
     /// Names follow HF (`model.layers.3.self_attn.q_proj.weight`), under `thinker.`
     /// for Omni checkpoints.
-    pub fn load(backend: &B, config: Config, source: &dyn WeightSource) -> Result<Self> {
+    ///
+    /// Matrices (projections, embeddings, experts) are stored as `dtype`; `None`
+    /// takes the embedding table's stored dtype, or f32 where the backend cannot
+    /// store that. An explicit dtype the backend cannot store is a
+    /// [`ConfigError::Invalid`](crate::error::ConfigError::Invalid). Norm weights
+    /// and biases stay f32; every product accumulates in f32.
+    ///
+    /// ```
+    /// use omniprefix::backend::{cpu::CpuBackend, WeightDtype};
+    /// use omniprefix::model::{Config, Thinker, random_source};
+    /// let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
+    /// let source = random_source(&cfg, 7)?;
+    /// let thinker = Thinker::load_as(&CpuBackend::new(), cfg, &source, Some(WeightDtype::Bf16))?;
+    /// assert_eq!(thinker.dtype(), WeightDtype::Bf16);
+    /// # Ok::<(), omniprefix::Error>(())
+    /// ```
+    pub fn load_as(backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<WeightDtype>) -> Result<Self> {
         config.validate()?;
         let (model_prefix, head_prefix) = prefixes(source)?;
         let root = Weights::root(source, model_prefix);
+        let dtype = resolve_dtype(backend, &root.pp("embed_tokens"), dtype)?;
         let c = &config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-        let up = |a: Array2<f32>| backend.upload(a.view());
+        let weight_bytes = std::cell::Cell::new(0usize);
+        let up = |a: Array2<f32>| {
+            weight_bytes.set(weight_bytes.get() + a.len() * 4);
+            backend.upload(a.view())
+        };
+        let upw = |w: HostWeight| {
+            weight_bytes.set(weight_bytes.get() + w.bytes());
+            backend.upload_weight(w)
+        };
+        let matrix = |at: &Weights<'_>, rows: usize, cols: usize| at.weight("weight", rows, cols, dtype).and_then(upw);
 
-        let embed = up(root.pp("embed_tokens").matrix("weight", c.vocab_size, h)?)?;
+        let embed = matrix(&root.pp("embed_tokens"), c.vocab_size, h)?;
         let mut layers = Vec::new();
         for i in 0..c.num_hidden_layers {
             let lw = root.pp("layers").pp(i);
@@ -157,32 +197,32 @@ impl<B: Backend> Thinker<B> {
                 None
             };
             let attn = Attention {
-                q: up(at.pp("q_proj").matrix("weight", q_out, h)?)?,
-                k: up(at.pp("k_proj").matrix("weight", kv_out, h)?)?,
-                v: up(at.pp("v_proj").matrix("weight", kv_out, h)?)?,
-                o: up(at.pp("o_proj").matrix("weight", h, q_out)?)?,
+                q: matrix(&at.pp("q_proj"), q_out, h)?,
+                k: matrix(&at.pp("k_proj"), kv_out, h)?,
+                v: matrix(&at.pp("v_proj"), kv_out, h)?,
+                o: matrix(&at.pp("o_proj"), h, q_out)?,
                 bias,
                 qk_norm,
             };
             let mw = lw.pp("mlp");
             let mlp = match c.moe.as_ref().filter(|_| c.is_sparse_layer(i)) {
                 Some(m) => {
-                    let [gate_up, down] = load_experts(&mw, c, m.num_experts, m.moe_intermediate_size)?;
+                    let [gate_up, down] = load_experts(&mw, c, m.num_experts, m.moe_intermediate_size, dtype)?;
                     Mlp::Sparse(MoeWeights {
-                        router: up(mw.pp("gate").matrix("weight", m.num_experts, h)?)?,
-                        gate_up: up(gate_up)?,
-                        down: up(down)?,
+                        router: matrix(&mw.pp("gate"), m.num_experts, h)?,
+                        gate_up: upw(gate_up)?,
+                        down: upw(down)?,
                         num_experts: m.num_experts,
                         top_k: m.num_experts_per_tok,
                         norm_topk_prob: m.norm_topk_prob,
                     })
                 }
                 None => {
-                    let gate = mw.pp("gate_proj").matrix("weight", c.intermediate_size, h)?;
-                    let upm = mw.pp("up_proj").matrix("weight", c.intermediate_size, h)?;
+                    let gate = mw.pp("gate_proj").weight("weight", c.intermediate_size, h, dtype)?;
+                    let upm = mw.pp("up_proj").weight("weight", c.intermediate_size, h, dtype)?;
                     Mlp::Dense {
-                        gate_up: up(stack(&[gate, upm], mw.name("gate_proj+up_proj"))?)?,
-                        down: up(mw.pp("down_proj").matrix("weight", h, c.intermediate_size)?)?,
+                        gate_up: upw(stack(vec![gate, upm], mw.name("gate_proj+up_proj"))?)?,
+                        down: matrix(&mw.pp("down_proj"), h, c.intermediate_size)?,
                     }
                 }
             };
@@ -197,20 +237,35 @@ impl<B: Backend> Thinker<B> {
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(up(Weights::root(source, head_prefix).matrix("weight", c.vocab_size, h)?)?)
+            Some(matrix(&Weights::root(source, head_prefix), c.vocab_size, h)?)
         };
-        Ok(Self { rope: config.rope_spec(), config, embed, layers, norm, lm_head })
+        Ok(Self { rope: config.rope_spec(), config, dtype, weight_bytes: weight_bytes.get(), embed, layers, norm, lm_head })
     }
 
     /// A model with seeded random weights (HF names in memory, loaded through [`Thinker::load`]).
     pub fn random(backend: &B, config: Config, seed: u64) -> Result<Self> {
+        Self::random_as(backend, config, seed, None)
+    }
+
+    /// [`Thinker::random`] with the matrices rounded to `dtype` (`None`: f32).
+    pub fn random_as(backend: &B, config: Config, seed: u64, dtype: Option<WeightDtype>) -> Result<Self> {
         let source = random_source(&config, seed)?;
-        Self::load(backend, config, &source)
+        Self::load_as(backend, config, &source, dtype)
     }
 
     /// The model's config.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The dtype the matrices are stored in.
+    pub fn dtype(&self) -> WeightDtype {
+        self.dtype
+    }
+
+    /// Bytes of all weights as stored (matrices in [`Thinker::dtype`], vectors in f32).
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
     }
 
     /// The rotary embedding the layers apply.
@@ -426,16 +481,22 @@ mod tests {
             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": true,
             "decoder_sparse_step": 1, "mlp_only_layers": [0],
             "rope_scaling": {"mrope_section": [2, 1, 1], "interleaved": true}}}}"#).unwrap();
+        // `auto` keeps the checkpoint's bf16; f32 on request widens it.
         let loaded = Thinker::from_dir(&CpuBackend, &dir).unwrap();
-        assert_eq!(loaded.config(), &cfg);
+        assert_eq!((loaded.config(), loaded.dtype()), (&cfg, WeightDtype::Bf16));
+        let widened = Thinker::from_dir_as(&CpuBackend, &dir, Some(WeightDtype::F32)).unwrap();
+        assert_eq!(widened.dtype(), WeightDtype::F32);
+        assert!(widened.weight_bytes() > loaded.weight_bytes() * 3 / 2, "bf16 matrices take half the bytes");
         let mut rounded = MemorySource::new();
         for n in src.names() {
             let t = src.load(n).unwrap();
             let data = t.data.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
             rounded.insert(n, HostTensor { shape: t.shape, data });
         }
-        let reference = Thinker::load(&CpuBackend, cfg, &rounded).unwrap();
+        // The same values through the same kernels: bit-equal in each dtype.
+        let reference = Thinker::load_as(&CpuBackend, cfg.clone(), &rounded, Some(WeightDtype::Bf16)).unwrap();
         assert_eq!(logits_of(&loaded), logits_of(&reference));
+        assert_eq!(logits_of(&widened), logits_of(&Thinker::load(&CpuBackend, cfg, &rounded).unwrap()));
         std::fs::remove_dir_all(&dir).ok();
     }
 

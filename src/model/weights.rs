@@ -4,10 +4,12 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use half::{bf16, f16};
 use memmap2::Mmap;
 use ndarray::Array2;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
+use crate::backend::{HostWeight, WeightDtype};
 use crate::{Error, Result};
 use crate::error::{CheckpointError, IoError};
 
@@ -18,13 +20,69 @@ pub struct HostTensor {
     pub data: Vec<f32>,
 }
 
+/// A host tensor of any rank in the dtype it is stored in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredTensor {
+    pub shape: Vec<usize>,
+    pub data: StoredData,
+}
+
+/// The elements of a [`StoredTensor`], row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StoredData {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl StoredData {
+    pub fn dtype(&self) -> WeightDtype {
+        match self {
+            StoredData::F32(_) => WeightDtype::F32,
+            StoredData::Bf16(_) => WeightDtype::Bf16,
+            StoredData::F16(_) => WeightDtype::F16,
+        }
+    }
+
+    /// The elements widened to f32 (exact).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            StoredData::F32(v) => v,
+            StoredData::Bf16(v) => v.into_iter().map(bf16::to_f32).collect(),
+            StoredData::F16(v) => v.into_iter().map(f16::to_f32).collect(),
+        }
+    }
+
+    /// The elements as a `[rows, cols]` weight in their own dtype.
+    fn into_weight(self, rows: usize, cols: usize) -> std::result::Result<HostWeight, ndarray::ShapeError> {
+        Ok(match self {
+            StoredData::F32(v) => HostWeight::F32(Array2::from_shape_vec((rows, cols), v)?),
+            StoredData::Bf16(v) => HostWeight::Bf16(Array2::from_shape_vec((rows, cols), v)?),
+            StoredData::F16(v) => HostWeight::F16(Array2::from_shape_vec((rows, cols), v)?),
+        })
+    }
+}
+
+impl From<HostTensor> for StoredTensor {
+    fn from(t: HostTensor) -> Self {
+        StoredTensor { shape: t.shape, data: StoredData::F32(t.data) }
+    }
+}
+
 /// A named store of tensors.
 pub trait WeightSource {
     /// True when the source holds a tensor named `name`.
     fn contains(&self, name: &str) -> bool;
     /// The tensor `name` as f32; [`CheckpointError::MissingTensor`] when absent,
     /// [`CheckpointError::TensorDtype`] when stored in a type other than f32/f16/bf16.
-    fn load(&self, name: &str) -> Result<HostTensor>;
+    fn load(&self, name: &str) -> Result<HostTensor> {
+        let t = self.load_stored(name)?;
+        Ok(HostTensor { shape: t.shape, data: t.data.into_f32() })
+    }
+    /// The tensor `name` in the dtype it is stored in; errors as [`WeightSource::load`].
+    fn load_stored(&self, name: &str) -> Result<StoredTensor>;
+    /// The dtype `name` is stored in; `None` when absent or not a float type.
+    fn stored_dtype(&self, name: &str) -> Option<WeightDtype>;
 }
 
 /// Tensors held in memory (tests, converted checkpoints).
@@ -60,8 +118,12 @@ impl WeightSource for MemorySource {
         self.tensors.contains_key(name)
     }
 
-    fn load(&self, name: &str) -> Result<HostTensor> {
-        self.tensors.get(name).cloned().ok_or_else(|| CheckpointError::MissingTensor { name: name.into() }.into())
+    fn load_stored(&self, name: &str) -> Result<StoredTensor> {
+        self.tensors.get(name).cloned().map(StoredTensor::from).ok_or_else(|| CheckpointError::MissingTensor { name: name.into() }.into())
+    }
+
+    fn stored_dtype(&self, name: &str) -> Option<WeightDtype> {
+        self.contains(name).then_some(WeightDtype::F32)
     }
 }
 
@@ -152,24 +214,37 @@ impl WeightSource for SafetensorsSource {
         self.entries.contains_key(name)
     }
 
-    fn load(&self, name: &str) -> Result<HostTensor> {
+    fn load_stored(&self, name: &str) -> Result<StoredTensor> {
         let entry = self.entries.get(name).ok_or_else(|| CheckpointError::MissingTensor { name: name.into() })?;
-        let bytes = self
-            .maps
-            .get(entry.file)
+        let map = self.maps.get(entry.file);
+        let bytes = map
             .and_then(|m| m.get(entry.start..entry.end))
             .ok_or_else(|| CheckpointError::Safetensors { path: name.into(), message: "data range outside the file".into() })?;
         let data = match entry.dtype {
-            StDtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            StDtype::F16 => {
-                bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
-            }
-            StDtype::BF16 => {
-                bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
-            }
+            StDtype::F32 => StoredData::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            StDtype::F16 => StoredData::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
+            StDtype::BF16 => StoredData::Bf16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
             other => return Err(CheckpointError::TensorDtype { name: name.into(), found: format!("{other:?}") }.into()),
         };
-        Ok(HostTensor { shape: entry.shape.clone(), data })
+        if let Some(map) = map {
+            // The bytes are copied: drop their pages from this process's resident set,
+            // so a checkpoint's file pages and its loaded weights are not counted twice
+            // (the pages stay in the page cache; a later read faults them back in).
+            #[cfg(unix)]
+            // SAFETY: the map is read-only and private, and no reference into the range
+            // outlives this call, so discarding its pages only forces a re-read from the file.
+            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, entry.start, entry.end - entry.start) };
+        }
+        Ok(StoredTensor { shape: entry.shape.clone(), data })
+    }
+
+    fn stored_dtype(&self, name: &str) -> Option<WeightDtype> {
+        match self.entries.get(name)?.dtype {
+            StDtype::F32 => Some(WeightDtype::F32),
+            StDtype::BF16 => Some(WeightDtype::Bf16),
+            StDtype::F16 => Some(WeightDtype::F16),
+            _ => None,
+        }
     }
 }
 
@@ -217,6 +292,28 @@ impl<'a> Weights<'a> {
     pub fn matrix(&self, leaf: &str, rows: usize, cols: usize) -> Result<Array2<f32>> {
         let t = self.get(leaf, &[rows, cols])?;
         Array2::from_shape_vec((rows, cols), t.data).map_err(|e| CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into())
+    }
+
+    /// A 2-D weight `[rows, cols]` stored as `dtype` (converted from the checkpoint's own).
+    pub fn weight(&self, leaf: &str, rows: usize, cols: usize, dtype: WeightDtype) -> Result<HostWeight> {
+        self.weight_reshaped(leaf, &[rows, cols], rows, cols, dtype)
+    }
+
+    /// `leaf` (of any rank) as a `[rows, cols]` weight stored as `dtype`: stacked
+    /// expert tensors `[E, r, c]` become `[E * r, c]`.
+    pub fn weight_reshaped(&self, leaf: &str, shape: &[usize], rows: usize, cols: usize, dtype: WeightDtype) -> Result<HostWeight> {
+        let name = self.name(leaf);
+        let t = self.source.load_stored(&name)?;
+        if t.shape != shape {
+            return Err(CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into());
+        }
+        let w = t.data.into_weight(rows, cols).map_err(|e| CheckpointError::WeightLayout { name, problem: e.to_string() })?;
+        Ok(w.to_dtype(dtype))
+    }
+
+    /// The dtype `leaf` is stored in.
+    pub fn stored_dtype(&self, leaf: &str) -> Option<WeightDtype> {
+        self.source.stored_dtype(&self.name(leaf))
     }
 
     /// A 1-D weight `[n]` as a `[1, n]` matrix.

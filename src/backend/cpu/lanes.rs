@@ -30,6 +30,15 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
     /// `a * b + c` (one rounding where the CPU has FMA).
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// [`Lanes::mul_add`] of one float, rounded as the lanes round.
+    fn mul_add_one(self, a: f32, b: f32, c: f32) -> f32;
+    /// `dst[i] = src[i]` widened from f16 (exact; same lengths).
+    #[inline(always)]
+    fn widen_f16(self, src: &[half::f16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = s.to_f32();
+        }
+    }
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
     /// `x` where `a < b`, `y` elsewhere, lane by lane.
     fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
@@ -103,6 +112,10 @@ impl Lanes for Portable {
         std::array::from_fn(|i| a[i] * b[i] + c[i])
     }
     #[inline(always)]
+    fn mul_add_one(self, a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+    #[inline(always)]
     fn max(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
         std::array::from_fn(|i| if b[i] > a[i] { b[i] } else { a[i] })
     }
@@ -138,10 +151,12 @@ mod avx2 {
     pub(crate) struct Avx2(());
 
     impl Avx2 {
-        /// The token when this CPU has AVX2 and FMA (checked once).
+        /// The token when this CPU has AVX2, FMA and F16C (checked once).
         pub(crate) fn new() -> Option<Self> {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let ok = *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
+            let ok = *AVAILABLE.get_or_init(|| {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+            });
             ok.then_some(Avx2(()))
         }
     }
@@ -192,6 +207,27 @@ mod avx2 {
         #[inline(always)]
         fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
             unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        fn mul_add_one(self, a: f32, b: f32, c: f32) -> f32 {
+            a.mul_add(b, c)
+        }
+        #[inline(always)]
+        fn widen_f16(self, src: &[half::f16], dst: &mut [f32]) {
+            let n = src.len().min(dst.len());
+            let full = n / 8 * 8;
+            let mut i = 0;
+            while i < full {
+                // SAFETY: i + 8 <= n for both slices; F16C comes with the token.
+                unsafe {
+                    let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+                }
+                i += 8;
+            }
+            for (d, s) in dst[full..n].iter_mut().zip(&src[full..n]) {
+                *d = s.to_f32();
+            }
         }
         #[inline(always)]
         fn max(self, a: __m256, b: __m256) -> __m256 {
@@ -304,6 +340,13 @@ mod tests {
         let fused: [f32; 8] = std::array::from_fn(|i| a[i].mul_add(b[i], c[i]));
         let got = l.to_array(l.mul_add(v(a), v(b), v(c)));
         assert!(got == p.mul_add(a, b, c) || got == fused);
+        let halves: Vec<half::f16> = (0..21).map(|i| half::f16::from_f32(i as f32 * 0.37 - 3.0)).collect();
+        let (mut wide, mut want) = (vec![0f32; 21], vec![0f32; 21]);
+        l.widen_f16(&halves, &mut wide);
+        p.widen_f16(&halves, &mut want);
+        assert_eq!(wide, want, "f16 widening");
+        let one = l.mul_add_one(a[0], b[0], c[0]);
+        assert!(one == got[0], "one float rounds as the lanes do: {one} vs {}", got[0]);
         assert_eq!(l.to_array(l.select_lt(v(a), v(b), v(c), v(b))), p.select_lt(a, b, c, b));
         for n in 0..=8 {
             assert_eq!(l.to_array(l.keep_first(v(a), n, f32::NEG_INFINITY)), p.keep_first(a, n, f32::NEG_INFINITY));

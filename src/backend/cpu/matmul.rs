@@ -25,6 +25,8 @@
 
 use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*, s};
 
+use crate::backend::WeightView;
+
 /// Weights with at least this many rows (output columns) take dot products.
 const DOT_MIN_COLS: usize = 16_384;
 /// Weights with fewer rows than this stay on `matrixmultiply`: with at least
@@ -37,6 +39,16 @@ const GEMM_MIN_COLS: usize = 128;
 const GEMM_MIN_ROWS: usize = 4;
 /// Fewest output columns per task on the dot and `matrixmultiply` paths.
 const MIN_COLS_PER_TASK: usize = 64;
+
+/// `x @ w^T` for a weight in any stored dtype: f32 through [`matmul_t`], half
+/// precision through [`super::dot_matmul`] (each weight decides its path, never the rows).
+pub(crate) fn matmul_weight(x: ArrayView2<'_, f32>, w: WeightView<'_>) -> Array2<f32> {
+    match w {
+        WeightView::F32(w) => matmul_t(x, w),
+        WeightView::Bf16(w) => super::dot_matmul::matmul_t(x, w),
+        WeightView::F16(w) => super::dot_matmul::matmul_t(x, w),
+    }
+}
 
 pub(crate) fn matmul_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
     let n = w.nrows();

@@ -6,6 +6,7 @@
 
 mod attention;
 mod check;
+mod dot_matmul;
 mod fast_exp;
 mod lanes;
 mod matmul;
@@ -16,10 +17,10 @@ mod rope;
 use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 
 use crate::Result;
-use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
+use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, WeightDtype};
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
-use matmul::matmul_t;
+use matmul::matmul_weight;
 pub use pages::CpuPages;
 
 /// The ndarray reference backend.
@@ -67,6 +68,7 @@ fn rms_norm_groups(x: &mut Array2<f32>, w: &[f32], width: usize, eps: f32) {
 
 impl Backend for CpuBackend {
     type Tensor = Array2<f32>;
+    type Weight = HostWeight;
     type Pages = CpuPages;
 
     fn name(&self) -> &'static str {
@@ -86,6 +88,22 @@ impl Backend for CpuBackend {
         [t.nrows(), t.ncols()]
     }
 
+    fn weight_dtypes(&self) -> &'static [WeightDtype] {
+        &[WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16]
+    }
+
+    fn upload_weight(&self, host: HostWeight) -> Result<HostWeight> {
+        // Standard layout, so row slices are contiguous for every op (no copy when already so).
+        fn standard<T: Clone>(a: Array2<T>) -> Array2<T> {
+            if a.is_standard_layout() { a } else { a.as_standard_layout().into_owned() }
+        }
+        Ok(match host {
+            HostWeight::F32(a) => HostWeight::F32(standard(a)),
+            HostWeight::Bf16(a) => HostWeight::Bf16(standard(a)),
+            HostWeight::F16(a) => HostWeight::F16(standard(a)),
+        })
+    }
+
     fn alloc_pages(&self, spec: PagesSpec) -> Result<CpuPages> {
         if spec.block_size == 0 {
             return Err(crate::error::BackendError::OpShape {
@@ -102,14 +120,14 @@ impl Backend for CpuBackend {
         pages.spec
     }
 
-    fn embedding(&self, table: &Array2<f32>, ids: &[u32]) -> Result<Array2<f32>> {
-        let rows: Vec<u32> = ids.to_vec();
-        self.gather_rows(table, &rows).map_err(|e| match e {
-            crate::Error::Backend(crate::error::BackendError::OpIndex { index, bound, .. }) => {
-                crate::Error::Backend(crate::error::BackendError::OpIndex { op: "embedding", what: "token id", index, bound })
-            }
-            other => other,
-        })
+    fn embedding(&self, table: &HostWeight, ids: &[u32]) -> Result<Array2<f32>> {
+        let table = table.view();
+        let mut out = Array2::zeros((ids.len(), table.ncols()));
+        for (i, &id) in ids.iter().enumerate() {
+            let r = row_index("embedding", "token id", i64::from(id), table.nrows())?;
+            out.row_mut(i).assign(&ndarray::ArrayView1::from(&table.row_f32(r)));
+        }
+        Ok(out)
     }
 
     fn scatter_rows(&self, dst: &mut Array2<f32>, rows: &[u32], src: &Array2<f32>) -> Result<()> {
@@ -133,9 +151,9 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn matmul_t(&self, x: &Array2<f32>, w: &Array2<f32>) -> Result<Array2<f32>> {
-        expect_cols("matmul_t", "x", x, w.ncols())?;
-        Ok(matmul_t(x.view(), w.view()))
+    fn matmul_t(&self, x: &Array2<f32>, w: &HostWeight) -> Result<Array2<f32>> {
+        expect_cols("matmul_t", "x", x, w.shape()[1])?;
+        Ok(matmul_weight(x.view(), w.view()))
     }
 
     fn add_bias(&self, x: &mut Array2<f32>, bias: &Array2<f32>) -> Result<()> {
@@ -186,7 +204,7 @@ impl Backend for CpuBackend {
         Ok(swiglu(gate_up.view()))
     }
 
-    fn moe(&self, x: &Array2<f32>, w: &MoeWeights<Array2<f32>>) -> Result<Array2<f32>> {
+    fn moe(&self, x: &Array2<f32>, w: &MoeWeights<HostWeight>) -> Result<Array2<f32>> {
         moe::forward(x, w)
     }
 
@@ -272,33 +290,41 @@ mod tests {
     #[test]
     fn matmul_matches_naive_and_rows_do_not_depend_on_their_batch() {
         let b = CpuBackend;
-        // 200 weight rows: packed products split over tasks; 16384: dot products.
-        for n in [200, 16_384] {
-            let w = rand_rows(5, n, 9);
-            let x = rand_rows(4, 70, 9);
-            let all = b.matmul_t(&x, &w).unwrap();
-            assert_eq!(all.dim(), (70, n));
-            for r in [0, 33, 69] {
-                for c in (0..n).step_by(n / 50) {
-                    let want: f32 = (0..9).map(|k| x[[r, k]] * w[[c, k]]).sum();
-                    assert!((all[[r, c]] - want).abs() < 1e-5, "n {n}: ({r},{c})");
+        // 200 weight rows: packed products split over tasks; 16384: dot products;
+        // in bf16 and f16 every size takes the dot kernel.
+        for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+            for n in [200, 16_384] {
+                let w = b.upload_weight(HostWeight::F32(rand_rows(5, n, 9)).to_dtype(dtype)).unwrap();
+                let wide = w.to_f32();
+                let x = rand_rows(4, 70, 9);
+                let all = b.matmul_t(&x, &w).unwrap();
+                assert_eq!(all.dim(), (70, n));
+                for r in [0, 33, 69] {
+                    for c in (0..n).step_by(n / 50) {
+                        let want: f32 = (0..9).map(|k| x[[r, k]] * wide[[c, k]]).sum();
+                        assert!((all[[r, c]] - want).abs() < 1e-5, "{dtype} n {n}: ({r},{c})");
+                    }
+                    let alone = b.matmul_t(&x.slice(ndarray::s![r..r + 1, ..]).to_owned(), &w).unwrap();
+                    assert_eq!(alone.row(0), all.row(r), "{dtype} n {n}: row {r} alone differs from row {r} of 70");
                 }
-                let alone = b.matmul_t(&x.slice(ndarray::s![r..r + 1, ..]).to_owned(), &w).unwrap();
-                assert_eq!(alone.row(0), all.row(r), "n {n}: row {r} alone differs from row {r} of 70");
             }
         }
         let x = rand_rows(4, 70, 9);
-        assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8)), Err(Error::Backend(BackendError::OpShape { op: "matmul_t", what: "x", .. }))));
+        assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8).into()), Err(Error::Backend(BackendError::OpShape { op: "matmul_t", what: "x", .. }))));
     }
 
     #[test]
     fn row_ops_move_the_named_rows_and_reject_bad_indices() {
         let b = CpuBackend;
         let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
-        let e = b.embedding(&table, &[4, 0, 4]).unwrap();
-        assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0]);
-        assert_eq!(e.row(2), e.row(0));
-        assert!(matches!(b.embedding(&table, &[6]), Err(Error::Backend(BackendError::OpIndex { op: "embedding", index: 6, bound: 6, .. }))));
+        for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+            // Small integers are exact in every dtype.
+            let stored = HostWeight::F32(table.clone()).to_dtype(dtype);
+            let e = b.embedding(&stored, &[4, 0, 4]).unwrap();
+            assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0], "{dtype}");
+            assert_eq!(e.row(2), e.row(0));
+            assert!(matches!(b.embedding(&stored, &[6]), Err(Error::Backend(BackendError::OpIndex { op: "embedding", index: 6, bound: 6, .. }))));
+        }
         let mut dst = Array2::zeros((4, 3));
         b.scatter_rows(&mut dst, &[3, 1], &b.gather_rows(&table, &[2, 5]).unwrap()).unwrap();
         assert_eq!(dst.row(3).to_vec(), vec![20.0, 21.0, 22.0]);

@@ -1,11 +1,11 @@
 //! The Qwen MoE block on the CPU: softmax router, top-k, optional renormalisation,
 //! experts run over the rows routed to them, combined in expert order.
 
-use ndarray::{Array2, s};
+use ndarray::Array2;
 
-use super::check::{expect_cols, shape_error};
-use super::{matmul_t, swiglu};
-use crate::backend::MoeWeights;
+use super::matmul::matmul_weight;
+use super::swiglu;
+use crate::backend::{HostWeight, MoeWeights};
 use crate::Result;
 use crate::error::BackendError;
 
@@ -32,25 +32,27 @@ fn softmax(logits: &[f32]) -> Vec<f32> {
 }
 
 /// See [`crate::backend::Backend::moe`].
-pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<Array2<f32>>) -> Result<Array2<f32>> {
+pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<HostWeight>) -> Result<Array2<f32>> {
     const OP: &str = "moe";
     let (e, hidden) = (w.num_experts, x.ncols());
+    let bad = |what: &'static str, expected: String, t: &HostWeight| -> crate::Error {
+        BackendError::OpShape { op: OP, what, expected, found: t.shape().to_vec() }.into()
+    };
     if w.top_k == 0 || w.top_k > e {
         return Err(BackendError::OpShape { op: OP, what: "top_k", expected: format!("1..={e}"), found: vec![w.top_k] }.into());
     }
-    if w.router.nrows() != e {
-        return Err(shape_error(OP, "router", format!("[{e}, {hidden}]"), &w.router));
+    if w.router.shape() != [e, hidden] {
+        return Err(bad("router", format!("[{e}, {hidden}]"), &w.router));
     }
-    expect_cols(OP, "router", &w.router, hidden)?;
-    expect_cols(OP, "gate_up", &w.gate_up, hidden)?;
-    if !w.gate_up.nrows().is_multiple_of(2 * e) {
-        return Err(shape_error(OP, "gate_up", format!("[{e} * 2I, {hidden}]"), &w.gate_up));
+    let [gu_rows, gu_cols] = w.gate_up.shape();
+    if gu_cols != hidden || !gu_rows.is_multiple_of(2 * e) {
+        return Err(bad("gate_up", format!("[{e} * 2I, {hidden}]"), &w.gate_up));
     }
-    let inter = w.gate_up.nrows() / (2 * e);
+    let inter = gu_rows / (2 * e);
     if w.down.shape() != [e * hidden, inter] {
-        return Err(shape_error(OP, "down", format!("[{}, {inter}]", e * hidden), &w.down));
+        return Err(bad("down", format!("[{}, {inter}]", e * hidden), &w.down));
     }
-    let logits = matmul_t(x.view(), w.router.view());
+    let logits = matmul_weight(x.view(), w.router.view());
     // Per expert: the rows routed to it and their weights.
     let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
     for (r, row) in logits.rows().into_iter().enumerate() {
@@ -62,9 +64,9 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<Array2<f32>>) -> Result<Ar
     let mut out = Array2::zeros(x.raw_dim());
     for (expert, rows) in routed.iter().enumerate().filter(|(_, rows)| !rows.is_empty()) {
         let xs = Array2::from_shape_fn((rows.len(), hidden), |(i, c)| x[[rows[i].0, c]]);
-        let gu = w.gate_up.slice(s![expert * 2 * inter..(expert + 1) * 2 * inter, ..]);
-        let down = w.down.slice(s![expert * hidden..(expert + 1) * hidden, ..]);
-        let y = matmul_t(swiglu(matmul_t(xs.view(), gu).view()).view(), down);
+        let gu = w.gate_up.view().rows(expert * 2 * inter, (expert + 1) * 2 * inter);
+        let down = w.down.view().rows(expert * hidden, (expert + 1) * hidden);
+        let y = matmul_weight(swiglu(matmul_weight(xs.view(), gu).view()).view(), down);
         for (i, &(r, weight)) in rows.iter().enumerate() {
             out.row_mut(r).scaled_add(weight, &y.row(i));
         }
@@ -124,7 +126,7 @@ mod tests {
         for (top_k, norm) in [(1, true), (2, true), (2, false), (6, false)] {
             let w = MoeWeights::random(&mut rng, e, h, inter, top_k, norm);
             let x = rand_matrix(&mut rng, n, h);
-            let got = forward(&x, &w).unwrap();
+            let got = forward(&x, &w.try_map(|t| Ok::<_, ()>(HostWeight::from(t.clone()))).unwrap()).unwrap();
             let want = naive(&x, &w, inter);
             for ((r, c), g) in got.indexed_iter() {
                 assert!((g - want[[r, c]]).abs() <= 1e-4 * (1.0 + want[[r, c]].abs()), "top_k {top_k} norm {norm} at ({r},{c}): {g} vs {}", want[[r, c]]);

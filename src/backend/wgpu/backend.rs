@@ -10,7 +10,8 @@ use crate::backend::wgpu::ops::attention::KvPools;
 use crate::backend::wgpu::ops::paging::SlotColumns;
 use crate::backend::wgpu::pool::{ATTENTION_POOL_CHUNKS, PagedPool};
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::backend::{AttnHeads, AttnSeq, Backend, MoeWeights, PagesSpec, RopePositions, RopeSpec};
+use crate::backend::weight::unsupported_dtype;
+use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, WeightDtype};
 use crate::kv::BlockId;
 use crate::Result;
 use crate::error::{BackendError, GpuError};
@@ -83,6 +84,7 @@ impl WgpuBackend {
 
 impl Backend for WgpuBackend {
     type Tensor = GpuTensor;
+    type Weight = GpuTensor;
     type Pages = WgpuPages;
 
     fn name(&self) -> &'static str {
@@ -106,6 +108,18 @@ impl Backend for WgpuBackend {
 
     fn shape(&self, t: &GpuTensor) -> [usize; 2] {
         t.shape()
+    }
+
+    fn weight_dtypes(&self) -> &'static [WeightDtype] {
+        // f16 storage is issue 13's; until then half-precision checkpoints widen to f32.
+        &[WeightDtype::F32]
+    }
+
+    fn upload_weight(&self, host: HostWeight) -> Result<GpuTensor> {
+        match host {
+            HostWeight::F32(a) => self.upload(a.view()),
+            other => Err(unsupported_dtype("wgpu backend", self.weight_dtypes(), other.dtype())),
+        }
     }
 
     fn alloc_pages(&self, spec: PagesSpec) -> Result<WgpuPages> {

@@ -1,0 +1,325 @@
+//! `x @ w^T` as one dot product per output element, for weights stored in any
+//! [`Element`] type (bf16 and f16 here) and accumulated in f32.
+//!
+//! Every element goes through the same operations whatever rows and columns
+//! share the call: 8 lanes of multiply-adds over `k` in steps of 8, the lanes
+//! summed in a fixed tree, then the tail in order. So a row's result never
+//! depends on its batch (cached and uncached prefills agree to the last bit),
+//! and a decode step reads each weight once for all of its rows.
+//!
+//! A task owns a tile of the output: a block of `x` rows sized to stay in L2
+//! and a range of weight rows. It widens the weight to f32 [`PANEL`] rows at a
+//! time into a buffer that stays in cache while every row of its block is
+//! multiplied by it, [`MR`] rows of `x` by [`NR`] weight rows per kernel call
+//! (12 accumulators). The weight therefore crosses memory in its stored width,
+//! once per row block: once per decode step.
+
+use half::{bf16, f16};
+use ndarray::{Array2, ArrayView2};
+use rayon::prelude::*;
+
+use super::lanes::{Lanes, Portable};
+
+/// Weight rows widened at a time.
+const PANEL: usize = 12;
+/// Rows of `x` per kernel call.
+const MR: usize = 4;
+/// Weight rows per kernel call (4 x 3 accumulators, 3 weight vectors and one `x`
+/// vector fill the 16 AVX registers without spilling).
+const NR: usize = 3;
+/// Bytes of `x` rows one task multiplies per widened panel (fits L2 beside the panel).
+const ROW_BLOCK_BYTES: usize = 160 << 10;
+/// How many panels ahead the weight is prefetched: 3 gave 45-49 decode tokens/s on
+/// the bf16 bench checkpoint against 39-41 without prefetching and 40-44 at 1 or 7.
+const PREFETCH_AHEAD: usize = 3;
+/// Tasks per thread: enough to balance uneven tiles.
+const TASKS_PER_THREAD: usize = 4;
+
+/// A stored weight element that widens exactly to f32.
+pub(crate) trait Element: Copy + Send + Sync {
+    /// `dst[i] = src[i]` widened; both the same length.
+    fn widen<L: Lanes>(l: L, src: &[Self], dst: &mut [f32]);
+}
+
+impl Element for bf16 {
+    #[inline(always)]
+    fn widen<L: Lanes>(_: L, src: &[bf16], dst: &mut [f32]) {
+        // bf16 is the top half of an f32: a shift (vectorises to two instructions per 8).
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+        }
+    }
+}
+
+impl Element for f16 {
+    #[inline(always)]
+    fn widen<L: Lanes>(l: L, src: &[f16], dst: &mut [f32]) {
+        // 8 at a time with F16C where the lanes have it.
+        l.widen_f16(src, dst);
+    }
+}
+
+/// The output pointer tasks write disjoint tiles through.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: tasks write disjoint elements (distinct tiles), and the output outlives the parallel loop.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+/// `x @ w^T`: `x [m, k]` f32, `w [n, k]` of `T` → `[m, n]` f32.
+pub(crate) fn matmul_t<T: Element>(x: ArrayView2<'_, f32>, w: ArrayView2<'_, T>) -> Array2<f32> {
+    let (m, k, n) = (x.nrows(), x.ncols(), w.nrows());
+    assert_eq!(w.ncols(), k, "dot matmul_t: x and w disagree on k");
+    let mut out = Array2::<f32>::zeros((m, n));
+    if m == 0 || n == 0 {
+        return out;
+    }
+    let x = x.as_standard_layout();
+    let w = w.as_standard_layout();
+    let (Some(xs), Some(ws)) = (x.as_slice(), w.as_slice()) else { unreachable!("standard layout is contiguous") };
+    let rows_per_block = (ROW_BLOCK_BYTES / (4 * k.max(1))).max(MR) / MR * MR;
+    let row_blocks = m.div_ceil(rows_per_block);
+    let threads = rayon::current_num_threads().max(1);
+    let col_chunks = (threads * TASKS_PER_THREAD).div_ceil(row_blocks).max(1);
+    let cols_per_chunk = n.div_ceil(col_chunks).next_multiple_of(PANEL);
+    let tiles: Vec<(usize, usize)> =
+        (0..row_blocks).flat_map(|r| (0..n.div_ceil(cols_per_chunk)).map(move |c| (r, c))).collect();
+    let dst = Out(out.as_mut_ptr());
+    let avx2 = avx2_token();
+    tiles.into_par_iter().for_each(|(rb, cc)| {
+        let tile = Tile {
+            rows: rb * rows_per_block..(m).min((rb + 1) * rows_per_block),
+            cols: cc * cols_per_chunk..n.min((cc + 1) * cols_per_chunk),
+            k,
+            n,
+        };
+        match avx2 {
+            // SAFETY: the token proves AVX2 and FMA; the tile lies inside `out`, `xs` and `ws`.
+            #[cfg(target_arch = "x86_64")]
+            Some(l) => unsafe { tile_avx2(l, xs, ws, &tile, dst) },
+            // SAFETY: the tile lies inside `out`, `xs` and `ws`.
+            _ => unsafe { run_tile(Portable, xs, ws, &tile, dst) },
+        }
+    });
+    out
+}
+
+#[cfg(target_arch = "x86_64")]
+type Avx2Token = super::lanes::Avx2;
+#[cfg(not(target_arch = "x86_64"))]
+type Avx2Token = std::convert::Infallible;
+
+fn avx2_token() -> Option<Avx2Token> {
+    #[cfg(target_arch = "x86_64")]
+    return super::lanes::Avx2::new();
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+/// One task's share of the output.
+struct Tile {
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    k: usize,
+    n: usize,
+}
+
+/// [`run_tile`] compiled for AVX2 + FMA.
+///
+/// # Safety
+/// As [`run_tile`]; the CPU must have AVX2 and FMA (the token proves it).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_avx2<T: Element>(l: super::lanes::Avx2, xs: &[f32], ws: &[T], tile: &Tile, out: Out) {
+    // SAFETY: forwarded from the caller.
+    unsafe { run_tile(l, xs, ws, tile, out) }
+}
+
+/// Widens the tile's weight rows a panel at a time and multiplies every row of
+/// the tile by each panel.
+///
+/// # Safety
+/// `xs` holds `[m, k]` with `tile.rows` inside `m`; `ws` holds `[n, k]` with
+/// `tile.cols` inside `n`; `out` points at `[m, n]` and no other task writes the tile.
+#[inline(always)]
+unsafe fn run_tile<L: Lanes, T: Element>(l: L, xs: &[f32], ws: &[T], tile: &Tile, out: Out) {
+    let k = tile.k;
+    let mut panel = vec![0f32; PANEL * k];
+    for c0 in tile.cols.clone().step_by(PANEL) {
+        let pc = PANEL.min(tile.cols.end - c0);
+        T::widen(l, &ws[c0 * k..(c0 + pc) * k], &mut panel[..pc * k]);
+        // Ask for the weight bytes PREFETCH_AHEAD panels on now, so memory streams them in
+        // while this panel computes (a decode step is bound by that stream; prefetches never fault).
+        let ahead = c0 + pc + PREFETCH_AHEAD * PANEL;
+        let next = &ws[(ahead * k).min(ws.len())..((ahead + PANEL) * k).min(ws.len())];
+        let line_elems = 64 / std::mem::size_of::<T>();
+        for i in (0..next.len()).step_by(line_elems) {
+            l.prefetch(next[i..].as_ptr().cast());
+        }
+        if tile.rows.len() == 1 && pc == PANEL {
+            // One row (a decode step): the whole panel at once, so PANEL independent
+            // accumulator chains hide the multiply-add latency (the same operations per element).
+            let r = tile.rows.start;
+            // SAFETY: row r and every panel row hold k floats.
+            let sums = unsafe { block::<L, 1, PANEL>(l, [xs[r * k..].as_ptr()], std::array::from_fn(|j| panel[j * k..].as_ptr()), k) };
+            for (j, &v) in sums[0].iter().enumerate() {
+                // SAFETY: (r, c0 + j) lies in the tile, inside `[m, n]`.
+                unsafe { *out.0.add(r * tile.n + c0 + j) = v };
+            }
+            continue;
+        }
+        for r0 in tile.rows.clone().step_by(MR) {
+            let rm = MR.min(tile.rows.end - r0);
+            for j0 in (0..pc).step_by(NR) {
+                let jn = NR.min(pc - j0);
+                let x = |i: usize| xs[(r0 + i.min(rm - 1)) * k..].as_ptr();
+                let w = |j: usize| panel[(j0 + j.min(jn - 1)) * k..].as_ptr();
+                // SAFETY: each pointer starts a full row of k floats (rows past the end
+                // repeat the last one and are computed but not stored).
+                let sums: [[f32; NR]; MR] = unsafe { dots(l, std::array::from_fn(x), std::array::from_fn(w), k, rm, jn) };
+                for (i, row) in sums.iter().enumerate().take(rm) {
+                    for (j, &v) in row.iter().enumerate().take(jn) {
+                        // SAFETY: (r0 + i, c0 + j0 + j) lies in the tile, inside `[m, n]`.
+                        unsafe { *out.0.add((r0 + i) * tile.n + c0 + j0 + j) = v };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The dot products of `rm` rows by `jn` weight rows, through the kernel shaped
+/// for them (a product's operations never depend on the shape).
+///
+/// # Safety
+/// Every pointer starts `k` readable floats.
+#[inline(always)]
+unsafe fn dots<L: Lanes>(l: L, x: [*const f32; MR], w: [*const f32; NR], k: usize, rm: usize, jn: usize) -> [[f32; NR]; MR] {
+    let mut out = [[0f32; NR]; MR];
+    macro_rules! kernel {
+        ($r:literal, $c:literal) => {{
+            // SAFETY: forwarded from the caller.
+            let s = unsafe { block::<L, $r, $c>(l, std::array::from_fn(|i| x[i]), std::array::from_fn(|j| w[j]), k) };
+            for i in 0..$r {
+                out[i][..$c].copy_from_slice(&s[i]);
+            }
+        }};
+    }
+    match (rm, jn) {
+        (4, 3) => kernel!(4, 3),
+        (4, 2) => kernel!(4, 2),
+        (4, _) => kernel!(4, 1),
+        (3, 3) => kernel!(3, 3),
+        (3, 2) => kernel!(3, 2),
+        (3, _) => kernel!(3, 1),
+        (2, 3) => kernel!(2, 3),
+        (2, 2) => kernel!(2, 2),
+        (2, _) => kernel!(2, 1),
+        (_, 3) => kernel!(1, 3),
+        (_, 2) => kernel!(1, 2),
+        _ => kernel!(1, 1),
+    }
+    out
+}
+
+/// `R x C` dot products of length `k`: lanes of multiply-adds over whole
+/// groups of 8, the lanes summed in a fixed tree, then the tail in order.
+///
+/// # Safety
+/// Every pointer starts `k` readable floats.
+#[inline(always)]
+unsafe fn block<L: Lanes, const R: usize, const C: usize>(l: L, x: [*const f32; R], w: [*const f32; C], k: usize) -> [[f32; C]; R] {
+    let full = k / 8 * 8;
+    let mut acc = [[l.zero(); C]; R];
+    let mut c = 0;
+    while c < full {
+        // SAFETY: c + 8 <= k.
+        let wv: [L::V; C] = std::array::from_fn(|j| unsafe { l.load(w[j].add(c)) });
+        for (a, xp) in acc.iter_mut().zip(&x) {
+            // SAFETY: c + 8 <= k.
+            let xv = unsafe { l.load(xp.add(c)) };
+            for (a, wv) in a.iter_mut().zip(&wv) {
+                *a = l.mul_add(*wv, xv, *a);
+            }
+        }
+        c += 8;
+    }
+    std::array::from_fn(|i| {
+        std::array::from_fn(|j| {
+            let a = l.to_array(acc[i][j]);
+            let mut s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+            for t in full..k {
+                // SAFETY: t < k.
+                s = l.mul_add_one(unsafe { *w[j].add(t) }, unsafe { *x[i].add(t) }, s);
+            }
+            s
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::s;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn rand_rows(seed: u64, r: usize, c: usize) -> Array2<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
+    }
+
+    fn pool(threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool")
+    }
+
+    /// Each half type against an f64 oracle on the widened weights, and the
+    /// invariant that keeps caching invisible: a row's result is the same to the
+    /// last bit alone, in any batch, at any offset and with any thread count.
+    fn check<T: Element + std::fmt::Debug>(narrow: fn(f32) -> T, widen: fn(T) -> f32) {
+        const ALL: usize = 200;
+        // k below, at and across lane groups, with tails; n below a panel, odd, and vocabulary-like.
+        for (n, k) in [(1, 7), (5, 8), (37, 29), (64, 512), (130, 100), (1000, 64)] {
+            let w = rand_rows(n as u64, n, k).mapv(narrow);
+            let x = rand_rows(k as u64 + 9, ALL, k);
+            let all = pool(2).install(|| matmul_t(x.view(), w.view()));
+            assert_eq!(all.dim(), (ALL, n));
+            assert_eq!(pool(1).install(|| matmul_t(x.view(), w.view())), all, "n {n} k {k}: 1 thread differs from 2");
+            for r in [0, 101, ALL - 1] {
+                for c in [0, n / 2, n - 1] {
+                    let want: f64 = (0..k).map(|i| f64::from(x[[r, i]]) * f64::from(widen(w[[c, i]]))).sum();
+                    let tol = 1e-5 * (k as f64).sqrt().max(1.0);
+                    assert!((f64::from(all[[r, c]]) - want).abs() < tol, "n {n} k {k}: ({r},{c}) {} vs {want}", all[[r, c]]);
+                }
+            }
+            for m in [1, 2, 3, 4, 17] {
+                for start in [0, 5, ALL - m] {
+                    let got = pool(2).install(|| matmul_t(x.slice(s![start..start + m, ..]), w.view()));
+                    assert!(got == all.slice(s![start..start + m, ..]), "n {n} k {k}: rows {start}..+{m} differ from the same rows of {ALL}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_products_match_f64_and_rows_do_not_depend_on_their_batch() {
+        check(bf16::from_f32, bf16::to_f32);
+    }
+
+    #[test]
+    fn f16_products_match_f64_and_rows_do_not_depend_on_their_batch() {
+        check(f16::from_f32, f16::to_f32);
+    }
+
+    #[test]
+    fn widening_is_exact() {
+        let vals = [0.0f32, -0.0, 1.0, -2.5, 3.14159, 1e-8, 65504.0, f32::MIN_POSITIVE];
+        let b: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut out = vec![0f32; vals.len()];
+        bf16::widen(Portable, &b, &mut out);
+        assert_eq!(out, b.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        let h: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
+        f16::widen(Portable, &h, &mut out);
+        assert_eq!(out, h.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+    }
+}
