@@ -29,8 +29,9 @@ Each engine's side runs in its own processes: (a)+(b) in one, (c) in another; th
 resident memory (max RSS, from wait4) of each process is reported. Prompts are random
 ids below 151643 (Qwen's regular BPE ids).
 
-`--dtype bf16` saves the checkpoint in bf16: transformers then runs in bf16, while
-omniprefix converts the weights to f32 at load (so greedy tokens need not agree).
+`--dtype bf16` saves the checkpoint in bf16: transformers then runs in bf16 (weights and
+activations), while omniprefix keeps the weight matrices in bf16 (`--dtype auto`, the
+checkpoint's own) and computes in f32, so greedy tokens need not agree.
 
 Setup: without `--venv` a venv at target/torch-venv is created if missing and torch,
 transformers and safetensors are installed into it from PyPI (the Linux torch wheel pulls

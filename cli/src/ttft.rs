@@ -99,6 +99,10 @@ pub struct TtftReport {
     pub workload: String,
     /// The backend the model ran on (`cpu`, `wgpu`).
     pub backend: &'static str,
+    /// The dtype the weight matrices were stored in (`f32`, `bf16`, `f16`).
+    pub dtype: &'static str,
+    /// MiB of all weights as stored.
+    pub weight_mib: f64,
     /// Tokens of the measured prompt that a cache could serve (shared with earlier prompts).
     pub prefix: usize,
     /// The rest of the prompt.
@@ -269,7 +273,7 @@ impl<B: Backend> Bench<B> {
                 samples.push(&uncached, &cached);
             }
         }
-        Ok(report(workload, self.backend.name(), self.thinker.config(), prefix, suffix, self.options.runs.max(1), samples))
+        Ok(report(workload, self.backend.name(), &self.thinker, prefix, suffix, self.options.runs.max(1), samples))
     }
 
     /// Per run (its own tenant): rounds 1..4 in order on a caching engine, and
@@ -319,7 +323,7 @@ impl<B: Backend> Bench<B> {
             .map(|(k, (samples, len))| {
                 let hit = median_usize(samples.hits.clone());
                 let name = format!("multi_round.round{}", k + 1);
-                report(&name, self.backend.name(), self.thinker.config(), hit, len.saturating_sub(hit), runs, samples)
+                report(&name, self.backend.name(), &self.thinker, hit, len.saturating_sub(hit), runs, samples)
             })
             .collect())
     }
@@ -374,7 +378,8 @@ impl Samples {
     }
 }
 
-fn report(workload: &str, backend: &'static str, cfg: &Config, prefix: usize, suffix: usize, runs: usize, samples: Samples) -> TtftReport {
+fn report<B: Backend>(workload: &str, backend: &'static str, thinker: &Thinker<B>, prefix: usize, suffix: usize, runs: usize, samples: Samples) -> TtftReport {
+    let cfg = thinker.config();
     let (u, c) = (median(samples.uncached_ms), median(samples.cached_ms));
     let cached_tokens = median_usize(samples.hits);
     let total = (prefix + suffix).max(1);
@@ -383,6 +388,8 @@ fn report(workload: &str, backend: &'static str, cfg: &Config, prefix: usize, su
     TtftReport {
         workload: workload.into(),
         backend,
+        dtype: thinker.dtype().name(),
+        weight_mib: thinker.weight_bytes() as f64 / (1u64 << 20) as f64,
         prefix,
         suffix,
         runs,

@@ -239,6 +239,29 @@ fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> Test
     Ok(())
 }
 
+/// `--dtype`: `auto` keeps the f32 checkpoint's f32, `bf16` halves the matrices' bytes and
+/// says so in the report, and an unknown name is an argument error naming the choices.
+#[test]
+fn bench_ttft_dtype_stores_the_weights_as_asked() -> TestResult {
+    let m = model("qwen3_dense");
+    let report = |dtype: &str| -> TestResult<serde_json::Value> {
+        let args = [
+            "bench", "ttft", "--model", p(&m), "--workloads", "prefix_repetition", "--prefix", "16", "--suffix", "8",
+            "--runs", "1", "--no-capture", "--threads", "1", "--dtype", dtype, "--json",
+        ];
+        let stdout = ok_stdout(&omniprefix(&args)?)?;
+        Ok(serde_json::from_str(stdout.lines().next().ok_or("no report")?)?)
+    };
+    let (auto, bf16) = (report("auto")?, report("bf16")?);
+    assert_eq!((auto["dtype"].as_str(), bf16["dtype"].as_str()), (Some("f32"), Some("bf16")));
+    let mib = |r: &serde_json::Value| r["weight_mib"].as_f64().unwrap_or_default();
+    assert!(mib(&bf16) > 0.0 && mib(&bf16) < 0.6 * mib(&auto), "bf16 {} MiB vs f32 {} MiB", mib(&bf16), mib(&auto));
+    let out = omniprefix(&["bench", "ttft", "--dtype", "fp8"])?;
+    let err = String::from_utf8(out.stderr)?;
+    assert!(!out.status.success() && err.contains("'fp8' for '--dtype") && err.contains("expected auto, f32, bf16 or f16"), "{err}");
+    Ok(())
+}
+
 #[test]
 fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestResult {
     let dir = scratch("backend")?;

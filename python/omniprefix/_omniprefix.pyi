@@ -259,7 +259,7 @@ class Engine:
         capture: _Capture = "default",
         cache: bool = True,
         backend: _Backend = "cpu",
-        dtype: Literal["auto", "f32"] = "auto",
+        dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
         fingerprint_key: Optional[bytes] = None,
         validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,
@@ -276,6 +276,10 @@ class Engine:
         * ``cache=False``: every request runs as if nothing were cached (same code path).
         * ``backend``: ``"cpu"``, ``"wgpu"`` (:class:`GpuError` without an adapter, never a
           silent fallback) or ``"auto"`` (see :attr:`backend` for the choice).
+        * ``dtype``: how weight matrices are stored; ``"auto"`` is the checkpoint's own
+          (a bf16 checkpoint stays bf16, in about its file size of memory). Products
+          accumulate in f32. The wgpu backend stores f32 only: an explicit half dtype
+          there is a :class:`ConfigError`, ``"auto"`` widens. See :attr:`dtype`.
         * ``fingerprint_key``: 32 bytes (default: random per engine).
         * ``validation``: how a fingerprint hit is confirmed.
         * ``tenants``: the known tenant ids; a request of any other tenant is a :class:`RequestError`.
@@ -295,7 +299,7 @@ class Engine:
         capture: _Capture = "default",
         cache: bool = True,
         backend: _Backend = "cpu",
-        dtype: Literal["auto", "f32"] = "auto",
+        dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
         fingerprint_key: Optional[bytes] = None,
         validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,
@@ -385,6 +389,9 @@ class Engine:
     @property
     def backend(self) -> str:
         """The backend in use, in words (``"auto"`` reports its choice here)."""
+    @property
+    def dtype(self) -> Literal["f32", "bf16", "f16"]:
+        """The dtype the weight matrices are stored in (``"auto"`` resolved)."""
     @property
     def block_size(self) -> int: ...
 

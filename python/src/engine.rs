@@ -61,6 +61,7 @@ struct Info {
     vocab_size: usize,
     block_size: usize,
     backend: String,
+    dtype: &'static str,
 }
 
 /// A thinker engine: prefix-cached prefill and generation over one checkpoint.
@@ -160,6 +161,7 @@ impl PyEngine {
                 vocab_size: model.vocab_size,
                 block_size: e.config().block_size,
                 backend: reason,
+                dtype: e.weight_dtype().name(),
             }
         });
         Ok(PyEngine {
@@ -466,6 +468,12 @@ impl PyEngine {
     #[getter]
     fn block_size(&self) -> usize {
         self.info.block_size
+    }
+
+    /// The dtype the weight matrices are stored in (`"auto"` resolved).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.info.dtype
     }
 
     /// The backend opened, and why (`"cpu (asked for cpu)"`, `"wgpu on <adapter> (...)"`).

@@ -3,6 +3,7 @@
 
 use std::str::FromStr;
 
+use omniprefix::backend::WeightDtype;
 use omniprefix::backend::auto::BackendKind;
 use omniprefix::canon::FingerprintKey;
 use omniprefix::engine::EngineConfig;
@@ -87,7 +88,7 @@ impl EngineOptions {
                 "cache" => config.cache = value.extract().map_err(|_| PyTypeError::new_err("cache must be a bool"))?,
                 "capture" => out.capture = capture_choice(&value)?,
                 "backend" => out.backend = backend_kind(&value)?,
-                "dtype" => check_dtype(&value)?,
+                "dtype" => config.dtype = dtype(&value)?,
                 "fingerprint_key" => config.fingerprint_key = fingerprint_key(&value)?,
                 "validation" => config.validation = validation(&value)?,
                 "tenants" => {
@@ -154,16 +155,17 @@ fn backend_kind(value: &Bound<'_, PyAny>) -> PyResult<BackendKind> {
     BackendKind::from_str(&name).map_err(|_| PyValueError::new_err(format!("backend {name:?}: expected \"cpu\", \"wgpu\" or \"auto\"")))
 }
 
-/// Weights are held in f32 whatever the checkpoint stores, so `"auto"` and
-/// `"f32"` are the same request and the half-precision ones are refused.
-fn check_dtype(value: &Bound<'_, PyAny>) -> PyResult<()> {
-    match string(value, "dtype")?.as_str() {
-        "auto" | "f32" | "float32" => Ok(()),
-        half @ ("bf16" | "f16" | "bfloat16" | "float16") => Err(ConfigError::new_err(format!(
-            "dtype {half:?}: this build stores weights in f32 only (\"auto\" converts a half-precision checkpoint to f32)"
-        ))),
-        other => Err(PyValueError::new_err(format!("dtype {other:?}: expected \"auto\", \"f32\", \"bf16\" or \"f16\""))),
-    }
+/// `"auto"` (the checkpoint's own dtype), `"f32"`, `"bf16"` or `"f16"`; numpy's
+/// `"float32"`, `"bfloat16"` and `"float16"` too.
+fn dtype(value: &Bound<'_, PyAny>) -> PyResult<Option<WeightDtype>> {
+    let name = string(value, "dtype")?;
+    let short = match name.as_str() {
+        "float32" => "f32",
+        "bfloat16" => "bf16",
+        "float16" => "f16",
+        other => other,
+    };
+    WeightDtype::parse_or_auto(short).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// A 32-byte fleet key given as `bytes`.

@@ -68,6 +68,26 @@ def test_prefill_matches_transformers(model, prompt):
         assert out.timings[key] >= 0.0, key
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("model", ["qwen3_dense", "omni_thinker"])
+def test_half_precision_weights_match_transformers_over_the_same_rounded_weights(model, dtype):
+    """``dtype=`` stores the matrices rounded to bf16 / f16 and computes in f32: transformers in
+    f32 over the same rounded weights (``fixtures/make_half_references.py``) within 1e-4, and a
+    cached rerun bit-identical."""
+    ref = load_reference(model, f"{dtype}_weights_reference.safetensors")
+    engine = open_engine(model, dtype=dtype)
+    assert engine.dtype == dtype
+    assert open_engine(model).dtype == "f32", "auto is the checkpoint's own dtype"
+    for prompt in ("text_a", "text_b"):
+        ids = ref[f"{prompt}.input_ids"]
+        out = engine.prefill(ids)
+        for name, hidden in out.hidden.items():
+            assert_close(f"{model}/{prompt} {dtype} {name}", hidden, ref[reference_name(prompt, name)])
+        again = engine.prefill(ids)
+        assert again.num_cached_tokens > 0
+        assert_bit_equal(f"{model}/{prompt} {dtype} cached", again.hidden, out.hidden)
+
+
 @pytest.mark.parametrize("model,prompt", GENERATE_CASES)
 def test_generate_matches_transformers_and_the_cached_rounds_are_bit_identical(model, prompt):
     num_layers = MODELS[model][0]

@@ -66,3 +66,9 @@ def test_wgpu_greedy_generation_matches_cpu(gpu_engine, cpu_engine):
     for name, rows in want.hidden.items():
         assert got.hidden[name].shape == (len(ids) + 8 - 1, gpu_engine.hidden_size)
         assert relative_error(got.hidden[name], rows) <= TOLERANCE, name
+
+
+def test_wgpu_stores_f32_weights_only(gpu_engine):
+    assert gpu_engine.dtype == "f32"
+    with pytest.raises(omniprefix.ConfigError, match="wgpu"):
+        omniprefix.Engine.from_dir(MODEL, backend="wgpu", dtype="bf16")

@@ -18,6 +18,7 @@ use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
 use omniprefix::engine::{Engine, EngineConfig, Output};
 use omniprefix::error::{CheckpointError, Error};
 use crate::error::{HarnessError, Result, output};
+use super::model_load::DtypeArg;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::request_file::RequestFile;
 
@@ -50,6 +51,9 @@ pub struct EngineArgs {
     /// silent CPU fallback) or `auto` (wgpu when an adapter exists, else cpu).
     #[arg(long, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
+    /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
+    #[arg(long, default_value_t = DtypeArg::default())]
+    pub dtype: DtypeArg,
     /// Captured points: comma-separated layers (`0,2`), `final`, or `all`.
     /// Default: `0`, the middle layer, `final`.
     #[arg(long)]
@@ -67,6 +71,7 @@ impl EngineArgs {
             capture,
             cache: !self.no_cache,
             token_granular_reuse: !self.block_aligned,
+            dtype: self.dtype.0,
             ..Default::default()
         })
     }

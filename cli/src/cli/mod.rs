@@ -19,6 +19,8 @@ pub mod demo;
 pub mod generate;
 /// `omniprefix hidden`.
 pub mod hidden;
+/// `--dtype` and the model the benchmarks load.
+pub mod model_load;
 /// `omniprefix bench serve`.
 pub mod serve;
 /// `omniprefix bench soak`.

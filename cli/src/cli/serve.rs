@@ -9,11 +9,11 @@ use clap::Args;
 
 use omniprefix::backend::Backend;
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
-use omniprefix::engine::tokens_from_config_file;
 use omniprefix::error::Error;
-use omniprefix::model::{Config, Thinker};
+use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 
+use super::model_load::{DtypeArg, load_thinker};
 use crate::error::{HarnessError, Result, output};
 use crate::serve::{Arrival, ServeOptions, ServeReport, ServeWorkload, run_serve};
 use crate::ttft::bench_model;
@@ -76,6 +76,9 @@ pub struct ServeArgs {
     /// Where the model runs: `cpu`, `wgpu` (an error without an adapter) or `auto`.
     #[arg(long, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
+    /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
+    #[arg(long, default_value_t = DtypeArg::default())]
+    pub dtype: DtypeArg,
     /// Seed of the weights, prompts, media and arrivals.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -173,10 +176,7 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
 
 /// Loads or builds the model on `backend` and runs the benchmark.
 fn measure<B: Backend>(backend: Arc<B>, args: &ServeArgs, options: &ServeOptions) -> Result<Vec<ServeReport>> {
-    let (thinker, tokens) = match &args.model {
-        Some(dir) => (Thinker::from_dir(&*backend, dir)?, tokens_from_config_file(&dir.join("config.json"))?),
-        None => (Thinker::random(&*backend, args.random_model(), args.seed)?, None),
-    };
+    let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), args.random_model(), args.seed, args.dtype)?;
     let vocab = thinker.config().vocab_size;
     let tokens = tokens.unwrap_or_else(|| if vocab > 151_675 { OmniTokens::qwen3_omni() } else { OmniTokens::tiny() });
     run_serve(backend, Arc::new(thinker), tokens, options)

@@ -8,10 +8,9 @@ use clap::Args;
 
 use omniprefix::backend::Backend;
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
-use omniprefix::engine::tokens_from_config_file;
 use omniprefix::error::Error;
 use crate::error::{HarnessError, Result, output};
-use omniprefix::model::Thinker;
+use super::model_load::{DtypeArg, load_thinker};
 use crate::ttft::{CaptureReport, TtftOptions, TtftReport, Workload, bench_model, run_all};
 
 /// Arguments of `omniprefix bench ttft`.
@@ -35,6 +34,9 @@ pub struct TtftArgs {
     /// Where the model runs: `cpu`, `wgpu` (an error without an adapter) or `auto`.
     #[arg(long, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
+    /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
+    #[arg(long, default_value_t = DtypeArg::default())]
+    pub dtype: DtypeArg,
     /// Timed runs per figure (medians are reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -138,10 +140,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
 
 /// Loads the model on `backend` and runs the selected workloads.
 fn measure<B: Backend>(backend: Arc<B>, args: &TtftArgs, options: &TtftOptions) -> Result<(Vec<TtftReport>, Option<CaptureReport>)> {
-    let (thinker, tokens) = match &args.model {
-        Some(dir) => (Thinker::from_dir(&*backend, dir)?, tokens_from_config_file(&dir.join("config.json"))?),
-        None => (Thinker::random(&*backend, bench_model(), args.seed)?, None),
-    };
+    let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), bench_model(), args.seed, args.dtype)?;
     run_all(backend, Arc::new(thinker), tokens, options)
 }
 

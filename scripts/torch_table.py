@@ -1,0 +1,28 @@
+#!/usr/bin/env python3
+"""The README's "Against PyTorch on the CPU" rows from `scripts/compare_torch.py`'s reports.
+
+Usage: python3 scripts/torch_table.py docs/reports/compare_torch.jsonl docs/reports/compare_torch_bf16.jsonl
+Prints one markdown row per report file: checkpoint dtype, then (a) uncached prefill, (b) cached
+prefill, (c) decode as "omniprefix vs torch: ratio", and the peak RSS of both sides.
+"""
+
+import json
+import sys
+
+
+def row(path: str) -> str:
+    rows = {}
+    for line in open(path):
+        r = json.loads(line)
+        if "part" in r:
+            rows[r["part"]] = r
+    a, b, c = rows["a"], rows["b"], rows["c"]
+    ms = lambda r: f"{r['omniprefix_ms']:.0f} vs {r['torch_ms']:.0f} ms: **{r['ratio']:.2f}**"
+    rate = f"{c['omniprefix_tok_s']:.1f} vs {c['torch_tok_s']:.1f} tok/s: **{c['omniprefix_tok_s'] / c['torch_tok_s']:.2f} ×**"
+    rss = f"{max(a['omniprefix_rss_mib'], c['omniprefix_rss_mib']):.0f} / {max(a['torch_rss_mib'], c['torch_rss_mib']):.0f} MiB"
+    return f"| {a['dtype']} | {ms(a)} | {ms(b)} | {rate} | {rss} |"
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        print(row(path))
