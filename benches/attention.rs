@@ -27,7 +27,7 @@ use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterio
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
-use omniprefix::backend::{AttnHeads, AttnSeq, Backend, PagesSpec};
+use omniprefix::backend::{AttnHeads, AttnSeq, Backend, Dtype, PagesSpec};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -86,6 +86,7 @@ fn bench_shape<B: Timed>(group: &mut BenchmarkGroup<'_, WallTime>, b: &B, prefix
         head_dim: HEADS.head_dim,
         captured: 0,
         hidden: 0,
+        kv_dtype: Dtype::F32,
     };
     let mut pages = b.alloc_pages(spec).expect("pages");
     let slots: Vec<i64> = (0..len).map(|j| (table[j / BLOCK] as usize * BLOCK + j % BLOCK) as i64).collect();

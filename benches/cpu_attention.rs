@@ -23,7 +23,7 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use ndarray::Array2;
 use omniprefix::backend::cpu::{CpuBackend, CpuPages};
-use omniprefix::backend::{AttnHeads, AttnSeq, Backend, PagesSpec};
+use omniprefix::backend::{AttnHeads, AttnSeq, Backend, Dtype, PagesSpec};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -47,6 +47,7 @@ fn filled_pages(b: &CpuBackend, heads: AttnHeads, seqs: usize, len: usize, rng: 
         head_dim: heads.head_dim,
         captured: 0,
         hidden: 0,
+        kv_dtype: Dtype::F32,
     };
     let mut pages = b.alloc_pages(spec).expect("pages");
     let mut all: Vec<u32> = (0..spec.num_blocks as u32).collect();

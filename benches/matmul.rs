@@ -14,7 +14,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*};
-use omniprefix::backend::{Backend, HostWeight, WeightDtype};
+use omniprefix::backend::{Backend, HostWeight, Dtype};
 use omniprefix::backend::cpu::CpuBackend;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -48,9 +48,9 @@ fn matmul(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new("matrixmultiply", name), &(), |b, _| {
                 b.iter(|| black_box(matrixmultiply_split(x.view(), w.view())))
             });
-            for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+            for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
                 let stored = HostWeight::F32(w.clone()).to_dtype(dtype);
-                let label = if dtype == WeightDtype::F32 { "gemm".to_string() } else { format!("dot_{dtype}") };
+                let label = if dtype == Dtype::F32 { "gemm".to_string() } else { format!("dot_{dtype}") };
                 group.bench_with_input(BenchmarkId::new(label, name), &(), |b, _| {
                     b.iter(|| black_box(backend.matmul_t(&x, &stored).expect("shapes agree")))
                 });

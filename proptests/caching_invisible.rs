@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::backend::WeightDtype;
+use omniprefix::backend::Dtype;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest};
 use omniprefix::model::{CaptureName, Config, Thinker};
@@ -121,7 +121,9 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
     let layers = cfg.num_hidden_layers;
     // One case in three each with f32, bf16 and f16 weights (from the seed, so recorded
     // regressions keep their meaning): half-precision products take another kernel.
-    let dtype = [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16][((case.seed >> 16) % 3) as usize];
+    let dtype = [Dtype::F32, Dtype::Bf16, Dtype::F16][((case.seed >> 16) % 3) as usize];
+    // And the K/V pages in f32, f16 or bf16 (attention then widens each key tile).
+    let kv_dtype = [Dtype::F32, Dtype::F16, Dtype::Bf16][((case.seed >> 24) % 3) as usize];
     let thinker = Arc::new(Thinker::random_as(&*backend, cfg, case.seed, Some(dtype)).map_err(|e| TestCaseError::fail(e.to_string()))?);
     let capture: Vec<CaptureName> = (0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect();
     let config = |cache: bool| EngineConfig {
@@ -132,6 +134,7 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
         cache,
         capture: Some(capture.clone()),
         tokens: Some(OmniTokens::tiny()),
+        kv_dtype,
         ..Default::default()
     };
     let pixels = ArrayD::from_shape_fn(IxDyn(&[6, 6, 3]), |d| (d[0] * 31 + d[1] * 7 + d[2]) as u8);

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use ndarray::{Array2, s};
 
-use crate::backend::{AttnSeq, Backend, PagesSpec, RopePositions};
+use crate::backend::{AttnSeq, Backend, Dtype, PagesSpec, RopePositions};
 use crate::batch::{self, BlockCopy, EmbedRows, LevelMismatch, ModelShape, RequestId, ScheduledBatch, ScheduledSeq};
 use crate::kv::{BlockId, BlockTable};
 use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
@@ -63,18 +63,24 @@ pub struct ModelRunner<B: Backend> {
     backend: Arc<B>,
     thinker: Arc<Thinker<B>>,
     capture: CaptureSpec,
+    kv_dtype: Dtype,
 }
 
 impl<B: Backend> ModelRunner<B> {
     /// A runner capturing `capture` (checked against the thinker's layer count).
     pub fn new(backend: Arc<B>, thinker: Arc<Thinker<B>>, capture: CaptureSpec) -> Result<Self> {
         let capture = CaptureSpec::new(capture.points().iter().copied(), thinker.config().num_hidden_layers)?;
-        Ok(Self { backend, thinker, capture })
+        Ok(Self { backend, thinker, capture, kv_dtype: Dtype::F32 })
+    }
+
+    /// The same runner allocating K/V pages in `kv_dtype` (default f32).
+    pub fn with_kv_dtype(self, kv_dtype: Dtype) -> Self {
+        Self { kv_dtype, ..self }
     }
 
     /// Page sizes this runner needs for `num_blocks` blocks of `block_size` positions.
     pub fn pages_spec(&self, num_blocks: usize, block_size: usize) -> PagesSpec {
-        pages_spec(&self.thinker, &self.capture, num_blocks, block_size)
+        PagesSpec { kv_dtype: self.kv_dtype, ..pages_spec(&self.thinker, &self.capture, num_blocks, block_size) }
     }
 
     /// Allocates zero-filled pages of [`ModelRunner::pages_spec`].
@@ -130,6 +136,7 @@ fn pages_spec<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, num_block
         head_dim: c.head_dim,
         captured: capture.len(),
         hidden: c.hidden_size,
+        kv_dtype: Dtype::F32,
     }
 }
 
@@ -261,7 +268,8 @@ fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result
 
 /// Checks the pages fit the model and every copy and sequence is valid.
 fn check_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch: &ScheduledBatch, spec: &PagesSpec) -> Result<()> {
-    let want = pages_spec(thinker, capture, spec.num_blocks, spec.block_size);
+    // Pages in any K/V element type serve the same model.
+    let want = PagesSpec { kv_dtype: spec.kv_dtype, ..pages_spec(thinker, capture, spec.num_blocks, spec.block_size) };
     if *spec != want || spec.block_size == 0 {
         return Err(BackendError::OpShape {
             op: "execute",
@@ -603,7 +611,7 @@ mod tests {
             assert!(outs.is_empty());
             let width = BS * r.pages_spec(4, BS).kv_width();
             for layer in 0..cfg.num_hidden_layers {
-                assert_eq!(pages.k[layer][width..2 * width], pages.k[layer][3 * width..4 * width]);
+                assert_eq!(pages.k[layer].to_f32()[width..2 * width], pages.k[layer].to_f32()[3 * width..4 * width]);
             }
             // The copy holds positions 4..6 of the prompt: finishing the prompt through it
             // equals the uncached run.

@@ -364,17 +364,50 @@ fn deepstack_rows_are_cached_with_the_embeddings() -> TestResult {
 /// than the thinker it is given is a typed error.
 #[test]
 fn engine_dtype_is_the_one_asked_for_and_a_mismatch_is_a_config_error() -> Result<(), Box<dyn StdError>> {
-    use omniprefix::backend::WeightDtype;
+    use omniprefix::backend::Dtype;
     use omniprefix::backend::cpu::CpuBackend;
     use omniprefix::error::ConfigError;
     use omniprefix::model::Thinker;
     let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
-    let half = Engine::random(cfg.clone(), 3, EngineConfig { dtype: Some(WeightDtype::Bf16), ..Default::default() })?;
-    assert_eq!(half.weight_dtype(), WeightDtype::Bf16);
-    assert_eq!(Engine::random(cfg.clone(), 3, EngineConfig::default())?.weight_dtype(), WeightDtype::F32);
+    let half = Engine::random(cfg.clone(), 3, EngineConfig { dtype: Some(Dtype::Bf16), ..Default::default() })?;
+    assert_eq!(half.weight_dtype(), Dtype::Bf16);
+    assert_eq!(Engine::random(cfg.clone(), 3, EngineConfig::default())?.weight_dtype(), Dtype::F32);
     let backend = Arc::new(CpuBackend::new());
     let thinker = Arc::new(Thinker::random(&*backend, cfg, 3)?);
-    let err = Engine::new(backend, thinker, EngineConfig { dtype: Some(WeightDtype::F16), ..Default::default() }).err().ok_or("mismatch accepted")?;
+    let err = Engine::new(backend, thinker, EngineConfig { dtype: Some(Dtype::F16), ..Default::default() }).err().ok_or("mismatch accepted")?;
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "engine", field: "dtype", found, .. }) if found == "f16"), "{err}");
+    Ok(())
+}
+
+/// `EngineConfig::kv_dtype`: f16 and bf16 K/V pages give hidden states close to the
+/// f32 pages' (their rounding, nothing more), and caching stays invisible to the last bit.
+#[test]
+fn half_precision_kv_pages_are_close_to_f32_and_cached_equals_uncached() -> Result<(), Box<dyn StdError>> {
+    use omniprefix::backend::Dtype;
+    let cfg = Config::tiny_qwen3(64, 2, 4, 2, 300);
+    let ids: Vec<u32> = (0..90).map(|i| (i * 37 % 280) as u32).collect();
+    let run = |kv_dtype: Dtype, cache: bool| -> Result<Vec<Output>, Box<dyn StdError>> {
+        let mut engine = Engine::random(cfg.clone(), 5, EngineConfig { kv_dtype, cache, block_size: 8, ..Default::default() })?;
+        let warm = engine.prefill(PrefillRequest::text(ids[..50].to_vec()))?;
+        let main = engine.prefill(PrefillRequest::text(ids.clone()))?;
+        Ok(vec![warm, main])
+    };
+    let reference = run(Dtype::F32, false)?.pop().ok_or("no output")?;
+    for kv_dtype in [Dtype::F16, Dtype::Bf16] {
+        let cached = run(kv_dtype, true)?.pop().ok_or("no output")?;
+        let uncached = run(kv_dtype, false)?.pop().ok_or("no output")?;
+        assert!(cached.num_cached_tokens >= 48, "{kv_dtype}: the warm prompt's blocks are reused: {}", cached.num_cached_tokens);
+        assert_eq!(uncached.num_cached_tokens, 0);
+        let tolerance = if kv_dtype == Dtype::F16 { 5e-3 } else { 3e-2 };
+        for ((name, c), ((_, u), (_, r))) in cached.hidden.iter().zip(uncached.hidden.iter().zip(&reference.hidden)) {
+            assert!(c.iter().zip(u.iter()).all(|(a, b)| a.to_bits() == b.to_bits()), "{kv_dtype} {name}: cached differs from uncached");
+            let scale = r.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let err = u.iter().zip(r.iter()).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+            assert!(err < tolerance, "{kv_dtype} {name}: {err} from the f32 pages");
+            if name.to_string() == "final" {
+                assert!(err > 0.0, "{kv_dtype}: rounding K/V changed nothing (pages not narrowed?)");
+            }
+        }
+    }
     Ok(())
 }

@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ndarray::Array2;
-use omniprefix::backend::WeightDtype;
+use omniprefix::backend::Dtype;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::ScheduledBatch;
 use omniprefix::kv::BlockTable;
@@ -165,12 +165,12 @@ fn check_model(model: &str, expected_prompts: &[&str], mode: Mode) -> TestResult
 
 /// [`check_model`] against the recorded prompts of `file` in the model's folder.
 fn check_model_file(model: &str, file: &str, expected_prompts: &[&str], mode: Mode) -> TestResult<f32> {
-    check_model_as(model, file, expected_prompts, mode, WeightDtype::F32, TOLERANCE)
+    check_model_as(model, file, expected_prompts, mode, Dtype::F32, TOLERANCE)
 }
 
 /// [`check_model_file`] with the weight matrices stored as `dtype`, every output
 /// within `tolerance`.
-fn check_model_as(model: &str, file: &str, expected_prompts: &[&str], mode: Mode, dtype: WeightDtype, tolerance: f32) -> TestResult<f32> {
+fn check_model_as(model: &str, file: &str, expected_prompts: &[&str], mode: Mode, dtype: Dtype, tolerance: f32) -> TestResult<f32> {
     let backend = Arc::new(CpuBackend::new());
     let thinker = Arc::new(Thinker::from_dir_as(&*backend, &model_dir(model), Some(dtype))?);
     assert_eq!(thinker.dtype(), dtype);
@@ -302,7 +302,7 @@ fn omni_thinker_with_deepstack_matches_transformers_uncached_and_chunked() -> Te
 /// tolerance holds, in one step and through paged chunks.
 #[test]
 fn half_precision_weights_match_transformers_over_the_same_rounded_weights() -> TestResult {
-    for (dtype, file) in [(WeightDtype::Bf16, "bf16_weights_reference.safetensors"), (WeightDtype::F16, "f16_weights_reference.safetensors")] {
+    for (dtype, file) in [(Dtype::Bf16, "bf16_weights_reference.safetensors"), (Dtype::F16, "f16_weights_reference.safetensors")] {
         for model in ["qwen3_dense", "qwen2_dense", "omni_thinker"] {
             check_model_as(model, file, TEXT_PROMPTS, Mode::Uncached, dtype, TOLERANCE)?;
         }
@@ -328,7 +328,7 @@ fn bf16_weights_are_within_transformers_own_bf16_error_of_transformers_in_bf16()
     for model in ["qwen3_dense", "qwen2_dense"] {
         let own = facts["models"][model]["bf16_native_vs_bf16_weights_max_rel"].as_f64().ok_or("no recorded bf16 error")? as f32;
         assert!(own > TOLERANCE, "{model}: transformers' bf16 error {own} should exceed the f32 tolerance");
-        let worst = check_model_as(model, "bf16_native_reference.safetensors", TEXT_PROMPTS, Mode::Uncached, WeightDtype::Bf16, own + TOLERANCE)?;
+        let worst = check_model_as(model, "bf16_native_reference.safetensors", TEXT_PROMPTS, Mode::Uncached, Dtype::Bf16, own + TOLERANCE)?;
         eprintln!("{model}: ours (bf16 weights) vs transformers bf16: {worst:.3e}, bound {:.3e}", own + TOLERANCE);
     }
     Ok(())

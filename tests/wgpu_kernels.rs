@@ -13,7 +13,7 @@ use std::sync::Arc;
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
-use omniprefix::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec, WeightDtype};
+use omniprefix::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec, Dtype};
 use omniprefix::index::BlockId;
 use omniprefix::{Error, Result};
 use rand::seq::SliceRandom;
@@ -148,7 +148,7 @@ fn paged_attention_matches_cpu_for_mixed_batches_and_gqa() {
         let head_dim = [8, 12, 16][rng.random_range(0..3)];
         let block_size = [4, 5, 16][rng.random_range(0..3)];
         let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
-        let spec = PagesSpec { num_layers: 2, num_blocks: 40, block_size, kv_heads, head_dim, captured: 0, hidden: 0 };
+        let spec = PagesSpec { num_layers: 2, num_blocks: 40, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
         let n_seqs = rng.random_range(1..5);
         let lens = random_lens(&mut rng, block_size, n_seqs);
         let s = setup_attention(&gpu, &mut rng, spec, heads, 1, &lens);
@@ -179,6 +179,7 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
             head_dim: 16,
             captured: 0,
             hidden: 0,
+            kv_dtype: Dtype::F32,
         };
         // Long, short, block-aligned and single-key contexts in one decode batch.
         let lens = [(149, 1), (7, 1), (64, 1), (0, 1)];
@@ -201,7 +202,7 @@ fn long_contexts_span_several_key_tiles_in_both_kernels() {
     // Contexts of 1..3 tiles of 64 keys, prefixes ending mid-tile and on a tile edge.
     let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
     let spec =
-        PagesSpec { num_layers: 1, num_blocks: 128, block_size: 4, kv_heads: 2, head_dim: 8, captured: 0, hidden: 0 };
+        PagesSpec { num_layers: 1, num_blocks: 128, block_size: 4, kv_heads: 2, head_dim: 8, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(130, 5), (64, 3), (0, 70), (191, 1)]);
     let seqs = attn_seqs(&s.seqs);
     let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
@@ -219,7 +220,7 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
     let spec =
-        PagesSpec { num_layers: 1, num_blocks: 8, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
+        PagesSpec { num_layers: 1, num_blocks: 8, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(3, 2)]);
     let q = gpu.upload(s.q.view()).unwrap();
     let kv = s.gpu_pages.layer("test", 0).unwrap();
@@ -231,7 +232,7 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
 fn attention_rejects_bad_tables_and_unsupported_heads() {
     let Some(gpu) = gpu() else { return };
     let spec =
-        PagesSpec { num_layers: 1, num_blocks: 4, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0 };
+        PagesSpec { num_layers: 1, num_blocks: 4, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
     let pages = gpu.alloc_pages(spec).unwrap();
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
     let q = gpu.upload(Array2::zeros((3, 16)).view()).unwrap();
@@ -261,6 +262,7 @@ fn hidden_pages_and_copy_blocks_match_cpu() {
             head_dim: 4,
             captured: 3,
             hidden: 5,
+            kv_dtype: Dtype::F32,
         };
         let mut gp = gpu.alloc_pages(spec).unwrap();
         let mut cp = CpuBackend.alloc_pages(spec).unwrap();
@@ -307,7 +309,7 @@ fn pools_split_over_bindings_behave_like_one_pool() {
     // K/V blocks: 4 slots x 2 heads x 8 dims x 4 B = 256 B → 16 blocks per chunk, 2 chunks;
     // hidden blocks: 4 x 2 x 24 x 4 B = 768 B → 5 blocks per chunk, 5 chunks.
     let spec =
-        PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 8, captured: 2, hidden: 24 };
+        PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 8, captured: 2, hidden: 24, kv_dtype: Dtype::F32 };
     let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(9, 4), (0, 7), (21, 1), (16, 1)]);
     assert_eq!(s.gpu_pages.layer("test", 0).unwrap().k.num_chunks(), 2, "K pool must be split");
@@ -351,7 +353,7 @@ fn pools_split_over_bindings_behave_like_one_pool() {
 fn rejected_writes_leave_pages_unchanged() {
     let Some(gpu) = gpu() else { return };
     let spec =
-        PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 1, hidden: 4 };
+        PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 1, hidden: 4, kv_dtype: Dtype::F32 };
     let mut pages = gpu.alloc_pages(spec).unwrap();
     let ones = gpu.upload(Array2::ones((2, 4)).view()).unwrap();
     let err = gpu.write_kv(&mut pages, 0, &ones, &ones, &[1, 8]).unwrap_err();
@@ -702,15 +704,18 @@ fn batched_submissions_keep_program_order() {
 }
 
 #[test]
-fn half_precision_weights_are_a_config_error_on_wgpu() {
+fn half_precision_weights_and_pages_are_a_config_error_on_wgpu() {
     let Some(gpu) = gpu() else { return };
-    assert_eq!(gpu.weight_dtypes(), [WeightDtype::F32]);
-    let host = HostWeight::F32(Array2::ones((4, 4))).to_dtype(WeightDtype::Bf16);
-    let err = gpu.upload_weight(host).err().expect("bf16 upload must fail");
+    assert_eq!(gpu.weight_dtypes(), [Dtype::F32]);
+    let host = HostWeight::F32(Array2::ones((4, 4))).to_dtype(Dtype::Bf16);
+    let Err(err) = gpu.upload_weight(host) else { panic!("a bf16 upload must fail") };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "bf16"), "{err}");
     let cfg = omniprefix::model::Config::tiny_qwen3(32, 2, 4, 2, 50);
-    let err = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(WeightDtype::F16)).err().expect("f16 thinker on wgpu must fail");
+    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16)) else { panic!("an f16 thinker on wgpu must fail") };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "wgpu", .. })), "{err}");
     let thinker = omniprefix::model::Thinker::random(&gpu, cfg, 1).expect("auto on wgpu loads");
-    assert_eq!(thinker.dtype(), WeightDtype::F32);
+    assert_eq!(thinker.dtype(), Dtype::F32);
+    let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 0, hidden: 0, kv_dtype: Dtype::F16 };
+    let Err(err) = gpu.alloc_pages(spec) else { panic!("f16 pages on wgpu must fail") };
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "f16"), "{err}");
 }

@@ -12,7 +12,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use omniprefix::backend::Backend;
+use omniprefix::backend::{Backend, Dtype};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
 use crate::error::{HarnessError, Result};
@@ -44,6 +44,8 @@ pub struct TtftOptions {
     pub mm_scale: u32,
     /// Tokens per KV block.
     pub block_size: usize,
+    /// The element type of the K/V pages.
+    pub kv_dtype: Dtype,
     pub seed: u64,
 }
 
@@ -59,6 +61,7 @@ impl Default for TtftOptions {
             no_capture: false,
             mm_scale: 4,
             block_size: 16,
+            kv_dtype: Dtype::F32,
             seed: 0,
         }
     }
@@ -241,6 +244,7 @@ impl<B: Backend> Bench<B> {
             cache,
             max_tokens_per_step: max_prompt.max(1),
             tokens: self.tokens.clone(),
+            kv_dtype: self.options.kv_dtype,
             ..Default::default()
         };
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;

@@ -240,19 +240,23 @@ fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> Test
 }
 
 /// `--dtype`: `auto` keeps the f32 checkpoint's f32, `bf16` halves the matrices' bytes and
-/// says so in the report, and an unknown name is an argument error naming the choices.
+/// says so in the report, and an unknown name is an argument error naming the choices;
+/// `--kv-dtype f16` runs the same workload over half-precision pages.
 #[test]
 fn bench_ttft_dtype_stores_the_weights_as_asked() -> TestResult {
     let m = model("qwen3_dense");
-    let report = |dtype: &str| -> TestResult<serde_json::Value> {
+    let report = |flag: &str, dtype: &str| -> TestResult<serde_json::Value> {
         let args = [
             "bench", "ttft", "--model", p(&m), "--workloads", "prefix_repetition", "--prefix", "16", "--suffix", "8",
-            "--runs", "1", "--no-capture", "--threads", "1", "--dtype", dtype, "--json",
+            "--runs", "1", "--no-capture", "--threads", "1", flag, dtype, "--json",
         ];
         let stdout = ok_stdout(&omniprefix(&args)?)?;
         Ok(serde_json::from_str(stdout.lines().next().ok_or("no report")?)?)
     };
-    let (auto, bf16) = (report("auto")?, report("bf16")?);
+    let (auto, bf16) = (report("--dtype", "auto")?, report("--dtype", "bf16")?);
+    // f16 K/V pages: the same workload runs and still hits the cache.
+    let kv = report("--kv-dtype", "f16")?;
+    assert_eq!(kv["cached_tokens"].as_u64(), Some(16), "{kv}");
     assert_eq!((auto["dtype"].as_str(), bf16["dtype"].as_str()), (Some("f32"), Some("bf16")));
     let mib = |r: &serde_json::Value| r["weight_mib"].as_f64().unwrap_or_default();
     assert!(mib(&bf16) > 0.0 && mib(&bf16) < 0.6 * mib(&auto), "bf16 {} MiB vs f32 {} MiB", mib(&bf16), mib(&auto));

@@ -260,6 +260,7 @@ class Engine:
         cache: bool = True,
         backend: _Backend = "cpu",
         dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
+        kv_dtype: Literal["f32", "bf16", "f16"] = "f32",
         fingerprint_key: Optional[bytes] = None,
         validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,
@@ -280,6 +281,8 @@ class Engine:
           (a bf16 checkpoint stays bf16, in about its file size of memory). Products
           accumulate in f32. The wgpu backend stores f32 only: an explicit half dtype
           there is a :class:`ConfigError`, ``"auto"`` widens. See :attr:`dtype`.
+        * ``kv_dtype``: the element type of the K/V pages (``"f16"`` / ``"bf16"`` halve the KV
+          memory; attention widens each tile to f32). f32 only on wgpu.
         * ``fingerprint_key``: 32 bytes (default: random per engine).
         * ``validation``: how a fingerprint hit is confirmed.
         * ``tenants``: the known tenant ids; a request of any other tenant is a :class:`RequestError`.
@@ -300,6 +303,7 @@ class Engine:
         cache: bool = True,
         backend: _Backend = "cpu",
         dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
+        kv_dtype: Literal["f32", "bf16", "f16"] = "f32",
         fingerprint_key: Optional[bytes] = None,
         validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,

@@ -3,7 +3,7 @@
 
 use std::str::FromStr;
 
-use omniprefix::backend::WeightDtype;
+use omniprefix::backend::Dtype;
 use omniprefix::backend::auto::BackendKind;
 use omniprefix::canon::FingerprintKey;
 use omniprefix::engine::EngineConfig;
@@ -13,7 +13,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyString};
 
-use crate::errors::{ConfigError, to_py};
+use crate::errors::to_py;
 
 /// Which hidden states an engine captures, before the model's depth is known.
 #[derive(Debug, Clone, Default)]
@@ -46,13 +46,14 @@ pub struct EngineOptions {
 }
 
 /// The option names `Engine.from_dir` and `Engine.random` accept.
-const ENGINE_OPTIONS: [&str; 13] = [
+const ENGINE_OPTIONS: [&str; 14] = [
     "block_size",
     "num_blocks",
     "capture",
     "cache",
     "backend",
     "dtype",
+    "kv_dtype",
     "fingerprint_key",
     "validation",
     "tenants",
@@ -89,6 +90,7 @@ impl EngineOptions {
                 "capture" => out.capture = capture_choice(&value)?,
                 "backend" => out.backend = backend_kind(&value)?,
                 "dtype" => config.dtype = dtype(&value)?,
+                "kv_dtype" => config.kv_dtype = dtype(&value)?.ok_or_else(|| PyValueError::new_err("kv_dtype \"auto\": give f32, bf16 or f16"))?,
                 "fingerprint_key" => config.fingerprint_key = fingerprint_key(&value)?,
                 "validation" => config.validation = validation(&value)?,
                 "tenants" => {
@@ -157,7 +159,7 @@ fn backend_kind(value: &Bound<'_, PyAny>) -> PyResult<BackendKind> {
 
 /// `"auto"` (the checkpoint's own dtype), `"f32"`, `"bf16"` or `"f16"`; numpy's
 /// `"float32"`, `"bfloat16"` and `"float16"` too.
-fn dtype(value: &Bound<'_, PyAny>) -> PyResult<Option<WeightDtype>> {
+fn dtype(value: &Bound<'_, PyAny>) -> PyResult<Option<Dtype>> {
     let name = string(value, "dtype")?;
     let short = match name.as_str() {
         "float32" => "f32",
@@ -165,7 +167,7 @@ fn dtype(value: &Bound<'_, PyAny>) -> PyResult<Option<WeightDtype>> {
         "float16" => "f16",
         other => other,
     };
-    WeightDtype::parse_or_auto(short).map_err(|e| PyValueError::new_err(e.to_string()))
+    Dtype::parse_or_auto(short).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// A 32-byte fleet key given as `bytes`.

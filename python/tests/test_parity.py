@@ -88,6 +88,23 @@ def test_half_precision_weights_match_transformers_over_the_same_rounded_weights
         assert_bit_equal(f"{model}/{prompt} {dtype} cached", again.hidden, out.hidden)
 
 
+@pytest.mark.parametrize("kv_dtype,tol", [("f16", 5e-3), ("bf16", 3e-2)])
+def test_half_precision_kv_pages_stay_close_to_transformers_and_caching_stays_invisible(kv_dtype, tol):
+    """``kv_dtype=`` rounds the K/V pages only: within the rounding of transformers' f32 run,
+    and a cached rerun bit-identical."""
+    ref = load_reference("qwen3_dense")
+    ids = ref["text_c.input_ids"]
+    engine = open_engine("qwen3_dense", kv_dtype=kv_dtype)
+    out = engine.prefill(ids)
+    for name, hidden in out.hidden.items():
+        assert_close(f"kv {kv_dtype} {name}", hidden, ref[reference_name("text_c", name)], tol=tol)
+    again = engine.prefill(ids)
+    assert again.num_cached_tokens > 0
+    assert_bit_equal(f"kv {kv_dtype} cached", again.hidden, out.hidden)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        open_engine("qwen3_dense", kv_dtype="auto")
+
+
 @pytest.mark.parametrize("model,prompt", GENERATE_CASES)
 def test_generate_matches_transformers_and_the_cached_rounds_are_bit_identical(model, prompt):
     num_layers = MODELS[model][0]

@@ -23,7 +23,7 @@ pub(crate) mod weight;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
-pub use weight::{HostWeight, UnknownDtype, WeightDtype, WeightView};
+pub use weight::{HostWeight, UnknownDtype, Dtype, WeightView};
 
 use ndarray::{Array2, ArrayView2};
 
@@ -48,6 +48,9 @@ pub struct PagesSpec {
     /// Number of captured hidden states per position (may be 0).
     pub captured: usize,
     pub hidden: usize,
+    /// The element type K and V pages are stored in (read back widened to f32;
+    /// hidden pages are always f32). A backend refuses one it cannot store.
+    pub kv_dtype: Dtype,
 }
 
 impl PagesSpec {
@@ -65,7 +68,7 @@ impl PagesSpec {
     pub fn bytes(&self) -> usize {
         let kv = 2 * self.num_layers * self.num_slots() * self.kv_width();
         let hidden = self.num_slots() * self.captured * self.hidden;
-        (kv + hidden) * std::mem::size_of::<f32>()
+        kv * self.kv_dtype.bytes() + hidden * std::mem::size_of::<f32>()
     }
 }
 
@@ -248,8 +251,8 @@ pub trait Backend: Send + Sync {
     /// `[rows, cols]` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> [usize; 2];
 
-    /// The dtypes weights may be stored in; always includes [`WeightDtype::F32`].
-    fn weight_dtypes(&self) -> &'static [WeightDtype];
+    /// The dtypes weights may be stored in; always includes [`Dtype::F32`].
+    fn weight_dtypes(&self) -> &'static [Dtype];
     /// Copies a host weight to the device in its own dtype; a dtype outside
     /// [`Backend::weight_dtypes`] is a [`ConfigError::Invalid`](crate::error::ConfigError::Invalid).
     fn upload_weight(&self, host: HostWeight) -> Result<Self::Weight>;

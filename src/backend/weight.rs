@@ -1,6 +1,6 @@
 //! Weight matrices in the precision they are stored in: f32, or bf16 / f16 at
 //! half the bytes. Activations stay f32 and every product accumulates in f32;
-//! only the stored weight is narrower.
+//! only the stored weight (or K/V page) is narrower.
 //!
 //! A decode step reads every weight once, so at batch 1 the bytes of the weights
 //! bound its speed: half-precision weights halve them.
@@ -11,27 +11,28 @@ use std::str::FromStr;
 use half::{bf16, f16};
 use ndarray::{Array2, ArrayView2, Axis, concatenate, s};
 
-/// The element type a weight matrix is stored in.
+/// The element type stored data has: weight matrices (`EngineConfig::dtype`) and
+/// K/V pages (`EngineConfig::kv_dtype`). Arithmetic stays f32 either way.
 ///
 /// ```
-/// use omniprefix::backend::WeightDtype;
-/// assert_eq!("bf16".parse::<WeightDtype>(), Ok(WeightDtype::Bf16));
-/// assert_eq!(WeightDtype::F16.to_string(), "f16");
-/// assert_eq!(WeightDtype::Bf16.bytes(), 2);
+/// use omniprefix::backend::Dtype;
+/// assert_eq!("bf16".parse::<Dtype>(), Ok(Dtype::Bf16));
+/// assert_eq!(Dtype::F16.to_string(), "f16");
+/// assert_eq!(Dtype::Bf16.bytes(), 2);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WeightDtype {
+pub enum Dtype {
     F32,
     Bf16,
     F16,
 }
 
-impl WeightDtype {
+impl Dtype {
     /// Bytes of one element.
     pub fn bytes(self) -> usize {
         match self {
-            WeightDtype::F32 => 4,
-            WeightDtype::Bf16 | WeightDtype::F16 => 2,
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
         }
     }
 
@@ -39,26 +40,26 @@ impl WeightDtype {
     /// and the Python package's `dtype=` take it.
     ///
     /// ```
-    /// use omniprefix::backend::WeightDtype;
-    /// assert_eq!(WeightDtype::parse_or_auto("auto"), Ok(None));
-    /// assert_eq!(WeightDtype::parse_or_auto("f16"), Ok(Some(WeightDtype::F16)));
-    /// assert!(WeightDtype::parse_or_auto("fp8").is_err());
+    /// use omniprefix::backend::Dtype;
+    /// assert_eq!(Dtype::parse_or_auto("auto"), Ok(None));
+    /// assert_eq!(Dtype::parse_or_auto("f16"), Ok(Some(Dtype::F16)));
+    /// assert!(Dtype::parse_or_auto("fp8").is_err());
     /// ```
-    pub fn parse_or_auto(s: &str) -> Result<Option<WeightDtype>, UnknownDtype> {
+    pub fn parse_or_auto(s: &str) -> Result<Option<Dtype>, UnknownDtype> {
         if s == "auto" { Ok(None) } else { s.parse().map(Some) }
     }
 
     /// The name the CLI, the Python package and the reports use.
     pub fn name(self) -> &'static str {
         match self {
-            WeightDtype::F32 => "f32",
-            WeightDtype::Bf16 => "bf16",
-            WeightDtype::F16 => "f16",
+            Dtype::F32 => "f32",
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
         }
     }
 }
 
-impl fmt::Display for WeightDtype {
+impl fmt::Display for Dtype {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
@@ -69,13 +70,13 @@ impl fmt::Display for WeightDtype {
 #[error("dtype `{0}`: expected auto, f32, bf16 or f16")]
 pub struct UnknownDtype(pub String);
 
-impl FromStr for WeightDtype {
+impl FromStr for Dtype {
     type Err = UnknownDtype;
     fn from_str(s: &str) -> Result<Self, UnknownDtype> {
         match s {
-            "f32" => Ok(WeightDtype::F32),
-            "bf16" => Ok(WeightDtype::Bf16),
-            "f16" => Ok(WeightDtype::F16),
+            "f32" => Ok(Dtype::F32),
+            "bf16" => Ok(Dtype::Bf16),
+            "f16" => Ok(Dtype::F16),
             other => Err(UnknownDtype(other.to_string())),
         }
     }
@@ -85,9 +86,9 @@ impl FromStr for WeightDtype {
 ///
 /// ```
 /// use ndarray::array;
-/// use omniprefix::backend::{HostWeight, WeightDtype};
-/// let w = HostWeight::F32(array![[1.0f32, 0.1], [3.0, -2.5]]).to_dtype(WeightDtype::Bf16);
-/// assert_eq!(w.dtype(), WeightDtype::Bf16);
+/// use omniprefix::backend::{HostWeight, Dtype};
+/// let w = HostWeight::F32(array![[1.0f32, 0.1], [3.0, -2.5]]).to_dtype(Dtype::Bf16);
+/// assert_eq!(w.dtype(), Dtype::Bf16);
 /// assert_eq!(w.to_f32()[[0, 1]], 0.10009765625); // 0.1 rounded to 8 mantissa bits
 /// ```
 #[derive(Debug, Clone, PartialEq)]
@@ -98,11 +99,11 @@ pub enum HostWeight {
 }
 
 impl HostWeight {
-    pub fn dtype(&self) -> WeightDtype {
+    pub fn dtype(&self) -> Dtype {
         match self {
-            HostWeight::F32(_) => WeightDtype::F32,
-            HostWeight::Bf16(_) => WeightDtype::Bf16,
-            HostWeight::F16(_) => WeightDtype::F16,
+            HostWeight::F32(_) => Dtype::F32,
+            HostWeight::Bf16(_) => Dtype::Bf16,
+            HostWeight::F16(_) => Dtype::F16,
         }
     }
 
@@ -128,15 +129,15 @@ impl HostWeight {
     }
 
     /// The same matrix stored as `dtype` (round to nearest even when narrowing).
-    pub fn to_dtype(self, dtype: WeightDtype) -> HostWeight {
+    pub fn to_dtype(self, dtype: Dtype) -> HostWeight {
         if self.dtype() == dtype {
             return self;
         }
         let wide = self.into_f32();
         match dtype {
-            WeightDtype::F32 => HostWeight::F32(wide),
-            WeightDtype::Bf16 => HostWeight::Bf16(wide.mapv(bf16::from_f32)),
-            WeightDtype::F16 => HostWeight::F16(wide.mapv(f16::from_f32)),
+            Dtype::F32 => HostWeight::F32(wide),
+            Dtype::Bf16 => HostWeight::Bf16(wide.mapv(bf16::from_f32)),
+            Dtype::F16 => HostWeight::F16(wide.mapv(f16::from_f32)),
         }
     }
 
@@ -164,9 +165,9 @@ impl HostWeight {
             }};
         }
         match dtype {
-            WeightDtype::F32 => cat!(F32),
-            WeightDtype::Bf16 => cat!(Bf16),
-            WeightDtype::F16 => cat!(F16),
+            Dtype::F32 => cat!(F32),
+            Dtype::Bf16 => cat!(Bf16),
+            Dtype::F16 => cat!(F16),
         }
     }
 }
@@ -230,13 +231,14 @@ impl<'a> WeightView<'a> {
     }
 }
 
-/// The error [`Backend::upload_weight`](super::Backend::upload_weight) returns for
-/// a dtype the backend does not store.
-pub(crate) fn unsupported_dtype(backend: &'static str, supported: &[WeightDtype], found: WeightDtype) -> crate::Error {
+/// The error a backend returns for a dtype it does not store: `field` is
+/// `"weight dtype"` ([`Backend::upload_weight`](super::Backend::upload_weight)) or
+/// `"kv dtype"` ([`Backend::alloc_pages`](super::Backend::alloc_pages)).
+pub(crate) fn unsupported_dtype(backend: &'static str, field: &'static str, supported: &[Dtype], found: Dtype) -> crate::Error {
     let names: Vec<&str> = supported.iter().map(|d| d.name()).collect();
     crate::error::ConfigError::Invalid {
         component: backend,
-        field: "weight dtype",
+        field,
         expected: format!("one of {}", names.join(", ")),
         found: found.to_string(),
     }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::backend::WeightDtype;
+use crate::backend::Dtype;
 use crate::canon::FingerprintKey;
 use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
@@ -54,7 +54,10 @@ pub struct EngineConfig {
     pub known_tenants: Option<Vec<TenantSalt>>,
     /// The dtype weight matrices are stored in; `None` = the checkpoint's own
     /// (f32 for random models, and where the backend cannot store it).
-    pub dtype: Option<WeightDtype>,
+    pub dtype: Option<Dtype>,
+    /// The element type of the K/V pages (default f32; f16 or bf16 halve the KV
+    /// memory, attention widens each tile back to f32). Hidden pages stay f32.
+    pub kv_dtype: Dtype,
 }
 
 impl Default for EngineConfig {
@@ -75,6 +78,7 @@ impl Default for EngineConfig {
             tokens: None,
             known_tenants: None,
             dtype: None,
+            kv_dtype: Dtype::F32,
         }
     }
 }

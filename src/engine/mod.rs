@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use fxhash::{FxHashMap, FxHashSet};
 use ndarray::Array2;
 
-use crate::backend::{Backend, WeightDtype};
+use crate::backend::{Backend, Dtype};
 use crate::backend::cpu::CpuBackend;
 use crate::batch::{DeepStack, ModelShape, RequestId, ScheduledBatch};
 use crate::canon::{Fingerprinter, ItemIdentity};
@@ -186,7 +186,7 @@ impl<B: Backend> Engine<B> {
             Some(max) => sched.with_max_context(max),
             None => sched,
         };
-        let runner = ModelRunner::new(backend, thinker, capture)?;
+        let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(config.kv_dtype);
         let pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
         let tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
         let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), config.fingerprint_threads, config.validation)?;
@@ -219,7 +219,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The dtype the model's weight matrices are stored in (`auto` resolved).
-    pub fn weight_dtype(&self) -> WeightDtype {
+    pub fn weight_dtype(&self) -> Dtype {
         self.runner.thinker().dtype()
     }
 

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::backend::weight::unsupported_dtype;
-use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, RopePositions, RopeSpec, WeightDtype};
+use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, RopePositions, RopeSpec, Dtype};
 use crate::model::config::Config;
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
 use crate::Result;
@@ -63,7 +63,7 @@ pub struct StepMeta<'a> {
 pub struct Thinker<B: Backend> {
     config: Config,
     rope: RopeSpec,
-    dtype: WeightDtype,
+    dtype: Dtype,
     weight_bytes: usize,
     embed: B::Weight,
     layers: Vec<Layer<B::Tensor, B::Weight>>,
@@ -89,7 +89,7 @@ fn stack(parts: Vec<HostWeight>, name: String) -> Result<HostWeight> {
 }
 
 /// Host weights of one MoE block in the fused layout of [`MoeWeights`], stored as `dtype`.
-fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usize, dtype: WeightDtype) -> Result<[HostWeight; 2]> {
+fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usize, dtype: Dtype) -> Result<[HostWeight; 2]> {
     let hidden = cfg.hidden_size;
     let experts = mlp.pp("experts");
     if experts.contains("gate_up_proj") {
@@ -110,12 +110,12 @@ fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usiz
 
 /// The dtype weights load as: `requested`, else the checkpoint's own (its
 /// embedding table's), widened to f32 on a backend that cannot store that.
-fn resolve_dtype<B: Backend>(backend: &B, embed: &Weights<'_>, requested: Option<WeightDtype>) -> Result<WeightDtype> {
+fn resolve_dtype<B: Backend>(backend: &B, embed: &Weights<'_>, requested: Option<Dtype>) -> Result<Dtype> {
     let supported = backend.weight_dtypes();
     match requested {
         Some(d) if supported.contains(&d) => Ok(d),
-        Some(d) => Err(unsupported_dtype(backend.name(), supported, d)),
-        None => Ok(embed.stored_dtype("weight").filter(|d| supported.contains(d)).unwrap_or(WeightDtype::F32)),
+        Some(d) => Err(unsupported_dtype(backend.name(), "weight dtype", supported, d)),
+        None => Ok(embed.stored_dtype("weight").filter(|d| supported.contains(d)).unwrap_or(Dtype::F32)),
     }
 }
 
@@ -127,7 +127,7 @@ impl<B: Backend> Thinker<B> {
     }
 
     /// [`Thinker::from_dir`] with the matrices stored as `dtype` (`None`: the checkpoint's own).
-    pub fn from_dir_as(backend: &B, dir: &Path, dtype: Option<WeightDtype>) -> Result<Self> {
+    pub fn from_dir_as(backend: &B, dir: &Path, dtype: Option<Dtype>) -> Result<Self> {
         let config = Config::from_dir(dir)?;
         let source = SafetensorsSource::open_dir(dir)?;
         Self::load_as(backend, config, &source, dtype)
@@ -150,15 +150,15 @@ impl<B: Backend> Thinker<B> {
     /// and biases stay f32; every product accumulates in f32.
     ///
     /// ```
-    /// use omniprefix::backend::{cpu::CpuBackend, WeightDtype};
+    /// use omniprefix::backend::{cpu::CpuBackend, Dtype};
     /// use omniprefix::model::{Config, Thinker, random_source};
     /// let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
     /// let source = random_source(&cfg, 7)?;
-    /// let thinker = Thinker::load_as(&CpuBackend::new(), cfg, &source, Some(WeightDtype::Bf16))?;
-    /// assert_eq!(thinker.dtype(), WeightDtype::Bf16);
+    /// let thinker = Thinker::load_as(&CpuBackend::new(), cfg, &source, Some(Dtype::Bf16))?;
+    /// assert_eq!(thinker.dtype(), Dtype::Bf16);
     /// # Ok::<(), omniprefix::Error>(())
     /// ```
-    pub fn load_as(backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<WeightDtype>) -> Result<Self> {
+    pub fn load_as(backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>) -> Result<Self> {
         config.validate()?;
         let (model_prefix, head_prefix) = prefixes(source)?;
         let root = Weights::root(source, model_prefix);
@@ -248,7 +248,7 @@ impl<B: Backend> Thinker<B> {
     }
 
     /// [`Thinker::random`] with the matrices rounded to `dtype` (`None`: f32).
-    pub fn random_as(backend: &B, config: Config, seed: u64, dtype: Option<WeightDtype>) -> Result<Self> {
+    pub fn random_as(backend: &B, config: Config, seed: u64, dtype: Option<Dtype>) -> Result<Self> {
         let source = random_source(&config, seed)?;
         Self::load_as(backend, config, &source, dtype)
     }
@@ -259,7 +259,7 @@ impl<B: Backend> Thinker<B> {
     }
 
     /// The dtype the matrices are stored in.
-    pub fn dtype(&self) -> WeightDtype {
+    pub fn dtype(&self) -> Dtype {
         self.dtype
     }
 
@@ -483,9 +483,9 @@ mod tests {
             "rope_scaling": {"mrope_section": [2, 1, 1], "interleaved": true}}}}"#).unwrap();
         // `auto` keeps the checkpoint's bf16; f32 on request widens it.
         let loaded = Thinker::from_dir(&CpuBackend, &dir).unwrap();
-        assert_eq!((loaded.config(), loaded.dtype()), (&cfg, WeightDtype::Bf16));
-        let widened = Thinker::from_dir_as(&CpuBackend, &dir, Some(WeightDtype::F32)).unwrap();
-        assert_eq!(widened.dtype(), WeightDtype::F32);
+        assert_eq!((loaded.config(), loaded.dtype()), (&cfg, Dtype::Bf16));
+        let widened = Thinker::from_dir_as(&CpuBackend, &dir, Some(Dtype::F32)).unwrap();
+        assert_eq!(widened.dtype(), Dtype::F32);
         assert!(widened.weight_bytes() > loaded.weight_bytes() * 3 / 2, "bf16 matrices take half the bytes");
         let mut rounded = MemorySource::new();
         for n in src.names() {
@@ -494,7 +494,7 @@ mod tests {
             rounded.insert(n, HostTensor { shape: t.shape, data });
         }
         // The same values through the same kernels: bit-equal in each dtype.
-        let reference = Thinker::load_as(&CpuBackend, cfg.clone(), &rounded, Some(WeightDtype::Bf16)).unwrap();
+        let reference = Thinker::load_as(&CpuBackend, cfg.clone(), &rounded, Some(Dtype::Bf16)).unwrap();
         assert_eq!(logits_of(&loaded), logits_of(&reference));
         assert_eq!(logits_of(&widened), logits_of(&Thinker::load(&CpuBackend, cfg, &rounded).unwrap()));
         std::fs::remove_dir_all(&dir).ok();

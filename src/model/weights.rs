@@ -9,7 +9,7 @@ use memmap2::Mmap;
 use ndarray::Array2;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
-use crate::backend::{HostWeight, WeightDtype};
+use crate::backend::{HostWeight, Dtype};
 use crate::{Error, Result};
 use crate::error::{CheckpointError, IoError};
 
@@ -36,11 +36,11 @@ pub enum StoredData {
 }
 
 impl StoredData {
-    pub fn dtype(&self) -> WeightDtype {
+    pub fn dtype(&self) -> Dtype {
         match self {
-            StoredData::F32(_) => WeightDtype::F32,
-            StoredData::Bf16(_) => WeightDtype::Bf16,
-            StoredData::F16(_) => WeightDtype::F16,
+            StoredData::F32(_) => Dtype::F32,
+            StoredData::Bf16(_) => Dtype::Bf16,
+            StoredData::F16(_) => Dtype::F16,
         }
     }
 
@@ -82,7 +82,7 @@ pub trait WeightSource {
     /// The tensor `name` in the dtype it is stored in; errors as [`WeightSource::load`].
     fn load_stored(&self, name: &str) -> Result<StoredTensor>;
     /// The dtype `name` is stored in; `None` when absent or not a float type.
-    fn stored_dtype(&self, name: &str) -> Option<WeightDtype>;
+    fn stored_dtype(&self, name: &str) -> Option<Dtype>;
 }
 
 /// Tensors held in memory (tests, converted checkpoints).
@@ -122,8 +122,8 @@ impl WeightSource for MemorySource {
         self.tensors.get(name).cloned().map(StoredTensor::from).ok_or_else(|| CheckpointError::MissingTensor { name: name.into() }.into())
     }
 
-    fn stored_dtype(&self, name: &str) -> Option<WeightDtype> {
-        self.contains(name).then_some(WeightDtype::F32)
+    fn stored_dtype(&self, name: &str) -> Option<Dtype> {
+        self.contains(name).then_some(Dtype::F32)
     }
 }
 
@@ -238,11 +238,11 @@ impl WeightSource for SafetensorsSource {
         Ok(StoredTensor { shape: entry.shape.clone(), data })
     }
 
-    fn stored_dtype(&self, name: &str) -> Option<WeightDtype> {
+    fn stored_dtype(&self, name: &str) -> Option<Dtype> {
         match self.entries.get(name)?.dtype {
-            StDtype::F32 => Some(WeightDtype::F32),
-            StDtype::BF16 => Some(WeightDtype::Bf16),
-            StDtype::F16 => Some(WeightDtype::F16),
+            StDtype::F32 => Some(Dtype::F32),
+            StDtype::BF16 => Some(Dtype::Bf16),
+            StDtype::F16 => Some(Dtype::F16),
             _ => None,
         }
     }
@@ -295,13 +295,13 @@ impl<'a> Weights<'a> {
     }
 
     /// A 2-D weight `[rows, cols]` stored as `dtype` (converted from the checkpoint's own).
-    pub fn weight(&self, leaf: &str, rows: usize, cols: usize, dtype: WeightDtype) -> Result<HostWeight> {
+    pub fn weight(&self, leaf: &str, rows: usize, cols: usize, dtype: Dtype) -> Result<HostWeight> {
         self.weight_reshaped(leaf, &[rows, cols], rows, cols, dtype)
     }
 
     /// `leaf` (of any rank) as a `[rows, cols]` weight stored as `dtype`: stacked
     /// expert tensors `[E, r, c]` become `[E * r, c]`.
-    pub fn weight_reshaped(&self, leaf: &str, shape: &[usize], rows: usize, cols: usize, dtype: WeightDtype) -> Result<HostWeight> {
+    pub fn weight_reshaped(&self, leaf: &str, shape: &[usize], rows: usize, cols: usize, dtype: Dtype) -> Result<HostWeight> {
         let name = self.name(leaf);
         let t = self.source.load_stored(&name)?;
         if t.shape != shape {
@@ -312,7 +312,7 @@ impl<'a> Weights<'a> {
     }
 
     /// The dtype `leaf` is stored in.
-    pub fn stored_dtype(&self, leaf: &str) -> Option<WeightDtype> {
+    pub fn stored_dtype(&self, leaf: &str) -> Option<Dtype> {
         self.source.stored_dtype(&self.name(leaf))
     }
 

@@ -13,7 +13,7 @@ use ndarray::Array2;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-use omniprefix::backend::Backend;
+use omniprefix::backend::{Backend, Dtype as StoredDtype};
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
 use omniprefix::engine::{Engine, EngineConfig, Output};
 use omniprefix::error::{CheckpointError, Error};
@@ -54,6 +54,10 @@ pub struct EngineArgs {
     /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
     #[arg(long, default_value_t = DtypeArg::default())]
     pub dtype: DtypeArg,
+    /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
+    /// attention widens each tile back to f32). The wgpu backend stores f32 only.
+    #[arg(long, default_value_t = StoredDtype::F32)]
+    pub kv_dtype: StoredDtype,
     /// Captured points: comma-separated layers (`0,2`), `final`, or `all`.
     /// Default: `0`, the middle layer, `final`.
     #[arg(long)]
@@ -72,6 +76,7 @@ impl EngineArgs {
             cache: !self.no_cache,
             token_granular_reuse: !self.block_aligned,
             dtype: self.dtype.0,
+            kv_dtype: self.kv_dtype,
             ..Default::default()
         })
     }

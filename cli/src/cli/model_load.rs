@@ -5,7 +5,7 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
-use omniprefix::backend::{Backend, WeightDtype};
+use omniprefix::backend::{Backend, Dtype};
 use omniprefix::engine::tokens_from_config_file;
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::OmniTokens;
@@ -16,18 +16,18 @@ use crate::error::Result;
 /// checkpoint's own dtype (f32 for a random model, and on a backend that cannot
 /// store the checkpoint's); products always accumulate in f32.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DtypeArg(pub Option<WeightDtype>);
+pub struct DtypeArg(pub Option<Dtype>);
 
 impl FromStr for DtypeArg {
     type Err = omniprefix::backend::UnknownDtype;
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        WeightDtype::parse_or_auto(s).map(DtypeArg)
+        Dtype::parse_or_auto(s).map(DtypeArg)
     }
 }
 
 impl fmt::Display for DtypeArg {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.0.map_or("auto", WeightDtype::name))
+        f.write_str(self.0.map_or("auto", Dtype::name))
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use omniprefix::backend::Backend;
+use omniprefix::backend::{Backend, Dtype};
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
 use omniprefix::error::Error;
 use omniprefix::model::Config;
@@ -79,6 +79,10 @@ pub struct ServeArgs {
     /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
     #[arg(long, default_value_t = DtypeArg::default())]
     pub dtype: DtypeArg,
+    /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
+    /// attention widens each tile back to f32). The wgpu backend stores f32 only.
+    #[arg(long, default_value_t = Dtype::F32)]
+    pub kv_dtype: Dtype,
     /// Seed of the weights, prompts, media and arrivals.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -121,6 +125,7 @@ impl ServeArgs {
             conversations: self.conversations.unwrap_or(base.conversations),
             mm_scale: self.mm_scale.unwrap_or(base.mm_scale),
             max_seqs: self.max_seqs.unwrap_or(base.max_seqs),
+            kv_dtype: self.kv_dtype,
             seed: self.seed,
             ..base
         })

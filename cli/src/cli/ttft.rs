@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use omniprefix::backend::Backend;
+use omniprefix::backend::{Backend, Dtype};
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
 use omniprefix::error::Error;
 use crate::error::{HarnessError, Result, output};
@@ -37,6 +37,10 @@ pub struct TtftArgs {
     /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
     #[arg(long, default_value_t = DtypeArg::default())]
     pub dtype: DtypeArg,
+    /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
+    /// attention widens each tile back to f32). The wgpu backend stores f32 only.
+    #[arg(long, default_value_t = Dtype::F32)]
+    pub kv_dtype: Dtype,
     /// Timed runs per figure (medians are reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -83,6 +87,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         no_capture: args.no_capture,
         mm_scale: args.mm_scale,
         block_size: args.block_size,
+        kv_dtype: args.kv_dtype,
         seed: args.seed,
     };
     let selection = select(args.backend)?;

@@ -117,6 +117,7 @@ impl<B: Backend> Serve<'_, B> {
             cache,
             max_seqs_per_step: o.max_seqs,
             tokens: Some(self.tokens.clone()),
+            kv_dtype: o.kv_dtype,
             ..Default::default()
         };
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;

@@ -21,6 +21,8 @@ pub use arrival::{Arrival, Dispatcher, Due, poisson_offsets};
 pub use driver::run_serve;
 pub use stats::{RequestSample, RunFacts, ServeReport, percentile};
 
+use omniprefix::backend::Dtype;
+
 use crate::error::{HarnessError, Result};
 use crate::scenarios::Scenarios;
 use crate::workloads::by_name;
@@ -98,6 +100,8 @@ pub struct ServeOptions {
     pub block_size: usize,
     /// Sequences per scheduler step (bounds the decode batch).
     pub max_seqs: usize,
+    /// The element type of the K/V pages.
+    pub kv_dtype: Dtype,
     /// Seed of the prompts, media, arrivals and sampling.
     pub seed: u64,
 }
@@ -120,6 +124,7 @@ impl ServeOptions {
             mm_scale: 4,
             block_size: 16,
             max_seqs: 16,
+            kv_dtype: Dtype::F32,
             seed: 0,
         })
     }
@@ -139,6 +144,7 @@ impl ServeOptions {
             mm_scale: 8,
             block_size: 16,
             max_seqs: 16,
+            kv_dtype: Dtype::F32,
             seed: 0,
         }
     }

@@ -41,7 +41,7 @@ use rayon::prelude::*;
 
 use super::check::{expect_cols, row_index};
 use super::lanes::{self, Lanes, Portable};
-use super::pages::CpuPages;
+use super::pages::{CpuPages, KvRows};
 use crate::backend::{AttnHeads, AttnSeq};
 use crate::Result;
 use crate::error::BackendError;
@@ -91,8 +91,8 @@ struct Call<'a> {
     q: &'a [f32],
     q_cols: usize,
     /// Layer K and V pages, `[num_blocks, block_size, kv_heads, head_dim]` flat.
-    k: &'a [f32],
-    v: &'a [f32],
+    k: KvRows<'a>,
+    v: KvRows<'a>,
     heads: AttnHeads,
     block_size: usize,
 }
@@ -342,6 +342,51 @@ fn fold_tile<L: Lanes>(l: L, st: &mut State, v0: usize, j0: usize, keys: &[*cons
     }
 }
 
+/// The K and V rows of one key tile: pointers into the pages when they hold f32,
+/// else into this job's scratch, where each tile's rows are widened (exactly)
+/// before the tile computes, so both page types run the same arithmetic.
+struct TileRows {
+    keys: Vec<*const f32>,
+    vals: Vec<*const f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl TileRows {
+    fn new(call: &Call<'_>) -> Self {
+        let scratch = if matches!(call.k, KvRows::F32(_)) { 0 } else { KEY_TILE * call.heads.head_dim };
+        TileRows { keys: Vec::with_capacity(KEY_TILE), vals: Vec::with_capacity(KEY_TILE), k: vec![0.0; scratch], v: vec![0.0; scratch] }
+    }
+
+    /// Points `keys` / `vals` at `positions` (at most [`KEY_TILE`]; `offset(j)` is
+    /// position `j`'s element offset in the pages) and asks for the next tile's rows
+    /// (below `end`), which then stream in while this tile computes.
+    #[inline(always)]
+    fn load<L: Lanes>(&mut self, l: L, call: &Call<'_>, positions: Range<usize>, end: usize, offset: impl Fn(usize) -> usize) {
+        let hd = call.heads.head_dim;
+        self.keys.clear();
+        self.vals.clear();
+        if let (KvRows::F32(k), KvRows::F32(v)) = (call.k, call.v) {
+            for j in positions.clone() {
+                let off = offset(j);
+                self.keys.push(k[off..off + hd].as_ptr());
+                self.vals.push(v[off..off + hd].as_ptr());
+            }
+        } else {
+            for (i, j) in positions.clone().enumerate() {
+                call.k.widen_into(l, offset(j), &mut self.k[i * hd..(i + 1) * hd]);
+                call.v.widen_into(l, offset(j), &mut self.v[i * hd..(i + 1) * hd]);
+            }
+            self.keys.extend((0..positions.len()).map(|i| self.k[i * hd..].as_ptr()));
+            self.vals.extend((0..positions.len()).map(|i| self.v[i * hd..].as_ptr()));
+        }
+        for j in positions.start + KEY_TILE..(positions.start + 2 * KEY_TILE).min(end) {
+            call.k.prefetch(l, offset(j), hd);
+            call.v.prefetch(l, offset(j), hd);
+        }
+    }
+}
+
 /// Runs one job; its output rows, `[rows.len() · group, head_dim]` in (query row,
 /// group head) order, which is the row-major layout of the job's output span.
 #[inline(always)]
@@ -377,36 +422,17 @@ fn run_job<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec
     }
     let last = *st.limit.last().expect("a job has rows");
     st.limit.resize(rpad, last);
-    let mut keys: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
-    let mut vals: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
+    let mut tile_rows = TileRows::new(call);
     let bs = call.block_size;
     let end = seq.num_computed + job.rows.end;
     let first = seq.num_computed + job.rows.start;
     let row_offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
-    let tiles = end.div_ceil(KEY_TILE);
-    for t in 0..tiles {
-        let j0 = t * KEY_TILE;
+    for j0 in (0..end).step_by(KEY_TILE) {
         let n = (end - j0).min(KEY_TILE);
-        keys.clear();
-        vals.clear();
-        for j in j0..j0 + n {
-            let off = row_offset(j);
-            keys.push(call.k[off..off + hd].as_ptr());
-            vals.push(call.v[off..off + hd].as_ptr());
-        }
-        // The next tile's rows start their way from memory while this one computes.
-        if t + 1 < tiles {
-            for j in j0 + KEY_TILE..(j0 + 2 * KEY_TILE).min(end) {
-                let off = row_offset(j);
-                for line in (0..hd).step_by(16) {
-                    l.prefetch(call.k[off + line..].as_ptr());
-                    l.prefetch(call.v[off + line..].as_ptr());
-                }
-            }
-        }
+        tile_rows.load(l, call, j0..j0 + n, end, row_offset);
         // Lane vectors all of whose rows are below the tile have finished.
         let v0 = j0.saturating_sub(first) * group / 8;
-        fold_tile(l, &mut st, v0, j0, &keys, &vals, hd);
+        fold_tile(l, &mut st, v0, j0, &tile_rows.keys, &tile_rows.vals, hd);
     }
     let mut out = vec![0.0f32; nrows * hd];
     for (r, o) in out.chunks_exact_mut(hd).enumerate() {
@@ -522,31 +548,14 @@ fn run_job_rows<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -
     let mut acc = vec![0.0f32; nrows * hd];
     let mut p = vec![0.0f32; nrows * KEY_TILE];
     let mut kt = vec![0.0f32; hd * KEY_TILE];
-    let mut keys: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
-    let mut vals: Vec<*const f32> = Vec::with_capacity(KEY_TILE);
+    let mut tile_rows = TileRows::new(call);
     let bs = call.block_size;
     let end = seq.num_computed + job.rows.end;
     let row_offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
-    let tiles = end.div_ceil(KEY_TILE);
-    for t in 0..tiles {
-        let j0 = t * KEY_TILE;
+    for j0 in (0..end).step_by(KEY_TILE) {
         let nk = (end - j0).min(KEY_TILE);
-        keys.clear();
-        vals.clear();
-        for j in j0..j0 + nk {
-            let off = row_offset(j);
-            keys.push(call.k[off..off + hd].as_ptr());
-            vals.push(call.v[off..off + hd].as_ptr());
-        }
-        if t + 1 < tiles {
-            for j in j0 + KEY_TILE..(j0 + 2 * KEY_TILE).min(end) {
-                let off = row_offset(j);
-                for line in (0..hd).step_by(16) {
-                    l.prefetch(call.k[off + line..].as_ptr());
-                    l.prefetch(call.v[off + line..].as_ptr());
-                }
-            }
-        }
+        tile_rows.load(l, call, j0..j0 + nk, end, row_offset);
+        let (keys, vals) = (&tile_rows.keys, &tile_rows.vals);
         // kt[d][j] = k_j[d], 8 keys × 8 dims at a time (keys past nk repeat the last).
         let groups = nk.div_ceil(8);
         for kg in 0..groups {
@@ -739,7 +748,7 @@ fn attention_with(kernel: Kernel, q: &Array2<f32>, pages: &CpuPages, layer: usiz
 mod tests {
     use super::*;
     use crate::error::Error;
-    use crate::backend::PagesSpec;
+    use crate::backend::{Dtype, PagesSpec};
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -781,7 +790,7 @@ mod tests {
     }
 
     /// Pages with one sequence per entry of `lens` in shuffled blocks; their
-    /// tables and K/V (`[len, KH*d]`, position order).
+    /// tables and K/V (`[len, KH*d]`, position order) as stored: rounded to `spec.kv_dtype`.
     fn fill(rng: &mut ChaCha8Rng, spec: PagesSpec, lens: &[usize]) -> (CpuPages, Vec<Vec<u32>>, Vec<(Array2<f32>, Array2<f32>)>) {
         let mut pages = CpuPages::new(spec);
         let mut blocks: Vec<u32> = (0..spec.num_blocks as u32).collect();
@@ -797,7 +806,12 @@ mod tests {
             let slots: Vec<i64> = (0..len).map(|j| (table[j / spec.block_size] as usize * spec.block_size + j % spec.block_size) as i64).collect();
             pages.write_kv(1, &k, &v, &slots).unwrap();
             tables.push(table);
-            kvs.push((k, v));
+            let stored = |x: f32| match spec.kv_dtype {
+                Dtype::F32 => x,
+                Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+                Dtype::F16 => half::f16::from_f32(x).to_f32(),
+            };
+            kvs.push((k.mapv(stored), v.mapv(stored)));
         }
         (pages, tables, kvs)
     }
@@ -812,12 +826,13 @@ mod tests {
             (64, 16, &[(0, 70), (100, 29), (191, 1), (64, 64)]),
             (128, 5, &[(0, 33), (61, 70), (130, 1)]),
         ];
-        for &(d, block_size, shapes) in cases {
+        // f16 and bf16 pages are read back widened: the same math over the rounded K/V.
+        for (&(d, block_size, shapes), kv_dtype) in cases.iter().flat_map(|c| [Dtype::F32, Dtype::F16, Dtype::Bf16].map(|t| (c, t))) {
             for (num_heads, kv_heads) in [(4, 4), (4, 2), (4, 1)] {
                 let heads = AttnHeads { num_heads, kv_heads, head_dim: d };
                 let lens: Vec<usize> = shapes.iter().map(|&(c, n)| c + n).collect();
                 let num_blocks = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 3;
-                let spec = PagesSpec { num_layers: 2, num_blocks, block_size, kv_heads, head_dim: d, captured: 0, hidden: 1 };
+                let spec = PagesSpec { num_layers: 2, num_blocks, block_size, kv_heads, head_dim: d, captured: 0, hidden: 1, kv_dtype };
                 let (pages, tables, kvs) = fill(&mut rng, spec, &lens);
                 let mut q_all = Vec::new();
                 let mut expected = Vec::new();
@@ -843,7 +858,7 @@ mod tests {
                     for (s, want) in seqs.iter().zip(&expected) {
                         for ((i, c), w) in want.indexed_iter() {
                             let g = got[[s.query_start + i, c]] as f64;
-                            assert!((g - w).abs() < 1e-5, "{kernel:?} d {d} heads {num_heads}/{kv_heads} row {i} col {c}: {g} vs {w}");
+                            assert!((g - w).abs() < 1e-5, "{kernel:?} {kv_dtype} d {d} heads {num_heads}/{kv_heads} row {i} col {c}: {g} vs {w}");
                         }
                     }
                 }
@@ -883,14 +898,17 @@ mod tests {
     #[test]
     fn a_row_is_the_same_to_the_bit_in_any_step_chunking_or_batch() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
+        // K/V page types in turn over the cases (f16 and bf16 pages go through the widening path).
+        let mut kv_dtypes = [Dtype::F32, Dtype::F16, Dtype::Bf16].into_iter().cycle();
         for d in [64, 128] {
             for (num_heads, kv_heads) in [(4, 4), (4, 2), (8, 2)] {
                 for block_size in [16, 5] {
+                    let kv_dtype = kv_dtypes.next().unwrap_or(Dtype::F32);
                     let heads = AttnHeads { num_heads, kv_heads, head_dim: d };
                     let len: usize = 203;
                     let other_len: usize = 150;
                     let num_blocks = len.div_ceil(block_size) + other_len.div_ceil(block_size) + 4;
-                    let spec = PagesSpec { num_layers: 2, num_blocks, block_size, kv_heads, head_dim: d, captured: 0, hidden: 1 };
+                    let spec = PagesSpec { num_layers: 2, num_blocks, block_size, kv_heads, head_dim: d, captured: 0, hidden: 1, kv_dtype };
                     let (pages, tables, _) = fill(&mut rng, spec, &[len, other_len]);
                     let q = rand_rows(&mut rng, len, num_heads * d);
                     let other_q = rand_rows(&mut rng, 40, num_heads * d);
@@ -900,7 +918,7 @@ mod tests {
                         // Cuts on and off key tiles (64) and blocks; a one-row step; a decode tail.
                         let chunks = [0..1, 1..64, 64..65, 65..130, 130..131, 131..200, 200..201, 201..202, 202..203];
                         let chunked = stepped(kernel, &pages, heads, &q, &tables[0], &chunks, None);
-                        assert_same_bits(&whole, &chunked, &format!("{kernel:?} d {d} {num_heads}/{kv_heads} bs {block_size}: chunked"));
+                        assert_same_bits(&whole, &chunked, &format!("{kernel:?} {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}: chunked"));
                         let batched = stepped(kernel, &pages, heads, &q, &tables[0], &[0..77, 77..203], other);
                         assert_same_bits(&whole, &batched, &format!("{kernel:?} d {d} {num_heads}/{kv_heads} bs {block_size}: batched"));
                         let singles: Vec<Range<usize>> = (0..len).map(|p| p..p + 1).collect();
@@ -918,7 +936,7 @@ mod tests {
         let heads = AttnHeads { num_heads: 8, kv_heads: 2, head_dim: 64 };
         let lens = [1, 63, 64, 65, 130, 300];
         let num_blocks = lens.iter().map(|l: &usize| l.div_ceil(16)).sum::<usize>();
-        let spec = PagesSpec { num_layers: 2, num_blocks, block_size: 16, kv_heads: 2, head_dim: 64, captured: 0, hidden: 1 };
+        let spec = PagesSpec { num_layers: 2, num_blocks, block_size: 16, kv_heads: 2, head_dim: 64, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
         let (pages, tables, _) = fill(&mut rng, spec, &lens);
         let q = rand_rows(&mut rng, lens.len(), 8 * 64);
         let seqs: Vec<AttnSeq<'_>> = lens.iter().zip(&tables).enumerate().map(|(i, (&l, t))| AttnSeq { query_start: i, num_new: 1, num_computed: l - 1, block_table: t }).collect();
@@ -933,7 +951,7 @@ mod tests {
 
     #[test]
     fn rejects_a_short_block_table_and_a_bad_block() {
-        let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 2, captured: 0, hidden: 1 };
+        let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 2, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
         let pages = CpuPages::new(spec);
         let heads = AttnHeads { num_heads: 1, kv_heads: 1, head_dim: 2 };
         let q = Array2::zeros((3, 2));

@@ -55,6 +55,15 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     }
 }
 
+/// `dst[i] = src[i]` widened from bf16 (exact): bf16 is the top half of an f32, so
+/// this is a shift, which vectorises to two instructions per 8 inside an AVX2 kernel.
+#[inline(always)]
+pub(crate) fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+    }
+}
+
 /// Largest lane (no NaN).
 #[inline(always)]
 pub(crate) fn tree_max(a: [f32; 8]) -> f32 {

@@ -17,7 +17,7 @@ mod rope;
 use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 
 use crate::Result;
-use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, WeightDtype};
+use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
 use matmul::matmul_weight;
@@ -88,8 +88,8 @@ impl Backend for CpuBackend {
         [t.nrows(), t.ncols()]
     }
 
-    fn weight_dtypes(&self) -> &'static [WeightDtype] {
-        &[WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16]
+    fn weight_dtypes(&self) -> &'static [Dtype] {
+        &[Dtype::F32, Dtype::Bf16, Dtype::F16]
     }
 
     fn upload_weight(&self, host: HostWeight) -> Result<HostWeight> {
@@ -292,7 +292,7 @@ mod tests {
         let b = CpuBackend;
         // 200 weight rows: packed products split over tasks; 16384: dot products;
         // in bf16 and f16 every size takes the dot kernel.
-        for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             for n in [200, 16_384] {
                 let w = b.upload_weight(HostWeight::F32(rand_rows(5, n, 9)).to_dtype(dtype)).unwrap();
                 let wide = w.to_f32();
@@ -317,7 +317,7 @@ mod tests {
     fn row_ops_move_the_named_rows_and_reject_bad_indices() {
         let b = CpuBackend;
         let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
-        for dtype in [WeightDtype::F32, WeightDtype::Bf16, WeightDtype::F16] {
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             // Small integers are exact in every dtype.
             let stored = HostWeight::F32(table.clone()).to_dtype(dtype);
             let e = b.embedding(&stored, &[4, 0, 4]).unwrap();
@@ -338,14 +338,22 @@ mod tests {
 
     #[test]
     fn pages_write_gather_and_copy_whole_blocks() {
+        // Small integers are exact in every K/V dtype.
+        for kv_dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            pages_in(kv_dtype);
+        }
+    }
+
+    fn pages_in(kv_dtype: Dtype) {
         let b = CpuBackend;
-        let spec = PagesSpec { num_layers: 2, num_blocks: 3, block_size: 2, kv_heads: 1, head_dim: 2, captured: 2, hidden: 3 };
+        let spec = PagesSpec { num_layers: 2, num_blocks: 3, block_size: 2, kv_heads: 1, head_dim: 2, captured: 2, hidden: 3, kv_dtype };
+        assert_eq!(spec.bytes(), 2 * 2 * 6 * 2 * kv_dtype.bytes() + 6 * 2 * 3 * 4);
         assert!(matches!(b.alloc_pages(PagesSpec { block_size: 0, ..spec }), Err(Error::Backend(BackendError::OpShape { what: "block_size", .. }))));
         let mut pages = b.alloc_pages(spec).unwrap();
         let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);
         b.write_kv(&mut pages, 1, &kv, &kv, &[0, -1, 1]).unwrap();
-        assert_eq!(&pages.k[1][..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
-        assert!(pages.k[0].iter().all(|&v| v == 0.0), "other layers untouched");
+        assert_eq!(&pages.k[1].to_f32()[..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
+        assert!(pages.k[0].to_f32().iter().all(|&v| v == 0.0), "other layers untouched");
         let h = Array2::from_shape_fn((2, 3), |(r, c)| (r * 3 + c + 1) as f32);
         b.write_hidden(&mut pages, 1, &h, &[1, 0]).unwrap();
         let got = b.gather_hidden(&pages, 1, &[0, 1, -1]).unwrap();
@@ -354,7 +362,7 @@ mod tests {
         assert_eq!(got.row(2).sum(), 0.0);
         assert_eq!(b.gather_hidden(&pages, 0, &[0]).unwrap().sum(), 0.0, "capture 0 untouched");
         b.copy_blocks(&mut pages, &[(0, 2)]).unwrap();
-        assert_eq!(&pages.k[1][8..12], &[1.0, 2.0, 5.0, 6.0]);
+        assert_eq!(&pages.k[1].to_f32()[8..12], &[1.0, 2.0, 5.0, 6.0]);
         assert_eq!(b.gather_hidden(&pages, 1, &[4, 5]).unwrap(), got.slice(ndarray::s![..2, ..]));
         let before = pages.clone();
         assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::Backend(BackendError::OpIndex { what: "block", index: 3, .. }))));

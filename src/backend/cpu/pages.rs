@@ -1,19 +1,107 @@
-//! Host pages: flat f32 buffers for each layer's K and V and for captured hidden states.
+//! Host pages: each layer's K and V in the pages' element type (f32, bf16 or
+//! f16), and the captured hidden states in f32.
 
+use half::{bf16, f16};
 use ndarray::Array2;
 
 use super::check::{expect_cols, expect_rows, row_index};
-use crate::backend::PagesSpec;
+use super::lanes::{Lanes, widen_bf16};
+use crate::backend::{Dtype, PagesSpec};
 use crate::kv::BlockId;
 use crate::Result;
 
-/// K/V pages per layer (`[num_blocks, block_size, kv_heads, head_dim]` flat) and the
-/// hidden pages (`[num_blocks, block_size, captured, hidden]` flat).
+/// One layer's K (or V) pages, flat, in their stored element type.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum KvBuf {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl KvBuf {
+    fn zeros(dtype: Dtype, len: usize) -> Self {
+        match dtype {
+            Dtype::F32 => KvBuf::F32(vec![0.0; len]),
+            Dtype::Bf16 => KvBuf::Bf16(vec![bf16::ZERO; len]),
+            Dtype::F16 => KvBuf::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    /// Stores `src` from element `start`, rounded to the stored type.
+    fn write(&mut self, start: usize, src: impl Iterator<Item = f32>) {
+        match self {
+            KvBuf::F32(b) => b[start..].iter_mut().zip(src).for_each(|(d, s)| *d = s),
+            KvBuf::Bf16(b) => b[start..].iter_mut().zip(src).for_each(|(d, s)| *d = bf16::from_f32(s)),
+            KvBuf::F16(b) => b[start..].iter_mut().zip(src).for_each(|(d, s)| *d = f16::from_f32(s)),
+        }
+    }
+
+    fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
+        match self {
+            KvBuf::F32(b) => b.copy_within(src, dst),
+            KvBuf::Bf16(b) => b.copy_within(src, dst),
+            KvBuf::F16(b) => b.copy_within(src, dst),
+        }
+    }
+
+    /// A borrowed view for the attention kernel.
+    pub(crate) fn rows(&self) -> KvRows<'_> {
+        match self {
+            KvBuf::F32(b) => KvRows::F32(b),
+            KvBuf::Bf16(b) => KvRows::Bf16(b),
+            KvBuf::F16(b) => KvRows::F16(b),
+        }
+    }
+
+    /// Every element widened to f32 (exact).
+    #[cfg(test)]
+    pub(crate) fn to_f32(&self) -> Vec<f32> {
+        match self {
+            KvBuf::F32(b) => b.clone(),
+            KvBuf::Bf16(b) => b.iter().map(|v| v.to_f32()).collect(),
+            KvBuf::F16(b) => b.iter().map(|v| v.to_f32()).collect(),
+        }
+    }
+}
+
+/// One layer's K (or V) pages as the attention kernel reads them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum KvRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+impl KvRows<'_> {
+    /// Elements `off..off + dst.len()` widened into `dst` (exact).
+    #[inline(always)]
+    pub(crate) fn widen_into<L: Lanes>(self, l: L, off: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        match self {
+            KvRows::F32(b) => dst.copy_from_slice(&b[off..off + n]),
+            KvRows::Bf16(b) => widen_bf16(&b[off..off + n], dst),
+            KvRows::F16(b) => l.widen_f16(&b[off..off + n], dst),
+        }
+    }
+
+    /// Asks for the cache lines of elements `off..off + len` (no effect on results).
+    #[inline(always)]
+    pub(crate) fn prefetch<L: Lanes>(self, l: L, off: usize, len: usize) {
+        match self {
+            KvRows::F32(b) => (0..len).step_by(16).for_each(|i| l.prefetch(b[off + i..].as_ptr())),
+            KvRows::Bf16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
+            KvRows::F16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
+        }
+    }
+}
+
+/// K/V pages per layer (`[num_blocks, block_size, kv_heads, head_dim]` flat, in
+/// `spec.kv_dtype`) and the hidden pages (`[num_blocks, block_size, captured, hidden]` flat, f32).
 #[derive(Debug, Clone)]
 pub struct CpuPages {
     pub(crate) spec: PagesSpec,
-    pub(crate) k: Vec<Vec<f32>>,
-    pub(crate) v: Vec<Vec<f32>>,
+    pub(crate) k: Vec<KvBuf>,
+    pub(crate) v: Vec<KvBuf>,
     pub(crate) hidden: Vec<f32>,
 }
 
@@ -31,8 +119,8 @@ impl CpuPages {
         let kv = spec.num_slots() * spec.kv_width();
         Self {
             spec,
-            k: vec![vec![0.0; kv]; spec.num_layers],
-            v: vec![vec![0.0; kv]; spec.num_layers],
+            k: vec![KvBuf::zeros(spec.kv_dtype, kv); spec.num_layers],
+            v: vec![KvBuf::zeros(spec.kv_dtype, kv); spec.num_layers],
             hidden: vec![0.0; spec.num_slots() * spec.captured * spec.hidden],
         }
     }
@@ -41,10 +129,10 @@ impl CpuPages {
         row_index(op, "layer", layer as i64, self.spec.num_layers)
     }
 
-    /// Layer `layer`'s K and V buffers.
-    pub(crate) fn kv(&self, op: &'static str, layer: usize) -> Result<(&[f32], &[f32])> {
+    /// Layer `layer`'s K and V pages.
+    pub(crate) fn kv(&self, op: &'static str, layer: usize) -> Result<(KvRows<'_>, KvRows<'_>)> {
         let l = self.layer_index(op, layer)?;
-        Ok((&self.k[l], &self.v[l]))
+        Ok((self.k[l].rows(), self.v[l].rows()))
     }
 
     pub(crate) fn write_kv(&mut self, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64]) -> Result<()> {
@@ -58,11 +146,8 @@ impl CpuPages {
         check_slots(OP, slots, self.spec.num_slots())?;
         for (i, &s) in slots.iter().enumerate() {
             let Ok(s) = usize::try_from(s) else { continue };
-            let range = s * width..(s + 1) * width;
             for (page, t) in [(&mut self.k[l], k), (&mut self.v[l], v)] {
-                for (dst, src) in page[range.clone()].iter_mut().zip(t.row(i)) {
-                    *dst = *src;
-                }
+                page.write(s * width, t.row(i).iter().copied());
             }
         }
         Ok(())

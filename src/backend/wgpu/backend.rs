@@ -11,7 +11,7 @@ use crate::backend::wgpu::ops::paging::SlotColumns;
 use crate::backend::wgpu::pool::{ATTENTION_POOL_CHUNKS, PagedPool};
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::weight::unsupported_dtype;
-use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, WeightDtype};
+use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
 use crate::kv::BlockId;
 use crate::Result;
 use crate::error::{BackendError, GpuError};
@@ -110,19 +110,23 @@ impl Backend for WgpuBackend {
         t.shape()
     }
 
-    fn weight_dtypes(&self) -> &'static [WeightDtype] {
+    fn weight_dtypes(&self) -> &'static [Dtype] {
         // f16 storage is issue 13's; until then half-precision checkpoints widen to f32.
-        &[WeightDtype::F32]
+        &[Dtype::F32]
     }
 
     fn upload_weight(&self, host: HostWeight) -> Result<GpuTensor> {
         match host {
             HostWeight::F32(a) => self.upload(a.view()),
-            other => Err(unsupported_dtype("wgpu backend", self.weight_dtypes(), other.dtype())),
+            other => Err(unsupported_dtype("wgpu backend", "weight dtype", self.weight_dtypes(), other.dtype())),
         }
     }
 
     fn alloc_pages(&self, spec: PagesSpec) -> Result<WgpuPages> {
+        if spec.kv_dtype != Dtype::F32 {
+            // f16 pages are issue 13's.
+            return Err(unsupported_dtype("wgpu backend", "kv dtype", &[Dtype::F32], spec.kv_dtype));
+        }
         let mut k = Vec::with_capacity(spec.num_layers);
         let mut v = Vec::with_capacity(spec.num_layers);
         for _ in 0..spec.num_layers {
