@@ -5,7 +5,9 @@
 //! KV for every reused position and get the right token or image row for every
 //! new one. At the end no block is leaked, every request that was not aborted
 //! finishes, and a prompt as long as the pool still fits (no index lock
-//! outlived its request).
+//! outlived its request). The scheduler records KV events throughout: after
+//! every operation a consumer rebuilt from them alone holds exactly the blocks
+//! the index holds, and text blocks carry their documented hashes.
 //!
 //! Case count: `PROPTEST_CASES` (default 64).
 
@@ -14,11 +16,14 @@ mod sched_driver;
 mod support;
 
 use omniprefix::batch::{RequestId, ScheduledBatch};
+use omniprefix::canon::FingerprintKey;
+use omniprefix::events::Medium;
+use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::index::PrefixIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
-use sched_driver::{Machine, Op, Runner, op, scheduler_config};
+use sched_driver::{EventConsumer, Machine, Op, Runner, op, scheduler_config};
 use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 
 /// Schedule/complete rounds a drain may take before a request counts as stuck.
@@ -64,9 +69,14 @@ impl Runner for Shadow {
 
 fn run_case(case: &Case, index: Box<dyn PrefixIndex>) -> Result<(), TestCaseError> {
     let cfg = case.config;
-    let sched = Scheduler::new(cfg, index).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let key = FingerprintKey::fixed(11);
+    let sched = Scheduler::new(cfg, index)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?
+        .with_kv_events(FleetHasher::new(&key), Medium::Cpu);
     let pages = ShadowPages::new(cfg.num_blocks, cfg.block_size);
-    let mut m = Machine::new(sched, Shadow { pages, config: cfg });
+    // Tenants 0 and 1 (the ops'), and 99 (`check_no_lock_left`'s).
+    let consumer = EventConsumer::new(&key, vec![0, 1, 99]);
+    let mut m = Machine::new(sched, Shadow { pages, config: cfg }).with_event_consumer(consumer);
     for op in &case.ops {
         m.apply(op, &case.bases)?;
     }

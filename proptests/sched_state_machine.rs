@@ -5,7 +5,8 @@
 //! scheduler pass `validate()` (which also rejects a block shared across
 //! tenants); every request that finishes returns hidden states and logits
 //! equal to its uncached run (1e-5 relative); at the end no block is leaked
-//! and no index lock is left behind.
+//! and no index lock is left behind. KV events are recorded throughout and a
+//! consumer rebuilt from them matches the index after every operation.
 //!
 //! Cases default to 64 (under a second); scale with `PROPTEST_CASES`.
 
@@ -21,7 +22,10 @@ use omniprefix::runner::{Outputs, PromptInputs, SeqOutput};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use omniprefix::{Error, backend::cpu::CpuPages};
 use proptest::prelude::*;
-use sched_driver::{Machine, Op, Runner, op, scheduler_config};
+use omniprefix::canon::FingerprintKey;
+use omniprefix::events::Medium;
+use omniprefix::index::block_hash::FleetHasher;
+use sched_driver::{EventConsumer, Machine, Op, Runner, op, scheduler_config};
 use tiny_model::{IMAGE_UNIT, TinyModel, equal_outputs, request};
 
 /// Schedule/complete rounds a drain may take before a request counts as stuck.
@@ -130,9 +134,12 @@ proptest! {
         let model = TinyModel::new(case.seed).map_err(fail)?;
         let cfg = case.config;
         let index = RadixIndex::new(RadixConfig { block_size: cfg.block_size }).map_err(fail)?;
-        let sched = Scheduler::new(cfg, Box::new(index)).map_err(fail)?;
+        let key = FingerprintKey::fixed(case.seed);
+        let sched = Scheduler::new(cfg, Box::new(index)).map_err(fail)?.with_kv_events(FleetHasher::new(&key), Medium::Cpu);
         let pages = model.pages(cfg.num_blocks, cfg.block_size).map_err(fail)?;
-        let mut m = Machine::new(sched, ModelRun { model: &model, pages, inputs: HashMap::new(), outputs: HashMap::new() });
+        let run = ModelRun { model: &model, pages, inputs: HashMap::new(), outputs: HashMap::new() };
+        // Tenants 0..3 (the ops') and 99 (`check_no_lock_left`'s).
+        let mut m = Machine::new(sched, run).with_event_consumer(EventConsumer::new(&key, vec![0, 1, 2, 99]));
         for step in &case.steps {
             apply(&mut m, step, &case.bases)?;
         }

@@ -12,6 +12,7 @@
 //! | [`Error::Backend`] | [`BackendError`] | a backend op given operands of the wrong shape or an index out of range |
 //! | [`Error::Gpu`] | [`GpuError`] | the wgpu device: adapter, limits, shaders, device-side failures |
 //! | [`Error::Io`] | [`IoError`] | a file (or stream) read or written, with its path |
+//! | [`Error::Events`] | [`EventsError`] | the KV-event publisher: its endpoints, its thread |
 //! | [`Error::ThreadPool`] | — | a worker thread pool could not start |
 //!
 //! Every family converts into [`Error`] with `From`, so a site reads
@@ -57,9 +58,28 @@ pub enum Error {
     /// A file or stream could not be read or written.
     #[error(transparent)]
     Io(#[from] IoError),
+    /// The KV-event publisher cannot start.
+    #[error(transparent)]
+    Events(#[from] EventsError),
     /// A worker thread pool could not start.
     #[error("cannot start {threads} {purpose} threads: {source}")]
     ThreadPool { purpose: &'static str, threads: usize, source: rayon::ThreadPoolBuildError },
+}
+
+/// The KV-event publisher ([`crate::events`]) at startup: the engine refuses
+/// to start rather than run without the stream it was asked for.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EventsError {
+    /// An endpoint that is not a `tcp://host:port` ZMQ address.
+    #[error("KV events {socket} endpoint {endpoint:?} is not a tcp://host:port address: {reason}")]
+    BadEndpoint { socket: &'static str, endpoint: String, reason: String },
+    /// The endpoint parsed but cannot be bound (a port in use, an address not on this host).
+    #[error("KV events {socket} endpoint {endpoint}: cannot bind: {reason}")]
+    Bind { socket: &'static str, endpoint: String, reason: String },
+    /// The publisher's thread or its runtime could not start.
+    #[error("KV events publisher cannot start: {reason}")]
+    Start { reason: String },
 }
 
 /// Crate-wide result alias.
@@ -268,6 +288,9 @@ pub enum SchedError {
     /// A scheduled sequence whose fields disagree with each other or the model (checked by the runner).
     #[error("request {request}: {what}")]
     InvalidBatch { request: u64, what: String },
+    /// The cache cannot be reset while requests hold parts of it.
+    #[error("cannot reset the cache: {requests} request(s) are admitted")]
+    CacheInUse { requests: usize },
     /// Requests are live but the scheduler emitted an empty step (an internal bug).
     #[error("scheduler stalled: {pending} request(s) pending but the scheduler emitted an empty step")]
     Stalled { pending: usize },

@@ -11,6 +11,7 @@ pub mod batch;
 pub mod canon;
 pub mod engine;
 pub mod error;
+pub mod events;
 pub mod index;
 pub mod preprocess;
 pub mod kv;

@@ -6,11 +6,13 @@
 //! block leaked and no index lock outlived its request. What runs the batches
 //! and what is checked about their results is the suite's [`Runner`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 
 use omniprefix::Error;
 use omniprefix::batch::{RequestId, ScheduledBatch};
+use omniprefix::canon::FingerprintKey;
+use omniprefix::events::KvEvent;
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 use omniprefix::error::RequestError;
@@ -105,6 +107,72 @@ pub struct Machine<R: Runner> {
     pub finished: usize,
     /// Every admitted request's whole-prompt positions, materialised.
     positions: HashMap<RequestId, Vec<[i64; 3]>>,
+    /// Rebuilds the cache from the scheduler's KV events, when it records them.
+    events: Option<EventConsumer>,
+}
+
+/// A router's view of one scheduler, rebuilt from its KV events alone: the
+/// hashes it holds. Each event is checked as it is applied: a stored block is
+/// new and its parent is cached, a removed one was cached, and the hash of a
+/// text-only block is recomputed from the documented bytes (salt or parent,
+/// then `'T'`, count, ids) with BLAKE3 directly, an oracle independent of the
+/// library's hasher.
+pub struct EventConsumer {
+    cached: HashSet<u64>,
+    hash_key: [u8; 32],
+    tenants: Vec<u64>,
+}
+
+impl EventConsumer {
+    /// A consumer for a fleet under `key` whose requests use `tenants`.
+    pub fn new(key: &FingerprintKey, tenants: Vec<u64>) -> Self {
+        let hash_key = blake3::derive_key("omniprefix 2026 kv block hash", key.as_bytes());
+        EventConsumer { cached: HashSet::new(), hash_key, tenants }
+    }
+
+    fn text_block_hash(&self, root: u8, salt_or_parent: u64, ids: &[u32]) -> u64 {
+        let mut message = vec![root];
+        message.extend_from_slice(&salt_or_parent.to_le_bytes());
+        message.push(b'T');
+        message.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+        for id in ids {
+            message.extend_from_slice(&id.to_le_bytes());
+        }
+        let digest = blake3::keyed_hash(&self.hash_key, &message);
+        u64::from_le_bytes(digest.as_bytes()[..8].try_into().unwrap_or_default())
+    }
+
+    fn apply(&mut self, event: &KvEvent) -> Result<(), TestCaseError> {
+        match event {
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, extra_keys, .. } => {
+                prop_assert_eq!(token_ids.len(), block_hashes.len() * block_size);
+                let mut parent = *parent_block_hash;
+                if let Some(p) = parent {
+                    prop_assert!(self.cached.contains(&p), "stored under parent {p:#x}, which is not cached");
+                }
+                for (i, &hash) in block_hashes.iter().enumerate() {
+                    prop_assert!(self.cached.insert(hash), "block {hash:#x} stored twice");
+                    let text_only = extra_keys.as_ref().is_none_or(|per_block| per_block[i].is_none());
+                    if text_only {
+                        let ids = &token_ids[i * block_size..(i + 1) * block_size];
+                        let ok = match parent {
+                            Some(p) => self.text_block_hash(1, p, ids) == hash,
+                            None => self.tenants.iter().any(|&t| self.text_block_hash(0, t, ids) == hash),
+                        };
+                        prop_assert!(ok, "block {hash:#x} is not the documented hash of its ids {ids:?}");
+                    }
+                    parent = Some(hash);
+                }
+            }
+            KvEvent::BlockRemoved { block_hashes, .. } => {
+                for hash in block_hashes {
+                    prop_assert!(self.cached.remove(hash), "block {hash:#x} removed but not cached");
+                }
+            }
+            KvEvent::AllBlocksCleared => self.cached.clear(),
+        }
+        Ok(())
+    }
 }
 
 fn fail(e: Error) -> TestCaseError {
@@ -122,7 +190,16 @@ impl<R: Runner> Machine<R> {
             next_id: 0,
             finished: 0,
             positions: HashMap::new(),
+            events: None,
         }
+    }
+
+    /// Checks after every operation that `consumer`, fed the scheduler's KV
+    /// events, holds exactly the blocks the scheduler says its index holds
+    /// (the scheduler must have been built [`with_kv_events`](Scheduler::with_kv_events)).
+    pub fn with_event_consumer(mut self, consumer: EventConsumer) -> Self {
+        self.events = Some(consumer);
+        self
     }
 
     /// Admits a new request; a prompt longer than the whole pool must be
@@ -199,9 +276,19 @@ impl<R: Runner> Machine<R> {
         self.validate()
     }
 
-    /// The scheduler's own invariant check, as a test failure.
-    pub fn validate(&self) -> Result<(), TestCaseError> {
-        self.sched.validate().map_err(|e| TestCaseError::fail(e.to_string()))
+    /// The scheduler's own invariant check, as a test failure; then the
+    /// event consumer's view against the scheduler's.
+    pub fn validate(&mut self) -> Result<(), TestCaseError> {
+        self.sched.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
+        if let Some(consumer) = self.events.as_mut() {
+            for event in self.sched.take_kv_events() {
+                consumer.apply(&event)?;
+            }
+            let mut rebuilt: Vec<u64> = consumer.cached.iter().copied().collect();
+            rebuilt.sort_unstable();
+            prop_assert_eq!(rebuilt, self.sched.cached_block_hashes(), "the events' index differs from the scheduler's");
+        }
+        Ok(())
     }
 
     /// Completes what is outstanding, then runs every live request to the end

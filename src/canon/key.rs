@@ -1,6 +1,8 @@
 //! The key of the fingerprint, and the two independent xxh3 secrets derived
 //! from it (fingerprint and check digest).
 
+use crate::error::ConfigError;
+
 /// Size of an xxh3 custom secret (the crate's `DEFAULT_SECRET_SIZE`).
 pub(crate) const SECRET_BYTES: usize = 192;
 
@@ -34,6 +36,28 @@ impl FingerprintKey {
     /// The key bytes (to persist an index together with its key).
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
+    }
+
+    /// A key given as 64 hex digits: the fleet key every replica and frontend
+    /// shares (`--fingerprint-key HEX`); anything else is a [`ConfigError`].
+    ///
+    /// ```
+    /// use omniprefix::canon::FingerprintKey;
+    /// let key = FingerprintKey::from_hex(&"ab".repeat(32))?;
+    /// assert_eq!(key.as_bytes(), &[0xab; 32]);
+    /// assert!(FingerprintKey::from_hex("abc").is_err());
+    /// # Ok::<(), omniprefix::error::ConfigError>(())
+    /// ```
+    pub fn from_hex(text: &str) -> Result<Self, ConfigError> {
+        let invalid = |found: String| ConfigError::Invalid {
+            component: "fingerprint key",
+            field: "hex",
+            expected: "64 hex digits (32 bytes)".into(),
+            found,
+        };
+        let mut bytes = [0u8; 32];
+        hex::decode_to_slice(text.trim(), &mut bytes).map_err(|e| invalid(format!("{} characters ({e})", text.trim().len())))?;
+        Ok(FingerprintKey(bytes))
     }
 
     /// An xxh3 secret for one purpose; different contexts give independent secrets.

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::backend::Dtype;
 use crate::canon::FingerprintKey;
+use crate::events::KvEventsConfig;
 use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
 use crate::prompt::{OmniTokens, TenantSalt};
@@ -58,6 +59,10 @@ pub struct EngineConfig {
     /// The element type of the K/V pages (default f32; f16 or bf16 halve the KV
     /// memory, attention widens each tile back to f32). Hidden pages stay f32.
     pub kv_dtype: Dtype,
+    /// Publish KV events (vLLM's wire format over ZMQ) for cache-aware routers;
+    /// `None` (default) = none. Block hashes are keyed by `fingerprint_key`, which
+    /// every replica and frontend of a fleet then shares.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +84,7 @@ impl Default for EngineConfig {
             known_tenants: None,
             dtype: None,
             kv_dtype: Dtype::F32,
+            kv_events: None,
         }
     }
 }

@@ -19,6 +19,7 @@
 
 mod config;
 mod generation;
+mod kv_events;
 mod request;
 
 use std::path::Path;
@@ -47,6 +48,7 @@ use generation::{Decoding, Next, last_rows};
 
 pub use config::{EngineConfig, EngineStats, IndexKind, Timings};
 pub use generation::{Event, Generation, GenerationTimings, TokenEvent};
+pub use kv_events::request_block_hashes;
 pub use request::{EncoderOutput, ItemInput, PlaceholderForm, PrefillRequest};
 
 /// What a finished prefill returns.
@@ -122,6 +124,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     backlog: Vec<Event>,
     /// `config.known_tenants` as a set.
     known_tenants: Option<FxHashSet<TenantSalt>>,
+    /// Publishes the scheduler's KV events once per step (`config.kv_events`).
+    publisher: Option<crate::events::KvEventPublisher>,
 }
 
 impl Engine<CpuBackend> {
@@ -186,6 +190,7 @@ impl<B: Backend> Engine<B> {
             Some(max) => sched.with_max_context(max),
             None => sched,
         };
+        let (sched, publisher) = kv_events::start(sched, &config, backend.name())?;
         let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(config.kv_dtype);
         let pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
         let tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
@@ -205,6 +210,7 @@ impl<B: Backend> Engine<B> {
             next_id: 0,
             pending: FxHashMap::default(),
             backlog: Vec::new(),
+            publisher,
         })
     }
 
@@ -580,6 +586,7 @@ impl<B: Backend> Engine<B> {
             }
             self.on_ready(out, events)?;
         }
+        self.publish_kv_events();
         Ok(())
     }
 

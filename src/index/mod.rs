@@ -7,6 +7,8 @@
 pub mod hashchain;
 /// The validated radix tree over atoms: the main matcher.
 pub mod radix;
+/// 64-bit content hashes of full KV blocks under the fleet key (what KV events carry).
+pub mod block_hash;
 /// Collision validation of fingerprint hits.
 pub mod validate;
 

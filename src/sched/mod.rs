@@ -36,6 +36,7 @@
 mod admission;
 mod check;
 mod config;
+mod events;
 mod request;
 
 use std::collections::VecDeque;
@@ -44,10 +45,13 @@ use fxhash::{FxHashMap, FxHashSet};
 
 use crate::batch::{self, BlockCopy, EmbedRows, ModelShape, RequestId, ScheduledBatch};
 use crate::error::{CacheError, ConfigError, Error, RequestError, Result, SchedError};
+use crate::events::{KvEvent, Medium};
+use crate::index::block_hash::FleetHasher;
 use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockId, BlockPool, BlockState, BlockTable};
 use crate::prompt::{TenantSalt, out_of_vocab};
 use admission::{Admission, PoolLimits};
+use events::EventLog;
 
 pub(crate) use admission::check_tenant;
 
@@ -86,6 +90,8 @@ struct Tracked {
     delivered: usize,
     /// Admission order: running sequences are kept sorted by it (oldest first).
     arrival: u64,
+    /// Block hashes of the sequence's first blocks, computed once for KV events.
+    block_hashes: Vec<u64>,
 }
 
 /// Admits requests, matches their prefixes and builds the batches the runner executes.
@@ -151,6 +157,8 @@ pub struct Scheduler {
     admission: Admission,
     arrivals: u64,
     stats: SchedulerStats,
+    /// KV events, when asked for ([`Scheduler::with_kv_events`]).
+    events: Option<EventLog>,
 }
 
 impl Scheduler {
@@ -190,7 +198,47 @@ impl Scheduler {
             admission: Admission::default(),
             arrivals: 0,
             stats: SchedulerStats::default(),
+            events: None,
         })
+    }
+
+    /// Records KV events ([`take_kv_events`](Self::take_kv_events)): a
+    /// `BlockStored` for every full block the index adopts, hashed by `hasher`
+    /// (the fleet key's [`FleetHasher`]), a `BlockRemoved` when it leaves.
+    /// `medium` says where the pages live.
+    pub fn with_kv_events(mut self, hasher: FleetHasher, medium: Medium) -> Self {
+        self.events = Some(EventLog::new(hasher, medium));
+        self
+    }
+
+    /// The KV events recorded since the last call (none unless
+    /// [`with_kv_events`](Self::with_kv_events)); the engine publishes them once per step.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(EventLog::take).unwrap_or_default()
+    }
+
+    /// The hashes of the published blocks the index holds now, ascending:
+    /// what a consumer of the events must have rebuilt.
+    pub fn cached_block_hashes(&self) -> Vec<u64> {
+        let mut hashes: Vec<u64> = self.events.as_ref().map_or_else(Vec::new, |e| e.published().values().copied().collect());
+        hashes.sort_unstable();
+        hashes
+    }
+
+    /// Drops every cached block (an `AllBlocksCleared` event); refused with
+    /// [`SchedError::CacheInUse`], nothing changed, while any request is admitted.
+    /// Returns the number of blocks freed.
+    pub fn reset_cache(&mut self) -> Result<usize> {
+        if !self.requests.is_empty() || !self.aborted_in_flight.is_empty() {
+            return Err(SchedError::CacheInUse { requests: self.requests.len() + self.aborted_in_flight.len() }.into());
+        }
+        let evicted = self.index.evict(usize::MAX);
+        self.stats.evicted_blocks += evicted.len() as u64;
+        self.free_to_pool(&evicted)?;
+        if let Some(log) = self.events.as_mut() {
+            log.cleared();
+        }
+        Ok(evicted.len())
     }
 
     /// Rejects prompts longer than `max_context` positions (the model's
@@ -247,6 +295,7 @@ impl Scheduler {
             lock: None,
             delivered: 0,
             arrival: self.arrivals,
+            block_hashes: Vec::new(),
         };
         self.arrivals += 1;
         self.requests.insert(id, tracked);
@@ -443,9 +492,7 @@ impl Scheduler {
     pub fn evict(&mut self, max_blocks: usize) -> Result<usize> {
         let evicted = self.index.evict(max_blocks);
         self.stats.evicted_blocks += evicted.len() as u64;
-        for &b in &evicted {
-            self.pool.reclaim_evicted(b)?;
-        }
+        self.reclaim_released(&evicted)?;
         Ok(evicted.len())
     }
 
@@ -597,13 +644,8 @@ impl Scheduler {
     ) -> Result<Option<Vec<BlockId>>> {
         loop {
             while self.pool.num_free() < need {
-                let evicted = self.index.evict(need - self.pool.num_free());
-                if evicted.is_empty() {
+                if self.evict(need - self.pool.num_free())? == 0 {
                     break;
-                }
-                self.stats.evicted_blocks += evicted.len() as u64;
-                for b in evicted {
-                    self.pool.reclaim_evicted(b)?;
                 }
             }
             if let Some(fresh) = self.pool.allocate(need) {
@@ -660,11 +702,17 @@ impl Scheduler {
         if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
             return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
         }
+        let mut adopted_at = Vec::with_capacity(outcome.adopted.len());
         for &b in &outcome.adopted {
-            if !t.block_table[t.num_shared..n_full].contains(&b) {
+            let Some(i) = t.block_table[t.num_shared..n_full].iter().position(|&x| x == b) else {
                 return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
-            }
+            };
             self.pool.adopt_by_index(b)?;
+            adopted_at.push((t.num_shared + i, b));
+        }
+        if let Some(log) = self.events.as_mut() {
+            adopted_at.sort_unstable();
+            log.stored(&t.req.prompt, bs, &mut t.block_hashes, &adopted_at);
         }
         self.index.lock(&m);
         for i in t.num_shared..n_full {
@@ -709,10 +757,20 @@ impl Scheduler {
         self.reclaim_released(&outcome.released)
     }
 
-    /// Frees the blocks an insert gave up (a cached partial block that a
-    /// longer one superseded; no request reads it).
+    /// Frees blocks the index gave up (evicted, or a cached partial block
+    /// that a longer one superseded; no request reads them) and records the
+    /// published ones as removed.
     fn reclaim_released(&mut self, released: &[BlockId]) -> Result<()> {
-        for &b in released {
+        self.free_to_pool(released)?;
+        if let Some(log) = self.events.as_mut() {
+            log.removed(released);
+        }
+        Ok(())
+    }
+
+    /// Returns blocks the index no longer owns to the free list.
+    fn free_to_pool(&mut self, blocks: &[BlockId]) -> Result<()> {
+        for &b in blocks {
             self.pool.reclaim_evicted(b)?;
         }
         Ok(())

@@ -1,0 +1,93 @@
+//! KV events in vLLM's wire format, so existing cache-aware routers (Dynamo's
+//! kv-router, llm-d, vLLM's router) can follow what each replica caches.
+//!
+//! The scheduler records a [`KvEvent`] whenever a full block enters the index
+//! (`BlockStored`), leaves it (`BlockRemoved`) or the whole cache is reset
+//! (`AllBlocksCleared`); the engine batches a step's events into a
+//! [`KvEventBatch`] and hands it to a [`KvEventPublisher`], which encodes it
+//! exactly as vLLM 0.33's msgspec classes do ([`wire`]) and publishes it over
+//! ZMQ PUB with a ROUTER replay endpoint, as vLLM's `ZmqEventPublisher` does.
+//!
+//! Block hashes are [`crate::index::block_hash`]'s content chain under the
+//! fleet key, which a frontend computes for a request without any model.
+
+mod publisher;
+pub mod wire;
+
+use crate::canon::Fingerprint;
+
+pub use publisher::{KvEventPublisher, KvEventsConfig, PublisherStats};
+
+/// Where a block's KV lives: what vLLM's `medium` field says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// Host memory (the CPU backend).
+    Cpu,
+    /// Device memory (the wgpu backend).
+    Gpu,
+}
+
+impl Medium {
+    /// The medium of a backend by its name (`"cpu"` → CPU, any other → GPU).
+    pub fn of_backend(name: &str) -> Self {
+        if name == "cpu" { Medium::Cpu } else { Medium::Gpu }
+    }
+
+    /// The string vLLM writes: `"CPU"` or `"GPU"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Cpu => "CPU",
+            Medium::Gpu => "GPU",
+        }
+    }
+}
+
+/// The item rows in one block: the item's fingerprint and the first of its
+/// rows that the block holds (one per maximal run of item rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ItemRows {
+    pub fingerprint: Fingerprint,
+    pub first_row: u32,
+}
+
+/// One KV cache event (vLLM's `BlockStored`, `BlockRemoved`, `AllBlocksCleared`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    /// Consecutive full blocks of one sequence entered the cache.
+    BlockStored {
+        /// One hash per block, in order.
+        block_hashes: Vec<u64>,
+        /// The hash of the block before the first one; `None` at a sequence's start.
+        parent_block_hash: Option<u64>,
+        /// The blocks' token ids (placeholder ids at item rows), `block_size` per block.
+        token_ids: Vec<u32>,
+        block_size: usize,
+        medium: Medium,
+        /// Per block, the item rows it holds (`None` for a text-only block);
+        /// `None` when no block holds item rows (vLLM then leaves the field out).
+        extra_keys: Option<Vec<Option<Vec<ItemRows>>>>,
+    },
+    /// Blocks left the cache (evicted).
+    BlockRemoved { block_hashes: Vec<u64>, medium: Medium },
+    /// Every block left the cache.
+    AllBlocksCleared,
+}
+
+/// One step's events: vLLM's `KVEventBatch [ts, events, data_parallel_rank]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventBatch {
+    /// Seconds since the Unix epoch when the batch was made.
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub data_parallel_rank: Option<u32>,
+}
+
+impl KvEventBatch {
+    /// A batch of `events` stamped now.
+    pub fn now(events: Vec<KvEvent>, data_parallel_rank: Option<u32>) -> Self {
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        KvEventBatch { ts, events, data_parallel_rank }
+    }
+}

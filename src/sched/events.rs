@@ -1,0 +1,98 @@
+//! What the scheduler records for KV events: a `BlockStored` when full blocks
+//! enter the index, a `BlockRemoved` when they leave, `AllBlocksCleared` on a
+//! reset. Only full blocks are published (a router hashes full blocks only);
+//! a finished sequence's partly filled last block stays private to the engine.
+
+use fxhash::FxHashMap;
+
+use crate::events::{ItemRows, KvEvent, Medium};
+use crate::index::block_hash::{FleetHasher, item_runs};
+use crate::kv::BlockId;
+use crate::prompt::CanonicalPrompt;
+
+/// The events of the steps since the last [`take`](EventLog::take), and the
+/// hash of every published block the index still holds.
+#[derive(Debug)]
+pub(super) struct EventLog {
+    hasher: FleetHasher,
+    medium: Medium,
+    pending: Vec<KvEvent>,
+    /// Published (full, index-owned) blocks and their hashes.
+    published: FxHashMap<BlockId, u64>,
+}
+
+impl EventLog {
+    pub(super) fn new(hasher: FleetHasher, medium: Medium) -> Self {
+        EventLog { hasher, medium, pending: Vec::new(), published: FxHashMap::default() }
+    }
+
+    /// Records that the index adopted the full blocks `blocks` (`(position, id)`,
+    /// positions ascending) of `prompt`; `chain` caches the prompt's hashes.
+    pub(super) fn stored(
+        &mut self,
+        prompt: &CanonicalPrompt,
+        block_size: usize,
+        chain: &mut Vec<u64>,
+        blocks: &[(usize, BlockId)],
+    ) {
+        let Some(&(last, _)) = blocks.last() else { return };
+        self.hasher.extend(prompt, block_size, last + 1, chain);
+        // One event per run of consecutive positions, as vLLM stores a sequence's new blocks.
+        let mut start = 0;
+        while start < blocks.len() {
+            let mut end = start + 1;
+            while end < blocks.len() && blocks[end].0 == blocks[end - 1].0 + 1 {
+                end += 1;
+            }
+            let run = &blocks[start..end];
+            let (first, _) = run[0];
+            let positions = first * block_size..(first + run.len()) * block_size;
+            let extra: Vec<Option<Vec<ItemRows>>> = run
+                .iter()
+                .map(|&(i, _)| {
+                    let rows: Vec<ItemRows> = item_runs(prompt, i * block_size..(i + 1) * block_size)
+                        .into_iter()
+                        .map(|(fingerprint, first_row)| ItemRows { fingerprint, first_row })
+                        .collect();
+                    (!rows.is_empty()).then_some(rows)
+                })
+                .collect();
+            for &(i, id) in run {
+                self.published.insert(id, chain[i]);
+            }
+            self.pending.push(KvEvent::BlockStored {
+                block_hashes: run.iter().map(|&(i, _)| chain[i]).collect(),
+                parent_block_hash: first.checked_sub(1).map(|p| chain[p]),
+                token_ids: prompt.token_ids[positions].to_vec(),
+                block_size,
+                medium: self.medium,
+                extra_keys: extra.iter().any(Option::is_some).then_some(extra),
+            });
+            start = end;
+        }
+    }
+
+    /// Records that `blocks` left the index (those that were published).
+    pub(super) fn removed(&mut self, blocks: &[BlockId]) {
+        let hashes: Vec<u64> = blocks.iter().filter_map(|b| self.published.remove(b)).collect();
+        if !hashes.is_empty() {
+            self.pending.push(KvEvent::BlockRemoved { block_hashes: hashes, medium: self.medium });
+        }
+    }
+
+    /// Records that the whole cache was dropped.
+    pub(super) fn cleared(&mut self) {
+        self.published.clear();
+        self.pending.push(KvEvent::AllBlocksCleared);
+    }
+
+    /// The events recorded since the last call.
+    pub(super) fn take(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.pending)
+    }
+
+    /// The published blocks the index holds, with their hashes.
+    pub(super) fn published(&self) -> &FxHashMap<BlockId, u64> {
+        &self.published
+    }
+}

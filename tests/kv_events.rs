@@ -1,0 +1,333 @@
+//! KV events: the payload bytes vLLM 0.33's own classes write
+//! (`fixtures/vllm_kv_events_vectors.json`), the ZMQ framing of the live stream
+//! and of replay, typed errors for bad endpoints, and the hashes an engine
+//! publishes against the ones a frontend computes for the same request.
+//!
+//! Sockets bind to loopback with port 0; every wait is bounded in time.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use ndarray::{Array2, ArrayD, IxDyn};
+use omniprefix::canon::{Fingerprint, FingerprintKey, ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, PrefillRequest, request_block_hashes};
+use omniprefix::error::{Error, EventsError, SchedError};
+use omniprefix::events::{ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium};
+use omniprefix::model::Config;
+use omniprefix::prompt::OmniTokens;
+use serde_json::Value;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// The longest any single wait may take.
+const WAIT: Duration = Duration::from_secs(10);
+
+fn vectors() -> TestResult<Value> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/vllm_kv_events_vectors.json");
+    Ok(serde_json::from_str(&std::fs::read_to_string(path)?)?)
+}
+
+fn u64s(v: &Value) -> TestResult<Vec<u64>> {
+    v.as_array().ok_or("not an array")?.iter().map(|x| x.as_u64().ok_or_else(|| "not a u64".into())).collect()
+}
+
+fn medium(v: &Value) -> TestResult<Medium> {
+    match v.as_str() {
+        Some("CPU") => Ok(Medium::Cpu),
+        Some("GPU") => Ok(Medium::Gpu),
+        other => Err(format!("medium {other:?}").into()),
+    }
+}
+
+/// One block's extra keys as the vectors spell them: `null` or `[fp hex, row, ...]`.
+fn item_rows(v: &Value) -> TestResult<Option<Vec<ItemRows>>> {
+    let Some(flat) = v.as_array() else { return Ok(None) };
+    let rows = flat
+        .chunks(2)
+        .map(|pair| -> TestResult<ItemRows> {
+            let fingerprint = Fingerprint(u128::from_str_radix(pair[0].as_str().ok_or("fingerprint")?, 16)?);
+            let first_row = u32::try_from(pair[1].as_u64().ok_or("row")?)?;
+            Ok(ItemRows { fingerprint, first_row })
+        })
+        .collect::<TestResult<Vec<_>>>()?;
+    Ok(Some(rows))
+}
+
+/// A case's `decoded_as_python` as the library's batch.
+fn batch_of(case: &Value) -> TestResult<KvEventBatch> {
+    let decoded = &case["decoded_as_python"];
+    let events = decoded[1]
+        .as_array()
+        .ok_or("events")?
+        .iter()
+        .map(|e| -> TestResult<KvEvent> {
+            Ok(match e["type"].as_str() {
+                Some("BlockStored") => KvEvent::BlockStored {
+                    block_hashes: u64s(&e["block_hashes"])?,
+                    parent_block_hash: e["parent_block_hash"].as_u64(),
+                    token_ids: u64s(&e["token_ids"])?.into_iter().map(u32::try_from).collect::<Result<_, _>>()?,
+                    block_size: usize::try_from(e["block_size"].as_u64().ok_or("block_size")?)?,
+                    medium: medium(&e["medium"])?,
+                    extra_keys: match e.get("extra_keys").and_then(Value::as_array) {
+                        Some(blocks) => Some(blocks.iter().map(item_rows).collect::<TestResult<_>>()?),
+                        None => None,
+                    },
+                },
+                Some("BlockRemoved") => KvEvent::BlockRemoved { block_hashes: u64s(&e["block_hashes"])?, medium: medium(&e["medium"])? },
+                Some("AllBlocksCleared") => KvEvent::AllBlocksCleared,
+                other => return Err(format!("event type {other:?}").into()),
+            })
+        })
+        .collect::<TestResult<Vec<_>>>()?;
+    let rank = decoded[2].as_u64().map(u32::try_from).transpose()?;
+    Ok(KvEventBatch { ts: decoded[0].as_f64().ok_or("ts")?, events, data_parallel_rank: rank })
+}
+
+fn cases() -> TestResult<Vec<(String, KvEventBatch, Vec<u8>)>> {
+    vectors()?["cases"]
+        .as_array()
+        .ok_or("cases")?
+        .iter()
+        .map(|c| Ok((c["name"].as_str().ok_or("name")?.to_string(), batch_of(c)?, hex::decode(c["payload_hex"].as_str().ok_or("hex")?)?)))
+        .collect()
+}
+
+#[test]
+fn payloads_are_the_bytes_vllm_writes() -> TestResult {
+    let cases = cases()?;
+    assert_eq!(cases.len(), 5);
+    for (name, batch, want) in cases {
+        assert_eq!(hex::encode(batch.encode()), hex::encode(want), "{name}");
+    }
+    Ok(())
+}
+
+/// Runs `f` on a fresh single-threaded tokio runtime (the sockets' tasks need one).
+fn block_on<T>(f: impl Future<Output = TestResult<T>>) -> TestResult<T> {
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(f)
+}
+
+async fn recv(socket: &mut impl SocketRecv) -> TestResult<Vec<Bytes>> {
+    Ok(tokio::time::timeout(WAIT, socket.recv()).await??.into_vec())
+}
+
+fn message(frames: Vec<Bytes>) -> TestResult<ZmqMessage> {
+    ZmqMessage::try_from(frames).map_err(|_| "an empty message".into())
+}
+
+fn loopback(topic: &str) -> KvEventsConfig {
+    KvEventsConfig {
+        endpoint: "tcp://127.0.0.1:0".into(),
+        replay_endpoint: Some("tcp://127.0.0.1:0".into()),
+        topic: topic.into(),
+        ..Default::default()
+    }
+}
+
+/// Subscribes to `publisher`, publishing sentinel batches until one arrives
+/// (a PUB socket drops what it sends before the subscription reaches it);
+/// returns the socket and the seq of the last sentinel seen.
+async fn subscribe(publisher: &KvEventPublisher, topic: &str) -> TestResult<(SubSocket, u64)> {
+    let mut sub = SubSocket::new();
+    sub.connect(publisher.endpoint()).await?;
+    sub.subscribe(topic).await?;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        publisher.publish(KvEventBatch::now(vec![KvEvent::AllBlocksCleared], None));
+        if let Ok(Ok(message)) = tokio::time::timeout(Duration::from_millis(50), sub.recv()).await {
+            let frames = message.into_vec();
+            // Drain the sentinels still in flight, so the next message is the caller's.
+            let mut seq = u64::from_be_bytes(frames[1].as_ref().try_into()?);
+            while let Ok(Ok(more)) = tokio::time::timeout(Duration::from_millis(100), sub.recv()).await {
+                seq = u64::from_be_bytes(more.into_vec()[1].as_ref().try_into()?);
+            }
+            return Ok((sub, seq));
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err("no subscription within the wait".into());
+        }
+    }
+}
+
+#[test]
+fn live_stream_and_replay_have_vllms_framing() -> TestResult {
+    let publisher = KvEventPublisher::bind(&loopback("kv@a"))?;
+    let replay_at = publisher.replay_endpoint().ok_or("no replay endpoint")?.to_string();
+    let cases = cases()?;
+    let stats = block_on(async {
+        let (mut sub, last_sentinel) = subscribe(&publisher, "kv@a").await?;
+        for (_, batch, _) in &cases {
+            assert!(publisher.publish(batch.clone()));
+        }
+        // Live: (topic, seq as u64 big-endian, payload), seq counting on.
+        for (i, (name, _, payload)) in cases.iter().enumerate() {
+            let frames = recv(&mut sub).await?;
+            let seq = last_sentinel + 1 + i as u64;
+            assert_eq!(frames, vec![Bytes::from("kv@a"), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload.clone())], "{name}");
+        }
+        // A late subscriber replays from the first vector batch on.
+        let first = last_sentinel + 1;
+        let mut dealer = DealerSocket::new();
+        dealer.connect(&replay_at).await?;
+        // A malformed request (a 3-byte seq) is ignored and counted; the next one is answered.
+        dealer.send(message(vec![Bytes::new(), Bytes::from_static(b"abc")])?).await?;
+        dealer.send(message(vec![Bytes::new(), Bytes::copy_from_slice(&first.to_be_bytes())])?).await?;
+        for (i, (name, _, payload)) in cases.iter().enumerate() {
+            let frames = recv(&mut dealer).await?;
+            let seq = first + i as u64;
+            let want = vec![Bytes::new(), Bytes::from("kv@a"), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload.clone())];
+            assert_eq!(frames, want, "replay of {name}");
+        }
+        let end = recv(&mut dealer).await?;
+        assert_eq!(end, vec![Bytes::new(), Bytes::new(), Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new()]);
+        Ok(publisher.stats())
+    })?;
+    assert_eq!((stats.replays, stats.malformed_replays, stats.dropped), (1, 1, 0));
+    assert_eq!(stats.published, stats.batches);
+    Ok(())
+}
+
+#[test]
+fn a_full_queue_drops_and_counts_without_blocking() -> TestResult {
+    // A queue of one batch, filled faster than the thread drains it.
+    let config = KvEventsConfig { max_queue_size: 1, ..loopback("") };
+    let publisher = KvEventPublisher::bind(&config)?;
+    let big = KvEventBatch::now(vec![KvEvent::BlockRemoved { block_hashes: (0..20_000).collect(), medium: Medium::Cpu }], None);
+    let accepted = (0..200).filter(|_| publisher.publish(big.clone())).count() as u64;
+    let stats = publisher.close();
+    assert_eq!(stats.batches, 200);
+    assert!(stats.dropped > 0, "nothing dropped: {stats:?}");
+    assert_eq!(stats.dropped + accepted, 200);
+    assert_eq!(stats.published, accepted);
+    Ok(())
+}
+
+#[test]
+fn bad_endpoints_are_typed_errors_at_startup() -> TestResult {
+    for endpoint in ["garbage", "udp://127.0.0.1:5", "tcp://127.0.0.1:notaport"] {
+        let config = KvEventsConfig { endpoint: endpoint.into(), ..Default::default() };
+        match KvEventPublisher::bind(&config) {
+            Err(Error::Events(EventsError::BadEndpoint { socket: "PUB", .. })) => {}
+            other => panic!("{endpoint}: {other:?}"),
+        }
+    }
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = taken.local_addr()?.port();
+    let config = KvEventsConfig { replay_endpoint: Some(format!("tcp://127.0.0.1:{port}")), ..loopback("") };
+    match KvEventPublisher::bind(&config) {
+        Err(Error::Events(EventsError::Bind { socket: "replay", .. })) => {}
+        other => panic!("port in use: {other:?}"),
+    }
+    // The engine refuses to start on one too, before anything runs.
+    let config = EngineConfig { kv_events: Some(KvEventsConfig { endpoint: format!("tcp://127.0.0.1:{port}"), ..Default::default() }), ..tiny_config(1, 12) };
+    assert!(matches!(Engine::random(model(), 1, config), Err(Error::Events(EventsError::Bind { socket: "PUB", .. }))));
+    Ok(())
+}
+
+const HIDDEN: usize = 32;
+
+fn model() -> Config {
+    Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, 512, 4, 2)
+}
+
+fn tiny_config(key: u64, num_blocks: usize) -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        num_blocks,
+        tokens: Some(OmniTokens::tiny()),
+        fingerprint_key: FingerprintKey::fixed(key),
+        kv_events: Some(loopback("")),
+        ..Default::default()
+    }
+}
+
+fn pixels(seed: u8) -> ArrayD<u8> {
+    ArrayD::from_shape_fn(IxDyn(&[4, 4, 3]), |d| seed.wrapping_add(d[0] as u8 * 7 + d[1] as u8))
+}
+
+/// `head`, an image (4 placeholder rows, with embeddings), `tail`, for `tenant`.
+fn image_request<'a>(content: &'a ArrayD<u8>, head: &[u32], tail: &[u32], tenant: u64) -> PrefillRequest<'a> {
+    let mut ids = head.to_vec();
+    ids.extend([503, 500, 504]);
+    ids.extend_from_slice(tail);
+    let item = ItemInput {
+        spec: ItemSpec {
+            modality: Modality::Image,
+            layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
+            content: ItemContent::Tensor(TensorView::U8(content.view())),
+            params: Default::default(),
+        },
+        embeddings: Some(Arc::new(Array2::from_shape_fn((4, HIDDEN), |(r, c)| ((r * HIDDEN + c) as f32 * 0.37).sin()))),
+        deepstack: None,
+    };
+    PrefillRequest { tenant, token_ids: ids, items: vec![item], ..Default::default() }
+}
+
+fn sorted(mut v: Vec<u64>) -> Vec<u64> {
+    v.sort_unstable();
+    v
+}
+
+#[test]
+fn frontend_hashes_equal_the_published_ones_for_text_and_images() -> TestResult {
+    let key = FingerprintKey::fixed(3);
+    let tokens = OmniTokens::tiny();
+    let (a, b) = (pixels(1), pixels(2));
+    let requests = [
+        PrefillRequest::text((0..13).collect()),
+        image_request(&a, &[1, 2, 3], &[7, 8, 9, 10, 11], 0),
+        // The same placeholders, another image: other hashes from the image's block on.
+        image_request(&b, &[1, 2, 3], &[7, 8, 9, 10, 11], 0),
+        // The same image for another tenant: every hash differs.
+        image_request(&a, &[1, 2, 3], &[7, 8, 9, 10, 11], 5),
+    ];
+    let hashes: Vec<Vec<u64>> = requests.iter().map(|r| request_block_hashes(r, &key, 4, &tokens)).collect::<Result<_, _>>()?;
+    assert_eq!(hashes.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 3, 3]);
+    // Image rows start at position 4 (after 3 ids and vision_start): block 0 is shared, block 1 holds the image.
+    assert_eq!(hashes[1][0], hashes[2][0]);
+    assert!(hashes[1][1..].iter().zip(&hashes[2][1..]).all(|(x, y)| x != y));
+    assert!(hashes[1].iter().zip(&hashes[3]).all(|(x, y)| x != y));
+    // Another fleet key: other hashes for the same request.
+    let other_key = request_block_hashes(&requests[1], &FingerprintKey::fixed(4), 4, &tokens)?;
+    assert!(hashes[1].iter().zip(&other_key).all(|(x, y)| x != y));
+
+    let mut engine = Engine::random(model(), 1, tiny_config(3, 64))?;
+    let mut published = Vec::new();
+    for (request, want) in requests.into_iter().zip(&hashes) {
+        engine.prefill(request)?;
+        published.extend(want.iter().copied());
+        published.sort_unstable();
+        published.dedup();
+        assert_eq!(engine.cached_block_hashes(), published);
+    }
+    engine.validate()?;
+    Ok(())
+}
+
+#[test]
+fn evictions_and_resets_are_published_and_reset_waits_for_idle() -> TestResult {
+    let mut engine = Engine::random(model(), 1, tiny_config(3, 12))?;
+    // 12 blocks of 4: four 16-token prompts cannot all stay cached.
+    for start in [0u32, 100, 300, 200] {
+        engine.prefill(PrefillRequest::text((start..start + 16).collect()))?;
+    }
+    let last = sorted(request_block_hashes(&PrefillRequest::text((200..216).collect()), &FingerprintKey::fixed(3), 4, engine.tokens())?);
+    let cached = engine.cached_block_hashes();
+    assert!(engine.stats().evicted_blocks > 0);
+    assert!(last.iter().all(|h| cached.binary_search(h).is_ok()));
+    assert!(cached.len() <= 12 && cached.len() >= 4);
+    // Reset refuses while a request is pending, and changes nothing.
+    let id = engine.submit(PrefillRequest::text(vec![1, 2, 3, 4, 5]))?;
+    assert!(matches!(engine.reset_cache(), Err(Error::Sched(SchedError::CacheInUse { requests: 1 }))));
+    assert_eq!(engine.cached_block_hashes(), cached);
+    engine.abort(id)?;
+    assert!(engine.reset_cache()? >= cached.len());
+    assert!(engine.cached_block_hashes().is_empty());
+    let stats = engine.kv_events_stats().ok_or("no publisher")?;
+    assert_eq!(stats.dropped, 0);
+    assert!(stats.batches >= 4, "{stats:?}");
+    Ok(())
+}
