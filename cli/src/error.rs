@@ -5,7 +5,7 @@
 
 use omniprefix::Error;
 use omniprefix::error::{
-    BackendError, CacheError, CheckpointError, ConfigError, GpuError, InvariantViolation, IoError, RequestError,
+    BackendError, CacheError, CheckpointError, ConfigError, EventsError, GpuError, InvariantViolation, IoError, RequestError,
     RequestFileError, SchedError,
 };
 
@@ -65,6 +65,7 @@ from_family!(
     BackendError,
     GpuError,
     IoError,
+    EventsError,
 );
 
 /// An io failure writing the harness's output stream (stdout or the writer it was given).

@@ -27,6 +27,8 @@ use crate::error::{HarnessError, Result};
 use omniprefix::index::ValidationPolicy;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder};
+use omniprefix::events::{KvEventBatch, KvEventPublisher, KvEventsConfig, Medium, PublisherStats};
+use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 
 /// What a soak run drives.
@@ -48,6 +50,12 @@ pub struct SoakOptions {
     pub seed: u64,
     /// Index samples taken over the run (default 20).
     pub samples: usize,
+    /// Publish the scheduler's KV events here (one batch per step); `None` = none.
+    #[serde(skip)]
+    pub kv_events: Option<KvEventsConfig>,
+    /// The fleet key the published block hashes are keyed by.
+    #[serde(skip)]
+    pub fingerprint_key: FingerprintKey,
 }
 
 impl Default for SoakOptions {
@@ -61,6 +69,8 @@ impl Default for SoakOptions {
             concurrency: 8,
             seed: 0,
             samples: 20,
+            kv_events: None,
+            fingerprint_key: FingerprintKey::random(),
         }
     }
 }
@@ -99,6 +109,14 @@ pub struct SoakReport {
     pub samples: Vec<SoakSample>,
     /// Blocks neither free nor owned by the index after every request finished (must be 0).
     pub leaked_blocks: usize,
+    /// Blocks the index holds at the end (full and partly filled ones).
+    pub index_blocks: usize,
+    /// Of those, the full blocks published as stored and not removed: what a
+    /// router following the KV events holds (0 without `kv_events`).
+    pub published_blocks: usize,
+    /// The KV-event publisher's final counters, with `kv_events`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<PublisherStats>,
     pub seconds: f64,
 }
 
@@ -157,9 +175,10 @@ fn text(rng: &mut ChaCha8Rng, len: usize) -> Vec<u32> {
 }
 
 impl Catalogue {
-    fn new(seed: u64) -> Result<Self> {
+    /// Items fingerprinted under the fleet `key` (what the published block hashes are keyed by).
+    fn new(seed: u64, key: &FingerprintKey) -> Result<Self> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x50a6);
-        let fingerprinter = Fingerprinter::new(FingerprintKey::fixed(seed), 1, ValidationPolicy::SecondDigest)?;
+        let fingerprinter = Fingerprinter::new(key.clone(), 1, ValidationPolicy::SecondDigest)?;
         let identify = |index: usize, spec: &ItemSpec<'_>| fingerprinter.identify(index, spec).map(Arc::new);
         let images = (0..IMAGE_CONTENTS)
             .map(|i| {
@@ -256,7 +275,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         }.into());
     }
     let started = std::time::Instant::now();
-    let catalogue = Catalogue::new(options.seed)?;
+    let catalogue = Catalogue::new(options.seed, &options.fingerprint_key)?;
     let bs = options.block_size;
     let config = SchedulerConfig {
         num_blocks: options.pool_blocks,
@@ -267,6 +286,10 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
     };
     let index = RadixIndex::new(RadixConfig { block_size: bs })?;
     let mut sched = Scheduler::new(config, Box::new(index))?;
+    let publisher = options.kv_events.as_ref().map(KvEventPublisher::bind).transpose()?;
+    if publisher.is_some() {
+        sched = sched.with_kv_events(FleetHasher::new(&options.fingerprint_key), Medium::Cpu);
+    }
     let zipf = Zipf::new(options.prefixes, options.zipf_exponent);
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
     let sample_every = options.requests.div_ceil(options.samples.max(1));
@@ -306,6 +329,12 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
                 });
             }
         }
+        if let Some(publisher) = &publisher {
+            let events = sched.take_kv_events();
+            if !events.is_empty() {
+                publisher.publish(KvEventBatch::now(events, None));
+            }
+        }
     }
     sched.validate().map_err(Error::from)?;
     let stats = sched.stats();
@@ -325,6 +354,9 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         peak_rss_kib: proc_status_kib("VmHWM:"),
         samples,
         leaked_blocks,
+        index_blocks: stats.blocks_cached,
+        published_blocks: sched.cached_block_hashes().len(),
+        kv_events: publisher.map(KvEventPublisher::close),
         seconds: started.elapsed().as_secs_f64(),
     })
 }

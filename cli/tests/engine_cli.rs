@@ -296,3 +296,115 @@ fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestRes
     assert!(!bad.status.success(), "an unknown backend must fail");
     Ok(())
 }
+
+/// The block hashes of every `BlockStored` in a replayed vLLM payload.
+fn stored_hashes(payload: &[u8]) -> TestResult<Vec<u64>> {
+    let batch = rmpv::decode::read_value(&mut &payload[..])?;
+    let events = batch[1].as_array().ok_or("events")?;
+    let mut hashes = Vec::new();
+    for event in events {
+        let map = event.as_map().ok_or("an event is a map")?;
+        let field = |name: &str| map.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v);
+        if field("type").and_then(|t| t.as_str()) == Some("BlockStored") {
+            let list = field("block_hashes").and_then(|v| v.as_array()).ok_or("block_hashes")?;
+            hashes.extend(list.iter().filter_map(rmpv::Value::as_u64));
+        }
+    }
+    Ok(hashes)
+}
+
+/// Every hash stored in the batches the ROUTER at `replay` buffered (empty
+/// while it is not up); one replay from seq 0, bounded in time.
+async fn replayed_hashes(replay: &str) -> TestResult<Vec<u64>> {
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    let mut dealer = zeromq::DealerSocket::new();
+    let wait = std::time::Duration::from_millis(500);
+    if tokio::time::timeout(wait, dealer.connect(replay)).await.is_err() {
+        return Ok(vec![]);
+    }
+    let request = zeromq::ZmqMessage::try_from(vec![bytes::Bytes::new(), bytes::Bytes::copy_from_slice(&0u64.to_be_bytes())])
+        .map_err(|_| "empty message")?;
+    dealer.send(request).await?;
+    let mut hashes = Vec::new();
+    loop {
+        let Ok(Ok(message)) = tokio::time::timeout(wait, dealer.recv()).await else { return Ok(hashes) };
+        let frames = message.into_vec();
+        if frames.len() != 4 || frames[2].as_ref() == (-1i64).to_be_bytes() {
+            return Ok(hashes);
+        }
+        hashes.extend(stored_hashes(&frames[3])?);
+    }
+}
+
+fn free_port() -> TestResult<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+#[test]
+fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestResult {
+    let dir = scratch("kv_events")?;
+    let emb: Vec<u8> = (0..6 * 64).flat_map(|i| ((i as f32) * 0.01).sin().to_le_bytes()).collect();
+    write_st(&dir.join("img.safetensors"), &[("pixels", Dtype::U8, vec![8, 8, 3], (0..192).map(|i| i as u8).collect()), ("emb", Dtype::F32, vec![6, 64], emb)])?;
+    // 3 ids, 6 image rows, 4 ids: 13 positions, 3 full blocks of 4.
+    let req = dir.join("req.json");
+    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 250]},
+        {"item": {"modality": "image", "layout": {"kind": "image", "grid_thw": [1, 4, 6]},
+                  "content": {"file": "img.safetensors", "tensor": "pixels"},
+                  "embeddings": {"file": "img.safetensors", "tensor": "emb"}}},
+        {"text": [251, 3, 4, 5]}]}"#)?;
+    let m = model("omni_thinker");
+    let config = m.join("config.json");
+    let key = "0f".repeat(32);
+    let hashes = |key: &str| -> TestResult<Vec<u64>> {
+        let out = ok_stdout(&omniprefix(&["block-hashes", "--request", p(&req), "--fingerprint-key", key, "--block-size", "4", "--config", p(&config), "--json"])?)?;
+        let json: serde_json::Value = serde_json::from_str(&out)?;
+        Ok(json["block_hashes"].as_array().ok_or("block_hashes")?.iter().filter_map(serde_json::Value::as_u64).collect())
+    };
+    let mut want = hashes(&key)?;
+    assert_eq!(want.len(), 3);
+    assert!(hashes(&"1e".repeat(32))?.iter().zip(&want).all(|(a, b)| a != b), "another fleet key, other hashes");
+
+    // `hidden` publishes them; the replay endpoint stays up for the linger.
+    let (pub_port, replay_port) = (free_port()?, free_port()?);
+    let replay = format!("tcp://127.0.0.1:{replay_port}");
+    let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
+        .args(["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("out.safetensors")), "--block-size", "4"])
+        .args(["--fingerprint-key", &key, "--kv-events", &format!("tcp://127.0.0.1:{pub_port}"), "--kv-replay", &replay, "--linger-s", "4"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(4);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut published = Vec::new();
+    while std::time::Instant::now() < deadline && published.len() < want.len() {
+        published = runtime.block_on(replayed_hashes(&replay))?;
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let out = child.wait_with_output()?;
+    let stdout = String::from_utf8(out.stdout)?;
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains(" batches published, 0 dropped"), "{stdout}");
+    published.sort_unstable();
+    want.sort_unstable();
+    assert_eq!(published, want);
+    Ok(())
+}
+
+#[test]
+fn bad_kv_event_flags_are_one_line_errors() -> TestResult {
+    let dir = scratch("kv_bad")?;
+    let req = dir.join("req.json");
+    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 3]}]}"#)?;
+    let m = model("qwen3_dense");
+    let hidden = |extra: &[&str]| omniprefix(&[&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors"))][..], extra].concat());
+    let line = error_line(&hidden(&["--kv-events", "udp://nowhere"])?)?;
+    assert!(line.contains("udp://nowhere") && line.contains("tcp://host:port"), "{line}");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let endpoint = format!("tcp://127.0.0.1:{}", taken.local_addr()?.port());
+    let line = error_line(&hidden(&["--kv-events", &endpoint])?)?;
+    assert!(line.contains("cannot bind"), "{line}");
+    let line = error_line(&hidden(&["--fingerprint-key", "abc"])?)?;
+    assert!(line.contains("64 hex digits"), "{line}");
+    let line = error_line(&omniprefix(&["block-hashes", "--request", p(&req), "--fingerprint-key", &"00".repeat(32), "--block-size", "0"])?)?;
+    assert!(line.contains("--block-size 0"), "{line}");
+    Ok(())
+}

@@ -54,6 +54,27 @@ fn bench_soak_cli_prints_json_with_zero_leaks() -> TestResult {
 }
 
 #[test]
+fn soak_publishes_kv_events_without_drops_and_reports_the_index_size() -> TestResult {
+    use clap::Parser;
+    let args = ["omniprefix", "bench", "soak", "--requests", "600", "--pool-blocks", "64", "--prefixes", "256", "--json"];
+    let events = ["--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0", "--fingerprint-key", &"5a".repeat(32)];
+    let cli = omniprefix_cli::cli::Cli::try_parse_from(args.iter().chain(&events))?;
+    let mut out = Vec::new();
+    omniprefix_cli::cli::run(cli, &mut out)?;
+    let json: serde_json::Value = serde_json::from_slice(&out)?;
+    let index_blocks = json["index_blocks"].as_u64().ok_or("index_blocks")?;
+    let published = json["published_blocks"].as_u64().ok_or("published_blocks")?;
+    // The pool is full of cached blocks at the end; most of them full (published) ones.
+    assert!(index_blocks <= 64 && index_blocks > 32, "{json}");
+    assert!(published <= index_blocks && published > index_blocks / 2, "{json}");
+    let stats = &json["kv_events"];
+    assert_eq!(stats["dropped"], 0, "{json}");
+    assert!(stats["batches"].as_u64().is_some_and(|b| b > 100), "{json}");
+    assert_eq!(stats["published"], stats["batches"], "{json}");
+    Ok(())
+}
+
+#[test]
 #[ignore = "full soak: run in release with SOAK_REQUESTS"]
 fn full_soak_from_env() -> Result<()> {
     let requests = std::env::var("SOAK_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);

@@ -94,6 +94,13 @@ impl<B: Backend> Engine<B> {
         self.publisher.as_ref().map(KvEventPublisher::stats)
     }
 
+    /// Stops publishing: sends what is queued, keeps the sockets open for the
+    /// configured linger, closes them and returns the final counters (`None`
+    /// without `kv_events`). The engine records no further events.
+    pub fn close_kv_events(&mut self) -> Option<PublisherStats> {
+        self.publisher.take().map(KvEventPublisher::close)
+    }
+
     /// The PUB and replay endpoints as bound (ports resolved), if events are published.
     pub fn kv_events_endpoints(&self) -> Option<(&str, Option<&str>)> {
         self.publisher.as_ref().map(|p| (p.endpoint(), p.replay_endpoint()))

@@ -14,7 +14,10 @@ use omniprefix::engine::{Engine, Generation, millis};
 use omniprefix::request_file::RequestFile;
 use omniprefix::sample::{FinishReason, SamplingParams};
 
-use super::hidden::{EngineArgs, EngineJob, hidden_tensors, on_selected_backend, print_shapes, write_tensors};
+use omniprefix::events::PublisherStats;
+
+use super::fleet;
+use super::hidden::{EngineArgs, EngineJob, JobRun, hidden_tensors, on_selected_backend, print_shapes, write_tensors};
 use crate::error::{HarnessError, Result, output};
 use crate::ttft::median;
 
@@ -84,6 +87,9 @@ pub struct GenerateReport {
     /// Tokens after the first over the time from the first to the last (`null` with one token).
     pub decode_tokens_per_s: Option<f64>,
     pub total_ms: f64,
+    /// The KV-event publisher's counters, with `--kv-events`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<PublisherStats>,
 }
 
 impl GenerateReport {
@@ -101,23 +107,27 @@ impl GenerateReport {
             itl_ms_median: decoded.then(|| median(itl)),
             decode_tokens_per_s: decoded.then(|| g.timings.decode_tokens_per_s()),
             total_ms: millis(g.timings.total),
+            kv_events: None,
         }
     }
 }
 
 /// Runs the command: the report to `out`, the hidden states to `--out`.
 pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
-    let (reason, generation) = on_selected_backend(&args.engine, Generate(args.sampling()))?;
+    let JobRun { reason, output: generation, kv_events } = on_selected_backend(&args.engine, Generate(args.sampling()))?;
     if let Some(path) = &args.out {
         write_tensors(hidden_tensors(&generation.hidden), path)?;
     }
-    let report = GenerateReport::of(&generation);
+    let report = GenerateReport { kv_events, ..GenerateReport::of(&generation) };
     if args.json {
         let json = serde_json::to_string(&report)
             .map_err(|source| HarnessError::Report { what: "the generate report".into(), source })?;
         return writeln!(out, "{json}").map_err(output);
     }
     writeln!(out, "backend: {reason}").map_err(output)?;
+    if let Some(stats) = &report.kv_events {
+        writeln!(out, "{}", fleet::summary(stats)).map_err(output)?;
+    }
     writeln!(out, "prompt_len: {}", report.prompt_len).map_err(output)?;
     writeln!(out, "tokens: {:?}", report.tokens).map_err(output)?;
     writeln!(out, "finish_reason: {} (seed {})", report.finish_reason, report.seed).map_err(output)?;
@@ -137,11 +147,11 @@ struct Generate(SamplingParams);
 impl EngineJob for Generate {
     type Output = Generation;
 
-    fn run<B: Backend>(self, mut engine: Engine<B>, args: &EngineArgs) -> Result<Generation> {
+    fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Generation> {
         for warm in &args.warm {
-            generate(&mut engine, &RequestFile::load(warm)?, &self.0)?;
+            generate(engine, &RequestFile::load(warm)?, &self.0)?;
         }
-        generate(&mut engine, &RequestFile::load(&args.request)?, &self.0)
+        generate(engine, &RequestFile::load(&args.request)?, &self.0)
     }
 }
 

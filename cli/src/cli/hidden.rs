@@ -18,7 +18,9 @@ use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
 use omniprefix::engine::{Engine, EngineConfig, Output};
 use omniprefix::error::{CheckpointError, Error};
 use crate::error::{HarnessError, Result, output};
+use super::fleet::{self, FleetArgs};
 use super::model_load::DtypeArg;
+use omniprefix::events::PublisherStats;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::request_file::RequestFile;
 
@@ -62,6 +64,8 @@ pub struct EngineArgs {
     /// Default: `0`, the middle layer, `final`.
     #[arg(long)]
     pub capture: Option<String>,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
 }
 
 impl EngineArgs {
@@ -69,7 +73,7 @@ impl EngineArgs {
     pub fn engine_config(&self) -> Result<EngineConfig> {
         let model = Config::from_file(&self.model.join("config.json"))?;
         let capture = self.capture.as_deref().map(|s| parse_capture(s, model.num_hidden_layers)).transpose()?;
-        Ok(EngineConfig {
+        let mut config = EngineConfig {
             block_size: self.block_size,
             num_blocks: self.num_blocks,
             capture,
@@ -78,7 +82,9 @@ impl EngineArgs {
             dtype: self.dtype.0,
             kv_dtype: self.kv_dtype,
             ..Default::default()
-        })
+        };
+        self.fleet.apply(&mut config)?;
+        Ok(config)
     }
 }
 
@@ -88,19 +94,32 @@ pub trait EngineJob {
     /// What the job hands back to its command.
     type Output;
     /// Runs on a fresh engine over `args.model`.
-    fn run<B: Backend>(self, engine: Engine<B>, args: &EngineArgs) -> Result<Self::Output>;
+    fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Self::Output>;
 }
 
-/// Selects the backend, builds the engine and runs `job`; returns why that
-/// backend was chosen with the job's output.
-pub fn on_selected_backend<J: EngineJob>(args: &EngineArgs, job: J) -> Result<(String, J::Output)> {
+/// What a job on the selected backend returns.
+pub struct JobRun<T> {
+    /// Why that backend was chosen.
+    pub reason: String,
+    pub output: T,
+    /// The KV-event publisher's final counters (after the linger), with `--kv-events`.
+    pub kv_events: Option<PublisherStats>,
+}
+
+/// Selects the backend, builds the engine, runs `job`, then closes the engine's
+/// KV-event sockets (after `--linger-s`).
+pub fn on_selected_backend<J: EngineJob>(args: &EngineArgs, job: J) -> Result<JobRun<J::Output>> {
+    fn finish<B: Backend, J: EngineJob>(mut engine: Engine<B>, job: J, args: &EngineArgs) -> Result<(J::Output, Option<PublisherStats>)> {
+        let output = job.run(&mut engine, args)?;
+        Ok((output, engine.close_kv_events()))
+    }
     let config = args.engine_config()?;
     let selection = select(args.backend)?;
-    let output = match selection.backend {
-        SelectedBackend::Cpu(cpu) => job.run(Engine::from_dir_on(Arc::new(cpu), &args.model, config)?, args)?,
-        SelectedBackend::Wgpu(gpu) => job.run(Engine::from_dir_on(Arc::new(gpu), &args.model, config)?, args)?,
+    let (output, kv_events) = match selection.backend {
+        SelectedBackend::Cpu(cpu) => finish(Engine::from_dir_on(Arc::new(cpu), &args.model, config)?, job, args)?,
+        SelectedBackend::Wgpu(gpu) => finish(Engine::from_dir_on(Arc::new(gpu), &args.model, config)?, job, args)?,
     };
-    Ok((selection.reason, output))
+    Ok(JobRun { reason: selection.reason, output, kv_events })
 }
 
 /// Arguments of `omniprefix hidden`.
@@ -139,8 +158,11 @@ pub fn tensor_name(name: CaptureName) -> String {
 
 /// Runs the command, printing `num_cached_tokens` and the output shapes to `out`.
 pub fn run(args: &HiddenArgs, out: &mut dyn Write) -> Result<()> {
-    let (reason, result) = on_selected_backend(&args.engine, Prefill)?;
+    let JobRun { reason, output: result, kv_events } = on_selected_backend(&args.engine, Prefill)?;
     writeln!(out, "backend: {reason}").map_err(output)?;
+    if let Some(stats) = &kv_events {
+        writeln!(out, "{}", fleet::summary(stats)).map_err(output)?;
+    }
     let mut tensors = hidden_tensors(&result.hidden);
     tensors.push(f32_tensor("logits".into(), vec![1, result.last_logits.len()], &result.last_logits));
     write_tensors(tensors, &args.out)?;
@@ -154,7 +176,7 @@ struct Prefill;
 impl EngineJob for Prefill {
     type Output = Output;
 
-    fn run<B: Backend>(self, mut engine: Engine<B>, args: &EngineArgs) -> Result<Output> {
+    fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Output> {
         for warm in &args.warm {
             let file = RequestFile::load(warm)?;
             engine.prefill(file.request(engine.tokens()))?;

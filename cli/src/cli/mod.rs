@@ -13,8 +13,12 @@ use crate::error::Result;
 
 /// `omniprefix bench match`.
 pub mod bench_match;
+/// `omniprefix block-hashes`.
+pub mod block_hashes;
 /// `omniprefix demo`.
 pub mod demo;
+/// `--fingerprint-key` and the KV-event flags.
+pub mod fleet;
 /// `omniprefix generate`.
 pub mod generate;
 /// `omniprefix hidden`.
@@ -45,6 +49,8 @@ pub enum Command {
     Hidden(hidden::HiddenArgs),
     /// Generate tokens for a request (after optional warm-up requests): tokens, cache reuse, TTFT and ITL.
     Generate(generate::GenerateArgs),
+    /// The block hashes an engine publishes for a request's full blocks, without a model (a router's frontend side).
+    BlockHashes(block_hashes::BlockHashesArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -70,6 +76,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Demo(args) => demo::run(&args, out),
         Command::Hidden(args) => hidden::run(&args, out),
         Command::Generate(args) => generate::run(&args, out),
+        Command::BlockHashes(args) => block_hashes::run(&args, out),
         Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
         Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),
         Command::Bench(BenchCommand::Serve(args)) => serve::run(&args, out),

@@ -13,6 +13,7 @@ use omniprefix::error::Error;
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 
+use super::fleet::FleetArgs;
 use super::model_load::{DtypeArg, load_thinker};
 use crate::error::{HarnessError, Result, output};
 use crate::serve::{Arrival, ServeOptions, ServeReport, ServeWorkload, run_serve};
@@ -89,6 +90,8 @@ pub struct ServeArgs {
     /// One JSON object per (workload, cache mode, arrival) line instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
 }
 
 impl ServeArgs {
@@ -127,6 +130,8 @@ impl ServeArgs {
             max_seqs: self.max_seqs.unwrap_or(base.max_seqs),
             kv_dtype: self.kv_dtype,
             seed: self.seed,
+            fingerprint_key: self.fleet.key()?,
+            kv_events: self.fleet.kv_events()?,
             ..base
         })
     }

@@ -5,6 +5,7 @@ use std::io::Write;
 
 use clap::Args;
 
+use super::fleet::{self, FleetArgs};
 use crate::error::{HarnessError, Result, output};
 use crate::soak::{SoakOptions, SoakReport, run_soak};
 
@@ -29,6 +30,8 @@ pub struct SoakArgs {
     /// The whole report as one JSON object instead of a summary.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
 }
 
 /// Runs the soak, prints the report and fails (non-zero exit) on leaked blocks.
@@ -39,6 +42,8 @@ pub fn run(args: &SoakArgs, out: &mut dyn Write) -> Result<()> {
         prefixes: args.prefixes,
         zipf_exponent: args.zipf,
         seed: args.seed,
+        kv_events: args.fleet.kv_events()?,
+        fingerprint_key: args.fleet.key()?,
         ..SoakOptions::default()
     };
     let report = run_soak(&options)?;
@@ -61,6 +66,10 @@ fn summary(r: &SoakReport, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(out, "evicted blocks   {} (pool {}, working set {})", r.evicted_blocks, r.options.pool_blocks, r.working_set_blocks)?;
     writeln!(out, "index nodes      {} at the end (max {})", last.map_or(0, |s| s.index_nodes), r.samples.iter().map(|s| s.index_nodes).max().unwrap_or(0))?;
     writeln!(out, "peak RSS         {} KiB", r.peak_rss_kib)?;
+    writeln!(out, "index blocks     {} at the end ({} published)", r.index_blocks, r.published_blocks)?;
+    if let Some(stats) = &r.kv_events {
+        writeln!(out, "{}", fleet::summary(stats))?;
+    }
     writeln!(out, "leaked blocks    {}", r.leaked_blocks)?;
     writeln!(out, "seconds          {:.2}", r.seconds)
 }

@@ -118,6 +118,8 @@ impl<B: Backend> Serve<'_, B> {
             max_seqs_per_step: o.max_seqs,
             tokens: Some(self.tokens.clone()),
             kv_dtype: o.kv_dtype,
+            fingerprint_key: o.fingerprint_key.clone(),
+            kv_events: o.kv_events.clone(),
             ..Default::default()
         };
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;
@@ -197,6 +199,7 @@ impl<B: Backend> Serve<'_, B> {
             arrival,
             duration: end.saturating_duration_since(start).max(Duration::from_nanos(1)),
         };
-        Ok(ServeReport::new(facts, &samples))
+        let kv_events = engine.close_kv_events();
+        Ok(ServeReport { kv_events, ..ServeReport::new(facts, &samples) })
     }
 }

@@ -22,6 +22,8 @@ pub use driver::run_serve;
 pub use stats::{RequestSample, RunFacts, ServeReport, percentile};
 
 use omniprefix::backend::Dtype;
+use omniprefix::canon::FingerprintKey;
+use omniprefix::events::KvEventsConfig;
 
 use crate::error::{HarnessError, Result};
 use crate::scenarios::Scenarios;
@@ -104,6 +106,10 @@ pub struct ServeOptions {
     pub kv_dtype: Dtype,
     /// Seed of the prompts, media, arrivals and sampling.
     pub seed: u64,
+    /// The fleet key of fingerprints and published block hashes.
+    pub fingerprint_key: FingerprintKey,
+    /// Publish each engine's KV events here (engines run one after another).
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl ServeOptions {
@@ -126,6 +132,8 @@ impl ServeOptions {
             max_seqs: 16,
             kv_dtype: Dtype::F32,
             seed: 0,
+            fingerprint_key: FingerprintKey::random(),
+            kv_events: None,
         })
     }
 
@@ -146,6 +154,8 @@ impl ServeOptions {
             max_seqs: 16,
             kv_dtype: Dtype::F32,
             seed: 0,
+            fingerprint_key: FingerprintKey::random(),
+            kv_events: None,
         }
     }
 }

@@ -66,6 +66,9 @@ pub struct ServeReport {
     pub ttft_ms_p99: f64,
     pub itl_ms_p50: f64,
     pub itl_ms_p99: f64,
+    /// The KV-event publisher's counters, with `--kv-events`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<omniprefix::events::PublisherStats>,
 }
 
 /// Where a run's report lines come from: its name, settings and samples.
@@ -110,6 +113,7 @@ impl ServeReport {
             ttft_ms_p99: percentile(&ttft, 99.0),
             itl_ms_p50: percentile(&itl, 50.0),
             itl_ms_p99: percentile(&itl, 99.0),
+            kv_events: None,
         }
     }
 }

@@ -1,0 +1,74 @@
+//! `--fingerprint-key`, `--kv-events`, `--kv-replay` and `--linger-s`: what
+//! `hidden`, `generate`, `bench soak` and `bench serve` share to join a fleet
+//! behind a cache-aware router.
+
+use std::time::Duration;
+
+use clap::Args;
+
+use omniprefix::canon::FingerprintKey;
+use omniprefix::engine::EngineConfig;
+use omniprefix::events::{KvEventsConfig, PublisherStats};
+
+use crate::error::{HarnessError, Result};
+
+/// The fleet key and the KV-event endpoints.
+#[derive(Debug, Clone, Default, Args)]
+pub struct FleetArgs {
+    /// The fleet key: 64 hex digits that every replica and frontend shares. Item
+    /// fingerprints and block hashes are keyed by it. Default: a random key per run.
+    #[arg(long, value_name = "HEX")]
+    pub fingerprint_key: Option<String>,
+    /// Publish KV events (vLLM's msgpack `KVEventBatch`) on this ZMQ PUB
+    /// endpoint, e.g. `tcp://127.0.0.1:5557` (`*` for every interface).
+    #[arg(long, value_name = "ENDPOINT")]
+    pub kv_events: Option<String>,
+    /// Answer replay requests (vLLM's protocol) on this ZMQ ROUTER endpoint.
+    #[arg(long, value_name = "ENDPOINT", requires = "kv_events")]
+    pub kv_replay: Option<String>,
+    /// Seconds the event sockets stay open after the work ends, for late subscribers.
+    #[arg(long, value_name = "S", default_value_t = 0.0, requires = "kv_events")]
+    pub linger_s: f64,
+}
+
+impl FleetArgs {
+    /// The fleet key given, or a fresh random one.
+    pub fn key(&self) -> Result<FingerprintKey> {
+        match &self.fingerprint_key {
+            Some(hex) => Ok(FingerprintKey::from_hex(hex)?),
+            None => Ok(FingerprintKey::random()),
+        }
+    }
+
+    /// The publisher's settings, if `--kv-events` was given.
+    pub fn kv_events(&self) -> Result<Option<KvEventsConfig>> {
+        let Some(endpoint) = &self.kv_events else { return Ok(None) };
+        let linger = Duration::try_from_secs_f64(self.linger_s).map_err(|_| {
+            HarnessError::Args(clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("--linger-s {}: must be a non-negative number of seconds", self.linger_s),
+            ))
+        })?;
+        Ok(Some(KvEventsConfig {
+            endpoint: endpoint.clone(),
+            replay_endpoint: self.kv_replay.clone(),
+            linger,
+            ..Default::default()
+        }))
+    }
+
+    /// Sets the engine's fleet key and KV events from these arguments.
+    pub fn apply(&self, config: &mut EngineConfig) -> Result<()> {
+        config.fingerprint_key = self.key()?;
+        config.kv_events = self.kv_events()?;
+        Ok(())
+    }
+}
+
+/// One line on what the publisher did: batches, drops, replays.
+pub fn summary(stats: &PublisherStats) -> String {
+    format!(
+        "kv events: {} batches published, {} dropped, {} replays ({} malformed)",
+        stats.published, stats.dropped, stats.replays, stats.malformed_replays
+    )
+}
