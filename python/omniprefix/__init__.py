@@ -4,7 +4,9 @@ The engine (``Engine``) finds the longest cached prefix of a prompt that mixes
 text with image, audio and video items, keyed on the items' content, and
 returns the full hidden states of every position, cached ones included. The
 standalone matcher (``fingerprint``, ``Prompt``, ``PrefixIndex``) serves a
-Python scheduler that owns its own KV blocks.
+Python scheduler that owns its own KV blocks. With ``kv_events=`` an engine
+publishes vLLM's KV events for cache-aware routers, and ``block_hashes`` gives
+a router the hashes of a request's blocks without a model.
 
 See docs/python.md for the API and what each call costs.
 """
@@ -27,6 +29,7 @@ from ._omniprefix import (
     RequestError,
     Stream,
     __version__,
+    block_hashes,
     fingerprint,
 )
 
@@ -48,5 +51,6 @@ __all__ = [
     "RequestError",
     "Stream",
     "__version__",
+    "block_hashes",
     "fingerprint",
 ]

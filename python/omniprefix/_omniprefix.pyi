@@ -5,7 +5,9 @@ Prefix caching for multimodal ("Omni") LLM inference: an :class:`Engine` runs a 
 with image, audio and video :class:`Item` s, reuses the longest cached prefix (matched by the
 items' *content*, validated), and still returns the **full** hidden states of every prompt
 position. The standalone matcher (:func:`fingerprint`, :class:`Prompt`, :class:`PrefixIndex`)
-exposes the index without a model.
+exposes the index without a model. With ``kv_events=`` an engine publishes what it caches as
+vLLM's KV events (msgpack over ZMQ) for cache-aware routers; :func:`block_hashes` is the
+router's side, the hashes of a request's blocks without a model.
 
 Memory rules: item content is read through the buffer protocol, without a copy, at call time
 only; nothing keeps a reference to a caller's buffer after a call returns (what must be kept,
@@ -40,6 +42,7 @@ __all__ = [
     "RequestError",
     "Stream",
     "__version__",
+    "block_hashes",
     "fingerprint",
 ]
 
@@ -82,6 +85,12 @@ _Placeholders = Literal["unexpanded", "expanded", "audio_in_video"]
 _Validation = Literal["second_digest", "exact_bytes", "unvalidated"]
 _Backend = Literal["cpu", "wgpu", "auto"]
 
+#: A fleet key: 32 bytes, or a str of 64 hex digits (what ``--fingerprint-key`` takes).
+_Key = Union[bytes, str]
+
+#: A ZMQ TCP endpoint, ``"tcp://host:port"`` (``*`` binds every interface; port 0 picks a free one).
+_Endpoint = str
+
 # ----------------------------------------------------------------------------------- exceptions
 
 class Error(Exception):
@@ -90,7 +99,7 @@ class Error(Exception):
     Python-side type and value problems raise ``TypeError`` (floats as token ids, wrong
     argument types, unsupported content dtypes such as float64 or bool) or ``ValueError``
     (negative ids, ids past ``2**32 - 1``, unknown option strings, a fingerprint key that is not
-    32 bytes). A call that raises changes nothing: same ``stats()``, same cache.
+    32 bytes or 64 hex digits, a ``kv_*`` option without ``kv_events``). A call that raises changes nothing: same ``stats()``, same cache.
     """
 
 class RequestError(Error):
@@ -105,11 +114,14 @@ class CheckpointError(Error):
 
 class ConfigError(Error):
     """An engine option value that cannot work: ``block_size=0``, a capture layer past the
-    model's layers, a validation policy name that does not exist."""
+    model's layers, a validation policy name that does not exist, a ``kv_events`` /
+    ``kv_replay`` endpoint that is not ``tcp://host:port`` or cannot be bound (a port in use);
+    the message names the endpoint."""
 
 class CacheError(Error):
-    """A standalone :class:`PrefixIndex` used against its contract: a block id already cached
-    under other content (or repeated), more blocks than the prompt's full blocks."""
+    """A cache used against its contract: a standalone :class:`PrefixIndex` given a block id
+    already cached under other content (or repeated), more blocks than the prompt's full
+    blocks; :meth:`Engine.reset_cache` while requests hold blocks."""
 
 class GpuError(Error):
     """The GPU device failed, is missing (``backend="wgpu"`` without an adapter) or cannot run
@@ -261,13 +273,18 @@ class Engine:
         backend: _Backend = "cpu",
         dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
         kv_dtype: Literal["f32", "bf16", "f16"] = "f32",
-        fingerprint_key: Optional[bytes] = None,
+        fingerprint_key: Optional[_Key] = None,
         validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
         fingerprint_threads: Optional[int] = None,
         encoder_cache_bytes: Optional[int] = None,
+        kv_events: Optional[_Endpoint] = None,
+        kv_replay: Optional[_Endpoint] = None,
+        kv_topic: str = "",
+        kv_buffer_steps: int = 10000,
+        kv_linger_s: float = 0.0,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (``config.json`` + safetensors; Qwen2, Qwen3,
         or the Qwen3-Omni thinker). Reads and converts every weight: the one expensive call.
@@ -283,14 +300,26 @@ class Engine:
           there is a :class:`ConfigError`, ``"auto"`` widens. See :attr:`dtype`.
         * ``kv_dtype``: the element type of the K/V pages (``"f16"`` / ``"bf16"`` halve the KV
           memory; attention widens each tile to f32). f32 only on wgpu.
-        * ``fingerprint_key``: 32 bytes (default: random per engine).
+        * ``fingerprint_key``: 32 bytes or 64 hex digits (default: random per engine). It also
+          keys the KV event block hashes: every replica and router of a fleet shares it.
         * ``validation``: how a fingerprint hit is confirmed.
         * ``tenants``: the known tenant ids; a request of any other tenant is a :class:`RequestError`.
         * ``max_tokens_per_step`` / ``max_seqs_per_step``: the scheduler's step budget (2048 / 8);
           ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
+        * ``kv_events``: publish KV events on this ZMQ PUB endpoint, in vLLM's wire format (the
+          frames ``(topic, seq as 8-byte big-endian, msgpack KVEventBatch)``, one batch per
+          engine step that changed the cache: ``BlockStored``, ``BlockRemoved``,
+          ``AllBlocksCleared``); ``kv_replay``: a ROUTER endpoint answering replay requests
+          (a DEALER sends ``(b"", start seq)``, gets ``(b"", topic, seq, payload)`` per buffered
+          batch, then ``(b"", b"", -1, b"")``); ``kv_topic``: the first frame of each message;
+          ``kv_buffer_steps``: batches kept for replay; ``kv_linger_s``: how long the sockets stay
+          open once the engine is dropped (the GIL is released meanwhile). Port 0 picks a free
+          port: see :attr:`kv_events_endpoint`. The scheduler never waits on a subscriber.
 
-        Raises :class:`CheckpointError` (missing or bad folder), :class:`ConfigError`,
-        ``ValueError`` (unknown option strings, a key that is not 32 bytes), :class:`GpuError`.
+        Raises :class:`CheckpointError` (missing or bad folder), :class:`ConfigError` (also an
+        endpoint that does not parse or cannot be bound), ``ValueError`` (unknown option
+        strings, a key that is not 32 bytes or 64 hex digits, a ``kv_*`` option without
+        ``kv_events``), :class:`GpuError`.
         """
     @staticmethod
     def random(
@@ -304,13 +333,18 @@ class Engine:
         backend: _Backend = "cpu",
         dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
         kv_dtype: Literal["f32", "bf16", "f16"] = "f32",
-        fingerprint_key: Optional[bytes] = None,
+        fingerprint_key: Optional[_Key] = None,
         validation: _Validation = "second_digest",
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
         fingerprint_threads: Optional[int] = None,
         encoder_cache_bytes: Optional[int] = None,
+        kv_events: Optional[_Endpoint] = None,
+        kv_replay: Optional[_Endpoint] = None,
+        kv_topic: str = "",
+        kv_buffer_steps: int = 10000,
+        kv_linger_s: float = 0.0,
     ) -> Engine:
         """An engine over seeded random weights; ``config`` is a ``config.json`` as a dict
         (e.g. ``json.load`` of ``fixtures/tiny/qwen3_dense/config.json``). Options as
@@ -379,6 +413,24 @@ class Engine:
         ``encoder_cache_hits``, ``finished``."""
     def validate(self) -> None:
         """Check the scheduler / index / pool invariants; raises :class:`InternalError`."""
+    def reset_cache(self) -> int:
+        """Drop every cached block (publishing ``AllBlocksCleared``) and return the number of
+        blocks freed, partly filled ones included. Raises :class:`CacheError`, changing nothing,
+        while requests are pending (an open :class:`Stream`)."""
+    def cached_block_hashes(self) -> list[int]:
+        """The hashes of the full blocks the index holds, ascending: exactly what a consumer of
+        every published event knows (empty without ``kv_events``)."""
+    def kv_events_stats(self) -> Optional[dict[str, int]]:
+        """The publisher's counters, or ``None`` without ``kv_events``: ``batches`` (handed to
+        the publisher), ``published`` (sent on the PUB socket), ``dropped`` (its queue was full;
+        the scheduler never waits), ``replays`` (requests answered), ``malformed_replays``
+        (requests of another shape, ignored)."""
+    @property
+    def kv_events_endpoint(self) -> Optional[str]:
+        """The PUB endpoint as bound (port 0 resolved), or ``None`` without ``kv_events``."""
+    @property
+    def kv_replay_endpoint(self) -> Optional[str]:
+        """The replay endpoint as bound, or ``None`` without ``kv_replay``."""
     @property
     def capture(self) -> list[str]:
         """The capture names, in output order."""
@@ -399,15 +451,41 @@ class Engine:
     @property
     def block_size(self) -> int: ...
 
+# ----------------------------------------------------------------------------------- KV events
+
+def block_hashes(
+    token_ids: _TokenIds,
+    items: Optional[Sequence[Item]] = None,
+    *,
+    fingerprint_key: _Key,
+    block_size: int = 16,
+    tenant: int = 0,
+    placeholders: _Placeholders = "unexpanded",
+    tokens: Optional[Mapping[str, Any]] = None,
+) -> list[int]:
+    """The hashes an engine under ``fingerprint_key`` publishes in ``BlockStored`` events for
+    this request's full blocks (in order; a partly filled last block has none), computed
+    without a model: what a cache-aware router matches a new request against. Items need no
+    embeddings (only their content is fingerprinted).
+
+    ``tokens``: the model's special ids. ``None`` is Qwen3-Omni's; else a ``config.json`` dict
+    (as :meth:`Engine.random` takes, ``thinker_config`` read when present), whose ids an engine
+    over that config uses. Each hash chains the block's content onto its parent's, starting
+    from the tenant, so tenants and fleet keys never share hashes.
+
+    Raises ``ValueError`` (a bad key or ``placeholders``), :class:`ConfigError`
+    (``block_size=0``), :class:`RequestError` (items that do not match the placeholders),
+    :class:`CheckpointError` (a ``tokens`` dict without valid ids). Releases the GIL."""
+
 # ----------------------------------------------------------------------------- standalone matcher
 
 def fingerprint(
-    content: _ArrayLike, layout: _Layout, *, key: bytes, params: Optional[Mapping[str, str]] = None
+    content: _ArrayLike, layout: _Layout, *, key: _Key, params: Optional[Mapping[str, str]] = None
 ) -> int:
     """The 128-bit keyed fingerprint of an item (modality from ``layout["kind"]``): covers the
     canonical bytes of ``content`` (row-major, little-endian, dtype and shape tagged, ``-0.0``
     as ``+0.0``), the layout and ``params``. Equal values in any strides or byte order give the
-    same fingerprint. ``key`` must be 32 bytes (``ValueError``); NaN/Inf content is a
+    same fingerprint. ``key`` must be 32 bytes or 64 hex digits (``ValueError``); NaN/Inf content is a
     :class:`RequestError`. Releases the GIL while hashing; costs about one read of the bytes."""
 
 @final
@@ -424,7 +502,7 @@ class Prompt:
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
-        key: Optional[bytes] = None,
+        key: Optional[_Key] = None,
         tenant: int = 0,
         validation: Optional[_Validation] = None,
         placeholders: _Placeholders = "unexpanded",

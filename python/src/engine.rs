@@ -6,6 +6,7 @@
 //! the GIL, so two threads cannot deadlock on the pair.
 
 use std::collections::{HashMap, VecDeque};
+use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -62,15 +63,29 @@ struct Info {
     block_size: usize,
     backend: String,
     dtype: &'static str,
+    /// The KV events PUB and replay endpoints as bound, when events are published.
+    kv_endpoints: Option<(String, Option<String>)>,
 }
 
 /// A thinker engine: prefix-cached prefill and generation over one checkpoint.
 #[pyclass(frozen, name = "Engine", module = "omniprefix")]
 pub struct PyEngine {
-    state: Mutex<State>,
+    /// Dropped by hand, with the GIL released (see the `Drop` impl).
+    state: ManuallyDrop<Mutex<State>>,
     /// Requests whose stream was dropped unfinished; aborted at the next call.
     orphans: Mutex<Vec<RequestId>>,
     info: Info,
+}
+
+impl Drop for PyEngine {
+    /// Dropping an engine closes its KV events publisher, which first keeps its
+    /// sockets open for `kv_linger_s` (late subscribers replay then): other
+    /// Python threads run meanwhile, as during any engine call.
+    fn drop(&mut self) {
+        // SAFETY: `state` is taken once, here, and `self` is not used after.
+        let state = unsafe { ManuallyDrop::take(&mut self.state) };
+        Python::attach(|py| py.detach(move || drop(state)));
+    }
 }
 
 /// Sampling settings of `generate` / `stream`, as Python passed them.
@@ -162,10 +177,11 @@ impl PyEngine {
                 block_size: e.config().block_size,
                 backend: reason,
                 dtype: e.weight_dtype().name(),
+                kv_endpoints: e.kv_events_endpoints().map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),
             }
         });
         Ok(PyEngine {
-            state: Mutex::new(State { engine, queues: HashMap::new(), broken: None }),
+            state: ManuallyDrop::new(Mutex::new(State { engine, queues: HashMap::new(), broken: None })),
             orphans: Mutex::new(Vec::new()),
             info,
         })
@@ -290,6 +306,14 @@ impl PyEngine {
     }
 }
 
+/// A `config.json` given as a dict (argument `what`), as JSON text.
+pub(crate) fn config_json(py: Python<'_>, config: &Bound<'_, PyAny>, what: &str) -> PyResult<String> {
+    if !config.is_instance_of::<PyDict>() {
+        return Err(PyTypeError::new_err(format!("{what} must be a dict (a config.json)")));
+    }
+    py.import("json")?.call_method1("dumps", (config,))?.extract()
+}
+
 /// A checkpoint folder as given (str or os.PathLike).
 fn checkpoint_dir(path: &Bound<'_, PyAny>) -> PyResult<PathBuf> {
     path.extract::<PathBuf>().map_err(|_| PyTypeError::new_err("path must be a str or os.PathLike"))
@@ -319,10 +343,7 @@ impl PyEngine {
     #[staticmethod]
     #[pyo3(signature = (config, seed, **options))]
     fn random(py: Python<'_>, config: &Bound<'_, PyAny>, seed: u64, options: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
-        if !config.is_instance_of::<PyDict>() {
-            return Err(PyTypeError::new_err("config must be a dict (a config.json)"));
-        }
-        let json: String = py.import("json")?.call_method1("dumps", (config,))?.extract()?;
+        let json = config_json(py, config, "config")?;
         let mut options = EngineOptions::parse(options)?;
         let model = guard(|| Config::from_json_str(&json))?;
         options.config.capture = options.capture.resolve(model.num_hidden_layers);
@@ -436,6 +457,35 @@ impl PyEngine {
     /// Checks the scheduler's pool, index and bookkeeping; raises `InternalError` naming a broken invariant.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
         self.with_state(py, |state| on_engine!(&state.engine, e => e.validate()).map_err(|v| to_py(v.into())))
+    }
+
+    /// Drops every cached block and publishes `AllBlocksCleared`; the number of blocks freed.
+    /// Refused (`CacheError`, nothing changed) while requests are pending.
+    fn reset_cache(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with_state(py, |state| on_engine!(&mut state.engine, e => e.reset_cache()).map_err(to_py))
+    }
+
+    /// The hashes of the published full blocks the index holds, ascending (empty without `kv_events`).
+    fn cached_block_hashes(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.with_state(py, |state| Ok(on_engine!(&state.engine, e => e.cached_block_hashes())))
+    }
+
+    /// The publisher's counters (batches, published, dropped, replays, malformed_replays), or None.
+    fn kv_events_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let stats = self.with_state(py, |state| Ok(on_engine!(&state.engine, e => e.kv_events_stats())))?;
+        stats.map(|s| pythonize::pythonize(py, &s).map_err(|e| InternalError::new_err(e.to_string()))).transpose()
+    }
+
+    /// The KV events PUB endpoint as bound (port 0 resolved), or None.
+    #[getter]
+    fn kv_events_endpoint(&self) -> Option<String> {
+        self.info.kv_endpoints.as_ref().map(|(pub_at, _)| pub_at.clone())
+    }
+
+    /// The KV events replay (ROUTER) endpoint as bound, or None.
+    #[getter]
+    fn kv_replay_endpoint(&self) -> Option<String> {
+        self.info.kv_endpoints.as_ref().and_then(|(_, replay_at)| replay_at.clone())
     }
 
     /// Captured points, in page order (`hidden.<L>`, `hidden.final`).

@@ -7,7 +7,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use omniprefix::Error as EngineError;
-use omniprefix::error::CacheError as EngineCacheError;
+use omniprefix::error::{CacheError as EngineCacheError, EventsError, SchedError};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -15,8 +15,8 @@ use pyo3::prelude::*;
 create_exception!(omniprefix, Error, PyException, "Base class of every omniprefix error.");
 create_exception!(omniprefix, RequestError, Error, "A request the engine cannot serve: token ids, items, layouts, embeddings, sampling settings, tenant.");
 create_exception!(omniprefix, CheckpointError, Error, "A checkpoint folder that cannot be loaded: missing, config.json, safetensors, weights.");
-create_exception!(omniprefix, ConfigError, Error, "An engine or index setting that cannot work (block size, capture point, pool size).");
-create_exception!(omniprefix, CacheError, Error, "A prefix index used against its contract (a block inserted twice, more blocks than the prompt has).");
+create_exception!(omniprefix, ConfigError, Error, "An engine or index setting that cannot work (block size, capture point, pool size, a KV events endpoint that cannot be bound).");
+create_exception!(omniprefix, CacheError, Error, "A cache used against its contract (a block inserted twice, more blocks than the prompt has, a reset while requests hold blocks).");
 create_exception!(omniprefix, GpuError, Error, "The wgpu device: no adapter, limits, shaders, device failures.");
 create_exception!(omniprefix, InternalError, Error, "A broken invariant or a panic inside the engine: a bug, reported instead of crashing.");
 
@@ -27,8 +27,11 @@ pub fn to_py(error: EngineError) -> PyErr {
         EngineError::Request(_) | EngineError::RequestFile(_) => RequestError::new_err(message),
         EngineError::Checkpoint(_) | EngineError::Io(_) => CheckpointError::new_err(message),
         // A zero block size is a setting (of an engine or an index), not a misuse of a cache.
-        EngineError::Config(_) | EngineError::Cache(EngineCacheError::InvalidBlockSize { .. }) => ConfigError::new_err(message),
-        EngineError::Cache(_) => CacheError::new_err(message),
+        // So are the KV events endpoints: one that does not parse or cannot be bound (a port in use).
+        EngineError::Config(_)
+        | EngineError::Cache(EngineCacheError::InvalidBlockSize { .. })
+        | EngineError::Events(EventsError::BadEndpoint { .. } | EventsError::Bind { .. }) => ConfigError::new_err(message),
+        EngineError::Cache(_) | EngineError::Sched(SchedError::CacheInUse { .. }) => CacheError::new_err(message),
         EngineError::Gpu(_) => GpuError::new_err(message),
         _ => InternalError::new_err(message),
     }

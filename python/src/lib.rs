@@ -6,6 +6,7 @@
 //! | [`outputs`] | `Output`, `Generation` |
 //! | [`item`] | `Item` and the borrowed item specs of one call |
 //! | [`matcher`] | `fingerprint`, `Prompt`, `PrefixIndex`, `Match` |
+//! | [`kv_events`] | `block_hashes`: a request's KV event block hashes, without a model |
 //! | [`arrays`] | numpy in (token ids, content views, float matrices) and out |
 //! | [`options`] | engine and matcher keyword options |
 //! | [`errors`] | the exception classes; panics become `InternalError` |
@@ -16,6 +17,7 @@ mod arrays;
 mod engine;
 mod errors;
 mod item;
+mod kv_events;
 mod matcher;
 mod options;
 mod outputs;
@@ -33,6 +35,7 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<matcher::PyMatch>()?;
     m.add_class::<matcher::InsertOutcome>()?;
     m.add_function(wrap_pyfunction!(matcher::fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_events::block_hashes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -39,7 +39,7 @@ pub fn fingerprint(
     key: &Bound<'_, PyAny>,
     params: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u128> {
-    let key = fingerprint_key(key)?;
+    let key = fingerprint_key(key, "key")?;
     let layout = layout_from_dict(layout)?;
     let params = params_from(params)?;
     let content = Content::borrow(content)?;
@@ -77,7 +77,7 @@ impl Prompt {
         special_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let ids = crate::arrays::token_ids(token_ids)?;
-        let key = key.filter(|k| !k.is_none()).map_or_else(|| Ok(process_key()), fingerprint_key)?;
+        let key = key.filter(|k| !k.is_none()).map_or_else(|| Ok(process_key()), |k| fingerprint_key(k, "key"))?;
         let policy = policy_of(validation)?;
         let tokens = special_tokens_of(special_tokens)?;
         let form = crate::engine::placeholder_form(placeholders)?;

@@ -2,16 +2,18 @@
 //! standalone matcher, parsed into the engine's types.
 
 use std::str::FromStr;
+use std::time::Duration;
 
 use omniprefix::backend::Dtype;
 use omniprefix::backend::auto::BackendKind;
 use omniprefix::canon::FingerprintKey;
 use omniprefix::engine::EngineConfig;
+use omniprefix::events::KvEventsConfig;
 use omniprefix::index::ValidationPolicy;
 use omniprefix::model::CaptureName;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyString};
+use pyo3::types::{PyBytes, PyDict, PyFloat, PyInt, PyString};
 
 use crate::errors::to_py;
 
@@ -46,7 +48,7 @@ pub struct EngineOptions {
 }
 
 /// The option names `Engine.from_dir` and `Engine.random` accept.
-const ENGINE_OPTIONS: [&str; 14] = [
+const ENGINE_OPTIONS: [&str; 19] = [
     "block_size",
     "num_blocks",
     "capture",
@@ -61,7 +63,49 @@ const ENGINE_OPTIONS: [&str; 14] = [
     "max_seqs_per_step",
     "fingerprint_threads",
     "encoder_cache_bytes",
+    "kv_events",
+    "kv_replay",
+    "kv_topic",
+    "kv_buffer_steps",
+    "kv_linger_s",
 ];
+
+/// The `kv_*` options as given; they only mean something with `kv_events`.
+#[derive(Default)]
+struct KvOptions {
+    endpoint: Option<String>,
+    replay: Option<String>,
+    topic: Option<String>,
+    buffer_steps: Option<usize>,
+    linger: Option<Duration>,
+}
+
+impl KvOptions {
+    /// The publisher's config; a `kv_*` option without `kv_events` is a `ValueError`.
+    fn config(self) -> PyResult<Option<KvEventsConfig>> {
+        let Some(endpoint) = self.endpoint else {
+            let given = [
+                ("kv_replay", self.replay.is_some()),
+                ("kv_topic", self.topic.is_some()),
+                ("kv_buffer_steps", self.buffer_steps.is_some()),
+                ("kv_linger_s", self.linger.is_some()),
+            ];
+            return match given.iter().find(|(_, set)| *set) {
+                Some((name, _)) => Err(PyValueError::new_err(format!("{name} needs kv_events (the PUB endpoint) too"))),
+                None => Ok(None),
+            };
+        };
+        let defaults = KvEventsConfig::default();
+        Ok(Some(KvEventsConfig {
+            endpoint,
+            replay_endpoint: self.replay,
+            topic: self.topic.unwrap_or(defaults.topic),
+            buffer_steps: self.buffer_steps.unwrap_or(defaults.buffer_steps),
+            linger: self.linger.unwrap_or(defaults.linger),
+            ..defaults
+        }))
+    }
+}
 
 impl EngineOptions {
     /// Parses `**options`; an unknown name is a `TypeError`, a bad value a
@@ -74,6 +118,7 @@ impl EngineOptions {
         };
         let Some(options) = options else { return Ok(out) };
         let config = &mut out.config;
+        let mut kv = KvOptions::default();
         for (key, value) in options.iter() {
             let name: String = key.extract()?;
             if value.is_none() {
@@ -91,12 +136,17 @@ impl EngineOptions {
                 "backend" => out.backend = backend_kind(&value)?,
                 "dtype" => config.dtype = dtype(&value)?,
                 "kv_dtype" => config.kv_dtype = dtype(&value)?.ok_or_else(|| PyValueError::new_err("kv_dtype \"auto\": give f32, bf16 or f16"))?,
-                "fingerprint_key" => config.fingerprint_key = fingerprint_key(&value)?,
+                "fingerprint_key" => config.fingerprint_key = fingerprint_key(&value, &name)?,
                 "validation" => config.validation = validation(&value)?,
                 "tenants" => {
                     config.known_tenants =
                         Some(value.extract().map_err(|_| PyTypeError::new_err("tenants must be a list of non-negative ints"))?)
                 }
+                "kv_events" => kv.endpoint = Some(string(&value, &name)?),
+                "kv_replay" => kv.replay = Some(string(&value, &name)?),
+                "kv_topic" => kv.topic = Some(string(&value, &name)?),
+                "kv_buffer_steps" => kv.buffer_steps = Some(count(&value, &name)?),
+                "kv_linger_s" => kv.linger = Some(seconds(&value, &name)?),
                 other => {
                     return Err(PyTypeError::new_err(format!(
                         "unknown engine option {other:?}; options are {}",
@@ -105,6 +155,7 @@ impl EngineOptions {
                 }
             }
         }
+        config.kv_events = kv.config()?;
         Ok(out)
     }
 }
@@ -115,6 +166,15 @@ fn count(value: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
         return Err(PyTypeError::new_err(format!("{name} must be an int")));
     }
     value.extract().map_err(|_| PyValueError::new_err(format!("{name} must be a non-negative int")))
+}
+
+/// A non-negative, finite number of seconds (an int or a float).
+fn seconds(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
+    if !value.is_instance_of::<PyFloat>() && !value.is_instance_of::<PyInt>() {
+        return Err(PyTypeError::new_err(format!("{name} must be a number of seconds")));
+    }
+    let s: f64 = value.extract()?;
+    Duration::try_from_secs_f64(s).map_err(|_| PyValueError::new_err(format!("{name} must be a finite number of seconds >= 0, found {s}")))
 }
 
 fn string(value: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
@@ -170,12 +230,19 @@ fn dtype(value: &Bound<'_, PyAny>) -> PyResult<Option<Dtype>> {
     Dtype::parse_or_auto(short).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// A 32-byte fleet key given as `bytes`.
-pub fn fingerprint_key(value: &Bound<'_, PyAny>) -> PyResult<FingerprintKey> {
-    let bytes = value.cast::<PyBytes>().map_err(|_| PyTypeError::new_err("fingerprint_key must be bytes"))?.as_bytes();
+/// A fleet key given as 32 `bytes` or a `str` of 64 hex digits (option `name`).
+pub fn fingerprint_key(value: &Bound<'_, PyAny>, name: &str) -> PyResult<FingerprintKey> {
+    if value.is_instance_of::<PyString>() {
+        let text: String = value.extract()?;
+        return FingerprintKey::from_hex(&text).map_err(|e| PyValueError::new_err(format!("{name}: {e}")));
+    }
+    let bytes = value
+        .cast::<PyBytes>()
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be 32 bytes or a str of 64 hex digits")))?
+        .as_bytes();
     let key: [u8; 32] = bytes
         .try_into()
-        .map_err(|_| PyValueError::new_err(format!("fingerprint_key must be 32 bytes, found {}", bytes.len())))?;
+        .map_err(|_| PyValueError::new_err(format!("{name} must be 32 bytes (or a str of 64 hex digits), found {} bytes", bytes.len())))?;
     Ok(FingerprintKey::from_bytes(key))
 }
 
