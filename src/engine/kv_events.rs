@@ -66,8 +66,10 @@ impl<B: Backend> Engine<B> {
     /// Hands the events the scheduler recorded since the last step to the
     /// publisher as one batch (never waits; a full queue drops and counts it).
     pub(super) fn publish_kv_events(&mut self) {
-        let Some(publisher) = &self.publisher else { return };
+        // Taken even when nothing publishes them any more (after `close_kv_events`),
+        // so they never pile up.
         let events = self.sched.take_kv_events();
+        let Some(publisher) = &self.publisher else { return };
         if !events.is_empty() {
             let rank = self.config.kv_events.as_ref().and_then(|c| c.data_parallel_rank);
             publisher.publish(KvEventBatch::now(events, rank));
@@ -76,7 +78,8 @@ impl<B: Backend> Engine<B> {
 
     /// Drops every cached block and publishes `AllBlocksCleared`; refused with
     /// `SchedError::CacheInUse`, nothing changed, while requests are pending.
-    /// Returns the number of blocks freed.
+    /// Returns the number of blocks freed (partly filled ones included, which
+    /// are never published: a router hashes full blocks only).
     pub fn reset_cache(&mut self) -> Result<usize> {
         let freed = self.sched.reset_cache()?;
         self.publish_kv_events();
@@ -95,8 +98,9 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Stops publishing: sends what is queued, keeps the sockets open for the
-    /// configured linger, closes them and returns the final counters (`None`
-    /// without `kv_events`). The engine records no further events.
+    /// configured linger (blocking this thread), closes them and returns the
+    /// final counters (`None` without `kv_events`). Later events are dropped;
+    /// [`cached_block_hashes`](Self::cached_block_hashes) still follows the index.
     pub fn close_kv_events(&mut self) -> Option<PublisherStats> {
         self.publisher.take().map(KvEventPublisher::close)
     }

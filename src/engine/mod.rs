@@ -190,9 +190,10 @@ impl<B: Backend> Engine<B> {
             Some(max) => sched.with_max_context(max),
             None => sched,
         };
-        let (sched, publisher) = kv_events::start(sched, &config, backend.name())?;
         let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(config.kv_dtype);
         let pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
+        // Last, so a failure above does not wait out a publisher's linger.
+        let (sched, publisher) = kv_events::start(sched, &config, runner.backend().name())?;
         let tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
         let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), config.fingerprint_threads, config.validation)?;
         let position_kind = if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };

@@ -49,8 +49,9 @@ pub struct KvEventsConfig {
     pub max_queue_size: usize,
     /// The `data_parallel_rank` of every batch (default none).
     pub data_parallel_rank: Option<u32>,
-    /// How long the sockets stay open after the engine is dropped, for late
-    /// subscribers and replay (default 0).
+    /// How long the sockets stay open after the publisher closes, for late
+    /// subscribers and replay (default 0; at least 50 ms are always given to
+    /// flush the last batches). Closing (or dropping the engine) waits it out.
     pub linger: Duration,
 }
 
@@ -75,7 +76,8 @@ pub struct PublisherStats {
     pub batches: u64,
     /// Of those, batches sent on the PUB socket.
     pub published: u64,
-    /// Batches dropped because the queue was full (the scheduler never waits).
+    /// Batches dropped: the queue was full (the scheduler never waits) or the
+    /// PUB socket refused them. `batches = published + dropped` once closed.
     pub dropped: u64,
     /// Replay requests answered.
     pub replays: u64,
@@ -303,11 +305,12 @@ impl Worker {
         self.next_seq += 1;
         let payload = Bytes::from(batch.encode());
         let frames = vec![self.topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()];
-        if let Ok(message) = ZmqMessage::try_from(frames)
-            && socket.send(message).await.is_ok()
-        {
-            self.counters.published.fetch_add(1, Ordering::Relaxed);
-        }
+        let sent = match ZmqMessage::try_from(frames) {
+            Ok(message) => socket.send(message).await.is_ok(),
+            Err(_) => false,
+        };
+        let counter = if sent { &self.counters.published } else { &self.counters.dropped };
+        counter.fetch_add(1, Ordering::Relaxed);
         if self.buffer_steps > 0 {
             if self.buffer.len() == self.buffer_steps {
                 self.buffer.pop_front();

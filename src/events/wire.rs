@@ -7,8 +7,9 @@
 //!   then the fields in declaration order; optional fields equal to their default
 //!   (`extra_keys`) are left out, required ones (`lora_id`, `medium`, `lora_name`) are
 //!   written as nil;
-//! * a struct with more than 15 declared fields (`BlockStored`) gets a map16
-//!   header whatever it writes; smaller ones a fixmap;
+//! * a struct that may write more than 15 entries, the tag included (`BlockStored`,
+//!   with vLLM's optional fields past `extra_keys`) gets a map16 header whatever
+//!   it writes; smaller ones a fixmap;
 //! * integers, strings and arrays take their smallest msgpack form.
 
 use super::{ItemRows, KvEvent, KvEventBatch};
