@@ -12,7 +12,8 @@
 # The docs quote these reports: docs/demo.md (headline numbers), docs/benchmarks.md (the match
 # table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table), the README's
 # bench serve table (`scripts/serve_table.py < docs/reports/bench_serve.jsonl`) and
-# the README's headline figures. Nothing here rewrites them: update them from the new reports.
+# the README's headline figures, the README's Scale-out table (`scripts/route_bench.py --table
+# docs/reports/route_bench.jsonl`). Nothing here rewrites them: update them from the new reports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(pwd)"
@@ -40,6 +41,11 @@ if [[ -z "${FIGURES_ONLY:-}" || -n "${SERVE_ONLY:-}" ]]; then
     # replies) and 2 conversations of multi_round: ~8 min on 2 cores (4 conversations: ~15).
     "$target_dir/release/omniprefix" bench serve --output-len 128 --conversations 2 \
         --concurrency 1,8 --json > "$reports/bench_serve.jsonl"
+fi
+
+# README "Scale-out": KV-aware routing against round-robin and Dynamo's indexer (~7 min).
+if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
+    bash scripts/route_figures.sh
 fi
 
 venv="${NOTEBOOK_VENV:-target/notebook-venv}"

@@ -14,7 +14,7 @@ import re
 import socket
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Optional
 
 import msgspec
 import numpy as np
@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 import omniprefix
+from omniprefix.router import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from conftest import (
     IMAGE_LAYOUT,
     REPO_ROOT,
@@ -43,45 +44,7 @@ TIMEOUT_S = 5.0
 
 
 # ------------------------------------------------------------------ vLLM's schema
-# Written from fixtures/vllm_kv_events_vectors.json. Events are tagged structs
-# encoded as maps ("type" first, then the fields in order; fields equal to their
-# default left out). msgspec writes a map16 header for a struct that may write
-# more than 15 entries, the tag included: vLLM's BlockStored has optional fields
-# past `extra_keys`, so it does; the reserved fields (always None, so never
-# written) reproduce that header.
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
-    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
-    reserved_0: Optional[Any] = None
-    reserved_1: Optional[Any] = None
-    reserved_2: Optional[Any] = None
-    reserved_3: Optional[Any] = None
-    reserved_4: Optional[Any] = None
-    reserved_5: Optional[Any] = None
-    reserved_6: Optional[Any] = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
-    block_hashes: list[int]
-    medium: Optional[str]
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
-    data_parallel_rank: Optional[int] = None
-
-
+# The package's (omniprefix.router), checked against the vectors below.
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 ENCODER = msgspec.msgpack.Encoder()
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Regenerates docs/reports/route_bench.jsonl (README "Scale-out"): a venv with the Python
+# package built in release, pyzmq, msgspec and Dynamo's KV indexer (requirements-test.txt),
+# then scripts/route_bench.py with the kv, round_robin and dynamo policies (~7 min on 2 cores).
+# Prints the README's table; `python3 scripts/route_bench.py --table docs/reports/route_bench.jsonl`
+# prints it again from the committed report.
+# Env: ROUTE_VENV (default target/route-venv), PYTHON (default python3), CARGO_TARGET_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${ROUTE_VENV:-target/route-venv}"
+if [[ ! -x "$venv/bin/python" ]]; then
+    "${PYTHON:-python3}" -m venv "$venv"
+fi
+pip=("$venv/bin/pip" --quiet --disable-pip-version-check)
+"${pip[@]}" install -r python/requirements-test.txt
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(pwd)/target}" MATURIN_PEP517_ARGS="--profile release" \
+    "${pip[@]}" install --force-reinstall --no-deps ./python
+"$venv/bin/python" scripts/route_bench.py --dynamo-python "$venv/bin/python" --json docs/reports/route_bench.jsonl
