@@ -58,6 +58,8 @@ pub enum Command {
 
 /// `omniprefix bench ...`.
 #[derive(Debug, Subcommand)]
+// Parsed once per process: the size of the largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum BenchCommand {
     /// Match cost per workload: omniprefix (cold, warm) vs the read floor and vLLM's hash chain.
     Match(bench_match::MatchArgs),
