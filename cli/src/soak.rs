@@ -114,6 +114,9 @@ pub struct SoakReport {
     /// Of those, the full blocks published as stored and not removed: what a
     /// router following the KV events holds (0 without `kv_events`).
     pub published_blocks: usize,
+    /// The wrapping sum of those blocks' hashes: a consumer of the events that summed its
+    /// own set the same way holds the same blocks (with near certainty).
+    pub published_hash_sum: u64,
     /// The KV-event publisher's final counters, with `kv_events`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<PublisherStats>,
@@ -356,6 +359,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         leaked_blocks,
         index_blocks: stats.blocks_cached,
         published_blocks: sched.cached_block_hashes().len(),
+        published_hash_sum: sched.cached_block_hashes().iter().fold(0u64, |a, &h| a.wrapping_add(h)),
         kv_events: publisher.map(KvEventPublisher::close),
         seconds: started.elapsed().as_secs_f64(),
     })

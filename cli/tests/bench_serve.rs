@@ -68,9 +68,16 @@ fn quick_run_reports_both_cache_modes_at_concurrency_1_and_4() -> TestResult {
 
 #[test]
 fn poisson_arrivals_and_the_table() -> TestResult {
-    let json = lines(&serve(&["--json", "--workload", "prefix_repetition", "--rate", "200", "--output-len", "3"])?)?;
+    // With KV events: each engine (cache on, then off) publishes on its own port-0 socket.
+    let events = ["--kv-events", "tcp://127.0.0.1:0", "--fingerprint-key", &"3c".repeat(32)];
+    let args = [&["--json", "--workload", "prefix_repetition", "--rate", "200", "--output-len", "3"][..], &events].concat();
+    let json = lines(&serve(&args)?)?;
     assert_eq!(json.len(), 2);
     assert!(json.iter().all(|l| l["concurrency"].is_null() && f(l, "rate") == 200.0 && u(l, "output_tokens") == 18));
+    for l in &json {
+        let stats = &l["kv_events"];
+        assert!(u(stats, "published") > 0 && u(stats, "dropped") == 0 && stats["published"] == stats["batches"], "{l}");
+    }
     let table = serve(&["--workload", "multi_round", "--concurrency", "2", "--conversations", "1", "--output-len", "2"])?;
     assert!(table.starts_with("backend: cpu"), "{table}");
     assert_eq!(table.lines().filter(|l| l.starts_with("multi_round")).count(), 2, "{table}");
