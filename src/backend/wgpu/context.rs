@@ -62,6 +62,7 @@ pub struct GpuContext {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     pub(crate) adapter_name: String,
+    adapter_info: wgpu::AdapterInfo,
     pub(crate) limits: wgpu::Limits,
     /// Bytes one storage binding may span (adapter limit, possibly capped by options).
     pub(crate) max_binding_bytes: u64,
@@ -123,6 +124,7 @@ impl GpuContext {
             device,
             queue,
             adapter_name,
+            adapter_info: info,
             limits,
             max_binding_bytes,
             pipelines: PipelineCache::default(),
@@ -134,6 +136,11 @@ impl GpuContext {
     /// The adapter's name and API, as errors report it.
     pub fn adapter_name(&self) -> &str {
         &self.adapter_name
+    }
+
+    /// What the adapter says of itself: name, vendor, device type, driver.
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.adapter_info
     }
 
     /// The limits the device was opened with (the adapter's own).
