@@ -19,7 +19,7 @@ use omniprefix::{Error, Result};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use shared_gpu::{gpu, gpu_with};
+use shared_gpu::{gpu, gpu_with, gpu_without_f16};
 use omniprefix::error::{BackendError, ConfigError, GpuError};
 
 const TOL: f32 = 1e-4;
@@ -141,27 +141,40 @@ fn random_lens(rng: &mut ChaCha8Rng, block_size: usize, n: usize) -> Vec<(usize,
 #[test]
 fn paged_attention_matches_cpu_for_mixed_batches_and_gqa() {
     let Some(gpu) = gpu() else { return };
-    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    mixed_batches_match_cpu(&gpu, Dtype::F32, 1);
+}
+
+/// f16 pages: `write_kv` rounds on both backends, attention widens to f32.
+#[test]
+fn f16_pages_match_cpu_f16_pages_for_mixed_batches_and_gqa() {
+    let Some(gpu) = gpu() else { return };
+    mixed_batches_match_cpu(&gpu, Dtype::F16, 13);
+}
+
+/// Random varlen batches (GQA 1/2/4, odd block sizes) over pages of `kv_dtype`:
+/// the routed kernels and the prefill kernel alone against the CPU.
+fn mixed_batches_match_cpu(gpu: &WgpuBackend, kv_dtype: Dtype, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     for case in 0..cases() {
         let group = [1, 2, 4][case as usize % 3];
         let kv_heads = rng.random_range(1..3);
         let head_dim = [8, 12, 16][rng.random_range(0..3)];
         let block_size = [4, 5, 16][rng.random_range(0..3)];
         let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
-        let spec = PagesSpec { num_layers: 2, num_blocks: 40, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
+        let spec = PagesSpec { num_layers: 2, num_blocks: 40, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype };
         let n_seqs = rng.random_range(1..5);
         let lens = random_lens(&mut rng, block_size, n_seqs);
-        let s = setup_attention(&gpu, &mut rng, spec, heads, 1, &lens);
+        let s = setup_attention(gpu, &mut rng, spec, heads, 1, &lens);
         let seqs = attn_seqs(&s.seqs);
         let q_gpu = gpu.upload(s.q.view()).unwrap();
         let got = gpu.download(&gpu.paged_attention(&q_gpu, &s.gpu_pages, 1, heads, &seqs).unwrap()).unwrap();
         let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 1, heads, &seqs).unwrap();
-        assert_close(&format!("case {case} {heads:?} block {block_size} lens {lens:?}"), &got, &want);
+        assert_close(&format!("{kv_dtype} case {case} {heads:?} block {block_size} lens {lens:?}"), &got, &want);
 
         // The prefill kernel alone handles every row too (decode rows included).
         let kv = s.gpu_pages.layer("test", 1).unwrap();
         let prefill = gpu.context().paged_prefill_attention(&q_gpu, kv, heads, &seqs).unwrap();
-        assert_close(&format!("case {case} prefill kernel"), &gpu.download(&prefill).unwrap(), &want);
+        assert_close(&format!("{kv_dtype} case {case} prefill kernel"), &gpu.download(&prefill).unwrap(), &want);
     }
 }
 
@@ -169,7 +182,7 @@ fn paged_attention_matches_cpu_for_mixed_batches_and_gqa() {
 fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    for group in [1, 2, 4] {
+    for (group, kv_dtype) in [(1, Dtype::F32), (2, Dtype::F32), (4, Dtype::F32), (2, Dtype::F16)] {
         let heads = AttnHeads { num_heads: 2 * group, kv_heads: 2, head_dim: 16 };
         let spec = PagesSpec {
             num_layers: 1,
@@ -179,7 +192,7 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
             head_dim: 16,
             captured: 0,
             hidden: 0,
-            kv_dtype: Dtype::F32,
+            kv_dtype,
         };
         // Long, short, block-aligned and single-key contexts in one decode batch.
         let lens = [(149, 1), (7, 1), (64, 1), (0, 1)];
@@ -190,7 +203,7 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
         let kv = s.gpu_pages.layer("test", 0).unwrap();
         for split_len in [1, 7, 64, 150, 4096] {
             let out = gpu.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
-            assert_close(&format!("group {group} split_len {split_len}"), &gpu.download(&out).unwrap(), &want);
+            assert_close(&format!("{kv_dtype} group {group} split_len {split_len}"), &gpu.download(&out).unwrap(), &want);
         }
     }
 }
@@ -254,6 +267,8 @@ fn hidden_pages_and_copy_blocks_match_cpu() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     for case in 0..cases() {
+        // f32 and f16 K/V pages in turn (hidden pages are f32 either way).
+        let kv_dtype = [Dtype::F32, Dtype::F16][case as usize % 2];
         let spec = PagesSpec {
             num_layers: 2,
             num_blocks: 12,
@@ -262,7 +277,7 @@ fn hidden_pages_and_copy_blocks_match_cpu() {
             head_dim: 4,
             captured: 3,
             hidden: 5,
-            kv_dtype: Dtype::F32,
+            kv_dtype,
         };
         let mut gp = gpu.alloc_pages(spec).unwrap();
         let mut cp = CpuBackend.alloc_pages(spec).unwrap();
@@ -297,7 +312,7 @@ fn hidden_pages_and_copy_blocks_match_cpu() {
                 |b| b.paged_attention(&b.upload(q.view())?, &gp, layer, heads, &seq),
                 |b| b.paged_attention(&q, &cp, layer, heads, &seq),
             );
-            assert_close(&format!("case {case} layer {layer} after copies"), &g, &c);
+            assert_close(&format!("case {case} {kv_dtype} layer {layer} after copies"), &g, &c);
         }
     }
 }
@@ -305,13 +320,36 @@ fn hidden_pages_and_copy_blocks_match_cpu() {
 #[test]
 fn pools_split_over_bindings_behave_like_one_pool() {
     let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
     // K/V blocks: 4 slots x 2 heads x 8 dims x 4 B = 256 B → 16 blocks per chunk, 2 chunks;
     // hidden blocks: 4 x 2 x 24 x 4 B = 768 B → 5 blocks per chunk, 5 chunks.
     let spec =
         PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 8, captured: 2, hidden: 24, kv_dtype: Dtype::F32 };
-    let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
-    let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(9, 4), (0, 7), (21, 1), (16, 1)]);
+    split_pools_match_cpu(&gpu, spec, 5);
+    // Three chunks' worth of KV cannot be bound by the attention kernels.
+    let big = PagesSpec { num_blocks: 33, ..spec };
+    let err = gpu.alloc_pages(big).unwrap_err();
+    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })), "{err}");
+}
+
+#[test]
+fn f16_pools_split_over_bindings_behave_like_one_pool() {
+    let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
+    // f16 K/V blocks: 4 slots x 4 heads x 8 dims x 2 B = 256 B → 16 blocks per chunk, 2 chunks.
+    let spec =
+        PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 4, head_dim: 8, captured: 2, hidden: 24, kv_dtype: Dtype::F16 };
+    split_pools_match_cpu(&gpu, spec, 14);
+    // Half the bytes per block: 33 blocks still need three chunks, 32 fit two.
+    assert!(gpu.alloc_pages(PagesSpec { num_blocks: 32, ..spec }).is_ok());
+    let err = gpu.alloc_pages(PagesSpec { num_blocks: 33, ..spec }).unwrap_err();
+    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })), "{err}");
+}
+
+/// Attention, hidden rows and copies inside and across chunks over `spec`'s pools (24
+/// blocks, head_dim 8, split: 2 K chunks, more than 2 hidden chunks), against the CPU.
+fn split_pools_match_cpu(gpu: &WgpuBackend, spec: PagesSpec, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let heads = AttnHeads { num_heads: 4, kv_heads: spec.kv_heads, head_dim: 8 };
+    let s = setup_attention(gpu, &mut rng, spec, heads, 0, &[(9, 4), (0, 7), (21, 1), (16, 1)]);
     assert_eq!(s.gpu_pages.layer("test", 0).unwrap().k.num_chunks(), 2, "K pool must be split");
     assert!(s.gpu_pages.hidden().num_chunks() > 2, "hidden pool must be split");
     let seqs = attn_seqs(&s.seqs);
@@ -331,22 +369,17 @@ fn pools_split_over_bindings_behave_like_one_pool() {
     let copies = [(0, 15), (14, 1), (3, 2), (8, 9), (2, 20), (21, 4)];
     gpu.copy_blocks(&mut gp, &copies).unwrap();
     CpuBackend.copy_blocks(&mut cp, &copies).unwrap();
-    let (g, c) = both(&gpu, |b| b.gather_hidden(&gp, 1, &all), |b| b.gather_hidden(&cp, 1, &all));
+    let (g, c) = both(gpu, |b| b.gather_hidden(&gp, 1, &all), |b| b.gather_hidden(&cp, 1, &all));
     assert_close("split hidden pool after copies", &g, &c);
     let table: Vec<BlockId> = (0..24).collect();
     let q = rand_matrix(&mut rng, 1, 32);
     let seq = [AttnSeq { query_start: 0, num_new: 1, num_computed: 95, block_table: &table }];
     let (g, c) = both(
-        &gpu,
+        gpu,
         |b| b.paged_attention(&b.upload(q.view())?, &gp, 0, heads, &seq),
         |b| b.paged_attention(&q, &cp, 0, heads, &seq),
     );
-    assert_close("split KV pool after copies", &g, &c);
-
-    // Three chunks' worth of KV cannot be bound by the attention kernels.
-    let big = PagesSpec { num_blocks: 33, ..spec };
-    let err = gpu.alloc_pages(big).unwrap_err();
-    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })), "{err}");
+    assert_close(&format!("split {} KV pool after copies", spec.kv_dtype), &g, &c);
 }
 
 #[test]
@@ -577,6 +610,66 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     assert!(matches!(err, Error::Gpu(GpuError::TooLarge { requested: 8192, max: SMALL_BINDING, .. })), "{err}");
 }
 
+/// f16 weights (matmul, embedding, MoE experts) on random shapes, odd lengths
+/// included, against the CPU backend holding the same f16 weights.
+#[test]
+fn f16_weights_match_cpu_f16_weights() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    let half = |a: Array2<f32>| HostWeight::F32(a).to_dtype(Dtype::F16);
+    for case in 0..cases() {
+        let (n, k, m) = (rng.random_range(1..80), rng.random_range(1..70), rng.random_range(1..90));
+        let x = rand_matrix(&mut rng, n, k);
+        let w = half(rand_matrix(&mut rng, m, k));
+        let gw = gpu.upload_weight(w.clone()).unwrap();
+        assert_eq!(gw.dtype(), Dtype::F16);
+        assert_eq!(gpu.download(&gw).unwrap(), w.to_f32(), "case {case}: f16 weights widen exactly");
+        let cw = CpuBackend.upload_weight(w).unwrap();
+        let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &gw), |b| b.matmul_t(&x, &cw));
+        assert_close(&format!("case {case} f16 matmul [{n},{k}] x [{m},{k}]^T"), &g, &c);
+    }
+    // An odd-width table: rows straddle the packed words.
+    let table = half(rand_matrix(&mut rng, 50, 13));
+    let ids: Vec<u32> = (0..17).map(|_| rng.random_range(0..50)).collect();
+    let gt = gpu.upload_weight(table.clone()).unwrap();
+    let (g, c) = both(&gpu, |b| b.embedding(&gt, &ids), |b| b.embedding(&b.upload_weight(table.clone())?, &ids));
+    assert_eq!(g, c, "f16 embedding rows are widened exactly");
+    for (top_k, norm, n) in [(2, true, 9), (2, false, 70)] {
+        let host = MoeWeights::random(&mut rng, 6, 12, 5, top_k, norm);
+        let host = host.try_map(|t| Ok::<_, Error>(half(t.clone()))).unwrap();
+        let dev = host.try_map(|t| gpu.upload_weight(t.clone())).unwrap();
+        let cpu = host.try_map(|t| CpuBackend.upload_weight(t.clone())).unwrap();
+        let x = rand_matrix(&mut rng, n, 12);
+        let (g, c) = both(&gpu, |b| b.moe(&b.upload(x.view())?, &dev), |b| b.moe(&x, &cpu));
+        assert_close(&format!("f16 moe top_k {top_k} tokens {n}"), &g, &c);
+    }
+    // Only weights may be f16: any other operand says so.
+    let err = gpu.gather_rows(&gt, &[1]).unwrap_err();
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "operand dtype", found, .. }) if found == "f16"), "{err}");
+    let norm = gpu.upload(Array2::ones((1, 13)).view()).unwrap();
+    assert!(matches!(gpu.rms_norm(&gt, &norm, 1e-6), Err(Error::Config(ConfigError::Invalid { .. }))));
+}
+
+/// An f16 weight larger than one binding splits into row blocks like an f32 one;
+/// blocks of an odd element count end in a padding half.
+#[test]
+fn f16_weights_larger_than_one_binding_split_into_row_blocks() {
+    let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(16);
+    // 75 rows x 33 f16 = 4950 B over 4096 B: blocks of 62 and 13 rows (429 halves, odd).
+    let table = HostWeight::F32(rand_matrix(&mut rng, 75, 33)).to_dtype(Dtype::F16);
+    let split = gpu.upload_weight(table.clone()).unwrap();
+    assert!(split.is_split(), "4950 B must not fit one 4096 B binding");
+    assert_eq!(gpu.download(&split).unwrap(), table.to_f32(), "download joins and widens the row blocks");
+    let cpu = CpuBackend.upload_weight(table).unwrap();
+    let x = rand_matrix(&mut rng, 5, 33);
+    let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &split), |b| b.matmul_t(&x, &cpu));
+    assert_close("matmul with a split f16 weight", &g, &c);
+    let ids = [74, 0, 61, 62, 5, 74];
+    let (g, c) = both(&gpu, |b| b.embedding(&split, &ids), |b| b.embedding(&cpu, &ids));
+    assert_eq!(g, c, "split f16 embedding rows are widened exactly");
+}
+
 /// Whole thinker forwards: the GPU runner, with a cached prefix and chunked prefill,
 /// returns the CPU's uncached hidden states and logits (caching invisible on the GPU).
 mod forward {
@@ -627,8 +720,20 @@ mod forward {
     #[test]
     fn cached_chunked_gpu_forward_equals_uncached_cpu_forward() {
         let Some(gpu) = gpu() else { return };
-        let gpu = Arc::new(gpu);
-        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        cached_chunked_forward_matches_cpu(Arc::new(gpu), Dtype::F32, Dtype::F32, 10);
+    }
+
+    /// f16 weights and f16 K/V pages on both backends: caching stays invisible on the GPU.
+    #[test]
+    fn f16_cached_chunked_gpu_forward_equals_uncached_cpu_forward() {
+        let Some(gpu) = gpu() else { return };
+        cached_chunked_forward_matches_cpu(Arc::new(gpu), Dtype::F16, Dtype::F16, 17);
+    }
+
+    /// A dense, an M-RoPE and a MoE tiny model with weights in `dtype` and K/V pages in
+    /// `kv_dtype`: the GPU uncached and chunked over a cached prefix against the CPU uncached.
+    fn cached_chunked_forward_matches_cpu(gpu: Arc<WgpuBackend>, dtype: Dtype, kv_dtype: Dtype, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let configs = [
             Config::tiny_qwen3(32, 2, 4, 2, 64),
             Config::tiny_qwen2_omni(32, 2, 4, 1, 64),
@@ -638,15 +743,26 @@ mod forward {
             let n = cfg.num_hidden_layers;
             let capture =
                 CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
-            let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), ci as u64).unwrap();
-            let gpu_thinker = Arc::new(Thinker::random(&*gpu, cfg.clone(), ci as u64).unwrap());
+            let cpu_thinker = Thinker::random_as(&CpuBackend, cfg.clone(), ci as u64, Some(dtype)).unwrap();
+            let gpu_thinker = Arc::new(Thinker::random_as(&*gpu, cfg.clone(), ci as u64, Some(dtype)).unwrap());
             let p = prompt(&cfg, 19, 6, &mut rng);
-            let want = run_uncached(&cpu_thinker, &CpuBackend, &p, &capture, false).unwrap();
+            let want = if kv_dtype == Dtype::F32 {
+                let want = run_uncached(&cpu_thinker, &CpuBackend, &p, &capture, false).unwrap();
+                let uncached = run_uncached(&gpu_thinker, &*gpu, &p, &capture, false).unwrap();
+                assert_outputs(&format!("config {ci} uncached"), &uncached.hidden, &uncached.last_logits, &want);
+                want
+            } else {
+                // The uncached forward keeps K/V in f32; the CPU's one-step run over
+                // `kv_dtype` pages rounds K/V as the GPU's pages do.
+                let cpu = ModelRunner::new(Arc::new(CpuBackend), Arc::new(cpu_thinker), capture.clone()).unwrap().with_kv_dtype(kv_dtype);
+                let mut cpu_pages = cpu.alloc_pages(8, BS).unwrap();
+                let step = p.step(1, BlockTable::new((0..5).collect(), BS), 0..19).unwrap();
+                let mut outs = cpu.execute(&ScheduledBatch { copies: vec![], seqs: vec![step] }, &mut cpu_pages).unwrap();
+                let out = outs.pop().expect("one output");
+                Outputs { hidden: out.hidden, last_logits: out.last_logits, logits: None }
+            };
 
-            let uncached = run_uncached(&gpu_thinker, &*gpu, &p, &capture, false).unwrap();
-            assert_outputs(&format!("config {ci} uncached"), &uncached.hidden, &uncached.last_logits, &want);
-
-            let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture).unwrap();
+            let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture).unwrap().with_kv_dtype(kv_dtype);
             let mut blocks: Vec<u32> = (0..8).collect();
             blocks.shuffle(&mut rng);
             let table = &blocks[..19usize.div_ceil(BS)];
@@ -661,7 +777,7 @@ mod forward {
                 a = b;
             }
             assert_eq!(outs.len(), 1, "config {ci}");
-            assert_outputs(&format!("config {ci} chunked"), &outs[0].hidden, &outs[0].last_logits, &want);
+            assert_outputs(&format!("config {ci} {dtype} weights, {kv_dtype} pages, chunked"), &outs[0].hidden, &outs[0].last_logits, &want);
         }
     }
     /// A vocabulary too large for one binding: the embedding lookup and the tied
@@ -704,18 +820,55 @@ fn batched_submissions_keep_program_order() {
 }
 
 #[test]
-fn half_precision_weights_and_pages_are_a_config_error_on_wgpu() {
+fn bf16_weights_and_pages_are_a_config_error_on_wgpu() {
     let Some(gpu) = gpu() else { return };
-    assert_eq!(gpu.weight_dtypes(), [Dtype::F32]);
+    assert_eq!(gpu.weight_dtypes(), [Dtype::F32, Dtype::F16]);
     let host = HostWeight::F32(Array2::ones((4, 4))).to_dtype(Dtype::Bf16);
     let Err(err) = gpu.upload_weight(host) else { panic!("a bf16 upload must fail") };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "bf16"), "{err}");
     let cfg = omniprefix::model::Config::tiny_qwen3(32, 2, 4, 2, 50);
-    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16)) else { panic!("an f16 thinker on wgpu must fail") };
+    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::Bf16)) else { panic!("a bf16 thinker on wgpu must fail") };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "wgpu", .. })), "{err}");
+    let thinker = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16)).expect("f16 on wgpu loads");
+    assert_eq!(thinker.dtype(), Dtype::F16);
     let thinker = omniprefix::model::Thinker::random(&gpu, cfg, 1).expect("auto on wgpu loads");
     assert_eq!(thinker.dtype(), Dtype::F32);
+    let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 0, hidden: 0, kv_dtype: Dtype::Bf16 };
+    let Err(err) = gpu.alloc_pages(spec) else { panic!("bf16 pages on wgpu must fail") };
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "bf16"), "{err}");
+    // f16 pages pack two halves per word: a slot of odd width would share a word with the next.
+    let odd = PagesSpec { head_dim: 3, kv_dtype: Dtype::F16, ..spec };
+    let Err(err) = gpu.alloc_pages(odd) else { panic!("odd-width f16 pages must fail") };
+    assert!(matches!(&err, Error::Gpu(GpuError::Unsupported { value: 3, .. })), "{err}");
+    assert!(gpu.alloc_pages(PagesSpec { head_dim: 3, kv_dtype: Dtype::F32, ..spec }).is_ok());
+}
+
+/// An adapter without the f16 conversions (`DownlevelFlags::SHADER_F16_IN_F32`, e.g.
+/// lavapipe without `SHADER_F16`) refuses f16 with the typed error, and f32 still runs.
+#[test]
+fn without_f16_conversions_f16_is_a_config_error_and_f32_runs() {
+    let Some(gpu) = gpu_without_f16() else { return };
+    assert_eq!(gpu.weight_dtypes(), [Dtype::F32]);
+    let host = HostWeight::F32(Array2::ones((4, 4))).to_dtype(Dtype::F16);
+    let Err(err) = gpu.upload_weight(host) else { panic!("an f16 upload must fail") };
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "f16"), "{err}");
     let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 0, hidden: 0, kv_dtype: Dtype::F16 };
-    let Err(err) = gpu.alloc_pages(spec) else { panic!("f16 pages on wgpu must fail") };
+    let Err(err) = gpu.alloc_pages(spec) else { panic!("f16 pages must fail") };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "f16"), "{err}");
+    let cfg = omniprefix::model::Config::tiny_qwen3(32, 2, 4, 2, 50);
+    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16)) else { panic!("an f16 thinker must fail") };
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "wgpu", .. })), "{err}");
+    // The kernels compile with the stub prelude and compute f32 as usual.
+    let thinker = omniprefix::model::Thinker::random(&gpu, cfg.clone(), 1).expect("f32 loads");
+    let cpu = omniprefix::model::Thinker::random(&CpuBackend, cfg, 1).expect("f32 loads");
+    let p = omniprefix::runner::PromptInputs {
+        token_ids: vec![1, 7, 3, 9, 2],
+        embeds: vec![],
+        positions: omniprefix::prompt::Positions::linear(5),
+    };
+    let capture = omniprefix::model::CaptureSpec::default_for(2);
+    let got = omniprefix::runner::run_uncached(&thinker, &gpu, &p, &capture, false).unwrap();
+    let want = omniprefix::runner::run_uncached(&cpu, &CpuBackend, &p, &capture, false).unwrap();
+    let [got, want] = [&got.last_logits, &want.last_logits].map(|l| Array2::from_shape_vec((1, l.len()), l.clone()).unwrap());
+    assert_close("f32 forward without f16 conversions", &got, &want);
 }

@@ -6,29 +6,42 @@ use std::path::{Path, PathBuf};
 use naga::back::PipelineConstants;
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 
+/// The preludes every kernel is compiled after (`backend::wgpu::pipelines`): the f16
+/// pair conversions, or their stubs on adapters without them.
+const PRELUDES: [&str; 2] = ["f16_pairs.wgsl", "f16_pairs_absent.wgsl"];
+
+/// The kernel files of `wgsl/` (every `.wgsl` but the preludes).
 fn shader_files() -> Vec<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("wgsl");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
         .map(|entry| entry.expect("directory entry").path())
         .filter(|path| path.extension().is_some_and(|ext| ext == "wgsl"))
+        .filter(|path| !PRELUDES.iter().any(|p| path.ends_with(p)))
         .collect();
     files.sort();
     files
 }
 
-/// Parses and validates with no optional capabilities (no subgroups, no f16), then
-/// resolves the override constants to their defaults as a pipeline would.
-fn validated(path: &Path) -> (naga::Module, ModuleInfo) {
-    let source = std::fs::read_to_string(path).expect("shader source");
+/// Prepends a prelude as the backend does, parses and validates with no optional
+/// capabilities (no subgroups, no `enable f16;`) but the f16 pair conversions when the
+/// prelude uses them, then resolves the override constants to their defaults as a
+/// pipeline would.
+fn validated(path: &Path, prelude: &str) -> (naga::Module, ModuleInfo) {
+    let dir = path.parent().expect("wgsl/");
+    let head = std::fs::read_to_string(dir.join(prelude)).expect("prelude source");
+    let source = format!("{head}\n{}", std::fs::read_to_string(path).expect("shader source"));
+    let label = format!("{} after {prelude}", path.display());
     let module = naga::front::wgsl::parse_str(&source)
-        .unwrap_or_else(|e| panic!("{}: parse error:\n{}", path.display(), e.emit_to_string(&source)));
-    let info = Validator::new(ValidationFlags::all(), Capabilities::empty())
+        .unwrap_or_else(|e| panic!("{}: parse error:\n{}", label, e.emit_to_string(&source)));
+    let capabilities =
+        if prelude == PRELUDES[0] { Capabilities::SHADER_FLOAT16_IN_FLOAT32 } else { Capabilities::empty() };
+    let info = Validator::new(ValidationFlags::all(), capabilities)
         .validate(&module)
-        .unwrap_or_else(|e| panic!("{}: validation error:\n{}", path.display(), e.emit_to_string(&source)));
+        .unwrap_or_else(|e| panic!("{}: validation error:\n{}", label, e.emit_to_string(&source)));
     let (module, info) =
         naga::back::pipeline_constants::process_overrides(&module, &info, None, &PipelineConstants::default())
-            .unwrap_or_else(|e| panic!("{}: overrides: {e}", path.display()));
+            .unwrap_or_else(|e| panic!("{}: overrides: {e}", label));
     (module.into_owned(), info.into_owned())
 }
 
@@ -47,8 +60,8 @@ fn shader_directory_holds_every_kernel() {
 fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
     let files = shader_files();
     assert!(!files.is_empty(), "no shaders found in wgsl/");
-    for path in files {
-        let (module, info) = validated(&path);
+    for (path, prelude) in files.iter().flat_map(|f| PRELUDES.map(|p| (f.clone(), p))) {
+        let (module, info) = validated(&path, prelude);
         assert!(!module.entry_points.is_empty(), "{}: no entry points", path.display());
 
         let spv = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)

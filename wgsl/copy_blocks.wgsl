@@ -1,11 +1,12 @@
 // Copy-on-write of whole blocks inside one pool chunk: block `pairs[2i]` is copied to
 // block `pairs[2i + 1]` (chunk-local block numbers). Copies between different chunks
 // are plain buffer-to-buffer copies on the host side. Destinations never overlap sources
-// (checked by the host), so the order of the copies does not matter.
+// (checked by the host), so the order of the copies does not matter. The copy is of
+// 32-bit words, whatever they hold (f32, or f16 pairs), so it is bit-exact.
 
 struct CopyParams {
     n_pairs: u32,
-    block_elems: u32,
+    block_words: u32,
     _pad0: u32,
     _pad1: u32,
 }
@@ -14,7 +15,7 @@ const WG: u32 = 256u;
 
 @group(0) @binding(0) var<uniform> p: CopyParams;
 @group(0) @binding(1) var<storage, read> pairs: array<u32>;
-@group(0) @binding(2) var<storage, read_write> pool: array<f32>;
+@group(0) @binding(2) var<storage, read_write> pool: array<u32>;
 
 @compute @workgroup_size(WG)
 fn copy_blocks(
@@ -23,10 +24,10 @@ fn copy_blocks(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let idx = (wid.x + wid.y * nwg.x) * WG + lid;
-    if (idx >= p.n_pairs * p.block_elems) {
+    if (idx >= p.n_pairs * p.block_words) {
         return;
     }
-    let pair = idx / p.block_elems;
-    let e = idx % p.block_elems;
-    pool[pairs[2u * pair + 1u] * p.block_elems + e] = pool[pairs[2u * pair] * p.block_elems + e];
+    let pair = idx / p.block_words;
+    let e = idx % p.block_words;
+    pool[pairs[2u * pair + 1u] * p.block_words + e] = pool[pairs[2u * pair] * p.block_words + e];
 }

@@ -12,6 +12,9 @@
 // 64x64 output tiles per workgroup of 16x16 invocations, each computing a 4x4 block
 // (rows ty + 16 i, cols tx + 16 j); K is walked in steps of 16 through workgroup memory.
 // The entry points only differ in which x row feeds, and which y row receives, each tile row.
+//
+// W_F16: w holds f16 pairs (see f16_pairs.wgsl, the prelude); otherwise f32 bits.
+// Either way the product accumulates in f32.
 
 struct MatmulParams {
     m: u32,
@@ -31,9 +34,11 @@ const TN: u32 = 64u;
 const TK: u32 = 16u;
 const NO_ROW: u32 = 0xffffffffu;
 
+override W_F16: bool = false;
+
 @group(0) @binding(0) var<uniform> p: MatmulParams;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
-@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<u32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 // matmul_routed
 @group(0) @binding(4) var<storage, read> expert_counts: array<u32>;
@@ -44,6 +49,14 @@ var<workgroup> w_tile: array<f32, 1024>; // [TN][TK]
 // The x row and the y row of each of the tile's TM rows (NO_ROW: padding).
 var<workgroup> x_rows: array<u32, 64>;
 var<workgroup> y_rows: array<u32, 64>;
+
+// Element i of w as f32.
+fn w_at(i: u32) -> f32 {
+    if (W_F16) {
+        return unpack_f16_pair(w[i >> 1u])[i & 1u];
+    }
+    return bitcast<f32>(w[i]);
+}
 
 // The 4x4 block of this invocation of tile rows x_rows x weight rows w_row0 + col0 ..,
 // after x_rows / y_rows are set and a barrier.
@@ -62,7 +75,7 @@ fn tile_product(lid: vec3<u32>, li: u32, col0: u32, w_row0: u32) -> array<f32, 1
             x_tile[e] = xv;
             var wv = 0.0;
             if (col0 + r < p.n && c < p.k) {
-                wv = w[(w_row0 + col0 + r) * p.k + c];
+                wv = w_at((w_row0 + col0 + r) * p.k + c);
             }
             w_tile[e] = wv;
         }

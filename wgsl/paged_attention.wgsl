@@ -15,11 +15,14 @@
 //     GQA group share each K/V element read; writes partial (max, sum, acc) per split.
 //   paged_decode_reduce: merges the splits of each (row, head).
 // Nothing here needs subgroups; all softmax math is f32.
+// KV_F16: the pages hold f16 pairs (see f16_pairs.wgsl, the prelude); otherwise f32 bits.
+// Every product and sum is f32.
 
 override HEAD_DIM: u32 = 64u;
 override NUM_HEADS: u32 = 1u;
 override NUM_KV_HEADS: u32 = 1u;
 override BLOCK_SIZE: u32 = 16u;
+override KV_F16: bool = false;
 
 const WG: u32 = 64u;
 const MAX_HEAD_DIM: u32 = 256u;
@@ -41,10 +44,10 @@ struct AttnParams {
 @group(0) @binding(0) var<uniform> p: AttnParams;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> row_info: array<u32>;
-@group(0) @binding(3) var<storage, read> k0: array<f32>;
-@group(0) @binding(4) var<storage, read> k1: array<f32>;
-@group(0) @binding(5) var<storage, read> v0: array<f32>;
-@group(0) @binding(6) var<storage, read> v1: array<f32>;
+@group(0) @binding(3) var<storage, read> k0: array<u32>;
+@group(0) @binding(4) var<storage, read> k1: array<u32>;
+@group(0) @binding(5) var<storage, read> v0: array<u32>;
+@group(0) @binding(6) var<storage, read> v1: array<u32>;
 @group(0) @binding(7) var<storage, read_write> out: array<f32>;
 @group(0) @binding(8) var<storage, read_write> part: array<f32>;
 @group(0) @binding(9) var<storage, read> part_in: array<f32>;
@@ -60,18 +63,33 @@ fn kv_at(table_offset: u32, j: u32, kvh: u32) -> vec2<u32> {
     return vec2<u32>(chunk, (slot * NUM_KV_HEADS + kvh) * HEAD_DIM);
 }
 
-fn load_k(at: vec2<u32>, d: u32) -> f32 {
-    if (at.x == 0u) {
-        return k0[at.y + d];
+// The word of a page chunk that holds element i.
+fn word_of(i: u32) -> u32 {
+    return select(i, i >> 1u, KV_F16);
+}
+
+// Element i of a page chunk as f32, from the word that holds it.
+fn page_elem(word: u32, i: u32) -> f32 {
+    if (KV_F16) {
+        return unpack_f16_pair(word)[i & 1u];
     }
-    return k1[at.y + d];
+    return bitcast<f32>(word);
+}
+
+fn load_k(at: vec2<u32>, d: u32) -> f32 {
+    let i = at.y + d;
+    if (at.x == 0u) {
+        return page_elem(k0[word_of(i)], i);
+    }
+    return page_elem(k1[word_of(i)], i);
 }
 
 fn load_v(at: vec2<u32>, d: u32) -> f32 {
+    let i = at.y + d;
     if (at.x == 0u) {
-        return v0[at.y + d];
+        return page_elem(v0[word_of(i)], i);
     }
-    return v1[at.y + d];
+    return page_elem(v1[word_of(i)], i);
 }
 
 @compute @workgroup_size(WG)

@@ -6,6 +6,9 @@
 // the bound chunk. A negative slot means "skip this row".
 //   write_kv:     rows [n, kv_heads * head_dim], slot_stride = kv_heads * head_dim
 //   write_hidden: rows [n, hidden], slot_stride = captured * hidden, slot_offset = layer * hidden
+// An f16 pool (K/V pages) holds two halves per 32-bit word (see f16_pairs.wgsl, the
+// prelude); scatter_rows_f16 writes one whole word per invocation, so rows never race on a
+// word (width, slot_stride and slot_offset are even there).
 
 struct RowParams {
     n_rows: u32,
@@ -28,6 +31,8 @@ const WG: u32 = 256u;
 // gather_rows
 @group(0) @binding(4) var<storage, read> pool_in: array<f32>;
 @group(0) @binding(5) var<storage, read_write> rows_out: array<f32>;
+// scatter_rows_f16
+@group(0) @binding(6) var<storage, read_write> pool_out_f16: array<u32>;
 
 // Pool element of (row r, column c), or -1 when the row's slot is skipped or in another chunk.
 fn pool_index(r: u32, c: u32) -> i32 {
@@ -71,5 +76,25 @@ fn gather_rows(
     let at = pool_index(idx / p.width, idx % p.width);
     if (at >= 0) {
         rows_out[idx] = pool_in[u32(at)];
+    }
+}
+
+@compute @workgroup_size(WG)
+fn scatter_rows_f16(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let pair = (wid.x + wid.y * nwg.x) * WG + lid;
+    let pairs_per_row = p.width / 2u;
+    if (pair >= p.n_rows * pairs_per_row) {
+        return;
+    }
+    let r = pair / pairs_per_row;
+    let c = 2u * (pair % pairs_per_row);
+    let at = pool_index(r, c);
+    if (at >= 0) {
+        let e = r * p.width + c;
+        pool_out_f16[u32(at) >> 1u] = pack_f16_pair(vec2<f32>(rows_in[e], rows_in[e + 1u]));
     }
 }

@@ -2,6 +2,8 @@
 // indices are skipped here as a second line of defence):
 //   gather_dense:  dst[r, :] = src[idx[r], :]   (embedding lookup; tokens routed to an expert)
 //   scatter_dense: dst[idx[r], :] = src[r, :]   (item embedding rows into the step's inputs)
+// SRC_F16: src holds f16 pairs (an f16 embedding table; see f16_pairs.wgsl, the prelude);
+// otherwise f32 bits. dst is always f32.
 
 struct DenseRowParams {
     n_rows: u32,
@@ -12,10 +14,20 @@ struct DenseRowParams {
 
 const WG: u32 = 256u;
 
+override SRC_F16: bool = false;
+
 @group(0) @binding(0) var<uniform> p: DenseRowParams;
 @group(0) @binding(1) var<storage, read> idx: array<u32>;
-@group(0) @binding(2) var<storage, read> src: array<f32>;
+@group(0) @binding(2) var<storage, read> src: array<u32>;
 @group(0) @binding(3) var<storage, read_write> dst: array<f32>;
+
+// Element i of src as f32.
+fn src_at(i: u32) -> f32 {
+    if (SRC_F16) {
+        return unpack_f16_pair(src[i >> 1u])[i & 1u];
+    }
+    return bitcast<f32>(src[i]);
+}
 
 @compute @workgroup_size(WG)
 fn gather_dense(
@@ -30,7 +42,7 @@ fn gather_dense(
     let r = e / p.width;
     let src_row = idx[r];
     if (src_row < p.src_rows) {
-        dst[e] = src[src_row * p.width + e % p.width];
+        dst[e] = src_at(src_row * p.width + e % p.width);
     }
 }
 
@@ -47,6 +59,6 @@ fn scatter_dense(
     let r = e / p.width;
     let dst_row = idx[r];
     if (dst_row < p.dst_rows) {
-        dst[dst_row * p.width + e % p.width] = src[e];
+        dst[dst_row * p.width + e % p.width] = src_at(e);
     }
 }

@@ -34,6 +34,9 @@ pub enum HarnessError {
     /// A report that cannot be serialised to JSON.
     #[error("cannot serialise {what} to JSON: {source}")]
     Report { what: String, source: serde_json::Error },
+    /// A step that should have returned an output returned none.
+    #[error("{what} returned no output")]
+    NoOutput { what: &'static str },
     /// Blocks held by no request and not by the index after every request finished.
     #[error("{leaked} of {num_blocks} blocks leaked (neither free nor owned by the index)")]
     BlocksLeaked { leaked: usize, num_blocks: usize },

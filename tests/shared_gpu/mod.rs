@@ -21,7 +21,18 @@ pub fn gpu_with(cap: Option<u64>) -> Option<WgpuBackend> {
     static DEFAULT: OnceLock<Option<WgpuBackend>> = OnceLock::new();
     static CAPPED: OnceLock<Option<WgpuBackend>> = OnceLock::new();
     let cell = if cap.is_some() { &CAPPED } else { &DEFAULT };
-    cell.get_or_init(|| match GpuContext::new(&GpuOptions { max_binding_bytes: cap }) {
+    shared(cell, GpuOptions { max_binding_bytes: cap, ..Default::default() })
+}
+
+/// A device opened as if the adapter lacked the f16 conversions (f32 storage only).
+#[allow(dead_code)] // only the kernel tests check the fallback
+pub fn gpu_without_f16() -> Option<WgpuBackend> {
+    static WITHOUT_F16: OnceLock<Option<WgpuBackend>> = OnceLock::new();
+    shared(&WITHOUT_F16, GpuOptions { without_f16: true, ..Default::default() })
+}
+
+fn shared(cell: &OnceLock<Option<WgpuBackend>>, options: GpuOptions) -> Option<WgpuBackend> {
+    cell.get_or_init(|| match GpuContext::new(&options) {
         Ok(ctx) => Some(WgpuBackend::from_context(Arc::new(ctx))),
         Err(e) => {
             if std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref() == Ok("1") {

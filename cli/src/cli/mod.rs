@@ -21,6 +21,8 @@ pub mod demo;
 pub mod fleet;
 /// `omniprefix generate`.
 pub mod generate;
+/// `omniprefix gpu-info` and `omniprefix bench parity` (hidden: `scripts/gpu_bench.sh` runs them).
+pub mod gpu_check;
 /// `omniprefix hidden`.
 pub mod hidden;
 /// `--dtype` and the model the benchmarks load.
@@ -54,6 +56,9 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// The wgpu adapter, its driver and limits, as one JSON line (for `scripts/gpu_bench.sh`).
+    #[command(hide = true)]
+    GpuInfo(gpu_check::GpuInfoArgs),
 }
 
 /// `omniprefix bench ...`.
@@ -69,6 +74,9 @@ pub enum BenchCommand {
     Soak(soak::SoakArgs),
     /// `vllm bench serve` on the generation API: TTFT/ITL percentiles, output tokens/s, hit rate, cache on and off.
     Serve(serve::ServeArgs),
+    /// A checkpoint on wgpu against the CPU backend, same dtypes, as one JSON line (for `scripts/gpu_bench.sh`).
+    #[command(hide = true)]
+    Parity(gpu_check::ParityArgs),
 }
 
 /// Runs a parsed command line, writing its output to `out`.
@@ -82,6 +90,8 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
         Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),
         Command::Bench(BenchCommand::Serve(args)) => serve::run(&args, out),
+        Command::GpuInfo(args) => gpu_check::info(&args, out),
+        Command::Bench(BenchCommand::Parity(args)) => gpu_check::parity(&args, out),
     }
 }
 

@@ -38,7 +38,7 @@ pub struct TtftArgs {
     #[arg(long, default_value_t = DtypeArg::default())]
     pub dtype: DtypeArg,
     /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
-    /// attention widens each tile back to f32). The wgpu backend stores f32 only.
+    /// attention widens each tile back to f32). The wgpu backend stores f32 or f16, not bf16.
     #[arg(long, default_value_t = Dtype::F32)]
     pub kv_dtype: Dtype,
     /// Timed runs per figure (medians are reported).

@@ -110,34 +110,38 @@ impl Backend for WgpuBackend {
         t.shape()
     }
 
+    /// f32, and f16 where the adapter has the f16 pair conversions
+    /// ([`GpuContext::stored_dtypes`]); bf16 checkpoints widen to f32 under `auto`.
     fn weight_dtypes(&self) -> &'static [Dtype] {
-        // f16 storage is issue 13's; until then half-precision checkpoints widen to f32.
-        &[Dtype::F32]
+        self.ctx.stored_dtypes()
     }
 
     fn upload_weight(&self, host: HostWeight) -> Result<GpuTensor> {
         match host {
             HostWeight::F32(a) => self.upload(a.view()),
+            HostWeight::F16(a) => {
+                let standard = a.as_standard_layout();
+                self.ctx.upload_f16(standard.as_slice().unwrap_or_default(), [a.nrows(), a.ncols()])
+            }
             other => Err(unsupported_dtype("wgpu backend", "weight dtype", self.weight_dtypes(), other.dtype())),
         }
     }
 
+    /// K/V pages in one of [`GpuContext::stored_dtypes`] (f16 needs an even
+    /// `kv_heads * head_dim`); hidden pages stay f32.
     fn alloc_pages(&self, spec: PagesSpec) -> Result<WgpuPages> {
-        if spec.kv_dtype != Dtype::F32 {
-            // f16 pages are issue 13's.
-            return Err(unsupported_dtype("wgpu backend", "kv dtype", &[Dtype::F32], spec.kv_dtype));
-        }
+        self.ctx.check_stored("kv dtype", spec.kv_dtype)?;
         let mut k = Vec::with_capacity(spec.num_layers);
         let mut v = Vec::with_capacity(spec.num_layers);
+        let kv_shape = (spec.num_blocks, spec.block_size, spec.kv_width());
         for _ in 0..spec.num_layers {
             for pools in [&mut k, &mut v] {
                 let what = "KV pages of one layer";
-                let chunks = Some(ATTENTION_POOL_CHUNKS);
-                pools.push(self.ctx.alloc_pool(what, spec.num_blocks, spec.block_size, spec.kv_width(), chunks)?);
+                pools.push(self.ctx.alloc_pool(what, kv_shape, spec.kv_dtype, Some(ATTENTION_POOL_CHUNKS))?);
             }
         }
-        let hidden_width = spec.captured * spec.hidden;
-        let hidden = self.ctx.alloc_pool("hidden pages", spec.num_blocks, spec.block_size, hidden_width, None)?;
+        let hidden_shape = (spec.num_blocks, spec.block_size, spec.captured * spec.hidden);
+        let hidden = self.ctx.alloc_pool("hidden pages", hidden_shape, Dtype::F32, None)?;
         Ok(WgpuPages { spec, k, v, hidden })
     }
 

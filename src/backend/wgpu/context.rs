@@ -3,6 +3,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::backend::Dtype;
+use crate::backend::weight::unsupported_dtype;
 use crate::backend::wgpu::pipelines::PipelineCache;
 use crate::Result;
 use crate::error::GpuError;
@@ -13,6 +15,10 @@ pub struct GpuOptions {
     /// Cap on the bytes of one storage binding, below the adapter's own limit.
     /// Pools larger than this are split into chunks; tests use it to exercise the split.
     pub max_binding_bytes: Option<u64>,
+    /// Treat the adapter as lacking the f16 conversions
+    /// (`DownlevelFlags::SHADER_F16_IN_F32`): f32 storage only, as on such an adapter.
+    /// Tests use it to exercise the fallback.
+    pub without_f16: bool,
 }
 
 /// Reads one limit of an adapter.
@@ -56,10 +62,13 @@ pub struct GpuContext {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     pub(crate) adapter_name: String,
+    adapter_info: wgpu::AdapterInfo,
     pub(crate) limits: wgpu::Limits,
     /// Bytes one storage binding may span (adapter limit, possibly capped by options).
     pub(crate) max_binding_bytes: u64,
     pub(crate) pipelines: PipelineCache,
+    /// Whether the kernels may pack and unpack f16 pairs (f16 weights and K/V pages).
+    pub(crate) f16_pairs: bool,
     /// Recorded ops not yet submitted (see [`GpuContext::submit`]).
     pending: Mutex<Vec<wgpu::CommandBuffer>>,
 }
@@ -92,6 +101,8 @@ impl GpuContext {
         let adapter_name = format!("{} ({:?})", info.name, info.backend);
         let limits = adapter.limits();
         check_limits(&adapter_name, &limits)?;
+        let f16_pairs = !options.without_f16
+            && adapter.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("omniprefix"),
             required_features: wgpu::Features::empty(),
@@ -113,9 +124,11 @@ impl GpuContext {
             device,
             queue,
             adapter_name,
+            adapter_info: info,
             limits,
             max_binding_bytes,
             pipelines: PipelineCache::default(),
+            f16_pairs,
             pending: Mutex::default(),
         })
     }
@@ -123,6 +136,11 @@ impl GpuContext {
     /// The adapter's name and API, as errors report it.
     pub fn adapter_name(&self) -> &str {
         &self.adapter_name
+    }
+
+    /// What the adapter says of itself: name, vendor, device type, driver.
+    pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
+        &self.adapter_info
     }
 
     /// The limits the device was opened with (the adapter's own).
@@ -133,6 +151,23 @@ impl GpuContext {
     /// Bytes one storage binding may span.
     pub fn max_binding_bytes(&self) -> u64 {
         self.max_binding_bytes
+    }
+
+    /// What weights and K/V pages may be stored as: f32, and f16 where the adapter has
+    /// the f16 pair conversions (`DownlevelFlags::SHADER_F16_IN_F32`: every WebGPU
+    /// adapter; Mesa lavapipe only with `Features::SHADER_F16`).
+    pub fn stored_dtypes(&self) -> &'static [Dtype] {
+        if self.f16_pairs { &[Dtype::F32, Dtype::F16] } else { &[Dtype::F32] }
+    }
+
+    /// A [`ConfigError::Invalid`](crate::error::ConfigError::Invalid) unless `dtype` is one of
+    /// [`GpuContext::stored_dtypes`]; `field` names what would be stored (`"weight dtype"`, `"kv dtype"`).
+    pub(crate) fn check_stored(&self, field: &'static str, dtype: Dtype) -> Result<()> {
+        if self.stored_dtypes().contains(&dtype) {
+            Ok(())
+        } else {
+            Err(unsupported_dtype("wgpu backend", field, self.stored_dtypes(), dtype))
+        }
     }
 
     /// Queues a recorded op; every [`OPS_PER_SUBMIT`] ops go to the device in one

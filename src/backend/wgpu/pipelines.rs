@@ -1,5 +1,10 @@
 //! The shaders of `wgsl/` and a cache of compute pipelines keyed by
 //! (shader, entry point, override constants): each is compiled once per device.
+//!
+//! Every kernel is compiled after a prelude with the f16 pair conversions
+//! (`wgsl/f16_pairs.wgsl`), or, on a device that lacks them
+//! (`DownlevelFlags::SHADER_F16_IN_F32`), after stubs (`wgsl/f16_pairs_absent.wgsl`):
+//! the f32 kernels then still compile and f16 storage is refused.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -38,8 +43,8 @@ impl Shader {
         }
     }
 
-    /// WGSL source.
-    pub fn source(self) -> &'static str {
+    /// WGSL source of the kernel file alone.
+    pub fn kernel_source(self) -> &'static str {
         match self {
             Shader::PagedRows => include_str!("../../../wgsl/paged_rows.wgsl"),
             Shader::CopyBlocks => include_str!("../../../wgsl/copy_blocks.wgsl"),
@@ -52,7 +57,19 @@ impl Shader {
             Shader::Moe => include_str!("../../../wgsl/moe.wgsl"),
         }
     }
+
+    /// WGSL source as compiled: the f16 pair prelude (`f16_pairs`: the device has the
+    /// conversions) or its stubs, then the kernel.
+    pub fn source(self, f16_pairs: bool) -> String {
+        let prelude = if f16_pairs { F16_PAIRS } else { F16_PAIRS_ABSENT };
+        format!("{prelude}\n{}", self.kernel_source())
+    }
 }
+
+/// The f16 pair conversions every kernel may call.
+pub const F16_PAIRS: &str = include_str!("../../../wgsl/f16_pairs.wgsl");
+/// Stubs of [`F16_PAIRS`] for devices without the conversions.
+pub const F16_PAIRS_ABSENT: &str = include_str!("../../../wgsl/f16_pairs_absent.wgsl");
 
 /// Cache key: the constants are kept in call order (callers pass them in a fixed order).
 type PipelineKey = (Shader, &'static str, Vec<(&'static str, u32)>);
@@ -81,7 +98,7 @@ impl GpuContext {
             match modules.get(&shader) {
                 Some(module) => module.clone(),
                 None => {
-                    let module = self.compile_module(shader.name(), shader.source())?;
+                    let module = self.compile_module(shader.name(), &shader.source(self.f16_pairs))?;
                     modules.insert(shader, module.clone());
                     module
                 }

@@ -1,8 +1,10 @@
 //! Paged pools on the device: `num_blocks` blocks of `block_size` slots of
-//! `slot_elems` f32, split into chunks of whole blocks when one storage binding
-//! cannot hold them all.
+//! `slot_elems` f32 (or f16, two per 32-bit word: K/V pages), split into chunks of
+//! whole blocks when one storage binding cannot hold them all.
 
+use crate::backend::Dtype;
 use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::tensor::widen;
 use crate::{Error, Result};
 use crate::error::GpuError;
 
@@ -19,7 +21,7 @@ pub struct PoolPlan {
     pub chunks: usize,
 }
 
-/// Plans a pool of `num_blocks` blocks of `block_elems` f32 over buffers of at most
+/// Plans a pool of `num_blocks` blocks of `block_elems` 4-byte words over buffers of at most
 /// `max_binding_bytes`; at most `max_chunks` buffers when every chunk must be bound at once.
 pub fn plan_pool(
     adapter: &str,
@@ -69,6 +71,8 @@ pub struct PagedPool {
     pub(crate) num_blocks: usize,
     pub(crate) block_size: usize,
     pub(crate) slot_elems: usize,
+    /// [`Dtype::F32`], or [`Dtype::F16`] (K/V pages; `slot_elems` is even).
+    pub(crate) dtype: Dtype,
 }
 
 impl PagedPool {
@@ -77,9 +81,24 @@ impl PagedPool {
         self.chunks.len()
     }
 
-    /// f32 elements of one block.
+    /// How the elements are stored.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Whether the elements are f16 (the kernels' `*_F16` override constants).
+    pub(crate) fn is_f16(&self) -> bool {
+        self.dtype == Dtype::F16
+    }
+
+    /// Elements of one block.
     pub(crate) fn block_elems(&self) -> usize {
-        self.block_size * self.slot_elems
+        self.block_size.saturating_mul(self.slot_elems)
+    }
+
+    /// 4-byte words of one block (slots never share a word: f16 slots are of even length).
+    pub(crate) fn block_words(&self) -> usize {
+        self.block_elems().saturating_mul(self.dtype.bytes()) / 4
     }
 
     /// Number of slots.
@@ -94,37 +113,40 @@ impl PagedPool {
 }
 
 impl GpuContext {
-    /// A zero-filled pool; `max_chunks` bounds the buffers it may be split into.
+    /// A zero-filled pool of `dtype` (f32, or f16 with an even `slot_elems`: two
+    /// halves per 32-bit word, so that writing a slot never touches another's word);
+    /// `max_chunks` bounds the buffers it may be split into.
     pub(crate) fn alloc_pool(
         &self,
         what: &str,
-        num_blocks: usize,
-        block_size: usize,
-        slot_elems: usize,
+        (num_blocks, block_size, slot_elems): (usize, usize, usize),
+        dtype: Dtype,
         max_chunks: Option<usize>,
     ) -> Result<PagedPool> {
-        let block_elems = block_size.saturating_mul(slot_elems);
-        let plan = plan_pool(&self.adapter_name, what, num_blocks, block_elems, self.max_binding_bytes, max_chunks)?;
-        let mut pool = PagedPool {
-            chunks: Vec::with_capacity(plan.chunks),
-            blocks_per_chunk: plan.blocks_per_chunk,
-            num_blocks,
-            block_size,
-            slot_elems,
-        };
+        if dtype == Dtype::F16 && !slot_elems.is_multiple_of(2) {
+            return Err(GpuError::Unsupported {
+                what: "slot width (kv_heads * head_dim) of f16 pages",
+                value: slot_elems,
+                supported: "even widths (two halves per 32-bit word)",
+            }.into());
+        }
+        let mut pool = PagedPool { chunks: Vec::new(), blocks_per_chunk: 0, num_blocks, block_size, slot_elems, dtype };
+        let block_words = pool.block_words();
+        let plan = plan_pool(&self.adapter_name, what, num_blocks, block_words, self.max_binding_bytes, max_chunks)?;
+        pool.blocks_per_chunk = plan.blocks_per_chunk;
         for c in 0..plan.chunks {
-            let len = pool.blocks_in_chunk(c) * block_elems;
+            let len = pool.blocks_in_chunk(c) * block_words;
             pool.chunks.push(self.zeros([1, len])?.into_buffer());
         }
         Ok(pool)
     }
 
-    /// The whole pool back on the host, in block order (tests and debugging).
+    /// The whole pool back on the host, in block order, widened to f32 (tests and debugging).
     pub fn download_pool(&self, pool: &PagedPool) -> Result<Vec<f32>> {
         let mut out = Vec::with_capacity(pool.num_blocks * pool.block_elems());
         for (c, chunk) in pool.chunks.iter().enumerate() {
-            let bytes = self.read_buffer(chunk, (pool.blocks_in_chunk(c) * pool.block_elems() * 4) as u64)?;
-            out.extend(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes));
+            let bytes = self.read_buffer(chunk, (pool.blocks_in_chunk(c) * pool.block_words() * 4) as u64)?;
+            out.extend(widen(&bytes, pool.dtype, pool.blocks_in_chunk(c) * pool.block_elems()));
         }
         Ok(out)
     }

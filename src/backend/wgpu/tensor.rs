@@ -1,13 +1,20 @@
-//! Device buffers: f32 tensors with a shape, index buffers, uniforms, and the
-//! dispatch helper every kernel wrapper uses.
+//! Device buffers: f32 (or f16 weight) tensors with a shape, index buffers,
+//! uniforms, and the dispatch helper every kernel wrapper uses.
 
+use half::f16;
 use wgpu::util::DeviceExt;
 
+use crate::backend::Dtype;
+use crate::backend::weight::unsupported_dtype;
 use crate::backend::wgpu::context::GpuContext;
 use crate::{Error, Result};
 use crate::error::{BackendError, GpuError};
 
-/// A row-major f32 matrix `[rows, cols]` on the device.
+/// A row-major matrix `[rows, cols]` on the device, stored as f32, or as f16 for a
+/// weight ([`GpuContext::upload_f16`]: two halves per 32-bit word, element `i` in
+/// the low half of word `i / 2` when `i` is even; a block of odd length ends with a
+/// zero half). Only matmul weights and embedding tables may be f16; every other
+/// operand must be f32 (`GpuContext::whole` says so with a typed error).
 ///
 /// Normally one storage buffer. An uploaded tensor larger than one storage
 /// binding (a 151936-row vocabulary matrix on an adapter with 128 MiB bindings)
@@ -26,12 +33,24 @@ pub struct GpuTensor {
     part_rows: usize,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
+    /// [`Dtype::F32`] or [`Dtype::F16`].
+    dtype: Dtype,
 }
 
 impl GpuTensor {
-    /// A tensor in one buffer.
+    /// An f32 tensor in one buffer.
     fn whole_buffer(buffer: wgpu::Buffer, rows: usize, cols: usize) -> Self {
-        GpuTensor { first: buffer, rest: Vec::new(), part_rows: rows, rows, cols }
+        GpuTensor { first: buffer, rest: Vec::new(), part_rows: rows, rows, cols, dtype: Dtype::F32 }
+    }
+
+    /// How the elements are stored: [`Dtype::F32`], or [`Dtype::F16`] for a weight.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Whether the elements are f16 (the kernels' `*_F16` override constants).
+    pub(crate) fn is_f16(&self) -> bool {
+        self.dtype == Dtype::F16
     }
 
     /// Whether the tensor spans several buffers.
@@ -84,6 +103,15 @@ impl GpuTensor {
     }
 }
 
+/// The first `len` elements of `bytes` stored as `dtype`, as f32.
+pub(crate) fn widen(bytes: &[u8], dtype: Dtype, len: usize) -> Vec<f32> {
+    match dtype {
+        Dtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes).into_iter().take(len).collect(),
+        Dtype::F16 => bytemuck::pod_collect_to_vec::<u8, f16>(bytes).iter().take(len).map(|h| h.to_f32()).collect(),
+        Dtype::Bf16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(bytes).iter().take(len).map(|h| h.to_f32()).collect(),
+    }
+}
+
 /// Buffer usages of every storage buffer: bound to kernels and copied both ways.
 const STORAGE_USAGE: wgpu::BufferUsages =
     wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC).union(wgpu::BufferUsages::COPY_DST);
@@ -96,6 +124,12 @@ impl GpuContext {
     pub(crate) fn storage_bytes(&self, what: &str, len: usize) -> Result<u64> {
         // Zero-sized bindings are invalid: keep one element of room.
         let bytes = (len.max(1) as u64).saturating_mul(4);
+        self.check_binding(what, bytes)?;
+        Ok(bytes)
+    }
+
+    /// Checks that one binding may span `bytes`.
+    fn check_binding(&self, what: &str, bytes: u64) -> Result<()> {
         if bytes > self.max_binding_bytes {
             return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
@@ -105,24 +139,39 @@ impl GpuContext {
                 max: self.max_binding_bytes,
             }.into());
         }
-        Ok(bytes)
+        Ok(())
     }
 
     /// Uploads row-major `data` as a `[rows, cols]` tensor.
-    pub fn upload(&self, data: &[f32], [rows, cols]: [usize; 2]) -> Result<GpuTensor> {
+    pub fn upload(&self, data: &[f32], shape: [usize; 2]) -> Result<GpuTensor> {
+        self.upload_elems(bytemuck::cast_slice(data), Dtype::F32, data.len(), shape)
+    }
+
+    /// Uploads row-major `data` as a `[rows, cols]` f16 weight (see [`GpuTensor`]):
+    /// the right operand of [`GpuContext::matmul_xwt`], an embedding table, MoE experts.
+    /// A [`ConfigError::Invalid`](crate::error::ConfigError::Invalid) on an adapter without f16
+    /// pairs ([`GpuContext::stored_dtypes`]).
+    pub fn upload_f16(&self, data: &[f16], shape: [usize; 2]) -> Result<GpuTensor> {
+        self.check_stored("weight dtype", Dtype::F16)?;
+        self.upload_elems(bytemuck::cast_slice(data), Dtype::F16, data.len(), shape)
+    }
+
+    /// Uploads `len` elements of `dtype` (their little-endian `bytes`) as a `[rows, cols]` tensor.
+    fn upload_elems(&self, bytes: &[u8], dtype: Dtype, len: usize, [rows, cols]: [usize; 2]) -> Result<GpuTensor> {
         let expected = rows.checked_mul(cols);
-        if expected != Some(data.len()) {
+        if expected != Some(len) {
             return Err(BackendError::OpShape {
                 op: "upload",
                 what: "data",
                 expected: format!("{rows} x {cols} elements"),
-                found: vec![data.len()],
+                found: vec![len],
             }.into());
         }
-        let row_bytes = (cols as u64).saturating_mul(4);
-        if (data.len() as u64).saturating_mul(4) <= self.max_binding_bytes || row_bytes == 0 {
-            let buffer = self.storage_from("tensor", data)?;
-            return Ok(GpuTensor::whole_buffer(buffer, rows, cols));
+        let elem = dtype.bytes();
+        let row_bytes = (cols as u64).saturating_mul(elem as u64);
+        if (bytes.len() as u64) <= self.max_binding_bytes || row_bytes == 0 {
+            let buffer = self.storage_from_bytes("tensor", bytes)?;
+            return Ok(GpuTensor { first: buffer, rest: Vec::new(), part_rows: rows, rows, cols, dtype });
         }
         // Too large for one binding: blocks of as many whole rows as one binding holds.
         let part_rows = usize::try_from(self.max_binding_bytes / row_bytes).unwrap_or(usize::MAX);
@@ -135,9 +184,9 @@ impl GpuContext {
                 max: self.max_binding_bytes,
             }.into());
         }
-        let mut blocks = data
-            .chunks(part_rows * cols)
-            .map(|block| self.storage_from("tensor row block", block))
+        let mut blocks = bytes
+            .chunks(part_rows * cols * elem)
+            .map(|block| self.storage_from_bytes("tensor row block", block))
             .collect::<Result<Vec<_>>>()?
             .into_iter();
         let first = blocks.next().ok_or_else(|| GpuError::Op {
@@ -145,17 +194,28 @@ impl GpuContext {
             op: "upload",
             message: "a split tensor has no row block".into(),
         })?;
-        Ok(GpuTensor { first, rest: blocks.collect(), part_rows, rows, cols })
+        Ok(GpuTensor { first, rest: blocks.collect(), part_rows, rows, cols, dtype })
     }
 
-    /// The one buffer of `tensor`, or [`GpuError::TooLarge`] when it is split: `op`
-    /// cannot take a tensor larger than one storage binding.
+    /// The one buffer of an f32 `tensor`: [`GpuError::TooLarge`] when it is split (`op`
+    /// cannot take a tensor larger than one storage binding), a
+    /// [`ConfigError::Invalid`](crate::error::ConfigError::Invalid) when it is f16
+    /// (only weights may be, and `op` does not take one).
     pub(crate) fn whole<'t>(&self, tensor: &'t GpuTensor, op: &'static str) -> Result<&'t wgpu::Buffer> {
+        if tensor.dtype != Dtype::F32 {
+            return Err(unsupported_dtype("wgpu backend", "operand dtype", &[Dtype::F32], tensor.dtype));
+        }
+        self.whole_weight(tensor, op)
+    }
+
+    /// The one buffer of `tensor` in either dtype (a weight bound whole: MoE experts),
+    /// or [`GpuError::TooLarge`] when it is split.
+    pub(crate) fn whole_weight<'t>(&self, tensor: &'t GpuTensor, op: &'static str) -> Result<&'t wgpu::Buffer> {
         if tensor.is_split() {
             return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
                 what: format!("{op} operand [{}, {}] (only matmul weights and embedding tables may span several bindings)", tensor.rows, tensor.cols),
-                requested: (tensor.len() as u64).saturating_mul(4),
+                requested: (tensor.len() as u64).saturating_mul(tensor.dtype.bytes() as u64),
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,
             }.into());
@@ -178,30 +238,32 @@ impl GpuContext {
         Ok(GpuTensor::whole_buffer(buffer, rows, cols))
     }
 
-    /// Reads a tensor back to the host (waits for all queued work).
+    /// Reads a tensor back to the host (waits for all queued work); f16 widened to f32.
     pub fn download(&self, tensor: &GpuTensor) -> Result<Vec<f32>> {
         let mut data = Vec::with_capacity(tensor.len());
         for (_, rows, buffer) in tensor.row_blocks() {
-            let bytes = self.read_buffer(buffer, (rows * tensor.cols) as u64 * 4)?;
-            data.extend(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes));
+            let len = rows * tensor.cols;
+            let bytes = self.read_buffer(buffer, (len * tensor.dtype.bytes()).next_multiple_of(4) as u64)?;
+            data.extend(widen(&bytes, tensor.dtype, len));
         }
         Ok(data)
     }
 
     /// A storage buffer holding 4-byte elements (f32, u32, i32) from the host.
     pub(crate) fn storage_from<T: bytemuck::Pod>(&self, what: &str, data: &[T]) -> Result<wgpu::Buffer> {
-        self.storage_from_bytes(what, bytemuck::cast_slice(data), data.len())
+        self.storage_from_bytes(what, bytemuck::cast_slice(data))
     }
 
-    /// A storage buffer holding `bytes` (`len` 4-byte elements).
-    fn storage_from_bytes(&self, what: &str, bytes: &[u8], len: usize) -> Result<wgpu::Buffer> {
-        self.storage_bytes(what, len)?;
+    /// A storage buffer holding `bytes`, zero-padded to whole 4-byte words (at least one).
+    fn storage_from_bytes(&self, what: &str, bytes: &[u8]) -> Result<wgpu::Buffer> {
+        let padded_len = bytes.len().next_multiple_of(4).max(4);
+        self.check_binding(what, padded_len as u64)?;
         let padded;
-        let contents = if bytes.is_empty() {
-            padded = [0u8; 4];
-            &padded[..]
-        } else {
+        let contents = if bytes.len() == padded_len {
             bytes
+        } else {
+            padded = [bytes, &[0u8; 4][..padded_len - bytes.len()]].concat();
+            &padded[..]
         };
         self.scoped("create_buffer", || {
             self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {

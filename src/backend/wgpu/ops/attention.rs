@@ -66,6 +66,14 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
         return Err(GpuError::Unsupported { what: "num_heads / kv_heads", value: group, supported: "1..=8" }.into());
     }
     q.expect_cols(OP, "q", heads.num_heads * heads.head_dim)?;
+    if kv.v.dtype() != pool.dtype() || kv.v.slot_elems != pool.slot_elems {
+        return Err(BackendError::OpShape {
+            op: OP,
+            what: "V pool (dtype and slot width as the K pool's)",
+            expected: format!("{} slots of {}", pool.dtype(), pool.slot_elems),
+            found: vec![kv.v.slot_elems],
+        }.into());
+    }
     for seq in seqs {
         let end = seq.query_start.checked_add(seq.num_new).filter(|&e| e <= q.rows);
         if end.is_none() {
@@ -171,12 +179,13 @@ impl GpuContext {
         Ok(out)
     }
 
-    fn attention_constants(heads: AttnHeads, block_size: usize) -> [(&'static str, u32); 4] {
+    fn attention_constants(heads: AttnHeads, kv: KvPools<'_>) -> [(&'static str, u32); 5] {
         [
             ("HEAD_DIM", heads.head_dim as u32),
             ("NUM_HEADS", heads.num_heads as u32),
             ("NUM_KV_HEADS", heads.kv_heads as u32),
-            ("BLOCK_SIZE", block_size as u32),
+            ("BLOCK_SIZE", kv.k.block_size as u32),
+            ("KV_F16", kv.k.is_f16().into()),
         ]
     }
 
@@ -210,7 +219,7 @@ impl GpuContext {
         if n_rows == 0 {
             return Ok(());
         }
-        let constants = Self::attention_constants(heads, kv.k.block_size);
+        let constants = Self::attention_constants(heads, kv);
         let pipeline = self.pipeline(Shader::PagedAttention, "paged_prefill_attention", &constants)?;
         let info = self.storage_from("attention rows", &row_info(seqs, kv.k.block_size))?;
         let uniform = self.uniform(&Self::attention_params(heads, kv, n_rows));
@@ -238,7 +247,7 @@ impl GpuContext {
         let n_splits = max_visible.div_ceil(split_len);
         let partials = n_rows * heads.num_heads * n_splits;
         let part = self.zeros([1, partials * (heads.head_dim + 2)])?;
-        let constants = Self::attention_constants(heads, kv.k.block_size);
+        let constants = Self::attention_constants(heads, kv);
         let info = self.storage_from("attention rows", &row_info(seqs, kv.k.block_size))?;
         let params = AttnParams {
             n_splits: n_splits as u32,

@@ -46,7 +46,8 @@ struct EwParams {
 }
 
 impl GpuContext {
-    /// `x @ w^T`: `x [n, in]`, `w [out, in]` (HF Linear layout) → `[n, out]`.
+    /// `x @ w^T`: `x [n, in]`, `w [out, in]` (HF Linear layout, f32 or f16) → `[n, out]`,
+    /// accumulated in f32.
     /// A split `w` (larger than one binding) is multiplied block by block, each
     /// block writing its own columns of the output.
     pub fn matmul_xwt(&self, x: &GpuTensor, w: &GpuTensor) -> Result<GpuTensor> {
@@ -57,18 +58,17 @@ impl GpuContext {
         }
         let x_buffer = self.whole(x, "matmul_t")?;
         for (row0, rows, w_block) in w.row_blocks() {
-            self.matmul_block(x, x_buffer, w_block, rows, &y, row0)?;
+            self.matmul_block(x, x_buffer, (w, w_block, rows), &y, row0)?;
         }
         Ok(y)
     }
 
-    /// `y[:, y_col0 .. y_col0 + n_out] = x @ w_block^T` for a block of `n_out` weight rows.
+    /// `y[:, y_col0 .. y_col0 + n_out] = x @ w_block^T` for a block of `n_out` rows of `w`.
     fn matmul_block(
         &self,
         x: &GpuTensor,
         x_buffer: &wgpu::Buffer,
-        w_block: &wgpu::Buffer,
-        n_out: usize,
+        (w, w_block, n_out): (&GpuTensor, &wgpu::Buffer, usize),
         y: &GpuTensor,
         y_col0: usize,
     ) -> Result<()> {
@@ -82,7 +82,7 @@ impl GpuContext {
             y_col0: y_col0 as u32,
             _pad: 0,
         };
-        let pipeline = self.pipeline(Shader::Matmul, "matmul_xwt", &[])?;
+        let pipeline = self.pipeline(Shader::Matmul, "matmul_xwt", &[("W_F16", w.is_f16().into())])?;
         let uniform = self.uniform(&params);
         let what = || format!("matmul [{}, {}] x [{n_out}, {}]^T workgroup grid", x.rows, x.cols, x.cols);
         let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), x.rows.div_ceil(MATMUL_TILE), what)?;

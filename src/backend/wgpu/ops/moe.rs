@@ -151,7 +151,7 @@ impl GpuContext {
             y_col0: 0,
             _pad: 0,
         };
-        let pipeline = self.pipeline(Shader::Matmul, "matmul_routed", &[])?;
+        let pipeline = self.pipeline(Shader::Matmul, "matmul_routed", &[("W_F16", w.is_f16().into())])?;
         let uniform = self.uniform(&params);
         let row_tiles = lists.tokens.div_ceil(MATMUL_TILE);
         let what = || format!("MoE expert matmul grid ({num_experts} experts x {row_tiles} row tiles)");
@@ -160,7 +160,7 @@ impl GpuContext {
         let bindings = [
             (0, &uniform),
             (1, self.whole(x, op)?),
-            (2, self.whole(w, op)?),
+            (2, self.whole_weight(w, op)?),
             (3, self.whole(out, op)?),
             (4, self.whole(&lists.counts, op)?),
             (5, self.whole(&lists.slots, op)?),

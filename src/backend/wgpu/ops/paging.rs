@@ -32,7 +32,7 @@ struct RowParams {
 #[derive(Clone, Copy, Pod, Zeroable)]
 struct CopyParams {
     n_pairs: u32,
-    block_elems: u32,
+    block_words: u32,
     _pad: [u32; 2],
 }
 
@@ -54,12 +54,37 @@ enum Direction<'a> {
     Gather(&'a wgpu::Buffer),
 }
 
+/// Entry point of `paged_rows.wgsl`, its dense-side and pool bindings, and the
+/// pool elements each invocation moves.
+struct RowKernel {
+    entry: &'static str,
+    rows_binding: u32,
+    pool_binding: u32,
+    elems_per_invocation: usize,
+}
+
 impl Direction<'_> {
-    /// Entry point, dense-side binding and pool binding in `paged_rows.wgsl`.
-    fn entry_and_bindings(self) -> (&'static str, u32, u32) {
-        match self {
-            Direction::Scatter(_) => ("scatter_rows", 2, 3),
-            Direction::Gather(_) => ("gather_rows", 5, 4),
+    /// The kernel moving rows this way for `pool`; rows are only ever gathered from
+    /// f32 pools (hidden states), and f16 pools are written a packed word at a time.
+    fn kernel(self, op: &'static str, pool: &PagedPool, cols: SlotColumns) -> Result<RowKernel> {
+        let kernel = |entry, rows_binding, pool_binding, elems_per_invocation| RowKernel {
+            entry,
+            rows_binding,
+            pool_binding,
+            elems_per_invocation,
+        };
+        match (self, pool.is_f16()) {
+            (Direction::Scatter(_), false) => Ok(kernel("scatter_rows", 2, 3, 1)),
+            (Direction::Gather(_), false) => Ok(kernel("gather_rows", 5, 4, 1)),
+            (Direction::Scatter(_), true) if cols.width.is_multiple_of(2) && cols.offset.is_multiple_of(2) => {
+                Ok(kernel("scatter_rows_f16", 2, 6, 2))
+            }
+            _ => Err(BackendError::OpShape {
+                op,
+                what: "f16 pool columns (only whole even-width slots are written, never read, as rows)",
+                expected: "scatter of even width at an even offset".into(),
+                found: vec![cols.offset, cols.width],
+            }.into()),
         }
     }
 }
@@ -91,7 +116,7 @@ impl GpuContext {
         slots: &[i32],
         cols: SlotColumns,
     ) -> Result<()> {
-        let (entry, rows_binding, pool_binding) = direction.entry_and_bindings();
+        let RowKernel { entry, rows_binding, pool_binding, elems_per_invocation } = direction.kernel(op, pool, cols)?;
         let (Direction::Scatter(rows) | Direction::Gather(rows)) = direction;
         let pipeline = self.pipeline(Shader::PagedRows, entry, &[])?;
         let slot_buffer = self.storage_from("slots", slots)?;
@@ -112,12 +137,12 @@ impl GpuContext {
                 _pad: [0; 2],
             };
             let uniform = self.uniform(&params);
-            let elems = (slots.len() * cols.width) as u64;
+            let invocations = (slots.len() * cols.width / elems_per_invocation) as u64;
             self.dispatch(
                 op,
                 &pipeline,
                 &[(0, &uniform), (1, &slot_buffer), (rows_binding, rows), (pool_binding, chunk)],
-                elems.div_ceil(ROWS_WG),
+                invocations.div_ceil(ROWS_WG),
             )?;
         }
         Ok(())
@@ -181,12 +206,12 @@ impl GpuContext {
     /// Copies independent block pairs: inside one chunk with the kernel, across chunks
     /// with buffer copies.
     fn copy_block_batch(&self, pool: &PagedPool, pairs: &[(usize, usize)]) -> Result<()> {
-        let block_elems = pool.block_elems();
-        if pairs.is_empty() || block_elems == 0 {
+        let block_words = pool.block_words();
+        if pairs.is_empty() || block_words == 0 {
             return Ok(());
         }
         let bpc = pool.blocks_per_chunk;
-        let block_bytes = (block_elems * 4) as u64;
+        let block_bytes = (block_words * 4) as u64;
         let mut across = Vec::new();
         for (c, chunk) in pool.chunks.iter().enumerate() {
             let local: Vec<u32> = pairs
@@ -199,10 +224,10 @@ impl GpuContext {
             }
             let pipeline = self.pipeline(Shader::CopyBlocks, "copy_blocks", &[])?;
             let n_pairs = local.len() / 2;
-            let params = CopyParams { n_pairs: n_pairs as u32, block_elems: block_elems as u32, _pad: [0; 2] };
+            let params = CopyParams { n_pairs: n_pairs as u32, block_words: block_words as u32, _pad: [0; 2] };
             let uniform = self.uniform(&params);
             let pair_buffer = self.storage_from("copy pairs", &local)?;
-            let groups = ((n_pairs * block_elems) as u64).div_ceil(COPY_WG);
+            let groups = ((n_pairs * block_words) as u64).div_ceil(COPY_WG);
             self.dispatch("copy_blocks", &pipeline, &[(0, &uniform), (1, &pair_buffer), (2, chunk)], groups)?;
         }
         across.extend(pairs.iter().filter(|&&(s, d)| s / bpc != d / bpc));

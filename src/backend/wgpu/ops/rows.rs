@@ -37,23 +37,23 @@ impl GpuContext {
         dst: &GpuTensor,
     ) -> Result<()> {
         let src_buffer = self.whole(src, op)?;
-        self.move_rows_of(op, entry, (src_buffer, src.rows, src.cols), indices, dst)
+        self.move_rows_of(op, entry, (src_buffer, src.rows, src.cols, false), indices, dst)
     }
 
-    /// [`Self::move_rows`] with the source given as `(buffer, rows, cols)`: one row
-    /// block of a split table. Indices at or past `rows` are skipped by the kernel.
+    /// [`Self::move_rows`] with the source given as `(buffer, rows, cols, f16)`: one
+    /// row block of a split (or f16) table. Indices at or past `rows` are skipped by the kernel.
     fn move_rows_of(
         &self,
         op: &'static str,
         entry: &'static str,
-        (src, src_rows, cols): (&wgpu::Buffer, usize, usize),
+        (src, src_rows, cols, src_f16): (&wgpu::Buffer, usize, usize, bool),
         indices: &[u32],
         dst: &GpuTensor,
     ) -> Result<()> {
         if indices.is_empty() || cols == 0 {
             return Ok(());
         }
-        let pipeline = self.pipeline(Shader::Rows, entry, &[])?;
+        let pipeline = self.pipeline(Shader::Rows, entry, &[("SRC_F16", src_f16.into())])?;
         let params = DenseRowParams {
             n_rows: indices.len() as u32,
             width: cols as u32,
@@ -74,7 +74,7 @@ impl GpuContext {
         Ok(out)
     }
 
-    /// `out[i] = table[ids[i]]` (token embedding lookup).
+    /// `out[i] = table[ids[i]]` (token embedding lookup; the table f32 or f16).
     pub fn embedding(&self, table: &GpuTensor, ids: &[u32]) -> Result<GpuTensor> {
         check_indices("embedding", "token id", ids, table.rows)?;
         let out = self.zeros([ids.len(), table.cols])?;
@@ -83,7 +83,7 @@ impl GpuContext {
         for (row0, rows, block) in table.row_blocks() {
             let local: Vec<u32> =
                 ids.iter().map(|&id| (id as usize).checked_sub(row0).map_or(u32::MAX, |i| i as u32)).collect();
-            self.move_rows_of("embedding", "gather_dense", (block, rows, table.cols), &local, &out)?;
+            self.move_rows_of("embedding", "gather_dense", (block, rows, table.cols, table.is_f16()), &local, &out)?;
         }
         Ok(out)
     }
