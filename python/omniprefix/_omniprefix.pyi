@@ -296,10 +296,11 @@ class Engine:
           silent fallback) or ``"auto"`` (see :attr:`backend` for the choice).
         * ``dtype``: how weight matrices are stored; ``"auto"`` is the checkpoint's own
           (a bf16 checkpoint stays bf16, in about its file size of memory). Products
-          accumulate in f32. The wgpu backend stores f32 only: an explicit half dtype
-          there is a :class:`ConfigError`, ``"auto"`` widens. See :attr:`dtype`.
+          accumulate in f32. The wgpu backend stores f32 or f16 (where the adapter can
+          convert f16): an explicit bf16 there is a :class:`ConfigError`, ``"auto"`` widens
+          a bf16 checkpoint. See :attr:`dtype`.
         * ``kv_dtype``: the element type of the K/V pages (``"f16"`` / ``"bf16"`` halve the KV
-          memory; attention widens each tile to f32). f32 only on wgpu.
+          memory; attention widens each tile to f32). f32 or f16 on wgpu.
         * ``fingerprint_key``: 32 bytes or 64 hex digits (default: random per engine). It also
           keys the KV event block hashes: every replica and router of a fleet shares it.
         * ``validation``: how a fingerprint hit is confirmed.
