@@ -342,6 +342,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
     sched.validate().map_err(Error::from)?;
     let stats = sched.stats();
     let leaked_blocks = options.pool_blocks - stats.blocks_free - stats.blocks_cached;
+    let published = sched.cached_block_hashes();
     let requests = options.requests;
     Ok(SoakReport {
         options: options.clone(),
@@ -358,8 +359,8 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         samples,
         leaked_blocks,
         index_blocks: stats.blocks_cached,
-        published_blocks: sched.cached_block_hashes().len(),
-        published_hash_sum: sched.cached_block_hashes().iter().fold(0u64, |a, &h| a.wrapping_add(h)),
+        published_blocks: published.len(),
+        published_hash_sum: published.iter().fold(0u64, |a, &h| a.wrapping_add(h)),
         kv_events: publisher.map(KvEventPublisher::close),
         seconds: started.elapsed().as_secs_f64(),
     })

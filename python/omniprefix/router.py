@@ -187,6 +187,16 @@ class ReplicaView:
         return applied
 
 
+def wait_until(done, timeout_s: float, interval_s: float) -> bool:
+    """Polls ``done()`` every ``interval_s`` until it is true (``True``) or ``timeout_s`` passed (``False``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        time.sleep(interval_s)
+    return False
+
+
 def leading_hits(hashes: Sequence[int], cached: set[int]) -> int:
     """How many of ``hashes``, from the first, are cached: the reusable prefix in blocks."""
     n = 0
@@ -250,13 +260,13 @@ class Router:
 
     def wait_for(self, replica: int, hashes: Sequence[int], timeout_s: float = 5.0) -> bool:
         """Waits until replica ``replica``'s view caches every hash of ``hashes`` (bounded)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        wanted = set(hashes)
+
+        def cached() -> bool:
             with self._lock:
-                if set(hashes) <= self.replicas[replica].cached:
-                    return True
-            time.sleep(0.002)
-        return False
+                return wanted <= self.replicas[replica].cached
+
+        return wait_until(cached, timeout_s, 0.002)
 
     def close(self) -> None:
         self._stop.set()
@@ -325,12 +335,7 @@ class DynamoIndexer:
 
     def wait_for(self, instance: int, token_ids: list[int], tokens: int, instances: int, timeout_s: float = 5.0) -> bool:
         """Waits until ``instance`` matches at least ``tokens`` of ``token_ids`` (bounded)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.matched(token_ids, instances)[instance] >= tokens:
-                return True
-            time.sleep(0.005)
-        return False
+        return wait_until(lambda: self.matched(token_ids, instances)[instance] >= tokens, timeout_s, 0.005)
 
     def close(self) -> None:
         self.proc.terminate()
