@@ -610,6 +610,31 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     assert!(matches!(err, Error::Gpu(GpuError::TooLarge { requested: 8192, max: SMALL_BINDING, .. })), "{err}");
 }
 
+/// Stacked MoE experts larger than one binding: the routed matmul binds one row
+/// block at a time, and experts cut by a block edge get their columns from both.
+#[test]
+fn moe_experts_larger_than_one_binding_split_mid_expert() {
+    let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let (e, h, inter) = (8, 16, 12);
+    for dtype in [Dtype::F32, Dtype::F16] {
+        // f32: gate_up [192, 16] in blocks of 64 rows (expert 2 of 24 rows is cut at row 64),
+        // down [128, 12] in blocks of 85 rows (16-row experts cut at 85 and 170).
+        // f16: gate_up in blocks of 128 rows (expert 5 cut); down fits one binding.
+        let host = MoeWeights::random(&mut rng, e, h, inter, 2, true);
+        let host = host.try_map(|t| Ok::<_, Error>(HostWeight::F32(t.clone()).to_dtype(dtype))).unwrap();
+        let dev = host.try_map(|t| gpu.upload_weight(t.clone())).unwrap();
+        assert!(dev.gate_up.is_split(), "{dtype}: gate_up must span several bindings");
+        assert_eq!(dev.down.is_split(), dtype == Dtype::F32, "{dtype}: down");
+        let cpu = host.try_map(|t| CpuBackend.upload_weight(t.clone())).unwrap();
+        for n in [1, 9, 21] { // 2n x 24 gate_up outputs must fit the capped binding
+            let x = rand_matrix(&mut rng, n, h);
+            let (g, c) = both(&gpu, |b| b.moe(&b.upload(x.view())?, &dev), |b| b.moe(&x, &cpu));
+            assert_close(&format!("{dtype} split moe tokens {n}"), &g, &c);
+        }
+    }
+}
+
 /// f16 weights (matmul, embedding, MoE experts) on random shapes, odd lengths
 /// included, against the CPU backend holding the same f16 weights.
 #[test]

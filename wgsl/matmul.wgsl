@@ -1,13 +1,17 @@
 // y = x @ W^T with W in the layout of HF linear weights ([out, in], row-major).
 //
-//   matmul_xwt:    y[m, y_col0 + n] = sum_k x[m, k] * w[w_row0 + n, k]
-//                  (w_row0 selects a row block of a stacked weight; y_col0 the output
-//                  columns of one block of a weight split over several buffers).
-//   matmul_routed: the grouped expert matmul of a MoE block. Expert e owns the row block
-//                  w[e * n .. (e + 1) * n] and a list of routed slots
+//   matmul_xwt:    y[m, y_col0 + n] = sum_k x[m, k] * w[n, k]
+//                  (y_col0: the output columns of one block of a weight split over
+//                  several buffers).
+//   matmul_routed: the grouped expert matmul of a MoE block. Expert e owns the rows
+//                  e * n .. (e + 1) * n of the stacked weight and a list of routed slots
 //                  expert_slots[e * m .. e * m + expert_counts[e]] (m = list capacity);
 //                  for each listed slot s: y[s, :] = x[s / in_div, :] @ w_e^T.
 //                  Every slot appears in exactly one list, so y is written once per row.
+//                  A stacked weight larger than one binding is bound one row block at a
+//                  time: the bound buffer holds its rows w_lo .. w_hi, the dispatch covers
+//                  experts e0 .., and each writes only the columns whose weight rows the
+//                  block holds (an expert cut by a block edge is finished by the next).
 //
 // 64x64 output tiles per workgroup of 16x16 invocations, each computing a 4x4 block
 // (rows ty + 16 i, cols tx + 16 j); K is walked in steps of 16 through workgroup memory.
@@ -20,13 +24,19 @@ struct MatmulParams {
     m: u32,
     n: u32,
     k: u32,
-    w_row0: u32,
+    // Rows w_lo .. w_hi of the (stacked) weight are in the bound buffer, row w_lo first.
+    w_lo: u32,
+    w_hi: u32,
+    // matmul_routed: the first expert of this dispatch.
+    e0: u32,
     in_div: u32,
     // y row r, column c lives at y[r * y_stride + y_col0 + c] (a split weight's
     // row block writes its own columns of a wider y).
     y_stride: u32,
     y_col0: u32,
     _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 const TM: u32 = 64u;
@@ -58,8 +68,13 @@ fn w_at(i: u32) -> f32 {
     return bitcast<f32>(w[i]);
 }
 
+// Whether weight row `row` is in the bound buffer.
+fn w_row_bound(row: u32) -> bool {
+    return row >= p.w_lo && row < p.w_hi;
+}
+
 // The 4x4 block of this invocation of tile rows x_rows x weight rows w_row0 + col0 ..,
-// after x_rows / y_rows are set and a barrier.
+// after x_rows / y_rows are set and a barrier (rows outside the bound buffer read 0).
 fn tile_product(lid: vec3<u32>, li: u32, col0: u32, w_row0: u32) -> array<f32, 16> {
     var acc: array<f32, 16>;
     for (var k0 = 0u; k0 < p.k; k0 += TK) {
@@ -74,8 +89,9 @@ fn tile_product(lid: vec3<u32>, li: u32, col0: u32, w_row0: u32) -> array<f32, 1
             }
             x_tile[e] = xv;
             var wv = 0.0;
-            if (col0 + r < p.n && c < p.k) {
-                wv = w_at((w_row0 + col0 + r) * p.k + c);
+            let w_row = w_row0 + col0 + r;
+            if (col0 + r < p.n && c < p.k && w_row_bound(w_row)) {
+                wv = w_at((w_row - p.w_lo) * p.k + c);
             }
             w_tile[e] = wv;
         }
@@ -98,12 +114,13 @@ fn tile_product(lid: vec3<u32>, li: u32, col0: u32, w_row0: u32) -> array<f32, 1
     return acc;
 }
 
-fn store_tile(acc: array<f32, 16>, lid: vec3<u32>, col0: u32) {
+// Stores the columns of the tile whose weight rows (w_row0 + column) the buffer holds.
+fn store_tile(acc: array<f32, 16>, lid: vec3<u32>, col0: u32, w_row0: u32) {
     for (var i = 0u; i < 4u; i++) {
         let r = y_rows[lid.y + 16u * i];
         for (var j = 0u; j < 4u; j++) {
             let c = col0 + lid.x + 16u * j;
-            if (r != NO_ROW && c < p.n) {
+            if (r != NO_ROW && c < p.n && w_row_bound(w_row0 + c)) {
                 y[r * p.y_stride + p.y_col0 + c] = acc[i * 4u + j];
             }
         }
@@ -124,10 +141,10 @@ fn matmul_xwt(
     }
     workgroupBarrier();
     let col0 = wid.x * TN;
-    store_tile(tile_product(lid, li, col0, p.w_row0), lid, col0);
+    store_tile(tile_product(lid, li, col0, 0u), lid, col0, 0u);
 }
 
-// Workgroup grid: x over column tiles, y over (expert, row tile of its list).
+// Workgroup grid: x over column tiles, y over (expert - e0, row tile of its list).
 @compute @workgroup_size(16, 16)
 fn matmul_routed(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -135,7 +152,7 @@ fn matmul_routed(
     @builtin(local_invocation_index) li: u32,
 ) {
     let row_tiles = (p.m + TM - 1u) / TM;
-    let e = wid.y / row_tiles;
+    let e = p.e0 + wid.y / row_tiles;
     let row0 = (wid.y % row_tiles) * TM;
     let count = expert_counts[e];
     // Tiles past the end of an expert's list have nothing to do (uniform per workgroup).
@@ -154,5 +171,5 @@ fn matmul_routed(
     }
     workgroupBarrier();
     let col0 = wid.x * TN;
-    store_tile(tile_product(lid, li, col0, e * p.n), lid, col0);
+    store_tile(tile_product(lid, li, col0, e * p.n), lid, col0, e * p.n);
 }

@@ -18,8 +18,8 @@ use crate::error::{BackendError, GpuError};
 ///
 /// Normally one storage buffer. An uploaded tensor larger than one storage
 /// binding (a 151936-row vocabulary matrix on an adapter with 128 MiB bindings)
-/// is split into blocks of whole rows, one buffer each; matmul weights and
-/// embedding tables may be split, every other operand must be whole
+/// is split into blocks of whole rows, one buffer each; matmul weights, stacked MoE
+/// experts and embedding tables may be split, every other operand must be whole
 /// (`GpuContext::whole` says so with a typed error).
 ///
 /// Not `Clone`: a clone would share the buffer, and in-place ops on one would
@@ -205,16 +205,10 @@ impl GpuContext {
         if tensor.dtype != Dtype::F32 {
             return Err(unsupported_dtype("wgpu backend", "operand dtype", &[Dtype::F32], tensor.dtype));
         }
-        self.whole_weight(tensor, op)
-    }
-
-    /// The one buffer of `tensor` in either dtype (a weight bound whole: MoE experts),
-    /// or [`GpuError::TooLarge`] when it is split.
-    pub(crate) fn whole_weight<'t>(&self, tensor: &'t GpuTensor, op: &'static str) -> Result<&'t wgpu::Buffer> {
         if tensor.is_split() {
             return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
-                what: format!("{op} operand [{}, {}] (only matmul weights and embedding tables may span several bindings)", tensor.rows, tensor.cols),
+                what: format!("{op} operand [{}, {}] (only matmul weights, MoE experts and embedding tables may span several bindings)", tensor.rows, tensor.cols),
                 requested: (tensor.len() as u64).saturating_mul(tensor.dtype.bytes() as u64),
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,

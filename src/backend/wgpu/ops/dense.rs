@@ -18,14 +18,18 @@ pub(crate) struct MatmulParams {
     pub(crate) m: u32,
     pub(crate) n: u32,
     pub(crate) k: u32,
-    pub(crate) w_row0: u32,
+    /// Rows `w_lo..w_hi` of the (stacked) weight are in the bound buffer, `w_lo` first.
+    pub(crate) w_lo: u32,
+    pub(crate) w_hi: u32,
+    /// `matmul_routed` only: the first expert of the dispatch.
+    pub(crate) e0: u32,
     /// `matmul_routed` only: slot `s` reads x row `s / in_div`.
     pub(crate) in_div: u32,
     /// Elements between rows of `y` (its column count).
     pub(crate) y_stride: u32,
     /// First column of `y` written (a split weight's block writes its own columns).
     pub(crate) y_col0: u32,
-    pub(crate) _pad: u32,
+    pub(crate) _pad: [u32; 3],
 }
 
 #[repr(C)]
@@ -76,11 +80,13 @@ impl GpuContext {
             m: x.rows as u32,
             n: n_out as u32,
             k: x.cols as u32,
-            w_row0: 0,
+            w_lo: 0,
+            w_hi: n_out as u32,
+            e0: 0,
             in_div: 1,
             y_stride: y.cols as u32,
             y_col0: y_col0 as u32,
-            _pad: 0,
+            _pad: [0; 3],
         };
         let pipeline = self.pipeline(Shader::Matmul, "matmul_xwt", &[("W_F16", w.is_f16().into())])?;
         let uniform = self.uniform(&params);

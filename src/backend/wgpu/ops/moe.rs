@@ -127,6 +127,9 @@ impl GpuContext {
 
     /// The grouped expert matmul: for every slot `s` routed to expert `e`,
     /// `out[s] = x[s / in_div] @ w[e * n_out .. (e + 1) * n_out]^T`; `out [tokens * top_k, n_out]`.
+    /// A stacked `w` larger than one binding (a real MoE layer's `gate_up`) is bound
+    /// one row block at a time; each dispatch covers the experts its block holds rows
+    /// of, and an expert cut by a block edge gets its columns from both.
     fn matmul_routed(
         &self,
         x: &GpuTensor,
@@ -141,31 +144,37 @@ impl GpuContext {
         if out.is_empty() {
             return Ok(());
         }
-        let params = MatmulParams {
-            m: lists.tokens as u32,
-            n: n_out as u32,
-            k: x.cols as u32,
-            w_row0: 0,
-            in_div: in_div as u32,
-            y_stride: n_out as u32,
-            y_col0: 0,
-            _pad: 0,
-        };
         let pipeline = self.pipeline(Shader::Matmul, "matmul_routed", &[("W_F16", w.is_f16().into())])?;
-        let uniform = self.uniform(&params);
         let row_tiles = lists.tokens.div_ceil(MATMUL_TILE);
-        let what = || format!("MoE expert matmul grid ({num_experts} experts x {row_tiles} row tiles)");
-        let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), num_experts.saturating_mul(row_tiles), what)?;
         let op = "moe expert matmul";
-        let bindings = [
-            (0, &uniform),
-            (1, self.whole(x, op)?),
-            (2, self.whole_weight(w, op)?),
-            (3, self.whole(out, op)?),
-            (4, self.whole(&lists.counts, op)?),
-            (5, self.whole(&lists.slots, op)?),
-        ];
-        self.dispatch_xy("moe expert matmul", &pipeline, &bindings, groups)
+        for (row0, rows, block) in w.row_blocks() {
+            let experts = row0 / n_out..(row0 + rows).div_ceil(n_out);
+            let params = MatmulParams {
+                m: lists.tokens as u32,
+                n: n_out as u32,
+                k: x.cols as u32,
+                w_lo: row0 as u32,
+                w_hi: (row0 + rows) as u32,
+                e0: experts.start as u32,
+                in_div: in_div as u32,
+                y_stride: n_out as u32,
+                y_col0: 0,
+                _pad: [0; 3],
+            };
+            let what = || format!("MoE expert matmul grid ({} experts x {row_tiles} row tiles)", experts.len());
+            let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), experts.len().saturating_mul(row_tiles), what)?;
+            let uniform = self.uniform(&params);
+            let bindings = [
+                (0, &uniform),
+                (1, self.whole(x, op)?),
+                (2, block),
+                (3, self.whole(out, op)?),
+                (4, self.whole(&lists.counts, op)?),
+                (5, self.whole(&lists.slots, op)?),
+            ];
+            self.dispatch_xy(op, &pipeline, &bindings, groups)?;
+        }
+        Ok(())
     }
 
     /// `out[t] = sum_j weights[t, j] * expert_out[t * top_k + j]`.
