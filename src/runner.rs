@@ -392,32 +392,40 @@ fn run_step<B: Backend>(
     let emitting: Vec<usize> = (0..batch.seqs.len()).filter(|&i| batch.seqs[i].emits_output).collect();
     let last_rows: Vec<u32> =
         emitting.iter().map(|&i| (starts[i] + batch.seqs[i].token_ids.len() - 1) as u32).collect();
-    let last_logits = if last_rows.is_empty() {
-        Array2::zeros((0, thinker.config().vocab_size))
-    } else {
-        let selected = match &normed {
-            Some(n) => backend.gather_rows(n, &last_rows)?,
-            None => thinker.final_norm(backend, &backend.gather_rows(&x, &last_rows)?)?,
-        };
-        backend.download(&thinker.logits(backend, &selected)?)?
+    // Everything the step returns is read back with one download_all: one wait per step.
+    let last_logits = match (&normed, last_rows.is_empty()) {
+        (_, true) => None,
+        (Some(n), false) => Some(thinker.logits(backend, &backend.gather_rows(n, &last_rows)?)?),
+        (None, false) => Some(thinker.logits(backend, &thinker.final_norm(backend, &backend.gather_rows(&x, &last_rows)?)?)?),
     };
-
-    let mut outputs = Vec::with_capacity(emitting.len());
-    for (k, &i) in emitting.iter().enumerate() {
+    let mut hidden = Vec::with_capacity(emitting.len() * capture.points().len());
+    for &i in &emitting {
         let seq = &batch.seqs[i];
         let out_slots = seq.block_table.slots(seq.output_from..seq.seq_len);
-        let hidden = capture
-            .points()
-            .iter()
-            .enumerate()
-            .map(|(c, &name)| Ok((name, backend.download(&backend.gather_hidden(pages, c, &out_slots)?)?)))
-            .collect::<Result<Vec<_>>>()?;
-        outputs.push(SeqOutput { request: seq.request, hidden, last_logits: last_logits.row(k).to_vec() });
+        for c in 0..capture.points().len() {
+            hidden.push(backend.gather_hidden(pages, c, &out_slots)?);
+        }
     }
-    let all_logits = match (all_logits, &normed) {
-        (true, Some(n)) => Some(backend.download(&thinker.logits(backend, n)?)?),
+    let every_logit = match (all_logits, &normed) {
+        (true, Some(n)) => Some(thinker.logits(backend, n)?),
         _ => None,
     };
+    let reads: Vec<&B::Tensor> = last_logits.iter().chain(&hidden).chain(&every_logit).collect();
+    let mut host = backend.download_all(&reads)?.into_iter();
+    let last_logits = match last_logits {
+        Some(_) => host.next().unwrap_or_default(),
+        None => Array2::zeros((0, thinker.config().vocab_size)),
+    };
+    let outputs = emitting
+        .iter()
+        .enumerate()
+        .map(|(k, &i)| SeqOutput {
+            request: batch.seqs[i].request,
+            hidden: capture.points().iter().map(|&name| (name, host.next().unwrap_or_default())).collect(),
+            last_logits: last_logits.row(k).to_vec(),
+        })
+        .collect();
+    let all_logits = every_logit.and(host.next());
     Ok(StepResult { outputs, all_logits })
 }
 

@@ -592,6 +592,13 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     let split = gpu.upload(table.view()).unwrap();
     assert!(split.is_split(), "a 9600 B tensor must not fit one 4096 B binding");
     assert_eq!(gpu.download(&split).unwrap(), table, "download joins the row blocks");
+    // One wait for several tensors: split, empty and f16 ones come back in order.
+    let small = rand_matrix(&mut rng, 3, 5);
+    let half = HostWeight::F32(small.clone()).to_dtype(Dtype::F16);
+    let (empty, small_gpu) = (gpu.upload(Array2::zeros((0, 4)).view()).unwrap(), gpu.upload(small.view()).unwrap());
+    let half_gpu = gpu.upload_weight(half.clone()).unwrap();
+    let all = gpu.download_all(&[&small_gpu, &split, &empty, &half_gpu]).unwrap();
+    assert_eq!(all, vec![small, table.clone(), Array2::zeros((0, 4)), half.to_f32()], "download_all keeps order and shapes");
     // As a matmul weight: every block writes its own output columns.
     let x = rand_matrix(&mut rng, 5, 32);
     let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &split), |b| b.matmul_t(&x, &table.clone().into()));

@@ -248,6 +248,11 @@ pub trait Backend: Send + Sync {
     fn upload(&self, host: ArrayView2<'_, f32>) -> Result<Self::Tensor>;
     /// Copies a device matrix to the host (a GPU backend waits for pending work).
     fn download(&self, t: &Self::Tensor) -> Result<Array2<f32>>;
+    /// Copies several device matrices to the host, in order. A GPU backend waits once
+    /// for all of them (the runner reads a step's logits and hidden rows with one call).
+    fn download_all(&self, ts: &[&Self::Tensor]) -> Result<Vec<Array2<f32>>> {
+        ts.iter().map(|t| self.download(t)).collect()
+    }
     /// `[rows, cols]` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> [usize; 2];
 

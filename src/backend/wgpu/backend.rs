@@ -98,12 +98,22 @@ impl Backend for WgpuBackend {
     }
 
     fn download(&self, t: &GpuTensor) -> Result<Array2<f32>> {
-        let data = self.ctx.download(t)?;
-        Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| GpuError::Op {
-            adapter: self.ctx.adapter_name().to_string(),
-            op: "download",
-            message: e.to_string(),
-        }.into())
+        Ok(self.download_all(&[t])?.pop().unwrap_or_default())
+    }
+
+    /// One copy pass and one wait for all of `ts`.
+    fn download_all(&self, ts: &[&GpuTensor]) -> Result<Vec<Array2<f32>>> {
+        let data = self.ctx.download_all(ts)?;
+        ts.iter()
+            .zip(data)
+            .map(|(t, data)| {
+                Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| GpuError::Op {
+                    adapter: self.ctx.adapter_name().to_string(),
+                    op: "download",
+                    message: e.to_string(),
+                }.into())
+            })
+            .collect()
     }
 
     fn shape(&self, t: &GpuTensor) -> [usize; 2] {

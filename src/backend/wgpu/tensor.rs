@@ -234,13 +234,24 @@ impl GpuContext {
 
     /// Reads a tensor back to the host (waits for all queued work); f16 widened to f32.
     pub fn download(&self, tensor: &GpuTensor) -> Result<Vec<f32>> {
-        let mut data = Vec::with_capacity(tensor.len());
-        for (_, rows, buffer) in tensor.row_blocks() {
-            let len = rows * tensor.cols;
-            let bytes = self.read_buffer(buffer, (len * tensor.dtype.bytes()).next_multiple_of(4) as u64)?;
-            data.extend(widen(&bytes, tensor.dtype, len));
-        }
-        Ok(data)
+        Ok(self.download_all(&[tensor])?.pop().unwrap_or_default())
+    }
+
+    /// Reads several tensors back with one copy pass and one wait; f16 widened to f32.
+    pub fn download_all(&self, tensors: &[&GpuTensor]) -> Result<Vec<Vec<f32>>> {
+        let blocks: Vec<(&wgpu::Buffer, u64)> = tensors
+            .iter()
+            .flat_map(|t| t.row_blocks().map(|(_, rows, buffer)| (buffer, (rows * t.cols * t.dtype.bytes()).next_multiple_of(4) as u64)))
+            .collect();
+        let mut bytes = self.read_buffers(&blocks)?.into_iter();
+        let widened = tensors.iter().map(|t| {
+            let mut data = Vec::with_capacity(t.len());
+            for (_, rows, _) in t.row_blocks() {
+                data.extend(widen(&bytes.next().unwrap_or_default(), t.dtype, rows * t.cols));
+            }
+            data
+        });
+        Ok(widened.collect())
     }
 
     /// A storage buffer holding 4-byte elements (f32, u32, i32) from the host.
@@ -279,18 +290,29 @@ impl GpuContext {
 
     /// Copies the first `size` bytes of `buffer` to the host.
     pub(crate) fn read_buffer(&self, buffer: &wgpu::Buffer, size: u64) -> Result<Vec<u8>> {
-        if size == 0 {
-            return Ok(Vec::new());
+        Ok(self.read_buffers(&[(buffer, size)])?.pop().unwrap_or_default())
+    }
+
+    /// Copies the first `size` bytes (a multiple of 4) of each buffer to the host through
+    /// one staging buffer: one submission, one map, one wait for all of them.
+    pub(crate) fn read_buffers(&self, reads: &[(&wgpu::Buffer, u64)]) -> Result<Vec<Vec<u8>>> {
+        let total: u64 = reads.iter().map(|&(_, size)| size).sum();
+        if total == 0 {
+            return Ok(vec![Vec::new(); reads.len()]);
         }
         let staging = self.scoped("download", || {
             let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("staging"),
-                size,
+                size: total,
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             });
             let mut encoder = self.device.create_command_encoder(&Default::default());
-            encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
+            let mut offset = 0;
+            for &(buffer, size) in reads.iter().filter(|&&(_, size)| size > 0) {
+                encoder.copy_buffer_to_buffer(buffer, 0, &staging, offset, size);
+                offset += size;
+            }
             (staging, encoder.finish())
         })?;
         let (staging, copy) = staging;
@@ -304,7 +326,17 @@ impl GpuContext {
         let gpu_error = |message: String| Error::Gpu(GpuError::Op { adapter: self.adapter_name.clone(), op: "download", message });
         self.wait("download")?;
         receiver.recv().map_err(|e| gpu_error(e.to_string()))?.map_err(|e| gpu_error(e.to_string()))?;
-        let data = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?.to_vec();
+        let mapped = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?;
+        let mut offset = 0;
+        let data = reads
+            .iter()
+            .map(|&(_, size)| {
+                let range = offset as usize..(offset + size) as usize;
+                offset += size;
+                mapped[range].to_vec()
+            })
+            .collect();
+        drop(mapped);
         staging.unmap();
         Ok(data)
     }
