@@ -354,3 +354,25 @@ fn wgpu_f16_generates_what_transformers_generates() -> TestResult {
     }
     Ok(())
 }
+
+/// Decode on wgpu waits for the device once per step (the step's logits and hidden
+/// rows in one download), not once per layer or per capture: 12 tokens of the
+/// Omni thinker with every hidden state captured cost 12 waits. Its own device, so
+/// the other tests' downloads do not count.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_generation_waits_for_the_device_once_per_step() -> TestResult {
+    use omniprefix::backend::wgpu::{GpuContext, GpuOptions, WgpuBackend};
+    if gpu().is_none() {
+        return Ok(());
+    }
+    let gpu = Arc::new(WgpuBackend::from_context(Arc::new(GpuContext::new(&GpuOptions::default())?)));
+    let case = Case::open("omni_thinker", 3, "mm_prefix")?;
+    let config = EngineConfig { block_size: BLOCK_SIZE, capture: Some(all_points(3)), ..Default::default() };
+    let mut engine = Engine::from_dir_on(Arc::clone(&gpu), &model_dir("omni_thinker"), config)?;
+    let before = gpu.context().host_waits();
+    let generation = engine.generate(case.request(&[]), greedy(GEN_TOKENS))?;
+    assert_eq!(generation.tokens, case.hf_tokens);
+    assert_eq!(gpu.context().host_waits() - before, GEN_TOKENS as u64, "host waits for {GEN_TOKENS} steps");
+    Ok(())
+}

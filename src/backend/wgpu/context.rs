@@ -1,6 +1,7 @@
 //! Device setup: one adapter, one device with the adapter's own limits, and a
 //! pipeline cache. Everything that can fail here returns a typed [`Error`].
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::backend::Dtype;
@@ -71,6 +72,8 @@ pub struct GpuContext {
     pub(crate) f16_pairs: bool,
     /// Recorded ops not yet submitted (see [`GpuContext::submit`]).
     pending: Mutex<Vec<wgpu::CommandBuffer>>,
+    /// Times the host has waited for the device ([`GpuContext::host_waits`]).
+    host_waits: AtomicU64,
 }
 
 /// Ops recorded per queue submission: one submit per op costs more than the op on
@@ -130,6 +133,7 @@ impl GpuContext {
             pipelines: PipelineCache::default(),
             f16_pairs,
             pending: Mutex::default(),
+            host_waits: AtomicU64::new(0),
         })
     }
 
@@ -179,6 +183,17 @@ impl GpuContext {
         if pending.len() >= OPS_PER_SUBMIT {
             self.queue.submit(pending.drain(..));
         }
+    }
+
+    /// How many times the host has waited for the device (downloads, synchronize):
+    /// a decode step should cost one, however many layers the model has.
+    pub fn host_waits(&self) -> u64 {
+        self.host_waits.load(Ordering::Relaxed)
+    }
+
+    /// Counts one host wait.
+    pub(crate) fn count_host_wait(&self) {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Submits every queued op.

@@ -348,6 +348,7 @@ impl GpuContext {
 
     fn wait(&self, op: &'static str) -> Result<()> {
         self.flush();
+        self.count_host_wait();
         match self.device.poll(wgpu::PollType::wait_indefinitely()) {
             Ok(_) => Ok(()),
             Err(e) => Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into()),
