@@ -22,23 +22,30 @@ export OMNIPREFIX_ATTN_BENCH_SCALE="${OMNIPREFIX_ATTN_BENCH_SCALE:-16}"
 # A clean CI build gains nothing from incremental caches, and they double the disk it needs.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 echo "disk free before the build: $(df -h . | awk 'NR==2 {print $4}')"
+# Each phase prints its wall time, so a slow CI says where its minutes went.
+phase() {
+  local start=$SECONDS
+  "$@"
+  echo "[phase] $(( SECONDS - start )) s: $*"
+}
 
 # The engine alone: without default features the library builds with none of the GPU or
 # CLI crates (wgpu, naga, clap, indicatif, criterion) in its normal dependency tree.
-cargo check -p omniprefix --no-default-features --all-targets --quiet
+phase cargo check -p omniprefix --no-default-features --all-targets --quiet
 if cargo tree -p omniprefix --no-default-features -e normal --prefix none | grep -E '^(wgpu|naga|clap|indicatif|criterion) '; then
   echo "the engine without default features pulls in the crates above" >&2
   exit 1
 fi
 
 # Root default members: the engine (`omniprefix`) and its harnesses (`omniprefix-cli`).
-cargo test --all-targets "$@"
-cargo test --doc "$@"
+phase cargo test --all-targets --no-run "$@"
+phase cargo test --all-targets "$@"
+phase cargo test --doc "$@"
 # Broken intra-doc links fail the build, so the API docs stay navigable.
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" phase cargo doc --no-deps --quiet
 
 # The Python package: pip install ./python in a fresh venv, then its pytest suite.
-bash scripts/test_python.sh
+phase bash scripts/test_python.sh
 
 # The demo (--quick) and the notebooks, on a small report, so neither can rot.
-bash scripts/ci_notebooks.sh
+phase bash scripts/ci_notebooks.sh
