@@ -13,6 +13,8 @@
 # --quick: the tiny fixture for TTFT and decode, no serve and no attention bench (≤ 1 min on
 # lavapipe); the full run (≤ 8 min on a GPU) uses the embedded bench model.
 # OMNIPREFIX_BIN: a built binary to use (default: cargo build --release, then target/release).
+# OMNIPREFIX_ATTN_BENCH: a built attention bench executable (default: cargo bench). With both
+# set the script needs no Rust toolchain: scripts/gpu_bundle.sh builds them for a GPU machine.
 set -euo pipefail
 
 quick=0
@@ -83,24 +85,19 @@ for dt in f32 f16; do
 done
 
 if [[ $quick -eq 0 ]]; then
-    # Criterion's medians of wgpu decode (K/V bytes read) and copy_kv (bytes read + written).
+    # Criterion's medians of wgpu decode (K/V bytes read) and copy_kv (bytes read + written),
+    # from a prebuilt bench executable (OMNIPREFIX_ATTN_BENCH) or cargo bench.
     t0=$(date +%s.%N)
-    cargo bench --bench attention -- --warm-up-time 1 --measurement-time 3 'wgpu/(decode|copy_kv)' >&2
-    criterion="${CARGO_TARGET_DIR:-$root/target}/criterion"
-    for group in "$criterion"/attention_*; do
-        shape=${group##*/attention_}
-        python3 - "$group" "$shape" >>"$out/attention.jsonl" <<'EOF'
-import json, pathlib, sys
-group, shape = pathlib.Path(sys.argv[1]), sys.argv[2]
-def rate(case):
-    (d,) = [p for p in group.iterdir() if p.name.startswith("wgpu") and case in p.name]
-    seconds = json.loads((d / "new/estimates.json").read_text())["median"]["point_estimate"] / 1e9
-    return json.loads((d / "new/benchmark.json").read_text())["throughput"]["Bytes"] / seconds
-decode, copy = rate("decode"), rate("copy_kv")
-print(json.dumps({"kind": "attention", "shape": shape, "decode_bytes_per_s": decode,
-                  "copy_kv_bytes_per_s": copy, "decode_bandwidth_fraction": decode / copy}))
-EOF
-    done
+    criterion=${CRITERION_HOME:-${CARGO_TARGET_DIR:-$root/target}/criterion}
+    # Groups of an earlier run (another OMNIPREFIX_ATTN_BENCH_SCALE) would be read as this run's.
+    rm -rf "$criterion"/attention_*
+    args=(--warm-up-time 1 --measurement-time 3 'wgpu/(decode|copy_kv)')
+    if [[ -n "${OMNIPREFIX_ATTN_BENCH:-}" ]]; then
+        CRITERION_HOME="$criterion" "$OMNIPREFIX_ATTN_BENCH" --bench "${args[@]}" >&2
+    else
+        cargo bench --bench attention -- "${args[@]}" >&2
+    fi
+    python3 scripts/attention_fraction.py "$criterion" >>"$out/attention.jsonl"
     t1=$(date +%s.%N)
     timing attention "$t0" "$t1"
 fi

@@ -60,3 +60,39 @@ fn gpu_bench_quick_writes_every_json_line() -> TestResult {
     std::fs::remove_dir_all(&out)?;
     Ok(())
 }
+
+/// Writes criterion's two files for one benchmark: its median (ns) and declared bytes.
+fn fake_criterion_bench(dir: &Path, median_ns: f64, bytes: u64) -> TestResult {
+    std::fs::create_dir_all(dir.join("new"))?;
+    std::fs::write(dir.join("new/estimates.json"), format!(r#"{{"median": {{"point_estimate": {median_ns}}}}}"#))?;
+    std::fs::write(dir.join("new/benchmark.json"), format!(r#"{{"throughput": {{"Bytes": {bytes}}}}}"#))?;
+    Ok(())
+}
+
+/// The full run's attention step (no GPU needed): `scripts/attention_fraction.py` reads
+/// criterion's medians of wgpu `decode` and `copy_kv` per shape, ignores the CPU's, and
+/// fails naming the group when a case is missing.
+#[test]
+fn attention_fraction_reads_criterion_medians() -> TestResult {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dir = std::env::temp_dir().join(format!("omniprefix-criterion-{}", std::process::id()));
+    let group = dir.join("attention_128+16");
+    // decode: 1 MB in 1 ms = 1e9 B/s; copy: 4 MB in 1 ms = 4e9 B/s.
+    fake_criterion_bench(&group.join("wgpu_decode_128+16"), 1e6, 1_000_000)?;
+    fake_criterion_bench(&group.join("wgpu_copy_kv_128+16"), 1e6, 4_000_000)?;
+    fake_criterion_bench(&group.join("cpu_decode_128+16"), 1.0, 1_000_000)?;
+    let run = |dir: &Path| Command::new("python3").arg(root.join("scripts/attention_fraction.py")).arg(dir).output();
+    let out = run(&dir)?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let line: Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(line["shape"], "128+16");
+    assert_eq!(line["decode_bytes_per_s"].as_f64(), Some(1e9));
+    assert_eq!(line["decode_bandwidth_fraction"].as_f64(), Some(0.25));
+
+    std::fs::remove_dir_all(group.join("wgpu_copy_kv_128+16"))?;
+    let out = run(&dir)?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected one wgpu copy_kv benchmark"), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
