@@ -105,10 +105,10 @@ mod limits {
             matches!(&err, Error::Gpu(GpuError::Limit { adapter, limit: "max_storage_buffers_per_shader_stage", required: 7, available: 4 }) if adapter == "tiny adapter"),
             "{err}"
         );
-        let limits = wgpu::Limits { max_compute_workgroup_storage_size: 8192, ..Default::default() };
+        let limits = wgpu::Limits { max_compute_workgroup_storage_size: 12 * 1024, ..Default::default() };
         let err = check_limits("a", &limits).unwrap_err();
         assert!(
-            matches!(err, Error::Gpu(GpuError::Limit { limit: "max_compute_workgroup_storage_size", required: 10240, .. })),
+            matches!(err, Error::Gpu(GpuError::Limit { limit: "max_compute_workgroup_storage_size", required: 16384, .. })),
             "{err}"
         );
         assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());
