@@ -139,9 +139,13 @@ fn score_tile(lid: u32, n_q: u32, visible0: u32, t0: u32) {
         let i = e / KT;
         let t = e % KT;
         if (i < n_q && t0 + t < visible0 + i) {
+            // Each key's dot product starts at its own dim, so neighbouring invocations
+            // (neighbouring keys, rows HEAD_DIM apart) read different banks of kvt_sh.
             var dot = 0.0;
-            for (var d = 0u; d < HEAD_DIM; d++) {
+            var d = t % HEAD_DIM;
+            for (var n = 0u; n < HEAD_DIM; n++) {
                 dot += qt_sh[i * HEAD_DIM + d] * kvt_sh[t * HEAD_DIM + d];
+                d = select(d + 1u, 0u, d + 1u == HEAD_DIM);
             }
             st_sh[e] = dot;
         }
