@@ -13,7 +13,8 @@ use crate::Result;
 use crate::error::{BackendError, GpuError};
 
 const OP: &str = "paged_attention";
-/// Head dims up to this are supported (the kernels keep 4 dims per invocation of 64).
+/// Head dims up to this are supported (decode keeps 4 dims per invocation of 64; prefill
+/// tiles shrink to fit, see [`prefill_tiles`]).
 pub const MAX_HEAD_DIM: usize = 256;
 /// Query heads per KV head up to this are supported (decode keeps a group in one workgroup).
 pub const MAX_GQA_GROUP: usize = 8;
