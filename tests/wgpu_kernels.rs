@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::backend::wgpu::WgpuBackend;
+use omniprefix::backend::wgpu::{WgpuBackend, prefill_tiles};
 use omniprefix::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec, Dtype};
 use omniprefix::index::BlockId;
 use omniprefix::{Error, Result};
@@ -225,6 +225,86 @@ fn long_contexts_span_several_key_tiles_in_both_kernels() {
     let kv = s.gpu_pages.layer("test", 0).unwrap();
     let prefill = gpu.context().paged_prefill_attention(&q, kv, heads, &seqs).unwrap();
     assert_close("long contexts, prefill kernel", &gpu.download(&prefill).unwrap(), &want);
+}
+
+/// Lens that put the prefill kernel's tile edges (TQ query rows, KT keys) where bugs
+/// hide: num_new below, equal to and above TQ (several query tiles, the last partial),
+/// prefixes on a K tile edge and mid tile, rows straddling a K tile edge, a decode row.
+fn tile_edge_lens(rng: &mut ChaCha8Rng, (tq, kt): (usize, usize)) -> Vec<(usize, usize)> {
+    let mut lens = vec![
+        (kt, tq),                                                                // equal, prefix on an edge
+        (kt + rng.random_range(1..kt.max(2)), 2 * tq + rng.random_range(1..tq)), // above, last tile partial
+        (rng.random_range(0..kt), tq - 1),                                       // below
+        (kt - 1, tq + 1),                                                        // row 0 sees exactly KT keys
+        (rng.random_range(1..2 * kt), 1),                                        // decode row
+    ];
+    lens.shuffle(rng);
+    lens
+}
+
+/// `lens` through the prefill kernel alone and through the routed kernels, against the CPU.
+fn prefill_matches_cpu(
+    gpu: &WgpuBackend,
+    rng: &mut ChaCha8Rng,
+    spec: PagesSpec,
+    heads: AttnHeads,
+    lens: &[(usize, usize)],
+    what: &str,
+) {
+    let s = setup_attention(gpu, rng, spec, heads, 0, lens);
+    let seqs = attn_seqs(&s.seqs);
+    let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
+    let q = gpu.upload(s.q.view()).unwrap();
+    let kv = s.gpu_pages.layer("test", 0).unwrap();
+    let prefill = gpu.context().paged_prefill_attention(&q, kv, heads, &seqs).unwrap();
+    assert_close(&format!("{what}, prefill kernel"), &gpu.download(&prefill).unwrap(), &want);
+    let routed = gpu.paged_attention(&q, &s.gpu_pages, 0, heads, &seqs).unwrap();
+    assert_close(&format!("{what}, routed"), &gpu.download(&routed).unwrap(), &want);
+}
+
+/// The tiled prefill kernel on random batches at its tile edges: head dims with every
+/// tile shape (8 and 12: TQ 16 / KT 64; 24; 40: KT 51; 128: 8 / 16; 256: 4 / 8; then
+/// random 1..=256), GQA 1/2/4, f32 and f16 pages, odd block sizes.
+#[test]
+fn tiled_prefill_matches_cpu_at_tile_edges_for_every_head_dim() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let head_dims = [8, 24, 40, 128, 256, 12];
+    for case in 0..cases() {
+        let head_dim = head_dims.get(case as usize).copied().unwrap_or_else(|| rng.random_range(1..=256));
+        let group = [1, 2, 4][case as usize % 3];
+        let kv_dtype = [Dtype::F32, Dtype::F16][case as usize % 2];
+        // f16 pages hold whole pairs: an odd head_dim needs an even number of KV heads.
+        let kv_heads = if kv_dtype == Dtype::F16 && head_dim % 2 == 1 { 2 } else { rng.random_range(1..3) };
+        let block_size = [4, 5, 16][rng.random_range(0..3)];
+        let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
+        let tiles = prefill_tiles(head_dim);
+        let lens = tile_edge_lens(&mut rng, tiles);
+        let num_blocks = lens.iter().map(|&(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 3;
+        let spec = PagesSpec { num_layers: 1, num_blocks, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype };
+        let what = format!("case {case} {kv_dtype} {heads:?} tiles {tiles:?} block {block_size} lens {lens:?}");
+        prefill_matches_cpu(&gpu, &mut rng, spec, heads, &lens, &what);
+    }
+}
+
+/// The tiled prefill kernel reads K/V tiles whose keys lie in both chunks of a pool
+/// split over two bindings, f32 and f16 pages.
+#[test]
+fn tiled_prefill_reads_tiles_across_pool_chunks() {
+    let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(18);
+    let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
+    let tiles = prefill_tiles(8);
+    for (kv_dtype, elem_bytes) in [(Dtype::F32, 4), (Dtype::F16, 2)] {
+        // Blocks of 4 slots x 8 dims: two chunks' worth under the small binding.
+        let num_blocks = 2 * SMALL_BINDING as usize / (4 * 8 * elem_bytes);
+        let spec = PagesSpec { num_layers: 1, num_blocks, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype };
+        // q and out must fit the small binding too: at most 64 rows of 16 f32.
+        let lens = [(tiles.1, tiles.0), (tiles.1 + 6, tiles.0 + 1), (0, tiles.0 - 1), (13, 1)];
+        let pages = gpu.alloc_pages(spec).unwrap();
+        assert_eq!(pages.layer("test", 0).unwrap().k.num_chunks(), 2, "K pool must be split");
+        prefill_matches_cpu(&gpu, &mut rng, spec, heads, &lens, &format!("split {kv_dtype} pool, tiles {tiles:?}"));
+    }
 }
 
 #[test]

@@ -90,11 +90,50 @@ fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
     }
 }
 
+/// Bytes of the workgroup variables entry point `ep` uses (naga writes only those into
+/// its pipeline, as drivers count them).
+fn workgroup_bytes(module: &naga::Module, info: &ModuleInfo, ep: usize) -> u32 {
+    module
+        .global_variables
+        .iter()
+        .filter(|&(handle, var)| var.space == naga::AddressSpace::WorkGroup && !info.get_entry_point(ep)[handle].is_empty())
+        .map(|(_, var)| module.types[var.ty].inner.size(module.to_ctx()))
+        .sum()
+}
+
+#[test]
+fn every_entry_point_fits_the_webgpu_default_workgroup_memory() {
+    let limit = wgpu::Limits::default().max_compute_workgroup_storage_size;
+    for path in shader_files() {
+        let (module, info) = validated(&path, PRELUDES[0]);
+        for (ep, entry) in module.entry_points.iter().enumerate() {
+            let bytes = workgroup_bytes(&module, &info, ep);
+            assert!(bytes <= limit, "{} {}: {bytes} B of workgroup memory > {limit}", path.display(), entry.name);
+        }
+    }
+}
+
 /// Limit and size checks that need no device.
 mod limits {
     use omniprefix::error::GpuError;
     use omniprefix::Error;
-    use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool};
+    use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool, prefill_tiles};
+
+    /// The prefill kernel's tiles fit its workgroup arrays (queries 1024 f32, a K/V tile
+    /// 2048, scores 1024) and its 64 invocations (16 accumulated dims each at most).
+    #[test]
+    fn prefill_tiles_fit_the_kernels_workgroup_arrays() {
+        assert_eq!(prefill_tiles(64), (16, 32));
+        assert_eq!(prefill_tiles(128), (8, 16));
+        assert_eq!(prefill_tiles(256), (4, 8));
+        assert_eq!(prefill_tiles(40), (16, 51));
+        for head_dim in 1..=256 {
+            let (tq, kt) = prefill_tiles(head_dim);
+            assert!(tq.is_power_of_two() && tq <= 16 && kt >= 1, "head_dim {head_dim}: {tq} x {kt}");
+            assert!(tq * head_dim <= 1024 && kt * head_dim <= 2048 && tq * kt <= 1024, "head_dim {head_dim}");
+            assert!((head_dim * tq).div_ceil(64) <= 16, "head_dim {head_dim}: dims per invocation");
+        }
+    }
 
     #[test]
     fn adapter_below_kernel_limits_is_named() {
@@ -105,10 +144,10 @@ mod limits {
             matches!(&err, Error::Gpu(GpuError::Limit { adapter, limit: "max_storage_buffers_per_shader_stage", required: 7, available: 4 }) if adapter == "tiny adapter"),
             "{err}"
         );
-        let limits = wgpu::Limits { max_compute_workgroup_storage_size: 8192, ..Default::default() };
+        let limits = wgpu::Limits { max_compute_workgroup_storage_size: 12 * 1024, ..Default::default() };
         let err = check_limits("a", &limits).unwrap_err();
         assert!(
-            matches!(err, Error::Gpu(GpuError::Limit { limit: "max_compute_workgroup_storage_size", required: 10240, .. })),
+            matches!(err, Error::Gpu(GpuError::Limit { limit: "max_compute_workgroup_storage_size", required: 16384, .. })),
             "{err}"
         );
         assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());

@@ -1,16 +1,21 @@
 // Paged attention over KV pages `[num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]`.
 //
 // Every query row reads its keys through its sequence's block table: the cached prefix
-// and the suffix written this step alike. Rows are described in `row_info` (u32 triples):
+// and the suffix written this step alike. `q` / `out` are `[rows, NUM_HEADS * HEAD_DIM]`.
+// The decode entry points describe rows in `row_info` as u32 triples
 //   [q_row, visible, table_offset]
-// `q_row` indexes `q` / `out` (`[rows, NUM_HEADS * HEAD_DIM]`), `visible` is how many
-// keys the row attends to (causal with offset: num_computed + i + 1 for new row i),
-// and `row_info[table_offset..]` is the sequence's block table. A pool bigger than one
+// where `visible` is how many keys the row attends to (causal with offset:
+// num_computed + i + 1 for new row i); the prefill entry point describes query tiles
+// (up to TQ consecutive new rows of one sequence) as u32 quads
+//   [q_row0, n_q, visible0, table_offset]
+// where row i < n_q of the tile is q row q_row0 + i and sees visible0 + i keys. Either
+// way `row_info[table_offset..]` is the sequence's block table. A pool bigger than one
 // storage binding is split into two chunks of `blocks_per_chunk` whole blocks.
 //
 // Entry points:
-//   paged_prefill_attention: one workgroup per (row, query head); online softmax over
-//     tiles of WG keys.
+//   paged_prefill_attention: one workgroup per (query tile, query head); the tile's
+//     queries are loaded once, then K and V tiles of KT keys go through workgroup memory
+//     (16 KiB in all) with an online softmax per query row.
 //   paged_decode_partial: one workgroup per (row, kv head, split); all query heads of the
 //     GQA group share each K/V element read; writes partial (max, sum, acc) per split.
 //   paged_decode_reduce: merges the splits of each (row, head).
@@ -23,12 +28,18 @@ override NUM_HEADS: u32 = 1u;
 override NUM_KV_HEADS: u32 = 1u;
 override BLOCK_SIZE: u32 = 16u;
 override KV_F16: bool = false;
+// Prefill tile sizes, set by the host for HEAD_DIM (ops/attention.rs, prefill_tiles):
+// TQ a power of two <= min(16, 1024 / HEAD_DIM), KT <= min(64, 2048 / HEAD_DIM).
+override TQ: u32 = 16u;
+override KT: u32 = 32u;
 
 const WG: u32 = 64u;
 const MAX_HEAD_DIM: u32 = 256u;
 const DIMS_PER_THREAD: u32 = 4u; // MAX_HEAD_DIM / WG
 const MAX_GROUP: u32 = 8u;
 const NEG_BIG: f32 = -3.0e38;
+// Head dims one prefill invocation accumulates: TQ * HEAD_DIM / WG <= 1024 / 64.
+const ACC_PER_THREAD: u32 = 16u;
 
 struct AttnParams {
     n_rows: u32,
@@ -54,6 +65,10 @@ struct AttnParams {
 
 var<workgroup> q_sh: array<f32, 2048>; // MAX_GROUP * MAX_HEAD_DIM
 var<workgroup> s_sh: array<f32, 512>;  // MAX_GROUP * WG
+// Prefill tiles, 16 KiB in all: queries, one K or V tile, scores.
+var<workgroup> qt_sh: array<f32, 1024>;  // TQ * HEAD_DIM
+var<workgroup> kvt_sh: array<f32, 2048>; // KT * HEAD_DIM
+var<workgroup> st_sh: array<f32, 1024>;  // TQ * KT
 
 // (chunk, element offset in chunk) of key j's row for kv head `kvh`.
 fn kv_at(table_offset: u32, j: u32, kvh: u32) -> vec2<u32> {
@@ -92,6 +107,55 @@ fn load_v(at: vec2<u32>, d: u32) -> f32 {
     return page_elem(v1[word_of(i)], i);
 }
 
+// Loads the tile's query rows into qt_sh, pre-scaled by 1/sqrt(HEAD_DIM); rows past
+// n_q are zero.
+fn load_q_tile(lid: u32, q_row0: u32, n_q: u32, h: u32) {
+    for (var e = lid; e < TQ * HEAD_DIM; e += WG) {
+        let i = e / HEAD_DIM;
+        var x = 0.0;
+        if (i < n_q) {
+            x = q[((q_row0 + i) * NUM_HEADS + h) * HEAD_DIM + e % HEAD_DIM] * p.scale;
+        }
+        qt_sh[e] = x;
+    }
+}
+
+// Loads keys t0..t0 + n_t of kv head `kvh` into kvt_sh (`[n_t, HEAD_DIM]`): K or V pages.
+fn load_kv_tile(lid: u32, table: u32, t0: u32, n_t: u32, kvh: u32, is_v: bool) {
+    for (var e = lid; e < n_t * HEAD_DIM; e += WG) {
+        let at = kv_at(table, t0 + e / HEAD_DIM, kvh);
+        if (is_v) {
+            kvt_sh[e] = load_v(at, e % HEAD_DIM);
+        } else {
+            kvt_sh[e] = load_k(at, e % HEAD_DIM);
+        }
+    }
+}
+
+// Scores of query row i against the keys in kvt_sh it may see (causal: key t0 + t is
+// visible to row i while t0 + t < visible0 + i), into st_sh (`[TQ, KT]`).
+fn score_tile(lid: u32, n_q: u32, visible0: u32, t0: u32) {
+    for (var e = lid; e < TQ * KT; e += WG) {
+        let i = e / KT;
+        let t = e % KT;
+        if (i < n_q && t0 + t < visible0 + i) {
+            // Each key's dot product starts at its own dim, so neighbouring invocations
+            // (neighbouring keys, rows HEAD_DIM apart) read different banks of kvt_sh.
+            var dot = 0.0;
+            var d = t % HEAD_DIM;
+            for (var n = 0u; n < HEAD_DIM; n++) {
+                dot += qt_sh[i * HEAD_DIM + d] * kvt_sh[t * HEAD_DIM + d];
+                d = select(d + 1u, 0u, d + 1u == HEAD_DIM);
+            }
+            st_sh[e] = dot;
+        }
+    }
+}
+
+// Query tiles (FlashAttention-2 style): one workgroup per (tile, query head). The tile's
+// queries stay in workgroup memory while K/V tiles of KT keys stream through it; each
+// invocation owns one query row and every (WG / TQ)-th head dim of it, with its own
+// running max m and sum l (the lanes of a row compute the same m and l).
 @compute @workgroup_size(WG)
 fn paged_prefill_attention(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -100,65 +164,66 @@ fn paged_prefill_attention(
 ) {
     let flat = wid.x + wid.y * nwg.x;
     let h = flat % NUM_HEADS;
-    let r = flat / NUM_HEADS;
-    if (r >= p.n_rows) {
+    let tile = flat / NUM_HEADS;
+    if (tile >= p.n_rows) {
         return;
     }
-    let q_row = row_info[3u * r];
-    let visible = row_info[3u * r + 1u];
-    let table = row_info[3u * r + 2u];
+    let q_row0 = row_info[4u * tile];
+    let n_q = row_info[4u * tile + 1u];
+    let visible0 = row_info[4u * tile + 2u];
+    let table = row_info[4u * tile + 3u];
     let kvh = h / (NUM_HEADS / NUM_KV_HEADS);
-    let q_base = (q_row * NUM_HEADS + h) * HEAD_DIM;
-    for (var d = lid; d < HEAD_DIM; d += WG) {
-        q_sh[d] = q[q_base + d];
-    }
-    workgroupBarrier();
+    let lanes = WG / TQ;
+    let i = lid / lanes;
+    let lane = lid % lanes;
+    // Keys row i sees; the tile's last row sees the most.
+    let visible = visible0 + i;
+    let keys = visible0 + n_q - 1u;
+    load_q_tile(lid, q_row0, n_q, h);
 
     var m = NEG_BIG;
     var l = 0.0;
-    var acc: array<f32, DIMS_PER_THREAD>;
-    for (var t0 = 0u; t0 < visible; t0 += WG) {
-        let j = t0 + lid;
-        var s = NEG_BIG;
-        if (j < visible) {
-            let at = kv_at(table, j, kvh);
-            var dot = 0.0;
-            for (var d = 0u; d < HEAD_DIM; d++) {
-                dot += q_sh[d] * load_k(at, d);
-            }
-            s = dot * p.scale;
-        }
-        s_sh[lid] = s;
+    var acc: array<f32, ACC_PER_THREAD>;
+    for (var t0 = 0u; t0 < keys; t0 += KT) {
+        let n_t = min(KT, keys - t0);
+        load_kv_tile(lid, table, t0, n_t, kvh, false);
+        workgroupBarrier();
+        score_tile(lid, n_q, visible0, t0);
+        workgroupBarrier();
+        load_kv_tile(lid, table, t0, n_t, kvh, true);
         workgroupBarrier();
 
-        let n_t = min(WG, visible - t0);
+        // Online softmax over the keys of this tile row i sees (none for rows past n_q).
+        let n_vis = select(0u, min(n_t, visible - min(visible, t0)), i < n_q);
         var m_new = m;
-        for (var t = 0u; t < n_t; t++) {
-            m_new = max(m_new, s_sh[t]);
+        for (var t = 0u; t < n_vis; t++) {
+            m_new = max(m_new, st_sh[i * KT + t]);
         }
         let corr = exp(m - m_new);
         l *= corr;
-        for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-            acc[i] *= corr;
+        for (var k = 0u; k < ACC_PER_THREAD; k++) {
+            acc[k] *= corr;
         }
-        for (var t = 0u; t < n_t; t++) {
-            let pr = exp(s_sh[t] - m_new);
+        for (var t = 0u; t < n_vis; t++) {
+            let pr = exp(st_sh[i * KT + t] - m_new);
             l += pr;
-            let at = kv_at(table, t0 + t, kvh);
-            for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-                let d = lid + i * WG;
+            for (var k = 0u; k < ACC_PER_THREAD; k++) {
+                let d = lane + k * lanes;
                 if (d < HEAD_DIM) {
-                    acc[i] += pr * load_v(at, d);
+                    acc[k] += pr * kvt_sh[t * HEAD_DIM + d];
                 }
             }
         }
         m = m_new;
         workgroupBarrier();
     }
-    for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-        let d = lid + i * WG;
-        if (d < HEAD_DIM) {
-            out[q_base + d] = acc[i] / l;
+    if (i < n_q) {
+        let out_base = ((q_row0 + i) * NUM_HEADS + h) * HEAD_DIM;
+        for (var k = 0u; k < ACC_PER_THREAD; k++) {
+            let d = lane + k * lanes;
+            if (d < HEAD_DIM) {
+                out[out_base + d] = acc[k] / l;
+            }
         }
     }
 }

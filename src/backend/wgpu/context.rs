@@ -30,8 +30,8 @@ type LimitOf = fn(&wgpu::Limits) -> u64;
 const REQUIRED_LIMITS: &[(&str, LimitOf, u64)] = &[
     // paged attention binds q, row info, two K chunks, two V chunks and an output
     ("max_storage_buffers_per_shader_stage", |l| l.max_storage_buffers_per_shader_stage.into(), 7),
-    // decode attention keeps a GQA group's queries (8 x 256 f32) and scores (8 x 64 f32)
-    ("max_compute_workgroup_storage_size", |l| l.max_compute_workgroup_storage_size.into(), 10 * 1024),
+    // prefill attention keeps a query tile (1024 f32), a K/V tile (2048) and scores (1024)
+    ("max_compute_workgroup_storage_size", |l| l.max_compute_workgroup_storage_size.into(), 16 * 1024),
     ("max_compute_invocations_per_workgroup", |l| l.max_compute_invocations_per_workgroup.into(), 256),
     ("max_compute_workgroup_size_x", |l| l.max_compute_workgroup_size_x.into(), 256),
     ("max_compute_workgroup_size_y", |l| l.max_compute_workgroup_size_y.into(), 16),

@@ -1,5 +1,6 @@
-//! Paged attention: prefill (any number of new rows per sequence) and decode (one
-//! row per sequence, GQA groups sharing K/V reads, split-KV with a reduce pass).
+//! Paged attention: prefill (any number of new rows per sequence, in query tiles of up
+//! to TQ rows that share each K/V tile read into workgroup memory) and decode (one row
+//! per sequence, GQA groups sharing K/V reads, split-KV with a reduce pass).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -12,7 +13,8 @@ use crate::Result;
 use crate::error::{BackendError, GpuError};
 
 const OP: &str = "paged_attention";
-/// Head dims up to this are supported (the kernels keep 4 dims per invocation of 64).
+/// Head dims up to this are supported (decode keeps 4 dims per invocation of 64; prefill
+/// tiles shrink to fit, see [`prefill_tiles`]).
 pub const MAX_HEAD_DIM: usize = 256;
 /// Query heads per KV head up to this are supported (decode keeps a group in one workgroup).
 pub const MAX_GQA_GROUP: usize = 8;
@@ -20,6 +22,14 @@ pub const MAX_GQA_GROUP: usize = 8;
 const DECODE_SPLIT_KEYS: usize = 512;
 /// Most splits per (sequence, KV head).
 const MAX_DECODE_SPLITS: usize = 64;
+/// Floats of the prefill kernel's query tile, K/V tile and score tile (`qt_sh`, `kvt_sh`,
+/// `st_sh` in the shader): 16 KiB of workgroup memory, the WebGPU default.
+const PREFILL_Q_TILE: usize = 1024;
+const PREFILL_KV_TILE: usize = 2048;
+const PREFILL_SCORE_TILE: usize = 1024;
+/// Most query rows and keys per prefill tile.
+const MAX_TILE_ROWS: usize = 16;
+const MAX_TILE_KEYS: usize = 64;
 
 #[repr(C)]
 #[derive(Clone, Copy, Pod, Zeroable)]
@@ -101,7 +111,7 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
     Ok(())
 }
 
-/// The kernels' row descriptions: `[q_row, visible, table_offset]` per row, then the
+/// The decode kernels' row descriptions: `[q_row, visible, table_offset]` per row, then the
 /// block tables (only the blocks each sequence needs).
 fn row_info(seqs: &[&AttnSeq<'_>], block_size: usize) -> Vec<u32> {
     let n_rows: usize = seqs.iter().map(|s| s.num_new).sum();
@@ -117,6 +127,37 @@ fn row_info(seqs: &[&AttnSeq<'_>], block_size: usize) -> Vec<u32> {
     }
     rows.extend(tables);
     rows
+}
+
+/// The prefill kernel's tile sizes for `head_dim` (1..=256): TQ query rows (a power of
+/// two, so its 64 invocations split evenly over the rows) and KT keys, as large as the
+/// kernel's workgroup tiles allow.
+pub fn prefill_tiles(head_dim: usize) -> (usize, usize) {
+    let tq = 1 << (PREFILL_Q_TILE / head_dim).min(MAX_TILE_ROWS).ilog2();
+    let kt = (PREFILL_KV_TILE / head_dim).min(MAX_TILE_KEYS);
+    debug_assert!(tq * kt <= PREFILL_SCORE_TILE, "scores of a tile fit st_sh");
+    (tq, kt)
+}
+
+/// The prefill kernel's query tiles: `[q_row0, n_q, visible0, table_offset]` per tile of
+/// up to `tq` consecutive new rows of one sequence (row i of a tile sees visible0 + i
+/// keys), then the block tables (only the blocks each sequence needs). Also the count.
+fn tile_info(seqs: &[&AttnSeq<'_>], block_size: usize, tq: usize) -> (Vec<u32>, usize) {
+    let n_tiles: usize = seqs.iter().map(|s| s.num_new.div_ceil(tq)).sum();
+    let mut tiles = Vec::with_capacity(4 * n_tiles);
+    let mut tables = Vec::new();
+    for seq in seqs {
+        let table_offset = (4 * n_tiles + tables.len()) as u32;
+        let len = seq.num_computed + seq.num_new;
+        tables.extend_from_slice(&seq.block_table[..len.div_ceil(block_size)]);
+        for row0 in (0..seq.num_new).step_by(tq) {
+            let n_q = tq.min(seq.num_new - row0);
+            let visible0 = seq.num_computed + row0 + 1;
+            tiles.extend([(seq.query_start + row0) as u32, n_q as u32, visible0 as u32, table_offset]);
+        }
+    }
+    tiles.extend(tables);
+    (tiles, n_tiles)
 }
 
 impl GpuContext {
@@ -138,7 +179,8 @@ impl GpuContext {
         Ok(out)
     }
 
-    /// Attention with the prefill kernel for every sequence (one workgroup per row and head).
+    /// Attention with the prefill kernel for every sequence (one workgroup per query tile
+    /// and head; sequences with one new row get a tile of one row).
     pub fn paged_prefill_attention(
         &self,
         q: &GpuTensor,
@@ -207,6 +249,7 @@ impl GpuContext {
         (&pool.chunks[0], pool.chunks.get(1).unwrap_or(&pool.chunks[0]))
     }
 
+    /// Prefill kernel over `seqs` (any num_new), writing their rows of `out`.
     fn run_prefill(
         &self,
         q: &GpuTensor,
@@ -215,19 +258,22 @@ impl GpuContext {
         seqs: &[&AttnSeq<'_>],
         out: &GpuTensor,
     ) -> Result<()> {
-        let n_rows: usize = seqs.iter().map(|s| s.num_new).sum();
-        if n_rows == 0 {
+        let (tq, kt) = prefill_tiles(heads.head_dim);
+        let (tiles, n_tiles) = tile_info(seqs, kv.k.block_size, tq);
+        if n_tiles == 0 {
             return Ok(());
         }
-        let constants = Self::attention_constants(heads, kv);
+        let [hd, nh, nkv, bs, f16] = Self::attention_constants(heads, kv);
+        let constants = [hd, nh, nkv, bs, f16, ("TQ", tq as u32), ("KT", kt as u32)];
         let pipeline = self.pipeline(Shader::PagedAttention, "paged_prefill_attention", &constants)?;
-        let info = self.storage_from("attention rows", &row_info(seqs, kv.k.block_size))?;
-        let uniform = self.uniform(&Self::attention_params(heads, kv, n_rows));
+        let info = self.storage_from("attention tiles", &tiles)?;
+        // `n_rows` counts tiles for this kernel.
+        let uniform = self.uniform(&Self::attention_params(heads, kv, n_tiles));
         let (k0, k1) = Self::pool_bindings(kv.k);
         let (v0, v1) = Self::pool_bindings(kv.v);
         let (q, out) = (self.whole(q, "paged_attention")?, self.whole(out, "paged_attention")?);
         let bindings = [(0, &uniform), (1, q), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, out)];
-        self.dispatch("paged_prefill_attention", &pipeline, &bindings, (n_rows * heads.num_heads) as u64)
+        self.dispatch("paged_prefill_attention", &pipeline, &bindings, (n_tiles * heads.num_heads) as u64)
     }
 
     fn run_decode(
