@@ -3,7 +3,7 @@
 #
 # One prepared run on whatever adapter wgpu opens (set WGPU_BACKEND to choose), writing
 # JSON lines under OUT_DIR (docs/backends.md, "GPU bench script"):
-#   adapter.jsonl   the adapter, its driver and limits          (omniprefix gpu-info)
+#   adapter.jsonl   the adapter, its driver, limits, subgroups  (omniprefix gpu-info)
 #   parity.jsonl    wgpu vs CPU on fixtures/tiny/*, f32 and f16  (omniprefix bench parity)
 #   ttft.jsonl      TTFT cached / uncached, f32 and f16          (omniprefix bench ttft --json)
 #   decode.jsonl    greedy decode tokens/s, f32 and f16          (omniprefix generate --json)

@@ -1,6 +1,8 @@
 //! Every wgpu kernel against the CPU reference backend on seeded random shapes:
 //! random block tables, non-aligned lengths, empty and full prefixes, mixed
 //! prefill + decode batches, GQA ratios 1/2/4, pools split over several bindings.
+//! Decode runs through the subgroup kernel where the device has subgroups (lavapipe
+//! must) and through the portable kernel on a device opened `without_subgroups`.
 //!
 //! Without an adapter these tests print a loud skip message and pass, unless
 //! `OMNIPREFIX_REQUIRE_GPU=1` (CI) makes them fail (see `shared_gpu`). Run with
@@ -8,6 +10,7 @@
 
 mod shared_gpu;
 
+use std::io::Write;
 use std::sync::Arc;
 
 use ndarray::Array2;
@@ -19,7 +22,7 @@ use omniprefix::{Error, Result};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use shared_gpu::{gpu, gpu_with, gpu_without_f16};
+use shared_gpu::{gpu, gpu_with, gpu_without_f16, gpu_without_subgroups};
 use omniprefix::error::{BackendError, ConfigError, GpuError};
 
 const TOL: f32 = 1e-4;
@@ -204,6 +207,162 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
         for split_len in [1, 7, 64, 150, 4096] {
             let out = gpu.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
             assert_close(&format!("{kv_dtype} group {group} split_len {split_len}"), &gpu.download(&out).unwrap(), &want);
+        }
+    }
+}
+
+/// (GQA group, KV heads, head dim, page dtype) of the subgroup decode tests: every group
+/// size, head dims that are no multiple of any subgroup size (3, 12, 40; f16 pages need
+/// an even width), and 128 and 256 once.
+const DECODE_CASES: [(usize, usize, usize, Dtype); 11] = [
+    (1, 2, 12, Dtype::F32),
+    (2, 1, 40, Dtype::F16),
+    (4, 2, 12, Dtype::F16),
+    (8, 1, 40, Dtype::F32),
+    (1, 1, 40, Dtype::F16),
+    (2, 2, 3, Dtype::F32),
+    (8, 2, 12, Dtype::F16),
+    (4, 1, 40, Dtype::F32),
+    (2, 2, 128, Dtype::F32),
+    (8, 1, 256, Dtype::F16),
+    (4, 3, 5, Dtype::F32),
+];
+
+/// Split lengths the decode tests pass to `paged_decode_attention`: one key per split,
+/// splits ending mid-tile, one 64-key tile, and a single split.
+const SPLIT_LENS: [usize; 5] = [1, 5, 64, 97, 4096];
+
+/// The shared device, checked to run decode through the subgroup kernel. On lavapipe
+/// (which has `Features::SUBGROUP`) under `OMNIPREFIX_REQUIRE_GPU=1` a device without
+/// subgroups fails loudly: CI must not test only the fallback. Elsewhere `None` after a
+/// loud message.
+fn subgroup_gpu(cap: Option<u64>) -> Option<WgpuBackend> {
+    let gpu = gpu_with(cap)?;
+    let ctx = gpu.context();
+    if ctx.has_subgroups() {
+        return Some(gpu);
+    }
+    let info = ctx.adapter_info();
+    let lavapipe = info.name.contains("llvmpipe") || info.driver.contains("llvmpipe");
+    if lavapipe && std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("OMNIPREFIX_REQUIRE_GPU=1 on lavapipe, which has Features::SUBGROUP, but subgroups are off: {info:?}");
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "\n!!!!!!!! SKIPPING subgroup decode test: adapter {} has no subgroups !!!!!!!!\n",
+        ctx.adapter_name()
+    );
+    None
+}
+
+/// Random decode contexts for `block_size`: empty, block-aligned, short and long (past
+/// several 64-key tiles), 3 to 5 sequences.
+fn random_decode_lens(rng: &mut ChaCha8Rng, block_size: usize) -> Vec<(usize, usize)> {
+    let n = rng.random_range(3..6);
+    (0..n)
+        .map(|i| match i % 4 {
+            0 => (rng.random_range(130..300), 1),
+            1 => (0, 1),
+            2 => (block_size * rng.random_range(1..9), 1),
+            _ => (rng.random_range(1..70), 1),
+        })
+        .collect()
+}
+
+/// Every [`DECODE_CASES`] shape on a random decode batch (seeded by `seed`), through
+/// `paged_decode_attention` at every [`SPLIT_LENS`] and through the routed
+/// `paged_attention`, against the CPU. Returns the GPU outputs in order.
+fn decode_batches_match_cpu(gpu: &WgpuBackend, seed: u64) -> Vec<Array2<f32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let kernel = if gpu.context().has_subgroups() { "subgroup" } else { "portable" };
+    let mut outputs = Vec::new();
+    for (case, &(group, kv_heads, head_dim, kv_dtype)) in DECODE_CASES.iter().enumerate() {
+        let block_size = [4, 5, 16][case % 3];
+        let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
+        let lens = random_decode_lens(&mut rng, block_size);
+        let num_blocks = lens.iter().map(|&(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 3;
+        let spec = PagesSpec { num_layers: 1, num_blocks, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype };
+        let s = setup_attention(gpu, &mut rng, spec, heads, 0, &lens);
+        let seqs = attn_seqs(&s.seqs);
+        let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
+        let q_gpu = gpu.upload(s.q.view()).unwrap();
+        let kv = s.gpu_pages.layer("test", 0).unwrap();
+        let what = format!("{kernel} kernel, {kv_dtype} {heads:?} block {block_size} lens {lens:?}");
+        for split_len in SPLIT_LENS {
+            let out = gpu.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
+            let out = gpu.download(&out).unwrap();
+            assert_close(&format!("{what} split_len {split_len}"), &out, &want);
+            outputs.push(out);
+        }
+        let routed = gpu.download(&gpu.paged_attention(&q_gpu, &s.gpu_pages, 0, heads, &seqs).unwrap()).unwrap();
+        assert_close(&format!("{what} routed"), &routed, &want);
+        outputs.push(routed);
+    }
+    outputs
+}
+
+/// CI on lavapipe (`OMNIPREFIX_REQUIRE_GPU=1`) runs decode through the subgroup kernel,
+/// not only the fallback; `without_subgroups` turns it off.
+#[test]
+fn subgroups_are_on_where_the_adapter_has_them() {
+    let Some(gpu) = subgroup_gpu(None) else { return };
+    assert!(gpu.context().has_subgroups());
+    let Some(capped) = subgroup_gpu(Some(SMALL_BINDING)) else { return };
+    assert!(capped.context().has_subgroups());
+    for cap in [None, Some(SMALL_BINDING)] {
+        let portable = gpu_without_subgroups(cap).expect("a device opens with the option as without it");
+        assert!(!portable.context().has_subgroups(), "without_subgroups, cap {cap:?}");
+    }
+}
+
+#[test]
+fn subgroup_decode_matches_cpu_for_gqa_head_dims_dtypes_and_splits() {
+    let Some(gpu) = subgroup_gpu(None) else { return };
+    decode_batches_match_cpu(&gpu, 21);
+}
+
+/// A device opened `without_subgroups` takes the portable kernel and gives the subgroup
+/// kernel's results on the same batches.
+#[test]
+fn without_subgroups_decode_takes_the_portable_kernel_with_the_same_results() {
+    let Some(portable) = gpu_without_subgroups(None) else { return };
+    assert!(!portable.context().has_subgroups(), "without_subgroups must turn subgroups off");
+    let fallback = decode_batches_match_cpu(&portable, 21);
+    let Some(gpu) = subgroup_gpu(None) else { return };
+    let subgroup = decode_batches_match_cpu(&gpu, 21);
+    assert_eq!(fallback.len(), subgroup.len());
+    for (i, (a, b)) in fallback.iter().zip(&subgroup).enumerate() {
+        assert_close(&format!("portable vs subgroup output {i}"), a, b);
+    }
+}
+
+/// Decode over K/V pools split into two chunks (a 4 KiB binding cap), f32 and f16 pages,
+/// through the subgroup kernel and the portable one.
+#[test]
+fn decode_over_two_chunk_pools_matches_cpu_in_both_kernels() {
+    let Some(gpu) = subgroup_gpu(Some(SMALL_BINDING)) else { return };
+    let Some(portable) = gpu_without_subgroups(Some(SMALL_BINDING)) else { return };
+    // K blocks: 4 slots x 2 heads x 12 dims x 4 B = 384 B → 10 blocks per chunk (f16: 21).
+    for (kv_dtype, num_blocks, seed) in [(Dtype::F32, 20, 31), (Dtype::F16, 30, 32)] {
+        let heads = AttnHeads { num_heads: 8, kv_heads: 2, head_dim: 12 };
+        let spec = PagesSpec { num_layers: 1, num_blocks, block_size: 4, kv_heads: 2, head_dim: 12, captured: 0, hidden: 0, kv_dtype };
+        for backend in [&gpu, &portable] {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            let s = setup_attention(backend, &mut rng, spec, heads, 0, &[(37, 1), (0, 1), (20, 1), (11, 1)]);
+            let kv = s.gpu_pages.layer("test", 0).unwrap();
+            assert_eq!(kv.k.num_chunks(), 2, "K pool must be split");
+            let seqs = attn_seqs(&s.seqs);
+            let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
+            let q_gpu = backend.upload(s.q.view()).unwrap();
+            let kernel = if backend.context().has_subgroups() { "subgroup" } else { "portable" };
+            // Split lengths with few enough partials to fit the small binding too.
+            for split_len in [19, 30, 4096] {
+                let out = backend.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
+                let what = format!("{kernel} kernel, two-chunk {kv_dtype} pool, split_len {split_len}");
+                assert_close(&what, &backend.download(&out).unwrap(), &want);
+            }
+            let routed = backend.paged_attention(&q_gpu, &s.gpu_pages, 0, heads, &seqs).unwrap();
+            assert_close(&format!("{kernel} kernel, two-chunk {kv_dtype} pool, routed"), &backend.download(&routed).unwrap(), &want);
         }
     }
 }

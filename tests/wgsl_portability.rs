@@ -1,14 +1,18 @@
 //! Every shader in `wgsl/` parses, validates and translates to SPIR-V, MSL and HLSL
-//! with naga, on the CPU: a broken shader fails `cargo test` without any GPU.
+//! with naga, on the CPU: a broken shader fails `cargo test` without any GPU. Every
+//! kernel validates with no optional capabilities, except the subgroup decode kernel,
+//! which validates with `Capabilities::SUBGROUP` (and only with it).
 
 use std::path::{Path, PathBuf};
 
 use naga::back::PipelineConstants;
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
+use omniprefix::backend::wgpu::Shader;
 
-/// The preludes every kernel is compiled after (`backend::wgpu::pipelines`): the f16
-/// pair conversions, or their stubs on adapters without them.
-const PRELUDES: [&str; 2] = ["f16_pairs.wgsl", "f16_pairs_absent.wgsl"];
+/// The preludes kernels are compiled after (`backend::wgpu::pipelines`): the f16 pair
+/// conversions or their stubs on adapters without them, and the attention kernels'
+/// page-reading helpers.
+const PRELUDES: [&str; 3] = ["f16_pairs.wgsl", "f16_pairs_absent.wgsl", "paged_kv.wgsl"];
 
 /// The kernel files of `wgsl/` (every `.wgsl` but the preludes).
 fn shader_files() -> Vec<PathBuf> {
@@ -23,20 +27,41 @@ fn shader_files() -> Vec<PathBuf> {
     files
 }
 
-/// Prepends a prelude as the backend does, parses and validates with no optional
-/// capabilities (no subgroups, no `enable f16;`) but the f16 pair conversions when the
-/// prelude uses them, then resolves the override constants to their defaults as a
-/// pipeline would.
-fn validated(path: &Path, prelude: &str) -> (naga::Module, ModuleInfo) {
-    let dir = path.parent().expect("wgsl/");
-    let head = std::fs::read_to_string(dir.join(prelude)).expect("prelude source");
-    let source = format!("{head}\n{}", std::fs::read_to_string(path).expect("shader source"));
-    let label = format!("{} after {prelude}", path.display());
+/// The shader of a kernel file; every file of `wgsl/` must be one the backend compiles.
+fn shader_of(path: &Path) -> Shader {
+    *Shader::ALL
+        .iter()
+        .find(|s| path.ends_with(s.name()))
+        .unwrap_or_else(|| panic!("{} is no `Shader` of backend::wgpu::pipelines", path.display()))
+}
+
+/// The capabilities a shader is validated with: none optional (no `enable f16;`) but the
+/// f16 pair conversions when the f16 prelude is in, and subgroups only for the kernel
+/// the backend compiles only on devices with `Features::SUBGROUP`.
+fn capabilities(shader: Shader, f16_pairs: bool) -> Capabilities {
+    let mut caps = Capabilities::empty();
+    if f16_pairs {
+        caps |= Capabilities::SHADER_FLOAT16_IN_FLOAT32;
+    }
+    if shader.needs_subgroups() {
+        // Validator::new enables every subgroup operation set in compute with it.
+        caps |= Capabilities::SUBGROUP;
+    }
+    caps
+}
+
+/// The source as the backend compiles it (`Shader::source`: preludes, then the kernel),
+/// parsed and validated with [`capabilities`], then the override constants resolved to
+/// their defaults as a pipeline would.
+fn validated(path: &Path, f16_pairs: bool) -> (naga::Module, ModuleInfo) {
+    let shader = shader_of(path);
+    let kernel = std::fs::read_to_string(path).expect("shader source");
+    assert_eq!(kernel, shader.kernel_source(), "{}: compiled-in source is stale", path.display());
+    let source = shader.source(f16_pairs);
+    let label = format!("{} ({})", path.display(), if f16_pairs { "f16 pairs" } else { "f16 stubs" });
     let module = naga::front::wgsl::parse_str(&source)
         .unwrap_or_else(|e| panic!("{}: parse error:\n{}", label, e.emit_to_string(&source)));
-    let capabilities =
-        if prelude == PRELUDES[0] { Capabilities::SHADER_FLOAT16_IN_FLOAT32 } else { Capabilities::empty() };
-    let info = Validator::new(ValidationFlags::all(), capabilities)
+    let info = Validator::new(ValidationFlags::all(), capabilities(shader, f16_pairs))
         .validate(&module)
         .unwrap_or_else(|e| panic!("{}: validation error:\n{}", label, e.emit_to_string(&source)));
     let (module, info) =
@@ -49,19 +74,44 @@ fn validated(path: &Path, prelude: &str) -> (naga::Module, ModuleInfo) {
 fn shader_directory_holds_every_kernel() {
     let names: Vec<String> =
         shader_files().iter().filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned())).collect();
-    for expected in
-        ["copy_blocks", "elementwise", "matmul", "moe", "paged_attention", "paged_rows", "rmsnorm", "rope", "rows"]
-    {
+    for expected in [
+        "copy_blocks",
+        "elementwise",
+        "matmul",
+        "moe",
+        "paged_attention",
+        "paged_decode_subgroup",
+        "paged_rows",
+        "rmsnorm",
+        "rope",
+        "rows",
+    ] {
         assert!(names.iter().any(|n| n == expected), "wgsl/{expected}.wgsl missing; found {names:?}");
     }
+    assert_eq!(names.len(), Shader::ALL.len(), "every kernel file is a Shader and back: {names:?}");
+}
+
+/// Only the subgroup decode kernel needs `Capabilities::SUBGROUP`: without it naga
+/// rejects it (so the capability is what gates it), and every other kernel validates
+/// without it (checked by the next test).
+#[test]
+fn only_the_subgroup_kernel_needs_subgroups() {
+    let needing: Vec<&str> = Shader::ALL.iter().filter(|s| s.needs_subgroups()).map(|s| s.name()).collect();
+    assert_eq!(needing, ["paged_decode_subgroup.wgsl"]);
+    let source = Shader::PagedDecodeSubgroup.source(true);
+    let module = naga::front::wgsl::parse_str(&source).expect("parses");
+    let err = Validator::new(ValidationFlags::all(), Capabilities::SHADER_FLOAT16_IN_FLOAT32)
+        .validate(&module)
+        .expect_err("subgroup operations without Capabilities::SUBGROUP must not validate");
+    assert!(format!("{err:?}").to_lowercase().contains("subgroup"), "{err:?}");
 }
 
 #[test]
 fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
     let files = shader_files();
     assert!(!files.is_empty(), "no shaders found in wgsl/");
-    for (path, prelude) in files.iter().flat_map(|f| PRELUDES.map(|p| (f.clone(), p))) {
-        let (module, info) = validated(&path, prelude);
+    for (path, f16_pairs) in files.iter().flat_map(|f| [true, false].map(|p| (f.clone(), p))) {
+        let (module, info) = validated(&path, f16_pairs);
         assert!(!module.entry_points.is_empty(), "{}: no entry points", path.display());
 
         let spv = naga::back::spv::write_vec(&module, &info, &naga::back::spv::Options::default(), None)

@@ -19,7 +19,9 @@
 //   paged_decode_partial: one workgroup per (row, kv head, split); all query heads of the
 //     GQA group share each K/V element read; writes partial (max, sum, acc) per split.
 //   paged_decode_reduce: merges the splits of each (row, head).
-// Nothing here needs subgroups; all softmax math is f32.
+// Nothing here needs subgroups; all softmax math is f32. Where the device has subgroups,
+// decode's partials come from paged_decode_subgroup.wgsl instead (same bindings and
+// partial layout; coalesced K reads), and paged_decode_reduce merges them the same way.
 // KV_F16: the pages hold f16 pairs (see f16_pairs.wgsl, the prelude); otherwise f32 bits.
 // Every product and sum is f32.
 
@@ -70,42 +72,7 @@ var<workgroup> qt_sh: array<f32, 1024>;  // TQ * HEAD_DIM
 var<workgroup> kvt_sh: array<f32, 2048>; // KT * HEAD_DIM
 var<workgroup> st_sh: array<f32, 1024>;  // TQ * KT
 
-// (chunk, element offset in chunk) of key j's row for kv head `kvh`.
-fn kv_at(table_offset: u32, j: u32, kvh: u32) -> vec2<u32> {
-    let block = row_info[table_offset + j / BLOCK_SIZE];
-    let chunk = block / p.blocks_per_chunk;
-    let slot = (block - chunk * p.blocks_per_chunk) * BLOCK_SIZE + j % BLOCK_SIZE;
-    return vec2<u32>(chunk, (slot * NUM_KV_HEADS + kvh) * HEAD_DIM);
-}
-
-// The word of a page chunk that holds element i.
-fn word_of(i: u32) -> u32 {
-    return select(i, i >> 1u, KV_F16);
-}
-
-// Element i of a page chunk as f32, from the word that holds it.
-fn page_elem(word: u32, i: u32) -> f32 {
-    if (KV_F16) {
-        return unpack_f16_pair(word)[i & 1u];
-    }
-    return bitcast<f32>(word);
-}
-
-fn load_k(at: vec2<u32>, d: u32) -> f32 {
-    let i = at.y + d;
-    if (at.x == 0u) {
-        return page_elem(k0[word_of(i)], i);
-    }
-    return page_elem(k1[word_of(i)], i);
-}
-
-fn load_v(at: vec2<u32>, d: u32) -> f32 {
-    let i = at.y + d;
-    if (at.x == 0u) {
-        return page_elem(v0[word_of(i)], i);
-    }
-    return page_elem(v1[word_of(i)], i);
-}
+// kv_at, load_k, load_v: see paged_kv.wgsl, the prelude this file is compiled after.
 
 // Loads the tile's query rows into qt_sh, pre-scaled by 1/sqrt(HEAD_DIM); rows past
 // n_q are zero.

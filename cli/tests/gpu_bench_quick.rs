@@ -40,7 +40,7 @@ fn gpu_bench_quick_writes_every_json_line() -> TestResult {
     eprintln!("gpu_bench.sh --quick took {seconds:.1} s");
 
     let [adapter] = &lines(&out, "adapter.jsonl")?[..] else { return Err("one adapter line".into()) };
-    for key in ["adapter", "driver", "driver_info", "limits", "stored_dtypes"] {
+    for key in ["adapter", "driver", "driver_info", "limits", "stored_dtypes", "subgroups"] {
         assert!(adapter.get(key).is_some(), "adapter line lacks {key}: {adapter}");
     }
     let parity = lines(&out, "parity.jsonl")?;

@@ -31,6 +31,16 @@ pub fn gpu_without_f16() -> Option<WgpuBackend> {
     shared(&WITHOUT_F16, GpuOptions { without_f16: true, ..Default::default() })
 }
 
+/// A device opened as if the adapter lacked subgroups (decode takes the portable
+/// kernel), per binding cap as [`gpu_with`].
+#[allow(dead_code)] // only the kernel tests check the fallback
+pub fn gpu_without_subgroups(cap: Option<u64>) -> Option<WgpuBackend> {
+    static DEFAULT: OnceLock<Option<WgpuBackend>> = OnceLock::new();
+    static CAPPED: OnceLock<Option<WgpuBackend>> = OnceLock::new();
+    let cell = if cap.is_some() { &CAPPED } else { &DEFAULT };
+    shared(cell, GpuOptions { max_binding_bytes: cap, without_subgroups: true, ..Default::default() })
+}
+
 fn shared(cell: &OnceLock<Option<WgpuBackend>>, options: GpuOptions) -> Option<WgpuBackend> {
     cell.get_or_init(|| match GpuContext::new(&options) {
         Ok(ctx) => Some(WgpuBackend::from_context(Arc::new(ctx))),

@@ -1,5 +1,5 @@
 //! The hidden commands `scripts/gpu_bench.sh` runs on whatever adapter wgpu opens:
-//! `omniprefix gpu-info` (the adapter, its driver and limits, as one JSON line) and
+//! `omniprefix gpu-info` (the adapter, its driver, limits and subgroups, as one JSON line) and
 //! `omniprefix bench parity` (a checkpoint on wgpu against the CPU backend, same
 //! weight and K/V dtypes, every capture and the last logits, as one JSON line).
 
@@ -42,6 +42,9 @@ pub fn info(_args: &GpuInfoArgs, out: &mut dyn Write) -> Result<()> {
         "driver": i.driver,
         "driver_info": i.driver_info,
         "stored_dtypes": ctx.stored_dtypes().iter().map(|d| d.name()).collect::<Vec<_>>(),
+        // Whether decode attention takes the subgroup kernel, and the sizes the adapter reports.
+        "subgroups": ctx.has_subgroups(),
+        "subgroup_size": { "min": i.subgroup_min_size, "max": i.subgroup_max_size },
         "limits": {
             "max_storage_buffer_binding_size": l.max_storage_buffer_binding_size,
             "max_buffer_size": l.max_buffer_size,

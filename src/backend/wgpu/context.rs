@@ -20,6 +20,10 @@ pub struct GpuOptions {
     /// (`DownlevelFlags::SHADER_F16_IN_F32`): f32 storage only, as on such an adapter.
     /// Tests use it to exercise the fallback.
     pub without_f16: bool,
+    /// Treat the adapter as lacking subgroup operations (`Features::SUBGROUP`): decode
+    /// attention then takes the portable kernel, as on such an adapter. Tests use it to
+    /// exercise the fallback.
+    pub without_subgroups: bool,
 }
 
 /// Reads one limit of an adapter.
@@ -70,6 +74,9 @@ pub struct GpuContext {
     pub(crate) pipelines: PipelineCache,
     /// Whether the kernels may pack and unpack f16 pairs (f16 weights and K/V pages).
     pub(crate) f16_pairs: bool,
+    /// Whether the device was opened with `Features::SUBGROUP` (decode attention's
+    /// subgroup kernel).
+    pub(crate) subgroups: bool,
     /// Recorded ops not yet submitted (see [`GpuContext::submit`]).
     pending: Mutex<Vec<wgpu::CommandBuffer>>,
     /// Times the host has waited for the device ([`GpuContext::host_waits`]).
@@ -106,9 +113,12 @@ impl GpuContext {
         check_limits(&adapter_name, &limits)?;
         let f16_pairs = !options.without_f16
             && adapter.get_downlevel_capabilities().flags.contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32);
+        // Requested only where the adapter has it: asking for a missing feature fails.
+        let subgroups = !options.without_subgroups && adapter.features().contains(wgpu::Features::SUBGROUP);
+        let required_features = if subgroups { wgpu::Features::SUBGROUP } else { wgpu::Features::empty() };
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("omniprefix"),
-            required_features: wgpu::Features::empty(),
+            required_features,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
@@ -132,6 +142,7 @@ impl GpuContext {
             max_binding_bytes,
             pipelines: PipelineCache::default(),
             f16_pairs,
+            subgroups,
             pending: Mutex::default(),
             host_waits: AtomicU64::new(0),
         })
@@ -162,6 +173,16 @@ impl GpuContext {
     /// adapter; Mesa lavapipe only with `Features::SHADER_F16`).
     pub fn stored_dtypes(&self) -> &'static [Dtype] {
         if self.f16_pairs { &[Dtype::F32, Dtype::F16] } else { &[Dtype::F32] }
+    }
+
+    /// Whether the kernels may use subgroup operations: the adapter has
+    /// `Features::SUBGROUP` (Vulkan, Metal, DX12 on most GPUs; lavapipe too) and the device
+    /// was not opened [`without_subgroups`](GpuOptions::without_subgroups). Decode attention
+    /// then scores keys with `wgsl/paged_decode_subgroup.wgsl`; otherwise with the portable
+    /// kernel. The adapter's subgroup sizes are in [`GpuContext::adapter_info`]
+    /// (`subgroup_min_size` / `subgroup_max_size`); the kernel works with any of them.
+    pub fn has_subgroups(&self) -> bool {
+        self.subgroups
     }
 
     /// A [`ConfigError::Invalid`](crate::error::ConfigError::Invalid) unless `dtype` is one of

@@ -1,5 +1,5 @@
-//! The wgpu backend: the WGSL kernels of top-level `wgsl/` (f32, no subgroups)
-//! behind a typed Rust layer.
+//! The wgpu backend: the WGSL kernels of top-level `wgsl/` (f32; subgroups only in
+//! decode attention, where the adapter has them) behind a typed Rust layer.
 //!
 //! * [`GpuContext`] opens one adapter with its own limits and caches pipelines by
 //!   (shader, entry point, override constants); its methods are the kernels, one per op.

@@ -4,7 +4,10 @@
 //! Every kernel is compiled after a prelude with the f16 pair conversions
 //! (`wgsl/f16_pairs.wgsl`), or, on a device that lacks them
 //! (`DownlevelFlags::SHADER_F16_IN_F32`), after stubs (`wgsl/f16_pairs_absent.wgsl`):
-//! the f32 kernels then still compile and f16 storage is refused.
+//! the f32 kernels then still compile and f16 storage is refused. The attention kernels
+//! also share the page-reading helpers of `wgsl/paged_kv.wgsl`, a second prelude.
+//! `wgsl/paged_decode_subgroup.wgsl` uses subgroup operations and is compiled only on a
+//! device opened with `Features::SUBGROUP` ([`Shader::needs_subgroups`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,6 +22,7 @@ pub enum Shader {
     PagedRows,
     CopyBlocks,
     PagedAttention,
+    PagedDecodeSubgroup,
     Matmul,
     RmsNorm,
     Rope,
@@ -28,12 +32,27 @@ pub enum Shader {
 }
 
 impl Shader {
+    /// Every shader (every kernel file of `wgsl/`).
+    pub const ALL: [Shader; 10] = [
+        Shader::PagedRows,
+        Shader::CopyBlocks,
+        Shader::PagedAttention,
+        Shader::PagedDecodeSubgroup,
+        Shader::Matmul,
+        Shader::RmsNorm,
+        Shader::Rope,
+        Shader::Elementwise,
+        Shader::Rows,
+        Shader::Moe,
+    ];
+
     /// File name inside `wgsl/`.
     pub fn name(self) -> &'static str {
         match self {
             Shader::PagedRows => "paged_rows.wgsl",
             Shader::CopyBlocks => "copy_blocks.wgsl",
             Shader::PagedAttention => "paged_attention.wgsl",
+            Shader::PagedDecodeSubgroup => "paged_decode_subgroup.wgsl",
             Shader::Matmul => "matmul.wgsl",
             Shader::RmsNorm => "rmsnorm.wgsl",
             Shader::Rope => "rope.wgsl",
@@ -49,6 +68,7 @@ impl Shader {
             Shader::PagedRows => include_str!("../../../wgsl/paged_rows.wgsl"),
             Shader::CopyBlocks => include_str!("../../../wgsl/copy_blocks.wgsl"),
             Shader::PagedAttention => include_str!("../../../wgsl/paged_attention.wgsl"),
+            Shader::PagedDecodeSubgroup => include_str!("../../../wgsl/paged_decode_subgroup.wgsl"),
             Shader::Matmul => include_str!("../../../wgsl/matmul.wgsl"),
             Shader::RmsNorm => include_str!("../../../wgsl/rmsnorm.wgsl"),
             Shader::Rope => include_str!("../../../wgsl/rope.wgsl"),
@@ -58,13 +78,26 @@ impl Shader {
         }
     }
 
+    /// Whether the kernel uses subgroup operations (needs `Features::SUBGROUP`).
+    pub fn needs_subgroups(self) -> bool {
+        matches!(self, Shader::PagedDecodeSubgroup)
+    }
+
     /// WGSL source as compiled: the f16 pair prelude (`f16_pairs`: the device has the
-    /// conversions) or its stubs, then the kernel.
+    /// conversions) or its stubs, the page-reading helpers for the attention kernels,
+    /// then the kernel.
     pub fn source(self, f16_pairs: bool) -> String {
         let prelude = if f16_pairs { F16_PAIRS } else { F16_PAIRS_ABSENT };
-        format!("{prelude}\n{}", self.kernel_source())
+        let pages = match self {
+            Shader::PagedAttention | Shader::PagedDecodeSubgroup => PAGED_KV,
+            _ => "",
+        };
+        format!("{prelude}\n{pages}\n{}", self.kernel_source())
     }
 }
+
+/// Page-reading helpers (block table lookup, f32 / f16 page elements) of the attention kernels.
+pub const PAGED_KV: &str = include_str!("../../../wgsl/paged_kv.wgsl");
 
 /// The f16 pair conversions every kernel may call.
 pub const F16_PAIRS: &str = include_str!("../../../wgsl/f16_pairs.wgsl");
@@ -92,6 +125,14 @@ impl GpuContext {
         let key = (shader, entry, constants.to_vec());
         if let Some(found) = lock(&self.pipelines.pipelines).get(&key) {
             return Ok(found.clone());
+        }
+        if shader.needs_subgroups() && !self.subgroups {
+            return Err(Error::Gpu(GpuError::ShaderCompile {
+                adapter: self.adapter_name.clone(),
+                shader: shader.name().to_string(),
+                entry: entry.to_string(),
+                message: "needs subgroups (Features::SUBGROUP), which this device was opened without".into(),
+            }));
         }
         let module = {
             let mut modules = lock(&self.pipelines.modules);

@@ -1,6 +1,12 @@
 //! Paged attention: prefill (any number of new rows per sequence, in query tiles of up
 //! to TQ rows that share each K/V tile read into workgroup memory) and decode (one row
 //! per sequence, GQA groups sharing K/V reads, split-KV with a reduce pass).
+//!
+//! Decode's partial pass has two kernels with the same bindings and partial layout:
+//! `paged_decode_subgroup` (`wgsl/paged_decode_subgroup.wgsl`) where the device has
+//! subgroups ([`GpuContext::has_subgroups`]): the lanes of a subgroup split one key's
+//! head dims, so K reads are coalesced, and `subgroupAdd` reduces the dots; otherwise the
+//! portable `paged_decode_partial`, one key per invocation. Both feed `paged_decode_reduce`.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -304,11 +310,16 @@ impl GpuContext {
         let uniform = self.uniform(&params);
         let (k0, k1) = Self::pool_bindings(kv.k);
         let (v0, v1) = Self::pool_bindings(kv.v);
-        let partial = self.pipeline(Shader::PagedAttention, "paged_decode_partial", &constants)?;
+        let (shader, entry) = if self.has_subgroups() {
+            (Shader::PagedDecodeSubgroup, "paged_decode_subgroup")
+        } else {
+            (Shader::PagedAttention, "paged_decode_partial")
+        };
+        let partial = self.pipeline(shader, entry, &constants)?;
         let (q, out) = (self.whole(q, "paged_attention")?, self.whole(out, "paged_attention")?);
         let part = part.into_buffer();
         let bindings = [(0, &uniform), (1, q), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (8, &part)];
-        self.dispatch("paged_decode_partial", &partial, &bindings, (n_rows * heads.kv_heads * n_splits) as u64)?;
+        self.dispatch(entry, &partial, &bindings, (n_rows * heads.kv_heads * n_splits) as u64)?;
         let reduce = self.pipeline(Shader::PagedAttention, "paged_decode_reduce", &constants)?;
         let bindings = [(0, &uniform), (2, &info), (9, &part), (7, out)];
         self.dispatch("paged_decode_reduce", &reduce, &bindings, (n_rows * heads.num_heads) as u64)

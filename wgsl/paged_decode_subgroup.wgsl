@@ -1,0 +1,163 @@
+// Split-KV decode attention with subgroup operations: the partial pass of
+// paged_attention.wgsl's paged_decode_partial, for devices with Features::SUBGROUP (the
+// backend compiles this file only there; it omits `enable subgroups;`, which naga 30
+// rejects). Same bindings, AttnParams, row_info layout and partial output layout, so
+// paged_decode_reduce merges its splits unchanged. Compiled after the f16 pair prelude
+// and paged_kv.wgsl (kv_at, load_k, load_v).
+//
+// paged_decode_subgroup: one workgroup per (row, kv head, split), online softmax in f32
+// over tiles of WG keys, as the portable kernel; only the scores differ. The portable
+// kernel gives each invocation a whole key (invocation j reads key j's HEAD_DIM elements:
+// strided, uncoalesced reads). Here the subgroups of the workgroup take a tile's keys in
+// turn (subgroup s: keys s, s + num_subgroups, ...), the lanes of a subgroup split one
+// key's head dims (consecutive lanes read consecutive elements: coalesced), every query
+// head of the GQA group reuses each K element read, and subgroupAdd reduces each head's
+// dot. V reads were coalesced already (invocation i owns dims i, i + WG, ...).
+//
+// Size-agnostic: lanes are counted with subgroupAdd / subgroupExclusiveAdd over the
+// active invocations, so any subgroup size works (4..128, partial subgroups included);
+// the dims loop has the same trip count on every lane and masks the tail with selects,
+// so every subgroupAdd runs in subgroup-uniform control flow.
+// KV_F16: the pages hold f16 pairs; otherwise f32 bits. Every product and sum is f32.
+
+override HEAD_DIM: u32 = 64u;
+override NUM_HEADS: u32 = 1u;
+override NUM_KV_HEADS: u32 = 1u;
+override BLOCK_SIZE: u32 = 16u;
+override KV_F16: bool = false;
+
+const WG: u32 = 64u;
+const DIMS_PER_THREAD: u32 = 4u; // MAX_HEAD_DIM (256) / WG
+const MAX_GROUP: u32 = 8u;
+const NEG_BIG: f32 = -3.0e38;
+
+struct AttnParams {
+    n_rows: u32,
+    blocks_per_chunk: u32,
+    scale: f32,
+    n_splits: u32,
+    split_len: u32,
+    part_ml_offset: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: AttnParams;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> row_info: array<u32>;
+@group(0) @binding(3) var<storage, read> k0: array<u32>;
+@group(0) @binding(4) var<storage, read> k1: array<u32>;
+@group(0) @binding(5) var<storage, read> v0: array<u32>;
+@group(0) @binding(6) var<storage, read> v1: array<u32>;
+@group(0) @binding(8) var<storage, read_write> part: array<f32>;
+
+var<workgroup> q_sh: array<f32, 2048>; // MAX_GROUP * MAX_HEAD_DIM
+var<workgroup> s_sh: array<f32, 512>;  // MAX_GROUP * WG
+
+@compute @workgroup_size(WG)
+fn paged_decode_subgroup(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) n_sg: u32,
+) {
+    // Active lanes of this subgroup and this invocation's rank among them.
+    let lanes = subgroupAdd(1u);
+    let lane = subgroupExclusiveAdd(1u);
+
+    let flat = wid.x + wid.y * nwg.x;
+    let kvh = flat % NUM_KV_HEADS;
+    let rest = flat / NUM_KV_HEADS;
+    let split = rest % p.n_splits;
+    let r = rest / p.n_splits;
+    if (r >= p.n_rows) {
+        return;
+    }
+    let group = NUM_HEADS / NUM_KV_HEADS;
+    let q_row = row_info[3u * r];
+    let visible = row_info[3u * r + 1u];
+    let table = row_info[3u * r + 2u];
+    let begin = min(split * p.split_len, visible);
+    let end = min(begin + p.split_len, visible);
+    for (var e = lid; e < group * HEAD_DIM; e += WG) {
+        q_sh[e] = q[(q_row * NUM_HEADS + kvh * group) * HEAD_DIM + e];
+    }
+    workgroupBarrier();
+
+    var m: array<f32, MAX_GROUP>;
+    var l: array<f32, MAX_GROUP>;
+    var acc: array<f32, 32>; // MAX_GROUP * DIMS_PER_THREAD, index g * DIMS_PER_THREAD + i
+    for (var g = 0u; g < MAX_GROUP; g++) {
+        m[g] = NEG_BIG;
+    }
+    for (var t0 = begin; t0 < end; t0 += WG) {
+        let n_t = min(WG, end - t0);
+        // Scores of the tile: subgroup sg takes keys sg, sg + n_sg, ...; its lanes split
+        // the head dims.
+        for (var t = sg; t < n_t; t += n_sg) {
+            let at = kv_at(table, t0 + t, kvh);
+            var dots: array<f32, MAX_GROUP>;
+            for (var d0 = 0u; d0 < HEAD_DIM; d0 += lanes) {
+                let d = d0 + lane;
+                let dd = min(d, HEAD_DIM - 1u);
+                let k = select(0.0, load_k(at, dd), d < HEAD_DIM);
+                for (var g = 0u; g < group; g++) {
+                    dots[g] += q_sh[g * HEAD_DIM + dd] * k;
+                }
+            }
+            for (var g = 0u; g < group; g++) {
+                let dot = subgroupAdd(dots[g]);
+                if (lane == 0u) {
+                    s_sh[g * WG + t] = dot * p.scale;
+                }
+            }
+        }
+        workgroupBarrier();
+
+        var m_new: array<f32, MAX_GROUP>;
+        for (var g = 0u; g < group; g++) {
+            m_new[g] = m[g];
+            for (var t = 0u; t < n_t; t++) {
+                m_new[g] = max(m_new[g], s_sh[g * WG + t]);
+            }
+            let corr = exp(m[g] - m_new[g]);
+            l[g] *= corr;
+            for (var i = 0u; i < DIMS_PER_THREAD; i++) {
+                acc[g * DIMS_PER_THREAD + i] *= corr;
+            }
+            m[g] = m_new[g];
+        }
+        for (var t = 0u; t < n_t; t++) {
+            let at = kv_at(table, t0 + t, kvh);
+            var pr: array<f32, MAX_GROUP>;
+            for (var g = 0u; g < group; g++) {
+                pr[g] = exp(s_sh[g * WG + t] - m[g]);
+                l[g] += pr[g];
+            }
+            for (var i = 0u; i < DIMS_PER_THREAD; i++) {
+                let d = lid + i * WG;
+                if (d < HEAD_DIM) {
+                    let v = load_v(at, d);
+                    for (var g = 0u; g < group; g++) {
+                        acc[g * DIMS_PER_THREAD + i] += pr[g] * v;
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var g = 0u; g < group; g++) {
+        let pr_idx = (r * NUM_HEADS + kvh * group + g) * p.n_splits + split;
+        for (var i = 0u; i < DIMS_PER_THREAD; i++) {
+            let d = lid + i * WG;
+            if (d < HEAD_DIM) {
+                part[pr_idx * HEAD_DIM + d] = acc[g * DIMS_PER_THREAD + i];
+            }
+        }
+        if (lid == 0u) {
+            part[p.part_ml_offset + 2u * pr_idx] = m[g];
+            part[p.part_ml_offset + 2u * pr_idx + 1u] = l[g];
+        }
+    }
+}
