@@ -13,7 +13,7 @@
 //! captured and 4-token blocks, and `Engine::generate` must return HF's tokens exactly
 //! and every hidden row within [`reference::TOLERANCE`] relative error. The same engine
 //! then serves the prompt again (all but its last position cached: identical tokens,
-//! bit-identical hidden rows) and prompt + reply (every position the first run ran
+//! hidden rows bit-identical on the CPU, within the tolerance on wgpu) and prompt + reply (every position the first run ran
 //! cached, its partly filled last block included; the one token generated is HF's 12th).
 //! On the CPU backend and on wgpu (see `shared_gpu`: skip loudly without an adapter,
 //! fail under `OMNIPREFIX_REQUIRE_GPU=1`).
@@ -59,15 +59,20 @@ const MM_LAYOUTS: [(Modality, ItemLayout); 3] = [
     (Modality::Video, ItemLayout::Video { grid_thw: [2, 4, 4], seconds_per_grid: 1.0 }),
 ];
 
-/// How weights and K/V pages are stored, and the hidden rows' accepted error against HF (f32).
+/// How weights and K/V pages are stored, the hidden rows' accepted error against HF
+/// (f32), and how close a cached run's rows must be to the first run's.
 struct Precision {
     dtype: Option<Dtype>,
     kv_dtype: Dtype,
     tolerance: f32,
+    /// `None`: the same bits (the CPU backend: a row never depends on its batch);
+    /// `Some(t)`: within `t` relative (wgpu: a row re-run alone takes the decode kernel,
+    /// which sums in another order than the prefill kernel that ran it first).
+    cached: Option<f32>,
 }
 
-/// The checkpoints' own f32 weights and pages.
-const F32: Precision = Precision { dtype: None, kv_dtype: Dtype::F32, tolerance: reference::TOLERANCE };
+/// The checkpoints' own f32 weights and pages on the CPU.
+const F32: Precision = Precision { dtype: None, kv_dtype: Dtype::F32, tolerance: reference::TOLERANCE, cached: None };
 
 /// Greedy, exactly `n` tokens.
 fn greedy(n: usize) -> SamplingParams {
@@ -183,15 +188,23 @@ fn first_bad_row(got: &Array2<f32>, want: &Array2<f32>, tolerance: f32) -> Strin
     bad.map_or_else(String::new, |r| format!(" (first bad row: position {r} of {})", got.nrows()))
 }
 
-/// The rows of `a` and `b` are the same bits.
-fn assert_hidden_identical(label: &str, a: &Generation, b: &Generation) {
+/// The rows of `a` are those of `b`: the same bits, or within `within` relative.
+fn assert_hidden_same(label: &str, a: &Generation, b: &Generation, within: Option<f32>) -> TestResult {
     assert_eq!(a.hidden.len(), b.hidden.len(), "{label}: captures");
     for ((na, ha), (nb, hb)) in a.hidden.iter().zip(&b.hidden) {
         assert_eq!(na, nb, "{label}: capture order");
         assert_eq!(ha.dim(), hb.dim(), "{label} {na}: shape");
-        let same = ha.iter().zip(hb).all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "{label} {na}: cached run differs from the first run");
+        match within {
+            None => {
+                let same = ha.iter().zip(hb).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{label} {na}: cached run differs from the first run");
+            }
+            Some(t) => {
+                relative_error_within(&format!("{label} {na}: cached vs first run"), ha.view(), hb.view(), t)?;
+            }
+        }
     }
+    Ok(())
 }
 
 /// Runs every prompt of `model` on `backend` (fresh engine per prompt, caching on):
@@ -226,7 +239,7 @@ fn check_model<B: Backend>(backend: &Arc<B>, model: &'static str, precision: &Pr
         let again = engine.generate(case.request(&[]), greedy(GEN_TOKENS))?;
         assert_eq!(again.num_cached_tokens, len - 1, "{label}: second run reuses the prompt");
         assert_eq!(again.tokens, first.tokens, "{label}: cached run's tokens");
-        assert_hidden_identical(&format!("{label} again"), &again, &first);
+        assert_hidden_same(&format!("{label} again"), &again, &first, precision.cached)?;
 
         // Prompt + reply as the next round: all L + 11 positions that ran are cached
         // (the partly filled last block of the first run included) but the last, which
@@ -236,7 +249,7 @@ fn check_model<B: Backend>(backend: &Arc<B>, model: &'static str, precision: &Pr
         assert_eq!(next.prompt_len, len + GEN_TOKENS - 1, "{label}: follow-up prompt");
         assert_eq!(next.num_cached_tokens, len + GEN_TOKENS - 2, "{label}: follow-up reuses every position that ran");
         assert_eq!(next.tokens, case.hf_tokens[GEN_TOKENS - 1..], "{label}: follow-up token");
-        assert_hidden_identical(&format!("{label} follow-up"), &next, &first);
+        assert_hidden_same(&format!("{label} follow-up"), &next, &first, precision.cached)?;
 
         engine.validate()?;
         eprintln!("{label} on {}: tokens equal, worst relative error {err:.3e}", std::any::type_name::<B>());
@@ -326,14 +339,15 @@ fn generate_reference_rows_are_distinct_and_checked_per_row() -> TestResult {
 // ------------------------------------------------------------------ wgpu
 
 /// All three checkpoints on the wgpu backend: HF's tokens, hidden rows within
-/// [`reference::TOLERANCE`], and the cached rounds as on the CPU.
+/// [`reference::TOLERANCE`], and the cached rounds within it of the first run.
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_generates_what_transformers_generates() -> TestResult {
     let Some(gpu) = gpu() else { return Ok(()) };
     let gpu = Arc::new(gpu);
     for (model, _, _) in MODELS {
-        let worst = check_model(&gpu, model, &F32)?;
+        let f32 = Precision { cached: Some(reference::TOLERANCE), ..F32 };
+        let worst = check_model(&gpu, model, &f32)?;
         eprintln!("{model} (wgpu): worst relative error {worst:.3e}");
     }
     Ok(())
@@ -341,13 +355,13 @@ fn wgpu_generates_what_transformers_generates() -> TestResult {
 
 /// f16 weights and f16 K/V pages on wgpu: HF's greedy tokens (HF ran in f32 over the
 /// original weights), every hidden row within the issue-13 bound of 5e-3, and the
-/// cached rounds bit-identical to the first.
+/// cached rounds within 1e-3 of the first.
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_f16_generates_what_transformers_generates() -> TestResult {
     let Some(gpu) = gpu() else { return Ok(()) };
     let gpu = Arc::new(gpu);
-    let f16 = Precision { dtype: Some(Dtype::F16), kv_dtype: Dtype::F16, tolerance: 5e-3 };
+    let f16 = Precision { dtype: Some(Dtype::F16), kv_dtype: Dtype::F16, tolerance: 5e-3, cached: Some(1e-3) };
     for (model, _, _) in MODELS {
         let worst = check_model(&gpu, model, &f16)?;
         eprintln!("{model} (wgpu f16): worst relative error {worst:.3e}");

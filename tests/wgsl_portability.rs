@@ -155,7 +155,7 @@ fn workgroup_bytes(module: &naga::Module, info: &ModuleInfo, ep: usize) -> u32 {
 fn every_entry_point_fits_the_webgpu_default_workgroup_memory() {
     let limit = wgpu::Limits::default().max_compute_workgroup_storage_size;
     for path in shader_files() {
-        let (module, info) = validated(&path, PRELUDES[0]);
+        let (module, info) = validated(&path, true);
         for (ep, entry) in module.entry_points.iter().enumerate() {
             let bytes = workgroup_bytes(&module, &info, ep);
             assert!(bytes <= limit, "{} {}: {bytes} B of workgroup memory > {limit}", path.display(), entry.name);
