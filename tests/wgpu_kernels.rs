@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
-use omniprefix::backend::wgpu::{WgpuBackend, prefill_tiles};
+use omniprefix::backend::wgpu::{WgpuBackend, prefill_slots, prefill_tiles};
 use omniprefix::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec, Dtype};
 use omniprefix::index::BlockId;
 use omniprefix::{Error, Result};
@@ -154,12 +154,12 @@ fn f16_pages_match_cpu_f16_pages_for_mixed_batches_and_gqa() {
     mixed_batches_match_cpu(&gpu, Dtype::F16, 13);
 }
 
-/// Random varlen batches (GQA 1/2/4, odd block sizes) over pages of `kv_dtype`:
+/// Random varlen batches (GQA 1/2/4/8/3/6, odd block sizes) over pages of `kv_dtype`:
 /// the routed kernels and the prefill kernel alone against the CPU.
 fn mixed_batches_match_cpu(gpu: &WgpuBackend, kv_dtype: Dtype, seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     for case in 0..cases() {
-        let group = [1, 2, 4][case as usize % 3];
+        let group = [1, 2, 4, 8, 3, 6][case as usize % 6];
         let kv_heads = rng.random_range(1..3);
         let head_dim = [8, 12, 16][rng.random_range(0..3)];
         let block_size = [4, 5, 16][rng.random_range(0..3)];
@@ -386,16 +386,17 @@ fn long_contexts_span_several_key_tiles_in_both_kernels() {
     assert_close("long contexts, prefill kernel", &gpu.download(&prefill).unwrap(), &want);
 }
 
-/// Lens that put the prefill kernel's tile edges (TQ query rows, KT keys) where bugs
-/// hide: num_new below, equal to and above TQ (several query tiles, the last partial),
-/// prefixes on a K tile edge and mid tile, rows straddling a K tile edge, a decode row.
-fn tile_edge_lens(rng: &mut ChaCha8Rng, (tq, kt): (usize, usize)) -> Vec<(usize, usize)> {
+/// Lens that put the prefill kernel's tile edges (`rows` query rows per tile, KT keys)
+/// where bugs hide: num_new below, equal to and above `rows` (several query tiles, the
+/// last partial when rows > 1), prefixes on a K tile edge and mid tile, rows straddling a
+/// K tile edge, a decode row.
+fn tile_edge_lens(rng: &mut ChaCha8Rng, rows: usize, kt: usize) -> Vec<(usize, usize)> {
     let mut lens = vec![
-        (kt, tq),                                                                // equal, prefix on an edge
-        (kt + rng.random_range(1..kt.max(2)), 2 * tq + rng.random_range(1..tq)), // above, last tile partial
-        (rng.random_range(0..kt), tq - 1),                                       // below
-        (kt - 1, tq + 1),                                                        // row 0 sees exactly KT keys
-        (rng.random_range(1..2 * kt), 1),                                        // decode row
+        (kt, rows),                                                                      // equal, prefix on an edge
+        (kt + rng.random_range(1..kt.max(2)), 2 * rows + rng.random_range(1..rows.max(2))), // above, last tile partial
+        (rng.random_range(0..kt), (rows - 1).max(2)),                                   // below (or 2 one-row tiles)
+        (kt - 1, rows + 1),                                                              // row 0 sees exactly KT keys
+        (rng.random_range(1..2 * kt), 1),                                                // decode row
     ];
     lens.shuffle(rng);
     lens
@@ -421,48 +422,64 @@ fn prefill_matches_cpu(
     assert_close(&format!("{what}, routed"), &gpu.download(&routed).unwrap(), &want);
 }
 
-/// The tiled prefill kernel on random batches at its tile edges: head dims with every
-/// tile shape (8 and 12: TQ 16 / KT 64; 24; 40: KT 51; 128: 8 / 16; 256: 4 / 8; then
-/// random 1..=256), GQA 1/2/4, f32 and f16 pages, odd block sizes.
+/// The tiled prefill kernel on random batches at its tile edges, f32 and f16 pages, odd
+/// block sizes: head dims with every tile shape (8 and 12: TQ 16 / KT 64; 24; 40: KT 51;
+/// 128: 8 / 16; 256: 4 / 8) crossed with GQA groups that fill a tile's query slots with
+/// several rows (1, 2, 4, 8 at TQ 16), leave slots idle (3 and 6 do not divide TQ), are
+/// one row per tile (8 at TQ 8, 2 at TQ 4) or split over workgroups (8 and 5 at TQ 4);
+/// then random head dims 1..=256 and groups 1..=8.
 #[test]
 fn tiled_prefill_matches_cpu_at_tile_edges_for_every_head_dim() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(17);
-    let head_dims = [8, 24, 40, 128, 256, 12];
+    let fixed = [(8, 1), (24, 2), (40, 4), (64, 8), (128, 8), (256, 8), (256, 5), (12, 3), (128, 3), (16, 6), (256, 2)];
+    let mut shapes: Vec<(usize, usize, Dtype)> =
+        fixed.iter().flat_map(|&(d, g)| [(d, g, Dtype::F32), (d, g, Dtype::F16)]).collect();
     for case in 0..cases() {
-        let head_dim = head_dims.get(case as usize).copied().unwrap_or_else(|| rng.random_range(1..=256));
-        let group = [1, 2, 4][case as usize % 3];
         let kv_dtype = [Dtype::F32, Dtype::F16][case as usize % 2];
+        shapes.push((rng.random_range(1..=256), rng.random_range(1..=8), kv_dtype));
+    }
+    for (case, (head_dim, group, kv_dtype)) in shapes.into_iter().enumerate() {
         // f16 pages hold whole pairs: an odd head_dim needs an even number of KV heads.
         let kv_heads = if kv_dtype == Dtype::F16 && head_dim % 2 == 1 { 2 } else { rng.random_range(1..3) };
         let block_size = [4, 5, 16][rng.random_range(0..3)];
         let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
         let tiles = prefill_tiles(head_dim);
-        let lens = tile_edge_lens(&mut rng, tiles);
+        let (rows, tile_heads) = prefill_slots(tiles.0, group);
+        let lens = tile_edge_lens(&mut rng, rows, tiles.1);
         let num_blocks = lens.iter().map(|&(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 3;
         let spec = PagesSpec { num_layers: 1, num_blocks, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype };
-        let what = format!("case {case} {kv_dtype} {heads:?} tiles {tiles:?} block {block_size} lens {lens:?}");
+        let what = format!(
+            "case {case} {kv_dtype} {heads:?} tiles {tiles:?} slots {rows} x {tile_heads} block {block_size} lens {lens:?}"
+        );
         prefill_matches_cpu(&gpu, &mut rng, spec, heads, &lens, &what);
     }
 }
 
 /// The tiled prefill kernel reads K/V tiles whose keys lie in both chunks of a pool
-/// split over two bindings, f32 and f16 pages.
+/// split over two bindings, f32 and f16 pages, GQA groups 1, 2 and 8 (one K/V tile for
+/// several heads, whose slots then hold fewer rows).
 #[test]
 fn tiled_prefill_reads_tiles_across_pool_chunks() {
     let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(18);
-    let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
-    let tiles = prefill_tiles(8);
-    for (kv_dtype, elem_bytes) in [(Dtype::F32, 4), (Dtype::F16, 2)] {
-        // Blocks of 4 slots x 8 dims: two chunks' worth under the small binding.
-        let num_blocks = 2 * SMALL_BINDING as usize / (4 * 8 * elem_bytes);
-        let spec = PagesSpec { num_layers: 1, num_blocks, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype };
-        // q and out must fit the small binding too: at most 64 rows of 16 f32.
-        let lens = [(tiles.1, tiles.0), (tiles.1 + 6, tiles.0 + 1), (0, tiles.0 - 1), (13, 1)];
-        let pages = gpu.alloc_pages(spec).unwrap();
-        assert_eq!(pages.layer("test", 0).unwrap().k.num_chunks(), 2, "K pool must be split");
-        prefill_matches_cpu(&gpu, &mut rng, spec, heads, &lens, &format!("split {kv_dtype} pool, tiles {tiles:?}"));
+    let (tq, kt) = prefill_tiles(8);
+    for group in [1, 2, 8] {
+        let heads = AttnHeads { num_heads: group, kv_heads: 1, head_dim: 8 };
+        let (rows, _) = prefill_slots(tq, group);
+        for (kv_dtype, elem_bytes) in [(Dtype::F32, 4), (Dtype::F16, 2)] {
+            // Blocks of 4 slots x 8 dims: two chunks' worth under the small binding.
+            let num_blocks = 2 * SMALL_BINDING as usize / (4 * 8 * elem_bytes);
+            let spec = PagesSpec { num_layers: 1, num_blocks, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype };
+            // q and out must fit the small binding too: at most 1024 floats (49 rows of 8,
+            // 25 of 16, 8 of 64 here).
+            let lens = [(kt, rows), (kt + 6, rows + 1), (0, (rows - 1).max(2)), (13, 1)];
+            assert!(lens.iter().map(|l| l.1).sum::<usize>() * group * 8 <= 1024, "q fits the small binding");
+            let pages = gpu.alloc_pages(spec).unwrap();
+            assert_eq!(pages.layer("test", 0).unwrap().k.num_chunks(), 2, "K pool must be split");
+            let what = format!("split {kv_dtype} pool, group {group}, tiles {tq} x {kt}, {rows} rows");
+            prefill_matches_cpu(&gpu, &mut rng, spec, heads, &lens, &what);
+        }
     }
 }
 

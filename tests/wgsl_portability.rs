@@ -167,7 +167,7 @@ fn every_entry_point_fits_the_webgpu_default_workgroup_memory() {
 mod limits {
     use omniprefix::error::GpuError;
     use omniprefix::Error;
-    use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool, prefill_tiles};
+    use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool, prefill_slots, prefill_tiles};
 
     /// The prefill kernel's tiles fit its workgroup arrays (queries 1024 f32, a K/V tile
     /// 2048, scores 1024) and its 64 invocations (16 accumulated dims each at most).
@@ -182,7 +182,20 @@ mod limits {
             assert!(tq.is_power_of_two() && tq <= 16 && kt >= 1, "head_dim {head_dim}: {tq} x {kt}");
             assert!(tq * head_dim <= 1024 && kt * head_dim <= 2048 && tq * kt <= 1024, "head_dim {head_dim}");
             assert!((head_dim * tq).div_ceil(64) <= 16, "head_dim {head_dim}: dims per invocation");
+            // A tile's query slots hold (row, head) pairs of one GQA group: never more than
+            // TQ, every head of the group in some workgroup, at least one row per tile.
+            for group in 1..=8 {
+                let (rows, heads) = prefill_slots(tq, group);
+                assert!(rows >= 1 && heads >= 1 && rows * heads <= tq, "head_dim {head_dim} group {group}");
+                assert!(heads == group || (rows == 1 && heads == tq), "head_dim {head_dim} group {group}");
+            }
         }
+        assert_eq!(prefill_slots(16, 1), (16, 1));
+        assert_eq!(prefill_slots(16, 8), (2, 8));
+        assert_eq!(prefill_slots(16, 3), (5, 3));
+        assert_eq!(prefill_slots(8, 8), (1, 8));
+        assert_eq!(prefill_slots(4, 8), (1, 4)); // two workgroups of 4 heads
+        assert_eq!(prefill_slots(4, 5), (1, 4)); // 4 heads, then 1
     }
 
     #[test]

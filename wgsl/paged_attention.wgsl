@@ -6,16 +6,17 @@
 //   [q_row, visible, table_offset]
 // where `visible` is how many keys the row attends to (causal with offset:
 // num_computed + i + 1 for new row i); the prefill entry point describes query tiles
-// (up to TQ consecutive new rows of one sequence) as u32 quads
+// (up to TQ_ROWS consecutive new rows of one sequence) as u32 quads
 //   [q_row0, n_q, visible0, table_offset]
 // where row i < n_q of the tile is q row q_row0 + i and sees visible0 + i keys. Either
 // way `row_info[table_offset..]` is the sequence's block table. A pool bigger than one
 // storage binding is split into two chunks of `blocks_per_chunk` whole blocks.
 //
 // Entry points:
-//   paged_prefill_attention: one workgroup per (query tile, query head); the tile's
-//     queries are loaded once, then K and V tiles of KT keys go through workgroup memory
-//     (16 KiB in all) with an online softmax per query row.
+//   paged_prefill_attention: one workgroup per (query tile, kv head, head subset): its
+//     TQ query slots are (row, query head) pairs of the tile's rows and TQ_HEADS heads of
+//     the GQA group, so each K and V tile of KT keys read into workgroup memory (16 KiB
+//     in all) serves every head of the group; online softmax per slot.
 //   paged_decode_partial: one workgroup per (row, kv head, split); all query heads of the
 //     GQA group share each K/V element read; writes partial (max, sum, acc) per split.
 //   paged_decode_reduce: merges the splits of each (row, head).
@@ -31,9 +32,14 @@ override NUM_KV_HEADS: u32 = 1u;
 override BLOCK_SIZE: u32 = 16u;
 override KV_F16: bool = false;
 // Prefill tile sizes, set by the host for HEAD_DIM (ops/attention.rs, prefill_tiles):
-// TQ a power of two <= min(16, 1024 / HEAD_DIM), KT <= min(64, 2048 / HEAD_DIM).
+// TQ query slots, a power of two <= min(16, 1024 / HEAD_DIM), KT <= min(64, 2048 / HEAD_DIM).
+// Slot s holds row s / TQ_HEADS of the tile and head s % TQ_HEADS of the workgroup's head
+// subset (prefill_slots): TQ_HEADS = min(group, TQ) heads, TQ_ROWS = max(1, TQ / group)
+// rows; slots past TQ_ROWS * TQ_HEADS, and heads past the group's last, are idle.
 override TQ: u32 = 16u;
 override KT: u32 = 32u;
+override TQ_ROWS: u32 = 16u;
+override TQ_HEADS: u32 = 1u;
 
 const WG: u32 = 64u;
 const MAX_HEAD_DIM: u32 = 256u;
@@ -74,14 +80,25 @@ var<workgroup> st_sh: array<f32, 1024>;  // TQ * KT
 
 // kv_at, load_k, load_v: see paged_kv.wgsl, the prelude this file is compiled after.
 
-// Loads the tile's query rows into qt_sh, pre-scaled by 1/sqrt(HEAD_DIM); rows past
-// n_q are zero.
-fn load_q_tile(lid: u32, q_row0: u32, n_q: u32, h: u32) {
+// The query slots of a workgroup: slot s is row row_of(s) of the tile and query head
+// head0 + s % TQ_HEADS; live while that row is < n_q and that head is in the group.
+fn row_of(s: u32) -> u32 {
+    return s / TQ_HEADS;
+}
+
+fn slot_live(s: u32, n_q: u32, heads_left: u32) -> bool {
+    return s < TQ_ROWS * TQ_HEADS && row_of(s) < n_q && s % TQ_HEADS < heads_left;
+}
+
+// Loads the slots' queries into qt_sh (`[TQ, HEAD_DIM]`), pre-scaled by 1/sqrt(HEAD_DIM);
+// idle slots are zero. `heads_left`: heads of the group from head0 on.
+fn load_q_tile(lid: u32, q_row0: u32, n_q: u32, head0: u32, heads_left: u32) {
     for (var e = lid; e < TQ * HEAD_DIM; e += WG) {
-        let i = e / HEAD_DIM;
+        let s = e / HEAD_DIM;
         var x = 0.0;
-        if (i < n_q) {
-            x = q[((q_row0 + i) * NUM_HEADS + h) * HEAD_DIM + e % HEAD_DIM] * p.scale;
+        if (slot_live(s, n_q, heads_left)) {
+            let h = head0 + s % TQ_HEADS;
+            x = q[((q_row0 + row_of(s)) * NUM_HEADS + h) * HEAD_DIM + e % HEAD_DIM] * p.scale;
         }
         qt_sh[e] = x;
     }
@@ -99,13 +116,14 @@ fn load_kv_tile(lid: u32, table: u32, t0: u32, n_t: u32, kvh: u32, is_v: bool) {
     }
 }
 
-// Scores of query row i against the keys in kvt_sh it may see (causal: key t0 + t is
-// visible to row i while t0 + t < visible0 + i), into st_sh (`[TQ, KT]`).
-fn score_tile(lid: u32, n_q: u32, visible0: u32, t0: u32) {
+// Scores of query slot i against the keys in kvt_sh its row may see (causal: key t0 + t
+// is visible to row r while t0 + t < visible0 + r, for every head of the row), into
+// st_sh (`[TQ, KT]`).
+fn score_tile(lid: u32, n_q: u32, heads_left: u32, visible0: u32, t0: u32) {
     for (var e = lid; e < TQ * KT; e += WG) {
         let i = e / KT;
         let t = e % KT;
-        if (i < n_q && t0 + t < visible0 + i) {
+        if (slot_live(i, n_q, heads_left) && t0 + t < visible0 + row_of(i)) {
             // Each key's dot product starts at its own dim, so neighbouring invocations
             // (neighbouring keys, rows HEAD_DIM apart) read different banks of kvt_sh.
             var dot = 0.0;
@@ -119,10 +137,11 @@ fn score_tile(lid: u32, n_q: u32, visible0: u32, t0: u32) {
     }
 }
 
-// Query tiles (FlashAttention-2 style): one workgroup per (tile, query head). The tile's
-// queries stay in workgroup memory while K/V tiles of KT keys stream through it; each
-// invocation owns one query row and every (WG / TQ)-th head dim of it, with its own
-// running max m and sum l (the lanes of a row compute the same m and l).
+// Query tiles (FlashAttention-2 style): one workgroup per (tile, kv head, head subset).
+// The slots' queries stay in workgroup memory while K/V tiles of KT keys stream through
+// it, each read once for all TQ_HEADS heads; each invocation owns one slot and every
+// (WG / TQ)-th head dim of it, with its own running max m and sum l (the lanes of a slot
+// compute the same m and l).
 @compute @workgroup_size(WG)
 fn paged_prefill_attention(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -130,8 +149,11 @@ fn paged_prefill_attention(
     @builtin(local_invocation_index) lid: u32,
 ) {
     let flat = wid.x + wid.y * nwg.x;
-    let h = flat % NUM_HEADS;
-    let tile = flat / NUM_HEADS;
+    let group = NUM_HEADS / NUM_KV_HEADS;
+    let subsets = (group + TQ_HEADS - 1u) / TQ_HEADS;
+    let sub = flat % subsets;
+    let kvh = (flat / subsets) % NUM_KV_HEADS;
+    let tile = flat / (subsets * NUM_KV_HEADS);
     if (tile >= p.n_rows) {
         return;
     }
@@ -139,14 +161,16 @@ fn paged_prefill_attention(
     let n_q = row_info[4u * tile + 1u];
     let visible0 = row_info[4u * tile + 2u];
     let table = row_info[4u * tile + 3u];
-    let kvh = h / (NUM_HEADS / NUM_KV_HEADS);
+    let head0 = kvh * group + sub * TQ_HEADS;
+    let heads_left = group - sub * TQ_HEADS;
     let lanes = WG / TQ;
     let i = lid / lanes;
     let lane = lid % lanes;
-    // Keys row i sees; the tile's last row sees the most.
-    let visible = visible0 + i;
+    let live = slot_live(i, n_q, heads_left);
+    // Keys slot i's row sees; the tile's last row sees the most.
+    let visible = visible0 + row_of(i);
     let keys = visible0 + n_q - 1u;
-    load_q_tile(lid, q_row0, n_q, h);
+    load_q_tile(lid, q_row0, n_q, head0, heads_left);
 
     var m = NEG_BIG;
     var l = 0.0;
@@ -155,13 +179,13 @@ fn paged_prefill_attention(
         let n_t = min(KT, keys - t0);
         load_kv_tile(lid, table, t0, n_t, kvh, false);
         workgroupBarrier();
-        score_tile(lid, n_q, visible0, t0);
+        score_tile(lid, n_q, heads_left, visible0, t0);
         workgroupBarrier();
         load_kv_tile(lid, table, t0, n_t, kvh, true);
         workgroupBarrier();
 
-        // Online softmax over the keys of this tile row i sees (none for rows past n_q).
-        let n_vis = select(0u, min(n_t, visible - min(visible, t0)), i < n_q);
+        // Online softmax over the keys of this tile slot i's row sees (none if idle).
+        let n_vis = select(0u, min(n_t, visible - min(visible, t0)), live);
         var m_new = m;
         for (var t = 0u; t < n_vis; t++) {
             m_new = max(m_new, st_sh[i * KT + t]);
@@ -184,8 +208,8 @@ fn paged_prefill_attention(
         m = m_new;
         workgroupBarrier();
     }
-    if (i < n_q) {
-        let out_base = ((q_row0 + i) * NUM_HEADS + h) * HEAD_DIM;
+    if (live) {
+        let out_base = ((q_row0 + row_of(i)) * NUM_HEADS + head0 + i % TQ_HEADS) * HEAD_DIM;
         for (var k = 0u; k < ACC_PER_THREAD; k++) {
             let d = lane + k * lanes;
             if (d < HEAD_DIM) {

@@ -19,7 +19,7 @@ mod tensor;
 
 pub use backend::{WgpuBackend, WgpuPages};
 pub use context::{GpuContext, GpuOptions, check_limits};
-pub use ops::attention::{KvPools, decode_split_len, prefill_tiles};
+pub use ops::attention::{KvPools, decode_split_len, prefill_slots, prefill_tiles};
 pub use ops::moe::Routing;
 pub use pipelines::Shader;
 pub use pool::{PagedPool, PoolPlan, plan_pool};

@@ -1,6 +1,7 @@
-//! Paged attention: prefill (any number of new rows per sequence, in query tiles of up
-//! to TQ rows that share each K/V tile read into workgroup memory) and decode (one row
-//! per sequence, GQA groups sharing K/V reads, split-KV with a reduce pass).
+//! Paged attention: prefill (any number of new rows per sequence, in query tiles whose
+//! TQ query slots are (row, head) pairs of one GQA group, see [`prefill_slots`], so each
+//! K/V tile read into workgroup memory serves every head of the group) and decode (one
+//! row per sequence, GQA groups sharing K/V reads, split-KV with a reduce pass).
 //!
 //! Decode's partial pass has two kernels with the same bindings and partial layout:
 //! `paged_decode_subgroup` (`wgsl/paged_decode_subgroup.wgsl`) where the device has
@@ -145,6 +146,15 @@ pub fn prefill_tiles(head_dim: usize) -> (usize, usize) {
     (tq, kt)
 }
 
+/// How the prefill kernel fills a tile's `tq` query slots for GQA groups of `group` query
+/// heads: (rows per tile, heads per workgroup). Slot s is row s / heads of the tile and
+/// head s % heads of the workgroup's head subset; a group wider than `tq` (head_dim 256,
+/// TQ 4, group 8) is split over `group.div_ceil(heads)` workgroups of one row each.
+pub fn prefill_slots(tq: usize, group: usize) -> (usize, usize) {
+    let heads = group.clamp(1, tq);
+    ((tq / heads).max(1), heads)
+}
+
 /// The prefill kernel's query tiles: `[q_row0, n_q, visible0, table_offset]` per tile of
 /// up to `tq` consecutive new rows of one sequence (row i of a tile sees visible0 + i
 /// keys), then the block tables (only the blocks each sequence needs). Also the count.
@@ -185,8 +195,8 @@ impl GpuContext {
         Ok(out)
     }
 
-    /// Attention with the prefill kernel for every sequence (one workgroup per query tile
-    /// and head; sequences with one new row get a tile of one row).
+    /// Attention with the prefill kernel for every sequence (one workgroup per query tile,
+    /// KV head and head subset; sequences with one new row get a tile of one row).
     pub fn paged_prefill_attention(
         &self,
         q: &GpuTensor,
@@ -265,12 +275,24 @@ impl GpuContext {
         out: &GpuTensor,
     ) -> Result<()> {
         let (tq, kt) = prefill_tiles(heads.head_dim);
-        let (tiles, n_tiles) = tile_info(seqs, kv.k.block_size, tq);
+        let group = heads.num_heads / heads.kv_heads;
+        let (tile_rows, tile_heads) = prefill_slots(tq, group);
+        let (tiles, n_tiles) = tile_info(seqs, kv.k.block_size, tile_rows);
         if n_tiles == 0 {
             return Ok(());
         }
         let [hd, nh, nkv, bs, f16] = Self::attention_constants(heads, kv);
-        let constants = [hd, nh, nkv, bs, f16, ("TQ", tq as u32), ("KT", kt as u32)];
+        let constants = [
+            hd,
+            nh,
+            nkv,
+            bs,
+            f16,
+            ("TQ", tq as u32),
+            ("KT", kt as u32),
+            ("TQ_ROWS", tile_rows as u32),
+            ("TQ_HEADS", tile_heads as u32),
+        ];
         let pipeline = self.pipeline(Shader::PagedAttention, "paged_prefill_attention", &constants)?;
         let info = self.storage_from("attention tiles", &tiles)?;
         // `n_rows` counts tiles for this kernel.
@@ -279,7 +301,8 @@ impl GpuContext {
         let (v0, v1) = Self::pool_bindings(kv.v);
         let (q, out) = (self.whole(q, "paged_attention")?, self.whole(out, "paged_attention")?);
         let bindings = [(0, &uniform), (1, q), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, out)];
-        self.dispatch("paged_prefill_attention", &pipeline, &bindings, (n_tiles * heads.num_heads) as u64)
+        let workgroups = n_tiles * heads.kv_heads * group.div_ceil(tile_heads);
+        self.dispatch("paged_prefill_attention", &pipeline, &bindings, workgroups as u64)
     }
 
     fn run_decode(
