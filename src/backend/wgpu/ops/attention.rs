@@ -1,13 +1,15 @@
 //! Paged attention: prefill (any number of new rows per sequence, in query tiles whose
-//! TQ query slots are (row, head) pairs of one GQA group, see [`prefill_slots`], so each
-//! K/V tile read into workgroup memory serves every head of the group) and decode (one
-//! row per sequence, GQA groups sharing K/V reads, split-KV with a reduce pass).
+//! TQ query slots are (row, head) pairs of one GQA group, see
+//! [`prefill_slots`](crate::backend::wgpu::prefill_slots), so each K/V tile read into
+//! workgroup memory serves every head of the group) and decode (one row per sequence,
+//! GQA groups sharing K/V reads, split-KV with a reduce pass).
 //!
 //! Decode's partial pass has two kernels with the same bindings and partial layout:
 //! `paged_decode_subgroup` (`wgsl/paged_decode_subgroup.wgsl`) where the device has
-//! subgroups ([`GpuContext::has_subgroups`]): the lanes of a subgroup split one key's
-//! head dims, so K reads are coalesced, and `subgroupAdd` reduces the dots; otherwise the
-//! portable `paged_decode_partial`, one key per invocation. Both feed `paged_decode_reduce`.
+//! subgroups ([`has_subgroups`](crate::backend::wgpu::GpuContext::has_subgroups)): the
+//! lanes of a subgroup split one key's head dims, so K reads are coalesced, and
+//! `subgroupAdd` reduces the dots; otherwise the portable `paged_decode_partial`, one key
+//! per invocation. Both feed `paged_decode_reduce`.
 
 use bytemuck::{Pod, Zeroable};
 
