@@ -19,7 +19,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::Dtype;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request};
 use omniprefix::model::{CaptureName, Config, Thinker};
 use omniprefix::prompt::OmniTokens;
 use proptest::prelude::*;
@@ -143,7 +143,7 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
     let mut rows = || Array2::from_shape_simple_fn((tokens.max(1), HIDDEN), || rng.random::<f32>() * 2.0 - 1.0);
     let embeddings = Arc::new(rows());
     let deepstack = (case.deepstack_levels > 0).then(|| Arc::new((0..case.deepstack_levels).map(|_| rows()).collect::<Vec<_>>()));
-    let request = |ids: &Vec<u32>| PrefillRequest {
+    let request = |ids: &Vec<u32>| Request {
         token_ids: ids.clone(),
         items: match case.grid.filter(|_| ids.contains(&IMAGE_PAD)) {
             Some(grid_thw) => vec![ItemInput {
@@ -164,9 +164,9 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
         let mut engine = Engine::new(Arc::clone(&backend), Arc::clone(&thinker), config(cache))
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         if warm {
-            engine.prefill(request(&case.warm)).map_err(|e| TestCaseError::fail(format!("warm: {e}")))?;
+            engine.run(request(&case.warm)).map_err(|e| TestCaseError::fail(format!("warm: {e}")))?;
         }
-        let out = engine.prefill(request(&case.main)).map_err(|e| TestCaseError::fail(format!("main: {e}")))?;
+        let out = engine.run(request(&case.main)).map_err(|e| TestCaseError::fail(format!("main: {e}")))?;
         engine.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
         Ok(out)
     };
@@ -210,8 +210,8 @@ fn a_warm_prefix_is_actually_reused() -> Result<(), TestCaseError> {
     let thinker = Arc::new(Thinker::random(&backend, model(1), 9).map_err(|e| TestCaseError::fail(e.to_string()))?);
     let config = EngineConfig { block_size: 4, tokens: Some(OmniTokens::tiny()), ..Default::default() };
     let mut engine = Engine::new(Arc::new(backend), thinker, config).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    engine.prefill(PrefillRequest::text(case.warm.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    let out = engine.prefill(PrefillRequest::text(case.main.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    engine.run(Request::text(case.warm.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let out = engine.run(Request::text(case.main.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
     // All 30 warm positions: 7 full blocks and the partly filled eighth.
     prop_assert_eq!(out.num_cached_tokens, 30);
     Ok(())

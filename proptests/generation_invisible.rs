@@ -8,7 +8,7 @@
 //! About a quarter of the cases preempt (measured: 52 of 200). Cases default
 //! to 32 (under a second); scale with `PROPTEST_CASES`.
 
-use omniprefix::engine::{Engine, EngineConfig, Event, Generation, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, Event, Output, Request};
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::sample::SamplingParams;
 use proptest::prelude::*;
@@ -91,14 +91,14 @@ fn fail(e: omniprefix::Error) -> TestCaseError {
 }
 
 /// Runs `prompts` on `engine` all at once, stepping to the end; generations by request order.
-fn run_all(engine: &mut Engine, prompts: &[(Vec<u32>, SamplingParams)]) -> Result<Vec<Generation>, TestCaseError> {
+fn run_all(engine: &mut Engine, prompts: &[(Vec<u32>, SamplingParams)]) -> Result<Vec<Output>, TestCaseError> {
     for (p, s) in prompts {
-        engine.submit_generate(PrefillRequest::text(p.clone()), s.clone()).map_err(fail)?;
+        engine.submit(Request::text(p.clone()).generate(s.clone())).map_err(fail)?;
     }
     let mut got = Vec::new();
     while engine.has_pending() {
         for event in engine.step().map_err(fail)? {
-            if let Event::Generated(g) = event {
+            if let Event::Finished(g) = event {
                 got.push(g);
             }
         }
@@ -108,7 +108,7 @@ fn run_all(engine: &mut Engine, prompts: &[(Vec<u32>, SamplingParams)]) -> Resul
     Ok(got)
 }
 
-fn same(what: &str, got: &Generation, want: &Generation) -> Result<(), TestCaseError> {
+fn same(what: &str, got: &Output, want: &Output) -> Result<(), TestCaseError> {
     prop_assert_eq!(&got.tokens, &want.tokens, "{}: tokens", what);
     for ((name, g), (_, w)) in got.hidden.iter().zip(&want.hidden) {
         prop_assert_eq!(g.dim(), w.dim(), "{}: {} shape", what, name);

@@ -82,6 +82,15 @@ pub enum EventsError {
     Start { reason: String },
 }
 
+/// The message of a caught panic (`&str` or `String` payloads; a placeholder otherwise).
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with no message".into())
+}
+
 /// Crate-wide result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -105,6 +114,10 @@ pub enum RequestError {
     /// NaN or ±Inf inside an item's content.
     #[error("item {item}: non-finite value at flat index {index}")]
     NonFinite { item: usize, index: usize },
+    /// NaN or ±Inf in an item's embeddings or DeepStack rows (given with the
+    /// request or returned by its encoder): cached, they would poison every later hit.
+    #[error("item {item}: non-finite {what} value at row {row}, column {column}")]
+    NonFiniteEmbeddings { item: usize, what: EmbeddingPart, row: usize, column: usize },
     /// An item with no bytes or no rows.
     #[error("item {item}: empty ({what})")]
     EmptyItem { item: usize, what: &'static str },
@@ -178,9 +191,14 @@ pub enum RequestError {
     DeepStackMismatch { id: u64, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
 
     // ---- admission ----
-    /// A prompt (plus the tokens it may generate) longer than the model's context.
-    #[error("request {id}: {len} positions (prompt + max new tokens) exceed the model context of {max}")]
-    ContextTooLong { id: u64, len: usize, max: usize },
+    /// A sequence longer than the model's context: the prompt plus the
+    /// positions its generated tokens may take (every sampled token but the
+    /// last runs, unless `run_last_token`).
+    #[error(
+        "request {id}: a prompt of {prompt_len} positions + {max_new_tokens} generated positions = {len}, \
+         over the model context of {max}"
+    )]
+    ContextTooLong { id: u64, prompt_len: usize, max_new_tokens: usize, len: usize, max: usize },
     /// A token appended past the request's `max_new_tokens`.
     #[error("request {id}: cannot grow past its {max_new_tokens} new tokens")]
     GenerationLimit { id: u64, max_new_tokens: usize },
@@ -196,15 +214,25 @@ pub enum RequestError {
     /// non-finite temperature, `top_p` outside (0, 1], `top_k` of 0).
     #[error("sampling parameter {param} = {found}: expected {expected}")]
     InvalidSampling { param: &'static str, expected: &'static str, found: String },
-    /// A generation whose positions (prompt + generated tokens that run) exceed the model context.
-    #[error(
-        "prompt of {prompt_len} tokens + {max_tokens} generated tokens needs {positions} positions, \
-         over the model context of {max_context}"
-    )]
-    GenerationExceedsContext { prompt_len: usize, max_tokens: usize, positions: usize, max_context: usize },
     /// A stop token id at or past the vocabulary size.
     #[error("stop token id {id} is not below the vocab size {vocab_size}")]
     StopIdOutOfVocab { id: u32, vocab_size: usize },
+}
+
+/// Which of an item's encoder outputs a [`RequestError::NonFiniteEmbeddings`] is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EmbeddingPart {
+    Embeddings,
+    DeepStack { level: usize },
+}
+
+impl fmt::Display for EmbeddingPart {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EmbeddingPart::Embeddings => f.write_str("embedding"),
+            EmbeddingPart::DeepStack { level } => write!(f, "DeepStack level {level}"),
+        }
+    }
 }
 
 /// A request file (JSON) or a tensor file it names.
@@ -297,6 +325,15 @@ pub enum SchedError {
     /// Outputs came back for a request the scheduler did not finish with that batch.
     #[error("request {id} returned outputs but the scheduler did not finish it")]
     OutputsBeforeFinish { id: u64 },
+    /// `Engine::run` on an engine with other requests pending (their events would be lost).
+    #[error("the engine has {pending} other request(s) pending: step it instead of running one request")]
+    Busy { pending: usize },
+    /// A served engine's loop is gone (the engine was dropped, or it panicked).
+    #[error("the served engine has stopped: {reason}")]
+    Stopped { reason: String },
+    /// A step failed and dropped this request with the others of its batch.
+    #[error("request {id} was dropped by a failed step: {reason}")]
+    StepFailed { id: u64, reason: String },
 }
 
 /// The prefix index or the KV block pool used against its contract, or

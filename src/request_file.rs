@@ -34,7 +34,7 @@ use serde::Deserialize;
 
 use crate::batch::DeepStack;
 use crate::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use crate::engine::{ItemInput, PlaceholderForm, PrefillRequest};
+use crate::engine::{ItemInput, PlaceholderForm, Request};
 use crate::error::{Error, IoError, RequestFileError, Result};
 use crate::prompt::{OmniTokens, TenantSalt};
 
@@ -183,7 +183,7 @@ impl RequestFile {
 
     /// The engine request, borrowing the loaded tensors; unexpanded item
     /// segments become one pad id of `tokens`.
-    pub fn request(&self, tokens: &OmniTokens) -> PrefillRequest<'_> {
+    pub fn request(&self, tokens: &OmniTokens) -> Request<'_> {
         let mut token_ids = Vec::new();
         for segment in &self.segments {
             match segment {
@@ -215,7 +215,7 @@ impl RequestFile {
                 deepstack: item.deepstack.clone(),
             })
             .collect();
-        PrefillRequest { tenant: self.tenant, token_ids, placeholders, items }
+        Request { tenant: self.tenant, token_ids, placeholders, items, ..Default::default() }
     }
 }
 

@@ -26,12 +26,11 @@ use crate::error::RequestError;
 /// let params: SamplingParams =
 ///     serde_json::from_str(r#"{"max_tokens": 32, "temperature": 0.7, "top_p": 0.9, "seed": 7}"#)?;
 /// assert_eq!((params.max_tokens, params.top_k, params.ignore_eos), (32, None, false));
-/// params.check(1000, 100, Some(4096))?;
+/// params.check(1000)?;
 ///
 /// // A prompt of 100 tokens and 32 generated ones need 100 + 32 - 1 positions:
 /// // the last token is sampled but never runs (unless `run_last_token`).
-/// assert!(params.check(1000, 100, Some(131)).is_ok());
-/// assert!(params.check(1000, 100, Some(130)).is_err());
+/// assert_eq!(params.positions_needed(100), 131);
 ///
 /// // The checkpoint's eos ids stop generation unless `stop` replaces them.
 /// assert_eq!(params.stop_ids(&[2, 3]), &[2, 3]);
@@ -87,17 +86,16 @@ impl SamplingParams {
             .saturating_sub(usize::from(!self.run_last_token))
     }
 
-    /// Checks the parameters against the model (`vocab_size`, `max_context`
-    /// positions, `None` = no limit) and a prompt of `prompt_len` tokens.
+    /// Checks the parameters against the model's `vocab_size` (the context is
+    /// admission's: [`positions_needed`](Self::positions_needed) is what it checks).
     ///
     /// Errors, each a [`RequestError`] naming the bad field, in this order:
     /// [`InvalidSampling`](RequestError::InvalidSampling) for `max_tokens` of 0,
     /// a temperature that is negative or not finite, `top_p` outside (0, 1]
     /// (NaN included), `top_k` of `Some(0)`;
     /// [`StopIdOutOfVocab`](RequestError::StopIdOutOfVocab) for a `stop` id
-    /// `>= vocab_size`; [`GenerationExceedsContext`](RequestError::GenerationExceedsContext)
-    /// when [`positions_needed`](Self::positions_needed)`(prompt_len) > max_context`.
-    pub fn check(&self, vocab_size: usize, prompt_len: usize, max_context: Option<usize>) -> Result<()> {
+    /// `>= vocab_size`.
+    pub fn check(&self, vocab_size: usize) -> Result<()> {
         let invalid = |param, expected, found: String| RequestError::InvalidSampling { param, expected, found };
         if self.max_tokens == 0 {
             return Err(invalid("max_tokens", "at least 1", "0".into()).into());
@@ -115,16 +113,6 @@ impl SamplingParams {
         }
         if let Some(&id) = self.stop.iter().flatten().find(|&&id| id as usize >= vocab_size) {
             return Err(RequestError::StopIdOutOfVocab { id, vocab_size }.into());
-        }
-        let positions = self.positions_needed(prompt_len);
-        if let Some(max_context) = max_context.filter(|&max| positions > max) {
-            return Err(RequestError::GenerationExceedsContext {
-                prompt_len,
-                max_tokens: self.max_tokens,
-                positions,
-                max_context,
-            }
-            .into());
         }
         Ok(())
     }
@@ -519,9 +507,8 @@ mod tests {
     #[test]
     fn check_names_each_bad_parameter() {
         let ok = SamplingParams { top_k: Some(5), top_p: Some(1.0), stop: Some(vec![0, 99]), ..sampled(0.5) };
-        assert!(ok.check(100, 10, Some(25)).is_ok());
-        assert!(ok.check(100, 10, None).is_ok());
-        let bad = |p: SamplingParams| invalid(p.check(100, 10, None).unwrap_err());
+        assert!(ok.check(100).is_ok());
+        let bad = |p: SamplingParams| invalid(p.check(100).unwrap_err());
         assert_eq!(bad(SamplingParams { max_tokens: 0, ..ok.clone() }), ("max_tokens", "0".into()));
         assert_eq!(bad(SamplingParams { temperature: -0.1, ..ok.clone() }).0, "temperature");
         assert_eq!(bad(SamplingParams { temperature: f32::NAN, ..ok.clone() }).0, "temperature");
@@ -529,46 +516,30 @@ mod tests {
         for p in [0.0, -0.5, 1.0001, f32::NAN, f32::INFINITY] {
             assert_eq!(bad(SamplingParams { top_p: Some(p), ..ok.clone() }).0, "top_p", "{p}");
         }
-        assert!(SamplingParams { top_p: Some(1e-9), ..ok.clone() }.check(100, 10, None).is_ok());
+        assert!(SamplingParams { top_p: Some(1e-9), ..ok.clone() }.check(100).is_ok());
         assert_eq!(bad(SamplingParams { top_k: Some(0), ..ok.clone() }), ("top_k", "0".into()));
         // Greedy params are checked too (they are still a request's parameters).
         assert_eq!(bad(SamplingParams { top_k: Some(0), ..SamplingParams::greedy(3) }).0, "top_k");
 
         let out_of_vocab = SamplingParams { stop: Some(vec![3, 100, 200]), ..ok.clone() };
         assert!(matches!(
-            out_of_vocab.check(100, 10, None),
+            out_of_vocab.check(100),
             Err(Error::Request(RequestError::StopIdOutOfVocab { id: 100, vocab_size: 100 }))
         ));
         // The checkpoint's eos ids are not the caller's to check.
-        assert!(SamplingParams { stop: None, ..ok.clone() }.check(1, 10, None).is_ok());
+        assert!(SamplingParams { stop: None, ..ok.clone() }.check(1).is_ok());
     }
 
     #[test]
-    fn context_counts_the_positions_that_run() {
+    fn positions_needed_counts_the_positions_that_run() {
         let p = SamplingParams::greedy(16);
         assert_eq!(p.positions_needed(10), 25);
-        assert!(p.check(100, 10, Some(25)).is_ok());
-        assert!(matches!(
-            p.check(100, 10, Some(24)),
-            Err(Error::Request(RequestError::GenerationExceedsContext {
-                prompt_len: 10,
-                max_tokens: 16,
-                positions: 25,
-                max_context: 24
-            }))
-        ));
         let run_last = SamplingParams { run_last_token: true, ..p.clone() };
         assert_eq!(run_last.positions_needed(10), 26);
-        assert!(matches!(
-            run_last.check(100, 10, Some(25)),
-            Err(Error::Request(RequestError::GenerationExceedsContext { positions: 26, .. }))
-        ));
-        assert!(run_last.check(100, 10, Some(26)).is_ok());
         // One token needs only the prompt's positions.
-        assert!(SamplingParams::greedy(1).check(100, 10, Some(10)).is_ok());
+        assert_eq!(SamplingParams::greedy(1).positions_needed(10), 10);
         let huge = SamplingParams::greedy(usize::MAX);
         assert_eq!(huge.positions_needed(usize::MAX), usize::MAX - 1);
-        assert!(huge.check(100, 5, Some(1 << 20)).is_err());
     }
 
     #[test]

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::Error;
-use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, ItemInput, Output, PrefillRequest};
+use omniprefix::canon::{ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, ItemInput, Output, Request};
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 use omniprefix::error::RequestError;
@@ -84,19 +84,19 @@ fn batched_chunked_requests_equal_their_uncached_runs() -> TestResult {
         with_image(&shared, &[50, 51, 52, 53, 54, 55]),
         (100..123).collect::<Vec<u32>>(),
     ];
-    let request = |ids: &Vec<u32>| PrefillRequest {
+    let request = |ids: &Vec<u32>| Request {
         token_ids: ids.clone(),
         items: if ids.contains(&500) { vec![image(&content, Some(rows(4, HIDDEN, 0.5)))] } else { vec![] },
         ..Default::default()
     };
     let mut reference = Engine::random(model(), 5, EngineConfig { cache: false, max_tokens_per_step: 4096, ..config() })?;
-    let want: Vec<Output> = prompts.iter().map(|p| reference.prefill(request(p))).collect::<Result<_, _>>()?;
+    let want: Vec<Output> = prompts.iter().map(|p| reference.run(request(p))).collect::<Result<_, _>>()?;
 
     let mut engine = Engine::random(model(), 5, config())?;
     // Warm the shared text prefix, then submit all three at once.
-    engine.prefill(PrefillRequest::text(shared.clone()))?;
+    engine.run(Request::text(shared.clone()))?;
     let ids: Vec<u64> = prompts.iter().map(|p| engine.submit(request(p))).collect::<Result<_, _>>()?;
-    let outs = engine.run_until_done()?;
+    let outs = engine.run_all()?;
     assert_eq!(outs.len(), 3);
     for (id, want) in ids.iter().zip(&want) {
         let out = outs.iter().find(|o| o.request == *id).ok_or("missing output")?;
@@ -106,7 +106,7 @@ fn batched_chunked_requests_equal_their_uncached_runs() -> TestResult {
     // The two image prompts share 16 warm tokens at least (four whole blocks).
     assert!(outs.iter().filter(|o| o.num_cached_tokens >= 16).count() >= 2);
     let stats = engine.stats();
-    assert_eq!((stats.queries, stats.finished), (4, 4));
+    assert_eq!((stats.sched.queries, stats.finished), (4, 4));
     assert!(engine.scheduler_stats().running == 0 && engine.scheduler_stats().waiting == 0);
     engine.validate()?;
     Ok(())
@@ -116,19 +116,19 @@ fn batched_chunked_requests_equal_their_uncached_runs() -> TestResult {
 fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
     let content = pixels(2);
     let mut engine = Engine::random(model(), 6, config())?;
-    engine.prefill(PrefillRequest::text((0..9).collect()))?;
+    engine.run(Request::text((0..9).collect()))?;
     let before = (engine.stats(), engine.scheduler_stats());
-    let cases: Vec<(&str, PrefillRequest<'_>)> = vec![
-        ("too large", PrefillRequest::text(vec![1; 32 * 4 + 1])),
-        ("out of vocab", PrefillRequest::text(vec![1, 2, 512])),
-        ("rows", PrefillRequest { token_ids: with_image(&[1], &[2]), items: vec![image(&content, Some(rows(3, HIDDEN, 0.0)))], ..Default::default() }),
-        ("hidden", PrefillRequest { token_ids: with_image(&[1], &[2]), items: vec![image(&content, Some(rows(4, HIDDEN + 1, 0.0)))], ..Default::default() }),
-        ("no embeddings", PrefillRequest { token_ids: with_image(&[1], &[2]), items: vec![image(&content, None)], ..Default::default() }),
-        ("no item", PrefillRequest { token_ids: with_image(&[1], &[2]), ..Default::default() }),
-        ("empty", PrefillRequest::text(vec![])),
+    let cases: Vec<(&str, Request<'_>)> = vec![
+        ("too large", Request::text(vec![1; 32 * 4 + 1])),
+        ("out of vocab", Request::text(vec![1, 2, 512])),
+        ("rows", Request { token_ids: with_image(&[1], &[2]), items: vec![image(&content, Some(rows(3, HIDDEN, 0.0)))], ..Default::default() }),
+        ("hidden", Request { token_ids: with_image(&[1], &[2]), items: vec![image(&content, Some(rows(4, HIDDEN + 1, 0.0)))], ..Default::default() }),
+        ("no embeddings", Request { token_ids: with_image(&[1], &[2]), items: vec![image(&content, None)], ..Default::default() }),
+        ("no item", Request { token_ids: with_image(&[1], &[2]), ..Default::default() }),
+        ("empty", Request::text(vec![])),
     ];
     for (what, request) in cases {
-        let err = engine.prefill(request).expect_err(what);
+        let err = engine.run(request).expect_err(what);
         let expected = match what {
             "too large" => matches!(err, Error::Request(RequestError::RequestTooLarge { needed: 33, num_blocks: 32, .. })),
             "out of vocab" => matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 512, vocab_size: 512 })),
@@ -144,7 +144,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
     }
     assert!(engine.encoder_cache().is_empty(), "rejected items are not cached");
     // Still serves, and the earlier prompt is still cached.
-    let out = engine.prefill(PrefillRequest::text((0..12).collect()))?;
+    let out = engine.run(Request::text((0..12).collect()))?;
     // All 9 positions of the earlier prompt, its partly filled third block included.
     assert_eq!(out.num_cached_tokens, 9);
     Ok(())
@@ -158,20 +158,20 @@ fn an_encoder_can_hand_over_deepstack_levels() -> TestResult {
     let ids = with_image(&[4, 5], &[6]);
     let (emb, levels) = (rows(4, HIDDEN, 0.25), vec![rows(4, HIDDEN, 1.5), rows(4, HIDDEN, 2.5)]);
     let no_cache = EngineConfig { cache: false, ..config() };
-    let request = |item| PrefillRequest { token_ids: ids.clone(), items: vec![item], ..Default::default() };
+    let request = |item| Request { token_ids: ids.clone(), items: vec![item], ..Default::default() };
     let mut given = Engine::random(model(), 12, no_cache.clone())?;
-    let want = given.prefill(request(deep_image(&content, Some(emb.clone()), levels.clone())))?;
+    let want = given.run(request(deep_image(&content, Some(emb.clone()), levels.clone())))?;
     let mut encoded = Engine::random(model(), 12, no_cache)?;
-    let mut calls = 0;
-    let mut encoder = |_item: usize, _id: &_| -> omniprefix::Result<EncoderOutput> {
-        calls += 1;
+    let calls = std::cell::Cell::new(0);
+    let encoder = |_item: usize, _id: &_| -> omniprefix::Result<EncoderOutput> {
+        calls.set(calls.get() + 1);
         Ok(EncoderOutput { embeddings: emb.clone(), deepstack: levels.clone() })
     };
-    let got = encoded.prefill_with_encoder(request(image(&content, None)), &mut encoder)?;
+    let got = encoded.run(request(image(&content, None)).with_encoder(&encoder))?;
     assert_same(&got, &want);
-    let again = encoded.prefill_with_encoder(request(image(&content, None)), &mut encoder)?;
+    let again = encoded.run(request(image(&content, None)).with_encoder(&encoder))?;
     assert_same(&again, &want);
-    assert_eq!((calls, encoded.stats().encoder_cache_hits), (1, 1), "levels come from the cache the second time");
+    assert_eq!((calls.get(), encoded.stats().encoder_cache_hits), (1, 1), "levels come from the cache the second time");
     Ok(())
 }
 
@@ -179,24 +179,24 @@ fn an_encoder_can_hand_over_deepstack_levels() -> TestResult {
 fn encoder_runs_once_per_item_content() -> TestResult {
     let (a, b) = (pixels(3), pixels(4));
     let mut engine = Engine::random(model(), 7, config())?;
-    let mut calls = Vec::new();
-    let encode = |content: &ArrayD<u8>, calls: &mut Vec<usize>, engine: &mut Engine| -> TestResult<Output> {
-        let request = PrefillRequest { token_ids: with_image(&[7, 8], &[9]), items: vec![image(content, None)], ..Default::default() };
-        Ok(engine.prefill_with_encoder(request, |item, identity| {
-            calls.push(item);
+    let calls = std::cell::RefCell::new(Vec::new());
+    let encode = |content: &ArrayD<u8>, engine: &mut Engine| -> TestResult<Output> {
+        let request = Request { token_ids: with_image(&[7, 8], &[9]), items: vec![image(content, None)], ..Default::default() };
+        Ok(engine.run(request.with_encoder(|item, identity: &ItemIdentity| {
+            calls.borrow_mut().push(item);
             Ok(rows(identity.num_tokens, HIDDEN, identity.fingerprint.0 as f32))
-        })?)
+        }))?)
     };
-    let first = encode(&a, &mut calls, &mut engine)?;
-    let again = encode(&a, &mut calls, &mut engine)?;
-    assert_eq!(calls.len(), 1, "second request of the same image skips the encoder");
+    let first = encode(&a, &mut engine)?;
+    let again = encode(&a, &mut engine)?;
+    assert_eq!(calls.borrow().len(), 1, "second request of the same image skips the encoder");
     assert_eq!(engine.stats().encoder_cache_hits, 1);
     assert_same(&again, &first);
-    encode(&b, &mut calls, &mut engine)?;
-    assert_eq!(calls.len(), 2, "different content runs the encoder");
+    encode(&b, &mut engine)?;
+    assert_eq!(calls.borrow().len(), 2, "different content runs the encoder");
     // Embeddings may now be omitted for a cached item.
-    let plain = PrefillRequest { token_ids: with_image(&[7, 8], &[9]), items: vec![image(&a, None)], ..Default::default() };
-    assert_same(&engine.prefill(plain)?, &first);
+    let plain = Request { token_ids: with_image(&[7, 8], &[9]), items: vec![image(&a, None)], ..Default::default() };
+    assert_same(&engine.run(plain)?, &first);
     Ok(())
 }
 
@@ -204,15 +204,16 @@ fn encoder_runs_once_per_item_content() -> TestResult {
 fn an_image_sent_twice_in_one_request_is_encoded_once() -> TestResult {
     let (a, b) = (pixels(5), pixels(6));
     let mut engine = Engine::random(model(), 7, config())?;
-    let mut calls = Vec::new();
+    let calls = std::cell::RefCell::new(Vec::new());
     // a, b, a: the third item reuses the first one's rows.
     let token_ids = [with_image(&[7], &[8]), with_image(&[], &[9]), with_image(&[], &[10])].concat();
     let items = vec![image(&a, None), image(&b, None), image(&a, None)];
-    let out = engine.prefill_with_encoder(PrefillRequest { token_ids, items, ..Default::default() }, |item, identity| {
-        calls.push(item);
+    let request = Request { token_ids, items, ..Default::default() }.with_encoder(|item, identity: &ItemIdentity| {
+        calls.borrow_mut().push(item);
         Ok(rows(identity.num_tokens, HIDDEN, identity.fingerprint.0 as f32))
-    })?;
-    assert_eq!(calls, vec![0, 1], "item 2 has item 0's content");
+    });
+    let out = engine.run(request)?;
+    assert_eq!(calls.into_inner(), vec![0, 1], "item 2 has item 0's content");
     // hidden.0 is the input embeddings: item 0's rows at positions 2..6, item 2's at 16..20.
     let layer0 = out.hidden_at(omniprefix::model::CaptureName::Hidden(0)).ok_or("hidden.0 captured")?;
     for r in 0..4 {
@@ -225,13 +226,13 @@ fn an_image_sent_twice_in_one_request_is_encoded_once() -> TestResult {
 fn prompts_longer_than_the_model_context_are_rejected_and_change_nothing() -> TestResult {
     let model = Config { max_position_embeddings: Some(12), ..model() };
     let mut engine = Engine::random(model, 8, config())?;
-    engine.prefill(PrefillRequest::text((0..9).collect()))?;
+    engine.run(Request::text((0..9).collect()))?;
     let before = (engine.stats(), engine.scheduler_stats());
-    let err = engine.prefill(PrefillRequest::text((0..13).collect())).expect_err("13 tokens > context 12");
+    let err = engine.run(Request::text((0..13).collect())).expect_err("13 tokens > context 12");
     assert!(matches!(err, Error::Request(RequestError::ContextTooLong { len: 13, max: 12, .. })), "{err}");
     assert_eq!((engine.stats(), engine.scheduler_stats()), before, "state changed");
     engine.validate()?;
-    let out = engine.prefill(PrefillRequest::text((0..12).collect()))?;
+    let out = engine.run(Request::text((0..12).collect()))?;
     assert_eq!((out.prompt_len, out.num_cached_tokens), (12, 9), "a prompt of exactly the context still runs");
     Ok(())
 }
@@ -241,17 +242,17 @@ fn unknown_tenants_are_rejected_and_change_nothing() -> TestResult {
     for cache in [true, false] {
         let config = EngineConfig { known_tenants: Some(vec![1, 2]), cache, ..config() };
         let mut engine = Engine::random(model(), 8, config)?;
-        let request = |tenant| PrefillRequest { tenant, ..PrefillRequest::text((0..9).collect()) };
-        engine.prefill(request(1))?;
+        let request = |tenant| Request { tenant, ..Request::text((0..9).collect()) };
+        engine.run(request(1))?;
         let before = (engine.stats(), engine.scheduler_stats());
-        let err = engine.prefill(request(3)).expect_err("tenant 3 is not known");
+        let err = engine.run(request(3)).expect_err("tenant 3 is not known");
         assert!(matches!(err, Error::Request(RequestError::UnknownTenant { tenant: 3, .. })), "{err}");
-        assert!(matches!(engine.prefill(request(0)), Err(Error::Request(RequestError::UnknownTenant { tenant: 0, .. }))), "0 is not implied");
+        assert!(matches!(engine.run(request(0)), Err(Error::Request(RequestError::UnknownTenant { tenant: 0, .. }))), "0 is not implied");
         assert_eq!((engine.stats(), engine.scheduler_stats()), before, "state changed (cache {cache})");
         engine.validate()?;
-        let out = engine.prefill(request(2))?;
+        let out = engine.run(request(2))?;
         assert_eq!(out.num_cached_tokens, 0, "tenant 2 never shares tenant 1's cache");
-        let again = engine.prefill(request(1))?;
+        let again = engine.run(request(1))?;
         assert_eq!(again.num_cached_tokens, if cache { 8 } else { 0 });
     }
     Ok(())
@@ -266,28 +267,28 @@ fn deep_image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>, leve
 fn deepstack_mismatches_are_typed_errors_and_change_nothing() -> TestResult {
     let (a, b) = (pixels(5), pixels(6));
     let mut engine = Engine::random(model(), 9, config())?;
-    engine.prefill(PrefillRequest::text((0..9).collect()))?;
+    engine.run(Request::text((0..9).collect()))?;
     let before = (engine.stats(), engine.scheduler_stats());
     let two_images = [with_image(&[1], &[2]), with_image(&[], &[3])].concat();
     let level = |n: usize, cols: usize, seed: f32| rows(n, cols, seed);
     let emb = || Some(rows(4, HIDDEN, 0.0));
-    let cases: Vec<(&str, PrefillRequest<'_>)> = vec![
-        ("levels > layers", PrefillRequest {
+    let cases: Vec<(&str, Request<'_>)> = vec![
+        ("levels > layers", Request {
             token_ids: with_image(&[1], &[2]),
             items: vec![deep_image(&a, emb(), (0..3).map(|i| level(4, HIDDEN, i as f32)).collect())],
             ..Default::default()
         }),
-        ("rows", PrefillRequest {
+        ("rows", Request {
             token_ids: with_image(&[1], &[2]),
             items: vec![deep_image(&a, emb(), vec![level(4, HIDDEN, 0.0), level(3, HIDDEN, 1.0)])],
             ..Default::default()
         }),
-        ("columns", PrefillRequest {
+        ("columns", Request {
             token_ids: with_image(&[1], &[2]),
             items: vec![deep_image(&a, emb(), vec![level(4, HIDDEN + 1, 0.0)])],
             ..Default::default()
         }),
-        ("levels differ", PrefillRequest {
+        ("levels differ", Request {
             token_ids: two_images,
             items: vec![
                 deep_image(&a, emb(), vec![level(4, HIDDEN, 0.0), level(4, HIDDEN, 1.0)]),
@@ -297,7 +298,7 @@ fn deepstack_mismatches_are_typed_errors_and_change_nothing() -> TestResult {
         }),
     ];
     for (what, request) in cases {
-        let err = engine.prefill(request).expect_err(what);
+        let err = engine.run(request).expect_err(what);
         let expected = match what {
             "levels > layers" => matches!(err, Error::Request(RequestError::DeepStackMismatch { item: 0, level: 2, expected: 2, found: 3, .. })),
             "rows" => matches!(err, Error::Request(RequestError::DeepStackMismatch { item: 0, level: 1, what: "rows", expected: 4, found: 3, .. })),
@@ -319,21 +320,21 @@ fn deepstack_level_count_follows_the_checkpoint() -> TestResult {
     let a = pixels(7);
     let model = Config { deepstack_levels: Some(1), ..model() };
     let mut engine = Engine::random(model, 9, config())?;
-    let request = |levels: usize| PrefillRequest {
+    let request = |levels: usize| Request {
         token_ids: with_image(&[1], &[2]),
         items: vec![deep_image(&a, Some(rows(4, HIDDEN, 0.0)), (0..levels).map(|i| rows(4, HIDDEN, i as f32)).collect())],
         ..Default::default()
     };
     for levels in [2, 0] {
-        let err = engine.prefill(request(levels)).expect_err("the checkpoint names 1 level");
+        let err = engine.run(request(levels)).expect_err("the checkpoint names 1 level");
         assert!(
             matches!(&err, Error::Request(RequestError::DeepStackMismatch { item: 0, expected: 1, found, what, .. })
                 if *found == levels && what.contains("deepstack_visual_indexes")),
             "{levels} levels: {err}"
         );
     }
-    assert_eq!(engine.stats().queries, 0, "nothing ran");
-    assert_eq!(engine.prefill(request(1))?.prompt_len, 2 + 4 + 2);
+    assert_eq!(engine.stats().sched.queries, 0, "nothing ran");
+    assert_eq!(engine.run(request(1))?.prompt_len, 2 + 4 + 2);
     Ok(())
 }
 
@@ -346,13 +347,13 @@ fn deepstack_rows_are_cached_with_the_embeddings() -> TestResult {
     let levels = vec![rows(4, HIDDEN, 3.0), rows(4, HIDDEN, 4.0)];
     let no_cache = EngineConfig { cache: false, ..config() };
     let mut engine = Engine::random(model(), 10, no_cache.clone())?;
-    let request = |item| PrefillRequest { token_ids: ids.clone(), items: vec![item], ..Default::default() };
-    let with = engine.prefill(request(deep_image(&content, Some(rows(4, HIDDEN, 0.5)), levels)))?;
-    let from_cache = engine.prefill(request(image(&content, None)))?;
+    let request = |item| Request { token_ids: ids.clone(), items: vec![item], ..Default::default() };
+    let with = engine.run(request(deep_image(&content, Some(rows(4, HIDDEN, 0.5)), levels)))?;
+    let from_cache = engine.run(request(image(&content, None)))?;
     assert_eq!(engine.stats().encoder_cache_hits, 1);
     assert_same(&from_cache, &with);
     let mut plain_engine = Engine::random(model(), 10, no_cache)?;
-    let plain = plain_engine.prefill(request(image(&content, Some(rows(4, HIDDEN, 0.5)))))?;
+    let plain = plain_engine.run(request(image(&content, Some(rows(4, HIDDEN, 0.5)))))?;
     let last = |o: &Output| o.hidden.last().map(|(_, h)| h.row(5).to_vec()).unwrap_or_default();
     assert_ne!(last(&with), last(&plain), "DeepStack changed nothing");
     assert_eq!(with.hidden[0].1, plain.hidden[0].1, "hidden.0 is before any DeepStack add");
@@ -388,8 +389,8 @@ fn half_precision_kv_pages_are_close_to_f32_and_cached_equals_uncached() -> Resu
     let ids: Vec<u32> = (0..90).map(|i| (i * 37 % 280) as u32).collect();
     let run = |kv_dtype: Dtype, cache: bool| -> Result<Vec<Output>, Box<dyn StdError>> {
         let mut engine = Engine::random(cfg.clone(), 5, EngineConfig { kv_dtype, cache, block_size: 8, ..Default::default() })?;
-        let warm = engine.prefill(PrefillRequest::text(ids[..50].to_vec()))?;
-        let main = engine.prefill(PrefillRequest::text(ids.clone()))?;
+        let warm = engine.run(Request::text(ids[..50].to_vec()))?;
+        let main = engine.run(Request::text(ids.clone()))?;
         Ok(vec![warm, main])
     };
     let reference = run(Dtype::F32, false)?.pop().ok_or("no output")?;

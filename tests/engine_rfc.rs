@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, Output, PlaceholderForm, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, Output, PlaceholderForm, Request};
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::prompt::{PositionKind, Positions};
 use safetensors::{Dtype as StDtype, SafeTensors};
@@ -69,19 +69,19 @@ fn rfc_text_pair_returns_full_hidden_states_with_32_or_46_cached_tokens() -> Tes
         ..Default::default()
     };
     let mut uncached = Engine::random(model.clone(), 3, config(false, true, IndexKind::Radix))?;
-    uncached.prefill(PrefillRequest::text(p1.clone()))?;
-    let want = uncached.prefill(PrefillRequest::text(p2.clone()))?;
+    uncached.run(Request::text(p1.clone()))?;
+    let want = uncached.run(Request::text(p2.clone()))?;
     assert_eq!(want.num_cached_tokens, 0);
-    assert_eq!(uncached.stats().hits, 0);
+    assert_eq!(uncached.stats().sched.hits, 0);
     for (granular, index, cached) in [
         (false, IndexKind::Radix, 32),
         (true, IndexKind::Radix, 46),
         (false, IndexKind::HashChain, 32),
     ] {
         let mut engine = Engine::random(model.clone(), 3, config(true, granular, index))?;
-        let first = engine.prefill(PrefillRequest::text(p1.clone()))?;
+        let first = engine.run(Request::text(p1.clone()))?;
         assert_eq!(first.num_cached_tokens, 0);
-        let out = engine.prefill(PrefillRequest::text(p2.clone()))?;
+        let out = engine.run(Request::text(p2.clone()))?;
         assert_eq!(out.num_cached_tokens, cached, "token-granular {granular}, {index:?}");
         assert_eq!(out.prompt_len, 57);
         for (name, h) in &out.hidden {
@@ -92,7 +92,7 @@ fn rfc_text_pair_returns_full_hidden_states_with_32_or_46_cached_tokens() -> Tes
         assert_eq!(out.computed_positions, Positions::linear(57).slice(cached..57)?);
         assert_eq!(out.computed_positions.axes()[0], (cached as i64..57).collect::<Vec<_>>());
         let stats = engine.stats();
-        assert_eq!((stats.queries, stats.hits, stats.hit_tokens), (2, 1, cached as u64));
+        assert_eq!((stats.sched.queries, stats.sched.hits, stats.sched.hit_tokens), (2, 1, cached as u64));
         engine.validate()?;
     }
     Ok(())
@@ -145,7 +145,7 @@ fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> Te
         (Modality::Video, ItemLayout::Video { grid_thw: [2, 4, 4], seconds_per_grid: 1.0 }),
     ];
     let contents: Vec<ArrayD<u8>> = (0..3u8).map(|j| ArrayD::from_elem(IxDyn(&[8, 8, 3]), j)).collect();
-    let request = || -> TestResult<PrefillRequest<'_>> {
+    let request = || -> TestResult<Request<'_>> {
         let items = layouts
             .iter()
             .zip(&contents)
@@ -163,17 +163,17 @@ fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> Te
                 })
             })
             .collect::<TestResult<Vec<_>>>()?;
-        Ok(PrefillRequest { tenant: 0, token_ids: ids.clone(), placeholders: PlaceholderForm::Expanded, items })
+        Ok(Request { tenant: 0, token_ids: ids.clone(), placeholders: PlaceholderForm::Expanded, items, ..Default::default() })
     };
     let config = EngineConfig { block_size: 4, capture: Some(all_points(3)), max_tokens_per_step: 7, ..Default::default() };
     let mut engine = Engine::from_dir(&dir, config)?;
-    let first = engine.prefill(request()?)?;
+    let first = engine.run(request()?)?;
     // Positions from our prompt builder equal HF's get_rope_index.
     let len = ids.len();
     let hf = reference.ints("mm.position_ids")?;
     assert_eq!(first.computed_positions.kind(), PositionKind::Mrope);
     assert_eq!(first.computed_positions.axes().concat(), hf);
-    let second = engine.prefill(request()?)?;
+    let second = engine.run(request()?)?;
     assert_eq!(first.num_cached_tokens, 0);
     // Every position of the first run was cached (its partly filled last block
     // too); the last position always runs.

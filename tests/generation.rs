@@ -1,4 +1,4 @@
-//! Generation through the engine: greedy and seeded output is the same with
+//! Output through the engine: greedy and seeded output is the same with
 //! caching on and off, across chunkings, batching and preemption (bit for bit
 //! on the CPU backend); a follow-up round reuses the reply to the last
 //! position that ran; streaming yields each token with its position's rows;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::Error;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, Event, Generation, ItemInput, PrefillRequest, TokenEvent};
+use omniprefix::engine::{Engine, EngineConfig, Event, Output, ItemInput, Request, TokenEvent};
 use omniprefix::error::RequestError;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::prompt::OmniTokens;
@@ -47,8 +47,8 @@ fn engine(model: &Config, config: EngineConfig) -> TestResult<Engine> {
     Ok(Engine::random(model.clone(), 7, config)?)
 }
 
-fn text(ids: &[u32]) -> PrefillRequest<'static> {
-    PrefillRequest::text(ids.to_vec())
+fn text(ids: &[u32]) -> Request<'static> {
+    Request::text(ids.to_vec())
 }
 
 fn ids(n: usize, seed: u32) -> Vec<u32> {
@@ -65,11 +65,11 @@ fn sampled(n: usize, seed: u64) -> SamplingParams {
 
 /// Steps `e` until nothing is pending, checking its invariants after every
 /// step; the finished generations in request order.
-fn drain(e: &mut Engine) -> TestResult<Vec<Generation>> {
+fn drain(e: &mut Engine) -> TestResult<Vec<Output>> {
     let mut got = Vec::new();
     while e.has_pending() {
         for event in e.step()? {
-            if let Event::Generated(g) = event {
+            if let Event::Finished(g) = event {
                 got.push(g);
             }
         }
@@ -80,7 +80,7 @@ fn drain(e: &mut Engine) -> TestResult<Vec<Generation>> {
 }
 
 /// Equal tokens and bit-equal hidden rows.
-fn assert_same(what: &str, got: &Generation, want: &Generation) {
+fn assert_same(what: &str, got: &Output, want: &Output) {
     assert_eq!(got.tokens, want.tokens, "{what}: tokens");
     assert_eq!(got.finish_reason, want.finish_reason, "{what}: finish reason");
     assert_eq!(got.hidden.len(), want.hidden.len(), "{what}: captures");
@@ -94,15 +94,15 @@ fn assert_same(what: &str, got: &Generation, want: &Generation) {
 fn generated_hidden_rows_cover_every_position_that_ran() -> TestResult {
     for model in models() {
         let mut e = engine(&model, config(true))?;
-        let g = e.generate(text(&ids(9, 1)), greedy(5))?;
-        assert_eq!((g.tokens.len(), g.prompt_len, g.finish_reason), (5, 9, FinishReason::Length));
+        let g = e.run(text(&ids(9, 1)).generate(greedy(5)))?;
+        assert_eq!((g.tokens.len(), g.prompt_len, g.finish_reason), (5, 9, Some(FinishReason::Length)));
         for (_, h) in &g.hidden {
             assert_eq!(h.dim(), (9 + 5 - 1, HIDDEN));
         }
         assert_eq!(g.timings.token_times.len(), 5);
         assert_eq!(g.timings.ttft, g.timings.token_times[0]);
         assert_eq!(g.timings.itl().len(), 4);
-        let last = e.generate(text(&ids(9, 2)), SamplingParams { run_last_token: true, ..greedy(5) })?;
+        let last = e.run(text(&ids(9, 2)).generate(SamplingParams { run_last_token: true, ..greedy(5) }))?;
         assert_eq!(last.hidden[0].1.nrows(), 9 + 5, "run_last_token runs the last token too");
         e.validate()?;
         assert_eq!(e.scheduler_stats().blocks_in_use, 0);
@@ -117,14 +117,14 @@ fn caching_chunking_and_batching_leave_greedy_and_seeded_output_bit_equal() -> T
         let params = [greedy(7), sampled(9, 5), sampled(6, 11)];
         // The reference: caching off, one request at a time, whole prompts per step.
         let mut plain = engine(&model, config(false))?;
-        let want: Vec<Generation> =
-            prompts.iter().zip(&params).map(|(p, s)| plain.generate(text(p), s.clone())).collect::<Result<_, _>>()?;
+        let want: Vec<Output> =
+            prompts.iter().zip(&params).map(|(p, s)| plain.run(text(p).generate(s.clone()))).collect::<Result<_, _>>()?;
         for (budget, seqs) in [(5, 2), (3, 3), (64, 4)] {
             let mut e = engine(&model, EngineConfig { max_tokens_per_step: budget, max_seqs_per_step: seqs, ..config(true) })?;
             // Warm the cache with the first prompt, then all three at once.
-            e.generate(text(&prompts[0]), greedy(3))?;
+            e.run(text(&prompts[0]).generate(greedy(3)))?;
             let submitted: Vec<u64> =
-                prompts.iter().zip(&params).map(|(p, s)| e.submit_generate(text(p), s.clone())).collect::<Result<_, _>>()?;
+                prompts.iter().zip(&params).map(|(p, s)| e.submit(text(p).generate(s.clone()))).collect::<Result<_, _>>()?;
             let got = drain(&mut e)?;
             assert_eq!(got.iter().map(|g| g.request).collect::<Vec<_>>(), submitted);
             assert!(got[0].num_cached_tokens > 0, "the warmed prompt hits");
@@ -141,14 +141,14 @@ fn preempted_sequences_resume_to_the_same_output() -> TestResult {
     let model = Config::tiny_qwen3(HIDDEN, 2, 4, 2, VOCAB);
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| ids(14 + i, 20 + i as u32)).collect();
     let mut plain = engine(&model, config(false))?;
-    let want: Vec<Generation> = prompts.iter().map(|p| plain.generate(text(p), sampled(10, 3))).collect::<Result<_, _>>()?;
+    let want: Vec<Output> = prompts.iter().map(|p| plain.run(text(p).generate(sampled(10, 3)))).collect::<Result<_, _>>()?;
     // 16 blocks of 4 cannot hold four sequences of 14-17 + 9 positions at once.
     let mut e = engine(&model, EngineConfig { num_blocks: 16, ..config(true) })?;
     for p in &prompts {
-        e.submit_generate(text(p), sampled(10, 3))?;
+        e.submit(text(p).generate(sampled(10, 3)))?;
     }
     let got = drain(&mut e)?;
-    assert!(e.stats().preemptions > 0, "the pool was too small for all four");
+    assert!(e.stats().sched.preemptions > 0, "the pool was too small for all four");
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_same(&format!("prompt {i}"), g, w);
     }
@@ -161,11 +161,11 @@ fn a_follow_up_round_reuses_the_reply_to_the_last_position_that_ran() -> TestRes
         let mut e = engine(&model, config(true))?;
         let mut history = ids(11, 4);
         for round in 0..3 {
-            let g = e.generate(text(&history), greedy(6))?;
+            let g = e.run(text(&history).generate(greedy(6)))?;
             let ran = g.prompt_len + g.tokens.len() - 1;
             history.extend(&g.tokens);
             history.extend(ids(3 + round, 9 + round as u32));
-            let next = e.prefill(text(&history))?;
+            let next = e.run(text(&history))?;
             assert_eq!(next.num_cached_tokens, ran, "{} round {round}: every position that ran is reused", model.model_type);
             // The prefill itself ran the whole history; drop it from the next round's count.
             history.push(7);
@@ -180,7 +180,17 @@ fn streaming_yields_each_token_with_the_rows_of_the_position_that_chose_it() -> 
     let model = Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, VOCAB, 4, 2);
     let mut e = engine(&model, config(true))?;
     let mut events: Vec<TokenEvent> = Vec::new();
-    let g = e.generate_streaming(text(&ids(10, 8)), sampled(6, 2), |t| events.push(t.clone()))?;
+    e.submit(text(&ids(10, 8)).generate(sampled(6, 2)))?;
+    let mut finished = None;
+    while e.has_pending() {
+        for event in e.step()? {
+            match event {
+                Event::Token(t) => events.push(t),
+                Event::Finished(out) => finished = Some(out),
+            }
+        }
+    }
+    let g = finished.ok_or("the generation finished")?;
     assert_eq!(events.iter().map(|t| t.token).collect::<Vec<_>>(), g.tokens);
     for (k, t) in events.iter().enumerate() {
         assert_eq!((t.index, t.position, t.request), (k, 10 + k - 1, g.request));
@@ -196,13 +206,13 @@ fn seeded_sampling_repeats_and_different_seeds_differ() -> TestResult {
     let model = Config::tiny_qwen3(HIDDEN, 2, 4, 2, VOCAB);
     let mut e = engine(&model, config(true))?;
     let p = ids(12, 6);
-    let a = e.generate(text(&p), SamplingParams { temperature: 1.5, ..sampled(24, 1) })?;
-    let b = e.generate(text(&p), SamplingParams { temperature: 1.5, ..sampled(24, 1) })?;
-    let c = e.generate(text(&p), SamplingParams { temperature: 1.5, ..sampled(24, 2) })?;
+    let a = e.run(text(&p).generate(SamplingParams { temperature: 1.5, ..sampled(24, 1) }))?;
+    let b = e.run(text(&p).generate(SamplingParams { temperature: 1.5, ..sampled(24, 1) }))?;
+    let c = e.run(text(&p).generate(SamplingParams { temperature: 1.5, ..sampled(24, 2) }))?;
     assert!(b.num_cached_tokens > 0);
     assert_same("same seed, cached", &b, &a);
     assert_ne!(a.tokens, c.tokens, "another seed draws other tokens");
-    assert_eq!((a.seed, c.seed), (1, 2));
+    assert_eq!((a.seed, c.seed), (Some(1), Some(2)));
     Ok(())
 }
 
@@ -211,14 +221,14 @@ fn stop_ids_end_a_generation_unless_ignored() -> TestResult {
     let model = Config::tiny_qwen3(HIDDEN, 2, 4, 2, VOCAB);
     let mut e = engine(&model, config(true))?;
     let p = ids(9, 3);
-    let free = e.generate(text(&p), greedy(8))?;
+    let free = e.run(text(&p).generate(greedy(8)))?;
     let stop = free.tokens[3];
     let first = free.tokens.iter().position(|&t| t == stop).unwrap_or(3);
-    let stopped = e.generate(text(&p), SamplingParams { stop: Some(vec![stop]), ignore_eos: false, ..greedy(8) })?;
+    let stopped = e.run(text(&p).generate(SamplingParams { stop: Some(vec![stop]), ignore_eos: false, ..greedy(8) }))?;
     assert_eq!(stopped.tokens, free.tokens[..=first]);
-    assert_eq!(stopped.finish_reason, FinishReason::Stop);
-    let ignored = e.generate(text(&p), SamplingParams { stop: Some(vec![stop]), ignore_eos: true, ..greedy(8) })?;
-    assert_eq!((ignored.tokens.len(), ignored.finish_reason), (8, FinishReason::Length));
+    assert_eq!(stopped.finish_reason, Some(FinishReason::Stop));
+    let ignored = e.run(text(&p).generate(SamplingParams { stop: Some(vec![stop]), ignore_eos: true, ..greedy(8) }))?;
+    assert_eq!((ignored.tokens.len(), ignored.finish_reason), (8, Some(FinishReason::Length)));
     Ok(())
 }
 
@@ -226,8 +236,8 @@ fn stop_ids_end_a_generation_unless_ignored() -> TestResult {
 fn abort_mid_decode_leaves_no_block_or_lock_behind() -> TestResult {
     let model = Config::tiny_qwen3(HIDDEN, 2, 4, 2, VOCAB);
     let mut e = engine(&model, config(true))?;
-    let a = e.submit_generate(text(&ids(10, 1)), greedy(20))?;
-    let b = e.submit_generate(text(&ids(10, 2)), greedy(4))?;
+    let a = e.submit(text(&ids(10, 1)).generate(greedy(20)))?;
+    let b = e.submit(text(&ids(10, 2)).generate(greedy(4)))?;
     let mut tokens_of_a = 0;
     while tokens_of_a < 5 {
         tokens_of_a += e.step()?.iter().filter(|ev| matches!(ev, Event::Token(t) if t.request == a)).count();
@@ -263,13 +273,13 @@ fn bad_sampling_settings_are_typed_errors_that_change_nothing() -> TestResult {
     ];
     let before = (e.stats(), e.scheduler_stats());
     for (what, params) in cases {
-        let err = e.generate(text(&p), params).err().ok_or(format!("{what}: accepted"))?;
+        let err = e.run(text(&p).generate(params)).err().ok_or(format!("{what}: accepted"))?;
         let Error::Request(r) = &err else { return Err(format!("{what}: {err}").into()) };
         let ok = match what {
             "max_tokens" | "temperature" | "top_p" | "top_k" => {
                 matches!(r, RequestError::InvalidSampling { param, .. } if *param == what)
             }
-            "context" => matches!(r, RequestError::GenerationExceedsContext { prompt_len: 12, max_tokens: 30, .. }),
+            "context" => matches!(r, RequestError::ContextTooLong { prompt_len: 12, max_new_tokens: 29, .. }),
             _ => matches!(r, RequestError::StopIdOutOfVocab { .. }),
         };
         assert!(ok, "{what}: {err}");
@@ -302,19 +312,19 @@ fn an_mm_prompt_decodes_after_its_item_and_the_reply_is_reused() -> TestResult {
     let tokens = OmniTokens::tiny();
     let mut head = ids(5, 2);
     head.extend([tokens.vision_start_token_id, tokens.image_token_id, tokens.vision_end_token_id]);
-    let request = |extra: &[u32]| PrefillRequest {
+    let request = |extra: &[u32]| Request {
         token_ids: [&head[..], extra].concat(),
         items: vec![image(&content, 0.5)],
         ..Default::default()
     };
     let mut plain = engine(&model, config(false))?;
-    let want = plain.generate(request(&[3, 4]), sampled(8, 4))?;
+    let want = plain.run(request(&[3, 4]).generate(sampled(8, 4)))?;
     let mut e = engine(&model, config(true))?;
-    let got = e.generate(request(&[3, 4]), sampled(8, 4))?;
+    let got = e.run(request(&[3, 4]).generate(sampled(8, 4)))?;
     assert_same("mm", &got, &want);
-    let again = e.generate(request(&[3, 4]), sampled(8, 4))?;
+    let again = e.run(request(&[3, 4]).generate(sampled(8, 4)))?;
     assert_same("mm cached", &again, &want);
-    let follow = e.prefill(request(&[&[3, 4][..], &got.tokens, &[9]].concat()))?;
+    let follow = e.run(request(&[&[3, 4][..], &got.tokens, &[9]].concat()))?;
     assert_eq!(follow.num_cached_tokens, got.prompt_len + got.tokens.len() - 1);
     Ok(())
 }

@@ -30,7 +30,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::backend::{Backend, Dtype};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, Generation, ItemInput, PlaceholderForm, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, Output, ItemInput, PlaceholderForm, Request};
 use omniprefix::model::CaptureName;
 use omniprefix::sample::{FinishReason, SamplingParams};
 use reference::{Reference, TestResult, model_dir, relative_error, relative_error_within};
@@ -130,7 +130,7 @@ impl Case {
     }
 
     /// The prompt followed by `tail` (generated ids), with the items at their placeholders.
-    fn request(&self, tail: &[u32]) -> PrefillRequest<'_> {
+    fn request(&self, tail: &[u32]) -> Request<'_> {
         let items = MM_LAYOUTS
             .iter()
             .zip(&self.items)
@@ -146,17 +146,18 @@ impl Case {
                 deepstack: None,
             })
             .collect();
-        PrefillRequest {
+        Request {
             tenant: 0,
             token_ids: [&self.ids[..], tail].concat(),
             placeholders: PlaceholderForm::Expanded,
             items,
+            ..Default::default()
         }
     }
 
     /// Every capture of `got` (all `L + 11` rows) against HF's `<p>.gen.<capture>`;
     /// the worst relative error, or every failure with its first bad position.
-    fn check_hidden(&self, what: &str, got: &Generation, tolerance: f32) -> TestResult<f32> {
+    fn check_hidden(&self, what: &str, got: &Output, tolerance: f32) -> TestResult<f32> {
         let label = format!("{} {what}", self.label());
         let names: Vec<CaptureName> = got.hidden.iter().map(|(n, _)| *n).collect();
         assert_eq!(names, all_points(self.num_layers), "{label}: captures");
@@ -189,7 +190,7 @@ fn first_bad_row(got: &Array2<f32>, want: &Array2<f32>, tolerance: f32) -> Strin
 }
 
 /// The rows of `a` are those of `b`: the same bits, or within `within` relative.
-fn assert_hidden_same(label: &str, a: &Generation, b: &Generation, within: Option<f32>) -> TestResult {
+fn assert_hidden_same(label: &str, a: &Output, b: &Output, within: Option<f32>) -> TestResult {
     assert_eq!(a.hidden.len(), b.hidden.len(), "{label}: captures");
     for ((na, ha), (nb, hb)) in a.hidden.iter().zip(&b.hidden) {
         assert_eq!(na, nb, "{label}: capture order");
@@ -228,15 +229,15 @@ fn check_model<B: Backend>(backend: &Arc<B>, model: &'static str, precision: &Pr
         };
         let mut engine = Engine::from_dir_on(Arc::clone(backend), &model_dir(model), config)?;
 
-        let first = engine.generate(case.request(&[]), greedy(GEN_TOKENS))?;
+        let first = engine.run(case.request(&[]).generate(greedy(GEN_TOKENS)))?;
         assert_eq!((first.prompt_len, first.num_cached_tokens), (len, 0), "{label}: first run");
-        assert_eq!(first.finish_reason, FinishReason::Length, "{label}");
+        assert_eq!(first.finish_reason, Some(FinishReason::Length), "{label}");
         assert_eq!(first.tokens, case.hf_tokens, "{label}: tokens differ from transformers' generate");
         let err = case.check_hidden("generate", &first, precision.tolerance)?;
         worst = worst.max(err);
 
         // The same prompt again: its last position must run, everything before it is cached.
-        let again = engine.generate(case.request(&[]), greedy(GEN_TOKENS))?;
+        let again = engine.run(case.request(&[]).generate(greedy(GEN_TOKENS)))?;
         assert_eq!(again.num_cached_tokens, len - 1, "{label}: second run reuses the prompt");
         assert_eq!(again.tokens, first.tokens, "{label}: cached run's tokens");
         assert_hidden_same(&format!("{label} again"), &again, &first, precision.cached)?;
@@ -245,7 +246,7 @@ fn check_model<B: Backend>(backend: &Arc<B>, model: &'static str, precision: &Pr
         // (the partly filled last block of the first run included) but the last, which
         // runs again and must choose HF's 12th token.
         let reply = &first.tokens[..GEN_TOKENS - 1];
-        let next = engine.generate(case.request(reply), greedy(1))?;
+        let next = engine.run(case.request(reply).generate(greedy(1)))?;
         assert_eq!(next.prompt_len, len + GEN_TOKENS - 1, "{label}: follow-up prompt");
         assert_eq!(next.num_cached_tokens, len + GEN_TOKENS - 2, "{label}: follow-up reuses every position that ran");
         assert_eq!(next.tokens, case.hf_tokens[GEN_TOKENS - 1..], "{label}: follow-up token");
@@ -305,12 +306,12 @@ fn omni_decode_positions_are_transformers_cache_position_plus_rope_deltas() -> T
         let config = EngineConfig { block_size: BLOCK_SIZE, cache: false, ..Default::default() };
         let mut engine = Engine::from_dir(&model_dir("omni_thinker"), config)?;
 
-        let mut positions = engine.prefill(case.request(&[]))?.computed_positions;
+        let mut positions = engine.run(case.request(&[]))?.computed_positions;
         assert_eq!(positions.rope_delta(), Some(delta), "{prompt}: our rope delta");
         positions.append_text(GEN_TOKENS - 1);
         assert_eq!(positions.axes().concat(), hf, "{prompt}: prompt then decode positions");
 
-        let resent = engine.prefill(case.request(&case.hf_tokens[..GEN_TOKENS - 1]))?.computed_positions;
+        let resent = engine.run(case.request(&case.hf_tokens[..GEN_TOKENS - 1]))?.computed_positions;
         assert_eq!(resent.axes().concat(), hf, "{prompt}: prompt + reply as a new prompt");
     }
     Ok(())
@@ -385,7 +386,7 @@ fn wgpu_generation_waits_for_the_device_once_per_step() -> TestResult {
     let config = EngineConfig { block_size: BLOCK_SIZE, capture: Some(all_points(3)), ..Default::default() };
     let mut engine = Engine::from_dir_on(Arc::clone(&gpu), &model_dir("omni_thinker"), config)?;
     let before = gpu.context().host_waits();
-    let generation = engine.generate(case.request(&[]), greedy(GEN_TOKENS))?;
+    let generation = engine.run(case.request(&[]).generate(greedy(GEN_TOKENS)))?;
     assert_eq!(generation.tokens, case.hf_tokens);
     assert_eq!(gpu.context().host_waits() - before, GEN_TOKENS as u64, "host waits for {GEN_TOKENS} steps");
     Ok(())

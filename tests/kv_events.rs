@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::canon::{Fingerprint, FingerprintKey, ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, ItemInput, PrefillRequest, request_block_hashes};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Request, request_block_hashes};
 use omniprefix::error::{Error, EventsError, SchedError};
 use omniprefix::events::{ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium};
 use omniprefix::model::Config;
@@ -249,7 +249,7 @@ fn pixels(seed: u8) -> ArrayD<u8> {
 }
 
 /// `head`, an image (4 placeholder rows, with embeddings), `tail`, for `tenant`.
-fn image_request<'a>(content: &'a ArrayD<u8>, head: &[u32], tail: &[u32], tenant: u64) -> PrefillRequest<'a> {
+fn image_request<'a>(content: &'a ArrayD<u8>, head: &[u32], tail: &[u32], tenant: u64) -> Request<'a> {
     let mut ids = head.to_vec();
     ids.extend([503, 500, 504]);
     ids.extend_from_slice(tail);
@@ -263,7 +263,7 @@ fn image_request<'a>(content: &'a ArrayD<u8>, head: &[u32], tail: &[u32], tenant
         embeddings: Some(Arc::new(Array2::from_shape_fn((4, HIDDEN), |(r, c)| ((r * HIDDEN + c) as f32 * 0.37).sin()))),
         deepstack: None,
     };
-    PrefillRequest { tenant, token_ids: ids, items: vec![item], ..Default::default() }
+    Request { tenant, token_ids: ids, items: vec![item], ..Default::default() }
 }
 
 fn sorted(mut v: Vec<u64>) -> Vec<u64> {
@@ -277,7 +277,7 @@ fn frontend_hashes_equal_the_published_ones_for_text_and_images() -> TestResult 
     let tokens = OmniTokens::tiny();
     let (a, b) = (pixels(1), pixels(2));
     let requests = [
-        PrefillRequest::text((0..13).collect()),
+        Request::text((0..13).collect()),
         image_request(&a, &[1, 2, 3], &[7, 8, 9, 10, 11], 0),
         // The same placeholders, another image: other hashes from the image's block on.
         image_request(&b, &[1, 2, 3], &[7, 8, 9, 10, 11], 0),
@@ -297,7 +297,7 @@ fn frontend_hashes_equal_the_published_ones_for_text_and_images() -> TestResult 
     let mut engine = Engine::random(model(), 1, tiny_config(3, 64))?;
     let mut published = Vec::new();
     for (request, want) in requests.into_iter().zip(&hashes) {
-        engine.prefill(request)?;
+        engine.run(request)?;
         published.extend(want.iter().copied());
         published.sort_unstable();
         published.dedup();
@@ -312,15 +312,15 @@ fn evictions_and_resets_are_published_and_reset_waits_for_idle() -> TestResult {
     let mut engine = Engine::random(model(), 1, tiny_config(3, 12))?;
     // 12 blocks of 4: four 16-token prompts cannot all stay cached.
     for start in [0u32, 100, 300, 200] {
-        engine.prefill(PrefillRequest::text((start..start + 16).collect()))?;
+        engine.run(Request::text((start..start + 16).collect()))?;
     }
-    let last = sorted(request_block_hashes(&PrefillRequest::text((200..216).collect()), &FingerprintKey::fixed(3), 4, engine.tokens())?);
+    let last = sorted(request_block_hashes(&Request::text((200..216).collect()), &FingerprintKey::fixed(3), 4, engine.tokens())?);
     let cached = engine.cached_block_hashes();
-    assert!(engine.stats().evicted_blocks > 0);
+    assert!(engine.stats().sched.evicted_blocks > 0);
     assert!(last.iter().all(|h| cached.binary_search(h).is_ok()));
     assert!(cached.len() <= 12 && cached.len() >= 4);
     // Reset refuses while a request is pending, and changes nothing.
-    let id = engine.submit(PrefillRequest::text(vec![1, 2, 3, 4, 5]))?;
+    let id = engine.submit(Request::text(vec![1, 2, 3, 4, 5]))?;
     assert!(matches!(engine.reset_cache(), Err(Error::Sched(SchedError::CacheInUse { requests: 1 }))));
     assert_eq!(engine.cached_block_hashes(), cached);
     engine.abort(id)?;

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request as EngineRequest};
 use omniprefix::backend::{Backend, Dtype};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
@@ -376,7 +376,7 @@ fn deepstack_image_with_a_warm_prefix_on_wgpu_equals_uncached_cpu() -> TestResul
     let embeddings = Arc::new(rows());
     let deepstack = Arc::new(vec![rows(), rows()]);
     // Tiny special ids: vision start 503, image pad 500, vision end 504.
-    let request = |tail: &[u32]| PrefillRequest {
+    let request = |tail: &[u32]| EngineRequest {
         token_ids: [&[11u32, 12, 13, 14, 15][..], &[503, 500, 504], tail].concat(),
         items: vec![ItemInput {
             spec: ItemSpec {
@@ -401,12 +401,12 @@ fn deepstack_image_with_a_warm_prefix_on_wgpu_equals_uncached_cpu() -> TestResul
     };
     let main_tail = [20, 21, 22, 23, 24, 25];
     let mut engine = Engine::new(Arc::clone(&gpu), Arc::new(Thinker::random(&*gpu, model.clone(), 5)?), config.clone())?;
-    engine.prefill(request(&[30, 31, 32, 33]))?;
-    let got = engine.prefill(request(&main_tail))?;
+    engine.run(request(&[30, 31, 32, 33]))?;
+    let got = engine.run(request(&main_tail))?;
     assert_eq!(got.num_cached_tokens, 16, "the match ends inside the image rows 6..18");
     let cpu_config = EngineConfig { cache: false, max_tokens_per_step: 4096, ..config };
     let mut cpu = Engine::new(Arc::new(CpuBackend), Arc::new(Thinker::random(&CpuBackend, model, 5)?), cpu_config)?;
-    let want = cpu.prefill(request(&main_tail))?;
+    let want = cpu.run(request(&main_tail))?;
     let mut worst = 0f32;
     let outputs = |o: &Output| named(&o.hidden, &o.last_logits, None);
     let (got, want) = (outputs(&got)?, outputs(&want)?);

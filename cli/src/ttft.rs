@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 
 use omniprefix::backend::{Backend, Dtype};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PrefillRequest, millis};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request, millis};
 use crate::error::{HarnessError, Result};
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::{OmniTokens, TenantSalt};
@@ -249,7 +249,7 @@ impl<B: Backend> Bench<B> {
         };
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;
         // Untimed: thread pools and allocator warm up before the clock runs.
-        engine.prefill(PrefillRequest { tenant: TenantSalt::MAX / 2, ..PrefillRequest::text(vec![1; 32]) })?;
+        engine.run(Request { tenant: TenantSalt::MAX / 2, ..Request::text(vec![1; 32]) })?;
         Ok(engine)
     }
 
@@ -271,8 +271,8 @@ impl<B: Backend> Bench<B> {
             first.extend(self.text(&engine, &mut rng, suffix));
             let mut second = shared;
             second.extend(self.text(&engine, &mut rng, suffix));
-            let uncached = engine.prefill(PrefillRequest::text(first))?;
-            let cached = engine.prefill(PrefillRequest::text(second))?;
+            let uncached = engine.run(Request::text(first))?;
+            let cached = engine.run(Request::text(second))?;
             if run >= self.options.warmup {
                 samples.push(&uncached, &cached);
             }
@@ -305,14 +305,14 @@ impl<B: Backend> Bench<B> {
         let (mut samples, mut lens) = (vec![Samples::default(); n], vec![0; n]);
         for run in 0..self.options.warmup + self.options.runs.max(1) {
             for (k, (ids, items)) in rounds.iter().enumerate() {
-                let request = |tenant| PrefillRequest {
+                let request = |tenant| Request {
                     tenant,
                     token_ids: ids.clone(),
                     items: items.iter().map(|m| m.input()).collect(),
                     ..Default::default()
                 };
-                let cached = cached_engine.prefill(request(run as TenantSalt + 1))?;
-                let uncached = uncached_engine.prefill(request(0))?;
+                let cached = cached_engine.run(request(run as TenantSalt + 1))?;
+                let uncached = uncached_engine.run(request(0))?;
                 lens[k] = cached.prompt_len;
                 if run >= self.options.warmup {
                     samples[k].push(&uncached, &cached);
@@ -341,8 +341,8 @@ impl<B: Backend> Bench<B> {
         for run in 0..self.options.warmup + self.options.runs.max(1) {
             let ids = self.text(&with, &mut rng, len);
             // Alternate so drift in machine load hits both sides alike.
-            let capture_ms = millis(with.prefill(PrefillRequest::text(ids.clone()))?.timings.total);
-            let none_ms = millis(without.prefill(PrefillRequest::text(ids))?.timings.total);
+            let capture_ms = millis(with.run(Request::text(ids.clone()))?.timings.total);
+            let none_ms = millis(without.run(Request::text(ids))?.timings.total);
             if run >= self.options.warmup {
                 a.push(capture_ms);
                 b.push(none_ms);

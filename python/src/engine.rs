@@ -1,22 +1,26 @@
-//! `omniprefix.Engine`: the engine behind a mutex, run with the GIL released.
+//! `omniprefix.Engine`: a served engine (the core steps on its own thread)
+//! behind Python calls that release the GIL while they wait.
 //!
-//! Lock order: the engine's mutex is only ever taken with the GIL released
-//! (inside `Python::detach`), and an encoder callable re-attaches the GIL while
-//! the mutex is held. A thread that waits for the mutex therefore never holds
-//! the GIL, so two threads cannot deadlock on the pair.
+//! A call prepares its request on the calling thread with the GIL released
+//! (fingerprints, prompt, checks); an encoder callable re-attaches the GIL
+//! only while it runs. Nothing here holds a lock across the engine's steps, so
+//! a slow encoder on one thread never stalls another thread's stream, and a
+//! stream that nobody reads keeps generating (up to its buffer, 256 events).
 
-use std::collections::{HashMap, VecDeque};
 use std::mem::ManuallyDrop;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use omniprefix::backend::auto::{SelectedBackend, select};
-use omniprefix::backend::{Backend, cpu::CpuBackend, wgpu::WgpuBackend};
-use omniprefix::batch::RequestId;
+use omniprefix::backend::Backend;
 use omniprefix::canon::ItemIdentity;
-use omniprefix::engine::{Engine, EngineConfig, EncoderOutput, Event, PlaceholderForm, PrefillRequest, tokens_from_config_json};
-use omniprefix::error::{RequestError, SchedError};
+use omniprefix::engine::{
+    Aborter, Encoder, Engine, EngineConfig, EncoderOutput, Event, Output, PlaceholderForm, Request, RequestHandle, ServedEngine, ServedOptions, Task,
+    tokens_from_config_json,
+};
+use omniprefix::error::RequestError;
 use omniprefix::model::{Config, Thinker};
+use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::SamplingParams;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -28,32 +32,7 @@ use crate::item::{BorrowedItems, Item};
 use crate::options::EngineOptions;
 use crate::outputs::{PyGeneration, PyOutput};
 
-/// An engine on whichever backend was opened.
-pub enum AnyEngine {
-    Cpu(Engine<CpuBackend>),
-    Wgpu(Engine<WgpuBackend>),
-}
-
-/// Runs `$body` with `$e` bound to the concrete engine.
-macro_rules! on_engine {
-    ($any:expr, $e:ident => $body:expr) => {
-        match $any {
-            AnyEngine::Cpu($e) => $body,
-            AnyEngine::Wgpu($e) => $body,
-        }
-    };
-}
-
-/// What the mutex guards: the engine and the events of requests whose
-/// Python caller has not taken them yet.
-struct State {
-    engine: AnyEngine,
-    queues: HashMap<RequestId, VecDeque<Event>>,
-    /// Set when a panic left the engine in an unknown state.
-    broken: Option<String>,
-}
-
-/// Facts about the engine that never change, readable without the lock.
+/// Facts about the engine that never change, readable without the loop.
 struct Info {
     capture: Vec<String>,
     eos_token_ids: Vec<u32>,
@@ -63,54 +42,45 @@ struct Info {
     block_size: usize,
     backend: String,
     dtype: &'static str,
+    tokens: OmniTokens,
     /// The KV events PUB and replay endpoints as bound, when events are published.
     kv_endpoints: Option<(String, Option<String>)>,
+}
+
+impl Info {
+    fn of<B: Backend>(e: &Engine<B>, backend: String) -> Self {
+        let model = e.model_config();
+        Info {
+            capture: e.capture().points().iter().map(|p| capture_key(*p)).collect(),
+            eos_token_ids: e.eos_token_ids().to_vec(),
+            hidden_size: model.hidden_size,
+            num_layers: model.num_hidden_layers,
+            vocab_size: model.vocab_size,
+            block_size: e.config().block_size,
+            backend,
+            dtype: e.weight_dtype().name(),
+            tokens: e.tokens().clone(),
+            kv_endpoints: e.kv_events_endpoints().map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),
+        }
+    }
 }
 
 /// A thinker engine: prefix-cached prefill and generation over one checkpoint.
 #[pyclass(frozen, name = "Engine", module = "omniprefix")]
 pub struct PyEngine {
     /// Dropped by hand, with the GIL released (see the `Drop` impl).
-    state: ManuallyDrop<Mutex<State>>,
-    /// Requests whose stream was dropped unfinished; aborted at the next call.
-    orphans: Mutex<Vec<RequestId>>,
+    served: ManuallyDrop<ServedEngine>,
     info: Info,
 }
 
 impl Drop for PyEngine {
-    /// Dropping an engine closes its KV events publisher, which first keeps its
-    /// sockets open for `kv_linger_s` (late subscribers replay then): other
-    /// Python threads run meanwhile, as during any engine call.
+    /// Dropping an engine stops its loop (pending streams end with an error)
+    /// and closes its KV events publisher, which first keeps its sockets open
+    /// for `kv_linger_s`: other Python threads run meanwhile.
     fn drop(&mut self) {
-        // SAFETY: `state` is taken once, here, and `self` is not used after.
-        let state = unsafe { ManuallyDrop::take(&mut self.state) };
-        Python::attach(|py| py.detach(move || drop(state)));
-    }
-}
-
-/// Sampling settings of `generate` / `stream`, as Python passed them.
-struct Sampling {
-    max_tokens: usize,
-    temperature: f32,
-    top_k: Option<usize>,
-    top_p: Option<f32>,
-    seed: Option<u64>,
-    stop: Option<Vec<u32>>,
-    ignore_eos: bool,
-}
-
-impl Sampling {
-    fn params(self) -> SamplingParams {
-        SamplingParams {
-            max_tokens: self.max_tokens,
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            seed: self.seed,
-            stop: self.stop,
-            ignore_eos: self.ignore_eos,
-            ..SamplingParams::greedy(self.max_tokens)
-        }
+        // SAFETY: `served` is taken once, here, and `self` is not used after.
+        let served = unsafe { ManuallyDrop::take(&mut self.served) };
+        Python::attach(|py| py.detach(move || drop(served)));
     }
 }
 
@@ -126,21 +96,21 @@ pub(crate) fn placeholder_form(name: &str) -> PyResult<PlaceholderForm> {
 }
 
 /// Calls a Python encoder for an item that missed the encoder cache. Its
-/// exception is kept and re-raised as is once the engine call returns.
+/// exception is kept and re-raised as is once preparation returns.
 struct PyEncoder<'a> {
-    callable: Option<Py<PyAny>>,
-    items: Vec<Py<Item>>,
-    raised: &'a mut Option<PyErr>,
+    callable: Py<PyAny>,
+    items: &'a [Py<Item>],
+    raised: &'a Mutex<Option<PyErr>>,
 }
 
-impl PyEncoder<'_> {
-    fn encode(&mut self, index: usize, _identity: &ItemIdentity) -> omniprefix::Result<EncoderOutput> {
+impl Encoder for PyEncoder<'_> {
+    fn encode(&self, index: usize, _identity: &ItemIdentity) -> omniprefix::Result<EncoderOutput> {
         let missing = || RequestError::MissingEmbeddings { item: index }.into();
-        let (Some(callable), Some(item)) = (&self.callable, self.items.get(index)) else { return Err(missing()) };
+        let Some(item) = self.items.get(index) else { return Err(missing()) };
         Python::attach(|py| {
-            let result = callable.call1(py, (item.clone_ref(py),)).and_then(|out| encoder_output(out.bind(py), index));
+            let result = self.callable.call1(py, (item.clone_ref(py),)).and_then(|out| encoder_output(out.bind(py), index));
             result.map_err(|e| {
-                *self.raised = Some(e);
+                *self.raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 missing()
             })
         })
@@ -161,149 +131,73 @@ fn encoder_output(out: &Bound<'_, PyAny>, index: usize) -> PyResult<EncoderOutpu
     Ok(float_matrix(out, &what)?.into())
 }
 
+/// The sampling keywords of `generate` / `stream`, passed to the library's
+/// `SamplingParams` as they are (unknown names are errors, missing ones default).
+fn sampling_params(sampling: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingParams> {
+    let Some(sampling) = sampling else { return Ok(SamplingParams::default()) };
+    pythonize::depythonize::<SamplingParams>(sampling.as_any())
+        .map_err(|e| crate::errors::RequestError::new_err(format!("sampling options: {e}")))
+}
+
 impl PyEngine {
-    fn open(options: EngineOptions, build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<AnyEngine>) -> PyResult<Self> {
+    fn open(options: EngineOptions, build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<(ServedEngine, Info)>) -> PyResult<Self> {
         let selection = guard(|| select(options.backend))?;
         let reason = selection.reason.clone();
-        let engine = guard(|| build(selection.backend, options.config))?;
-        let info = on_engine!(&engine, e => {
-            let model = e.model_config();
-            Info {
-                capture: e.capture().points().iter().map(|p| capture_key(*p)).collect(),
-                eos_token_ids: e.eos_token_ids().to_vec(),
-                hidden_size: model.hidden_size,
-                num_layers: model.num_hidden_layers,
-                vocab_size: model.vocab_size,
-                block_size: e.config().block_size,
-                backend: reason,
-                dtype: e.weight_dtype().name(),
-                kv_endpoints: e.kv_events_endpoints().map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),
-            }
-        });
-        Ok(PyEngine {
-            state: ManuallyDrop::new(Mutex::new(State { engine, queues: HashMap::new(), broken: None })),
-            orphans: Mutex::new(Vec::new()),
-            info,
-        })
+        let (served, mut info) = guard(|| build(selection.backend, options.config))?;
+        info.backend = reason;
+        Ok(PyEngine { served: ManuallyDrop::new(served), info })
     }
 
-    /// Locks the engine (call with the GIL released), aborting orphaned streams first.
-    fn lock(&self) -> PyResult<MutexGuard<'_, State>> {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(why) = &state.broken {
-            return Err(InternalError::new_err(format!("the engine is unusable after an internal panic: {why}")));
-        }
-        let orphans = std::mem::take(&mut *self.orphans.lock().unwrap_or_else(|p| p.into_inner()));
-        for id in orphans {
-            state.queues.remove(&id);
-            // Already finished requests are unknown to the engine: nothing to abort.
-            let _ = on_engine!(&mut state.engine, e => e.abort(id));
-        }
-        Ok(state)
-    }
-
-    /// Runs `f` on the locked engine with the GIL released; a panic marks it broken.
-    fn with_state<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut State) -> PyResult<T> + Send) -> PyResult<T> {
-        py.detach(|| {
-            let mut state = self.lock()?;
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut state))) {
-                Ok(result) => result,
-                Err(panic) => {
-                    let message = crate::errors::panic_message(&*panic);
-                    state.broken = Some(message.clone());
-                    Err(InternalError::new_err(format!("internal panic: {message}")))
-                }
-            }
-        })
-    }
-
-    /// Submits one request (with the GIL released) and registers its event queue.
+    /// Prepares and submits one request with the GIL released (the encoder,
+    /// if called, takes it back while it runs); returns its handle.
     fn submit(
         &self,
         py: Python<'_>,
-        request: PrefillRequest<'_>,
-        params: Option<SamplingParams>,
+        prompt: Prompt<'_>,
+        task: Task,
         encoder: Option<Py<PyAny>>,
-        items: &BorrowedItems<'_>,
-    ) -> PyResult<RequestId> {
-        let items: Vec<Py<Item>> = items.items().iter().map(|i| i.clone().unbind()).collect();
-        let mut raised = None;
-        let submitted = self.with_state(py, |state| {
-            let mut encoder = PyEncoder { callable: encoder, items, raised: &mut raised };
-            let encode = |index: usize, identity: &ItemIdentity| encoder.encode(index, identity);
-            let id = on_engine!(&mut state.engine, e => match params {
-                Some(params) => e.submit_generate_with_encoder(request, params, encode),
-                None => e.submit_with_encoder(request, encode),
-            });
-            let id = id.map_err(to_py)?;
-            state.queues.insert(id, VecDeque::new());
-            Ok(id)
+    ) -> PyResult<RequestHandle> {
+        let Prompt { ids, borrowed, tenant, placeholders } = prompt;
+        let items: Vec<Py<Item>> = borrowed.items().iter().map(|i| i.clone().unbind()).collect();
+        let inputs = borrowed.inputs();
+        let raised = Mutex::new(None);
+        let served = &*self.served;
+        let submitted = py.detach(|| {
+            let mut request = Request { tenant, token_ids: ids, placeholders, items: inputs, task, encoder: None };
+            if let Some(callable) = encoder {
+                request = request.with_encoder(PyEncoder { callable, items: &items, raised: &raised });
+            }
+            guard(|| served.submit(request))
         });
-        match raised {
+        match raised.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(error) => Err(error),
             None => submitted,
         }
     }
+}
 
-    /// The next event of request `id`, stepping the engine as needed (GIL released).
-    fn next_event(&self, py: Python<'_>, id: RequestId) -> PyResult<Event> {
-        self.with_state(py, |state| loop {
-            let Some(queue) = state.queues.get_mut(&id) else {
-                return Err(to_py(SchedError::UnknownRequest { id }.into()));
-            };
-            if let Some(event) = queue.pop_front() {
-                if matches!(event, Event::Prefilled(_) | Event::Generated(_)) {
-                    state.queues.remove(&id);
-                }
-                return Ok(event);
-            }
-            let pending = on_engine!(&state.engine, e => e.has_pending());
-            if !pending {
-                state.queues.remove(&id);
-                return Err(InternalError::new_err(format!(
-                    "request {id} is no longer pending (an earlier engine failure aborted it)"
-                )));
-            }
-            let events = on_engine!(&mut state.engine, e => guard(|| e.step()))?;
-            for event in events {
-                if let Some(queue) = state.queues.get_mut(&event.request()) {
-                    queue.push_back(event);
-                }
-            }
+/// A request's prompt as Python passed it.
+struct Prompt<'a> {
+    ids: Vec<u32>,
+    borrowed: BorrowedItems<'a>,
+    tenant: u64,
+    placeholders: PlaceholderForm,
+}
+
+impl<'a> Prompt<'a> {
+    fn parse(token_ids: &Bound<'_, PyAny>, items: Option<&'a Bound<'a, PyAny>>, tenant: u64, placeholders: &str) -> PyResult<Self> {
+        Ok(Prompt {
+            ids: crate::arrays::token_ids(token_ids)?,
+            borrowed: BorrowedItems::from_py(items)?,
+            tenant,
+            placeholders: placeholder_form(placeholders)?,
         })
     }
+}
 
-    /// Aborts request `id` now (GIL released); unknown ids are ignored.
-    fn abort(&self, py: Python<'_>, id: RequestId) -> PyResult<()> {
-        self.with_state(py, |state| {
-            if state.queues.remove(&id).is_some() {
-                let _ = on_engine!(&mut state.engine, e => e.abort(id));
-            }
-            Ok(())
-        })
-    }
-
-    /// Defers an abort to the next call (for a stream dropped with the GIL held).
-    fn abort_later(&self, id: RequestId) {
-        self.orphans.lock().unwrap_or_else(|p| p.into_inner()).push(id);
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn submit_generation(
-        &self,
-        py: Python<'_>,
-        token_ids: &Bound<'_, PyAny>,
-        items: Option<&Bound<'_, PyAny>>,
-        sampling: Sampling,
-        tenant: u64,
-        encoder: Option<Py<PyAny>>,
-        placeholders: &str,
-    ) -> PyResult<RequestId> {
-        let ids = crate::arrays::token_ids(token_ids)?;
-        let borrowed = BorrowedItems::from_py(items)?;
-        let request = PrefillRequest { tenant, token_ids: ids, placeholders: placeholder_form(placeholders)?, items: borrowed.inputs() };
-        self.submit(py, request, Some(sampling.params()), encoder, &borrowed)
-    }
+/// Reads a handle to its end with the GIL released.
+fn wait(py: Python<'_>, handle: RequestHandle) -> PyResult<Output> {
+    py.detach(|| handle.wait()).map_err(to_py)
 }
 
 /// A `config.json` given as a dict (argument `what`), as JSON text.
@@ -322,6 +216,11 @@ fn checkpoint_dir(path: &Bound<'_, PyAny>) -> PyResult<PathBuf> {
 #[pymethods]
 impl PyEngine {
     /// An engine over the Hugging Face checkpoint in `path` (`config.json` + safetensors).
+    ///
+    /// Options (keywords): block_size, num_blocks, capture, cache, backend, dtype,
+    /// kv_dtype, fingerprint_key, validation, tenants, max_tokens_per_step,
+    /// max_seqs_per_step, fingerprint_threads, encoder_cache_bytes, kv_events,
+    /// kv_replay, kv_topic, kv_buffer_steps, kv_linger_s (see docs/python.md).
     #[staticmethod]
     #[pyo3(signature = (path, **options))]
     fn from_dir(py: Python<'_>, path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
@@ -330,16 +229,15 @@ impl PyEngine {
         let model = guard(|| Config::from_dir(&dir))?;
         options.config.capture = options.capture.resolve(model.num_hidden_layers);
         py.detach(|| {
-            Self::open(options, |backend, config| {
-                Ok(match backend {
-                    SelectedBackend::Cpu(cpu) => AnyEngine::Cpu(Engine::from_dir_on(Arc::new(cpu), &dir, config)?),
-                    SelectedBackend::Wgpu(gpu) => AnyEngine::Wgpu(Engine::from_dir_on(Arc::new(gpu), &dir, config)?),
-                })
+            Self::open(options, |backend, config| match backend {
+                SelectedBackend::Cpu(cpu) => served(Engine::from_dir_on(Arc::new(cpu), &dir, config)?),
+                SelectedBackend::Wgpu(gpu) => served(Engine::from_dir_on(Arc::new(gpu), &dir, config)?),
             })
         })
     }
 
-    /// An engine over a model with seeded random weights; `config` is a `config.json` dict.
+    /// An engine over a model with seeded random weights; `config` is a
+    /// `config.json` dict. Takes the options of `from_dir`.
     #[staticmethod]
     #[pyo3(signature = (config, seed, **options))]
     fn random(py: Python<'_>, config: &Bound<'_, PyAny>, seed: u64, options: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
@@ -351,20 +249,25 @@ impl PyEngine {
         options.config.tokens = guard(|| tokens_from_config_json(&json))?;
         py.detach(|| {
             Self::open(options, |backend, config| {
-                fn random_on<B: Backend>(backend: B, model: Config, seed: u64, config: EngineConfig) -> omniprefix::Result<Engine<B>> {
+                fn random_on<B: Backend + 'static>(backend: B, model: Config, seed: u64, config: EngineConfig) -> omniprefix::Result<(ServedEngine, Info)>
+                where
+                    Engine<B>: Send,
+                {
                     let backend = Arc::new(backend);
                     let thinker = Arc::new(Thinker::random(&*backend, model, seed)?);
-                    Engine::new(backend, thinker, config)
+                    served(Engine::new(backend, thinker, config)?)
                 }
-                Ok(match backend {
-                    SelectedBackend::Cpu(cpu) => AnyEngine::Cpu(random_on(cpu, model, seed, config)?),
-                    SelectedBackend::Wgpu(gpu) => AnyEngine::Wgpu(random_on(gpu, model, seed, config)?),
-                })
+                match backend {
+                    SelectedBackend::Cpu(cpu) => random_on(cpu, model, seed, config),
+                    SelectedBackend::Wgpu(gpu) => random_on(gpu, model, seed, config),
+                }
             })
         })
     }
 
     /// Full hidden states of a prompt (cached rows included) and its last logits.
+    /// `encoder(item) -> embeddings | (embeddings, deepstack)` runs for items
+    /// that bring no embeddings and miss the encoder cache.
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded"))]
     fn prefill(
         &self,
@@ -375,80 +278,78 @@ impl PyEngine {
         encoder: Option<Py<PyAny>>,
         placeholders: &str,
     ) -> PyResult<PyOutput> {
-        let ids = crate::arrays::token_ids(token_ids)?;
-        let borrowed = BorrowedItems::from_py(items)?;
-        let request = PrefillRequest { tenant, token_ids: ids, placeholders: placeholder_form(placeholders)?, items: borrowed.inputs() };
-        let id = self.submit(py, request, None, encoder, &borrowed)?;
-        match self.next_event(py, id)? {
-            Event::Prefilled(output) => PyOutput::new(py, output),
-            _ => Err(InternalError::new_err(format!("request {id}: a prefill produced generation events"))),
-        }
+        let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
+        let handle = self.submit(py, prompt, Task::Prefill, encoder)?;
+        PyOutput::new(py, wait(py, handle)?)
     }
 
-    /// Generates up to `max_tokens` tokens; returns tokens and the hidden rows of every position that ran.
-    #[pyo3(signature = (token_ids, items=None, *, max_tokens, temperature=0.0, top_k=None, top_p=None, seed=None,
-                        stop=None, ignore_eos=false, tenant=0, encoder=None, placeholders="unexpanded"))]
-    #[allow(clippy::too_many_arguments)]
+    /// Generates tokens; returns them with the hidden rows of every position
+    /// that ran. Sampling keywords go to `SamplingParams` as they are:
+    /// max_tokens (default 16), temperature (0: greedy), top_k, top_p, seed,
+    /// stop, ignore_eos, run_last_token.
+    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
     fn generate(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
         items: Option<&Bound<'_, PyAny>>,
-        max_tokens: usize,
-        temperature: f32,
-        top_k: Option<usize>,
-        top_p: Option<f32>,
-        seed: Option<u64>,
-        stop: Option<Vec<u32>>,
-        ignore_eos: bool,
         tenant: u64,
         encoder: Option<Py<PyAny>>,
         placeholders: &str,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyGeneration> {
-        let sampling = Sampling { max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos };
-        let id = self.submit_generation(py, token_ids, items, sampling, tenant, encoder, placeholders)?;
-        loop {
-            match self.next_event(py, id)? {
-                Event::Generated(generation) => return PyGeneration::new(py, generation),
-                Event::Token(_) => {}
-                Event::Prefilled(_) => return Err(InternalError::new_err(format!("request {id}: a generation ended as a prefill"))),
-            }
-        }
+        let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
+        let task = Task::Generate(sampling_params(sampling)?);
+        let handle = self.submit(py, prompt, task, encoder)?;
+        PyGeneration::new(py, wait(py, handle)?)
     }
 
     /// `generate`, yielding `(token, {capture: row})` as each token is sampled.
-    #[pyo3(signature = (token_ids, items=None, *, max_tokens, temperature=0.0, top_k=None, top_p=None, seed=None,
-                        stop=None, ignore_eos=false, tenant=0, encoder=None, placeholders="unexpanded"))]
-    #[allow(clippy::too_many_arguments)]
+    /// The engine keeps generating while nobody reads (up to 256 buffered
+    /// tokens); closing or dropping the stream aborts the request.
+    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
     fn stream(
-        slf: &Bound<'_, Self>,
+        &self,
+        py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
         items: Option<&Bound<'_, PyAny>>,
-        max_tokens: usize,
-        temperature: f32,
-        top_k: Option<usize>,
-        top_p: Option<f32>,
-        seed: Option<u64>,
-        stop: Option<Vec<u32>>,
-        ignore_eos: bool,
+        tenant: u64,
+        encoder: Option<Py<PyAny>>,
+        placeholders: &str,
+        sampling: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Stream> {
+        let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
+        let task = Task::Generate(sampling_params(sampling)?);
+        let handle = self.submit(py, prompt, task, encoder)?;
+        Ok(Stream::new(handle))
+    }
+
+    /// Submits a prefill and returns its stream (it yields no tokens; its
+    /// `.output` holds the result once exhausted): for callers that wait elsewhere.
+    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded"))]
+    fn submit_prefill(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        items: Option<&Bound<'_, PyAny>>,
         tenant: u64,
         encoder: Option<Py<PyAny>>,
         placeholders: &str,
     ) -> PyResult<Stream> {
-        let sampling = Sampling { max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos };
-        let id = slf.get().submit_generation(slf.py(), token_ids, items, sampling, tenant, encoder, placeholders)?;
-        Ok(Stream { engine: slf.clone().unbind(), id, generation: None, done: false })
+        let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
+        let handle = self.submit(py, prompt, Task::Prefill, encoder)?;
+        Ok(Stream::new(handle))
     }
 
     /// Counters: queries, hits, hit_tokens, evicted_blocks, preemptions, encoder_cache_hits, finished.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let stats = self.with_state(py, |state| Ok(on_engine!(&state.engine, e => e.stats())))?;
+        let stats = py.detach(|| self.served.stats()).map_err(to_py)?;
         let dict = PyDict::new(py);
-        dict.set_item("queries", stats.queries)?;
-        dict.set_item("hits", stats.hits)?;
-        dict.set_item("hit_tokens", stats.hit_tokens)?;
-        dict.set_item("evicted_blocks", stats.evicted_blocks)?;
-        dict.set_item("preemptions", stats.preemptions)?;
+        dict.set_item("queries", stats.sched.queries)?;
+        dict.set_item("hits", stats.sched.hits)?;
+        dict.set_item("hit_tokens", stats.sched.hit_tokens)?;
+        dict.set_item("evicted_blocks", stats.sched.evicted_blocks)?;
+        dict.set_item("preemptions", stats.sched.preemptions)?;
         dict.set_item("encoder_cache_hits", stats.encoder_cache_hits)?;
         dict.set_item("finished", stats.finished)?;
         Ok(dict)
@@ -456,24 +357,66 @@ impl PyEngine {
 
     /// Checks the scheduler's pool, index and bookkeeping; raises `InternalError` naming a broken invariant.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.with_state(py, |state| on_engine!(&state.engine, e => e.validate()).map_err(|v| to_py(v.into())))
+        py.detach(|| self.served.validate()).map_err(to_py)
     }
 
     /// Drops every cached block and publishes `AllBlocksCleared`; the number of blocks freed.
     /// Refused (`CacheError`, nothing changed) while requests are pending.
     fn reset_cache(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with_state(py, |state| on_engine!(&mut state.engine, e => e.reset_cache()).map_err(to_py))
+        py.detach(|| self.served.reset_cache()).map_err(to_py)
     }
 
     /// The hashes of the published full blocks the index holds, ascending (empty without `kv_events`).
     fn cached_block_hashes(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
-        self.with_state(py, |state| Ok(on_engine!(&state.engine, e => e.cached_block_hashes())))
+        py.detach(|| self.served.cached_block_hashes()).map_err(to_py)
     }
 
     /// The publisher's counters (batches, published, dropped, replays, malformed_replays), or None.
     fn kv_events_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let stats = self.with_state(py, |state| Ok(on_engine!(&state.engine, e => e.kv_events_stats())))?;
+        let stats = py.detach(|| self.served.kv_events_stats()).map_err(to_py)?;
         stats.map(|s| pythonize::pythonize(py, &s).map_err(|e| InternalError::new_err(e.to_string()))).transpose()
+    }
+
+    /// `<|image_pad|>`: the placeholder id of an image (one per unexpanded image).
+    #[getter]
+    fn image_token_id(&self) -> u32 {
+        self.info.tokens.image_token_id
+    }
+
+    /// `<|video_pad|>`: the placeholder id of a video.
+    #[getter]
+    fn video_token_id(&self) -> u32 {
+        self.info.tokens.video_token_id
+    }
+
+    /// `<|audio_pad|>`: the placeholder id of an audio.
+    #[getter]
+    fn audio_token_id(&self) -> u32 {
+        self.info.tokens.audio_token_id
+    }
+
+    /// `<|vision_start|>`: opens an image or a video.
+    #[getter]
+    fn vision_start_token_id(&self) -> u32 {
+        self.info.tokens.vision_start_token_id
+    }
+
+    /// `<|vision_end|>`: closes an image or a video.
+    #[getter]
+    fn vision_end_token_id(&self) -> u32 {
+        self.info.tokens.vision_end_token_id
+    }
+
+    /// `<|audio_start|>`: opens an audio.
+    #[getter]
+    fn audio_start_token_id(&self) -> u32 {
+        self.info.tokens.audio_start_token_id
+    }
+
+    /// `<|audio_end|>`: closes an audio.
+    #[getter]
+    fn audio_end_token_id(&self) -> u32 {
+        self.info.tokens.audio_end_token_id
     }
 
     /// The KV events PUB endpoint as bound (port 0 resolved), or None.
@@ -540,15 +483,46 @@ impl PyEngine {
     }
 }
 
-/// The tokens of one generation as they are sampled: iterate for
-/// `(token, {capture: row})`; `.generation` holds the result once it ends.
-/// Closing (or dropping) it early aborts the request.
+/// The events of one request as they come: iterate for `(token, {capture: row})`;
+/// `.generation` (a generation) or `.output` (a prefill) holds the result once
+/// it ends. Closing (or dropping) it early aborts the request.
 #[pyclass(module = "omniprefix")]
 pub struct Stream {
-    engine: Py<PyEngine>,
-    id: RequestId,
-    generation: Option<Py<PyGeneration>>,
-    done: bool,
+    handle: Mutex<Option<RequestHandle>>,
+    /// Aborts without the handle's lock, which a waiting reader holds.
+    aborter: Aborter,
+    generation: Mutex<Option<Output>>,
+}
+
+impl Stream {
+    fn new(handle: RequestHandle) -> Self {
+        Stream { aborter: handle.aborter(), handle: Mutex::new(Some(handle)), generation: Mutex::new(None) }
+    }
+}
+
+impl Stream {
+    /// The next token, or the end (the result kept), with the GIL released.
+    fn next_token(&self, py: Python<'_>, wait: bool) -> PyResult<Option<(u32, Vec<(omniprefix::model::CaptureName, Vec<f32>)>)>> {
+        let mut guard = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(handle) = guard.as_mut() else { return Ok(None) };
+        let event = if wait { py.detach(|| handle.recv()) } else { handle.try_recv() };
+        match event {
+            Some(Ok(Event::Token(token))) => Ok(Some((token.token, token.hidden))),
+            Some(Ok(Event::Finished(output))) => {
+                *self.generation.lock().unwrap_or_else(|p| p.into_inner()) = Some(output);
+                *guard = None;
+                Ok(None)
+            }
+            Some(Err(error)) => {
+                *guard = None;
+                Err(to_py(error))
+            }
+            None => {
+                *guard = None;
+                Ok(None)
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -557,47 +531,62 @@ impl Stream {
         slf
     }
 
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<(u32, Py<PyDict>)>> {
-        if self.done {
-            return Ok(None);
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<(u32, Py<PyDict>)>> {
+        match self.next_token(py, true)? {
+            Some((token, rows)) => Ok(Some((token, row_dict(py, rows)?.unbind()))),
+            None => Ok(None),
         }
-        let engine = self.engine.get();
-        let event = engine.next_event(py, self.id);
-        let event = event.inspect_err(|_| self.done = true)?;
-        match event {
-            Event::Token(token) => Ok(Some((token.token, row_dict(py, token.hidden)?.unbind()))),
-            Event::Generated(generation) => {
-                self.done = true;
-                self.generation = Some(Py::new(py, PyGeneration::new(py, generation)?)?);
-                Ok(None)
-            }
-            Event::Prefilled(_) => {
-                self.done = true;
-                Err(InternalError::new_err(format!("request {}: a generation ended as a prefill", self.id)))
-            }
+    }
+
+    /// Waits (GIL released) for the next event and returns every buffered
+    /// token as `[(token, {capture: row}), ...]`; `[]` once the stream ended.
+    /// What `AsyncEngine` awaits in a worker thread.
+    fn next_batch(&self, py: Python<'_>) -> PyResult<Vec<(u32, Py<PyDict>)>> {
+        let mut batch = Vec::new();
+        let mut wait = true;
+        while let Some((token, rows)) = self.next_token(py, wait)? {
+            batch.push((token, row_dict(py, rows)?.unbind()));
+            wait = false;
         }
+        Ok(batch)
     }
 
     /// The finished generation (None until the stream is exhausted).
     #[getter]
-    fn generation(&self, py: Python<'_>) -> Option<Py<PyGeneration>> {
-        self.generation.as_ref().map(|g| g.clone_ref(py))
+    fn generation(&self, py: Python<'_>) -> PyResult<Option<PyGeneration>> {
+        let output = self.generation.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        output.filter(|o| o.finish_reason.is_some()).map(|o| PyGeneration::new(py, o)).transpose()
     }
 
-    /// Aborts the generation if it has not finished; its blocks go back, nothing of it is cached.
-    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
-        if !self.done {
-            self.done = true;
-            self.engine.get().abort(py, self.id)?;
+    /// The finished prefill of `Engine.submit_prefill` (None until it ended).
+    #[getter]
+    fn output(&self, py: Python<'_>) -> PyResult<Option<PyOutput>> {
+        let output = self.generation.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        output.filter(|o| o.finish_reason.is_none()).map(|o| PyOutput::new(py, o)).transpose()
+    }
+
+    /// True once the request ended (finished, failed or closed).
+    #[getter]
+    fn done(&self) -> bool {
+        self.handle.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+    }
+
+    /// Aborts the request if it has not finished; its blocks go back, nothing of it is cached.
+    fn close(&self) {
+        // A reader waiting in another thread holds the handle: abort through
+        // the loop, which ends that reader's wait.
+        self.aborter.abort();
+        if let Ok(mut handle) = self.handle.try_lock() {
+            handle.take();
         }
-        Ok(())
     }
 }
 
-impl Drop for Stream {
-    fn drop(&mut self) {
-        if !self.done {
-            self.engine.get().abort_later(self.id);
-        }
-    }
+/// A core engine moved onto its own thread, with the facts Python reads.
+fn served<B: Backend + 'static>(engine: Engine<B>) -> omniprefix::Result<(ServedEngine, Info)>
+where
+    Engine<B>: Send,
+{
+    let info = Info::of(&engine, String::new());
+    Ok((engine.serve(ServedOptions::default())?, info))
 }

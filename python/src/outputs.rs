@@ -1,8 +1,9 @@
-//! `Output` (a prefill) and `Generation`: engine results as Python objects,
+//! `Output` (a prefill) and `Generation`: the engine's one result type as the
+//! two Python objects it always was,
 //! hidden states moved into numpy arrays without a copy.
 
 use numpy::PyArray1;
-use omniprefix::engine::{Generation, Output, millis};
+use omniprefix::engine::{Output, millis};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -79,7 +80,7 @@ pub struct PyGeneration {
 }
 
 impl PyGeneration {
-    pub fn new(py: Python<'_>, generation: Generation) -> PyResult<Self> {
+    pub fn new(py: Python<'_>, generation: Output) -> PyResult<Self> {
         let t = &generation.timings;
         let timings = PyDict::new(py);
         timings.set_item("preprocess", millis(t.preprocess))?;
@@ -92,8 +93,8 @@ impl PyGeneration {
             hidden: hidden_dict(py, generation.hidden)?.unbind(),
             num_cached_tokens: generation.num_cached_tokens,
             prompt_len: generation.prompt_len,
-            finish_reason: generation.finish_reason.to_string(),
-            seed: generation.seed,
+            finish_reason: generation.finish_reason.map(|r| r.to_string()).unwrap_or_default(),
+            seed: generation.seed.unwrap_or_default(),
             timings: timings.unbind(),
             decode_tokens_per_s,
         })

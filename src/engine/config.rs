@@ -1,13 +1,12 @@
 //! What an [`Engine`](super::Engine) is sized by, and what it counts.
 
-use std::time::Duration;
-
 use crate::backend::Dtype;
 use crate::canon::FingerprintKey;
 use crate::events::KvEventsConfig;
 use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
 use crate::prompt::{OmniTokens, TenantSalt};
+use crate::sched::{SchedulerConfig, SchedulerStats};
 
 /// Which prefix index the engine's scheduler matches with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -65,6 +64,19 @@ pub struct EngineConfig {
     pub kv_events: Option<KvEventsConfig>,
 }
 
+impl EngineConfig {
+    /// The scheduler's part of this configuration.
+    pub fn scheduler_config(&self) -> SchedulerConfig {
+        SchedulerConfig {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            max_tokens_per_step: self.max_tokens_per_step,
+            max_seqs_per_step: self.max_seqs_per_step,
+            token_granular_reuse: self.token_granular_reuse,
+        }
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
@@ -89,33 +101,14 @@ impl Default for EngineConfig {
     }
 }
 
-/// Where one request's time went.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Timings {
-    /// Fingerprinting items and building the canonical prompt.
-    pub preprocess: Duration,
-    /// Scheduler calls (match, allocate, commit) of the steps the request was in.
-    pub schedule: Duration,
-    /// Runner steps the request was in (shared with the requests batched with it).
-    pub forward: Duration,
-    /// From `submit` to output: the time to first token.
-    pub total: Duration,
-}
-
-/// Counters of an engine.
+/// Counters of an engine, each read from its owner.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct EngineStats {
-    /// Requests matched against the prefix index.
-    pub queries: u64,
-    /// Of those, requests that reused at least one cached token.
-    pub hits: u64,
-    /// Cached tokens reused (not recomputed).
-    pub hit_tokens: u64,
-    /// Blocks the index gave back under pool pressure.
-    pub evicted_blocks: u64,
-    /// Requests sent back to the queue to free blocks.
-    pub preemptions: u64,
-    /// Items whose embeddings came from the encoder cache.
+    /// The scheduler's counters and pool occupancy (queries, hits, hit
+    /// tokens, evictions, preemptions, ...).
+    #[serde(flatten)]
+    pub sched: SchedulerStats,
+    /// Items of admitted requests whose embeddings came from the encoder cache.
     pub encoder_cache_hits: u64,
     /// Requests that returned their outputs.
     pub finished: u64,

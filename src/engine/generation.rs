@@ -1,109 +1,13 @@
-//! What a generating request returns, and the per-request decode state the
-//! engine keeps between steps: sampler, tokens so far, and the hidden rows of
-//! every position that ran.
+//! The per-request decode state the engine keeps between steps: sampler,
+//! tokens so far, and the hidden rows of every position that ran.
 
 use std::time::Duration;
 
 use ndarray::Array2;
 
-use super::Output;
-use crate::batch::RequestId;
 use crate::error::{Component, Error, Result};
 use crate::model::CaptureName;
 use crate::sample::{FinishReason, Sampler, SamplingParams};
-
-/// What a finished generation returns.
-#[derive(Debug, Clone)]
-pub struct Generation {
-    pub request: RequestId,
-    /// Generated ids, in order (a stop id that ended it included).
-    pub tokens: Vec<u32>,
-    /// Each captured point's hidden states of every position that ran through
-    /// the model: `[prompt_len + tokens.len() - 1, hidden]` (one more row when
-    /// [`SamplingParams::run_last_token`] ran the last token too), cached rows included.
-    pub hidden: Vec<(CaptureName, Array2<f32>)>,
-    /// Leading prompt positions whose KV came from the cache.
-    pub num_cached_tokens: usize,
-    /// Length of the expanded prompt.
-    pub prompt_len: usize,
-    pub finish_reason: FinishReason,
-    /// The sampler's seed (the one given, or the one drawn for the request).
-    pub seed: u64,
-    pub timings: GenerationTimings,
-}
-
-impl Generation {
-    /// The hidden states captured at `name`, if captured.
-    pub fn hidden_at(&self, name: CaptureName) -> Option<&Array2<f32>> {
-        self.hidden.iter().find(|(n, _)| *n == name).map(|(_, h)| h)
-    }
-}
-
-/// Where a generation's time went, measured from `submit`.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct GenerationTimings {
-    /// Fingerprinting items and building the canonical prompt.
-    pub preprocess: Duration,
-    /// Time to first token: submit to the first sampled token.
-    pub ttft: Duration,
-    /// Submit to each sampled token.
-    pub token_times: Vec<Duration>,
-    /// Submit to the end.
-    pub total: Duration,
-}
-
-impl GenerationTimings {
-    /// Inter-token latencies: the gaps between consecutive tokens.
-    pub fn itl(&self) -> Vec<Duration> {
-        self.token_times.windows(2).map(|w| w[1].saturating_sub(w[0])).collect()
-    }
-
-    /// Generated tokens after the first per second of decoding (0 with fewer than two tokens).
-    pub fn decode_tokens_per_s(&self) -> f64 {
-        match (self.token_times.first(), self.token_times.last()) {
-            (Some(first), Some(last)) if last > first => {
-                (self.token_times.len() - 1) as f64 / (*last - *first).as_secs_f64()
-            }
-            _ => 0.0,
-        }
-    }
-}
-
-/// One sampled token as it is produced: what a talker consumes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenEvent {
-    pub request: RequestId,
-    pub token: u32,
-    /// Index among the generated tokens (0 = the first).
-    pub index: usize,
-    /// The position that ran and whose logits chose this token (the prompt's
-    /// last position for the first token).
-    pub position: usize,
-    /// That position's hidden row at every captured point, in capture order.
-    pub hidden: Vec<(CaptureName, Vec<f32>)>,
-}
-
-/// What one engine step produced.
-#[derive(Debug, Clone)]
-pub enum Event {
-    /// A generating request sampled a token.
-    Token(TokenEvent),
-    /// A prefill request finished.
-    Prefilled(Output),
-    /// A generating request finished.
-    Generated(Generation),
-}
-
-impl Event {
-    /// The request the event belongs to.
-    pub fn request(&self) -> RequestId {
-        match self {
-            Event::Token(t) => t.request,
-            Event::Prefilled(o) => o.request,
-            Event::Generated(g) => g.request,
-        }
-    }
-}
 
 /// A generating request's state between steps.
 #[derive(Debug)]
@@ -189,12 +93,4 @@ impl Decoding {
             })
             .collect()
     }
-}
-
-/// The last row of each captured array: the row of the position that just ran.
-pub(super) fn last_rows(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<(CaptureName, Vec<f32>)> {
-    hidden
-        .iter()
-        .filter_map(|(name, h)| Some((*name, h.rows().into_iter().next_back()?.to_vec())))
-        .collect()
 }

@@ -11,7 +11,7 @@ use crate::prompt::OmniTokens;
 use crate::sched::Scheduler;
 use crate::Result;
 
-use super::{Engine, EngineConfig, PrefillRequest};
+use super::{Engine, EngineConfig, Request};
 
 /// Binds the publisher `config.kv_events` asks for and makes `sched` record
 /// the events, hashed under the engine's fingerprint key.
@@ -29,7 +29,7 @@ pub(super) fn start(sched: Scheduler, config: &EngineConfig, backend: &str) -> R
 ///
 /// ```
 /// use omniprefix::canon::FingerprintKey;
-/// use omniprefix::engine::{Engine, EngineConfig, PrefillRequest, request_block_hashes};
+/// use omniprefix::engine::{Engine, EngineConfig, Request, request_block_hashes};
 /// use omniprefix::events::KvEventsConfig;
 /// use omniprefix::model::Config;
 ///
@@ -37,8 +37,8 @@ pub(super) fn start(sched: Scheduler, config: &EngineConfig, backend: &str) -> R
 /// let events = KvEventsConfig { endpoint: "tcp://127.0.0.1:0".into(), ..Default::default() };
 /// let config = EngineConfig { block_size: 4, fingerprint_key: key.clone(), kv_events: Some(events), ..Default::default() };
 /// let mut engine = Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, config)?;
-/// engine.prefill(PrefillRequest::text((0..10).collect()))?;
-/// let frontend = request_block_hashes(&PrefillRequest::text((0..10).collect()), &key, 4, engine.tokens())?;
+/// engine.run(Request::text((0..10).collect()))?;
+/// let frontend = request_block_hashes(&Request::text((0..10).collect()), &key, 4, engine.tokens())?;
 /// assert_eq!(frontend.len(), 2); // the full blocks
 /// let mut published = frontend.clone();
 /// published.sort();
@@ -46,7 +46,7 @@ pub(super) fn start(sched: Scheduler, config: &EngineConfig, backend: &str) -> R
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 pub fn request_block_hashes(
-    request: &PrefillRequest<'_>,
+    request: &Request<'_>,
     key: &FingerprintKey,
     block_size: usize,
     tokens: &OmniTokens,

@@ -1,14 +1,18 @@
-//! What a caller hands the engine: token ids, items with their content (for
-//! the fingerprint) and their encoder outputs (for the model).
+//! What a caller hands the engine: one [`Request`] (prompt, tenant and task),
+//! items with their content (for the fingerprint) and optional encoder outputs
+//! (for the model), and the [`Encoder`] hook that computes missing outputs.
 
+use std::fmt;
 use std::sync::Arc;
 
 use ndarray::Array2;
 
 use crate::batch::DeepStack;
-use crate::canon::ItemSpec;
+use crate::canon::{ItemIdentity, ItemSpec};
+use crate::error::Result;
 pub use crate::preprocess::PlaceholderForm;
 use crate::prompt::TenantSalt;
+use crate::sample::SamplingParams;
 
 /// One multimodal item of a request.
 #[derive(Debug, Clone)]
@@ -16,8 +20,7 @@ pub struct ItemInput<'a> {
     /// Modality, layout and content: what the fingerprint is computed over.
     pub spec: ItemSpec<'a>,
     /// The encoder's output `[num_tokens, hidden]`; `None` takes it from the
-    /// engine's encoder cache (or the encoder given to
-    /// [`Engine::submit_with_encoder`](super::Engine::submit_with_encoder)).
+    /// engine's encoder cache, or from the request's (else the engine's) [`Encoder`].
     pub embeddings: Option<Arc<Array2<f32>>>,
     /// DeepStack levels of a vision item (Qwen3-Omni): one `[num_tokens, hidden]`
     /// array per level, level `i` added at the item's positions after decoder
@@ -44,9 +47,53 @@ impl From<Array2<f32>> for EncoderOutput {
     }
 }
 
-/// A prefill request.
-#[derive(Debug, Clone, Default)]
-pub struct PrefillRequest<'a> {
+/// Computes an item's [`EncoderOutput`] when the request brings none and the
+/// encoder cache misses. It runs while the request is prepared, on the caller's
+/// thread and outside the engine's step loop, so a slow encoder delays only its
+/// own request. Any `Fn(usize, &ItemIdentity) -> Result<E>` with
+/// `E: Into<EncoderOutput>` is one; `item` indexes the request's items.
+///
+/// What it returns is checked like embeddings given with a request (shape,
+/// width, finite values) before anything is cached.
+pub trait Encoder {
+    /// The output for item `item` of the request being prepared.
+    fn encode(&self, item: usize, identity: &ItemIdentity) -> Result<EncoderOutput>;
+}
+
+impl<F, E> Encoder for F
+where
+    F: Fn(usize, &ItemIdentity) -> Result<E>,
+    E: Into<EncoderOutput>,
+{
+    fn encode(&self, item: usize, identity: &ItemIdentity) -> Result<EncoderOutput> {
+        self(item, identity).map(Into::into)
+    }
+}
+
+/// What the engine does with a request's prompt.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Task {
+    /// Run the prompt: full hidden states and the last position's logits.
+    #[default]
+    Prefill,
+    /// Run the prompt, then sample tokens until a stop id or `max_tokens`.
+    Generate(SamplingParams),
+}
+
+/// One request: the prompt (token ids and items), its tenant, its task and,
+/// optionally, an encoder for its items.
+///
+/// ```
+/// use omniprefix::engine::{Request, Task};
+/// use omniprefix::sample::SamplingParams;
+///
+/// let prefill = Request::text(vec![1, 2, 3]);
+/// assert_eq!(prefill.task, Task::Prefill);
+/// let generate = Request::text(vec![1, 2, 3]).generate(SamplingParams::greedy(8));
+/// assert!(matches!(generate.task, Task::Generate(ref p) if p.max_tokens == 8));
+/// ```
+#[derive(Clone, Default)]
+pub struct Request<'a> {
     /// Requests of different tenants never share cache entries.
     pub tenant: TenantSalt,
     /// Text ids with the items' placeholder ids in `placeholders` form.
@@ -54,11 +101,38 @@ pub struct PrefillRequest<'a> {
     pub placeholders: PlaceholderForm,
     /// Items in the order their placeholders appear (per modality).
     pub items: Vec<ItemInput<'a>>,
+    pub task: Task,
+    /// This request's encoder; `None` falls back to the engine's
+    /// ([`Engine::set_encoder`](super::Engine::set_encoder)), if any.
+    pub encoder: Option<Arc<dyn Encoder + 'a>>,
 }
 
-impl PrefillRequest<'_> {
-    /// A text-only request of tenant 0.
+impl<'a> Request<'a> {
+    /// A text-only prefill of tenant 0.
     pub fn text(token_ids: Vec<u32>) -> Self {
-        PrefillRequest { token_ids, ..Default::default() }
+        Request { token_ids, ..Default::default() }
+    }
+
+    /// The same prompt, generating with `params`.
+    pub fn generate(self, params: SamplingParams) -> Self {
+        Request { task: Task::Generate(params), ..self }
+    }
+
+    /// The same request, with `encoder` for its items that need one.
+    pub fn with_encoder(self, encoder: impl Encoder + 'a) -> Self {
+        Request { encoder: Some(Arc::new(encoder)), ..self }
+    }
+}
+
+impl fmt::Debug for Request<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Request")
+            .field("tenant", &self.tenant)
+            .field("token_ids", &self.token_ids)
+            .field("placeholders", &self.placeholders)
+            .field("items", &self.items)
+            .field("task", &self.task)
+            .field("encoder", &self.encoder.as_ref().map(|_| "<encoder>"))
+            .finish()
     }
 }

@@ -36,12 +36,14 @@ pub struct EncoderCache {
     entries: HashMap<Fingerprint, Entry>,
     /// Last-use tick → fingerprint, oldest first.
     by_use: BTreeMap<u64, Fingerprint>,
+    /// Items of admitted requests whose rows came from here.
+    hits: u64,
 }
 
 impl EncoderCache {
     /// An empty cache holding at most `capacity_bytes` of embeddings.
     pub fn new(capacity_bytes: usize) -> Self {
-        Self { capacity_bytes, used_bytes: 0, clock: 0, entries: HashMap::new(), by_use: BTreeMap::new() }
+        Self { capacity_bytes, used_bytes: 0, clock: 0, entries: HashMap::new(), by_use: BTreeMap::new(), hits: 0 }
     }
 
     fn tick(&mut self) -> u64 {
@@ -97,6 +99,17 @@ impl EncoderCache {
         self.by_use.remove(&e.last_use);
         self.used_bytes -= e.bytes;
         Some(e.value)
+    }
+
+    /// Counts `n` items of an admitted request served from here (a lookup
+    /// alone does not count: the request may still be rejected).
+    pub fn record_hits(&mut self, n: u64) {
+        self.hits += n;
+    }
+
+    /// Items of admitted requests whose rows came from here.
+    pub fn hits(&self) -> u64 {
+        self.hits
     }
 
     /// Bytes of embeddings held.

@@ -7,12 +7,13 @@
 //! DeepStack levels have the model's width and level count. So the runner
 //! trusts the batches the scheduler builds (it only `debug_assert!`s them).
 //!
-//! The checks, in order: the id is free; positions, atoms and token ids cover
-//! the same positions; the embeddings and DeepStack rows agree with their
-//! items and the model; the index map's spans are ordered, disjoint and inside
-//! the prompt and their items; the token ids (placeholders included) are in
-//! the vocabulary; the prompt fits the context; the tenant is known (when
-//! tenants are required); the prompt fits the pool.
+//! The checks, in order: the tenant is known (when tenants are required);
+//! positions, atoms and token ids cover the same positions; the token ids
+//! (placeholders included) are in the vocabulary; the sequence fits the
+//! context; the embeddings and DeepStack rows agree with their items and the
+//! model; the index map's spans are ordered, disjoint and inside the prompt and
+//! their items. Those read no scheduler state ([`RequestChecks`]); then the id
+//! is free and the sequence fits the pool ([`PoolLimits`]).
 
 use fxhash::FxHashSet;
 
@@ -20,18 +21,48 @@ use super::Request;
 use crate::batch::{LevelMismatch, ModelShape, RequestId};
 use crate::canon::Modality;
 use crate::error::{Error, RequestError, Result, SchedError};
-use crate::prompt::{TenantSalt, out_of_vocab};
+use crate::prompt::{CanonicalPrompt, TenantSalt, out_of_vocab};
 
-/// What a request is checked against (nothing but self-consistency by default).
+/// The checks a request must pass that read no scheduler state: what it is
+/// checked against (nothing but self-consistency by default). A served engine
+/// runs them while it prepares a request, on the caller's thread; a
+/// [`Scheduler`](super::Scheduler) runs them in [`admit`](super::Scheduler::admit).
+///
+/// ```
+/// use omniprefix::batch::ModelShape;
+/// use omniprefix::model::Config;
+/// use omniprefix::sched::RequestChecks;
+///
+/// let checks = RequestChecks::default()
+///     .with_model(ModelShape::of(&Config::tiny_qwen3(32, 2, 4, 2, 50)))
+///     .with_max_context(64)
+///     .with_known_tenants([0, 7]);
+/// assert!(checks.check_tenant(1, 7).is_ok());
+/// assert!(checks.check_tenant(1, 8).is_err());
+/// ```
 #[derive(Debug, Clone, Default)]
-pub(super) struct Admission {
+pub struct RequestChecks {
     /// The model the batches run on: vocabulary, hidden width, DeepStack levels.
-    pub(super) model: Option<ModelShape>,
-    /// Longest prompt the model can attend over (`max_position_embeddings`).
-    pub(super) max_context: Option<usize>,
+    model: Option<ModelShape>,
+    /// Longest sequence the model can attend over (`max_position_embeddings`).
+    max_context: Option<usize>,
     /// When set, only these tenants are admitted: a request carrying an
     /// unknown salt is rejected instead of silently getting a cache of its own.
-    pub(super) known_tenants: Option<FxHashSet<TenantSalt>>,
+    known_tenants: Option<FxHashSet<TenantSalt>>,
+}
+
+/// A request that passed every [`RequestChecks`] check; only
+/// [`RequestChecks::check`] makes one, and
+/// [`Scheduler::admit_checked`](super::Scheduler::admit_checked) takes it
+/// without checking it again.
+#[derive(Debug, Clone)]
+pub struct Checked(pub(super) Request);
+
+impl Checked {
+    /// The request that passed.
+    pub fn request(&self) -> &Request {
+        &self.0
+    }
 }
 
 /// The scheduler state admission reads (it changes none).
@@ -42,34 +73,94 @@ pub(super) struct PoolLimits {
     pub(super) block_size: usize,
 }
 
-impl Admission {
-    /// Checks `req` against itself, the model and the pool; on error nothing changed.
-    pub(super) fn check(&self, req: &Request, pool: &PoolLimits) -> Result<()> {
+impl PoolLimits {
+    /// The id is free and, alone, the request can always get its blocks (see `Scheduler::start`).
+    pub(super) fn check(&self, req: &Request) -> Result<()> {
         let id = req.id;
-        if pool.id_taken {
+        if self.id_taken {
             return Err(SchedError::DuplicateRequest { id }.into());
         }
-        check_lengths(req)?;
-        self.check_items(req)?;
-        check_spans(req)?;
+        let needed = req.prompt.len().saturating_add(req.max_new_tokens).div_ceil(self.block_size);
+        if needed > self.num_blocks {
+            return Err(RequestError::RequestTooLarge { id, needed, num_blocks: self.num_blocks }.into());
+        }
+        Ok(())
+    }
+}
+
+impl RequestChecks {
+    /// Checks against `shape`: token ids (placeholders included) in its
+    /// vocabulary, embeddings of its width, as many DeepStack levels as it takes.
+    pub fn with_model(mut self, shape: ModelShape) -> Self {
+        self.model = Some(shape);
+        self
+    }
+
+    /// Rejects sequences (prompt + tokens it may generate) longer than
+    /// `max_context` positions with [`RequestError::ContextTooLong`].
+    pub fn with_max_context(mut self, max_context: usize) -> Self {
+        self.max_context = Some(max_context);
+        self
+    }
+
+    /// Admits only prompts salted with one of `tenants`; others get
+    /// [`RequestError::UnknownTenant`].
+    pub fn with_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
+        self.known_tenants = Some(tenants.into_iter().collect());
+        self
+    }
+
+    /// The model checked against, if any.
+    pub fn model(&self) -> Option<&ModelShape> {
+        self.model.as_ref()
+    }
+
+    /// Every check, in order: the tenant, the prompt, then the rows; on error
+    /// nothing changed.
+    pub fn check(&self, req: Request) -> Result<Checked> {
+        self.check_tenant(req.id, req.prompt.tenant)?;
+        self.check_prompt(req.id, &req.prompt, req.max_new_tokens)?;
+        self.checked_rows(req)
+    }
+
+    /// The last part of [`check`](Self::check), for a caller that ran
+    /// [`check_tenant`](Self::check_tenant) and [`check_prompt`](Self::check_prompt)
+    /// on this request's prompt before it computed the rows.
+    pub(crate) fn checked_rows(&self, req: Request) -> Result<Checked> {
+        self.check_rows(&req)?;
+        Ok(Checked(req))
+    }
+
+    /// The tenant rule: the one cheap check that runs before anything is fingerprinted.
+    pub fn check_tenant(&self, id: RequestId, tenant: TenantSalt) -> Result<()> {
+        if self.known_tenants.as_ref().is_some_and(|known| !known.contains(&tenant)) {
+            return Err(RequestError::UnknownTenant { id, tenant }.into());
+        }
+        Ok(())
+    }
+
+    /// What needs no embeddings: the prompt's parts cover the same positions,
+    /// its ids are in the vocabulary, and it fits the context after growing by
+    /// `max_new_tokens`. An engine runs this before any encoder.
+    pub fn check_prompt(&self, id: RequestId, prompt: &CanonicalPrompt, max_new_tokens: usize) -> Result<()> {
+        check_lengths(id, prompt)?;
         if let Some(model) = &self.model
-            && let Some((position, token)) = out_of_vocab(&req.prompt.token_ids, model.vocab_size)
+            && let Some((position, token)) = out_of_vocab(&prompt.token_ids, model.vocab_size)
         {
             let vocab_size = u32::try_from(model.vocab_size).unwrap_or(u32::MAX);
             return Err(RequestError::TokenOutOfVocab { position, token, vocab_size }.into());
         }
-        // The sequence grows by up to `max_new_tokens` positions.
-        let len = req.prompt.len().saturating_add(req.max_new_tokens);
+        let len = prompt.len().saturating_add(max_new_tokens);
         if let Some(max) = self.max_context.filter(|&max| len > max) {
-            return Err(RequestError::ContextTooLong { id, len, max }.into());
-        }
-        check_tenant(self.known_tenants.as_ref(), id, req.prompt.tenant)?;
-        // Alone, a request can always get this many blocks (see `Scheduler::start`).
-        let needed = len.div_ceil(pool.block_size);
-        if needed > pool.num_blocks {
-            return Err(RequestError::RequestTooLarge { id, needed, num_blocks: pool.num_blocks }.into());
+            return Err(RequestError::ContextTooLong { id, prompt_len: prompt.len(), max_new_tokens, len, max }.into());
         }
         Ok(())
+    }
+
+    /// The embeddings and DeepStack rows against their items, the index map and the model.
+    pub fn check_rows(&self, req: &Request) -> Result<()> {
+        self.check_items(req)?;
+        check_spans(req)
     }
 
     /// Embeddings and DeepStack levels against their items and the model.
@@ -132,19 +223,8 @@ impl Admission {
     }
 }
 
-/// Rejects a tenant outside `known` (when tenants are required): the one
-/// tenant rule, which the engine applies before it fingerprints anything.
-pub(crate) fn check_tenant(known: Option<&FxHashSet<TenantSalt>>, id: RequestId, tenant: TenantSalt) -> Result<()> {
-    if known.is_some_and(|known| !known.contains(&tenant)) {
-        return Err(RequestError::UnknownTenant { id, tenant }.into());
-    }
-    Ok(())
-}
-
 /// Positions, atoms and token ids cover the same positions.
-fn check_lengths(req: &Request) -> Result<()> {
-    let id = req.id;
-    let prompt = &req.prompt;
+fn check_lengths(id: RequestId, prompt: &CanonicalPrompt) -> Result<()> {
     let len = prompt.len();
     if len == 0 {
         return Err(RequestError::PromptMismatch { id, what: "prompt length", expected: 1, found: 0 }.into());

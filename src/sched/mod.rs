@@ -50,10 +50,10 @@ use crate::index::block_hash::FleetHasher;
 use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockId, BlockPool, BlockState, BlockTable};
 use crate::prompt::{TenantSalt, out_of_vocab};
-use admission::{Admission, PoolLimits};
+use admission::PoolLimits;
 use events::EventLog;
 
-pub(crate) use admission::check_tenant;
+pub use admission::{Checked, RequestChecks};
 
 pub use config::{SchedulerConfig, SchedulerStats};
 pub use request::Request;
@@ -154,7 +154,7 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     /// Requests aborted while a batch holding them was out; `complete` skips them.
     aborted_in_flight: FxHashSet<RequestId>,
-    admission: Admission,
+    admission: RequestChecks,
     arrivals: u64,
     stats: SchedulerStats,
     /// KV events, when asked for ([`Scheduler::with_kv_events`]).
@@ -195,7 +195,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted_in_flight: FxHashSet::default(),
-            admission: Admission::default(),
+            admission: RequestChecks::default(),
             arrivals: 0,
             stats: SchedulerStats::default(),
             events: None,
@@ -244,7 +244,7 @@ impl Scheduler {
     /// Rejects prompts longer than `max_context` positions (the model's
     /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`].
     pub fn with_max_context(mut self, max_context: usize) -> Self {
-        self.admission.max_context = Some(max_context);
+        self.admission = self.admission.with_max_context(max_context);
         self
     }
 
@@ -253,7 +253,7 @@ impl Scheduler {
     /// as many as it takes. The engine sets this, so the batches it hands the
     /// runner need no second check.
     pub fn with_model(mut self, shape: ModelShape) -> Self {
-        self.admission.model = Some(shape);
+        self.admission = self.admission.with_model(shape);
         self
     }
 
@@ -261,7 +261,7 @@ impl Scheduler {
     /// are admitted, others get [`RequestError::UnknownTenant`] (a typo'd or forged
     /// salt would otherwise silently open a cache of its own).
     pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
-        self.admission.known_tenants = Some(tenants.into_iter().collect());
+        self.admission = self.admission.with_known_tenants(tenants);
         self
     }
 
@@ -273,13 +273,23 @@ impl Scheduler {
     /// Queues a request after checking it can ever run and every chunk of it
     /// is well-formed for the runner; on error nothing changes.
     pub fn admit(&mut self, req: Request) -> Result<()> {
+        let checked = self.admission.check(req)?;
+        self.admit_checked(checked)
+    }
+
+    /// [`admit`](Self::admit) for a request that already passed its
+    /// [`RequestChecks`] (an engine runs them while it prepares the request,
+    /// off the step loop): only the checks that read the scheduler's state
+    /// remain, the id is free and the sequence fits the pool.
+    pub fn admit_checked(&mut self, checked: Checked) -> Result<()> {
+        let Checked(req) = checked;
         let pool = PoolLimits {
             // An id aborted while its batch is out stays taken until that batch completes.
             id_taken: self.requests.contains_key(&req.id) || self.aborted_in_flight.contains(&req.id),
             num_blocks: self.pool.num_blocks(),
             block_size: self.config.block_size,
         };
-        self.admission.check(&req, &pool)?;
+        pool.check(&req)?;
         let id = req.id;
         let prompt_len = req.prompt.len();
         let tracked = Tracked {
@@ -444,7 +454,7 @@ impl Scheduler {
         if len >= limit {
             return Err(RequestError::GenerationLimit { id, max_new_tokens: t.req.max_new_tokens }.into());
         }
-        if let Some(model) = &self.admission.model
+        if let Some(model) = self.admission.model()
             && out_of_vocab(&[token], model.vocab_size).is_some()
         {
             let vocab_size = u32::try_from(model.vocab_size).unwrap_or(u32::MAX);

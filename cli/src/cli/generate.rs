@@ -10,7 +10,7 @@ use clap::Args;
 use serde::Serialize;
 
 use omniprefix::backend::Backend;
-use omniprefix::engine::{Engine, Generation, millis};
+use omniprefix::engine::{Engine, Output, millis};
 use omniprefix::request_file::RequestFile;
 use omniprefix::sample::{FinishReason, SamplingParams};
 
@@ -94,15 +94,15 @@ pub struct GenerateReport {
 
 impl GenerateReport {
     /// The figures of one generation.
-    pub fn of(g: &Generation) -> Self {
+    pub fn of(g: &Output) -> Self {
         let itl: Vec<f64> = g.timings.itl().into_iter().map(millis).collect();
         let decoded = !itl.is_empty();
         GenerateReport {
             tokens: g.tokens.clone(),
             prompt_len: g.prompt_len,
             num_cached_tokens: g.num_cached_tokens,
-            finish_reason: g.finish_reason,
-            seed: g.seed,
+            finish_reason: g.finish_reason.unwrap_or(FinishReason::Length),
+            seed: g.seed.unwrap_or_default(),
             ttft_ms: millis(g.timings.ttft),
             itl_ms_median: decoded.then(|| median(itl)),
             decode_tokens_per_s: decoded.then(|| g.timings.decode_tokens_per_s()),
@@ -145,9 +145,9 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
 struct Generate(SamplingParams);
 
 impl EngineJob for Generate {
-    type Output = Generation;
+    type Output = Output;
 
-    fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Generation> {
+    fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Output> {
         for warm in &args.warm {
             generate(engine, &RequestFile::load(warm)?, &self.0)?;
         }
@@ -155,7 +155,7 @@ impl EngineJob for Generate {
     }
 }
 
-fn generate<B: Backend>(engine: &mut Engine<B>, file: &RequestFile, params: &SamplingParams) -> Result<Generation> {
+fn generate<B: Backend>(engine: &mut Engine<B>, file: &RequestFile, params: &SamplingParams) -> Result<Output> {
     let request = file.request(engine.tokens());
-    Ok(engine.generate(request, params.clone())?)
+    Ok(engine.run(request.generate(params.clone()))?)
 }

@@ -179,10 +179,10 @@ impl EngineJob for Prefill {
     fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Output> {
         for warm in &args.warm {
             let file = RequestFile::load(warm)?;
-            engine.prefill(file.request(engine.tokens()))?;
+            engine.run(file.request(engine.tokens()))?;
         }
         let file = RequestFile::load(&args.request)?;
-        Ok(engine.prefill(file.request(engine.tokens()))?)
+        Ok(engine.run(file.request(engine.tokens()))?)
     }
 }
 

@@ -15,7 +15,7 @@ use super::workloads::{Wave, expanded_len};
 use omniprefix::backend::Backend;
 use crate::bench::MODEL_ID;
 use omniprefix::canon::{FingerprintKey, Modality};
-use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, Request};
 use crate::error::{HarnessError, Result};
 use omniprefix::index::hashchain::hash_mm_item;
 use omniprefix::model::{CaptureName, Thinker};
@@ -163,7 +163,7 @@ pub fn run_conversation<B: Backend>(
         plan.items.extend(&turn.new_items);
         let hash_ns = if way == Way::HashChain { vllm_mm_hash_ns(&plan, inputs.media)? } else { 0 };
         let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(reply_len) };
-        let g = engine.generate(prefill_request(&plan, inputs)?, params)?;
+        let g = engine.run((prefill_request(&plan, inputs)?).generate(params))?;
         progress.inc(g.prompt_len as u64);
         let identify_ns = if way == Way::HashChain { hash_ns } else { nanos(g.timings.preprocess) };
         runs.push(RequestRun {
@@ -206,7 +206,7 @@ pub fn run_way<B: Backend>(
             let id = engine.submit(prefill_request(plan, inputs)?)?;
             vllm_hash_ns.insert(id, hash_ns);
         }
-        let mut outputs = engine.run_until_done()?;
+        let mut outputs = engine.run_all()?;
         outputs.sort_by_key(|o| o.request);
         for out in outputs {
             progress.inc(out.prompt_len as u64);
@@ -231,13 +231,13 @@ pub fn run_way<B: Backend>(
     Ok(runs)
 }
 
-fn prefill_request<'a, B: Backend>(plan: &'a RequestPlan, inputs: &WayInputs<'a, B>) -> Result<PrefillRequest<'a>> {
+fn prefill_request<'a, B: Backend>(plan: &'a RequestPlan, inputs: &WayInputs<'a, B>) -> Result<Request<'a>> {
     let items = plan
         .items
         .iter()
         .map(|&m| Ok(ItemInput { spec: inputs.media.spec(m), embeddings: Some(inputs.embeddings.get(m)?), deepstack: None }))
         .collect::<Result<_>>()?;
-    Ok(PrefillRequest { token_ids: plan.token_ids.clone(), items, ..PrefillRequest::default() })
+    Ok(Request { token_ids: plan.token_ids.clone(), items, ..Request::default() })
 }
 
 /// vLLM's identification of `plan`'s items: the BLAKE3 mm hash of each raw item.

@@ -10,7 +10,7 @@ use fxhash::FxHashMap;
 use omniprefix::backend::Backend;
 use omniprefix::batch::RequestId;
 use omniprefix::canon::Modality;
-use omniprefix::engine::{Engine, EngineConfig, Event, PrefillRequest};
+use omniprefix::engine::{Engine, EngineConfig, Event, Request};
 use omniprefix::error::Component;
 use omniprefix::model::Thinker;
 use omniprefix::prompt::{OmniTokens, TenantSalt};
@@ -124,8 +124,8 @@ impl<B: Backend> Serve<'_, B> {
         };
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;
         // Untimed: thread pools and allocator warm up before the clock runs.
-        let warm = PrefillRequest { tenant: TenantSalt::MAX / 2, ..PrefillRequest::text(vec![1; 32]) };
-        engine.generate(warm, SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2) })?;
+        let warm = Request { tenant: TenantSalt::MAX / 2, ..Request::text(vec![1; 32]) };
+        engine.run(warm.generate(SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2) }))?;
         Ok(engine)
     }
 
@@ -146,10 +146,10 @@ impl<B: Backend> Serve<'_, B> {
                 ids.extend(&turn.token_ids);
                 items.extend(&turn.new_items);
                 let items = items.iter().map(|&m| Ok(self.media.get(m)?.input())).collect::<Result<_>>()?;
-                let request = PrefillRequest { tenant: stream.tenant, token_ids: ids.clone(), items, ..Default::default() };
+                let request = Request { tenant: stream.tenant, token_ids: ids.clone(), items, ..Default::default() };
                 // vllm bench serve's default: fixed output lengths.
                 let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(o.output_len) };
-                let id = engine.submit_generate(request, params)?;
+                let id = engine.submit(request.generate(params))?;
                 let sample = RequestSample::default();
                 live.insert(id, Live { stream: due.stream, arrived: start + due.arrived, last_token: None, sample });
             }
@@ -177,7 +177,7 @@ impl<B: Backend> Serve<'_, B> {
                             l.last_token = Some(now);
                         }
                     }
-                    Event::Generated(g) => {
+                    Event::Finished(g) => {
                         if let Some(mut l) = live.remove(&g.request) {
                             l.sample.prompt_tokens = g.prompt_len;
                             l.sample.cached_tokens = g.num_cached_tokens;
@@ -188,7 +188,6 @@ impl<B: Backend> Serve<'_, B> {
                             end = now;
                         }
                     }
-                    Event::Prefilled(_) => {}
                 }
             }
         }
