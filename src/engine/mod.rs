@@ -399,7 +399,7 @@ impl<B: Backend> Engine<B> {
         let timings = Timings { preprocess, ..Default::default() };
         let decoding = params.map(|p| {
             let seed = p.seed.unwrap_or_else(crate::sample::random_seed);
-            Decoding::new(p, seed, &self.runner.thinker().config().eos_token_ids)
+            Decoding::new(p, seed, &self.runner.thinker().config().eos_token_ids, &crate::sample::placeholder_ids(self.tokens()))
         });
         self.pending.insert(id, Pending { timings, submitted: started, positions, decoding, num_cached: None });
         Ok(id)
