@@ -2,17 +2,24 @@
 //! admission [`check`](SamplingParams::check), and the seeded [`Sampler`] that
 //! turns one row of logits into one token id.
 //!
-//! The filters follow Hugging Face `transformers` (`TemperatureLogitsWarper`,
-//! `TopKLogitsWarper`, `TopPLogitsWarper`, applied in that order); the random
-//! draw is this crate's own (see [`Sampler`]), so seeded runs are reproducible
-//! here, not token-for-token equal to `torch.multinomial`.
+//! The filters follow Hugging Face `transformers` (`SuppressTokensLogitsProcessor`,
+//! then `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`, applied
+//! in that order); the random draw is this crate's own (see [`Sampler`]), so
+//! seeded runs are reproducible here, not token-for-token equal to `torch.multinomial`.
+//!
+//! A reply must not contain a placeholder id (image, audio or video pad): the
+//! next round re-sends it as text, and the prompt builder rejects a pad outside
+//! an item span. So the engine suppresses [`placeholder_ids`] unless a request
+//! sets [`SamplingParams::allow_special_ids`].
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::Result;
+use crate::canon::Modality;
 use crate::error::RequestError;
+use crate::prompt::OmniTokens;
 
 /// How one request generates: how many tokens, how they are drawn, when it stops.
 ///
@@ -31,6 +38,10 @@ use crate::error::RequestError;
 /// // A prompt of 100 tokens and 32 generated ones need 100 + 32 - 1 positions:
 /// // the last token is sampled but never runs (unless `run_last_token`).
 /// assert_eq!(params.positions_needed(100), 131);
+///
+/// // Placeholder ids are masked unless `allow_special_ids`.
+/// assert_eq!(params.suppressed_ids(&[500, 501, 502]), &[500, 501, 502]);
+/// assert!(SamplingParams { allow_special_ids: true, ..params.clone() }.suppressed_ids(&[500]).is_empty());
 ///
 /// // The checkpoint's eos ids stop generation unless `stop` replaces them.
 /// assert_eq!(params.stop_ids(&[2, 3]), &[2, 3]);
@@ -59,6 +70,12 @@ pub struct SamplingParams {
     /// Also run the last sampled token through the model (its KV and hidden rows),
     /// which costs one position more.
     pub run_last_token: bool,
+    /// Let the sampler draw the model's placeholder ids (image, video and audio
+    /// pads, see [`placeholder_ids`]). Off by default: the engine then gives
+    /// them `-inf` logits before any other filter (HF `suppress_tokens`), so a
+    /// reply can be re-sent as the next round's prompt, where a pad outside an
+    /// item span is rejected. Turn it on only to see the model's raw choices.
+    pub allow_special_ids: bool,
 }
 
 impl SamplingParams {
@@ -73,6 +90,7 @@ impl SamplingParams {
             stop: None,
             ignore_eos: false,
             run_last_token: false,
+            allow_special_ids: false,
         }
     }
 
@@ -126,6 +144,30 @@ impl SamplingParams {
             self.stop.as_deref().unwrap_or(eos)
         }
     }
+
+    /// The ids the sampler masks given the model's `special` ids (what
+    /// [`placeholder_ids`] returns): `special`, or none with
+    /// [`allow_special_ids`](Self::allow_special_ids).
+    pub fn suppressed_ids<'a>(&self, special: &'a [u32]) -> &'a [u32] {
+        if self.allow_special_ids { &[] } else { special }
+    }
+}
+
+/// The ids a reply must not contain: the image, video and audio placeholder
+/// (pad) ids of `tokens`, exactly those the prompt builder rejects as text
+/// ([`RequestError::StrayPlaceholder`] from `PromptBuilder::push_text`; a
+/// re-sent reply holding one takes an item it does not have). Wrapper ids
+/// (`vision_start`, `audio_end`, ...) are text and stay allowed. Ids at or past
+/// the vocabulary size are harmless: masking ignores them.
+///
+/// ```
+/// use omniprefix::prompt::OmniTokens;
+/// use omniprefix::sample::placeholder_ids;
+///
+/// assert_eq!(placeholder_ids(&OmniTokens::tiny()), [500, 501, 502]);
+/// ```
+pub fn placeholder_ids(tokens: &OmniTokens) -> [u32; 3] {
+    [Modality::Image, Modality::Video, Modality::Audio].map(|m| tokens.pad_id(m))
 }
 
 impl Default for SamplingParams {
@@ -171,8 +213,13 @@ pub fn random_seed() -> u64 {
 /// none. So a sampler kept with its request continues the same stream after a
 /// preemption, and a run repeats given its seed, logits and parameters.
 ///
+/// Every token, greedy or sampled, first masks the `suppressed` ids given to
+/// [`sample`](Sampler::sample) (HF `SuppressTokensLogitsProcessor`, which
+/// `generate` runs before the warpers): their logits count as `-inf`; ids at or
+/// past the row's length are ignored. Greedy is then the argmax.
+///
 /// Sampling a token (temperature > 0), in this order:
-/// 1. NaN logits count as `-inf`; each logit is divided by the temperature (in `f32`, as HF).
+/// 1. NaN and suppressed logits count as `-inf`; each logit is divided by the temperature (in `f32`, as HF).
 /// 2. top-k (HF `TopKLogitsWarper`): logits below the k-th largest are removed,
 ///    so ties with the k-th are kept; `k` above the vocab size keeps everything.
 /// 3. softmax in `f64`, with the maximum subtracted. When some logits are `+inf`
@@ -183,23 +230,31 @@ pub fn random_seed() -> u64 {
 /// 5. the draw `u` picks the first token, in ascending token-id order, at which
 ///    the cumulative kept mass exceeds `u` times the total kept mass.
 ///
-/// All logits NaN or `-inf` (or none at all): token 0, in both modes.
+/// Nothing left to choose from (every logit NaN, `-inf` or suppressed, or none
+/// at all): the lowest id that is not suppressed, in both modes (token 0 when
+/// nothing is suppressed; 0 as well when every id is). HF would return 0 when
+/// greedy and fail when sampling; a suppressed id is never the fallback while
+/// any other id exists, so a reply stays re-sendable.
 ///
 /// ```
 /// use omniprefix::sample::{Sampler, SamplingParams};
 ///
 /// let logits = [0.5, 2.0, -1.0, 2.0];
 /// // Greedy: the first of the largest logits, no randomness used.
-/// assert_eq!(Sampler::new(0).sample(&logits, &SamplingParams::greedy(8)), 1);
+/// assert_eq!(Sampler::new(0).sample(&logits, &SamplingParams::greedy(8), &[]), 1);
+/// // Suppressed ids are never drawn: the next best wins.
+/// assert_eq!(Sampler::new(0).sample(&logits, &SamplingParams::greedy(8), &[1]), 3);
+/// assert_eq!(Sampler::new(0).sample(&logits, &SamplingParams::greedy(8), &[1, 3]), 0);
 ///
 /// // Seeded sampling repeats exactly.
 /// let params = SamplingParams { temperature: 0.8, top_k: Some(3), seed: Some(42), ..Default::default() };
-/// let draw = |seed| {
+/// let draw = |seed, suppressed: &[u32]| {
 ///     let mut sampler = Sampler::new(seed);
-///     (0..20).map(|_| sampler.sample(&logits, &params)).collect::<Vec<u32>>()
+///     (0..20).map(|_| sampler.sample(&logits, &params, suppressed)).collect::<Vec<u32>>()
 /// };
-/// assert_eq!(draw(42), draw(42));
-/// assert!(draw(42).iter().all(|&t| t != 2)); // top-k 3 removed the smallest logit
+/// assert_eq!(draw(42, &[]), draw(42, &[]));
+/// assert!(draw(42, &[]).iter().all(|&t| t != 2)); // top-k 3 removed the smallest logit
+/// assert!(draw(42, &[1, 3]).iter().all(|&t| t != 1 && t != 3));
 /// ```
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -212,17 +267,25 @@ impl Sampler {
         Sampler { rng: ChaCha8Rng::seed_from_u64(seed) }
     }
 
-    /// The next token for one row of `logits` (one per vocab id) under `params`.
+    /// The next token for one row of `logits` (one per vocab id) under
+    /// `params`, never one of `suppressed` while another id exists (the engine
+    /// passes [`SamplingParams::suppressed_ids`] of [`placeholder_ids`]).
     /// Never panics: NaN logits count as `-inf` (see [`Sampler`]).
-    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams) -> u32 {
+    pub fn sample(&mut self, logits: &[f32], params: &SamplingParams, suppressed: &[u32]) -> u32 {
         if params.temperature == 0.0 {
-            return argmax(logits);
+            return argmax(logits, suppressed).unwrap_or_else(|| fallback(logits.len(), suppressed));
         }
         // The draw comes first, so every sampled token takes exactly one.
         let u: f64 = self.rng.random();
-        let probs = filtered_probs(logits, params);
-        pick(&probs, u).unwrap_or(0)
+        let probs = filtered_probs(logits, params, suppressed);
+        pick(&probs, u).unwrap_or_else(|| fallback(logits.len(), suppressed))
     }
+}
+
+/// The token when nothing is left to choose from: the lowest id of `0..len`
+/// not in `suppressed`; 0 when there is none.
+fn fallback(len: usize, suppressed: &[u32]) -> u32 {
+    (0..len as u32).find(|id| !suppressed.contains(id)).unwrap_or(0)
 }
 
 /// NaN as `-inf`.
@@ -230,23 +293,47 @@ fn clean(x: f32) -> f32 {
     if x.is_nan() { f32::NEG_INFINITY } else { x }
 }
 
-/// The first index of the largest logit (NaN = `-inf`); 0 when all are `-inf`/NaN or there are none.
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = (0usize, f32::NEG_INFINITY);
-    for (i, &x) in logits.iter().enumerate() {
-        let x = clean(x);
-        if x > best.1 {
-            best = (i, x);
+/// The first index of the largest logit (NaN and `suppressed` ids = `-inf`);
+/// `None` when all are `-inf` or there are none.
+fn argmax(logits: &[f32], suppressed: &[u32]) -> Option<u32> {
+    let first = |skip: &[u32]| {
+        let mut best = None;
+        let mut value = f32::NEG_INFINITY;
+        for (i, &x) in logits.iter().enumerate() {
+            let x = clean(x);
+            if x > value && !skip.contains(&(i as u32)) {
+                best = Some(i as u32);
+                value = x;
+            }
         }
+        best
+    };
+    // Masking only lowers logits, so an unmasked argmax that is not suppressed
+    // stays the first of the largest: scan with the mask only when it matters.
+    match first(&[]) {
+        Some(best) if suppressed.contains(&best) => first(suppressed),
+        best => best,
     }
-    best.0 as u32
 }
 
-/// The probabilities after temperature, top-k, softmax and top-p, unnormalized
-/// after top-p (removed tokens are 0); all zero when no logit is finite or `+inf`.
-fn filtered_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
-    let t = params.temperature;
-    let mut scaled: Vec<f32> = logits.iter().map(|&x| clean(x) / t).collect();
+/// Logits as the filters see them: NaN and `suppressed` ids as `-inf`
+/// (HF `SuppressTokensLogitsProcessor`), then divided by the temperature.
+fn scaled_logits(logits: &[f32], t: f32, suppressed: &[u32]) -> Vec<f32> {
+    let mut scaled: Vec<f32> = logits.iter().map(|&x| clean(x)).collect();
+    for &id in suppressed {
+        if let Some(x) = scaled.get_mut(id as usize) {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    scaled.iter_mut().for_each(|x| *x /= t);
+    scaled
+}
+
+/// The probabilities after the mask, temperature, top-k, softmax and top-p,
+/// unnormalized after top-p (removed tokens are 0); all zero when no logit is
+/// finite or `+inf`.
+fn filtered_probs(logits: &[f32], params: &SamplingParams, suppressed: &[u32]) -> Vec<f64> {
+    let mut scaled = scaled_logits(logits, params.temperature, suppressed);
     if let Some(k) = params.top_k.filter(|&k| k < scaled.len()) {
         let mut sorted = scaled.clone();
         // No NaN is left, so the comparison is total.
@@ -320,7 +407,7 @@ mod tests {
 
     fn draws(seed: u64, logits: &[f32], params: &SamplingParams, n: usize) -> Vec<u32> {
         let mut sampler = Sampler::new(seed);
-        (0..n).map(|_| sampler.sample(logits, params)).collect()
+        (0..n).map(|_| sampler.sample(logits, params, &[])).collect()
     }
 
     /// A row of logits with distinct values, from a seeded stream.
@@ -333,18 +420,18 @@ mod tests {
     fn greedy_is_argmax_with_the_first_of_ties() {
         let greedy = SamplingParams::greedy(4);
         let mut s = Sampler::new(1);
-        assert_eq!(s.sample(&[0.1, 3.0, -2.0, 3.0, 2.9], &greedy), 1);
-        assert_eq!(s.sample(&[5.0, 5.0], &greedy), 0);
-        assert_eq!(s.sample(&[-1.0, -0.5, -0.5], &greedy), 1);
-        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 2.0], &greedy), 3);
-        assert_eq!(s.sample(&[f32::NEG_INFINITY, f32::INFINITY, f32::INFINITY], &greedy), 1);
-        assert_eq!(s.sample(&[f32::NAN, f32::NAN], &greedy), 0);
-        assert_eq!(s.sample(&[f32::NEG_INFINITY; 3], &greedy), 0);
-        assert_eq!(s.sample(&[], &greedy), 0);
+        assert_eq!(s.sample(&[0.1, 3.0, -2.0, 3.0, 2.9], &greedy, &[]), 1);
+        assert_eq!(s.sample(&[5.0, 5.0], &greedy, &[]), 0);
+        assert_eq!(s.sample(&[-1.0, -0.5, -0.5], &greedy, &[]), 1);
+        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 2.0], &greedy, &[]), 3);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY, f32::INFINITY, f32::INFINITY], &greedy, &[]), 1);
+        assert_eq!(s.sample(&[f32::NAN, f32::NAN], &greedy, &[]), 0);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY; 3], &greedy, &[]), 0);
+        assert_eq!(s.sample(&[], &greedy, &[]), 0);
         // Greedy draws nothing: the stream is where a fresh sampler's is.
         let params = sampled(1.0);
         let logits = random_logits(3, 50);
-        assert_eq!(draws(1, &logits, &params, 1)[0], s.sample(&logits, &params));
+        assert_eq!(draws(1, &logits, &params, 1)[0], s.sample(&logits, &params, &[]));
     }
 
     #[test]
@@ -365,20 +452,20 @@ mod tests {
         let narrow = SamplingParams { top_k: Some(1), ..sampled(1.0) };
         // Interleaving a top-1 (fully determined) token shifts the stream by one draw.
         let mut s = Sampler::new(11);
-        s.sample(&logits, &narrow);
-        let after: Vec<u32> = (0..20).map(|_| s.sample(&logits, &wide)).collect();
+        s.sample(&logits, &narrow, &[]);
+        let after: Vec<u32> = (0..20).map(|_| s.sample(&logits, &wide, &[])).collect();
         assert_eq!(after, draws(11, &logits, &wide, 21)[1..]);
         // So does an all-NaN row.
         let mut s = Sampler::new(11);
-        assert_eq!(s.sample(&[f32::NAN; 8], &wide), 0);
-        assert_eq!((0..20).map(|_| s.sample(&logits, &wide)).collect::<Vec<_>>(), after);
+        assert_eq!(s.sample(&[f32::NAN; 8], &wide, &[]), 0);
+        assert_eq!((0..20).map(|_| s.sample(&logits, &wide, &[])).collect::<Vec<_>>(), after);
     }
 
     #[test]
     fn top_k_1_and_tiny_top_p_are_greedy_at_any_temperature() {
         for seed in 0..20 {
             let logits = random_logits(seed, 300);
-            let best = argmax(&logits);
+            let best = argmax(&logits, &[]).unwrap_or(0);
             for t in [0.01, 0.5, 1.0, 3.0, 100.0] {
                 let top1 = SamplingParams { top_k: Some(1), ..sampled(t) };
                 assert!(draws(seed, &logits, &top1, 20).iter().all(|&x| x == best), "top_k 1, t {t}");
@@ -427,7 +514,7 @@ mod tests {
     #[test]
     fn top_k_and_top_p_masks_match_hand_computed_examples() {
         let logits = [1.0f32, 2.0, 3.0, 3.0, 0.0];
-        let k = |k| filtered_probs(&logits, &SamplingParams { top_k: Some(k), ..sampled(1.0) });
+        let k = |k| filtered_probs(&logits, &SamplingParams { top_k: Some(k), ..sampled(1.0) }, &[]);
         // The 3rd largest is 2.0: keep 2.0, 3.0, 3.0.
         assert_eq!(kept(&k(3)), vec![1, 2, 3]);
         // The 2nd largest is 3.0: keep both 3.0s; and k = 1 keeps them too (ties with the k-th).
@@ -444,7 +531,7 @@ mod tests {
 
         // Probabilities 0.1, 0.2, 0.3, 0.4 (index order 3, 0, 2, 1).
         let logits: Vec<f32> = [0.2f32, 0.4, 0.3, 0.1].iter().map(|p| p.ln()).collect();
-        let p = |p| filtered_probs(&logits, &SamplingParams { top_p: Some(p), ..sampled(1.0) });
+        let p = |p| filtered_probs(&logits, &SamplingParams { top_p: Some(p), ..sampled(1.0) }, &[]);
         // Ascending cumulative 0.1, 0.3, 0.6, 1.0; top_p 0.5 drops those <= 0.5: 0.1, 0.3.
         assert_eq!(kept(&p(0.5)), vec![1, 2]);
         // top_p 0.8 drops <= 0.2: only the 0.1.
@@ -454,13 +541,119 @@ mod tests {
         assert_eq!(kept(&p(0.3)), vec![1]);
         assert_eq!(kept(&p(1.0)), vec![0, 1, 2, 3]);
         // top-k before top-p: top-k 2 leaves 0.4 / 0.3 -> 4/7, 3/7; top_p 0.5 drops 3/7.
-        let both = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.5), ..sampled(1.0) });
+        let both = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.5), ..sampled(1.0) }, &[]);
         assert_eq!(kept(&both), vec![1]);
-        let k2 = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.6), ..sampled(1.0) });
+        let k2 = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.6), ..sampled(1.0) }, &[]);
         assert_eq!(kept(&k2), vec![1, 2]);
         // Equal probabilities at the cut: the lower index is dropped first.
-        let flat = filtered_probs(&[0.0; 4], &SamplingParams { top_p: Some(0.5), ..sampled(1.0) });
+        let flat = filtered_probs(&[0.0; 4], &SamplingParams { top_p: Some(0.5), ..sampled(1.0) }, &[]);
         assert_eq!(kept(&flat), vec![2, 3]);
+    }
+
+    #[test]
+    fn temperature_applies_before_top_p_and_changes_the_nucleus() {
+        // Probabilities 0.5, 0.3, 0.2 at temperature 1.
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.2].iter().map(|p| p.ln()).collect();
+        let nucleus = |t, top_p| kept(&filtered_probs(&logits, &SamplingParams { top_p: Some(top_p), ..sampled(t) }, &[]));
+        // t = 1, top_p 0.6: ascending cumulative 0.2, 0.5, 1.0; cut 0.4 drops only the 0.2.
+        assert_eq!(nucleus(1.0, 0.6), vec![0, 1]);
+        // t = 0.5 squares the probabilities: 0.25, 0.09, 0.04 over 0.38 = 0.658, 0.237, 0.105;
+        // ascending cumulative 0.105, 0.342, 1.0; cut 0.4 drops both smaller ones.
+        // (Temperature after top-p would keep the t = 1 nucleus {0, 1}.)
+        assert_eq!(nucleus(0.5, 0.6), vec![0]);
+        // t = 2 takes square roots: 0.707, 0.548, 0.447 over 1.702 = 0.415, 0.322, 0.263;
+        // top_p 0.75 cuts at 0.25, which the smallest (0.263) clears: all three stay,
+        // where t = 1 drops the 0.2 (cumulative 0.2 <= 0.25).
+        assert_eq!(nucleus(1.0, 0.75), vec![0, 1]);
+        assert_eq!(nucleus(2.0, 0.75), vec![0, 1, 2]);
+        let p2 = filtered_probs(&logits, &SamplingParams { top_p: Some(0.75), ..sampled(2.0) }, &[]);
+        let roots = [0.5f64.sqrt(), 0.3f64.sqrt(), 0.2f64.sqrt()];
+        let z: f64 = roots.iter().sum();
+        for (i, r) in roots.iter().enumerate() {
+            assert!((p2[i] - r / z).abs() < 1e-6, "{i}: {} vs {}", p2[i], r / z);
+        }
+        // Through the sampler: at t = 0.5 the nucleus is token 0 alone, so every draw is 0
+        // (temperature after top-p would draw token 1 about a quarter of the time).
+        let draws_half = draws(5, &logits, &SamplingParams { top_p: Some(0.6), ..sampled(0.5) }, 200);
+        assert!(draws_half.iter().all(|&t| t == 0), "{draws_half:?}");
+        // And at t = 2 with top_p 0.75, token 2 is drawn.
+        assert!(draws(5, &logits, &SamplingParams { top_p: Some(0.75), ..sampled(2.0) }, 200).contains(&2));
+    }
+
+    #[test]
+    fn suppressed_ids_are_masked_before_every_other_filter() {
+        let greedy = SamplingParams::greedy(4);
+        let mut s = Sampler::new(1);
+        let row = [1.0f32, 4.0, 3.0, 4.0, 2.0];
+        assert_eq!(s.sample(&row, &greedy, &[1]), 3);
+        assert_eq!(s.sample(&row, &greedy, &[3, 1]), 2);
+        assert_eq!(s.sample(&row, &greedy, &[0]), 1, "a suppressed id that is not the argmax changes nothing");
+        assert_eq!(s.sample(&row, &greedy, &[99, 1]), 3, "ids past the row are ignored");
+        // The mask comes before top-k (HF runs processors before warpers): with the
+        // largest logit suppressed, top-k 2 keeps the next two, not just one.
+        let logits = [3.0f32, 2.0, 1.0, 0.0];
+        let k2 = SamplingParams { top_k: Some(2), ..sampled(1.0) };
+        assert_eq!(kept(&filtered_probs(&logits, &k2, &[0])), vec![1, 2]);
+        // ... and before top-p: probabilities 0.4, 0.3, 0.2, 0.1 with 0 suppressed are
+        // 0.5, 0.333, 0.167; top_p 0.6 cuts at 0.4, dropping only the 0.167.
+        let logits: Vec<f32> = [0.4f32, 0.3, 0.2, 0.1].iter().map(|p| p.ln()).collect();
+        let p6 = SamplingParams { top_p: Some(0.6), ..sampled(1.0) };
+        assert_eq!(kept(&filtered_probs(&logits, &p6, &[0])), vec![1, 2]);
+        // Masking is exactly a -inf logit: the same seed draws the same stream.
+        let random = random_logits(13, 64);
+        let mut masked_by_hand = random.clone();
+        let suppressed = [3u32, 17, 40, 63];
+        for &id in &suppressed {
+            masked_by_hand[id as usize] = f32::NEG_INFINITY;
+        }
+        for params in [sampled(1.3), SamplingParams { top_k: Some(5), top_p: Some(0.8), ..sampled(0.7) }, greedy.clone()] {
+            let mut a = Sampler::new(21);
+            let mut b = Sampler::new(21);
+            let got: Vec<u32> = (0..300).map(|_| a.sample(&random, &params, &suppressed)).collect();
+            let want: Vec<u32> = (0..300).map(|_| b.sample(&masked_by_hand, &params, &[])).collect();
+            assert_eq!(got, want);
+            assert!(got.iter().all(|t| !suppressed.contains(t)));
+        }
+        // A row whose mass sits on suppressed ids: the sampler never draws them.
+        let mut peaked = vec![0.0f32; 8];
+        peaked[2] = 30.0;
+        peaked[5] = 30.0;
+        let hot = draws(3, &peaked, &sampled(1.0), 100);
+        assert!(hot.iter().all(|&t| t == 2 || t == 5));
+        let mut s = Sampler::new(3);
+        assert!((0..100).map(|_| s.sample(&peaked, &sampled(1.0), &[2, 5])).all(|t| t != 2 && t != 5));
+    }
+
+    #[test]
+    fn nothing_left_falls_back_to_the_lowest_id_not_suppressed() {
+        for params in [SamplingParams::greedy(4), sampled(0.8)] {
+            let mut s = Sampler::new(2);
+            // Only suppressed ids are finite.
+            let row = [f32::NEG_INFINITY, 2.0, f32::NAN, 1.0];
+            assert_eq!(s.sample(&row, &params, &[1, 3]), 0);
+            assert_eq!(s.sample(&row, &params, &[0, 1, 3]), 2);
+            assert_eq!(s.sample(&[f32::NAN; 4], &params, &[0, 1]), 2);
+            // Every id suppressed (no legal token exists): 0.
+            assert_eq!(s.sample(&[1.0, 2.0], &params, &[0, 1]), 0);
+            assert_eq!(s.sample(&[], &params, &[0]), 0);
+        }
+    }
+
+    #[test]
+    fn placeholder_ids_are_the_ids_the_prompt_builder_rejects_as_text() -> crate::Result<()> {
+        use crate::prompt::PromptBuilder;
+        for tokens in [OmniTokens::tiny(), OmniTokens::qwen3_omni()] {
+            let ids = placeholder_ids(&tokens);
+            let lowest = *ids.iter().min().unwrap_or(&0);
+            for id in lowest.saturating_sub(8)..lowest + 30 {
+                let rejected = PromptBuilder::new(tokens.clone()).push_text(&[1, id]).is_err();
+                assert_eq!(rejected, ids.contains(&id), "id {id}");
+            }
+        }
+        let params = SamplingParams::default();
+        assert_eq!(params.suppressed_ids(&[7, 8]), &[7, 8]);
+        assert!(SamplingParams { allow_special_ids: true, ..params }.suppressed_ids(&[7, 8]).is_empty());
+        Ok(())
     }
 
     #[test]
@@ -486,10 +679,10 @@ mod tests {
             vec![f32::INFINITY, 0.0, f32::INFINITY],
             vec![],
         ] {
-            let token = s.sample(&row, &params);
+            let token = s.sample(&row, &params, &[]);
             assert!((row.is_empty() && token == 0) || (token as usize) < row.len());
         }
-        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 0.5], &SamplingParams { top_k: Some(1), ..sampled(1.0) }), 1);
+        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 0.5], &SamplingParams { top_k: Some(1), ..sampled(1.0) }, &[]), 1);
         // +inf logits share the mass; the finite ones get none.
         let infs = draws(4, &[1.0, f32::INFINITY, 5.0, f32::INFINITY], &sampled(1.0), 200);
         assert!(infs.iter().all(|&t| t == 1 || t == 3) && infs.contains(&1) && infs.contains(&3));
@@ -555,7 +748,7 @@ mod tests {
     #[test]
     fn serde_round_trips_and_defaults() {
         let d = SamplingParams::default();
-        assert_eq!((d.max_tokens, d.temperature), (16, 0.0));
+        assert_eq!((d.max_tokens, d.temperature, d.allow_special_ids), (16, 0.0, false));
         assert_eq!(d, SamplingParams::greedy(16));
         let full = SamplingParams {
             max_tokens: 5,
@@ -566,6 +759,7 @@ mod tests {
             stop: Some(vec![1, 2]),
             ignore_eos: true,
             run_last_token: true,
+            allow_special_ids: true,
         };
         let json = serde_json::to_string(&full).unwrap();
         assert_eq!(serde_json::from_str::<SamplingParams>(&json).unwrap(), full);

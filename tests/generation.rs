@@ -140,12 +140,22 @@ fn caching_chunking_and_batching_leave_greedy_and_seeded_output_bit_equal() -> T
 fn preempted_sequences_resume_to_the_same_output() -> TestResult {
     let model = Config::tiny_qwen3(HIDDEN, 2, 4, 2, VOCAB);
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| ids(14 + i, 20 + i as u32)).collect();
+    // Settings under which every draw matters: `sampled`'s (temperature 0.9, top-k 40,
+    // top-p 0.9) give the greedy tokens on this model (so do 1.5 and most seeds), and a
+    // sampler that restarted from its seed on preemption would still pass.
+    let params = |seed| SamplingParams { temperature: 3.0, top_k: None, top_p: None, ..sampled(10, seed) };
     let mut plain = engine(&model, config(false))?;
-    let want: Vec<Output> = prompts.iter().map(|p| plain.run(text(p).generate(sampled(10, 3)))).collect::<Result<_, _>>()?;
+    let want: Vec<Output> = prompts.iter().map(|p| plain.run(text(p).generate(params(3)))).collect::<Result<_, _>>()?;
+    for (i, (p, w)) in prompts.iter().zip(&want).enumerate() {
+        let other = plain.run(text(p).generate(params(4)))?;
+        let differing = other.tokens.iter().zip(&w.tokens).filter(|(a, b)| a != b).count();
+        assert!(differing >= 5, "prompt {i}: seeds 3 and 4 differ at {differing} of 10 tokens");
+        assert_ne!(plain.run(text(p).generate(greedy(10)))?.tokens, w.tokens, "prompt {i}: not the greedy tokens");
+    }
     // 16 blocks of 4 cannot hold four sequences of 14-17 + 9 positions at once.
     let mut e = engine(&model, EngineConfig { num_blocks: 16, ..config(true) })?;
     for p in &prompts {
-        e.submit(text(p).generate(sampled(10, 3)))?;
+        e.submit(text(p).generate(params(3)))?;
     }
     let got = drain(&mut e)?;
     assert!(e.stats().sched.preemptions > 0, "the pool was too small for all four");
@@ -326,5 +336,54 @@ fn an_mm_prompt_decodes_after_its_item_and_the_reply_is_reused() -> TestResult {
     assert_same("mm cached", &again, &want);
     let follow = e.run(request(&[&[3, 4][..], &got.tokens, &[9]].concat()))?;
     assert_eq!(follow.num_cached_tokens, got.prompt_len + got.tokens.len() - 1);
+    Ok(())
+}
+
+/// The tiny Omni model's greedy reply to `ids(9, 1)` holds a video pad (found by a search
+/// over `ids(n, seed)`); the next round re-sends prompt + reply as text, where a pad outside
+/// an item span is a request error. Masked by default: the reply avoids the pads and re-sends;
+/// `allow_special_ids` shows the raw choice, which the next round rejects.
+#[test]
+fn a_reply_holds_no_placeholder_id_so_the_next_round_can_resend_it() -> TestResult {
+    let model = Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, VOCAB, 4, 2);
+    let tokens = OmniTokens::tiny();
+    let pads = omniprefix::sample::placeholder_ids(&tokens);
+    assert_eq!(pads, [tokens.image_token_id, tokens.video_token_id, tokens.audio_token_id]);
+    let prompt = ids(9, 1);
+    let mut e = engine(&model, config(true))?;
+
+    let raw = e.run(text(&prompt).generate(SamplingParams { allow_special_ids: true, ..greedy(12) }))?;
+    let first = raw.tokens.iter().position(|t| pads.contains(t)).ok_or("the unmasked reply holds no placeholder")?;
+    assert_eq!((first, raw.tokens[first]), (3, tokens.video_token_id), "raw reply {:?}", raw.tokens);
+
+    let masked = e.run(text(&prompt).generate(greedy(12)))?;
+    assert!(masked.tokens.iter().all(|t| !pads.contains(t)), "masked reply {:?}", masked.tokens);
+    assert_eq!(masked.tokens[..first], raw.tokens[..first], "the mask changes nothing before the first pad");
+    assert_ne!(masked.tokens[first], raw.tokens[first]);
+    let differing = masked.tokens.iter().zip(&raw.tokens).filter(|(a, b)| a != b).count();
+    eprintln!("masked {:?}\nraw    {:?}\n{differing} of 12 tokens differ", masked.tokens, raw.tokens);
+    // The same greedy rows up to the first pad's position: the mask touches sampling only.
+    let rows = prompt.len() + first;
+    for ((name, m), (_, r)) in masked.hidden.iter().zip(&raw.hidden) {
+        assert!(m.slice(ndarray::s![..rows, ..]) == r.slice(ndarray::s![..rows, ..]), "{name}");
+    }
+
+    // The next round: prompt + masked reply re-sends (every position that ran is cached) ...
+    let next = e.run(text(&[&prompt[..], &masked.tokens].concat()))?;
+    assert_eq!(next.num_cached_tokens, prompt.len() + masked.tokens.len() - 1);
+    // ... and prompt + raw reply is rejected: the pad takes an item the request does not have.
+    let before = (e.stats(), e.scheduler_stats());
+    let err = e.run(text(&[&prompt[..], &raw.tokens].concat())).err().ok_or("a reply holding a pad was accepted")?;
+    assert!(
+        matches!(err, Error::Request(RequestError::MissingItem { position, .. }) if position == prompt.len() + first),
+        "{err}"
+    );
+    assert_eq!((e.stats(), e.scheduler_stats()), before);
+    // Sampled replies are masked as well.
+    for seed in 0..8 {
+        let g = e.run(text(&prompt).generate(SamplingParams { temperature: 2.0, ..sampled(24, seed) }))?;
+        assert!(g.tokens.iter().all(|t| !pads.contains(t)), "seed {seed}: {:?}", g.tokens);
+    }
+    e.validate()?;
     Ok(())
 }

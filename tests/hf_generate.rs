@@ -17,6 +17,12 @@
 //! cached, its partly filled last block included; the one token generated is HF's 12th).
 //! On the CPU backend and on wgpu (see `shared_gpu`: skip loudly without an adapter,
 //! fail under `OMNIPREFIX_REQUIRE_GPU=1`).
+//!
+//! Placeholder masking (issue 22): `fixtures/tiny/omni_thinker/suppress_reference.safetensors`
+//! holds HF's greedy `generate` on a text prompt whose free reply holds a video pad
+//! (`pads_allowed`), and the same with `suppress_tokens` = the image, video and audio pad ids
+//! (`pads_suppressed`; facts in `suppress_reference.json`). The engine's default (masked)
+//! generation must equal the second, with `allow_special_ids` the first.
 
 #[path = "support/reference.rs"]
 #[allow(dead_code)] // the prompt-building half serves the parity tests
@@ -32,12 +38,14 @@ use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, Output, ItemInput, PlaceholderForm, Request};
 use omniprefix::model::CaptureName;
-use omniprefix::sample::{FinishReason, SamplingParams};
+use omniprefix::sample::{FinishReason, SamplingParams, placeholder_ids};
 use reference::{Reference, TestResult, model_dir, relative_error, relative_error_within};
 #[cfg(feature = "wgpu")]
 use shared_gpu::gpu;
 
 const GEN_FILE: &str = "generate_reference.safetensors";
+/// HF greedy `generate` with and without `suppress_tokens` = the placeholder ids (issue 22).
+const SUPPRESS_FILE: &str = "suppress_reference.safetensors";
 /// Tokens HF generated per prompt.
 const GEN_TOKENS: usize = 12;
 /// KV block size: every prompt and every reply ends inside a block.
@@ -104,7 +112,12 @@ struct Case {
 
 impl Case {
     fn open(model: &'static str, num_layers: usize, prompt: &'static str) -> TestResult<Self> {
-        let hf = Reference::open_file(model, GEN_FILE)?;
+        Self::open_in(GEN_FILE, model, num_layers, prompt)
+    }
+
+    /// `prompt` of `file` (named as in [`GEN_FILE`]) of `model`'s folder.
+    fn open_in(file: &str, model: &'static str, num_layers: usize, prompt: &'static str) -> TestResult<Self> {
+        let hf = Reference::open_file(model, file)?;
         let ids = to_u32(hf.ints(&format!("{prompt}.input_ids"))?)?;
         let hf_tokens = to_u32(hf.ints(&format!("{prompt}.gen.tokens"))?)?;
         assert_eq!(hf_tokens.len(), GEN_TOKENS, "{model}/{prompt}: tokens recorded");
@@ -258,6 +271,45 @@ fn check_model<B: Backend>(backend: &Arc<B>, model: &'static str, precision: &Pr
     Ok(worst)
 }
 
+/// Issue 22 on `backend`: the Omni thinker's masked greedy reply (the default) is HF's with
+/// `suppress_tokens` = the placeholder ids, tokens exactly and hidden rows within the
+/// tolerance; with `allow_special_ids` it is HF's free reply, which holds a pad. The masked
+/// reply re-sends as the next round's prompt, the free one is rejected. Returns the worst
+/// relative error and how many of the 12 tokens the two replies differ at.
+fn check_suppressed<B: Backend>(backend: &Arc<B>, precision: &Precision) -> TestResult<(f32, usize)> {
+    let allowed = Case::open_in(SUPPRESS_FILE, "omni_thinker", 3, "pads_allowed")?;
+    let suppressed = Case::open_in(SUPPRESS_FILE, "omni_thinker", 3, "pads_suppressed")?;
+    assert_eq!(allowed.ids, suppressed.ids, "one prompt, two runs");
+    let config = EngineConfig {
+        block_size: BLOCK_SIZE,
+        capture: Some(all_points(3)),
+        dtype: precision.dtype,
+        kv_dtype: precision.kv_dtype,
+        ..Default::default()
+    };
+    let mut engine = Engine::from_dir_on(Arc::clone(backend), &model_dir("omni_thinker"), config)?;
+    // The checkpoint's own ids (config.json), as the fixture script suppressed them.
+    let pads = placeholder_ids(engine.tokens());
+    assert_eq!(pads, [254, 255, 249], "image, video, audio pads of the tiny Omni config");
+    let first = allowed.hf_tokens.iter().position(|t| pads.contains(t)).ok_or("HF's free reply holds no pad")?;
+    assert!(suppressed.hf_tokens.iter().all(|t| !pads.contains(t)));
+
+    let masked = engine.run(suppressed.request(&[]).generate(greedy(GEN_TOKENS)))?;
+    assert_eq!(masked.tokens, suppressed.hf_tokens, "masked reply differs from transformers' suppress_tokens");
+    let mut worst = suppressed.check_hidden("masked", &masked, precision.tolerance)?;
+    let raw = engine.run(allowed.request(&[]).generate(SamplingParams { allow_special_ids: true, ..greedy(GEN_TOKENS) }))?;
+    assert_eq!(raw.tokens, allowed.hf_tokens, "unmasked reply differs from transformers' free generate");
+    worst = worst.max(allowed.check_hidden("unmasked", &raw, precision.tolerance)?);
+    assert_eq!(masked.tokens[..first], raw.tokens[..first]);
+    let differing = masked.tokens.iter().zip(&raw.tokens).filter(|(a, b)| a != b).count();
+
+    let next = engine.run(suppressed.request(&masked.tokens))?;
+    assert_eq!(next.num_cached_tokens, suppressed.ids.len() + GEN_TOKENS - 1, "the masked reply re-sends, cached");
+    assert!(engine.run(allowed.request(&raw.tokens)).is_err(), "a re-sent reply holding a pad is rejected");
+    engine.validate()?;
+    Ok((worst, differing))
+}
+
 fn cpu() -> Arc<CpuBackend> {
     Arc::new(CpuBackend::new())
 }
@@ -286,6 +338,14 @@ fn qwen2_dense_generates_what_transformers_generates() -> TestResult {
 fn omni_thinker_generates_what_transformers_generates_after_multimodal_items() -> TestResult {
     let worst = check_model(&cpu(), "omni_thinker", &F32)?;
     eprintln!("omni_thinker (cpu): worst relative error {worst:.3e}");
+    Ok(())
+}
+
+/// Placeholder masking equals transformers' `suppress_tokens` (issue 22).
+#[test]
+fn omni_thinker_masks_placeholders_as_transformers_suppress_tokens_does() -> TestResult {
+    let (worst, differing) = check_suppressed(&cpu(), &F32)?;
+    eprintln!("omni_thinker suppress (cpu): {differing} of {GEN_TOKENS} tokens differ from the free reply, worst relative error {worst:.3e}");
     Ok(())
 }
 
@@ -351,6 +411,16 @@ fn wgpu_generates_what_transformers_generates() -> TestResult {
         let worst = check_model(&gpu, model, &f32)?;
         eprintln!("{model} (wgpu): worst relative error {worst:.3e}");
     }
+    Ok(())
+}
+
+/// Placeholder masking on wgpu: transformers' `suppress_tokens` tokens, rows within the tolerance.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_masks_placeholders_as_transformers_suppress_tokens_does() -> TestResult {
+    let Some(gpu) = gpu() else { return Ok(()) };
+    let (worst, differing) = check_suppressed(&Arc::new(gpu), &F32)?;
+    eprintln!("omni_thinker suppress (wgpu): {differing} of {GEN_TOKENS} tokens differ, worst relative error {worst:.3e}");
     Ok(())
 }
 

@@ -17,6 +17,8 @@ pub(super) struct Decoding {
     pub(super) seed: u64,
     /// Stop ids in force (empty with `ignore_eos`).
     stop: Vec<u32>,
+    /// Ids the sampler masks (empty with `allow_special_ids`).
+    suppressed: Vec<u32>,
     pub(super) tokens: Vec<u32>,
     pub(super) token_times: Vec<Duration>,
     /// Per capture, the rows of every position that ran so far, row-major.
@@ -36,13 +38,17 @@ pub(super) enum Next {
 }
 
 impl Decoding {
-    pub(super) fn new(params: SamplingParams, seed: u64, eos: &[u32]) -> Self {
+    /// `special`: the ids a reply must not contain ([`crate::sample::placeholder_ids`]),
+    /// masked unless the request allows them.
+    pub(super) fn new(params: SamplingParams, seed: u64, eos: &[u32], special: &[u32]) -> Self {
         let stop = params.stop_ids(eos).to_vec();
+        let suppressed = params.suppressed_ids(special).to_vec();
         Decoding {
             sampler: Sampler::new(seed),
             params,
             seed,
             stop,
+            suppressed,
             tokens: Vec::new(),
             token_times: Vec::new(),
             rows: Vec::new(),
@@ -60,7 +66,7 @@ impl Decoding {
 
     /// Samples the next token from `logits` and decides what follows.
     pub(super) fn sample(&mut self, logits: &[f32], elapsed: Duration) -> Next {
-        let token = self.sampler.sample(logits, &self.params);
+        let token = self.sampler.sample(logits, &self.params, &self.suppressed);
         self.tokens.push(token);
         self.token_times.push(elapsed);
         let reason = if self.stop.contains(&token) {

@@ -66,7 +66,8 @@ impl<B: Backend> Engine<B> {
         // Admitted: only now does anything change.
         self.preparer.admitted(fresh, cache_hits);
         let eos = &self.runner.thinker().config().eos_token_ids;
-        let decoding = generate.map(|(params, seed)| Decoding::new(params, seed, eos));
+        let special = crate::sample::placeholder_ids(self.preparer.tokens());
+        let decoding = generate.map(|(params, seed)| Decoding::new(params, seed, eos, &special));
         let timings = Timings { preprocess, ..Default::default() };
         let pending = Pending { timings, started, positions, decoding, num_cached: None, last_logits: Vec::new(), held: false, deferred: None };
         self.pending.insert(id, pending);

@@ -67,6 +67,7 @@ impl GenerateArgs {
             stop: self.stop.clone(),
             ignore_eos: self.ignore_eos,
             run_last_token: false,
+            allow_special_ids: false,
         }
     }
 }
