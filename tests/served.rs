@@ -1,0 +1,285 @@
+//! The served engine: the core on its own thread, a handle per request.
+//! Its outputs equal the core's; a stream nobody reads keeps generating up to
+//! its buffer and then holds; a dropped handle aborts; an encoder blocked on
+//! one thread does not stop another thread's stream; bad encoder output
+//! (non-finite rows) is a typed error that caches nothing.
+
+use std::error::Error as StdError;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use ndarray::{Array2, ArrayD, IxDyn};
+use omniprefix::Error;
+use omniprefix::canon::{ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, Event, ItemInput, Output, Request, ServedEngine, ServedOptions};
+use omniprefix::error::{EmbeddingPart, RequestError};
+use omniprefix::model::Config;
+use omniprefix::prompt::OmniTokens;
+use omniprefix::sample::SamplingParams;
+
+type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
+
+const HIDDEN: usize = 32;
+
+fn model() -> Config {
+    Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, 512, 4, 2)
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        num_blocks: 64,
+        max_tokens_per_step: 16,
+        max_seqs_per_step: 4,
+        tokens: Some(OmniTokens::tiny()),
+        ..Default::default()
+    }
+}
+
+fn core() -> TestResult<Engine> {
+    Ok(Engine::random(model(), 3, config())?)
+}
+
+fn served(options: ServedOptions) -> TestResult<ServedEngine> {
+    Ok(core()?.serve(options)?)
+}
+
+fn greedy(n: usize) -> SamplingParams {
+    SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) }
+}
+
+fn pixels(seed: u8) -> ArrayD<u8> {
+    ArrayD::from_shape_fn(IxDyn(&[4, 4, 3]), |d| seed.wrapping_add(d[0] as u8 * 7 + d[1] as u8))
+}
+
+/// An image with a 2x2-token grid (4 placeholders).
+fn image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>) -> ItemInput<'a> {
+    ItemInput {
+        spec: ItemSpec {
+            modality: Modality::Image,
+            layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
+            content: ItemContent::Tensor(TensorView::U8(content.view())),
+            params: Default::default(),
+        },
+        embeddings: embeddings.map(Arc::new),
+        deepstack: None,
+    }
+}
+
+fn rows(n: usize, seed: f32) -> Array2<f32> {
+    Array2::from_shape_fn((n, HIDDEN), |(r, c)| ((r * HIDDEN + c) as f32 * 0.37 + seed).sin())
+}
+
+/// Text, `vision_start image_pad vision_end`, text (unexpanded).
+fn with_image(head: &[u32], tail: &[u32]) -> Vec<u32> {
+    [head, &[503, 500, 504], tail].concat()
+}
+
+fn same(got: &Output, want: &Output) -> TestResult {
+    assert_eq!(got.tokens, want.tokens);
+    assert_eq!(got.hidden.len(), want.hidden.len());
+    for ((name, g), (_, w)) in got.hidden.iter().zip(&want.hidden) {
+        assert_eq!(g, w, "{name}: the CPU is bit-exact across caching and batching");
+    }
+    assert_eq!(got.last_logits, want.last_logits);
+    Ok(())
+}
+
+/// Every event of `handle` in order, the output last.
+fn read_all(handle: &mut omniprefix::engine::RequestHandle) -> TestResult<(Vec<u32>, Output)> {
+    let mut tokens = Vec::new();
+    while let Some(event) = handle.recv() {
+        match event? {
+            Event::Token(t) => tokens.push(t.token),
+            Event::Finished(out) => return Ok((tokens, out)),
+        }
+    }
+    Err("the stream ended without its output".into())
+}
+
+#[test]
+fn served_outputs_equal_the_cores_and_streams_carry_every_token() -> TestResult {
+    let prompt: Vec<u32> = (1..14).collect();
+    let mut reference = core()?;
+    let want_prefill = reference.run(Request::text(prompt.clone()))?;
+    let want_generate = reference.run(Request::text(prompt.clone()).generate(greedy(9)))?;
+
+    let served = served(ServedOptions::default())?;
+    let got_prefill = served.submit(Request::text(prompt.clone()))?.wait()?;
+    same(&got_prefill, &want_prefill)?;
+    let mut stream = served.submit(Request::text(prompt).generate(greedy(9)))?;
+    let (tokens, got) = read_all(&mut stream)?;
+    assert_eq!(tokens, got.tokens);
+    same(&got, &want_generate)?;
+    assert!(stream.recv().is_none(), "nothing after the output");
+    assert_eq!((got.num_cached_tokens, want_generate.num_cached_tokens), (12, 12), "the same cache hit in both");
+    served.validate()?;
+    Ok(())
+}
+
+#[test]
+fn an_unread_stream_keeps_generating() -> TestResult {
+    let served = served(ServedOptions::default())?;
+    let handle = served.submit(Request::text((1..9).collect()).generate(greedy(40)))?;
+    // Nobody reads: the loop still runs the request to its end (40 tokens + the output).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while handle.buffered() < 41 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(handle.buffered(), 41);
+    assert_eq!(served.stats()?.finished, 1, "finished before anyone read it");
+    Ok(())
+}
+
+#[test]
+fn a_full_buffer_holds_the_stream_until_it_is_read() -> TestResult {
+    let want = core()?.run(Request::text((1..9).collect()).generate(greedy(30)))?;
+    let served = served(ServedOptions { buffer_events: 4 })?;
+    let mut handle = served.submit(Request::text((1..9).collect()).generate(greedy(30)))?;
+    // Held after at most one more token than the buffer holds.
+    std::thread::sleep(Duration::from_millis(300));
+    let buffered = handle.buffered();
+    assert!((4..=5).contains(&buffered), "{buffered} events buffered, over the limit of 4");
+    assert_eq!(served.stats()?.finished, 0);
+    // Reading releases it; the output is the one an unheld run gives.
+    let (tokens, got) = read_all(&mut handle)?;
+    assert_eq!(tokens.len(), 30);
+    same(&got, &want)?;
+    served.validate()?;
+    Ok(())
+}
+
+#[test]
+fn dropping_a_handle_aborts_its_request() -> TestResult {
+    let served = served(ServedOptions { buffer_events: 2 })?;
+    let handle = served.submit(Request::text((1..9).collect()).generate(greedy(200)))?;
+    std::thread::sleep(Duration::from_millis(50));
+    drop(handle);
+    // The abort reaches the loop before this call, which runs after it.
+    served.validate()?;
+    // A reset is refused while anything is pending: it passes, so the request is gone.
+    served.reset_cache()?;
+    assert_eq!(served.stats()?.finished, 0);
+    Ok(())
+}
+
+#[test]
+fn an_encoder_blocked_on_one_thread_does_not_stall_another_stream() -> TestResult {
+    let served = Arc::new(served(ServedOptions::default())?);
+    let (release, blocked) = mpsc::channel::<()>();
+    let (entered, encoder_running) = mpsc::channel::<()>();
+    let submitter = {
+        let served = Arc::clone(&served);
+        std::thread::spawn(move || -> Result<Output, Error> {
+            let content = pixels(9);
+            let encoder = move |_item: usize, identity: &ItemIdentity| -> omniprefix::Result<Array2<f32>> {
+                let _ = entered.send(());
+                // Waits for the test (at most 30 s, so a regression fails instead of hanging).
+                let _ = blocked.recv_timeout(Duration::from_secs(30));
+                Ok(rows(identity.num_tokens, 1.0))
+            };
+            let request = Request { token_ids: with_image(&[7], &[8]), items: vec![image(&content, None)], ..Default::default() };
+            served.submit(request.with_encoder(encoder))?.wait()
+        })
+    };
+    encoder_running.recv_timeout(Duration::from_secs(30))?;
+    // The encoder is inside its call now; a whole generation runs meanwhile.
+    let started = Instant::now();
+    let mut stream = served.submit(Request::text((20..30).collect()).generate(greedy(24)))?;
+    let (tokens, _) = read_all(&mut stream)?;
+    assert_eq!(tokens.len(), 24);
+    assert!(started.elapsed() < Duration::from_secs(25), "the stream waited for the encoder");
+    release.send(())?;
+    let out = submitter.join().map_err(|_| "submitter panicked")??;
+    assert_eq!(out.prompt_len, 2 + 2 + 4);
+    Ok(())
+}
+
+#[test]
+fn handles_are_read_async() -> TestResult {
+    let want = core()?.run(Request::text((1..9).collect()).generate(greedy(6)))?;
+    let served = served(ServedOptions::default())?;
+    let mut handle = served.submit(Request::text((1..9).collect()).generate(greedy(6)))?;
+    let got = pollster::block_on(async {
+        let mut tokens = Vec::new();
+        while let Some(event) = handle.next().await {
+            match event? {
+                Event::Token(t) => tokens.push(t.token),
+                Event::Finished(out) => return Ok::<_, Error>((tokens, out)),
+            }
+        }
+        Err(omniprefix::error::SchedError::UnknownRequest { id: handle.id() }.into())
+    })?;
+    assert_eq!(got.0, want.tokens);
+    same(&got.1, &want)?;
+    Ok(())
+}
+
+/// NaN in given embeddings, in an encoder's embeddings, or in an encoder's
+/// DeepStack rows: a typed error naming the item, part, row and column; nothing
+/// is cached, so the same image with good rows afterwards runs as on a fresh engine.
+#[test]
+fn non_finite_item_rows_are_rejected_before_anything_is_cached() -> TestResult {
+    let content = pixels(4);
+    let ids = with_image(&[7, 8], &[9, 10, 11]);
+    let request = |embeddings| Request { token_ids: ids.clone(), items: vec![image(&content, embeddings)], ..Default::default() };
+    let mut bad = rows(4, 0.5);
+    bad[[2, 5]] = f32::NAN;
+    let mut engine = core()?;
+    let before = (engine.stats(), engine.scheduler_stats());
+
+    let given = engine.run(request(Some(bad.clone()))).err().ok_or("NaN embeddings accepted")?;
+    assert!(
+        matches!(given, Error::Request(RequestError::NonFiniteEmbeddings { item: 0, what: EmbeddingPart::Embeddings, row: 2, column: 5 })),
+        "{given}"
+    );
+    let encoded = engine.run(request(None).with_encoder(|_, _: &ItemIdentity| Ok::<_, Error>(bad.clone()))).err().ok_or("accepted")?;
+    assert!(matches!(encoded, Error::Request(RequestError::NonFiniteEmbeddings { row: 2, column: 5, .. })), "{encoded}");
+    let mut level = rows(4, 0.9);
+    level[[0, 1]] = f32::INFINITY;
+    let levels = move |_: usize, _: &ItemIdentity| Ok::<_, Error>(EncoderOutput { embeddings: rows(4, 0.5), deepstack: vec![rows(4, 0.1), level.clone()] });
+    let deep = engine.run(request(None).with_encoder(levels)).err().ok_or("accepted")?;
+    assert!(
+        matches!(deep, Error::Request(RequestError::NonFiniteEmbeddings { what: EmbeddingPart::DeepStack { level: 1 }, row: 0, column: 1, .. })),
+        "{deep}"
+    );
+    assert_eq!((engine.stats(), engine.scheduler_stats()), before, "nothing changed");
+    assert!(engine.encoder_cache().is_empty(), "no rows cached");
+
+    // A NaN must not poison the cache: good rows now give what a fresh engine gives.
+    let good = engine.run(request(Some(rows(4, 0.5))).generate(greedy(6)))?;
+    let fresh = core()?.run(request(Some(rows(4, 0.5))).generate(greedy(6)))?;
+    same(&good, &fresh)?;
+    Ok(())
+}
+
+#[test]
+fn two_threads_preparing_the_same_item_get_whole_rows() -> TestResult {
+    let served = Arc::new(served(ServedOptions::default())?);
+    let want = core()?.run(Request {
+        token_ids: with_image(&[7], &[8, 9]),
+        items: vec![image(&pixels(3), Some(rows(4, 2.0)))],
+        ..Default::default()
+    })?;
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let served = Arc::clone(&served);
+            std::thread::spawn(move || -> Result<Output, Error> {
+                let content = pixels(3);
+                let encoder = |_: usize, identity: &ItemIdentity| -> omniprefix::Result<Array2<f32>> {
+                    std::thread::sleep(Duration::from_millis(20));
+                    Ok(rows(identity.num_tokens, 2.0))
+                };
+                let request = Request { token_ids: with_image(&[7], &[8, 9]), items: vec![image(&content, None)], ..Default::default() };
+                served.submit(request.with_encoder(encoder))?.wait()
+            })
+        })
+        .collect();
+    for thread in threads {
+        let got = thread.join().map_err(|_| "a submitter panicked")??;
+        same(&got, &want)?;
+    }
+    served.validate()?;
+    Ok(())
+}
