@@ -162,16 +162,16 @@ fn an_encoder_can_hand_over_deepstack_levels() -> TestResult {
     let mut given = Engine::random(model(), 12, no_cache.clone())?;
     let want = given.run(request(deep_image(&content, Some(emb.clone()), levels.clone())))?;
     let mut encoded = Engine::random(model(), 12, no_cache)?;
-    let calls = std::cell::Cell::new(0);
+    let calls = std::sync::atomic::AtomicUsize::new(0);
     let encoder = |_item: usize, _id: &_| -> omniprefix::Result<EncoderOutput> {
-        calls.set(calls.get() + 1);
+        calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(EncoderOutput { embeddings: emb.clone(), deepstack: levels.clone() })
     };
     let got = encoded.run(request(image(&content, None)).with_encoder(&encoder))?;
     assert_same(&got, &want);
     let again = encoded.run(request(image(&content, None)).with_encoder(&encoder))?;
     assert_same(&again, &want);
-    assert_eq!((calls.get(), encoded.stats().encoder_cache_hits), (1, 1), "levels come from the cache the second time");
+    assert_eq!((calls.into_inner(), encoded.stats().encoder_cache_hits), (1, 1), "levels come from the cache the second time");
     Ok(())
 }
 
@@ -179,21 +179,21 @@ fn an_encoder_can_hand_over_deepstack_levels() -> TestResult {
 fn encoder_runs_once_per_item_content() -> TestResult {
     let (a, b) = (pixels(3), pixels(4));
     let mut engine = Engine::random(model(), 7, config())?;
-    let calls = std::cell::RefCell::new(Vec::new());
+    let calls = std::sync::Mutex::new(Vec::new());
     let encode = |content: &ArrayD<u8>, engine: &mut Engine| -> TestResult<Output> {
         let request = Request { token_ids: with_image(&[7, 8], &[9]), items: vec![image(content, None)], ..Default::default() };
         Ok(engine.run(request.with_encoder(|item, identity: &ItemIdentity| {
-            calls.borrow_mut().push(item);
+            calls.lock().expect("no panic holds the lock").push(item);
             Ok(rows(identity.num_tokens, HIDDEN, identity.fingerprint.0 as f32))
         }))?)
     };
     let first = encode(&a, &mut engine)?;
     let again = encode(&a, &mut engine)?;
-    assert_eq!(calls.borrow().len(), 1, "second request of the same image skips the encoder");
+    assert_eq!(calls.lock().map_err(|_| "poisoned")?.len(), 1, "second request of the same image skips the encoder");
     assert_eq!(engine.stats().encoder_cache_hits, 1);
     assert_same(&again, &first);
     encode(&b, &mut engine)?;
-    assert_eq!(calls.borrow().len(), 2, "different content runs the encoder");
+    assert_eq!(calls.lock().map_err(|_| "poisoned")?.len(), 2, "different content runs the encoder");
     // Embeddings may now be omitted for a cached item.
     let plain = Request { token_ids: with_image(&[7, 8], &[9]), items: vec![image(&a, None)], ..Default::default() };
     assert_same(&engine.run(plain)?, &first);
@@ -204,16 +204,16 @@ fn encoder_runs_once_per_item_content() -> TestResult {
 fn an_image_sent_twice_in_one_request_is_encoded_once() -> TestResult {
     let (a, b) = (pixels(5), pixels(6));
     let mut engine = Engine::random(model(), 7, config())?;
-    let calls = std::cell::RefCell::new(Vec::new());
+    let calls = std::sync::Mutex::new(Vec::new());
     // a, b, a: the third item reuses the first one's rows.
     let token_ids = [with_image(&[7], &[8]), with_image(&[], &[9]), with_image(&[], &[10])].concat();
     let items = vec![image(&a, None), image(&b, None), image(&a, None)];
     let request = Request { token_ids, items, ..Default::default() }.with_encoder(|item, identity: &ItemIdentity| {
-        calls.borrow_mut().push(item);
+        calls.lock().expect("no panic holds the lock").push(item);
         Ok(rows(identity.num_tokens, HIDDEN, identity.fingerprint.0 as f32))
     });
     let out = engine.run(request)?;
-    assert_eq!(calls.into_inner(), vec![0, 1], "item 2 has item 0's content");
+    assert_eq!(calls.into_inner().map_err(|_| "poisoned")?, vec![0, 1], "item 2 has item 0's content");
     // hidden.0 is the input embeddings: item 0's rows at positions 2..6, item 2's at 16..20.
     let layer0 = out.hidden_at(omniprefix::model::CaptureName::Hidden(0)).ok_or("hidden.0 captured")?;
     for r in 0..4 {

@@ -1,6 +1,6 @@
 """omniprefix: prefix caching for multimodal (Omni) LLM inference.
 
-The engine (``Engine``) finds the longest cached prefix of a prompt that mixes
+The engine (``Engine``, and ``AsyncEngine`` under asyncio) finds the longest cached prefix of a prompt that mixes
 text with image, audio and video items, keyed on the items' content, and
 returns the full hidden states of every position, cached ones included. The
 standalone matcher (``fingerprint``, ``Prompt``, ``PrefixIndex``) serves a
@@ -32,8 +32,11 @@ from ._omniprefix import (
     block_hashes,
     fingerprint,
 )
+from .aio import AsyncEngine, AsyncStream
 
 __all__ = [
+    "AsyncEngine",
+    "AsyncStream",
     "CacheError",
     "CheckpointError",
     "ConfigError",

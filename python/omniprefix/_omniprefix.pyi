@@ -248,9 +248,18 @@ class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
     @property
     def generation(self) -> Optional[Generation]:
         """The finished :class:`Generation` once the stream is exhausted, else ``None``."""
+    @property
+    def output(self) -> Optional[Output]:
+        """The finished :class:`Output` of :meth:`Engine.submit_prefill` once exhausted, else ``None``."""
+    @property
+    def done(self) -> bool:
+        """True once the request ended (finished, failed or closed)."""
+    def next_batch(self) -> list[Tuple[int, dict[str, npt.NDArray[np.float32]]]]:
+        """Wait (GIL released) for the next event and return every buffered token; ``[]`` once
+        the stream ended."""
     def close(self) -> None:
         """Abort the generation (also done when the stream is garbage collected); the engine
-        keeps no block or lock of it."""
+        keeps no block or lock of it. Safe from another thread while one waits in ``next()``."""
 
 # ----------------------------------------------------------------------------------------- Engine
 
@@ -259,8 +268,10 @@ class Engine:
     """A thinker stage: a model on a backend, a prefix cache (radix index + KV block pool),
     an encoder cache, and the scheduler between them.
 
-    Calls on one engine are serialized; distinct engines in distinct threads run in parallel
-    (the GIL is released while they work)."""
+    The engine steps on its own thread while anything is pending. A call prepares its
+    request (fingerprints, prompt, checks, ``encoder`` calls) on the calling thread with the
+    GIL released, so a slow encoder in one thread never stalls another thread's stream.
+    :class:`AsyncEngine` is the same engine under asyncio."""
 
     @staticmethod
     def from_dir(
@@ -375,40 +386,63 @@ class Engine:
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
-        max_tokens: int,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
+        max_tokens: int = 16,
         temperature: float = 0.0,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
         seed: Optional[int] = None,
         stop: Optional[Sequence[int]] = None,
         ignore_eos: bool = False,
-        tenant: int = 0,
-        encoder: Optional[_Encoder] = None,
-        placeholders: _Placeholders = "unexpanded",
+        run_last_token: bool = False,
+        allow_special_ids: bool = False,
     ) -> Generation:
         """Prefill, then decode up to ``max_tokens`` tokens (``temperature=0``: greedy, lowest id
         on ties; ``top_k`` / ``top_p`` as transformers' warpers; ChaCha8 seeded per request, so
         the same seed gives the same tokens cached or not). Stops at a stop id (``stop``, default
         the checkpoint's eos ids) unless ``ignore_eos``. The reply is cached with the prompt: a
-        next round that re-sends prompt + reply reuses every position that ran."""
+        next round that re-sends prompt + reply reuses every position that ran.
+
+        The sampling keywords are the library's ``SamplingParams`` fields, passed as they are
+        (an unknown name raises :class:`RequestError`). ``run_last_token`` also runs the last
+        token (its KV and hidden row); the placeholder ids (image, audio and video pads) are
+        never sampled unless ``allow_special_ids``, since a reply holding one could not be sent
+        back. ``generate`` and :meth:`stream` take the same arguments."""
     def stream(
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
-        max_tokens: int,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
+        max_tokens: int = 16,
         temperature: float = 0.0,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
         seed: Optional[int] = None,
         stop: Optional[Sequence[int]] = None,
         ignore_eos: bool = False,
+        run_last_token: bool = False,
+        allow_special_ids: bool = False,
+    ) -> Stream:
+        """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
+        same tokens as :meth:`generate` with the same seed. The engine keeps generating while
+        nobody reads, until 256 events are buffered; then the request holds (keeping its
+        blocks) until the reader catches up."""
+    def submit_prefill(
+        self,
+        token_ids: _TokenIds,
+        items: Optional[Sequence[Item]] = None,
+        *,
         tenant: int = 0,
         encoder: Optional[_Encoder] = None,
         placeholders: _Placeholders = "unexpanded",
     ) -> Stream:
-        """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
-        same tokens as :meth:`generate` with the same seed."""
+        """:meth:`prefill` without waiting: the returned stream yields no token and its
+        ``output`` holds the result once exhausted (what :class:`AsyncEngine` awaits)."""
     def stats(self) -> dict[str, int]:
         """``queries``, ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``,
         ``encoder_cache_hits``, ``finished``."""
@@ -451,6 +485,27 @@ class Engine:
         """The dtype the weight matrices are stored in (``"auto"`` resolved)."""
     @property
     def block_size(self) -> int: ...
+    @property
+    def image_token_id(self) -> int:
+        """``<|image_pad|>``: one per image in an unexpanded prompt."""
+    @property
+    def video_token_id(self) -> int:
+        """``<|video_pad|>``: one per video in an unexpanded prompt."""
+    @property
+    def audio_token_id(self) -> int:
+        """``<|audio_pad|>``: one per audio in an unexpanded prompt."""
+    @property
+    def vision_start_token_id(self) -> int:
+        """``<|vision_start|>``: opens an image or a video."""
+    @property
+    def vision_end_token_id(self) -> int:
+        """``<|vision_end|>``: closes an image or a video."""
+    @property
+    def audio_start_token_id(self) -> int:
+        """``<|audio_start|>``: opens an audio."""
+    @property
+    def audio_end_token_id(self) -> int:
+        """``<|audio_end|>``: closes an audio."""
 
 # ----------------------------------------------------------------------------------- KV events
 

@@ -1,7 +1,7 @@
 //! The frontend side of KV events: `block_hashes`, the hashes an engine under
 //! a fleet key publishes for a request, computed without any model.
 
-use omniprefix::engine::{PrefillRequest, request_block_hashes, tokens_from_config_json};
+use omniprefix::engine::{Request, request_block_hashes, tokens_from_config_json};
 use omniprefix::error::CacheError;
 use omniprefix::prompt::OmniTokens;
 use pyo3::prelude::*;
@@ -34,7 +34,7 @@ pub fn block_hashes(
     let tokens = special_tokens(py, tokens)?;
     let form = placeholder_form(placeholders)?;
     let borrowed = BorrowedItems::from_py(items)?;
-    let request = PrefillRequest { tenant, token_ids: ids, placeholders: form, items: borrowed.inputs() };
+    let request = Request { tenant, token_ids: ids, placeholders: form, items: borrowed.inputs(), ..Default::default() };
     py.detach(|| guard(|| request_block_hashes(&request, &key, block_size, &tokens)))
 }
 

@@ -48,7 +48,9 @@ impl From<Array2<f32>> for EncoderOutput {
 }
 
 /// Computes an item's [`EncoderOutput`] when the request brings none and the
-/// encoder cache misses. It runs while the request is prepared, on the caller's
+/// encoder cache misses. Requests hold theirs as `Send + Sync` (a request may
+/// be built on one thread and submitted from another), so a counting encoder
+/// counts with an atomic or a mutex. It runs while the request is prepared, on the caller's
 /// thread and outside the engine's step loop, so a slow encoder delays only its
 /// own request. Any `Fn(usize, &ItemIdentity) -> Result<E>` with
 /// `E: Into<EncoderOutput>` is one; `item` indexes the request's items.
@@ -104,7 +106,7 @@ pub struct Request<'a> {
     pub task: Task,
     /// This request's encoder; `None` falls back to the engine's
     /// ([`Engine::set_encoder`](super::Engine::set_encoder)), if any.
-    pub encoder: Option<Arc<dyn Encoder + 'a>>,
+    pub encoder: Option<Arc<dyn Encoder + Send + Sync + 'a>>,
 }
 
 impl<'a> Request<'a> {
@@ -119,7 +121,7 @@ impl<'a> Request<'a> {
     }
 
     /// The same request, with `encoder` for its items that need one.
-    pub fn with_encoder(self, encoder: impl Encoder + 'a) -> Self {
+    pub fn with_encoder(self, encoder: impl Encoder + Send + Sync + 'a) -> Self {
         Request { encoder: Some(Arc::new(encoder)), ..self }
     }
 }
