@@ -104,3 +104,38 @@ proptest! {
         run_case(&case, Box::new(index))?;
     }
 }
+
+fn radix_index(block_size: usize) -> Box<dyn PrefixIndex> {
+    Box::new(RadixIndex::new(RadixConfig { block_size }).expect("a positive block size"))
+}
+
+fn admit(base: usize, tail: &[u32], tenant: u64) -> Op {
+    Op::Admit { base, tail: tail.to_vec(), tenant }
+}
+
+const IMG: u32 = IMAGE_MARKER;
+
+/// Issue 22, "one outstanding batch can fail too": admits and the drain only.
+#[test]
+fn regression_shared_block_owned_by_the_index() {
+    let case = Case {
+        config: SchedulerConfig {
+            num_blocks: 9,
+            block_size: 4,
+            max_tokens_per_step: 18,
+            max_seqs_per_step: 2,
+            token_granular_reuse: true,
+        },
+        bases: vec![vec![0, 0, 0, IMG, 0, 0, 0, 0]],
+        ops: vec![
+            admit(0, &[1, 0, 0, 0, 0, 0], 0),
+            admit(0, &[IMG, 0, 0, 0, 0, 0, 0], 1),
+            admit(0, &[0, 0, 0, 0, IMG], 0),
+            admit(0, &[0], 0),
+            admit(0, &[0], 0),
+            admit(0, &[0], 0),
+        ],
+    };
+    run_case(&case, Box::new(ReferenceIndex::new(4))).expect("reference index");
+    run_case(&case, radix_index(4)).expect("radix index");
+}

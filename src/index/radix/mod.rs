@@ -610,9 +610,11 @@ impl PrefixIndex for RadixIndex {
         self.insert_upto(prompt, blocks, tokens)
     }
 
-    /// Pins exactly `m.blocks` (see module `pin`). A stale or foreign match (its
-    /// node was evicted, or it names blocks not on its path) or the empty
-    /// match locks nothing.
+    /// Pins exactly `m.blocks` (see module `pin`), found by their ids: a
+    /// match whose handle went stale (its node was split and the part the
+    /// handle names evicted) is still pinned while all its blocks are cached.
+    /// A stale match (one of its blocks was evicted), a foreign one (it names
+    /// blocks not on one path) or the empty match locks nothing.
     fn lock(&mut self, m: &PrefixMatch) {
         self.pin(m);
     }
