@@ -139,3 +139,35 @@ fn regression_shared_block_owned_by_the_index() {
     run_case(&case, Box::new(ReferenceIndex::new(4))).expect("reference index");
     run_case(&case, radix_index(4)).expect("radix index");
 }
+
+/// Issue 22, "two outstanding batches can fail": request 2's batch copies the
+/// cached partial block `[0]` (it stays pinned until that batch completes)
+/// while request 1's earlier batch completes and its finish caches `[0, 0]`,
+/// which must grow that pinned partial leaf.
+#[test]
+fn regression_insert_reaches_a_partial_block_pinned_by_a_later_batch() {
+    let case = Case {
+        config: SchedulerConfig {
+            num_blocks: 8,
+            block_size: 4,
+            max_tokens_per_step: 4,
+            max_seqs_per_step: 1,
+            token_granular_reuse: true,
+        },
+        bases: vec![vec![]],
+        ops: vec![
+            admit(0, &[0], 1),
+            Op::Schedule,
+            Op::Complete,
+            Op::Finish(0),
+            admit(0, &[0, 0], 1),
+            admit(0, &[0, 0], 1),
+            Op::Schedule,
+            Op::Schedule,
+            Op::Complete,
+            Op::Finish(0),
+        ],
+    };
+    run_case(&case, Box::new(ReferenceIndex::new(4))).expect("reference index");
+    run_case(&case, radix_index(4)).expect("radix index");
+}
