@@ -1,4 +1,5 @@
-//! Random admit / schedule / complete / finish / abort sequences over a tiny
+//! Random admit / schedule / run / complete / append / finish / abort / evict
+//! sequences (see `support/sched_driver.rs`) over a tiny
 //! vocabulary and two images (so prompts share prefixes and blocks) and a
 //! small pool (so eviction and preemption happen). After every operation the
 //! scheduler's `validate` must pass, and the shadow runner must read the right
@@ -21,6 +22,7 @@ use omniprefix::events::Medium;
 use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::index::PrefixIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 use sched_driver::{EventConsumer, Machine, Op, Runner, op, scheduler_config};
@@ -64,6 +66,15 @@ impl Runner for Shadow {
         prop_assert!(batch.num_new_tokens() <= self.config.max_tokens_per_step);
         prop_assert!(batch.seqs.len() <= self.config.max_seqs_per_step);
         self.pages.run(batch).map_err(TestCaseError::fail)
+    }
+
+    /// Generated tokens are text: one of the 3 text ids.
+    fn token(&self, unit: u32) -> u32 {
+        unit % 3
+    }
+
+    fn appended(&mut self, id: RequestId, _token: u32, prompt: &CanonicalPrompt) {
+        self.pages.update(id, prompt);
     }
 }
 
