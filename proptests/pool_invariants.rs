@@ -10,7 +10,10 @@
 //! every operation a consumer rebuilt from them alone holds exactly the blocks
 //! the index holds, and text blocks carry their documented hashes.
 //!
-//! Case count: `PROPTEST_CASES` (default 64).
+//! Case count: `PROPTEST_CASES`, default 4096 per test (the binary runs in
+//! about 3 s on 2 busy cores). The nightly size is one variable away:
+//! `PROPTEST_CASES=10000 cargo test --test pool_invariants` (about 7 s). The
+//! two cases issue 22 found only at thousands of cases are fixed tests at the end.
 
 #[path = "support/sched_driver.rs"]
 mod sched_driver;
@@ -100,7 +103,7 @@ fn run_case(case: &Case, index: Box<dyn PrefixIndex>) -> Result<(), TestCaseErro
 }
 
 proptest! {
-    #![proptest_config(sched_driver::proptest_config(64))]
+    #![proptest_config(sched_driver::proptest_config(4096))]
 
     #[test]
     fn random_operations_keep_every_invariant_with_the_reference_index(case in case()) {
