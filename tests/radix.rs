@@ -237,6 +237,33 @@ fn a_lock_ending_inside_a_long_edge_pins_only_the_matched_blocks() -> Result<()>
     Ok(())
 }
 
+/// Issue 22: a lock splits the node its match ended in and the match's handle
+/// stays with the lower part. Once that part is evicted, a shorter lock of the
+/// same match (the scheduler's, when it unpins a copy-on-write source) must
+/// still pin its blocks, found by their ids, not silently pin nothing.
+#[test]
+fn a_shorter_lock_of_a_match_whose_handle_went_stale_still_pins() -> Result<()> {
+    let mut ix = index(4)?;
+    ix.insert(&text(0, &(0..16).collect::<Vec<u32>>()), &[1, 2, 3, 4])?;
+    let m = ix.match_prefix(&text(0, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 99]));
+    assert_eq!((m.tokens, m.blocks.clone()), (10, vec![1, 2, 3]));
+    ix.lock(&m);
+    assert_eq!(ix.evict(usize::MAX), vec![4], "the part the handle names is gone");
+    let mut shared = m.clone();
+    shared.blocks.truncate(2);
+    (shared.tokens, shared.aligned_tokens) = (8, 8);
+    ix.lock(&shared);
+    ix.unlock(&m);
+    valid(&ix)?;
+    assert_eq!(ix.evict(usize::MAX), vec![3], "blocks 1 and 2 are pinned by the shorter lock");
+    ix.unlock(&shared);
+    valid(&ix)?;
+    let mut freed = ix.evict(usize::MAX);
+    freed.sort_unstable();
+    assert_eq!(freed, vec![1, 2]);
+    Ok(())
+}
+
 #[test]
 fn a_trimmed_match_pins_its_prefix_and_inserts_past_a_pin_stay_evictable() -> Result<()> {
     let mut ix = index(4)?;

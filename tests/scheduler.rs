@@ -615,3 +615,41 @@ fn a_sequence_whose_blocks_fill_while_decoding_commits_them_at_once() -> TestRes
     assert_eq!(sched.evict(8)?, 2);
     Ok(())
 }
+
+/// Issue 22, two batches out: request 2's batch copies the cached partial
+/// block `[7]`, pinned until that batch completes. Request 1's earlier batch
+/// completes first and its full block `[7, 1, 2, 3]` would grow that pinned
+/// leaf: the commit waits (request 1 keeps the block) instead of failing, and
+/// lands at request 1's next completion, once the pin is gone.
+#[test]
+fn a_commit_that_meets_a_pinned_copy_source_waits_for_the_next_completion() -> TestResult {
+    let radix = RadixIndex::new(RadixConfig { block_size: 4 })?;
+    let cfg = SchedulerConfig { block_size: 4, max_seqs_per_step: 1, ..config(16, 64, true) };
+    let mut sched = Scheduler::new(cfg, Box::new(radix))?;
+    sched.admit(request(0, 0, &[7]))?;
+    assert_eq!(step(&mut sched)?, vec![0]);
+    sched.finish(0)?;
+    sched.admit(generating(1, &[7, 1, 2, 3, 4, 5], 1))?;
+    sched.admit(request(2, 0, &[7, 8]))?;
+    let a = sched.schedule()?;
+    let b = sched.schedule()?;
+    assert_eq!((a.seqs[0].request, a.copies.len()), (1, 1));
+    assert_eq!((b.seqs[0].request, b.copies.len()), (2, 1), "request 2 copies [7] too, pinning it");
+    assert_eq!(complete(&mut sched, &a)?, vec![1]);
+    assert_eq!(sched.index_stats().cached_blocks, 1, "only [7]: request 1's block waits");
+    assert_eq!(complete(&mut sched, &b)?, vec![2]);
+    sched.finish(2)?;
+    sched.append(1, 9)?;
+    assert_eq!(step(&mut sched)?, vec![1]);
+    let own = sched.block_table(1).map(|t| t[0]);
+    sched.finish(1)?;
+    check(&sched)?;
+    // Request 2's tail [7, 8] (it replaced the partial [7]), request 1's
+    // [7, 1, 2, 3] and its tail [4, 5, 9].
+    assert_eq!(sched.index_stats().cached_blocks, 3);
+    sched.admit(request(3, 0, &[7, 1, 2, 3, 4, 5, 9, 0]))?;
+    let batch = sched.schedule()?;
+    assert_eq!(batch.seqs[0].num_computed_tokens, 7);
+    assert_eq!(batch.seqs[0].block_table.blocks().first().copied(), own);
+    Ok(())
+}

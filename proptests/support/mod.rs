@@ -132,9 +132,13 @@ impl ShadowPages {
 
     /// Remembers a request's keys so its batches can be checked.
     pub fn register(&mut self, req: &Request) {
-        self.prompts
-            .insert(req.id, (req.prompt.tenant, keys_of(&req.prompt)));
-        self.positions.insert(req.id, req.prompt.positions.iter().collect());
+        self.update(req.id, &req.prompt);
+    }
+
+    /// Request `id`'s sequence is `prompt` now (it grew by generated tokens).
+    pub fn update(&mut self, id: RequestId, prompt: &CanonicalPrompt) {
+        self.prompts.insert(id, (prompt.tenant, keys_of(prompt)));
+        self.positions.insert(id, prompt.positions.iter().collect());
     }
 
     /// Executes `batch`: block copies, then for each sequence checks that its

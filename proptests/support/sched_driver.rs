@@ -1,10 +1,22 @@
 //! The scheduler state machine both scheduler suites drive
 //! (`proptests/pool_invariants.rs` with a shadow runner, and
 //! `proptests/sched_state_machine.rs` with a real tiny model): random admit /
-//! schedule / complete / finish / abort operations, `validate()` after each,
-//! the drain that runs every live request to its end, and the checks that no
-//! block leaked and no index lock outlived its request. What runs the batches
-//! and what is checked about their results is the suite's [`Runner`].
+//! schedule / run / complete / append / finish / abort / evict operations,
+//! `validate()` after each, the drain that runs every live request to its
+//! end, and the checks that no block leaked and no index lock outlived its
+//! request. What runs the batches and what is checked about their results is
+//! the suite's [`Runner`].
+//!
+//! A scheduled batch runs later (an explicit `Run`, or before it completes),
+//! so evictions and further batches happen between scheduling a batch and
+//! running it, as in an engine that builds the next step while the last one
+//! runs. Until a batch completes, no later batch may write a block it copies
+//! from (its copy-on-write sources stay pinned). Ready sequences grow by
+//! `Append` (decode), so reply blocks that fill during decode are committed
+//! and published. After each completion the event consumer must hold every
+//! full block the completed sequences computed, hashed from the driver's own
+//! copy of their tokens (prompt and appended tokens), not from the
+//! scheduler's map of what it published.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
@@ -13,6 +25,8 @@ use omniprefix::Error;
 use omniprefix::batch::{RequestId, ScheduledBatch};
 use omniprefix::canon::FingerprintKey;
 use omniprefix::events::KvEvent;
+use omniprefix::index::block_hash::FleetHasher;
+use omniprefix::prompt::{Atom, CanonicalPrompt};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 use omniprefix::error::RequestError;
@@ -44,15 +58,25 @@ pub fn scheduler_config(
     )
 }
 
+/// New tokens an admitted request may generate (`Append`s it accepts).
+pub const MAX_NEW_TOKENS: usize = 4;
+
 #[derive(Debug, Clone)]
 pub enum Op {
     /// A prompt made of shared base `base` followed by `tail`, for `tenant`
     /// (what the units mean is the runner's).
     Admit { base: usize, tail: Vec<u32>, tenant: u64 },
-    /// Build a batch and run it (completed later).
+    /// Build a batch (run and completed later).
     Schedule,
-    /// Complete the oldest outstanding batch.
+    /// Run the oldest batch that was scheduled and not run yet.
+    Run,
+    /// Complete the oldest outstanding batch (running it first if it has not run).
     Complete,
+    /// Grow the `k`-th completed (ready) request by the text token of `unit`,
+    /// as decode does; past `MAX_NEW_TOKENS` it must be refused.
+    Append { k: usize, unit: u32 },
+    /// Evict up to `n` unread cached blocks.
+    Evict(usize),
     /// Finish the `k`-th completed request.
     Finish(usize),
     /// Abort the `k`-th live request.
@@ -66,9 +90,12 @@ pub fn op(unit: impl Strategy<Value = u32>, tail_len: Range<usize>, tenants: Ran
         3 => (0usize..4, prop::collection::vec(unit, tail_len), tenants)
             .prop_map(|(base, tail, tenant)| Op::Admit { base, tail, tenant }),
         4 => Just(Op::Schedule),
+        2 => Just(Op::Run),
         4 => Just(Op::Complete),
+        2 => (0usize..8, 0u32..4).prop_map(|(k, unit)| Op::Append { k, unit }),
         2 => (0usize..8).prop_map(Op::Finish),
         1 => (0usize..8).prop_map(Op::Abort),
+        1 => (1usize..4).prop_map(Op::Evict),
     ]
 }
 
@@ -78,8 +105,14 @@ pub trait Runner {
     type Output;
     /// Request `id` of `tenant` over `units`; the runner notes what it needs to know of it.
     fn request(&mut self, id: RequestId, tenant: u64, units: &[u32]) -> Request;
-    /// Runs a freshly scheduled batch (possibly empty).
+    /// Runs a batch (possibly empty), in scheduling order.
     fn run(&mut self, batch: &ScheduledBatch) -> Result<Self::Output, TestCaseError>;
+    /// The text token id an appended `unit` stands for.
+    fn token(&self, unit: u32) -> u32 {
+        unit
+    }
+    /// Ready request `id` grew by `token`; `prompt` is its whole sequence now.
+    fn appended(&mut self, _id: RequestId, _token: u32, _prompt: &CanonicalPrompt) {}
     /// The batch that produced `output` completed the prompts of `done`.
     fn completed(&mut self, _output: Self::Output, _done: &[RequestId]) -> Result<(), TestCaseError> {
         Ok(())
@@ -96,8 +129,9 @@ pub trait Runner {
 pub struct Machine<R: Runner> {
     pub sched: Scheduler,
     pub runner: R,
-    /// Batches run but not yet completed, with what running them produced.
-    outstanding: VecDeque<(ScheduledBatch, R::Output)>,
+    /// Batches scheduled but not yet completed, oldest first, with what
+    /// running them produced (`None`: not run yet).
+    outstanding: VecDeque<(ScheduledBatch, Option<R::Output>)>,
     /// Admitted, neither finished nor aborted.
     live: Vec<RequestId>,
     /// Prompt completed, waiting to be finished.
@@ -107,6 +141,13 @@ pub struct Machine<R: Runner> {
     pub finished: usize,
     /// Every admitted request's whole-prompt positions, materialised.
     positions: HashMap<RequestId, Vec<[i64; 3]>>,
+    /// Every admitted request's sequence (prompt and appended tokens), kept
+    /// by the driver itself.
+    prompts: HashMap<RequestId, CanonicalPrompt>,
+    /// Tokens appended to each request.
+    generated: HashMap<RequestId, usize>,
+    /// Requests and computed lengths the last completion checks the events of.
+    committed: Vec<(RequestId, usize)>,
     /// Rebuilds the cache from the scheduler's KV events, when it records them.
     events: Option<EventConsumer>,
 }
@@ -121,13 +162,38 @@ pub struct EventConsumer {
     cached: HashSet<u64>,
     hash_key: [u8; 32],
     tenants: Vec<u64>,
+    /// The library's hasher, for blocks holding item rows.
+    hasher: FleetHasher,
 }
 
 impl EventConsumer {
     /// A consumer for a fleet under `key` whose requests use `tenants`.
     pub fn new(key: &FingerprintKey, tenants: Vec<u64>) -> Self {
         let hash_key = blake3::derive_key("omniprefix 2026 kv block hash", key.as_bytes());
-        EventConsumer { cached: HashSet::new(), hash_key, tenants }
+        EventConsumer { cached: HashSet::new(), hash_key, tenants, hasher: FleetHasher::new(key) }
+    }
+
+    /// The hashes of the first `blocks` blocks of `prompt`: text-only
+    /// blocks from the documented bytes (BLAKE3 here), the chain after the
+    /// first block holding item rows from the library's hasher.
+    fn expected_hashes(&self, prompt: &CanonicalPrompt, block_size: usize, blocks: usize) -> Vec<u64> {
+        let mut text: Vec<Option<u32>> = Vec::with_capacity(prompt.len());
+        for atom in &prompt.atoms {
+            match atom {
+                Atom::Text(ids) => text.extend(ids.iter().map(|&t| Some(t))),
+                Atom::Item { rows, .. } => text.extend(rows.clone().map(|_| None)),
+            }
+        }
+        let mut hashes: Vec<u64> = Vec::with_capacity(blocks);
+        for chunk in text.chunks_exact(block_size).take(blocks) {
+            let Some(ids) = chunk.iter().copied().collect::<Option<Vec<u32>>>() else { break };
+            hashes.push(match hashes.last() {
+                Some(&parent) => self.text_block_hash(1, parent, &ids),
+                None => self.text_block_hash(0, prompt.tenant, &ids),
+            });
+        }
+        self.hasher.extend(prompt, block_size, blocks, &mut hashes);
+        hashes
     }
 
     fn text_block_hash(&self, root: u8, salt_or_parent: u64, ids: &[u32]) -> u64 {
@@ -190,6 +256,9 @@ impl<R: Runner> Machine<R> {
             next_id: 0,
             finished: 0,
             positions: HashMap::new(),
+            prompts: HashMap::new(),
+            generated: HashMap::new(),
+            committed: Vec::new(),
             events: None,
         }
     }
@@ -204,18 +273,20 @@ impl<R: Runner> Machine<R> {
 
     /// Admits a new request; a prompt longer than the whole pool must be
     /// refused with `RequestTooLarge` and change nothing. Returns whether it was admitted.
-    pub fn admit(&mut self, tenant: u64, units: &[u32]) -> Result<bool, TestCaseError> {
-        let req = self.runner.request(self.next_id, tenant, units);
+    pub fn admit(&mut self, tenant: u64, units: &[u32], max_new_tokens: usize) -> Result<bool, TestCaseError> {
+        let req = Request { max_new_tokens, ..self.runner.request(self.next_id, tenant, units) };
         self.next_id += 1;
         let cfg = *self.sched.config();
-        let too_large = req.prompt.len().div_ceil(cfg.block_size) > cfg.num_blocks;
+        let too_large = (req.prompt.len() + max_new_tokens).div_ceil(cfg.block_size) > cfg.num_blocks;
         let before = (self.sched.stats(), self.sched.index_stats());
         let id = req.id;
         let positions = req.prompt.positions.iter().collect();
+        let prompt = req.prompt.clone();
         match self.sched.admit(req) {
             Ok(()) => {
                 self.live.push(id);
                 self.positions.insert(id, positions);
+                self.prompts.insert(id, prompt);
                 Ok(true)
             }
             Err(Error::Request(RequestError::RequestTooLarge { .. })) if too_large => {
@@ -232,10 +303,11 @@ impl<R: Runner> Machine<R> {
             Op::Admit { base, tail, tenant } => {
                 let mut units = bases[base % bases.len()].clone();
                 units.extend(tail);
-                self.admit(*tenant, &units)?;
+                self.admit(*tenant, &units, MAX_NEW_TOKENS)?;
             }
             Op::Schedule => {
                 let batch = self.sched.schedule().map_err(fail)?;
+                self.check_copy_sources_untouched(&batch)?;
                 // Every chunk carries the prompt's positions over exactly its range.
                 for seq in &batch.seqs {
                     let range = seq.new_positions();
@@ -243,17 +315,68 @@ impl<R: Runner> Machine<R> {
                     let got: Vec<[i64; 3]> = seq.positions.iter().collect();
                     prop_assert_eq!(Some(&got[..]), want, "request {}: positions of {:?}", seq.request, range);
                 }
-                let output = self.runner.run(&batch)?;
-                if !batch.seqs.is_empty() {
-                    self.outstanding.push_back((batch, output));
+                if batch.seqs.is_empty() {
+                    self.runner.run(&batch)?;
+                } else {
+                    self.outstanding.push_back((batch, None));
+                }
+            }
+            Op::Run => {
+                if let Some((batch, output)) = self.outstanding.iter_mut().find(|(_, o)| o.is_none()) {
+                    *output = Some(self.runner.run(batch)?);
                 }
             }
             Op::Complete => {
                 if let Some((batch, output)) = self.outstanding.pop_front() {
+                    let output = match output {
+                        Some(output) => output,
+                        None => self.runner.run(&batch)?,
+                    };
                     let done = self.sched.complete(&batch).map_err(fail)?;
                     self.runner.completed(output, &done)?;
+                    // Every full block these sequences computed is committed
+                    // now, unless a batch still out pins a copy-on-write
+                    // source in the way (the scheduler then defers it).
+                    if self.outstanding.iter().all(|(b, _)| b.copies.is_empty()) {
+                        self.committed = batch
+                            .seqs
+                            .iter()
+                            .filter(|s| self.live.contains(&s.request))
+                            .map(|s| (s.request, s.num_computed_tokens + s.token_ids.len()))
+                            .collect();
+                    }
                     self.completed.extend(done);
                 }
+            }
+            Op::Append { k, unit } => {
+                if !self.completed.is_empty() {
+                    let i = k % self.completed.len();
+                    let id = self.completed[i];
+                    let token = self.runner.token(*unit);
+                    let generated = self.generated.get(&id).copied().unwrap_or(0);
+                    let before = (self.sched.stats(), self.sched.num_computed_tokens(id));
+                    match self.sched.append(id, token) {
+                        Ok(()) => {
+                            prop_assert!(generated < MAX_NEW_TOKENS, "request {id} grew past its max_new_tokens");
+                            self.completed.remove(i);
+                            self.generated.insert(id, generated + 1);
+                            let prompt = self.prompts.get_mut(&id).ok_or_else(|| TestCaseError::fail("no prompt"))?;
+                            prompt.push_text(token);
+                            self.positions.insert(id, prompt.positions.iter().collect());
+                            self.runner.appended(id, token, prompt);
+                        }
+                        Err(Error::Request(RequestError::GenerationLimit { .. })) if generated == MAX_NEW_TOKENS => {
+                            prop_assert_eq!((self.sched.stats(), self.sched.num_computed_tokens(id)), before);
+                        }
+                        Err(e) => return Err(fail(e)),
+                    }
+                }
+            }
+            Op::Evict(n) => {
+                let cached = self.sched.stats().blocks_cached;
+                let freed = self.sched.evict(*n).map_err(fail)?;
+                prop_assert!(freed <= *n);
+                prop_assert_eq!(self.sched.stats().blocks_cached, cached - freed);
             }
             Op::Finish(k) => {
                 if !self.completed.is_empty() {
@@ -287,6 +410,46 @@ impl<R: Runner> Machine<R> {
             let mut rebuilt: Vec<u64> = consumer.cached.iter().copied().collect();
             rebuilt.sort_unstable();
             prop_assert_eq!(rebuilt, self.sched.cached_block_hashes(), "the events' index differs from the scheduler's");
+            let bs = self.sched.config().block_size;
+            for (id, computed) in std::mem::take(&mut self.committed) {
+                let Some(prompt) = self.prompts.get(&id) else { continue };
+                for (i, hash) in consumer.expected_hashes(prompt, bs, computed / bs).into_iter().enumerate() {
+                    prop_assert!(
+                        consumer.cached.contains(&hash),
+                        "request {id}: full block {i} ({hash:#x}) of its {computed} computed tokens was never published"
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A batch just scheduled writes no block that a batch still out (or
+    /// another copy of its own) copies from: copy-on-write sources stay
+    /// pinned until the batch holding the copy completes. (An aborted
+    /// request's copies are exempt: abort gives up its pins at once, which
+    /// is safe because batches run in order.)
+    fn check_copy_sources_untouched(&self, batch: &ScheduledBatch) -> Result<(), TestCaseError> {
+        let bs = self.sched.config().block_size;
+        let mut written: HashSet<u32> = batch.copies.iter().map(|c| c.dst).collect();
+        for seq in &batch.seqs {
+            written.extend(seq.new_positions().map(|p| seq.block_table[p / bs]));
+        }
+        // A copy belongs to the sequence whose table holds its destination.
+        let live_copies = |b: &'_ ScheduledBatch| {
+            let copies: Vec<_> = b
+                .copies
+                .iter()
+                .filter(|c| {
+                    b.seqs.iter().any(|s| s.block_table.blocks().contains(&c.dst) && self.live.contains(&s.request))
+                })
+                .copied()
+                .collect();
+            copies
+        };
+        let sources = self.outstanding.iter().flat_map(|(b, _)| live_copies(b)).chain(batch.copies.iter().copied());
+        for c in sources {
+            prop_assert!(!written.contains(&c.src), "block {} is written while a copy from it is pending", c.src);
         }
         Ok(())
     }
@@ -323,7 +486,7 @@ impl<R: Runner> Machine<R> {
     /// only if every cached block can be evicted, i.e. no index lock outlived its request.
     pub fn check_no_lock_left(&mut self, units: &[u32], max_rounds: usize) -> Result<(), TestCaseError> {
         let num_blocks = self.sched.config().num_blocks;
-        prop_assert!(self.admit(99, units)?, "a prompt as long as the pool was refused");
+        prop_assert!(self.admit(99, units, 0)?, "a prompt as long as the pool was refused");
         self.drain(max_rounds)?;
         prop_assert_eq!(self.sched.stats().blocks_cached, num_blocks);
         Ok(())

@@ -24,6 +24,15 @@
 //! request leaves no partial block behind and a follow-up that re-sends the
 //! prompt and the reply reuses every position that ran.
 //!
+//! Several batches out: `schedule` may be called again before the last batch
+//! completes. A copy-on-write source stays pinned until the batch holding its
+//! copy completes, so the completion of an earlier batch (or a finish) may
+//! want to cache positions that grow that pinned, partly filled block, which
+//! the index refuses. That commit is then deferred, not failed: the blocks stay
+//! the request's own and are committed at its next completion or its finish,
+//! if the pin is gone by then (a finish that still meets it leaves those
+//! positions uncached).
+//!
 //! Progress: when the free list runs dry the scheduler evicts unlocked index
 //! entries, then preempts (recompute-style) the newest running requests, so the
 //! oldest one always progresses. A preempted sequence resumes by recomputing
@@ -480,6 +489,8 @@ impl Scheduler {
                 len: t.req.prompt.len(),
             }.into());
         }
+        // Full blocks a pinned copy-on-write source held back, if it is gone now.
+        self.commit_full_blocks(id)?;
         self.commit_partial_tail(id)?;
         self.remove(id)
     }
@@ -707,7 +718,12 @@ impl Scheduler {
         if n_full <= t.num_shared {
             return Ok(());
         }
-        let outcome = self.index.insert(&t.req.prompt, &t.block_table[..n_full])?;
+        let outcome = match self.index.insert(&t.req.prompt, &t.block_table[..n_full]) {
+            // Another request's copy-on-write source is in the way; retried
+            // at this request's next completion and at its finish.
+            Err(e) if grows_pinned_partial_block(&e) => return Ok(()),
+            result => result?,
+        };
         let m = outcome.cached;
         if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
             return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
@@ -754,7 +770,12 @@ impl Scheduler {
         if n % bs == 0 || n_blocks <= t.num_shared {
             return Ok(());
         }
-        let outcome = self.index.insert_partial(&t.req.prompt, &t.block_table[..n_blocks], n)?;
+        let outcome = match self.index.insert_partial(&t.req.prompt, &t.block_table[..n_blocks], n) {
+            // Another request's copy-on-write source is in the way: these
+            // positions are not cached (the insert changed nothing).
+            Err(e) if grows_pinned_partial_block(&e) => return Ok(()),
+            result => result?,
+        };
         let tail = t.block_table[n_blocks - 1];
         for &b in &outcome.adopted {
             if b != tail {
@@ -835,6 +856,13 @@ impl Scheduler {
             .get_mut(&id)
             .ok_or(SchedError::UnknownRequest { id }.into())
     }
+}
+
+/// Whether an insert failed only because it would grow a cached partly
+/// filled block that another request pins as the copy-on-write source of a
+/// batch still out (see "Several batches out" in the module docs).
+fn grows_pinned_partial_block(e: &Error) -> bool {
+    matches!(e, Error::Cache(CacheError::LockedPartialBlock { .. }))
 }
 
 /// The part of a match a request actually reads: its first `tokens` tokens.

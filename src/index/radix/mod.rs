@@ -33,9 +33,10 @@
 //! A locked full leaf is never extended in place by an insert (a new child
 //! takes the new blocks), so blocks beyond a pin stay unpinned and evictable.
 //! A locked partial leaf cannot grow at all (its partial block would have to
-//! go): such an insert is a [`CacheError::LockedPartialBlock`]. The scheduler
-//! pins a partial block only as a copy-on-write source and drops that pin
-//! once the copy ran, before it inserts.
+//! go): such an insert is a [`CacheError::LockedPartialBlock`] that changes
+//! nothing. The scheduler pins a partial block only as a copy-on-write source
+//! until the batch holding the copy completes; an insert that meets such a pin
+//! (another batch completed first) is deferred by the scheduler.
 //!
 //! **Eviction.** Unlocked leaves sit in an LRU set ordered by a logical clock
 //! (touched on match and insert). Eviction trims (a partial leaf's partly
@@ -610,9 +611,11 @@ impl PrefixIndex for RadixIndex {
         self.insert_upto(prompt, blocks, tokens)
     }
 
-    /// Pins exactly `m.blocks` (see module `pin`). A stale or foreign match (its
-    /// node was evicted, or it names blocks not on its path) or the empty
-    /// match locks nothing.
+    /// Pins exactly `m.blocks` (see module `pin`), found by their ids: a
+    /// match whose handle went stale (its node was split and the part the
+    /// handle names evicted) is still pinned while all its blocks are cached.
+    /// A stale match (one of its blocks was evicted), a foreign one (it names
+    /// blocks not on one path) or the empty match locks nothing.
     fn lock(&mut self, m: &PrefixMatch) {
         self.pin(m);
     }

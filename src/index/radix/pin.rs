@@ -5,7 +5,10 @@
 //! the node is split there first, so the locked path ends exactly at it and
 //! nothing beyond is pinned. The pin is recorded in a table keyed by the
 //! match's last block (block ids are unique in the tree, and a pinned block
-//! is never evicted, so the key stays valid while the pin lives). `unlock`
+//! is never evicted, so the key stays valid while the pin lives). `lock`
+//! finds the path from the match's blocks, its handle being only a hint (see
+//! `locate`: the split keeps the handle with the lower part, which eviction
+//! may take while the blocks the match reports stay cached). `unlock`
 //! goes through that table, not through the match's handle, so it releases
 //! exactly what `lock` pinned even after the handle's node was evicted or
 //! split. A match whose last block is a partial leaf's partly filled one
@@ -53,15 +56,38 @@ impl RadixIndex {
         }
     }
 
+    /// The node holding the last block of `m`, if every block of `m` is
+    /// still cached at its position. The match's handle is only a hint: it
+    /// names the node the match ended in, and a lock splits that node and
+    /// keeps the handle with the lower part, which eviction may then take
+    /// while the upper part stays pinned. So a match whose handle went stale
+    /// is found from a pin on one of its blocks (a shorter lock of a locked
+    /// match, as the scheduler takes when it unpins a copy-on-write source)
+    /// or, failing that, by the block id itself.
+    fn locate(&self, m: &PrefixMatch) -> Option<NodeId> {
+        let last = *m.blocks.last()?;
+        // Cheapest first: a pin of the same last block, then the handle.
+        let pinned = |b: &BlockId| self.pins.get(b).map(|pin| pin.node);
+        let from_hints = pinned(&last)
+            .into_iter()
+            .chain(self.nodes.resolve(m.handle))
+            .chain(m.blocks.iter().rev().skip(1).filter_map(pinned))
+            .find_map(|id| self.holder_of(id, &m.blocks));
+        from_hints.or_else(|| {
+            if !self.owned.contains(&last) {
+                return None;
+            }
+            let (id, _) = self.nodes.iter().find(|(_, n)| n.blocks.contains(&last))?;
+            self.holder_of(id, &m.blocks)
+        })
+    }
+
     /// Pins the path ending right after the last block of `m` (see the module
-    /// docs); a stale, foreign or empty match pins nothing.
+    /// docs). A match some of whose blocks are no longer cached at their
+    /// positions (evicted), a foreign or an empty one pins nothing.
     pub(super) fn pin(&mut self, m: &PrefixMatch) {
         let Some(&last) = m.blocks.last() else { return };
-        let from = match self.pins.get(&last) {
-            Some(pin) => Some(pin.node),
-            None => self.nodes.resolve(m.handle),
-        };
-        let Some(holder) = from.and_then(|id| self.holder_of(id, &m.blocks)) else { return };
+        let Some(holder) = self.locate(m) else { return };
         let boundary = m.blocks.len() * self.config.block_size;
         let n = self.node(holder);
         // A partial leaf ends before the boundary of its last block; a pin
