@@ -132,9 +132,14 @@ fn encoder_output(out: &Bound<'_, PyAny>, index: usize) -> PyResult<EncoderOutpu
 }
 
 /// The sampling keywords of `generate` / `stream`, passed to the library's
-/// `SamplingParams` as they are (unknown names are errors, missing ones default).
+/// `SamplingParams` as they are (unknown names are errors, missing ones take
+/// its defaults); `max_tokens` is required, as it always was here.
 fn sampling_params(sampling: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingParams> {
-    let Some(sampling) = sampling else { return Ok(SamplingParams::default()) };
+    let missing = || PyTypeError::new_err("missing required keyword argument: 'max_tokens'");
+    let sampling = sampling.ok_or_else(missing)?;
+    if !sampling.contains("max_tokens")? {
+        return Err(missing());
+    }
     pythonize::depythonize::<SamplingParams>(sampling.as_any())
         .map_err(|e| crate::errors::RequestError::new_err(format!("sampling options: {e}")))
 }
@@ -285,7 +290,7 @@ impl PyEngine {
 
     /// Generates tokens; returns them with the hidden rows of every position
     /// that ran. Sampling keywords go to `SamplingParams` as they are:
-    /// max_tokens (default 16), temperature (0: greedy), top_k, top_p, seed,
+    /// max_tokens (required), temperature (0: greedy), top_k, top_p, seed,
     /// stop, ignore_eos, run_last_token.
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
     fn generate(
@@ -309,8 +314,7 @@ impl PyEngine {
     /// tokens); closing or dropping the stream aborts the request.
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
     fn stream(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
         items: Option<&Bound<'_, PyAny>>,
         tenant: u64,
@@ -320,16 +324,15 @@ impl PyEngine {
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let task = Task::Generate(sampling_params(sampling)?);
-        let handle = self.submit(py, prompt, task, encoder)?;
-        Ok(Stream::new(handle))
+        let handle = slf.get().submit(slf.py(), prompt, task, encoder)?;
+        Ok(Stream::new(handle, slf))
     }
 
     /// Submits a prefill and returns its stream (it yields no tokens; its
     /// `.output` holds the result once exhausted): for callers that wait elsewhere.
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded"))]
     fn submit_prefill(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
         items: Option<&Bound<'_, PyAny>>,
         tenant: u64,
@@ -337,8 +340,8 @@ impl PyEngine {
         placeholders: &str,
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
-        let handle = self.submit(py, prompt, Task::Prefill, encoder)?;
-        Ok(Stream::new(handle))
+        let handle = slf.get().submit(slf.py(), prompt, Task::Prefill, encoder)?;
+        Ok(Stream::new(handle, slf))
     }
 
     /// Counters: queries, hits, hit_tokens, evicted_blocks, preemptions, encoder_cache_hits, finished.
@@ -492,26 +495,46 @@ pub struct Stream {
     /// Aborts without the handle's lock, which a waiting reader holds.
     aborter: Aborter,
     generation: Mutex<Option<Output>>,
+    /// Keeps the engine (and its loop) alive while the stream is.
+    _engine: Py<PyEngine>,
 }
 
 impl Stream {
-    fn new(handle: RequestHandle) -> Self {
-        Stream { aborter: handle.aborter(), handle: Mutex::new(Some(handle)), generation: Mutex::new(None) }
+    fn new(handle: RequestHandle, engine: &Bound<'_, PyEngine>) -> Self {
+        Stream { aborter: handle.aborter(), handle: Mutex::new(Some(handle)), generation: Mutex::new(None), _engine: engine.clone().unbind() }
     }
 }
 
+/// What one read of a stream found.
+enum Read {
+    Token(u32, Vec<(omniprefix::model::CaptureName, Vec<f32>)>),
+    /// Nothing buffered (a read that does not wait).
+    Empty,
+    /// The stream ended (its result kept) or was closed.
+    End,
+}
+
 impl Stream {
-    /// The next token, or the end (the result kept), with the GIL released.
-    fn next_token(&self, py: Python<'_>, wait: bool) -> PyResult<Option<(u32, Vec<(omniprefix::model::CaptureName, Vec<f32>)>)>> {
+    /// The next token, or the end (the result kept); waits, with the GIL
+    /// released, only when `wait`.
+    fn read(&self, py: Python<'_>, wait: bool) -> PyResult<Read> {
         let mut guard = self.handle.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(handle) = guard.as_mut() else { return Ok(None) };
-        let event = if wait { py.detach(|| handle.recv()) } else { handle.try_recv() };
+        let Some(handle) = guard.as_mut() else { return Ok(Read::End) };
+        let event = if wait {
+            py.detach(|| handle.recv())
+        } else {
+            match handle.try_recv() {
+                Some(event) => Some(event),
+                None if handle.is_done() => None,
+                None => return Ok(Read::Empty),
+            }
+        };
         match event {
-            Some(Ok(Event::Token(token))) => Ok(Some((token.token, token.hidden))),
+            Some(Ok(Event::Token(token))) => Ok(Read::Token(token.token, token.hidden)),
             Some(Ok(Event::Finished(output))) => {
                 *self.generation.lock().unwrap_or_else(|p| p.into_inner()) = Some(output);
                 *guard = None;
-                Ok(None)
+                Ok(Read::End)
             }
             Some(Err(error)) => {
                 *guard = None;
@@ -519,7 +542,7 @@ impl Stream {
             }
             None => {
                 *guard = None;
-                Ok(None)
+                Ok(Read::End)
             }
         }
     }
@@ -532,9 +555,9 @@ impl Stream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<(u32, Py<PyDict>)>> {
-        match self.next_token(py, true)? {
-            Some((token, rows)) => Ok(Some((token, row_dict(py, rows)?.unbind()))),
-            None => Ok(None),
+        match self.read(py, true)? {
+            Read::Token(token, rows) => Ok(Some((token, row_dict(py, rows)?.unbind()))),
+            Read::Empty | Read::End => Ok(None),
         }
     }
 
@@ -543,10 +566,8 @@ impl Stream {
     /// What `AsyncEngine` awaits in a worker thread.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Vec<(u32, Py<PyDict>)>> {
         let mut batch = Vec::new();
-        let mut wait = true;
-        while let Some((token, rows)) = self.next_token(py, wait)? {
+        while let Read::Token(token, rows) = self.read(py, batch.is_empty())? {
             batch.push((token, row_dict(py, rows)?.unbind()));
-            wait = false;
         }
         Ok(batch)
     }

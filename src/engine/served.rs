@@ -354,6 +354,11 @@ impl RequestHandle {
         Aborter { id: self.id, commands: self.commands.clone() }
     }
 
+    /// True once the last event was read (or the request was aborted).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
     /// Events buffered and not read yet.
     pub fn buffered(&self) -> usize {
         self.events.len()
