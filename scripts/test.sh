@@ -30,9 +30,10 @@ phase() {
 }
 
 # The engine alone: without default features the library builds with none of the GPU or
-# CLI crates (wgpu, naga, clap, indicatif, criterion) in its normal dependency tree.
+# CLI crates (wgpu, naga, clap, indicatif, criterion) nor the KV-event publisher's (zeromq, tokio)
+# in its normal dependency tree.
 phase cargo check -p omniprefix --no-default-features --all-targets --quiet
-if cargo tree -p omniprefix --no-default-features -e normal --prefix none | grep -E '^(wgpu|naga|clap|indicatif|criterion) '; then
+if cargo tree -p omniprefix --no-default-features -e normal --prefix none | grep -E '^(wgpu|naga|clap|indicatif|criterion|zeromq|tokio) '; then
   echo "the engine without default features pulls in the crates above" >&2
   exit 1
 fi

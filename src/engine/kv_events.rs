@@ -4,7 +4,9 @@
 
 use crate::backend::Backend;
 use crate::canon::{FingerprintKey, Fingerprinter, ValidationPolicy};
-use crate::events::{KvEventBatch, KvEventPublisher, Medium, PublisherStats};
+#[cfg(feature = "kv-events")]
+pub(super) use crate::events::KvEventPublisher as Publisher;
+use crate::events::{KvEventBatch, Medium, PublisherStats};
 use crate::index::block_hash::FleetHasher;
 use crate::preprocess::Preprocessor;
 use crate::prompt::OmniTokens;
@@ -15,9 +17,9 @@ use super::{Engine, EngineConfig, Request};
 
 /// Binds the publisher `config.kv_events` asks for and makes `sched` record
 /// the events, hashed under the engine's fingerprint key.
-pub(super) fn start(sched: Scheduler, config: &EngineConfig, backend: &str) -> Result<(Scheduler, Option<KvEventPublisher>)> {
+pub(super) fn start(sched: Scheduler, config: &EngineConfig, backend: &str) -> Result<(Scheduler, Option<Publisher>)> {
     let Some(events) = &config.kv_events else { return Ok((sched, None)) };
-    let publisher = KvEventPublisher::bind(events)?;
+    let publisher = Publisher::bind(events)?;
     let sched = sched.with_kv_events(FleetHasher::new(&config.fingerprint_key), Medium::of_backend(backend));
     Ok((sched, Some(publisher)))
 }
@@ -94,7 +96,7 @@ impl<B: Backend> Engine<B> {
 
     /// The publisher's counters, if events are published.
     pub fn kv_events_stats(&self) -> Option<PublisherStats> {
-        self.publisher.as_ref().map(KvEventPublisher::stats)
+        self.publisher.as_ref().map(Publisher::stats)
     }
 
     /// Stops publishing: sends what is queued, keeps the sockets open for the
@@ -102,11 +104,45 @@ impl<B: Backend> Engine<B> {
     /// final counters (`None` without `kv_events`). Later events are dropped;
     /// [`cached_block_hashes`](Self::cached_block_hashes) still follows the index.
     pub fn close_kv_events(&mut self) -> Option<PublisherStats> {
-        self.publisher.take().map(KvEventPublisher::close)
+        self.publisher.take().map(Publisher::close)
     }
 
     /// The PUB and replay endpoints as bound (ports resolved), if events are published.
     pub fn kv_events_endpoints(&self) -> Option<(&str, Option<&str>)> {
         self.publisher.as_ref().map(|p| (p.endpoint(), p.replay_endpoint()))
+    }
+}
+
+/// Without the `kv-events` feature there is no publisher: a config that asks
+/// for one is refused, so this type has no values.
+#[cfg(not(feature = "kv-events"))]
+#[derive(Debug)]
+pub(super) enum Publisher {}
+
+#[cfg(not(feature = "kv-events"))]
+impl Publisher {
+    fn bind(_: &crate::events::KvEventsConfig) -> Result<Self> {
+        Err(crate::error::ConfigError::Invalid {
+            component: "engine",
+            field: "kv_events",
+            expected: "none (omniprefix was built without the kv-events feature)".into(),
+            found: "an endpoint".into(),
+        }
+        .into())
+    }
+    fn publish(&self, _: KvEventBatch) -> bool {
+        match *self {}
+    }
+    fn stats(&self) -> PublisherStats {
+        match *self {}
+    }
+    fn close(self) -> PublisherStats {
+        match self {}
+    }
+    fn endpoint(&self) -> &str {
+        match *self {}
+    }
+    fn replay_endpoint(&self) -> Option<&str> {
+        match *self {}
     }
 }

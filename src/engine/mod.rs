@@ -94,7 +94,7 @@ pub struct Engine<B: Backend = CpuBackend> {
     finished: u64,
     pending: FxHashMap<RequestId, Pending>,
     /// Publishes the scheduler's KV events once per step (`config.kv_events`).
-    publisher: Option<crate::events::KvEventPublisher>,
+    publisher: Option<kv_events::Publisher>,
 }
 
 impl Engine<CpuBackend> {

@@ -4,19 +4,26 @@
 //! The scheduler records a [`KvEvent`] whenever a full block enters the index
 //! (`BlockStored`), leaves it (`BlockRemoved`) or the whole cache is reset
 //! (`AllBlocksCleared`); the engine batches a step's events into a
-//! [`KvEventBatch`] and hands it to a [`KvEventPublisher`], which encodes it
+//! [`KvEventBatch`] and hands it to a `KvEventPublisher`, which encodes it
 //! exactly as vLLM 0.33's msgspec classes do ([`wire`]) and publishes it over
 //! ZMQ PUB with a ROUTER replay endpoint, as vLLM's `ZmqEventPublisher` does.
 //!
 //! Block hashes are [`crate::index::block_hash`]'s content chain under the
 //! fleet key, which a frontend computes for a request without any model.
+//!
+//! The publisher (ZMQ over `zeromq` on a tokio thread) is the default-on
+//! `kv-events` feature; without it an engine asked for events refuses to start.
 
+mod config;
+#[cfg(feature = "kv-events")]
 mod publisher;
 pub mod wire;
 
 use crate::canon::Fingerprint;
 
-pub use publisher::{KvEventPublisher, KvEventsConfig, PublisherStats};
+pub use config::{KvEventsConfig, PublisherStats};
+#[cfg(feature = "kv-events")]
+pub use publisher::KvEventPublisher;
 
 /// Where a block's KV lives: what vLLM's `medium` field says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
