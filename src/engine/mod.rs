@@ -21,12 +21,14 @@
 
 mod config;
 mod generation;
+mod handle;
 mod kv_events;
 mod lifecycle;
 mod output;
 mod prepare;
 mod request;
 mod served;
+mod step_loop;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -55,7 +57,8 @@ pub use kv_events::request_block_hashes;
 pub use output::{Event, Output, Timings, TokenEvent};
 pub use prepare::{Prepared, SharedEncoder};
 pub use request::{Encoder, EncoderOutput, ItemInput, PlaceholderForm, Request, Task};
-pub use served::{Aborter, HandleEvent, RequestHandle, ServedEngine, ServedOptions};
+pub use handle::{Aborter, RequestHandle};
+pub use served::{HandleEvent, ServedEngine, ServedOptions};
 
 /// A thinker stage with prefix caching: the synchronous core. Prepare and
 /// submit requests, step, read events; or [`run`](Engine::run) one request to

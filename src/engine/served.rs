@@ -15,20 +15,20 @@
 //! drained half of it (backpressure, not loss: no event is ever dropped).
 //! Dropping a handle before its request finished aborts the request.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::{self, Sender, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use fxhash::FxHashMap;
 
-use super::output::{Event, Output};
+use super::handle::RequestHandle;
+use super::output::Event;
 use super::prepare::{Prepared, Preparer};
 use super::request::Request;
 use super::{Engine, EngineConfig, EngineStats};
 use crate::backend::Backend;
 use crate::batch::RequestId;
-use crate::error::{Component, Error, InvariantViolation, Result, SchedError};
+use crate::error::{Error, InvariantViolation, Result, SchedError};
 use crate::events::PublisherStats;
 use crate::model::{CaptureSpec, Config};
 use crate::prompt::OmniTokens;
@@ -51,7 +51,7 @@ impl Default for ServedOptions {
 pub type HandleEvent = Result<Event>;
 
 /// What the loop needs of a core, whatever its backend.
-trait Core: Send {
+pub(super) trait Core: Send {
     fn submit_prepared(&mut self, prepared: Prepared) -> Result<RequestId>;
     fn step(&mut self) -> Result<Vec<Event>>;
     fn abort(&mut self, id: RequestId) -> Result<()>;
@@ -105,9 +105,9 @@ where
 }
 
 /// A call run on the loop's thread between two steps.
-type Call = Box<dyn FnOnce(&mut dyn Core) + Send>;
+pub(super) type Call = Box<dyn FnOnce(&mut dyn Core) + Send>;
 
-enum Command {
+pub(super) enum Command {
     Submit { prepared: Prepared, route: Route, reply: SyncSender<Result<RequestId>> },
     Abort(RequestId),
     Release(RequestId),
@@ -117,17 +117,17 @@ enum Command {
 }
 
 /// Where a request's events go.
-struct Route {
-    events: async_channel::Sender<HandleEvent>,
-    flow: Arc<Flow>,
+pub(super) struct Route {
+    pub(super) events: async_channel::Sender<HandleEvent>,
+    pub(super) flow: Arc<Flow>,
 }
 
 /// Backpressure state shared by the loop and a handle.
-struct Flow {
+pub(super) struct Flow {
     /// Set by the loop when the buffer filled; cleared by the reader, which
     /// then asks the loop to release the request.
-    held: AtomicBool,
-    capacity: usize,
+    pub(super) held: AtomicBool,
+    pub(super) capacity: usize,
 }
 
 /// Facts about the model that never change, readable without the loop.
@@ -187,7 +187,7 @@ impl ServedEngine {
         let (commands, inbox) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("omniprefix-engine".into())
-            .spawn(move || run_loop(Box::new(engine), inbox))
+            .spawn(move || super::step_loop::run(Box::new(engine), inbox))
             .map_err(|e| SchedError::Stopped { reason: format!("cannot start the engine thread: {e}") })?;
         Ok(ServedEngine { preparer, commands, thread: Some(thread), options, facts })
     }
@@ -209,7 +209,7 @@ impl ServedEngine {
         let route = Route { events: tx, flow: Arc::clone(&flow) };
         self.send(Command::Submit { prepared, route, reply })?;
         let id = answer.recv().map_err(|_| stopped())??;
-        Ok(RequestHandle { id, events: rx, flow, commands: self.commands.clone(), done: false })
+        Ok(RequestHandle::new(id, rx, flow, self.commands.clone()))
     }
 
     /// Prepares `request` on this thread without submitting it.
@@ -289,240 +289,6 @@ impl Drop for ServedEngine {
     }
 }
 
-/// A request's events, in order: its tokens (with their hidden rows), then
-/// [`Event::Finished`]; or the error that ended it. Dropping the handle before
-/// the end aborts the request.
-pub struct RequestHandle {
-    id: RequestId,
-    events: async_channel::Receiver<HandleEvent>,
-    flow: Arc<Flow>,
-    commands: Sender<Command>,
-    done: bool,
-}
-
-impl RequestHandle {
-    /// The id the request runs under.
-    pub fn id(&self) -> RequestId {
-        self.id
-    }
-
-    /// The next event, waiting for it; `None` after the last one.
-    pub fn recv(&mut self) -> Option<HandleEvent> {
-        if self.done {
-            return None;
-        }
-        let event = self.events.recv_blocking().ok();
-        self.took(event)
-    }
-
-    /// The next event if one is buffered, without waiting.
-    pub fn try_recv(&mut self) -> Option<HandleEvent> {
-        if self.done {
-            return None;
-        }
-        let event = self.events.try_recv().ok()?;
-        self.took(Some(event))
-    }
-
-    /// The next event, awaited; `None` after the last one. Works on any async runtime.
-    pub async fn next(&mut self) -> Option<HandleEvent> {
-        if self.done {
-            return None;
-        }
-        let event = self.events.recv().await.ok();
-        self.took(event)
-    }
-
-    /// Reads to the end and returns the request's output (its tokens were in it).
-    pub fn wait(mut self) -> Result<Output> {
-        while let Some(event) = self.recv() {
-            if let Event::Finished(output) = event? {
-                return Ok(output);
-            }
-        }
-        Err(SchedError::UnknownRequest { id: self.id }.into())
-    }
-
-    /// Aborts the request now (dropping the handle does the same).
-    pub fn abort(mut self) {
-        self.abort_now();
-    }
-
-    /// Something that aborts this request from anywhere, e.g. while another
-    /// thread waits in [`recv`](Self::recv) (which then returns `None`).
-    pub fn aborter(&self) -> Aborter {
-        Aborter { id: self.id, commands: self.commands.clone() }
-    }
-
-    /// True once the last event was read (or the request was aborted).
-    pub fn is_done(&self) -> bool {
-        self.done
-    }
-
-    /// Events buffered and not read yet.
-    pub fn buffered(&self) -> usize {
-        self.events.len()
-    }
-
-    fn abort_now(&mut self) {
-        if !self.done {
-            self.done = true;
-            let _ = self.commands.send(Command::Abort(self.id));
-        }
-    }
-
-    /// Bookkeeping after a read: the end, and backpressure release.
-    fn took(&mut self, event: Option<HandleEvent>) -> Option<HandleEvent> {
-        match &event {
-            None | Some(Err(_)) | Some(Ok(Event::Finished(_))) => self.done = true,
-            Some(Ok(Event::Token(_))) => {
-                if self.events.len() <= self.flow.capacity / 2 && self.flow.held.swap(false, Ordering::AcqRel) {
-                    let _ = self.commands.send(Command::Release(self.id));
-                }
-            }
-        }
-        event
-    }
-}
-
-/// Aborts one request of a served engine; cloneable, usable from any thread.
-#[derive(Clone)]
-pub struct Aborter {
-    id: RequestId,
-    commands: Sender<Command>,
-}
-
-impl Aborter {
-    /// Aborts the request if it is still pending; its handle's stream ends.
-    pub fn abort(&self) {
-        let _ = self.commands.send(Command::Abort(self.id));
-    }
-}
-
-impl Drop for RequestHandle {
-    fn drop(&mut self) {
-        self.abort_now();
-    }
-}
-
-fn stopped() -> Error {
+pub(super) fn stopped() -> Error {
     SchedError::Stopped { reason: "the engine's loop has stopped".into() }.into()
-}
-
-/// The loop: commands between steps; steps while anything can run; waits for
-/// a command otherwise. Ends when every sender is gone (the engine and all
-/// handles dropped) or the core panicked.
-fn run_loop(mut core: Box<dyn Core>, inbox: Receiver<Command>) {
-    let mut routes: FxHashMap<RequestId, Route> = FxHashMap::default();
-    loop {
-        // Wait only when nothing can run; otherwise take what is queued.
-        let first = if core.has_runnable() {
-            inbox.try_recv().ok()
-        } else {
-            match inbox.recv() {
-                Ok(command) => Some(command),
-                Err(_) => break,
-            }
-        };
-        for command in first.into_iter().chain(std::iter::from_fn(|| inbox.try_recv().ok())) {
-            if let Command::Shutdown = command {
-                for (id, route) in routes.drain() {
-                    let _ = core.abort(id);
-                    let _ = route.events.try_send(Err(SchedError::Stopped { reason: "the engine was dropped".into() }.into()));
-                }
-                return;
-            }
-            handle_command(&mut *core, &mut routes, command);
-        }
-        if !core.has_runnable() {
-            continue;
-        }
-        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| core.step()));
-        match stepped {
-            Ok(Ok(events)) => dispatch(&mut *core, &mut routes, events),
-            Ok(Err(error)) => fail_lost(&mut *core, &mut routes, error),
-            Err(panic) => {
-                let message = crate::error::panic_message(&*panic);
-                for (_, route) in routes.drain() {
-                    let violation = Component::Engine.violation(format!("the engine panicked: {message}"));
-                    let _ = route.events.try_send(Err(violation.into()));
-                }
-                return;
-            }
-        }
-    }
-}
-
-fn handle_command(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, command: Command) {
-    match command {
-        Command::Submit { prepared, route, reply } => {
-            let admitted = core.submit_prepared(prepared);
-            if let Ok(id) = admitted {
-                routes.insert(id, route);
-            }
-            if let Err(lost) = reply.send(admitted)
-                && let Ok(id) = lost.0
-            {
-                // The submitter is gone: nobody will read this request.
-                routes.remove(&id);
-                let _ = core.abort(id);
-            }
-        }
-        Command::Abort(id) => {
-            if routes.remove(&id).is_some() {
-                let _ = core.abort(id);
-            }
-        }
-        Command::Release(id) => {
-            if routes.contains_key(&id) {
-                let _ = core.hold(id, false);
-            }
-        }
-        Command::Call(f) => f(core),
-        Command::Shutdown => {}
-    }
-}
-
-/// Hands a step's events to their handles; holds a request whose buffer
-/// filled, aborts one whose handle is gone.
-fn dispatch(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, events: Vec<Event>) {
-    for event in events {
-        let id = event.request();
-        let finished = matches!(event, Event::Finished(_));
-        let Some(route) = routes.get(&id) else { continue };
-        if route.events.try_send(Ok(event)).is_err() {
-            routes.remove(&id);
-            if !finished {
-                let _ = core.abort(id);
-            }
-            continue;
-        }
-        if finished {
-            routes.remove(&id);
-        } else if route.events.len() >= route.flow.capacity && !route.flow.held.swap(true, Ordering::AcqRel) {
-            let _ = core.hold(id, true);
-        }
-    }
-}
-
-/// A failed step: the requests it dropped get the error (the first one the
-/// error itself, the others its message); when it dropped none, every pending
-/// request is aborted and told, so a broken step cannot repeat forever.
-fn fail_lost(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, error: Error) {
-    let mut lost: Vec<RequestId> = routes.keys().copied().filter(|&id| !core.is_pending(id)).collect();
-    if lost.is_empty() {
-        lost = routes.keys().copied().collect();
-        for &id in &lost {
-            let _ = core.abort(id);
-        }
-    }
-    lost.sort_unstable();
-    let reason = error.to_string();
-    let mut error = Some(error);
-    for id in lost {
-        if let Some(route) = routes.remove(&id) {
-            let e = error.take().unwrap_or_else(|| SchedError::StepFailed { id, reason: reason.clone() }.into());
-            let _ = route.events.try_send(Err(e));
-        }
-    }
 }

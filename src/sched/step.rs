@@ -1,0 +1,222 @@
+//! Building a step: one token budget, decode tokens of running sequences
+//! first, then their prefill chunks, then waiting requests, each matched
+//! against the index when it starts and given blocks (evicting, then
+//! preempting the newest, when the pool runs dry).
+
+use crate::batch::{self, BlockCopy, RequestId, ScheduledBatch};
+use crate::error::{CacheError, Result, SchedError};
+use crate::index::PrefixMatch;
+use crate::kv::{BlockId, BlockTable};
+
+use super::{Phase, Scheduler, Tracked};
+
+impl Scheduler {
+    /// Builds the next step within one token budget: the decode tokens of
+    /// running sequences first, then their prefill chunks (both oldest first),
+    /// then waiting requests in arrival order. A sequence whose blocks cannot
+    /// be found waits; an empty batch means nothing can run now.
+    pub fn schedule(&mut self) -> Result<ScheduledBatch> {
+        let mut batch = ScheduledBatch::default();
+        let mut budget = self.config.max_tokens_per_step;
+        let remaining = |t: &Tracked| t.req.prompt.len() - t.num_computed;
+        let mut order: Vec<RequestId> = Vec::with_capacity(self.running.len());
+        for decode in [true, false] {
+            order.extend(self.running.iter().copied().filter(|id| {
+                self.requests.get(id).is_some_and(|t| (remaining(t) == 1) == decode)
+            }));
+        }
+        for id in order {
+            if budget == 0 || batch.seqs.len() >= self.config.max_seqs_per_step {
+                break;
+            }
+            // An earlier reservation may have preempted it.
+            let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
+            let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
+            if t.in_flight.is_some() {
+                continue;
+            }
+            let chunk = remaining(t).min(budget);
+            let need = (t.num_computed + chunk)
+                .div_ceil(self.config.block_size)
+                .saturating_sub(t.block_table.len());
+            if let Some(fresh) = self.reserve(need, Some(i))? {
+                self.tracked_mut(id)?.block_table.extend(fresh);
+                self.emit(id, chunk, &mut batch)?;
+                budget -= chunk;
+            }
+        }
+        while let Some(&id) = self.waiting.front() {
+            if budget == 0
+                || batch.seqs.len() >= self.config.max_seqs_per_step
+                || !self.start(id, budget, &mut batch)?
+            {
+                break;
+            }
+            budget -= batch.seqs.last().map_or(0, |s| s.token_ids.len());
+        }
+        Ok(batch)
+    }
+
+    /// Matches a waiting request, pins its cached prefix, allocates its first
+    /// chunk and emits it; `false` when blocks are short (it stays queued).
+    pub(super) fn start(&mut self, id: RequestId, budget: usize, batch: &mut ScheduledBatch) -> Result<bool> {
+        let bs = self.config.block_size;
+        let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
+        let len = t.req.prompt.len();
+        let m = self.index.match_prefix(&t.req.prompt);
+        if m.tokens > len
+            || m.blocks.len() != m.tokens.div_ceil(bs)
+            || m.aligned_tokens != m.tokens / bs * bs
+        {
+            return Err(CacheError::InconsistentMatch {
+                tokens: m.tokens,
+                aligned_tokens: m.aligned_tokens,
+                blocks: m.blocks.len(),
+                prompt_len: len,
+            }
+            .into());
+        }
+        // At least the last token runs, so a fully cached prompt still yields outputs.
+        let usable = m.tokens.min(len - 1);
+        let mut computed = if self.config.token_granular_reuse {
+            usable
+        } else {
+            usable / bs * bs
+        };
+        // Pin before evicting so eviction cannot take what was just matched.
+        let mut lock = (computed > 0).then(|| pinned_part(m, computed, bs));
+        if let Some(m) = &lock {
+            self.index.lock(m);
+        }
+        let mut whole_prompt = false;
+        let fresh = loop {
+            let upto = if whole_prompt {
+                len
+            } else {
+                computed + (len - computed).min(budget)
+            };
+            if let Some(fresh) = self.reserve(upto.div_ceil(bs) - computed / bs, None)? {
+                break fresh;
+            }
+            let Some(m) = lock.take() else {
+                return Ok(false);
+            };
+            self.index.unlock(&m);
+            // An index may pin more than the match (a whole tree node). When
+            // nothing else runs, start without reuse and take every block the
+            // prompt needs now, so later locks cannot starve it.
+            if !self.running.is_empty() {
+                return Ok(false);
+            }
+            computed = 0;
+            whole_prompt = true;
+        };
+        let shared = computed / bs;
+        let chunk = (len - computed).min(budget);
+        let copy_src = lock
+            .as_ref()
+            .filter(|_| computed % bs != 0)
+            .and_then(|m| m.blocks.get(shared).copied());
+        if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {
+            batch.copies.push(BlockCopy { src, dst });
+            self.stats.block_copies += 1;
+        }
+        self.stats.queries += 1;
+        if computed > 0 {
+            self.stats.hits += 1;
+            self.stats.hit_tokens += computed as u64;
+        }
+        let t = self.tracked_mut(id)?;
+        t.block_table = BlockTable::new(lock.as_ref().map_or(&[][..], |m| &m.blocks[..shared]).to_vec(), bs);
+        t.block_table.extend(fresh);
+        t.num_shared = shared;
+        t.num_computed = computed;
+        t.num_cached = computed;
+        t.lock = lock;
+        t.phase = Phase::Running;
+        let arrival = t.arrival;
+        self.waiting.pop_front();
+        self.enter_running(id, arrival);
+        self.emit(id, chunk, batch)?;
+        Ok(true)
+    }
+
+    /// Appends request `id`'s next `chunk` tokens to the batch (blocks already
+    /// allocated), cut by [`batch::chunk`] like every step.
+    pub(super) fn emit(&mut self, id: RequestId, chunk: usize, batch: &mut ScheduledBatch) -> Result<()> {
+        let t = self.tracked_mut(id)?;
+        let range = t.num_computed..t.num_computed + chunk;
+        let prompt = &t.req.prompt;
+        let mut seq = batch::chunk(id, &prompt.token_ids, &t.embeds, &prompt.positions, t.block_table.clone(), range)?;
+        seq.output_from = t.delivered;
+        batch.seqs.push(seq);
+        t.in_flight = Some(chunk);
+        Ok(())
+    }
+
+    /// Takes `need` blocks from the pool, evicting unlocked index entries and,
+    /// when `preempt_after` is given, preempting running requests newer than
+    /// that position. `None` when the blocks cannot be found now.
+    pub(super) fn reserve(
+        &mut self,
+        need: usize,
+        preempt_after: Option<usize>,
+    ) -> Result<Option<Vec<BlockId>>> {
+        loop {
+            while self.pool.num_free() < need {
+                if self.evict(need - self.pool.num_free())? == 0 {
+                    break;
+                }
+            }
+            if let Some(fresh) = self.pool.allocate(need) {
+                return Ok(Some(fresh));
+            }
+            let Some(after) = preempt_after else {
+                return Ok(None);
+            };
+            let newer = self
+                .running
+                .iter()
+                .enumerate()
+                .rev()
+                .find(|&(j, id)| {
+                    j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none())
+                })
+                .map(|(j, _)| j);
+            // Alone and still short: its own lock pins more than it reads (an
+            // index that locks whole tree nodes). Restarting re-matches, which
+            // reuses what it committed and releases the rest.
+            let alone = (self.running.len() == 1).then_some(after);
+            let Some(j) = newer.or(alone) else {
+                return Ok(None);
+            };
+            let id = self.running.remove(j);
+            self.release_cache_state(id)?;
+            let t = self.tracked_mut(id)?;
+            t.phase = Phase::Waiting;
+            t.num_computed = 0;
+            t.num_cached = 0;
+            self.waiting.push_front(id);
+            self.stats.preemptions += 1;
+            if j == after {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// The part of a match a request actually reads: its first `tokens` tokens.
+///
+/// An index that locks block by block then pins no more than the request
+/// reads (+1 for a copy-on-write source), so restarts stay rare.
+pub(super) fn pinned_part(m: PrefixMatch, tokens: usize, block_size: usize) -> PrefixMatch {
+    debug_assert!(tokens <= m.tokens && tokens.div_ceil(block_size) <= m.blocks.len());
+    let mut blocks = m.blocks;
+    blocks.truncate(tokens.div_ceil(block_size));
+    PrefixMatch {
+        tokens,
+        aligned_tokens: tokens / block_size * block_size,
+        blocks,
+        handle: m.handle,
+    }
+}
