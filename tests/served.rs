@@ -173,10 +173,13 @@ fn an_encoder_blocked_on_one_thread_does_not_stall_another_stream() -> TestResul
         let served = Arc::clone(&served);
         std::thread::spawn(move || -> Result<Output, Error> {
             let content = pixels(9);
+            let blocked = std::sync::Mutex::new(blocked);
             let encoder = move |_item: usize, identity: &ItemIdentity| -> omniprefix::Result<Array2<f32>> {
                 let _ = entered.send(());
                 // Waits for the test (at most 30 s, so a regression fails instead of hanging).
-                let _ = blocked.recv_timeout(Duration::from_secs(30));
+                if let Ok(blocked) = blocked.lock() {
+                    let _ = blocked.recv_timeout(Duration::from_secs(30));
+                }
                 Ok(rows(identity.num_tokens, 1.0))
             };
             let request = Request { token_ids: with_image(&[7], &[8]), items: vec![image(&content, None)], ..Default::default() };
