@@ -473,6 +473,11 @@ impl MediaItem {
             deepstack: None,
         }
     }
+
+    /// The encoder output [`input`](Self::input) carries.
+    pub(crate) fn embeddings(&self) -> Arc<Array2<f32>> {
+        Arc::clone(&self.embeddings)
+    }
 }
 
 /// The image, audio and video of `fixtures/qwen3_omni.json`, scaled down by `scale`.

@@ -1,6 +1,7 @@
 //! `omniprefix bench serve --quick` in process: one JSON line per (workload,
 //! cache mode, arrival), exact output token counts, cache hits only with
-//! caching on, both concurrencies and a Poisson run, and bad arguments as errors.
+//! caching on, both concurrencies and a Poisson run, the stand-in encoder
+//! called on encoder-cache misses only, and bad arguments as errors.
 
 use clap::Parser;
 
@@ -81,6 +82,27 @@ fn poisson_arrivals_and_the_table() -> TestResult {
     let table = serve(&["--workload", "multi_round", "--concurrency", "2", "--conversations", "1", "--output-len", "2"])?;
     assert!(table.starts_with("backend: cpu"), "{table}");
     assert_eq!(table.lines().filter(|l| l.starts_with("multi_round")).count(), 2, "{table}");
+    Ok(())
+}
+
+#[test]
+fn the_stand_in_encoder_runs_on_encoder_cache_misses_only() -> TestResult {
+    let json = lines(&serve(&["--json", "--workload", "multi_round", "--encoder-ms", "50"])?)?;
+    assert_eq!(json.len(), 4, "cache on and off at concurrency 1 and 4");
+    for l in &json {
+        assert_eq!((u(l, "encoder_ms"), u(l, "requests"), u(l, "output_tokens")), (50, 8, 64), "{l}");
+        // The conversation brings an image, an audio and a video, one per round (the
+        // 4th adds none), the same in both conversations: each is encoded once one
+        // after another, and at most once per conversation when both run at once.
+        let calls = u(l, "encoder_calls");
+        if u(l, "concurrency") == 1 {
+            assert_eq!(calls, 3, "{l}");
+        } else {
+            assert!((3..=6).contains(&calls), "{l}");
+        }
+        // A miss costs the encoder's 50 ms before the request reaches the engine.
+        assert!(f(l, "ttft_ms_p99") >= 50.0, "{l}");
+    }
     Ok(())
 }
 

@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// multi_round: divide the image/video grid sides (audio by the square) by this.
     #[arg(long)]
     pub mm_scale: Option<u32>,
+    /// Milliseconds the stand-in encoder sleeps per item it encodes (an
+    /// encoder-cache miss), on the thread that submits the request.
+    #[arg(long, default_value_t = 0)]
+    pub encoder_ms: u64,
     /// Sequences per scheduler step (the decode batch).
     #[arg(long)]
     pub max_seqs: Option<usize>,
@@ -132,6 +136,7 @@ impl ServeArgs {
             seed: self.seed,
             fingerprint_key: self.fleet.key()?,
             kv_events: self.fleet.kv_events()?,
+            encoder_ms: self.encoder_ms,
             ..base
         })
     }
@@ -167,6 +172,12 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
     }
     let threads = args.threads.unwrap_or_else(rayon::current_num_threads);
     let pool = pool.build().map_err(|source| Error::ThreadPool { purpose: "bench serve", threads, source })?;
+    if let Some(n) = args.threads {
+        // The served engine's loop runs on a thread of its own, outside `pool`, so
+        // its forward uses rayon's global pool: size that one too. Only the first
+        // call in a process can (the CLI's one run); later ones keep its size.
+        let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+    }
     let selection = select(args.backend)?;
     let reports = pool.install(|| match selection.backend {
         SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
@@ -185,7 +196,7 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
 }
 
 /// Loads or builds the model on `backend` and runs the benchmark.
-fn measure<B: Backend>(backend: Arc<B>, args: &ServeArgs, options: &ServeOptions) -> Result<Vec<ServeReport>> {
+fn measure<B: Backend + 'static>(backend: Arc<B>, args: &ServeArgs, options: &ServeOptions) -> Result<Vec<ServeReport>> {
     let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), args.random_model(), args.seed, args.dtype)?;
     let vocab = thinker.config().vocab_size;
     let tokens = tokens.unwrap_or_else(|| if vocab > 151_675 { OmniTokens::qwen3_omni() } else { OmniTokens::tiny() });
@@ -196,8 +207,8 @@ fn measure<B: Backend>(backend: Arc<B>, args: &ServeArgs, options: &ServeOptions
 pub fn print_table(reports: &[ServeReport], out: &mut dyn Write) -> Result<()> {
     writeln!(
         out,
-        "{:<18} {:>5} {:>9} {:>5} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>5}",
-        "workload", "cache", "arrival", "reqs", "out", "ttft p50", "ttft p99", "itl p50", "itl p99", "tok/s", "hit"
+        "{:<18} {:>5} {:>9} {:>5} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>5} {:>4}",
+        "workload", "cache", "arrival", "reqs", "out", "ttft p50", "ttft p99", "itl p50", "itl p99", "tok/s", "hit", "enc"
     )
     .map_err(output)?;
     for r in reports {
@@ -208,7 +219,7 @@ pub fn print_table(reports: &[ServeReport], out: &mut dyn Write) -> Result<()> {
         };
         writeln!(
             out,
-            "{:<18} {:>5} {:>9} {:>5} {:>7} {:>7.1}ms {:>7.1}ms {:>6.2}ms {:>6.2}ms {:>9.1} {:>5.3}",
+            "{:<18} {:>5} {:>9} {:>5} {:>7} {:>7.1}ms {:>7.1}ms {:>6.2}ms {:>6.2}ms {:>9.1} {:>5.3} {:>4}",
             r.workload,
             if r.cache { "on" } else { "off" },
             arrival,
@@ -219,7 +230,8 @@ pub fn print_table(reports: &[ServeReport], out: &mut dyn Write) -> Result<()> {
             r.itl_ms_p50,
             r.itl_ms_p99,
             r.output_tokens_per_s,
-            r.hit_rate
+            r.hit_rate,
+            r.encoder_calls
         )
         .map_err(output)?;
     }

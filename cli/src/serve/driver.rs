@@ -1,17 +1,25 @@
-//! Drives one engine through one run: submit what the [`Dispatcher`] says is
-//! due, `step`, timestamp the tokens each step returns, feed finished replies
-//! back into their conversation, until every stream is done.
+//! Drives one engine through one run. The engine steps on its own thread (a
+//! [`ServedEngine`]); this thread submits nothing itself: for each request the
+//! [`Dispatcher`] says is due it starts a caller thread, which prepares and
+//! submits the request (fingerprints and encoder calls on that thread, outside
+//! the loop), reads its stream, timestamps each token as it arrives, and hands
+//! the finished reply back here to extend its conversation.
+//!
+//! Items go without embeddings: a stand-in encoder returns the media's rows,
+//! after `--encoder-ms` of sleep, for each item that misses the engine's
+//! encoder cache. The calls are counted.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use fxhash::FxHashMap;
+use ndarray::Array2;
 
 use omniprefix::backend::Backend;
-use omniprefix::batch::RequestId;
-use omniprefix::canon::Modality;
-use omniprefix::engine::{Engine, EngineConfig, Event, Request};
+use omniprefix::canon::{ItemIdentity, Modality};
+use omniprefix::engine::{Engine, EngineConfig, Event, ItemInput, Request, ServedEngine, ServedOptions};
 use omniprefix::error::Component;
+use omniprefix::events::PublisherStats;
 use omniprefix::model::Thinker;
 use omniprefix::prompt::{OmniTokens, TenantSalt};
 use omniprefix::sample::SamplingParams;
@@ -29,7 +37,7 @@ struct Stream {
 }
 
 /// Runs every workload × arrival, caching on then off, on `thinker` (whose special ids are `tokens`).
-pub fn run_serve<B: Backend>(
+pub fn run_serve<B: Backend + 'static>(
     backend: Arc<B>,
     thinker: Arc<Thinker<B>>,
     tokens: OmniTokens,
@@ -57,15 +65,7 @@ struct Serve<'a, B: Backend> {
     options: &'a ServeOptions,
 }
 
-/// A request in flight.
-struct Live {
-    stream: usize,
-    arrived: Instant,
-    last_token: Option<Instant>,
-    sample: RequestSample,
-}
-
-impl<B: Backend> Serve<'_, B> {
+impl<B: Backend + 'static> Serve<'_, B> {
     fn streams(&self, workload: ServeWorkload) -> Result<Vec<Stream>> {
         let o = self.options;
         let vocab = self.thinker.config().vocab_size;
@@ -131,74 +131,165 @@ impl<B: Backend> Serve<'_, B> {
 
     fn run(&self, workload: ServeWorkload, streams: &[Stream], arrival: Arrival, cache: bool) -> Result<ServeReport> {
         let o = self.options;
-        let mut engine = self.engine(streams, arrival, cache)?;
+        let served = self.engine(streams, arrival, cache)?.serve(ServedOptions::default())?;
         let rounds: Vec<usize> = streams.iter().map(|s| s.turns.len()).collect();
         let mut dispatcher = Dispatcher::new(arrival, &rounds, o.seed);
         let mut history: Vec<(Vec<u32>, Vec<Modality>)> = vec![Default::default(); streams.len()];
-        let mut live: FxHashMap<RequestId, Live> = FxHashMap::default();
+        let caller = Caller {
+            served: &served,
+            media: &self.media,
+            output_len: o.output_len,
+            encoder_delay: Duration::from_millis(o.encoder_ms),
+            encoder_calls: AtomicU64::new(0),
+        };
+        let (finished, done) = mpsc::channel::<Result<Done>>();
         let mut samples = Vec::new();
         let start = Instant::now();
         let mut end = start;
-        loop {
-            for due in dispatcher.due(start.elapsed()) {
-                let (stream, turn) = (&streams[due.stream], &streams[due.stream].turns[due.round]);
-                let (ids, items) = &mut history[due.stream];
-                ids.extend(&turn.token_ids);
-                items.extend(&turn.new_items);
-                let items = items.iter().map(|&m| Ok(self.media.get(m)?.input())).collect::<Result<_>>()?;
-                let request = Request { tenant: stream.tenant, token_ids: ids.clone(), items, ..Default::default() };
-                // vllm bench serve's default: fixed output lengths.
-                let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(o.output_len) };
-                let id = engine.submit(request.generate(params))?;
-                let sample = RequestSample::default();
-                live.insert(id, Live { stream: due.stream, arrived: start + due.arrived, last_token: None, sample });
-            }
-            if !engine.has_pending() {
+        std::thread::scope(|scope| -> Result<()> {
+            let mut in_flight = 0usize;
+            loop {
+                for due in dispatcher.due(start.elapsed()) {
+                    let stream = &streams[due.stream];
+                    let (ids, items) = &mut history[due.stream];
+                    ids.extend(&stream.turns[due.round].token_ids);
+                    items.extend(&stream.turns[due.round].new_items);
+                    let job = Job {
+                        stream: due.stream,
+                        tenant: stream.tenant,
+                        token_ids: ids.clone(),
+                        items: items.clone(),
+                        arrived: start + due.arrived,
+                    };
+                    let (caller, finished) = (&caller, finished.clone());
+                    // One caller thread per request in flight: it prepares the request
+                    // (fingerprints, encoder calls) and reads its stream, as a client would.
+                    scope.spawn(move || finished.send(caller.request(job)));
+                    in_flight += 1;
+                }
                 if dispatcher.done() {
-                    break;
+                    return Ok(());
                 }
-                let Some(next) = dispatcher.next_arrival() else {
-                    let what = format!("bench serve: {} requests in flight, none pending in the engine", live.len());
-                    return Err(Component::Scheduler.violation(what).into());
+                // Sleep until a request finishes or, if sooner, the next Poisson arrival.
+                let now = Instant::now();
+                let next = dispatcher.next_arrival().map(|t| (start + t).saturating_duration_since(now)).filter(|w| !w.is_zero());
+                let message = match next {
+                    Some(wait) => match done.recv_timeout(wait) {
+                        Ok(message) => message,
+                        Err(_) => continue,
+                    },
+                    None if in_flight == 0 => {
+                        let what = "bench serve: nothing in flight and no arrival to come, yet requests remain";
+                        return Err(Component::Scheduler.violation(what).into());
+                    }
+                    None => done.recv().map_err(|_| Component::Scheduler.violation("bench serve: a caller thread vanished"))?,
                 };
-                std::thread::sleep((start + next).saturating_duration_since(Instant::now()));
-                continue;
+                let d = message?;
+                in_flight -= 1;
+                history[d.stream].0.extend(reply_for_history(&d.reply, &self.tokens));
+                dispatcher.finished(d.stream);
+                samples.push(d.sample);
+                end = end.max(d.at);
             }
-            let events = engine.step()?;
-            let now = Instant::now();
-            for event in events {
-                match event {
-                    Event::Token(token) => {
-                        if let Some(l) = live.get_mut(&token.request) {
-                            match l.last_token {
-                                None => l.sample.ttft = now.saturating_duration_since(l.arrived),
-                                Some(last) => l.sample.itl.push(now - last),
-                            }
-                            l.last_token = Some(now);
-                        }
-                    }
-                    Event::Finished(g) => {
-                        if let Some(mut l) = live.remove(&g.request) {
-                            l.sample.prompt_tokens = g.prompt_len;
-                            l.sample.cached_tokens = g.num_cached_tokens;
-                            l.sample.output_tokens = g.tokens.len();
-                            history[l.stream].0.extend(reply_for_history(&g.tokens, &self.tokens));
-                            dispatcher.finished(l.stream);
-                            samples.push(l.sample);
-                            end = now;
-                        }
-                    }
-                }
-            }
-        }
+        })?;
         let facts = RunFacts {
             workload: workload.as_str(),
             backend: self.backend.name(),
             cache,
             arrival,
             duration: end.saturating_duration_since(start).max(Duration::from_nanos(1)),
+            encoder_ms: o.encoder_ms,
+            encoder_calls: caller.encoder_calls.load(Ordering::Relaxed),
         };
-        let kv_events = engine.close_kv_events();
+        let kv_events = drained_kv_events(&served)?;
         Ok(ServeReport { kv_events, ..ServeReport::new(facts, &samples) })
+    }
+}
+
+/// The publisher's counters once it sent (or dropped) every batch handed to
+/// it: `published + dropped = batches`, as `Engine::close_kv_events` reports.
+/// The loop publishes once per step, so after the last step only the queue drains.
+fn drained_kv_events(served: &ServedEngine) -> Result<Option<PublisherStats>> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let stats = served.kv_events_stats()?;
+        match &stats {
+            Some(s) if s.published + s.dropped < s.batches && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            _ => return Ok(stats),
+        }
+    }
+}
+
+/// One request for a caller thread: `stream`'s next round, its whole history.
+struct Job {
+    stream: usize,
+    tenant: TenantSalt,
+    token_ids: Vec<u32>,
+    items: Vec<Modality>,
+    arrived: Instant,
+}
+
+/// What a caller thread hands back when its request finished.
+struct Done {
+    stream: usize,
+    reply: Vec<u32>,
+    sample: RequestSample,
+    /// When the last event arrived.
+    at: Instant,
+}
+
+/// What every caller thread shares: the served engine, the media and the stand-in encoder's settings.
+struct Caller<'a> {
+    served: &'a ServedEngine,
+    media: &'a Media,
+    output_len: usize,
+    /// The stand-in encoder's cost per item it encodes (an encoder-cache miss).
+    encoder_delay: Duration,
+    encoder_calls: AtomicU64,
+}
+
+impl Caller<'_> {
+    /// Submits `job` on this thread (preparation, encoder calls included, runs
+    /// here, outside the engine's loop), then times its tokens as they arrive.
+    fn request(&self, job: Job) -> Result<Done> {
+        let media = job.items.iter().map(|&m| self.media.get(m)).collect::<Result<Vec<_>>>()?;
+        // Items come without embeddings: an encoder-cache miss calls the stand-in encoder.
+        let items = media.iter().map(|m| ItemInput { embeddings: None, ..m.input() }).collect();
+        let rows: Vec<Arc<Array2<f32>>> = media.iter().map(|m| m.embeddings()).collect();
+        let encoder = move |item: usize, _: &ItemIdentity| -> omniprefix::error::Result<Array2<f32>> {
+            self.encoder_calls.fetch_add(1, Ordering::Relaxed);
+            if !self.encoder_delay.is_zero() {
+                std::thread::sleep(self.encoder_delay);
+            }
+            Ok(rows[item].as_ref().clone())
+        };
+        // vllm bench serve's default: fixed output lengths.
+        let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(self.output_len) };
+        let request = Request { tenant: job.tenant, token_ids: job.token_ids, items, ..Default::default() };
+        let mut handle = self.served.submit(request.generate(params).with_encoder(encoder))?;
+        let mut sample = RequestSample::default();
+        let mut last_token: Option<Instant> = None;
+        while let Some(event) = handle.recv() {
+            let now = Instant::now();
+            match event? {
+                Event::Token(_) => {
+                    match last_token {
+                        None => sample.ttft = now.saturating_duration_since(job.arrived),
+                        Some(last) => sample.itl.push(now - last),
+                    }
+                    last_token = Some(now);
+                }
+                Event::Finished(out) => {
+                    sample.prompt_tokens = out.prompt_len;
+                    sample.cached_tokens = out.num_cached_tokens;
+                    sample.output_tokens = out.tokens.len();
+                    return Ok(Done { stream: job.stream, reply: out.tokens, sample, at: now });
+                }
+            }
+        }
+        let what = format!("bench serve: request {} ended without finishing", handle.id());
+        Err(Component::Engine.violation(what).into())
     }
 }

@@ -1,9 +1,11 @@
 //! `omniprefix bench serve`: `vllm bench serve` on the engine's own generation
-//! API. Requests arrive by a seeded Poisson process or a fixed concurrency,
-//! one thread drives the engine (`submit_generate`, then `step` until done,
-//! the arrival clock checked between steps), and each run reports TTFT and ITL
-//! percentiles, output tokens/s and the cache hit rate, with caching on and
-//! off on the same model, seed and requests.
+//! API. Requests arrive by a seeded Poisson process or a fixed concurrency;
+//! the engine steps on its own thread ([`omniprefix::engine::ServedEngine`])
+//! and each request is submitted and read by a caller thread of its own, whose
+//! items go through a stand-in encoder that sleeps `--encoder-ms` per
+//! encoder-cache miss. Each run reports TTFT and ITL percentiles, output
+//! tokens/s, the cache hit rate and the encoder calls, with caching on and off
+//! on the same model, seed and requests.
 //!
 //! Workloads: vLLM's `prefix_repetition` dataset and the 4-round multimodal
 //! conversation of `fixtures/scenarios.json`, whose every round re-sends the
@@ -110,6 +112,9 @@ pub struct ServeOptions {
     pub fingerprint_key: FingerprintKey,
     /// Publish each engine's KV events here (engines run one after another).
     pub kv_events: Option<KvEventsConfig>,
+    /// What the stand-in encoder sleeps per item it encodes (an encoder-cache
+    /// miss), on the submitting thread; 0 = it returns the rows at once.
+    pub encoder_ms: u64,
 }
 
 impl ServeOptions {
@@ -134,6 +139,7 @@ impl ServeOptions {
             seed: 0,
             fingerprint_key: FingerprintKey::random(),
             kv_events: None,
+            encoder_ms: 0,
         })
     }
 
@@ -156,6 +162,7 @@ impl ServeOptions {
             seed: 0,
             fingerprint_key: FingerprintKey::random(),
             kv_events: None,
+            encoder_ms: 0,
         }
     }
 }

@@ -66,6 +66,10 @@ pub struct ServeReport {
     pub ttft_ms_p99: f64,
     pub itl_ms_p50: f64,
     pub itl_ms_p99: f64,
+    /// What the stand-in encoder slept per item it encoded.
+    pub encoder_ms: u64,
+    /// Items the stand-in encoder was called for (encoder-cache misses).
+    pub encoder_calls: u64,
     /// The KV-event publisher's counters, with `--kv-events`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<omniprefix::events::PublisherStats>,
@@ -79,6 +83,9 @@ pub struct RunFacts<'a> {
     pub cache: bool,
     pub arrival: Arrival,
     pub duration: Duration,
+    /// The stand-in encoder's sleep per item, and how many items it encoded.
+    pub encoder_ms: u64,
+    pub encoder_calls: u64,
 }
 
 impl ServeReport {
@@ -113,6 +120,8 @@ impl ServeReport {
             ttft_ms_p99: percentile(&ttft, 99.0),
             itl_ms_p50: percentile(&itl, 50.0),
             itl_ms_p99: percentile(&itl, 99.0),
+            encoder_ms: facts.encoder_ms,
+            encoder_calls: facts.encoder_calls,
             kv_events: None,
         }
     }
@@ -132,13 +141,13 @@ mod tests {
             ttft: ms(ttft),
             itl: itl.iter().map(|&v| ms(v)).collect(),
         };
-        let facts =
-            RunFacts { workload: "w", backend: "cpu", cache: true, arrival: Arrival::Concurrency(2), duration: ms(500) };
+        let arrival = Arrival::Concurrency(2);
+        let facts = RunFacts { workload: "w", backend: "cpu", cache: true, arrival, duration: ms(500), encoder_ms: 0, encoder_calls: 3 };
         let r = ServeReport::new(facts, &[sample(50, 10, &[1, 2]), sample(0, 30, &[3])]);
         assert_eq!((r.requests, r.prompt_tokens, r.cached_tokens, r.output_tokens), (2, 200, 50, 5));
         assert_eq!((r.hit_rate, r.output_tokens_per_s, r.request_throughput), (0.25, 10.0, 4.0));
         assert_eq!((r.ttft_ms_p50, r.itl_ms_p50), (20.0, 2.0));
-        assert_eq!((r.concurrency, r.rate), (Some(2), None));
+        assert_eq!((r.concurrency, r.rate, r.encoder_calls), (Some(2), None, 3));
         assert!((r.ttft_ms_p99 - 29.8).abs() < 1e-9);
     }
 }
