@@ -5,21 +5,20 @@
 use std::error::Error as StdError;
 use std::sync::Arc;
 
-use ndarray::{Array2, ArrayD, IxDyn};
+use ndarray::{Array2, ArrayD};
 use omniprefix::Error;
-use omniprefix::canon::{ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::canon::{ItemIdentity, Modality};
 use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, ItemInput, Output, Request};
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 use omniprefix::error::RequestError;
 
+#[path = "support/images.rs"]
+mod images;
+
+use images::{HIDDEN, image, model, pixels, rows, with_image};
+
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
-
-const HIDDEN: usize = 32;
-
-fn model() -> Config {
-    Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, 512, 4, 2)
-}
 
 fn config() -> EngineConfig {
     EngineConfig {
@@ -32,35 +31,9 @@ fn config() -> EngineConfig {
     }
 }
 
-/// An image item with a 2x2-token grid (4 placeholders) and its content.
-fn pixels(seed: u8) -> ArrayD<u8> {
-    ArrayD::from_shape_fn(IxDyn(&[4, 4, 3]), |d| seed.wrapping_add(d[0] as u8 * 7 + d[1] as u8))
-}
 
-fn image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>) -> ItemInput<'a> {
-    ItemInput {
-        spec: ItemSpec {
-            modality: Modality::Image,
-            layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
-            content: ItemContent::Tensor(TensorView::U8(content.view())),
-            params: Default::default(),
-        },
-        embeddings: embeddings.map(Arc::new),
-        deepstack: None,
-    }
-}
 
-fn rows(n: usize, cols: usize, seed: f32) -> Array2<f32> {
-    Array2::from_shape_fn((n, cols), |(r, c)| ((r * cols + c) as f32 * 0.37 + seed).sin())
-}
 
-/// Text, `vision_start image_pad vision_end`, text (unexpanded).
-fn with_image(head: &[u32], tail: &[u32]) -> Vec<u32> {
-    let mut ids = head.to_vec();
-    ids.extend([503, 500, 504]);
-    ids.extend_from_slice(tail);
-    ids
-}
 
 fn assert_same(got: &Output, want: &Output) {
     assert_eq!(got.hidden.len(), want.hidden.len());

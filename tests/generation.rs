@@ -6,16 +6,18 @@
 //! errors that change nothing.
 
 use std::error::Error as StdError;
-use std::sync::Arc;
 
-use ndarray::{Array2, ArrayD, IxDyn};
+use ndarray::{ArrayD, IxDyn};
 use omniprefix::Error;
-use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, Event, Output, ItemInput, Request, TokenEvent};
 use omniprefix::error::RequestError;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::{FinishReason, SamplingParams};
+
+#[path = "support/images.rs"]
+#[allow(dead_code)] // the other engine tests use the rest
+mod images;
 
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
 
@@ -300,19 +302,9 @@ fn bad_sampling_settings_are_typed_errors_that_change_nothing() -> TestResult {
     Ok(())
 }
 
-/// An image item with a 2x2-token grid (4 placeholders).
+/// An image item with a 2x2-token grid (4 placeholders) and its embeddings.
 fn image(content: &ArrayD<u8>, seed: f32) -> ItemInput<'_> {
-    let embeddings = Array2::from_shape_fn((4, HIDDEN), |(r, c)| ((r * HIDDEN + c) as f32 * 0.37 + seed).sin());
-    ItemInput {
-        spec: ItemSpec {
-            modality: Modality::Image,
-            layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
-            content: ItemContent::Tensor(TensorView::U8(content.view())),
-            params: Default::default(),
-        },
-        embeddings: Some(Arc::new(embeddings)),
-        deepstack: None,
-    }
+    images::image(content, Some(images::rows(4, HIDDEN, seed)))
 }
 
 #[test]

@@ -9,22 +9,20 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use ndarray::{Array2, ArrayD, IxDyn};
+use ndarray::Array2;
 use omniprefix::Error;
-use omniprefix::canon::{ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, Event, ItemInput, Output, Request, ServedEngine, ServedOptions};
+use omniprefix::canon::ItemIdentity;
+use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, Event, Output, Request, ServedEngine, ServedOptions};
 use omniprefix::error::{EmbeddingPart, RequestError};
-use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::SamplingParams;
 
+#[path = "support/images.rs"]
+mod images;
+
+use images::{HIDDEN, image, model, pixels, rows, with_image};
+
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
-
-const HIDDEN: usize = 32;
-
-fn model() -> Config {
-    Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, 512, 4, 2)
-}
 
 fn config() -> EngineConfig {
     EngineConfig {
@@ -49,32 +47,9 @@ fn greedy(n: usize) -> SamplingParams {
     SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) }
 }
 
-fn pixels(seed: u8) -> ArrayD<u8> {
-    ArrayD::from_shape_fn(IxDyn(&[4, 4, 3]), |d| seed.wrapping_add(d[0] as u8 * 7 + d[1] as u8))
-}
 
-/// An image with a 2x2-token grid (4 placeholders).
-fn image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>) -> ItemInput<'a> {
-    ItemInput {
-        spec: ItemSpec {
-            modality: Modality::Image,
-            layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
-            content: ItemContent::Tensor(TensorView::U8(content.view())),
-            params: Default::default(),
-        },
-        embeddings: embeddings.map(Arc::new),
-        deepstack: None,
-    }
-}
 
-fn rows(n: usize, seed: f32) -> Array2<f32> {
-    Array2::from_shape_fn((n, HIDDEN), |(r, c)| ((r * HIDDEN + c) as f32 * 0.37 + seed).sin())
-}
 
-/// Text, `vision_start image_pad vision_end`, text (unexpanded).
-fn with_image(head: &[u32], tail: &[u32]) -> Vec<u32> {
-    [head, &[503, 500, 504], tail].concat()
-}
 
 fn same(got: &Output, want: &Output) -> TestResult {
     assert_eq!(got.tokens, want.tokens);
@@ -180,7 +155,7 @@ fn an_encoder_blocked_on_one_thread_does_not_stall_another_stream() -> TestResul
                 if let Ok(blocked) = blocked.lock() {
                     let _ = blocked.recv_timeout(Duration::from_secs(30));
                 }
-                Ok(rows(identity.num_tokens, 1.0))
+                Ok(rows(identity.num_tokens, HIDDEN, 1.0))
             };
             let request = Request { token_ids: with_image(&[7], &[8]), items: vec![image(&content, None)], ..Default::default() };
             served.submit(request.with_encoder(encoder))?.wait()
@@ -227,7 +202,7 @@ fn non_finite_item_rows_are_rejected_before_anything_is_cached() -> TestResult {
     let content = pixels(4);
     let ids = with_image(&[7, 8], &[9, 10, 11]);
     let request = |embeddings| Request { token_ids: ids.clone(), items: vec![image(&content, embeddings)], ..Default::default() };
-    let mut bad = rows(4, 0.5);
+    let mut bad = rows(4, HIDDEN, 0.5);
     bad[[2, 5]] = f32::NAN;
     let mut engine = core()?;
     let before = (engine.stats(), engine.scheduler_stats());
@@ -239,9 +214,9 @@ fn non_finite_item_rows_are_rejected_before_anything_is_cached() -> TestResult {
     );
     let encoded = engine.run(request(None).with_encoder(|_, _: &ItemIdentity| Ok::<_, Error>(bad.clone()))).err().ok_or("accepted")?;
     assert!(matches!(encoded, Error::Request(RequestError::NonFiniteEmbeddings { row: 2, column: 5, .. })), "{encoded}");
-    let mut level = rows(4, 0.9);
+    let mut level = rows(4, HIDDEN, 0.9);
     level[[0, 1]] = f32::INFINITY;
-    let levels = move |_: usize, _: &ItemIdentity| Ok::<_, Error>(EncoderOutput { embeddings: rows(4, 0.5), deepstack: vec![rows(4, 0.1), level.clone()] });
+    let levels = move |_: usize, _: &ItemIdentity| Ok::<_, Error>(EncoderOutput { embeddings: rows(4, HIDDEN, 0.5), deepstack: vec![rows(4, HIDDEN, 0.1), level.clone()] });
     let deep = engine.run(request(None).with_encoder(levels)).err().ok_or("accepted")?;
     assert!(
         matches!(deep, Error::Request(RequestError::NonFiniteEmbeddings { what: EmbeddingPart::DeepStack { level: 1 }, row: 0, column: 1, .. })),
@@ -251,8 +226,8 @@ fn non_finite_item_rows_are_rejected_before_anything_is_cached() -> TestResult {
     assert!(engine.encoder_cache().is_empty(), "no rows cached");
 
     // A NaN must not poison the cache: good rows now give what a fresh engine gives.
-    let good = engine.run(request(Some(rows(4, 0.5))).generate(greedy(6)))?;
-    let fresh = core()?.run(request(Some(rows(4, 0.5))).generate(greedy(6)))?;
+    let good = engine.run(request(Some(rows(4, HIDDEN, 0.5))).generate(greedy(6)))?;
+    let fresh = core()?.run(request(Some(rows(4, HIDDEN, 0.5))).generate(greedy(6)))?;
     same(&good, &fresh)?;
     Ok(())
 }
@@ -262,7 +237,7 @@ fn two_threads_preparing_the_same_item_get_whole_rows() -> TestResult {
     let served = Arc::new(served(ServedOptions::default())?);
     let want = core()?.run(Request {
         token_ids: with_image(&[7], &[8, 9]),
-        items: vec![image(&pixels(3), Some(rows(4, 2.0)))],
+        items: vec![image(&pixels(3), Some(rows(4, HIDDEN, 2.0)))],
         ..Default::default()
     })?;
     let threads: Vec<_> = (0..4)
@@ -272,7 +247,7 @@ fn two_threads_preparing_the_same_item_get_whole_rows() -> TestResult {
                 let content = pixels(3);
                 let encoder = |_: usize, identity: &ItemIdentity| -> omniprefix::Result<Array2<f32>> {
                     std::thread::sleep(Duration::from_millis(20));
-                    Ok(rows(identity.num_tokens, 2.0))
+                    Ok(rows(identity.num_tokens, HIDDEN, 2.0))
                 };
                 let request = Request { token_ids: with_image(&[7], &[8, 9]), items: vec![image(&content, None)], ..Default::default() };
                 served.submit(request.with_encoder(encoder))?.wait()

@@ -46,14 +46,8 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T, EngineError>) -> PyResult<T> {
     }
 }
 
-/// The text a panic carried, when it carried one.
-pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
-}
+/// The text a panic carried: the library's one reader of panic payloads.
+pub use omniprefix::error::panic_message;
 
 /// Adds the exception classes to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
