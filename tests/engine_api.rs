@@ -80,7 +80,7 @@ fn batched_chunked_requests_equal_their_uncached_runs() -> TestResult {
     assert!(outs.iter().filter(|o| o.num_cached_tokens >= 16).count() >= 2);
     let stats = engine.stats();
     assert_eq!((stats.sched.queries, stats.finished), (4, 4));
-    assert!(engine.scheduler_stats().running == 0 && engine.scheduler_stats().waiting == 0);
+    assert!(engine.stats().sched.running == 0 && engine.stats().sched.waiting == 0);
     engine.validate()?;
     Ok(())
 }
@@ -90,7 +90,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
     let content = pixels(2);
     let mut engine = Engine::random(model(), 6, config())?;
     engine.run(Request::text((0..9).collect()))?;
-    let before = (engine.stats(), engine.scheduler_stats());
+    let before = engine.stats();
     let cases: Vec<(&str, Request<'_>)> = vec![
         ("too large", Request::text(vec![1; 32 * 4 + 1])),
         ("out of vocab", Request::text(vec![1, 2, 512])),
@@ -112,7 +112,7 @@ fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
             _ => matches!(err, Error::Request(RequestError::EmptyPrompt)),
         };
         assert!(expected, "{what}: {err}");
-        assert_eq!((engine.stats(), engine.scheduler_stats()), before, "{what}: state changed");
+        assert_eq!(engine.stats(), before, "{what}: state changed");
         engine.validate()?;
     }
     assert!(engine.encoder_cache().is_empty(), "rejected items are not cached");
@@ -200,10 +200,10 @@ fn prompts_longer_than_the_model_context_are_rejected_and_change_nothing() -> Te
     let model = Config { max_position_embeddings: Some(12), ..model() };
     let mut engine = Engine::random(model, 8, config())?;
     engine.run(Request::text((0..9).collect()))?;
-    let before = (engine.stats(), engine.scheduler_stats());
+    let before = engine.stats();
     let err = engine.run(Request::text((0..13).collect())).expect_err("13 tokens > context 12");
     assert!(matches!(err, Error::Request(RequestError::ContextTooLong { len: 13, max: 12, .. })), "{err}");
-    assert_eq!((engine.stats(), engine.scheduler_stats()), before, "state changed");
+    assert_eq!(engine.stats(), before, "state changed");
     engine.validate()?;
     let out = engine.run(Request::text((0..12).collect()))?;
     assert_eq!((out.prompt_len, out.num_cached_tokens), (12, 9), "a prompt of exactly the context still runs");
@@ -217,11 +217,11 @@ fn unknown_tenants_are_rejected_and_change_nothing() -> TestResult {
         let mut engine = Engine::random(model(), 8, config)?;
         let request = |tenant| Request { tenant, ..Request::text((0..9).collect()) };
         engine.run(request(1))?;
-        let before = (engine.stats(), engine.scheduler_stats());
+        let before = engine.stats();
         let err = engine.run(request(3)).expect_err("tenant 3 is not known");
         assert!(matches!(err, Error::Request(RequestError::UnknownTenant { tenant: 3, .. })), "{err}");
         assert!(matches!(engine.run(request(0)), Err(Error::Request(RequestError::UnknownTenant { tenant: 0, .. }))), "0 is not implied");
-        assert_eq!((engine.stats(), engine.scheduler_stats()), before, "state changed (cache {cache})");
+        assert_eq!(engine.stats(), before, "state changed (cache {cache})");
         engine.validate()?;
         let out = engine.run(request(2))?;
         assert_eq!(out.num_cached_tokens, 0, "tenant 2 never shares tenant 1's cache");
@@ -241,7 +241,7 @@ fn deepstack_mismatches_are_typed_errors_and_change_nothing() -> TestResult {
     let (a, b) = (pixels(5), pixels(6));
     let mut engine = Engine::random(model(), 9, config())?;
     engine.run(Request::text((0..9).collect()))?;
-    let before = (engine.stats(), engine.scheduler_stats());
+    let before = engine.stats();
     let two_images = [with_image(&[1], &[2]), with_image(&[], &[3])].concat();
     let level = |n: usize, cols: usize, seed: f32| rows(n, cols, seed);
     let emb = || Some(rows(4, HIDDEN, 0.0));
@@ -279,7 +279,7 @@ fn deepstack_mismatches_are_typed_errors_and_change_nothing() -> TestResult {
             _ => matches!(err, Error::Request(RequestError::DeepStackMismatch { item: 1, what: "number of levels", expected: 2, found: 1, .. })),
         };
         assert!(expected, "{what}: {err}");
-        assert_eq!((engine.stats(), engine.scheduler_stats()), before, "{what}: state changed");
+        assert_eq!(engine.stats(), before, "{what}: state changed");
         engine.validate()?;
     }
     assert!(engine.encoder_cache().is_empty(), "rejected items are not cached");

@@ -107,7 +107,7 @@ fn generated_hidden_rows_cover_every_position_that_ran() -> TestResult {
         let last = e.run(text(&ids(9, 2)).generate(SamplingParams { run_last_token: true, ..greedy(5) }))?;
         assert_eq!(last.hidden[0].1.nrows(), 9 + 5, "run_last_token runs the last token too");
         e.validate()?;
-        assert_eq!(e.scheduler_stats().blocks_in_use, 0);
+        assert_eq!(e.stats().sched.blocks_in_use, 0);
     }
     Ok(())
 }
@@ -262,7 +262,7 @@ fn abort_mid_decode_leaves_no_block_or_lock_behind() -> TestResult {
     }
     assert!(rest.iter().all(|ev| ev.request() == b), "no event of the aborted request follows");
     assert!(matches!(e.abort(a), Err(Error::Sched(_))), "aborted twice");
-    let stats = e.scheduler_stats();
+    let stats = e.stats().sched;
     assert_eq!((stats.blocks_in_use, stats.running, stats.waiting), (0, 0, 0));
     // Everything left is cached and evictable: no lock pins it.
     e.validate()?;
@@ -283,7 +283,7 @@ fn bad_sampling_settings_are_typed_errors_that_change_nothing() -> TestResult {
         ("top_k", SamplingParams { top_k: Some(0), ..greedy(4) }),
         ("stop", SamplingParams { stop: Some(vec![VOCAB as u32]), ..greedy(4) }),
     ];
-    let before = (e.stats(), e.scheduler_stats());
+    let before = e.stats();
     for (what, params) in cases {
         let err = e.run(text(&p).generate(params)).err().ok_or(format!("{what}: accepted"))?;
         let Error::Request(r) = &err else { return Err(format!("{what}: {err}").into()) };
@@ -295,7 +295,7 @@ fn bad_sampling_settings_are_typed_errors_that_change_nothing() -> TestResult {
             _ => matches!(r, RequestError::StopIdOutOfVocab { .. }),
         };
         assert!(ok, "{what}: {err}");
-        assert_eq!((e.stats(), e.scheduler_stats()), before, "{what}: state changed");
+        assert_eq!(e.stats(), before, "{what}: state changed");
         assert!(!e.has_pending());
     }
     e.validate()?;
@@ -364,13 +364,13 @@ fn a_reply_holds_no_placeholder_id_so_the_next_round_can_resend_it() -> TestResu
     let next = e.run(text(&[&prompt[..], &masked.tokens].concat()))?;
     assert_eq!(next.num_cached_tokens, prompt.len() + masked.tokens.len() - 1);
     // ... and prompt + raw reply is rejected: the pad takes an item the request does not have.
-    let before = (e.stats(), e.scheduler_stats());
+    let before = e.stats();
     let err = e.run(text(&[&prompt[..], &raw.tokens].concat())).err().ok_or("a reply holding a pad was accepted")?;
     assert!(
         matches!(err, Error::Request(RequestError::MissingItem { position, .. }) if position == prompt.len() + first),
         "{err}"
     );
-    assert_eq!((e.stats(), e.scheduler_stats()), before);
+    assert_eq!(e.stats(), before);
     // Sampled replies are masked as well.
     for seed in 0..8 {
         let g = e.run(text(&prompt).generate(SamplingParams { temperature: 2.0, ..sampled(24, seed) }))?;

@@ -90,7 +90,7 @@ impl<B: Backend> Engine<B> {
     }
 
     /// True while request `id` has not finished (nor been aborted).
-    pub fn is_pending(&self, id: RequestId) -> bool {
+    pub(crate) fn is_pending(&self, id: RequestId) -> bool {
         self.pending.contains_key(&id)
     }
 

@@ -48,7 +48,7 @@ use crate::model::{CaptureSpec, Config, EncoderCache, Thinker};
 use crate::preprocess::Preprocessor;
 use crate::prompt::{OmniTokens, PositionKind};
 use crate::runner::ModelRunner;
-use crate::sched::{RequestChecks, Scheduler, SchedulerStats};
+use crate::sched::{RequestChecks, Scheduler};
 use lifecycle::Pending;
 use prepare::Preparer;
 
@@ -231,11 +231,6 @@ impl<B: Backend> Engine<B> {
             encoder_cache_hits: self.preparer.encoder_cache().hits(),
             finished: self.finished,
         }
-    }
-
-    /// The scheduler's counters and pool occupancy.
-    pub fn scheduler_stats(&self) -> SchedulerStats {
-        self.sched.stats()
     }
 
     /// Checks the scheduler's pool, index and request bookkeeping; `Err` names

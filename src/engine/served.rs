@@ -252,7 +252,7 @@ impl ServedEngine {
         &self.facts.model
     }
 
-    /// The captured points, in the order of [`Output::hidden`].
+    /// The captured points, in the order of [`Output::hidden`](super::Output::hidden).
     pub fn capture(&self) -> &CaptureSpec {
         &self.facts.capture
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvEventsConfig {
     /// The PUB endpoint, e.g. `tcp://127.0.0.1:5557` (`*` binds every interface;
-    /// port 0 picks a free one, see [`KvEventPublisher::endpoint`]).
+    /// port 0 picks a free one, see `KvEventPublisher::endpoint`).
     pub endpoint: String,
     /// The ROUTER replay endpoint; `None` = no replay.
     pub replay_endpoint: Option<String>,

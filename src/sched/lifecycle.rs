@@ -19,7 +19,7 @@ impl Scheduler {
     }
 
     /// [`admit`](Self::admit) for a request that already passed its
-    /// [`RequestChecks`] (an engine runs them while it prepares the request,
+    /// [`RequestChecks`](super::RequestChecks) (an engine runs them while it prepares the request,
     /// off the step loop): only the checks that read the scheduler's state
     /// remain, the id is free and the sequence fits the pool.
     pub fn admit_checked(&mut self, checked: Checked) -> Result<()> {

@@ -5,7 +5,7 @@
 //! `admission`) and queues it; [`Scheduler::schedule`] matches its prefix the
 //! first time it is picked (so it sees everything cached by then), pins the
 //! match, allocates blocks for a chunk within the step's token budget and
-//! emits a [`ScheduledBatch`]; [`Scheduler::complete`] advances it after the
+//! emits a [`ScheduledBatch`](crate::batch::ScheduledBatch); [`Scheduler::complete`] advances it after the
 //! runner ran the batch, commits its newly full blocks into the index and
 //! reports it *ready* once every known token ran. A ready sequence either
 //! grows by the token sampled from its last logits ([`Scheduler::append`]:
@@ -237,7 +237,7 @@ impl Scheduler {
     }
 
     /// Rejects prompts longer than `max_context` positions (the model's
-    /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`].
+    /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`](crate::error::RequestError::ContextTooLong).
     pub fn with_max_context(mut self, max_context: usize) -> Self {
         self.admission = self.admission.with_max_context(max_context);
         self
@@ -253,7 +253,7 @@ impl Scheduler {
     }
 
     /// Makes tenant salts mandatory: only prompts salted with one of `tenants`
-    /// are admitted, others get [`RequestError::UnknownTenant`] (a typo'd or forged
+    /// are admitted, others get [`RequestError::UnknownTenant`](crate::error::RequestError::UnknownTenant) (a typo'd or forged
     /// salt would otherwise silently open a cache of its own).
     pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
         self.admission = self.admission.with_known_tenants(tenants);
