@@ -1,5 +1,7 @@
-//! The per-request decode state the engine keeps between steps: sampler,
-//! tokens so far, and the hidden rows of every position that ran.
+//! The per-request decode state the engine keeps between steps: the sampler
+//! and the stop rule, and the hidden rows of every position that ran. The
+//! generated tokens themselves live in one place, the scheduler's sequence
+//! (they are text atoms of it); only the count is kept here.
 
 use std::time::Duration;
 
@@ -19,7 +21,8 @@ pub(super) struct Decoding {
     stop: Vec<u32>,
     /// Ids the sampler masks (empty with `allow_special_ids`).
     suppressed: Vec<u32>,
-    pub(super) tokens: Vec<u32>,
+    /// Tokens sampled so far.
+    pub(super) sampled: usize,
     pub(super) token_times: Vec<Duration>,
     /// Per capture, the rows of every position that ran so far, row-major.
     rows: Vec<Vec<f32>>,
@@ -33,8 +36,8 @@ pub(super) enum Next {
     Continue(u32),
     /// Append the token, run it, then finish (the reason is kept in `stopping`).
     RunLast(u32),
-    /// Finish now.
-    Finish(FinishReason),
+    /// Finish now; with the token just sampled, which never runs (not appended).
+    Finish(FinishReason, Option<u32>),
 }
 
 impl Decoding {
@@ -49,7 +52,7 @@ impl Decoding {
             seed,
             stop,
             suppressed,
-            tokens: Vec::new(),
+            sampled: 0,
             token_times: Vec::new(),
             rows: Vec::new(),
             stopping: None,
@@ -67,11 +70,11 @@ impl Decoding {
     /// Samples the next token from `logits` and decides what follows.
     pub(super) fn sample(&mut self, logits: &[f32], elapsed: Duration) -> Next {
         let token = self.sampler.sample(logits, &self.params, &self.suppressed);
-        self.tokens.push(token);
+        self.sampled += 1;
         self.token_times.push(elapsed);
         let reason = if self.stop.contains(&token) {
             Some(FinishReason::Stop)
-        } else if self.tokens.len() >= self.params.max_tokens {
+        } else if self.sampled >= self.params.max_tokens {
             Some(FinishReason::Length)
         } else {
             None
@@ -82,7 +85,7 @@ impl Decoding {
                 self.stopping = Some(r);
                 Next::RunLast(token)
             }
-            Some(r) => Next::Finish(r),
+            Some(r) => Next::Finish(r, Some(token)),
         }
     }
 

@@ -204,17 +204,19 @@ impl<B: Backend> Engine<B> {
         let Some(d) = p.decoding.as_mut() else {
             p.last_logits = last_logits;
             self.sched.finish(id)?;
-            return self.finish_output(id, num_cached, Some(hidden), None, events);
+            return self.finish_output(id, num_cached, Some(hidden), None, Vec::new(), events);
         };
         d.add_rows(&hidden);
         let next = match d.stopping {
             // Its last token just ran (`run_last_token`).
-            Some(reason) => Next::Finish(reason),
+            Some(reason) => Next::Finish(reason, None),
             None => {
                 let next = d.sample(&last_logits, elapsed);
-                let index = d.tokens.len() - 1;
+                let index = d.sampled - 1;
                 let position = p.positions.len() + index - 1;
-                let token = d.tokens[index];
+                let (Next::Continue(token) | Next::RunLast(token) | Next::Finish(_, Some(token))) = next else {
+                    return Err(crate::error::Component::Engine.violation(format!("request {id}: a sample that is no token")).into());
+                };
                 events.push(Event::Token(TokenEvent { request: id, token, index, position, hidden: last_rows(&hidden) }));
                 next
             }
@@ -226,22 +228,27 @@ impl<B: Backend> Engine<B> {
                 Ok(())
             }
             Next::Continue(token) | Next::RunLast(token) => self.sched.append(id, token),
-            Next::Finish(reason) => {
+            Next::Finish(reason, last) => {
+                // The reply: what the sequence grew by, and the last token if it never ran.
+                let mut tokens = self.sched.generated_tokens(id).map(<[u32]>::to_vec).unwrap_or_default();
+                tokens.extend(last);
                 self.sched.finish(id)?;
-                self.finish_output(id, num_cached, None, Some(reason), events)
+                self.finish_output(id, num_cached, None, Some(reason), tokens, events)
             }
         }
     }
 
     /// A request's end: its output with what ran (positions from the prompt's,
-    /// cut like every chunk's), its tokens, and where the time went. A prefill
-    /// hands its rows in `hidden`; a generation's were gathered step by step.
+    /// cut like every chunk's), its `tokens` (read from the scheduler's
+    /// sequence before it finished), and where the time went. A prefill hands
+    /// its rows in `hidden`; a generation's were gathered step by step.
     fn finish_output(
         &mut self,
         id: RequestId,
         num_cached: usize,
         hidden: Option<Vec<(crate::model::CaptureName, ndarray::Array2<f32>)>>,
         finish_reason: Option<FinishReason>,
+        tokens: Vec<u32>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
         let Some(mut p) = self.pending.remove(&id) else { return Ok(()) };
@@ -249,15 +256,15 @@ impl<B: Backend> Engine<B> {
         let computed_positions = p.positions.slice(num_cached..prompt_len)?;
         let total = p.started.elapsed();
         let mut timings = Timings { total, ttft: total, ..p.timings };
-        let (tokens, seed, hidden) = match (p.decoding.take(), hidden) {
+        let (seed, hidden) = match (p.decoding.take(), hidden) {
             (Some(mut d), _) => {
                 let names = self.runner.capture().points().to_vec();
                 let hidden = d.take_hidden(&names, self.model_config().hidden_size)?;
                 timings.ttft = d.token_times.first().copied().unwrap_or_default();
                 timings.token_times = std::mem::take(&mut d.token_times);
-                (std::mem::take(&mut d.tokens), Some(d.seed), hidden)
+                (Some(d.seed), hidden)
             }
-            (None, hidden) => (Vec::new(), None, hidden.unwrap_or_default()),
+            (None, hidden) => (None, hidden.unwrap_or_default()),
         };
         self.finished += 1;
         events.push(Event::Finished(Output {

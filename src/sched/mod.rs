@@ -275,6 +275,12 @@ impl Scheduler {
         self.requests.get(&id).map(|t| t.num_computed)
     }
 
+    /// The tokens a sequence grew by ([`append`](Self::append)), in order: the
+    /// one record of a generation's reply.
+    pub fn generated_tokens(&self, id: RequestId) -> Option<&[u32]> {
+        self.requests.get(&id).and_then(|t| t.req.prompt.token_ids.get(t.prompt_len..))
+    }
+
     /// Leading tokens of a request whose KV came from the cache in its current
     /// run (a preempted request is matched again when it restarts).
     pub fn num_cached_tokens(&self, id: RequestId) -> Option<usize> {
