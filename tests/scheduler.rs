@@ -319,6 +319,40 @@ fn short_pool_preempts_the_newest_so_the_oldest_progresses() -> TestResult {
     Ok(())
 }
 
+/// A ready sequence nobody appends to (a served stream nobody reads) holds
+/// blocks another request needs: the scheduler parks it (caching what ran,
+/// releasing its blocks) instead of emitting an empty step; appended later,
+/// it recomputes from what is still cached and decodes on.
+#[test]
+fn a_ready_sequence_left_waiting_is_parked_for_a_request_that_needs_its_blocks() -> TestResult {
+    for token_granular in [false, true] {
+        let mut sched = scheduler(config(4, 64, token_granular))?;
+        sched.admit(generating(1, &(0..40).collect::<Vec<_>>(), 8))?;
+        assert_eq!(step(&mut sched)?, vec![1]);
+        // 3 of 4 blocks held by ready request 1; request 2 needs 3.
+        sched.admit(request(2, 0, &(100..140).collect::<Vec<_>>()))?;
+        let batch = sched.schedule()?;
+        let shape: Vec<(RequestId, usize)> = batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect();
+        assert_eq!(shape, vec![(2, 40)], "token-granular: {token_granular}");
+        assert_eq!(sched.stats().preemptions, 1);
+        assert_eq!(sched.num_computed_tokens(1), Some(0), "parked: it holds nothing");
+        check(&sched)?;
+        // Its next token arrives while request 2 runs: it waits, then recomputes.
+        sched.append(1, 7)?;
+        assert_eq!(complete(&mut sched, &batch)?, vec![2]);
+        sched.finish(2)?;
+        let batch = sched.schedule()?;
+        let resumed = batch.seqs.iter().find(|s| s.request == 1).ok_or("request 1 resumes")?;
+        // What survived of its cached blocks is reused; only its new token is handed out.
+        assert_eq!((resumed.seq_len, resumed.output_from), (41, 40));
+        assert!(resumed.num_computed_tokens > 0, "its committed blocks are rematched");
+        assert_eq!(complete(&mut sched, &batch)?, vec![1]);
+        sched.finish(1)?;
+        check(&sched)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> TestResult {
     let (p1, _) = rfc_pair()?;

@@ -125,6 +125,35 @@ fn a_full_buffer_holds_the_stream_until_it_is_read() -> TestResult {
     Ok(())
 }
 
+/// A held stream gives its blocks up when another request needs them: on a
+/// pool that holds only one of the two requests, the stream nobody reads is
+/// parked (its blocks taken back), the other runs to its end, and the parked
+/// one, once read, recomputes and returns what it returns alone.
+#[test]
+fn a_held_stream_gives_its_blocks_to_a_request_that_needs_them() -> TestResult {
+    let tight = EngineConfig { num_blocks: 5, ..config() };
+    let held_request = || Request::text((1..9).collect()).generate(greedy(8));
+    let other_request = || Request::text((20..32).collect()).generate(greedy(4));
+    let mut reference = Engine::random(model(), 3, tight.clone())?;
+    let (want_held, want_other) = (reference.run(held_request())?, reference.run(other_request())?);
+
+    let served = Engine::random(model(), 3, tight)?.serve(ServedOptions { buffer_events: 1 })?;
+    let mut held = served.submit(held_request())?;
+    // Unread: held after its first token, its prompt's blocks locked.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while held.buffered() < 1 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mut other = served.submit(other_request())?;
+    let (_, got_other) = read_all(&mut other)?;
+    same(&got_other, &want_other)?;
+    let (_, got_held) = read_all(&mut held)?;
+    same(&got_held, &want_held)?;
+    served.validate()?;
+    assert!(served.stats()?.sched.preemptions >= 1, "the held request was parked");
+    Ok(())
+}
+
 #[test]
 fn dropping_a_handle_aborts_its_request() -> TestResult {
     let served = served(ServedOptions { buffer_events: 2 })?;

@@ -430,8 +430,8 @@ class Engine:
     ) -> Stream:
         """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
         same tokens as :meth:`generate` with the same seed. The engine keeps generating while
-        nobody reads, until 256 events are buffered; then the request holds (keeping its
-        blocks) until the reader catches up."""
+        nobody reads, until 256 events are buffered; then the request holds until the reader
+        catches up (its blocks go to other requests that need them; it recomputes later)."""
     def submit_prefill(
         self,
         token_ids: _TokenIds,

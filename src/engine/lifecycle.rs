@@ -102,8 +102,9 @@ impl<B: Backend> Engine<B> {
 
     /// Holds (`true`) or releases a generating request: while held, the next
     /// token it samples is kept instead of appended, so it stops generating
-    /// after at most one more token and its blocks stay as they are; on
-    /// release that token is appended and it decodes on. Unknown ids are ignored.
+    /// after at most one more token (its blocks stay until another request
+    /// needs them: the scheduler parks it); on release that token is appended
+    /// and it decodes on. Unknown ids are ignored.
     pub(crate) fn hold(&mut self, id: RequestId, held: bool) -> Result<()> {
         let Some(p) = self.pending.get_mut(&id) else { return Ok(()) };
         p.held = held;

@@ -25,7 +25,7 @@ impl Scheduler {
             let expected = match t.phase {
                 Phase::Waiting => (true, false),
                 Phase::Running => (false, true),
-                Phase::Ready => (false, false),
+                Phase::Ready | Phase::Parked => (false, false),
             };
             if listed != expected {
                 return Err(format!(
@@ -33,11 +33,12 @@ impl Scheduler {
                     t.phase
                 ));
             }
-            if t.phase == Phase::Waiting
-                && (!t.block_table.is_empty() || t.lock.is_some() || t.num_computed > 0)
+            if matches!(t.phase, Phase::Waiting | Phase::Parked)
+                && (!t.block_table.is_empty() || t.lock.is_some() || t.num_computed > 0 || t.in_flight.is_some())
             {
                 return Err(format!(
-                    "waiting request {id} holds blocks, a lock or computed tokens"
+                    "{:?} request {id} holds blocks, a lock, computed tokens or a batch",
+                    t.phase
                 ));
             }
             if t.phase == Phase::Ready && (t.num_computed != t.req.prompt.len() || t.in_flight.is_some()) {

@@ -55,13 +55,14 @@ impl Scheduler {
     }
 
     /// Grows ready sequence `id` by `token` (sampled from its last logits):
-    /// it runs in a later step as a decode token, at the next decode position.
+    /// it runs in a later step as a decode token, at the next decode position
+    /// (a parked one first recomputes what it gave up).
     /// Errors, with nothing changed, for a sequence that is not ready, a token
     /// outside the vocabulary, or one beyond the request's `max_new_tokens`.
     pub fn append(&mut self, id: RequestId, token: u32) -> Result<()> {
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         let len = t.req.prompt.len();
-        if t.phase != Phase::Ready {
+        if !matches!(t.phase, Phase::Ready | Phase::Parked) {
             return Err(SchedError::RequestNotFinished { id, computed: t.num_computed, len }.into());
         }
         let limit = t.prompt_len + t.req.max_new_tokens;
@@ -77,17 +78,23 @@ impl Scheduler {
         let arrival = t.arrival;
         let t = self.tracked_mut(id)?;
         t.req.prompt.push_text(token);
-        t.phase = Phase::Running;
-        self.enter_running(id, arrival);
+        if t.phase == Phase::Parked {
+            // Its blocks went to others: it recomputes first, like a preempted sequence.
+            t.phase = Phase::Waiting;
+            self.waiting.push_front(id);
+        } else {
+            t.phase = Phase::Running;
+            self.enter_running(id, arrival);
+        }
         Ok(())
     }
 
-    /// Ends a ready sequence: its last, partly filled block enters the index
-    /// (a later match copies it on write), then its locks and blocks are
-    /// released (its blocks stay cached).
+    /// Ends a ready (or parked) sequence: its last, partly filled block enters
+    /// the index (a later match copies it on write), then its locks and blocks
+    /// are released (its blocks stay cached).
     pub fn finish(&mut self, id: RequestId) -> Result<()> {
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
-        if t.phase != Phase::Ready {
+        if !matches!(t.phase, Phase::Ready | Phase::Parked) {
             return Err(SchedError::RequestNotFinished {
                 id,
                 computed: t.num_computed,

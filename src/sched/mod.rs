@@ -34,8 +34,11 @@
 //! positions uncached).
 //!
 //! Progress: when the free list runs dry the scheduler evicts unlocked index
-//! entries, then preempts (recompute-style) the newest running requests, so the
-//! oldest one always progresses. A preempted sequence resumes by recomputing
+//! entries, then *parks* ready sequences that wait for their next token (the
+//! newest first: its last block is cached as at a finish and its blocks are
+//! released; `append` queues it to recompute), then preempts
+//! (recompute-style) the newest running requests, so the oldest one always
+//! progresses and a sequence nobody appends to cannot starve the others. A preempted sequence resumes by recomputing
 //! its prompt and generated tokens, reusing whatever of them is still cached. An index may pin more than a match reports
 //! (the radix tree locks whole nodes), so a request that finds itself alone
 //! and still short restarts, and a request that cannot start while nothing
@@ -76,6 +79,10 @@ enum Phase {
     /// Every known token ran; blocks held until [`Scheduler::append`] (it
     /// decodes on) or [`Scheduler::finish`].
     Ready,
+    /// Ready, but its blocks were taken back for another request while it
+    /// waited for its next token (a served stream nobody reads): `append`
+    /// queues it to recompute, reusing what is still cached.
+    Parked,
 }
 
 /// A request and the cache state it holds.

@@ -154,9 +154,10 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Takes `need` blocks from the pool, evicting unlocked index entries and,
-    /// when `preempt_after` is given, preempting running requests newer than
-    /// that position. `None` when the blocks cannot be found now.
+    /// Takes `need` blocks from the pool, evicting unlocked index entries,
+    /// parking ready sequences and, when `preempt_after` is given, preempting
+    /// running requests newer than that position. `None` when the blocks
+    /// cannot be found now.
     pub(super) fn reserve(
         &mut self,
         need: usize,
@@ -170,6 +171,9 @@ impl Scheduler {
             }
             if let Some(fresh) = self.pool.allocate(need) {
                 return Ok(Some(fresh));
+            }
+            if self.park_newest_ready()? {
+                continue;
             }
             let Some(after) = preempt_after else {
                 return Ok(None);
@@ -202,6 +206,27 @@ impl Scheduler {
                 return Ok(None);
             }
         }
+    }
+    /// Parks the newest ready sequence that holds blocks: its computed
+    /// positions are cached (its last, partly filled block too, as at a
+    /// finish), its lock and private blocks released. `false` when none holds any.
+    fn park_newest_ready(&mut self) -> Result<bool> {
+        let newest = self
+            .requests
+            .iter()
+            .filter(|(_, t)| t.phase == Phase::Ready && !t.block_table.is_empty())
+            .max_by_key(|(_, t)| t.arrival)
+            .map(|(&id, _)| id);
+        let Some(id) = newest else { return Ok(false) };
+        self.commit_full_blocks(id)?;
+        self.commit_partial_tail(id)?;
+        self.release_cache_state(id)?;
+        let t = self.tracked_mut(id)?;
+        t.phase = Phase::Parked;
+        t.num_computed = 0;
+        t.num_cached = 0;
+        self.stats.preemptions += 1;
+        Ok(true)
     }
 }
 
