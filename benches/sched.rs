@@ -45,6 +45,7 @@ fn run_all(reqs: Vec<Request>) -> usize {
         block_size: 16,
         max_tokens_per_step: 8192,
         max_seqs_per_step: 64,
+        prefill_cap: None,
         token_granular_reuse: true,
     };
     let index = RadixIndex::new(RadixConfig { block_size: 16 })

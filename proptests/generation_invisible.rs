@@ -1,6 +1,6 @@
 //! Caching is invisible to generation. Random conversations (requests sharing
 //! random prefixes, some re-sending an earlier reply), random block sizes,
-//! token budgets, batch widths and pool sizes small enough to force
+//! token budgets and prefill caps beside decodes, batch widths and pool sizes small enough to force
 //! preemption, greedy or seeded sampling: every request's tokens and every
 //! hidden row equal those of the same request run alone with caching off, to
 //! the last bit on this CPU backend; `validate()` holds after every step.
@@ -26,6 +26,8 @@ struct Case {
     moe: bool,
     block_size: usize,
     budget: usize,
+    /// Prefill tokens beside decodes (1 to the budget; `None`: the engine's default).
+    prefill_cap: Option<usize>,
     seqs: usize,
     /// Blocks beyond what the largest request needs alone (small: preemption).
     spare_blocks: usize,
@@ -41,17 +43,18 @@ fn case() -> impl Strategy<Value = Case> {
     (
         any::<bool>(),
         prop_oneof![Just(1usize), Just(2), Just(4), Just(16)],
-        1usize..24,
+        (1usize..24, prop::option::of(1usize..24)),
         1usize..4,
         0usize..3,
         prop::collection::vec(0u32..240, 24),
         prop::collection::vec(request, 1..6),
         any::<bool>(),
     )
-        .prop_map(|(moe, block_size, budget, seqs, spare_blocks, base, requests, follow_up)| Case {
+        .prop_map(|(moe, block_size, (budget, cap), seqs, spare_blocks, base, requests, follow_up)| Case {
             moe,
             block_size,
             budget,
+            prefill_cap: cap.map(|c| 1 + (c - 1) % budget),
             seqs,
             spare_blocks,
             base,
@@ -78,6 +81,7 @@ fn engine(case: &Case, cache: bool, num_blocks: usize) -> Result<Engine, TestCas
         block_size: case.block_size,
         num_blocks,
         max_tokens_per_step: case.budget,
+        prefill_cap: case.prefill_cap,
         max_seqs_per_step: case.seqs,
         cache,
         capture: Some(vec![CaptureName::Hidden(1), CaptureName::Final]),

@@ -82,6 +82,8 @@ fn config(cache: bool, num_blocks: usize) -> EngineConfig {
         block_size: BLOCK,
         num_blocks,
         max_tokens_per_step: 8,
+        // Prompts beside decodes go 3 tokens a step: chunked across steps.
+        prefill_cap: Some(3),
         max_seqs_per_step: 3,
         cache,
         capture: Some(vec![CaptureName::Hidden(0), CaptureName::Final]),

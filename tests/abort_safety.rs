@@ -34,6 +34,7 @@ fn scheduler(max_tokens_per_step: usize) -> Result<Scheduler> {
         block_size: BLOCK,
         max_tokens_per_step,
         max_seqs_per_step: 2,
+        prefill_cap: None,
         token_granular_reuse: true,
     };
     let index = RadixIndex::new(RadixConfig { block_size: BLOCK })?;

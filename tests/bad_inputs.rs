@@ -93,6 +93,7 @@ fn warm() -> Result<Scheduler> {
         block_size: BLOCK,
         max_tokens_per_step: 8,
         max_seqs_per_step: 2,
+        prefill_cap: None,
         token_granular_reuse: true,
     };
     let index = RadixIndex::new(RadixConfig { block_size: BLOCK })?;
@@ -543,6 +544,7 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
             block_size: BLOCK,
             max_tokens_per_step: 8,
             max_seqs_per_step: 2,
+            prefill_cap: None,
             token_granular_reuse: true,
         },
         Box::new(RadixIndex::new(RadixConfig { block_size: BLOCK })?),

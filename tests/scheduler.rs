@@ -31,6 +31,7 @@ fn config(num_blocks: usize, budget: usize, token_granular_reuse: bool) -> Sched
         block_size: 16,
         max_tokens_per_step: budget,
         max_seqs_per_step: 4,
+        prefill_cap: None,
         token_granular_reuse,
     }
 }
@@ -397,6 +398,7 @@ fn item_rows_are_placed_in_the_chunk_that_holds_them() -> TestResult {
         block_size: 4,
         max_tokens_per_step: 5,
         max_seqs_per_step: 1,
+        prefill_cap: None,
         token_granular_reuse: false,
     };
     let mut sched = Scheduler::new(cfg, Box::new(ReferenceIndex::new(4)))?;
@@ -552,6 +554,43 @@ fn config_must_agree_with_the_index() {
     assert_err!(err, Some(Error::Config(ConfigError::Invalid { field: "block_size", .. })));
     let err = scheduler(config(8, 0, false)).err();
     assert_err!(err, Some(Error::Config(ConfigError::Invalid { field: "max_tokens_per_step", .. })));
+}
+
+#[test]
+fn a_prefill_cap_of_zero_or_above_the_budget_is_a_config_error() {
+    for (cap, expected) in [(0, "positive"), (17, "at most max_tokens_per_step (16)")] {
+        let err = scheduler(SchedulerConfig { prefill_cap: Some(cap), ..config(8, 16, false) }).err();
+        assert!(matches!(&err, Some(Error::Config(ConfigError::Invalid { field: "prefill_cap", expected: e, .. })) if e == expected), "{err:?}");
+    }
+    assert!(scheduler(SchedulerConfig { prefill_cap: Some(16), ..config(8, 16, false) }).is_ok());
+}
+
+/// With a cap, a step that carries decodes adds at most `prefill_cap` prefill
+/// tokens: a long prompt is chunked across steps (and still progresses every
+/// step) instead of stalling the decode; without decodes it takes the budget.
+#[test]
+fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestResult {
+    let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 8, true) })?;
+    // Alone, a prompt takes the whole budget.
+    sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 8))?;
+    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> { batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect() };
+    let batch = sched.schedule()?;
+    assert_eq!(shape(&batch), vec![(1, 5)]);
+    complete(&mut sched, &batch)?;
+    sched.append(1, 42)?;
+    // Beside request 1's decode, request 2's 10 tokens go 3 a step.
+    sched.admit(request(2, 0, &(100..110).collect::<Vec<_>>()))?;
+    for (step, chunk) in [3, 3, 3, 1].into_iter().enumerate() {
+        let batch = sched.schedule()?;
+        assert_eq!(shape(&batch), vec![(1, 1), (2, chunk)], "step {step}");
+        let ready = complete(&mut sched, &batch)?;
+        sched.append(1, 43 + step as u32)?;
+        if ready.contains(&2) {
+            sched.finish(2)?;
+        }
+    }
+    assert_eq!(sched.num_computed_tokens(2), None, "request 2 finished in 4 steps");
+    Ok(())
 }
 
 /// Completes `batch` without running it (the scheduler does not read pages) and

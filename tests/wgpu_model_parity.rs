@@ -340,6 +340,7 @@ fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
             block_size: 16,
             max_tokens_per_step: 24,
             max_seqs_per_step: 2,
+            prefill_cap: None,
             token_granular_reuse,
         };
         let index = RadixIndex::new(RadixConfig { block_size: 16 })?;

@@ -285,6 +285,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         block_size: bs,
         max_tokens_per_step: 8192,
         max_seqs_per_step: options.concurrency,
+        prefill_cap: None,
         token_granular_reuse: true,
     };
     let index = RadixIndex::new(RadixConfig { block_size: bs })?;

@@ -42,17 +42,21 @@ pub fn proptest_config(default_cases: u32) -> ProptestConfig {
 }
 
 /// Pools of `num_blocks` blocks of 2 or 4 tokens, step budgets of
-/// `max_tokens_per_step` tokens and 1 to 3 sequences, either reuse granularity.
+/// `max_tokens_per_step` tokens and 1 to 3 sequences, a prefill cap or none, either
+/// reuse granularity.
 pub fn scheduler_config(
     num_blocks: Range<usize>,
     max_tokens_per_step: Range<usize>,
 ) -> impl Strategy<Value = SchedulerConfig> {
-    (num_blocks, prop_oneof![Just(2usize), Just(4)], max_tokens_per_step, 1usize..4, any::<bool>()).prop_map(
-        |(num_blocks, block_size, max_tokens_per_step, max_seqs_per_step, token_granular_reuse)| SchedulerConfig {
+    let cap = prop::option::of(1usize..64);
+    (num_blocks, prop_oneof![Just(2usize), Just(4)], max_tokens_per_step, 1usize..4, cap, any::<bool>()).prop_map(
+        |(num_blocks, block_size, max_tokens_per_step, max_seqs_per_step, cap, token_granular_reuse)| SchedulerConfig {
             num_blocks,
             block_size,
             max_tokens_per_step,
             max_seqs_per_step,
+            // Any cap from 1 to the budget, or none.
+            prefill_cap: cap.map(|c| 1 + c % max_tokens_per_step),
             token_granular_reuse,
         },
     )

@@ -289,6 +289,7 @@ class Engine:
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
+        prefill_cap: Optional[int] = None,
         fingerprint_threads: Optional[int] = None,
         encoder_cache_bytes: Optional[int] = None,
         kv_events: Optional[_Endpoint] = None,
@@ -317,7 +318,9 @@ class Engine:
         * ``validation``: how a fingerprint hit is confirmed.
         * ``tenants``: the known tenant ids; a request of any other tenant is a :class:`RequestError`.
         * ``max_tokens_per_step`` / ``max_seqs_per_step``: the scheduler's step budget (2048 / 8);
-          ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
+          ``prefill_cap``: prefill tokens a step that carries decodes may add (default an eighth
+          of ``max_tokens_per_step``; at most it), so long prompts are chunked instead of
+          stalling decodes; ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
         * ``kv_events``: publish KV events on this ZMQ PUB endpoint, in vLLM's wire format (the
           frames ``(topic, seq as 8-byte big-endian, msgpack KVEventBatch)``, one batch per
           engine step that changed the cache: ``BlockStored``, ``BlockRemoved``,
@@ -350,6 +353,7 @@ class Engine:
         tenants: Optional[Sequence[int]] = None,
         max_tokens_per_step: Optional[int] = None,
         max_seqs_per_step: Optional[int] = None,
+        prefill_cap: Optional[int] = None,
         fingerprint_threads: Optional[int] = None,
         encoder_cache_bytes: Optional[int] = None,
         kv_events: Optional[_Endpoint] = None,
@@ -446,6 +450,14 @@ class Engine:
     def stats(self) -> dict[str, int]:
         """``queries``, ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``,
         ``encoder_cache_hits``, ``finished``."""
+    def metrics(self) -> str:
+        """The engine's metrics in Prometheus text format (OpenMetrics, ending in ``# EOF``),
+        with vLLM's meanings: counters ``omniprefix_prefix_cache_queries_total`` and
+        ``omniprefix_prefix_cache_hits_total`` (prompt tokens), ``omniprefix_num_preemptions_total``,
+        ``omniprefix_kv_events_dropped_total``; gauges ``omniprefix_num_requests_running``,
+        ``omniprefix_num_requests_waiting``, ``omniprefix_kv_cache_usage_ratio`` (blocks in use
+        or cached over the pool); histograms ``omniprefix_time_to_first_token_seconds`` and
+        ``omniprefix_inter_token_latency_seconds`` (one observation per gap between two tokens)."""
     def validate(self) -> None:
         """Check the scheduler / index / pool invariants; raises :class:`InternalError`."""
     def reset_cache(self) -> int:

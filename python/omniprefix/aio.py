@@ -85,6 +85,10 @@ class AsyncEngine:
         submitted when first iterated. ``.generation`` holds the result at the end."""
         return AsyncStream(self, functools.partial(self.engine.stream, token_ids, items, **kwargs))
 
+    def metrics(self) -> str:
+        """``Engine.metrics``: the Prometheus text (answered between two engine steps)."""
+        return self.engine.metrics()
+
     def close(self) -> None:
         """Stops the worker threads (requests in flight are aborted when their streams drop)."""
         self._pool.shutdown(wait=False, cancel_futures=True)

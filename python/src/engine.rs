@@ -224,7 +224,7 @@ impl PyEngine {
     ///
     /// Options (keywords): block_size, num_blocks, capture, cache, backend, dtype,
     /// kv_dtype, fingerprint_key, validation, tenants, max_tokens_per_step,
-    /// max_seqs_per_step, fingerprint_threads, encoder_cache_bytes, kv_events,
+    /// max_seqs_per_step, prefill_cap, fingerprint_threads, encoder_cache_bytes, kv_events,
     /// kv_replay, kv_topic, kv_buffer_steps, kv_linger_s (see docs/python.md).
     #[staticmethod]
     #[pyo3(signature = (path, **options))]
@@ -367,6 +367,11 @@ impl PyEngine {
     /// Refused (`CacheError`, nothing changed) while requests are pending.
     fn reset_cache(&self, py: Python<'_>) -> PyResult<usize> {
         py.detach(|| self.served.reset_cache()).map_err(to_py)
+    }
+
+    /// The engine's metrics in Prometheus text format (`Engine::metrics`).
+    fn metrics(&self, py: Python<'_>) -> PyResult<String> {
+        py.detach(|| self.served.metrics()).map_err(to_py)
     }
 
     /// The hashes of the published full blocks the index holds, ascending (empty without `kv_events`).

@@ -48,7 +48,7 @@ pub struct EngineOptions {
 }
 
 /// The option names `Engine.from_dir` and `Engine.random` accept.
-const ENGINE_OPTIONS: [&str; 19] = [
+const ENGINE_OPTIONS: [&str; 20] = [
     "block_size",
     "num_blocks",
     "capture",
@@ -61,6 +61,7 @@ const ENGINE_OPTIONS: [&str; 19] = [
     "tenants",
     "max_tokens_per_step",
     "max_seqs_per_step",
+    "prefill_cap",
     "fingerprint_threads",
     "encoder_cache_bytes",
     "kv_events",
@@ -129,6 +130,7 @@ impl EngineOptions {
                 "num_blocks" => config.num_blocks = count(&value, &name)?,
                 "max_tokens_per_step" => config.max_tokens_per_step = count(&value, &name)?,
                 "max_seqs_per_step" => config.max_seqs_per_step = count(&value, &name)?,
+                "prefill_cap" => config.prefill_cap = Some(count(&value, &name)?),
                 "fingerprint_threads" => config.fingerprint_threads = count(&value, &name)?,
                 "encoder_cache_bytes" => config.encoder_cache_bytes = count(&value, &name)?,
                 "cache" => config.cache = value.extract().map_err(|_| PyTypeError::new_err("cache must be a bool"))?,

@@ -203,6 +203,7 @@ impl<B: Backend> Engine<B> {
         let elapsed = p.started.elapsed();
         let SeqOutput { hidden, last_logits, .. } = out;
         let Some(d) = p.decoding.as_mut() else {
+            self.latencies.first_token(elapsed);
             p.last_logits = last_logits;
             self.sched.finish(id)?;
             return self.finish_output(id, num_cached, Some(hidden), None, Vec::new(), events);
@@ -213,6 +214,11 @@ impl<B: Backend> Engine<B> {
             Some(reason) => Next::Finish(reason, None),
             None => {
                 let next = d.sample(&last_logits, elapsed);
+                match d.token_times[..] {
+                    [first] => self.latencies.first_token(first),
+                    [.., before, last] => self.latencies.inter_token(last.saturating_sub(before)),
+                    [] => {}
+                }
                 let index = d.sampled - 1;
                 let position = p.positions.len() + index - 1;
                 let (Next::Continue(token) | Next::RunLast(token) | Next::Finish(_, Some(token))) = next else {

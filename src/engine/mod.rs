@@ -24,6 +24,7 @@ mod generation;
 mod handle;
 mod kv_events;
 mod lifecycle;
+mod metrics;
 mod output;
 mod prepare;
 mod request;
@@ -98,6 +99,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     pending: FxHashMap<RequestId, Pending>,
     /// Publishes the scheduler's KV events once per step (`config.kv_events`).
     publisher: Option<kv_events::Publisher>,
+    /// TTFT and inter-token latency histograms ([`metrics`](Self::metrics)).
+    latencies: metrics::Latencies,
 }
 
 impl Engine<CpuBackend> {
@@ -174,6 +177,7 @@ impl<B: Backend> Engine<B> {
             finished: 0,
             pending: FxHashMap::default(),
             publisher,
+            latencies: metrics::Latencies::default(),
         })
     }
 
@@ -231,6 +235,32 @@ impl<B: Backend> Engine<B> {
             encoder_cache_hits: self.preparer.encoder_cache().hits(),
             finished: self.finished,
         }
+    }
+
+    /// The engine's metrics in Prometheus text format: prefix-cache queries
+    /// and hits in prompt tokens, preemptions, dropped KV events, running and
+    /// waiting requests, KV-cache usage, TTFT and inter-token latency
+    /// histograms (names and meanings follow vLLM's, prefixed `omniprefix_`).
+    ///
+    /// ```
+    /// use omniprefix::engine::{Engine, EngineConfig, Request};
+    /// use omniprefix::model::Config;
+    ///
+    /// let mut engine = Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, EngineConfig { block_size: 4, ..Default::default() })?;
+    /// engine.run(Request::text((0..10).collect()))?;
+    /// engine.run(Request::text((0..14).collect()))?;
+    /// let text = engine.metrics()?;
+    /// assert!(text.contains("omniprefix_prefix_cache_queries_total 24\n"));
+    /// assert!(text.contains("omniprefix_prefix_cache_hits_total 10\n"));
+    /// assert!(text.contains("omniprefix_time_to_first_token_seconds_count 2\n"));
+    /// # Ok::<(), omniprefix::Error>(())
+    /// ```
+    pub fn metrics(&self) -> Result<String> {
+        let stats = self.stats();
+        let running = self.pending.len().saturating_sub(stats.sched.waiting);
+        let kv_events_dropped = self.kv_events_stats().map(|s| s.dropped);
+        let reading = metrics::Reading { stats: &stats, running, num_blocks: self.config.num_blocks, kv_events_dropped };
+        metrics::render(&self.latencies, reading)
     }
 
     /// Checks the scheduler's pool, index and request bookkeeping; `Err` names

@@ -63,6 +63,7 @@ pub(super) trait Core: Send {
     fn reset_cache(&mut self) -> Result<usize>;
     fn cached_block_hashes(&self) -> Vec<u64>;
     fn kv_events_stats(&self) -> Option<PublisherStats>;
+    fn metrics(&self) -> Result<String>;
 }
 
 impl<B: Backend> Core for Engine<B>
@@ -89,6 +90,9 @@ where
     }
     fn stats(&self) -> EngineStats {
         Engine::stats(self)
+    }
+    fn metrics(&self) -> Result<String> {
+        Engine::metrics(self)
     }
     fn validate(&self) -> std::result::Result<(), InvariantViolation> {
         Engine::validate(self)
@@ -220,6 +224,11 @@ impl ServedEngine {
     /// Counters of the scheduler, index and encoder cache.
     pub fn stats(&self) -> Result<EngineStats> {
         self.call(|core| core.stats())
+    }
+
+    /// The engine's metrics in Prometheus text format (see [`Engine::metrics`]).
+    pub fn metrics(&self) -> Result<String> {
+        self.call(|core| core.metrics())?
     }
 
     /// Checks the scheduler's pool, index and bookkeeping.

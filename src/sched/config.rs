@@ -11,6 +11,13 @@ pub struct SchedulerConfig {
     pub max_tokens_per_step: usize,
     /// Sequences per step.
     pub max_seqs_per_step: usize,
+    /// Prefill tokens a step that carries decode tokens may add (`None`: the
+    /// rest of the budget). Bounds how long a decode waits behind prompts,
+    /// which are then chunked across steps; each step still gives the prompt
+    /// at the head of the queue up to this many tokens, so new requests keep
+    /// moving. Must be positive and at most `max_tokens_per_step`.
+    #[serde(default)]
+    pub prefill_cap: Option<usize>,
     /// Reuse a match that ends inside a block by copying that block
     /// (copy-on-write) instead of recomputing the whole block.
     pub token_granular_reuse: bool,
@@ -21,6 +28,8 @@ pub struct SchedulerConfig {
 pub struct SchedulerStats {
     /// Requests matched against the index when they started running.
     pub queries: u64,
+    /// Prompt tokens of those requests (vLLM's `prefix_cache_queries`).
+    pub query_tokens: u64,
     /// Of those, requests that reused at least one cached token.
     pub hits: u64,
     /// Cached tokens reused (not recomputed).

@@ -15,7 +15,10 @@
 //!
 //! One token budget per step, as in vLLM V1's unified scheduler: decode
 //! tokens of running sequences first, then their prefill chunks, then waiting
-//! requests.
+//! requests. A step that carries decode tokens adds at most
+//! `SchedulerConfig::prefill_cap` prefill tokens, so a long prompt is chunked
+//! across steps instead of stalling every decode behind it (vLLM's
+//! `long_prefill_token_threshold`, SGLang's mixed chunks).
 //!
 //! Blocks are never lost: a request's block table is a prefix of index-owned
 //! blocks (pinned by one index lock) followed by private pool blocks. Only
@@ -138,6 +141,7 @@ struct Tracked {
 ///     block_size: 4,
 ///     max_tokens_per_step: 6,
 ///     max_seqs_per_step: 2,
+///     prefill_cap: None,
 ///     token_granular_reuse: true,
 /// };
 /// let index = RadixIndex::new(RadixConfig { block_size: 4 })?;
@@ -197,6 +201,17 @@ impl Scheduler {
         positive("block_size", config.block_size)?;
         positive("max_tokens_per_step", config.max_tokens_per_step)?;
         positive("max_seqs_per_step", config.max_seqs_per_step)?;
+        if let Some(cap) = config.prefill_cap {
+            positive("prefill_cap", cap)?;
+            if cap > config.max_tokens_per_step {
+                return Err(ConfigError::Invalid {
+                    component: "scheduler",
+                    field: "prefill_cap",
+                    expected: format!("at most max_tokens_per_step ({})", config.max_tokens_per_step),
+                    found: cap.to_string(),
+                }.into());
+            }
+        }
         if config.block_size != index.block_size() {
             return Err(ConfigError::Invalid {
                 component: "scheduler",

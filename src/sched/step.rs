@@ -1,5 +1,6 @@
 //! Building a step: one token budget, decode tokens of running sequences
-//! first, then their prefill chunks, then waiting requests, each matched
+//! first, then their prefill chunks, then waiting requests (the prefill
+//! tokens capped once the step carries a decode), each matched
 //! against the index when it starts and given blocks (evicting, then
 //! preempting the newest, when the pool runs dry).
 
@@ -13,38 +14,25 @@ use super::{Phase, Scheduler, Tracked};
 impl Scheduler {
     /// Builds the next step within one token budget: the decode tokens of
     /// running sequences first, then their prefill chunks (both oldest first),
-    /// then waiting requests in arrival order. A sequence whose blocks cannot
-    /// be found waits; an empty batch means nothing can run now.
+    /// then waiting requests in arrival order; once the step carries a decode,
+    /// its prefill tokens are capped at `prefill_cap`. A sequence whose blocks
+    /// cannot be found waits; an empty batch means nothing can run now.
     pub fn schedule(&mut self) -> Result<ScheduledBatch> {
         let mut batch = ScheduledBatch::default();
-        let mut budget = self.config.max_tokens_per_step;
         let remaining = |t: &Tracked| t.req.prompt.len() - t.num_computed;
-        let mut order: Vec<RequestId> = Vec::with_capacity(self.running.len());
-        for decode in [true, false] {
-            order.extend(self.running.iter().copied().filter(|id| {
-                self.requests.get(id).is_some_and(|t| (remaining(t) == 1) == decode)
-            }));
+        let (decodes, prefills): (Vec<RequestId>, Vec<RequestId>) = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| self.requests.contains_key(id))
+            .partition(|id| self.requests.get(id).is_some_and(|t| remaining(t) == 1));
+        let mut budget = self.config.max_tokens_per_step;
+        self.schedule_running(&decodes, &mut budget, &mut batch)?;
+        // A step that carries decode tokens adds at most `prefill_cap` prefill tokens.
+        if !batch.seqs.is_empty() {
+            budget = budget.min(self.config.prefill_cap.unwrap_or(usize::MAX));
         }
-        for id in order {
-            if budget == 0 || batch.seqs.len() >= self.config.max_seqs_per_step {
-                break;
-            }
-            // An earlier reservation may have preempted it.
-            let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
-            let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
-            if t.in_flight.is_some() {
-                continue;
-            }
-            let chunk = remaining(t).min(budget);
-            let need = (t.num_computed + chunk)
-                .div_ceil(self.config.block_size)
-                .saturating_sub(t.block_table.len());
-            if let Some(fresh) = self.reserve(need, Some(i))? {
-                self.tracked_mut(id)?.block_table.extend(fresh);
-                self.emit(id, chunk, &mut batch)?;
-                budget -= chunk;
-            }
-        }
+        self.schedule_running(&prefills, &mut budget, &mut batch)?;
         while let Some(&id) = self.waiting.front() {
             if budget == 0
                 || batch.seqs.len() >= self.config.max_seqs_per_step
@@ -55,6 +43,33 @@ impl Scheduler {
             budget -= batch.seqs.last().map_or(0, |s| s.token_ids.len());
         }
         Ok(batch)
+    }
+
+    /// Emits the next chunk of each running sequence of `ids` (in order)
+    /// within `budget`, taking blocks for it (preempting newer sequences when
+    /// short); a sequence whose blocks cannot be found waits.
+    fn schedule_running(&mut self, ids: &[RequestId], budget: &mut usize, batch: &mut ScheduledBatch) -> Result<()> {
+        for &id in ids {
+            if *budget == 0 || batch.seqs.len() >= self.config.max_seqs_per_step {
+                break;
+            }
+            // An earlier reservation may have preempted it.
+            let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
+            let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
+            if t.in_flight.is_some() {
+                continue;
+            }
+            let chunk = (t.req.prompt.len() - t.num_computed).min(*budget);
+            let need = (t.num_computed + chunk)
+                .div_ceil(self.config.block_size)
+                .saturating_sub(t.block_table.len());
+            if let Some(fresh) = self.reserve(need, Some(i))? {
+                self.tracked_mut(id)?.block_table.extend(fresh);
+                self.emit(id, chunk, batch)?;
+                *budget -= chunk;
+            }
+        }
+        Ok(())
     }
 
     /// Matches a waiting request, pins its cached prefix, allocates its first
@@ -122,6 +137,7 @@ impl Scheduler {
             self.stats.block_copies += 1;
         }
         self.stats.queries += 1;
+        self.stats.query_tokens += len as u64;
         if computed > 0 {
             self.stats.hits += 1;
             self.stats.hit_tokens += computed as u64;

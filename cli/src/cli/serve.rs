@@ -75,6 +75,13 @@ pub struct ServeArgs {
     /// Sequences per scheduler step (the decode batch).
     #[arg(long)]
     pub max_seqs: Option<usize>,
+    /// New tokens per scheduler step (the chunked-prefill budget; default 2048).
+    #[arg(long)]
+    pub max_tokens_per_step: Option<usize>,
+    /// Prefill tokens a step that carries decodes may add (default: an eighth
+    /// of the budget; the budget itself: uncapped).
+    #[arg(long)]
+    pub prefill_cap: Option<usize>,
     /// CPU threads for the forward (default: all).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -132,6 +139,8 @@ impl ServeArgs {
             conversations: self.conversations.unwrap_or(base.conversations),
             mm_scale: self.mm_scale.unwrap_or(base.mm_scale),
             max_seqs: self.max_seqs.unwrap_or(base.max_seqs),
+            max_tokens_per_step: self.max_tokens_per_step.unwrap_or(base.max_tokens_per_step),
+            prefill_cap: self.prefill_cap.or(base.prefill_cap),
             kv_dtype: self.kv_dtype,
             seed: self.seed,
             fingerprint_key: self.fleet.key()?,

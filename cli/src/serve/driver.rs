@@ -116,6 +116,8 @@ impl<B: Backend + 'static> Serve<'_, B> {
             capture: Some(Vec::new()),
             cache,
             max_seqs_per_step: o.max_seqs,
+            max_tokens_per_step: o.max_tokens_per_step,
+            prefill_cap: o.prefill_cap,
             tokens: Some(self.tokens.clone()),
             kv_dtype: o.kv_dtype,
             fingerprint_key: o.fingerprint_key.clone(),
@@ -192,11 +194,14 @@ impl<B: Backend + 'static> Serve<'_, B> {
                 end = end.max(d.at);
             }
         })?;
+        let sched = served.config().scheduler_config();
         let facts = RunFacts {
             workload: workload.as_str(),
             backend: self.backend.name(),
             cache,
             arrival,
+            max_tokens_per_step: sched.max_tokens_per_step,
+            prefill_cap: sched.prefill_cap.unwrap_or(sched.max_tokens_per_step),
             duration: end.saturating_duration_since(start).max(Duration::from_nanos(1)),
             encoder_ms: o.encoder_ms,
             encoder_calls: caller.encoder_calls.load(Ordering::Relaxed),

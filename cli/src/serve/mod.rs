@@ -104,6 +104,10 @@ pub struct ServeOptions {
     pub block_size: usize,
     /// Sequences per scheduler step (bounds the decode batch).
     pub max_seqs: usize,
+    /// New tokens per scheduler step (the chunked-prefill budget).
+    pub max_tokens_per_step: usize,
+    /// Prefill tokens a step beside decodes may add; `None`: the engine's default.
+    pub prefill_cap: Option<usize>,
     /// The element type of the K/V pages.
     pub kv_dtype: Dtype,
     /// Seed of the prompts, media, arrivals and sampling.
@@ -135,6 +139,8 @@ impl ServeOptions {
             mm_scale: 4,
             block_size: 16,
             max_seqs: 16,
+            max_tokens_per_step: 2048,
+            prefill_cap: None,
             kv_dtype: Dtype::F32,
             seed: 0,
             fingerprint_key: FingerprintKey::random(),
@@ -158,6 +164,8 @@ impl ServeOptions {
             mm_scale: 8,
             block_size: 16,
             max_seqs: 16,
+            max_tokens_per_step: 2048,
+            prefill_cap: None,
             kv_dtype: Dtype::F32,
             seed: 0,
             fingerprint_key: FingerprintKey::random(),

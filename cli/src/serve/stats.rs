@@ -50,6 +50,10 @@ pub struct ServeReport {
     pub concurrency: Option<usize>,
     /// Open loop: Poisson arrivals per second (`None` for a closed-loop run).
     pub rate: Option<f64>,
+    /// The scheduling policy: new tokens per step, and the prefill tokens a
+    /// step that carries decodes may add (equal to the budget: uncapped).
+    pub max_tokens_per_step: usize,
+    pub prefill_cap: usize,
     pub requests: usize,
     pub prompt_tokens: usize,
     /// Prompt tokens served from the cache.
@@ -82,6 +86,9 @@ pub struct RunFacts<'a> {
     pub backend: &'static str,
     pub cache: bool,
     pub arrival: Arrival,
+    /// The scheduler's step budget and prefill cap beside decodes.
+    pub max_tokens_per_step: usize,
+    pub prefill_cap: usize,
     pub duration: Duration,
     /// The stand-in encoder's sleep per item, and how many items it encoded.
     pub encoder_ms: u64,
@@ -108,6 +115,8 @@ impl ServeReport {
             cache: facts.cache,
             concurrency,
             rate,
+            max_tokens_per_step: facts.max_tokens_per_step,
+            prefill_cap: facts.prefill_cap,
             requests: samples.len(),
             prompt_tokens,
             cached_tokens,
@@ -142,7 +151,7 @@ mod tests {
             itl: itl.iter().map(|&v| ms(v)).collect(),
         };
         let arrival = Arrival::Concurrency(2);
-        let facts = RunFacts { workload: "w", backend: "cpu", cache: true, arrival, duration: ms(500), encoder_ms: 0, encoder_calls: 3 };
+        let facts = RunFacts { workload: "w", backend: "cpu", cache: true, arrival, max_tokens_per_step: 2048, prefill_cap: 256, duration: ms(500), encoder_ms: 0, encoder_calls: 3 };
         let r = ServeReport::new(facts, &[sample(50, 10, &[1, 2]), sample(0, 30, &[3])]);
         assert_eq!((r.requests, r.prompt_tokens, r.cached_tokens, r.output_tokens), (2, 200, 50, 5));
         assert_eq!((r.hit_rate, r.output_tokens_per_s, r.request_throughput), (0.25, 10.0, 4.0));

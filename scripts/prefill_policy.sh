@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Does the prefill cap keep decodes moving? Runs `bench serve --workload prefix_repetition`
+# (5 prefixes x 4 prompts, 64 output tokens, concurrency 1 and 8, caching on and off) with
+# the cap off (--prefill-cap equal to the step budget: whole prompts beside decodes) and
+# with the engine's default cap, interleaved REPEAT times so that load from anything else
+# on the machine falls on both alike. Writes every run to OUT (JSON lines) and prints the
+# issue's three targets per policy, medians over the repeats:
+#   caching off, c=8:  ITL p99 / ITL p50          (target <= 2)
+#   caching off:       TTFT p50 c=8 / c=1         (target <= 4)
+#   caching on:        output tok/s c=8 / c=1     (target >= 5)
+# See docs/serving.md. About 4 minutes per policy and repeat on 2 cores.
+#
+# Env: REPEAT (default 1), CAP (the capped run's --prefill-cap; default: the engine's),
+# OUT (default docs/reports/prefill_policy.jsonl), EXTRA (more bench serve flags),
+# OMNIPREFIX (a built binary; default: builds the release one).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -z "${OMNIPREFIX:-}" ]]; then
+    cargo build --quiet --release -p omniprefix-cli
+    OMNIPREFIX="${CARGO_TARGET_DIR:-$(pwd)/target}/release/omniprefix"
+fi
+out="${OUT:-docs/reports/prefill_policy.jsonl}"
+args=(bench serve --workload prefix_repetition --json --concurrency 1,8 --output-len 64
+      --num-prefixes 5 --prompts-per-prefix 4 --max-tokens-per-step 2048)
+# shellcheck disable=SC2206
+args+=(${EXTRA:-})
+capped=()
+[[ -n "${CAP:-}" ]] && capped=(--prefill-cap "$CAP")
+
+: > "$out"
+for ((i = 1; i <= ${REPEAT:-1}; i++)); do
+    "$OMNIPREFIX" "${args[@]}" --prefill-cap 2048 >> "$out"
+    "$OMNIPREFIX" "${args[@]}" "${capped[@]}" >> "$out"
+done
+
+python3 - "$out" <<'PY'
+import json
+import statistics
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print(f"{'cap':>5} {'c':>2} {'cache':>5} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} {'tok/s':>7}")
+for r in rows:
+    print(f"{r['prefill_cap']:>5} {r['concurrency']:>2} {'on' if r['cache'] else 'off':>5} {r['ttft_ms_p50']:>7.0f}ms "
+          f"{r['ttft_ms_p99']:>7.0f}ms {r['itl_ms_p50']:>6.1f}ms {r['itl_ms_p99']:>6.1f}ms {r['output_tokens_per_s']:>7.1f}")
+
+
+def median(key, cap, c, cache):
+    return statistics.median(r[key] for r in rows if r["prefill_cap"] == cap and r["concurrency"] == c and r["cache"] == cache)
+
+
+for cap in sorted({r["prefill_cap"] for r in rows}, reverse=True):
+    c8, c1 = 8, 1
+    itl = median("itl_ms_p99", cap, c8, False) / median("itl_ms_p50", cap, c8, False)
+    ttft = median("ttft_ms_p50", cap, c8, False) / median("ttft_ms_p50", cap, c1, False)
+    tput = median("output_tokens_per_s", cap, c8, True) / median("output_tokens_per_s", cap, c1, True)
+    label = "off (uncapped)" if cap == rows[0]["max_tokens_per_step"] else f"{cap} tokens"
+    print(f"prefill cap {label}: ITL p99/p50 at c=8, caching off {itl:.2f} (<= 2); "
+          f"TTFT p50 c=8/c=1, caching off {ttft:.2f} (<= 4); tok/s c=8/c=1, caching on {tput:.2f} (>= 5)")
+PY

@@ -1,0 +1,113 @@
+//! The engine's Prometheus metrics, with vLLM's meanings: prefix-cache
+//! queries and hits counted in prompt tokens, preemptions, dropped KV events,
+//! running and waiting requests, KV-cache usage, and TTFT / inter-token
+//! latency histograms (one ITL observation per gap between two tokens of a
+//! request). The counters and gauges are read from their owners when the text
+//! is rendered; only the histograms are kept here, observed as tokens come out.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use super::config::EngineStats;
+use crate::error::{Component, Result};
+
+/// vLLM's TTFT buckets (seconds).
+const TTFT_BUCKETS: [f64; 22] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+    640.0, 2560.0,
+];
+/// vLLM's inter-token latency buckets (seconds), with finer steps below 10 ms
+/// for small models.
+const ITL_BUCKETS: [f64; 22] = [
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0,
+];
+
+/// The latency histograms, observed by the engine as it emits tokens.
+#[derive(Debug)]
+pub(super) struct Latencies {
+    ttft: Histogram,
+    itl: Histogram,
+}
+
+impl Default for Latencies {
+    fn default() -> Self {
+        Latencies { ttft: Histogram::new(TTFT_BUCKETS), itl: Histogram::new(ITL_BUCKETS) }
+    }
+}
+
+impl Latencies {
+    /// A request's first token (a prefill: its output), `elapsed` after it was submitted.
+    pub(super) fn first_token(&self, elapsed: Duration) {
+        self.ttft.observe(elapsed.as_secs_f64());
+    }
+
+    /// The gap between two consecutive tokens of one request.
+    pub(super) fn inter_token(&self, gap: Duration) {
+        self.itl.observe(gap.as_secs_f64());
+    }
+}
+
+/// What the gauges and counters read at render time.
+pub(super) struct Reading<'a> {
+    pub(super) stats: &'a EngineStats,
+    /// Requests admitted and not waiting in the queue (running, or ready for their next token).
+    pub(super) running: usize,
+    pub(super) num_blocks: usize,
+    /// KV events the publisher dropped (`None`: no publisher).
+    pub(super) kv_events_dropped: Option<u64>,
+}
+
+/// The metrics as Prometheus text (OpenMetrics, ending in `# EOF`).
+pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
+    let s = &r.stats.sched;
+    let mut registry = Registry::with_prefix("omniprefix");
+    registry.register(
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache (each time a request starts)",
+        ConstCounter::new(s.query_tokens),
+    );
+    registry.register(
+        "prefix_cache_hits",
+        "Prompt tokens served from the prefix cache",
+        ConstCounter::new(s.hit_tokens),
+    );
+    registry.register(
+        "num_preemptions",
+        "Requests whose blocks were taken back (recomputed later)",
+        ConstCounter::new(s.preemptions),
+    );
+    registry.register(
+        "kv_events_dropped",
+        "KV events the publisher dropped (0 without a publisher)",
+        ConstCounter::new(r.kv_events_dropped.unwrap_or(0)),
+    );
+    registry.register("num_requests_running", "Requests admitted and not waiting", ConstGauge::new(r.running));
+    registry.register("num_requests_waiting", "Requests waiting to start", ConstGauge::new(s.waiting));
+    let used = (s.blocks_in_use + s.blocks_cached) as f64 / r.num_blocks.max(1) as f64;
+    registry.register(
+        "kv_cache_usage_ratio",
+        "KV blocks in use or cached over the pool",
+        ConstGauge::<f64>::new(used),
+    );
+    registry.register_with_unit(
+        "time_to_first_token",
+        "From submission to the first token (a prefill: to its output)",
+        Unit::Seconds,
+        latencies.ttft.clone(),
+    );
+    registry.register_with_unit(
+        "inter_token_latency",
+        "Between two consecutive tokens of a request",
+        Unit::Seconds,
+        latencies.itl.clone(),
+    );
+    let mut text = String::new();
+    encode(&mut text, &registry).map_err(|e| Component::Engine.violation(format!("encoding the metrics: {e}")))?;
+    Ok(text)
+}
