@@ -24,11 +24,17 @@ mkdir -p "$work/reports" "$work/figures"
 "$bin" bench match --workload all --scale tiny --runs 1 --threads 1 --json > "$work/reports/bench_match_1t.jsonl"
 "$bin" bench match --workload all --scale tiny --runs 1 --threads 2 --json > "$work/reports/bench_match_Nt.jsonl"
 "$bin" bench serve --quick --threads 1 --json > "$work/reports/bench_serve.jsonl"
+# scripts/prefill_policy.sh in small: the cap off (= the budget), then the default (a sixteenth: 4).
+for cap in --prefill-cap=64 ""; do
+    # shellcheck disable=SC2086
+    "$bin" bench serve --quick --threads 1 --json --trace --workload prefix_repetition --concurrency 1,4 \
+        --max-tokens-per-step 64 $cap >> "$work/reports/prefill_policy.jsonl"
+done
 
 OMNIPREFIX_REPORTS="$work/reports" OMNIPREFIX_FIGURES="$work/figures" OMNIPREFIX_CRITERION="$work/no-criterion" \
     "$venv/bin/python" notebooks/execute.py notebooks/*.ipynb
 
-for figure in match_time_vs_bytes ttft_vs_cached_fraction multi_round_hits hidden_state_difference serve_ttft_itl; do
+for figure in match_time_vs_bytes ttft_vs_cached_fraction multi_round_hits hidden_state_difference serve_ttft_itl serve_itl_policy; do
     if [[ ! -s "$work/figures/$figure.png" ]]; then
         echo "error: the notebooks did not write $figure.png" >&2
         exit 1

@@ -41,6 +41,8 @@ if [[ -z "${FIGURES_ONLY:-}" || -n "${SERVE_ONLY:-}" ]]; then
     # replies) and 2 conversations of multi_round: ~8 min on 2 cores (4 conversations: ~15).
     "$target_dir/release/omniprefix" bench serve --output-len 128 --conversations 2 \
         --concurrency 1,8 --json > "$reports/bench_serve.jsonl"
+    # The prefill cap off and on (ITL over time: serve_itl_policy.png), ~8 min.
+    OMNIPREFIX="$target_dir/release/omniprefix" OUT="$reports/prefill_policy.jsonl" bash scripts/prefill_policy.sh
 fi
 
 # README "Scale-out": KV-aware routing against round-robin and Dynamo's indexer (~7 min).

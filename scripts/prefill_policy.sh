@@ -21,7 +21,7 @@ if [[ -z "${OMNIPREFIX:-}" ]]; then
     OMNIPREFIX="${CARGO_TARGET_DIR:-$(pwd)/target}/release/omniprefix"
 fi
 out="${OUT:-docs/reports/prefill_policy.jsonl}"
-args=(bench serve --workload prefix_repetition --json --concurrency 1,8 --output-len 64
+args=(bench serve --workload prefix_repetition --json --trace --concurrency 1,8 --output-len 64
       --num-prefixes 5 --prompts-per-prefix 4 --max-tokens-per-step 2048)
 # shellcheck disable=SC2206
 args+=(${EXTRA:-})

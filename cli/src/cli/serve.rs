@@ -78,7 +78,7 @@ pub struct ServeArgs {
     /// New tokens per scheduler step (the chunked-prefill budget; default 2048).
     #[arg(long)]
     pub max_tokens_per_step: Option<usize>,
-    /// Prefill tokens a step that carries decodes may add (default: an eighth
+    /// Prefill tokens a step that carries decodes may add (default: a sixteenth
     /// of the budget; the budget itself: uncapped).
     #[arg(long)]
     pub prefill_cap: Option<usize>,
@@ -101,6 +101,9 @@ pub struct ServeArgs {
     /// One JSON object per (workload, cache mode, arrival) line instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// With --json: add every inter-token gap with its time (`itl_trace`: [s since the run started, ms]).
+    #[arg(long)]
+    pub trace: bool,
     #[command(flatten)]
     pub fleet: FleetArgs,
 }
@@ -146,6 +149,7 @@ impl ServeArgs {
             fingerprint_key: self.fleet.key()?,
             kv_events: self.fleet.kv_events()?,
             encoder_ms: self.encoder_ms,
+            trace: self.trace,
             ..base
         })
     }

@@ -24,7 +24,7 @@ use omniprefix::model::Thinker;
 use omniprefix::prompt::{OmniTokens, TenantSalt};
 use omniprefix::sample::SamplingParams;
 
-use super::{Arrival, Dispatcher, RequestSample, RunFacts, ServeOptions, ServeReport, ServeWorkload};
+use super::{Arrival, Dispatcher, RequestSample, RunFacts, ServeOptions, ServeReport, ServeWorkload, itl_trace};
 use crate::error::Result;
 use crate::ttft::{Media, map_ids, text_id_limit};
 use crate::workloads::{ChatTurn, conversation_turns, prefix_repetition_prompts, reply_for_history};
@@ -162,6 +162,7 @@ impl<B: Backend + 'static> Serve<'_, B> {
                         token_ids: ids.clone(),
                         items: items.clone(),
                         arrived: start + due.arrived,
+                        run_start: start,
                     };
                     let (caller, finished) = (&caller, finished.clone());
                     // One caller thread per request in flight: it prepares the request
@@ -207,7 +208,8 @@ impl<B: Backend + 'static> Serve<'_, B> {
             encoder_calls: caller.encoder_calls.load(Ordering::Relaxed),
         };
         let kv_events = drained_kv_events(&served)?;
-        Ok(ServeReport { kv_events, ..ServeReport::new(facts, &samples) })
+        let trace = o.trace.then(|| itl_trace(&samples));
+        Ok(ServeReport { kv_events, itl_trace: trace, ..ServeReport::new(facts, &samples) })
     }
 }
 
@@ -234,6 +236,8 @@ struct Job {
     token_ids: Vec<u32>,
     items: Vec<Modality>,
     arrived: Instant,
+    /// When the run started (token times in the trace count from here).
+    run_start: Instant,
 }
 
 /// What a caller thread hands back when its request finished.
@@ -282,7 +286,10 @@ impl Caller<'_> {
                 Event::Token(_) => {
                     match last_token {
                         None => sample.ttft = now.saturating_duration_since(job.arrived),
-                        Some(last) => sample.itl.push(now - last),
+                        Some(last) => {
+                            sample.itl.push(now - last);
+                            sample.itl_at.push(now.saturating_duration_since(job.run_start));
+                        }
                     }
                     last_token = Some(now);
                 }

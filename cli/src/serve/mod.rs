@@ -21,7 +21,7 @@ use std::str::FromStr;
 
 pub use arrival::{Arrival, Dispatcher, Due, poisson_offsets};
 pub use driver::run_serve;
-pub use stats::{RequestSample, RunFacts, ServeReport, percentile};
+pub use stats::{RequestSample, RunFacts, ServeReport, itl_trace, percentile};
 
 use omniprefix::backend::Dtype;
 use omniprefix::canon::FingerprintKey;
@@ -119,6 +119,8 @@ pub struct ServeOptions {
     /// What the stand-in encoder sleeps per item it encodes (an encoder-cache
     /// miss), on the submitting thread; 0 = it returns the rows at once.
     pub encoder_ms: u64,
+    /// Report every inter-token gap with its time (`itl_trace`).
+    pub trace: bool,
 }
 
 impl ServeOptions {
@@ -146,6 +148,7 @@ impl ServeOptions {
             fingerprint_key: FingerprintKey::random(),
             kv_events: None,
             encoder_ms: 0,
+            trace: false,
         })
     }
 
@@ -171,6 +174,7 @@ impl ServeOptions {
             fingerprint_key: FingerprintKey::random(),
             kv_events: None,
             encoder_ms: 0,
+            trace: false,
         }
     }
 }

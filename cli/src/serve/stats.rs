@@ -36,6 +36,18 @@ pub struct RequestSample {
     pub ttft: Duration,
     /// Gaps between the steps that returned consecutive tokens.
     pub itl: Vec<Duration>,
+    /// When each gap of `itl` ended, from the start of the run.
+    pub itl_at: Vec<Duration>,
+}
+
+/// Every inter-token gap of a run as `[seconds since its start, gap in ms]`, by time.
+pub fn itl_trace(samples: &[RequestSample]) -> Vec<[f64; 2]> {
+    let mut trace: Vec<[f64; 2]> = samples
+        .iter()
+        .flat_map(|s| s.itl_at.iter().zip(&s.itl).map(|(at, gap)| [at.as_secs_f64(), gap.as_secs_f64() * 1e3]))
+        .collect();
+    trace.sort_by(|a, b| a[0].total_cmp(&b[0]));
+    trace
 }
 
 /// One line of `bench serve --json`.
@@ -77,6 +89,9 @@ pub struct ServeReport {
     /// The KV-event publisher's counters, with `--kv-events`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<omniprefix::events::PublisherStats>,
+    /// With `--trace`: every inter-token gap as `[seconds since the run started, ms]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub itl_trace: Option<Vec<[f64; 2]>>,
 }
 
 /// Where a run's report lines come from: its name, settings and samples.
@@ -132,6 +147,7 @@ impl ServeReport {
             encoder_ms: facts.encoder_ms,
             encoder_calls: facts.encoder_calls,
             kv_events: None,
+            itl_trace: None,
         }
     }
 }
@@ -149,6 +165,8 @@ mod tests {
             output_tokens: itl.len() + 1,
             ttft: ms(ttft),
             itl: itl.iter().map(|&v| ms(v)).collect(),
+            // Each gap ends 10 ms after the previous one, from ttft on.
+            itl_at: (1..=itl.len() as u64).map(|i| ms(ttft + 10 * i)).collect(),
         };
         let arrival = Arrival::Concurrency(2);
         let facts = RunFacts { workload: "w", backend: "cpu", cache: true, arrival, max_tokens_per_step: 2048, prefill_cap: 256, duration: ms(500), encoder_ms: 0, encoder_calls: 3 };
@@ -158,5 +176,8 @@ mod tests {
         assert_eq!((r.ttft_ms_p50, r.itl_ms_p50), (20.0, 2.0));
         assert_eq!((r.concurrency, r.rate, r.encoder_calls), (Some(2), None, 3));
         assert!((r.ttft_ms_p99 - 29.8).abs() < 1e-9);
+        // The trace: every gap with its end time, in time order across requests.
+        let trace = itl_trace(&[sample(50, 10, &[1, 2]), sample(0, 15, &[3])]);
+        assert_eq!(trace, vec![[0.02, 1.0], [0.025, 3.0], [0.03, 2.0]]);
     }
 }
