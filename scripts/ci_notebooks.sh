@@ -4,7 +4,8 @@
 # executes every notebook on it headless and checks each wrote its figures.
 # A couple of minutes on 2 cores once the debug binary is built.
 #
-# Env: NOTEBOOK_VENV (default target/notebook-venv), PYTHON (default python3).
+# Env: NOTEBOOK_VENV (default target/notebook-venv), PYTHON (default python3),
+#      OMNIPREFIX_BIN (a built `omniprefix`; default: cargo build --bin omniprefix).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,8 +15,13 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r notebooks/requirements.txt
 
-cargo build --quiet --bin omniprefix
-bin="${CARGO_TARGET_DIR:-$(pwd)/target}/debug/omniprefix"
+# scripts/test.sh passes the CLI its test build made (OMNIPREFIX_BIN): a plain `cargo build`
+# resolves features without the dev-dependencies and would compile most dependencies again.
+bin="${OMNIPREFIX_BIN:-}"
+if [[ -z "$bin" ]]; then
+    cargo build --quiet --bin omniprefix
+    bin="${CARGO_TARGET_DIR:-$(pwd)/target}/debug/omniprefix"
+fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

@@ -19,6 +19,13 @@ mkdir -p "$XDG_RUNTIME_DIR"
 # shrinks its prefix/suffix lengths 16x there (figures on real GPUs use the full sizes).
 export OMNIPREFIX_ATTN_BENCH_SCALE="${OMNIPREFIX_ATTN_BENCH_SCALE:-16}"
 
+# The Python venv (the package's tests and the notebooks) fills from PyPI while cargo compiles:
+# pip waits on the network, the build on the CPU. Its log is shown if it fails.
+venv="${CARGO_TARGET_DIR:-target}/python-venv"
+venv_log="$(mktemp)"
+bash scripts/python_venv.sh "$venv" python/requirements-test.txt notebooks/requirements.txt > "$venv_log" 2>&1 &
+venv_pid=$!
+
 # A clean CI build gains nothing from incremental caches, and they double the disk it needs.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 echo "disk free before the build: $(df -h . | awk 'NR==2 {print $4}')"
@@ -32,7 +39,7 @@ phase() {
 # The engine alone: without default features the library builds with none of the GPU or
 # CLI crates (wgpu, naga, clap, indicatif, criterion) nor the KV-event publisher's (zeromq, tokio)
 # in its normal dependency tree.
-phase cargo check -p omniprefix --no-default-features --all-targets --quiet
+phase cargo check -p omniprefix --no-default-features --lib --quiet
 if cargo tree -p omniprefix --no-default-features -e normal --prefix none | grep -E '^(wgpu|naga|clap|indicatif|criterion|zeromq|tokio) '; then
   echo "the engine without default features pulls in the crates above" >&2
   exit 1
@@ -45,8 +52,17 @@ phase cargo test --doc "$@"
 # Broken intra-doc links fail the build, so the API docs stay navigable.
 RUSTDOCFLAGS="-D warnings" phase cargo doc --no-deps --quiet
 
-# The Python package: pip install ./python in a fresh venv, then its pytest suite.
-phase bash scripts/test_python.sh
+# The Python package: pip install ./python into the venv made beside the build, then its pytest suite.
+wait_for_venv() {
+  if ! wait "$venv_pid"; then
+    cat "$venv_log" >&2
+    echo "error: scripts/python_venv.sh failed" >&2
+    return 1
+  fi
+}
+phase wait_for_venv
+PYTHON_VENV="$venv" PYTHON_VENV_READY=1 phase bash scripts/test_python.sh
 
-# The demo (--quick) and the notebooks, on a small report, so neither can rot.
-phase bash scripts/ci_notebooks.sh
+# The demo (--quick) and the notebooks, on a small report, so neither can rot; on the CLI the
+# test build made, with the same venv.
+NOTEBOOK_VENV="$venv" OMNIPREFIX_BIN="${CARGO_TARGET_DIR:-target}/debug/omniprefix" phase bash scripts/ci_notebooks.sh
