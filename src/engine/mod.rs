@@ -41,7 +41,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Dtype};
 use crate::batch::{ModelShape, RequestId};
 use crate::canon::Fingerprinter;
-use crate::error::{CheckpointError, ConfigError, InvariantViolation, IoError, Result};
+use crate::error::{ConfigError, InvariantViolation, Result};
 use crate::index::PrefixIndex;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
@@ -278,22 +278,8 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Special ids from a checkpoint's `config.json` (`thinker_config` of Omni
-/// checkpoints, or the root); `None` when it names none (a text-only model).
-pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
-    let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
-    tokens_from_config_json(&text)
-}
-
-/// [`tokens_from_config_file`] over the text of a `config.json`.
-pub fn tokens_from_config_json(text: &str) -> Result<Option<OmniTokens>> {
-    let root: serde_json::Value = serde_json::from_str(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
-    let node = root.get("thinker_config").unwrap_or(&root);
-    if node.get("image_token_id").is_none() {
-        return Ok(None);
-    }
-    serde_json::from_value(node.clone()).map(Some).map_err(|e| CheckpointError::ConfigParse(format!("special token ids: {e}")).into())
-}
+/// A checkpoint's special ids: read, with the rest of `config.json`, by [`crate::model::config::hf`].
+pub use crate::model::config::{tokens_from_config_file, tokens_from_config_json};
 
 /// Time as fractional milliseconds (for reports).
 pub fn millis(d: Duration) -> f64 {
