@@ -10,10 +10,11 @@
 # criterion's output (target/criterion, from `cargo bench`) is plotted when present.
 #
 # The docs quote these reports: docs/demo.md (headline numbers), docs/benchmarks.md (the match
-# table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table), the README's
-# bench serve table (`scripts/serve_table.py < docs/reports/bench_serve.jsonl`) and
-# the README's headline figures, the README's Scale-out table (`scripts/route_bench.py --table
-# docs/reports/route_bench.jsonl`). Nothing here rewrites them: update them from the new reports.
+# table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table; every
+# claim's figure, which the README's headline figures summarise), docs/serve.md "Figures" (the
+# bench serve table: `scripts/serve_table.py < docs/reports/bench_serve.jsonl`), docs/scale-out.md
+# "Figures" (the routing table: `scripts/route_bench.py --table docs/reports/route_bench.jsonl`).
+# Nothing here rewrites them: update them from the new reports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$(pwd)"
@@ -33,11 +34,11 @@ if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
         "$bin" bench ttft --runs 7 --json > "$reports/bench_ttft.jsonl"
     fi
 fi
-# The serve report alone (SERVE_ONLY=1 skips the rest, e.g. on shared cores); the README's
-# bench serve table is `scripts/serve_table.py < docs/reports/bench_serve.jsonl`.
+# The serve report alone (SERVE_ONLY=1 skips the rest, e.g. on shared cores); the bench serve
+# table in docs/serve.md is `scripts/serve_table.py < docs/reports/bench_serve.jsonl`.
 if [[ -z "${FIGURES_ONLY:-}" || -n "${SERVE_ONLY:-}" ]]; then
     cargo build --release --quiet --bin omniprefix
-    # The issue's sizes (10 prefixes of 256 + 256-token suffixes, 2 prompts per prefix, 128-token
+    # The reported sizes (10 prefixes of 256 + 256-token suffixes, 2 prompts per prefix, 128-token
     # replies) and 2 conversations of multi_round: ~8 min on 2 cores (4 conversations: ~15).
     "$target_dir/release/omniprefix" bench serve --output-len 128 --conversations 2 \
         --concurrency 1,8 --json > "$reports/bench_serve.jsonl"
@@ -45,7 +46,7 @@ if [[ -z "${FIGURES_ONLY:-}" || -n "${SERVE_ONLY:-}" ]]; then
     OMNIPREFIX="$target_dir/release/omniprefix" OUT="$reports/prefill_policy.jsonl" bash scripts/prefill_policy.sh
 fi
 
-# README "Scale-out": KV-aware routing against round-robin and Dynamo's indexer (~7 min).
+# docs/scale-out.md "Figures": KV-aware routing against round-robin and Dynamo's indexer (~7 min).
 if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
     bash scripts/route_figures.sh
 fi

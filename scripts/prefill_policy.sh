@@ -4,7 +4,7 @@
 # the cap off (--prefill-cap equal to the step budget: whole prompts beside decodes) and
 # with the engine's default cap, interleaved REPEAT times so that load from anything else
 # on the machine falls on both alike. Writes every run to OUT (JSON lines) and prints the
-# issue's three targets per policy, medians over the repeats:
+# three ratios per policy against their targets, medians over the repeats:
 #   caching off, c=8:  ITL p99 / ITL p50          (target <= 2)
 #   caching off:       TTFT p50 c=8 / c=1         (target <= 4)
 #   caching on:        output tok/s c=8 / c=1     (target >= 5)

@@ -22,8 +22,8 @@ every run routes the same trace the same way.
 
 Per policy it prints the token hit rate (cached prompt tokens / prompt tokens),
 TTFT p50 / mean and the ratio of its mean TTFT to round-robin's, and with
-``--json FILE`` writes one JSON object per policy. README "Scale-out" and
-docs/scale-out.md quote its output (``scripts/make_figures.sh`` reruns it).
+``--json FILE`` writes one JSON object per policy. docs/scale-out.md ("Figures")
+quotes its output (``scripts/make_figures.sh`` reruns it).
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def main() -> None:
 
 
 def print_table(reports: list[dict]) -> None:
-    """The README's table: one row per (arrival, policy)."""
+    """The table of docs/scale-out.md ("Figures"): one row per (arrival, policy)."""
     print("| arrival | policy | hit rate | TTFT p50 ms | TTFT mean ms | mean TTFT vs round-robin | requests per replica | evicted blocks |")
     print("|---|---|---:|---:|---:|---:|---|---:|")
     for r in reports:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Regenerates docs/reports/route_bench.jsonl (README "Scale-out"): a venv with the Python
+# Regenerates docs/reports/route_bench.jsonl (docs/scale-out.md "Figures"): a venv with the Python
 # package built in release, pyzmq, msgspec and Dynamo's KV indexer (requirements-test.txt),
 # then scripts/route_bench.py with the kv, round_robin and dynamo policies (~7 min on 2 cores).
-# Prints the README's table; `python3 scripts/route_bench.py --table docs/reports/route_bench.jsonl`
+# Prints the table of docs/scale-out.md; `python3 scripts/route_bench.py --table docs/reports/route_bench.jsonl`
 # prints it again from the committed report.
 # Env: ROUTE_VENV (default target/route-venv), PYTHON (default python3), CARGO_TARGET_DIR.
 set -euo pipefail

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Markdown table of `omniprefix bench serve --json` lines (stdin) for the README ("bench serve").
+"""Markdown table of `omniprefix bench serve --json` lines (stdin) for docs/serve.md ("Figures").
 
 scripts/make_figures.sh writes the lines to docs/reports/bench_serve.jsonl:
     python3 scripts/serve_table.py < docs/reports/bench_serve.jsonl
 
 One row per (workload, arrival) with caching on and off side by side, then the
-issue's three ratios per row: cached TTFT p50 / uncached, cached ITL p50 /
+three ratios per row: cached TTFT p50 / uncached, cached ITL p50 /
 uncached, and (per workload) output tokens/s at the highest concurrency over concurrency 1.
 """
 import json

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The README's "Against PyTorch on the CPU" rows from `scripts/compare_torch.py`'s reports.
+"""The summary rows of docs/benchmarks.md ("Against PyTorch") from `scripts/compare_torch.py`'s reports.
 
 Usage: python3 scripts/torch_table.py docs/reports/compare_torch.jsonl docs/reports/compare_torch_bf16.jsonl
 Prints one markdown row per report file: checkpoint dtype, then (a) uncached prefill, (b) cached
