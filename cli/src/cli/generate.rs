@@ -115,7 +115,7 @@ impl GenerateReport {
 
 /// Runs the command: the report to `out`, the hidden states to `--out`.
 pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
-    let JobRun { reason, output: generation, kv_events } = on_selected_backend(&args.engine, Generate(args.sampling()))?;
+    let JobRun { reason, output: generation, kv_events } = on_selected_backend("generate", &args.engine, Generate(args.sampling()))?;
     if let Some(path) = &args.out {
         write_tensors(hidden_tensors(&generation.hidden), path)?;
     }

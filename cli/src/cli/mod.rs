@@ -25,10 +25,12 @@ pub mod generate;
 pub mod gpu_check;
 /// `omniprefix hidden`.
 pub mod hidden;
-/// `--dtype` and the model the benchmarks load.
+/// The model the benchmarks load.
 pub mod model_load;
 /// `omniprefix bench serve`.
 pub mod serve;
+/// `--threads`, `--backend`, `--dtype`, `--kv-dtype`: where and how the model runs.
+pub mod runtime;
 /// `omniprefix bench soak`.
 pub mod soak;
 /// `omniprefix bench ttft`.
