@@ -17,6 +17,7 @@ use super::runtime::{BackendJob, Ran, RuntimeArgs};
 use crate::error::{HarnessError, Result, output};
 use crate::serve::{Arrival, ServeOptions, ServeReport, ServeWorkload, run_serve};
 use crate::ttft::bench_model;
+use crate::workloads::select;
 
 /// Arguments of `omniprefix bench serve`.
 #[derive(Debug, Clone, Args)]
@@ -120,7 +121,7 @@ impl ServeArgs {
             }
         }
         Ok(ServeOptions {
-            workloads: ServeWorkload::select(&self.workload)?,
+            workloads: select::<ServeWorkload>(&self.workload)?,
             arrivals,
             prefix_len: self.prefix_len.unwrap_or(base.prefix_len),
             suffix_len: self.suffix_len.unwrap_or(base.suffix_len),

@@ -197,7 +197,7 @@ impl<B: Backend + 'static> Serve<'_, B> {
         })?;
         let sched = served.config().scheduler_config();
         let facts = RunFacts {
-            workload: workload.as_str(),
+            workload: &workload.to_string(),
             backend: self.backend.name(),
             cache,
             arrival,
