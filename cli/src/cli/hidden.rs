@@ -117,6 +117,9 @@ impl<J: EngineJob> BackendJob for OnEngine<'_, J> {
     fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Self::Output> {
         let mut engine = Engine::from_dir_on(backend, &self.args.model, self.config)?;
         let output = self.job.run(&mut engine, self.args)?;
+        if let Some((endpoint, replay)) = engine.kv_events_endpoints() {
+            fleet::announce(endpoint, replay);
+        }
         Ok((output, engine.close_kv_events()))
     }
 }
