@@ -410,6 +410,53 @@ fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestRe
 }
 
 #[test]
+fn warm_says_it_repeats() -> TestResult {
+    let help = ok_stdout(&omniprefix(&["hidden", "--help"])?)?;
+    let warm = help.lines().map(str::trim).find(|l| l.starts_with("--warm ")).ok_or("a --warm line")?;
+    let (flag, text) = warm.split_once("  ").ok_or(warm)?;
+    assert_eq!(
+        (flag, text.trim()),
+        (
+            "--warm <WARM>",
+            "A warm-up request file, run before the request; repeat the flag for several (`--warm a.json --warm b.json` runs them in that order)"
+        ),
+        "{help}"
+    );
+    Ok(())
+}
+
+/// The calm forms of the `backend:` line `--backend auto` prints.
+fn calm_auto_line(line: &str) -> bool {
+    line == "backend: cpu (auto: no GPU adapter found)"
+        || (line.starts_with("backend: cpu (auto: the adapter found, ") && line.ends_with(", renders in software, slower than the CPU backend)"))
+        || (line.starts_with("backend: wgpu on ") && line.ends_with(" (auto: a hardware adapter is available)"))
+        || line.starts_with("backend: cpu (auto: the GPU adapter cannot run the kernels: ")
+}
+
+#[test]
+fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stderr() -> TestResult {
+    let dir = scratch("auto_quiet")?;
+    let req = dir.join("req.json");
+    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 3]}]}"#)?;
+    let m = model("qwen3_dense");
+    let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
+        .args(["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors")), "--backend", "auto"])
+        .env_remove("XDG_RUNTIME_DIR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let pid = child.id();
+    let out = child.wait_with_output()?;
+    assert_eq!(String::from_utf8(out.stderr)?, "", "libwayland's XDG_RUNTIME_DIR complaint, or anything else");
+    let stdout = String::from_utf8(out.stdout)?;
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(out.status.success() && calm_auto_line(first), "{stdout}");
+    let stand_in = std::env::temp_dir().join(format!("omniprefix-runtime-{pid}"));
+    assert!(!stand_in.exists(), "the stand-in runtime dir is removed at exit: {stand_in:?}");
+    Ok(())
+}
+
+#[test]
 fn bad_kv_event_flags_are_one_line_errors() -> TestResult {
     let dir = scratch("kv_bad")?;
     let req = dir.join("req.json");

@@ -33,7 +33,8 @@ pub struct EngineArgs {
     /// The request file (JSON, see `docs/request-format.md`).
     #[arg(long)]
     pub request: PathBuf,
-    /// Warm-up request files, run in order before the request.
+    /// A warm-up request file, run before the request; repeat the flag for
+    /// several (`--warm a.json --warm b.json` runs them in that order).
     #[arg(long)]
     pub warm: Vec<PathBuf>,
     /// Tokens per KV block.
@@ -116,10 +117,10 @@ impl<J: EngineJob> BackendJob for OnEngine<'_, J> {
 
     fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Self::Output> {
         let mut engine = Engine::from_dir_on(backend, &self.args.model, self.config)?;
-        let output = self.job.run(&mut engine, self.args)?;
         if let Some((endpoint, replay)) = engine.kv_events_endpoints() {
             fleet::announce(endpoint, replay);
         }
+        let output = self.job.run(&mut engine, self.args)?;
         Ok((output, engine.close_kv_events()))
     }
 }
