@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import time
 
 from omniprefix.router import ReplicaView
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BOUND = "kv events: publishing on "
+
+
+def bound_endpoints(line: str) -> tuple[str, str]:
+    """The PUB and replay endpoints of the line the binary prints on stderr once its
+    sockets are bound (``kv events: publishing on PUB, replay on REPLAY``)."""
+    if not line.startswith(BOUND) or ", replay on " not in line:
+        raise SystemExit(f"expected the bound endpoints on stderr, got {line!r}")
+    pub, replay = line[len(BOUND):].strip().split(", replay on ")
+    return pub, replay
 
 
 def main() -> None:
@@ -34,13 +39,15 @@ def main() -> None:
     p.add_argument("--pool-blocks", type=int, default=1024)
     p.add_argument("--linger-s", type=float, default=3.0)
     args = p.parse_args()
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    view = ReplicaView(pub, replay)
-    soak = subprocess.Popen([args.bin, "bench", "soak", "--requests", str(args.requests), "--pool-blocks",
-                             str(args.pool_blocks), "--json", "--kv-events", pub, "--kv-replay", replay,
-                             "--linger-s", str(args.linger_s), "--fingerprint-key", "00" * 32],
-                            stdout=subprocess.PIPE, text=True)
+    # Port 0: the soak binds free ports and names them on stderr before its first request; the
+    # view replays whatever was published before it subscribed.
     started = time.monotonic()
+    soak = subprocess.Popen([args.bin, "bench", "soak", "--requests", str(args.requests), "--pool-blocks",
+                             str(args.pool_blocks), "--json", "--kv-events", "tcp://127.0.0.1:0", "--kv-replay",
+                             "tcp://127.0.0.1:0", "--linger-s", str(args.linger_s), "--fingerprint-key", "00" * 32],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert soak.stderr is not None
+    view = ReplicaView(*bound_endpoints(soak.stderr.readline()))
     while soak.poll() is None:
         view.poll(50)
     out, _ = soak.communicate()

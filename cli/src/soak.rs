@@ -291,7 +291,8 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
     let index = RadixIndex::new(RadixConfig { block_size: bs })?;
     let mut sched = Scheduler::new(config, Box::new(index))?;
     let publisher = options.kv_events.as_ref().map(KvEventPublisher::bind).transpose()?;
-    if publisher.is_some() {
+    if let Some(p) = &publisher {
+        crate::cli::fleet::announce(p.endpoint(), p.replay_endpoint());
         sched = sched.with_kv_events(FleetHasher::new(&options.fingerprint_key), Medium::Cpu);
     }
     let zipf = Zipf::new(options.prefixes, options.zipf_exponent);

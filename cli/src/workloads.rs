@@ -6,8 +6,10 @@
 //! HWC u8 image, THWC u8 frames). [`MediaScale::Tiny`] keeps every layout and
 //! token count but shrinks the tensors, for tests and smoke runs.
 
-use std::str::FromStr;
+use std::fmt;
 use std::sync::Arc;
+
+use clap::ValueEnum;
 
 use ndarray::{Array1, Array3, Array4};
 use rand::{Rng, RngCore, SeedableRng};
@@ -31,8 +33,10 @@ pub const TEXT_VOCAB: u32 = 151_643;
 /// Share of a text workload's measured request that its warm-up request also has.
 pub const TEXT_SHARED_FRACTION: f64 = 0.9;
 
-/// The workloads of `bench match`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The workloads of `bench match`, named on the command line and in reports as
+/// their `snake_case` names (`text1k`, `multi_round`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+#[value(rename_all = "snake_case")]
 pub enum WorkloadName {
     /// Audio + image + video + question (vllm-omni's mixed-modalities query, 8546 tokens).
     Mixed,
@@ -53,48 +57,6 @@ pub enum WorkloadName {
 }
 
 impl WorkloadName {
-    /// Every workload, in report order.
-    pub const ALL: [WorkloadName; 8] = [
-        WorkloadName::Mixed,
-        WorkloadName::Image,
-        WorkloadName::Audio,
-        WorkloadName::Video,
-        WorkloadName::Text1k,
-        WorkloadName::Text8k,
-        WorkloadName::Text32k,
-        WorkloadName::MultiRound,
-    ];
-
-    /// The name on the command line and in reports.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WorkloadName::Mixed => "mixed",
-            WorkloadName::Image => "image",
-            WorkloadName::Audio => "audio",
-            WorkloadName::Video => "video",
-            WorkloadName::Text1k => "text1k",
-            WorkloadName::Text8k => "text8k",
-            WorkloadName::Text32k => "text32k",
-            WorkloadName::MultiRound => "multi_round",
-        }
-    }
-
-    /// `all` or one workload name.
-    ///
-    /// ```
-    /// use omniprefix_cli::workloads::WorkloadName;
-    /// assert_eq!(WorkloadName::select("text32k")?, vec![WorkloadName::Text32k]);
-    /// assert_eq!(WorkloadName::select("all")?.len(), 8);
-    /// assert!(WorkloadName::select("txt").is_err());
-    /// # Ok::<(), omniprefix_cli::HarnessError>(())
-    /// ```
-    pub fn select(name: &str) -> Result<Vec<WorkloadName>> {
-        if name == "all" {
-            return Ok(Self::ALL.to_vec());
-        }
-        Ok(vec![name.parse()?])
-    }
-
     fn text_len(self) -> Option<usize> {
         match self {
             WorkloadName::Text1k => Some(1 << 10),
@@ -105,21 +67,41 @@ impl WorkloadName {
     }
 }
 
-impl FromStr for WorkloadName {
-    type Err = HarnessError;
-
-    fn from_str(name: &str) -> Result<Self> {
-        by_name(name, &Self::ALL, Self::as_str)
+impl fmt::Display for WorkloadName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write_name(self, f)
     }
 }
 
-/// The one of `all` whose `as_str` is `name`; the error lists every known name (and `all`,
-/// which the `select` functions take).
-pub(crate) fn by_name<T: Copy>(name: &str, all: &[T], as_str: fn(T) -> &'static str) -> Result<T> {
-    all.iter().copied().find(|&w| as_str(w) == name).ok_or_else(|| HarnessError::UnknownWorkload {
+/// The value of `T` called `name` on the command line; the error lists every
+/// name (and `all`, which [`select`] takes).
+pub fn by_name<T: ValueEnum>(name: &str) -> Result<T> {
+    T::from_str(name, false).map_err(|_| HarnessError::UnknownWorkload {
         name: name.to_string(),
-        known: all.iter().map(|&w| as_str(w)).collect::<Vec<_>>().join(", ") + ", all",
+        known: T::value_variants().iter().filter_map(T::to_possible_value).map(|v| v.get_name().to_string() + ", ").collect::<String>()
+            + "all",
     })
+}
+
+/// `all` (every value, in declaration order) or a comma-separated list of names.
+///
+/// ```
+/// use omniprefix_cli::workloads::{WorkloadName, select};
+/// assert_eq!(select::<WorkloadName>("text32k,mixed")?, vec![WorkloadName::Text32k, WorkloadName::Mixed]);
+/// assert_eq!(select::<WorkloadName>("all")?.len(), 8);
+/// assert!(select::<WorkloadName>("txt").is_err());
+/// # Ok::<(), omniprefix_cli::HarnessError>(())
+/// ```
+pub fn select<T: ValueEnum>(names: &str) -> Result<Vec<T>> {
+    if names == "all" {
+        return Ok(T::value_variants().to_vec());
+    }
+    names.split(',').map(by_name).collect()
+}
+
+/// Writes `value`'s command-line name (what reports call it too).
+pub fn write_name<T: ValueEnum>(value: &T, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    value.to_possible_value().map_or(Ok(()), |v| f.write_str(v.get_name()))
 }
 
 /// How large the generated media tensors are.
@@ -606,9 +588,22 @@ mod tests {
 
     #[test]
     fn unknown_workload_names_the_known_ones() {
-        let err = "text64k".parse::<WorkloadName>();
-        assert!(
-            matches!(&err, Err(HarnessError::UnknownWorkload { name, known }) if name == "text64k" && known.contains("multi_round"))
-        );
+        let err = by_name::<WorkloadName>("text64k");
+        let known = "mixed, image, audio, video, text1k, text8k, text32k, multi_round, all";
+        assert!(matches!(&err, Err(HarnessError::UnknownWorkload { name, known: k }) if name == "text64k" && k == known), "{err:?}");
+    }
+
+    #[test]
+    fn workloads_keep_their_report_names() {
+        let names: Vec<String> = WorkloadName::value_variants().iter().map(ToString::to_string).collect();
+        assert_eq!(names, ["mixed", "image", "audio", "video", "text1k", "text8k", "text32k", "multi_round"]);
+        let serve: Vec<String> = crate::serve::ServeWorkload::value_variants().iter().map(ToString::to_string).collect();
+        assert_eq!(serve, ["prefix_repetition", "multi_round"]);
+        let demo: Vec<String> = crate::demo::DemoWorkload::value_variants().iter().map(ToString::to_string).collect();
+        assert_eq!(demo, ["rfc_text_pair", "multi_round", "prefix_repetition"]);
+        for (i, name) in demo.iter().enumerate() {
+            let json = serde_json::to_value(crate::demo::DemoWorkload::value_variants()[i]).unwrap();
+            assert_eq!(json.as_str(), Some(name.as_str()), "the JSON report's name is the command line's");
+        }
     }
 }

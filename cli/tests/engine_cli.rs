@@ -336,8 +336,19 @@ async fn replayed_hashes(replay: &str) -> TestResult<Vec<u64>> {
     }
 }
 
-fn free_port() -> TestResult<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+/// The endpoints of the `kv events: publishing on PUB[, replay on REPLAY]` line,
+/// each checked to name the port it bound (never the 0 that asked for a free one).
+fn bound_endpoints(line: &str) -> TestResult<(String, Option<String>)> {
+    let rest = line.trim_end().strip_prefix("kv events: publishing on ").ok_or_else(|| format!("not the bound line: {line:?}"))?;
+    let (publisher, replay) = match rest.split_once(", replay on ") {
+        Some((p, r)) => (p.to_string(), Some(r.to_string())),
+        None => (rest.to_string(), None),
+    };
+    for endpoint in std::iter::once(&publisher).chain(&replay) {
+        let port: u16 = endpoint.strip_prefix("tcp://127.0.0.1:").ok_or("a loopback endpoint")?.parse()?;
+        assert_ne!(port, 0, "{line}");
+    }
+    Ok((publisher, replay))
 }
 
 #[test]
@@ -364,14 +375,20 @@ fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestRe
     assert_eq!(want.len(), 3);
     assert!(hashes(&"1e".repeat(32))?.iter().zip(&want).all(|(a, b)| a != b), "another fleet key, other hashes");
 
-    // `hidden` publishes them; the replay endpoint stays up for the linger.
-    let (pub_port, replay_port) = (free_port()?, free_port()?);
-    let replay = format!("tcp://127.0.0.1:{replay_port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
+    // `hidden` publishes them on free ports (port 0), which it names on stderr
+    // before it runs; the replay endpoint stays up for the linger.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
         .args(["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("out.safetensors")), "--block-size", "4"])
-        .args(["--fingerprint-key", &key, "--kv-events", &format!("tcp://127.0.0.1:{pub_port}"), "--kv-replay", &replay, "--linger-s", "4"])
+        .args(["--fingerprint-key", &key, "--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0", "--linger-s", "4"])
         .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()?;
+    let mut stderr = std::io::BufReader::new(child.stderr.take().ok_or("stderr")?);
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line)?;
+    let (publisher, replay) = bound_endpoints(&line)?;
+    let replay = replay.ok_or("a replay endpoint")?;
+    assert_ne!(publisher, replay);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(4);
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let mut published = Vec::new();
@@ -382,10 +399,60 @@ fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestRe
     let out = child.wait_with_output()?;
     let stdout = String::from_utf8(out.stdout)?;
     assert!(out.status.success(), "{stdout}");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut rest)?;
+    assert_eq!(rest, "", "one line on stderr, the bound endpoints");
     assert!(stdout.contains(" batches published, 0 dropped"), "{stdout}");
     published.sort_unstable();
     want.sort_unstable();
     assert_eq!(published, want);
+    Ok(())
+}
+
+#[test]
+fn warm_says_it_repeats() -> TestResult {
+    let help = ok_stdout(&omniprefix(&["hidden", "--help"])?)?;
+    let warm = help.lines().map(str::trim).find(|l| l.starts_with("--warm ")).ok_or("a --warm line")?;
+    let (flag, text) = warm.split_once("  ").ok_or(warm)?;
+    assert_eq!(
+        (flag, text.trim()),
+        (
+            "--warm <WARM>",
+            "A warm-up request file, run before the request; repeat the flag for several (`--warm a.json --warm b.json` runs them in that order)"
+        ),
+        "{help}"
+    );
+    Ok(())
+}
+
+/// The calm forms of the `backend:` line `--backend auto` prints.
+fn calm_auto_line(line: &str) -> bool {
+    line == "backend: cpu (auto: no GPU adapter found)"
+        || (line.starts_with("backend: cpu (auto: the adapter found, ") && line.ends_with(", renders in software, slower than the CPU backend)"))
+        || (line.starts_with("backend: wgpu on ") && line.ends_with(" (auto: a hardware adapter is available)"))
+        || line.starts_with("backend: cpu (auto: the GPU adapter cannot run the kernels: ")
+}
+
+#[test]
+fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stderr() -> TestResult {
+    let dir = scratch("auto_quiet")?;
+    let req = dir.join("req.json");
+    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 3]}]}"#)?;
+    let m = model("qwen3_dense");
+    let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
+        .args(["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors")), "--backend", "auto"])
+        .env_remove("XDG_RUNTIME_DIR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let pid = child.id();
+    let out = child.wait_with_output()?;
+    assert_eq!(String::from_utf8(out.stderr)?, "", "libwayland's XDG_RUNTIME_DIR complaint, or anything else");
+    let stdout = String::from_utf8(out.stdout)?;
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(out.status.success() && calm_auto_line(first), "{stdout}");
+    let stand_in = std::env::temp_dir().join(format!("omniprefix-runtime-{pid}"));
+    assert!(!stand_in.exists(), "the stand-in runtime dir is removed at exit: {stand_in:?}");
     Ok(())
 }
 

@@ -94,6 +94,28 @@ fn out_holds_every_position_that_ran() -> TestResult {
 }
 
 #[test]
+fn sampled_runs_print_their_seed_and_greedy_runs_do_not() -> TestResult {
+    let (dir, _, req) = requests("seed")?;
+    let line = |stdout: &str| stdout.lines().find(|l| l.starts_with("finish_reason")).map(str::to_string);
+    let greedy = generate(&req, &["--max-tokens", "2"])?;
+    assert_eq!(line(&greedy).as_deref(), Some("finish_reason: length"), "{greedy}");
+    let greedy = json(&generate(&req, &["--max-tokens", "2", "--json"])?)?;
+    assert!(greedy.get("seed").is_none(), "{greedy}");
+
+    let sampled = generate(&req, &["--max-tokens", "4", "--temperature", "0.8"])?;
+    let drawn = line(&sampled)
+        .and_then(|l| l.strip_prefix("finish_reason: length (seed ")?.strip_suffix(')')?.parse::<u64>().ok())
+        .ok_or_else(|| format!("a drawn seed: {sampled}"))?;
+    let again = generate(&req, &["--max-tokens", "4", "--temperature", "0.8", "--seed", &drawn.to_string()])?;
+    let tokens_line = |s: &str| s.lines().find(|l| l.starts_with("tokens:")).map(str::to_string);
+    assert_eq!(tokens_line(&again), tokens_line(&sampled), "the printed seed repeats the run");
+    let sampled = json(&generate(&req, &["--max-tokens", "2", "--temperature", "0.8", "--seed", "11", "--json"])?)?;
+    assert_eq!(sampled["seed"].as_u64(), Some(11), "{sampled}");
+    std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
+
+#[test]
 fn bad_sampling_flags_are_the_library_s_typed_errors() -> TestResult {
     let (dir, _, req) = requests("bad")?;
     for (flags, field) in [

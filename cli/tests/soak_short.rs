@@ -75,6 +75,28 @@ fn soak_publishes_kv_events_without_drops_and_reports_the_index_size() -> TestRe
 }
 
 #[test]
+fn port_zero_binds_free_ports_and_stderr_names_them() -> TestResult {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_omniprefix"))
+        .args(["bench", "soak", "--requests", "50", "--pool-blocks", "64", "--prefixes", "16", "--json"])
+        .args(["--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0"])
+        .output()?;
+    let stderr = String::from_utf8(out.stderr)?;
+    assert!(out.status.success(), "{stderr}");
+    let port = |endpoint: &str| -> TestResult<u16> { Ok(endpoint.strip_prefix("tcp://127.0.0.1:").ok_or("loopback")?.parse()?) };
+    let (publisher, replay) = stderr
+        .strip_prefix("kv events: publishing on ")
+        .and_then(|rest| rest.strip_suffix('\n')?.split_once(", replay on "))
+        .ok_or_else(|| format!("one line naming both endpoints: {stderr:?}"))?;
+    let (p, r) = (port(publisher)?, port(replay)?);
+    assert!(p != 0 && r != 0 && p != r, "{stderr}");
+    assert_eq!(stderr, format!("kv events: publishing on tcp://127.0.0.1:{p}, replay on tcp://127.0.0.1:{r}\n"));
+    // stdout stays the one JSON report.
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(json["kv_events"]["dropped"], 0, "{json}");
+    Ok(())
+}
+
+#[test]
 #[ignore = "full soak: run in release with SOAK_REQUESTS"]
 fn full_soak_from_env() -> Result<()> {
     let requests = std::env::var("SOAK_REQUESTS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);

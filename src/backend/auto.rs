@@ -12,7 +12,7 @@ use std::str::FromStr;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::wgpu::WgpuBackend;
 use crate::{Error, Result};
-use crate::error::ConfigError;
+use crate::error::{ConfigError, GpuError};
 
 /// The backend a caller asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -92,13 +92,16 @@ pub fn select_with(kind: BackendKind, open_wgpu: impl FnOnce() -> Result<WgpuBac
     match kind {
         BackendKind::Cpu => Ok(cpu("cpu (asked for cpu)".into())),
         BackendKind::Wgpu => Ok(wgpu(open_wgpu()?, "asked for wgpu")),
+        // A fallback is the expected outcome on a machine without a GPU: the line
+        // says what was found, in the tone of a choice rather than of a failure.
         BackendKind::Auto => match open_wgpu() {
             Ok(gpu) if is_software(gpu.context().adapter_name()) => Ok(cpu(format!(
-                "cpu (auto: wgpu adapter {} is a software rasteriser, slower than the CPU backend)",
+                "cpu (auto: the adapter found, {}, renders in software, slower than the CPU backend)",
                 gpu.context().adapter_name()
             ))),
             Ok(gpu) => Ok(wgpu(gpu, "auto: a hardware adapter is available")),
-            Err(e) => Ok(cpu(format!("cpu (auto: no usable wgpu device: {e})"))),
+            Err(Error::Gpu(GpuError::Unavailable { .. })) => Ok(cpu("cpu (auto: no GPU adapter found)".into())),
+            Err(e) => Ok(cpu(format!("cpu (auto: the GPU adapter cannot run the kernels: {e})"))),
         },
     }
 }
@@ -116,7 +119,6 @@ pub fn is_software(adapter: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::GpuError;
 
     fn no_adapter() -> Result<WgpuBackend> {
         Err(GpuError::Unavailable { backends: "VULKAN".into(), reason: "no driver".into() }.into())
@@ -138,10 +140,20 @@ mod tests {
     }
 
     #[test]
-    fn auto_without_adapter_chooses_cpu_and_says_why() {
+    fn auto_without_adapter_chooses_cpu_in_one_calm_line() {
         let chosen = select_with(BackendKind::Auto, no_adapter).unwrap();
         assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
-        assert!(chosen.reason.starts_with("cpu (auto") && chosen.reason.contains("no driver"), "{}", chosen.reason);
+        assert_eq!(chosen.reason, "cpu (auto: no GPU adapter found)");
+    }
+
+    #[test]
+    fn auto_names_what_keeps_a_present_adapter_from_running() {
+        let too_small = || -> Result<WgpuBackend> {
+            Err(GpuError::Op { adapter: "A (Vulkan)".into(), op: "request_device", message: "out of memory".into() }.into())
+        };
+        let chosen = select_with(BackendKind::Auto, too_small).unwrap();
+        assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
+        assert!(chosen.reason.starts_with("cpu (auto: the GPU adapter cannot run the kernels: ") && chosen.reason.contains("out of memory"), "{}", chosen.reason);
     }
 
     #[test]

@@ -130,7 +130,7 @@ pub fn measure(name: WorkloadName, media: &Arc<Media>, options: &MatchOptions) -
         None
     };
     Ok(MatchReport {
-        workload: name.as_str().to_string(),
+        workload: name.to_string(),
         threads: f.threads(),
         runs,
         policy: f.policy(),

@@ -8,7 +8,7 @@ use clap::{Args, ValueEnum};
 use crate::bench::{MatchOptions, MatchReport, measure};
 use crate::error::{HarnessError, Result, output};
 use omniprefix::index::ValidationPolicy;
-use crate::workloads::{Media, MediaScale, WorkloadName};
+use crate::workloads::{Media, MediaScale, WorkloadName, select};
 
 /// Seed of the generated media and text ids.
 const SEED: u64 = 0x5eed;
@@ -16,7 +16,7 @@ const SEED: u64 = 0x5eed;
 /// Arguments of `bench match`.
 #[derive(Debug, Clone, Args)]
 pub struct MatchArgs {
-    /// mixed, image, audio, video, text1k, text8k, text32k, multi_round, or all.
+    /// mixed, image, audio, video, text1k, text8k, text32k, multi_round (comma-separated), or all.
     #[arg(long)]
     pub workload: String,
     /// Fingerprint threads of the omniprefix paths (the vLLM baseline stays single-threaded).
@@ -72,7 +72,7 @@ impl From<ScaleArg> for MediaScale {
 
 /// Measures the selected workloads and writes one line per workload as it finishes.
 pub fn run(args: &MatchArgs, out: &mut dyn Write) -> Result<()> {
-    let workloads = WorkloadName::select(&args.workload)?;
+    let workloads = select::<WorkloadName>(&args.workload)?;
     let media = Arc::new(Media::generate(args.scale.into(), SEED)?);
     let options = MatchOptions {
         threads: usize::from(args.threads),

@@ -47,7 +47,7 @@ pub struct DemoArgs {
 /// Checks the arguments, picks the backend, runs the demo, prints the tables
 /// and writes the report. Every input is checked before the (long) run starts.
 pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
-    let workloads = DemoWorkload::select(&args.workload)?;
+    let workloads = crate::workloads::select::<DemoWorkload>(&args.workload)?;
     let model = match &args.model {
         Some(dir) => {
             // Fails early with the loader's own error when the config is missing or unsupported.

@@ -65,6 +65,28 @@ impl FleetArgs {
     }
 }
 
+/// The line that says where the KV-event sockets listen, ports resolved (so
+/// `tcp://127.0.0.1:0` picks a free one): `kv events: publishing on ENDPOINT`,
+/// then `, replay on ENDPOINT` with a replay socket.
+///
+/// ```
+/// use omniprefix_cli::cli::fleet::bound_line;
+/// assert_eq!(bound_line("tcp://127.0.0.1:5557", None), "kv events: publishing on tcp://127.0.0.1:5557");
+/// assert_eq!(bound_line("tcp://127.0.0.1:5557", Some("tcp://127.0.0.1:5558")),
+///            "kv events: publishing on tcp://127.0.0.1:5557, replay on tcp://127.0.0.1:5558");
+/// ```
+pub fn bound_line(endpoint: &str, replay: Option<&str>) -> String {
+    let replay = replay.map(|r| format!(", replay on {r}")).unwrap_or_default();
+    format!("kv events: publishing on {endpoint}{replay}")
+}
+
+/// Prints [`bound_line`] on stderr as soon as the sockets are bound, before
+/// any work, so a subscriber started beside the run can read it and connect
+/// (stdout keeps the command's report alone, JSON included).
+pub fn announce(endpoint: &str, replay: Option<&str>) {
+    eprintln!("{}", bound_line(endpoint, replay));
+}
+
 /// One line on what the publisher did: batches, drops, replays.
 pub fn summary(stats: &PublisherStats) -> String {
     format!(

@@ -38,7 +38,7 @@ pub struct GenerateArgs {
     /// Sample from the smallest set of tokens whose probability reaches `P` (0 < P ≤ 1).
     #[arg(long, allow_negative_numbers = true)]
     pub top_p: Option<f32>,
-    /// Seed of the sampler (default: a random seed, reported back).
+    /// Seed of the sampler when `--temperature` is above 0 (default: a random seed, reported back).
     #[arg(long)]
     pub seed: Option<u64>,
     /// Token ids that end generation (default: the checkpoint's eos ids).
@@ -79,8 +79,10 @@ pub struct GenerateReport {
     pub prompt_len: usize,
     pub num_cached_tokens: usize,
     pub finish_reason: FinishReason,
-    /// The sampler's seed (the one drawn when `--seed` was not given).
-    pub seed: u64,
+    /// The sampler's seed (the one drawn when `--seed` was not given); left
+    /// out of greedy runs, which draw nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
     /// Submission to the first token.
     pub ttft_ms: f64,
     /// Median gap between consecutive tokens (`null` with one token).
@@ -94,8 +96,8 @@ pub struct GenerateReport {
 }
 
 impl GenerateReport {
-    /// The figures of one generation.
-    pub fn of(g: &Output) -> Self {
+    /// The figures of one generation sampled with `params`.
+    pub fn of(g: &Output, params: &SamplingParams) -> Self {
         let itl: Vec<f64> = g.timings.itl().into_iter().map(millis).collect();
         let decoded = !itl.is_empty();
         GenerateReport {
@@ -103,7 +105,7 @@ impl GenerateReport {
             prompt_len: g.prompt_len,
             num_cached_tokens: g.num_cached_tokens,
             finish_reason: g.finish_reason.unwrap_or(FinishReason::Length),
-            seed: g.seed.unwrap_or_default(),
+            seed: g.seed.filter(|_| params.temperature != 0.0),
             ttft_ms: millis(g.timings.ttft),
             itl_ms_median: decoded.then(|| median(itl)),
             decode_tokens_per_s: decoded.then(|| g.timings.decode_tokens_per_s()),
@@ -115,11 +117,11 @@ impl GenerateReport {
 
 /// Runs the command: the report to `out`, the hidden states to `--out`.
 pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
-    let JobRun { reason, output: generation, kv_events } = on_selected_backend(&args.engine, Generate(args.sampling()))?;
+    let JobRun { reason, output: generation, kv_events } = on_selected_backend("generate", &args.engine, Generate(args.sampling()))?;
     if let Some(path) = &args.out {
         write_tensors(hidden_tensors(&generation.hidden), path)?;
     }
-    let report = GenerateReport { kv_events, ..GenerateReport::of(&generation) };
+    let report = GenerateReport { kv_events, ..GenerateReport::of(&generation, &args.sampling()) };
     if args.json {
         let json = serde_json::to_string(&report)
             .map_err(|source| HarnessError::Report { what: "the generate report".into(), source })?;
@@ -131,7 +133,11 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
     }
     writeln!(out, "prompt_len: {}", report.prompt_len).map_err(output)?;
     writeln!(out, "tokens: {:?}", report.tokens).map_err(output)?;
-    writeln!(out, "finish_reason: {} (seed {})", report.finish_reason, report.seed).map_err(output)?;
+    match report.seed {
+        Some(seed) => writeln!(out, "finish_reason: {} (seed {seed})", report.finish_reason),
+        None => writeln!(out, "finish_reason: {}", report.finish_reason),
+    }
+    .map_err(output)?;
     let itl = report.itl_ms_median.map_or("-".into(), |v| format!("{v:.2} ms"));
     let rate = report.decode_tokens_per_s.map_or("-".into(), |v| format!("{v:.1} tokens/s"));
     writeln!(out, "ttft: {:.2} ms, itl median: {itl}, decode: {rate}", report.ttft_ms).map_err(output)?;

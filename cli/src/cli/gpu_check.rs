@@ -20,7 +20,7 @@ use omniprefix::model::{CaptureName, CaptureSpec, Thinker};
 use omniprefix::prompt::Positions;
 use omniprefix::runner::{ModelRunner, PromptInputs};
 
-use super::model_load::DtypeArg;
+use super::runtime::DtypeArg;
 use crate::error::{HarnessError, Result, output};
 
 /// Arguments of `omniprefix gpu-info` (none: it opens the adapter `WGPU_BACKEND` names).

@@ -13,13 +13,12 @@ use ndarray::Array2;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
-use omniprefix::backend::{Backend, Dtype as StoredDtype};
-use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
+use omniprefix::backend::Backend;
 use omniprefix::engine::{Engine, EngineConfig, Output};
 use omniprefix::error::{CheckpointError, Error};
 use crate::error::{HarnessError, Result, output};
 use super::fleet::{self, FleetArgs};
-use super::model_load::DtypeArg;
+use super::runtime::{BackendJob, Ran, RuntimeArgs};
 use omniprefix::events::PublisherStats;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::request_file::RequestFile;
@@ -34,7 +33,8 @@ pub struct EngineArgs {
     /// The request file (JSON, see `docs/request-format.md`).
     #[arg(long)]
     pub request: PathBuf,
-    /// Warm-up request files, run in order before the request.
+    /// A warm-up request file, run before the request; repeat the flag for
+    /// several (`--warm a.json --warm b.json` runs them in that order).
     #[arg(long)]
     pub warm: Vec<PathBuf>,
     /// Tokens per KV block.
@@ -49,17 +49,8 @@ pub struct EngineArgs {
     /// Reuse only whole cached blocks (no copy-on-write of a partly matched block).
     #[arg(long)]
     pub block_aligned: bool,
-    /// Where the model runs: `cpu`, `wgpu` (an error without an adapter, never a
-    /// silent CPU fallback) or `auto` (wgpu when an adapter exists, else cpu).
-    #[arg(long, default_value_t = BackendKind::Cpu)]
-    pub backend: BackendKind,
-    /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
-    #[arg(long, default_value_t = DtypeArg::default())]
-    pub dtype: DtypeArg,
-    /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
-    /// attention widens each tile back to f32). The wgpu backend stores f32 or f16, not bf16.
-    #[arg(long, default_value_t = StoredDtype::F32)]
-    pub kv_dtype: StoredDtype,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Captured points: comma-separated layers (`0,2`), `final`, or `all`.
     /// Default: `0`, the middle layer, `final`.
     #[arg(long)]
@@ -79,8 +70,8 @@ impl EngineArgs {
             capture,
             cache: !self.no_cache,
             token_granular_reuse: !self.block_aligned,
-            dtype: self.dtype.0,
-            kv_dtype: self.kv_dtype,
+            dtype: self.runtime.dtype.0,
+            kv_dtype: self.runtime.kv_dtype,
             ..Default::default()
         };
         self.fleet.apply(&mut config)?;
@@ -90,9 +81,9 @@ impl EngineArgs {
 
 /// Work for an engine on whichever backend `--backend` selected (a trait, not a
 /// closure, because the engine's type differs per backend).
-pub trait EngineJob {
+pub trait EngineJob: Send {
     /// What the job hands back to its command.
-    type Output;
+    type Output: Send;
     /// Runs on a fresh engine over `args.model`.
     fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Self::Output>;
 }
@@ -106,20 +97,32 @@ pub struct JobRun<T> {
     pub kv_events: Option<PublisherStats>,
 }
 
-/// Selects the backend, builds the engine, runs `job`, then closes the engine's
-/// KV-event sockets (after `--linger-s`).
-pub fn on_selected_backend<J: EngineJob>(args: &EngineArgs, job: J) -> Result<JobRun<J::Output>> {
-    fn finish<B: Backend, J: EngineJob>(mut engine: Engine<B>, job: J, args: &EngineArgs) -> Result<(J::Output, Option<PublisherStats>)> {
-        let output = job.run(&mut engine, args)?;
+/// Selects the backend, builds the engine, runs `job` in the `--threads` pool
+/// (`purpose` names it), then closes the engine's KV-event sockets (after `--linger-s`).
+pub fn on_selected_backend<J: EngineJob>(purpose: &'static str, args: &EngineArgs, job: J) -> Result<JobRun<J::Output>> {
+    let config = args.engine_config()?;
+    let Ran { reason, output: (output, kv_events) } = args.runtime.run(purpose, OnEngine { job, args, config })?;
+    Ok(JobRun { reason, output, kv_events })
+}
+
+/// An [`EngineJob`] on a fresh engine over `args.model`, as a [`BackendJob`].
+struct OnEngine<'a, J> {
+    job: J,
+    args: &'a EngineArgs,
+    config: EngineConfig,
+}
+
+impl<J: EngineJob> BackendJob for OnEngine<'_, J> {
+    type Output = (J::Output, Option<PublisherStats>);
+
+    fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Self::Output> {
+        let mut engine = Engine::from_dir_on(backend, &self.args.model, self.config)?;
+        if let Some((endpoint, replay)) = engine.kv_events_endpoints() {
+            fleet::announce(endpoint, replay);
+        }
+        let output = self.job.run(&mut engine, self.args)?;
         Ok((output, engine.close_kv_events()))
     }
-    let config = args.engine_config()?;
-    let selection = select(args.backend)?;
-    let (output, kv_events) = match selection.backend {
-        SelectedBackend::Cpu(cpu) => finish(Engine::from_dir_on(Arc::new(cpu), &args.model, config)?, job, args)?,
-        SelectedBackend::Wgpu(gpu) => finish(Engine::from_dir_on(Arc::new(gpu), &args.model, config)?, job, args)?,
-    };
-    Ok(JobRun { reason: selection.reason, output, kv_events })
 }
 
 /// Arguments of `omniprefix hidden`.
@@ -158,7 +161,7 @@ pub fn tensor_name(name: CaptureName) -> String {
 
 /// Runs the command, printing `num_cached_tokens` and the output shapes to `out`.
 pub fn run(args: &HiddenArgs, out: &mut dyn Write) -> Result<()> {
-    let JobRun { reason, output: result, kv_events } = on_selected_backend(&args.engine, Prefill)?;
+    let JobRun { reason, output: result, kv_events } = on_selected_backend("hidden", &args.engine, Prefill)?;
     writeln!(out, "backend: {reason}").map_err(output)?;
     if let Some(stats) = &kv_events {
         writeln!(out, "{}", fleet::summary(stats)).map_err(output)?;

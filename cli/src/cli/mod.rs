@@ -23,10 +23,14 @@ pub mod fleet;
 pub mod generate;
 /// `omniprefix gpu-info` and `omniprefix bench parity` (hidden: `scripts/gpu_bench.sh` runs them).
 pub mod gpu_check;
+/// Quiet display probes on a machine without a display.
+pub mod headless;
 /// `omniprefix hidden`.
 pub mod hidden;
-/// `--dtype` and the model the benchmarks load.
+/// The model the benchmarks load.
 pub mod model_load;
+/// `--threads`, `--backend`, `--dtype`, `--kv-dtype`: where and how the model runs.
+pub mod runtime;
 /// `omniprefix bench serve`.
 pub mod serve;
 /// `omniprefix bench soak`.
@@ -97,6 +101,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
 
 /// The binary's entry point: parse `std::env::args`, run, report errors in one line.
 pub fn main() -> ExitCode {
+    let _runtime_dir = headless::quiet_display_probes();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

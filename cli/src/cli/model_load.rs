@@ -1,35 +1,15 @@
-//! What the benchmark commands share about their model: `--dtype`, and the
-//! thinker that `--model DIR` names or the seeded random one they build.
+//! What the benchmark commands share about their model: the thinker that
+//! `--model DIR` names or the seeded random one they build.
 
-use std::fmt;
 use std::path::Path;
-use std::str::FromStr;
 
-use omniprefix::backend::{Backend, Dtype};
+use omniprefix::backend::Backend;
 use omniprefix::engine::tokens_from_config_file;
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::OmniTokens;
 
+use super::runtime::DtypeArg;
 use crate::error::Result;
-
-/// `--dtype auto|f32|bf16|f16`: how weight matrices are stored. `auto` is the
-/// checkpoint's own dtype (f32 for a random model, and on a backend that cannot
-/// store the checkpoint's); products always accumulate in f32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct DtypeArg(pub Option<Dtype>);
-
-impl FromStr for DtypeArg {
-    type Err = omniprefix::backend::UnknownDtype;
-    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
-        Dtype::parse_or_auto(s).map(DtypeArg)
-    }
-}
-
-impl fmt::Display for DtypeArg {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.0.map_or("auto", Dtype::name))
-    }
-}
 
 /// The thinker in `dir` with its special ids, or (no `dir`) the seeded random
 /// model `random` describes, matrices stored as `dtype`.

@@ -7,17 +7,17 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use omniprefix::backend::{Backend, Dtype};
-use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
-use omniprefix::error::Error;
+use omniprefix::backend::Backend;
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 
 use super::fleet::FleetArgs;
-use super::model_load::{DtypeArg, load_thinker};
+use super::model_load::load_thinker;
+use super::runtime::{BackendJob, Ran, RuntimeArgs};
 use crate::error::{HarnessError, Result, output};
 use crate::serve::{Arrival, ServeOptions, ServeReport, ServeWorkload, run_serve};
 use crate::ttft::bench_model;
+use crate::workloads::select;
 
 /// Arguments of `omniprefix bench serve`.
 #[derive(Debug, Clone, Args)]
@@ -82,19 +82,8 @@ pub struct ServeArgs {
     /// of the budget; the budget itself: uncapped).
     #[arg(long)]
     pub prefill_cap: Option<usize>,
-    /// CPU threads for the forward (default: all).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Where the model runs: `cpu`, `wgpu` (an error without an adapter) or `auto`.
-    #[arg(long, default_value_t = BackendKind::Cpu)]
-    pub backend: BackendKind,
-    /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
-    #[arg(long, default_value_t = DtypeArg::default())]
-    pub dtype: DtypeArg,
-    /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
-    /// attention widens each tile back to f32). The wgpu backend stores f32 or f16, not bf16.
-    #[arg(long, default_value_t = Dtype::F32)]
-    pub kv_dtype: Dtype,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Seed of the weights, prompts, media and arrivals.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -132,7 +121,7 @@ impl ServeArgs {
             }
         }
         Ok(ServeOptions {
-            workloads: ServeWorkload::select(&self.workload)?,
+            workloads: select::<ServeWorkload>(&self.workload)?,
             arrivals,
             prefix_len: self.prefix_len.unwrap_or(base.prefix_len),
             suffix_len: self.suffix_len.unwrap_or(base.suffix_len),
@@ -144,7 +133,7 @@ impl ServeArgs {
             max_seqs: self.max_seqs.unwrap_or(base.max_seqs),
             max_tokens_per_step: self.max_tokens_per_step.unwrap_or(base.max_tokens_per_step),
             prefill_cap: self.prefill_cap.or(base.prefill_cap),
-            kv_dtype: self.kv_dtype,
+            kv_dtype: self.runtime.kv_dtype,
             seed: self.seed,
             fingerprint_key: self.fleet.key()?,
             kv_events: self.fleet.kv_events()?,
@@ -179,23 +168,13 @@ impl ServeArgs {
 /// Runs every (workload, arrival) with caching on and off; prints JSON lines or a table.
 pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
     let options = args.options()?;
-    let mut pool = rayon::ThreadPoolBuilder::new();
-    if let Some(n) = args.threads {
-        pool = pool.num_threads(n);
-    }
-    let threads = args.threads.unwrap_or_else(rayon::current_num_threads);
-    let pool = pool.build().map_err(|source| Error::ThreadPool { purpose: "bench serve", threads, source })?;
-    if let Some(n) = args.threads {
-        // The served engine's loop runs on a thread of its own, outside `pool`, so
-        // its forward uses rayon's global pool: size that one too. Only the first
-        // call in a process can (the CLI's one run); later ones keep its size.
+    if let Some(n) = args.runtime.threads {
+        // The served engine's loop runs on a thread of its own, outside the
+        // `--threads` pool, so its forward uses rayon's global pool: size that one
+        // too. Only the first call in a process can (the CLI's one run); later ones keep its size.
         let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
     }
-    let selection = select(args.backend)?;
-    let reports = pool.install(|| match selection.backend {
-        SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
-        SelectedBackend::Wgpu(gpu) => measure(Arc::new(gpu), args, &options),
-    })?;
+    let Ran { reason, output: reports } = args.runtime.run("bench serve", Measure { args, options: &options })?;
     if args.json {
         for r in &reports {
             let line = serde_json::to_string(r)
@@ -204,16 +183,26 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
         }
         return Ok(());
     }
-    writeln!(out, "backend: {}", selection.reason).map_err(output)?;
+    writeln!(out, "backend: {reason}").map_err(output)?;
     print_table(&reports, out)
 }
 
-/// Loads or builds the model on `backend` and runs the benchmark.
-fn measure<B: Backend + 'static>(backend: Arc<B>, args: &ServeArgs, options: &ServeOptions) -> Result<Vec<ServeReport>> {
-    let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), args.random_model(), args.seed, args.dtype)?;
-    let vocab = thinker.config().vocab_size;
-    let tokens = tokens.unwrap_or_else(|| if vocab > 151_675 { OmniTokens::qwen3_omni() } else { OmniTokens::tiny() });
-    run_serve(backend, Arc::new(thinker), tokens, options)
+/// Loads or builds the model on the backend and runs the benchmark.
+struct Measure<'a> {
+    args: &'a ServeArgs,
+    options: &'a ServeOptions,
+}
+
+impl BackendJob for Measure<'_> {
+    type Output = Vec<ServeReport>;
+
+    fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Vec<ServeReport>> {
+        let args = self.args;
+        let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), args.random_model(), args.seed, args.runtime.dtype)?;
+        let vocab = thinker.config().vocab_size;
+        let tokens = tokens.unwrap_or_else(|| if vocab > 151_675 { OmniTokens::qwen3_omni() } else { OmniTokens::tiny() });
+        run_serve(backend, Arc::new(thinker), tokens, self.options)
+    }
 }
 
 /// One row per report: workload, cache, arrival, then the figures.

@@ -6,11 +6,10 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use omniprefix::backend::{Backend, Dtype};
-use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
-use omniprefix::error::Error;
+use omniprefix::backend::Backend;
 use crate::error::{HarnessError, Result, output};
-use super::model_load::{DtypeArg, load_thinker};
+use super::model_load::load_thinker;
+use super::runtime::{BackendJob, Ran, RuntimeArgs};
 use crate::ttft::{CaptureReport, TtftOptions, TtftReport, Workload, bench_model, run_all};
 
 /// Arguments of `omniprefix bench ttft`.
@@ -28,19 +27,8 @@ pub struct TtftArgs {
     /// Prefix length of the long variant.
     #[arg(long, default_value_t = 2048)]
     pub long_prefix: usize,
-    /// CPU threads for the forward (default: all).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Where the model runs: `cpu`, `wgpu` (an error without an adapter) or `auto`.
-    #[arg(long, default_value_t = BackendKind::Cpu)]
-    pub backend: BackendKind,
-    /// How weight matrices are stored: `auto` (the checkpoint's own dtype), `f32`, `bf16` or `f16`.
-    #[arg(long, default_value_t = DtypeArg::default())]
-    pub dtype: DtypeArg,
-    /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
-    /// attention widens each tile back to f32). The wgpu backend stores f32 or f16, not bf16.
-    #[arg(long, default_value_t = Dtype::F32)]
-    pub kv_dtype: Dtype,
+    #[command(flatten)]
+    pub runtime: RuntimeArgs,
     /// Timed runs per figure (medians are reported).
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -71,12 +59,6 @@ pub struct TtftArgs {
 
 /// Runs the benchmark and prints one line per workload.
 pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
-    let mut pool = rayon::ThreadPoolBuilder::new();
-    if let Some(n) = args.threads {
-        pool = pool.num_threads(n);
-    }
-    let threads = args.threads.unwrap_or_else(rayon::current_num_threads);
-    let pool = pool.build().map_err(|source| Error::ThreadPool { purpose: "bench ttft", threads, source })?;
     let options = TtftOptions {
         prefix: args.prefix,
         suffix: args.suffix,
@@ -87,17 +69,10 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         no_capture: args.no_capture,
         mm_scale: args.mm_scale,
         block_size: args.block_size,
-        kv_dtype: args.kv_dtype,
+        kv_dtype: args.runtime.kv_dtype,
         seed: args.seed,
     };
-    let selection = select(args.backend)?;
-    let (reports, capture) = pool.install(|| match selection.backend {
-        SelectedBackend::Cpu(cpu) => measure(Arc::new(cpu), args, &options),
-        SelectedBackend::Wgpu(gpu) => measure(Arc::new(gpu), args, &options),
-    })?;
-    if !args.json {
-        writeln!(out, "backend: {}", selection.reason).map_err(output)?;
-    }
+    let Ran { reason, output: (reports, capture) } = args.runtime.run("bench ttft", Measure { args, options: &options })?;
     if args.json {
         for r in &reports {
             writeln!(out, "{}", to_json(r)?).map_err(output)?;
@@ -107,6 +82,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         }
         return Ok(());
     }
+    writeln!(out, "backend: {reason}").map_err(output)?;
     writeln!(
         out,
         "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6}",
@@ -143,10 +119,20 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
     .map_err(output)
 }
 
-/// Loads the model on `backend` and runs the selected workloads.
-fn measure<B: Backend>(backend: Arc<B>, args: &TtftArgs, options: &TtftOptions) -> Result<(Vec<TtftReport>, Option<CaptureReport>)> {
-    let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), bench_model(), args.seed, args.dtype)?;
-    run_all(backend, Arc::new(thinker), tokens, options)
+/// Loads the model on the backend and runs the selected workloads.
+struct Measure<'a> {
+    args: &'a TtftArgs,
+    options: &'a TtftOptions,
+}
+
+impl BackendJob for Measure<'_> {
+    type Output = (Vec<TtftReport>, Option<CaptureReport>);
+
+    fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Self::Output> {
+        let args = self.args;
+        let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), bench_model(), args.seed, args.runtime.dtype)?;
+        run_all(backend, Arc::new(thinker), tokens, self.options)
+    }
 }
 
 /// One report as one JSON line.

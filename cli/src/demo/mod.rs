@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use omniprefix::backend::Backend;
@@ -79,7 +80,7 @@ impl DemoOptions {
     /// [`DEFAULT_VIDEO_GRID_T`] grid steps.
     pub fn full() -> Result<Self> {
         Ok(DemoOptions {
-            workloads: DemoWorkload::ALL.to_vec(),
+            workloads: DemoWorkload::value_variants().to_vec(),
             scale: DemoScale::full(DEFAULT_VIDEO_GRID_T)?,
             seed: 0x0de0,
             fingerprint_threads: 1,
@@ -90,7 +91,7 @@ impl DemoOptions {
     /// The CI demo: every workload at [`DemoScale::quick`], no progress bars.
     pub fn quick() -> Self {
         DemoOptions {
-            workloads: DemoWorkload::ALL.to_vec(),
+            workloads: DemoWorkload::value_variants().to_vec(),
             scale: DemoScale::quick(),
             seed: 0x0de0,
             fingerprint_threads: 1,

@@ -7,20 +7,22 @@
 //! earlier steps of the same batch committed).
 
 use std::fmt;
-use std::str::FromStr;
+
+use clap::ValueEnum;
 
 use ndarray::s;
 
 use omniprefix::canon::ItemLayout;
-use crate::error::{HarnessError, Result};
+use crate::error::Result;
 use crate::scenarios::Scenarios;
 use crate::workloads::{
-    Media, MediaScale, RequestPlan, TEXT_VOCAB, by_name, conversation_rounds, prefix_repetition_prompts,
+    Media, MediaScale, RequestPlan, TEXT_VOCAB, conversation_rounds, prefix_repetition_prompts, write_name,
 };
 
-/// The workloads `omniprefix demo` runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+/// The workloads `omniprefix demo` runs (`--workload`, see [`crate::workloads::select`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, ValueEnum)]
 #[serde(rename_all = "snake_case")]
+#[value(rename_all = "snake_case")]
 pub enum DemoWorkload {
     /// The vllm-omni RFC's two text prompts (67 and 57 tokens, 46 shared).
     RfcTextPair,
@@ -30,48 +32,9 @@ pub enum DemoWorkload {
     PrefixRepetition,
 }
 
-impl DemoWorkload {
-    /// Every workload, in report order.
-    pub const ALL: [DemoWorkload; 3] = [DemoWorkload::RfcTextPair, DemoWorkload::MultiRound, DemoWorkload::PrefixRepetition];
-
-    /// The name on the command line and in reports.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DemoWorkload::RfcTextPair => "rfc_text_pair",
-            DemoWorkload::MultiRound => "multi_round",
-            DemoWorkload::PrefixRepetition => "prefix_repetition",
-        }
-    }
-
-    /// `all` or a comma-separated list of workload names.
-    ///
-    /// ```
-    /// use omniprefix_cli::demo::DemoWorkload;
-    /// assert_eq!(DemoWorkload::select("all")?.len(), 3);
-    /// assert_eq!(DemoWorkload::select("multi_round,rfc_text_pair")?,
-    ///            vec![DemoWorkload::MultiRound, DemoWorkload::RfcTextPair]);
-    /// assert!(DemoWorkload::select("mixed").is_err());
-    /// # Ok::<(), omniprefix_cli::HarnessError>(())
-    /// ```
-    pub fn select(names: &str) -> Result<Vec<DemoWorkload>> {
-        if names == "all" {
-            return Ok(Self::ALL.to_vec());
-        }
-        names.split(',').map(str::parse).collect()
-    }
-}
-
 impl fmt::Display for DemoWorkload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for DemoWorkload {
-    type Err = HarnessError;
-
-    fn from_str(name: &str) -> Result<Self> {
-        by_name(name, &Self::ALL, Self::as_str)
+        write_name(self, f)
     }
 }
 
@@ -200,8 +163,8 @@ mod tests {
     fn scaled_video_keeps_two_frames_per_grid_step() -> Result<()> {
         let media = demo_media(&DemoScale::quick(), 1)?;
         assert_eq!(media.shapes.video.num_tokens(), 2 * 4 * 8 / 4);
-        let err = "rfc".parse::<DemoWorkload>();
-        assert!(matches!(err, Err(HarnessError::UnknownWorkload { name, .. }) if name == "rfc"));
+        let err = crate::workloads::by_name::<DemoWorkload>("rfc");
+        assert!(matches!(err, Err(crate::HarnessError::UnknownWorkload { name, .. }) if name == "rfc"));
         Ok(())
     }
 }

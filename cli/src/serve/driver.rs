@@ -125,6 +125,9 @@ impl<B: Backend + 'static> Serve<'_, B> {
             ..Default::default()
         };
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;
+        if let Some((endpoint, replay)) = engine.kv_events_endpoints() {
+            crate::cli::fleet::announce(endpoint, replay);
+        }
         // Untimed: thread pools and allocator warm up before the clock runs.
         let warm = Request { tenant: TenantSalt::MAX / 2, ..Request::text(vec![1; 32]) };
         engine.run(warm.generate(SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2) }))?;
@@ -197,7 +200,7 @@ impl<B: Backend + 'static> Serve<'_, B> {
         })?;
         let sched = served.config().scheduler_config();
         let facts = RunFacts {
-            workload: workload.as_str(),
+            workload: &workload.to_string(),
             backend: self.backend.name(),
             cache,
             arrival,

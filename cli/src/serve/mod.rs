@@ -17,7 +17,8 @@ mod driver;
 mod stats;
 
 use std::fmt;
-use std::str::FromStr;
+
+use clap::ValueEnum;
 
 pub use arrival::{Arrival, Dispatcher, Due, poisson_offsets};
 pub use driver::run_serve;
@@ -27,12 +28,13 @@ use omniprefix::backend::Dtype;
 use omniprefix::canon::FingerprintKey;
 use omniprefix::events::KvEventsConfig;
 
-use crate::error::{HarnessError, Result};
+use crate::error::Result;
 use crate::scenarios::Scenarios;
-use crate::workloads::by_name;
+use crate::workloads::write_name;
 
-/// The workloads of `bench serve`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// The workloads of `bench serve` (`--workload`, see [`crate::workloads::select`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+#[value(rename_all = "snake_case")]
 pub enum ServeWorkload {
     /// Random prompts over a few shared random prefixes (vLLM's `prefix_repetition`).
     PrefixRepetition,
@@ -40,46 +42,9 @@ pub enum ServeWorkload {
     MultiRound,
 }
 
-impl ServeWorkload {
-    /// Every workload, in report order.
-    pub const ALL: [ServeWorkload; 2] = [ServeWorkload::PrefixRepetition, ServeWorkload::MultiRound];
-
-    /// The name on the command line and in reports.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ServeWorkload::PrefixRepetition => "prefix_repetition",
-            ServeWorkload::MultiRound => "multi_round",
-        }
-    }
-
-    /// `all` or a comma-separated list of names.
-    ///
-    /// ```
-    /// use omniprefix_cli::serve::ServeWorkload;
-    /// assert_eq!(ServeWorkload::select("all")?.len(), 2);
-    /// assert_eq!(ServeWorkload::select("multi_round")?, vec![ServeWorkload::MultiRound]);
-    /// assert!(ServeWorkload::select("mixed").is_err());
-    /// # Ok::<(), omniprefix_cli::HarnessError>(())
-    /// ```
-    pub fn select(names: &str) -> Result<Vec<ServeWorkload>> {
-        if names == "all" {
-            return Ok(Self::ALL.to_vec());
-        }
-        names.split(',').map(str::parse).collect()
-    }
-}
-
 impl fmt::Display for ServeWorkload {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for ServeWorkload {
-    type Err = HarnessError;
-
-    fn from_str(name: &str) -> Result<Self> {
-        by_name(name, &Self::ALL, Self::as_str)
+        write_name(self, f)
     }
 }
 
@@ -130,7 +95,7 @@ impl ServeOptions {
     pub fn full() -> Result<Self> {
         let p = Scenarios::load()?.prefix_repetition;
         Ok(ServeOptions {
-            workloads: ServeWorkload::ALL.to_vec(),
+            workloads: ServeWorkload::value_variants().to_vec(),
             arrivals: vec![Arrival::Concurrency(1), Arrival::Concurrency(8)],
             prefix_len: p.prefix_len,
             suffix_len: p.suffix_len,
@@ -156,7 +121,7 @@ impl ServeOptions {
     /// arrive after their prefix was cached at concurrency 4), concurrency 1 and 4.
     pub fn quick() -> Self {
         ServeOptions {
-            workloads: ServeWorkload::ALL.to_vec(),
+            workloads: ServeWorkload::value_variants().to_vec(),
             arrivals: vec![Arrival::Concurrency(1), Arrival::Concurrency(4)],
             prefix_len: 32,
             suffix_len: 16,
