@@ -7,7 +7,7 @@
 //! and rows, the tenant salt) and on the 32-byte key the whole fleet shares, so
 //! every replica and every frontend agrees without exchanging anything.
 //!
-//! Byte for byte (also in the README, "Scale-out"):
+//! Byte for byte (also in docs/scale-out.md, "Block hashes"):
 //!
 //! * `hash_key = BLAKE3.derive_key(context = "omniprefix 2026 kv block hash", key_material = fleet key)`.
 //! * The message of block `i` (positions `i*bs .. (i+1)*bs`) starts with
@@ -205,7 +205,7 @@ mod tests {
         }
     }
 
-    /// The message of block 0 written out by hand: the byte layout the README documents.
+    /// The message of block 0 written out by hand: the byte layout docs/scale-out.md documents.
     #[test]
     fn first_block_message_is_the_documented_bytes() {
         let key = FingerprintKey::fixed(3);
