@@ -100,7 +100,7 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// `--quick` or the full sizes, with every size flag given applied on top.
     pub fn options(&self) -> Result<ServeOptions> {
-        let base = if self.quick { ServeOptions::quick() } else { ServeOptions::full()? };
+        let base = if self.quick { ServeOptions::quick()? } else { ServeOptions::full()? };
         let mut arrivals: Vec<Arrival> =
             self.rate.iter().flatten().map(|&rate| Arrival::Poisson { rate }).collect();
         let concurrency = match (&self.concurrency, arrivals.is_empty()) {

@@ -118,10 +118,10 @@ impl ServeOptions {
     }
 
     /// A CI-sized run: short prompts and replies, few requests (enough that some
-    /// arrive after their prefix was cached at concurrency 4), concurrency 1 and 4.
-    pub fn quick() -> Self {
-        ServeOptions {
-            workloads: ServeWorkload::value_variants().to_vec(),
+    /// arrive after their prefix was cached at concurrency 4), concurrency 1 and 4;
+    /// the engine's settings as in [`full`](Self::full).
+    pub fn quick() -> Result<Self> {
+        Ok(ServeOptions {
             arrivals: vec![Arrival::Concurrency(1), Arrival::Concurrency(4)],
             prefix_len: 32,
             suffix_len: 16,
@@ -130,16 +130,7 @@ impl ServeOptions {
             output_len: 8,
             conversations: 2,
             mm_scale: 8,
-            block_size: 16,
-            max_seqs: 16,
-            max_tokens_per_step: 2048,
-            prefill_cap: None,
-            kv_dtype: Dtype::F32,
-            seed: 0,
-            fingerprint_key: FingerprintKey::random(),
-            kv_events: None,
-            encoder_ms: 0,
-            trace: false,
-        }
+            ..Self::full()?
+        })
     }
 }
