@@ -40,7 +40,7 @@ use ndarray::Array2;
 use rayon::prelude::*;
 
 use super::check::{expect_cols, row_index};
-use super::lanes::{self, Lanes, Portable};
+use super::lanes::{self, LaneKernel, Lanes, Simd};
 use super::pages::{CpuPages, KvRows};
 use crate::backend::{AttnHeads, AttnSeq};
 use crate::Result;
@@ -644,61 +644,35 @@ fn run_job_rows<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -
     out
 }
 
-/// [`run_job`] compiled for AVX2 + FMA.
-///
-/// # Safety
-/// The CPU must have AVX2 and FMA (an [`lanes::Avx2`] token proves it).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn run_job_avx2(l: lanes::Avx2, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
-    run_either(l, call, seq, job)
+/// One job of one call, run by the build [`Simd::run`] picks.
+struct JobTask<'a> {
+    call: &'a Call<'a>,
+    seq: &'a AttnSeq<'a>,
+    job: &'a Job,
 }
 
-/// The row path for a few lane rows, the lane-per-row path otherwise (which
-/// one never changes a row's result).
-#[inline(always)]
-fn run_either<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
-    let group = call.heads.num_heads / call.heads.kv_heads;
-    if job.rows.len() * group <= ROW_PATH_MAX && call.heads.head_dim.is_multiple_of(8) {
-        run_job_rows(l, call, seq, job)
-    } else {
-        run_job(l, call, seq, job)
-    }
-}
-
-/// Which kernel build a machine takes (always the same one on one machine).
-#[derive(Debug, Clone, Copy)]
-enum Kernel {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2(lanes::Avx2),
-}
-
-impl Kernel {
-    fn best() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(l) = lanes::Avx2::new() {
-            return Kernel::Avx2(l);
-        }
-        Kernel::Portable
-    }
-
-    fn run(self, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
-        match self {
-            Kernel::Portable => run_either(Portable, call, seq, job),
-            // SAFETY: the token proves AVX2 and FMA.
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2(l) => unsafe { run_job_avx2(l, call, seq, job) },
+impl LaneKernel for JobTask<'_> {
+    type Out = Vec<f32>;
+    /// The row path for a few lane rows, the lane-per-row path otherwise (which
+    /// one never changes a row's result).
+    #[inline(always)]
+    fn run<L: Lanes>(self, l: L) -> Vec<f32> {
+        let JobTask { call, seq, job } = self;
+        let group = call.heads.num_heads / call.heads.kv_heads;
+        if job.rows.len() * group <= ROW_PATH_MAX && call.heads.head_dim.is_multiple_of(8) {
+            run_job_rows(l, call, seq, job)
+        } else {
+            run_job(l, call, seq, job)
         }
     }
 }
 
 /// See [`crate::backend::Backend::paged_attention`].
 pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<Array2<f32>> {
-    attention_with(Kernel::best(), q, pages, layer, heads, seqs)
+    attention_with(Simd::detect(), q, pages, layer, heads, seqs)
 }
 
-fn attention_with(kernel: Kernel, q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<Array2<f32>> {
+fn attention_with(simd: Simd, q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<Array2<f32>> {
     let spec = pages.spec;
     if heads.kv_heads != spec.kv_heads || heads.head_dim != spec.head_dim || heads.kv_heads == 0 || !heads.num_heads.is_multiple_of(heads.kv_heads) {
         return Err(BackendError::OpShape {
@@ -731,7 +705,7 @@ fn attention_with(kernel: Kernel, q: &Array2<f32>, pages: &CpuPages, layer: usiz
             })
         })
         .collect();
-    let results: Vec<Vec<f32>> = jobs.par_iter().map(|job| kernel.run(&call, &seqs[job.seq], job)).collect();
+    let results: Vec<Vec<f32>> = jobs.par_iter().map(|job| simd.run(JobTask { call: &call, seq: &seqs[job.seq], job })).collect();
     let span = group * hd;
     for (job, res) in jobs.iter().zip(&results) {
         let seq = &seqs[job.seq];
@@ -755,15 +729,6 @@ mod tests {
 
     fn rand_rows(rng: &mut ChaCha8Rng, r: usize, c: usize) -> Array2<f32> {
         Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
-    }
-
-    /// Both kernel builds this machine can run.
-    fn kernels() -> Vec<Kernel> {
-        let mut all = vec![Kernel::Portable];
-        if !matches!(Kernel::best(), Kernel::Portable) {
-            all.push(Kernel::best());
-        }
-        all
     }
 
     /// Dense causal attention of one sequence (f64): q `[new, H*d]`, k/v `[len, KH*d]`.
@@ -853,12 +818,12 @@ mod tests {
                         s
                     })
                     .collect();
-                for kernel in kernels() {
-                    let got = attention_with(kernel, &q, &pages, 1, heads, &seqs).unwrap();
+                for simd in Simd::all() {
+                    let got = attention_with(simd, &q, &pages, 1, heads, &seqs).unwrap();
                     for (s, want) in seqs.iter().zip(&expected) {
                         for ((i, c), w) in want.indexed_iter() {
                             let g = got[[s.query_start + i, c]] as f64;
-                            assert!((g - w).abs() < 1e-5, "{kernel:?} {kv_dtype} d {d} heads {num_heads}/{kv_heads} row {i} col {c}: {g} vs {w}");
+                            assert!((g - w).abs() < 1e-5, "{simd:?} {kv_dtype} d {d} heads {num_heads}/{kv_heads} row {i} col {c}: {g} vs {w}");
                         }
                     }
                 }
@@ -869,7 +834,7 @@ mod tests {
     /// Rows of `attention_with` for sequence `table` (`len` positions, q rows `q`)
     /// computed as the steps `cuts` (consecutive ranges of positions), each step in
     /// a batch with `other` (a sequence of its own placed before it).
-    fn stepped(kernel: Kernel, pages: &CpuPages, heads: AttnHeads, q: &Array2<f32>, table: &[u32], cuts: &[Range<usize>], other: Option<(&Array2<f32>, &[u32], usize)>) -> Array2<f32> {
+    fn stepped(simd: Simd, pages: &CpuPages, heads: AttnHeads, q: &Array2<f32>, table: &[u32], cuts: &[Range<usize>], other: Option<(&Array2<f32>, &[u32], usize)>) -> Array2<f32> {
         let mut out = Array2::zeros(q.raw_dim());
         for cut in cuts {
             let mine = q.slice(ndarray::s![cut.clone(), ..]);
@@ -883,7 +848,7 @@ mod tests {
             };
             let start = batch_q.nrows() - cut.len();
             seqs.push(AttnSeq { query_start: start, num_new: cut.len(), num_computed: cut.start, block_table: table });
-            let got = attention_with(kernel, &batch_q, pages, 1, heads, &seqs).unwrap();
+            let got = attention_with(simd, &batch_q, pages, 1, heads, &seqs).unwrap();
             out.slice_mut(ndarray::s![cut.clone(), ..]).assign(&got.slice(ndarray::s![start.., ..]));
         }
         out
@@ -913,17 +878,17 @@ mod tests {
                     let q = rand_rows(&mut rng, len, num_heads * d);
                     let other_q = rand_rows(&mut rng, 40, num_heads * d);
                     let other = Some((&other_q, &tables[1][..], other_len - 40));
-                    for kernel in kernels() {
-                        let whole = stepped(kernel, &pages, heads, &q, &tables[0], &[0..len], None);
+                    for simd in Simd::all() {
+                        let whole = stepped(simd, &pages, heads, &q, &tables[0], &[0..len], None);
                         // Cuts on and off key tiles (64) and blocks; a one-row step; a decode tail.
                         let chunks = [0..1, 1..64, 64..65, 65..130, 130..131, 131..200, 200..201, 201..202, 202..203];
-                        let chunked = stepped(kernel, &pages, heads, &q, &tables[0], &chunks, None);
-                        assert_same_bits(&whole, &chunked, &format!("{kernel:?} {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}: chunked"));
-                        let batched = stepped(kernel, &pages, heads, &q, &tables[0], &[0..77, 77..203], other);
-                        assert_same_bits(&whole, &batched, &format!("{kernel:?} d {d} {num_heads}/{kv_heads} bs {block_size}: batched"));
+                        let chunked = stepped(simd, &pages, heads, &q, &tables[0], &chunks, None);
+                        assert_same_bits(&whole, &chunked, &format!("{simd:?} {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}: chunked"));
+                        let batched = stepped(simd, &pages, heads, &q, &tables[0], &[0..77, 77..203], other);
+                        assert_same_bits(&whole, &batched, &format!("{simd:?} d {d} {num_heads}/{kv_heads} bs {block_size}: batched"));
                         let singles: Vec<Range<usize>> = (0..len).map(|p| p..p + 1).collect();
-                        let one_by_one = stepped(kernel, &pages, heads, &q, &tables[0], &singles, other);
-                        assert_same_bits(&whole, &one_by_one, &format!("{kernel:?} d {d} {num_heads}/{kv_heads} bs {block_size}: one row per step"));
+                        let one_by_one = stepped(simd, &pages, heads, &q, &tables[0], &singles, other);
+                        assert_same_bits(&whole, &one_by_one, &format!("{simd:?} d {d} {num_heads}/{kv_heads} bs {block_size}: one row per step"));
                     }
                 }
             }
@@ -940,11 +905,11 @@ mod tests {
         let (pages, tables, _) = fill(&mut rng, spec, &lens);
         let q = rand_rows(&mut rng, lens.len(), 8 * 64);
         let seqs: Vec<AttnSeq<'_>> = lens.iter().zip(&tables).enumerate().map(|(i, (&l, t))| AttnSeq { query_start: i, num_new: 1, num_computed: l - 1, block_table: t }).collect();
-        for kernel in kernels() {
-            let all = attention_with(kernel, &q, &pages, 1, heads, &seqs).unwrap();
+        for simd in Simd::all() {
+            let all = attention_with(simd, &q, &pages, 1, heads, &seqs).unwrap();
             for (i, s) in seqs.iter().enumerate() {
-                let one = attention_with(kernel, &q.slice(ndarray::s![i..i + 1, ..]).to_owned(), &pages, 1, heads, &[AttnSeq { query_start: 0, ..*s }]).unwrap();
-                assert_same_bits(&all.slice(ndarray::s![i..i + 1, ..]).to_owned(), &one, &format!("{kernel:?} seq {i}"));
+                let one = attention_with(simd, &q.slice(ndarray::s![i..i + 1, ..]).to_owned(), &pages, 1, heads, &[AttnSeq { query_start: 0, ..*s }]).unwrap();
+                assert_same_bits(&all.slice(ndarray::s![i..i + 1, ..]).to_owned(), &one, &format!("{simd:?} seq {i}"));
             }
         }
     }
