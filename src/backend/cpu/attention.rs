@@ -723,13 +723,10 @@ mod tests {
     use super::*;
     use crate::error::Error;
     use crate::backend::{Dtype, PagesSpec};
+    use crate::backend::test_support::rand_rows_from;
+    use rand::SeedableRng;
     use rand::seq::SliceRandom;
-    use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
-
-    fn rand_rows(rng: &mut ChaCha8Rng, r: usize, c: usize) -> Array2<f32> {
-        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
-    }
 
     /// Dense causal attention of one sequence (f64): q `[new, H*d]`, k/v `[len, KH*d]`.
     fn dense(q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>, computed: usize, heads: AttnHeads) -> Array2<f64> {
@@ -766,8 +763,8 @@ mod tests {
             let nb = len.div_ceil(spec.block_size);
             let table = blocks[next..next + nb].to_vec();
             next += nb;
-            let k = rand_rows(rng, len, spec.kv_width());
-            let v = rand_rows(rng, len, spec.kv_width());
+            let k = rand_rows_from(rng, len, spec.kv_width());
+            let v = rand_rows_from(rng, len, spec.kv_width());
             let slots: Vec<i64> = (0..len).map(|j| (table[j / spec.block_size] as usize * spec.block_size + j % spec.block_size) as i64).collect();
             pages.write_kv(1, &k, &v, &slots).unwrap();
             tables.push(table);
@@ -802,7 +799,7 @@ mod tests {
                 let mut q_all = Vec::new();
                 let mut expected = Vec::new();
                 for (&(computed, new), (k, v)) in shapes.iter().zip(&kvs) {
-                    let q = rand_rows(&mut rng, new, num_heads * d);
+                    let q = rand_rows_from(&mut rng, new, num_heads * d);
                     expected.push(dense(&q, k, v, computed, heads));
                     q_all.push(q);
                 }
@@ -875,8 +872,8 @@ mod tests {
                     let num_blocks = len.div_ceil(block_size) + other_len.div_ceil(block_size) + 4;
                     let spec = PagesSpec { num_layers: 2, num_blocks, block_size, kv_heads, head_dim: d, captured: 0, hidden: 1, kv_dtype };
                     let (pages, tables, _) = fill(&mut rng, spec, &[len, other_len]);
-                    let q = rand_rows(&mut rng, len, num_heads * d);
-                    let other_q = rand_rows(&mut rng, 40, num_heads * d);
+                    let q = rand_rows_from(&mut rng, len, num_heads * d);
+                    let other_q = rand_rows_from(&mut rng, 40, num_heads * d);
                     let other = Some((&other_q, &tables[1][..], other_len - 40));
                     for simd in Simd::all() {
                         let whole = stepped(simd, &pages, heads, &q, &tables[0], &[0..len], None);
@@ -903,7 +900,7 @@ mod tests {
         let num_blocks = lens.iter().map(|l: &usize| l.div_ceil(16)).sum::<usize>();
         let spec = PagesSpec { num_layers: 2, num_blocks, block_size: 16, kv_heads: 2, head_dim: 64, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
         let (pages, tables, _) = fill(&mut rng, spec, &lens);
-        let q = rand_rows(&mut rng, lens.len(), 8 * 64);
+        let q = rand_rows_from(&mut rng, lens.len(), 8 * 64);
         let seqs: Vec<AttnSeq<'_>> = lens.iter().zip(&tables).enumerate().map(|(i, (&l, t))| AttnSeq { query_start: i, num_new: 1, num_computed: l - 1, block_table: t }).collect();
         for simd in Simd::all() {
             let all = attention_with(simd, &q, &pages, 1, heads, &seqs).unwrap();

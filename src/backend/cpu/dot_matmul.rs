@@ -274,18 +274,8 @@ unsafe fn block<L: Lanes, const R: usize, const C: usize>(l: L, x: [*const f32; 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::test_support::{pool, rand_rows};
     use ndarray::s;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    fn rand_rows(seed: u64, r: usize, c: usize) -> Array2<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
-    }
-
-    fn pool(threads: usize) -> rayon::ThreadPool {
-        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool")
-    }
 
     /// Each element type against an f64 oracle on the widened weights, on every
     /// build this CPU runs, and the invariant that keeps caching invisible: a row's

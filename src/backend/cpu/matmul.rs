@@ -123,17 +123,7 @@ fn gemm_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    fn rand_rows(seed: u64, r: usize, c: usize) -> Array2<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
-    }
-
-    fn pool(threads: usize) -> rayon::ThreadPool {
-        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool")
-    }
+    use crate::backend::test_support::{pool, rand_rows};
 
     /// The invariant that keeps caching invisible: every row of a product is the
     /// same to the last bit whether it is multiplied alone, in a small batch or in a
