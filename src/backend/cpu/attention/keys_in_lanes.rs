@@ -87,21 +87,16 @@ unsafe fn weigh_all<L: Lanes, const R: usize, const DV: usize>(l: L, acc: [*mut 
 pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
     let AttnHeads { num_heads, kv_heads, head_dim: hd } = call.heads;
     let group = num_heads / kv_heads;
-    let width = kv_heads * hd;
     let nrows = job.rows.len() * group;
     debug_assert!(nrows <= super::ROW_PATH_MAX && hd.is_multiple_of(8));
     let scale = 1.0 / (hd as f32).sqrt();
     let mut q = vec![0.0f32; nrows * hd];
     let mut limit = Vec::with_capacity(nrows);
-    for (ri, i) in job.rows.clone().enumerate() {
-        let q_row = &call.q[(seq.query_start + i) * call.q_cols..][..call.q_cols];
-        for g in 0..group {
-            let h = job.kv_head * group + g;
-            for (d, x) in q[(ri * group + g) * hd..][..hd].iter_mut().zip(&q_row[h * hd..(h + 1) * hd]) {
-                *d = x * scale;
-            }
-            limit.push(seq.num_computed + i + 1);
+    for (r, (q_head, lim)) in job.lane_rows(call, seq).enumerate() {
+        for (d, x) in q[r * hd..][..hd].iter_mut().zip(q_head) {
+            *d = x * scale;
         }
+        limit.push(lim);
     }
     let mut m = vec![f32::NEG_INFINITY; nrows];
     let mut lsum = vec![0.0f32; nrows];
@@ -110,12 +105,10 @@ pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job)
     let mut p = vec![0.0f32; nrows * KEY_TILE];
     let mut kt = vec![0.0f32; hd * KEY_TILE];
     let mut tile_rows = TileRows::new(call);
-    let bs = call.block_size;
-    let end = seq.num_computed + job.rows.end;
-    let row_offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
+    let end = job.key_end(seq);
     for j0 in (0..end).step_by(KEY_TILE) {
         let nk = (end - j0).min(KEY_TILE);
-        tile_rows.load(l, call, j0..j0 + nk, end, row_offset);
+        tile_rows.load(l, call, seq, job, j0..j0 + nk);
         let (keys, vals) = (&tile_rows.keys, &tile_rows.vals);
         // kt[d][j] = k_j[d], 8 keys × 8 dims at a time (keys past nk repeat the last).
         let groups = nk.div_ceil(8);

@@ -2,7 +2,8 @@
 
 use std::ops::Range;
 
-use super::{Call, KEY_TILE};
+use super::{Call, Job, KEY_TILE};
+use crate::backend::AttnSeq;
 use crate::backend::cpu::lanes::Lanes;
 use crate::backend::cpu::pages::KvRows;
 
@@ -22,12 +23,16 @@ impl TileRows {
         TileRows { keys: Vec::with_capacity(KEY_TILE), vals: Vec::with_capacity(KEY_TILE), k: vec![0.0; scratch], v: vec![0.0; scratch] }
     }
 
-    /// Points `keys` / `vals` at `positions` (at most [`KEY_TILE`]; `offset(j)` is
-    /// position `j`'s element offset in the pages) and asks for the next tile's rows
-    /// (below `end`), which then stream in while this tile computes.
+    /// Points `keys` / `vals` at the rows of `positions` (at most [`KEY_TILE`]) for
+    /// `job`'s KV head and asks for the next tile's rows (those the job reads),
+    /// which then stream in while this tile computes.
     #[inline(always)]
-    pub(super) fn load<L: Lanes>(&mut self, l: L, call: &Call<'_>, positions: Range<usize>, end: usize, offset: impl Fn(usize) -> usize) {
+    pub(super) fn load<L: Lanes>(&mut self, l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job, positions: Range<usize>) {
         let hd = call.heads.head_dim;
+        let (bs, width) = (call.block_size, call.heads.kv_heads * hd);
+        // Position j's element offset in the pages.
+        let offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
+        let end = job.key_end(seq);
         self.keys.clear();
         self.vals.clear();
         if let (KvRows::F32(k), KvRows::F32(v)) = (call.k, call.v) {

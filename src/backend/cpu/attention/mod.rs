@@ -111,6 +111,28 @@ struct Job {
     rows: Range<usize>,
 }
 
+impl Job {
+    /// The job's lane rows in order, (query row, group head) pairs: each one's q
+    /// (its head's `head_dim` floats, unscaled) and exclusive key limit (its position + 1).
+    #[inline(always)]
+    fn lane_rows<'a>(&'a self, call: &'a Call<'_>, seq: &'a AttnSeq<'_>) -> impl Iterator<Item = (&'a [f32], usize)> {
+        let hd = call.heads.head_dim;
+        let group = call.heads.num_heads / call.heads.kv_heads;
+        self.rows.clone().flat_map(move |i| {
+            let q_row = &call.q[(seq.query_start + i) * call.q_cols..][..call.q_cols];
+            (0..group).map(move |g| {
+                let h = self.kv_head * group + g;
+                (&q_row[h * hd..(h + 1) * hd], seq.num_computed + i + 1)
+            })
+        })
+    }
+
+    /// Exclusive end of the positions the job reads (its last row's limit).
+    fn key_end(&self, seq: &AttnSeq<'_>) -> usize {
+        seq.num_computed + self.rows.end
+    }
+}
+
 /// Most lane rows a job takes through [`keys_in_lanes`] (decode: one query row
 /// × a small group); more go through [`rows_in_lanes`].
 const ROW_PATH_MAX: usize = 4;

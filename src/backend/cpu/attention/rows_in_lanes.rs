@@ -252,7 +252,6 @@ fn fold_tile<L: Lanes>(l: L, st: &mut State, v0: usize, j0: usize, keys: &[*cons
 pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job) -> Vec<f32> {
     let AttnHeads { num_heads, kv_heads, head_dim: hd } = call.heads;
     let group = num_heads / kv_heads;
-    let width = kv_heads * hd;
     let nrows = job.rows.len() * group;
     let rpad = nrows.next_multiple_of(8);
     let stride = rpad + 16;
@@ -268,27 +267,20 @@ pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job)
         acc: vec![0.0; hd * stride],
         st: vec![0.0; KEY_TILE * stride],
     };
-    for (ri, i) in job.rows.clone().enumerate() {
-        let q_row = &call.q[(seq.query_start + i) * call.q_cols..][..call.q_cols];
-        for g in 0..group {
-            let h = job.kv_head * group + g;
-            let r = ri * group + g;
-            for (d, x) in q_row[h * hd..(h + 1) * hd].iter().enumerate() {
-                st.qt[d * stride + r] = x * scale;
-            }
-            st.limit.push(seq.num_computed + i + 1);
+    for (r, (q, limit)) in job.lane_rows(call, seq).enumerate() {
+        for (d, x) in q.iter().enumerate() {
+            st.qt[d * stride + r] = x * scale;
         }
+        st.limit.push(limit);
     }
     let last = *st.limit.last().expect("a job has rows");
     st.limit.resize(rpad, last);
     let mut tile_rows = TileRows::new(call);
-    let bs = call.block_size;
-    let end = seq.num_computed + job.rows.end;
+    let end = job.key_end(seq);
     let first = seq.num_computed + job.rows.start;
-    let row_offset = |j: usize| (seq.block_table[j / bs] as usize * bs + j % bs) * width + job.kv_head * hd;
     for j0 in (0..end).step_by(KEY_TILE) {
         let n = (end - j0).min(KEY_TILE);
-        tile_rows.load(l, call, j0..j0 + n, end, row_offset);
+        tile_rows.load(l, call, seq, job, j0..j0 + n);
         // Lane vectors all of whose rows are below the tile have finished.
         let v0 = j0.saturating_sub(first) * group / 8;
         fold_tile(l, &mut st, v0, j0, &tile_rows.keys, &tile_rows.vals, hd);
