@@ -78,7 +78,8 @@ var<workgroup> qt_sh: array<f32, 1024>;  // TQ * HEAD_DIM
 var<workgroup> kvt_sh: array<f32, 2048>; // KT * HEAD_DIM
 var<workgroup> st_sh: array<f32, 1024>;  // TQ * KT
 
-// kv_at, load_k, load_v: see paged_kv.wgsl, the prelude this file is compiled after.
+// kv_at, load_k, load_v: see paged_kv.wgsl, the prelude this file is compiled after;
+// DecodeState, decode_fold, decode_write_partial: see paged_decode.wgsl, the next one.
 
 // The query slots of a workgroup: slot s is row row_of(s) of the tile and query head
 // head0 + s % TQ_HEADS; live while that row is < n_q and that head is in the group.
@@ -244,11 +245,9 @@ fn paged_decode_partial(
     }
     workgroupBarrier();
 
-    var m: array<f32, MAX_GROUP>;
-    var l: array<f32, MAX_GROUP>;
-    var acc: array<f32, 32>; // MAX_GROUP * DIMS_PER_THREAD, index g * DIMS_PER_THREAD + i
+    var st: DecodeState;
     for (var g = 0u; g < MAX_GROUP; g++) {
-        m[g] = NEG_BIG;
+        st.m[g] = NEG_BIG;
     }
     for (var t0 = begin; t0 < end; t0 += WG) {
         let j = t0 + lid;
@@ -268,51 +267,10 @@ fn paged_decode_partial(
         workgroupBarrier();
 
         let n_t = min(WG, end - t0);
-        var m_new: array<f32, MAX_GROUP>;
-        for (var g = 0u; g < group; g++) {
-            m_new[g] = m[g];
-            for (var t = 0u; t < n_t; t++) {
-                m_new[g] = max(m_new[g], s_sh[g * WG + t]);
-            }
-            let corr = exp(m[g] - m_new[g]);
-            l[g] *= corr;
-            for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-                acc[g * DIMS_PER_THREAD + i] *= corr;
-            }
-            m[g] = m_new[g];
-        }
-        for (var t = 0u; t < n_t; t++) {
-            let at = kv_at(table, t0 + t, kvh);
-            var pr: array<f32, MAX_GROUP>;
-            for (var g = 0u; g < group; g++) {
-                pr[g] = exp(s_sh[g * WG + t] - m[g]);
-                l[g] += pr[g];
-            }
-            for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-                let d = lid + i * WG;
-                if (d < HEAD_DIM) {
-                    let v = load_v(at, d);
-                    for (var g = 0u; g < group; g++) {
-                        acc[g * DIMS_PER_THREAD + i] += pr[g] * v;
-                    }
-                }
-            }
-        }
+        decode_fold(&st, group, table, kvh, t0, n_t, lid);
         workgroupBarrier();
     }
-    for (var g = 0u; g < group; g++) {
-        let pr_idx = (r * NUM_HEADS + kvh * group + g) * p.n_splits + split;
-        for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-            let d = lid + i * WG;
-            if (d < HEAD_DIM) {
-                part[pr_idx * HEAD_DIM + d] = acc[g * DIMS_PER_THREAD + i];
-            }
-        }
-        if (lid == 0u) {
-            part[p.part_ml_offset + 2u * pr_idx] = m[g];
-            part[p.part_ml_offset + 2u * pr_idx + 1u] = l[g];
-        }
-    }
+    decode_write_partial(&st, group, r, kvh, split, lid);
 }
 
 @compute @workgroup_size(WG)

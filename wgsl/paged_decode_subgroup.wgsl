@@ -2,8 +2,9 @@
 // paged_attention.wgsl's paged_decode_partial, for devices with Features::SUBGROUP (the
 // backend compiles this file only there; it omits `enable subgroups;`, which naga 30
 // rejects). Same bindings, AttnParams, row_info layout and partial output layout, so
-// paged_decode_reduce merges its splits unchanged. Compiled after the f16 pair prelude
-// and paged_kv.wgsl (kv_at, load_k, load_v).
+// paged_decode_reduce merges its splits unchanged. Compiled after the f16 pair prelude,
+// paged_kv.wgsl (kv_at, load_k, load_v) and paged_decode.wgsl (DecodeState, decode_fold,
+// decode_write_partial: the fold and the partial write both decode kernels share).
 //
 // paged_decode_subgroup: one workgroup per (row, kv head, split), online softmax in f32
 // over tiles of WG keys, as the portable kernel; only the scores differ. The portable
@@ -85,11 +86,9 @@ fn paged_decode_subgroup(
     }
     workgroupBarrier();
 
-    var m: array<f32, MAX_GROUP>;
-    var l: array<f32, MAX_GROUP>;
-    var acc: array<f32, 32>; // MAX_GROUP * DIMS_PER_THREAD, index g * DIMS_PER_THREAD + i
+    var st: DecodeState;
     for (var g = 0u; g < MAX_GROUP; g++) {
-        m[g] = NEG_BIG;
+        st.m[g] = NEG_BIG;
     }
     for (var t0 = begin; t0 < end; t0 += WG) {
         let n_t = min(WG, end - t0);
@@ -115,49 +114,8 @@ fn paged_decode_subgroup(
         }
         workgroupBarrier();
 
-        var m_new: array<f32, MAX_GROUP>;
-        for (var g = 0u; g < group; g++) {
-            m_new[g] = m[g];
-            for (var t = 0u; t < n_t; t++) {
-                m_new[g] = max(m_new[g], s_sh[g * WG + t]);
-            }
-            let corr = exp(m[g] - m_new[g]);
-            l[g] *= corr;
-            for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-                acc[g * DIMS_PER_THREAD + i] *= corr;
-            }
-            m[g] = m_new[g];
-        }
-        for (var t = 0u; t < n_t; t++) {
-            let at = kv_at(table, t0 + t, kvh);
-            var pr: array<f32, MAX_GROUP>;
-            for (var g = 0u; g < group; g++) {
-                pr[g] = exp(s_sh[g * WG + t] - m[g]);
-                l[g] += pr[g];
-            }
-            for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-                let d = lid + i * WG;
-                if (d < HEAD_DIM) {
-                    let v = load_v(at, d);
-                    for (var g = 0u; g < group; g++) {
-                        acc[g * DIMS_PER_THREAD + i] += pr[g] * v;
-                    }
-                }
-            }
-        }
+        decode_fold(&st, group, table, kvh, t0, n_t, lid);
         workgroupBarrier();
     }
-    for (var g = 0u; g < group; g++) {
-        let pr_idx = (r * NUM_HEADS + kvh * group + g) * p.n_splits + split;
-        for (var i = 0u; i < DIMS_PER_THREAD; i++) {
-            let d = lid + i * WG;
-            if (d < HEAD_DIM) {
-                part[pr_idx * HEAD_DIM + d] = acc[g * DIMS_PER_THREAD + i];
-            }
-        }
-        if (lid == 0u) {
-            part[p.part_ml_offset + 2u * pr_idx] = m[g];
-            part[p.part_ml_offset + 2u * pr_idx + 1u] = l[g];
-        }
-    }
+    decode_write_partial(&st, group, r, kvh, split, lid);
 }

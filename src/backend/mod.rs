@@ -19,6 +19,8 @@
 #[cfg(feature = "wgpu")]
 pub mod auto;
 pub mod cpu;
+#[cfg(test)]
+pub(crate) mod test_support;
 pub(crate) mod weight;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;

@@ -1,5 +1,6 @@
 //! `x @ w^T` as one dot product per output element, for weights stored in any
-//! [`Element`] type (bf16 and f16 here) and accumulated in f32.
+//! [`Element`] type (f32, bf16, f16) and accumulated in f32: the CPU's one dot
+//! kernel ([`block`]).
 //!
 //! Every element goes through the same operations whatever rows and columns
 //! share the call: 8 lanes of multiply-adds over `k` in steps of 8, the lanes
@@ -8,9 +9,10 @@
 //! and a decode step reads each weight once for all of its rows.
 //!
 //! A task owns a tile of the output: a block of `x` rows sized to stay in L2
-//! and a range of weight rows. It widens the weight to f32 [`PANEL`] rows at a
-//! time into a buffer that stays in cache while every row of its block is
-//! multiplied by it, [`MR`] rows of `x` by [`NR`] weight rows per kernel call
+//! and a range of weight rows. It takes the weight [`PANEL`] rows at a time
+//! (widened to f32 into a buffer that stays in cache when they are half
+//! precision, in place when they are f32) and multiplies every row of its block
+//! by each panel, [`MR`] rows of `x` by [`NR`] weight rows per kernel call
 //! (12 accumulators). The weight therefore crosses memory in its stored width,
 //! once per row block: once per decode step.
 
@@ -18,16 +20,16 @@ use half::{bf16, f16};
 use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
 
-use super::lanes::{Lanes, Portable};
+use super::lanes::{LaneKernel, Lanes, Simd};
 
-/// Weight rows widened at a time.
+/// Weight rows taken at a time.
 const PANEL: usize = 12;
 /// Rows of `x` per kernel call.
 const MR: usize = 4;
 /// Weight rows per kernel call (4 x 3 accumulators, 3 weight vectors and one `x`
 /// vector fill the 16 AVX registers without spilling).
 const NR: usize = 3;
-/// Bytes of `x` rows one task multiplies per widened panel (fits L2 beside the panel).
+/// Bytes of `x` rows one task multiplies per panel (fits L2 beside the panel).
 const ROW_BLOCK_BYTES: usize = 160 << 10;
 /// How many panels ahead the weight is prefetched: 3 gave 45-49 decode tokens/s on
 /// the bf16 bench checkpoint against 39-41 without prefetching and 40-44 at 1 or 7.
@@ -37,23 +39,43 @@ const TASKS_PER_THREAD: usize = 4;
 
 /// A stored weight element that widens exactly to f32.
 pub(crate) trait Element: Copy + Send + Sync {
-    /// `dst[i] = src[i]` widened; both the same length.
-    fn widen<L: Lanes>(l: L, src: &[Self], dst: &mut [f32]);
+    /// `src` as f32: itself for f32, else widened into `buf` (grown as needed).
+    fn as_f32<'a, L: Lanes>(l: L, src: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32];
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn as_f32<'a, L: Lanes>(_: L, src: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
+        src
+    }
 }
 
 impl Element for bf16 {
     #[inline(always)]
-    fn widen<L: Lanes>(_: L, src: &[bf16], dst: &mut [f32]) {
+    fn as_f32<'a, L: Lanes>(_: L, src: &'a [bf16], buf: &'a mut Vec<f32>) -> &'a [f32] {
+        let dst = scratch(buf, src.len());
         super::lanes::widen_bf16(src, dst);
+        dst
     }
 }
 
 impl Element for f16 {
     #[inline(always)]
-    fn widen<L: Lanes>(l: L, src: &[f16], dst: &mut [f32]) {
+    fn as_f32<'a, L: Lanes>(l: L, src: &'a [f16], buf: &'a mut Vec<f32>) -> &'a [f32] {
+        let dst = scratch(buf, src.len());
         // 8 at a time with F16C where the lanes have it.
         l.widen_f16(src, dst);
+        dst
     }
+}
+
+/// The first `len` floats of `buf`, grown (never shrunk or cleared) to hold them.
+#[inline(always)]
+fn scratch(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    &mut buf[..len]
 }
 
 /// The output pointer tasks write disjoint tiles through.
@@ -65,6 +87,11 @@ unsafe impl Sync for Out {}
 
 /// `x @ w^T`: `x [m, k]` f32, `w [n, k]` of `T` → `[m, n]` f32.
 pub(crate) fn matmul_t<T: Element>(x: ArrayView2<'_, f32>, w: ArrayView2<'_, T>) -> Array2<f32> {
+    matmul_t_with(Simd::detect(), x, w)
+}
+
+/// [`matmul_t`] on the lanes of `simd`.
+fn matmul_t_with<T: Element>(simd: Simd, x: ArrayView2<'_, f32>, w: ArrayView2<'_, T>) -> Array2<f32> {
     let (m, k, n) = (x.nrows(), x.ncols(), w.nrows());
     assert_eq!(w.ncols(), k, "dot matmul_t: x and w disagree on k");
     let mut out = Array2::<f32>::zeros((m, n));
@@ -81,8 +108,7 @@ pub(crate) fn matmul_t<T: Element>(x: ArrayView2<'_, f32>, w: ArrayView2<'_, T>)
     let cols_per_chunk = n.div_ceil(col_chunks).next_multiple_of(PANEL);
     let tiles: Vec<(usize, usize)> =
         (0..row_blocks).flat_map(|r| (0..n.div_ceil(cols_per_chunk)).map(move |c| (r, c))).collect();
-    let dst = Out(out.as_mut_ptr());
-    let avx2 = avx2_token();
+    let out_ptr = Out(out.as_mut_ptr());
     tiles.into_par_iter().for_each(|(rb, cc)| {
         let tile = Tile {
             rows: rb * rows_per_block..(m).min((rb + 1) * rows_per_block),
@@ -90,27 +116,9 @@ pub(crate) fn matmul_t<T: Element>(x: ArrayView2<'_, f32>, w: ArrayView2<'_, T>)
             k,
             n,
         };
-        match avx2 {
-            // SAFETY: the token proves AVX2 and FMA; the tile lies inside `out`, `xs` and `ws`.
-            #[cfg(target_arch = "x86_64")]
-            Some(l) => unsafe { tile_avx2(l, xs, ws, &tile, dst) },
-            // SAFETY: the tile lies inside `out`, `xs` and `ws`.
-            _ => unsafe { run_tile(Portable, xs, ws, &tile, dst) },
-        }
+        simd.run(TileTask { xs, ws, tile, out: out_ptr });
     });
     out
-}
-
-#[cfg(target_arch = "x86_64")]
-type Avx2Token = super::lanes::Avx2;
-#[cfg(not(target_arch = "x86_64"))]
-type Avx2Token = std::convert::Infallible;
-
-fn avx2_token() -> Option<Avx2Token> {
-    #[cfg(target_arch = "x86_64")]
-    return super::lanes::Avx2::new();
-    #[cfg(not(target_arch = "x86_64"))]
-    None
 }
 
 /// One task's share of the output.
@@ -121,19 +129,28 @@ struct Tile {
     n: usize,
 }
 
-/// [`run_tile`] compiled for AVX2 + FMA.
-///
-/// # Safety
-/// As [`run_tile`]; the CPU must have AVX2 and FMA (the token proves it).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_avx2<T: Element>(l: super::lanes::Avx2, xs: &[f32], ws: &[T], tile: &Tile, out: Out) {
-    // SAFETY: forwarded from the caller.
-    unsafe { run_tile(l, xs, ws, tile, out) }
+/// One tile of one [`matmul_t_with`] call. Only that function makes one: its
+/// tiles lie inside `xs`, `ws` and `out` (`[m, k]`, `[n, k]`, `[m, n]`), and no
+/// two tasks share a tile.
+struct TileTask<'a, T> {
+    xs: &'a [f32],
+    ws: &'a [T],
+    tile: Tile,
+    out: Out,
 }
 
-/// Widens the tile's weight rows a panel at a time and multiplies every row of
-/// the tile by each panel.
+impl<T: Element> LaneKernel for TileTask<'_, T> {
+    type Out = ();
+    #[inline(always)]
+    fn run<L: Lanes>(self, l: L) {
+        // SAFETY: the tile lies inside `out`, `xs` and `ws` and no other task writes it
+        // (`TileTask`'s contract).
+        unsafe { run_tile(l, self.xs, self.ws, &self.tile, self.out) }
+    }
+}
+
+/// Takes the tile's weight rows a panel at a time (widened when they are half
+/// precision) and multiplies every row of the tile by each panel.
 ///
 /// # Safety
 /// `xs` holds `[m, k]` with `tile.rows` inside `m`; `ws` holds `[n, k]` with
@@ -141,10 +158,10 @@ unsafe fn tile_avx2<T: Element>(l: super::lanes::Avx2, xs: &[f32], ws: &[T], til
 #[inline(always)]
 unsafe fn run_tile<L: Lanes, T: Element>(l: L, xs: &[f32], ws: &[T], tile: &Tile, out: Out) {
     let k = tile.k;
-    let mut panel = vec![0f32; PANEL * k];
+    let mut buf = Vec::new();
     for c0 in tile.cols.clone().step_by(PANEL) {
         let pc = PANEL.min(tile.cols.end - c0);
-        T::widen(l, &ws[c0 * k..(c0 + pc) * k], &mut panel[..pc * k]);
+        let panel = T::as_f32(l, &ws[c0 * k..(c0 + pc) * k], &mut buf);
         // Ask for the weight bytes PREFETCH_AHEAD panels on now, so memory streams them in
         // while this panel computes (a decode step is bound by that stream; prefetches never fault).
         let ahead = c0 + pc + PREFETCH_AHEAD * PANEL;
@@ -257,45 +274,44 @@ unsafe fn block<L: Lanes, const R: usize, const C: usize>(l: L, x: [*const f32; 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::test_support::{pool, rand_rows};
     use ndarray::s;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
 
-    fn rand_rows(seed: u64, r: usize, c: usize) -> Array2<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
-    }
-
-    fn pool(threads: usize) -> rayon::ThreadPool {
-        rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool")
-    }
-
-    /// Each half type against an f64 oracle on the widened weights, and the
-    /// invariant that keeps caching invisible: a row's result is the same to the
-    /// last bit alone, in any batch, at any offset and with any thread count.
+    /// Each element type against an f64 oracle on the widened weights, on every
+    /// build this CPU runs, and the invariant that keeps caching invisible: a row's
+    /// result is the same to the last bit alone, in any batch, at any offset and
+    /// with any thread count.
     fn check<T: Element + std::fmt::Debug>(narrow: fn(f32) -> T, widen: fn(T) -> f32) {
         const ALL: usize = 200;
         // k below, at and across lane groups, with tails; n below a panel, odd, and vocabulary-like.
         for (n, k) in [(1, 7), (5, 8), (37, 29), (64, 512), (130, 100), (1000, 64)] {
             let w = rand_rows(n as u64, n, k).mapv(narrow);
             let x = rand_rows(k as u64 + 9, ALL, k);
-            let all = pool(2).install(|| matmul_t(x.view(), w.view()));
-            assert_eq!(all.dim(), (ALL, n));
-            assert_eq!(pool(1).install(|| matmul_t(x.view(), w.view())), all, "n {n} k {k}: 1 thread differs from 2");
-            for r in [0, 101, ALL - 1] {
-                for c in [0, n / 2, n - 1] {
-                    let want: f64 = (0..k).map(|i| f64::from(x[[r, i]]) * f64::from(widen(w[[c, i]]))).sum();
-                    let tol = 1e-5 * (k as f64).sqrt().max(1.0);
-                    assert!((f64::from(all[[r, c]]) - want).abs() < tol, "n {n} k {k}: ({r},{c}) {} vs {want}", all[[r, c]]);
+            for simd in Simd::all() {
+                let product = |x: ArrayView2<'_, f32>| matmul_t_with(simd, x, w.view());
+                let all = pool(2).install(|| product(x.view()));
+                assert_eq!(all.dim(), (ALL, n));
+                assert_eq!(pool(1).install(|| product(x.view())), all, "{simd:?} n {n} k {k}: 1 thread differs from 2");
+                for r in [0, 101, ALL - 1] {
+                    for c in [0, n / 2, n - 1] {
+                        let want: f64 = (0..k).map(|i| f64::from(x[[r, i]]) * f64::from(widen(w[[c, i]]))).sum();
+                        let tol = 1e-5 * (k as f64).sqrt().max(1.0);
+                        assert!((f64::from(all[[r, c]]) - want).abs() < tol, "{simd:?} n {n} k {k}: ({r},{c}) {} vs {want}", all[[r, c]]);
+                    }
                 }
-            }
-            for m in [1, 2, 3, 4, 17] {
-                for start in [0, 5, ALL - m] {
-                    let got = pool(2).install(|| matmul_t(x.slice(s![start..start + m, ..]), w.view()));
-                    assert!(got == all.slice(s![start..start + m, ..]), "n {n} k {k}: rows {start}..+{m} differ from the same rows of {ALL}");
+                for m in [1, 2, 3, 4, 17] {
+                    for start in [0, 5, ALL - m] {
+                        let got = pool(2).install(|| product(x.slice(s![start..start + m, ..])));
+                        assert!(got == all.slice(s![start..start + m, ..]), "{simd:?} n {n} k {k}: rows {start}..+{m} differ from the same rows of {ALL}");
+                    }
                 }
             }
         }
+    }
+
+    #[test]
+    fn f32_products_match_f64_and_rows_do_not_depend_on_their_batch() {
+        check(|x| x, |x| x);
     }
 
     #[test]
@@ -310,13 +326,13 @@ mod tests {
 
     #[test]
     fn widening_is_exact() {
+        use super::super::lanes::Portable;
         let vals = [0.0f32, -0.0, 1.0, -2.5, 3.3, 1e-8, 65504.0, f32::MIN_POSITIVE];
+        let mut buf = Vec::new();
         let b: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
-        let mut out = vec![0f32; vals.len()];
-        bf16::widen(Portable, &b, &mut out);
-        assert_eq!(out, b.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        assert_eq!(bf16::as_f32(Portable, &b, &mut buf), b.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
         let h: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
-        f16::widen(Portable, &h, &mut out);
-        assert_eq!(out, h.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        assert_eq!(f16::as_f32(Portable, &h, &mut buf), h.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+        assert_eq!(f32::as_f32(Portable, &vals, &mut buf), vals, "f32 rows are read as they are");
     }
 }

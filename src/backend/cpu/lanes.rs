@@ -55,6 +55,66 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     }
 }
 
+/// The lanes this CPU runs, found once: the one CPU-feature token every kernel
+/// dispatches on. A machine always takes the same build, so a result never
+/// depends on which call computed it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Simd {
+    /// [`Portable`] lanes: any CPU.
+    Portable,
+    /// [`Avx2`] lanes; holding the token proves AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    Avx2(Avx2),
+}
+
+/// A kernel written once over [`Lanes`]; [`Simd::run`] compiles it for each build.
+pub(crate) trait LaneKernel {
+    type Out;
+    /// The kernel on lanes `l`. Mark it `#[inline(always)]`, so that it (and the
+    /// `#[inline(always)]` code it calls) is compiled inside the build's entry point
+    /// with that build's CPU features.
+    fn run<L: Lanes>(self, l: L) -> Self::Out;
+}
+
+impl Simd {
+    /// The best build this CPU runs (checked once).
+    pub(crate) fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(l) = Avx2::new() {
+            return Simd::Avx2(l);
+        }
+        Simd::Portable
+    }
+
+    /// Every build this CPU runs, the portable one first (tests run each).
+    #[cfg(test)]
+    pub(crate) fn all() -> Vec<Self> {
+        let mut all = vec![Simd::Portable];
+        if !matches!(Simd::detect(), Simd::Portable) {
+            all.push(Simd::detect());
+        }
+        all
+    }
+
+    /// Runs `kernel` on this build's lanes.
+    #[inline]
+    pub(crate) fn run<K: LaneKernel>(self, kernel: K) -> K::Out {
+        match self {
+            Simd::Portable => kernel.run(Portable),
+            // SAFETY: the token proves the CPU has the entry point's features.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2(l) => unsafe { run_avx2(l, kernel) },
+        }
+    }
+}
+
+/// The AVX2 entry point: `kernel` (inlined) compiled with AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn run_avx2<K: LaneKernel>(l: Avx2, kernel: K) -> K::Out {
+    kernel.run(l)
+}
+
 /// `dst[i] = src[i]` widened from bf16 (exact): bf16 is the top half of an f32, so
 /// this is a shift, which vectorises to two instructions per 8 inside an AVX2 kernel.
 #[inline(always)]
@@ -155,13 +215,14 @@ mod avx2 {
 
     use super::Lanes;
 
-    /// 256-bit AVX2 registers with fused multiply-add. Only [`Avx2::new`] makes one.
+    /// 256-bit AVX2 registers with fused multiply-add. Only [`Avx2::new`] makes one
+    /// (through [`super::Simd::detect`], the one place that asks the CPU).
     #[derive(Debug, Clone, Copy)]
     pub(crate) struct Avx2(());
 
     impl Avx2 {
         /// The token when this CPU has AVX2, FMA and F16C (checked once).
-        pub(crate) fn new() -> Option<Self> {
+        pub(super) fn new() -> Option<Self> {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let ok = *AVAILABLE.get_or_init(|| {
                 is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -373,11 +434,16 @@ mod tests {
 
     #[test]
     fn avx2_lanes_match_the_portable_definition() {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(l) = Avx2::new() {
-            same_as_portable(l);
+        struct SameAsPortable;
+        impl LaneKernel for SameAsPortable {
+            type Out = ();
+            fn run<L: Lanes>(self, l: L) {
+                same_as_portable(l);
+            }
         }
-        same_as_portable(Portable);
+        for simd in Simd::all() {
+            simd.run(SameAsPortable);
+        }
     }
 
     #[test]

@@ -248,14 +248,8 @@ mod tests {
     use super::*;
     use crate::error::BackendError;
     use crate::Error;
+    use crate::backend::test_support::rand_rows;
     use ndarray::array;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    fn rand_rows(seed: u64, r: usize, c: usize) -> Array2<f32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
-    }
 
     #[test]
     fn norms_and_swiglu_match_naive_loops() {

@@ -77,12 +77,9 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<HostWeight>) -> Result<Arr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
+    use crate::backend::test_support::rand_rows_from;
+    use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
-
-    fn rand_matrix(rng: &mut ChaCha8Rng, r: usize, c: usize) -> Array2<f32> {
-        Array2::from_shape_fn((r, c), |_| rng.random::<f32>() * 2.0 - 1.0)
-    }
 
     /// Dense reference: every expert on every row, weights from a naive top-k.
     fn naive(x: &Array2<f32>, w: &MoeWeights<Array2<f32>>, inter: usize) -> Array2<f32> {
@@ -125,7 +122,7 @@ mod tests {
         let (e, h, inter, n) = (6, 12, 5, 9);
         for (top_k, norm) in [(1, true), (2, true), (2, false), (6, false)] {
             let w = MoeWeights::random(&mut rng, e, h, inter, top_k, norm);
-            let x = rand_matrix(&mut rng, n, h);
+            let x = rand_rows_from(&mut rng, n, h);
             let got = forward(&x, &w.try_map(|t| Ok::<_, ()>(HostWeight::from(t.clone()))).unwrap()).unwrap();
             let want = naive(&x, &w, inter);
             for ((r, c), g) in got.indexed_iter() {

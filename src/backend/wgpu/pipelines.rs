@@ -5,7 +5,8 @@
 //! (`wgsl/f16_pairs.wgsl`), or, on a device that lacks them
 //! (`DownlevelFlags::SHADER_F16_IN_F32`), after stubs (`wgsl/f16_pairs_absent.wgsl`):
 //! the f32 kernels then still compile and f16 storage is refused. The attention kernels
-//! also share the page-reading helpers of `wgsl/paged_kv.wgsl`, a second prelude.
+//! also share the page-reading helpers of `wgsl/paged_kv.wgsl`, a second prelude, and
+//! the split-KV decode steps of `wgsl/paged_decode.wgsl` (softmax fold, partial write), a third.
 //! `wgsl/paged_decode_subgroup.wgsl` uses subgroup operations and is compiled only on a
 //! device opened with `Features::SUBGROUP` ([`Shader::needs_subgroups`]).
 
@@ -84,20 +85,24 @@ impl Shader {
     }
 
     /// WGSL source as compiled: the f16 pair prelude (`f16_pairs`: the device has the
-    /// conversions) or its stubs, the page-reading helpers for the attention kernels,
-    /// then the kernel.
+    /// conversions) or its stubs, the page-reading helpers and the split-KV decode
+    /// steps for the attention kernels, then the kernel.
     pub fn source(self, f16_pairs: bool) -> String {
         let prelude = if f16_pairs { F16_PAIRS } else { F16_PAIRS_ABSENT };
-        let pages = match self {
-            Shader::PagedAttention | Shader::PagedDecodeSubgroup => PAGED_KV,
-            _ => "",
+        let (pages, decode) = match self {
+            Shader::PagedAttention | Shader::PagedDecodeSubgroup => (PAGED_KV, PAGED_DECODE),
+            _ => ("", ""),
         };
-        format!("{prelude}\n{pages}\n{}", self.kernel_source())
+        format!("{prelude}\n{pages}\n{decode}\n{}", self.kernel_source())
     }
 }
 
 /// Page-reading helpers (block table lookup, f32 / f16 page elements) of the attention kernels.
 pub const PAGED_KV: &str = include_str!("../../../wgsl/paged_kv.wgsl");
+
+/// What the two split-KV decode kernels share once a tile's scores are in: the online
+/// softmax fold with the V rows, and the partial write.
+pub const PAGED_DECODE: &str = include_str!("../../../wgsl/paged_decode.wgsl");
 
 /// The f16 pair conversions every kernel may call.
 pub const F16_PAIRS: &str = include_str!("../../../wgsl/f16_pairs.wgsl");

@@ -1,0 +1,67 @@
+// Prelude of the split-KV decode kernels (paged_attention.wgsl's paged_decode_partial and
+// paged_decode_subgroup.wgsl), compiled after paged_kv.wgsl: what they share once a
+// tile's scores are in `s_sh`. Only the way the scores arrive differs between them.
+// The kernel file declares what these use: WG, MAX_GROUP, DIMS_PER_THREAD, HEAD_DIM,
+// NUM_HEADS, the bindings `p` (AttnParams: n_splits, part_ml_offset) and `part`, and
+// the workgroup array `s_sh` (`[group, WG]` scores).
+
+// One workgroup's online softmax, per head g of the GQA group: max `m[g]`, sum `l[g]`,
+// weighted V sums `acc[g * DIMS_PER_THREAD + i]` of dims lid + i * WG.
+struct DecodeState {
+    m: array<f32, MAX_GROUP>,
+    l: array<f32, MAX_GROUP>,
+    acc: array<f32, 32>, // MAX_GROUP * DIMS_PER_THREAD
+}
+
+// Folds the scores of keys t0..t0 + n_t (in s_sh) into `st`: rescale by the new max,
+// then add each key's probability and its V row, in key order.
+fn decode_fold(st: ptr<function, DecodeState>, group: u32, table: u32, kvh: u32, t0: u32, n_t: u32, lid: u32) {
+    var m_new: array<f32, MAX_GROUP>;
+    for (var g = 0u; g < group; g++) {
+        m_new[g] = (*st).m[g];
+        for (var t = 0u; t < n_t; t++) {
+            m_new[g] = max(m_new[g], s_sh[g * WG + t]);
+        }
+        let corr = exp((*st).m[g] - m_new[g]);
+        (*st).l[g] *= corr;
+        for (var i = 0u; i < DIMS_PER_THREAD; i++) {
+            (*st).acc[g * DIMS_PER_THREAD + i] *= corr;
+        }
+        (*st).m[g] = m_new[g];
+    }
+    for (var t = 0u; t < n_t; t++) {
+        let at = kv_at(table, t0 + t, kvh);
+        var pr: array<f32, MAX_GROUP>;
+        for (var g = 0u; g < group; g++) {
+            pr[g] = exp(s_sh[g * WG + t] - (*st).m[g]);
+            (*st).l[g] += pr[g];
+        }
+        for (var i = 0u; i < DIMS_PER_THREAD; i++) {
+            let d = lid + i * WG;
+            if (d < HEAD_DIM) {
+                let v = load_v(at, d);
+                for (var g = 0u; g < group; g++) {
+                    (*st).acc[g * DIMS_PER_THREAD + i] += pr[g] * v;
+                }
+            }
+        }
+    }
+}
+
+// Writes split `split`'s partial of row r, KV head kvh: each head's unnormalised V sums,
+// then its (m, l), where paged_decode_reduce merges the splits.
+fn decode_write_partial(st: ptr<function, DecodeState>, group: u32, r: u32, kvh: u32, split: u32, lid: u32) {
+    for (var g = 0u; g < group; g++) {
+        let pr_idx = (r * NUM_HEADS + kvh * group + g) * p.n_splits + split;
+        for (var i = 0u; i < DIMS_PER_THREAD; i++) {
+            let d = lid + i * WG;
+            if (d < HEAD_DIM) {
+                part[pr_idx * HEAD_DIM + d] = (*st).acc[g * DIMS_PER_THREAD + i];
+            }
+        }
+        if (lid == 0u) {
+            part[p.part_ml_offset + 2u * pr_idx] = (*st).m[g];
+            part[p.part_ml_offset + 2u * pr_idx + 1u] = (*st).l[g];
+        }
+    }
+}
