@@ -119,8 +119,6 @@ fn is_input_error(e: &Error) -> bool {
             | Error::Request(RequestError::ShapeMismatch { .. })
             | Error::Request(RequestError::GridNotMergeable { .. })
             | Error::Request(RequestError::InvalidLayout { .. })
-            | Error::Request(RequestError::LayoutMismatch { .. })
-            | Error::Request(RequestError::DtypeMismatch { .. })
     )
 }
 

@@ -77,7 +77,6 @@ fn is_request_error(e: &Error) -> bool {
             | Error::Request(RequestError::ShapeMismatch { .. })
             | Error::Request(RequestError::GridNotMergeable { .. })
             | Error::Request(RequestError::InvalidLayout { .. })
-            | Error::Request(RequestError::LayoutMismatch { .. })
             | Error::Request(RequestError::EmptyPrompt)
             | Error::Request(RequestError::StrayPlaceholder { .. })
             | Error::Request(RequestError::TokenOutOfVocab { .. })

@@ -6,9 +6,10 @@
 //! | [`Error::RequestFile`] | [`RequestFileError`] | a request file (JSON) or the safetensors it names |
 //! | [`Error::Checkpoint`] | [`CheckpointError`] | a model checkpoint: `config.json`, safetensors, weights |
 //! | [`Error::Config`] | [`ConfigError`] | a setting of the engine, scheduler, pool or backend choice, or a capture point |
-//! | [`Error::Sched`] | [`SchedError`] | the scheduler protocol: request ids, batches handed back, stalls |
+//! | [`Error::Sched`] | [`SchedError`] | the scheduler protocol: request ids, batches handed back, a stopped engine |
+//! | [`Error::Runner`] | [`RunnerError`] | a batch built by hand for the model runner |
 //! | [`Error::Cache`] | [`CacheError`] | the prefix index or the KV block pool used against its contract |
-//! | [`Error::Invariant`] | [`InvariantViolation`] | a `validate()` check: a component's internal state is inconsistent |
+//! | [`Error::Invariant`] | [`InvariantViolation`] | a bug: a `validate()` check, or a component that broke its contract |
 //! | [`Error::Backend`] | [`BackendError`] | a backend op given operands of the wrong shape or an index out of range |
 //! | [`Error::Gpu`] | [`GpuError`] | the wgpu device: adapter, limits, shaders, device-side failures |
 //! | [`Error::Io`] | [`IoError`] | a file (or stream) read or written, with its path |
@@ -18,11 +19,16 @@
 //! Every family converts into [`Error`] with `From`, so a site reads
 //! `return Err(RequestError::EmptyPrompt.into())` or `.map_err(|e| IoError::read(path, e))?`.
 //! Each variant names what was wrong and where (item, position, tensor, file, op).
+//! A request is named by the id its caller chose, and not at all where the
+//! caller has no id for it yet (an engine numbers only the requests it accepts).
+//!
+//! This module sits below every other: it imports no layer of the crate, only
+//! the leaf [`Modality`].
 
 use std::fmt;
 use std::path::Path;
 
-use crate::canon::{Dtype, Modality};
+use crate::modality::Modality;
 
 /// Everything that can go wrong in omniprefix, by the layer that failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,10 +49,14 @@ pub enum Error {
     /// The scheduler's protocol was not followed.
     #[error(transparent)]
     Sched(#[from] SchedError),
+    /// A hand-built batch does not fit itself, the model or the pages.
+    #[error(transparent)]
+    Runner(#[from] RunnerError),
     /// The prefix index or the block pool was used against its contract.
     #[error(transparent)]
     Cache(#[from] CacheError),
-    /// A `validate()` check failed (an internal bug, reported instead of panicking).
+    /// A `validate()` check failed, or a component broke its contract (an
+    /// internal bug, reported instead of panicking).
     #[error(transparent)]
     Invariant(#[from] InvariantViolation),
     /// A backend op refused its operands.
@@ -64,6 +74,16 @@ pub enum Error {
     /// A worker thread pool could not start.
     #[error("cannot start {threads} {purpose} threads: {source}")]
     ThreadPool { purpose: &'static str, threads: usize, source: rayon::ThreadPoolBuildError },
+}
+
+impl Error {
+    /// This error without a request id in it (see [`RequestError::unnamed`]).
+    pub(crate) fn unnamed(self) -> Self {
+        match self {
+            Error::Request(e) => Error::Request(e.unnamed()),
+            other => other,
+        }
+    }
 }
 
 /// The KV-event publisher ([`crate::events`]) at startup: the engine refuses
@@ -105,9 +125,6 @@ pub(crate) type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::
 #[non_exhaustive]
 pub enum RequestError {
     // ---- items ----
-    /// A tensor's dtype is not the one the caller promised or the op supports.
-    #[error("item {item}: dtype {found:?} where {expected} was expected")]
-    DtypeMismatch { item: usize, expected: String, found: Dtype },
     /// A tensor's shape does not fit what its layout says.
     #[error("item {item} ({modality:?}): shape {found:?} does not fit {expected}")]
     ShapeMismatch { item: usize, modality: Modality, expected: String, found: Vec<usize> },
@@ -127,16 +144,17 @@ pub enum RequestError {
     /// Raw media whose shape does not fit what it claims to be.
     #[error("{what}: shape {found:?} where {expected} was expected")]
     MediaShape { what: &'static str, expected: String, found: Vec<usize> },
-    /// An image/video grid whose t·h·w patches do not merge into whole tokens.
-    #[error("item {item}: grid t·h·w {grid_thw:?} is not divisible by merge {merge}x{merge}")]
+    /// An image/video grid whose h or w does not divide by the merge size, so
+    /// its patches do not merge into whole tokens on an `h/merge x w/merge` grid.
+    #[error("item {item}: grid t·h·w {grid_thw:?}: h and w are not divisible by the merge size {merge}")]
     GridNotMergeable { item: usize, grid_thw: [u32; 3], merge: u32 },
-    /// A layout field that cannot describe any item (wrong kind for the modality, non-finite time step).
+    /// A layout field that cannot describe the item: a layout kind of another
+    /// modality (`kind`), a time step that is not finite and positive or
+    /// places frames past the M-RoPE range (`seconds_per_grid`), a grid whose
+    /// token count overflows (`grid_thw`), a declared token count that is not
+    /// the layout's (`num_tokens`).
     #[error("item {item}: layout field {field} is invalid: expected {expected}, found {found}")]
-    InvalidLayout { item: usize, field: &'static str, expected: &'static str, found: String },
-    /// An item whose layout cannot be placed (grid not divisible by the merge size,
-    /// token count disagreeing with the layout, non-finite seconds per grid...).
-    #[error("item {item}: invalid layout: expected {expected}, found {found}")]
-    LayoutMismatch { item: usize, expected: String, found: String },
+    InvalidLayout { item: usize, field: &'static str, expected: String, found: String },
     /// An item of one modality where another was required.
     #[error("item {item}: modality {found:?} where {expected:?} was required")]
     ItemModalityMismatch { item: usize, expected: Modality, found: Modality },
@@ -176,38 +194,38 @@ pub enum RequestError {
     #[error("position range {start}..{end} is outside a prompt of {len} positions")]
     PositionRangeOutOfBounds { start: usize, end: usize, len: usize },
     /// A prompt whose parts disagree in length or point outside it.
-    #[error("request {id}: {what} is {found}, expected {expected}")]
-    PromptMismatch { id: u64, what: &'static str, expected: usize, found: usize },
+    #[error("{}{what} is {found}, expected {expected}", Named(*.id))]
+    PromptMismatch { id: Option<u64>, what: &'static str, expected: usize, found: usize },
 
     // ---- embeddings ----
     /// An item that brought no embeddings, missed the encoder cache and had no encoder to run.
     #[error("item {item}: no embeddings given, none cached for its fingerprint and no encoder to compute them")]
     MissingEmbeddings { item: usize },
     /// A request's embeddings disagree with its prompt's items or index map.
-    #[error("request {id}, item {item}: {what} is {found}, expected {expected}")]
-    EmbeddingMismatch { id: u64, item: usize, what: &'static str, expected: usize, found: usize },
+    #[error("{}item {item}: {what} is {found}, expected {expected}", Named(*.id))]
+    EmbeddingMismatch { id: Option<u64>, item: usize, what: &'static str, expected: usize, found: usize },
     /// An item's DeepStack rows disagree with its embeddings, the other items or the model.
-    #[error("request {id}, item {item}, DeepStack level {level}: {what} is {found}, expected {expected}")]
-    DeepStackMismatch { id: u64, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
+    #[error("{}item {item}, DeepStack level {level}: {what} is {found}, expected {expected}", Named(*.id))]
+    DeepStackMismatch { id: Option<u64>, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
 
     // ---- admission ----
     /// A sequence longer than the model's context: the prompt plus the
     /// positions its generated tokens may take (every sampled token but the
     /// last runs, unless `run_last_token`).
     #[error(
-        "request {id}: a prompt of {prompt_len} positions + {max_new_tokens} generated positions = {len}, \
-         over the model context of {max}"
+        "{}a prompt of {prompt_len} positions + {max_new_tokens} generated positions = {len}, \
+         over the model context of {max}", Named(*.id)
     )]
-    ContextTooLong { id: u64, prompt_len: usize, max_new_tokens: usize, len: usize, max: usize },
+    ContextTooLong { id: Option<u64>, prompt_len: usize, max_new_tokens: usize, len: usize, max: usize },
     /// A token appended past the request's `max_new_tokens`.
     #[error("request {id}: cannot grow past its {max_new_tokens} new tokens")]
     GenerationLimit { id: u64, max_new_tokens: usize },
     /// A request that needs more blocks than the whole pool holds.
-    #[error("request {id} needs {needed} blocks but the pool holds {num_blocks}")]
-    RequestTooLarge { id: u64, needed: usize, num_blocks: usize },
+    #[error("{}the sequence needs {needed} blocks but the pool holds {num_blocks}", Named(*.id))]
+    RequestTooLarge { id: Option<u64>, needed: usize, num_blocks: usize },
     /// A tenant salt outside the configured set, when salts are required.
-    #[error("request {id}: tenant {tenant} is not one of the known tenants")]
-    UnknownTenant { id: u64, tenant: u64 },
+    #[error("{}tenant {tenant} is not one of the known tenants", Named(*.id))]
+    UnknownTenant { id: Option<u64>, tenant: u64 },
 
     // ---- generation ----
     /// A sampling parameter outside its domain (`max_tokens` of 0, a negative or
@@ -217,6 +235,39 @@ pub enum RequestError {
     /// A stop token id at or past the vocabulary size.
     #[error("stop token id {id} is not below the vocab size {vocab_size}")]
     StopIdOutOfVocab { id: u32, vocab_size: usize },
+}
+
+impl RequestError {
+    /// This error without the request id it names: for a caller that never
+    /// saw the id (an engine numbers requests itself and returns the number
+    /// only once it accepts one).
+    pub(crate) fn unnamed(mut self) -> Self {
+        use RequestError::*;
+        match &mut self {
+            PromptMismatch { id, .. }
+            | EmbeddingMismatch { id, .. }
+            | DeepStackMismatch { id, .. }
+            | ContextTooLong { id, .. }
+            | RequestTooLarge { id, .. }
+            | UnknownTenant { id, .. } => *id = None,
+            _ => {}
+        }
+        self
+    }
+}
+
+/// The prefix of a message about one request: `request 7: ` for the id its
+/// caller chose, nothing where the caller has no id for it (a request an
+/// engine refused before numbering it).
+struct Named(Option<u64>);
+
+impl fmt::Display for Named {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(id) => write!(f, "request {id}: "),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Which of an item's encoder outputs a [`RequestError::NonFiniteEmbeddings`] is in.
@@ -296,6 +347,17 @@ pub enum ConfigError {
     CaptureLayer { layer: usize, num_layers: usize },
 }
 
+impl ConfigError {
+    /// `Ok` for a positive `value` of `component`'s `field` (a block size, a
+    /// per-step limit), else [`ConfigError::Invalid`].
+    pub fn require_positive(component: &'static str, field: &'static str, value: usize) -> Result<(), ConfigError> {
+        if value == 0 {
+            return Err(ConfigError::Invalid { component, field, expected: "positive".into(), found: "0".into() });
+        }
+        Ok(())
+    }
+}
+
 /// The scheduler's protocol: which requests exist, which batch was handed out,
 /// whether anything can run.
 #[derive(Debug, thiserror::Error)]
@@ -313,18 +375,9 @@ pub enum SchedError {
     /// A completed batch that is not the one the scheduler handed out.
     #[error("completed batch, request {id}: {what} is {found}, scheduled {expected}")]
     BatchMismatch { id: u64, what: &'static str, expected: usize, found: usize },
-    /// A scheduled sequence whose fields disagree with each other or the model (checked by the runner).
-    #[error("request {request}: {what}")]
-    InvalidBatch { request: u64, what: String },
     /// The cache cannot be reset while requests hold parts of it.
     #[error("cannot reset the cache: {requests} request(s) are admitted")]
     CacheInUse { requests: usize },
-    /// Requests are live but the scheduler emitted an empty step (an internal bug).
-    #[error("scheduler stalled: {pending} request(s) pending but the scheduler emitted an empty step")]
-    Stalled { pending: usize },
-    /// Outputs came back for a request the scheduler did not finish with that batch.
-    #[error("request {id} returned outputs but the scheduler did not finish it")]
-    OutputsBeforeFinish { id: u64 },
     /// `Engine::run` on an engine with other requests pending (their events would be lost).
     #[error("the engine has {pending} other request(s) pending: step it instead of running one request")]
     Busy { pending: usize },
@@ -336,14 +389,23 @@ pub enum SchedError {
     StepFailed { id: u64, reason: String },
 }
 
-/// The prefix index or the KV block pool used against its contract, or
-/// breaking it (an index that answers inconsistently is an internal bug).
+/// A batch handed to [`crate::runner::ModelRunner::execute`] (or cut by
+/// [`crate::runner::PromptInputs::step`]) that does not fit itself, the model or
+/// the pages; a scheduler's batches fit by construction. The sequence is named
+/// by the request id its builder gave it.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RunnerError {
+    /// A sequence whose fields disagree with each other, the model or the pages.
+    #[error("batch sequence of request {request}: {what}")]
+    InvalidBatch { request: u64, what: String },
+}
+
+/// The prefix index or the KV block pool used against its contract. An index
+/// that breaks its own contract is a bug: an [`InvariantViolation`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CacheError {
-    /// A block size of zero tokens.
-    #[error("block size must be positive, found {found}")]
-    InvalidBlockSize { found: usize },
     /// More blocks handed to `insert` than the prompt has full blocks.
     #[error("{blocks} blocks given for a prompt with {full_blocks} full blocks")]
     BlocksExceedPrompt { blocks: usize, full_blocks: usize },
@@ -372,21 +434,6 @@ pub enum CacheError {
     /// A pool operation on a block in the wrong state (e.g. releasing a free block).
     #[error("block pool: cannot {op} block {block} while it is {state}")]
     BlockStateMisuse { op: &'static str, block: u32, state: String },
-    /// A match whose token, aligned-token and block counts disagree, or exceed the prompt.
-    #[error(
-        "prefix index broke its contract: match of {tokens} tokens ({aligned_tokens} aligned) \
-         with {blocks} blocks for a {prompt_len}-token prompt"
-    )]
-    InconsistentMatch { tokens: usize, aligned_tokens: usize, blocks: usize, prompt_len: usize },
-    /// `insert` adopted a block the request did not offer.
-    #[error("prefix index broke its contract: insert adopted block {block}, which request {id} did not offer")]
-    AdoptedUnoffered { id: u64, block: u32 },
-    /// Blocks just inserted that a match right after does not return.
-    #[error("prefix index broke its contract: request {id}: {matched} of {inserted} just inserted blocks match again")]
-    InsertNotMatched { id: u64, matched: usize, inserted: usize },
-    /// A match that returned a block the index does not own in the pool.
-    #[error("prefix index broke its contract: match returned block {block}, which the index does not own")]
-    MatchedUnownedBlock { block: u32 },
 }
 
 /// The component whose invariants a `validate()` checks.
@@ -401,8 +448,11 @@ pub enum Component {
     HashChainIndex,
     /// Another [`crate::index::PrefixIndex`] implementation, by name.
     OtherIndex(&'static str),
-    /// [`crate::sched::Scheduler`]: its pool, index and request bookkeeping against each other.
+    /// [`crate::sched::Scheduler`]: its pool, index and request bookkeeping
+    /// against each other, the answers of its prefix index, its progress.
     Scheduler,
+    /// [`crate::runner::ModelRunner`]: a batch the scheduler built, which fits by construction.
+    Runner,
     /// [`crate::engine::Engine`]: the outputs it assembles from the runner's.
     Engine,
 }
@@ -422,12 +472,14 @@ impl fmt::Display for Component {
             Component::HashChainIndex => f.write_str("hash-chain index"),
             Component::OtherIndex(name) => write!(f, "prefix index {name}"),
             Component::Scheduler => f.write_str("scheduler"),
+            Component::Runner => f.write_str("model runner"),
             Component::Engine => f.write_str("engine"),
         }
     }
 }
 
-/// The first broken invariant a `validate()` found, and in which component.
+/// The first broken invariant a `validate()` found, or a contract a component
+/// broke at run time, and in which component: a bug, never bad input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{component} invariant broken: {what}")]
 pub struct InvariantViolation {

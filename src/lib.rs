@@ -44,6 +44,7 @@ pub mod events;
 pub mod index;
 pub mod preprocess;
 pub mod kv;
+mod modality;
 pub mod request_file;
 pub mod prompt;
 pub mod sched;

@@ -27,7 +27,7 @@ use crate::kv::{BlockId, BlockTable};
 use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
 use crate::prompt::{Positions, out_of_vocab};
 use crate::{Error, Result};
-use crate::error::{BackendError, SchedError};
+use crate::error::{BackendError, Component, RunnerError};
 
 /// What a sequence whose step ended at its `seq_len` returns.
 #[derive(Debug, Clone)]
@@ -105,7 +105,7 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Executes one step of a batch built by hand (or by a scheduler that was
     /// not given this model). The whole batch is checked first: an invalid
-    /// batch returns [`SchedError::InvalidBatch`] (or [`BackendError::OpShape`] /
+    /// batch returns [`RunnerError::InvalidBatch`] (or [`BackendError::OpShape`] /
     /// [`BackendError::OpIndex`] for pages or copies that do not fit) and leaves the
     /// pages untouched.
     pub fn execute(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
@@ -155,11 +155,11 @@ impl PromptInputs {
     /// step a scheduler would emit after `range.start` positions are in pages,
     /// cut by [`batch::chunk`] as the scheduler's are.
     ///
-    /// Errors with [`SchedError::InvalidBatch`] when the range leaves the prompt, the table
+    /// Errors with [`RunnerError::InvalidBatch`] when the range leaves the prompt, the table
     /// cannot hold it, or the positions do not cover the prompt.
     pub fn step(&self, request: RequestId, block_table: BlockTable, range: Range<usize>) -> Result<ScheduledSeq> {
         let len = self.token_ids.len();
-        let bad = |what: String| Err(Error::Sched(SchedError::InvalidBatch { request, what }));
+        let bad = |what: String| Err(Error::Runner(RunnerError::InvalidBatch { request, what }));
         if range.start > range.end || range.end > len {
             return bad(format!("step {range:?} outside the prompt of {len} positions"));
         }
@@ -206,7 +206,7 @@ pub fn run_uncached<B: Backend>(
     let mut pages = backend.alloc_pages(pages_spec(thinker, &capture, num_blocks, UNCACHED_BLOCK))?;
     check_batch(thinker, &capture, &batch, &backend.pages_spec(&pages))?;
     let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, all_logits)?;
-    let out = step.outputs.pop().ok_or_else(|| SchedError::InvalidBatch { request: 0, what: "no output".into() })?;
+    let out = step.outputs.pop().ok_or_else(|| Component::Runner.violation("a whole-prompt step returned no output"))?;
     Ok(Outputs { hidden: out.hidden, last_logits: out.last_logits, logits: step.all_logits })
 }
 
@@ -218,7 +218,7 @@ struct StepResult {
 /// Checks one hand-built sequence against itself, the model and the pages:
 /// what admission guarantees for the scheduler's sequences.
 fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result<()> {
-    let bad = |what: String| Err(SchedError::InvalidBatch { request: seq.request, what }.into());
+    let bad = |what: String| Err(RunnerError::InvalidBatch { request: seq.request, what }.into());
     let n = seq.token_ids.len();
     let end = seq.num_computed_tokens.saturating_add(n);
     if end > seq.seq_len {
@@ -318,8 +318,9 @@ fn add_deepstack<B: Backend>(backend: &B, x: &mut B::Tensor, batch: &ScheduledBa
     if rows.is_empty() {
         return Ok(());
     }
+    // Every level has its item's embedding width (checked before the step runs).
     let host = ndarray::concatenate(ndarray::Axis(0), &parts)
-        .map_err(|err| SchedError::InvalidBatch { request: batch.seqs.first().map_or(0, |s| s.request), what: format!("DeepStack rows: {err}") })?;
+        .map_err(|err| Component::Runner.violation(format!("DeepStack rows of one level differ in width: {err}")))?;
     let mut selected = backend.gather_rows(x, &rows)?;
     backend.add(&mut selected, &backend.upload(host.view())?)?;
     backend.scatter_rows(x, &rows, &selected)
@@ -675,7 +676,7 @@ mod tests {
             // A valid copy goes first: it must not run either.
             let batch = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };
             let err = r.execute(&batch, &mut pages).unwrap_err();
-            assert!(matches!(err, Error::Sched(SchedError::InvalidBatch { request: 1, .. })), "{what}: {err}");
+            assert!(matches!(err, Error::Runner(RunnerError::InvalidBatch { request: 1, .. })), "{what}: {err}");
             assert!(pages_equal(&pages, &before), "{what}: pages changed");
         }
         let bad_copy = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 4 }], seqs: vec![] };

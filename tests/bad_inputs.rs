@@ -364,12 +364,12 @@ fn c08_overlapping_or_out_of_order_items() -> Result<()> {
     let mut prompt = two.build()?;
     prompt.index_map.spans[1].start = prompt.index_map.spans[0].start + 2;
     let err = rejected(|s| s.admit(request(10, prompt)))?;
-    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: 10, what, expected: 7, found: 3 }) if what.contains("span start")), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(10), what, expected: 7, found: 3 }) if what.contains("span start")), "{err}");
     // Spans listed out of position order.
     let mut prompt = two.build()?;
     prompt.index_map.spans.swap(0, 1);
     let err = rejected(|s| s.admit(request(11, prompt)))?;
-    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: 11, what, .. }) if what.contains("span start")), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(11), what, .. }) if what.contains("span start")), "{err}");
     Ok(())
 }
 
@@ -524,12 +524,12 @@ fn c11_requests_the_model_cannot_run_are_refused_at_admission() -> Result<()> {
     narrow.item_embeddings = vec![Arc::new(Array2::zeros((6, HIDDEN / 2)))];
     narrow.hidden_size = Some(HIDDEN / 2);
     let err = rejected(|s| s.admit(narrow))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 32, what: "embedding columns", expected: HIDDEN, found: 4, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(32), what: "embedding columns", expected: HIDDEN, found: 4, .. })), "{err}");
     let mut deep = request(33, image_prompt(0, 1)?);
     deep.item_deepstack = vec![Some(Arc::new(vec![Array2::zeros((6, HIDDEN)); 3]))];
     let err = rejected(|s| s.admit(deep))?;
     assert!(
-        matches!(err, Error::Request(RequestError::DeepStackMismatch { id: 33, item: 0, level: 2, what, expected: 2, found: 3 }) if what.contains("decoder layer")),
+        matches!(err, Error::Request(RequestError::DeepStackMismatch { id: Some(33), item: 0, level: 2, what, expected: 2, found: 3 }) if what.contains("decoder layer")),
         "{err}"
     );
     Ok(())
@@ -553,7 +553,7 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
     drain(&mut sched)?;
     let before = snapshot(&sched)?;
     let err = sched.admit(request(20, text_prompt(0, &ids)?)).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::RequestTooLarge { id: 20, needed: 17, num_blocks: 16 }))), "{err:?}");
+    assert!(matches!(err, Some(Error::Request(RequestError::RequestTooLarge { id: Some(20), needed: 17, num_blocks: 16 }))), "{err:?}");
     assert_unchanged(&sched, &before)
 }
 
@@ -561,14 +561,14 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
 fn c13_requests_longer_than_the_model_context() -> Result<()> {
     let ids: Vec<u32> = (0..MAX_CONTEXT as u32 + 1).collect();
     let err = rejected(|s| s.admit(request(21, text_prompt(0, &ids)?)))?;
-    assert!(matches!(err, Error::Request(RequestError::ContextTooLong { id: 21, len: 41, max: 40, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::ContextTooLong { id: Some(21), len: 41, max: 40, .. })), "{err}");
     Ok(())
 }
 
 #[test]
 fn c14_unknown_tenant_when_salts_are_required() -> Result<()> {
     let err = rejected(|s| s.admit(request(22, text_prompt(3, &[0, 1, 2, 3, 4])?)))?;
-    assert!(matches!(err, Error::Request(RequestError::UnknownTenant { id: 22, tenant: 3 })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::UnknownTenant { id: Some(22), tenant: 3 })), "{err}");
     Ok(())
 }
 
@@ -586,11 +586,11 @@ fn c16_embeddings_that_disagree_with_their_items() -> Result<()> {
     let mut req = request(24, image_prompt(0, 1)?);
     req.item_embeddings[0] = Arc::new(Array2::zeros((5, HIDDEN)));
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 24, item: 0, expected: 6, found: 5, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(24), item: 0, expected: 6, found: 5, .. })), "{err}");
     let mut req = request(25, image_prompt(0, 1)?);
     req.item_embeddings.clear();
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 25, expected: 1, found: 0, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(25), expected: 1, found: 0, .. })), "{err}");
     Ok(())
 }
 
@@ -600,11 +600,11 @@ fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
     let mut req = request(27, image_prompt(0, 1)?);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6)])), None];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: 27, what: "number of item DeepStack entries", expected: 1, found: 2, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(27), what: "number of item DeepStack entries", expected: 1, found: 2, .. })), "{err}");
     let mut req = request(28, image_prompt(0, 1)?);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6), level(5)]))];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: 28, item: 0, level: 1, what: "rows", expected: 6, found: 5 })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: Some(28), item: 0, level: 1, what: "rows", expected: 6, found: 5 })), "{err}");
     // Audio items (Qwen3-Omni's audio tower) have no DeepStack levels.
     let mut req = request(29, image_prompt(0, 1)?);
     let mut audio = (*req.prompt.items[0]).clone();
@@ -612,7 +612,7 @@ fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
     req.prompt.items[0] = Arc::new(audio);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6)]))];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: 29, item: 0, what: "levels of an audio item", found: 1, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: Some(29), item: 0, what: "levels of an audio item", found: 1, .. })), "{err}");
     Ok(())
 }
 
@@ -621,7 +621,7 @@ fn c17_positions_that_do_not_cover_the_prompt() -> Result<()> {
     let mut prompt = text_prompt(0, &[0, 1, 2, 3, 4, 5])?;
     prompt.positions = omniprefix::prompt::Positions::linear(3);
     let err = rejected(|s| s.admit(request(26, prompt)))?;
-    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: 26, expected: 6, found: 3, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(26), expected: 6, found: 3, .. })), "{err}");
     Ok(())
 }
 

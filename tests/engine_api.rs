@@ -103,10 +103,10 @@ fn bad_requests_are_typed_errors_and_change_nothing() -> TestResult {
     for (what, request) in cases {
         let err = engine.run(request).expect_err(what);
         let expected = match what {
-            "too large" => matches!(err, Error::Request(RequestError::RequestTooLarge { needed: 33, num_blocks: 32, .. })),
+            "too large" => matches!(err, Error::Request(RequestError::RequestTooLarge { id: None, needed: 33, num_blocks: 32, .. })),
             "out of vocab" => matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 512, vocab_size: 512 })),
-            "rows" => matches!(err, Error::Request(RequestError::EmbeddingMismatch { what: "embedding rows", expected: 4, found: 3, .. })),
-            "hidden" => matches!(err, Error::Request(RequestError::EmbeddingMismatch { what: "embedding columns", expected: 32, found: 33, .. })),
+            "rows" => matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: None, what: "embedding rows", expected: 4, found: 3, .. })),
+            "hidden" => matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: None, what: "embedding columns", expected: 32, found: 33, .. })),
             "no embeddings" => matches!(err, Error::Request(RequestError::MissingEmbeddings { item: 0 })),
             "no item" => matches!(err, Error::Request(RequestError::MissingItem { position: 2, modality: Modality::Image, .. })),
             _ => matches!(err, Error::Request(RequestError::EmptyPrompt)),
@@ -202,7 +202,10 @@ fn prompts_longer_than_the_model_context_are_rejected_and_change_nothing() -> Te
     engine.run(Request::text((0..9).collect()))?;
     let before = engine.stats();
     let err = engine.run(Request::text((0..13).collect())).expect_err("13 tokens > context 12");
-    assert!(matches!(err, Error::Request(RequestError::ContextTooLong { len: 13, max: 12, .. })), "{err}");
+    assert!(matches!(err, Error::Request(RequestError::ContextTooLong { id: None, len: 13, max: 12, .. })), "{err}");
+    // The caller never saw the number the engine gave this request: the message names none.
+    let message = "a prompt of 13 positions + 0 generated positions = 13, over the model context of 12";
+    assert_eq!(err.to_string(), message);
     assert_eq!(engine.stats(), before, "state changed");
     engine.validate()?;
     let out = engine.run(Request::text((0..12).collect()))?;
@@ -219,8 +222,9 @@ fn unknown_tenants_are_rejected_and_change_nothing() -> TestResult {
         engine.run(request(1))?;
         let before = engine.stats();
         let err = engine.run(request(3)).expect_err("tenant 3 is not known");
-        assert!(matches!(err, Error::Request(RequestError::UnknownTenant { tenant: 3, .. })), "{err}");
-        assert!(matches!(engine.run(request(0)), Err(Error::Request(RequestError::UnknownTenant { tenant: 0, .. }))), "0 is not implied");
+        assert!(matches!(err, Error::Request(RequestError::UnknownTenant { id: None, tenant: 3, .. })), "{err}");
+        assert_eq!(err.to_string(), "tenant 3 is not one of the known tenants");
+        assert!(matches!(engine.run(request(0)), Err(Error::Request(RequestError::UnknownTenant { id: None, tenant: 0, .. }))), "0 is not implied");
         assert_eq!(engine.stats(), before, "state changed (cache {cache})");
         engine.validate()?;
         let out = engine.run(request(2))?;
@@ -273,10 +277,10 @@ fn deepstack_mismatches_are_typed_errors_and_change_nothing() -> TestResult {
     for (what, request) in cases {
         let err = engine.run(request).expect_err(what);
         let expected = match what {
-            "levels > layers" => matches!(err, Error::Request(RequestError::DeepStackMismatch { item: 0, level: 2, expected: 2, found: 3, .. })),
-            "rows" => matches!(err, Error::Request(RequestError::DeepStackMismatch { item: 0, level: 1, what: "rows", expected: 4, found: 3, .. })),
-            "columns" => matches!(err, Error::Request(RequestError::DeepStackMismatch { item: 0, level: 0, what: "columns", expected: 32, found: 33, .. })),
-            _ => matches!(err, Error::Request(RequestError::DeepStackMismatch { item: 1, what: "number of levels", expected: 2, found: 1, .. })),
+            "levels > layers" => matches!(err, Error::Request(RequestError::DeepStackMismatch { id: None, item: 0, level: 2, expected: 2, found: 3, .. })),
+            "rows" => matches!(err, Error::Request(RequestError::DeepStackMismatch { id: None, item: 0, level: 1, what: "rows", expected: 4, found: 3, .. })),
+            "columns" => matches!(err, Error::Request(RequestError::DeepStackMismatch { id: None, item: 0, level: 0, what: "columns", expected: 32, found: 33, .. })),
+            _ => matches!(err, Error::Request(RequestError::DeepStackMismatch { id: None, item: 1, what: "number of levels", expected: 2, found: 1, .. })),
         };
         assert!(expected, "{what}: {err}");
         assert_eq!(engine.stats(), before, "{what}: state changed");
@@ -301,7 +305,7 @@ fn deepstack_level_count_follows_the_checkpoint() -> TestResult {
     for levels in [2, 0] {
         let err = engine.run(request(levels)).expect_err("the checkpoint names 1 level");
         assert!(
-            matches!(&err, Error::Request(RequestError::DeepStackMismatch { item: 0, expected: 1, found, what, .. })
+            matches!(&err, Error::Request(RequestError::DeepStackMismatch { id: None, item: 0, expected: 1, found, what, .. })
                 if *found == levels && what.contains("deepstack_visual_indexes")),
             "{levels} levels: {err}"
         );

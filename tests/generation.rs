@@ -291,7 +291,7 @@ fn bad_sampling_settings_are_typed_errors_that_change_nothing() -> TestResult {
             "max_tokens" | "temperature" | "top_p" | "top_k" => {
                 matches!(r, RequestError::InvalidSampling { param, .. } if *param == what)
             }
-            "context" => matches!(r, RequestError::ContextTooLong { prompt_len: 12, max_new_tokens: 29, .. }),
+            "context" => matches!(r, RequestError::ContextTooLong { id: None, prompt_len: 12, max_new_tokens: 29, .. }),
             _ => matches!(r, RequestError::StopIdOutOfVocab { .. }),
         };
         assert!(ok, "{what}: {err}");

@@ -11,7 +11,7 @@ use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::{Error, Result};
-use omniprefix::error::{CacheError, RequestError};
+use omniprefix::error::{CacheError, ConfigError, RequestError};
 
 const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest };
 
@@ -30,7 +30,7 @@ fn valid(ix: &RadixIndex) -> Result<()> {
 #[test]
 fn zero_block_size_is_a_config_error() {
     let err = RadixIndex::new(RadixConfig { block_size: 0 }).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::InvalidBlockSize { found: 0 })));
+    assert!(matches!(err, Error::Config(ConfigError::Invalid { component: "radix index", field: "block_size", .. })), "{err}");
 }
 
 #[test]

@@ -446,9 +446,9 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
     );
     let long: Vec<u32> = (0..81).collect();
     let err = sched.admit(request(2, 0, &long)).err();
-    assert_err!(err, Some(Error::Request(RequestError::RequestTooLarge { id: 2, needed: 6, num_blocks: 5 })));
+    assert_err!(err, Some(Error::Request(RequestError::RequestTooLarge { id: Some(2), needed: 6, num_blocks: 5 })));
     let err = sched.admit(request(3, 0, &[])).err();
-    assert_err!(err, Some(Error::Request(RequestError::PromptMismatch { id: 3, what: "prompt length", .. })));
+    assert_err!(err, Some(Error::Request(RequestError::PromptMismatch { id: Some(3), what: "prompt length", .. })));
     let mut bad_positions = request(4, 0, &[1, 2, 3]);
     bad_positions.prompt.positions = Positions::linear(2);
     let err = sched.admit(bad_positions).err();

@@ -261,6 +261,27 @@ fn non_finite_item_rows_are_rejected_before_anything_is_cached() -> TestResult {
     Ok(())
 }
 
+/// A request the served engine refuses, in preparation or at admission, gets
+/// an error that names no request id: the caller would only have learnt the
+/// engine's number for it from a handle.
+#[test]
+fn refused_requests_are_not_named_by_the_engines_number() -> TestResult {
+    let served = served(ServedOptions::default())?;
+    for _ in 0..3 {
+        served.submit(Request::text((1..9).collect()))?.wait()?;
+    }
+    let content = pixels(4);
+    let short_rows = Request { token_ids: with_image(&[7], &[8]), items: vec![image(&content, Some(rows(3, HIDDEN, 0.5)))], ..Default::default() };
+    let err = served.submit(short_rows).err().ok_or("3 rows for a 4-token image accepted")?;
+    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: None, item: 0, expected: 4, found: 3, .. })), "{err}");
+    assert_eq!(err.to_string(), "item 0: embedding rows is 3, expected 4");
+    // 64 blocks of 4: 257 positions need 65.
+    let err = served.submit(Request::text(vec![1; 257])).err().ok_or("a request larger than the pool accepted")?;
+    assert!(matches!(err, Error::Request(RequestError::RequestTooLarge { id: None, needed: 65, num_blocks: 64 })), "{err}");
+    assert_eq!(err.to_string(), "the sequence needs 65 blocks but the pool holds 64");
+    Ok(())
+}
+
 #[test]
 fn two_threads_preparing_the_same_item_get_whole_rows() -> TestResult {
     let served = Arc::new(served(ServedOptions::default())?);

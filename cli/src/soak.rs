@@ -22,7 +22,7 @@ use omniprefix::batch::RequestId;
 use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
-use omniprefix::error::{ConfigError, Error, SchedError};
+use omniprefix::error::{ConfigError, Error};
 use crate::error::{HarnessError, Result};
 use omniprefix::index::ValidationPolicy;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
@@ -316,7 +316,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         }
         let batch = sched.schedule()?;
         if batch.seqs.is_empty() {
-            return Err(SchedError::Stalled { pending: live }.into());
+            return Err(omniprefix::sched::stalled(live).into());
         }
         for id in sched.complete(&batch)? {
             sched.finish(id)?;

@@ -7,7 +7,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use omniprefix::Error as EngineError;
-use omniprefix::error::{CacheError as EngineCacheError, EventsError, SchedError};
+use omniprefix::error::{EventsError, SchedError};
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -26,10 +26,8 @@ pub fn to_py(error: EngineError) -> PyErr {
     match error {
         EngineError::Request(_) | EngineError::RequestFile(_) => RequestError::new_err(message),
         EngineError::Checkpoint(_) | EngineError::Io(_) => CheckpointError::new_err(message),
-        // A zero block size is a setting (of an engine or an index), not a misuse of a cache.
-        // So are the KV events endpoints: one that does not parse or cannot be bound (a port in use).
+        // The KV events endpoints are settings too: one that does not parse or cannot be bound (a port in use).
         EngineError::Config(_)
-        | EngineError::Cache(EngineCacheError::InvalidBlockSize { .. })
         | EngineError::Events(EventsError::BadEndpoint { .. } | EventsError::Bind { .. }) => ConfigError::new_err(message),
         EngineError::Cache(_) | EngineError::Sched(SchedError::CacheInUse { .. }) => CacheError::new_err(message),
         EngineError::Gpu(_) => GpuError::new_err(message),

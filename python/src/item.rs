@@ -46,15 +46,6 @@ pub fn layout_from_dict(layout: &Bound<'_, PyAny>) -> PyResult<ItemLayout> {
     from_py(layout, "layout")
 }
 
-/// The modality a layout's kind implies.
-pub fn modality_of(layout: &ItemLayout) -> Modality {
-    match layout {
-        ItemLayout::Image { .. } => Modality::Image,
-        ItemLayout::Video { .. } => Modality::Video,
-        ItemLayout::Audio { .. } => Modality::Audio,
-    }
-}
-
 /// Processor params: a `dict[str, str]`.
 pub fn params_from(params: Option<&Bound<'_, PyAny>>) -> PyResult<BTreeMap<String, String>> {
     match params {

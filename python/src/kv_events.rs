@@ -2,12 +2,11 @@
 //! a fleet key publishes for a request, computed without any model.
 
 use omniprefix::engine::{Request, request_block_hashes, tokens_from_config_json};
-use omniprefix::error::CacheError;
 use omniprefix::prompt::OmniTokens;
 use pyo3::prelude::*;
 
 use crate::engine::{config_json, placeholder_form};
-use crate::errors::{guard, to_py};
+use crate::errors::guard;
 use crate::item::BorrowedItems;
 use crate::options::fingerprint_key as parse_key;
 
@@ -28,9 +27,6 @@ pub fn block_hashes(
 ) -> PyResult<Vec<u64>> {
     let ids = crate::arrays::token_ids(token_ids)?;
     let key = parse_key(fingerprint_key, "fingerprint_key")?;
-    if block_size == 0 {
-        return Err(to_py(CacheError::InvalidBlockSize { found: 0 }.into()));
-    }
     let tokens = special_tokens(py, tokens)?;
     let form = placeholder_form(placeholders)?;
     let borrowed = BorrowedItems::from_py(items)?;

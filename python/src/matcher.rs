@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 
 use crate::arrays::Content;
 use crate::errors::{guard, to_py};
-use crate::item::{BorrowedItems, layout_from_dict, modality_of, params_from};
+use crate::item::{BorrowedItems, layout_from_dict, params_from};
 use crate::options::{fingerprint_key, validation, validation_name};
 
 /// The key of prompts built without one: random, drawn once per process.
@@ -43,7 +43,7 @@ pub fn fingerprint(
     let layout = layout_from_dict(layout)?;
     let params = params_from(params)?;
     let content = Content::borrow(content)?;
-    let spec = ItemSpec { modality: modality_of(&layout), layout, content: ItemContent::Tensor(content.view()), params };
+    let spec = ItemSpec { modality: layout.modality(), layout, content: ItemContent::Tensor(content.view()), params };
     py.detach(|| {
         guard(|| {
             let fingerprinter = Fingerprinter::new(key, 1, ValidationPolicy::Unvalidated)?;

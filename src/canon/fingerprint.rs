@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use super::header::encode_header;
 use super::key::FingerprintKey;
 use super::keyed_xxh3::{KeyedXxh3, State};
-use super::layout::check_shape;
+use super::layout::{LayoutRules, check_shape};
 use super::stream::{ByteSink, emit_tensor};
 use super::{Evidence, Fingerprint, ItemContent, ItemIdentity, ItemSpec, TensorView, ValidationPolicy};
 use crate::error::{Error, RequestError, Result};
@@ -226,15 +226,7 @@ impl Fingerprinter {
     /// its bytes. `item_index` is the item's position in the request, named
     /// in errors.
     pub fn identify(&self, item_index: usize, item: &ItemSpec<'_>) -> Result<ItemIdentity> {
-        if !item.layout.fits(item.modality) {
-            return Err(RequestError::InvalidLayout {
-                item: item_index,
-                field: "kind",
-                expected: "the layout kind of the item's modality",
-                found: format!("{:?} layout for a {:?} item", item.layout, item.modality),
-            }.into());
-        }
-        let num_tokens = item.layout.try_num_tokens(item_index)?;
+        let num_tokens = item.layout.checked_tokens(item_index, item.modality, LayoutRules::QWEN3_OMNI)?;
         let (content, content_bytes) = match &item.content {
             ItemContent::Tensor(view) => {
                 check_shape(item_index, item.modality, &item.layout, view)?;

@@ -59,8 +59,8 @@ impl ItemLayout {
     /// The one definition of the token count, for a vision encoder merging
     /// `merge`x`merge` patches: `t·h·w / merge²` (floor) for image/video,
     /// [`audio_tokens`] for audio. `None` when `t·h·w` overflows `usize` or
-    /// `merge` is 0. The prompt builder's placeholder count calls this after
-    /// its own checks on the grid.
+    /// `merge` is 0. [`checked_tokens`](Self::checked_tokens) calls this after
+    /// its checks on the grid.
     ///
     /// ```
     /// use omniprefix::canon::ItemLayout;
@@ -79,59 +79,86 @@ impl ItemLayout {
         }
     }
 
-    /// Token count after checking the layout itself: no zero grid side or
-    /// zero mel frames, a patch count that merges into whole tokens, and a
-    /// finite, positive `seconds_per_grid`.
+    /// Token count after checking the layout itself under Qwen3-Omni's
+    /// [`LayoutRules`] ([`checked_tokens`](Self::checked_tokens) for its own modality).
     pub fn try_num_tokens(&self, item: usize) -> Result<usize> {
-        match *self {
-            ItemLayout::Image { grid_thw } => grid_tokens(item, grid_thw),
-            ItemLayout::Video { grid_thw, seconds_per_grid } => {
-                if !(seconds_per_grid.is_finite() && seconds_per_grid > 0.0) {
-                    return Err(RequestError::InvalidLayout {
-                        item,
-                        field: "seconds_per_grid",
-                        expected: "a finite number > 0",
-                        found: seconds_per_grid.to_string(),
-                    }.into());
-                }
-                grid_tokens(item, grid_thw)
+        self.checked_tokens(item, self.modality(), LayoutRules::QWEN3_OMNI)
+    }
+
+    /// The one check of an item's layout, for canon and the prompt alike;
+    /// errors name `item`. Returns the item's token count after checking:
+    ///
+    /// | rule | error |
+    /// |---|---|
+    /// | the layout kind is `modality`'s | [`InvalidLayout`](RequestError::InvalidLayout) `kind` |
+    /// | a video's `seconds_per_grid` is finite, > 0, and its last frame's temporal position offset fits M-RoPE (2^31) | `InvalidLayout` `seconds_per_grid` |
+    /// | the grid's h and w divide by the merge size | [`GridNotMergeable`](RequestError::GridNotMergeable) |
+    /// | t·h·w fits `usize` | `InvalidLayout` `grid_thw` |
+    /// | at least one token (no zero side, no zero mel frames) | [`EmptyItem`](RequestError::EmptyItem) |
+    pub fn checked_tokens(&self, item: usize, modality: Modality, rules: LayoutRules) -> Result<usize> {
+        let invalid = |field, expected: String, found: String| Error::from(RequestError::InvalidLayout { item, field, expected, found });
+        if self.modality() != modality {
+            let found = format!("{self:?} for a {modality:?} item");
+            return Err(invalid("kind", format!("a {modality:?} layout"), found));
+        }
+        if let ItemLayout::Video { grid_thw, seconds_per_grid } = *self {
+            let last_offset = grid_thw[0].saturating_sub(1) as f32 * seconds_per_grid * rules.positions_per_second as f32;
+            if !(seconds_per_grid.is_finite() && seconds_per_grid > 0.0 && last_offset <= MAX_TEMPORAL_OFFSET) {
+                let expected = format!("a finite number > 0 placing frames at temporal offsets up to {MAX_TEMPORAL_OFFSET}");
+                return Err(invalid("seconds_per_grid", expected, format!("{seconds_per_grid} (last offset {last_offset})")));
             }
-            ItemLayout::Audio { mel_frames: 0 } => {
-                Err(RequestError::EmptyItem { item, what: "audio layout with 0 mel frames" }.into())
+        }
+        if let ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } = *self {
+            let merge = rules.merge;
+            if grid_thw.contains(&0) {
+                return Err(RequestError::EmptyItem { item, what: "grid_thw with a zero side" }.into());
             }
-            ItemLayout::Audio { mel_frames } => Ok(audio_tokens(mel_frames)),
+            if merge == 0 || grid_thw[1] % merge != 0 || grid_thw[2] % merge != 0 {
+                return Err(RequestError::GridNotMergeable { item, grid_thw, merge }.into());
+            }
+        }
+        let count = self
+            .merged_tokens(rules.merge)
+            .ok_or_else(|| invalid("grid_thw", "a token count that fits in usize".into(), format!("{self:?}")))?;
+        if count == 0 {
+            return Err(RequestError::EmptyItem { item, what: "a layout of zero tokens (no mel frames)" }.into());
+        }
+        Ok(count)
+    }
+
+    /// The modality this layout kind describes.
+    pub fn modality(&self) -> Modality {
+        match self {
+            ItemLayout::Image { .. } => Modality::Image,
+            ItemLayout::Video { .. } => Modality::Video,
+            ItemLayout::Audio { .. } => Modality::Audio,
         }
     }
-
-    /// Whether this layout kind describes items of `modality`.
-    pub fn fits(&self, modality: Modality) -> bool {
-        matches!(
-            (self, modality),
-            (ItemLayout::Image { .. }, Modality::Image)
-                | (ItemLayout::Video { .. }, Modality::Video)
-                | (ItemLayout::Audio { .. }, Modality::Audio)
-        )
-    }
 }
 
-fn merge_area() -> usize {
-    (SPATIAL_MERGE * SPATIAL_MERGE) as usize
+/// What a model's placement needs of a layout: the vision merge size and the
+/// temporal M-RoPE positions per second of video.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutRules {
+    /// Side of the square of vision patches merged into one token.
+    pub merge: u32,
+    /// Temporal M-RoPE positions per second of video.
+    pub positions_per_second: u32,
 }
+
+impl LayoutRules {
+    /// Qwen3-Omni's: 2x2 merge, 13 positions per second; what canon checks
+    /// items against before any model is known.
+    pub const QWEN3_OMNI: LayoutRules = LayoutRules { merge: SPATIAL_MERGE, positions_per_second: 13 };
+}
+
+/// Largest temporal M-RoPE offset accepted inside one video (2^31): keeps
+/// positions far from `i64` overflow whatever `seconds_per_grid` says.
+const MAX_TEMPORAL_OFFSET: f32 = 2_147_483_648.0;
 
 /// t·h·w in usize; saturates instead of wrapping on absurd grids.
 fn grid_patches(grid_thw: [u32; 3]) -> usize {
     grid_thw.iter().fold(1usize, |acc, &d| acc.saturating_mul(d as usize))
-}
-
-fn grid_tokens(item: usize, grid_thw: [u32; 3]) -> Result<usize> {
-    if grid_thw.contains(&0) {
-        return Err(RequestError::EmptyItem { item, what: "grid_thw with a zero side" }.into());
-    }
-    let patches = grid_patches(grid_thw);
-    if !patches.is_multiple_of(merge_area()) {
-        return Err(RequestError::GridNotMergeable { item, grid_thw, merge: SPATIAL_MERGE }.into());
-    }
-    Ok(patches / merge_area())
 }
 
 fn is_float(dtype: Dtype) -> bool {
@@ -219,6 +246,30 @@ mod tests {
         assert!(matches!(nan.try_num_tokens(2), Err(Error::Request(RequestError::InvalidLayout { field: "seconds_per_grid", .. }))));
         let silent = ItemLayout::Audio { mel_frames: 0 };
         assert!(matches!(silent.try_num_tokens(3), Err(Error::Request(RequestError::EmptyItem { item: 3, .. }))));
+        // t·h·w = 12 divides by 4, but w = 3 cannot lie on an h/2 x w/2 grid.
+        let narrow = ItemLayout::Video { grid_thw: [2, 2, 3], seconds_per_grid: 1.0 };
+        let err = narrow.try_num_tokens(5);
+        assert!(matches!(err, Err(Error::Request(RequestError::GridNotMergeable { item: 5, grid_thw: [2, 2, 3], merge: 2 }))), "{err:?}");
+        let far = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 1e30 };
+        let err = far.try_num_tokens(6);
+        assert!(matches!(err, Err(Error::Request(RequestError::InvalidLayout { item: 6, field: "seconds_per_grid", .. }))), "{err:?}");
+        let still = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 0.0 };
+        let err = still.try_num_tokens(7);
+        assert!(matches!(err, Err(Error::Request(RequestError::InvalidLayout { item: 7, field: "seconds_per_grid", .. }))), "{err:?}");
+    }
+
+    #[test]
+    fn a_layout_of_another_modality_is_invalid() {
+        let image = ItemLayout::Image { grid_thw: [1, 4, 4] };
+        assert_eq!(image.checked_tokens(0, Modality::Image, LayoutRules::QWEN3_OMNI).ok(), Some(4));
+        let err = image.checked_tokens(2, Modality::Video, LayoutRules::QWEN3_OMNI);
+        assert!(matches!(err, Err(Error::Request(RequestError::InvalidLayout { item: 2, field: "kind", .. }))), "{err:?}");
+        // A merge of 4 needs h and w divisible by 4.
+        let rules = LayoutRules { merge: 4, ..LayoutRules::QWEN3_OMNI };
+        let err = ItemLayout::Image { grid_thw: [1, 4, 6] }.checked_tokens(1, Modality::Image, rules);
+        assert!(matches!(err, Err(Error::Request(RequestError::GridNotMergeable { item: 1, merge: 4, .. }))), "{err:?}");
+        let zero = LayoutRules { merge: 0, ..LayoutRules::QWEN3_OMNI };
+        assert!(matches!(image.checked_tokens(0, Modality::Image, zero), Err(Error::Request(RequestError::GridNotMergeable { merge: 0, .. }))));
     }
 
     #[test]

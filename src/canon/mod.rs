@@ -20,17 +20,9 @@ mod stream;
 pub use fingerprint::{Fingerprinter, TREE_CHUNK, TREE_THRESHOLD, read_floor};
 pub use header::ITEM_DOMAIN;
 pub use key::FingerprintKey;
-pub use layout::{SPATIAL_MERGE, audio_tokens, check_shape};
+pub use layout::{LayoutRules, SPATIAL_MERGE, audio_tokens, check_shape};
 pub use stream::STAGING_BYTES;
-
-/// Which encoder an item feeds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Modality {
-    Image,
-    Audio,
-    Video,
-}
+pub use crate::modality::Modality;
 
 /// Element type of an item's content tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]

@@ -12,6 +12,7 @@ use crate::preprocess::Preprocessor;
 use crate::prompt::OmniTokens;
 use crate::sched::Scheduler;
 use crate::Result;
+use crate::error::ConfigError;
 
 use super::{Engine, EngineConfig, Request};
 
@@ -27,7 +28,7 @@ pub(super) fn start(sched: Scheduler, config: &EngineConfig, backend: &str) -> R
 /// The hashes an engine under fleet key `key` publishes for `request`'s full
 /// blocks of `block_size` tokens, computed without any model: the frontend
 /// side of a cache-aware router. `tokens` are the model's special ids (what
-/// placeholders expand with).
+/// placeholders expand with). A `block_size` of 0 is a [`ConfigError`].
 ///
 /// ```
 /// use omniprefix::canon::FingerprintKey;
@@ -53,6 +54,7 @@ pub fn request_block_hashes(
     block_size: usize,
     tokens: &OmniTokens,
 ) -> Result<Vec<u64>> {
+    ConfigError::require_positive("block hashes", "block_size", block_size)?;
     // The policy decides the validation evidence only, never the fingerprint.
     let fingerprinter = Fingerprinter::new(key.clone(), 1, ValidationPolicy::Unvalidated)?;
     let prompt = Preprocessor::new(fingerprinter, tokens.clone()).canonicalise(

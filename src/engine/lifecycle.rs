@@ -12,7 +12,7 @@ use super::request::Request;
 use super::Engine;
 use crate::backend::Backend;
 use crate::batch::{RequestId, ScheduledBatch};
-use crate::error::{Result, SchedError};
+use crate::error::{Component, Error, Result, SchedError};
 use crate::prompt::Positions;
 use crate::runner::SeqOutput;
 use crate::sample::FinishReason;
@@ -57,12 +57,13 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Admits a prepared request (the id is free, it fits the pool) and
-    /// caches its fresh encoder outputs; on error nothing changes.
+    /// caches its fresh encoder outputs; on error nothing changes, and the
+    /// error names no request id (the caller gets the id only from success).
     pub fn submit_prepared(&mut self, prepared: Prepared) -> Result<RequestId> {
         let Prepared { checked, fresh, cache_hits, generate, started, preprocess } = prepared;
         let id = checked.request().id;
         let positions = checked.request().prompt.positions.clone();
-        self.sched.admit_checked(checked)?;
+        self.sched.admit_checked(checked).map_err(Error::unnamed)?;
         // Admitted: only now does anything change.
         self.preparer.admitted(fresh, cache_hits);
         let eos = &self.runner.thinker().config().eos_token_ids;
@@ -164,7 +165,7 @@ impl<B: Backend> Engine<B> {
         let batch = self.sched.schedule()?;
         let schedule = t0.elapsed();
         if batch.seqs.is_empty() {
-            return Err(SchedError::Stalled { pending: self.pending.len() }.into());
+            return Err(crate::sched::stalled(self.pending.len()).into());
         }
         let t1 = Instant::now();
         let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages) {
@@ -186,7 +187,8 @@ impl<B: Backend> Engine<B> {
         }
         for out in outputs {
             if !ready.contains(&out.request) {
-                return Err(SchedError::OutputsBeforeFinish { id: out.request }.into());
+                let what = format!("the runner returned outputs of request {}, which the batch did not finish", out.request);
+                return Err(Component::Engine.violation(what).into());
             }
             self.on_ready(out, events)?;
         }
@@ -222,7 +224,7 @@ impl<B: Backend> Engine<B> {
                 let index = d.sampled - 1;
                 let position = p.positions.len() + index - 1;
                 let (Next::Continue(token) | Next::RunLast(token) | Next::Finish(_, Some(token))) = next else {
-                    return Err(crate::error::Component::Engine.violation(format!("request {id}: a sample that is no token")).into());
+                    return Err(Component::Engine.violation(format!("request {id}: a sample that is no token")).into());
                 };
                 events.push(Event::Token(TokenEvent { request: id, token, index, position, hidden: last_rows(&hidden) }));
                 next

@@ -98,8 +98,13 @@ impl Preparer {
     }
 
     /// Fingerprint → prompt → checks → encoder, in that order, so a request
-    /// that a cheap check rejects costs no encoder call; on error nothing changed.
+    /// that a cheap check rejects costs no encoder call; on error nothing
+    /// changed. Errors name no request id: the caller has not seen it.
     pub(super) fn prepare(&self, request: Request<'_>) -> Result<Prepared> {
+        self.prepare_numbered(request).map_err(Error::unnamed)
+    }
+
+    fn prepare_numbered(&self, request: Request<'_>) -> Result<Prepared> {
         let started = Instant::now();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         // The cheap rule first: a forged salt costs no fingerprinting (checked with caching off too).

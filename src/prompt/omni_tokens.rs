@@ -1,8 +1,8 @@
 //! Special token ids and placement constants of a Qwen3-Omni-style thinker,
 //! and the number of placeholder tokens each item layout occupies.
 
-use crate::canon::{ItemIdentity, ItemLayout, Modality};
-use crate::error::{Error, RequestError, Result};
+use crate::canon::{ItemIdentity, ItemLayout, LayoutRules, Modality};
+use crate::error::{RequestError, Result};
 
 /// The ids and constants the prompt builder needs to lay out items.
 ///
@@ -73,11 +73,11 @@ pub struct OmniTokens {
 }
 
 fn default_merge_size() -> u32 {
-    2
+    LayoutRules::QWEN3_OMNI.merge
 }
 
 fn default_position_id_per_seconds() -> u32 {
-    13
+    LayoutRules::QWEN3_OMNI.positions_per_second
 }
 
 impl OmniTokens {
@@ -140,96 +140,43 @@ impl OmniTokens {
         [Modality::Image, Modality::Video, Modality::Audio].into_iter().find(|&m| self.pad_id(m) == token)
     }
 
-    /// Placeholder tokens an item with `layout` occupies under this model's merge size.
+    /// Placeholder tokens an item with `layout` occupies under this model's
+    /// merge size, after [`ItemLayout::checked_tokens`] (errors name item 0).
     pub fn placeholder_count(&self, layout: &ItemLayout) -> Result<usize> {
-        placeholder_count(layout, self.spatial_merge_size)
+        layout.checked_tokens(0, layout.modality(), self.layout_rules())
+    }
+
+    /// The merge size and temporal rate an item's layout is checked against.
+    pub fn layout_rules(&self) -> LayoutRules {
+        LayoutRules { merge: self.spatial_merge_size, positions_per_second: self.position_id_per_seconds }
     }
 
     /// Number of placeholder tokens of `item` (index `index` in the caller's
-    /// list), after checking that its modality, layout and declared count agree.
+    /// list), after checking its layout against its modality and this model
+    /// and that its declared count is the layout's.
     pub(crate) fn checked_token_count(&self, item: &ItemIdentity, index: usize) -> Result<usize> {
-        let layout_modality = match item.layout {
-            ItemLayout::Image { .. } => Modality::Image,
-            ItemLayout::Video { .. } => Modality::Video,
-            ItemLayout::Audio { .. } => Modality::Audio,
-        };
-        if layout_modality != item.modality {
-            return Err(RequestError::LayoutMismatch {
-                item: index,
-                expected: format!("a {:?} layout", item.modality),
-                found: format!("{:?}", item.layout),
-            }.into());
-        }
-        if let ItemLayout::Video { grid_thw, seconds_per_grid } = item.layout {
-            let last_offset =
-                grid_thw[0].saturating_sub(1) as f32 * seconds_per_grid * self.position_id_per_seconds as f32;
-            if !(seconds_per_grid >= 0.0 && last_offset <= MAX_TEMPORAL_OFFSET) {
-                return Err(RequestError::LayoutMismatch {
-                    item: index,
-                    expected: format!("seconds per grid >= 0 with temporal offsets up to {MAX_TEMPORAL_OFFSET}"),
-                    found: format!("seconds_per_grid {seconds_per_grid} (last offset {last_offset})"),
-                }.into());
-            }
-        }
-        let count = self.placeholder_count(&item.layout).map_err(|e| match e {
-            Error::Request(RequestError::LayoutMismatch { expected, found, .. }) => Error::Request(RequestError::LayoutMismatch { item: index, expected, found }),
-            Error::Request(RequestError::EmptyItem { what, .. }) => Error::Request(RequestError::EmptyItem { item: index, what }),
-            other => other,
-        })?;
+        let count = item.layout.checked_tokens(index, item.modality, self.layout_rules())?;
         if count != item.num_tokens {
-            return Err(RequestError::LayoutMismatch {
+            return Err(RequestError::InvalidLayout {
                 item: index,
-                expected: format!("num_tokens {count} from its layout"),
-                found: format!("num_tokens {}", item.num_tokens),
+                field: "num_tokens",
+                expected: format!("{count}, the count of its layout"),
+                found: item.num_tokens.to_string(),
             }.into());
         }
         Ok(count)
     }
 }
 
-/// Largest temporal M-RoPE offset accepted inside one video (2^31): keeps
-/// positions far from `i64` overflow whatever `seconds_per_grid` says.
-const MAX_TEMPORAL_OFFSET: f32 = 2_147_483_648.0;
-
-/// Placeholder tokens an item layout occupies under Qwen3-Omni's rules: the
-/// count itself is [`ItemLayout::merged_tokens`] (one definition for canon and
-/// prompt); this adds the prompt's requirements that the grid's h and w
-/// divide by the merge size (M-RoPE lays tokens out on `h/merge x w/merge`)
-/// and that the item has at least one token. Errors name item 0; callers
-/// re-label them with the real item index.
-pub(crate) fn placeholder_count(layout: &ItemLayout, merge: u32) -> Result<usize> {
-    let count = match *layout {
-        ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
-            let [_, h, w] = grid_thw;
-            if merge == 0 || h % merge != 0 || w % merge != 0 {
-                return Err(RequestError::LayoutMismatch {
-                    item: 0,
-                    expected: format!("grid h and w divisible by the merge size {merge}"),
-                    found: format!("grid_thw {grid_thw:?}"),
-                }.into());
-            }
-            layout.merged_tokens(merge).ok_or_else(|| RequestError::LayoutMismatch {
-                item: 0,
-                expected: "a token count that fits in usize".into(),
-                found: format!("grid_thw {grid_thw:?}"),
-            })?
-        }
-        ItemLayout::Audio { .. } => layout.merged_tokens(merge).unwrap_or(0),
-    };
-    if count == 0 {
-        return Err(RequestError::EmptyItem { item: 0, what: "zero placeholder tokens" }.into());
-    }
-    Ok(count)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::TestResult;
+    use crate::error::{Error, TestResult};
 
     #[test]
     fn audio_lengths_match_hf_reference_values() -> Result<()> {
-        let count = |mel_frames| placeholder_count(&ItemLayout::Audio { mel_frames }, 2);
+        let tokens = OmniTokens::tiny();
+        let count = |mel_frames| tokens.placeholder_count(&ItemLayout::Audio { mel_frames });
         assert_eq!(count(250)?, 33);
         assert_eq!(count(3000)?, 390);
         assert_eq!(count(300)?, 39);
@@ -241,12 +188,13 @@ mod tests {
 
     #[test]
     fn vision_counts_divide_by_merge_squared() -> Result<()> {
-        assert_eq!(placeholder_count(&ItemLayout::Image { grid_thw: [1, 44, 80] }, 2)?, 880);
+        let tokens = OmniTokens::tiny();
+        assert_eq!(tokens.placeholder_count(&ItemLayout::Image { grid_thw: [1, 44, 80] })?, 880);
         let video = ItemLayout::Video { grid_thw: [10, 40, 72], seconds_per_grid: 1.0 };
-        assert_eq!(placeholder_count(&video, 2)?, 7200);
-        let odd = placeholder_count(&ItemLayout::Image { grid_thw: [1, 3, 4] }, 2);
-        assert!(matches!(odd, Err(Error::Request(RequestError::LayoutMismatch { .. }))));
-        let empty = placeholder_count(&ItemLayout::Image { grid_thw: [0, 4, 4] }, 2);
+        assert_eq!(tokens.placeholder_count(&video)?, 7200);
+        let odd = tokens.placeholder_count(&ItemLayout::Image { grid_thw: [1, 3, 4] });
+        assert!(matches!(odd, Err(Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 4], merge: 2 }))));
+        let empty = tokens.placeholder_count(&ItemLayout::Image { grid_thw: [0, 4, 4] });
         assert!(matches!(empty, Err(Error::Request(RequestError::EmptyItem { .. }))));
         Ok(())
     }

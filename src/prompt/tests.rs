@@ -11,11 +11,7 @@ use crate::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 use crate::error::{Error, RequestError, Result};
 
 fn item(n: u128, layout: ItemLayout) -> Arc<ItemIdentity> {
-    let modality = match layout {
-        ItemLayout::Image { .. } => Modality::Image,
-        ItemLayout::Video { .. } => Modality::Video,
-        ItemLayout::Audio { .. } => Modality::Audio,
-    };
+    let modality = layout.modality();
     let num_tokens = OmniTokens::tiny().placeholder_count(&layout).unwrap_or(0);
     Arc::new(ItemIdentity {
         fingerprint: Fingerprint(n),
@@ -233,16 +229,21 @@ fn layouts_that_disagree_are_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let mut wrong_count = (*image(1)).clone();
     wrong_count.num_tokens = 5;
-    assert!(matches!(builder.push_item(Arc::new(wrong_count)).err(), Some(Error::Request(RequestError::LayoutMismatch { item: 0, .. }))));
+    let err = builder.push_item(Arc::new(wrong_count)).err();
+    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "num_tokens", .. }))), "{err:?}");
     let odd_grid = item(2, ItemLayout::Image { grid_thw: [1, 3, 4] });
-    assert!(matches!(builder.push_item(odd_grid).err(), Some(Error::Request(RequestError::LayoutMismatch { item: 0, .. }))));
+    let err = builder.push_item(odd_grid).err();
+    assert!(matches!(err, Some(Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 4], merge: 2 }))), "{err:?}");
     let mut mislabeled = (*image(3)).clone();
     mislabeled.modality = Modality::Audio;
-    assert!(matches!(builder.push_item(Arc::new(mislabeled)).err(), Some(Error::Request(RequestError::LayoutMismatch { .. }))));
+    let err = builder.push_item(Arc::new(mislabeled)).err();
+    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "kind", .. }))), "{err:?}");
     let nan = item(4, ItemLayout::Video { grid_thw: [1, 2, 2], seconds_per_grid: f32::NAN });
-    assert!(matches!(builder.push_item(nan).err(), Some(Error::Request(RequestError::LayoutMismatch { .. }))));
+    let err = builder.push_item(nan).err();
+    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "seconds_per_grid", .. }))), "{err:?}");
     let far = item(5, ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 1e30 });
-    assert!(matches!(builder.push_item(far).err(), Some(Error::Request(RequestError::LayoutMismatch { .. }))));
+    let err = builder.push_item(far).err();
+    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "seconds_per_grid", .. }))), "{err:?}");
     let mut too_big = (*image(6)).clone();
     too_big.layout = ItemLayout::Image { grid_thw: [1 << 16, 1 << 10, 1 << 10] };
     too_big.num_tokens = 1 << 34;

@@ -76,13 +76,12 @@ pub(super) struct PoolLimits {
 impl PoolLimits {
     /// The id is free and, alone, the request can always get its blocks (see `Scheduler::start`).
     pub(super) fn check(&self, req: &Request) -> Result<()> {
-        let id = req.id;
         if self.id_taken {
-            return Err(SchedError::DuplicateRequest { id }.into());
+            return Err(SchedError::DuplicateRequest { id: req.id }.into());
         }
         let needed = req.prompt.len().saturating_add(req.max_new_tokens).div_ceil(self.block_size);
         if needed > self.num_blocks {
-            return Err(RequestError::RequestTooLarge { id, needed, num_blocks: self.num_blocks }.into());
+            return Err(RequestError::RequestTooLarge { id: Some(req.id), needed, num_blocks: self.num_blocks }.into());
         }
         Ok(())
     }
@@ -134,7 +133,7 @@ impl RequestChecks {
     /// The tenant rule: the one cheap check that runs before anything is fingerprinted.
     pub fn check_tenant(&self, id: RequestId, tenant: TenantSalt) -> Result<()> {
         if self.known_tenants.as_ref().is_some_and(|known| !known.contains(&tenant)) {
-            return Err(RequestError::UnknownTenant { id, tenant }.into());
+            return Err(RequestError::UnknownTenant { id: Some(id), tenant }.into());
         }
         Ok(())
     }
@@ -143,7 +142,7 @@ impl RequestChecks {
     /// its ids are in the vocabulary, and it fits the context after growing by
     /// `max_new_tokens`. An engine runs this before any encoder.
     pub fn check_prompt(&self, id: RequestId, prompt: &CanonicalPrompt, max_new_tokens: usize) -> Result<()> {
-        check_lengths(id, prompt)?;
+        check_lengths(Some(id), prompt)?;
         if let Some(model) = &self.model
             && let Some((position, token)) = out_of_vocab(&prompt.token_ids, model.vocab_size)
         {
@@ -152,7 +151,7 @@ impl RequestChecks {
         }
         let len = prompt.len().saturating_add(max_new_tokens);
         if let Some(max) = self.max_context.filter(|&max| len > max) {
-            return Err(RequestError::ContextTooLong { id, prompt_len: prompt.len(), max_new_tokens, len, max }.into());
+            return Err(RequestError::ContextTooLong { id: Some(id), prompt_len: prompt.len(), max_new_tokens, len, max }.into());
         }
         Ok(())
     }
@@ -165,7 +164,7 @@ impl RequestChecks {
 
     /// Embeddings and DeepStack levels against their items and the model.
     fn check_items(&self, req: &Request) -> Result<()> {
-        let id = req.id;
+        let id = Some(req.id);
         let items = &req.prompt.items;
         if req.item_embeddings.len() != items.len() {
             return Err(count_mismatch(id, "number of item embeddings", items.len(), req.item_embeddings.len()));
@@ -193,7 +192,7 @@ impl RequestChecks {
     /// item that has them (HF takes one list of levels), every level shaped
     /// like the item's embeddings.
     fn check_deepstack(&self, req: &Request, hidden: Option<usize>) -> Result<()> {
-        let id = req.id;
+        let id = Some(req.id);
         let items = &req.prompt.items;
         if !req.item_deepstack.is_empty() && req.item_deepstack.len() != items.len() {
             let found = req.item_deepstack.len();
@@ -224,7 +223,7 @@ impl RequestChecks {
 }
 
 /// Positions, atoms and token ids cover the same positions.
-fn check_lengths(id: RequestId, prompt: &CanonicalPrompt) -> Result<()> {
+fn check_lengths(id: Option<RequestId>, prompt: &CanonicalPrompt) -> Result<()> {
     let len = prompt.len();
     if len == 0 {
         return Err(RequestError::PromptMismatch { id, what: "prompt length", expected: 1, found: 0 }.into());
@@ -245,7 +244,7 @@ fn check_lengths(id: RequestId, prompt: &CanonicalPrompt) -> Result<()> {
 /// their items' embeddings, and cover exactly the placeholders, so slicing
 /// item rows per chunk cannot go out of range.
 fn check_spans(req: &Request) -> Result<()> {
-    let id = req.id;
+    let id = Some(req.id);
     let prompt = &req.prompt;
     let len = prompt.len();
     let items = prompt.items.len();
@@ -281,6 +280,6 @@ fn check_spans(req: &Request) -> Result<()> {
 
 /// A per-item list of `found` entries for `expected` items; `item` is the first
 /// index that one of them lacks.
-fn count_mismatch(id: RequestId, what: &'static str, expected: usize, found: usize) -> Error {
+fn count_mismatch(id: Option<RequestId>, what: &'static str, expected: usize, found: usize) -> Error {
     RequestError::EmbeddingMismatch { id, item: found.min(expected), what, expected, found }.into()
 }

@@ -5,11 +5,11 @@
 use fxhash::FxHashSet;
 
 use crate::batch::{RequestId, ScheduledBatch};
-use crate::error::{CacheError, Error, Result, SchedError};
+use crate::error::{CacheError, Error, InvariantViolation, Result, SchedError};
 use crate::kv::{BlockId, BlockState};
 
 use super::step::pinned_part;
-use super::{Phase, Scheduler};
+use super::{Phase, Scheduler, index_broke};
 
 impl Scheduler {
     /// Records that the runner executed `batch`: advances each request, commits
@@ -114,12 +114,13 @@ impl Scheduler {
         };
         let m = outcome.cached;
         if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
-            return Err(CacheError::InsertNotMatched { id, matched: m.aligned_tokens / bs, inserted: n_full }.into());
+            let matched = m.aligned_tokens / bs;
+            return Err(index_broke(format!("request {id}: {matched} of {n_full} just inserted blocks match again")).into());
         }
         let mut adopted_at = Vec::with_capacity(outcome.adopted.len());
         for &b in &outcome.adopted {
             let Some(i) = t.block_table[t.num_shared..n_full].iter().position(|&x| x == b) else {
-                return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
+                return Err(adopted_unoffered(id, b).into());
             };
             self.pool.adopt_by_index(b)?;
             adopted_at.push((t.num_shared + i, b));
@@ -138,7 +139,7 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-                return Err(CacheError::MatchedUnownedBlock { block: new }.into());
+                return Err(index_broke(format!("match returned block {new}, which the index does not own")).into());
             }
         }
         if let Some(old) = t.lock.replace(m) {
@@ -167,7 +168,7 @@ impl Scheduler {
         let tail = t.block_table[n_blocks - 1];
         for &b in &outcome.adopted {
             if b != tail {
-                return Err(CacheError::AdoptedUnoffered { id, block: b }.into());
+                return Err(adopted_unoffered(id, b).into());
             }
             self.pool.adopt_by_index(b)?;
             // The index owns it now: releasing the request must not free it.
@@ -235,4 +236,9 @@ impl Scheduler {
 /// batch still out (see "Several batches out" in the module docs).
 fn grows_pinned_partial_block(e: &Error) -> bool {
     matches!(e, Error::Cache(CacheError::LockedPartialBlock { .. }))
+}
+
+/// An insert that adopted a block the request did not offer.
+fn adopted_unoffered(id: RequestId, block: BlockId) -> InvariantViolation {
+    index_broke(format!("insert adopted block {block}, which request {id} did not offer"))
 }

@@ -62,7 +62,7 @@ use std::collections::VecDeque;
 use fxhash::{FxHashMap, FxHashSet};
 
 use crate::batch::{EmbedRows, ModelShape, RequestId};
-use crate::error::{ConfigError, Error, Result, SchedError};
+use crate::error::{Component, ConfigError, InvariantViolation, Result, SchedError};
 use crate::events::{KvEvent, Medium};
 use crate::index::block_hash::FleetHasher;
 use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
@@ -74,6 +74,20 @@ pub use admission::{Checked, RequestChecks};
 
 pub use config::{SchedulerConfig, SchedulerStats};
 pub use request::Request;
+
+/// The scheduler's prefix index answered against the [`PrefixIndex`]
+/// contract (a bug in that index): the scheduler stops rather than hand out
+/// blocks it cannot account for.
+fn index_broke(what: String) -> InvariantViolation {
+    Component::Scheduler.violation(format!("the prefix index broke its contract: {what}"))
+}
+
+/// What a driver reports when requests are pending and runnable but
+/// [`Scheduler::schedule`] emitted an empty step: admission guarantees that
+/// every request alone fits the pool, so this is a bug in the scheduler.
+pub fn stalled(pending: usize) -> InvariantViolation {
+    Component::Scheduler.violation(format!("{pending} request(s) pending but the scheduler emitted an empty step"))
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -186,18 +200,7 @@ pub struct Scheduler {
 impl Scheduler {
     /// A scheduler over `index` with an empty pool of `config.num_blocks` blocks.
     pub fn new(config: SchedulerConfig, index: Box<dyn PrefixIndex>) -> Result<Self> {
-        let positive = |field, value: usize| {
-            if value == 0 {
-                Err(Error::Config(ConfigError::Invalid {
-                    component: "scheduler",
-                    field,
-                    expected: "positive".into(),
-                    found: "0".into(),
-                }))
-            } else {
-                Ok(())
-            }
-        };
+        let positive = |field, value| ConfigError::require_positive("scheduler", field, value);
         positive("block_size", config.block_size)?;
         positive("max_tokens_per_step", config.max_tokens_per_step)?;
         positive("max_seqs_per_step", config.max_seqs_per_step)?;

@@ -5,11 +5,11 @@
 //! preempting the newest, when the pool runs dry).
 
 use crate::batch::{self, BlockCopy, RequestId, ScheduledBatch};
-use crate::error::{CacheError, Result, SchedError};
+use crate::error::{Result, SchedError};
 use crate::index::PrefixMatch;
 use crate::kv::{BlockId, BlockTable};
 
-use super::{Phase, Scheduler, Tracked};
+use super::{Phase, Scheduler, Tracked, index_broke};
 
 impl Scheduler {
     /// Builds the next step within one token budget: the decode tokens of
@@ -83,13 +83,9 @@ impl Scheduler {
             || m.blocks.len() != m.tokens.div_ceil(bs)
             || m.aligned_tokens != m.tokens / bs * bs
         {
-            return Err(CacheError::InconsistentMatch {
-                tokens: m.tokens,
-                aligned_tokens: m.aligned_tokens,
-                blocks: m.blocks.len(),
-                prompt_len: len,
-            }
-            .into());
+            let (tokens, aligned, blocks) = (m.tokens, m.aligned_tokens, m.blocks.len());
+            let what = format!("match of {tokens} tokens ({aligned} aligned) with {blocks} blocks for a {len}-token prompt");
+            return Err(index_broke(what).into());
         }
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);

@@ -9,7 +9,7 @@ use sha2::{Digest, Sha256};
 
 use super::cbor;
 use crate::Result;
-use crate::error::CacheError;
+use crate::error::ConfigError;
 
 /// The serialise-then-digest functions vLLM offers for prefix caching.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -188,9 +188,7 @@ pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
 impl BlockHasher {
     /// A hasher over blocks of `block_size` tokens; `block_size` must be positive.
     pub fn new(hash_fn: HashFn, block_size: usize, seed: &str) -> Result<Self> {
-        if block_size == 0 {
-            return Err(CacheError::InvalidBlockSize { found: block_size }.into());
-        }
+        ConfigError::require_positive("block hasher", "block_size", block_size)?;
         Ok(BlockHasher {
             hash_fn,
             block_size,
@@ -298,7 +296,7 @@ mod tests {
     #[test]
     fn zero_block_size_is_rejected() {
         let err = BlockHasher::new(HashFn::Sha256Cbor, 0, "s").unwrap_err();
-        assert!(matches!(err, Error::Cache(CacheError::InvalidBlockSize { found: 0 })));
+        assert!(matches!(err, Error::Config(ConfigError::Invalid { component: "block hasher", field: "block_size", .. })), "{err}");
     }
 
     /// Extra keys per block: an item overlapping two blocks appears in both,

@@ -53,7 +53,7 @@ use std::collections::BTreeSet;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::error::{CacheError, Component, InvariantViolation, RequestError};
+use crate::error::{CacheError, Component, ConfigError, InvariantViolation, RequestError};
 use crate::index::{check_partial_args, BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch};
 use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 use crate::Result;
@@ -175,9 +175,7 @@ pub struct RadixIndex {
 impl RadixIndex {
     /// An empty index; `block_size` must be at least 1.
     pub fn new(config: RadixConfig) -> Result<Self> {
-        if config.block_size == 0 {
-            return Err(CacheError::InvalidBlockSize { found: 0 }.into());
-        }
+        ConfigError::require_positive("radix index", "block_size", config.block_size)?;
         Ok(RadixIndex {
             config,
             nodes: Arena::default(),
