@@ -1,5 +1,5 @@
 //! Reads a Hugging Face checkpoint's `config.json` (and `generation_config.json`) into a
-//! [`Config`], and its special token ids into [`OmniTokens`]: the one reader of those files.
+//! [`Config`](crate::model::Config), and its special token ids into [`OmniTokens`](crate::prompt::OmniTokens): the one reader of those files.
 
 use std::path::Path;
 

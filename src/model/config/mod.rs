@@ -1,7 +1,7 @@
 //! The thinker's text-model config: the [`Config`] type and its checks. It is read from a
-//! Hugging Face `config.json` by [`hf`] (Qwen2, Qwen3, Qwen3-MoE, Qwen2.5-Omni and Qwen3-Omni
+//! Hugging Face `config.json` by [`hf`](crate::model::config::hf) (Qwen2, Qwen3, Qwen3-MoE, Qwen2.5-Omni and Qwen3-Omni
 //! thinkers; the one reader of that file), or built in memory for a small random-weight model
-//! from the presets in [`presets`] ([`TinyModel`]).
+//! from the presets in [`presets`](crate::model::config::presets) ([`TinyModel`](crate::model::TinyModel)).
 
 /// HF `config.json` / `generation_config.json` → [`Config`], and a checkpoint's special ids.
 pub mod hf;
