@@ -1,6 +1,6 @@
 //! `--threads`, `--backend`, `--dtype` and `--kv-dtype`: where and how the model
 //! runs. `hidden`, `generate`, `bench ttft` and `bench serve` flatten the same
-//! [`RuntimeArgs`], and [`RuntimeArgs::run`] is the one place that turns them
+//! [`RuntimeArgs`](crate::cli::runtime::RuntimeArgs), and [`RuntimeArgs::run`](crate::cli::runtime::RuntimeArgs::run) is the one place that turns them
 //! into a thread pool and an opened backend.
 
 use std::fmt;
