@@ -448,7 +448,9 @@ class Engine:
         """:meth:`prefill` without waiting: the returned stream yields no token and its
         ``output`` holds the result once exhausted (what :class:`AsyncEngine` awaits)."""
     def stats(self) -> dict[str, int]:
-        """``queries``, ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``,
+        """Every counter of the engine: ``queries``, ``query_tokens`` (prompt tokens matched),
+        ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``, ``block_copies``,
+        ``blocks_free``, ``blocks_in_use``, ``blocks_cached``, ``waiting``, ``running``,
         ``encoder_cache_hits``, ``finished``."""
     def metrics(self) -> str:
         """The engine's metrics in Prometheus text format (OpenMetrics, ending in ``# EOF``),

@@ -344,18 +344,12 @@ impl PyEngine {
         Ok(Stream::new(handle, slf))
     }
 
-    /// Counters: queries, hits, hit_tokens, evicted_blocks, preemptions, encoder_cache_hits, finished.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    /// Every counter of `EngineStats`, one key per field (the scheduler's flattened in): queries,
+    /// query_tokens, hits, hit_tokens, evicted_blocks, preemptions, block_copies, blocks_free,
+    /// blocks_in_use, blocks_cached, waiting, running, encoder_cache_hits, finished.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let stats = py.detach(|| self.served.stats()).map_err(to_py)?;
-        let dict = PyDict::new(py);
-        dict.set_item("queries", stats.sched.queries)?;
-        dict.set_item("hits", stats.sched.hits)?;
-        dict.set_item("hit_tokens", stats.sched.hit_tokens)?;
-        dict.set_item("evicted_blocks", stats.sched.evicted_blocks)?;
-        dict.set_item("preemptions", stats.sched.preemptions)?;
-        dict.set_item("encoder_cache_hits", stats.encoder_cache_hits)?;
-        dict.set_item("finished", stats.finished)?;
-        Ok(dict)
+        pythonize::pythonize(py, &stats).map_err(|e| InternalError::new_err(e.to_string()))
     }
 
     /// Checks the scheduler's pool, index and bookkeeping; raises `InternalError` naming a broken invariant.

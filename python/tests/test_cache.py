@@ -47,6 +47,13 @@ def test_second_prefill_is_cached_and_bit_equal_to_the_first_and_to_a_cache_off_
     assert stats["hits"] == 2
     assert stats["hit_tokens"] == len(ids) - 1 + len(ids)
     assert stats["finished"] == 3
+    # One key per counter of the engine (the scheduler's flattened in), none hand-picked.
+    assert stats["query_tokens"] == 2 * len(ids) + len(longer)
+    assert (stats["waiting"], stats["running"], stats["blocks_in_use"]) == (0, 0, 0)
+    assert set(stats) == {
+        "queries", "query_tokens", "hits", "hit_tokens", "evicted_blocks", "preemptions", "block_copies",
+        "blocks_free", "blocks_in_use", "blocks_cached", "waiting", "running", "encoder_cache_hits", "finished",
+    }
     cached.validate()
     uncached.validate()
 
