@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from os import PathLike
-from typing import Any, Literal, Optional, Tuple, Union, final
+from typing import Any, Literal, Optional, Tuple, TypedDict, Union, final
+
+from typing_extensions import Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -263,6 +265,35 @@ class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
 
 # ----------------------------------------------------------------------------------------- Engine
 
+
+class EngineOptions(TypedDict, total=False):
+    """The keyword options of :meth:`Engine.from_dir` and :meth:`Engine.random` (and of
+    :class:`~omniprefix.AsyncEngine`'s), each optional; :meth:`Engine.from_dir` says what they do.
+    An unknown option is a ``TypeError`` naming the known ones (``python/tests`` checks this list
+    against the extension's)."""
+
+    block_size: int  # default 16
+    num_blocks: Optional[int]  # default None
+    capture: _Capture  # default "default"
+    cache: bool  # default True
+    backend: _Backend  # default "cpu"
+    dtype: Literal["auto", "f32", "bf16", "f16"]  # default "auto"
+    kv_dtype: Literal["f32", "bf16", "f16"]  # default "f32"
+    fingerprint_key: Optional[_Key]  # default None
+    validation: _Validation  # default "second_digest"
+    tenants: Optional[Sequence[int]]  # default None
+    max_tokens_per_step: Optional[int]  # default None
+    max_seqs_per_step: Optional[int]  # default None
+    prefill_cap: Optional[int]  # default None
+    fingerprint_threads: Optional[int]  # default None
+    encoder_cache_bytes: Optional[int]  # default None
+    kv_events: Optional[_Endpoint]  # default None
+    kv_replay: Optional[_Endpoint]  # default None
+    kv_topic: str  # default ""
+    kv_buffer_steps: int  # default 10000
+    kv_linger_s: float  # default 0.0
+
+
 @final
 class Engine:
     """A thinker stage: a model on a backend, a prefix cache (radix index + KV block pool),
@@ -276,27 +307,7 @@ class Engine:
     @staticmethod
     def from_dir(
         path: Union[str, PathLike[str]],
-        *,
-        block_size: int = 16,
-        num_blocks: Optional[int] = None,
-        capture: _Capture = "default",
-        cache: bool = True,
-        backend: _Backend = "cpu",
-        dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
-        kv_dtype: Literal["f32", "bf16", "f16"] = "f32",
-        fingerprint_key: Optional[_Key] = None,
-        validation: _Validation = "second_digest",
-        tenants: Optional[Sequence[int]] = None,
-        max_tokens_per_step: Optional[int] = None,
-        max_seqs_per_step: Optional[int] = None,
-        prefill_cap: Optional[int] = None,
-        fingerprint_threads: Optional[int] = None,
-        encoder_cache_bytes: Optional[int] = None,
-        kv_events: Optional[_Endpoint] = None,
-        kv_replay: Optional[_Endpoint] = None,
-        kv_topic: str = "",
-        kv_buffer_steps: int = 10000,
-        kv_linger_s: float = 0.0,
+        **options: Unpack[EngineOptions],
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (``config.json`` + safetensors; Qwen2, Qwen3,
         or the Qwen3-Omni thinker). Reads and converts every weight: the one expensive call.
@@ -340,27 +351,7 @@ class Engine:
     def random(
         config: Mapping[str, Any],
         seed: int,
-        *,
-        block_size: int = 16,
-        num_blocks: Optional[int] = None,
-        capture: _Capture = "default",
-        cache: bool = True,
-        backend: _Backend = "cpu",
-        dtype: Literal["auto", "f32", "bf16", "f16"] = "auto",
-        kv_dtype: Literal["f32", "bf16", "f16"] = "f32",
-        fingerprint_key: Optional[_Key] = None,
-        validation: _Validation = "second_digest",
-        tenants: Optional[Sequence[int]] = None,
-        max_tokens_per_step: Optional[int] = None,
-        max_seqs_per_step: Optional[int] = None,
-        prefill_cap: Optional[int] = None,
-        fingerprint_threads: Optional[int] = None,
-        encoder_cache_bytes: Optional[int] = None,
-        kv_events: Optional[_Endpoint] = None,
-        kv_replay: Optional[_Endpoint] = None,
-        kv_topic: str = "",
-        kv_buffer_steps: int = 10000,
-        kv_linger_s: float = 0.0,
+        **options: Unpack[EngineOptions],
     ) -> Engine:
         """An engine over seeded random weights; ``config`` is a ``config.json`` as a dict
         (e.g. ``json.load`` of ``fixtures/tiny/qwen3_dense/config.json``). Options as
