@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from os import PathLike
 from typing import Any, Literal, Optional, Tuple, TypedDict, Union, final
 
-from typing_extensions import Unpack
+from typing_extensions import Required, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -266,6 +266,31 @@ class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
 # ----------------------------------------------------------------------------------------- Engine
 
 
+class RequestOptions(TypedDict, total=False):
+    """The keyword options of every request (:meth:`Engine.prefill`, :meth:`Engine.submit_prefill`,
+    :meth:`Engine.generate`, :meth:`Engine.stream`); :meth:`Engine.prefill` says what they do."""
+
+    tenant: int  # default 0
+    encoder: Optional[_Encoder]  # default None
+    placeholders: _Placeholders  # default "unexpanded"
+
+
+class GenerateOptions(RequestOptions, total=False):
+    """:class:`RequestOptions` plus the sampling keywords of :meth:`Engine.generate` and
+    :meth:`Engine.stream`: the library's ``SamplingParams`` fields (``python/tests`` checks this
+    list against them); :meth:`Engine.generate` says what they do."""
+
+    max_tokens: Required[int]
+    temperature: float  # default 0.0
+    top_k: Optional[int]  # default None
+    top_p: Optional[float]  # default None
+    seed: Optional[int]  # default None
+    stop: Optional[Sequence[int]]  # default None
+    ignore_eos: bool  # default False
+    run_last_token: bool  # default False
+    allow_special_ids: bool  # default False
+
+
 class EngineOptions(TypedDict, total=False):
     """The keyword options of :meth:`Engine.from_dir` and :meth:`Engine.random` (and of
     :class:`~omniprefix.AsyncEngine`'s), each optional; :meth:`Engine.from_dir` says what they do.
@@ -360,10 +385,7 @@ class Engine:
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
-        *,
-        tenant: int = 0,
-        encoder: Optional[_Encoder] = None,
-        placeholders: _Placeholders = "unexpanded",
+        **options: Unpack[RequestOptions],
     ) -> Output:
         """Run one prompt and return every captured hidden state of every position.
 
@@ -380,19 +402,7 @@ class Engine:
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
-        *,
-        tenant: int = 0,
-        encoder: Optional[_Encoder] = None,
-        placeholders: _Placeholders = "unexpanded",
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_k: Optional[int] = None,
-        top_p: Optional[float] = None,
-        seed: Optional[int] = None,
-        stop: Optional[Sequence[int]] = None,
-        ignore_eos: bool = False,
-        run_last_token: bool = False,
-        allow_special_ids: bool = False,
+        **options: Unpack[GenerateOptions],
     ) -> Generation:
         """Prefill, then decode up to ``max_tokens`` tokens (``temperature=0``: greedy, lowest id
         on ties; ``top_k`` / ``top_p`` as transformers' warpers; ChaCha8 seeded per request, so
@@ -409,19 +419,7 @@ class Engine:
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
-        *,
-        tenant: int = 0,
-        encoder: Optional[_Encoder] = None,
-        placeholders: _Placeholders = "unexpanded",
-        max_tokens: int,
-        temperature: float = 0.0,
-        top_k: Optional[int] = None,
-        top_p: Optional[float] = None,
-        seed: Optional[int] = None,
-        stop: Optional[Sequence[int]] = None,
-        ignore_eos: bool = False,
-        run_last_token: bool = False,
-        allow_special_ids: bool = False,
+        **options: Unpack[GenerateOptions],
     ) -> Stream:
         """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
         same tokens as :meth:`generate` with the same seed. The engine keeps generating while
@@ -431,10 +429,7 @@ class Engine:
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
-        *,
-        tenant: int = 0,
-        encoder: Optional[_Encoder] = None,
-        placeholders: _Placeholders = "unexpanded",
+        **options: Unpack[RequestOptions],
     ) -> Stream:
         """:meth:`prefill` without waiting: the returned stream yields no token and its
         ``output`` holds the result once exhausted (what :class:`AsyncEngine` awaits)."""

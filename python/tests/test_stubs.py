@@ -1,5 +1,6 @@
-"""The type stubs say what the extension does: the engine options `_omniprefix.pyi` declares
-(`EngineOptions`, used by `Engine.from_dir` and `Engine.random`) are the ones it accepts."""
+"""The type stubs say what the extension does: the options `_omniprefix.pyi` declares once
+(`EngineOptions` for `Engine.from_dir` / `Engine.random`, `GenerateOptions` for `generate` /
+`stream`) are the ones it accepts."""
 
 import ast
 import pathlib
@@ -12,10 +13,10 @@ import omniprefix
 STUB = pathlib.Path(omniprefix.__file__).parent / "_omniprefix.pyi"
 
 
-def stub_engine_options() -> set:
+def stub_fields(name: str) -> set:
     tree = ast.parse(STUB.read_text())
-    options = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "EngineOptions")
-    return {field.target.id for field in options.body if isinstance(field, ast.AnnAssign)}
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
+    return {field.target.id for field in cls.body if isinstance(field, ast.AnnAssign)}
 
 
 def test_the_stub_declares_every_engine_option_the_extension_accepts(qwen3_config):
@@ -23,4 +24,13 @@ def test_the_stub_declares_every_engine_option_the_extension_accepts(qwen3_confi
         omniprefix.Engine.random(qwen3_config, 0, no_such_option=1)
     accepted = set(re.search(r"options are (.*)$", str(info.value)).group(1).split(", "))
     assert len(accepted) >= 20
-    assert stub_engine_options() == accepted
+    assert stub_fields("EngineOptions") == accepted
+
+
+def test_the_stub_declares_the_sampling_keywords_the_extension_accepts(qwen3_config):
+    engine = omniprefix.Engine.random(qwen3_config, 0)
+    with pytest.raises(omniprefix.RequestError, match="unknown field") as info:
+        engine.generate([1, 2, 3], max_tokens=1, no_such_option=1)
+    accepted = set(re.findall(r"`(\w+)`", str(info.value).split("expected one of", 1)[1]))
+    assert "temperature" in accepted
+    assert stub_fields("GenerateOptions") == accepted
