@@ -11,49 +11,9 @@ a router the hashes of a request's blocks without a model.
 See docs/python.md for the API and what each call costs.
 """
 
-from ._omniprefix import (
-    CacheError,
-    CheckpointError,
-    ConfigError,
-    Engine,
-    Error,
-    Generation,
-    GpuError,
-    InsertOutcome,
-    InternalError,
-    Item,
-    Match,
-    Output,
-    PrefixIndex,
-    Prompt,
-    RequestError,
-    Stream,
-    __version__,
-    block_hashes,
-    fingerprint,
-)
+from . import _omniprefix
+from ._omniprefix import *  # noqa: F403  (the extension's names: its __all__, typed in _omniprefix.pyi)
 from .aio import AsyncEngine, AsyncStream
 
-__all__ = [
-    "AsyncEngine",
-    "AsyncStream",
-    "CacheError",
-    "CheckpointError",
-    "ConfigError",
-    "Engine",
-    "Error",
-    "Generation",
-    "GpuError",
-    "InsertOutcome",
-    "InternalError",
-    "Item",
-    "Match",
-    "Output",
-    "PrefixIndex",
-    "Prompt",
-    "RequestError",
-    "Stream",
-    "__version__",
-    "block_hashes",
-    "fingerprint",
-]
+__all__ = ["AsyncEngine", "AsyncStream"]
+__all__ += _omniprefix.__all__

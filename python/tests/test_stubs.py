@@ -34,3 +34,13 @@ def test_the_stub_declares_the_sampling_keywords_the_extension_accepts(qwen3_con
     accepted = set(re.findall(r"`(\w+)`", str(info.value).split("expected one of", 1)[1]))
     assert "temperature" in accepted
     assert stub_fields("GenerateOptions") == accepted
+
+
+def test_the_stub_exports_what_the_extension_exports():
+    tree = ast.parse(STUB.read_text())
+    exported = next(
+        node for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id == "__all__"
+    )
+    assert set(ast.literal_eval(exported.value)) == set(omniprefix._omniprefix.__all__)
+    assert set(omniprefix.__all__) == set(omniprefix._omniprefix.__all__) | {"AsyncEngine", "AsyncStream"}
