@@ -41,38 +41,14 @@ override KT: u32 = 32u;
 override TQ_ROWS: u32 = 16u;
 override TQ_HEADS: u32 = 1u;
 
-const WG: u32 = 64u;
 const MAX_HEAD_DIM: u32 = 256u;
-const DIMS_PER_THREAD: u32 = 4u; // MAX_HEAD_DIM / WG
-const MAX_GROUP: u32 = 8u;
-const NEG_BIG: f32 = -3.0e38;
 // Head dims one prefill invocation accumulates: TQ * HEAD_DIM / WG <= 1024 / 64.
 const ACC_PER_THREAD: u32 = 16u;
 
-struct AttnParams {
-    n_rows: u32,
-    blocks_per_chunk: u32,
-    scale: f32,
-    n_splits: u32,
-    split_len: u32,
-    part_ml_offset: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: AttnParams;
-@group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> row_info: array<u32>;
-@group(0) @binding(3) var<storage, read> k0: array<u32>;
-@group(0) @binding(4) var<storage, read> k1: array<u32>;
-@group(0) @binding(5) var<storage, read> v0: array<u32>;
-@group(0) @binding(6) var<storage, read> v1: array<u32>;
+// AttnParams `p`, q, row_info, the K/V pages (bindings 0-6), `part` (8), `q_sh` and `s_sh`
+// are declared in paged_decode.wgsl, which both attention kernels share.
 @group(0) @binding(7) var<storage, read_write> out: array<f32>;
-@group(0) @binding(8) var<storage, read_write> part: array<f32>;
 @group(0) @binding(9) var<storage, read> part_in: array<f32>;
-
-var<workgroup> q_sh: array<f32, 2048>; // MAX_GROUP * MAX_HEAD_DIM
-var<workgroup> s_sh: array<f32, 512>;  // MAX_GROUP * WG
 // Prefill tiles, 16 KiB in all: queries, one K or V tile, scores.
 var<workgroup> qt_sh: array<f32, 1024>;  // TQ * HEAD_DIM
 var<workgroup> kvt_sh: array<f32, 2048>; // KT * HEAD_DIM

@@ -1,9 +1,36 @@
-// Prelude of the split-KV decode kernels (paged_attention.wgsl's paged_decode_partial and
-// paged_decode_subgroup.wgsl), compiled after paged_kv.wgsl: what they share once a
-// tile's scores are in `s_sh`. Only the way the scores arrive differs between them.
-// The kernel file declares what these use: WG, MAX_GROUP, DIMS_PER_THREAD, HEAD_DIM,
-// NUM_HEADS, the bindings `p` (AttnParams: n_splits, part_ml_offset) and `part`, and
-// the workgroup array `s_sh` (`[group, WG]` scores).
+// Prelude of the attention kernels (paged_attention.wgsl, whose paged_decode_partial is a
+// split-KV decode, and paged_decode_subgroup.wgsl), compiled after paged_kv.wgsl: their
+// shared declarations (parameters, bindings, workgroup arrays), and what the two split-KV
+// decodes share once a tile's scores are in `s_sh`. Only the way the scores arrive differs
+// between them. The kernel file declares HEAD_DIM and NUM_HEADS (override constants).
+
+const WG: u32 = 64u;
+const DIMS_PER_THREAD: u32 = 4u; // MAX_HEAD_DIM (256) / WG
+const MAX_GROUP: u32 = 8u;
+const NEG_BIG: f32 = -3.0e38;
+
+struct AttnParams {
+    n_rows: u32,
+    blocks_per_chunk: u32,
+    scale: f32,
+    n_splits: u32,
+    split_len: u32,
+    part_ml_offset: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: AttnParams;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> row_info: array<u32>;
+@group(0) @binding(3) var<storage, read> k0: array<u32>;
+@group(0) @binding(4) var<storage, read> k1: array<u32>;
+@group(0) @binding(5) var<storage, read> v0: array<u32>;
+@group(0) @binding(6) var<storage, read> v1: array<u32>;
+@group(0) @binding(8) var<storage, read_write> part: array<f32>;
+
+var<workgroup> q_sh: array<f32, 2048>; // MAX_GROUP * MAX_HEAD_DIM
+var<workgroup> s_sh: array<f32, 512>;  // MAX_GROUP * WG (`[group, WG]` scores)
 
 // One workgroup's online softmax, per head g of the GQA group: max `m[g]`, sum `l[g]`,
 // weighted V sums `acc[g * DIMS_PER_THREAD + i]` of dims lid + i * WG.

@@ -27,33 +27,8 @@ override NUM_KV_HEADS: u32 = 1u;
 override BLOCK_SIZE: u32 = 16u;
 override KV_F16: bool = false;
 
-const WG: u32 = 64u;
-const DIMS_PER_THREAD: u32 = 4u; // MAX_HEAD_DIM (256) / WG
-const MAX_GROUP: u32 = 8u;
-const NEG_BIG: f32 = -3.0e38;
-
-struct AttnParams {
-    n_rows: u32,
-    blocks_per_chunk: u32,
-    scale: f32,
-    n_splits: u32,
-    split_len: u32,
-    part_ml_offset: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: AttnParams;
-@group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> row_info: array<u32>;
-@group(0) @binding(3) var<storage, read> k0: array<u32>;
-@group(0) @binding(4) var<storage, read> k1: array<u32>;
-@group(0) @binding(5) var<storage, read> v0: array<u32>;
-@group(0) @binding(6) var<storage, read> v1: array<u32>;
-@group(0) @binding(8) var<storage, read_write> part: array<f32>;
-
-var<workgroup> q_sh: array<f32, 2048>; // MAX_GROUP * MAX_HEAD_DIM
-var<workgroup> s_sh: array<f32, 512>;  // MAX_GROUP * WG
+// WG, MAX_GROUP, DIMS_PER_THREAD, NEG_BIG, AttnParams `p`, the bindings and `q_sh` / `s_sh`
+// are declared in paged_decode.wgsl, shared with paged_attention.wgsl.
 
 @compute @workgroup_size(WG)
 fn paged_decode_subgroup(

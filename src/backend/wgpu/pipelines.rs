@@ -6,7 +6,8 @@
 //! (`DownlevelFlags::SHADER_F16_IN_F32`), after stubs (`wgsl/f16_pairs_absent.wgsl`):
 //! the f32 kernels then still compile and f16 storage is refused. The attention kernels
 //! also share the page-reading helpers of `wgsl/paged_kv.wgsl`, a second prelude, and
-//! the split-KV decode steps of `wgsl/paged_decode.wgsl` (softmax fold, partial write), a third.
+//! `wgsl/paged_decode.wgsl`, a third: their parameters, bindings and workgroup arrays, and the
+//! split-KV decode steps (softmax fold, partial write).
 //! `wgsl/paged_decode_subgroup.wgsl` uses subgroup operations and is compiled only on a
 //! device opened with `Features::SUBGROUP` ([`Shader::needs_subgroups`]).
 
@@ -100,8 +101,9 @@ impl Shader {
 /// Page-reading helpers (block table lookup, f32 / f16 page elements) of the attention kernels.
 pub const PAGED_KV: &str = include_str!("../../../wgsl/paged_kv.wgsl");
 
-/// What the two split-KV decode kernels share once a tile's scores are in: the online
-/// softmax fold with the V rows, and the partial write.
+/// What the attention kernels share: parameters, bindings and workgroup arrays, and, once a
+/// tile's scores are in, the split-KV decode's online softmax fold with the V rows and its
+/// partial write.
 pub const PAGED_DECODE: &str = include_str!("../../../wgsl/paged_decode.wgsl");
 
 /// The f16 pair conversions every kernel may call.
