@@ -18,12 +18,8 @@ const WG: u32 = 256u;
 @group(0) @binding(2) var<storage, read_write> pool: array<u32>;
 
 @compute @workgroup_size(WG)
-fn copy_blocks(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let idx = (wid.x + wid.y * nwg.x) * WG + lid;
+fn copy_blocks(inv: FlatInvocation) {
+    let idx = flat_index(inv);
     if (idx >= p.n_pairs * p.block_words) {
         return;
     }

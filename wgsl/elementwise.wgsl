@@ -18,41 +18,25 @@ const WG: u32 = 256u;
 @group(0) @binding(1) var<storage, read_write> acc: array<f32>;
 @group(0) @binding(2) var<storage, read> rhs: array<f32>;
 
-fn flat_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
-    return (wid.x + wid.y * nwg.x) * WG + lid;
-}
-
 @compute @workgroup_size(WG)
-fn add_assign(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let i = flat_index(wid, nwg, lid);
+fn add_assign(inv: FlatInvocation) {
+    let i = flat_index(inv);
     if (i < p.len) {
         acc[i] += rhs[i];
     }
 }
 
 @compute @workgroup_size(WG)
-fn bias_add(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let i = flat_index(wid, nwg, lid);
+fn bias_add(inv: FlatInvocation) {
+    let i = flat_index(inv);
     if (i < p.len) {
         acc[i] += rhs[i % p.width];
     }
 }
 
 @compute @workgroup_size(WG)
-fn swiglu(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let i = flat_index(wid, nwg, lid);
+fn swiglu(inv: FlatInvocation) {
+    let i = flat_index(inv);
     if (i < p.len) {
         let base = (i / p.width) * 2u * p.width + i % p.width;
         let g = rhs[base];

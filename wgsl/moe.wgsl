@@ -41,12 +41,8 @@ fn ranks_after(pa: f32, a: u32, pb: f32, b: u32) -> bool {
 }
 
 @compute @workgroup_size(WG)
-fn router_topk(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let t = (wid.x + wid.y * nwg.x) * WG + lid;
+fn router_topk(inv: FlatInvocation) {
+    let t = flat_index(inv);
     if (t >= p.tokens) {
         return;
     }
@@ -108,12 +104,8 @@ fn expert_combine(
 
 // One invocation per expert; each scans every slot, so lists come out in slot order.
 @compute @workgroup_size(WG)
-fn expert_lists(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let e = (wid.x + wid.y * nwg.x) * WG + lid;
+fn expert_lists(inv: FlatInvocation) {
+    let e = flat_index(inv);
     if (e >= p.experts) {
         return;
     }

@@ -48,12 +48,8 @@ fn pool_index(r: u32, c: u32) -> i32 {
 }
 
 @compute @workgroup_size(WG)
-fn scatter_rows(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let idx = (wid.x + wid.y * nwg.x) * WG + lid;
+fn scatter_rows(inv: FlatInvocation) {
+    let idx = flat_index(inv);
     if (idx >= p.n_rows * p.width) {
         return;
     }
@@ -64,12 +60,8 @@ fn scatter_rows(
 }
 
 @compute @workgroup_size(WG)
-fn gather_rows(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let idx = (wid.x + wid.y * nwg.x) * WG + lid;
+fn gather_rows(inv: FlatInvocation) {
+    let idx = flat_index(inv);
     if (idx >= p.n_rows * p.width) {
         return;
     }
@@ -80,12 +72,8 @@ fn gather_rows(
 }
 
 @compute @workgroup_size(WG)
-fn scatter_rows_f16(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let pair = (wid.x + wid.y * nwg.x) * WG + lid;
+fn scatter_rows_f16(inv: FlatInvocation) {
+    let pair = flat_index(inv);
     let pairs_per_row = p.width / 2u;
     if (pair >= p.n_rows * pairs_per_row) {
         return;

@@ -49,13 +49,9 @@ fn position_row(i: u32) -> u32 {
 }
 
 @compute @workgroup_size(WG)
-fn rope(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
+fn rope(inv: FlatInvocation) {
     let half = p.head_dim / 2u;
-    let idx = (wid.x + wid.y * nwg.x) * WG + lid;
+    let idx = flat_index(inv);
     if (idx >= p.n * p.heads * half) {
         return;
     }

@@ -30,12 +30,8 @@ fn src_at(i: u32) -> f32 {
 }
 
 @compute @workgroup_size(WG)
-fn gather_dense(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let e = (wid.x + wid.y * nwg.x) * WG + lid;
+fn gather_dense(inv: FlatInvocation) {
+    let e = flat_index(inv);
     if (e >= p.n_rows * p.width) {
         return;
     }
@@ -47,12 +43,8 @@ fn gather_dense(
 }
 
 @compute @workgroup_size(WG)
-fn scatter_dense(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let e = (wid.x + wid.y * nwg.x) * WG + lid;
+fn scatter_dense(inv: FlatInvocation) {
+    let e = flat_index(inv);
     if (e >= p.n_rows * p.width) {
         return;
     }

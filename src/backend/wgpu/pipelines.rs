@@ -86,15 +86,19 @@ impl Shader {
     }
 
     /// WGSL source as compiled: the f16 pair prelude (`f16_pairs`: the device has the
-    /// conversions) or its stubs, the page-reading helpers and the split-KV decode
-    /// steps for the attention kernels, then the kernel.
+    /// conversions) or its stubs; the page-reading helpers and the split-KV decode
+    /// steps for the attention kernels, or the flat element index for the element-wise
+    /// ones; then the kernel.
     pub fn source(self, f16_pairs: bool) -> String {
         let prelude = if f16_pairs { F16_PAIRS } else { F16_PAIRS_ABSENT };
-        let (pages, decode) = match self {
-            Shader::PagedAttention | Shader::PagedDecodeSubgroup => (PAGED_KV, PAGED_DECODE),
-            _ => ("", ""),
+        let shared = match self {
+            Shader::PagedAttention | Shader::PagedDecodeSubgroup => [PAGED_KV, PAGED_DECODE].join("\n"),
+            Shader::Matmul | Shader::RmsNorm => String::new(),
+            Shader::PagedRows | Shader::CopyBlocks | Shader::Rope | Shader::Elementwise | Shader::Rows | Shader::Moe => {
+                FLAT_INDEX.to_string()
+            }
         };
-        format!("{prelude}\n{pages}\n{decode}\n{}", self.kernel_source())
+        format!("{prelude}\n{shared}\n{}", self.kernel_source())
     }
 }
 
@@ -105,6 +109,10 @@ pub const PAGED_KV: &str = include_str!("../../../wgsl/paged_kv.wgsl");
 /// tile's scores are in, the split-KV decode's online softmax fold with the V rows and its
 /// partial write.
 pub const PAGED_DECODE: &str = include_str!("../../../wgsl/paged_decode.wgsl");
+
+/// The element-wise kernels' entry arguments (`FlatInvocation`) and `flat_index`: one element
+/// per invocation over a 2-D dispatch of workgroups.
+pub const FLAT_INDEX: &str = include_str!("../../../wgsl/flat_index.wgsl");
 
 /// The f16 pair conversions every kernel may call.
 pub const F16_PAIRS: &str = include_str!("../../../wgsl/f16_pairs.wgsl");
