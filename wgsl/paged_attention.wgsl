@@ -202,51 +202,35 @@ fn paged_decode_partial(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
-    let flat = wid.x + wid.y * nwg.x;
-    let kvh = flat % NUM_KV_HEADS;
-    let rest = flat / NUM_KV_HEADS;
-    let split = rest % p.n_splits;
-    let r = rest / p.n_splits;
-    if (r >= p.n_rows) {
+    let job = decode_job(wid, nwg);
+    if (job.r >= p.n_rows) {
         return;
     }
-    let group = NUM_HEADS / NUM_KV_HEADS;
-    let q_row = row_info[3u * r];
-    let visible = row_info[3u * r + 1u];
-    let table = row_info[3u * r + 2u];
-    let begin = min(split * p.split_len, visible);
-    let end = min(begin + p.split_len, visible);
-    for (var e = lid; e < group * HEAD_DIM; e += WG) {
-        q_sh[e] = q[(q_row * NUM_HEADS + kvh * group) * HEAD_DIM + e];
-    }
+    decode_load_q(job, lid);
     workgroupBarrier();
-
-    var st: DecodeState;
-    for (var g = 0u; g < MAX_GROUP; g++) {
-        st.m[g] = NEG_BIG;
-    }
-    for (var t0 = begin; t0 < end; t0 += WG) {
+    var st = decode_state();
+    for (var t0 = job.begin; t0 < job.end; t0 += WG) {
         let j = t0 + lid;
         var dots: array<f32, MAX_GROUP>;
-        if (j < end) {
-            let at = kv_at(table, j, kvh);
+        if (j < job.end) {
+            let at = kv_at(job.table, j, job.kvh);
             for (var d = 0u; d < HEAD_DIM; d++) {
                 let k = load_k(at, d);
-                for (var g = 0u; g < group; g++) {
+                for (var g = 0u; g < job.group; g++) {
                     dots[g] += q_sh[g * HEAD_DIM + d] * k;
                 }
             }
         }
-        for (var g = 0u; g < group; g++) {
-            s_sh[g * WG + lid] = select(NEG_BIG, dots[g] * p.scale, j < end);
+        for (var g = 0u; g < job.group; g++) {
+            s_sh[g * WG + lid] = select(NEG_BIG, dots[g] * p.scale, j < job.end);
         }
         workgroupBarrier();
 
-        let n_t = min(WG, end - t0);
-        decode_fold(&st, group, table, kvh, t0, n_t, lid);
+        let n_t = min(WG, job.end - t0);
+        decode_fold(&st, job.group, job.table, job.kvh, t0, n_t, lid);
         workgroupBarrier();
     }
-    decode_write_partial(&st, group, r, kvh, split, lid);
+    decode_write_partial(&st, job.group, job.r, job.kvh, job.split, lid);
 }
 
 @compute @workgroup_size(WG)

@@ -32,6 +32,55 @@ struct AttnParams {
 var<workgroup> q_sh: array<f32, 2048>; // MAX_GROUP * MAX_HEAD_DIM
 var<workgroup> s_sh: array<f32, 512>;  // MAX_GROUP * WG (`[group, WG]` scores)
 
+// One split-KV decode job: the GQA group of KV head `kvh` of row `r`, over keys
+// begin..end of the row's visible keys (split `split` of p.n_splits), in block table `table`.
+struct DecodeJob {
+    kvh: u32,
+    split: u32,
+    r: u32,
+    group: u32,
+    table: u32,
+    begin: u32,
+    end: u32,
+}
+
+// The job of workgroup `wid` (KV head fastest, then split, then row). A dispatch rounded up
+// past the last row gives `r >= p.n_rows`: the caller returns, and nothing else is read.
+fn decode_job(wid: vec3<u32>, nwg: vec3<u32>) -> DecodeJob {
+    let flat = wid.x + wid.y * nwg.x;
+    let rest = flat / NUM_KV_HEADS;
+    var job: DecodeJob;
+    job.kvh = flat % NUM_KV_HEADS;
+    job.split = rest % p.n_splits;
+    job.r = rest / p.n_splits;
+    job.group = NUM_HEADS / NUM_KV_HEADS;
+    if (job.r >= p.n_rows) {
+        return job;
+    }
+    let visible = row_info[3u * job.r + 1u];
+    job.table = row_info[3u * job.r + 2u];
+    job.begin = min(job.split * p.split_len, visible);
+    job.end = min(job.begin + p.split_len, visible);
+    return job;
+}
+
+// The group's query rows into `q_sh` (`[group, HEAD_DIM]`); the caller then waits at a barrier.
+fn decode_load_q(job: DecodeJob, lid: u32) {
+    let q_row = row_info[3u * job.r];
+    for (var e = lid; e < job.group * HEAD_DIM; e += WG) {
+        q_sh[e] = q[(q_row * NUM_HEADS + job.kvh * job.group) * HEAD_DIM + e];
+    }
+}
+
+// The fold's start: no key seen yet.
+fn decode_state() -> DecodeState {
+    var st: DecodeState;
+    for (var g = 0u; g < MAX_GROUP; g++) {
+        st.m[g] = NEG_BIG;
+    }
+    return st;
+}
+
 // One workgroup's online softmax, per head g of the GQA group: max `m[g]`, sum `l[g]`,
 // weighted V sums `acc[g * DIMS_PER_THREAD + i]` of dims lid + i * WG.
 struct DecodeState {

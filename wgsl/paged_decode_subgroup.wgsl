@@ -42,45 +42,29 @@ fn paged_decode_subgroup(
     let lanes = subgroupAdd(1u);
     let lane = subgroupExclusiveAdd(1u);
 
-    let flat = wid.x + wid.y * nwg.x;
-    let kvh = flat % NUM_KV_HEADS;
-    let rest = flat / NUM_KV_HEADS;
-    let split = rest % p.n_splits;
-    let r = rest / p.n_splits;
-    if (r >= p.n_rows) {
+    let job = decode_job(wid, nwg);
+    if (job.r >= p.n_rows) {
         return;
     }
-    let group = NUM_HEADS / NUM_KV_HEADS;
-    let q_row = row_info[3u * r];
-    let visible = row_info[3u * r + 1u];
-    let table = row_info[3u * r + 2u];
-    let begin = min(split * p.split_len, visible);
-    let end = min(begin + p.split_len, visible);
-    for (var e = lid; e < group * HEAD_DIM; e += WG) {
-        q_sh[e] = q[(q_row * NUM_HEADS + kvh * group) * HEAD_DIM + e];
-    }
+    decode_load_q(job, lid);
     workgroupBarrier();
-
-    var st: DecodeState;
-    for (var g = 0u; g < MAX_GROUP; g++) {
-        st.m[g] = NEG_BIG;
-    }
-    for (var t0 = begin; t0 < end; t0 += WG) {
-        let n_t = min(WG, end - t0);
-        // Scores of the tile: subgroup sg takes keys sg, sg + n_sg, ...; its lanes split
+    var st = decode_state();
+    for (var t0 = job.begin; t0 < job.end; t0 += WG) {
+        let n_t = min(WG, job.end - t0);
+        // Scores of the tile: subgroup sg takes keys sg, sg + n_sg, ...; its lanes job.split
         // the head dims.
         for (var t = sg; t < n_t; t += n_sg) {
-            let at = kv_at(table, t0 + t, kvh);
+            let at = kv_at(job.table, t0 + t, job.kvh);
             var dots: array<f32, MAX_GROUP>;
             for (var d0 = 0u; d0 < HEAD_DIM; d0 += lanes) {
                 let d = d0 + lane;
                 let dd = min(d, HEAD_DIM - 1u);
                 let k = select(0.0, load_k(at, dd), d < HEAD_DIM);
-                for (var g = 0u; g < group; g++) {
+                for (var g = 0u; g < job.group; g++) {
                     dots[g] += q_sh[g * HEAD_DIM + dd] * k;
                 }
             }
-            for (var g = 0u; g < group; g++) {
+            for (var g = 0u; g < job.group; g++) {
                 let dot = subgroupAdd(dots[g]);
                 if (lane == 0u) {
                     s_sh[g * WG + t] = dot * p.scale;
@@ -89,8 +73,8 @@ fn paged_decode_subgroup(
         }
         workgroupBarrier();
 
-        decode_fold(&st, group, table, kvh, t0, n_t, lid);
+        decode_fold(&st, job.group, job.table, job.kvh, t0, n_t, lid);
         workgroupBarrier();
     }
-    decode_write_partial(&st, group, r, kvh, split, lid);
+    decode_write_partial(&st, job.group, job.r, job.kvh, job.split, lid);
 }
