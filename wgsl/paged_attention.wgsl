@@ -202,12 +202,10 @@ fn paged_decode_partial(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
 ) {
-    let job = decode_job(wid, nwg);
+    let job = decode_begin(wid, nwg, lid);
     if (job.r >= p.n_rows) {
         return;
     }
-    decode_load_q(job, lid);
-    workgroupBarrier();
     var st = decode_state();
     for (var t0 = job.begin; t0 < job.end; t0 += WG) {
         let j = t0 + lid;

@@ -64,12 +64,19 @@ fn decode_job(wid: vec3<u32>, nwg: vec3<u32>) -> DecodeJob {
     return job;
 }
 
-// The group's query rows into `q_sh` (`[group, HEAD_DIM]`); the caller then waits at a barrier.
-fn decode_load_q(job: DecodeJob, lid: u32) {
-    let q_row = row_info[3u * job.r];
-    for (var e = lid; e < job.group * HEAD_DIM; e += WG) {
-        q_sh[e] = q[(q_row * NUM_HEADS + job.kvh * job.group) * HEAD_DIM + e];
+// The workgroup's job, with its group's query rows in `q_sh` (`[group, HEAD_DIM]`) once every
+// invocation has passed the barrier; a job past the last row (`r >= p.n_rows`) loads nothing.
+// Called by every invocation of the workgroup (the barrier needs them all).
+fn decode_begin(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> DecodeJob {
+    let job = decode_job(wid, nwg);
+    if (job.r < p.n_rows) {
+        let q_row = row_info[3u * job.r];
+        for (var e = lid; e < job.group * HEAD_DIM; e += WG) {
+            q_sh[e] = q[(q_row * NUM_HEADS + job.kvh * job.group) * HEAD_DIM + e];
+        }
     }
+    workgroupBarrier();
+    return job;
 }
 
 // The fold's start: no key seen yet.

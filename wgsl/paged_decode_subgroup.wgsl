@@ -42,12 +42,10 @@ fn paged_decode_subgroup(
     let lanes = subgroupAdd(1u);
     let lane = subgroupExclusiveAdd(1u);
 
-    let job = decode_job(wid, nwg);
+    let job = decode_begin(wid, nwg, lid);
     if (job.r >= p.n_rows) {
         return;
     }
-    decode_load_q(job, lid);
-    workgroupBarrier();
     var st = decode_state();
     for (var t0 = job.begin; t0 < job.end; t0 += WG) {
         let n_t = min(WG, job.end - t0);
