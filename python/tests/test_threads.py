@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -38,21 +39,9 @@ def test_two_engines_in_two_threads_give_the_sequential_results(qwen3_config):
 
     sequential = [workload(e, 10 + i) for i, e in enumerate(engines())]
 
-    parallel = [None, None]
-    errors = []
-
-    def run(i, engine):
-        try:
-            parallel[i] = workload(engine, 10 + i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = [pool.submit(workload, engine, 10 + i) for i, engine in enumerate(engines())]
+        parallel = [run.result(timeout=120) for run in runs]
     for i in range(2):
         assert_same(f"engine {i}", parallel[i], sequential[i])
 
@@ -63,22 +52,14 @@ def test_one_engine_used_from_two_threads_stays_consistent(qwen3_config):
     solo = omniprefix.Engine.random(qwen3_config, 4, block_size=BLOCK_SIZE, cache=False)
     prompts = [random_ids(30 + i, 25) for i in range(4)]
     want = [solo.prefill(p).hidden for p in prompts]
-    got = {}
-    errors = []
 
     def run(i):
-        try:
-            for _ in range(2):
-                got[i] = engine.prefill(prompts[i]).hidden
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        for _ in range(2):
+            hidden = engine.prefill(prompts[i]).hidden
+        return hidden
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(run, range(4), timeout=120))
     for i in range(4):
         assert_bit_equal(f"prompt {i}", got[i], want[i])
     engine.validate()
