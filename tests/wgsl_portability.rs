@@ -11,9 +11,9 @@ use omniprefix::backend::wgpu::Shader;
 
 /// The preludes kernels are compiled after (`backend::wgpu::pipelines`): the f16 pair
 /// conversions or their stubs on adapters without them, and the attention kernels'
-/// page-reading helpers and split-KV decode steps, and the element-wise kernels' flat index.
+/// page-reading helpers and split-KV decode steps, and the entry builtins of every kernel but the matrix products.
 const PRELUDES: [&str; 5] =
-    ["f16_pairs.wgsl", "f16_pairs_absent.wgsl", "paged_kv.wgsl", "paged_decode.wgsl", "flat_index.wgsl"];
+    ["f16_pairs.wgsl", "f16_pairs_absent.wgsl", "paged_kv.wgsl", "paged_decode.wgsl", "invocation.wgsl"];
 
 /// The kernel files of `wgsl/` (every `.wgsl` but the preludes).
 fn shader_files() -> Vec<PathBuf> {

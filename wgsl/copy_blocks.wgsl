@@ -18,7 +18,7 @@ const WG: u32 = 256u;
 @group(0) @binding(2) var<storage, read_write> pool: array<u32>;
 
 @compute @workgroup_size(WG)
-fn copy_blocks(inv: FlatInvocation) {
+fn copy_blocks(inv: Invocation) {
     let idx = flat_index(inv);
     if (idx >= p.n_pairs * p.block_words) {
         return;

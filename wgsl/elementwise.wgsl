@@ -19,7 +19,7 @@ const WG: u32 = 256u;
 @group(0) @binding(2) var<storage, read> rhs: array<f32>;
 
 @compute @workgroup_size(WG)
-fn add_assign(inv: FlatInvocation) {
+fn add_assign(inv: Invocation) {
     let i = flat_index(inv);
     if (i < p.len) {
         acc[i] += rhs[i];
@@ -27,7 +27,7 @@ fn add_assign(inv: FlatInvocation) {
 }
 
 @compute @workgroup_size(WG)
-fn bias_add(inv: FlatInvocation) {
+fn bias_add(inv: Invocation) {
     let i = flat_index(inv);
     if (i < p.len) {
         acc[i] += rhs[i % p.width];
@@ -35,7 +35,7 @@ fn bias_add(inv: FlatInvocation) {
 }
 
 @compute @workgroup_size(WG)
-fn swiglu(inv: FlatInvocation) {
+fn swiglu(inv: Invocation) {
     let i = flat_index(inv);
     if (i < p.len) {
         let base = (i / p.width) * 2u * p.width + i % p.width;

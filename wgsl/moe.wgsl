@@ -41,7 +41,7 @@ fn ranks_after(pa: f32, a: u32, pb: f32, b: u32) -> bool {
 }
 
 @compute @workgroup_size(WG)
-fn router_topk(inv: FlatInvocation) {
+fn router_topk(inv: Invocation) {
     let t = flat_index(inv);
     if (t >= p.tokens) {
         return;
@@ -84,12 +84,9 @@ fn router_topk(inv: FlatInvocation) {
 }
 
 @compute @workgroup_size(256)
-fn expert_combine(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+fn expert_combine(inv: Invocation) {
+    let lid = inv.lid;
+    let i = workgroup_index(inv) * 256u + lid;
     if (i >= p.tokens * p.width) {
         return;
     }
@@ -104,7 +101,7 @@ fn expert_combine(
 
 // One invocation per expert; each scans every slot, so lists come out in slot order.
 @compute @workgroup_size(WG)
-fn expert_lists(inv: FlatInvocation) {
+fn expert_lists(inv: Invocation) {
     let e = flat_index(inv);
     if (e >= p.experts) {
         return;

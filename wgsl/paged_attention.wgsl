@@ -120,12 +120,9 @@ fn score_tile(lid: u32, n_q: u32, heads_left: u32, visible0: u32, t0: u32) {
 // (WG / TQ)-th head dim of it, with its own running max m and sum l (the lanes of a slot
 // compute the same m and l).
 @compute @workgroup_size(WG)
-fn paged_prefill_attention(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let flat = wid.x + wid.y * nwg.x;
+fn paged_prefill_attention(inv: Invocation) {
+    let lid = inv.lid;
+    let flat = workgroup_index(inv);
     let group = NUM_HEADS / NUM_KV_HEADS;
     let subsets = (group + TQ_HEADS - 1u) / TQ_HEADS;
     let sub = flat % subsets;
@@ -197,12 +194,9 @@ fn paged_prefill_attention(
 }
 
 @compute @workgroup_size(WG)
-fn paged_decode_partial(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let job = decode_begin(wid, nwg, lid);
+fn paged_decode_partial(inv: Invocation) {
+    let lid = inv.lid;
+    let job = decode_begin(inv);
     if (job.r >= p.n_rows) {
         return;
     }
@@ -232,12 +226,9 @@ fn paged_decode_partial(
 }
 
 @compute @workgroup_size(WG)
-fn paged_decode_reduce(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let flat = wid.x + wid.y * nwg.x;
+fn paged_decode_reduce(inv: Invocation) {
+    let lid = inv.lid;
+    let flat = workgroup_index(inv);
     let h = flat % NUM_HEADS;
     let r = flat / NUM_HEADS;
     if (r >= p.n_rows) {

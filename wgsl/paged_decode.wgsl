@@ -44,10 +44,10 @@ struct DecodeJob {
     end: u32,
 }
 
-// The job of workgroup `wid` (KV head fastest, then split, then row). A dispatch rounded up
+// The job of the invocation's workgroup (KV head fastest, then split, then row). A dispatch rounded up
 // past the last row gives `r >= p.n_rows`: the caller returns, and nothing else is read.
-fn decode_job(wid: vec3<u32>, nwg: vec3<u32>) -> DecodeJob {
-    let flat = wid.x + wid.y * nwg.x;
+fn decode_job(inv: Invocation) -> DecodeJob {
+    let flat = workgroup_index(inv);
     let rest = flat / NUM_KV_HEADS;
     var job: DecodeJob;
     job.kvh = flat % NUM_KV_HEADS;
@@ -67,8 +67,9 @@ fn decode_job(wid: vec3<u32>, nwg: vec3<u32>) -> DecodeJob {
 // The workgroup's job, with its group's query rows in `q_sh` (`[group, HEAD_DIM]`) once every
 // invocation has passed the barrier; a job past the last row (`r >= p.n_rows`) loads nothing.
 // Called by every invocation of the workgroup (the barrier needs them all).
-fn decode_begin(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> DecodeJob {
-    let job = decode_job(wid, nwg);
+fn decode_begin(inv: Invocation) -> DecodeJob {
+    let job = decode_job(inv);
+    let lid = inv.lid;
     if (job.r < p.n_rows) {
         let q_row = row_info[3u * job.r];
         for (var e = lid; e < job.group * HEAD_DIM; e += WG) {

@@ -31,18 +31,13 @@ override KV_F16: bool = false;
 // are declared in paged_decode.wgsl, shared with paged_attention.wgsl.
 
 @compute @workgroup_size(WG)
-fn paged_decode_subgroup(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-    @builtin(subgroup_id) sg: u32,
-    @builtin(num_subgroups) n_sg: u32,
-) {
+fn paged_decode_subgroup(inv: Invocation, @builtin(subgroup_id) sg: u32, @builtin(num_subgroups) n_sg: u32) {
+    let lid = inv.lid;
     // Active lanes of this subgroup and this invocation's rank among them.
     let lanes = subgroupAdd(1u);
     let lane = subgroupExclusiveAdd(1u);
 
-    let job = decode_begin(wid, nwg, lid);
+    let job = decode_begin(inv);
     if (job.r >= p.n_rows) {
         return;
     }

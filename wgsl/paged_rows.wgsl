@@ -48,7 +48,7 @@ fn pool_index(r: u32, c: u32) -> i32 {
 }
 
 @compute @workgroup_size(WG)
-fn scatter_rows(inv: FlatInvocation) {
+fn scatter_rows(inv: Invocation) {
     let idx = flat_index(inv);
     if (idx >= p.n_rows * p.width) {
         return;
@@ -60,7 +60,7 @@ fn scatter_rows(inv: FlatInvocation) {
 }
 
 @compute @workgroup_size(WG)
-fn gather_rows(inv: FlatInvocation) {
+fn gather_rows(inv: Invocation) {
     let idx = flat_index(inv);
     if (idx >= p.n_rows * p.width) {
         return;
@@ -72,7 +72,7 @@ fn gather_rows(inv: FlatInvocation) {
 }
 
 @compute @workgroup_size(WG)
-fn scatter_rows_f16(inv: FlatInvocation) {
+fn scatter_rows_f16(inv: Invocation) {
     let pair = flat_index(inv);
     let pairs_per_row = p.width / 2u;
     if (pair >= p.n_rows * pairs_per_row) {

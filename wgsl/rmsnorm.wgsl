@@ -19,12 +19,9 @@ const WG: u32 = 64u;
 var<workgroup> partial: array<f32, WG>;
 
 @compute @workgroup_size(WG)
-fn rms_norm(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
-) {
-    let r = wid.x + wid.y * nwg.x;
+fn rms_norm(inv: Invocation) {
+    let lid = inv.lid;
+    let r = workgroup_index(inv);
     if (r >= p.rows) {
         return;
     }
@@ -42,8 +39,8 @@ fn rms_norm(
         }
         workgroupBarrier();
     }
-    let inv = inverseSqrt(partial[0] / f32(p.dim) + p.eps);
+    let inv_rms = inverseSqrt(partial[0] / f32(p.dim) + p.eps);
     for (var d = lid; d < p.dim; d += WG) {
-        y[base + d] = x[base + d] * inv * weight[d];
+        y[base + d] = x[base + d] * inv_rms * weight[d];
     }
 }

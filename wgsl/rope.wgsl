@@ -49,7 +49,7 @@ fn position_row(i: u32) -> u32 {
 }
 
 @compute @workgroup_size(WG)
-fn rope(inv: FlatInvocation) {
+fn rope(inv: Invocation) {
     let half = p.head_dim / 2u;
     let idx = flat_index(inv);
     if (idx >= p.n * p.heads * half) {

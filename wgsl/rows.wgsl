@@ -30,7 +30,7 @@ fn src_at(i: u32) -> f32 {
 }
 
 @compute @workgroup_size(WG)
-fn gather_dense(inv: FlatInvocation) {
+fn gather_dense(inv: Invocation) {
     let e = flat_index(inv);
     if (e >= p.n_rows * p.width) {
         return;
@@ -43,7 +43,7 @@ fn gather_dense(inv: FlatInvocation) {
 }
 
 @compute @workgroup_size(WG)
-fn scatter_dense(inv: FlatInvocation) {
+fn scatter_dense(inv: Invocation) {
     let e = flat_index(inv);
     if (e >= p.n_rows * p.width) {
         return;

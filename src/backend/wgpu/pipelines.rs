@@ -86,17 +86,21 @@ impl Shader {
     }
 
     /// WGSL source as compiled: the f16 pair prelude (`f16_pairs`: the device has the
-    /// conversions) or its stubs; the page-reading helpers and the split-KV decode
-    /// steps for the attention kernels, or the flat element index for the element-wise
-    /// ones; then the kernel.
+    /// conversions) or its stubs; the entry builtins (all but the matrix products); the
+    /// page-reading helpers and the split-KV decode steps for the attention kernels; then
+    /// the kernel.
     pub fn source(self, f16_pairs: bool) -> String {
         let prelude = if f16_pairs { F16_PAIRS } else { F16_PAIRS_ABSENT };
         let shared = match self {
-            Shader::PagedAttention | Shader::PagedDecodeSubgroup => [PAGED_KV, PAGED_DECODE].join("\n"),
-            Shader::Matmul | Shader::RmsNorm => String::new(),
-            Shader::PagedRows | Shader::CopyBlocks | Shader::Rope | Shader::Elementwise | Shader::Rows | Shader::Moe => {
-                FLAT_INDEX.to_string()
-            }
+            Shader::PagedAttention | Shader::PagedDecodeSubgroup => [INVOCATION, PAGED_KV, PAGED_DECODE].join("\n"),
+            Shader::Matmul => String::new(),
+            Shader::PagedRows
+            | Shader::CopyBlocks
+            | Shader::RmsNorm
+            | Shader::Rope
+            | Shader::Elementwise
+            | Shader::Rows
+            | Shader::Moe => INVOCATION.to_string(),
         };
         format!("{prelude}\n{shared}\n{}", self.kernel_source())
     }
@@ -110,9 +114,9 @@ pub const PAGED_KV: &str = include_str!("../../../wgsl/paged_kv.wgsl");
 /// partial write.
 pub const PAGED_DECODE: &str = include_str!("../../../wgsl/paged_decode.wgsl");
 
-/// The element-wise kernels' entry arguments (`FlatInvocation`) and `flat_index`: one element
-/// per invocation over a 2-D dispatch of workgroups.
-pub const FLAT_INDEX: &str = include_str!("../../../wgsl/flat_index.wgsl");
+/// The builtins an entry point takes (`Invocation`) over a 2-D dispatch of workgroups, the
+/// workgroup's index and an element-wise kernel's element: every kernel but the matrix products.
+pub const INVOCATION: &str = include_str!("../../../wgsl/invocation.wgsl");
 
 /// The f16 pair conversions every kernel may call.
 pub const F16_PAIRS: &str = include_str!("../../../wgsl/f16_pairs.wgsl");
