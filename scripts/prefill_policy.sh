@@ -34,27 +34,22 @@ for ((i = 1; i <= ${REPEAT:-1}; i++)); do
     "$OMNIPREFIX" "${args[@]}" "${capped[@]}" >> "$out"
 done
 
-python3 - "$out" <<'PY'
-import json
-import statistics
+PYTHONPATH=scripts python3 - "$out" <<'PY'
 import sys
 
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print(f"{'cap':>5} {'c':>2} {'cache':>5} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} {'tok/s':>7}")
-for r in rows:
-    print(f"{r['prefill_cap']:>5} {r['concurrency']:>2} {'on' if r['cache'] else 'off':>5} {r['ttft_ms_p50']:>7.0f}ms "
-          f"{r['ttft_ms_p99']:>7.0f}ms {r['itl_ms_p50']:>6.1f}ms {r['itl_ms_p99']:>6.1f}ms {r['output_tokens_per_s']:>7.1f}")
+from serve_runs import load, median, print_table
 
-
-def median(key, cap, c, cache):
-    return statistics.median(r[key] for r in rows if r["prefill_cap"] == cap and r["concurrency"] == c and r["cache"] == cache)
-
+rows = load(sys.argv[1])
+print_table(rows, ["prefill_cap", "concurrency", "cache", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+                   "output_tokens_per_s"])
 
 for cap in sorted({r["prefill_cap"] for r in rows}, reverse=True):
     c8, c1 = 8, 1
-    itl = median("itl_ms_p99", cap, c8, False) / median("itl_ms_p50", cap, c8, False)
-    ttft = median("ttft_ms_p50", cap, c8, False) / median("ttft_ms_p50", cap, c1, False)
-    tput = median("output_tokens_per_s", cap, c8, True) / median("output_tokens_per_s", cap, c1, True)
+    off8, off1 = dict(prefill_cap=cap, concurrency=c8, cache=False), dict(prefill_cap=cap, concurrency=c1, cache=False)
+    on8, on1 = dict(prefill_cap=cap, concurrency=c8, cache=True), dict(prefill_cap=cap, concurrency=c1, cache=True)
+    itl = median(rows, "itl_ms_p99", **off8) / median(rows, "itl_ms_p50", **off8)
+    ttft = median(rows, "ttft_ms_p50", **off8) / median(rows, "ttft_ms_p50", **off1)
+    tput = median(rows, "output_tokens_per_s", **on8) / median(rows, "output_tokens_per_s", **on1)
     label = "off (uncapped)" if cap == rows[0]["max_tokens_per_step"] else f"{cap} tokens"
     print(f"prefill cap {label}: ITL p99/p50 at c=8, caching off {itl:.2f} (<= 2); "
           f"TTFT p50 c=8/c=1, caching off {ttft:.2f} (<= 4); tok/s c=8/c=1, caching on {tput:.2f} (>= 5)")
