@@ -187,6 +187,16 @@ fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value>
     write(&path, cfg.to_string().as_bytes())
 }
 
+/// What [`rejected`] says of a scratch copy of the fixture that `edit` changed: the loader's
+/// error (the scheduler beside it unchanged).
+fn rejected_checkpoint(case: &str, edit: impl FnOnce(&Path) -> Result<()>) -> Result<Error> {
+    rejected(|_| {
+        let dir = scratch(case)?;
+        edit(&dir)?;
+        load(&dir)
+    })
+}
+
 fn load(dir: &Path) -> Result<()> {
     let result = Thinker::from_dir(&CpuBackend::new(), dir).map(|_| ());
     let _ = std::fs::remove_dir_all(dir);
@@ -200,12 +210,11 @@ fn the_unmodified_fixture_loads() -> Result<()> {
 
 #[test]
 fn c01_truncated_safetensors() -> Result<()> {
-    let err = rejected(|_| {
-        let dir = scratch("truncated")?;
+    let err = rejected_checkpoint("truncated", |dir| {
         let path = dir.join("model.safetensors");
         let bytes = read(&path);
         write(&path, &bytes[..bytes.len() - 100])?;
-        load(&dir)
+        Ok(())
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { ref message, .. }) if !message.is_empty()), "{err}");
     Ok(())
@@ -218,13 +227,12 @@ fn c02_malformed_safetensors_header() -> Result<()> {
         ("huge-length", |b: &mut Vec<u8>| b[..8].copy_from_slice(&u64::MAX.to_le_bytes())),
         ("empty", |b: &mut Vec<u8>| b.clear()),
     ] {
-        let err = rejected(|_| {
-            let dir = scratch(case)?;
+        let err = rejected_checkpoint(case, |dir| {
             let path = dir.join("model.safetensors");
             let mut bytes = read(&path);
             mutate(&mut bytes);
             write(&path, &bytes)?;
-            load(&dir)
+            Ok(())
         })?;
         assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { .. })), "{case}: {err}");
     }
@@ -234,17 +242,15 @@ fn c02_malformed_safetensors_header() -> Result<()> {
 #[test]
 fn c03_mislabeled_safetensors_dtype() -> Result<()> {
     // Same byte size, a dtype the loader does not convert.
-    let err = rejected(|_| {
-        let dir = scratch("mislabeled-i32")?;
+    let err = rejected_checkpoint("mislabeled-i32", |dir| {
         edit_header(&dir, |h| h["model.norm.weight"]["dtype"] = "I32".into())?;
-        load(&dir)
+        Ok(())
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::TensorDtype { ref name, ref found }) if name == "model.norm.weight" && found == "I32"), "{err}");
     // A label whose element size disagrees with the stored bytes.
-    let err = rejected(|_| {
-        let dir = scratch("mislabeled-f64")?;
+    let err = rejected_checkpoint("mislabeled-f64", |dir| {
         edit_header(&dir, |h| h["model.norm.weight"]["dtype"] = "F64".into())?;
-        load(&dir)
+        Ok(())
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { .. })), "{err}");
     Ok(())
@@ -252,12 +258,11 @@ fn c03_mislabeled_safetensors_dtype() -> Result<()> {
 
 #[test]
 fn c04_config_not_json_or_missing_fields() -> Result<()> {
-    let err = rejected(|_| {
-        let dir = scratch("config-missing")?;
+    let err = rejected_checkpoint("config-missing", |dir| {
         edit_config(&dir, |c| {
             c.remove("num_hidden_layers");
         })?;
-        load(&dir)
+        Ok(())
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("num_hidden_layers")), "{err}");
     let err = rejected(|_| Config::from_json_str("{\"model_type\": \"qwen3\", ").map(|_| ()))?;
@@ -286,19 +291,17 @@ fn c05_config_absurd_fields() -> Result<()> {
         ),
     ];
     for (case, edit, field) in cases {
-        let err = rejected(|_| {
-            let dir = scratch(case)?;
+        let err = rejected_checkpoint(case, |dir| {
             edit_config(&dir, edit)?;
-            load(&dir)
+            Ok(())
         })?;
         assert!(matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field), "{case}: {err}");
     }
-    let err = rejected(|_| {
-        let dir = scratch("negative")?;
+    let err = rejected_checkpoint("negative", |dir| {
         edit_config(&dir, |c| {
             c.insert("hidden_size".into(), (-64).into());
         })?;
-        load(&dir)
+        Ok(())
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("-64")), "{err}");
     Ok(())
@@ -307,17 +310,15 @@ fn c05_config_absurd_fields() -> Result<()> {
 #[test]
 fn c06_weights_of_the_wrong_shape_or_missing() -> Result<()> {
     let name = "model.layers.1.mlp.down_proj.weight";
-    let err = rejected(|_| {
-        let dir = scratch("wrong-shape")?;
+    let err = rejected_checkpoint("wrong-shape", |dir| {
         edit_header(&dir, |h| h[name]["shape"] = serde_json::json!([128, 64]))?;
-        load(&dir)
+        Ok(())
     })?;
     assert!(
         matches!(err, Error::Checkpoint(CheckpointError::TensorShape { name: ref n, ref expected, ref found }) if n == name && expected == &[64, 128] && found == &[128, 64]),
         "{err}"
     );
-    let err = rejected(|_| {
-        let dir = scratch("missing")?;
+    let err = rejected_checkpoint("missing", |dir| {
         edit_header(&dir, |h| {
             if let Some(map) = h.as_object_mut()
                 && let Some(v) = map.remove(name)
@@ -325,7 +326,7 @@ fn c06_weights_of_the_wrong_shape_or_missing() -> Result<()> {
                 map.insert("renamed.weight".into(), v);
             }
         })?;
-        load(&dir)
+        Ok(())
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::MissingTensor { name: ref n }) if n == name), "{err}");
     Ok(())
