@@ -455,6 +455,9 @@ pub enum Component {
     Runner,
     /// [`crate::engine::Engine`]: the outputs it assembles from the runner's.
     Engine,
+    /// Stored weights and K/V pages, whose [`crate::Dtype`] was checked to be a
+    /// float type where it was given.
+    Storage,
 }
 
 impl Component {
@@ -474,6 +477,7 @@ impl fmt::Display for Component {
             Component::Scheduler => f.write_str("scheduler"),
             Component::Runner => f.write_str("model runner"),
             Component::Engine => f.write_str("engine"),
+            Component::Storage => f.write_str("weight and page storage"),
         }
     }
 }

@@ -38,6 +38,7 @@
 pub mod backend;
 pub mod batch;
 pub mod canon;
+mod dtype;
 pub mod engine;
 pub mod error;
 pub mod events;
@@ -56,6 +57,7 @@ pub use engine::{
     Encoder, EncoderOutput, Engine, EngineConfig, Event, ItemInput, Output, Request, RequestHandle, ServedEngine, ServedOptions,
     Task, TokenEvent,
 };
+pub use dtype::{Dtype, UnknownDtype};
 pub use error::{Error, Result};
 pub use model::Config;
 pub use sample::SamplingParams;

@@ -357,6 +357,34 @@ fn engine_dtype_is_the_one_asked_for_and_a_mismatch_is_a_config_error() -> Resul
     Ok(())
 }
 
+/// Weights and K/V pages are stored in a float type: an integer `dtype` or
+/// `kv_dtype` is refused by name before anything loads, by every constructor.
+#[test]
+fn integer_engine_dtypes_are_config_errors() -> Result<(), Box<dyn StdError>> {
+    use omniprefix::Dtype;
+    use omniprefix::backend::cpu::CpuBackend;
+    use omniprefix::error::ConfigError;
+    use omniprefix::model::Thinker;
+    let cfg = Config::tiny_qwen3(32, 2, 4, 2, 50);
+    let backend = Arc::new(CpuBackend::new());
+    let thinker = Arc::new(Thinker::random(&*backend, cfg.clone(), 3)?);
+    for (field, config) in [
+        ("dtype", EngineConfig { dtype: Some(Dtype::U8), ..Default::default() }),
+        ("kv_dtype", EngineConfig { kv_dtype: Dtype::I32, ..Default::default() }),
+        ("kv_dtype", EngineConfig { dtype: Some(Dtype::F32), kv_dtype: Dtype::I64, ..Default::default() }),
+    ] {
+        let want = |err: &Error| matches!(err, Error::Config(ConfigError::Invalid { component: "engine", field: f, .. }) if *f == field);
+        let err = Engine::random(cfg.clone(), 3, config.clone()).err().ok_or("random: integer dtype accepted")?;
+        assert!(want(&err), "random, {field}: {err}");
+        let err = Engine::new(Arc::clone(&backend), Arc::clone(&thinker), config.clone()).err().ok_or("new: integer dtype accepted")?;
+        assert!(want(&err), "new, {field}: {err}");
+    }
+    // The thinker itself refuses a dtype its backend does not store.
+    let err = Thinker::random_as(&*backend, cfg, 3, Some(Dtype::I32)).err().ok_or("thinker: integer dtype accepted")?;
+    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "i32"), "{err}");
+    Ok(())
+}
+
 /// `EngineConfig::kv_dtype`: f16 and bf16 K/V pages give hidden states close to the
 /// f32 pages' (their rounding, nothing more), and caching stays invisible to the last bit.
 #[test]

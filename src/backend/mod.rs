@@ -70,7 +70,7 @@ impl PagesSpec {
     pub fn bytes(&self) -> usize {
         let kv = 2 * self.num_layers * self.num_slots() * self.kv_width();
         let hidden = self.num_slots() * self.captured * self.hidden;
-        kv * self.kv_dtype.bytes() + hidden * std::mem::size_of::<f32>()
+        kv * self.kv_dtype.size_bytes() + hidden * std::mem::size_of::<f32>()
     }
 }
 

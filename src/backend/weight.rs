@@ -5,91 +5,22 @@
 //! A decode step reads every weight once, so at batch 1 the bytes of the weights
 //! bound its speed: half-precision weights halve them.
 
-use std::fmt;
-use std::str::FromStr;
-
 use half::{bf16, f16};
 use ndarray::{Array2, ArrayView2, Axis, concatenate, s};
 
-/// The element type stored data has: weight matrices (`EngineConfig::dtype`) and
-/// K/V pages (`EngineConfig::kv_dtype`). Arithmetic stays f32 either way.
-///
-/// ```
-/// use omniprefix::backend::Dtype;
-/// assert_eq!("bf16".parse::<Dtype>(), Ok(Dtype::Bf16));
-/// assert_eq!(Dtype::F16.to_string(), "f16");
-/// assert_eq!(Dtype::Bf16.bytes(), 2);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl Dtype {
-    /// Bytes of one element.
-    pub fn bytes(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::Bf16 | Dtype::F16 => 2,
-        }
-    }
-
-    /// `auto` (`None`: the checkpoint's own dtype) or a dtype name, as `--dtype`
-    /// and the Python package's `dtype=` take it.
-    ///
-    /// ```
-    /// use omniprefix::backend::Dtype;
-    /// assert_eq!(Dtype::parse_or_auto("auto"), Ok(None));
-    /// assert_eq!(Dtype::parse_or_auto("f16"), Ok(Some(Dtype::F16)));
-    /// assert!(Dtype::parse_or_auto("fp8").is_err());
-    /// ```
-    pub fn parse_or_auto(s: &str) -> Result<Option<Dtype>, UnknownDtype> {
-        if s == "auto" { Ok(None) } else { s.parse().map(Some) }
-    }
-
-    /// The name the CLI, the Python package and the reports use.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::F32 => "f32",
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-        }
-    }
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// A dtype name that is not `f32`, `bf16` or `f16`.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("dtype `{0}`: expected auto, f32, bf16 or f16")]
-pub struct UnknownDtype(pub String);
-
-impl FromStr for Dtype {
-    type Err = UnknownDtype;
-    fn from_str(s: &str) -> Result<Self, UnknownDtype> {
-        match s {
-            "f32" => Ok(Dtype::F32),
-            "bf16" => Ok(Dtype::Bf16),
-            "f16" => Ok(Dtype::F16),
-            other => Err(UnknownDtype(other.to_string())),
-        }
-    }
-}
+pub use crate::dtype::{Dtype, UnknownDtype};
+use crate::error::Component;
 
 /// A host weight matrix `[rows, cols]` (HF Linear layout `[out, in]`) in its stored type.
 ///
 /// ```
 /// use ndarray::array;
 /// use omniprefix::backend::{HostWeight, Dtype};
-/// let w = HostWeight::F32(array![[1.0f32, 0.1], [3.0, -2.5]]).to_dtype(Dtype::Bf16);
+/// let w = HostWeight::F32(array![[1.0f32, 0.1], [3.0, -2.5]]).to_dtype(Dtype::Bf16)?;
 /// assert_eq!(w.dtype(), Dtype::Bf16);
 /// assert_eq!(w.to_f32()[[0, 1]], 0.10009765625); // 0.1 rounded to 8 mantissa bits
+/// assert!(w.to_dtype(Dtype::I32).is_err()); // weights are stored in a float type
+/// # Ok::<(), omniprefix::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub enum HostWeight {
@@ -116,7 +47,7 @@ impl HostWeight {
     /// Bytes the elements occupy.
     pub fn bytes(&self) -> usize {
         let [r, c] = self.shape();
-        r * c * self.dtype().bytes()
+        r * c * self.dtype().size_bytes()
     }
 
     /// A borrowed view.
@@ -129,16 +60,24 @@ impl HostWeight {
     }
 
     /// The same matrix stored as `dtype` (round to nearest even when narrowing).
-    pub fn to_dtype(self, dtype: Dtype) -> HostWeight {
+    ///
+    /// `dtype` was validated as a float type where the user gave it
+    /// ([`Thinker::load_as`](crate::model::Thinker::load_as) checks it against the
+    /// backend's [`Backend::weight_dtypes`](super::Backend::weight_dtypes)), so an
+    /// integer one here is an [`InvariantViolation`](crate::error::InvariantViolation).
+    pub fn to_dtype(self, dtype: Dtype) -> crate::Result<HostWeight> {
         if self.dtype() == dtype {
-            return self;
+            return Ok(self);
         }
         let wide = self.into_f32();
-        match dtype {
+        Ok(match dtype {
             Dtype::F32 => HostWeight::F32(wide),
             Dtype::Bf16 => HostWeight::Bf16(wide.mapv(bf16::from_f32)),
             Dtype::F16 => HostWeight::F16(wide.mapv(f16::from_f32)),
-        }
+            Dtype::U8 | Dtype::I32 | Dtype::I64 => {
+                return Err(Component::Storage.violation(format!("weights stored as {dtype}: not a float type")).into());
+            }
+        })
     }
 
     /// The matrix widened to f32 (exact).
@@ -157,7 +96,8 @@ impl HostWeight {
     /// part's dtype; `None` when they disagree on columns or there are none.
     pub fn stack(parts: Vec<HostWeight>) -> Option<HostWeight> {
         let dtype = parts.first()?.dtype();
-        let parts: Vec<HostWeight> = parts.into_iter().map(|p| p.to_dtype(dtype)).collect();
+        // The first part's dtype is a float one, so no conversion fails.
+        let parts: Vec<HostWeight> = parts.into_iter().map(|p| p.to_dtype(dtype).ok()).collect::<Option<_>>()?;
         macro_rules! cat {
             ($variant:ident) => {{
                 let views: Vec<_> = parts.iter().filter_map(|p| if let HostWeight::$variant(a) = p { Some(a.view()) } else { None }).collect();
@@ -168,6 +108,7 @@ impl HostWeight {
             Dtype::F32 => cat!(F32),
             Dtype::Bf16 => cat!(Bf16),
             Dtype::F16 => cat!(F16),
+            Dtype::U8 | Dtype::I32 | Dtype::I64 => None,
         }
     }
 }
@@ -243,4 +184,21 @@ pub(crate) fn unsupported_dtype(backend: &'static str, field: &'static str, supp
         found: found.to_string(),
     }
     .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+    use crate::error::Component;
+
+    #[test]
+    fn integer_storage_is_a_broken_invariant_not_a_panic() {
+        for dtype in [Dtype::U8, Dtype::I32, Dtype::I64] {
+            let err = HostWeight::F32(Array2::ones((2, 2))).to_dtype(dtype).unwrap_err();
+            assert!(matches!(&err, Error::Invariant(v) if v.component == Component::Storage), "{err}");
+        }
+        let stacked = HostWeight::stack(vec![HostWeight::F32(Array2::ones((1, 2))), HostWeight::F32(Array2::zeros((1, 2))).to_dtype(Dtype::F16).unwrap()]);
+        assert_eq!(stacked.map(|w| (w.dtype(), w.shape())), Some((Dtype::F32, [2, 2])));
+    }
 }

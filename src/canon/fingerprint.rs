@@ -231,10 +231,10 @@ impl Fingerprinter {
             ItemContent::Tensor(view) => {
                 check_shape(item_index, item.modality, &item.layout, view)?;
                 // Broadcast (stride-0) views can be logically larger than memory.
-                let bytes = view.len().checked_mul(view.dtype().size()).ok_or(RequestError::ItemTooLarge {
+                let bytes = view.len().checked_mul(view.dtype().size_bytes()).ok_or(RequestError::ItemTooLarge {
                     item: item_index,
                     elements: view.len(),
-                    element_bytes: view.dtype().size(),
+                    element_bytes: view.dtype().size_bytes(),
                 })?;
                 (Content::Tensor(view), bytes)
             }

@@ -4,7 +4,7 @@
 //! The token count fixes how many placeholder positions an item occupies, so an
 //! item whose layout and tensor disagree must be rejected before it is hashed.
 
-use super::{Dtype, ItemLayout, Modality, TensorView};
+use super::{ItemLayout, Modality, TensorView};
 use crate::error::{Error, RequestError, Result};
 
 /// Spatial merge of the vision encoder: 2x2 patches become one token.
@@ -161,10 +161,6 @@ fn grid_patches(grid_thw: [u32; 3]) -> usize {
     grid_thw.iter().fold(1usize, |acc, &d| acc.saturating_mul(d as usize))
 }
 
-fn is_float(dtype: Dtype) -> bool {
-    matches!(dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32)
-}
-
 /// Checks a tensor against its layout where the relation is known.
 ///
 /// | modality    | tensor                       | rule                          |
@@ -180,7 +176,7 @@ pub fn check_shape(item: usize, modality: Modality, layout: &ItemLayout, view: &
     if view.is_empty() {
         return Err(RequestError::EmptyItem { item, what: "tensor with a zero dimension" }.into());
     }
-    if !is_float(view.dtype()) || shape.len() != 2 {
+    if !view.dtype().is_float() || shape.len() != 2 {
         return Ok(());
     }
     let mismatch = |expected: String| Error::Request(RequestError::ShapeMismatch { item, modality, expected, found: shape.to_vec() });

@@ -23,18 +23,8 @@ pub use key::FingerprintKey;
 pub use layout::{LayoutRules, SPATIAL_MERGE, audio_tokens, check_shape};
 pub use stream::STAGING_BYTES;
 pub use crate::modality::Modality;
-
-/// Element type of an item's content tensor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    U8,
-    I32,
-    I64,
-    F16,
-    BF16,
-    F32,
-}
+/// Element type of an item's content tensor (every one of the six).
+pub use crate::dtype::Dtype;
 
 /// A borrowed tensor of any dimensionality and strides.
 #[derive(Debug, Clone)]

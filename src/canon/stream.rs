@@ -109,16 +109,6 @@ float_elem!(half::bf16, u16, 0x7f80u16, 0x8000u16);
 float_elem!(f32, u32, 0x7f80_0000u32, 0x8000_0000u32);
 
 impl Dtype {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            Dtype::U8 => 1,
-            Dtype::F16 | Dtype::BF16 => 2,
-            Dtype::I32 | Dtype::F32 => 4,
-            Dtype::I64 => 8,
-        }
-    }
-
     /// Stable tag of the dtype in canonical headers (never reorder).
     pub(crate) fn tag(self) -> u8 {
         match self {
@@ -126,7 +116,7 @@ impl Dtype {
             Dtype::I32 => 2,
             Dtype::I64 => 3,
             Dtype::F16 => 4,
-            Dtype::BF16 => 5,
+            Dtype::Bf16 => 5,
             Dtype::F32 => 6,
         }
     }
@@ -140,7 +130,7 @@ impl TensorView<'_> {
             TensorView::I32(_) => Dtype::I32,
             TensorView::I64(_) => Dtype::I64,
             TensorView::F16(_) => Dtype::F16,
-            TensorView::BF16(_) => Dtype::BF16,
+            TensorView::BF16(_) => Dtype::Bf16,
             TensorView::F32(_) => Dtype::F32,
         }
     }
@@ -170,14 +160,14 @@ impl TensorView<'_> {
     /// Length of the canonical byte stream (elements × dtype size),
     /// saturating for broadcast views too large to have one.
     pub fn canonical_len(&self) -> usize {
-        self.len().saturating_mul(self.dtype().size())
+        self.len().saturating_mul(self.dtype().size_bytes())
     }
 }
 
 /// Emits canonical bytes `bytes` (a range of the canonical stream, aligned to
 /// the element size) of item `item` into `sink`.
 pub(crate) fn emit_tensor(item: usize, view: &TensorView<'_>, bytes: Range<usize>, sink: &mut impl ByteSink) -> Result<()> {
-    let size = view.dtype().size();
+    let size = view.dtype().size_bytes();
     debug_assert!(bytes.start.is_multiple_of(size) && bytes.end.is_multiple_of(size));
     let elems = bytes.start / size..bytes.end / size;
     match view {

@@ -2,6 +2,7 @@
 
 use crate::backend::Dtype;
 use crate::canon::FingerprintKey;
+use crate::error::{ConfigError, Result};
 use crate::events::KvEventsConfig;
 use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
@@ -58,10 +59,12 @@ pub struct EngineConfig {
     /// cannot silently open a cache of its own (checked with caching off too).
     pub known_tenants: Option<Vec<TenantSalt>>,
     /// The dtype weight matrices are stored in; `None` = the checkpoint's own
-    /// (f32 for random models, and where the backend cannot store it).
+    /// (f32 for random models, and where the backend cannot store it). A float
+    /// type: an integer one is a `ConfigError::Invalid` on field `dtype`.
     pub dtype: Option<Dtype>,
     /// The element type of the K/V pages (default f32; f16 or bf16 halve the KV
     /// memory, attention widens each tile back to f32). Hidden pages stay f32.
+    /// A float type: an integer one is a `ConfigError::Invalid` on field `kv_dtype`.
     pub kv_dtype: Dtype,
     /// Publish KV events (vLLM's wire format over ZMQ) for cache-aware routers;
     /// `None` (default) = none. Block hashes are keyed by `fingerprint_key`, which
@@ -70,6 +73,22 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// Refuses an integer `dtype` or `kv_dtype`: weights and pages are stored
+    /// in a float type (which of them a backend stores, it checks itself).
+    pub(crate) fn check_dtypes(&self) -> Result<()> {
+        let fields = [("dtype", self.dtype), ("kv_dtype", Some(self.kv_dtype))];
+        match fields.into_iter().find_map(|(field, d)| d.filter(|d| !d.is_float()).map(|d| (field, d))) {
+            None => Ok(()),
+            Some((field, found)) => Err(ConfigError::Invalid {
+                component: "engine",
+                field,
+                expected: "a float dtype (f32, bf16 or f16)".into(),
+                found: found.to_string(),
+            }
+            .into()),
+        }
+    }
+
     /// The scheduler's part of this configuration.
     pub fn scheduler_config(&self) -> SchedulerConfig {
         SchedulerConfig {

@@ -112,6 +112,7 @@ impl Engine<CpuBackend> {
 
     /// An engine on the CPU backend over a model with seeded random weights.
     pub fn random(model: Config, seed: u64, config: EngineConfig) -> Result<Self> {
+        config.check_dtypes()?;
         let backend = Arc::new(CpuBackend::new());
         let thinker = Arc::new(Thinker::random_as(&*backend, model, seed, config.dtype)?);
         Self::new(backend, thinker, config)
@@ -121,6 +122,7 @@ impl Engine<CpuBackend> {
 impl<B: Backend> Engine<B> {
     /// An engine on `backend` over the checkpoint in `dir`.
     pub fn from_dir_on(backend: Arc<B>, dir: &Path, mut config: EngineConfig) -> Result<Self> {
+        config.check_dtypes()?;
         if config.tokens.is_none() {
             config.tokens = tokens_from_config_file(&dir.join("config.json"))?;
         }
@@ -130,6 +132,7 @@ impl<B: Backend> Engine<B> {
 
     /// An engine over a loaded thinker (several engines may share one).
     pub fn new(backend: Arc<B>, thinker: Arc<Thinker<B>>, config: EngineConfig) -> Result<Self> {
+        config.check_dtypes()?;
         if let Some(dtype) = config.dtype.filter(|&d| d != thinker.dtype()) {
             return Err(ConfigError::Invalid {
                 component: "engine",

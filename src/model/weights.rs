@@ -308,7 +308,7 @@ impl<'a> Weights<'a> {
             return Err(CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into());
         }
         let w = t.data.into_weight(rows, cols).map_err(|e| CheckpointError::WeightLayout { name, problem: e.to_string() })?;
-        Ok(w.to_dtype(dtype))
+        w.to_dtype(dtype)
     }
 
     /// The dtype `leaf` is stored in.

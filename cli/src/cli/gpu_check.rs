@@ -67,7 +67,7 @@ pub struct ParityArgs {
     #[arg(long, default_value_t = DtypeArg(Some(Dtype::F32)))]
     pub dtype: DtypeArg,
     /// The element type of the K/V pages, on both backends.
-    #[arg(long, default_value_t = Dtype::F32)]
+    #[arg(long, default_value_t = Dtype::F32, value_parser = Dtype::parse_float)]
     pub kv_dtype: Dtype,
     /// Prompt length (token ids drawn deterministically below the vocabulary size).
     #[arg(long, default_value_t = 24)]

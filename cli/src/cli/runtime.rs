@@ -30,7 +30,7 @@ pub struct RuntimeArgs {
     pub dtype: DtypeArg,
     /// The element type of the K/V pages: `f32`, `f16` or `bf16` (half the KV memory;
     /// attention widens each tile back to f32). The wgpu backend stores f32 or f16, not bf16.
-    #[arg(long, default_value_t = Dtype::F32)]
+    #[arg(long, default_value_t = Dtype::F32, value_parser = Dtype::parse_float)]
     pub kv_dtype: Dtype,
 }
 
@@ -111,6 +111,15 @@ mod tests {
         let args = ["probe", "--threads", "3", "--backend", "auto", "--dtype", "bf16", "--kv-dtype", "f16"];
         let r = Probe::try_parse_from(args).unwrap().runtime;
         assert_eq!((r.threads, r.backend, r.dtype, r.kv_dtype), (Some(3), BackendKind::Auto, DtypeArg(Some(Dtype::Bf16)), Dtype::F16));
+    }
+
+    #[test]
+    fn integer_dtypes_are_refused_like_unknown_names() {
+        for (flag, name) in [("--dtype", "u8"), ("--dtype", "i64"), ("--kv-dtype", "i32"), ("--kv-dtype", "u8"), ("--kv-dtype", "fp8")] {
+            let err = Probe::try_parse_from(["probe", flag, name]).unwrap_err();
+            assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation, "{flag} {name}");
+            assert!(err.to_string().contains(&format!("dtype `{name}`: expected auto, f32, bf16 or f16")), "{flag} {name}: {err}");
+        }
     }
 
     /// A job that reports the pool it ran in.

@@ -113,7 +113,10 @@ impl Backend for CpuBackend {
                 found: vec![spec.block_size],
             }.into());
         }
-        Ok(CpuPages::new(spec))
+        if !spec.kv_dtype.is_float() {
+            return Err(crate::backend::weight::unsupported_dtype("cpu backend", "kv dtype", self.weight_dtypes(), spec.kv_dtype));
+        }
+        CpuPages::new(spec)
     }
 
     fn pages_spec(&self, pages: &CpuPages) -> PagesSpec {
@@ -288,7 +291,7 @@ mod tests {
         // in bf16 and f16 every size takes the dot kernel.
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             for n in [200, 16_384] {
-                let w = b.upload_weight(HostWeight::F32(rand_rows(5, n, 9)).to_dtype(dtype)).unwrap();
+                let w = b.upload_weight(HostWeight::F32(rand_rows(5, n, 9)).to_dtype(dtype).unwrap()).unwrap();
                 let wide = w.to_f32();
                 let x = rand_rows(4, 70, 9);
                 let all = b.matmul_t(&x, &w).unwrap();
@@ -313,7 +316,7 @@ mod tests {
         let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             // Small integers are exact in every dtype.
-            let stored = HostWeight::F32(table.clone()).to_dtype(dtype);
+            let stored = HostWeight::F32(table.clone()).to_dtype(dtype).unwrap();
             let e = b.embedding(&stored, &[4, 0, 4]).unwrap();
             assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0], "{dtype}");
             assert_eq!(e.row(2), e.row(0));
@@ -338,10 +341,23 @@ mod tests {
         }
     }
 
+    #[test]
+    fn integer_kv_pages_are_a_config_error() {
+        use crate::error::ConfigError;
+        let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 2, kv_heads: 1, head_dim: 2, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
+        for kv_dtype in [Dtype::U8, Dtype::I32, Dtype::I64] {
+            let err = CpuBackend.alloc_pages(PagesSpec { kv_dtype, ..spec }).unwrap_err();
+            assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "cpu backend", field: "kv dtype", found, .. }) if *found == kv_dtype.to_string()), "{err}");
+        }
+        // Inside the backend, past that check, it is a broken invariant.
+        let err = pages::CpuPages::new(PagesSpec { kv_dtype: Dtype::I32, ..spec }).unwrap_err();
+        assert!(matches!(&err, Error::Invariant(v) if v.component == crate::error::Component::Storage), "{err}");
+    }
+
     fn pages_in(kv_dtype: Dtype) {
         let b = CpuBackend;
         let spec = PagesSpec { num_layers: 2, num_blocks: 3, block_size: 2, kv_heads: 1, head_dim: 2, captured: 2, hidden: 3, kv_dtype };
-        assert_eq!(spec.bytes(), 2 * 2 * 6 * 2 * kv_dtype.bytes() + 6 * 2 * 3 * 4);
+        assert_eq!(spec.bytes(), 2 * 2 * 6 * 2 * kv_dtype.size_bytes() + 6 * 2 * 3 * 4);
         assert!(matches!(b.alloc_pages(PagesSpec { block_size: 0, ..spec }), Err(Error::Backend(BackendError::OpShape { what: "block_size", .. }))));
         let mut pages = b.alloc_pages(spec).unwrap();
         let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);

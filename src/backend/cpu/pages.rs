@@ -7,6 +7,7 @@ use ndarray::Array2;
 use super::check::{expect_cols, expect_rows, row_index};
 use super::lanes::{Lanes, widen_bf16};
 use crate::backend::{Dtype, PagesSpec};
+use crate::error::Component;
 use crate::kv::BlockId;
 use crate::Result;
 
@@ -19,12 +20,16 @@ pub(crate) enum KvBuf {
 }
 
 impl KvBuf {
-    fn zeros(dtype: Dtype, len: usize) -> Self {
-        match dtype {
+    /// `dtype` was checked to be a float type by `alloc_pages`.
+    fn zeros(dtype: Dtype, len: usize) -> Result<Self> {
+        Ok(match dtype {
             Dtype::F32 => KvBuf::F32(vec![0.0; len]),
             Dtype::Bf16 => KvBuf::Bf16(vec![bf16::ZERO; len]),
             Dtype::F16 => KvBuf::F16(vec![f16::ZERO; len]),
-        }
+            Dtype::U8 | Dtype::I32 | Dtype::I64 => {
+                return Err(Component::Storage.violation(format!("K/V pages stored as {dtype}: not a float type")).into());
+            }
+        })
     }
 
     /// Stores `src` from element `start`, rounded to the stored type.
@@ -115,14 +120,15 @@ fn check_slots(op: &'static str, slots: &[i64], num_slots: usize) -> Result<()> 
 
 impl CpuPages {
     /// Zero-filled pages of `spec`'s sizes.
-    pub(crate) fn new(spec: PagesSpec) -> Self {
+    pub(crate) fn new(spec: PagesSpec) -> Result<Self> {
         let kv = spec.num_slots() * spec.kv_width();
-        Self {
+        let zeros = KvBuf::zeros(spec.kv_dtype, kv)?;
+        Ok(Self {
             spec,
-            k: vec![KvBuf::zeros(spec.kv_dtype, kv); spec.num_layers],
-            v: vec![KvBuf::zeros(spec.kv_dtype, kv); spec.num_layers],
+            k: vec![zeros.clone(); spec.num_layers],
+            v: vec![zeros; spec.num_layers],
             hidden: vec![0.0; spec.num_slots() * spec.captured * spec.hidden],
-        }
+        })
     }
 
     fn layer_index(&self, op: &'static str, layer: usize) -> Result<usize> {

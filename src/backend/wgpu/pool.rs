@@ -98,7 +98,7 @@ impl PagedPool {
 
     /// 4-byte words of one block (slots never share a word: f16 slots are of even length).
     pub(crate) fn block_words(&self) -> usize {
-        self.block_elems().saturating_mul(self.dtype.bytes()) / 4
+        self.block_elems().saturating_mul(self.dtype.size_bytes()) / 4
     }
 
     /// Number of slots.
@@ -146,7 +146,7 @@ impl GpuContext {
         let mut out = Vec::with_capacity(pool.num_blocks * pool.block_elems());
         for (c, chunk) in pool.chunks.iter().enumerate() {
             let bytes = self.read_buffer(chunk, (pool.blocks_in_chunk(c) * pool.block_words() * 4) as u64)?;
-            out.extend(widen(&bytes, pool.dtype, pool.blocks_in_chunk(c) * pool.block_elems()));
+            out.extend(widen(&bytes, pool.dtype, pool.blocks_in_chunk(c) * pool.block_elems())?);
         }
         Ok(out)
     }

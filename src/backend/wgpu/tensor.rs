@@ -104,12 +104,17 @@ impl GpuTensor {
 }
 
 /// The first `len` elements of `bytes` stored as `dtype`, as f32.
-pub(crate) fn widen(bytes: &[u8], dtype: Dtype, len: usize) -> Vec<f32> {
-    match dtype {
+/// Device storage is only ever allocated in a float type, so an integer
+/// `dtype` is an [`InvariantViolation`](crate::error::InvariantViolation).
+pub(crate) fn widen(bytes: &[u8], dtype: Dtype, len: usize) -> Result<Vec<f32>> {
+    Ok(match dtype {
         Dtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes).into_iter().take(len).collect(),
         Dtype::F16 => bytemuck::pod_collect_to_vec::<u8, f16>(bytes).iter().take(len).map(|h| h.to_f32()).collect(),
         Dtype::Bf16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(bytes).iter().take(len).map(|h| h.to_f32()).collect(),
-    }
+        Dtype::U8 | Dtype::I32 | Dtype::I64 => {
+            return Err(crate::error::Component::Storage.violation(format!("device storage in {dtype}: not a float type")).into());
+        }
+    })
 }
 
 /// Buffer usages of every storage buffer: bound to kernels and copied both ways.
@@ -167,7 +172,7 @@ impl GpuContext {
                 found: vec![len],
             }.into());
         }
-        let elem = dtype.bytes();
+        let elem = dtype.size_bytes();
         let row_bytes = (cols as u64).saturating_mul(elem as u64);
         if (bytes.len() as u64) <= self.max_binding_bytes || row_bytes == 0 {
             let buffer = self.storage_from_bytes("tensor", bytes)?;
@@ -209,7 +214,7 @@ impl GpuContext {
             return Err(GpuError::TooLarge {
                 adapter: self.adapter_name.clone(),
                 what: format!("{op} operand [{}, {}] (only matmul weights, MoE experts and embedding tables may span several bindings)", tensor.rows, tensor.cols),
-                requested: (tensor.len() as u64).saturating_mul(tensor.dtype.bytes() as u64),
+                requested: (tensor.len() as u64).saturating_mul(tensor.dtype.size_bytes() as u64),
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,
             }.into());
@@ -241,17 +246,17 @@ impl GpuContext {
     pub fn download_all(&self, tensors: &[&GpuTensor]) -> Result<Vec<Vec<f32>>> {
         let blocks: Vec<(&wgpu::Buffer, u64)> = tensors
             .iter()
-            .flat_map(|t| t.row_blocks().map(|(_, rows, buffer)| (buffer, (rows * t.cols * t.dtype.bytes()).next_multiple_of(4) as u64)))
+            .flat_map(|t| t.row_blocks().map(|(_, rows, buffer)| (buffer, (rows * t.cols * t.dtype.size_bytes()).next_multiple_of(4) as u64)))
             .collect();
         let mut bytes = self.read_buffers(&blocks)?.into_iter();
         let widened = tensors.iter().map(|t| {
             let mut data = Vec::with_capacity(t.len());
             for (_, rows, _) in t.row_blocks() {
-                data.extend(widen(&bytes.next().unwrap_or_default(), t.dtype, rows * t.cols));
+                data.extend(widen(&bytes.next().unwrap_or_default(), t.dtype, rows * t.cols)?);
             }
-            data
+            Ok(data)
         });
-        Ok(widened.collect())
+        widened.collect()
     }
 
     /// A storage buffer holding 4-byte elements (f32, u32, i32) from the host.

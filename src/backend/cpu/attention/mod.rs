@@ -247,7 +247,7 @@ mod tests {
     /// Pages with one sequence per entry of `lens` in shuffled blocks; their
     /// tables and K/V (`[len, KH*d]`, position order) as stored: rounded to `spec.kv_dtype`.
     pub(super) fn fill(rng: &mut ChaCha8Rng, spec: PagesSpec, lens: &[usize]) -> (CpuPages, Vec<Vec<u32>>, Vec<(Array2<f32>, Array2<f32>)>) {
-        let mut pages = CpuPages::new(spec);
+        let mut pages = CpuPages::new(spec).unwrap();
         let mut blocks: Vec<u32> = (0..spec.num_blocks as u32).collect();
         blocks.shuffle(rng);
         let mut next = 0;
@@ -265,6 +265,7 @@ mod tests {
                 Dtype::F32 => x,
                 Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
                 Dtype::F16 => half::f16::from_f32(x).to_f32(),
+                other => panic!("test pages in {other}"),
             };
             kvs.push((k.mapv(stored), v.mapv(stored)));
         }
@@ -407,7 +408,7 @@ mod tests {
     #[test]
     fn rejects_a_short_block_table_and_a_bad_block() {
         let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 2, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
-        let pages = CpuPages::new(spec);
+        let pages = CpuPages::new(spec).unwrap();
         let heads = AttnHeads { num_heads: 1, kv_heads: 1, head_dim: 2 };
         let q = Array2::zeros((3, 2));
         let short = [AttnSeq { query_start: 0, num_new: 3, num_computed: 4, block_table: &[0] }];
