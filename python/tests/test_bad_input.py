@@ -323,6 +323,9 @@ QWEN3 = model_dir("qwen3_dense")
 OPTION_CASES = {
     "unknown backend": (ValueError, dict(backend="tpu")),
     "unknown dtype": (ValueError, dict(dtype="f64")),
+    # Element types of content tensors, never a weight or page precision.
+    "integer dtype": (ValueError, dict(dtype="u8")),
+    "integer kv_dtype": (ValueError, dict(kv_dtype="i32")),
     "fingerprint_key of 31 bytes": (ValueError, dict(fingerprint_key=b"k" * 31)),
     "fingerprint_key of 33 bytes": (ValueError, dict(fingerprint_key=b"k" * 33)),
     "empty fingerprint_key": (ValueError, dict(fingerprint_key=b"")),
