@@ -283,7 +283,9 @@ def test_reset_cache_publishes_all_blocks_cleared(ctx):
     before = set(engine.cached_block_hashes())
     assert consumer.cached == before and len(before) == 6
 
-    stream = engine.stream(random_ids(30, 9), max_tokens=4, ignore_eos=True)
+    # Long enough that it cannot finish before reset_cache below: an unread stream holds
+    # once 256 events are buffered, still admitted (4 tokens could all be generated first).
+    stream = engine.stream(random_ids(30, 9), max_tokens=1000, ignore_eos=True)
     next(stream)
     with pytest.raises(omniprefix.CacheError, match="reset"):
         engine.reset_cache()  # a request holds blocks: refused, nothing changed
