@@ -1,5 +1,6 @@
 //! Eight f32 lanes for the CPU attention kernels: AVX2 + FMA registers where the
-//! CPU has them ([`Avx2`]), plain arrays elsewhere ([`Portable`]).
+//! CPU has them ([`Avx2`]), plain arrays elsewhere ([`Portable`]); and the widest
+//! registers the CPU has ([`Wide`]: 16 lanes with AVX-512) for the matrix products.
 //!
 //! Kernels are written once, generic over [`Lanes`], and marked `#[inline(always)]`
 //! so that inside a `#[target_feature(enable = "avx2,fma")]` entry point every
@@ -65,6 +66,10 @@ pub(crate) enum Simd {
     /// [`Avx2`] lanes; holding the token proves AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     Avx2(Avx2),
+    /// [`Avx2`] lanes for [`LaneKernel`]s and [`Avx512`] ones for [`WideKernel`]s;
+    /// holding the token proves AVX-512F as well.
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Avx2, Avx512),
 }
 
 /// A kernel written once over [`Lanes`]; [`Simd::run`] compiles it for each build.
@@ -76,12 +81,22 @@ pub(crate) trait LaneKernel {
     fn run<L: Lanes>(self, l: L) -> Self::Out;
 }
 
+/// A kernel written once over [`Wide`] lanes; [`Simd::run_wide`] compiles it for
+/// each build. The same rules as [`LaneKernel`].
+pub(crate) trait WideKernel {
+    type Out;
+    fn run<W: Wide>(self, w: W) -> Self::Out;
+}
+
 impl Simd {
     /// The best build this CPU runs (checked once).
     pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         if let Some(l) = Avx2::new() {
-            return Simd::Avx2(l);
+            return match Avx512::new() {
+                Some(z) => Simd::Avx512(l, z),
+                None => Simd::Avx2(l),
+            };
         }
         Simd::Portable
     }
@@ -90,8 +105,12 @@ impl Simd {
     #[cfg(test)]
     pub(crate) fn all() -> Vec<Self> {
         let mut all = vec![Simd::Portable];
-        if !matches!(Simd::detect(), Simd::Portable) {
-            all.push(Simd::detect());
+        #[cfg(target_arch = "x86_64")]
+        if let Some(l) = Avx2::new() {
+            all.push(Simd::Avx2(l));
+            if let Some(z) = Avx512::new() {
+                all.push(Simd::Avx512(l, z));
+            }
         }
         all
     }
@@ -103,9 +122,69 @@ impl Simd {
             Simd::Portable => kernel.run(Portable),
             // SAFETY: the token proves the CPU has the entry point's features.
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2(l) => unsafe { run_avx2(l, kernel) },
+            Simd::Avx2(l) | Simd::Avx512(l, _) => unsafe { run_avx2(l, kernel) },
         }
     }
+
+    /// Runs `kernel` on this build's widest lanes.
+    #[inline]
+    pub(crate) fn run_wide<K: WideKernel>(self, kernel: K) -> K::Out {
+        match self {
+            Simd::Portable => kernel.run(Portable),
+            // SAFETY: the tokens prove the CPU has the entry points' features.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2(l) => unsafe { run_wide_avx2(l, kernel) },
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512(_, z) => unsafe { run_avx512(z, kernel) },
+        }
+    }
+}
+
+/// The AVX2 entry point of a [`WideKernel`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn run_wide_avx2<K: WideKernel>(l: Avx2, kernel: K) -> K::Out {
+    kernel.run(l)
+}
+
+/// The AVX-512 entry point: `kernel` (inlined) compiled with AVX-512F, AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn run_avx512<K: WideKernel>(z: Avx512, kernel: K) -> K::Out {
+    kernel.run(z)
+}
+
+/// The widest f32 vector the CPU has, for kernels that need no fixed lane count
+/// (the matrix products). Every operation is lane-wise, so a lane's result is the
+/// same whatever the width.
+pub(crate) trait Wide: Copy + Send + Sync {
+    type V: Copy;
+    /// Lanes per vector.
+    const WIDTH: usize;
+    fn zero(self) -> Self::V;
+    /// `*p` in every lane.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading one float.
+    unsafe fn splat_at(self, p: *const f32) -> Self::V;
+    /// # Safety
+    /// `p` must be valid for reading `WIDTH` floats.
+    unsafe fn load(self, p: *const f32) -> Self::V;
+    /// `WIDTH` bf16 widened (exact).
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `WIDTH` elements.
+    unsafe fn load_bf16(self, p: *const half::bf16) -> Self::V;
+    /// `WIDTH` f16 widened (exact).
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `WIDTH` elements.
+    unsafe fn load_f16(self, p: *const half::f16) -> Self::V;
+    /// `a * b + c`, rounded once on every build (a fused multiply-add).
+    fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// # Safety
+    /// `p` must be valid for writing `WIDTH` floats.
+    unsafe fn store(self, p: *mut f32, v: Self::V);
 }
 
 /// The AVX2 entry point: `kernel` (inlined) compiled with AVX2, FMA and F16C.
@@ -206,8 +285,50 @@ impl Lanes for Portable {
     }
 }
 
+/// Eight plain lanes, fused like the vector builds (`f32::mul_add`), so every build
+/// of a [`WideKernel`] gives the same bits.
+impl Wide for Portable {
+    type V = [f32; 8];
+    const WIDTH: usize = 8;
+    #[inline(always)]
+    fn zero(self) -> [f32; 8] {
+        [0.0; 8]
+    }
+    #[inline(always)]
+    unsafe fn splat_at(self, p: *const f32) -> [f32; 8] {
+        // SAFETY: the caller guarantees one readable float at `p`.
+        [unsafe { *p }; 8]
+    }
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable floats at `p`.
+        unsafe { p.cast::<[f32; 8]>().read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(self, p: *const half::bf16) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable elements at `p`.
+        unsafe { p.cast::<[half::bf16; 8]>().read_unaligned() }.map(half::bf16::to_f32)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(self, p: *const half::f16) -> [f32; 8] {
+        // SAFETY: the caller guarantees 8 readable elements at `p`.
+        unsafe { p.cast::<[half::f16; 8]>().read_unaligned() }.map(half::f16::to_f32)
+    }
+    #[inline(always)]
+    fn mul_add(self, a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: [f32; 8]) {
+        // SAFETY: the caller guarantees 8 writable floats at `p`.
+        unsafe { p.cast::<[f32; 8]>().write_unaligned(v) }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::Avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::Avx512;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -388,6 +509,108 @@ mod avx2 {
     }
 }
 
+/// The AVX2 registers as [`Wide`] lanes (8 wide).
+#[cfg(target_arch = "x86_64")]
+mod avx2_wide {
+    use std::arch::x86_64::*;
+
+    use super::{Avx2, Lanes, Wide};
+
+    // SAFETY (every `unsafe` block below): an `Avx2` proves AVX2, FMA and F16C;
+    // pointer validity is the caller's contract.
+    impl Wide for Avx2 {
+        type V = __m256;
+        const WIDTH: usize = 8;
+        #[inline(always)]
+        fn zero(self) -> __m256 {
+            Lanes::zero(self)
+        }
+        #[inline(always)]
+        unsafe fn splat_at(self, p: *const f32) -> __m256 {
+            unsafe { Lanes::splat_at(self, p) }
+        }
+        #[inline(always)]
+        unsafe fn load(self, p: *const f32) -> __m256 {
+            unsafe { Lanes::load(self, p) }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(self, p: *const half::bf16) -> __m256 {
+            // bf16 is the top half of an f32: widen to 32 bits, shift up.
+            unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+        }
+        #[inline(always)]
+        unsafe fn load_f16(self, p: *const half::f16) -> __m256 {
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+        #[inline(always)]
+        fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+            Lanes::mul_add(self, a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, v: __m256) {
+            unsafe { Lanes::store(self, p, v) }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::Wide;
+
+    /// 512-bit AVX-512F registers (16 lanes). Only [`Avx512::new`] makes one
+    /// (through [`super::Simd::detect`]); it comes with an [`super::Avx2`] token.
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Avx512(());
+
+    impl Avx512 {
+        /// The token when this CPU has AVX-512F (checked once).
+        pub(super) fn new() -> Option<Self> {
+            static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let ok = *AVAILABLE.get_or_init(|| {
+                is_x86_feature_detected!("avx512f")
+            });
+            ok.then_some(Avx512(()))
+        }
+    }
+
+    // SAFETY (every `unsafe` block below): an `Avx512` exists only where the CPU has
+    // AVX-512F (and, beside it, AVX2, FMA and F16C); pointer validity is the caller's contract.
+    impl Wide for Avx512 {
+        type V = __m512;
+        const WIDTH: usize = 16;
+        #[inline(always)]
+        fn zero(self) -> __m512 {
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn splat_at(self, p: *const f32) -> __m512 {
+            unsafe { _mm512_set1_ps(*p) }
+        }
+        #[inline(always)]
+        unsafe fn load(self, p: *const f32) -> __m512 {
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(self, p: *const half::bf16) -> __m512 {
+            unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())))) }
+        }
+        #[inline(always)]
+        unsafe fn load_f16(self, p: *const half::f16) -> __m512 {
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+        }
+        #[inline(always)]
+        fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, v: __m512) {
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -409,7 +632,7 @@ mod tests {
         assert_eq!(l.to_array(l.max(v(a), v(b))), p.max(a, b));
         let fused: [f32; 8] = std::array::from_fn(|i| a[i].mul_add(b[i], c[i]));
         let got = l.to_array(l.mul_add(v(a), v(b), v(c)));
-        assert!(got == p.mul_add(a, b, c) || got == fused);
+        assert!(got == Lanes::mul_add(p, a, b, c) || got == fused);
         let halves: Vec<half::f16> = (0..21).map(|i| half::f16::from_f32(i as f32 * 0.37 - 3.0)).collect();
         let (mut wide, mut want) = (vec![0f32; 21], vec![0f32; 21]);
         l.widen_f16(&halves, &mut wide);

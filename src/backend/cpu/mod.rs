@@ -12,6 +12,7 @@ mod lanes;
 mod matmul;
 mod moe;
 mod pages;
+mod panel_matmul;
 mod rope;
 
 use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
