@@ -362,8 +362,8 @@ mod tests {
         let mut pages = b.alloc_pages(spec).unwrap();
         let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);
         b.write_kv(&mut pages, 1, &kv, &kv, &[0, -1, 1]).unwrap();
-        assert_eq!(&pages.k[1].to_f32()[..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
-        assert!(pages.k[0].to_f32().iter().all(|&v| v == 0.0), "other layers untouched");
+        assert_eq!(&pages.k[1].view().to_f32()[..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
+        assert!(pages.k[0].view().to_f32().iter().all(|&v| v == 0.0), "other layers untouched");
         let h = Array2::from_shape_fn((2, 3), |(r, c)| (r * 3 + c + 1) as f32);
         b.write_hidden(&mut pages, 1, &h, &[1, 0]).unwrap();
         let got = b.gather_hidden(&pages, 1, &[0, 1, -1]).unwrap();
@@ -372,7 +372,7 @@ mod tests {
         assert_eq!(got.row(2).sum(), 0.0);
         assert_eq!(b.gather_hidden(&pages, 0, &[0]).unwrap().sum(), 0.0, "capture 0 untouched");
         b.copy_blocks(&mut pages, &[(0, 2)]).unwrap();
-        assert_eq!(&pages.k[1].to_f32()[8..12], &[1.0, 2.0, 5.0, 6.0]);
+        assert_eq!(&pages.k[1].view().to_f32()[8..12], &[1.0, 2.0, 5.0, 6.0]);
         assert_eq!(b.gather_hidden(&pages, 1, &[4, 5]).unwrap(), got.slice(ndarray::s![..2, ..]));
         let before = pages.clone();
         assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::Backend(BackendError::OpIndex { what: "block", index: 3, .. }))));
