@@ -49,7 +49,7 @@ fn matmul(c: &mut Criterion) {
                 b.iter(|| black_box(matrixmultiply_split(x.view(), w.view())))
             });
             for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
-                let stored = HostWeight::F32(w.clone()).to_dtype(dtype).expect("a float dtype");
+                let stored = HostWeight::from_f32(w.clone()).to_dtype(dtype).expect("a float dtype");
                 let label = if dtype == Dtype::F32 { "gemm".to_string() } else { format!("dot_{dtype}") };
                 group.bench_with_input(BenchmarkId::new(label, name), &(), |b, _| {
                     b.iter(|| black_box(backend.matmul_t(&x, &stored).expect("shapes agree")))

@@ -12,15 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [[ -z "${OMNIPREFIX:-}" ]]; then
-    cargo build --quiet --release -p omniprefix-cli
-    OMNIPREFIX="${CARGO_TARGET_DIR:-$(pwd)/target}/release/omniprefix"
-fi
+# shellcheck source=scripts/serve_runs.sh
+source scripts/serve_runs.sh
 slow="${ENCODER_MS:-200}"
-args=(bench serve --workload multi_round --json
-      --concurrency "${CONCURRENCY:-4}" --conversations "${CONVERSATIONS:-4}" --output-len "${OUTPUT_LEN:-32}")
-# shellcheck disable=SC2206
-args+=(${EXTRA:-})
+bench_serve_args --workload multi_round \
+    --concurrency "${CONCURRENCY:-4}" --conversations "${CONVERSATIONS:-4}" --output-len "${OUTPUT_LEN:-32}"
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

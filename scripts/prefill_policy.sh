@@ -16,15 +16,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [[ -z "${OMNIPREFIX:-}" ]]; then
-    cargo build --quiet --release -p omniprefix-cli
-    OMNIPREFIX="${CARGO_TARGET_DIR:-$(pwd)/target}/release/omniprefix"
-fi
+# shellcheck source=scripts/serve_runs.sh
+source scripts/serve_runs.sh
 out="${OUT:-docs/reports/prefill_policy.jsonl}"
-args=(bench serve --workload prefix_repetition --json --trace --concurrency 1,8 --output-len 64
-      --num-prefixes 5 --prompts-per-prefix 4 --max-tokens-per-step 2048)
-# shellcheck disable=SC2206
-args+=(${EXTRA:-})
+bench_serve_args --workload prefix_repetition --trace --concurrency 1,8 --output-len 64 \
+    --num-prefixes 5 --prompts-per-prefix 4 --max-tokens-per-step 2048
 capped=()
 [[ -n "${CAP:-}" ]] && capped=(--prefill-cap "$CAP")
 

@@ -620,7 +620,8 @@ mod tests {
             assert!(outs.is_empty());
             let width = BS * r.pages_spec(4, BS).kv_width();
             for layer in 0..cfg.num_hidden_layers {
-                assert_eq!(pages.k[layer].to_f32()[width..2 * width], pages.k[layer].to_f32()[3 * width..4 * width]);
+                let k = pages.k[layer].view();
+                assert_eq!(k.slice(width..2 * width), k.slice(3 * width..4 * width));
             }
             // The copy holds positions 4..6 of the prompt: finishing the prompt through it
             // equals the uncached run.

@@ -84,10 +84,9 @@ fn drain(sched: &mut Scheduler) -> Result<()> {
     }
 }
 
-/// A scheduler with cached text and image prefixes for two tenants, a
-/// context limit, mandatory tenant salts and a model to admit for, plus one
-/// request still waiting.
-fn warm() -> Result<Scheduler> {
+/// A pool of `NUM_BLOCKS` blocks of `BLOCK` tokens, 8 tokens and 2 sequences a step,
+/// under a radix index: the warm scheduler's and c12's.
+fn scheduler() -> Result<Scheduler> {
     let config = SchedulerConfig {
         num_blocks: NUM_BLOCKS,
         block_size: BLOCK,
@@ -96,8 +95,14 @@ fn warm() -> Result<Scheduler> {
         prefill_cap: None,
         token_granular_reuse: true,
     };
-    let index = RadixIndex::new(RadixConfig { block_size: BLOCK })?;
-    let mut sched = Scheduler::new(config, Box::new(index))?
+    Scheduler::new(config, Box::new(RadixIndex::new(RadixConfig { block_size: BLOCK })?))
+}
+
+/// A scheduler with cached text and image prefixes for two tenants, a
+/// context limit, mandatory tenant salts and a model to admit for, plus one
+/// request still waiting.
+fn warm() -> Result<Scheduler> {
+    let mut sched = scheduler()?
         .with_max_context(MAX_CONTEXT)
         .require_known_tenants(TENANTS)
         .with_model(MODEL);
@@ -163,6 +168,14 @@ fn write(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::write(path, bytes).map_err(|source| Error::Io(IoError::write(path, source)))
 }
 
+/// Rewrites the bytes of the checkpoint's model.safetensors in `dir` through `edit`.
+fn edit_safetensors(dir: &Path, edit: impl FnOnce(&mut Vec<u8>)) -> Result<()> {
+    let path = dir.join("model.safetensors");
+    let mut bytes = read(&path);
+    edit(&mut bytes);
+    write(&path, &bytes)
+}
+
 /// Rewrites the safetensors header of the checkpoint in `dir` through `edit`.
 fn edit_header(dir: &Path, edit: impl FnOnce(&mut Value)) -> Result<()> {
     let path = dir.join("model.safetensors");
@@ -210,12 +223,7 @@ fn the_unmodified_fixture_loads() -> Result<()> {
 
 #[test]
 fn c01_truncated_safetensors() -> Result<()> {
-    let err = rejected_checkpoint("truncated", |dir| {
-        let path = dir.join("model.safetensors");
-        let bytes = read(&path);
-        write(&path, &bytes[..bytes.len() - 100])?;
-        Ok(())
-    })?;
+    let err = rejected_checkpoint("truncated", |dir| edit_safetensors(dir, |b| b.truncate(b.len() - 100)))?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { ref message, .. }) if !message.is_empty()), "{err}");
     Ok(())
 }
@@ -227,13 +235,7 @@ fn c02_malformed_safetensors_header() -> Result<()> {
         ("huge-length", |b: &mut Vec<u8>| b[..8].copy_from_slice(&u64::MAX.to_le_bytes())),
         ("empty", |b: &mut Vec<u8>| b.clear()),
     ] {
-        let err = rejected_checkpoint(case, |dir| {
-            let path = dir.join("model.safetensors");
-            let mut bytes = read(&path);
-            mutate(&mut bytes);
-            write(&path, &bytes)?;
-            Ok(())
-        })?;
+        let err = rejected_checkpoint(case, |dir| edit_safetensors(dir, mutate))?;
         assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { .. })), "{case}: {err}");
     }
     Ok(())
@@ -242,16 +244,10 @@ fn c02_malformed_safetensors_header() -> Result<()> {
 #[test]
 fn c03_mislabeled_safetensors_dtype() -> Result<()> {
     // Same byte size, a dtype the loader does not convert.
-    let err = rejected_checkpoint("mislabeled-i32", |dir| {
-        edit_header(&dir, |h| h["model.norm.weight"]["dtype"] = "I32".into())?;
-        Ok(())
-    })?;
+    let err = rejected_checkpoint("mislabeled-i32", |dir| edit_header(dir, |h| h["model.norm.weight"]["dtype"] = "I32".into()))?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::TensorDtype { ref name, ref found }) if name == "model.norm.weight" && found == "I32"), "{err}");
     // A label whose element size disagrees with the stored bytes.
-    let err = rejected_checkpoint("mislabeled-f64", |dir| {
-        edit_header(&dir, |h| h["model.norm.weight"]["dtype"] = "F64".into())?;
-        Ok(())
-    })?;
+    let err = rejected_checkpoint("mislabeled-f64", |dir| edit_header(dir, |h| h["model.norm.weight"]["dtype"] = "F64".into()))?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { .. })), "{err}");
     Ok(())
 }
@@ -259,10 +255,9 @@ fn c03_mislabeled_safetensors_dtype() -> Result<()> {
 #[test]
 fn c04_config_not_json_or_missing_fields() -> Result<()> {
     let err = rejected_checkpoint("config-missing", |dir| {
-        edit_config(&dir, |c| {
+        edit_config(dir, |c| {
             c.remove("num_hidden_layers");
-        })?;
-        Ok(())
+        })
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("num_hidden_layers")), "{err}");
     let err = rejected(|_| Config::from_json_str("{\"model_type\": \"qwen3\", ").map(|_| ()))?;
@@ -291,17 +286,13 @@ fn c05_config_absurd_fields() -> Result<()> {
         ),
     ];
     for (case, edit, field) in cases {
-        let err = rejected_checkpoint(case, |dir| {
-            edit_config(&dir, edit)?;
-            Ok(())
-        })?;
+        let err = rejected_checkpoint(case, |dir| edit_config(dir, edit))?;
         assert!(matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field), "{case}: {err}");
     }
     let err = rejected_checkpoint("negative", |dir| {
-        edit_config(&dir, |c| {
+        edit_config(dir, |c| {
             c.insert("hidden_size".into(), (-64).into());
-        })?;
-        Ok(())
+        })
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("-64")), "{err}");
     Ok(())
@@ -310,23 +301,19 @@ fn c05_config_absurd_fields() -> Result<()> {
 #[test]
 fn c06_weights_of_the_wrong_shape_or_missing() -> Result<()> {
     let name = "model.layers.1.mlp.down_proj.weight";
-    let err = rejected_checkpoint("wrong-shape", |dir| {
-        edit_header(&dir, |h| h[name]["shape"] = serde_json::json!([128, 64]))?;
-        Ok(())
-    })?;
+    let err = rejected_checkpoint("wrong-shape", |dir| edit_header(dir, |h| h[name]["shape"] = serde_json::json!([128, 64])))?;
     assert!(
         matches!(err, Error::Checkpoint(CheckpointError::TensorShape { name: ref n, ref expected, ref found }) if n == name && expected == &[64, 128] && found == &[128, 64]),
         "{err}"
     );
     let err = rejected_checkpoint("missing", |dir| {
-        edit_header(&dir, |h| {
+        edit_header(dir, |h| {
             if let Some(map) = h.as_object_mut()
                 && let Some(v) = map.remove(name)
             {
                 map.insert("renamed.weight".into(), v);
             }
-        })?;
-        Ok(())
+        })
     })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::MissingTensor { name: ref n }) if n == name), "{err}");
     Ok(())
@@ -539,17 +526,7 @@ fn c11_requests_the_model_cannot_run_are_refused_at_admission() -> Result<()> {
 #[test]
 fn c12_requests_larger_than_the_pool() -> Result<()> {
     let ids: Vec<u32> = (0..(NUM_BLOCKS * BLOCK + 1) as u32).map(|i| i % 400).collect();
-    let mut sched = Scheduler::new(
-        SchedulerConfig {
-            num_blocks: NUM_BLOCKS,
-            block_size: BLOCK,
-            max_tokens_per_step: 8,
-            max_seqs_per_step: 2,
-            prefill_cap: None,
-            token_granular_reuse: true,
-        },
-        Box::new(RadixIndex::new(RadixConfig { block_size: BLOCK })?),
-    )?;
+    let mut sched = scheduler()?;
     sched.admit(request(1, text_prompt(0, &ids[..20])?))?;
     drain(&mut sched)?;
     let before = snapshot(&sched)?;

@@ -850,7 +850,7 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     assert_eq!(gpu.download(&split).unwrap(), table, "download joins the row blocks");
     // One wait for several tensors: split, empty and f16 ones come back in order.
     let small = rand_matrix(&mut rng, 3, 5);
-    let half = HostWeight::F32(small.clone()).to_dtype(Dtype::F16).unwrap();
+    let half = HostWeight::from_f32(small.clone()).to_dtype(Dtype::F16).unwrap();
     let (empty, small_gpu) = (gpu.upload(Array2::zeros((0, 4)).view()).unwrap(), gpu.upload(small.view()).unwrap());
     let half_gpu = gpu.upload_weight(half.clone()).unwrap();
     let all = gpu.download_all(&[&small_gpu, &split, &empty, &half_gpu]).unwrap();
@@ -885,7 +885,7 @@ fn moe_experts_larger_than_one_binding_split_mid_expert() {
         // down [128, 12] in blocks of 85 rows (16-row experts cut at 85 and 170).
         // f16: gate_up in blocks of 128 rows (expert 5 cut); down fits one binding.
         let host = MoeWeights::random(&mut rng, e, h, inter, 2, true);
-        let host = host.try_map(|t| HostWeight::F32(t.clone()).to_dtype(dtype)).unwrap();
+        let host = host.try_map(|t| HostWeight::from_f32(t.clone()).to_dtype(dtype)).unwrap();
         let dev = host.try_map(|t| gpu.upload_weight(t.clone())).unwrap();
         assert!(dev.gate_up.is_split(), "{dtype}: gate_up must span several bindings");
         assert_eq!(dev.down.is_split(), dtype == Dtype::F32, "{dtype}: down");
@@ -904,7 +904,7 @@ fn moe_experts_larger_than_one_binding_split_mid_expert() {
 fn f16_weights_match_cpu_f16_weights() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(15);
-    let half = |a: Array2<f32>| HostWeight::F32(a).to_dtype(Dtype::F16).unwrap();
+    let half = |a: Array2<f32>| HostWeight::from_f32(a).to_dtype(Dtype::F16).unwrap();
     for case in 0..cases() {
         let (n, k, m) = (rng.random_range(1..80), rng.random_range(1..70), rng.random_range(1..90));
         let x = rand_matrix(&mut rng, n, k);
@@ -945,7 +945,7 @@ fn f16_weights_larger_than_one_binding_split_into_row_blocks() {
     let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(16);
     // 75 rows x 33 f16 = 4950 B over 4096 B: blocks of 62 and 13 rows (429 halves, odd).
-    let table = HostWeight::F32(rand_matrix(&mut rng, 75, 33)).to_dtype(Dtype::F16).unwrap();
+    let table = HostWeight::from_f32(rand_matrix(&mut rng, 75, 33)).to_dtype(Dtype::F16).unwrap();
     let split = gpu.upload_weight(table.clone()).unwrap();
     assert!(split.is_split(), "4950 B must not fit one 4096 B binding");
     assert_eq!(gpu.download(&split).unwrap(), table.to_f32(), "download joins and widens the row blocks");
@@ -1111,7 +1111,7 @@ fn batched_submissions_keep_program_order() {
 fn bf16_weights_and_pages_are_a_config_error_on_wgpu() {
     let Some(gpu) = gpu() else { return };
     assert_eq!(gpu.weight_dtypes(), [Dtype::F32, Dtype::F16]);
-    let host = HostWeight::F32(Array2::ones((4, 4))).to_dtype(Dtype::Bf16).unwrap();
+    let host = HostWeight::from_f32(Array2::ones((4, 4))).to_dtype(Dtype::Bf16).unwrap();
     let Err(err) = gpu.upload_weight(host) else { panic!("a bf16 upload must fail") };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "bf16"), "{err}");
     let cfg = omniprefix::model::Config::tiny_qwen3(32, 2, 4, 2, 50);
@@ -1137,7 +1137,7 @@ fn bf16_weights_and_pages_are_a_config_error_on_wgpu() {
 fn without_f16_conversions_f16_is_a_config_error_and_f32_runs() {
     let Some(gpu) = gpu_without_f16() else { return };
     assert_eq!(gpu.weight_dtypes(), [Dtype::F32]);
-    let host = HostWeight::F32(Array2::ones((4, 4))).to_dtype(Dtype::F16).unwrap();
+    let host = HostWeight::from_f32(Array2::ones((4, 4))).to_dtype(Dtype::F16).unwrap();
     let Err(err) = gpu.upload_weight(host) else { panic!("an f16 upload must fail") };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "f16"), "{err}");
     let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 0, hidden: 0, kv_dtype: Dtype::F16 };

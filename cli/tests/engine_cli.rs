@@ -25,6 +25,14 @@ fn scratch(test: &str) -> TestResult<PathBuf> {
     Ok(dir)
 }
 
+/// A scratch dir holding `req.json`, a request of the text tokens 1, 2, 3.
+fn text_request(test: &str) -> TestResult<(PathBuf, PathBuf)> {
+    let dir = scratch(test)?;
+    let req = dir.join("req.json");
+    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 3]}]}"#)?;
+    Ok((dir, req))
+}
+
 fn omniprefix(args: &[&str]) -> TestResult<Output> {
     Ok(Command::new(env!("CARGO_BIN_EXE_omniprefix")).args(args).output()?)
 }
@@ -435,9 +443,7 @@ fn calm_auto_line(line: &str) -> bool {
 
 #[test]
 fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stderr() -> TestResult {
-    let dir = scratch("auto_quiet")?;
-    let req = dir.join("req.json");
-    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 3]}]}"#)?;
+    let (dir, req) = text_request("auto_quiet")?;
     let m = model("qwen3_dense");
     let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
         .args(["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors")), "--backend", "auto"])
@@ -458,9 +464,7 @@ fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stde
 
 #[test]
 fn bad_kv_event_flags_are_one_line_errors() -> TestResult {
-    let dir = scratch("kv_bad")?;
-    let req = dir.join("req.json");
-    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 3]}]}"#)?;
+    let (dir, req) = text_request("kv_bad")?;
     let m = model("qwen3_dense");
     let hidden = |extra: &[&str]| omniprefix(&[&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors"))][..], extra].concat());
     let line = error_line(&hidden(&["--kv-events", "udp://nowhere"])?)?;

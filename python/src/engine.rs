@@ -32,45 +32,57 @@ use crate::item::{BorrowedItems, Item};
 use crate::options::EngineOptions;
 use crate::outputs::{PyGeneration, PyOutput};
 
-/// Facts about the engine that never change, readable without the loop.
-struct Info {
-    capture: Vec<String>,
-    eos_token_ids: Vec<u32>,
-    hidden_size: usize,
-    num_layers: usize,
-    vocab_size: usize,
-    block_size: usize,
-    backend: String,
-    dtype: &'static str,
-    tokens: OmniTokens,
-    /// The KV events PUB and replay endpoints as bound, when events are published.
-    kv_endpoints: Option<(String, Option<String>)>,
-}
-
-impl Info {
-    fn of<B: Backend>(e: &Engine<B>, backend: String) -> Self {
-        let model = e.model_config();
-        Info {
-            capture: e.capture().points().iter().map(|p| capture_key(*p)).collect(),
-            eos_token_ids: e.eos_token_ids().to_vec(),
-            hidden_size: model.hidden_size,
-            num_layers: model.num_hidden_layers,
-            vocab_size: model.vocab_size,
-            block_size: e.config().block_size,
-            backend,
-            dtype: e.weight_dtype().name(),
-            tokens: e.tokens().clone(),
-            kv_endpoints: e.kv_events_endpoints().map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),
-        }
-    }
-}
-
 /// A thinker engine: prefix-cached prefill and generation over one checkpoint.
+///
+/// Besides the loop it holds the facts that never change, readable without it: the
+/// `#[pyo3(get)]` fields are the Python properties of the same names.
 #[pyclass(frozen, name = "Engine", module = "omniprefix")]
 pub struct PyEngine {
     /// Dropped by hand, with the GIL released (see the `Drop` impl).
     served: ManuallyDrop<ServedEngine>,
-    info: Info,
+    /// Captured points, in page order (`hidden.<L>`, `hidden.final`).
+    #[pyo3(get)]
+    capture: Vec<String>,
+    /// The checkpoint's eos ids (default stop ids of a generation).
+    #[pyo3(get)]
+    eos_token_ids: Vec<u32>,
+    #[pyo3(get)]
+    hidden_size: usize,
+    #[pyo3(get)]
+    num_layers: usize,
+    #[pyo3(get)]
+    vocab_size: usize,
+    #[pyo3(get)]
+    block_size: usize,
+    /// The backend opened, and why (`"cpu (asked for cpu)"`, `"wgpu on <adapter> (...)"`).
+    #[pyo3(get)]
+    backend: String,
+    /// The dtype the weight matrices are stored in (`"auto"` resolved).
+    #[pyo3(get)]
+    dtype: &'static str,
+    /// `<|image_pad|>`: the placeholder id of an image (one per unexpanded image).
+    #[pyo3(get)]
+    image_token_id: u32,
+    /// `<|video_pad|>`: the placeholder id of a video.
+    #[pyo3(get)]
+    video_token_id: u32,
+    /// `<|audio_pad|>`: the placeholder id of an audio.
+    #[pyo3(get)]
+    audio_token_id: u32,
+    /// `<|vision_start|>`: opens an image or a video.
+    #[pyo3(get)]
+    vision_start_token_id: u32,
+    /// `<|vision_end|>`: closes an image or a video.
+    #[pyo3(get)]
+    vision_end_token_id: u32,
+    /// `<|audio_start|>`: opens an audio.
+    #[pyo3(get)]
+    audio_start_token_id: u32,
+    /// `<|audio_end|>`: closes an audio.
+    #[pyo3(get)]
+    audio_end_token_id: u32,
+    /// The KV events PUB and replay endpoints as bound, when events are published.
+    kv_endpoints: Option<(String, Option<String>)>,
 }
 
 impl Drop for PyEngine {
@@ -145,12 +157,12 @@ fn sampling_params(sampling: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingPar
 }
 
 impl PyEngine {
-    fn open(options: EngineOptions, build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<(ServedEngine, Info)>) -> PyResult<Self> {
+    fn open(options: EngineOptions, build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<Self>) -> PyResult<Self> {
         let selection = guard(|| select(options.backend))?;
         let reason = selection.reason.clone();
-        let (served, mut info) = guard(|| build(selection.backend, options.config))?;
-        info.backend = reason;
-        Ok(PyEngine { served: ManuallyDrop::new(served), info })
+        let mut engine = guard(|| build(selection.backend, options.config))?;
+        engine.backend = reason;
+        Ok(engine)
     }
 
     /// Prepares and submits one request with the GIL released (the encoder,
@@ -254,7 +266,7 @@ impl PyEngine {
         options.config.tokens = guard(|| tokens_from_config_json(&json))?;
         py.detach(|| {
             Self::open(options, |backend, config| {
-                fn random_on<B: Backend + 'static>(backend: B, model: Config, seed: u64, config: EngineConfig) -> omniprefix::Result<(ServedEngine, Info)>
+                fn random_on<B: Backend + 'static>(backend: B, model: Config, seed: u64, config: EngineConfig) -> omniprefix::Result<PyEngine>
                 where
                     Engine<B>: Send,
                 {
@@ -379,108 +391,22 @@ impl PyEngine {
         stats.map(|s| pythonize::pythonize(py, &s).map_err(|e| InternalError::new_err(e.to_string()))).transpose()
     }
 
-    /// `<|image_pad|>`: the placeholder id of an image (one per unexpanded image).
-    #[getter]
-    fn image_token_id(&self) -> u32 {
-        self.info.tokens.image_token_id
-    }
-
-    /// `<|video_pad|>`: the placeholder id of a video.
-    #[getter]
-    fn video_token_id(&self) -> u32 {
-        self.info.tokens.video_token_id
-    }
-
-    /// `<|audio_pad|>`: the placeholder id of an audio.
-    #[getter]
-    fn audio_token_id(&self) -> u32 {
-        self.info.tokens.audio_token_id
-    }
-
-    /// `<|vision_start|>`: opens an image or a video.
-    #[getter]
-    fn vision_start_token_id(&self) -> u32 {
-        self.info.tokens.vision_start_token_id
-    }
-
-    /// `<|vision_end|>`: closes an image or a video.
-    #[getter]
-    fn vision_end_token_id(&self) -> u32 {
-        self.info.tokens.vision_end_token_id
-    }
-
-    /// `<|audio_start|>`: opens an audio.
-    #[getter]
-    fn audio_start_token_id(&self) -> u32 {
-        self.info.tokens.audio_start_token_id
-    }
-
-    /// `<|audio_end|>`: closes an audio.
-    #[getter]
-    fn audio_end_token_id(&self) -> u32 {
-        self.info.tokens.audio_end_token_id
-    }
-
     /// The KV events PUB endpoint as bound (port 0 resolved), or None.
     #[getter]
     fn kv_events_endpoint(&self) -> Option<String> {
-        self.info.kv_endpoints.as_ref().map(|(pub_at, _)| pub_at.clone())
+        self.kv_endpoints.as_ref().map(|(pub_at, _)| pub_at.clone())
     }
 
     /// The KV events replay (ROUTER) endpoint as bound, or None.
     #[getter]
     fn kv_replay_endpoint(&self) -> Option<String> {
-        self.info.kv_endpoints.as_ref().and_then(|(_, replay_at)| replay_at.clone())
-    }
-
-    /// Captured points, in page order (`hidden.<L>`, `hidden.final`).
-    #[getter]
-    fn capture(&self) -> Vec<String> {
-        self.info.capture.clone()
-    }
-
-    /// The checkpoint's eos ids (default stop ids of a generation).
-    #[getter]
-    fn eos_token_ids(&self) -> Vec<u32> {
-        self.info.eos_token_ids.clone()
-    }
-
-    #[getter]
-    fn hidden_size(&self) -> usize {
-        self.info.hidden_size
-    }
-
-    #[getter]
-    fn num_layers(&self) -> usize {
-        self.info.num_layers
-    }
-
-    #[getter]
-    fn vocab_size(&self) -> usize {
-        self.info.vocab_size
-    }
-
-    #[getter]
-    fn block_size(&self) -> usize {
-        self.info.block_size
-    }
-
-    /// The dtype the weight matrices are stored in (`"auto"` resolved).
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.info.dtype
-    }
-
-    /// The backend opened, and why (`"cpu (asked for cpu)"`, `"wgpu on <adapter> (...)"`).
-    #[getter]
-    fn backend(&self) -> String {
-        self.info.backend.clone()
+        self.kv_endpoints.as_ref().and_then(|(_, replay_at)| replay_at.clone())
     }
 
     fn __repr__(&self) -> String {
         format!(
             "Engine(layers={}, hidden={}, vocab={}, block_size={}, backend={:?})",
-            self.info.num_layers, self.info.hidden_size, self.info.vocab_size, self.info.block_size, self.info.backend
+            self.num_layers, self.hidden_size, self.vocab_size, self.block_size, self.backend
         )
     }
 }
@@ -602,11 +528,33 @@ impl Stream {
     }
 }
 
-/// A core engine moved onto its own thread, with the facts Python reads.
-fn served<B: Backend + 'static>(engine: Engine<B>) -> omniprefix::Result<(ServedEngine, Info)>
+/// A core engine moved onto its own thread, with the facts Python reads
+/// (`backend` is left empty for `PyEngine::open` to fill in).
+fn served<B: Backend + 'static>(engine: Engine<B>) -> omniprefix::Result<PyEngine>
 where
     Engine<B>: Send,
 {
-    let info = Info::of(&engine, String::new());
-    Ok((engine.serve(ServedOptions::default())?, info))
+    let model = engine.model_config();
+    let OmniTokens {
+        image_token_id, video_token_id, audio_token_id, vision_start_token_id, vision_end_token_id, audio_start_token_id, audio_end_token_id, ..
+    } = *engine.tokens();
+    Ok(PyEngine {
+        capture: engine.capture().points().iter().map(|p| capture_key(*p)).collect(),
+        eos_token_ids: engine.eos_token_ids().to_vec(),
+        hidden_size: model.hidden_size,
+        num_layers: model.num_hidden_layers,
+        vocab_size: model.vocab_size,
+        block_size: engine.config().block_size,
+        backend: String::new(),
+        dtype: engine.weight_dtype().name(),
+        image_token_id,
+        video_token_id,
+        audio_token_id,
+        vision_start_token_id,
+        vision_end_token_id,
+        audio_start_token_id,
+        audio_end_token_id,
+        kv_endpoints: engine.kv_events_endpoints().map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),
+        served: ManuallyDrop::new(engine.serve(ServedOptions::default())?),
+    })
 }

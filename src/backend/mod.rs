@@ -19,12 +19,14 @@
 #[cfg(feature = "wgpu")]
 pub mod auto;
 pub mod cpu;
+pub(crate) mod floats;
 #[cfg(test)]
 pub(crate) mod test_support;
 pub(crate) mod weight;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
+pub use floats::{FloatSlice, FloatVec};
 pub use weight::{HostWeight, UnknownDtype, Dtype, WeightView};
 
 use ndarray::{Array2, ArrayView2};

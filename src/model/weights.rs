@@ -9,7 +9,7 @@ use memmap2::Mmap;
 use ndarray::Array2;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
-use crate::backend::{HostWeight, Dtype};
+use crate::backend::{Dtype, FloatVec, HostWeight};
 use crate::{Error, Result};
 use crate::error::{CheckpointError, IoError};
 
@@ -24,48 +24,13 @@ pub struct HostTensor {
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredTensor {
     pub shape: Vec<usize>,
-    pub data: StoredData,
-}
-
-/// The elements of a [`StoredTensor`], row-major.
-#[derive(Debug, Clone, PartialEq)]
-pub enum StoredData {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
-}
-
-impl StoredData {
-    pub fn dtype(&self) -> Dtype {
-        match self {
-            StoredData::F32(_) => Dtype::F32,
-            StoredData::Bf16(_) => Dtype::Bf16,
-            StoredData::F16(_) => Dtype::F16,
-        }
-    }
-
-    /// The elements widened to f32 (exact).
-    pub fn into_f32(self) -> Vec<f32> {
-        match self {
-            StoredData::F32(v) => v,
-            StoredData::Bf16(v) => v.into_iter().map(bf16::to_f32).collect(),
-            StoredData::F16(v) => v.into_iter().map(f16::to_f32).collect(),
-        }
-    }
-
-    /// The elements as a `[rows, cols]` weight in their own dtype.
-    fn into_weight(self, rows: usize, cols: usize) -> std::result::Result<HostWeight, ndarray::ShapeError> {
-        Ok(match self {
-            StoredData::F32(v) => HostWeight::F32(Array2::from_shape_vec((rows, cols), v)?),
-            StoredData::Bf16(v) => HostWeight::Bf16(Array2::from_shape_vec((rows, cols), v)?),
-            StoredData::F16(v) => HostWeight::F16(Array2::from_shape_vec((rows, cols), v)?),
-        })
-    }
+    /// The elements, row-major.
+    pub data: FloatVec,
 }
 
 impl From<HostTensor> for StoredTensor {
     fn from(t: HostTensor) -> Self {
-        StoredTensor { shape: t.shape, data: StoredData::F32(t.data) }
+        StoredTensor { shape: t.shape, data: FloatVec::F32(t.data) }
     }
 }
 
@@ -221,9 +186,9 @@ impl WeightSource for SafetensorsSource {
             .and_then(|m| m.get(entry.start..entry.end))
             .ok_or_else(|| CheckpointError::Safetensors { path: name.into(), message: "data range outside the file".into() })?;
         let data = match entry.dtype {
-            StDtype::F32 => StoredData::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
-            StDtype::F16 => StoredData::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
-            StDtype::BF16 => StoredData::Bf16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
+            StDtype::F32 => FloatVec::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            StDtype::F16 => FloatVec::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
+            StDtype::BF16 => FloatVec::Bf16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
             other => return Err(CheckpointError::TensorDtype { name: name.into(), found: format!("{other:?}") }.into()),
         };
         if let Some(map) = map {
@@ -307,7 +272,7 @@ impl<'a> Weights<'a> {
         if t.shape != shape {
             return Err(CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into());
         }
-        let w = t.data.into_weight(rows, cols).map_err(|e| CheckpointError::WeightLayout { name, problem: e.to_string() })?;
+        let w = HostWeight::new([rows, cols], t.data).map_err(|e| CheckpointError::WeightLayout { name, problem: e.to_string() })?;
         w.to_dtype(dtype)
     }
 

@@ -25,7 +25,7 @@
 
 use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*, s};
 
-use crate::backend::WeightView;
+use crate::backend::{FloatSlice, WeightView};
 
 /// Weights with at least this many rows (output columns) take the dot kernel.
 const DOT_MIN_COLS: usize = 16_384;
@@ -43,10 +43,10 @@ const MIN_COLS_PER_TASK: usize = 64;
 /// `x @ w^T` for a weight in any stored dtype: f32 through [`matmul_t`], half
 /// precision through the dot kernel (each weight decides its path, never the rows).
 pub(crate) fn matmul_weight(x: ArrayView2<'_, f32>, w: WeightView<'_>) -> Array2<f32> {
-    match w {
-        WeightView::F32(w) => matmul_t(x, w),
-        WeightView::Bf16(w) => super::dot_matmul::matmul_t(x, w),
-        WeightView::F16(w) => super::dot_matmul::matmul_t(x, w),
+    match w.elements() {
+        FloatSlice::F32(e) => matmul_t(x, w.matrix(e)),
+        FloatSlice::Bf16(e) => super::dot_matmul::matmul_t(x, w.matrix(e)),
+        FloatSlice::F16(e) => super::dot_matmul::matmul_t(x, w.matrix(e)),
     }
 }
 

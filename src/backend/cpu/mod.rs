@@ -94,15 +94,8 @@ impl Backend for CpuBackend {
     }
 
     fn upload_weight(&self, host: HostWeight) -> Result<HostWeight> {
-        // Standard layout, so row slices are contiguous for every op (no copy when already so).
-        fn standard<T: Clone>(a: Array2<T>) -> Array2<T> {
-            if a.is_standard_layout() { a } else { a.as_standard_layout().into_owned() }
-        }
-        Ok(match host {
-            HostWeight::F32(a) => HostWeight::F32(standard(a)),
-            HostWeight::Bf16(a) => HostWeight::Bf16(standard(a)),
-            HostWeight::F16(a) => HostWeight::F16(standard(a)),
-        })
+        // Already row-major, so row slices are contiguous for every op.
+        Ok(host)
     }
 
     fn alloc_pages(&self, spec: PagesSpec) -> Result<CpuPages> {
@@ -292,7 +285,7 @@ mod tests {
         // in bf16 and f16 every size takes the dot kernel.
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             for n in [200, 16_384] {
-                let w = b.upload_weight(HostWeight::F32(rand_rows(5, n, 9)).to_dtype(dtype).unwrap()).unwrap();
+                let w = b.upload_weight(HostWeight::from_f32(rand_rows(5, n, 9)).to_dtype(dtype).unwrap()).unwrap();
                 let wide = w.to_f32();
                 let x = rand_rows(4, 70, 9);
                 let all = b.matmul_t(&x, &w).unwrap();
@@ -317,7 +310,7 @@ mod tests {
         let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             // Small integers are exact in every dtype.
-            let stored = HostWeight::F32(table.clone()).to_dtype(dtype).unwrap();
+            let stored = HostWeight::from_f32(table.clone()).to_dtype(dtype).unwrap();
             let e = b.embedding(&stored, &[4, 0, 4]).unwrap();
             assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0], "{dtype}");
             assert_eq!(e.row(2), e.row(0));
@@ -363,8 +356,8 @@ mod tests {
         let mut pages = b.alloc_pages(spec).unwrap();
         let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);
         b.write_kv(&mut pages, 1, &kv, &kv, &[0, -1, 1]).unwrap();
-        assert_eq!(&pages.k[1].to_f32()[..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
-        assert!(pages.k[0].to_f32().iter().all(|&v| v == 0.0), "other layers untouched");
+        assert_eq!(&pages.k[1].view().to_f32()[..6], &[1.0, 2.0, 5.0, 6.0, 0.0, 0.0], "slot -1 skipped");
+        assert!(pages.k[0].view().to_f32().iter().all(|&v| v == 0.0), "other layers untouched");
         let h = Array2::from_shape_fn((2, 3), |(r, c)| (r * 3 + c + 1) as f32);
         b.write_hidden(&mut pages, 1, &h, &[1, 0]).unwrap();
         let got = b.gather_hidden(&pages, 1, &[0, 1, -1]).unwrap();
@@ -373,7 +366,7 @@ mod tests {
         assert_eq!(got.row(2).sum(), 0.0);
         assert_eq!(b.gather_hidden(&pages, 0, &[0]).unwrap().sum(), 0.0, "capture 0 untouched");
         b.copy_blocks(&mut pages, &[(0, 2)]).unwrap();
-        assert_eq!(&pages.k[1].to_f32()[8..12], &[1.0, 2.0, 5.0, 6.0]);
+        assert_eq!(&pages.k[1].view().to_f32()[8..12], &[1.0, 2.0, 5.0, 6.0]);
         assert_eq!(b.gather_hidden(&pages, 1, &[4, 5]).unwrap(), got.slice(ndarray::s![..2, ..]));
         let before = pages.clone();
         assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::Backend(BackendError::OpIndex { what: "block", index: 3, .. }))));

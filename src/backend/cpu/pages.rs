@@ -1,91 +1,25 @@
 //! Host pages: each layer's K and V in the pages' element type (f32, bf16 or
 //! f16), and the captured hidden states in f32.
 
-use half::{bf16, f16};
 use ndarray::Array2;
 
 use super::check::{expect_cols, expect_rows, row_index};
 use super::lanes::{Lanes, widen_bf16};
-use crate::backend::{Dtype, PagesSpec};
-use crate::error::Component;
+use crate::backend::{FloatSlice, FloatVec, PagesSpec};
 use crate::kv::BlockId;
 use crate::Result;
 
-/// One layer's K (or V) pages, flat, in their stored element type.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum KvBuf {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
-}
-
-impl KvBuf {
-    /// `dtype` was checked to be a float type by `alloc_pages`.
-    fn zeros(dtype: Dtype, len: usize) -> Result<Self> {
-        Ok(match dtype {
-            Dtype::F32 => KvBuf::F32(vec![0.0; len]),
-            Dtype::Bf16 => KvBuf::Bf16(vec![bf16::ZERO; len]),
-            Dtype::F16 => KvBuf::F16(vec![f16::ZERO; len]),
-            Dtype::U8 | Dtype::I32 | Dtype::I64 => {
-                return Err(Component::Storage.violation(format!("K/V pages stored as {dtype}: not a float type")).into());
-            }
-        })
-    }
-
-    /// Stores `src` from element `start`, rounded to the stored type.
-    fn write(&mut self, start: usize, src: impl Iterator<Item = f32>) {
-        match self {
-            KvBuf::F32(b) => b[start..].iter_mut().zip(src).for_each(|(d, s)| *d = s),
-            KvBuf::Bf16(b) => b[start..].iter_mut().zip(src).for_each(|(d, s)| *d = bf16::from_f32(s)),
-            KvBuf::F16(b) => b[start..].iter_mut().zip(src).for_each(|(d, s)| *d = f16::from_f32(s)),
-        }
-    }
-
-    fn copy_within(&mut self, src: std::ops::Range<usize>, dst: usize) {
-        match self {
-            KvBuf::F32(b) => b.copy_within(src, dst),
-            KvBuf::Bf16(b) => b.copy_within(src, dst),
-            KvBuf::F16(b) => b.copy_within(src, dst),
-        }
-    }
-
-    /// A borrowed view for the attention kernel.
-    pub(crate) fn rows(&self) -> KvRows<'_> {
-        match self {
-            KvBuf::F32(b) => KvRows::F32(b),
-            KvBuf::Bf16(b) => KvRows::Bf16(b),
-            KvBuf::F16(b) => KvRows::F16(b),
-        }
-    }
-
-    /// Every element widened to f32 (exact).
-    #[cfg(test)]
-    pub(crate) fn to_f32(&self) -> Vec<f32> {
-        match self {
-            KvBuf::F32(b) => b.clone(),
-            KvBuf::Bf16(b) => b.iter().map(|v| v.to_f32()).collect(),
-            KvBuf::F16(b) => b.iter().map(|v| v.to_f32()).collect(),
-        }
-    }
-}
-
-/// One layer's K (or V) pages as the attention kernel reads them.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum KvRows<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [bf16]),
-    F16(&'a [f16]),
-}
-
-impl KvRows<'_> {
+// One layer's K (or V) pages as the attention kernel reads them. These two are the
+// CPU kernels' own (they take SIMD lanes), so they live here rather than with the type.
+impl FloatSlice<'_> {
     /// Elements `off..off + dst.len()` widened into `dst` (exact).
     #[inline(always)]
     pub(crate) fn widen_into<L: Lanes>(self, l: L, off: usize, dst: &mut [f32]) {
         let n = dst.len();
         match self {
-            KvRows::F32(b) => dst.copy_from_slice(&b[off..off + n]),
-            KvRows::Bf16(b) => widen_bf16(&b[off..off + n], dst),
-            KvRows::F16(b) => l.widen_f16(&b[off..off + n], dst),
+            FloatSlice::F32(b) => dst.copy_from_slice(&b[off..off + n]),
+            FloatSlice::Bf16(b) => widen_bf16(&b[off..off + n], dst),
+            FloatSlice::F16(b) => l.widen_f16(&b[off..off + n], dst),
         }
     }
 
@@ -93,9 +27,9 @@ impl KvRows<'_> {
     #[inline(always)]
     pub(crate) fn prefetch<L: Lanes>(self, l: L, off: usize, len: usize) {
         match self {
-            KvRows::F32(b) => (0..len).step_by(16).for_each(|i| l.prefetch(b[off + i..].as_ptr())),
-            KvRows::Bf16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
-            KvRows::F16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
+            FloatSlice::F32(b) => (0..len).step_by(16).for_each(|i| l.prefetch(b[off + i..].as_ptr())),
+            FloatSlice::Bf16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
+            FloatSlice::F16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
         }
     }
 }
@@ -105,8 +39,8 @@ impl KvRows<'_> {
 #[derive(Debug, Clone)]
 pub struct CpuPages {
     pub(crate) spec: PagesSpec,
-    pub(crate) k: Vec<KvBuf>,
-    pub(crate) v: Vec<KvBuf>,
+    pub(crate) k: Vec<FloatVec>,
+    pub(crate) v: Vec<FloatVec>,
     pub(crate) hidden: Vec<f32>,
 }
 
@@ -122,7 +56,8 @@ impl CpuPages {
     /// Zero-filled pages of `spec`'s sizes.
     pub(crate) fn new(spec: PagesSpec) -> Result<Self> {
         let kv = spec.num_slots() * spec.kv_width();
-        let zeros = KvBuf::zeros(spec.kv_dtype, kv)?;
+        // `alloc_pages` checked `kv_dtype` is a float type.
+        let zeros = FloatVec::zeros(spec.kv_dtype, kv)?;
         Ok(Self {
             spec,
             k: vec![zeros.clone(); spec.num_layers],
@@ -136,9 +71,9 @@ impl CpuPages {
     }
 
     /// Layer `layer`'s K and V pages.
-    pub(crate) fn kv(&self, op: &'static str, layer: usize) -> Result<(KvRows<'_>, KvRows<'_>)> {
+    pub(crate) fn kv(&self, op: &'static str, layer: usize) -> Result<(FloatSlice<'_>, FloatSlice<'_>)> {
         let l = self.layer_index(op, layer)?;
-        Ok((self.k[l].rows(), self.v[l].rows()))
+        Ok((self.k[l].view(), self.v[l].view()))
     }
 
     pub(crate) fn write_kv(&mut self, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64]) -> Result<()> {

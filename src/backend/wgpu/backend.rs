@@ -11,7 +11,7 @@ use crate::backend::wgpu::ops::paging::SlotColumns;
 use crate::backend::wgpu::pool::{ATTENTION_POOL_CHUNKS, PagedPool};
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::weight::unsupported_dtype;
-use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
+use crate::backend::{AttnHeads, AttnSeq, Backend, FloatSlice, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
 use crate::kv::BlockId;
 use crate::Result;
 use crate::error::{BackendError, GpuError};
@@ -127,13 +127,10 @@ impl Backend for WgpuBackend {
     }
 
     fn upload_weight(&self, host: HostWeight) -> Result<GpuTensor> {
-        match host {
-            HostWeight::F32(a) => self.upload(a.view()),
-            HostWeight::F16(a) => {
-                let standard = a.as_standard_layout();
-                self.ctx.upload_f16(standard.as_slice().unwrap_or_default(), [a.nrows(), a.ncols()])
-            }
-            other => Err(unsupported_dtype("wgpu backend", "weight dtype", self.weight_dtypes(), other.dtype())),
+        match host.view().elements() {
+            FloatSlice::F32(e) => self.ctx.upload(e, host.shape()),
+            FloatSlice::F16(e) => self.ctx.upload_f16(e, host.shape()),
+            FloatSlice::Bf16(_) => Err(unsupported_dtype("wgpu backend", "weight dtype", self.weight_dtypes(), Dtype::Bf16)),
         }
     }
 

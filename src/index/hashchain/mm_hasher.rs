@@ -114,8 +114,7 @@ fn serialize_kwargs(kwargs: &[(&str, Kwarg<'_>)], sink: Sink<'_>) -> Result<()> 
     let mut order: Vec<&(&str, Kwarg<'_>)> = kwargs.iter().collect();
     order.sort_by_key(|(k, _)| *k);
     for (key, value) in order {
-        framed(key.as_bytes(), sink);
-        sink(&[TAG_LEAF]);
+        leaf_key(key.as_bytes(), sink);
         match value {
             Kwarg::Str(s) => framed(s.as_bytes(), sink),
             Kwarg::Media(MmMedia::PilRgb(pixels)) => {
@@ -126,13 +125,9 @@ fn serialize_kwargs(kwargs: &[(&str, Kwarg<'_>)], sink: Sink<'_>) -> Result<()> 
                         found: pixels.shape().to_vec(),
                     }.into());
                 }
-                framed(b"image", sink);
-                mapping_header(2, sink);
-                framed(b"mode", sink);
-                sink(&[TAG_LEAF]);
-                framed(b"RGB", sink);
-                framed(b"data", sink);
-                sink(&[TAG_LEAF]);
+                object_header(b"image", 2, sink);
+                str_entry(b"mode", b"RGB", sink);
+                leaf_key(b"data", sink);
                 serialize_array(&TensorView::U8(pixels.view().into_dyn()), sink);
             }
             Kwarg::Media(MmMedia::Array(view)) => serialize_array(view, sink),
@@ -147,9 +142,24 @@ fn framed(chunk: &[u8], sink: Sink<'_>) {
     sink(chunk);
 }
 
-fn mapping_header(len: u64, sink: Sink<'_>) {
+/// `"name" → {..}`: the framed name of an object and the header of its mapping, whose
+/// `len` framed key + value pairs follow.
+fn object_header(name: &[u8], len: u64, sink: Sink<'_>) {
+    framed(name, sink);
     sink(&[TAG_MAPPING]);
     sink(&len.to_le_bytes());
+}
+
+/// A mapping key whose value is a leaf: the framed key and the leaf tag (the leaf's chunk follows).
+fn leaf_key(key: &[u8], sink: Sink<'_>) {
+    framed(key, sink);
+    sink(&[TAG_LEAF]);
+}
+
+/// A mapping entry whose value is a string leaf.
+fn str_entry(key: &[u8], value: &[u8], sink: Sink<'_>) {
+    leaf_key(key, sink);
+    framed(value, sink);
 }
 
 /// A leaf `np.array(int).tobytes()`.
@@ -170,15 +180,10 @@ fn serialize_array(view: &TensorView<'_>, sink: Sink<'_>) {
         TensorView::BF16(v) => {
             // numpy has no bfloat16: vLLM hashes the bf16 torch.Tensor as
             // "tensor" → {"original_dtype", "original_shape", "data": u8 view}.
-            framed(b"tensor", sink);
-            mapping_header(3, sink);
-            framed(b"original_dtype", sink);
-            sink(&[TAG_LEAF]);
-            framed(b"torch.bfloat16", sink);
-            framed(b"original_shape", sink);
-            shape_sequence(v.shape(), sink);
-            framed(b"data", sink);
-            sink(&[TAG_LEAF]);
+            object_header(b"tensor", 3, sink);
+            str_entry(b"original_dtype", b"torch.bfloat16", sink);
+            shape_entry(b"original_shape", v.shape(), sink);
+            leaf_key(b"data", sink);
             ndarray_header("|u1", &[v.len() * 2], sink);
             framed_elements(
                 v.len() * 2,
@@ -215,19 +220,15 @@ fn ndarray_item<T, const N: usize>(
 
 /// The mapping header and `dtype`, `shape` entries, up to the `data` leaf tag.
 fn ndarray_header(dtype: &str, shape: &[usize], sink: Sink<'_>) {
-    framed(b"ndarray", sink);
-    mapping_header(3, sink);
-    framed(b"dtype", sink);
-    sink(&[TAG_LEAF]);
-    framed(dtype.as_bytes(), sink);
-    framed(b"shape", sink);
-    shape_sequence(shape, sink);
-    framed(b"data", sink);
-    sink(&[TAG_LEAF]);
+    object_header(b"ndarray", 3, sink);
+    str_entry(b"dtype", dtype.as_bytes(), sink);
+    shape_entry(b"shape", shape, sink);
+    leaf_key(b"data", sink);
 }
 
-/// A shape tuple: a sequence of int leaves.
-fn shape_sequence(shape: &[usize], sink: Sink<'_>) {
+/// A mapping entry whose value is a shape tuple: a sequence of int leaves.
+fn shape_entry(key: &[u8], shape: &[usize], sink: Sink<'_>) {
+    framed(key, sink);
     sink(&[TAG_SEQUENCE]);
     sink(&(shape.len() as u64).to_le_bytes());
     for &d in shape {

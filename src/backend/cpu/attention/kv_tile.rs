@@ -5,7 +5,7 @@ use std::ops::Range;
 use super::{Call, Job, KEY_TILE};
 use crate::backend::AttnSeq;
 use crate::backend::cpu::lanes::Lanes;
-use crate::backend::cpu::pages::KvRows;
+use crate::backend::FloatSlice;
 
 /// The K and V rows of one key tile: pointers into the pages when they hold f32,
 /// else into this job's scratch, where each tile's rows are widened (exactly)
@@ -19,7 +19,7 @@ pub(super) struct TileRows {
 
 impl TileRows {
     pub(super) fn new(call: &Call<'_>) -> Self {
-        let scratch = if matches!(call.k, KvRows::F32(_)) { 0 } else { KEY_TILE * call.heads.head_dim };
+        let scratch = if matches!(call.k, FloatSlice::F32(_)) { 0 } else { KEY_TILE * call.heads.head_dim };
         TileRows { keys: Vec::with_capacity(KEY_TILE), vals: Vec::with_capacity(KEY_TILE), k: vec![0.0; scratch], v: vec![0.0; scratch] }
     }
 
@@ -35,7 +35,7 @@ impl TileRows {
         let end = job.key_end(seq);
         self.keys.clear();
         self.vals.clear();
-        if let (KvRows::F32(k), KvRows::F32(v)) = (call.k, call.v) {
+        if let (FloatSlice::F32(k), FloatSlice::F32(v)) = (call.k, call.v) {
             for j in positions.clone() {
                 let off = offset(j);
                 self.keys.push(k[off..off + hd].as_ptr());

@@ -47,7 +47,8 @@ use rayon::prelude::*;
 
 use super::check::{expect_cols, row_index};
 use super::lanes::{LaneKernel, Lanes, Simd};
-use super::pages::{CpuPages, KvRows};
+use super::pages::CpuPages;
+use crate::backend::FloatSlice;
 use crate::backend::{AttnHeads, AttnSeq};
 use crate::Result;
 use crate::error::BackendError;
@@ -97,8 +98,8 @@ struct Call<'a> {
     q: &'a [f32],
     q_cols: usize,
     /// Layer K and V pages, `[num_blocks, block_size, kv_heads, head_dim]` flat.
-    k: KvRows<'a>,
-    v: KvRows<'a>,
+    k: FloatSlice<'a>,
+    v: FloatSlice<'a>,
     heads: AttnHeads,
     block_size: usize,
 }
