@@ -11,9 +11,8 @@
 //! `subgroupAdd` reduces the dots; otherwise the portable `paged_decode_partial`, one key
 //! per invocation. Both feed `paged_decode_reduce`.
 
-use bytemuck::{Pod, Zeroable};
-
 use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
@@ -40,16 +39,22 @@ const PREFILL_SCORE_TILE: usize = 1024;
 const MAX_TILE_ROWS: usize = 16;
 const MAX_TILE_KEYS: usize = 64;
 
-#[repr(C)]
-#[derive(Clone, Copy, Pod, Zeroable)]
-struct AttnParams {
-    n_rows: u32,
-    blocks_per_chunk: u32,
-    scale: f32,
-    n_splits: u32,
-    split_len: u32,
-    part_ml_offset: u32,
-    _pad: [u32; 2],
+wgsl_params! {
+    /// `p` of the attention kernels.
+    pub(crate) struct AttnParams {
+        /// Rows (decode) or query tiles (prefill).
+        n_rows: u32,
+        /// Whole blocks per pool chunk.
+        blocks_per_chunk: u32,
+        /// 1 / sqrt(head_dim).
+        scale: f32,
+        /// Decode: splits per (row, head), and keys per split.
+        n_splits: u32,
+        split_len: u32,
+        /// Decode: where the (max, sum) pairs start in the partials, after the V sums.
+        part_ml_offset: u32,
+        _pad: [u32; 2],
+    }
 }
 
 /// K and V pools of one layer, as the attention kernels read them.
