@@ -62,7 +62,7 @@ impl ParamsLayout {
             i += 1;
         }
         assert!(next == self.size, "params are 32-bit words with no padding");
-        assert!(self.size % 16 == 0, "a WGSL uniform struct is a multiple of 16 bytes");
+        assert!(self.size.is_multiple_of(16), "a WGSL uniform struct is a multiple of 16 bytes");
     }
 
     /// The WGSL declaration of the struct and of its uniform binding `p` (group 0, binding 0).
@@ -130,7 +130,7 @@ mod tests {
     fn wgsl_declarations_match_the_rust_layout() {
         for shader in Shader::ALL {
             let layout = shader.params();
-            assert_eq!(layout.size % 16, 0, "{}: {} B", layout.name, layout.size);
+            assert!(layout.size.is_multiple_of(16), "{}: {} B", layout.name, layout.size);
 
             let source = layout.wgsl();
             let module = naga::front::wgsl::parse_str(&source)
