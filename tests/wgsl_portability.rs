@@ -9,20 +9,19 @@ use naga::back::PipelineConstants;
 use naga::valid::{Capabilities, ModuleInfo, ValidationFlags, Validator};
 use omniprefix::backend::wgpu::Shader;
 
-/// The preludes kernels are compiled after (`backend::wgpu::pipelines`): the f16 pair
-/// conversions or their stubs on adapters without them, and the attention kernels'
-/// page-reading helpers and split-KV decode steps, and the entry builtins of every kernel but the matrix products.
-const PRELUDES: [&str; 5] =
-    ["f16_pairs.wgsl", "f16_pairs_absent.wgsl", "paged_kv.wgsl", "paged_decode.wgsl", "invocation.wgsl"];
+fn wgsl_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("wgsl")
+}
 
-/// The kernel files of `wgsl/` (every `.wgsl` but the preludes).
+/// The kernel files of `wgsl/` (every `.wgsl` but the preludes, `Shader::PRELUDES`, which
+/// `Shader::source` composes before kernels).
 fn shader_files() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("wgsl");
+    let dir = wgsl_dir();
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
         .map(|entry| entry.expect("directory entry").path())
         .filter(|path| path.extension().is_some_and(|ext| ext == "wgsl"))
-        .filter(|path| !PRELUDES.iter().any(|p| path.ends_with(p)))
+        .filter(|path| !Shader::PRELUDES.iter().any(|(name, _)| path.ends_with(name)))
         .collect();
     files.sort();
     files
@@ -90,6 +89,11 @@ fn shader_directory_holds_every_kernel() {
         assert!(names.iter().any(|n| n == expected), "wgsl/{expected}.wgsl missing; found {names:?}");
     }
     assert_eq!(names.len(), Shader::ALL.len(), "every kernel file is a Shader and back: {names:?}");
+    for (name, source) in Shader::PRELUDES {
+        let path = wgsl_dir().join(name);
+        let on_disk = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(on_disk, source, "{}: compiled-in prelude is stale", path.display());
+    }
 }
 
 /// Only the subgroup decode kernel needs `Capabilities::SUBGROUP`: without it naga

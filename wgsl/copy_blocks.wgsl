@@ -4,16 +4,10 @@
 // (checked by the host), so the order of the copies does not matter. The copy is of
 // 32-bit words, whatever they hold (f32, or f16 pairs), so it is bit-exact.
 
-struct CopyParams {
-    n_pairs: u32,
-    block_words: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
 const WG: u32 = 256u;
 
-@group(0) @binding(0) var<uniform> p: CopyParams;
+// p: CopyParams (uniform, binding 0), declared once in src/backend/wgpu/ops/paging.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read> pairs: array<u32>;
 @group(0) @binding(2) var<storage, read_write> pool: array<u32>;
 

@@ -5,16 +5,10 @@
 //               (rhs = fused gate/up product [rows, 2 * width], gate columns first;
 //                acc = output [rows, width])
 
-struct EwParams {
-    len: u32,
-    width: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
 const WG: u32 = 256u;
 
-@group(0) @binding(0) var<uniform> p: EwParams;
+// p: EwParams (uniform, binding 0), declared once in src/backend/wgpu/ops/dense.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read_write> acc: array<f32>;
 @group(0) @binding(2) var<storage, read> rhs: array<f32>;
 

@@ -20,25 +20,6 @@
 // W_F16: w holds f16 pairs (see f16_pairs.wgsl, the prelude); otherwise f32 bits.
 // Either way the product accumulates in f32.
 
-struct MatmulParams {
-    m: u32,
-    n: u32,
-    k: u32,
-    // Rows w_lo .. w_hi of the (stacked) weight are in the bound buffer, row w_lo first.
-    w_lo: u32,
-    w_hi: u32,
-    // matmul_routed: the first expert of this dispatch.
-    e0: u32,
-    in_div: u32,
-    // y row r, column c lives at y[r * y_stride + y_col0 + c] (a split weight's
-    // row block writes its own columns of a wider y).
-    y_stride: u32,
-    y_col0: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
-
 const TM: u32 = 64u;
 const TN: u32 = 64u;
 const TK: u32 = 16u;
@@ -46,7 +27,8 @@ const NO_ROW: u32 = 0xffffffffu;
 
 override W_F16: bool = false;
 
-@group(0) @binding(0) var<uniform> p: MatmulParams;
+// p: MatmulParams (uniform, binding 0), declared once in src/backend/wgpu/ops/dense.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> w: array<u32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;

@@ -8,20 +8,10 @@
 //     the device.
 //   expert_combine: out[t, :] = sum_j weights[t, j] * expert_out[t * top_k + j, :]
 
-struct MoeParams {
-    tokens: u32,
-    experts: u32,
-    top_k: u32,
-    renormalize: u32,
-    width: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
-
 const WG: u32 = 64u;
 
-@group(0) @binding(0) var<uniform> p: MoeParams;
+// p: MoeParams (uniform, binding 0), declared once in src/backend/wgpu/ops/moe.rs
+// and composed before this file.
 // router_topk
 @group(0) @binding(1) var<storage, read> logits: array<f32>;
 @group(0) @binding(2) var<storage, read_write> topk_ids: array<u32>;

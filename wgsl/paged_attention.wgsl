@@ -45,8 +45,9 @@ const MAX_HEAD_DIM: u32 = 256u;
 // Head dims one prefill invocation accumulates: TQ * HEAD_DIM / WG <= 1024 / 64.
 const ACC_PER_THREAD: u32 = 16u;
 
-// AttnParams `p`, q, row_info, the K/V pages (bindings 0-6), `part` (8), `q_sh` and `s_sh`
-// are declared in paged_decode.wgsl, which both attention kernels share.
+// AttnParams `p` (binding 0) is composed from Rust (ops/attention.rs); q, row_info, the K/V
+// pages (bindings 1-6), `part` (8), `q_sh` and `s_sh` are declared in paged_decode.wgsl,
+// which both attention kernels share.
 @group(0) @binding(7) var<storage, read_write> out: array<f32>;
 @group(0) @binding(9) var<storage, read> part_in: array<f32>;
 // Prefill tiles, 16 KiB in all: queries, one K or V tile, scores.

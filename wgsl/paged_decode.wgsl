@@ -1,6 +1,6 @@
 // Prelude of the attention kernels (paged_attention.wgsl, whose paged_decode_partial is a
 // split-KV decode, and paged_decode_subgroup.wgsl), compiled after paged_kv.wgsl: their
-// shared declarations (parameters, bindings, workgroup arrays), and what the two split-KV
+// shared declarations (constants, bindings, workgroup arrays), and what the two split-KV
 // decodes share once a tile's scores are in `s_sh`. Only the way the scores arrive differs
 // between them. The kernel file declares HEAD_DIM and NUM_HEADS (override constants).
 
@@ -9,18 +9,8 @@ const DIMS_PER_THREAD: u32 = 4u; // MAX_HEAD_DIM (256) / WG
 const MAX_GROUP: u32 = 8u;
 const NEG_BIG: f32 = -3.0e38;
 
-struct AttnParams {
-    n_rows: u32,
-    blocks_per_chunk: u32,
-    scale: f32,
-    n_splits: u32,
-    split_len: u32,
-    part_ml_offset: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
-@group(0) @binding(0) var<uniform> p: AttnParams;
+// p: AttnParams (uniform, binding 0), declared once in src/backend/wgpu/ops/attention.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> row_info: array<u32>;
 @group(0) @binding(3) var<storage, read> k0: array<u32>;

@@ -27,8 +27,8 @@ override NUM_KV_HEADS: u32 = 1u;
 override BLOCK_SIZE: u32 = 16u;
 override KV_F16: bool = false;
 
-// WG, MAX_GROUP, DIMS_PER_THREAD, NEG_BIG, AttnParams `p`, the bindings and `q_sh` / `s_sh`
-// are declared in paged_decode.wgsl, shared with paged_attention.wgsl.
+// WG, MAX_GROUP, DIMS_PER_THREAD, NEG_BIG, the bindings and `q_sh` / `s_sh` are declared in
+// paged_decode.wgsl, shared with paged_attention.wgsl; AttnParams `p` is composed from Rust.
 
 @compute @workgroup_size(WG)
 fn paged_decode_subgroup(inv: Invocation, @builtin(subgroup_id) sg: u32, @builtin(num_subgroups) n_sg: u32) {

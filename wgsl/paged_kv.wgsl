@@ -1,9 +1,10 @@
 // Prelude of the attention kernels (paged_attention.wgsl, paged_decode_subgroup.wgsl),
 // compiled after the f16 pair prelude: reading K/V pages through a block table.
-// The kernel file declares what these use (module-scope names may be used before they
-// are declared): the bindings `p` (AttnParams: blocks_per_chunk), `row_info`,
-// `k0`/`k1`/`v0`/`v1` (a pool in up to two chunks of whole blocks) and the override
-// constants HEAD_DIM, NUM_KV_HEADS, BLOCK_SIZE, KV_F16.
+// What these use is declared elsewhere in the composed source (module-scope names may be
+// used before they are declared): `p` (AttnParams: blocks_per_chunk), composed from Rust;
+// the bindings `row_info` and `k0`/`k1`/`v0`/`v1` (a pool in up to two chunks of whole
+// blocks), in paged_decode.wgsl; the override constants HEAD_DIM, NUM_KV_HEADS,
+// BLOCK_SIZE, KV_F16, in the kernel file.
 
 // (chunk, element offset in chunk) of key j's row for kv head `kvh`.
 fn kv_at(table_offset: u32, j: u32, kvh: u32) -> vec2<u32> {

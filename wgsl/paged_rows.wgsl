@@ -10,20 +10,10 @@
 // prelude); scatter_rows_f16 writes one whole word per invocation, so rows never race on a
 // word (width, slot_stride and slot_offset are even there).
 
-struct RowParams {
-    n_rows: u32,
-    width: u32,
-    slot_stride: u32,
-    slot_offset: u32,
-    slot_base: u32,
-    slot_count: u32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
 const WG: u32 = 256u;
 
-@group(0) @binding(0) var<uniform> p: RowParams;
+// p: RowParams (uniform, binding 0), declared once in src/backend/wgpu/ops/paging.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read> slots: array<i32>;
 // scatter_rows
 @group(0) @binding(2) var<storage, read> rows_in: array<f32>;

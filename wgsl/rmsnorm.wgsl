@@ -2,16 +2,10 @@
 // Whole hidden rows use dim = hidden; per-head qk-norm views [n, heads * head_dim] as
 // n * heads rows of dim = head_dim with a head_dim weight.
 
-struct NormParams {
-    rows: u32,
-    dim: u32,
-    eps: f32,
-    _pad: u32,
-}
-
 const WG: u32 = 64u;
 
-@group(0) @binding(0) var<uniform> p: NormParams;
+// p: NormParams (uniform, binding 0), declared once in src/backend/wgpu/ops/dense.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> weight: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;

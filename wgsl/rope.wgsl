@@ -8,20 +8,10 @@
 //          i < 3 * sec1; row 2 if i % 3 == 2 and i < 3 * sec2; else row 0
 //   mode 2 (sectioned, Qwen2-VL): row 0 for i < sec0, row 1 for i < sec0 + sec1, else row 2
 
-struct RopeParams {
-    n: u32,
-    heads: u32,
-    head_dim: u32,
-    mode: u32,
-    sec0: u32,
-    sec1: u32,
-    sec2: u32,
-    _pad: u32,
-}
-
 const WG: u32 = 256u;
 
-@group(0) @binding(0) var<uniform> p: RopeParams;
+// p: RopeParams (uniform, binding 0), declared once in src/backend/wgpu/ops/rope.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read> positions: array<i32>;
 @group(0) @binding(2) var<storage, read> inv_freq: array<f32>;
 @group(0) @binding(3) var<storage, read_write> x: array<f32>;

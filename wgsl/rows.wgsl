@@ -5,18 +5,12 @@
 // SRC_F16: src holds f16 pairs (an f16 embedding table; see f16_pairs.wgsl, the prelude);
 // otherwise f32 bits. dst is always f32.
 
-struct DenseRowParams {
-    n_rows: u32,
-    width: u32,
-    src_rows: u32,
-    dst_rows: u32,
-}
-
 const WG: u32 = 256u;
 
 override SRC_F16: bool = false;
 
-@group(0) @binding(0) var<uniform> p: DenseRowParams;
+// p: DenseRowParams (uniform, binding 0), declared once in src/backend/wgpu/ops/rows.rs
+// and composed before this file.
 @group(0) @binding(1) var<storage, read> idx: array<u32>;
 @group(0) @binding(2) var<storage, read> src: array<u32>;
 @group(0) @binding(3) var<storage, read_write> dst: array<f32>;

@@ -13,6 +13,7 @@
 mod backend;
 mod context;
 pub mod ops;
+mod params;
 mod pipelines;
 pub mod pool;
 mod tensor;

@@ -4,9 +4,11 @@
 //! Every kernel is compiled after a prelude with the f16 pair conversions
 //! (`wgsl/f16_pairs.wgsl`), or, on a device that lacks them
 //! (`DownlevelFlags::SHADER_F16_IN_F32`), after stubs (`wgsl/f16_pairs_absent.wgsl`):
-//! the f32 kernels then still compile and f16 storage is refused. The attention kernels
+//! the f32 kernels then still compile and f16 storage is refused. Next comes the kernel's
+//! uniform params struct and its binding `p`, written from the Rust struct the host
+//! uploads ([`Shader::params`], see [`crate::backend::wgpu::params`]). The attention kernels
 //! also share the page-reading helpers of `wgsl/paged_kv.wgsl`, a second prelude, and
-//! `wgsl/paged_decode.wgsl`, a third: their parameters, bindings and workgroup arrays, and the
+//! `wgsl/paged_decode.wgsl`, a third: their constants, bindings and workgroup arrays, and the
 //! split-KV decode steps (softmax fold, partial write).
 //! `wgsl/paged_decode_subgroup.wgsl` uses subgroup operations and is compiled only on a
 //! device opened with `Features::SUBGROUP` ([`Shader::needs_subgroups`]).
@@ -15,8 +17,22 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::ops::attention::AttnParams;
+use crate::backend::wgpu::ops::dense::{EwParams, MatmulParams, NormParams};
+use crate::backend::wgpu::ops::moe::MoeParams;
+use crate::backend::wgpu::ops::paging::{CopyParams, RowParams};
+use crate::backend::wgpu::ops::rope::RopeParams;
+use crate::backend::wgpu::ops::rows::DenseRowParams;
+use crate::backend::wgpu::params::ParamsLayout;
 use crate::{Error, Result};
 use crate::error::GpuError;
+
+/// A file of `wgsl/`, compiled into the binary: (name inside `wgsl/`, source).
+macro_rules! wgsl_file {
+    ($name:literal) => {
+        ($name, include_str!(concat!("../../../wgsl/", $name)))
+    };
+}
 
 /// One WGSL file of `wgsl/`, compiled into the binary.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -50,33 +66,43 @@ impl Shader {
 
     /// File name inside `wgsl/`.
     pub fn name(self) -> &'static str {
-        match self {
-            Shader::PagedRows => "paged_rows.wgsl",
-            Shader::CopyBlocks => "copy_blocks.wgsl",
-            Shader::PagedAttention => "paged_attention.wgsl",
-            Shader::PagedDecodeSubgroup => "paged_decode_subgroup.wgsl",
-            Shader::Matmul => "matmul.wgsl",
-            Shader::RmsNorm => "rmsnorm.wgsl",
-            Shader::Rope => "rope.wgsl",
-            Shader::Elementwise => "elementwise.wgsl",
-            Shader::Rows => "rows.wgsl",
-            Shader::Moe => "moe.wgsl",
-        }
+        self.file().0
     }
 
     /// WGSL source of the kernel file alone.
     pub fn kernel_source(self) -> &'static str {
+        self.file().1
+    }
+
+    /// The kernel file: name inside `wgsl/` and source.
+    fn file(self) -> (&'static str, &'static str) {
         match self {
-            Shader::PagedRows => include_str!("../../../wgsl/paged_rows.wgsl"),
-            Shader::CopyBlocks => include_str!("../../../wgsl/copy_blocks.wgsl"),
-            Shader::PagedAttention => include_str!("../../../wgsl/paged_attention.wgsl"),
-            Shader::PagedDecodeSubgroup => include_str!("../../../wgsl/paged_decode_subgroup.wgsl"),
-            Shader::Matmul => include_str!("../../../wgsl/matmul.wgsl"),
-            Shader::RmsNorm => include_str!("../../../wgsl/rmsnorm.wgsl"),
-            Shader::Rope => include_str!("../../../wgsl/rope.wgsl"),
-            Shader::Elementwise => include_str!("../../../wgsl/elementwise.wgsl"),
-            Shader::Rows => include_str!("../../../wgsl/rows.wgsl"),
-            Shader::Moe => include_str!("../../../wgsl/moe.wgsl"),
+            Shader::PagedRows => wgsl_file!("paged_rows.wgsl"),
+            Shader::CopyBlocks => wgsl_file!("copy_blocks.wgsl"),
+            Shader::PagedAttention => wgsl_file!("paged_attention.wgsl"),
+            Shader::PagedDecodeSubgroup => wgsl_file!("paged_decode_subgroup.wgsl"),
+            Shader::Matmul => wgsl_file!("matmul.wgsl"),
+            Shader::RmsNorm => wgsl_file!("rmsnorm.wgsl"),
+            Shader::Rope => wgsl_file!("rope.wgsl"),
+            Shader::Elementwise => wgsl_file!("elementwise.wgsl"),
+            Shader::Rows => wgsl_file!("rows.wgsl"),
+            Shader::Moe => wgsl_file!("moe.wgsl"),
+        }
+    }
+
+    /// The uniform parameters the kernel binds as `p` (binding 0), declared in Rust by
+    /// `wgsl_params!` next to the ops that fill them.
+    pub(crate) fn params(self) -> &'static ParamsLayout {
+        match self {
+            Shader::PagedRows => &RowParams::LAYOUT,
+            Shader::CopyBlocks => &CopyParams::LAYOUT,
+            Shader::PagedAttention | Shader::PagedDecodeSubgroup => &AttnParams::LAYOUT,
+            Shader::Matmul => &MatmulParams::LAYOUT,
+            Shader::RmsNorm => &NormParams::LAYOUT,
+            Shader::Rope => &RopeParams::LAYOUT,
+            Shader::Elementwise => &EwParams::LAYOUT,
+            Shader::Rows => &DenseRowParams::LAYOUT,
+            Shader::Moe => &MoeParams::LAYOUT,
         }
     }
 
@@ -85,43 +111,50 @@ impl Shader {
         matches!(self, Shader::PagedDecodeSubgroup)
     }
 
+    /// The files of `wgsl/` that are no kernel but composed before kernels by
+    /// [`Shader::source`]: name inside `wgsl/` and source.
+    pub const PRELUDES: [(&'static str, &'static str); 5] = [F16_PAIRS, F16_PAIRS_ABSENT, INVOCATION, PAGED_KV, PAGED_DECODE];
+
     /// WGSL source as compiled: the f16 pair prelude (`f16_pairs`: the device has the
-    /// conversions) or its stubs; the entry builtins (all but the matrix products); the
-    /// page-reading helpers and the split-KV decode steps for the attention kernels; then
-    /// the kernel.
+    /// conversions) or its stubs; the params struct and its binding `p`; the entry builtins
+    /// (all but the matrix products); the page-reading helpers and the split-KV decode
+    /// steps for the attention kernels; then the kernel.
     pub fn source(self, f16_pairs: bool) -> String {
         let prelude = if f16_pairs { F16_PAIRS } else { F16_PAIRS_ABSENT };
-        let shared = match self {
-            Shader::PagedAttention | Shader::PagedDecodeSubgroup => [INVOCATION, PAGED_KV, PAGED_DECODE].join("\n"),
-            Shader::Matmul => String::new(),
+        let shared: &[(&str, &str)] = match self {
+            Shader::PagedAttention | Shader::PagedDecodeSubgroup => &[INVOCATION, PAGED_KV, PAGED_DECODE],
+            Shader::Matmul => &[],
             Shader::PagedRows
             | Shader::CopyBlocks
             | Shader::RmsNorm
             | Shader::Rope
             | Shader::Elementwise
             | Shader::Rows
-            | Shader::Moe => INVOCATION.to_string(),
+            | Shader::Moe => &[INVOCATION],
         };
-        format!("{prelude}\n{shared}\n{}", self.kernel_source())
+        let mut parts = vec![prelude.1.to_string(), self.params().wgsl()];
+        parts.extend(shared.iter().map(|&(_, source)| source.to_string()));
+        parts.push(self.kernel_source().to_string());
+        parts.join("\n")
     }
 }
 
 /// Page-reading helpers (block table lookup, f32 / f16 page elements) of the attention kernels.
-pub const PAGED_KV: &str = include_str!("../../../wgsl/paged_kv.wgsl");
+const PAGED_KV: (&str, &str) = wgsl_file!("paged_kv.wgsl");
 
-/// What the attention kernels share: parameters, bindings and workgroup arrays, and, once a
+/// What the attention kernels share: constants, bindings and workgroup arrays, and, once a
 /// tile's scores are in, the split-KV decode's online softmax fold with the V rows and its
 /// partial write.
-pub const PAGED_DECODE: &str = include_str!("../../../wgsl/paged_decode.wgsl");
+const PAGED_DECODE: (&str, &str) = wgsl_file!("paged_decode.wgsl");
 
 /// The builtins an entry point takes (`Invocation`) over a 2-D dispatch of workgroups, the
 /// workgroup's index and an element-wise kernel's element: every kernel but the matrix products.
-pub const INVOCATION: &str = include_str!("../../../wgsl/invocation.wgsl");
+const INVOCATION: (&str, &str) = wgsl_file!("invocation.wgsl");
 
 /// The f16 pair conversions every kernel may call.
-pub const F16_PAIRS: &str = include_str!("../../../wgsl/f16_pairs.wgsl");
+const F16_PAIRS: (&str, &str) = wgsl_file!("f16_pairs.wgsl");
 /// Stubs of [`F16_PAIRS`] for devices without the conversions.
-pub const F16_PAIRS_ABSENT: &str = include_str!("../../../wgsl/f16_pairs_absent.wgsl");
+const F16_PAIRS_ABSENT: (&str, &str) = wgsl_file!("f16_pairs_absent.wgsl");
 
 /// Cache key: the constants are kept in call order (callers pass them in a fixed order).
 type PipelineKey = (Shader, &'static str, Vec<(&'static str, u32)>);

@@ -11,9 +11,8 @@
 //! `subgroupAdd` reduces the dots; otherwise the portable `paged_decode_partial`, one key
 //! per invocation. Both feed `paged_decode_reduce`.
 
-use bytemuck::{Pod, Zeroable};
-
 use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
@@ -40,16 +39,22 @@ const PREFILL_SCORE_TILE: usize = 1024;
 const MAX_TILE_ROWS: usize = 16;
 const MAX_TILE_KEYS: usize = 64;
 
-#[repr(C)]
-#[derive(Clone, Copy, Pod, Zeroable)]
-struct AttnParams {
-    n_rows: u32,
-    blocks_per_chunk: u32,
-    scale: f32,
-    n_splits: u32,
-    split_len: u32,
-    part_ml_offset: u32,
-    _pad: [u32; 2],
+wgsl_params! {
+    /// `p` of the attention kernels.
+    pub(crate) struct AttnParams {
+        /// Rows (decode) or query tiles (prefill).
+        n_rows: u32,
+        /// Whole blocks per pool chunk.
+        blocks_per_chunk: u32,
+        /// 1 / sqrt(head_dim).
+        scale: f32,
+        /// Decode: splits per (row, head), and keys per split.
+        n_splits: u32,
+        split_len: u32,
+        /// Decode: where the (max, sum) pairs start in the partials, after the V sums.
+        part_ml_offset: u32,
+        _pad: [u32; 2],
+    }
 }
 
 /// K and V pools of one layer, as the attention kernels read them.
@@ -178,6 +183,18 @@ fn tile_info(seqs: &[&AttnSeq<'_>], block_size: usize, tq: usize) -> (Vec<u32>, 
     (tiles, n_tiles)
 }
 
+/// Which kernels an attention call runs.
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    /// Decode for sequences with one new row ([`decode_split_len`] keys per split),
+    /// prefill for the rest.
+    ByNewRows,
+    /// Prefill for every sequence.
+    Prefill,
+    /// Decode for every sequence (each has one new row), this many keys per split.
+    Decode(usize),
+}
+
 impl GpuContext {
     /// Varlen causal attention (see [`crate::backend::Backend::paged_attention`]):
     /// sequences with one new row take the decode kernel, the rest the prefill kernel.
@@ -188,13 +205,7 @@ impl GpuContext {
         heads: AttnHeads,
         seqs: &[AttnSeq<'_>],
     ) -> Result<GpuTensor> {
-        validate(q, kv, heads, seqs)?;
-        let out = self.zeros(q.shape())?;
-        let (decode, prefill): (Vec<&AttnSeq<'_>>, Vec<&AttnSeq<'_>>) = seqs.iter().partition(|s| s.num_new == 1);
-        self.run_prefill(q, kv, heads, &prefill, &out)?;
-        let max_visible = decode.iter().map(|s| s.num_computed + 1).max().unwrap_or(0);
-        self.run_decode(q, kv, heads, &decode, decode_split_len(max_visible), &out)?;
-        Ok(out)
+        self.attention(q, kv, heads, seqs, Route::ByNewRows)
     }
 
     /// Attention with the prefill kernel for every sequence (one workgroup per query tile,
@@ -206,10 +217,7 @@ impl GpuContext {
         heads: AttnHeads,
         seqs: &[AttnSeq<'_>],
     ) -> Result<GpuTensor> {
-        validate(q, kv, heads, seqs)?;
-        let out = self.zeros(q.shape())?;
-        self.run_prefill(q, kv, heads, &seqs.iter().collect::<Vec<_>>(), &out)?;
-        Ok(out)
+        self.attention(q, kv, heads, seqs, Route::Prefill)
     }
 
     /// Attention with the decode kernel: every sequence has one new row; contexts are
@@ -222,20 +230,44 @@ impl GpuContext {
         seqs: &[AttnSeq<'_>],
         split_len: usize,
     ) -> Result<GpuTensor> {
+        self.attention(q, kv, heads, seqs, Route::Decode(split_len))
+    }
+
+    /// Checks the call, then runs the kernels `route` picks into a zeroed output shaped like `q`.
+    fn attention(
+        &self,
+        q: &GpuTensor,
+        kv: KvPools<'_>,
+        heads: AttnHeads,
+        seqs: &[AttnSeq<'_>],
+        route: Route,
+    ) -> Result<GpuTensor> {
         validate(q, kv, heads, seqs)?;
-        if let Some(seq) = seqs.iter().find(|s| s.num_new != 1) {
-            return Err(BackendError::OpShape {
-                op: "paged_decode_attention",
-                what: "num_new",
-                expected: "1".into(),
-                found: vec![seq.num_new],
-            }.into());
-        }
-        if split_len == 0 || u32::try_from(split_len).is_err() {
-            return Err(GpuError::Unsupported { what: "split_len", value: split_len, supported: "1..2^32" }.into());
+        if let Route::Decode(split_len) = route {
+            if let Some(seq) = seqs.iter().find(|s| s.num_new != 1) {
+                return Err(BackendError::OpShape {
+                    op: "paged_decode_attention",
+                    what: "num_new",
+                    expected: "1".into(),
+                    found: vec![seq.num_new],
+                }.into());
+            }
+            if split_len == 0 || u32::try_from(split_len).is_err() {
+                return Err(GpuError::Unsupported { what: "split_len", value: split_len, supported: "1..2^32" }.into());
+            }
         }
         let out = self.zeros(q.shape())?;
-        self.run_decode(q, kv, heads, &seqs.iter().collect::<Vec<_>>(), split_len, &out)?;
+        let all = || seqs.iter().collect::<Vec<_>>();
+        match route {
+            Route::ByNewRows => {
+                let (decode, prefill): (Vec<&AttnSeq<'_>>, Vec<&AttnSeq<'_>>) = seqs.iter().partition(|s| s.num_new == 1);
+                self.run_prefill(q, kv, heads, &prefill, &out)?;
+                let max_visible = decode.iter().map(|s| s.num_computed + 1).max().unwrap_or(0);
+                self.run_decode(q, kv, heads, &decode, decode_split_len(max_visible), &out)?;
+            }
+            Route::Prefill => self.run_prefill(q, kv, heads, &all(), &out)?,
+            Route::Decode(split_len) => self.run_decode(q, kv, heads, &all(), split_len, &out)?,
+        }
         Ok(out)
     }
 
@@ -261,10 +293,22 @@ impl GpuContext {
         }
     }
 
-    /// The second chunk of a pool, or the first again when there is one (read-only aliasing).
-    fn pool_bindings(pool: &PagedPool) -> (&wgpu::Buffer, &wgpu::Buffer) {
-        debug_assert!(!pool.chunks.is_empty() && pool.chunks.len() <= 2, "attention pools have 1-2 chunks");
-        (&pool.chunks[0], pool.chunks.get(1).unwrap_or(&pool.chunks[0]))
+    /// The bindings the prefill kernel and the decode partial pass share: params (0), q (1),
+    /// row or tile info (2), and each pool's two chunks (K 3-4, V 5-6; a pool of one chunk
+    /// binds it twice, read-only aliasing).
+    fn attention_bindings<'a>(
+        &self,
+        uniform: &'a wgpu::Buffer,
+        q: &'a GpuTensor,
+        info: &'a wgpu::Buffer,
+        kv: KvPools<'a>,
+    ) -> Result<[(u32, &'a wgpu::Buffer); 7]> {
+        let chunks = |pool: &'a PagedPool| {
+            debug_assert!(!pool.chunks.is_empty() && pool.chunks.len() <= 2, "attention pools have 1-2 chunks");
+            (&pool.chunks[0], pool.chunks.get(1).unwrap_or(&pool.chunks[0]))
+        };
+        let ((k0, k1), (v0, v1)) = (chunks(kv.k), chunks(kv.v));
+        Ok([(0, uniform), (1, self.whole(q, OP)?), (2, info), (3, k0), (4, k1), (5, v0), (6, v1)])
     }
 
     /// Prefill kernel over `seqs` (any num_new), writing their rows of `out`.
@@ -299,10 +343,8 @@ impl GpuContext {
         let info = self.storage_from("attention tiles", &tiles)?;
         // `n_rows` counts tiles for this kernel.
         let uniform = self.uniform(&Self::attention_params(heads, kv, n_tiles));
-        let (k0, k1) = Self::pool_bindings(kv.k);
-        let (v0, v1) = Self::pool_bindings(kv.v);
-        let (q, out) = (self.whole(q, "paged_attention")?, self.whole(out, "paged_attention")?);
-        let bindings = [(0, &uniform), (1, q), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (7, out)];
+        let [p, q, info, k0, k1, v0, v1] = self.attention_bindings(&uniform, q, &info, kv)?;
+        let bindings = [p, q, info, k0, k1, v0, v1, (7, self.whole(out, OP)?)];
         let workgroups = n_tiles * heads.kv_heads * group.div_ceil(tile_heads);
         self.dispatch("paged_prefill_attention", &pipeline, &bindings, workgroups as u64)
     }
@@ -333,20 +375,18 @@ impl GpuContext {
             ..Self::attention_params(heads, kv, n_rows)
         };
         let uniform = self.uniform(&params);
-        let (k0, k1) = Self::pool_bindings(kv.k);
-        let (v0, v1) = Self::pool_bindings(kv.v);
         let (shader, entry) = if self.has_subgroups() {
             (Shader::PagedDecodeSubgroup, "paged_decode_subgroup")
         } else {
             (Shader::PagedAttention, "paged_decode_partial")
         };
         let partial = self.pipeline(shader, entry, &constants)?;
-        let (q, out) = (self.whole(q, "paged_attention")?, self.whole(out, "paged_attention")?);
         let part = part.into_buffer();
-        let bindings = [(0, &uniform), (1, q), (2, &info), (3, k0), (4, k1), (5, v0), (6, v1), (8, &part)];
+        let [p, q, info, k0, k1, v0, v1] = self.attention_bindings(&uniform, q, &info, kv)?;
+        let bindings = [p, q, info, k0, k1, v0, v1, (8, &part)];
         self.dispatch(entry, &partial, &bindings, (n_rows * heads.kv_heads * n_splits) as u64)?;
         let reduce = self.pipeline(Shader::PagedAttention, "paged_decode_reduce", &constants)?;
-        let bindings = [(0, &uniform), (2, &info), (9, &part), (7, out)];
+        let bindings = [p, info, (9, &part), (7, self.whole(out, OP)?)];
         self.dispatch("paged_decode_reduce", &reduce, &bindings, (n_rows * heads.num_heads) as u64)
     }
 }

@@ -2,11 +2,10 @@
 //! lists of the routed rows, a grouped matmul over those lists, and the weighted
 //! combine. Nothing is read back to the host between the router and the output.
 
-use bytemuck::{Pod, Zeroable};
-
 use crate::backend::MoeWeights;
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::ops::dense::{MATMUL_TILE, MatmulParams};
+use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::Result;
@@ -16,15 +15,18 @@ const OP: &str = "moe";
 const ROUTER_WG: u64 = 64;
 const COMBINE_WG: u64 = 256;
 
-#[repr(C)]
-#[derive(Clone, Copy, Pod, Zeroable)]
-struct MoeParams {
-    tokens: u32,
-    experts: u32,
-    top_k: u32,
-    renormalize: u32,
-    width: u32,
-    _pad: [u32; 3],
+wgsl_params! {
+    /// `p` of `moe.wgsl`.
+    pub(crate) struct MoeParams {
+        tokens: u32,
+        experts: u32,
+        top_k: u32,
+        /// `router_topk`: 1 to divide the chosen probabilities by their sum.
+        renormalize: u32,
+        /// `expert_combine`: columns of a row.
+        width: u32,
+        _pad: [u32; 3],
+    }
 }
 
 /// Per-token routing, on the device: the chosen experts `ids [tokens, top_k]` (u32

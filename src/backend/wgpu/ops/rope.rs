@@ -1,8 +1,7 @@
 //! Rotary embedding (plain, sectioned and interleaved M-RoPE) in place.
 
-use bytemuck::{Pod, Zeroable};
-
 use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{RopeKind, RopePositions, RopeSpec};
@@ -11,15 +10,18 @@ use crate::error::BackendError;
 
 const ROPE_WG: u64 = 256;
 
-#[repr(C)]
-#[derive(Clone, Copy, Pod, Zeroable)]
-struct RopeParams {
-    n: u32,
-    heads: u32,
-    head_dim: u32,
-    mode: u32,
-    sections: [u32; 3],
-    _pad: u32,
+wgsl_params! {
+    /// `p` of `rope.wgsl`.
+    pub(crate) struct RopeParams {
+        n: u32,
+        heads: u32,
+        head_dim: u32,
+        /// 0 plain, 1 interleaved, 2 sectioned (see [`mode`]).
+        mode: u32,
+        /// The M-RoPE sections, `sec0 .. sec2` in WGSL.
+        sec: [u32; 3],
+        _pad: u32,
+    }
 }
 
 /// The kernel's mode number and sections.
@@ -70,7 +72,7 @@ impl GpuContext {
             heads: (x.cols / hd) as u32,
             head_dim: hd as u32,
             mode,
-            sections: sections.map(|s| s.min(half) as u32),
+            sec: sections.map(|s| s.min(half) as u32),
             _pad: 0,
         };
         let pipeline = self.pipeline(Shader::Rope, "rope", &[])?;

@@ -1,8 +1,7 @@
 //! Dense row movement by index: embedding lookup, gather, scatter.
 
-use bytemuck::{Pod, Zeroable};
-
 use crate::backend::wgpu::context::GpuContext;
+use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::Result;
@@ -10,13 +9,14 @@ use crate::error::BackendError;
 
 const ROWS_WG: u64 = 256;
 
-#[repr(C)]
-#[derive(Clone, Copy, Pod, Zeroable)]
-struct DenseRowParams {
-    n_rows: u32,
-    width: u32,
-    src_rows: u32,
-    dst_rows: u32,
+wgsl_params! {
+    /// `p` of `rows.wgsl`: indices at or past `src_rows` (gather) or `dst_rows` (scatter) are skipped.
+    pub(crate) struct DenseRowParams {
+        n_rows: u32,
+        width: u32,
+        src_rows: u32,
+        dst_rows: u32,
+    }
 }
 
 /// Checks every index lies in `0..bound`.
