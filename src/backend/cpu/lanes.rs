@@ -31,8 +31,6 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
     /// `a * b + c` (one rounding where the CPU has FMA).
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
-    /// [`Lanes::mul_add`] of one float, rounded as the lanes round.
-    fn mul_add_one(self, a: f32, b: f32, c: f32) -> f32;
     /// `dst[i] = src[i]` widened from f16 (exact; same lengths).
     #[inline(always)]
     fn widen_f16(self, src: &[half::f16], dst: &mut [f32]) {
@@ -260,10 +258,6 @@ impl Lanes for Portable {
         std::array::from_fn(|i| a[i] * b[i] + c[i])
     }
     #[inline(always)]
-    fn mul_add_one(self, a: f32, b: f32, c: f32) -> f32 {
-        a * b + c
-    }
-    #[inline(always)]
     fn max(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
         std::array::from_fn(|i| if b[i] > a[i] { b[i] } else { a[i] })
     }
@@ -398,10 +392,6 @@ mod avx2 {
         #[inline(always)]
         fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
             unsafe { _mm256_fmadd_ps(a, b, c) }
-        }
-        #[inline(always)]
-        fn mul_add_one(self, a: f32, b: f32, c: f32) -> f32 {
-            a.mul_add(b, c)
         }
         #[inline(always)]
         fn widen_f16(self, src: &[half::f16], dst: &mut [f32]) {
@@ -638,8 +628,6 @@ mod tests {
         l.widen_f16(&halves, &mut wide);
         p.widen_f16(&halves, &mut want);
         assert_eq!(wide, want, "f16 widening");
-        let one = l.mul_add_one(a[0], b[0], c[0]);
-        assert!(one == got[0], "one float rounds as the lanes do: {one} vs {}", got[0]);
         assert_eq!(l.to_array(l.select_lt(v(a), v(b), v(c), v(b))), p.select_lt(a, b, c, b));
         for n in 0..=8 {
             assert_eq!(l.to_array(l.keep_first(v(a), n, f32::NEG_INFINITY)), p.keep_first(a, n, f32::NEG_INFINITY));

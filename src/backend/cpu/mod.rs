@@ -1,12 +1,11 @@
-//! The CPU reference backend: ndarray matrices, products through the `gemm`
-//! crate (dot products for the vocabulary; see `matmul`), flash-style attention
+//! The CPU reference backend: ndarray matrices, products over weights packed
+//! once into panels (see `panel_matmul`), flash-style attention
 //! over the pages in place, parallel over (sequence, KV head, query tile).
 //!
 //! Every op here is the semantic reference the GPU backend is tested against.
 
 mod attention;
 mod check;
-mod dot_matmul;
 mod fast_exp;
 mod lanes;
 mod matmul;
@@ -21,7 +20,7 @@ use crate::Result;
 use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
-use matmul::matmul_weight;
+pub use matmul::PackedWeight;
 pub use pages::CpuPages;
 
 /// The ndarray reference backend.
@@ -69,7 +68,7 @@ fn rms_norm_groups(x: &mut Array2<f32>, w: &[f32], width: usize, eps: f32) {
 
 impl Backend for CpuBackend {
     type Tensor = Array2<f32>;
-    type Weight = HostWeight;
+    type Weight = PackedWeight;
     type Pages = CpuPages;
 
     fn name(&self) -> &'static str {
@@ -93,9 +92,8 @@ impl Backend for CpuBackend {
         &[Dtype::F32, Dtype::Bf16, Dtype::F16]
     }
 
-    fn upload_weight(&self, host: HostWeight) -> Result<HostWeight> {
-        // Already row-major, so row slices are contiguous for every op.
-        Ok(host)
+    fn upload_weight(&self, host: HostWeight) -> Result<PackedWeight> {
+        Ok(PackedWeight::pack(&host))
     }
 
     fn alloc_pages(&self, spec: PagesSpec) -> Result<CpuPages> {
@@ -117,11 +115,11 @@ impl Backend for CpuBackend {
         pages.spec
     }
 
-    fn embedding(&self, table: &HostWeight, ids: &[u32]) -> Result<Array2<f32>> {
-        let table = table.view();
-        let mut out = Array2::zeros((ids.len(), table.ncols()));
+    fn embedding(&self, table: &PackedWeight, ids: &[u32]) -> Result<Array2<f32>> {
+        let [rows, cols] = table.shape();
+        let mut out = Array2::zeros((ids.len(), cols));
         for (i, &id) in ids.iter().enumerate() {
-            let r = row_index("embedding", "token id", i64::from(id), table.nrows())?;
+            let r = row_index("embedding", "token id", i64::from(id), rows)?;
             out.row_mut(i).assign(&ndarray::ArrayView1::from(&table.row_f32(r)));
         }
         Ok(out)
@@ -148,9 +146,9 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn matmul_t(&self, x: &Array2<f32>, w: &HostWeight) -> Result<Array2<f32>> {
+    fn matmul_t(&self, x: &Array2<f32>, w: &PackedWeight) -> Result<Array2<f32>> {
         expect_cols("matmul_t", "x", x, w.shape()[1])?;
-        Ok(matmul_weight(x.view(), w.view()))
+        Ok(w.matmul_all(x.view()))
     }
 
     fn add_bias(&self, x: &mut Array2<f32>, bias: &Array2<f32>) -> Result<()> {
@@ -201,7 +199,7 @@ impl Backend for CpuBackend {
         Ok(swiglu(gate_up.view()))
     }
 
-    fn moe(&self, x: &Array2<f32>, w: &MoeWeights<HostWeight>) -> Result<Array2<f32>> {
+    fn moe(&self, x: &Array2<f32>, w: &MoeWeights<PackedWeight>) -> Result<Array2<f32>> {
         moe::forward(x, w)
     }
 
@@ -281,8 +279,7 @@ mod tests {
     #[test]
     fn matmul_matches_naive_and_rows_do_not_depend_on_their_batch() {
         let b = CpuBackend;
-        // 200 weight rows: packed products split over tasks; 16384: dot products;
-        // in bf16 and f16 every size takes the dot kernel.
+        // 200 weight rows: a few panels; 16384: many, split over tasks.
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             for n in [200, 16_384] {
                 let w = b.upload_weight(HostWeight::from_f32(rand_rows(5, n, 9)).to_dtype(dtype).unwrap()).unwrap();
@@ -301,7 +298,7 @@ mod tests {
             }
         }
         let x = rand_rows(4, 70, 9);
-        assert!(matches!(b.matmul_t(&x, &rand_rows(6, 6, 8).into()), Err(Error::Backend(BackendError::OpShape { op: "matmul_t", what: "x", .. }))));
+        assert!(matches!(b.matmul_t(&x, &b.upload_weight(rand_rows(6, 6, 8).into()).unwrap()), Err(Error::Backend(BackendError::OpShape { op: "matmul_t", what: "x", .. }))));
     }
 
     #[test]
@@ -310,7 +307,7 @@ mod tests {
         let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             // Small integers are exact in every dtype.
-            let stored = HostWeight::from_f32(table.clone()).to_dtype(dtype).unwrap();
+            let stored = b.upload_weight(HostWeight::from_f32(table.clone()).to_dtype(dtype).unwrap()).unwrap();
             let e = b.embedding(&stored, &[4, 0, 4]).unwrap();
             assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0], "{dtype}");
             assert_eq!(e.row(2), e.row(0));

@@ -3,9 +3,9 @@
 
 use ndarray::Array2;
 
-use super::matmul::matmul_weight;
+use super::PackedWeight;
 use super::swiglu;
-use crate::backend::{HostWeight, MoeWeights};
+use crate::backend::MoeWeights;
 use crate::Result;
 use crate::error::BackendError;
 
@@ -32,10 +32,10 @@ fn softmax(logits: &[f32]) -> Vec<f32> {
 }
 
 /// See [`crate::backend::Backend::moe`].
-pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<HostWeight>) -> Result<Array2<f32>> {
+pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<PackedWeight>) -> Result<Array2<f32>> {
     const OP: &str = "moe";
     let (e, hidden) = (w.num_experts, x.ncols());
-    let bad = |what: &'static str, expected: String, t: &HostWeight| -> crate::Error {
+    let bad = |what: &'static str, expected: String, t: &PackedWeight| -> crate::Error {
         BackendError::OpShape { op: OP, what, expected, found: t.shape().to_vec() }.into()
     };
     if w.top_k == 0 || w.top_k > e {
@@ -52,7 +52,7 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<HostWeight>) -> Result<Arr
     if w.down.shape() != [e * hidden, inter] {
         return Err(bad("down", format!("[{}, {inter}]", e * hidden), &w.down));
     }
-    let logits = matmul_weight(x.view(), w.router.view());
+    let logits = w.router.matmul_all(x.view());
     // Per expert: the rows routed to it and their weights.
     let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
     for (r, row) in logits.rows().into_iter().enumerate() {
@@ -64,9 +64,8 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<HostWeight>) -> Result<Arr
     let mut out = Array2::zeros(x.raw_dim());
     for (expert, rows) in routed.iter().enumerate().filter(|(_, rows)| !rows.is_empty()) {
         let xs = Array2::from_shape_fn((rows.len(), hidden), |(i, c)| x[[rows[i].0, c]]);
-        let gu = w.gate_up.view().rows(expert * 2 * inter, (expert + 1) * 2 * inter);
-        let down = w.down.view().rows(expert * hidden, (expert + 1) * hidden);
-        let y = matmul_weight(swiglu(matmul_weight(xs.view(), gu).view()).view(), down);
+        let gate_up = w.gate_up.matmul_t(xs.view(), expert * 2 * inter..(expert + 1) * 2 * inter);
+        let y = w.down.matmul_t(swiglu(gate_up.view()).view(), expert * hidden..(expert + 1) * hidden);
         for (i, &(r, weight)) in rows.iter().enumerate() {
             out.row_mut(r).scaled_add(weight, &y.row(i));
         }
@@ -123,7 +122,7 @@ mod tests {
         for (top_k, norm) in [(1, true), (2, true), (2, false), (6, false)] {
             let w = MoeWeights::random(&mut rng, e, h, inter, top_k, norm);
             let x = rand_rows_from(&mut rng, n, h);
-            let got = forward(&x, &w.try_map(|t| Ok::<_, ()>(HostWeight::from(t.clone()))).unwrap()).unwrap();
+            let got = forward(&x, &w.try_map(|t| Ok::<_, ()>(PackedWeight::pack(&crate::backend::HostWeight::from(t.clone())))).unwrap()).unwrap();
             let want = naive(&x, &w, inter);
             for ((r, c), g) in got.indexed_iter() {
                 assert!((g - want[[r, c]]).abs() <= 1e-4 * (1.0 + want[[r, c]].abs()), "top_k {top_k} norm {norm} at ({r},{c}): {g} vs {}", want[[r, c]]);
