@@ -6,6 +6,8 @@ seeded random weights) in the shape of `omniprefix bench ttft`'s embedded model:
 hidden 512, 8 layers, 8 query / 4 KV heads, head_dim 64, SwiGLU intermediate 1536,
 vocabulary 151936, tied embeddings, RoPE theta 10000, RMSNorm eps 1e-6. On text the
 embedded model's interleaved M-RoPE is plain RoPE, so this is the same network.
+`--lm-head untied` gives the checkpoint its own lm_head (as Qwen3-Omni's thinker has):
+another 151936 x 512 matrix that every decode step reads.
 
 Measured, each engine on the same number of threads (default 2: `torch.set_num_threads`
 and OMP/MKL_NUM_THREADS for torch, `RAYON_NUM_THREADS` and `--threads` for omniprefix):
@@ -39,7 +41,7 @@ the CUDA libraries; only the CPU is used). `--venv PATH` uses (or creates) that 
 script re-runs itself under the venv's interpreter.
 
 Usage: python3 scripts/compare_torch.py [--venv PATH] [--omniprefix BIN] [--runs N]
-       [--threads N] [--dtype f32|bf16] [--markdown] [--json FILE]
+       [--threads N] [--dtype f32|bf16] [--lm-head tied|untied] [--markdown] [--json FILE]
 Without `--omniprefix` it runs `cargo build --release -p omniprefix-cli` and uses
 $CARGO_TARGET_DIR/release/omniprefix (target/release/omniprefix without it).
 """
@@ -188,7 +190,7 @@ def save_checkpoint(args):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(args.seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**MODEL)).eval()
+    model = Qwen3ForCausalLM(Qwen3Config(**{**MODEL, "tie_word_embeddings": args.lm_head == "tied"})).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.to({"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]).save_pretrained(args.worker_ckpt)
@@ -324,7 +326,7 @@ def agreeing_prefix(a, b):
 
 def rows_of(args, omni_pre, omni_pre_rss, torch_pre, torch_pre_rss, omni_dec, omni_dec_rss, torch_dec, torch_dec_rss):
     total = args.prefix + args.suffix
-    common = {"dtype": args.dtype, "threads": args.threads, "runs": args.runs}
+    common = {"dtype": args.dtype, "lm_head": args.lm_head, "threads": args.threads, "runs": args.runs}
 
     def prefill(part, what, tokens, omni_ms, torch_ms, omni_rss, torch_rss):
         return {"part": part, "what": what, "tokens": tokens, "omniprefix_ms": omni_ms, "torch_ms": torch_ms,
@@ -371,6 +373,7 @@ def parse_args():
     parser.add_argument("--runs", type=int, default=5, help="timed runs per figure (medians), after one warm-up run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="checkpoint dtype")
+    parser.add_argument("--lm-head", choices=["tied", "untied"], default="tied", help="lm_head shared with the embedding table, or its own")
     parser.add_argument("--prefix", type=int, default=2048, help="cached prefix of (b); (a) is prefix + suffix")
     parser.add_argument("--suffix", type=int, default=256)
     parser.add_argument("--prompt", type=int, default=256, help="prompt of the decode run (c)")
@@ -393,14 +396,14 @@ def main():
         return {"save": save_checkpoint, "prefill": torch_prefill, "decode": torch_decode}[args.worker](args)
     reexec_in_venv(args)
     binary = omniprefix_binary(args)
-    info = {**machine(binary), "threads": args.threads, "dtype": args.dtype, "runs": args.runs}
+    info = {**machine(binary), "threads": args.threads, "dtype": args.dtype, "lm_head": args.lm_head, "runs": args.runs}
     info["loadavg_before"] = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="compare_torch_") as tmp:
         scratch = pathlib.Path(tmp)
         ckpt = args.keep or scratch / "qwen3"
         worker = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker-ckpt", str(ckpt),
                   "--threads", str(args.threads), "--runs", str(args.runs), "--prefix", str(args.prefix),
-                  "--suffix", str(args.suffix), "--prompt", str(args.prompt), "--dtype", args.dtype,
+                  "--suffix", str(args.suffix), "--prompt", str(args.prompt), "--dtype", args.dtype, "--lm-head", args.lm_head,
                   "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed)]
         env = thread_env(args.threads)
         # Each engine's side in its own process, spawned from this one, which never
@@ -426,7 +429,7 @@ def main():
                        "torch_uncached_ms": torch_pre["uncached_all_ms"], "torch_cached_ms": torch_pre["cached_all_ms"]}
     print(f"{info['cpu']} ({info['usable_cpus']} of {info['logical_cpus']} CPUs usable), {args.threads} threads each; "
           f"torch {info['torch']} ({info['torch_cpu_capability']}), transformers {info['transformers']}; "
-          f"checkpoint {args.dtype}, {info['parameters'] / 1e6:.1f} M parameters; medians of {args.runs} runs")
+          f"checkpoint {args.dtype}, {args.lm_head} lm_head, {info['parameters'] / 1e6:.1f} M parameters; medians of {args.runs} runs")
     print(table(rows, args.markdown))
     agree = rows[2]["greedy_tokens_agreeing"]
     print(f"greedy tokens agreeing before the first difference, per decode run: {agree} of {args.decode_tokens}")

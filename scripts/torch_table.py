@@ -2,7 +2,7 @@
 """The summary rows of docs/benchmarks.md ("Against PyTorch") from `scripts/compare_torch.py`'s reports.
 
 Usage: python3 scripts/torch_table.py docs/reports/compare_torch.jsonl docs/reports/compare_torch_bf16.jsonl
-Prints one markdown row per report file: checkpoint dtype, then (a) uncached prefill, (b) cached
+Prints one markdown row per report file: checkpoint dtype and lm_head (tied or untied), then (a) uncached prefill, (b) cached
 prefill, (c) decode as "omniprefix vs torch: ratio", and the peak RSS of both sides.
 """
 
@@ -20,7 +20,7 @@ def row(path: str) -> str:
     ms = lambda r: f"{r['omniprefix_ms']:.0f} vs {r['torch_ms']:.0f} ms: **{r['ratio']:.2f}**"
     rate = f"{c['omniprefix_tok_s']:.1f} vs {c['torch_tok_s']:.1f} tok/s: **{c['omniprefix_tok_s'] / c['torch_tok_s']:.2f} ×**"
     rss = f"{max(a['omniprefix_rss_mib'], c['omniprefix_rss_mib']):.0f} / {max(a['torch_rss_mib'], c['torch_rss_mib']):.0f} MiB"
-    return f"| {a['dtype']} | {ms(a)} | {ms(b)} | {rate} | {rss} |"
+    return f"| {a['dtype']} | {a.get('lm_head', 'tied')} | {ms(a)} | {ms(b)} | {rate} | {rss} |"
 
 
 if __name__ == "__main__":
