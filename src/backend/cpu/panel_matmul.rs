@@ -187,24 +187,28 @@ impl<T: Element> WideKernel for TileTask<'_, T> {
     type Out = ();
     #[inline(always)]
     fn run<W: Wide>(self, w: W) {
-        // 16 lanes: 8 rows x 2 vectors (16 accumulators of 32 registers); 8 lanes:
-        // 3 rows x 4 vectors (12 of 16).
+        // Two vectors of columns per call: with 16 lanes a whole panel, 8 rows (16
+        // accumulators of 32 registers); with 8 lanes half a panel at a time, 6 rows
+        // (12 accumulators, 2 weight vectors and a broadcast: 15 of 16 registers).
         // SAFETY: `TileTask`'s contract.
         unsafe {
-            if W::WIDTH == 16 { run_tile::<W, T, 8, 2>(w, &self) } else { run_tile::<W, T, 3, 4>(w, &self) }
+            if W::WIDTH == 16 { run_tile::<W, T, 8>(w, &self) } else { run_tile::<W, T, 6>(w, &self) }
         }
     }
 }
+
+/// Vectors of columns per kernel call: [`PANEL`] / (`NV` · width) calls cover a panel.
+const NV: usize = 2;
 
 /// Takes the tile's panels a group at a time and multiplies every row of the tile
 /// by each group, `MR` rows at a time (fewer rows take more panels per call, so a
 /// decode step still has independent accumulators to hide the multiply-add latency).
 ///
 /// # Safety
-/// `TileTask`'s contract; `NV * W::WIDTH == PANEL`.
+/// `TileTask`'s contract; `NV * W::WIDTH` divides `PANEL`.
 #[inline(always)]
-unsafe fn run_tile<W: Wide, T: Element, const MR: usize, const NV: usize>(w: W, t: &TileTask<'_, T>) {
-    assert_eq!(NV * W::WIDTH, PANEL, "a kernel call covers whole panels");
+unsafe fn run_tile<W: Wide, T: Element, const MR: usize>(w: W, t: &TileTask<'_, T>) {
+    assert_eq!(PANEL % (NV * W::WIDTH), 0, "kernel calls cover whole panels");
     let k = t.k;
     let group = (PANEL_GROUP_BYTES / (k.max(1) * PANEL * std::mem::size_of::<T>())).max(1);
     let mut g0 = t.panels.start;
@@ -218,19 +222,22 @@ unsafe fn run_tile<W: Wide, T: Element, const MR: usize, const NV: usize>(w: W, 
                 macro_rules! call {
                     ($mr:literal, $np:literal) => {{
                         let x = |i: usize| t.xs[(r0 + i) * k..].as_ptr();
-                        // SAFETY: panels p..p + $np lie inside the tile's panels, inside `data`.
-                        let panel = |q: usize| unsafe { t.data.as_ptr().add((p + q) * k * PANEL) };
-                        let out = |i: usize| {
-                            std::array::from_fn(|q| {
-                                // SAFETY: row r0 + i and panel p + q lie in the tile, inside `[m, width]`.
-                                unsafe { t.out.0.add((r0 + i) * t.width + (p + q - t.first) * PANEL) }
-                            })
-                        };
-                        // SAFETY: each x pointer starts a row of k floats, each panel k * PANEL
-                        // elements, each out pointer PANEL writable floats no other task writes.
-                        unsafe {
-                            kernel::<W, T, $mr, $np, NV>(w, std::array::from_fn(x), std::array::from_fn(panel), k, std::array::from_fn(out))
-                        };
+                        for col in (0..PANEL).step_by(NV * W::WIDTH) {
+                            // SAFETY: panels p..p + $np lie inside the tile's panels, inside `data`.
+                            let panel = |q: usize| unsafe { t.data.as_ptr().add((p + q) * k * PANEL + col) };
+                            let out = |i: usize| {
+                                std::array::from_fn(|q| {
+                                    // SAFETY: row r0 + i and panel p + q lie in the tile, inside `[m, width]`.
+                                    unsafe { t.out.0.add((r0 + i) * t.width + (p + q - t.first) * PANEL + col) }
+                                })
+                            };
+                            // SAFETY: each x pointer starts a row of k floats, each panel pointer
+                            // k rows of PANEL elements (from column `col`), each out pointer
+                            // NV * WIDTH writable floats no other task writes.
+                            unsafe {
+                                kernel::<W, T, $mr, $np, NV>(w, std::array::from_fn(x), std::array::from_fn(panel), k, std::array::from_fn(out))
+                            };
+                        }
                         p += $np;
                     }};
                 }
@@ -255,12 +262,14 @@ unsafe fn run_tile<W: Wide, T: Element, const MR: usize, const NV: usize>(w: W, 
     }
 }
 
-/// `R` rows of `x` by `P` panels: for each `k` in order, every accumulator takes
-/// one fused multiply-add. The same operations per element whatever `R` and `P`.
+/// `R` rows of `x` by `NV` vectors of columns of `P` panels: for each `k` in
+/// order, every accumulator takes one fused multiply-add. The same operations per
+/// element whatever `R`, `P` and the columns.
 ///
 /// # Safety
-/// Every `x` pointer starts `k` readable floats, every panel `k * PANEL` readable
-/// elements, every `out` pointer `PANEL` writable floats; `NV * W::WIDTH == PANEL`.
+/// Every `x` pointer starts `k` readable floats, every panel pointer `k` rows of
+/// `PANEL` (it may start inside a row) with `NV * W::WIDTH` readable from each,
+/// every `out` pointer `NV * W::WIDTH` writable floats.
 #[inline(always)]
 unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize, const NV: usize>(
     w: W,
@@ -286,7 +295,7 @@ unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize, const NV: 
     for (a, o) in acc.iter().zip(&out) {
         for (a, o) in a.iter().zip(o) {
             for (v, a) in a.iter().enumerate() {
-                // SAFETY: v * WIDTH + WIDTH <= PANEL floats from o.
+                // SAFETY: v * WIDTH + WIDTH <= NV * WIDTH floats from o.
                 unsafe { w.store(o.add(v * W::WIDTH), *a) };
             }
         }
