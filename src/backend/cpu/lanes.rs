@@ -183,6 +183,11 @@ pub(crate) trait Wide: Copy + Send + Sync {
     /// # Safety
     /// `p` must be valid for writing `WIDTH` floats.
     unsafe fn store(self, p: *mut f32, v: Self::V);
+    /// A hint to bring the cache line at `p` closer (no effect on results; any address).
+    #[inline(always)]
+    fn prefetch(self, p: *const u8) {
+        let _ = p;
+    }
 }
 
 /// The AVX2 entry point: `kernel` (inlined) compiled with AVX2, FMA and F16C.
@@ -540,6 +545,10 @@ mod avx2_wide {
         unsafe fn store(self, p: *mut f32, v: __m256) {
             unsafe { Lanes::store(self, p, v) }
         }
+        #[inline(always)]
+        fn prefetch(self, p: *const u8) {
+            Lanes::prefetch(self, p.cast())
+        }
     }
 }
 
@@ -597,6 +606,11 @@ mod avx512 {
         #[inline(always)]
         unsafe fn store(self, p: *mut f32, v: __m512) {
             unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        fn prefetch(self, p: *const u8) {
+            // A prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
     }
 }
