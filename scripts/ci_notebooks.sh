@@ -30,7 +30,7 @@ mkdir -p "$work/reports" "$work/figures"
 "$bin" bench match --workload all --scale tiny --runs 1 --threads 1 --json > "$work/reports/bench_match_1t.jsonl"
 "$bin" bench match --workload all --scale tiny --runs 1 --threads 2 --json > "$work/reports/bench_match_Nt.jsonl"
 "$bin" bench serve --quick --threads 1 --json > "$work/reports/bench_serve.jsonl"
-# scripts/prefill_policy.sh in small: the cap off (= the budget), then the default (a sixteenth: 4).
+# scripts/prefill_policy.sh in small: the cap off (= the budget), then the default (a thirty-second: 2).
 for cap in --prefill-cap=64 ""; do
     # shellcheck disable=SC2086
     "$bin" bench serve --quick --threads 1 --json --trace --workload prefix_repetition --concurrency 1,4 \

@@ -354,7 +354,7 @@ class Engine:
         * ``validation``: how a fingerprint hit is confirmed.
         * ``tenants``: the known tenant ids; a request of any other tenant is a :class:`RequestError`.
         * ``max_tokens_per_step`` / ``max_seqs_per_step``: the scheduler's step budget (2048 / 8);
-          ``prefill_cap``: prefill tokens a step that carries decodes may add (default a sixteenth
+          ``prefill_cap``: prefill tokens a step that carries decodes may add (default a thirty-second
           of ``max_tokens_per_step``; at most it), so long prompts are chunked instead of
           stalling decodes; ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
         * ``kv_events``: publish KV events on this ZMQ PUB endpoint, in vLLM's wire format (the

@@ -35,8 +35,8 @@ pub struct EngineConfig {
     pub max_seqs_per_step: usize,
     /// Prefill tokens a step that carries decode tokens may add, so long
     /// prompts are chunked across steps instead of stalling decodes (see
-    /// [`SchedulerConfig::prefill_cap`]). `None` (default): a sixteenth of
-    /// `max_tokens_per_step` (128 of 2048; `scripts/prefill_policy.sh` measured 64, 128 and 256); `Some(max_tokens_per_step)`: uncapped.
+    /// [`SchedulerConfig::prefill_cap`]). `None` (default): a thirty-second of
+    /// `max_tokens_per_step` (64 of 2048; `scripts/prefill_policy.sh` measured 32, 64 and 128); `Some(max_tokens_per_step)`: uncapped.
     pub prefill_cap: Option<usize>,
     /// Reuse a match that ends inside a block by copying that block (default on).
     pub token_granular_reuse: bool,
@@ -96,7 +96,7 @@ impl EngineConfig {
             block_size: self.block_size,
             max_tokens_per_step: self.max_tokens_per_step,
             max_seqs_per_step: self.max_seqs_per_step,
-            prefill_cap: Some(self.prefill_cap.unwrap_or((self.max_tokens_per_step / 16).max(1))),
+            prefill_cap: Some(self.prefill_cap.unwrap_or((self.max_tokens_per_step / 32).max(1))),
             token_granular_reuse: self.token_granular_reuse,
         }
     }

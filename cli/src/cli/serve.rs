@@ -78,7 +78,7 @@ pub struct ServeArgs {
     /// New tokens per scheduler step (the chunked-prefill budget; default 2048).
     #[arg(long)]
     pub max_tokens_per_step: Option<usize>,
-    /// Prefill tokens a step that carries decodes may add (default: a sixteenth
+    /// Prefill tokens a step that carries decodes may add (default: a thirty-second
     /// of the budget; the budget itself: uncapped).
     #[arg(long)]
     pub prefill_cap: Option<usize>,
