@@ -13,6 +13,10 @@
 
 use pyo3::prelude::*;
 
+/// The Rust side's allocator (see `python/Cargo.toml`); Python objects keep Python's.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod arrays;
 mod engine;
 mod errors;
