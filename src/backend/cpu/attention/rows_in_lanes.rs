@@ -60,8 +60,9 @@ unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(w: W, qt: *const f
 }
 
 /// [`qk_block`] over all `keys`: 4 (two lane vectors) or 6 (one) at a time, then
-/// 2 and 1. LLVM loads every key's broadcast before the multiply-adds, so
-/// `NK · (RV + 1) + RV` registers must fit in 16.
+/// 2 and 1; with 16 lanes (AVX-512, 32 registers) 8 or 12 first. LLVM loads
+/// every key's broadcast before the multiply-adds, so `NK · (RV + 1) + RV`
+/// registers must fit in 16 (32 with AVX-512).
 ///
 /// # Safety
 /// As [`qk_block`], `st` valid for `keys.len()` rows.
@@ -70,6 +71,18 @@ unsafe fn qk_rows<W: Wide, const RV: usize>(w: W, qt: *const f32, rpad: usize, k
     let n = keys.len();
     let mut j = 0;
     unsafe {
+        if W::WIDTH == 16 && RV == 1 {
+            while j + 12 <= n {
+                qk_block::<W, 12, RV>(w, qt, rpad, &keys[j..], hd, st.add(j * rpad));
+                j += 12;
+            }
+        }
+        if W::WIDTH == 16 {
+            while j + 8 <= n {
+                qk_block::<W, 8, RV>(w, qt, rpad, &keys[j..], hd, st.add(j * rpad));
+                j += 8;
+            }
+        }
         if RV == 1 {
             while j + 6 <= n {
                 qk_block::<W, 6, RV>(w, qt, rpad, &keys[j..], hd, st.add(j * rpad));
@@ -136,7 +149,8 @@ unsafe fn pv_block<W: Wide, const DB: usize, const RV: usize, const MASK: bool>(
 }
 
 /// [`pv_block`] over all `hd` dims: 6 (one lane vector) or 4 (two) at a time,
-/// then 2 and 1; 4 then 1 when masking (more registers).
+/// then 2 and 1; 4 then 1 when masking (more registers). With 16 lanes (32
+/// registers) 12 (one vector) or 8 first, 8 when masking.
 ///
 /// # Safety
 /// As [`pv_block`] with `acc` at dim row 0 and `vals` rows of `hd` floats.
@@ -147,6 +161,10 @@ unsafe fn pv_rows<W: Wide, const RV: usize>(w: W, acc: *mut f32, rpad: usize, al
     unsafe {
         match n {
             Some(n) => {
+                while W::WIDTH == 16 && d0 + 8 <= hd {
+                    pv_block::<W, 8, RV, true>(w, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 8;
+                }
                 while d0 + 4 <= hd {
                     pv_block::<W, 4, RV, true>(w, at(d0), rpad, alpha, pt, vals, d0, n);
                     d0 += 4;
@@ -159,6 +177,14 @@ unsafe fn pv_rows<W: Wide, const RV: usize>(w: W, acc: *mut f32, rpad: usize, al
             None => {
                 let n = [w.zero(); RV];
                 // As in `qk_rows`: DB · (RV + 1) + RV registers.
+                while W::WIDTH == 16 && RV == 1 && d0 + 12 <= hd {
+                    pv_block::<W, 12, RV, false>(w, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 12;
+                }
+                while W::WIDTH == 16 && d0 + 8 <= hd {
+                    pv_block::<W, 8, RV, false>(w, at(d0), rpad, alpha, pt, vals, d0, n);
+                    d0 += 8;
+                }
                 while RV == 1 && d0 + 6 <= hd {
                     pv_block::<W, 6, RV, false>(w, at(d0), rpad, alpha, pt, vals, d0, n);
                     d0 += 6;
