@@ -1,8 +1,10 @@
 //! Eight f32 lanes for the CPU attention kernels: AVX2 + FMA registers where the
 //! CPU has them ([`Avx2`]), plain arrays elsewhere ([`Portable`]); and the widest
-//! registers the CPU has ([`Wide`]: 16 lanes with AVX-512) for the matrix products.
+//! registers the CPU has ([`Wide`]: 16 lanes with AVX-512) for the matrix products
+//! and the prefill attention layout.
 //!
-//! Kernels are written once, generic over [`Lanes`], and marked `#[inline(always)]`
+//! Kernels are written once, generic over [`Wide`] (reaching 8-lane [`Lanes`]
+//! through [`Wide::narrow`] where they need a fixed count), and marked `#[inline(always)]`
 //! so that inside a `#[target_feature(enable = "avx2,fma")]` entry point every
 //! operation becomes one instruction. A machine always takes the same
 //! implementation, and each operation here is lane-wise or a fixed tree, so a
@@ -29,7 +31,7 @@ pub(crate) trait Lanes: Copy + Send + Sync {
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
     fn sub(self, a: Self::V, b: Self::V) -> Self::V;
     fn mul(self, a: Self::V, b: Self::V) -> Self::V;
-    /// `a * b + c` (one rounding where the CPU has FMA).
+    /// `a * b + c`, rounded once on every build (a fused multiply-add).
     fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// `dst[i] = src[i]` widened from f16 (exact; same lengths).
     #[inline(always)]
@@ -38,6 +40,7 @@ pub(crate) trait Lanes: Copy + Send + Sync {
             *d = s.to_f32();
         }
     }
+    /// `b > a ? b : a`, lane by lane.
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
     /// `x` where `a < b`, `y` elsewhere, lane by lane.
     fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
@@ -64,25 +67,19 @@ pub(crate) enum Simd {
     /// [`Avx2`] lanes; holding the token proves AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     Avx2(Avx2),
-    /// [`Avx2`] lanes for [`LaneKernel`]s and [`Avx512`] ones for [`WideKernel`]s;
-    /// holding the token proves AVX-512F as well.
+    /// [`Avx512`] lanes (16 wide; their [`Wide::narrow`] lanes are [`Avx2`]);
+    /// holding the token proves AVX-512F as well as AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    Avx512(Avx2, Avx512),
-}
-
-/// A kernel written once over [`Lanes`]; [`Simd::run`] compiles it for each build.
-pub(crate) trait LaneKernel {
-    type Out;
-    /// The kernel on lanes `l`. Mark it `#[inline(always)]`, so that it (and the
-    /// `#[inline(always)]` code it calls) is compiled inside the build's entry point
-    /// with that build's CPU features.
-    fn run<L: Lanes>(self, l: L) -> Self::Out;
+    Avx512(Avx512),
 }
 
 /// A kernel written once over [`Wide`] lanes; [`Simd::run_wide`] compiles it for
-/// each build. The same rules as [`LaneKernel`].
+/// each build.
 pub(crate) trait WideKernel {
     type Out;
+    /// The kernel on lanes `w`. Mark it `#[inline(always)]`, so that it (and the
+    /// `#[inline(always)]` code it calls) is compiled inside the build's entry point
+    /// with that build's CPU features.
     fn run<W: Wide>(self, w: W) -> Self::Out;
 }
 
@@ -91,8 +88,8 @@ impl Simd {
     pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         if let Some(l) = Avx2::new() {
-            return match Avx512::new() {
-                Some(z) => Simd::Avx512(l, z),
+            return match Avx512::new(l) {
+                Some(z) => Simd::Avx512(z),
                 None => Simd::Avx2(l),
             };
         }
@@ -106,22 +103,11 @@ impl Simd {
         #[cfg(target_arch = "x86_64")]
         if let Some(l) = Avx2::new() {
             all.push(Simd::Avx2(l));
-            if let Some(z) = Avx512::new() {
-                all.push(Simd::Avx512(l, z));
+            if let Some(z) = Avx512::new(l) {
+                all.push(Simd::Avx512(z));
             }
         }
         all
-    }
-
-    /// Runs `kernel` on this build's lanes.
-    #[inline]
-    pub(crate) fn run<K: LaneKernel>(self, kernel: K) -> K::Out {
-        match self {
-            Simd::Portable => kernel.run(Portable),
-            // SAFETY: the token proves the CPU has the entry point's features.
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx2(l) | Simd::Avx512(l, _) => unsafe { run_avx2(l, kernel) },
-        }
     }
 
     /// Runs `kernel` on this build's widest lanes.
@@ -133,7 +119,7 @@ impl Simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2(l) => unsafe { run_wide_avx2(l, kernel) },
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512(_, z) => unsafe { run_avx512(z, kernel) },
+            Simd::Avx512(z) => unsafe { run_avx512(z, kernel) },
         }
     }
 }
@@ -153,13 +139,18 @@ fn run_avx512<K: WideKernel>(z: Avx512, kernel: K) -> K::Out {
 }
 
 /// The widest f32 vector the CPU has, for kernels that need no fixed lane count
-/// (the matrix products). Every operation is lane-wise, so a lane's result is the
-/// same whatever the width.
+/// (the matrix products, the prefill attention layout). Every operation is
+/// lane-wise and does what the [`Lanes`] one of the same name does, so a lane's
+/// result is the same whatever the width.
 pub(crate) trait Wide: Copy + Send + Sync {
     type V: Copy;
-    /// Lanes per vector.
+    /// Lanes per vector (8 or 16).
     const WIDTH: usize;
+    /// The 8-lane build of the same CPU, for the parts of a kernel written over [`Lanes`].
+    type Narrow: Lanes;
+    fn narrow(self) -> Self::Narrow;
     fn zero(self) -> Self::V;
+    fn splat(self, x: f32) -> Self::V;
     /// `*p` in every lane.
     ///
     /// # Safety
@@ -183,6 +174,15 @@ pub(crate) trait Wide: Copy + Send + Sync {
     /// # Safety
     /// `p` must be valid for writing `WIDTH` floats.
     unsafe fn store(self, p: *mut f32, v: Self::V);
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `b > a ? b : a`, lane by lane (as [`Lanes::max`]).
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `x` where `a < b`, `y` elsewhere, lane by lane.
+    fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
+    /// [`super::fast_exp::exp`] of each lane, to the last bit.
+    fn exp(self, x: Self::V) -> Self::V;
     /// A hint to bring the cache line at `p` closer (no effect on results; any address).
     #[inline(always)]
     fn prefetch(self, p: *const u8) {
@@ -190,11 +190,67 @@ pub(crate) trait Wide: Copy + Send + Sync {
     }
 }
 
-/// The AVX2 entry point: `kernel` (inlined) compiled with AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn run_avx2<K: LaneKernel>(l: Avx2, kernel: K) -> K::Out {
-    kernel.run(l)
+/// The [`Wide`] operations that are the [`Lanes`] ones, for a type that is both
+/// with the same 8-lane vector.
+macro_rules! wide_as_lanes {
+    () => {
+        type Narrow = Self;
+        #[inline(always)]
+        fn narrow(self) -> Self {
+            self
+        }
+        #[inline(always)]
+        fn zero(self) -> Self::V {
+            Lanes::zero(self)
+        }
+        #[inline(always)]
+        fn splat(self, x: f32) -> Self::V {
+            Lanes::splat(self, x)
+        }
+        #[inline(always)]
+        unsafe fn splat_at(self, p: *const f32) -> Self::V {
+            // SAFETY: the caller's contract is the one of `Lanes::splat_at`.
+            unsafe { Lanes::splat_at(self, p) }
+        }
+        #[inline(always)]
+        unsafe fn load(self, p: *const f32) -> Self::V {
+            // SAFETY: WIDTH is 8: the caller's contract is the one of `Lanes::load`.
+            unsafe { Lanes::load(self, p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, v: Self::V) {
+            // SAFETY: WIDTH is 8: the caller's contract is the one of `Lanes::store`.
+            unsafe { Lanes::store(self, p, v) }
+        }
+        #[inline(always)]
+        fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+            Lanes::mul_add(self, a, b, c)
+        }
+        #[inline(always)]
+        fn add(self, a: Self::V, b: Self::V) -> Self::V {
+            Lanes::add(self, a, b)
+        }
+        #[inline(always)]
+        fn sub(self, a: Self::V, b: Self::V) -> Self::V {
+            Lanes::sub(self, a, b)
+        }
+        #[inline(always)]
+        fn mul(self, a: Self::V, b: Self::V) -> Self::V {
+            Lanes::mul(self, a, b)
+        }
+        #[inline(always)]
+        fn max(self, a: Self::V, b: Self::V) -> Self::V {
+            Lanes::max(self, a, b)
+        }
+        #[inline(always)]
+        fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V {
+            Lanes::select_lt(self, a, b, x, y)
+        }
+        #[inline(always)]
+        fn exp(self, x: Self::V) -> Self::V {
+            Lanes::exp(self, x)
+        }
+    };
 }
 
 /// `dst[i] = src[i]` widened from bf16 (exact): bf16 is the top half of an f32, so
@@ -260,7 +316,8 @@ impl Lanes for Portable {
     }
     #[inline(always)]
     fn mul_add(self, a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
-        std::array::from_fn(|i| a[i] * b[i] + c[i])
+        // Fused like the vector builds, so every build gives the same bits.
+        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
     }
     #[inline(always)]
     fn max(self, a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
@@ -284,25 +341,12 @@ impl Lanes for Portable {
     }
 }
 
-/// Eight plain lanes, fused like the vector builds (`f32::mul_add`), so every build
-/// of a [`WideKernel`] gives the same bits.
+/// Eight plain lanes (the [`Lanes`] ones), so every build of a [`WideKernel`]
+/// gives the same bits.
 impl Wide for Portable {
     type V = [f32; 8];
     const WIDTH: usize = 8;
-    #[inline(always)]
-    fn zero(self) -> [f32; 8] {
-        [0.0; 8]
-    }
-    #[inline(always)]
-    unsafe fn splat_at(self, p: *const f32) -> [f32; 8] {
-        // SAFETY: the caller guarantees one readable float at `p`.
-        [unsafe { *p }; 8]
-    }
-    #[inline(always)]
-    unsafe fn load(self, p: *const f32) -> [f32; 8] {
-        // SAFETY: the caller guarantees 8 readable floats at `p`.
-        unsafe { p.cast::<[f32; 8]>().read_unaligned() }
-    }
+    wide_as_lanes!();
     #[inline(always)]
     unsafe fn load_bf16(self, p: *const half::bf16) -> [f32; 8] {
         // SAFETY: the caller guarantees 8 readable elements at `p`.
@@ -313,15 +357,38 @@ impl Wide for Portable {
         // SAFETY: the caller guarantees 8 readable elements at `p`.
         unsafe { p.cast::<[half::f16; 8]>().read_unaligned() }.map(half::f16::to_f32)
     }
-    #[inline(always)]
-    fn mul_add(self, a: [f32; 8], b: [f32; 8], c: [f32; 8]) -> [f32; 8] {
-        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
+}
+
+/// What [`exp_lanes`] needs of a vector build beyond [`Wide`].
+#[cfg(target_arch = "x86_64")]
+trait ExpBits: Wide {
+    /// `x.clamp(lo, hi)` as [`f32::clamp`] computes it: max, then min.
+    fn clamp(self, x: Self::V, lo: f32, hi: f32) -> Self::V;
+    /// `2^n` where `t = n + round` holds the integer `n` in its low mantissa bits,
+    /// built in the exponent bits.
+    fn pow2(self, t: Self::V, round: f32) -> Self::V;
+}
+
+/// The operations of [`super::fast_exp::exp`], in its order, on every lane: the
+/// one `exp` of the vector builds (8 or 16 lanes).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn exp_lanes<W: ExpBits>(w: W, x: W::V) -> W::V {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0;
+    let c = |v: f32| w.splat(v);
+    let x = w.clamp(x, -87.0, 88.0);
+    let t = w.add(w.mul(x, c(LOG2E)), c(ROUND));
+    let n = w.sub(t, c(ROUND));
+    let r = w.sub(w.sub(x, w.mul(n, c(LN2_HI))), w.mul(n, c(LN2_LO)));
+    let step = |acc: W::V, k: f32| w.add(c(k), w.mul(r, acc));
+    let mut p = c(1.0 / 5040.0);
+    for k in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = step(p, k);
     }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32, v: [f32; 8]) {
-        // SAFETY: the caller guarantees 8 writable floats at `p`.
-        unsafe { p.cast::<[f32; 8]>().write_unaligned(v) }
-    }
+    w.mul(p, w.pow2(t, ROUND))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -435,35 +502,7 @@ mod avx2 {
         }
         #[inline(always)]
         fn exp(self, x: __m256) -> __m256 {
-            // The operations of `fast_exp::exp`, in its order, on 8 lanes.
-            const LOG2E: f32 = std::f32::consts::LOG2_E;
-            const LN2_HI: f32 = 0.693_359_4;
-            const LN2_LO: f32 = -2.121_944_4e-4;
-            const ROUND: f32 = 12_582_912.0;
-            unsafe {
-                // clamp: f32::clamp is max then min.
-                let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
-                let round = _mm256_set1_ps(ROUND);
-                let t = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round);
-                let n = _mm256_sub_ps(t, round);
-                let r = _mm256_sub_ps(
-                    _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HI))),
-                    _mm256_mul_ps(n, _mm256_set1_ps(LN2_LO)),
-                );
-                let c = |v: f32| _mm256_set1_ps(v);
-                let step = |acc: __m256, k: f32| _mm256_add_ps(c(k), _mm256_mul_ps(r, acc));
-                let mut p = c(1.0 / 5040.0);
-                p = step(p, 1.0 / 720.0);
-                p = step(p, 1.0 / 120.0);
-                p = step(p, 1.0 / 24.0);
-                p = step(p, 1.0 / 6.0);
-                p = step(p, 0.5);
-                p = step(p, 1.0);
-                p = step(p, 1.0);
-                let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(ROUND.to_bits() as i32));
-                let scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
-                _mm256_mul_ps(p, scale)
-            }
+            super::exp_lanes(self, x)
         }
         #[inline(always)]
         fn transpose8(self, x: [__m256; 8]) -> [__m256; 8] {
@@ -509,25 +548,14 @@ mod avx2 {
 mod avx2_wide {
     use std::arch::x86_64::*;
 
-    use super::{Avx2, Lanes, Wide};
+    use super::{Avx2, ExpBits, Lanes, Wide};
 
     // SAFETY (every `unsafe` block below): an `Avx2` proves AVX2, FMA and F16C;
     // pointer validity is the caller's contract.
     impl Wide for Avx2 {
         type V = __m256;
         const WIDTH: usize = 8;
-        #[inline(always)]
-        fn zero(self) -> __m256 {
-            Lanes::zero(self)
-        }
-        #[inline(always)]
-        unsafe fn splat_at(self, p: *const f32) -> __m256 {
-            unsafe { Lanes::splat_at(self, p) }
-        }
-        #[inline(always)]
-        unsafe fn load(self, p: *const f32) -> __m256 {
-            unsafe { Lanes::load(self, p) }
-        }
+        wide_as_lanes!();
         #[inline(always)]
         unsafe fn load_bf16(self, p: *const half::bf16) -> __m256 {
             // bf16 is the top half of an f32: widen to 32 bits, shift up.
@@ -538,16 +566,22 @@ mod avx2_wide {
             unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
         }
         #[inline(always)]
-        fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
-            Lanes::mul_add(self, a, b, c)
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32, v: __m256) {
-            unsafe { Lanes::store(self, p, v) }
-        }
-        #[inline(always)]
         fn prefetch(self, p: *const u8) {
             Lanes::prefetch(self, p.cast())
+        }
+    }
+
+    impl ExpBits for Avx2 {
+        #[inline(always)]
+        fn clamp(self, x: __m256, lo: f32, hi: f32) -> __m256 {
+            unsafe { _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi)) }
+        }
+        #[inline(always)]
+        fn pow2(self, t: __m256, round: f32) -> __m256 {
+            unsafe {
+                let n = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(round.to_bits() as i32));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127))))
+            }
         }
     }
 }
@@ -556,21 +590,22 @@ mod avx2_wide {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::Wide;
+    use super::{Avx2, ExpBits, Wide};
 
     /// 512-bit AVX-512F registers (16 lanes). Only [`Avx512::new`] makes one
-    /// (through [`super::Simd::detect`]); it comes with an [`super::Avx2`] token.
+    /// (through [`super::Simd::detect`]); it holds the CPU's [`Avx2`] token, its
+    /// [`Wide::narrow`] lanes.
     #[derive(Debug, Clone, Copy)]
-    pub(crate) struct Avx512(());
+    pub(crate) struct Avx512(Avx2);
 
     impl Avx512 {
-        /// The token when this CPU has AVX-512F (checked once).
-        pub(super) fn new() -> Option<Self> {
+        /// The token when this CPU (which has AVX2: `l`) has AVX-512F (checked once).
+        pub(super) fn new(l: Avx2) -> Option<Self> {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let ok = *AVAILABLE.get_or_init(|| {
                 is_x86_feature_detected!("avx512f")
             });
-            ok.then_some(Avx512(()))
+            ok.then_some(Avx512(l))
         }
     }
 
@@ -579,9 +614,18 @@ mod avx512 {
     impl Wide for Avx512 {
         type V = __m512;
         const WIDTH: usize = 16;
+        type Narrow = Avx2;
+        #[inline(always)]
+        fn narrow(self) -> Avx2 {
+            self.0
+        }
         #[inline(always)]
         fn zero(self) -> __m512 {
             unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        fn splat(self, x: f32) -> __m512 {
+            unsafe { _mm512_set1_ps(x) }
         }
         #[inline(always)]
         unsafe fn splat_at(self, p: *const f32) -> __m512 {
@@ -612,6 +656,45 @@ mod avx512 {
             // A prefetch never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
+        #[inline(always)]
+        fn add(self, a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_add_ps(a, b) }
+        }
+        #[inline(always)]
+        fn sub(self, a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_sub_ps(a, b) }
+        }
+        #[inline(always)]
+        fn mul(self, a: __m512, b: __m512) -> __m512 {
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        fn max(self, a: __m512, b: __m512) -> __m512 {
+            // `b > a ? b : a` (maxps returns its second operand unless the first is greater).
+            unsafe { _mm512_max_ps(b, a) }
+        }
+        #[inline(always)]
+        fn select_lt(self, a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
+            unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), y, x) }
+        }
+        #[inline(always)]
+        fn exp(self, x: __m512) -> __m512 {
+            super::exp_lanes(self, x)
+        }
+    }
+
+    impl ExpBits for Avx512 {
+        #[inline(always)]
+        fn clamp(self, x: __m512, lo: f32, hi: f32) -> __m512 {
+            unsafe { _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi)) }
+        }
+        #[inline(always)]
+        fn pow2(self, t: __m512, round: f32) -> __m512 {
+            unsafe {
+                let n = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(round.to_bits() as i32));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127))))
+            }
+        }
     }
 }
 
@@ -619,14 +702,18 @@ mod avx512 {
 mod tests {
     use super::*;
 
-    fn sample(seed: u32) -> [f32; 8] {
+    /// The portable lanes seen only as [`Lanes`] (it is [`Wide`] as well, with methods of the same names).
+    fn portable() -> impl Lanes<V = [f32; 8]> {
+        Portable
+    }
+
+    fn sample<const N: usize>(seed: u32) -> [f32; N] {
         std::array::from_fn(|i| ((seed as usize * 31 + i * 17) % 23) as f32 * 0.37 - 4.0)
     }
 
-    /// Every operation of `l` against the portable lanes (which are the definition,
-    /// except that `mul_add` may fuse).
+    /// Every operation of `l` against the portable lanes (the definition).
     fn same_as_portable<L: Lanes>(l: L) {
-        let p = Portable;
+        let p = portable();
         let (a, b, c) = (sample(1), sample(2), sample(3));
         // SAFETY: the arrays hold 8 floats.
         let v = |x: [f32; 8]| unsafe { l.load(x.as_ptr()) };
@@ -635,8 +722,8 @@ mod tests {
         assert_eq!(l.to_array(l.mul(v(a), v(b))), p.mul(a, b));
         assert_eq!(l.to_array(l.max(v(a), v(b))), p.max(a, b));
         let fused: [f32; 8] = std::array::from_fn(|i| a[i].mul_add(b[i], c[i]));
-        let got = l.to_array(l.mul_add(v(a), v(b), v(c)));
-        assert!(got == Lanes::mul_add(p, a, b, c) || got == fused);
+        assert_eq!(l.to_array(l.mul_add(v(a), v(b), v(c))), fused);
+        assert_eq!(Lanes::mul_add(p, a, b, c), fused);
         let halves: Vec<half::f16> = (0..21).map(|i| half::f16::from_f32(i as f32 * 0.37 - 3.0)).collect();
         let (mut wide, mut want) = (vec![0f32; 21], vec![0f32; 21]);
         l.widen_f16(&halves, &mut wide);
@@ -657,17 +744,66 @@ mod tests {
         assert_eq!(p.transpose8(rows)[2][5], rows[5][2]);
     }
 
+    /// Every operation of `w` against the portable lanes, lane by lane over its
+    /// `WIDTH` (each 8 of them through the portable [`Lanes`]).
+    fn wide_same_as_portable<W: Wide>(w: W) {
+        let p = portable();
+        let n = W::WIDTH;
+        assert!(n == 8 || n == 16);
+        // SAFETY: 16 floats readable at each array, WIDTH <= 16.
+        let v = |x: [f32; 16]| unsafe { w.load(x.as_ptr()) };
+        let bits = |x: W::V| {
+            let mut a = [0f32; 16];
+            // SAFETY: 16 writable floats, WIDTH <= 16.
+            unsafe { w.store(a.as_mut_ptr(), x) };
+            a[..n].iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        // The portable operation on each 8 of 16 lanes.
+        let half = |x: &[f32; 16], h: usize| -> [f32; 8] { std::array::from_fn(|i| x[h * 8 + i]) };
+        let want = |f: &dyn Fn(usize) -> [f32; 8]| -> Vec<u32> {
+            let (lo, hi) = (f(0), f(1));
+            (0..n).map(|i| if i < 8 { lo[i] } else { hi[i - 8] }.to_bits()).collect()
+        };
+        let (mut a, mut b, c) = (sample::<16>(1), sample::<16>(2), sample::<16>(3));
+        // Equal lanes and signed zeros: `max` and `select_lt` must take the same operand.
+        (a[0], b[0], a[1], b[1], a[9], b[9], a[13], b[13]) = (0.0, -0.0, -0.0, 0.0, 2.5, 2.5, -0.0, 0.0);
+        assert_eq!(bits(w.add(v(a), v(b))), want(&|h| p.add(half(&a, h), half(&b, h))), "add");
+        assert_eq!(bits(w.sub(v(a), v(b))), want(&|h| p.sub(half(&a, h), half(&b, h))), "sub");
+        assert_eq!(bits(w.mul(v(a), v(b))), want(&|h| p.mul(half(&a, h), half(&b, h))), "mul");
+        assert_eq!(bits(w.max(v(a), v(b))), want(&|h| p.max(half(&a, h), half(&b, h))), "max");
+        assert_eq!(bits(w.max(v(b), v(a))), want(&|h| p.max(half(&b, h), half(&a, h))), "max, swapped");
+        assert_eq!(bits(w.mul_add(v(a), v(b), v(c))), want(&|h| Lanes::mul_add(p, half(&a, h), half(&b, h), half(&c, h))), "mul_add");
+        assert_eq!(bits(w.select_lt(v(a), v(b), v(c), v(b))), want(&|h| p.select_lt(half(&a, h), half(&b, h), half(&c, h), half(&b, h))), "select_lt");
+        assert_eq!(bits(w.select_lt(v(b), v(a), v(c), v(a))), want(&|h| p.select_lt(half(&b, h), half(&a, h), half(&c, h), half(&a, h))), "select_lt, swapped");
+        assert_eq!(bits(w.splat(-1.25)), want(&|_| p.splat(-1.25)), "splat");
+        assert_eq!(bits(w.zero()), want(&|_| p.zero()), "zero");
+        // SAFETY: one readable float.
+        assert_eq!(bits(unsafe { w.splat_at(&c[5]) }), want(&|_| p.splat(c[5])), "splat_at");
+        let edges = [-1e4, -87.5, -87.0, -20.3, -0.0, 0.0, 1.7, 60.2, 88.0, 88.5, 1e4, 1e-30, -1e-30, 0.5, -0.5, f32::MIN_POSITIVE];
+        assert_eq!(bits(w.exp(v(edges))), want(&|h| p.exp(half(&edges, h))), "exp at the edges");
+        for i in -3000..3000 {
+            let x = sample::<16>(i as u32).map(|s| s * i as f32 * 0.0077);
+            assert_eq!(bits(w.exp(v(x))), want(&|h| p.exp(half(&x, h))), "exp at step {i}");
+        }
+    }
+
     #[test]
-    fn avx2_lanes_match_the_portable_definition() {
+    fn every_build_matches_the_portable_definition() {
         struct SameAsPortable;
-        impl LaneKernel for SameAsPortable {
+        impl WideKernel for SameAsPortable {
             type Out = ();
-            fn run<L: Lanes>(self, l: L) {
-                same_as_portable(l);
+            fn run<W: Wide>(self, w: W) {
+                same_as_portable(w.narrow());
+                wide_same_as_portable(w);
             }
         }
-        for simd in Simd::all() {
-            simd.run(SameAsPortable);
+        let all = Simd::all();
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") {
+            assert!(matches!(all.last(), Some(Simd::Avx512(_))), "this CPU's 16-lane build is tested");
+        }
+        for simd in all {
+            simd.run_wide(SameAsPortable);
         }
     }
 

@@ -207,7 +207,7 @@ mod tests {
     use super::super::{Call, Job, OP, ROW_PATH_MAX, rows_in_lanes};
     use super::*;
     use crate::backend::test_support::rand_rows_from;
-    use crate::backend::cpu::lanes::{LaneKernel, Simd};
+    use crate::backend::cpu::lanes::{Simd, Wide, WideKernel};
     use crate::backend::{Dtype, PagesSpec};
 
     /// One job through both layouts.
@@ -217,11 +217,11 @@ mod tests {
         job: &'a Job,
     }
 
-    impl LaneKernel for BothLayouts<'_> {
+    impl WideKernel for BothLayouts<'_> {
         type Out = (Vec<f32>, Vec<f32>);
         #[inline(always)]
-        fn run<L: Lanes>(self, l: L) -> Self::Out {
-            (run(l, self.call, self.seq, self.job), rows_in_lanes::run(l, self.call, self.seq, self.job))
+        fn run<W: Wide>(self, w: W) -> Self::Out {
+            (run(w.narrow(), self.call, self.seq, self.job), rows_in_lanes::run(w, self.call, self.seq, self.job))
         }
     }
 
@@ -250,7 +250,7 @@ mod tests {
                         for kv_head in 0..kv_heads {
                             let job = Job { seq: 0, kv_head, rows: rows.clone() };
                             for simd in Simd::all() {
-                                let (keys, lanes) = simd.run(BothLayouts { call: &call, seq: &seq, job: &job });
+                                let (keys, lanes) = simd.run_wide(BothLayouts { call: &call, seq: &seq, job: &job });
                                 let same = keys.iter().zip(&lanes).all(|(a, b)| a.to_bits() == b.to_bits());
                                 assert!(same && keys.len() == lanes.len(), "{simd:?} {kv_dtype} {num_heads}/{kv_heads} len {len} rows {rows:?} kv head {kv_head}");
                             }

@@ -10,10 +10,11 @@
 //! sized so each reads its K/V once while the call still has ~2 jobs a thread.
 //!
 //! Two layouts, one arithmetic, a file each:
-//! * [`rows_in_lanes`]: lane rows in SIMD lanes (q and `acc` transposed, `[dim, lanes]`).
-//!   A score is a broadcast key element times 8 rows' q, a weighted sum a
-//!   broadcast value element times 8 rows' probabilities; max, `exp` and sums
-//!   are lane-wise, with no horizontal reduction anywhere.
+//! * [`rows_in_lanes`]: lane rows in SIMD lanes (q and `acc` transposed, `[dim, lanes]`),
+//!   the widest the CPU has (16 with AVX-512). A score is a broadcast key
+//!   element times a vector of rows' q, a weighted sum a broadcast value element
+//!   times a vector of rows' probabilities; max, `exp` and sums are lane-wise,
+//!   with no horizontal reduction anywhere, so the lane count changes no bit.
 //! * [`keys_in_lanes`] (decode: at most [`ROW_PATH_MAX`] lane rows): keys in lanes
 //!   for scores (the tile's K transposed once), dims in lanes for `acc`.
 //!
@@ -46,7 +47,7 @@ use ndarray::Array2;
 use rayon::prelude::*;
 
 use super::check::{expect_cols, row_index};
-use super::lanes::{LaneKernel, Lanes, Simd};
+use super::lanes::{Simd, Wide, WideKernel};
 use super::pages::CpuPages;
 use crate::backend::FloatSlice;
 use crate::backend::{AttnHeads, AttnSeq};
@@ -138,25 +139,25 @@ impl Job {
 /// × a small group); more go through [`rows_in_lanes`].
 const ROW_PATH_MAX: usize = 4;
 
-/// One job of one call, run by the build [`Simd::run`] picks.
+/// One job of one call, run by the build [`Simd::run_wide`] picks.
 struct JobTask<'a> {
     call: &'a Call<'a>,
     seq: &'a AttnSeq<'a>,
     job: &'a Job,
 }
 
-impl LaneKernel for JobTask<'_> {
+impl WideKernel for JobTask<'_> {
     type Out = Vec<f32>;
-    /// The row path for a few lane rows, the lane-per-row path otherwise (which
-    /// one never changes a row's result).
+    /// The row path for a few lane rows (on 8 lanes), the lane-per-row path on the
+    /// widest lanes otherwise (which one never changes a row's result).
     #[inline(always)]
-    fn run<L: Lanes>(self, l: L) -> Vec<f32> {
+    fn run<W: Wide>(self, w: W) -> Vec<f32> {
         let JobTask { call, seq, job } = self;
         let group = call.heads.num_heads / call.heads.kv_heads;
         if job.rows.len() * group <= ROW_PATH_MAX && call.heads.head_dim.is_multiple_of(8) {
-            keys_in_lanes::run(l, call, seq, job)
+            keys_in_lanes::run(w.narrow(), call, seq, job)
         } else {
-            rows_in_lanes::run(l, call, seq, job)
+            rows_in_lanes::run(w, call, seq, job)
         }
     }
 }
@@ -199,7 +200,7 @@ fn attention_with(simd: Simd, q: &Array2<f32>, pages: &CpuPages, layer: usize, h
             })
         })
         .collect();
-    let results: Vec<Vec<f32>> = jobs.par_iter().map(|job| simd.run(JobTask { call: &call, seq: &seqs[job.seq], job })).collect();
+    let results: Vec<Vec<f32>> = jobs.par_iter().map(|job| simd.run_wide(JobTask { call: &call, seq: &seqs[job.seq], job })).collect();
     let span = group * hd;
     for (job, res) in jobs.iter().zip(&results) {
         let seq = &seqs[job.seq];
@@ -310,8 +311,11 @@ mod tests {
                         s
                     })
                     .collect();
+                // Every build (8 lanes portable, 8 AVX2, 16 AVX-512) gives the portable one's bits.
+                let portable = attention_with(Simd::Portable, &q, &pages, 1, heads, &seqs).unwrap();
                 for simd in Simd::all() {
                     let got = attention_with(simd, &q, &pages, 1, heads, &seqs).unwrap();
+                    assert_same_bits(&got, &portable, &format!("{simd:?} vs portable: {kv_dtype} d {d} heads {num_heads}/{kv_heads}"));
                     for (s, want) in seqs.iter().zip(&expected) {
                         for ((i, c), w) in want.indexed_iter() {
                             let g = got[[s.query_start + i, c]] as f64;
@@ -370,8 +374,10 @@ mod tests {
                     let q = rand_rows_from(&mut rng, len, num_heads * d);
                     let other_q = rand_rows_from(&mut rng, 40, num_heads * d);
                     let other = Some((&other_q, &tables[1][..], other_len - 40));
+                    let portable = stepped(Simd::Portable, &pages, heads, &q, &tables[0], &[0..len], None);
                     for simd in Simd::all() {
                         let whole = stepped(simd, &pages, heads, &q, &tables[0], &[0..len], None);
+                        assert_same_bits(&whole, &portable, &format!("{simd:?} vs portable: {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}"));
                         // Cuts on and off key tiles (64) and blocks; a one-row step; a decode tail.
                         let chunks = [0..1, 1..64, 64..65, 65..130, 130..131, 131..200, 200..201, 201..202, 202..203];
                         let chunked = stepped(simd, &pages, heads, &q, &tables[0], &chunks, None);
