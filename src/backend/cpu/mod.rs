@@ -8,7 +8,7 @@ mod attention;
 mod check;
 mod fast_exp;
 mod lanes;
-mod matmul;
+mod packed_weight;
 mod moe;
 mod pages;
 mod panel_matmul;
@@ -20,7 +20,7 @@ use crate::Result;
 use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
-pub use matmul::PackedWeight;
+pub use packed_weight::PackedWeight;
 pub use pages::CpuPages;
 
 /// The ndarray reference backend.
