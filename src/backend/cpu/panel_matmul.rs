@@ -241,7 +241,7 @@ unsafe fn run_tile<W: Wide, T: Element, const MR: usize>(w: W, t: &TileTask<'_, 
                             // k rows of PANEL elements (from column `col`), each out pointer
                             // NV * WIDTH writable floats no other task writes.
                             unsafe {
-                                kernel::<W, T, $mr, $np, NV>(w, std::array::from_fn(x), std::array::from_fn(panel), k, std::array::from_fn(out))
+                                kernel::<W, T, $mr, $np>(w, std::array::from_fn(x), std::array::from_fn(panel), k, std::array::from_fn(out))
                             };
                         }
                         p += $np;
@@ -277,7 +277,7 @@ unsafe fn run_tile<W: Wide, T: Element, const MR: usize>(w: W, t: &TileTask<'_, 
 /// `PANEL` (it may start inside a row) with `NV * W::WIDTH` readable from each,
 /// every `out` pointer `NV * W::WIDTH` writable floats.
 #[inline(always)]
-unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize, const NV: usize>(
+unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize>(
     w: W,
     x: [*const f32; R],
     panel: [*const T; P],
