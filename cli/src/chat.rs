@@ -82,6 +82,15 @@ impl Messages {
 
     /// Parses and checks a JSON list of messages; `origin` names it in errors. Each message is an
     /// object with a string `role` and a `content` that is a string, a list (content parts) or null.
+    ///
+    /// ```
+    /// use omniprefix_cli::chat::{ChatError, Messages};
+    /// let chat = Messages::parse(r#"[{"role": "user", "content": "Hi"}]"#, "inline")?;
+    /// assert_eq!(chat, Messages::user("Hi"));
+    /// let err = Messages::parse(r#"[{"role": "user"}]"#, "inline").unwrap_err();
+    /// assert!(matches!(err, ChatError::Messages { problem, .. } if problem == "message 0 has no \"content\""));
+    /// # Ok::<(), ChatError>(())
+    /// ```
     pub fn parse(json: &str, origin: &str) -> std::result::Result<Self, ChatError> {
         let bad = |problem: String| ChatError::Messages { origin: origin.to_string(), problem };
         let value: Value = serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
@@ -159,6 +168,17 @@ impl Chat {
 
     /// The template's text for `messages`; `kwargs` are extra template variables
     /// (transformers' `apply_chat_template(..., **kwargs)`, e.g. `enable_thinking`).
+    ///
+    /// ```
+    /// use omniprefix_cli::chat::{Chat, Messages};
+    /// let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/qwen3_dense");
+    /// let chat = Chat::from_dir(&dir)?;
+    /// let mut kwargs = serde_json::Map::new();
+    /// kwargs.insert("enable_thinking".into(), false.into());
+    /// let text = chat.render(&Messages::user("Hi"), true, &kwargs)?;
+    /// assert_eq!(text, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+    /// # Ok::<(), omniprefix_cli::HarnessError>(())
+    /// ```
     pub fn render(&self, messages: &Messages, add_generation_prompt: bool, kwargs: &Map<String, Value>) -> Result<String> {
         let mut context = self.special.clone();
         context.insert("tools".into(), Value::Null);
