@@ -40,7 +40,7 @@ phase() {
 # CLI crates (wgpu, naga, clap, indicatif, criterion) nor the KV-event publisher's (zeromq, tokio)
 # in its normal dependency tree.
 phase cargo check -p omniprefix --no-default-features --lib --quiet
-if cargo tree -p omniprefix --no-default-features -e normal --prefix none | grep -E '^(wgpu|naga|clap|indicatif|criterion|zeromq|tokio) '; then
+if cargo tree -p omniprefix --no-default-features -e normal --prefix none | grep -E '^(wgpu|naga|clap|indicatif|criterion|zeromq|tokio|tokenizers|minijinja) '; then
   echo "the engine without default features pulls in the crates above" >&2
   exit 1
 fi

@@ -16,6 +16,9 @@ pub enum HarnessError {
     /// The engine (library) failed.
     #[error(transparent)]
     Engine(#[from] Error),
+    /// A checkpoint's tokenizer or chat template, or the messages given to it.
+    #[error(transparent)]
+    Chat(#[from] crate::chat::ChatError),
     /// A command line that does not parse.
     #[error(transparent)]
     Args(#[from] clap::Error),

@@ -7,6 +7,7 @@
 
 pub mod cli;
 pub mod bench;
+pub mod chat;
 pub mod demo;
 pub mod error;
 pub mod scenarios;

@@ -2,32 +2,49 @@
 //! tokens for each with the same sampling settings; print the tokens, cache
 //! reuse and timings, and optionally write the hidden states of every position
 //! that ran (prompt + generated tokens but the last) under `hidden`'s names.
+//!
+//! The request is a request file of ids (`--request`) or text: `--prompt TEXT` (one user
+//! message) or `--messages FILE.json` (an OpenAI-style list), which the checkpoint's chat
+//! template and tokenizer turn into ids ([`crate::chat`]); then the reply is printed decoded too.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 use serde::Serialize;
+use serde_json::Value;
 
 use omniprefix::backend::Backend;
-use omniprefix::engine::{Engine, Output, millis};
+use omniprefix::engine::{Engine, Output, Request, millis};
 use omniprefix::request_file::RequestFile;
 use omniprefix::sample::{FinishReason, SamplingParams};
 
 use omniprefix::events::PublisherStats;
 
 use super::fleet;
-use super::hidden::{EngineArgs, EngineJob, JobRun, hidden_tensors, on_selected_backend, print_shapes, write_tensors};
+use super::hidden::{
+    EngineArgs, EngineJob, JobRun, hidden_tensors, on_selected_backend, print_shapes, required_request, write_tensors,
+};
+use crate::chat::{Chat, Messages};
 use crate::error::{HarnessError, Result, output};
 use crate::ttft::median;
 
 /// Arguments of `omniprefix generate`.
 #[derive(Debug, Clone, Args)]
+#[command(group(clap::ArgGroup::new("prompt_input").args(["request", "prompt", "messages"]).required(true)))]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Tokens to generate at most (≥ 1).
+    /// A user message as the prompt, through the checkpoint's chat template and tokenizer
+    /// (`tokenizer.json`, `tokenizer_config.json`); the reply is printed as text too.
     #[arg(long)]
+    pub prompt: Option<String>,
+    /// A JSON file of OpenAI-style messages (`[{"role": "user", "content": "..."}]`) as the
+    /// prompt, as `--prompt` does with one.
+    #[arg(long)]
+    pub messages: Option<PathBuf>,
+    /// Tokens to generate at most (≥ 1).
+    #[arg(long, visible_alias = "max-new-tokens")]
     pub max_tokens: usize,
     /// Softmax temperature; 0 = greedy (argmax).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -72,10 +89,27 @@ impl GenerateArgs {
     }
 }
 
+impl GenerateArgs {
+    /// The chat of `--prompt` or `--messages`; `None` when the prompt is a request file.
+    pub fn messages(&self) -> Result<Option<Messages>> {
+        match (&self.prompt, &self.messages) {
+            (Some(text), _) => Ok(Some(Messages::user(text))),
+            (None, Some(path)) => Messages::load(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
 /// What `generate --json` prints.
 #[derive(Debug, Clone, Serialize)]
 pub struct GenerateReport {
+    /// The prompt's ids, when it was text (`--prompt`, `--messages`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_ids: Option<Vec<u32>>,
     pub tokens: Vec<u32>,
+    /// The reply decoded without special tokens, when the prompt was text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
     pub prompt_len: usize,
     pub num_cached_tokens: usize,
     pub finish_reason: FinishReason,
@@ -101,7 +135,9 @@ impl GenerateReport {
         let itl: Vec<f64> = g.timings.itl().into_iter().map(millis).collect();
         let decoded = !itl.is_empty();
         GenerateReport {
+            prompt_ids: None,
             tokens: g.tokens.clone(),
+            text: None,
             prompt_len: g.prompt_len,
             num_cached_tokens: g.num_cached_tokens,
             finish_reason: g.finish_reason.unwrap_or(FinishReason::Length),
@@ -117,11 +153,29 @@ impl GenerateReport {
 
 /// Runs the command: the report to `out`, the hidden states to `--out`.
 pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
-    let JobRun { reason, output: generation, kv_events } = on_selected_backend("generate", &args.engine, Generate(args.sampling()))?;
+    // Text becomes ids before the engine starts, so a bad tokenizer or template fails fast.
+    let chat = match args.messages()? {
+        Some(messages) => {
+            let chat = Chat::from_dir(&args.engine.model)?;
+            let ids = chat.prompt_ids(&messages)?;
+            Some((chat, ids))
+        }
+        None => None,
+    };
+    let prompt = match &chat {
+        Some((_, ids)) => Prompt::Ids(ids.clone()),
+        None => Prompt::File(required_request(&args.engine)?.to_path_buf()),
+    };
+    let job = Generate { params: args.sampling(), prompt };
+    let JobRun { reason, output: generation, kv_events } = on_selected_backend("generate", &args.engine, job)?;
     if let Some(path) = &args.out {
         write_tensors(hidden_tensors(&generation.hidden), path)?;
     }
-    let report = GenerateReport { kv_events, ..GenerateReport::of(&generation, &args.sampling()) };
+    let mut report = GenerateReport { kv_events, ..GenerateReport::of(&generation, &args.sampling()) };
+    if let Some((chat, ids)) = chat {
+        report.text = Some(chat.decode(&report.tokens, true)?);
+        report.prompt_ids = Some(ids);
+    }
     if args.json {
         let json = serde_json::to_string(&report)
             .map_err(|source| HarnessError::Report { what: "the generate report".into(), source })?;
@@ -132,7 +186,14 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
         writeln!(out, "{}", fleet::summary(stats)).map_err(output)?;
     }
     writeln!(out, "prompt_len: {}", report.prompt_len).map_err(output)?;
+    if let Some(ids) = &report.prompt_ids {
+        writeln!(out, "prompt_ids: {ids:?}").map_err(output)?;
+    }
     writeln!(out, "tokens: {:?}", report.tokens).map_err(output)?;
+    if let Some(text) = &report.text {
+        // JSON-quoted: one line, whatever newlines or control characters the reply holds.
+        writeln!(out, "text: {}", Value::from(text.as_str())).map_err(output)?;
+    }
     match report.seed {
         Some(seed) => writeln!(out, "finish_reason: {} (seed {seed})", report.finish_reason),
         None => writeln!(out, "finish_reason: {}", report.finish_reason),
@@ -148,21 +209,35 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
     }
 }
 
+/// What `generate` runs after the warm-ups.
+enum Prompt {
+    /// A request file (`--request`).
+    File(PathBuf),
+    /// Ids of a text prompt.
+    Ids(Vec<u32>),
+}
+
 /// `generate`'s job: each warm-up request, then the request, generated with the same settings.
-struct Generate(SamplingParams);
+struct Generate {
+    params: SamplingParams,
+    prompt: Prompt,
+}
 
 impl EngineJob for Generate {
     type Output = Output;
 
     fn run<B: Backend>(self, engine: &mut Engine<B>, args: &EngineArgs) -> Result<Output> {
         for warm in &args.warm {
-            generate(engine, &RequestFile::load(warm)?, &self.0)?;
+            generate_file(engine, warm, &self.params)?;
         }
-        generate(engine, &RequestFile::load(&args.request)?, &self.0)
+        match self.prompt {
+            Prompt::File(path) => generate_file(engine, &path, &self.params),
+            Prompt::Ids(ids) => Ok(engine.run(Request::text(ids).generate(self.params))?),
+        }
     }
 }
 
-fn generate<B: Backend>(engine: &mut Engine<B>, file: &RequestFile, params: &SamplingParams) -> Result<Output> {
-    let request = file.request(engine.tokens());
-    Ok(engine.run(request.generate(params.clone()))?)
+fn generate_file<B: Backend>(engine: &mut Engine<B>, path: &Path, params: &SamplingParams) -> Result<Output> {
+    let file = RequestFile::load(path)?;
+    Ok(engine.run(file.request(engine.tokens()).generate(params.clone()))?)
 }

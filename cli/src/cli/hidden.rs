@@ -30,9 +30,10 @@ pub struct EngineArgs {
     /// Checkpoint folder (`config.json` + safetensors).
     #[arg(long)]
     pub model: PathBuf,
-    /// The request file (JSON, see `docs/request-format.md`).
+    /// The request file (JSON, see `docs/request-format.md`). `hidden` needs it; `generate`
+    /// takes it or a text prompt (`--prompt`, `--messages`).
     #[arg(long)]
-    pub request: PathBuf,
+    pub request: Option<PathBuf>,
     /// A warm-up request file, run before the request; repeat the flag for
     /// several (`--warm a.json --warm b.json` runs them in that order).
     #[arg(long)]
@@ -127,6 +128,7 @@ impl<J: EngineJob> BackendJob for OnEngine<'_, J> {
 
 /// Arguments of `omniprefix hidden`.
 #[derive(Debug, Clone, Args)]
+#[command(group(clap::ArgGroup::new("hidden_input").args(["request"]).required(true)))]
 pub struct HiddenArgs {
     #[command(flatten)]
     pub engine: EngineArgs,
@@ -184,9 +186,16 @@ impl EngineJob for Prefill {
             let file = RequestFile::load(warm)?;
             engine.run(file.request(engine.tokens()))?;
         }
-        let file = RequestFile::load(&args.request)?;
+        let file = RequestFile::load(required_request(args)?)?;
         Ok(engine.run(file.request(engine.tokens()))?)
     }
+}
+
+/// `--request`, which a command that reads no other prompt requires (its clap group does too).
+pub fn required_request(args: &EngineArgs) -> Result<&Path> {
+    args.request.as_deref().ok_or_else(|| {
+        clap::Error::raw(clap::error::ErrorKind::MissingRequiredArgument, "--request <REQUEST> is required\n").into()
+    })
 }
 
 /// Prints `num_cached_tokens` and each captured point's shape, one per line.
