@@ -118,9 +118,10 @@ impl Backend for CpuBackend {
     fn embedding(&self, table: &PackedWeight, ids: &[u32]) -> Result<Array2<f32>> {
         let [rows, cols] = table.shape();
         let mut out = Array2::zeros((ids.len(), cols));
-        for (i, &id) in ids.iter().enumerate() {
+        for (&id, mut row) in ids.iter().zip(out.rows_mut()) {
             let r = row_index("embedding", "token id", i64::from(id), rows)?;
-            out.row_mut(i).assign(&ndarray::ArrayView1::from(&table.row_f32(r)));
+            let Some(row) = row.as_slice_mut() else { unreachable!("rows of a standard-layout array are contiguous") };
+            table.row_into(r, row);
         }
         Ok(out)
     }

@@ -5,8 +5,20 @@ use std::ops::Range;
 
 use ndarray::{Array2, ArrayView2};
 
-use super::panel_matmul::{self, Element};
+use super::panel_matmul;
 use crate::backend::{Dtype, FloatSlice, FloatVec, HostWeight};
+
+/// `$body` with `$e` bound to the elements of a [`FloatSlice`], whatever their
+/// type: one generic call written once for the three element types.
+macro_rules! with_elements {
+    ($slice:expr, $e:ident => $body:expr) => {
+        match $slice {
+            FloatSlice::F32($e) => $body,
+            FloatSlice::Bf16($e) => $body,
+            FloatSlice::F16($e) => $body,
+        }
+    };
+}
 
 /// A weight `[rows, cols]` as the CPU backend keeps it: its elements rearranged
 /// into panels of output columns, in f32, bf16 or f16. Made by
@@ -48,17 +60,15 @@ impl PackedWeight {
         self.panels.dtype()
     }
 
-    /// Row `r` widened to f32 (exact; an embedding lookup).
-    pub(crate) fn row_f32(&self, r: usize) -> Vec<f32> {
-        fn row<T: Element>(e: &[T], k: usize, r: usize) -> Vec<f32> {
-            panel_matmul::row_f32(e, k, r).collect()
-        }
+    /// Row `r` widened to f32 (exact; an embedding lookup), written into `out`
+    /// (`cols` long), so a lookup of many tokens allocates nothing per token.
+    pub(crate) fn row_into(&self, r: usize, out: &mut [f32]) {
         let k = self.shape[1];
-        match self.panels.view() {
-            FloatSlice::F32(e) => row(e, k, r),
-            FloatSlice::Bf16(e) => row(e, k, r),
-            FloatSlice::F16(e) => row(e, k, r),
-        }
+        with_elements!(self.panels.view(), e => {
+            for (o, v) in out.iter_mut().zip(panel_matmul::row_f32(e, k, r)) {
+                *o = v;
+            }
+        })
     }
 
     /// The matrix widened to f32 (exact).
@@ -66,7 +76,8 @@ impl PackedWeight {
         let [rows, cols] = self.shape;
         let mut out = Array2::zeros((rows, cols));
         for (r, mut row) in out.rows_mut().into_iter().enumerate() {
-            row.assign(&ndarray::ArrayView1::from(&self.row_f32(r)));
+            let Some(row) = row.as_slice_mut() else { unreachable!("rows of a standard-layout array are contiguous") };
+            self.row_into(r, row);
         }
         out
     }
@@ -76,11 +87,7 @@ impl PackedWeight {
     /// lies inside the weight (the callers check both).
     pub(crate) fn matmul_t(&self, x: ArrayView2<'_, f32>, rows: Range<usize>) -> Array2<f32> {
         let k = self.shape[1];
-        match self.panels.view() {
-            FloatSlice::F32(e) => panel_matmul::matmul_t(x, e, k, rows),
-            FloatSlice::Bf16(e) => panel_matmul::matmul_t(x, e, k, rows),
-            FloatSlice::F16(e) => panel_matmul::matmul_t(x, e, k, rows),
-        }
+        with_elements!(self.panels.view(), e => panel_matmul::matmul_t(x, e, k, rows))
     }
 
     /// `x @ w^T` over every row.
