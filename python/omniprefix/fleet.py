@@ -144,7 +144,7 @@ class Fleet:
                         subprocess.PIPE)
         for label, proc in self.procs[1:]:
             self.workers.append(self._ready_line(label, proc, deadline))
-        while self.instances() < self.count:
+        while not self.serving():
             self.check()
             if time.monotonic() > deadline:
                 raise FleetError(f"the frontend did not list {self.count} instances of {self.name} within {timeout_s:.0f} s")
@@ -168,15 +168,19 @@ class Fleet:
             raise FleetError(f"{label} closed its stdout before it served")
         return json.loads(line)
 
-    def instances(self) -> int:
-        """Instances of the model the frontend knows (0 while it does not answer)."""
+    def serving(self) -> bool:
+        """Whether the frontend lists the model (``/v1/models``) and one instance per worker
+        (``/health``): it lists instances as soon as they are discovered, the model only once
+        it loaded the model card (tokenizer and template)."""
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                 health = json.loads(r.read())
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                models = json.loads(r.read())
         except (OSError, ValueError):
-            return 0
-        return sum(1 for i in health.get("instances", []) if i.get("endpoint") == "generate"
-                   and i.get("component") == "worker")
+            return False
+        instances = [i for i in health.get("instances", []) if i.get("component") == "worker"]
+        return len(instances) == self.count and self.name in [m.get("id") for m in models.get("data", [])]
 
     def check(self) -> None:
         """Raises :class:`FleetError` naming the first process that exited."""

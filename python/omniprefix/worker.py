@@ -51,8 +51,9 @@ def sampling_options(request: Mapping[str, Any], eos_token_ids: list[int], conte
     """The keywords of ``Engine.stream`` for one of Dynamo's token requests.
 
     ``stop_conditions``: ``max_tokens`` (default: what is left of the context), ``ignore_eos``,
-    ``stop_token_ids_hidden`` (the model's eos ids and the request's ``stop_token_ids``, which the
-    frontend gathers), ``min_tokens`` (0 only). ``sampling_options``: ``temperature`` (unset:
+    ``stop_token_ids`` and the frontend's ``stop_token_ids_hidden`` / ``_visible`` (stop strings stay
+    with the frontend, which detokenizes), ``min_tokens`` (0 only); the request's ``eos_token_ids``
+    (the tokenizer's) with the checkpoint's. ``sampling_options``: ``temperature`` (unset:
     1.0, as OpenAI), ``top_p``, ``top_k`` (0 or -1: off), ``seed``; penalties, ``min_p``, ``n``,
     beam search and guided decoding only at their neutral values. Anything else raises
     :class:`UnsupportedRequest`: a reply the caller did not ask for is worse than an error.
@@ -73,17 +74,21 @@ def sampling_options(request: Mapping[str, Any], eos_token_ids: list[int], conte
 
     if stop.get("min_tokens"):
         raise UnsupportedRequest("min_tokens is not supported")
-    # The engine stops at `stop` (replacing its eos ids) unless ignore_eos, which empties every
-    # stop id: so "ignore eos but stop at these ids" is `stop` without the eos ids.
-    hidden = set(stop.get("stop_token_ids_hidden") or []) | set(stop.get("stop_token_ids_visible") or [])
+    # Stop ids: the request's own (`stop_token_ids`) and the frontend's (hidden / visible ones);
+    # eos: the tokenizer's (the request's `eos_token_ids`, empty with ignore_eos) and the
+    # checkpoint's. The engine stops at `stop` (replacing its eos ids) unless ignore_eos, which
+    # empties every stop id: so "ignore eos but stop at these ids" is `stop` without the eos ids.
+    ids = set()
+    for name in ("stop_token_ids", "stop_token_ids_hidden", "stop_token_ids_visible"):
+        ids.update(stop.get(name) or [])
+    eos = set(request.get("eos_token_ids") or []) | set(eos_token_ids)
     if stop.get("ignore_eos"):
-        wanted = hidden - set(eos_token_ids)
-        if wanted:
-            out["stop"] = sorted(wanted)
+        if ids - eos:
+            out["stop"] = sorted(ids - eos)
         else:
             out["ignore_eos"] = True
-    elif hidden:
-        out["stop"] = sorted(hidden | set(eos_token_ids))
+    elif ids | eos:
+        out["stop"] = sorted(ids | eos)
 
     temperature = sampling.get("temperature")
     out["temperature"] = 1.0 if temperature is None else float(temperature)
