@@ -167,14 +167,24 @@ class Worker:
             options = sampling_options(request, self.eos, self.context_len)
         except (UnsupportedRequest, TypeError, ValueError) as e:
             raise InvalidArgument(str(e)) from None
+        # The frontend ends a reply by itself at max_tokens or a stop id, possibly before a
+        # separate closing chunk arrives: so the last token carries finish_reason and the usage
+        # (the engine's cached tokens included), sent once the engine finished the request.
+        stop_ids = set() if options.get("ignore_eos") else set(options.get("stop", self.eos))
         stream = self.engine.stream(token_ids, **options)
-        produced = 0
+        reply: list[int] = []
         try:
             async for token, _rows in stream:
                 if context.is_stopped():
                     return
-                produced += 1
+                reply.append(token)
+                if len(reply) == options["max_tokens"] or token in stop_ids:
+                    async for _ in stream:
+                        pass
+                    break
                 yield {"token_ids": [token], "index": 0}
+            else:
+                reply.append(None)  # the stream ended after a token already sent
         except RequestError as e:
             raise InvalidArgument(str(e)) from None
         except Error as e:
@@ -182,8 +192,10 @@ class Worker:
         finally:
             await stream.aclose()
         generation = stream.generation
+        last = reply.pop()
+        produced = len(reply) + (last is not None)
         yield {
-            "token_ids": [],
+            "token_ids": [] if last is None else [last],
             "index": 0,
             "finish_reason": generation.finish_reason,
             "completion_usage": {"prompt_tokens": len(token_ids), "completion_tokens": produced,

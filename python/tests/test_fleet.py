@@ -332,3 +332,20 @@ def test_a_port_in_use_is_a_clear_error():
                                "--port", str(port)], capture_output=True, timeout=60)
     assert proc.returncode == 2
     assert f"--port {port}: cannot listen" in proc.stderr.decode()
+
+
+def test_a_streamed_reply_arrives_token_by_token_and_equals_the_whole_one(kv_fleet):
+    ids = prompts(seed=10, count=1, length=12)[0]
+    body = {"model": kv_fleet.info["model"], "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    whole = kv_fleet.post("/v1/completions", body)["choices"][0]["text"]
+    req = urllib.request.Request(kv_fleet.url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=REQUEST_S) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):])["choices"])
+    texts = [c[0]["text"] for c in chunks if c and c[0].get("text")]
+    assert "".join(texts) == whole
+    assert len(texts) >= 4, f"{len(texts)} chunks for 8 tokens"
