@@ -349,3 +349,17 @@ def test_a_streamed_reply_arrives_token_by_token_and_equals_the_whole_one(kv_fle
     texts = [c[0]["text"] for c in chunks if c and c[0].get("text")]
     assert "".join(texts) == whole
     assert len(texts) >= 4, f"{len(texts)} chunks for 8 tokens"
+
+
+def test_a_worker_that_dies_is_reported_and_the_fleet_stops_everything():
+    fleet = RunningFleet("--model", str(MODEL), "--workers", "2", "--port", "0")
+    try:
+        started = children(fleet.proc.pid)
+        victim = fleet.info["workers"][1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        assert fleet.proc.wait(timeout=30) == 1
+        assert f"worker1 (pid {victim}) exited" in fleet.proc.stderr.read().decode()
+        left = [pid for pid in started if alive(pid) or group_members(pid)]
+        assert not left, f"processes left behind: {left}"
+    finally:
+        fleet.stop()
