@@ -22,22 +22,13 @@ from pathlib import Path
 import pytest
 
 import omniprefix
-from conftest import FIXTURES
+from conftest import FIXTURES, importable
 
 
-def fleet_available() -> bool:
-    try:
-        import dynamo.frontend  # noqa: F401
-        import transformers  # noqa: F401
-        from prometheus_client.parser import text_string_to_metric_families  # noqa: F401
-    except ImportError:
-        if os.environ.get("OMNIPREFIX_REQUIRE_FLEET") == "1":
-            raise
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not fleet_available(), reason="Dynamo is not installed (scripts/install_fleet.sh)")
+pytestmark = pytest.mark.skipif(
+    not importable("dynamo.frontend", "transformers", "jinja2", "prometheus_client.parser",
+                   required_by="OMNIPREFIX_REQUIRE_FLEET"),
+    reason="Dynamo is not installed (scripts/install_fleet.sh)")
 
 MODEL = FIXTURES / "qwen3_dense"
 READY_S = 90.0
