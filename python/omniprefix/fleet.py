@@ -150,7 +150,7 @@ class Fleet:
                 raise FleetError(f"the frontend did not list {self.count} instances of {self.name} within {timeout_s:.0f} s")
             time.sleep(0.1)
         return {"frontend": self.url, "model": self.name,
-                "workers": [{"pid": w["pid"], "metrics": w["metrics"]} for w in self.workers]}
+                "workers": self.workers}
 
     def _ready_line(self, label: str, proc: subprocess.Popen, deadline: float) -> dict[str, Any]:
         """The worker's JSON line (it prints nothing else on stdout)."""
@@ -166,7 +166,11 @@ class Fleet:
         if not line:
             self.check()
             raise FleetError(f"{label} closed its stdout before it served")
-        return json.loads(line)
+        try:
+            ready = json.loads(line)
+            return {"pid": int(ready["pid"]), "metrics": str(ready["metrics"])}
+        except (ValueError, KeyError, TypeError):
+            raise FleetError(f"{label} printed {line[:200]!r} instead of its ready line") from None
 
     def serving(self) -> bool:
         """Whether the frontend lists the model (``/v1/models``) and one instance per worker
