@@ -20,8 +20,9 @@ if [[ $# -ne 1 || -z "$1" ]]; then
 fi
 venv="$1"
 
-if [[ ! -x "$venv/bin/python" ]]; then
-    "${PYTHON:-python3}" -m venv "$venv"
+if [[ ! -x "$venv/bin/python" ]] && ! "${PYTHON:-python3}" -m venv "$venv"; then
+    echo "error: ${PYTHON:-python3} could not make a venv at $venv" >&2
+    exit 1
 fi
 if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
     echo "error: $venv has Python $("$venv/bin/python" -V 2>&1); Dynamo 1.6.1 needs >= 3.10" >&2
