@@ -30,7 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 __all__ = ["Fleet", "main"]
 
@@ -100,13 +100,16 @@ def _die_with_parent() -> None:
 class Fleet:
     """The frontend and the workers, started, watched and stopped together."""
 
-    def __init__(self, model: Path, workers: int, router: str, port: int, python: str = sys.executable):
+    def __init__(self, model: Path, workers: int, router: str, port: int, python: str = sys.executable,
+                 worker_args: Sequence[str] = ()):
         self.model = model.resolve()
         self.name = self.model.name
         self.count = workers
         self.router = router
         self.port = port
         self.python = python
+        # More `python -m omniprefix.worker` options for every worker (engine options: a benchmark's pool size).
+        self.worker_args = list(worker_args)
         self.dir = Path(tempfile.mkdtemp(prefix="omniprefix-fleet-"))
         self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.dir / "discovery")}
         self.env.pop("DYN_SYSTEM_PORT", None)
@@ -140,7 +143,8 @@ class Fleet:
         self._spawn("frontend", frontend, subprocess.DEVNULL)
         for k in range(self.count):
             self._spawn(f"worker{k}", [self.python, "-m", "omniprefix.worker", "--model", str(self.model),
-                                       "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"],
+                                       "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
+                                       *self.worker_args],
                         subprocess.PIPE)
         for label, proc in self.procs[1:]:
             self.workers.append(self._ready_line(label, proc, deadline))
