@@ -25,6 +25,14 @@ venv="${CARGO_TARGET_DIR:-target}/python-venv"
 venv_log="$(mktemp)"
 bash scripts/python_venv.sh "$venv" python/requirements-test.txt notebooks/requirements.txt > "$venv_log" 2>&1 &
 venv_pid=$!
+# Beside it, the fleet's venv (Dynamo 1.6.1's pinned set, scripts/install_fleet.sh) for
+# python/tests/test_fleet.py; the package goes in after the Python tests built the wheel.
+fleet_venv="${CARGO_TARGET_DIR:-target}/fleet-venv"
+fleet_log="$(mktemp)"
+(OMNIPREFIX_FLEET_DEPS_ONLY=1 bash scripts/install_fleet.sh "$fleet_venv" &&
+    "$fleet_venv/bin/pip" install --quiet --disable-pip-version-check -r python/requirements-fleet-test.txt) \
+    > "$fleet_log" 2>&1 &
+fleet_pid=$!
 
 # A clean CI build gains nothing from incremental caches, and they double the disk it needs.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
@@ -53,15 +61,21 @@ phase cargo test --doc "$@"
 RUSTDOCFLAGS="-D warnings" phase cargo doc --no-deps --quiet
 
 # The Python package: pip install ./python into the venv made beside the build, then its pytest suite.
-wait_for_venv() {
-  if ! wait "$venv_pid"; then
-    cat "$venv_log" >&2
-    echo "error: scripts/python_venv.sh failed" >&2
+wait_for() {
+  local pid="$1" log="$2" what="$3"
+  if ! wait "$pid"; then
+    cat "$log" >&2
+    echo "error: $what failed" >&2
     return 1
   fi
 }
-phase wait_for_venv
+phase wait_for "$venv_pid" "$venv_log" scripts/python_venv.sh
 PYTHON_VENV="$venv" PYTHON_VENV_READY=1 phase bash scripts/test_python.sh
+
+# A real 2-worker fleet behind Dynamo's frontend, over HTTP; the package is the dev wheel the
+# step above built (cargo has nothing left to compile).
+phase wait_for "$fleet_pid" "$fleet_log" scripts/install_fleet.sh
+OMNIPREFIX_WHEEL_PROFILE=dev phase bash scripts/test_fleet.sh "$fleet_venv"
 
 # The demo (--quick) and the notebooks, on a small report, so neither can rot; on the CLI the
 # test build made, with the same venv.

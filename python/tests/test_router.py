@@ -9,7 +9,6 @@ wheel into a failure instead of a skip.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 
 import omniprefix
 from omniprefix.router import DynamoIndexer, ReplicaView, Router, leading_hits
-from conftest import REPO_ROOT, image_item, load_config, random_ids, unexpanded_image
+from conftest import REPO_ROOT, image_item, importable, load_config, random_ids, unexpanded_image
 
 KEY = bytes(range(32))
 BLOCK = 4
@@ -113,17 +112,8 @@ def wait_matched(indexer: DynamoIndexer, token_ids: list[int], want: list[int], 
         time.sleep(0.02)
 
 
-def dynamo_available() -> bool:
-    try:
-        import dynamo.llm  # noqa: F401
-    except ImportError:
-        if os.environ.get("OMNIPREFIX_REQUIRE_DYNAMO") == "1":
-            raise
-        return False
-    return True
-
-
-@pytest.mark.skipif(not dynamo_available(), reason="ai-dynamo-runtime is not installed")
+@pytest.mark.skipif(not importable("dynamo.llm", required_by="OMNIPREFIX_REQUIRE_DYNAMO"),
+                    reason="ai-dynamo-runtime is not installed")
 def test_dynamos_kv_indexer_routes_text_from_our_stream_but_cannot_tell_images_apart(omni_config):
     engines = replicas(2, omni_config)
     indexer = DynamoIndexer()

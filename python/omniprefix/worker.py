@@ -1,0 +1,293 @@
+"""A Dynamo worker over :class:`~omniprefix.AsyncEngine`: one replica of a fleet.
+
+    python -m omniprefix.worker --model DIR [engine options]
+
+* **Registration.** The model directory (``config.json``, the weights, ``tokenizer.json`` and a
+  chat template in ``tokenizer_config.json``) is registered with Dynamo as a token-in model
+  (``ModelInput.Tokens``, chat and completions): Dynamo's frontend applies the template,
+  tokenizes, routes, and detokenizes; this worker sees token ids only.
+* **Requests.** Dynamo's stop conditions and sampling options become the engine's sampling
+  keywords (:func:`sampling_options`); tokens stream back one chunk each as the engine makes
+  them; a request that cannot be served is answered with an HTTP 400 naming why, and the worker
+  keeps serving. A cancelled request (client gone) aborts its generation.
+* **KV events.** The engine publishes vLLM-format KV events on a loopback ZMQ PUB socket; a
+  Dynamo ``KvEventPublisher`` subscribed to it relays them to the frontend's KV router.
+* **Metrics.** ``Engine.metrics()`` (Prometheus text) at ``http://HOST:PORT/metrics``.
+
+When it serves, the worker prints one JSON line on stdout, ``{"pid": ..., "metrics": URL,
+"kv_events": ENDPOINT, "model": NAME}``, which ``python -m omniprefix.fleet`` reads.
+Dynamo's planes come from ``--discovery-backend``, ``--request-plane`` and ``--event-plane``
+(defaults: Dynamo's own environment variables, ``DYN_DISCOVERY_BACKEND`` etc.).
+Needs ``ai-dynamo`` 1.6.1: ``bash scripts/install_fleet.sh VENV``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.server
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Optional
+
+from . import Error, RequestError
+from .aio import AsyncEngine
+
+__all__ = ["sampling_options", "MetricsServer", "main"]
+
+#: Dynamo namespace, component and endpoint the worker serves (``NAMESPACE.COMPONENT.ENDPOINT``).
+DEFAULT_ENDPOINT = "omniprefix.worker.generate"
+
+
+class UnsupportedRequest(ValueError):
+    """A request option the engine cannot honour (answered as an HTTP 400)."""
+
+
+def sampling_options(request: Mapping[str, Any], eos_token_ids: list[int], context_length: int) -> dict[str, Any]:
+    """The keywords of ``Engine.stream`` for one of Dynamo's token requests.
+
+    ``stop_conditions``: ``max_tokens`` (default: what is left of the context), ``ignore_eos``,
+    ``stop_token_ids`` and the frontend's ``stop_token_ids_hidden`` / ``_visible`` (stop strings stay
+    with the frontend, which detokenizes), ``min_tokens`` (0 only); the request's ``eos_token_ids``
+    (the tokenizer's) with the checkpoint's. ``sampling_options``: ``temperature`` (unset:
+    1.0, as OpenAI), ``top_p``, ``top_k`` (0 or -1: off), ``seed``; penalties, ``min_p``, ``n``,
+    beam search and guided decoding only at their neutral values. Anything else raises
+    :class:`UnsupportedRequest`: a reply the caller did not ask for is worse than an error.
+    """
+    prompt_len = len(request.get("token_ids") or [])
+    stop = request.get("stop_conditions") or {}
+    sampling = request.get("sampling_options") or {}
+    out: dict[str, Any] = {}
+
+    max_tokens = stop.get("max_tokens")
+    left = context_length - prompt_len
+    if max_tokens is None:
+        max_tokens = left
+    if max_tokens > left:
+        raise UnsupportedRequest(f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the context of "
+                                 f"{context_length} tokens")
+    out["max_tokens"] = int(max_tokens)
+
+    if stop.get("min_tokens"):
+        raise UnsupportedRequest("min_tokens is not supported")
+    # Stop ids: the request's own (`stop_token_ids`) and the frontend's (hidden / visible ones);
+    # eos: the tokenizer's (the request's `eos_token_ids`, empty with ignore_eos) and the
+    # checkpoint's. The engine stops at `stop` (replacing its eos ids) unless ignore_eos, which
+    # empties every stop id: so "ignore eos but stop at these ids" is `stop` without the eos ids.
+    ids = set()
+    for name in ("stop_token_ids", "stop_token_ids_hidden", "stop_token_ids_visible"):
+        ids.update(stop.get(name) or [])
+    eos = set(request.get("eos_token_ids") or []) | set(eos_token_ids)
+    if stop.get("ignore_eos"):
+        if ids - eos:
+            out["stop"] = sorted(ids - eos)
+        else:
+            out["ignore_eos"] = True
+    elif ids | eos:
+        out["stop"] = sorted(ids | eos)
+
+    temperature = sampling.get("temperature")
+    out["temperature"] = 1.0 if temperature is None else float(temperature)
+    if sampling.get("top_p") is not None and float(sampling["top_p"]) < 1.0:
+        out["top_p"] = float(sampling["top_p"])
+    if sampling.get("top_k") is not None and int(sampling["top_k"]) > 0:
+        out["top_k"] = int(sampling["top_k"])
+    if sampling.get("seed") is not None:
+        out["seed"] = int(sampling["seed"])
+
+    neutral = {"n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+               "min_p": 0.0, "use_beam_search": False, "guided_decoding": None}
+    for name, value in neutral.items():
+        got = sampling.get(name)
+        if got is not None and got != value:
+            raise UnsupportedRequest(f"{name}={got!r} is not supported (only {value!r})")
+    output = request.get("output_options") or {}
+    if output.get("logprobs") is not None or output.get("prompt_logprobs") is not None:
+        raise UnsupportedRequest("logprobs are not supported")
+    return out
+
+
+class MetricsServer:
+    """``metrics()`` of an engine on ``http://host:port/metrics`` (stdlib HTTP server on its own
+    thread; port 0 picks a free one)."""
+
+    def __init__(self, metrics, host: str = "127.0.0.1", port: int = 0):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404)
+                    return
+                body = metrics().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://{host}:{self.server.server_address[1]}/metrics"
+        self.thread = threading.Thread(target=self.server.serve_forever, name="omniprefix-metrics", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def context_length(model_dir: Path) -> int:
+    """``max_position_embeddings`` of the checkpoint (an Omni thinker's text config included)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    for section in (config, config.get("thinker_config", {}).get("text_config", {}), config.get("text_config", {})):
+        if "max_position_embeddings" in section:
+            return int(section["max_position_embeddings"])
+    raise ValueError(f"{model_dir / 'config.json'} has no max_position_embeddings")
+
+
+class Worker:
+    """The request handler: one engine, Dynamo's requests in, token chunks out."""
+
+    def __init__(self, engine: AsyncEngine, context_len: int):
+        self.engine = engine
+        self.context_len = context_len
+        self.eos = list(engine.eos_token_ids)
+
+    async def generate(self, request: dict, context: Any) -> AsyncIterator[dict]:
+        from dynamo.llm.exceptions import InvalidArgument, Unknown
+
+        token_ids = request.get("token_ids") or []
+        try:
+            options = sampling_options(request, self.eos, self.context_len)
+        except (UnsupportedRequest, TypeError, ValueError) as e:
+            raise InvalidArgument(str(e)) from None
+        # The frontend ends a reply by itself at max_tokens or a stop id, possibly before a
+        # separate closing chunk arrives: so the last token carries finish_reason and the usage
+        # (the engine's cached tokens included), sent once the engine finished the request.
+        stop_ids = set() if options.get("ignore_eos") else set(options.get("stop", self.eos))
+        stream = self.engine.stream(token_ids, **options)
+        reply: list[int] = []
+        try:
+            async for token, _rows in stream:
+                if context.is_stopped():
+                    return
+                reply.append(token)
+                if len(reply) == options["max_tokens"] or token in stop_ids:
+                    async for _ in stream:
+                        pass
+                    break
+                yield {"token_ids": [token], "index": 0}
+            else:
+                reply.append(None)  # the stream ended after a token already sent
+        except RequestError as e:
+            raise InvalidArgument(str(e)) from None
+        except Error as e:
+            raise Unknown(f"{type(e).__name__}: {e}") from None
+        finally:
+            await stream.aclose()
+        generation = stream.generation
+        last = reply.pop()
+        produced = len(reply) + (last is not None)
+        yield {
+            "token_ids": [] if last is None else [last],
+            "index": 0,
+            "finish_reason": generation.finish_reason,
+            "completion_usage": {"prompt_tokens": len(token_ids), "completion_tokens": produced,
+                                 "total_tokens": len(token_ids) + produced,
+                                 "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}},
+        }
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m omniprefix.worker", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory with tokenizer.json and a chat template")
+    p.add_argument("--model-name", help="the name clients send (default: the directory's name)")
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="Dynamo NAMESPACE.COMPONENT.ENDPOINT (default %(default)s)")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=0, help="0: a free port (printed on the ready line)")
+    p.add_argument("--kv-events", default="tcp://127.0.0.1:0", help="the engine's KV event PUB endpoint (default %(default)s)")
+    p.add_argument("--discovery-backend", default=os.environ.get("DYN_DISCOVERY_BACKEND", "etcd"),
+                   choices=["etcd", "file", "kubernetes", "mem"])
+    p.add_argument("--request-plane", default=os.environ.get("DYN_REQUEST_PLANE", "tcp"), choices=["tcp", "nats"])
+    p.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE", "zmq"), choices=["zmq", "nats"])
+    engine = p.add_argument_group("engine options (Engine.from_dir)")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--num-blocks", type=int)
+    engine.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "auto"])
+    engine.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16"])
+    engine.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "f16"])
+    engine.add_argument("--max-tokens-per-step", type=int)
+    engine.add_argument("--max-seqs-per-step", type=int)
+    engine.add_argument("--fingerprint-key", help="the fleet key, 64 hex digits")
+    args = p.parse_args(argv)
+    if not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there")
+    if not (args.model / "tokenizer.json").is_file():
+        p.error(f"--model {args.model}: no tokenizer.json there (Dynamo's frontend tokenizes with it)")
+    if args.block_size <= 0:
+        p.error("--block-size must be positive")
+    return args
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = {"block_size": args.block_size, "backend": args.backend, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
+               "kv_events": args.kv_events, "capture": ["final"]}
+    for name in ("num_blocks", "max_tokens_per_step", "max_seqs_per_step", "fingerprint_key"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return options
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+    from dynamo.runtime import DistributedRuntime
+
+    model_dir = args.model.resolve()
+    name = args.model_name or model_dir.name
+    engine = AsyncEngine.from_dir(model_dir, **engine_options(args))
+    metrics = MetricsServer(engine.metrics, args.metrics_host, args.metrics_port)
+    loop = asyncio.get_running_loop()
+    runtime = DistributedRuntime(loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, runtime.shutdown)
+    try:
+        endpoint = runtime.endpoint(args.endpoint)
+        # The relay subscribes to the engine's PUB socket before the model is announced, so
+        # no request's events go out before someone listens.
+        relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=engine.kv_events_endpoint)
+        stats = engine.stats()
+        runtime_config = ModelRuntimeConfig()
+        runtime_config.context_length = context_length(model_dir)
+        runtime_config.total_kv_blocks = stats["blocks_free"] + stats["blocks_in_use"] + stats["blocks_cached"]
+        runtime_config.kv_event_publishing_enabled = True
+        await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(model_dir),
+                             name, worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size,
+                             runtime_config=runtime_config)
+        worker = Worker(engine, runtime_config.context_length)
+        print(json.dumps({"pid": os.getpid(), "metrics": metrics.url, "kv_events": engine.kv_events_endpoint,
+                          "model": name}), flush=True)
+        await endpoint.serve_endpoint(worker.generate)
+        del relay
+    finally:
+        metrics.close()
+        engine.close()
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:
+        sys.exit("error: Dynamo is not installed here: bash scripts/install_fleet.sh VENV")
+    uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""The local fleet for real: ``python -m omniprefix.fleet`` starts Dynamo's OpenAI frontend and
+omniprefix workers as processes on loopback, and these tests talk to it over HTTP.
+
+Needs Dynamo (``bash scripts/install_fleet.sh VENV``); skipped without it unless
+``OMNIPREFIX_REQUIRE_FLEET=1`` (``scripts/test_fleet.sh``, run by CI), which makes a missing
+Dynamo a failure. Every fleet is stopped by a finalizer; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import omniprefix
+from conftest import FIXTURES, importable
+
+
+pytestmark = pytest.mark.skipif(
+    not importable("dynamo.frontend", "transformers", "jinja2", "prometheus_client.parser",
+                   required_by="OMNIPREFIX_REQUIRE_FLEET"),
+    reason="Dynamo is not installed (scripts/install_fleet.sh)")
+
+MODEL = FIXTURES / "qwen3_dense"
+READY_S = 90.0
+REQUEST_S = 60.0
+
+
+class RunningFleet:
+    """``python -m omniprefix.fleet`` as a child process (its own process group) and its ready line."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "omniprefix.fleet", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        self.started = time.monotonic()
+        line = read_line(self.proc, READY_S)
+        self.ready_s = time.monotonic() - self.started
+        if not line:
+            self.stop()
+            pytest.fail(f"the fleet printed no ready line; stderr:\n{self.proc.stderr.read().decode(errors='replace')}")
+        self.info = json.loads(line)
+        self.url = self.info["frontend"]
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] + [w["pid"] for w in self.info["workers"]]
+
+    def stop(self) -> None:
+        """SIGTERM, and SIGKILL to the whole group if it is not gone in time (a finalizer's duty)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self.pids()[1:] if hasattr(self, "info") else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=REQUEST_S) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> list[dict[str, float]]:
+        """Each worker's samples, by name (label-less sums), parsed by the Prometheus client."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = []
+        for worker in self.info["workers"]:
+            with urllib.request.urlopen(worker["metrics"], timeout=10) as r:
+                text = r.read().decode()
+            samples: dict[str, float] = {}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+            out.append(samples)
+        return out
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> bytes:
+    """One line of ``proc``'s stdout, or b"" if it exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.2):
+                return proc.stdout.readline()
+            if proc.poll() is not None:
+                return b""
+    return b""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it only waits to be reaped)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def kv_fleet():
+    fleet = RunningFleet("--model", str(MODEL), "--workers", "2", "--router", "kv", "--port", "0")
+    yield fleet
+    fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return omniprefix.Engine.from_dir(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL))
+
+
+def test_the_fleet_is_ready_within_30_s_and_names_its_processes(kv_fleet):
+    assert kv_fleet.ready_s < 30, f"ready after {kv_fleet.ready_s:.1f} s"
+    assert len(kv_fleet.info["workers"]) == 2
+    assert all(alive(pid) for pid in kv_fleet.pids())
+    with urllib.request.urlopen(kv_fleet.url + "/v1/models", timeout=10) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == [MODEL.name]
+
+
+def completion(fleet: RunningFleet, prompt, **options) -> dict:
+    """A /v1/completions request that also asks for the reply's token ids and the worker's id."""
+    body = {"model": fleet.info["model"], "prompt": prompt, "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]},
+            **options}
+    return fleet.post("/v1/completions", body)
+
+
+def reply_ids(response: dict) -> list[int]:
+    return response["nvext"]["completion_token_ids"]
+
+
+def worker_of(response: dict) -> int:
+    return response["nvext"]["worker_id"]["decode_worker_id"]
+
+
+def prompts(seed: int, count: int, length: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(200) for _ in range(length + k)] for k in range(count)]
+
+
+def test_greedy_replies_through_the_frontend_equal_engine_generate(kv_fleet, engine):
+    for ids in prompts(seed=1, count=4, length=20):
+        want = engine.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True)
+        got = completion(kv_fleet, ids, max_tokens=12, temperature=0, ignore_eos=True)
+        assert reply_ids(got) == want.tokens
+        assert got["choices"][0]["finish_reason"] == "length"
+        assert got["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_stop_conditions_reach_the_engine(kv_fleet, engine, tokenizer):
+    ids = prompts(seed=2, count=1, length=30)[0]
+    eos = [tokenizer.eos_token_id]
+    free = engine.generate(ids, max_tokens=10, temperature=0.0, stop=eos).tokens
+    assert len(free) == 10
+    # A stop id: the reply ends at its first occurrence (included), with finish_reason "stop".
+    # (Not with ignore_eos: Dynamo 1.6.1's frontend then drops the request's stop_token_ids.)
+    first = free.index(free[3])
+    before = kv_fleet.metrics()
+    got = completion(kv_fleet, ids, max_tokens=10, temperature=0, stop_token_ids=[free[3]])
+    assert (reply_ids(got), got["choices"][0]["finish_reason"]) == (free[:first + 1], "stop")
+    # The frontend cuts the text at a stop id by itself: the engine must have stopped there too
+    # (first + 1 tokens, so `first` gaps between tokens), not run on to max_tokens.
+    gaps = "omniprefix_inter_token_latency_seconds_count"
+    assert sum(a[gaps] - b[gaps] for a, b in zip(kv_fleet.metrics(), before)) == first
+    # max_tokens.
+    got = completion(kv_fleet, ids, max_tokens=3, temperature=0)
+    assert (reply_ids(got), got["choices"][0]["finish_reason"]) == (free[:3], "length")
+
+
+def test_sampling_options_reach_the_engine(kv_fleet, engine):
+    ids = prompts(seed=3, count=1, length=25)[0]
+    # Values a float32 holds exactly: the frontend passes them on as float32.
+    options = dict(max_tokens=12, temperature=1.5, top_k=50, top_p=0.75, seed=1234)
+    want = engine.generate(ids, ignore_eos=True, **options).tokens
+    got = [reply_ids(completion(kv_fleet, ids, ignore_eos=True, **options)) for _ in range(2)]
+    assert got == [want, want]
+    assert reply_ids(completion(kv_fleet, ids, ignore_eos=True, **{**options, "seed": 99})) != want
+
+
+def test_chat_goes_through_the_checkpoints_template(kv_fleet, engine, tokenizer):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+    want = engine.generate(ids, max_tokens=8, temperature=0.0, ignore_eos=True).tokens
+    got = kv_fleet.post("/v1/chat/completions", {"model": kv_fleet.info["model"], "messages": messages, "max_tokens": 8,
+                                                 "temperature": 0, "ignore_eos": True,
+                                                 "nvext": {"extra_fields": ["completion_token_ids"]}})
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    assert reply_ids(got) == want
+    assert got["choices"][0]["message"]["content"] == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_a_bad_request_is_a_400_naming_why_and_the_worker_keeps_serving(kv_fleet):
+    ids = prompts(seed=4, count=1, length=10)[0]
+    for options, why in [({"max_tokens": 10_000}, "exceeds the context of 4096 tokens"),
+                         ({"max_tokens": 4, "frequency_penalty": 0.5}, "frequency_penalty"),
+                         ({"max_tokens": 4, "n": 2}, "n=2")]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            kv_fleet.post("/v1/completions", {"model": kv_fleet.info["model"], "prompt": ids, **options})
+        assert e.value.code == 400
+        assert why in e.value.read().decode()
+    assert len(reply_ids(completion(kv_fleet, ids, max_tokens=4, ignore_eos=True))) == 4
+    assert all(alive(pid) for pid in kv_fleet.pids())
+
+
+def test_metrics_parse_and_count_the_prompt_tokens(kv_fleet):
+    before = kv_fleet.metrics()
+    sent = 0
+    for ids in prompts(seed=5, count=3, length=17):
+        got = completion(kv_fleet, ids, max_tokens=2, ignore_eos=True)
+        sent += got["usage"]["prompt_tokens"]
+    after = kv_fleet.metrics()
+    queries = "omniprefix_prefix_cache_queries_total"
+    assert sum(a[queries] - b[queries] for a, b in zip(after, before)) == sent
+    assert all("omniprefix_time_to_first_token_seconds_count" in m for m in after)
+
+
+def test_kv_routing_sends_a_repeated_prefix_to_the_worker_that_caches_it(kv_fleet):
+    # Distinct prompts spread over both workers: Dynamo breaks ties at random, so routing
+    # that ignored the cache could not keep the repeats below on one worker by chance.
+    spread = {worker_of(completion(kv_fleet, ids, max_tokens=1)) for ids in prompts(seed=6, count=10, length=40)}
+    assert len(spread) == 2, "the router never used the second worker"
+    prefix = prompts(seed=7, count=1, length=64)[0]
+    home = worker_of(completion(kv_fleet, prefix, max_tokens=1))
+    time.sleep(0.5)  # the prefix's BlockStored events reach the router
+    before = kv_fleet.metrics()
+    tails = prompts(seed=8, count=8, length=3)
+    routed = [completion(kv_fleet, prefix + tail, max_tokens=1) for tail in tails]
+    after = kv_fleet.metrics()
+    assert [worker_of(r) for r in routed] == [home] * len(tails)
+    # ... and found it cached there: every full block of the prefix (64 tokens, 4 blocks of 16).
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64 for r in routed)
+    hits = "omniprefix_prefix_cache_hits_total"
+    assert sum(a[hits] - b[hits] for a, b in zip(after, before)) >= 64 * len(tails)
+
+
+def test_sigterm_stops_every_process_and_round_robin_uses_every_worker():
+    fleet = RunningFleet("--model", str(MODEL), "--workers", "2", "--router", "round-robin", "--port", "0")
+    try:
+        served = {worker_of(completion(fleet, ids, max_tokens=2)) for ids in prompts(seed=9, count=4, length=8)}
+        assert len(served) == 2
+        started = children(fleet.proc.pid)
+        assert set(fleet.pids()[1:]) < set(started), "the frontend and the workers are the fleet's children"
+        fleet.proc.send_signal(signal.SIGTERM)
+        assert fleet.proc.wait(timeout=30) == 0
+        # Each child led its own process group: none of them, nor anything they started, is left.
+        left = [pid for pid in started if alive(pid) or group_members(pid)]
+        assert not left, f"processes left behind: {left}"
+    finally:
+        fleet.stop()
+
+
+def processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, parent pid, process group) of every process, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out.append((int(entry.name), fields[0], int(fields[1]), int(fields[2])))
+    return out
+
+
+def children(pid: int) -> list[int]:
+    return [p for p, _, parent, _ in processes() if parent == pid]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of the process group ``pgid``."""
+    return [p for p, state, _, group in processes() if group == pgid and state != "Z"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model", "--workers", "1"], "no config.json there"),
+    (["--model", str(MODEL), "--workers", "0"], "--workers must be at least 1"),
+    (["--model", str(MODEL), "--workers", "1", "--router", "random"], "invalid choice: 'random'"),
+])
+def test_bad_input_is_a_clear_error_before_anything_starts(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "omniprefix.fleet", *argv], capture_output=True, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr.decode()
+    assert proc.stdout == b""
+
+
+def test_a_port_in_use_is_a_clear_error():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "omniprefix.fleet", "--model", str(MODEL), "--workers", "1",
+                               "--port", str(port)], capture_output=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"--port {port}: cannot listen" in proc.stderr.decode()
+
+
+def test_a_streamed_reply_arrives_token_by_token_and_equals_the_whole_one(kv_fleet):
+    ids = prompts(seed=10, count=1, length=12)[0]
+    body = {"model": kv_fleet.info["model"], "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    whole = kv_fleet.post("/v1/completions", body)["choices"][0]["text"]
+    req = urllib.request.Request(kv_fleet.url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    chunks = []
+    with urllib.request.urlopen(req, timeout=REQUEST_S) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):])["choices"])
+    texts = [c[0]["text"] for c in chunks if c and c[0].get("text")]
+    assert "".join(texts) == whole
+    assert len(texts) >= 4, f"{len(texts)} chunks for 8 tokens"
+
+
+def test_a_worker_that_dies_is_reported_and_the_fleet_stops_everything():
+    fleet = RunningFleet("--model", str(MODEL), "--workers", "2", "--port", "0")
+    try:
+        started = children(fleet.proc.pid)
+        victim = fleet.info["workers"][1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        assert fleet.proc.wait(timeout=30) == 1
+        assert f"worker1 (pid {victim}) exited" in fleet.proc.stderr.read().decode()
+        left = [pid for pid in started if alive(pid) or group_members(pid)]
+        assert not left, f"processes left behind: {left}"
+    finally:
+        fleet.stop()

@@ -1,0 +1,66 @@
+"""omniprefix.worker's mapping of Dynamo's token requests onto the engine's sampling keywords,
+checked by running the engine on what it returns (no Dynamo needed: the fleet itself is
+test_fleet.py). Requests are shaped as Dynamo 1.6.1's frontend sends them."""
+
+from __future__ import annotations
+
+import pytest
+
+import omniprefix
+from omniprefix.worker import UnsupportedRequest, sampling_options
+from conftest import FIXTURES, random_ids
+
+CONTEXT = 4096
+
+
+def request(ids, stop=None, sampling=None, **extra) -> dict:
+    return {"token_ids": ids, "stop_conditions": stop or {}, "sampling_options": sampling or {}, **extra}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return omniprefix.Engine.from_dir(FIXTURES / "qwen3_dense")
+
+
+def test_greedy_with_stop_ids_and_eos_stops_at_the_first_of_them(engine):
+    ids = random_ids(1, 20)
+    free = engine.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True).tokens
+    options = sampling_options(request(ids, {"max_tokens": 12, "stop_token_ids": [free[5]],
+                                             "stop_token_ids_hidden": [free[7]]}, {"temperature": 0.0},
+                                       eos_token_ids=[free[9]]), [], CONTEXT)
+    first = min(i for i, token in enumerate(free) if token in (free[5], free[7], free[9]))
+    assert first >= 3 and engine.generate(ids, **options).tokens == free[:first + 1]
+
+
+def test_ignore_eos_keeps_the_requests_own_stop_ids_only(engine):
+    ids = random_ids(2, 20)
+    free = engine.generate(ids, max_tokens=12, temperature=0.0, ignore_eos=True).tokens
+    eos, own = free[2], free[6]
+    if own == eos:
+        pytest.skip("the reply repeats its token")
+    # eos ignored (the checkpoint's and the tokenizer's), the request's own id still stops it.
+    options = sampling_options(request(ids, {"max_tokens": 12, "ignore_eos": True, "stop_token_ids": [own, eos]},
+                                       {"temperature": 0.0}, eos_token_ids=[]), [eos], CONTEXT)
+    assert options["stop"] == [own]
+    assert engine.generate(ids, **options).tokens == free[:free.index(own) + 1]
+    # Nothing but eos: every stop id ignored.
+    options = sampling_options(request(ids, {"max_tokens": 12, "ignore_eos": True}, {"temperature": 0.0}), [eos], CONTEXT)
+    assert engine.generate(ids, **options).tokens == free
+
+
+def test_sampling_defaults_follow_openai_and_off_values_are_dropped():
+    options = sampling_options(request([1, 2, 3], sampling={"top_k": -1, "top_p": 1.0, "seed": 7}), [], CONTEXT)
+    assert options == {"max_tokens": CONTEXT - 3, "temperature": 1.0, "seed": 7}
+
+
+@pytest.mark.parametrize("stop, sampling, extra, message", [
+    ({"max_tokens": CONTEXT}, {}, {}, "exceeds the context of 4096 tokens"),
+    ({"min_tokens": 2}, {}, {}, "min_tokens"),
+    ({}, {"n": 2}, {}, "n=2"),
+    ({}, {"repetition_penalty": 1.1}, {}, "repetition_penalty"),
+    ({}, {"use_beam_search": True}, {}, "use_beam_search"),
+    ({}, {}, {"output_options": {"logprobs": 1}}, "logprobs"),
+])
+def test_what_the_engine_cannot_honour_is_refused(stop, sampling, extra, message):
+    with pytest.raises(UnsupportedRequest, match=message):
+        sampling_options(request([1, 2, 3], stop, sampling, **extra), [], CONTEXT)

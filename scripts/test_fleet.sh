@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The fleet tests (python/tests/test_fleet.py): Dynamo's OpenAI frontend and omniprefix workers
+# as real processes on loopback, driven over HTTP. Installs into VENV with
+# scripts/install_fleet.sh (idempotent: reuses the venv and cargo's build), adds
+# python/requirements-fleet-test.txt, then runs pytest with OMNIPREFIX_REQUIRE_FLEET=1 so a
+# missing Dynamo fails instead of skipping. Called by scripts/test.sh.
+# Usage: bash scripts/test_fleet.sh [VENV]   (default target/fleet-venv)
+# Env: OMNIPREFIX_WHEEL_PROFILE (install_fleet.sh's; CI passes dev to reuse its test build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${1:-${CARGO_TARGET_DIR:-target}/fleet-venv}"
+bash scripts/install_fleet.sh "$venv"
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r python/requirements-fleet-test.txt
+# From outside the source tree, so the tests import the installed wheel, not python/omniprefix.
+python="$(cd "$venv" && pwd)/bin/python"
+(cd python/tests && OMNIPREFIX_REQUIRE_FLEET=1 "$python" -m pytest -q -p no:cacheprovider test_fleet.py)
