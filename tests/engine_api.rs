@@ -140,9 +140,9 @@ fn an_encoder_can_hand_over_deepstack_levels() -> TestResult {
         calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(EncoderOutput { embeddings: emb.clone(), deepstack: levels.clone() })
     };
-    let got = encoded.run(request(image(&content, None)).with_encoder(&encoder))?;
+    let got = encoded.run(request(image(&content, None)).with_encoder(encoder))?;
     assert_same(&got, &want);
-    let again = encoded.run(request(image(&content, None)).with_encoder(&encoder))?;
+    let again = encoded.run(request(image(&content, None)).with_encoder(encoder))?;
     assert_same(&again, &want);
     assert_eq!((calls.into_inner(), encoded.stats().encoder_cache_hits), (1, 1), "levels come from the cache the second time");
     Ok(())

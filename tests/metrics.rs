@@ -50,7 +50,7 @@ fn metrics_count_what_ran() -> TestResult {
     assert_eq!(get(&m, "omniprefix_kv_events_dropped_total")?, 0.0);
     // One TTFT per request (the prefill's at its output), one ITL per gap.
     assert_eq!(get(&m, "omniprefix_time_to_first_token_seconds_count")?, 4.0);
-    assert_eq!(get(&m, "omniprefix_inter_token_latency_seconds_count")?, (4 + 2 + 0) as f64);
+    assert_eq!(get(&m, "omniprefix_inter_token_latency_seconds_count")?, 6.0 /* 4 + 2 + 0 gaps */);
     assert_eq!(get(&m, "omniprefix_inter_token_latency_seconds_bucket{le=\"+Inf\"}")?, 6.0);
     assert_eq!(get(&m, "omniprefix_num_requests_running")?, 0.0);
     assert_eq!(get(&m, "omniprefix_num_requests_waiting")?, 0.0);

@@ -305,6 +305,7 @@ impl PyEngine {
     /// max_tokens (required), temperature (0: greedy), top_k, top_p, seed,
     /// stop, ignore_eos, run_last_token.
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
+    #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn generate(
         &self,
         py: Python<'_>,

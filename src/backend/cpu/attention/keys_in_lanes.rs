@@ -2,6 +2,11 @@
 //! scores (each key tile's K transposed once), dims in lanes for `acc`. Per
 //! element it computes exactly what [`super::rows_in_lanes`] computes.
 
+#![allow(
+    clippy::needless_range_loop,
+    reason = "register tiles: one index walks several fixed-size arrays (accumulators, loaded vectors, row pointers) in step"
+)]
+
 use std::ops::Range;
 
 use super::kv_tile::TileRows;
@@ -174,14 +179,14 @@ pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job)
             // SAFETY: acc rows hold hd floats, p rows KEY_TILE, vals[..n] hold hd floats.
             unsafe {
                 match width {
-                    4 => weigh_all::<L, 4, 2>(l, [a(0), a(1), a(2), a(3)], [pr(0), pr(1), pr(2), pr(3)], Some([al(0), al(1), al(2), al(3)]), &vals, 0..common, hd),
-                    2 => weigh_all::<L, 2, 4>(l, [a(0), a(1)], [pr(0), pr(1)], Some([al(0), al(1)]), &vals, 0..common, hd),
-                    _ => weigh_all::<L, 1, 8>(l, [a(0)], [pr(0)], Some([al(0)]), &vals, 0..common, hd),
+                    4 => weigh_all::<L, 4, 2>(l, [a(0), a(1), a(2), a(3)], [pr(0), pr(1), pr(2), pr(3)], Some([al(0), al(1), al(2), al(3)]), vals, 0..common, hd),
+                    2 => weigh_all::<L, 2, 4>(l, [a(0), a(1)], [pr(0), pr(1)], Some([al(0), al(1)]), vals, 0..common, hd),
+                    _ => weigh_all::<L, 1, 8>(l, [a(0)], [pr(0)], Some([al(0)]), vals, 0..common, hd),
                 }
                 for i in 0..width {
                     let n = limit[r + i].saturating_sub(j0).min(KEY_TILE);
                     if n > common {
-                        weigh_all::<L, 1, 8>(l, [a(i)], [pr(i)], None, &vals, common..n, hd);
+                        weigh_all::<L, 1, 8>(l, [a(i)], [pr(i)], None, vals, common..n, hd);
                     }
                 }
             }

@@ -223,6 +223,9 @@ mod tests {
     use rand::seq::SliceRandom;
     use rand_chacha::ChaCha8Rng;
 
+    /// One sequence's K and V rows (`[len, KH*d]` each), as stored.
+    type KvRows = (Array2<f32>, Array2<f32>);
+
     /// Dense causal attention of one sequence (f64): q `[new, H*d]`, k/v `[len, KH*d]`.
     fn dense(q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>, computed: usize, heads: AttnHeads) -> Array2<f64> {
         let d = heads.head_dim;
@@ -248,7 +251,7 @@ mod tests {
 
     /// Pages with one sequence per entry of `lens` in shuffled blocks; their
     /// tables and K/V (`[len, KH*d]`, position order) as stored: rounded to `spec.kv_dtype`.
-    pub(super) fn fill(rng: &mut ChaCha8Rng, spec: PagesSpec, lens: &[usize]) -> (CpuPages, Vec<Vec<u32>>, Vec<(Array2<f32>, Array2<f32>)>) {
+    pub(super) fn fill(rng: &mut ChaCha8Rng, spec: PagesSpec, lens: &[usize]) -> (CpuPages, Vec<Vec<u32>>, Vec<KvRows>) {
         let mut pages = CpuPages::new(spec).unwrap();
         let mut blocks: Vec<u32> = (0..spec.num_blocks as u32).collect();
         blocks.shuffle(rng);
@@ -278,7 +281,9 @@ mod tests {
     fn matches_dense_causal_reference_over_random_block_tables() {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         // head_dim 8 and 12 (zero-padded path) on tiny shapes; 64 and 128 across key tiles.
-        let cases: &[(usize, usize, &[(usize, usize)])] = &[
+        // (head_dim, block_size, [(tokens already computed, new tokens)] per sequence)
+        type Case = (usize, usize, &'static [(usize, usize)]);
+        let cases: &[Case] = &[
             (8, 4, &[(0, 7), (5, 6), (8, 1), (13, 9)]),
             (12, 4, &[(0, 7), (5, 6), (8, 1), (13, 9)]),
             (64, 16, &[(0, 70), (100, 29), (191, 1), (64, 64)]),
@@ -357,6 +362,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::single_range_in_vec_init, reason = "one cut: the whole prompt in one step")]
     fn a_row_is_the_same_to_the_bit_in_any_step_chunking_or_batch() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         // K/V page types in turn over the cases (f16 and bf16 pages go through the widening path).

@@ -6,6 +6,12 @@
 //! reduction anywhere, so the width never changes a row's bits. Its arithmetic
 //! is the one [`super`] states.
 
+#![allow(
+    clippy::needless_range_loop,
+    reason = "register tiles: one index walks several fixed-size arrays (accumulators, loaded vectors, row pointers) in step"
+)]
+#![allow(clippy::too_many_arguments, reason = "kernel entry points take the tile's raw pointers and sizes one by one")]
+
 use super::kv_tile::TileRows;
 use super::{Call, Job, KEY_TILE};
 use crate::backend::cpu::lanes::Wide;
