@@ -31,8 +31,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from omniprefix.fleet import Fleet, free_port
-from prometheus_client.parser import text_string_to_metric_families
+from omniprefix.fleet import Fleet, free_port, worker_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -94,22 +93,12 @@ def trace(args) -> list[tuple[int, int, str, str]]:
             for t in range(args.tenants) for c in range(args.conversations)]
 
 
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    return samples
-
-
 def run_policy(router: str, model: Path, args) -> dict:
     fleet = Fleet(model, args.workers, router, free_port(),
                   worker_args=["--num-blocks", str(args.num_blocks)])
     try:
         ready = fleet.start()
-        before = [scrape(w["metrics"]) for w in ready["workers"]]
+        before = [worker_metrics(w["metrics"]) for w in ready["workers"]]
         histories: dict[tuple[int, int], list[dict]] = {}
         failed = 0
         started = time.monotonic()
@@ -131,7 +120,7 @@ def run_policy(router: str, model: Path, args) -> dict:
                 reply = ""
             messages.append({"role": "assistant", "content": reply})
         wall_s = time.monotonic() - started
-        after = [scrape(w["metrics"]) for w in ready["workers"]]
+        after = [worker_metrics(w["metrics"]) for w in ready["workers"]]
     finally:
         fleet.stop()
 

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["Fleet", "main"]
+__all__ = ["Fleet", "main", "worker_metrics"]
 
 #: Seconds the fleet waits for its processes to serve, and for them to stop once told to.
 READY_TIMEOUT_S = 60.0
@@ -78,6 +78,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         except OSError as e:
             p.error(f"--port {args.port}: cannot listen on {LOOPBACK}:{args.port} ({e.strerror})")
     return args
+
+
+def worker_metrics(url: str) -> dict[str, float]:
+    """A worker's ``/metrics`` (the ``metrics`` URL of its ready line), parsed by the Prometheus
+    client: each sample's value by name, summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
 
 
 def free_port() -> int:

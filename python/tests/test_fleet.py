@@ -82,18 +82,9 @@ class RunningFleet:
 
     def metrics(self) -> list[dict[str, float]]:
         """Each worker's samples, by name (label-less sums), parsed by the Prometheus client."""
-        from prometheus_client.parser import text_string_to_metric_families
+        from omniprefix.fleet import worker_metrics
 
-        out = []
-        for worker in self.info["workers"]:
-            with urllib.request.urlopen(worker["metrics"], timeout=10) as r:
-                text = r.read().decode()
-            samples: dict[str, float] = {}
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-            out.append(samples)
-        return out
+        return [worker_metrics(worker["metrics"]) for worker in self.info["workers"]]
 
 
 def read_line(proc: subprocess.Popen, timeout_s: float) -> bytes:
