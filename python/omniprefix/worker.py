@@ -237,8 +237,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    # No hidden states are captured: Dynamo's token-out responses carry none, so gathering them
+    # for every position would be work no one reads.
     options = {"block_size": args.block_size, "backend": args.backend, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
-               "kv_events": args.kv_events, "capture": ["final"]}
+               "kv_events": args.kv_events, "capture": []}
     for name in ("num_blocks", "max_tokens_per_step", "max_seqs_per_step", "fingerprint_key"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
