@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ndarray::{Array2, ArrayD, IxDyn};
-use omniprefix::canon::{Fingerprint, FingerprintKey, ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::canon::{FingerprintKey, ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Request, request_block_hashes};
 use omniprefix::error::{Error, EventsError, SchedError};
 use omniprefix::events::{ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium};
@@ -42,15 +42,15 @@ fn medium(v: &Value) -> TestResult<Medium> {
     }
 }
 
-/// One block's extra keys as the vectors spell them: `null` or `[fp hex, row, ...]`.
+/// One block's extra keys as the vectors spell them: `null` or `[mm_hash, row, ...]`.
 fn item_rows(v: &Value) -> TestResult<Option<Vec<ItemRows>>> {
     let Some(flat) = v.as_array() else { return Ok(None) };
     let rows = flat
         .chunks(2)
         .map(|pair| -> TestResult<ItemRows> {
-            let fingerprint = Fingerprint(u128::from_str_radix(pair[0].as_str().ok_or("fingerprint")?, 16)?);
+            let mm_hash = pair[0].as_str().ok_or("mm_hash")?.to_owned();
             let first_row = u32::try_from(pair[1].as_u64().ok_or("row")?)?;
-            Ok(ItemRows { fingerprint, first_row })
+            Ok(ItemRows { mm_hash, first_row })
         })
         .collect::<TestResult<Vec<_>>>()?;
     Ok(Some(rows))

@@ -46,6 +46,7 @@ __all__ = [
     "__version__",
     "block_hashes",
     "fingerprint",
+    "vllm_uuids",
 ]
 
 #: The package version.
@@ -543,6 +544,24 @@ def fingerprint(
     as ``+0.0``), the layout and ``params``. Equal values in any strides or byte order give the
     same fingerprint. ``key`` must be 32 bytes or 64 hex digits (``ValueError``); NaN/Inf content is a
     :class:`RequestError`. Releases the GIL while hashing; costs about one read of the bytes."""
+
+def vllm_uuids(items: Sequence[Item], *, key: _Key, threads: int = 1) -> dict[str, list[str]]:
+    """vLLM's ``multi_modal_uuids`` for ``items``: per modality (``"image"``, ``"audio"``,
+    ``"video"``), in the items' order, each item's identity under ``key`` as 64 lowercase hex
+    digits (the width of vLLM's own ``mm_hash``). The first 32 digits are :func:`fingerprint`,
+    the rest derived from it; it is the string our KV events carry in ``extra_keys``, so vLLM,
+    Dynamo's router and omniprefix name an item alike. Pass the result as a prompt's
+    ``multi_modal_uuids`` and vLLM skips hashing the media (it trusts the uuid without
+    validating it: see ``docs/vllm.md``). ``threads`` hash one large item in parallel.
+
+    >>> import numpy as np, omniprefix
+    >>> image = omniprefix.Item("image", np.zeros((8, 8, 3), np.uint8), {"kind": "image", "grid_thw": [1, 2, 2]})
+    >>> uuids = omniprefix.vllm_uuids([image], key=bytes(32))
+    >>> len(uuids["image"][0])
+    64
+
+    Raises ``ValueError`` (a bad key), ``TypeError`` (not a sequence of :class:`Item`),
+    :class:`RequestError` (NaN/Inf content). Releases the GIL while hashing."""
 
 @final
 class Prompt:

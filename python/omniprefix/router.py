@@ -67,7 +67,8 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     lora_id: Optional[int]
     medium: Optional[str]
     lora_name: Optional[str]
-    #: Per block: ``None``, or ``(fingerprint hex, first row, ...)`` of the item rows it holds.
+    #: Per block: ``None``, or ``(mm_hash, first row, ...)`` of the item rows it holds (``mm_hash``:
+    #: the item's 64-hex identity, as :func:`omniprefix.vllm_uuids` gives it).
     extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
     reserved_0: Optional[Any] = None
     reserved_1: Optional[Any] = None

@@ -54,6 +54,7 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<matcher::PyMatch>()?;
     m.add_class::<matcher::InsertOutcome>()?;
     m.add_function(wrap_pyfunction!(matcher::fingerprint, m)?)?;
+    m.add_function(wrap_pyfunction!(matcher::vllm_uuids, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::block_hashes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -11,11 +11,11 @@ use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::{CanonicalPrompt, OmniTokens};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use crate::arrays::Content;
 use crate::errors::{guard, to_py};
-use crate::item::{BorrowedItems, layout_from_dict, params_from};
+use crate::item::{BorrowedItems, layout_from_dict, modality_name, params_from};
 use crate::options::{fingerprint_key, validation, validation_name};
 
 /// The key of prompts built without one: random, drawn once per process.
@@ -50,6 +50,33 @@ pub fn fingerprint(
             Ok(fingerprinter.identify(0, &spec)?.fingerprint.0)
         })
     })
+}
+
+/// vLLM's `multi_modal_uuids` for `items`: per modality, in order, each
+/// item's identity under `key` as 64 hex digits (`Fingerprint::mm_hash_hex`,
+/// the string our KV events carry in `extra_keys`). Fingerprinting reads each
+/// item's bytes once, with the GIL released.
+#[pyfunction]
+#[pyo3(signature = (items, *, key, threads=1))]
+pub fn vllm_uuids<'py>(py: Python<'py>, items: &Bound<'py, PyAny>, key: &Bound<'py, PyAny>, threads: usize) -> PyResult<Bound<'py, PyDict>> {
+    let key = fingerprint_key(key, "key")?;
+    let borrowed = BorrowedItems::from_py(Some(items))?;
+    let specs = borrowed.specs();
+    let hexes: Vec<String> = py.detach(|| {
+        guard(|| {
+            let fingerprinter = Fingerprinter::new(key, threads.max(1), ValidationPolicy::Unvalidated)?;
+            specs.iter().enumerate().map(|(i, spec)| Ok(fingerprinter.identify(i, spec)?.fingerprint.mm_hash_hex())).collect()
+        })
+    })?;
+    let out = PyDict::new(py);
+    for (item, hex) in borrowed.items().iter().zip(hexes) {
+        let modality = modality_name(item.get().modality);
+        match out.get_item(modality)? {
+            Some(list) => list.cast::<PyList>()?.append(hex)?,
+            None => out.set_item(modality, PyList::new(py, [hex])?)?,
+        }
+    }
+    Ok(out)
 }
 
 /// A canonical prompt: atoms (text runs, fingerprinted item rows), the

@@ -346,8 +346,10 @@ def test_block_hashes_of_a_multimodal_request_equal_the_published_ones(ctx):
     frontend = omniprefix.block_hashes(ids, [image], fingerprint_key=KEY, block_size=4, tokens=tokens)
     assert len(frontend) == 5  # 6 + 1 + 4 image rows + 1 + 9 = 21 positions
     assert frontend == stored_by(consumer, 0) and set(frontend) <= set(engine.cached_block_hashes())
-    # The image rows (positions 7..10) are in blocks 1 and 2; extra_keys name the item and its first row there.
-    fp = f"{omniprefix.fingerprint(image.content, IMAGE_LAYOUT, key=KEY):032x}"
+    # The image rows (positions 7..10) are in blocks 1 and 2; extra_keys name the item and its first row
+    # there, by its 64-hex identity (what vllm_uuids gives, the fingerprint first).
+    fp = omniprefix.vllm_uuids([image], key=KEY)["image"][0]
+    assert fp.startswith(f"{omniprefix.fingerprint(image.content, IMAGE_LAYOUT, key=KEY):032x}")
     extra = [k for event in consumer.stored for k in event.extra_keys]
     assert extra == [None, (fp, 0), (fp, 1), None, None]
     # Qwen3-Omni's ids (the default) do not expand the tiny checkpoint's placeholders.

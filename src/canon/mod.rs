@@ -76,6 +76,33 @@ pub struct ItemSpec<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Fingerprint(pub u128);
 
+/// The BLAKE3 context that widens a fingerprint to [`Fingerprint::mm_hash_hex`].
+const MM_HASH_CONTEXT: &str = "omniprefix 2026-12-02 item identity as a 256-bit mm_hash";
+
+impl Fingerprint {
+    /// The item's identity as 64 lowercase hex digits: the width of vLLM's
+    /// `mm_hash` (a SHA-256 hex digest) and what a vLLM user passes as
+    /// `multi_modal_uuids`; our KV events carry it in `extra_keys`.
+    ///
+    /// The first 32 digits are the fingerprint itself; the last 32 are derived
+    /// from it (BLAKE3 `derive_key`), never padding, so two items that differ
+    /// differ in every part a reader may truncate to.
+    ///
+    /// ```
+    /// use omniprefix::canon::Fingerprint;
+    /// let hex = Fingerprint(0x0123_4567_89ab_cdef_0011_2233_4455_6677).mm_hash_hex();
+    /// assert_eq!(hex.len(), 64);
+    /// assert!(hex.starts_with("0123456789abcdef0011223344556677"));
+    /// assert_ne!(&hex[32..], "00000000000000000000000000000000");
+    /// ```
+    pub fn mm_hash_hex(&self) -> String {
+        let wide = blake3::derive_key(MM_HASH_CONTEXT, &self.0.to_be_bytes());
+        let mut tail = [0u8; 16];
+        tail.copy_from_slice(&wide[..16]);
+        format!("{:032x}{:032x}", self.0, u128::from_be_bytes(tail))
+    }
+}
+
 /// How a fingerprint hit is confirmed before it is reported.
 ///
 /// The policy is given once, to the [`Fingerprinter`]: it decides which

@@ -19,7 +19,6 @@ mod config;
 mod publisher;
 pub mod wire;
 
-use crate::canon::Fingerprint;
 
 pub use config::{KvEventsConfig, PublisherStats};
 #[cfg(feature = "kv-events")]
@@ -49,11 +48,13 @@ impl Medium {
     }
 }
 
-/// The item rows in one block: the item's fingerprint and the first of its
+/// The item rows in one block: the item's identity and the first of its
 /// rows that the block holds (one per maximal run of item rows).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ItemRows {
-    pub fingerprint: Fingerprint,
+    /// The extra key naming the item, written as it is: the engine puts
+    /// [`crate::canon::Fingerprint::mm_hash_hex`] here (64 hex digits, vLLM's `mm_hash` width).
+    pub mm_hash: String,
     pub first_row: u32,
 }
 

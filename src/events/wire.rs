@@ -92,11 +92,11 @@ fn encode_event(event: &KvEvent, out: &mut Vec<u8>) {
     }
 }
 
-/// A block's extra keys: the flat tuple `(fingerprint hex, first row, ...)`.
+/// A block's extra keys: the flat tuple `(mm_hash, first row, ...)`.
 fn item_rows(out: &mut Vec<u8>, rows: &[ItemRows]) {
     array_len(out, 2 * rows.len());
     for r in rows {
-        str(out, &format!("{:032x}", r.fingerprint.0));
+        str(out, &r.mm_hash);
         uint(out, r.first_row.into());
     }
 }
