@@ -10,6 +10,13 @@
   keywords (:func:`sampling_options`); tokens stream back one chunk each as the engine makes
   them; a request that cannot be served is answered with an HTTP 400 naming why, and the worker
   keeps serving. A cancelled request (client gone) aborts its generation.
+* **Images and audio.** A chat's images and audio arrive as Dynamo forwards them: the prompt's
+  ids with one placeholder per item (``<|vision_start|><|image_pad|><|vision_end|>``) and
+  ``multi_modal_data`` with the client's data URLs. The worker decodes them into items with the
+  checkpoint's own processor (:class:`~omniprefix.encoder.CheckpointEncoder`), whose towers the
+  engine runs only on an encoder-cache miss. A URL that is not a data URL, media that does not
+  decode or is over the limits (``--max-image-pixels``, ``--max-media-bytes``) is an HTTP 400
+  naming the item, and nothing is cached.
 * **KV events.** The engine publishes vLLM-format KV events on a loopback ZMQ PUB socket; a
   Dynamo ``KvEventPublisher`` subscribed to it relays them to the frontend's KV router.
 * **Metrics.** ``Engine.metrics()`` (Prometheus text) at ``http://HOST:PORT/metrics``.
@@ -36,6 +43,7 @@ from typing import Any, AsyncIterator, Mapping, Optional
 
 from . import Error, RequestError
 from .aio import AsyncEngine
+from .encoder import MAX_IMAGE_PIXELS, MAX_MEDIA_BYTES, encoder_for
 
 __all__ = ["sampling_options", "MetricsServer", "main"]
 
@@ -151,13 +159,63 @@ def context_length(model_dir: Path) -> int:
     raise ValueError(f"{model_dir / 'config.json'} has no max_position_embeddings")
 
 
-class Worker:
-    """The request handler: one engine, Dynamo's requests in, token chunks out."""
+#: ``multi_modal_data`` keys Dynamo's frontend forwards, and the modality each holds.
+MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 
-    def __init__(self, engine: AsyncEngine, context_len: int):
+
+def media_urls(request: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Per modality, the URLs of ``multi_modal_data`` in prompt order (``{"Url": ...}`` entries,
+    as Dynamo's frontend sends them, or plain strings)."""
+    urls: dict[str, list[str]] = {}
+    for key, entries in (request.get("multi_modal_data") or {}).items():
+        if key not in MEDIA_KEYS:
+            raise UnsupportedRequest(f"multi_modal_data.{key} is not supported (only {sorted(MEDIA_KEYS)})")
+        for entry in entries or []:
+            url = entry.get("Url", entry.get("url")) if isinstance(entry, Mapping) else entry
+            if not isinstance(url, str):
+                raise UnsupportedRequest(f"multi_modal_data.{key}: an entry without a URL ({str(entry)[:60]})")
+            urls.setdefault(MEDIA_KEYS[key], []).append(url)
+    return urls
+
+
+def request_items(encoder: Any, token_ids: list[int], urls: Mapping[str, list[str]],
+                  pads: Mapping[str, int]) -> list[Any]:
+    """The items of one request in the order their placeholders appear in ``token_ids`` (one pad
+    id per item, unexpanded), each decoded by ``encoder``; the counts must agree."""
+    from .encoder import MediaError
+
+    if not urls:
+        return []
+    if encoder is None:
+        raise UnsupportedRequest("this model takes no images or audio (its checkpoint has no processor)")
+    order = {pad: modality for modality, pad in pads.items()}
+    wanted = [order[t] for t in token_ids if t in order]
+    for modality in set(wanted) | set(urls):
+        have, need = len(urls.get(modality, [])), wanted.count(modality)
+        if have != need:
+            raise UnsupportedRequest(f"the prompt holds {need} {modality} placeholder(s) but {have} {modality} item(s) came")
+    taken = {modality: 0 for modality in urls}
+    items = []
+    for modality in wanted:
+        index = taken[modality]
+        taken[modality] += 1
+        try:
+            items.append(encoder.from_data_url(urls[modality][index], modality, f"{modality} {index}"))
+        except MediaError as e:
+            raise UnsupportedRequest(str(e)) from None
+    return items
+
+
+class Worker:
+    """The request handler: one engine (and the checkpoint's encoder, if it has towers),
+    Dynamo's requests in, token chunks out."""
+
+    def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None):
         self.engine = engine
         self.context_len = context_len
+        self.encoder = encoder
         self.eos = list(engine.eos_token_ids)
+        self.pads = {"image": engine.image_token_id, "audio": engine.audio_token_id, "video": engine.video_token_id}
 
     async def generate(self, request: dict, context: Any) -> AsyncIterator[dict]:
         from dynamo.llm.exceptions import InvalidArgument, Unknown
@@ -165,13 +223,17 @@ class Worker:
         token_ids = request.get("token_ids") or []
         try:
             options = sampling_options(request, self.eos, self.context_len)
+            # Decoding media is CPU work: off the event loop, like the engine's own preparation.
+            items = await asyncio.to_thread(request_items, self.encoder, token_ids, media_urls(request), self.pads)
         except (UnsupportedRequest, TypeError, ValueError) as e:
             raise InvalidArgument(str(e)) from None
+        if items:
+            options.update(encoder=self.encoder)
         # The frontend ends a reply by itself at max_tokens or a stop id, possibly before a
         # separate closing chunk arrives: so the last token carries finish_reason and the usage
         # (the engine's cached tokens included), sent once the engine finished the request.
         stop_ids = set() if options.get("ignore_eos") else set(options.get("stop", self.eos))
-        stream = self.engine.stream(token_ids, **options)
+        stream = self.engine.stream(token_ids, items or None, **options)
         reply: list[int] = []
         try:
             async for token, _rows in stream:
@@ -226,6 +288,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     engine.add_argument("--max-tokens-per-step", type=int)
     engine.add_argument("--max-seqs-per-step", type=int)
     engine.add_argument("--fingerprint-key", help="the fleet key, 64 hex digits")
+    media = p.add_argument_group("media (checkpoints with a processor and towers)")
+    media.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
+                       help="largest decoded image, in pixels (default %(default)s)")
+    media.add_argument("--max-media-bytes", type=int, default=MAX_MEDIA_BYTES,
+                       help="largest encoded image or audio (default %(default)s)")
     args = p.parse_args(argv)
     if not (args.model / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there")
@@ -254,6 +321,7 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = args.model.resolve()
     name = args.model_name or model_dir.name
     engine = AsyncEngine.from_dir(model_dir, **engine_options(args))
+    encoder = encoder_for(model_dir, max_image_pixels=args.max_image_pixels, max_media_bytes=args.max_media_bytes)
     metrics = MetricsServer(engine.metrics, args.metrics_host, args.metrics_port)
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane)
@@ -272,7 +340,7 @@ async def serve(args: argparse.Namespace) -> None:
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(model_dir),
                              name, worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size,
                              runtime_config=runtime_config)
-        worker = Worker(engine, runtime_config.context_length)
+        worker = Worker(engine, runtime_config.context_length, encoder)
         print(json.dumps({"pid": os.getpid(), "metrics": metrics.url, "kv_events": engine.kv_events_endpoint,
                           "model": name}), flush=True)
         await endpoint.serve_endpoint(worker.generate)

@@ -359,7 +359,7 @@ impl PyEngine {
 
     /// Every counter of `EngineStats`, one key per field (the scheduler's flattened in): queries,
     /// query_tokens, hits, hit_tokens, evicted_blocks, preemptions, block_copies, blocks_free,
-    /// blocks_in_use, blocks_cached, waiting, running, encoder_cache_hits, finished.
+    /// blocks_in_use, blocks_cached, waiting, running, encoder_cache_hits, encoder_calls, finished.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let stats = py.detach(|| self.served.stats()).map_err(to_py)?;
         pythonize::pythonize(py, &stats).map_err(|e| InternalError::new_err(e.to_string()))

@@ -52,7 +52,7 @@ def test_second_prefill_is_cached_and_bit_equal_to_the_first_and_to_a_cache_off_
     assert (stats["waiting"], stats["running"], stats["blocks_in_use"]) == (0, 0, 0)
     assert set(stats) == {
         "queries", "query_tokens", "hits", "hit_tokens", "evicted_blocks", "preemptions", "block_copies",
-        "blocks_free", "blocks_in_use", "blocks_cached", "waiting", "running", "encoder_cache_hits", "finished",
+        "blocks_free", "blocks_in_use", "blocks_cached", "waiting", "running", "encoder_cache_hits", "encoder_calls", "finished",
     }
     cached.validate()
     uncached.validate()

@@ -85,6 +85,7 @@ def test_encoder_runs_once_for_an_image_sent_twice():
     b = engine.prefill(second_ids, [omniprefix.Item("image", content.copy(), IMAGE_LAYOUT)], encoder=encoder)
     assert len(encoder.calls) == 1, "the second request must hit the encoder cache"
     assert engine.stats()["encoder_cache_hits"] == hits + 1
+    assert engine.stats()["encoder_calls"] == 1
     assert b.num_cached_tokens == 0
 
     # The same outputs as an engine that was handed the embeddings.

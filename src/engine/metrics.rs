@@ -83,6 +83,16 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
         ConstCounter::new(s.preemptions),
     );
     registry.register(
+        "encoder_cache_hits",
+        "Items of admitted requests whose embeddings came from the encoder cache",
+        ConstCounter::new(r.stats.encoder_cache_hits),
+    );
+    registry.register(
+        "encoder_calls",
+        "Items the encoder ran for (encoder-cache misses)",
+        ConstCounter::new(r.stats.encoder_calls),
+    );
+    registry.register(
         "kv_events_dropped",
         "KV events the publisher dropped (0 without a publisher)",
         ConstCounter::new(r.kv_events_dropped.unwrap_or(0)),

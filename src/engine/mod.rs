@@ -236,6 +236,7 @@ impl<B: Backend> Engine<B> {
         EngineStats {
             sched: self.sched.stats(),
             encoder_cache_hits: self.preparer.encoder_cache().hits(),
+            encoder_calls: self.preparer.encoder_calls(),
             finished: self.finished,
         }
     }

@@ -69,6 +69,8 @@ pub(super) struct Preparer {
     cache: bool,
     encoder_cache: Mutex<EncoderCache>,
     encoder: RwLock<Option<SharedEncoder>>,
+    /// Items the encoder ran for (each an encoder-cache miss), counted at the call.
+    encoder_calls: AtomicU64,
     next_id: AtomicU64,
 }
 
@@ -81,8 +83,14 @@ impl Preparer {
             cache,
             encoder_cache: Mutex::new(encoder_cache),
             encoder: RwLock::new(None),
+            encoder_calls: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
         }
+    }
+
+    /// Items the encoder ran for so far (rejected requests' included).
+    pub(super) fn encoder_calls(&self) -> u64 {
+        self.encoder_calls.load(Ordering::Relaxed)
     }
 
     pub(super) fn tokens(&self) -> &OmniTokens {
@@ -180,6 +188,7 @@ impl Preparer {
                         None => {
                             let encoder = encoder.ok_or(Error::Request(RequestError::MissingEmbeddings { item: index }))?;
                             let out = encoder.encode(index, identity)?;
+                            self.encoder_calls.fetch_add(1, Ordering::Relaxed);
                             let e = Arc::new(out.embeddings);
                             let encoded = (!out.deepstack.is_empty()).then(|| Arc::new(out.deepstack));
                             let levels = input.deepstack.clone().or(encoded);
