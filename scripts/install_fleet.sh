@@ -2,7 +2,9 @@
 # Installs what `python -m omniprefix.fleet` and `python -m omniprefix.worker` need into VENV:
 # Dynamo 1.6.1's pinned working set (python/requirements-fleet.txt, every package pinned and
 # installed with --no-deps, since `pip install ai-dynamo==1.6.1` fails on its aisimulate stub),
-# then this package (`pip install ./python`, which builds the Rust extension with maturin).
+# then the checkpoint encoder's torch, transformers, torchvision and pillow
+# (python/requirements-encoder.txt, constrained to that set), then this package (`pip install
+# ./python`, which builds the Rust extension with maturin).
 #
 # Idempotent: an existing VENV is reused, pinned packages already there are kept, and cargo
 # rebuilds the extension only when the sources changed. Quiet unless something fails.
@@ -31,6 +33,8 @@ fi
 pip=("$venv/bin/pip" --quiet --disable-pip-version-check)
 
 "${pip[@]}" install --no-deps -r python/requirements-fleet.txt
+# PyPI's torch is the CUDA build (~3 GB with its libraries); it runs here on the CPU.
+"${pip[@]}" install -r python/requirements-encoder.txt -c python/requirements-fleet.txt
 if [[ "${OMNIPREFIX_FLEET_DEPS_ONLY:-0}" == 1 ]]; then
     exit 0
 fi
@@ -40,4 +44,4 @@ CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$(pwd)/target}" MATURIN_PEP517_ARGS="--pro
     "${pip[@]}" install --no-deps ./python
 
 # Everything the fleet imports, so a broken set fails here rather than at the first request.
-"$venv/bin/python" -c 'import omniprefix, omniprefix.worker, omniprefix.fleet, dynamo.frontend, dynamo.llm, dynamo.runtime'
+"$venv/bin/python" -c 'import omniprefix, omniprefix.worker, omniprefix.fleet, dynamo.frontend, dynamo.llm, dynamo.runtime, torch, transformers, torchvision, PIL'

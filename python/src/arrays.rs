@@ -174,9 +174,11 @@ fn bf16_view(bits: ArrayViewD<'_, u16>) -> ArrayViewD<'_, bf16> {
 }
 
 /// A float array as an owned `f32` matrix `[rows, cols]` (converted from
-/// float16/float64 and copied: the engine keeps it). Non-finite values are a
-/// `ValueError` naming `what` and the element.
-pub fn float_matrix(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Array2<f32>> {
+/// float16/float64 and copied: the engine keeps it). With `reject_non_finite`,
+/// non-finite values are a `ValueError` naming `what` and the element; without,
+/// they are left to the engine, whose check names the item
+/// (`RequestError::NonFiniteEmbeddings`): what an encoder's output gets.
+pub fn float_matrix(obj: &Bound<'_, PyAny>, what: &str, reject_non_finite: bool) -> PyResult<Array2<f32>> {
     let array = as_ndarray(obj)?;
     let (kind, name) = dtype_kind_name(&array)?;
     if kind != "f" {
@@ -187,14 +189,15 @@ pub fn float_matrix(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Array2<f32>>
     }
     let f32s = array.call_method1("astype", ("float32",))?;
     let matrix = f32s.cast_into::<PyArray2<f32>>()?.readonly().as_array().to_owned();
-    if let Some((at, value)) = matrix.indexed_iter().find(|(_, v)| !v.is_finite()) {
+    if let Some((at, value)) = matrix.indexed_iter().find(|(_, v)| reject_non_finite && !v.is_finite()) {
         return Err(PyValueError::new_err(format!("{what}: non-finite value {value} at [{}, {}]", at.0, at.1)));
     }
     Ok(matrix)
 }
 
-/// DeepStack levels: a `[levels, rows, hidden]` array or a sequence of `[rows, hidden]` ones.
-pub fn float_levels(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Array2<f32>>> {
+/// DeepStack levels: a `[levels, rows, hidden]` array or a sequence of `[rows, hidden]` ones
+/// (`reject_non_finite` as [`float_matrix`]).
+pub fn float_levels(obj: &Bound<'_, PyAny>, what: &str, reject_non_finite: bool) -> PyResult<Vec<Array2<f32>>> {
     let levels: Vec<Bound<'_, PyAny>> = match obj.cast::<PyUntypedArray>() {
         Ok(array) if array.ndim() == 3 => array.try_iter()?.collect::<PyResult<_>>()?,
         Ok(array) => {
@@ -202,7 +205,7 @@ pub fn float_levels(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Array2<f
         }
         Err(_) => obj.try_iter()?.collect::<PyResult<_>>()?,
     };
-    levels.iter().enumerate().map(|(i, level)| float_matrix(level, &format!("{what}[{i}]"))).collect()
+    levels.iter().enumerate().map(|(i, level)| float_matrix(level, &format!("{what}[{i}]"), reject_non_finite)).collect()
 }
 
 /// The name a captured point goes by in Python (and in the CLI's files).

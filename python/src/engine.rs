@@ -129,18 +129,19 @@ impl Encoder for PyEncoder<'_> {
     }
 }
 
-/// `embeddings` or `(embeddings, deepstack)` as an encoder returned them.
+/// `embeddings` or `(embeddings, deepstack)` as an encoder returned them. NaN
+/// or Inf is left to the engine, whose typed error names the item, part and element.
 fn encoder_output(out: &Bound<'_, PyAny>, index: usize) -> PyResult<EncoderOutput> {
     let what = format!("the encoder's output for item {index}");
     if let Ok(pair) = out.cast::<PyTuple>() {
         if pair.len() != 2 {
             return Err(PyTypeError::new_err(format!("{what}: expected embeddings or (embeddings, deepstack)")));
         }
-        let embeddings = float_matrix(&pair.get_item(0)?, &what)?;
-        let deepstack = float_levels(&pair.get_item(1)?, &format!("{what}, deepstack"))?;
+        let embeddings = float_matrix(&pair.get_item(0)?, &what, false)?;
+        let deepstack = float_levels(&pair.get_item(1)?, &format!("{what}, deepstack"), false)?;
         return Ok(EncoderOutput { embeddings, deepstack });
     }
-    Ok(float_matrix(out, &what)?.into())
+    Ok(float_matrix(out, &what, false)?.into())
 }
 
 /// The sampling keywords of `generate` / `stream`, passed to the library's

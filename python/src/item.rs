@@ -71,8 +71,8 @@ impl Item {
         let parsed = layout_from_dict(layout)?;
         // Borrowing once checks the dtype now rather than at the first call.
         Content::borrow(content)?;
-        let embeddings = embeddings.filter(|e| !e.is_none()).map(|e| float_matrix(e, "embeddings")).transpose()?;
-        let deepstack = deepstack.filter(|d| !d.is_none()).map(|d| float_levels(d, "deepstack")).transpose()?;
+        let embeddings = embeddings.filter(|e| !e.is_none()).map(|e| float_matrix(e, "embeddings", true)).transpose()?;
+        let deepstack = deepstack.filter(|d| !d.is_none()).map(|d| float_levels(d, "deepstack", true)).transpose()?;
         Ok(Item {
             modality,
             layout: parsed,

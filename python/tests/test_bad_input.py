@@ -193,7 +193,7 @@ MM_CASES = {
         send(bare(), encoder=lambda item: np.zeros((IMAGE_TOKENS + 2, 64), np.float32)),
     ),
     "encoder returning NaN": (
-        (ValueError, E.RequestError),
+        E.RequestError,
         send(bare(), encoder=lambda item: np.full((IMAGE_TOKENS, 64), np.nan, np.float32)),
     ),
     "encoder returning no array": (

@@ -136,7 +136,8 @@ pub struct EngineStats {
     pub sched: SchedulerStats,
     /// Items of admitted requests whose embeddings came from the encoder cache.
     pub encoder_cache_hits: u64,
-    /// Items the encoder ran for: encoder-cache misses without given embeddings.
+    /// Items of admitted requests the encoder ran for: encoder-cache misses
+    /// without given embeddings.
     pub encoder_calls: u64,
     /// Requests that returned their outputs.
     pub finished: u64,

@@ -60,12 +60,12 @@ impl<B: Backend> Engine<B> {
     /// caches its fresh encoder outputs; on error nothing changes, and the
     /// error names no request id (the caller gets the id only from success).
     pub fn submit_prepared(&mut self, prepared: Prepared) -> Result<RequestId> {
-        let Prepared { checked, fresh, cache_hits, generate, started, preprocess } = prepared;
+        let Prepared { checked, fresh, cache_hits, encoded, generate, started, preprocess } = prepared;
         let id = checked.request().id;
         let positions = checked.request().prompt.positions.clone();
         self.sched.admit_checked(checked).map_err(Error::unnamed)?;
         // Admitted: only now does anything change.
-        self.preparer.admitted(fresh, cache_hits);
+        self.preparer.admitted(fresh, cache_hits, encoded);
         let eos = &self.runner.thinker().config().eos_token_ids;
         let special = crate::sample::placeholder_ids(self.preparer.tokens());
         let decoding = generate.map(|(params, seed)| Decoding::new(params, seed, eos, &special));

@@ -42,6 +42,8 @@ pub struct Prepared {
     pub(super) fresh: Vec<FreshRows>,
     /// Items whose rows came from the encoder cache.
     pub(super) cache_hits: u64,
+    /// Items the encoder ran for.
+    pub(super) encoded: u64,
     /// The sampling settings and the seed in force, for a generation.
     pub(super) generate: Option<(SamplingParams, u64)>,
     pub(super) started: Instant,
@@ -69,7 +71,8 @@ pub(super) struct Preparer {
     cache: bool,
     encoder_cache: Mutex<EncoderCache>,
     encoder: RwLock<Option<SharedEncoder>>,
-    /// Items the encoder ran for (each an encoder-cache miss), counted at the call.
+    /// Items the encoder ran for (each an encoder-cache miss), counted when
+    /// their request is admitted: a rejected request changes no counter.
     encoder_calls: AtomicU64,
     next_id: AtomicU64,
 }
@@ -88,7 +91,7 @@ impl Preparer {
         }
     }
 
-    /// Items the encoder ran for so far (rejected requests' included).
+    /// Items the encoder ran for, of admitted requests.
     pub(super) fn encoder_calls(&self) -> u64 {
         self.encoder_calls.load(Ordering::Relaxed)
     }
@@ -145,11 +148,12 @@ impl Preparer {
             max_new_tokens,
         };
         let checked = self.checks.checked_rows(req)?;
-        Ok(Prepared { checked, fresh: rows.fresh, cache_hits: rows.cache_hits, generate, started, preprocess: started.elapsed() })
+        Ok(Prepared { checked, fresh: rows.fresh, cache_hits: rows.cache_hits, encoded: rows.encoded, generate, started, preprocess: started.elapsed() })
     }
 
     /// Caches a newly admitted request's encoder outputs.
-    pub(super) fn admitted(&self, fresh: Vec<FreshRows>, cache_hits: u64) {
+    pub(super) fn admitted(&self, fresh: Vec<FreshRows>, cache_hits: u64, encoded: u64) {
+        self.encoder_calls.fetch_add(encoded, Ordering::Relaxed);
         let mut cache = self.encoder_cache();
         for (fp, embeddings, levels) in fresh {
             cache.insert_with_deepstack(fp, embeddings, levels);
@@ -188,7 +192,7 @@ impl Preparer {
                         None => {
                             let encoder = encoder.ok_or(Error::Request(RequestError::MissingEmbeddings { item: index }))?;
                             let out = encoder.encode(index, identity)?;
-                            self.encoder_calls.fetch_add(1, Ordering::Relaxed);
+                            rows.encoded += 1;
                             let e = Arc::new(out.embeddings);
                             let encoded = (!out.deepstack.is_empty()).then(|| Arc::new(out.deepstack));
                             let levels = input.deepstack.clone().or(encoded);
@@ -213,6 +217,8 @@ struct ItemRows {
     deepstack: Vec<Option<DeepStack>>,
     fresh: Vec<FreshRows>,
     cache_hits: u64,
+    /// Items the encoder ran for.
+    encoded: u64,
 }
 
 /// Rejects NaN or ±Inf in an item's embeddings or DeepStack levels, naming the first.
