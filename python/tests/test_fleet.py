@@ -209,6 +209,62 @@ def test_chat_goes_through_the_checkpoints_template(kv_fleet, engine, tokenizer)
     assert got["choices"][0]["message"]["content"] == tokenizer.decode(want, skip_special_tokens=True)
 
 
+OMNI = FIXTURES / "omni_thinker"
+#: transformers' own processor + thinker greedy generate on image and audio chats
+#: (fixtures/make_mm_reference.py).
+MM_CASES = {case["name"]: case for case in json.loads((OMNI / "mm_chat_reference.json").read_text())["cases"]}
+
+
+@pytest.fixture(scope="module")
+def omni_fleet():
+    fleet = RunningFleet("--model", str(OMNI), "--workers", "2", "--router", "kv", "--port", "0")
+    yield fleet
+    fleet.stop()
+
+
+def media_part(case: dict) -> dict:
+    """The case's media as an OpenAI content part with a data URL (audio as ``audio_url``: Dynamo
+    1.6.1 forwards that, not ``input_audio``)."""
+    import base64
+
+    data = base64.b64encode((FIXTURES.parent.parent / case["media"]["file"]).read_bytes()).decode()
+    if case["name"].startswith("image"):
+        return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}
+    return {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + data}}
+
+
+def media_chat(fleet: RunningFleet, part: dict, text: str = "Describe this briefly.", **options) -> dict:
+    body = {"model": fleet.info["model"], "messages": [{"role": "user", "content": [part, {"type": "text", "text": text}]}],
+            "max_tokens": 16, "temperature": 0, "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]},
+            **options}
+    return fleet.post("/v1/chat/completions", body)
+
+
+@pytest.mark.parametrize("name", ["image_a", "audio"])
+def test_an_image_or_audio_chat_through_the_fleet_equals_transformers(omni_fleet, name):
+    case = MM_CASES[name]
+    got = media_chat(omni_fleet, media_part(case))
+    # The frontend renders the checkpoint's template with one placeholder per item; the worker's
+    # encoder (the checkpoint's processor and towers) and the engine do the rest.
+    assert got["usage"]["prompt_tokens"] == len(case["prompt_ids_unexpanded"])
+    assert reply_ids(got) == case["generated_pads_suppressed"]["ids"]
+    assert got["choices"][0]["message"]["content"] == case["generated_pads_suppressed"]["text_skip_special"]
+
+
+def test_bad_media_is_a_400_naming_the_item_and_the_worker_keeps_serving(omni_fleet):
+    part = media_part(MM_CASES["image_a"])
+    url = part["image_url"]["url"]
+    for bad, why in [("https://example.com/cat.png", "image 0: only data URLs"),
+                     (url[:len("data:image/png;base64,") + 400], "image 0: not a readable image"),  # truncated
+                     ("data:image/png;base64,@@@@", "image 0: the data URL's base64 does not decode")]:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            media_chat(omni_fleet, {"type": "image_url", "image_url": {"url": bad}})
+        assert e.value.code == 400
+        assert why in e.value.read().decode()
+    assert reply_ids(media_chat(omni_fleet, part)) == MM_CASES["image_a"]["generated_pads_suppressed"]["ids"]
+    assert all(alive(pid) for pid in omni_fleet.pids())
+
+
 def test_a_bad_request_is_a_400_naming_why_and_the_worker_keeps_serving(kv_fleet):
     ids = prompts(seed=4, count=1, length=10)[0]
     for options, why in [({"max_tokens": 10_000}, "exceeds the context of 4096 tokens"),
