@@ -190,7 +190,7 @@ class CheckpointEncoder:
 
     def from_data_url(self, url: str, modality: str, name: str) -> Item:
         """An item from a client's data URL: an image (any format pillow reads) or a WAV audio
-        (PCM 16/32-bit or float, mono or the channels' mean)."""
+        (16 or 32-bit PCM; stereo becomes the channels' mean)."""
         _mime, data = decode_data_url(url, name, self.max_media_bytes)
         if modality == "image":
             return self.image(data, name)
