@@ -18,7 +18,11 @@
   decode or is over the limits (``--max-image-pixels``, ``--max-media-bytes``) is an HTTP 400
   naming the item, and nothing is cached.
 * **KV events.** The engine publishes vLLM-format KV events on a loopback ZMQ PUB socket; a
-  Dynamo ``KvEventPublisher`` subscribed to it relays them to the frontend's KV router.
+  Dynamo ``KvEventPublisher`` subscribed to it relays them to the frontend's KV router. For a
+  checkpoint with images (``--dynamo-mm-keys on``, the default), the relay reads them through a
+  :class:`~omniprefix.dynamo_keys.KeyBridge` that adds the frontend's per-image hash
+  (``extra_args.mm_hashes``) in the form Dynamo 1.6.1 routes on, so a repeated image goes to the
+  worker that caches it (see ``omniprefix.dynamo_keys``).
 * **Metrics.** ``Engine.metrics()`` (Prometheus text) at ``http://HOST:PORT/metrics``.
 
 When it serves, the worker prints one JSON line on stdout, ``{"pid": ..., "metrics": URL,
@@ -35,6 +39,7 @@ import asyncio
 import http.server
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -43,6 +48,7 @@ from typing import Any, AsyncIterator, Mapping, Optional
 
 from . import Error, RequestError
 from .aio import AsyncEngine
+from .dynamo_keys import AliasTable, KeyBridge, request_aliases
 from .encoder import MAX_IMAGE_PIXELS, MAX_MEDIA_BYTES, encoder_for
 
 __all__ = ["sampling_options", "MetricsServer", "main"]
@@ -210,12 +216,27 @@ class Worker:
     """The request handler: one engine (and the checkpoint's encoder, if it has towers),
     Dynamo's requests in, token chunks out."""
 
-    def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None):
+    def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None,
+                 aliases: Optional[AliasTable] = None, fingerprint_key: Optional[str] = None):
         self.engine = engine
+        # With `aliases`, each request's images are named under the engine's `fingerprint_key`
+        # and paired with the frontend's hashes of them, for the KeyBridge.
+        self.aliases = aliases
+        self.fingerprint_key = fingerprint_key
         self.context_len = context_len
         self.encoder = encoder
         self.eos = list(engine.eos_token_ids)
         self.pads = {"image": engine.image_token_id, "audio": engine.audio_token_id, "video": engine.video_token_id}
+
+    def learn_aliases(self, items: list[Any], request: Mapping[str, Any]) -> None:
+        """Our identity of each image → the frontend's hash of it, before the engine publishes
+        the request's blocks (the bridge marks them as they pass)."""
+        from . import vllm_uuids
+
+        mm_hashes = (request.get("extra_args") or {}).get("mm_hashes")
+        if mm_hashes:
+            images = vllm_uuids(items, key=self.fingerprint_key).get("image", [])
+            self.aliases.learn(request_aliases(images, mm_hashes))
 
     async def generate(self, request: dict, context: Any) -> AsyncIterator[dict]:
         from dynamo.llm.exceptions import InvalidArgument, Unknown
@@ -225,6 +246,8 @@ class Worker:
             options = sampling_options(request, self.eos, self.context_len)
             # Decoding media is CPU work: off the event loop, like the engine's own preparation.
             items = await asyncio.to_thread(request_items, self.encoder, token_ids, media_urls(request), self.pads)
+            if items and self.aliases is not None:
+                await asyncio.to_thread(self.learn_aliases, items, request)
         except (UnsupportedRequest, TypeError, ValueError) as e:
             raise InvalidArgument(str(e)) from None
         if items:
@@ -287,7 +310,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     engine.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "f16"])
     engine.add_argument("--max-tokens-per-step", type=int)
     engine.add_argument("--max-seqs-per-step", type=int)
-    engine.add_argument("--fingerprint-key", help="the fleet key, 64 hex digits")
+    engine.add_argument("--fingerprint-key", help="the fleet key, 64 hex digits (default: a random one)")
+    p.add_argument("--dynamo-mm-keys", default="on", choices=["on", "off"],
+                   help="add the frontend's image hashes to the KV events Dynamo routes on (default %(default)s)")
     media = p.add_argument_group("media (checkpoints with a processor and towers)")
     media.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS,
                        help="largest decoded image, in pixels (default %(default)s)")
@@ -320,8 +345,15 @@ async def serve(args: argparse.Namespace) -> None:
 
     model_dir = args.model.resolve()
     name = args.model_name or model_dir.name
+    # The worker names images under the engine's key (omniprefix.dynamo_keys), so it picks it.
+    if args.fingerprint_key is None:
+        args.fingerprint_key = secrets.token_hex(32)
     engine = AsyncEngine.from_dir(model_dir, **engine_options(args))
     encoder = encoder_for(model_dir, max_image_pixels=args.max_image_pixels, max_media_bytes=args.max_media_bytes)
+    bridge = aliases = None
+    if encoder is not None and args.dynamo_mm_keys == "on":
+        aliases = AliasTable()
+        bridge = KeyBridge(engine.kv_events_endpoint, aliases)
     metrics = MetricsServer(engine.metrics, args.metrics_host, args.metrics_port)
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane)
@@ -331,7 +363,11 @@ async def serve(args: argparse.Namespace) -> None:
         endpoint = runtime.endpoint(args.endpoint)
         # The relay subscribes to the engine's PUB socket before the model is announced, so
         # no request's events go out before someone listens.
-        relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=engine.kv_events_endpoint)
+        if bridge is None:
+            relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=engine.kv_events_endpoint)
+        else:
+            relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=bridge.endpoint,
+                                     image_token_id=engine.image_token_id)
         stats = engine.stats()
         runtime_config = ModelRuntimeConfig()
         runtime_config.context_length = context_length(model_dir)
@@ -340,13 +376,15 @@ async def serve(args: argparse.Namespace) -> None:
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(model_dir),
                              name, worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size,
                              runtime_config=runtime_config)
-        worker = Worker(engine, runtime_config.context_length, encoder)
+        worker = Worker(engine, runtime_config.context_length, encoder, aliases, args.fingerprint_key)
         print(json.dumps({"pid": os.getpid(), "metrics": metrics.url, "kv_events": engine.kv_events_endpoint,
                           "model": name}), flush=True)
         await endpoint.serve_endpoint(worker.generate)
         del relay
     finally:
         metrics.close()
+        if bridge is not None:
+            bridge.close()
         engine.close()
 
 

@@ -401,3 +401,67 @@ def test_a_worker_that_dies_is_reported_and_the_fleet_stops_everything():
         assert not left, f"processes left behind: {left}"
     finally:
         fleet.stop()
+
+
+# Images through Dynamo's kv router (omniprefix.dynamo_keys): the Omni fixture, whose
+# preprocessor_config.json makes the frontend route images by content.
+OMNI = FIXTURES / "omni_thinker"
+#: The image's end in the chat's prompt: 5 template tokens, then a 56x40 image's 35 rows.
+IMAGE_END = 5 + 35
+
+
+@pytest.fixture(scope="module")
+def omni_kv_fleet():
+    fleet = RunningFleet("--model", str(OMNI), "--workers", "2", "--router", "kv", "--port", "0")
+    yield fleet
+    fleet.stop()
+
+
+def image_url(seed: int = -1) -> str:
+    """fixtures/media/image_a.png (seed -1), or a seeded 56x40 PNG of random pixels."""
+    import base64
+    import io
+    import random
+
+    if seed < 0:
+        data = (FIXTURES.parent / "media" / "image_a.png").read_bytes()
+    else:
+        from PIL import Image
+
+        rng = random.Random(seed)
+        out = io.BytesIO()
+        Image.frombytes("RGB", (56, 40), bytes(rng.randrange(256) for _ in range(56 * 40 * 3))).save(out, format="PNG")
+        data = out.getvalue()
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_chat(fleet: RunningFleet, url: str) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe this briefly."}]
+    return fleet.post("/v1/chat/completions", {"model": fleet.info["model"], "max_tokens": 2, "temperature": 0,
+                                               "messages": [{"role": "user", "content": content}]})
+
+
+def encoder_calls(fleet: RunningFleet) -> float:
+    return sum(m["omniprefix_encoder_calls_total"] for m in fleet.metrics())
+
+
+def test_kv_routing_sends_a_repeated_image_to_the_worker_that_caches_it(omni_kv_fleet):
+    before = encoder_calls(omni_kv_fleet)
+    url = image_url()
+    image_chat(omni_kv_fleet, url)
+    time.sleep(0.5)  # the image's BlockStored events (with the frontend's hash) reach the router
+    again = image_chat(omni_kv_fleet, url)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= IMAGE_END
+    assert encoder_calls(omni_kv_fleet) - before == 1
+
+
+def test_kv_routing_tells_images_of_the_same_size_apart(omni_kv_fleet):
+    # Four images with the same placeholders, then each again: every repeat finds its image
+    # cached (routing by load alone would miss about half of them).
+    urls = [image_url(seed) for seed in range(4)]
+    for url in urls:
+        image_chat(omni_kv_fleet, url)
+        time.sleep(0.2)
+    time.sleep(0.3)
+    cached = [image_chat(omni_kv_fleet, url)["usage"]["prompt_tokens_details"]["cached_tokens"] for url in urls[::-1]]
+    assert all(c >= IMAGE_END for c in cached), cached
