@@ -190,16 +190,18 @@ def request_items(encoder: Any, token_ids: list[int], urls: Mapping[str, list[st
     id per item, unexpanded), each decoded by ``encoder``; the counts must agree."""
     from .encoder import MediaError
 
-    if not urls:
+    order = {pad: modality for modality, pad in pads.items()}
+    wanted = [order[t] for t in token_ids if t in order]
+    if not urls and not wanted:
         return []
     if encoder is None:
         raise UnsupportedRequest("this model takes no images or audio (its checkpoint has no processor)")
-    order = {pad: modality for modality, pad in pads.items()}
-    wanted = [order[t] for t in token_ids if t in order]
-    for modality in set(wanted) | set(urls):
+    for modality in sorted(set(wanted) | set(urls)):
         have, need = len(urls.get(modality, [])), wanted.count(modality)
         if have != need:
-            raise UnsupportedRequest(f"the prompt holds {need} {modality} placeholder(s) but {have} {modality} item(s) came")
+            raise UnsupportedRequest(f"the prompt holds {need} {modality} placeholder(s) but {have} {modality} item(s) "
+                                     f"came (send images as image_url and audio as audio_url data URLs: Dynamo's "
+                                     f"frontend does not forward input_audio parts)")
     taken = {modality: 0 for modality in urls}
     items = []
     for modality in wanted:

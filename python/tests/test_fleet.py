@@ -261,6 +261,11 @@ def test_bad_media_is_a_400_naming_the_item_and_the_worker_keeps_serving(omni_fl
             media_chat(omni_fleet, {"type": "image_url", "image_url": {"url": bad}})
         assert e.value.code == 400
         assert why in e.value.read().decode()
+    # An input_audio part: the template renders its placeholder, but Dynamo forwards no audio for it.
+    with pytest.raises(urllib.error.HTTPError) as e:
+        media_chat(omni_fleet, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})
+    assert e.value.code == 400
+    assert "1 audio placeholder(s) but 0 audio item(s)" in e.value.read().decode()
     assert reply_ids(media_chat(omni_fleet, part)) == MM_CASES["image_a"]["generated_pads_suppressed"]["ids"]
     assert all(alive(pid) for pid in omni_fleet.pids())
 
