@@ -257,6 +257,12 @@ pub trait Backend: Send + Sync {
     fn download_all(&self, ts: &[&Self::Tensor]) -> Result<Vec<Array2<f32>>> {
         ts.iter().map(|t| self.download(t)).collect()
     }
+    /// [`Backend::download_all`] of tensors the caller is done with. A backend whose
+    /// tensors already are host matrices hands them over instead of copying them (a
+    /// prefill's captured hidden states are megabytes).
+    fn into_host(&self, ts: Vec<Self::Tensor>) -> Result<Vec<Array2<f32>>> {
+        self.download_all(&ts.iter().collect::<Vec<_>>())
+    }
     /// `[rows, cols]` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> [usize; 2];
 

@@ -110,12 +110,12 @@ impl CpuPages {
         expect_rows(OP, "x", x, slots.len())?;
         expect_cols(OP, "x", x, self.spec.hidden)?;
         check_slots(OP, slots, self.spec.num_slots())?;
-        for (i, &s) in slots.iter().enumerate() {
+        let x = x.as_standard_layout();
+        let rows = x.as_slice().unwrap_or_default().chunks_exact(self.spec.hidden);
+        for (&s, row) in slots.iter().zip(rows) {
             let Ok(s) = usize::try_from(s) else { continue };
             let range = self.hidden_range(s, c);
-            for (dst, src) in self.hidden[range].iter_mut().zip(x.row(i)) {
-                *dst = *src;
-            }
+            self.hidden[range].copy_from_slice(row);
         }
         Ok(())
     }
@@ -124,14 +124,17 @@ impl CpuPages {
         const OP: &str = "gather_hidden";
         let c = self.capture_index(OP, capture)?;
         check_slots(OP, slots, self.spec.num_slots())?;
-        let mut out = Array2::zeros((slots.len(), self.spec.hidden));
-        for (i, &s) in slots.iter().enumerate() {
-            let Ok(s) = usize::try_from(s) else { continue };
-            for (dst, src) in out.row_mut(i).iter_mut().zip(&self.hidden[self.hidden_range(s, c)]) {
-                *dst = *src;
+        // Row by row into a fresh buffer: a prefill gathers every position of its
+        // prompt, so zero-filling the output first would write it twice.
+        let h = self.spec.hidden;
+        let mut out = Vec::with_capacity(slots.len() * h);
+        for &s in slots {
+            match usize::try_from(s) {
+                Ok(s) => out.extend_from_slice(&self.hidden[self.hidden_range(s, c)]),
+                Err(_) => out.resize(out.len() + h, 0.0),
             }
         }
-        Ok(out)
+        Ok(Array2::from_shape_vec((slots.len(), h), out).expect("one row of `hidden` per slot"))
     }
 
     pub(crate) fn copy_blocks(&mut self, copies: &[(BlockId, BlockId)]) -> Result<()> {
