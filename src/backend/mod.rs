@@ -253,13 +253,14 @@ pub trait Backend: Send + Sync {
     /// Copies a device matrix to the host (a GPU backend waits for pending work).
     fn download(&self, t: &Self::Tensor) -> Result<Array2<f32>>;
     /// Copies several device matrices to the host, in order. A GPU backend waits once
-    /// for all of them (the runner reads a step's logits and hidden rows with one call).
+    /// for all of them.
     fn download_all(&self, ts: &[&Self::Tensor]) -> Result<Vec<Array2<f32>>> {
         ts.iter().map(|t| self.download(t)).collect()
     }
-    /// [`Backend::download_all`] of tensors the caller is done with. A backend whose
-    /// tensors already are host matrices hands them over instead of copying them (a
-    /// prefill's captured hidden states are megabytes).
+    /// [`Backend::download_all`] of tensors the caller is done with (the runner reads a
+    /// step's logits and hidden rows with one call). A backend whose tensors already are
+    /// host matrices hands them over instead of copying them (a prefill's captured hidden
+    /// states are megabytes).
     fn into_host(&self, ts: Vec<Self::Tensor>) -> Result<Vec<Array2<f32>>> {
         self.download_all(&ts.iter().collect::<Vec<_>>())
     }
