@@ -154,8 +154,10 @@ fn preempted_sequences_resume_to_the_same_output() -> TestResult {
         assert!(differing >= 5, "prompt {i}: seeds 3 and 4 differ at {differing} of 10 tokens");
         assert_ne!(plain.run(text(p).generate(greedy(10)))?.tokens, w.tokens, "prompt {i}: not the greedy tokens");
     }
-    // 16 blocks of 4 cannot hold four sequences of 14-17 + 9 positions at once.
-    let mut e = engine(&model, EngineConfig { num_blocks: 16, ..config(true) })?;
+    // 16 blocks of 4 cannot hold four sequences of 14-17 + 9 positions at once. Uncapped,
+    // so all four start in one step (a cap starts one long prompt a step, staggering them).
+    let base = config(true);
+    let mut e = engine(&model, EngineConfig { num_blocks: 16, prefill_cap: Some(base.max_tokens_per_step), ..base })?;
     for p in &prompts {
         e.submit(text(p).generate(params(3)))?;
     }

@@ -593,6 +593,32 @@ fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestRe
     Ok(())
 }
 
+/// With a cap, a step prefills at most one long prompt (more than `prefill_cap`
+/// tokens left), even with budget to spare and no decode: prompts that arrive
+/// together start one after another. Short prompts still pack into one step.
+#[test]
+fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestResult {
+    let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 16, true) })?;
+    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> { batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect() };
+    sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 8))?;
+    sched.admit(generating(2, &(100..105).collect::<Vec<_>>(), 8))?;
+    let batch = sched.schedule()?;
+    assert_eq!(shape(&batch), vec![(1, 5)], "the second long prompt waits though 11 tokens of budget are left");
+    assert_eq!(complete(&mut sched, &batch)?, vec![1]);
+    sched.append(1, 42)?;
+    let batch = sched.schedule()?;
+    assert_eq!(shape(&batch), vec![(1, 1), (2, 3)], "next step: the decode, then the cap's chunk of the next prompt");
+    assert_eq!(complete(&mut sched, &batch)?, vec![1]);
+    sched.finish(1)?;
+    // No decode now: short prompts (at most the cap) all start in one step beside the long one's last chunk.
+    for id in 3..6 {
+        sched.admit(request(id, 0, &[id as u32 * 100, id as u32 * 100 + 1]))?;
+    }
+    let batch = sched.schedule()?;
+    assert_eq!(shape(&batch), vec![(2, 2), (3, 2), (4, 2), (5, 2)]);
+    Ok(())
+}
+
 /// Completes `batch` without running it (the scheduler does not read pages) and
 /// returns the ready requests.
 fn complete(sched: &mut Scheduler, batch: &ScheduledBatch) -> TestResult<Vec<RequestId>> {

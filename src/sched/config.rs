@@ -15,7 +15,10 @@ pub struct SchedulerConfig {
     /// rest of the budget). Bounds how long a decode waits behind prompts,
     /// which are then chunked across steps; each step still gives the prompt
     /// at the head of the queue up to this many tokens, so new requests keep
-    /// moving. Must be positive and at most `max_tokens_per_step`.
+    /// moving. With a cap a step prefills at most one prompt that has more
+    /// than this many tokens left (shorter ones pack beside it), so a burst
+    /// of long prompts is started one by one rather than all in one step.
+    /// Must be positive and at most `max_tokens_per_step`.
     #[serde(default)]
     pub prefill_cap: Option<usize>,
     /// Reuse a match that ends inside a block by copying that block

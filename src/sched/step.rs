@@ -15,8 +15,13 @@ impl Scheduler {
     /// Builds the next step within one token budget: the decode tokens of
     /// running sequences first, then their prefill chunks (both oldest first),
     /// then waiting requests in arrival order; once the step carries a decode,
-    /// its prefill tokens are capped at `prefill_cap`. A sequence whose blocks
-    /// cannot be found waits; an empty batch means nothing can run now.
+    /// its prefill tokens are capped at `prefill_cap`. With a cap, a step also
+    /// prefills at most one *long* prompt (more than `prefill_cap` tokens left):
+    /// prompts that arrive together then start one after another instead of
+    /// all in one step, so their replies do not run in lockstep and the next
+    /// arrivals do not queue behind each other again (vLLM's
+    /// `max_long_partial_prefills = 1`). A sequence whose blocks cannot be
+    /// found waits; an empty batch means nothing can run now.
     pub fn schedule(&mut self) -> Result<ScheduledBatch> {
         let mut batch = ScheduledBatch::default();
         let remaining = |t: &Tracked| t.req.prompt.len() - t.num_computed;
@@ -27,16 +32,17 @@ impl Scheduler {
             .filter(|id| self.requests.contains_key(id))
             .partition(|id| self.requests.get(id).is_some_and(|t| remaining(t) == 1));
         let mut budget = self.config.max_tokens_per_step;
-        self.schedule_running(&decodes, &mut budget, &mut batch)?;
+        let mut long = LongPrefills { cap: self.config.prefill_cap, taken: false };
+        self.schedule_running(&decodes, &mut budget, &mut long, &mut batch)?;
         // A step that carries decode tokens adds at most `prefill_cap` prefill tokens.
         if !batch.seqs.is_empty() {
             budget = budget.min(self.config.prefill_cap.unwrap_or(usize::MAX));
         }
-        self.schedule_running(&prefills, &mut budget, &mut batch)?;
+        self.schedule_running(&prefills, &mut budget, &mut long, &mut batch)?;
         while let Some(&id) = self.waiting.front() {
             if budget == 0
                 || batch.seqs.len() >= self.config.max_seqs_per_step
-                || !self.start(id, budget, &mut batch)?
+                || !self.start(id, budget, &mut long, &mut batch)?
             {
                 break;
             }
@@ -48,7 +54,13 @@ impl Scheduler {
     /// Emits the next chunk of each running sequence of `ids` (in order)
     /// within `budget`, taking blocks for it (preempting newer sequences when
     /// short); a sequence whose blocks cannot be found waits.
-    fn schedule_running(&mut self, ids: &[RequestId], budget: &mut usize, batch: &mut ScheduledBatch) -> Result<()> {
+    fn schedule_running(
+        &mut self,
+        ids: &[RequestId],
+        budget: &mut usize,
+        long: &mut LongPrefills,
+        batch: &mut ScheduledBatch,
+    ) -> Result<()> {
         for &id in ids {
             if *budget == 0 || batch.seqs.len() >= self.config.max_seqs_per_step {
                 break;
@@ -56,7 +68,7 @@ impl Scheduler {
             // An earlier reservation may have preempted it.
             let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
             let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
-            if t.in_flight.is_some() {
+            if t.in_flight.is_some() || !long.admit(t.req.prompt.len() - t.num_computed) {
                 continue;
             }
             let chunk = (t.req.prompt.len() - t.num_computed).min(*budget);
@@ -73,8 +85,9 @@ impl Scheduler {
     }
 
     /// Matches a waiting request, pins its cached prefix, allocates its first
-    /// chunk and emits it; `false` when blocks are short (it stays queued).
-    pub(super) fn start(&mut self, id: RequestId, budget: usize, batch: &mut ScheduledBatch) -> Result<bool> {
+    /// chunk and emits it; `false` when blocks are short or it is a second
+    /// long prompt this step (it stays queued).
+    pub(super) fn start(&mut self, id: RequestId, budget: usize, long: &mut LongPrefills, batch: &mut ScheduledBatch) -> Result<bool> {
         let bs = self.config.block_size;
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         let len = t.req.prompt.len();
@@ -94,6 +107,9 @@ impl Scheduler {
         } else {
             usable / bs * bs
         };
+        if !long.admit(len - computed) {
+            return Ok(false);
+        }
         // Pin before evicting so eviction cannot take what was just matched.
         let mut lock = (computed > 0).then(|| pinned_part(m, computed, bs));
         if let Some(m) = &lock {
@@ -121,6 +137,8 @@ impl Scheduler {
             }
             computed = 0;
             whole_prompt = true;
+            // Alone in the step, so the long slot is free: take it if the whole prompt is long.
+            long.admit(len);
         };
         let shared = computed / bs;
         let chunk = (len - computed).min(budget);
@@ -239,6 +257,24 @@ impl Scheduler {
         t.num_cached = 0;
         self.stats.preemptions += 1;
         Ok(true)
+    }
+}
+
+/// The one long prompt a step may prefill: with a cap, a prompt with more
+/// than `cap` tokens left to compute is long.
+pub(super) struct LongPrefills {
+    cap: Option<usize>,
+    taken: bool,
+}
+
+impl LongPrefills {
+    /// Whether a prompt with `left` tokens to compute may prefill this step,
+    /// taking the step's long slot when it is long.
+    fn admit(&mut self, left: usize) -> bool {
+        match self.cap {
+            Some(cap) if left > cap => !std::mem::replace(&mut self.taken, true),
+            _ => true,
+        }
     }
 }
 
