@@ -78,8 +78,9 @@ pub struct ServeArgs {
     /// New tokens per scheduler step (the chunked-prefill budget; default 2048).
     #[arg(long)]
     pub max_tokens_per_step: Option<usize>,
-    /// Prefill tokens a step that carries decodes may add (default: a thirty-second
-    /// of the budget; the budget itself: uncapped).
+    /// Prefill tokens a step that carries decodes may add; a step also prefills one
+    /// prompt longer than this at a time (default: a thirty-second of the budget;
+    /// the budget itself: uncapped).
     #[arg(long)]
     pub prefill_cap: Option<usize>,
     #[command(flatten)]
