@@ -106,6 +106,24 @@ fn the_stand_in_encoder_runs_on_encoder_cache_misses_only() -> TestResult {
     Ok(())
 }
 
+/// The JSON names the policy: the default cap (a thirty-second of the budget) starts one
+/// long prompt a step; a cap equal to the budget turns both rules off.
+#[test]
+fn the_scheduling_policy_is_reported() -> TestResult {
+    let run = |extra: &[&str]| -> TestResult<Vec<serde_json::Value>> {
+        let args = [&["--json", "--workload", "prefix_repetition", "--concurrency", "1", "--output-len", "2"][..], extra].concat();
+        lines(&serve(&args)?)
+    };
+    for l in run(&[])? {
+        assert_eq!((u(&l, "max_tokens_per_step"), u(&l, "prefill_cap"), u(&l, "long_prefills_per_step")), (2048, 64, 1), "{l}");
+    }
+    for l in run(&["--prefill-cap", "2048"])? {
+        assert_eq!(u(&l, "prefill_cap"), 2048, "{l}");
+        assert!(l["long_prefills_per_step"].is_null(), "{l}");
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_arguments_are_errors_before_anything_runs() {
     assert!(matches!(serve(&["--workload", "mixed"]), Err(HarnessError::UnknownWorkload { name, .. }) if name == "mixed"));

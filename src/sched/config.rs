@@ -26,6 +26,22 @@ pub struct SchedulerConfig {
     pub token_granular_reuse: bool,
 }
 
+impl SchedulerConfig {
+    /// How many prompts with more than `prefill_cap` tokens left one step may
+    /// prefill (see [`Scheduler::schedule`](super::Scheduler::schedule)): 1 under
+    /// a cap below the budget, `None` (no limit) uncapped.
+    ///
+    /// ```
+    /// use omniprefix::sched::SchedulerConfig;
+    /// let config = SchedulerConfig { num_blocks: 64, block_size: 16, max_tokens_per_step: 2048, max_seqs_per_step: 8, prefill_cap: Some(64), token_granular_reuse: true };
+    /// assert_eq!(config.long_prefills_per_step(), Some(1));
+    /// assert_eq!(SchedulerConfig { prefill_cap: Some(2048), ..config }.long_prefills_per_step(), None);
+    /// ```
+    pub fn long_prefills_per_step(&self) -> Option<usize> {
+        self.prefill_cap.filter(|&cap| cap < self.max_tokens_per_step).map(|_| 1)
+    }
+}
+
 /// Counters and occupancy of a scheduler.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SchedulerStats {

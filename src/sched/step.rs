@@ -32,7 +32,7 @@ impl Scheduler {
             .filter(|id| self.requests.contains_key(id))
             .partition(|id| self.requests.get(id).is_some_and(|t| remaining(t) == 1));
         let mut budget = self.config.max_tokens_per_step;
-        let mut long = LongPrefills { cap: self.config.prefill_cap, taken: false };
+        let mut long = LongPrefills { cap: self.config.long_prefills_per_step().and(self.config.prefill_cap), taken: false };
         self.schedule_running(&decodes, &mut budget, &mut long, &mut batch)?;
         // A step that carries decode tokens adds at most `prefill_cap` prefill tokens.
         if !batch.seqs.is_empty() {
@@ -260,8 +260,8 @@ impl Scheduler {
     }
 }
 
-/// The one long prompt a step may prefill: with a cap, a prompt with more
-/// than `cap` tokens left to compute is long.
+/// The one long prompt a step may prefill ([`SchedulerConfig::long_prefills_per_step`](super::SchedulerConfig::long_prefills_per_step)):
+/// with a cap below the budget, a prompt with more than `cap` tokens left to compute is long.
 pub(super) struct LongPrefills {
     cap: Option<usize>,
     taken: bool,

@@ -206,6 +206,7 @@ impl<B: Backend + 'static> Serve<'_, B> {
             arrival,
             max_tokens_per_step: sched.max_tokens_per_step,
             prefill_cap: sched.prefill_cap.unwrap_or(sched.max_tokens_per_step),
+            long_prefills_per_step: sched.long_prefills_per_step(),
             duration: end.saturating_duration_since(start).max(Duration::from_nanos(1)),
             encoder_ms: o.encoder_ms,
             encoder_calls: caller.encoder_calls.load(Ordering::Relaxed),

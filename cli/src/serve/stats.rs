@@ -66,6 +66,8 @@ pub struct ServeReport {
     /// step that carries decodes may add (equal to the budget: uncapped).
     pub max_tokens_per_step: usize,
     pub prefill_cap: usize,
+    /// Prompts longer than the cap a step may prefill (1 under a cap; `null` uncapped).
+    pub long_prefills_per_step: Option<usize>,
     pub requests: usize,
     pub prompt_tokens: usize,
     /// Prompt tokens served from the cache.
@@ -104,6 +106,7 @@ pub struct RunFacts<'a> {
     /// The scheduler's step budget and prefill cap beside decodes.
     pub max_tokens_per_step: usize,
     pub prefill_cap: usize,
+    pub long_prefills_per_step: Option<usize>,
     pub duration: Duration,
     /// The stand-in encoder's sleep per item, and how many items it encoded.
     pub encoder_ms: u64,
@@ -132,6 +135,7 @@ impl ServeReport {
             rate,
             max_tokens_per_step: facts.max_tokens_per_step,
             prefill_cap: facts.prefill_cap,
+            long_prefills_per_step: facts.long_prefills_per_step,
             requests: samples.len(),
             prompt_tokens,
             cached_tokens,
@@ -169,7 +173,7 @@ mod tests {
             itl_at: (1..=itl.len() as u64).map(|i| ms(ttft + 10 * i)).collect(),
         };
         let arrival = Arrival::Concurrency(2);
-        let facts = RunFacts { workload: "w", backend: "cpu", cache: true, arrival, max_tokens_per_step: 2048, prefill_cap: 256, duration: ms(500), encoder_ms: 0, encoder_calls: 3 };
+        let facts = RunFacts { workload: "w", backend: "cpu", cache: true, arrival, max_tokens_per_step: 2048, prefill_cap: 256, long_prefills_per_step: Some(1), duration: ms(500), encoder_ms: 0, encoder_calls: 3 };
         let r = ServeReport::new(facts, &[sample(50, 10, &[1, 2]), sample(0, 30, &[3])]);
         assert_eq!((r.requests, r.prompt_tokens, r.cached_tokens, r.output_tokens), (2, 200, 50, 5));
         assert_eq!((r.hit_rate, r.output_tokens_per_s, r.request_throughput), (0.25, 10.0, 4.0));
