@@ -393,7 +393,7 @@ fn run_step<B: Backend>(
     let emitting: Vec<usize> = (0..batch.seqs.len()).filter(|&i| batch.seqs[i].emits_output).collect();
     let last_rows: Vec<u32> =
         emitting.iter().map(|&i| (starts[i] + batch.seqs[i].token_ids.len() - 1) as u32).collect();
-    // Everything the step returns is read back with one into_host: one wait per step.
+    // Everything the step returns is read back with one take_to_host: one wait per step.
     let last_logits = match (&normed, last_rows.is_empty()) {
         (_, true) => None,
         (Some(n), false) => Some(thinker.logits(backend, &backend.gather_rows(n, &last_rows)?)?),
@@ -413,7 +413,7 @@ fn run_step<B: Backend>(
     };
     let (has_last_logits, has_every_logit) = (last_logits.is_some(), every_logit.is_some());
     let reads: Vec<B::Tensor> = last_logits.into_iter().chain(hidden).chain(every_logit).collect();
-    let mut host = backend.into_host(reads)?.into_iter();
+    let mut host = backend.take_to_host(reads)?.into_iter();
     let last_logits = match has_last_logits {
         true => host.next().unwrap_or_default(),
         false => Array2::zeros((0, thinker.config().vocab_size)),

@@ -261,7 +261,7 @@ pub trait Backend: Send + Sync {
     /// step's logits and hidden rows with one call). A backend whose tensors already are
     /// host matrices hands them over instead of copying them (a prefill's captured hidden
     /// states are megabytes).
-    fn into_host(&self, ts: Vec<Self::Tensor>) -> Result<Vec<Array2<f32>>> {
+    fn take_to_host(&self, ts: Vec<Self::Tensor>) -> Result<Vec<Array2<f32>>> {
         self.download_all(&ts.iter().collect::<Vec<_>>())
     }
     /// `[rows, cols]` of a tensor.

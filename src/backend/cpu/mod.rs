@@ -84,7 +84,7 @@ impl Backend for CpuBackend {
         Ok(t.clone())
     }
 
-    fn into_host(&self, ts: Vec<Array2<f32>>) -> Result<Vec<Array2<f32>>> {
+    fn take_to_host(&self, ts: Vec<Array2<f32>>) -> Result<Vec<Array2<f32>>> {
         Ok(ts)
     }
 
