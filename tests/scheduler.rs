@@ -619,6 +619,21 @@ fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestR
     Ok(())
 }
 
+/// Prefill-only requests are never long: a burst of them packs into one step
+/// (they share its fixed costs and do not decode in lockstep afterwards).
+#[test]
+fn prefill_only_prompts_pack_under_a_prefill_cap() -> TestResult {
+    let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 16, true) })?;
+    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> { batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect() };
+    sched.admit(request(1, 0, &(0..5).collect::<Vec<_>>()))?;
+    sched.admit(request(2, 0, &(100..105).collect::<Vec<_>>()))?;
+    sched.admit(generating(3, &(200..205).collect::<Vec<_>>(), 4))?;
+    sched.admit(generating(4, &(300..305).collect::<Vec<_>>(), 4))?;
+    let batch = sched.schedule()?;
+    assert_eq!(shape(&batch), vec![(1, 5), (2, 5), (3, 5)], "both prefill-only prompts and one generating one; 4 waits with budget left");
+    Ok(())
+}
+
 /// Completes `batch` without running it (the scheduler does not read pages) and
 /// returns the ready requests.
 fn complete(sched: &mut Scheduler, batch: &ScheduledBatch) -> TestResult<Vec<RequestId>> {

@@ -357,7 +357,7 @@ class Engine:
         * ``max_tokens_per_step`` / ``max_seqs_per_step``: the scheduler's step budget (2048 / 8);
           ``prefill_cap``: prefill tokens a step that carries decodes may add (default a thirty-second
           of ``max_tokens_per_step``; at most it), so long prompts are chunked instead of
-          stalling decodes, and one prompt longer than it is prefilled at a time; ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
+          stalling decodes, and one prompt longer than it that will decode is prefilled at a time; ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
         * ``kv_events``: publish KV events on this ZMQ PUB endpoint, in vLLM's wire format (the
           frames ``(topic, seq as 8-byte big-endian, msgpack KVEventBatch)``, one batch per
           engine step that changed the cache: ``BlockStored``, ``BlockRemoved``,

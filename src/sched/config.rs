@@ -16,8 +16,9 @@ pub struct SchedulerConfig {
     /// which are then chunked across steps; each step still gives the prompt
     /// at the head of the queue up to this many tokens, so new requests keep
     /// moving. With a cap a step prefills at most one prompt that has more
-    /// than this many tokens left (shorter ones pack beside it), so a burst
-    /// of long prompts is started one by one rather than all in one step.
+    /// than this many tokens left among requests that will decode (shorter
+    /// ones and prefill-only requests pack beside it), so a burst of long
+    /// generations is started one by one rather than all in one step.
     /// Must be positive and at most `max_tokens_per_step`.
     #[serde(default)]
     pub prefill_cap: Option<usize>,
@@ -27,8 +28,8 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    /// How many prompts with more than `prefill_cap` tokens left one step may
-    /// prefill (see [`Scheduler::schedule`](super::Scheduler::schedule)): 1 under
+    /// How many prompts with more than `prefill_cap` tokens left, of requests
+    /// that will decode, one step may prefill (see [`Scheduler::schedule`](super::Scheduler::schedule)): 1 under
     /// a cap below the budget, `None` (no limit) uncapped.
     ///
     /// ```

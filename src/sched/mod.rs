@@ -19,9 +19,10 @@
 //! `SchedulerConfig::prefill_cap` prefill tokens, so a long prompt is chunked
 //! across steps instead of stalling every decode behind it (vLLM's
 //! `long_prefill_token_threshold`, SGLang's mixed chunks). With a cap a step
-//! also prefills at most one prompt longer than the cap, so prompts that
-//! arrive together start one after another and their replies do not finish
-//! in lockstep (vLLM's `max_long_partial_prefills = 1`).
+//! also prefills at most one prompt longer than the cap among requests that
+//! will decode, so prompts that arrive together start one after another and
+//! their replies do not finish in lockstep (vLLM's
+//! `max_long_partial_prefills = 1`); prefill-only requests still pack.
 //!
 //! Blocks are never lost: a request's block table is a prefix of index-owned
 //! blocks (pinned by one index lock) followed by private pool blocks. Only

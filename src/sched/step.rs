@@ -16,7 +16,8 @@ impl Scheduler {
     /// running sequences first, then their prefill chunks (both oldest first),
     /// then waiting requests in arrival order; once the step carries a decode,
     /// its prefill tokens are capped at `prefill_cap`. With a cap, a step also
-    /// prefills at most one *long* prompt (more than `prefill_cap` tokens left):
+    /// prefills at most one *long* prompt (more than `prefill_cap` tokens left,
+    /// of a request that will decode; prefill-only requests pack as before):
     /// prompts that arrive together then start one after another instead of
     /// all in one step, so their replies do not run in lockstep and the next
     /// arrivals do not queue behind each other again (vLLM's
@@ -68,7 +69,7 @@ impl Scheduler {
             // An earlier reservation may have preempted it.
             let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
             let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
-            if t.in_flight.is_some() || !long.admit(t.req.prompt.len() - t.num_computed) {
+            if t.in_flight.is_some() || !long.admit(t.req.prompt.len() - t.num_computed, t.req.max_new_tokens > 0) {
                 continue;
             }
             let chunk = (t.req.prompt.len() - t.num_computed).min(*budget);
@@ -107,7 +108,8 @@ impl Scheduler {
         } else {
             usable / bs * bs
         };
-        if !long.admit(len - computed) {
+        let decodes = t.req.max_new_tokens > 0;
+        if !long.admit(len - computed, decodes) {
             return Ok(false);
         }
         // Pin before evicting so eviction cannot take what was just matched.
@@ -138,7 +140,7 @@ impl Scheduler {
             computed = 0;
             whole_prompt = true;
             // Alone in the step, so the long slot is free: take it if the whole prompt is long.
-            long.admit(len);
+            long.admit(len, decodes);
         };
         let shared = computed / bs;
         let chunk = (len - computed).min(budget);
@@ -261,7 +263,11 @@ impl Scheduler {
 }
 
 /// The one long prompt a step may prefill ([`SchedulerConfig::long_prefills_per_step`](super::SchedulerConfig::long_prefills_per_step)):
-/// with a cap below the budget, a prompt with more than `cap` tokens left to compute is long.
+/// with a cap below the budget, the prompt of a request that will decode is
+/// long when it has more than `cap` tokens left to compute. Prefill-only
+/// requests are never long: they do not decode in lockstep afterwards, and
+/// packed into one step they share its fixed costs (the weights' read, the
+/// lm_head), which serving them one a step would pay again for each.
 pub(super) struct LongPrefills {
     cap: Option<usize>,
     taken: bool,
@@ -269,10 +275,11 @@ pub(super) struct LongPrefills {
 
 impl LongPrefills {
     /// Whether a prompt with `left` tokens to compute may prefill this step,
-    /// taking the step's long slot when it is long.
-    fn admit(&mut self, left: usize) -> bool {
+    /// taking the step's long slot when it is long; `decodes`: its request
+    /// generates tokens after the prompt.
+    fn admit(&mut self, left: usize, decodes: bool) -> bool {
         match self.cap {
-            Some(cap) if left > cap => !std::mem::replace(&mut self.taken, true),
+            Some(cap) if decodes && left > cap => !std::mem::replace(&mut self.taken, true),
             _ => true,
         }
     }

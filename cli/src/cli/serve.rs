@@ -79,7 +79,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub max_tokens_per_step: Option<usize>,
     /// Prefill tokens a step that carries decodes may add; a step also prefills one
-    /// prompt longer than this at a time (default: a thirty-second of the budget;
+    /// generating prompt longer than this at a time (default: a thirty-second of the budget;
     /// the budget itself: uncapped).
     #[arg(long)]
     pub prefill_cap: Option<usize>,
