@@ -33,7 +33,7 @@ impl Scheduler {
             .filter(|id| self.requests.contains_key(id))
             .partition(|id| self.requests.get(id).is_some_and(|t| remaining(t) == 1));
         let mut budget = self.config.max_tokens_per_step;
-        let mut long = LongPrefills { cap: self.config.long_prefills_per_step().and(self.config.prefill_cap), taken: false };
+        let mut long = LongPrefills::new(&self.config);
         self.schedule_running(&decodes, &mut budget, &mut long, &mut batch)?;
         // A step that carries decode tokens adds at most `prefill_cap` prefill tokens.
         if !batch.seqs.is_empty() {
@@ -69,10 +69,11 @@ impl Scheduler {
             // An earlier reservation may have preempted it.
             let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
             let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
-            if t.in_flight.is_some() || !long.admit(t.req.prompt.len() - t.num_computed, t.req.max_new_tokens > 0) {
+            let left = t.req.prompt.len() - t.num_computed;
+            if t.in_flight.is_some() || !long.admit(left, t.req.max_new_tokens > 0) {
                 continue;
             }
-            let chunk = (t.req.prompt.len() - t.num_computed).min(*budget);
+            let chunk = left.min(*budget);
             let need = (t.num_computed + chunk)
                 .div_ceil(self.config.block_size)
                 .saturating_sub(t.block_table.len());
@@ -274,6 +275,13 @@ pub(super) struct LongPrefills {
 }
 
 impl LongPrefills {
+    /// The step's slot under `config`: a threshold only while
+    /// [`SchedulerConfig::long_prefills_per_step`](super::SchedulerConfig::long_prefills_per_step) limits long prompts.
+    fn new(config: &super::SchedulerConfig) -> Self {
+        let cap = config.long_prefills_per_step().and(config.prefill_cap);
+        LongPrefills { cap, taken: false }
+    }
+
     /// Whether a prompt with `left` tokens to compute may prefill this step,
     /// taking the step's long slot when it is long; `decodes`: its request
     /// generates tokens after the prompt.
