@@ -387,6 +387,11 @@ pub enum SchedError {
     /// A step failed and dropped this request with the others of its batch.
     #[error("request {id} was dropped by a failed step: {reason}")]
     StepFailed { id: u64, reason: String },
+    /// A served engine whose step panicked: its state can no longer be
+    /// trusted, so every pending and later call fails with this (vLLM's
+    /// `EngineDeadError`). A server should withdraw and restart the engine.
+    #[error("the engine is dead: {reason}")]
+    EngineDead { reason: String },
 }
 
 /// A batch handed to [`crate::runner::ModelRunner::execute`] (or cut by
@@ -503,6 +508,9 @@ pub enum BackendError {
     /// A backend op given an index outside its operand (row, slot, block, layer).
     #[error("backend op {op}: {what} {index} out of range 0..{bound}")]
     OpIndex { op: &'static str, what: &'static str, index: i64, bound: usize },
+    /// A backend op that returned fewer results than it was asked for.
+    #[error("backend op {op}: returned {found} {what} where {expected} were asked for")]
+    OpCount { op: &'static str, what: &'static str, expected: usize, found: usize },
 }
 
 /// The wgpu device: adapter, limits, shaders and device-side failures.

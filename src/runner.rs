@@ -413,11 +413,21 @@ fn run_step<B: Backend>(
     };
     let (has_last_logits, has_every_logit) = (last_logits.is_some(), every_logit.is_some());
     let reads: Vec<B::Tensor> = last_logits.into_iter().chain(hidden).chain(every_logit).collect();
-    let mut host = backend.take_to_host(reads)?.into_iter();
+    let asked = reads.len();
+    let host = backend.take_to_host(reads)?;
+    if host.len() != asked {
+        return Err(BackendError::OpCount { op: "take_to_host", what: "matrices", expected: asked, found: host.len() }.into());
+    }
+    let mut host = host.into_iter();
+    let vocab = thinker.config().vocab_size;
     let last_logits = match has_last_logits {
         true => host.next().unwrap_or_default(),
-        false => Array2::zeros((0, thinker.config().vocab_size)),
+        false => Array2::zeros((0, vocab)),
     };
+    if last_logits.dim() != (emitting.len(), vocab) {
+        let found = last_logits.shape().to_vec();
+        return Err(BackendError::OpShape { op: "take_to_host", what: "last logits", expected: format!("[{}, {vocab}]", emitting.len()), found }.into());
+    }
     let outputs = emitting
         .iter()
         .enumerate()
@@ -686,5 +696,116 @@ mod tests {
         let mut wrong_pages = r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
         let err = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![good] }, &mut wrong_pages).unwrap_err();
         assert!(matches!(err, Error::Backend(BackendError::OpShape { what: "pages", .. })));
+    }
+
+    /// The CPU backend, except that `take_to_host` loses its last matrix: a
+    /// backend that returns fewer results than it was asked for.
+    struct ShortBackend(CpuBackend);
+
+    impl Backend for ShortBackend {
+        type Tensor = Array2<f32>;
+        type Weight = <CpuBackend as Backend>::Weight;
+        type Pages = CpuPages;
+        fn name(&self) -> &'static str {
+            "short"
+        }
+        fn upload(&self, host: ndarray::ArrayView2<'_, f32>) -> Result<Array2<f32>> {
+            self.0.upload(host)
+        }
+        fn download(&self, t: &Array2<f32>) -> Result<Array2<f32>> {
+            self.0.download(t)
+        }
+        fn take_to_host(&self, ts: Vec<Array2<f32>>) -> Result<Vec<Array2<f32>>> {
+            let mut host = self.0.take_to_host(ts)?;
+            host.pop();
+            Ok(host)
+        }
+        fn shape(&self, t: &Array2<f32>) -> [usize; 2] {
+            self.0.shape(t)
+        }
+        fn weight_dtypes(&self) -> &'static [Dtype] {
+            self.0.weight_dtypes()
+        }
+        fn upload_weight(&self, host: crate::backend::HostWeight) -> Result<Self::Weight> {
+            self.0.upload_weight(host)
+        }
+        fn alloc_pages(&self, spec: PagesSpec) -> Result<CpuPages> {
+            self.0.alloc_pages(spec)
+        }
+        fn pages_spec(&self, pages: &CpuPages) -> PagesSpec {
+            self.0.pages_spec(pages)
+        }
+        fn embedding(&self, table: &Self::Weight, ids: &[u32]) -> Result<Array2<f32>> {
+            self.0.embedding(table, ids)
+        }
+        fn scatter_rows(&self, dst: &mut Array2<f32>, rows: &[u32], src: &Array2<f32>) -> Result<()> {
+            self.0.scatter_rows(dst, rows, src)
+        }
+        fn gather_rows(&self, x: &Array2<f32>, rows: &[u32]) -> Result<Array2<f32>> {
+            self.0.gather_rows(x, rows)
+        }
+        fn matmul_t(&self, x: &Array2<f32>, w: &Self::Weight) -> Result<Array2<f32>> {
+            self.0.matmul_t(x, w)
+        }
+        fn add_bias(&self, x: &mut Array2<f32>, bias: &Array2<f32>) -> Result<()> {
+            self.0.add_bias(x, bias)
+        }
+        fn add(&self, x: &mut Array2<f32>, y: &Array2<f32>) -> Result<()> {
+            self.0.add(x, y)
+        }
+        fn rms_norm(&self, x: &Array2<f32>, w: &Array2<f32>, eps: f32) -> Result<Array2<f32>> {
+            self.0.rms_norm(x, w, eps)
+        }
+        fn rms_norm_heads(&self, x: &mut Array2<f32>, w: &Array2<f32>, head_dim: usize, eps: f32) -> Result<()> {
+            self.0.rms_norm_heads(x, w, head_dim, eps)
+        }
+        fn rope(&self, x: &mut Array2<f32>, spec: &crate::backend::RopeSpec, pos: RopePositions<'_>) -> Result<()> {
+            self.0.rope(x, spec, pos)
+        }
+        fn swiglu(&self, gate_up: &Array2<f32>) -> Result<Array2<f32>> {
+            self.0.swiglu(gate_up)
+        }
+        fn moe(&self, x: &Array2<f32>, w: &crate::backend::MoeWeights<Self::Weight>) -> Result<Array2<f32>> {
+            self.0.moe(x, w)
+        }
+        fn write_kv(&self, pages: &mut CpuPages, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64]) -> Result<()> {
+            self.0.write_kv(pages, layer, k, v, slots)
+        }
+        fn paged_attention(
+            &self,
+            q: &Array2<f32>,
+            pages: &CpuPages,
+            layer: usize,
+            heads: crate::backend::AttnHeads,
+            seqs: &[AttnSeq<'_>],
+        ) -> Result<Array2<f32>> {
+            self.0.paged_attention(q, pages, layer, heads, seqs)
+        }
+        fn write_hidden(&self, pages: &mut CpuPages, capture: usize, x: &Array2<f32>, slots: &[i64]) -> Result<()> {
+            self.0.write_hidden(pages, capture, x, slots)
+        }
+        fn gather_hidden(&self, pages: &CpuPages, capture: usize, slots: &[i64]) -> Result<Array2<f32>> {
+            self.0.gather_hidden(pages, capture, slots)
+        }
+        fn copy_blocks(&self, pages: &mut CpuPages, copies: &[(BlockId, BlockId)]) -> Result<()> {
+            self.0.copy_blocks(pages, copies)
+        }
+    }
+
+    #[test]
+    fn a_backend_that_returns_too_few_results_is_a_typed_error() {
+        let cfg = Config::tiny_qwen3(32, 2, 4, 2, 64);
+        let backend = Arc::new(ShortBackend(CpuBackend::new()));
+        let thinker = Arc::new(Thinker::random(&*backend, cfg.clone(), 3).unwrap());
+        let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Final], cfg.num_hidden_layers).unwrap();
+        let r = ModelRunner::new(backend, thinker, capture).unwrap();
+        let p = prompt(&cfg, 10, 2, 4);
+        let mut pages = r.alloc_pages(4, BS).unwrap();
+        let batch = ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 1, 2], 0, 10)] };
+        let err = r.execute(&batch, &mut pages).unwrap_err();
+        assert!(
+            matches!(err, Error::Backend(BackendError::OpCount { op: "take_to_host", expected: 3, found: 2, .. })),
+            "{err}"
+        );
     }
 }
