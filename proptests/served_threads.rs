@@ -145,7 +145,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     let largest = case.threads.iter().flatten().map(|j| j.shared + j.tail.len() + j.generate).max().unwrap_or(1);
     let num_blocks = largest.div_ceil(BLOCK) + case.spare_blocks;
     let engine = Engine::random(model(), 3, config(true, num_blocks)).map_err(|e| fail(e.to_string()))?;
-    let served = Arc::new(engine.serve(ServedOptions { buffer_events: case.buffer_events }).map_err(|e| fail(e.to_string()))?);
+    let served = Arc::new(engine.serve(ServedOptions { buffer_events: case.buffer_events, ..ServedOptions::default() }).map_err(|e| fail(e.to_string()))?);
     let threads: Vec<_> = case
         .threads
         .iter()

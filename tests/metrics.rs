@@ -64,7 +64,7 @@ fn metrics_count_what_ran() -> TestResult {
 
 #[test]
 fn a_served_engine_reports_a_held_request_as_running() -> TestResult {
-    let served = engine()?.serve(ServedOptions { buffer_events: 1 })?;
+    let served = engine()?.serve(ServedOptions { buffer_events: 1, ..ServedOptions::default() })?;
     let params = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(20) };
     let handle = served.submit(Request::text((0..8).collect()).generate(params))?;
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -110,7 +110,7 @@ fn an_unread_stream_keeps_generating() -> TestResult {
 #[test]
 fn a_full_buffer_holds_the_stream_until_it_is_read() -> TestResult {
     let want = core()?.run(Request::text((1..9).collect()).generate(greedy(30)))?;
-    let served = served(ServedOptions { buffer_events: 4 })?;
+    let served = served(ServedOptions { buffer_events: 4, ..ServedOptions::default() })?;
     let mut handle = served.submit(Request::text((1..9).collect()).generate(greedy(30)))?;
     // Held after at most one more token than the buffer holds.
     std::thread::sleep(Duration::from_millis(300));
@@ -137,7 +137,7 @@ fn a_held_stream_gives_its_blocks_to_a_request_that_needs_them() -> TestResult {
     let mut reference = Engine::random(model(), 3, tight.clone())?;
     let (want_held, want_other) = (reference.run(held_request())?, reference.run(other_request())?);
 
-    let served = Engine::random(model(), 3, tight)?.serve(ServedOptions { buffer_events: 1 })?;
+    let served = Engine::random(model(), 3, tight)?.serve(ServedOptions { buffer_events: 1, ..ServedOptions::default() })?;
     let mut held = served.submit(held_request())?;
     // Unread: held after its first token, its prompt's blocks locked.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -156,7 +156,7 @@ fn a_held_stream_gives_its_blocks_to_a_request_that_needs_them() -> TestResult {
 
 #[test]
 fn dropping_a_handle_aborts_its_request() -> TestResult {
-    let served = served(ServedOptions { buffer_events: 2 })?;
+    let served = served(ServedOptions { buffer_events: 2, ..ServedOptions::default() })?;
     let handle = served.submit(Request::text((1..9).collect()).generate(greedy(200)))?;
     std::thread::sleep(Duration::from_millis(50));
     drop(handle);
@@ -309,5 +309,88 @@ fn two_threads_preparing_the_same_item_get_whole_rows() -> TestResult {
         same(&got, &want)?;
     }
     served.validate()?;
+    Ok(())
+}
+
+/// The test fault of a debug build, on the engine's `step`-th step.
+fn dying_at(step: u64) -> TestResult<ServedEngine> {
+    served(ServedOptions { fault_step_panic: Some(step), ..ServedOptions::default() })
+}
+
+fn is_dead<T>(result: Result<T, Error>) -> bool {
+    matches!(result, Err(Error::Sched(omniprefix::error::SchedError::EngineDead { .. })))
+}
+
+#[test]
+fn a_step_that_panics_kills_the_engine_for_every_pending_and_later_call() -> TestResult {
+    if !cfg!(debug_assertions) {
+        eprintln!("not run: a_step_that_panics_kills_the_engine (the step fault is compiled out of release builds)");
+        return Ok(());
+    }
+    let served = dying_at(3)?;
+    let mut a = served.submit(Request::text((0..10).collect()).generate(greedy(20)))?;
+    let mut b = served.submit(Request::text((40..52).collect()).generate(greedy(20)))?;
+    let last = |h: &mut omniprefix::engine::RequestHandle| {
+        let mut end = None;
+        while let Some(event) = h.recv() {
+            if let Err(e) = event {
+                end = Some(e);
+            }
+        }
+        end
+    };
+    for handle in [&mut a, &mut b] {
+        let end = last(handle);
+        assert!(matches!(end, Some(Error::Sched(omniprefix::error::SchedError::EngineDead { .. }))), "{end:?}");
+    }
+    assert!(served.is_dead());
+    assert!(served.death().is_some_and(|m| m.contains("step 3")), "{:?}", served.death());
+    assert!(is_dead(served.stats()));
+    assert!(is_dead(served.metrics()));
+    assert!(is_dead(served.submit(Request::text((0..10).collect()))));
+    Ok(())
+}
+
+#[test]
+fn an_engine_that_never_panicked_is_not_dead() -> TestResult {
+    let served = served(ServedOptions::default())?;
+    served.submit(Request::text((0..10).collect()).generate(greedy(4)))?.wait()?;
+    assert!(!served.is_dead() && served.death().is_none());
+    Ok(())
+}
+
+#[test]
+fn one_reader_follows_many_handles_through_their_ready_ids() -> TestResult {
+    let served = served(ServedOptions::default())?;
+    let (ready, ids) = mpsc::channel();
+    let mut handles = std::collections::HashMap::new();
+    let mut want = std::collections::HashMap::new();
+    for k in 0..6u32 {
+        let prompt: Vec<u32> = (k * 7..k * 7 + 9).collect();
+        let prepared = served.prepare(Request::text(prompt.clone()).generate(greedy(5)))?;
+        let handle = served.submit_prepared_notify(prepared, ready.clone())?;
+        want.insert(handle.id(), core()?.run(Request::text(prompt).generate(greedy(5)))?.tokens);
+        handles.insert(handle.id(), (handle, Vec::new()));
+    }
+    // Only try_recv, woken by the ids: a lost wake-up would hang here, so bound it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // A watcher looks at each new handle once before it waits.
+    let mut woken: Vec<u64> = handles.keys().copied().collect();
+    while !handles.is_empty() {
+        for id in woken.drain(..) {
+            let Some((handle, tokens)) = handles.get_mut(&id) else { continue };
+            while let Some(event) = handle.try_recv() {
+                if let Event::Token(t) = event? {
+                    tokens.push(t.token);
+                }
+            }
+            if handle.is_done() {
+                let (_, tokens) = handles.remove(&id).unwrap();
+                assert_eq!(Some(&tokens), want.get(&id), "request {id}");
+            }
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        woken.push(ids.recv_timeout(left).map_err(|_| "no ready id within 60 s: a lost wake-up")?);
+    }
     Ok(())
 }

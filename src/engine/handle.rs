@@ -40,13 +40,17 @@ impl RequestHandle {
         self.took(event)
     }
 
-    /// The next event if one is buffered, without waiting.
+    /// The next event if one is buffered, without waiting; `None` when none is
+    /// (then [`is_done`](Self::is_done) tells whether the stream ended).
     pub fn try_recv(&mut self) -> Option<HandleEvent> {
         if self.done {
             return None;
         }
-        let event = self.events.try_recv().ok()?;
-        self.took(Some(event))
+        match self.events.try_recv() {
+            Ok(event) => self.took(Some(event)),
+            Err(async_channel::TryRecvError::Empty) => None,
+            Err(async_channel::TryRecvError::Closed) => self.took(None),
+        }
     }
 
     /// The next event, awaited; `None` after the last one. Works on any async runtime.

@@ -109,6 +109,19 @@ impl<B: Backend> Engine<B> {
         self.publisher.take().map(Publisher::close)
     }
 
+    /// Tells routers that every block this engine published is gone
+    /// (`AllBlocksCleared`), then stops publishing (see
+    /// [`close_kv_events`](Self::close_kv_events)): what a served engine does
+    /// when it dies, so no request is routed to it for a cache it lost. The
+    /// scheduler is not consulted: after a panic its state is not trusted.
+    pub fn withdraw_kv_events(&mut self) {
+        if let Some(publisher) = self.publisher.take() {
+            let rank = self.config.kv_events.as_ref().and_then(|c| c.data_parallel_rank);
+            publisher.publish(KvEventBatch::now(vec![crate::events::KvEvent::AllBlocksCleared], rank));
+            publisher.close();
+        }
+    }
+
     /// The PUB and replay endpoints as bound (ports resolved), if events are published.
     pub fn kv_events_endpoints(&self) -> Option<(&str, Option<&str>)> {
         self.publisher.as_ref().map(|p| (p.endpoint(), p.replay_endpoint()))

@@ -59,7 +59,7 @@ pub use output::{Event, Output, Timings, TokenEvent};
 pub use prepare::{Prepared, SharedEncoder};
 pub use request::{Encoder, EncoderOutput, ItemInput, PlaceholderForm, Request, Task};
 pub use handle::{Aborter, RequestHandle};
-pub use served::{HandleEvent, ServedEngine, ServedOptions};
+pub use served::{FAULT_STEP_PANIC_ENV, HandleEvent, ReadySender, ServedEngine, ServedOptions};
 
 /// A thinker stage with prefix caching: the synchronous core. Prepare and
 /// submit requests, step, read events; or [`run`](Engine::run) one request to

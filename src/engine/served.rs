@@ -17,9 +17,8 @@
 
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{self, Sender, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
-
 
 use super::handle::RequestHandle;
 use super::output::Event;
@@ -39,11 +38,25 @@ pub struct ServedOptions {
     /// Events a request's buffer holds before its stream stops generating
     /// (at least 1; default 256). It resumes once the reader drains half.
     pub buffer_events: usize,
+    /// A test-only fault: the loop's step number `n` (1-based) panics, so tests
+    /// can kill an engine on purpose. Honoured in debug builds only; a release
+    /// build ignores it. The default reads `OMNIPREFIX_FAULT_STEP_PANIC`.
+    #[doc(hidden)]
+    pub fault_step_panic: Option<u64>,
 }
+
+/// The environment variable the default [`ServedOptions`] reads its test-only
+/// step fault from (debug builds; see [`ServedOptions::fault_step_panic`]).
+pub const FAULT_STEP_PANIC_ENV: &str = "OMNIPREFIX_FAULT_STEP_PANIC";
 
 impl Default for ServedOptions {
     fn default() -> Self {
-        ServedOptions { buffer_events: 256 }
+        let fault_step_panic = if cfg!(debug_assertions) {
+            std::env::var(FAULT_STEP_PANIC_ENV).ok().and_then(|v| v.trim().parse().ok())
+        } else {
+            None
+        };
+        ServedOptions { buffer_events: 256, fault_step_panic }
     }
 }
 
@@ -64,6 +77,8 @@ pub(super) trait Core: Send {
     fn cached_block_hashes(&self) -> Vec<u64>;
     fn kv_events_stats(&self) -> Option<PublisherStats>;
     fn metrics(&self) -> Result<String>;
+    /// After a panic: tells routers every published block is gone, and stops publishing.
+    fn withdraw_kv_events(&mut self);
 }
 
 impl<B: Backend> Core for Engine<B>
@@ -106,13 +121,17 @@ where
     fn kv_events_stats(&self) -> Option<PublisherStats> {
         Engine::kv_events_stats(self)
     }
+    fn withdraw_kv_events(&mut self) {
+        Engine::withdraw_kv_events(self)
+    }
 }
 
 /// A call run on the loop's thread between two steps.
 pub(super) type Call = Box<dyn FnOnce(&mut dyn Core) + Send>;
 
 pub(super) enum Command {
-    Submit { prepared: Prepared, route: Route, reply: SyncSender<Result<RequestId>> },
+    /// `ready`: where the route tells the request's id (set once it has one).
+    Submit { prepared: Prepared, route: Route, ready: Option<ReadySender>, reply: SyncSender<Result<RequestId>> },
     Abort(RequestId),
     Release(RequestId),
     Call(Call),
@@ -124,7 +143,39 @@ pub(super) enum Command {
 pub(super) struct Route {
     pub(super) events: async_channel::Sender<HandleEvent>,
     pub(super) flow: Arc<Flow>,
+    /// Told the request's id after each event and when the route closes.
+    pub(super) ready: Option<(RequestId, ReadySender)>,
 }
+
+impl Route {
+    /// Hands `event` to the handle (an error once the handle is gone) and tells
+    /// the reader watching it, if any.
+    pub(super) fn send(&self, event: HandleEvent) -> std::result::Result<(), ()> {
+        let sent = self.events.try_send(event).map_err(|_| ());
+        self.notify();
+        sent
+    }
+
+    fn notify(&self) {
+        if let Some((id, ready)) = &self.ready {
+            let _ = ready.send(*id);
+        }
+    }
+}
+
+impl Drop for Route {
+    /// A closed route ends its handle's stream: its watcher must look once more.
+    fn drop(&mut self) {
+        self.events.close();
+        self.notify();
+    }
+}
+
+/// Where a served engine tells one reader which of its requests have events to
+/// read (see [`ServedEngine::submit_prepared_notify`]): one thread can then
+/// serve any number of handles, reading each with [`RequestHandle::try_recv`].
+/// An id may be told more than once, and after its stream ended.
+pub type ReadySender = Sender<RequestId>;
 
 /// Backpressure state shared by the loop and a handle.
 pub(super) struct Flow {
@@ -170,6 +221,8 @@ pub struct ServedEngine {
     thread: Option<JoinHandle<()>>,
     options: ServedOptions,
     facts: Facts,
+    /// Set, with the panic's message, before the loop ends after a step panicked.
+    dead: Arc<OnceLock<String>>,
 }
 
 impl ServedEngine {
@@ -189,11 +242,13 @@ impl ServedEngine {
         };
         let preparer = engine.preparer();
         let (commands, inbox) = mpsc::channel();
+        let dead = Arc::new(OnceLock::new());
+        let loop_state = super::step_loop::LoopState { dead: Arc::clone(&dead), fault_step_panic: options.fault_step_panic };
         let thread = std::thread::Builder::new()
             .name("omniprefix-engine".into())
-            .spawn(move || super::step_loop::run(Box::new(engine), inbox))
+            .spawn(move || super::step_loop::run(Box::new(engine), inbox, loop_state))
             .map_err(|e| SchedError::Stopped { reason: format!("cannot start the engine thread: {e}") })?;
-        Ok(ServedEngine { preparer, commands, thread: Some(thread), options, facts })
+        Ok(ServedEngine { preparer, commands, thread: Some(thread), options, facts, dead })
     }
 
     /// Prepares `request` on this thread (fingerprints, prompt, checks, encoder
@@ -207,12 +262,25 @@ impl ServedEngine {
 
     /// [`submit`](Self::submit) for a request prepared by [`prepare`](Self::prepare).
     pub fn submit_prepared(&self, prepared: Prepared) -> Result<RequestHandle> {
+        self.submit_routed(prepared, None)
+    }
+
+    /// [`submit_prepared`](Self::submit_prepared), and the loop sends the
+    /// request's id to `ready` after each of its events and when its stream
+    /// ends: one reader thread can watch many handles (an asyncio event pump).
+    /// The id is sent only once the handle exists on the loop's side, so a
+    /// watcher should look at a new handle once before waiting on `ready`.
+    pub fn submit_prepared_notify(&self, prepared: Prepared, ready: ReadySender) -> Result<RequestHandle> {
+        self.submit_routed(prepared, Some(ready))
+    }
+
+    fn submit_routed(&self, prepared: Prepared, ready: Option<ReadySender>) -> Result<RequestHandle> {
         let (tx, rx) = async_channel::unbounded();
         let flow = Arc::new(Flow { held: AtomicBool::new(false), capacity: self.options.buffer_events });
         let (reply, answer) = mpsc::sync_channel(1);
-        let route = Route { events: tx, flow: Arc::clone(&flow) };
-        self.send(Command::Submit { prepared, route, reply })?;
-        let id = answer.recv().map_err(|_| stopped())??;
+        let route = Route { events: tx, flow: Arc::clone(&flow), ready: None };
+        self.send(Command::Submit { prepared, route, ready, reply })?;
+        let id = answer.recv().map_err(|_| self.stopped())??;
         Ok(RequestHandle::new(id, rx, flow, self.commands.clone()))
     }
 
@@ -277,11 +345,30 @@ impl ServedEngine {
         self.send(Command::Call(Box::new(move |core| {
             let _ = reply.send(f(core));
         })))?;
-        answer.recv().map_err(|_| stopped())
+        answer.recv().map_err(|_| self.stopped())
     }
 
     fn send(&self, command: Command) -> Result<()> {
-        self.commands.send(command).map_err(|_| stopped())
+        self.commands.send(command).map_err(|_| self.stopped())
+    }
+
+    /// True once a step panicked: every pending and later call fails with
+    /// [`SchedError::EngineDead`]. A server should withdraw this engine.
+    pub fn is_dead(&self) -> bool {
+        self.dead.get().is_some()
+    }
+
+    /// What killed the engine (the panic's message), if it is dead.
+    pub fn death(&self) -> Option<&str> {
+        self.dead.get().map(String::as_str)
+    }
+
+    /// The error of a call the loop can no longer answer: the engine died, or it stopped.
+    fn stopped(&self) -> Error {
+        match self.dead.get() {
+            Some(reason) => dead(reason),
+            None => stopped(),
+        }
     }
 }
 
@@ -300,4 +387,9 @@ impl Drop for ServedEngine {
 
 pub(super) fn stopped() -> Error {
     SchedError::Stopped { reason: "the engine's loop has stopped".into() }.into()
+}
+
+/// The error every call of a dead engine gets.
+pub(super) fn dead(reason: &str) -> Error {
+    SchedError::EngineDead { reason: format!("a step panicked: {reason}") }.into()
 }

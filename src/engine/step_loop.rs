@@ -4,19 +4,30 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
+use std::sync::{Arc, OnceLock};
 
 use fxhash::FxHashMap;
 
 use super::output::Event;
-use super::served::{Command, Core, Route};
+use super::served::{Command, Core, Route, dead};
 use crate::batch::RequestId;
-use crate::error::{Component, Error, SchedError};
+use crate::error::{Error, SchedError};
+
+/// What the loop shares with its [`ServedEngine`](super::ServedEngine), and its test fault.
+pub(super) struct LoopState {
+    /// Set with the panic's message when a step panicked, before the loop ends.
+    pub(super) dead: Arc<OnceLock<String>>,
+    /// Debug builds: this step (1-based) panics ([`ServedOptions::fault_step_panic`](super::ServedOptions)).
+    pub(super) fault_step_panic: Option<u64>,
+}
 
 /// The loop: commands between steps; steps while anything can run; waits for
 /// a command otherwise. Ends when every sender is gone (the engine and all
-/// handles dropped) or the core panicked.
-pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>) {
+/// handles dropped) or the core panicked (the engine is then dead).
+pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>, state: LoopState) {
     let mut routes: FxHashMap<RequestId, Route> = FxHashMap::default();
+    let fault = state.fault_step_panic.filter(|_| cfg!(debug_assertions));
+    let mut steps = 0u64;
     loop {
         // Wait only when nothing can run; otherwise take what is queued.
         let first = if core.has_runnable() {
@@ -31,7 +42,7 @@ pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>) {
             if let Command::Shutdown = command {
                 for (id, route) in routes.drain() {
                     let _ = core.abort(id);
-                    let _ = route.events.try_send(Err(SchedError::Stopped { reason: "the engine was dropped".into() }.into()));
+                    let _ = route.send(Err(SchedError::Stopped { reason: "the engine was dropped".into() }.into()));
                 }
                 return;
             }
@@ -40,27 +51,40 @@ pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>) {
         if !core.has_runnable() {
             continue;
         }
-        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| core.step()));
+        steps += 1;
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if fault == Some(steps) {
+                panic!("test fault: step {steps} panics ({})", super::served::FAULT_STEP_PANIC_ENV);
+            }
+            core.step()
+        }));
         match stepped {
             Ok(Ok(events)) => dispatch(&mut *core, &mut routes, events),
             Ok(Err(error)) => fail_lost(&mut *core, &mut routes, error),
-            Err(panic) => {
-                let message = crate::error::panic_message(&*panic);
-                for (_, route) in routes.drain() {
-                    let violation = Component::Engine.violation(format!("the engine panicked: {message}"));
-                    let _ = route.events.try_send(Err(violation.into()));
-                }
-                return;
-            }
+            Err(panic) => return die(&mut *core, routes, &state.dead, crate::error::panic_message(&*panic)),
         }
     }
 }
 
+/// A step panicked: the core's state can no longer be trusted. Marks the
+/// engine dead (every later call fails), fails every pending request with
+/// [`SchedError::EngineDead`], and withdraws the published blocks from
+/// routers (`AllBlocksCleared`), so none is routed here for a cache it lost.
+fn die(core: &mut dyn Core, routes: FxHashMap<RequestId, Route>, dead_state: &OnceLock<String>, message: String) {
+    let _ = dead_state.set(message.clone());
+    for (_, route) in routes {
+        let _ = route.send(Err(dead(&message)));
+    }
+    // The publisher is apart from the state that panicked; if it panics too, nothing more is lost.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| core.withdraw_kv_events()));
+}
+
 fn handle_command(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, command: Command) {
     match command {
-        Command::Submit { prepared, route, reply } => {
+        Command::Submit { prepared, mut route, ready, reply } => {
             let admitted = core.submit_prepared(prepared);
             if let Ok(id) = admitted {
+                route.ready = ready.map(|ready| (id, ready));
                 routes.insert(id, route);
             }
             if let Err(lost) = reply.send(admitted)
@@ -93,7 +117,7 @@ fn dispatch(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, event
         let id = event.request();
         let finished = matches!(event, Event::Finished(_));
         let Some(route) = routes.get(&id) else { continue };
-        if route.events.try_send(Ok(event)).is_err() {
+        if route.send(Ok(event)).is_err() {
             routes.remove(&id);
             if !finished {
                 let _ = core.abort(id);
@@ -125,7 +149,7 @@ fn fail_lost(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, erro
     for id in lost {
         if let Some(route) = routes.remove(&id) {
             let e = error.take().unwrap_or_else(|| SchedError::StepFailed { id, reason: reason.clone() }.into());
-            let _ = route.events.try_send(Err(e));
+            let _ = route.send(Err(e));
         }
     }
 }
