@@ -31,7 +31,9 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "Engine",
+    "EngineDeadError",
     "Error",
+    "EventPump",
     "Generation",
     "GpuError",
     "InsertOutcome",
@@ -133,6 +135,11 @@ class GpuError(Error):
 class InternalError(Error):
     """A scheduler, index or pool invariant broken, a backend failure, or a Rust panic (which
     never crosses into Python as anything else)."""
+
+class EngineDeadError(Error):
+    """The engine died: one of its steps panicked, so its state is not trusted. Every pending
+    and later call raises this (:attr:`Engine.is_dead` says so); a server should withdraw the
+    engine (its KV events already said ``AllBlocksCleared``) and start a new one."""
 
 # ----------------------------------------------------------------------------------------- Item
 
@@ -256,13 +263,35 @@ class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
         """The finished :class:`Output` of :meth:`Engine.submit_prefill` once exhausted, else ``None``."""
     @property
     def done(self) -> bool:
-        """True once the request ended (finished, failed or closed)."""
+        """True once the request ended (finished, failed or closed); never waits, even while
+        another thread waits in ``next()``."""
+    @property
+    def request_id(self) -> int:
+        """The engine's id of the request (what :meth:`EventPump.wait` names it by)."""
     def next_batch(self) -> list[Tuple[int, dict[str, npt.NDArray[np.float32]]]]:
         """Wait (GIL released) for the next event and return every buffered token; ``[]`` once
         the stream ended."""
     def close(self) -> None:
         """Abort the generation (also done when the stream is garbage collected); the engine
         keeps no block or lock of it. Safe from another thread while one waits in ``next()``."""
+
+@final
+class EventPump:
+    """One reader for many streams: N concurrent streams cost one thread (what
+    :class:`AsyncEngine` runs on). Submit each with ``pump=`` this pump, ``watch`` it, and call
+    ``wait`` in a loop from one thread."""
+
+    def __init__(self) -> None: ...
+    def watch(self, stream: Stream) -> None:
+        """Start reading ``stream`` (submitted with ``pump=`` this pump); events that came
+        before are read at the next :meth:`wait`."""
+    def wait(self, timeout_s: float) -> list[Tuple[int, list[Tuple[int, dict[str, npt.NDArray[np.float32]]]], Union[None, bool, Error]]]:
+        """Wait up to ``timeout_s`` (GIL released) until a watched stream has events; then
+        ``[(request_id, [(token, {capture: row}), ...], end)]`` for each that had some: ``end``
+        is None while it runs, True once it ended (its ``generation`` / ``output`` is set), or
+        the exception that ended it. ``[]`` when the time ran out."""
+    def __len__(self) -> int:
+        """Streams watched that have not ended."""
 
 # ----------------------------------------------------------------------------------------- Engine
 
@@ -420,20 +449,31 @@ class Engine:
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
+        *,
+        pump: Optional[EventPump] = None,
         **options: Unpack[GenerateOptions],
     ) -> Stream:
         """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
         same tokens as :meth:`generate` with the same seed. The engine keeps generating while
         nobody reads, until 256 events are buffered; then the request holds until the reader
-        catches up (its blocks go to other requests that need them; it recomputes later)."""
+        catches up (its blocks go to other requests that need them; it recomputes later).
+        With ``pump``, that :class:`EventPump` is told whenever the stream has events (read
+        them with ``pump.watch(stream)`` and ``pump.wait()``: what :class:`AsyncEngine` does)."""
     def submit_prefill(
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
+        *,
+        pump: Optional[EventPump] = None,
         **options: Unpack[RequestOptions],
     ) -> Stream:
         """:meth:`prefill` without waiting: the returned stream yields no token and its
-        ``output`` holds the result once exhausted (what :class:`AsyncEngine` awaits)."""
+        ``output`` holds the result once exhausted (what :class:`AsyncEngine` awaits);
+        ``pump`` as in :meth:`stream`."""
+    @property
+    def is_dead(self) -> bool:
+        """True once a step panicked: every pending and later call raises
+        :class:`EngineDeadError`."""
     def stats(self) -> dict[str, int]:
         """Every counter of the engine: ``queries``, ``query_tokens`` (prompt tokens matched),
         ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``, ``block_copies``,

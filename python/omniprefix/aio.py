@@ -1,17 +1,24 @@
-"""``AsyncEngine``: the engine under asyncio.
+"""``AsyncEngine``: the engine under asyncio, on one event pump.
 
 The engine steps on its own thread whatever Python does; an ``AsyncEngine``
 only waits for it. Each call prepares its request (fingerprints, prompt,
-checks, encoder calls) and reads its events in a worker thread with the GIL
-released, so the event loop keeps running other tasks meanwhile. Cancelling a
-task that awaits a request aborts that request: its blocks go back and nothing
-of it is cached.
+checks, encoder calls) in one of a few submit threads, so the event loop keeps
+running other tasks meanwhile. Then one pump thread reads the events of every
+request in flight (an :class:`~omniprefix.EventPump`, blocked with the GIL
+released while nothing happens) and hands each request's tokens to its asyncio
+queue: N concurrent streams cost the same few threads, not one thread each, as
+vLLM's ``AsyncLLM`` has one output task feeding per-request queues. Cancelling
+a task that awaits a request aborts that request: its blocks go back and
+nothing of it is cached.
 
     engine = AsyncEngine.random(config, seed=0)
     out = await engine.prefill(ids)
     gen = await engine.generate(ids, max_tokens=16)
     async for token, rows in engine.stream(ids, max_tokens=16):
         ...
+
+After a step of the engine panicked, every pending and later call raises
+:class:`~omniprefix.EngineDeadError` and :attr:`AsyncEngine.errored` is true.
 """
 
 from __future__ import annotations
@@ -20,15 +27,19 @@ import asyncio
 import collections
 import concurrent.futures
 import functools
+import threading
+import weakref
 from typing import Any, Callable, Optional
 
-from ._omniprefix import Engine, Generation, Output, Stream
+from ._omniprefix import Engine, EventPump, Generation, Output, Stream
 
 __all__ = ["AsyncEngine", "AsyncStream"]
 
-# Worker threads of one AsyncEngine: each in-flight request holds one while it
-# waits for its next event (blocked in Rust, GIL released), so allow many.
-_DEFAULT_WORKERS = 64
+# Threads that prepare and submit requests (fingerprints, encoder calls) off the
+# event loop; waiting for events costs none of them.
+_DEFAULT_WORKERS = 4
+# How long the pump blocks before it looks whether the engine was closed.
+_PUMP_WAIT_S = 0.5
 
 
 class AsyncEngine:
@@ -38,6 +49,12 @@ class AsyncEngine:
     def __init__(self, engine: Engine, *, max_workers: int = _DEFAULT_WORKERS):
         self.engine = engine
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="omniprefix-aio")
+        self._pump = EventPump()
+        # Request id -> (its loop, its queue): where the pump thread hands that request's events.
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._pump_thread: Optional[threading.Thread] = None
+        self._closed = False
 
     @classmethod
     def from_dir(cls, path: Any, **options: Any) -> "AsyncEngine":
@@ -50,34 +67,54 @@ class AsyncEngine:
         return cls(Engine.random(config, seed, **options))
 
     def __getattr__(self, name: str) -> Any:
-        # Properties and quick calls (capture, vocab_size, image_token_id, stats, ...).
+        # Properties and quick calls (capture, vocab_size, image_token_id, validate, ...).
         return getattr(self.engine, name)
+
+    @property
+    def errored(self) -> bool:
+        """True once a step of the engine panicked (``Engine.is_dead``): every call raises
+        :class:`~omniprefix.EngineDeadError`."""
+        return self.engine.is_dead
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def _submit(self, submit: Callable[..., Stream], *args: Any, **kwargs: Any) -> Stream:
-        """Submits in a worker thread; a stream that arrives after its task was
-        cancelled is closed (the request aborted) right away."""
+    async def _submit(self, submit: Callable[..., Stream], *args: Any, **kwargs: Any) -> tuple[Stream, asyncio.Queue]:
+        """Submits in a submit thread and has the pump watch the stream; a stream that
+        arrives after its task was cancelled is closed (the request aborted) right away."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, functools.partial(submit, *args, **kwargs))
+        future = loop.run_in_executor(self._pool, functools.partial(submit, *args, pump=self._pump, **kwargs))
         try:
-            return await asyncio.shield(future)
+            stream = await asyncio.shield(future)
         except asyncio.CancelledError:
             future.add_done_callback(_close_when_submitted)
             raise
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._queues[stream.request_id] = (loop, queue)
+        self._start_pump()
+        self._pump.watch(stream)
+        return stream, queue
+
+    def _start_pump(self) -> None:
+        with self._lock:
+            if self._pump_thread is None and not self._closed:
+                self._pump_thread = threading.Thread(target=_run_pump, args=(weakref.ref(self), self._pump, self._queues,
+                                                                              self._lock),
+                                                     name="omniprefix-aio-pump", daemon=True)
+                self._pump_thread.start()
 
     async def prefill(self, token_ids: Any, items: Optional[list] = None, **kwargs: Any) -> Output:
         """``Engine.prefill``, awaited: full hidden states and the last logits."""
-        stream = await self._submit(self.engine.submit_prefill, token_ids, items, **kwargs)
-        await _drain(self, stream)
+        stream, queue = await self._submit(self.engine.submit_prefill, token_ids, items, **kwargs)
+        await _drain(stream, queue)
         return stream.output
 
     async def generate(self, token_ids: Any, items: Optional[list] = None, **kwargs: Any) -> Generation:
         """``Engine.generate``, awaited: the tokens and every position's hidden rows."""
-        stream = await self._submit(self.engine.stream, token_ids, items, **kwargs)
-        await _drain(self, stream)
+        stream, queue = await self._submit(self.engine.stream, token_ids, items, **kwargs)
+        await _drain(stream, queue)
         return stream.generation
 
     def stream(self, token_ids: Any, items: Optional[list] = None, **kwargs: Any) -> "AsyncStream":
@@ -85,12 +122,18 @@ class AsyncEngine:
         submitted when first iterated. ``.generation`` holds the result at the end."""
         return AsyncStream(self, functools.partial(self.engine.stream, token_ids, items, **kwargs))
 
-    def metrics(self) -> str:
-        """``Engine.metrics``: the Prometheus text (answered between two engine steps)."""
-        return self.engine.metrics()
+    async def stats(self) -> dict:
+        """``Engine.stats``, answered between two engine steps without blocking the event loop."""
+        return await self._call(self.engine.stats)
+
+    async def metrics(self) -> str:
+        """``Engine.metrics``: the Prometheus text, without blocking the event loop."""
+        return await self._call(self.engine.metrics)
 
     def close(self) -> None:
-        """Stops the worker threads (requests in flight are aborted when their streams drop)."""
+        """Stops the submit threads and the pump (requests in flight are aborted when their
+        streams drop)."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __repr__(self) -> str:
@@ -102,11 +145,13 @@ class AsyncStream:
     Leaving the loop early (``break``, an exception, a cancelled task) or
     ``await stream.aclose()`` aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, submit: Callable[[], Stream]):
+    def __init__(self, engine: AsyncEngine, submit: Callable[..., Stream]):
         self._engine = engine
         self._submit = submit
         self._stream: Optional[Stream] = None
+        self._queue: Optional[asyncio.Queue] = None
         self._buffer: collections.deque = collections.deque()
+        self._ended = False
 
     def __aiter__(self) -> "AsyncStream":
         return self
@@ -114,12 +159,13 @@ class AsyncStream:
     async def __anext__(self) -> tuple:
         try:
             if self._stream is None:
-                self._stream = await self._engine._submit(self._submit)
+                self._stream, self._queue = await self._engine._submit(self._submit)
             while not self._buffer:
-                batch = await self._engine._call(self._stream.next_batch)
-                if not batch:
+                if self._ended:
                     raise StopAsyncIteration
-                self._buffer.extend(batch)
+                tokens, end = await self._queue.get()
+                self._buffer.extend(tokens)
+                self._ended = _ended(end)
             return self._buffer.popleft()
         except asyncio.CancelledError:
             self._close()
@@ -142,11 +188,40 @@ class AsyncStream:
         self._close()
 
 
-async def _drain(engine: AsyncEngine, stream: Stream) -> None:
-    """Reads ``stream`` to its end; a cancelled wait aborts the request."""
+def _run_pump(engine: "weakref.ref[AsyncEngine]", pump: EventPump,
+              queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]], lock: threading.Lock) -> None:
+    """The pump thread: waits (GIL released) for any request's events and hands each
+    request's batch to its loop's queue as ``(tokens, end)``. It holds its engine weakly:
+    it ends once the engine is closed or gone."""
+    while (alive := engine()) is not None and not alive._closed:
+        del alive
+        for request_id, tokens, end in pump.wait(_PUMP_WAIT_S):
+            with lock:
+                target = queues.pop(request_id, None) if end is not None else queues.get(request_id)
+            if target is None:
+                continue
+            loop, queue = target
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (tokens, end))
+            except RuntimeError:
+                pass  # that request's event loop is closed: nobody is left to read it
+
+
+def _ended(end: Any) -> bool:
+    """What the pump said of a request: False while it runs, True once it ended;
+    the exception that ended it is raised."""
+    if isinstance(end, BaseException):
+        raise end
+    return end is not None
+
+
+async def _drain(stream: Stream, queue: asyncio.Queue) -> None:
+    """Reads ``stream``'s events from ``queue`` to its end; a cancelled wait aborts the request."""
     try:
-        while await engine._call(stream.next_batch):
-            pass
+        while True:
+            _tokens, end = await queue.get()
+            if _ended(end):
+                return
     except asyncio.CancelledError:
         stream.close()
         raise

@@ -356,7 +356,8 @@ async def serve(args: argparse.Namespace) -> None:
     if encoder is not None and args.dynamo_mm_keys == "on":
         aliases = AliasTable()
         bridge = KeyBridge(engine.kv_events_endpoint, aliases)
-    metrics = MetricsServer(engine.metrics, args.metrics_host, args.metrics_port)
+    # The HTTP server's own threads read the sync engine's metrics (AsyncEngine.metrics is a coroutine).
+    metrics = MetricsServer(engine.engine.metrics, args.metrics_host, args.metrics_port)
     loop = asyncio.get_running_loop()
     runtime = DistributedRuntime(loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -370,7 +371,7 @@ async def serve(args: argparse.Namespace) -> None:
         else:
             relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=bridge.endpoint,
                                      image_token_id=engine.image_token_id)
-        stats = engine.stats()
+        stats = await engine.stats()
         runtime_config = ModelRuntimeConfig()
         runtime_config.context_length = context_length(model_dir)
         runtime_config.total_kv_blocks = stats["blocks_free"] + stats["blocks_in_use"] + stats["blocks_cached"]

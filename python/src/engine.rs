@@ -9,6 +9,7 @@
 
 use std::mem::ManuallyDrop;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use omniprefix::backend::auto::{SelectedBackend, select};
@@ -24,6 +25,7 @@ use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::SamplingParams;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::arrays::{capture_key, float_levels, float_matrix, row_dict};
@@ -31,6 +33,7 @@ use crate::errors::{InternalError, guard, to_py};
 use crate::item::{BorrowedItems, Item};
 use crate::options::EngineOptions;
 use crate::outputs::{PyGeneration, PyOutput};
+use crate::pump::EventPump;
 
 /// A thinker engine: prefix-cached prefill and generation over one checkpoint.
 ///
@@ -174,7 +177,9 @@ impl PyEngine {
         prompt: Prompt<'_>,
         task: Task,
         encoder: Option<Py<PyAny>>,
+        pump: Option<&EventPump>,
     ) -> PyResult<RequestHandle> {
+        let ready = pump.map(EventPump::ready_sender);
         let Prompt { ids, borrowed, tenant, placeholders } = prompt;
         let items: Vec<Py<Item>> = borrowed.items().iter().map(|i| i.clone().unbind()).collect();
         let inputs = borrowed.inputs();
@@ -185,7 +190,13 @@ impl PyEngine {
             if let Some(callable) = encoder {
                 request = request.with_encoder(PyEncoder { callable, items: &items, raised: &raised });
             }
-            guard(|| served.submit(request))
+            guard(|| {
+                let prepared = served.prepare(request)?;
+                match ready {
+                    Some(ready) => served.submit_prepared_notify(prepared, ready),
+                    None => served.submit_prepared(prepared),
+                }
+            })
         });
         match raised.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(error) => Err(error),
@@ -297,7 +308,7 @@ impl PyEngine {
         placeholders: &str,
     ) -> PyResult<PyOutput> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
-        let handle = self.submit(py, prompt, Task::Prefill, encoder)?;
+        let handle = self.submit(py, prompt, Task::Prefill, encoder, None)?;
         PyOutput::new(py, wait(py, handle)?)
     }
 
@@ -319,14 +330,17 @@ impl PyEngine {
     ) -> PyResult<PyGeneration> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let task = Task::Generate(sampling_params(sampling)?);
-        let handle = self.submit(py, prompt, task, encoder)?;
+        let handle = self.submit(py, prompt, task, encoder, None)?;
         PyGeneration::new(py, wait(py, handle)?)
     }
 
     /// `generate`, yielding `(token, {capture: row})` as each token is sampled.
     /// The engine keeps generating while nobody reads (up to 256 buffered
-    /// tokens); closing or dropping the stream aborts the request.
-    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
+    /// tokens); closing or dropping the stream aborts the request. With
+    /// `pump`, that `EventPump` is told whenever the stream has events (read
+    /// them with `pump.watch(stream)` and `pump.wait()`).
+    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", pump=None, **sampling))]
+    #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn stream(
         slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
@@ -334,17 +348,20 @@ impl PyEngine {
         tenant: u64,
         encoder: Option<Py<PyAny>>,
         placeholders: &str,
+        pump: Option<PyRef<'_, EventPump>>,
         sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let task = Task::Generate(sampling_params(sampling)?);
-        let handle = slf.get().submit(slf.py(), prompt, task, encoder)?;
+        let handle = slf.get().submit(slf.py(), prompt, task, encoder, pump.as_deref())?;
         Ok(Stream::new(handle, slf))
     }
 
     /// Submits a prefill and returns its stream (it yields no tokens; its
-    /// `.output` holds the result once exhausted): for callers that wait elsewhere.
-    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded"))]
+    /// `.output` holds the result once exhausted): for callers that wait
+    /// elsewhere (`pump`: as in `stream`).
+    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", pump=None))]
+    #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn submit_prefill(
         slf: &Bound<'_, Self>,
         token_ids: &Bound<'_, PyAny>,
@@ -352,10 +369,18 @@ impl PyEngine {
         tenant: u64,
         encoder: Option<Py<PyAny>>,
         placeholders: &str,
+        pump: Option<PyRef<'_, EventPump>>,
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
-        let handle = slf.get().submit(slf.py(), prompt, Task::Prefill, encoder)?;
+        let handle = slf.get().submit(slf.py(), prompt, Task::Prefill, encoder, pump.as_deref())?;
         Ok(Stream::new(handle, slf))
+    }
+
+    /// True once a step panicked: every pending and later call raises
+    /// `EngineDeadError`. A server should withdraw this engine and exit.
+    #[getter]
+    fn is_dead(&self) -> bool {
+        self.served.is_dead()
     }
 
     /// Every counter of `EngineStats`, one key per field (the scheduler's flattened in): queries,
@@ -418,22 +443,43 @@ impl PyEngine {
 /// it ends. Closing (or dropping) it early aborts the request.
 #[pyclass(module = "omniprefix")]
 pub struct Stream {
-    handle: Mutex<Option<RequestHandle>>,
-    /// Aborts without the handle's lock, which a waiting reader holds.
-    aborter: Aborter,
-    generation: Mutex<Option<Output>>,
+    pub(crate) state: Arc<StreamState>,
     /// Keeps the engine (and its loop) alive while the stream is.
     _engine: Py<PyEngine>,
 }
 
+/// What a stream shares with the [`EventPump`](crate::pump::EventPump) that may read it.
+///
+/// No lock here is ever held while the GIL is being waited for: each is taken
+/// with `lock_py_attached` (which lets go of the GIL while it waits), so a
+/// reader blocked in `next()` (GIL released, handle locked) and a thread
+/// polling `done` or calling `close()` can never wait on each other.
+pub(crate) struct StreamState {
+    handle: Mutex<Option<RequestHandle>>,
+    /// Aborts without the handle's lock, which a waiting reader holds.
+    aborter: Aborter,
+    /// The request's id (what an event pump names it by).
+    pub(crate) id: u64,
+    result: Mutex<Option<Output>>,
+    /// Set once the stream ended: read without any lock.
+    done: AtomicBool,
+}
+
 impl Stream {
     fn new(handle: RequestHandle, engine: &Bound<'_, PyEngine>) -> Self {
-        Stream { aborter: handle.aborter(), handle: Mutex::new(Some(handle)), generation: Mutex::new(None), _engine: engine.clone().unbind() }
+        let state = StreamState {
+            aborter: handle.aborter(),
+            id: handle.id(),
+            handle: Mutex::new(Some(handle)),
+            result: Mutex::new(None),
+            done: AtomicBool::new(false),
+        };
+        Stream { state: Arc::new(state), _engine: engine.clone().unbind() }
     }
 }
 
 /// What one read of a stream found.
-enum Read {
+pub(crate) enum Read {
     Token(u32, Vec<(omniprefix::model::CaptureName, Vec<f32>)>),
     /// Nothing buffered (a read that does not wait).
     Empty,
@@ -441,11 +487,11 @@ enum Read {
     End,
 }
 
-impl Stream {
+impl StreamState {
     /// The next token, or the end (the result kept); waits, with the GIL
     /// released, only when `wait`.
-    fn read(&self, py: Python<'_>, wait: bool) -> PyResult<Read> {
-        let mut guard = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+    pub(crate) fn read(&self, py: Python<'_>, wait: bool) -> PyResult<Read> {
+        let mut guard = self.handle.lock_py_attached(py).unwrap_or_else(|p| p.into_inner());
         let Some(handle) = guard.as_mut() else { return Ok(Read::End) };
         let event = if wait {
             py.detach(|| handle.recv())
@@ -456,22 +502,35 @@ impl Stream {
                 None => return Ok(Read::Empty),
             }
         };
+        let ended = |guard: &mut Option<RequestHandle>| {
+            *guard = None;
+            self.done.store(true, Ordering::Release);
+        };
         match event {
             Some(Ok(Event::Token(token))) => Ok(Read::Token(token.token, token.hidden)),
             Some(Ok(Event::Finished(output))) => {
-                *self.generation.lock().unwrap_or_else(|p| p.into_inner()) = Some(output);
-                *guard = None;
+                *self.result.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()) = Some(output);
+                ended(&mut guard);
                 Ok(Read::End)
             }
             Some(Err(error)) => {
-                *guard = None;
+                ended(&mut guard);
                 Err(to_py(error))
             }
             None => {
-                *guard = None;
+                ended(&mut guard);
                 Ok(Read::End)
             }
         }
+    }
+
+    /// The finished request's output, if it finished.
+    fn result(&self, py: Python<'_>) -> Option<Output> {
+        self.result.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
     }
 }
 
@@ -482,7 +541,7 @@ impl Stream {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<(u32, Py<PyDict>)>> {
-        match self.read(py, true)? {
+        match self.state.read(py, true)? {
             Read::Token(token, rows) => Ok(Some((token, row_dict(py, rows)?.unbind()))),
             Read::Empty | Read::End => Ok(None),
         }
@@ -490,10 +549,9 @@ impl Stream {
 
     /// Waits (GIL released) for the next event and returns every buffered
     /// token as `[(token, {capture: row}), ...]`; `[]` once the stream ended.
-    /// What `AsyncEngine` awaits in a worker thread.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Vec<(u32, Py<PyDict>)>> {
         let mut batch = Vec::new();
-        while let Read::Token(token, rows) = self.read(py, batch.is_empty())? {
+        while let Read::Token(token, rows) = self.state.read(py, batch.is_empty())? {
             batch.push((token, row_dict(py, rows)?.unbind()));
         }
         Ok(batch)
@@ -502,30 +560,38 @@ impl Stream {
     /// The finished generation (None until the stream is exhausted).
     #[getter]
     fn generation(&self, py: Python<'_>) -> PyResult<Option<PyGeneration>> {
-        let output = self.generation.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let output = self.state.result(py);
         output.filter(|o| o.finish_reason.is_some()).map(|o| PyGeneration::new(py, o)).transpose()
     }
 
     /// The finished prefill of `Engine.submit_prefill` (None until it ended).
     #[getter]
     fn output(&self, py: Python<'_>) -> PyResult<Option<PyOutput>> {
-        let output = self.generation.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let output = self.state.result(py);
         output.filter(|o| o.finish_reason.is_none()).map(|o| PyOutput::new(py, o)).transpose()
     }
 
-    /// True once the request ended (finished, failed or closed).
+    /// True once the request ended (finished, failed or closed); never waits.
     #[getter]
     fn done(&self) -> bool {
-        self.handle.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.state.is_done()
+    }
+
+    /// The engine's id of the request (what `EventPump.wait` names it by).
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.state.id
     }
 
     /// Aborts the request if it has not finished; its blocks go back, nothing of it is cached.
     fn close(&self) {
         // A reader waiting in another thread holds the handle: abort through
         // the loop, which ends that reader's wait.
-        self.aborter.abort();
-        if let Ok(mut handle) = self.handle.try_lock() {
-            handle.take();
+        self.state.aborter.abort();
+        if let Ok(mut handle) = self.state.handle.try_lock()
+            && handle.take().is_some()
+        {
+            self.state.done.store(true, Ordering::Release);
         }
     }
 }

@@ -19,6 +19,7 @@ create_exception!(omniprefix, ConfigError, Error, "An engine or index setting th
 create_exception!(omniprefix, CacheError, Error, "A cache used against its contract (a block inserted twice, more blocks than the prompt has, a reset while requests hold blocks).");
 create_exception!(omniprefix, GpuError, Error, "The wgpu device: no adapter, limits, shaders, device failures.");
 create_exception!(omniprefix, InternalError, Error, "A broken invariant or a panic inside the engine: a bug, reported instead of crashing.");
+create_exception!(omniprefix, EngineDeadError, Error, "The engine died (a step panicked): every pending and later call raises this. Withdraw it and start a new one.");
 
 /// The exception class of an engine error's family.
 pub fn to_py(error: EngineError) -> PyErr {
@@ -31,6 +32,7 @@ pub fn to_py(error: EngineError) -> PyErr {
         | EngineError::Events(EventsError::BadEndpoint { .. } | EventsError::Bind { .. }) => ConfigError::new_err(message),
         EngineError::Cache(_) | EngineError::Sched(SchedError::CacheInUse { .. }) => CacheError::new_err(message),
         EngineError::Gpu(_) => GpuError::new_err(message),
+        EngineError::Sched(SchedError::EngineDead { .. }) => EngineDeadError::new_err(message),
         _ => InternalError::new_err(message),
     }
 }
@@ -57,5 +59,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CacheError", py.get_type::<CacheError>())?;
     m.add("GpuError", py.get_type::<GpuError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
+    m.add("EngineDeadError", py.get_type::<EngineDeadError>())?;
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! | module | what it binds |
 //! | --- | --- |
 //! | [`engine`] | `Engine` (prefill, generate, stream) and `Stream` |
+//! | [`pump`] | `EventPump`: one reader for many streams (`AsyncEngine`'s) |
 //! | [`outputs`] | `Output`, `Generation` |
 //! | [`item`] | `Item` and the borrowed item specs of one call |
 //! | [`matcher`] | `fingerprint`, `Prompt`, `PrefixIndex`, `Match` |
@@ -39,6 +40,7 @@ mod kv_events;
 mod matcher;
 mod options;
 mod outputs;
+mod pump;
 
 #[pymodule]
 fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -46,6 +48,7 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::Stream>()?;
+    m.add_class::<pump::EventPump>()?;
     m.add_class::<outputs::PyOutput>()?;
     m.add_class::<outputs::PyGeneration>()?;
     m.add_class::<item::Item>()?;

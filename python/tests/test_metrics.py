@@ -49,7 +49,7 @@ def test_async_engine_metrics_follow_its_requests(qwen3_config):
         engine = omniprefix.AsyncEngine.random(qwen3_config, 9, block_size=BLOCK_SIZE)
         try:
             await asyncio.gather(*(engine.generate(random_ids(s, 10), max_tokens=3, ignore_eos=True) for s in range(3)))
-            return engine.metrics()
+            return await engine.metrics()
         finally:
             engine.close()
 

@@ -167,7 +167,7 @@ def test_cancelling_a_task_aborts_its_request(qwen3_config):
     assert len(first) == 2
     # Both requests were aborted: nothing is pending, so a reset is allowed.
     assert wait_until(lambda: _reset_allowed(engine.engine), timeout_s=10), "a cancelled request is still pending"
-    assert engine.stats()["finished"] == 0
+    assert engine.engine.stats()["finished"] == 0
     engine.validate()
     del stream
 
@@ -207,3 +207,42 @@ def test_async_encoder_runs_off_the_event_loop():
     out, ticks = asyncio.run(main())
     assert out.prompt_len == 2 + IMAGE_TOKENS + 2 + 1
     assert ticks >= 5, f"the loop ticked {ticks} times during a 200 ms encoder"
+
+
+def os_threads() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_500_concurrent_streams_run_on_a_few_threads_and_give_the_sync_results(qwen3_config):
+    """One event pump reads every request in flight: 500 concurrent ``async for`` streams cost
+    a fixed few OS threads (one each would be 500), and each stream's tokens equal the sync
+    engine's greedy generation of the same prompt."""
+    prompts = [random_ids(1000 + k, 6 + k % 5) for k in range(500)]
+    sync = fresh(qwen3_config, num_blocks=4096)
+    distinct = {tuple(p) for p in prompts}
+    want = {p: sync.generate(list(p), max_tokens=4, ignore_eos=True).tokens for p in distinct}
+    peak = 0
+
+    async def main():
+        nonlocal peak
+        engine = omniprefix.AsyncEngine.random(qwen3_config, 9, block_size=BLOCK_SIZE, num_blocks=4096)
+
+        async def one(prompt):
+            nonlocal peak
+            tokens = []
+            async for token, _rows in engine.stream(prompt, max_tokens=4, ignore_eos=True):
+                tokens.append(token)
+                peak = max(peak, os_threads())
+            return tokens
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=240)
+        finally:
+            engine.close()
+
+    got = asyncio.run(main())
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == want[tuple(prompt)], prompt
+    print(f"peak OS threads: {peak}")
+    assert peak <= 16, f"{peak} OS threads for 500 concurrent streams"
