@@ -64,3 +64,48 @@ def test_sampling_defaults_follow_openai_and_off_values_are_dropped():
 def test_what_the_engine_cannot_honour_is_refused(stop, sampling, extra, message):
     with pytest.raises(UnsupportedRequest, match=message):
         sampling_options(request([1, 2, 3], stop, sampling, **extra), [], CONTEXT)
+
+
+class _Context:
+    """What the worker reads of Dynamo's request context: a client still there."""
+
+    def is_stopped(self) -> bool:
+        return False
+
+
+def _chunks(worker, request_body) -> list[dict]:
+    import asyncio
+
+    async def run():
+        return [chunk async for chunk in worker.generate(request_body, _Context())]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stop_at", [None, 4])
+def test_the_last_token_rides_with_the_finish_reason_and_the_usage(stop_at):
+    """Dynamo's frontend ends a reply by itself at max_tokens or a stop id, possibly before a
+    separate closing chunk arrives: so the chunk that carries the last token must carry
+    finish_reason and the usage too (a worker that stops one token late, or that sends them
+    in a chunk of their own, loses the usage)."""
+    from omniprefix.worker import Worker
+
+    engine = omniprefix.AsyncEngine.from_dir(FIXTURES / "qwen3_dense")
+    try:
+        ids = random_ids(3, 20)
+        free = engine.engine.generate(ids, max_tokens=8, temperature=0.0, ignore_eos=True).tokens
+        stop = {"max_tokens": 8, "ignore_eos": True}
+        if stop_at is not None:
+            stop["stop_token_ids"] = [free[stop_at]]
+        want = free if stop_at is None else free[:free.index(free[stop_at]) + 1]
+        chunks = _chunks(Worker(engine, CONTEXT), request(ids, stop, {"temperature": 0.0}))
+    finally:
+        engine.close()
+    assert [t for c in chunks for t in c["token_ids"]] == want
+    assert len(chunks) == len(want), "one chunk per token, the last one closing the reply"
+    assert all("finish_reason" not in c for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["token_ids"] == [want[-1]]
+    assert last["finish_reason"] == ("length" if stop_at is None else "stop")
+    assert last["completion_usage"]["completion_tokens"] == len(want)
+    assert last["completion_usage"]["prompt_tokens"] == len(ids)
