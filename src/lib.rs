@@ -35,6 +35,7 @@
 //! # Ok::<(), omniprefix::Error>(())
 //! ```
 
+pub mod alloc;
 pub mod backend;
 pub mod batch;
 pub mod canon;

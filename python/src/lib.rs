@@ -14,24 +14,6 @@
 
 use pyo3::prelude::*;
 
-/// The Rust side's allocator (see `python/Cargo.toml`); Python objects keep Python's.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// `mi_option_purge_delay`'s index in mimalloc's `mi_option_e` (the binding has no constant for it).
-const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-
-/// Tells mimalloc never to hand freed pages back to the kernel, unless
-/// `MIMALLOC_PURGE_DELAY` says otherwise: its default purge, 10 ms after a free,
-/// made each decode step fault its logits in again (the CLI's `keep_freed_pages`
-/// has the measurement). The process keeps its peak memory instead.
-fn keep_freed_pages() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-        // SAFETY: sets an allocator option; mimalloc reads it when it next purges.
-        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
-    }
-}
-
 mod arrays;
 mod engine;
 mod errors;
@@ -44,7 +26,8 @@ mod pump;
 
 #[pymodule]
 fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    keep_freed_pages();
+    // The Rust side's allocator (the engine's `mimalloc` feature); Python objects keep Python's.
+    omniprefix::alloc::keep_freed_pages();
     errors::register(m)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::Stream>()?;

@@ -159,6 +159,11 @@ impl<B: Backend> Thinker<B> {
     /// # Ok::<(), omniprefix::Error>(())
     /// ```
     pub fn load_as(backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>) -> Result<Self> {
+        // Each packed matrix is made beside its host copy: let those copies' pages go (crate::alloc).
+        crate::alloc::while_loading(|| Self::load_packed(backend, config, source, dtype))
+    }
+
+    fn load_packed(backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>) -> Result<Self> {
         config.validate()?;
         let (model_prefix, head_prefix) = prefixes(source)?;
         let root = Weights::root(source, model_prefix);
