@@ -29,6 +29,8 @@ from test_fleet import (MODEL, RunningFleet, alive, children, completion, group_
 STREAM_END_S = 10.0
 REPLACED_S = 30.0
 AFTER = 20
+#: ... and the frontend stops listing the dead worker within UNLISTED_S.
+UNLISTED_S = 2.0
 #: A reply long enough to be cut in its middle (~1.5 s: the tiny model streams a token in ~0.4 ms).
 LONG = 4000
 RUNNING = "omniprefix_num_requests_running"
@@ -189,6 +191,8 @@ def test_a_killed_worker_is_replaced_and_its_request_ends(watched):
     pid = fleet.info["workers"][victim]["pid"]
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
+    # Out of the frontend's list at once (the fleet withdraws it), not after Dynamo's 10 s lease.
+    unlisted = wait_for("the dead instance unlisted", lambda: len(before - instances(fleet)) == 1, UNLISTED_S)
     # The frontend moves the request to the other worker (migration): it completes there, or
     # at worst ends with an error; either way within STREAM_END_S.
     stream.finish()
@@ -206,7 +210,8 @@ def test_a_killed_worker_is_replaced_and_its_request_ends(watched):
     assert listed < REPLACED_S
     assert not alive(pid) and alive(new["pid"])
     assert running(fleet) == [0, 0]
-    print(f"\nkill -9 worker{victim}: its stream ended after {ended:.2f} s ({stream.tokens} tokens, migrated); "
+    print(f"\nkill -9 worker{victim}: unlisted after {unlisted:.2f} s; its stream ended after {ended:.2f} s "
+          f"({stream.tokens} chunks, migrated); "
           f"{AFTER} requests served by {served:.2f} s; the replacement listed by {listed:.2f} s")
     watched.note()
     err = watched.stop()
@@ -221,11 +226,13 @@ def test_sigterm_mid_request_stops_every_process_and_port(watched):
     start = time.monotonic()
     watched.stop()
     stopped = time.monotonic() - start
+    # Gone by the time the fleet exits, not soon after: whoever restarts the fleet must find
+    # the ports free.
+    watched.assert_gone()
     stream.finish()  # drained or cut, the stream ends: no client hangs on a fleet that is gone
     ended = time.monotonic() - start
     stream.close()
     assert ended < STREAM_END_S, f"the stream ended {ended:.1f} s after SIGTERM"
-    watched.assert_gone()
     print(f"\nSIGTERM mid-stream: the fleet gone after {stopped:.2f} s, the stream ended by {ended:.2f} s")
 
 
