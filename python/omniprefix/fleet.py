@@ -16,8 +16,8 @@ stderr, exit status 1):
 * A worker that exits or is killed is restarted, after 0.5 s, doubling at each quick death up to
   8 s (a worker that served 30 s starts again at 0.5 s); stderr says why (``worker1 (pid N)
   exited with status -9; ... restarting in 0.5 s``) with its log's last lines. The others keep
-  serving. When a replacement serves, the fleet prints one more JSON line on stdout, its entry
-  with its index: ``{"worker": 1, "pid": ..., "metrics": ...}``.
+  serving. Once the frontend lists a replacement (and the model), the fleet prints one more JSON
+  line on stdout, its entry with its index: ``{"worker": 1, "pid": ..., "metrics": ...}``.
 * The dead worker's entries in Dynamo's file discovery are deleted when it is reaped
   (:func:`withdraw`), so the frontend stops routing to it at once instead of after their 10 s
   lease; and the frontend runs with ``--migration-limit 3``, so a request whose worker died
@@ -152,6 +152,7 @@ class Worker:
         self.proc: Optional[subprocess.Popen] = None
         self.info: Optional[dict[str, Any]] = None
         self.instance: Optional[int] = None  # its Dynamo instance id (the ready line's "instance")
+        self.announced = False  # whether the frontend listed it (and its model) since it started
         self.started = 0.0
         self.spawns = 0
         self.backoff = RESTART_MIN_S
@@ -203,7 +204,7 @@ class Fleet:
                 "--request-plane", "tcp", "--event-plane", "zmq", *self.worker_args]
         env = self.first_env.get(slot.index) if slot.spawns == 0 else None
         slot.proc = self._spawn(slot.label, argv, subprocess.PIPE, env)
-        slot.info, slot.restart_at = None, None
+        slot.info, slot.restart_at, slot.announced = None, None, False
         slot.started = time.monotonic()
         slot.spawns += 1
 
@@ -230,6 +231,8 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise FleetError(f"the frontend did not list {self.count} instances of {self.name} within {timeout_s:.0f} s")
             time.sleep(0.1)
+        for slot in self.slots:
+            slot.announced = True
         return {"frontend": self.url, "model": self.name,
                 "workers": self.workers}
 
@@ -262,18 +265,23 @@ class Fleet:
             raise FleetError(f"{slot.label} printed {line[:200]!r} instead of its ready line") from None
 
     def serving(self) -> bool:
-        """Whether the frontend lists the model (``/v1/models``) and one instance per worker
-        (``/health``): it lists instances as soon as they are discovered, the model only once
-        it loaded the model card (tokenizer and template)."""
+        """Whether the frontend serves the model with one instance per worker."""
+        return len(self.listed()) == self.count
+
+    def listed(self) -> set[int]:
+        """The worker instances the frontend lists (``/health``) if it lists the model
+        (``/v1/models``), else none: it lists instances as soon as they are discovered, the model
+        only once it loaded the model card (tokenizer and template); a request in between is a 404."""
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                 health = json.loads(r.read())
             with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
                 models = json.loads(r.read())
         except (OSError, ValueError):
-            return False
-        instances = [i for i in health.get("instances", []) if i.get("component") == "worker"]
-        return len(instances) == self.count and self.name in [m.get("id") for m in models.get("data", [])]
+            return set()
+        if self.name not in [m.get("id") for m in models.get("data", [])]:
+            return set()
+        return {i.get("instance_id") for i in health.get("instances", []) if i.get("component") == "worker"}
 
     def check(self) -> None:
         """Raises :class:`FleetError` naming the first process that exited (while starting)."""
@@ -285,7 +293,7 @@ class Fleet:
         """One round of watching the running fleet: raises :class:`FleetError` if the frontend
         exited; reaps a worker that exited, withdraws it from discovery and schedules its
         restart; starts those whose time came; returns the ready lines (with ``"worker"``, the
-        worker's index) of replacements that began to serve since the last round."""
+        worker's index) of replacements the frontend began to list since the last round."""
         if self.frontend.poll() is not None:
             raise FleetError(f"frontend (pid {self.frontend.pid}) exited with status {self.frontend.returncode}\n"
                              f"{self.log_tail('frontend')}")
@@ -303,6 +311,8 @@ class Fleet:
                 except FleetError as e:
                     print(f"omniprefix.fleet: {e}", file=sys.stderr, flush=True)
                     continue  # it exits or is killed; the next rounds reap it
+            if slot.info is not None and not slot.announced and slot.instance in self.listed():
+                slot.announced = True
                 ready.append({"worker": slot.index, **slot.info})
         return ready
 
