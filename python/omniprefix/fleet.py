@@ -242,7 +242,11 @@ class Fleet:
             self.check()
             if time.monotonic() > deadline:
                 raise FleetError(f"{slot.label} did not start in time")
-        return self._read_ready(slot)
+        line = slot.proc.stdout.readline()
+        if not line:
+            self.check()
+            raise FleetError(f"{slot.label} closed its stdout before it served")
+        return self._parse_ready(slot, line)
 
     @staticmethod
     def _readable(proc: subprocess.Popen, timeout_s: float) -> bool:
@@ -252,11 +256,9 @@ class Fleet:
             sel.register(proc.stdout, selectors.EVENT_READ)
             return bool(sel.select(timeout=timeout_s))
 
-    def _read_ready(self, slot: Worker) -> dict[str, Any]:
-        line = slot.proc.stdout.readline()
-        if not line:
-            self.check()
-            raise FleetError(f"{slot.label} closed its stdout before it served")
+    @staticmethod
+    def _parse_ready(slot: Worker, line: bytes) -> dict[str, Any]:
+        """The fleet's entry for a worker's ready line; notes its Dynamo instance id in ``slot``."""
         try:
             ready = json.loads(line)
             slot.instance = int(ready["instance"])
@@ -299,6 +301,7 @@ class Fleet:
                              f"{self.log_tail('frontend')}")
         now = time.monotonic()
         ready = []
+        listed: Optional[set[int]] = None  # asked of the frontend once a round, if needed
         for slot in self.slots:
             if slot.proc is None:
                 if now >= slot.restart_at:
@@ -306,12 +309,19 @@ class Fleet:
             elif _exited(slot.proc):
                 self._reap(slot, now)
             elif slot.info is None and self._readable(slot.proc, 0):
+                line = slot.proc.stdout.readline()
+                if not line:
+                    continue  # it is exiting: a next round reaps it and says why
                 try:
-                    slot.info = self._read_ready(slot)
+                    slot.info = self._parse_ready(slot, line)
                 except FleetError as e:
-                    print(f"omniprefix.fleet: {e}", file=sys.stderr, flush=True)
-                    continue  # it exits or is killed; the next rounds reap it
-            if slot.info is not None and not slot.announced and slot.instance in self.listed():
+                    print(f"omniprefix.fleet: {e}; killing it", file=sys.stderr, flush=True)
+                    _signal_group(slot.proc, signal.SIGKILL)  # a next round reaps and restarts it
+                    continue
+            if slot.info is not None and not slot.announced:
+                listed = self.listed() if listed is None else listed
+                if slot.instance not in listed:
+                    continue
                 slot.announced = True
                 ready.append({"worker": slot.index, **slot.info})
         return ready
