@@ -299,3 +299,29 @@ def test_an_engine_that_panics_fails_its_request_and_the_fleet_replaces_the_work
     err = watched.stop()
     assert f"worker0 (pid {pid}) exited with status 1; " in err
     watched.assert_gone()
+
+
+@pytest.mark.parametrize("lives_s, delays", [(0.0, [0.05, 0.1, 0.2, 0.2]), (0.3, [0.05, 0.05, 0.05])])
+def test_a_worker_that_keeps_dying_is_restarted_with_backoff(tmp_path, monkeypatch, capsys, lives_s, delays):
+    # No Dynamo: a stand-in `python` whose frontend sleeps and whose worker exits after
+    # `lives_s`, with the schedule scaled down (0.5 s -> 0.05 s, 8 s -> 0.2 s, 30 s -> 0.2 s).
+    from omniprefix import fleet as fleet_module
+
+    for name, value in (("RESTART_MIN_S", 0.05), ("RESTART_MAX_S", 0.2), ("STABLE_S", 0.2)):
+        monkeypatch.setattr(fleet_module, name, value)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\n[ "$2" = dynamo.frontend ] && exec sleep 30\nsleep {lives_s}\nexit 3\n')
+    fake.chmod(0o755)
+    fleet = fleet_module.Fleet(MODEL, 1, "round-robin", 0, python=str(fake))
+    try:
+        fleet.frontend = fleet._spawn("frontend", [str(fake), "-m", "dynamo.frontend"], subprocess.DEVNULL)
+        fleet._spawn_worker(fleet.slots[0])
+        deadline = time.monotonic() + 20
+        while fleet.slots[0].spawns <= len(delays) and time.monotonic() < deadline:
+            assert fleet.supervise() == []
+            time.sleep(0.01)
+    finally:
+        fleet.stop()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("omniprefix.fleet: worker0")]
+    assert [float(line.split("restarting in ")[1].split()[0]) for line in said][:len(delays)] == delays
+    assert all("exited with status 3" in line for line in said)
