@@ -1,7 +1,8 @@
 """Faults in a running fleet (``python -m omniprefix.fleet``, as in ``test_fleet.py``): a worker
 killed mid-stream, the fleet stopped mid-request, a client that walks away, an engine that
-panics. Each test starts its own small fleet and ends with nothing of it left: no process, no
-listening port, no request still running. Every wait is bounded.
+panics; and the restart backoff. Each fault test starts its own small fleet and ends with
+nothing of it left: no process, no listening port, no request still running. Every wait is
+bounded.
 """
 
 from __future__ import annotations
