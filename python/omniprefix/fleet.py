@@ -142,7 +142,7 @@ def _die_with_parent() -> None:
         pass
 
 
-class Worker:
+class Slot:
     """One worker of the fleet: its current process (None while it waits to be restarted), its
     ready line once it printed one, and its restart schedule."""
 
@@ -179,7 +179,7 @@ class Fleet:
         self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.discovery)}
         self.env.pop("DYN_SYSTEM_PORT", None)
         self.frontend: Optional[subprocess.Popen] = None
-        self.slots = [Worker(k) for k in range(workers)]
+        self.slots = [Slot(k) for k in range(workers)]
 
     @property
     def url(self) -> str:
@@ -199,7 +199,7 @@ class Fleet:
         log.close()
         return proc
 
-    def _spawn_worker(self, slot: Worker) -> None:
+    def _spawn_worker(self, slot: Slot) -> None:
         argv = [self.python, "-m", "omniprefix.worker", "--model", str(self.model), "--discovery-backend", "file",
                 "--request-plane", "tcp", "--event-plane", "zmq", *self.worker_args]
         env = self.first_env.get(slot.index) if slot.spawns == 0 else None
@@ -236,7 +236,7 @@ class Fleet:
         return {"frontend": self.url, "model": self.name,
                 "workers": self.workers}
 
-    def _ready_line(self, slot: Worker, deadline: float) -> dict[str, Any]:
+    def _ready_line(self, slot: Slot, deadline: float) -> dict[str, Any]:
         """The worker's JSON line (it prints nothing else on stdout), waited for until ``deadline``."""
         while not self._readable(slot.proc, 0.1):
             self.check()
@@ -257,7 +257,7 @@ class Fleet:
             return bool(sel.select(timeout=timeout_s))
 
     @staticmethod
-    def _parse_ready(slot: Worker, line: bytes) -> dict[str, Any]:
+    def _parse_ready(slot: Slot, line: bytes) -> dict[str, Any]:
         """The fleet's entry for a worker's ready line; notes its Dynamo instance id in ``slot``."""
         try:
             ready = json.loads(line)
@@ -326,7 +326,7 @@ class Fleet:
                 ready.append({"worker": slot.index, **slot.info})
         return ready
 
-    def _reap(self, slot: Worker, now: float) -> None:
+    def _reap(self, slot: Slot, now: float) -> None:
         """A worker exited: its group killed (what it started goes with it), its discovery
         entries withdrawn so the frontend stops routing to it now rather than after Dynamo's
         lease expires (10 s), and its restart scheduled after the backoff."""
