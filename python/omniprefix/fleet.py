@@ -10,9 +10,22 @@ and flushes::
     {"frontend": "http://127.0.0.1:P", "model": NAME,
      "workers": [{"pid": ..., "metrics": "http://127.0.0.1:Q/metrics"}, ...]}
 
-then runs until SIGINT or SIGTERM, or until a process it started exits (reported on stderr, exit
-status 1). Either way it stops everything it started: SIGTERM to each process group, SIGKILL after
-a timeout. The processes' logs go to the temporary directory, and their last lines to stderr when
+then supervises until SIGINT or SIGTERM (exit status 0) or until the frontend exits (reported on
+stderr, exit status 1):
+
+* A worker that exits or is killed is restarted, after 0.5 s, doubling at each quick death up to
+  8 s (a worker that served 30 s starts again at 0.5 s); stderr says why (``worker1 (pid N)
+  exited with status -9; ... restarting in 0.5 s``) with its log's last lines. The others keep
+  serving. Once the frontend lists a replacement (and the model), the fleet prints one more JSON
+  line on stdout, its entry with its index: ``{"worker": 1, "pid": ..., "metrics": ...}``.
+* The dead worker's entries in Dynamo's file discovery are deleted when it is reaped
+  (:func:`withdraw`), so the frontend stops routing to it at once instead of after their 10 s
+  lease; and the frontend runs with ``--migration-limit 3``, so a request whose worker died
+  goes on where it was cut, on another worker.
+
+A worker that cannot start in the first place is not retried: the fleet reports it and exits 1.
+Either way it stops everything it started: SIGTERM to each process group, SIGKILL after a
+timeout. The processes' logs go to the temporary directory, and their last lines to stderr when
 something fails. ``--port 0`` picks a free port. Needs ``bash scripts/install_fleet.sh VENV``.
 """
 
@@ -38,6 +51,14 @@ __all__ = ["Fleet", "main", "worker_metrics"]
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 LOOPBACK = "127.0.0.1"
+#: A worker that exits is restarted after RESTART_MIN_S, doubled at each quick death up to
+#: RESTART_MAX_S; one that served STABLE_S before it died starts the count again.
+RESTART_MIN_S = 0.5
+RESTART_MAX_S = 8.0
+STABLE_S = 30.0
+#: How many times the frontend moves a request whose worker died to another one (its
+#: ``--migration-limit``; 0 would end the request with an error).
+MIGRATION_LIMIT = 3
 
 #: Dynamo's environment for a loopback fleet: every listener on 127.0.0.1.
 LOOPBACK_ENV = {
@@ -61,7 +82,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--workers", required=True, type=int, help="worker processes (>= 1)")
     p.add_argument("--router", default="kv", choices=["kv", "round-robin"], help="the frontend's router (default kv)")
     p.add_argument("--port", type=int, default=8000, help="the frontend's HTTP port on 127.0.0.1 (default 8000; 0: a free one)")
+    # Tests: an environment variable for the first process of worker K only (a fault to inject
+    # that its replacement must not inherit). Not in --help.
+    p.add_argument("--first-env", action="append", default=[], dest="first_env_specs", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.first_env = {}
+    for spec in args.first_env_specs:
+        index, _, assignment = spec.partition(":")
+        name, eq, value = assignment.partition("=")
+        if not (index.isdigit() and int(index) < args.workers and name and eq):
+            p.error(f"--first-env {spec!r}: not K:NAME=VALUE with K < --workers")
+        args.first_env.setdefault(int(index), {})[name] = value
     if args.workers < 1:
         p.error(f"--workers must be at least 1, not {args.workers}")
     if not (0 <= args.port <= 65535):
@@ -111,11 +142,28 @@ def _die_with_parent() -> None:
         pass
 
 
+class Slot:
+    """One worker of the fleet: its current process (None while it waits to be restarted), its
+    ready line once it printed one, and its restart schedule."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.label = f"worker{index}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.info: Optional[dict[str, Any]] = None
+        self.instance: Optional[int] = None  # its Dynamo instance id (the ready line's "instance")
+        self.announced = False  # whether the frontend listed it (and its model) since it started
+        self.started = 0.0
+        self.spawns = 0
+        self.backoff = RESTART_MIN_S
+        self.restart_at: Optional[float] = None
+
+
 class Fleet:
-    """The frontend and the workers, started, watched and stopped together."""
+    """The frontend and the workers, started, supervised and stopped together."""
 
     def __init__(self, model: Path, workers: int, router: str, port: int, python: str = sys.executable,
-                 worker_args: Sequence[str] = ()):
+                 worker_args: Sequence[str] = (), first_env: Optional[dict[int, dict[str, str]]] = None):
         self.model = model.resolve()
         self.name = self.model.name
         self.count = workers
@@ -124,91 +172,177 @@ class Fleet:
         self.python = python
         # More `python -m omniprefix.worker` options for every worker (engine options: a benchmark's pool size).
         self.worker_args = list(worker_args)
+        # Environment for the first process of a worker only, not its replacements (a test's fault).
+        self.first_env = first_env or {}
         self.dir = Path(tempfile.mkdtemp(prefix="omniprefix-fleet-"))
-        self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.dir / "discovery")}
+        self.discovery = self.dir / "discovery"
+        self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.discovery)}
         self.env.pop("DYN_SYSTEM_PORT", None)
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-        self.workers: list[dict[str, Any]] = []
+        self.frontend: Optional[subprocess.Popen] = None
+        self.slots = [Slot(k) for k in range(workers)]
 
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def _spawn(self, label: str, argv: list[str], stdout: Any) -> subprocess.Popen:
-        log = open(self.dir / f"{label}.log", "wb")
-        proc = subprocess.Popen(argv, stdout=stdout, stderr=log, stdin=subprocess.DEVNULL, env=self.env,
-                                preexec_fn=_die_with_parent)
+    @property
+    def workers(self) -> list[dict[str, Any]]:
+        """The ready lines of the workers serving now."""
+        return [slot.info for slot in self.slots if slot.info is not None]
+
+    def _spawn(self, label: str, argv: list[str], stdout: Any,
+               env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+        # Appended: a replacement's log follows its predecessor's last lines.
+        log = open(self.dir / f"{label}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=stdout, stderr=log, stdin=subprocess.DEVNULL,
+                                env={**self.env, **(env or {})}, preexec_fn=_die_with_parent)
         log.close()
-        self.procs.append((label, proc))
         return proc
+
+    def _spawn_worker(self, slot: Slot) -> None:
+        argv = [self.python, "-m", "omniprefix.worker", "--model", str(self.model), "--discovery-backend", "file",
+                "--request-plane", "tcp", "--event-plane", "zmq", *self.worker_args]
+        env = self.first_env.get(slot.index) if slot.spawns == 0 else None
+        slot.proc = self._spawn(slot.label, argv, subprocess.PIPE, env)
+        slot.info, slot.restart_at, slot.announced = None, None, False
+        slot.started = time.monotonic()
+        slot.spawns += 1
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
         """Starts every process and returns the ready line's object once the frontend lists the
         model with one instance per worker; raises :class:`FleetError` (after stopping what it
-        started) when a process exits or the time runs out."""
+        started) when a process exits or the time runs out: a worker that cannot start once is
+        a mistake to report, not to retry."""
         deadline = time.monotonic() + timeout_s
         frontend = [self.python, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(self.port),
                     "--router-mode", self.router, "--discovery-backend", "file", "--request-plane", "tcp",
-                    "--event-plane", "zmq"]
+                    "--event-plane", "zmq", "--migration-limit", str(MIGRATION_LIMIT)]
         if self.router == "kv":
             # Our CPU backend's events carry medium "CPU", which Dynamo files in its host tier:
             # here that tier is the working cache, worth as much as a device hit.
             frontend += ["--router-host-cache-hit-weight", "1.0"]
-        self._spawn("frontend", frontend, subprocess.DEVNULL)
-        for k in range(self.count):
-            self._spawn(f"worker{k}", [self.python, "-m", "omniprefix.worker", "--model", str(self.model),
-                                       "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
-                                       *self.worker_args],
-                        subprocess.PIPE)
-        for label, proc in self.procs[1:]:
-            self.workers.append(self._ready_line(label, proc, deadline))
+        self.frontend = self._spawn("frontend", frontend, subprocess.DEVNULL)
+        for slot in self.slots:
+            self._spawn_worker(slot)
+        for slot in self.slots:
+            slot.info = self._ready_line(slot, deadline)
         while not self.serving():
             self.check()
             if time.monotonic() > deadline:
                 raise FleetError(f"the frontend did not list {self.count} instances of {self.name} within {timeout_s:.0f} s")
             time.sleep(0.1)
+        for slot in self.slots:
+            slot.announced = True
         return {"frontend": self.url, "model": self.name,
                 "workers": self.workers}
 
-    def _ready_line(self, label: str, proc: subprocess.Popen, deadline: float) -> dict[str, Any]:
-        """The worker's JSON line (it prints nothing else on stdout)."""
+    def _ready_line(self, slot: Slot, deadline: float) -> dict[str, Any]:
+        """The worker's JSON line (it prints nothing else on stdout), waited for until ``deadline``."""
+        while not self._readable(slot.proc, 0.1):
+            self.check()
+            if time.monotonic() > deadline:
+                raise FleetError(f"{slot.label} did not start in time")
+        line = slot.proc.stdout.readline()
+        if not line:
+            self.check()
+            raise FleetError(f"{slot.label} closed its stdout before it served")
+        return self._parse_ready(slot, line)
+
+    @staticmethod
+    def _readable(proc: subprocess.Popen, timeout_s: float) -> bool:
         import selectors
 
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
-            while not sel.select(timeout=0.1):
-                self.check()
-                if time.monotonic() > deadline:
-                    raise FleetError(f"{label} did not start in time")
-        line = proc.stdout.readline()
-        if not line:
-            self.check()
-            raise FleetError(f"{label} closed its stdout before it served")
+            return bool(sel.select(timeout=timeout_s))
+
+    @staticmethod
+    def _parse_ready(slot: Slot, line: bytes) -> dict[str, Any]:
+        """The fleet's entry for a worker's ready line; notes its Dynamo instance id in ``slot``."""
         try:
             ready = json.loads(line)
+            slot.instance = int(ready["instance"])
             return {"pid": int(ready["pid"]), "metrics": str(ready["metrics"])}
         except (ValueError, KeyError, TypeError):
-            raise FleetError(f"{label} printed {line[:200]!r} instead of its ready line") from None
+            raise FleetError(f"{slot.label} printed {line[:200]!r} instead of its ready line") from None
 
     def serving(self) -> bool:
-        """Whether the frontend lists the model (``/v1/models``) and one instance per worker
-        (``/health``): it lists instances as soon as they are discovered, the model only once
-        it loaded the model card (tokenizer and template)."""
+        """Whether the frontend serves the model with one instance per worker."""
+        return len(self.listed()) == self.count
+
+    def listed(self) -> set[int]:
+        """The worker instances the frontend lists (``/health``) if it lists the model
+        (``/v1/models``), else none: it lists instances as soon as they are discovered, the model
+        only once it loaded the model card (tokenizer and template); a request in between is a 404."""
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                 health = json.loads(r.read())
             with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
                 models = json.loads(r.read())
         except (OSError, ValueError):
-            return False
-        instances = [i for i in health.get("instances", []) if i.get("component") == "worker"]
-        return len(instances) == self.count and self.name in [m.get("id") for m in models.get("data", [])]
+            return set()
+        if self.name not in [m.get("id") for m in models.get("data", [])]:
+            return set()
+        return {i.get("instance_id") for i in health.get("instances", []) if i.get("component") == "worker"}
 
     def check(self) -> None:
-        """Raises :class:`FleetError` naming the first process that exited."""
-        for label, proc in self.procs:
-            if proc.poll() is not None:
+        """Raises :class:`FleetError` naming the first process that exited (while starting)."""
+        for label, proc in [("frontend", self.frontend)] + [(slot.label, slot.proc) for slot in self.slots]:
+            if proc is not None and proc.poll() is not None:
                 raise FleetError(f"{label} (pid {proc.pid}) exited with status {proc.returncode}\n{self.log_tail(label)}")
+
+    def supervise(self) -> list[dict[str, Any]]:
+        """One round of watching the running fleet: raises :class:`FleetError` if the frontend
+        exited; reaps a worker that exited, withdraws it from discovery and schedules its
+        restart; starts those whose time came; returns the ready lines (with ``"worker"``, the
+        worker's index) of replacements the frontend began to list since the last round."""
+        if self.frontend.poll() is not None:
+            raise FleetError(f"frontend (pid {self.frontend.pid}) exited with status {self.frontend.returncode}\n"
+                             f"{self.log_tail('frontend')}")
+        now = time.monotonic()
+        ready = []
+        listed: Optional[set[int]] = None  # asked of the frontend once a round, if needed
+        for slot in self.slots:
+            if slot.proc is None:
+                if now >= slot.restart_at:
+                    self._spawn_worker(slot)
+            elif _exited(slot.proc):
+                self._reap(slot, now)
+            elif slot.info is None and self._readable(slot.proc, 0):
+                line = slot.proc.stdout.readline()
+                if not line:
+                    continue  # it is exiting: a next round reaps it and says why
+                try:
+                    slot.info = self._parse_ready(slot, line)
+                except FleetError as e:
+                    print(f"omniprefix.fleet: {e}; killing it", file=sys.stderr, flush=True)
+                    _signal_group(slot.proc, signal.SIGKILL)  # a next round reaps and restarts it
+                    continue
+            if slot.info is not None and not slot.announced:
+                listed = self.listed() if listed is None else listed
+                if slot.instance not in listed:
+                    continue
+                slot.announced = True
+                ready.append({"worker": slot.index, **slot.info})
+        return ready
+
+    def _reap(self, slot: Slot, now: float) -> None:
+        """A worker exited: its group killed (what it started goes with it), its discovery
+        entries withdrawn so the frontend stops routing to it now rather than after Dynamo's
+        lease expires (10 s), and its restart scheduled after the backoff."""
+        proc = slot.proc
+        _signal_group(proc, signal.SIGKILL)  # safe: the unreaped zombie still holds the pgid
+        status = proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        withdrawn = withdraw(self.discovery, slot.instance) if slot.instance is not None else 0
+        if now - slot.started >= STABLE_S:
+            slot.backoff = RESTART_MIN_S
+        delay, slot.backoff = slot.backoff, min(2 * slot.backoff, RESTART_MAX_S)
+        slot.proc, slot.info, slot.instance, slot.restart_at = None, None, None, now + delay
+        print(f"omniprefix.fleet: {slot.label} (pid {proc.pid}) exited with status {status}; withdrew {withdrawn} "
+              f"discovery entries; restarting in {delay:g} s\n{self.log_tail(slot.label, 5)}",
+              file=sys.stderr, flush=True)
 
     def log_tail(self, label: str, lines: int = 20) -> str:
         try:
@@ -219,15 +353,17 @@ class Fleet:
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to every process group, SIGKILL to those still there after ``timeout_s``."""
-        for _, proc in reversed(self.procs):
+        procs = [slot.proc for slot in self.slots if slot.proc is not None]
+        procs += [self.frontend] if self.frontend is not None else []
+        for proc in procs:
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for _, proc in self.procs:
+        for proc in procs:
             # The group too: a process may have left children behind.
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
@@ -236,6 +372,47 @@ class Fleet:
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def withdraw(discovery: Path, instance: int) -> int:
+    """Deletes a dead worker's entries from Dynamo's file discovery; returns how many.
+
+    Dynamo 1.6.1's file store (``lib/runtime/src/storage/kv/file.rs``, ``FileStore``) keeps one
+    JSON file per key under ``DYN_FILE_KV``, alive while its owner touches it; any process
+    deletes those untouched for 10 s (``DEFAULT_TTL``), and the frontend's watch turns a removed
+    file into a removed instance. A worker owns its endpoint instance (``v1/instances``) and
+    model card (``v1/mdc``), both with its ``instance_id``, and the KV-event source and channel
+    of its relay (``v1/event_sources``, ``v1/event_channels``), named by a publisher id that the
+    source's ``metadata.worker.worker_id`` ties to the instance."""
+    entries = {}
+    for path in discovery.rglob("*"):
+        if path.is_file() and not path.name.startswith(".tmp_"):  # FileStore's half-written files
+            try:
+                entry = json.loads(path.read_bytes())
+            except (OSError, ValueError):
+                continue
+            if isinstance(entry, dict):
+                entries[path] = entry
+    ids = {instance} | {e.get("publisher_id") for e in entries.values()
+                        if ((e.get("metadata") or {}).get("worker") or {}).get("worker_id") == instance}
+    removed = 0
+    for path, entry in entries.items():
+        if entry.get("instance_id") in ids or entry.get("publisher_id") in ids:
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass  # expired meanwhile
+    return removed
+
+
+def _exited(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` exited, leaving it unreaped: until it is reaped its pid, and so its
+    process group's id, cannot be reused, so signalling the group is safe."""
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -247,7 +424,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    fleet = Fleet(args.model, args.workers, args.router, args.port)
+    fleet = Fleet(args.model, args.workers, args.router, args.port, first_env=args.first_env)
     stopping = []
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -258,10 +435,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         ready = fleet.start()
-        print(json.dumps(ready), flush=True)
+        _say(ready)
         while True:
-            fleet.check()
-            time.sleep(0.2)
+            for line in fleet.supervise():
+                _say(line)
+            time.sleep(0.1)
     except KeyboardInterrupt:
         return 0
     except FleetError as e:
@@ -271,6 +449,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         fleet.stop()
+
+
+def _say(obj: dict[str, Any]) -> None:
+    """One JSON line on stdout; a reader that went away does not stop the fleet."""
+    try:
+        print(json.dumps(obj), flush=True)
+    except BrokenPipeError:
+        sys.stdout = open(os.devnull, "w")
 
 
 if __name__ == "__main__":

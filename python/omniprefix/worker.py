@@ -24,9 +24,15 @@
   (``extra_args.mm_hashes``) in the form Dynamo 1.6.1 routes on, so a repeated image goes to the
   worker that caches it (see ``omniprefix.dynamo_keys``).
 * **Metrics.** ``Engine.metrics()`` (Prometheus text) at ``http://HOST:PORT/metrics``.
+* **Engine death.** When an engine step panics, every pending and later call raises
+  ``EngineDeadError``: each request in flight ends with an error the client sees (an HTTP 500,
+  or an error event in a stream; not one Dynamo migrates, see ``Worker.generate``), the worker
+  unregisters its instance and model from discovery, lets Dynamo shut down, and exits with
+  status 1, for ``omniprefix.fleet`` (or whatever supervises it) to start a fresh one.
 
 When it serves, the worker prints one JSON line on stdout, ``{"pid": ..., "metrics": URL,
-"kv_events": ENDPOINT, "model": NAME}``, which ``python -m omniprefix.fleet`` reads.
+"kv_events": ENDPOINT, "model": NAME, "instance": ID}`` (``ID``: its Dynamo instance id, as
+``/health`` lists it), which ``python -m omniprefix.fleet`` reads.
 Dynamo's planes come from ``--discovery-backend``, ``--request-plane`` and ``--event-plane``
 (defaults: Dynamo's own environment variables, ``DYN_DISCOVERY_BACKEND`` etc.).
 Needs ``ai-dynamo`` 1.6.1: ``bash scripts/install_fleet.sh VENV``.
@@ -46,7 +52,7 @@ import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Optional
 
-from . import Error, RequestError
+from . import EngineDeadError, Error, RequestError
 from .aio import AsyncEngine
 from .dynamo_keys import AliasTable, KeyBridge, request_aliases
 from .encoder import MAX_IMAGE_PIXELS, MAX_MEDIA_BYTES, encoder_for
@@ -221,6 +227,9 @@ class Worker:
     def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None,
                  aliases: Optional[AliasTable] = None, fingerprint_key: Optional[str] = None):
         self.engine = engine
+        # Set when a call finds the engine dead (a step panicked): `serve` then withdraws the
+        # worker and exits.
+        self.dead = asyncio.Event()
         # With `aliases`, each request's images are named under the engine's `fingerprint_key`
         # and paired with the frontend's hashes of them, for the KeyBridge.
         self.aliases = aliases
@@ -274,6 +283,11 @@ class Worker:
                 reply.append(None)  # the stream ended after a token already sent
         except RequestError as e:
             raise InvalidArgument(str(e)) from None
+        except EngineDeadError as e:
+            # Unknown, not EngineShutdown: the frontend migrates EngineShutdown to another
+            # worker, and a request that made this engine panic could take each one down.
+            self.dead.set()
+            raise Unknown(f"the worker's engine died ({e}); retry: the fleet replaces the worker") from None
         except Error as e:
             raise Unknown(f"{type(e).__name__}: {e}") from None
         finally:
@@ -341,7 +355,40 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def engine_death(worker: Worker, poll_s: float = 0.5) -> None:
+    """Returns once the engine is dead: a request saw :class:`EngineDeadError`, or
+    ``Engine.is_dead`` (checked every ``poll_s``: a step can panic with no request left to see it)."""
+    while not worker.engine.is_dead:
+        try:
+            return await asyncio.wait_for(worker.dead.wait(), poll_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def withdraw(runtime: Any, endpoint: Any, serving: "asyncio.Future[None]", timeout_s: float = 10.0) -> None:
+    """After an engine death: out of discovery first (the instance, then the model card), so
+    the frontend routes nothing more here, then Dynamo's shutdown, which lets the requests in
+    flight end (each with the engine's error) before ``serve_endpoint`` returns."""
+    from dynamo.llm import unregister_model
+
+    print("omniprefix.worker: the engine died (a step panicked); withdrawing and exiting", file=sys.stderr,
+          flush=True)
+    for what, call in (("instance", endpoint.unregister_endpoint_instance),
+                       ("model", lambda: unregister_model(endpoint))):
+        try:
+            await asyncio.wait_for(call(), timeout_s)
+        except Exception as e:  # noqa: BLE001 (the shutdown below withdraws it too; say why this did not)
+            print(f"omniprefix.worker: unregistering the {what}: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+    runtime.shutdown()
+    try:
+        await asyncio.wait_for(serving, timeout_s)
+    except Exception as e:  # noqa: BLE001 (exiting anyway)
+        print(f"omniprefix.worker: shutting down: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Serves until SIGINT or SIGTERM (exit status 0) or the engine's death (1)."""
     from dynamo.llm import KvEventPublisher, ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
     from dynamo.runtime import DistributedRuntime
 
@@ -381,9 +428,17 @@ async def serve(args: argparse.Namespace) -> None:
                              runtime_config=runtime_config)
         worker = Worker(engine, runtime_config.context_length, encoder, aliases, args.fingerprint_key)
         print(json.dumps({"pid": os.getpid(), "metrics": metrics.url, "kv_events": engine.kv_events_endpoint,
-                          "model": name}), flush=True)
-        await endpoint.serve_endpoint(worker.generate)
+                          "model": name, "instance": endpoint.connection_id()}), flush=True)
+        serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.generate))
+        died = asyncio.ensure_future(engine_death(worker))
+        await asyncio.wait({serving, died}, return_when=asyncio.FIRST_COMPLETED)
+        if not died.done():
+            died.cancel()
+            await serving
+            return 0
+        await withdraw(runtime, endpoint, serving)
         del relay
+        return 1
     finally:
         metrics.close()
         if bridge is not None:
@@ -397,7 +452,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         import uvloop
     except ImportError:
         sys.exit("error: Dynamo is not installed here: bash scripts/install_fleet.sh VENV")
-    uvloop.run(serve(args))
+    sys.exit(uvloop.run(serve(args)))
 
 
 if __name__ == "__main__":

@@ -49,9 +49,22 @@ class RunningFleet:
             pytest.fail(f"the fleet printed no ready line; stderr:\n{self.proc.stderr.read().decode(errors='replace')}")
         self.info = json.loads(line)
         self.url = self.info["frontend"]
+        self.replaced: list[int] = []  # pids of the workers the fleet replaced
 
     def pids(self) -> list[int]:
+        """The fleet's pid and its workers' now."""
         return [self.proc.pid] + [w["pid"] for w in self.info["workers"]]
+
+    def replacement(self, timeout_s: float) -> dict:
+        """The fleet's next stdout line: a replacement worker's, which takes its place in
+        ``info["workers"]`` (fails after ``timeout_s``)."""
+        line = read_line(self.proc, timeout_s)
+        assert line, f"no replacement worker within {timeout_s:.0f} s"
+        new = json.loads(line)
+        index = new.pop("worker")
+        self.replaced.append(self.info["workers"][index]["pid"])
+        self.info["workers"][index] = new
+        return new
 
     def stop(self) -> None:
         """SIGTERM, and SIGKILL to the whole group if it is not gone in time (a finalizer's duty)."""
@@ -65,7 +78,7 @@ class RunningFleet:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        for pid in self.pids()[1:] if hasattr(self, "info") else []:
+        for pid in self.pids()[1:] + self.replaced if hasattr(self, "info") else []:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -394,14 +407,15 @@ def test_a_streamed_reply_arrives_token_by_token_and_equals_the_whole_one(kv_fle
     assert len(texts) >= 4, f"{len(texts)} chunks for 8 tokens"
 
 
-def test_a_worker_that_dies_is_reported_and_the_fleet_stops_everything():
+def test_the_frontend_dying_is_reported_and_the_fleet_stops_everything():
+    # A worker that dies is restarted (test_fleet_faults.py); without the frontend there is no fleet.
     fleet = RunningFleet("--model", str(MODEL), "--workers", "2", "--port", "0")
     try:
         started = children(fleet.proc.pid)
-        victim = fleet.info["workers"][1]["pid"]
-        os.kill(victim, signal.SIGKILL)
+        frontend = (set(started) - set(fleet.pids())).pop()
+        os.kill(frontend, signal.SIGKILL)
         assert fleet.proc.wait(timeout=30) == 1
-        assert f"worker1 (pid {victim}) exited" in fleet.proc.stderr.read().decode()
+        assert f"frontend (pid {frontend}) exited" in fleet.proc.stderr.read().decode()
         left = [pid for pid in started if alive(pid) or group_members(pid)]
         assert not left, f"processes left behind: {left}"
     finally:
