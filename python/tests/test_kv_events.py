@@ -302,6 +302,27 @@ def test_reset_cache_publishes_all_blocks_cleared(ctx):
     consumer.close()
 
 
+def test_an_engine_that_dies_withdraws_every_published_block(ctx, monkeypatch):
+    """A step that panics kills the engine (debug builds' step fault): its last batch is
+    ``AllBlocksCleared``, so a router following the stream holds nothing of it any more."""
+    monkeypatch.setenv("OMNIPREFIX_FAULT_STEP_PANIC", "4")
+    engine = events_engine()
+    consumer = Consumer(ctx, engine.kv_events_endpoint, engine.kv_replay_endpoint)
+    consumer.wait_joined(engine)
+    for i in range(3):
+        engine.prefill(random_ids(40 + i, 11))
+    consumer.sync(engine)
+    assert len(consumer.cached) == 6
+    with pytest.raises(omniprefix.EngineDeadError):
+        engine.prefill(random_ids(50, 11))
+    deadline = time.monotonic() + TIMEOUT_S
+    while consumer.cached:
+        assert time.monotonic() < deadline, f"still {len(consumer.cached)} blocks after the engine died"
+        consumer.receive(0.1)
+    assert isinstance(consumer.applied[-1][2].events[-1], AllBlocksCleared)
+    consumer.close()
+
+
 # ------------------------------------------------------------------ block_hashes
 def stored_by(consumer: Consumer, start: int) -> list[int]:
     """The hashes of the BlockStored events from the ``start``-th on, in order."""
