@@ -273,13 +273,20 @@ def test_linger_answers_replay_after_the_engine_is_dropped_without_holding_the_g
     consumer.close()
 
 
-def test_reset_cache_publishes_all_blocks_cleared(ctx):
+def six_blocks_followed(ctx, seed: int) -> tuple[omniprefix.Engine, Consumer]:
+    """An events engine that cached three 11-token prompts (6 full blocks), and a consumer
+    that has applied all of it."""
     engine = events_engine()
     consumer = Consumer(ctx, engine.kv_events_endpoint, engine.kv_replay_endpoint)
     consumer.wait_joined(engine)
     for i in range(3):
-        engine.prefill(random_ids(20 + i, 11))
+        engine.prefill(random_ids(seed + i, 11))
     consumer.sync(engine)
+    return engine, consumer
+
+
+def test_reset_cache_publishes_all_blocks_cleared(ctx):
+    engine, consumer = six_blocks_followed(ctx, 20)
     before = set(engine.cached_block_hashes())
     assert consumer.cached == before and len(before) == 6
 
@@ -306,12 +313,7 @@ def test_an_engine_that_dies_withdraws_every_published_block(ctx, monkeypatch):
     """A step that panics kills the engine (debug builds' step fault): its last batch is
     ``AllBlocksCleared``, so a router following the stream holds nothing of it any more."""
     monkeypatch.setenv("OMNIPREFIX_FAULT_STEP_PANIC", "4")
-    engine = events_engine()
-    consumer = Consumer(ctx, engine.kv_events_endpoint, engine.kv_replay_endpoint)
-    consumer.wait_joined(engine)
-    for i in range(3):
-        engine.prefill(random_ids(40 + i, 11))
-    consumer.sync(engine)
+    engine, consumer = six_blocks_followed(ctx, 40)
     assert len(consumer.cached) == 6
     with pytest.raises(omniprefix.EngineDeadError):
         engine.prefill(random_ids(50, 11))
