@@ -4,11 +4,15 @@
 
 Starts ``python -m dynamo.frontend`` and N ``python -m omniprefix.worker`` processes on loopback,
 with no etcd and no NATS: file discovery under a temporary directory, the TCP request plane and
-the ZMQ event plane. Once the frontend lists the model with N instances it prints one JSON line
-and flushes::
+the ZMQ event plane. Clients talk to the edge (:mod:`omniprefix.edge`, on ``--port``), which
+refuses bad or oversized bodies (``--max-body-bytes``) and forwards the rest to the frontend (on
+a free port). Once the frontend lists the model with N instances it prints one JSON line and
+flushes::
 
-    {"frontend": "http://127.0.0.1:P", "model": NAME,
+    {"frontend": "http://127.0.0.1:P", "dynamo_frontend": "http://127.0.0.1:F", "model": NAME,
      "workers": [{"pid": ..., "metrics": "http://127.0.0.1:Q/metrics"}, ...]}
+
+(``frontend``: the edge, what clients use; ``dynamo_frontend``: Dynamo's own, unchecked.)
 
 then runs until SIGINT or SIGTERM, or until a process it started exits (reported on stderr, exit
 status 1). Either way it stops everything it started: SIGTERM to each process group, SIGKILL after
@@ -38,6 +42,10 @@ __all__ = ["Fleet", "main", "worker_metrics"]
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 LOOPBACK = "127.0.0.1"
+#: The edge's default body limit: room for a few photos as base64 data URLs (a 12-megapixel
+#: JPEG is 3-5 MB, 4-7 MB encoded) and far over any text a context holds, while a body this big
+#: is refused before it is read. Dynamo's frontend gets the same limit, rounded up to its MiB.
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
 #: Dynamo's environment for a loopback fleet: every listener on 127.0.0.1.
 LOOPBACK_ENV = {
@@ -60,10 +68,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory with tokenizer.json and a chat template")
     p.add_argument("--workers", required=True, type=int, help="worker processes (>= 1)")
     p.add_argument("--router", default="kv", choices=["kv", "round-robin"], help="the frontend's router (default kv)")
-    p.add_argument("--port", type=int, default=8000, help="the frontend's HTTP port on 127.0.0.1 (default 8000; 0: a free one)")
+    p.add_argument("--port", type=int, default=8000, help="the edge's HTTP port on 127.0.0.1 (default 8000; 0: a free one)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="the largest request body the edge reads (default %(default)s: 16 MiB)")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers must be at least 1, not {args.workers}")
+    if args.max_body_bytes < 1024:
+        p.error(f"--max-body-bytes must be at least 1024, not {args.max_body_bytes}")
     if not (0 <= args.port <= 65535):
         p.error(f"--port {args.port} is not a TCP port")
     for needed in ("config.json", "tokenizer.json"):
@@ -115,7 +127,7 @@ class Fleet:
     """The frontend and the workers, started, watched and stopped together."""
 
     def __init__(self, model: Path, workers: int, router: str, port: int, python: str = sys.executable,
-                 worker_args: Sequence[str] = ()):
+                 worker_args: Sequence[str] = (), max_body_bytes: int = MAX_BODY_BYTES):
         self.model = model.resolve()
         self.name = self.model.name
         self.count = workers
@@ -129,10 +141,17 @@ class Fleet:
         self.env.pop("DYN_SYSTEM_PORT", None)
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.workers: list[dict[str, Any]] = []
+        # The edge listens on `port`; Dynamo's frontend behind it on a free one, with its own
+        # body limit (whole MiB) as a backstop.
+        self.max_body_bytes = max_body_bytes
+        self.frontend_port = free_port()
+        self.env["DYN_HTTP_BODY_LIMIT_MB"] = str(-(-max_body_bytes // (1024 * 1024)))
+        self.edge: Any = None
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        """Dynamo's frontend (behind the edge)."""
+        return f"http://{LOOPBACK}:{self.frontend_port}"
 
     def _spawn(self, label: str, argv: list[str], stdout: Any) -> subprocess.Popen:
         log = open(self.dir / f"{label}.log", "wb")
@@ -147,7 +166,7 @@ class Fleet:
         model with one instance per worker; raises :class:`FleetError` (after stopping what it
         started) when a process exits or the time runs out."""
         deadline = time.monotonic() + timeout_s
-        frontend = [self.python, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(self.port),
+        frontend = [self.python, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(self.frontend_port),
                     "--router-mode", self.router, "--discovery-backend", "file", "--request-plane", "tcp",
                     "--event-plane", "zmq"]
         if self.router == "kv":
@@ -167,8 +186,19 @@ class Fleet:
             if time.monotonic() > deadline:
                 raise FleetError(f"the frontend did not list {self.count} instances of {self.name} within {timeout_s:.0f} s")
             time.sleep(0.1)
-        return {"frontend": self.url, "model": self.name,
+        return {"frontend": self._start_edge(), "dynamo_frontend": self.url, "model": self.name,
                 "workers": self.workers}
+
+    def _start_edge(self) -> str:
+        from .edge import Edge, limits_for
+
+        limits = limits_for(self.model, self.max_body_bytes)
+        limits.models = {self.name}
+        self.edge = Edge(self.url, limits, LOOPBACK, self.port)
+        try:
+            return self.edge.start()
+        except RuntimeError as e:
+            raise FleetError(str(e)) from None
 
     def _ready_line(self, label: str, proc: subprocess.Popen, deadline: float) -> dict[str, Any]:
         """The worker's JSON line (it prints nothing else on stdout)."""
@@ -219,6 +249,8 @@ class Fleet:
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to every process group, SIGKILL to those still there after ``timeout_s``."""
+        if self.edge is not None:
+            self.edge.stop()
         for _, proc in reversed(self.procs):
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
@@ -247,7 +279,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    fleet = Fleet(args.model, args.workers, args.router, args.port)
+    fleet = Fleet(args.model, args.workers, args.router, args.port, max_body_bytes=args.max_body_bytes)
     stopping = []
 
     def on_signal(signum: int, _frame: Any) -> None:
