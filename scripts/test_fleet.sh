@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fleet tests (python/tests/test_fleet.py): Dynamo's OpenAI frontend and omniprefix workers
+# The fleet tests (python/tests/test_fleet.py, test_edge.py): Dynamo's OpenAI frontend and omniprefix workers
 # as real processes on loopback, driven over HTTP; and test_encoder.py (the checkpoint encoder,
 # which needs this venv's torch and transformers). Installs into VENV with
 # scripts/install_fleet.sh (idempotent: reuses the venv and cargo's build), adds
@@ -15,4 +15,5 @@ bash scripts/install_fleet.sh "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r python/requirements-fleet-test.txt
 # From outside the source tree, so the tests import the installed wheel, not python/omniprefix.
 python="$(cd "$venv" && pwd)/bin/python"
-(cd python/tests && OMNIPREFIX_REQUIRE_FLEET=1 "$python" -m pytest -q -p no:cacheprovider test_encoder.py test_fleet.py)
+(cd python/tests && OMNIPREFIX_REQUIRE_FLEET=1 "$python" -m pytest -q -p no:cacheprovider test_encoder.py test_fleet.py \
+    test_edge.py)

@@ -10,7 +10,7 @@ prompt is tokenized before any check; and it answers some bodies it cannot serve
 
 * refuses a body over ``max_body_bytes`` with a 413 before reading it (Content-Length, also at
   ``Expect: 100-continue``) or as soon as a chunked body's read passes the limit, and closes the
-  connection rather than draining the rest;
+  connection (dropping what the client still sends for at most ``LINGER_S``);
 * checks a ``/v1/chat/completions`` or ``/v1/completions`` body (UTF-8, JSON, fields) and answers
   a bad one in OpenAI's error shape naming the field;
 * otherwise forwards the request unchanged, and the response chunk by chunk as the frontend
@@ -37,6 +37,7 @@ __all__ = ["Edge", "limits_for", "main"]
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "content-length", "expect"}
 READ_CHUNK = 64 * 1024
+LINGER_S = 2.0
 #: How often an unknown model name may trigger a fresh look at the frontend's ``/v1/models``.
 MODELS_REFRESH_S = 1.0
 
@@ -77,8 +78,11 @@ class Edge:
                                               auto_decompress=False)
         app = web.Application(client_max_size=self.limits.max_body_bytes)
         app.router.add_route("*", "/{tail:.*}", self._handle, expect_handler=self._expect)
-        # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and so its upstream
+        # request. lingering_time: after a 413, the rest of the body is read and dropped for at
+        # most this long (so a client still sending gets the answer, not a reset), then closed.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                                     lingering_time=LINGER_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -128,7 +132,7 @@ class Edge:
 
         response = web.json_response(rejected.body(), status=rejected.status)
         if rejected.status == 413:
-            response.force_close()  # no lingering read of the rest of a huge body
+            response.force_close()  # the connection ends after the answer
         return response
 
     async def _expect(self, request: Any) -> Any:
