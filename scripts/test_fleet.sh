@@ -5,6 +5,7 @@
 # scripts/install_fleet.sh (idempotent: reuses the venv and cargo's build), adds
 # python/requirements-fleet-test.txt, then runs pytest with OMNIPREFIX_REQUIRE_FLEET=1 so a
 # missing Dynamo fails instead of skipping. Called by scripts/test.sh.
+# Then a 30-s soak of a fleet (scripts/fleet_soak.py).
 # Usage: bash scripts/test_fleet.sh [VENV]   (default target/fleet-venv)
 # Env: OMNIPREFIX_WHEEL_PROFILE (install_fleet.sh's; CI passes dev to reuse its test build).
 set -euo pipefail
@@ -17,3 +18,7 @@ bash scripts/install_fleet.sh "$venv"
 python="$(cd "$venv" && pwd)/bin/python"
 (cd python/tests && OMNIPREFIX_REQUIRE_FLEET=1 "$python" -m pytest -q -p no:cacheprovider test_encoder.py test_fleet.py \
     test_edge.py)
+# A short soak (scripts/fleet_soak.py; its defaults are 32 clients for 600 s): 4 clients for 30 s
+# of image and text chats through a 2-worker fleet and its edge, replies checked against
+# Engine.generate (about 50 s with the fleet's start and the check).
+"$python" scripts/fleet_soak.py --clients 4 --seconds 30 --scripts 8
