@@ -73,9 +73,11 @@ class Edge:
         import aiohttp
         from aiohttp import web
 
-        # No total timeout (a generation may be long); no decompression (bytes pass unchanged).
+        # No total timeout (a generation may be long); no decompression (bytes pass unchanged);
+        # no cap on connections (aiohttp's default 100 would queue the 101st stream here, unseen
+        # by the frontend's own admission and metrics).
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                                              auto_decompress=False)
+                                              auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
         app = web.Application(client_max_size=self.limits.max_body_bytes)
         app.router.add_route("*", "/{tail:.*}", self._handle, expect_handler=self._expect)
         # handler_cancellation: a client that disconnects cancels its handler, and so its upstream
