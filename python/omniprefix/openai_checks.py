@@ -93,13 +93,18 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise Rejected(f"the request body is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})",
                        code="invalid_encoding") from None
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise Rejected(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
                        code="invalid_json") from None
     if not isinstance(body, dict):
         raise Rejected(f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
     return body
+
+
+def _no_constant(name: str) -> None:
+    """NaN and Infinity: Python's json reads them, JSON has no such values."""
+    raise Rejected(f"the request body is not valid JSON ({name} is not a JSON value)", code="invalid_json")
 
 
 def _kind(value: Any) -> str:
@@ -125,7 +130,7 @@ def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) 
         return
     if type(value) not in (int, float):
         raise Rejected(f"{name} must be a number, not {_kind(value)} {json.dumps(value)[:40]}", name)
-    if value < lo or (lo_open and value == lo) or value > hi:
+    if not lo <= value <= hi or (lo_open and value == lo):  # NaN fails too
         raise Rejected(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], not {value}", name)
 
 
