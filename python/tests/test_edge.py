@@ -113,6 +113,8 @@ def image(url: str) -> list[dict]:
 #: (case, where it goes, path, body, status, a part of the message, param).
 CASES = [
     ("malformed JSON", "edge", CHAT, b'{"model": "qwen3_dense", "messages": [', 400, "not valid JSON", None),
+    ("NaN (Python's json reads it)", "edge", CHAT, b'{"model": "qwen3_dense", "messages": [], "temperature": NaN}', 400,
+     "NaN is not a JSON value", None),
     ("a body that is not an object", "edge", CHAT, b"[1, 2]", 400, "must be a JSON object, not list", None),
     ("invalid UTF-8", "edge", CHAT, b'{"model": "qwen3_dense", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
      400, "not valid UTF-8", None),
