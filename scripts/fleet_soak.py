@@ -382,6 +382,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "worker_ttft": hist[TTFT], "worker_itl": hist[ITL], "verify_s": round(verify_s, 1),
         "rss_mib": {label: {"first": round(s[0][1], 1), "last": round(s[-1][1], 1)} for label, s in rss.items() if s},
         "rss_slope_mib_per_min": {label: None if s is None else round(s, 3) for label, s in slopes.items()},
+        # Ten points of each process's RSS over the run (seconds, MiB): the shape behind the slope.
+        "rss_series": {label: [(round(t), round(m, 1)) for t, m in s[::max(1, len(s) // 10)]] for label, s in rss.items()},
         "rss_warm_up_s": warm, "cache": cache, "ttft_observations": ttft_served,
         "prompt_tokens": stats.prompt_tokens, "wall_s": round(time.monotonic() - started, 1),
         "checks": checks, "ok": all(checks.values()),
