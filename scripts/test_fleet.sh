@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The fleet tests (python/tests/test_fleet.py, and test_fleet_faults.py: killed workers, engine
-# panics, clients that leave): Dynamo's OpenAI frontend and omniprefix workers
+# The fleet tests (python/tests/test_fleet.py; test_fleet_faults.py: killed workers, engine
+# panics, clients that leave; test_edge.py: bad HTTP input at the edge): Dynamo's OpenAI frontend and omniprefix workers
 # as real processes on loopback, driven over HTTP; and test_encoder.py (the checkpoint encoder,
 # which needs this venv's torch and transformers). Installs into VENV with
 # scripts/install_fleet.sh (idempotent: reuses the venv and cargo's build), adds
 # python/requirements-fleet-test.txt, then runs pytest with OMNIPREFIX_REQUIRE_FLEET=1 so a
 # missing Dynamo fails instead of skipping. Called by scripts/test.sh.
+# Then a 30-s soak of a fleet (scripts/fleet_soak.py).
 # Usage: bash scripts/test_fleet.sh [VENV]   (default target/fleet-venv)
 # Env: OMNIPREFIX_WHEEL_PROFILE (install_fleet.sh's; CI passes dev to reuse its test build).
 set -euo pipefail
@@ -17,4 +18,8 @@ bash scripts/install_fleet.sh "$venv"
 # From outside the source tree, so the tests import the installed wheel, not python/omniprefix.
 python="$(cd "$venv" && pwd)/bin/python"
 (cd python/tests && OMNIPREFIX_REQUIRE_FLEET=1 "$python" -m pytest -q -p no:cacheprovider test_encoder.py test_fleet.py \
-  test_fleet_faults.py)
+  test_fleet_faults.py test_edge.py)
+# A short soak (scripts/fleet_soak.py; its defaults are 32 clients for 600 s): 4 clients for 30 s
+# of image and text chats through a 2-worker fleet and its edge, replies checked against
+# Engine.generate (about 50 s with the fleet's start and the check).
+"$python" scripts/fleet_soak.py --clients 4 --seconds 30 --scripts 8

@@ -4,11 +4,15 @@
 
 Starts ``python -m dynamo.frontend`` and N ``python -m omniprefix.worker`` processes on loopback,
 with no etcd and no NATS: file discovery under a temporary directory, the TCP request plane and
-the ZMQ event plane. Once the frontend lists the model with N instances it prints one JSON line
-and flushes::
+the ZMQ event plane. Clients talk to the edge (:mod:`omniprefix.edge`, on ``--port``), which
+refuses bad or oversized bodies (``--max-body-bytes``) and forwards the rest to the frontend (on
+a free port). Once the frontend lists the model with N instances it prints one JSON line and
+flushes::
 
-    {"frontend": "http://127.0.0.1:P", "model": NAME,
+    {"frontend": "http://127.0.0.1:P", "dynamo_frontend": "http://127.0.0.1:F", "model": NAME,
      "workers": [{"pid": ..., "metrics": "http://127.0.0.1:Q/metrics"}, ...]}
+
+(``frontend``: the edge, what clients use; ``dynamo_frontend``: Dynamo's own, unchecked.)
 
 then supervises until SIGINT or SIGTERM (exit status 0) or until the frontend exits (reported on
 stderr, exit status 1):
@@ -51,6 +55,10 @@ __all__ = ["Fleet", "main", "worker_metrics"]
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 LOOPBACK = "127.0.0.1"
+#: The edge's default body limit: room for a few photos as base64 data URLs (a 12-megapixel
+#: JPEG is 3-5 MB, 4-7 MB encoded) and far over any text a context holds, while a body this big
+#: is refused before it is read. Dynamo's frontend gets the same limit, rounded up to its MiB.
+MAX_BODY_BYTES = 16 * 1024 * 1024
 #: A worker that exits is restarted after RESTART_MIN_S, doubled at each quick death up to
 #: RESTART_MAX_S; one that served STABLE_S before it died starts the count again.
 RESTART_MIN_S = 0.5
@@ -81,7 +89,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory with tokenizer.json and a chat template")
     p.add_argument("--workers", required=True, type=int, help="worker processes (>= 1)")
     p.add_argument("--router", default="kv", choices=["kv", "round-robin"], help="the frontend's router (default kv)")
-    p.add_argument("--port", type=int, default=8000, help="the frontend's HTTP port on 127.0.0.1 (default 8000; 0: a free one)")
+    p.add_argument("--port", type=int, default=8000, help="the edge's HTTP port on 127.0.0.1 (default 8000; 0: a free one)")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="the largest request body the edge reads (default %(default)s: 16 MiB)")
     # Tests: an environment variable for the first process of worker K only (a fault to inject
     # that its replacement must not inherit). Not in --help.
     p.add_argument("--first-env", action="append", default=[], dest="first_env_specs", help=argparse.SUPPRESS)
@@ -95,6 +105,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.first_env.setdefault(int(index), {})[name] = value
     if args.workers < 1:
         p.error(f"--workers must be at least 1, not {args.workers}")
+    if args.max_body_bytes < 1024:
+        p.error(f"--max-body-bytes must be at least 1024, not {args.max_body_bytes}")
     if not (0 <= args.port <= 65535):
         p.error(f"--port {args.port} is not a TCP port")
     for needed in ("config.json", "tokenizer.json"):
@@ -163,7 +175,8 @@ class Fleet:
     """The frontend and the workers, started, supervised and stopped together."""
 
     def __init__(self, model: Path, workers: int, router: str, port: int, python: str = sys.executable,
-                 worker_args: Sequence[str] = (), first_env: Optional[dict[int, dict[str, str]]] = None):
+                 worker_args: Sequence[str] = (), first_env: Optional[dict[int, dict[str, str]]] = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.model = model.resolve()
         self.name = self.model.name
         self.count = workers
@@ -180,10 +193,17 @@ class Fleet:
         self.env.pop("DYN_SYSTEM_PORT", None)
         self.frontend: Optional[subprocess.Popen] = None
         self.slots = [Slot(k) for k in range(workers)]
+        # The edge listens on `port`; Dynamo's frontend behind it on a free one, with its own
+        # body limit (whole MiB) as a backstop.
+        self.max_body_bytes = max_body_bytes
+        self.frontend_port = free_port()
+        self.env["DYN_HTTP_BODY_LIMIT_MB"] = str(-(-max_body_bytes // (1024 * 1024)))
+        self.edge: Any = None
 
     @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
+        """Dynamo's frontend (behind the edge)."""
+        return f"http://{LOOPBACK}:{self.frontend_port}"
 
     @property
     def workers(self) -> list[dict[str, Any]]:
@@ -214,7 +234,7 @@ class Fleet:
         started) when a process exits or the time runs out: a worker that cannot start once is
         a mistake to report, not to retry."""
         deadline = time.monotonic() + timeout_s
-        frontend = [self.python, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(self.port),
+        frontend = [self.python, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(self.frontend_port),
                     "--router-mode", self.router, "--discovery-backend", "file", "--request-plane", "tcp",
                     "--event-plane", "zmq", "--migration-limit", str(MIGRATION_LIMIT)]
         if self.router == "kv":
@@ -233,8 +253,19 @@ class Fleet:
             time.sleep(0.1)
         for slot in self.slots:
             slot.announced = True
-        return {"frontend": self.url, "model": self.name,
+        return {"frontend": self._start_edge(), "dynamo_frontend": self.url, "model": self.name,
                 "workers": self.workers}
+
+    def _start_edge(self) -> str:
+        from .edge import Edge, limits_for
+
+        limits = limits_for(self.model, self.max_body_bytes)
+        limits.models = {self.name}
+        self.edge = Edge(self.url, limits, LOOPBACK, self.port)
+        try:
+            return self.edge.start()
+        except RuntimeError as e:
+            raise FleetError(str(e)) from None
 
     def _ready_line(self, slot: Slot, deadline: float) -> dict[str, Any]:
         """The worker's JSON line (it prints nothing else on stdout), waited for until ``deadline``."""
@@ -353,6 +384,8 @@ class Fleet:
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM to every process group, SIGKILL to those still there after ``timeout_s``."""
+        if self.edge is not None:
+            self.edge.stop()
         procs = [slot.proc for slot in self.slots if slot.proc is not None]
         procs += [self.frontend] if self.frontend is not None else []
         for proc in procs:
@@ -424,7 +457,8 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    fleet = Fleet(args.model, args.workers, args.router, args.port, first_env=args.first_env)
+    fleet = Fleet(args.model, args.workers, args.router, args.port, first_env=args.first_env,
+                  max_body_bytes=args.max_body_bytes)
     stopping = []
 
     def on_signal(signum: int, _frame: Any) -> None:

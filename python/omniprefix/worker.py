@@ -85,6 +85,8 @@ def sampling_options(request: Mapping[str, Any], eos_token_ids: list[int], conte
 
     max_tokens = stop.get("max_tokens")
     left = context_length - prompt_len
+    if left <= 0:
+        raise UnsupportedRequest(f"the prompt of {prompt_len} tokens fills the context of {context_length} tokens")
     if max_tokens is None:
         max_tokens = left
     if max_tokens > left:
@@ -117,6 +119,9 @@ def sampling_options(request: Mapping[str, Any], eos_token_ids: list[int], conte
     if sampling.get("top_k") is not None and int(sampling["top_k"]) > 0:
         out["top_k"] = int(sampling["top_k"])
     if sampling.get("seed") is not None:
+        # The engine's seed is a u64: a negative or larger one is the client's error, not an OverflowError.
+        if not 0 <= int(sampling["seed"]) < 2**64:
+            raise UnsupportedRequest(f"seed must be between 0 and {2**64 - 1}, not {sampling['seed']}")
         out["seed"] = int(sampling["seed"])
 
     neutral = {"n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,

@@ -267,7 +267,8 @@ def test_an_image_or_audio_chat_through_the_fleet_equals_transformers(omni_fleet
 def test_bad_media_is_a_400_naming_the_item_and_the_worker_keeps_serving(omni_fleet):
     part = media_part(MM_CASES["image_a"])
     url = part["image_url"]["url"]
-    for bad, why in [("https://example.com/cat.png", "image 0: only data URLs"),
+    # A remote URL: the edge names the part (omniprefix.edge); the rest reach the worker.
+    for bad, why in [("https://example.com/cat.png", "messages[0].content[0].image_url.url: only data URLs"),
                      (url[:len("data:image/png;base64,") + 400], "image 0: not a readable image"),  # truncated
                      ("data:image/png;base64,@@@@", "image 0: the data URL's base64 does not decode")]:
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -285,7 +286,7 @@ def test_bad_media_is_a_400_naming_the_item_and_the_worker_keeps_serving(omni_fl
 
 def test_a_bad_request_is_a_400_naming_why_and_the_worker_keeps_serving(kv_fleet):
     ids = prompts(seed=4, count=1, length=10)[0]
-    for options, why in [({"max_tokens": 10_000}, "exceeds the context of 4096 tokens"),
+    for options, why in [({"max_tokens": 4090}, "the context of 4096 tokens"),
                          ({"max_tokens": 4, "frequency_penalty": 0.5}, "frequency_penalty"),
                          ({"max_tokens": 4, "n": 2}, "n=2")]:
         with pytest.raises(urllib.error.HTTPError) as e:

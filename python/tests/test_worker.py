@@ -60,6 +60,8 @@ def test_sampling_defaults_follow_openai_and_off_values_are_dropped():
     ({}, {"repetition_penalty": 1.1}, {}, "repetition_penalty"),
     ({}, {"use_beam_search": True}, {}, "use_beam_search"),
     ({}, {}, {"output_options": {"logprobs": 1}}, "logprobs"),
+    ({}, {"seed": -1}, {}, "seed must be between 0 and 18446744073709551615, not -1"),
+    ({}, {"seed": 2**64}, {}, "seed must be between 0 and"),
 ])
 def test_what_the_engine_cannot_honour_is_refused(stop, sampling, extra, message):
     with pytest.raises(UnsupportedRequest, match=message):
@@ -109,3 +111,8 @@ def test_the_last_token_rides_with_the_finish_reason_and_the_usage(stop_at):
     assert last["finish_reason"] == ("length" if stop_at is None else "stop")
     assert last["completion_usage"]["completion_tokens"] == len(want)
     assert last["completion_usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_prompt_that_fills_the_context_is_refused_without_max_tokens():
+    with pytest.raises(UnsupportedRequest, match="the prompt of 4096 tokens fills the context of 4096 tokens"):
+        sampling_options(request([1] * CONTEXT), [], CONTEXT)
