@@ -7,11 +7,19 @@
 //! alone on an engine with caching off (tokens, every hidden row and the
 //! logits, to the last bit on this CPU backend).
 //!
-//! Cases default to 96 (about 1.5 s; a held stream whose blocks another request needs shows within 100); scale with `PROPTEST_CASES`.
+//! A quarter of the cases (and some jobs of the others) hold a stream on
+//! purpose: its thread reads it only after its later jobs, so once its buffer
+//! fills it is held, and in those cases the next job cannot fit beside it (a
+//! pool sized for the larger request alone): the scheduler must park the held
+//! stream to run it, and the case checks that it preempted. Without them the
+//! random cases reached a held stream whose blocks another request needs too
+//! rarely: a stream that was never parked passed 400 cases.
+//!
+//! Cases default to 96 (under a second); scale with `PROPTEST_CASES`.
 
 use std::sync::Arc;
 
-use omniprefix::engine::{Engine, EngineConfig, Event, Output, Request, ServedEngine, ServedOptions};
+use omniprefix::engine::{Engine, EngineConfig, Event, Output, Request, RequestHandle, ServedEngine, ServedOptions};
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::sample::SamplingParams;
 use proptest::prelude::*;
@@ -34,6 +42,9 @@ enum Reading {
     AbortAfter(usize),
     /// Drop the handle at once (an abort).
     Drop,
+    /// Keep the handle unread until the thread's later jobs are done, then
+    /// read it to the end (checked): held once its buffer fills.
+    Later,
 }
 
 #[derive(Debug, Clone)]
@@ -55,22 +66,56 @@ struct Case {
     /// Blocks beyond what the largest request needs alone (few: eviction and preemption).
     spare_blocks: usize,
     buffer_events: usize,
+    /// A held stream and a request that cannot fit beside it: parking is the only way on.
+    must_park: bool,
 }
 
 fn job() -> impl Strategy<Value = Job> {
-    let reading = prop_oneof![6 => Just(Reading::ToTheEnd), 2 => (0usize..4).prop_map(Reading::AbortAfter), 1 => Just(Reading::Drop)];
+    let reading = prop_oneof![
+        6 => Just(Reading::ToTheEnd),
+        2 => (0usize..4).prop_map(Reading::AbortAfter),
+        1 => Just(Reading::Drop),
+        1 => Just(Reading::Later),
+    ];
     (0usize..16, prop::collection::vec(0u32..240, 1..8), prop_oneof![Just(0usize), 1usize..10], prop::option::of(0u64..100), reading)
         .prop_map(|(shared, tail, generate, seed, reading)| Job { shared, tail, generate, seed, reading })
 }
 
-fn case() -> impl Strategy<Value = Case> {
+fn random_case() -> impl Strategy<Value = Case> {
     (
         prop::collection::vec(0u32..240, 16),
         prop::collection::vec(prop::collection::vec(job(), 1..4), 1..4),
         0usize..6,
         prop_oneof![Just(1usize), Just(4), Just(256)],
     )
-        .prop_map(|(base, threads, spare_blocks, buffer_events)| Case { base, threads, spare_blocks, buffer_events })
+        .prop_map(|(base, threads, spare_blocks, buffer_events)| Case { base, threads, spare_blocks, buffer_events, must_park: false })
+}
+
+/// One thread: a stream `held` read only after `next`, which cannot fit beside
+/// it. `held`: a 5..10-token prompt of its own (first id 240 or over, which no
+/// other prompt uses: nothing shared), two tokens more than its buffer, at most 16
+/// positions; `next`: the whole base and a tail, then 4..10 tokens, at least
+/// 21 positions, so the pool is sized for it alone (no spare block) and its
+/// blocks and the held prompt's (two or more) exceed the pool. `next` cannot
+/// run to its end before `held` is held (it decodes 4 steps or more, `held`
+/// is older and prefills first), and `held` is never read until `next` ends.
+fn held_case() -> impl Strategy<Value = Case> {
+    // A held stream gets at most one more token: two more than its buffer and it is held unfinished.
+    let buffered = prop_oneof![(Just(1usize), 3usize..8), (Just(4usize), 6usize..8)];
+    (
+        prop::collection::vec(0u32..240, 16),
+        (240u32..256, prop::collection::vec(0u32..240, 4..9), buffered, prop::option::of(0u64..100)),
+        (prop::collection::vec(0u32..240, 1..8), 4usize..10, prop::option::of(0u64..100)),
+    )
+        .prop_map(|(base, (first, rest, (buffer_events, generate), seed), (tail, next_generate, next_seed))| {
+            let held = Job { shared: 0, tail: [vec![first], rest].concat(), generate, seed, reading: Reading::Later };
+            let next = Job { shared: 16, tail, generate: next_generate, seed: next_seed, reading: Reading::ToTheEnd };
+            Case { base, threads: vec![vec![held, next]], spare_blocks: 0, buffer_events, must_park: true }
+        })
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    prop_oneof![3 => random_case(), 1 => held_case()]
 }
 
 fn model() -> Config {
@@ -107,6 +152,7 @@ fn request(base: &[u32], job: &Job) -> Request<'static> {
 /// Runs one thread's jobs; the outputs of the jobs read to their end.
 fn run_thread(served: &ServedEngine, base: &[u32], jobs: &[Job]) -> Result<Vec<(Job, Output)>, String> {
     let mut outputs = Vec::new();
+    let mut later = Vec::new();
     for job in jobs {
         let mut handle = served.submit(request(base, job)).map_err(|e| e.to_string())?;
         match job.reading {
@@ -119,24 +165,32 @@ fn run_thread(served: &ServedEngine, base: &[u32], jobs: &[Job]) -> Result<Vec<(
                 }
                 handle.abort();
             }
-            Reading::ToTheEnd => {
-                let mut tokens = Vec::new();
-                let mut finished = None;
-                while let Some(event) = handle.recv() {
-                    match event.map_err(|e| e.to_string())? {
-                        Event::Token(t) => tokens.push(t.token),
-                        Event::Finished(out) => finished = Some(out),
-                    }
-                }
-                let out = finished.ok_or("a stream ended without its output")?;
-                if tokens != out.tokens {
-                    return Err(format!("streamed {tokens:?}, output {:?}", out.tokens));
-                }
-                outputs.push((job.clone(), out));
-            }
+            Reading::ToTheEnd => outputs.push((job.clone(), read_to_the_end(&mut handle)?)),
+            Reading::Later => later.push((job.clone(), handle)),
         }
     }
+    for (job, mut handle) in later {
+        let out = read_to_the_end(&mut handle).map_err(|e| format!("{job:?}, read after the thread's other jobs: {e}"))?;
+        outputs.push((job, out));
+    }
     Ok(outputs)
+}
+
+/// Every event of `handle`: the output, checked against the tokens streamed.
+fn read_to_the_end(handle: &mut RequestHandle) -> Result<Output, String> {
+    let mut tokens = Vec::new();
+    let mut finished = None;
+    while let Some(event) = handle.recv() {
+        match event.map_err(|e| e.to_string())? {
+            Event::Token(t) => tokens.push(t.token),
+            Event::Finished(out) => finished = Some(out),
+        }
+    }
+    let out = finished.ok_or("a stream ended without its output")?;
+    if tokens != out.tokens {
+        return Err(format!("streamed {tokens:?}, output {:?}", out.tokens));
+    }
+    Ok(out)
 }
 
 fn check(case: &Case) -> Result<(), TestCaseError> {
@@ -159,6 +213,10 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
         finished.extend(thread.join().map_err(|_| fail("a submitting thread panicked".into()))?.map_err(fail)?);
     }
     served.validate().map_err(|e| fail(e.to_string()))?;
+    if case.must_park {
+        let preemptions = served.stats().map_err(|e| fail(e.to_string()))?.sched.preemptions;
+        prop_assert!(preemptions > 0, "a request that cannot fit beside a held stream ran, yet nothing was parked or preempted");
+    }
     // Nothing pending: a reset is allowed only then.
     served.reset_cache().map_err(|e| fail(format!("after every thread joined: {e}")))?;
 

@@ -418,3 +418,126 @@ fn half_precision_kv_pages_are_close_to_f32_and_cached_equals_uncached() -> Resu
     }
     Ok(())
 }
+
+/// Encoder call `k`'s output for the 4-row test image: embeddings and two
+/// DeepStack levels, all seeded by `k`, so the rows of two calls differ.
+fn call_output(k: usize) -> EncoderOutput {
+    let k = k as f32;
+    EncoderOutput { embeddings: rows(4, HIDDEN, k), deepstack: vec![rows(4, HIDDEN, 10.0 + k), rows(4, HIDDEN, 20.0 + k)] }
+}
+
+/// Two requests for one image, both prepared before either is admitted, both
+/// miss the encoder cache and run the encoder. The cache then holds one call's
+/// output whole (the last admitted one's: its embeddings with its own DeepStack
+/// levels), never one call's embeddings with the other's levels, and a later
+/// request served from it runs as one given that call's rows.
+#[test]
+fn two_misses_of_one_image_cache_one_encoder_output_whole() -> TestResult {
+    let content = pixels(11);
+    let ids = with_image(&[4, 5], &[6]);
+    // Prefix caching off: the two calls' rows have one fingerprint, so a prompt
+    // cache would serve the later request whichever KV was committed first.
+    let no_cache = EngineConfig { cache: false, ..config() };
+    let mut engine = Engine::random(model(), 13, no_cache.clone())?;
+    let calls = std::sync::atomic::AtomicUsize::new(0);
+    let encoder = |_item: usize, _id: &ItemIdentity| -> omniprefix::Result<EncoderOutput> {
+        Ok(call_output(calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed)))
+    };
+    let request = |item| Request { token_ids: ids.clone(), items: vec![item], ..Default::default() };
+    let first = engine.prepare(request(image(&content, None)).with_encoder(encoder))?;
+    let second = engine.prepare(request(image(&content, None)).with_encoder(encoder))?;
+    assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 2, "both prepared before either was admitted: both missed");
+    let fp = first.prompt().items[0].fingerprint;
+    engine.submit_prepared(first)?;
+    assert_eq!(engine.encoder_cache().get(fp).as_deref(), Some(&call_output(0).embeddings), "the first admission cached call 0");
+    engine.submit_prepared(second)?;
+    let (emb, levels) = engine.encoder_cache().get_with_deepstack(fp).ok_or("the image is cached")?;
+    let want = call_output(1);
+    assert_eq!(*emb, want.embeddings, "the last admission's embeddings stay");
+    assert_eq!(levels.as_deref(), Some(&want.deepstack), "DeepStack levels of another call than the embeddings");
+    engine.run_all()?;
+    let got = engine.run(request(image(&content, None)))?;
+    assert_eq!(engine.stats().encoder_cache_hits, 1);
+    let mut given = Engine::random(model(), 13, no_cache)?;
+    let reference = given.run(request(deep_image(&content, Some(want.embeddings), want.deepstack)))?;
+    assert_same(&got, &reference);
+    Ok(())
+}
+
+/// Encoder outputs of a request that admission rejects (rows of the wrong
+/// shape) are never cached: a later request for the same image runs its own
+/// encoder and succeeds, instead of hitting the rejected rows.
+#[test]
+fn a_rejected_requests_encoder_output_is_not_cached() -> TestResult {
+    let content = pixels(12);
+    let ids = with_image(&[4, 5], &[6]);
+    let mut engine = Engine::random(model(), 14, config())?;
+    engine.run(Request::text((0..9).collect()))?;
+    let request = || Request { token_ids: ids.clone(), items: vec![image(&content, None)], ..Default::default() };
+    let good = call_output(3);
+    let bad = [
+        ("embedding rows", EncoderOutput { embeddings: rows(3, HIDDEN, 1.0), ..good.clone() }),
+        ("embedding columns", EncoderOutput { embeddings: rows(4, HIDDEN + 1, 1.0), ..good.clone() }),
+        ("level rows", EncoderOutput { deepstack: vec![rows(4, HIDDEN, 1.0), rows(3, HIDDEN, 2.0)], ..good.clone() }),
+        ("level columns", EncoderOutput { deepstack: vec![rows(4, HIDDEN - 1, 1.0)], ..good.clone() }),
+    ];
+    for (what, out) in bad {
+        let before = engine.stats();
+        let encoder = move |_item: usize, _id: &ItemIdentity| -> omniprefix::Result<EncoderOutput> { Ok(out.clone()) };
+        let err = engine.run(request().with_encoder(encoder)).expect_err(what);
+        assert!(
+            matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: None, .. } | RequestError::DeepStackMismatch { id: None, item: 0, .. })),
+            "{what}: {err}"
+        );
+        assert!(engine.encoder_cache().is_empty(), "{what}: the rejected request's encoder output was cached");
+        assert_eq!(engine.stats(), before, "{what}: state changed");
+        engine.validate()?;
+    }
+    let calls = std::sync::atomic::AtomicUsize::new(0);
+    let encoder = |_item: usize, _id: &ItemIdentity| -> omniprefix::Result<EncoderOutput> {
+        calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(good.clone())
+    };
+    let got = engine.run(request().with_encoder(encoder))?;
+    assert_eq!(calls.into_inner(), 1, "the good request ran its encoder: nothing of the rejected ones was cached");
+    assert_eq!((engine.stats().encoder_calls, engine.stats().encoder_cache_hits), (1, 0));
+    let mut given = Engine::random(model(), 14, EngineConfig { cache: false, ..config() })?;
+    let reference = given.run(Request { token_ids: ids.clone(), items: vec![deep_image(&content, Some(good.embeddings), good.deepstack)], ..Default::default() })?;
+    assert_same(&got, &reference);
+    Ok(())
+}
+
+/// DeepStack levels given with a request whose embeddings come from the
+/// encoder cache are checked for NaN and ±Inf like any given rows: a typed
+/// error naming the level and the value's place, nothing changed.
+#[test]
+fn non_finite_deepstack_levels_given_on_an_encoder_cache_hit_are_rejected() -> TestResult {
+    use omniprefix::error::EmbeddingPart;
+    let content = pixels(13);
+    let ids = with_image(&[4, 5], &[6]);
+    let mut engine = Engine::random(model(), 15, config())?;
+    let request = |item| Request { token_ids: ids.clone(), items: vec![item], ..Default::default() };
+    let cached = engine.run(request(image(&content, Some(rows(4, HIDDEN, 0.5)))))?;
+    let before = engine.stats();
+    for value in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut level = rows(4, HIDDEN, 2.0);
+        level[[2, 5]] = value;
+        let err = engine.run(request(deep_image(&content, None, vec![rows(4, HIDDEN, 1.0), level]))).expect_err("a non-finite level");
+        assert!(
+            matches!(err, Error::Request(RequestError::NonFiniteEmbeddings { item: 0, what: EmbeddingPart::DeepStack { level: 1 }, row: 2, column: 5 })),
+            "{value}: {err}"
+        );
+        assert_eq!(engine.stats(), before, "{value}: state changed");
+        engine.validate()?;
+    }
+    let (_, levels) = engine.encoder_cache().get_with_deepstack(cached_fingerprint(&engine, &content)?).ok_or("still cached")?;
+    assert!(levels.is_none(), "the cached entry took no levels");
+    assert_same(&engine.run(request(image(&content, None)))?, &cached);
+    Ok(())
+}
+
+/// The fingerprint the engine gives the test image.
+fn cached_fingerprint(engine: &Engine, content: &ArrayD<u8>) -> TestResult<omniprefix::canon::Fingerprint> {
+    let prepared = engine.prepare(Request { token_ids: with_image(&[1], &[2]), items: vec![image(content, Some(rows(4, HIDDEN, 0.0)))], ..Default::default() })?;
+    Ok(prepared.prompt().items[0].fingerprint)
+}

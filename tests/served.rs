@@ -1,6 +1,6 @@
 //! The served engine: the core on its own thread, a handle per request.
 //! Its outputs equal the core's; a stream nobody reads keeps generating up to
-//! its buffer and then holds; a dropped handle aborts; an encoder blocked on
+//! its buffer (256 events by default) and then holds; a dropped handle aborts; an encoder blocked on
 //! one thread does not stop another thread's stream; bad encoder output
 //! (non-finite rows) is a typed error that caches nothing.
 
@@ -122,6 +122,28 @@ fn a_full_buffer_holds_the_stream_until_it_is_read() -> TestResult {
     assert_eq!(tokens.len(), 30);
     same(&got, &want)?;
     served.validate()?;
+    Ok(())
+}
+
+/// The documented default (`ServedOptions::default()`, 256 events a request):
+/// an unread stream of a default served engine is held after 256 events (at
+/// most one more arrives), long before its 400-token reply ends.
+#[test]
+fn the_default_buffer_holds_a_stream_at_256_events() -> TestResult {
+    assert_eq!(ServedOptions::default(), ServedOptions { buffer_events: 256 });
+    // Room for the whole reply: 8 + 400 positions in 4-token blocks.
+    let roomy = EngineConfig { num_blocks: 128, ..config() };
+    let served = Engine::random(model(), 3, roomy)?.serve(ServedOptions::default())?;
+    let handle = served.submit(Request::text((1..9).collect()).generate(greedy(400)))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while handle.buffered() < 256 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Held now: give an unheld stream time to run on.
+    std::thread::sleep(Duration::from_millis(300));
+    let buffered = handle.buffered();
+    assert!((256..=257).contains(&buffered), "{buffered} events buffered by default, not 256");
+    assert_eq!(served.stats()?.finished, 0, "the unread stream ran to its end");
     Ok(())
 }
 

@@ -150,6 +150,9 @@ pub struct Machine<R: Runner> {
     prompts: HashMap<RequestId, CanonicalPrompt>,
     /// Tokens appended to each request.
     generated: HashMap<RequestId, usize>,
+    /// Admitted requests that may generate (`max_new_tokens > 0`): the ones
+    /// whose long prompts the prefill cap starts one a step.
+    will_decode: HashSet<RequestId>,
     /// Requests and computed lengths the last completion checks the events of.
     committed: Vec<(RequestId, usize)>,
     /// Rebuilds the cache from the scheduler's KV events, when it records them.
@@ -262,6 +265,7 @@ impl<R: Runner> Machine<R> {
             positions: HashMap::new(),
             prompts: HashMap::new(),
             generated: HashMap::new(),
+            will_decode: HashSet::new(),
             committed: Vec::new(),
             events: None,
         }
@@ -291,6 +295,9 @@ impl<R: Runner> Machine<R> {
                 self.live.push(id);
                 self.positions.insert(id, positions);
                 self.prompts.insert(id, prompt);
+                if max_new_tokens > 0 {
+                    self.will_decode.insert(id);
+                }
                 Ok(true)
             }
             Err(Error::Request(RequestError::RequestTooLarge { .. })) if too_large => {
@@ -310,8 +317,18 @@ impl<R: Runner> Machine<R> {
                 self.admit(*tenant, &units, MAX_NEW_TOKENS)?;
             }
             Op::Schedule => {
+                // Which live requests run (hold blocks) and how far, before the step.
+                let before: HashMap<RequestId, (bool, usize)> = self
+                    .live
+                    .iter()
+                    .map(|&id| {
+                        let holds = self.sched.block_table(id).is_some_and(|t| !t.is_empty());
+                        (id, (holds, self.sched.num_computed_tokens(id).unwrap_or(0)))
+                    })
+                    .collect();
                 let batch = self.sched.schedule().map_err(fail)?;
                 self.check_copy_sources_untouched(&batch)?;
+                self.check_prefill_cap(&batch, &before)?;
                 // Every chunk carries the prompt's positions over exactly its range.
                 for seq in &batch.seqs {
                     let range = seq.new_positions();
@@ -424,6 +441,40 @@ impl<R: Runner> Machine<R> {
                     );
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The prefill cap's two rules on a step just built (`Scheduler::schedule`):
+    /// a step that carries a decode (a running sequence with one token left)
+    /// adds at most `prefill_cap` prefill tokens, and a step prefills at most
+    /// [`SchedulerConfig::long_prefills_per_step`] prompts with more than
+    /// `prefill_cap` tokens left among requests that will decode, whether they
+    /// start this step or were already running. `before`: each live request's
+    /// (holds blocks, computed tokens) before the step.
+    fn check_prefill_cap(&self, batch: &ScheduledBatch, before: &HashMap<RequestId, (bool, usize)>) -> Result<(), TestCaseError> {
+        let cfg = *self.sched.config();
+        let Some(cap) = cfg.prefill_cap else { return Ok(()) };
+        prop_assert!(cap >= 1 && cap <= cfg.max_tokens_per_step, "prefill cap {} outside 1..={}", cap, cfg.max_tokens_per_step);
+        let (mut long, mut prefill_tokens, mut decodes) = (Vec::new(), 0, false);
+        for seq in &batch.seqs {
+            let len = self.prompts.get(&seq.request).map_or(0, CanonicalPrompt::len);
+            let left = len - seq.num_computed_tokens;
+            let was_running = before.get(&seq.request).is_some_and(|&(holds, computed)| holds && computed == seq.num_computed_tokens);
+            if was_running && left == 1 {
+                decodes = true;
+            } else {
+                prefill_tokens += seq.token_ids.len();
+            }
+            if self.will_decode.contains(&seq.request) && left > cap {
+                long.push((seq.request, left));
+            }
+        }
+        if let Some(most) = cfg.long_prefills_per_step() {
+            prop_assert!(long.len() <= most, "one step prefills {} long prompts (request, tokens left) {:?} over cap {}; at most {}", long.len(), long, cap, most);
+        }
+        if decodes {
+            prop_assert!(prefill_tokens <= cap, "a step with decodes adds {} prefill tokens, over the cap of {}", prefill_tokens, cap);
         }
         Ok(())
     }

@@ -368,6 +368,88 @@ mod tests {
         check(f16::from_f32);
     }
 
+    /// The builds `Simd::all()` gives on this CPU, by name; the ones it lacks are
+    /// printed as not run (and fail the test when `OMNIPREFIX_REQUIRE_SIMD` names
+    /// them, comma-separated, as a CI machine known to have them should).
+    fn builds_run(test: &str) -> Vec<Simd> {
+        let all = Simd::all();
+        let name = |s: &Simd| match s {
+            Simd::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2(_) => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512(_) => "avx512",
+        };
+        let have: Vec<&str> = all.iter().map(name).collect();
+        let required = std::env::var("OMNIPREFIX_REQUIRE_SIMD").unwrap_or_default();
+        for build in ["portable", "avx2", "avx512"] {
+            if !have.contains(&build) {
+                eprintln!("{test}: the {build} build NOT RUN: this CPU lacks it");
+                assert!(!required.split(',').any(|r| r.trim() == build), "{test}: OMNIPREFIX_REQUIRE_SIMD names {build}, which this CPU lacks");
+            }
+        }
+        all
+    }
+
+    /// Every row tail of every kernel (1..=16 rows left and more: 8 rows a call on
+    /// 16 lanes, 6 on 8) on every build, each at two offsets, with one to five
+    /// panels a tile (the 1-row calls take 4, 2 or 1 panels, the 2-row ones 2 or
+    /// 1), on one and two threads, and a row block's last rows past a whole block:
+    /// each element the fused chain, bit for bit.
+    fn check_tails<T: Element + std::fmt::Debug>(test: &str, narrow: fn(f32) -> T) {
+        const ALL: usize = 60;
+        for (n, k) in [(32, 37), (70, 37), (128, 19), (159, 37)] {
+            let stored = rand_rows(n as u64 + 1, n, k).mapv(narrow);
+            let widened = stored.mapv(T::to_f32);
+            let data = pack(stored.view());
+            let x = rand_rows(k as u64 + 3, ALL, k);
+            let want = Array2::from_shape_fn((ALL, n), |(r, j)| chain(&x, &widened, r, j));
+            for simd in builds_run(test) {
+                for threads in [1, 2] {
+                    for m in 1..=48 {
+                        for start in [0, ALL - m] {
+                            let got = pool(threads).install(|| matmul_t_on(simd, x.slice(s![start..start + m, ..]), &data, k, 0..n));
+                            if let Some((r, j)) = (0..m).flat_map(|r| (0..n).map(move |j| (r, j))).find(|&(r, j)| got[[r, j]].to_bits() != want[[start + r, j]].to_bits()) {
+                                panic!(
+                                    "{simd:?} {threads} thread(s) n {n} k {k}: {m} rows from {start}, row {r} column {j}: {} where the chain gives {}",
+                                    got[[r, j]], want[[start + r, j]]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // k = 2048: 96-row blocks, so 97..=112 rows end in a second block's tail.
+        let (n, k) = (40, 2048);
+        let stored = rand_rows(5, n, k).mapv(narrow);
+        let widened = stored.mapv(T::to_f32);
+        let data = pack(stored.view());
+        let x = rand_rows(6, 112, k);
+        let want = Array2::from_shape_fn((112, n), |(r, j)| chain(&x, &widened, r, j));
+        for simd in builds_run(test) {
+            for m in 97..=112 {
+                let got = pool(2).install(|| matmul_t_on(simd, x.slice(s![..m, ..]), &data, k, 0..n));
+                assert!(got == want.slice(s![..m, ..]), "{simd:?} n {n} k {k}: {m} rows differ from the fused chain");
+            }
+        }
+    }
+
+    #[test]
+    fn f32_products_are_the_fused_chain_for_every_row_tail() {
+        check_tails("f32 row tails", |x| x);
+    }
+
+    #[test]
+    fn bf16_products_are_the_fused_chain_for_every_row_tail() {
+        check_tails("bf16 row tails", bf16::from_f32);
+    }
+
+    #[test]
+    fn f16_products_are_the_fused_chain_for_every_row_tail() {
+        check_tails("f16 row tails", f16::from_f32);
+    }
+
     #[test]
     fn packed_rows_read_back_exactly() {
         let w = rand_rows(3, 45, 11).mapv(bf16::from_f32);
