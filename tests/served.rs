@@ -130,7 +130,7 @@ fn a_full_buffer_holds_the_stream_until_it_is_read() -> TestResult {
 /// most one more arrives), long before its 400-token reply ends.
 #[test]
 fn the_default_buffer_holds_a_stream_at_256_events() -> TestResult {
-    assert_eq!(ServedOptions::default(), ServedOptions { buffer_events: 256 });
+    assert_eq!(ServedOptions::default().buffer_events, 256);
     // Room for the whole reply: 8 + 400 positions in 4-token blocks.
     let roomy = EngineConfig { num_blocks: 128, ..config() };
     let served = Engine::random(model(), 3, roomy)?.serve(ServedOptions::default())?;
