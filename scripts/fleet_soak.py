@@ -37,10 +37,8 @@ import asyncio
 import base64
 import io
 import json
-import os
 import random
 import selectors
-import signal
 import statistics
 import subprocess
 import sys
@@ -102,17 +100,9 @@ class FleetProcess:
         self.info = json.loads(line)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        from omniprefix.fleet import terminate
+
+        terminate(self.proc)
 
 
 def rss_mib(pid: int) -> Optional[float]:

@@ -49,7 +49,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["Fleet", "main", "worker_metrics"]
+__all__ = ["Fleet", "main", "terminate", "worker_metrics"]
 
 #: Seconds the fleet waits for its processes to serve, and for them to stop once told to.
 READY_TIMEOUT_S = 60.0
@@ -453,6 +453,20 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Stops a process started in a session of its own (a fleet, for a test or a benchmark):
+    SIGTERM, then SIGKILL to its whole group if it is not gone within ``timeout_s``, so nothing
+    it left behind survives; waits for it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -68,16 +68,9 @@ class RunningFleet:
 
     def stop(self) -> None:
         """SIGTERM, and SIGKILL to the whole group if it is not gone in time (a finalizer's duty)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        from omniprefix.fleet import terminate
+
+        terminate(self.proc)
         for pid in self.pids()[1:] + self.replaced if hasattr(self, "info") else []:
             try:
                 os.kill(pid, signal.SIGKILL)
