@@ -11,7 +11,7 @@
 //! host copy, and kept freed pages of those copies (one layer's stacked
 //! experts is 0.8 GB at the release's widths) are never reused at other sizes,
 //! so a real-width bf16 thinker peaked at 1.64 × its checkpoint file. While
-//! weights load ([`while_loading`], around `Thinker::load`), freed pages go
+//! weights load (`while_loading`, around `Thinker::load`), freed pages go
 //! back at once: 1.19 × (`scripts/real_width_rss.py`).
 //!
 //! Without the feature both calls change nothing.

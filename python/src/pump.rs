@@ -23,10 +23,13 @@ use pyo3::types::{PyBool, PyDict};
 use crate::arrays::row_dict;
 use crate::engine::{Read, Stream, StreamState};
 
+/// A stream's tokens as Python reads them: `[(token, {capture: row}), ...]`.
+type Tokens = Vec<(u32, Py<PyDict>)>;
+
 /// What [`EventPump::wait`] found for one stream: its request id, the tokens
 /// read, and `None` (still running), `True` (ended; its result is on the
 /// stream) or the exception that ended it.
-type Found = (u64, Vec<(u32, Py<PyDict>)>, Option<Py<PyAny>>);
+type Found = (u64, Tokens, Option<Py<PyAny>>);
 
 /// Reads many streams from one thread: `pump.watch(stream)` for each stream
 /// submitted with `pump=pump`, then `pump.wait(timeout_s)` in a loop.
@@ -103,7 +106,7 @@ impl EventPump {
 }
 
 /// Every event `state` has buffered, without waiting: its tokens, and how it ended if it did.
-fn drain(py: Python<'_>, state: &StreamState) -> PyResult<(Vec<(u32, Py<PyDict>)>, Option<Py<PyAny>>)> {
+fn drain(py: Python<'_>, state: &StreamState) -> PyResult<(Tokens, Option<Py<PyAny>>)> {
     let mut tokens = Vec::new();
     loop {
         match state.read(py, false) {
