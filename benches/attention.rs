@@ -23,7 +23,9 @@
 
 use std::hint::black_box;
 
-use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime};
+use criterion::{
+    BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main, measurement::WallTime,
+};
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
@@ -60,7 +62,11 @@ impl Timed for WgpuBackend {
 }
 
 fn scale() -> usize {
-    std::env::var("OMNIPREFIX_ATTN_BENCH_SCALE").ok().and_then(|v| v.parse().ok()).filter(|&k| k > 0).unwrap_or(1)
+    std::env::var("OMNIPREFIX_ATTN_BENCH_SCALE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&k| k > 0)
+        .unwrap_or(1)
 }
 
 fn random(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Array2<f32> {
@@ -98,7 +104,8 @@ fn bench_shape<B: Timed>(group: &mut BenchmarkGroup<'_, WallTime>, b: &B, prefix
     let q_one = up(random(&mut rng, 1, q_width));
     let gather: Vec<(u32, u32)> = table.iter().copied().zip(dense.iter().copied()).collect();
 
-    let seq = |num_new, num_computed, block_table| AttnSeq { query_start: 0, num_new, num_computed, block_table };
+    let seq =
+        |num_new, num_computed, block_table| AttnSeq { query_start: 0, num_new, num_computed, block_table };
     let attend = |q: &B::Tensor, pages: &B::Pages, s: AttnSeq<'_>| {
         let out = b.paged_attention(q, pages, 0, HEADS, &[s]).expect("attention");
         b.sync();
@@ -107,7 +114,9 @@ fn bench_shape<B: Timed>(group: &mut BenchmarkGroup<'_, WallTime>, b: &B, prefix
     let label = |case: &str| format!("{}/{case}/{prefix}+{suffix}", b.name());
 
     group.throughput(Throughput::Elements(suffix as u64));
-    group.bench_function(label("paged_prefix"), |t| t.iter(|| attend(&q_suffix, &pages, seq(suffix, prefix, &table))));
+    group.bench_function(label("paged_prefix"), |t| {
+        t.iter(|| attend(&q_suffix, &pages, seq(suffix, prefix, &table)))
+    });
     group.bench_function(label("gather_then_dense"), |t| {
         t.iter(|| {
             b.copy_blocks(&mut pages, &gather).expect("gather");
@@ -115,7 +124,8 @@ fn bench_shape<B: Timed>(group: &mut BenchmarkGroup<'_, WallTime>, b: &B, prefix
         })
     });
     group.throughput(Throughput::Elements(len as u64));
-    group.bench_function(label("recompute_full"), |t| t.iter(|| attend(&q_full, &pages, seq(len, 0, &table))));
+    group
+        .bench_function(label("recompute_full"), |t| t.iter(|| attend(&q_full, &pages, seq(len, 0, &table))));
 
     let kv_bytes = (2 * len * kv_width * std::mem::size_of::<f32>()) as u64;
     group.throughput(Throughput::Bytes(kv_bytes));

@@ -37,7 +37,13 @@ fn random(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Array2<f32> {
 }
 
 /// Pages holding `seqs` sequences of `len` positions each, in shuffled blocks; their block tables.
-fn filled_pages(b: &CpuBackend, heads: AttnHeads, seqs: usize, len: usize, rng: &mut ChaCha8Rng) -> (CpuPages, Vec<Vec<u32>>) {
+fn filled_pages(
+    b: &CpuBackend,
+    heads: AttnHeads,
+    seqs: usize,
+    len: usize,
+    rng: &mut ChaCha8Rng,
+) -> (CpuPages, Vec<Vec<u32>>) {
     let per_seq = len.div_ceil(BLOCK);
     let spec = PagesSpec {
         num_layers: 1,
@@ -54,7 +60,8 @@ fn filled_pages(b: &CpuBackend, heads: AttnHeads, seqs: usize, len: usize, rng: 
     all.shuffle(rng);
     let tables: Vec<Vec<u32>> = all.chunks(per_seq).map(<[u32]>::to_vec).collect();
     for table in &tables {
-        let slots: Vec<i64> = (0..len).map(|j| (table[j / BLOCK] as usize * BLOCK + j % BLOCK) as i64).collect();
+        let slots: Vec<i64> =
+            (0..len).map(|j| (table[j / BLOCK] as usize * BLOCK + j % BLOCK) as i64).collect();
         let width = spec.kv_width();
         let (k, v) = (random(rng, len, width), random(rng, len, width));
         b.write_kv(&mut pages, 0, &k, &v, &slots).expect("write_kv");
@@ -73,7 +80,11 @@ fn cpu_seconds() -> f64 {
 }
 
 /// One bench case: criterion's timing, or `CPU_ATTENTION_ITERS` calls timed by CPU time.
-fn case(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: String, mut f: impl FnMut()) {
+fn case(
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: String,
+    mut f: impl FnMut(),
+) {
     match std::env::var("CPU_ATTENTION_ITERS").ok().and_then(|v| v.parse::<usize>().ok()) {
         Some(iters) => {
             f();
@@ -82,7 +93,12 @@ fn case(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTi
                 f();
             }
             let per = |s: f64| s * 1e3 / iters as f64;
-            println!("{}/{name}: cpu {:.3} ms, wall {:.3} ms per call", group_name(), per(cpu_seconds() - cpu), per(wall.elapsed().as_secs_f64()));
+            println!(
+                "{}/{name}: cpu {:.3} ms, wall {:.3} ms per call",
+                group_name(),
+                per(cpu_seconds() - cpu),
+                per(wall.elapsed().as_secs_f64())
+            );
         }
         None => {
             group.bench_function(name, |t| t.iter(&mut f));

@@ -58,7 +58,9 @@ fn bench_item(c: &mut Criterion, name: &str, item: &ItemSpec<'_>, bytes: &[u8]) 
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Bytes(bytes.len() as u64));
     group.sample_size(10);
-    group.bench_function(BenchmarkId::new("read_floor", bytes.len()), |b| b.iter(|| read_floor(black_box(bytes))));
+    group.bench_function(BenchmarkId::new("read_floor", bytes.len()), |b| {
+        b.iter(|| read_floor(black_box(bytes)))
+    });
     group.bench_function(BenchmarkId::new("fingerprint", bytes.len()), |b| {
         b.iter(|| fingerprint.identify(0, black_box(item)).map(|id| id.fingerprint))
     });

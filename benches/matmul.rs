@@ -15,8 +15,8 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*};
-use omniprefix::backend::{Backend, Dtype, HostWeight};
 use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::backend::{Backend, Dtype, HostWeight};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -46,7 +46,27 @@ fn gemm_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
     // SAFETY: `out` is `[m, n]`, `x` `[m, k]` and `w` `[n, k]`, all contiguous row-major, so every
     // element the strides reach lies inside its buffer; `out` is written, not read, and aliases neither.
     unsafe {
-        gemm::gemm(m, n, k, out.as_mut_ptr(), 1, n as isize, false, x.as_ptr(), 1, k as isize, w.as_ptr(), k as isize, 1, 0.0, 1.0, false, false, false, parallelism);
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            k as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
     out
 }
@@ -66,7 +86,9 @@ fn matmul(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new("matrixmultiply", name), &(), |b, _| {
                 b.iter(|| black_box(matrixmultiply_split(x.view(), w.view())))
             });
-            group.bench_with_input(BenchmarkId::new("gemm", name), &(), |b, _| b.iter(|| black_box(gemm_t(x.view(), w.view()))));
+            group.bench_with_input(BenchmarkId::new("gemm", name), &(), |b, _| {
+                b.iter(|| black_box(gemm_t(x.view(), w.view())))
+            });
             for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
                 let host = HostWeight::from_f32(w.clone()).to_dtype(dtype).expect("a float dtype");
                 let packed = backend.upload_weight(host).expect("the CPU stores every float dtype");

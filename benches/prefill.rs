@@ -12,8 +12,8 @@ use std::sync::Arc;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::ScheduledBatch;
-use omniprefix::model::{CaptureSpec, Config, Thinker};
 use omniprefix::kv::BlockTable;
+use omniprefix::model::{CaptureSpec, Config, Thinker};
 use omniprefix::prompt::Positions;
 use omniprefix::runner::{ModelRunner, PromptInputs};
 
@@ -45,7 +45,9 @@ fn prefill(c: &mut Criterion) {
     group.throughput(Throughput::Elements(LEN as u64));
     let mut pages = runner.alloc_pages(LEN / BLOCK, BLOCK).expect("pages");
     let whole = step(&prompt, 0, LEN);
-    group.bench_function("uncached", |b| b.iter(|| black_box(runner.execute(&whole, &mut pages).expect("step"))));
+    group.bench_function("uncached", |b| {
+        b.iter(|| black_box(runner.execute(&whole, &mut pages).expect("step")))
+    });
     runner.execute(&step(&prompt, 0, CACHED), &mut pages).expect("prefix");
     let suffix = step(&prompt, CACHED, LEN);
     group.bench_function("cached_prefix_448", |b| {

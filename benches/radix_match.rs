@@ -11,7 +11,7 @@ mod common;
 use std::hint::black_box;
 
 use common::{ItemModel, Piece};
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use rand::{Rng, SeedableRng};
@@ -38,7 +38,9 @@ fn omni_prompt_match(c: &mut Criterion) {
     group.bench_function("read_token_ids_reference", |b| {
         b.iter(|| black_box(&query.token_ids).iter().fold(0u64, |acc, &t| acc.wrapping_add(u64::from(t))))
     });
-    group.bench_function("radix_match_prefix", |b| b.iter(|| black_box(index.match_prefix(black_box(&query)))));
+    group.bench_function("radix_match_prefix", |b| {
+        b.iter(|| black_box(index.match_prefix(black_box(&query))))
+    });
     group.finish();
 }
 

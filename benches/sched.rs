@@ -34,7 +34,14 @@ fn requests() -> Vec<Request> {
                 items: vec![],
                 index_map: IndexMap::default(),
             };
-            Request { id, prompt, item_embeddings: vec![], item_deepstack: vec![], hidden_size: None, max_new_tokens: 0 }
+            Request {
+                id,
+                prompt,
+                item_embeddings: vec![],
+                item_deepstack: vec![],
+                hidden_size: None,
+                max_new_tokens: 0,
+            }
         })
         .collect()
 }
@@ -48,8 +55,7 @@ fn run_all(reqs: Vec<Request>) -> usize {
         prefill_cap: None,
         token_granular_reuse: true,
     };
-    let index = RadixIndex::new(RadixConfig { block_size: 16 })
-        .expect("valid radix config");
+    let index = RadixIndex::new(RadixConfig { block_size: 16 }).expect("valid radix config");
     let mut sched = Scheduler::new(config, Box::new(index)).expect("valid scheduler config");
     for r in reqs {
         sched.admit(r).expect("request fits");

@@ -16,8 +16,8 @@
 use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
-use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::Dtype;
+use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request};
 use omniprefix::model::{CaptureName, Config, Thinker};
@@ -64,35 +64,52 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (0..2usize, prop::sample::select(vec![4usize, 8, 16]), 1..48usize, any::<bool>(), 1..40usize, 0..30usize, any::<u64>())
+    (
+        0..2usize,
+        prop::sample::select(vec![4usize, 8, 16]),
+        1..48usize,
+        any::<bool>(),
+        1..40usize,
+        0..30usize,
+        any::<u64>(),
+    )
         .prop_flat_map(|(kind, block_size, budget, token_granular, head, tail, seed)| {
             let image = prop::option::of((1..3u32, 1..4u32));
-            (Just((kind, block_size, budget, token_granular, head, tail, seed)), image, 0..=head + tail + 3, 0..20usize)
+            (
+                Just((kind, block_size, budget, token_granular, head, tail, seed)),
+                image,
+                0..=head + tail + 3,
+                0..20usize,
+            )
         })
-        .prop_map(|((kind, block_size, budget, token_granular, head, tail, seed), image, cut, warm_extra)| {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            let mut text = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..TEXT_IDS)).collect() };
-            let mut main = text(head);
-            if image.is_some() {
-                main.extend([VISION_START, IMAGE_PAD, VISION_END]);
-            }
-            main.extend(text(tail));
-            let mut warm = main[..cut.min(main.len())].to_vec();
-            warm.extend(text(warm_extra));
-            if warm.is_empty() {
-                warm.push(1);
-            }
-            let grid = image.map(|(h, w)| [1, 2 * h, 2 * w]);
-            // Levels from the seed, so the strategy (and its recorded regressions) keep their shape.
-            let deepstack_levels = (seed % 3) as usize;
-            // Three cases in four with an image of several rows get a budget below its row
-            // count, so a chunk ends (and the next begins) inside the image: its rows and
-            // DeepStack rows must then be taken from where the chunk starts, not from the
-            // item's first row. Also from the seed, for the same reason.
-            let rows = image.map_or(0, |(h, w)| (h * w) as usize);
-            let budget = if rows >= 2 && (seed >> 8) % 4 != 0 { 1 + (budget - 1) % (rows - 1) } else { budget };
-            Case { kind, block_size, budget, token_granular, main, warm, grid, deepstack_levels, seed }
-        })
+        .prop_map(
+            |((kind, block_size, budget, token_granular, head, tail, seed), image, cut, warm_extra)| {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                let mut text =
+                    |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..TEXT_IDS)).collect() };
+                let mut main = text(head);
+                if image.is_some() {
+                    main.extend([VISION_START, IMAGE_PAD, VISION_END]);
+                }
+                main.extend(text(tail));
+                let mut warm = main[..cut.min(main.len())].to_vec();
+                warm.extend(text(warm_extra));
+                if warm.is_empty() {
+                    warm.push(1);
+                }
+                let grid = image.map(|(h, w)| [1, 2 * h, 2 * w]);
+                // Levels from the seed, so the strategy (and its recorded regressions) keep their shape.
+                let deepstack_levels = (seed % 3) as usize;
+                // Three cases in four with an image of several rows get a budget below its row
+                // count, so a chunk ends (and the next begins) inside the image: its rows and
+                // DeepStack rows must then be taken from where the chunk starts, not from the
+                // item's first row. Also from the seed, for the same reason.
+                let rows = image.map_or(0, |(h, w)| (h * w) as usize);
+                let budget =
+                    if rows >= 2 && (seed >> 8) % 4 != 0 { 1 + (budget - 1) % (rows - 1) } else { budget };
+                Case { kind, block_size, budget, token_granular, main, warm, grid, deepstack_levels, seed }
+            },
+        )
 }
 
 /// Bit-for-bit equality; a mismatch names its index and its relative size.
@@ -124,8 +141,12 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
     let dtype = [Dtype::F32, Dtype::Bf16, Dtype::F16][((case.seed >> 16) % 3) as usize];
     // And the K/V pages in f32, f16 or bf16 (attention then widens each key tile).
     let kv_dtype = [Dtype::F32, Dtype::F16, Dtype::Bf16][((case.seed >> 24) % 3) as usize];
-    let thinker = Arc::new(Thinker::random_as(&*backend, cfg, case.seed, Some(dtype)).map_err(|e| TestCaseError::fail(e.to_string()))?);
-    let capture: Vec<CaptureName> = (0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect();
+    let thinker = Arc::new(
+        Thinker::random_as(&*backend, cfg, case.seed, Some(dtype))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?,
+    );
+    let capture: Vec<CaptureName> =
+        (0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect();
     let config = |cache: bool| EngineConfig {
         block_size: case.block_size,
         num_blocks: 64,
@@ -140,9 +161,11 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
     let pixels = ArrayD::from_shape_fn(IxDyn(&[6, 6, 3]), |d| (d[0] * 31 + d[1] * 7 + d[2]) as u8);
     let tokens = case.grid.map_or(0, |[t, h, w]| (t * h * w / 4) as usize);
     let mut rng = ChaCha8Rng::seed_from_u64(case.seed ^ 1);
-    let mut rows = || Array2::from_shape_simple_fn((tokens.max(1), HIDDEN), || rng.random::<f32>() * 2.0 - 1.0);
+    let mut rows =
+        || Array2::from_shape_simple_fn((tokens.max(1), HIDDEN), || rng.random::<f32>() * 2.0 - 1.0);
     let embeddings = Arc::new(rows());
-    let deepstack = (case.deepstack_levels > 0).then(|| Arc::new((0..case.deepstack_levels).map(|_| rows()).collect::<Vec<_>>()));
+    let deepstack = (case.deepstack_levels > 0)
+        .then(|| Arc::new((0..case.deepstack_levels).map(|_| rows()).collect::<Vec<_>>()));
     let request = |ids: &Vec<u32>| Request {
         token_ids: ids.clone(),
         items: match case.grid.filter(|_| ids.contains(&IMAGE_PAD)) {
@@ -184,7 +207,12 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
     prop_assert_eq!(Some(&got.computed_positions), ran.as_ref().ok());
     let (main, warm) = (expanded(&case.main, tokens), expanded(&case.warm, tokens));
     let common = main.iter().zip(&warm).take_while(|(a, b)| a == b).count();
-    prop_assert!(got.num_cached_tokens <= common, "cached {} > common prefix {}", got.num_cached_tokens, common);
+    prop_assert!(
+        got.num_cached_tokens <= common,
+        "cached {} > common prefix {}",
+        got.num_cached_tokens,
+        common
+    );
     if !case.token_granular {
         prop_assert_eq!(got.num_cached_tokens % case.block_size, 0);
     }
@@ -204,12 +232,24 @@ proptest! {
 fn a_warm_prefix_is_actually_reused() -> Result<(), TestCaseError> {
     // Guards the property above against passing vacuously with nothing cached.
     let main: Vec<u32> = (1..40).collect();
-    let case = Case { kind: 1, block_size: 4, budget: 7, token_granular: true, warm: main[..30].to_vec(), main, grid: None, deepstack_levels: 0, seed: 9 };
+    let case = Case {
+        kind: 1,
+        block_size: 4,
+        budget: 7,
+        token_granular: true,
+        warm: main[..30].to_vec(),
+        main,
+        grid: None,
+        deepstack_levels: 0,
+        seed: 9,
+    };
     check(&case)?;
     let backend = CpuBackend::new();
-    let thinker = Arc::new(Thinker::random(&backend, model(1), 9).map_err(|e| TestCaseError::fail(e.to_string()))?);
+    let thinker =
+        Arc::new(Thinker::random(&backend, model(1), 9).map_err(|e| TestCaseError::fail(e.to_string()))?);
     let config = EngineConfig { block_size: 4, tokens: Some(OmniTokens::tiny()), ..Default::default() };
-    let mut engine = Engine::new(Arc::new(backend), thinker, config).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut engine =
+        Engine::new(Arc::new(backend), thinker, config).map_err(|e| TestCaseError::fail(e.to_string()))?;
     engine.run(Request::text(case.warm.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
     let out = engine.run(Request::text(case.main.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;
     // All 30 warm positions: 7 full blocks and the partly filled eighth.
@@ -239,5 +279,15 @@ fn deepstack_case(levels: usize) -> Case {
     let image = [VISION_START, IMAGE_PAD, VISION_END];
     let main = [&head[..], &image, &[20, 21, 22, 23, 24, 25]].concat();
     let warm = [&head[..], &image, &[30, 31, 32, 33]].concat();
-    Case { kind: 1, block_size: 4, budget: 3, token_granular: false, main, warm, grid: Some([1, 4, 12]), deepstack_levels: levels, seed: 5 }
+    Case {
+        kind: 1,
+        block_size: 4,
+        budget: 3,
+        token_granular: false,
+        main,
+        warm,
+        grid: Some([1, 4, 12]),
+        deepstack_levels: levels,
+        seed: 5,
+    }
 }

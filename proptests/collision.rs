@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{cases, pieces, ItemModel, Ledger, Oracle, Piece};
+use common::{ItemModel, Ledger, Oracle, Piece, cases, pieces};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use proptest::prelude::*;
@@ -109,7 +109,8 @@ fn exact_bytes_never_gives_a_wrong_hit() {
 #[test]
 fn unvalidated_fingerprints_do_give_wrong_hits() {
     let config = Config { cases: cases(256), ..Config::default() };
-    let mut runner = TestRunner::new_with_rng(config.clone(), TestRng::deterministic_rng(config.rng_algorithm));
+    let mut runner =
+        TestRunner::new_with_rng(config.clone(), TestRng::deterministic_rng(config.rng_algorithm));
     let (mut wrong, mut failures) = (0, 0);
     for _ in 0..config.cases {
         let s = scenario().new_tree(&mut runner).expect("strategy yields a value").current();

@@ -18,9 +18,9 @@ use omniprefix::Error;
 use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
+use omniprefix::error::RequestError;
 use omniprefix::index::ValidationPolicy;
 use proptest::prelude::*;
-use omniprefix::error::RequestError;
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -47,24 +47,30 @@ fn case() -> impl Strategy<Value = Case> {
         2 => [0u32..5, 0u32..5, 0u32..5],
         1 => [any::<u32>(), any::<u32>(), any::<u32>()],
     ];
-    let seconds = prop_oneof![Just(1.0f32), Just(0.5), Just(0.0), Just(-1.0), Just(f32::NAN), Just(f32::INFINITY)];
+    let seconds =
+        prop_oneof![Just(1.0f32), Just(0.5), Just(0.0), Just(-1.0), Just(f32::NAN), Just(f32::INFINITY)];
     let mel = prop_oneof![1u32..400, Just(0), any::<u32>()];
     (
-        (0u8..6, shape, prop::collection::vec(any::<u64>(), 1..16), prop::collection::vec((any::<usize>(), 0u8..5), 0..3)),
-        (prop_oneof![Just(0u8), Just(1), Just(2)], prop_oneof![8 => Just(3u8), 1 => 0u8..3], grid, seconds, mel, 0usize..4),
-    )
-        .prop_map(|((dtype, shape, raw, specials), (modality, layout_kind, grid, seconds, mel_frames, rotate))| Case {
-            dtype,
+        (
+            0u8..6,
             shape,
-            raw,
-            specials,
-            modality,
-            layout_kind,
+            prop::collection::vec(any::<u64>(), 1..16),
+            prop::collection::vec((any::<usize>(), 0u8..5), 0..3),
+        ),
+        (
+            prop_oneof![Just(0u8), Just(1), Just(2)],
+            prop_oneof![8 => Just(3u8), 1 => 0u8..3],
             grid,
             seconds,
-            mel_frames,
-            rotate,
-        })
+            mel,
+            0usize..4,
+        ),
+    )
+        .prop_map(
+            |((dtype, shape, raw, specials), (modality, layout_kind, grid, seconds, mel_frames, rotate))| {
+                Case { dtype, shape, raw, specials, modality, layout_kind, grid, seconds, mel_frames, rotate }
+            },
+        )
 }
 
 impl Case {
@@ -170,9 +176,17 @@ float_element!(f32, F32, |x: f32| x, |x: f32| x);
 float_element!(f16, F16, f16::from_f32, f16::to_f32);
 float_element!(bf16, BF16, bf16::from_f32, bf16::to_f32);
 
-fn identify<T: Element>(fp: &Fingerprinter, case: &Case, a: ArrayViewD<'_, T>) -> Result<ItemIdentity, Error> {
-    let spec =
-        ItemSpec { modality: case.modality(), layout: case.layout(), content: ItemContent::Tensor(T::view(a)), params: Default::default() };
+fn identify<T: Element>(
+    fp: &Fingerprinter,
+    case: &Case,
+    a: ArrayViewD<'_, T>,
+) -> Result<ItemIdentity, Error> {
+    let spec = ItemSpec {
+        modality: case.modality(),
+        layout: case.layout(),
+        content: ItemContent::Tensor(T::view(a)),
+        params: Default::default(),
+    };
     fp.identify(0, &spec)
 }
 
@@ -189,7 +203,13 @@ fn same(
             prop_assert_eq!(x.num_tokens, y.num_tokens);
         }
         (Err(x), Err(y)) => prop_assert_eq!(x.to_string(), y.to_string(), "{}: errors differ", what),
-        _ => return Err(TestCaseError::fail(format!("{what}: {:?} vs {:?}", a.as_ref().err(), b.as_ref().err()))),
+        _ => {
+            return Err(TestCaseError::fail(format!(
+                "{what}: {:?} vs {:?}",
+                a.as_ref().err(),
+                b.as_ref().err()
+            )));
+        }
     }
     Ok(())
 }
@@ -219,7 +239,9 @@ fn check<T: Element>(case: &Case, values: Vec<T>) -> Result<(), TestCaseError> {
     let filler = a.iter().next().copied().map(T::perturb);
     if let Some(filler) = filler {
         let mut wide = ArrayD::from_elem(IxDyn(&wide_shape), filler);
-        let every_other = |ax: ndarray::AxisDescription| if ax.axis.index() == 0 { Slice::new(0, None, 2) } else { Slice::from(..) };
+        let every_other = |ax: ndarray::AxisDescription| {
+            if ax.axis.index() == 0 { Slice::new(0, None, 2) } else { Slice::from(..) }
+        };
         wide.slice_each_axis_mut(every_other).assign(&a);
         same("stepped", &base, &identify(&fp, case, wide.slice_each_axis(every_other)))?;
     }

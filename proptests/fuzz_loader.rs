@@ -13,10 +13,10 @@ use std::path::{Path, PathBuf};
 
 use omniprefix::Error;
 use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::error::{CheckpointError, IoError};
 use omniprefix::model::{Config, SafetensorsSource, Thinker};
 use proptest::prelude::*;
 use serde_json::{Value, json};
-use omniprefix::error::{CheckpointError, IoError};
 
 const MODELS: [&str; 2] = ["fixtures/tiny/qwen3_dense", "fixtures/tiny/omni_thinker"];
 
@@ -45,8 +45,10 @@ fn load(config: &str, source: &SafetensorsSource) -> Result<(), Error> {
 
 /// JSON values of every type, sizes from tiny to absurd.
 fn value() -> impl Strategy<Value = Value> {
-    let sizes = vec![json!(1), json!(3), json!(16), json!(1u64 << 31), json!(1u64 << 40), json!(1.5), json!(-1e300)];
-    let specific = [json!("yarn"), json!([1, 2, 3]), json!({"rope_type": "mrope", "mrope_section": [1, 2, 3]})];
+    let sizes =
+        vec![json!(1), json!(3), json!(16), json!(1u64 << 31), json!(1u64 << 40), json!(1.5), json!(-1e300)];
+    let specific =
+        [json!("yarn"), json!([1, 2, 3]), json!({"rope_type": "mrope", "mrope_section": [1, 2, 3]})];
     // 16 fixed values and one random integer, each as likely as the others.
     prop_oneof![
         16 => fuzz_common::json_value([sizes, specific.to_vec()].concat()),
@@ -134,7 +136,8 @@ enum FileEdit {
 }
 
 fn file_edit() -> impl Strategy<Value = FileEdit> {
-    let dtypes = prop::sample::select(vec!["F32", "F16", "BF16", "F64", "I64", "I32", "U8", "BOOL", "F8_E4M3", "X"]);
+    let dtypes =
+        prop::sample::select(vec!["F32", "F16", "BF16", "F64", "I64", "I32", "U8", "BOOL", "F8_E4M3", "X"]);
     let dim = prop_oneof![4 => 0u64..300, 1 => any::<u64>()];
     prop_oneof![
         any::<usize>().prop_map(FileEdit::Truncate),
@@ -188,7 +191,9 @@ fn apply_file_edit(bytes: Vec<u8>, edit: &FileEdit) -> Vec<u8> {
             let Some((mut header, data)) = split(&bytes) else { return bytes };
             let Some(map) = header.as_object_mut() else { return bytes };
             let names: Vec<String> = map.keys().filter(|k| *k != "__metadata__").cloned().collect();
-            let Some(entry) = names.get(i % names.len().max(1)).and_then(|n| map.get_mut(n)) else { return bytes };
+            let Some(entry) = names.get(i % names.len().max(1)).and_then(|n| map.get_mut(n)) else {
+                return bytes;
+            };
             match edit {
                 FileEdit::Dtype(_, d) => entry["dtype"] = json!(d),
                 FileEdit::Shape(_, s) => entry["shape"] = json!(s),
@@ -202,7 +207,8 @@ fn apply_file_edit(bytes: Vec<u8>, edit: &FileEdit) -> Vec<u8> {
 }
 
 fn scratch_file() -> PathBuf {
-    let thread = format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_ascii_alphanumeric(), "");
+    let thread =
+        format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_ascii_alphanumeric(), "");
     std::env::temp_dir().join(format!("omniprefix-fuzz-loader-{}-{thread}.safetensors", std::process::id()))
 }
 
@@ -221,7 +227,8 @@ fn fuzz_safetensors_files() {
         let (config, original) = &originals[model];
         let bytes = edits.iter().fold(original.clone(), apply_file_edit);
         std::fs::write(&path, &bytes).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        let result = SafetensorsSource::open_files(std::slice::from_ref(&path)).and_then(|source| load(config, &source));
+        let result = SafetensorsSource::open_files(std::slice::from_ref(&path))
+            .and_then(|source| load(config, &source));
         if let Err(e) = result {
             prop_assert!(is_loader_error(&e), "unexpected error kind: {e:?}");
         }
@@ -243,11 +250,17 @@ fn regression_absurd_sizes_are_errors_not_panics() {
         ("num_experts", json!(1u64 << 40), "num_experts"),
         ("num_hidden_layers", json!(1u64 << 40), "num_hidden_layers"),
         ("moe_intermediate_size", json!(u64::MAX / 2), "moe_intermediate_size"),
-        ("rope_parameters", json!({"rope_type": "mrope", "mrope_section": [u64::MAX, 2, 2]}), "mrope_section"),
+        (
+            "rope_parameters",
+            json!({"rope_type": "mrope", "mrope_section": [u64::MAX, 2, 2]}),
+            "mrope_section",
+        ),
     ];
     for (field, value, named) in cases {
         let mut config: Value = serde_json::from_str(&text).unwrap_or_default();
-        let Some(Value::Object(map)) = config.pointer_mut("/thinker_config/text_config") else { panic!("omni config has a text config") };
+        let Some(Value::Object(map)) = config.pointer_mut("/thinker_config/text_config") else {
+            panic!("omni config has a text config")
+        };
         map.insert(field.into(), value.clone());
         let err = load(&config.to_string(), &source).err();
         assert!(

@@ -15,12 +15,12 @@ use std::sync::Arc;
 use omniprefix::Error;
 use omniprefix::canon::{FingerprintKey, Fingerprinter};
 use omniprefix::engine::PlaceholderForm;
+use omniprefix::error::{IoError, RequestError, RequestFileError};
 use omniprefix::index::ValidationPolicy;
 use omniprefix::prompt::{OmniTokens, PromptBuilder};
 use omniprefix::request_file::RequestFile;
 use proptest::prelude::*;
 use serde_json::{Value, json};
-use omniprefix::error::{IoError, RequestError, RequestFileError};
 
 /// A folder with `media.safetensors` (pixels u8 [8, 12, 3], emb f32 [6, 4],
 /// wave f32 [1600], mel f32 [2, 100]) that the request files point into.
@@ -105,14 +105,23 @@ fn parse_and_build(text: &str, path: &std::path::Path) -> Result<(), Error> {
     match request.placeholders {
         PlaceholderForm::Expanded => builder.extend_expanded(&request.token_ids, &items)?,
         PlaceholderForm::Unexpanded => builder.extend_unexpanded(&request.token_ids, &items, false)?,
-        PlaceholderForm::UnexpandedAudioInVideo => builder.extend_unexpanded(&request.token_ids, &items, true)?,
+        PlaceholderForm::UnexpandedAudioInVideo => {
+            builder.extend_unexpanded(&request.token_ids, &items, true)?
+        }
     };
     builder.build().map(|_| ())
 }
 
 /// JSON values of every type, and the names, counts and layouts a request file uses.
 fn value() -> impl Strategy<Value = Value> {
-    let names = vec![json!(500), json!(2.5), json!("pixels"), json!("wave"), json!("mel"), json!("../media.safetensors")];
+    let names = vec![
+        json!(500),
+        json!(2.5),
+        json!("pixels"),
+        json!("wave"),
+        json!("mel"),
+        json!("../media.safetensors"),
+    ];
     let layouts = [
         json!("video"),
         json!([1, 500, 2]),

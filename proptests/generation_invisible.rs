@@ -39,7 +39,8 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    let request = (0usize..24, prop::collection::vec(0u32..240, 1..10), 1usize..12, prop::option::of(0u64..1000));
+    let request =
+        (0usize..24, prop::collection::vec(0u32..240, 1..10), 1usize..12, prop::option::of(0u64..1000));
     (
         any::<bool>(),
         prop_oneof![Just(1usize), Just(2), Just(4), Just(16)],
@@ -50,23 +51,31 @@ fn case() -> impl Strategy<Value = Case> {
         prop::collection::vec(request, 1..6),
         any::<bool>(),
     )
-        .prop_map(|(moe, block_size, (budget, cap), seqs, spare_blocks, base, requests, follow_up)| Case {
-            moe,
-            block_size,
-            budget,
-            prefill_cap: cap.map(|c| 1 + (c - 1) % budget),
-            seqs,
-            spare_blocks,
-            base,
-            requests,
-            follow_up,
+        .prop_map(|(moe, block_size, (budget, cap), seqs, spare_blocks, base, requests, follow_up)| {
+            Case {
+                moe,
+                block_size,
+                budget,
+                prefill_cap: cap.map(|c| 1 + (c - 1) % budget),
+                seqs,
+                spare_blocks,
+                base,
+                requests,
+                follow_up,
+            }
         })
 }
 
 fn params(n: usize, seed: Option<u64>) -> SamplingParams {
     let greedy = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) };
     match seed {
-        Some(seed) => SamplingParams { temperature: 1.0, top_k: Some(20), top_p: Some(0.95), seed: Some(seed), ..greedy },
+        Some(seed) => SamplingParams {
+            temperature: 1.0,
+            top_k: Some(20),
+            top_p: Some(0.95),
+            seed: Some(seed),
+            ..greedy
+        },
         None => greedy,
     }
 }
@@ -95,7 +104,10 @@ fn fail(e: omniprefix::Error) -> TestCaseError {
 }
 
 /// Runs `prompts` on `engine` all at once, stepping to the end; generations by request order.
-fn run_all(engine: &mut Engine, prompts: &[(Vec<u32>, SamplingParams)]) -> Result<Vec<Output>, TestCaseError> {
+fn run_all(
+    engine: &mut Engine,
+    prompts: &[(Vec<u32>, SamplingParams)],
+) -> Result<Vec<Output>, TestCaseError> {
     for (p, s) in prompts {
         engine.submit(Request::text(p.clone()).generate(s.clone())).map_err(fail)?;
     }

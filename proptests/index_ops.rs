@@ -20,11 +20,11 @@ mod common;
 
 use std::collections::HashSet;
 
-use common::{cases, pieces, ItemModel, Ledger, Oracle, Piece, Truth};
-use omniprefix::index::radix::{RadixConfig, RadixIndex};
-use omniprefix::error::CacheError;
-use omniprefix::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};
+use common::{ItemModel, Ledger, Oracle, Piece, Truth, cases, pieces};
 use omniprefix::Error;
+use omniprefix::error::CacheError;
+use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
@@ -44,9 +44,25 @@ enum Op {
     /// fraction of its positions (`insert_partial`); `reuse` passes the ids a
     /// match returned for the cached part (as a scheduler does) instead of fresh ones;
     /// `lock` pins what the insert reports cached (as a scheduler's commit does).
-    Insert { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, frac: f64, reuse: bool, lock: bool, partial: bool },
+    Insert {
+        tenant: u64,
+        base: Index,
+        keep: usize,
+        extra: Vec<Piece>,
+        frac: f64,
+        reuse: bool,
+        lock: bool,
+        partial: bool,
+    },
     /// `lock` pins the match's first `pin` blocks (an `Index` over 0..=blocks).
-    Match { tenant: u64, base: Index, keep: usize, extra: Vec<Piece>, lock: bool, pin: Index },
+    Match {
+        tenant: u64,
+        base: Index,
+        keep: usize,
+        extra: Vec<Piece>,
+        lock: bool,
+        pin: Index,
+    },
     Unlock(Index),
     Evict(usize),
 }
@@ -70,7 +86,12 @@ fn op() -> impl Strategy<Value = Op> {
 /// The first `blocks` blocks of `m` (its tokens cut to match), keeping its handle.
 fn trimmed(m: PrefixMatch, blocks: usize) -> PrefixMatch {
     let tokens = m.tokens.min(blocks * BS);
-    PrefixMatch { tokens, aligned_tokens: tokens / BS * BS, blocks: m.blocks[..blocks].to_vec(), handle: m.handle }
+    PrefixMatch {
+        tokens,
+        aligned_tokens: tokens / BS * BS,
+        blocks: m.blocks[..blocks].to_vec(),
+        handle: m.handle,
+    }
 }
 
 /// The harness: the index under test plus everything needed to judge it.
@@ -166,7 +187,10 @@ impl Harness {
                                 && tokens > end
                                 && truth.get(..m.tokens) == t.get(..m.tokens)
                         });
-                        prop_assert!(justified, "insert of {tokens} refused with no locked partial block at {end}");
+                        prop_assert!(
+                            justified,
+                            "insert of {tokens} refused with no locked partial block at {end}"
+                        );
                         prop_assert_eq!(self.index.stats(), before, "a refused insert changes nothing");
                         self.free.extend(fresh);
                         self.index.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -176,7 +200,10 @@ impl Harness {
                 };
                 let fresh_set: HashSet<BlockId> = fresh.iter().copied().collect();
                 let mut returned: Vec<BlockId> = out.adopted.iter().chain(&out.duplicates).copied().collect();
-                prop_assert!(returned.iter().all(|b| fresh_set.contains(b)), "reused id handed back: {out:?}");
+                prop_assert!(
+                    returned.iter().all(|b| fresh_set.contains(b)),
+                    "reused id handed back: {out:?}"
+                );
                 returned.sort_unstable();
                 let mut expected = fresh.clone();
                 expected.sort_unstable();
@@ -202,7 +229,10 @@ impl Harness {
                 self.oracle.insert(*tenant, &truth[..tokens]);
                 // What insert reports cached is the prefix as a match would find it.
                 let cached = out.cached;
-                prop_assert_eq!((cached.tokens, cached.aligned_tokens, cached.blocks.len()), (tokens, tokens / BS * BS, k));
+                prop_assert_eq!(
+                    (cached.tokens, cached.aligned_tokens, cached.blocks.len()),
+                    (tokens, tokens / BS * BS, k)
+                );
                 self.ledger.check(*tenant, &truth, BS, &cached).map_err(TestCaseError::fail)?;
                 if *lock && k > 0 {
                     self.index.lock(&cached);
@@ -241,7 +271,11 @@ impl Harness {
                 }
                 if freed.len() < *n {
                     prop_assert!(self.index.evict(1).is_empty(), "evict stopped early");
-                    prop_assert_eq!(self.ledger.ids(), pinned, "run dry, the index must hold exactly the pinned blocks");
+                    prop_assert_eq!(
+                        self.ledger.ids(),
+                        pinned,
+                        "run dry, the index must hold exactly the pinned blocks"
+                    );
                 }
                 self.evicted_any |= !freed.is_empty();
                 self.free.extend(freed);

@@ -6,7 +6,9 @@
 
 use omniprefix::Result;
 use omniprefix::canon::{ItemLayout, Modality};
-use omniprefix::prompt::{CanonicalPrompt, OmniTokens, PositionKind, Positions, PromptBuilder, positions_from_atoms};
+use omniprefix::prompt::{
+    CanonicalPrompt, OmniTokens, PositionKind, Positions, PromptBuilder, positions_from_atoms,
+};
 use proptest::prelude::*;
 
 #[path = "../tests/support/items.rs"]
@@ -51,9 +53,12 @@ fn build(steps: &[Step], kind: PositionKind) -> Result<CanonicalPrompt> {
         }
         match s {
             Step::Text(ids) => b.push_text(ids)?,
-            Step::Image(g) => {
-                b.push_item(placeholder_item(&tokens, n as u128, Modality::Image, ItemLayout::Image { grid_thw: *g })?)?
-            }
+            Step::Image(g) => b.push_item(placeholder_item(
+                &tokens,
+                n as u128,
+                Modality::Image,
+                ItemLayout::Image { grid_thw: *g },
+            )?)?,
             Step::Video(g, s) => {
                 let layout = ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s };
                 b.push_item(placeholder_item(&tokens, n as u128, Modality::Video, layout)?)?

@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{cases, pieces, ItemModel, Oracle, Piece};
+use common::{ItemModel, Oracle, Piece, cases, pieces};
 use omniprefix::index::hashchain::HashChainIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::{EmbedRows, ScheduledBatch};
-use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::kv::BlockTable;
+use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::Positions;
 use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
 use proptest::prelude::*;
@@ -36,14 +36,18 @@ fn model(kind: usize) -> Config {
 fn prompt(cfg: &Config, len: usize, start: usize, rows: usize, rng: &mut ChaCha8Rng) -> PromptInputs {
     let token_ids = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
     let item = Array2::from_shape_fn((rows, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
-    let embeds = vec![EmbedRows { step_offset: start, embeddings: Arc::new(item), rows: 0..rows, deepstack: None }];
+    let embeds =
+        vec![EmbedRows { step_offset: start, embeddings: Arc::new(item), rows: 0..rows, deepstack: None }];
     let positions = match cfg.mrope_section {
         None => Positions::linear(len),
         Some(_) => {
             let grid = |p: usize, f: fn(usize) -> usize| -> i64 {
                 if (start..start + rows).contains(&p) { (start + f(p - start)) as i64 } else { p as i64 }
             };
-            Positions::given((0..len).map(|p| [grid(p, |_| 0), grid(p, |r| r / 3), grid(p, |r| r % 3)]).collect(), 0)
+            Positions::given(
+                (0..len).map(|p| [grid(p, |_| 0), grid(p, |r| r / 3), grid(p, |r| r % 3)]).collect(),
+                0,
+            )
         }
     };
     PromptInputs { token_ids, embeds, positions }

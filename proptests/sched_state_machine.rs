@@ -24,16 +24,16 @@ mod tiny_model;
 use std::collections::HashMap;
 
 use omniprefix::batch::{RequestId, ScheduledBatch};
+use omniprefix::canon::FingerprintKey;
+use omniprefix::events::Medium;
+use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
+use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::runner::{Outputs, PromptInputs, SeqOutput};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use omniprefix::{Error, backend::cpu::CpuPages};
 use proptest::prelude::*;
-use omniprefix::canon::FingerprintKey;
-use omniprefix::events::Medium;
-use omniprefix::index::block_hash::FleetHasher;
 use sched_driver::{EventConsumer, Machine, Op, Runner, op, scheduler_config};
-use omniprefix::prompt::CanonicalPrompt;
 use tiny_model::{IMAGE_UNIT, TEXT_IDS, TinyModel, equal_outputs, request};
 
 /// Schedule/complete rounds a drain may take before a request counts as stuck.
@@ -131,14 +131,19 @@ impl Runner for ModelRun<'_> {
                 }
             }
         }
-        prop_assert!(done.iter().all(|id| self.outputs.contains_key(id)), "a request completed without outputs");
+        prop_assert!(
+            done.iter().all(|id| self.outputs.contains_key(id)),
+            "a request completed without outputs"
+        );
         Ok(())
     }
 
     /// The request's cached-run outputs equal its uncached run.
     fn finishing(&mut self, id: RequestId) -> Result<(), TestCaseError> {
-        let got = self.outputs.remove(&id).ok_or_else(|| TestCaseError::fail(format!("no outputs for {id}")))?;
-        let inputs = self.inputs.get(&id).ok_or_else(|| TestCaseError::fail(format!("no inputs for {id}")))?;
+        let got =
+            self.outputs.remove(&id).ok_or_else(|| TestCaseError::fail(format!("no outputs for {id}")))?;
+        let inputs =
+            self.inputs.get(&id).ok_or_else(|| TestCaseError::fail(format!("no inputs for {id}")))?;
         let want: Outputs = self.model.uncached(inputs).map_err(fail)?;
         equal_outputs(&got, &want).map_err(|m| TestCaseError::fail(format!("request {id}: {m}")))
     }

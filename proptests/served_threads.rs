@@ -19,7 +19,9 @@
 
 use std::sync::Arc;
 
-use omniprefix::engine::{Engine, EngineConfig, Event, Output, Request, RequestHandle, ServedEngine, ServedOptions};
+use omniprefix::engine::{
+    Engine, EngineConfig, Event, Output, Request, RequestHandle, ServedEngine, ServedOptions,
+};
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::sample::SamplingParams;
 use proptest::prelude::*;
@@ -77,8 +79,20 @@ fn job() -> impl Strategy<Value = Job> {
         1 => Just(Reading::Drop),
         1 => Just(Reading::Later),
     ];
-    (0usize..16, prop::collection::vec(0u32..240, 1..8), prop_oneof![Just(0usize), 1usize..10], prop::option::of(0u64..100), reading)
-        .prop_map(|(shared, tail, generate, seed, reading)| Job { shared, tail, generate, seed, reading })
+    (
+        0usize..16,
+        prop::collection::vec(0u32..240, 1..8),
+        prop_oneof![Just(0usize), 1usize..10],
+        prop::option::of(0u64..100),
+        reading,
+    )
+        .prop_map(|(shared, tail, generate, seed, reading)| Job {
+            shared,
+            tail,
+            generate,
+            seed,
+            reading,
+        })
 }
 
 fn random_case() -> impl Strategy<Value = Case> {
@@ -88,7 +102,13 @@ fn random_case() -> impl Strategy<Value = Case> {
         0usize..6,
         prop_oneof![Just(1usize), Just(4), Just(256)],
     )
-        .prop_map(|(base, threads, spare_blocks, buffer_events)| Case { base, threads, spare_blocks, buffer_events, must_park: false })
+        .prop_map(|(base, threads, spare_blocks, buffer_events)| Case {
+            base,
+            threads,
+            spare_blocks,
+            buffer_events,
+            must_park: false,
+        })
 }
 
 /// One thread: a stream `held` read only after `next`, which cannot fit beside
@@ -107,11 +127,31 @@ fn held_case() -> impl Strategy<Value = Case> {
         (240u32..256, prop::collection::vec(0u32..240, 4..9), buffered, prop::option::of(0u64..100)),
         (prop::collection::vec(0u32..240, 1..8), 4usize..10, prop::option::of(0u64..100)),
     )
-        .prop_map(|(base, (first, rest, (buffer_events, generate), seed), (tail, next_generate, next_seed))| {
-            let held = Job { shared: 0, tail: [vec![first], rest].concat(), generate, seed, reading: Reading::Later };
-            let next = Job { shared: 16, tail, generate: next_generate, seed: next_seed, reading: Reading::ToTheEnd };
-            Case { base, threads: vec![vec![held, next]], spare_blocks: 0, buffer_events, must_park: true }
-        })
+        .prop_map(
+            |(base, (first, rest, (buffer_events, generate), seed), (tail, next_generate, next_seed))| {
+                let held = Job {
+                    shared: 0,
+                    tail: [vec![first], rest].concat(),
+                    generate,
+                    seed,
+                    reading: Reading::Later,
+                };
+                let next = Job {
+                    shared: 16,
+                    tail,
+                    generate: next_generate,
+                    seed: next_seed,
+                    reading: Reading::ToTheEnd,
+                };
+                Case {
+                    base,
+                    threads: vec![vec![held, next]],
+                    spare_blocks: 0,
+                    buffer_events,
+                    must_park: true,
+                }
+            },
+        )
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -143,7 +183,9 @@ fn request(base: &[u32], job: &Job) -> Request<'static> {
         return request;
     }
     let params = match job.seed {
-        Some(seed) => SamplingParams { temperature: 1.5, seed: Some(seed), ..SamplingParams::greedy(job.generate) },
+        Some(seed) => {
+            SamplingParams { temperature: 1.5, seed: Some(seed), ..SamplingParams::greedy(job.generate) }
+        }
         None => SamplingParams::greedy(job.generate),
     };
     request.generate(SamplingParams { ignore_eos: true, ..params })
@@ -170,7 +212,8 @@ fn run_thread(served: &ServedEngine, base: &[u32], jobs: &[Job]) -> Result<Vec<(
         }
     }
     for (job, mut handle) in later {
-        let out = read_to_the_end(&mut handle).map_err(|e| format!("{job:?}, read after the thread's other jobs: {e}"))?;
+        let out = read_to_the_end(&mut handle)
+            .map_err(|e| format!("{job:?}, read after the thread's other jobs: {e}"))?;
         outputs.push((job, out));
     }
     Ok(outputs)
@@ -196,10 +239,15 @@ fn read_to_the_end(handle: &mut RequestHandle) -> Result<Output, String> {
 fn check(case: &Case) -> Result<(), TestCaseError> {
     let fail = |e: String| TestCaseError::fail(e);
     // The largest request alone: its prompt and the positions its tokens take.
-    let largest = case.threads.iter().flatten().map(|j| j.shared + j.tail.len() + j.generate).max().unwrap_or(1);
+    let largest =
+        case.threads.iter().flatten().map(|j| j.shared + j.tail.len() + j.generate).max().unwrap_or(1);
     let num_blocks = largest.div_ceil(BLOCK) + case.spare_blocks;
     let engine = Engine::random(model(), 3, config(true, num_blocks)).map_err(|e| fail(e.to_string()))?;
-    let served = Arc::new(engine.serve(ServedOptions { buffer_events: case.buffer_events, ..ServedOptions::default() }).map_err(|e| fail(e.to_string()))?);
+    let served = Arc::new(
+        engine
+            .serve(ServedOptions { buffer_events: case.buffer_events, ..ServedOptions::default() })
+            .map_err(|e| fail(e.to_string()))?,
+    );
     let threads: Vec<_> = case
         .threads
         .iter()
@@ -210,12 +258,16 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
         .collect();
     let mut finished = Vec::new();
     for thread in threads {
-        finished.extend(thread.join().map_err(|_| fail("a submitting thread panicked".into()))?.map_err(fail)?);
+        finished
+            .extend(thread.join().map_err(|_| fail("a submitting thread panicked".into()))?.map_err(fail)?);
     }
     served.validate().map_err(|e| fail(e.to_string()))?;
     if case.must_park {
         let preemptions = served.stats().map_err(|e| fail(e.to_string()))?.sched.preemptions;
-        prop_assert!(preemptions > 0, "a request that cannot fit beside a held stream ran, yet nothing was parked or preempted");
+        prop_assert!(
+            preemptions > 0,
+            "a request that cannot fit beside a held stream ran, yet nothing was parked or preempted"
+        );
     }
     // Nothing pending: a reset is allowed only then.
     served.reset_cache().map_err(|e| fail(format!("after every thread joined: {e}")))?;

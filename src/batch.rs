@@ -143,7 +143,9 @@ impl ModelShape {
     /// its config names them (what a request must bring).
     pub(crate) fn deepstack_count_violation(&self, found: usize) -> Option<(&'static str, usize)> {
         match self.deepstack_levels {
-            Some(n) if found != n => Some(("number of levels (the checkpoint's deepstack_visual_indexes)", n)),
+            Some(n) if found != n => {
+                Some(("number of levels (the checkpoint's deepstack_visual_indexes)", n))
+            }
             _ => self.layer_violation(found),
         }
     }
@@ -152,7 +154,8 @@ impl ModelShape {
     /// levels than layers (all a hand-built batch must meet; the decoder adds
     /// any count up to its layers).
     pub(crate) fn layer_violation(&self, found: usize) -> Option<(&'static str, usize)> {
-        (found > self.num_layers).then_some(("number of levels (at most one per decoder layer)", self.num_layers))
+        (found > self.num_layers)
+            .then_some(("number of levels (at most one per decoder layer)", self.num_layers))
     }
 }
 

@@ -143,6 +143,9 @@ mod tests {
             assert_eq!(err.to_string(), format!("dtype `{name}`: expected auto, f32, bf16 or f16"));
             assert_eq!(Dtype::parse_or_auto(name), Err(err));
         }
-        assert_eq!("fp8".parse::<Dtype>().unwrap_err().to_string(), "dtype `fp8`: expected u8, i32, i64, f16, bf16 or f32");
+        assert_eq!(
+            "fp8".parse::<Dtype>().unwrap_err().to_string(),
+            "dtype `fp8`: expected u8, i32, i64, f16, bf16 or f32"
+        );
     }
 }

@@ -173,10 +173,14 @@ pub enum RequestError {
     #[error("position {position}: token id {token} is not below the vocab size {vocab_size}")]
     TokenOutOfVocab { position: usize, token: u32, vocab_size: u32 },
     /// A run of expanded placeholders whose length disagrees with its item's layout.
-    #[error("item {item} at position {position}: {found} placeholder tokens where its layout needs {expected}")]
+    #[error(
+        "item {item} at position {position}: {found} placeholder tokens where its layout needs {expected}"
+    )]
     PlaceholderCountMismatch { item: usize, position: usize, expected: usize, found: usize },
     /// A placeholder with no item of its modality left to fill it.
-    #[error("position {position}: {modality:?} placeholder but all {available} {modality:?} item(s) are used")]
+    #[error(
+        "position {position}: {modality:?} placeholder but all {available} {modality:?} item(s) are used"
+    )]
     MissingItem { position: usize, modality: Modality, available: usize },
     /// Items that no placeholder asked for.
     #[error("{count} {modality:?} item(s) have no placeholder; first unused is item {first}")]
@@ -199,14 +203,23 @@ pub enum RequestError {
 
     // ---- embeddings ----
     /// An item that brought no embeddings, missed the encoder cache and had no encoder to run.
-    #[error("item {item}: no embeddings given, none cached for its fingerprint and no encoder to compute them")]
+    #[error(
+        "item {item}: no embeddings given, none cached for its fingerprint and no encoder to compute them"
+    )]
     MissingEmbeddings { item: usize },
     /// A request's embeddings disagree with its prompt's items or index map.
     #[error("{}item {item}: {what} is {found}, expected {expected}", Named(*.id))]
     EmbeddingMismatch { id: Option<u64>, item: usize, what: &'static str, expected: usize, found: usize },
     /// An item's DeepStack rows disagree with its embeddings, the other items or the model.
     #[error("{}item {item}, DeepStack level {level}: {what} is {found}, expected {expected}", Named(*.id))]
-    DeepStackMismatch { id: Option<u64>, item: usize, level: usize, what: &'static str, expected: usize, found: usize },
+    DeepStackMismatch {
+        id: Option<u64>,
+        item: usize,
+        level: usize,
+        what: &'static str,
+        expected: usize,
+        found: usize,
+    },
 
     // ---- admission ----
     /// A sequence longer than the model's context: the prompt plus the
@@ -350,9 +363,18 @@ pub enum ConfigError {
 impl ConfigError {
     /// `Ok` for a positive `value` of `component`'s `field` (a block size, a
     /// per-step limit), else [`ConfigError::Invalid`].
-    pub fn require_positive(component: &'static str, field: &'static str, value: usize) -> Result<(), ConfigError> {
+    pub fn require_positive(
+        component: &'static str,
+        field: &'static str,
+        value: usize,
+    ) -> Result<(), ConfigError> {
         if value == 0 {
-            return Err(ConfigError::Invalid { component, field, expected: "positive".into(), found: "0".into() });
+            return Err(ConfigError::Invalid {
+                component,
+                field,
+                expected: "positive".into(),
+                found: "0".into(),
+            });
         }
         Ok(())
     }

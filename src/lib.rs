@@ -44,21 +44,21 @@ pub mod engine;
 pub mod error;
 pub mod events;
 pub mod index;
-pub mod preprocess;
 pub mod kv;
 mod modality;
-pub mod request_file;
-pub mod prompt;
-pub mod sched;
 pub mod model;
+pub mod preprocess;
+pub mod prompt;
+pub mod request_file;
 pub mod runner;
 pub mod sample;
+pub mod sched;
 
-pub use engine::{
-    Encoder, EncoderOutput, Engine, EngineConfig, Event, ItemInput, Output, Request, RequestHandle, ServedEngine, ServedOptions,
-    Task, TokenEvent,
-};
 pub use dtype::{Dtype, UnknownDtype};
+pub use engine::{
+    Encoder, EncoderOutput, Engine, EngineConfig, Event, ItemInput, Output, Request, RequestHandle,
+    ServedEngine, ServedOptions, Task, TokenEvent,
+};
 pub use error::{Error, Result};
 pub use model::Config;
 pub use sample::SamplingParams;

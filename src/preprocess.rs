@@ -104,7 +104,11 @@ impl Preprocessor {
     /// Fingerprints every item, then expands the placeholders and computes
     /// positions. Any bad item or id is a typed error naming it.
     pub fn preprocess(&self, request: &RawRequest<'_>) -> Result<CanonicalPrompt> {
-        let form = if request.audio_in_video { PlaceholderForm::UnexpandedAudioInVideo } else { PlaceholderForm::Unexpanded };
+        let form = if request.audio_in_video {
+            PlaceholderForm::UnexpandedAudioInVideo
+        } else {
+            PlaceholderForm::Unexpanded
+        };
         self.canonicalise(self.tenant, request.token_ids, form, &request.items)
     }
 
@@ -123,7 +127,8 @@ impl Preprocessor {
             .enumerate()
             .map(|(index, item)| self.fingerprinter.identify(index, item).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
-        let mut builder = PromptBuilder::new(self.tokens.clone()).with_tenant(tenant).with_positions(self.positions);
+        let mut builder =
+            PromptBuilder::new(self.tokens.clone()).with_tenant(tenant).with_positions(self.positions);
         match form {
             PlaceholderForm::Expanded => builder.extend_expanded(token_ids, &items)?,
             PlaceholderForm::Unexpanded => builder.extend_unexpanded(token_ids, &items, false)?,
@@ -173,7 +178,10 @@ mod tests {
         let wave = Array1::from_elem(160, f32::NAN);
         let ids = [7, 505, 502, 506];
         let nan = RawRequest { token_ids: &ids, items: vec![audio(&wave, 100)], audio_in_video: false };
-        assert!(matches!(preprocessor(0)?.preprocess(&nan), Err(Error::Request(RequestError::NonFinite { item: 0, .. }))));
+        assert!(matches!(
+            preprocessor(0)?.preprocess(&nan),
+            Err(Error::Request(RequestError::NonFinite { item: 0, .. }))
+        ));
         let missing = RawRequest { token_ids: &ids, items: vec![], audio_in_video: false };
         assert!(matches!(
             preprocessor(0)?.preprocess(&missing),

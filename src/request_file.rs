@@ -150,8 +150,10 @@ impl RequestFile {
 
     /// Parses request JSON whose tensor files are relative to `path`'s folder.
     pub fn parse(json: &str, path: &Path) -> Result<Self> {
-        let raw: RawFile = serde_json::from_str(json)
-            .map_err(|e| RequestFileError::Format { path: path.display().to_string(), message: e.to_string() })?;
+        let raw: RawFile = serde_json::from_str(json).map_err(|e| RequestFileError::Format {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
         let base = path.parent().unwrap_or(Path::new("."));
         let mut files = TensorFiles::default();
         let mut segments = Vec::with_capacity(raw.segments.len());
@@ -178,7 +180,13 @@ impl RequestFile {
                 }
             }
         }
-        Ok(RequestFile { tenant: raw.tenant, expanded: raw.expanded, audio_in_video: raw.audio_in_video, segments, items })
+        Ok(RequestFile {
+            tenant: raw.tenant,
+            expanded: raw.expanded,
+            audio_in_video: raw.audio_in_video,
+            segments,
+            items,
+        })
     }
 
     /// The engine request, borrowing the loaded tensors; unexpanded item
@@ -234,11 +242,14 @@ impl TensorFiles {
             self.bytes.insert(path.clone(), data);
         }
         let data = self.bytes.get(&path).map(Vec::as_slice).unwrap_or_default();
-        let st = SafeTensors::deserialize(data)
-            .map_err(|e| RequestFileError::Safetensors { path: path.display().to_string(), message: e.to_string() })?;
-        let view = st
-            .tensor(&r.tensor)
-            .map_err(|_| RequestFileError::TensorNotInFile { path: path.display().to_string(), tensor: r.tensor.clone() })?;
+        let st = SafeTensors::deserialize(data).map_err(|e| RequestFileError::Safetensors {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let view = st.tensor(&r.tensor).map_err(|_| RequestFileError::TensorNotInFile {
+            path: path.display().to_string(),
+            tensor: r.tensor.clone(),
+        })?;
         Ok((view.dtype(), view.shape().to_vec(), view.data().to_vec()))
     }
 
@@ -247,13 +258,28 @@ impl TensorFiles {
         let shaped = |e: ndarray::ShapeError| self::shape_error(base, r, e);
         Ok(match dtype {
             StDtype::U8 => OwnedTensor::U8(ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(shaped)?),
-            StDtype::I32 => OwnedTensor::I32(ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?),
-            StDtype::I64 => OwnedTensor::I64(ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?),
-            StDtype::F16 => OwnedTensor::F16(ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?),
-            StDtype::BF16 => OwnedTensor::BF16(ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?),
-            StDtype::F32 => OwnedTensor::F32(ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?),
+            StDtype::I32 => OwnedTensor::I32(
+                ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?,
+            ),
+            StDtype::I64 => OwnedTensor::I64(
+                ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?,
+            ),
+            StDtype::F16 => OwnedTensor::F16(
+                ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?,
+            ),
+            StDtype::BF16 => OwnedTensor::BF16(
+                ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?,
+            ),
+            StDtype::F32 => OwnedTensor::F32(
+                ArrayD::from_shape_vec(IxDyn(&shape), bytemuck::pod_collect_to_vec(&data)).map_err(shaped)?,
+            ),
             other => {
-                return Err(request_tensor(base, r, "dtype u8, i32, i64, f16, bf16 or f32".into(), format!("{other:?}")));
+                return Err(request_tensor(
+                    base,
+                    r,
+                    "dtype u8, i32, i64, f16, bf16 or f32".into(),
+                    format!("{other:?}"),
+                ));
             }
         })
     }
@@ -263,9 +289,20 @@ impl TensorFiles {
         let (dtype, shape, data) = self.tensor(base, r)?;
         let values: Vec<f32> = match dtype {
             StDtype::F32 => bytemuck::pod_collect_to_vec(&data),
-            StDtype::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(&data).into_iter().map(f32::from).collect(),
-            StDtype::BF16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(&data).into_iter().map(f32::from).collect(),
-            other => return Err(request_tensor(base, r, format!("{what} in f32, f16 or bf16"), format!("dtype {other:?}"))),
+            StDtype::F16 => {
+                bytemuck::pod_collect_to_vec::<u8, half::f16>(&data).into_iter().map(f32::from).collect()
+            }
+            StDtype::BF16 => {
+                bytemuck::pod_collect_to_vec::<u8, half::bf16>(&data).into_iter().map(f32::from).collect()
+            }
+            other => {
+                return Err(request_tensor(
+                    base,
+                    r,
+                    format!("{what} in f32, f16 or bf16"),
+                    format!("dtype {other:?}"),
+                ));
+            }
         };
         Ok((shape, values))
     }
@@ -274,19 +311,33 @@ impl TensorFiles {
     fn embeddings(&mut self, base: &Path, r: &TensorRef) -> Result<Array2<f32>> {
         let (shape, values) = self.floats(base, r, "embeddings")?;
         let &[rows, cols] = shape.as_slice() else {
-            return Err(request_tensor(base, r, "embeddings of shape [rows, hidden]".into(), format!("shape {shape:?}")));
+            return Err(request_tensor(
+                base,
+                r,
+                "embeddings of shape [rows, hidden]".into(),
+                format!("shape {shape:?}"),
+            ));
         };
         Array2::from_shape_vec((rows, cols), values).map_err(|e| shape_error(base, r, e))
     }
 
     /// DeepStack levels `[levels, rows, hidden]` (at least one level) of an item whose
     /// embeddings are `[rows, hidden]`, split into one matrix per level.
-    fn deepstack(&mut self, base: &Path, r: &TensorRef, (rows, cols): (usize, usize)) -> Result<Vec<Array2<f32>>> {
+    fn deepstack(
+        &mut self,
+        base: &Path,
+        r: &TensorRef,
+        (rows, cols): (usize, usize),
+    ) -> Result<Vec<Array2<f32>>> {
         let (shape, values) = self.floats(base, r, "DeepStack levels")?;
         let levels = match shape.as_slice() {
-            &[levels, level_rows, level_cols] if levels > 0 && level_rows == rows && level_cols == cols => levels,
+            &[levels, level_rows, level_cols] if levels > 0 && level_rows == rows && level_cols == cols => {
+                levels
+            }
             _ => {
-                let expected = format!("DeepStack of shape [levels >= 1, {rows}, {cols}] (the embeddings' rows and hidden)");
+                let expected = format!(
+                    "DeepStack of shape [levels >= 1, {rows}, {cols}] (the embeddings' rows and hidden)"
+                );
                 return Err(request_tensor(base, r, expected, format!("shape {shape:?}")));
             }
         };
@@ -301,7 +352,13 @@ impl TensorFiles {
 }
 
 fn request_tensor(base: &Path, r: &TensorRef, expected: String, found: String) -> Error {
-    RequestFileError::Tensor { path: base.join(&r.file).display().to_string(), tensor: r.tensor.clone(), expected, found }.into()
+    RequestFileError::Tensor {
+        path: base.join(&r.file).display().to_string(),
+        tensor: r.tensor.clone(),
+        expected,
+        found,
+    }
+    .into()
 }
 
 fn shape_error(base: &Path, r: &TensorRef, e: ndarray::ShapeError) -> Error {

@@ -22,12 +22,14 @@ use std::sync::Arc;
 use ndarray::{Array2, s};
 
 use crate::backend::{AttnSeq, Backend, Dtype, PagesSpec, RopePositions};
-use crate::batch::{self, BlockCopy, EmbedRows, LevelMismatch, ModelShape, RequestId, ScheduledBatch, ScheduledSeq};
+use crate::batch::{
+    self, BlockCopy, EmbedRows, LevelMismatch, ModelShape, RequestId, ScheduledBatch, ScheduledSeq,
+};
+use crate::error::{BackendError, Component, RunnerError};
 use crate::kv::{BlockId, BlockTable};
 use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
 use crate::prompt::{Positions, out_of_vocab};
 use crate::{Error, Result};
-use crate::error::{BackendError, Component, RunnerError};
 
 /// What a sequence whose step ended at its `seq_len` returns.
 #[derive(Debug, Clone)]
@@ -80,7 +82,10 @@ impl<B: Backend> ModelRunner<B> {
 
     /// Page sizes this runner needs for `num_blocks` blocks of `block_size` positions.
     pub fn pages_spec(&self, num_blocks: usize, block_size: usize) -> PagesSpec {
-        PagesSpec { kv_dtype: self.kv_dtype, ..pages_spec(&self.thinker, &self.capture, num_blocks, block_size) }
+        PagesSpec {
+            kv_dtype: self.kv_dtype,
+            ..pages_spec(&self.thinker, &self.capture, num_blocks, block_size)
+        }
     }
 
     /// Allocates zero-filled pages of [`ModelRunner::pages_spec`].
@@ -117,7 +122,11 @@ impl<B: Backend> ModelRunner<B> {
     /// this runner's model ([`Scheduler::with_model`](crate::sched::Scheduler::with_model))
     /// on pages this runner allocated: well-formed by construction, so only
     /// debug builds check it.
-    pub(crate) fn execute_scheduled(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
+    pub(crate) fn execute_scheduled(
+        &self,
+        batch: &ScheduledBatch,
+        pages: &mut B::Pages,
+    ) -> Result<Vec<SeqOutput>> {
         debug_assert!(
             check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages)).is_ok(),
             "a scheduled batch is well-formed by construction"
@@ -126,7 +135,12 @@ impl<B: Backend> ModelRunner<B> {
     }
 }
 
-fn pages_spec<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, num_blocks: usize, block_size: usize) -> PagesSpec {
+fn pages_spec<B: Backend>(
+    thinker: &Thinker<B>,
+    capture: &CaptureSpec,
+    num_blocks: usize,
+    block_size: usize,
+) -> PagesSpec {
     let c = thinker.config();
     PagesSpec {
         num_layers: c.num_hidden_layers,
@@ -157,7 +171,12 @@ impl PromptInputs {
     ///
     /// Errors with [`RunnerError::InvalidBatch`] when the range leaves the prompt, the table
     /// cannot hold it, or the positions do not cover the prompt.
-    pub fn step(&self, request: RequestId, block_table: BlockTable, range: Range<usize>) -> Result<ScheduledSeq> {
+    pub fn step(
+        &self,
+        request: RequestId,
+        block_table: BlockTable,
+        range: Range<usize>,
+    ) -> Result<ScheduledSeq> {
         let len = self.token_ids.len();
         let bad = |what: String| Err(Error::Runner(RunnerError::InvalidBatch { request, what }));
         if range.start > range.end || range.end > len {
@@ -165,7 +184,10 @@ impl PromptInputs {
         }
         if !block_table.covers(range.end) {
             let (blocks, bs) = (block_table.len(), block_table.block_size());
-            return bad(format!("block table of {blocks} blocks of {bs} cannot hold {} positions", range.end));
+            return bad(format!(
+                "block table of {blocks} blocks of {bs} cannot hold {} positions",
+                range.end
+            ));
         }
         if self.positions.len() != len {
             return bad(format!("positions do not cover the prompt of {len} positions"));
@@ -206,7 +228,10 @@ pub fn run_uncached<B: Backend>(
     let mut pages = backend.alloc_pages(pages_spec(thinker, &capture, num_blocks, UNCACHED_BLOCK))?;
     check_batch(thinker, &capture, &batch, &backend.pages_spec(&pages))?;
     let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, all_logits)?;
-    let out = step.outputs.pop().ok_or_else(|| Component::Runner.violation("a whole-prompt step returned no output"))?;
+    let out = step
+        .outputs
+        .pop()
+        .ok_or_else(|| Component::Runner.violation("a whole-prompt step returned no output"))?;
     Ok(Outputs { hidden: out.hidden, last_logits: out.last_logits, logits: step.all_logits })
 }
 
@@ -222,15 +247,24 @@ fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result
     let n = seq.token_ids.len();
     let end = seq.num_computed_tokens.saturating_add(n);
     if end > seq.seq_len {
-        return bad(format!("{} computed + {n} new tokens exceed seq_len {}", seq.num_computed_tokens, seq.seq_len));
+        return bad(format!(
+            "{} computed + {n} new tokens exceed seq_len {}",
+            seq.num_computed_tokens, seq.seq_len
+        ));
     }
     if seq.emits_output && (end != seq.seq_len || n == 0 || seq.output_from > end) {
         let (len, from) = (seq.seq_len, seq.output_from);
-        return bad(format!("emits output from {from} but the step ends at {end} of {len} with {n} new tokens"));
+        return bad(format!(
+            "emits output from {from} but the step ends at {end} of {len} with {n} new tokens"
+        ));
     }
     let table = &seq.block_table;
     if table.block_size() != spec.block_size {
-        return bad(format!("block table of {}-position blocks for pages of {}", table.block_size(), spec.block_size));
+        return bad(format!(
+            "block table of {}-position blocks for pages of {}",
+            table.block_size(),
+            spec.block_size
+        ));
     }
     let needed = if seq.emits_output { seq.seq_len } else { end };
     if !table.covers(needed) {
@@ -249,38 +283,72 @@ fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result
         let rows = e.rows.len();
         if e.rows.end > e.embeddings.nrows() || e.step_offset.saturating_add(rows) > n {
             let (total, at) = (e.embeddings.nrows(), e.step_offset);
-            return bad(format!("item rows {:?} (of {total}) at step offset {at} do not fit {n} new tokens", e.rows));
+            return bad(format!(
+                "item rows {:?} (of {total}) at step offset {at} do not fit {n} new tokens",
+                e.rows
+            ));
         }
         if e.embeddings.ncols() != model.hidden_size {
-            return bad(format!("item embeddings have {} columns, the model {}", e.embeddings.ncols(), model.hidden_size));
+            return bad(format!(
+                "item embeddings have {} columns, the model {}",
+                e.embeddings.ncols(),
+                model.hidden_size
+            ));
         }
         let levels = e.deepstack.as_deref().map_or(&[][..], Vec::as_slice);
         if let Some((what, expected)) = model.layer_violation(levels.len()) {
             return bad(format!("{} DeepStack levels; {what}: {expected}", levels.len()));
         }
         let (rows, cols) = e.embeddings.dim();
-        if let Some(LevelMismatch { level, what, expected, found }) = LevelMismatch::first(levels, rows, Some(cols)) {
-            return bad(format!("DeepStack level {level} has {found} {what}, the item embeddings {expected}"));
+        if let Some(LevelMismatch { level, what, expected, found }) =
+            LevelMismatch::first(levels, rows, Some(cols))
+        {
+            return bad(format!(
+                "DeepStack level {level} has {found} {what}, the item embeddings {expected}"
+            ));
         }
     }
     Ok(())
 }
 
 /// Checks the pages fit the model and every copy and sequence is valid.
-fn check_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch: &ScheduledBatch, spec: &PagesSpec) -> Result<()> {
+fn check_batch<B: Backend>(
+    thinker: &Thinker<B>,
+    capture: &CaptureSpec,
+    batch: &ScheduledBatch,
+    spec: &PagesSpec,
+) -> Result<()> {
     // Pages in any K/V element type serve the same model.
-    let want = PagesSpec { kv_dtype: spec.kv_dtype, ..pages_spec(thinker, capture, spec.num_blocks, spec.block_size) };
+    let want = PagesSpec {
+        kv_dtype: spec.kv_dtype,
+        ..pages_spec(thinker, capture, spec.num_blocks, spec.block_size)
+    };
     if *spec != want || spec.block_size == 0 {
         return Err(BackendError::OpShape {
             op: "execute",
             what: "pages",
             expected: format!("{want:?} with block_size > 0"),
-            found: vec![spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, spec.captured, spec.hidden],
-        }.into());
+            found: vec![
+                spec.num_layers,
+                spec.num_blocks,
+                spec.block_size,
+                spec.kv_heads,
+                spec.head_dim,
+                spec.captured,
+                spec.hidden,
+            ],
+        }
+        .into());
     }
     for BlockCopy { src, dst } in &batch.copies {
         if let Some(b) = [src, dst].into_iter().find(|&&b| b as usize >= spec.num_blocks) {
-            return Err(BackendError::OpIndex { op: "execute", what: "copy block", index: *b as i64, bound: spec.num_blocks }.into());
+            return Err(BackendError::OpIndex {
+                op: "execute",
+                what: "copy block",
+                index: *b as i64,
+                bound: spec.num_blocks,
+            }
+            .into());
         }
     }
     let model = ModelShape::of(thinker.config());
@@ -288,7 +356,12 @@ fn check_batch<B: Backend>(thinker: &Thinker<B>, capture: &CaptureSpec, batch: &
 }
 
 /// Embeds all new tokens of the step and scatters item rows over their placeholders.
-fn embed_step<B: Backend>(thinker: &Thinker<B>, backend: &B, batch: &ScheduledBatch, starts: &[usize]) -> Result<B::Tensor> {
+fn embed_step<B: Backend>(
+    thinker: &Thinker<B>,
+    backend: &B,
+    batch: &ScheduledBatch,
+    starts: &[usize],
+) -> Result<B::Tensor> {
     let ids: Vec<u32> = batch.seqs.iter().flat_map(|s| s.token_ids.iter().copied()).collect();
     let mut x = thinker.embed(backend, &ids)?;
     for (seq, &start) in batch.seqs.iter().zip(starts) {
@@ -304,7 +377,13 @@ fn embed_step<B: Backend>(thinker: &Thinker<B>, backend: &B, batch: &ScheduledBa
 
 /// Adds DeepStack level `level` of every item row of the step to `x` (after
 /// decoder layer `level`): one gather, add and scatter over all sequences.
-fn add_deepstack<B: Backend>(backend: &B, x: &mut B::Tensor, batch: &ScheduledBatch, starts: &[usize], level: usize) -> Result<()> {
+fn add_deepstack<B: Backend>(
+    backend: &B,
+    x: &mut B::Tensor,
+    batch: &ScheduledBatch,
+    starts: &[usize],
+    level: usize,
+) -> Result<()> {
     let mut rows = Vec::new();
     let mut parts = Vec::new();
     for (seq, &start) in batch.seqs.iter().zip(starts) {
@@ -319,8 +398,9 @@ fn add_deepstack<B: Backend>(backend: &B, x: &mut B::Tensor, batch: &ScheduledBa
         return Ok(());
     }
     // Every level has its item's embedding width (checked before the step runs).
-    let host = ndarray::concatenate(ndarray::Axis(0), &parts)
-        .map_err(|err| Component::Runner.violation(format!("DeepStack rows of one level differ in width: {err}")))?;
+    let host = ndarray::concatenate(ndarray::Axis(0), &parts).map_err(|err| {
+        Component::Runner.violation(format!("DeepStack rows of one level differ in width: {err}"))
+    })?;
     let mut selected = backend.gather_rows(x, &rows)?;
     backend.add(&mut selected, &backend.upload(host.view())?)?;
     backend.scatter_rows(x, &rows, &selected)
@@ -370,7 +450,13 @@ fn run_step<B: Backend>(
 
     let mut x = embed_step(thinker, backend, batch, &starts)?;
     let num_layers = thinker.config().num_hidden_layers;
-    let levels = batch.seqs.iter().flat_map(|s| &s.embeds).filter_map(|e| e.deepstack.as_ref().map(|d| d.len())).max().unwrap_or(0);
+    let levels = batch
+        .seqs
+        .iter()
+        .flat_map(|s| &s.embeds)
+        .filter_map(|e| e.deepstack.as_ref().map(|d| d.len()))
+        .max()
+        .unwrap_or(0);
     for layer in 0..=num_layers {
         if let Some(c) = capture.index_of(CaptureName::Hidden(layer)) {
             backend.write_hidden(pages, c, &x, &slots)?;
@@ -386,7 +472,8 @@ fn run_step<B: Backend>(
     }
 
     let final_slot = capture.index_of(CaptureName::Final);
-    let normed = if final_slot.is_some() || all_logits { Some(thinker.final_norm(backend, &x)?) } else { None };
+    let normed =
+        if final_slot.is_some() || all_logits { Some(thinker.final_norm(backend, &x)?) } else { None };
     if let (Some(c), Some(normed)) = (final_slot, &normed) {
         backend.write_hidden(pages, c, normed, &slots)?;
     }
@@ -397,7 +484,9 @@ fn run_step<B: Backend>(
     let last_logits = match (&normed, last_rows.is_empty()) {
         (_, true) => None,
         (Some(n), false) => Some(thinker.logits(backend, &backend.gather_rows(n, &last_rows)?)?),
-        (None, false) => Some(thinker.logits(backend, &thinker.final_norm(backend, &backend.gather_rows(&x, &last_rows)?)?)?),
+        (None, false) => Some(
+            thinker.logits(backend, &thinker.final_norm(backend, &backend.gather_rows(&x, &last_rows)?)?)?,
+        ),
     };
     let mut hidden = Vec::with_capacity(emitting.len() * capture.points().len());
     for &i in &emitting {
@@ -416,7 +505,13 @@ fn run_step<B: Backend>(
     let asked = reads.len();
     let host = backend.take_to_host(reads)?;
     if host.len() != asked {
-        return Err(BackendError::OpCount { op: "take_to_host", what: "matrices", expected: asked, found: host.len() }.into());
+        return Err(BackendError::OpCount {
+            op: "take_to_host",
+            what: "matrices",
+            expected: asked,
+            found: host.len(),
+        }
+        .into());
     }
     let mut host = host.into_iter();
     let vocab = thinker.config().vocab_size;
@@ -426,7 +521,13 @@ fn run_step<B: Backend>(
     };
     if last_logits.dim() != (emitting.len(), vocab) {
         let found = last_logits.shape().to_vec();
-        return Err(BackendError::OpShape { op: "take_to_host", what: "last logits", expected: format!("[{}, {vocab}]", emitting.len()), found }.into());
+        return Err(BackendError::OpShape {
+            op: "take_to_host",
+            what: "last logits",
+            expected: format!("[{}, {vocab}]", emitting.len()),
+            found,
+        }
+        .into());
     }
     let outputs = emitting
         .iter()
@@ -459,12 +560,21 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let token_ids: Vec<u32> = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
         let item = Array2::from_shape_fn((rows + 2, cfg.hidden_size), |_| rng.random::<f32>() * 2.0 - 1.0);
-        let embeds = vec![EmbedRows { step_offset: 3, embeddings: Arc::new(item), rows: 1..rows + 1, deepstack: None }];
+        let embeds = vec![EmbedRows {
+            step_offset: 3,
+            embeddings: Arc::new(item),
+            rows: 1..rows + 1,
+            deepstack: None,
+        }];
         let grid = (0..len as i64).map(|p| {
             let r = p - 3;
             if (3..3 + rows as i64).contains(&p) { [3, 3 + r / 2, 3 + r % 2] } else { [p; 3] }
         });
-        let positions = if cfg.mrope_section.is_some() { Positions::given(grid.collect(), 0) } else { Positions::linear(len) };
+        let positions = if cfg.mrope_section.is_some() {
+            Positions::given(grid.collect(), 0)
+        } else {
+            Positions::linear(len)
+        };
         PromptInputs { token_ids, embeds, positions }
     }
 
@@ -473,7 +583,11 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         for e in &mut p.embeds {
             let dim = e.embeddings.dim();
-            e.deepstack = Some(Arc::new((0..levels).map(|_| Array2::from_shape_fn(dim, |_| rng.random::<f32>() * 2.0 - 1.0)).collect()));
+            e.deepstack = Some(Arc::new(
+                (0..levels)
+                    .map(|_| Array2::from_shape_fn(dim, |_| rng.random::<f32>() * 2.0 - 1.0))
+                    .collect(),
+            ));
         }
         p
     }
@@ -513,13 +627,22 @@ mod tests {
         let backend = Arc::new(CpuBackend::new());
         let n = cfg.num_hidden_layers;
         let thinker = Arc::new(Thinker::random(&*backend, cfg, seed).unwrap());
-        let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(1), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
+        let capture = CaptureSpec::new(
+            [CaptureName::Hidden(0), CaptureName::Hidden(1), CaptureName::Hidden(n), CaptureName::Final],
+            n,
+        )
+        .unwrap();
         ModelRunner::new(backend, thinker, capture).unwrap()
     }
 
     /// Runs prompt `p` (23 positions) as request 7 in chunks ending at `cuts`, over
     /// a shuffled block table of fresh pages; returns the last step's outputs.
-    fn run_in_chunks(r: &ModelRunner<CpuBackend>, p: &PromptInputs, cuts: &[usize], rng: &mut ChaCha8Rng) -> Vec<SeqOutput> {
+    fn run_in_chunks(
+        r: &ModelRunner<CpuBackend>,
+        p: &PromptInputs,
+        cuts: &[usize],
+        rng: &mut ChaCha8Rng,
+    ) -> Vec<SeqOutput> {
         let mut blocks: Vec<u32> = (0..12).collect();
         blocks.shuffle(rng);
         let table = &blocks[..23usize.div_ceil(BS)];
@@ -567,7 +690,11 @@ mod tests {
             assert_eq!(want.hidden[1].1, without.hidden[1].1, "config {ci}: hidden.1");
             let last = &want.hidden[2].1;
             assert_ne!(last.row(4), without.hidden[2].1.row(4), "config {ci}: item row after the adds");
-            assert_eq!(last.row(2), without.hidden[2].1.row(2), "config {ci}: rows before the item see no add");
+            assert_eq!(
+                last.row(2),
+                without.hidden[2].1.row(2),
+                "config {ci}: rows before the item see no add"
+            );
             for cuts in [vec![4, 23], vec![5, 6, 19, 23], vec![8, 9, 23]] {
                 assert_same(&run_in_chunks(&r, &p, &cuts, &mut rng)[0], &want);
             }
@@ -591,7 +718,12 @@ mod tests {
             let c = prompt(&cfg, 9, 2, 3);
             let mut pages = r.alloc_pages(16, BS).unwrap();
             let table_a = [5u32, 2, 9, 0];
-            let outs_a = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&a, 1, &table_a, 0, 14)] }, &mut pages).unwrap();
+            let outs_a = r
+                .execute(
+                    &ScheduledBatch { copies: vec![], seqs: vec![chunk(&a, 1, &table_a, 0, 14)] },
+                    &mut pages,
+                )
+                .unwrap();
             assert_same(&outs_a[0], &run_uncached(r.thinker(), r.backend(), &a, r.capture(), false).unwrap());
             // B reuses blocks 5 and 2, copies block 9 to 11 and continues at position 10;
             // C's first chunk runs in the same step.
@@ -604,7 +736,12 @@ mod tests {
             let outs = r.execute(&batch, &mut pages).unwrap();
             assert_eq!(outs.len(), 1);
             assert_same(&outs[0], &run_uncached(r.thinker(), r.backend(), &b, r.capture(), false).unwrap());
-            let outs_c = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&c, 3, &table_c, 5, 9)] }, &mut pages).unwrap();
+            let outs_c = r
+                .execute(
+                    &ScheduledBatch { copies: vec![], seqs: vec![chunk(&c, 3, &table_c, 5, 9)] },
+                    &mut pages,
+                )
+                .unwrap();
             assert_same(&outs_c[0], &run_uncached(r.thinker(), r.backend(), &c, r.capture(), false).unwrap());
         }
     }
@@ -626,8 +763,17 @@ mod tests {
             let r = runner(cfg.clone(), 2);
             let p = prompt(&cfg, 8, 2, 5);
             let mut pages = r.alloc_pages(4, BS).unwrap();
-            r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 1], 0, 6)] }, &mut pages).unwrap();
-            let outs = r.execute(&ScheduledBatch { copies: vec![BlockCopy { src: 1, dst: 3 }], seqs: vec![] }, &mut pages).unwrap();
+            r.execute(
+                &ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 1], 0, 6)] },
+                &mut pages,
+            )
+            .unwrap();
+            let outs = r
+                .execute(
+                    &ScheduledBatch { copies: vec![BlockCopy { src: 1, dst: 3 }], seqs: vec![] },
+                    &mut pages,
+                )
+                .unwrap();
             assert!(outs.is_empty());
             let width = BS * r.pages_spec(4, BS).kv_width();
             for layer in 0..cfg.num_hidden_layers {
@@ -636,7 +782,12 @@ mod tests {
             }
             // The copy holds positions 4..6 of the prompt: finishing the prompt through it
             // equals the uncached run.
-            let outs = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 3], 6, 8)] }, &mut pages).unwrap();
+            let outs = r
+                .execute(
+                    &ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 3], 6, 8)] },
+                    &mut pages,
+                )
+                .unwrap();
             assert_same(&outs[0], &run_uncached(r.thinker(), r.backend(), &p, r.capture(), false).unwrap());
         }
     }
@@ -652,7 +803,8 @@ mod tests {
         let p = prompt(&cfg, 10, 2, 4);
         let table = [0u32, 1, 2];
         let mut pages = r.alloc_pages(4, BS).unwrap();
-        r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &table, 0, 4)] }, &mut pages).unwrap();
+        r.execute(&ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &table, 0, 4)] }, &mut pages)
+            .unwrap();
         let before = pages.clone();
         let good = chunk(&p, 1, &table, 4, 10);
         let mut bad_token = good.clone();
@@ -666,7 +818,12 @@ mod tests {
         let mut early_output = chunk(&p, 1, &table, 4, 8);
         early_output.emits_output = true;
         let mut bad_embed = good.clone();
-        bad_embed.embeds = vec![EmbedRows { step_offset: 5, embeddings: Arc::new(Array2::zeros((3, 32))), rows: 0..2, deepstack: None }];
+        bad_embed.embeds = vec![EmbedRows {
+            step_offset: 5,
+            embeddings: Arc::new(Array2::zeros((3, 32))),
+            rows: 0..2,
+            deepstack: None,
+        }];
         let mut bad_positions = good.clone();
         bad_positions.positions = Positions::linear(2);
         let deep = with_deepstack(p.clone(), 3, 1);
@@ -686,15 +843,24 @@ mod tests {
             ("deepstack shape", bad_level_shape),
         ] {
             // A valid copy goes first: it must not run either.
-            let batch = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };
+            let batch =
+                ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone(), seq] };
             let err = r.execute(&batch, &mut pages).unwrap_err();
-            assert!(matches!(err, Error::Runner(RunnerError::InvalidBatch { request: 1, .. })), "{what}: {err}");
+            assert!(
+                matches!(err, Error::Runner(RunnerError::InvalidBatch { request: 1, .. })),
+                "{what}: {err}"
+            );
             assert!(pages_equal(&pages, &before), "{what}: pages changed");
         }
         let bad_copy = ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 4 }], seqs: vec![] };
-        assert!(matches!(r.execute(&bad_copy, &mut pages), Err(Error::Backend(BackendError::OpIndex { what: "copy block", index: 4, .. }))));
-        let mut wrong_pages = r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
-        let err = r.execute(&ScheduledBatch { copies: vec![], seqs: vec![good] }, &mut wrong_pages).unwrap_err();
+        assert!(matches!(
+            r.execute(&bad_copy, &mut pages),
+            Err(Error::Backend(BackendError::OpIndex { what: "copy block", index: 4, .. }))
+        ));
+        let mut wrong_pages =
+            r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
+        let err =
+            r.execute(&ScheduledBatch { copies: vec![], seqs: vec![good] }, &mut wrong_pages).unwrap_err();
         assert!(matches!(err, Error::Backend(BackendError::OpShape { what: "pages", .. })));
     }
 
@@ -756,10 +922,21 @@ mod tests {
         fn rms_norm(&self, x: &Array2<f32>, w: &Array2<f32>, eps: f32) -> Result<Array2<f32>> {
             self.0.rms_norm(x, w, eps)
         }
-        fn rms_norm_heads(&self, x: &mut Array2<f32>, w: &Array2<f32>, head_dim: usize, eps: f32) -> Result<()> {
+        fn rms_norm_heads(
+            &self,
+            x: &mut Array2<f32>,
+            w: &Array2<f32>,
+            head_dim: usize,
+            eps: f32,
+        ) -> Result<()> {
             self.0.rms_norm_heads(x, w, head_dim, eps)
         }
-        fn rope(&self, x: &mut Array2<f32>, spec: &crate::backend::RopeSpec, pos: RopePositions<'_>) -> Result<()> {
+        fn rope(
+            &self,
+            x: &mut Array2<f32>,
+            spec: &crate::backend::RopeSpec,
+            pos: RopePositions<'_>,
+        ) -> Result<()> {
             self.0.rope(x, spec, pos)
         }
         fn swiglu(&self, gate_up: &Array2<f32>) -> Result<Array2<f32>> {
@@ -768,7 +945,14 @@ mod tests {
         fn moe(&self, x: &Array2<f32>, w: &crate::backend::MoeWeights<Self::Weight>) -> Result<Array2<f32>> {
             self.0.moe(x, w)
         }
-        fn write_kv(&self, pages: &mut CpuPages, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64]) -> Result<()> {
+        fn write_kv(
+            &self,
+            pages: &mut CpuPages,
+            layer: usize,
+            k: &Array2<f32>,
+            v: &Array2<f32>,
+            slots: &[i64],
+        ) -> Result<()> {
             self.0.write_kv(pages, layer, k, v, slots)
         }
         fn paged_attention(
@@ -781,7 +965,13 @@ mod tests {
         ) -> Result<Array2<f32>> {
             self.0.paged_attention(q, pages, layer, heads, seqs)
         }
-        fn write_hidden(&self, pages: &mut CpuPages, capture: usize, x: &Array2<f32>, slots: &[i64]) -> Result<()> {
+        fn write_hidden(
+            &self,
+            pages: &mut CpuPages,
+            capture: usize,
+            x: &Array2<f32>,
+            slots: &[i64],
+        ) -> Result<()> {
             self.0.write_hidden(pages, capture, x, slots)
         }
         fn gather_hidden(&self, pages: &CpuPages, capture: usize, slots: &[i64]) -> Result<Array2<f32>> {
@@ -797,14 +987,18 @@ mod tests {
         let cfg = Config::tiny_qwen3(32, 2, 4, 2, 64);
         let backend = Arc::new(ShortBackend(CpuBackend::new()));
         let thinker = Arc::new(Thinker::random(&*backend, cfg.clone(), 3).unwrap());
-        let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Final], cfg.num_hidden_layers).unwrap();
+        let capture =
+            CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Final], cfg.num_hidden_layers).unwrap();
         let r = ModelRunner::new(backend, thinker, capture).unwrap();
         let p = prompt(&cfg, 10, 2, 4);
         let mut pages = r.alloc_pages(4, BS).unwrap();
         let batch = ScheduledBatch { copies: vec![], seqs: vec![chunk(&p, 1, &[0, 1, 2], 0, 10)] };
         let err = r.execute(&batch, &mut pages).unwrap_err();
         assert!(
-            matches!(err, Error::Backend(BackendError::OpCount { op: "take_to_host", expected: 3, found: 2, .. })),
+            matches!(
+                err,
+                Error::Backend(BackendError::OpCount { op: "take_to_host", expected: 3, found: 2, .. })
+            ),
             "{err}"
         );
     }

@@ -99,9 +99,7 @@ impl SamplingParams {
     /// last sampled token never runs, `+ 1` when [`run_last_token`](Self::run_last_token)
     /// runs it too. Saturates instead of overflowing.
     pub fn positions_needed(&self, prompt_len: usize) -> usize {
-        prompt_len
-            .saturating_add(self.max_tokens)
-            .saturating_sub(usize::from(!self.run_last_token))
+        prompt_len.saturating_add(self.max_tokens).saturating_sub(usize::from(!self.run_last_token))
     }
 
     /// Checks the parameters against the model's `vocab_size` (the context is
@@ -114,7 +112,8 @@ impl SamplingParams {
     /// [`StopIdOutOfVocab`](RequestError::StopIdOutOfVocab) for a `stop` id
     /// `>= vocab_size`.
     pub fn check(&self, vocab_size: usize) -> Result<()> {
-        let invalid = |param, expected, found: String| RequestError::InvalidSampling { param, expected, found };
+        let invalid =
+            |param, expected, found: String| RequestError::InvalidSampling { param, expected, found };
         if self.max_tokens == 0 {
             return Err(invalid("max_tokens", "at least 1", "0".into()).into());
         }
@@ -138,11 +137,7 @@ impl SamplingParams {
     /// The stop ids in force given the checkpoint's `eos` ids: [`stop`](Self::stop)
     /// when given, else `eos`; empty when [`ignore_eos`](Self::ignore_eos).
     pub fn stop_ids<'a>(&'a self, eos: &'a [u32]) -> &'a [u32] {
-        if self.ignore_eos {
-            &[]
-        } else {
-            self.stop.as_deref().unwrap_or(eos)
-        }
+        if self.ignore_eos { &[] } else { self.stop.as_deref().unwrap_or(eos) }
     }
 
     /// The ids the sampler masks given the model's `special` ids (what
@@ -338,7 +333,8 @@ fn filtered_probs(logits: &[f32], params: &SamplingParams, suppressed: &[u32]) -
         let mut sorted = scaled.clone();
         // No NaN is left, so the comparison is total.
         let k = k.max(1);
-        let (_, kth, _) = sorted.select_nth_unstable_by(k - 1, |a, b| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal));
+        let (_, kth, _) = sorted
+            .select_nth_unstable_by(k - 1, |a, b| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal));
         let kth = *kth;
         for x in &mut scaled {
             if *x < kth {
@@ -541,9 +537,17 @@ mod tests {
         assert_eq!(kept(&p(0.3)), vec![1]);
         assert_eq!(kept(&p(1.0)), vec![0, 1, 2, 3]);
         // top-k before top-p: top-k 2 leaves 0.4 / 0.3 -> 4/7, 3/7; top_p 0.5 drops 3/7.
-        let both = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.5), ..sampled(1.0) }, &[]);
+        let both = filtered_probs(
+            &logits,
+            &SamplingParams { top_k: Some(2), top_p: Some(0.5), ..sampled(1.0) },
+            &[],
+        );
         assert_eq!(kept(&both), vec![1]);
-        let k2 = filtered_probs(&logits, &SamplingParams { top_k: Some(2), top_p: Some(0.6), ..sampled(1.0) }, &[]);
+        let k2 = filtered_probs(
+            &logits,
+            &SamplingParams { top_k: Some(2), top_p: Some(0.6), ..sampled(1.0) },
+            &[],
+        );
         assert_eq!(kept(&k2), vec![1, 2]);
         // Equal probabilities at the cut: the lower index is dropped first.
         let flat = filtered_probs(&[0.0; 4], &SamplingParams { top_p: Some(0.5), ..sampled(1.0) }, &[]);
@@ -554,7 +558,9 @@ mod tests {
     fn temperature_applies_before_top_p_and_changes_the_nucleus() {
         // Probabilities 0.5, 0.3, 0.2 at temperature 1.
         let logits: Vec<f32> = [0.5f32, 0.3, 0.2].iter().map(|p| p.ln()).collect();
-        let nucleus = |t, top_p| kept(&filtered_probs(&logits, &SamplingParams { top_p: Some(top_p), ..sampled(t) }, &[]));
+        let nucleus = |t, top_p| {
+            kept(&filtered_probs(&logits, &SamplingParams { top_p: Some(top_p), ..sampled(t) }, &[]))
+        };
         // t = 1, top_p 0.6: ascending cumulative 0.2, 0.5, 1.0; cut 0.4 drops only the 0.2.
         assert_eq!(nucleus(1.0, 0.6), vec![0, 1]);
         // t = 0.5 squares the probabilities: 0.25, 0.09, 0.04 over 0.38 = 0.658, 0.237, 0.105;
@@ -587,7 +593,11 @@ mod tests {
         let row = [1.0f32, 4.0, 3.0, 4.0, 2.0];
         assert_eq!(s.sample(&row, &greedy, &[1]), 3);
         assert_eq!(s.sample(&row, &greedy, &[3, 1]), 2);
-        assert_eq!(s.sample(&row, &greedy, &[0]), 1, "a suppressed id that is not the argmax changes nothing");
+        assert_eq!(
+            s.sample(&row, &greedy, &[0]),
+            1,
+            "a suppressed id that is not the argmax changes nothing"
+        );
         assert_eq!(s.sample(&row, &greedy, &[99, 1]), 3, "ids past the row are ignored");
         // The mask comes before top-k (HF runs processors before warpers): with the
         // largest logit suppressed, top-k 2 keeps the next two, not just one.
@@ -606,7 +616,11 @@ mod tests {
         for &id in &suppressed {
             masked_by_hand[id as usize] = f32::NEG_INFINITY;
         }
-        for params in [sampled(1.3), SamplingParams { top_k: Some(5), top_p: Some(0.8), ..sampled(0.7) }, greedy.clone()] {
+        for params in [
+            sampled(1.3),
+            SamplingParams { top_k: Some(5), top_p: Some(0.8), ..sampled(0.7) },
+            greedy.clone(),
+        ] {
             let mut a = Sampler::new(21);
             let mut b = Sampler::new(21);
             let got: Vec<u32> = (0..300).map(|_| a.sample(&random, &params, &suppressed)).collect();
@@ -682,7 +696,14 @@ mod tests {
             let token = s.sample(&row, &params, &[]);
             assert!((row.is_empty() && token == 0) || (token as usize) < row.len());
         }
-        assert_eq!(s.sample(&[f32::NAN, 1.0, f32::NAN, 0.5], &SamplingParams { top_k: Some(1), ..sampled(1.0) }, &[]), 1);
+        assert_eq!(
+            s.sample(
+                &[f32::NAN, 1.0, f32::NAN, 0.5],
+                &SamplingParams { top_k: Some(1), ..sampled(1.0) },
+                &[]
+            ),
+            1
+        );
         // +inf logits share the mass; the finite ones get none.
         let infs = draws(4, &[1.0, f32::INFINITY, 5.0, f32::INFINITY], &sampled(1.0), 200);
         assert!(infs.iter().all(|&t| t == 1 || t == 3) && infs.contains(&1) && infs.contains(&3));

@@ -12,12 +12,12 @@ mod tiny_model;
 
 use omniprefix::backend::cpu::CpuPages;
 use omniprefix::batch::ScheduledBatch;
+use omniprefix::error::SchedError;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::runner::{PromptInputs, SeqOutput};
 use omniprefix::sched::{Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
 use tiny_model::{IMAGE_UNIT, TinyModel, equal_outputs, request};
-use omniprefix::error::SchedError;
 
 /// A test that can also fail outside omniprefix (outputs that differ from the uncached run).
 type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -46,7 +46,11 @@ fn check(sched: &Scheduler) -> Result<()> {
 }
 
 /// Schedules one step and runs it on the model.
-fn step(sched: &mut Scheduler, model: &TinyModel, pages: &mut CpuPages) -> Result<(ScheduledBatch, Vec<SeqOutput>)> {
+fn step(
+    sched: &mut Scheduler,
+    model: &TinyModel,
+    pages: &mut CpuPages,
+) -> Result<(ScheduledBatch, Vec<SeqOutput>)> {
     let batch = sched.schedule()?;
     let outs = model.execute(&batch, pages)?;
     check(sched)?;
@@ -55,7 +59,12 @@ fn step(sched: &mut Scheduler, model: &TinyModel, pages: &mut CpuPages) -> Resul
 
 /// Runs request `id` (already admitted) to the end and returns its outputs
 /// and the number of tokens it reused.
-fn run_to_end(sched: &mut Scheduler, model: &TinyModel, pages: &mut CpuPages, id: u64) -> TestResult<(SeqOutput, usize)> {
+fn run_to_end(
+    sched: &mut Scheduler,
+    model: &TinyModel,
+    pages: &mut CpuPages,
+    id: u64,
+) -> TestResult<(SeqOutput, usize)> {
     let mut reused = None;
     loop {
         let (batch, outs) = step(sched, model, pages)?;
@@ -144,7 +153,10 @@ fn abort_with_a_chunk_on_the_runner_commits_nothing_of_it() -> TestResult {
 /// A model (weights from `seed`), its pages, and a scheduler with chunks of
 /// `max_tokens_per_step` that has run `UNITS` as request 1 to the end, so
 /// all its full blocks are cached; with the inputs of `UNITS`.
-fn warmed(seed: u64, max_tokens_per_step: usize) -> TestResult<(TinyModel, CpuPages, Scheduler, PromptInputs)> {
+fn warmed(
+    seed: u64,
+    max_tokens_per_step: usize,
+) -> TestResult<(TinyModel, CpuPages, Scheduler, PromptInputs)> {
     let model = TinyModel::new(seed)?;
     let mut pages = model.pages(NUM_BLOCKS, BLOCK)?;
     let mut sched = scheduler(max_tokens_per_step)?;
@@ -163,7 +175,11 @@ fn aborting_a_reader_of_shared_blocks_leaves_them_cached_and_unlocked() -> TestR
     let (reader, _) = request(2, 0, &UNITS);
     sched.admit(reader)?;
     let (batch, _) = step(&mut sched, &model, &mut pages)?;
-    assert_eq!(batch.seqs[0].num_computed_tokens, PROMPT_LEN - 1, "the whole prefix but the last token is reused");
+    assert_eq!(
+        batch.seqs[0].num_computed_tokens,
+        PROMPT_LEN - 1,
+        "the whole prefix but the last token is reused"
+    );
     sched.abort(2)?;
     check(&sched)?;
     assert!(sched.complete(&batch)?.is_empty());

@@ -13,14 +13,16 @@ use omniprefix::batch::{ModelShape, ScheduledBatch};
 use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
+use omniprefix::error::{CheckpointError, IoError, RequestError, RequestFileError, SchedError};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{IndexStats, ValidationPolicy};
 use omniprefix::model::{Config, Thinker};
-use omniprefix::prompt::{Atom, CanonicalPrompt, OmniTokens, PositionKind, PromptBuilder, positions_from_atoms};
+use omniprefix::prompt::{
+    Atom, CanonicalPrompt, OmniTokens, PositionKind, PromptBuilder, positions_from_atoms,
+};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats};
 use omniprefix::{Error, Result};
 use serde_json::Value;
-use omniprefix::error::{CheckpointError, IoError, RequestError, RequestFileError, SchedError};
 
 const BLOCK: usize = 4;
 const NUM_BLOCKS: usize = 16;
@@ -31,7 +33,8 @@ const MAX_CONTEXT: usize = 40;
 const TENANTS: [u64; 2] = [0, 7];
 /// The model the warm scheduler admits for: ids below 600 (the tiny special ids
 /// included), `HIDDEN`-wide rows, two decoder layers (at most two DeepStack levels).
-const MODEL: ModelShape = ModelShape { vocab_size: 600, hidden_size: HIDDEN, num_layers: 2, deepstack_levels: None };
+const MODEL: ModelShape =
+    ModelShape { vocab_size: 600, hidden_size: HIDDEN, num_layers: 2, deepstack_levels: None };
 const FIXTURE: &str = "fixtures/tiny/qwen3_dense";
 
 fn fingerprinter() -> Result<Fingerprinter> {
@@ -68,7 +71,14 @@ fn image_prompt(tenant: u64, seed: u8) -> Result<CanonicalPrompt> {
 fn request(id: u64, prompt: CanonicalPrompt) -> Request {
     let item_embeddings =
         prompt.items.iter().map(|i| Arc::new(Array2::from_elem((i.num_tokens, HIDDEN), 0.5f32))).collect();
-    Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: Some(HIDDEN), max_new_tokens: 0 }
+    Request {
+        id,
+        prompt,
+        item_embeddings,
+        item_deepstack: vec![],
+        hidden_size: Some(HIDDEN),
+        max_new_tokens: 0,
+    }
 }
 
 /// Runs everything admitted to the end without a model, finishing each request.
@@ -102,10 +112,8 @@ fn scheduler() -> Result<Scheduler> {
 /// context limit, mandatory tenant salts and a model to admit for, plus one
 /// request still waiting.
 fn warm() -> Result<Scheduler> {
-    let mut sched = scheduler()?
-        .with_max_context(MAX_CONTEXT)
-        .require_known_tenants(TENANTS)
-        .with_model(MODEL);
+    let mut sched =
+        scheduler()?.with_max_context(MAX_CONTEXT).require_known_tenants(TENANTS).with_model(MODEL);
     sched.admit(request(1, text_prompt(0, &(0..13).collect::<Vec<_>>())?))?;
     sched.admit(request(2, image_prompt(0, 1)?))?;
     sched.admit(request(3, image_prompt(7, 2)?))?;
@@ -124,7 +132,11 @@ struct Snapshot {
 
 fn snapshot(sched: &Scheduler) -> Result<Snapshot> {
     sched.validate().map_err(Error::from)?;
-    Ok(Snapshot { sched: sched.stats(), index: sched.index_stats(), waiting_table: sched.block_table(4).map(<[u32]>::to_vec) })
+    Ok(Snapshot {
+        sched: sched.stats(),
+        index: sched.index_stats(),
+        waiting_table: sched.block_table(4).map(<[u32]>::to_vec),
+    })
 }
 
 /// Asserts the scheduler validates and nothing changed since `before`.
@@ -181,7 +193,8 @@ fn edit_header(dir: &Path, edit: impl FnOnce(&mut Value)) -> Result<()> {
     let path = dir.join("model.safetensors");
     let bytes = read(&path);
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap_or_default()) as usize;
-    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+    let mut header: Value =
+        serde_json::from_slice(&bytes[8..8 + n]).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     edit(&mut header);
     let text = header.to_string();
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
@@ -193,7 +206,8 @@ fn edit_header(dir: &Path, edit: impl FnOnce(&mut Value)) -> Result<()> {
 /// Rewrites config.json in `dir` through `edit`.
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Map<String, Value>)) -> Result<()> {
     let path = dir.join("config.json");
-    let mut cfg: Value = serde_json::from_slice(&read(&path)).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+    let mut cfg: Value =
+        serde_json::from_slice(&read(&path)).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     if let Some(map) = cfg.as_object_mut() {
         edit(map);
     }
@@ -224,7 +238,10 @@ fn the_unmodified_fixture_loads() -> Result<()> {
 #[test]
 fn c01_truncated_safetensors() -> Result<()> {
     let err = rejected_checkpoint("truncated", |dir| edit_safetensors(dir, |b| b.truncate(b.len() - 100)))?;
-    assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { ref message, .. }) if !message.is_empty()), "{err}");
+    assert!(
+        matches!(err, Error::Checkpoint(CheckpointError::Safetensors { ref message, .. }) if !message.is_empty()),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -244,10 +261,17 @@ fn c02_malformed_safetensors_header() -> Result<()> {
 #[test]
 fn c03_mislabeled_safetensors_dtype() -> Result<()> {
     // Same byte size, a dtype the loader does not convert.
-    let err = rejected_checkpoint("mislabeled-i32", |dir| edit_header(dir, |h| h["model.norm.weight"]["dtype"] = "I32".into()))?;
-    assert!(matches!(err, Error::Checkpoint(CheckpointError::TensorDtype { ref name, ref found }) if name == "model.norm.weight" && found == "I32"), "{err}");
+    let err = rejected_checkpoint("mislabeled-i32", |dir| {
+        edit_header(dir, |h| h["model.norm.weight"]["dtype"] = "I32".into())
+    })?;
+    assert!(
+        matches!(err, Error::Checkpoint(CheckpointError::TensorDtype { ref name, ref found }) if name == "model.norm.weight" && found == "I32"),
+        "{err}"
+    );
     // A label whose element size disagrees with the stored bytes.
-    let err = rejected_checkpoint("mislabeled-f64", |dir| edit_header(dir, |h| h["model.norm.weight"]["dtype"] = "F64".into()))?;
+    let err = rejected_checkpoint("mislabeled-f64", |dir| {
+        edit_header(dir, |h| h["model.norm.weight"]["dtype"] = "F64".into())
+    })?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::Safetensors { .. })), "{err}");
     Ok(())
 }
@@ -259,7 +283,10 @@ fn c04_config_not_json_or_missing_fields() -> Result<()> {
             c.remove("num_hidden_layers");
         })
     })?;
-    assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("num_hidden_layers")), "{err}");
+    assert!(
+        matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("num_hidden_layers")),
+        "{err}"
+    );
     let err = rejected(|_| Config::from_json_str("{\"model_type\": \"qwen3\", ").map(|_| ()))?;
     assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(_))), "{err}");
     Ok(())
@@ -269,7 +296,13 @@ fn c04_config_not_json_or_missing_fields() -> Result<()> {
 fn c05_config_absurd_fields() -> Result<()> {
     type Edit = fn(&mut serde_json::Map<String, Value>);
     let cases: [(&str, Edit, &str); 4] = [
-        ("zero-layers", |c| { c.insert("num_hidden_layers".into(), 0.into()); }, "num_hidden_layers"),
+        (
+            "zero-layers",
+            |c| {
+                c.insert("num_hidden_layers".into(), 0.into());
+            },
+            "num_hidden_layers",
+        ),
         (
             "heads-not-dividing-hidden",
             |c| {
@@ -278,30 +311,46 @@ fn c05_config_absurd_fields() -> Result<()> {
             },
             "hidden_size",
         ),
-        ("kv-heads-not-dividing-heads", |c| { c.insert("num_key_value_heads".into(), 3.into()); }, "num_key_value_heads"),
+        (
+            "kv-heads-not-dividing-heads",
+            |c| {
+                c.insert("num_key_value_heads".into(), 3.into());
+            },
+            "num_key_value_heads",
+        ),
         (
             "unknown-rope-type",
-            |c| { c.insert("rope_parameters".into(), serde_json::json!({"rope_type": "yarn", "factor": 4.0})); },
+            |c| {
+                c.insert("rope_parameters".into(), serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+            },
             "rope_type",
         ),
     ];
     for (case, edit, field) in cases {
         let err = rejected_checkpoint(case, |dir| edit_config(dir, edit))?;
-        assert!(matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field), "{case}: {err}");
+        assert!(
+            matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field),
+            "{case}: {err}"
+        );
     }
     let err = rejected_checkpoint("negative", |dir| {
         edit_config(dir, |c| {
             c.insert("hidden_size".into(), (-64).into());
         })
     })?;
-    assert!(matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("-64")), "{err}");
+    assert!(
+        matches!(err, Error::Checkpoint(CheckpointError::ConfigParse(ref m)) if m.contains("-64")),
+        "{err}"
+    );
     Ok(())
 }
 
 #[test]
 fn c06_weights_of_the_wrong_shape_or_missing() -> Result<()> {
     let name = "model.layers.1.mlp.down_proj.weight";
-    let err = rejected_checkpoint("wrong-shape", |dir| edit_header(dir, |h| h[name]["shape"] = serde_json::json!([128, 64])))?;
+    let err = rejected_checkpoint("wrong-shape", |dir| {
+        edit_header(dir, |h| h[name]["shape"] = serde_json::json!([128, 64]))
+    })?;
     assert!(
         matches!(err, Error::Checkpoint(CheckpointError::TensorShape { name: ref n, ref expected, ref found }) if n == name && expected == &[64, 128] && found == &[128, 64]),
         "{err}"
@@ -315,7 +364,10 @@ fn c06_weights_of_the_wrong_shape_or_missing() -> Result<()> {
             }
         })
     })?;
-    assert!(matches!(err, Error::Checkpoint(CheckpointError::MissingTensor { name: ref n }) if n == name), "{err}");
+    assert!(
+        matches!(err, Error::Checkpoint(CheckpointError::MissingTensor { name: ref n }) if n == name),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -328,7 +380,15 @@ fn c07_placeholder_count_disagrees_with_grid() -> Result<()> {
     builder.push_text(&[100])?;
     let err = rejected(|_| builder.extend_expanded(&[503, 500, 500, 500, 500, 504], &[img]).map(|_| ()))?;
     assert!(
-        matches!(err, Error::Request(RequestError::PlaceholderCountMismatch { item: 0, position: 2, expected: 6, found: 4 })),
+        matches!(
+            err,
+            Error::Request(RequestError::PlaceholderCountMismatch {
+                item: 0,
+                position: 2,
+                expected: 6,
+                found: 4
+            })
+        ),
         "{err}"
     );
     assert_eq!(builder.len(), 1, "the builder is unchanged");
@@ -344,7 +404,8 @@ fn c08_overlapping_or_out_of_order_items() -> Result<()> {
         Atom::Item { id: Arc::clone(&img), rows: 3..6 },
         Atom::Item { id: Arc::clone(&img), rows: 0..3 },
     ];
-    let err = rejected(|_| positions_from_atoms(&atoms, &OmniTokens::tiny(), PositionKind::Mrope).map(|_| ()))?;
+    let err =
+        rejected(|_| positions_from_atoms(&atoms, &OmniTokens::tiny(), PositionKind::Mrope).map(|_| ()))?;
     assert!(matches!(err, Error::Request(RequestError::MalformedAtoms { atom: 1, .. })), "{err}");
     // Two items whose index-map spans overlap.
     let mut two = PromptBuilder::new(OmniTokens::tiny());
@@ -352,12 +413,18 @@ fn c08_overlapping_or_out_of_order_items() -> Result<()> {
     let mut prompt = two.build()?;
     prompt.index_map.spans[1].start = prompt.index_map.spans[0].start + 2;
     let err = rejected(|s| s.admit(request(10, prompt)))?;
-    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(10), what, expected: 7, found: 3 }) if what.contains("span start")), "{err}");
+    assert!(
+        matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(10), what, expected: 7, found: 3 }) if what.contains("span start")),
+        "{err}"
+    );
     // Spans listed out of position order.
     let mut prompt = two.build()?;
     prompt.index_map.spans.swap(0, 1);
     let err = rejected(|s| s.admit(request(11, prompt)))?;
-    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(11), what, .. }) if what.contains("span start")), "{err}");
+    assert!(
+        matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(11), what, .. }) if what.contains("span start")),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -374,7 +441,10 @@ fn c09_nan_and_inf_tensors() -> Result<()> {
             params: Default::default(),
         };
         let err = rejected(|_| fp.identify(2, &spec).map(|_| ()))?;
-        assert!(matches!(err, Error::Request(RequestError::NonFinite { item: 2, index }) if index == at), "{bad}: {err}");
+        assert!(
+            matches!(err, Error::Request(RequestError::NonFinite { item: 2, index }) if index == at),
+            "{bad}: {err}"
+        );
     }
     Ok(())
 }
@@ -395,7 +465,11 @@ fn c09_nan_and_inf_in_strided_views() -> Result<()> {
     let fp = fingerprinter()?;
     let check = |spec: &ItemSpec<'_>, expected: usize| -> Result<()> {
         let err = rejected(|_| fp.identify(3, spec).map(|_| ()))?;
-        assert!(matches!(err, Error::Request(RequestError::NonFinite { item: 3, index }) if index == expected), "{:?}: {err}", spec.layout);
+        assert!(
+            matches!(err, Error::Request(RequestError::NonFinite { item: 3, index }) if index == expected),
+            "{:?}: {err}",
+            spec.layout
+        );
         Ok(())
     };
     fn audio(content: TensorView<'_>, mel_frames: u32) -> ItemSpec<'_> {
@@ -444,7 +518,10 @@ fn c09_nan_and_inf_in_strided_views() -> Result<()> {
     let clean = wave.clone();
     let stepped = clean.slice(s![..;2]).into_dyn();
     assert_eq!(stepped.len(), 160);
-    assert!(fp.identify(3, &audio(TensorView::F32(stepped), 100)).is_ok(), "skipped samples are not the item's");
+    assert!(
+        fp.identify(3, &audio(TensorView::F32(stepped), 100)).is_ok(),
+        "skipped samples are not the item's"
+    );
     wave[114] = f32::NEG_INFINITY;
     check(&audio(TensorView::F32(wave.slice(s![..;2]).into_dyn()), 100), 57)?;
     // Reversed and stepped: element k is sample 319 - 2k (the odd ones), so
@@ -490,7 +567,13 @@ fn c11_token_ids_outside_the_vocabulary() -> Result<()> {
     let tokens = OmniTokens { vocab_size: Some(600), ..OmniTokens::tiny() };
     let mut builder = PromptBuilder::new(tokens);
     let err = rejected(|_| builder.push_text(&[1, 2, 600, 3]).map(|_| ()))?;
-    assert!(matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 })
+        ),
+        "{err}"
+    );
     assert!(builder.is_empty(), "the builder is unchanged");
     Ok(())
 }
@@ -501,18 +584,42 @@ fn c11_token_ids_outside_the_vocabulary() -> Result<()> {
 #[test]
 fn c11_requests_the_model_cannot_run_are_refused_at_admission() -> Result<()> {
     let err = rejected(|s| s.admit(request(30, text_prompt(0, &[1, 2, 600])?)))?;
-    assert!(matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 600, vocab_size: 600 })
+        ),
+        "{err}"
+    );
     // A model whose image pad is past the vocabulary: the placeholder ids are embedded too.
     let tokens = OmniTokens { image_token_id: 650, ..OmniTokens::tiny() };
     let mut b = PromptBuilder::new(tokens);
     b.extend_unexpanded(&[100, 503, 650, 504, 200], &[image(3)?], false)?;
     let err = rejected(|s| s.admit(request(31, b.build()?)))?;
-    assert!(matches!(err, Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 650, vocab_size: 600 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::TokenOutOfVocab { position: 2, token: 650, vocab_size: 600 })
+        ),
+        "{err}"
+    );
     let mut narrow = request(32, image_prompt(0, 1)?);
     narrow.item_embeddings = vec![Arc::new(Array2::zeros((6, HIDDEN / 2)))];
     narrow.hidden_size = Some(HIDDEN / 2);
     let err = rejected(|s| s.admit(narrow))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(32), what: "embedding columns", expected: HIDDEN, found: 4, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::EmbeddingMismatch {
+                id: Some(32),
+                what: "embedding columns",
+                expected: HIDDEN,
+                found: 4,
+                ..
+            })
+        ),
+        "{err}"
+    );
     let mut deep = request(33, image_prompt(0, 1)?);
     deep.item_deepstack = vec![Some(Arc::new(vec![Array2::zeros((6, HIDDEN)); 3]))];
     let err = rejected(|s| s.admit(deep))?;
@@ -531,7 +638,13 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
     drain(&mut sched)?;
     let before = snapshot(&sched)?;
     let err = sched.admit(request(20, text_prompt(0, &ids)?)).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::RequestTooLarge { id: Some(20), needed: 17, num_blocks: 16 }))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::Request(RequestError::RequestTooLarge { id: Some(20), needed: 17, num_blocks: 16 }))
+        ),
+        "{err:?}"
+    );
     assert_unchanged(&sched, &before)
 }
 
@@ -539,7 +652,10 @@ fn c12_requests_larger_than_the_pool() -> Result<()> {
 fn c13_requests_longer_than_the_model_context() -> Result<()> {
     let ids: Vec<u32> = (0..MAX_CONTEXT as u32 + 1).collect();
     let err = rejected(|s| s.admit(request(21, text_prompt(0, &ids)?)))?;
-    assert!(matches!(err, Error::Request(RequestError::ContextTooLong { id: Some(21), len: 41, max: 40, .. })), "{err}");
+    assert!(
+        matches!(err, Error::Request(RequestError::ContextTooLong { id: Some(21), len: 41, max: 40, .. })),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -555,7 +671,10 @@ fn c15_atoms_that_disagree_with_the_token_ids() -> Result<()> {
     let mut prompt = text_prompt(0, &[0, 1, 2, 3, 4, 5])?;
     prompt.atoms = vec![Atom::Text(vec![0, 1, 2, 3])];
     let err = rejected(|s| s.admit(request(23, prompt)))?;
-    assert!(matches!(err, Error::Request(RequestError::AtomsLengthMismatch { atoms: 4, tokens: 6 })), "{err}");
+    assert!(
+        matches!(err, Error::Request(RequestError::AtomsLengthMismatch { atoms: 4, tokens: 6 })),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -564,11 +683,29 @@ fn c16_embeddings_that_disagree_with_their_items() -> Result<()> {
     let mut req = request(24, image_prompt(0, 1)?);
     req.item_embeddings[0] = Arc::new(Array2::zeros((5, HIDDEN)));
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(24), item: 0, expected: 6, found: 5, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::EmbeddingMismatch {
+                id: Some(24),
+                item: 0,
+                expected: 6,
+                found: 5,
+                ..
+            })
+        ),
+        "{err}"
+    );
     let mut req = request(25, image_prompt(0, 1)?);
     req.item_embeddings.clear();
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(25), expected: 1, found: 0, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::EmbeddingMismatch { id: Some(25), expected: 1, found: 0, .. })
+        ),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -578,11 +715,36 @@ fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
     let mut req = request(27, image_prompt(0, 1)?);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6)])), None];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: Some(27), what: "number of item DeepStack entries", expected: 1, found: 2, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::EmbeddingMismatch {
+                id: Some(27),
+                what: "number of item DeepStack entries",
+                expected: 1,
+                found: 2,
+                ..
+            })
+        ),
+        "{err}"
+    );
     let mut req = request(28, image_prompt(0, 1)?);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6), level(5)]))];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: Some(28), item: 0, level: 1, what: "rows", expected: 6, found: 5 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::DeepStackMismatch {
+                id: Some(28),
+                item: 0,
+                level: 1,
+                what: "rows",
+                expected: 6,
+                found: 5
+            })
+        ),
+        "{err}"
+    );
     // Audio items (Qwen3-Omni's audio tower) have no DeepStack levels.
     let mut req = request(29, image_prompt(0, 1)?);
     let mut audio = (*req.prompt.items[0]).clone();
@@ -590,7 +752,19 @@ fn c16_deepstack_rows_that_disagree_with_their_items() -> Result<()> {
     req.prompt.items[0] = Arc::new(audio);
     req.item_deepstack = vec![Some(Arc::new(vec![level(6)]))];
     let err = rejected(|s| s.admit(req))?;
-    assert!(matches!(err, Error::Request(RequestError::DeepStackMismatch { id: Some(29), item: 0, what: "levels of an audio item", found: 1, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::DeepStackMismatch {
+                id: Some(29),
+                item: 0,
+                what: "levels of an audio item",
+                found: 1,
+                ..
+            })
+        ),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -599,7 +773,13 @@ fn c17_positions_that_do_not_cover_the_prompt() -> Result<()> {
     let mut prompt = text_prompt(0, &[0, 1, 2, 3, 4, 5])?;
     prompt.positions = omniprefix::prompt::Positions::linear(3);
     let err = rejected(|s| s.admit(request(26, prompt)))?;
-    assert!(matches!(err, Error::Request(RequestError::PromptMismatch { id: Some(26), expected: 6, found: 3, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::PromptMismatch { id: Some(26), expected: 6, found: 3, .. })
+        ),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -621,9 +801,18 @@ fn c19_completing_a_batch_that_was_not_handed_out() -> Result<()> {
         .step(4, omniprefix::kv::BlockTable::new(vec![0], BLOCK), 0..3)?;
         s.complete(&ScheduledBatch { copies: vec![], seqs: vec![seq] }).map(|_| ())
     })?;
-    assert!(matches!(err, Error::Sched(SchedError::BatchMismatch { id: 4, what: "new tokens", expected: 0, found: 3 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Sched(SchedError::BatchMismatch { id: 4, what: "new tokens", expected: 0, found: 3 })
+        ),
+        "{err}"
+    );
     let err = rejected(|s| s.finish(4))?;
-    assert!(matches!(err, Error::Sched(SchedError::RequestNotFinished { id: 4, computed: 0, len: 3 })), "{err}");
+    assert!(
+        matches!(err, Error::Sched(SchedError::RequestNotFinished { id: 4, computed: 0, len: 3 })),
+        "{err}"
+    );
     let err = rejected(|s| s.abort(99))?;
     assert!(matches!(err, Error::Sched(SchedError::UnknownRequest { id: 99 })), "{err}");
     Ok(())
@@ -635,17 +824,29 @@ fn c20_layouts_that_cannot_describe_their_item() -> Result<()> {
     let pixels = Array3::<u8>::zeros((8, 12, 3));
     let odd = ItemSpec { layout: ItemLayout::Image { grid_thw: [1, 3, 5] }, ..image_spec(&pixels) };
     let err = rejected(|_| fp.identify(0, &odd).map(|_| ()))?;
-    assert!(matches!(err, Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 5], merge: 2 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 5], merge: 2 })
+        ),
+        "{err}"
+    );
     let audio_layout = ItemSpec { layout: ItemLayout::Audio { mel_frames: 100 }, ..image_spec(&pixels) };
     let err = rejected(|_| fp.identify(0, &audio_layout).map(|_| ()))?;
-    assert!(matches!(err, Error::Request(RequestError::InvalidLayout { item: 0, field: "kind", .. })), "{err}");
+    assert!(
+        matches!(err, Error::Request(RequestError::InvalidLayout { item: 0, field: "kind", .. })),
+        "{err}"
+    );
     let patches = Array2::<f32>::zeros((20, 4));
     let processed = ItemSpec {
         content: ItemContent::Tensor(TensorView::F32(patches.view().into_dyn())),
         ..image_spec(&pixels)
     };
     let err = rejected(|_| fp.identify(3, &processed).map(|_| ()))?;
-    assert!(matches!(err, Error::Request(RequestError::ShapeMismatch { item: 3, modality: Modality::Image, .. })), "{err}");
+    assert!(
+        matches!(err, Error::Request(RequestError::ShapeMismatch { item: 3, modality: Modality::Image, .. })),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -671,7 +872,8 @@ fn request_file(name: &str, json: &str) -> Result<PathBuf> {
         .map(|(n, v)| v.map(|v| (n, v)))
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| RequestFileError::Safetensors { path: "media".into(), message: e.to_string() })?;
-    let bytes = safetensors::serialize(views, &None).map_err(|e| RequestFileError::Safetensors { path: "media".into(), message: e.to_string() })?;
+    let bytes = safetensors::serialize(views, &None)
+        .map_err(|e| RequestFileError::Safetensors { path: "media".into(), message: e.to_string() })?;
     write(&dir.join("media.safetensors"), &bytes)?;
     let path = dir.join("request.json");
     write(&path, json.as_bytes())?;
@@ -691,7 +893,9 @@ fn item_json(content: &str, embeddings: &str) -> String {
 fn c21_request_file_deepstack_levels_load_and_a_bad_shape_is_named() -> Result<()> {
     use omniprefix::request_file::RequestFile;
     let with = |tensor: &str| {
-        let ds = format!(r#""tensor": "emb"}}, "deepstack": {{"file": "media.safetensors", "tensor": "{tensor}"}}"#);
+        let ds = format!(
+            r#""tensor": "emb"}}, "deepstack": {{"file": "media.safetensors", "tensor": "{tensor}"}}"#
+        );
         item_json("pixels", "media.safetensors").replace(r#""tensor": "emb"}"#, &ds)
     };
     let path = request_file("deepstack", &with("ds"))?;
@@ -699,7 +903,8 @@ fn c21_request_file_deepstack_levels_load_and_a_bad_shape_is_named() -> Result<(
     let _ = path.parent().map(std::fs::remove_dir_all);
     let file = file?;
     let request = file.request(&OmniTokens::tiny());
-    let levels = request.items.first().and_then(|i| i.deepstack.clone()).expect("the item carries DeepStack levels");
+    let levels =
+        request.items.first().and_then(|i| i.deepstack.clone()).expect("the item carries DeepStack levels");
     assert_eq!(levels.len(), 2);
     assert_eq!(levels[1].dim(), (6, 4));
     assert_eq!((levels[0][[0, 1]], levels[1][[0, 0]], levels[1][[5, 3]]), (1.0, 24.0, 47.0));
@@ -731,16 +936,29 @@ fn c21_request_files_that_are_not_json_or_name_missing_tensors() -> Result<()> {
     let err = rejected(|_| load("not-json", "{\"segments\": [{\"text\": [1, 2"))?;
     assert!(matches!(err, Error::RequestFile(RequestFileError::Format { .. })), "{err}");
     let err = rejected(|_| load("unknown-field", r#"{"segments": [], "tenantt": 3}"#))?;
-    assert!(matches!(err, Error::RequestFile(RequestFileError::Format { ref message, .. }) if message.contains("tenantt")), "{err}");
+    assert!(
+        matches!(err, Error::RequestFile(RequestFileError::Format { ref message, .. }) if message.contains("tenantt")),
+        "{err}"
+    );
     let err = rejected(|_| load("negative-id", r#"{"segments": [{"text": [1, -2]}]}"#))?;
     assert!(matches!(err, Error::RequestFile(RequestFileError::Format { .. })), "{err}");
     let err = rejected(|_| load("missing-tensor", &item_json("pixelz", "media.safetensors")))?;
-    assert!(matches!(err, Error::RequestFile(RequestFileError::TensorNotInFile { ref tensor, .. }) if tensor == "pixelz"), "{err}");
+    assert!(
+        matches!(err, Error::RequestFile(RequestFileError::TensorNotInFile { ref tensor, .. }) if tensor == "pixelz"),
+        "{err}"
+    );
     let err = rejected(|_| load("missing-file", &item_json("pixels", "nowhere.safetensors")))?;
-    assert!(matches!(err, Error::Io(IoError { ref path, .. }) if path.ends_with("nowhere.safetensors")), "{err}");
+    assert!(
+        matches!(err, Error::Io(IoError { ref path, .. }) if path.ends_with("nowhere.safetensors")),
+        "{err}"
+    );
     // Embeddings named where a [rows, hidden] tensor is needed, but of rank 3.
-    let json = item_json("pixels", "media.safetensors").replace(r#""tensor": "emb""#, r#""tensor": "pixels""#);
+    let json =
+        item_json("pixels", "media.safetensors").replace(r#""tensor": "emb""#, r#""tensor": "pixels""#);
     let err = rejected(|_| load("embeddings-rank", &json))?;
-    assert!(matches!(err, Error::RequestFile(RequestFileError::Tensor { ref tensor, .. }) if tensor == "pixels"), "{err}");
+    assert!(
+        matches!(err, Error::RequestFile(RequestFileError::Tensor { ref tensor, .. }) if tensor == "pixels"),
+        "{err}"
+    );
     Ok(())
 }

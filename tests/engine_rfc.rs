@@ -25,9 +25,8 @@ fn fixture(path: &str) -> std::path::PathBuf {
 fn rfc_prompts() -> TestResult<(Vec<u32>, Vec<u32>)> {
     let text = std::fs::read_to_string(fixture("scenarios.json"))?;
     let json: serde_json::Value = serde_json::from_str(&text)?;
-    let ids = |p: &str| -> TestResult<Vec<u32>> {
-        Ok(serde_json::from_value(json["rfc_text_pair"][p].clone())?)
-    };
+    let ids =
+        |p: &str| -> TestResult<Vec<u32>> { Ok(serde_json::from_value(json["rfc_text_pair"][p].clone())?) };
     Ok((ids("prompt1")?, ids("prompt2")?))
 }
 
@@ -73,11 +72,9 @@ fn rfc_text_pair_returns_full_hidden_states_with_32_or_46_cached_tokens() -> Tes
     let want = uncached.run(Request::text(p2.clone()))?;
     assert_eq!(want.num_cached_tokens, 0);
     assert_eq!(uncached.stats().sched.hits, 0);
-    for (granular, index, cached) in [
-        (false, IndexKind::Radix, 32),
-        (true, IndexKind::Radix, 46),
-        (false, IndexKind::HashChain, 32),
-    ] {
+    for (granular, index, cached) in
+        [(false, IndexKind::Radix, 32), (true, IndexKind::Radix, 46), (false, IndexKind::HashChain, 32)]
+    {
         let mut engine = Engine::random(model.clone(), 3, config(true, granular, index))?;
         let first = engine.run(Request::text(p1.clone()))?;
         assert_eq!(first.num_cached_tokens, 0);
@@ -137,7 +134,8 @@ impl Reference {
 fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> TestResult {
     let dir = fixture("tiny/omni_thinker");
     let reference = Reference::open(&dir)?;
-    let ids: Vec<u32> = reference.ints("mm.input_ids")?.iter().map(|&t| u32::try_from(t)).collect::<Result<_, _>>()?;
+    let ids: Vec<u32> =
+        reference.ints("mm.input_ids")?.iter().map(|&t| u32::try_from(t)).collect::<Result<_, _>>()?;
     // The layouts the fixture script gave HF's get_rope_index (fixtures/tiny/README.md).
     let layouts = [
         (Modality::Image, ItemLayout::Image { grid_thw: [1, 4, 6] }),
@@ -163,9 +161,20 @@ fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> Te
                 })
             })
             .collect::<TestResult<Vec<_>>>()?;
-        Ok(Request { tenant: 0, token_ids: ids.clone(), placeholders: PlaceholderForm::Expanded, items, ..Default::default() })
+        Ok(Request {
+            tenant: 0,
+            token_ids: ids.clone(),
+            placeholders: PlaceholderForm::Expanded,
+            items,
+            ..Default::default()
+        })
     };
-    let config = EngineConfig { block_size: 4, capture: Some(all_points(3)), max_tokens_per_step: 7, ..Default::default() };
+    let config = EngineConfig {
+        block_size: 4,
+        capture: Some(all_points(3)),
+        max_tokens_per_step: 7,
+        ..Default::default()
+    };
     let mut engine = Engine::from_dir(&dir, config)?;
     let first = engine.run(request()?)?;
     // Positions from our prompt builder equal HF's get_rope_index.

@@ -9,7 +9,7 @@ use std::error::Error as StdError;
 
 use ndarray::{ArrayD, IxDyn};
 use omniprefix::Error;
-use omniprefix::engine::{Engine, EngineConfig, Event, Output, ItemInput, Request, TokenEvent};
+use omniprefix::engine::{Engine, EngineConfig, Event, ItemInput, Output, Request, TokenEvent};
 use omniprefix::error::RequestError;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::prompt::OmniTokens;
@@ -119,14 +119,23 @@ fn caching_chunking_and_batching_leave_greedy_and_seeded_output_bit_equal() -> T
         let params = [greedy(7), sampled(9, 5), sampled(6, 11)];
         // The reference: caching off, one request at a time, whole prompts per step.
         let mut plain = engine(&model, config(false))?;
-        let want: Vec<Output> =
-            prompts.iter().zip(&params).map(|(p, s)| plain.run(text(p).generate(s.clone()))).collect::<Result<_, _>>()?;
+        let want: Vec<Output> = prompts
+            .iter()
+            .zip(&params)
+            .map(|(p, s)| plain.run(text(p).generate(s.clone())))
+            .collect::<Result<_, _>>()?;
         for (budget, seqs) in [(5, 2), (3, 3), (64, 4)] {
-            let mut e = engine(&model, EngineConfig { max_tokens_per_step: budget, max_seqs_per_step: seqs, ..config(true) })?;
+            let mut e = engine(
+                &model,
+                EngineConfig { max_tokens_per_step: budget, max_seqs_per_step: seqs, ..config(true) },
+            )?;
             // Warm the cache with the first prompt, then all three at once.
             e.run(text(&prompts[0]).generate(greedy(3)))?;
-            let submitted: Vec<u64> =
-                prompts.iter().zip(&params).map(|(p, s)| e.submit(text(p).generate(s.clone()))).collect::<Result<_, _>>()?;
+            let submitted: Vec<u64> = prompts
+                .iter()
+                .zip(&params)
+                .map(|(p, s)| e.submit(text(p).generate(s.clone())))
+                .collect::<Result<_, _>>()?;
             let got = drain(&mut e)?;
             assert_eq!(got.iter().map(|g| g.request).collect::<Vec<_>>(), submitted);
             assert!(got[0].num_cached_tokens > 0, "the warmed prompt hits");
@@ -147,17 +156,23 @@ fn preempted_sequences_resume_to_the_same_output() -> TestResult {
     // sampler that restarted from its seed on preemption would still pass.
     let params = |seed| SamplingParams { temperature: 3.0, top_k: None, top_p: None, ..sampled(10, seed) };
     let mut plain = engine(&model, config(false))?;
-    let want: Vec<Output> = prompts.iter().map(|p| plain.run(text(p).generate(params(3)))).collect::<Result<_, _>>()?;
+    let want: Vec<Output> =
+        prompts.iter().map(|p| plain.run(text(p).generate(params(3)))).collect::<Result<_, _>>()?;
     for (i, (p, w)) in prompts.iter().zip(&want).enumerate() {
         let other = plain.run(text(p).generate(params(4)))?;
         let differing = other.tokens.iter().zip(&w.tokens).filter(|(a, b)| a != b).count();
         assert!(differing >= 5, "prompt {i}: seeds 3 and 4 differ at {differing} of 10 tokens");
-        assert_ne!(plain.run(text(p).generate(greedy(10)))?.tokens, w.tokens, "prompt {i}: not the greedy tokens");
+        assert_ne!(
+            plain.run(text(p).generate(greedy(10)))?.tokens,
+            w.tokens,
+            "prompt {i}: not the greedy tokens"
+        );
     }
     // 16 blocks of 4 cannot hold four sequences of 14-17 + 9 positions at once. Uncapped,
     // so all four start in one step (a cap starts one long prompt a step, staggering them).
     let base = config(true);
-    let mut e = engine(&model, EngineConfig { num_blocks: 16, prefill_cap: Some(base.max_tokens_per_step), ..base })?;
+    let mut e =
+        engine(&model, EngineConfig { num_blocks: 16, prefill_cap: Some(base.max_tokens_per_step), ..base })?;
     for p in &prompts {
         e.submit(text(p).generate(params(3)))?;
     }
@@ -180,7 +195,11 @@ fn a_follow_up_round_reuses_the_reply_to_the_last_position_that_ran() -> TestRes
             history.extend(&g.tokens);
             history.extend(ids(3 + round, 9 + round as u32));
             let next = e.run(text(&history))?;
-            assert_eq!(next.num_cached_tokens, ran, "{} round {round}: every position that ran is reused", model.model_type);
+            assert_eq!(
+                next.num_cached_tokens, ran,
+                "{} round {round}: every position that ran is reused",
+                model.model_type
+            );
             // The prefill itself ran the whole history; drop it from the next round's count.
             history.push(7);
         }
@@ -238,10 +257,12 @@ fn stop_ids_end_a_generation_unless_ignored() -> TestResult {
     let free = e.run(text(&p).generate(greedy(8)))?;
     let stop = free.tokens[3];
     let first = free.tokens.iter().position(|&t| t == stop).unwrap_or(3);
-    let stopped = e.run(text(&p).generate(SamplingParams { stop: Some(vec![stop]), ignore_eos: false, ..greedy(8) }))?;
+    let stopped =
+        e.run(text(&p).generate(SamplingParams { stop: Some(vec![stop]), ignore_eos: false, ..greedy(8) }))?;
     assert_eq!(stopped.tokens, free.tokens[..=first]);
     assert_eq!(stopped.finish_reason, Some(FinishReason::Stop));
-    let ignored = e.run(text(&p).generate(SamplingParams { stop: Some(vec![stop]), ignore_eos: true, ..greedy(8) }))?;
+    let ignored =
+        e.run(text(&p).generate(SamplingParams { stop: Some(vec![stop]), ignore_eos: true, ..greedy(8) }))?;
     assert_eq!((ignored.tokens.len(), ignored.finish_reason), (8, Some(FinishReason::Length)));
     Ok(())
 }
@@ -293,7 +314,9 @@ fn bad_sampling_settings_are_typed_errors_that_change_nothing() -> TestResult {
             "max_tokens" | "temperature" | "top_p" | "top_k" => {
                 matches!(r, RequestError::InvalidSampling { param, .. } if *param == what)
             }
-            "context" => matches!(r, RequestError::ContextTooLong { id: None, prompt_len: 12, max_new_tokens: 29, .. }),
+            "context" => {
+                matches!(r, RequestError::ContextTooLong { id: None, prompt_len: 12, max_new_tokens: 29, .. })
+            }
             _ => matches!(r, RequestError::StopIdOutOfVocab { .. }),
         };
         assert!(ok, "{what}: {err}");
@@ -347,7 +370,8 @@ fn a_reply_holds_no_placeholder_id_so_the_next_round_can_resend_it() -> TestResu
     let mut e = engine(&model, config(true))?;
 
     let raw = e.run(text(&prompt).generate(SamplingParams { allow_special_ids: true, ..greedy(12) }))?;
-    let first = raw.tokens.iter().position(|t| pads.contains(t)).ok_or("the unmasked reply holds no placeholder")?;
+    let first =
+        raw.tokens.iter().position(|t| pads.contains(t)).ok_or("the unmasked reply holds no placeholder")?;
     assert_eq!((first, raw.tokens[first]), (3, tokens.video_token_id), "raw reply {:?}", raw.tokens);
 
     let masked = e.run(text(&prompt).generate(greedy(12)))?;
@@ -367,7 +391,10 @@ fn a_reply_holds_no_placeholder_id_so_the_next_round_can_resend_it() -> TestResu
     assert_eq!(next.num_cached_tokens, prompt.len() + masked.tokens.len() - 1);
     // ... and prompt + raw reply is rejected: the pad takes an item the request does not have.
     let before = e.stats();
-    let err = e.run(text(&[&prompt[..], &raw.tokens].concat())).err().ok_or("a reply holding a pad was accepted")?;
+    let err = e
+        .run(text(&[&prompt[..], &raw.tokens].concat()))
+        .err()
+        .ok_or("a reply holding a pad was accepted")?;
     assert!(
         matches!(err, Error::Request(RequestError::MissingItem { position, .. }) if position == prompt.len() + first),
         "{err}"

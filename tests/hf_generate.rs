@@ -33,10 +33,10 @@ mod shared_gpu;
 use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
-use omniprefix::backend::{Backend, Dtype};
 use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::backend::{Backend, Dtype};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, Output, ItemInput, PlaceholderForm, Request};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PlaceholderForm, Request};
 use omniprefix::model::CaptureName;
 use omniprefix::sample::{FinishReason, SamplingParams, placeholder_ids};
 use reference::{Reference, TestResult, model_dir, relative_error, relative_error_within};
@@ -80,7 +80,8 @@ struct Precision {
 }
 
 /// The checkpoints' own f32 weights and pages on the CPU.
-const F32: Precision = Precision { dtype: None, kv_dtype: Dtype::F32, tolerance: reference::TOLERANCE, cached: None };
+const F32: Precision =
+    Precision { dtype: None, kv_dtype: Dtype::F32, tolerance: reference::TOLERANCE, cached: None };
 
 /// Greedy, exactly `n` tokens.
 fn greedy(n: usize) -> SamplingParams {
@@ -194,11 +195,9 @@ fn first_bad_row(got: &Array2<f32>, want: &Array2<f32>, tolerance: f32) -> Strin
         return String::new();
     }
     let scale = want.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-    let bad = got
-        .rows()
-        .into_iter()
-        .zip(want.rows())
-        .position(|(g, w)| g.iter().zip(w).any(|(a, b)| (a - b).is_nan() || (a - b).abs() / scale > tolerance));
+    let bad = got.rows().into_iter().zip(want.rows()).position(|(g, w)| {
+        g.iter().zip(w).any(|(a, b)| (a - b).is_nan() || (a - b).abs() / scale > tolerance)
+    });
     bad.map_or_else(String::new, |r| format!(" (first bad row: position {r} of {})", got.nrows()))
 }
 
@@ -214,7 +213,12 @@ fn assert_hidden_same(label: &str, a: &Output, b: &Output, within: Option<f32>) 
                 assert!(same, "{label} {na}: cached run differs from the first run");
             }
             Some(t) => {
-                relative_error_within(&format!("{label} {na}: cached vs first run"), ha.view(), hb.view(), t)?;
+                relative_error_within(
+                    &format!("{label} {na}: cached vs first run"),
+                    ha.view(),
+                    hb.view(),
+                    t,
+                )?;
             }
         }
     }
@@ -261,7 +265,11 @@ fn check_model<B: Backend>(backend: &Arc<B>, model: &'static str, precision: &Pr
         let reply = &first.tokens[..GEN_TOKENS - 1];
         let next = engine.run(case.request(reply).generate(greedy(1)))?;
         assert_eq!(next.prompt_len, len + GEN_TOKENS - 1, "{label}: follow-up prompt");
-        assert_eq!(next.num_cached_tokens, len + GEN_TOKENS - 2, "{label}: follow-up reuses every position that ran");
+        assert_eq!(
+            next.num_cached_tokens,
+            len + GEN_TOKENS - 2,
+            "{label}: follow-up reuses every position that ran"
+        );
         assert_eq!(next.tokens, case.hf_tokens[GEN_TOKENS - 1..], "{label}: follow-up token");
         assert_hidden_same(&format!("{label} follow-up"), &next, &first, precision.cached)?;
 
@@ -291,20 +299,30 @@ fn check_suppressed<B: Backend>(backend: &Arc<B>, precision: &Precision) -> Test
     // The checkpoint's own ids (config.json), as the fixture script suppressed them.
     let pads = placeholder_ids(engine.tokens());
     assert_eq!(pads, [254, 255, 249], "image, video, audio pads of the tiny Omni config");
-    let first = allowed.hf_tokens.iter().position(|t| pads.contains(t)).ok_or("HF's free reply holds no pad")?;
+    let first =
+        allowed.hf_tokens.iter().position(|t| pads.contains(t)).ok_or("HF's free reply holds no pad")?;
     assert!(suppressed.hf_tokens.iter().all(|t| !pads.contains(t)));
 
     let masked = engine.run(suppressed.request(&[]).generate(greedy(GEN_TOKENS)))?;
-    assert_eq!(masked.tokens, suppressed.hf_tokens, "masked reply differs from transformers' suppress_tokens");
+    assert_eq!(
+        masked.tokens, suppressed.hf_tokens,
+        "masked reply differs from transformers' suppress_tokens"
+    );
     let mut worst = suppressed.check_hidden("masked", &masked, precision.tolerance)?;
-    let raw = engine.run(allowed.request(&[]).generate(SamplingParams { allow_special_ids: true, ..greedy(GEN_TOKENS) }))?;
+    let raw = engine.run(
+        allowed.request(&[]).generate(SamplingParams { allow_special_ids: true, ..greedy(GEN_TOKENS) }),
+    )?;
     assert_eq!(raw.tokens, allowed.hf_tokens, "unmasked reply differs from transformers' free generate");
     worst = worst.max(allowed.check_hidden("unmasked", &raw, precision.tolerance)?);
     assert_eq!(masked.tokens[..first], raw.tokens[..first]);
     let differing = masked.tokens.iter().zip(&raw.tokens).filter(|(a, b)| a != b).count();
 
     let next = engine.run(suppressed.request(&masked.tokens))?;
-    assert_eq!(next.num_cached_tokens, suppressed.ids.len() + GEN_TOKENS - 1, "the masked reply re-sends, cached");
+    assert_eq!(
+        next.num_cached_tokens,
+        suppressed.ids.len() + GEN_TOKENS - 1,
+        "the masked reply re-sends, cached"
+    );
     assert!(engine.run(allowed.request(&raw.tokens)).is_err(), "a re-sent reply holding a pad is rejected");
     engine.validate()?;
     Ok((worst, differing))
@@ -345,7 +363,9 @@ fn omni_thinker_generates_what_transformers_generates_after_multimodal_items() -
 #[test]
 fn omni_thinker_masks_placeholders_as_transformers_suppress_tokens_does() -> TestResult {
     let (worst, differing) = check_suppressed(&cpu(), &F32)?;
-    eprintln!("omni_thinker suppress (cpu): {differing} of {GEN_TOKENS} tokens differ from the free reply, worst relative error {worst:.3e}");
+    eprintln!(
+        "omni_thinker suppress (cpu): {differing} of {GEN_TOKENS} tokens differ from the free reply, worst relative error {worst:.3e}"
+    );
     Ok(())
 }
 
@@ -393,7 +413,10 @@ fn generate_reference_rows_are_distinct_and_checked_per_row() -> TestResult {
     let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
     got[[len + 3, 7]] += 2.0 * reference::TOLERANCE * scale;
     assert!(relative_error("perturbed", got.view(), want.view()).is_err());
-    assert_eq!(first_bad_row(&got, want, reference::TOLERANCE), format!(" (first bad row: position {} of {})", len + 3, want.nrows()));
+    assert_eq!(
+        first_bad_row(&got, want, reference::TOLERANCE),
+        format!(" (first bad row: position {} of {})", len + 3, want.nrows())
+    );
     Ok(())
 }
 
@@ -420,7 +443,9 @@ fn wgpu_generates_what_transformers_generates() -> TestResult {
 fn wgpu_masks_placeholders_as_transformers_suppress_tokens_does() -> TestResult {
     let Some(gpu) = gpu() else { return Ok(()) };
     let (worst, differing) = check_suppressed(&Arc::new(gpu), &F32)?;
-    eprintln!("omni_thinker suppress (wgpu): {differing} of {GEN_TOKENS} tokens differ, worst relative error {worst:.3e}");
+    eprintln!(
+        "omni_thinker suppress (wgpu): {differing} of {GEN_TOKENS} tokens differ, worst relative error {worst:.3e}"
+    );
     Ok(())
 }
 
@@ -432,7 +457,8 @@ fn wgpu_masks_placeholders_as_transformers_suppress_tokens_does() -> TestResult 
 fn wgpu_f16_generates_what_transformers_generates() -> TestResult {
     let Some(gpu) = gpu() else { return Ok(()) };
     let gpu = Arc::new(gpu);
-    let f16 = Precision { dtype: Some(Dtype::F16), kv_dtype: Dtype::F16, tolerance: 5e-3, cached: Some(1e-3) };
+    let f16 =
+        Precision { dtype: Some(Dtype::F16), kv_dtype: Dtype::F16, tolerance: 5e-3, cached: Some(1e-3) };
     for (model, _, _) in MODELS {
         let worst = check_model(&gpu, model, &f16)?;
         eprintln!("{model} (wgpu f16): worst relative error {worst:.3e}");

@@ -36,10 +36,7 @@ use reference::{Reference, TOLERANCE, TestResult, model_dir, relative_error, rel
 impl Reference {
     /// The prompts recorded (every prompt has `<p>.logits`), in name order.
     fn prompts(&self) -> Vec<&str> {
-        self.f32s
-            .keys()
-            .filter_map(|k| k.strip_suffix(".logits"))
-            .collect()
+        self.f32s.keys().filter_map(|k| k.strip_suffix(".logits")).collect()
     }
 
     /// Names of the outputs recorded for prompt `p`: `hidden.<k>`, `final`, `logits`.
@@ -76,20 +73,14 @@ fn check_prompt(
             Err(msg) => failures.push(msg),
         }
     }
-    if failures.is_empty() {
-        Ok(worst)
-    } else {
-        Err(failures)
-    }
+    if failures.is_empty() { Ok(worst) } else { Err(failures) }
 }
 
 // ------------------------------------------------------------------ our side
 
 /// Every capture point the fixtures hold: `hidden.0..=num_layers` and `final`.
 fn all_captures(num_layers: usize) -> TestResult<CaptureSpec> {
-    let points = (0..=num_layers)
-        .map(CaptureName::Hidden)
-        .chain([CaptureName::Final]);
+    let points = (0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]);
     Ok(CaptureSpec::new(points, num_layers)?)
 }
 
@@ -106,10 +97,7 @@ enum Mode {
 
 /// Output name → matrix, as `check_prompt` takes it.
 fn named(hidden: Vec<(CaptureName, Array2<f32>)>) -> BTreeMap<String, Array2<f32>> {
-    hidden
-        .into_iter()
-        .map(|(name, m)| (name.to_string(), m))
-        .collect()
+    hidden.into_iter().map(|(name, m)| (name.to_string(), m)).collect()
 }
 
 /// Runs a prompt as [`Mode::Chunked`] says; returns the captures and `last_logits`.
@@ -122,9 +110,7 @@ fn run_chunked(
     let len = inputs.token_ids.len();
     let needed = len.div_ceil(block_size);
     let num_blocks = 2 * needed;
-    let blocks: Vec<u32> = (0..needed)
-        .map(|i| (num_blocks - 1 - 2 * i) as u32)
-        .collect();
+    let blocks: Vec<u32> = (0..needed).map(|i| (num_blocks - 1 - 2 * i) as u32).collect();
     let block_table = BlockTable::new(blocks, block_size);
     let mut pages = runner.alloc_pages(num_blocks, block_size)?;
     let mut last = None;
@@ -132,27 +118,14 @@ fn run_chunked(
         let step = start..(start + chunk).min(len);
         // The runner's own chunk cut (what the scheduler uses too).
         let seq = inputs.step(1, block_table.clone(), step.clone())?;
-        let mut outputs = runner.execute(
-            &ScheduledBatch {
-                copies: vec![],
-                seqs: vec![seq],
-            },
-            &mut pages,
-        )?;
-        assert_eq!(
-            outputs.len(),
-            usize::from(step.end == len),
-            "outputs only on the last step"
-        );
+        let mut outputs = runner.execute(&ScheduledBatch { copies: vec![], seqs: vec![seq] }, &mut pages)?;
+        assert_eq!(outputs.len(), usize::from(step.end == len), "outputs only on the last step");
         last = outputs.pop();
     }
     let out = last.ok_or("empty prompt")?;
     let vocab = out.last_logits.len();
     let mut ours = named(out.hidden);
-    ours.insert(
-        "last_logits".into(),
-        Array2::from_shape_vec((1, vocab), out.last_logits)?,
-    );
+    ours.insert("last_logits".into(), Array2::from_shape_vec((1, vocab), out.last_logits)?);
     Ok(ours)
 }
 
@@ -170,7 +143,14 @@ fn check_model_file(model: &str, file: &str, expected_prompts: &[&str], mode: Mo
 
 /// [`check_model_file`] with the weight matrices stored as `dtype`, every output
 /// within `tolerance`.
-fn check_model_as(model: &str, file: &str, expected_prompts: &[&str], mode: Mode, dtype: Dtype, tolerance: f32) -> TestResult<f32> {
+fn check_model_as(
+    model: &str,
+    file: &str,
+    expected_prompts: &[&str],
+    mode: Mode,
+    dtype: Dtype,
+    tolerance: f32,
+) -> TestResult<f32> {
     let backend = Arc::new(CpuBackend::new());
     let thinker = Arc::new(Thinker::from_dir_as(&*backend, &model_dir(model), Some(dtype))?);
     assert_eq!(thinker.dtype(), dtype);
@@ -178,11 +158,7 @@ fn check_model_as(model: &str, file: &str, expected_prompts: &[&str], mode: Mode
     let capture = all_captures(num_layers)?;
     let runner = ModelRunner::new(Arc::clone(&backend), Arc::clone(&thinker), capture.clone())?;
     let reference = Reference::open_file(model, file)?;
-    assert_eq!(
-        reference.prompts(),
-        expected_prompts,
-        "{model}: prompts in reference.safetensors"
-    );
+    assert_eq!(reference.prompts(), expected_prompts, "{model}: prompts in reference.safetensors");
 
     let mut worst = 0f32;
     let mut failures = Vec::new();
@@ -192,29 +168,16 @@ fn check_model_as(model: &str, file: &str, expected_prompts: &[&str], mode: Mode
             Mode::Uncached => {
                 let out = run_uncached(&thinker, &*backend, &inputs, &capture, true)?;
                 let mut ours = named(out.hidden);
-                ours.insert(
-                    "logits".into(),
-                    out.logits
-                        .ok_or("run_uncached returned no per-row logits")?,
-                );
+                ours.insert("logits".into(), out.logits.ok_or("run_uncached returned no per-row logits")?);
                 ours
             }
-            Mode::Chunked { chunk, block_size } => {
-                run_chunked(&runner, &inputs, chunk, block_size)?
-            }
+            Mode::Chunked { chunk, block_size } => run_chunked(&runner, &inputs, chunk, block_size)?,
         };
         // Every recorded hidden state is checked, or parity would be claimed for fewer.
         let recorded: Vec<&str> = reference.outputs_of(p).collect();
-        assert_eq!(
-            recorded.len(),
-            num_layers + 3,
-            "{model}/{p}: hidden.0..={num_layers}, final, logits"
-        );
+        assert_eq!(recorded.len(), num_layers + 3, "{model}/{p}: hidden.0..={num_layers}, final, logits");
         for what in recorded.iter().filter(|w| **w != "logits") {
-            assert!(
-                ours.contains_key(*what),
-                "{model}/{p}: our run lacks {what}"
-            );
+            assert!(ours.contains_key(*what), "{model}/{p}: our run lacks {what}");
         }
         match check_prompt(model, p, &reference, &ours, tolerance) {
             Ok(err) => worst = worst.max(err),
@@ -225,11 +188,7 @@ fn check_model_as(model: &str, file: &str, expected_prompts: &[&str], mode: Mode
         "{model} ({mode:?}, {dtype} weights, {file}): worst relative error {worst:.3e} over {} prompts",
         expected_prompts.len()
     );
-    if failures.is_empty() {
-        Ok(worst)
-    } else {
-        Err(failures.join("\n").into())
-    }
+    if failures.is_empty() { Ok(worst) } else { Err(failures.join("\n").into()) }
 }
 
 // ------------------------------------------------------------------ tests
@@ -242,10 +201,7 @@ const OMNI_PROMPTS: &[&str] = &["mm", "text_a", "text_b", "text_c"];
 /// a step boundary), blocks reversed and non-contiguous.
 #[test]
 fn chunked_prefill_reading_the_prefix_from_pages_matches_transformers() -> TestResult {
-    let mode = Mode::Chunked {
-        chunk: 7,
-        block_size: 8,
-    };
+    let mode = Mode::Chunked { chunk: 7, block_size: 8 };
     check_model("qwen3_dense", TEXT_PROMPTS, mode)?;
     check_model("omni_thinker", OMNI_PROMPTS, mode)?;
     check_model("qwen2_dense", TEXT_PROMPTS, mode)?;
@@ -282,15 +238,22 @@ const DEEPSTACK_FILE: &str = "deepstack_reference.safetensors";
 fn omni_thinker_with_deepstack_matches_transformers_uncached_and_chunked() -> TestResult {
     let reference = Reference::open_file("omni_thinker", DEEPSTACK_FILE)?;
     let inputs = reference.prompt("mm")?;
-    let levels: Vec<usize> = inputs.embeds.iter().map(|e| e.deepstack.as_ref().map_or(0, |d| d.len())).collect();
+    let levels: Vec<usize> =
+        inputs.embeds.iter().map(|e| e.deepstack.as_ref().map_or(0, |d| d.len())).collect();
     assert_eq!(levels, [2, 0, 2], "image and video carry 2 levels, audio none");
     // Not vacuous: DeepStack changes what HF records after layer 1 (hidden.1 is
     // layer 0's output before the first add, so it equals the plain run's).
     let plain = Reference::open("omni_thinker")?;
     assert_eq!(reference.matrix("mm.hidden.1")?, plain.matrix("mm.hidden.1")?);
-    let moved = relative_error("hidden.2", reference.matrix("mm.hidden.2")?.view(), plain.matrix("mm.hidden.2")?.view());
+    let moved = relative_error(
+        "hidden.2",
+        reference.matrix("mm.hidden.2")?.view(),
+        plain.matrix("mm.hidden.2")?.view(),
+    );
     assert!(moved.is_err(), "DeepStack did not change hidden.2");
-    for mode in [Mode::Uncached, Mode::Chunked { chunk: 7, block_size: 8 }, Mode::Chunked { chunk: 5, block_size: 4 }] {
+    for mode in
+        [Mode::Uncached, Mode::Chunked { chunk: 7, block_size: 8 }, Mode::Chunked { chunk: 5, block_size: 4 }]
+    {
         check_model_file("omni_thinker", DEEPSTACK_FILE, &["mm"], mode)?;
     }
     Ok(())
@@ -302,16 +265,30 @@ fn omni_thinker_with_deepstack_matches_transformers_uncached_and_chunked() -> Te
 /// tolerance holds, in one step and through paged chunks.
 #[test]
 fn half_precision_weights_match_transformers_over_the_same_rounded_weights() -> TestResult {
-    for (dtype, file) in [(Dtype::Bf16, "bf16_weights_reference.safetensors"), (Dtype::F16, "f16_weights_reference.safetensors")] {
+    for (dtype, file) in [
+        (Dtype::Bf16, "bf16_weights_reference.safetensors"),
+        (Dtype::F16, "f16_weights_reference.safetensors"),
+    ] {
         for model in ["qwen3_dense", "qwen2_dense", "omni_thinker"] {
             check_model_as(model, file, TEXT_PROMPTS, Mode::Uncached, dtype, TOLERANCE)?;
         }
-        check_model_as("qwen3_dense", file, TEXT_PROMPTS, Mode::Chunked { chunk: 7, block_size: 8 }, dtype, TOLERANCE)?;
+        check_model_as(
+            "qwen3_dense",
+            file,
+            TEXT_PROMPTS,
+            Mode::Chunked { chunk: 7, block_size: 8 },
+            dtype,
+            TOLERANCE,
+        )?;
     }
     // Not vacuous: rounding the weights moves the outputs far past the tolerance.
     let f32_ref = Reference::open("qwen3_dense")?;
     let bf16_ref = Reference::open_file("qwen3_dense", "bf16_weights_reference.safetensors")?;
-    let moved = relative_error("logits", bf16_ref.matrix("text_a.logits")?.view(), f32_ref.matrix("text_a.logits")?.view());
+    let moved = relative_error(
+        "logits",
+        bf16_ref.matrix("text_a.logits")?.view(),
+        f32_ref.matrix("text_a.logits")?.view(),
+    );
     assert!(moved.is_err(), "bf16 rounding did not change the logits");
     Ok(())
 }
@@ -324,12 +301,25 @@ fn half_precision_weights_match_transformers_over_the_same_rounded_weights() -> 
 /// must lie within their sum of the former.
 #[test]
 fn bf16_weights_are_within_transformers_own_bf16_error_of_transformers_in_bf16() -> TestResult {
-    let facts: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(model_dir("half_references.json"))?)?;
+    let facts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model_dir("half_references.json"))?)?;
     for model in ["qwen3_dense", "qwen2_dense"] {
-        let own = facts["models"][model]["bf16_native_vs_bf16_weights_max_rel"].as_f64().ok_or("no recorded bf16 error")? as f32;
+        let own = facts["models"][model]["bf16_native_vs_bf16_weights_max_rel"]
+            .as_f64()
+            .ok_or("no recorded bf16 error")? as f32;
         assert!(own > TOLERANCE, "{model}: transformers' bf16 error {own} should exceed the f32 tolerance");
-        let worst = check_model_as(model, "bf16_native_reference.safetensors", TEXT_PROMPTS, Mode::Uncached, Dtype::Bf16, own + TOLERANCE)?;
-        eprintln!("{model}: ours (bf16 weights) vs transformers bf16: {worst:.3e}, bound {:.3e}", own + TOLERANCE);
+        let worst = check_model_as(
+            model,
+            "bf16_native_reference.safetensors",
+            TEXT_PROMPTS,
+            Mode::Uncached,
+            Dtype::Bf16,
+            own + TOLERANCE,
+        )?;
+        eprintln!(
+            "{model}: ours (bf16 weights) vs transformers bf16: {worst:.3e}, bound {:.3e}",
+            own + TOLERANCE
+        );
     }
     Ok(())
 }
@@ -352,18 +342,9 @@ fn omni_multimodal_prompt_uses_non_linear_positions() -> TestResult {
     };
     let [t, h, w] = &inputs.positions.axes();
     let linear: Vec<i64> = (0..t.len() as i64).collect();
-    assert!(
-        t != &linear && h != t && w != h,
-        "positions degenerate to 1-D"
-    );
+    assert!(t != &linear && h != t && w != h, "positions degenerate to 1-D");
     // HF's definition: the next decode position minus the prompt length.
-    let max_pos = t
-        .iter()
-        .chain(h)
-        .chain(w)
-        .copied()
-        .max()
-        .ok_or("empty positions")?;
+    let max_pos = t.iter().chain(h).chain(w).copied().max().ok_or("empty positions")?;
     assert_eq!(rope_delta, max_pos + 1 - t.len() as i64);
     assert_eq!(inputs.embeds.len(), 3, "image, audio and video items");
     Ok(())
@@ -375,10 +356,7 @@ fn omni_multimodal_prompt_uses_non_linear_positions() -> TestResult {
 fn comparison_reports_first_element_over_tolerance() -> TestResult {
     let reference = Reference::open("qwen3_dense")?;
     let expected = reference.matrix("text_a.final")?;
-    assert_eq!(
-        relative_error("same", expected.view(), expected.view()),
-        Ok(0.0)
-    );
+    assert_eq!(relative_error("same", expected.view(), expected.view()), Ok(0.0));
     let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
     let mut ours = expected.clone();
     ours[[3, 5]] += 2.0 * TOLERANCE * scale;

@@ -68,7 +68,10 @@ fn batch_of(case: &Value) -> TestResult<KvEventBatch> {
                 Some("BlockStored") => KvEvent::BlockStored {
                     block_hashes: u64s(&e["block_hashes"])?,
                     parent_block_hash: e["parent_block_hash"].as_u64(),
-                    token_ids: u64s(&e["token_ids"])?.into_iter().map(u32::try_from).collect::<Result<_, _>>()?,
+                    token_ids: u64s(&e["token_ids"])?
+                        .into_iter()
+                        .map(u32::try_from)
+                        .collect::<Result<_, _>>()?,
                     block_size: usize::try_from(e["block_size"].as_u64().ok_or("block_size")?)?,
                     medium: medium(&e["medium"])?,
                     extra_keys: match e.get("extra_keys").and_then(Value::as_array) {
@@ -76,7 +79,10 @@ fn batch_of(case: &Value) -> TestResult<KvEventBatch> {
                         None => None,
                     },
                 },
-                Some("BlockRemoved") => KvEvent::BlockRemoved { block_hashes: u64s(&e["block_hashes"])?, medium: medium(&e["medium"])? },
+                Some("BlockRemoved") => KvEvent::BlockRemoved {
+                    block_hashes: u64s(&e["block_hashes"])?,
+                    medium: medium(&e["medium"])?,
+                },
                 Some("AllBlocksCleared") => KvEvent::AllBlocksCleared,
                 other => return Err(format!("event type {other:?}").into()),
             })
@@ -91,7 +97,13 @@ fn cases() -> TestResult<Vec<(String, KvEventBatch, Vec<u8>)>> {
         .as_array()
         .ok_or("cases")?
         .iter()
-        .map(|c| Ok((c["name"].as_str().ok_or("name")?.to_string(), batch_of(c)?, hex::decode(c["payload_hex"].as_str().ok_or("hex")?)?)))
+        .map(|c| {
+            Ok((
+                c["name"].as_str().ok_or("name")?.to_string(),
+                batch_of(c)?,
+                hex::decode(c["payload_hex"].as_str().ok_or("hex")?)?,
+            ))
+        })
         .collect()
 }
 
@@ -166,7 +178,15 @@ fn live_stream_and_replay_have_vllms_framing() -> TestResult {
         for (i, (name, _, payload)) in cases.iter().enumerate() {
             let frames = recv(&mut sub).await?;
             let seq = last_sentinel + 1 + i as u64;
-            assert_eq!(frames, vec![Bytes::from("kv@a"), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload.clone())], "{name}");
+            assert_eq!(
+                frames,
+                vec![
+                    Bytes::from("kv@a"),
+                    Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    Bytes::from(payload.clone())
+                ],
+                "{name}"
+            );
         }
         // A late subscriber replays from the first vector batch on.
         let first = last_sentinel + 1;
@@ -178,11 +198,19 @@ fn live_stream_and_replay_have_vllms_framing() -> TestResult {
         for (i, (name, _, payload)) in cases.iter().enumerate() {
             let frames = recv(&mut dealer).await?;
             let seq = first + i as u64;
-            let want = vec![Bytes::new(), Bytes::from("kv@a"), Bytes::copy_from_slice(&seq.to_be_bytes()), Bytes::from(payload.clone())];
+            let want = vec![
+                Bytes::new(),
+                Bytes::from("kv@a"),
+                Bytes::copy_from_slice(&seq.to_be_bytes()),
+                Bytes::from(payload.clone()),
+            ];
             assert_eq!(frames, want, "replay of {name}");
         }
         let end = recv(&mut dealer).await?;
-        assert_eq!(end, vec![Bytes::new(), Bytes::new(), Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new()]);
+        assert_eq!(
+            end,
+            vec![Bytes::new(), Bytes::new(), Bytes::copy_from_slice(&(-1i64).to_be_bytes()), Bytes::new()]
+        );
         Ok(publisher.stats())
     })?;
     assert_eq!((stats.replays, stats.malformed_replays, stats.dropped), (1, 1, 0));
@@ -195,7 +223,10 @@ fn a_full_queue_drops_and_counts_without_blocking() -> TestResult {
     // A queue of one batch, filled faster than the thread drains it.
     let config = KvEventsConfig { max_queue_size: 1, ..loopback("") };
     let publisher = KvEventPublisher::bind(&config)?;
-    let big = KvEventBatch::now(vec![KvEvent::BlockRemoved { block_hashes: (0..20_000).collect(), medium: Medium::Cpu }], None);
+    let big = KvEventBatch::now(
+        vec![KvEvent::BlockRemoved { block_hashes: (0..20_000).collect(), medium: Medium::Cpu }],
+        None,
+    );
     let accepted = (0..200).filter(|_| publisher.publish(big.clone())).count() as u64;
     let stats = publisher.close();
     assert_eq!(stats.batches, 200);
@@ -222,8 +253,14 @@ fn bad_endpoints_are_typed_errors_at_startup() -> TestResult {
         other => panic!("port in use: {other:?}"),
     }
     // The engine refuses to start on one too, before anything runs.
-    let config = EngineConfig { kv_events: Some(KvEventsConfig { endpoint: format!("tcp://127.0.0.1:{port}"), ..Default::default() }), ..tiny_config(1, 12) };
-    assert!(matches!(Engine::random(model(), 1, config), Err(Error::Events(EventsError::Bind { socket: "PUB", .. }))));
+    let config = EngineConfig {
+        kv_events: Some(KvEventsConfig { endpoint: format!("tcp://127.0.0.1:{port}"), ..Default::default() }),
+        ..tiny_config(1, 12)
+    };
+    assert!(matches!(
+        Engine::random(model(), 1, config),
+        Err(Error::Events(EventsError::Bind { socket: "PUB", .. }))
+    ));
     Ok(())
 }
 
@@ -260,7 +297,9 @@ fn image_request<'a>(content: &'a ArrayD<u8>, head: &[u32], tail: &[u32], tenant
             content: ItemContent::Tensor(TensorView::U8(content.view())),
             params: Default::default(),
         },
-        embeddings: Some(Arc::new(Array2::from_shape_fn((4, HIDDEN), |(r, c)| ((r * HIDDEN + c) as f32 * 0.37).sin()))),
+        embeddings: Some(Arc::new(Array2::from_shape_fn((4, HIDDEN), |(r, c)| {
+            ((r * HIDDEN + c) as f32 * 0.37).sin()
+        }))),
         deepstack: None,
     };
     Request { tenant, token_ids: ids, items: vec![item], ..Default::default() }
@@ -284,7 +323,8 @@ fn frontend_hashes_equal_the_published_ones_for_text_and_images() -> TestResult 
         // The same image for another tenant: every hash differs.
         image_request(&a, &[1, 2, 3], &[7, 8, 9, 10, 11], 5),
     ];
-    let hashes: Vec<Vec<u64>> = requests.iter().map(|r| request_block_hashes(r, &key, 4, &tokens)).collect::<Result<_, _>>()?;
+    let hashes: Vec<Vec<u64>> =
+        requests.iter().map(|r| request_block_hashes(r, &key, 4, &tokens)).collect::<Result<_, _>>()?;
     assert_eq!(hashes.iter().map(Vec::len).collect::<Vec<_>>(), vec![3, 3, 3, 3]);
     // Image rows start at position 4 (after 3 ids and vision_start): block 0 is shared, block 1 holds the image.
     assert_eq!(hashes[1][0], hashes[2][0]);
@@ -314,7 +354,12 @@ fn evictions_and_resets_are_published_and_reset_waits_for_idle() -> TestResult {
     for start in [0u32, 100, 300, 200] {
         engine.run(Request::text((start..start + 16).collect()))?;
     }
-    let last = sorted(request_block_hashes(&Request::text((200..216).collect()), &FingerprintKey::fixed(3), 4, engine.tokens())?);
+    let last = sorted(request_block_hashes(
+        &Request::text((200..216).collect()),
+        &FingerprintKey::fixed(3),
+        4,
+        engine.tokens(),
+    )?);
     let cached = engine.cached_block_hashes();
     assert!(engine.stats().sched.evicted_blocks > 0);
     assert!(last.iter().all(|h| cached.binary_search(h).is_ok()));

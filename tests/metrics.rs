@@ -49,7 +49,10 @@ fn metrics_count_what_ran() -> TestResult {
     assert_eq!(get(&m, "omniprefix_num_preemptions_total")?, 0.0);
     assert_eq!(get(&m, "omniprefix_kv_events_dropped_total")?, 0.0);
     // Text only: no item was encoded or served from the encoder cache.
-    assert_eq!((get(&m, "omniprefix_encoder_calls_total")?, get(&m, "omniprefix_encoder_cache_hits_total")?), (0.0, 0.0));
+    assert_eq!(
+        (get(&m, "omniprefix_encoder_calls_total")?, get(&m, "omniprefix_encoder_cache_hits_total")?),
+        (0.0, 0.0)
+    );
     // One TTFT per request (the prefill's at its output), one ITL per gap.
     assert_eq!(get(&m, "omniprefix_time_to_first_token_seconds_count")?, 4.0);
     assert_eq!(get(&m, "omniprefix_inter_token_latency_seconds_count")?, 6.0 /* 4 + 2 + 0 gaps */);

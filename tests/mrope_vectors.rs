@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
+use omniprefix::Result;
 use omniprefix::canon::{ItemIdentity, ItemLayout, Modality};
 use omniprefix::prompt::{OmniTokens, Positions, PromptBuilder, positions_from_atoms};
-use omniprefix::Result;
 use serde_json::Value;
 
 #[path = "support/items.rs"]
@@ -39,7 +39,12 @@ fn grids(v: &Value) -> Vec<[u32; 3]> {
 fn case_items(tokens: &OmniTokens, case: &Value) -> Result<Vec<Arc<ItemIdentity>>> {
     let mut items = Vec::new();
     for grid_thw in grids(&case["image_grid_thw"]) {
-        items.push(placeholder_item(tokens, items.len() as u128, Modality::Image, ItemLayout::Image { grid_thw })?);
+        items.push(placeholder_item(
+            tokens,
+            items.len() as u128,
+            Modality::Image,
+            ItemLayout::Image { grid_thw },
+        )?);
     }
     let seconds: Vec<f64> =
         case["second_per_grid"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
@@ -48,7 +53,12 @@ fn case_items(tokens: &OmniTokens, case: &Value) -> Result<Vec<Arc<ItemIdentity>
         items.push(placeholder_item(tokens, items.len() as u128, Modality::Video, layout)?);
     }
     for mel_frames in u32s(&case["audio_mel_frames"]) {
-        items.push(placeholder_item(tokens, items.len() as u128, Modality::Audio, ItemLayout::Audio { mel_frames })?);
+        items.push(placeholder_item(
+            tokens,
+            items.len() as u128,
+            Modality::Audio,
+            ItemLayout::Audio { mel_frames },
+        )?);
     }
     Ok(items)
 }
@@ -56,8 +66,7 @@ fn case_items(tokens: &OmniTokens, case: &Value) -> Result<Vec<Arc<ItemIdentity>
 #[test]
 fn every_fixture_case_matches_hf_get_rope_index() -> TestResult {
     let data = fixture()?;
-    let tokens: OmniTokens =
-        serde_json::from_value(data["special_ids"].clone())?;
+    let tokens: OmniTokens = serde_json::from_value(data["special_ids"].clone())?;
     assert_eq!(tokens, OmniTokens::tiny());
     let cases = data["cases"].as_array().cloned().unwrap_or_default();
     assert_eq!(cases.len(), 8);
@@ -78,11 +87,17 @@ fn every_fixture_case_matches_hf_get_rope_index() -> TestResult {
         let rope_delta = case["rope_delta"].as_i64().unwrap_or(i64::MIN);
         assert_eq!(prompt.positions.axes().to_vec(), rows, "{name}: positions");
         assert_eq!(prompt.positions.rope_delta(), Some(rope_delta), "{name}: rope delta");
-        let expected =
-            Positions::given((0..rows[0].len()).map(|i| [rows[0][i], rows[1][i], rows[2][i]]).collect(), rope_delta);
+        let expected = Positions::given(
+            (0..rows[0].len()).map(|i| [rows[0][i], rows[1][i], rows[2][i]]).collect(),
+            rope_delta,
+        );
         assert_eq!(prompt.positions, expected, "{name}: positions");
         // Positions are a pure function of the atoms and item layouts.
-        assert_eq!(positions_from_atoms(&prompt.atoms, &tokens, Default::default())?, expected, "{name}: from atoms");
+        assert_eq!(
+            positions_from_atoms(&prompt.atoms, &tokens, Default::default())?,
+            expected,
+            "{name}: from atoms"
+        );
         // Every placeholder position is in the index map and nothing else is.
         let pads: Vec<u32> = ids
             .iter()

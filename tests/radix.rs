@@ -7,11 +7,11 @@ mod common;
 use std::sync::Arc;
 
 use common::{ItemModel, Piece};
+use omniprefix::error::{CacheError, ConfigError, RequestError};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::{Error, Result};
-use omniprefix::error::{CacheError, ConfigError, RequestError};
 
 const STRONG: ItemModel = ItemModel { rows: 3, fp_bits: None, policy: ValidationPolicy::SecondDigest };
 
@@ -30,7 +30,13 @@ fn valid(ix: &RadixIndex) -> Result<()> {
 #[test]
 fn zero_block_size_is_a_config_error() {
     let err = RadixIndex::new(RadixConfig { block_size: 0 }).unwrap_err();
-    assert!(matches!(err, Error::Config(ConfigError::Invalid { component: "radix index", field: "block_size", .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Config(ConfigError::Invalid { component: "radix index", field: "block_size", .. })
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -118,9 +124,15 @@ fn bad_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
     let err = ix.insert(&p, &[1, 2, 3]).unwrap_err();
     assert!(matches!(err, Error::Cache(CacheError::BlocksExceedPrompt { blocks: 3, full_blocks: 2 })));
     let err = ix.insert(&text(0, &[9; 8]), &[7, 7]).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 7 })), "repeated in one insert");
+    assert!(
+        matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 7 })),
+        "repeated in one insert"
+    );
     let err = ix.insert(&text(0, &[9; 8]), &[2, 1]).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 1 })), "owned under other content");
+    assert!(
+        matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 1 })),
+        "owned under other content"
+    );
     let mut broken = p.clone();
     broken.token_ids.pop();
     let err = ix.insert(&broken, &[5]).unwrap_err();
@@ -383,7 +395,10 @@ fn a_full_insert_through_a_partial_leaf_releases_its_partial_block() -> Result<(
     ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
     let out = ix.insert(&upto(16), &[11, 12, 13, 14])?;
     assert_eq!((out.adopted, out.duplicates, out.released), (vec![13, 14], vec![11, 12], vec![3]));
-    assert_eq!((out.cached.tokens, out.cached.aligned_tokens, out.cached.blocks), (16, 16, vec![1, 2, 13, 14]));
+    assert_eq!(
+        (out.cached.tokens, out.cached.aligned_tokens, out.cached.blocks),
+        (16, 16, vec![1, 2, 13, 14])
+    );
     valid(&ix)?;
     assert_eq!(ix.match_prefix(&upto(16)).blocks, vec![1, 2, 13, 14]);
     assert_eq!(ix.stats().cached_blocks, 4);
@@ -524,18 +539,30 @@ fn bad_partial_inserts_are_typed_errors_and_change_nothing() -> Result<()> {
     ix.insert_partial(&upto(10), &[1, 2, 3], 10)?;
     let before = ix.stats();
     let err = ix.insert_partial(&upto(12), &[4, 5], 10).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::PartialBlockCount { blocks: 2, tokens: 10, block_size: 4 })));
+    assert!(matches!(
+        err,
+        Error::Cache(CacheError::PartialBlockCount { blocks: 2, tokens: 10, block_size: 4 })
+    ));
     let err = ix.insert_partial(&upto(12), &[4, 5, 6, 7], 10).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::PartialBlockCount { blocks: 4, tokens: 10, block_size: 4 })));
+    assert!(matches!(
+        err,
+        Error::Cache(CacheError::PartialBlockCount { blocks: 4, tokens: 10, block_size: 4 })
+    ));
     let err = ix.insert_partial(&upto(10), &[4, 5, 6], 11).unwrap_err();
     assert!(matches!(err, Error::Cache(CacheError::TokensExceedPrompt { tokens: 11, prompt_len: 10 })));
     let err = ix.insert_partial(&text(0, &[9; 8]), &[4, 4], 6).unwrap_err();
     assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 4 })), "repeated");
     let err = ix.insert_partial(&text(0, &[9; 8]), &[4, 3], 6).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 3 })), "owned under other content");
+    assert!(
+        matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 3 })),
+        "owned under other content"
+    );
     // Writing past the cached partial block into the index's own id.
     let err = ix.insert_partial(&upto(12), &[1, 2, 3], 12).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 3 })), "grows the index's block");
+    assert!(
+        matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 3 })),
+        "grows the index's block"
+    );
     let mut broken = upto(10);
     broken.token_ids.pop();
     let err = ix.insert_partial(&broken, &[4, 5, 6], 9).unwrap_err();

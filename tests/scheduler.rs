@@ -43,18 +43,16 @@ fn scheduler(cfg: SchedulerConfig) -> Result<Scheduler> {
 /// Both indexes: the brute-force reference and the radix tree.
 fn indexes(block_size: usize) -> Result<Vec<(&'static str, Box<dyn PrefixIndex>)>> {
     let radix = RadixIndex::new(RadixConfig { block_size })?;
-    Ok(vec![
-        ("reference", Box::new(ReferenceIndex::new(block_size))),
-        ("radix", Box::new(radix)),
-    ])
+    Ok(vec![("reference", Box::new(ReferenceIndex::new(block_size))), ("radix", Box::new(radix))])
 }
 
 fn rfc_pair() -> TestResult<(Vec<u32>, Vec<u32>)> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/scenarios.json");
     let text = std::fs::read_to_string(path)?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text)?;
-    let ids = |key: &str| -> TestResult<Vec<u32>> { Ok(serde_json::from_value(json["rfc_text_pair"][key].clone())?) };
+    let json: serde_json::Value = serde_json::from_str(&text)?;
+    let ids = |key: &str| -> TestResult<Vec<u32>> {
+        Ok(serde_json::from_value(json["rfc_text_pair"][key].clone())?)
+    };
     Ok((ids("prompt1")?, ids("prompt2")?))
 }
 
@@ -108,38 +106,19 @@ fn rfc_pair_reuses_32_tokens_aligned_and_46_token_granular() -> TestResult {
             admit(&mut sched, &mut pages, request(2, 0, &p2))?;
             let batch = sched.schedule()?;
             let seq = &batch.seqs[0];
-            assert_eq!(
-                seq.num_computed_tokens, cached,
-                "{name} index, token_granular_reuse = {switch}"
-            );
+            assert_eq!(seq.num_computed_tokens, cached, "{name} index, token_granular_reuse = {switch}");
             assert_eq!(seq.token_ids, p2[cached..]);
-            assert_eq!(
-                seq.block_table[..2],
-                p1_table[..2],
-                "whole cached blocks are shared"
-            );
-            let want_copies = if switch {
-                vec![BlockCopy {
-                    src: p1_table[2],
-                    dst: seq.block_table[2],
-                }]
-            } else {
-                vec![]
-            };
+            assert_eq!(seq.block_table[..2], p1_table[..2], "whole cached blocks are shared");
+            let want_copies =
+                if switch { vec![BlockCopy { src: p1_table[2], dst: seq.block_table[2] }] } else { vec![] };
             assert_eq!(batch.copies, want_copies);
-            assert_eq!(
-                seq.positions.axes()[0],
-                (cached as i64..57).collect::<Vec<_>>()
-            );
+            assert_eq!(seq.positions.axes()[0], (cached as i64..57).collect::<Vec<_>>());
             assert!(seq.emits_output);
             pages.run(&batch)?;
             sched.complete(&batch)?;
             sched.finish(2)?;
             let stats = sched.stats();
-            assert_eq!(
-                (stats.queries, stats.hits, stats.hit_tokens),
-                (2, 1, cached as u64)
-            );
+            assert_eq!((stats.queries, stats.hits, stats.hit_tokens), (2, 1, cached as u64));
             assert_eq!(stats.blocks_in_use, 0);
             assert_eq!(stats.blocks_free + stats.blocks_cached, 32);
             check(&sched)?;
@@ -158,19 +137,9 @@ fn chunked_prefill_covers_each_prompt_exactly_once_within_budget() -> TestResult
     admit(&mut sched, &mut pages, request(2, 7, &p2))?;
     let batches = drive(&mut sched, &mut pages)?;
     for (id, prompt) in [(1, &p1), (2, &p2)] {
-        let seqs: Vec<_> = batches
-            .iter()
-            .flat_map(|b| &b.seqs)
-            .filter(|s| s.request == id)
-            .collect();
-        let tokens: Vec<u32> = seqs
-            .iter()
-            .flat_map(|s| s.token_ids.iter().copied())
-            .collect();
-        assert_eq!(
-            &tokens, prompt,
-            "request {id}: chunks cover the prompt once, in order"
-        );
+        let seqs: Vec<_> = batches.iter().flat_map(|b| &b.seqs).filter(|s| s.request == id).collect();
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.token_ids.iter().copied()).collect();
+        assert_eq!(&tokens, prompt, "request {id}: chunks cover the prompt once, in order");
         let mut next = 0;
         for s in &seqs {
             assert_eq!(s.num_computed_tokens, next);
@@ -181,10 +150,7 @@ fn chunked_prefill_covers_each_prompt_exactly_once_within_budget() -> TestResult
         assert_eq!(seqs.iter().filter(|s| s.emits_output).count(), 1);
     }
     assert!(batches.iter().all(|b| b.num_new_tokens() <= budget));
-    assert!(
-        batches.iter().any(|b| b.seqs.len() == 2),
-        "two requests share a step"
-    );
+    assert!(batches.iter().any(|b| b.seqs.len() == 2), "two requests share a step");
     assert_eq!(sched.stats().blocks_in_use, 0);
     Ok(())
 }
@@ -201,10 +167,7 @@ fn fully_cached_prompt_still_computes_its_last_token() -> TestResult {
         admit(&mut sched, &mut pages, request(2, 0, &aligned))?;
         let batches = drive(&mut sched, &mut pages)?;
         let seq = &batches[0].seqs[0];
-        assert_eq!(
-            seq.num_computed_tokens, want,
-            "token_granular_reuse = {switch}"
-        );
+        assert_eq!(seq.num_computed_tokens, want, "token_granular_reuse = {switch}");
         assert!(seq.emits_output);
         assert_eq!(batches[0].copies.len(), usize::from(switch));
     }
@@ -223,21 +186,11 @@ fn identical_prompts_in_one_step_end_up_sharing_the_index_copy() -> TestResult {
     pages.run(&batch)?;
     assert_eq!(sched.complete(&batch)?, vec![1, 2]);
     check(&sched)?;
-    let (t1, t2) = (
-        sched.block_table(1).unwrap_or_default(),
-        sched.block_table(2).unwrap_or_default(),
-    );
-    assert_eq!(
-        t1[..4],
-        t2[..4],
-        "request 2's duplicate full blocks were swapped for the index's"
-    );
+    let (t1, t2) = (sched.block_table(1).unwrap_or_default(), sched.block_table(2).unwrap_or_default());
+    assert_eq!(t1[..4], t2[..4], "request 2's duplicate full blocks were swapped for the index's");
     assert_ne!(t1[4], t2[4], "partial last blocks stay private");
     let stats = sched.stats();
-    assert_eq!(
-        (stats.blocks_cached, stats.blocks_in_use, stats.blocks_free),
-        (4, 2, 10)
-    );
+    assert_eq!((stats.blocks_cached, stats.blocks_in_use, stats.blocks_free), (4, 2, 10));
     sched.finish(1)?;
     sched.finish(2)?;
     Ok(check(&sched)?)
@@ -267,10 +220,7 @@ fn pool_pressure_evicts_unlocked_cache_lru_first() -> TestResult {
     assert_eq!(sched.stats().evicted_blocks, 4);
     admit(&mut sched, &mut pages, request(5, 0, &a))?;
     let batches = drive(&mut sched, &mut pages)?;
-    assert_eq!(
-        batches[0].seqs[0].num_computed_tokens, 0,
-        "a was evicted entirely"
-    );
+    assert_eq!(batches[0].seqs[0].num_computed_tokens, 0, "a was evicted entirely");
     Ok(())
 }
 
@@ -285,13 +235,7 @@ fn short_pool_preempts_the_newest_so_the_oldest_progresses() -> TestResult {
     // Two steps in flight at once: b starts while a's first chunk is out.
     let first = sched.schedule()?;
     let second = sched.schedule()?;
-    let ids = |batch: &ScheduledBatch| {
-        batch
-            .seqs
-            .iter()
-            .map(|s| s.request)
-            .collect::<Vec<RequestId>>()
-    };
+    let ids = |batch: &ScheduledBatch| batch.seqs.iter().map(|s| s.request).collect::<Vec<RequestId>>();
     assert_eq!((ids(&first), ids(&second)), (vec![1], vec![2]));
     for batch in [&first, &second] {
         pages.run(batch)?;
@@ -299,24 +243,13 @@ fn short_pool_preempts_the_newest_so_the_oldest_progresses() -> TestResult {
     }
     // a needs 3 more blocks, 2 are free and b pins the rest: b is sent back.
     let batches = drive(&mut sched, &mut pages)?;
-    let finished: Vec<RequestId> = batches
-        .iter()
-        .flat_map(|b| &b.seqs)
-        .filter(|s| s.emits_output)
-        .map(|s| s.request)
-        .collect();
+    let finished: Vec<RequestId> =
+        batches.iter().flat_map(|b| &b.seqs).filter(|s| s.emits_output).map(|s| s.request).collect();
     assert_eq!(finished, vec![1, 2]);
     assert_eq!(sched.stats().preemptions, 1);
-    let restart = batches
-        .iter()
-        .flat_map(|b| &b.seqs)
-        .find(|s| s.request == 2)
-        .map(|s| s.num_computed_tokens);
-    assert_eq!(
-        restart,
-        Some(16),
-        "b rematches what survived of its committed blocks"
-    );
+    let restart =
+        batches.iter().flat_map(|b| &b.seqs).find(|s| s.request == 2).map(|s| s.num_computed_tokens);
+    assert_eq!(restart, Some(16), "b rematches what survived of its committed blocks");
     Ok(())
 }
 
@@ -333,7 +266,8 @@ fn a_ready_sequence_left_waiting_is_parked_for_a_request_that_needs_its_blocks()
         // 3 of 4 blocks held by ready request 1; request 2 needs 3.
         sched.admit(request(2, 0, &(100..140).collect::<Vec<_>>()))?;
         let batch = sched.schedule()?;
-        let shape: Vec<(RequestId, usize)> = batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect();
+        let shape: Vec<(RequestId, usize)> =
+            batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect();
         assert_eq!(shape, vec![(2, 40)], "token-granular: {token_granular}");
         assert_eq!(sched.stats().preemptions, 1);
         assert_eq!(sched.num_computed_tokens(1), Some(0), "parked: it holds nothing");
@@ -373,16 +307,10 @@ fn abort_mid_prefill_leaves_no_partial_block_and_no_lock() -> TestResult {
         matches!(err, Some(Error::Sched(SchedError::DuplicateRequest { id: 1 }))),
         "id reused before its batch completed: {err:?}"
     );
-    assert!(
-        sched.complete(&batch)?.is_empty(),
-        "an aborted request's share is ignored"
-    );
+    assert!(sched.complete(&batch)?.is_empty(), "an aborted request's share is ignored");
     check(&sched)?;
     let stats = sched.stats();
-    assert_eq!(
-        (stats.blocks_cached, stats.blocks_in_use, stats.blocks_free),
-        (1, 0, 4)
-    );
+    assert_eq!((stats.blocks_cached, stats.blocks_in_use, stats.blocks_free), (1, 0, 4));
     // No lock is left: a request needing the whole pool can evict that block.
     let other: Vec<u32> = (1000..1080).collect();
     admit(&mut sched, &mut pages, request(2, 0, &other))?;
@@ -410,22 +338,11 @@ fn item_rows_are_placed_in_the_chunk_that_holds_them() -> TestResult {
     let batches = drive(&mut sched, &mut pages)?;
     let placed: Vec<Vec<(usize, std::ops::Range<usize>)>> = batches
         .iter()
-        .map(|b| {
-            b.seqs[0]
-                .embeds
-                .iter()
-                .map(|e| (e.step_offset, e.rows.clone()))
-                .collect()
-        })
+        .map(|b| b.seqs[0].embeds.iter().map(|e| (e.step_offset, e.rows.clone())).collect())
         .collect();
     // Chunks 0..5 and 5..8.
     assert_eq!(placed, vec![vec![(3, 0..2)], vec![(0, 2..3)]]);
-    assert!(
-        batches
-            .iter()
-            .flat_map(|b| &b.seqs[0].embeds)
-            .all(|e| Arc::ptr_eq(&e.embeddings, &emb))
-    );
+    assert!(batches.iter().flat_map(|b| &b.seqs[0].embeds).all(|e| Arc::ptr_eq(&e.embeddings, &emb)));
     Ok(())
 }
 
@@ -440,21 +357,29 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
     let table = sched.block_table(1).map(<[u32]>::to_vec);
 
     let err = sched.admit(request(1, 0, &p1)).err();
-    assert!(
-        matches!(err, Some(Error::Sched(SchedError::DuplicateRequest { id: 1 }))),
-        "{err:?}"
-    );
+    assert!(matches!(err, Some(Error::Sched(SchedError::DuplicateRequest { id: 1 }))), "{err:?}");
     let long: Vec<u32> = (0..81).collect();
     let err = sched.admit(request(2, 0, &long)).err();
-    assert_err!(err, Some(Error::Request(RequestError::RequestTooLarge { id: Some(2), needed: 6, num_blocks: 5 })));
+    assert_err!(
+        err,
+        Some(Error::Request(RequestError::RequestTooLarge { id: Some(2), needed: 6, num_blocks: 5 }))
+    );
     let err = sched.admit(request(3, 0, &[])).err();
-    assert_err!(err, Some(Error::Request(RequestError::PromptMismatch { id: Some(3), what: "prompt length", .. })));
+    assert_err!(
+        err,
+        Some(Error::Request(RequestError::PromptMismatch { id: Some(3), what: "prompt length", .. }))
+    );
     let mut bad_positions = request(4, 0, &[1, 2, 3]);
     bad_positions.prompt.positions = Positions::linear(2);
     let err = sched.admit(bad_positions).err();
     assert_err!(
         err,
-        Some(Error::Request(RequestError::PromptMismatch { what: "positions length", expected: 3, found: 2, .. }))
+        Some(Error::Request(RequestError::PromptMismatch {
+            what: "positions length",
+            expected: 3,
+            found: 2,
+            ..
+        }))
     );
 
     let image = request(5, 0, &[1, 2, 3, IMAGE_MARKER, 4, 5]);
@@ -464,12 +389,18 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
         prompt: prompt.clone(),
         item_embeddings: vec![],
         item_deepstack: vec![],
-        hidden_size: None, max_new_tokens: 0,
+        hidden_size: None,
+        max_new_tokens: 0,
     };
     let err = sched.admit(missing).err();
     assert_err!(
         err,
-        Some(Error::Request(RequestError::EmbeddingMismatch { what: "number of item embeddings", expected: 1, found: 0, .. }))
+        Some(Error::Request(RequestError::EmbeddingMismatch {
+            what: "number of item embeddings",
+            expected: 1,
+            found: 0,
+            ..
+        }))
     );
     let short = Arc::new(Array2::<f32>::zeros((2, 2)));
     let err = sched
@@ -478,12 +409,18 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: prompt.clone(),
             item_embeddings: vec![short],
             item_deepstack: vec![],
-            hidden_size: None, max_new_tokens: 0,
+            hidden_size: None,
+            max_new_tokens: 0,
         })
         .err();
     assert_err!(
         err,
-        Some(Error::Request(RequestError::EmbeddingMismatch { what: "embedding rows", expected: 3, found: 2, .. }))
+        Some(Error::Request(RequestError::EmbeddingMismatch {
+            what: "embedding rows",
+            expected: 3,
+            found: 2,
+            ..
+        }))
     );
     let err = sched
         .admit(Request {
@@ -491,12 +428,18 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: prompt.clone(),
             item_embeddings: vec![emb.clone()],
             item_deepstack: vec![],
-            hidden_size: Some(16), max_new_tokens: 0,
+            hidden_size: Some(16),
+            max_new_tokens: 0,
         })
         .err();
     assert_err!(
         err,
-        Some(Error::Request(RequestError::EmbeddingMismatch { what: "embedding columns", expected: 16, found: 2, .. }))
+        Some(Error::Request(RequestError::EmbeddingMismatch {
+            what: "embedding columns",
+            expected: 16,
+            found: 2,
+            ..
+        }))
     );
     let mut out_of_range = prompt;
     out_of_range.index_map.spans[0].start = 6;
@@ -506,12 +449,18 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: out_of_range,
             item_embeddings: vec![emb],
             item_deepstack: vec![],
-            hidden_size: None, max_new_tokens: 0,
+            hidden_size: None,
+            max_new_tokens: 0,
         })
         .err();
     assert_err!(
         err,
-        Some(Error::Request(RequestError::PromptMismatch { what: "index map span end", expected: 8, found: 9, .. }))
+        Some(Error::Request(RequestError::PromptMismatch {
+            what: "index map span end",
+            expected: 8,
+            found: 9,
+            ..
+        }))
     );
 
     let mut forged = batch.clone();
@@ -523,10 +472,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
     );
     let err = sched.finish(1).err();
     assert_err!(err, Some(Error::Sched(SchedError::RequestNotFinished { id: 1, computed: 0, len: 67 })));
-    assert!(matches!(
-        sched.abort(42),
-        Err(Error::Sched(SchedError::UnknownRequest { id: 42 }))
-    ));
+    assert!(matches!(sched.abort(42), Err(Error::Sched(SchedError::UnknownRequest { id: 42 }))));
 
     assert_eq!(sched.stats(), before);
     assert_eq!(sched.block_table(1).map(<[u32]>::to_vec), table);
@@ -535,14 +481,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
     sched.complete(&batch)?;
     let err = sched.complete(&batch).err();
     assert!(
-        matches!(
-            err,
-            Some(Error::Sched(SchedError::BatchMismatch {
-                what: "new tokens",
-                expected: 0,
-                ..
-            }))
-        ),
+        matches!(err, Some(Error::Sched(SchedError::BatchMismatch { what: "new tokens", expected: 0, .. }))),
         "completing twice: {err:?}"
     );
     Ok(check(&sched)?)
@@ -560,7 +499,10 @@ fn config_must_agree_with_the_index() {
 fn a_prefill_cap_of_zero_or_above_the_budget_is_a_config_error() {
     for (cap, expected) in [(0, "positive"), (17, "at most max_tokens_per_step (16)")] {
         let err = scheduler(SchedulerConfig { prefill_cap: Some(cap), ..config(8, 16, false) }).err();
-        assert!(matches!(&err, Some(Error::Config(ConfigError::Invalid { field: "prefill_cap", expected: e, .. })) if e == expected), "{err:?}");
+        assert!(
+            matches!(&err, Some(Error::Config(ConfigError::Invalid { field: "prefill_cap", expected: e, .. })) if e == expected),
+            "{err:?}"
+        );
     }
     assert!(scheduler(SchedulerConfig { prefill_cap: Some(16), ..config(8, 16, false) }).is_ok());
 }
@@ -573,7 +515,9 @@ fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestRe
     let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 8, true) })?;
     // Alone, a prompt takes the whole budget.
     sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 8))?;
-    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> { batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect() };
+    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
+        batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
+    };
     let batch = sched.schedule()?;
     assert_eq!(shape(&batch), vec![(1, 5)]);
     complete(&mut sched, &batch)?;
@@ -599,15 +543,25 @@ fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestRe
 #[test]
 fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestResult {
     let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 16, true) })?;
-    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> { batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect() };
+    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
+        batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
+    };
     sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 8))?;
     sched.admit(generating(2, &(100..105).collect::<Vec<_>>(), 8))?;
     let batch = sched.schedule()?;
-    assert_eq!(shape(&batch), vec![(1, 5)], "the second long prompt waits though 11 tokens of budget are left");
+    assert_eq!(
+        shape(&batch),
+        vec![(1, 5)],
+        "the second long prompt waits though 11 tokens of budget are left"
+    );
     assert_eq!(complete(&mut sched, &batch)?, vec![1]);
     sched.append(1, 42)?;
     let batch = sched.schedule()?;
-    assert_eq!(shape(&batch), vec![(1, 1), (2, 3)], "next step: the decode, then the cap's chunk of the next prompt");
+    assert_eq!(
+        shape(&batch),
+        vec![(1, 1), (2, 3)],
+        "next step: the decode, then the cap's chunk of the next prompt"
+    );
     assert_eq!(complete(&mut sched, &batch)?, vec![1]);
     sched.finish(1)?;
     // No decode now: short prompts (at most the cap) all start in one step beside the long one's last chunk.
@@ -624,13 +578,19 @@ fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestR
 #[test]
 fn prefill_only_prompts_pack_under_a_prefill_cap() -> TestResult {
     let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 16, true) })?;
-    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> { batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect() };
+    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
+        batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
+    };
     sched.admit(request(1, 0, &(0..5).collect::<Vec<_>>()))?;
     sched.admit(request(2, 0, &(100..105).collect::<Vec<_>>()))?;
     sched.admit(generating(3, &(200..205).collect::<Vec<_>>(), 4))?;
     sched.admit(generating(4, &(300..305).collect::<Vec<_>>(), 4))?;
     let batch = sched.schedule()?;
-    assert_eq!(shape(&batch), vec![(1, 5), (2, 5), (3, 5)], "both prefill-only prompts and one generating one; 4 waits with budget left");
+    assert_eq!(
+        shape(&batch),
+        vec![(1, 5), (2, 5), (3, 5)],
+        "both prefill-only prompts and one generating one; 4 waits with budget left"
+    );
     Ok(())
 }
 
@@ -663,10 +623,14 @@ fn decode_tokens_go_first_then_prefill_chunks_within_one_budget() -> TestResult 
     sched.admit(request(2, 0, &(100..130).collect::<Vec<_>>()))?;
     for step in 0..3 {
         let batch = sched.schedule()?;
-        let shape: Vec<(RequestId, usize)> = batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect();
+        let shape: Vec<(RequestId, usize)> =
+            batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect();
         assert_eq!(shape, vec![(1, 1), (2, 7)], "step {step}");
         let decode = &batch.seqs[0];
-        assert_eq!((decode.num_computed_tokens, decode.seq_len, decode.output_from), (5 + step, 6 + step, 5 + step));
+        assert_eq!(
+            (decode.num_computed_tokens, decode.seq_len, decode.output_from),
+            (5 + step, 6 + step, 5 + step)
+        );
         assert!(decode.emits_output && !batch.seqs[1].emits_output);
         assert_eq!(complete(&mut sched, &batch)?, vec![1]);
         sched.append(1, 43 + step as u32)?;
@@ -678,25 +642,36 @@ fn decode_tokens_go_first_then_prefill_chunks_within_one_budget() -> TestResult 
 #[test]
 fn append_and_finish_check_the_sequence_and_change_nothing_on_error() -> TestResult {
     let radix = RadixIndex::new(RadixConfig { block_size: 16 })?;
-    let mut sched = Scheduler::new(config(32, 64, true), Box::new(radix)).map(|s| s.with_model(omniprefix::batch::ModelShape {
-        vocab_size: 200,
-        hidden_size: 2,
-        num_layers: 2,
-        deepstack_levels: None,
-    }))?;
+    let mut sched = Scheduler::new(config(32, 64, true), Box::new(radix)).map(|s| {
+        s.with_model(omniprefix::batch::ModelShape {
+            vocab_size: 200,
+            hidden_size: 2,
+            num_layers: 2,
+            deepstack_levels: None,
+        })
+    })?;
     sched.admit(generating(1, &[1, 2, 3], 2))?;
-    assert_err!(sched.append(1, 5), Err(Error::Sched(SchedError::RequestNotFinished { id: 1, computed: 0, len: 3 })));
+    assert_err!(
+        sched.append(1, 5),
+        Err(Error::Sched(SchedError::RequestNotFinished { id: 1, computed: 0, len: 3 }))
+    );
     let batch = sched.schedule()?;
     assert_err!(sched.finish(1), Err(Error::Sched(SchedError::RequestNotFinished { id: 1, .. })));
     complete(&mut sched, &batch)?;
-    assert_err!(sched.append(1, 200), Err(Error::Request(RequestError::TokenOutOfVocab { position: 3, token: 200, .. })));
+    assert_err!(
+        sched.append(1, 200),
+        Err(Error::Request(RequestError::TokenOutOfVocab { position: 3, token: 200, .. }))
+    );
     assert_err!(sched.append(9, 5), Err(Error::Sched(SchedError::UnknownRequest { id: 9 })));
     sched.append(1, 5)?;
     step(&mut sched)?;
     sched.append(1, 6)?;
     step(&mut sched)?;
     // Two new tokens is all it may grow by.
-    assert_err!(sched.append(1, 7), Err(Error::Request(RequestError::GenerationLimit { id: 1, max_new_tokens: 2 })));
+    assert_err!(
+        sched.append(1, 7),
+        Err(Error::Request(RequestError::GenerationLimit { id: 1, max_new_tokens: 2 }))
+    );
     assert_eq!(sched.num_computed_tokens(1), Some(5));
     check(&sched)?;
     sched.finish(1)?;
@@ -711,7 +686,8 @@ fn append_and_finish_check_the_sequence_and_change_nothing_on_error() -> TestRes
 #[test]
 fn a_sequence_whose_blocks_fill_while_decoding_commits_them_at_once() -> TestResult {
     let radix = RadixIndex::new(RadixConfig { block_size: 4 })?;
-    let mut sched = Scheduler::new(SchedulerConfig { block_size: 4, ..config(32, 64, true) }, Box::new(radix))?;
+    let mut sched =
+        Scheduler::new(SchedulerConfig { block_size: 4, ..config(32, 64, true) }, Box::new(radix))?;
     sched.admit(generating(1, &[1, 2, 3], 8))?;
     step(&mut sched)?;
     for t in 10..16 {

@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use ndarray::Array2;
 use omniprefix::Error;
 use omniprefix::canon::ItemIdentity;
-use omniprefix::engine::{EncoderOutput, Engine, EngineConfig, Event, Output, Request, ServedEngine, ServedOptions};
+use omniprefix::engine::{
+    EncoderOutput, Engine, EngineConfig, Event, Output, Request, ServedEngine, ServedOptions,
+};
 use omniprefix::error::{EmbeddingPart, RequestError};
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::SamplingParams;
@@ -46,10 +48,6 @@ fn served(options: ServedOptions) -> TestResult<ServedEngine> {
 fn greedy(n: usize) -> SamplingParams {
     SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) }
 }
-
-
-
-
 
 fn same(got: &Output, want: &Output) -> TestResult {
     assert_eq!(got.tokens, want.tokens);
@@ -88,7 +86,11 @@ fn served_outputs_equal_the_cores_and_streams_carry_every_token() -> TestResult 
     assert_eq!(tokens, got.tokens);
     same(&got, &want_generate)?;
     assert!(stream.recv().is_none(), "nothing after the output");
-    assert_eq!((got.num_cached_tokens, want_generate.num_cached_tokens), (12, 12), "the same cache hit in both");
+    assert_eq!(
+        (got.num_cached_tokens, want_generate.num_cached_tokens),
+        (12, 12),
+        "the same cache hit in both"
+    );
     served.validate()?;
     Ok(())
 }
@@ -159,7 +161,8 @@ fn a_held_stream_gives_its_blocks_to_a_request_that_needs_them() -> TestResult {
     let mut reference = Engine::random(model(), 3, tight.clone())?;
     let (want_held, want_other) = (reference.run(held_request())?, reference.run(other_request())?);
 
-    let served = Engine::random(model(), 3, tight)?.serve(ServedOptions { buffer_events: 1, ..ServedOptions::default() })?;
+    let served = Engine::random(model(), 3, tight)?
+        .serve(ServedOptions { buffer_events: 1, ..ServedOptions::default() })?;
     let mut held = served.submit(held_request())?;
     // Unread: held after its first token, its prompt's blocks locked.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -208,7 +211,11 @@ fn an_encoder_blocked_on_one_thread_does_not_stall_another_stream() -> TestResul
                 }
                 Ok(rows(identity.num_tokens, HIDDEN, 1.0))
             };
-            let request = Request { token_ids: with_image(&[7], &[8]), items: vec![image(&content, None)], ..Default::default() };
+            let request = Request {
+                token_ids: with_image(&[7], &[8]),
+                items: vec![image(&content, None)],
+                ..Default::default()
+            };
             served.submit(request.with_encoder(encoder))?.wait()
         })
     };
@@ -252,7 +259,11 @@ fn handles_are_read_async() -> TestResult {
 fn non_finite_item_rows_are_rejected_before_anything_is_cached() -> TestResult {
     let content = pixels(4);
     let ids = with_image(&[7, 8], &[9, 10, 11]);
-    let request = |embeddings| Request { token_ids: ids.clone(), items: vec![image(&content, embeddings)], ..Default::default() };
+    let request = |embeddings| Request {
+        token_ids: ids.clone(),
+        items: vec![image(&content, embeddings)],
+        ..Default::default()
+    };
     let mut bad = rows(4, HIDDEN, 0.5);
     bad[[2, 5]] = f32::NAN;
     let mut engine = core()?;
@@ -260,17 +271,44 @@ fn non_finite_item_rows_are_rejected_before_anything_is_cached() -> TestResult {
 
     let given = engine.run(request(Some(bad.clone()))).err().ok_or("NaN embeddings accepted")?;
     assert!(
-        matches!(given, Error::Request(RequestError::NonFiniteEmbeddings { item: 0, what: EmbeddingPart::Embeddings, row: 2, column: 5 })),
+        matches!(
+            given,
+            Error::Request(RequestError::NonFiniteEmbeddings {
+                item: 0,
+                what: EmbeddingPart::Embeddings,
+                row: 2,
+                column: 5
+            })
+        ),
         "{given}"
     );
-    let encoded = engine.run(request(None).with_encoder(|_, _: &ItemIdentity| Ok::<_, Error>(bad.clone()))).err().ok_or("accepted")?;
-    assert!(matches!(encoded, Error::Request(RequestError::NonFiniteEmbeddings { row: 2, column: 5, .. })), "{encoded}");
+    let encoded = engine
+        .run(request(None).with_encoder(|_, _: &ItemIdentity| Ok::<_, Error>(bad.clone())))
+        .err()
+        .ok_or("accepted")?;
+    assert!(
+        matches!(encoded, Error::Request(RequestError::NonFiniteEmbeddings { row: 2, column: 5, .. })),
+        "{encoded}"
+    );
     let mut level = rows(4, HIDDEN, 0.9);
     level[[0, 1]] = f32::INFINITY;
-    let levels = move |_: usize, _: &ItemIdentity| Ok::<_, Error>(EncoderOutput { embeddings: rows(4, HIDDEN, 0.5), deepstack: vec![rows(4, HIDDEN, 0.1), level.clone()] });
+    let levels = move |_: usize, _: &ItemIdentity| {
+        Ok::<_, Error>(EncoderOutput {
+            embeddings: rows(4, HIDDEN, 0.5),
+            deepstack: vec![rows(4, HIDDEN, 0.1), level.clone()],
+        })
+    };
     let deep = engine.run(request(None).with_encoder(levels)).err().ok_or("accepted")?;
     assert!(
-        matches!(deep, Error::Request(RequestError::NonFiniteEmbeddings { what: EmbeddingPart::DeepStack { level: 1 }, row: 0, column: 1, .. })),
+        matches!(
+            deep,
+            Error::Request(RequestError::NonFiniteEmbeddings {
+                what: EmbeddingPart::DeepStack { level: 1 },
+                row: 0,
+                column: 1,
+                ..
+            })
+        ),
         "{deep}"
     );
     assert_eq!(engine.stats(), before, "nothing changed");
@@ -293,13 +331,27 @@ fn refused_requests_are_not_named_by_the_engines_number() -> TestResult {
         served.submit(Request::text((1..9).collect()))?.wait()?;
     }
     let content = pixels(4);
-    let short_rows = Request { token_ids: with_image(&[7], &[8]), items: vec![image(&content, Some(rows(3, HIDDEN, 0.5)))], ..Default::default() };
+    let short_rows = Request {
+        token_ids: with_image(&[7], &[8]),
+        items: vec![image(&content, Some(rows(3, HIDDEN, 0.5)))],
+        ..Default::default()
+    };
     let err = served.submit(short_rows).err().ok_or("3 rows for a 4-token image accepted")?;
-    assert!(matches!(err, Error::Request(RequestError::EmbeddingMismatch { id: None, item: 0, expected: 4, found: 3, .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Request(RequestError::EmbeddingMismatch { id: None, item: 0, expected: 4, found: 3, .. })
+        ),
+        "{err}"
+    );
     assert_eq!(err.to_string(), "item 0: embedding rows is 3, expected 4");
     // 64 blocks of 4: 257 positions need 65.
-    let err = served.submit(Request::text(vec![1; 257])).err().ok_or("a request larger than the pool accepted")?;
-    assert!(matches!(err, Error::Request(RequestError::RequestTooLarge { id: None, needed: 65, num_blocks: 64 })), "{err}");
+    let err =
+        served.submit(Request::text(vec![1; 257])).err().ok_or("a request larger than the pool accepted")?;
+    assert!(
+        matches!(err, Error::Request(RequestError::RequestTooLarge { id: None, needed: 65, num_blocks: 64 })),
+        "{err}"
+    );
     assert_eq!(err.to_string(), "the sequence needs 65 blocks but the pool holds 64");
     Ok(())
 }
@@ -321,7 +373,11 @@ fn two_threads_preparing_the_same_item_get_whole_rows() -> TestResult {
                     std::thread::sleep(Duration::from_millis(20));
                     Ok(rows(identity.num_tokens, HIDDEN, 2.0))
                 };
-                let request = Request { token_ids: with_image(&[7], &[8, 9]), items: vec![image(&content, None)], ..Default::default() };
+                let request = Request {
+                    token_ids: with_image(&[7], &[8, 9]),
+                    items: vec![image(&content, None)],
+                    ..Default::default()
+                };
                 served.submit(request.with_encoder(encoder))?.wait()
             })
         })
@@ -346,7 +402,9 @@ fn is_dead<T>(result: Result<T, Error>) -> bool {
 #[test]
 fn a_step_that_panics_kills_the_engine_for_every_pending_and_later_call() -> TestResult {
     if !cfg!(debug_assertions) {
-        eprintln!("not run: a_step_that_panics_kills_the_engine (the step fault is compiled out of release builds)");
+        eprintln!(
+            "not run: a_step_that_panics_kills_the_engine (the step fault is compiled out of release builds)"
+        );
         return Ok(());
     }
     let served = dying_at(3)?;
@@ -363,7 +421,10 @@ fn a_step_that_panics_kills_the_engine_for_every_pending_and_later_call() -> Tes
     };
     for handle in [&mut a, &mut b] {
         let end = last(handle);
-        assert!(matches!(end, Some(Error::Sched(omniprefix::error::SchedError::EngineDead { .. }))), "{end:?}");
+        assert!(
+            matches!(end, Some(Error::Sched(omniprefix::error::SchedError::EngineDead { .. }))),
+            "{end:?}"
+        );
     }
     assert!(served.is_dead());
     assert!(served.death().is_some_and(|m| m.contains("step 3")), "{:?}", served.death());

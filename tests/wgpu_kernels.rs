@@ -16,14 +16,16 @@ use std::sync::Arc;
 use ndarray::Array2;
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::{WgpuBackend, prefill_slots, prefill_tiles};
-use omniprefix::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec, Dtype};
+use omniprefix::backend::{
+    AttnHeads, AttnSeq, Backend, Dtype, HostWeight, MoeWeights, PagesSpec, RopeKind, RopePositions, RopeSpec,
+};
+use omniprefix::error::{BackendError, ConfigError, GpuError};
 use omniprefix::index::BlockId;
 use omniprefix::{Error, Result};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use shared_gpu::{gpu, gpu_with, gpu_without_f16, gpu_without_subgroups};
-use omniprefix::error::{BackendError, ConfigError, GpuError};
 
 const TOL: f32 = 1e-4;
 
@@ -42,7 +44,10 @@ fn rand_matrix(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Array2<f32> {
 fn assert_close(what: &str, got: &Array2<f32>, want: &Array2<f32>) {
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
     for ((idx, g), w) in got.indexed_iter().zip(want.iter()) {
-        assert!((g - w).abs() <= TOL * (1.0 + w.abs()), "{what}: first mismatch at {idx:?}: gpu {g} vs cpu {w}");
+        assert!(
+            (g - w).abs() <= TOL * (1.0 + w.abs()),
+            "{what}: first mismatch at {idx:?}: gpu {g} vs cpu {w}"
+        );
     }
 }
 
@@ -122,8 +127,12 @@ fn attn_seqs(seqs: &[SeqCase]) -> Vec<AttnSeq<'_>> {
     let mut start = 0;
     seqs.iter()
         .map(|s| {
-            let a =
-                AttnSeq { query_start: start, num_new: s.num_new, num_computed: s.num_computed, block_table: &s.table };
+            let a = AttnSeq {
+                query_start: start,
+                num_new: s.num_new,
+                num_computed: s.num_computed,
+                block_table: &s.table,
+            };
             start += s.num_new;
             a
         })
@@ -133,10 +142,10 @@ fn attn_seqs(seqs: &[SeqCase]) -> Vec<AttnSeq<'_>> {
 fn random_lens(rng: &mut ChaCha8Rng, block_size: usize, n: usize) -> Vec<(usize, usize)> {
     (0..n)
         .map(|i| match i % 4 {
-            0 => (0, rng.random_range(1..12)),                                  // empty prefix
+            0 => (0, rng.random_range(1..12)), // empty prefix
             1 => (block_size * rng.random_range(1..3), rng.random_range(1..7)), // full blocks cached
-            2 => (rng.random_range(1..30), 1),                                  // decode row
-            _ => (rng.random_range(1..25), rng.random_range(2..9)),             // non-aligned prefix
+            2 => (rng.random_range(1..30), 1), // decode row
+            _ => (rng.random_range(1..25), rng.random_range(2..9)), // non-aligned prefix
         })
         .collect()
 }
@@ -164,7 +173,16 @@ fn mixed_batches_match_cpu(gpu: &WgpuBackend, kv_dtype: Dtype, seed: u64) {
         let head_dim = [8, 12, 16][rng.random_range(0..3)];
         let block_size = [4, 5, 16][rng.random_range(0..3)];
         let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
-        let spec = PagesSpec { num_layers: 2, num_blocks: 40, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype };
+        let spec = PagesSpec {
+            num_layers: 2,
+            num_blocks: 40,
+            block_size,
+            kv_heads,
+            head_dim,
+            captured: 0,
+            hidden: 0,
+            kv_dtype,
+        };
         let n_seqs = rng.random_range(1..5);
         let lens = random_lens(&mut rng, block_size, n_seqs);
         let s = setup_attention(gpu, &mut rng, spec, heads, 1, &lens);
@@ -172,12 +190,20 @@ fn mixed_batches_match_cpu(gpu: &WgpuBackend, kv_dtype: Dtype, seed: u64) {
         let q_gpu = gpu.upload(s.q.view()).unwrap();
         let got = gpu.download(&gpu.paged_attention(&q_gpu, &s.gpu_pages, 1, heads, &seqs).unwrap()).unwrap();
         let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 1, heads, &seqs).unwrap();
-        assert_close(&format!("{kv_dtype} case {case} {heads:?} block {block_size} lens {lens:?}"), &got, &want);
+        assert_close(
+            &format!("{kv_dtype} case {case} {heads:?} block {block_size} lens {lens:?}"),
+            &got,
+            &want,
+        );
 
         // The prefill kernel alone handles every row too (decode rows included).
         let kv = s.gpu_pages.layer("test", 1).unwrap();
         let prefill = gpu.context().paged_prefill_attention(&q_gpu, kv, heads, &seqs).unwrap();
-        assert_close(&format!("{kv_dtype} case {case} prefill kernel"), &gpu.download(&prefill).unwrap(), &want);
+        assert_close(
+            &format!("{kv_dtype} case {case} prefill kernel"),
+            &gpu.download(&prefill).unwrap(),
+            &want,
+        );
     }
 }
 
@@ -206,7 +232,11 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
         let kv = s.gpu_pages.layer("test", 0).unwrap();
         for split_len in [1, 7, 64, 150, 4096] {
             let out = gpu.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
-            assert_close(&format!("{kv_dtype} group {group} split_len {split_len}"), &gpu.download(&out).unwrap(), &want);
+            assert_close(
+                &format!("{kv_dtype} group {group} split_len {split_len}"),
+                &gpu.download(&out).unwrap(),
+                &want,
+            );
         }
     }
 }
@@ -245,7 +275,9 @@ fn subgroup_gpu(cap: Option<u64>) -> Option<WgpuBackend> {
     let info = ctx.adapter_info();
     let lavapipe = info.name.contains("llvmpipe") || info.driver.contains("llvmpipe");
     if lavapipe && std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("OMNIPREFIX_REQUIRE_GPU=1 on lavapipe, which has Features::SUBGROUP, but subgroups are off: {info:?}");
+        panic!(
+            "OMNIPREFIX_REQUIRE_GPU=1 on lavapipe, which has Features::SUBGROUP, but subgroups are off: {info:?}"
+        );
     }
     let _ = writeln!(
         std::io::stderr(),
@@ -281,7 +313,16 @@ fn decode_batches_match_cpu(gpu: &WgpuBackend, seed: u64) -> Vec<Array2<f32>> {
         let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
         let lens = random_decode_lens(&mut rng, block_size);
         let num_blocks = lens.iter().map(|&(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 3;
-        let spec = PagesSpec { num_layers: 1, num_blocks, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype };
+        let spec = PagesSpec {
+            num_layers: 1,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            captured: 0,
+            hidden: 0,
+            kv_dtype,
+        };
         let s = setup_attention(gpu, &mut rng, spec, heads, 0, &lens);
         let seqs = attn_seqs(&s.seqs);
         let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
@@ -294,7 +335,8 @@ fn decode_batches_match_cpu(gpu: &WgpuBackend, seed: u64) -> Vec<Array2<f32>> {
             assert_close(&format!("{what} split_len {split_len}"), &out, &want);
             outputs.push(out);
         }
-        let routed = gpu.download(&gpu.paged_attention(&q_gpu, &s.gpu_pages, 0, heads, &seqs).unwrap()).unwrap();
+        let routed =
+            gpu.download(&gpu.paged_attention(&q_gpu, &s.gpu_pages, 0, heads, &seqs).unwrap()).unwrap();
         assert_close(&format!("{what} routed"), &routed, &want);
         outputs.push(routed);
     }
@@ -345,7 +387,16 @@ fn decode_over_two_chunk_pools_matches_cpu_in_both_kernels() {
     // K blocks: 4 slots x 2 heads x 12 dims x 4 B = 384 B → 10 blocks per chunk (f16: 21).
     for (kv_dtype, num_blocks, seed) in [(Dtype::F32, 20, 31), (Dtype::F16, 30, 32)] {
         let heads = AttnHeads { num_heads: 8, kv_heads: 2, head_dim: 12 };
-        let spec = PagesSpec { num_layers: 1, num_blocks, block_size: 4, kv_heads: 2, head_dim: 12, captured: 0, hidden: 0, kv_dtype };
+        let spec = PagesSpec {
+            num_layers: 1,
+            num_blocks,
+            block_size: 4,
+            kv_heads: 2,
+            head_dim: 12,
+            captured: 0,
+            hidden: 0,
+            kv_dtype,
+        };
         for backend in [&gpu, &portable] {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             let s = setup_attention(backend, &mut rng, spec, heads, 0, &[(37, 1), (0, 1), (20, 1), (11, 1)]);
@@ -357,12 +408,17 @@ fn decode_over_two_chunk_pools_matches_cpu_in_both_kernels() {
             let kernel = if backend.context().has_subgroups() { "subgroup" } else { "portable" };
             // Split lengths with few enough partials to fit the small binding too.
             for split_len in [19, 30, 4096] {
-                let out = backend.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
+                let out =
+                    backend.context().paged_decode_attention(&q_gpu, kv, heads, &seqs, split_len).unwrap();
                 let what = format!("{kernel} kernel, two-chunk {kv_dtype} pool, split_len {split_len}");
                 assert_close(&what, &backend.download(&out).unwrap(), &want);
             }
             let routed = backend.paged_attention(&q_gpu, &s.gpu_pages, 0, heads, &seqs).unwrap();
-            assert_close(&format!("{kernel} kernel, two-chunk {kv_dtype} pool, routed"), &backend.download(&routed).unwrap(), &want);
+            assert_close(
+                &format!("{kernel} kernel, two-chunk {kv_dtype} pool, routed"),
+                &backend.download(&routed).unwrap(),
+                &want,
+            );
         }
     }
 }
@@ -373,8 +429,16 @@ fn long_contexts_span_several_key_tiles_in_both_kernels() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     // Contexts of 1..3 tiles of 64 keys, prefixes ending mid-tile and on a tile edge.
     let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
-    let spec =
-        PagesSpec { num_layers: 1, num_blocks: 128, block_size: 4, kv_heads: 2, head_dim: 8, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 128,
+        block_size: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        captured: 0,
+        hidden: 0,
+        kv_dtype: Dtype::F32,
+    };
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(130, 5), (64, 3), (0, 70), (191, 1)]);
     let seqs = attn_seqs(&s.seqs);
     let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
@@ -392,11 +456,11 @@ fn long_contexts_span_several_key_tiles_in_both_kernels() {
 /// K tile edge, a decode row.
 fn tile_edge_lens(rng: &mut ChaCha8Rng, rows: usize, kt: usize) -> Vec<(usize, usize)> {
     let mut lens = vec![
-        (kt, rows),                                                                      // equal, prefix on an edge
+        (kt, rows), // equal, prefix on an edge
         (kt + rng.random_range(1..kt.max(2)), 2 * rows + rng.random_range(1..rows.max(2))), // above, last tile partial
-        (rng.random_range(0..kt), (rows - 1).max(2)),                                   // below (or 2 one-row tiles)
-        (kt - 1, rows + 1),                                                              // row 0 sees exactly KT keys
-        (rng.random_range(1..2 * kt), 1),                                                // decode row
+        (rng.random_range(0..kt), (rows - 1).max(2)), // below (or 2 one-row tiles)
+        (kt - 1, rows + 1),                           // row 0 sees exactly KT keys
+        (rng.random_range(1..2 * kt), 1),             // decode row
     ];
     lens.shuffle(rng);
     lens
@@ -432,7 +496,19 @@ fn prefill_matches_cpu(
 fn tiled_prefill_matches_cpu_at_tile_edges_for_every_head_dim() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(17);
-    let fixed = [(8, 1), (24, 2), (40, 4), (64, 8), (128, 8), (256, 8), (256, 5), (12, 3), (128, 3), (16, 6), (256, 2)];
+    let fixed = [
+        (8, 1),
+        (24, 2),
+        (40, 4),
+        (64, 8),
+        (128, 8),
+        (256, 8),
+        (256, 5),
+        (12, 3),
+        (128, 3),
+        (16, 6),
+        (256, 2),
+    ];
     let mut shapes: Vec<(usize, usize, Dtype)> =
         fixed.iter().flat_map(|&(d, g)| [(d, g, Dtype::F32), (d, g, Dtype::F16)]).collect();
     for case in 0..cases() {
@@ -448,7 +524,16 @@ fn tiled_prefill_matches_cpu_at_tile_edges_for_every_head_dim() {
         let (rows, tile_heads) = prefill_slots(tiles.0, group);
         let lens = tile_edge_lens(&mut rng, rows, tiles.1);
         let num_blocks = lens.iter().map(|&(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 3;
-        let spec = PagesSpec { num_layers: 1, num_blocks, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype };
+        let spec = PagesSpec {
+            num_layers: 1,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            captured: 0,
+            hidden: 0,
+            kv_dtype,
+        };
         let what = format!(
             "case {case} {kv_dtype} {heads:?} tiles {tiles:?} slots {rows} x {tile_heads} block {block_size} lens {lens:?}"
         );
@@ -470,7 +555,16 @@ fn tiled_prefill_reads_tiles_across_pool_chunks() {
         for (kv_dtype, elem_bytes) in [(Dtype::F32, 4), (Dtype::F16, 2)] {
             // Blocks of 4 slots x 8 dims: two chunks' worth under the small binding.
             let num_blocks = 2 * SMALL_BINDING as usize / (4 * 8 * elem_bytes);
-            let spec = PagesSpec { num_layers: 1, num_blocks, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype };
+            let spec = PagesSpec {
+                num_layers: 1,
+                num_blocks,
+                block_size: 4,
+                kv_heads: 1,
+                head_dim: 8,
+                captured: 0,
+                hidden: 0,
+                kv_dtype,
+            };
             // q and out must fit the small binding too: at most 1024 floats (49 rows of 8,
             // 25 of 16, 8 of 64 here).
             let lens = [(kt, rows), (kt + 6, rows + 1), (0, (rows - 1).max(2)), (13, 1)];
@@ -488,8 +582,16 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
-    let spec =
-        PagesSpec { num_layers: 1, num_blocks: 8, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 8,
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 8,
+        captured: 0,
+        hidden: 0,
+        kv_dtype: Dtype::F32,
+    };
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(3, 2)]);
     let q = gpu.upload(s.q.view()).unwrap();
     let kv = s.gpu_pages.layer("test", 0).unwrap();
@@ -500,22 +602,44 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
 #[test]
 fn attention_rejects_bad_tables_and_unsupported_heads() {
     let Some(gpu) = gpu() else { return };
-    let spec =
-        PagesSpec { num_layers: 1, num_blocks: 4, block_size: 4, kv_heads: 1, head_dim: 8, captured: 0, hidden: 0, kv_dtype: Dtype::F32 };
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 4,
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 8,
+        captured: 0,
+        hidden: 0,
+        kv_dtype: Dtype::F32,
+    };
     let pages = gpu.alloc_pages(spec).unwrap();
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
     let q = gpu.upload(Array2::zeros((3, 16)).view()).unwrap();
-    let seq = |table: &'static [BlockId]| AttnSeq { query_start: 0, num_new: 3, num_computed: 2, block_table: table };
+    let seq = |table: &'static [BlockId]| AttnSeq {
+        query_start: 0,
+        num_new: 3,
+        num_computed: 2,
+        block_table: table,
+    };
     let err = gpu.paged_attention(&q, &pages, 0, heads, &[seq(&[0])]).unwrap_err();
-    assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "position (block table too short)", .. })), "{err}");
+    assert!(
+        matches!(err, Error::Backend(BackendError::OpIndex { what: "position (block table too short)", .. })),
+        "{err}"
+    );
     let err = gpu.paged_attention(&q, &pages, 0, heads, &[seq(&[0, 9])]).unwrap_err();
-    assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "block", index: 9, bound: 4, .. })), "{err}");
+    assert!(
+        matches!(err, Error::Backend(BackendError::OpIndex { what: "block", index: 9, bound: 4, .. })),
+        "{err}"
+    );
     let err = gpu.paged_attention(&q, &pages, 1, heads, &[seq(&[0, 1])]).unwrap_err();
     assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "layer", index: 1, .. })), "{err}");
     let wide = AttnHeads { num_heads: 16, kv_heads: 1, head_dim: 8 };
     let q_wide = gpu.upload(Array2::zeros((3, 128)).view()).unwrap();
     let err = gpu.paged_attention(&q_wide, &pages, 0, wide, &[seq(&[0, 1])]).unwrap_err();
-    assert!(matches!(err, Error::Gpu(GpuError::Unsupported { what: "num_heads / kv_heads", value: 16, .. })), "{err}");
+    assert!(
+        matches!(err, Error::Gpu(GpuError::Unsupported { what: "num_heads / kv_heads", value: 16, .. })),
+        "{err}"
+    );
 }
 
 #[test]
@@ -549,12 +673,17 @@ fn hidden_pages_and_copy_blocks_match_cpu() {
             CpuBackend.write_kv(&mut cp, layer, &k, &k, &slots).unwrap();
         }
         // In-order copies, including a chain (a block copied, then copied on) and a self copy.
-        let copies: Vec<(BlockId, BlockId)> = vec![(1, 2), (2, 3), (5, 5), (rng.random_range(0..12), 7), (7, 0)];
+        let copies: Vec<(BlockId, BlockId)> =
+            vec![(1, 2), (2, 3), (5, 5), (rng.random_range(0..12), 7), (7, 0)];
         gpu.copy_blocks(&mut gp, &copies).unwrap();
         CpuBackend.copy_blocks(&mut cp, &copies).unwrap();
         let read: Vec<i64> = (-1..spec.num_slots() as i64).collect();
         for capture in 0..spec.captured {
-            let (g, c) = both(&gpu, |b| b.gather_hidden(&gp, capture, &read), |b| b.gather_hidden(&cp, capture, &read));
+            let (g, c) = both(
+                &gpu,
+                |b| b.gather_hidden(&gp, capture, &read),
+                |b| b.gather_hidden(&cp, capture, &read),
+            );
             assert_close(&format!("case {case} capture {capture} copies {copies:?}"), &g, &c);
         }
         // K/V after the copies, read back through attention over every slot of a table.
@@ -578,26 +707,54 @@ fn pools_split_over_bindings_behave_like_one_pool() {
     let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
     // K/V blocks: 4 slots x 2 heads x 8 dims x 4 B = 256 B → 16 blocks per chunk, 2 chunks;
     // hidden blocks: 4 x 2 x 24 x 4 B = 768 B → 5 blocks per chunk, 5 chunks.
-    let spec =
-        PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 8, captured: 2, hidden: 24, kv_dtype: Dtype::F32 };
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 24,
+        block_size: 4,
+        kv_heads: 2,
+        head_dim: 8,
+        captured: 2,
+        hidden: 24,
+        kv_dtype: Dtype::F32,
+    };
     split_pools_match_cpu(&gpu, spec, 5);
     // Three chunks' worth of KV cannot be bound by the attention kernels.
     let big = PagesSpec { num_blocks: 33, ..spec };
     let err = gpu.alloc_pages(big).unwrap_err();
-    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })
+        ),
+        "{err}"
+    );
 }
 
 #[test]
 fn f16_pools_split_over_bindings_behave_like_one_pool() {
     let Some(gpu) = gpu_with(Some(SMALL_BINDING)) else { return };
     // f16 K/V blocks: 4 slots x 4 heads x 8 dims x 2 B = 256 B → 16 blocks per chunk, 2 chunks.
-    let spec =
-        PagesSpec { num_layers: 1, num_blocks: 24, block_size: 4, kv_heads: 4, head_dim: 8, captured: 2, hidden: 24, kv_dtype: Dtype::F16 };
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 24,
+        block_size: 4,
+        kv_heads: 4,
+        head_dim: 8,
+        captured: 2,
+        hidden: 24,
+        kv_dtype: Dtype::F16,
+    };
     split_pools_match_cpu(&gpu, spec, 14);
     // Half the bytes per block: 33 blocks still need three chunks, 32 fit two.
     assert!(gpu.alloc_pages(PagesSpec { num_blocks: 32, ..spec }).is_ok());
     let err = gpu.alloc_pages(PagesSpec { num_blocks: 33, ..spec }).unwrap_err();
-    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Gpu(GpuError::TooLarge { limit: "max_storage_buffer_binding_size x bound chunks", .. })
+        ),
+        "{err}"
+    );
 }
 
 /// Attention, hidden rows and copies inside and across chunks over `spec`'s pools (24
@@ -611,7 +768,9 @@ fn split_pools_match_cpu(gpu: &WgpuBackend, spec: PagesSpec, seed: u64) {
     let seqs = attn_seqs(&s.seqs);
     let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
     let got = gpu
-        .download(&gpu.paged_attention(&gpu.upload(s.q.view()).unwrap(), &s.gpu_pages, 0, heads, &seqs).unwrap())
+        .download(
+            &gpu.paged_attention(&gpu.upload(s.q.view()).unwrap(), &s.gpu_pages, 0, heads, &seqs).unwrap(),
+        )
         .unwrap();
     assert_close("split pool attention", &got, &want);
 
@@ -641,21 +800,41 @@ fn split_pools_match_cpu(gpu: &WgpuBackend, spec: PagesSpec, seed: u64) {
 #[test]
 fn rejected_writes_leave_pages_unchanged() {
     let Some(gpu) = gpu() else { return };
-    let spec =
-        PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 1, hidden: 4, kv_dtype: Dtype::F32 };
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 2,
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 4,
+        captured: 1,
+        hidden: 4,
+        kv_dtype: Dtype::F32,
+    };
     let mut pages = gpu.alloc_pages(spec).unwrap();
     let ones = gpu.upload(Array2::ones((2, 4)).view()).unwrap();
     let err = gpu.write_kv(&mut pages, 0, &ones, &ones, &[1, 8]).unwrap_err();
-    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "write_kv", what: "slot", index: 8, bound: 8 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Backend(BackendError::OpIndex { op: "write_kv", what: "slot", index: 8, bound: 8 })
+        ),
+        "{err}"
+    );
     let err = gpu.write_hidden(&mut pages, 0, &ones, &[0, 1, 2]).unwrap_err();
     assert!(matches!(err, Error::Backend(BackendError::OpShape { op: "write_hidden", .. })), "{err}");
     let err = gpu.write_hidden(&mut pages, 1, &ones, &[0, 1]).unwrap_err();
     assert!(matches!(err, Error::Backend(BackendError::OpIndex { what: "capture", index: 1, .. })), "{err}");
     let err = gpu.copy_blocks(&mut pages, &[(0, 1), (1, 2)]).unwrap_err();
-    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "copy_blocks", index: 2, .. })), "{err}");
+    assert!(
+        matches!(err, Error::Backend(BackendError::OpIndex { op: "copy_blocks", index: 2, .. })),
+        "{err}"
+    );
     let kv = pages.layer("test", 0).unwrap();
     assert!(gpu.context().download_pool(kv.k).unwrap().iter().all(|&x| x == 0.0), "K pages changed");
-    assert!(gpu.context().download_pool(pages.hidden()).unwrap().iter().all(|&x| x == 0.0), "hidden pages changed");
+    assert!(
+        gpu.context().download_pool(pages.hidden()).unwrap().iter().all(|&x| x == 0.0),
+        "hidden pages changed"
+    );
 }
 
 #[test]
@@ -666,7 +845,11 @@ fn dense_ops_match_cpu_on_random_shapes() {
         let (n, k, m) = (rng.random_range(1..80), rng.random_range(1..70), rng.random_range(1..90));
         let x = rand_matrix(&mut rng, n, k);
         let w = rand_matrix(&mut rng, m, k);
-        let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &b.upload(w.view())?), |b| b.matmul_t(&x, &w.clone().into()));
+        let (g, c) = both(
+            &gpu,
+            |b| b.matmul_t(&b.upload(x.view())?, &b.upload(w.view())?),
+            |b| b.matmul_t(&x, &w.clone().into()),
+        );
         assert_close(&format!("case {case} matmul [{n},{k}] x [{m},{k}]^T"), &g, &c);
 
         let bias = rand_matrix(&mut rng, 1, k);
@@ -726,9 +909,14 @@ fn row_ops_match_cpu_and_reject_bad_indices() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let table = rand_matrix(&mut rng, 50, 12);
     let ids: Vec<u32> = (0..17).map(|_| rng.random_range(0..50)).collect();
-    let (g, c) = both(&gpu, |b| b.embedding(&b.upload(table.view())?, &ids), |b| b.embedding(&table.clone().into(), &ids));
+    let (g, c) = both(
+        &gpu,
+        |b| b.embedding(&b.upload(table.view())?, &ids),
+        |b| b.embedding(&table.clone().into(), &ids),
+    );
     assert_close("embedding", &g, &c);
-    let (g, c) = both(&gpu, |b| b.gather_rows(&b.upload(table.view())?, &ids), |b| b.gather_rows(&table, &ids));
+    let (g, c) =
+        both(&gpu, |b| b.gather_rows(&b.upload(table.view())?, &ids), |b| b.gather_rows(&table, &ids));
     assert_close("gather_rows", &g, &c);
 
     let items = rand_matrix(&mut rng, 5, 12);
@@ -751,10 +939,19 @@ fn row_ops_match_cpu_and_reject_bad_indices() {
 
     let gt = gpu.upload(table.view()).unwrap();
     let err = gpu.embedding(&gt, &[1, 50]).unwrap_err();
-    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "embedding", what: "token id", index: 50, bound: 50 })), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Backend(BackendError::OpIndex { op: "embedding", what: "token id", index: 50, bound: 50 })
+        ),
+        "{err}"
+    );
     let mut dst = gpu.upload(base.view()).unwrap();
     let err = gpu.scatter_rows(&mut dst, &[0, 1, 2, 3, 17], &gpu.upload(items.view()).unwrap()).unwrap_err();
-    assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "scatter_rows", index: 17, .. })), "{err}");
+    assert!(
+        matches!(err, Error::Backend(BackendError::OpIndex { op: "scatter_rows", index: 17, .. })),
+        "{err}"
+    );
     assert_close("scatter_rows rejected", &gpu.download(&dst).unwrap(), &base);
 }
 
@@ -792,7 +989,10 @@ fn rope_plain_sectioned_and_interleaved_match_cpu() {
     let mut t = gpu.upload(Array2::zeros((2, 8)).view()).unwrap();
     let spec = RopeSpec { theta: 10_000.0, head_dim: 8, kind: RopeKind::Plain };
     let err = gpu.rope(&mut t, &spec, RopePositions { t: &[0], h: &[0], w: &[0] }).unwrap_err();
-    assert!(matches!(err, Error::Backend(BackendError::OpShape { op: "rope", what: "positions.t", .. })), "{err}");
+    assert!(
+        matches!(err, Error::Backend(BackendError::OpShape { op: "rope", what: "positions.t", .. })),
+        "{err}"
+    );
 }
 
 #[test]
@@ -813,7 +1013,11 @@ fn moe_matches_cpu_and_router_breaks_ties_low() {
             norm_topk_prob: norm,
         };
         let x = rand_matrix(&mut rng, n, h);
-        let (g, c) = both(&gpu, |b| b.moe(&b.upload(x.view())?, &dev), |b| b.moe(&x, &host.try_map(|t| Ok::<_, omniprefix::Error>(t.clone().into()))?));
+        let (g, c) = both(
+            &gpu,
+            |b| b.moe(&b.upload(x.view())?, &dev),
+            |b| b.moe(&x, &host.try_map(|t| Ok::<_, omniprefix::Error>(t.clone().into()))?),
+        );
         assert_close(&format!("moe top_k {top_k} norm {norm} tokens {n}"), &g, &c);
     }
     // Equal logits: the lower expert ids win, weights renormalised to 1/k.
@@ -833,10 +1037,16 @@ fn broken_shader_is_a_typed_error() {
         .context()
         .compile_module("broken.wgsl", "@compute @workgroup_size(1) fn main() { let x: f32 = ; }")
         .unwrap_err();
-    assert!(matches!(&err, Error::Gpu(GpuError::ShaderCompile { shader, .. }) if shader == "broken.wgsl"), "{err}");
+    assert!(
+        matches!(&err, Error::Gpu(GpuError::ShaderCompile { shader, .. }) if shader == "broken.wgsl"),
+        "{err}"
+    );
     let module = gpu.context().compile_module("ok.wgsl", "@compute @workgroup_size(1) fn main() {}").unwrap();
     let err = gpu.context().build_pipeline("ok.wgsl", &module, "missing_entry", &[]).unwrap_err();
-    assert!(matches!(&err, Error::Gpu(GpuError::ShaderCompile { entry, .. }) if entry == "missing_entry"), "{err}");
+    assert!(
+        matches!(&err, Error::Gpu(GpuError::ShaderCompile { entry, .. }) if entry == "missing_entry"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -851,13 +1061,19 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     // One wait for several tensors: split, empty and f16 ones come back in order.
     let small = rand_matrix(&mut rng, 3, 5);
     let half = HostWeight::from_f32(small.clone()).to_dtype(Dtype::F16).unwrap();
-    let (empty, small_gpu) = (gpu.upload(Array2::zeros((0, 4)).view()).unwrap(), gpu.upload(small.view()).unwrap());
+    let (empty, small_gpu) =
+        (gpu.upload(Array2::zeros((0, 4)).view()).unwrap(), gpu.upload(small.view()).unwrap());
     let half_gpu = gpu.upload_weight(half.clone()).unwrap();
     let all = gpu.download_all(&[&small_gpu, &split, &empty, &half_gpu]).unwrap();
-    assert_eq!(all, vec![small, table.clone(), Array2::zeros((0, 4)), half.to_f32()], "download_all keeps order and shapes");
+    assert_eq!(
+        all,
+        vec![small, table.clone(), Array2::zeros((0, 4)), half.to_f32()],
+        "download_all keeps order and shapes"
+    );
     // As a matmul weight: every block writes its own output columns.
     let x = rand_matrix(&mut rng, 5, 32);
-    let (g, c) = both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &split), |b| b.matmul_t(&x, &table.clone().into()));
+    let (g, c) =
+        both(&gpu, |b| b.matmul_t(&b.upload(x.view())?, &split), |b| b.matmul_t(&x, &table.clone().into()));
     assert_close("matmul with a split weight", &g, &c);
     // As an embedding table: ids in every block, repeated, first and last rows.
     let ids = [74, 0, 31, 32, 63, 64, 5, 74, 40];
@@ -865,12 +1081,18 @@ fn weights_larger_than_one_binding_split_into_row_blocks() {
     assert_eq!(g, c, "embedding rows are copied exactly");
     // Every other op needs its operand whole, and says so.
     let err = gpu.gather_rows(&split, &[1, 2]).unwrap_err();
-    assert!(matches!(&err, Error::Gpu(GpuError::TooLarge { what, .. }) if what.starts_with("gather_rows operand")), "{err}");
+    assert!(
+        matches!(&err, Error::Gpu(GpuError::TooLarge { what, .. }) if what.starts_with("gather_rows operand")),
+        "{err}"
+    );
     let norm = gpu.upload(Array2::from_elem((1, 32), 1.0).view()).unwrap();
     assert!(matches!(gpu.rms_norm(&split, &norm, 1e-6), Err(Error::Gpu(GpuError::TooLarge { .. }))));
     // A single row wider than a binding cannot be split.
     let err = gpu.upload(Array2::zeros((2, 2048)).view()).unwrap_err();
-    assert!(matches!(err, Error::Gpu(GpuError::TooLarge { requested: 8192, max: SMALL_BINDING, .. })), "{err}");
+    assert!(
+        matches!(err, Error::Gpu(GpuError::TooLarge { requested: 8192, max: SMALL_BINDING, .. })),
+        "{err}"
+    );
 }
 
 /// Stacked MoE experts larger than one binding: the routed matmul binds one row
@@ -890,7 +1112,8 @@ fn moe_experts_larger_than_one_binding_split_mid_expert() {
         assert!(dev.gate_up.is_split(), "{dtype}: gate_up must span several bindings");
         assert_eq!(dev.down.is_split(), dtype == Dtype::F32, "{dtype}: down");
         let cpu = host.try_map(|t| CpuBackend.upload_weight(t.clone())).unwrap();
-        for n in [1, 9, 21] { // 2n x 24 gate_up outputs must fit the capped binding
+        for n in [1, 9, 21] {
+            // 2n x 24 gate_up outputs must fit the capped binding
             let x = rand_matrix(&mut rng, n, h);
             let (g, c) = both(&gpu, |b| b.moe(&b.upload(x.view())?, &dev), |b| b.moe(&x, &cpu));
             assert_close(&format!("{dtype} split moe tokens {n}"), &g, &c);
@@ -920,7 +1143,8 @@ fn f16_weights_match_cpu_f16_weights() {
     let table = half(rand_matrix(&mut rng, 50, 13));
     let ids: Vec<u32> = (0..17).map(|_| rng.random_range(0..50)).collect();
     let gt = gpu.upload_weight(table.clone()).unwrap();
-    let (g, c) = both(&gpu, |b| b.embedding(&gt, &ids), |b| b.embedding(&b.upload_weight(table.clone())?, &ids));
+    let (g, c) =
+        both(&gpu, |b| b.embedding(&gt, &ids), |b| b.embedding(&b.upload_weight(table.clone())?, &ids));
     assert_eq!(g, c, "f16 embedding rows are widened exactly");
     for (top_k, norm, n) in [(2, true, 9), (2, false, 70)] {
         let host = MoeWeights::random(&mut rng, 6, 12, 5, top_k, norm);
@@ -933,7 +1157,10 @@ fn f16_weights_match_cpu_f16_weights() {
     }
     // Only weights may be f16: any other operand says so.
     let err = gpu.gather_rows(&gt, &[1]).unwrap_err();
-    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "operand dtype", found, .. }) if found == "f16"), "{err}");
+    assert!(
+        matches!(&err, Error::Config(ConfigError::Invalid { field: "operand dtype", found, .. }) if found == "f16"),
+        "{err}"
+    );
     let norm = gpu.upload(Array2::ones((1, 13)).view()).unwrap();
     assert!(matches!(gpu.rms_norm(&gt, &norm, 1e-6), Err(Error::Config(ConfigError::Invalid { .. }))));
 }
@@ -963,8 +1190,8 @@ fn f16_weights_larger_than_one_binding_split_into_row_blocks() {
 mod forward {
     use super::*;
     use omniprefix::batch::{EmbedRows, ScheduledBatch};
-    use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
     use omniprefix::kv::BlockTable;
+    use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
     use omniprefix::prompt::Positions;
     use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, run_uncached};
 
@@ -975,7 +1202,8 @@ mod forward {
         let token_ids = (0..len).map(|_| rng.random_range(0..cfg.vocab_size as u32)).collect();
         let item = Arc::new(rand_matrix(rng, rows, cfg.hidden_size));
         let embeds = vec![EmbedRows { step_offset: 3, embeddings: item, rows: 0..rows, deepstack: None }];
-        let grid = |p: i64, f: fn(i64) -> i64| if (3..3 + rows as i64).contains(&p) { 3 + f(p - 3) } else { p };
+        let grid =
+            |p: i64, f: fn(i64) -> i64| if (3..3 + rows as i64).contains(&p) { 3 + f(p - 3) } else { p };
         let t: Vec<i64> = (0..len as i64).map(|p| grid(p, |_| 0)).collect();
         let h: Vec<i64> = (0..len as i64).map(|p| grid(p, |r| r / 2)).collect();
         let w: Vec<i64> = (0..len as i64).map(|p| grid(p, |r| r % 2)).collect();
@@ -992,11 +1220,19 @@ mod forward {
         assert_eq!(got.len(), want.len(), "{what}: lengths");
         let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!((g - w).abs() <= TOL * scale, "{what}: first mismatch at flat index {i}: gpu {g} vs cpu {w}");
+            assert!(
+                (g - w).abs() <= TOL * scale,
+                "{what}: first mismatch at flat index {i}: gpu {g} vs cpu {w}"
+            );
         }
     }
 
-    fn assert_outputs(what: &str, hidden: &[(CaptureName, Array2<f32>)], last_logits: &[f32], want: &Outputs) {
+    fn assert_outputs(
+        what: &str,
+        hidden: &[(CaptureName, Array2<f32>)],
+        last_logits: &[f32],
+        want: &Outputs,
+    ) {
         assert_eq!(hidden.len(), want.hidden.len(), "{what}: captures");
         for ((name, got), (_, w)) in hidden.iter().zip(&want.hidden) {
             assert_eq!(got.dim(), w.dim(), "{what} {name}: shape");
@@ -1030,27 +1266,39 @@ mod forward {
         for (ci, cfg) in configs.into_iter().enumerate() {
             let n = cfg.num_hidden_layers;
             let capture =
-                CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(n), CaptureName::Final], n).unwrap();
+                CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(n), CaptureName::Final], n)
+                    .unwrap();
             let cpu_thinker = Thinker::random_as(&CpuBackend, cfg.clone(), ci as u64, Some(dtype)).unwrap();
-            let gpu_thinker = Arc::new(Thinker::random_as(&*gpu, cfg.clone(), ci as u64, Some(dtype)).unwrap());
+            let gpu_thinker =
+                Arc::new(Thinker::random_as(&*gpu, cfg.clone(), ci as u64, Some(dtype)).unwrap());
             let p = prompt(&cfg, 19, 6, &mut rng);
             let want = if kv_dtype == Dtype::F32 {
                 let want = run_uncached(&cpu_thinker, &CpuBackend, &p, &capture, false).unwrap();
                 let uncached = run_uncached(&gpu_thinker, &*gpu, &p, &capture, false).unwrap();
-                assert_outputs(&format!("config {ci} uncached"), &uncached.hidden, &uncached.last_logits, &want);
+                assert_outputs(
+                    &format!("config {ci} uncached"),
+                    &uncached.hidden,
+                    &uncached.last_logits,
+                    &want,
+                );
                 want
             } else {
                 // The uncached forward keeps K/V in f32; the CPU's one-step run over
                 // `kv_dtype` pages rounds K/V as the GPU's pages do.
-                let cpu = ModelRunner::new(Arc::new(CpuBackend), Arc::new(cpu_thinker), capture.clone()).unwrap().with_kv_dtype(kv_dtype);
+                let cpu = ModelRunner::new(Arc::new(CpuBackend), Arc::new(cpu_thinker), capture.clone())
+                    .unwrap()
+                    .with_kv_dtype(kv_dtype);
                 let mut cpu_pages = cpu.alloc_pages(8, BS).unwrap();
                 let step = p.step(1, BlockTable::new((0..5).collect(), BS), 0..19).unwrap();
-                let mut outs = cpu.execute(&ScheduledBatch { copies: vec![], seqs: vec![step] }, &mut cpu_pages).unwrap();
+                let mut outs = cpu
+                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![step] }, &mut cpu_pages)
+                    .unwrap();
                 let out = outs.pop().expect("one output");
                 Outputs { hidden: out.hidden, last_logits: out.last_logits, logits: None }
             };
 
-            let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture).unwrap().with_kv_dtype(kv_dtype);
+            let runner =
+                ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture).unwrap().with_kv_dtype(kv_dtype);
             let mut blocks: Vec<u32> = (0..8).collect();
             blocks.shuffle(&mut rng);
             let table = &blocks[..19usize.div_ceil(BS)];
@@ -1060,12 +1308,23 @@ mod forward {
             // A block-aligned cached prefix, a non-aligned chunk, a decode-sized last step.
             for b in [8, 13, 18, 19] {
                 outs = runner
-                    .execute(&ScheduledBatch { copies: vec![], seqs: vec![p.step(1, BlockTable::new(table.to_vec(), BS), a..b).unwrap()] }, &mut pages)
+                    .execute(
+                        &ScheduledBatch {
+                            copies: vec![],
+                            seqs: vec![p.step(1, BlockTable::new(table.to_vec(), BS), a..b).unwrap()],
+                        },
+                        &mut pages,
+                    )
                     .unwrap();
                 a = b;
             }
             assert_eq!(outs.len(), 1, "config {ci}");
-            assert_outputs(&format!("config {ci} {dtype} weights, {kv_dtype} pages, chunked"), &outs[0].hidden, &outs[0].last_logits, &want);
+            assert_outputs(
+                &format!("config {ci} {dtype} weights, {kv_dtype} pages, chunked"),
+                &outs[0].hidden,
+                &outs[0].last_logits,
+                &want,
+            );
         }
     }
     /// A vocabulary too large for one binding: the embedding lookup and the tied
@@ -1113,17 +1372,35 @@ fn bf16_weights_and_pages_are_a_config_error_on_wgpu() {
     assert_eq!(gpu.weight_dtypes(), [Dtype::F32, Dtype::F16]);
     let host = HostWeight::from_f32(Array2::ones((4, 4))).to_dtype(Dtype::Bf16).unwrap();
     let Err(err) = gpu.upload_weight(host) else { panic!("a bf16 upload must fail") };
-    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "bf16"), "{err}");
+    assert!(
+        matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "bf16"),
+        "{err}"
+    );
     let cfg = omniprefix::model::Config::tiny_qwen3(32, 2, 4, 2, 50);
-    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::Bf16)) else { panic!("a bf16 thinker on wgpu must fail") };
+    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::Bf16)) else {
+        panic!("a bf16 thinker on wgpu must fail")
+    };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "wgpu", .. })), "{err}");
-    let thinker = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16)).expect("f16 on wgpu loads");
+    let thinker = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16))
+        .expect("f16 on wgpu loads");
     assert_eq!(thinker.dtype(), Dtype::F16);
     let thinker = omniprefix::model::Thinker::random(&gpu, cfg, 1).expect("auto on wgpu loads");
     assert_eq!(thinker.dtype(), Dtype::F32);
-    let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 0, hidden: 0, kv_dtype: Dtype::Bf16 };
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 2,
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 4,
+        captured: 0,
+        hidden: 0,
+        kv_dtype: Dtype::Bf16,
+    };
     let Err(err) = gpu.alloc_pages(spec) else { panic!("bf16 pages on wgpu must fail") };
-    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "bf16"), "{err}");
+    assert!(
+        matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "bf16"),
+        "{err}"
+    );
     // f16 pages pack two halves per word: a slot of odd width would share a word with the next.
     let odd = PagesSpec { head_dim: 3, kv_dtype: Dtype::F16, ..spec };
     let Err(err) = gpu.alloc_pages(odd) else { panic!("odd-width f16 pages must fail") };
@@ -1139,12 +1416,29 @@ fn without_f16_conversions_f16_is_a_config_error_and_f32_runs() {
     assert_eq!(gpu.weight_dtypes(), [Dtype::F32]);
     let host = HostWeight::from_f32(Array2::ones((4, 4))).to_dtype(Dtype::F16).unwrap();
     let Err(err) = gpu.upload_weight(host) else { panic!("an f16 upload must fail") };
-    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "f16"), "{err}");
-    let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 4, captured: 0, hidden: 0, kv_dtype: Dtype::F16 };
+    assert!(
+        matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "f16"),
+        "{err}"
+    );
+    let spec = PagesSpec {
+        num_layers: 1,
+        num_blocks: 2,
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 4,
+        captured: 0,
+        hidden: 0,
+        kv_dtype: Dtype::F16,
+    };
     let Err(err) = gpu.alloc_pages(spec) else { panic!("f16 pages must fail") };
-    assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "f16"), "{err}");
+    assert!(
+        matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "f16"),
+        "{err}"
+    );
     let cfg = omniprefix::model::Config::tiny_qwen3(32, 2, 4, 2, 50);
-    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16)) else { panic!("an f16 thinker must fail") };
+    let Err(err) = omniprefix::model::Thinker::random_as(&gpu, cfg.clone(), 1, Some(Dtype::F16)) else {
+        panic!("an f16 thinker must fail")
+    };
     assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "wgpu", .. })), "{err}");
     // The kernels compile with the stub prelude and compute f32 as usual.
     let thinker = omniprefix::model::Thinker::random(&gpu, cfg.clone(), 1).expect("f32 loads");
@@ -1157,6 +1451,7 @@ fn without_f16_conversions_f16_is_a_config_error_and_f32_runs() {
     let capture = omniprefix::model::CaptureSpec::default_for(2);
     let got = omniprefix::runner::run_uncached(&thinker, &gpu, &p, &capture, false).unwrap();
     let want = omniprefix::runner::run_uncached(&cpu, &CpuBackend, &p, &capture, false).unwrap();
-    let [got, want] = [&got.last_logits, &want.last_logits].map(|l| Array2::from_shape_vec((1, l.len()), l.clone()).unwrap());
+    let [got, want] = [&got.last_logits, &want.last_logits]
+        .map(|l| Array2::from_shape_vec((1, l.len()), l.clone()).unwrap());
     assert_close("f32 forward without f16 conversions", &got, &want);
 }

@@ -22,20 +22,20 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
-use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request as EngineRequest};
-use omniprefix::backend::{Backend, Dtype};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::wgpu::WgpuBackend;
+use omniprefix::backend::{Backend, Dtype};
 use omniprefix::batch::{BlockCopy, ScheduledBatch};
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request as EngineRequest};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
-use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::kv::BlockTable;
+use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, OmniTokens, Positions};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, SeqOutput, run_uncached};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use reference::{Reference, TestResult, model_dir, relative_error, relative_error_within};
 use shared_gpu::gpu;
 
@@ -52,7 +52,8 @@ fn named(
     last_logits: &[f32],
     logits: Option<&Array2<f32>>,
 ) -> TestResult<BTreeMap<String, Array2<f32>>> {
-    let mut out: BTreeMap<String, Array2<f32>> = hidden.iter().map(|(n, m)| (n.to_string(), m.clone())).collect();
+    let mut out: BTreeMap<String, Array2<f32>> =
+        hidden.iter().map(|(n, m)| (n.to_string(), m.clone())).collect();
     out.insert("last_logits".into(), Array2::from_shape_vec((1, last_logits.len()), last_logits.to_vec())?);
     if let Some(l) = logits {
         out.insert("logits".into(), l.clone());
@@ -119,7 +120,13 @@ fn fixtures_on_wgpu_match_cpu_and_transformers() -> TestResult {
 
 /// One-step prefill of prompt `p` of `reference` on the GPU against the CPU backend
 /// and the transformers tensors; returns the worst errors (vs cpu, vs transformers).
-fn uncached_prompt_on_wgpu(gpu: &WgpuBackend, m: &Loaded, reference: &Reference, label: &str, p: &str) -> TestResult<(f32, f32)> {
+fn uncached_prompt_on_wgpu(
+    gpu: &WgpuBackend,
+    m: &Loaded,
+    reference: &Reference,
+    label: &str,
+    p: &str,
+) -> TestResult<(f32, f32)> {
     let inputs = reference.prompt(p)?;
     let ours = uncached_outputs(&run_uncached(&m.gpu, gpu, &inputs, &m.capture, true)?)?;
     let cpu = uncached_outputs(&run_uncached(&m.cpu, &CpuBackend, &inputs, &m.capture, true)?)?;
@@ -141,7 +148,9 @@ fn deepstack_fixture_on_wgpu_matches_cpu_and_transformers() -> TestResult {
     let m = load(&gpu, "omni_thinker")?;
     let reference = Reference::open_file("omni_thinker", "deepstack_reference.safetensors")?;
     let (vs_cpu, vs_hf) = uncached_prompt_on_wgpu(&gpu, &m, &reference, "omni_thinker/deepstack mm", "mm")?;
-    eprintln!("omni_thinker DeepStack: worst relative error on wgpu {vs_cpu:.3e} vs cpu, {vs_hf:.3e} vs transformers");
+    eprintln!(
+        "omni_thinker DeepStack: worst relative error on wgpu {vs_cpu:.3e} vs cpu, {vs_hf:.3e} vs transformers"
+    );
     Ok(())
 }
 
@@ -161,7 +170,8 @@ fn run_steps(
     while a < range.end {
         let b = (a + chunk).min(range.end);
         let seq = inputs.step(request, BlockTable::new(table.to_vec(), block_size), a..b)?;
-        outputs = runner.execute(&ScheduledBatch { copies: std::mem::take(&mut copies), seqs: vec![seq] }, pages)?;
+        outputs = runner
+            .execute(&ScheduledBatch { copies: std::mem::take(&mut copies), seqs: vec![seq] }, pages)?;
         a = b;
     }
     Ok(outputs)
@@ -199,10 +209,14 @@ fn cached_prefix_on_wgpu_equals_uncached_cpu() -> TestResult {
             let table2 = [&table1[..shared], &take(blocks - shared)[..]].concat();
             let table3 = [&table1[..shared], &take(blocks - shared)[..]].concat();
             let copy = BlockCopy { src: table1[shared], dst: table3[shared] };
-            for (request, table, start, copies) in [(2, &table2, prefix, vec![]), (3, &table3, prefix + 2, vec![copy])]
+            for (request, table, start, copies) in
+                [(2, &table2, prefix, vec![]), (3, &table3, prefix + 2, vec![copy])]
             {
-                let out = run_steps(&runner, &mut pages, &inputs, (request, table, BS), start..len, CHUNK, copies)?;
-                let [out] = &out[..] else { return Err(format!("{model}/{p}: {} outputs", out.len()).into()) };
+                let out =
+                    run_steps(&runner, &mut pages, &inputs, (request, table, BS), start..len, CHUNK, copies)?;
+                let [out] = &out[..] else {
+                    return Err(format!("{model}/{p}: {} outputs", out.len()).into());
+                };
                 let got = named(&out.hidden, &out.last_logits, None)?;
                 let label = format!("{model}/{p} request {request} cached {start} of {len}");
                 worst = worst.max(compare_all(&label, &got, &want)?);
@@ -247,21 +261,33 @@ fn f16_fixtures_on_wgpu_match_transformers_f32_and_caching_stays_invisible() -> 
             let out = run_steps(&runner, &mut pages, &inputs, (1, &table1, BS), 0..len, len, vec![])?;
             let [out] = &out[..] else { return Err(format!("{model}/{p}: {} outputs", out.len()).into()) };
             let uncached = named(&out.hidden, &out.last_logits, None)?;
-            for (reference, worst, name) in [(&rounded, &mut vs_rounded, "f16-rounded"), (&original, &mut vs_original, "f32")] {
+            for (reference, worst, name) in
+                [(&rounded, &mut vs_rounded, "f16-rounded"), (&original, &mut vs_original, "f32")]
+            {
                 for (what, got) in &uncached {
                     let label = format!("{model}/{p} {what}: wgpu f16 vs transformers over {name} weights");
-                    *worst = worst.max(relative_error_within(&label, got.view(), reference.expected(p, what)?, F16_TOLERANCE)?);
+                    *worst = worst.max(relative_error_within(
+                        &label,
+                        got.view(),
+                        reference.expected(p, what)?,
+                        F16_TOLERANCE,
+                    )?);
                 }
             }
             // Request 2 reuses request 1's first half of whole blocks and computes the rest in chunks.
             let shared = len / 2 / BS;
-            let table2 = [&table1[..shared], &(blocks as u32..(2 * blocks - shared) as u32).collect::<Vec<_>>()[..]].concat();
-            let out = run_steps(&runner, &mut pages, &inputs, (2, &table2, BS), shared * BS..len, CHUNK, vec![])?;
+            let table2 =
+                [&table1[..shared], &(blocks as u32..(2 * blocks - shared) as u32).collect::<Vec<_>>()[..]]
+                    .concat();
+            let out =
+                run_steps(&runner, &mut pages, &inputs, (2, &table2, BS), shared * BS..len, CHUNK, vec![])?;
             let [out] = &out[..] else { return Err(format!("{model}/{p}: {} outputs", out.len()).into()) };
             for (what, got) in named(&out.hidden, &out.last_logits, None)? {
-                let label = format!("{model}/{p} {what}: cached {} of {len} vs uncached, wgpu f16", shared * BS);
+                let label =
+                    format!("{model}/{p} {what}: cached {} of {len} vs uncached, wgpu f16", shared * BS);
                 let want = uncached[&what].view();
-                vs_uncached = vs_uncached.max(relative_error_within(&label, got.view(), want, F16_CACHING_TOLERANCE)?);
+                vs_uncached =
+                    vs_uncached.max(relative_error_within(&label, got.view(), want, F16_CACHING_TOLERANCE)?);
             }
         }
         eprintln!(
@@ -289,7 +315,14 @@ fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
         index_map: IndexMap::default(),
         positions: Positions::linear(ids.len()),
     };
-    Request { id, prompt, item_embeddings: vec![], item_deepstack: vec![], hidden_size: Some(hidden), max_new_tokens: 0 }
+    Request {
+        id,
+        prompt,
+        item_embeddings: vec![],
+        item_deepstack: vec![],
+        hidden_size: Some(hidden),
+        max_new_tokens: 0,
+    }
 }
 
 /// Schedules and executes until request `id` returns its output.
@@ -329,8 +362,7 @@ fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
     let capture = all_captures(cfg.num_hidden_layers)?;
     let cpu_thinker = Thinker::random(&CpuBackend, cfg.clone(), 7)?;
     let gpu_thinker = Arc::new(Thinker::random(&*gpu, cfg.clone(), 7)?);
-    let inputs =
-        PromptInputs { token_ids: p2.clone(), embeds: vec![], positions: Positions::linear(57) };
+    let inputs = PromptInputs { token_ids: p2.clone(), embeds: vec![], positions: Positions::linear(57) };
     let want = run_uncached(&cpu_thinker, &CpuBackend, &inputs, &capture, false)?;
     let want = named(&want.hidden, &want.last_logits, None)?;
     let runner = ModelRunner::new(Arc::clone(&gpu), gpu_thinker, capture)?;
@@ -352,11 +384,17 @@ fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
         let (computed, out) = drive(&mut sched, &runner, &mut pages, 2)?;
         assert_eq!(computed, cached, "token_granular_reuse = {token_granular_reuse}");
         for (name, h) in &out.hidden {
-            assert_eq!(h.dim(), (57, cfg.hidden_size), "{name}: full hidden states despite {cached} cached tokens");
+            assert_eq!(
+                h.dim(),
+                (57, cfg.hidden_size),
+                "{name}: full hidden states despite {cached} cached tokens"
+            );
         }
         let got = named(&out.hidden, &out.last_logits, None)?;
         let worst = compare_all(&format!("rfc prompt 2, {cached} cached"), &got, &want)?;
-        eprintln!("rfc_text_pair on wgpu, {cached} cached tokens: worst relative error {worst:.3e} vs uncached cpu");
+        eprintln!(
+            "rfc_text_pair on wgpu, {cached} cached tokens: worst relative error {worst:.3e} vs uncached cpu"
+        );
     }
     Ok(())
 }
@@ -401,18 +439,25 @@ fn deepstack_image_with_a_warm_prefix_on_wgpu_equals_uncached_cpu() -> TestResul
         ..Default::default()
     };
     let main_tail = [20, 21, 22, 23, 24, 25];
-    let mut engine = Engine::new(Arc::clone(&gpu), Arc::new(Thinker::random(&*gpu, model.clone(), 5)?), config.clone())?;
+    let mut engine =
+        Engine::new(Arc::clone(&gpu), Arc::new(Thinker::random(&*gpu, model.clone(), 5)?), config.clone())?;
     engine.run(request(&[30, 31, 32, 33]))?;
     let got = engine.run(request(&main_tail))?;
     assert_eq!(got.num_cached_tokens, 16, "the match ends inside the image rows 6..18");
     let cpu_config = EngineConfig { cache: false, max_tokens_per_step: 4096, ..config };
-    let mut cpu = Engine::new(Arc::new(CpuBackend), Arc::new(Thinker::random(&CpuBackend, model, 5)?), cpu_config)?;
+    let mut cpu =
+        Engine::new(Arc::new(CpuBackend), Arc::new(Thinker::random(&CpuBackend, model, 5)?), cpu_config)?;
     let want = cpu.run(request(&main_tail))?;
     let mut worst = 0f32;
     let outputs = |o: &Output| named(&o.hidden, &o.last_logits, None);
     let (got, want) = (outputs(&got)?, outputs(&want)?);
     for (what, g) in &got {
-        worst = worst.max(relative_error_within(&format!("deepstack {what}"), g.view(), want[what].view(), 1e-5)?);
+        worst = worst.max(relative_error_within(
+            &format!("deepstack {what}"),
+            g.view(),
+            want[what].view(),
+            1e-5,
+        )?);
     }
     eprintln!("DeepStack warm prefix on wgpu vs uncached cpu: worst relative error {worst:.3e}");
     Ok(())

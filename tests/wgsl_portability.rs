@@ -64,16 +64,22 @@ fn validated(path: &Path, f16_pairs: bool) -> (naga::Module, ModuleInfo) {
     let info = Validator::new(ValidationFlags::all(), capabilities(shader, f16_pairs))
         .validate(&module)
         .unwrap_or_else(|e| panic!("{}: validation error:\n{}", label, e.emit_to_string(&source)));
-    let (module, info) =
-        naga::back::pipeline_constants::process_overrides(&module, &info, None, &PipelineConstants::default())
-            .unwrap_or_else(|e| panic!("{}: overrides: {e}", label));
+    let (module, info) = naga::back::pipeline_constants::process_overrides(
+        &module,
+        &info,
+        None,
+        &PipelineConstants::default(),
+    )
+    .unwrap_or_else(|e| panic!("{}: overrides: {e}", label));
     (module.into_owned(), info.into_owned())
 }
 
 #[test]
 fn shader_directory_holds_every_kernel() {
-    let names: Vec<String> =
-        shader_files().iter().filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned())).collect();
+    let names: Vec<String> = shader_files()
+        .iter()
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect();
     for expected in [
         "copy_blocks",
         "elementwise",
@@ -134,8 +140,10 @@ fn every_shader_validates_and_translates_to_spirv_msl_hlsl() {
             assert!(msl.contains("kernel"), "{}: MSL for {} has no kernel", path.display(), ep.name);
         }
 
-        let hlsl_options =
-            naga::back::hlsl::Options { shader_model: naga::back::hlsl::ShaderModel::V6_0, ..Default::default() };
+        let hlsl_options = naga::back::hlsl::Options {
+            shader_model: naga::back::hlsl::ShaderModel::V6_0,
+            ..Default::default()
+        };
         let hlsl_pipeline = naga::back::hlsl::PipelineOptions::default();
         let mut hlsl = String::new();
         naga::back::hlsl::Writer::new(&mut hlsl, &hlsl_options, &hlsl_pipeline)
@@ -151,7 +159,9 @@ fn workgroup_bytes(module: &naga::Module, info: &ModuleInfo, ep: usize) -> u32 {
     module
         .global_variables
         .iter()
-        .filter(|&(handle, var)| var.space == naga::AddressSpace::WorkGroup && !info.get_entry_point(ep)[handle].is_empty())
+        .filter(|&(handle, var)| {
+            var.space == naga::AddressSpace::WorkGroup && !info.get_entry_point(ep)[handle].is_empty()
+        })
         .map(|(_, var)| module.types[var.ty].inner.size(module.to_ctx()))
         .sum()
 }
@@ -163,16 +173,21 @@ fn every_entry_point_fits_the_webgpu_default_workgroup_memory() {
         let (module, info) = validated(&path, true);
         for (ep, entry) in module.entry_points.iter().enumerate() {
             let bytes = workgroup_bytes(&module, &info, ep);
-            assert!(bytes <= limit, "{} {}: {bytes} B of workgroup memory > {limit}", path.display(), entry.name);
+            assert!(
+                bytes <= limit,
+                "{} {}: {bytes} B of workgroup memory > {limit}",
+                path.display(),
+                entry.name
+            );
         }
     }
 }
 
 /// Limit and size checks that need no device.
 mod limits {
-    use omniprefix::error::GpuError;
     use omniprefix::Error;
     use omniprefix::backend::wgpu::{PoolPlan, check_limits, plan_pool, prefill_slots, prefill_tiles};
+    use omniprefix::error::GpuError;
 
     /// The prefill kernel's tiles fit its workgroup arrays (queries 1024 f32, a K/V tile
     /// 2048, scores 1024) and its 64 invocations (16 accumulated dims each at most).
@@ -215,7 +230,14 @@ mod limits {
         let limits = wgpu::Limits { max_compute_workgroup_storage_size: 12 * 1024, ..Default::default() };
         let err = check_limits("a", &limits).unwrap_err();
         assert!(
-            matches!(err, Error::Gpu(GpuError::Limit { limit: "max_compute_workgroup_storage_size", required: 16384, .. })),
+            matches!(
+                err,
+                Error::Gpu(GpuError::Limit {
+                    limit: "max_compute_workgroup_storage_size",
+                    required: 16384,
+                    ..
+                })
+            ),
             "{err}"
         );
         assert!(check_limits("webgpu defaults", &wgpu::Limits::default()).is_ok());
@@ -224,8 +246,14 @@ mod limits {
     #[test]
     fn pools_split_into_whole_blocks_and_refuse_what_cannot_be_bound() {
         // 10 blocks of 100 f32 (400 B) under a 1000 B binding: 2 blocks per chunk, 5 chunks.
-        assert_eq!(plan_pool("a", "hidden", 10, 100, 1000, None).unwrap(), PoolPlan { blocks_per_chunk: 2, chunks: 5 });
-        assert_eq!(plan_pool("a", "kv", 10, 100, 4000, Some(2)).unwrap(), PoolPlan { blocks_per_chunk: 10, chunks: 1 });
+        assert_eq!(
+            plan_pool("a", "hidden", 10, 100, 1000, None).unwrap(),
+            PoolPlan { blocks_per_chunk: 2, chunks: 5 }
+        );
+        assert_eq!(
+            plan_pool("a", "kv", 10, 100, 4000, Some(2)).unwrap(),
+            PoolPlan { blocks_per_chunk: 10, chunks: 1 }
+        );
         let err = plan_pool("a", "kv", 10, 100, 1000, Some(2)).unwrap_err();
         assert!(matches!(err, Error::Gpu(GpuError::TooLarge { requested: 4000, max: 1600, .. })), "{err}");
         let err = plan_pool("a", "kv", 10, 1000, 1000, None).unwrap_err();

@@ -18,18 +18,22 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use omniprefix_cli::bench::MatchFixture;
 use omniprefix::index::ValidationPolicy;
+use omniprefix_cli::bench::MatchFixture;
 use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
 
 fn match_paths(c: &mut Criterion) {
     let media = Arc::new(Media::generate(MediaScale::Full, 0x5eed).expect("embedded fixtures parse"));
     for &name in WorkloadName::value_variants() {
         let workload = Workload::new(name, Arc::clone(&media), 0x5eed).expect("workload builds");
-        let mut f = MatchFixture::new(workload, 1, ValidationPolicy::SecondDigest).expect("warm-up requests insert");
+        let mut f =
+            MatchFixture::new(workload, 1, ValidationPolicy::SecondDigest).expect("warm-up requests insert");
         let mut group = c.benchmark_group(format!("match/{name}"));
         group.throughput(Throughput::Bytes(f.workload.input_bytes() as u64));
-        group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2));
         group.bench_function("read_floor", |b| b.iter(|| black_box(f.read_floor())));
         group.bench_function("fingerprint", |b| b.iter(|| black_box(f.fingerprint())));
         group.bench_function("radix_match_warm", |b| b.iter(|| black_box(f.radix_match())));

@@ -149,8 +149,10 @@ impl Chat {
         if !tokenizer_path.is_file() {
             return Err(ChatError::NoTokenizer { dir: shown }.into());
         }
-        let tokenizer = Tokenizer::from_file(&tokenizer_path)
-            .map_err(|e| ChatError::Tokenizer { path: tokenizer_path.display().to_string(), message: e.to_string() })?;
+        let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| ChatError::Tokenizer {
+            path: tokenizer_path.display().to_string(),
+            message: e.to_string(),
+        })?;
         let config = read_config(&dir.join("tokenizer_config.json"))?;
         let (template, special) = (template_source(dir, &config)?, special_tokens(dir, &config)?);
         let mut env = Environment::new();
@@ -158,9 +160,12 @@ impl Chat {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("raise_exception: {message}")))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("raise_exception: {message}")))
+            },
+        );
         env.add_template_owned(TEMPLATE, template)
             .map_err(|e| ChatError::Template { dir: shown.clone(), message: describe(&e) })?;
         Ok(Chat { dir: dir.to_path_buf(), tokenizer, env, special })
@@ -179,12 +184,18 @@ impl Chat {
     /// assert_eq!(text, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
     /// # Ok::<(), omniprefix_cli::HarnessError>(())
     /// ```
-    pub fn render(&self, messages: &Messages, add_generation_prompt: bool, kwargs: &Map<String, Value>) -> Result<String> {
+    pub fn render(
+        &self,
+        messages: &Messages,
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Value>,
+    ) -> Result<String> {
         let mut context = self.special.clone();
         context.insert("tools".into(), Value::Null);
         context.insert("documents".into(), Value::Null);
         context.extend(kwargs.clone());
-        context.insert("messages".into(), Value::Array(messages.0.iter().cloned().map(Value::Object).collect()));
+        context
+            .insert("messages".into(), Value::Array(messages.0.iter().cloned().map(Value::Object).collect()));
         context.insert("add_generation_prompt".into(), add_generation_prompt.into());
         let template = self.env.get_template(TEMPLATE).map_err(|e| self.template_error(&e))?;
         Ok(template.render(&context).map_err(|e| self.template_error(&e))?)
@@ -192,7 +203,8 @@ impl Chat {
 
     /// Ids of `text` as the tokenizer splits it, with no special tokens added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self.tokenizer.encode(text, false).map_err(|e| self.tokenize_error("encode the text", &*e))?;
+        let encoding =
+            self.tokenizer.encode(text, false).map_err(|e| self.tokenize_error("encode the text", &*e))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -204,7 +216,10 @@ impl Chat {
 
     /// The text of `ids`; `skip_special_tokens` leaves out the tokens the tokenizer marks special.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        Ok(self.tokenizer.decode(ids, skip_special_tokens).map_err(|e| self.tokenize_error("decode the ids", &*e))?)
+        Ok(self
+            .tokenizer
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| self.tokenize_error("decode the ids", &*e))?)
     }
 
     fn template_error(&self, e: &minijinja::Error) -> ChatError {
@@ -255,7 +270,10 @@ fn template_source(dir: &Path, config: &Map<String, Value>) -> Result<String> {
             .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
             .and_then(|t| t.get("template")?.as_str())
             .map(str::to_string)
-            .ok_or_else(|| bad("chat_template is a list without a {\"name\": \"default\", \"template\": ...} entry").into()),
+            .ok_or_else(|| {
+                bad("chat_template is a list without a {\"name\": \"default\", \"template\": ...} entry")
+                    .into()
+            }),
         Some(_) => Err(bad("chat_template is neither a string nor a list of named templates").into()),
     }
 }

@@ -5,8 +5,8 @@
 
 use omniprefix::Error;
 use omniprefix::error::{
-    BackendError, CacheError, CheckpointError, ConfigError, EventsError, GpuError, InvariantViolation, IoError, RequestError,
-    RequestFileError, SchedError,
+    BackendError, CacheError, CheckpointError, ConfigError, EventsError, GpuError, InvariantViolation,
+    IoError, RequestError, RequestFileError, SchedError,
 };
 
 /// What can go wrong in the harness: the engine's errors and its own.

@@ -5,9 +5,9 @@
 //! workload generators they share. None of this is the engine's API: a thinker
 //! stage depends on `omniprefix` alone.
 
-pub mod cli;
 pub mod bench;
 pub mod chat;
+pub mod cli;
 pub mod demo;
 pub mod error;
 pub mod scenarios;

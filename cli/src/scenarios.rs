@@ -4,8 +4,8 @@
 
 use serde::Deserialize;
 
-use omniprefix::canon::Modality;
 use crate::error::{HarnessError, Result};
+use omniprefix::canon::Modality;
 
 /// Where the scenarios come from (named in errors).
 pub const SCENARIOS_FILE: &str = "fixtures/scenarios.json";

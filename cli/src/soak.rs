@@ -18,17 +18,17 @@ use ndarray::{Array1, Array2, Array3};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::error::{HarnessError, Result};
 use omniprefix::batch::RequestId;
 use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemIdentity, ItemLayout, ItemSpec, Modality, TensorView,
 };
 use omniprefix::error::{ConfigError, Error};
-use crate::error::{HarnessError, Result};
+use omniprefix::events::{KvEventBatch, KvEventPublisher, KvEventsConfig, Medium, PublisherStats};
 use omniprefix::index::ValidationPolicy;
+use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder};
-use omniprefix::events::{KvEventBatch, KvEventPublisher, KvEventsConfig, Medium, PublisherStats};
-use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 
 /// What a soak run drives.
@@ -127,7 +127,10 @@ impl SoakReport {
     /// `Err` when the run leaked blocks.
     pub fn check(&self) -> Result<()> {
         if self.leaked_blocks > 0 {
-            return Err(HarnessError::BlocksLeaked { leaked: self.leaked_blocks, num_blocks: self.options.pool_blocks });
+            return Err(HarnessError::BlocksLeaked {
+                leaked: self.leaked_blocks,
+                num_blocks: self.options.pool_blocks,
+            });
         }
         Ok(())
     }
@@ -186,23 +189,29 @@ impl Catalogue {
         let images = (0..IMAGE_CONTENTS)
             .map(|i| {
                 let pixels = Array3::from_shape_fn((16, 32, 3), |_| rng.random::<u8>());
-                identify(i, &ItemSpec {
-                    modality: Modality::Image,
-                    layout: ItemLayout::Image { grid_thw: [1, 4, 8] },
-                    content: ItemContent::Tensor(TensorView::U8(pixels.view().into_dyn())),
-                    params: Default::default(),
-                })
+                identify(
+                    i,
+                    &ItemSpec {
+                        modality: Modality::Image,
+                        layout: ItemLayout::Image { grid_thw: [1, 4, 8] },
+                        content: ItemContent::Tensor(TensorView::U8(pixels.view().into_dyn())),
+                        params: Default::default(),
+                    },
+                )
             })
             .collect::<omniprefix::Result<Vec<_>>>()?;
         let audios = (0..AUDIO_CONTENTS)
             .map(|i| {
                 let wave = Array1::from_shape_fn(1600, |_| rng.random::<f32>() - 0.5);
-                identify(i, &ItemSpec {
-                    modality: Modality::Audio,
-                    layout: ItemLayout::Audio { mel_frames: 100 },
-                    content: ItemContent::Tensor(TensorView::F32(wave.view().into_dyn())),
-                    params: Default::default(),
-                })
+                identify(
+                    i,
+                    &ItemSpec {
+                        modality: Modality::Audio,
+                        layout: ItemLayout::Audio { mel_frames: 100 },
+                        content: ItemContent::Tensor(TensorView::F32(wave.view().into_dyn())),
+                        params: Default::default(),
+                    },
+                )
             })
             .collect::<omniprefix::Result<Vec<_>>>()?;
         let embeddings = images
@@ -249,9 +258,23 @@ impl Catalogue {
         let item_embeddings = prompt
             .items
             .iter()
-            .map(|i| self.embeddings.get(&i.num_tokens).cloned().ok_or_else(|| HarnessError::NoEmbeddings { item: format!("an item of {} tokens", i.num_tokens) }))
+            .map(|i| {
+                self.embeddings.get(&i.num_tokens).cloned().ok_or_else(|| HarnessError::NoEmbeddings {
+                    item: format!("an item of {} tokens", i.num_tokens),
+                })
+            })
             .collect::<Result<_>>()?;
-        Ok((Request { id, prompt, item_embeddings, item_deepstack: vec![], hidden_size: None, max_new_tokens: 0 }, prefix_len))
+        Ok((
+            Request {
+                id,
+                prompt,
+                item_embeddings,
+                item_deepstack: vec![],
+                hidden_size: None,
+                max_new_tokens: 0,
+            },
+            prefix_len,
+        ))
     }
 }
 
@@ -275,7 +298,8 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
             field: "soak requests / prefixes / concurrency",
             expected: "positive".into(),
             found: format!("{} / {} / {}", options.requests, options.prefixes, options.concurrency),
-        }.into());
+        }
+        .into());
     }
     let started = std::time::Instant::now();
     let catalogue = Catalogue::new(options.seed, &options.fingerprint_key)?;
@@ -387,6 +411,9 @@ mod tests {
     #[test]
     fn zero_requests_are_a_config_error() {
         let err = run_soak(&SoakOptions { requests: 0, ..SoakOptions::default() }).err();
-        assert!(matches!(err, Some(HarnessError::Engine(Error::Config(ConfigError::Invalid { .. })))), "{err:?}");
+        assert!(
+            matches!(err, Some(HarnessError::Engine(Error::Config(ConfigError::Invalid { .. })))),
+            "{err:?}"
+        );
     }
 }

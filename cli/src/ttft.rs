@@ -12,14 +12,13 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::error::{HarnessError, Result};
+use crate::scenarios::{MultiRound, SCENARIOS_FILE, Scenarios};
 use omniprefix::backend::{Backend, Dtype};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request, millis};
-use crate::error::{HarnessError, Result};
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::{OmniTokens, TenantSalt};
-use crate::scenarios::{MultiRound, SCENARIOS_FILE, Scenarios};
-
 
 /// What to measure.
 #[derive(Debug, Clone, PartialEq)]
@@ -144,7 +143,8 @@ pub fn prefill_flops(cfg: &Config, computed: usize, len: usize) -> f64 {
     for layer in 0..cfg.num_hidden_layers {
         let mlp = match &cfg.moe {
             Some(m) if cfg.is_sparse_layer(layer) => {
-                2.0 * h * m.num_experts as f64 + 6.0 * h * m.moe_intermediate_size as f64 * m.num_experts_per_tok as f64
+                2.0 * h * m.num_experts as f64
+                    + 6.0 * h * m.moe_intermediate_size as f64 * m.num_experts_per_tok as f64
             }
             _ => 6.0 * h * cfg.intermediate_size as f64,
         };
@@ -233,7 +233,12 @@ struct Bench<B: Backend> {
 }
 
 impl<B: Backend> Bench<B> {
-    fn engine(&self, cache: bool, capture: Option<Vec<omniprefix::model::CaptureName>>, max_prompt: usize) -> Result<Engine<B>> {
+    fn engine(
+        &self,
+        cache: bool,
+        capture: Option<Vec<omniprefix::model::CaptureName>>,
+        max_prompt: usize,
+    ) -> Result<Engine<B>> {
         let block_size = self.options.block_size;
         // Room for three prompts at once; older runs' entries are evicted (LRU).
         let num_blocks = (3 * max_prompt.div_ceil(block_size)).max(64);
@@ -277,7 +282,15 @@ impl<B: Backend> Bench<B> {
                 samples.push(&uncached, &cached);
             }
         }
-        Ok(report(workload, self.backend.name(), &self.thinker, prefix, suffix, self.options.runs.max(1), samples))
+        Ok(report(
+            workload,
+            self.backend.name(),
+            &self.thinker,
+            prefix,
+            suffix,
+            self.options.runs.max(1),
+            samples,
+        ))
     }
 
     /// Per run (its own tenant): rounds 1..4 in order on a caching engine, and
@@ -297,7 +310,8 @@ impl<B: Backend> Bench<B> {
                 Ok((ids, items))
             })
             .collect::<Result<_>>()?;
-        let longest = rounds.iter().map(|(ids, items)| ids.len() + items.iter().map(|i| i.tokens).sum::<usize>()).max();
+        let longest =
+            rounds.iter().map(|(ids, items)| ids.len() + items.iter().map(|i| i.tokens).sum::<usize>()).max();
         let longest = longest.unwrap_or(0);
         let mut cached_engine = self.engine(true, self.options.capture(), longest)?;
         let mut uncached_engine = self.engine(false, self.options.capture(), longest)?;
@@ -382,7 +396,15 @@ impl Samples {
     }
 }
 
-fn report<B: Backend>(workload: &str, backend: &'static str, thinker: &Thinker<B>, prefix: usize, suffix: usize, runs: usize, samples: Samples) -> TtftReport {
+fn report<B: Backend>(
+    workload: &str,
+    backend: &'static str,
+    thinker: &Thinker<B>,
+    prefix: usize,
+    suffix: usize,
+    runs: usize,
+    samples: Samples,
+) -> TtftReport {
     let cfg = thinker.config();
     let (u, c) = (median(samples.uncached_ms), median(samples.cached_ms));
     let cached_tokens = median_usize(samples.hits);
@@ -516,7 +538,8 @@ impl Media {
                 rng.fill(bytes.as_mut_slice());
                 let content = ArrayD::from_shape_vec(IxDyn(&shape), bytes)
                     .map_err(|source| HarnessError::GeneratedMedia { what: "ttft media", source })?;
-                let embeddings = Array2::from_shape_simple_fn((tokens, hidden), || rng.random::<f32>() * 2.0 - 1.0);
+                let embeddings =
+                    Array2::from_shape_simple_fn((tokens, hidden), || rng.random::<f32>() * 2.0 - 1.0);
                 Ok(MediaItem { modality, layout, content, embeddings: Arc::new(embeddings), tokens })
             })
             .collect::<Result<_>>()?;
@@ -524,13 +547,10 @@ impl Media {
     }
 
     pub(crate) fn get(&self, modality: Modality) -> Result<&MediaItem> {
-        self.items
-            .iter()
-            .find(|m| m.modality == modality)
-            .ok_or_else(|| HarnessError::Fixture {
-                file: SCENARIOS_FILE,
-                problem: format!("scenario item {modality:?} has no media"),
-            })
+        self.items.iter().find(|m| m.modality == modality).ok_or_else(|| HarnessError::Fixture {
+            file: SCENARIOS_FILE,
+            problem: format!("scenario item {modality:?} has no media"),
+        })
     }
 }
 

@@ -16,12 +16,12 @@ use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 
-use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
 use crate::error::{HarnessError, Result};
+use crate::scenarios::{SCENARIOS_FILE, Scenarios, parse};
+use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
 use omniprefix::index::hashchain::MmMedia;
 use omniprefix::preprocess::RawRequest;
 use omniprefix::prompt::OmniTokens;
-use crate::scenarios::{SCENARIOS_FILE, Scenarios, parse};
 
 const OMNI_FILE: &str = "fixtures/qwen3_omni.json";
 const OMNI_JSON: &str = include_str!("../../fixtures/qwen3_omni.json");
@@ -78,7 +78,11 @@ impl fmt::Display for WorkloadName {
 pub fn by_name<T: ValueEnum>(name: &str) -> Result<T> {
     T::from_str(name, false).map_err(|_| HarnessError::UnknownWorkload {
         name: name.to_string(),
-        known: T::value_variants().iter().filter_map(T::to_possible_value).map(|v| v.get_name().to_string() + ", ").collect::<String>()
+        known: T::value_variants()
+            .iter()
+            .filter_map(T::to_possible_value)
+            .map(|v| v.get_name().to_string() + ", ")
+            .collect::<String>()
             + "all",
     })
 }
@@ -182,10 +186,20 @@ impl OmniShapes {
     pub fn load() -> Result<Self> {
         let f: OmniFixture = parse(OMNI_FILE, OMNI_JSON)?;
         let image = ItemLayout::Image {
-            grid_thw: f.items.image.processed.image_grid_thw.ok_or_else(|| fixture_error("no image_grid_thw"))?,
+            grid_thw: f
+                .items
+                .image
+                .processed
+                .image_grid_thw
+                .ok_or_else(|| fixture_error("no image_grid_thw"))?,
         };
         let video = ItemLayout::Video {
-            grid_thw: f.items.video.processed.video_grid_thw.ok_or_else(|| fixture_error("no video_grid_thw"))?,
+            grid_thw: f
+                .items
+                .video
+                .processed
+                .video_grid_thw
+                .ok_or_else(|| fixture_error("no video_grid_thw"))?,
             seconds_per_grid: VIDEO_SECONDS_PER_GRID,
         };
         let audio = ItemLayout::Audio {
@@ -205,9 +219,15 @@ impl OmniShapes {
             image,
             audio,
             video,
-            image_raw: shape(&f.items.image).try_into().map_err(|s| fixture_error(format!("image shape {s:?}")))?,
-            audio_raw: shape(&f.items.audio).try_into().map_err(|s| fixture_error(format!("audio shape {s:?}")))?,
-            video_raw: shape(&f.items.video).try_into().map_err(|s| fixture_error(format!("video shape {s:?}")))?,
+            image_raw: shape(&f.items.image)
+                .try_into()
+                .map_err(|s| fixture_error(format!("image shape {s:?}")))?,
+            audio_raw: shape(&f.items.audio)
+                .try_into()
+                .map_err(|s| fixture_error(format!("audio shape {s:?}")))?,
+            video_raw: shape(&f.items.video)
+                .try_into()
+                .map_err(|s| fixture_error(format!("video shape {s:?}")))?,
             mixed_ids: f.mixed.token_ids_unexpanded,
             mixed_tokens: f.mixed.num_prompt_tokens_total,
         })
@@ -348,8 +368,10 @@ impl Workload {
             items: vec![Modality::Audio, Modality::Image, Modality::Video],
         };
         let alone = |modality| -> Result<(Vec<RequestPlan>, RequestPlan)> {
-            let plan =
-                RequestPlan { token_ids: keep_only(&mixed.token_ids, modality, &tokens)?, items: vec![modality] };
+            let plan = RequestPlan {
+                token_ids: keep_only(&mixed.token_ids, modality, &tokens)?,
+                items: vec![modality],
+            };
             Ok((vec![plan.clone()], plan))
         };
         let (warmup, measured) = match name {
@@ -394,9 +416,13 @@ fn keep_only(ids: &[u32], keep: Modality, tokens: &OmniTokens) -> Result<Vec<u32
     while let Some(id) = iter.next() {
         match tokens.placeholder_modality(id) {
             Some(m) if m != keep => {
-                let start =
-                    if m == Modality::Audio { tokens.audio_start_token_id } else { tokens.vision_start_token_id };
-                let end = if m == Modality::Audio { tokens.audio_end_token_id } else { tokens.vision_end_token_id };
+                let start = if m == Modality::Audio {
+                    tokens.audio_start_token_id
+                } else {
+                    tokens.vision_start_token_id
+                };
+                let end =
+                    if m == Modality::Audio { tokens.audio_end_token_id } else { tokens.vision_end_token_id };
                 if out.pop() != Some(start) || iter.next() != Some(end) {
                     return Err(fixture_error(format!("{m:?} pad not wrapped in {start} .. {end}")));
                 }
@@ -461,7 +487,9 @@ pub fn conversation_turns() -> Result<Vec<ChatTurn>> {
                     _ => {
                         return Err(HarnessError::Fixture {
                             file: SCENARIOS_FILE,
-                            problem: "a round does not re-send the previous round and a reply ending in <|im_end|>".into(),
+                            problem:
+                                "a round does not re-send the previous round and a reply ending in <|im_end|>"
+                                    .into(),
                         });
                     }
                 }
@@ -483,7 +511,11 @@ pub fn reply_for_history(reply: &[u32], tokens: &OmniTokens) -> Vec<u32> {
         tokens.audio_start_token_id,
         tokens.audio_end_token_id,
     ];
-    reply.iter().copied().filter(|&t| tokens.placeholder_modality(t).is_none() && !wrappers.contains(&t)).collect()
+    reply
+        .iter()
+        .copied()
+        .filter(|&t| tokens.placeholder_modality(t).is_none() && !wrappers.contains(&t))
+        .collect()
 }
 
 /// vLLM's `prefix_repetition` prompts: prompt `i` = shared prefix
@@ -497,7 +529,8 @@ pub fn prefix_repetition_prompts(
     seed: u64,
 ) -> Vec<Vec<u32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut random_ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..id_limit.max(1))).collect() };
+    let mut random_ids =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..id_limit.max(1))).collect() };
     let prefixes: Vec<Vec<u32>> = (0..num_prefixes.max(1)).map(|_| random_ids(prefix_len)).collect();
     (0..prompts)
         .map(|i| {
@@ -511,7 +544,8 @@ pub fn prefix_repetition_prompts(
 /// Rounds 1-3 warm up; round 4 is measured.
 fn multi_round() -> Result<(Vec<RequestPlan>, RequestPlan)> {
     let mut rounds = conversation_rounds()?;
-    let measured = rounds.pop().ok_or(HarnessError::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
+    let measured =
+        rounds.pop().ok_or(HarnessError::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
     Ok((rounds, measured))
 }
 
@@ -541,7 +575,8 @@ mod tests {
         assert_eq!(image.measured.items, vec![Modality::Image]);
         assert_eq!(image.measured.token_ids.len(), mixed.measured.token_ids.len() - 6);
         let tokens = OmniTokens::qwen3_omni();
-        let pads: Vec<_> = image.measured.token_ids.iter().filter_map(|&t| tokens.placeholder_modality(t)).collect();
+        let pads: Vec<_> =
+            image.measured.token_ids.iter().filter_map(|&t| tokens.placeholder_modality(t)).collect();
         assert_eq!(pads, vec![Modality::Image]);
         Ok(())
     }
@@ -574,7 +609,8 @@ mod tests {
         let mut history = turns[0].token_ids.clone();
         for k in 1..4 {
             assert_eq!(turns[k].token_ids[0], IM_END);
-            let reply = &rounds[k].token_ids[history.len()..rounds[k].token_ids.len() - turns[k].token_ids.len()];
+            let reply =
+                &rounds[k].token_ids[history.len()..rounds[k].token_ids.len() - turns[k].token_ids.len()];
             assert!(!reply.is_empty() && !reply.contains(&IM_END));
             history.extend(reply);
             history.extend(&turns[k].token_ids);
@@ -582,7 +618,10 @@ mod tests {
             assert_eq!([&rounds[k - 1].items[..], &turns[k].new_items].concat(), rounds[k].items);
         }
         let tokens = OmniTokens::qwen3_omni();
-        assert_eq!(reply_for_history(&[7, tokens.image_token_id, 8, tokens.audio_end_token_id], &tokens), [7, 8]);
+        assert_eq!(
+            reply_for_history(&[7, tokens.image_token_id, 8, tokens.audio_end_token_id], &tokens),
+            [7, 8]
+        );
         Ok(())
     }
 
@@ -590,16 +629,21 @@ mod tests {
     fn unknown_workload_names_the_known_ones() {
         let err = by_name::<WorkloadName>("text64k");
         let known = "mixed, image, audio, video, text1k, text8k, text32k, multi_round, all";
-        assert!(matches!(&err, Err(HarnessError::UnknownWorkload { name, known: k }) if name == "text64k" && k == known), "{err:?}");
+        assert!(
+            matches!(&err, Err(HarnessError::UnknownWorkload { name, known: k }) if name == "text64k" && k == known),
+            "{err:?}"
+        );
     }
 
     #[test]
     fn workloads_keep_their_report_names() {
         let names: Vec<String> = WorkloadName::value_variants().iter().map(ToString::to_string).collect();
         assert_eq!(names, ["mixed", "image", "audio", "video", "text1k", "text8k", "text32k", "multi_round"]);
-        let serve: Vec<String> = crate::serve::ServeWorkload::value_variants().iter().map(ToString::to_string).collect();
+        let serve: Vec<String> =
+            crate::serve::ServeWorkload::value_variants().iter().map(ToString::to_string).collect();
         assert_eq!(serve, ["prefix_repetition", "multi_round"]);
-        let demo: Vec<String> = crate::demo::DemoWorkload::value_variants().iter().map(ToString::to_string).collect();
+        let demo: Vec<String> =
+            crate::demo::DemoWorkload::value_variants().iter().map(ToString::to_string).collect();
         assert_eq!(demo, ["rfc_text_pair", "multi_round", "prefix_repetition"]);
         for (i, name) in demo.iter().enumerate() {
             let json = serde_json::to_value(crate::demo::DemoWorkload::value_variants()[i]).unwrap();

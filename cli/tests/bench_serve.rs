@@ -34,11 +34,19 @@ fn quick_run_reports_both_cache_modes_at_concurrency_1_and_4() -> TestResult {
     let lines = lines(&serve(&["--json"])?)?;
     let keys: Vec<(String, bool, u64)> = lines
         .iter()
-        .map(|l| (l["workload"].as_str().unwrap_or_default().to_string(), l["cache"].as_bool().unwrap_or_default(), u(l, "concurrency")))
+        .map(|l| {
+            (
+                l["workload"].as_str().unwrap_or_default().to_string(),
+                l["cache"].as_bool().unwrap_or_default(),
+                u(l, "concurrency"),
+            )
+        })
         .collect();
     let want: Vec<(String, bool, u64)> = ["prefix_repetition", "multi_round"]
         .into_iter()
-        .flat_map(|w| [1, 4].into_iter().flat_map(move |c| [(w.to_string(), true, c), (w.to_string(), false, c)]))
+        .flat_map(|w| {
+            [1, 4].into_iter().flat_map(move |c| [(w.to_string(), true, c), (w.to_string(), false, c)])
+        })
         .collect();
     assert_eq!(keys, want);
     for l in &lines {
@@ -49,7 +57,10 @@ fn quick_run_reports_both_cache_modes_at_concurrency_1_and_4() -> TestResult {
         for key in ["ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s"] {
             assert!(f(l, key) > 0.0, "{key} in {l}");
         }
-        assert!(f(l, "ttft_ms_p50") <= f(l, "ttft_ms_p99") && f(l, "itl_ms_p50") <= f(l, "itl_ms_p99"), "{l}");
+        assert!(
+            f(l, "ttft_ms_p50") <= f(l, "ttft_ms_p99") && f(l, "itl_ms_p50") <= f(l, "itl_ms_p99"),
+            "{l}"
+        );
         if l["cache"] == false {
             assert_eq!((u(l, "cached_tokens"), f(l, "hit_rate")), (0, 0.0), "{l}");
         }
@@ -71,15 +82,32 @@ fn quick_run_reports_both_cache_modes_at_concurrency_1_and_4() -> TestResult {
 fn poisson_arrivals_and_the_table() -> TestResult {
     // With KV events: each engine (cache on, then off) publishes on its own port-0 socket.
     let events = ["--kv-events", "tcp://127.0.0.1:0", "--fingerprint-key", &"3c".repeat(32)];
-    let args = [&["--json", "--workload", "prefix_repetition", "--rate", "200", "--output-len", "3"][..], &events].concat();
+    let args =
+        [&["--json", "--workload", "prefix_repetition", "--rate", "200", "--output-len", "3"][..], &events]
+            .concat();
     let json = lines(&serve(&args)?)?;
     assert_eq!(json.len(), 2);
-    assert!(json.iter().all(|l| l["concurrency"].is_null() && f(l, "rate") == 200.0 && u(l, "output_tokens") == 18));
+    assert!(
+        json.iter()
+            .all(|l| l["concurrency"].is_null() && f(l, "rate") == 200.0 && u(l, "output_tokens") == 18)
+    );
     for l in &json {
         let stats = &l["kv_events"];
-        assert!(u(stats, "published") > 0 && u(stats, "dropped") == 0 && stats["published"] == stats["batches"], "{l}");
+        assert!(
+            u(stats, "published") > 0 && u(stats, "dropped") == 0 && stats["published"] == stats["batches"],
+            "{l}"
+        );
     }
-    let table = serve(&["--workload", "multi_round", "--concurrency", "2", "--conversations", "1", "--output-len", "2"])?;
+    let table = serve(&[
+        "--workload",
+        "multi_round",
+        "--concurrency",
+        "2",
+        "--conversations",
+        "1",
+        "--output-len",
+        "2",
+    ])?;
     assert!(table.starts_with("backend: cpu"), "{table}");
     assert_eq!(table.lines().filter(|l| l.starts_with("multi_round")).count(), 2, "{table}");
     Ok(())
@@ -111,11 +139,19 @@ fn the_stand_in_encoder_runs_on_encoder_cache_misses_only() -> TestResult {
 #[test]
 fn the_scheduling_policy_is_reported() -> TestResult {
     let run = |extra: &[&str]| -> TestResult<Vec<serde_json::Value>> {
-        let args = [&["--json", "--workload", "prefix_repetition", "--concurrency", "1", "--output-len", "2"][..], extra].concat();
+        let args = [
+            &["--json", "--workload", "prefix_repetition", "--concurrency", "1", "--output-len", "2"][..],
+            extra,
+        ]
+        .concat();
         lines(&serve(&args)?)
     };
     for l in run(&[])? {
-        assert_eq!((u(&l, "max_tokens_per_step"), u(&l, "prefill_cap"), u(&l, "long_prefills_per_step")), (2048, 64, 1), "{l}");
+        assert_eq!(
+            (u(&l, "max_tokens_per_step"), u(&l, "prefill_cap"), u(&l, "long_prefills_per_step")),
+            (2048, 64, 1),
+            "{l}"
+        );
     }
     for l in run(&["--prefill-cap", "2048"])? {
         assert_eq!(u(&l, "prefill_cap"), 2048, "{l}");
@@ -126,7 +162,9 @@ fn the_scheduling_policy_is_reported() -> TestResult {
 
 #[test]
 fn bad_arguments_are_errors_before_anything_runs() {
-    assert!(matches!(serve(&["--workload", "mixed"]), Err(HarnessError::UnknownWorkload { name, .. }) if name == "mixed"));
+    assert!(
+        matches!(serve(&["--workload", "mixed"]), Err(HarnessError::UnknownWorkload { name, .. }) if name == "mixed")
+    );
     assert!(matches!(serve(&["--concurrency", "0"]), Err(HarnessError::Args(_))));
     assert!(matches!(serve(&["--rate=-2"]), Err(HarnessError::Args(_))));
     assert!(matches!(serve(&["--rate", "0"]), Err(HarnessError::Args(_))));

@@ -24,7 +24,10 @@ fn reference(model: &str) -> TestResult<Value> {
 
 fn ids(value: &Value) -> TestResult<Vec<u32>> {
     let list = value.as_array().ok_or("ids are a list")?;
-    Ok(list.iter().map(|v| v.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or("an id")).collect::<Result<_, _>>()?)
+    Ok(list
+        .iter()
+        .map(|v| v.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or("an id"))
+        .collect::<Result<_, _>>()?)
 }
 
 fn text(value: &Value) -> TestResult<&str> {
@@ -41,8 +44,10 @@ fn chat_templates_render_and_encode_as_transformers_does() -> TestResult {
         for case in cases {
             let name = format!("{model}/{}", text(&case["name"])?);
             let messages = Messages::parse(&case["messages"].to_string(), &name)?;
-            let add_generation_prompt = case["add_generation_prompt"].as_bool().ok_or("add_generation_prompt")?;
-            let kwargs: Map<String, Value> = case["template_kwargs"].as_object().cloned().ok_or("template_kwargs")?;
+            let add_generation_prompt =
+                case["add_generation_prompt"].as_bool().ok_or("add_generation_prompt")?;
+            let kwargs: Map<String, Value> =
+                case["template_kwargs"].as_object().cloned().ok_or("template_kwargs")?;
             let rendered = chat.render(&messages, add_generation_prompt, &kwargs)?;
             assert_eq!(rendered, text(&case["text"])?, "{name}: rendered text");
             let want = ids(&case["ids"])?;
@@ -51,7 +56,11 @@ fn chat_templates_render_and_encode_as_transformers_does() -> TestResult {
                 assert_eq!(chat.prompt_ids(&messages)?, want, "{name}: prompt_ids");
             }
             assert_eq!(chat.decode(&want, false)?, text(&case["decode"])?, "{name}: decode");
-            assert_eq!(chat.decode(&want, true)?, text(&case["decode_skip_special"])?, "{name}: decode, special tokens skipped");
+            assert_eq!(
+                chat.decode(&want, true)?,
+                text(&case["decode_skip_special"])?,
+                "{name}: decode, special tokens skipped"
+            );
         }
     }
     Ok(())
@@ -73,7 +82,11 @@ fn texts_and_every_id_encode_and_decode_as_transformers_does() -> TestResult {
         let all = ids(&every["ids"])?;
         assert_eq!(all, (0..256).collect::<Vec<u32>>(), "{model}: the whole vocabulary");
         assert_eq!(chat.decode(&all, false)?, text(&every["decode"])?, "{model}: every id");
-        assert_eq!(chat.decode(&all, true)?, text(&every["decode_skip_special"])?, "{model}: every id, special skipped");
+        assert_eq!(
+            chat.decode(&all, true)?,
+            text(&every["decode_skip_special"])?,
+            "{model}: every id, special skipped"
+        );
     }
     Ok(())
 }
@@ -108,19 +121,37 @@ fn bad_folders_templates_and_messages_are_typed_errors() -> TestResult {
     let broken = scratch("broken", &[("tokenizer.json", "{\"model\": 3}")])?;
     assert!(matches!(chat_error(Chat::from_dir(&broken))?, ChatError::Tokenizer { .. }));
 
-    let untemplated = scratch("untemplated", &[("tokenizer.json", &tokenizer), ("tokenizer_config.json", "{\"eos_token\": \"<|im_end|>\"}")])?;
+    let untemplated = scratch(
+        "untemplated",
+        &[("tokenizer.json", &tokenizer), ("tokenizer_config.json", "{\"eos_token\": \"<|im_end|>\"}")],
+    )?;
     assert!(matches!(chat_error(Chat::from_dir(&untemplated))?, ChatError::NoChatTemplate { .. }));
 
-    let bad_syntax = scratch("syntax", &[("tokenizer.json", &tokenizer), ("chat_template.jinja", "{% for m in messages %}")])?;
+    let bad_syntax = scratch(
+        "syntax",
+        &[("tokenizer.json", &tokenizer), ("chat_template.jinja", "{% for m in messages %}")],
+    )?;
     assert!(matches!(chat_error(Chat::from_dir(&bad_syntax))?, ChatError::Template { .. }));
 
-    let bad_token = scratch("token", &[("tokenizer.json", &tokenizer), ("tokenizer_config.json", "{\"chat_template\": \"x\", \"eos_token\": 7}")])?;
+    let bad_token = scratch(
+        "token",
+        &[
+            ("tokenizer.json", &tokenizer),
+            ("tokenizer_config.json", "{\"chat_template\": \"x\", \"eos_token\": 7}"),
+        ],
+    )?;
     let err = chat_error(Chat::from_dir(&bad_token))?;
-    assert!(matches!(&err, ChatError::TokenizerConfig { problem, .. } if problem.contains("eos_token")), "{err}");
+    assert!(
+        matches!(&err, ChatError::TokenizerConfig { problem, .. } if problem.contains("eos_token")),
+        "{err}"
+    );
 
     // chat_template.jinja wins over tokenizer_config.json's template, as in transformers.
     let jinja = "{{ eos_token }}{% for m in messages %}[{{ m.content | upper }}]{% endfor %}";
-    let overridden = scratch("jinja", &[("tokenizer.json", &tokenizer), ("tokenizer_config.json", &config), ("chat_template.jinja", jinja)])?;
+    let overridden = scratch(
+        "jinja",
+        &[("tokenizer.json", &tokenizer), ("tokenizer_config.json", &config), ("chat_template.jinja", jinja)],
+    )?;
     let rendered = Chat::from_dir(&overridden)?.render(&Messages::user("hi"), true, &Map::new())?;
     assert_eq!(rendered, "<|im_end|>[HI]");
 
@@ -128,7 +159,10 @@ fn bad_folders_templates_and_messages_are_typed_errors() -> TestResult {
     let chat = Chat::from_dir(&fixture("qwen3_dense"))?;
     let tool = Messages::parse(r#"[{"role": "tool", "content": "42"}]"#, "inline")?;
     let err = chat_error(chat.prompt_ids(&tool))?;
-    assert!(matches!(&err, ChatError::Template { message, .. } if message.contains("Unknown role: tool")), "{err}");
+    assert!(
+        matches!(&err, ChatError::Template { message, .. } if message.contains("Unknown role: tool")),
+        "{err}"
+    );
 
     for (json, problem) in [
         ("{", "not JSON"),
@@ -140,7 +174,10 @@ fn bad_folders_templates_and_messages_are_typed_errors() -> TestResult {
         (r#"[{"role": "user", "content": 5}]"#, "not a string, a list or null"),
     ] {
         let err = Messages::parse(json, "inline").err().ok_or(json)?;
-        assert!(matches!(&err, ChatError::Messages { problem: p, .. } if p.contains(problem)), "{json}: {err}");
+        assert!(
+            matches!(&err, ChatError::Messages { problem: p, .. } if p.contains(problem)),
+            "{json}: {err}"
+        );
     }
     for dir in [empty, broken, untemplated, bad_syntax, bad_token, overridden] {
         std::fs::remove_dir_all(dir).ok();

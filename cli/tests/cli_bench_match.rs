@@ -41,10 +41,7 @@ const FIELDS: [&str; 20] = [
 #[test]
 fn json_lines_carry_every_field() -> TestResult {
     let out = run_args(&["--workload", "all", "--scale", "tiny", "--runs", "1", "--threads", "2", "--json"])?;
-    let lines: Vec<serde_json::Value> = out
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
+    let lines: Vec<serde_json::Value> = out.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
     let names: Vec<&str> = lines.iter().filter_map(|l| l["workload"].as_str()).collect();
     assert_eq!(names, ["mixed", "image", "audio", "video", "text1k", "text8k", "text32k", "multi_round"]);
     for line in &lines {
@@ -72,7 +69,8 @@ fn json_lines_carry_every_field() -> TestResult {
 
 #[test]
 fn table_output_has_a_header_and_one_row() -> Result<()> {
-    let out = run_args(&["--workload", "audio", "--scale", "tiny", "--runs", "1", "--policy", "exact-bytes"])?;
+    let out =
+        run_args(&["--workload", "audio", "--scale", "tiny", "--runs", "1", "--policy", "exact-bytes"])?;
     let rows: Vec<&str> = out.lines().collect();
     assert_eq!(rows.len(), 2);
     assert!(rows[0].starts_with("workload") && rows[1].starts_with("audio"));
@@ -82,7 +80,10 @@ fn table_output_has_a_header_and_one_row() -> Result<()> {
 #[test]
 fn unknown_workload_is_a_typed_error() {
     let err = run_args(&["--workload", "text64k", "--scale", "tiny", "--json"]);
-    assert!(matches!(err, Err(HarnessError::UnknownWorkload { ref name, .. }) if name == "text64k"), "{err:?}");
+    assert!(
+        matches!(err, Err(HarnessError::UnknownWorkload { ref name, .. }) if name == "text64k"),
+        "{err:?}"
+    );
 }
 
 #[test]

@@ -3,11 +3,11 @@
 use std::sync::Arc;
 
 use clap::Parser;
+use omniprefix::Error;
 use omniprefix::backend::cpu::CpuBackend;
+use omniprefix::error::{CheckpointError, IoError, RequestError};
 use omniprefix_cli::cli::{Cli, run};
 use omniprefix_cli::demo::{DemoOptions, DemoReport, ModelChoice, Row, Way, WorkloadReport, run_demo};
-use omniprefix::Error;
-use omniprefix::error::{CheckpointError, IoError, RequestError};
 use omniprefix_cli::{HarnessError, Result};
 
 /// A test that can also fail outside omniprefix (output that is not the JSON it should be).
@@ -33,7 +33,14 @@ fn quick_demo_reuses_the_cache_and_returns_the_uncached_hidden_states() -> Resul
     for w in &report.workloads {
         assert_eq!(rows(w, Way::NoCache).len(), rows(w, Way::Radix).len());
         for r in &w.rows {
-            assert!(r.max_rel_diff_hidden <= 1e-4, "{} {:?} request {}: {}", w.name, r.way, r.request, r.max_rel_diff_hidden);
+            assert!(
+                r.max_rel_diff_hidden <= 1e-4,
+                "{} {:?} request {}: {}",
+                w.name,
+                r.way,
+                r.request,
+                r.max_rel_diff_hidden
+            );
             assert!(r.max_rel_diff_logits <= 1e-4, "{} {:?} request {}", w.name, r.way, r.request);
             assert_eq!(r.hidden_shapes.len(), 3, "hidden.0, the middle layer and final");
             // A conversation round also runs its reply's tokens but the last (8 generated with --quick).
@@ -62,7 +69,10 @@ fn quick_demo_reuses_the_cache_and_returns_the_uncached_hidden_states() -> Resul
     assert!(multi[1..].iter().all(|r| (r.reply_tokens, r.reply_cached) == (8, 7)), "{multi:?}");
     let s = &report.summary;
     assert_eq!((s.reply_tokens, s.radix_reply_cached), (24, 21));
-    assert!(s.same_replies && s.max_rel_diff <= 1e-4 && s.radix_cached_tokens > s.hash_chain_cached_tokens, "{s:?}");
+    assert!(
+        s.same_replies && s.max_rel_diff <= 1e-4 && s.radix_cached_tokens > s.hash_chain_cached_tokens,
+        "{s:?}"
+    );
     // The batch spans several steps, so a prompt whose prefix an earlier step cached reuses it.
     let batch = rows(workload(&report, "prefix_repetition"), Way::Radix);
     assert!(batch.iter().any(|r| r.cached_tokens >= 32), "{batch:?}");
@@ -76,12 +86,20 @@ fn the_json_report_carries_the_table_numbers_and_the_machine() -> TestResult {
     let path = dir.join("report.json");
     let path_arg = path.display().to_string();
     let mut out = Vec::new();
-    run(Cli::try_parse_from(["omniprefix", "demo", "--quick", "--backend", "cpu", "--json", &path_arg])?, &mut out)?;
+    run(
+        Cli::try_parse_from(["omniprefix", "demo", "--quick", "--backend", "cpu", "--json", &path_arg])?,
+        &mut out,
+    )?;
     let text = String::from_utf8_lossy(&out);
     assert!(text.contains("== multi_round =="), "{text}");
     // The summary a newcomer reads: one line per claim, after the tables.
     let summary: Vec<&str> = text.lines().skip_while(|l| *l != "== summary ==").skip(1).take(4).collect();
-    let starts = ["vs the vLLM path: radix reused ", "hidden states equal to uncached: yes ", "TTFT, last multi_round round: ", "reply reuse: 21 of 24 tokens"];
+    let starts = [
+        "vs the vLLM path: radix reused ",
+        "hidden states equal to uncached: yes ",
+        "TTFT, last multi_round round: ",
+        "reply reuse: 21 of 24 tokens",
+    ];
     assert_eq!(summary.len(), 4, "{text}");
     for (line, start) in summary.iter().zip(starts) {
         assert!(line.starts_with(start), "{line:?} should start with {start:?}");
@@ -105,7 +123,13 @@ fn a_checkpoint_whose_vocab_cannot_hold_the_prompts_is_a_typed_error() {
     // The tiny test checkpoint has 256 ids; the demo's prompts use Qwen3-Omni's.
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/omni_thinker");
     let err = quick_report(&ModelChoice::Dir(dir));
-    assert!(matches!(err, Err(HarnessError::Engine(Error::Request(RequestError::TokenOutOfVocab { vocab_size: 256, .. })))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Err(HarnessError::Engine(Error::Request(RequestError::TokenOutOfVocab { vocab_size: 256, .. })))
+        ),
+        "{err:?}"
+    );
 }
 
 fn demo(args: &[&str]) -> Result<()> {
@@ -115,17 +139,32 @@ fn demo(args: &[&str]) -> Result<()> {
 
 #[test]
 fn bad_input_is_a_typed_error_before_anything_runs() -> Result<()> {
-    assert!(matches!(demo(&["--workload", "rfc"]), Err(HarnessError::UnknownWorkload { name, .. }) if name == "rfc"));
-    assert!(matches!(demo(&["--model", "/nonexistent/omniprefix-model"]), Err(HarnessError::Engine(Error::Io(IoError { .. })))));
+    assert!(
+        matches!(demo(&["--workload", "rfc"]), Err(HarnessError::UnknownWorkload { name, .. }) if name == "rfc")
+    );
+    assert!(matches!(
+        demo(&["--model", "/nonexistent/omniprefix-model"]),
+        Err(HarnessError::Engine(Error::Io(IoError { .. })))
+    ));
     let unsupported = std::env::temp_dir().join(format!("omniprefix-unsupported-{}", std::process::id()));
     std::fs::create_dir_all(&unsupported).map_err(|source| IoError::write("tmp", source))?;
     std::fs::write(unsupported.join("config.json"), r#"{"model_type": "llama", "hidden_size": 64}"#)
         .map_err(|source| IoError::write("tmp", source))?;
     let err = demo(&["--model", &unsupported.display().to_string()]);
     std::fs::remove_dir_all(&unsupported).ok();
-    assert!(matches!(err, Err(HarnessError::Engine(Error::Checkpoint(CheckpointError::UnsupportedConfig { .. } | CheckpointError::ConfigParse(_))))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Err(HarnessError::Engine(Error::Checkpoint(
+                CheckpointError::UnsupportedConfig { .. } | CheckpointError::ConfigParse(_)
+            )))
+        ),
+        "{err:?}"
+    );
     let unwritable = "/nonexistent-dir/omniprefix/report.json";
-    assert!(matches!(demo(&["--json", unwritable]), Err(HarnessError::Engine(Error::Io(IoError { path, .. }))) if path == unwritable));
+    assert!(
+        matches!(demo(&["--json", unwritable]), Err(HarnessError::Engine(Error::Io(IoError { path, .. }))) if path == unwritable)
+    );
     Ok(())
 }
 

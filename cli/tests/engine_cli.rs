@@ -82,7 +82,19 @@ fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
     std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10]}, {"text": [11, 12, 13, 99, 98]}]}"#)?;
     let (cached, uncached) = (dir.join("cached.safetensors"), dir.join("uncached.safetensors"));
     let m = model("qwen3_dense");
-    let common = ["hidden", "--model", p(&m), "--request", p(&req), "--warm", p(&warm), "--block-size", "4", "--capture", "0,2,final"];
+    let common = [
+        "hidden",
+        "--model",
+        p(&m),
+        "--request",
+        p(&req),
+        "--warm",
+        p(&warm),
+        "--block-size",
+        "4",
+        "--capture",
+        "0,2,final",
+    ];
     let stdout = ok_stdout(&omniprefix(&[&common[..], &["--out", p(&cached)]].concat())?)?;
     // The warm request cached all its 10 positions; the request shares 9 of them.
     assert!(stdout.contains("num_cached_tokens: 9"), "{stdout}");
@@ -93,14 +105,29 @@ fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
     let names: Vec<(&str, &[usize])> = a.iter().map(|(n, s, _)| (n.as_str(), s.as_slice())).collect();
     assert_eq!(
         names,
-        vec![("hidden.0", &[11, 64][..]), ("hidden.2", &[11, 64]), ("hidden.final", &[11, 64]), ("logits", &[1, 256])]
+        vec![
+            ("hidden.0", &[11, 64][..]),
+            ("hidden.2", &[11, 64]),
+            ("hidden.final", &[11, 64]),
+            ("logits", &[1, 256])
+        ]
     );
     for ((name, _, x), (_, _, y)) in a.iter().zip(&b) {
         let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
         assert!(x.iter().zip(y).all(|(u, v)| (u - v).abs() <= 1e-5 * scale), "{name} differs");
     }
     let all = dir.join("all.safetensors");
-    ok_stdout(&omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&all), "--capture", "all"])?)?;
+    ok_stdout(&omniprefix(&[
+        "hidden",
+        "--model",
+        p(&m),
+        "--request",
+        p(&req),
+        "--out",
+        p(&all),
+        "--capture",
+        "all",
+    ])?)?;
     assert_eq!(read_tensors(&all)?.len(), 3 + 1 + 1 + 1, "hidden.0..=3, hidden.final, logits");
     Ok(())
 }
@@ -140,7 +167,21 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     let req = dir.join("req.json");
     std::fs::write(&req, request("emb"))?;
     let (m, out) = (model("omni_thinker"), dir.join("out.safetensors"));
-    let run = |req: &Path| omniprefix(&["hidden", "--model", p(&m), "--request", p(req), "--out", p(&out), "--warm", p(req), "--block-size", "4"]);
+    let run = |req: &Path| {
+        omniprefix(&[
+            "hidden",
+            "--model",
+            p(&m),
+            "--request",
+            p(req),
+            "--out",
+            p(&out),
+            "--warm",
+            p(req),
+            "--block-size",
+            "4",
+        ])
+    };
     let stdout = ok_stdout(&run(&req)?)?;
     // The warm run of the same 11 positions cached them all; the last one always runs.
     assert!(stdout.contains("num_cached_tokens: 10"), "{stdout}");
@@ -149,7 +190,12 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     // Default capture of a 3-layer model: hidden.0, hidden.1 (the middle), final.
     assert_eq!(
         shapes,
-        vec![("hidden.0", &[11, 64][..]), ("hidden.1", &[11, 64]), ("hidden.final", &[11, 64]), ("logits", &[1, 256])]
+        vec![
+            ("hidden.0", &[11, 64][..]),
+            ("hidden.1", &[11, 64]),
+            ("hidden.final", &[11, 64]),
+            ("logits", &[1, 256])
+        ]
     );
     // hidden.0 rows 3..9 are the item's embeddings.
     let first_row: Vec<f32> = (0..64).map(|i| ((i as f32) * 0.01).sin()).collect();
@@ -164,9 +210,13 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     assert!(bad("unknown.json", r#"{"segments": [{"txt": [1]}]}"#.into())?.contains("request file"));
     assert!(bad("missing_tensor.json", request("nope"))?.contains("no tensor `nope`"));
     assert!(bad("flat.json", request("flat"))?.contains("embeddings of shape [rows, hidden]"));
-    assert!(bad("missing_file.json", request("emb").replace("img.safetensors", "gone.safetensors"))?.contains("gone.safetensors"));
+    assert!(
+        bad("missing_file.json", request("emb").replace("img.safetensors", "gone.safetensors"))?
+            .contains("gone.safetensors")
+    );
     assert!(bad("vocab.json", r#"{"segments": [{"text": [1, 256]}]}"#.into())?.contains("vocab"));
-    let missing = error_line(&omniprefix(&["hidden", "--model", p(&dir), "--request", p(&req), "--out", p(&out)])?)?;
+    let missing =
+        error_line(&omniprefix(&["hidden", "--model", p(&dir), "--request", p(&req), "--out", p(&out)])?)?;
     assert!(missing.contains("config.json"), "{missing}");
     Ok(())
 }
@@ -174,7 +224,29 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
 /// `bench ttft --json` lines of a small run on the tiny Omni thinker.
 fn bench_ttft_lines(backend: &str) -> TestResult<Vec<serde_json::Value>> {
     let m = model("omni_thinker");
-    let args = ["bench", "ttft", "--model", p(&m), "--prefix", "16", "--suffix", "8", "--long-prefix", "32", "--runs", "1", "--mm-scale", "8", "--block-size", "4", "--threads", "1", "--backend", backend, "--json"];
+    let args = [
+        "bench",
+        "ttft",
+        "--model",
+        p(&m),
+        "--prefix",
+        "16",
+        "--suffix",
+        "8",
+        "--long-prefix",
+        "32",
+        "--runs",
+        "1",
+        "--mm-scale",
+        "8",
+        "--block-size",
+        "4",
+        "--threads",
+        "1",
+        "--backend",
+        backend,
+        "--json",
+    ];
     let stdout = ok_stdout(&omniprefix(&args)?)?;
     Ok(stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
 }
@@ -185,7 +257,10 @@ fn bench_ttft_runs_on_wgpu_with_the_cpu_run_s_cache_hits() -> TestResult {
     assert_eq!(cpu.len(), gpu.len());
     for (c, g) in cpu.iter().zip(&gpu) {
         assert_eq!((c["backend"].as_str(), g["backend"].as_str()), (Some("cpu"), Some("wgpu")));
-        assert_eq!((&c["workload"], &c["cached_tokens"], &c["captured"]), (&g["workload"], &g["cached_tokens"], &g["captured"]));
+        assert_eq!(
+            (&c["workload"], &c["cached_tokens"], &c["captured"]),
+            (&g["workload"], &g["cached_tokens"], &g["captured"])
+        );
     }
     Ok(())
 }
@@ -226,8 +301,26 @@ fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
 fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> TestResult {
     let m = model("qwen3_dense");
     let args = [
-        "bench", "ttft", "--model", p(&m), "--workloads", "prefix_repetition,prefix_repetition_long", "--prefix", "32",
-        "--suffix", "16", "--long-prefix", "512", "--runs", "3", "--warmup", "1", "--no-capture", "--threads", "1", "--json",
+        "bench",
+        "ttft",
+        "--model",
+        p(&m),
+        "--workloads",
+        "prefix_repetition,prefix_repetition_long",
+        "--prefix",
+        "32",
+        "--suffix",
+        "16",
+        "--long-prefix",
+        "512",
+        "--runs",
+        "3",
+        "--warmup",
+        "1",
+        "--no-capture",
+        "--threads",
+        "1",
+        "--json",
     ];
     let stdout = ok_stdout(&omniprefix(&args)?)?;
     let lines: Vec<serde_json::Value> = stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
@@ -237,12 +330,24 @@ fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> Test
         assert_eq!((line["backend"].as_str(), line["runs"].as_u64()), (Some("cpu"), Some(3)), "{line}");
         assert_eq!((line["prefix"].as_u64(), line["suffix"].as_u64()), (Some(prefix), Some(16)), "{line}");
         assert_eq!(line["cached_tokens"].as_u64(), Some(prefix), "{line}");
-        for key in ["ttft_uncached_ms", "ttft_cached_ms", "ideal_ratio", "ratio", "ratio_over_ideal", "flop_ratio", "cached_schedule_ms", "cached_preprocess_ms"] {
+        for key in [
+            "ttft_uncached_ms",
+            "ttft_cached_ms",
+            "ideal_ratio",
+            "ratio",
+            "ratio_over_ideal",
+            "flop_ratio",
+            "cached_schedule_ms",
+            "cached_preprocess_ms",
+        ] {
             assert!(line[key].as_f64().is_some_and(f64::is_finite), "{key}: {line}");
         }
     }
     let long = &lines[1];
-    let (uncached, cached) = (long["ttft_uncached_ms"].as_f64().unwrap_or_default(), long["ttft_cached_ms"].as_f64().unwrap_or_default());
+    let (uncached, cached) = (
+        long["ttft_uncached_ms"].as_f64().unwrap_or_default(),
+        long["ttft_cached_ms"].as_f64().unwrap_or_default(),
+    );
     assert!(0.0 < cached && cached < uncached, "16 new tokens over a cached 512 vs 528 uncached: {long}");
     Ok(())
 }
@@ -255,8 +360,24 @@ fn bench_ttft_dtype_stores_the_weights_as_asked() -> TestResult {
     let m = model("qwen3_dense");
     let report = |flag: &str, dtype: &str| -> TestResult<serde_json::Value> {
         let args = [
-            "bench", "ttft", "--model", p(&m), "--workloads", "prefix_repetition", "--prefix", "16", "--suffix", "8",
-            "--runs", "1", "--no-capture", "--threads", "1", flag, dtype, "--json",
+            "bench",
+            "ttft",
+            "--model",
+            p(&m),
+            "--workloads",
+            "prefix_repetition",
+            "--prefix",
+            "16",
+            "--suffix",
+            "8",
+            "--runs",
+            "1",
+            "--no-capture",
+            "--threads",
+            "1",
+            flag,
+            dtype,
+            "--json",
         ];
         let stdout = ok_stdout(&omniprefix(&args)?)?;
         Ok(serde_json::from_str(stdout.lines().next().ok_or("no report")?)?)
@@ -267,10 +388,20 @@ fn bench_ttft_dtype_stores_the_weights_as_asked() -> TestResult {
     assert_eq!(kv["cached_tokens"].as_u64(), Some(16), "{kv}");
     assert_eq!((auto["dtype"].as_str(), bf16["dtype"].as_str()), (Some("f32"), Some("bf16")));
     let mib = |r: &serde_json::Value| r["weight_mib"].as_f64().unwrap_or_default();
-    assert!(mib(&bf16) > 0.0 && mib(&bf16) < 0.6 * mib(&auto), "bf16 {} MiB vs f32 {} MiB", mib(&bf16), mib(&auto));
+    assert!(
+        mib(&bf16) > 0.0 && mib(&bf16) < 0.6 * mib(&auto),
+        "bf16 {} MiB vs f32 {} MiB",
+        mib(&bf16),
+        mib(&auto)
+    );
     let out = omniprefix(&["bench", "ttft", "--dtype", "fp8"])?;
     let err = String::from_utf8(out.stderr)?;
-    assert!(!out.status.success() && err.contains("'fp8' for '--dtype") && err.contains("expected auto, f32, bf16 or f16"), "{err}");
+    assert!(
+        !out.status.success()
+            && err.contains("'fp8' for '--dtype")
+            && err.contains("expected auto, f32, bf16 or f16"),
+        "{err}"
+    );
     Ok(())
 }
 
@@ -282,7 +413,21 @@ fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestRes
     std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42]}]}"#)?;
     let m = model("qwen3_dense");
     let run = |backend: &str, out: &Path| -> TestResult<Output> {
-        omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--warm", p(&warm), "--block-size", "4", "--backend", backend, "--out", p(out)])
+        omniprefix(&[
+            "hidden",
+            "--model",
+            p(&m),
+            "--request",
+            p(&req),
+            "--warm",
+            p(&warm),
+            "--block-size",
+            "4",
+            "--backend",
+            backend,
+            "--out",
+            p(out),
+        ])
     };
     let (on_cpu, on_gpu) = (dir.join("cpu.safetensors"), dir.join("gpu.safetensors"));
     let stdout = ok_stdout(&run("cpu", &on_cpu)?)?;
@@ -300,7 +445,17 @@ fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestRes
         let worst = x.iter().zip(y).map(|(u, v)| (u - v).abs()).fold(0f32, f32::max);
         assert!(worst <= 1e-4 * scale, "{name}: wgpu differs from cpu by {worst} (scale {scale})");
     }
-    let bad = omniprefix(&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&on_cpu), "--backend", "metal"])?;
+    let bad = omniprefix(&[
+        "hidden",
+        "--model",
+        p(&m),
+        "--request",
+        p(&req),
+        "--out",
+        p(&on_cpu),
+        "--backend",
+        "metal",
+    ])?;
     assert!(!bad.status.success(), "an unknown backend must fail");
     Ok(())
 }
@@ -330,8 +485,11 @@ async fn replayed_hashes(replay: &str) -> TestResult<Vec<u64>> {
     if tokio::time::timeout(wait, dealer.connect(replay)).await.is_err() {
         return Ok(vec![]);
     }
-    let request = zeromq::ZmqMessage::try_from(vec![bytes::Bytes::new(), bytes::Bytes::copy_from_slice(&0u64.to_be_bytes())])
-        .map_err(|_| "empty message")?;
+    let request = zeromq::ZmqMessage::try_from(vec![
+        bytes::Bytes::new(),
+        bytes::Bytes::copy_from_slice(&0u64.to_be_bytes()),
+    ])
+    .map_err(|_| "empty message")?;
     dealer.send(request).await?;
     let mut hashes = Vec::new();
     loop {
@@ -347,7 +505,10 @@ async fn replayed_hashes(replay: &str) -> TestResult<Vec<u64>> {
 /// The endpoints of the `kv events: publishing on PUB[, replay on REPLAY]` line,
 /// each checked to name the port it bound (never the 0 that asked for a free one).
 fn bound_endpoints(line: &str) -> TestResult<(String, Option<String>)> {
-    let rest = line.trim_end().strip_prefix("kv events: publishing on ").ok_or_else(|| format!("not the bound line: {line:?}"))?;
+    let rest = line
+        .trim_end()
+        .strip_prefix("kv events: publishing on ")
+        .ok_or_else(|| format!("not the bound line: {line:?}"))?;
     let (publisher, replay) = match rest.split_once(", replay on ") {
         Some((p, r)) => (p.to_string(), Some(r.to_string())),
         None => (rest.to_string(), None),
@@ -363,31 +524,78 @@ fn bound_endpoints(line: &str) -> TestResult<(String, Option<String>)> {
 fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestResult {
     let dir = scratch("kv_events")?;
     let emb: Vec<u8> = (0..6 * 64).flat_map(|i| ((i as f32) * 0.01).sin().to_le_bytes()).collect();
-    write_st(&dir.join("img.safetensors"), &[("pixels", Dtype::U8, vec![8, 8, 3], (0..192).map(|i| i as u8).collect()), ("emb", Dtype::F32, vec![6, 64], emb)])?;
+    write_st(
+        &dir.join("img.safetensors"),
+        &[
+            ("pixels", Dtype::U8, vec![8, 8, 3], (0..192).map(|i| i as u8).collect()),
+            ("emb", Dtype::F32, vec![6, 64], emb),
+        ],
+    )?;
     // 3 ids, 6 image rows, 4 ids: 13 positions, 3 full blocks of 4.
     let req = dir.join("req.json");
-    std::fs::write(&req, r#"{"segments": [{"text": [1, 2, 250]},
+    std::fs::write(
+        &req,
+        r#"{"segments": [{"text": [1, 2, 250]},
         {"item": {"modality": "image", "layout": {"kind": "image", "grid_thw": [1, 4, 6]},
                   "content": {"file": "img.safetensors", "tensor": "pixels"},
                   "embeddings": {"file": "img.safetensors", "tensor": "emb"}}},
-        {"text": [251, 3, 4, 5]}]}"#)?;
+        {"text": [251, 3, 4, 5]}]}"#,
+    )?;
     let m = model("omni_thinker");
     let config = m.join("config.json");
     let key = "0f".repeat(32);
     let hashes = |key: &str| -> TestResult<Vec<u64>> {
-        let out = ok_stdout(&omniprefix(&["block-hashes", "--request", p(&req), "--fingerprint-key", key, "--block-size", "4", "--config", p(&config), "--json"])?)?;
+        let out = ok_stdout(&omniprefix(&[
+            "block-hashes",
+            "--request",
+            p(&req),
+            "--fingerprint-key",
+            key,
+            "--block-size",
+            "4",
+            "--config",
+            p(&config),
+            "--json",
+        ])?)?;
         let json: serde_json::Value = serde_json::from_str(&out)?;
-        Ok(json["block_hashes"].as_array().ok_or("block_hashes")?.iter().filter_map(serde_json::Value::as_u64).collect())
+        Ok(json["block_hashes"]
+            .as_array()
+            .ok_or("block_hashes")?
+            .iter()
+            .filter_map(serde_json::Value::as_u64)
+            .collect())
     };
     let mut want = hashes(&key)?;
     assert_eq!(want.len(), 3);
-    assert!(hashes(&"1e".repeat(32))?.iter().zip(&want).all(|(a, b)| a != b), "another fleet key, other hashes");
+    assert!(
+        hashes(&"1e".repeat(32))?.iter().zip(&want).all(|(a, b)| a != b),
+        "another fleet key, other hashes"
+    );
 
     // `hidden` publishes them on free ports (port 0), which it names on stderr
     // before it runs; the replay endpoint stays up for the linger.
     let mut child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
-        .args(["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("out.safetensors")), "--block-size", "4"])
-        .args(["--fingerprint-key", &key, "--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0", "--linger-s", "4"])
+        .args([
+            "hidden",
+            "--model",
+            p(&m),
+            "--request",
+            p(&req),
+            "--out",
+            p(&dir.join("out.safetensors")),
+            "--block-size",
+            "4",
+        ])
+        .args([
+            "--fingerprint-key",
+            &key,
+            "--kv-events",
+            "tcp://127.0.0.1:0",
+            "--kv-replay",
+            "tcp://127.0.0.1:0",
+            "--linger-s",
+            "4",
+        ])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()?;
@@ -436,8 +644,10 @@ fn warm_says_it_repeats() -> TestResult {
 /// The calm forms of the `backend:` line `--backend auto` prints.
 fn calm_auto_line(line: &str) -> bool {
     line == "backend: cpu (auto: no GPU adapter found)"
-        || (line.starts_with("backend: cpu (auto: the adapter found, ") && line.ends_with(", renders in software, slower than the CPU backend)"))
-        || (line.starts_with("backend: wgpu on ") && line.ends_with(" (auto: a hardware adapter is available)"))
+        || (line.starts_with("backend: cpu (auto: the adapter found, ")
+            && line.ends_with(", renders in software, slower than the CPU backend)"))
+        || (line.starts_with("backend: wgpu on ")
+            && line.ends_with(" (auto: a hardware adapter is available)"))
         || line.starts_with("backend: cpu (auto: the GPU adapter cannot run the kernels: ")
 }
 
@@ -446,14 +656,28 @@ fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stde
     let (dir, req) = text_request("auto_quiet")?;
     let m = model("qwen3_dense");
     let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
-        .args(["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors")), "--backend", "auto"])
+        .args([
+            "hidden",
+            "--model",
+            p(&m),
+            "--request",
+            p(&req),
+            "--out",
+            p(&dir.join("o.safetensors")),
+            "--backend",
+            "auto",
+        ])
         .env_remove("XDG_RUNTIME_DIR")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()?;
     let pid = child.id();
     let out = child.wait_with_output()?;
-    assert_eq!(String::from_utf8(out.stderr)?, "", "libwayland's XDG_RUNTIME_DIR complaint, or anything else");
+    assert_eq!(
+        String::from_utf8(out.stderr)?,
+        "",
+        "libwayland's XDG_RUNTIME_DIR complaint, or anything else"
+    );
     let stdout = String::from_utf8(out.stdout)?;
     let first = stdout.lines().next().unwrap_or_default();
     assert!(out.status.success() && calm_auto_line(first), "{stdout}");
@@ -466,7 +690,9 @@ fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stde
 fn bad_kv_event_flags_are_one_line_errors() -> TestResult {
     let (dir, req) = text_request("kv_bad")?;
     let m = model("qwen3_dense");
-    let hidden = |extra: &[&str]| omniprefix(&[&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors"))][..], extra].concat());
+    let hidden = |extra: &[&str]| {
+        omniprefix(&[&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors"))][..], extra].concat())
+    };
     let line = error_line(&hidden(&["--kv-events", "udp://nowhere"])?)?;
     assert!(line.contains("udp://nowhere") && line.contains("tcp://host:port"), "{line}");
     let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -475,7 +701,15 @@ fn bad_kv_event_flags_are_one_line_errors() -> TestResult {
     assert!(line.contains("cannot bind"), "{line}");
     let line = error_line(&hidden(&["--fingerprint-key", "abc"])?)?;
     assert!(line.contains("64 hex digits"), "{line}");
-    let line = error_line(&omniprefix(&["block-hashes", "--request", p(&req), "--fingerprint-key", &"00".repeat(32), "--block-size", "0"])?)?;
+    let line = error_line(&omniprefix(&[
+        "block-hashes",
+        "--request",
+        p(&req),
+        "--fingerprint-key",
+        &"00".repeat(32),
+        "--block-size",
+        "0",
+    ])?)?;
     assert!(line.contains("--block-size 0"), "{line}");
     Ok(())
 }

@@ -62,7 +62,10 @@ fn json_report_is_consistent_and_warm_up_is_reused() -> TestResult {
     // Stop on the first token the greedy run produced: one token, reason stop.
     let first = tokens[0].as_u64().ok_or("first token")?.to_string();
     let stopped = json(&generate(&req, &["--max-tokens", "6", "--json", "--stop", &first])?)?;
-    assert_eq!((stopped["finish_reason"].as_str(), stopped["tokens"].as_array().map(Vec::len)), (Some("stop"), Some(1)));
+    assert_eq!(
+        (stopped["finish_reason"].as_str(), stopped["tokens"].as_array().map(Vec::len)),
+        (Some("stop"), Some(1))
+    );
     assert!(stopped["itl_ms_median"].is_null());
     let ignored = json(&generate(&req, &["--max-tokens", "3", "--json", "--stop", &first, "--ignore-eos"])?)?;
     assert_eq!(ignored["tokens"].as_array().map(Vec::len), Some(3));
@@ -74,9 +77,16 @@ fn json_report_is_consistent_and_warm_up_is_reused() -> TestResult {
 fn out_holds_every_position_that_ran() -> TestResult {
     let (dir, warm, req) = requests("out")?;
     let out = dir.join("gen.safetensors");
-    let args = ["--max-tokens", "4", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"];
-    let stdout = generate(&req, &[&args[..], &["--warm", p(&warm), "--capture", "0,final", "--out", p(&out)]].concat())?;
-    assert!(stdout.contains("num_cached_tokens: 8") && stdout.contains("finish_reason: length (seed 3)"), "{stdout}");
+    let args =
+        ["--max-tokens", "4", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3"];
+    let stdout = generate(
+        &req,
+        &[&args[..], &["--warm", p(&warm), "--capture", "0,final", "--out", p(&out)]].concat(),
+    )?;
+    assert!(
+        stdout.contains("num_cached_tokens: 8") && stdout.contains("finish_reason: length (seed 3)"),
+        "{stdout}"
+    );
     let bytes = std::fs::read(&out)?;
     let st = SafeTensors::deserialize(&bytes)?;
     let mut names = st.names();
@@ -109,7 +119,8 @@ fn sampled_runs_print_their_seed_and_greedy_runs_do_not() -> TestResult {
     let again = generate(&req, &["--max-tokens", "4", "--temperature", "0.8", "--seed", &drawn.to_string()])?;
     let tokens_line = |s: &str| s.lines().find(|l| l.starts_with("tokens:")).map(str::to_string);
     assert_eq!(tokens_line(&again), tokens_line(&sampled), "the printed seed repeats the run");
-    let sampled = json(&generate(&req, &["--max-tokens", "2", "--temperature", "0.8", "--seed", "11", "--json"])?)?;
+    let sampled =
+        json(&generate(&req, &["--max-tokens", "2", "--temperature", "0.8", "--seed", "11", "--json"])?)?;
     assert_eq!(sampled["seed"].as_u64(), Some(11), "{sampled}");
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
@@ -131,14 +142,29 @@ fn bad_sampling_flags_are_the_library_s_typed_errors() -> TestResult {
         );
     }
     let err = generate(&req, &["--max-tokens", "4", "--stop", "256"]);
-    assert!(matches!(err, Err(HarnessError::Engine(Error::Request(RequestError::StopIdOutOfVocab { id: 256, vocab_size: 256 })))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Err(HarnessError::Engine(Error::Request(RequestError::StopIdOutOfVocab {
+                id: 256,
+                vocab_size: 256
+            })))
+        ),
+        "{err:?}"
+    );
     // Through the binary: one `error:` line naming the field, a non-zero exit.
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/qwen3_dense");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_omniprefix"))
         .args(["generate", "--model", p(&model), "--request", p(&req), "--max-tokens", "4", "--top-p", "0"])
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.lines().count() == 1 && stderr.starts_with("error: ") && stderr.contains("top_p"), "{stderr}");
+    assert!(
+        !out.status.success()
+            && stderr.lines().count() == 1
+            && stderr.starts_with("error: ")
+            && stderr.contains("top_p"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }

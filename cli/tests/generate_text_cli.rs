@@ -48,7 +48,8 @@ fn ids(value: &Value) -> TestResult<Vec<u32>> {
 
 /// The reference case `name` of `model`'s chat_reference.json.
 fn case(model: &str, name: &str) -> TestResult<Value> {
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(fixture(model).join("chat_reference.json"))?)?;
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(model).join("chat_reference.json"))?)?;
     let cases = reference["chats"].as_array().ok_or("chats")?;
     Ok(cases.iter().find(|c| c["name"] == name).cloned().ok_or(name)?)
 }
@@ -62,9 +63,16 @@ fn same_as_id_run(model: &Path, report: &Value, want: &[u32], dir: &Path, max_to
     let by_ids = json(&generate(model, &["--request", p(&request), "--max-tokens", max_tokens, "--json"])?)?;
     let tokens = ids(&report["tokens"])?;
     assert_eq!(tokens, ids(&by_ids["tokens"])?, "the reply's ids = the id run's");
-    assert!(by_ids.get("text").is_none() && by_ids.get("prompt_ids").is_none(), "an id run prints no text: {by_ids}");
+    assert!(
+        by_ids.get("text").is_none() && by_ids.get("prompt_ids").is_none(),
+        "an id run prints no text: {by_ids}"
+    );
     let text = report["text"].as_str().ok_or("text")?;
-    assert_eq!(text, Chat::from_dir(model)?.decode(&tokens, true)?, "the printed text decodes the reply's ids");
+    assert_eq!(
+        text,
+        Chat::from_dir(model)?.decode(&tokens, true)?,
+        "the printed text decodes the reply's ids"
+    );
     Ok(())
 }
 
@@ -74,7 +82,8 @@ fn a_text_prompt_generates_what_its_ids_generate() -> TestResult {
     for model in ["qwen3_dense", "qwen2_dense", "omni_thinker"] {
         let reference = case(model, "one_user_turn")?;
         let prompt = reference["messages"][0]["content"].as_str().ok_or("content")?;
-        let report = json(&generate(&fixture(model), &["--prompt", prompt, "--max-new-tokens", "7", "--json"])?)?;
+        let report =
+            json(&generate(&fixture(model), &["--prompt", prompt, "--max-new-tokens", "7", "--json"])?)?;
         assert_eq!(ids(&report["tokens"])?.len(), 7, "{model}: {report}");
         same_as_id_run(&fixture(model), &report, &ids(&reference["ids"])?, &dir, "7")?;
     }
@@ -89,7 +98,8 @@ fn a_messages_file_is_the_whole_chat() -> TestResult {
         let reference = case(model, "system_and_history")?;
         let messages = dir.join(format!("{model}.json"));
         std::fs::write(&messages, reference["messages"].to_string())?;
-        let report = json(&generate(&fixture(model), &["--messages", p(&messages), "--max-tokens", "5", "--json"])?)?;
+        let report =
+            json(&generate(&fixture(model), &["--messages", p(&messages), "--max-tokens", "5", "--json"])?)?;
         same_as_id_run(&fixture(model), &report, &ids(&reference["ids"])?, &dir, "5")?;
     }
     std::fs::remove_dir_all(&dir).ok();
@@ -100,11 +110,21 @@ fn a_messages_file_is_the_whole_chat() -> TestResult {
 fn the_binary_prints_the_reply_as_text_and_ids() -> TestResult {
     let model = fixture("qwen3_dense");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_omniprefix"))
-        .args(["generate", "--model", p(&model), "--prompt", "Hello! How are you today?", "--max-tokens", "8"])
+        .args([
+            "generate",
+            "--model",
+            p(&model),
+            "--prompt",
+            "Hello! How are you today?",
+            "--max-tokens",
+            "8",
+        ])
         .output()?;
     let stdout = String::from_utf8(out.stdout)?;
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    let line = |key: &str| stdout.lines().find_map(|l| l.strip_prefix(key)).ok_or_else(|| format!("{key} in {stdout}"));
+    let line = |key: &str| {
+        stdout.lines().find_map(|l| l.strip_prefix(key)).ok_or_else(|| format!("{key} in {stdout}"))
+    };
     let tokens: Vec<u32> = serde_json::from_str(line("tokens: ")?)?;
     let text: String = serde_json::from_str(line("text: ")?)?;
     assert_eq!(tokens.len(), 8);
@@ -130,10 +150,16 @@ fn bad_text_input_is_a_typed_error() -> TestResult {
         &["--messages", p(&messages), "--request", p(&request)],
     ] {
         let err = generate(&model, &[args, &["--max-tokens", "2"]].concat());
-        assert!(matches!(&err, Err(HarnessError::Args(e)) if e.kind() == ErrorKind::ArgumentConflict), "{args:?}: {err:?}");
+        assert!(
+            matches!(&err, Err(HarnessError::Args(e)) if e.kind() == ErrorKind::ArgumentConflict),
+            "{args:?}: {err:?}"
+        );
     }
     let err = generate(&model, &["--max-tokens", "2"]);
-    assert!(matches!(&err, Err(HarnessError::Args(e)) if e.kind() == ErrorKind::MissingRequiredArgument), "{err:?}");
+    assert!(
+        matches!(&err, Err(HarnessError::Args(e)) if e.kind() == ErrorKind::MissingRequiredArgument),
+        "{err:?}"
+    );
 
     // A checkpoint folder without a tokenizer, asked for text (the ids still work there).
     let bare = dir.join("bare");
@@ -150,7 +176,10 @@ fn bad_text_input_is_a_typed_error() -> TestResult {
     assert!(matches!(&err, Err(HarnessError::Engine(Error::Io(_)))), "{err:?}");
     std::fs::write(&messages, r#"[{"role": "user"}]"#)?;
     let err = generate(&model, &["--messages", p(&messages), "--max-tokens", "2"]);
-    assert!(matches!(&err, Err(HarnessError::Chat(ChatError::Messages { origin, .. })) if origin.ends_with("messages.json")), "{err:?}");
+    assert!(
+        matches!(&err, Err(HarnessError::Chat(ChatError::Messages { origin, .. })) if origin.ends_with("messages.json")),
+        "{err:?}"
+    );
     std::fs::write(&messages, r#"[{"role": "robot", "content": "hi"}]"#)?;
     let err = generate(&model, &["--messages", p(&messages), "--max-tokens", "2"]);
     assert!(matches!(&err, Err(HarnessError::Chat(ChatError::Template { .. }))), "{err:?}");
@@ -160,7 +189,10 @@ fn bad_text_input_is_a_typed_error() -> TestResult {
         .args(["generate", "--model", p(&bare), "--prompt", "hi", "--max-tokens", "2"])
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && stderr.lines().count() == 1 && stderr.contains("no tokenizer.json"), "{stderr}");
+    assert!(
+        !out.status.success() && stderr.lines().count() == 1 && stderr.contains("no tokenizer.json"),
+        "{stderr}"
+    );
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }

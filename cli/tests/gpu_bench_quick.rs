@@ -23,7 +23,11 @@ fn lines(dir: &Path, file: &str) -> TestResult<Vec<Value>> {
 fn gpu_bench_quick_writes_every_json_line() -> TestResult {
     let bin = env!("CARGO_BIN_EXE_omniprefix");
     if !Command::new(bin).arg("gpu-info").output()?.status.success() {
-        assert_ne!(std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref(), Ok("1"), "OMNIPREFIX_REQUIRE_GPU=1 but no GPU adapter");
+        assert_ne!(
+            std::env::var("OMNIPREFIX_REQUIRE_GPU").as_deref(),
+            Ok("1"),
+            "OMNIPREFIX_REQUIRE_GPU=1 but no GPU adapter"
+        );
         eprintln!("\n!!!!!!!! SKIPPING gpu_bench.sh --quick: no GPU adapter !!!!!!!!\n");
         return Ok(());
     }
@@ -64,7 +68,10 @@ fn gpu_bench_quick_writes_every_json_line() -> TestResult {
 /// Writes criterion's two files for one benchmark: its median (ns) and declared bytes.
 fn fake_criterion_bench(dir: &Path, median_ns: f64, bytes: u64) -> TestResult {
     std::fs::create_dir_all(dir.join("new"))?;
-    std::fs::write(dir.join("new/estimates.json"), format!(r#"{{"median": {{"point_estimate": {median_ns}}}}}"#))?;
+    std::fs::write(
+        dir.join("new/estimates.json"),
+        format!(r#"{{"median": {{"point_estimate": {median_ns}}}}}"#),
+    )?;
     std::fs::write(dir.join("new/benchmark.json"), format!(r#"{{"throughput": {{"Bytes": {bytes}}}}}"#))?;
     Ok(())
 }
@@ -81,7 +88,9 @@ fn attention_fraction_reads_criterion_medians() -> TestResult {
     fake_criterion_bench(&group.join("wgpu_decode_128+16"), 1e6, 1_000_000)?;
     fake_criterion_bench(&group.join("wgpu_copy_kv_128+16"), 1e6, 4_000_000)?;
     fake_criterion_bench(&group.join("cpu_decode_128+16"), 1.0, 1_000_000)?;
-    let run = |dir: &Path| Command::new("python3").arg(root.join("scripts/attention_fraction.py")).arg(dir).output();
+    let run = |dir: &Path| {
+        Command::new("python3").arg(root.join("scripts/attention_fraction.py")).arg(dir).output()
+    };
     let out = run(&dir)?;
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let line: Value = serde_json::from_slice(&out.stdout)?;
@@ -92,7 +101,11 @@ fn attention_fraction_reads_criterion_medians() -> TestResult {
     std::fs::remove_dir_all(group.join("wgpu_copy_kv_128+16"))?;
     let out = run(&dir)?;
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("expected one wgpu copy_kv benchmark"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("expected one wgpu copy_kv benchmark"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

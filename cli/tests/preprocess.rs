@@ -4,17 +4,17 @@
 
 use std::sync::Arc;
 
-use omniprefix_cli::bench::{BLOCK_SIZE, MODEL_ID};
+use omniprefix::Error;
 use omniprefix::canon::{FingerprintKey, Fingerprinter, Modality};
+use omniprefix::error::RequestError;
 use omniprefix::index::hashchain::{HashChainIndex, hash_mm_item};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{BlockId, PrefixIndex, ValidationPolicy};
 use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::OmniTokens;
-use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
-use omniprefix::Error;
 use omniprefix_cli::Result;
-use omniprefix::error::RequestError;
+use omniprefix_cli::bench::{BLOCK_SIZE, MODEL_ID};
+use omniprefix_cli::workloads::{Media, MediaScale, Workload, WorkloadName};
 
 fn preprocessor(policy: ValidationPolicy) -> Result<Preprocessor> {
     Ok(Preprocessor::new(Fingerprinter::new(FingerprintKey::fixed(11), 2, policy)?, OmniTokens::qwen3_omni()))
@@ -28,7 +28,9 @@ fn mixed() -> Result<Workload> {
 fn mixed_request_expands_to_8546_tokens_and_matches_warm() -> Result<()> {
     let workload = mixed()?;
     // The policy is given to the fingerprinter only; the index takes none.
-    for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes, ValidationPolicy::Unvalidated] {
+    for policy in
+        [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes, ValidationPolicy::Unvalidated]
+    {
         let pre = preprocessor(policy)?;
         let first = pre.preprocess(&workload.raw(&workload.measured))?;
         assert_eq!(first.len(), 8546);
@@ -73,7 +75,8 @@ fn items_of_another_policy_miss_at_the_item() -> Result<()> {
 #[test]
 fn hash_chain_agrees_on_the_warm_mixed_request() -> Result<()> {
     let workload = mixed()?;
-    let prompt = preprocessor(ValidationPolicy::SecondDigest)?.preprocess(&workload.raw(&workload.measured))?;
+    let prompt =
+        preprocessor(ValidationPolicy::SecondDigest)?.preprocess(&workload.raw(&workload.measured))?;
     let hashes = workload
         .measured
         .items

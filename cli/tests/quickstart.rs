@@ -74,7 +74,9 @@ fn commands(sh: &str) -> Result<Vec<Vec<String>>, String> {
         }
         pending.push_str(line);
         if let Some(c) = pending.chars().find(|c| "'\"$|;&<>*`(){}".contains(*c)) {
-            return Err(format!("`{c}` in a quick-start command needs a shell, which this test does not run: {pending}"));
+            return Err(format!(
+                "`{c}` in a quick-start command needs a shell, which this test does not run: {pending}"
+            ));
         }
         let args: Vec<String> = pending.split_whitespace().map(str::to_string).collect();
         if args.first().map(String::as_str) != Some("omniprefix") {
@@ -96,14 +98,22 @@ fn steps(readme: &str) -> Result<Vec<Step>, String> {
         return Err("the quick start holds no fenced block".into());
     };
     if language != "sh" {
-        return Err(format!("the quick start's first block is ```{language}, not the ```sh block of its commands"));
+        return Err(format!(
+            "the quick start's first block is ```{language}, not the ```sh block of its commands"
+        ));
     }
     if let Some((other, _)) = outputs.iter().find(|(language, _)| language != "text") {
-        return Err(format!("a ```{other} block after the commands: only ```text blocks of their output may follow"));
+        return Err(format!(
+            "a ```{other} block after the commands: only ```text blocks of their output may follow"
+        ));
     }
     let commands = commands(sh)?;
     if commands.is_empty() || commands.len() != outputs.len() {
-        return Err(format!("{} quick-start commands but {} ```text blocks of output", commands.len(), outputs.len()));
+        return Err(format!(
+            "{} quick-start commands but {} ```text blocks of output",
+            commands.len(),
+            outputs.len()
+        ));
     }
     Ok(commands
         .into_iter()
@@ -119,7 +129,8 @@ fn run(step: &Step, scratch: &Path) -> TestResult<String> {
         Some(name) => scratch.join(name).into_os_string(),
         None => arg.into(),
     });
-    let out = Command::new(env!("CARGO_BIN_EXE_omniprefix")).args(args).current_dir(repository_root()).output()?;
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_omniprefix")).args(args).current_dir(repository_root()).output()?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         return Err(format!("`{}` exited with {:?}: {stderr}", step.args.join(" "), out.status.code()).into());
@@ -137,7 +148,11 @@ fn json_matches(want: &Value, got: &Value) -> Result<(), String> {
     let want = want.as_object().ok_or("a README JSON line that is not an object")?;
     for (key, value) in want {
         let found = got.get(key).ok_or_else(|| format!("no `{key}` in the printed JSON {got}"))?;
-        let same = if is_timing(key) { found.is_number() || (found.is_null() && value.is_null()) } else { found == value };
+        let same = if is_timing(key) {
+            found.is_number() || (found.is_null() && value.is_null())
+        } else {
+            found == value
+        };
         if !same {
             return Err(format!("`{key}`: the README shows {value}, the command printed {found}"));
         }
@@ -150,13 +165,20 @@ fn check(expected: &[String], stdout: &str) -> Result<(), String> {
     let printed: Vec<&str> = stdout.lines().collect();
     let mut next = 0;
     for want in expected {
-        let json: Option<Value> = want.starts_with('{').then(|| serde_json::from_str(want)).transpose().map_err(|e| format!("README JSON {want}: {e}"))?;
+        let json: Option<Value> = want
+            .starts_with('{')
+            .then(|| serde_json::from_str(want))
+            .transpose()
+            .map_err(|e| format!("README JSON {want}: {e}"))?;
         let mut failure = format!("the README shows `{want}`, which is not printed (in order) in:\n{stdout}");
-        let found = printed[next..].iter().position(|line| match (&json, serde_json::from_str::<Value>(line)) {
-            (Some(want), Ok(got)) => json_matches(want, &got).map_err(|why| failure = format!("{why}\nprinted:\n{stdout}")).is_ok(),
-            (Some(_), Err(_)) => false,
-            (None, _) => *line == want,
-        });
+        let found =
+            printed[next..].iter().position(|line| match (&json, serde_json::from_str::<Value>(line)) {
+                (Some(want), Ok(got)) => json_matches(want, &got)
+                    .map_err(|why| failure = format!("{why}\nprinted:\n{stdout}"))
+                    .is_ok(),
+                (Some(_), Err(_)) => false,
+                (None, _) => *line == want,
+            });
         next += found.ok_or(failure)? + 1;
     }
     Ok(())

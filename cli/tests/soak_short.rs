@@ -12,11 +12,16 @@ type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[test]
 fn short_soak_leaks_nothing_and_reuses_under_eviction() -> Result<()> {
-    let options = SoakOptions { requests: 2000, pool_blocks: 256, prefixes: 1024, seed: 7, ..SoakOptions::default() };
+    let options =
+        SoakOptions { requests: 2000, pool_blocks: 256, prefixes: 1024, seed: 7, ..SoakOptions::default() };
     let report = run_soak(&options)?;
     report.check()?;
     assert_eq!(report.leaked_blocks, 0);
-    assert!(report.working_set_blocks > 4 * options.pool_blocks, "working set {} blocks", report.working_set_blocks);
+    assert!(
+        report.working_set_blocks > 4 * options.pool_blocks,
+        "working set {} blocks",
+        report.working_set_blocks
+    );
     assert!(report.evicted_blocks > 0, "{report:?}");
     assert!(report.hit_rate > 0.3 && report.hit_rate <= 1.0, "hit rate {}", report.hit_rate);
     assert!(report.hit_tokens > 0 && report.hit_tokens < report.prompt_tokens);
@@ -31,7 +36,8 @@ fn short_soak_leaks_nothing_and_reuses_under_eviction() -> Result<()> {
 
 #[test]
 fn same_seed_same_figures() -> Result<()> {
-    let options = SoakOptions { requests: 300, pool_blocks: 64, prefixes: 128, seed: 3, ..SoakOptions::default() };
+    let options =
+        SoakOptions { requests: 300, pool_blocks: 64, prefixes: 128, seed: 3, ..SoakOptions::default() };
     let (a, b) = (run_soak(&options)?, run_soak(&options)?);
     assert_eq!((a.hits, a.hit_tokens, a.evicted_blocks), (b.hits, b.hit_tokens, b.evicted_blocks));
     Ok(())
@@ -40,12 +46,22 @@ fn same_seed_same_figures() -> Result<()> {
 #[test]
 fn bench_soak_cli_prints_json_with_zero_leaks() -> TestResult {
     use clap::Parser;
-    let args = ["omniprefix", "bench", "soak", "--requests", "400", "--pool-blocks", "64", "--prefixes", "256", "--json"];
+    let args = [
+        "omniprefix",
+        "bench",
+        "soak",
+        "--requests",
+        "400",
+        "--pool-blocks",
+        "64",
+        "--prefixes",
+        "256",
+        "--json",
+    ];
     let cli = omniprefix_cli::cli::Cli::try_parse_from(args)?;
     let mut out = Vec::new();
     omniprefix_cli::cli::run(cli, &mut out)?;
-    let json: serde_json::Value =
-        serde_json::from_slice(&out)?;
+    let json: serde_json::Value = serde_json::from_slice(&out)?;
     assert_eq!(json["requests"], 400);
     assert_eq!(json["leaked_blocks"], 0);
     assert!(json["evicted_blocks"].as_u64().is_some_and(|e| e > 0), "{json}");
@@ -56,8 +72,26 @@ fn bench_soak_cli_prints_json_with_zero_leaks() -> TestResult {
 #[test]
 fn soak_publishes_kv_events_without_drops_and_reports_the_index_size() -> TestResult {
     use clap::Parser;
-    let args = ["omniprefix", "bench", "soak", "--requests", "600", "--pool-blocks", "64", "--prefixes", "256", "--json"];
-    let events = ["--kv-events", "tcp://127.0.0.1:0", "--kv-replay", "tcp://127.0.0.1:0", "--fingerprint-key", &"5a".repeat(32)];
+    let args = [
+        "omniprefix",
+        "bench",
+        "soak",
+        "--requests",
+        "600",
+        "--pool-blocks",
+        "64",
+        "--prefixes",
+        "256",
+        "--json",
+    ];
+    let events = [
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--kv-replay",
+        "tcp://127.0.0.1:0",
+        "--fingerprint-key",
+        &"5a".repeat(32),
+    ];
     let cli = omniprefix_cli::cli::Cli::try_parse_from(args.iter().chain(&events))?;
     let mut out = Vec::new();
     omniprefix_cli::cli::run(cli, &mut out)?;
@@ -82,14 +116,19 @@ fn port_zero_binds_free_ports_and_stderr_names_them() -> TestResult {
         .output()?;
     let stderr = String::from_utf8(out.stderr)?;
     assert!(out.status.success(), "{stderr}");
-    let port = |endpoint: &str| -> TestResult<u16> { Ok(endpoint.strip_prefix("tcp://127.0.0.1:").ok_or("loopback")?.parse()?) };
+    let port = |endpoint: &str| -> TestResult<u16> {
+        Ok(endpoint.strip_prefix("tcp://127.0.0.1:").ok_or("loopback")?.parse()?)
+    };
     let (publisher, replay) = stderr
         .strip_prefix("kv events: publishing on ")
         .and_then(|rest| rest.strip_suffix('\n')?.split_once(", replay on "))
         .ok_or_else(|| format!("one line naming both endpoints: {stderr:?}"))?;
     let (p, r) = (port(publisher)?, port(replay)?);
     assert!(p != 0 && r != 0 && p != r, "{stderr}");
-    assert_eq!(stderr, format!("kv events: publishing on tcp://127.0.0.1:{p}, replay on tcp://127.0.0.1:{r}\n"));
+    assert_eq!(
+        stderr,
+        format!("kv events: publishing on tcp://127.0.0.1:{p}, replay on tcp://127.0.0.1:{r}\n")
+    );
     // stdout stays the one JSON report.
     let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(json["kv_events"]["dropped"], 0, "{json}");

@@ -62,9 +62,9 @@ impl ItemModel {
         };
         let bytes: Vec<u8> = (0..16u32).flat_map(|i| (content ^ (i * 0x9e37)).to_le_bytes()).collect();
         let evidence = match self.policy {
-            ValidationPolicy::SecondDigest => {
-                Evidence::SecondDigest(Fingerprint(u128::from(content).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabcd))
-            }
+            ValidationPolicy::SecondDigest => Evidence::SecondDigest(Fingerprint(
+                u128::from(content).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabcd,
+            )),
             ValidationPolicy::ExactBytes => Evidence::ExactBytes(Arc::from(bytes)),
             ValidationPolicy::Unvalidated => Evidence::Unvalidated,
         };
@@ -159,7 +159,14 @@ pub struct Ledger {
 
 impl Ledger {
     /// Records `adopted` from an insert whose blocks were `blocks` for `truth`.
-    pub fn adopt(&mut self, tenant: TenantSalt, truth: &[Truth], bs: usize, blocks: &[BlockId], adopted: &[BlockId]) {
+    pub fn adopt(
+        &mut self,
+        tenant: TenantSalt,
+        truth: &[Truth],
+        bs: usize,
+        blocks: &[BlockId],
+        adopted: &[BlockId],
+    ) {
         self.adopt_upto(tenant, truth, bs, blocks, adopted, blocks.len() * bs);
     }
 
@@ -203,7 +210,13 @@ impl Ledger {
     /// Every returned block is live, belongs to `tenant`, sits at its own
     /// block position and holds the query's content up to the matched length
     /// (a partly filled block at least that far, so only as the last one).
-    pub fn check(&self, tenant: TenantSalt, query: &[Truth], bs: usize, m: &PrefixMatch) -> Result<(), String> {
+    pub fn check(
+        &self,
+        tenant: TenantSalt,
+        query: &[Truth],
+        bs: usize,
+        m: &PrefixMatch,
+    ) -> Result<(), String> {
         if m.blocks.len() != m.tokens.div_ceil(bs) || m.aligned_tokens != m.tokens / bs * bs {
             return Err(format!("match shape {m:?} inconsistent with block size {bs}"));
         }

@@ -11,7 +11,9 @@ use ndarray::Array2;
 use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
 
 use omniprefix::batch::{RequestId, ScheduledBatch, ScheduledSeq};
-use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, PositionKind, Positions, positions_from_atoms};
+use omniprefix::prompt::{
+    Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, PositionKind, Positions, positions_from_atoms,
+};
 use omniprefix::sched::Request;
 
 pub use reference_index::{Key, ReferenceIndex, keys_of};
@@ -58,45 +60,28 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
             continue;
         }
         let fingerprint = 100 + u128::from(m - IMAGE_MARKER);
-        let item = match prompt
-            .items
-            .iter()
-            .position(|i| i.fingerprint.0 == fingerprint)
-        {
+        let item = match prompt.items.iter().position(|i| i.fingerprint.0 == fingerprint) {
             Some(item) => item,
             None => {
                 prompt.items.push(Arc::new(ItemIdentity {
                     fingerprint: Fingerprint(fingerprint),
                     evidence: Evidence::SecondDigest(Fingerprint(fingerprint + 100)),
                     modality: Modality::Image,
-                    layout: ItemLayout::Image {
-                        grid_thw: [1, 2, 6],
-                    },
+                    layout: ItemLayout::Image { grid_thw: [1, 2, 6] },
                     num_tokens: IMAGE_ROWS as usize,
                     content_bytes: 0,
                 }));
-                let rows = Array2::from_shape_fn((IMAGE_ROWS as usize, 2), |(r, _)| {
-                    embedding_value(fingerprint, r)
-                });
+                let rows =
+                    Array2::from_shape_fn((IMAGE_ROWS as usize, 2), |(r, _)| embedding_value(fingerprint, r));
                 embeddings.push(Arc::new(rows));
                 prompt.items.len() - 1
             }
         };
         let start = prompt.token_ids.len() as u32;
         let identity = Arc::clone(&prompt.items[item]);
-        prompt.atoms.push(Atom::Item {
-            id: identity,
-            rows: 0..IMAGE_ROWS,
-        });
-        prompt.index_map.spans.push(ItemSpan {
-            item: item as u32,
-            rows: 0..IMAGE_ROWS,
-            start,
-        });
-        prompt
-            .index_map
-            .placeholders
-            .insert_range(start..start + IMAGE_ROWS);
+        prompt.atoms.push(Atom::Item { id: identity, rows: 0..IMAGE_ROWS });
+        prompt.index_map.spans.push(ItemSpan { item: item as u32, rows: 0..IMAGE_ROWS, start });
+        prompt.index_map.placeholders.insert_range(start..start + IMAGE_ROWS);
         prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS as usize]);
     }
     prompt.positions = positions_from_atoms(&prompt.atoms, &OmniTokens::tiny(), PositionKind::Mrope)
@@ -106,7 +91,8 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
         prompt,
         item_embeddings: embeddings,
         item_deepstack: vec![],
-        hidden_size: Some(2), max_new_tokens: 0,
+        hidden_size: Some(2),
+        max_new_tokens: 0,
     }
 }
 
@@ -152,17 +138,18 @@ impl ShadowPages {
             self.slots[dst..dst + bs].clone_from_slice(&block);
         }
         for seq in &batch.seqs {
-            let (tenant, keys) = self
-                .prompts
-                .get(&seq.request)
-                .ok_or(format!("unknown request {}", seq.request))?;
+            let (tenant, keys) =
+                self.prompts.get(&seq.request).ok_or(format!("unknown request {}", seq.request))?;
             let slot = |p: usize| seq.block_table[p / bs] as usize * bs + p % bs;
             if seq.block_table.block_size() != bs {
-                return Err(format!("request {}: a table of {}-token blocks", seq.request, seq.block_table.block_size()));
+                return Err(format!(
+                    "request {}: a table of {}-token blocks",
+                    seq.request,
+                    seq.block_table.block_size()
+                ));
             }
             let end = seq.num_computed_tokens + seq.token_ids.len();
-            if seq.block_table.len() * bs < end || end > keys.len() || seq.seq_len != keys.len()
-            {
+            if seq.block_table.len() * bs < end || end > keys.len() || seq.seq_len != keys.len() {
                 return Err(format!(
                     "request {}: table of {} blocks for tokens ..{end}",
                     seq.request,
@@ -205,7 +192,9 @@ impl ShadowPages {
 /// trusting the slicing code it tests).
 fn check_positions(seq: &ScheduledSeq, whole: &[[i64; 3]]) -> Result<(), String> {
     let range = seq.new_positions();
-    let want = whole.get(range.clone()).ok_or(format!("request {}: positions {range:?} past the prompt", seq.request))?;
+    let want = whole
+        .get(range.clone())
+        .ok_or(format!("request {}: positions {range:?} past the prompt", seq.request))?;
     let got: Vec<[i64; 3]> = seq.positions.iter().collect();
     if got != want {
         let first = got.iter().zip(want).position(|(g, w)| g != w).unwrap_or(got.len().min(want.len()));
@@ -229,8 +218,7 @@ fn check_inputs(seq: &ScheduledSeq, keys: &[Key]) -> Result<(), String> {
             let offset = e.step_offset + j;
             let value = e.embeddings.get((row, 0)).copied();
             match keys.get(offset) {
-                Some(&Key::Row(fp, r))
-                    if r as usize == row && value == Some(embedding_value(fp, row)) => {}
+                Some(&Key::Row(fp, r)) if r as usize == row && value == Some(embedding_value(fp, row)) => {}
                 other => {
                     return Err(format!(
                         "request {id}: embedding row {row} at offset {offset} over {other:?}"
@@ -238,9 +226,7 @@ fn check_inputs(seq: &ScheduledSeq, keys: &[Key]) -> Result<(), String> {
                 }
             }
             if !placed.insert(offset) {
-                return Err(format!(
-                    "request {id}: two embedding rows at offset {offset}"
-                ));
+                return Err(format!("request {id}: two embedding rows at offset {offset}"));
             }
         }
     }
@@ -250,9 +236,7 @@ fn check_inputs(seq: &ScheduledSeq, keys: &[Key]) -> Result<(), String> {
                 return Err(format!("request {id}: token at offset {offset} is not {t}"));
             }
             Key::Row(..) if !placed.contains(&offset) => {
-                return Err(format!(
-                    "request {id}: image row at offset {offset} has no embedding"
-                ));
+                return Err(format!("request {id}: image row at offset {offset} has no embedding"));
             }
             _ => {}
         }

@@ -7,9 +7,7 @@
 
 use omniprefix::Result;
 use omniprefix::error::{CacheError, Component, InvariantViolation};
-use omniprefix::index::{
-    BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch,
-};
+use omniprefix::index::{BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch};
 use omniprefix::prompt::{Atom, CanonicalPrompt};
 
 /// What determines a position's KV: its text token, or (item fingerprint, row).
@@ -25,9 +23,7 @@ pub fn keys_of(prompt: &CanonicalPrompt) -> Vec<Key> {
     for atom in &prompt.atoms {
         match atom {
             Atom::Text(ids) => keys.extend(ids.iter().map(|&t| Key::Text(t))),
-            Atom::Item { id, rows } => {
-                keys.extend(rows.clone().map(|r| Key::Row(id.fingerprint.0, r)))
-            }
+            Atom::Item { id, rows } => keys.extend(rows.clone().map(|r| Key::Row(id.fingerprint.0, r))),
         }
     }
     keys
@@ -54,18 +50,11 @@ pub struct ReferenceIndex {
 
 impl ReferenceIndex {
     pub fn new(block_size: usize) -> Self {
-        Self {
-            block_size,
-            entries: Vec::new(),
-            clock: 0,
-            stats: IndexStats::default(),
-        }
+        Self { block_size, entries: Vec::new(), clock: 0, stats: IndexStats::default() }
     }
 
     fn find(&self, tenant: u64, keys: &[Key]) -> Option<usize> {
-        self.entries
-            .iter()
-            .position(|e| e.tenant == tenant && e.keys == keys)
+        self.entries.iter().position(|e| e.tenant == tenant && e.keys == keys)
     }
 
     fn has_child(&self, e: &Entry) -> bool {
@@ -77,10 +66,7 @@ impl ReferenceIndex {
     }
 
     fn entry_of_block(&mut self, block: BlockId) -> &mut Entry {
-        self.entries
-            .iter_mut()
-            .find(|e| e.block == block)
-            .expect("locked block is cached")
+        self.entries.iter_mut().find(|e| e.block == block).expect("locked block is cached")
     }
 }
 
@@ -115,16 +101,7 @@ impl PrefixIndex for ReferenceIndex {
                     && e.keys.len() == aligned + bs
                     && e.keys[..aligned] == keys[..aligned]
             })
-            .map(|(i, e)| {
-                (
-                    e.keys[aligned..]
-                        .iter()
-                        .zip(rest)
-                        .take_while(|(a, b)| a == b)
-                        .count(),
-                    i,
-                )
-            })
+            .map(|(i, e)| (e.keys[aligned..].iter().zip(rest).take_while(|(a, b)| a == b).count(), i))
             .max()
             .filter(|&(lcp, _)| lcp > 0);
         let mut tokens = aligned;
@@ -153,7 +130,11 @@ impl PrefixIndex for ReferenceIndex {
         let bs = self.block_size;
         let keys = keys_of(prompt);
         if blocks.len() * bs > keys.len() {
-            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: keys.len() / bs }.into());
+            return Err(CacheError::BlocksExceedPrompt {
+                blocks: blocks.len(),
+                full_blocks: keys.len() / bs,
+            }
+            .into());
         }
         self.clock += 1;
         let mut outcome = InsertOutcome::default();
@@ -183,8 +164,12 @@ impl PrefixIndex for ReferenceIndex {
         }
         if !cached.is_empty() {
             let tokens = cached.len() * bs;
-            outcome.cached =
-                PrefixMatch { tokens, aligned_tokens: tokens, blocks: cached, handle: MatchHandle(self.clock) };
+            outcome.cached = PrefixMatch {
+                tokens,
+                aligned_tokens: tokens,
+                blocks: cached,
+                handle: MatchHandle(self.clock),
+            };
         }
         Ok(outcome)
     }

@@ -24,12 +24,12 @@ use std::ops::Range;
 use omniprefix::Error;
 use omniprefix::batch::{RequestId, ScheduledBatch};
 use omniprefix::canon::FingerprintKey;
+use omniprefix::error::RequestError;
 use omniprefix::events::KvEvent;
 use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::prompt::{Atom, CanonicalPrompt};
 use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
-use omniprefix::error::RequestError;
 
 /// `PROPTEST_CASES` cases (default `default_cases`), no failure files (integration
 /// targets have no lib.rs beside them to persist failures next to).
@@ -49,17 +49,20 @@ pub fn scheduler_config(
     max_tokens_per_step: Range<usize>,
 ) -> impl Strategy<Value = SchedulerConfig> {
     let cap = prop::option::of(1usize..64);
-    (num_blocks, prop_oneof![Just(2usize), Just(4)], max_tokens_per_step, 1usize..4, cap, any::<bool>()).prop_map(
-        |(num_blocks, block_size, max_tokens_per_step, max_seqs_per_step, cap, token_granular_reuse)| SchedulerConfig {
-            num_blocks,
-            block_size,
-            max_tokens_per_step,
-            max_seqs_per_step,
-            // Any cap from 1 to the budget, or none.
-            prefill_cap: cap.map(|c| 1 + c % max_tokens_per_step),
-            token_granular_reuse,
-        },
-    )
+    (num_blocks, prop_oneof![Just(2usize), Just(4)], max_tokens_per_step, 1usize..4, cap, any::<bool>())
+        .prop_map(
+            |(num_blocks, block_size, max_tokens_per_step, max_seqs_per_step, cap, token_granular_reuse)| {
+                SchedulerConfig {
+                    num_blocks,
+                    block_size,
+                    max_tokens_per_step,
+                    max_seqs_per_step,
+                    // Any cap from 1 to the budget, or none.
+                    prefill_cap: cap.map(|c| 1 + c % max_tokens_per_step),
+                    token_granular_reuse,
+                }
+            },
+        )
 }
 
 /// New tokens an admitted request may generate (`Append`s it accepts).
@@ -89,7 +92,11 @@ pub enum Op {
 
 /// Operations in the proportions both suites use; admitted tails are
 /// `tail_len` units long, for a tenant in `tenants`.
-pub fn op(unit: impl Strategy<Value = u32>, tail_len: Range<usize>, tenants: Range<u64>) -> impl Strategy<Value = Op> {
+pub fn op(
+    unit: impl Strategy<Value = u32>,
+    tail_len: Range<usize>,
+    tenants: Range<u64>,
+) -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0usize..4, prop::collection::vec(unit, tail_len), tenants)
             .prop_map(|(base, tail, tenant)| Op::Admit { base, tail, tenant }),
@@ -217,7 +224,14 @@ impl EventConsumer {
 
     fn apply(&mut self, event: &KvEvent) -> Result<(), TestCaseError> {
         match event {
-            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, extra_keys, .. } => {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                extra_keys,
+                ..
+            } => {
                 prop_assert_eq!(token_ids.len(), block_hashes.len() * block_size);
                 let mut parent = *parent_block_hash;
                 if let Some(p) = parent {
@@ -281,7 +295,12 @@ impl<R: Runner> Machine<R> {
 
     /// Admits a new request; a prompt longer than the whole pool must be
     /// refused with `RequestTooLarge` and change nothing. Returns whether it was admitted.
-    pub fn admit(&mut self, tenant: u64, units: &[u32], max_new_tokens: usize) -> Result<bool, TestCaseError> {
+    pub fn admit(
+        &mut self,
+        tenant: u64,
+        units: &[u32],
+        max_new_tokens: usize,
+    ) -> Result<bool, TestCaseError> {
         let req = Request { max_new_tokens, ..self.runner.request(self.next_id, tenant, units) };
         self.next_id += 1;
         let cfg = *self.sched.config();
@@ -301,7 +320,11 @@ impl<R: Runner> Machine<R> {
                 Ok(true)
             }
             Err(Error::Request(RequestError::RequestTooLarge { .. })) if too_large => {
-                prop_assert_eq!((self.sched.stats(), self.sched.index_stats()), before, "rejected admit changed state");
+                prop_assert_eq!(
+                    (self.sched.stats(), self.sched.index_stats()),
+                    before,
+                    "rejected admit changed state"
+                );
                 Ok(false)
             }
             Err(e) => Err(fail(e)),
@@ -334,7 +357,13 @@ impl<R: Runner> Machine<R> {
                     let range = seq.new_positions();
                     let want = self.positions.get(&seq.request).and_then(|p| p.get(range.clone()));
                     let got: Vec<[i64; 3]> = seq.positions.iter().collect();
-                    prop_assert_eq!(Some(&got[..]), want, "request {}: positions of {:?}", seq.request, range);
+                    prop_assert_eq!(
+                        Some(&got[..]),
+                        want,
+                        "request {}: positions of {:?}",
+                        seq.request,
+                        range
+                    );
                 }
                 if batch.seqs.is_empty() {
                     self.runner.run(&batch)?;
@@ -378,15 +407,21 @@ impl<R: Runner> Machine<R> {
                     let before = (self.sched.stats(), self.sched.num_computed_tokens(id));
                     match self.sched.append(id, token) {
                         Ok(()) => {
-                            prop_assert!(generated < MAX_NEW_TOKENS, "request {id} grew past its max_new_tokens");
+                            prop_assert!(
+                                generated < MAX_NEW_TOKENS,
+                                "request {id} grew past its max_new_tokens"
+                            );
                             self.completed.remove(i);
                             self.generated.insert(id, generated + 1);
-                            let prompt = self.prompts.get_mut(&id).ok_or_else(|| TestCaseError::fail("no prompt"))?;
+                            let prompt =
+                                self.prompts.get_mut(&id).ok_or_else(|| TestCaseError::fail("no prompt"))?;
                             prompt.push_text(token);
                             self.positions.insert(id, prompt.positions.iter().collect());
                             self.runner.appended(id, token, prompt);
                         }
-                        Err(Error::Request(RequestError::GenerationLimit { .. })) if generated == MAX_NEW_TOKENS => {
+                        Err(Error::Request(RequestError::GenerationLimit { .. }))
+                            if generated == MAX_NEW_TOKENS =>
+                        {
                             prop_assert_eq!((self.sched.stats(), self.sched.num_computed_tokens(id)), before);
                         }
                         Err(e) => return Err(fail(e)),
@@ -430,7 +465,11 @@ impl<R: Runner> Machine<R> {
             }
             let mut rebuilt: Vec<u64> = consumer.cached.iter().copied().collect();
             rebuilt.sort_unstable();
-            prop_assert_eq!(rebuilt, self.sched.cached_block_hashes(), "the events' index differs from the scheduler's");
+            prop_assert_eq!(
+                rebuilt,
+                self.sched.cached_block_hashes(),
+                "the events' index differs from the scheduler's"
+            );
             let bs = self.sched.config().block_size;
             for (id, computed) in std::mem::take(&mut self.committed) {
                 let Some(prompt) = self.prompts.get(&id) else { continue };
@@ -452,15 +491,26 @@ impl<R: Runner> Machine<R> {
     /// `prefill_cap` tokens left among requests that will decode, whether they
     /// start this step or were already running. `before`: each live request's
     /// (holds blocks, computed tokens) before the step.
-    fn check_prefill_cap(&self, batch: &ScheduledBatch, before: &HashMap<RequestId, (bool, usize)>) -> Result<(), TestCaseError> {
+    fn check_prefill_cap(
+        &self,
+        batch: &ScheduledBatch,
+        before: &HashMap<RequestId, (bool, usize)>,
+    ) -> Result<(), TestCaseError> {
         let cfg = *self.sched.config();
         let Some(cap) = cfg.prefill_cap else { return Ok(()) };
-        prop_assert!(cap >= 1 && cap <= cfg.max_tokens_per_step, "prefill cap {} outside 1..={}", cap, cfg.max_tokens_per_step);
+        prop_assert!(
+            cap >= 1 && cap <= cfg.max_tokens_per_step,
+            "prefill cap {} outside 1..={}",
+            cap,
+            cfg.max_tokens_per_step
+        );
         let (mut long, mut prefill_tokens, mut decodes) = (Vec::new(), 0, false);
         for seq in &batch.seqs {
             let len = self.prompts.get(&seq.request).map_or(0, CanonicalPrompt::len);
             let left = len - seq.num_computed_tokens;
-            let was_running = before.get(&seq.request).is_some_and(|&(holds, computed)| holds && computed == seq.num_computed_tokens);
+            let was_running = before
+                .get(&seq.request)
+                .is_some_and(|&(holds, computed)| holds && computed == seq.num_computed_tokens);
             if was_running && left == 1 {
                 decodes = true;
             } else {
@@ -471,10 +521,22 @@ impl<R: Runner> Machine<R> {
             }
         }
         if let Some(most) = cfg.long_prefills_per_step() {
-            prop_assert!(long.len() <= most, "one step prefills {} long prompts (request, tokens left) {:?} over cap {}; at most {}", long.len(), long, cap, most);
+            prop_assert!(
+                long.len() <= most,
+                "one step prefills {} long prompts (request, tokens left) {:?} over cap {}; at most {}",
+                long.len(),
+                long,
+                cap,
+                most
+            );
         }
         if decodes {
-            prop_assert!(prefill_tokens <= cap, "a step with decodes adds {} prefill tokens, over the cap of {}", prefill_tokens, cap);
+            prop_assert!(
+                prefill_tokens <= cap,
+                "a step with decodes adds {} prefill tokens, over the cap of {}",
+                prefill_tokens,
+                cap
+            );
         }
         Ok(())
     }
@@ -496,15 +558,22 @@ impl<R: Runner> Machine<R> {
                 .copies
                 .iter()
                 .filter(|c| {
-                    b.seqs.iter().any(|s| s.block_table.blocks().contains(&c.dst) && self.live.contains(&s.request))
+                    b.seqs
+                        .iter()
+                        .any(|s| s.block_table.blocks().contains(&c.dst) && self.live.contains(&s.request))
                 })
                 .copied()
                 .collect();
             copies
         };
-        let sources = self.outstanding.iter().flat_map(|(b, _)| live_copies(b)).chain(batch.copies.iter().copied());
+        let sources =
+            self.outstanding.iter().flat_map(|(b, _)| live_copies(b)).chain(batch.copies.iter().copied());
         for c in sources {
-            prop_assert!(!written.contains(&c.src), "block {} is written while a copy from it is pending", c.src);
+            prop_assert!(
+                !written.contains(&c.src),
+                "block {} is written while a copy from it is pending",
+                c.src
+            );
         }
         Ok(())
     }
@@ -523,7 +592,11 @@ impl<R: Runner> Machine<R> {
                 return Ok(());
             }
             self.apply(&Op::Schedule, &[])?;
-            prop_assert!(!self.outstanding.is_empty(), "live requests {:?} but nothing can be scheduled", self.live);
+            prop_assert!(
+                !self.outstanding.is_empty(),
+                "live requests {:?} but nothing can be scheduled",
+                self.live
+            );
             self.apply(&Op::Complete, &[])?;
         }
         Err(TestCaseError::fail(format!("requests {:?} never finished", self.live)))

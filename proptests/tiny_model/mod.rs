@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ndarray::Array2;
+use omniprefix::Result;
 use omniprefix::backend::cpu::{CpuBackend, CpuPages};
 use omniprefix::batch::{EmbedRows, RequestId, ScheduledBatch};
 use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
@@ -16,7 +17,6 @@ use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, ItemSpan, Positions};
 use omniprefix::runner::{ModelRunner, PromptInputs, SeqOutput, run_uncached};
 use omniprefix::sched::Request;
-use omniprefix::Result;
 
 /// Vocabulary of the tiny model; text ids come from `0..TEXT_IDS`.
 pub const VOCAB: usize = 8;
@@ -44,8 +44,10 @@ pub struct TinyModel {
 impl TinyModel {
     pub fn new(seed: u64) -> Result<Self> {
         let backend = Arc::new(CpuBackend::new());
-        let thinker = Arc::new(Thinker::random(&*backend, Config::tiny_qwen3(HIDDEN, LAYERS, 2, 1, VOCAB), seed)?);
-        let capture = CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(1), CaptureName::Final], LAYERS)?;
+        let thinker =
+            Arc::new(Thinker::random(&*backend, Config::tiny_qwen3(HIDDEN, LAYERS, 2, 1, VOCAB), seed)?);
+        let capture =
+            CaptureSpec::new([CaptureName::Hidden(0), CaptureName::Hidden(1), CaptureName::Final], LAYERS)?;
         let runner = ModelRunner::new(Arc::clone(&backend), Arc::clone(&thinker), capture.clone())?;
         Ok(Self { runner, thinker, backend, capture })
     }
@@ -67,7 +69,9 @@ impl TinyModel {
 
 /// Embedding rows of image `k`: distinct per image and per row.
 fn image_embeddings(k: u32) -> Array2<f32> {
-    Array2::from_shape_fn((IMAGE_ROWS, HIDDEN), |(r, c)| ((k as usize * 7 + r * 3 + c) % 11) as f32 * 0.1 - 0.5)
+    Array2::from_shape_fn((IMAGE_ROWS, HIDDEN), |(r, c)| {
+        ((k as usize * 7 + r * 3 + c) % 11) as f32 * 0.1 - 0.5
+    })
 }
 
 fn image_identity(k: u32) -> Arc<ItemIdentity> {
@@ -117,12 +121,27 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
         prompt.index_map.spans.push(ItemSpan { item: item as u32, rows: 0..IMAGE_ROWS as u32, start });
         prompt.index_map.placeholders.insert_range(start..start + IMAGE_ROWS as u32);
         prompt.token_ids.extend([IMAGE_PAD; IMAGE_ROWS]);
-        embeds.push(EmbedRows { step_offset: start as usize, embeddings: Arc::clone(&embeddings[item]), rows: 0..IMAGE_ROWS, deepstack: None });
+        embeds.push(EmbedRows {
+            step_offset: start as usize,
+            embeddings: Arc::clone(&embeddings[item]),
+            rows: 0..IMAGE_ROWS,
+            deepstack: None,
+        });
     }
     let positions = Positions::linear(prompt.token_ids.len());
     prompt.positions = positions.clone();
     let inputs = PromptInputs { token_ids: prompt.token_ids.clone(), embeds, positions };
-    (Request { id, prompt, item_embeddings: embeddings, item_deepstack: vec![], hidden_size: Some(HIDDEN), max_new_tokens: 0 }, inputs)
+    (
+        Request {
+            id,
+            prompt,
+            item_embeddings: embeddings,
+            item_deepstack: vec![],
+            hidden_size: Some(HIDDEN),
+            max_new_tokens: 0,
+        },
+        inputs,
+    )
 }
 
 /// `Ok` when every captured hidden state and the last logits of `got` equal
@@ -134,10 +153,14 @@ pub fn equal_outputs(got: &SeqOutput, want: &omniprefix::runner::Outputs) -> std
         }
         close(g.iter().copied(), w.iter().copied()).map_err(|m| format!("{name}: {m}"))?;
     }
-    close(got.last_logits.iter().copied(), want.last_logits.iter().copied()).map_err(|m| format!("logits: {m}"))
+    close(got.last_logits.iter().copied(), want.last_logits.iter().copied())
+        .map_err(|m| format!("logits: {m}"))
 }
 
-fn close(got: impl Iterator<Item = f32>, want: impl Iterator<Item = f32> + Clone) -> std::result::Result<(), String> {
+fn close(
+    got: impl Iterator<Item = f32>,
+    want: impl Iterator<Item = f32> + Clone,
+) -> std::result::Result<(), String> {
     let scale = want.clone().fold(1f32, |m, v| m.max(v.abs()));
     match got.zip(want).enumerate().find(|(_, (g, w))| (g - w).abs() > TOLERANCE * scale || g.is_nan()) {
         None => Ok(()),

@@ -3,7 +3,9 @@
 
 use half::{bf16, f16};
 use ndarray::{Array2, ArrayViewD};
-use numpy::{PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArray2, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
 use omniprefix::canon::TensorView;
 use omniprefix::model::CaptureName;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -49,20 +51,25 @@ fn native_order<'py>(array: Bound<'py, PyUntypedArray>) -> PyResult<Bound<'py, P
 /// walked again, to name the element.
 pub fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err("token_ids must be a sequence of ints or a numpy integer array, not a string"));
+        return Err(PyTypeError::new_err(
+            "token_ids must be a sequence of ints or a numpy integer array, not a string",
+        ));
     }
     if let Ok(array) = obj.cast::<PyUntypedArray>() {
         return array_ids(array);
     }
     match obj.extract::<Vec<i64>>() {
-        Ok(ids) => ids.into_iter().enumerate().map(|(position, id)| id_at(position, i128::from(id))).collect(),
+        Ok(ids) => {
+            ids.into_iter().enumerate().map(|(position, id)| id_at(position, i128::from(id))).collect()
+        }
         Err(_) => list_ids(obj),
     }
 }
 
 /// An id checked into `u32`.
 fn id_at(position: usize, id: i128) -> PyResult<u32> {
-    u32::try_from(id).map_err(|_| PyValueError::new_err(format!("token_ids[{position}] = {id} is outside 0..=4294967295")))
+    u32::try_from(id)
+        .map_err(|_| PyValueError::new_err(format!("token_ids[{position}] = {id} is outside 0..=4294967295")))
 }
 
 /// Ids of a 1-D numpy integer array, widened to 64 bits (no copy when already 64-bit).
@@ -87,7 +94,9 @@ fn array_ids(array: &Bound<'_, PyUntypedArray>) -> PyResult<Vec<u32>> {
 
 /// The slow path of a sequence that did not extract as ints: names the first bad element.
 fn list_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let items = obj.try_iter().map_err(|_| PyTypeError::new_err("token_ids must be a sequence of ints or a numpy integer array"))?;
+    let items = obj
+        .try_iter()
+        .map_err(|_| PyTypeError::new_err("token_ids must be a sequence of ints or a numpy integer array"))?;
     let mut ids = Vec::new();
     for (position, item) in items.enumerate() {
         let item = item?;
@@ -142,7 +151,9 @@ impl<'py> Content<'py> {
 
     /// The array as one of the native dtypes (a numpy type check, no Python call).
     fn typed(array: &Bound<'py, PyUntypedArray>) -> Option<Self> {
-        fn read<'py, T: numpy::Element>(array: &Bound<'py, PyUntypedArray>) -> Option<PyReadonlyArrayDyn<'py, T>> {
+        fn read<'py, T: numpy::Element>(
+            array: &Bound<'py, PyUntypedArray>,
+        ) -> Option<PyReadonlyArrayDyn<'py, T>> {
             array.cast::<PyArrayDyn<T>>().ok()?.try_readonly().ok()
         }
         read::<u8>(array)
@@ -185,27 +196,44 @@ pub fn float_matrix(obj: &Bound<'_, PyAny>, what: &str, reject_non_finite: bool)
         return Err(PyTypeError::new_err(format!("{what} must be a float array, found dtype {name}")));
     }
     if array.ndim() != 2 {
-        return Err(PyValueError::new_err(format!("{what} must be 2-D [rows, hidden], found shape {:?}", array.shape())));
+        return Err(PyValueError::new_err(format!(
+            "{what} must be 2-D [rows, hidden], found shape {:?}",
+            array.shape()
+        )));
     }
     let f32s = array.call_method1("astype", ("float32",))?;
     let matrix = f32s.cast_into::<PyArray2<f32>>()?.readonly().as_array().to_owned();
     if let Some((at, value)) = matrix.indexed_iter().find(|(_, v)| reject_non_finite && !v.is_finite()) {
-        return Err(PyValueError::new_err(format!("{what}: non-finite value {value} at [{}, {}]", at.0, at.1)));
+        return Err(PyValueError::new_err(format!(
+            "{what}: non-finite value {value} at [{}, {}]",
+            at.0, at.1
+        )));
     }
     Ok(matrix)
 }
 
 /// DeepStack levels: a `[levels, rows, hidden]` array or a sequence of `[rows, hidden]` ones
 /// (`reject_non_finite` as [`float_matrix`]).
-pub fn float_levels(obj: &Bound<'_, PyAny>, what: &str, reject_non_finite: bool) -> PyResult<Vec<Array2<f32>>> {
+pub fn float_levels(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    reject_non_finite: bool,
+) -> PyResult<Vec<Array2<f32>>> {
     let levels: Vec<Bound<'_, PyAny>> = match obj.cast::<PyUntypedArray>() {
         Ok(array) if array.ndim() == 3 => array.try_iter()?.collect::<PyResult<_>>()?,
         Ok(array) => {
-            return Err(PyValueError::new_err(format!("{what} must be 3-D [levels, rows, hidden], found shape {:?}", array.shape())));
+            return Err(PyValueError::new_err(format!(
+                "{what} must be 3-D [levels, rows, hidden], found shape {:?}",
+                array.shape()
+            )));
         }
         Err(_) => obj.try_iter()?.collect::<PyResult<_>>()?,
     };
-    levels.iter().enumerate().map(|(i, level)| float_matrix(level, &format!("{what}[{i}]"), reject_non_finite)).collect()
+    levels
+        .iter()
+        .enumerate()
+        .map(|(i, level)| float_matrix(level, &format!("{what}[{i}]"), reject_non_finite))
+        .collect()
 }
 
 /// The name a captured point goes by in Python (and in the CLI's files).
@@ -217,7 +245,10 @@ pub fn capture_key(name: CaptureName) -> String {
 }
 
 /// `{name: array}`, each array moved into numpy without a copy.
-pub fn hidden_dict<'py>(py: Python<'py>, hidden: Vec<(CaptureName, Array2<f32>)>) -> PyResult<Bound<'py, PyDict>> {
+pub fn hidden_dict<'py>(
+    py: Python<'py>,
+    hidden: Vec<(CaptureName, Array2<f32>)>,
+) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     for (name, rows) in hidden {
         dict.set_item(capture_key(name), PyArray2::from_owned_array(py, rows))?;

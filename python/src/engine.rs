@@ -12,12 +12,12 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use omniprefix::backend::auto::{SelectedBackend, select};
 use omniprefix::backend::Backend;
+use omniprefix::backend::auto::{SelectedBackend, select};
 use omniprefix::canon::ItemIdentity;
 use omniprefix::engine::{
-    Aborter, Encoder, Engine, EngineConfig, EncoderOutput, Event, Output, PlaceholderForm, Request, RequestHandle, ServedEngine, ServedOptions, Task,
-    tokens_from_config_json,
+    Aborter, Encoder, EncoderOutput, Engine, EngineConfig, Event, Output, PlaceholderForm, Request,
+    RequestHandle, ServedEngine, ServedOptions, Task, tokens_from_config_json,
 };
 use omniprefix::error::RequestError;
 use omniprefix::model::{Config, Thinker};
@@ -123,7 +123,10 @@ impl Encoder for PyEncoder<'_> {
         let missing = || RequestError::MissingEmbeddings { item: index }.into();
         let Some(item) = self.items.get(index) else { return Err(missing()) };
         Python::attach(|py| {
-            let result = self.callable.call1(py, (item.clone_ref(py),)).and_then(|out| encoder_output(out.bind(py), index));
+            let result = self
+                .callable
+                .call1(py, (item.clone_ref(py),))
+                .and_then(|out| encoder_output(out.bind(py), index));
             result.map_err(|e| {
                 *self.raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                 missing()
@@ -138,7 +141,9 @@ fn encoder_output(out: &Bound<'_, PyAny>, index: usize) -> PyResult<EncoderOutpu
     let what = format!("the encoder's output for item {index}");
     if let Ok(pair) = out.cast::<PyTuple>() {
         if pair.len() != 2 {
-            return Err(PyTypeError::new_err(format!("{what}: expected embeddings or (embeddings, deepstack)")));
+            return Err(PyTypeError::new_err(format!(
+                "{what}: expected embeddings or (embeddings, deepstack)"
+            )));
         }
         let embeddings = float_matrix(&pair.get_item(0)?, &what, false)?;
         let deepstack = float_levels(&pair.get_item(1)?, &format!("{what}, deepstack"), false)?;
@@ -161,7 +166,10 @@ fn sampling_params(sampling: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingPar
 }
 
 impl PyEngine {
-    fn open(options: EngineOptions, build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<Self>) -> PyResult<Self> {
+    fn open(
+        options: EngineOptions,
+        build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<Self>,
+    ) -> PyResult<Self> {
         let selection = guard(|| select(options.backend))?;
         let reason = selection.reason.clone();
         let mut engine = guard(|| build(selection.backend, options.config))?;
@@ -186,7 +194,8 @@ impl PyEngine {
         let raised = Mutex::new(None);
         let served = &*self.served;
         let submitted = py.detach(|| {
-            let mut request = Request { tenant, token_ids: ids, placeholders, items: inputs, task, encoder: None };
+            let mut request =
+                Request { tenant, token_ids: ids, placeholders, items: inputs, task, encoder: None };
             if let Some(callable) = encoder {
                 request = request.with_encoder(PyEncoder { callable, items: &items, raised: &raised });
             }
@@ -214,7 +223,12 @@ struct Prompt<'a> {
 }
 
 impl<'a> Prompt<'a> {
-    fn parse(token_ids: &Bound<'_, PyAny>, items: Option<&'a Bound<'a, PyAny>>, tenant: u64, placeholders: &str) -> PyResult<Self> {
+    fn parse(
+        token_ids: &Bound<'_, PyAny>,
+        items: Option<&'a Bound<'a, PyAny>>,
+        tenant: u64,
+        placeholders: &str,
+    ) -> PyResult<Self> {
         Ok(Prompt {
             ids: crate::arrays::token_ids(token_ids)?,
             borrowed: BorrowedItems::from_py(items)?,
@@ -252,7 +266,11 @@ impl PyEngine {
     /// kv_replay, kv_topic, kv_buffer_steps, kv_linger_s (see docs/python.md).
     #[staticmethod]
     #[pyo3(signature = (path, **options))]
-    fn from_dir(py: Python<'_>, path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+    fn from_dir(
+        py: Python<'_>,
+        path: &Bound<'_, PyAny>,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
         let dir = checkpoint_dir(path)?;
         let mut options = EngineOptions::parse(options)?;
         let model = guard(|| Config::from_dir(&dir))?;
@@ -269,7 +287,12 @@ impl PyEngine {
     /// `config.json` dict. Takes the options of `from_dir`.
     #[staticmethod]
     #[pyo3(signature = (config, seed, **options))]
-    fn random(py: Python<'_>, config: &Bound<'_, PyAny>, seed: u64, options: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+    fn random(
+        py: Python<'_>,
+        config: &Bound<'_, PyAny>,
+        seed: u64,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
         let json = config_json(py, config, "config")?;
         let mut options = EngineOptions::parse(options)?;
         let model = guard(|| Config::from_json_str(&json))?;
@@ -278,7 +301,12 @@ impl PyEngine {
         options.config.tokens = guard(|| tokens_from_config_json(&json))?;
         py.detach(|| {
             Self::open(options, |backend, config| {
-                fn random_on<B: Backend + 'static>(backend: B, model: Config, seed: u64, config: EngineConfig) -> omniprefix::Result<PyEngine>
+                fn random_on<B: Backend + 'static>(
+                    backend: B,
+                    model: Config,
+                    seed: u64,
+                    config: EngineConfig,
+                ) -> omniprefix::Result<PyEngine>
                 where
                     Engine<B>: Send,
                 {
@@ -415,7 +443,9 @@ impl PyEngine {
     /// The publisher's counters (batches, published, dropped, replays, malformed_replays), or None.
     fn kv_events_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let stats = py.detach(|| self.served.kv_events_stats()).map_err(to_py)?;
-        stats.map(|s| pythonize::pythonize(py, &s).map_err(|e| InternalError::new_err(e.to_string()))).transpose()
+        stats
+            .map(|s| pythonize::pythonize(py, &s).map_err(|e| InternalError::new_err(e.to_string())))
+            .transpose()
     }
 
     /// The KV events PUB endpoint as bound (port 0 resolved), or None.
@@ -604,7 +634,14 @@ where
 {
     let model = engine.model_config();
     let OmniTokens {
-        image_token_id, video_token_id, audio_token_id, vision_start_token_id, vision_end_token_id, audio_start_token_id, audio_end_token_id, ..
+        image_token_id,
+        video_token_id,
+        audio_token_id,
+        vision_start_token_id,
+        vision_end_token_id,
+        audio_start_token_id,
+        audio_end_token_id,
+        ..
     } = *engine.tokens();
     Ok(PyEngine {
         capture: engine.capture().points().iter().map(|p| capture_key(*p)).collect(),
@@ -622,7 +659,9 @@ where
         vision_end_token_id,
         audio_start_token_id,
         audio_end_token_id,
-        kv_endpoints: engine.kv_events_endpoints().map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),
+        kv_endpoints: engine
+            .kv_events_endpoints()
+            .map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),
         served: ManuallyDrop::new(engine.serve(ServedOptions::default())?),
     })
 }

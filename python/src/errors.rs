@@ -13,13 +13,48 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 create_exception!(omniprefix, Error, PyException, "Base class of every omniprefix error.");
-create_exception!(omniprefix, RequestError, Error, "A request the engine cannot serve: token ids, items, layouts, embeddings, sampling settings, tenant.");
-create_exception!(omniprefix, CheckpointError, Error, "A checkpoint folder that cannot be loaded: missing, config.json, safetensors, weights.");
-create_exception!(omniprefix, ConfigError, Error, "An engine or index setting that cannot work (block size, capture point, pool size, a KV events endpoint that cannot be bound).");
-create_exception!(omniprefix, CacheError, Error, "A cache used against its contract (a block inserted twice, more blocks than the prompt has, a reset while requests hold blocks).");
-create_exception!(omniprefix, GpuError, Error, "The wgpu device: no adapter, limits, shaders, device failures.");
-create_exception!(omniprefix, InternalError, Error, "A broken invariant or a panic inside the engine: a bug, reported instead of crashing.");
-create_exception!(omniprefix, EngineDeadError, Error, "The engine died (a step panicked): every pending and later call raises this. Withdraw it and start a new one.");
+create_exception!(
+    omniprefix,
+    RequestError,
+    Error,
+    "A request the engine cannot serve: token ids, items, layouts, embeddings, sampling settings, tenant."
+);
+create_exception!(
+    omniprefix,
+    CheckpointError,
+    Error,
+    "A checkpoint folder that cannot be loaded: missing, config.json, safetensors, weights."
+);
+create_exception!(
+    omniprefix,
+    ConfigError,
+    Error,
+    "An engine or index setting that cannot work (block size, capture point, pool size, a KV events endpoint that cannot be bound)."
+);
+create_exception!(
+    omniprefix,
+    CacheError,
+    Error,
+    "A cache used against its contract (a block inserted twice, more blocks than the prompt has, a reset while requests hold blocks)."
+);
+create_exception!(
+    omniprefix,
+    GpuError,
+    Error,
+    "The wgpu device: no adapter, limits, shaders, device failures."
+);
+create_exception!(
+    omniprefix,
+    InternalError,
+    Error,
+    "A broken invariant or a panic inside the engine: a bug, reported instead of crashing."
+);
+create_exception!(
+    omniprefix,
+    EngineDeadError,
+    Error,
+    "The engine died (a step panicked): every pending and later call raises this. Withdraw it and start a new one."
+);
 
 /// The exception class of an engine error's family.
 pub fn to_py(error: EngineError) -> PyErr {
@@ -29,8 +64,12 @@ pub fn to_py(error: EngineError) -> PyErr {
         EngineError::Checkpoint(_) | EngineError::Io(_) => CheckpointError::new_err(message),
         // The KV events endpoints are settings too: one that does not parse or cannot be bound (a port in use).
         EngineError::Config(_)
-        | EngineError::Events(EventsError::BadEndpoint { .. } | EventsError::Bind { .. }) => ConfigError::new_err(message),
-        EngineError::Cache(_) | EngineError::Sched(SchedError::CacheInUse { .. }) => CacheError::new_err(message),
+        | EngineError::Events(EventsError::BadEndpoint { .. } | EventsError::Bind { .. }) => {
+            ConfigError::new_err(message)
+        }
+        EngineError::Cache(_) | EngineError::Sched(SchedError::CacheInUse { .. }) => {
+            CacheError::new_err(message)
+        }
         EngineError::Gpu(_) => GpuError::new_err(message),
         EngineError::Sched(SchedError::EngineDead { .. }) => EngineDeadError::new_err(message),
         _ => InternalError::new_err(message),

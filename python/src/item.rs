@@ -35,13 +35,20 @@ pub struct Item {
 
 /// A value of a serde type (`"image"`, a layout dict) from its Python form.
 pub fn from_py<T: serde::de::DeserializeOwned>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
-    pythonize::depythonize(obj).map_err(|e| PyValueError::new_err(format!("{what} {}: {e}", obj.repr().map_or_else(|_| "?".into(), |r| r.to_string()))))
+    pythonize::depythonize(obj).map_err(|e| {
+        PyValueError::new_err(format!(
+            "{what} {}: {e}",
+            obj.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    })
 }
 
 /// An item layout from its request-file dict (`{"kind": "image", "grid_thw": [1, 4, 6]}`).
 pub fn layout_from_dict(layout: &Bound<'_, PyAny>) -> PyResult<ItemLayout> {
     if !layout.is_instance_of::<PyDict>() {
-        return Err(PyTypeError::new_err("layout must be a dict such as {\"kind\": \"image\", \"grid_thw\": [1, 4, 6]}"));
+        return Err(PyTypeError::new_err(
+            "layout must be a dict such as {\"kind\": \"image\", \"grid_thw\": [1, 4, 6]}",
+        ));
     }
     from_py(layout, "layout")
 }
@@ -71,8 +78,10 @@ impl Item {
         let parsed = layout_from_dict(layout)?;
         // Borrowing once checks the dtype now rather than at the first call.
         Content::borrow(content)?;
-        let embeddings = embeddings.filter(|e| !e.is_none()).map(|e| float_matrix(e, "embeddings", true)).transpose()?;
-        let deepstack = deepstack.filter(|d| !d.is_none()).map(|d| float_levels(d, "deepstack", true)).transpose()?;
+        let embeddings =
+            embeddings.filter(|e| !e.is_none()).map(|e| float_matrix(e, "embeddings", true)).transpose()?;
+        let deepstack =
+            deepstack.filter(|d| !d.is_none()).map(|d| float_levels(d, "deepstack", true)).transpose()?;
         Ok(Item {
             modality,
             layout: parsed,
@@ -124,7 +133,12 @@ impl Item {
     }
 
     fn __repr__(&self) -> String {
-        format!("Item({}, {:?}, embeddings={})", modality_name(self.modality), self.layout, self.embeddings.is_some())
+        format!(
+            "Item({}, {:?}, embeddings={})",
+            modality_name(self.modality),
+            self.layout,
+            self.embeddings.is_some()
+        )
     }
 }
 
@@ -148,7 +162,11 @@ impl<'py> BorrowedItems<'py> {
     pub fn from_py(items: Option<&Bound<'py, PyAny>>) -> PyResult<Self> {
         let mut out = BorrowedItems { items: Vec::new(), contents: Vec::new() };
         let Some(items) = items.filter(|i| !i.is_none()) else { return Ok(out) };
-        for (i, item) in items.try_iter().map_err(|_| PyTypeError::new_err("items must be a sequence of omniprefix.Item"))?.enumerate() {
+        for (i, item) in items
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err("items must be a sequence of omniprefix.Item"))?
+            .enumerate()
+        {
             let item = item?
                 .cast_into::<Item>()
                 .map_err(|_| PyTypeError::new_err(format!("items[{i}] is not an omniprefix.Item")))?;
@@ -185,7 +203,11 @@ impl<'py> BorrowedItems<'py> {
         self.specs()
             .into_iter()
             .zip(&self.items)
-            .map(|(spec, item)| ItemInput { spec, embeddings: item.get().embeddings.clone(), deepstack: item.get().deepstack.clone() })
+            .map(|(spec, item)| ItemInput {
+                spec,
+                embeddings: item.get().embeddings.clone(),
+                deepstack: item.get().deepstack.clone(),
+            })
             .collect()
     }
 }

@@ -30,7 +30,13 @@ pub fn block_hashes(
     let tokens = special_tokens(py, tokens)?;
     let form = placeholder_form(placeholders)?;
     let borrowed = BorrowedItems::from_py(items)?;
-    let request = Request { tenant, token_ids: ids, placeholders: form, items: borrowed.inputs(), ..Default::default() };
+    let request = Request {
+        tenant,
+        token_ids: ids,
+        placeholders: form,
+        items: borrowed.inputs(),
+        ..Default::default()
+    };
     py.detach(|| guard(|| request_block_hashes(&request, &key, block_size, &tokens)))
 }
 

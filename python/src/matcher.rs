@@ -43,7 +43,12 @@ pub fn fingerprint(
     let layout = layout_from_dict(layout)?;
     let params = params_from(params)?;
     let content = Content::borrow(content)?;
-    let spec = ItemSpec { modality: layout.modality(), layout, content: ItemContent::Tensor(content.view()), params };
+    let spec = ItemSpec {
+        modality: layout.modality(),
+        layout,
+        content: ItemContent::Tensor(content.view()),
+        params,
+    };
     py.detach(|| {
         guard(|| {
             let fingerprinter = Fingerprinter::new(key, 1, ValidationPolicy::Unvalidated)?;
@@ -58,14 +63,23 @@ pub fn fingerprint(
 /// item's bytes once, with the GIL released.
 #[pyfunction]
 #[pyo3(signature = (items, *, key, threads=1))]
-pub fn vllm_uuids<'py>(py: Python<'py>, items: &Bound<'py, PyAny>, key: &Bound<'py, PyAny>, threads: usize) -> PyResult<Bound<'py, PyDict>> {
+pub fn vllm_uuids<'py>(
+    py: Python<'py>,
+    items: &Bound<'py, PyAny>,
+    key: &Bound<'py, PyAny>,
+    threads: usize,
+) -> PyResult<Bound<'py, PyDict>> {
     let key = fingerprint_key(key, "key")?;
     let borrowed = BorrowedItems::from_py(Some(items))?;
     let specs = borrowed.specs();
     let hexes: Vec<String> = py.detach(|| {
         guard(|| {
             let fingerprinter = Fingerprinter::new(key, threads.max(1), ValidationPolicy::Unvalidated)?;
-            specs.iter().enumerate().map(|(i, spec)| Ok(fingerprinter.identify(i, spec)?.fingerprint.mm_hash_hex())).collect()
+            specs
+                .iter()
+                .enumerate()
+                .map(|(i, spec)| Ok(fingerprinter.identify(i, spec)?.fingerprint.mm_hash_hex()))
+                .collect()
         })
     })?;
     let out = PyDict::new(py);
@@ -104,7 +118,8 @@ impl Prompt {
         special_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let ids = crate::arrays::token_ids(token_ids)?;
-        let key = key.filter(|k| !k.is_none()).map_or_else(|| Ok(process_key()), |k| fingerprint_key(k, "key"))?;
+        let key =
+            key.filter(|k| !k.is_none()).map_or_else(|| Ok(process_key()), |k| fingerprint_key(k, "key"))?;
         let policy = policy_of(validation)?;
         let tokens = special_tokens_of(special_tokens)?;
         let form = crate::engine::placeholder_form(placeholders)?;
@@ -146,7 +161,12 @@ impl Prompt {
     }
 
     fn __repr__(&self) -> String {
-        format!("Prompt(len={}, items={}, tenant={})", self.prompt.len(), self.prompt.items.len(), self.prompt.tenant)
+        format!(
+            "Prompt(len={}, items={}, tenant={})",
+            self.prompt.len(),
+            self.prompt.items.len(),
+            self.prompt.tenant
+        )
     }
 }
 
@@ -270,7 +290,13 @@ impl PyPrefixIndex {
     }
 
     /// Caches the first `tokens` positions held by `blocks` (the last block may be partly filled).
-    fn insert_partial(&self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>, tokens: usize) -> PyResult<InsertOutcome> {
+    fn insert_partial(
+        &self,
+        py: Python<'_>,
+        prompt: &Prompt,
+        blocks: Vec<u32>,
+        tokens: usize,
+    ) -> PyResult<InsertOutcome> {
         self.check(prompt)?;
         let outcome = guard(|| self.locked().insert_partial(&prompt.prompt, &blocks, tokens))?;
         InsertOutcome::new(py, outcome)

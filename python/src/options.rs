@@ -33,7 +33,9 @@ impl CaptureChoice {
     pub fn resolve(&self, num_layers: usize) -> Option<Vec<CaptureName>> {
         match self {
             CaptureChoice::Default => None,
-            CaptureChoice::All => Some((0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect()),
+            CaptureChoice::All => {
+                Some((0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect())
+            }
             CaptureChoice::List(points) => Some(points.clone()),
         }
     }
@@ -92,7 +94,9 @@ impl KvOptions {
                 ("kv_linger_s", self.linger.is_some()),
             ];
             return match given.iter().find(|(_, set)| *set) {
-                Some((name, _)) => Err(PyValueError::new_err(format!("{name} needs kv_events (the PUB endpoint) too"))),
+                Some((name, _)) => {
+                    Err(PyValueError::new_err(format!("{name} needs kv_events (the PUB endpoint) too")))
+                }
                 None => Ok(None),
             };
         };
@@ -133,16 +137,24 @@ impl EngineOptions {
                 "prefill_cap" => config.prefill_cap = Some(count(&value, &name)?),
                 "fingerprint_threads" => config.fingerprint_threads = count(&value, &name)?,
                 "encoder_cache_bytes" => config.encoder_cache_bytes = count(&value, &name)?,
-                "cache" => config.cache = value.extract().map_err(|_| PyTypeError::new_err("cache must be a bool"))?,
+                "cache" => {
+                    config.cache =
+                        value.extract().map_err(|_| PyTypeError::new_err("cache must be a bool"))?
+                }
                 "capture" => out.capture = capture_choice(&value)?,
                 "backend" => out.backend = backend_kind(&value)?,
                 "dtype" => config.dtype = dtype(&value)?,
-                "kv_dtype" => config.kv_dtype = dtype(&value)?.ok_or_else(|| PyValueError::new_err("kv_dtype \"auto\": give f32, bf16 or f16"))?,
+                "kv_dtype" => {
+                    config.kv_dtype = dtype(&value)?
+                        .ok_or_else(|| PyValueError::new_err("kv_dtype \"auto\": give f32, bf16 or f16"))?
+                }
                 "fingerprint_key" => config.fingerprint_key = fingerprint_key(&value, &name)?,
                 "validation" => config.validation = validation(&value)?,
                 "tenants" => {
                     config.known_tenants =
-                        Some(value.extract().map_err(|_| PyTypeError::new_err("tenants must be a list of non-negative ints"))?)
+                        Some(value.extract().map_err(|_| {
+                            PyTypeError::new_err("tenants must be a list of non-negative ints")
+                        })?)
                 }
                 "kv_events" => kv.endpoint = Some(string(&value, &name)?),
                 "kv_replay" => kv.replay = Some(string(&value, &name)?),
@@ -176,7 +188,9 @@ fn seconds(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
         return Err(PyTypeError::new_err(format!("{name} must be a number of seconds")));
     }
     let s: f64 = value.extract()?;
-    Duration::try_from_secs_f64(s).map_err(|_| PyValueError::new_err(format!("{name} must be a finite number of seconds >= 0, found {s}")))
+    Duration::try_from_secs_f64(s).map_err(|_| {
+        PyValueError::new_err(format!("{name} must be a finite number of seconds >= 0, found {s}"))
+    })
 }
 
 fn string(value: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
@@ -192,12 +206,16 @@ fn capture_choice(value: &Bound<'_, PyAny>) -> PyResult<CaptureChoice> {
         return match value.extract::<String>()?.as_str() {
             "default" => Ok(CaptureChoice::Default),
             "all" => Ok(CaptureChoice::All),
-            other => Err(PyValueError::new_err(format!("capture {other:?}: expected \"default\", \"all\" or a list of points"))),
+            other => Err(PyValueError::new_err(format!(
+                "capture {other:?}: expected \"default\", \"all\" or a list of points"
+            ))),
         };
     }
     let points = value
         .try_iter()
-        .map_err(|_| PyTypeError::new_err("capture must be \"default\", \"all\" or a list such as [0, 2, \"final\"]"))?
+        .map_err(|_| {
+            PyTypeError::new_err("capture must be \"default\", \"all\" or a list such as [0, 2, \"final\"]")
+        })?
         .map(|point| capture_point(&point?))
         .collect::<PyResult<Vec<_>>>()?;
     Ok(CaptureChoice::List(points))
@@ -206,7 +224,9 @@ fn capture_choice(value: &Bound<'_, PyAny>) -> PyResult<CaptureChoice> {
 /// One capture point: an int layer or a name.
 pub fn capture_point(point: &Bound<'_, PyAny>) -> PyResult<CaptureName> {
     if point.is_instance_of::<PyInt>() {
-        let layer: usize = point.extract().map_err(|_| PyValueError::new_err("a capture layer must be a non-negative int"))?;
+        let layer: usize = point
+            .extract()
+            .map_err(|_| PyValueError::new_err("a capture layer must be a non-negative int"))?;
         return Ok(CaptureName::Hidden(layer));
     }
     let name = string(point, "a capture point")?;
@@ -216,7 +236,9 @@ pub fn capture_point(point: &Bound<'_, PyAny>) -> PyResult<CaptureName> {
 
 fn backend_kind(value: &Bound<'_, PyAny>) -> PyResult<BackendKind> {
     let name = string(value, "backend")?;
-    BackendKind::from_str(&name).map_err(|_| PyValueError::new_err(format!("backend {name:?}: expected \"cpu\", \"wgpu\" or \"auto\"")))
+    BackendKind::from_str(&name).map_err(|_| {
+        PyValueError::new_err(format!("backend {name:?}: expected \"cpu\", \"wgpu\" or \"auto\""))
+    })
 }
 
 /// `"auto"` (the checkpoint's own dtype), `"f32"`, `"bf16"` or `"f16"`; numpy's
@@ -242,9 +264,12 @@ pub fn fingerprint_key(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Fingerp
         .cast::<PyBytes>()
         .map_err(|_| PyTypeError::new_err(format!("{name} must be 32 bytes or a str of 64 hex digits")))?
         .as_bytes();
-    let key: [u8; 32] = bytes
-        .try_into()
-        .map_err(|_| PyValueError::new_err(format!("{name} must be 32 bytes (or a str of 64 hex digits), found {} bytes", bytes.len())))?;
+    let key: [u8; 32] = bytes.try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be 32 bytes (or a str of 64 hex digits), found {} bytes",
+            bytes.len()
+        ))
+    })?;
     Ok(FingerprintKey::from_bytes(key))
 }
 

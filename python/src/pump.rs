@@ -78,7 +78,9 @@ impl EventPump {
     /// `[]` when the time ran out.
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Vec<Found>> {
         if !(timeout_s.is_finite() && timeout_s >= 0.0) {
-            return Err(PyValueError::new_err(format!("timeout_s must be a finite number >= 0, not {timeout_s}")));
+            return Err(PyValueError::new_err(format!(
+                "timeout_s must be a finite number >= 0, not {timeout_s}"
+            )));
         }
         let timeout = Duration::from_secs_f64(timeout_s);
         let ids: HashSet<u64> = py.detach(|| {
@@ -91,7 +93,8 @@ impl EventPump {
         });
         let mut found = Vec::new();
         for id in ids {
-            let state = self.watched.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()).get(&id).cloned();
+            let state =
+                self.watched.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()).get(&id).cloned();
             let Some(state) = state else { continue };
             let (tokens, end) = drain(py, &state)?;
             if end.is_some() {

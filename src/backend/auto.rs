@@ -11,8 +11,8 @@ use std::str::FromStr;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::wgpu::WgpuBackend;
-use crate::{Error, Result};
 use crate::error::{ConfigError, GpuError};
+use crate::{Error, Result};
 
 /// The backend a caller asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -39,7 +39,8 @@ impl FromStr for BackendKind {
                 field: "backend",
                 expected: "cpu, wgpu or auto".into(),
                 found: other.into(),
-            }.into()),
+            }
+            .into()),
         }
     }
 }
@@ -100,7 +101,9 @@ pub fn select_with(kind: BackendKind, open_wgpu: impl FnOnce() -> Result<WgpuBac
                 gpu.context().adapter_name()
             ))),
             Ok(gpu) => Ok(wgpu(gpu, "auto: a hardware adapter is available")),
-            Err(Error::Gpu(GpuError::Unavailable { .. })) => Ok(cpu("cpu (auto: no GPU adapter found)".into())),
+            Err(Error::Gpu(GpuError::Unavailable { .. })) => {
+                Ok(cpu("cpu (auto: no GPU adapter found)".into()))
+            }
             Err(e) => Ok(cpu(format!("cpu (auto: the GPU adapter cannot run the kernels: {e})"))),
         },
     }
@@ -130,13 +133,19 @@ mod tests {
             assert_eq!(kind.to_string().parse::<BackendKind>().unwrap(), kind);
         }
         let err = "metal".parse::<BackendKind>().unwrap_err();
-        assert!(matches!(&err, Error::Config(ConfigError::Invalid { field: "backend", found, .. }) if found == "metal"), "{err}");
+        assert!(
+            matches!(&err, Error::Config(ConfigError::Invalid { field: "backend", found, .. }) if found == "metal"),
+            "{err}"
+        );
     }
 
     #[test]
     fn wgpu_without_adapter_is_the_error_not_a_cpu_fallback() {
         let err = select_with(BackendKind::Wgpu, no_adapter).unwrap_err();
-        assert!(matches!(&err, Error::Gpu(GpuError::Unavailable { reason, .. }) if reason == "no driver"), "{err}");
+        assert!(
+            matches!(&err, Error::Gpu(GpuError::Unavailable { reason, .. }) if reason == "no driver"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -149,11 +158,21 @@ mod tests {
     #[test]
     fn auto_names_what_keeps_a_present_adapter_from_running() {
         let too_small = || -> Result<WgpuBackend> {
-            Err(GpuError::Op { adapter: "A (Vulkan)".into(), op: "request_device", message: "out of memory".into() }.into())
+            Err(GpuError::Op {
+                adapter: "A (Vulkan)".into(),
+                op: "request_device",
+                message: "out of memory".into(),
+            }
+            .into())
         };
         let chosen = select_with(BackendKind::Auto, too_small).unwrap();
         assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
-        assert!(chosen.reason.starts_with("cpu (auto: the GPU adapter cannot run the kernels: ") && chosen.reason.contains("out of memory"), "{}", chosen.reason);
+        assert!(
+            chosen.reason.starts_with("cpu (auto: the GPU adapter cannot run the kernels: ")
+                && chosen.reason.contains("out of memory"),
+            "{}",
+            chosen.reason
+        );
     }
 
     #[test]
@@ -167,7 +186,8 @@ mod tests {
     #[test]
     fn cpu_never_opens_a_gpu() {
         let chosen =
-            select_with(BackendKind::Cpu, || -> Result<WgpuBackend> { panic!("cpu must not open a device") }).unwrap();
+            select_with(BackendKind::Cpu, || -> Result<WgpuBackend> { panic!("cpu must not open a device") })
+                .unwrap();
         assert!(matches!(chosen.backend, SelectedBackend::Cpu(_)));
     }
 }

@@ -235,7 +235,9 @@ mod tests {
     #[test]
     fn integer_dtypes_are_a_broken_storage_invariant() {
         for dtype in [Dtype::U8, Dtype::I32, Dtype::I64] {
-            for err in [FloatVec::zeros(dtype, 2).unwrap_err(), FloatVec::from_f32(vec![1.0], dtype).unwrap_err()] {
+            for err in
+                [FloatVec::zeros(dtype, 2).unwrap_err(), FloatVec::from_f32(vec![1.0], dtype).unwrap_err()]
+            {
                 assert!(matches!(&err, Error::Invariant(v) if v.component == Component::Storage), "{err}");
             }
         }
@@ -248,7 +250,15 @@ mod tests {
         e.copy_within(4..6, 0);
         assert_eq!(e.view().to_f32(), vec![1.5, 2.5, 0.0, 0.0, 1.5, 2.5]);
         let joined = FloatVec::concat(&[e.view().slice(0..2), e.view().slice(4..6)]).unwrap();
-        assert_eq!(joined, FloatVec::F16(vec![f16::from_f32(1.5), f16::from_f32(2.5), f16::from_f32(1.5), f16::from_f32(2.5)]));
+        assert_eq!(
+            joined,
+            FloatVec::F16(vec![
+                f16::from_f32(1.5),
+                f16::from_f32(2.5),
+                f16::from_f32(1.5),
+                f16::from_f32(2.5)
+            ])
+        );
         let other = FloatVec::zeros(Dtype::F32, 1).unwrap();
         assert_eq!(FloatVec::concat(&[e.view(), other.view()]), None, "mixed types do not join");
         assert_eq!(FloatVec::concat(&[]), None);

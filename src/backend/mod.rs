@@ -27,7 +27,7 @@ pub(crate) mod weight;
 pub mod wgpu;
 
 pub use floats::{FloatSlice, FloatVec};
-pub use weight::{HostWeight, UnknownDtype, Dtype, WeightView};
+pub use weight::{Dtype, HostWeight, UnknownDtype, WeightView};
 
 use ndarray::{Array2, ArrayView2};
 
@@ -193,7 +193,10 @@ pub struct MoeWeights<T> {
 
 impl<T> MoeWeights<T> {
     /// The same block with every matrix passed through `f` (an upload, a dtype change).
-    pub fn try_map<U, E>(&self, mut f: impl FnMut(&T) -> std::result::Result<U, E>) -> std::result::Result<MoeWeights<U>, E> {
+    pub fn try_map<U, E>(
+        &self,
+        mut f: impl FnMut(&T) -> std::result::Result<U, E>,
+    ) -> std::result::Result<MoeWeights<U>, E> {
         Ok(MoeWeights {
             router: f(&self.router)?,
             gate_up: f(&self.gate_up)?,
@@ -220,8 +223,9 @@ impl MoeWeights<Array2<f32>> {
         top_k: usize,
         norm_topk_prob: bool,
     ) -> Self {
-        let mut matrix =
-            |rows: usize, cols: usize| Array2::from_shape_fn((rows, cols), |_| rng.random::<f32>() * 2.0 - 1.0);
+        let mut matrix = |rows: usize, cols: usize| {
+            Array2::from_shape_fn((rows, cols), |_| rng.random::<f32>() * 2.0 - 1.0)
+        };
         MoeWeights {
             router: matrix(num_experts, hidden),
             gate_up: matrix(num_experts * 2 * inter, hidden),

@@ -106,7 +106,8 @@ impl HostWeight {
             return None;
         }
         // The first part's dtype is a float one, so no conversion fails.
-        let parts: Vec<HostWeight> = parts.into_iter().map(|p| p.to_dtype(dtype).ok()).collect::<Option<_>>()?;
+        let parts: Vec<HostWeight> =
+            parts.into_iter().map(|p| p.to_dtype(dtype).ok()).collect::<Option<_>>()?;
         let rows = parts.iter().map(|p| p.shape[0]).sum();
         let views: Vec<FloatSlice<'_>> = parts.iter().map(|p| p.elements.view()).collect();
         HostWeight::new([rows, cols], FloatVec::concat(&views)?).ok()
@@ -169,14 +170,20 @@ impl<'a> WeightView<'a> {
 
     /// The matrix widened to f32 (exact).
     pub fn to_f32(&self) -> Array2<f32> {
-        Array2::from_shape_vec(self.shape, self.elements.to_f32()).expect("a weight holds rows * cols elements")
+        Array2::from_shape_vec(self.shape, self.elements.to_f32())
+            .expect("a weight holds rows * cols elements")
     }
 }
 
 /// The error a backend returns for a dtype it does not store: `field` is
 /// `"weight dtype"` ([`Backend::upload_weight`](super::Backend::upload_weight)) or
 /// `"kv dtype"` ([`Backend::alloc_pages`](super::Backend::alloc_pages)).
-pub(crate) fn unsupported_dtype(backend: &'static str, field: &'static str, supported: &[Dtype], found: Dtype) -> crate::Error {
+pub(crate) fn unsupported_dtype(
+    backend: &'static str,
+    field: &'static str,
+    supported: &[Dtype],
+    found: Dtype,
+) -> crate::Error {
     let names: Vec<&str> = supported.iter().map(|d| d.name()).collect();
     crate::error::ConfigError::Invalid {
         component: backend,
@@ -199,7 +206,10 @@ mod tests {
             let err = HostWeight::from_f32(Array2::ones((2, 2))).to_dtype(dtype).unwrap_err();
             assert!(matches!(&err, Error::Invariant(v) if v.component == Component::Storage), "{err}");
         }
-        let stacked = HostWeight::stack(vec![HostWeight::from_f32(Array2::ones((1, 2))), HostWeight::from_f32(Array2::zeros((1, 2))).to_dtype(Dtype::F16).unwrap()]);
+        let stacked = HostWeight::stack(vec![
+            HostWeight::from_f32(Array2::ones((1, 2))),
+            HostWeight::from_f32(Array2::zeros((1, 2))).to_dtype(Dtype::F16).unwrap(),
+        ]);
         assert_eq!(stacked.map(|w| (w.dtype(), w.shape())), Some((Dtype::F32, [2, 2])));
     }
 
@@ -216,7 +226,11 @@ mod tests {
         assert_eq!(w.view().row_f32(2), vec![8.0, 9.0, 10.0, 11.0]);
         assert!(HostWeight::new([3, 4], FloatVec::F32(vec![0.0; 11])).is_err());
         assert!(HostWeight::new([usize::MAX, 2], FloatVec::F32(vec![])).is_err());
-        assert_eq!(HostWeight::stack(vec![w.clone(), HostWeight::from_f32(Array2::zeros((1, 3)))]), None, "columns disagree");
+        assert_eq!(
+            HostWeight::stack(vec![w.clone(), HostWeight::from_f32(Array2::zeros((1, 3)))]),
+            None,
+            "columns disagree"
+        );
         assert_eq!(HostWeight::stack(vec![]), None);
     }
 }

@@ -231,15 +231,18 @@ impl Fingerprinter {
             ItemContent::Tensor(view) => {
                 check_shape(item_index, item.modality, &item.layout, view)?;
                 // Broadcast (stride-0) views can be logically larger than memory.
-                let bytes = view.len().checked_mul(view.dtype().size_bytes()).ok_or(RequestError::ItemTooLarge {
-                    item: item_index,
-                    elements: view.len(),
-                    element_bytes: view.dtype().size_bytes(),
-                })?;
+                let bytes =
+                    view.len().checked_mul(view.dtype().size_bytes()).ok_or(RequestError::ItemTooLarge {
+                        item: item_index,
+                        elements: view.len(),
+                        element_bytes: view.dtype().size_bytes(),
+                    })?;
                 (Content::Tensor(view), bytes)
             }
             ItemContent::Encoded { bytes: [], .. } => {
-                return Err(RequestError::EmptyItem { item: item_index, what: "encoded item with no bytes" }.into());
+                return Err(
+                    RequestError::EmptyItem { item: item_index, what: "encoded item with no bytes" }.into()
+                );
             }
             ItemContent::Encoded { bytes, .. } => (Content::Encoded(bytes), bytes.len()),
         };
@@ -248,7 +251,8 @@ impl Fingerprinter {
             .then(|| std::iter::repeat_n(0u8, header.len() + content_bytes).collect());
         // Freshly allocated and not yet shared, so `get_mut` succeeds.
         let retained_bytes = retained.as_mut().and_then(Arc::get_mut);
-        let (fingerprint, check) = self.digest(item_index, &header, content, content_bytes, retained_bytes)?;
+        let (fingerprint, check) =
+            self.digest(item_index, &header, content, content_bytes, retained_bytes)?;
         // The sink computes a check exactly under `SecondDigest`, and `retained`
         // exists exactly under `ExactBytes`, so each arm has its material.
         let evidence = match self.policy {
@@ -311,7 +315,8 @@ impl Fingerprinter {
             }
             root.digest128()
         };
-        let fingerprint = root(self.fingerprint_secret, &mut leaves.iter().map(|(fingerprint, _)| *fingerprint));
+        let fingerprint =
+            root(self.fingerprint_secret, &mut leaves.iter().map(|(fingerprint, _)| *fingerprint));
         let check = (self.policy == ValidationPolicy::SecondDigest)
             .then(|| root(self.check_secret, &mut leaves.iter().map(|(_, check)| check.unwrap_or_default())));
         Ok((fingerprint, check))
@@ -348,8 +353,8 @@ impl Fingerprinter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::TestResult;
     use crate::canon::{ItemLayout, Modality, ProcessorParams};
+    use crate::error::TestResult;
     use ndarray::{ArrayD, IxDyn};
     use rand::{Rng, SeedableRng};
     use xxhash_rust::xxh3::xxh3_128_with_secret;
@@ -359,7 +364,12 @@ mod tests {
     }
 
     fn image<'a>(view: TensorView<'a>, grid_thw: [u32; 3]) -> ItemSpec<'a> {
-        ItemSpec { modality: Modality::Image, layout: ItemLayout::Image { grid_thw }, content: ItemContent::Tensor(view), params: ProcessorParams::new() }
+        ItemSpec {
+            modality: Modality::Image,
+            layout: ItemLayout::Image { grid_thw },
+            content: ItemContent::Tensor(view),
+            params: ProcessorParams::new(),
+        }
     }
 
     fn noise_u8(len: usize, seed: u64) -> Vec<u8> {
@@ -393,7 +403,10 @@ mod tests {
         assert_eq!((exact.evidence.check(), exact.num_tokens, exact.content_bytes), (None, 4, 384));
         let second = fingerprinter(1, ValidationPolicy::SecondDigest)?.identify(3, &item)?;
         assert_eq!(second.fingerprint, exact.fingerprint);
-        assert_eq!(second.evidence, Evidence::SecondDigest(Fingerprint(xxh3_128_with_secret(&retained, &key.check_secret()))));
+        assert_eq!(
+            second.evidence,
+            Evidence::SecondDigest(Fingerprint(xxh3_128_with_secret(&retained, &key.check_secret())))
+        );
         let bare = fingerprinter(1, ValidationPolicy::Unvalidated)?.identify(3, &item)?;
         assert_eq!(bare.evidence, Evidence::Unvalidated);
         assert_eq!(bare.fingerprint, exact.fingerprint);
@@ -403,7 +416,10 @@ mod tests {
     #[test]
     fn fixed_key_reproduces_a_reference_vector() -> TestResult {
         let a = ArrayD::from_shape_vec(IxDyn(&[2, 2, 3]), (0u8..12).collect())?;
-        let fp = fp_of(&fingerprinter(1, ValidationPolicy::Unvalidated)?, &image(TensorView::U8(a.view()), [1, 2, 2]))?;
+        let fp = fp_of(
+            &fingerprinter(1, ValidationPolicy::Unvalidated)?,
+            &image(TensorView::U8(a.view()), [1, 2, 2]),
+        )?;
         assert_eq!(format!("{:032x}", fp.0), REFERENCE_FP);
         Ok(())
     }
@@ -415,9 +431,12 @@ mod tests {
         let a = ArrayD::<u8>::ones(IxDyn(&[8, 8, 3]));
         let item = image(TensorView::U8(a.view()), [1, 2, 2]);
         let fixed = fp_of(&fingerprinter(1, ValidationPolicy::Unvalidated)?, &item)?;
-        let again = fp_of(&Fingerprinter::new(FingerprintKey::fixed(42), 2, ValidationPolicy::ExactBytes)?, &item)?;
-        let other = fp_of(&Fingerprinter::new(FingerprintKey::fixed(43), 1, ValidationPolicy::Unvalidated)?, &item)?;
-        let random = fp_of(&Fingerprinter::new(FingerprintKey::random(), 1, ValidationPolicy::Unvalidated)?, &item)?;
+        let again =
+            fp_of(&Fingerprinter::new(FingerprintKey::fixed(42), 2, ValidationPolicy::ExactBytes)?, &item)?;
+        let other =
+            fp_of(&Fingerprinter::new(FingerprintKey::fixed(43), 1, ValidationPolicy::Unvalidated)?, &item)?;
+        let random =
+            fp_of(&Fingerprinter::new(FingerprintKey::random(), 1, ValidationPolicy::Unvalidated)?, &item)?;
         assert_eq!(fixed, again);
         assert_ne!(fixed, other);
         assert_ne!(fixed, random);
@@ -442,16 +461,24 @@ mod tests {
     fn a_folded_piece_after_clean_ones_hashes_as_its_canonical_copy() -> Result<()> {
         let per_piece = super::super::STAGING_BYTES / 4;
         for len in [3 * per_piece + 17, TREE_THRESHOLD / 4 + 5] {
-            let folded = ArrayD::from_shape_fn(IxDyn(&[len]), |ix| if ix[0] % 1000 == 999 { 0.0 } else { ix[0] as f32 * 0.5 });
+            let folded = ArrayD::from_shape_fn(IxDyn(&[len]), |ix| {
+                if ix[0] % 1000 == 999 { 0.0 } else { ix[0] as f32 * 0.5 }
+            });
             let mut signed = folded.clone();
             for at in [per_piece + 999 - per_piece % 1000, len - len % 1000 - 1] {
                 signed[[at]] = -0.0;
             }
-            for policy in [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes, ValidationPolicy::Unvalidated] {
+            for policy in
+                [ValidationPolicy::SecondDigest, ValidationPolicy::ExactBytes, ValidationPolicy::Unvalidated]
+            {
                 let fp = fingerprinter(1, policy)?;
                 let a = fp.identify(0, &image(TensorView::F32(signed.view()), [1, 2, 2]))?;
                 let b = fp.identify(0, &image(TensorView::F32(folded.view()), [1, 2, 2]))?;
-                assert_eq!((a.fingerprint, &a.evidence), (b.fingerprint, &b.evidence), "{policy:?}, {len} floats");
+                assert_eq!(
+                    (a.fingerprint, &a.evidence),
+                    (b.fingerprint, &b.evidence),
+                    "{policy:?}, {len} floats"
+                );
             }
         }
         Ok(())
@@ -502,31 +529,43 @@ mod tests {
         let variants = [
             fp_of(&fp, &base)?,
             fp_of(&fp, &tweak(&base, |s| s.content = ItemContent::Tensor(TensorView::U8(flipped.view()))))?, // shape
-            fp_of(&fp, &tweak(&base, |s| s.layout = ItemLayout::Image { grid_thw: [2, 4, 4] }))?,            // grid t
-            fp_of(&fp, &tweak(&base, |s| s.layout = ItemLayout::Image { grid_thw: [1, 2, 8] }))?,            // grid h
-            fp_of(&fp, &tweak(&base, |s| s.layout = ItemLayout::Image { grid_thw: [1, 4, 8] }))?,            // grid w
-            fp_of(&fp, &tweak(&base, |s| {
-                s.modality = Modality::Video;
-                s.layout = video([1, 4, 4], 2.0);
-            }))?, // modality + layout kind
-            fp_of(&fp, &tweak(&base, |s| {
-                s.modality = Modality::Video;
-                s.layout = video([1, 4, 4], 0.5);
-            }))?, // seconds per grid
+            fp_of(&fp, &tweak(&base, |s| s.layout = ItemLayout::Image { grid_thw: [2, 4, 4] }))?, // grid t
+            fp_of(&fp, &tweak(&base, |s| s.layout = ItemLayout::Image { grid_thw: [1, 2, 8] }))?, // grid h
+            fp_of(&fp, &tweak(&base, |s| s.layout = ItemLayout::Image { grid_thw: [1, 4, 8] }))?, // grid w
+            fp_of(
+                &fp,
+                &tweak(&base, |s| {
+                    s.modality = Modality::Video;
+                    s.layout = video([1, 4, 4], 2.0);
+                }),
+            )?, // modality + layout kind
+            fp_of(
+                &fp,
+                &tweak(&base, |s| {
+                    s.modality = Modality::Video;
+                    s.layout = video([1, 4, 4], 0.5);
+                }),
+            )?, // seconds per grid
             fp_of(&fp, &tweak(&base, |s| s.params = param("max_pixels", "1003520")))?,
             fp_of(&fp, &tweak(&base, |s| s.params = param("max_pixels", "1003521")))?, // param value
             fp_of(&fp, &tweak(&base, |s| s.params = param("max_pixelsx", "003521")))?, // key/value boundary
             fp_of(&fp, &tweak(&base, |s| s.params = param("min_pixels", "1003520")))?, // param key
-            fp_of(&fp, &tweak(&base, |s| {
-                s.modality = Modality::Audio;
-                s.layout = ItemLayout::Audio { mel_frames: 100 };
-                s.content = ItemContent::Tensor(TensorView::F32(wave.view()));
-            }))?,
-            fp_of(&fp, &tweak(&base, |s| {
-                s.modality = Modality::Audio;
-                s.layout = ItemLayout::Audio { mel_frames: 101 };
-                s.content = ItemContent::Tensor(TensorView::F32(wave.view()));
-            }))?, // mel frames
+            fp_of(
+                &fp,
+                &tweak(&base, |s| {
+                    s.modality = Modality::Audio;
+                    s.layout = ItemLayout::Audio { mel_frames: 100 };
+                    s.content = ItemContent::Tensor(TensorView::F32(wave.view()));
+                }),
+            )?,
+            fp_of(
+                &fp,
+                &tweak(&base, |s| {
+                    s.modality = Modality::Audio;
+                    s.layout = ItemLayout::Audio { mel_frames: 101 };
+                    s.content = ItemContent::Tensor(TensorView::F32(wave.view()));
+                }),
+            )?, // mel frames
         ];
         for (i, a) in variants.iter().enumerate() {
             for (j, b) in variants.iter().enumerate().skip(i + 1) {
@@ -541,11 +580,18 @@ mod tests {
         let fp = fingerprinter(2, ValidationPolicy::SecondDigest)?;
         for (t, h) in [(4, 64), (40, 200)] {
             // (40, 200, 160) f32 = 5.1 MB: above the tree threshold.
-            let frames = ArrayD::from_shape_fn(IxDyn(&[t, h, 160]), |ix| (ix[0] * 7 + ix[1] * 3 + ix[2]) as f32 * 0.125);
+            let frames = ArrayD::from_shape_fn(IxDyn(&[t, h, 160]), |ix| {
+                (ix[0] * 7 + ix[1] * 3 + ix[2]) as f32 * 0.125
+            });
             let view = frames.view().permuted_axes(IxDyn(&[2, 0, 1]));
             let copy = view.as_standard_layout().to_owned();
             let layout = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 1.0 };
-            let spec = |v| ItemSpec { modality: Modality::Video, layout, content: ItemContent::Tensor(v), params: ProcessorParams::new() };
+            let spec = |v| ItemSpec {
+                modality: Modality::Video,
+                layout,
+                content: ItemContent::Tensor(v),
+                params: ProcessorParams::new(),
+            };
             let a = fp.identify(0, &spec(TensorView::F32(view.clone())))?;
             let b = fp.identify(0, &spec(TensorView::F32(copy.view())))?;
             assert_eq!((a.fingerprint, &a.evidence), (b.fingerprint, &b.evidence));
@@ -568,7 +614,8 @@ mod tests {
     #[test]
     fn thread_count_never_changes_the_identity() -> TestResult {
         let bytes = noise_u8(5 * TREE_CHUNK + 12_345, 7);
-        let frames = ArrayD::from_shape_vec(IxDyn(&[bytes.len() / 3, 3]), bytes[..bytes.len() / 3 * 3].to_vec())?;
+        let frames =
+            ArrayD::from_shape_vec(IxDyn(&[bytes.len() / 3, 3]), bytes[..bytes.len() / 3 * 3].to_vec())?;
         let item = image(TensorView::U8(frames.view()), [1, 2, 2]);
         let ids = [1, 2, 3]
             .into_iter()
@@ -594,15 +641,23 @@ mod tests {
     fn tree_root_hashes_ordered_leaf_digests() -> Result<()> {
         let bytes = noise_u8(TREE_THRESHOLD + 1, 3);
         let fp = fingerprinter(1, ValidationPolicy::Unvalidated)?;
-        let id = fp.identify(0, &ItemSpec {
-            modality: Modality::Image,
-            layout: ItemLayout::Image { grid_thw: [1, 2, 2] },
-            content: ItemContent::Encoded { bytes: &bytes, format: "jpeg" },
-            params: ProcessorParams::new(),
-        })?;
+        let id = fp.identify(
+            0,
+            &ItemSpec {
+                modality: Modality::Image,
+                layout: ItemLayout::Image { grid_thw: [1, 2, 2] },
+                content: ItemContent::Encoded { bytes: &bytes, format: "jpeg" },
+                params: ProcessorParams::new(),
+            },
+        )?;
         let secret = FingerprintKey::fixed(42).fingerprint_secret();
         let header = encode_header(
-            &ItemSpec { modality: Modality::Image, layout: ItemLayout::Image { grid_thw: [1, 2, 2] }, content: ItemContent::Encoded { bytes: &bytes, format: "jpeg" }, params: ProcessorParams::new() },
+            &ItemSpec {
+                modality: Modality::Image,
+                layout: ItemLayout::Image { grid_thw: [1, 2, 2] },
+                content: ItemContent::Encoded { bytes: &bytes, format: "jpeg" },
+                params: ProcessorParams::new(),
+            },
             1,
             bytes.len(),
         );
@@ -623,11 +678,18 @@ mod tests {
         a[[late]] = half::f16::NAN;
         a[[TREE_CHUNK / 2 + 17]] = half::f16::INFINITY;
         for threads in [1, 3] {
-            let err = fingerprinter(threads, ValidationPolicy::ExactBytes)?.identify(2, &image(TensorView::F16(a.view()), [1, 2, 2]));
-            assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 2, index })) if index == TREE_CHUNK / 2 + 17), "{err:?}");
+            let err = fingerprinter(threads, ValidationPolicy::ExactBytes)?
+                .identify(2, &image(TensorView::F16(a.view()), [1, 2, 2]));
+            assert!(
+                matches!(err, Err(Error::Request(RequestError::NonFinite { item: 2, index })) if index == TREE_CHUNK / 2 + 17),
+                "{err:?}"
+            );
         }
-        let small = ArrayD::from_shape_fn(IxDyn(&[2, 4]), |ix| if ix[0] == 1 && ix[1] == 1 { f32::NEG_INFINITY } else { 1.0 });
-        let err = fingerprinter(1, ValidationPolicy::SecondDigest)?.identify(0, &image(TensorView::F32(small.t()), [1, 2, 2]));
+        let small = ArrayD::from_shape_fn(IxDyn(&[2, 4]), |ix| {
+            if ix[0] == 1 && ix[1] == 1 { f32::NEG_INFINITY } else { 1.0 }
+        });
+        let err = fingerprinter(1, ValidationPolicy::SecondDigest)?
+            .identify(0, &image(TensorView::F32(small.t()), [1, 2, 2]));
         assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 0, index: 3 }))), "{err:?}");
         Ok(())
     }
@@ -636,15 +698,36 @@ mod tests {
     fn empty_and_inconsistent_items_are_typed_errors() -> Result<()> {
         let fp = fingerprinter(1, ValidationPolicy::SecondDigest)?;
         let empty = ArrayD::<u8>::zeros(IxDyn(&[3, 0, 3]));
-        assert!(matches!(fp.identify(4, &image(TensorView::U8(empty.view()), [1, 2, 2])), Err(Error::Request(RequestError::EmptyItem { item: 4, .. }))));
-        let no_bytes = ItemSpec { content: ItemContent::Encoded { bytes: &[], format: "png" }, ..image(TensorView::U8(empty.view()), [1, 2, 2]) };
-        assert!(matches!(fp.identify(1, &no_bytes), Err(Error::Request(RequestError::EmptyItem { item: 1, .. }))));
+        assert!(matches!(
+            fp.identify(4, &image(TensorView::U8(empty.view()), [1, 2, 2])),
+            Err(Error::Request(RequestError::EmptyItem { item: 4, .. }))
+        ));
+        let no_bytes = ItemSpec {
+            content: ItemContent::Encoded { bytes: &[], format: "png" },
+            ..image(TensorView::U8(empty.view()), [1, 2, 2])
+        };
+        assert!(matches!(
+            fp.identify(1, &no_bytes),
+            Err(Error::Request(RequestError::EmptyItem { item: 1, .. }))
+        ));
         let pixels = ArrayD::<u8>::zeros(IxDyn(&[2, 2, 3]));
-        let audio_layout = ItemSpec { layout: ItemLayout::Audio { mel_frames: 100 }, ..image(TensorView::U8(pixels.view()), [1, 2, 2]) };
-        assert!(matches!(fp.identify(0, &audio_layout), Err(Error::Request(RequestError::InvalidLayout { field: "kind", .. }))));
-        assert!(matches!(fp.identify(0, &image(TensorView::U8(pixels.view()), [1, 3, 3])), Err(Error::Request(RequestError::GridNotMergeable { .. }))));
+        let audio_layout = ItemSpec {
+            layout: ItemLayout::Audio { mel_frames: 100 },
+            ..image(TensorView::U8(pixels.view()), [1, 2, 2])
+        };
+        assert!(matches!(
+            fp.identify(0, &audio_layout),
+            Err(Error::Request(RequestError::InvalidLayout { field: "kind", .. }))
+        ));
+        assert!(matches!(
+            fp.identify(0, &image(TensorView::U8(pixels.view()), [1, 3, 3])),
+            Err(Error::Request(RequestError::GridNotMergeable { .. }))
+        ));
         let patches = ArrayD::<f32>::zeros(IxDyn(&[15, 4]));
-        assert!(matches!(fp.identify(6, &image(TensorView::F32(patches.view()), [1, 4, 4])), Err(Error::Request(RequestError::ShapeMismatch { item: 6, .. }))));
+        assert!(matches!(
+            fp.identify(6, &image(TensorView::F32(patches.view()), [1, 4, 4])),
+            Err(Error::Request(RequestError::ShapeMismatch { item: 6, .. }))
+        ));
         Ok(())
     }
 
@@ -666,7 +749,10 @@ mod tests {
         assert_ne!(a.fingerprint, fp.identify(0, &spec(leaked, "png"))?.fingerprint);
         assert_ne!(a.fingerprint, fp.identify(0, &spec(&leaked[1..], "jpeg"))?.fingerprint);
         let decoded = ArrayD::from_shape_vec(IxDyn(&[10_000]), leaked.to_vec())?;
-        assert_ne!(a.fingerprint, fp.identify(0, &image(TensorView::U8(decoded.view()), [1, 4, 4]))?.fingerprint);
+        assert_ne!(
+            a.fingerprint,
+            fp.identify(0, &image(TensorView::U8(decoded.view()), [1, 4, 4]))?.fingerprint
+        );
         Ok(())
     }
 }

@@ -56,7 +56,8 @@ impl FingerprintKey {
             found,
         };
         let mut bytes = [0u8; 32];
-        hex::decode_to_slice(text.trim(), &mut bytes).map_err(|e| invalid(format!("{} characters ({e})", text.trim().len())))?;
+        hex::decode_to_slice(text.trim(), &mut bytes)
+            .map_err(|e| invalid(format!("{} characters ({e})", text.trim().len())))?;
         Ok(FingerprintKey(bytes))
     }
 

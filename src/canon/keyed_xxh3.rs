@@ -155,8 +155,9 @@ impl<const N: usize> KeyedXxh3<N> {
         let s = &self.state;
         if s.len <= SHORT_INPUT {
             return self.secrets.map(|secret| {
-                XxHash3_128::oneshot_with_secret(&secret, &s.head[..s.len])
-                    .unwrap_or_else(|_| unreachable!("a {SECRET_BYTES}-byte secret is above xxh3's 136-byte minimum"))
+                XxHash3_128::oneshot_with_secret(&secret, &s.head[..s.len]).unwrap_or_else(|_| {
+                    unreachable!("a {SECRET_BYTES}-byte secret is above xxh3's 136-byte minimum")
+                })
             });
         }
         let len = s.len as u64;
@@ -225,8 +226,9 @@ fn accumulate_avx2<const N: usize>(
     mut position: usize,
 ) -> usize {
     use std::arch::x86_64::{
-        __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_mul_epu32, _mm256_set1_epi64x, _mm256_setzero_si256,
-        _mm256_shuffle_epi32, _mm256_slli_epi64, _mm256_srli_epi64, _mm256_storeu_si256, _mm256_xor_si256,
+        __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_mul_epu32, _mm256_set1_epi64x,
+        _mm256_setzero_si256, _mm256_shuffle_epi32, _mm256_slli_epi64, _mm256_srli_epi64,
+        _mm256_storeu_si256, _mm256_xor_si256,
     };
     /// Two 256-bit words from the first 64 bytes.
     #[inline]
@@ -296,7 +298,8 @@ fn accumulate_avx2<const N: usize>(
         }
         if position == STRIPES_PER_BLOCK {
             for j in 0..N {
-                regs[j] = [scramble(regs[j][0], scramble_keys[j][0]), scramble(regs[j][1], scramble_keys[j][1])];
+                regs[j] =
+                    [scramble(regs[j][0], scramble_keys[j][0]), scramble(regs[j][1], scramble_keys[j][1])];
             }
             position = 0;
         }
@@ -348,7 +351,8 @@ fn merge(acc: &[u64; 8], secret: &[u8; SECRET_BYTES], offset: usize, start: u64)
     let key = lanes(&secret[offset..offset + STRIPE]);
     let mut result = start;
     for i in 0..4 {
-        let product = u128::from(acc[2 * i] ^ key[2 * i]).wrapping_mul(u128::from(acc[2 * i + 1] ^ key[2 * i + 1]));
+        let product =
+            u128::from(acc[2 * i] ^ key[2 * i]).wrapping_mul(u128::from(acc[2 * i + 1] ^ key[2 * i + 1]));
         result = result.wrapping_add((product as u64) ^ ((product >> 64) as u64));
     }
     avalanche(result)

@@ -96,16 +96,26 @@ impl ItemLayout {
     /// | t·h·w fits `usize` | `InvalidLayout` `grid_thw` |
     /// | at least one token (no zero side, no zero mel frames) | [`EmptyItem`](RequestError::EmptyItem) |
     pub fn checked_tokens(&self, item: usize, modality: Modality, rules: LayoutRules) -> Result<usize> {
-        let invalid = |field, expected: String, found: String| Error::from(RequestError::InvalidLayout { item, field, expected, found });
+        let invalid = |field, expected: String, found: String| {
+            Error::from(RequestError::InvalidLayout { item, field, expected, found })
+        };
         if self.modality() != modality {
             let found = format!("{self:?} for a {modality:?} item");
             return Err(invalid("kind", format!("a {modality:?} layout"), found));
         }
         if let ItemLayout::Video { grid_thw, seconds_per_grid } = *self {
-            let last_offset = grid_thw[0].saturating_sub(1) as f32 * seconds_per_grid * rules.positions_per_second as f32;
-            if !(seconds_per_grid.is_finite() && seconds_per_grid > 0.0 && last_offset <= MAX_TEMPORAL_OFFSET) {
-                let expected = format!("a finite number > 0 placing frames at temporal offsets up to {MAX_TEMPORAL_OFFSET}");
-                return Err(invalid("seconds_per_grid", expected, format!("{seconds_per_grid} (last offset {last_offset})")));
+            let last_offset =
+                grid_thw[0].saturating_sub(1) as f32 * seconds_per_grid * rules.positions_per_second as f32;
+            if !(seconds_per_grid.is_finite() && seconds_per_grid > 0.0 && last_offset <= MAX_TEMPORAL_OFFSET)
+            {
+                let expected = format!(
+                    "a finite number > 0 placing frames at temporal offsets up to {MAX_TEMPORAL_OFFSET}"
+                );
+                return Err(invalid(
+                    "seconds_per_grid",
+                    expected,
+                    format!("{seconds_per_grid} (last offset {last_offset})"),
+                ));
             }
         }
         if let ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } = *self {
@@ -117,11 +127,13 @@ impl ItemLayout {
                 return Err(RequestError::GridNotMergeable { item, grid_thw, merge }.into());
             }
         }
-        let count = self
-            .merged_tokens(rules.merge)
-            .ok_or_else(|| invalid("grid_thw", "a token count that fits in usize".into(), format!("{self:?}")))?;
+        let count = self.merged_tokens(rules.merge).ok_or_else(|| {
+            invalid("grid_thw", "a token count that fits in usize".into(), format!("{self:?}"))
+        })?;
         if count == 0 {
-            return Err(RequestError::EmptyItem { item, what: "a layout of zero tokens (no mel frames)" }.into());
+            return Err(
+                RequestError::EmptyItem { item, what: "a layout of zero tokens (no mel frames)" }.into()
+            );
         }
         Ok(count)
     }
@@ -171,7 +183,12 @@ fn grid_patches(grid_thw: [u32; 3]) -> usize {
 ///
 /// Raw media are accepted with any shape because their relation to the grid
 /// depends on the processor's resize, which the processor params record.
-pub fn check_shape(item: usize, modality: Modality, layout: &ItemLayout, view: &TensorView<'_>) -> Result<()> {
+pub fn check_shape(
+    item: usize,
+    modality: Modality,
+    layout: &ItemLayout,
+    view: &TensorView<'_>,
+) -> Result<()> {
     let shape = view.shape();
     if view.is_empty() {
         return Err(RequestError::EmptyItem { item, what: "tensor with a zero dimension" }.into());
@@ -179,7 +196,9 @@ pub fn check_shape(item: usize, modality: Modality, layout: &ItemLayout, view: &
     if !view.dtype().is_float() || shape.len() != 2 {
         return Ok(());
     }
-    let mismatch = |expected: String| Error::Request(RequestError::ShapeMismatch { item, modality, expected, found: shape.to_vec() });
+    let mismatch = |expected: String| {
+        Error::Request(RequestError::ShapeMismatch { item, modality, expected, found: shape.to_vec() })
+    };
     match *layout {
         ItemLayout::Image { grid_thw } | ItemLayout::Video { grid_thw, .. } => {
             let patches = grid_patches(grid_thw);
@@ -235,23 +254,57 @@ mod tests {
     #[test]
     fn bad_layouts_are_typed_errors() {
         let odd = ItemLayout::Image { grid_thw: [1, 3, 5] };
-        assert!(matches!(odd.try_num_tokens(4), Err(Error::Request(RequestError::GridNotMergeable { item: 4, merge: 2, .. }))));
+        assert!(matches!(
+            odd.try_num_tokens(4),
+            Err(Error::Request(RequestError::GridNotMergeable { item: 4, merge: 2, .. }))
+        ));
         let zero = ItemLayout::Image { grid_thw: [1, 0, 4] };
-        assert!(matches!(zero.try_num_tokens(1), Err(Error::Request(RequestError::EmptyItem { item: 1, .. }))));
+        assert!(matches!(
+            zero.try_num_tokens(1),
+            Err(Error::Request(RequestError::EmptyItem { item: 1, .. }))
+        ));
         let nan = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: f32::NAN };
-        assert!(matches!(nan.try_num_tokens(2), Err(Error::Request(RequestError::InvalidLayout { field: "seconds_per_grid", .. }))));
+        assert!(matches!(
+            nan.try_num_tokens(2),
+            Err(Error::Request(RequestError::InvalidLayout { field: "seconds_per_grid", .. }))
+        ));
         let silent = ItemLayout::Audio { mel_frames: 0 };
-        assert!(matches!(silent.try_num_tokens(3), Err(Error::Request(RequestError::EmptyItem { item: 3, .. }))));
+        assert!(matches!(
+            silent.try_num_tokens(3),
+            Err(Error::Request(RequestError::EmptyItem { item: 3, .. }))
+        ));
         // t·h·w = 12 divides by 4, but w = 3 cannot lie on an h/2 x w/2 grid.
         let narrow = ItemLayout::Video { grid_thw: [2, 2, 3], seconds_per_grid: 1.0 };
         let err = narrow.try_num_tokens(5);
-        assert!(matches!(err, Err(Error::Request(RequestError::GridNotMergeable { item: 5, grid_thw: [2, 2, 3], merge: 2 }))), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                Err(Error::Request(RequestError::GridNotMergeable {
+                    item: 5,
+                    grid_thw: [2, 2, 3],
+                    merge: 2
+                }))
+            ),
+            "{err:?}"
+        );
         let far = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 1e30 };
         let err = far.try_num_tokens(6);
-        assert!(matches!(err, Err(Error::Request(RequestError::InvalidLayout { item: 6, field: "seconds_per_grid", .. }))), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                Err(Error::Request(RequestError::InvalidLayout { item: 6, field: "seconds_per_grid", .. }))
+            ),
+            "{err:?}"
+        );
         let still = ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 0.0 };
         let err = still.try_num_tokens(7);
-        assert!(matches!(err, Err(Error::Request(RequestError::InvalidLayout { item: 7, field: "seconds_per_grid", .. }))), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                Err(Error::Request(RequestError::InvalidLayout { item: 7, field: "seconds_per_grid", .. }))
+            ),
+            "{err:?}"
+        );
     }
 
     #[test]
@@ -259,13 +312,22 @@ mod tests {
         let image = ItemLayout::Image { grid_thw: [1, 4, 4] };
         assert_eq!(image.checked_tokens(0, Modality::Image, LayoutRules::QWEN3_OMNI).ok(), Some(4));
         let err = image.checked_tokens(2, Modality::Video, LayoutRules::QWEN3_OMNI);
-        assert!(matches!(err, Err(Error::Request(RequestError::InvalidLayout { item: 2, field: "kind", .. }))), "{err:?}");
+        assert!(
+            matches!(err, Err(Error::Request(RequestError::InvalidLayout { item: 2, field: "kind", .. }))),
+            "{err:?}"
+        );
         // A merge of 4 needs h and w divisible by 4.
         let rules = LayoutRules { merge: 4, ..LayoutRules::QWEN3_OMNI };
         let err = ItemLayout::Image { grid_thw: [1, 4, 6] }.checked_tokens(1, Modality::Image, rules);
-        assert!(matches!(err, Err(Error::Request(RequestError::GridNotMergeable { item: 1, merge: 4, .. }))), "{err:?}");
+        assert!(
+            matches!(err, Err(Error::Request(RequestError::GridNotMergeable { item: 1, merge: 4, .. }))),
+            "{err:?}"
+        );
         let zero = LayoutRules { merge: 0, ..LayoutRules::QWEN3_OMNI };
-        assert!(matches!(image.checked_tokens(0, Modality::Image, zero), Err(Error::Request(RequestError::GridNotMergeable { merge: 0, .. }))));
+        assert!(matches!(
+            image.checked_tokens(0, Modality::Image, zero),
+            Err(Error::Request(RequestError::GridNotMergeable { merge: 0, .. }))
+        ));
     }
 
     #[test]

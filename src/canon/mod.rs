@@ -17,14 +17,14 @@ mod keyed_xxh3;
 mod layout;
 mod stream;
 
+/// Element type of an item's content tensor (every one of the six).
+pub use crate::dtype::Dtype;
+pub use crate::modality::Modality;
 pub use fingerprint::{Fingerprinter, TREE_CHUNK, TREE_THRESHOLD, read_floor};
 pub use header::ITEM_DOMAIN;
 pub use key::FingerprintKey;
 pub use layout::{LayoutRules, SPATIAL_MERGE, audio_tokens, check_shape};
 pub use stream::STAGING_BYTES;
-pub use crate::modality::Modality;
-/// Element type of an item's content tensor (every one of the six).
-pub use crate::dtype::Dtype;
 
 /// A borrowed tensor of any dimensionality and strides.
 #[derive(Debug, Clone)]

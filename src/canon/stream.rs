@@ -166,7 +166,12 @@ impl TensorView<'_> {
 
 /// Emits canonical bytes `bytes` (a range of the canonical stream, aligned to
 /// the element size) of item `item` into `sink`.
-pub(crate) fn emit_tensor(item: usize, view: &TensorView<'_>, bytes: Range<usize>, sink: &mut impl ByteSink) -> Result<()> {
+pub(crate) fn emit_tensor(
+    item: usize,
+    view: &TensorView<'_>,
+    bytes: Range<usize>,
+    sink: &mut impl ByteSink,
+) -> Result<()> {
     let size = view.dtype().size_bytes();
     debug_assert!(bytes.start.is_multiple_of(size) && bytes.end.is_multiple_of(size));
     let elems = bytes.start / size..bytes.end / size;
@@ -180,7 +185,12 @@ pub(crate) fn emit_tensor(item: usize, view: &TensorView<'_>, bytes: Range<usize
     }
 }
 
-fn emit_range<T: CanonElem>(item: usize, view: &ArrayViewD<'_, T>, elems: Range<usize>, sink: &mut impl ByteSink) -> Result<()> {
+fn emit_range<T: CanonElem>(
+    item: usize,
+    view: &ArrayViewD<'_, T>,
+    elems: Range<usize>,
+    sink: &mut impl ByteSink,
+) -> Result<()> {
     let mut encoder = Encoder::<T, _>::new(item, elems.start, sink);
     walk(view.view(), elems, &mut encoder)?;
     encoder.flush();
@@ -189,7 +199,11 @@ fn emit_range<T: CanonElem>(item: usize, view: &ArrayViewD<'_, T>, elems: Range<
 
 /// Visits elements `elems` (flat row-major indices) of `view` in logical
 /// order, handing contiguous runs and strided lanes to the encoder.
-fn walk<T: CanonElem, S: ByteSink>(view: ArrayViewD<'_, T>, elems: Range<usize>, encoder: &mut Encoder<'_, T, S>) -> Result<()> {
+fn walk<T: CanonElem, S: ByteSink>(
+    view: ArrayViewD<'_, T>,
+    elems: Range<usize>,
+    encoder: &mut Encoder<'_, T, S>,
+) -> Result<()> {
     if elems.is_empty() {
         return Ok(());
     }
@@ -450,10 +464,16 @@ mod tests {
         let mut b = b;
         b[[70_000]] = half::f16::NEG_INFINITY;
         let err = canonical(1, &TensorView::F16(b.view()));
-        assert!(matches!(err, Err(Error::Request(RequestError::NonFinite { item: 1, index: 70_000 }))), "{err:?}");
+        assert!(
+            matches!(err, Err(Error::Request(RequestError::NonFinite { item: 1, index: 70_000 }))),
+            "{err:?}"
+        );
         let mut c = ArrayD::from_elem(IxDyn(&[4]), half::bf16::ONE);
         c[[3]] = half::bf16::NAN;
-        assert!(matches!(canonical(0, &TensorView::BF16(c.view())), Err(Error::Request(RequestError::NonFinite { index: 3, .. }))));
+        assert!(matches!(
+            canonical(0, &TensorView::BF16(c.view())),
+            Err(Error::Request(RequestError::NonFinite { index: 3, .. }))
+        ));
     }
 
     #[test]
@@ -464,12 +484,19 @@ mod tests {
         let mut permuted = a.view();
         permuted = permuted.permuted_axes(IxDyn(&[0, 3, 1, 2]));
         let standard = permuted.as_standard_layout().to_owned();
-        assert_eq!(canonical(0, &TensorView::U8(permuted.clone()))?, canonical(0, &TensorView::U8(standard.view()))?);
+        assert_eq!(
+            canonical(0, &TensorView::U8(permuted.clone()))?,
+            canonical(0, &TensorView::U8(standard.view()))?
+        );
         let mut reversed = a.view();
         reversed.invert_axis(Axis(2));
-        let stepped = reversed.slice_each_axis(|ax| Slice::new(0, None, if ax.axis.index() == 1 { 3 } else { 1 }));
+        let stepped =
+            reversed.slice_each_axis(|ax| Slice::new(0, None, if ax.axis.index() == 1 { 3 } else { 1 }));
         let copy = stepped.as_standard_layout().to_owned();
-        assert_eq!(canonical(0, &TensorView::U8(stepped.clone()))?, canonical(0, &TensorView::U8(copy.view()))?);
+        assert_eq!(
+            canonical(0, &TensorView::U8(stepped.clone()))?,
+            canonical(0, &TensorView::U8(copy.view()))?
+        );
         let f = a.mapv(|x| f32::from(x) - 100.0);
         let ft = f.view().permuted_axes(IxDyn(&[3, 2, 1, 0]));
         let fcopy = ft.as_standard_layout().to_owned();
@@ -499,7 +526,8 @@ mod tests {
         for i in [cap + 3, 2 * cap - 1, 3 * cap + 4] {
             a[[i]] = -0.0;
         }
-        let expected: Vec<u8> = a.iter().flat_map(|&x| if x == 0.0 { [0; 4] } else { x.to_le_bytes() }).collect();
+        let expected: Vec<u8> =
+            a.iter().flat_map(|&x| if x == 0.0 { [0; 4] } else { x.to_le_bytes() }).collect();
         assert_eq!(canonical(0, &TensorView::F32(a.view()))?, expected);
         Ok(())
     }
@@ -519,14 +547,30 @@ mod tests {
                 }
             }
         }
-        let f32s = [1.0f32, 0.0, -1.5, f32::MAX, f32::MIN, f32::MIN_POSITIVE, -f32::MIN_POSITIVE, 1e-45, -1e-45]
-            .into_iter()
-            .chain([-0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::from_bits(0x7f80_0001)])
-            .collect::<Vec<_>>();
+        let f32s =
+            [1.0f32, 0.0, -1.5, f32::MAX, f32::MIN, f32::MIN_POSITIVE, -f32::MIN_POSITIVE, 1e-45, -1e-45]
+                .into_iter()
+                .chain([
+                    -0.0,
+                    f32::INFINITY,
+                    f32::NEG_INFINITY,
+                    f32::NAN,
+                    -f32::NAN,
+                    f32::from_bits(0x7f80_0001),
+                ])
+                .collect::<Vec<_>>();
         agrees(&f32s);
-        let f16s = f32s.iter().map(|&x| half::f16::from_f32(x)).chain([half::f16::MAX, half::f16::MIN]).collect::<Vec<_>>();
+        let f16s = f32s
+            .iter()
+            .map(|&x| half::f16::from_f32(x))
+            .chain([half::f16::MAX, half::f16::MIN])
+            .collect::<Vec<_>>();
         agrees(&f16s);
-        let bf16s = f32s.iter().map(|&x| half::bf16::from_f32(x)).chain([half::bf16::MAX, half::bf16::MIN]).collect::<Vec<_>>();
+        let bf16s = f32s
+            .iter()
+            .map(|&x| half::bf16::from_f32(x))
+            .chain([half::bf16::MAX, half::bf16::MIN])
+            .collect::<Vec<_>>();
         agrees(&bf16s);
     }
 

@@ -1,9 +1,9 @@
 //! A served request's handle: its events in order, read blocking or async,
 //! with the reader's side of backpressure; dropping it aborts the request.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
-use std::sync::Arc;
 
 use super::output::{Event, Output};
 use super::served::{Command, Flow, HandleEvent};
@@ -22,7 +22,12 @@ pub struct RequestHandle {
 }
 
 impl RequestHandle {
-    pub(super) fn new(id: RequestId, events: async_channel::Receiver<HandleEvent>, flow: Arc<Flow>, commands: Sender<Command>) -> Self {
+    pub(super) fn new(
+        id: RequestId,
+        events: async_channel::Receiver<HandleEvent>,
+        flow: Arc<Flow>,
+        commands: Sender<Command>,
+    ) -> Self {
         RequestHandle { id, events, flow, commands, done: false }
     }
 
@@ -105,7 +110,8 @@ impl RequestHandle {
         match &event {
             None | Some(Err(_)) | Some(Ok(Event::Finished(_))) => self.done = true,
             Some(Ok(Event::Token(_))) => {
-                if self.events.len() <= self.flow.capacity / 2 && self.flow.held.swap(false, Ordering::AcqRel) {
+                if self.events.len() <= self.flow.capacity / 2 && self.flow.held.swap(false, Ordering::AcqRel)
+                {
                     let _ = self.commands.send(Command::Release(self.id));
                 }
             }

@@ -2,8 +2,10 @@
 //! event log, publish each step's events as one batch, and the block hashes a
 //! frontend computes for a request.
 
+use crate::Result;
 use crate::backend::Backend;
 use crate::canon::{FingerprintKey, Fingerprinter, ValidationPolicy};
+use crate::error::ConfigError;
 #[cfg(feature = "kv-events")]
 pub(super) use crate::events::KvEventPublisher as Publisher;
 use crate::events::{KvEventBatch, Medium, PublisherStats};
@@ -11,14 +13,16 @@ use crate::index::block_hash::FleetHasher;
 use crate::preprocess::Preprocessor;
 use crate::prompt::OmniTokens;
 use crate::sched::Scheduler;
-use crate::Result;
-use crate::error::ConfigError;
 
 use super::{Engine, EngineConfig, Request};
 
 /// Binds the publisher `config.kv_events` asks for and makes `sched` record
 /// the events, hashed under the engine's fingerprint key.
-pub(super) fn start(sched: Scheduler, config: &EngineConfig, backend: &str) -> Result<(Scheduler, Option<Publisher>)> {
+pub(super) fn start(
+    sched: Scheduler,
+    config: &EngineConfig,
+    backend: &str,
+) -> Result<(Scheduler, Option<Publisher>)> {
     let Some(events) = &config.kv_events else { return Ok((sched, None)) };
     let publisher = Publisher::bind(events)?;
     let sched = sched.with_kv_events(FleetHasher::new(&config.fingerprint_key), Medium::of_backend(backend));

@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::Engine;
 use super::generation::{Decoding, Next};
 use super::output::{Event, Output, Timings, TokenEvent, last_rows};
 use super::prepare::{Prepared, Preparer};
 use super::request::Request;
-use super::Engine;
 use crate::backend::Backend;
 use crate::batch::{RequestId, ScheduledBatch};
 use crate::error::{Component, Error, Result, SchedError};
@@ -70,7 +70,16 @@ impl<B: Backend> Engine<B> {
         let special = crate::sample::placeholder_ids(self.preparer.tokens());
         let decoding = generate.map(|(params, seed)| Decoding::new(params, seed, eos, &special));
         let timings = Timings { preprocess, ..Default::default() };
-        let pending = Pending { timings, started, positions, decoding, num_cached: None, last_logits: Vec::new(), held: false, deferred: None };
+        let pending = Pending {
+            timings,
+            started,
+            positions,
+            decoding,
+            num_cached: None,
+            last_logits: Vec::new(),
+            held: false,
+            deferred: None,
+        };
         self.pending.insert(id, pending);
         Ok(id)
     }
@@ -191,7 +200,10 @@ impl<B: Backend> Engine<B> {
         }
         for out in outputs {
             if !ready.contains(&out.request) {
-                let what = format!("the runner returned outputs of request {}, which the batch did not finish", out.request);
+                let what = format!(
+                    "the runner returned outputs of request {}, which the batch did not finish",
+                    out.request
+                );
                 return Err(Component::Engine.violation(what).into());
             }
             self.on_ready(out, events)?;
@@ -227,10 +239,19 @@ impl<B: Backend> Engine<B> {
                 }
                 let index = d.sampled - 1;
                 let position = p.positions.len() + index - 1;
-                let (Next::Continue(token) | Next::RunLast(token) | Next::Finish(_, Some(token))) = next else {
-                    return Err(Component::Engine.violation(format!("request {id}: a sample that is no token")).into());
+                let (Next::Continue(token) | Next::RunLast(token) | Next::Finish(_, Some(token))) = next
+                else {
+                    return Err(Component::Engine
+                        .violation(format!("request {id}: a sample that is no token"))
+                        .into());
                 };
-                events.push(Event::Token(TokenEvent { request: id, token, index, position, hidden: last_rows(&hidden) }));
+                events.push(Event::Token(TokenEvent {
+                    request: id,
+                    token,
+                    index,
+                    position,
+                    hidden: last_rows(&hidden),
+                }));
                 next
             }
         };

@@ -18,14 +18,14 @@ use crate::error::{Component, Result};
 
 /// vLLM's TTFT buckets (seconds).
 const TTFT_BUCKETS: [f64; 22] = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
-    640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
 ];
 /// vLLM's inter-token latency buckets (seconds), with finer steps below 10 ms
 /// for small models.
 const ITL_BUCKETS: [f64; 22] = [
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0,
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    5.0, 7.5, 10.0, 20.0, 40.0,
 ];
 
 /// The latency histograms, observed by the engine as it emits tokens.
@@ -97,7 +97,11 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
         "KV events the publisher dropped (0 without a publisher)",
         ConstCounter::new(r.kv_events_dropped.unwrap_or(0)),
     );
-    registry.register("num_requests_running", "Requests admitted and not waiting", ConstGauge::new(r.running));
+    registry.register(
+        "num_requests_running",
+        "Requests admitted and not waiting",
+        ConstGauge::new(r.running),
+    );
     registry.register("num_requests_waiting", "Requests waiting to start", ConstGauge::new(s.waiting));
     let used = (s.blocks_in_use + s.blocks_cached) as f64 / r.num_blocks.max(1) as f64;
     registry.register(
@@ -118,6 +122,7 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
         latencies.itl.clone(),
     );
     let mut text = String::new();
-    encode(&mut text, &registry).map_err(|e| Component::Engine.violation(format!("encoding the metrics: {e}")))?;
+    encode(&mut text, &registry)
+        .map_err(|e| Component::Engine.violation(format!("encoding the metrics: {e}")))?;
     Ok(text)
 }

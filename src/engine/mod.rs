@@ -54,11 +54,11 @@ use lifecycle::Pending;
 use prepare::Preparer;
 
 pub use config::{EngineConfig, EngineStats, IndexKind};
+pub use handle::{Aborter, RequestHandle};
 pub use kv_events::request_block_hashes;
 pub use output::{Event, Output, Timings, TokenEvent};
 pub use prepare::{Prepared, SharedEncoder};
 pub use request::{Encoder, EncoderOutput, ItemInput, PlaceholderForm, Request, Task};
-pub use handle::{Aborter, RequestHandle};
 pub use served::{FAULT_STEP_PANIC_ENV, HandleEvent, ReadySender, ServedEngine, ServedOptions};
 
 /// A thinker stage with prefix caching: the synchronous core. Prepare and
@@ -166,8 +166,13 @@ impl<B: Backend> Engine<B> {
         // Last, so a failure above does not wait out a publisher's linger.
         let (sched, publisher) = kv_events::start(sched, &config, runner.backend().name())?;
         let tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
-        let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), config.fingerprint_threads, config.validation)?;
-        let position_kind = if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
+        let fingerprinter = Fingerprinter::new(
+            config.fingerprint_key.clone(),
+            config.fingerprint_threads,
+            config.validation,
+        )?;
+        let position_kind =
+            if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
         let preprocessor = Preprocessor::new(fingerprinter, tokens).with_positions(position_kind);
         let encoder_cache = EncoderCache::new(config.encoder_cache_bytes);
         let preparer = Preparer::new(preprocessor, checks, model.vocab_size, config.cache, encoder_cache);
@@ -263,7 +268,12 @@ impl<B: Backend> Engine<B> {
         let stats = self.stats();
         let running = self.pending.len().saturating_sub(stats.sched.waiting);
         let kv_events_dropped = self.kv_events_stats().map(|s| s.dropped);
-        let reading = metrics::Reading { stats: &stats, running, num_blocks: self.config.num_blocks, kv_events_dropped };
+        let reading = metrics::Reading {
+            stats: &stats,
+            running,
+            num_blocks: self.config.num_blocks,
+            kv_events_dropped,
+        };
         metrics::render(&self.latencies, reading)
     }
 

@@ -72,7 +72,9 @@ impl Timings {
     /// Generated tokens after the first per second of decoding (0 with fewer than two tokens).
     pub fn decode_tokens_per_s(&self) -> f64 {
         match (self.token_times.first(), self.token_times.last()) {
-            (Some(first), Some(last)) if last > first => (self.token_times.len() - 1) as f64 / (*last - *first).as_secs_f64(),
+            (Some(first), Some(last)) if last > first => {
+                (self.token_times.len() - 1) as f64 / (*last - *first).as_secs_f64()
+            }
             _ => 0.0,
         }
     }
@@ -113,8 +115,5 @@ impl Event {
 
 /// The last row of each captured array: the row of the position that just ran.
 pub(super) fn last_rows(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<(CaptureName, Vec<f32>)> {
-    hidden
-        .iter()
-        .filter_map(|(name, h)| Some((*name, h.rows().into_iter().next_back()?.to_vec())))
-        .collect()
+    hidden.iter().filter_map(|(name, h)| Some((*name, h.rows().into_iter().next_back()?.to_vec()))).collect()
 }

@@ -78,7 +78,13 @@ pub(super) struct Preparer {
 }
 
 impl Preparer {
-    pub(super) fn new(preprocessor: Preprocessor, checks: RequestChecks, vocab_size: usize, cache: bool, encoder_cache: EncoderCache) -> Self {
+    pub(super) fn new(
+        preprocessor: Preprocessor,
+        checks: RequestChecks,
+        vocab_size: usize,
+        cache: bool,
+        encoder_cache: EncoderCache,
+    ) -> Self {
         Preparer {
             preprocessor,
             checks,
@@ -122,7 +128,8 @@ impl Preparer {
         self.checks.check_tenant(id, request.tenant)?;
         let tenant = if self.cache { request.tenant } else { private_tenant(id) };
         let specs = request.items.iter().map(|item| &item.spec);
-        let prompt = self.preprocessor.canonicalise(tenant, &request.token_ids, request.placeholders, specs)?;
+        let prompt =
+            self.preprocessor.canonicalise(tenant, &request.token_ids, request.placeholders, specs)?;
         let generate = match &request.task {
             Task::Prefill => None,
             Task::Generate(params) => {
@@ -131,7 +138,8 @@ impl Preparer {
             }
         };
         // Positions the sequence may grow by: every sampled token but the last runs.
-        let max_new_tokens = generate.as_ref().map_or(0, |(p, _)| p.positions_needed(prompt.len()) - prompt.len());
+        let max_new_tokens =
+            generate.as_ref().map_or(0, |(p, _)| p.positions_needed(prompt.len()) - prompt.len());
         self.checks.check_prompt(id, &prompt, max_new_tokens)?;
         let engine_encoder = self.encoder.read().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
         let encoder: Option<&dyn Encoder> = match &request.encoder {
@@ -148,7 +156,15 @@ impl Preparer {
             max_new_tokens,
         };
         let checked = self.checks.checked_rows(req)?;
-        Ok(Prepared { checked, fresh: rows.fresh, cache_hits: rows.cache_hits, encoded: rows.encoded, generate, started, preprocess: started.elapsed() })
+        Ok(Prepared {
+            checked,
+            fresh: rows.fresh,
+            cache_hits: rows.cache_hits,
+            encoded: rows.encoded,
+            generate,
+            started,
+            preprocess: started.elapsed(),
+        })
     }
 
     /// Caches a newly admitted request's encoder outputs.
@@ -164,7 +180,12 @@ impl Preparer {
     /// Each item's embeddings and DeepStack levels: given with the request,
     /// from the encoder cache, or from `encoder`. Fresh rows (given or encoded)
     /// must be finite: cached, a NaN would poison every later hit.
-    fn item_rows(&self, prompt: &CanonicalPrompt, request: &Request<'_>, encoder: Option<&dyn Encoder>) -> Result<ItemRows> {
+    fn item_rows(
+        &self,
+        prompt: &CanonicalPrompt,
+        request: &Request<'_>,
+        encoder: Option<&dyn Encoder>,
+    ) -> Result<ItemRows> {
         let mut rows = ItemRows::default();
         for (index, (identity, input)) in prompt.items.iter().zip(&request.items).enumerate() {
             let fp = identity.fingerprint;
@@ -190,7 +211,8 @@ impl Preparer {
                             (Arc::clone(e), input.deepstack.clone().or_else(|| levels.clone()))
                         }
                         None => {
-                            let encoder = encoder.ok_or(Error::Request(RequestError::MissingEmbeddings { item: index }))?;
+                            let encoder = encoder
+                                .ok_or(Error::Request(RequestError::MissingEmbeddings { item: index }))?;
                             let out = encoder.encode(index, identity)?;
                             rows.encoded += 1;
                             let e = Arc::new(out.embeddings);
@@ -223,12 +245,23 @@ struct ItemRows {
 
 /// Rejects NaN or ±Inf in an item's embeddings or DeepStack levels, naming the first.
 fn check_finite(item: usize, embeddings: &Array2<f32>, deepstack: Option<&[Array2<f32>]>) -> Result<()> {
-    let parts = std::iter::once((EmbeddingPart::Embeddings, embeddings))
-        .chain(deepstack.into_iter().flatten().enumerate().map(|(level, rows)| (EmbeddingPart::DeepStack { level }, rows)));
+    let parts = std::iter::once((EmbeddingPart::Embeddings, embeddings)).chain(
+        deepstack
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .map(|(level, rows)| (EmbeddingPart::DeepStack { level }, rows)),
+    );
     for (what, rows) in parts {
         if let Some(flat) = rows.iter().position(|v| !v.is_finite()) {
             let columns = rows.ncols().max(1);
-            return Err(RequestError::NonFiniteEmbeddings { item, what, row: flat / columns, column: flat % columns }.into());
+            return Err(RequestError::NonFiniteEmbeddings {
+                item,
+                what,
+                row: flat / columns,
+                column: flat % columns,
+            }
+            .into());
         }
     }
     Ok(())

@@ -131,7 +131,12 @@ pub(super) type Call = Box<dyn FnOnce(&mut dyn Core) + Send>;
 
 pub(super) enum Command {
     /// `ready`: where the route tells the request's id (set once it has one).
-    Submit { prepared: Prepared, route: Route, ready: Option<ReadySender>, reply: SyncSender<Result<RequestId>> },
+    Submit {
+        prepared: Prepared,
+        route: Route,
+        ready: Option<ReadySender>,
+        reply: SyncSender<Result<RequestId>>,
+    },
     Abort(RequestId),
     Release(RequestId),
     Call(Call),
@@ -232,7 +237,13 @@ impl ServedEngine {
     {
         if options.buffer_events == 0 {
             let found = "0".into();
-            return Err(crate::error::ConfigError::Invalid { component: "served engine", field: "buffer_events", expected: "at least 1".into(), found }.into());
+            return Err(crate::error::ConfigError::Invalid {
+                component: "served engine",
+                field: "buffer_events",
+                expected: "at least 1".into(),
+                found,
+            }
+            .into());
         }
         let facts = Facts {
             config: engine.config().clone(),
@@ -243,7 +254,10 @@ impl ServedEngine {
         let preparer = engine.preparer();
         let (commands, inbox) = mpsc::channel();
         let dead = Arc::new(OnceLock::new());
-        let loop_state = super::step_loop::LoopState { dead: Arc::clone(&dead), fault_step_panic: options.fault_step_panic };
+        let loop_state = super::step_loop::LoopState {
+            dead: Arc::clone(&dead),
+            fault_step_panic: options.fault_step_panic,
+        };
         let thread = std::thread::Builder::new()
             .name("omniprefix-engine".into())
             .spawn(move || super::step_loop::run(Box::new(engine), inbox, loop_state))

@@ -42,7 +42,8 @@ pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>, state: Loop
             if let Command::Shutdown = command {
                 for (id, route) in routes.drain() {
                     let _ = core.abort(id);
-                    let _ = route.send(Err(SchedError::Stopped { reason: "the engine was dropped".into() }.into()));
+                    let _ = route
+                        .send(Err(SchedError::Stopped { reason: "the engine was dropped".into() }.into()));
                 }
                 return;
             }
@@ -70,7 +71,12 @@ pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>, state: Loop
 /// engine dead (every later call fails), fails every pending request with
 /// [`SchedError::EngineDead`], and withdraws the published blocks from
 /// routers (`AllBlocksCleared`), so none is routed here for a cache it lost.
-fn die(core: &mut dyn Core, routes: FxHashMap<RequestId, Route>, dead_state: &OnceLock<String>, message: String) {
+fn die(
+    core: &mut dyn Core,
+    routes: FxHashMap<RequestId, Route>,
+    dead_state: &OnceLock<String>,
+    message: String,
+) {
     let _ = dead_state.set(message.clone());
     for (_, route) in routes {
         let _ = route.send(Err(dead(&message)));
@@ -148,7 +154,8 @@ fn fail_lost(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, erro
     let mut error = Some(error);
     for id in lost {
         if let Some(route) = routes.remove(&id) {
-            let e = error.take().unwrap_or_else(|| SchedError::StepFailed { id, reason: reason.clone() }.into());
+            let e =
+                error.take().unwrap_or_else(|| SchedError::StepFailed { id, reason: reason.clone() }.into());
             let _ = route.send(Err(e));
         }
     }

@@ -55,4 +55,3 @@ pub struct PublisherStats {
     /// Replay requests ignored because they were malformed.
     pub malformed_replays: u64,
 }
-

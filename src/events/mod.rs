@@ -19,7 +19,6 @@ mod config;
 mod publisher;
 pub mod wire;
 
-
 pub use config::{KvEventsConfig, PublisherStats};
 #[cfg(feature = "kv-events")]
 pub use publisher::KvEventPublisher;

@@ -271,7 +271,9 @@ impl Worker {
     async fn replay(&mut self, socket: &mut zeromq::RouterSendHalf, request: ZmqMessage) {
         let frames = request.into_vec();
         let start = match frames.as_slice() {
-            [_, empty, seq] if empty.is_empty() => <[u8; 8]>::try_from(seq.as_ref()).ok().map(u64::from_be_bytes),
+            [_, empty, seq] if empty.is_empty() => {
+                <[u8; 8]>::try_from(seq.as_ref()).ok().map(u64::from_be_bytes)
+            }
             _ => None,
         };
         let Some(start) = start else {
@@ -311,7 +313,8 @@ async fn bind_sockets(
         reason: e.to_string(),
     };
     let mut publisher = PubSocket::new();
-    let publisher_at = publisher.bind(&endpoint.to_string()).await.map_err(|e| bind_error("PUB", &endpoint, e))?;
+    let publisher_at =
+        publisher.bind(&endpoint.to_string()).await.map_err(|e| bind_error("PUB", &endpoint, e))?;
     let (router, router_at) = match replay {
         Some(replay) => {
             let mut router = RouterSocket::new();

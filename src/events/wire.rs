@@ -44,7 +44,14 @@ impl KvEventBatch {
 
 fn encode_event(event: &KvEvent, out: &mut Vec<u8>) {
     match event {
-        KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium, extra_keys } => {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            medium,
+            extra_keys,
+        } => {
             let fields = 8 + usize::from(extra_keys.is_some());
             out.push(MAP16);
             out.extend_from_slice(&(fields as u16).to_be_bytes());

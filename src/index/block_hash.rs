@@ -231,15 +231,25 @@ mod tests {
     fn runs_are_maximal_however_atoms_cut_them() {
         let h = FleetHasher::new(&FingerprintKey::fixed(1));
         let img = item(77, 8);
-        let whole = prompt(0, vec![Atom::Text(vec![1, 2, 3]), Atom::Item { id: img.clone(), rows: 0..8 }, Atom::Text(vec![4; 5])]);
-        let cut = prompt(0, vec![
-            Atom::Text(vec![1]),
-            Atom::Text(vec![2, 3]),
-            Atom::Item { id: img.clone(), rows: 0..3 },
-            Atom::Item { id: img, rows: 3..8 },
-            Atom::Text(vec![4; 2]),
-            Atom::Text(vec![4; 3]),
-        ]);
+        let whole = prompt(
+            0,
+            vec![
+                Atom::Text(vec![1, 2, 3]),
+                Atom::Item { id: img.clone(), rows: 0..8 },
+                Atom::Text(vec![4; 5]),
+            ],
+        );
+        let cut = prompt(
+            0,
+            vec![
+                Atom::Text(vec![1]),
+                Atom::Text(vec![2, 3]),
+                Atom::Item { id: img.clone(), rows: 0..3 },
+                Atom::Item { id: img, rows: 3..8 },
+                Atom::Text(vec![4; 2]),
+                Atom::Text(vec![4; 3]),
+            ],
+        );
         assert_eq!(h.block_hashes(&whole, 4), h.block_hashes(&cut, 4));
         assert_eq!(h.block_hashes(&whole, 4).len(), 4);
     }
@@ -271,7 +281,10 @@ mod tests {
     #[test]
     fn extend_continues_the_chain_and_item_runs_name_rows() {
         let h = FleetHasher::new(&FingerprintKey::fixed(1));
-        let p = prompt(0, vec![Atom::Text(vec![1, 2]), Atom::Item { id: item(5, 8), rows: 0..8 }, Atom::Text(vec![3; 6])]);
+        let p = prompt(
+            0,
+            vec![Atom::Text(vec![1, 2]), Atom::Item { id: item(5, 8), rows: 0..8 }, Atom::Text(vec![3; 6])],
+        );
         let all = h.block_hashes(&p, 4);
         let mut part = Vec::new();
         h.extend(&p, 4, 1, &mut part);

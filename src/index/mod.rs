@@ -3,18 +3,18 @@
 //! Two implementations side by side: the validated radix tree over atoms (the
 //! main matcher) and a byte-exact port of vLLM's hash chain (the baseline).
 
+/// 64-bit content hashes of full KV blocks under the fleet key (what KV events carry).
+pub mod block_hash;
 /// Byte-exact port of vLLM V1 block hashing and its hash-map prefix cache (the baseline).
 pub mod hashchain;
 /// The validated radix tree over atoms: the main matcher.
 pub mod radix;
-/// 64-bit content hashes of full KV blocks under the fleet key (what KV events carry).
-pub mod block_hash;
 /// Collision validation of fingerprint hits.
 pub mod validate;
 
-use crate::prompt::CanonicalPrompt;
 use crate::Result;
 use crate::error::{CacheError, InvariantViolation};
+use crate::prompt::CanonicalPrompt;
 
 /// Block ids are defined next to the block tables in [`crate::kv`]; the index stores them.
 pub use crate::kv::BlockId;
@@ -112,7 +112,12 @@ pub trait PrefixIndex: Send {
     /// The default caches the full blocks only, as vLLM does, and hands the
     /// partial block back in `duplicates` (it must be the caller's own: a
     /// matched block ending inside the match is copied before it is written).
-    fn insert_partial(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize) -> Result<InsertOutcome> {
+    fn insert_partial(
+        &mut self,
+        prompt: &CanonicalPrompt,
+        blocks: &[BlockId],
+        tokens: usize,
+    ) -> Result<InsertOutcome> {
         let bs = self.block_size();
         check_partial_args(bs, prompt.len(), blocks.len(), tokens)?;
         let full = tokens / bs;

@@ -11,8 +11,8 @@
 //! The free list is a FIFO linked through the block array itself (O(1) pop and
 //! push, no allocation): the block freed longest ago is reused first.
 
-use crate::error::{CacheError, Component, ConfigError, Error, InvariantViolation, Result};
 use super::BlockId;
+use crate::error::{CacheError, Component, ConfigError, Error, InvariantViolation, Result};
 
 /// Marks the end of the free list.
 const NIL: BlockId = BlockId::MAX;
@@ -67,25 +67,16 @@ impl BlockPool {
                 field: "num_blocks",
                 expected: format!("in 1..{NIL}"),
                 found: num_blocks.to_string(),
-            }.into());
+            }
+            .into());
         }
         let blocks = (0..num_blocks as BlockId)
             .map(|id| Block {
                 state: BlockState::Free,
-                next: if id + 1 == num_blocks as BlockId {
-                    NIL
-                } else {
-                    id + 1
-                },
+                next: if id + 1 == num_blocks as BlockId { NIL } else { id + 1 },
             })
             .collect();
-        Ok(Self {
-            blocks,
-            head: 0,
-            tail: num_blocks as BlockId - 1,
-            num_free: num_blocks,
-            num_indexed: 0,
-        })
+        Ok(Self { blocks, head: 0, tail: num_blocks as BlockId - 1, num_free: num_blocks, num_indexed: 0 })
     }
 
     /// Total number of blocks.
@@ -123,11 +114,7 @@ impl BlockPool {
         for _ in 0..n {
             let id = self.head;
             let block = &mut self.blocks[id as usize];
-            debug_assert_eq!(
-                block.state,
-                BlockState::Free,
-                "free list holds a non-free block"
-            );
+            debug_assert_eq!(block.state, BlockState::Free, "free list holds a non-free block");
             self.head = block.next;
             block.next = NIL;
             block.state = BlockState::InUse { refs: 1 };
@@ -214,10 +201,7 @@ impl BlockPool {
                 .get(cursor as usize)
                 .ok_or_else(|| format!("free list points at block {cursor} outside the pool"))?;
             if block.state != BlockState::Free {
-                return Err(format!(
-                    "block {cursor} is on the free list but {:?}",
-                    block.state
-                ));
+                return Err(format!("block {cursor} is on the free list but {:?}", block.state));
             }
             if std::mem::replace(&mut on_list[cursor as usize], true) {
                 return Err(format!("free list revisits block {cursor} (cycle)"));
@@ -227,10 +211,7 @@ impl BlockPool {
             cursor = block.next;
         }
         if last != self.tail {
-            return Err(format!(
-                "free list ends at {last} but tail is {}",
-                self.tail
-            ));
+            return Err(format!("free list ends at {last} but tail is {}", self.tail));
         }
         let (mut free, mut indexed) = (0usize, 0usize);
         for (id, block) in self.blocks.iter().enumerate() {
@@ -253,10 +234,7 @@ impl BlockPool {
             ));
         }
         if indexed != self.num_indexed {
-            return Err(format!(
-                "indexed count {} but {indexed} blocks indexed",
-                self.num_indexed
-            ));
+            return Err(format!("indexed count {} but {indexed} blocks indexed", self.num_indexed));
         }
         Ok(())
     }
@@ -274,26 +252,17 @@ impl BlockPool {
     fn block(&self, block: BlockId) -> Result<&Block> {
         self.blocks
             .get(block as usize)
-            .ok_or(CacheError::BlockOutOfRange {
-                block,
-                num_blocks: self.blocks.len(),
-            }.into())
+            .ok_or(CacheError::BlockOutOfRange { block, num_blocks: self.blocks.len() }.into())
     }
 
     fn block_mut(&mut self, block: BlockId) -> Result<&mut Block> {
         let num_blocks = self.blocks.len();
-        self.blocks
-            .get_mut(block as usize)
-            .ok_or(CacheError::BlockOutOfRange { block, num_blocks }.into())
+        self.blocks.get_mut(block as usize).ok_or(CacheError::BlockOutOfRange { block, num_blocks }.into())
     }
 }
 
 fn misuse(op: &'static str, block: BlockId, state: BlockState) -> Error {
-    CacheError::BlockStateMisuse {
-        op,
-        block,
-        state: format!("{state:?}"),
-    }.into()
+    CacheError::BlockStateMisuse { op, block, state: format!("{state:?}") }.into()
 }
 
 #[cfg(test)]
@@ -306,9 +275,7 @@ mod tests {
         let mut pool = BlockPool::new(3)?;
         assert_eq!(pool.allocate(4), None);
         assert_eq!(pool.num_free(), 3);
-        let a = pool
-            .allocate(2)
-            .ok_or("pool short")?;
+        let a = pool.allocate(2).ok_or("pool short")?;
         assert_eq!(a, vec![0, 1]);
         pool.release(1)?;
         pool.release(0)?;
@@ -322,9 +289,7 @@ mod tests {
     #[test]
     fn refcounts_count_users_and_never_go_negative() -> TestResult {
         let mut pool = BlockPool::new(2)?;
-        let id = pool
-            .allocate(1)
-            .ok_or("pool short")?[0];
+        let id = pool.allocate(1).ok_or("pool short")?[0];
         pool.retain(id)?;
         assert_eq!(pool.state(id)?, BlockState::InUse { refs: 2 });
         pool.release(id)?;
@@ -333,14 +298,7 @@ mod tests {
         assert_eq!(pool.state(id)?, BlockState::Free);
         let err = pool.release(id).err();
         assert!(
-            matches!(
-                err,
-                Some(Error::Cache(CacheError::BlockStateMisuse {
-                    op: "release",
-                    block: 0,
-                    ..
-                }))
-            ),
+            matches!(err, Some(Error::Cache(CacheError::BlockStateMisuse { op: "release", block: 0, .. }))),
             "{err:?}"
         );
         assert!(matches!(
@@ -349,10 +307,7 @@ mod tests {
         ));
         assert!(matches!(
             pool.release(9),
-            Err(Error::Cache(CacheError::BlockOutOfRange {
-                block: 9,
-                num_blocks: 2
-            }))
+            Err(Error::Cache(CacheError::BlockOutOfRange { block: 9, num_blocks: 2 }))
         ));
         assert_eq!(pool.num_free(), 2);
         Ok(pool.validate()?)
@@ -361,9 +316,7 @@ mod tests {
     #[test]
     fn indexed_blocks_leave_the_free_list_until_evicted() -> TestResult {
         let mut pool = BlockPool::new(2)?;
-        let ids = pool
-            .allocate(2)
-            .ok_or("pool short")?;
+        let ids = pool.allocate(2).ok_or("pool short")?;
         pool.retain(ids[1])?;
         // Only a block with a single user can be handed over.
         assert!(matches!(
@@ -371,24 +324,15 @@ mod tests {
             Err(Error::Cache(CacheError::BlockStateMisuse { op: "adopt", .. }))
         ));
         pool.adopt_by_index(ids[0])?;
-        assert_eq!(
-            (pool.num_free(), pool.num_indexed(), pool.num_in_use()),
-            (0, 1, 1)
-        );
-        assert!(matches!(
-            pool.release(ids[0]),
-            Err(Error::Cache(CacheError::BlockStateMisuse { .. }))
-        ));
+        assert_eq!((pool.num_free(), pool.num_indexed(), pool.num_in_use()), (0, 1, 1));
+        assert!(matches!(pool.release(ids[0]), Err(Error::Cache(CacheError::BlockStateMisuse { .. }))));
         assert!(matches!(
             pool.reclaim_evicted(ids[1]),
             Err(Error::Cache(CacheError::BlockStateMisuse { op: "reclaim", .. }))
         ));
         pool.reclaim_evicted(ids[0])?;
         assert_eq!(pool.state(ids[0])?, BlockState::Free);
-        assert_eq!(
-            (pool.num_free(), pool.num_indexed(), pool.num_in_use()),
-            (1, 0, 1)
-        );
+        assert_eq!((pool.num_free(), pool.num_indexed(), pool.num_in_use()), (1, 0, 1));
         Ok(pool.validate()?)
     }
 
@@ -396,10 +340,7 @@ mod tests {
     fn rejects_empty_pool() {
         assert!(matches!(
             BlockPool::new(0),
-            Err(Error::Config(ConfigError::Invalid {
-                field: "num_blocks",
-                ..
-            }))
+            Err(Error::Config(ConfigError::Invalid { field: "num_blocks", .. }))
         ));
     }
 
@@ -407,7 +348,9 @@ mod tests {
     fn validate_catches_broken_free_list() -> Result<()> {
         let mut pool = BlockPool::new(3)?;
         pool.blocks[1].next = 0; // cycle 0 -> 1 -> 0
-        assert!(pool.validate().is_err_and(|e| e.component == Component::BlockPool && e.what.contains("cycle")));
+        assert!(
+            pool.validate().is_err_and(|e| e.component == Component::BlockPool && e.what.contains("cycle"))
+        );
         let mut pool = BlockPool::new(3)?;
         pool.num_free = 2;
         assert!(pool.validate().is_err());

@@ -3,8 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::{Error, Result};
 use crate::error::ConfigError;
+use crate::{Error, Result};
 
 /// A point in the forward whose per-token hidden state can be captured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -66,7 +66,8 @@ impl CaptureSpec {
 
     /// The default: `hidden.0`, `hidden.<num_layers/2>`, `final`.
     pub fn default_for(num_layers: usize) -> Self {
-        let mut points = vec![CaptureName::Hidden(0), CaptureName::Hidden(num_layers / 2), CaptureName::Final];
+        let mut points =
+            vec![CaptureName::Hidden(0), CaptureName::Hidden(num_layers / 2), CaptureName::Final];
         points.dedup();
         Self { points }
     }

@@ -43,7 +43,14 @@ pub struct EncoderCache {
 impl EncoderCache {
     /// An empty cache holding at most `capacity_bytes` of embeddings.
     pub fn new(capacity_bytes: usize) -> Self {
-        Self { capacity_bytes, used_bytes: 0, clock: 0, entries: HashMap::new(), by_use: BTreeMap::new(), hits: 0 }
+        Self {
+            capacity_bytes,
+            used_bytes: 0,
+            clock: 0,
+            entries: HashMap::new(),
+            by_use: BTreeMap::new(),
+            hits: 0,
+        }
     }
 
     fn tick(&mut self) -> u64 {
@@ -73,7 +80,12 @@ impl EncoderCache {
     }
 
     /// [`EncoderCache::insert`] with the item's DeepStack levels (counted in the bytes).
-    pub fn insert_with_deepstack(&mut self, fp: Fingerprint, value: Arc<Array2<f32>>, deepstack: Option<DeepStack>) -> bool {
+    pub fn insert_with_deepstack(
+        &mut self,
+        fp: Fingerprint,
+        value: Arc<Array2<f32>>,
+        deepstack: Option<DeepStack>,
+    ) -> bool {
         let levels: usize = deepstack.iter().flat_map(|d| d.iter()).map(Array2::len).sum();
         let bytes = (value.len() + levels) * std::mem::size_of::<f32>();
         if bytes > self.capacity_bytes {
@@ -156,7 +168,8 @@ mod tests {
     #[test]
     fn deepstack_levels_stay_with_their_embeddings_and_count_in_bytes() {
         let mut c = EncoderCache::new(96);
-        let levels: DeepStack = Arc::new(vec![Array2::from_elem((2, 4), 7.0), Array2::from_elem((2, 4), 8.0)]);
+        let levels: DeepStack =
+            Arc::new(vec![Array2::from_elem((2, 4), 7.0), Array2::from_elem((2, 4), 8.0)]);
         assert!(c.insert_with_deepstack(Fingerprint(1), rows(2), Some(Arc::clone(&levels))));
         assert_eq!(c.used_bytes(), 96, "embeddings and both levels");
         let (value, got) = c.get_with_deepstack(Fingerprint(1)).unwrap();
@@ -165,6 +178,10 @@ mod tests {
         assert!(c.insert(Fingerprint(2), rows(1)), "evicts the DeepStack entry to fit");
         assert!(c.get(Fingerprint(1)).is_none());
         assert!(matches!(c.get_with_deepstack(Fingerprint(2)), Some((_, None))));
-        assert!(!c.insert_with_deepstack(Fingerprint(3), rows(2), Some(Arc::new(vec![Array2::zeros((5, 4))]))));
+        assert!(!c.insert_with_deepstack(
+            Fingerprint(3),
+            rows(2),
+            Some(Arc::new(vec![Array2::zeros((5, 4))]))
+        ));
     }
 }

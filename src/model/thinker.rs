@@ -8,12 +8,12 @@ use ndarray::Array2;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::Result;
 use crate::backend::weight::unsupported_dtype;
-use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, RopePositions, RopeSpec, Dtype};
+use crate::backend::{AttnHeads, AttnSeq, Backend, Dtype, HostWeight, MoeWeights, RopePositions, RopeSpec};
+use crate::error::{BackendError, CheckpointError};
 use crate::model::config::Config;
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
-use crate::Result;
-use crate::error::{BackendError, CheckpointError};
 
 /// Attention weights of one layer, on the device: matrices `W`, vectors `T`.
 struct Attention<T, W> {
@@ -30,7 +30,10 @@ struct Attention<T, W> {
 /// The feed-forward block of one layer.
 enum Mlp<W> {
     /// `down(silu(gate x) * up x)` with gate and up fused row-wise `[2I, H]`.
-    Dense { gate_up: W, down: W },
+    Dense {
+        gate_up: W,
+        down: W,
+    },
     Sparse(MoeWeights<W>),
 }
 
@@ -85,17 +88,36 @@ fn prefixes(source: &dyn WeightSource) -> Result<(&'static str, &'static str)> {
 
 /// Stacks matrices row-wise (fusing gate/up, or experts) into the weight `name`.
 fn stack(parts: Vec<HostWeight>, name: String) -> Result<HostWeight> {
-    HostWeight::stack(parts).ok_or_else(|| CheckpointError::WeightLayout { name, problem: "parts do not stack".into() }.into())
+    HostWeight::stack(parts)
+        .ok_or_else(|| CheckpointError::WeightLayout { name, problem: "parts do not stack".into() }.into())
 }
 
 /// Host weights of one MoE block in the fused layout of [`MoeWeights`], stored as `dtype`.
-fn load_experts(mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usize, dtype: Dtype) -> Result<[HostWeight; 2]> {
+fn load_experts(
+    mlp: &Weights<'_>,
+    cfg: &Config,
+    num_experts: usize,
+    inter: usize,
+    dtype: Dtype,
+) -> Result<[HostWeight; 2]> {
     let hidden = cfg.hidden_size;
     let experts = mlp.pp("experts");
     if experts.contains("gate_up_proj") {
         // transformers v5 fused layout: gate_up [E, 2I, H], down [E, H, I].
-        let gate_up = experts.weight_reshaped("gate_up_proj", &[num_experts, 2 * inter, hidden], num_experts * 2 * inter, hidden, dtype)?;
-        let down = experts.weight_reshaped("down_proj", &[num_experts, hidden, inter], num_experts * hidden, inter, dtype)?;
+        let gate_up = experts.weight_reshaped(
+            "gate_up_proj",
+            &[num_experts, 2 * inter, hidden],
+            num_experts * 2 * inter,
+            hidden,
+            dtype,
+        )?;
+        let down = experts.weight_reshaped(
+            "down_proj",
+            &[num_experts, hidden, inter],
+            num_experts * hidden,
+            inter,
+            dtype,
+        )?;
         return Ok([gate_up, down]);
     }
     let (mut gate_up, mut down) = (Vec::new(), Vec::new());
@@ -158,12 +180,22 @@ impl<B: Backend> Thinker<B> {
     /// assert_eq!(thinker.dtype(), Dtype::Bf16);
     /// # Ok::<(), omniprefix::Error>(())
     /// ```
-    pub fn load_as(backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>) -> Result<Self> {
+    pub fn load_as(
+        backend: &B,
+        config: Config,
+        source: &dyn WeightSource,
+        dtype: Option<Dtype>,
+    ) -> Result<Self> {
         // Each packed matrix is made beside its host copy: let those copies' pages go (crate::alloc).
         crate::alloc::while_loading(|| Self::load_packed(backend, config, source, dtype))
     }
 
-    fn load_packed(backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>) -> Result<Self> {
+    fn load_packed(
+        backend: &B,
+        config: Config,
+        source: &dyn WeightSource,
+        dtype: Option<Dtype>,
+    ) -> Result<Self> {
         config.validate()?;
         let (model_prefix, head_prefix) = prefixes(source)?;
         let root = Weights::root(source, model_prefix);
@@ -180,7 +212,8 @@ impl<B: Backend> Thinker<B> {
             weight_bytes.set(weight_bytes.get() + w.bytes());
             backend.upload_weight(w)
         };
-        let matrix = |at: &Weights<'_>, rows: usize, cols: usize| at.weight("weight", rows, cols, dtype).and_then(upw);
+        let matrix =
+            |at: &Weights<'_>, rows: usize, cols: usize| at.weight("weight", rows, cols, dtype).and_then(upw);
 
         let embed = matrix(&root.pp("embed_tokens"), c.vocab_size, h)?;
         let mut layers = Vec::new();
@@ -212,7 +245,8 @@ impl<B: Backend> Thinker<B> {
             let mw = lw.pp("mlp");
             let mlp = match c.moe.as_ref().filter(|_| c.is_sparse_layer(i)) {
                 Some(m) => {
-                    let [gate_up, down] = load_experts(&mw, c, m.num_experts, m.moe_intermediate_size, dtype)?;
+                    let [gate_up, down] =
+                        load_experts(&mw, c, m.num_experts, m.moe_intermediate_size, dtype)?;
                     Mlp::Sparse(MoeWeights {
                         router: matrix(&mw.pp("gate"), m.num_experts, h)?,
                         gate_up: upw(gate_up)?,
@@ -244,7 +278,16 @@ impl<B: Backend> Thinker<B> {
         } else {
             Some(matrix(&Weights::root(source, head_prefix), c.vocab_size, h)?)
         };
-        Ok(Self { rope: config.rope_spec(), config, dtype, weight_bytes: weight_bytes.get(), embed, layers, norm, lm_head })
+        Ok(Self {
+            rope: config.rope_spec(),
+            config,
+            dtype,
+            weight_bytes: weight_bytes.get(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
     }
 
     /// A model with seeded random weights (HF names in memory, loaded through [`Thinker::load`]).
@@ -407,8 +450,8 @@ mod tests {
     use safetensors::tensor::TensorView as StView;
 
     use super::*;
-    use crate::error::{Error, IoError};
     use crate::backend::cpu::CpuBackend;
+    use crate::error::{Error, IoError};
     use crate::model::CaptureSpec;
     use crate::prompt::Positions;
     use crate::runner::{PromptInputs, run_uncached};
@@ -418,7 +461,8 @@ mod tests {
     }
 
     fn logits_of(thinker: &Thinker<CpuBackend>) -> Vec<f32> {
-        let inputs = PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::linear(5) };
+        let inputs =
+            PromptInputs { token_ids: vec![1, 5, 9, 2, 7], embeds: vec![], positions: Positions::linear(5) };
         let out = run_uncached(thinker, &CpuBackend, &inputs, &CaptureSpec::default_for(2), false).unwrap();
         out.last_logits
     }
@@ -463,7 +507,10 @@ mod tests {
         let name = "model.layers.1.self_attn.k_proj.weight";
         let k = src.remove(name).unwrap();
         let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
-        assert!(matches!(&err, Error::Checkpoint(CheckpointError::MissingTensor { name: n }) if n == name), "{err}");
+        assert!(
+            matches!(&err, Error::Checkpoint(CheckpointError::MissingTensor { name: n }) if n == name),
+            "{err}"
+        );
         src.insert(name, HostTensor { shape: vec![16, 31], data: k.data[..16 * 31].to_vec() });
         let err = Thinker::load(&CpuBackend, tiny(), &src).err().unwrap();
         assert!(
@@ -515,12 +562,22 @@ mod tests {
         let mut down = Vec::new();
         for x in 0..e {
             for part in ["gate_proj", "up_proj"] {
-                gate_up.extend(fused.remove(&format!("model.layers.1.mlp.experts.{x}.{part}.weight")).unwrap().data);
+                gate_up.extend(
+                    fused.remove(&format!("model.layers.1.mlp.experts.{x}.{part}.weight")).unwrap().data,
+                );
             }
-            down.extend(fused.remove(&format!("model.layers.1.mlp.experts.{x}.down_proj.weight")).unwrap().data);
+            down.extend(
+                fused.remove(&format!("model.layers.1.mlp.experts.{x}.down_proj.weight")).unwrap().data,
+            );
         }
-        fused.insert("model.layers.1.mlp.experts.gate_up_proj", HostTensor { shape: vec![e, 2 * inter, h], data: gate_up });
-        fused.insert("model.layers.1.mlp.experts.down_proj", HostTensor { shape: vec![e, h, inter], data: down });
+        fused.insert(
+            "model.layers.1.mlp.experts.gate_up_proj",
+            HostTensor { shape: vec![e, 2 * inter, h], data: gate_up },
+        );
+        fused.insert(
+            "model.layers.1.mlp.experts.down_proj",
+            HostTensor { shape: vec![e, h, inter], data: down },
+        );
         let a = Thinker::load(&CpuBackend, cfg.clone(), &src).unwrap();
         let b = Thinker::load(&CpuBackend, cfg, &fused).unwrap();
         assert_eq!(logits_of(&a), logits_of(&b));
@@ -530,7 +587,8 @@ mod tests {
     fn safetensors_f16_converts_and_bad_files_are_typed_errors() {
         let dir = scratch_dir("bad");
         let ints: Vec<u8> = [1i32, 2, 3, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
-        let halves: Vec<u8> = [0.5f32, -2.0].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let halves: Vec<u8> =
+            [0.5f32, -2.0].iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
         let views = [
             ("model.norm.weight", StView::new(safetensors::Dtype::I32, vec![4], &ints).unwrap()),
             ("model.half", StView::new(safetensors::Dtype::F16, vec![2, 1], &halves).unwrap()),
@@ -538,12 +596,19 @@ mod tests {
         let path = dir.join("model.safetensors");
         safetensors::serialize_to_file(views, &None, &path).unwrap();
         let src = SafetensorsSource::open_dir(&dir).unwrap();
-        assert!(matches!(src.load("model.norm.weight"), Err(Error::Checkpoint(CheckpointError::TensorDtype { found, .. })) if found == "I32"));
+        assert!(
+            matches!(src.load("model.norm.weight"), Err(Error::Checkpoint(CheckpointError::TensorDtype { found, .. })) if found == "I32")
+        );
         assert_eq!(src.load("model.half").unwrap(), HostTensor { shape: vec![2, 1], data: vec![0.5, -2.0] });
-        assert!(matches!(src.load("model.nope"), Err(Error::Checkpoint(CheckpointError::MissingTensor { name })) if name == "model.nope"));
+        assert!(
+            matches!(src.load("model.nope"), Err(Error::Checkpoint(CheckpointError::MissingTensor { name })) if name == "model.nope")
+        );
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
-        assert!(matches!(SafetensorsSource::open_dir(&dir), Err(Error::Checkpoint(CheckpointError::Safetensors { .. }))));
+        assert!(matches!(
+            SafetensorsSource::open_dir(&dir),
+            Err(Error::Checkpoint(CheckpointError::Safetensors { .. }))
+        ));
         let empty = scratch_dir("empty");
         assert!(matches!(SafetensorsSource::open_dir(&empty), Err(Error::Io(IoError { .. }))));
         std::fs::remove_dir_all(&dir).ok();

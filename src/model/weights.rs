@@ -10,8 +10,8 @@ use ndarray::Array2;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::backend::{Dtype, FloatVec, HostWeight};
-use crate::{Error, Result};
 use crate::error::{CheckpointError, IoError};
+use crate::{Error, Result};
 
 /// A host tensor of any rank, already converted to f32.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,7 +84,11 @@ impl WeightSource for MemorySource {
     }
 
     fn load_stored(&self, name: &str) -> Result<StoredTensor> {
-        self.tensors.get(name).cloned().map(StoredTensor::from).ok_or_else(|| CheckpointError::MissingTensor { name: name.into() }.into())
+        self.tensors
+            .get(name)
+            .cloned()
+            .map(StoredTensor::from)
+            .ok_or_else(|| CheckpointError::MissingTensor { name: name.into() }.into())
     }
 
     fn stored_dtype(&self, name: &str) -> Option<Dtype> {
@@ -115,21 +119,18 @@ impl SafetensorsSource {
     pub fn open_dir(dir: &Path) -> Result<Self> {
         let index = dir.join("model.safetensors.index.json");
         if index.exists() {
-            let text = std::fs::read_to_string(&index)
-                .map_err(|source| IoError::read(&index, source))?;
-            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| CheckpointError::Safetensors {
-                path: index.display().to_string(),
-                message: e.to_string(),
+            let text = std::fs::read_to_string(&index).map_err(|source| IoError::read(&index, source))?;
+            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+                CheckpointError::Safetensors { path: index.display().to_string(), message: e.to_string() }
             })?;
-            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| CheckpointError::Safetensors {
-                path: index.display().to_string(),
-                message: "no `weight_map` object".into(),
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
+                CheckpointError::Safetensors {
+                    path: index.display().to_string(),
+                    message: "no `weight_map` object".into(),
+                }
             })?;
-            let mut shards: Vec<PathBuf> = map
-                .values()
-                .filter_map(|v| v.as_str())
-                .map(|f| dir.join(f))
-                .collect();
+            let mut shards: Vec<PathBuf> =
+                map.values().filter_map(|v| v.as_str()).map(|f| dir.join(f)).collect();
             shards.sort();
             shards.dedup();
             Self::open_files(&shards)
@@ -148,10 +149,12 @@ impl SafetensorsSource {
             // SAFETY: the checkpoint is opened read-only; as with any mmap, a concurrent
             // writer truncating the file is outside what we guard against.
             let map = unsafe { Mmap::map(&handle) }.map_err(|source| IoError::read(&shown, source))?;
-            let st_err = |e: safetensors::SafeTensorError| Error::Checkpoint(CheckpointError::Safetensors {
-                path: shown.clone(),
-                message: e.to_string(),
-            });
+            let st_err = |e: safetensors::SafeTensorError| {
+                Error::Checkpoint(CheckpointError::Safetensors {
+                    path: shown.clone(),
+                    message: e.to_string(),
+                })
+            };
             // `deserialize` checks the header against the file length (truncation).
             SafeTensors::deserialize(&map).map_err(st_err)?;
             let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(st_err)?;
@@ -165,7 +168,11 @@ impl SafetensorsSource {
                     end: base + info.data_offsets.1,
                 };
                 if entries.insert(name.clone(), entry).is_some() {
-                    return Err(CheckpointError::Safetensors { path: shown.clone(), message: format!("tensor `{name}` in two files") }.into());
+                    return Err(CheckpointError::Safetensors {
+                        path: shown.clone(),
+                        message: format!("tensor `{name}` in two files"),
+                    }
+                    .into());
                 }
             }
             maps.push(map);
@@ -180,16 +187,27 @@ impl WeightSource for SafetensorsSource {
     }
 
     fn load_stored(&self, name: &str) -> Result<StoredTensor> {
-        let entry = self.entries.get(name).ok_or_else(|| CheckpointError::MissingTensor { name: name.into() })?;
+        let entry =
+            self.entries.get(name).ok_or_else(|| CheckpointError::MissingTensor { name: name.into() })?;
         let map = self.maps.get(entry.file);
-        let bytes = map
-            .and_then(|m| m.get(entry.start..entry.end))
-            .ok_or_else(|| CheckpointError::Safetensors { path: name.into(), message: "data range outside the file".into() })?;
+        let bytes = map.and_then(|m| m.get(entry.start..entry.end)).ok_or_else(|| {
+            CheckpointError::Safetensors { path: name.into(), message: "data range outside the file".into() }
+        })?;
         let data = match entry.dtype {
-            StDtype::F32 => FloatVec::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
-            StDtype::F16 => FloatVec::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
-            StDtype::BF16 => FloatVec::Bf16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
-            other => return Err(CheckpointError::TensorDtype { name: name.into(), found: format!("{other:?}") }.into()),
+            StDtype::F32 => FloatVec::F32(
+                bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            ),
+            StDtype::F16 => {
+                FloatVec::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect())
+            }
+            StDtype::BF16 => {
+                FloatVec::Bf16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect())
+            }
+            other => {
+                return Err(
+                    CheckpointError::TensorDtype { name: name.into(), found: format!("{other:?}") }.into()
+                );
+            }
         };
         if let Some(map) = map {
             // The bytes are copied: drop their pages from this process's resident set,
@@ -198,7 +216,13 @@ impl WeightSource for SafetensorsSource {
             #[cfg(unix)]
             // SAFETY: the map is read-only and private, and no reference into the range
             // outlives this call, so discarding its pages only forces a re-read from the file.
-            let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, entry.start, entry.end - entry.start) };
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    entry.start,
+                    entry.end - entry.start,
+                )
+            };
         }
         Ok(StoredTensor { shape: entry.shape.clone(), data })
     }
@@ -228,7 +252,8 @@ impl<'a> Weights<'a> {
 
     /// The path one level down.
     pub fn pp(&self, part: impl std::fmt::Display) -> Weights<'a> {
-        let prefix = if self.prefix.is_empty() { part.to_string() } else { format!("{}.{part}", self.prefix) };
+        let prefix =
+            if self.prefix.is_empty() { part.to_string() } else { format!("{}.{part}", self.prefix) };
         Weights { source: self.source, prefix }
     }
 
@@ -247,7 +272,9 @@ impl<'a> Weights<'a> {
         let name = self.name(leaf);
         let t = self.source.load(&name)?;
         if t.shape != shape {
-            return Err(CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into());
+            return Err(
+                CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into()
+            );
         }
         debug_assert_eq!(t.data.len(), shape.iter().product::<usize>());
         Ok(t)
@@ -256,7 +283,9 @@ impl<'a> Weights<'a> {
     /// A 2-D weight `[rows, cols]` (HF Linear: `[out, in]`).
     pub fn matrix(&self, leaf: &str, rows: usize, cols: usize) -> Result<Array2<f32>> {
         let t = self.get(leaf, &[rows, cols])?;
-        Array2::from_shape_vec((rows, cols), t.data).map_err(|e| CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into())
+        Array2::from_shape_vec((rows, cols), t.data).map_err(|e| {
+            CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into()
+        })
     }
 
     /// A 2-D weight `[rows, cols]` stored as `dtype` (converted from the checkpoint's own).
@@ -266,13 +295,23 @@ impl<'a> Weights<'a> {
 
     /// `leaf` (of any rank) as a `[rows, cols]` weight stored as `dtype`: stacked
     /// expert tensors `[E, r, c]` become `[E * r, c]`.
-    pub fn weight_reshaped(&self, leaf: &str, shape: &[usize], rows: usize, cols: usize, dtype: Dtype) -> Result<HostWeight> {
+    pub fn weight_reshaped(
+        &self,
+        leaf: &str,
+        shape: &[usize],
+        rows: usize,
+        cols: usize,
+        dtype: Dtype,
+    ) -> Result<HostWeight> {
         let name = self.name(leaf);
         let t = self.source.load_stored(&name)?;
         if t.shape != shape {
-            return Err(CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into());
+            return Err(
+                CheckpointError::TensorShape { name, expected: shape.to_vec(), found: t.shape }.into()
+            );
         }
-        let w = HostWeight::new([rows, cols], t.data).map_err(|e| CheckpointError::WeightLayout { name, problem: e.to_string() })?;
+        let w = HostWeight::new([rows, cols], t.data)
+            .map_err(|e| CheckpointError::WeightLayout { name, problem: e.to_string() })?;
         w.to_dtype(dtype)
     }
 
@@ -284,6 +323,8 @@ impl<'a> Weights<'a> {
     /// A 1-D weight `[n]` as a `[1, n]` matrix.
     pub fn vector(&self, leaf: &str, n: usize) -> Result<Array2<f32>> {
         let t = self.get(leaf, &[n])?;
-        Array2::from_shape_vec((1, n), t.data).map_err(|e| CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into())
+        Array2::from_shape_vec((1, n), t.data).map_err(|e| {
+            CheckpointError::WeightLayout { name: self.name(leaf), problem: e.to_string() }.into()
+        })
     }
 }

@@ -90,7 +90,11 @@ impl PromptBuilder {
     /// Placeholder ids are rejected here: items bring their own.
     pub fn push_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
         if let Some((offset, _)) = find_placeholder(&self.tokens, ids) {
-            return Err(RequestError::StrayPlaceholder { position: self.token_ids.len() + offset, token: ids[offset] }.into());
+            return Err(RequestError::StrayPlaceholder {
+                position: self.token_ids.len() + offset,
+                token: ids[offset],
+            }
+            .into());
         }
         self.append_text(ids)
     }
@@ -102,7 +106,12 @@ impl PromptBuilder {
         if let Some(vocab_size) = self.tokens.vocab_size
             && let Some((offset, token)) = out_of_vocab(ids, vocab_size as usize)
         {
-            return Err(RequestError::TokenOutOfVocab { position: self.token_ids.len() + offset, token, vocab_size }.into());
+            return Err(RequestError::TokenOutOfVocab {
+                position: self.token_ids.len() + offset,
+                token,
+                vocab_size,
+            }
+            .into());
         }
         self.check_room(ids.len())?;
         if ids.is_empty() {
@@ -131,7 +140,8 @@ impl PromptBuilder {
                 position: self.len(),
                 expected: "text between a video and a separate audio (or push_audio_in_video)".into(),
                 found: "an audio item directly after a video item".into(),
-            }.into());
+            }
+            .into());
         }
         self.check_room(count)?;
         self.items.push(item);
@@ -142,12 +152,22 @@ impl PromptBuilder {
     /// Appends a video and the audio of its soundtrack, their placeholders
     /// interleaved by time as the HF Qwen3-Omni processor emits them with
     /// `use_audio_in_video` (video first on ties), without wrapper tokens.
-    pub fn push_audio_in_video(&mut self, video: Arc<ItemIdentity>, audio: Arc<ItemIdentity>) -> Result<&mut Self> {
+    pub fn push_audio_in_video(
+        &mut self,
+        video: Arc<ItemIdentity>,
+        audio: Arc<ItemIdentity>,
+    ) -> Result<&mut Self> {
         let (video_index, audio_index) = (self.items.len(), self.items.len() + 1);
-        for (index, item, expected) in [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
+        for (index, item, expected) in
+            [(video_index, &video, Modality::Video), (audio_index, &audio, Modality::Audio)]
         {
             if item.modality != expected {
-                return Err(RequestError::ItemModalityMismatch { item: index, expected, found: item.modality }.into());
+                return Err(RequestError::ItemModalityMismatch {
+                    item: index,
+                    expected,
+                    found: item.modality,
+                }
+                .into());
             }
         }
         let video_tokens = self.tokens.checked_token_count(&video, video_index)?;
@@ -290,7 +310,12 @@ impl PromptBuilder {
         let audio_follows = ids.get(run) == Some(&self.tokens.audio_token_id);
         if item.modality == Modality::Video && audio_follows {
             let (_, audio) = queues.take(Modality::Audio, self.len() + run)?;
-            let runs = audio_in_video_runs(&item.layout, item.num_tokens as u32, audio.num_tokens as u32, &self.tokens);
+            let runs = audio_in_video_runs(
+                &item.layout,
+                item.num_tokens as u32,
+                audio.num_tokens as u32,
+                &self.tokens,
+            );
             let mut offset = 0;
             for (modality, rows) in runs {
                 for _ in rows {
@@ -302,7 +327,8 @@ impl PromptBuilder {
                             position: self.len() + offset,
                             expected: format!("{modality:?} pad {expected}"),
                             found: found.map_or("end of prompt".into(), |t| format!("token {t}")),
-                        }.into());
+                        }
+                        .into());
                     }
                     offset += 1;
                 }
@@ -316,7 +342,8 @@ impl PromptBuilder {
                 position: self.len(),
                 expected: item.num_tokens,
                 found: run,
-            }.into());
+            }
+            .into());
         }
         self.push_item(item)?;
         Ok(run)
@@ -334,13 +361,15 @@ impl PromptBuilder {
     ) -> Result<()> {
         let before = cursor.checked_sub(1).and_then(|i| ids.get(i)).copied();
         let after = ids.get(cursor + 1).copied();
-        if before != Some(self.tokens.vision_start_token_id) || after != Some(self.tokens.vision_end_token_id) {
+        if before != Some(self.tokens.vision_start_token_id) || after != Some(self.tokens.vision_end_token_id)
+        {
             return Err(RequestError::MalformedAudioInVideo {
                 item: index,
                 position: self.len(),
                 expected: "video pad between vision_start and vision_end".into(),
                 found: format!("neighbours {before:?} and {after:?}"),
-            }.into());
+            }
+            .into());
         }
         let (_, audio) = queues.take(Modality::Audio, self.len())?;
         self.push_text(&[self.tokens.audio_start_token_id])?;
@@ -456,7 +485,12 @@ impl<'a> ItemQueues<'a> {
         for modality in MODALITIES {
             let s = slot(modality);
             if let Some(&first) = self.indices[s].get(self.used[s]) {
-                return Err(RequestError::UnusedItems { first, modality, count: self.indices[s].len() - self.used[s] }.into());
+                return Err(RequestError::UnusedItems {
+                    first,
+                    modality,
+                    count: self.indices[s].len() - self.used[s],
+                }
+                .into());
             }
         }
         Ok(())

@@ -129,7 +129,9 @@ impl Run {
             Run::Grid { base, first_row, grid, .. } => {
                 Run::Grid { len, base: *base, first_row: first_row + range.start as u32, grid: *grid }
             }
-            Run::Given { values, first, .. } => Run::Given { values: Arc::clone(values), first: first + range.start, len },
+            Run::Given { values, first, .. } => {
+                Run::Given { values: Arc::clone(values), first: first + range.start, len }
+            }
         }
     }
 
@@ -155,7 +157,12 @@ impl Run {
 impl Positions {
     /// Plain 1-D positions `0..len`.
     pub fn linear(len: usize) -> Self {
-        Positions { kind: PositionKind::Linear, len, rope_delta: 0, runs: vec![Run::Diagonal { len, base: 0 }] }
+        Positions {
+            kind: PositionKind::Linear,
+            len,
+            rope_delta: 0,
+            runs: vec![Run::Diagonal { len, base: 0 }],
+        }
     }
 
     /// M-RoPE positions given one `[t, h, w]` per position, with the prompt's
@@ -164,7 +171,12 @@ impl Positions {
     pub fn given(values: Vec<[i64; 3]>, rope_delta: i64) -> Self {
         let len = values.len();
         let values: Arc<[[i64; 3]]> = values.into();
-        Positions { kind: PositionKind::Mrope, len, rope_delta, runs: vec![Run::Given { values, first: 0, len }] }
+        Positions {
+            kind: PositionKind::Mrope,
+            len,
+            rope_delta,
+            runs: vec![Run::Given { values, first: 0, len }],
+        }
     }
 
     /// Number of positions.
@@ -193,7 +205,12 @@ impl Positions {
     /// Costs one step per run, never per token.
     pub fn slice(&self, range: Range<usize>) -> Result<Positions> {
         if range.start > range.end || range.end > self.len {
-            return Err(RequestError::PositionRangeOutOfBounds { start: range.start, end: range.end, len: self.len }.into());
+            return Err(RequestError::PositionRangeOutOfBounds {
+                start: range.start,
+                end: range.end,
+                len: self.len,
+            }
+            .into());
         }
         let mut runs = Vec::new();
         let mut at = 0;
@@ -326,10 +343,16 @@ impl MropeWalk {
     }
 
     fn item(&mut self, atom: usize, id: &ItemIdentity, rows: Range<u32>, tokens: &OmniTokens) -> Result<()> {
-        let num_tokens = u32::try_from(id.num_tokens)
-            .map_err(|_| RequestError::MalformedAtoms { atom, problem: "item has more than u32::MAX rows" })?;
+        let num_tokens = u32::try_from(id.num_tokens).map_err(|_| RequestError::MalformedAtoms {
+            atom,
+            problem: "item has more than u32::MAX rows",
+        })?;
         if rows.is_empty() || rows.end > num_tokens {
-            return Err(RequestError::MalformedAtoms { atom, problem: "item rows empty or past the item's token count" }.into());
+            return Err(RequestError::MalformedAtoms {
+                atom,
+                problem: "item rows empty or past the item's token count",
+            }
+            .into());
         }
         let base = if rows.start == 0 {
             tokens.checked_token_count(id, atom)?;
@@ -339,7 +362,10 @@ impl MropeWalk {
                 .open
                 .iter_mut()
                 .find(|o| o.fingerprint == id.fingerprint && o.next_row == rows.start)
-                .ok_or(RequestError::MalformedAtoms { atom, problem: "rows continue no item open right before them" })?;
+                .ok_or(RequestError::MalformedAtoms {
+                    atom,
+                    problem: "rows continue no item open right before them",
+                })?;
             open.next_row = rows.end;
             open.base
         };
@@ -357,23 +383,43 @@ impl MropeWalk {
 
     /// Starts a new item occurrence and returns its base position. An audio
     /// right after a lone video in the same run shares the video's base.
-    fn open_occurrence(&mut self, atom: usize, id: &ItemIdentity, num_tokens: u32, next_row: u32) -> Result<i64> {
+    fn open_occurrence(
+        &mut self,
+        atom: usize,
+        id: &ItemIdentity,
+        num_tokens: u32,
+        next_row: u32,
+    ) -> Result<i64> {
         let base = match self.open.as_slice() {
             [video] if video.modality == Modality::Video && id.modality == Modality::Audio => video.base,
             _ => {
                 if self.open.iter().any(|o| o.next_row != o.num_tokens) {
-                    return Err(RequestError::MalformedAtoms { atom, problem: "new item starts inside an unfinished item" }.into());
+                    return Err(RequestError::MalformedAtoms {
+                        atom,
+                        problem: "new item starts inside an unfinished item",
+                    }
+                    .into());
                 }
                 self.next
             }
         };
-        self.open.push(OpenItem { fingerprint: id.fingerprint, modality: id.modality, base, next_row, num_tokens });
+        self.open.push(OpenItem {
+            fingerprint: id.fingerprint,
+            modality: id.modality,
+            base,
+            next_row,
+            num_tokens,
+        });
         Ok(base)
     }
 
     fn close_group(&mut self, atom: usize) -> Result<()> {
         if self.open.iter().any(|o| o.next_row != o.num_tokens) {
-            return Err(RequestError::MalformedAtoms { atom, problem: "an item's rows end before its token count" }.into());
+            return Err(RequestError::MalformedAtoms {
+                atom,
+                problem: "an item's rows end before its token count",
+            }
+            .into());
         }
         self.open.clear();
         Ok(())
@@ -412,8 +458,15 @@ pub(crate) fn audio_in_video_runs(
         }
     };
     let (frames, grid) = match (video, Grid::of(video, tokens)) {
-        (ItemLayout::Video { grid_thw, .. } | ItemLayout::Image { grid_thw }, Some(grid)) => (grid_thw[0], grid),
-        _ => return vec![(Modality::Audio, 0..audio_tokens)].into_iter().filter(|(_, r)| !r.is_empty()).collect(),
+        (ItemLayout::Video { grid_thw, .. } | ItemLayout::Image { grid_thw }, Some(grid)) => {
+            (grid_thw[0], grid)
+        }
+        _ => {
+            return vec![(Modality::Audio, 0..audio_tokens)]
+                .into_iter()
+                .filter(|(_, r)| !r.is_empty())
+                .collect();
+        }
     };
     let per_frame = video_tokens.checked_div(frames).unwrap_or(0);
     let mut audio = 0;
@@ -460,7 +513,10 @@ mod tests {
     #[test]
     fn slice_rejects_out_of_range() {
         let p = Positions::given(vec![[0, 0, 0], [1, 1, 1]], 0);
-        assert!(matches!(p.slice(1..3), Err(Error::Request(RequestError::PositionRangeOutOfBounds { start: 1, end: 3, len: 2 }))));
+        assert!(matches!(
+            p.slice(1..3),
+            Err(Error::Request(RequestError::PositionRangeOutOfBounds { start: 1, end: 3, len: 2 }))
+        ));
         assert_eq!(p.slice(1..2).ok(), Some(Positions::given(vec![[1, 1, 1]], 0)));
     }
 

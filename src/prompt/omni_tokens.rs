@@ -162,7 +162,8 @@ impl OmniTokens {
                 field: "num_tokens",
                 expected: format!("{count}, the count of its layout"),
                 found: item.num_tokens.to_string(),
-            }.into());
+            }
+            .into());
         }
         Ok(count)
     }
@@ -193,7 +194,10 @@ mod tests {
         let video = ItemLayout::Video { grid_thw: [10, 40, 72], seconds_per_grid: 1.0 };
         assert_eq!(tokens.placeholder_count(&video)?, 7200);
         let odd = tokens.placeholder_count(&ItemLayout::Image { grid_thw: [1, 3, 4] });
-        assert!(matches!(odd, Err(Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 4], merge: 2 }))));
+        assert!(matches!(
+            odd,
+            Err(Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 4], merge: 2 }))
+        ));
         let empty = tokens.placeholder_count(&ItemLayout::Image { grid_thw: [0, 4, 4] });
         assert!(matches!(empty, Err(Error::Request(RequestError::EmptyItem { .. }))));
         Ok(())

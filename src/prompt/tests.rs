@@ -132,7 +132,8 @@ fn rfc_text_pair_has_67_and_57_tokens_with_linear_mrope() -> Result<()> {
 
 #[test]
 fn pushes_merge_text_and_record_spans() -> Result<()> {
-    let mut builder = PromptBuilder::new(OmniTokens::tiny()).with_tenant(9).with_positions(PositionKind::Linear);
+    let mut builder =
+        PromptBuilder::new(OmniTokens::tiny()).with_tenant(9).with_positions(PositionKind::Linear);
     builder.push_text(&[1, 2])?.push_text(&[3])?.push_item(image(1))?.push_text(&[4])?;
     let prompt = builder.build()?;
     assert_eq!(prompt.tenant, 9);
@@ -165,7 +166,15 @@ fn same_item_twice_gets_two_occurrences_and_distinct_positions() -> Result<()> {
 fn placeholder_run_shorter_than_its_item_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let err = builder.extend_expanded(&[1, 503, 500, 500, 504], &[image(1)]).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::PlaceholderCountMismatch { item: 0, position: 2, expected: 6, found: 2 }))));
+    assert!(matches!(
+        err,
+        Some(Error::Request(RequestError::PlaceholderCountMismatch {
+            item: 0,
+            position: 2,
+            expected: 6,
+            found: 2
+        }))
+    ));
     assert!(builder.is_empty(), "rejected request leaves the builder unchanged");
 }
 
@@ -174,7 +183,14 @@ fn more_placeholders_than_items_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     builder.push_text(&[7]).ok();
     let err = builder.extend_unexpanded(&[500, 1, 500], &[image(1)], false).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::MissingItem { position: 8, modality: Modality::Image, available: 1 }))));
+    assert!(matches!(
+        err,
+        Some(Error::Request(RequestError::MissingItem {
+            position: 8,
+            modality: Modality::Image,
+            available: 1
+        }))
+    ));
     assert_eq!(builder.len(), 1, "rejected request leaves the builder unchanged");
 }
 
@@ -182,7 +198,10 @@ fn more_placeholders_than_items_is_rejected() {
 fn fewer_placeholders_than_items_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     let err = builder.extend_unexpanded(&[500, 1], &[image(1), audio(2), image(3)], false).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::UnusedItems { first: 2, modality: Modality::Image, count: 1 }))));
+    assert!(matches!(
+        err,
+        Some(Error::Request(RequestError::UnusedItems { first: 2, modality: Modality::Image, count: 1 }))
+    ));
 }
 
 #[test]
@@ -191,7 +210,11 @@ fn wrong_modality_for_audio_in_video_is_rejected() {
     let err = builder.push_audio_in_video(image(1), audio(2)).err();
     assert!(matches!(
         err,
-        Some(Error::Request(RequestError::ItemModalityMismatch { item: 0, expected: Modality::Video, found: Modality::Image }))
+        Some(Error::Request(RequestError::ItemModalityMismatch {
+            item: 0,
+            expected: Modality::Video,
+            found: Modality::Image
+        }))
     ));
 }
 
@@ -208,7 +231,14 @@ fn token_past_the_vocab_is_rejected() {
     let tokens = OmniTokens { vocab_size: Some(152_064), ..OmniTokens::qwen3_omni() };
     let mut builder = PromptBuilder::new(tokens);
     let err = builder.extend_unexpanded(&[1, 152_064], &[], false).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::TokenOutOfVocab { position: 1, token: 152_064, vocab_size: 152_064 }))));
+    assert!(matches!(
+        err,
+        Some(Error::Request(RequestError::TokenOutOfVocab {
+            position: 1,
+            token: 152_064,
+            vocab_size: 152_064
+        }))
+    ));
 }
 
 #[test]
@@ -230,25 +260,52 @@ fn layouts_that_disagree_are_rejected() {
     let mut wrong_count = (*image(1)).clone();
     wrong_count.num_tokens = 5;
     let err = builder.push_item(Arc::new(wrong_count)).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "num_tokens", .. }))), "{err:?}");
+    assert!(
+        matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "num_tokens", .. }))),
+        "{err:?}"
+    );
     let odd_grid = item(2, ItemLayout::Image { grid_thw: [1, 3, 4] });
     let err = builder.push_item(odd_grid).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 4], merge: 2 }))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::Request(RequestError::GridNotMergeable { item: 0, grid_thw: [1, 3, 4], merge: 2 }))
+        ),
+        "{err:?}"
+    );
     let mut mislabeled = (*image(3)).clone();
     mislabeled.modality = Modality::Audio;
     let err = builder.push_item(Arc::new(mislabeled)).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "kind", .. }))), "{err:?}");
+    assert!(
+        matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "kind", .. }))),
+        "{err:?}"
+    );
     let nan = item(4, ItemLayout::Video { grid_thw: [1, 2, 2], seconds_per_grid: f32::NAN });
     let err = builder.push_item(nan).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "seconds_per_grid", .. }))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "seconds_per_grid", .. }))
+        ),
+        "{err:?}"
+    );
     let far = item(5, ItemLayout::Video { grid_thw: [2, 2, 2], seconds_per_grid: 1e30 });
     let err = builder.push_item(far).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "seconds_per_grid", .. }))), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            Some(Error::Request(RequestError::InvalidLayout { item: 0, field: "seconds_per_grid", .. }))
+        ),
+        "{err:?}"
+    );
     let mut too_big = (*image(6)).clone();
     too_big.layout = ItemLayout::Image { grid_thw: [1 << 16, 1 << 10, 1 << 10] };
     too_big.num_tokens = 1 << 34;
     let err = builder.push_item(Arc::new(too_big)).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::PromptTooLong { .. }))), "prompt past u32 positions: {err:?}");
+    assert!(
+        matches!(err, Some(Error::Request(RequestError::PromptTooLong { .. }))),
+        "prompt past u32 positions: {err:?}"
+    );
     assert!(builder.is_empty());
 }
 
@@ -262,14 +319,23 @@ fn malformed_audio_in_video_is_rejected() {
     expanded.extend([506, 504]);
     let mut builder = PromptBuilder::new(tokens.clone());
     let err = builder.extend_expanded(&expanded, &[video(1), audio(2)]).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 6, .. }))));
+    assert!(matches!(
+        err,
+        Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 6, .. }))
+    ));
     // unexpanded: the video pad must sit between vision_start and vision_end
     let err = builder.extend_unexpanded(&[1, 501, 504], &[video(1), audio(2)], true).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 1, .. }))));
+    assert!(matches!(
+        err,
+        Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 1, .. }))
+    ));
     // an audio pushed right after a video would be read as audio-in-video
     builder.push_item(video(1)).ok();
     let err = builder.push_item(audio(2)).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::MalformedAudioInVideo { item: 1, position: 12, .. }))));
+    assert!(matches!(
+        err,
+        Some(Error::Request(RequestError::MalformedAudioInVideo { item: 1, position: 12, .. }))
+    ));
     // a video asking for its audio when none is left
     let mut builder = PromptBuilder::new(tokens);
     let err = builder.extend_unexpanded(&[503, 501, 504], &[video(1)], true).err();
@@ -295,7 +361,10 @@ fn placeholders_are_found_in_and_between_scan_groups() -> Result<()> {
         ids[at] = 500;
         let mut builder = PromptBuilder::new(OmniTokens::tiny());
         let err = builder.push_text(&ids).err();
-        assert!(matches!(err, Some(Error::Request(RequestError::StrayPlaceholder { position, token: 500 })) if position == at), "pad at {at}");
+        assert!(
+            matches!(err, Some(Error::Request(RequestError::StrayPlaceholder { position, token: 500 })) if position == at),
+            "pad at {at}"
+        );
         builder.extend_unexpanded(&ids, &[image(1)], false)?;
         assert_eq!(builder.build()?.index_map.spans[0].start as usize, at, "pad at {at}");
     }
@@ -310,7 +379,10 @@ fn a_rejected_extend_leaves_a_non_empty_builder_as_it_was() -> Result<()> {
     // Text that grows the last run, an image, more text, then a second image pad with no item.
     let ids: Vec<u32> = (10..50).chain([503, 500, 504]).chain(60..100).chain([500]).collect();
     let err = builder.extend_unexpanded(&ids, &[image(2)], false).err();
-    assert!(matches!(err, Some(Error::Request(RequestError::MissingItem { modality: Modality::Image, .. }))), "{err:?}");
+    assert!(
+        matches!(err, Some(Error::Request(RequestError::MissingItem { modality: Modality::Image, .. }))),
+        "{err:?}"
+    );
     let after = builder.build()?;
     assert_eq!(after.token_ids, before.token_ids);
     assert_eq!(after.atoms.len(), before.atoms.len());
@@ -339,7 +411,9 @@ fn generated_tokens_continue_where_the_prompt_built_from_atoms_would() -> Result
     assert_eq!(sequence.token_ids, whole.token_ids);
     let atoms: usize = sequence.atoms.iter().map(Atom::len).sum();
     assert_eq!(atoms, sequence.len());
-    assert!(matches!(sequence.atoms.last(), Some(Atom::Text(ids)) if ids == &[tokens.vision_end_token_id, 11, 12, 13][..]));
+    assert!(
+        matches!(sequence.atoms.last(), Some(Atom::Text(ids)) if ids == &[tokens.vision_end_token_id, 11, 12, 13][..])
+    );
     // 1-D positions continue too.
     let mut linear = Positions::linear(5);
     linear.append_text(2);

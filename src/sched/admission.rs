@@ -81,7 +81,12 @@ impl PoolLimits {
         }
         let needed = req.prompt.len().saturating_add(req.max_new_tokens).div_ceil(self.block_size);
         if needed > self.num_blocks {
-            return Err(RequestError::RequestTooLarge { id: Some(req.id), needed, num_blocks: self.num_blocks }.into());
+            return Err(RequestError::RequestTooLarge {
+                id: Some(req.id),
+                needed,
+                num_blocks: self.num_blocks,
+            }
+            .into());
         }
         Ok(())
     }
@@ -151,7 +156,14 @@ impl RequestChecks {
         }
         let len = prompt.len().saturating_add(max_new_tokens);
         if let Some(max) = self.max_context.filter(|&max| len > max) {
-            return Err(RequestError::ContextTooLong { id: Some(id), prompt_len: prompt.len(), max_new_tokens, len, max }.into());
+            return Err(RequestError::ContextTooLong {
+                id: Some(id),
+                prompt_len: prompt.len(),
+                max_new_tokens,
+                len,
+                max,
+            }
+            .into());
         }
         Ok(())
     }
@@ -167,7 +179,12 @@ impl RequestChecks {
         let id = Some(req.id);
         let items = &req.prompt.items;
         if req.item_embeddings.len() != items.len() {
-            return Err(count_mismatch(id, "number of item embeddings", items.len(), req.item_embeddings.len()));
+            return Err(count_mismatch(
+                id,
+                "number of item embeddings",
+                items.len(),
+                req.item_embeddings.len(),
+            ));
         }
         let hidden = self
             .model
@@ -177,11 +194,25 @@ impl RequestChecks {
         for (item, (identity, emb)) in items.iter().zip(&req.item_embeddings).enumerate() {
             if emb.nrows() != identity.num_tokens {
                 let found = emb.nrows();
-                return Err(RequestError::EmbeddingMismatch { id, item, what: "embedding rows", expected: identity.num_tokens, found }.into());
+                return Err(RequestError::EmbeddingMismatch {
+                    id,
+                    item,
+                    what: "embedding rows",
+                    expected: identity.num_tokens,
+                    found,
+                }
+                .into());
             }
             if let Some(hidden) = hidden.filter(|&h| h != emb.ncols()) {
                 let found = emb.ncols();
-                return Err(RequestError::EmbeddingMismatch { id, item, what: "embedding columns", expected: hidden, found }.into());
+                return Err(RequestError::EmbeddingMismatch {
+                    id,
+                    item,
+                    what: "embedding columns",
+                    expected: hidden,
+                    found,
+                }
+                .into());
             }
         }
         self.check_deepstack(req, hidden)
@@ -203,14 +234,38 @@ impl RequestChecks {
             let Some(levels) = levels else { continue };
             let found = levels.len();
             if identity.modality == Modality::Audio {
-                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "levels of an audio item", expected: 0, found }.into());
+                return Err(RequestError::DeepStackMismatch {
+                    id,
+                    item,
+                    level: 0,
+                    what: "levels of an audio item",
+                    expected: 0,
+                    found,
+                }
+                .into());
             }
             if let Some((what, expected)) = self.model.and_then(|m| m.deepstack_count_violation(found)) {
-                return Err(RequestError::DeepStackMismatch { id, item, level: found.min(expected), what, expected, found }.into());
+                return Err(RequestError::DeepStackMismatch {
+                    id,
+                    item,
+                    level: found.min(expected),
+                    what,
+                    expected,
+                    found,
+                }
+                .into());
             }
             let expected = *levels_seen.get_or_insert(found);
             if found != expected {
-                return Err(RequestError::DeepStackMismatch { id, item, level: 0, what: "number of levels", expected, found }.into());
+                return Err(RequestError::DeepStackMismatch {
+                    id,
+                    item,
+                    level: 0,
+                    what: "number of levels",
+                    expected,
+                    found,
+                }
+                .into());
             }
             if let Some(LevelMismatch { level, what, expected, found }) =
                 LevelMismatch::first(levels, identity.num_tokens, hidden)
@@ -229,7 +284,13 @@ fn check_lengths(id: Option<RequestId>, prompt: &CanonicalPrompt) -> Result<()> 
         return Err(RequestError::PromptMismatch { id, what: "prompt length", expected: 1, found: 0 }.into());
     }
     if prompt.positions.len() != len {
-        return Err(RequestError::PromptMismatch { id, what: "positions length", expected: len, found: prompt.positions.len() }.into());
+        return Err(RequestError::PromptMismatch {
+            id,
+            what: "positions length",
+            expected: len,
+            found: prompt.positions.len(),
+        }
+        .into());
     }
     // The index keys on the atoms while the runner computes from the ids:
     // atoms that cover other tokens would file KV under the wrong key.
@@ -260,20 +321,44 @@ fn check_spans(req: &Request) -> Result<()> {
         next_free = start + span.rows.len();
         let item = span.item as usize;
         let rows = req.item_embeddings.get(item).map(|e| e.nrows());
-        let rows = rows.ok_or(RequestError::PromptMismatch { id, what: "index map item index", expected: items, found: item })?;
+        let rows = rows.ok_or(RequestError::PromptMismatch {
+            id,
+            what: "index map item index",
+            expected: items,
+            found: item,
+        })?;
         if span.rows.start > span.rows.end || span.rows.end as usize > rows {
             let found = span.rows.end as usize;
-            return Err(RequestError::EmbeddingMismatch { id, item, what: "index map row end", expected: rows, found }.into());
+            return Err(RequestError::EmbeddingMismatch {
+                id,
+                item,
+                what: "index map row end",
+                expected: rows,
+                found,
+            }
+            .into());
         }
         if next_free > len {
-            return Err(RequestError::PromptMismatch { id, what: "index map span end", expected: len, found: next_free }.into());
+            return Err(RequestError::PromptMismatch {
+                id,
+                what: "index map span end",
+                expected: len,
+                found: next_free,
+            }
+            .into());
         }
         placeholder_rows += span.rows.len() as u64;
     }
     let placeholders = prompt.index_map.placeholders.len();
     if placeholder_rows != placeholders {
         let (expected, found) = (placeholders as usize, placeholder_rows as usize);
-        return Err(RequestError::PromptMismatch { id, what: "rows covered by index map spans", expected, found }.into());
+        return Err(RequestError::PromptMismatch {
+            id,
+            what: "rows covered by index map spans",
+            expected,
+            found,
+        }
+        .into());
     }
     Ok(())
 }

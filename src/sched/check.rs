@@ -34,7 +34,10 @@ impl Scheduler {
                 ));
             }
             if matches!(t.phase, Phase::Waiting | Phase::Parked)
-                && (!t.block_table.is_empty() || t.lock.is_some() || t.num_computed > 0 || t.in_flight.is_some())
+                && (!t.block_table.is_empty()
+                    || t.lock.is_some()
+                    || t.num_computed > 0
+                    || t.in_flight.is_some())
             {
                 return Err(format!(
                     "{:?} request {id} holds blocks, a lock, computed tokens or a batch",
@@ -50,29 +53,26 @@ impl Scheduler {
                 ));
             }
             if t.delivered > t.req.prompt.len() {
-                return Err(format!("request {id} handed out {} rows of {} positions", t.delivered, t.req.prompt.len()));
+                return Err(format!(
+                    "request {id} handed out {} rows of {} positions",
+                    t.delivered,
+                    t.req.prompt.len()
+                ));
             }
             let covered = t.num_computed + t.in_flight.unwrap_or(0);
-            if t.phase != Phase::Waiting
-                && t.block_table.len() < covered.div_ceil(self.config.block_size)
-            {
+            if t.phase != Phase::Waiting && t.block_table.len() < covered.div_ceil(self.config.block_size) {
                 return Err(format!(
                     "request {id}: {} blocks cannot hold {covered} tokens",
                     t.block_table.len()
                 ));
             }
             if t.num_shared > t.block_table.len() || (t.num_shared > 0 && t.lock.is_none()) {
-                return Err(format!(
-                    "request {id}: {} shared blocks without a covering lock",
-                    t.num_shared
-                ));
+                return Err(format!("request {id}: {} shared blocks without a covering lock", t.num_shared));
             }
             for (i, &b) in t.block_table.iter().enumerate() {
                 if i < t.num_shared {
                     if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Indexed {
-                        return Err(format!(
-                            "request {id}: shared block {b} is not owned by the index"
-                        ));
+                        return Err(format!("request {id}: shared block {b} is not owned by the index"));
                     }
                 } else {
                     *users.entry(b).or_default() += 1;
@@ -87,9 +87,7 @@ impl Scheduler {
             let users = users.get(&b).copied().unwrap_or(0);
             match self.pool.state(b).map_err(|e| e.to_string())? {
                 BlockState::InUse { refs } if refs != users => {
-                    return Err(format!(
-                        "block {b} has {refs} refs but {users} request users"
-                    ));
+                    return Err(format!("block {b} has {refs} refs but {users} request users"));
                 }
                 BlockState::Free | BlockState::Indexed if users > 0 => {
                     return Err(format!(
@@ -109,7 +107,9 @@ impl Scheduler {
         // A block published as stored and not yet as removed is still the index's.
         for (&b, hash) in self.events.iter().flat_map(|e| e.published()) {
             if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Indexed {
-                return Err(format!("block {b} (hash {hash:#x}) is published as cached but is not index-owned"));
+                return Err(format!(
+                    "block {b} (hash {hash:#x}) is published as cached but is not index-owned"
+                ));
             }
         }
         Ok(())

@@ -28,7 +28,8 @@ impl Scheduler {
                     what: "occurrences in the batch",
                     expected: 1,
                     found: 2,
-                }.into());
+                }
+                .into());
             }
             if self.aborted_in_flight.contains(&id) {
                 continue;
@@ -37,20 +38,14 @@ impl Scheduler {
             let found = seq.token_ids.len();
             match t.in_flight {
                 None => {
-                    return Err(SchedError::BatchMismatch {
-                        id,
-                        what: "new tokens",
-                        expected: 0,
-                        found,
-                    }.into());
+                    return Err(
+                        SchedError::BatchMismatch { id, what: "new tokens", expected: 0, found }.into()
+                    );
                 }
                 Some(chunk) if chunk != found => {
-                    return Err(SchedError::BatchMismatch {
-                        id,
-                        what: "new tokens",
-                        expected: chunk,
-                        found,
-                    }.into());
+                    return Err(
+                        SchedError::BatchMismatch { id, what: "new tokens", expected: chunk, found }.into()
+                    );
                 }
                 Some(_) if t.num_computed != seq.num_computed_tokens => {
                     return Err(SchedError::BatchMismatch {
@@ -58,7 +53,8 @@ impl Scheduler {
                         what: "num_computed_tokens",
                         expected: t.num_computed,
                         found: seq.num_computed_tokens,
-                    }.into());
+                    }
+                    .into());
                 }
                 Some(_) => {}
             }
@@ -98,10 +94,7 @@ impl Scheduler {
     /// already had are swapped for its copies and freed.
     pub(super) fn commit_full_blocks(&mut self, id: RequestId) -> Result<()> {
         let bs = self.config.block_size;
-        let t = self
-            .requests
-            .get_mut(&id)
-            .ok_or(SchedError::UnknownRequest { id })?;
+        let t = self.requests.get_mut(&id).ok_or(SchedError::UnknownRequest { id })?;
         let n_full = t.num_computed / bs;
         if n_full <= t.num_shared {
             return Ok(());
@@ -115,7 +108,10 @@ impl Scheduler {
         let m = outcome.cached;
         if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
             let matched = m.aligned_tokens / bs;
-            return Err(index_broke(format!("request {id}: {matched} of {n_full} just inserted blocks match again")).into());
+            return Err(index_broke(format!(
+                "request {id}: {matched} of {n_full} just inserted blocks match again"
+            ))
+            .into());
         }
         let mut adopted_at = Vec::with_capacity(outcome.adopted.len());
         for &b in &outcome.adopted {
@@ -139,7 +135,9 @@ impl Scheduler {
                 t.block_table[i] = new;
             }
             if self.pool.state(new)? != BlockState::Indexed {
-                return Err(index_broke(format!("match returned block {new}, which the index does not own")).into());
+                return Err(
+                    index_broke(format!("match returned block {new}, which the index does not own")).into()
+                );
             }
         }
         if let Some(old) = t.lock.replace(m) {
@@ -219,7 +217,10 @@ impl Scheduler {
     /// Returns the number of blocks freed.
     pub fn reset_cache(&mut self) -> Result<usize> {
         if !self.requests.is_empty() || !self.aborted_in_flight.is_empty() {
-            return Err(SchedError::CacheInUse { requests: self.requests.len() + self.aborted_in_flight.len() }.into());
+            return Err(SchedError::CacheInUse {
+                requests: self.requests.len() + self.aborted_in_flight.len(),
+            }
+            .into());
         }
         let evicted = self.index.evict(usize::MAX);
         self.stats.evicted_blocks += evicted.len() as u64;

@@ -52,7 +52,10 @@ impl EventLog {
                 .map(|&(i, _)| {
                     let rows: Vec<ItemRows> = item_runs(prompt, i * block_size..(i + 1) * block_size)
                         .into_iter()
-                        .map(|(fingerprint, first_row)| ItemRows { mm_hash: fingerprint.mm_hash_hex(), first_row })
+                        .map(|(fingerprint, first_row)| ItemRows {
+                            mm_hash: fingerprint.mm_hash_hex(),
+                            first_row,
+                        })
                         .collect();
                     (!rows.is_empty()).then_some(rows)
                 })

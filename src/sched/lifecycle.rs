@@ -99,7 +99,8 @@ impl Scheduler {
                 id,
                 computed: t.num_computed,
                 len: t.req.prompt.len(),
-            }.into());
+            }
+            .into());
         }
         // Full blocks a pinned copy-on-write source held back, if it is gone now.
         self.commit_full_blocks(id)?;
@@ -148,10 +149,7 @@ impl Scheduler {
 
     /// Gives up a request's index lock and private blocks.
     pub(super) fn release_cache_state(&mut self, id: RequestId) -> Result<()> {
-        let t = self
-            .requests
-            .get_mut(&id)
-            .ok_or(SchedError::UnknownRequest { id })?;
+        let t = self.requests.get_mut(&id).ok_or(SchedError::UnknownRequest { id })?;
         if let Some(m) = t.lock.take() {
             self.index.unlock(&m);
         }

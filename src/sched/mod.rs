@@ -90,7 +90,8 @@ fn index_broke(what: String) -> InvariantViolation {
 /// [`Scheduler::schedule`] emitted an empty step: admission guarantees that
 /// every request alone fits the pool, so this is a bug in the scheduler.
 pub fn stalled(pending: usize) -> InvariantViolation {
-    Component::Scheduler.violation(format!("{pending} request(s) pending but the scheduler emitted an empty step"))
+    Component::Scheduler
+        .violation(format!("{pending} request(s) pending but the scheduler emitted an empty step"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -216,7 +217,8 @@ impl Scheduler {
                     field: "prefill_cap",
                     expected: format!("at most max_tokens_per_step ({})", config.max_tokens_per_step),
                     found: cap.to_string(),
-                }.into());
+                }
+                .into());
             }
         }
         if config.block_size != index.block_size() {
@@ -225,7 +227,8 @@ impl Scheduler {
                 field: "block_size",
                 expected: format!("the index's block size {}", index.block_size()),
                 found: config.block_size.to_string(),
-            }.into());
+            }
+            .into());
         }
         Ok(Self {
             pool: BlockPool::new(config.num_blocks)?,
@@ -260,7 +263,8 @@ impl Scheduler {
     /// The hashes of the published blocks the index holds now, ascending:
     /// what a consumer of the events must have rebuilt.
     pub fn cached_block_hashes(&self) -> Vec<u64> {
-        let mut hashes: Vec<u64> = self.events.as_ref().map_or_else(Vec::new, |e| e.published().values().copied().collect());
+        let mut hashes: Vec<u64> =
+            self.events.as_ref().map_or_else(Vec::new, |e| e.published().values().copied().collect());
         hashes.sort_unstable();
         hashes
     }
@@ -334,8 +338,6 @@ impl Scheduler {
     }
 
     fn tracked_mut(&mut self, id: RequestId) -> Result<&mut Tracked> {
-        self.requests
-            .get_mut(&id)
-            .ok_or(SchedError::UnknownRequest { id }.into())
+        self.requests.get_mut(&id).ok_or(SchedError::UnknownRequest { id }.into())
     }
 }

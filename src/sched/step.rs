@@ -74,9 +74,8 @@ impl Scheduler {
                 continue;
             }
             let chunk = left.min(*budget);
-            let need = (t.num_computed + chunk)
-                .div_ceil(self.config.block_size)
-                .saturating_sub(t.block_table.len());
+            let need =
+                (t.num_computed + chunk).div_ceil(self.config.block_size).saturating_sub(t.block_table.len());
             if let Some(fresh) = self.reserve(need, Some(i))? {
                 self.tracked_mut(id)?.block_table.extend(fresh);
                 self.emit(id, chunk, batch)?;
@@ -89,26 +88,28 @@ impl Scheduler {
     /// Matches a waiting request, pins its cached prefix, allocates its first
     /// chunk and emits it; `false` when blocks are short or it is a second
     /// long prompt this step (it stays queued).
-    pub(super) fn start(&mut self, id: RequestId, budget: usize, long: &mut LongPrefills, batch: &mut ScheduledBatch) -> Result<bool> {
+    pub(super) fn start(
+        &mut self,
+        id: RequestId,
+        budget: usize,
+        long: &mut LongPrefills,
+        batch: &mut ScheduledBatch,
+    ) -> Result<bool> {
         let bs = self.config.block_size;
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         let len = t.req.prompt.len();
         let m = self.index.match_prefix(&t.req.prompt);
-        if m.tokens > len
-            || m.blocks.len() != m.tokens.div_ceil(bs)
-            || m.aligned_tokens != m.tokens / bs * bs
+        if m.tokens > len || m.blocks.len() != m.tokens.div_ceil(bs) || m.aligned_tokens != m.tokens / bs * bs
         {
             let (tokens, aligned, blocks) = (m.tokens, m.aligned_tokens, m.blocks.len());
-            let what = format!("match of {tokens} tokens ({aligned} aligned) with {blocks} blocks for a {len}-token prompt");
+            let what = format!(
+                "match of {tokens} tokens ({aligned} aligned) with {blocks} blocks for a {len}-token prompt"
+            );
             return Err(index_broke(what).into());
         }
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
-        let mut computed = if self.config.token_granular_reuse {
-            usable
-        } else {
-            usable / bs * bs
-        };
+        let mut computed = if self.config.token_granular_reuse { usable } else { usable / bs * bs };
         let decodes = t.req.max_new_tokens > 0;
         if !long.admit(len - computed, decodes) {
             return Ok(false);
@@ -120,11 +121,7 @@ impl Scheduler {
         }
         let mut whole_prompt = false;
         let fresh = loop {
-            let upto = if whole_prompt {
-                len
-            } else {
-                computed + (len - computed).min(budget)
-            };
+            let upto = if whole_prompt { len } else { computed + (len - computed).min(budget) };
             if let Some(fresh) = self.reserve(upto.div_ceil(bs) - computed / bs, None)? {
                 break fresh;
             }
@@ -145,10 +142,8 @@ impl Scheduler {
         };
         let shared = computed / bs;
         let chunk = (len - computed).min(budget);
-        let copy_src = lock
-            .as_ref()
-            .filter(|_| computed % bs != 0)
-            .and_then(|m| m.blocks.get(shared).copied());
+        let copy_src =
+            lock.as_ref().filter(|_| computed % bs != 0).and_then(|m| m.blocks.get(shared).copied());
         if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {
             batch.copies.push(BlockCopy { src, dst });
             self.stats.block_copies += 1;
@@ -180,7 +175,8 @@ impl Scheduler {
         let t = self.tracked_mut(id)?;
         let range = t.num_computed..t.num_computed + chunk;
         let prompt = &t.req.prompt;
-        let mut seq = batch::chunk(id, &prompt.token_ids, &t.embeds, &prompt.positions, t.block_table.clone(), range)?;
+        let mut seq =
+            batch::chunk(id, &prompt.token_ids, &t.embeds, &prompt.positions, t.block_table.clone(), range)?;
         seq.output_from = t.delivered;
         batch.seqs.push(seq);
         t.in_flight = Some(chunk);
@@ -216,9 +212,7 @@ impl Scheduler {
                 .iter()
                 .enumerate()
                 .rev()
-                .find(|&(j, id)| {
-                    j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none())
-                })
+                .find(|&(j, id)| j > after && self.requests.get(id).is_some_and(|t| t.in_flight.is_none()))
                 .map(|(j, _)| j);
             // Alone and still short: its own lock pins more than it reads (an
             // index that locks whole tree nodes). Restarting re-matches, which
@@ -301,10 +295,5 @@ pub(super) fn pinned_part(m: PrefixMatch, tokens: usize, block_size: usize) -> P
     debug_assert!(tokens <= m.tokens && tokens.div_ceil(block_size) <= m.blocks.len());
     let mut blocks = m.blocks;
     blocks.truncate(tokens.div_ceil(block_size));
-    PrefixMatch {
-        tokens,
-        aligned_tokens: tokens / block_size * block_size,
-        blocks,
-        handle: m.handle,
-    }
+    PrefixMatch { tokens, aligned_tokens: tokens / block_size * block_size, blocks, handle: m.handle }
 }

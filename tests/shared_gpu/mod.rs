@@ -49,7 +49,10 @@ fn shared(cell: &OnceLock<Option<WgpuBackend>>, options: GpuOptions) -> Option<W
                 panic!("OMNIPREFIX_REQUIRE_GPU=1 but no GPU device: {e}");
             }
             // Straight to stderr: the harness would swallow eprintln! of a passing test.
-            let _ = writeln!(std::io::stderr(), "\n!!!!!!!! SKIPPING wgpu tests: no GPU adapter ({e}) !!!!!!!!\n");
+            let _ = writeln!(
+                std::io::stderr(),
+                "\n!!!!!!!! SKIPPING wgpu tests: no GPU adapter ({e}) !!!!!!!!\n"
+            );
             None
         }
     })

@@ -78,17 +78,18 @@ impl Reference {
     /// holds `<p>.position_ids` — HF's 3-D positions and the item rows at their starts
     /// (with their DeepStack levels `<p>.item.<j>.deepstack.<i>` where recorded).
     pub fn prompt(&self, p: &str) -> TestResult<PromptInputs> {
-        let token_ids =
-            self.ints(&format!("{p}.input_ids"))?.iter().map(|&id| u32::try_from(id)).collect::<Result<Vec<_>, _>>()?;
+        let token_ids = self
+            .ints(&format!("{p}.input_ids"))?
+            .iter()
+            .map(|&id| u32::try_from(id))
+            .collect::<Result<Vec<_>, _>>()?;
         let len = token_ids.len();
         let Ok(pos) = self.ints(&format!("{p}.position_ids")) else {
-            return Ok(PromptInputs {
-                token_ids,
-                embeds: vec![],
-                positions: Positions::linear(len),
-            });
+            return Ok(PromptInputs { token_ids, embeds: vec![], positions: Positions::linear(len) });
         };
-        let axis = |a: usize| pos.get(a * len..(a + 1) * len).map(<[i64]>::to_vec).ok_or("position_ids is not [3, L]");
+        let axis = |a: usize| {
+            pos.get(a * len..(a + 1) * len).map(<[i64]>::to_vec).ok_or("position_ids is not [3, L]")
+        };
         let rope_delta = self.first_int(&format!("{p}.rope_delta"))?;
         let (t, h, w) = (axis(0)?, axis(1)?, axis(2)?);
         let positions = Positions::given((0..len).map(|i| [t[i], h[i], w[i]]).collect(), rope_delta);
@@ -122,7 +123,11 @@ impl Reference {
 
 /// Relative error of `got` against `want`, or a message naming the first element
 /// whose error exceeds [`TOLERANCE`] (row-major order).
-pub fn relative_error(what: &str, got: ArrayView2<'_, f32>, want: ArrayView2<'_, f32>) -> Result<f32, String> {
+pub fn relative_error(
+    what: &str,
+    got: ArrayView2<'_, f32>,
+    want: ArrayView2<'_, f32>,
+) -> Result<f32, String> {
     relative_error_within(what, got, want, TOLERANCE)
 }
 

@@ -4,14 +4,14 @@
 
 use std::collections::BTreeMap;
 
-use omniprefix::canon::{FingerprintKey, Fingerprinter, ItemIdentity, Modality};
 use crate::error::Result;
+use crate::workloads::{RequestPlan, Workload};
+use omniprefix::canon::{FingerprintKey, Fingerprinter, ItemIdentity, Modality};
 use omniprefix::index::hashchain::{HashChainIndex, hash_mm_item};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{BlockId, PrefixIndex, PrefixMatch, ValidationPolicy};
 use omniprefix::preprocess::Preprocessor;
 use omniprefix::prompt::{CanonicalPrompt, OmniTokens};
-use crate::workloads::{RequestPlan, Workload};
 
 /// The model id vLLM puts into every multimodal hash.
 pub const MODEL_ID: &str = "Qwen/Qwen3-Omni-30B-A3B-Instruct";
@@ -98,7 +98,12 @@ impl MatchFixture {
     pub fn fingerprint(&self) -> Result<Vec<ItemIdentity>> {
         let raw = self.workload.raw(&self.workload.measured);
         let fingerprinter = self.preprocessor.fingerprinter();
-        Ok(raw.items.iter().enumerate().map(|(i, item)| fingerprinter.identify(i, item)).collect::<omniprefix::Result<_>>()?)
+        Ok(raw
+            .items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| fingerprinter.identify(i, item))
+            .collect::<omniprefix::Result<_>>()?)
     }
 
     /// omniprefix, cold: preprocess + match on an index that holds nothing.

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use super::fixture::MatchFixture;
 use crate::error::Result;
-use omniprefix::index::ValidationPolicy;
 use crate::workloads::{Media, Workload, WorkloadName};
+use omniprefix::index::ValidationPolicy;
 
 /// What to measure and how often.
 #[derive(Debug, Clone, Copy, PartialEq)]

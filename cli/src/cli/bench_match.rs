@@ -7,8 +7,8 @@ use clap::{Args, ValueEnum};
 
 use crate::bench::{MatchOptions, MatchReport, measure};
 use crate::error::{HarnessError, Result, output};
-use omniprefix::index::ValidationPolicy;
 use crate::workloads::{Media, MediaScale, WorkloadName, select};
+use omniprefix::index::ValidationPolicy;
 
 /// Seed of the generated media and text ids.
 const SEED: u64 = 0x5eed;
@@ -86,8 +86,10 @@ pub fn run(args: &MatchArgs, out: &mut dyn Write) -> Result<()> {
     for name in workloads {
         let report = measure(name, &media, &options)?;
         if args.json {
-            let line = serde_json::to_string(&report)
-                .map_err(|source| HarnessError::Report { what: format!("the report of {}", report.workload), source })?;
+            let line = serde_json::to_string(&report).map_err(|source| HarnessError::Report {
+                what: format!("the report of {}", report.workload),
+                source,
+            })?;
             write_line(out, &line)?;
         } else {
             write_line(out, &table_row(&report))?;
@@ -98,9 +100,7 @@ pub fn run(args: &MatchArgs, out: &mut dyn Write) -> Result<()> {
 
 /// Writes and flushes one line, so each workload's report appears as soon as it is measured.
 fn write_line(out: &mut dyn Write, line: &str) -> Result<()> {
-    writeln!(out, "{line}")
-        .and_then(|()| out.flush())
-        .map_err(output)
+    writeln!(out, "{line}").and_then(|()| out.flush()).map_err(output)
 }
 
 fn table_header() -> String {

@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use clap::Args;
 
+use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, print_tables, run_demo};
+use crate::error::{HarnessError, Result, output};
 use omniprefix::backend::Backend;
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
 use omniprefix::backend::wgpu::WgpuBackend;
-use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, print_tables, run_demo};
 use omniprefix::error::IoError;
-use crate::error::{HarnessError, Result, output};
 
 /// Arguments of `demo`.
 ///
@@ -81,7 +81,12 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
     Ok(())
 }
 
-fn run_wgpu(gpu: WgpuBackend, model: &ModelChoice, options: &DemoOptions, out: &mut dyn Write) -> Result<DemoReport> {
+fn run_wgpu(
+    gpu: WgpuBackend,
+    model: &ModelChoice,
+    options: &DemoOptions,
+    out: &mut dyn Write,
+) -> Result<DemoReport> {
     let label = format!("wgpu: {}", gpu.context().adapter_name());
     run_on(Arc::new(gpu), label, model, options, out)
 }

@@ -23,7 +23,8 @@ use omniprefix::events::PublisherStats;
 
 use super::fleet;
 use super::hidden::{
-    EngineArgs, EngineJob, JobRun, hidden_tensors, on_selected_backend, print_shapes, required_request, write_tensors,
+    EngineArgs, EngineJob, JobRun, hidden_tensors, on_selected_backend, print_shapes, required_request,
+    write_tensors,
 };
 use crate::chat::{Chat, Messages};
 use crate::error::{HarnessError, Result, output};
@@ -167,7 +168,8 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> Result<()> {
         None => Prompt::File(required_request(&args.engine)?.to_path_buf()),
     };
     let job = Generate { params: args.sampling(), prompt };
-    let JobRun { reason, output: generation, kv_events } = on_selected_backend("generate", &args.engine, job)?;
+    let JobRun { reason, output: generation, kv_events } =
+        on_selected_backend("generate", &args.engine, job)?;
     if let Some(path) = &args.out {
         write_tensors(hidden_tensors(&generation.hidden), path)?;
     }

@@ -90,11 +90,16 @@ struct ParityReport {
 }
 
 /// Every capture and the last logits of one uncached step of `prompt`, by name, flattened.
-fn outputs<B: Backend>(backend: B, args: &ParityArgs, prompt: &PromptInputs) -> Result<Vec<(String, Vec<f32>)>> {
+fn outputs<B: Backend>(
+    backend: B,
+    args: &ParityArgs,
+    prompt: &PromptInputs,
+) -> Result<Vec<(String, Vec<f32>)>> {
     let backend = Arc::new(backend);
     let thinker = Arc::new(Thinker::from_dir_as(&*backend, &args.model, args.dtype.0)?);
     let layers = thinker.config().num_hidden_layers;
-    let capture = CaptureSpec::new((0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]), layers)?;
+    let capture =
+        CaptureSpec::new((0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]), layers)?;
     let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(args.kv_dtype);
     const BLOCK: usize = 16;
     let blocks = prompt.token_ids.len().div_ceil(BLOCK);
@@ -136,6 +141,7 @@ pub fn parity(args: &ParityArgs, out: &mut dyn Write) -> Result<()> {
         worst_rel_vs_cpu: worst,
         worst_output,
     };
-    let json = serde_json::to_string(&report).map_err(|source| HarnessError::Report { what: "the parity report".into(), source })?;
+    let json = serde_json::to_string(&report)
+        .map_err(|source| HarnessError::Report { what: "the parity report".into(), source })?;
     writeln!(out, "{json}").map_err(output)
 }

@@ -13,12 +13,12 @@ use ndarray::Array2;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 
+use super::fleet::{self, FleetArgs};
+use super::runtime::{BackendJob, Ran, RuntimeArgs};
+use crate::error::{HarnessError, Result, output};
 use omniprefix::backend::Backend;
 use omniprefix::engine::{Engine, EngineConfig, Output};
 use omniprefix::error::{CheckpointError, Error};
-use crate::error::{HarnessError, Result, output};
-use super::fleet::{self, FleetArgs};
-use super::runtime::{BackendJob, Ran, RuntimeArgs};
 use omniprefix::events::PublisherStats;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::request_file::RequestFile;
@@ -64,7 +64,8 @@ impl EngineArgs {
     /// The engine configuration these arguments ask for (reads the checkpoint's config for `--capture all`).
     pub fn engine_config(&self) -> Result<EngineConfig> {
         let model = Config::from_file(&self.model.join("config.json"))?;
-        let capture = self.capture.as_deref().map(|s| parse_capture(s, model.num_hidden_layers)).transpose()?;
+        let capture =
+            self.capture.as_deref().map(|s| parse_capture(s, model.num_hidden_layers)).transpose()?;
         let mut config = EngineConfig {
             block_size: self.block_size,
             num_blocks: self.num_blocks,
@@ -100,9 +101,14 @@ pub struct JobRun<T> {
 
 /// Selects the backend, builds the engine, runs `job` in the `--threads` pool
 /// (`purpose` names it), then closes the engine's KV-event sockets (after `--linger-s`).
-pub fn on_selected_backend<J: EngineJob>(purpose: &'static str, args: &EngineArgs, job: J) -> Result<JobRun<J::Output>> {
+pub fn on_selected_backend<J: EngineJob>(
+    purpose: &'static str,
+    args: &EngineArgs,
+    job: J,
+) -> Result<JobRun<J::Output>> {
     let config = args.engine_config()?;
-    let Ran { reason, output: (output, kv_events) } = args.runtime.run(purpose, OnEngine { job, args, config })?;
+    let Ran { reason, output: (output, kv_events) } =
+        args.runtime.run(purpose, OnEngine { job, args, config })?;
     Ok(JobRun { reason, output, kv_events })
 }
 
@@ -194,12 +200,17 @@ impl EngineJob for Prefill {
 /// `--request`, which a command that reads no other prompt requires (its clap group does too).
 pub fn required_request(args: &EngineArgs) -> Result<&Path> {
     args.request.as_deref().ok_or_else(|| {
-        clap::Error::raw(clap::error::ErrorKind::MissingRequiredArgument, "--request <REQUEST> is required\n").into()
+        clap::Error::raw(clap::error::ErrorKind::MissingRequiredArgument, "--request <REQUEST> is required\n")
+            .into()
     })
 }
 
 /// Prints `num_cached_tokens` and each captured point's shape, one per line.
-pub fn print_shapes(out: &mut dyn Write, num_cached_tokens: usize, hidden: &[(CaptureName, Array2<f32>)]) -> Result<()> {
+pub fn print_shapes(
+    out: &mut dyn Write,
+    num_cached_tokens: usize,
+    hidden: &[(CaptureName, Array2<f32>)],
+) -> Result<()> {
     writeln!(out, "num_cached_tokens: {num_cached_tokens}").map_err(output)?;
     for (name, h) in hidden {
         writeln!(out, "{}: [{}, {}]", tensor_name(*name), h.nrows(), h.ncols()).map_err(output)?;
@@ -211,7 +222,11 @@ pub fn print_shapes(out: &mut dyn Write, num_cached_tokens: usize, hidden: &[(Ca
 pub type F32Tensor = (String, Vec<usize>, Vec<u8>);
 
 /// `values` as a named f32 tensor of `shape`.
-pub fn f32_tensor<'a>(name: String, shape: Vec<usize>, values: impl IntoIterator<Item = &'a f32>) -> F32Tensor {
+pub fn f32_tensor<'a>(
+    name: String,
+    shape: Vec<usize>,
+    values: impl IntoIterator<Item = &'a f32>,
+) -> F32Tensor {
     (name, shape, values.into_iter().flat_map(|v| v.to_le_bytes()).collect())
 }
 
@@ -225,10 +240,17 @@ pub fn hidden_tensors(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<F32Tensor> {
 
 /// Writes `tensors` as one safetensors file (f32).
 pub fn write_tensors(tensors: Vec<F32Tensor>, path: &Path) -> Result<()> {
-    let st_err = |e: safetensors::SafeTensorError| Error::Checkpoint(CheckpointError::Safetensors { path: path.display().to_string(), message: e.to_string() });
+    let st_err = |e: safetensors::SafeTensorError| {
+        Error::Checkpoint(CheckpointError::Safetensors {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })
+    };
     let views = tensors
         .iter()
-        .map(|(name, shape, bytes)| Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(st_err)?)))
+        .map(|(name, shape, bytes)| {
+            Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(st_err)?))
+        })
         .collect::<omniprefix::Result<Vec<_>>>()?;
     Ok(safetensors::tensor::serialize_to_file(views, &None, path).map_err(st_err)?)
 }

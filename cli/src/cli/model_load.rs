@@ -21,7 +21,9 @@ pub fn load_thinker<B: Backend>(
     dtype: DtypeArg,
 ) -> Result<(Thinker<B>, Option<OmniTokens>)> {
     Ok(match dir {
-        Some(dir) => (Thinker::from_dir_as(backend, dir, dtype.0)?, tokens_from_config_file(&dir.join("config.json"))?),
+        Some(dir) => {
+            (Thinker::from_dir_as(backend, dir, dtype.0)?, tokens_from_config_file(&dir.join("config.json"))?)
+        }
         None => (Thinker::random_as(backend, random, seed, dtype.0)?, None),
     })
 }

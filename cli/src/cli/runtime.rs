@@ -106,19 +106,32 @@ mod tests {
 
     #[test]
     fn defaults_are_every_thread_the_cpu_the_checkpoints_dtype_and_f32_pages() {
-        let RuntimeArgs { threads, backend, dtype, kv_dtype } = Probe::try_parse_from(["probe"]).unwrap().runtime;
+        let RuntimeArgs { threads, backend, dtype, kv_dtype } =
+            Probe::try_parse_from(["probe"]).unwrap().runtime;
         assert_eq!((threads, backend, dtype, kv_dtype), (None, BackendKind::Cpu, DtypeArg(None), Dtype::F32));
         let args = ["probe", "--threads", "3", "--backend", "auto", "--dtype", "bf16", "--kv-dtype", "f16"];
         let r = Probe::try_parse_from(args).unwrap().runtime;
-        assert_eq!((r.threads, r.backend, r.dtype, r.kv_dtype), (Some(3), BackendKind::Auto, DtypeArg(Some(Dtype::Bf16)), Dtype::F16));
+        assert_eq!(
+            (r.threads, r.backend, r.dtype, r.kv_dtype),
+            (Some(3), BackendKind::Auto, DtypeArg(Some(Dtype::Bf16)), Dtype::F16)
+        );
     }
 
     #[test]
     fn integer_dtypes_are_refused_like_unknown_names() {
-        for (flag, name) in [("--dtype", "u8"), ("--dtype", "i64"), ("--kv-dtype", "i32"), ("--kv-dtype", "u8"), ("--kv-dtype", "fp8")] {
+        for (flag, name) in [
+            ("--dtype", "u8"),
+            ("--dtype", "i64"),
+            ("--kv-dtype", "i32"),
+            ("--kv-dtype", "u8"),
+            ("--kv-dtype", "fp8"),
+        ] {
             let err = Probe::try_parse_from(["probe", flag, name]).unwrap_err();
             assert_eq!(err.kind(), clap::error::ErrorKind::ValueValidation, "{flag} {name}");
-            assert!(err.to_string().contains(&format!("dtype `{name}`: expected auto, f32, bf16 or f16")), "{flag} {name}: {err}");
+            assert!(
+                err.to_string().contains(&format!("dtype `{name}`: expected auto, f32, bf16 or f16")),
+                "{flag} {name}: {err}"
+            );
         }
     }
 

@@ -113,12 +113,14 @@ impl ServeArgs {
         for &a in &arrivals {
             let bad = match a {
                 Arrival::Concurrency(c) => (c == 0).then(|| format!("--concurrency {c}: must be at least 1")),
-                Arrival::Poisson { rate } => {
-                    (!(rate.is_finite() && rate > 0.0)).then(|| format!("--rate {rate}: must be a positive number"))
-                }
+                Arrival::Poisson { rate } => (!(rate.is_finite() && rate > 0.0))
+                    .then(|| format!("--rate {rate}: must be a positive number")),
             };
             if let Some(problem) = bad {
-                return Err(HarnessError::Args(clap::Error::raw(clap::error::ErrorKind::ValueValidation, problem)));
+                return Err(HarnessError::Args(clap::Error::raw(
+                    clap::error::ErrorKind::ValueValidation,
+                    problem,
+                )));
             }
         }
         Ok(ServeOptions {
@@ -175,7 +177,8 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
         // too. Only the first call in a process can (the CLI's one run); later ones keep its size.
         let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
     }
-    let Ran { reason, output: reports } = args.runtime.run("bench serve", Measure { args, options: &options })?;
+    let Ran { reason, output: reports } =
+        args.runtime.run("bench serve", Measure { args, options: &options })?;
     if args.json {
         for r in &reports {
             let line = serde_json::to_string(r)
@@ -199,9 +202,16 @@ impl BackendJob for Measure<'_> {
 
     fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Vec<ServeReport>> {
         let args = self.args;
-        let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), args.random_model(), args.seed, args.runtime.dtype)?;
+        let (thinker, tokens) = load_thinker(
+            &*backend,
+            args.model.as_deref(),
+            args.random_model(),
+            args.seed,
+            args.runtime.dtype,
+        )?;
         let vocab = thinker.config().vocab_size;
-        let tokens = tokens.unwrap_or_else(|| if vocab > 151_675 { OmniTokens::qwen3_omni() } else { OmniTokens::tiny() });
+        let tokens = tokens
+            .unwrap_or_else(|| if vocab > 151_675 { OmniTokens::qwen3_omni() } else { OmniTokens::tiny() });
         run_serve(backend, Arc::new(thinker), tokens, self.options)
     }
 }
@@ -211,7 +221,18 @@ pub fn print_table(reports: &[ServeReport], out: &mut dyn Write) -> Result<()> {
     writeln!(
         out,
         "{:<18} {:>5} {:>9} {:>5} {:>7} {:>9} {:>9} {:>8} {:>8} {:>9} {:>5} {:>4}",
-        "workload", "cache", "arrival", "reqs", "out", "ttft p50", "ttft p99", "itl p50", "itl p99", "tok/s", "hit", "enc"
+        "workload",
+        "cache",
+        "arrival",
+        "reqs",
+        "out",
+        "ttft p50",
+        "ttft p99",
+        "itl p50",
+        "itl p99",
+        "tok/s",
+        "hit",
+        "enc"
     )
     .map_err(output)?;
     for r in reports {

@@ -62,9 +62,22 @@ fn summary(r: &SoakReport, out: &mut dyn Write) -> std::io::Result<()> {
     let last = r.samples.last();
     writeln!(out, "requests         {}", r.requests)?;
     writeln!(out, "hit rate         {:.4} (requests reusing >= 1 token)", r.hit_rate)?;
-    writeln!(out, "token hit rate   {:.4} ({} of {} prompt tokens)", r.token_hit_rate, r.hit_tokens, r.prompt_tokens)?;
-    writeln!(out, "evicted blocks   {} (pool {}, working set {})", r.evicted_blocks, r.options.pool_blocks, r.working_set_blocks)?;
-    writeln!(out, "index nodes      {} at the end (max {})", last.map_or(0, |s| s.index_nodes), r.samples.iter().map(|s| s.index_nodes).max().unwrap_or(0))?;
+    writeln!(
+        out,
+        "token hit rate   {:.4} ({} of {} prompt tokens)",
+        r.token_hit_rate, r.hit_tokens, r.prompt_tokens
+    )?;
+    writeln!(
+        out,
+        "evicted blocks   {} (pool {}, working set {})",
+        r.evicted_blocks, r.options.pool_blocks, r.working_set_blocks
+    )?;
+    writeln!(
+        out,
+        "index nodes      {} at the end (max {})",
+        last.map_or(0, |s| s.index_nodes),
+        r.samples.iter().map(|s| s.index_nodes).max().unwrap_or(0)
+    )?;
     writeln!(out, "peak RSS         {} KiB", r.peak_rss_kib)?;
     writeln!(out, "index blocks     {} at the end ({} published)", r.index_blocks, r.published_blocks)?;
     if let Some(stats) = &r.kv_events {

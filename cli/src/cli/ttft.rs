@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use omniprefix::backend::Backend;
-use crate::error::{HarnessError, Result, output};
 use super::model_load::load_thinker;
 use super::runtime::{BackendJob, Ran, RuntimeArgs};
+use crate::error::{HarnessError, Result, output};
 use crate::ttft::{CaptureReport, TtftOptions, TtftReport, Workload, bench_model, run_all};
+use omniprefix::backend::Backend;
 
 /// Arguments of `omniprefix bench ttft`.
 #[derive(Debug, Clone, Args)]
@@ -72,7 +72,8 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         kv_dtype: args.runtime.kv_dtype,
         seed: args.seed,
     };
-    let Ran { reason, output: (reports, capture) } = args.runtime.run("bench ttft", Measure { args, options: &options })?;
+    let Ran { reason, output: (reports, capture) } =
+        args.runtime.run("bench ttft", Measure { args, options: &options })?;
     if args.json {
         for r in &reports {
             writeln!(out, "{}", to_json(r)?).map_err(output)?;
@@ -88,7 +89,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6}",
         "workload", "prefix", "suffix", "uncached", "cached", "hit", "ideal", "flops", "ratio", "r/ide"
     )
-        .map_err(output)?;
+    .map_err(output)?;
     for r in &reports {
         writeln!(
             out,
@@ -130,12 +131,14 @@ impl BackendJob for Measure<'_> {
 
     fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Self::Output> {
         let args = self.args;
-        let (thinker, tokens) = load_thinker(&*backend, args.model.as_deref(), bench_model(), args.seed, args.runtime.dtype)?;
+        let (thinker, tokens) =
+            load_thinker(&*backend, args.model.as_deref(), bench_model(), args.seed, args.runtime.dtype)?;
         run_all(backend, Arc::new(thinker), tokens, self.options)
     }
 }
 
 /// One report as one JSON line.
 fn to_json<T: serde::Serialize>(report: &T) -> Result<String> {
-    serde_json::to_string(report).map_err(|source| HarnessError::Report { what: "a ttft report".into(), source })
+    serde_json::to_string(report)
+        .map_err(|source| HarnessError::Report { what: "a ttft report".into(), source })
 }

@@ -30,7 +30,9 @@ impl Machine {
             os: format!(
                 "{} {}",
                 std::env::consts::OS,
-                field(&os_release, "PRETTY_NAME", '=').map(|s| s.trim_matches('"').to_string()).unwrap_or_default()
+                field(&os_release, "PRETTY_NAME", '=')
+                    .map(|s| s.trim_matches('"').to_string())
+                    .unwrap_or_default()
             )
             .trim()
             .to_string(),

@@ -33,18 +33,18 @@ use std::time::Instant;
 use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use omniprefix::backend::Backend;
 use crate::bench::median_ns;
-use omniprefix::canon::{FingerprintKey, Modality};
 use crate::error::Result;
-use omniprefix::model::{Config, Thinker};
 use crate::workloads::{RequestPlan, conversation_turns};
+use omniprefix::backend::Backend;
+use omniprefix::canon::{FingerprintKey, Modality};
+use omniprefix::model::{Config, Thinker};
 
 pub use machine::Machine;
 pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_conversation, run_way};
 pub use report::{
-    DemoReport, MediaInfo, ModelInfo, RequestFacts, Row, Summary, WorkloadReport, print_summary, print_tables, rel_diff,
-    workload_rows,
+    DemoReport, MediaInfo, ModelInfo, RequestFacts, Row, Summary, WorkloadReport, print_summary,
+    print_tables, rel_diff, workload_rows,
 };
 pub use workloads::{DemoScale, DemoWorkload, Wave, demo_media, expanded_len, waves};
 
@@ -110,7 +110,10 @@ impl DemoOptions {
 pub fn demo_config(quick: bool) -> Config {
     const QWEN_VOCAB: usize = 151_936;
     let (hidden, layers, heads, kv_heads) = if quick { (64, 2, 4, 2) } else { (256, 4, 4, 2) };
-    Config { tie_word_embeddings: true, ..Config::tiny_qwen3_omni_moe(hidden, layers, heads, kv_heads, QWEN_VOCAB, 8, 2) }
+    Config {
+        tie_word_embeddings: true,
+        ..Config::tiny_qwen3_omni_moe(hidden, layers, heads, kv_heads, QWEN_VOCAB, 8, 2)
+    }
 }
 
 /// Runs the demo on `backend` (described as `backend_label` in the report).
@@ -122,7 +125,9 @@ pub fn run_demo<B: Backend>(
 ) -> Result<DemoReport> {
     let start = Instant::now();
     let (thinker, source) = match model {
-        ModelChoice::Random => (Thinker::random(&*backend, demo_config(options.is_quick()), options.seed)?, "random".to_string()),
+        ModelChoice::Random => {
+            (Thinker::random(&*backend, demo_config(options.is_quick()), options.seed)?, "random".to_string())
+        }
         ModelChoice::Dir(dir) => (Thinker::from_dir(&*backend, dir)?, dir.display().to_string()),
     };
     let model_info = model_info(thinker.config(), source);
@@ -150,9 +155,12 @@ pub fn run_demo<B: Backend>(
         // The prompts the reference (no cache, first) sent: a conversation's depend on its replies.
         let mut sent: Option<Vec<RequestPlan>> = None;
         for way in Way::ALL {
-            let progress = progress_bar(options.show_progress, format!("{workload} / {}", way.as_str()), total);
+            let progress =
+                progress_bar(options.show_progress, format!("{workload} / {}", way.as_str()), total);
             let (way_runs, plans) = match workload {
-                DemoWorkload::MultiRound => run_conversation(&inputs, way, &turns, options.scale.reply_tokens, &progress)?,
+                DemoWorkload::MultiRound => {
+                    run_conversation(&inputs, way, &turns, options.scale.reply_tokens, &progress)?
+                }
                 _ => (run_way(&inputs, way, &waves, &progress)?, waves.iter().flatten().cloned().collect()),
             };
             progress.finish_and_clear();
@@ -167,7 +175,8 @@ pub fn run_demo<B: Backend>(
                 Ok(RequestFacts { input_bytes: plan.input_bytes(&media), read_floor_ns })
             })
             .collect::<Result<Vec<_>>>()?;
-        workload_reports.push(WorkloadReport { name: workload.to_string(), rows: workload_rows(&facts, &runs) });
+        workload_reports
+            .push(WorkloadReport { name: workload.to_string(), rows: workload_rows(&facts, &runs) });
     }
     let summary = Summary::of(&workload_reports);
     Ok(DemoReport {

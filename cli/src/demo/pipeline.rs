@@ -12,15 +12,15 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::workloads::{Wave, expanded_len};
-use omniprefix::backend::Backend;
 use crate::bench::MODEL_ID;
+use crate::error::{HarnessError, Result};
+use crate::workloads::{ChatTurn, Media, RequestPlan, reply_for_history};
+use omniprefix::backend::Backend;
 use omniprefix::canon::{FingerprintKey, Modality};
 use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, Request};
-use crate::error::{HarnessError, Result};
 use omniprefix::index::hashchain::hash_mm_item;
 use omniprefix::model::{CaptureName, Thinker};
 use omniprefix::prompt::OmniTokens;
-use crate::workloads::{ChatTurn, Media, RequestPlan, reply_for_history};
 use omniprefix::sample::SamplingParams;
 
 /// Tokens per KV block in every way.
@@ -122,7 +122,13 @@ pub struct WayInputs<'a, B: Backend> {
 }
 
 /// The engine of one way: room for `tokens` prompt tokens of `requests` requests in `waves` waves.
-fn way_engine<B: Backend>(inputs: &WayInputs<'_, B>, way: Way, tokens: usize, requests: usize, waves: usize) -> Result<Engine<B>> {
+fn way_engine<B: Backend>(
+    inputs: &WayInputs<'_, B>,
+    way: Way,
+    tokens: usize,
+    requests: usize,
+    waves: usize,
+) -> Result<Engine<B>> {
     // Room for every prompt's blocks at once, plus a copy-on-write block each.
     let num_blocks = tokens.div_ceil(BLOCK_SIZE) * 2 + 2 * requests + waves;
     let config = EngineConfig {
@@ -153,7 +159,11 @@ pub fn run_conversation<B: Backend>(
     let tokens = OmniTokens::qwen3_omni();
     let mut plan = RequestPlan { token_ids: Vec::new(), items: Vec::new() };
     let longest = turns.iter().map(|t| t.token_ids.len() + reply_len).sum::<usize>()
-        + turns.iter().flat_map(|t| &t.new_items).map(|&m| inputs.media.shapes.layout(m).num_tokens()).sum::<usize>();
+        + turns
+            .iter()
+            .flat_map(|t| &t.new_items)
+            .map(|&m| inputs.media.shapes.layout(m).num_tokens())
+            .sum::<usize>();
     let mut engine = way_engine(inputs, way, longest * turns.len(), turns.len(), turns.len())?;
     let (mut runs, mut plans) = (Vec::with_capacity(turns.len()), Vec::with_capacity(turns.len()));
     // Where the previous prompt ended and how many reply tokens follow it.
@@ -235,7 +245,13 @@ fn prefill_request<'a, B: Backend>(plan: &'a RequestPlan, inputs: &WayInputs<'a,
     let items = plan
         .items
         .iter()
-        .map(|&m| Ok(ItemInput { spec: inputs.media.spec(m), embeddings: Some(inputs.embeddings.get(m)?), deepstack: None }))
+        .map(|&m| {
+            Ok(ItemInput {
+                spec: inputs.media.spec(m),
+                embeddings: Some(inputs.embeddings.get(m)?),
+                deepstack: None,
+            })
+        })
         .collect::<Result<_>>()?;
     Ok(Request { token_ids: plan.token_ids.clone(), items, ..Request::default() })
 }

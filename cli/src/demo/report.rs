@@ -124,9 +124,12 @@ impl Summary {
     pub fn of(workloads: &[WorkloadReport]) -> Self {
         let rows = || workloads.iter().flat_map(|w| &w.rows);
         let of_way = |way: Way| rows().filter(move |r| r.way == way);
-        let conversation = workloads.iter().find(|w| w.name == "multi_round").map(|w| w.rows.as_slice()).unwrap_or_default();
+        let conversation =
+            workloads.iter().find(|w| w.name == "multi_round").map(|w| w.rows.as_slice()).unwrap_or_default();
         let median_ratio = |way: Way| {
-            crate::ttft::median(conversation.iter().filter(|r| r.way == way).map(|r| r.match_over_read_floor).collect())
+            crate::ttft::median(
+                conversation.iter().filter(|r| r.way == way).map(|r| r.match_over_read_floor).collect(),
+            )
         };
         let last_round = conversation.iter().rfind(|r| r.way == Way::Radix);
         Summary {
@@ -135,7 +138,9 @@ impl Summary {
             hash_chain_cached_tokens: of_way(Way::HashChain).map(|r| r.cached_tokens).sum(),
             radix_match_over_floor: median_ratio(Way::Radix),
             hash_chain_match_over_floor: median_ratio(Way::HashChain),
-            max_rel_diff: rows().map(|r| r.max_rel_diff_hidden.max(r.max_rel_diff_logits)).fold(0.0, f64::max),
+            max_rel_diff: rows()
+                .map(|r| r.max_rel_diff_hidden.max(r.max_rel_diff_logits))
+                .fold(0.0, f64::max),
             same_replies: rows().all(|r| r.same_reply_as_no_cache),
             last_round_ttft_ratio: last_round.map_or(f64::NAN, |r| r.ttft_over_no_cache),
             reply_tokens: of_way(Way::NoCache).map(|r| r.reply_tokens).sum(),
@@ -154,7 +159,11 @@ pub fn print_summary(s: &Summary, out: &mut dyn Write) -> std::io::Result<()> {
     writeln!(
         out,
         "vs the vLLM path: radix reused {} of {} prompt tokens, the hash chain {}; matching multi_round took {:.2}x the read floor, vLLM's path {:.2}x (medians)",
-        s.radix_cached_tokens, s.prompt_tokens, s.hash_chain_cached_tokens, s.radix_match_over_floor, s.hash_chain_match_over_floor
+        s.radix_cached_tokens,
+        s.prompt_tokens,
+        s.hash_chain_cached_tokens,
+        s.radix_match_over_floor,
+        s.hash_chain_match_over_floor
     )?;
     let equal = s.max_rel_diff <= EQUAL_REL_DIFF && s.same_replies;
     writeln!(
@@ -181,11 +190,13 @@ pub struct RequestFacts {
 
 /// Rows of one workload: each way's runs against the no-cache runs (the reference).
 pub fn workload_rows(facts: &[RequestFacts], runs: &[(Way, Vec<RequestRun>)]) -> Vec<Row> {
-    let reference = runs.iter().find(|(w, _)| *w == Way::NoCache).map(|(_, r)| r.as_slice()).unwrap_or_default();
+    let reference =
+        runs.iter().find(|(w, _)| *w == Way::NoCache).map(|(_, r)| r.as_slice()).unwrap_or_default();
     let mut rows = Vec::new();
     for (way, way_runs) in runs {
         for (request, run) in way_runs.iter().enumerate() {
-            let facts = facts.get(request).copied().unwrap_or(RequestFacts { input_bytes: 0, read_floor_ns: 0 });
+            let facts =
+                facts.get(request).copied().unwrap_or(RequestFacts { input_bytes: 0, read_floor_ns: 0 });
             let reference = reference.get(request);
             rows.push(Row {
                 request,
@@ -198,9 +209,14 @@ pub fn workload_rows(facts: &[RequestFacts], runs: &[(Way, Vec<RequestRun>)]) ->
                 match_over_read_floor: ratio(run.match_ns, facts.read_floor_ns),
                 ttft_ns: run.ttft_ns,
                 ttft_over_no_cache: reference.map_or(f64::NAN, |r| ratio(run.ttft_ns, r.ttft_ns)),
-                hidden_shapes: run.hidden.iter().map(|(name, h)| (name.to_string(), [h.nrows(), h.ncols()])).collect(),
+                hidden_shapes: run
+                    .hidden
+                    .iter()
+                    .map(|(name, h)| (name.to_string(), [h.nrows(), h.ncols()]))
+                    .collect(),
                 max_rel_diff_hidden: reference.map_or(f64::NAN, |r| hidden_rel_diff(&run.hidden, &r.hidden)),
-                max_rel_diff_logits: reference.map_or(f64::NAN, |r| rel_diff(&run.last_logits, &r.last_logits)),
+                max_rel_diff_logits: reference
+                    .map_or(f64::NAN, |r| rel_diff(&run.last_logits, &r.last_logits)),
                 reply_tokens: run.reply_tokens,
                 reply_cached: run.reply_cached,
                 same_reply_as_no_cache: reference.is_some_and(|r| r.generated == run.generated),
@@ -215,7 +231,10 @@ fn ratio(num: u64, den: u64) -> f64 {
 }
 
 /// Largest [`rel_diff`] over the captured points; infinite when they do not pair up.
-fn hidden_rel_diff(a: &[(CaptureName, ndarray::Array2<f32>)], b: &[(CaptureName, ndarray::Array2<f32>)]) -> f64 {
+fn hidden_rel_diff(
+    a: &[(CaptureName, ndarray::Array2<f32>)],
+    b: &[(CaptureName, ndarray::Array2<f32>)],
+) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;
     }
@@ -267,7 +286,17 @@ pub fn print_tables(report: &DemoReport, out: &mut dyn Write) -> std::io::Result
         writeln!(
             out,
             "{:>3} {:<10} {:>6} {:>6} {:>9} {:>9} {:>8} {:>9} {:>7} {:<22} {:>9}",
-            "req", "way", "prompt", "cached", "match_ms", "floor_ms", "match/fl", "ttft_ms", "ttft/nc", "hidden", "max_rel"
+            "req",
+            "way",
+            "prompt",
+            "cached",
+            "match_ms",
+            "floor_ms",
+            "match/fl",
+            "ttft_ms",
+            "ttft/nc",
+            "hidden",
+            "max_rel"
         )?;
         for r in &w.rows {
             let shapes = r.hidden_shapes.iter().map(|(_, [a, b])| format!("[{a},{b}]")).collect::<Vec<_>>();

@@ -12,12 +12,12 @@ use clap::ValueEnum;
 
 use ndarray::s;
 
-use omniprefix::canon::ItemLayout;
 use crate::error::Result;
 use crate::scenarios::Scenarios;
 use crate::workloads::{
     Media, MediaScale, RequestPlan, TEXT_VOCAB, conversation_rounds, prefix_repetition_prompts, write_name,
 };
+use omniprefix::canon::ItemLayout;
 
 /// The workloads `omniprefix demo` runs (`--workload`, see [`crate::workloads::select`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, ValueEnum)]
@@ -80,7 +80,16 @@ impl DemoScale {
 
     /// A CI-sized demo: items of a few tokens, a batch of four short prompts.
     pub fn quick() -> Self {
-        DemoScale { full_media: false, video_grid_t: 2, prefix_prompts: 4, num_prefixes: 2, prefix_len: 32, suffix_len: 16, reply_tokens: 8, max_tokens_per_step: 64 }
+        DemoScale {
+            full_media: false,
+            video_grid_t: 2,
+            prefix_prompts: 4,
+            num_prefixes: 2,
+            prefix_len: 32,
+            suffix_len: 16,
+            reply_tokens: 8,
+            max_tokens_per_step: 64,
+        }
     }
 }
 
@@ -90,7 +99,8 @@ pub fn demo_media(scale: &DemoScale, seed: u64) -> Result<Media> {
         let mut media = Media::generate(MediaScale::Tiny, seed)?;
         media.shapes.image = ItemLayout::Image { grid_thw: [1, 4, 8] };
         media.shapes.audio = ItemLayout::Audio { mel_frames: 100 };
-        media.shapes.video = ItemLayout::Video { grid_thw: [scale.video_grid_t, 4, 8], seconds_per_grid: 2.0 };
+        media.shapes.video =
+            ItemLayout::Video { grid_thw: [scale.video_grid_t, 4, 8], seconds_per_grid: 2.0 };
         return Ok(media);
     }
     let mut media = Media::generate(MediaScale::Full, seed)?;
@@ -122,15 +132,23 @@ pub fn waves(workload: DemoWorkload, scale: &DemoScale, seed: u64) -> Result<Vec
 
 /// `prefix_prompts` prompts over `num_prefixes` shared prefixes (vLLM's dataset: random ids, prefixes shared evenly).
 fn prefix_repetition(scale: &DemoScale, seed: u64) -> Wave {
-    prefix_repetition_prompts(scale.prefix_prompts, scale.num_prefixes, scale.prefix_len, scale.suffix_len, TEXT_VOCAB, seed)
-        .into_iter()
-        .map(|token_ids| RequestPlan { token_ids, items: Vec::new() })
-        .collect()
+    prefix_repetition_prompts(
+        scale.prefix_prompts,
+        scale.num_prefixes,
+        scale.prefix_len,
+        scale.suffix_len,
+        TEXT_VOCAB,
+        seed,
+    )
+    .into_iter()
+    .map(|token_ids| RequestPlan { token_ids, items: Vec::new() })
+    .collect()
 }
 
 /// Prompt tokens of `plan` once each item's one placeholder is expanded to its rows.
 pub fn expanded_len(plan: &RequestPlan, media: &Media) -> usize {
-    plan.items.iter().map(|&m| media.shapes.layout(m).num_tokens().saturating_sub(1)).sum::<usize>() + plan.token_ids.len()
+    plan.items.iter().map(|&m| media.shapes.layout(m).num_tokens().saturating_sub(1)).sum::<usize>()
+        + plan.token_ids.len()
 }
 
 #[cfg(test)]

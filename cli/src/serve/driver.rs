@@ -24,7 +24,9 @@ use omniprefix::model::Thinker;
 use omniprefix::prompt::{OmniTokens, TenantSalt};
 use omniprefix::sample::SamplingParams;
 
-use super::{Arrival, Dispatcher, RequestSample, RunFacts, ServeOptions, ServeReport, ServeWorkload, itl_trace};
+use super::{
+    Arrival, Dispatcher, RequestSample, RunFacts, ServeOptions, ServeReport, ServeWorkload, itl_trace,
+};
 use crate::error::Result;
 use crate::ttft::{Media, map_ids, text_id_limit};
 use crate::workloads::{ChatTurn, conversation_turns, prefix_repetition_prompts, reply_for_history};
@@ -75,7 +77,10 @@ impl<B: Backend + 'static> Serve<'_, B> {
                 let prompts = o.num_prefixes * o.prompts_per_prefix;
                 prefix_repetition_prompts(prompts, o.num_prefixes, o.prefix_len, o.suffix_len, limit, o.seed)
                     .into_iter()
-                    .map(|token_ids| Stream { tenant: 0, turns: vec![ChatTurn { token_ids, new_items: Vec::new() }] })
+                    .map(|token_ids| Stream {
+                        tenant: 0,
+                        turns: vec![ChatTurn { token_ids, new_items: Vec::new() }],
+                    })
                     .collect()
             }
             ServeWorkload::MultiRound => {
@@ -84,7 +89,9 @@ impl<B: Backend + 'static> Serve<'_, B> {
                     .map(|t| ChatTurn { token_ids: map_ids(&t.token_ids, &self.tokens, vocab), ..t })
                     .collect();
                 // One tenant per conversation: each reuses only its own history.
-                (0..o.conversations).map(|c| Stream { tenant: c as TenantSalt + 1, turns: turns.clone() }).collect()
+                (0..o.conversations)
+                    .map(|c| Stream { tenant: c as TenantSalt + 1, turns: turns.clone() })
+                    .collect()
             }
         })
     }
@@ -134,7 +141,13 @@ impl<B: Backend + 'static> Serve<'_, B> {
         Ok(engine)
     }
 
-    fn run(&self, workload: ServeWorkload, streams: &[Stream], arrival: Arrival, cache: bool) -> Result<ServeReport> {
+    fn run(
+        &self,
+        workload: ServeWorkload,
+        streams: &[Stream],
+        arrival: Arrival,
+        cache: bool,
+    ) -> Result<ServeReport> {
         let o = self.options;
         let served = self.engine(streams, arrival, cache)?.serve(ServedOptions::default())?;
         let rounds: Vec<usize> = streams.iter().map(|s| s.turns.len()).collect();
@@ -178,17 +191,23 @@ impl<B: Backend + 'static> Serve<'_, B> {
                 }
                 // Sleep until a request finishes or, if sooner, the next Poisson arrival.
                 let now = Instant::now();
-                let next = dispatcher.next_arrival().map(|t| (start + t).saturating_duration_since(now)).filter(|w| !w.is_zero());
+                let next = dispatcher
+                    .next_arrival()
+                    .map(|t| (start + t).saturating_duration_since(now))
+                    .filter(|w| !w.is_zero());
                 let message = match next {
                     Some(wait) => match done.recv_timeout(wait) {
                         Ok(message) => message,
                         Err(_) => continue,
                     },
                     None if in_flight == 0 => {
-                        let what = "bench serve: nothing in flight and no arrival to come, yet requests remain";
+                        let what =
+                            "bench serve: nothing in flight and no arrival to come, yet requests remain";
                         return Err(Component::Scheduler.violation(what).into());
                     }
-                    None => done.recv().map_err(|_| Component::Scheduler.violation("bench serve: a caller thread vanished"))?,
+                    None => done.recv().map_err(|_| {
+                        Component::Scheduler.violation("bench serve: a caller thread vanished")
+                    })?,
                 };
                 let d = message?;
                 in_flight -= 1;

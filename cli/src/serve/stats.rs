@@ -44,7 +44,9 @@ pub struct RequestSample {
 pub fn itl_trace(samples: &[RequestSample]) -> Vec<[f64; 2]> {
     let mut trace: Vec<[f64; 2]> = samples
         .iter()
-        .flat_map(|s| s.itl_at.iter().zip(&s.itl).map(|(at, gap)| [at.as_secs_f64(), gap.as_secs_f64() * 1e3]))
+        .flat_map(|s| {
+            s.itl_at.iter().zip(&s.itl).map(|(at, gap)| [at.as_secs_f64(), gap.as_secs_f64() * 1e3])
+        })
         .collect();
     trace.sort_by(|a, b| a[0].total_cmp(&b[0]));
     trace
@@ -173,7 +175,18 @@ mod tests {
             itl_at: (1..=itl.len() as u64).map(|i| ms(ttft + 10 * i)).collect(),
         };
         let arrival = Arrival::Concurrency(2);
-        let facts = RunFacts { workload: "w", backend: "cpu", cache: true, arrival, max_tokens_per_step: 2048, prefill_cap: 256, long_prefills_per_step: Some(1), duration: ms(500), encoder_ms: 0, encoder_calls: 3 };
+        let facts = RunFacts {
+            workload: "w",
+            backend: "cpu",
+            cache: true,
+            arrival,
+            max_tokens_per_step: 2048,
+            prefill_cap: 256,
+            long_prefills_per_step: Some(1),
+            duration: ms(500),
+            encoder_ms: 0,
+            encoder_calls: 3,
+        };
         let r = ServeReport::new(facts, &[sample(50, 10, &[1, 2]), sample(0, 30, &[3])]);
         assert_eq!((r.requests, r.prompt_tokens, r.cached_tokens, r.output_tokens), (2, 200, 50, 5));
         assert_eq!((r.hit_rate, r.output_tokens_per_s, r.request_throughput), (0.25, 10.0, 4.0));

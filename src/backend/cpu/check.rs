@@ -3,11 +3,16 @@
 
 use ndarray::Array2;
 
-use crate::{Error, Result};
 use crate::error::BackendError;
+use crate::{Error, Result};
 
 /// A shape error for operand `what` of `op`.
-pub(crate) fn shape_error(op: &'static str, what: &'static str, expected: String, found: &Array2<f32>) -> Error {
+pub(crate) fn shape_error(
+    op: &'static str,
+    what: &'static str,
+    expected: String,
+    found: &Array2<f32>,
+) -> Error {
     BackendError::OpShape { op, what, expected, found: found.shape().to_vec() }.into()
 }
 
@@ -23,5 +28,8 @@ pub(crate) fn expect_cols(op: &'static str, what: &'static str, t: &Array2<f32>,
 
 /// `index` must lie in `0..bound`; returns it as a usize.
 pub(crate) fn row_index(op: &'static str, what: &'static str, index: i64, bound: usize) -> Result<usize> {
-    usize::try_from(index).ok().filter(|&i| i < bound).ok_or(BackendError::OpIndex { op, what, index, bound }.into())
+    usize::try_from(index)
+        .ok()
+        .filter(|&i| i < bound)
+        .ok_or(BackendError::OpIndex { op, what, index, bound }.into())
 }

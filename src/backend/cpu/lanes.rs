@@ -412,7 +412,9 @@ mod avx2 {
         pub(super) fn new() -> Option<Self> {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let ok = *AVAILABLE.get_or_init(|| {
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
             });
             ok.then_some(Avx2(()))
         }
@@ -559,7 +561,9 @@ mod avx2_wide {
         #[inline(always)]
         unsafe fn load_bf16(self, p: *const half::bf16) -> __m256 {
             // bf16 is the top half of an f32: widen to 32 bits, shift up.
-            unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+            unsafe {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+            }
         }
         #[inline(always)]
         unsafe fn load_f16(self, p: *const half::f16) -> __m256 {
@@ -602,9 +606,7 @@ mod avx512 {
         /// The token when this CPU (which has AVX2: `l`) has AVX-512F (checked once).
         pub(super) fn new(l: Avx2) -> Option<Self> {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let ok = *AVAILABLE.get_or_init(|| {
-                is_x86_feature_detected!("avx512f")
-            });
+            let ok = *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"));
             ok.then_some(Avx512(l))
         }
     }
@@ -637,7 +639,11 @@ mod avx512 {
         }
         #[inline(always)]
         unsafe fn load_bf16(self, p: *const half::bf16) -> __m512 {
-            unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast())))) }
+            unsafe {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                    p.cast(),
+                ))))
+            }
         }
         #[inline(always)]
         unsafe fn load_f16(self, p: *const half::f16) -> __m512 {
@@ -731,13 +737,20 @@ mod tests {
         assert_eq!(wide, want, "f16 widening");
         assert_eq!(l.to_array(l.select_lt(v(a), v(b), v(c), v(b))), p.select_lt(a, b, c, b));
         for n in 0..=8 {
-            assert_eq!(l.to_array(l.keep_first(v(a), n, f32::NEG_INFINITY)), p.keep_first(a, n, f32::NEG_INFINITY));
+            assert_eq!(
+                l.to_array(l.keep_first(v(a), n, f32::NEG_INFINITY)),
+                p.keep_first(a, n, f32::NEG_INFINITY)
+            );
         }
         let xs: [f32; 8] = [-1e4, -87.5, -20.3, -0.0, 0.0, 1.7, 60.2, 1e4];
         assert_eq!(l.to_array(l.exp(v(xs))).map(f32::to_bits), p.exp(xs).map(f32::to_bits));
         for i in -2000..2000 {
             let x = sample(i as u32).map(|s| s * i as f32 * 0.01);
-            assert_eq!(l.to_array(l.exp(v(x))).map(f32::to_bits), p.exp(x).map(f32::to_bits), "exp at step {i}");
+            assert_eq!(
+                l.to_array(l.exp(v(x))).map(f32::to_bits),
+                p.exp(x).map(f32::to_bits),
+                "exp at step {i}"
+            );
         }
         let rows: [[f32; 8]; 8] = std::array::from_fn(|k| sample(10 + k as u32).map(|x| x * 1.3e-3 + 7.0));
         assert_eq!(l.transpose8(rows.map(v)).map(|x| l.to_array(x)), p.transpose8(rows));
@@ -772,14 +785,43 @@ mod tests {
         assert_eq!(bits(w.mul(v(a), v(b))), want(&|h| p.mul(half(&a, h), half(&b, h))), "mul");
         assert_eq!(bits(w.max(v(a), v(b))), want(&|h| p.max(half(&a, h), half(&b, h))), "max");
         assert_eq!(bits(w.max(v(b), v(a))), want(&|h| p.max(half(&b, h), half(&a, h))), "max, swapped");
-        assert_eq!(bits(w.mul_add(v(a), v(b), v(c))), want(&|h| Lanes::mul_add(p, half(&a, h), half(&b, h), half(&c, h))), "mul_add");
-        assert_eq!(bits(w.select_lt(v(a), v(b), v(c), v(b))), want(&|h| p.select_lt(half(&a, h), half(&b, h), half(&c, h), half(&b, h))), "select_lt");
-        assert_eq!(bits(w.select_lt(v(b), v(a), v(c), v(a))), want(&|h| p.select_lt(half(&b, h), half(&a, h), half(&c, h), half(&a, h))), "select_lt, swapped");
+        assert_eq!(
+            bits(w.mul_add(v(a), v(b), v(c))),
+            want(&|h| Lanes::mul_add(p, half(&a, h), half(&b, h), half(&c, h))),
+            "mul_add"
+        );
+        assert_eq!(
+            bits(w.select_lt(v(a), v(b), v(c), v(b))),
+            want(&|h| p.select_lt(half(&a, h), half(&b, h), half(&c, h), half(&b, h))),
+            "select_lt"
+        );
+        assert_eq!(
+            bits(w.select_lt(v(b), v(a), v(c), v(a))),
+            want(&|h| p.select_lt(half(&b, h), half(&a, h), half(&c, h), half(&a, h))),
+            "select_lt, swapped"
+        );
         assert_eq!(bits(w.splat(-1.25)), want(&|_| p.splat(-1.25)), "splat");
         assert_eq!(bits(w.zero()), want(&|_| p.zero()), "zero");
         // SAFETY: one readable float.
         assert_eq!(bits(unsafe { w.splat_at(&c[5]) }), want(&|_| p.splat(c[5])), "splat_at");
-        let edges = [-1e4, -87.5, -87.0, -20.3, -0.0, 0.0, 1.7, 60.2, 88.0, 88.5, 1e4, 1e-30, -1e-30, 0.5, -0.5, f32::MIN_POSITIVE];
+        let edges = [
+            -1e4,
+            -87.5,
+            -87.0,
+            -20.3,
+            -0.0,
+            0.0,
+            1.7,
+            60.2,
+            88.0,
+            88.5,
+            1e4,
+            1e-30,
+            -1e-30,
+            0.5,
+            -0.5,
+            f32::MIN_POSITIVE,
+        ];
         assert_eq!(bits(w.exp(v(edges))), want(&|h| p.exp(half(&edges, h))), "exp at the edges");
         for i in -3000..3000 {
             let x = sample::<16>(i as u32).map(|s| s * i as f32 * 0.0077);

@@ -8,8 +8,8 @@ mod attention;
 mod check;
 mod fast_exp;
 mod lanes;
-mod packed_weight;
 mod moe;
+mod packed_weight;
 mod pages;
 mod panel_matmul;
 mod rope;
@@ -17,7 +17,9 @@ mod rope;
 use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 
 use crate::Result;
-use crate::backend::{AttnHeads, AttnSeq, Backend, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
+use crate::backend::{
+    AttnHeads, AttnSeq, Backend, Dtype, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec,
+};
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
 pub use packed_weight::PackedWeight;
@@ -43,10 +45,12 @@ pub(crate) fn silu(x: f32) -> f32 {
 pub(crate) fn swiglu(gate_up: ArrayView2<'_, f32>) -> Array2<f32> {
     let inter = gate_up.ncols() / 2;
     let mut out = Array2::zeros((gate_up.nrows(), inter));
-    out.axis_iter_mut(Axis(0)).into_par_iter().zip(gate_up.axis_iter(Axis(0)).into_par_iter()).for_each(|(mut o, gu)| {
-        let (gate, up) = gu.split_at(Axis(0), inter);
-        ndarray::Zip::from(&mut o).and(&gate).and(&up).for_each(|o, &g, &u| *o = silu(g) * u);
-    });
+    out.axis_iter_mut(Axis(0)).into_par_iter().zip(gate_up.axis_iter(Axis(0)).into_par_iter()).for_each(
+        |(mut o, gu)| {
+            let (gate, up) = gu.split_at(Axis(0), inter);
+            ndarray::Zip::from(&mut o).and(&gate).and(&up).for_each(|o, &g, &u| *o = silu(g) * u);
+        },
+    );
     out
 }
 
@@ -107,10 +111,16 @@ impl Backend for CpuBackend {
                 what: "block_size",
                 expected: "> 0".into(),
                 found: vec![spec.block_size],
-            }.into());
+            }
+            .into());
         }
         if !spec.kv_dtype.is_float() {
-            return Err(crate::backend::weight::unsupported_dtype("cpu backend", "kv dtype", self.weight_dtypes(), spec.kv_dtype));
+            return Err(crate::backend::weight::unsupported_dtype(
+                "cpu backend",
+                "kv dtype",
+                self.weight_dtypes(),
+                spec.kv_dtype,
+            ));
         }
         CpuPages::new(spec)
     }
@@ -124,7 +134,9 @@ impl Backend for CpuBackend {
         let mut out = Array2::zeros((ids.len(), cols));
         for (&id, mut row) in ids.iter().zip(out.rows_mut()) {
             let r = row_index("embedding", "token id", i64::from(id), rows)?;
-            let Some(row) = row.as_slice_mut() else { unreachable!("rows of a standard-layout array are contiguous") };
+            let Some(row) = row.as_slice_mut() else {
+                unreachable!("rows of a standard-layout array are contiguous")
+            };
             table.row_into(r, row);
         }
         Ok(out)
@@ -230,7 +242,13 @@ impl Backend for CpuBackend {
         attention::paged_attention(q, pages, layer, heads, seqs)
     }
 
-    fn write_hidden(&self, pages: &mut CpuPages, capture: usize, x: &Array2<f32>, slots: &[i64]) -> Result<()> {
+    fn write_hidden(
+        &self,
+        pages: &mut CpuPages,
+        capture: usize,
+        x: &Array2<f32>,
+        slots: &[i64],
+    ) -> Result<()> {
         pages.write_hidden(capture, x, slots)
     }
 
@@ -246,9 +264,9 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::BackendError;
     use crate::Error;
     use crate::backend::test_support::rand_rows;
+    use crate::error::BackendError;
     use ndarray::array;
 
     #[test]
@@ -277,8 +295,14 @@ mod tests {
         let silu = |v: f32| v / (1.0 + (-v).exp());
         let want = array![[silu(1.0) * 3.0, silu(-2.0) * 0.5]];
         assert!(s.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 1e-6 * w.abs()), "{s} vs {want}");
-        assert!(matches!(b.swiglu(&array![[1.0f32, 2.0, 3.0]]), Err(Error::Backend(BackendError::OpShape { op: "swiglu", .. }))));
-        assert!(matches!(b.rms_norm(&x, &hw, eps), Err(Error::Backend(BackendError::OpShape { op: "rms_norm", what: "weight", .. }))));
+        assert!(matches!(
+            b.swiglu(&array![[1.0f32, 2.0, 3.0]]),
+            Err(Error::Backend(BackendError::OpShape { op: "swiglu", .. }))
+        ));
+        assert!(matches!(
+            b.rms_norm(&x, &hw, eps),
+            Err(Error::Backend(BackendError::OpShape { op: "rms_norm", what: "weight", .. }))
+        ));
     }
 
     #[test]
@@ -287,7 +311,9 @@ mod tests {
         // 200 weight rows: a few panels; 16384: many, split over tasks.
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             for n in [200, 16_384] {
-                let w = b.upload_weight(HostWeight::from_f32(rand_rows(5, n, 9)).to_dtype(dtype).unwrap()).unwrap();
+                let w = b
+                    .upload_weight(HostWeight::from_f32(rand_rows(5, n, 9)).to_dtype(dtype).unwrap())
+                    .unwrap();
                 let wide = w.to_f32();
                 let x = rand_rows(4, 70, 9);
                 let all = b.matmul_t(&x, &w).unwrap();
@@ -298,12 +324,19 @@ mod tests {
                         assert!((all[[r, c]] - want).abs() < 1e-5, "{dtype} n {n}: ({r},{c})");
                     }
                     let alone = b.matmul_t(&x.slice(ndarray::s![r..r + 1, ..]).to_owned(), &w).unwrap();
-                    assert_eq!(alone.row(0), all.row(r), "{dtype} n {n}: row {r} alone differs from row {r} of 70");
+                    assert_eq!(
+                        alone.row(0),
+                        all.row(r),
+                        "{dtype} n {n}: row {r} alone differs from row {r} of 70"
+                    );
                 }
             }
         }
         let x = rand_rows(4, 70, 9);
-        assert!(matches!(b.matmul_t(&x, &b.upload_weight(rand_rows(6, 6, 8).into()).unwrap()), Err(Error::Backend(BackendError::OpShape { op: "matmul_t", what: "x", .. }))));
+        assert!(matches!(
+            b.matmul_t(&x, &b.upload_weight(rand_rows(6, 6, 8).into()).unwrap()),
+            Err(Error::Backend(BackendError::OpShape { op: "matmul_t", what: "x", .. }))
+        ));
     }
 
     #[test]
@@ -312,11 +345,15 @@ mod tests {
         let table = Array2::from_shape_fn((6, 3), |(r, c)| (r * 10 + c) as f32);
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
             // Small integers are exact in every dtype.
-            let stored = b.upload_weight(HostWeight::from_f32(table.clone()).to_dtype(dtype).unwrap()).unwrap();
+            let stored =
+                b.upload_weight(HostWeight::from_f32(table.clone()).to_dtype(dtype).unwrap()).unwrap();
             let e = b.embedding(&stored, &[4, 0, 4]).unwrap();
             assert_eq!(e.row(0).to_vec(), vec![40.0, 41.0, 42.0], "{dtype}");
             assert_eq!(e.row(2), e.row(0));
-            assert!(matches!(b.embedding(&stored, &[6]), Err(Error::Backend(BackendError::OpIndex { op: "embedding", index: 6, bound: 6, .. }))));
+            assert!(matches!(
+                b.embedding(&stored, &[6]),
+                Err(Error::Backend(BackendError::OpIndex { op: "embedding", index: 6, bound: 6, .. }))
+            ));
         }
         let mut dst = Array2::zeros((4, 3));
         b.scatter_rows(&mut dst, &[3, 1], &b.gather_rows(&table, &[2, 5]).unwrap()).unwrap();
@@ -324,7 +361,8 @@ mod tests {
         assert_eq!(dst.row(1).to_vec(), vec![50.0, 51.0, 52.0]);
         assert_eq!(dst.row(0).sum(), 0.0);
         let before = dst.clone();
-        let err = b.scatter_rows(&mut dst, &[0, 9], &table.slice(ndarray::s![..2, ..]).to_owned()).unwrap_err();
+        let err =
+            b.scatter_rows(&mut dst, &[0, 9], &table.slice(ndarray::s![..2, ..]).to_owned()).unwrap_err();
         assert!(matches!(err, Error::Backend(BackendError::OpIndex { op: "scatter_rows", index: 9, .. })));
         assert_eq!(dst, before, "a rejected scatter writes nothing");
     }
@@ -340,21 +378,48 @@ mod tests {
     #[test]
     fn integer_kv_pages_are_a_config_error() {
         use crate::error::ConfigError;
-        let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 2, kv_heads: 1, head_dim: 2, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
+        let spec = PagesSpec {
+            num_layers: 1,
+            num_blocks: 2,
+            block_size: 2,
+            kv_heads: 1,
+            head_dim: 2,
+            captured: 0,
+            hidden: 1,
+            kv_dtype: Dtype::F32,
+        };
         for kv_dtype in [Dtype::U8, Dtype::I32, Dtype::I64] {
             let err = CpuBackend.alloc_pages(PagesSpec { kv_dtype, ..spec }).unwrap_err();
-            assert!(matches!(&err, Error::Config(ConfigError::Invalid { component: "cpu backend", field: "kv dtype", found, .. }) if *found == kv_dtype.to_string()), "{err}");
+            assert!(
+                matches!(&err, Error::Config(ConfigError::Invalid { component: "cpu backend", field: "kv dtype", found, .. }) if *found == kv_dtype.to_string()),
+                "{err}"
+            );
         }
         // Inside the backend, past that check, it is a broken invariant.
         let err = pages::CpuPages::new(PagesSpec { kv_dtype: Dtype::I32, ..spec }).unwrap_err();
-        assert!(matches!(&err, Error::Invariant(v) if v.component == crate::error::Component::Storage), "{err}");
+        assert!(
+            matches!(&err, Error::Invariant(v) if v.component == crate::error::Component::Storage),
+            "{err}"
+        );
     }
 
     fn pages_in(kv_dtype: Dtype) {
         let b = CpuBackend;
-        let spec = PagesSpec { num_layers: 2, num_blocks: 3, block_size: 2, kv_heads: 1, head_dim: 2, captured: 2, hidden: 3, kv_dtype };
+        let spec = PagesSpec {
+            num_layers: 2,
+            num_blocks: 3,
+            block_size: 2,
+            kv_heads: 1,
+            head_dim: 2,
+            captured: 2,
+            hidden: 3,
+            kv_dtype,
+        };
         assert_eq!(spec.bytes(), 2 * 2 * 6 * 2 * kv_dtype.size_bytes() + 6 * 2 * 3 * 4);
-        assert!(matches!(b.alloc_pages(PagesSpec { block_size: 0, ..spec }), Err(Error::Backend(BackendError::OpShape { what: "block_size", .. }))));
+        assert!(matches!(
+            b.alloc_pages(PagesSpec { block_size: 0, ..spec }),
+            Err(Error::Backend(BackendError::OpShape { what: "block_size", .. }))
+        ));
         let mut pages = b.alloc_pages(spec).unwrap();
         let kv = Array2::from_shape_fn((3, 2), |(r, c)| (r * 2 + c + 1) as f32);
         b.write_kv(&mut pages, 1, &kv, &kv, &[0, -1, 1]).unwrap();
@@ -371,9 +436,18 @@ mod tests {
         assert_eq!(&pages.k[1].view().to_f32()[8..12], &[1.0, 2.0, 5.0, 6.0]);
         assert_eq!(b.gather_hidden(&pages, 1, &[4, 5]).unwrap(), got.slice(ndarray::s![..2, ..]));
         let before = pages.clone();
-        assert!(matches!(b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]), Err(Error::Backend(BackendError::OpIndex { what: "block", index: 3, .. }))));
+        assert!(matches!(
+            b.copy_blocks(&mut pages, &[(0, 1), (1, 3)]),
+            Err(Error::Backend(BackendError::OpIndex { what: "block", index: 3, .. }))
+        ));
         assert_eq!(pages.k, before.k, "a rejected copy list copies nothing");
-        assert!(matches!(b.write_kv(&mut pages, 0, &kv, &kv, &[0, 1, 6]), Err(Error::Backend(BackendError::OpIndex { what: "slot", index: 6, .. }))));
-        assert!(matches!(b.write_hidden(&mut pages, 2, &h, &[0, 1]), Err(Error::Backend(BackendError::OpIndex { what: "capture", .. }))));
+        assert!(matches!(
+            b.write_kv(&mut pages, 0, &kv, &kv, &[0, 1, 6]),
+            Err(Error::Backend(BackendError::OpIndex { what: "slot", index: 6, .. }))
+        ));
+        assert!(matches!(
+            b.write_hidden(&mut pages, 2, &h, &[0, 1]),
+            Err(Error::Backend(BackendError::OpIndex { what: "capture", .. }))
+        ));
     }
 }

@@ -5,8 +5,8 @@ use ndarray::Array2;
 
 use super::PackedWeight;
 use super::swiglu;
-use crate::backend::MoeWeights;
 use crate::Result;
+use crate::backend::MoeWeights;
 use crate::error::BackendError;
 
 /// Top-k experts and weights of one row of router probabilities (ties to the lower id).
@@ -39,7 +39,13 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<PackedWeight>) -> Result<A
         BackendError::OpShape { op: OP, what, expected, found: t.shape().to_vec() }.into()
     };
     if w.top_k == 0 || w.top_k > e {
-        return Err(BackendError::OpShape { op: OP, what: "top_k", expected: format!("1..={e}"), found: vec![w.top_k] }.into());
+        return Err(BackendError::OpShape {
+            op: OP,
+            what: "top_k",
+            expected: format!("1..={e}"),
+            found: vec![w.top_k],
+        }
+        .into());
     }
     if w.router.shape() != [e, hidden] {
         return Err(bad("router", format!("[{e}, {hidden}]"), &w.router));
@@ -85,7 +91,8 @@ mod tests {
         let (e, h) = (w.num_experts, x.ncols());
         let mut out = Array2::zeros(x.raw_dim());
         for r in 0..x.nrows() {
-            let logits: Vec<f64> = (0..e).map(|j| (0..h).map(|c| x[[r, c]] as f64 * w.router[[j, c]] as f64).sum()).collect();
+            let logits: Vec<f64> =
+                (0..e).map(|j| (0..h).map(|c| x[[r, c]] as f64 * w.router[[j, c]] as f64).sum()).collect();
             let max = logits.iter().cloned().fold(f64::MIN, f64::max);
             let z: f64 = logits.iter().map(|l| (l - max).exp()).sum();
             let probs: Vec<f64> = logits.iter().map(|l| (l - max).exp() / z).collect();
@@ -102,8 +109,11 @@ mod tests {
                 let weight = if w.norm_topk_prob { probs[j] / total } else { probs[j] };
                 let mut act = vec![0f64; inter];
                 for (i, a) in act.iter_mut().enumerate() {
-                    let g: f64 = (0..h).map(|c| x[[r, c]] as f64 * w.gate_up[[j * 2 * inter + i, c]] as f64).sum();
-                    let u: f64 = (0..h).map(|c| x[[r, c]] as f64 * w.gate_up[[j * 2 * inter + inter + i, c]] as f64).sum();
+                    let g: f64 =
+                        (0..h).map(|c| x[[r, c]] as f64 * w.gate_up[[j * 2 * inter + i, c]] as f64).sum();
+                    let u: f64 = (0..h)
+                        .map(|c| x[[r, c]] as f64 * w.gate_up[[j * 2 * inter + inter + i, c]] as f64)
+                        .sum();
                     *a = g / (1.0 + (-g).exp()) * u;
                 }
                 for c in 0..h {
@@ -122,10 +132,19 @@ mod tests {
         for (top_k, norm) in [(1, true), (2, true), (2, false), (6, false)] {
             let w = MoeWeights::random(&mut rng, e, h, inter, top_k, norm);
             let x = rand_rows_from(&mut rng, n, h);
-            let got = forward(&x, &w.try_map(|t| Ok::<_, ()>(PackedWeight::pack(&crate::backend::HostWeight::from(t.clone())))).unwrap()).unwrap();
+            let got = forward(
+                &x,
+                &w.try_map(|t| Ok::<_, ()>(PackedWeight::pack(&crate::backend::HostWeight::from(t.clone()))))
+                    .unwrap(),
+            )
+            .unwrap();
             let want = naive(&x, &w, inter);
             for ((r, c), g) in got.indexed_iter() {
-                assert!((g - want[[r, c]]).abs() <= 1e-4 * (1.0 + want[[r, c]].abs()), "top_k {top_k} norm {norm} at ({r},{c}): {g} vs {}", want[[r, c]]);
+                assert!(
+                    (g - want[[r, c]]).abs() <= 1e-4 * (1.0 + want[[r, c]].abs()),
+                    "top_k {top_k} norm {norm} at ({r},{c}): {g} vs {}",
+                    want[[r, c]]
+                );
             }
         }
     }

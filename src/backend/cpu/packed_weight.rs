@@ -76,7 +76,9 @@ impl PackedWeight {
         let [rows, cols] = self.shape;
         let mut out = Array2::zeros((rows, cols));
         for (r, mut row) in out.rows_mut().into_iter().enumerate() {
-            let Some(row) = row.as_slice_mut() else { unreachable!("rows of a standard-layout array are contiguous") };
+            let Some(row) = row.as_slice_mut() else {
+                unreachable!("rows of a standard-layout array are contiguous")
+            };
             self.row_into(r, row);
         }
         out

@@ -5,9 +5,9 @@ use ndarray::Array2;
 
 use super::check::{expect_cols, expect_rows, row_index};
 use super::lanes::{Lanes, widen_bf16};
+use crate::Result;
 use crate::backend::{FloatSlice, FloatVec, PagesSpec};
 use crate::kv::BlockId;
-use crate::Result;
 
 // One layer's K (or V) pages as the attention kernel reads them. These two are the
 // CPU kernels' own (they take SIMD lanes), so they live here rather than with the type.
@@ -28,7 +28,9 @@ impl FloatSlice<'_> {
     pub(crate) fn prefetch<L: Lanes>(self, l: L, off: usize, len: usize) {
         match self {
             FloatSlice::F32(b) => (0..len).step_by(16).for_each(|i| l.prefetch(b[off + i..].as_ptr())),
-            FloatSlice::Bf16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
+            FloatSlice::Bf16(b) => {
+                (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast()))
+            }
             FloatSlice::F16(b) => (0..len).step_by(32).for_each(|i| l.prefetch(b[off + i..].as_ptr().cast())),
         }
     }
@@ -76,7 +78,13 @@ impl CpuPages {
         Ok((self.k[l].view(), self.v[l].view()))
     }
 
-    pub(crate) fn write_kv(&mut self, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64]) -> Result<()> {
+    pub(crate) fn write_kv(
+        &mut self,
+        layer: usize,
+        k: &Array2<f32>,
+        v: &Array2<f32>,
+        slots: &[i64],
+    ) -> Result<()> {
         const OP: &str = "write_kv";
         let l = self.layer_index(OP, layer)?;
         let width = self.spec.kv_width();

@@ -131,12 +131,23 @@ unsafe impl Sync for Out {}
 
 /// `x @ w^T` restricted to output columns `cols`: `x [m, k]` f32, `data` a packed
 /// `[n, k]` weight ([`pack`]) with `cols` inside `0..n` → `[m, cols.len()]` f32.
-pub(crate) fn matmul_t<T: Element>(x: ArrayView2<'_, f32>, data: &[T], k: usize, cols: Range<usize>) -> Array2<f32> {
+pub(crate) fn matmul_t<T: Element>(
+    x: ArrayView2<'_, f32>,
+    data: &[T],
+    k: usize,
+    cols: Range<usize>,
+) -> Array2<f32> {
     matmul_t_on(Simd::detect(), x, data, k, cols)
 }
 
 /// [`matmul_t`] on the lanes of `simd`.
-fn matmul_t_on<T: Element>(simd: Simd, x: ArrayView2<'_, f32>, data: &[T], k: usize, cols: Range<usize>) -> Array2<f32> {
+fn matmul_t_on<T: Element>(
+    simd: Simd,
+    x: ArrayView2<'_, f32>,
+    data: &[T],
+    k: usize,
+    cols: Range<usize>,
+) -> Array2<f32> {
     let m = x.nrows();
     assert_eq!(x.ncols(), k, "matmul_t: x and w disagree on k");
     let panels = cols.start / PANEL..cols.end.div_ceil(PANEL);
@@ -172,7 +183,11 @@ fn matmul_t_on<T: Element>(simd: Simd, x: ArrayView2<'_, f32>, data: &[T], k: us
         simd.run_wide(task);
     });
     let offset = cols.start - first * PANEL;
-    if offset == 0 && width == cols.len() { out } else { out.slice(s![.., offset..offset + cols.len()]).to_owned() }
+    if offset == 0 && width == cols.len() {
+        out
+    } else {
+        out.slice(s![.., offset..offset + cols.len()]).to_owned()
+    }
 }
 
 /// One tile of one [`matmul_t_on`] call. Only that function makes one: `rows` lie
@@ -197,9 +212,7 @@ impl<T: Element> WideKernel for TileTask<'_, T> {
         // accumulators of 32 registers); with 8 lanes half a panel at a time, 6 rows
         // (12 accumulators, 2 weight vectors and a broadcast: 15 of 16 registers).
         // SAFETY: `TileTask`'s contract.
-        unsafe {
-            if W::WIDTH == 16 { run_tile::<W, T, 8>(w, &self) } else { run_tile::<W, T, 6>(w, &self) }
-        }
+        unsafe { if W::WIDTH == 16 { run_tile::<W, T, 8>(w, &self) } else { run_tile::<W, T, 6>(w, &self) } }
     }
 }
 
@@ -291,7 +304,9 @@ unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize>(
             w.prefetch(p.wrapping_add((c + PREFETCH_ROWS) * PANEL).cast());
         }
         // SAFETY: c < k, so each load stays inside its panel.
-        let wv: [[W::V; NV]; P] = std::array::from_fn(|q| std::array::from_fn(|v| unsafe { T::load(w, panel[q].add(c * PANEL + v * W::WIDTH)) }));
+        let wv: [[W::V; NV]; P] = std::array::from_fn(|q| {
+            std::array::from_fn(|v| unsafe { T::load(w, panel[q].add(c * PANEL + v * W::WIDTH)) })
+        });
         for (a, xp) in acc.iter_mut().zip(&x) {
             // SAFETY: c < k.
             let xb = unsafe { w.splat_at(xp.add(c)) };
@@ -337,18 +352,28 @@ mod tests {
             let x = rand_rows(k as u64 + 9, ALL, k);
             let want = Array2::from_shape_fn((ALL, n), |(r, j)| chain(&x, &widened, r, j));
             for simd in Simd::all() {
-                let product = |x: ArrayView2<'_, f32>, cols: Range<usize>| matmul_t_on(simd, x, &data, k, cols);
+                let product =
+                    |x: ArrayView2<'_, f32>, cols: Range<usize>| matmul_t_on(simd, x, &data, k, cols);
                 let all = pool(2).install(|| product(x.view(), 0..n));
                 assert!(all == want, "{simd:?} n {n} k {k}: differs from the fused chain");
-                assert!(pool(1).install(|| product(x.view(), 0..n)) == want, "{simd:?} n {n} k {k}: 1 thread differs");
+                assert!(
+                    pool(1).install(|| product(x.view(), 0..n)) == want,
+                    "{simd:?} n {n} k {k}: 1 thread differs"
+                );
                 for m in [1, 2, 3, 8, 9, 17] {
                     for start in [0, 5, ALL - m] {
                         let got = pool(2).install(|| product(x.slice(s![start..start + m, ..]), 0..n));
-                        assert!(got == want.slice(s![start..start + m, ..]), "{simd:?} n {n} k {k}: rows {start}..+{m}");
+                        assert!(
+                            got == want.slice(s![start..start + m, ..]),
+                            "{simd:?} n {n} k {k}: rows {start}..+{m}"
+                        );
                     }
                 }
                 let cols = n / 3..n - n / 4;
-                assert!(product(x.view(), cols.clone()) == want.slice(s![.., cols.clone()]), "{simd:?} n {n} k {k}: columns {cols:?}");
+                assert!(
+                    product(x.view(), cols.clone()) == want.slice(s![.., cols.clone()]),
+                    "{simd:?} n {n} k {k}: columns {cols:?}"
+                );
             }
         }
     }
@@ -385,7 +410,10 @@ mod tests {
         for build in ["portable", "avx2", "avx512"] {
             if !have.contains(&build) {
                 eprintln!("{test}: the {build} build NOT RUN: this CPU lacks it");
-                assert!(!required.split(',').any(|r| r.trim() == build), "{test}: OMNIPREFIX_REQUIRE_SIMD names {build}, which this CPU lacks");
+                assert!(
+                    !required.split(',').any(|r| r.trim() == build),
+                    "{test}: OMNIPREFIX_REQUIRE_SIMD names {build}, which this CPU lacks"
+                );
             }
         }
         all
@@ -408,11 +436,17 @@ mod tests {
                 for threads in [1, 2] {
                     for m in 1..=48 {
                         for start in [0, ALL - m] {
-                            let got = pool(threads).install(|| matmul_t_on(simd, x.slice(s![start..start + m, ..]), &data, k, 0..n));
-                            if let Some((r, j)) = (0..m).flat_map(|r| (0..n).map(move |j| (r, j))).find(|&(r, j)| got[[r, j]].to_bits() != want[[start + r, j]].to_bits()) {
+                            let got = pool(threads).install(|| {
+                                matmul_t_on(simd, x.slice(s![start..start + m, ..]), &data, k, 0..n)
+                            });
+                            if let Some((r, j)) = (0..m)
+                                .flat_map(|r| (0..n).map(move |j| (r, j)))
+                                .find(|&(r, j)| got[[r, j]].to_bits() != want[[start + r, j]].to_bits())
+                            {
                                 panic!(
                                     "{simd:?} {threads} thread(s) n {n} k {k}: {m} rows from {start}, row {r} column {j}: {} where the chain gives {}",
-                                    got[[r, j]], want[[start + r, j]]
+                                    got[[r, j]],
+                                    want[[start + r, j]]
                                 );
                             }
                         }
@@ -430,7 +464,10 @@ mod tests {
         for simd in builds_run(test) {
             for m in 97..=112 {
                 let got = pool(2).install(|| matmul_t_on(simd, x.slice(s![..m, ..]), &data, k, 0..n));
-                assert!(got == want.slice(s![..m, ..]), "{simd:?} n {n} k {k}: {m} rows differ from the fused chain");
+                assert!(
+                    got == want.slice(s![..m, ..]),
+                    "{simd:?} n {n} k {k}: {m} rows differ from the fused chain"
+                );
             }
         }
     }

@@ -3,8 +3,8 @@
 use ndarray::{Array2, Axis, parallel::prelude::*};
 
 use super::check::shape_error;
-use crate::backend::{RopePositions, RopeSpec};
 use crate::Result;
+use crate::backend::{RopePositions, RopeSpec};
 use crate::error::BackendError;
 
 /// Rotates every head of `x [n, heads*head_dim]` in place by its row's positions.
@@ -20,7 +20,8 @@ pub(crate) fn apply(x: &mut Array2<f32>, spec: &RopeSpec, pos: RopePositions<'_>
                 what,
                 expected: format!("[{}]", x.nrows()),
                 found: vec![p.len()],
-            }.into());
+            }
+            .into());
         }
     }
     if !x.is_standard_layout() {
@@ -53,8 +54,8 @@ pub(crate) fn apply(x: &mut Array2<f32>, spec: &RopeSpec, pos: RopePositions<'_>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
     use crate::backend::RopeKind;
+    use crate::error::Error;
 
     fn spec(kind: RopeKind) -> RopeSpec {
         RopeSpec { theta: 10_000.0, head_dim: 8, kind }
@@ -95,7 +96,10 @@ mod tests {
         assert_eq!(&axes[58..], &[1, 2, 0, 0, 0, 0]);
         // Qwen2.5-Omni: head_dim 128, sections [16, 24, 24], contiguous.
         let sect = RopeSpec { theta: 1e6, head_dim: 128, kind: RopeKind::Sectioned([16, 24, 24]) };
-        assert_eq!((sect.axis(15), sect.axis(16), sect.axis(39), sect.axis(40), sect.axis(63)), (0, 1, 1, 2, 2));
+        assert_eq!(
+            (sect.axis(15), sect.axis(16), sect.axis(39), sect.axis(40), sect.axis(63)),
+            (0, 1, 1, 2, 2)
+        );
     }
 
     #[test]

@@ -5,16 +5,19 @@ use std::sync::Arc;
 
 use ndarray::{Array2, ArrayView2};
 
+use crate::Result;
+use crate::backend::weight::unsupported_dtype;
 use crate::backend::wgpu::context::{GpuContext, GpuOptions};
 use crate::backend::wgpu::ops::attention::KvPools;
 use crate::backend::wgpu::ops::paging::SlotColumns;
 use crate::backend::wgpu::pool::{ATTENTION_POOL_CHUNKS, PagedPool};
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::backend::weight::unsupported_dtype;
-use crate::backend::{AttnHeads, AttnSeq, Backend, FloatSlice, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec, Dtype};
-use crate::kv::BlockId;
-use crate::Result;
+use crate::backend::{
+    AttnHeads, AttnSeq, Backend, Dtype, FloatSlice, HostWeight, MoeWeights, PagesSpec, RopePositions,
+    RopeSpec,
+};
 use crate::error::{BackendError, GpuError};
+use crate::kv::BlockId;
 
 /// Per-layer K and V pools and the hidden-state pool, on the device.
 #[derive(Debug)]
@@ -30,7 +33,13 @@ impl WgpuPages {
     pub fn layer(&self, op: &'static str, layer: usize) -> Result<KvPools<'_>> {
         match (self.k.get(layer), self.v.get(layer)) {
             (Some(k), Some(v)) => Ok(KvPools { k, v }),
-            _ => Err(BackendError::OpIndex { op, what: "layer", index: layer as i64, bound: self.spec.num_layers }.into()),
+            _ => Err(BackendError::OpIndex {
+                op,
+                what: "layer",
+                index: layer as i64,
+                bound: self.spec.num_layers,
+            }
+            .into()),
         }
     }
 
@@ -42,7 +51,13 @@ impl WgpuPages {
     /// Columns of capture `capture` inside a hidden slot.
     fn capture_columns(&self, op: &'static str, capture: usize) -> Result<SlotColumns> {
         if capture >= self.spec.captured {
-            return Err(BackendError::OpIndex { op, what: "capture", index: capture as i64, bound: self.spec.captured }.into());
+            return Err(BackendError::OpIndex {
+                op,
+                what: "capture",
+                index: capture as i64,
+                bound: self.spec.captured,
+            }
+            .into());
         }
         Ok(SlotColumns { offset: capture * self.spec.hidden, width: self.spec.hidden })
     }
@@ -107,11 +122,14 @@ impl Backend for WgpuBackend {
         ts.iter()
             .zip(data)
             .map(|(t, data)| {
-                Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| GpuError::Op {
-                    adapter: self.ctx.adapter_name().to_string(),
-                    op: "download",
-                    message: e.to_string(),
-                }.into())
+                Array2::from_shape_vec((t.rows, t.cols), data).map_err(|e| {
+                    GpuError::Op {
+                        adapter: self.ctx.adapter_name().to_string(),
+                        op: "download",
+                        message: e.to_string(),
+                    }
+                    .into()
+                })
             })
             .collect()
     }
@@ -130,7 +148,9 @@ impl Backend for WgpuBackend {
         match host.view().elements() {
             FloatSlice::F32(e) => self.ctx.upload(e, host.shape()),
             FloatSlice::F16(e) => self.ctx.upload_f16(e, host.shape()),
-            FloatSlice::Bf16(_) => Err(unsupported_dtype("wgpu backend", "weight dtype", self.weight_dtypes(), Dtype::Bf16)),
+            FloatSlice::Bf16(_) => {
+                Err(unsupported_dtype("wgpu backend", "weight dtype", self.weight_dtypes(), Dtype::Bf16))
+            }
         }
     }
 
@@ -144,7 +164,12 @@ impl Backend for WgpuBackend {
         for _ in 0..spec.num_layers {
             for pools in [&mut k, &mut v] {
                 let what = "KV pages of one layer";
-                pools.push(self.ctx.alloc_pool(what, kv_shape, spec.kv_dtype, Some(ATTENTION_POOL_CHUNKS))?);
+                pools.push(self.ctx.alloc_pool(
+                    what,
+                    kv_shape,
+                    spec.kv_dtype,
+                    Some(ATTENTION_POOL_CHUNKS),
+                )?);
             }
         }
         let hidden_shape = (spec.num_blocks, spec.block_size, spec.captured * spec.hidden);
@@ -201,7 +226,14 @@ impl Backend for WgpuBackend {
         self.ctx.moe(x, w)
     }
 
-    fn write_kv(&self, pages: &mut WgpuPages, layer: usize, k: &GpuTensor, v: &GpuTensor, slots: &[i64]) -> Result<()> {
+    fn write_kv(
+        &self,
+        pages: &mut WgpuPages,
+        layer: usize,
+        k: &GpuTensor,
+        v: &GpuTensor,
+        slots: &[i64],
+    ) -> Result<()> {
         const OP: &str = "write_kv";
         let pools = pages.layer(OP, layer)?;
         let cols = SlotColumns { offset: 0, width: pages.spec.kv_width() };
@@ -228,12 +260,19 @@ impl Backend for WgpuBackend {
                 what: "heads (num_heads, kv_heads, head_dim)",
                 expected: format!("kv_heads {}, head_dim {}", pages.spec.kv_heads, pages.spec.head_dim),
                 found: vec![heads.num_heads, heads.kv_heads, heads.head_dim],
-            }.into());
+            }
+            .into());
         }
         self.ctx.paged_attention(q, pages.layer("paged_attention", layer)?, heads, seqs)
     }
 
-    fn write_hidden(&self, pages: &mut WgpuPages, capture: usize, x: &GpuTensor, slots: &[i64]) -> Result<()> {
+    fn write_hidden(
+        &self,
+        pages: &mut WgpuPages,
+        capture: usize,
+        x: &GpuTensor,
+        slots: &[i64],
+    ) -> Result<()> {
         let cols = pages.capture_columns("write_hidden", capture)?;
         self.ctx.scatter_to_pool("write_hidden", &pages.hidden, x, slots, cols)
     }
@@ -252,7 +291,8 @@ impl Backend for WgpuBackend {
                         what: "block",
                         index: b.into(),
                         bound: pages.spec.num_blocks,
-                    }.into());
+                    }
+                    .into());
                 }
             }
         }

@@ -4,10 +4,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::Result;
 use crate::backend::Dtype;
 use crate::backend::weight::unsupported_dtype;
 use crate::backend::wgpu::pipelines::PipelineCache;
-use crate::Result;
 use crate::error::GpuError;
 
 /// How to open the device.
@@ -130,9 +130,12 @@ impl GpuContext {
             message: e.to_string(),
         })?;
         // Every op runs inside error scopes; anything that still escapes is reported, not a panic.
-        device.on_uncaptured_error(Arc::new(|e: wgpu::Error| eprintln!("omniprefix: uncaptured wgpu error: {e}")));
+        device.on_uncaptured_error(Arc::new(|e: wgpu::Error| {
+            eprintln!("omniprefix: uncaptured wgpu error: {e}")
+        }));
         let adapter_binding = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);
-        let max_binding_bytes = options.max_binding_bytes.map_or(adapter_binding, |cap| cap.min(adapter_binding));
+        let max_binding_bytes =
+            options.max_binding_bytes.map_or(adapter_binding, |cap| cap.min(adapter_binding));
         Ok(Self {
             device,
             queue,
@@ -235,7 +238,9 @@ impl GpuContext {
         let oom_error = pollster::block_on(oom.pop());
         match validation_error.or(oom_error) {
             None => Ok(value),
-            Some(e) => Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into()),
+            Some(e) => {
+                Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into())
+            }
         }
     }
 }

@@ -67,7 +67,10 @@ impl ParamsLayout {
 
     /// The WGSL declaration of the struct and of its uniform binding `p` (group 0, binding 0).
     pub(crate) fn wgsl(&self) -> String {
-        let mut out = format!("// {}: declared in Rust (wgsl_params!), bound as `p`.\nstruct {} {{\n", self.name, self.name);
+        let mut out = format!(
+            "// {}: declared in Rust (wgsl_params!), bound as `p`.\nstruct {} {{\n",
+            self.name, self.name
+        );
         for field in self.fields {
             if field.words == 1 {
                 out += &format!("    {}: {},\n", field.name, field.scalar);
@@ -135,8 +138,15 @@ mod tests {
             let source = layout.wgsl();
             let module = naga::front::wgsl::parse_str(&source)
                 .unwrap_or_else(|e| panic!("{}: {}", layout.name, e.emit_to_string(&source)));
-            let ty = module.types.iter().map(|(_, t)| t).find(|t| t.name.as_deref() == Some(layout.name)).expect("struct");
-            let naga::TypeInner::Struct { members, span } = &ty.inner else { panic!("{}: not a struct", layout.name) };
+            let ty = module
+                .types
+                .iter()
+                .map(|(_, t)| t)
+                .find(|t| t.name.as_deref() == Some(layout.name))
+                .expect("struct");
+            let naga::TypeInner::Struct { members, span } = &ty.inner else {
+                panic!("{}: not a struct", layout.name)
+            };
             assert_eq!(*span as usize, layout.size, "{}: WGSL size", layout.name);
             let rust: Vec<(String, usize)> = layout
                 .fields

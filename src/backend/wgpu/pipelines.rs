@@ -24,8 +24,8 @@ use crate::backend::wgpu::ops::paging::{CopyParams, RowParams};
 use crate::backend::wgpu::ops::rope::RopeParams;
 use crate::backend::wgpu::ops::rows::DenseRowParams;
 use crate::backend::wgpu::params::ParamsLayout;
-use crate::{Error, Result};
 use crate::error::GpuError;
+use crate::{Error, Result};
 
 /// A file of `wgsl/`, compiled into the binary: (name inside `wgsl/`, source).
 macro_rules! wgsl_file {
@@ -113,7 +113,8 @@ impl Shader {
 
     /// The files of `wgsl/` that are no kernel but composed before kernels by
     /// [`Shader::source`]: name inside `wgsl/` and source.
-    pub const PRELUDES: [(&'static str, &'static str); 5] = [F16_PAIRS, F16_PAIRS_ABSENT, INVOCATION, PAGED_KV, PAGED_DECODE];
+    pub const PRELUDES: [(&'static str, &'static str); 5] =
+        [F16_PAIRS, F16_PAIRS_ABSENT, INVOCATION, PAGED_KV, PAGED_DECODE];
 
     /// WGSL source as compiled: the f16 pair prelude (`f16_pairs`: the device has the
     /// conversions) or its stubs; the params struct and its binding `p`; the entry builtins

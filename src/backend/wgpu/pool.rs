@@ -5,8 +5,8 @@
 use crate::backend::Dtype;
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::tensor::widen;
-use crate::{Error, Result};
 use crate::error::GpuError;
+use crate::{Error, Result};
 
 /// Chunks an attention kernel can bind at once (K and V each): the kernels read
 /// `k0`/`k1` and `v0`/`v1`.
@@ -33,13 +33,15 @@ pub fn plan_pool(
 ) -> Result<PoolPlan> {
     let block_bytes = (block_elems as u64).saturating_mul(4);
     let total = block_bytes.saturating_mul(num_blocks as u64);
-    let too_large = |limit: &'static str, max: u64| Error::Gpu(GpuError::TooLarge {
-        adapter: adapter.to_string(),
-        what: what.to_string(),
-        requested: total,
-        limit,
-        max,
-    });
+    let too_large = |limit: &'static str, max: u64| {
+        Error::Gpu(GpuError::TooLarge {
+            adapter: adapter.to_string(),
+            what: what.to_string(),
+            requested: total,
+            limit,
+            max,
+        })
+    };
     if block_bytes > max_binding_bytes {
         return Err(GpuError::TooLarge {
             adapter: adapter.to_string(),
@@ -47,7 +49,8 @@ pub fn plan_pool(
             requested: block_bytes,
             limit: "max_storage_buffer_binding_size",
             max: max_binding_bytes,
-        }.into());
+        }
+        .into());
     }
     let blocks_per_chunk = match max_binding_bytes.checked_div(block_bytes) {
         Some(fit) => usize::try_from(fit).unwrap_or(usize::MAX).min(num_blocks).max(1),
@@ -128,11 +131,14 @@ impl GpuContext {
                 what: "slot width (kv_heads * head_dim) of f16 pages",
                 value: slot_elems,
                 supported: "even widths (two halves per 32-bit word)",
-            }.into());
+            }
+            .into());
         }
-        let mut pool = PagedPool { chunks: Vec::new(), blocks_per_chunk: 0, num_blocks, block_size, slot_elems, dtype };
+        let mut pool =
+            PagedPool { chunks: Vec::new(), blocks_per_chunk: 0, num_blocks, block_size, slot_elems, dtype };
         let block_words = pool.block_words();
-        let plan = plan_pool(&self.adapter_name, what, num_blocks, block_words, self.max_binding_bytes, max_chunks)?;
+        let plan =
+            plan_pool(&self.adapter_name, what, num_blocks, block_words, self.max_binding_bytes, max_chunks)?;
         pool.blocks_per_chunk = plan.blocks_per_chunk;
         for c in 0..plan.chunks {
             let len = pool.blocks_in_chunk(c) * block_words;

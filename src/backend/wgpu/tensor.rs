@@ -7,8 +7,8 @@ use wgpu::util::DeviceExt;
 use crate::backend::Dtype;
 use crate::backend::weight::unsupported_dtype;
 use crate::backend::wgpu::context::GpuContext;
-use crate::{Error, Result};
 use crate::error::{BackendError, GpuError};
+use crate::{Error, Result};
 
 /// A row-major matrix `[rows, cols]` on the device, stored as f32, or as f16 for a
 /// weight ([`GpuContext::upload_f16`]: two halves per 32-bit word, element `i` in
@@ -109,10 +109,18 @@ impl GpuTensor {
 pub(crate) fn widen(bytes: &[u8], dtype: Dtype, len: usize) -> Result<Vec<f32>> {
     Ok(match dtype {
         Dtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes).into_iter().take(len).collect(),
-        Dtype::F16 => bytemuck::pod_collect_to_vec::<u8, f16>(bytes).iter().take(len).map(|h| h.to_f32()).collect(),
-        Dtype::Bf16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(bytes).iter().take(len).map(|h| h.to_f32()).collect(),
+        Dtype::F16 => {
+            bytemuck::pod_collect_to_vec::<u8, f16>(bytes).iter().take(len).map(|h| h.to_f32()).collect()
+        }
+        Dtype::Bf16 => bytemuck::pod_collect_to_vec::<u8, half::bf16>(bytes)
+            .iter()
+            .take(len)
+            .map(|h| h.to_f32())
+            .collect(),
         Dtype::U8 | Dtype::I32 | Dtype::I64 => {
-            return Err(crate::error::Component::Storage.violation(format!("device storage in {dtype}: not a float type")).into());
+            return Err(crate::error::Component::Storage
+                .violation(format!("device storage in {dtype}: not a float type"))
+                .into());
         }
     })
 }
@@ -142,7 +150,8 @@ impl GpuContext {
                 requested: bytes,
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,
-            }.into());
+            }
+            .into());
         }
         Ok(())
     }
@@ -162,7 +171,13 @@ impl GpuContext {
     }
 
     /// Uploads `len` elements of `dtype` (their little-endian `bytes`) as a `[rows, cols]` tensor.
-    fn upload_elems(&self, bytes: &[u8], dtype: Dtype, len: usize, [rows, cols]: [usize; 2]) -> Result<GpuTensor> {
+    fn upload_elems(
+        &self,
+        bytes: &[u8],
+        dtype: Dtype,
+        len: usize,
+        [rows, cols]: [usize; 2],
+    ) -> Result<GpuTensor> {
         let expected = rows.checked_mul(cols);
         if expected != Some(len) {
             return Err(BackendError::OpShape {
@@ -170,7 +185,8 @@ impl GpuContext {
                 what: "data",
                 expected: format!("{rows} x {cols} elements"),
                 found: vec![len],
-            }.into());
+            }
+            .into());
         }
         let elem = dtype.size_bytes();
         let row_bytes = (cols as u64).saturating_mul(elem as u64);
@@ -187,7 +203,8 @@ impl GpuContext {
                 requested: row_bytes,
                 limit: "max_storage_buffer_binding_size",
                 max: self.max_binding_bytes,
-            }.into());
+            }
+            .into());
         }
         let mut blocks = bytes
             .chunks(part_rows * cols * elem)
@@ -246,7 +263,11 @@ impl GpuContext {
     pub fn download_all(&self, tensors: &[&GpuTensor]) -> Result<Vec<Vec<f32>>> {
         let blocks: Vec<(&wgpu::Buffer, u64)> = tensors
             .iter()
-            .flat_map(|t| t.row_blocks().map(|(_, rows, buffer)| (buffer, (rows * t.cols * t.dtype.size_bytes()).next_multiple_of(4) as u64)))
+            .flat_map(|t| {
+                t.row_blocks().map(|(_, rows, buffer)| {
+                    (buffer, (rows * t.cols * t.dtype.size_bytes()).next_multiple_of(4) as u64)
+                })
+            })
             .collect();
         let mut bytes = self.read_buffers(&blocks)?.into_iter();
         let widened = tensors.iter().map(|t| {
@@ -328,7 +349,9 @@ impl GpuContext {
             // The receiver lives until after the poll below; a send error cannot happen.
             let _ = sender.send(r);
         });
-        let gpu_error = |message: String| Error::Gpu(GpuError::Op { adapter: self.adapter_name.clone(), op: "download", message });
+        let gpu_error = |message: String| {
+            Error::Gpu(GpuError::Op { adapter: self.adapter_name.clone(), op: "download", message })
+        };
         self.wait("download")?;
         receiver.recv().map_err(|e| gpu_error(e.to_string()))?.map_err(|e| gpu_error(e.to_string()))?;
         let mapped = staging.slice(..).get_mapped_range().map_err(|e| gpu_error(e.to_string()))?;
@@ -356,7 +379,9 @@ impl GpuContext {
         self.count_host_wait();
         match self.device.poll(wgpu::PollType::wait_indefinitely()) {
             Ok(_) => Ok(()),
-            Err(e) => Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into()),
+            Err(e) => {
+                Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into())
+            }
         }
     }
 
@@ -400,7 +425,8 @@ impl GpuContext {
                 requested: groups,
                 limit: "max_compute_workgroups_per_dimension^2",
                 max: per_dim * per_dim,
-            }.into());
+            }
+            .into());
         }
         self.dispatch_xy(op, pipeline, bindings, (x as u32, y as u32))
     }
@@ -416,17 +442,23 @@ impl GpuContext {
         self.scoped(op, || {
             let entries: Vec<wgpu::BindGroupEntry<'_>> = bindings
                 .iter()
-                .map(|&(binding, buffer)| wgpu::BindGroupEntry { binding, resource: buffer.as_entire_binding() })
+                .map(|&(binding, buffer)| wgpu::BindGroupEntry {
+                    binding,
+                    resource: buffer.as_entire_binding(),
+                })
                 .collect();
             let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
                 label: Some(op),
                 layout: &pipeline.get_bind_group_layout(0),
                 entries: &entries,
             });
-            let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(op) });
+            let mut encoder =
+                self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(op) });
             {
-                let mut pass = encoder
-                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(op), timestamp_writes: None });
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some(op),
+                    timestamp_writes: None,
+                });
                 pass.set_pipeline(pipeline);
                 pass.set_bind_group(0, &bind_group, &[]);
                 pass.dispatch_workgroups(x, y, 1);

@@ -26,9 +26,7 @@ impl HashFn {
     fn digest(self, encoded: &[u8]) -> BlockHash {
         match self {
             HashFn::Sha256Cbor => BlockHash::from_slice(&Sha256::digest(encoded)),
-            HashFn::XxhashCbor => {
-                BlockHash::from_slice(&xxhash_rust::xxh3::xxh3_128(encoded).to_be_bytes())
-            }
+            HashFn::XxhashCbor => BlockHash::from_slice(&xxhash_rust::xxh3::xxh3_128(encoded).to_be_bytes()),
         }
     }
 }
@@ -46,10 +44,7 @@ impl BlockHash {
         debug_assert!(digest.len() <= 32);
         let mut bytes = [0u8; 32];
         bytes[..digest.len()].copy_from_slice(digest);
-        BlockHash {
-            bytes,
-            len: digest.len() as u8,
-        }
+        BlockHash { bytes, len: digest.len() as u8 }
     }
 
     /// The digest bytes, as Python's `bytes` value.
@@ -189,11 +184,7 @@ impl BlockHasher {
     /// A hasher over blocks of `block_size` tokens; `block_size` must be positive.
     pub fn new(hash_fn: HashFn, block_size: usize, seed: &str) -> Result<Self> {
         ConfigError::require_positive("block hasher", "block_size", block_size)?;
-        Ok(BlockHasher {
-            hash_fn,
-            block_size,
-            none_hash: none_hash(hash_fn, seed),
-        })
+        Ok(BlockHasher { hash_fn, block_size, none_hash: none_hash(hash_fn, seed) })
     }
 
     /// Tokens per block.
@@ -220,11 +211,7 @@ impl BlockHasher {
     /// assert_eq!(hashes.len(), 3);
     /// assert!(hashes[0].to_hex().starts_with("c78a554a"));
     /// ```
-    pub fn request_block_hashes(
-        &self,
-        req: &BlockKeyRequest<'_>,
-        max_blocks: usize,
-    ) -> Vec<BlockHash> {
+    pub fn request_block_hashes(&self, req: &BlockKeyRequest<'_>, max_blocks: usize) -> Vec<BlockHash> {
         let n = (req.tokens.len() / self.block_size).min(max_blocks);
         let mut hashes = Vec::with_capacity(n);
         let mut buf = Vec::with_capacity(64 + self.block_size * 5);
@@ -262,10 +249,7 @@ fn block_extra_keys<'a>(
         }
         if item_end > start {
             // Positions are prompt indices, far below i64::MAX.
-            keys.push(ExtraKey::Mm {
-                hash: item.hash,
-                offset: start as i64 - item.offset as i64,
-            });
+            keys.push(ExtraKey::Mm { hash: item.hash, offset: start as i64 - item.offset as i64 });
         }
         if item_end > end {
             break; // the item continues into the next block
@@ -296,7 +280,13 @@ mod tests {
     #[test]
     fn zero_block_size_is_rejected() {
         let err = BlockHasher::new(HashFn::Sha256Cbor, 0, "s").unwrap_err();
-        assert!(matches!(err, Error::Config(ConfigError::Invalid { component: "block hasher", field: "block_size", .. })), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::Config(ConfigError::Invalid { component: "block hasher", field: "block_size", .. })
+            ),
+            "{err}"
+        );
     }
 
     /// Extra keys per block: an item overlapping two blocks appears in both,
@@ -306,16 +296,8 @@ mod tests {
     fn extra_keys_follow_vllm_order_and_overlap() {
         let tokens = vec![0u32; 48];
         let items = [
-            MmPlaceholder {
-                hash: "a",
-                offset: 4,
-                length: 12,
-            }, // ends at 16
-            MmPlaceholder {
-                hash: "b",
-                offset: 20,
-                length: 20,
-            }, // blocks 1, 2
+            MmPlaceholder { hash: "a", offset: 4, length: 12 }, // ends at 16
+            MmPlaceholder { hash: "b", offset: 20, length: 20 }, // blocks 1, 2
         ];
         let req = BlockKeyRequest {
             tokens: &tokens,
@@ -332,55 +314,21 @@ mod tests {
         }
         assert_eq!(
             per_block[0],
-            [
-                ExtraKey::Lora("l"),
-                ExtraKey::Mm {
-                    hash: "a",
-                    offset: -4
-                },
-                ExtraKey::CacheSalt("s")
-            ]
+            [ExtraKey::Lora("l"), ExtraKey::Mm { hash: "a", offset: -4 }, ExtraKey::CacheSalt("s")]
         );
-        assert_eq!(
-            per_block[1],
-            [
-                ExtraKey::Lora("l"),
-                ExtraKey::Mm {
-                    hash: "b",
-                    offset: -4
-                }
-            ]
-        );
-        assert_eq!(
-            per_block[2],
-            [
-                ExtraKey::Lora("l"),
-                ExtraKey::Mm {
-                    hash: "b",
-                    offset: 12
-                }
-            ]
-        );
+        assert_eq!(per_block[1], [ExtraKey::Lora("l"), ExtraKey::Mm { hash: "b", offset: -4 }]);
+        assert_eq!(per_block[2], [ExtraKey::Lora("l"), ExtraKey::Mm { hash: "b", offset: 12 }]);
     }
 
     #[test]
     fn partial_blocks_are_not_hashed_and_max_blocks_caps() {
         let hasher = BlockHasher::new(HashFn::Sha256Cbor, 4, "seed").unwrap();
         let tokens: Vec<u32> = (0..11).collect();
-        let req = BlockKeyRequest {
-            tokens: &tokens,
-            ..Default::default()
-        };
+        let req = BlockKeyRequest { tokens: &tokens, ..Default::default() };
         let all = hasher.request_block_hashes(&req, usize::MAX);
         assert_eq!(all.len(), 2);
         assert_eq!(hasher.request_block_hashes(&req, 1), all[..1]);
-        assert_eq!(
-            all[0],
-            hash_block_tokens(HashFn::Sha256Cbor, &hasher.none_hash(), &tokens[..4], &[])
-        );
-        assert_eq!(
-            all[1],
-            hash_block_tokens(HashFn::Sha256Cbor, &all[0], &tokens[4..8], &[])
-        );
+        assert_eq!(all[0], hash_block_tokens(HashFn::Sha256Cbor, &hasher.none_hash(), &tokens[..4], &[]));
+        assert_eq!(all[1], hash_block_tokens(HashFn::Sha256Cbor, &all[0], &tokens[4..8], &[]));
     }
 }

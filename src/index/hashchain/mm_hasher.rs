@@ -14,8 +14,8 @@
 use ndarray::{ArrayView3, ArrayViewD};
 use sha2::{Digest, Sha256, Sha512};
 
-use crate::canon::{Modality, TensorView};
 use crate::Result;
+use crate::canon::{Modality, TensorView};
 use crate::error::RequestError;
 
 const TAG_SEQUENCE: u8 = 1;
@@ -87,23 +87,13 @@ pub fn hash_kwargs(algorithm: MmHashAlgorithm, kwargs: &[(&str, Kwarg<'_>)]) -> 
 
 /// The `mm_hash` of one item as vLLM's processor computes it:
 /// `hash_kwargs("blake3", model_id=model_id, <modality>=media)`.
-pub fn hash_mm_item<'a>(
-    model_id: &'a str,
-    modality: Modality,
-    media: MmMedia<'a>,
-) -> Result<String> {
+pub fn hash_mm_item<'a>(model_id: &'a str, modality: Modality, media: MmMedia<'a>) -> Result<String> {
     let key = match modality {
         Modality::Image => "image",
         Modality::Audio => "audio",
         Modality::Video => "video",
     };
-    hash_kwargs(
-        MmHashAlgorithm::Blake3,
-        &[
-            ("model_id", Kwarg::Str(model_id)),
-            (key, Kwarg::Media(media)),
-        ],
-    )
+    hash_kwargs(MmHashAlgorithm::Blake3, &[("model_id", Kwarg::Str(model_id)), (key, Kwarg::Media(media))])
 }
 
 type Sink<'s> = &'s mut dyn FnMut(&[u8]);
@@ -123,7 +113,8 @@ fn serialize_kwargs(kwargs: &[(&str, Kwarg<'_>)], sink: Sink<'_>) -> Result<()> 
                         what: "PIL RGB image",
                         expected: "H x W x 3".into(),
                         found: pixels.shape().to_vec(),
-                    }.into());
+                    }
+                    .into());
                 }
                 object_header(b"image", 2, sink);
                 str_entry(b"mode", b"RGB", sink);
@@ -185,11 +176,7 @@ fn serialize_array(view: &TensorView<'_>, sink: Sink<'_>) {
             shape_entry(b"original_shape", v.shape(), sink);
             leaf_key(b"data", sink);
             ndarray_header("|u1", &[v.len() * 2], sink);
-            framed_elements(
-                v.len() * 2,
-                v.iter().map(|x| x.to_bits().to_le_bytes()),
-                sink,
-            );
+            framed_elements(v.len() * 2, v.iter().map(|x| x.to_bits().to_le_bytes()), sink);
         }
     }
 }
@@ -238,11 +225,7 @@ fn shape_entry(key: &[u8], shape: &[usize], sink: Sink<'_>) {
 
 /// One framed chunk of `nbytes` streamed element by element in C order
 /// through a staging buffer (strided views, big-endian hosts).
-fn framed_elements<const N: usize>(
-    nbytes: usize,
-    elements: impl Iterator<Item = [u8; N]>,
-    sink: Sink<'_>,
-) {
+fn framed_elements<const N: usize>(nbytes: usize, elements: impl Iterator<Item = [u8; N]>, sink: Sink<'_>) {
     sink(&(nbytes as u64).to_le_bytes());
     let mut staging = Vec::with_capacity(64 * 1024);
     for e in elements {
@@ -295,10 +278,7 @@ mod tests {
     #[test]
     fn ndarray_stream_matches_hand_framing() {
         let a = ArrayD::from_shape_vec(IxDyn(&[2]), vec![1.0f32, -2.0]).unwrap();
-        let got = stream(&[(
-            "audio",
-            Kwarg::Media(MmMedia::Array(TensorView::F32(a.view()))),
-        )]);
+        let got = stream(&[("audio", Kwarg::Media(MmMedia::Array(TensorView::F32(a.view()))))]);
         let mut want = Vec::new();
         fr(&mut want, b"audio");
         want.push(3);
@@ -315,10 +295,7 @@ mod tests {
         fr(&mut want, &2i64.to_le_bytes());
         fr(&mut want, b"data");
         want.push(3);
-        fr(
-            &mut want,
-            &[1.0f32.to_le_bytes(), (-2.0f32).to_le_bytes()].concat(),
-        );
+        fr(&mut want, &[1.0f32.to_le_bytes(), (-2.0f32).to_le_bytes()].concat());
         assert_eq!(got, want);
     }
 
@@ -344,20 +321,11 @@ mod tests {
         let ff = f.mapv(f32::from);
         let cf = c.mapv(f32::from);
         let h = |a: &Array3<f32>| {
-            hash_mm_item(
-                "m",
-                Modality::Audio,
-                MmMedia::Array(TensorView::F32(a.view().into_dyn())),
-            )
-            .unwrap()
+            hash_mm_item("m", Modality::Audio, MmMedia::Array(TensorView::F32(a.view().into_dyn()))).unwrap()
         };
         assert_eq!(h(&ff.as_standard_layout().to_owned()), h(&cf));
         assert_eq!(h(&ff), h(&cf));
-        let af = hash_mm_item(
-            "m",
-            Modality::Image,
-            MmMedia::Array(TensorView::U8(f.view().into_dyn())),
-        );
+        let af = hash_mm_item("m", Modality::Image, MmMedia::Array(TensorView::U8(f.view().into_dyn())));
         assert_ne!(af.unwrap(), hf, "PIL and ndarray framings differ");
     }
 
@@ -366,10 +334,7 @@ mod tests {
     fn bf16_is_hashed_as_torch_bytes() {
         let v = vec![half::bf16::from_f32(1.0), half::bf16::from_f32(-3.5)];
         let a = ArrayD::from_shape_vec(IxDyn(&[1, 2]), v.clone()).unwrap();
-        let got = stream(&[(
-            "x",
-            Kwarg::Media(MmMedia::Array(TensorView::BF16(a.view()))),
-        )]);
+        let got = stream(&[("x", Kwarg::Media(MmMedia::Array(TensorView::BF16(a.view()))))]);
         let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
         let mut tail = Vec::new();
         fr(&mut tail, b"|u1");
@@ -397,12 +362,6 @@ mod tests {
     fn pil_image_needs_three_channels() {
         let a = Array3::<u8>::zeros((2, 2, 4));
         let err = hash_mm_item("m", Modality::Image, MmMedia::PilRgb(a.view())).unwrap_err();
-        assert!(matches!(
-            err,
-            Error::Request(RequestError::MediaShape {
-                what: "PIL RGB image",
-                ..
-            })
-        ));
+        assert!(matches!(err, Error::Request(RequestError::MediaShape { what: "PIL RGB image", .. })));
     }
 }

@@ -41,15 +41,15 @@ use std::collections::BTreeSet;
 use fxhash::FxHashMap;
 
 pub use block_hash::{
-    BlockHash, BlockHasher, BlockKeyRequest, DEFAULT_NONE_HASH_SEED, ExtraKey, HashFn,
-    MmPlaceholder, hash_block_tokens, none_hash,
+    BlockHash, BlockHasher, BlockKeyRequest, DEFAULT_NONE_HASH_SEED, ExtraKey, HashFn, MmPlaceholder,
+    hash_block_tokens, none_hash,
 };
 pub use mm_hasher::{Kwarg, MmHashAlgorithm, MmMedia, hash_kwargs, hash_mm_item};
 
 use super::{BlockId, IndexStats, InsertOutcome, MatchHandle, PrefixIndex, PrefixMatch};
-use crate::prompt::{CanonicalPrompt, TenantSalt};
 use crate::Result;
 use crate::error::{CacheError, Component, InvariantViolation};
+use crate::prompt::{CanonicalPrompt, TenantSalt};
 
 /// One cached block.
 #[derive(Debug, Clone)]
@@ -92,33 +92,21 @@ fn tenant_salt(tenant: TenantSalt) -> Option<String> {
 
 /// The mm identifier of an item from its fingerprint (a caller-supplied uuid in vLLM terms).
 fn fingerprint_hashes(prompt: &CanonicalPrompt) -> Vec<String> {
-    prompt
-        .items
-        .iter()
-        .map(|it| format!("{:032x}", it.fingerprint.0))
-        .collect()
+    prompt.items.iter().map(|it| format!("{:032x}", it.fingerprint.0)).collect()
 }
 
 /// Placeholder range of each item (first span start to last span end), sorted by offset.
-fn placeholders<'a>(
-    prompt: &CanonicalPrompt,
-    mm_hashes: &'a [String],
-) -> Result<Vec<MmPlaceholder<'a>>> {
+fn placeholders<'a>(prompt: &CanonicalPrompt, mm_hashes: &'a [String]) -> Result<Vec<MmPlaceholder<'a>>> {
     if mm_hashes.len() != prompt.items.len() {
-        return Err(CacheError::MmHashCount {
-            expected: prompt.items.len(),
-            found: mm_hashes.len(),
-        }.into());
+        return Err(CacheError::MmHashCount { expected: prompt.items.len(), found: mm_hashes.len() }.into());
     }
     let mut ranges: Vec<Option<(usize, usize)>> = vec![None; prompt.items.len()];
     for (i, span) in prompt.index_map.spans.iter().enumerate() {
-        let slot = ranges
-            .get_mut(span.item as usize)
-            .ok_or(CacheError::SpanItemOutOfRange {
-                span: i,
-                item: span.item,
-                items: prompt.items.len(),
-            })?;
+        let slot = ranges.get_mut(span.item as usize).ok_or(CacheError::SpanItemOutOfRange {
+            span: i,
+            item: span.item,
+            items: prompt.items.len(),
+        })?;
         let start = span.start as usize;
         let end = start + span.rows.len();
         *slot = Some(match *slot {
@@ -129,13 +117,7 @@ fn placeholders<'a>(
     let mut out: Vec<MmPlaceholder<'a>> = ranges
         .iter()
         .zip(mm_hashes)
-        .filter_map(|(r, h)| {
-            r.map(|(s, e)| MmPlaceholder {
-                hash: h,
-                offset: s,
-                length: e - s,
-            })
-        })
+        .filter_map(|(r, h)| r.map(|(s, e)| MmPlaceholder { hash: h, offset: s, length: e - s }))
         .collect();
     out.sort_by_key(|p| p.offset);
     Ok(out)
@@ -144,11 +126,7 @@ fn placeholders<'a>(
 impl HashChainIndex {
     /// An empty index with vLLM's defaults: `sha256_cbor` and the vectors' `NONE_HASH` seed.
     pub fn new(block_size: usize) -> Result<Self> {
-        Ok(Self::with_hasher(BlockHasher::new(
-            HashFn::Sha256Cbor,
-            block_size,
-            DEFAULT_NONE_HASH_SEED,
-        )?))
+        Ok(Self::with_hasher(BlockHasher::new(HashFn::Sha256Cbor, block_size, DEFAULT_NONE_HASH_SEED)?))
     }
 
     /// An empty index over a configured hasher.
@@ -183,11 +161,7 @@ impl HashChainIndex {
     }
 
     /// Hashes of every full block of `prompt` (see [`Self::block_hashes_upto`]).
-    pub fn block_hashes(
-        &self,
-        prompt: &CanonicalPrompt,
-        mm_hashes: &[String],
-    ) -> Result<Vec<BlockHash>> {
+    pub fn block_hashes(&self, prompt: &CanonicalPrompt, mm_hashes: &[String]) -> Result<Vec<BlockHash>> {
         self.block_hashes_upto(prompt, mm_hashes, usize::MAX)
     }
 
@@ -211,10 +185,7 @@ impl HashChainIndex {
     ) -> Result<InsertOutcome> {
         let full = prompt.len() / self.hasher.block_size();
         if blocks.len() > full {
-            return Err(CacheError::BlocksExceedPrompt {
-                blocks: blocks.len(),
-                full_blocks: full,
-            }.into());
+            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: full }.into());
         }
         let hashes = self.block_hashes_upto(prompt, mm_hashes, blocks.len())?;
         self.adopt(&hashes, blocks)
@@ -243,12 +214,7 @@ impl HashChainIndex {
             self.stats.hits += 1;
             self.stats.hit_tokens += tokens as u64;
         }
-        PrefixMatch {
-            tokens,
-            aligned_tokens: tokens,
-            blocks,
-            handle: MatchHandle(tick),
-        }
+        PrefixMatch { tokens, aligned_tokens: tokens, blocks, handle: MatchHandle(tick) }
     }
 
     /// Adopts `blocks[i]` for `hashes[i]` where that hash is new. Checks
@@ -289,16 +255,7 @@ impl HashChainIndex {
                     }
                     p.children += 1;
                 }
-                self.entries.insert(
-                    *h,
-                    Entry {
-                        block: b,
-                        parent,
-                        children: 0,
-                        refs: 0,
-                        last_used: tick,
-                    },
-                );
+                self.entries.insert(*h, Entry { block: b, parent, children: 0, refs: 0, last_used: tick });
                 self.by_block.insert(b, *h);
                 self.evictable.insert((tick, b));
                 out.adopted.push(b);
@@ -309,7 +266,8 @@ impl HashChainIndex {
         self.stats.cached_blocks = self.entries.len() as u64;
         if !cached.is_empty() {
             let tokens = cached.len() * self.hasher.block_size();
-            out.cached = PrefixMatch { tokens, aligned_tokens: tokens, blocks: cached, handle: MatchHandle(tick) };
+            out.cached =
+                PrefixMatch { tokens, aligned_tokens: tokens, blocks: cached, handle: MatchHandle(tick) };
         }
         Ok(out)
     }
@@ -359,7 +317,12 @@ impl PrefixIndex for HashChainIndex {
     /// owns it and frees it), so each round loses up to a block of reuse;
     /// `cached` reports the full blocks. An id the index already holds
     /// there (a full block over these positions) is in neither list.
-    fn insert_partial(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize) -> Result<InsertOutcome> {
+    fn insert_partial(
+        &mut self,
+        prompt: &CanonicalPrompt,
+        blocks: &[BlockId],
+        tokens: usize,
+    ) -> Result<InsertOutcome> {
         let bs = self.hasher.block_size();
         super::check_partial_args(bs, prompt.len(), blocks.len(), tokens)?;
         let full = tokens / bs;
@@ -435,11 +398,7 @@ impl HashChainIndex {
     /// The first broken invariant of [`PrefixIndex::validate`], in words.
     fn broken_invariant(&self) -> std::result::Result<(), String> {
         if self.entries.len() != self.by_block.len() {
-            return Err(format!(
-                "{} entries but {} block ids",
-                self.entries.len(),
-                self.by_block.len()
-            ));
+            return Err(format!("{} entries but {} block ids", self.entries.len(), self.by_block.len()));
         }
         if self.stats.cached_blocks != self.entries.len() as u64 {
             return Err(format!(
@@ -454,17 +413,11 @@ impl HashChainIndex {
                 return Err(format!("block {} does not map back to its hash", e.block));
             }
             if e.last_used > self.clock {
-                return Err(format!(
-                    "block {} used at {} after clock {}",
-                    e.block, e.last_used, self.clock
-                ));
+                return Err(format!("block {} used at {} after clock {}", e.block, e.last_used, self.clock));
             }
             if let Some(p) = e.parent {
                 if !self.entries.contains_key(&p) {
-                    return Err(format!(
-                        "block {} has an evicted parent: its chain has a hole",
-                        e.block
-                    ));
+                    return Err(format!("block {} has an evicted parent: its chain has a hole", e.block));
                 }
                 *children.entry(p).or_default() += 1;
             }
@@ -472,10 +425,7 @@ impl HashChainIndex {
         for (h, e) in &self.entries {
             let want = children.get(h).copied().unwrap_or(0);
             if e.children != want {
-                return Err(format!(
-                    "block {} counts {} children, has {want}",
-                    e.block, e.children
-                ));
+                return Err(format!("block {} counts {} children, has {want}", e.block, e.children));
             }
             if e.evictable() != self.evictable.contains(&(e.last_used, e.block)) {
                 return Err(format!(
@@ -487,10 +437,7 @@ impl HashChainIndex {
         }
         let evictable = self.entries.values().filter(|e| e.evictable()).count();
         if evictable != self.evictable.len() {
-            return Err(format!(
-                "LRU set holds {} blocks, {evictable} are evictable",
-                self.evictable.len()
-            ));
+            return Err(format!("LRU set holds {} blocks, {evictable} are evictable", self.evictable.len()));
         }
         Ok(())
     }

@@ -8,8 +8,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::*;
 use crate::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
-use crate::prompt::{IndexMap, ItemSpan, Positions};
 use crate::error::{CacheError, Error};
+use crate::prompt::{IndexMap, ItemSpan, Positions};
 
 const BS: usize = 4;
 
@@ -29,9 +29,7 @@ fn item(fp: u128, n: usize) -> Arc<ItemIdentity> {
         fingerprint: Fingerprint(fp),
         evidence: Evidence::Unvalidated,
         modality: Modality::Image,
-        layout: ItemLayout::Image {
-            grid_thw: [1, 2, 2],
-        },
+        layout: ItemLayout::Image { grid_thw: [1, 2, 2] },
         num_tokens: n,
         content_bytes: 0,
     })
@@ -44,11 +42,7 @@ fn mm_prompt(fp: u128, len: usize, start: usize, n: usize) -> CanonicalPrompt {
         *t = 9;
     }
     p.items = vec![item(fp, n)];
-    p.index_map.spans = vec![ItemSpan {
-        item: 0,
-        rows: 0..n as u32,
-        start: start as u32,
-    }];
+    p.index_map.spans = vec![ItemSpan { item: 0, rows: 0..n as u32, start: start as u32 }];
     p
 }
 
@@ -75,27 +69,12 @@ fn insert_then_match_is_block_granular() {
     q[9] = 99;
     let m = ix.match_prefix(&text_prompt(0, &q));
     ok(&ix);
-    assert_eq!(
-        (m.tokens, m.aligned_tokens, m.blocks.clone()),
-        (8, 8, vec![1, 2])
-    );
+    assert_eq!((m.tokens, m.aligned_tokens, m.blocks.clone()), (8, 8, vec![1, 2]));
     // A change in block 0 breaks the chain for every later block.
     q[0] = 77;
-    assert_eq!(
-        ix.match_prefix(&text_prompt(0, &q)).blocks,
-        Vec::<BlockId>::new()
-    );
+    assert_eq!(ix.match_prefix(&text_prompt(0, &q)).blocks, Vec::<BlockId>::new());
     let s = ix.stats();
-    assert_eq!(
-        (
-            s.queries,
-            s.hits,
-            s.hit_tokens,
-            s.query_tokens,
-            s.cached_blocks
-        ),
-        (2, 1, 8, 22, 2)
-    );
+    assert_eq!((s.queries, s.hits, s.hit_tokens, s.query_tokens, s.cached_blocks), (2, 1, 8, 22, 2));
 }
 
 /// vLLM caches full blocks only: the partly filled last block of a
@@ -118,14 +97,20 @@ fn insert_partial_caches_the_full_blocks_and_hands_the_partial_one_back() {
     // Bad arguments change nothing.
     let before = ix.stats();
     let err = ix.insert_partial(&p, &[5, 6], 10).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::PartialBlockCount { blocks: 2, tokens: 10, block_size: BS })));
+    assert!(matches!(
+        err,
+        Error::Cache(CacheError::PartialBlockCount { blocks: 2, tokens: 10, block_size: BS })
+    ));
     let err = ix.insert_partial(&p, &[5, 6, 7, 8], 15).unwrap_err();
     assert!(matches!(err, Error::Cache(CacheError::TokensExceedPrompt { tokens: 15, prompt_len: 14 })));
     let err = ix.insert_partial(&p, &[5, 6, 5], 10).unwrap_err();
     assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 5 })));
     let other = text_prompt(0, &[9; 10]);
     let err = ix.insert_partial(&other, &[5, 6, 4], 10).unwrap_err();
-    assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 4 })), "owned under other content");
+    assert!(
+        matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 4 })),
+        "owned under other content"
+    );
     assert_eq!(ix.stats(), before);
     ok(&ix);
 }
@@ -145,7 +130,11 @@ fn duplicates_and_recommits() {
     assert_eq!((out.adopted.len(), out.duplicates.len()), (0, 0));
     let m = ix.match_prefix(&p);
     assert_eq!(m.blocks, [1, 2, 7]);
-    assert_eq!((out.cached.tokens, out.cached.blocks), (m.tokens, m.blocks), "insert reports what a match finds");
+    assert_eq!(
+        (out.cached.tokens, out.cached.blocks),
+        (m.tokens, m.blocks),
+        "insert reports what a match finds"
+    );
     ok(&ix);
 }
 
@@ -154,13 +143,7 @@ fn bad_inserts_are_typed_errors_without_state_change() {
     let mut ix = index();
     let p = text_prompt(0, &(0..9).collect::<Vec<_>>());
     let err = ix.insert(&p, &[1, 2, 3]).unwrap_err();
-    assert!(matches!(
-        err,
-        Error::Cache(CacheError::BlocksExceedPrompt {
-            blocks: 3,
-            full_blocks: 2
-        })
-    ));
+    assert!(matches!(err, Error::Cache(CacheError::BlocksExceedPrompt { blocks: 3, full_blocks: 2 })));
     let err = ix.insert(&p, &[4, 4]).unwrap_err();
     assert!(matches!(err, Error::Cache(CacheError::BlockAlreadyCached { block: 4 })));
     ix.insert(&p, &[1]).unwrap();
@@ -174,24 +157,9 @@ fn bad_inserts_are_typed_errors_without_state_change() {
     let mut bad = mm_prompt(1, 12, 2, 4);
     bad.index_map.spans[0].item = 3;
     let err = ix.insert(&bad, &[8]).unwrap_err();
-    assert!(matches!(
-        err,
-        Error::Cache(CacheError::SpanItemOutOfRange {
-            span: 0,
-            item: 3,
-            items: 1
-        })
-    ));
-    let err = ix
-        .match_with_mm_hashes(&mm_prompt(1, 12, 2, 4), &[])
-        .unwrap_err();
-    assert!(matches!(
-        err,
-        Error::Cache(CacheError::MmHashCount {
-            expected: 1,
-            found: 0
-        })
-    ));
+    assert!(matches!(err, Error::Cache(CacheError::SpanItemOutOfRange { span: 0, item: 3, items: 1 })));
+    let err = ix.match_with_mm_hashes(&mm_prompt(1, 12, 2, 4), &[]).unwrap_err();
+    assert!(matches!(err, Error::Cache(CacheError::MmHashCount { expected: 1, found: 0 })));
     assert_eq!(ix.stats().cached_blocks, 1);
     ok(&ix);
 }
@@ -215,10 +183,7 @@ fn items_with_equal_placeholders_do_not_share_blocks() {
     ix.insert(&a, &[1, 2, 3]).unwrap();
     let b = mm_prompt(0xbbbb, 12, 2, 6);
     assert_eq!(a.token_ids, b.token_ids);
-    assert!(
-        ix.match_prefix(&b).blocks.is_empty(),
-        "item starts in block 0"
-    );
+    assert!(ix.match_prefix(&b).blocks.is_empty(), "item starts in block 0");
     assert_eq!(ix.match_prefix(&a).blocks, [1, 2, 3]);
     // Item in block 1 only: block 0 is shared, block 1 is not.
     let c = mm_prompt(0xaaaa, 12, 5, 2);
@@ -242,11 +207,7 @@ fn locks_pin_and_eviction_takes_lru_tails_first() {
     let m = ix.match_prefix(&p); // p is now the most recent
     ix.lock(&m);
     ok(&ix);
-    assert_eq!(
-        ix.evict(10),
-        [5, 4],
-        "locked chain stays, q goes tail first"
-    );
+    assert_eq!(ix.evict(10), [5, 4], "locked chain stays, q goes tail first");
     ok(&ix);
     ix.lock(&m);
     ix.unlock(&m);
@@ -325,10 +286,7 @@ fn random_ops_keep_invariants_and_match_oracle() {
             }
             _ => {
                 for b in ix.evict(rng.random_range(0..4)) {
-                    assert!(
-                        !locked.iter().any(|m| m.blocks.contains(&b)),
-                        "evicted locked block {b}"
-                    );
+                    assert!(!locked.iter().any(|m| m.blocks.contains(&b)), "evicted locked block {b}");
                     owner.remove(&b);
                 }
             }

@@ -63,10 +63,7 @@ impl<T> Arena<T> {
 
     /// Live ids and values.
     pub(super) fn iter(&self) -> impl Iterator<Item = (NodeId, &T)> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| s.value.as_ref().map(|v| (i as NodeId, v)))
+        self.slots.iter().enumerate().filter_map(|(i, s)| s.value.as_ref().map(|v| (i as NodeId, v)))
     }
 
     /// A handle naming `id` in its current generation (never 0).

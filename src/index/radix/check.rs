@@ -51,7 +51,11 @@ pub(super) fn check(index: &RadixIndex) -> Result<(), String> {
                         return Err(format!("node {c}: stored under a key that is not its edge head"));
                     }
                     if cn.start != n.end() {
-                        return Err(format!("node {c}: starts at {} but parent ends at {}", cn.start, n.end()));
+                        return Err(format!(
+                            "node {c}: starts at {} but parent ends at {}",
+                            cn.start,
+                            n.end()
+                        ));
                     }
                     if cn.tenant != tenant {
                         return Err(format!("node {c}: tenant {} under tenant {tenant}", cn.tenant));
@@ -63,7 +67,10 @@ pub(super) fn check(index: &RadixIndex) -> Result<(), String> {
             let own_pins = match pinned_at.remove(&id) {
                 Some((block, count)) => {
                     let partial_leaf = n.is_leaf() && !n.end().is_multiple_of(bs);
-                    if is_root || !(n.end().is_multiple_of(bs) || partial_leaf) || n.blocks.last() != Some(&block) {
+                    if is_root
+                        || !(n.end().is_multiple_of(bs) || partial_leaf)
+                        || n.blocks.last() != Some(&block)
+                    {
                         return Err(format!("node {id}: pin of block {block} does not end at its boundary"));
                     }
                     u64::from(count)

@@ -257,10 +257,9 @@ impl<'a> Cursor<'a> {
             let step = (atom.len() - off).min(n);
             edge.push(match atom {
                 Atom::Text(t) => Seg::Text(t[off..off + step].to_vec()),
-                Atom::Item { id, rows } => Seg::Item {
-                    id: Arc::clone(id),
-                    rows: row_at(rows, off)..row_at(rows, off + step),
-                },
+                Atom::Item { id, rows } => {
+                    Seg::Item { id: Arc::clone(id), rows: row_at(rows, off)..row_at(rows, off + step) }
+                }
             });
             self.off += step;
             n -= step;

@@ -53,10 +53,10 @@ use std::collections::BTreeSet;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::error::{CacheError, Component, ConfigError, InvariantViolation, RequestError};
-use crate::index::{check_partial_args, BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch};
-use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 use crate::Result;
+use crate::error::{CacheError, Component, ConfigError, InvariantViolation, RequestError};
+use crate::index::{BlockId, IndexStats, InsertOutcome, PrefixIndex, PrefixMatch, check_partial_args};
+use crate::prompt::{Atom, CanonicalPrompt, TenantSalt};
 
 use arena::{Arena, NodeId};
 use edge::{Cursor, Edge, Head, Validator};
@@ -406,7 +406,12 @@ impl RadixIndex {
 
     /// Caches the first `total` positions of `prompt` held by `blocks`
     /// (`ceil(total / bs)` of them, arguments already checked).
-    fn insert_upto(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], total: usize) -> Result<InsertOutcome> {
+    fn insert_upto(
+        &mut self,
+        prompt: &CanonicalPrompt,
+        blocks: &[BlockId],
+        total: usize,
+    ) -> Result<InsertOutcome> {
         let Plan { walk, mut cached, extend } = self.plan_insert(prompt, blocks, total)?;
         let mut outcome = InsertOutcome::default();
         if blocks.is_empty() {
@@ -415,12 +420,8 @@ impl RadixIndex {
         let bs = self.config.block_size;
         let m = walk.matched;
         let first_new = if m == total { blocks.len() } else { m / bs };
-        outcome.duplicates = blocks[..first_new]
-            .iter()
-            .zip(&cached)
-            .filter(|(b, c)| b != c)
-            .map(|(b, _)| *b)
-            .collect();
+        outcome.duplicates =
+            blocks[..first_new].iter().zip(&cached).filter(|(b, c)| b != c).map(|(b, _)| *b).collect();
         let root = self.root_for(prompt.tenant);
         let mut path = walk.path;
         if path.is_empty() {
@@ -595,7 +596,9 @@ impl PrefixIndex for RadixIndex {
         let bs = self.config.block_size;
         let atoms = Self::atoms_len(prompt)?;
         if blocks.len() > atoms / bs {
-            return Err(CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs }.into());
+            return Err(
+                CacheError::BlocksExceedPrompt { blocks: blocks.len(), full_blocks: atoms / bs }.into()
+            );
         }
         self.insert_upto(prompt, blocks, blocks.len() * bs)
     }
@@ -603,7 +606,12 @@ impl PrefixIndex for RadixIndex {
     /// The partial block becomes the last block of a partial leaf (see the
     /// module docs). Errors with [`CacheError::LockedPartialBlock`] when it
     /// would have to grow a partial leaf a lock pins.
-    fn insert_partial(&mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize) -> Result<InsertOutcome> {
+    fn insert_partial(
+        &mut self,
+        prompt: &CanonicalPrompt,
+        blocks: &[BlockId],
+        tokens: usize,
+    ) -> Result<InsertOutcome> {
         let atoms = Self::atoms_len(prompt)?;
         check_partial_args(self.config.block_size, atoms, blocks.len(), tokens)?;
         self.insert_upto(prompt, blocks, tokens)

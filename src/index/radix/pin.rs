@@ -99,7 +99,8 @@ impl RadixIndex {
             holder
         };
         debug_assert!(
-            self.node(node).end() == boundary || self.node(node).is_leaf() && self.node(node).end() > boundary - self.config.block_size,
+            self.node(node).end() == boundary
+                || self.node(node).is_leaf() && self.node(node).end() > boundary - self.config.block_size,
             "a pinned path ends on its boundary or in its partial leaf"
         );
         self.lru_leave(node);

@@ -6,9 +6,9 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::{Config, MoeConfig, unsupported};
+use crate::Result;
 use crate::error::{CheckpointError, IoError};
 use crate::prompt::OmniTokens;
-use crate::Result;
 
 /// The raw HF fields we read; unknown fields are ignored.
 #[derive(Debug, Deserialize)]
@@ -81,7 +81,12 @@ fn parse_eos(value: Option<&serde_json::Value>, source: EosSource) -> Result<Opt
 /// The eos ids of a `config.json`: the first `eos_token_id` that is set, at the
 /// root, in `thinker_config`, in `thinker_config.text_config`, or in `text_config`.
 fn eos_from_config(root: &serde_json::Value) -> Result<Vec<u32>> {
-    for pointer in ["/eos_token_id", "/thinker_config/eos_token_id", "/thinker_config/text_config/eos_token_id", "/text_config/eos_token_id"] {
+    for pointer in [
+        "/eos_token_id",
+        "/thinker_config/eos_token_id",
+        "/thinker_config/text_config/eos_token_id",
+        "/text_config/eos_token_id",
+    ] {
         if let Some(ids) = parse_eos(root.pointer(pointer), EosSource::Config)? {
             return Ok(ids);
         }
@@ -120,8 +125,7 @@ impl Config {
     /// Reads `config.json` from a file (eos ids from it alone; [`Config::from_dir`]
     /// also reads `generation_config.json`).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| IoError::read(path, source))?;
+        let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
         Self::from_json_str(&text)
     }
 
@@ -130,10 +134,8 @@ impl Config {
     pub fn from_json_str(json: &str) -> Result<Self> {
         let root: serde_json::Value =
             serde_json::from_str(json).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
-        let text = root
-            .pointer("/thinker_config/text_config")
-            .or_else(|| root.get("text_config"))
-            .unwrap_or(&root);
+        let text =
+            root.pointer("/thinker_config/text_config").or_else(|| root.get("text_config")).unwrap_or(&root);
         let raw = RawConfig::deserialize(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
         let deepstack = root
             .pointer("/thinker_config/vision_config/deepstack_visual_indexes")
@@ -141,7 +143,13 @@ impl Config {
         let deepstack_levels = match deepstack {
             None => None,
             Some(serde_json::Value::Array(indexes)) => Some(indexes.len()),
-            Some(other) => return Err(unsupported("deepstack_visual_indexes", other, "expected a list of layer indexes")),
+            Some(other) => {
+                return Err(unsupported(
+                    "deepstack_visual_indexes",
+                    other,
+                    "expected a list of layer indexes",
+                ));
+            }
         };
         let eos_token_ids = eos_from_config(&root)?;
         let cfg = Config { deepstack_levels, eos_token_ids, ..Self::from_raw(raw)? };
@@ -162,7 +170,11 @@ impl Config {
             return Err(unsupported("hidden_act", act, "only silu (SwiGLU) is implemented"));
         }
         if raw.use_sliding_window == Some(true) {
-            return Err(unsupported("use_sliding_window", true, "sliding-window attention is not implemented"));
+            return Err(unsupported(
+                "use_sliding_window",
+                true,
+                "sliding-window attention is not implemented",
+            ));
         }
         if raw.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
             return Err(unsupported(
@@ -173,27 +185,27 @@ impl Config {
         }
         let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
         if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref().or(r.type_.as_deref()))
-            && !matches!(kind, "default" | "mrope") {
-                return Err(unsupported("rope_type", kind, "only default RoPE / M-RoPE is implemented"));
-            }
+            && !matches!(kind, "default" | "mrope")
+        {
+            return Err(unsupported("rope_type", kind, "only default RoPE / M-RoPE is implemented"));
+        }
         let mrope_section = match rope.and_then(|r| r.mrope_section.as_deref()) {
             None => None,
             Some(&[t, h, w]) => Some([t, h, w]),
             Some(other) => return Err(unsupported("mrope_section", other, "expected three sections")),
         };
-        let mrope_interleaved =
-            rope.is_some_and(|r| r.mrope_interleaved.or(r.interleaved).unwrap_or(false));
+        let mrope_interleaved = rope.is_some_and(|r| r.mrope_interleaved.or(r.interleaved).unwrap_or(false));
         let rope_theta = rope.and_then(|r| r.rope_theta).or(raw.rope_theta).unwrap_or(10_000.0);
         let moe = match raw.num_experts.filter(|&n| n > 0) {
             None => None,
             Some(num_experts) => Some(MoeConfig {
                 num_experts,
-                num_experts_per_tok: raw
-                    .num_experts_per_tok
-                    .ok_or_else(|| CheckpointError::ConfigParse("missing field `num_experts_per_tok`".into()))?,
-                moe_intermediate_size: raw
-                    .moe_intermediate_size
-                    .ok_or_else(|| CheckpointError::ConfigParse("missing field `moe_intermediate_size`".into()))?,
+                num_experts_per_tok: raw.num_experts_per_tok.ok_or_else(|| {
+                    CheckpointError::ConfigParse("missing field `num_experts_per_tok`".into())
+                })?,
+                moe_intermediate_size: raw.moe_intermediate_size.ok_or_else(|| {
+                    CheckpointError::ConfigParse("missing field `moe_intermediate_size`".into())
+                })?,
                 norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
                 decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
                 mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
@@ -245,20 +257,23 @@ pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
 
 /// [`tokens_from_config_file`] over the text of a `config.json`.
 pub fn tokens_from_config_json(text: &str) -> Result<Option<OmniTokens>> {
-    let root: serde_json::Value = serde_json::from_str(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+    let root: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
     let node = root.get("thinker_config").unwrap_or(&root);
     if node.get("image_token_id").is_none() {
         return Ok(None);
     }
-    serde_json::from_value(node.clone()).map(Some).map_err(|e| CheckpointError::ConfigParse(format!("special token ids: {e}")).into())
+    serde_json::from_value(node.clone())
+        .map(Some)
+        .map_err(|e| CheckpointError::ConfigParse(format!("special token ids: {e}")).into())
 }
 
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::Error;
     use crate::backend::RopeKind;
     use crate::model::TinyModel;
-    use crate::Error;
 
     pub(in crate::model::config) fn omni_text(extra: &str) -> String {
         format!(
@@ -277,19 +292,26 @@ pub(super) mod tests {
     fn deepstack_levels_come_from_the_vision_config() {
         let with_vision = |indexes: &str| {
             let text = omni_text("");
-            let vision = format!(r#""vision_config": {{"deepstack_visual_indexes": {indexes}}}, "text_config""#);
+            let vision =
+                format!(r#""vision_config": {{"deepstack_visual_indexes": {indexes}}}, "text_config""#);
             Config::from_json_str(&text.replacen(r#""text_config""#, &vision, 1))
         };
         assert_eq!(Config::from_json_str(&omni_text("")).unwrap().deepstack_levels, None);
         assert_eq!(with_vision("[8, 16, 24]").unwrap().deepstack_levels, Some(3));
         assert!(matches!(
             with_vision("7"),
-            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "deepstack_visual_indexes", .. }))
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig {
+                field: "deepstack_visual_indexes",
+                ..
+            }))
         ));
         let too_many = format!("[{}]", (0..49).map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
         assert!(matches!(
             with_vision(&too_many),
-            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "deepstack_visual_indexes", .. }))
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig {
+                field: "deepstack_visual_indexes",
+                ..
+            }))
         ));
     }
 
@@ -318,7 +340,10 @@ pub(super) mod tests {
 
     #[test]
     fn sparse_layers_follow_step_and_mlp_only_layers() {
-        let json = omni_text("").replace(r#""decoder_sparse_step": 1, "mlp_only_layers": []"#, r#""decoder_sparse_step": 2, "mlp_only_layers": [3]"#);
+        let json = omni_text("").replace(
+            r#""decoder_sparse_step": 1, "mlp_only_layers": []"#,
+            r#""decoder_sparse_step": 2, "mlp_only_layers": [3]"#,
+        );
         let cfg = Config::from_json_str(&json).unwrap();
         let sparse: Vec<usize> = (0..6).filter(|&l| cfg.is_sparse_layer(l)).collect();
         assert_eq!(sparse, vec![1, 5]);
@@ -375,21 +400,34 @@ pub(super) mod tests {
     fn eos_ids_are_found_in_the_omni_nesting() {
         let text = omni_text(r#", "vocab_size": 152064, "eos_token_id": 151645"#);
         assert_eq!(eos_of("text-config", &text, None).unwrap(), vec![151645]);
-        let thinker = omni_text("").replacen(r#""thinker_config": {"#, r#""thinker_config": {"eos_token_id": [151643, 151645], "#, 1);
+        let thinker = omni_text("").replacen(
+            r#""thinker_config": {"#,
+            r#""thinker_config": {"eos_token_id": [151643, 151645], "#,
+            1,
+        );
         assert_eq!(eos_of("thinker", &thinker, None).unwrap(), vec![151643, 151645]);
         // The root before thinker_config before its text_config.
-        let all = omni_text(r#", "eos_token_id": 3"#)
-            .replacen(r#""thinker_config": {"#, r#""eos_token_id": 1, "thinker_config": {"eos_token_id": 2, "#, 1);
+        let all = omni_text(r#", "eos_token_id": 3"#).replacen(
+            r#""thinker_config": {"#,
+            r#""eos_token_id": 1, "thinker_config": {"eos_token_id": 2, "#,
+            1,
+        );
         assert_eq!(eos_of("root", &all, None).unwrap(), vec![1]);
-        let nested = omni_text(r#", "eos_token_id": 3"#)
-            .replacen(r#""thinker_config": {"#, r#""eos_token_id": null, "thinker_config": {"eos_token_id": 2, "#, 1);
+        let nested = omni_text(r#", "eos_token_id": 3"#).replacen(
+            r#""thinker_config": {"#,
+            r#""eos_token_id": null, "thinker_config": {"eos_token_id": 2, "#,
+            1,
+        );
         assert_eq!(eos_of("nested", &nested, None).unwrap(), vec![2]);
     }
 
     #[test]
     fn malformed_eos_ids_are_checkpoint_errors() {
         let is_eos_error = |r: Result<Vec<u32>>| {
-            matches!(r, Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "eos_token_id", .. })))
+            matches!(
+                r,
+                Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "eos_token_id", .. }))
+            )
         };
         for bad in [r#""2""#, "-1", "1.5", "4294967296", r#"[1, "x"]"#, r#"{"id": 1}"#, "true"] {
             let cfg = dense(&format!(r#", "eos_token_id": {bad}"#));

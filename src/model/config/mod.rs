@@ -79,7 +79,6 @@ pub struct Config {
     pub eos_token_ids: Vec<u32>,
 }
 
-
 /// Largest size of any one model dimension (hidden, heads, layers, experts...).
 const MAX_DIM: usize = 1 << 20;
 /// Largest vocabulary.
@@ -118,10 +117,18 @@ impl Config {
             return Err(unsupported(field, value, "larger than any supported model (limit 2^20)"));
         }
         if self.vocab_size > MAX_VOCAB {
-            return Err(unsupported("vocab_size", self.vocab_size, "larger than any supported model (limit 2^24)"));
+            return Err(unsupported(
+                "vocab_size",
+                self.vocab_size,
+                "larger than any supported model (limit 2^24)",
+            ));
         }
         if let Some(levels) = self.deepstack_levels.filter(|&l| l > self.num_hidden_layers) {
-            return Err(unsupported("deepstack_visual_indexes", levels, "more DeepStack levels than decoder layers"));
+            return Err(unsupported(
+                "deepstack_visual_indexes",
+                levels,
+                "more DeepStack levels than decoder layers",
+            ));
         }
         if let Some(&id) = self.eos_token_ids.iter().find(|&&id| id as usize >= self.vocab_size) {
             return Err(unsupported("eos_token_id", id, "must be below vocab_size"));
@@ -133,7 +140,11 @@ impl Config {
             return Err(unsupported("rms_norm_eps", self.rms_norm_eps, "must be finite and non-negative"));
         }
         if self.num_attention_heads == 0 || self.num_key_value_heads == 0 {
-            return Err(unsupported("num_attention_heads", self.num_attention_heads, "heads must be positive"));
+            return Err(unsupported(
+                "num_attention_heads",
+                self.num_attention_heads,
+                "heads must be positive",
+            ));
         }
         if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(unsupported(
@@ -146,9 +157,10 @@ impl Config {
             return Err(unsupported("head_dim", self.head_dim, "must be even and positive"));
         }
         if let Some(sec) = self.mrope_section
-            && sec.iter().fold(0usize, |a, &b| a.saturating_add(b)) != self.head_dim / 2 {
-                return Err(unsupported("mrope_section", sec, "sections must sum to head_dim / 2"));
-            }
+            && sec.iter().fold(0usize, |a, &b| a.saturating_add(b)) != self.head_dim / 2
+        {
+            return Err(unsupported("mrope_section", sec, "sections must sum to head_dim / 2"));
+        }
         if let Some(moe) = &self.moe {
             if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
                 return Err(unsupported(
@@ -196,17 +208,35 @@ mod tests {
         for (extra, field) in cases {
             // Later duplicate keys win in serde_json objects.
             let err = Config::from_json_str(&hf::tests::omni_text(extra)).unwrap_err();
-            assert!(matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field), "{err}");
+            assert!(
+                matches!(err, Error::Checkpoint(CheckpointError::UnsupportedConfig { field: f, .. }) if f == field),
+                "{err}"
+            );
         }
         let yarn = hf::tests::omni_text("").replace(r#""rope_type": "default""#, r#""rope_type": "yarn""#);
-        assert!(matches!(Config::from_json_str(&yarn), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "rope_type", .. }))));
+        assert!(matches!(
+            Config::from_json_str(&yarn),
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "rope_type", .. }))
+        ));
         let bad_sections = hf::tests::omni_text("").replace("[24, 20, 20]", "[24, 20, 21]");
-        assert!(matches!(Config::from_json_str(&bad_sections), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "mrope_section", .. }))));
+        assert!(matches!(
+            Config::from_json_str(&bad_sections),
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "mrope_section", .. }))
+        ));
         let llama = r#"{"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 4}"#;
-        assert!(matches!(Config::from_json_str(llama), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "model_type", .. }))));
-        assert!(matches!(Config::from_json_str("{}"), Err(Error::Checkpoint(CheckpointError::ConfigParse(_)))));
+        assert!(matches!(
+            Config::from_json_str(llama),
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "model_type", .. }))
+        ));
+        assert!(matches!(
+            Config::from_json_str("{}"),
+            Err(Error::Checkpoint(CheckpointError::ConfigParse(_)))
+        ));
         let mut gqa = TinyModel { layers: 1, kv_heads: 3, vocab: 10, ..TinyModel::qwen3() }.config();
         gqa.head_dim = 8;
-        assert!(matches!(gqa.validate(), Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "num_key_value_heads", .. }))));
+        assert!(matches!(
+            gqa.validate(),
+            Err(Error::Checkpoint(CheckpointError::UnsupportedConfig { field: "num_key_value_heads", .. }))
+        ));
     }
 }

@@ -2,7 +2,6 @@
 
 use super::{Config, MoeConfig};
 
-
 /// The architecture of a [`TinyModel`]: which Qwen thinker it imitates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TinyFamily {
@@ -158,7 +157,13 @@ impl Config {
     }
 
     /// Positional shorthand for [`TinyModel`] with [`TinyFamily::Qwen2Omni`].
-    pub fn tiny_qwen2_omni(hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize) -> Self {
+    pub fn tiny_qwen2_omni(
+        hidden: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        vocab: usize,
+    ) -> Self {
         TinyModel { family: TinyFamily::Qwen2Omni, hidden, layers, heads, kv_heads, vocab }.config()
     }
 
@@ -204,7 +209,10 @@ mod tests {
         assert_eq!(moe.model_type, "qwen3_omni_moe_text");
         assert_eq!(moe.rope_spec().kind, RopeKind::Interleaved([12, 10, 10]));
         let experts = moe.moe.as_ref().unwrap();
-        assert_eq!((experts.num_experts, experts.num_experts_per_tok, experts.moe_intermediate_size), (8, 2, 128));
+        assert_eq!(
+            (experts.num_experts, experts.num_experts_per_tok, experts.moe_intermediate_size),
+            (8, 2, 128)
+        );
         assert!(!moe.is_sparse_layer(0) && moe.is_sparse_layer(1) && moe.is_sparse_layer(3));
         assert!(moe.validate().is_ok());
     }

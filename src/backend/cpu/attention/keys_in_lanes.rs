@@ -67,7 +67,15 @@ unsafe fn weigh<L: Lanes, const R: usize, const DV: usize>(
 /// # Safety
 /// As [`weigh`] with `dv0 + DV` replaced by `hd / 8`.
 #[inline(always)]
-unsafe fn weigh_all<L: Lanes, const R: usize, const DV: usize>(l: L, acc: [*mut f32; R], p: [*const f32; R], alpha: Option<[f32; R]>, vals: &[*const f32], keys: Range<usize>, hd: usize) {
+unsafe fn weigh_all<L: Lanes, const R: usize, const DV: usize>(
+    l: L,
+    acc: [*mut f32; R],
+    p: [*const f32; R],
+    alpha: Option<[f32; R]>,
+    vals: &[*const f32],
+    keys: Range<usize>,
+    hd: usize,
+) {
     let nv = hd / 8;
     let mut dv0 = 0;
     unsafe {
@@ -171,7 +179,13 @@ pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job)
         let first = (0..nrows).find(|&r| limit[r] > j0).unwrap_or(nrows);
         let mut r = first;
         while r < nrows {
-            let width = if r + 4 <= nrows { 4 } else if r + 2 <= nrows { 2 } else { 1 };
+            let width = if r + 4 <= nrows {
+                4
+            } else if r + 2 <= nrows {
+                2
+            } else {
+                1
+            };
             let common = limit[r].saturating_sub(j0).min(KEY_TILE);
             let a = |i: usize| unsafe { ap.add((r + i) * hd) };
             let pr = |i: usize| unsafe { pp.add((r + i) * KEY_TILE) };
@@ -179,8 +193,24 @@ pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job)
             // SAFETY: acc rows hold hd floats, p rows KEY_TILE, vals[..n] hold hd floats.
             unsafe {
                 match width {
-                    4 => weigh_all::<L, 4, 2>(l, [a(0), a(1), a(2), a(3)], [pr(0), pr(1), pr(2), pr(3)], Some([al(0), al(1), al(2), al(3)]), vals, 0..common, hd),
-                    2 => weigh_all::<L, 2, 4>(l, [a(0), a(1)], [pr(0), pr(1)], Some([al(0), al(1)]), vals, 0..common, hd),
+                    4 => weigh_all::<L, 4, 2>(
+                        l,
+                        [a(0), a(1), a(2), a(3)],
+                        [pr(0), pr(1), pr(2), pr(3)],
+                        Some([al(0), al(1), al(2), al(3)]),
+                        vals,
+                        0..common,
+                        hd,
+                    ),
+                    2 => weigh_all::<L, 2, 4>(
+                        l,
+                        [a(0), a(1)],
+                        [pr(0), pr(1)],
+                        Some([al(0), al(1)]),
+                        vals,
+                        0..common,
+                        hd,
+                    ),
                     _ => weigh_all::<L, 1, 8>(l, [a(0)], [pr(0)], Some([al(0)]), vals, 0..common, hd),
                 }
                 for i in 0..width {
@@ -211,8 +241,8 @@ mod tests {
     use super::super::tests::fill;
     use super::super::{Call, Job, OP, ROW_PATH_MAX, rows_in_lanes};
     use super::*;
-    use crate::backend::test_support::rand_rows_from;
     use crate::backend::cpu::lanes::{Simd, Wide, WideKernel};
+    use crate::backend::test_support::rand_rows_from;
     use crate::backend::{Dtype, PagesSpec};
 
     /// One job through both layouts.
@@ -226,7 +256,10 @@ mod tests {
         type Out = (Vec<f32>, Vec<f32>);
         #[inline(always)]
         fn run<W: Wide>(self, w: W) -> Self::Out {
-            (run(w.narrow(), self.call, self.seq, self.job), rows_in_lanes::run(w, self.call, self.seq, self.job))
+            (
+                run(w.narrow(), self.call, self.seq, self.job),
+                rows_in_lanes::run(w, self.call, self.seq, self.job),
+            )
         }
     }
 
@@ -242,22 +275,47 @@ mod tests {
             for (num_heads, kv_heads) in [(4, 4), (4, 2), (8, 2)] {
                 let heads = AttnHeads { num_heads, kv_heads, head_dim: hd };
                 let lens = [1, 3, 64, 65, 130, 200];
-                let spec = PagesSpec { num_layers: 2, num_blocks: 40, block_size: 16, kv_heads, head_dim: hd, captured: 0, hidden: 1, kv_dtype };
+                let spec = PagesSpec {
+                    num_layers: 2,
+                    num_blocks: 40,
+                    block_size: 16,
+                    kv_heads,
+                    head_dim: hd,
+                    captured: 0,
+                    hidden: 1,
+                    kv_dtype,
+                };
                 let (pages, tables, _) = fill(&mut rng, spec, &lens);
                 let (k, v) = pages.kv(OP, 1).unwrap();
                 let group = num_heads / kv_heads;
                 let new = ROW_PATH_MAX / group;
                 let q = rand_rows_from(&mut rng, new, num_heads * hd);
-                let call = Call { q: q.as_slice().unwrap(), q_cols: q.ncols(), k, v, heads, block_size: spec.block_size };
+                let call = Call {
+                    q: q.as_slice().unwrap(),
+                    q_cols: q.ncols(),
+                    k,
+                    v,
+                    heads,
+                    block_size: spec.block_size,
+                };
                 for (&len, table) in lens.iter().zip(&tables) {
                     for rows in (1..=new.min(len)).map(|n| 0..n) {
-                        let seq = AttnSeq { query_start: 0, num_new: rows.end, num_computed: len - rows.end, block_table: table };
+                        let seq = AttnSeq {
+                            query_start: 0,
+                            num_new: rows.end,
+                            num_computed: len - rows.end,
+                            block_table: table,
+                        };
                         for kv_head in 0..kv_heads {
                             let job = Job { seq: 0, kv_head, rows: rows.clone() };
                             for simd in Simd::all() {
-                                let (keys, lanes) = simd.run_wide(BothLayouts { call: &call, seq: &seq, job: &job });
+                                let (keys, lanes) =
+                                    simd.run_wide(BothLayouts { call: &call, seq: &seq, job: &job });
                                 let same = keys.iter().zip(&lanes).all(|(a, b)| a.to_bits() == b.to_bits());
-                                assert!(same && keys.len() == lanes.len(), "{simd:?} {kv_dtype} {num_heads}/{kv_heads} len {len} rows {rows:?} kv head {kv_head}");
+                                assert!(
+                                    same && keys.len() == lanes.len(),
+                                    "{simd:?} {kv_dtype} {num_heads}/{kv_heads} len {len} rows {rows:?} kv head {kv_head}"
+                                );
                             }
                         }
                     }

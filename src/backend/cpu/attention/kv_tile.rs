@@ -4,8 +4,8 @@ use std::ops::Range;
 
 use super::{Call, Job, KEY_TILE};
 use crate::backend::AttnSeq;
-use crate::backend::cpu::lanes::Lanes;
 use crate::backend::FloatSlice;
+use crate::backend::cpu::lanes::Lanes;
 
 /// The K and V rows of one key tile: pointers into the pages when they hold f32,
 /// else into this job's scratch, where each tile's rows are widened (exactly)
@@ -20,14 +20,26 @@ pub(super) struct TileRows {
 impl TileRows {
     pub(super) fn new(call: &Call<'_>) -> Self {
         let scratch = if matches!(call.k, FloatSlice::F32(_)) { 0 } else { KEY_TILE * call.heads.head_dim };
-        TileRows { keys: Vec::with_capacity(KEY_TILE), vals: Vec::with_capacity(KEY_TILE), k: vec![0.0; scratch], v: vec![0.0; scratch] }
+        TileRows {
+            keys: Vec::with_capacity(KEY_TILE),
+            vals: Vec::with_capacity(KEY_TILE),
+            k: vec![0.0; scratch],
+            v: vec![0.0; scratch],
+        }
     }
 
     /// Points `keys` / `vals` at the rows of `positions` (at most [`KEY_TILE`]) for
     /// `job`'s KV head and asks for the next tile's rows (those the job reads),
     /// which then stream in while this tile computes.
     #[inline(always)]
-    pub(super) fn load<L: Lanes>(&mut self, l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job, positions: Range<usize>) {
+    pub(super) fn load<L: Lanes>(
+        &mut self,
+        l: L,
+        call: &Call<'_>,
+        seq: &AttnSeq<'_>,
+        job: &Job,
+        positions: Range<usize>,
+    ) {
         let hd = call.heads.head_dim;
         let (bs, width) = (call.block_size, call.heads.kv_heads * hd);
         // Position j's element offset in the pages.

@@ -49,9 +49,9 @@ use rayon::prelude::*;
 use super::check::{expect_cols, row_index};
 use super::lanes::{Simd, Wide, WideKernel};
 use super::pages::CpuPages;
+use crate::Result;
 use crate::backend::FloatSlice;
 use crate::backend::{AttnHeads, AttnSeq};
-use crate::Result;
 use crate::error::BackendError;
 
 const OP: &str = "paged_attention";
@@ -80,12 +80,24 @@ fn check_seq(seq: &AttnSeq<'_>, rows: usize, pages: &CpuPages) -> Result<()> {
     let spec = pages.spec;
     let end = seq.query_start.checked_add(seq.num_new).filter(|&e| e <= rows);
     if end.is_none() {
-        return Err(BackendError::OpIndex { op: OP, what: "query end", index: seq.query_start.saturating_add(seq.num_new) as i64, bound: rows + 1 }.into());
+        return Err(BackendError::OpIndex {
+            op: OP,
+            what: "query end",
+            index: seq.query_start.saturating_add(seq.num_new) as i64,
+            bound: rows + 1,
+        }
+        .into());
     }
     let len = seq.num_computed.saturating_add(seq.num_new);
     let blocks_needed = len.div_ceil(spec.block_size);
     if seq.block_table.len() < blocks_needed {
-        return Err(BackendError::OpIndex { op: OP, what: "position (block table too short)", index: len as i64 - 1, bound: seq.block_table.len() * spec.block_size }.into());
+        return Err(BackendError::OpIndex {
+            op: OP,
+            what: "position (block table too short)",
+            index: len as i64 - 1,
+            bound: seq.block_table.len() * spec.block_size,
+        }
+        .into());
     }
     for &b in &seq.block_table[..blocks_needed] {
         row_index(OP, "block", b as i64, spec.num_blocks)?;
@@ -117,7 +129,11 @@ impl Job {
     /// The job's lane rows in order, (query row, group head) pairs: each one's q
     /// (its head's `head_dim` floats, unscaled) and exclusive key limit (its position + 1).
     #[inline(always)]
-    fn lane_rows<'a>(&'a self, call: &'a Call<'_>, seq: &'a AttnSeq<'_>) -> impl Iterator<Item = (&'a [f32], usize)> {
+    fn lane_rows<'a>(
+        &'a self,
+        call: &'a Call<'_>,
+        seq: &'a AttnSeq<'_>,
+    ) -> impl Iterator<Item = (&'a [f32], usize)> {
         let hd = call.heads.head_dim;
         let group = call.heads.num_heads / call.heads.kv_heads;
         self.rows.clone().flat_map(move |i| {
@@ -163,19 +179,37 @@ impl WideKernel for JobTask<'_> {
 }
 
 /// See [`crate::backend::Backend::paged_attention`].
-pub(crate) fn paged_attention(q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<Array2<f32>> {
+pub(crate) fn paged_attention(
+    q: &Array2<f32>,
+    pages: &CpuPages,
+    layer: usize,
+    heads: AttnHeads,
+    seqs: &[AttnSeq<'_>],
+) -> Result<Array2<f32>> {
     attention_with(Simd::detect(), q, pages, layer, heads, seqs)
 }
 
-fn attention_with(simd: Simd, q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>]) -> Result<Array2<f32>> {
+fn attention_with(
+    simd: Simd,
+    q: &Array2<f32>,
+    pages: &CpuPages,
+    layer: usize,
+    heads: AttnHeads,
+    seqs: &[AttnSeq<'_>],
+) -> Result<Array2<f32>> {
     let spec = pages.spec;
-    if heads.kv_heads != spec.kv_heads || heads.head_dim != spec.head_dim || heads.kv_heads == 0 || !heads.num_heads.is_multiple_of(heads.kv_heads) {
+    if heads.kv_heads != spec.kv_heads
+        || heads.head_dim != spec.head_dim
+        || heads.kv_heads == 0
+        || !heads.num_heads.is_multiple_of(heads.kv_heads)
+    {
         return Err(BackendError::OpShape {
             op: OP,
             what: "heads (num_heads, kv_heads, head_dim)",
             expected: format!("kv_heads {} dividing num_heads, head_dim {}", spec.kv_heads, spec.head_dim),
             found: vec![heads.num_heads, heads.kv_heads, heads.head_dim],
-        }.into());
+        }
+        .into());
     }
     expect_cols(OP, "q", q, heads.num_heads * heads.head_dim)?;
     let (k, v) = pages.kv(OP, layer)?;
@@ -188,7 +222,14 @@ fn attention_with(simd: Simd, q: &Array2<f32>, pages: &CpuPages, layer: usize, h
         return Ok(out);
     }
     let q_std = q.as_standard_layout();
-    let call = Call { q: q_std.as_slice().expect("standard layout"), q_cols: q.ncols(), k, v, heads, block_size: spec.block_size };
+    let call = Call {
+        q: q_std.as_slice().expect("standard layout"),
+        q_cols: q.ncols(),
+        k,
+        v,
+        heads,
+        block_size: spec.block_size,
+    };
     let group = heads.num_heads / heads.kv_heads;
     let tile = query_tile(seqs, heads.kv_heads, group);
     let jobs: Vec<Job> = seqs
@@ -196,11 +237,16 @@ fn attention_with(simd: Simd, q: &Array2<f32>, pages: &CpuPages, layer: usize, h
         .enumerate()
         .flat_map(|(s, seq)| {
             (0..heads.kv_heads).flat_map(move |kv_head| {
-                (0..seq.num_new).step_by(tile).map(move |a| Job { seq: s, kv_head, rows: a..(a + tile).min(seq.num_new) })
+                (0..seq.num_new).step_by(tile).map(move |a| Job {
+                    seq: s,
+                    kv_head,
+                    rows: a..(a + tile).min(seq.num_new),
+                })
             })
         })
         .collect();
-    let results: Vec<Vec<f32>> = jobs.par_iter().map(|job| simd.run_wide(JobTask { call: &call, seq: &seqs[job.seq], job })).collect();
+    let results: Vec<Vec<f32>> =
+        jobs.par_iter().map(|job| simd.run_wide(JobTask { call: &call, seq: &seqs[job.seq], job })).collect();
     let span = group * hd;
     for (job, res) in jobs.iter().zip(&results) {
         let seq = &seqs[job.seq];
@@ -216,9 +262,9 @@ fn attention_with(simd: Simd, q: &Array2<f32>, pages: &CpuPages, layer: usize, h
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::Error;
-    use crate::backend::{Dtype, PagesSpec};
     use crate::backend::test_support::rand_rows_from;
+    use crate::backend::{Dtype, PagesSpec};
+    use crate::error::Error;
     use rand::SeedableRng;
     use rand::seq::SliceRandom;
     use rand_chacha::ChaCha8Rng;
@@ -227,7 +273,13 @@ mod tests {
     type KvRows = (Array2<f32>, Array2<f32>);
 
     /// Dense causal attention of one sequence (f64): q `[new, H*d]`, k/v `[len, KH*d]`.
-    fn dense(q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>, computed: usize, heads: AttnHeads) -> Array2<f64> {
+    fn dense(
+        q: &Array2<f32>,
+        k: &Array2<f32>,
+        v: &Array2<f32>,
+        computed: usize,
+        heads: AttnHeads,
+    ) -> Array2<f64> {
         let d = heads.head_dim;
         let group = heads.num_heads / heads.kv_heads;
         let mut out = Array2::zeros((q.nrows(), q.ncols()));
@@ -235,7 +287,10 @@ mod tests {
             for h in 0..heads.num_heads {
                 let kh = h / group;
                 let scores: Vec<f64> = (0..=computed + i)
-                    .map(|j| (0..d).map(|c| q[[i, h * d + c]] as f64 * k[[j, kh * d + c]] as f64).sum::<f64>() / (d as f64).sqrt())
+                    .map(|j| {
+                        (0..d).map(|c| q[[i, h * d + c]] as f64 * k[[j, kh * d + c]] as f64).sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
@@ -251,7 +306,11 @@ mod tests {
 
     /// Pages with one sequence per entry of `lens` in shuffled blocks; their
     /// tables and K/V (`[len, KH*d]`, position order) as stored: rounded to `spec.kv_dtype`.
-    pub(super) fn fill(rng: &mut ChaCha8Rng, spec: PagesSpec, lens: &[usize]) -> (CpuPages, Vec<Vec<u32>>, Vec<KvRows>) {
+    pub(super) fn fill(
+        rng: &mut ChaCha8Rng,
+        spec: PagesSpec,
+        lens: &[usize],
+    ) -> (CpuPages, Vec<Vec<u32>>, Vec<KvRows>) {
         let mut pages = CpuPages::new(spec).unwrap();
         let mut blocks: Vec<u32> = (0..spec.num_blocks as u32).collect();
         blocks.shuffle(rng);
@@ -263,7 +322,9 @@ mod tests {
             next += nb;
             let k = rand_rows_from(rng, len, spec.kv_width());
             let v = rand_rows_from(rng, len, spec.kv_width());
-            let slots: Vec<i64> = (0..len).map(|j| (table[j / spec.block_size] as usize * spec.block_size + j % spec.block_size) as i64).collect();
+            let slots: Vec<i64> = (0..len)
+                .map(|j| (table[j / spec.block_size] as usize * spec.block_size + j % spec.block_size) as i64)
+                .collect();
             pages.write_kv(1, &k, &v, &slots).unwrap();
             tables.push(table);
             let stored = |x: f32| match spec.kv_dtype {
@@ -290,12 +351,23 @@ mod tests {
             (128, 5, &[(0, 33), (61, 70), (130, 1)]),
         ];
         // f16 and bf16 pages are read back widened: the same math over the rounded K/V.
-        for (&(d, block_size, shapes), kv_dtype) in cases.iter().flat_map(|c| [Dtype::F32, Dtype::F16, Dtype::Bf16].map(|t| (c, t))) {
+        for (&(d, block_size, shapes), kv_dtype) in
+            cases.iter().flat_map(|c| [Dtype::F32, Dtype::F16, Dtype::Bf16].map(|t| (c, t)))
+        {
             for (num_heads, kv_heads) in [(4, 4), (4, 2), (4, 1)] {
                 let heads = AttnHeads { num_heads, kv_heads, head_dim: d };
                 let lens: Vec<usize> = shapes.iter().map(|&(c, n)| c + n).collect();
                 let num_blocks = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 3;
-                let spec = PagesSpec { num_layers: 2, num_blocks, block_size, kv_heads, head_dim: d, captured: 0, hidden: 1, kv_dtype };
+                let spec = PagesSpec {
+                    num_layers: 2,
+                    num_blocks,
+                    block_size,
+                    kv_heads,
+                    head_dim: d,
+                    captured: 0,
+                    hidden: 1,
+                    kv_dtype,
+                };
                 let (pages, tables, kvs) = fill(&mut rng, spec, &lens);
                 let mut q_all = Vec::new();
                 let mut expected = Vec::new();
@@ -311,7 +383,12 @@ mod tests {
                     .iter()
                     .zip(&tables)
                     .map(|(&(computed, new), table)| {
-                        let s = AttnSeq { query_start: start, num_new: new, num_computed: computed, block_table: table };
+                        let s = AttnSeq {
+                            query_start: start,
+                            num_new: new,
+                            num_computed: computed,
+                            block_table: table,
+                        };
                         start += new;
                         s
                     })
@@ -320,11 +397,18 @@ mod tests {
                 let portable = attention_with(Simd::Portable, &q, &pages, 1, heads, &seqs).unwrap();
                 for simd in Simd::all() {
                     let got = attention_with(simd, &q, &pages, 1, heads, &seqs).unwrap();
-                    assert_same_bits(&got, &portable, &format!("{simd:?} vs portable: {kv_dtype} d {d} heads {num_heads}/{kv_heads}"));
+                    assert_same_bits(
+                        &got,
+                        &portable,
+                        &format!("{simd:?} vs portable: {kv_dtype} d {d} heads {num_heads}/{kv_heads}"),
+                    );
                     for (s, want) in seqs.iter().zip(&expected) {
                         for ((i, c), w) in want.indexed_iter() {
                             let g = got[[s.query_start + i, c]] as f64;
-                            assert!((g - w).abs() < 1e-5, "{simd:?} {kv_dtype} d {d} heads {num_heads}/{kv_heads} row {i} col {c}: {g} vs {w}");
+                            assert!(
+                                (g - w).abs() < 1e-5,
+                                "{simd:?} {kv_dtype} d {d} heads {num_heads}/{kv_heads} row {i} col {c}: {g} vs {w}"
+                            );
                         }
                     }
                 }
@@ -335,20 +419,38 @@ mod tests {
     /// Rows of `attention_with` for sequence `table` (`len` positions, q rows `q`)
     /// computed as the steps `cuts` (consecutive ranges of positions), each step in
     /// a batch with `other` (a sequence of its own placed before it).
-    fn stepped(simd: Simd, pages: &CpuPages, heads: AttnHeads, q: &Array2<f32>, table: &[u32], cuts: &[Range<usize>], other: Option<(&Array2<f32>, &[u32], usize)>) -> Array2<f32> {
+    fn stepped(
+        simd: Simd,
+        pages: &CpuPages,
+        heads: AttnHeads,
+        q: &Array2<f32>,
+        table: &[u32],
+        cuts: &[Range<usize>],
+        other: Option<(&Array2<f32>, &[u32], usize)>,
+    ) -> Array2<f32> {
         let mut out = Array2::zeros(q.raw_dim());
         for cut in cuts {
             let mine = q.slice(ndarray::s![cut.clone(), ..]);
             let mut seqs = Vec::new();
             let batch_q = match other {
                 Some((oq, otable, ocomputed)) => {
-                    seqs.push(AttnSeq { query_start: 0, num_new: oq.nrows(), num_computed: ocomputed, block_table: otable });
+                    seqs.push(AttnSeq {
+                        query_start: 0,
+                        num_new: oq.nrows(),
+                        num_computed: ocomputed,
+                        block_table: otable,
+                    });
                     ndarray::concatenate(ndarray::Axis(0), &[oq.view(), mine]).unwrap()
                 }
                 None => mine.to_owned(),
             };
             let start = batch_q.nrows() - cut.len();
-            seqs.push(AttnSeq { query_start: start, num_new: cut.len(), num_computed: cut.start, block_table: table });
+            seqs.push(AttnSeq {
+                query_start: start,
+                num_new: cut.len(),
+                num_computed: cut.start,
+                block_table: table,
+            });
             let got = attention_with(simd, &batch_q, pages, 1, heads, &seqs).unwrap();
             out.slice_mut(ndarray::s![cut.clone(), ..]).assign(&got.slice(ndarray::s![start.., ..]));
         }
@@ -375,7 +477,16 @@ mod tests {
                     let len: usize = 203;
                     let other_len: usize = 150;
                     let num_blocks = len.div_ceil(block_size) + other_len.div_ceil(block_size) + 4;
-                    let spec = PagesSpec { num_layers: 2, num_blocks, block_size, kv_heads, head_dim: d, captured: 0, hidden: 1, kv_dtype };
+                    let spec = PagesSpec {
+                        num_layers: 2,
+                        num_blocks,
+                        block_size,
+                        kv_heads,
+                        head_dim: d,
+                        captured: 0,
+                        hidden: 1,
+                        kv_dtype,
+                    };
                     let (pages, tables, _) = fill(&mut rng, spec, &[len, other_len]);
                     let q = rand_rows_from(&mut rng, len, num_heads * d);
                     let other_q = rand_rows_from(&mut rng, 40, num_heads * d);
@@ -383,16 +494,39 @@ mod tests {
                     let portable = stepped(Simd::Portable, &pages, heads, &q, &tables[0], &[0..len], None);
                     for simd in Simd::all() {
                         let whole = stepped(simd, &pages, heads, &q, &tables[0], &[0..len], None);
-                        assert_same_bits(&whole, &portable, &format!("{simd:?} vs portable: {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}"));
+                        assert_same_bits(
+                            &whole,
+                            &portable,
+                            &format!(
+                                "{simd:?} vs portable: {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}"
+                            ),
+                        );
                         // Cuts on and off key tiles (64) and blocks; a one-row step; a decode tail.
-                        let chunks = [0..1, 1..64, 64..65, 65..130, 130..131, 131..200, 200..201, 201..202, 202..203];
+                        let chunks =
+                            [0..1, 1..64, 64..65, 65..130, 130..131, 131..200, 200..201, 201..202, 202..203];
                         let chunked = stepped(simd, &pages, heads, &q, &tables[0], &chunks, None);
-                        assert_same_bits(&whole, &chunked, &format!("{simd:?} {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}: chunked"));
+                        assert_same_bits(
+                            &whole,
+                            &chunked,
+                            &format!(
+                                "{simd:?} {kv_dtype} d {d} {num_heads}/{kv_heads} bs {block_size}: chunked"
+                            ),
+                        );
                         let batched = stepped(simd, &pages, heads, &q, &tables[0], &[0..77, 77..203], other);
-                        assert_same_bits(&whole, &batched, &format!("{simd:?} d {d} {num_heads}/{kv_heads} bs {block_size}: batched"));
+                        assert_same_bits(
+                            &whole,
+                            &batched,
+                            &format!("{simd:?} d {d} {num_heads}/{kv_heads} bs {block_size}: batched"),
+                        );
                         let singles: Vec<Range<usize>> = (0..len).map(|p| p..p + 1).collect();
                         let one_by_one = stepped(simd, &pages, heads, &q, &tables[0], &singles, other);
-                        assert_same_bits(&whole, &one_by_one, &format!("{simd:?} d {d} {num_heads}/{kv_heads} bs {block_size}: one row per step"));
+                        assert_same_bits(
+                            &whole,
+                            &one_by_one,
+                            &format!(
+                                "{simd:?} d {d} {num_heads}/{kv_heads} bs {block_size}: one row per step"
+                            ),
+                        );
                     }
                 }
             }
@@ -405,30 +539,73 @@ mod tests {
         let heads = AttnHeads { num_heads: 8, kv_heads: 2, head_dim: 64 };
         let lens = [1, 63, 64, 65, 130, 300];
         let num_blocks = lens.iter().map(|l: &usize| l.div_ceil(16)).sum::<usize>();
-        let spec = PagesSpec { num_layers: 2, num_blocks, block_size: 16, kv_heads: 2, head_dim: 64, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
+        let spec = PagesSpec {
+            num_layers: 2,
+            num_blocks,
+            block_size: 16,
+            kv_heads: 2,
+            head_dim: 64,
+            captured: 0,
+            hidden: 1,
+            kv_dtype: Dtype::F32,
+        };
         let (pages, tables, _) = fill(&mut rng, spec, &lens);
         let q = rand_rows_from(&mut rng, lens.len(), 8 * 64);
-        let seqs: Vec<AttnSeq<'_>> = lens.iter().zip(&tables).enumerate().map(|(i, (&l, t))| AttnSeq { query_start: i, num_new: 1, num_computed: l - 1, block_table: t }).collect();
+        let seqs: Vec<AttnSeq<'_>> = lens
+            .iter()
+            .zip(&tables)
+            .enumerate()
+            .map(|(i, (&l, t))| AttnSeq { query_start: i, num_new: 1, num_computed: l - 1, block_table: t })
+            .collect();
         for simd in Simd::all() {
             let all = attention_with(simd, &q, &pages, 1, heads, &seqs).unwrap();
             for (i, s) in seqs.iter().enumerate() {
-                let one = attention_with(simd, &q.slice(ndarray::s![i..i + 1, ..]).to_owned(), &pages, 1, heads, &[AttnSeq { query_start: 0, ..*s }]).unwrap();
-                assert_same_bits(&all.slice(ndarray::s![i..i + 1, ..]).to_owned(), &one, &format!("{simd:?} seq {i}"));
+                let one = attention_with(
+                    simd,
+                    &q.slice(ndarray::s![i..i + 1, ..]).to_owned(),
+                    &pages,
+                    1,
+                    heads,
+                    &[AttnSeq { query_start: 0, ..*s }],
+                )
+                .unwrap();
+                assert_same_bits(
+                    &all.slice(ndarray::s![i..i + 1, ..]).to_owned(),
+                    &one,
+                    &format!("{simd:?} seq {i}"),
+                );
             }
         }
     }
 
     #[test]
     fn rejects_a_short_block_table_and_a_bad_block() {
-        let spec = PagesSpec { num_layers: 1, num_blocks: 2, block_size: 4, kv_heads: 1, head_dim: 2, captured: 0, hidden: 1, kv_dtype: Dtype::F32 };
+        let spec = PagesSpec {
+            num_layers: 1,
+            num_blocks: 2,
+            block_size: 4,
+            kv_heads: 1,
+            head_dim: 2,
+            captured: 0,
+            hidden: 1,
+            kv_dtype: Dtype::F32,
+        };
         let pages = CpuPages::new(spec).unwrap();
         let heads = AttnHeads { num_heads: 1, kv_heads: 1, head_dim: 2 };
         let q = Array2::zeros((3, 2));
         let short = [AttnSeq { query_start: 0, num_new: 3, num_computed: 4, block_table: &[0] }];
-        assert!(matches!(paged_attention(&q, &pages, 0, heads, &short), Err(Error::Backend(BackendError::OpIndex { op: OP, .. }))));
+        assert!(matches!(
+            paged_attention(&q, &pages, 0, heads, &short),
+            Err(Error::Backend(BackendError::OpIndex { op: OP, .. }))
+        ));
         let bad = [AttnSeq { query_start: 0, num_new: 3, num_computed: 0, block_table: &[7] }];
-        assert!(matches!(paged_attention(&q, &pages, 0, heads, &bad), Err(Error::Backend(BackendError::OpIndex { what: "block", index: 7, .. }))));
-        assert!(matches!(paged_attention(&q, &pages, 1, heads, &[]), Err(Error::Backend(BackendError::OpIndex { what: "layer", .. }))));
+        assert!(matches!(
+            paged_attention(&q, &pages, 0, heads, &bad),
+            Err(Error::Backend(BackendError::OpIndex { what: "block", index: 7, .. }))
+        ));
+        assert!(matches!(
+            paged_attention(&q, &pages, 1, heads, &[]),
+            Err(Error::Backend(BackendError::OpIndex { what: "layer", .. }))
+        ));
     }
 }
-

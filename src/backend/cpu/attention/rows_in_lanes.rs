@@ -10,7 +10,10 @@
     clippy::needless_range_loop,
     reason = "register tiles: one index walks several fixed-size arrays (accumulators, loaded vectors, row pointers) in step"
 )]
-#![allow(clippy::too_many_arguments, reason = "kernel entry points take the tile's raw pointers and sizes one by one")]
+#![allow(
+    clippy::too_many_arguments,
+    reason = "kernel entry points take the tile's raw pointers and sizes one by one"
+)]
 
 use super::kv_tile::TileRows;
 use super::{Call, Job, KEY_TILE};
@@ -45,7 +48,14 @@ struct State {
 /// `qt` and `st` point at lane `rv0` of their `[·, rpad]` buffers (`qt` for
 /// `hd` rows, `st` for `NK`); `keys` hold `NK` rows of `hd` floats.
 #[inline(always)]
-unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(w: W, qt: *const f32, rpad: usize, keys: &[*const f32], hd: usize, st: *mut f32) {
+unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(
+    w: W,
+    qt: *const f32,
+    rpad: usize,
+    keys: &[*const f32],
+    hd: usize,
+    st: *mut f32,
+) {
     let kp: [*const f32; NK] = std::array::from_fn(|i| keys[i]);
     let mut acc = [[w.zero(); RV]; NK];
     for d in 0..hd {
@@ -73,7 +83,14 @@ unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(w: W, qt: *const f
 /// # Safety
 /// As [`qk_block`], `st` valid for `keys.len()` rows.
 #[inline(always)]
-unsafe fn qk_rows<W: Wide, const RV: usize>(w: W, qt: *const f32, rpad: usize, keys: &[*const f32], hd: usize, st: *mut f32) {
+unsafe fn qk_rows<W: Wide, const RV: usize>(
+    w: W,
+    qt: *const f32,
+    rpad: usize,
+    keys: &[*const f32],
+    hd: usize,
+    st: *mut f32,
+) {
     let n = keys.len();
     let mut j = 0;
     unsafe {
@@ -161,7 +178,16 @@ unsafe fn pv_block<W: Wide, const DB: usize, const RV: usize, const MASK: bool>(
 /// # Safety
 /// As [`pv_block`] with `acc` at dim row 0 and `vals` rows of `hd` floats.
 #[inline(always)]
-unsafe fn pv_rows<W: Wide, const RV: usize>(w: W, acc: *mut f32, rpad: usize, alpha: *const f32, pt: *const f32, vals: &[*const f32], hd: usize, n: Option<[W::V; RV]>) {
+unsafe fn pv_rows<W: Wide, const RV: usize>(
+    w: W,
+    acc: *mut f32,
+    rpad: usize,
+    alpha: *const f32,
+    pt: *const f32,
+    vals: &[*const f32],
+    hd: usize,
+    n: Option<[W::V; RV]>,
+) {
     let mut d0 = 0;
     let at = |d0: usize| unsafe { acc.add(d0 * rpad) };
     unsafe {
@@ -214,7 +240,15 @@ unsafe fn pv_rows<W: Wide, const RV: usize>(w: W, acc: *mut f32, rpad: usize, al
 /// Folds the tile starting at `j0` (rows `keys` / `vals`, the ones that exist)
 /// into lane vectors `v0..` of `st`.
 #[inline(always)]
-fn fold_tile<W: Wide>(w: W, st: &mut State, v0: usize, j0: usize, keys: &[*const f32], vals: &[*const f32], hd: usize) {
+fn fold_tile<W: Wide>(
+    w: W,
+    st: &mut State,
+    v0: usize,
+    j0: usize,
+    keys: &[*const f32],
+    vals: &[*const f32],
+    hd: usize,
+) {
     let rpad = st.stride;
     let nk = keys.len();
     let nvec = st.rpad / W::WIDTH;
@@ -222,7 +256,13 @@ fn fold_tile<W: Wide>(w: W, st: &mut State, v0: usize, j0: usize, keys: &[*const
     // vector needs masking (its first lane, the lowest position, sees fewer than nk).
     // `visible` fills the first WIDTH entries of its (widest) array.
     let visible = |st: &State, v: usize| -> [f32; 16] {
-        std::array::from_fn(|i| if i < W::WIDTH { (st.limit[v * W::WIDTH + i].saturating_sub(j0)).min(KEY_TILE) as f32 } else { 0.0 })
+        std::array::from_fn(|i| {
+            if i < W::WIDTH {
+                (st.limit[v * W::WIDTH + i].saturating_sub(j0)).min(KEY_TILE) as f32
+            } else {
+                0.0
+            }
+        })
     };
     let masked = |st: &State, v: usize| st.limit[v * W::WIDTH] < j0 + nk;
     let (qt, stp) = (st.qt.as_ptr(), st.st.as_mut_ptr());
@@ -249,7 +289,8 @@ fn fold_tile<W: Wide>(w: W, st: &mut State, v0: usize, j0: usize, keys: &[*const
             let mut mx = m_old;
             for j in 0..nk {
                 let s = w.load(st.st.as_ptr().add(j * rpad + lane));
-                let s = if mask { w.select_lt(w.splat(j as f32), n, s, w.splat(f32::NEG_INFINITY)) } else { s };
+                let s =
+                    if mask { w.select_lt(w.splat(j as f32), n, s, w.splat(f32::NEG_INFINITY)) } else { s };
                 mx = w.max(mx, s);
             }
             let alpha = w.exp(w.sub(m_old, mx));
@@ -272,7 +313,8 @@ fn fold_tile<W: Wide>(w: W, st: &mut State, v0: usize, j0: usize, keys: &[*const
         let lane = v * W::WIDTH;
         unsafe {
             if v + 2 <= nvec {
-                let n = (masked(st, v) || masked(st, v + 1)).then(|| [w.load(visible(st, v).as_ptr()), w.load(visible(st, v + 1).as_ptr())]);
+                let n = (masked(st, v) || masked(st, v + 1))
+                    .then(|| [w.load(visible(st, v).as_ptr()), w.load(visible(st, v + 1).as_ptr())]);
                 pv_rows::<W, 2>(w, acc.add(lane), rpad, alpha.add(lane), pt.add(lane), vals, hd, n);
             } else {
                 let n = masked(st, v).then(|| [w.load(visible(st, v).as_ptr())]);

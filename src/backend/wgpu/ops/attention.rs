@@ -11,13 +11,13 @@
 //! `subgroupAdd` reduces the dots; otherwise the portable `paged_decode_partial`, one key
 //! per invocation. Both feed `paged_decode_reduce`.
 
+use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{AttnHeads, AttnSeq};
-use crate::Result;
 use crate::error::{BackendError, GpuError};
 
 const OP: &str = "paged_attention";
@@ -80,14 +80,19 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
             what: "heads (num_heads, kv_heads, head_dim)",
             expected: format!("kv_heads dividing num_heads, kv_heads * head_dim = {}", pool.slot_elems),
             found: vec![heads.num_heads, heads.kv_heads, heads.head_dim],
-        }.into());
+        }
+        .into());
     }
     if heads.head_dim == 0 || heads.head_dim > MAX_HEAD_DIM {
-        return Err(GpuError::Unsupported { what: "head_dim", value: heads.head_dim, supported: "1..=256" }.into());
+        return Err(
+            GpuError::Unsupported { what: "head_dim", value: heads.head_dim, supported: "1..=256" }.into()
+        );
     }
     let group = heads.num_heads / heads.kv_heads;
     if group > MAX_GQA_GROUP {
-        return Err(GpuError::Unsupported { what: "num_heads / kv_heads", value: group, supported: "1..=8" }.into());
+        return Err(
+            GpuError::Unsupported { what: "num_heads / kv_heads", value: group, supported: "1..=8" }.into()
+        );
     }
     q.expect_cols(OP, "q", heads.num_heads * heads.head_dim)?;
     if kv.v.dtype() != pool.dtype() || kv.v.slot_elems != pool.slot_elems {
@@ -96,7 +101,8 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
             what: "V pool (dtype and slot width as the K pool's)",
             expected: format!("{} slots of {}", pool.dtype(), pool.slot_elems),
             found: vec![kv.v.slot_elems],
-        }.into());
+        }
+        .into());
     }
     for seq in seqs {
         let end = seq.query_start.checked_add(seq.num_new).filter(|&e| e <= q.rows);
@@ -106,7 +112,13 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
         }
         let len = seq.num_computed.saturating_add(seq.num_new);
         if u32::try_from(len).is_err() {
-            return Err(BackendError::OpIndex { op: OP, what: "position", index: len as i64, bound: u32::MAX as usize }.into());
+            return Err(BackendError::OpIndex {
+                op: OP,
+                what: "position",
+                index: len as i64,
+                bound: u32::MAX as usize,
+            }
+            .into());
         }
         let needed = len.div_ceil(pool.block_size);
         let Some(table) = seq.block_table.get(..needed) else {
@@ -116,10 +128,17 @@ fn validate(q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_
                 what: "position (block table too short)",
                 index: len as i64 - 1,
                 bound,
-            }.into());
+            }
+            .into());
         };
         if let Some(&b) = table.iter().find(|&&b| b as usize >= pool.num_blocks) {
-            return Err(BackendError::OpIndex { op: OP, what: "block", index: b.into(), bound: pool.num_blocks }.into());
+            return Err(BackendError::OpIndex {
+                op: OP,
+                what: "block",
+                index: b.into(),
+                bound: pool.num_blocks,
+            }
+            .into());
         }
     }
     Ok(())
@@ -250,17 +269,24 @@ impl GpuContext {
                     what: "num_new",
                     expected: "1".into(),
                     found: vec![seq.num_new],
-                }.into());
+                }
+                .into());
             }
             if split_len == 0 || u32::try_from(split_len).is_err() {
-                return Err(GpuError::Unsupported { what: "split_len", value: split_len, supported: "1..2^32" }.into());
+                return Err(GpuError::Unsupported {
+                    what: "split_len",
+                    value: split_len,
+                    supported: "1..2^32",
+                }
+                .into());
             }
         }
         let out = self.zeros(q.shape())?;
         let all = || seqs.iter().collect::<Vec<_>>();
         match route {
             Route::ByNewRows => {
-                let (decode, prefill): (Vec<&AttnSeq<'_>>, Vec<&AttnSeq<'_>>) = seqs.iter().partition(|s| s.num_new == 1);
+                let (decode, prefill): (Vec<&AttnSeq<'_>>, Vec<&AttnSeq<'_>>) =
+                    seqs.iter().partition(|s| s.num_new == 1);
                 self.run_prefill(q, kv, heads, &prefill, &out)?;
                 let max_visible = decode.iter().map(|s| s.num_computed + 1).max().unwrap_or(0);
                 self.run_decode(q, kv, heads, &decode, decode_split_len(max_visible), &out)?;
@@ -304,7 +330,10 @@ impl GpuContext {
         kv: KvPools<'a>,
     ) -> Result<[(u32, &'a wgpu::Buffer); 7]> {
         let chunks = |pool: &'a PagedPool| {
-            debug_assert!(!pool.chunks.is_empty() && pool.chunks.len() <= 2, "attention pools have 1-2 chunks");
+            debug_assert!(
+                !pool.chunks.is_empty() && pool.chunks.len() <= 2,
+                "attention pools have 1-2 chunks"
+            );
             (&pool.chunks[0], pool.chunks.get(1).unwrap_or(&pool.chunks[0]))
         };
         let ((k0, k1), (v0, v1)) = (chunks(kv.k), chunks(kv.v));

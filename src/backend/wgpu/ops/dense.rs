@@ -110,7 +110,8 @@ impl GpuContext {
                 requested: x.max(y) as u64,
                 limit: "max_compute_workgroups_per_dimension",
                 max: max.into(),
-            }.into()),
+            }
+            .into()),
         }
     }
 
@@ -165,7 +166,13 @@ impl GpuContext {
     }
 
     /// RMSNorm of each `head_dim` group of columns (Qwen3 qk-norm): `w [1, head_dim]`.
-    pub fn rms_norm_heads(&self, x: &GpuTensor, w: &GpuTensor, head_dim: usize, eps: f32) -> Result<GpuTensor> {
+    pub fn rms_norm_heads(
+        &self,
+        x: &GpuTensor,
+        w: &GpuTensor,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<GpuTensor> {
         w.expect_rows("rms_norm_heads", "weight", 1)?;
         w.expect_cols("rms_norm_heads", "weight", head_dim)?;
         if head_dim == 0 || !x.cols.is_multiple_of(head_dim) {
@@ -183,7 +190,8 @@ impl GpuContext {
         let pipeline = self.pipeline(Shader::RmsNorm, "rms_norm", &[])?;
         let uniform = self.uniform(&NormParams { rows: rows as u32, dim: dim as u32, eps, _pad: 0 });
         let op = "rms_norm";
-        let bindings = [(0, &uniform), (1, self.whole(x, op)?), (2, self.whole(w, op)?), (3, self.whole(&y, op)?)];
+        let bindings =
+            [(0, &uniform), (1, self.whole(x, op)?), (2, self.whole(w, op)?), (3, self.whole(&y, op)?)];
         self.dispatch("rms_norm", &pipeline, &bindings, rows as u64)?;
         Ok(y)
     }

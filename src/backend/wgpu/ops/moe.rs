@@ -2,13 +2,13 @@
 //! lists of the routed rows, a grouped matmul over those lists, and the weighted
 //! combine. Nothing is read back to the host between the router and the output.
 
+use crate::Result;
 use crate::backend::MoeWeights;
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::ops::dense::{MATMUL_TILE, MatmulParams};
 use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::Result;
 use crate::error::BackendError;
 
 const OP: &str = "moe";
@@ -57,7 +57,13 @@ struct ExpertLists {
 fn intermediate_size(x: &GpuTensor, w: &MoeWeights<GpuTensor>) -> Result<usize> {
     let (e, hidden) = (w.num_experts, x.cols);
     if w.top_k == 0 || w.top_k > e {
-        return Err(BackendError::OpShape { op: OP, what: "top_k", expected: format!("1..={e}"), found: vec![w.top_k] }.into());
+        return Err(BackendError::OpShape {
+            op: OP,
+            what: "top_k",
+            expected: format!("1..={e}"),
+            found: vec![w.top_k],
+        }
+        .into());
     }
     if w.router.rows != e {
         return Err(w.router.shape_error(OP, "router", format!("[{e}, {hidden}]")));
@@ -84,7 +90,8 @@ impl GpuContext {
                 what: "top_k",
                 expected: format!("1..={}", logits.cols),
                 found: vec![top_k],
-            }.into());
+            }
+            .into());
         }
         let weights = self.zeros([logits.rows, top_k])?;
         let ids = self.zeros([logits.rows, top_k])?; // u32 bits in an f32-sized buffer
@@ -100,7 +107,12 @@ impl GpuContext {
             let pipeline = self.pipeline(Shader::Moe, "router_topk", &[])?;
             let uniform = self.uniform(&params);
             let op = "router_topk";
-            let bindings = [(0, &uniform), (1, self.whole(logits, op)?), (2, self.whole(&ids, op)?), (3, self.whole(&weights, op)?)];
+            let bindings = [
+                (0, &uniform),
+                (1, self.whole(logits, op)?),
+                (2, self.whole(&ids, op)?),
+                (3, self.whole(&weights, op)?),
+            ];
             self.dispatch("router_topk", &pipeline, &bindings, (logits.rows as u64).div_ceil(ROUTER_WG))?;
         }
         Ok(Routing { ids, weights })
@@ -122,7 +134,12 @@ impl GpuContext {
         let pipeline = self.pipeline(Shader::Moe, "expert_lists", &[])?;
         let uniform = self.uniform(&params);
         let op = "expert_lists";
-        let bindings = [(0, &uniform), (7, self.whole(&routing.ids, op)?), (8, self.whole(&counts, op)?), (9, self.whole(&slots, op)?)];
+        let bindings = [
+            (0, &uniform),
+            (7, self.whole(&routing.ids, op)?),
+            (8, self.whole(&counts, op)?),
+            (9, self.whole(&slots, op)?),
+        ];
         self.dispatch("expert_lists", &pipeline, &bindings, (num_experts as u64).div_ceil(ROUTER_WG))?;
         Ok(ExpertLists { counts, slots, tokens })
     }
@@ -163,8 +180,10 @@ impl GpuContext {
                 y_col0: 0,
                 _pad: [0; 3],
             };
-            let what = || format!("MoE expert matmul grid ({} experts x {row_tiles} row tiles)", experts.len());
-            let groups = self.tile_grid(n_out.div_ceil(MATMUL_TILE), experts.len().saturating_mul(row_tiles), what)?;
+            let what =
+                || format!("MoE expert matmul grid ({} experts x {row_tiles} row tiles)", experts.len());
+            let groups =
+                self.tile_grid(n_out.div_ceil(MATMUL_TILE), experts.len().saturating_mul(row_tiles), what)?;
             let uniform = self.uniform(&params);
             let bindings = [
                 (0, &uniform),
@@ -198,7 +217,12 @@ impl GpuContext {
         let pipeline = self.pipeline(Shader::Moe, "expert_combine", &[])?;
         let uniform = self.uniform(&params);
         let op = "expert_combine";
-        let bindings = [(0, &uniform), (4, self.whole(weights, op)?), (5, self.whole(expert_out, op)?), (6, self.whole(&out, op)?)];
+        let bindings = [
+            (0, &uniform),
+            (4, self.whole(weights, op)?),
+            (5, self.whole(expert_out, op)?),
+            (6, self.whole(&out, op)?),
+        ];
         self.dispatch("expert_combine", &pipeline, &bindings, (out.len() as u64).div_ceil(COMBINE_WG))?;
         Ok(out)
     }

@@ -8,9 +8,9 @@ use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
+use crate::error::BackendError;
 use crate::kv::BlockId;
 use crate::{Error, Result};
-use crate::error::BackendError;
 
 const ROWS_WG: u64 = 256;
 const COPY_WG: u64 = 256;
@@ -79,7 +79,9 @@ impl Direction<'_> {
         match (self, pool.is_f16()) {
             (Direction::Scatter(_), false) => Ok(kernel("scatter_rows", 2, 3, 1)),
             (Direction::Gather(_), false) => Ok(kernel("gather_rows", 5, 4, 1)),
-            (Direction::Scatter(_), true) if cols.width.is_multiple_of(2) && cols.offset.is_multiple_of(2) => {
+            (Direction::Scatter(_), true)
+                if cols.width.is_multiple_of(2) && cols.offset.is_multiple_of(2) =>
+            {
                 Ok(kernel("scatter_rows_f16", 2, 6, 2))
             }
             _ => Err(BackendError::OpShape {
@@ -87,7 +89,8 @@ impl Direction<'_> {
                 what: "f16 pool columns (only whole even-width slots are written, never read, as rows)",
                 expected: "scatter of even width at an even offset".into(),
                 found: vec![cols.offset, cols.width],
-            }.into()),
+            }
+            .into()),
         }
     }
 }
@@ -119,7 +122,8 @@ impl GpuContext {
         slots: &[i32],
         cols: SlotColumns,
     ) -> Result<()> {
-        let RowKernel { entry, rows_binding, pool_binding, elems_per_invocation } = direction.kernel(op, pool, cols)?;
+        let RowKernel { entry, rows_binding, pool_binding, elems_per_invocation } =
+            direction.kernel(op, pool, cols)?;
         let (Direction::Scatter(rows) | Direction::Gather(rows)) = direction;
         let pipeline = self.pipeline(Shader::PagedRows, entry, &[])?;
         let slot_buffer = self.storage_from("slots", slots)?;
@@ -227,7 +231,8 @@ impl GpuContext {
             }
             let pipeline = self.pipeline(Shader::CopyBlocks, "copy_blocks", &[])?;
             let n_pairs = local.len() / 2;
-            let params = CopyParams { n_pairs: n_pairs as u32, block_words: block_words as u32, _pad: [0; 2] };
+            let params =
+                CopyParams { n_pairs: n_pairs as u32, block_words: block_words as u32, _pad: [0; 2] };
             let uniform = self.uniform(&params);
             let pair_buffer = self.storage_from("copy pairs", &local)?;
             let groups = ((n_pairs * block_words) as u64).div_ceil(COPY_WG);

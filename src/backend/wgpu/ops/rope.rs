@@ -1,11 +1,11 @@
 //! Rotary embedding (plain, sectioned and interleaved M-RoPE) in place.
 
+use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{RopeKind, RopePositions, RopeSpec};
-use crate::Result;
 use crate::error::BackendError;
 
 const ROPE_WG: u64 = 256;
@@ -49,7 +49,8 @@ impl GpuContext {
                     what,
                     expected: format!("[{}]", x.rows),
                     found: vec![axis.len()],
-                }.into());
+                }
+                .into());
             }
             for &p in axis {
                 let p32 = i32::try_from(p).map_err(|_| BackendError::OpIndex {

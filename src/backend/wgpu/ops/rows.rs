@@ -1,10 +1,10 @@
 //! Dense row movement by index: embedding lookup, gather, scatter.
 
+use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
 use crate::backend::wgpu::params::wgsl_params;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
-use crate::Result;
 use crate::error::BackendError;
 
 const ROWS_WG: u64 = 256;
@@ -81,9 +81,17 @@ impl GpuContext {
         // A split table: each row block gathers the ids that fall in it (block-local
         // ids; the others are out of its range and skipped).
         for (row0, rows, block) in table.row_blocks() {
-            let local: Vec<u32> =
-                ids.iter().map(|&id| (id as usize).checked_sub(row0).map_or(u32::MAX, |i| i as u32)).collect();
-            self.move_rows_of("embedding", "gather_dense", (block, rows, table.cols, table.is_f16()), &local, &out)?;
+            let local: Vec<u32> = ids
+                .iter()
+                .map(|&id| (id as usize).checked_sub(row0).map_or(u32::MAX, |i| i as u32))
+                .collect();
+            self.move_rows_of(
+                "embedding",
+                "gather_dense",
+                (block, rows, table.cols, table.is_f16()),
+                &local,
+                &out,
+            )?;
         }
         Ok(out)
     }
