@@ -4,11 +4,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::Result;
 use crate::backend::Dtype;
 use crate::backend::weight::unsupported_dtype;
-use crate::backend::wgpu::pipelines::PipelineCache;
+use crate::backend::wgpu::pipelines::{PipelineCache, Shader, lock};
 use crate::error::GpuError;
+use crate::{Error, Result};
 
 /// How to open the device.
 #[derive(Debug, Clone, Default)]
@@ -242,5 +242,91 @@ impl GpuContext {
                 Err(GpuError::Op { adapter: self.adapter_name.clone(), op, message: e.to_string() }.into())
             }
         }
+    }
+}
+
+impl GpuContext {
+    /// The pipeline of `entry` in `shader` with override `constants`, built on first use.
+    pub(crate) fn pipeline(
+        &self,
+        shader: Shader,
+        entry: &'static str,
+        constants: &[(&'static str, u32)],
+    ) -> Result<Arc<wgpu::ComputePipeline>> {
+        let key = (shader, entry, constants.to_vec());
+        if let Some(found) = lock(&self.pipelines.pipelines).get(&key) {
+            return Ok(found.clone());
+        }
+        if shader.needs_subgroups() && !self.subgroups {
+            return Err(Error::Gpu(GpuError::ShaderCompile {
+                adapter: self.adapter_name.clone(),
+                shader: shader.name().to_string(),
+                entry: entry.to_string(),
+                message: "needs subgroups (Features::SUBGROUP), which this device was opened without".into(),
+            }));
+        }
+        let module = {
+            let mut modules = lock(&self.pipelines.modules);
+            match modules.get(&shader) {
+                Some(module) => module.clone(),
+                None => {
+                    let module = self.compile_module(shader.name(), &shader.source(self.f16_pairs))?;
+                    modules.insert(shader, module.clone());
+                    module
+                }
+            }
+        };
+        let pipeline = Arc::new(self.build_pipeline(shader.name(), &module, entry, constants)?);
+        lock(&self.pipelines.pipelines).insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// Compiles WGSL `source`; a rejected shader is [`GpuError::ShaderCompile`], not a panic.
+    pub fn compile_module(&self, name: &str, source: &str) -> Result<wgpu::ShaderModule> {
+        self.scoped("create_shader_module", || {
+            self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(name),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            })
+        })
+        .map_err(|e| self.shader_error(name, "(module)", e))
+    }
+
+    /// Builds a compute pipeline with an automatic layout; failures are [`GpuError::ShaderCompile`].
+    pub fn build_pipeline(
+        &self,
+        name: &str,
+        module: &wgpu::ShaderModule,
+        entry: &str,
+        constants: &[(&str, u32)],
+    ) -> Result<wgpu::ComputePipeline> {
+        let constants: Vec<(&str, f64)> = constants.iter().map(|&(k, v)| (k, f64::from(v))).collect();
+        self.scoped("create_compute_pipeline", || {
+            self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module,
+                entry_point: Some(entry),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants: &constants,
+                    zero_initialize_workgroup_memory: false,
+                },
+                cache: None,
+            })
+        })
+        .map_err(|e| self.shader_error(name, entry, e))
+    }
+
+    fn shader_error(&self, shader: &str, entry: &str, e: Error) -> Error {
+        let message = match e {
+            Error::Gpu(GpuError::Op { message, .. }) => message,
+            other => other.to_string(),
+        };
+        Error::Gpu(GpuError::ShaderCompile {
+            adapter: self.adapter_name.clone(),
+            shader: shader.to_string(),
+            entry: entry.to_string(),
+            message,
+        })
     }
 }

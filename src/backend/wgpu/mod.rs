@@ -12,6 +12,7 @@
 
 mod backend;
 mod context;
+mod kernel_params;
 pub mod ops;
 mod params;
 mod pipelines;

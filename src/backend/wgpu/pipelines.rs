@@ -16,16 +16,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::wgpu::context::GpuContext;
-use crate::backend::wgpu::ops::attention::AttnParams;
-use crate::backend::wgpu::ops::dense::{EwParams, MatmulParams, NormParams};
-use crate::backend::wgpu::ops::moe::MoeParams;
-use crate::backend::wgpu::ops::paging::{CopyParams, RowParams};
-use crate::backend::wgpu::ops::rope::RopeParams;
-use crate::backend::wgpu::ops::rows::DenseRowParams;
+use crate::backend::wgpu::kernel_params::{
+    AttnParams, CopyParams, DenseRowParams, EwParams, MatmulParams, MoeParams, NormParams, RopeParams,
+    RowParams,
+};
 use crate::backend::wgpu::params::ParamsLayout;
-use crate::error::GpuError;
-use crate::{Error, Result};
 
 /// A file of `wgsl/`, compiled into the binary: (name inside `wgsl/`, source).
 macro_rules! wgsl_file {
@@ -91,7 +86,7 @@ impl Shader {
     }
 
     /// The uniform parameters the kernel binds as `p` (binding 0), declared in Rust by
-    /// `wgsl_params!` next to the ops that fill them.
+    /// `wgsl_params!` in `kernel_params.rs`.
     pub(crate) fn params(self) -> &'static ParamsLayout {
         match self {
             Shader::PagedRows => &RowParams::LAYOUT,
@@ -163,98 +158,12 @@ type PipelineKey = (Shader, &'static str, Vec<(&'static str, u32)>);
 /// Compiled shader modules and pipelines of one device.
 #[derive(Default)]
 pub struct PipelineCache {
-    modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
-    pipelines: Mutex<HashMap<PipelineKey, Arc<wgpu::ComputePipeline>>>,
-}
-
-impl GpuContext {
-    /// The pipeline of `entry` in `shader` with override `constants`, built on first use.
-    pub(crate) fn pipeline(
-        &self,
-        shader: Shader,
-        entry: &'static str,
-        constants: &[(&'static str, u32)],
-    ) -> Result<Arc<wgpu::ComputePipeline>> {
-        let key = (shader, entry, constants.to_vec());
-        if let Some(found) = lock(&self.pipelines.pipelines).get(&key) {
-            return Ok(found.clone());
-        }
-        if shader.needs_subgroups() && !self.subgroups {
-            return Err(Error::Gpu(GpuError::ShaderCompile {
-                adapter: self.adapter_name.clone(),
-                shader: shader.name().to_string(),
-                entry: entry.to_string(),
-                message: "needs subgroups (Features::SUBGROUP), which this device was opened without".into(),
-            }));
-        }
-        let module = {
-            let mut modules = lock(&self.pipelines.modules);
-            match modules.get(&shader) {
-                Some(module) => module.clone(),
-                None => {
-                    let module = self.compile_module(shader.name(), &shader.source(self.f16_pairs))?;
-                    modules.insert(shader, module.clone());
-                    module
-                }
-            }
-        };
-        let pipeline = Arc::new(self.build_pipeline(shader.name(), &module, entry, constants)?);
-        lock(&self.pipelines.pipelines).insert(key, pipeline.clone());
-        Ok(pipeline)
-    }
-
-    /// Compiles WGSL `source`; a rejected shader is [`GpuError::ShaderCompile`], not a panic.
-    pub fn compile_module(&self, name: &str, source: &str) -> Result<wgpu::ShaderModule> {
-        self.scoped("create_shader_module", || {
-            self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(name),
-                source: wgpu::ShaderSource::Wgsl(source.into()),
-            })
-        })
-        .map_err(|e| self.shader_error(name, "(module)", e))
-    }
-
-    /// Builds a compute pipeline with an automatic layout; failures are [`GpuError::ShaderCompile`].
-    pub fn build_pipeline(
-        &self,
-        name: &str,
-        module: &wgpu::ShaderModule,
-        entry: &str,
-        constants: &[(&str, u32)],
-    ) -> Result<wgpu::ComputePipeline> {
-        let constants: Vec<(&str, f64)> = constants.iter().map(|&(k, v)| (k, f64::from(v))).collect();
-        self.scoped("create_compute_pipeline", || {
-            self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: None,
-                module,
-                entry_point: Some(entry),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants: &constants,
-                    zero_initialize_workgroup_memory: false,
-                },
-                cache: None,
-            })
-        })
-        .map_err(|e| self.shader_error(name, entry, e))
-    }
-
-    fn shader_error(&self, shader: &str, entry: &str, e: Error) -> Error {
-        let message = match e {
-            Error::Gpu(GpuError::Op { message, .. }) => message,
-            other => other.to_string(),
-        };
-        Error::Gpu(GpuError::ShaderCompile {
-            adapter: self.adapter_name.clone(),
-            shader: shader.to_string(),
-            entry: entry.to_string(),
-            message,
-        })
-    }
+    pub(super) modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
+    pub(super) pipelines: Mutex<HashMap<PipelineKey, Arc<wgpu::ComputePipeline>>>,
 }
 
 /// Locks a cache map; a poisoned lock only means another thread panicked mid-insert
 /// of a complete value, so the map is still consistent.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

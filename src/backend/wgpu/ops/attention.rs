@@ -13,7 +13,7 @@
 
 use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
-use crate::backend::wgpu::params::wgsl_params;
+use crate::backend::wgpu::kernel_params::AttnParams;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
@@ -38,24 +38,6 @@ const PREFILL_SCORE_TILE: usize = 1024;
 /// Most query rows and keys per prefill tile.
 const MAX_TILE_ROWS: usize = 16;
 const MAX_TILE_KEYS: usize = 64;
-
-wgsl_params! {
-    /// `p` of the attention kernels.
-    pub(crate) struct AttnParams {
-        /// Rows (decode) or query tiles (prefill).
-        n_rows: u32,
-        /// Whole blocks per pool chunk.
-        blocks_per_chunk: u32,
-        /// 1 / sqrt(head_dim).
-        scale: f32,
-        /// Decode: splits per (row, head), and keys per split.
-        n_splits: u32,
-        split_len: u32,
-        /// Decode: where the (max, sum) pairs start in the partials, after the V sums.
-        part_ml_offset: u32,
-        _pad: [u32; 2],
-    }
-}
 
 /// K and V pools of one layer, as the attention kernels read them.
 #[derive(Debug, Clone, Copy)]

@@ -3,53 +3,13 @@
 
 use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
-use crate::backend::wgpu::params::wgsl_params;
+use crate::backend::wgpu::kernel_params::{EwParams, MatmulParams, NormParams};
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 
 /// Rows and columns of one matmul output tile (`TM`, `TN` in `matmul.wgsl`).
 pub(crate) const MATMUL_TILE: usize = 64;
 const ELEMENTWISE_WG: u64 = 256;
-
-wgsl_params! {
-    /// `p` of `matmul.wgsl`.
-    pub(crate) struct MatmulParams {
-        pub(crate) m: u32,
-        pub(crate) n: u32,
-        pub(crate) k: u32,
-        /// Rows `w_lo..w_hi` of the (stacked) weight are in the bound buffer, `w_lo` first.
-        pub(crate) w_lo: u32,
-        pub(crate) w_hi: u32,
-        /// `matmul_routed` only: the first expert of the dispatch.
-        pub(crate) e0: u32,
-        /// `matmul_routed` only: slot `s` reads x row `s / in_div`.
-        pub(crate) in_div: u32,
-        /// Elements between rows of `y` (its column count).
-        pub(crate) y_stride: u32,
-        /// First column of `y` written (a split weight's block writes its own columns).
-        pub(crate) y_col0: u32,
-        pub(crate) _pad: [u32; 3],
-    }
-}
-
-wgsl_params! {
-    /// `p` of `rmsnorm.wgsl`.
-    pub(crate) struct NormParams {
-        rows: u32,
-        dim: u32,
-        eps: f32,
-        _pad: u32,
-    }
-}
-
-wgsl_params! {
-    /// `p` of `elementwise.wgsl`.
-    pub(crate) struct EwParams {
-        len: u32,
-        width: u32,
-        _pad: [u32; 2],
-    }
-}
 
 impl GpuContext {
     /// `x @ w^T`: `x [n, in]`, `w [out, in]` (HF Linear layout, f32 or f16) → `[n, out]`,

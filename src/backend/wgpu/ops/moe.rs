@@ -5,8 +5,8 @@
 use crate::Result;
 use crate::backend::MoeWeights;
 use crate::backend::wgpu::context::GpuContext;
-use crate::backend::wgpu::ops::dense::{MATMUL_TILE, MatmulParams};
-use crate::backend::wgpu::params::wgsl_params;
+use crate::backend::wgpu::kernel_params::{MatmulParams, MoeParams};
+use crate::backend::wgpu::ops::dense::MATMUL_TILE;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::error::BackendError;
@@ -14,20 +14,6 @@ use crate::error::BackendError;
 const OP: &str = "moe";
 const ROUTER_WG: u64 = 64;
 const COMBINE_WG: u64 = 256;
-
-wgsl_params! {
-    /// `p` of `moe.wgsl`.
-    pub(crate) struct MoeParams {
-        tokens: u32,
-        experts: u32,
-        top_k: u32,
-        /// `router_topk`: 1 to divide the chosen probabilities by their sum.
-        renormalize: u32,
-        /// `expert_combine`: columns of a row.
-        width: u32,
-        _pad: [u32; 3],
-    }
-}
 
 /// Per-token routing, on the device: the chosen experts `ids [tokens, top_k]` (u32
 /// bits in the buffer) and their weights `[tokens, top_k]`.

@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 
 use crate::backend::wgpu::context::GpuContext;
-use crate::backend::wgpu::params::wgsl_params;
+use crate::backend::wgpu::kernel_params::{CopyParams, RowParams};
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::pool::PagedPool;
 use crate::backend::wgpu::tensor::GpuTensor;
@@ -14,30 +14,6 @@ use crate::{Error, Result};
 
 const ROWS_WG: u64 = 256;
 const COPY_WG: u64 = 256;
-
-wgsl_params! {
-    /// `p` of `paged_rows.wgsl`: row `r`, column `c` is pool element
-    /// `(slot - slot_base) * slot_stride + slot_offset + c` of the bound chunk, which holds
-    /// slots `slot_base .. slot_base + slot_count`.
-    pub(crate) struct RowParams {
-        n_rows: u32,
-        width: u32,
-        slot_stride: u32,
-        slot_offset: u32,
-        slot_base: u32,
-        slot_count: u32,
-        _pad: [u32; 2],
-    }
-}
-
-wgsl_params! {
-    /// `p` of `copy_blocks.wgsl`.
-    pub(crate) struct CopyParams {
-        n_pairs: u32,
-        block_words: u32,
-        _pad: [u32; 2],
-    }
-}
 
 /// Where rows go inside each slot of a pool.
 #[derive(Debug, Clone, Copy)]

@@ -2,27 +2,13 @@
 
 use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
-use crate::backend::wgpu::params::wgsl_params;
+use crate::backend::wgpu::kernel_params::RopeParams;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::backend::{RopeKind, RopePositions, RopeSpec};
 use crate::error::BackendError;
 
 const ROPE_WG: u64 = 256;
-
-wgsl_params! {
-    /// `p` of `rope.wgsl`.
-    pub(crate) struct RopeParams {
-        n: u32,
-        heads: u32,
-        head_dim: u32,
-        /// 0 plain, 1 interleaved, 2 sectioned (see [`mode`]).
-        mode: u32,
-        /// The M-RoPE sections, `sec0 .. sec2` in WGSL.
-        sec: [u32; 3],
-        _pad: u32,
-    }
-}
 
 /// The kernel's mode number and sections.
 fn mode(kind: RopeKind) -> (u32, [usize; 3]) {

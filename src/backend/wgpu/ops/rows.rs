@@ -2,22 +2,12 @@
 
 use crate::Result;
 use crate::backend::wgpu::context::GpuContext;
-use crate::backend::wgpu::params::wgsl_params;
+use crate::backend::wgpu::kernel_params::DenseRowParams;
 use crate::backend::wgpu::pipelines::Shader;
 use crate::backend::wgpu::tensor::GpuTensor;
 use crate::error::BackendError;
 
 const ROWS_WG: u64 = 256;
-
-wgsl_params! {
-    /// `p` of `rows.wgsl`: indices at or past `src_rows` (gather) or `dst_rows` (scatter) are skipped.
-    pub(crate) struct DenseRowParams {
-        n_rows: u32,
-        width: u32,
-        src_rows: u32,
-        dst_rows: u32,
-    }
-}
 
 /// Checks every index lies in `0..bound`.
 fn check_indices(op: &'static str, what: &'static str, indices: &[u32], bound: usize) -> Result<()> {
