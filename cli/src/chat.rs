@@ -20,7 +20,7 @@
 //! let text = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n";
 //! assert_eq!(chat.decode(&ids, false)?, text);
 //! assert_eq!(chat.decode(&ids, true)?, "user\nHello!\nassistant\n");
-//! # Ok::<(), omniprefix_cli::HarnessError>(())
+//! # Ok::<(), omniprefix_cli::chat::ChatError>(())
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -30,8 +30,6 @@ use serde_json::{Map, Value};
 use tokenizers::Tokenizer;
 
 use omniprefix::error::IoError;
-
-use crate::error::Result;
 
 /// What can be wrong with a checkpoint's tokenizer, its chat template or the messages given to it.
 #[derive(Debug, thiserror::Error)]
@@ -58,7 +56,14 @@ pub enum ChatError {
     /// The tokenizer failed on text or ids.
     #[error("tokenizer of {dir} cannot {what}: {message}")]
     Tokenize { dir: String, what: &'static str, message: String },
+    /// A file (messages, template, tokenizer config) that cannot be read; the harness
+    /// reports it as the engine's [`IoError`], as it does every unreadable file.
+    #[error(transparent)]
+    Io(#[from] IoError),
 }
+
+/// The chat's result alias: chat code knows nothing of the harness above it.
+pub type Result<T, E = ChatError> = std::result::Result<T, E>;
 
 /// A chat: OpenAI-style messages, `[{"role": "user", "content": "Hi"}, ...]`, handed to the
 /// template as they are (extra keys included), so a template reads what transformers would give it.
@@ -77,7 +82,7 @@ impl Messages {
     /// Reads a messages file (a JSON list, see [`Messages::parse`]).
     pub fn load(path: &Path) -> Result<Self> {
         let json = std::fs::read_to_string(path).map_err(|e| IoError::read(path, e))?;
-        Ok(Self::parse(&json, &path.display().to_string())?)
+        Self::parse(&json, &path.display().to_string())
     }
 
     /// Parses and checks a JSON list of messages; `origin` names it in errors. Each message is an
@@ -147,7 +152,7 @@ impl Chat {
         let shown = dir.display().to_string();
         let tokenizer_path = dir.join("tokenizer.json");
         if !tokenizer_path.is_file() {
-            return Err(ChatError::NoTokenizer { dir: shown }.into());
+            return Err(ChatError::NoTokenizer { dir: shown });
         }
         let tokenizer = Tokenizer::from_file(&tokenizer_path).map_err(|e| ChatError::Tokenizer {
             path: tokenizer_path.display().to_string(),
@@ -182,7 +187,7 @@ impl Chat {
     /// kwargs.insert("enable_thinking".into(), false.into());
     /// let text = chat.render(&Messages::user("Hi"), true, &kwargs)?;
     /// assert_eq!(text, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
-    /// # Ok::<(), omniprefix_cli::HarnessError>(())
+    /// # Ok::<(), omniprefix_cli::chat::ChatError>(())
     /// ```
     pub fn render(
         &self,
@@ -198,7 +203,7 @@ impl Chat {
             .insert("messages".into(), Value::Array(messages.0.iter().cloned().map(Value::Object).collect()));
         context.insert("add_generation_prompt".into(), add_generation_prompt.into());
         let template = self.env.get_template(TEMPLATE).map_err(|e| self.template_error(&e))?;
-        Ok(template.render(&context).map_err(|e| self.template_error(&e))?)
+        template.render(&context).map_err(|e| self.template_error(&e))
     }
 
     /// Ids of `text` as the tokenizer splits it, with no special tokens added.
@@ -216,10 +221,9 @@ impl Chat {
 
     /// The text of `ids`; `skip_special_tokens` leaves out the tokens the tokenizer marks special.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        Ok(self
-            .tokenizer
+        self.tokenizer
             .decode(ids, skip_special_tokens)
-            .map_err(|e| self.tokenize_error("decode the ids", &*e))?)
+            .map_err(|e| self.tokenize_error("decode the ids", &*e))
     }
 
     fn template_error(&self, e: &minijinja::Error) -> ChatError {
@@ -251,7 +255,7 @@ fn read_config(path: &Path) -> Result<Map<String, Value>> {
     let bad = |problem: String| ChatError::TokenizerConfig { path: path.display().to_string(), problem };
     match serde_json::from_str(&json).map_err(|e| bad(format!("not JSON: {e}")))? {
         Value::Object(config) => Ok(config),
-        _ => Err(bad("not a JSON object".into()).into()),
+        _ => Err(bad("not a JSON object".into())),
     }
 }
 
@@ -263,7 +267,7 @@ fn template_source(dir: &Path, config: &Map<String, Value>) -> Result<String> {
     }
     let bad = |problem: &str| config_error(dir, problem.into());
     match config.get("chat_template") {
-        None | Some(Value::Null) => Err(ChatError::NoChatTemplate { dir: dir.display().to_string() }.into()),
+        None | Some(Value::Null) => Err(ChatError::NoChatTemplate { dir: dir.display().to_string() }),
         Some(Value::String(template)) => Ok(template.clone()),
         Some(Value::Array(named)) => named
             .iter()
@@ -272,9 +276,8 @@ fn template_source(dir: &Path, config: &Map<String, Value>) -> Result<String> {
             .map(str::to_string)
             .ok_or_else(|| {
                 bad("chat_template is a list without a {\"name\": \"default\", \"template\": ...} entry")
-                    .into()
             }),
-        Some(_) => Err(bad("chat_template is neither a string nor a list of named templates").into()),
+        Some(_) => Err(bad("chat_template is neither a string nor a list of named templates")),
     }
 }
 
@@ -287,9 +290,9 @@ fn special_tokens(dir: &Path, config: &Map<String, Value>) -> Result<Map<String,
             Some(Value::String(s)) => s.clone(),
             Some(Value::Object(token)) => match token.get("content") {
                 Some(Value::String(s)) => s.clone(),
-                _ => return Err(token_error(dir, key).into()),
+                _ => return Err(token_error(dir, key)),
             },
-            Some(_) => return Err(token_error(dir, key).into()),
+            Some(_) => return Err(token_error(dir, key)),
         };
         special.insert(key.into(), content.into());
     }

@@ -9,6 +9,8 @@ use omniprefix::error::{
     IoError, RequestError, RequestFileError, SchedError,
 };
 
+use crate::chat::ChatError;
+
 /// What can go wrong in the harness: the engine's errors and its own.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -18,7 +20,7 @@ pub enum HarnessError {
     Engine(#[from] Error),
     /// A checkpoint's tokenizer or chat template, or the messages given to it.
     #[error(transparent)]
-    Chat(#[from] crate::chat::ChatError),
+    Chat(ChatError),
     /// A command line that does not parse.
     #[error(transparent)]
     Args(#[from] clap::Error),
@@ -43,6 +45,16 @@ pub enum HarnessError {
     /// Blocks held by no request and not by the index after every request finished.
     #[error("{leaked} of {num_blocks} blocks leaked (neither free nor owned by the index)")]
     BlocksLeaked { leaked: usize, num_blocks: usize },
+}
+
+/// An unreadable file stays the engine's [`IoError`], wherever it was read.
+impl From<ChatError> for HarnessError {
+    fn from(e: ChatError) -> Self {
+        match e {
+            ChatError::Io(io) => HarnessError::Engine(io.into()),
+            other => HarnessError::Chat(other),
+        }
+    }
 }
 
 /// The harness's result alias.

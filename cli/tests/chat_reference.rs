@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-use omniprefix_cli::HarnessError;
 use omniprefix_cli::chat::{Chat, ChatError, Messages};
 
 type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
@@ -101,9 +100,10 @@ fn scratch(test: &str, files: &[(&str, &str)]) -> TestResult<PathBuf> {
     Ok(dir)
 }
 
-fn chat_error(result: Result<impl std::fmt::Debug, HarnessError>) -> TestResult<ChatError> {
+fn chat_error(result: Result<impl std::fmt::Debug, ChatError>) -> TestResult<ChatError> {
     match result {
-        Err(HarnessError::Chat(e)) => Ok(e),
+        Err(e @ ChatError::Io(_)) => Err(format!("want a chat error, got an io error: {e}").into()),
+        Err(e) => Ok(e),
         other => Err(format!("want a ChatError, got {other:?}").into()),
     }
 }

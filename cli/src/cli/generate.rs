@@ -95,7 +95,7 @@ impl GenerateArgs {
     pub fn messages(&self) -> Result<Option<Messages>> {
         match (&self.prompt, &self.messages) {
             (Some(text), _) => Ok(Some(Messages::user(text))),
-            (None, Some(path)) => Messages::load(path).map(Some),
+            (None, Some(path)) => Ok(Some(Messages::load(path)?)),
             (None, None) => Ok(None),
         }
     }
