@@ -236,14 +236,6 @@ pub fn float_levels(
         .collect()
 }
 
-/// The name a captured point goes by in Python (and in the CLI's files).
-pub fn capture_key(name: CaptureName) -> String {
-    match name {
-        CaptureName::Hidden(layer) => format!("hidden.{layer}"),
-        CaptureName::Final => "hidden.final".into(),
-    }
-}
-
 /// `{name: array}`, each array moved into numpy without a copy.
 pub fn hidden_dict<'py>(
     py: Python<'py>,
@@ -251,7 +243,7 @@ pub fn hidden_dict<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     for (name, rows) in hidden {
-        dict.set_item(capture_key(name), PyArray2::from_owned_array(py, rows))?;
+        dict.set_item(name.key(), PyArray2::from_owned_array(py, rows))?;
     }
     Ok(dict)
 }
@@ -260,7 +252,7 @@ pub fn hidden_dict<'py>(
 pub fn row_dict<'py>(py: Python<'py>, hidden: Vec<(CaptureName, Vec<f32>)>) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     for (name, row) in hidden {
-        dict.set_item(capture_key(name), PyArray1::from_vec(py, row))?;
+        dict.set_item(name.key(), PyArray1::from_vec(py, row))?;
     }
     Ok(dict)
 }

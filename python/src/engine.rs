@@ -28,7 +28,7 @@ use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::arrays::{capture_key, float_levels, float_matrix, row_dict};
+use crate::arrays::{float_levels, float_matrix, row_dict};
 use crate::errors::{InternalError, guard, to_py};
 use crate::item::{BorrowedItems, Item};
 use crate::options::EngineOptions;
@@ -644,12 +644,12 @@ where
         ..
     } = *engine.tokens();
     Ok(PyEngine {
-        capture: engine.capture().points().iter().map(|p| capture_key(*p)).collect(),
+        capture: engine.capture().points().iter().map(|p| p.key()).collect(),
         eos_token_ids: engine.eos_token_ids().to_vec(),
         hidden_size: model.hidden_size,
         num_layers: model.num_hidden_layers,
         vocab_size: model.vocab_size,
-        block_size: engine.config().block_size,
+        block_size: engine.config().scheduler.block_size,
         backend: String::new(),
         dtype: engine.weight_dtype().name(),
         image_token_id,

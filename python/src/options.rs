@@ -11,6 +11,7 @@ use omniprefix::engine::EngineConfig;
 use omniprefix::events::KvEventsConfig;
 use omniprefix::index::ValidationPolicy;
 use omniprefix::model::CaptureName;
+use omniprefix::sched::PrefillCap;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyFloat, PyInt, PyString};
@@ -33,9 +34,7 @@ impl CaptureChoice {
     pub fn resolve(&self, num_layers: usize) -> Option<Vec<CaptureName>> {
         match self {
             CaptureChoice::Default => None,
-            CaptureChoice::All => {
-                Some((0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect())
-            }
+            CaptureChoice::All => Some(CaptureName::every(num_layers)),
             CaptureChoice::List(points) => Some(points.clone()),
         }
     }
@@ -130,11 +129,11 @@ impl EngineOptions {
                 continue;
             }
             match name.as_str() {
-                "block_size" => config.block_size = count(&value, &name)?,
-                "num_blocks" => config.num_blocks = count(&value, &name)?,
-                "max_tokens_per_step" => config.max_tokens_per_step = count(&value, &name)?,
-                "max_seqs_per_step" => config.max_seqs_per_step = count(&value, &name)?,
-                "prefill_cap" => config.prefill_cap = Some(count(&value, &name)?),
+                "block_size" => config.scheduler.block_size = count(&value, &name)?,
+                "num_blocks" => config.scheduler.num_blocks = count(&value, &name)?,
+                "max_tokens_per_step" => config.scheduler.max_tokens_per_step = count(&value, &name)?,
+                "max_seqs_per_step" => config.scheduler.max_seqs_per_step = count(&value, &name)?,
+                "prefill_cap" => config.scheduler.prefill_cap = PrefillCap::Tokens(count(&value, &name)?),
                 "fingerprint_threads" => config.fingerprint_threads = count(&value, &name)?,
                 "encoder_cache_bytes" => config.encoder_cache_bytes = count(&value, &name)?,
                 "cache" => {
@@ -229,9 +228,7 @@ pub fn capture_point(point: &Bound<'_, PyAny>) -> PyResult<CaptureName> {
             .map_err(|_| PyValueError::new_err("a capture layer must be a non-negative int"))?;
         return Ok(CaptureName::Hidden(layer));
     }
-    let name = string(point, "a capture point")?;
-    let spec = if name == "hidden.final" { "final" } else { name.as_str() };
-    CaptureName::from_str(spec).map_err(to_py)
+    CaptureName::from_str(&string(point, "a capture point")?).map_err(to_py)
 }
 
 fn backend_kind(value: &Bound<'_, PyAny>) -> PyResult<BackendKind> {

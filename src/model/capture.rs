@@ -28,18 +28,60 @@ impl fmt::Display for CaptureName {
     }
 }
 
+impl CaptureName {
+    /// The name a captured point is written under where rows leave the engine (a
+    /// safetensors file, a Python dict): `hidden.<L>`, or `hidden.final`, so every
+    /// captured tensor shares the `hidden.` prefix.
+    ///
+    /// ```
+    /// use omniprefix::model::CaptureName;
+    /// assert_eq!(CaptureName::Hidden(2).key(), "hidden.2");
+    /// assert_eq!(CaptureName::Final.key(), "hidden.final");
+    /// ```
+    pub fn key(self) -> String {
+        match self {
+            CaptureName::Hidden(layer) => format!("hidden.{layer}"),
+            CaptureName::Final => "hidden.final".into(),
+        }
+    }
+
+    /// Every point of a model with `num_layers` layers: each layer boundary and the final norm.
+    pub fn every(num_layers: usize) -> Vec<CaptureName> {
+        (0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect()
+    }
+
+    /// A capture list as the command line and the Python options say it: `all`
+    /// ([`CaptureName::every`]), or commas between points (see [`FromStr`]).
+    ///
+    /// ```
+    /// use omniprefix::model::CaptureName;
+    /// let points = CaptureName::parse_list("0, hidden.2,final", 4)?;
+    /// assert_eq!(points, [CaptureName::Hidden(0), CaptureName::Hidden(2), CaptureName::Final]);
+    /// assert_eq!(CaptureName::parse_list("all", 1)?.len(), 3);
+    /// # Ok::<(), omniprefix::Error>(())
+    /// ```
+    pub fn parse_list(spec: &str, num_layers: usize) -> Result<Vec<CaptureName>> {
+        if spec.trim() == "all" {
+            return Ok(Self::every(num_layers));
+        }
+        spec.split(',').map(|part| part.trim().parse()).collect()
+    }
+}
+
 impl FromStr for CaptureName {
     type Err = Error;
 
-    /// Parses `hidden.<L>` or `final`.
+    /// Parses a layer number `L` or `hidden.<L>`, and `final` or `hidden.final`
+    /// (the [`CaptureName::key`] form).
     fn from_str(s: &str) -> Result<Self> {
-        if s == "final" {
+        if s == "final" || s == "hidden.final" {
             return Ok(CaptureName::Final);
         }
         s.strip_prefix("hidden.")
-            .and_then(|l| l.parse().ok())
+            .unwrap_or(s)
+            .parse()
             .map(CaptureName::Hidden)
-            .ok_or_else(|| ConfigError::CaptureSyntax { spec: s.into() }.into())
+            .map_err(|_| ConfigError::CaptureSyntax { spec: s.into() }.into())
     }
 }
 
@@ -109,6 +151,12 @@ mod tests {
         let err = CaptureSpec::new([CaptureName::Hidden(5)], 4).unwrap_err();
         assert!(matches!(err, Error::Config(ConfigError::CaptureLayer { layer: 5, num_layers: 4 })));
         assert!("hidden.x".parse::<CaptureName>().is_err());
+        assert!("hidden.-1".parse::<CaptureName>().is_err());
+        assert_eq!("3".parse::<CaptureName>().unwrap(), CaptureName::Hidden(3));
+        assert_eq!("hidden.final".parse::<CaptureName>().unwrap(), CaptureName::Final);
+        for name in CaptureName::every(3) {
+            assert_eq!(name.key().parse::<CaptureName>().unwrap(), name, "{name}: the key parses back");
+        }
         assert_eq!(CaptureName::Hidden(3).to_string(), "hidden.3");
     }
 }

@@ -98,8 +98,7 @@ fn outputs<B: Backend>(
     let backend = Arc::new(backend);
     let thinker = Arc::new(Thinker::from_dir_as(&*backend, &args.model, args.dtype.0)?);
     let layers = thinker.config().num_hidden_layers;
-    let capture =
-        CaptureSpec::new((0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]), layers)?;
+    let capture = CaptureSpec::new(CaptureName::every(layers), layers)?;
     let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(args.kv_dtype);
     const BLOCK: usize = 16;
     let blocks = prompt.token_ids.len().div_ceil(BLOCK);

@@ -15,13 +15,14 @@ use safetensors::tensor::TensorView;
 
 use super::fleet::{self, FleetArgs};
 use super::runtime::{BackendJob, Ran, RuntimeArgs};
-use crate::error::{HarnessError, Result, output};
+use crate::error::{Result, output};
 use omniprefix::backend::Backend;
 use omniprefix::engine::{Engine, EngineConfig, Output};
 use omniprefix::error::{CheckpointError, Error};
 use omniprefix::events::PublisherStats;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::request_file::RequestFile;
+use omniprefix::sched::SchedulerConfig;
 
 /// What `hidden` and `generate` share: the checkpoint, the request files, the
 /// cache and the backend, so both build their engine the same way.
@@ -64,14 +65,20 @@ impl EngineArgs {
     /// The engine configuration these arguments ask for (reads the checkpoint's config for `--capture all`).
     pub fn engine_config(&self) -> Result<EngineConfig> {
         let model = Config::from_file(&self.model.join("config.json"))?;
-        let capture =
-            self.capture.as_deref().map(|s| parse_capture(s, model.num_hidden_layers)).transpose()?;
+        let capture = self
+            .capture
+            .as_deref()
+            .map(|s| CaptureName::parse_list(s, model.num_hidden_layers))
+            .transpose()?;
         let mut config = EngineConfig {
-            block_size: self.block_size,
-            num_blocks: self.num_blocks,
+            scheduler: SchedulerConfig {
+                block_size: self.block_size,
+                num_blocks: self.num_blocks,
+                token_granular_reuse: !self.block_aligned,
+                ..Default::default()
+            },
             capture,
             cache: !self.no_cache,
-            token_granular_reuse: !self.block_aligned,
             dtype: self.runtime.dtype.0,
             kv_dtype: self.runtime.kv_dtype,
             ..Default::default()
@@ -143,30 +150,6 @@ pub struct HiddenArgs {
     pub out: PathBuf,
 }
 
-/// Parses `--capture` for a model of `num_layers` layers: `all`, or a comma
-/// list of `L`, `hidden.L` and `final`.
-pub fn parse_capture(spec: &str, num_layers: usize) -> Result<Vec<CaptureName>> {
-    if spec.trim() == "all" {
-        return Ok((0..=num_layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect());
-    }
-    spec.split(',')
-        .map(str::trim)
-        .map(|part| match part.parse::<usize>() {
-            Ok(layer) => Ok(CaptureName::Hidden(layer)),
-            Err(_) => part.parse::<CaptureName>(),
-        })
-        .collect::<omniprefix::Result<_>>()
-        .map_err(HarnessError::from)
-}
-
-/// The name a captured point is written under: `hidden.<L>` or `hidden.final`.
-pub fn tensor_name(name: CaptureName) -> String {
-    match name {
-        CaptureName::Hidden(layer) => format!("hidden.{layer}"),
-        CaptureName::Final => "hidden.final".into(),
-    }
-}
-
 /// Runs the command, printing `num_cached_tokens` and the output shapes to `out`.
 pub fn run(args: &HiddenArgs, out: &mut dyn Write) -> Result<()> {
     let JobRun { reason, output: result, kv_events } = on_selected_backend("hidden", &args.engine, Prefill)?;
@@ -213,7 +196,7 @@ pub fn print_shapes(
 ) -> Result<()> {
     writeln!(out, "num_cached_tokens: {num_cached_tokens}").map_err(output)?;
     for (name, h) in hidden {
-        writeln!(out, "{}: [{}, {}]", tensor_name(*name), h.nrows(), h.ncols()).map_err(output)?;
+        writeln!(out, "{}: [{}, {}]", name.key(), h.nrows(), h.ncols()).map_err(output)?;
     }
     Ok(())
 }
@@ -232,10 +215,7 @@ pub fn f32_tensor<'a>(
 
 /// Every captured point as `hidden.<L>` / `hidden.final`, `[rows, hidden]`.
 pub fn hidden_tensors(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<F32Tensor> {
-    hidden
-        .iter()
-        .map(|(name, h)| f32_tensor(tensor_name(*name), vec![h.nrows(), h.ncols()], h.iter()))
-        .collect()
+    hidden.iter().map(|(name, h)| f32_tensor(name.key(), vec![h.nrows(), h.ncols()], h.iter())).collect()
 }
 
 /// Writes `tensors` as one safetensors file (f32).
