@@ -11,7 +11,7 @@ use std::hint::black_box;
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
-use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -52,7 +52,7 @@ fn run_all(reqs: Vec<Request>) -> usize {
         block_size: 16,
         max_tokens_per_step: 8192,
         max_seqs_per_step: 64,
-        prefill_cap: None,
+        prefill_cap: PrefillCap::Off,
         token_granular_reuse: true,
     };
     let index = RadixIndex::new(RadixConfig { block_size: 16 }).expect("valid radix config");

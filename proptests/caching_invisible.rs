@@ -22,6 +22,7 @@ use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView}
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request};
 use omniprefix::model::{CaptureName, Config, Thinker};
 use omniprefix::prompt::OmniTokens;
+use omniprefix::sched::SchedulerConfig;
 use proptest::prelude::*;
 use proptest::test_runner::Config as PtConfig;
 use rand::{Rng, SeedableRng};
@@ -148,10 +149,13 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
     let capture: Vec<CaptureName> =
         (0..=layers).map(CaptureName::Hidden).chain([CaptureName::Final]).collect();
     let config = |cache: bool| EngineConfig {
-        block_size: case.block_size,
-        num_blocks: 64,
-        max_tokens_per_step: if cache { case.budget } else { 4096 },
-        token_granular_reuse: case.token_granular,
+        scheduler: SchedulerConfig {
+            block_size: case.block_size,
+            num_blocks: 64,
+            max_tokens_per_step: if cache { case.budget } else { 4096 },
+            token_granular_reuse: case.token_granular,
+            ..Default::default()
+        },
         cache,
         capture: Some(capture.clone()),
         tokens: Some(OmniTokens::tiny()),
@@ -247,7 +251,11 @@ fn a_warm_prefix_is_actually_reused() -> Result<(), TestCaseError> {
     let backend = CpuBackend::new();
     let thinker =
         Arc::new(Thinker::random(&backend, model(1), 9).map_err(|e| TestCaseError::fail(e.to_string()))?);
-    let config = EngineConfig { block_size: 4, tokens: Some(OmniTokens::tiny()), ..Default::default() };
+    let config = EngineConfig {
+        scheduler: SchedulerConfig { block_size: 4, ..Default::default() },
+        tokens: Some(OmniTokens::tiny()),
+        ..Default::default()
+    };
     let mut engine =
         Engine::new(Arc::new(backend), thinker, config).map_err(|e| TestCaseError::fail(e.to_string()))?;
     engine.run(Request::text(case.warm.clone())).map_err(|e| TestCaseError::fail(e.to_string()))?;

@@ -11,6 +11,7 @@
 use omniprefix::engine::{Engine, EngineConfig, Event, Output, Request};
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::sample::SamplingParams;
+use omniprefix::sched::{PrefillCap, SchedulerConfig};
 use proptest::prelude::*;
 use proptest::test_runner::Config as PtConfig;
 
@@ -87,11 +88,14 @@ fn engine(case: &Case, cache: bool, num_blocks: usize) -> Result<Engine, TestCas
         Config::tiny_qwen3(HIDDEN, 2, 4, 2, VOCAB)
     };
     let config = EngineConfig {
-        block_size: case.block_size,
-        num_blocks,
-        max_tokens_per_step: case.budget,
-        prefill_cap: case.prefill_cap,
-        max_seqs_per_step: case.seqs,
+        scheduler: SchedulerConfig {
+            block_size: case.block_size,
+            num_blocks,
+            max_tokens_per_step: case.budget,
+            prefill_cap: case.prefill_cap.map_or(PrefillCap::Auto, PrefillCap::Tokens),
+            max_seqs_per_step: case.seqs,
+            ..Default::default()
+        },
         cache,
         capture: Some(vec![CaptureName::Hidden(1), CaptureName::Final]),
         ..Default::default()

@@ -26,7 +26,7 @@ use omniprefix::index::PrefixIndex;
 use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::CanonicalPrompt;
-use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 use sched_driver::{EventConsumer, Machine, Op, Runner, op, scheduler_config};
 use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
@@ -138,7 +138,7 @@ fn regression_shared_block_owned_by_the_index() {
             block_size: 4,
             max_tokens_per_step: 18,
             max_seqs_per_step: 2,
-            prefill_cap: None,
+            prefill_cap: PrefillCap::Off,
             token_granular_reuse: true,
         },
         bases: vec![vec![0, 0, 0, IMG, 0, 0, 0, 0]],
@@ -167,7 +167,7 @@ fn regression_insert_reaches_a_partial_block_pinned_by_a_later_batch() {
             block_size: 4,
             max_tokens_per_step: 4,
             max_seqs_per_step: 1,
-            prefill_cap: None,
+            prefill_cap: PrefillCap::Off,
             token_granular_reuse: true,
         },
         bases: vec![vec![]],

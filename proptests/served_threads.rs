@@ -24,6 +24,7 @@ use omniprefix::engine::{
 };
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::sample::SamplingParams;
+use omniprefix::sched::{PrefillCap, SchedulerConfig};
 use proptest::prelude::*;
 use proptest::test_runner::Config as PtConfig;
 
@@ -164,12 +165,15 @@ fn model() -> Config {
 
 fn config(cache: bool, num_blocks: usize) -> EngineConfig {
     EngineConfig {
-        block_size: BLOCK,
-        num_blocks,
-        max_tokens_per_step: 8,
-        // Prompts beside decodes go 3 tokens a step: chunked across steps.
-        prefill_cap: Some(3),
-        max_seqs_per_step: 3,
+        scheduler: SchedulerConfig {
+            block_size: BLOCK,
+            num_blocks,
+            max_tokens_per_step: 8,
+            max_seqs_per_step: 3,
+            // Prompts beside decodes go 3 tokens a step: chunked across steps.
+            prefill_cap: PrefillCap::Tokens(3),
+            ..Default::default()
+        },
         cache,
         capture: Some(vec![CaptureName::Hidden(0), CaptureName::Final]),
         ..Default::default()

@@ -14,10 +14,11 @@
 //! a generation streamed token by token with each token's hidden rows.
 //!
 //! ```
+//! use omniprefix::sched::SchedulerConfig;
 //! use omniprefix::{Config, Engine, EngineConfig, Event, Request, SamplingParams, ServedOptions};
 //!
 //! let model = Config::tiny_qwen3(32, 2, 4, 2, 600); // hidden, layers, heads, kv heads, vocab
-//! let engine = Engine::random(model, 1, EngineConfig { block_size: 4, ..Default::default() })?;
+//! let engine = Engine::random(model, 1, EngineConfig { scheduler: SchedulerConfig { block_size: 4, ..Default::default() }, ..Default::default() })?;
 //! let served = engine.serve(ServedOptions::default())?;
 //!
 //! let system: Vec<u32> = (0..12).collect();

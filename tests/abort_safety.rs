@@ -15,7 +15,7 @@ use omniprefix::batch::ScheduledBatch;
 use omniprefix::error::SchedError;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::runner::{PromptInputs, SeqOutput};
-use omniprefix::sched::{Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
 use tiny_model::{IMAGE_UNIT, TinyModel, equal_outputs, request};
 
@@ -34,7 +34,7 @@ fn scheduler(max_tokens_per_step: usize) -> Result<Scheduler> {
         block_size: BLOCK,
         max_tokens_per_step,
         max_seqs_per_step: 2,
-        prefill_cap: None,
+        prefill_cap: PrefillCap::Off,
         token_granular_reuse: true,
     };
     let index = RadixIndex::new(RadixConfig { block_size: BLOCK })?;

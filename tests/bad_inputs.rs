@@ -20,7 +20,7 @@ use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::{
     Atom, CanonicalPrompt, OmniTokens, PositionKind, PromptBuilder, positions_from_atoms,
 };
-use omniprefix::sched::{Request, Scheduler, SchedulerConfig, SchedulerStats};
+use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig, SchedulerStats};
 use omniprefix::{Error, Result};
 use serde_json::Value;
 
@@ -102,7 +102,7 @@ fn scheduler() -> Result<Scheduler> {
         block_size: BLOCK,
         max_tokens_per_step: 8,
         max_seqs_per_step: 2,
-        prefill_cap: None,
+        prefill_cap: PrefillCap::Off,
         token_granular_reuse: true,
     };
     Scheduler::new(config, Box::new(RadixIndex::new(RadixConfig { block_size: BLOCK })?))

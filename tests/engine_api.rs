@@ -17,15 +17,19 @@ use omniprefix::prompt::OmniTokens;
 mod images;
 
 use images::{HIDDEN, image, model, pixels, rows, with_image};
+use omniprefix::sched::SchedulerConfig;
 
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
 
 fn config() -> EngineConfig {
     EngineConfig {
-        block_size: 4,
-        num_blocks: 32,
-        max_tokens_per_step: 10,
-        max_seqs_per_step: 3,
+        scheduler: SchedulerConfig {
+            block_size: 4,
+            num_blocks: 32,
+            max_tokens_per_step: 10,
+            max_seqs_per_step: 3,
+            ..Default::default()
+        },
         tokens: Some(OmniTokens::tiny()),
         ..Default::default()
     }
@@ -59,8 +63,15 @@ fn batched_chunked_requests_equal_their_uncached_runs() -> TestResult {
         items: if ids.contains(&500) { vec![image(&content, Some(rows(4, HIDDEN, 0.5)))] } else { vec![] },
         ..Default::default()
     };
-    let mut reference =
-        Engine::random(model(), 5, EngineConfig { cache: false, max_tokens_per_step: 4096, ..config() })?;
+    let mut reference = Engine::random(
+        model(),
+        5,
+        EngineConfig {
+            scheduler: SchedulerConfig { max_tokens_per_step: 4096, ..config().scheduler },
+            cache: false,
+            ..config()
+        },
+    )?;
     let want: Vec<Output> = prompts.iter().map(|p| reference.run(request(p))).collect::<Result<_, _>>()?;
 
     let mut engine = Engine::random(model(), 5, config())?;
@@ -549,7 +560,12 @@ fn half_precision_kv_pages_are_close_to_f32_and_cached_equals_uncached() -> Resu
         let mut engine = Engine::random(
             cfg.clone(),
             5,
-            EngineConfig { kv_dtype, cache, block_size: 8, ..Default::default() },
+            EngineConfig {
+                scheduler: SchedulerConfig { block_size: 8, ..Default::default() },
+                kv_dtype,
+                cache,
+                ..Default::default()
+            },
         )?;
         let warm = engine.run(Request::text(ids[..50].to_vec()))?;
         let main = engine.run(Request::text(ids.clone()))?;

@@ -14,6 +14,7 @@ use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView}
 use omniprefix::engine::{Engine, EngineConfig, IndexKind, ItemInput, Output, PlaceholderForm, Request};
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::prompt::{PositionKind, Positions};
+use omniprefix::sched::SchedulerConfig;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
@@ -61,9 +62,9 @@ fn rfc_text_pair_returns_full_hidden_states_with_32_or_46_cached_tokens() -> Tes
     // Hidden 16 keeps the 151936-row Qwen embedding small.
     let model = Config::tiny_qwen3(16, 2, 2, 1, 151_936);
     let config = |cache, token_granular_reuse, index| EngineConfig {
+        scheduler: SchedulerConfig { token_granular_reuse, ..Default::default() },
         capture: Some(all_points(2)),
         cache,
-        token_granular_reuse,
         index,
         ..Default::default()
     };
@@ -170,9 +171,8 @@ fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> Te
         })
     };
     let config = EngineConfig {
-        block_size: 4,
+        scheduler: SchedulerConfig { block_size: 4, max_tokens_per_step: 7, ..Default::default() },
         capture: Some(all_points(3)),
-        max_tokens_per_step: 7,
         ..Default::default()
     };
     let mut engine = Engine::from_dir(&dir, config)?;

@@ -14,6 +14,7 @@ use omniprefix::error::RequestError;
 use omniprefix::model::{CaptureName, Config};
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::{FinishReason, SamplingParams};
+use omniprefix::sched::{PrefillCap, SchedulerConfig};
 
 #[path = "support/images.rs"]
 #[allow(dead_code)] // the other engine tests use the rest
@@ -34,10 +35,13 @@ fn models() -> Vec<Config> {
 
 fn config(cache: bool) -> EngineConfig {
     EngineConfig {
-        block_size: 4,
-        num_blocks: 64,
-        max_tokens_per_step: 64,
-        max_seqs_per_step: 4,
+        scheduler: SchedulerConfig {
+            block_size: 4,
+            num_blocks: 64,
+            max_tokens_per_step: 64,
+            max_seqs_per_step: 4,
+            ..Default::default()
+        },
         cache,
         capture: Some(vec![CaptureName::Hidden(0), CaptureName::Hidden(1), CaptureName::Final]),
         tokens: Some(OmniTokens::tiny()),
@@ -127,7 +131,14 @@ fn caching_chunking_and_batching_leave_greedy_and_seeded_output_bit_equal() -> T
         for (budget, seqs) in [(5, 2), (3, 3), (64, 4)] {
             let mut e = engine(
                 &model,
-                EngineConfig { max_tokens_per_step: budget, max_seqs_per_step: seqs, ..config(true) },
+                EngineConfig {
+                    scheduler: SchedulerConfig {
+                        max_tokens_per_step: budget,
+                        max_seqs_per_step: seqs,
+                        ..config(true).scheduler
+                    },
+                    ..config(true)
+                },
             )?;
             // Warm the cache with the first prompt, then all three at once.
             e.run(text(&prompts[0]).generate(greedy(3)))?;
@@ -171,8 +182,13 @@ fn preempted_sequences_resume_to_the_same_output() -> TestResult {
     // 16 blocks of 4 cannot hold four sequences of 14-17 + 9 positions at once. Uncapped,
     // so all four start in one step (a cap starts one long prompt a step, staggering them).
     let base = config(true);
-    let mut e =
-        engine(&model, EngineConfig { num_blocks: 16, prefill_cap: Some(base.max_tokens_per_step), ..base })?;
+    let mut e = engine(
+        &model,
+        EngineConfig {
+            scheduler: SchedulerConfig { num_blocks: 16, prefill_cap: PrefillCap::Off, ..base.scheduler },
+            ..base
+        },
+    )?;
     for p in &prompts {
         e.submit(text(p).generate(params(3)))?;
     }

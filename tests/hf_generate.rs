@@ -39,6 +39,7 @@ use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView}
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, PlaceholderForm, Request};
 use omniprefix::model::CaptureName;
 use omniprefix::sample::{FinishReason, SamplingParams, placeholder_ids};
+use omniprefix::sched::SchedulerConfig;
 use reference::{Reference, TestResult, model_dir, relative_error, relative_error_within};
 #[cfg(feature = "wgpu")]
 use shared_gpu::gpu;
@@ -238,7 +239,7 @@ fn check_model<B: Backend>(backend: &Arc<B>, model: &'static str, precision: &Pr
         let label = case.label();
         let len = case.ids.len();
         let config = EngineConfig {
-            block_size: BLOCK_SIZE,
+            scheduler: SchedulerConfig { block_size: BLOCK_SIZE, ..Default::default() },
             capture: Some(all_points(*num_layers)),
             dtype: precision.dtype,
             kv_dtype: precision.kv_dtype,
@@ -289,7 +290,7 @@ fn check_suppressed<B: Backend>(backend: &Arc<B>, precision: &Precision) -> Test
     let suppressed = Case::open_in(SUPPRESS_FILE, "omni_thinker", 3, "pads_suppressed")?;
     assert_eq!(allowed.ids, suppressed.ids, "one prompt, two runs");
     let config = EngineConfig {
-        block_size: BLOCK_SIZE,
+        scheduler: SchedulerConfig { block_size: BLOCK_SIZE, ..Default::default() },
         capture: Some(all_points(3)),
         dtype: precision.dtype,
         kv_dtype: precision.kv_dtype,
@@ -383,7 +384,11 @@ fn omni_decode_positions_are_transformers_cache_position_plus_rope_deltas() -> T
         assert_eq!(delta != 0, prompt == "mm_prefix", "{prompt}: rope delta {delta}");
         let rows = case.ids.len() + GEN_TOKENS - 1;
         assert_eq!(hf.len(), 3 * rows, "{prompt}: [3, L + 11]");
-        let config = EngineConfig { block_size: BLOCK_SIZE, cache: false, ..Default::default() };
+        let config = EngineConfig {
+            scheduler: SchedulerConfig { block_size: BLOCK_SIZE, ..Default::default() },
+            cache: false,
+            ..Default::default()
+        };
         let mut engine = Engine::from_dir(&model_dir("omni_thinker"), config)?;
 
         let mut positions = engine.run(case.request(&[]))?.computed_positions;
@@ -479,7 +484,11 @@ fn wgpu_generation_waits_for_the_device_once_per_step() -> TestResult {
     }
     let gpu = Arc::new(WgpuBackend::from_context(Arc::new(GpuContext::new(&GpuOptions::default())?)));
     let case = Case::open("omni_thinker", 3, "mm_prefix")?;
-    let config = EngineConfig { block_size: BLOCK_SIZE, capture: Some(all_points(3)), ..Default::default() };
+    let config = EngineConfig {
+        scheduler: SchedulerConfig { block_size: BLOCK_SIZE, ..Default::default() },
+        capture: Some(all_points(3)),
+        ..Default::default()
+    };
     let mut engine = Engine::from_dir_on(Arc::clone(&gpu), &model_dir("omni_thinker"), config)?;
     let before = gpu.context().host_waits();
     let generation = engine.run(case.request(&[]).generate(greedy(GEN_TOKENS)))?;

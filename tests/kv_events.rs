@@ -17,6 +17,7 @@ use omniprefix::error::{Error, EventsError, SchedError};
 use omniprefix::events::{ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium};
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
+use omniprefix::sched::SchedulerConfig;
 use serde_json::Value;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
@@ -272,8 +273,7 @@ fn model() -> Config {
 
 fn tiny_config(key: u64, num_blocks: usize) -> EngineConfig {
     EngineConfig {
-        block_size: 4,
-        num_blocks,
+        scheduler: SchedulerConfig { block_size: 4, num_blocks, ..Default::default() },
         tokens: Some(OmniTokens::tiny()),
         fingerprint_key: FingerprintKey::fixed(key),
         kv_events: Some(loopback("")),

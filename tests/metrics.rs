@@ -8,11 +8,15 @@ use std::time::{Duration, Instant};
 use omniprefix::engine::{Engine, EngineConfig, Request, ServedOptions};
 use omniprefix::model::Config;
 use omniprefix::sample::SamplingParams;
+use omniprefix::sched::SchedulerConfig;
 
 type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 fn engine() -> TestResult<Engine> {
-    let config = EngineConfig { block_size: 4, num_blocks: 32, ..Default::default() };
+    let config = EngineConfig {
+        scheduler: SchedulerConfig { block_size: 4, num_blocks: 32, ..Default::default() },
+        ..Default::default()
+    };
     Ok(Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, config)?)
 }
 

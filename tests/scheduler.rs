@@ -10,7 +10,7 @@ use omniprefix::batch::{BlockCopy, RequestId, ScheduledBatch};
 use omniprefix::index::PrefixIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::Positions;
-use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
 use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 
@@ -31,7 +31,7 @@ fn config(num_blocks: usize, budget: usize, token_granular_reuse: bool) -> Sched
         block_size: 16,
         max_tokens_per_step: budget,
         max_seqs_per_step: 4,
-        prefill_cap: None,
+        prefill_cap: PrefillCap::Off,
         token_granular_reuse,
     }
 }
@@ -326,7 +326,7 @@ fn item_rows_are_placed_in_the_chunk_that_holds_them() -> TestResult {
         block_size: 4,
         max_tokens_per_step: 5,
         max_seqs_per_step: 1,
-        prefill_cap: None,
+        prefill_cap: PrefillCap::Off,
         token_granular_reuse: false,
     };
     let mut sched = Scheduler::new(cfg, Box::new(ReferenceIndex::new(4)))?;
@@ -498,13 +498,16 @@ fn config_must_agree_with_the_index() {
 #[test]
 fn a_prefill_cap_of_zero_or_above_the_budget_is_a_config_error() {
     for (cap, expected) in [(0, "positive"), (17, "at most max_tokens_per_step (16)")] {
-        let err = scheduler(SchedulerConfig { prefill_cap: Some(cap), ..config(8, 16, false) }).err();
+        let err =
+            scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(cap), ..config(8, 16, false) }).err();
         assert!(
             matches!(&err, Some(Error::Config(ConfigError::Invalid { field: "prefill_cap", expected: e, .. })) if e == expected),
             "{err:?}"
         );
     }
-    assert!(scheduler(SchedulerConfig { prefill_cap: Some(16), ..config(8, 16, false) }).is_ok());
+    assert!(
+        scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(16), ..config(8, 16, false) }).is_ok()
+    );
 }
 
 /// With a cap, a step that carries decodes adds at most `prefill_cap` prefill
@@ -512,7 +515,7 @@ fn a_prefill_cap_of_zero_or_above_the_budget_is_a_config_error() {
 /// step) instead of stalling the decode; without decodes it takes the budget.
 #[test]
 fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestResult {
-    let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 8, true) })?;
+    let mut sched = scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(3), ..config(32, 8, true) })?;
     // Alone, a prompt takes the whole budget.
     sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 8))?;
     let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
@@ -542,7 +545,8 @@ fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestRe
 /// together start one after another. Short prompts still pack into one step.
 #[test]
 fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestResult {
-    let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 16, true) })?;
+    let mut sched =
+        scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(3), ..config(32, 16, true) })?;
     let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
         batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
     };
@@ -577,7 +581,8 @@ fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestR
 /// (they share its fixed costs and do not decode in lockstep afterwards).
 #[test]
 fn prefill_only_prompts_pack_under_a_prefill_cap() -> TestResult {
-    let mut sched = scheduler(SchedulerConfig { prefill_cap: Some(3), ..config(32, 16, true) })?;
+    let mut sched =
+        scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(3), ..config(32, 16, true) })?;
     let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
         batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
     };

@@ -23,15 +23,19 @@ use omniprefix::sample::SamplingParams;
 mod images;
 
 use images::{HIDDEN, image, model, pixels, rows, with_image};
+use omniprefix::sched::SchedulerConfig;
 
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
 
 fn config() -> EngineConfig {
     EngineConfig {
-        block_size: 4,
-        num_blocks: 64,
-        max_tokens_per_step: 16,
-        max_seqs_per_step: 4,
+        scheduler: SchedulerConfig {
+            block_size: 4,
+            num_blocks: 64,
+            max_tokens_per_step: 16,
+            max_seqs_per_step: 4,
+            ..Default::default()
+        },
         tokens: Some(OmniTokens::tiny()),
         ..Default::default()
     }
@@ -134,7 +138,8 @@ fn a_full_buffer_holds_the_stream_until_it_is_read() -> TestResult {
 fn the_default_buffer_holds_a_stream_at_256_events() -> TestResult {
     assert_eq!(ServedOptions::default().buffer_events, 256);
     // Room for the whole reply: 8 + 400 positions in 4-token blocks.
-    let roomy = EngineConfig { num_blocks: 128, ..config() };
+    let roomy =
+        EngineConfig { scheduler: SchedulerConfig { num_blocks: 128, ..config().scheduler }, ..config() };
     let served = Engine::random(model(), 3, roomy)?.serve(ServedOptions::default())?;
     let handle = served.submit(Request::text((1..9).collect()).generate(greedy(400)))?;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -155,7 +160,8 @@ fn the_default_buffer_holds_a_stream_at_256_events() -> TestResult {
 /// one, once read, recomputes and returns what it returns alone.
 #[test]
 fn a_held_stream_gives_its_blocks_to_a_request_that_needs_them() -> TestResult {
-    let tight = EngineConfig { num_blocks: 5, ..config() };
+    let tight =
+        EngineConfig { scheduler: SchedulerConfig { num_blocks: 5, ..config().scheduler }, ..config() };
     let held_request = || Request::text((1..9).collect()).generate(greedy(8));
     let other_request = || Request::text((20..32).collect()).generate(greedy(4));
     let mut reference = Engine::random(model(), 3, tight.clone())?;

@@ -33,7 +33,7 @@ use omniprefix::kv::BlockTable;
 use omniprefix::model::{CaptureName, CaptureSpec, Config, Thinker};
 use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, OmniTokens, Positions};
 use omniprefix::runner::{ModelRunner, Outputs, PromptInputs, SeqOutput, run_uncached};
-use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use reference::{Reference, TestResult, model_dir, relative_error, relative_error_within};
@@ -372,7 +372,7 @@ fn rfc_text_pair_through_scheduler_and_radix_index_on_wgpu() -> TestResult {
             block_size: 16,
             max_tokens_per_step: 24,
             max_seqs_per_step: 2,
-            prefill_cap: None,
+            prefill_cap: PrefillCap::Off,
             token_granular_reuse,
         };
         let index = RadixIndex::new(RadixConfig { block_size: 16 })?;
@@ -430,10 +430,13 @@ fn deepstack_image_with_a_warm_prefix_on_wgpu_equals_uncached_cpu() -> TestResul
         ..Default::default()
     };
     let config = EngineConfig {
-        block_size: 4,
-        num_blocks: 32,
-        max_tokens_per_step: 3,
-        token_granular_reuse: false,
+        scheduler: SchedulerConfig {
+            block_size: 4,
+            num_blocks: 32,
+            max_tokens_per_step: 3,
+            token_granular_reuse: false,
+            ..Default::default()
+        },
         capture: Some(all_captures(model.num_hidden_layers)?.points().to_vec()),
         tokens: Some(OmniTokens::tiny()),
         ..Default::default()
@@ -444,7 +447,11 @@ fn deepstack_image_with_a_warm_prefix_on_wgpu_equals_uncached_cpu() -> TestResul
     engine.run(request(&[30, 31, 32, 33]))?;
     let got = engine.run(request(&main_tail))?;
     assert_eq!(got.num_cached_tokens, 16, "the match ends inside the image rows 6..18");
-    let cpu_config = EngineConfig { cache: false, max_tokens_per_step: 4096, ..config };
+    let cpu_config = EngineConfig {
+        scheduler: SchedulerConfig { max_tokens_per_step: 4096, ..config.scheduler },
+        cache: false,
+        ..config
+    };
     let mut cpu =
         Engine::new(Arc::new(CpuBackend), Arc::new(Thinker::random(&CpuBackend, model, 5)?), cpu_config)?;
     let want = cpu.run(request(&main_tail))?;

@@ -29,7 +29,7 @@ use omniprefix::index::ValidationPolicy;
 use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::{CanonicalPrompt, OmniTokens, PromptBuilder};
-use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 
 /// What a soak run drives.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -309,7 +309,7 @@ pub fn run_soak(options: &SoakOptions) -> Result<SoakReport> {
         block_size: bs,
         max_tokens_per_step: 8192,
         max_seqs_per_step: options.concurrency,
-        prefill_cap: None,
+        prefill_cap: PrefillCap::Off,
         token_granular_reuse: true,
     };
     let index = RadixIndex::new(RadixConfig { block_size: bs })?;

@@ -19,6 +19,7 @@ use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView}
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Output, Request, millis};
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::{OmniTokens, TenantSalt};
+use omniprefix::sched::SchedulerConfig;
 
 /// What to measure.
 #[derive(Debug, Clone, PartialEq)]
@@ -243,11 +244,14 @@ impl<B: Backend> Bench<B> {
         // Room for three prompts at once; older runs' entries are evicted (LRU).
         let num_blocks = (3 * max_prompt.div_ceil(block_size)).max(64);
         let config = EngineConfig {
-            block_size,
-            num_blocks,
+            scheduler: SchedulerConfig {
+                block_size,
+                num_blocks,
+                max_tokens_per_step: max_prompt.max(1),
+                ..Default::default()
+            },
             capture,
             cache,
-            max_tokens_per_step: max_prompt.max(1),
             tokens: self.tokens.clone(),
             kv_dtype: self.options.kv_dtype,
             ..Default::default()

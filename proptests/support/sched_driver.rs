@@ -28,7 +28,7 @@ use omniprefix::error::RequestError;
 use omniprefix::events::KvEvent;
 use omniprefix::index::block_hash::FleetHasher;
 use omniprefix::prompt::{Atom, CanonicalPrompt};
-use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 
 /// `PROPTEST_CASES` cases (default `default_cases`), no failure files (integration
@@ -57,8 +57,12 @@ pub fn scheduler_config(
                     block_size,
                     max_tokens_per_step,
                     max_seqs_per_step,
-                    // Any cap from 1 to the budget, or none.
-                    prefill_cap: cap.map(|c| 1 + c % max_tokens_per_step),
+                    // Any cap from 1 to the budget, the default's, or none.
+                    prefill_cap: match cap {
+                        Some(c) if c % 8 == 7 => PrefillCap::Auto,
+                        Some(c) => PrefillCap::Tokens(1 + c % max_tokens_per_step),
+                        None => PrefillCap::Off,
+                    },
                     token_granular_reuse,
                 }
             },
@@ -497,7 +501,7 @@ impl<R: Runner> Machine<R> {
         before: &HashMap<RequestId, (bool, usize)>,
     ) -> Result<(), TestCaseError> {
         let cfg = *self.sched.config();
-        let Some(cap) = cfg.prefill_cap else { return Ok(()) };
+        let Some(cap) = cfg.prefill_cap_tokens() else { return Ok(()) };
         prop_assert!(
             cap >= 1 && cap <= cfg.max_tokens_per_step,
             "prefill cap {} outside 1..={}",

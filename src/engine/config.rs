@@ -23,23 +23,12 @@ pub enum IndexKind {
 /// Sizes and switches of an [`Engine`](super::Engine).
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// Tokens per KV block (default 16).
-    pub block_size: usize,
-    /// Blocks in the KV pool (default 1024); a request needing more is rejected.
-    pub num_blocks: usize,
+    /// The scheduler's sizes: KV blocks and their size, the step budget, the
+    /// prefill cap, token-granular reuse (see [`SchedulerConfig`]; its own
+    /// defaults). A request needing more blocks than the pool holds is rejected.
+    pub scheduler: SchedulerConfig,
     /// Captured hidden states; `None` = `hidden.0`, `hidden.<L/2>`, `final`.
     pub capture: Option<Vec<CaptureName>>,
-    /// Chunked-prefill budget: new tokens per step across all requests (default 2048).
-    pub max_tokens_per_step: usize,
-    /// Requests per step (default 8).
-    pub max_seqs_per_step: usize,
-    /// Prefill tokens a step that carries decode tokens may add, so long
-    /// prompts are chunked across steps instead of stalling decodes (see
-    /// [`SchedulerConfig::prefill_cap`]). `None` (default): a thirty-second of
-    /// `max_tokens_per_step` (64 of 2048; `scripts/prefill_policy.sh` measured 32, 64 and 128); `Some(max_tokens_per_step)`: uncapped.
-    pub prefill_cap: Option<usize>,
-    /// Reuse a match that ends inside a block by copying that block (default on).
-    pub token_granular_reuse: bool,
     /// Prefix caching on (default). Off: every request runs under its own
     /// private tenant, so nothing is ever shared, and the path is otherwise identical.
     pub cache: bool,
@@ -88,30 +77,13 @@ impl EngineConfig {
             .into()),
         }
     }
-
-    /// The scheduler's part of this configuration.
-    pub fn scheduler_config(&self) -> SchedulerConfig {
-        SchedulerConfig {
-            num_blocks: self.num_blocks,
-            block_size: self.block_size,
-            max_tokens_per_step: self.max_tokens_per_step,
-            max_seqs_per_step: self.max_seqs_per_step,
-            prefill_cap: Some(self.prefill_cap.unwrap_or((self.max_tokens_per_step / 32).max(1))),
-            token_granular_reuse: self.token_granular_reuse,
-        }
-    }
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            block_size: 16,
-            num_blocks: 1024,
+            scheduler: SchedulerConfig::default(),
             capture: None,
-            max_tokens_per_step: 2048,
-            max_seqs_per_step: 8,
-            prefill_cap: None,
-            token_granular_reuse: true,
             cache: true,
             index: IndexKind::Radix,
             validation: ValidationPolicy::default(),

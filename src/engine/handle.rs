@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 
+use super::channel::{Command, Flow, HandleEvent};
 use super::output::{Event, Output};
-use super::served::{Command, Flow, HandleEvent};
 use crate::batch::RequestId;
 use crate::error::{Result, SchedError};
 

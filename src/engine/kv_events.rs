@@ -39,10 +39,11 @@ pub(super) fn start(
 /// use omniprefix::engine::{Engine, EngineConfig, Request, request_block_hashes};
 /// use omniprefix::events::KvEventsConfig;
 /// use omniprefix::model::Config;
+/// use omniprefix::sched::SchedulerConfig;
 ///
 /// let key = FingerprintKey::fixed(5);
 /// let events = KvEventsConfig { endpoint: "tcp://127.0.0.1:0".into(), ..Default::default() };
-/// let config = EngineConfig { block_size: 4, fingerprint_key: key.clone(), kv_events: Some(events), ..Default::default() };
+/// let config = EngineConfig { scheduler: SchedulerConfig { block_size: 4, ..Default::default() }, fingerprint_key: key.clone(), kv_events: Some(events), ..Default::default() };
 /// let mut engine = Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, config)?;
 /// engine.run(Request::text((0..10).collect()))?;
 /// let frontend = request_block_hashes(&Request::text((0..10).collect()), &key, 4, engine.tokens())?;

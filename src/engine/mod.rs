@@ -19,6 +19,7 @@
 //! `num_cached_tokens`, never the outputs. A generation's reply enters the
 //! cache like its prompt, so the next round hits.
 
+mod channel;
 mod config;
 mod generation;
 mod handle;
@@ -53,13 +54,15 @@ use crate::sched::{RequestChecks, Scheduler};
 use lifecycle::Pending;
 use prepare::Preparer;
 
+pub use channel::{HandleEvent, ReadySender};
 pub use config::{EngineConfig, EngineStats, IndexKind};
 pub use handle::{Aborter, RequestHandle};
 pub use kv_events::request_block_hashes;
 pub use output::{Event, Output, Timings, TokenEvent};
 pub use prepare::{Prepared, SharedEncoder};
 pub use request::{Encoder, EncoderOutput, ItemInput, PlaceholderForm, Request, Task};
-pub use served::{FAULT_STEP_PANIC_ENV, HandleEvent, ReadySender, ServedEngine, ServedOptions};
+pub use served::{ServedEngine, ServedOptions};
+pub use step_loop::FAULT_STEP_PANIC_ENV;
 
 /// A thinker stage with prefix caching: the synchronous core. Prepare and
 /// submit requests, step, read events; or [`run`](Engine::run) one request to
@@ -69,9 +72,10 @@ pub use served::{FAULT_STEP_PANIC_ENV, HandleEvent, ReadySender, ServedEngine, S
 /// use omniprefix::engine::{Engine, EngineConfig, Request};
 /// use omniprefix::model::Config;
 /// use omniprefix::sample::SamplingParams;
+/// use omniprefix::sched::SchedulerConfig;
 ///
 /// let model = Config::tiny_qwen3(32, 2, 4, 2, 600);
-/// let mut engine = Engine::random(model, 1, EngineConfig { block_size: 4, ..Default::default() })?;
+/// let mut engine = Engine::random(model, 1, EngineConfig { scheduler: SchedulerConfig { block_size: 4, ..Default::default() }, ..Default::default() })?;
 /// let first = engine.run(Request::text((0..10).collect()))?;
 /// let second = engine.run(Request::text((0..14).collect()))?;
 /// assert_eq!(first.num_cached_tokens, 0);
@@ -148,10 +152,12 @@ impl<B: Backend> Engine<B> {
             None => CaptureSpec::default_for(model.num_hidden_layers),
         };
         let index: Box<dyn PrefixIndex> = match config.index {
-            IndexKind::Radix => Box::new(RadixIndex::new(RadixConfig { block_size: config.block_size })?),
-            IndexKind::HashChain => Box::new(HashChainIndex::new(config.block_size)?),
+            IndexKind::Radix => {
+                Box::new(RadixIndex::new(RadixConfig { block_size: config.scheduler.block_size })?)
+            }
+            IndexKind::HashChain => Box::new(HashChainIndex::new(config.scheduler.block_size)?),
         };
-        let sched = Scheduler::new(config.scheduler_config(), index)?;
+        let sched = Scheduler::new(config.scheduler, index)?;
         // Preparation checks every request against this model (vocabulary,
         // widths, DeepStack levels, context, tenant), so the runner trusts the batches.
         let mut checks = RequestChecks::default().with_model(ModelShape::of(&model));
@@ -162,7 +168,7 @@ impl<B: Backend> Engine<B> {
             checks = checks.with_known_tenants(tenants.iter().copied());
         }
         let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(config.kv_dtype);
-        let pages = runner.alloc_pages(config.num_blocks, config.block_size)?;
+        let pages = runner.alloc_pages(config.scheduler.num_blocks, config.scheduler.block_size)?;
         // Last, so a failure above does not wait out a publisher's linger.
         let (sched, publisher) = kv_events::start(sched, &config, runner.backend().name())?;
         let tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
@@ -254,8 +260,9 @@ impl<B: Backend> Engine<B> {
     /// ```
     /// use omniprefix::engine::{Engine, EngineConfig, Request};
     /// use omniprefix::model::Config;
+    /// use omniprefix::sched::SchedulerConfig;
     ///
-    /// let mut engine = Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, EngineConfig { block_size: 4, ..Default::default() })?;
+    /// let mut engine = Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, EngineConfig { scheduler: SchedulerConfig { block_size: 4, ..Default::default() }, ..Default::default() })?;
     /// engine.run(Request::text((0..10).collect()))?;
     /// engine.run(Request::text((0..14).collect()))?;
     /// let text = engine.metrics()?;
@@ -271,7 +278,7 @@ impl<B: Backend> Engine<B> {
         let reading = metrics::Reading {
             stats: &stats,
             running,
-            num_blocks: self.config.num_blocks,
+            num_blocks: self.config.scheduler.num_blocks,
             kv_events_dropped,
         };
         metrics::render(&self.latencies, reading)

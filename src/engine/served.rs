@@ -16,18 +16,18 @@
 //! Dropping a handle before its request finished aborts the request.
 
 use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::{self, Sender, SyncSender};
+use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
+use super::channel::{Command, Core, Flow, ReadySender, Route, dead, stopped};
 use super::handle::RequestHandle;
-use super::output::Event;
 use super::prepare::{Prepared, Preparer};
 use super::request::Request;
+use super::step_loop::FAULT_STEP_PANIC_ENV;
 use super::{Engine, EngineConfig, EngineStats};
 use crate::backend::Backend;
-use crate::batch::RequestId;
-use crate::error::{Error, InvariantViolation, Result, SchedError};
+use crate::error::{Error, Result, SchedError};
 use crate::events::PublisherStats;
 use crate::model::{CaptureSpec, Config};
 use crate::prompt::OmniTokens;
@@ -45,10 +45,6 @@ pub struct ServedOptions {
     pub fault_step_panic: Option<u64>,
 }
 
-/// The environment variable the default [`ServedOptions`] reads its test-only
-/// step fault from (debug builds; see [`ServedOptions::fault_step_panic`]).
-pub const FAULT_STEP_PANIC_ENV: &str = "OMNIPREFIX_FAULT_STEP_PANIC";
-
 impl Default for ServedOptions {
     fn default() -> Self {
         let fault_step_panic = if cfg!(debug_assertions) {
@@ -58,136 +54,6 @@ impl Default for ServedOptions {
         };
         ServedOptions { buffer_events: 256, fault_step_panic }
     }
-}
-
-/// What a handle yields: the request's next event, or the error that ended it.
-pub type HandleEvent = Result<Event>;
-
-/// What the loop needs of a core, whatever its backend.
-pub(super) trait Core: Send {
-    fn submit_prepared(&mut self, prepared: Prepared) -> Result<RequestId>;
-    fn step(&mut self) -> Result<Vec<Event>>;
-    fn abort(&mut self, id: RequestId) -> Result<()>;
-    fn hold(&mut self, id: RequestId, held: bool) -> Result<()>;
-    fn has_runnable(&self) -> bool;
-    fn is_pending(&self, id: RequestId) -> bool;
-    fn stats(&self) -> EngineStats;
-    fn validate(&self) -> std::result::Result<(), InvariantViolation>;
-    fn reset_cache(&mut self) -> Result<usize>;
-    fn cached_block_hashes(&self) -> Vec<u64>;
-    fn kv_events_stats(&self) -> Option<PublisherStats>;
-    fn metrics(&self) -> Result<String>;
-    /// After a panic: tells routers every published block is gone, and stops publishing.
-    fn withdraw_kv_events(&mut self);
-}
-
-impl<B: Backend> Core for Engine<B>
-where
-    Engine<B>: Send,
-{
-    fn submit_prepared(&mut self, prepared: Prepared) -> Result<RequestId> {
-        Engine::submit_prepared(self, prepared)
-    }
-    fn step(&mut self) -> Result<Vec<Event>> {
-        Engine::step(self)
-    }
-    fn abort(&mut self, id: RequestId) -> Result<()> {
-        Engine::abort(self, id)
-    }
-    fn hold(&mut self, id: RequestId, held: bool) -> Result<()> {
-        Engine::hold(self, id, held)
-    }
-    fn has_runnable(&self) -> bool {
-        Engine::has_runnable(self)
-    }
-    fn is_pending(&self, id: RequestId) -> bool {
-        Engine::is_pending(self, id)
-    }
-    fn stats(&self) -> EngineStats {
-        Engine::stats(self)
-    }
-    fn metrics(&self) -> Result<String> {
-        Engine::metrics(self)
-    }
-    fn validate(&self) -> std::result::Result<(), InvariantViolation> {
-        Engine::validate(self)
-    }
-    fn reset_cache(&mut self) -> Result<usize> {
-        Engine::reset_cache(self)
-    }
-    fn cached_block_hashes(&self) -> Vec<u64> {
-        Engine::cached_block_hashes(self)
-    }
-    fn kv_events_stats(&self) -> Option<PublisherStats> {
-        Engine::kv_events_stats(self)
-    }
-    fn withdraw_kv_events(&mut self) {
-        Engine::withdraw_kv_events(self)
-    }
-}
-
-/// A call run on the loop's thread between two steps.
-pub(super) type Call = Box<dyn FnOnce(&mut dyn Core) + Send>;
-
-pub(super) enum Command {
-    /// `ready`: where the route tells the request's id (set once it has one).
-    Submit {
-        prepared: Prepared,
-        route: Route,
-        ready: Option<ReadySender>,
-        reply: SyncSender<Result<RequestId>>,
-    },
-    Abort(RequestId),
-    Release(RequestId),
-    Call(Call),
-    /// Abort everything and end the loop.
-    Shutdown,
-}
-
-/// Where a request's events go.
-pub(super) struct Route {
-    pub(super) events: async_channel::Sender<HandleEvent>,
-    pub(super) flow: Arc<Flow>,
-    /// Told the request's id after each event and when the route closes.
-    pub(super) ready: Option<(RequestId, ReadySender)>,
-}
-
-impl Route {
-    /// Hands `event` to the handle (an error once the handle is gone) and tells
-    /// the reader watching it, if any.
-    pub(super) fn send(&self, event: HandleEvent) -> std::result::Result<(), ()> {
-        let sent = self.events.try_send(event).map_err(|_| ());
-        self.notify();
-        sent
-    }
-
-    fn notify(&self) {
-        if let Some((id, ready)) = &self.ready {
-            let _ = ready.send(*id);
-        }
-    }
-}
-
-impl Drop for Route {
-    /// A closed route ends its handle's stream: its watcher must look once more.
-    fn drop(&mut self) {
-        self.events.close();
-        self.notify();
-    }
-}
-
-/// Where a served engine tells one reader which of its requests have events to
-/// read (see [`ServedEngine::submit_prepared_notify`]): one thread can then
-/// serve any number of handles, reading each with [`RequestHandle::try_recv`].
-/// An id may be told more than once, and after its stream ended.
-pub type ReadySender = Sender<RequestId>;
-
-/// Backpressure state shared by the loop and a handle.
-pub(super) struct Flow {
-    /// Set by the loop when the buffer filled; cleared by the reader, which
-    /// then asks the loop to release the request.
-    pub(super) held: AtomicBool,
-    pub(super) capacity: usize,
 }
 
 /// Facts about the model that never change, readable without the loop.
@@ -204,8 +70,9 @@ struct Facts {
 /// use omniprefix::engine::{Engine, EngineConfig, Event, Request, ServedOptions};
 /// use omniprefix::model::Config;
 /// use omniprefix::sample::SamplingParams;
+/// use omniprefix::sched::SchedulerConfig;
 ///
-/// let engine = Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, EngineConfig { block_size: 4, ..Default::default() })?;
+/// let engine = Engine::random(Config::tiny_qwen3(32, 2, 4, 2, 600), 1, EngineConfig { scheduler: SchedulerConfig { block_size: 4, ..Default::default() }, ..Default::default() })?;
 /// let served = engine.serve(ServedOptions::default())?;
 /// let prefill = served.submit(Request::text((0..10).collect()))?;
 /// let mut stream = served.submit(Request::text((0..12).collect()).generate(SamplingParams::greedy(5)))?;
@@ -293,7 +160,7 @@ impl ServedEngine {
         let flow = Arc::new(Flow { held: AtomicBool::new(false), capacity: self.options.buffer_events });
         let (reply, answer) = mpsc::sync_channel(1);
         let route = Route { events: tx, flow: Arc::clone(&flow), ready: None };
-        self.send(Command::Submit { prepared, route, ready, reply })?;
+        self.send(Command::Submit { prepared: Box::new(prepared), route, ready, reply })?;
         let id = answer.recv().map_err(|_| self.stopped())??;
         Ok(RequestHandle::new(id, rx, flow, self.commands.clone()))
     }
@@ -397,13 +264,4 @@ impl Drop for ServedEngine {
             let _ = thread.join();
         }
     }
-}
-
-pub(super) fn stopped() -> Error {
-    SchedError::Stopped { reason: "the engine's loop has stopped".into() }.into()
-}
-
-/// The error every call of a dead engine gets.
-pub(super) fn dead(reason: &str) -> Error {
-    SchedError::EngineDead { reason: format!("a step panicked: {reason}") }.into()
 }

@@ -8,10 +8,14 @@ use std::sync::{Arc, OnceLock};
 
 use fxhash::FxHashMap;
 
+use super::channel::{Command, Core, Route, dead};
 use super::output::Event;
-use super::served::{Command, Core, Route, dead};
 use crate::batch::RequestId;
 use crate::error::{Error, SchedError};
+
+/// The environment variable the default [`ServedOptions`](super::ServedOptions) reads its test-only
+/// step fault from (debug builds; see [`ServedOptions::fault_step_panic`](super::ServedOptions::fault_step_panic)).
+pub const FAULT_STEP_PANIC_ENV: &str = "OMNIPREFIX_FAULT_STEP_PANIC";
 
 /// What the loop shares with its [`ServedEngine`](super::ServedEngine), and its test fault.
 pub(super) struct LoopState {
@@ -55,7 +59,7 @@ pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>, state: Loop
         steps += 1;
         let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             if fault == Some(steps) {
-                panic!("test fault: step {steps} panics ({})", super::served::FAULT_STEP_PANIC_ENV);
+                panic!("test fault: step {steps} panics ({FAULT_STEP_PANIC_ENV})");
             }
             core.step()
         }));
@@ -88,7 +92,7 @@ fn die(
 fn handle_command(core: &mut dyn Core, routes: &mut FxHashMap<RequestId, Route>, command: Command) {
     match command {
         Command::Submit { prepared, mut route, ready, reply } => {
-            let admitted = core.submit_prepared(prepared);
+            let admitted = core.submit_prepared(*prepared);
             if let Ok(id) = admitted {
                 route.ready = ready.map(|ready| (id, ready));
                 routes.insert(id, route);

@@ -76,7 +76,7 @@ use events::EventLog;
 
 pub use admission::{Checked, RequestChecks};
 
-pub use config::{SchedulerConfig, SchedulerStats};
+pub use config::{PrefillCap, SchedulerConfig, SchedulerStats};
 pub use request::Request;
 
 /// The scheduler's prefix index answered against the [`PrefixIndex`]
@@ -139,7 +139,7 @@ struct Tracked {
 /// ```
 /// use omniprefix::index::radix::{RadixConfig, RadixIndex};
 /// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
-/// use omniprefix::sched::{Request, Scheduler, SchedulerConfig};
+/// use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 ///
 /// let text = |id, ids: Vec<u32>| Request {
 ///     id,
@@ -160,7 +160,7 @@ struct Tracked {
 ///     block_size: 4,
 ///     max_tokens_per_step: 6,
 ///     max_seqs_per_step: 2,
-///     prefill_cap: None,
+///     prefill_cap: PrefillCap::Off,
 ///     token_granular_reuse: true,
 /// };
 /// let index = RadixIndex::new(RadixConfig { block_size: 4 })?;
@@ -209,7 +209,7 @@ impl Scheduler {
         positive("block_size", config.block_size)?;
         positive("max_tokens_per_step", config.max_tokens_per_step)?;
         positive("max_seqs_per_step", config.max_seqs_per_step)?;
-        if let Some(cap) = config.prefill_cap {
+        if let Some(cap) = config.prefill_cap_tokens() {
             positive("prefill_cap", cap)?;
             if cap > config.max_tokens_per_step {
                 return Err(ConfigError::Invalid {

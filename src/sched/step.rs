@@ -37,7 +37,7 @@ impl Scheduler {
         self.schedule_running(&decodes, &mut budget, &mut long, &mut batch)?;
         // A step that carries decode tokens adds at most `prefill_cap` prefill tokens.
         if !batch.seqs.is_empty() {
-            budget = budget.min(self.config.prefill_cap.unwrap_or(usize::MAX));
+            budget = budget.min(self.config.prefill_cap_tokens().unwrap_or(usize::MAX));
         }
         self.schedule_running(&prefills, &mut budget, &mut long, &mut batch)?;
         while let Some(&id) = self.waiting.front() {
@@ -272,7 +272,7 @@ impl LongPrefills {
     /// The step's slot under `config`: a threshold only while
     /// [`SchedulerConfig::long_prefills_per_step`](super::SchedulerConfig::long_prefills_per_step) limits long prompts.
     fn new(config: &super::SchedulerConfig) -> Self {
-        let cap = config.long_prefills_per_step().and(config.prefill_cap);
+        let cap = config.long_prefills_per_step().and(config.prefill_cap_tokens());
         LongPrefills { cap, taken: false }
     }
 

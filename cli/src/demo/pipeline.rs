@@ -22,6 +22,7 @@ use omniprefix::index::hashchain::hash_mm_item;
 use omniprefix::model::{CaptureName, Thinker};
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::SamplingParams;
+use omniprefix::sched::SchedulerConfig;
 
 /// Tokens per KV block in every way.
 pub const BLOCK_SIZE: usize = 16;
@@ -132,10 +133,13 @@ fn way_engine<B: Backend>(
     // Room for every prompt's blocks at once, plus a copy-on-write block each.
     let num_blocks = tokens.div_ceil(BLOCK_SIZE) * 2 + 2 * requests + waves;
     let config = EngineConfig {
-        block_size: BLOCK_SIZE,
-        num_blocks,
-        max_tokens_per_step: inputs.max_tokens_per_step,
-        max_seqs_per_step: MAX_SEQS_PER_STEP,
+        scheduler: SchedulerConfig {
+            block_size: BLOCK_SIZE,
+            num_blocks,
+            max_tokens_per_step: inputs.max_tokens_per_step,
+            max_seqs_per_step: MAX_SEQS_PER_STEP,
+            ..EngineConfig::default().scheduler
+        },
         cache: way != Way::NoCache,
         index: if way == Way::HashChain { IndexKind::HashChain } else { IndexKind::Radix },
         fingerprint_key: inputs.fingerprint_key.clone(),

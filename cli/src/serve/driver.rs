@@ -30,6 +30,7 @@ use super::{
 use crate::error::Result;
 use crate::ttft::{Media, map_ids, text_id_limit};
 use crate::workloads::{ChatTurn, conversation_turns, prefix_repetition_prompts, reply_for_history};
+use omniprefix::sched::{PrefillCap, SchedulerConfig};
 
 /// Requests that run in order (a conversation's rounds), all of one tenant.
 #[derive(Debug, Clone)]
@@ -118,13 +119,16 @@ impl<B: Backend + 'static> Serve<'_, B> {
         // Every sequence in flight twice over (copy-on-write, reply blocks) plus the shared prefixes.
         let num_blocks = (2 * in_flight + o.num_prefixes) * longest.div_ceil(o.block_size) + 64;
         let config = EngineConfig {
-            block_size: o.block_size,
-            num_blocks,
+            scheduler: SchedulerConfig {
+                block_size: o.block_size,
+                num_blocks,
+                max_seqs_per_step: o.max_seqs,
+                max_tokens_per_step: o.max_tokens_per_step,
+                prefill_cap: o.prefill_cap.map_or(PrefillCap::Auto, PrefillCap::Tokens),
+                ..Default::default()
+            },
             capture: Some(Vec::new()),
             cache,
-            max_seqs_per_step: o.max_seqs,
-            max_tokens_per_step: o.max_tokens_per_step,
-            prefill_cap: o.prefill_cap,
             tokens: Some(self.tokens.clone()),
             kv_dtype: o.kv_dtype,
             fingerprint_key: o.fingerprint_key.clone(),
@@ -183,7 +187,10 @@ impl<B: Backend + 'static> Serve<'_, B> {
                     let (caller, finished) = (&caller, finished.clone());
                     // One caller thread per request in flight: it prepares the request
                     // (fingerprints, encoder calls) and reads its stream, as a client would.
-                    scope.spawn(move || finished.send(caller.request(job)));
+                    // A send fails only when the run already ended on an error.
+                    scope.spawn(move || {
+                        let _ = finished.send(caller.request(job));
+                    });
                     in_flight += 1;
                 }
                 if dispatcher.done() {
@@ -217,14 +224,14 @@ impl<B: Backend + 'static> Serve<'_, B> {
                 end = end.max(d.at);
             }
         })?;
-        let sched = served.config().scheduler_config();
+        let sched = served.config().scheduler;
         let facts = RunFacts {
             workload: &workload.to_string(),
             backend: self.backend.name(),
             cache,
             arrival,
             max_tokens_per_step: sched.max_tokens_per_step,
-            prefill_cap: sched.prefill_cap.unwrap_or(sched.max_tokens_per_step),
+            prefill_cap: sched.prefill_cap_tokens().unwrap_or(sched.max_tokens_per_step),
             long_prefills_per_step: sched.long_prefills_per_step(),
             duration: end.saturating_duration_since(start).max(Duration::from_nanos(1)),
             encoder_ms: o.encoder_ms,
