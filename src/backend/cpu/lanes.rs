@@ -119,6 +119,7 @@ impl Simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2(l) => unsafe { run_wide_avx2(l, kernel) },
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: the `Avx512` token proves the CPU has the entry point's features.
             Simd::Avx512(z) => unsafe { run_avx512(z, kernel) },
         }
     }
@@ -427,44 +428,54 @@ mod avx2 {
         type V = __m256;
         #[inline(always)]
         fn zero(self) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_setzero_ps() }
         }
         #[inline(always)]
         fn splat(self, x: f32) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_set1_ps(x) }
         }
         #[inline(always)]
         unsafe fn load(self, p: *const f32) -> __m256 {
+            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
             unsafe { _mm256_loadu_ps(p) }
         }
         #[inline(always)]
         unsafe fn splat_at(self, p: *const f32) -> __m256 {
+            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
             unsafe { _mm256_broadcast_ss(&*p) }
         }
         #[inline(always)]
         unsafe fn store(self, p: *mut f32, v: __m256) {
+            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
             unsafe { _mm256_storeu_ps(p, v) }
         }
         #[inline(always)]
         fn to_array(self, v: __m256) -> [f32; 8] {
             let mut a = [0.0f32; 8];
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU. `a` holds 8 floats.
             unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
             a
         }
         #[inline(always)]
         fn add(self, a: __m256, b: __m256) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_add_ps(a, b) }
         }
         #[inline(always)]
         fn sub(self, a: __m256, b: __m256) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_sub_ps(a, b) }
         }
         #[inline(always)]
         fn mul(self, a: __m256, b: __m256) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_mul_ps(a, b) }
         }
         #[inline(always)]
         fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
@@ -488,14 +499,17 @@ mod avx2 {
         fn max(self, a: __m256, b: __m256) -> __m256 {
             // `b > a ? b : a`, like the portable lanes (maxps returns its second operand
             // unless the first is greater).
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_max_ps(b, a) }
         }
         #[inline(always)]
         fn select_lt(self, a: __m256, b: __m256, x: __m256, y: __m256) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_LT_OQ>(a, b)) }
         }
         #[inline(always)]
         fn keep_first(self, v: __m256, n: usize, fill: f32) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe {
                 let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
                 let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), idx));
@@ -508,6 +522,7 @@ mod avx2 {
         }
         #[inline(always)]
         fn transpose8(self, x: [__m256; 8]) -> [__m256; 8] {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe {
                 let t0 = _mm256_unpacklo_ps(x[0], x[1]);
                 let t1 = _mm256_unpackhi_ps(x[0], x[1]);
@@ -539,7 +554,7 @@ mod avx2 {
         }
         #[inline(always)]
         fn prefetch(self, p: *const f32) {
-            // A prefetch never faults, whatever the address.
+            // SAFETY: a prefetch never faults, whatever the address; SSE is baseline on x86_64.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
     }
@@ -561,12 +576,14 @@ mod avx2_wide {
         #[inline(always)]
         unsafe fn load_bf16(self, p: *const half::bf16) -> __m256 {
             // bf16 is the top half of an f32: widen to 32 bits, shift up.
+            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
             unsafe {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
             }
         }
         #[inline(always)]
         unsafe fn load_f16(self, p: *const half::f16) -> __m256 {
+            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
             unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
         }
         #[inline(always)]
@@ -578,10 +595,12 @@ mod avx2_wide {
     impl ExpBits for Avx2 {
         #[inline(always)]
         fn clamp(self, x: __m256, lo: f32, hi: f32) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe { _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi)) }
         }
         #[inline(always)]
         fn pow2(self, t: __m256, round: f32) -> __m256 {
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe {
                 let n = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(round.to_bits() as i32));
                 _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127))))
@@ -623,22 +642,27 @@ mod avx512 {
         }
         #[inline(always)]
         fn zero(self) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_setzero_ps() }
         }
         #[inline(always)]
         fn splat(self, x: f32) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_set1_ps(x) }
         }
         #[inline(always)]
         unsafe fn splat_at(self, p: *const f32) -> __m512 {
+            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
             unsafe { _mm512_set1_ps(*p) }
         }
         #[inline(always)]
         unsafe fn load(self, p: *const f32) -> __m512 {
+            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
             unsafe { _mm512_loadu_ps(p) }
         }
         #[inline(always)]
         unsafe fn load_bf16(self, p: *const half::bf16) -> __m512 {
+            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
             unsafe {
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
                     p.cast(),
@@ -647,40 +671,48 @@ mod avx512 {
         }
         #[inline(always)]
         unsafe fn load_f16(self, p: *const half::f16) -> __m512 {
+            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
             unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
         }
         #[inline(always)]
         fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
         unsafe fn store(self, p: *mut f32, v: __m512) {
+            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
             unsafe { _mm512_storeu_ps(p, v) }
         }
         #[inline(always)]
         fn prefetch(self, p: *const u8) {
-            // A prefetch never faults, whatever the address.
+            // SAFETY: a prefetch never faults, whatever the address; SSE is baseline on x86_64.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
         #[inline(always)]
         fn add(self, a: __m512, b: __m512) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_add_ps(a, b) }
         }
         #[inline(always)]
         fn sub(self, a: __m512, b: __m512) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_sub_ps(a, b) }
         }
         #[inline(always)]
         fn mul(self, a: __m512, b: __m512) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_mul_ps(a, b) }
         }
         #[inline(always)]
         fn max(self, a: __m512, b: __m512) -> __m512 {
             // `b > a ? b : a` (maxps returns its second operand unless the first is greater).
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_max_ps(b, a) }
         }
         #[inline(always)]
         fn select_lt(self, a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), y, x) }
         }
         #[inline(always)]
@@ -692,10 +724,12 @@ mod avx512 {
     impl ExpBits for Avx512 {
         #[inline(always)]
         fn clamp(self, x: __m512, lo: f32, hi: f32) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe { _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi)) }
         }
         #[inline(always)]
         fn pow2(self, t: __m512, round: f32) -> __m512 {
+            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
             unsafe {
                 let n = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(round.to_bits() as i32));
                 _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127))))

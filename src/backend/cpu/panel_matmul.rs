@@ -127,6 +127,7 @@ pub(crate) fn row_f32<T: Element>(data: &[T], k: usize, j: usize) -> impl Iterat
 struct Out(*mut f32);
 // SAFETY: tasks write disjoint elements (distinct tiles), and the output outlives the parallel loop.
 unsafe impl Send for Out {}
+// SAFETY: as for Send: no two tasks touch one element, and none reads another's.
 unsafe impl Sync for Out {}
 
 /// `x @ w^T` restricted to output columns `cols`: `x [m, k]` f32, `data` a packed
@@ -305,6 +306,7 @@ unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize>(
         }
         // SAFETY: c < k, so each load stays inside its panel.
         let wv: [[W::V; NV]; P] = std::array::from_fn(|q| {
+            // SAFETY: `c * PANEL + v * WIDTH` stays inside the panel, which holds `k * PANEL` weights.
             std::array::from_fn(|v| unsafe { T::load(w, panel[q].add(c * PANEL + v * W::WIDTH)) })
         });
         for (a, xp) in acc.iter_mut().zip(&x) {

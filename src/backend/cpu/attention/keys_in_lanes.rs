@@ -32,6 +32,7 @@ unsafe fn weigh<L: Lanes, const R: usize, const DV: usize>(
     dv0: usize,
 ) {
     let mut a = [[l.zero(); DV]; R];
+    // SAFETY: the caller keeps the contract above: every row and key pointer is in bounds.
     unsafe {
         for r in 0..R {
             for d in 0..DV {
@@ -78,6 +79,7 @@ unsafe fn weigh_all<L: Lanes, const R: usize, const DV: usize>(
 ) {
     let nv = hd / 8;
     let mut dv0 = 0;
+    // SAFETY: as `weigh`, which this calls with `dv0 + DV <= hd / 8`.
     unsafe {
         while dv0 + DV <= nv {
             weigh::<L, R, DV>(l, acc, p, alpha, vals, keys.clone(), dv0);
@@ -187,7 +189,9 @@ pub(super) fn run<L: Lanes>(l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job)
                 1
             };
             let common = limit[r].saturating_sub(j0).min(KEY_TILE);
+            // SAFETY: `r + i < nrows` and `acc` holds `nrows` rows of `hd` floats.
             let a = |i: usize| unsafe { ap.add((r + i) * hd) };
+            // SAFETY: `r + i < nrows` and `p` holds `nrows` rows of `KEY_TILE` floats.
             let pr = |i: usize| unsafe { pp.add((r + i) * KEY_TILE) };
             let al = |i: usize| alpha[r + i];
             // SAFETY: acc rows hold hd floats, p rows KEY_TILE, vals[..n] hold hd floats.

@@ -62,6 +62,7 @@ unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(
         // SAFETY: d < hd rows of qt, WIDTH·RV lanes from rv0 < rpad; key rows hold hd floats.
         let qv: [W::V; RV] = std::array::from_fn(|v| unsafe { w.load(qt.add(d * rpad + v * W::WIDTH)) });
         for i in 0..NK {
+            // SAFETY: `d < hd` and each key row holds `hd` floats (the caller's contract).
             let kb = unsafe { w.splat_at(kp[i].add(d)) };
             for v in 0..RV {
                 acc[i][v] = w.mul_add(kb, qv[v], acc[i][v]);
@@ -70,6 +71,7 @@ unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(
     }
     for i in 0..NK {
         for v in 0..RV {
+            // SAFETY: `i < NK` rows of `st`, `WIDTH * RV` lanes within `rpad` (the caller's contract).
             unsafe { w.store(st.add(i * rpad + v * W::WIDTH), acc[i][v]) };
         }
     }
@@ -93,6 +95,7 @@ unsafe fn qk_rows<W: Wide, const RV: usize>(
 ) {
     let n = keys.len();
     let mut j = 0;
+    // SAFETY: each block reads `NK` keys from `j`, with `j + NK <= n`, and `st` holds `n` rows.
     unsafe {
         if W::WIDTH == 16 && RV == 1 {
             while j + 12 <= n {
@@ -145,6 +148,7 @@ unsafe fn pv_block<W: Wide, const DB: usize, const RV: usize, const MASK: bool>(
     n: [W::V; RV],
 ) {
     let mut a = [[w.zero(); RV]; DB];
+    // SAFETY: the caller keeps the contract above (lanes from `rv0`, `d0 + DB` floats a row).
     unsafe {
         let al: [W::V; RV] = std::array::from_fn(|v| w.load(alpha.add(v * W::WIDTH)));
         for d in 0..DB {
@@ -189,7 +193,9 @@ unsafe fn pv_rows<W: Wide, const RV: usize>(
     n: Option<[W::V; RV]>,
 ) {
     let mut d0 = 0;
+    // SAFETY: `d0 < hd` dim rows of `acc`, each `rpad` floats (the caller's contract).
     let at = |d0: usize| unsafe { acc.add(d0 * rpad) };
+    // SAFETY: each block covers dims `d0 .. d0 + DB <= hd`, within the caller's contract.
     unsafe {
         match n {
             Some(n) => {
@@ -270,6 +276,7 @@ fn fold_tile<W: Wide>(
     // SAFETY (every block below): lane offsets v·WIDTH + WIDTH·RV <= rpad, dim rows < hd,
     // key rows < nk <= KEY_TILE, key/value rows of hd floats (the caller's pointers).
     while v < nvec {
+        // SAFETY: lane offsets `v * WIDTH + WIDTH * RV <= rpad`; key rows < `nk` (see above).
         unsafe {
             if v + 2 <= nvec {
                 qk_rows::<W, 2>(w, qt.add(v * W::WIDTH), rpad, keys, hd, stp.add(v * W::WIDTH));
@@ -282,8 +289,10 @@ fn fold_tile<W: Wide>(
     for v in v0..nvec {
         let mask = masked(st, v);
         let n = w.splat(0.0);
+        // SAFETY: `visible` returns 16 floats, at least `WIDTH`.
         let n = if mask { unsafe { w.load(visible(st, v).as_ptr()) } } else { n };
         let lane = v * W::WIDTH;
+        // SAFETY: `lane + WIDTH <= rpad` and `j < nk <= KEY_TILE` rows of the state (see above).
         unsafe {
             let m_old = w.load(st.m.as_ptr().add(lane));
             let mut mx = m_old;
@@ -311,6 +320,7 @@ fn fold_tile<W: Wide>(
     let mut v = v0;
     while v < nvec {
         let lane = v * W::WIDTH;
+        // SAFETY: lane offsets within `rpad`, dims < `hd`, `nk` rows (see above).
         unsafe {
             if v + 2 <= nvec {
                 let n = (masked(st, v) || masked(st, v + 1))
