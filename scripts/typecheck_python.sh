@@ -40,14 +40,17 @@ timed() {
 }
 
 failed=0
-# From python/, where mypy reads pyproject.toml (files = omniprefix). The cache lives in the venv,
-# whose packages it describes; a warm run takes about a second.
+# Caches in the venv, whose packages they describe: one for each check, since their options differ.
+cache="$venv/typecheck-cache"
+mkdir -p "$cache/stubtest"
+# From python/, where mypy reads pyproject.toml (files = omniprefix). Warm, it takes under a second.
 timed "mypy --strict python/omniprefix" \
-    bash -c 'cd python && exec "$1" -m mypy --cache-dir "$2/.mypy_cache"' _ "$python" "$venv" || failed=1
-# From the repository root, so `import omniprefix._omniprefix` is the installed build (python/ has
-# no compiled module); MYPYPATH points mypy at the source tree's stub rather than the copy the
-# wheel installed, so an edited stub is checked before it is reinstalled.
+    bash -c 'cd python && exec "$1" -m mypy --cache-dir "$2/mypy"' _ "$python" "$cache" || failed=1
+# stubtest takes no cache option and writes .mypy_cache in its working folder: it runs in the
+# venv's, where `import omniprefix._omniprefix` is the installed build (python/ has no compiled
+# module). MYPYPATH points mypy at the source tree's stub rather than the copy the wheel
+# installed, so an edited stub is checked before it is reinstalled.
 timed "stubtest omniprefix._omniprefix" \
-    env MYPYPATH="$repo/python" "$python" -m mypy.stubtest omniprefix._omniprefix \
-    --mypy-config-file python/pyproject.toml || failed=1
+    bash -c 'cd "$1" && MYPYPATH="$2/python" exec "$3" -m mypy.stubtest omniprefix._omniprefix \
+                 --mypy-config-file "$2/python/pyproject.toml"' _ "$cache/stubtest" "$repo" "$python" || failed=1
 exit "$failed"
