@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from os import PathLike
-from typing import Any, Literal, Optional, Tuple, TypedDict, Union, final
+from typing import Any, Literal, Optional, Tuple, TypedDict, Union, final, type_check_only
 
 from typing_extensions import Required, Unpack
 
@@ -296,6 +296,9 @@ class EventPump:
 # ----------------------------------------------------------------------------------------- Engine
 
 
+# The options' TypedDicts exist for the checker only (the extension parses a kwargs dict):
+# @type_check_only says so, and stubtest does not look for them at runtime.
+@type_check_only
 class RequestOptions(TypedDict, total=False):
     """The keyword options of every request (:meth:`Engine.prefill`, :meth:`Engine.submit_prefill`,
     :meth:`Engine.generate`, :meth:`Engine.stream`); :meth:`Engine.prefill` says what they do."""
@@ -305,6 +308,7 @@ class RequestOptions(TypedDict, total=False):
     placeholders: _Placeholders  # default "unexpanded"
 
 
+@type_check_only
 class GenerateOptions(RequestOptions, total=False):
     """:class:`RequestOptions` plus the sampling keywords of :meth:`Engine.generate` and
     :meth:`Engine.stream`: the library's ``SamplingParams`` fields (``python/tests`` checks this
@@ -321,6 +325,7 @@ class GenerateOptions(RequestOptions, total=False):
     allow_special_ids: bool  # default False
 
 
+@type_check_only
 class EngineOptions(TypedDict, total=False):
     """The keyword options of :meth:`Engine.from_dir` and :meth:`Engine.random` (and of
     :class:`~omniprefix.AsyncEngine`'s), each optional; :meth:`Engine.from_dir` says what they do.

@@ -29,9 +29,23 @@ import concurrent.futures
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 from ._omniprefix import Engine, EventPump, Generation, Output, Stream
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from ._omniprefix import Error, Item
+
+    # One token of a stream: (token, {capture: row}).
+    _Token = tuple[int, dict[str, npt.NDArray[np.float32]]]
+    # What the pump hands a request's queue: its tokens, and None while it runs, True once it
+    # ended, or the exception that ended it (EventPump.wait).
+    _Event = tuple[list[_Token], Union[None, bool, Error]]
+
+_T = TypeVar("_T")
 
 __all__ = ["AsyncEngine", "AsyncStream"]
 
@@ -51,7 +65,7 @@ class AsyncEngine:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="omniprefix-aio")
         self._pump = EventPump()
         # Request id -> (its loop, its queue): where the pump thread hands that request's events.
-        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Event]]] = {}
         self._lock = threading.Lock()
         self._pump_thread: Optional[threading.Thread] = None
         self._closed = False
@@ -62,7 +76,7 @@ class AsyncEngine:
         return cls(Engine.from_dir(path, **options))
 
     @classmethod
-    def random(cls, config: dict, seed: int, **options: Any) -> "AsyncEngine":
+    def random(cls, config: dict[str, Any], seed: int, **options: Any) -> "AsyncEngine":
         """An engine with seeded random weights; the options of ``Engine.random``."""
         return cls(Engine.random(config, seed, **options))
 
@@ -76,11 +90,12 @@ class AsyncEngine:
         :class:`~omniprefix.EngineDeadError`."""
         return self.engine.is_dead
 
-    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def _submit(self, submit: Callable[..., Stream], *args: Any, **kwargs: Any) -> tuple[Stream, asyncio.Queue]:
+    async def _submit(self, submit: Callable[..., Stream], *args: Any,
+                      **kwargs: Any) -> tuple[Stream, asyncio.Queue[_Event]]:
         """Submits in a submit thread and has the pump watch the stream; a stream that
         arrives after its task was cancelled is closed (the request aborted) right away."""
         loop = asyncio.get_running_loop()
@@ -90,7 +105,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             future.add_done_callback(_close_when_submitted)
             raise
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[_Event] = asyncio.Queue()
         with self._lock:
             self._queues[stream.request_id] = (loop, queue)
         self._start_pump()
@@ -105,24 +120,26 @@ class AsyncEngine:
                                                      name="omniprefix-aio-pump", daemon=True)
                 self._pump_thread.start()
 
-    async def prefill(self, token_ids: Any, items: Optional[list] = None, **kwargs: Any) -> Output:
+    async def prefill(self, token_ids: Any, items: Optional[Sequence[Item]] = None, **kwargs: Any) -> Output:
         """``Engine.prefill``, awaited: full hidden states and the last logits."""
         stream, queue = await self._submit(self.engine.submit_prefill, token_ids, items, **kwargs)
         await _drain(stream, queue)
-        return stream.output
+        # Set: _drain returned, so the pump said the request ended (a failure raised instead).
+        return cast(Output, stream.output)
 
-    async def generate(self, token_ids: Any, items: Optional[list] = None, **kwargs: Any) -> Generation:
+    async def generate(self, token_ids: Any, items: Optional[Sequence[Item]] = None, **kwargs: Any) -> Generation:
         """``Engine.generate``, awaited: the tokens and every position's hidden rows."""
         stream, queue = await self._submit(self.engine.stream, token_ids, items, **kwargs)
         await _drain(stream, queue)
-        return stream.generation
+        # Set, as in prefill.
+        return cast(Generation, stream.generation)
 
-    def stream(self, token_ids: Any, items: Optional[list] = None, **kwargs: Any) -> "AsyncStream":
+    def stream(self, token_ids: Any, items: Optional[Sequence[Item]] = None, **kwargs: Any) -> "AsyncStream":
         """``Engine.stream`` as an async iterator of ``(token, {capture: row})``;
         submitted when first iterated. ``.generation`` holds the result at the end."""
         return AsyncStream(self, functools.partial(self.engine.stream, token_ids, items, **kwargs))
 
-    async def stats(self) -> dict:
+    async def stats(self) -> dict[str, int]:
         """``Engine.stats``, answered between two engine steps without blocking the event loop."""
         return await self._call(self.engine.stats)
 
@@ -149,21 +166,23 @@ class AsyncStream:
         self._engine = engine
         self._submit = submit
         self._stream: Optional[Stream] = None
-        self._queue: Optional[asyncio.Queue] = None
-        self._buffer: collections.deque = collections.deque()
+        self._queue: Optional[asyncio.Queue[_Event]] = None
+        self._buffer: collections.deque[_Token] = collections.deque()
         self._ended = False
 
     def __aiter__(self) -> "AsyncStream":
         return self
 
-    async def __anext__(self) -> tuple:
+    async def __anext__(self) -> _Token:
         try:
-            if self._stream is None:
-                self._stream, self._queue = await self._engine._submit(self._submit)
+            queue = self._queue
+            if queue is None:  # the first call: submit (the stream and its queue are set together)
+                self._stream, queue = await self._engine._submit(self._submit)
+                self._queue = queue
             while not self._buffer:
                 if self._ended:
                     raise StopAsyncIteration
-                tokens, end = await self._queue.get()
+                tokens, end = await queue.get()
                 self._buffer.extend(tokens)
                 self._ended = _ended(end)
             return self._buffer.popleft()
@@ -189,7 +208,7 @@ class AsyncStream:
 
 
 def _run_pump(engine: "weakref.ref[AsyncEngine]", pump: EventPump,
-              queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]], lock: threading.Lock) -> None:
+              queues: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Event]]], lock: threading.Lock) -> None:
     """The pump thread: waits (GIL released) for any request's events and hands each
     request's batch to its loop's queue as ``(tokens, end)``. It holds its engine weakly:
     it ends once the engine is closed or gone."""
@@ -215,7 +234,7 @@ def _ended(end: Any) -> bool:
     return end is not None
 
 
-async def _drain(stream: Stream, queue: asyncio.Queue) -> None:
+async def _drain(stream: Stream, queue: asyncio.Queue[_Event]) -> None:
     """Reads ``stream``'s events from ``queue`` to its end; a cancelled wait aborts the request."""
     try:
         while True:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import re
 import threading
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, cast
 
 __all__ = ["marker", "AliasTable", "KeyBridge", "request_aliases", "MARKER_TAIL"]
 
@@ -148,7 +148,8 @@ class KeyBridge:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(bind)
-        self.endpoint: str = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # LAST_ENDPOINT is a bytes option; pyzmq types every getsockopt as int | bytes.
+        self.endpoint: str = cast(bytes, self._pub.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self.batches = self.marked_blocks = self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="omniprefix-dynamo-keys", daemon=True)

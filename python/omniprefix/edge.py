@@ -26,7 +26,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from .openai_checks import CHECKED_PATHS, Limits, Rejected, check_request, max_token_bytes, parse_body, too_large
 
@@ -88,7 +88,8 @@ class Edge:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        # Started, so the site's server is the asyncio.Server loop.create_server made.
+        self.port = cast(asyncio.Server, site._server).sockets[0].getsockname()[1]
 
     async def _teardown(self) -> None:
         await self._runner.cleanup()

@@ -241,7 +241,8 @@ class CheckpointEncoder:
         features = inputs["input_features"].permute(0, 2, 1)[mask.bool()].permute(1, 0)
         out = self.audio_tower(features.to(torch.float32), feature_lens=lengths, return_dict=True)
         self.calls["audio"] += 1
-        return out.last_hidden_state.numpy()
+        embeddings: np.ndarray = out.last_hidden_state.numpy()
+        return embeddings
 
     # -------------------------------------------------------------------------------------- rules
 
@@ -285,7 +286,7 @@ def _read_wav(data: bytes, name: str) -> tuple[np.ndarray, int]:
         raise MediaError(f"{name}: not a readable WAV file ({e})") from None
     if len(raw) != frames * channels * width:
         raise MediaError(f"{name}: the WAV file is truncated ({len(raw)} of {frames * channels * width} bytes)")
-    dtypes = {2: np.int16, 4: np.int32}
+    dtypes: dict[int, type[np.signedinteger[Any]]] = {2: np.int16, 4: np.int32}
     if width not in dtypes:
         raise MediaError(f"{name}: {8 * width}-bit WAV samples are not supported (16 or 32-bit PCM are)")
     samples = np.frombuffer(raw, dtype=np.dtype(dtypes[width]).newbyteorder("<")).astype(np.float32)

@@ -47,7 +47,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, cast
+
+if TYPE_CHECKING:
+    from .edge import Edge
 
 __all__ = ["Fleet", "main", "terminate", "worker_metrics"]
 
@@ -140,7 +143,8 @@ def worker_metrics(url: str) -> dict[str, float]:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _die_with_parent() -> None:
@@ -161,7 +165,7 @@ class Slot:
     def __init__(self, index: int):
         self.index = index
         self.label = f"worker{index}"
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[subprocess.Popen[bytes]] = None
         self.info: Optional[dict[str, Any]] = None
         self.instance: Optional[int] = None  # its Dynamo instance id (the ready line's "instance")
         self.announced = False  # whether the frontend listed it (and its model) since it started
@@ -191,14 +195,14 @@ class Fleet:
         self.discovery = self.dir / "discovery"
         self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.discovery)}
         self.env.pop("DYN_SYSTEM_PORT", None)
-        self.frontend: Optional[subprocess.Popen] = None
+        self.frontend: Optional[subprocess.Popen[bytes]] = None
         self.slots = [Slot(k) for k in range(workers)]
         # The edge listens on `port`; Dynamo's frontend behind it on a free one, with its own
         # body limit (whole MiB) as a backstop.
         self.max_body_bytes = max_body_bytes
         self.frontend_port = free_port()
         self.env["DYN_HTTP_BODY_LIMIT_MB"] = str(-(-max_body_bytes // (1024 * 1024)))
-        self.edge: Any = None
+        self.edge: Optional[Edge] = None
 
     @property
     def url(self) -> str:
@@ -211,7 +215,7 @@ class Fleet:
         return [slot.info for slot in self.slots if slot.info is not None]
 
     def _spawn(self, label: str, argv: list[str], stdout: Any,
-               env: Optional[dict[str, str]] = None) -> subprocess.Popen:
+               env: Optional[dict[str, str]] = None) -> subprocess.Popen[bytes]:
         # Appended: a replacement's log follows its predecessor's last lines.
         log = open(self.dir / f"{label}.log", "ab")
         proc = subprocess.Popen(argv, stdout=stdout, stderr=log, stdin=subprocess.DEVNULL,
@@ -261,30 +265,31 @@ class Fleet:
 
         limits = limits_for(self.model, self.max_body_bytes)
         limits.models = {self.name}
-        self.edge = Edge(self.url, limits, LOOPBACK, self.port)
+        edge = self.edge = Edge(self.url, limits, LOOPBACK, self.port)
         try:
-            return self.edge.start()
+            return edge.start()
         except RuntimeError as e:
             raise FleetError(str(e)) from None
 
     def _ready_line(self, slot: Slot, deadline: float) -> dict[str, Any]:
         """The worker's JSON line (it prints nothing else on stdout), waited for until ``deadline``."""
-        while not self._readable(slot.proc, 0.1):
+        proc = cast("subprocess.Popen[bytes]", slot.proc)  # start() just spawned it
+        while not self._readable(proc, 0.1):
             self.check()
             if time.monotonic() > deadline:
                 raise FleetError(f"{slot.label} did not start in time")
-        line = slot.proc.stdout.readline()
+        line = _stdout(proc).readline()
         if not line:
             self.check()
             raise FleetError(f"{slot.label} closed its stdout before it served")
         return self._parse_ready(slot, line)
 
     @staticmethod
-    def _readable(proc: subprocess.Popen, timeout_s: float) -> bool:
+    def _readable(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
         import selectors
 
         with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
+            sel.register(_stdout(proc), selectors.EVENT_READ)
             return bool(sel.select(timeout=timeout_s))
 
     @staticmethod
@@ -327,20 +332,21 @@ class Fleet:
         exited; reaps a worker that exited, withdraws it from discovery and schedules its
         restart; starts those whose time came; returns the ready lines (with ``"worker"``, the
         worker's index) of replacements the frontend began to list since the last round."""
-        if self.frontend.poll() is not None:
-            raise FleetError(f"frontend (pid {self.frontend.pid}) exited with status {self.frontend.returncode}\n"
+        frontend = cast("subprocess.Popen[bytes]", self.frontend)  # start() spawned it
+        if frontend.poll() is not None:
+            raise FleetError(f"frontend (pid {frontend.pid}) exited with status {frontend.returncode}\n"
                              f"{self.log_tail('frontend')}")
         now = time.monotonic()
         ready = []
         listed: Optional[set[int]] = None  # asked of the frontend once a round, if needed
         for slot in self.slots:
             if slot.proc is None:
-                if now >= slot.restart_at:
+                if now >= cast(float, slot.restart_at):  # _reap set it with proc = None
                     self._spawn_worker(slot)
             elif _exited(slot.proc):
                 self._reap(slot, now)
             elif slot.info is None and self._readable(slot.proc, 0):
-                line = slot.proc.stdout.readline()
+                line = _stdout(slot.proc).readline()
                 if not line:
                     continue  # it is exiting: a next round reaps it and says why
                 try:
@@ -361,7 +367,7 @@ class Fleet:
         """A worker exited: its group killed (what it started goes with it), its discovery
         entries withdrawn so the frontend stops routing to it now rather than after Dynamo's
         lease expires (10 s), and its restart scheduled after the backoff."""
-        proc = slot.proc
+        proc = cast("subprocess.Popen[bytes]", slot.proc)  # supervise() reaps running workers only
         _signal_group(proc, signal.SIGKILL)  # safe: the unreaped zombie still holds the pgid
         status = proc.wait()
         if proc.stdout is not None:
@@ -439,7 +445,7 @@ def withdraw(discovery: Path, instance: int) -> int:
     return removed
 
 
-def _exited(proc: subprocess.Popen) -> bool:
+def _exited(proc: subprocess.Popen[Any]) -> bool:
     """Whether ``proc`` exited, leaving it unreaped: until it is reaped its pid, and so its
     process group's id, cannot be reused, so signalling the group is safe."""
     try:
@@ -448,14 +454,19 @@ def _exited(proc: subprocess.Popen) -> bool:
         return True
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _stdout(proc: subprocess.Popen[bytes]) -> IO[bytes]:
+    """A worker's stdout: set, since workers are spawned with ``stdout=subprocess.PIPE``."""
+    return cast(IO[bytes], proc.stdout)
+
+
+def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+def terminate(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> None:
     """Stops a process started in a session of its own (a fleet, for a test or a benchmark):
     SIGTERM, then SIGKILL to its whole group if it is not gone within ``timeout_s``, so nothing
     it left behind survives; waits for it."""

@@ -112,7 +112,7 @@ def _kind(value: Any) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def _integer(body: dict, name: str, lo: int, hi: Optional[int] = None) -> Optional[int]:
+def _integer(body: dict[str, Any], name: str, lo: int, hi: Optional[int] = None) -> Optional[int]:
     value = body.get(name)
     if value is None:
         return None
@@ -124,7 +124,7 @@ def _integer(body: dict, name: str, lo: int, hi: Optional[int] = None) -> Option
     return value
 
 
-def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+def _number(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False) -> None:
     value = body.get(name)
     if value is None:
         return
@@ -134,14 +134,14 @@ def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) 
         raise Rejected(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], not {value}", name)
 
 
-def _type(body: dict, name: str, *types: type) -> None:
+def _type(body: dict[str, Any], name: str, *types: type) -> None:
     value = body.get(name)
     if value is not None and type(value) not in types:
         want = " or ".join(_kind(t()) for t in types)
         raise Rejected(f"{name} must be {want}, not {_kind(value)}", name)
 
 
-def _unused(value: Any, neutral: tuple) -> bool:
+def _unused(value: Any, neutral: tuple[Any, ...]) -> bool:
     return value is None or value == [] or value == {} or any(type(value) is type(n) and value == n for n in neutral)
 
 

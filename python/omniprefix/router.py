@@ -37,12 +37,15 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import msgspec
 import zmq
 
 from . import block_hashes
+
+if TYPE_CHECKING:
+    from ._omniprefix import Item, _Placeholders, _TokenIds
 
 __all__ = [
     "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch", "decode_batch", "ReplicaView", "Router",
@@ -118,7 +121,7 @@ class ReplicaView:
     """
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
-                 context: Optional[zmq.Context] = None) -> None:
+                 context: Optional[zmq.Context[zmq.Socket[bytes]]] = None) -> None:
         self._context = context or zmq.Context.instance()
         self.sub = self._context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -188,7 +191,7 @@ class ReplicaView:
         return applied
 
 
-def wait_until(done, timeout_s: float, interval_s: float) -> bool:
+def wait_until(done: Callable[[], object], timeout_s: float, interval_s: float) -> bool:
     """Polls ``done()`` every ``interval_s`` until it is true (``True``) or ``timeout_s`` passed (``False``)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -219,7 +222,7 @@ class Router:
     """
 
     def __init__(self, replicas: Sequence[ReplicaView], *, fingerprint_key: Union[bytes, str], block_size: int,
-                 policy: str = "kv", tokens: Optional[dict] = None) -> None:
+                 policy: str = "kv", tokens: Optional[dict[str, Any]] = None) -> None:
         if policy not in ("kv", "round_robin"):
             raise ValueError(f"policy must be 'kv' or 'round_robin', not {policy!r}")
         self.replicas = list(replicas)
@@ -242,14 +245,16 @@ class Router:
             if not busy:
                 time.sleep(0.001)
 
-    def scores(self, token_ids, items=None, *, tenant: int = 0, placeholders: str = "unexpanded") -> list[int]:
+    def scores(self, token_ids: _TokenIds, items: Optional[Sequence[Item]] = None, *, tenant: int = 0,
+               placeholders: _Placeholders = "unexpanded") -> list[int]:
         """The cached leading blocks of the request on each replica."""
         hashes = block_hashes(token_ids, items, fingerprint_key=self.fingerprint_key, block_size=self.block_size,
                               tenant=tenant, placeholders=placeholders, tokens=self.tokens)
         with self._lock:
             return [leading_hits(hashes, view.cached) for view in self.replicas]
 
-    def route(self, token_ids, items=None, *, tenant: int = 0, placeholders: str = "unexpanded") -> int:
+    def route(self, token_ids: _TokenIds, items: Optional[Sequence[Item]] = None, *, tenant: int = 0,
+              placeholders: _Placeholders = "unexpanded") -> int:
         """The index of the replica the request should go to (counted as routed there)."""
         if self.policy == "round_robin":
             choice = sum(self.routed) % len(self.replicas)

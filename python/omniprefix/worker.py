@@ -50,9 +50,9 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Mapping, Optional, cast
 
-from . import EngineDeadError, Error, RequestError
+from . import EngineDeadError, Error, Generation, RequestError
 from .aio import AsyncEngine
 from .dynamo_keys import AliasTable, KeyBridge, request_aliases
 from .encoder import MAX_IMAGE_PIXELS, MAX_MEDIA_BYTES, encoder_for
@@ -100,7 +100,7 @@ def sampling_options(request: Mapping[str, Any], eos_token_ids: list[int], conte
     # eos: the tokenizer's (the request's `eos_token_ids`, empty with ignore_eos) and the
     # checkpoint's. The engine stops at `stop` (replacing its eos ids) unless ignore_eos, which
     # empties every stop id: so "ignore eos but stop at these ids" is `stop` without the eos ids.
-    ids = set()
+    ids: set[int] = set()
     for name in ("stop_token_ids", "stop_token_ids_hidden", "stop_token_ids_visible"):
         ids.update(stop.get(name) or [])
     eos = set(request.get("eos_token_ids") or []) | set(eos_token_ids)
@@ -140,7 +140,7 @@ class MetricsServer:
     """``metrics()`` of an engine on ``http://host:port/metrics`` (stdlib HTTP server on its own
     thread; port 0 picks a free one)."""
 
-    def __init__(self, metrics, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, metrics: Callable[[], str], host: str = "127.0.0.1", port: int = 0):
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 if self.path.split("?")[0] != "/metrics":
@@ -251,10 +251,11 @@ class Worker:
 
         mm_hashes = (request.get("extra_args") or {}).get("mm_hashes")
         if mm_hashes:
-            images = vllm_uuids(items, key=self.fingerprint_key).get("image", [])
-            self.aliases.learn(request_aliases(images, mm_hashes))
+            # Called only with `aliases`, which serve() gives together with the engine's key.
+            images = vllm_uuids(items, key=cast(str, self.fingerprint_key)).get("image", [])
+            cast(AliasTable, self.aliases).learn(request_aliases(images, mm_hashes))
 
-    async def generate(self, request: dict, context: Any) -> AsyncIterator[dict]:
+    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         from dynamo.llm.exceptions import InvalidArgument, Unknown
 
         token_ids = request.get("token_ids") or []
@@ -273,7 +274,7 @@ class Worker:
         # (the engine's cached tokens included), sent once the engine finished the request.
         stop_ids = set() if options.get("ignore_eos") else set(options.get("stop", self.eos))
         stream = self.engine.stream(token_ids, items or None, **options)
-        reply: list[int] = []
+        reply: list[Optional[int]] = []  # None last: the stream ended after a token already sent
         try:
             async for token, _rows in stream:
                 if context.is_stopped():
@@ -297,7 +298,8 @@ class Worker:
             raise Unknown(f"{type(e).__name__}: {e}") from None
         finally:
             await stream.aclose()
-        generation = stream.generation
+        # Set: the stream was read to its end (the early returns above leave before this).
+        generation = cast(Generation, stream.generation)
         last = reply.pop()
         produced = len(reply) + (last is not None)
         yield {
@@ -365,7 +367,8 @@ async def engine_death(worker: Worker, poll_s: float = 0.5) -> None:
     ``Engine.is_dead`` (checked every ``poll_s``: a step can panic with no request left to see it)."""
     while not worker.engine.is_dead:
         try:
-            return await asyncio.wait_for(worker.dead.wait(), poll_s)
+            await asyncio.wait_for(worker.dead.wait(), poll_s)
+            return
         except asyncio.TimeoutError:
             pass
 
