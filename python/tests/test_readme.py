@@ -35,6 +35,8 @@ def fleet_commands(text):
     commands = []
     for block in re.findall(r"```(?:sh|bash|shell)\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
+            if "omniprefix.fleet" not in line:
+                continue
             words = shlex.split(line, comments=True)
             if "omniprefix.fleet" in words and words[words.index("omniprefix.fleet") - 1] == "-m":
                 commands.append(words[words.index("omniprefix.fleet") + 1:])
