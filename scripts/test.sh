@@ -23,7 +23,8 @@ export OMNIPREFIX_ATTN_BENCH_SCALE="${OMNIPREFIX_ATTN_BENCH_SCALE:-16}"
 # pip waits on the network, the build on the CPU. Its log is shown if it fails.
 venv="${CARGO_TARGET_DIR:-target}/python-venv"
 venv_log="$(mktemp)"
-bash scripts/python_venv.sh "$venv" python/requirements-test.txt notebooks/requirements.txt > "$venv_log" 2>&1 &
+bash scripts/python_venv.sh "$venv" python/requirements-test.txt notebooks/requirements.txt \
+    python/requirements-typecheck.txt > "$venv_log" 2>&1 &
 venv_pid=$!
 # Beside it, the fleet's venv (Dynamo 1.6.1's pinned set, scripts/install_fleet.sh) for
 # python/tests/test_fleet.py; the package goes in after the Python tests built the wheel.
@@ -43,6 +44,12 @@ phase() {
   "$@"
   echo "[phase] $(( SECONDS - start )) s: $*"
 }
+
+# The gates, cheapest first so a slip fails in seconds: one style (rustfmt.toml), then clippy
+# with every warning an error (undocumented `unsafe` blocks included: [workspace.lints]). Clippy's
+# dependency metadata is the `cargo check` below's, so the gate adds the workspace's own crates.
+phase cargo fmt --all --check
+phase cargo clippy --workspace --all-targets --all-features --quiet -- -D warnings
 
 # The engine alone: without default features the library builds with none of the GPU or
 # CLI crates (wgpu, naga, clap, indicatif, criterion) nor the KV-event publisher's (zeromq, tokio)
@@ -71,6 +78,8 @@ wait_for() {
 }
 phase wait_for "$venv_pid" "$venv_log" scripts/python_venv.sh
 PYTHON_VENV="$venv" PYTHON_VENV_READY=1 phase bash scripts/test_python.sh
+# The Python gate: mypy --strict over the package, stubtest of the wheel just built against its stub.
+phase bash scripts/typecheck_python.sh "$venv"
 
 # A real 2-worker fleet behind Dynamo's frontend, over HTTP; the package is the dev wheel the
 # step above built (cargo has nothing left to compile).
