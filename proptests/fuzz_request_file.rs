@@ -92,7 +92,7 @@ fn is_request_error(e: &Error) -> bool {
 /// Parses, fingerprints and builds the prompt of a request file's text.
 fn parse_and_build(text: &str, path: &std::path::Path) -> Result<(), Error> {
     let file = RequestFile::parse(text, path)?;
-    let tokens = OmniTokens { vocab_size: Some(1000), ..OmniTokens::tiny() };
+    let tokens = OmniTokens::tiny();
     let request = file.request(&tokens);
     let fingerprinter = Fingerprinter::new(FingerprintKey::fixed(4), 1, ValidationPolicy::ExactBytes)?;
     let items = request

@@ -10,7 +10,7 @@ use omniprefix::batch::{BlockCopy, RequestId, ScheduledBatch};
 use omniprefix::index::PrefixIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::Positions;
-use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
+use omniprefix::sched::{PrefillCap, Request, RequestChecks, Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
 use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 
@@ -647,14 +647,13 @@ fn decode_tokens_go_first_then_prefill_chunks_within_one_budget() -> TestResult 
 #[test]
 fn append_and_finish_check_the_sequence_and_change_nothing_on_error() -> TestResult {
     let radix = RadixIndex::new(RadixConfig { block_size: 16 })?;
-    let mut sched = Scheduler::new(config(32, 64, true), Box::new(radix)).map(|s| {
-        s.with_model(omniprefix::batch::ModelShape {
-            vocab_size: 200,
-            hidden_size: 2,
-            num_layers: 2,
-            deepstack_levels: None,
-        })
-    })?;
+    let checks = RequestChecks::default().with_model(omniprefix::batch::ModelShape {
+        vocab_size: 200,
+        hidden_size: 2,
+        num_layers: 2,
+        deepstack_levels: None,
+    });
+    let mut sched = Scheduler::new(config(32, 64, true), Box::new(radix))?.with_checks(Arc::new(checks));
     sched.admit(generating(1, &[1, 2, 3], 2))?;
     assert_err!(
         sched.append(1, 5),

@@ -157,9 +157,9 @@ impl<B: Backend> Engine<B> {
             }
             IndexKind::HashChain => Box::new(HashChainIndex::new(config.scheduler.block_size)?),
         };
-        let sched = Scheduler::new(config.scheduler, index)?;
-        // Preparation checks every request against this model (vocabulary,
-        // widths, DeepStack levels, context, tenant), so the runner trusts the batches.
+        // Every request is checked against this model (vocabulary, widths, DeepStack
+        // levels, context, tenant), so the runner trusts the batches: by preparation,
+        // and by the scheduler for what it appends, both reading this one set.
         let mut checks = RequestChecks::default().with_model(ModelShape::of(&model));
         if let Some(max) = model.max_position_embeddings {
             checks = checks.with_max_context(max);
@@ -167,6 +167,8 @@ impl<B: Backend> Engine<B> {
         if let Some(tenants) = &config.known_tenants {
             checks = checks.with_known_tenants(tenants.iter().copied());
         }
+        let checks = Arc::new(checks);
+        let sched = Scheduler::new(config.scheduler, index)?.with_checks(Arc::clone(&checks));
         let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(config.kv_dtype);
         let pages = runner.alloc_pages(config.scheduler.num_blocks, config.scheduler.block_size)?;
         // Last, so a failure above does not wait out a publisher's linger.
@@ -181,7 +183,7 @@ impl<B: Backend> Engine<B> {
             if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
         let preprocessor = Preprocessor::new(fingerprinter, tokens).with_positions(position_kind);
         let encoder_cache = EncoderCache::new(config.encoder_cache_bytes);
-        let preparer = Preparer::new(preprocessor, checks, model.vocab_size, config.cache, encoder_cache);
+        let preparer = Preparer::new(preprocessor, checks, config.cache, encoder_cache);
         Ok(Engine {
             config,
             runner,

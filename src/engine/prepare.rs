@@ -65,8 +65,8 @@ impl Prepared {
 /// What preparation needs, shared by the engine and every thread that submits to it.
 pub(super) struct Preparer {
     preprocessor: Preprocessor,
-    checks: RequestChecks,
-    vocab_size: usize,
+    /// The engine's checks, which its scheduler reads too.
+    checks: Arc<RequestChecks>,
     /// Off: every request gets a private tenant, so nothing is shared.
     cache: bool,
     encoder_cache: Mutex<EncoderCache>,
@@ -80,15 +80,13 @@ pub(super) struct Preparer {
 impl Preparer {
     pub(super) fn new(
         preprocessor: Preprocessor,
-        checks: RequestChecks,
-        vocab_size: usize,
+        checks: Arc<RequestChecks>,
         cache: bool,
         encoder_cache: EncoderCache,
     ) -> Self {
         Preparer {
             preprocessor,
             checks,
-            vocab_size,
             cache,
             encoder_cache: Mutex::new(encoder_cache),
             encoder: RwLock::new(None),
@@ -133,7 +131,7 @@ impl Preparer {
         let generate = match &request.task {
             Task::Prefill => None,
             Task::Generate(params) => {
-                params.check(self.vocab_size)?;
+                self.checks.check_sampling(params)?;
                 Some((params.clone(), params.seed.unwrap_or_else(random_seed)))
             }
         };

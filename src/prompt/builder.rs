@@ -8,7 +8,7 @@ use crate::canon::{ItemIdentity, Modality};
 use crate::error::{RequestError, Result};
 
 use super::mrope::{PositionKind, audio_in_video_runs, positions_from_atoms};
-use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt, out_of_vocab};
+use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
 
 /// Accumulates atoms, token ids and the index map of one prompt.
 ///
@@ -100,19 +100,9 @@ impl PromptBuilder {
     }
 
     /// Appends text ids known to hold no placeholder (a scan found none):
-    /// copies them once into the atoms and once into the ids, and checks them
-    /// against the vocabulary when it is known.
+    /// copies them once into the atoms and once into the ids. The vocabulary is
+    /// admission's to check ([`RequestChecks`](crate::sched::RequestChecks)), against the model's config.
     fn append_text(&mut self, ids: &[u32]) -> Result<&mut Self> {
-        if let Some(vocab_size) = self.tokens.vocab_size
-            && let Some((offset, token)) = out_of_vocab(ids, vocab_size as usize)
-        {
-            return Err(RequestError::TokenOutOfVocab {
-                position: self.token_ids.len() + offset,
-                token,
-                vocab_size,
-            }
-            .into());
-        }
         self.check_room(ids.len())?;
         if ids.is_empty() {
             return Ok(self);

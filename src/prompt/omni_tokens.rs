@@ -35,7 +35,7 @@ use crate::error::{RequestError, Result};
 /// assert_eq!(tokens.unexpanded_item(Modality::Image), [503, 500, 504]);
 /// assert_eq!(tokens.unexpanded_item(Modality::Audio), [505, 502, 506]);
 ///
-/// let mine = OmniTokens { image_token_id: 7, vocab_size: Some(1000), ..OmniTokens::tiny() };
+/// let mine = OmniTokens { image_token_id: 7, ..OmniTokens::tiny() };
 /// assert_eq!(mine.unexpanded_item(Modality::Image), [503, 7, 504]);
 ///
 /// let from_json: OmniTokens = serde_json::from_str(
@@ -67,9 +67,6 @@ pub struct OmniTokens {
     /// Temporal M-RoPE positions per second of video.
     #[serde(default = "default_position_id_per_seconds")]
     pub position_id_per_seconds: u32,
-    /// Token ids must be below this when it is known.
-    #[serde(default)]
-    pub vocab_size: Option<u32>,
 }
 
 fn default_merge_size() -> u32 {
@@ -95,7 +92,6 @@ impl OmniTokens {
             audio_end_token_id: 151_670,
             spatial_merge_size: default_merge_size(),
             position_id_per_seconds: default_position_id_per_seconds(),
-            vocab_size: None,
         }
     }
 
@@ -111,7 +107,6 @@ impl OmniTokens {
             audio_end_token_id: 506,
             spatial_merge_size: default_merge_size(),
             position_id_per_seconds: default_position_id_per_seconds(),
-            vocab_size: None,
         }
     }
 

@@ -22,6 +22,7 @@ use crate::batch::{LevelMismatch, ModelShape, RequestId};
 use crate::canon::Modality;
 use crate::error::{Error, RequestError, Result, SchedError};
 use crate::prompt::{CanonicalPrompt, TenantSalt, out_of_vocab};
+use crate::sample::SamplingParams;
 
 /// The checks a request must pass that read no scheduler state: what it is
 /// checked against (nothing but self-consistency by default). A served engine
@@ -112,6 +113,12 @@ impl RequestChecks {
     pub fn with_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
         self.known_tenants = Some(tenants.into_iter().collect());
         self
+    }
+
+    /// Sampling parameters ([`SamplingParams::check`]), stop ids against the
+    /// model's vocabulary when one is checked against.
+    pub fn check_sampling(&self, params: &SamplingParams) -> Result<()> {
+        params.check(self.model.as_ref().map_or(usize::MAX, |m| m.vocab_size))
     }
 
     /// The model checked against, if any.

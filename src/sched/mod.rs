@@ -62,16 +62,16 @@ mod request;
 mod step;
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use fxhash::{FxHashMap, FxHashSet};
 
-use crate::batch::{EmbedRows, ModelShape, RequestId};
+use crate::batch::{EmbedRows, RequestId};
 use crate::error::{Component, ConfigError, InvariantViolation, Result, SchedError};
 use crate::events::{KvEvent, Medium};
 use crate::index::block_hash::FleetHasher;
 use crate::index::{IndexStats, PrefixIndex, PrefixMatch};
 use crate::kv::{BlockId, BlockPool, BlockTable};
-use crate::prompt::TenantSalt;
 use events::EventLog;
 
 pub use admission::{Checked, RequestChecks};
@@ -195,7 +195,8 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     /// Requests aborted while a batch holding them was out; `complete` skips them.
     aborted_in_flight: FxHashSet<RequestId>,
-    admission: RequestChecks,
+    /// The request checks, shared with whoever else runs them (an engine's preparation).
+    admission: Arc<RequestChecks>,
     arrivals: u64,
     stats: SchedulerStats,
     /// KV events, when asked for ([`Scheduler::with_kv_events`]).
@@ -238,7 +239,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             aborted_in_flight: FxHashSet::default(),
-            admission: RequestChecks::default(),
+            admission: Arc::default(),
             arrivals: 0,
             stats: SchedulerStats::default(),
             events: None,
@@ -269,28 +270,18 @@ impl Scheduler {
         hashes
     }
 
-    /// Rejects prompts longer than `max_context` positions (the model's
-    /// `max_position_embeddings`) at admission with [`RequestError::ContextTooLong`](crate::error::RequestError::ContextTooLong).
-    pub fn with_max_context(mut self, max_context: usize) -> Self {
-        self.admission = self.admission.with_max_context(max_context);
+    /// Admits only requests that pass `checks` ([`RequestChecks`]: the model's
+    /// vocabulary, widths and DeepStack levels, its context, the known tenants);
+    /// the default checks only self-consistency. An engine hands its scheduler
+    /// the same checks its preparation runs, so both read one set of rules.
+    pub fn with_checks(mut self, checks: Arc<RequestChecks>) -> Self {
+        self.admission = checks;
         self
     }
 
-    /// Admits only requests the model `shape` can run: token ids (placeholders
-    /// included) in its vocabulary, embeddings of its width, DeepStack levels
-    /// as many as it takes. The engine sets this, so the batches it hands the
-    /// runner need no second check.
-    pub fn with_model(mut self, shape: ModelShape) -> Self {
-        self.admission = self.admission.with_model(shape);
-        self
-    }
-
-    /// Makes tenant salts mandatory: only prompts salted with one of `tenants`
-    /// are admitted, others get [`RequestError::UnknownTenant`](crate::error::RequestError::UnknownTenant) (a typo'd or forged
-    /// salt would otherwise silently open a cache of its own).
-    pub fn require_known_tenants(mut self, tenants: impl IntoIterator<Item = TenantSalt>) -> Self {
-        self.admission = self.admission.with_known_tenants(tenants);
-        self
+    /// The checks admission runs.
+    pub fn checks(&self) -> &RequestChecks {
+        &self.admission
     }
 
     /// The configuration in force.
