@@ -96,6 +96,38 @@ fn assert_same(what: &str, got: &Output, want: &Output) {
     }
 }
 
+/// The last token event says why the request stops (and only the last does), the
+/// same reason as the output's, with and without `run_last_token` (whose output
+/// comes a step after that token), for a length stop and for a stop id.
+#[test]
+fn the_last_token_event_carries_the_finish_reason() -> TestResult {
+    let model = &models()[0];
+    let free = engine(model, config(true))?.run(text(&ids(9, 3)).generate(greedy(6)))?;
+    let stop = free.tokens[2];
+    let stopping = SamplingParams { stop: Some(vec![stop]), ignore_eos: false, ..greedy(6) };
+    for run_last_token in [false, true] {
+        for (params, want) in [(greedy(6), FinishReason::Length), (stopping.clone(), FinishReason::Stop)] {
+            let mut e = engine(model, config(true))?;
+            e.submit(text(&ids(9, 3)).generate(SamplingParams { run_last_token, ..params }))?;
+            let (mut reasons, mut output) = (Vec::new(), None);
+            while e.has_pending() {
+                for event in e.step()? {
+                    match event {
+                        Event::Token(t) => reasons.push(t.finish_reason),
+                        Event::Finished(o) => output = Some(o),
+                    }
+                }
+            }
+            let output = output.ok_or("no output")?;
+            assert_eq!(output.finish_reason, Some(want));
+            let mut expected = vec![None; output.tokens.len() - 1];
+            expected.push(Some(want));
+            assert_eq!(reasons, expected, "run_last_token {run_last_token}, {want:?}");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn generated_hidden_rows_cover_every_position_that_ran() -> TestResult {
     for model in models() {

@@ -256,6 +256,11 @@ class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
     def __iter__(self) -> Stream: ...
     def __next__(self) -> Tuple[int, dict[str, npt.NDArray[np.float32]]]: ...
     @property
+    def finish_reason(self) -> Optional[str]:
+        """Why the generation stops (``"stop"`` or ``"length"``), set as soon as its last token
+        has been read, before the stream's end; ``None`` until then. A reader can end a reply
+        on it without restating the engine's stop rule (max_tokens, stop ids, ``ignore_eos``)."""
+    @property
     def generation(self) -> Optional[Generation]:
         """The finished :class:`Generation` once the stream is exhausted, else ``None``."""
     @property
@@ -285,11 +290,12 @@ class EventPump:
     def watch(self, stream: Stream) -> None:
         """Start reading ``stream`` (submitted with ``pump=`` this pump); events that came
         before are read at the next :meth:`wait`."""
-    def wait(self, timeout_s: float) -> list[Tuple[int, list[Tuple[int, dict[str, npt.NDArray[np.float32]]]], Union[None, bool, Error]]]:
+    def wait(self, timeout_s: float) -> list[Tuple[int, list[Tuple[int, dict[str, npt.NDArray[np.float32]], Optional[str]]], Union[None, bool, Error]]]:
         """Wait up to ``timeout_s`` (GIL released) until a watched stream has events; then
-        ``[(request_id, [(token, {capture: row}), ...], end)]`` for each that had some: ``end``
-        is None while it runs, True once it ended (its ``generation`` / ``output`` is set), or
-        the exception that ended it. ``[]`` when the time ran out."""
+        ``[(request_id, [(token, {capture: row}, finish_reason), ...], end)]`` for each that had
+        some: ``finish_reason`` is ``"stop"`` / ``"length"`` on the request's last token, else
+        None; ``end`` is None while it runs, True once it ended (its ``generation`` / ``output``
+        is set), or the exception that ended it. ``[]`` when the time ran out."""
     def __len__(self) -> int:
         """Streams watched that have not ended."""
 

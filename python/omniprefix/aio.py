@@ -41,9 +41,11 @@ if TYPE_CHECKING:
 
     # One token of a stream: (token, {capture: row}).
     _Token = tuple[int, dict[str, npt.NDArray[np.float32]]]
+    # A token as the pump hands it on: with "stop" / "length" when it is the request's last.
+    _PumpedToken = tuple[int, dict[str, npt.NDArray[np.float32]], Optional[str]]
     # What the pump hands a request's queue: its tokens, and None while it runs, True once it
     # ended, or the exception that ended it (EventPump.wait).
-    _Event = tuple[list[_Token], Union[None, bool, Error]]
+    _Event = tuple[list[_PumpedToken], Union[None, bool, Error]]
 
 _T = TypeVar("_T")
 
@@ -167,8 +169,9 @@ class AsyncStream:
         self._submit = submit
         self._stream: Optional[Stream] = None
         self._queue: Optional[asyncio.Queue[_Event]] = None
-        self._buffer: collections.deque[_Token] = collections.deque()
+        self._buffer: collections.deque[_PumpedToken] = collections.deque()
         self._ended = False
+        self._finish_reason: Optional[str] = None
 
     def __aiter__(self) -> "AsyncStream":
         return self
@@ -185,10 +188,18 @@ class AsyncStream:
                 tokens, end = await queue.get()
                 self._buffer.extend(tokens)
                 self._ended = _ended(end)
-            return self._buffer.popleft()
+            token, rows, finish_reason = self._buffer.popleft()
+            self._finish_reason = finish_reason
+            return token, rows
         except asyncio.CancelledError:
             self._close()
             raise
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """Why the generation stops (``"stop"`` or ``"length"``), set with the last token
+        the loop received, before the stream's end; None until then (``Stream.finish_reason``)."""
+        return self._finish_reason
 
     @property
     def generation(self) -> Optional[Generation]:

@@ -270,9 +270,9 @@ class Worker:
         if items:
             options.update(encoder=self.encoder)
         # The frontend ends a reply by itself at max_tokens or a stop id, possibly before a
-        # separate closing chunk arrives: so the last token carries finish_reason and the usage
-        # (the engine's cached tokens included), sent once the engine finished the request.
-        stop_ids = set() if options.get("ignore_eos") else set(options.get("stop", self.eos))
+        # separate closing chunk arrives: so the last token (the engine marks it, with why)
+        # carries finish_reason and the usage (the engine's cached tokens included), sent once
+        # the engine finished the request.
         stream = self.engine.stream(token_ids, items or None, **options)
         reply: list[Optional[int]] = []  # None last: the stream ended after a token already sent
         try:
@@ -280,7 +280,7 @@ class Worker:
                 if context.is_stopped():
                     return
                 reply.append(token)
-                if len(reply) == options["max_tokens"] or token in stop_ids:
+                if stream.finish_reason is not None:
                     async for _ in stream:
                         pass
                     break

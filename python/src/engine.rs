@@ -22,7 +22,7 @@ use omniprefix::engine::{
 use omniprefix::error::RequestError;
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::OmniTokens;
-use omniprefix::sample::SamplingParams;
+use omniprefix::sample::{FinishReason, SamplingParams};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
@@ -491,6 +491,8 @@ pub(crate) struct StreamState {
     /// The request's id (what an event pump names it by).
     pub(crate) id: u64,
     result: Mutex<Option<Output>>,
+    /// Why the request stops, set when its last token is read.
+    finish_reason: Mutex<Option<FinishReason>>,
     /// Set once the stream ended: read without any lock.
     done: AtomicBool,
 }
@@ -502,6 +504,7 @@ impl Stream {
             id: handle.id(),
             handle: Mutex::new(Some(handle)),
             result: Mutex::new(None),
+            finish_reason: Mutex::new(None),
             done: AtomicBool::new(false),
         };
         Stream { state: Arc::new(state), _engine: engine.clone().unbind() }
@@ -510,7 +513,8 @@ impl Stream {
 
 /// What one read of a stream found.
 pub(crate) enum Read {
-    Token(u32, Vec<(omniprefix::model::CaptureName, Vec<f32>)>),
+    /// A token, its rows, and why the request stops when it is the last.
+    Token(u32, Vec<(omniprefix::model::CaptureName, Vec<f32>)>, Option<FinishReason>),
     /// Nothing buffered (a read that does not wait).
     Empty,
     /// The stream ended (its result kept) or was closed.
@@ -537,7 +541,13 @@ impl StreamState {
             self.done.store(true, Ordering::Release);
         };
         match event {
-            Some(Ok(Event::Token(token))) => Ok(Read::Token(token.token, token.hidden)),
+            Some(Ok(Event::Token(token))) => {
+                if token.finish_reason.is_some() {
+                    *self.finish_reason.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()) =
+                        token.finish_reason;
+                }
+                Ok(Read::Token(token.token, token.hidden, token.finish_reason))
+            }
             Some(Ok(Event::Finished(output))) => {
                 *self.result.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()) = Some(output);
                 ended(&mut guard);
@@ -572,7 +582,7 @@ impl Stream {
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<(u32, Py<PyDict>)>> {
         match self.state.read(py, true)? {
-            Read::Token(token, rows) => Ok(Some((token, row_dict(py, rows)?.unbind()))),
+            Read::Token(token, rows, _) => Ok(Some((token, row_dict(py, rows)?.unbind()))),
             Read::Empty | Read::End => Ok(None),
         }
     }
@@ -581,10 +591,21 @@ impl Stream {
     /// token as `[(token, {capture: row}), ...]`; `[]` once the stream ended.
     fn next_batch(&self, py: Python<'_>) -> PyResult<Vec<(u32, Py<PyDict>)>> {
         let mut batch = Vec::new();
-        while let Read::Token(token, rows) = self.state.read(py, batch.is_empty())? {
+        while let Read::Token(token, rows, _) = self.state.read(py, batch.is_empty())? {
             batch.push((token, row_dict(py, rows)?.unbind()));
         }
         Ok(batch)
+    }
+
+    /// Why the generation stops (`"stop"` or `"length"`), set as soon as its
+    /// last token has been read, before the stream's end; None until then.
+    #[getter]
+    fn finish_reason(&self, py: Python<'_>) -> Option<String> {
+        self.state
+            .finish_reason
+            .lock_py_attached(py)
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|r| r.to_string())
     }
 
     /// The finished generation (None until the stream is exhausted).

@@ -23,8 +23,9 @@ use pyo3::types::{PyBool, PyDict};
 use crate::arrays::row_dict;
 use crate::engine::{Read, Stream, StreamState};
 
-/// A stream's tokens as Python reads them: `[(token, {capture: row}), ...]`.
-type Tokens = Vec<(u32, Py<PyDict>)>;
+/// A stream's tokens as the pump hands them on: `[(token, {capture: row}, finish_reason), ...]`,
+/// `finish_reason` (`"stop"`, `"length"`) on the request's last token, else None.
+type Tokens = Vec<(u32, Py<PyDict>, Option<String>)>;
 
 /// What [`EventPump::wait`] found for one stream: its request id, the tokens
 /// read, and `None` (still running), `True` (ended; its result is on the
@@ -113,7 +114,9 @@ fn drain(py: Python<'_>, state: &StreamState) -> PyResult<(Tokens, Option<Py<PyA
     let mut tokens = Vec::new();
     loop {
         match state.read(py, false) {
-            Ok(Read::Token(token, rows)) => tokens.push((token, row_dict(py, rows)?.unbind())),
+            Ok(Read::Token(token, rows, finish)) => {
+                tokens.push((token, row_dict(py, rows)?.unbind(), finish.map(|r| r.to_string())))
+            }
             Ok(Read::Empty) => return Ok((tokens, None)),
             Ok(Read::End) => return Ok((tokens, Some(PyBool::new(py, true).to_owned().into_any().unbind()))),
             Err(error) => return Ok((tokens, Some(error.into_value(py).into_any()))),

@@ -166,3 +166,45 @@ def test_top_k_1_is_greedy(qwen3_config):
     greedy = engine.generate(ids, max_tokens=8, ignore_eos=True).tokens
     for seed in range(3):
         assert engine.generate(ids, max_tokens=8, temperature=1.5, top_k=1, seed=seed, ignore_eos=True).tokens == greedy
+
+
+@pytest.mark.parametrize("run_last_token", [False, True])
+@pytest.mark.parametrize("how", ["length", "stop"])
+def test_the_last_token_says_why_the_stream_stops_before_its_end(qwen3_config, how, run_last_token):
+    """Stream.finish_reason is None until the last token is read, then the reason, while the
+    stream has not ended yet: a reader (the fleet's worker) ends a reply there, without
+    restating the engine's stop rule."""
+    ids = random_ids(42, 12)
+    free = fresh(qwen3_config).generate(ids, max_tokens=6, ignore_eos=True)
+    options = dict(max_tokens=6, ignore_eos=True) if how == "length" else dict(max_tokens=6, stop=[free.tokens[2]])
+    want = free.tokens if how == "length" else free.tokens[: free.tokens.index(free.tokens[2]) + 1]
+    stream = fresh(qwen3_config).stream(ids, run_last_token=run_last_token, **options)
+    seen = []
+    for token, _ in stream:
+        seen.append(token)
+        if len(seen) < len(want):
+            assert stream.finish_reason is None, f"token {len(seen)} of {len(want)}"
+        else:
+            assert stream.finish_reason == how
+            assert stream.generation is None, "the reason comes with the token, before the end"
+    assert seen == want
+    assert stream.generation.finish_reason == how
+
+
+def test_an_async_stream_says_why_it_stops_with_its_last_token(qwen3_config):
+    import asyncio
+
+    from omniprefix.aio import AsyncEngine
+
+    ids = random_ids(43, 10)
+
+    async def run():
+        engine = AsyncEngine(fresh(qwen3_config))
+        stream = engine.stream(ids, max_tokens=4, ignore_eos=True)
+        reasons = []
+        async for _token, _rows in stream:
+            reasons.append(stream.finish_reason)
+        engine.close()
+        return reasons
+
+    assert asyncio.run(run()) == [None, None, None, "length"]

@@ -245,12 +245,18 @@ impl<B: Backend> Engine<B> {
                         .violation(format!("request {id}: a sample that is no token"))
                         .into());
                 };
+                let finish_reason = match next {
+                    Next::Continue(_) => None,
+                    Next::RunLast(_) => d.stopping,
+                    Next::Finish(reason, _) => Some(reason),
+                };
                 events.push(Event::Token(TokenEvent {
                     request: id,
                     token,
                     index,
                     position,
                     hidden: last_rows(&hidden),
+                    finish_reason,
                 }));
                 next
             }

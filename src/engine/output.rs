@@ -92,6 +92,10 @@ pub struct TokenEvent {
     pub position: usize,
     /// That position's hidden row at every captured point, in capture order.
     pub hidden: Vec<(CaptureName, Vec<f32>)>,
+    /// Set on the request's last token, with why it stopped: a reader can end
+    /// a reply here, before the `Finished` event (which may come a step later,
+    /// with `run_last_token`), without restating the engine's stop rule.
+    pub finish_reason: Option<FinishReason>,
 }
 
 /// What one engine step produced for one request.
