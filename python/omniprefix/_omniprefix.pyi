@@ -47,6 +47,7 @@ __all__ = [
     "Stream",
     "__version__",
     "block_hashes",
+    "checkpoint_context_len",
     "fingerprint",
     "vllm_uuids",
 ]
@@ -538,6 +539,13 @@ class Engine:
     @property
     def block_size(self) -> int: ...
     @property
+    def num_blocks(self) -> int:
+        """Blocks in the KV pool (what a router is told the engine holds)."""
+    @property
+    def context_len(self) -> Optional[int]:
+        """Longest sequence (prompt + reply) the model attends over (``max_position_embeddings``;
+        ``None`` when the checkpoint names none)."""
+    @property
     def image_token_id(self) -> int:
         """``<|image_pad|>``: one per image in an unexpanded prompt."""
     @property
@@ -558,6 +566,11 @@ class Engine:
     @property
     def audio_end_token_id(self) -> int:
         """``<|audio_end|>``: closes an audio."""
+
+def checkpoint_context_len(model_dir: str) -> Optional[int]:
+    """``max_position_embeddings`` of the checkpoint in ``model_dir``, read by the engine's own
+    config parser (what :attr:`Engine.context_len` says once loaded); ``None`` when it names
+    none. For a process that runs no engine (the fleet's edge)."""
 
 # ----------------------------------------------------------------------------------- KV events
 

@@ -45,9 +45,11 @@ MODELS_REFRESH_S = 1.0
 def limits_for(model_dir: Path, max_body_bytes: int) -> Limits:
     """A fleet's limits from its checkpoint: the context (``max_position_embeddings``) and the
     prompt-text bound it implies with the tokenizer's longest token."""
-    from .worker import context_length
+    from . import checkpoint_context_len
 
-    context = context_length(model_dir)
+    context = checkpoint_context_len(str(model_dir))
+    if context is None:
+        raise ValueError(f"{model_dir / 'config.json'} has no max_position_embeddings")
     return Limits(max_body_bytes, context, context * max_token_bytes(model_dir / "tokenizer.json"))
 
 

@@ -167,15 +167,6 @@ class MetricsServer:
         self.server.server_close()
 
 
-def context_length(model_dir: Path) -> int:
-    """``max_position_embeddings`` of the checkpoint (an Omni thinker's text config included)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    for section in (config, config.get("thinker_config", {}).get("text_config", {}), config.get("text_config", {})):
-        if "max_position_embeddings" in section:
-            return int(section["max_position_embeddings"])
-    raise ValueError(f"{model_dir / 'config.json'} has no max_position_embeddings")
-
-
 #: ``multi_modal_data`` keys Dynamo's frontend forwards, and the modality each holds.
 MEDIA_KEYS = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
 
@@ -426,10 +417,11 @@ async def serve(args: argparse.Namespace) -> int:
         else:
             relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=bridge.endpoint,
                                      image_token_id=engine.image_token_id)
-        stats = await engine.stats()
         runtime_config = ModelRuntimeConfig()
-        runtime_config.context_length = context_length(model_dir)
-        runtime_config.total_kv_blocks = stats["blocks_free"] + stats["blocks_in_use"] + stats["blocks_cached"]
+        if engine.context_len is None:
+            raise SystemExit(f"{model_dir / 'config.json'} has no max_position_embeddings")
+        runtime_config.context_length = engine.context_len
+        runtime_config.total_kv_blocks = engine.num_blocks
         runtime_config.kv_event_publishing_enabled = True
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(model_dir),
                              name, worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size,

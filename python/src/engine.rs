@@ -21,7 +21,6 @@ use omniprefix::engine::{
 };
 use omniprefix::error::RequestError;
 use omniprefix::model::{Config, Thinker};
-use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::{FinishReason, SamplingParams};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -37,53 +36,15 @@ use crate::pump::EventPump;
 
 /// A thinker engine: prefix-cached prefill and generation over one checkpoint.
 ///
-/// Besides the loop it holds the facts that never change, readable without it: the
-/// `#[pyo3(get)]` fields are the Python properties of the same names.
+/// The model's facts (widths, special ids, sizes) are the served engine's, read
+/// without its loop; only the backend's name is the extension's own.
 #[pyclass(frozen, name = "Engine", module = "omniprefix")]
 pub struct PyEngine {
     /// Dropped by hand, with the GIL released (see the `Drop` impl).
     served: ManuallyDrop<ServedEngine>,
-    /// Captured points, in page order (`hidden.<L>`, `hidden.final`).
-    #[pyo3(get)]
-    capture: Vec<String>,
-    /// The checkpoint's eos ids (default stop ids of a generation).
-    #[pyo3(get)]
-    eos_token_ids: Vec<u32>,
-    #[pyo3(get)]
-    hidden_size: usize,
-    #[pyo3(get)]
-    num_layers: usize,
-    #[pyo3(get)]
-    vocab_size: usize,
-    #[pyo3(get)]
-    block_size: usize,
     /// The backend opened, and why (`"cpu (asked for cpu)"`, `"wgpu on <adapter> (...)"`).
     #[pyo3(get)]
     backend: String,
-    /// The dtype the weight matrices are stored in (`"auto"` resolved).
-    #[pyo3(get)]
-    dtype: &'static str,
-    /// `<|image_pad|>`: the placeholder id of an image (one per unexpanded image).
-    #[pyo3(get)]
-    image_token_id: u32,
-    /// `<|video_pad|>`: the placeholder id of a video.
-    #[pyo3(get)]
-    video_token_id: u32,
-    /// `<|audio_pad|>`: the placeholder id of an audio.
-    #[pyo3(get)]
-    audio_token_id: u32,
-    /// `<|vision_start|>`: opens an image or a video.
-    #[pyo3(get)]
-    vision_start_token_id: u32,
-    /// `<|vision_end|>`: closes an image or a video.
-    #[pyo3(get)]
-    vision_end_token_id: u32,
-    /// `<|audio_start|>`: opens an audio.
-    #[pyo3(get)]
-    audio_start_token_id: u32,
-    /// `<|audio_end|>`: closes an audio.
-    #[pyo3(get)]
-    audio_end_token_id: u32,
     /// The KV events PUB and replay endpoints as bound, when events are published.
     kv_endpoints: Option<(String, Option<String>)>,
 }
@@ -163,6 +124,14 @@ fn sampling_params(sampling: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingPar
     }
     pythonize::depythonize::<SamplingParams>(sampling.as_any())
         .map_err(|e| crate::errors::RequestError::new_err(format!("sampling options: {e}")))
+}
+
+/// `max_position_embeddings` of the checkpoint in `model_dir`, read by the engine's
+/// own config parser (what `Engine.context_len` says once it is loaded); None when
+/// the checkpoint names none. For a process that runs no engine (the fleet's edge).
+#[pyfunction]
+pub fn checkpoint_context_len(model_dir: std::path::PathBuf) -> PyResult<Option<usize>> {
+    Ok(Config::from_dir(&model_dir).map_err(to_py)?.max_position_embeddings)
 }
 
 impl PyEngine {
@@ -460,10 +429,107 @@ impl PyEngine {
         self.kv_endpoints.as_ref().and_then(|(_, replay_at)| replay_at.clone())
     }
 
+    /// Captured points, in page order (`hidden.<L>`, `hidden.final`).
+    #[getter]
+    fn capture(&self) -> Vec<String> {
+        self.served.capture().points().iter().map(|p| p.key()).collect()
+    }
+
+    /// The checkpoint's eos ids (default stop ids of a generation).
+    #[getter]
+    fn eos_token_ids(&self) -> Vec<u32> {
+        self.served.model_config().eos_token_ids.clone()
+    }
+
+    #[getter]
+    fn hidden_size(&self) -> usize {
+        self.served.model_config().hidden_size
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.served.model_config().num_hidden_layers
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.served.model_config().vocab_size
+    }
+
+    /// Longest sequence (prompt + reply) the model attends over
+    /// (`max_position_embeddings`; None when the checkpoint names none).
+    #[getter]
+    fn context_len(&self) -> Option<usize> {
+        self.served.model_config().max_position_embeddings
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.served.config().scheduler.block_size
+    }
+
+    /// Blocks in the KV pool (what a router is told the engine holds).
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.served.config().scheduler.num_blocks
+    }
+
+    /// The dtype the weight matrices are stored in (`"auto"` resolved).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.served.weight_dtype().name()
+    }
+
+    /// `<|image_pad|>`: the placeholder id of an image (one per unexpanded image).
+    #[getter]
+    fn image_token_id(&self) -> u32 {
+        self.served.tokens().image_token_id
+    }
+
+    /// `<|video_pad|>`: the placeholder id of a video.
+    #[getter]
+    fn video_token_id(&self) -> u32 {
+        self.served.tokens().video_token_id
+    }
+
+    /// `<|audio_pad|>`: the placeholder id of an audio.
+    #[getter]
+    fn audio_token_id(&self) -> u32 {
+        self.served.tokens().audio_token_id
+    }
+
+    /// `<|vision_start|>`: opens an image or a video.
+    #[getter]
+    fn vision_start_token_id(&self) -> u32 {
+        self.served.tokens().vision_start_token_id
+    }
+
+    /// `<|vision_end|>`: closes an image or a video.
+    #[getter]
+    fn vision_end_token_id(&self) -> u32 {
+        self.served.tokens().vision_end_token_id
+    }
+
+    /// `<|audio_start|>`: opens an audio.
+    #[getter]
+    fn audio_start_token_id(&self) -> u32 {
+        self.served.tokens().audio_start_token_id
+    }
+
+    /// `<|audio_end|>`: closes an audio.
+    #[getter]
+    fn audio_end_token_id(&self) -> u32 {
+        self.served.tokens().audio_end_token_id
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Engine(layers={}, hidden={}, vocab={}, block_size={}, backend={:?})",
-            self.num_layers, self.hidden_size, self.vocab_size, self.block_size, self.backend
+            self.num_layers(),
+            self.hidden_size(),
+            self.vocab_size(),
+            self.block_size(),
+            self.backend
         )
     }
 }
@@ -653,33 +719,8 @@ fn served<B: Backend + 'static>(engine: Engine<B>) -> omniprefix::Result<PyEngin
 where
     Engine<B>: Send,
 {
-    let model = engine.model_config();
-    let OmniTokens {
-        image_token_id,
-        video_token_id,
-        audio_token_id,
-        vision_start_token_id,
-        vision_end_token_id,
-        audio_start_token_id,
-        audio_end_token_id,
-        ..
-    } = *engine.tokens();
     Ok(PyEngine {
-        capture: engine.capture().points().iter().map(|p| p.key()).collect(),
-        eos_token_ids: engine.eos_token_ids().to_vec(),
-        hidden_size: model.hidden_size,
-        num_layers: model.num_hidden_layers,
-        vocab_size: model.vocab_size,
-        block_size: engine.config().scheduler.block_size,
         backend: String::new(),
-        dtype: engine.weight_dtype().name(),
-        image_token_id,
-        video_token_id,
-        audio_token_id,
-        vision_start_token_id,
-        vision_end_token_id,
-        audio_start_token_id,
-        audio_end_token_id,
         kv_endpoints: engine
             .kv_events_endpoints()
             .map(|(pub_at, replay_at)| (pub_at.to_string(), replay_at.map(str::to_string))),

@@ -42,6 +42,7 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(matcher::fingerprint, m)?)?;
     m.add_function(wrap_pyfunction!(matcher::vllm_uuids, m)?)?;
     m.add_function(wrap_pyfunction!(kv_events::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::checkpoint_context_len, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

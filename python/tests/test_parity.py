@@ -176,3 +176,13 @@ def test_token_ids_as_list_or_any_integer_array_give_the_same_output():
         outs.append(engine.prefill(form))
     for out in outs[1:]:
         assert_bit_equal("token id forms", out.hidden, outs[0].hidden)
+
+
+@pytest.mark.parametrize("model,context", [("qwen3_dense", 4096), ("omni_thinker", 4096)])
+def test_the_engine_says_its_context_and_pool_as_the_checkpoint_and_options_do(model, context):
+    """What a worker registers with a router comes from the engine, not from its own reading of
+    config.json (an Omni checkpoint nests the text config under thinker_config)."""
+    engine = omniprefix.Engine.from_dir(model_dir(model), num_blocks=96)
+    assert (engine.context_len, engine.num_blocks) == (context, 96)
+    assert omniprefix.checkpoint_context_len(model_dir(model)) == context
+    assert omniprefix.Engine.from_dir(model_dir(model)).num_blocks == 1024  # SchedulerConfig's default

@@ -26,7 +26,7 @@ use super::prepare::{Prepared, Preparer};
 use super::request::Request;
 use super::step_loop::FAULT_STEP_PANIC_ENV;
 use super::{Engine, EngineConfig, EngineStats};
-use crate::backend::Backend;
+use crate::backend::{Backend, Dtype};
 use crate::error::{Error, Result, SchedError};
 use crate::events::PublisherStats;
 use crate::model::{CaptureSpec, Config};
@@ -60,6 +60,7 @@ impl Default for ServedOptions {
 struct Facts {
     config: EngineConfig,
     model: Config,
+    weight_dtype: Dtype,
     capture: CaptureSpec,
     tokens: OmniTokens,
 }
@@ -115,6 +116,7 @@ impl ServedEngine {
         let facts = Facts {
             config: engine.config().clone(),
             model: engine.model_config().clone(),
+            weight_dtype: engine.weight_dtype(),
             capture: engine.capture().clone(),
             tokens: engine.tokens().clone(),
         };
@@ -208,6 +210,11 @@ impl ServedEngine {
     /// The model's config.
     pub fn model_config(&self) -> &Config {
         &self.facts.model
+    }
+
+    /// The dtype the model's weight matrices are stored in (`auto` resolved).
+    pub fn weight_dtype(&self) -> Dtype {
+        self.facts.weight_dtype
     }
 
     /// The captured points, in the order of [`Output::hidden`](super::Output::hidden).
