@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from omniprefix.fleet import Fleet, free_port, worker_metrics
+from omniprefix.fleet import Fleet, worker_metrics
+from omniprefix.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

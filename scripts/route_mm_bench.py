@@ -28,7 +28,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from omniprefix.fleet import Fleet, free_port
+from omniprefix.fleet import Fleet
+from omniprefix.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Tokens before the image in the chat template, and the image's expansion (56x40, patch 4, merge 2).

@@ -62,8 +62,8 @@ impl Default for SoakOptions {
     fn default() -> Self {
         Self {
             requests: 100_000,
-            pool_blocks: 1024,
-            block_size: 16,
+            pool_blocks: SchedulerConfig::default().num_blocks,
+            block_size: omniprefix::kv::DEFAULT_BLOCK_SIZE,
             prefixes: 4096,
             zipf_exponent: 1.0,
             concurrency: 8,

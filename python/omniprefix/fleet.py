@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, cast
 
+from .ports import LOOPBACK, check_listenable, free_port
+
 if TYPE_CHECKING:
     from .edge import Edge
 
@@ -57,7 +58,6 @@ __all__ = ["Fleet", "main", "terminate", "worker_metrics"]
 #: Seconds the fleet waits for its processes to serve, and for them to stop once told to.
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
-LOOPBACK = "127.0.0.1"
 #: The edge's default body limit: room for a few photos as base64 data URLs (a 12-megapixel
 #: JPEG is 3-5 MB, 4-7 MB encoded) and far over any text a context holds, while a body this big
 #: is refused before it is read. Dynamo's frontend gets the same limit, rounded up to its MiB.
@@ -119,8 +119,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.port = free_port()
     else:
         try:
-            with socket.socket() as s:
-                s.bind((LOOPBACK, args.port))
+            check_listenable(args.port)
         except OSError as e:
             p.error(f"--port {args.port}: cannot listen on {LOOPBACK}:{args.port} ({e.strerror})")
     return args
@@ -138,13 +137,6 @@ def worker_metrics(url: str) -> dict[str, float]:
         for sample in family.samples:
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
     return samples
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _die_with_parent() -> None:

@@ -31,7 +31,6 @@ Example::
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +42,7 @@ import msgspec
 import zmq
 
 from . import block_hashes
+from .ports import free_port
 
 if TYPE_CHECKING:
     from ._omniprefix import Item, _Placeholders, _TokenIds
@@ -291,9 +291,7 @@ class DynamoIndexer:
     """
 
     def __init__(self, python: str = sys.executable, timeout_s: float = 30.0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.proc = subprocess.Popen([python, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.routed: list[int] = []

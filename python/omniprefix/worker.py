@@ -62,6 +62,20 @@ __all__ = ["sampling_options", "MetricsServer", "main"]
 #: Dynamo namespace, component and endpoint the worker serves (``NAMESPACE.COMPONENT.ENDPOINT``).
 DEFAULT_ENDPOINT = "omniprefix.worker.generate"
 
+#: The engine options a worker takes as flags (``--block-size`` sets ``block_size``): each
+#: name's value type and choices. The names are ``Engine.from_dir``'s (test_worker checks them
+#: against the extension's own list), and an unset flag leaves the engine's default.
+ENGINE_FLAGS: dict[str, tuple[Callable[[str], Any], Optional[list[str]]]] = {
+    "block_size": (int, None),
+    "num_blocks": (int, None),
+    "max_tokens_per_step": (int, None),
+    "max_seqs_per_step": (int, None),
+    "prefill_cap": (int, None),
+    "backend": (str, ["cpu", "wgpu", "auto"]),
+    "dtype": (str, ["auto", "f32", "bf16", "f16"]),
+    "kv_dtype": (str, ["f32", "bf16", "f16"]),
+}
+
 
 class UnsupportedRequest(ValueError):
     """A request option the engine cannot honour (answered as an HTTP 400)."""
@@ -316,14 +330,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    choices=["etcd", "file", "kubernetes", "mem"])
     p.add_argument("--request-plane", default=os.environ.get("DYN_REQUEST_PLANE", "tcp"), choices=["tcp", "nats"])
     p.add_argument("--event-plane", default=os.environ.get("DYN_EVENT_PLANE", "zmq"), choices=["zmq", "nats"])
-    engine = p.add_argument_group("engine options (Engine.from_dir)")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--num-blocks", type=int)
-    engine.add_argument("--backend", default="cpu", choices=["cpu", "wgpu", "auto"])
-    engine.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16"])
-    engine.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "f16"])
-    engine.add_argument("--max-tokens-per-step", type=int)
-    engine.add_argument("--max-seqs-per-step", type=int)
+    # Unset flags leave the engine's own defaults (Engine.from_dir), which the engine checks.
+    engine = p.add_argument_group("engine options (Engine.from_dir; unset: the engine's default)")
+    for name, (kind, choices) in ENGINE_FLAGS.items():
+        engine.add_argument("--" + name.replace("_", "-"), type=kind, choices=choices)
     engine.add_argument("--fingerprint-key", help="the fleet key, 64 hex digits (default: a random one)")
     p.add_argument("--dynamo-mm-keys", default="on", choices=["on", "off"],
                    help="add the frontend's image hashes to the KV events Dynamo routes on (default %(default)s)")
@@ -337,17 +347,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--model {args.model}: no config.json there")
     if not (args.model / "tokenizer.json").is_file():
         p.error(f"--model {args.model}: no tokenizer.json there (Dynamo's frontend tokenizes with it)")
-    if args.block_size <= 0:
-        p.error("--block-size must be positive")
     return args
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     # No hidden states are captured: Dynamo's token-out responses carry none, so gathering them
     # for every position would be work no one reads.
-    options = {"block_size": args.block_size, "backend": args.backend, "dtype": args.dtype, "kv_dtype": args.kv_dtype,
-               "kv_events": args.kv_events, "capture": []}
-    for name in ("num_blocks", "max_tokens_per_step", "max_seqs_per_step", "fingerprint_key"):
+    options: dict[str, Any] = {"kv_events": args.kv_events, "capture": []}
+    for name in (*ENGINE_FLAGS, "fingerprint_key"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     return options
@@ -413,9 +420,9 @@ async def serve(args: argparse.Namespace) -> int:
         # The relay subscribes to the engine's PUB socket before the model is announced, so
         # no request's events go out before someone listens.
         if bridge is None:
-            relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=engine.kv_events_endpoint)
+            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=engine.kv_events_endpoint)
         else:
-            relay = KvEventPublisher(endpoint, kv_block_size=args.block_size, zmq_endpoint=bridge.endpoint,
+            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=bridge.endpoint,
                                      image_token_id=engine.image_token_id)
         runtime_config = ModelRuntimeConfig()
         if engine.context_len is None:
@@ -424,7 +431,7 @@ async def serve(args: argparse.Namespace) -> int:
         runtime_config.total_kv_blocks = engine.num_blocks
         runtime_config.kv_event_publishing_enabled = True
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(model_dir),
-                             name, worker_type=WorkerType.Aggregated, kv_cache_block_size=args.block_size,
+                             name, worker_type=WorkerType.Aggregated, kv_cache_block_size=engine.block_size,
                              runtime_config=runtime_config)
         worker = Worker(engine, runtime_config.context_length, encoder, aliases, args.fingerprint_key)
         print(json.dumps({"pid": os.getpid(), "metrics": metrics.url, "kv_events": engine.kv_events_endpoint,

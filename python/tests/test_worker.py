@@ -116,3 +116,20 @@ def test_the_last_token_rides_with_the_finish_reason_and_the_usage(stop_at):
 def test_a_prompt_that_fills_the_context_is_refused_without_max_tokens():
     with pytest.raises(UnsupportedRequest, match="the prompt of 4096 tokens fills the context of 4096 tokens"):
         sampling_options(request([1] * CONTEXT), [], CONTEXT)
+
+
+def test_the_workers_engine_flags_are_engine_options_and_restate_no_default(qwen3_config):
+    """The worker's engine flags are named after Engine.from_dir's options (the extension's own
+    list, as test_stubs reads it), and flags left unset pass nothing: the engine's defaults hold."""
+    import re
+
+    from omniprefix.worker import ENGINE_FLAGS, engine_options, parse_args
+
+    with pytest.raises(TypeError, match="unknown engine option") as info:
+        omniprefix.Engine.random(qwen3_config, 0, no_such_option=1)
+    accepted = set(re.search(r"options are (.*)$", str(info.value)).group(1).split(", "))
+    assert set(ENGINE_FLAGS) <= accepted
+    bare = engine_options(parse_args(["--model", str(FIXTURES / "qwen3_dense")]))
+    assert set(bare) == {"kv_events", "capture"}, bare
+    sized = engine_options(parse_args(["--model", str(FIXTURES / "qwen3_dense"), "--block-size", "4", "--dtype", "bf16"]))
+    assert (sized["block_size"], sized["dtype"]) == (4, "bf16")

@@ -125,7 +125,7 @@ impl FloatVec {
     /// are none or they are stored in different types.
     pub fn concat(parts: &[FloatSlice<'_>]) -> Option<FloatVec> {
         /// Every part's elements of type `T` joined (one allocation, of the exact size).
-        fn join<T: Element>(parts: &[FloatSlice<'_>]) -> Option<Vec<T>> {
+        fn join<T: Stored>(parts: &[FloatSlice<'_>]) -> Option<Vec<T>> {
             Some(parts.iter().map(|p| T::of(*p)).collect::<Option<Vec<&[T]>>>()?.concat())
         }
         Some(match parts.first()? {
@@ -187,24 +187,24 @@ impl<'a> FloatSlice<'a> {
 }
 
 /// A type the buffers store, for code generic over the three.
-trait Element: Copy {
+trait Stored: Copy {
     /// `s`'s elements when it stores this type.
     fn of(s: FloatSlice<'_>) -> Option<&[Self]>;
 }
 
-impl Element for f32 {
+impl Stored for f32 {
     fn of(s: FloatSlice<'_>) -> Option<&[f32]> {
         if let FloatSlice::F32(e) = s { Some(e) } else { None }
     }
 }
 
-impl Element for bf16 {
+impl Stored for bf16 {
     fn of(s: FloatSlice<'_>) -> Option<&[bf16]> {
         if let FloatSlice::Bf16(e) = s { Some(e) } else { None }
     }
 }
 
-impl Element for f16 {
+impl Stored for f16 {
     fn of(s: FloatSlice<'_>) -> Option<&[f16]> {
         if let FloatSlice::F16(e) = s { Some(e) } else { None }
     }

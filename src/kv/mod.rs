@@ -8,4 +8,8 @@ mod block_table;
 mod pool;
 
 pub use block_table::{BlockId, BlockTable};
+
+/// Tokens per KV block unless a caller says otherwise: vLLM's default, and the
+/// default of every config and command that takes a block size.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
 pub use pool::{BlockPool, BlockState};

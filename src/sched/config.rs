@@ -51,7 +51,7 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
             num_blocks: 1024,
-            block_size: 16,
+            block_size: crate::kv::DEFAULT_BLOCK_SIZE,
             max_tokens_per_step: 2048,
             max_seqs_per_step: 8,
             prefill_cap: PrefillCap::Auto,

@@ -25,7 +25,7 @@ pub struct BlockHashesArgs {
     #[arg(long, value_name = "HEX")]
     pub fingerprint_key: String,
     /// Tokens per KV block (the engines' `--block-size`).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = omniprefix::kv::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
     /// The model's `config.json`, for its special ids (default: Qwen3-Omni's).
     #[arg(long)]

@@ -88,9 +88,7 @@ impl GenerateArgs {
             allow_special_ids: false,
         }
     }
-}
 
-impl GenerateArgs {
     /// The chat of `--prompt` or `--messages`; `None` when the prompt is a request file.
     pub fn messages(&self) -> Result<Option<Messages>> {
         match (&self.prompt, &self.messages) {

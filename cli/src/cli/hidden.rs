@@ -40,10 +40,10 @@ pub struct EngineArgs {
     #[arg(long)]
     pub warm: Vec<PathBuf>,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = SchedulerConfig::default().block_size)]
     pub block_size: usize,
     /// Blocks in the KV pool.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = SchedulerConfig::default().num_blocks)]
     pub num_blocks: usize,
     /// Turn prefix caching off (every request computes every position).
     #[arg(long)]

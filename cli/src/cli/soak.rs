@@ -16,7 +16,7 @@ pub struct SoakArgs {
     #[arg(long, default_value_t = 100_000)]
     pub requests: usize,
     /// KV blocks in the pool (far fewer than the working set).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = omniprefix::sched::SchedulerConfig::default().num_blocks)]
     pub pool_blocks: usize,
     /// Distinct shared prefixes the Zipf law draws from.
     #[arg(long, default_value_t = 4096)]

@@ -47,7 +47,7 @@ pub struct TtftArgs {
     #[arg(long, default_value_t = 4)]
     pub mm_scale: u32,
     /// Tokens per KV block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = omniprefix::kv::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
     /// Seed of the random ids, media and (embedded model) weights.
     #[arg(long, default_value_t = 0)]

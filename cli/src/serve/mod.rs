@@ -104,7 +104,7 @@ impl ServeOptions {
             output_len: p.output_len,
             conversations: 4,
             mm_scale: 4,
-            block_size: 16,
+            block_size: omniprefix::kv::DEFAULT_BLOCK_SIZE,
             max_seqs: 16,
             max_tokens_per_step: 2048,
             prefill_cap: None,

@@ -75,7 +75,7 @@ pub struct RadixConfig {
 
 impl Default for RadixConfig {
     fn default() -> Self {
-        RadixConfig { block_size: 16 }
+        RadixConfig { block_size: crate::kv::DEFAULT_BLOCK_SIZE }
     }
 }
 
