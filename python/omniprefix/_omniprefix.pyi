@@ -352,6 +352,8 @@ class EngineOptions(TypedDict, total=False):
     max_tokens_per_step: Optional[int]  # default None
     max_seqs_per_step: Optional[int]  # default None
     prefill_cap: Optional[int]  # default None
+    token_granular_reuse: bool  # default True
+    index: Literal["radix", "hashchain"]  # default "radix"
     fingerprint_threads: Optional[int]  # default None
     encoder_cache_bytes: Optional[int]  # default None
     kv_events: Optional[_Endpoint]  # default None
@@ -398,7 +400,11 @@ class Engine:
         * ``max_tokens_per_step`` / ``max_seqs_per_step``: the scheduler's step budget (2048 / 8);
           ``prefill_cap``: prefill tokens a step that carries decodes may add (default a thirty-second
           of ``max_tokens_per_step``; at most it), so long prompts are chunked instead of
-          stalling decodes, and one prompt longer than it that will decode is prefilled at a time; ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
+          stalling decodes, and one prompt longer than it that will decode is prefilled at a time;
+          ``token_granular_reuse``: reuse a match that ends inside a block by copying that block
+          (default True); ``fingerprint_threads`` (1) and ``encoder_cache_bytes`` (256 MiB).
+        * ``index``: the prefix index, ``"radix"`` (the validated radix tree, default) or
+          ``"hashchain"`` (vLLM's SHA-256 block hash chain: the baseline the benchmarks compare).
         * ``kv_events``: publish KV events on this ZMQ PUB endpoint, in vLLM's wire format (the
           frames ``(topic, seq as 8-byte big-endian, msgpack KVEventBatch)``, one batch per
           engine step that changed the cache: ``BlockStored``, ``BlockRemoved``,

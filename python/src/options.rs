@@ -7,7 +7,7 @@ use std::time::Duration;
 use omniprefix::backend::Dtype;
 use omniprefix::backend::auto::BackendKind;
 use omniprefix::canon::FingerprintKey;
-use omniprefix::engine::EngineConfig;
+use omniprefix::engine::{EngineConfig, IndexKind};
 use omniprefix::events::KvEventsConfig;
 use omniprefix::index::ValidationPolicy;
 use omniprefix::model::CaptureName;
@@ -49,7 +49,7 @@ pub struct EngineOptions {
 }
 
 /// The option names `Engine.from_dir` and `Engine.random` accept.
-const ENGINE_OPTIONS: [&str; 20] = [
+const ENGINE_OPTIONS: [&str; 22] = [
     "block_size",
     "num_blocks",
     "capture",
@@ -63,6 +63,8 @@ const ENGINE_OPTIONS: [&str; 20] = [
     "max_tokens_per_step",
     "max_seqs_per_step",
     "prefill_cap",
+    "token_granular_reuse",
+    "index",
     "fingerprint_threads",
     "encoder_cache_bytes",
     "kv_events",
@@ -136,10 +138,9 @@ impl EngineOptions {
                 "prefill_cap" => config.scheduler.prefill_cap = PrefillCap::Tokens(count(&value, &name)?),
                 "fingerprint_threads" => config.fingerprint_threads = count(&value, &name)?,
                 "encoder_cache_bytes" => config.encoder_cache_bytes = count(&value, &name)?,
-                "cache" => {
-                    config.cache =
-                        value.extract().map_err(|_| PyTypeError::new_err("cache must be a bool"))?
-                }
+                "cache" => config.cache = flag(&value, &name)?,
+                "token_granular_reuse" => config.scheduler.token_granular_reuse = flag(&value, &name)?,
+                "index" => config.index = index_kind(&value)?,
                 "capture" => out.capture = capture_choice(&value)?,
                 "backend" => out.backend = backend_kind(&value)?,
                 "dtype" => config.dtype = dtype(&value)?,
@@ -171,6 +172,18 @@ impl EngineOptions {
         config.kv_events = kv.config()?;
         Ok(out)
     }
+}
+
+/// A bool option.
+fn flag(value: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    value.extract().map_err(|_| PyTypeError::new_err(format!("{name} must be a bool")))
+}
+
+/// `"radix"` (the validated radix tree) or `"hashchain"` (vLLM's block hash chain, the baseline).
+fn index_kind(value: &Bound<'_, PyAny>) -> PyResult<IndexKind> {
+    let name = string(value, "index")?;
+    serde_json::from_value(serde_json::Value::String(name.clone()))
+        .map_err(|_| PyValueError::new_err(format!("index {name:?}: expected \"radix\" or \"hashchain\"")))
 }
 
 /// A non-negative int option.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import omniprefix
 from conftest import (
@@ -134,3 +135,25 @@ def test_small_pool_evicts_and_still_returns_the_same_outputs(qwen3_config):
     assert_bit_equal("evicted a", out_a.hidden, off.prefill(a).hidden)
     assert_bit_equal("b", out_b.hidden, off.prefill(b).hidden)
     engine.validate()
+
+
+@pytest.mark.parametrize("index", ["radix", "hashchain"])
+@pytest.mark.parametrize("token_granular_reuse", [True, False])
+def test_index_and_token_granular_reuse_are_engine_options(qwen3_config, index, token_granular_reuse):
+    """Both indexes reuse a repeated prompt and give the uncached run's rows; a match that ends
+    inside a block reuses that block's tokens only with token_granular_reuse (the hash chain
+    matches whole blocks only)."""
+    engine = omniprefix.Engine.random(qwen3_config, 3, block_size=4, index=index,
+                                      token_granular_reuse=token_granular_reuse)
+    ids = list(range(1, 15))
+    first = engine.prefill(ids)
+    again = engine.prefill(ids)
+    assert first.num_cached_tokens == 0
+    granular = index == "radix" and token_granular_reuse
+    assert again.num_cached_tokens == (13 if granular else 12)
+    for name, rows in first.hidden.items():
+        assert np.array_equal(again.hidden[name], rows), name
+    with pytest.raises(ValueError, match="hashchain"):
+        omniprefix.Engine.random(qwen3_config, 3, index="trie")
+    with pytest.raises(TypeError, match="token_granular_reuse must be a bool"):
+        omniprefix.Engine.random(qwen3_config, 3, token_granular_reuse="yes")
