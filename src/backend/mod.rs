@@ -205,6 +205,21 @@ impl<T> MoeWeights<T> {
             norm_topk_prob: self.norm_topk_prob,
         })
     }
+
+    /// `top_k` picks 1 to `num_experts` experts: every backend's MoE op checks
+    /// it first (a shape error naming `top_k`, never a panic in a kernel).
+    pub(crate) fn check_top_k(&self, op: &'static str) -> Result<()> {
+        if self.top_k == 0 || self.top_k > self.num_experts {
+            return Err(crate::error::BackendError::OpShape {
+                op,
+                what: "top_k",
+                expected: format!("1..={}", self.num_experts),
+                found: vec![self.top_k],
+            }
+            .into());
+        }
+        Ok(())
+    }
 }
 
 impl MoeWeights<Array2<f32>> {

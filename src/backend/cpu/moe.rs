@@ -38,15 +38,7 @@ pub(crate) fn forward(x: &Array2<f32>, w: &MoeWeights<PackedWeight>) -> Result<A
     let bad = |what: &'static str, expected: String, t: &PackedWeight| -> crate::Error {
         BackendError::OpShape { op: OP, what, expected, found: t.shape().to_vec() }.into()
     };
-    if w.top_k == 0 || w.top_k > e {
-        return Err(BackendError::OpShape {
-            op: OP,
-            what: "top_k",
-            expected: format!("1..={e}"),
-            found: vec![w.top_k],
-        }
-        .into());
-    }
+    w.check_top_k(OP)?;
     if w.router.shape() != [e, hidden] {
         return Err(bad("router", format!("[{e}, {hidden}]"), &w.router));
     }
@@ -156,5 +148,26 @@ mod tests {
         assert!((picked[0].1 - 0.5).abs() < 1e-6);
         let raw = route(&[0.1, 0.3, 0.2, 0.4], 2, false);
         assert_eq!(raw, vec![(3, 0.4), (1, 0.3)]);
+    }
+
+    /// A top-k of 0 or past the experts is a typed shape error naming `top_k`.
+    #[test]
+    fn a_top_k_outside_the_experts_is_a_shape_error() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let x = rand_rows_from(&mut rng, 2, 12);
+        for top_k in [0, 7] {
+            let w = MoeWeights::random(&mut rng, 6, 12, 5, top_k, true);
+            let packed =
+                w.try_map(|t| Ok::<_, ()>(PackedWeight::pack(&crate::backend::HostWeight::from(t.clone()))));
+            let err = forward(&x, &packed.unwrap()).unwrap_err();
+            assert!(
+                matches!(
+                    &err,
+                    crate::Error::Backend(BackendError::OpShape { op: "moe", what: "top_k", found, .. })
+                        if found == &vec![top_k]
+                ),
+                "{err}"
+            );
+        }
     }
 }

@@ -42,15 +42,7 @@ struct ExpertLists {
 /// Checks the MoE weights against `x` and returns the expert intermediate size.
 fn intermediate_size(x: &GpuTensor, w: &MoeWeights<GpuTensor>) -> Result<usize> {
     let (e, hidden) = (w.num_experts, x.cols);
-    if w.top_k == 0 || w.top_k > e {
-        return Err(BackendError::OpShape {
-            op: OP,
-            what: "top_k",
-            expected: format!("1..={e}"),
-            found: vec![w.top_k],
-        }
-        .into());
-    }
+    w.check_top_k(OP)?;
     if w.router.rows != e {
         return Err(w.router.shape_error(OP, "router", format!("[{e}, {hidden}]")));
     }
