@@ -56,8 +56,6 @@ impl Latencies {
 /// What the gauges and counters read at render time.
 pub(super) struct Reading<'a> {
     pub(super) stats: &'a EngineStats,
-    /// Requests admitted and not waiting in the queue (running, or ready for their next token).
-    pub(super) running: usize,
     pub(super) num_blocks: usize,
     /// KV events the publisher dropped (`None`: no publisher).
     pub(super) kv_events_dropped: Option<u64>,
@@ -100,7 +98,7 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
     registry.register(
         "num_requests_running",
         "Requests admitted and not waiting",
-        ConstGauge::new(r.running),
+        ConstGauge::new(s.running),
     );
     registry.register("num_requests_waiting", "Requests waiting to start", ConstGauge::new(s.waiting));
     let used = (s.blocks_in_use + s.blocks_cached) as f64 / r.num_blocks.max(1) as f64;

@@ -275,11 +275,9 @@ impl<B: Backend> Engine<B> {
     /// ```
     pub fn metrics(&self) -> Result<String> {
         let stats = self.stats();
-        let running = self.pending.len().saturating_sub(stats.sched.waiting);
         let kv_events_dropped = self.kv_events_stats().map(|s| s.dropped);
         let reading = metrics::Reading {
             stats: &stats,
-            running,
             num_blocks: self.config.scheduler.num_blocks,
             kv_events_dropped,
         };

@@ -106,6 +106,9 @@ pub struct SchedulerStats {
     pub blocks_free: usize,
     pub blocks_in_use: usize,
     pub blocks_cached: usize,
+    /// Requests admitted and queued, not started (or sent back by a preemption).
     pub waiting: usize,
+    /// Requests admitted and not waiting: scheduled to run, or ready or parked
+    /// between two steps (vLLM's `num_requests_running`; the metrics' gauge).
     pub running: usize,
 }

@@ -318,7 +318,7 @@ impl Scheduler {
             blocks_in_use: self.pool.num_in_use(),
             blocks_cached: self.pool.num_indexed(),
             waiting: self.waiting.len(),
-            running: self.running.len(),
+            running: self.requests.len() - self.waiting.len(),
             ..self.stats.clone()
         }
     }
