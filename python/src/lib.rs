@@ -2,7 +2,8 @@
 //!
 //! | module | what it binds |
 //! | --- | --- |
-//! | [`engine`] | `Engine` (prefill, generate, stream) and `Stream` |
+//! | [`engine`] | `Engine` (prefill, generate, stream) |
+//! | [`stream`] | `Stream`: one request's events, and its result |
 //! | [`pump`] | `EventPump`: one reader for many streams (`AsyncEngine`'s) |
 //! | [`outputs`] | `Output`, `Generation` |
 //! | [`item`] | `Item` and the borrowed item specs of one call |
@@ -23,6 +24,7 @@ mod matcher;
 mod options;
 mod outputs;
 mod pump;
+mod stream;
 
 #[pymodule]
 fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -30,7 +32,7 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     omniprefix::alloc::keep_freed_pages();
     errors::register(m)?;
     m.add_class::<engine::PyEngine>()?;
-    m.add_class::<engine::Stream>()?;
+    m.add_class::<stream::Stream>()?;
     m.add_class::<pump::EventPump>()?;
     m.add_class::<outputs::PyOutput>()?;
     m.add_class::<outputs::PyGeneration>()?;

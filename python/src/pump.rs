@@ -21,7 +21,7 @@ use pyo3::sync::MutexExt;
 use pyo3::types::{PyBool, PyDict};
 
 use crate::arrays::row_dict;
-use crate::engine::{Read, Stream, StreamState};
+use crate::stream::{Read, Stream, StreamState};
 
 /// A stream's tokens as the pump hands them on: `[(token, {capture: row}, finish_reason), ...]`,
 /// `finish_reason` (`"stop"`, `"length"`) on the request's last token, else None.
