@@ -14,7 +14,6 @@ use std::sync::Arc;
 
 use omniprefix::Error;
 use omniprefix::canon::{FingerprintKey, Fingerprinter};
-use omniprefix::engine::PlaceholderForm;
 use omniprefix::error::{IoError, RequestError, RequestFileError};
 use omniprefix::index::ValidationPolicy;
 use omniprefix::prompt::{OmniTokens, PromptBuilder};
@@ -102,13 +101,7 @@ fn parse_and_build(text: &str, path: &std::path::Path) -> Result<(), Error> {
         .map(|(i, item)| fingerprinter.identify(i, &item.spec).map(Arc::new))
         .collect::<Result<Vec<_>, _>>()?;
     let mut builder = PromptBuilder::new(tokens).with_tenant(request.tenant);
-    match request.placeholders {
-        PlaceholderForm::Expanded => builder.extend_expanded(&request.token_ids, &items)?,
-        PlaceholderForm::Unexpanded => builder.extend_unexpanded(&request.token_ids, &items, false)?,
-        PlaceholderForm::UnexpandedAudioInVideo => {
-            builder.extend_unexpanded(&request.token_ids, &items, true)?
-        }
-    };
+    builder.extend(&request.token_ids, &items, request.placeholders)?;
     builder.build().map(|_| ())
 }
 

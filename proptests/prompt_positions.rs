@@ -7,7 +7,8 @@
 use omniprefix::Result;
 use omniprefix::canon::{ItemLayout, Modality};
 use omniprefix::prompt::{
-    CanonicalPrompt, OmniTokens, PositionKind, Positions, PromptBuilder, positions_from_atoms,
+    CanonicalPrompt, OmniTokens, PlaceholderForm, PositionKind, Positions, PromptBuilder,
+    positions_from_atoms,
 };
 use proptest::prelude::*;
 
@@ -129,7 +130,7 @@ proptest! {
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(&again, &prompt.positions);
         let mut parsed = PromptBuilder::new(tokens);
-        parsed.extend_expanded(&prompt.token_ids, &prompt.items).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        parsed.extend(&prompt.token_ids, &prompt.items, PlaceholderForm::Expanded).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let parsed = parsed.build().map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(&parsed.token_ids, &prompt.token_ids);
         prop_assert_eq!(&parsed.index_map.spans, &prompt.index_map.spans);

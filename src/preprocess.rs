@@ -9,20 +9,8 @@ use std::sync::Arc;
 
 use crate::canon::{Fingerprinter, ItemSpec};
 use crate::error::Result;
+pub use crate::prompt::PlaceholderForm;
 use crate::prompt::{CanonicalPrompt, OmniTokens, PositionKind, PromptBuilder, TenantSalt};
-
-/// How the items' placeholders appear in a request's token ids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PlaceholderForm {
-    /// One pad id per item; preprocessing expands it to the item's token count.
-    #[default]
-    Unexpanded,
-    /// Like `Unexpanded`, and every `vision_start video_pad vision_end` takes
-    /// the next audio item too, interleaved by time (Qwen3-Omni `use_audio_in_video`).
-    UnexpandedAudioInVideo,
-    /// One pad id per item token, already expanded.
-    Expanded,
-}
 
 /// A request as a client sends it, after tokenisation and media decoding.
 #[derive(Debug, Clone)]
@@ -31,8 +19,9 @@ pub struct RawRequest<'a> {
     pub token_ids: &'a [u32],
     /// The items, in the order their placeholders appear per modality.
     pub items: Vec<ItemSpec<'a>>,
-    /// Interleave each video with the next audio (Qwen3-Omni `use_audio_in_video`).
-    pub audio_in_video: bool,
+    /// How the placeholders appear in `token_ids` (unexpanded, with or without
+    /// audio-in-video, or expanded).
+    pub placeholders: PlaceholderForm,
 }
 
 /// Turns [`RawRequest`]s into [`CanonicalPrompt`]s for one tenant.
@@ -46,7 +35,7 @@ pub struct RawRequest<'a> {
 /// use ndarray::Array3;
 /// use omniprefix::canon::{FingerprintKey, Fingerprinter, ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 /// use omniprefix::index::ValidationPolicy;
-/// use omniprefix::preprocess::{Preprocessor, RawRequest};
+/// use omniprefix::preprocess::{PlaceholderForm, Preprocessor, RawRequest};
 /// use omniprefix::prompt::OmniTokens;
 ///
 /// let fingerprinter = Fingerprinter::new(FingerprintKey::random(), 1, ValidationPolicy::SecondDigest)?;
@@ -60,7 +49,7 @@ pub struct RawRequest<'a> {
 /// };
 /// // text, vision_start, one image pad, vision_end, text
 /// let ids = [100, 503, 500, 504, 200];
-/// let prompt = preprocessor.preprocess(&RawRequest { token_ids: &ids, items: vec![image], audio_in_video: false })?;
+/// let prompt = preprocessor.preprocess(&RawRequest { token_ids: &ids, items: vec![image], placeholders: PlaceholderForm::Unexpanded })?;
 /// assert_eq!(prompt.len(), 4 + 6); // the pad expands to 1·4·6 / 2² tokens
 /// assert_eq!(prompt.items.len(), 1);
 /// # Ok::<(), omniprefix::Error>(())
@@ -104,12 +93,7 @@ impl Preprocessor {
     /// Fingerprints every item, then expands the placeholders and computes
     /// positions. Any bad item or id is a typed error naming it.
     pub fn preprocess(&self, request: &RawRequest<'_>) -> Result<CanonicalPrompt> {
-        let form = if request.audio_in_video {
-            PlaceholderForm::UnexpandedAudioInVideo
-        } else {
-            PlaceholderForm::Unexpanded
-        };
-        self.canonicalise(self.tenant, request.token_ids, form, &request.items)
+        self.canonicalise(self.tenant, request.token_ids, request.placeholders, &request.items)
     }
 
     /// [`Preprocessor::preprocess`] for callers that keep items in a request type
@@ -126,11 +110,7 @@ impl Preprocessor {
             .collect::<Result<Vec<_>>>()?;
         let mut builder =
             PromptBuilder::new(self.tokens.clone()).with_tenant(tenant).with_positions(self.positions);
-        match form {
-            PlaceholderForm::Expanded => builder.extend_expanded(token_ids, &items)?,
-            PlaceholderForm::Unexpanded => builder.extend_unexpanded(token_ids, &items, false)?,
-            PlaceholderForm::UnexpandedAudioInVideo => builder.extend_unexpanded(token_ids, &items, true)?,
-        };
+        builder.extend(token_ids, &items, form)?;
         builder.into_prompt()
     }
 }
@@ -161,7 +141,11 @@ mod tests {
     fn items_are_fingerprinted_and_expanded_for_the_tenant() -> Result<()> {
         let wave = Array1::from_iter((0..1600).map(|i| (i as f32 * 0.01).sin()));
         let ids = [7, 505, 502, 506, 8];
-        let request = RawRequest { token_ids: &ids, items: vec![audio(&wave, 100)], audio_in_video: false };
+        let request = RawRequest {
+            token_ids: &ids,
+            items: vec![audio(&wave, 100)],
+            placeholders: PlaceholderForm::Unexpanded,
+        };
         let prompt = preprocessor(9)?.preprocess(&request)?;
         assert_eq!(prompt.tenant, 9);
         assert_eq!(prompt.len(), 4 + 13);
@@ -174,12 +158,17 @@ mod tests {
     fn bad_items_and_ids_are_typed_errors() -> Result<()> {
         let wave = Array1::from_elem(160, f32::NAN);
         let ids = [7, 505, 502, 506];
-        let nan = RawRequest { token_ids: &ids, items: vec![audio(&wave, 100)], audio_in_video: false };
+        let nan = RawRequest {
+            token_ids: &ids,
+            items: vec![audio(&wave, 100)],
+            placeholders: PlaceholderForm::Unexpanded,
+        };
         assert!(matches!(
             preprocessor(0)?.preprocess(&nan),
             Err(Error::Request(RequestError::NonFinite { item: 0, .. }))
         ));
-        let missing = RawRequest { token_ids: &ids, items: vec![], audio_in_video: false };
+        let missing =
+            RawRequest { token_ids: &ids, items: vec![], placeholders: PlaceholderForm::Unexpanded };
         assert!(matches!(
             preprocessor(0)?.preprocess(&missing),
             Err(Error::Request(RequestError::MissingItem { position: 2, modality: Modality::Audio, .. }))

@@ -18,7 +18,7 @@ use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{IndexStats, ValidationPolicy};
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::{
-    Atom, CanonicalPrompt, OmniTokens, PositionKind, PromptBuilder, positions_from_atoms,
+    Atom, CanonicalPrompt, OmniTokens, PlaceholderForm, PositionKind, PromptBuilder, positions_from_atoms,
 };
 use omniprefix::sched::{PrefillCap, Request, RequestChecks, Scheduler, SchedulerConfig, SchedulerStats};
 use omniprefix::{Error, Result};
@@ -63,7 +63,7 @@ fn text_prompt(tenant: u64, ids: &[u32]) -> Result<CanonicalPrompt> {
 
 fn image_prompt(tenant: u64, seed: u8) -> Result<CanonicalPrompt> {
     let mut b = PromptBuilder::new(OmniTokens::tiny()).with_tenant(tenant);
-    b.extend_unexpanded(&IMAGE_PROMPT, &[image(seed)?], false)?;
+    b.extend(&IMAGE_PROMPT, &[image(seed)?], PlaceholderForm::Unexpanded)?;
     b.build()
 }
 
@@ -379,7 +379,9 @@ fn c07_placeholder_count_disagrees_with_grid() -> Result<()> {
     let img = image(3)?; // grid 1x4x6 -> 6 tokens
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     builder.push_text(&[100])?;
-    let err = rejected(|_| builder.extend_expanded(&[503, 500, 500, 500, 500, 504], &[img]).map(|_| ()))?;
+    let err = rejected(|_| {
+        builder.extend(&[503, 500, 500, 500, 500, 504], &[img], PlaceholderForm::Expanded).map(|_| ())
+    })?;
     assert!(
         matches!(
             err,
@@ -410,7 +412,7 @@ fn c08_overlapping_or_out_of_order_items() -> Result<()> {
     assert!(matches!(err, Error::Request(RequestError::MalformedAtoms { atom: 1, .. })), "{err}");
     // Two items whose index-map spans overlap.
     let mut two = PromptBuilder::new(OmniTokens::tiny());
-    two.extend_unexpanded(&[503, 500, 504, 503, 500, 504], &[image(4)?, image(5)?], false)?;
+    two.extend(&[503, 500, 504, 503, 500, 504], &[image(4)?, image(5)?], PlaceholderForm::Unexpanded)?;
     let mut prompt = two.build()?;
     prompt.index_map.spans[1].start = prompt.index_map.spans[0].start + 2;
     let err = rejected(|s| s.admit(request(10, prompt)))?;
@@ -579,7 +581,7 @@ fn c11_requests_the_model_cannot_run_are_refused_at_admission() -> Result<()> {
     // A model whose image pad is past the vocabulary: the placeholder ids are embedded too.
     let tokens = OmniTokens { image_token_id: 650, ..OmniTokens::tiny() };
     let mut b = PromptBuilder::new(tokens);
-    b.extend_unexpanded(&[100, 503, 650, 504, 200], &[image(3)?], false)?;
+    b.extend(&[100, 503, 650, 504, 200], &[image(3)?], PlaceholderForm::Unexpanded)?;
     let err = rejected(|s| s.admit(request(31, b.build()?)))?;
     assert!(
         matches!(

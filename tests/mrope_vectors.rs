@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use omniprefix::Result;
 use omniprefix::canon::{ItemIdentity, ItemLayout, Modality};
-use omniprefix::prompt::{OmniTokens, Positions, PromptBuilder, positions_from_atoms};
+use omniprefix::prompt::{OmniTokens, PlaceholderForm, Positions, PromptBuilder, positions_from_atoms};
 use serde_json::Value;
 
 #[path = "support/items.rs"]
@@ -75,7 +75,7 @@ fn every_fixture_case_matches_hf_get_rope_index() -> TestResult {
         let ids = u32s(&case["input_ids"]);
         let items = case_items(&tokens, case)?;
         let mut builder = PromptBuilder::new(tokens.clone());
-        builder.extend_expanded(&ids, &items)?;
+        builder.extend(&ids, &items, PlaceholderForm::Expanded)?;
         let prompt = builder.build()?;
         assert_eq!(prompt.token_ids, ids, "{name}: token ids");
         let rows: Vec<Vec<i64>> = case["position_ids"]
@@ -118,9 +118,13 @@ fn audio_in_video_from_unexpanded_ids_equals_the_expanded_case() -> TestResult {
     let case = cases.iter().find(|c| c["name"] == "audio_in_video").cloned().unwrap_or_default();
     let items = case_items(&tokens, &case)?;
     let mut expanded = PromptBuilder::new(tokens.clone());
-    expanded.extend_expanded(&u32s(&case["input_ids"]), &items)?;
+    expanded.extend(&u32s(&case["input_ids"]), &items, PlaceholderForm::Expanded)?;
     let mut unexpanded = PromptBuilder::new(tokens.clone());
-    unexpanded.extend_unexpanded(&[100, 101, 102, 503, 501, 504, 200, 201, 202], &items, true)?;
+    unexpanded.extend(
+        &[100, 101, 102, 503, 501, 504, 200, 201, 202],
+        &items,
+        PlaceholderForm::UnexpandedAudioInVideo,
+    )?;
     let (a, b) = (expanded.build()?, unexpanded.build()?);
     assert_eq!(a.token_ids, b.token_ids);
     assert_eq!(a.positions, b.positions);

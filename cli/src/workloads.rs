@@ -20,7 +20,7 @@ use crate::error::{HarnessError, Result};
 use crate::scenarios::{SCENARIOS_FILE, Scenarios, parse};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor};
 use omniprefix::index::hashchain::MmMedia;
-use omniprefix::preprocess::RawRequest;
+use omniprefix::preprocess::{PlaceholderForm, RawRequest};
 use omniprefix::prompt::OmniTokens;
 
 const OMNI_FILE: &str = "fixtures/qwen3_omni.json";
@@ -392,7 +392,7 @@ impl Workload {
         RawRequest {
             token_ids: &plan.token_ids,
             items: plan.items.iter().map(|&m| self.media.spec(m)).collect(),
-            audio_in_video: false,
+            placeholders: PlaceholderForm::Unexpanded,
         }
     }
 

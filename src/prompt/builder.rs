@@ -12,13 +12,13 @@ use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
 
 /// Accumulates atoms, token ids and the index map of one prompt.
 ///
-/// Every `push_*` / `extend_*` either applies completely or returns an error
+/// Every `push_*` / `extend` either applies completely or returns an error
 /// and leaves the builder unchanged.
 ///
 /// ```
 /// use std::sync::Arc;
 /// use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
-/// use omniprefix::prompt::{OmniTokens, PromptBuilder};
+/// use omniprefix::prompt::{OmniTokens, PlaceholderForm, PromptBuilder};
 ///
 /// let image = Arc::new(ItemIdentity {
 ///     fingerprint: Fingerprint(7),
@@ -31,7 +31,7 @@ use super::{Atom, CanonicalPrompt, IndexMap, ItemSpan, OmniTokens, TenantSalt};
 /// let tokens = OmniTokens::tiny();
 /// let mut builder = PromptBuilder::new(tokens.clone());
 /// // Unexpanded: one image pad stands for the whole image.
-/// builder.extend_unexpanded(&[100, 503, 500, 504, 200], &[image], false)?;
+/// builder.extend(&[100, 503, 500, 504, 200], &[image], PlaceholderForm::Unexpanded)?;
 /// let prompt = builder.build()?;
 /// assert_eq!(prompt.len(), 10);
 /// assert_eq!(prompt.index_map.placeholders.len(), 6);
@@ -171,27 +171,6 @@ impl PromptBuilder {
         Ok(self)
     }
 
-    /// Appends ids whose placeholders are already expanded: each item's run of
-    /// pads must be exactly its token count; a video run followed directly by
-    /// audio pads is audio-in-video and must interleave as the HF processor
-    /// does. Each pad run takes the next unused item of its modality from
-    /// `items`; every item must be used. Two items of one modality need a
-    /// token between them (HF wraps each in start/end tokens anyway).
-    pub fn extend_expanded(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>]) -> Result<&mut Self> {
-        self.extend(ids, items, Placeholders::Expanded)
-    }
-
-    /// Appends ids in which each placeholder id appears once per item and
-    /// is expanded to the next unused item of its modality. With
-    /// `audio_in_video`, every `vision_start video_pad vision_end` becomes
-    /// `vision_start audio_start <interleaved video+audio> audio_end vision_end`,
-    /// taking the next audio item too (the HF processor's rewrite).
-    pub fn extend_unexpanded(
-        &mut self, ids: &[u32], items: &[Arc<ItemIdentity>], audio_in_video: bool,
-    ) -> Result<&mut Self> {
-        self.extend(ids, items, Placeholders::Unexpanded { audio_in_video })
-    }
-
     /// The canonical prompt of everything pushed so far (the builder stays usable).
     pub fn build(&self) -> Result<CanonicalPrompt> {
         self.clone().into_prompt()
@@ -214,10 +193,15 @@ impl PromptBuilder {
         })
     }
 
-    /// Shared walk of `extend_expanded` / `extend_unexpanded`: one scan for
-    /// placeholders, text between them appended as it is; a rejected request
-    /// is rolled back, so it leaves `self` unchanged.
-    fn extend(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: Placeholders) -> Result<&mut Self> {
+    /// Appends ids whose placeholders appear as `form` says. Each placeholder
+    /// run takes the next unused item of its modality from `items`; every item
+    /// must be used. Two items of one modality need a token between them (HF
+    /// wraps each in start/end tokens anyway). One scan for placeholders, text
+    /// between them appended as it is; a rejected request is rolled back, so it
+    /// leaves `self` unchanged.
+    pub fn extend(
+        &mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: PlaceholderForm,
+    ) -> Result<&mut Self> {
         for (index, item) in items.iter().enumerate() {
             self.tokens.checked_token_count(item, index)?;
         }
@@ -229,7 +213,7 @@ impl PromptBuilder {
         result.map(|()| self)
     }
 
-    fn extend_from(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: Placeholders) -> Result<()> {
+    fn extend_from(&mut self, ids: &[u32], items: &[Arc<ItemIdentity>], form: PlaceholderForm) -> Result<()> {
         let mut queues = ItemQueues::new(items);
         let mut text_start = 0;
         while let Some((found, modality)) = find_placeholder(&self.tokens, &ids[text_start..]) {
@@ -237,9 +221,9 @@ impl PromptBuilder {
             self.append_text(&ids[text_start..cursor])?;
             let (index, item) = queues.take(modality, self.len())?;
             cursor += match form {
-                Placeholders::Expanded => self.expanded_item(&ids[cursor..], index, item, &mut queues)?,
-                Placeholders::Unexpanded { audio_in_video } => {
-                    if modality == Modality::Video && audio_in_video {
+                PlaceholderForm::Expanded => self.expanded_item(&ids[cursor..], index, item, &mut queues)?,
+                PlaceholderForm::Unexpanded | PlaceholderForm::UnexpandedAudioInVideo => {
+                    if modality == Modality::Video && form == PlaceholderForm::UnexpandedAudioInVideo {
                         self.unexpanded_audio_in_video(ids, cursor, index, item, &mut queues)?;
                     } else {
                         self.push_item(item)?;
@@ -412,11 +396,22 @@ fn find_placeholder(tokens: &OmniTokens, ids: &[u32]) -> Option<(usize, Modality
     Some((index, tokens.placeholder_modality(ids[index])?))
 }
 
-/// How placeholders appear in a whole id sequence.
-#[derive(Debug, Clone, Copy)]
-enum Placeholders {
+/// How the items' placeholders appear in a request's token ids: the one way a
+/// request says it (an audio-in-video request included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PlaceholderForm {
+    /// One pad id per item; preprocessing expands it to the item's token count.
+    #[default]
+    Unexpanded,
+    /// Like `Unexpanded`, and every `vision_start video_pad vision_end` becomes
+    /// `vision_start audio_start <interleaved video+audio> audio_end vision_end`,
+    /// taking the next audio item too (Qwen3-Omni `use_audio_in_video`, the HF
+    /// processor's rewrite).
+    UnexpandedAudioInVideo,
+    /// One pad id per item token, already expanded: each item's run of pads must
+    /// be exactly its token count; a video run followed directly by audio pads is
+    /// audio-in-video and must interleave as the HF processor does.
     Expanded,
-    Unexpanded { audio_in_video: bool },
 }
 
 /// The caller's items split by modality, consumed in order per modality.

@@ -19,7 +19,7 @@ mod omni_tokens;
 #[cfg(test)]
 mod tests;
 
-pub use builder::PromptBuilder;
+pub use builder::{PlaceholderForm, PromptBuilder};
 pub use mrope::{PositionKind, Positions, positions_from_atoms};
 pub use omni_tokens::OmniTokens;
 

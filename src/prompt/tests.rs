@@ -56,7 +56,7 @@ fn ids(v: &Value) -> Vec<u32> {
 
 fn unexpanded(ids: &[u32], items: &[Arc<ItemIdentity>]) -> Result<CanonicalPrompt> {
     let mut builder = PromptBuilder::new(OmniTokens::qwen3_omni());
-    builder.extend_unexpanded(ids, items, false)?;
+    builder.extend(ids, items, PlaceholderForm::Unexpanded)?;
     builder.build()
 }
 
@@ -165,7 +165,7 @@ fn same_item_twice_gets_two_occurrences_and_distinct_positions() -> Result<()> {
 #[test]
 fn placeholder_run_shorter_than_its_item_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
-    let err = builder.extend_expanded(&[1, 503, 500, 500, 504], &[image(1)]).err();
+    let err = builder.extend(&[1, 503, 500, 500, 504], &[image(1)], PlaceholderForm::Expanded).err();
     assert!(matches!(
         err,
         Some(Error::Request(RequestError::PlaceholderCountMismatch {
@@ -182,7 +182,7 @@ fn placeholder_run_shorter_than_its_item_is_rejected() {
 fn more_placeholders_than_items_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
     builder.push_text(&[7]).ok();
-    let err = builder.extend_unexpanded(&[500, 1, 500], &[image(1)], false).err();
+    let err = builder.extend(&[500, 1, 500], &[image(1)], PlaceholderForm::Unexpanded).err();
     assert!(matches!(
         err,
         Some(Error::Request(RequestError::MissingItem {
@@ -197,7 +197,7 @@ fn more_placeholders_than_items_is_rejected() {
 #[test]
 fn fewer_placeholders_than_items_is_rejected() {
     let mut builder = PromptBuilder::new(OmniTokens::tiny());
-    let err = builder.extend_unexpanded(&[500, 1], &[image(1), audio(2), image(3)], false).err();
+    let err = builder.extend(&[500, 1], &[image(1), audio(2), image(3)], PlaceholderForm::Unexpanded).err();
     assert!(matches!(
         err,
         Some(Error::Request(RequestError::UnusedItems { first: 2, modality: Modality::Image, count: 1 }))
@@ -303,13 +303,14 @@ fn malformed_audio_in_video_is_rejected() {
     expanded.extend([502; 39]);
     expanded.extend([506, 504]);
     let mut builder = PromptBuilder::new(tokens.clone());
-    let err = builder.extend_expanded(&expanded, &[video(1), audio(2)]).err();
+    let err = builder.extend(&expanded, &[video(1), audio(2)], PlaceholderForm::Expanded).err();
     assert!(matches!(
         err,
         Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 6, .. }))
     ));
     // unexpanded: the video pad must sit between vision_start and vision_end
-    let err = builder.extend_unexpanded(&[1, 501, 504], &[video(1), audio(2)], true).err();
+    let err =
+        builder.extend(&[1, 501, 504], &[video(1), audio(2)], PlaceholderForm::UnexpandedAudioInVideo).err();
     assert!(matches!(
         err,
         Some(Error::Request(RequestError::MalformedAudioInVideo { item: 0, position: 1, .. }))
@@ -323,7 +324,7 @@ fn malformed_audio_in_video_is_rejected() {
     ));
     // a video asking for its audio when none is left
     let mut builder = PromptBuilder::new(tokens);
-    let err = builder.extend_unexpanded(&[503, 501, 504], &[video(1)], true).err();
+    let err = builder.extend(&[503, 501, 504], &[video(1)], PlaceholderForm::UnexpandedAudioInVideo).err();
     assert!(matches!(err, Some(Error::Request(RequestError::MissingItem { modality: Modality::Audio, .. }))));
 }
 
@@ -350,7 +351,7 @@ fn placeholders_are_found_in_and_between_scan_groups() -> Result<()> {
             matches!(err, Some(Error::Request(RequestError::StrayPlaceholder { position, token: 500 })) if position == at),
             "pad at {at}"
         );
-        builder.extend_unexpanded(&ids, &[image(1)], false)?;
+        builder.extend(&ids, &[image(1)], PlaceholderForm::Unexpanded)?;
         assert_eq!(builder.build()?.index_map.spans[0].start as usize, at, "pad at {at}");
     }
     Ok(())
@@ -363,7 +364,7 @@ fn a_rejected_extend_leaves_a_non_empty_builder_as_it_was() -> Result<()> {
     let before = builder.build()?;
     // Text that grows the last run, an image, more text, then a second image pad with no item.
     let ids: Vec<u32> = (10..50).chain([503, 500, 504]).chain(60..100).chain([500]).collect();
-    let err = builder.extend_unexpanded(&ids, &[image(2)], false).err();
+    let err = builder.extend(&ids, &[image(2)], PlaceholderForm::Unexpanded).err();
     assert!(
         matches!(err, Some(Error::Request(RequestError::MissingItem { modality: Modality::Image, .. }))),
         "{err:?}"
