@@ -44,3 +44,14 @@ def test_the_stub_exports_what_the_extension_exports():
     )
     assert set(ast.literal_eval(exported.value)) == set(omniprefix._omniprefix.__all__)
     assert set(omniprefix.__all__) == set(omniprefix._omniprefix.__all__) | {"AsyncEngine", "AsyncStream"}
+
+
+def test_docs_python_md_names_every_engine_option(qwen3_config):
+    """docs/python.md's option list is held to the extension's own list, like the stub."""
+    with pytest.raises(TypeError, match="unknown engine option") as info:
+        omniprefix.Engine.random(qwen3_config, 0, no_such_option=1)
+    accepted = set(re.search(r"options are (.*)$", str(info.value)).group(1).split(", "))
+    docs = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "python.md").read_text()
+    options = docs.split("\nOptions:\n", 1)[1].split("\nToken ids are", 1)[0]
+    missing = sorted(name for name in accepted if f"`{name}`" not in options and f"`{name}=" not in options)
+    assert not missing, f"docs/python.md's Options do not name {missing}"
