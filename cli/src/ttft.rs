@@ -497,6 +497,7 @@ impl MediaItem {
             },
             embeddings: Some(Arc::clone(&self.embeddings)),
             deepstack: None,
+            routing_hash: None,
         }
     }
 
