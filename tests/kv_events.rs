@@ -16,7 +16,9 @@ use omniprefix::canon::{
 };
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Request, request_block_hashes};
 use omniprefix::error::{Error, EventsError, RequestError, SchedError};
-use omniprefix::events::{ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium, RoutingHash};
+use omniprefix::events::{
+    ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium, RoutingHash,
+};
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sched::SchedulerConfig;

@@ -71,7 +71,9 @@ fn routing_hash_from(hash: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>
         None => Ok(None),
         Some(h) if h.is_none() => Ok(None),
         Some(h) => h.extract().map(Some).map_err(|_| {
-            PyTypeError::new_err("routing_hash must be a str of 16 hex digits (Dynamo's mm_hashes entry) or None")
+            PyTypeError::new_err(
+                "routing_hash must be a str of 16 hex digits (Dynamo's mm_hashes entry) or None",
+            )
         }),
     }
 }
@@ -171,7 +173,8 @@ impl Item {
     }
 
     fn __repr__(&self) -> String {
-        let routing = self.routing_hash.as_ref().map_or_else(String::new, |h| format!(", routing_hash={h:?}"));
+        let routing =
+            self.routing_hash.as_ref().map_or_else(String::new, |h| format!(", routing_hash={h:?}"));
         format!(
             "Item({}, {:?}, embeddings={}{routing})",
             modality_name(self.modality),
