@@ -83,13 +83,9 @@ impl Item {
     #[new]
     #[pyo3(signature = (modality, content, layout, embeddings=None, deepstack=None, params=None, routing_hash=None))]
     fn new(
-        modality: &Bound<'_, PyAny>,
-        content: &Bound<'_, PyAny>,
-        layout: &Bound<'_, PyAny>,
-        embeddings: Option<&Bound<'_, PyAny>>,
-        deepstack: Option<&Bound<'_, PyAny>>,
-        params: Option<&Bound<'_, PyAny>>,
-        routing_hash: Option<&Bound<'_, PyAny>>,
+        modality: &Bound<'_, PyAny>, content: &Bound<'_, PyAny>, layout: &Bound<'_, PyAny>,
+        embeddings: Option<&Bound<'_, PyAny>>, deepstack: Option<&Bound<'_, PyAny>>,
+        params: Option<&Bound<'_, PyAny>>, routing_hash: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let modality: Modality = from_py(modality, "modality (image, audio or video)")?;
         let parsed = layout_from_dict(layout)?;

@@ -80,10 +80,7 @@ pub(super) struct Preparer {
 
 impl Preparer {
     pub(super) fn new(
-        preprocessor: Preprocessor,
-        checks: RequestChecks,
-        vocab_size: usize,
-        cache: bool,
+        preprocessor: Preprocessor, checks: RequestChecks, vocab_size: usize, cache: bool,
         encoder_cache: EncoderCache,
     ) -> Self {
         Preparer {
@@ -186,10 +183,7 @@ impl Preparer {
     /// from the encoder cache, or from `encoder`. Fresh rows (given or encoded)
     /// must be finite: cached, a NaN would poison every later hit.
     fn item_rows(
-        &self,
-        prompt: &CanonicalPrompt,
-        request: &Request<'_>,
-        encoder: Option<&dyn Encoder>,
+        &self, prompt: &CanonicalPrompt, request: &Request<'_>, encoder: Option<&dyn Encoder>,
     ) -> Result<ItemRows> {
         let mut rows = ItemRows::default();
         for (index, (identity, input)) in prompt.items.iter().zip(&request.items).enumerate() {
@@ -256,9 +250,7 @@ fn routing_hashes(request: &Request<'_>) -> Result<Option<Vec<Option<RoutingHash
 /// in order of appearance, the request per modality in placeholder order; so
 /// the k-th item of a modality in one is the k-th of that modality in the other.
 fn in_prompt_order(
-    prompt_items: &[Arc<ItemIdentity>],
-    request: &Request<'_>,
-    routing: &[Option<RoutingHash>],
+    prompt_items: &[Arc<ItemIdentity>], request: &Request<'_>, routing: &[Option<RoutingHash>],
 ) -> Vec<Option<RoutingHash>> {
     let mut taken = [0usize; 3];
     prompt_items

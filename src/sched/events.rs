@@ -14,9 +14,7 @@ use crate::prompt::CanonicalPrompt;
 /// The routing hash of the first of `prompt`'s items with content `fingerprint`
 /// that has one (`routing` runs parallel to `prompt.items`).
 fn routing_hash(
-    prompt: &CanonicalPrompt,
-    routing: &[Option<RoutingHash>],
-    fingerprint: Fingerprint,
+    prompt: &CanonicalPrompt, routing: &[Option<RoutingHash>], fingerprint: Fingerprint,
 ) -> Option<RoutingHash> {
     prompt.items.iter().zip(routing).find_map(|(id, h)| h.filter(|_| id.fingerprint == fingerprint))
 }
@@ -52,12 +50,8 @@ impl EventLog {
     /// one prompt, identical content under several hashes takes the first
     /// item's (prompt order) for every run of it.
     pub(super) fn stored(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        routing: &[Option<RoutingHash>],
-        block_size: usize,
-        chain: &mut Vec<u64>,
-        blocks: &[(usize, BlockId)],
+        &mut self, prompt: &CanonicalPrompt, routing: &[Option<RoutingHash>], block_size: usize,
+        chain: &mut Vec<u64>, blocks: &[(usize, BlockId)],
     ) {
         let Some(&(last, _)) = blocks.last() else { return };
         self.hasher.extend(prompt, block_size, last + 1, chain);
