@@ -39,6 +39,7 @@ fn requests() -> Vec<Request> {
                 prompt,
                 item_embeddings: vec![],
                 item_deepstack: vec![],
+                item_routing: vec![],
                 hidden_size: None,
                 max_new_tokens: 0,
             }

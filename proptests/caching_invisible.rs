@@ -182,6 +182,7 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
                 },
                 embeddings: Some(Arc::clone(&embeddings)),
                 deepstack: deepstack.clone(),
+                routing_hash: None,
             }],
             None => vec![],
         },

@@ -158,6 +158,11 @@ pub enum RequestError {
     /// An item of one modality where another was required.
     #[error("item {item}: modality {found:?} where {expected:?} was required")]
     ItemModalityMismatch { item: usize, expected: Modality, found: Modality },
+    /// An item's routing hash (the frontend's name of it, e.g. Dynamo's
+    /// `extra_args["mm_hashes"]`) that is not 16 hex digits. `found` is the
+    /// caller's text, cut to its first 40 characters.
+    #[error("item {item}: routing hash {found:?} is not 16 hex digits")]
+    InvalidRoutingHash { item: usize, found: String },
 
     // ---- the prompt ----
     /// A prompt with no tokens at all.

@@ -221,6 +221,7 @@ impl RequestFile {
                 },
                 embeddings: Some(Arc::clone(&item.embeddings)),
                 deepstack: item.deepstack.clone(),
+                routing_hash: None,
             })
             .collect();
         Request { tenant: self.tenant, token_ids, placeholders, items, ..Default::default() }

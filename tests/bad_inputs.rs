@@ -76,6 +76,7 @@ fn request(id: u64, prompt: CanonicalPrompt) -> Request {
         prompt,
         item_embeddings,
         item_deepstack: vec![],
+        item_routing: vec![],
         hidden_size: Some(HIDDEN),
         max_new_tokens: 0,
     }

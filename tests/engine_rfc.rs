@@ -159,6 +159,7 @@ fn omni_checkpoint_through_the_engine_matches_transformers_cached_or_not() -> Te
                     },
                     embeddings: Some(Arc::new(reference.matrix(&format!("mm.item.{j}.embeds"))?.clone())),
                     deepstack: None,
+                    routing_hash: None,
                 })
             })
             .collect::<TestResult<Vec<_>>>()?;

@@ -159,6 +159,7 @@ impl Case {
                 },
                 embeddings: Some(Arc::clone(rows)),
                 deepstack: None,
+                routing_hash: None,
             })
             .collect();
         Request {

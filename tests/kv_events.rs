@@ -11,10 +11,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ndarray::{Array2, ArrayD, IxDyn};
-use omniprefix::canon::{FingerprintKey, ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
+use omniprefix::canon::{
+    FingerprintKey, Fingerprinter, ItemContent, ItemLayout, ItemSpec, Modality, TensorView, ValidationPolicy,
+};
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, Request, request_block_hashes};
-use omniprefix::error::{Error, EventsError, SchedError};
-use omniprefix::events::{ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium};
+use omniprefix::error::{Error, EventsError, RequestError, SchedError};
+use omniprefix::events::{
+    ItemRows, KvEvent, KvEventBatch, KvEventPublisher, KvEventsConfig, Medium, RoutingHash,
+};
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sched::SchedulerConfig;
@@ -51,7 +55,7 @@ fn item_rows(v: &Value) -> TestResult<Option<Vec<ItemRows>>> {
         .map(|pair| -> TestResult<ItemRows> {
             let mm_hash = pair[0].as_str().ok_or("mm_hash")?.to_owned();
             let first_row = u32::try_from(pair[1].as_u64().ok_or("row")?)?;
-            Ok(ItemRows { mm_hash, first_row })
+            Ok(ItemRows { mm_hash, first_row, routing_hash: None })
         })
         .collect::<TestResult<Vec<_>>>()?;
     Ok(Some(rows))
@@ -301,6 +305,7 @@ fn image_request<'a>(content: &'a ArrayD<u8>, head: &[u32], tail: &[u32], tenant
             ((r * HIDDEN + c) as f32 * 0.37).sin()
         }))),
         deepstack: None,
+        routing_hash: None,
     };
     Request { tenant, token_ids: ids, items: vec![item], ..Default::default() }
 }
@@ -374,5 +379,159 @@ fn evictions_and_resets_are_published_and_reset_waits_for_idle() -> TestResult {
     let stats = engine.kv_events_stats().ok_or("no publisher")?;
     assert_eq!(stats.dropped, 0);
     assert!(stats.batches >= 4, "{stats:?}");
+    Ok(())
+}
+
+// ------------------------------------------------------------------ routing hashes (Dynamo's image keys)
+
+/// Dynamo's frontend hashes of two image URLs (`extra_args["mm_hashes"]` entries).
+const ROUTE_A: &str = "00112233445566ff";
+const ROUTE_B: &str = "8899AABBCCDDEEFF";
+
+/// `request`'s first item with routing hash `hash`.
+fn routed<'a>(mut request: Request<'a>, hash: &str) -> Request<'a> {
+    request.items[0].routing_hash = Some(hash.to_string());
+    request
+}
+
+/// The item's 64-hex identity under fleet key `key` (what its extra keys name it by).
+fn identity(request: &Request<'_>, key: u64) -> TestResult<String> {
+    let fingerprinter = Fingerprinter::new(FingerprintKey::fixed(key), 1, ValidationPolicy::Unvalidated)?;
+    Ok(fingerprinter.identify(0, &request.items[0].spec)?.fingerprint.mm_hash_hex())
+}
+
+/// Every payload `engine` published so far, by replay from seq 0 (once the
+/// publisher's thread sent all it was handed).
+fn published_payloads<B: omniprefix::backend::Backend>(engine: &Engine<B>) -> TestResult<Vec<Bytes>> {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let stats = engine.kv_events_stats().ok_or("no publisher")?;
+        if stats.published + stats.dropped == stats.batches {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(format!("the publisher did not drain: {stats:?}").into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (_, replay) = engine.kv_events_endpoints().ok_or("no publisher")?;
+    let replay = replay.ok_or("no replay endpoint")?.to_string();
+    block_on(async move {
+        let mut dealer = DealerSocket::new();
+        dealer.connect(&replay).await?;
+        dealer.send(message(vec![Bytes::new(), Bytes::copy_from_slice(&0u64.to_be_bytes())])?).await?;
+        let mut payloads = Vec::new();
+        loop {
+            let frames = recv(&mut dealer).await?;
+            if frames[2].as_ref() == (-1i64).to_be_bytes() {
+                return Ok(payloads);
+            }
+            payloads.push(frames[3].clone());
+        }
+    })
+}
+
+/// A str of 32 to 255 bytes as msgpack writes it (str8).
+fn str8(s: &str) -> Vec<u8> {
+    let mut out = vec![0xd9, u8::try_from(s.len()).unwrap_or(0)];
+    out.extend_from_slice(s.as_bytes());
+    out
+}
+
+/// Whether `needle` occurs in `hay`.
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn a_routing_hash_is_written_first_in_dynamos_marker_form_then_our_identity() -> TestResult {
+    let pixels = pixels(1);
+    // 3 ids, vision_start, 4 image rows, vision_end, 5 ids: blocks [1 2 3 vs] [image x4] [ve 7 8 9].
+    let request = routed(image_request(&pixels, &[1, 2, 3], &[7, 8, 9, 10, 11], 0), ROUTE_B);
+    let ours = identity(&request, 3)?;
+    assert_eq!(ours.len(), 64);
+    let mut engine = Engine::random(model(), 1, tiny_config(3, 64))?;
+    engine.run(request)?;
+    let payloads = published_payloads(&engine)?;
+    let stored: Vec<&Bytes> = payloads.iter().filter(|p| contains(p, b"BlockStored")).collect();
+    assert_eq!(stored.len(), 1, "one BlockStored for the prompt's 3 full blocks");
+    // Dynamo 1.6.1's marker: the frontend's 16 hex digits, lowercase, then 48 "0".
+    let marker = format!("8899aabbccddeeff{}", "0".repeat(48));
+    assert_eq!(RoutingHash::parse(ROUTE_B).map(RoutingHash::marker), Some(marker.clone()));
+    // extra_keys, byte for byte: [nil, [marker, identity, 0], nil].
+    let mut want = b"\xaaextra_keys\x93\xc0\x93".to_vec();
+    want.extend(str8(&marker));
+    want.extend(str8(&ours));
+    want.extend(b"\x00\xc0");
+    assert!(
+        contains(stored[0], &want),
+        "extra_keys are not [nil, [marker, identity, 0], nil]: {}",
+        hex::encode(stored[0].as_ref())
+    );
+    // The same request without a routing hash: our identity alone, as before.
+    let mut plain = Engine::random(model(), 1, tiny_config(3, 64))?;
+    plain.run(image_request(&pixels, &[1, 2, 3], &[7, 8, 9, 10, 11], 0))?;
+    let payloads = published_payloads(&plain)?;
+    let mut want = b"\xaaextra_keys\x93\xc0\x92".to_vec();
+    want.extend(str8(&ours));
+    want.extend(b"\x00\xc0");
+    assert!(payloads.iter().any(|p| contains(p, &want)));
+    assert!(!payloads.iter().any(|p| contains(p, marker.as_bytes())));
+    // The routing hash names blocks, not content: both engines cache the same hashes.
+    assert_eq!(engine.cached_block_hashes(), plain.cached_block_hashes());
+    Ok(())
+}
+
+#[test]
+fn the_same_image_under_another_routing_hash_hits_the_cache_and_keeps_the_first_marker() -> TestResult {
+    let pixels = pixels(4);
+    let mut engine = Engine::random(model(), 1, tiny_config(3, 64))?;
+    engine.run(routed(image_request(&pixels, &[1, 2, 3], &[7, 8, 9, 10, 11], 0), ROUTE_A))?;
+    let cached = engine.cached_block_hashes();
+    // The same content sent again (another URL, so another frontend hash): a cache hit on
+    // every full block, and no block published again under the second marker.
+    let again = engine.run(routed(image_request(&pixels, &[1, 2, 3], &[7, 8, 9, 10, 11], 0), ROUTE_B))?;
+    assert!(again.num_cached_tokens >= 12, "{} cached tokens", again.num_cached_tokens);
+    assert_eq!(engine.cached_block_hashes(), cached);
+    let payloads = published_payloads(&engine)?;
+    let marker_a = RoutingHash::parse(ROUTE_A).ok_or("A")?.marker();
+    let marker_b = RoutingHash::parse(ROUTE_B).ok_or("B")?.marker();
+    assert_eq!(payloads.iter().filter(|p| contains(p, marker_a.as_bytes())).count(), 1);
+    assert!(!payloads.iter().any(|p| contains(p, marker_b.as_bytes())));
+    Ok(())
+}
+
+#[test]
+fn a_malformed_routing_hash_is_a_typed_error_naming_the_item_and_changes_nothing() -> TestResult {
+    let (a, b) = (pixels(1), pixels(2));
+    let mut engine = Engine::random(model(), 1, tiny_config(3, 64))?;
+    engine.run(routed(image_request(&a, &[1, 2, 3], &[7, 8, 9, 10, 11], 0), ROUTE_A))?;
+    let (cached, stats) = (engine.cached_block_hashes(), engine.stats());
+    let batches = engine.kv_events_stats().ok_or("no publisher")?.batches;
+    let long = "0".repeat(100);
+    for bad in ["00112233445566f", "00112233445566fff", "00112233445566fg", "+0112233445566ff", "", &long] {
+        // The bad hash on the request's second item: the error names item 1.
+        let mut request = image_request(&b, &[1, 2, 3], &[7, 8, 9, 10, 11], 0);
+        let mut second = request.items[0].clone();
+        second.routing_hash = Some(bad.to_string());
+        request.items[0].routing_hash = Some(ROUTE_A.into());
+        request.items.push(second);
+        request.token_ids.extend([503, 500, 504]);
+        match engine.run(request) {
+            Err(Error::Request(RequestError::InvalidRoutingHash { item: 1, found })) => {
+                assert_eq!(found, bad.chars().take(40).collect::<String>());
+            }
+            other => panic!("{bad:?}: {other:?}"),
+        }
+        assert_eq!(engine.cached_block_hashes(), cached, "{bad:?}");
+        assert_eq!(engine.stats(), stats, "{bad:?}");
+        assert_eq!(engine.kv_events_stats().ok_or("no publisher")?.batches, batches, "{bad:?}");
+    }
+    // The engine still serves, and the same request with good hashes is cached.
+    let mut request = image_request(&b, &[1, 2, 3], &[7, 8, 9, 10, 11], 0);
+    request.items[0].routing_hash = Some(ROUTE_B.into());
+    engine.run(request)?;
+    assert!(engine.cached_block_hashes().len() > cached.len());
+    engine.validate()?;
     Ok(())
 }

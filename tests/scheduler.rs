@@ -389,6 +389,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
         prompt: prompt.clone(),
         item_embeddings: vec![],
         item_deepstack: vec![],
+        item_routing: vec![],
         hidden_size: None,
         max_new_tokens: 0,
     };
@@ -409,6 +410,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: prompt.clone(),
             item_embeddings: vec![short],
             item_deepstack: vec![],
+            item_routing: vec![],
             hidden_size: None,
             max_new_tokens: 0,
         })
@@ -428,6 +430,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: prompt.clone(),
             item_embeddings: vec![emb.clone()],
             item_deepstack: vec![],
+            item_routing: vec![],
             hidden_size: Some(16),
             max_new_tokens: 0,
         })
@@ -449,6 +452,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
             prompt: out_of_range,
             item_embeddings: vec![emb],
             item_deepstack: vec![],
+            item_routing: vec![],
             hidden_size: None,
             max_new_tokens: 0,
         })

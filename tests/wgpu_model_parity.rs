@@ -308,6 +308,7 @@ fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
         prompt,
         item_embeddings: vec![],
         item_deepstack: vec![],
+        item_routing: vec![],
         hidden_size: Some(hidden),
         max_new_tokens: 0,
     }
@@ -412,6 +413,7 @@ fn deepstack_image_with_a_warm_prefix_on_wgpu_equals_uncached_cpu() -> TestResul
             },
             embeddings: Some(Arc::clone(&embeddings)),
             deepstack: Some(Arc::clone(&deepstack)),
+            routing_hash: None,
         }],
         ..Default::default()
     };

@@ -270,6 +270,7 @@ impl Catalogue {
                 prompt,
                 item_embeddings,
                 item_deepstack: vec![],
+                item_routing: vec![],
                 hidden_size: None,
                 max_new_tokens: 0,
             },

@@ -486,6 +486,7 @@ impl MediaItem {
             },
             embeddings: Some(Arc::clone(&self.embeddings)),
             deepstack: None,
+            routing_hash: None,
         }
     }
 

@@ -91,6 +91,7 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
         prompt,
         item_embeddings: embeddings,
         item_deepstack: vec![],
+        item_routing: vec![],
         hidden_size: Some(2),
         max_new_tokens: 0,
     }

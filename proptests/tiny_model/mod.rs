@@ -137,6 +137,7 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
             prompt,
             item_embeddings: embeddings,
             item_deepstack: vec![],
+            item_routing: vec![],
             hidden_size: Some(HIDDEN),
             max_new_tokens: 0,
         },

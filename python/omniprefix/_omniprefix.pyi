@@ -148,7 +148,7 @@ class EngineDeadError(Error):
 class Item:
     """One image, audio or video of a prompt.
 
-    ``Item(modality, content, layout, embeddings=None, deepstack=None, params=None)``
+    ``Item(modality, content, layout, embeddings=None, deepstack=None, params=None, routing_hash=None)``
 
     * ``content``: what the fingerprint covers (raw media or processed features): any buffer of
       dtype uint8, int32, int64, float16, bfloat16 or float32, any shape the layout allows, any
@@ -163,6 +163,14 @@ class Item:
     * ``deepstack``: DeepStack levels ``[levels, num_tokens, hidden]`` or a list of
       ``[num_tokens, hidden]`` arrays; copied.
     * ``params``: processor parameters (``dict[str, str]``), part of the fingerprint.
+    * ``routing_hash``: the frontend's name of the item for KV-aware routing, 16 hex digits
+      (Dynamo's frontend: one ``extra_args["mm_hashes"]`` entry, ``xxh3_64`` of the image URL).
+      The engine's KV events then put Dynamo's marker form of it (the 16 digits lowercase, then
+      48 ``"0"``) first in the ``extra_keys`` of every block holding the item's rows, before the
+      item's 64-hex identity. Not part of the fingerprint: the same content under another hash
+      is a cache hit, and its blocks keep the marker of the request that first published them.
+      A ``str`` that is not 16 hex digits raises ``RequestError`` naming the item when a request
+      carries it, before anything is cached; another type raises ``TypeError`` here.
     """
 
     def __new__(
@@ -173,7 +181,14 @@ class Item:
         embeddings: Optional[_ArrayLike] = None,
         deepstack: Optional[Union[_ArrayLike, Sequence[_ArrayLike]]] = None,
         params: Optional[Mapping[str, str]] = None,
+        routing_hash: Optional[str] = None,
     ) -> Item: ...
+    def with_routing_hash(self, routing_hash: Optional[str]) -> Item:
+        """The same item (content, layout, embeddings, params shared, nothing copied) with
+        ``routing_hash`` (``None``: without one)."""
+    @property
+    def routing_hash(self) -> Optional[str]:
+        """The routing hash as given, or ``None``."""
     @property
     def modality(self) -> _Modality: ...
     @property

@@ -19,10 +19,10 @@
   naming the item, and nothing is cached.
 * **KV events.** The engine publishes vLLM-format KV events on a loopback ZMQ PUB socket; a
   Dynamo ``KvEventPublisher`` subscribed to it relays them to the frontend's KV router. For a
-  checkpoint with images (``--dynamo-mm-keys on``, the default), the relay reads them through a
-  :class:`~omniprefix.dynamo_keys.KeyBridge` that adds the frontend's per-image hash
-  (``extra_args.mm_hashes``) in the form Dynamo 1.6.1 routes on, so a repeated image goes to the
-  worker that caches it (see ``omniprefix.dynamo_keys``).
+  checkpoint with images (``--dynamo-mm-keys on``, the default), each image item carries the
+  frontend's hash of it (``extra_args.mm_hashes``, in prompt order) as its ``routing_hash``, and
+  the engine writes it into its blocks' ``extra_keys`` in the form Dynamo 1.6.1 routes on, so a
+  repeated image goes to the worker that caches it (see ``omniprefix.dynamo_keys``).
 * **Metrics.** ``Engine.metrics()`` (Prometheus text) at ``http://HOST:PORT/metrics``.
 * **Engine death.** When an engine step panics, every pending and later call raises
   ``EngineDeadError``: each request in flight ends with an error the client sees (an HTTP 500,
@@ -45,7 +45,6 @@ import asyncio
 import http.server
 import json
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -54,7 +53,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Optional, cast
 
 from . import EngineDeadError, Error, Generation, RequestError
 from .aio import AsyncEngine
-from .dynamo_keys import AliasTable, KeyBridge, request_aliases
+from .dynamo_keys import routed_items
 from .encoder import MAX_IMAGE_PIXELS, MAX_MEDIA_BYTES, encoder_for
 
 __all__ = ["sampling_options", "MetricsServer", "main"]
@@ -234,31 +233,18 @@ class Worker:
     """The request handler: one engine (and the checkpoint's encoder, if it has towers),
     Dynamo's requests in, token chunks out."""
 
-    def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None,
-                 aliases: Optional[AliasTable] = None, fingerprint_key: Optional[str] = None):
+    def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None, mm_routing: bool = False):
         self.engine = engine
         # Set when a call finds the engine dead (a step panicked): `serve` then withdraws the
         # worker and exits.
         self.dead = asyncio.Event()
-        # With `aliases`, each request's images are named under the engine's `fingerprint_key`
-        # and paired with the frontend's hashes of them, for the KeyBridge.
-        self.aliases = aliases
-        self.fingerprint_key = fingerprint_key
+        # On: each request's images carry the frontend's hashes of them (`extra_args.mm_hashes`)
+        # as routing hashes, which the engine writes into its KV events for Dynamo's router.
+        self.mm_routing = mm_routing
         self.context_len = context_len
         self.encoder = encoder
         self.eos = list(engine.eos_token_ids)
         self.pads = {"image": engine.image_token_id, "audio": engine.audio_token_id, "video": engine.video_token_id}
-
-    def learn_aliases(self, items: list[Any], request: Mapping[str, Any]) -> None:
-        """Our identity of each image → the frontend's hash of it, before the engine publishes
-        the request's blocks (the bridge marks them as they pass)."""
-        from . import vllm_uuids
-
-        mm_hashes = (request.get("extra_args") or {}).get("mm_hashes")
-        if mm_hashes:
-            # Called only with `aliases`, which serve() gives together with the engine's key.
-            images = vllm_uuids(items, key=cast(str, self.fingerprint_key)).get("image", [])
-            cast(AliasTable, self.aliases).learn(request_aliases(images, mm_hashes))
 
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         from dynamo.llm.exceptions import InvalidArgument, Unknown
@@ -268,8 +254,8 @@ class Worker:
             options = sampling_options(request, self.eos, self.context_len)
             # Decoding media is CPU work: off the event loop, like the engine's own preparation.
             items = await asyncio.to_thread(request_items, self.encoder, token_ids, media_urls(request), self.pads)
-            if items and self.aliases is not None:
-                await asyncio.to_thread(self.learn_aliases, items, request)
+            if items and self.mm_routing:
+                items = routed_items(items, (request.get("extra_args") or {}).get("mm_hashes"))
         except (UnsupportedRequest, TypeError, ValueError) as e:
             raise InvalidArgument(str(e)) from None
         if items:
@@ -400,15 +386,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     model_dir = args.model.resolve()
     name = args.model_name or model_dir.name
-    # The worker names images under the engine's key (omniprefix.dynamo_keys), so it picks it.
-    if args.fingerprint_key is None:
-        args.fingerprint_key = secrets.token_hex(32)
     engine = AsyncEngine.from_dir(model_dir, **engine_options(args))
     encoder = encoder_for(model_dir, max_image_pixels=args.max_image_pixels, max_media_bytes=args.max_media_bytes)
-    bridge = aliases = None
-    if encoder is not None and args.dynamo_mm_keys == "on":
-        aliases = AliasTable()
-        bridge = KeyBridge(engine.kv_events_endpoint, aliases)
+    # Images carry the frontend's hashes, which the engine writes as Dynamo's markers.
+    mm_routing = encoder is not None and args.dynamo_mm_keys == "on"
     # The HTTP server's own threads read the sync engine's metrics (AsyncEngine.metrics is a coroutine).
     metrics = MetricsServer(engine.engine.metrics, args.metrics_host, args.metrics_port)
     loop = asyncio.get_running_loop()
@@ -418,12 +399,13 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         endpoint = runtime.endpoint(args.endpoint)
         # The relay subscribes to the engine's PUB socket before the model is announced, so
-        # no request's events go out before someone listens.
-        if bridge is None:
-            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=engine.kv_events_endpoint)
-        else:
-            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=bridge.endpoint,
+        # no request's events go out before someone listens. With image_token_id it hashes a
+        # block's image rows under the marker the engine wrote first in its extra_keys.
+        if mm_routing:
+            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=engine.kv_events_endpoint,
                                      image_token_id=engine.image_token_id)
+        else:
+            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=engine.kv_events_endpoint)
         runtime_config = ModelRuntimeConfig()
         if engine.context_len is None:
             raise SystemExit(f"{model_dir / 'config.json'} has no max_position_embeddings")
@@ -433,7 +415,7 @@ async def serve(args: argparse.Namespace) -> int:
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(model_dir),
                              name, worker_type=WorkerType.Aggregated, kv_cache_block_size=engine.block_size,
                              runtime_config=runtime_config)
-        worker = Worker(engine, runtime_config.context_length, encoder, aliases, args.fingerprint_key)
+        worker = Worker(engine, runtime_config.context_length, encoder, mm_routing)
         print(json.dumps({"pid": os.getpid(), "metrics": metrics.url, "kv_events": engine.kv_events_endpoint,
                           "model": name, "instance": endpoint.connection_id()}), flush=True)
         serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.generate))
@@ -448,8 +430,6 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         metrics.close()
-        if bridge is not None:
-            bridge.close()
         engine.close()
 
 

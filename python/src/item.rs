@@ -31,6 +31,8 @@ pub struct Item {
     pub embeddings: Option<Arc<Array2<f32>>>,
     pub deepstack: Option<DeepStack>,
     pub params: BTreeMap<String, String>,
+    /// The frontend's routing hash (16 hex digits), checked by the engine at each call.
+    pub routing_hash: Option<String>,
 }
 
 /// A value of a serde type (`"image"`, a layout dict) from its Python form.
@@ -62,14 +64,28 @@ pub fn params_from(params: Option<&Bound<'_, PyAny>>) -> PyResult<BTreeMap<Strin
     }
 }
 
+/// A routing hash: `None` or a `str` (its digits are the engine's to check, per call,
+/// as `RequestError` naming the item).
+fn routing_hash_from(hash: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
+    match hash {
+        None => Ok(None),
+        Some(h) if h.is_none() => Ok(None),
+        Some(h) => h.extract().map(Some).map_err(|_| {
+            PyTypeError::new_err(
+                "routing_hash must be a str of 16 hex digits (Dynamo's mm_hashes entry) or None",
+            )
+        }),
+    }
+}
+
 #[pymethods]
 impl Item {
     #[new]
-    #[pyo3(signature = (modality, content, layout, embeddings=None, deepstack=None, params=None))]
+    #[pyo3(signature = (modality, content, layout, embeddings=None, deepstack=None, params=None, routing_hash=None))]
     fn new(
         modality: &Bound<'_, PyAny>, content: &Bound<'_, PyAny>, layout: &Bound<'_, PyAny>,
         embeddings: Option<&Bound<'_, PyAny>>, deepstack: Option<&Bound<'_, PyAny>>,
-        params: Option<&Bound<'_, PyAny>>,
+        params: Option<&Bound<'_, PyAny>>, routing_hash: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let modality: Modality = from_py(modality, "modality (image, audio or video)")?;
         let parsed = layout_from_dict(layout)?;
@@ -87,7 +103,30 @@ impl Item {
             embeddings: embeddings.map(Arc::new),
             deepstack: deepstack.map(Arc::new),
             params: params_from(params)?,
+            routing_hash: routing_hash_from(routing_hash)?,
         })
+    }
+
+    /// The same item (content, layout, embeddings and params shared, nothing
+    /// copied) with routing hash `routing_hash` (`None`: without one).
+    #[pyo3(signature = (routing_hash))]
+    fn with_routing_hash(&self, py: Python<'_>, routing_hash: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        Ok(Item {
+            modality: self.modality,
+            layout: self.layout,
+            layout_dict: self.layout_dict.clone_ref(py),
+            content: self.content.clone_ref(py),
+            embeddings: self.embeddings.clone(),
+            deepstack: self.deepstack.clone(),
+            params: self.params.clone(),
+            routing_hash: routing_hash_from(routing_hash)?,
+        })
+    }
+
+    /// The frontend's routing hash as given, or None.
+    #[getter]
+    fn routing_hash(&self) -> Option<&str> {
+        self.routing_hash.as_deref()
     }
 
     /// `"image"`, `"audio"` or `"video"`.
@@ -130,8 +169,10 @@ impl Item {
     }
 
     fn __repr__(&self) -> String {
+        let routing =
+            self.routing_hash.as_ref().map_or_else(String::new, |h| format!(", routing_hash={h:?}"));
         format!(
-            "Item({}, {:?}, embeddings={})",
+            "Item({}, {:?}, embeddings={}{routing})",
             modality_name(self.modality),
             self.layout,
             self.embeddings.is_some()
@@ -204,6 +245,7 @@ impl<'py> BorrowedItems<'py> {
                 spec,
                 embeddings: item.get().embeddings.clone(),
                 deepstack: item.get().deepstack.clone(),
+                routing_hash: item.get().routing_hash.clone(),
             })
             .collect()
     }

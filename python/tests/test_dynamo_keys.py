@@ -1,23 +1,31 @@
-"""The byte layout of what ``omniprefix.dynamo_keys.KeyBridge`` hands Dynamo's relay.
+"""The engine's own KV events with Dynamo's image keys: the bytes Dynamo's relay reads.
 
 Dynamo 1.6.1's ``parse_mm_hash_from_extra_key`` reads only the frontend's marker form (16 hex
 digits, then 48 ``"0"``), and assigns a block's image run the hash of the *first* key it can
-parse; our own ``(64-hex identity, first row, ...)`` keys must follow unchanged. A bridge that
-wrote the marker second still passed every fleet test (issue 35, item 9.6), so these check the
-re-encoded payload byte for byte: no model, no extension call, no Dynamo.
+parse; our own ``(64-hex identity, first row, ...)`` keys must follow unchanged. A key writer
+that put the marker second still passed every fleet test (issue 35, item 9.6), so these check
+the engine's payloads byte for byte, for items that carry a ``routing_hash``: no Dynamo.
 """
 
 from __future__ import annotations
 
+import time
+
 import msgspec
+import numpy as np
 import pytest
+import zmq
 
-from omniprefix.dynamo_keys import MARKER_TAIL, AliasTable, KeyBridge, marker
-from omniprefix.router import BlockRemoved, BlockStored, KVEventBatch, decode_batch
+import omniprefix
+from omniprefix.dynamo_keys import MARKER_TAIL, marker, routed_items
+from omniprefix.router import BlockStored, decode_batch
+from conftest import IMAGE_LAYOUT, image_item, model_dir, random_ids, unexpanded_image
 
-#: Two items' 64-hex identities (what ``omniprefix.vllm_uuids`` gives) and their frontend hashes.
-OURS_A = "a1" * 32
-OURS_B = "b2" * 32
+KEY = bytes(range(32))
+LOOPBACK = "tcp://127.0.0.1:0"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+TIMEOUT_S = 5.0
+#: Two images' frontend hashes (``extra_args["mm_hashes"]`` entries).
 THEIRS_A = "00112233445566ff"
 THEIRS_B = "8899aabbccddeeff"
 
@@ -46,71 +54,141 @@ def mp_keys(keys) -> bytes:
     return mp_array([mp_str(k) if isinstance(k, str) else mp_uint(k) for k in keys])
 
 
-def payload(extra_keys, block_size: int = 4) -> bytes:
-    """A batch of one ``BlockStored`` over ``len(extra_keys)`` blocks, as the engine publishes it."""
-    n = len(extra_keys)
-    stored = BlockStored(
-        block_hashes=list(range(11, 11 + n)),
-        parent_block_hash=7,
-        token_ids=list(range(n * block_size)),
-        block_size=block_size,
-        lora_id=None,
-        medium="cpu",
-        lora_name=None,
-        extra_keys=extra_keys,
-    )
-    return msgspec.msgpack.encode(KVEventBatch(ts=1.5, events=[stored, BlockRemoved(block_hashes=[3], medium="cpu")]))
+def engine(block_size: int = 4) -> omniprefix.Engine:
+    return omniprefix.Engine.from_dir(model_dir("omni_thinker"), block_size=block_size, kv_events=LOOPBACK,
+                                      kv_replay=LOOPBACK, fingerprint_key=KEY.hex())
 
 
-@pytest.fixture
-def bridge():
-    aliases = AliasTable()
-    aliases.learn([(OURS_A, THEIRS_A), (OURS_B, THEIRS_B)])
-    # Nothing publishes on the source: only `rewrite` is exercised.
-    b = KeyBridge("tcp://127.0.0.1:9", aliases)
-    yield b
-    b.close()
+def payloads(e: omniprefix.Engine) -> list[bytes]:
+    """Every batch ``e`` published so far, from its replay socket (once its publisher sent them)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        stats = e.kv_events_stats()
+        assert stats is not None
+        if stats["published"] + stats["dropped"] == stats["batches"]:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.01)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(e.kv_replay_endpoint)
+    out = []
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            assert dealer.poll(int(TIMEOUT_S * 1000)), "no replay reply"
+            frames = dealer.recv_multipart()
+            if frames[2] == END_SEQ:
+                return out
+            out.append(frames[3])
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+def stored(batches: list[bytes]) -> list[BlockStored]:
+    return [ev for p in batches for ev in decode_batch(p).events if isinstance(ev, BlockStored)]
+
+
+def identity(item: omniprefix.Item) -> str:
+    return omniprefix.vllm_uuids([item], key=KEY)["image"][0]
 
 
 def test_marker_is_the_16_hex_digits_then_48_zeros():
     m = marker(THEIRS_A.upper())
     assert m == THEIRS_A + "0" * 48 and MARKER_TAIL == "0" * 48
     assert len(m) == 64 and m.encode() == b"00112233445566ff" + b"0" * 48
-    for bad in ["00112233445566f", "00112233445566fff", "00112233445566fg", OURS_A]:
+    for bad in ["00112233445566f", "00112233445566fff", "00112233445566fg", "a1" * 32]:
         with pytest.raises(ValueError):
             marker(bad)
 
 
-def test_the_marker_comes_first_and_our_keys_follow_unchanged_byte_for_byte(bridge):
-    before = [None, (OURS_A, 0), (OURS_A, 4, OURS_B, 0), (OURS_B, 2), None]
-    out = bridge.rewrite(payload(before))
-    # Markers first (in the order of the keys they stand for, once each), then our keys as sent.
-    want = [
-        None,
-        (marker(THEIRS_A), OURS_A, 0),
-        (marker(THEIRS_A), marker(THEIRS_B), OURS_A, 4, OURS_B, 0),
-        (marker(THEIRS_B), OURS_B, 2),
-        None,
-    ]
-    # The whole payload: the engine's batch with only the extra keys changed, re-encoded in vLLM's form.
-    assert out == payload(want)
-    # The extra keys' bytes, written out by hand: block 1 is [str8 marker, str8 identity, 0].
+def test_the_engine_writes_the_marker_first_and_our_identity_after_it_byte_for_byte():
+    e = engine()
+    ids = random_ids(60, 6) + unexpanded_image() + random_ids(61, 9)
+    # Upper case in, the marker's lower case out (the frontend sends lower case).
+    image = image_item(5).with_routing_hash(THEIRS_A.upper())
+    assert image.routing_hash == THEIRS_A.upper() and "routing_hash=" in repr(image)
+    e.prefill(ids, [image])
+    sent = payloads(e)
+    ours = identity(image)
+    # 6 ids, vision_start, 4 image rows (positions 7..10), vision_end, 9 ids: blocks 1 and 2 hold the image.
+    want = [None, (marker(THEIRS_A), ours, 0), (marker(THEIRS_A), ours, 1), None, None]
+    (event,) = stored(sent)
+    assert event.extra_keys == want
+    # The bytes the relay reads, written out by hand: block 1 is [str8 marker, str8 identity, 0].
     section = b"\xaaextra_keys" + mp_array([mp_keys(k) for k in want])
-    assert section in out
-    block1 = b"\x93\xd9\x40" + (THEIRS_A + "0" * 48).encode() + b"\xd9\x40" + OURS_A.encode() + b"\x00"
-    assert block1 in out
-    assert bridge.marked_blocks == 3
-    # What the relay decodes: the marker is each marked block's first key.
-    stored = decode_batch(out).events[0]
-    assert [k[0] if k else None for k in stored.extra_keys] == [None, marker(THEIRS_A), marker(THEIRS_A), marker(THEIRS_B), None]
+    (payload,) = [p for p in sent if b"BlockStored" in p]
+    assert section in payload
+    block1 = b"\x93\xd9\x40" + (THEIRS_A + "0" * 48).encode() + b"\xd9\x40" + ours.encode() + b"\x00"
+    assert block1 in payload
+    # The engine's bytes are what msgspec writes for vLLM's classes, with the marker first.
+    assert msgspec.msgpack.encode(decode_batch(payload)) == payload
+    # The routing hash names blocks for the router only: the same prompt without one caches the same hashes.
+    plain = engine()
+    plain.prefill(ids, [image_item(5)])
+    assert plain.cached_block_hashes() == e.cached_block_hashes()
+    assert [ev.extra_keys for ev in stored(payloads(plain))] == [[None, (ours, 0), (ours, 1), None, None]]
 
 
-def test_blocks_without_a_known_alias_or_already_marked_pass_through_as_sent(bridge):
-    unknown = "c3" * 32
-    for keys in [[None, (unknown, 0)], [(marker(THEIRS_A), OURS_A, 0)], [None]]:
-        sent = payload(keys)
-        assert bridge.rewrite(sent) == sent, keys
-    assert bridge.marked_blocks == 0
-    # A block with one known and one unknown item gets the known one's marker alone, first.
-    out = bridge.rewrite(payload([(unknown, 0, OURS_B, 1)]))
-    assert out == payload([(marker(THEIRS_B), unknown, 0, OURS_B, 1)])
+def test_a_block_with_two_images_has_each_routed_ones_marker_once_first():
+    e = engine(block_size=8)
+    # 6 ids, [vs A A A A ve], [vs B B B B ve], 4 ids = 22: block 1 (positions 8..15) holds A's
+    # rows 1..3 and B's rows 0..2; block 2 B's last row.
+    ids = random_ids(62, 6) + unexpanded_image() + unexpanded_image() + random_ids(63, 4)
+    a, b, c = image_item(1).with_routing_hash(THEIRS_A), image_item(2), image_item(3)
+    e.prefill(ids, [a, b])
+    ka, kb = identity(a), identity(b)
+    assert [ev.extra_keys for ev in stored(payloads(e))] == [[(marker(THEIRS_A), ka, 0), (marker(THEIRS_A), ka, 1, kb, 0)]]
+    # Both routed: both markers, in row order, before every pair.
+    e2 = engine(block_size=8)
+    e2.prefill(ids, [a, c.with_routing_hash(THEIRS_B)])
+    kc = identity(c)
+    assert [ev.extra_keys for ev in stored(payloads(e2))] == [
+        [(marker(THEIRS_A), ka, 0), (marker(THEIRS_A), marker(THEIRS_B), ka, 1, kc, 0)]
+    ]
+
+
+def test_the_same_image_under_another_routing_hash_is_a_cache_hit_and_keeps_the_first_marker():
+    e = engine()
+    ids = random_ids(60, 6) + unexpanded_image() + random_ids(61, 9)
+    e.prefill(ids, [image_item(5).with_routing_hash(THEIRS_A)])
+    cached = e.cached_block_hashes()
+    again = e.prefill(ids, [image_item(5).with_routing_hash(THEIRS_B)])
+    assert again.num_cached_tokens >= 20 and e.cached_block_hashes() == cached
+    sent = payloads(e)
+    assert sum(marker(THEIRS_A).encode() in p for p in sent) == 1
+    assert not any(marker(THEIRS_B).encode() in p for p in sent)
+
+
+def test_a_malformed_routing_hash_raises_request_error_naming_the_item_and_changes_nothing():
+    e = engine()
+    ids = random_ids(60, 6) + unexpanded_image() + random_ids(61, 9)
+    e.prefill(ids, [image_item(5).with_routing_hash(THEIRS_A)])
+    cached, stats, events = e.cached_block_hashes(), e.stats(), e.kv_events_stats()
+    two = ids + unexpanded_image()
+    for bad in ["00112233445566f", "00112233445566fff", "00112233445566fg", "+0112233445566ff", ""]:
+        items = [image_item(7).with_routing_hash(THEIRS_B), image_item(8).with_routing_hash(bad)]
+        with pytest.raises(omniprefix.RequestError, match=r"item 1: routing hash"):
+            e.prefill(two, items)
+        assert e.cached_block_hashes() == cached and e.stats() == stats
+        assert e.kv_events_stats()["batches"] == events["batches"]
+    # Not a str: a TypeError when the item is made.
+    for bad in [0x00112233445566FF, b"00112233445566ff"]:
+        with pytest.raises(TypeError, match="routing_hash"):
+            omniprefix.Item("image", image_item(7).content, IMAGE_LAYOUT, routing_hash=bad)
+        with pytest.raises(TypeError, match="routing_hash"):
+            image_item(7).with_routing_hash(bad)
+    assert image_item(7).with_routing_hash(THEIRS_A).with_routing_hash(None).routing_hash is None
+
+
+def test_routed_items_pairs_the_frontends_hashes_with_the_images_in_prompt_order():
+    audio = omniprefix.Item("audio", np.zeros(1600, np.float32), {"kind": "audio", "mel_frames": 120})
+    items = [image_item(1), audio, image_item(2)]
+    routed = routed_items(items, [THEIRS_A, THEIRS_B])
+    assert [i.routing_hash for i in routed] == [THEIRS_A, None, THEIRS_B]
+    assert routed[0].content is items[0].content and routed[1] is audio
+    # No hashes, or a count that does not match the images: unchanged (no pairing by guess).
+    for mm_hashes in [None, [], [THEIRS_A], [THEIRS_A, THEIRS_B, THEIRS_A], "00112233445566ff"]:
+        assert [i.routing_hash for i in routed_items(items, mm_hashes)] == [None, None, None]

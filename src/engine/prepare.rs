@@ -18,8 +18,9 @@ use ndarray::Array2;
 
 use super::request::{Encoder, Request, Task};
 use crate::batch::{DeepStack, RequestId};
-use crate::canon::Fingerprint;
+use crate::canon::{Fingerprint, ItemIdentity};
 use crate::error::{EmbeddingPart, Error, RequestError, Result};
+use crate::events::RoutingHash;
 use crate::model::EncoderCache;
 use crate::preprocess::Preprocessor;
 use crate::prompt::{CanonicalPrompt, OmniTokens, TenantSalt};
@@ -122,6 +123,8 @@ impl Preparer {
         // The cheap rule first: a forged salt costs no fingerprinting (checked with caching off too).
         self.checks.check_tenant(id, request.tenant)?;
         let tenant = if self.cache { request.tenant } else { private_tenant(id) };
+        // Also before fingerprinting: a malformed routing hash costs nothing.
+        let routing = routing_hashes(&request)?;
         let specs = request.items.iter().map(|item| &item.spec);
         let prompt =
             self.preprocessor.canonicalise(tenant, &request.token_ids, request.placeholders, specs)?;
@@ -142,11 +145,13 @@ impl Preparer {
             None => engine_encoder.as_deref().map(|e| e as &dyn Encoder),
         };
         let rows = self.item_rows(&prompt, &request, encoder)?;
+        let item_routing = routing.map(|r| in_prompt_order(&prompt.items, &request, &r)).unwrap_or_default();
         let req = crate::sched::Request {
             id,
             prompt,
             item_embeddings: rows.embeddings,
             item_deepstack: rows.deepstack,
+            item_routing,
             hidden_size: None,
             max_new_tokens,
         };
@@ -222,6 +227,45 @@ impl Preparer {
         }
         Ok(rows)
     }
+}
+
+/// The request's routing hashes, one per item in request order (`None`: the
+/// request has none at all); the first malformed one is an error naming its item.
+fn routing_hashes(request: &Request<'_>) -> Result<Option<Vec<Option<RoutingHash>>>> {
+    if request.items.iter().all(|item| item.routing_hash.is_none()) {
+        return Ok(None);
+    }
+    let parse = |(item, input): (usize, &super::ItemInput<'_>)| match &input.routing_hash {
+        None => Ok(None),
+        Some(text) => RoutingHash::parse(text).map(Some).ok_or_else(|| {
+            Error::Request(RequestError::InvalidRoutingHash { item, found: text.chars().take(40).collect() })
+        }),
+    };
+    request.items.iter().enumerate().map(parse).collect::<Result<Vec<_>>>().map(Some)
+}
+
+/// `routing` (request order) per `prompt.items` entry. The prompt lists items
+/// in order of appearance, the request per modality in placeholder order; so
+/// the k-th item of a modality in one is the k-th of that modality in the other.
+fn in_prompt_order(
+    prompt_items: &[Arc<ItemIdentity>], request: &Request<'_>, routing: &[Option<RoutingHash>],
+) -> Vec<Option<RoutingHash>> {
+    let mut taken = [0usize; 3];
+    prompt_items
+        .iter()
+        .map(|identity| {
+            let slot = &mut taken[identity.modality as usize];
+            let k = *slot;
+            *slot += 1;
+            request
+                .items
+                .iter()
+                .zip(routing)
+                .filter(|(input, _)| input.spec.modality == identity.modality)
+                .nth(k)
+                .and_then(|(_, h)| *h)
+        })
+        .collect()
 }
 
 /// One pass over a request's items.

@@ -28,6 +28,22 @@ pub struct ItemInput<'a> {
     /// a request, none on audio. `None` takes the levels cached with the
     /// embeddings, or those the encoder returns (if any).
     pub deepstack: Option<DeepStack>,
+    /// The frontend's name of the item for KV-aware routing, 16 hex digits
+    /// (Dynamo's frontend: `xxh3_64` of the image URL, one per image of
+    /// `extra_args["mm_hashes"]`). The blocks holding the item's rows are then
+    /// published with [`RoutingHash::marker`](crate::events::RoutingHash::marker)
+    /// first in their `extra_keys`, the form Dynamo 1.6.1 routes images on.
+    /// Never part of the fingerprint: the cache keys on content alone. Anything
+    /// but 16 hex digits is [`RequestError::InvalidRoutingHash`](crate::error::RequestError::InvalidRoutingHash)
+    /// naming the item, before anything is fingerprinted or cached.
+    pub routing_hash: Option<String>,
+}
+
+impl<'a> ItemInput<'a> {
+    /// An item of `spec` with no embeddings, DeepStack levels or routing hash.
+    pub fn new(spec: ItemSpec<'a>) -> Self {
+        ItemInput { spec, embeddings: None, deepstack: None, routing_hash: None }
+    }
 }
 
 /// What an encoder hands the engine for one item: its embeddings and, from a

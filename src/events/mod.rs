@@ -55,6 +55,59 @@ pub struct ItemRows {
     /// [`crate::canon::Fingerprint::mm_hash_hex`] here (64 hex digits, vLLM's `mm_hash` width).
     pub mm_hash: String,
     pub first_row: u32,
+    /// The frontend's hash of the item, when the request brought one
+    /// ([`ItemInput::routing_hash`](crate::engine::ItemInput::routing_hash)): the
+    /// block's extra keys then start with its [`RoutingHash::marker`], before
+    /// every `(mm_hash, first_row)` pair.
+    pub routing_hash: Option<RoutingHash>,
+}
+
+/// A frontend's name of an item for KV-aware routing: Dynamo's frontend
+/// hashes each image URL with `xxh3_64` and forwards the hashes as
+/// `extra_args["mm_hashes"]`, 16 lowercase hex digits each, in prompt order.
+///
+/// Dynamo 1.6.1's relay (`lib/kv-router/src/zmq_wire/extra_keys.rs`,
+/// `parse_mm_hash_from_extra_key`) reads a block's image hash only from an
+/// extra key in the frontend's *marker* form, 16 hex digits then 48 `"0"`,
+/// and takes the first one it can parse: so the engine writes that form first.
+///
+/// ```
+/// use omniprefix::events::RoutingHash;
+/// let h = RoutingHash::parse("00112233445566FF").unwrap();
+/// assert_eq!(h, RoutingHash(0x0011_2233_4455_66ff));
+/// assert_eq!(h.marker(), format!("00112233445566ff{}", "0".repeat(48)));
+/// assert_eq!(RoutingHash::parse("00112233445566f"), None); // 15 digits
+/// assert_eq!(RoutingHash::parse("+0112233445566ff"), None);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RoutingHash(pub u64);
+
+impl RoutingHash {
+    /// Hex digits of the hash in its text form.
+    pub const DIGITS: usize = 16;
+    /// The `"0"`s Dynamo 1.6.1 needs after the digits in an extra key.
+    pub const MARKER_ZEROS: usize = 48;
+
+    /// The hash of exactly 16 hex digits (either case); `None` for anything else.
+    pub fn parse(text: &str) -> Option<Self> {
+        // from_str_radix alone would take a sign and fewer digits.
+        if text.len() != Self::DIGITS || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        u64::from_str_radix(text, 16).ok().map(RoutingHash)
+    }
+
+    /// The extra key Dynamo 1.6.1 reads as this hash: 16 lowercase hex digits, then 48 `"0"`.
+    pub fn marker(self) -> String {
+        format!("{:016x}{}", self.0, "0".repeat(Self::MARKER_ZEROS))
+    }
+}
+
+impl std::fmt::Display for RoutingHash {
+    /// The 16 lowercase hex digits the frontend sends.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
 }
 
 /// One KV cache event (vLLM's `BlockStored`, `BlockRemoved`, `AllBlocksCleared`).
@@ -72,6 +125,8 @@ pub enum KvEvent {
         medium: Medium,
         /// Per block, the item rows it holds (`None` for a text-only block);
         /// `None` when no block holds item rows (vLLM then leaves the field out).
+        /// On the wire a block's keys are the markers of its items' routing
+        /// hashes (once each, in row order), then `(mm_hash, first_row)` per run.
         extra_keys: Option<Vec<Option<Vec<ItemRows>>>>,
     },
     /// Blocks left the cache (evicted).

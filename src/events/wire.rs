@@ -99,9 +99,22 @@ fn encode_event(event: &KvEvent, out: &mut Vec<u8>) {
     }
 }
 
-/// A block's extra keys: the flat tuple `(mm_hash, first row, ...)`.
+/// A block's extra keys: the flat tuple `(marker, ..., mm_hash, first row, ...)`:
+/// first the [`RoutingHash::marker`](super::RoutingHash::marker) of each routing
+/// hash its items carry (once each, in the order of the rows), because Dynamo
+/// 1.6.1 names a block's image run by the first key it parses as a marker;
+/// then our own `(identity, first row)` pairs, as without routing hashes.
 fn item_rows(out: &mut Vec<u8>, rows: &[ItemRows]) {
-    array_len(out, 2 * rows.len());
+    let mut markers: Vec<super::RoutingHash> = Vec::new();
+    for h in rows.iter().filter_map(|r| r.routing_hash) {
+        if !markers.contains(&h) {
+            markers.push(h);
+        }
+    }
+    array_len(out, markers.len() + 2 * rows.len());
+    for h in markers {
+        str(out, &h.marker());
+    }
     for r in rows {
         str(out, &r.mm_hash);
         uint(out, r.first_row.into());

@@ -123,7 +123,7 @@ impl Scheduler {
         }
         if let Some(log) = self.events.as_mut() {
             adopted_at.sort_unstable();
-            log.stored(&t.req.prompt, bs, &mut t.block_hashes, &adopted_at);
+            log.stored(&t.req.prompt, &t.req.item_routing, bs, &mut t.block_hashes, &adopted_at);
         }
         self.index.lock(&m);
         for i in t.num_shared..n_full {

@@ -5,10 +5,19 @@
 
 use fxhash::FxHashMap;
 
-use crate::events::{ItemRows, KvEvent, Medium};
+use crate::canon::Fingerprint;
+use crate::events::{ItemRows, KvEvent, Medium, RoutingHash};
 use crate::index::block_hash::{FleetHasher, item_runs};
 use crate::kv::BlockId;
 use crate::prompt::CanonicalPrompt;
+
+/// The routing hash of the first of `prompt`'s items with content `fingerprint`
+/// that has one (`routing` runs parallel to `prompt.items`).
+fn routing_hash(
+    prompt: &CanonicalPrompt, routing: &[Option<RoutingHash>], fingerprint: Fingerprint,
+) -> Option<RoutingHash> {
+    prompt.items.iter().zip(routing).find_map(|(id, h)| h.filter(|_| id.fingerprint == fingerprint))
+}
 
 /// The events of the steps since the last [`take`](EventLog::take), and the
 /// hash of every published block the index still holds.
@@ -27,10 +36,22 @@ impl EventLog {
     }
 
     /// Records that the index adopted the full blocks `blocks` (`(position, id)`,
-    /// positions ascending) of `prompt`; `chain` caches the prompt's hashes.
+    /// positions ascending) of `prompt`; `chain` caches the prompt's hashes;
+    /// `routing` holds the frontend's hash per `prompt.items` entry (or is empty).
+    ///
+    /// A block is published once, by the request whose prompt first put it in
+    /// the index, so its markers are that request's routing hashes. A later
+    /// request with the same content under another routing hash (the same
+    /// image at another URL, say) hits those blocks in the engine's cache (the
+    /// engine keys on content, never on the routing hash) and publishes only
+    /// blocks it adds: the router keeps the first hash for the shared ones. We
+    /// keep it so: re-publishing a cached block under a second marker would
+    /// make one block two entries of the router's index for one KV copy. Within
+    /// one prompt, identical content under several hashes takes the first
+    /// item's (prompt order) for every run of it.
     pub(super) fn stored(
-        &mut self, prompt: &CanonicalPrompt, block_size: usize, chain: &mut Vec<u64>,
-        blocks: &[(usize, BlockId)],
+        &mut self, prompt: &CanonicalPrompt, routing: &[Option<RoutingHash>], block_size: usize,
+        chain: &mut Vec<u64>, blocks: &[(usize, BlockId)],
     ) {
         let Some(&(last, _)) = blocks.last() else { return };
         self.hasher.extend(prompt, block_size, last + 1, chain);
@@ -52,6 +73,7 @@ impl EventLog {
                         .map(|(fingerprint, first_row)| ItemRows {
                             mm_hash: fingerprint.mm_hash_hex(),
                             first_row,
+                            routing_hash: routing_hash(prompt, routing, fingerprint),
                         })
                         .collect();
                     (!rows.is_empty()).then_some(rows)

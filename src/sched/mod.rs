@@ -153,6 +153,7 @@ struct Tracked {
 ///     },
 ///     item_embeddings: vec![],
 ///     item_deepstack: vec![],
+///     item_routing: vec![],
 ///     hidden_size: None, max_new_tokens: 0,
 /// };
 /// let config = SchedulerConfig {

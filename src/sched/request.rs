@@ -5,6 +5,7 @@ use std::sync::Arc;
 use ndarray::Array2;
 
 use crate::batch::{DeepStack, EmbedRows, RequestId};
+use crate::events::RoutingHash;
 use crate::prompt::CanonicalPrompt;
 
 /// A preprocessed request with the embeddings of its multimodal items.
@@ -21,6 +22,10 @@ pub struct Request {
     /// DeepStack levels per `prompt.items` entry (`None`: the item has none);
     /// empty when no item has any.
     pub item_deepstack: Vec<Option<DeepStack>>,
+    /// The frontend's routing hash per `prompt.items` entry (`None`: the item
+    /// has none); empty when no item has one. Only KV events read it: the
+    /// blocks this request publishes name its items' hashes as markers.
+    pub item_routing: Vec<Option<RoutingHash>>,
     /// The embeddings' width, for a scheduler that was not given the model
     /// ([`Scheduler::with_model`](super::Scheduler::with_model)), whose width wins.
     pub hidden_size: Option<usize>,

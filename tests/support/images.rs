@@ -34,6 +34,7 @@ pub fn image<'a>(content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>) -> It
         },
         embeddings: embeddings.map(Arc::new),
         deepstack: None,
+        routing_hash: None,
     }
 }
 

@@ -243,6 +243,7 @@ fn prefill_request<'a, B: Backend>(plan: &'a RequestPlan, inputs: &WayInputs<'a,
                 spec: inputs.media.spec(m),
                 embeddings: Some(inputs.embeddings.get(m)?),
                 deepstack: None,
+                routing_hash: None,
             })
         })
         .collect::<Result<_>>()?;
