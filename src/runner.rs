@@ -119,7 +119,7 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// Executes a batch the scheduler built from requests admitted against
-    /// this runner's model ([`Scheduler::with_model`](crate::sched::Scheduler::with_model))
+    /// this runner's model ([`RequestChecks::with_model`](crate::sched::RequestChecks::with_model))
     /// on pages this runner allocated: well-formed by construction, so only
     /// debug builds check it.
     pub(crate) fn execute_scheduled(

@@ -133,8 +133,8 @@ impl Drop for Route {
 }
 
 /// Where a served engine tells one reader which of its requests have events to
-/// read (see [`ServedEngine::submit_prepared_notify`]): one thread can then
-/// serve any number of handles, reading each with [`RequestHandle::try_recv`].
+/// read (see [`ServedEngine::submit_prepared_notify`](super::ServedEngine::submit_prepared_notify)): one thread can then
+/// serve any number of handles, reading each with [`RequestHandle::try_recv`](super::RequestHandle::try_recv).
 /// An id may be told more than once, and after its stream ended.
 pub type ReadySender = Sender<RequestId>;
 

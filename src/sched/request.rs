@@ -27,7 +27,8 @@ pub struct Request {
     /// blocks this request publishes name its items' hashes as markers.
     pub item_routing: Vec<Option<RoutingHash>>,
     /// The embeddings' width, for a scheduler that was not given the model
-    /// ([`Scheduler::with_model`](super::Scheduler::with_model)), whose width wins.
+    /// (its [`RequestChecks`](super::RequestChecks) name none, see
+    /// [`Scheduler::with_checks`](super::Scheduler::with_checks)); the model's width wins.
     pub hidden_size: Option<usize>,
     /// Tokens the sequence may grow by ([`Scheduler::append`](super::Scheduler::append));
     /// 0 for a prefill. Admission checks prompt + this against the context and the pool.
