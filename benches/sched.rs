@@ -34,15 +34,7 @@ fn requests() -> Vec<Request> {
                 items: vec![],
                 index_map: IndexMap::default(),
             };
-            Request {
-                id,
-                prompt,
-                item_embeddings: vec![],
-                item_deepstack: vec![],
-                item_routing: vec![],
-                hidden_size: None,
-                max_new_tokens: 0,
-            }
+            Request::new(id, prompt)
         })
         .collect()
 }

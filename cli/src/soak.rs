@@ -264,18 +264,7 @@ impl Catalogue {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok((
-            Request {
-                id,
-                prompt,
-                item_embeddings,
-                item_deepstack: vec![],
-                item_routing: vec![],
-                hidden_size: None,
-                max_new_tokens: 0,
-            },
-            prefix_len,
-        ))
+        Ok((Request { item_embeddings, ..Request::new(id, prompt) }, prefix_len))
     }
 }
 

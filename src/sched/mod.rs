@@ -141,20 +141,16 @@ struct Tracked {
 /// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
 /// use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 ///
-/// let text = |id, ids: Vec<u32>| Request {
-///     id,
-///     prompt: CanonicalPrompt {
+/// let text = |id, ids: Vec<u32>| {
+///     let prompt = CanonicalPrompt {
 ///         tenant: 0,
 ///         atoms: vec![Atom::Text(ids.clone())],
 ///         positions: Positions::linear(ids.len()),
 ///         token_ids: ids,
 ///         items: vec![],
 ///         index_map: IndexMap::default(),
-///     },
-///     item_embeddings: vec![],
-///     item_deepstack: vec![],
-///     item_routing: vec![],
-///     hidden_size: None, max_new_tokens: 0,
+///     };
+///     Request::new(id, prompt)
 /// };
 /// let config = SchedulerConfig {
 ///     num_blocks: 8,

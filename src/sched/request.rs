@@ -36,6 +36,37 @@ pub struct Request {
 }
 
 impl Request {
+    /// A prefill of `prompt` with no item rows, no DeepStack levels and no
+    /// routing hashes: what a text prompt needs; the rest is set field by field.
+    ///
+    /// ```
+    /// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+    /// use omniprefix::sched::Request;
+    ///
+    /// let ids: Vec<u32> = (0..8).collect();
+    /// let prompt = CanonicalPrompt {
+    ///     tenant: 0,
+    ///     atoms: vec![Atom::Text(ids.clone())],
+    ///     positions: Positions::linear(ids.len()),
+    ///     token_ids: ids,
+    ///     items: vec![],
+    ///     index_map: IndexMap::default(),
+    /// };
+    /// let generating = Request { max_new_tokens: 4, ..Request::new(1, prompt) };
+    /// assert!(generating.item_embeddings.is_empty() && generating.hidden_size.is_none());
+    /// ```
+    pub fn new(id: RequestId, prompt: CanonicalPrompt) -> Self {
+        Request {
+            id,
+            prompt,
+            item_embeddings: Vec::new(),
+            item_deepstack: Vec::new(),
+            item_routing: Vec::new(),
+            hidden_size: None,
+            max_new_tokens: 0,
+        }
+    }
+
     /// The item rows at their prompt positions, one entry per index-map span:
     /// what each chunk's rows are clipped from (the request passed admission,
     /// so every span lies inside the prompt and its item).
