@@ -38,11 +38,7 @@ fn random(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Array2<f32> {
 
 /// Pages holding `seqs` sequences of `len` positions each, in shuffled blocks; their block tables.
 fn filled_pages(
-    b: &CpuBackend,
-    heads: AttnHeads,
-    seqs: usize,
-    len: usize,
-    rng: &mut ChaCha8Rng,
+    b: &CpuBackend, heads: AttnHeads, seqs: usize, len: usize, rng: &mut ChaCha8Rng,
 ) -> (CpuPages, Vec<Vec<u32>>) {
     let per_seq = len.div_ceil(BLOCK);
     let spec = PagesSpec {
@@ -81,8 +77,7 @@ fn cpu_seconds() -> f64 {
 
 /// One bench case: criterion's timing, or `CPU_ATTENTION_ITERS` calls timed by CPU time.
 fn case(
-    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
-    name: String,
+    group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: String,
     mut f: impl FnMut(),
 ) {
     match std::env::var("CPU_ATTENTION_ITERS").ok().and_then(|v| v.parse::<usize>().ok()) {

@@ -177,9 +177,7 @@ float_element!(f16, F16, f16::from_f32, f16::to_f32);
 float_element!(bf16, BF16, bf16::from_f32, bf16::to_f32);
 
 fn identify<T: Element>(
-    fp: &Fingerprinter,
-    case: &Case,
-    a: ArrayViewD<'_, T>,
+    fp: &Fingerprinter, case: &Case, a: ArrayViewD<'_, T>,
 ) -> Result<ItemIdentity, Error> {
     let spec = ItemSpec {
         modality: case.modality(),
@@ -192,9 +190,7 @@ fn identify<T: Element>(
 
 /// Same outcome for two layouts of equal content.
 fn same(
-    what: &str,
-    a: &Result<ItemIdentity, Error>,
-    b: &Result<ItemIdentity, Error>,
+    what: &str, a: &Result<ItemIdentity, Error>, b: &Result<ItemIdentity, Error>,
 ) -> Result<(), TestCaseError> {
     match (a, b) {
         (Ok(x), Ok(y)) => {

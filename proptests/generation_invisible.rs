@@ -109,8 +109,7 @@ fn fail(e: omniprefix::Error) -> TestCaseError {
 
 /// Runs `prompts` on `engine` all at once, stepping to the end; generations by request order.
 fn run_all(
-    engine: &mut Engine,
-    prompts: &[(Vec<u32>, SamplingParams)],
+    engine: &mut Engine, prompts: &[(Vec<u32>, SamplingParams)],
 ) -> Result<Vec<Output>, TestCaseError> {
     for (p, s) in prompts {
         engine.submit(Request::text(p.clone()).generate(s.clone())).map_err(fail)?;

@@ -202,12 +202,8 @@ impl LevelMismatch {
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 pub fn chunk(
-    request: RequestId,
-    token_ids: &[u32],
-    embeds: &[EmbedRows],
-    positions: &Positions,
-    block_table: BlockTable,
-    range: Range<usize>,
+    request: RequestId, token_ids: &[u32], embeds: &[EmbedRows], positions: &Positions,
+    block_table: BlockTable, range: Range<usize>,
 ) -> Result<ScheduledSeq> {
     let len = token_ids.len();
     let out_of_bounds = || RequestError::PositionRangeOutOfBounds { start: range.start, end: range.end, len };

@@ -364,9 +364,7 @@ impl ConfigError {
     /// `Ok` for a positive `value` of `component`'s `field` (a block size, a
     /// per-step limit), else [`ConfigError::Invalid`].
     pub fn require_positive(
-        component: &'static str,
-        field: &'static str,
-        value: usize,
+        component: &'static str, field: &'static str, value: usize,
     ) -> Result<(), ConfigError> {
         if value == 0 {
             return Err(ConfigError::Invalid {

@@ -116,10 +116,7 @@ impl Preprocessor {
     /// of their own (the engine's items also carry embeddings), with the tenant
     /// and the placeholder form given per call.
     pub fn canonicalise<'i, 'a: 'i>(
-        &self,
-        tenant: TenantSalt,
-        token_ids: &[u32],
-        form: PlaceholderForm,
+        &self, tenant: TenantSalt, token_ids: &[u32], form: PlaceholderForm,
         items: impl IntoIterator<Item = &'i ItemSpec<'a>>,
     ) -> Result<CanonicalPrompt> {
         let items = items

@@ -324,10 +324,7 @@ impl TensorFiles {
     /// DeepStack levels `[levels, rows, hidden]` (at least one level) of an item whose
     /// embeddings are `[rows, hidden]`, split into one matrix per level.
     fn deepstack(
-        &mut self,
-        base: &Path,
-        r: &TensorRef,
-        (rows, cols): (usize, usize),
+        &mut self, base: &Path, r: &TensorRef, (rows, cols): (usize, usize),
     ) -> Result<Vec<Array2<f32>>> {
         let (shape, values) = self.floats(base, r, "DeepStack levels")?;
         let levels = match shape.as_slice() {

@@ -123,9 +123,7 @@ impl<B: Backend> ModelRunner<B> {
     /// on pages this runner allocated: well-formed by construction, so only
     /// debug builds check it.
     pub(crate) fn execute_scheduled(
-        &self,
-        batch: &ScheduledBatch,
-        pages: &mut B::Pages,
+        &self, batch: &ScheduledBatch, pages: &mut B::Pages,
     ) -> Result<Vec<SeqOutput>> {
         debug_assert!(
             check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages)).is_ok(),
@@ -136,10 +134,7 @@ impl<B: Backend> ModelRunner<B> {
 }
 
 fn pages_spec<B: Backend>(
-    thinker: &Thinker<B>,
-    capture: &CaptureSpec,
-    num_blocks: usize,
-    block_size: usize,
+    thinker: &Thinker<B>, capture: &CaptureSpec, num_blocks: usize, block_size: usize,
 ) -> PagesSpec {
     let c = thinker.config();
     PagesSpec {
@@ -172,10 +167,7 @@ impl PromptInputs {
     /// Errors with [`RunnerError::InvalidBatch`] when the range leaves the prompt, the table
     /// cannot hold it, or the positions do not cover the prompt.
     pub fn step(
-        &self,
-        request: RequestId,
-        block_table: BlockTable,
-        range: Range<usize>,
+        &self, request: RequestId, block_table: BlockTable, range: Range<usize>,
     ) -> Result<ScheduledSeq> {
         let len = self.token_ids.len();
         let bad = |what: String| Err(Error::Runner(RunnerError::InvalidBatch { request, what }));
@@ -213,11 +205,7 @@ const UNCACHED_BLOCK: usize = 16;
 /// Runs a whole prompt in one step on fresh pages with a contiguous block table:
 /// the no-cache reference that cached runs must equal (and the parity tests' entry).
 pub fn run_uncached<B: Backend>(
-    thinker: &Thinker<B>,
-    backend: &B,
-    inputs: &PromptInputs,
-    capture: &CaptureSpec,
-    all_logits: bool,
+    thinker: &Thinker<B>, backend: &B, inputs: &PromptInputs, capture: &CaptureSpec, all_logits: bool,
 ) -> Result<Outputs> {
     let capture = CaptureSpec::new(capture.points().iter().copied(), thinker.config().num_hidden_layers)?;
     let len = inputs.token_ids.len();
@@ -313,10 +301,7 @@ fn check_seq(seq: &ScheduledSeq, spec: &PagesSpec, model: &ModelShape) -> Result
 
 /// Checks the pages fit the model and every copy and sequence is valid.
 fn check_batch<B: Backend>(
-    thinker: &Thinker<B>,
-    capture: &CaptureSpec,
-    batch: &ScheduledBatch,
-    spec: &PagesSpec,
+    thinker: &Thinker<B>, capture: &CaptureSpec, batch: &ScheduledBatch, spec: &PagesSpec,
 ) -> Result<()> {
     // Pages in any K/V element type serve the same model.
     let want = PagesSpec {
@@ -357,10 +342,7 @@ fn check_batch<B: Backend>(
 
 /// Embeds all new tokens of the step and scatters item rows over their placeholders.
 fn embed_step<B: Backend>(
-    thinker: &Thinker<B>,
-    backend: &B,
-    batch: &ScheduledBatch,
-    starts: &[usize],
+    thinker: &Thinker<B>, backend: &B, batch: &ScheduledBatch, starts: &[usize],
 ) -> Result<B::Tensor> {
     let ids: Vec<u32> = batch.seqs.iter().flat_map(|s| s.token_ids.iter().copied()).collect();
     let mut x = thinker.embed(backend, &ids)?;
@@ -378,11 +360,7 @@ fn embed_step<B: Backend>(
 /// Adds DeepStack level `level` of every item row of the step to `x` (after
 /// decoder layer `level`): one gather, add and scatter over all sequences.
 fn add_deepstack<B: Backend>(
-    backend: &B,
-    x: &mut B::Tensor,
-    batch: &ScheduledBatch,
-    starts: &[usize],
-    level: usize,
+    backend: &B, x: &mut B::Tensor, batch: &ScheduledBatch, starts: &[usize], level: usize,
 ) -> Result<()> {
     let mut rows = Vec::new();
     let mut parts = Vec::new();
@@ -408,11 +386,7 @@ fn add_deepstack<B: Backend>(
 
 /// The core of [`ModelRunner::execute`] and [`run_uncached`].
 fn run_step<B: Backend>(
-    thinker: &Thinker<B>,
-    backend: &B,
-    capture: &CaptureSpec,
-    batch: &ScheduledBatch,
-    pages: &mut B::Pages,
+    thinker: &Thinker<B>, backend: &B, capture: &CaptureSpec, batch: &ScheduledBatch, pages: &mut B::Pages,
     all_logits: bool,
 ) -> Result<StepResult> {
     let copies: Vec<_> = batch.copies.iter().map(|c| (c.src, c.dst)).collect();
@@ -638,10 +612,7 @@ mod tests {
     /// Runs prompt `p` (23 positions) as request 7 in chunks ending at `cuts`, over
     /// a shuffled block table of fresh pages; returns the last step's outputs.
     fn run_in_chunks(
-        r: &ModelRunner<CpuBackend>,
-        p: &PromptInputs,
-        cuts: &[usize],
-        rng: &mut ChaCha8Rng,
+        r: &ModelRunner<CpuBackend>, p: &PromptInputs, cuts: &[usize], rng: &mut ChaCha8Rng,
     ) -> Vec<SeqOutput> {
         let mut blocks: Vec<u32> = (0..12).collect();
         blocks.shuffle(rng);
@@ -923,19 +894,12 @@ mod tests {
             self.0.rms_norm(x, w, eps)
         }
         fn rms_norm_heads(
-            &self,
-            x: &mut Array2<f32>,
-            w: &Array2<f32>,
-            head_dim: usize,
-            eps: f32,
+            &self, x: &mut Array2<f32>, w: &Array2<f32>, head_dim: usize, eps: f32,
         ) -> Result<()> {
             self.0.rms_norm_heads(x, w, head_dim, eps)
         }
         fn rope(
-            &self,
-            x: &mut Array2<f32>,
-            spec: &crate::backend::RopeSpec,
-            pos: RopePositions<'_>,
+            &self, x: &mut Array2<f32>, spec: &crate::backend::RopeSpec, pos: RopePositions<'_>,
         ) -> Result<()> {
             self.0.rope(x, spec, pos)
         }
@@ -946,31 +910,18 @@ mod tests {
             self.0.moe(x, w)
         }
         fn write_kv(
-            &self,
-            pages: &mut CpuPages,
-            layer: usize,
-            k: &Array2<f32>,
-            v: &Array2<f32>,
-            slots: &[i64],
+            &self, pages: &mut CpuPages, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64],
         ) -> Result<()> {
             self.0.write_kv(pages, layer, k, v, slots)
         }
         fn paged_attention(
-            &self,
-            q: &Array2<f32>,
-            pages: &CpuPages,
-            layer: usize,
-            heads: crate::backend::AttnHeads,
+            &self, q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: crate::backend::AttnHeads,
             seqs: &[AttnSeq<'_>],
         ) -> Result<Array2<f32>> {
             self.0.paged_attention(q, pages, layer, heads, seqs)
         }
         fn write_hidden(
-            &self,
-            pages: &mut CpuPages,
-            capture: usize,
-            x: &Array2<f32>,
-            slots: &[i64],
+            &self, pages: &mut CpuPages, capture: usize, x: &Array2<f32>, slots: &[i64],
         ) -> Result<()> {
             self.0.write_hidden(pages, capture, x, slots)
         }

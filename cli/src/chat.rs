@@ -190,10 +190,7 @@ impl Chat {
     /// # Ok::<(), omniprefix_cli::chat::ChatError>(())
     /// ```
     pub fn render(
-        &self,
-        messages: &Messages,
-        add_generation_prompt: bool,
-        kwargs: &Map<String, Value>,
+        &self, messages: &Messages, add_generation_prompt: bool, kwargs: &Map<String, Value>,
     ) -> Result<String> {
         let mut context = self.special.clone();
         context.insert("tools".into(), Value::Null);

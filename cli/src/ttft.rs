@@ -200,10 +200,7 @@ fn median_usize(values: Vec<usize>) -> usize {
 /// Runs the selected workloads (all by default) on `thinker` and returns
 /// their reports in a fixed order, capture last (`None` when not selected).
 pub fn run_all<B: Backend>(
-    backend: Arc<B>,
-    thinker: Arc<Thinker<B>>,
-    tokens: Option<OmniTokens>,
-    options: &TtftOptions,
+    backend: Arc<B>, thinker: Arc<Thinker<B>>, tokens: Option<OmniTokens>, options: &TtftOptions,
 ) -> Result<(Vec<TtftReport>, Option<CaptureReport>)> {
     let bench = Bench { backend, thinker, tokens, options: options.clone() };
     let sc = Scenarios::load()?;
@@ -235,10 +232,7 @@ struct Bench<B: Backend> {
 
 impl<B: Backend> Bench<B> {
     fn engine(
-        &self,
-        cache: bool,
-        capture: Option<Vec<omniprefix::model::CaptureName>>,
-        max_prompt: usize,
+        &self, cache: bool, capture: Option<Vec<omniprefix::model::CaptureName>>, max_prompt: usize,
     ) -> Result<Engine<B>> {
         let block_size = self.options.block_size;
         // Room for three prompts at once; older runs' entries are evicted (LRU).
@@ -401,12 +395,7 @@ impl Samples {
 }
 
 fn report<B: Backend>(
-    workload: &str,
-    backend: &'static str,
-    thinker: &Thinker<B>,
-    prefix: usize,
-    suffix: usize,
-    runs: usize,
+    workload: &str, backend: &'static str, thinker: &Thinker<B>, prefix: usize, suffix: usize, runs: usize,
     samples: Samples,
 ) -> TtftReport {
     let cfg = thinker.config();

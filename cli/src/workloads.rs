@@ -521,12 +521,7 @@ pub fn reply_for_history(reply: &[u32], tokens: &OmniTokens) -> Vec<u32> {
 /// vLLM's `prefix_repetition` prompts: prompt `i` = shared prefix
 /// `i mod num_prefixes` + its own random suffix, ids drawn below `id_limit` from `seed`.
 pub fn prefix_repetition_prompts(
-    prompts: usize,
-    num_prefixes: usize,
-    prefix_len: usize,
-    suffix_len: usize,
-    id_limit: u32,
-    seed: u64,
+    prompts: usize, num_prefixes: usize, prefix_len: usize, suffix_len: usize, id_limit: u32, seed: u64,
 ) -> Vec<Vec<u32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut random_ids =

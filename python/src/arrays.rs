@@ -215,9 +215,7 @@ pub fn float_matrix(obj: &Bound<'_, PyAny>, what: &str, reject_non_finite: bool)
 /// DeepStack levels: a `[levels, rows, hidden]` array or a sequence of `[rows, hidden]` ones
 /// (`reject_non_finite` as [`float_matrix`]).
 pub fn float_levels(
-    obj: &Bound<'_, PyAny>,
-    what: &str,
-    reject_non_finite: bool,
+    obj: &Bound<'_, PyAny>, what: &str, reject_non_finite: bool,
 ) -> PyResult<Vec<Array2<f32>>> {
     let levels: Vec<Bound<'_, PyAny>> = match obj.cast::<PyUntypedArray>() {
         Ok(array) if array.ndim() == 3 => array.try_iter()?.collect::<PyResult<_>>()?,
@@ -238,8 +236,7 @@ pub fn float_levels(
 
 /// `{name: array}`, each array moved into numpy without a copy.
 pub fn hidden_dict<'py>(
-    py: Python<'py>,
-    hidden: Vec<(CaptureName, Array2<f32>)>,
+    py: Python<'py>, hidden: Vec<(CaptureName, Array2<f32>)>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     for (name, rows) in hidden {

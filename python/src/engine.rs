@@ -167,8 +167,7 @@ fn sampling_params(sampling: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingPar
 
 impl PyEngine {
     fn open(
-        options: EngineOptions,
-        build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<Self>,
+        options: EngineOptions, build: impl FnOnce(SelectedBackend, EngineConfig) -> omniprefix::Result<Self>,
     ) -> PyResult<Self> {
         let selection = guard(|| select(options.backend))?;
         let reason = selection.reason.clone();
@@ -180,11 +179,7 @@ impl PyEngine {
     /// Prepares and submits one request with the GIL released (the encoder,
     /// if called, takes it back while it runs); returns its handle.
     fn submit(
-        &self,
-        py: Python<'_>,
-        prompt: Prompt<'_>,
-        task: Task,
-        encoder: Option<Py<PyAny>>,
+        &self, py: Python<'_>, prompt: Prompt<'_>, task: Task, encoder: Option<Py<PyAny>>,
         pump: Option<&EventPump>,
     ) -> PyResult<RequestHandle> {
         let ready = pump.map(EventPump::ready_sender);
@@ -224,10 +219,7 @@ struct Prompt<'a> {
 
 impl<'a> Prompt<'a> {
     fn parse(
-        token_ids: &Bound<'_, PyAny>,
-        items: Option<&'a Bound<'a, PyAny>>,
-        tenant: u64,
-        placeholders: &str,
+        token_ids: &Bound<'_, PyAny>, items: Option<&'a Bound<'a, PyAny>>, tenant: u64, placeholders: &str,
     ) -> PyResult<Self> {
         Ok(Prompt {
             ids: crate::arrays::token_ids(token_ids)?,
@@ -267,9 +259,7 @@ impl PyEngine {
     #[staticmethod]
     #[pyo3(signature = (path, **options))]
     fn from_dir(
-        py: Python<'_>,
-        path: &Bound<'_, PyAny>,
-        options: Option<&Bound<'_, PyDict>>,
+        py: Python<'_>, path: &Bound<'_, PyAny>, options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let dir = checkpoint_dir(path)?;
         let mut options = EngineOptions::parse(options)?;
@@ -288,10 +278,7 @@ impl PyEngine {
     #[staticmethod]
     #[pyo3(signature = (config, seed, **options))]
     fn random(
-        py: Python<'_>,
-        config: &Bound<'_, PyAny>,
-        seed: u64,
-        options: Option<&Bound<'_, PyDict>>,
+        py: Python<'_>, config: &Bound<'_, PyAny>, seed: u64, options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let json = config_json(py, config, "config")?;
         let mut options = EngineOptions::parse(options)?;
@@ -302,10 +289,7 @@ impl PyEngine {
         py.detach(|| {
             Self::open(options, |backend, config| {
                 fn random_on<B: Backend + 'static>(
-                    backend: B,
-                    model: Config,
-                    seed: u64,
-                    config: EngineConfig,
+                    backend: B, model: Config, seed: u64, config: EngineConfig,
                 ) -> omniprefix::Result<PyEngine>
                 where
                     Engine<B>: Send,
@@ -327,13 +311,8 @@ impl PyEngine {
     /// that bring no embeddings and miss the encoder cache.
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded"))]
     fn prefill(
-        &self,
-        py: Python<'_>,
-        token_ids: &Bound<'_, PyAny>,
-        items: Option<&Bound<'_, PyAny>>,
-        tenant: u64,
-        encoder: Option<Py<PyAny>>,
-        placeholders: &str,
+        &self, py: Python<'_>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>, tenant: u64,
+        encoder: Option<Py<PyAny>>, placeholders: &str,
     ) -> PyResult<PyOutput> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let handle = self.submit(py, prompt, Task::Prefill, encoder, None)?;
@@ -347,14 +326,8 @@ impl PyEngine {
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
     #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn generate(
-        &self,
-        py: Python<'_>,
-        token_ids: &Bound<'_, PyAny>,
-        items: Option<&Bound<'_, PyAny>>,
-        tenant: u64,
-        encoder: Option<Py<PyAny>>,
-        placeholders: &str,
-        sampling: Option<&Bound<'_, PyDict>>,
+        &self, py: Python<'_>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>, tenant: u64,
+        encoder: Option<Py<PyAny>>, placeholders: &str, sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyGeneration> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let task = Task::Generate(sampling_params(sampling)?);
@@ -370,13 +343,8 @@ impl PyEngine {
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", pump=None, **sampling))]
     #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn stream(
-        slf: &Bound<'_, Self>,
-        token_ids: &Bound<'_, PyAny>,
-        items: Option<&Bound<'_, PyAny>>,
-        tenant: u64,
-        encoder: Option<Py<PyAny>>,
-        placeholders: &str,
-        pump: Option<PyRef<'_, EventPump>>,
+        slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>, tenant: u64,
+        encoder: Option<Py<PyAny>>, placeholders: &str, pump: Option<PyRef<'_, EventPump>>,
         sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
@@ -391,13 +359,8 @@ impl PyEngine {
     #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", pump=None))]
     #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn submit_prefill(
-        slf: &Bound<'_, Self>,
-        token_ids: &Bound<'_, PyAny>,
-        items: Option<&Bound<'_, PyAny>>,
-        tenant: u64,
-        encoder: Option<Py<PyAny>>,
-        placeholders: &str,
-        pump: Option<PyRef<'_, EventPump>>,
+        slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>, tenant: u64,
+        encoder: Option<Py<PyAny>>, placeholders: &str, pump: Option<PyRef<'_, EventPump>>,
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let handle = slf.get().submit(slf.py(), prompt, Task::Prefill, encoder, pump.as_deref())?;

@@ -67,11 +67,8 @@ impl Item {
     #[new]
     #[pyo3(signature = (modality, content, layout, embeddings=None, deepstack=None, params=None))]
     fn new(
-        modality: &Bound<'_, PyAny>,
-        content: &Bound<'_, PyAny>,
-        layout: &Bound<'_, PyAny>,
-        embeddings: Option<&Bound<'_, PyAny>>,
-        deepstack: Option<&Bound<'_, PyAny>>,
+        modality: &Bound<'_, PyAny>, content: &Bound<'_, PyAny>, layout: &Bound<'_, PyAny>,
+        embeddings: Option<&Bound<'_, PyAny>>, deepstack: Option<&Bound<'_, PyAny>>,
         params: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let modality: Modality = from_py(modality, "modality (image, audio or video)")?;

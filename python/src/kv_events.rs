@@ -16,13 +16,8 @@ use crate::options::fingerprint_key as parse_key;
 #[pyo3(signature = (token_ids, items=None, *, fingerprint_key, block_size=16, tenant=0, placeholders="unexpanded", tokens=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn block_hashes(
-    py: Python<'_>,
-    token_ids: &Bound<'_, PyAny>,
-    items: Option<&Bound<'_, PyAny>>,
-    fingerprint_key: &Bound<'_, PyAny>,
-    block_size: usize,
-    tenant: u64,
-    placeholders: &str,
+    py: Python<'_>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>,
+    fingerprint_key: &Bound<'_, PyAny>, block_size: usize, tenant: u64, placeholders: &str,
     tokens: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<u64>> {
     let ids = crate::arrays::token_ids(token_ids)?;

@@ -33,10 +33,7 @@ fn policy_of(value: Option<&Bound<'_, PyAny>>) -> PyResult<ValidationPolicy> {
 #[pyfunction]
 #[pyo3(signature = (content, layout, *, key, params=None))]
 pub fn fingerprint(
-    py: Python<'_>,
-    content: &Bound<'_, PyAny>,
-    layout: &Bound<'_, PyAny>,
-    key: &Bound<'_, PyAny>,
+    py: Python<'_>, content: &Bound<'_, PyAny>, layout: &Bound<'_, PyAny>, key: &Bound<'_, PyAny>,
     params: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u128> {
     let key = fingerprint_key(key, "key")?;
@@ -64,10 +61,7 @@ pub fn fingerprint(
 #[pyfunction]
 #[pyo3(signature = (items, *, key, threads=1))]
 pub fn vllm_uuids<'py>(
-    py: Python<'py>,
-    items: &Bound<'py, PyAny>,
-    key: &Bound<'py, PyAny>,
-    threads: usize,
+    py: Python<'py>, items: &Bound<'py, PyAny>, key: &Bound<'py, PyAny>, threads: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     let key = fingerprint_key(key, "key")?;
     let borrowed = BorrowedItems::from_py(Some(items))?;
@@ -108,14 +102,9 @@ impl Prompt {
     #[pyo3(signature = (token_ids, items=None, *, key=None, tenant=0, validation=None, placeholders="unexpanded", special_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        py: Python<'_>,
-        token_ids: &Bound<'_, PyAny>,
-        items: Option<&Bound<'_, PyAny>>,
-        key: Option<&Bound<'_, PyAny>>,
-        tenant: u64,
-        validation: Option<&Bound<'_, PyAny>>,
-        placeholders: &str,
-        special_tokens: Option<&Bound<'_, PyAny>>,
+        py: Python<'_>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>,
+        key: Option<&Bound<'_, PyAny>>, tenant: u64, validation: Option<&Bound<'_, PyAny>>,
+        placeholders: &str, special_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let ids = crate::arrays::token_ids(token_ids)?;
         let key =
@@ -291,11 +280,7 @@ impl PyPrefixIndex {
 
     /// Caches the first `tokens` positions held by `blocks` (the last block may be partly filled).
     fn insert_partial(
-        &self,
-        py: Python<'_>,
-        prompt: &Prompt,
-        blocks: Vec<u32>,
-        tokens: usize,
+        &self, py: Python<'_>, prompt: &Prompt, blocks: Vec<u32>, tokens: usize,
     ) -> PyResult<InsertOutcome> {
         self.check(prompt)?;
         let outcome = guard(|| self.locked().insert_partial(&prompt.prompt, &blocks, tokens))?;

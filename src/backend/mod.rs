@@ -194,8 +194,7 @@ pub struct MoeWeights<T> {
 impl<T> MoeWeights<T> {
     /// The same block with every matrix passed through `f` (an upload, a dtype change).
     pub fn try_map<U, E>(
-        &self,
-        mut f: impl FnMut(&T) -> std::result::Result<U, E>,
+        &self, mut f: impl FnMut(&T) -> std::result::Result<U, E>,
     ) -> std::result::Result<MoeWeights<U>, E> {
         Ok(MoeWeights {
             router: f(&self.router)?,
@@ -216,11 +215,7 @@ impl MoeWeights<Array2<f32>> {
     /// so both draw the same shapes the same way.
     #[doc(hidden)]
     pub fn random(
-        rng: &mut impl rand::Rng,
-        num_experts: usize,
-        hidden: usize,
-        inter: usize,
-        top_k: usize,
+        rng: &mut impl rand::Rng, num_experts: usize, hidden: usize, inter: usize, top_k: usize,
         norm_topk_prob: bool,
     ) -> Self {
         let mut matrix = |rows: usize, cols: usize| {
@@ -324,12 +319,7 @@ pub trait Backend: Send + Sync {
     /// Writes rows of `k`, `v [n, kv_heads*head_dim]` into layer `layer`'s pages at
     /// `slots[i]`; a negative slot skips its row.
     fn write_kv(
-        &self,
-        pages: &mut Self::Pages,
-        layer: usize,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        slots: &[i64],
+        &self, pages: &mut Self::Pages, layer: usize, k: &Self::Tensor, v: &Self::Tensor, slots: &[i64],
     ) -> Result<()>;
 
     /// Varlen causal attention over paged K/V of layer `layer`.
@@ -342,22 +332,13 @@ pub trait Backend: Send + Sync {
     /// `1/sqrt(head_dim)` and softmaxed in f32. Output `[total_new, num_heads*head_dim]`;
     /// rows no sequence covers are zero.
     fn paged_attention(
-        &self,
-        q: &Self::Tensor,
-        pages: &Self::Pages,
-        layer: usize,
-        heads: AttnHeads,
-        seqs: &[AttnSeq<'_>],
+        &self, q: &Self::Tensor, pages: &Self::Pages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>],
     ) -> Result<Self::Tensor>;
 
     /// Writes rows of `x [n, hidden]` as capture `capture` of the hidden pages at
     /// `slots[i]`; a negative slot skips its row.
     fn write_hidden(
-        &self,
-        pages: &mut Self::Pages,
-        capture: usize,
-        x: &Self::Tensor,
-        slots: &[i64],
+        &self, pages: &mut Self::Pages, capture: usize, x: &Self::Tensor, slots: &[i64],
     ) -> Result<()>;
     /// Reads capture `capture` at `slots[i]` into row `i` of `[slots.len(), hidden]`;
     /// a negative slot gives a zero row.

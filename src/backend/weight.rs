@@ -179,10 +179,7 @@ impl<'a> WeightView<'a> {
 /// `"weight dtype"` ([`Backend::upload_weight`](super::Backend::upload_weight)) or
 /// `"kv dtype"` ([`Backend::alloc_pages`](super::Backend::alloc_pages)).
 pub(crate) fn unsupported_dtype(
-    backend: &'static str,
-    field: &'static str,
-    supported: &[Dtype],
-    found: Dtype,
+    backend: &'static str, field: &'static str, supported: &[Dtype], found: Dtype,
 ) -> crate::Error {
     let names: Vec<&str> = supported.iter().map(|d| d.name()).collect();
     crate::error::ConfigError::Invalid {

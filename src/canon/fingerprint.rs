@@ -285,11 +285,7 @@ impl Fingerprinter {
 
     /// Flat digest of header + content, or a tree above [`TREE_THRESHOLD`].
     fn digest(
-        &self,
-        item: usize,
-        header: &[u8],
-        content: Content<'_, '_>,
-        content_bytes: usize,
+        &self, item: usize, header: &[u8], content: Content<'_, '_>, content_bytes: usize,
         retained: Option<&mut [u8]>,
     ) -> Result<(u128, Option<u128>)> {
         if content_bytes <= TREE_THRESHOLD {
@@ -325,11 +321,7 @@ impl Fingerprinter {
     /// Digests of the fixed-size leaves, in order; the first error in content
     /// order wins, so a NaN is reported at its smallest index on any thread count.
     fn leaves(
-        &self,
-        item: usize,
-        content: Content<'_, '_>,
-        content_bytes: usize,
-        retained: Option<&mut [u8]>,
+        &self, item: usize, content: Content<'_, '_>, content_bytes: usize, retained: Option<&mut [u8]>,
     ) -> Result<Vec<(u128, Option<u128>)>> {
         let count = content_bytes.div_ceil(TREE_CHUNK);
         let regions: Vec<Option<&mut [u8]>> = match retained {

@@ -177,10 +177,7 @@ impl<const N: usize> KeyedXxh3<N> {
 /// stripe `position` of its block, scrambling at every block end; returns
 /// the position in the block after the last one.
 fn accumulate<const N: usize>(
-    acc: &mut [[u64; 8]; N],
-    stripes: &[u8],
-    secrets: &[[u8; SECRET_BYTES]; N],
-    position: usize,
+    acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], position: usize,
 ) -> usize {
     debug_assert!(stripes.len().is_multiple_of(STRIPE));
     #[cfg(target_arch = "x86_64")]
@@ -193,10 +190,7 @@ fn accumulate<const N: usize>(
 }
 
 fn accumulate_portable<const N: usize>(
-    acc: &mut [[u64; 8]; N],
-    stripes: &[u8],
-    secrets: &[[u8; SECRET_BYTES]; N],
-    mut position: usize,
+    acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], mut position: usize,
 ) -> usize {
     for stripe in stripes.chunks_exact(STRIPE) {
         let data = lanes(stripe);
@@ -220,10 +214,7 @@ fn accumulate_portable<const N: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn accumulate_avx2<const N: usize>(
-    acc: &mut [[u64; 8]; N],
-    stripes: &[u8],
-    secrets: &[[u8; SECRET_BYTES]; N],
-    mut position: usize,
+    acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], mut position: usize,
 ) -> usize {
     use std::arch::x86_64::{
         __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_mul_epu32, _mm256_set1_epi64x,
@@ -251,10 +242,7 @@ fn accumulate_avx2<const N: usize>(
     #[inline]
     #[target_feature(enable = "avx2")]
     fn stripe_into<const N: usize>(
-        regs: &mut [[__m256i; 2]; N],
-        stripe: &[u8],
-        secrets: &[[u8; SECRET_BYTES]; N],
-        offset: usize,
+        regs: &mut [[__m256i; 2]; N], stripe: &[u8], secrets: &[[u8; SECRET_BYTES]; N], offset: usize,
     ) {
         let [d0, d1] = load(stripe);
         let s0 = _mm256_shuffle_epi32::<0b01_00_11_10>(d0);

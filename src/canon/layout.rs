@@ -184,10 +184,7 @@ fn grid_patches(grid_thw: [u32; 3]) -> usize {
 /// Raw media are accepted with any shape because their relation to the grid
 /// depends on the processor's resize, which the processor params record.
 pub fn check_shape(
-    item: usize,
-    modality: Modality,
-    layout: &ItemLayout,
-    view: &TensorView<'_>,
+    item: usize, modality: Modality, layout: &ItemLayout, view: &TensorView<'_>,
 ) -> Result<()> {
     let shape = view.shape();
     if view.is_empty() {

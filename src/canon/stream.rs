@@ -167,10 +167,7 @@ impl TensorView<'_> {
 /// Emits canonical bytes `bytes` (a range of the canonical stream, aligned to
 /// the element size) of item `item` into `sink`.
 pub(crate) fn emit_tensor(
-    item: usize,
-    view: &TensorView<'_>,
-    bytes: Range<usize>,
-    sink: &mut impl ByteSink,
+    item: usize, view: &TensorView<'_>, bytes: Range<usize>, sink: &mut impl ByteSink,
 ) -> Result<()> {
     let size = view.dtype().size_bytes();
     debug_assert!(bytes.start.is_multiple_of(size) && bytes.end.is_multiple_of(size));
@@ -186,10 +183,7 @@ pub(crate) fn emit_tensor(
 }
 
 fn emit_range<T: CanonElem>(
-    item: usize,
-    view: &ArrayViewD<'_, T>,
-    elems: Range<usize>,
-    sink: &mut impl ByteSink,
+    item: usize, view: &ArrayViewD<'_, T>, elems: Range<usize>, sink: &mut impl ByteSink,
 ) -> Result<()> {
     let mut encoder = Encoder::<T, _>::new(item, elems.start, sink);
     walk(view.view(), elems, &mut encoder)?;
@@ -200,9 +194,7 @@ fn emit_range<T: CanonElem>(
 /// Visits elements `elems` (flat row-major indices) of `view` in logical
 /// order, handing contiguous runs and strided lanes to the encoder.
 fn walk<T: CanonElem, S: ByteSink>(
-    view: ArrayViewD<'_, T>,
-    elems: Range<usize>,
-    encoder: &mut Encoder<'_, T, S>,
+    view: ArrayViewD<'_, T>, elems: Range<usize>, encoder: &mut Encoder<'_, T, S>,
 ) -> Result<()> {
     if elems.is_empty() {
         return Ok(());

@@ -91,9 +91,7 @@ impl Decoding {
 
     /// The accumulated rows as one `[positions, hidden]` array per capture.
     pub(super) fn take_hidden(
-        &mut self,
-        names: &[CaptureName],
-        hidden: usize,
+        &mut self, names: &[CaptureName], hidden: usize,
     ) -> Result<Vec<(CaptureName, Array2<f32>)>> {
         names
             .iter()

@@ -23,9 +23,7 @@ pub struct RequestHandle {
 
 impl RequestHandle {
     pub(super) fn new(
-        id: RequestId,
-        events: async_channel::Receiver<HandleEvent>,
-        flow: Arc<Flow>,
+        id: RequestId, events: async_channel::Receiver<HandleEvent>, flow: Arc<Flow>,
         commands: Sender<Command>,
     ) -> Self {
         RequestHandle { id, events, flow, commands, done: false }

@@ -19,9 +19,7 @@ use super::{Engine, EngineConfig, Request};
 /// Binds the publisher `config.kv_events` asks for and makes `sched` record
 /// the events, hashed under the engine's fingerprint key.
 pub(super) fn start(
-    sched: Scheduler,
-    config: &EngineConfig,
-    backend: &str,
+    sched: Scheduler, config: &EngineConfig, backend: &str,
 ) -> Result<(Scheduler, Option<Publisher>)> {
     let Some(events) = &config.kv_events else { return Ok((sched, None)) };
     let publisher = Publisher::bind(events)?;
@@ -54,10 +52,7 @@ pub(super) fn start(
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
 pub fn request_block_hashes(
-    request: &Request<'_>,
-    key: &FingerprintKey,
-    block_size: usize,
-    tokens: &OmniTokens,
+    request: &Request<'_>, key: &FingerprintKey, block_size: usize, tokens: &OmniTokens,
 ) -> Result<Vec<u64>> {
     ConfigError::require_positive("block hashes", "block_size", block_size)?;
     // The policy decides the validation evidence only, never the fingerprint.

@@ -277,13 +277,9 @@ impl<B: Backend> Engine<B> {
     /// sequence before it finished), and where the time went. A prefill hands
     /// its rows in `hidden`; a generation's were gathered step by step.
     fn finish_output(
-        &mut self,
-        id: RequestId,
-        num_cached: usize,
+        &mut self, id: RequestId, num_cached: usize,
         hidden: Option<Vec<(crate::model::CaptureName, ndarray::Array2<f32>)>>,
-        finish_reason: Option<FinishReason>,
-        tokens: Vec<u32>,
-        events: &mut Vec<Event>,
+        finish_reason: Option<FinishReason>, tokens: Vec<u32>, events: &mut Vec<Event>,
     ) -> Result<()> {
         let Some(mut p) = self.pending.remove(&id) else { return Ok(()) };
         let prompt_len = p.positions.len();

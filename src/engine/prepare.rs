@@ -79,10 +79,7 @@ pub(super) struct Preparer {
 
 impl Preparer {
     pub(super) fn new(
-        preprocessor: Preprocessor,
-        checks: RequestChecks,
-        vocab_size: usize,
-        cache: bool,
+        preprocessor: Preprocessor, checks: RequestChecks, vocab_size: usize, cache: bool,
         encoder_cache: EncoderCache,
     ) -> Self {
         Preparer {
@@ -181,10 +178,7 @@ impl Preparer {
     /// from the encoder cache, or from `encoder`. Fresh rows (given or encoded)
     /// must be finite: cached, a NaN would poison every later hit.
     fn item_rows(
-        &self,
-        prompt: &CanonicalPrompt,
-        request: &Request<'_>,
-        encoder: Option<&dyn Encoder>,
+        &self, prompt: &CanonicalPrompt, request: &Request<'_>, encoder: Option<&dyn Encoder>,
     ) -> Result<ItemRows> {
         let mut rows = ItemRows::default();
         for (index, (identity, input)) in prompt.items.iter().zip(&request.items).enumerate() {

@@ -76,10 +76,7 @@ pub(super) fn run(mut core: Box<dyn Core>, inbox: Receiver<Command>, state: Loop
 /// [`SchedError::EngineDead`], and withdraws the published blocks from
 /// routers (`AllBlocksCleared`), so none is routed here for a cache it lost.
 fn die(
-    core: &mut dyn Core,
-    routes: FxHashMap<RequestId, Route>,
-    dead_state: &OnceLock<String>,
-    message: String,
+    core: &mut dyn Core, routes: FxHashMap<RequestId, Route>, dead_state: &OnceLock<String>, message: String,
 ) {
     let _ = dead_state.set(message.clone());
     for (_, route) in routes {

@@ -188,10 +188,7 @@ type Bound = std::result::Result<(String, Option<String>), EventsError>;
 
 impl Worker {
     async fn run(
-        mut self,
-        endpoint: Endpoint,
-        replay: Option<Endpoint>,
-        mut batches: mpsc::Receiver<KvEventBatch>,
+        mut self, endpoint: Endpoint, replay: Option<Endpoint>, mut batches: mpsc::Receiver<KvEventBatch>,
         bound: std::sync::mpsc::Sender<Bound>,
     ) {
         let sockets = bind_sockets(endpoint, replay).await;
@@ -304,8 +301,7 @@ impl Worker {
 
 /// Binds the PUB socket and the optional ROUTER, with the endpoints as bound.
 async fn bind_sockets(
-    endpoint: Endpoint,
-    replay: Option<Endpoint>,
+    endpoint: Endpoint, replay: Option<Endpoint>,
 ) -> std::result::Result<(PubSocket, String, Option<RouterSocket>, Option<String>), EventsError> {
     let bind_error = |socket, endpoint: &Endpoint, e: zeromq::ZmqError| EventsError::Bind {
         socket,

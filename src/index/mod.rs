@@ -113,10 +113,7 @@ pub trait PrefixIndex: Send {
     /// partial block back in `duplicates` (it must be the caller's own: a
     /// matched block ending inside the match is copied before it is written).
     fn insert_partial(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        blocks: &[BlockId],
-        tokens: usize,
+        &mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize,
     ) -> Result<InsertOutcome> {
         let bs = self.block_size();
         check_partial_args(bs, prompt.len(), blocks.len(), tokens)?;

@@ -81,10 +81,7 @@ impl EncoderCache {
 
     /// [`EncoderCache::insert`] with the item's DeepStack levels (counted in the bytes).
     pub fn insert_with_deepstack(
-        &mut self,
-        fp: Fingerprint,
-        value: Arc<Array2<f32>>,
-        deepstack: Option<DeepStack>,
+        &mut self, fp: Fingerprint, value: Arc<Array2<f32>>, deepstack: Option<DeepStack>,
     ) -> bool {
         let levels: usize = deepstack.iter().flat_map(|d| d.iter()).map(Array2::len).sum();
         let bytes = (value.len() + levels) * std::mem::size_of::<f32>();

@@ -94,11 +94,7 @@ fn stack(parts: Vec<HostWeight>, name: String) -> Result<HostWeight> {
 
 /// Host weights of one MoE block in the fused layout of [`MoeWeights`], stored as `dtype`.
 fn load_experts(
-    mlp: &Weights<'_>,
-    cfg: &Config,
-    num_experts: usize,
-    inter: usize,
-    dtype: Dtype,
+    mlp: &Weights<'_>, cfg: &Config, num_experts: usize, inter: usize, dtype: Dtype,
 ) -> Result<[HostWeight; 2]> {
     let hidden = cfg.hidden_size;
     let experts = mlp.pp("experts");
@@ -181,20 +177,14 @@ impl<B: Backend> Thinker<B> {
     /// # Ok::<(), omniprefix::Error>(())
     /// ```
     pub fn load_as(
-        backend: &B,
-        config: Config,
-        source: &dyn WeightSource,
-        dtype: Option<Dtype>,
+        backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>,
     ) -> Result<Self> {
         // Each packed matrix is made beside its host copy: let those copies' pages go (crate::alloc).
         crate::alloc::while_loading(|| Self::load_packed(backend, config, source, dtype))
     }
 
     fn load_packed(
-        backend: &B,
-        config: Config,
-        source: &dyn WeightSource,
-        dtype: Option<Dtype>,
+        backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>,
     ) -> Result<Self> {
         config.validate()?;
         let (model_prefix, head_prefix) = prefixes(source)?;
@@ -328,12 +318,7 @@ impl<B: Backend> Thinker<B> {
 
     /// Runs decoder layer `layer` on `x [n, hidden]` in place, writing its K/V at `step.slots`.
     pub fn forward_layer(
-        &self,
-        backend: &B,
-        layer: usize,
-        x: &mut B::Tensor,
-        step: &StepMeta<'_>,
-        pages: &mut B::Pages,
+        &self, backend: &B, layer: usize, x: &mut B::Tensor, step: &StepMeta<'_>, pages: &mut B::Pages,
     ) -> Result<()> {
         let lw = self.layers.get(layer).ok_or(BackendError::OpIndex {
             op: "forward_layer",

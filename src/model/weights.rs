@@ -296,12 +296,7 @@ impl<'a> Weights<'a> {
     /// `leaf` (of any rank) as a `[rows, cols]` weight stored as `dtype`: stacked
     /// expert tensors `[E, r, c]` become `[E * r, c]`.
     pub fn weight_reshaped(
-        &self,
-        leaf: &str,
-        shape: &[usize],
-        rows: usize,
-        cols: usize,
-        dtype: Dtype,
+        &self, leaf: &str, shape: &[usize], rows: usize, cols: usize, dtype: Dtype,
     ) -> Result<HostWeight> {
         let name = self.name(leaf);
         let t = self.source.load_stored(&name)?;

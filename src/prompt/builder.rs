@@ -153,9 +153,7 @@ impl PromptBuilder {
     /// interleaved by time as the HF Qwen3-Omni processor emits them with
     /// `use_audio_in_video` (video first on ties), without wrapper tokens.
     pub fn push_audio_in_video(
-        &mut self,
-        video: Arc<ItemIdentity>,
-        audio: Arc<ItemIdentity>,
+        &mut self, video: Arc<ItemIdentity>, audio: Arc<ItemIdentity>,
     ) -> Result<&mut Self> {
         let (video_index, audio_index) = (self.items.len(), self.items.len() + 1);
         for (index, item, expected) in
@@ -199,10 +197,7 @@ impl PromptBuilder {
     /// `vision_start audio_start <interleaved video+audio> audio_end vision_end`,
     /// taking the next audio item too (the HF processor's rewrite).
     pub fn extend_unexpanded(
-        &mut self,
-        ids: &[u32],
-        items: &[Arc<ItemIdentity>],
-        audio_in_video: bool,
+        &mut self, ids: &[u32], items: &[Arc<ItemIdentity>], audio_in_video: bool,
     ) -> Result<&mut Self> {
         self.extend(ids, items, Placeholders::Unexpanded { audio_in_video })
     }
@@ -299,11 +294,7 @@ impl PromptBuilder {
     /// Places one item from expanded ids starting at its first pad; returns
     /// how many ids it consumed.
     fn expanded_item(
-        &mut self,
-        ids: &[u32],
-        index: usize,
-        item: Arc<ItemIdentity>,
-        queues: &mut ItemQueues,
+        &mut self, ids: &[u32], index: usize, item: Arc<ItemIdentity>, queues: &mut ItemQueues,
     ) -> Result<usize> {
         let pad = self.tokens.pad_id(item.modality);
         let run = ids.iter().take_while(|&&t| t == pad).count();
@@ -352,11 +343,7 @@ impl PromptBuilder {
     /// Rewrites `vision_start video_pad vision_end` (pad at `ids[cursor]`) into
     /// the audio-in-video layout; the wrappers outside stay in the text.
     fn unexpanded_audio_in_video(
-        &mut self,
-        ids: &[u32],
-        cursor: usize,
-        index: usize,
-        video: Arc<ItemIdentity>,
+        &mut self, ids: &[u32], cursor: usize, index: usize, video: Arc<ItemIdentity>,
         queues: &mut ItemQueues,
     ) -> Result<()> {
         let before = cursor.checked_sub(1).and_then(|i| ids.get(i)).copied();

@@ -384,11 +384,7 @@ impl MropeWalk {
     /// Starts a new item occurrence and returns its base position. An audio
     /// right after a lone video in the same run shares the video's base.
     fn open_occurrence(
-        &mut self,
-        atom: usize,
-        id: &ItemIdentity,
-        num_tokens: u32,
-        next_row: u32,
+        &mut self, atom: usize, id: &ItemIdentity, num_tokens: u32, next_row: u32,
     ) -> Result<i64> {
         let base = match self.open.as_slice() {
             [video] if video.modality == Modality::Video && id.modality == Modality::Audio => video.base,
@@ -442,10 +438,7 @@ impl MropeWalk {
 /// processor emits them: by time, a video frame before an audio token whose
 /// index is not below the frame's temporal offset.
 pub(crate) fn audio_in_video_runs(
-    video: &ItemLayout,
-    video_tokens: u32,
-    audio_tokens: u32,
-    tokens: &OmniTokens,
+    video: &ItemLayout, video_tokens: u32, audio_tokens: u32, tokens: &OmniTokens,
 ) -> Vec<(Modality, Range<u32>)> {
     let mut runs: Vec<(Modality, Range<u32>)> = Vec::new();
     let mut emit = |modality: Modality, rows: Range<u32>| {

@@ -29,10 +29,7 @@ impl EventLog {
     /// Records that the index adopted the full blocks `blocks` (`(position, id)`,
     /// positions ascending) of `prompt`; `chain` caches the prompt's hashes.
     pub(super) fn stored(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        block_size: usize,
-        chain: &mut Vec<u64>,
+        &mut self, prompt: &CanonicalPrompt, block_size: usize, chain: &mut Vec<u64>,
         blocks: &[(usize, BlockId)],
     ) {
         let Some(&(last, _)) = blocks.last() else { return };

@@ -56,11 +56,7 @@ impl Scheduler {
     /// within `budget`, taking blocks for it (preempting newer sequences when
     /// short); a sequence whose blocks cannot be found waits.
     fn schedule_running(
-        &mut self,
-        ids: &[RequestId],
-        budget: &mut usize,
-        long: &mut LongPrefills,
-        batch: &mut ScheduledBatch,
+        &mut self, ids: &[RequestId], budget: &mut usize, long: &mut LongPrefills, batch: &mut ScheduledBatch,
     ) -> Result<()> {
         for &id in ids {
             if *budget == 0 || batch.seqs.len() >= self.config.max_seqs_per_step {
@@ -89,11 +85,7 @@ impl Scheduler {
     /// chunk and emits it; `false` when blocks are short or it is a second
     /// long prompt this step (it stays queued).
     pub(super) fn start(
-        &mut self,
-        id: RequestId,
-        budget: usize,
-        long: &mut LongPrefills,
-        batch: &mut ScheduledBatch,
+        &mut self, id: RequestId, budget: usize, long: &mut LongPrefills, batch: &mut ScheduledBatch,
     ) -> Result<bool> {
         let bs = self.config.block_size;
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
@@ -188,9 +180,7 @@ impl Scheduler {
     /// running requests newer than that position. `None` when the blocks
     /// cannot be found now.
     pub(super) fn reserve(
-        &mut self,
-        need: usize,
-        preempt_after: Option<usize>,
+        &mut self, need: usize, preempt_after: Option<usize>,
     ) -> Result<Option<Vec<BlockId>>> {
         loop {
             while self.pool.num_free() < need {

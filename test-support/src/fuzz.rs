@@ -26,10 +26,7 @@ fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
 /// Runs `test` on inputs from `strategy`; prints the number of executions.
 /// Panics (failing the calling `#[test]`) with the minimal failing input.
 pub fn fuzz<S: Strategy>(
-    name: &str,
-    default_cases: u32,
-    strategy: S,
-    test: impl Fn(S::Value) -> TestCaseResult,
+    name: &str, default_cases: u32, strategy: S, test: impl Fn(S::Value) -> TestCaseResult,
 ) {
     let cases = env("PROPTEST_CASES").unwrap_or(default_cases);
     let budget = env::<f64>("FUZZ_SECONDS").map(Duration::from_secs_f64);

@@ -160,12 +160,7 @@ pub struct Ledger {
 impl Ledger {
     /// Records `adopted` from an insert whose blocks were `blocks` for `truth`.
     pub fn adopt(
-        &mut self,
-        tenant: TenantSalt,
-        truth: &[Truth],
-        bs: usize,
-        blocks: &[BlockId],
-        adopted: &[BlockId],
+        &mut self, tenant: TenantSalt, truth: &[Truth], bs: usize, blocks: &[BlockId], adopted: &[BlockId],
     ) {
         self.adopt_upto(tenant, truth, bs, blocks, adopted, blocks.len() * bs);
     }
@@ -173,12 +168,7 @@ impl Ledger {
     /// [`Self::adopt`] for an insert of the first `tokens` positions (the
     /// last block holds only those it covers).
     pub fn adopt_upto(
-        &mut self,
-        tenant: TenantSalt,
-        truth: &[Truth],
-        bs: usize,
-        blocks: &[BlockId],
-        adopted: &[BlockId],
+        &mut self, tenant: TenantSalt, truth: &[Truth], bs: usize, blocks: &[BlockId], adopted: &[BlockId],
         tokens: usize,
     ) {
         for (i, b) in blocks.iter().enumerate() {
@@ -211,11 +201,7 @@ impl Ledger {
     /// block position and holds the query's content up to the matched length
     /// (a partly filled block at least that far, so only as the last one).
     pub fn check(
-        &self,
-        tenant: TenantSalt,
-        query: &[Truth],
-        bs: usize,
-        m: &PrefixMatch,
+        &self, tenant: TenantSalt, query: &[Truth], bs: usize, m: &PrefixMatch,
     ) -> Result<(), String> {
         if m.blocks.len() != m.tokens.div_ceil(bs) || m.aligned_tokens != m.tokens / bs * bs {
             return Err(format!("match shape {m:?} inconsistent with block size {bs}"));

@@ -11,10 +11,7 @@ use omniprefix::prompt::OmniTokens;
 /// Item `fingerprint` of `modality` laid out as `layout`, with the placeholder
 /// count `tokens` gives that layout (so the builder accepts it).
 pub fn placeholder_item(
-    tokens: &OmniTokens,
-    fingerprint: u128,
-    modality: Modality,
-    layout: ItemLayout,
+    tokens: &OmniTokens, fingerprint: u128, modality: Modality, layout: ItemLayout,
 ) -> Result<Arc<ItemIdentity>> {
     Ok(Arc::new(ItemIdentity {
         fingerprint: Fingerprint(fingerprint),

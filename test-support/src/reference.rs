@@ -124,19 +124,14 @@ impl Reference {
 /// Relative error of `got` against `want`, or a message naming the first element
 /// whose error exceeds [`TOLERANCE`] (row-major order).
 pub fn relative_error(
-    what: &str,
-    got: ArrayView2<'_, f32>,
-    want: ArrayView2<'_, f32>,
+    what: &str, got: ArrayView2<'_, f32>, want: ArrayView2<'_, f32>,
 ) -> Result<f32, String> {
     relative_error_within(what, got, want, TOLERANCE)
 }
 
 /// [`relative_error`] with the accepted error `tolerance` instead of [`TOLERANCE`].
 pub fn relative_error_within(
-    what: &str,
-    got: ArrayView2<'_, f32>,
-    want: ArrayView2<'_, f32>,
-    tolerance: f32,
+    what: &str, got: ArrayView2<'_, f32>, want: ArrayView2<'_, f32>, tolerance: f32,
 ) -> Result<f32, String> {
     if got.dim() != want.dim() {
         return Err(format!("{what}: shape {:?}, expected {:?}", got.dim(), want.dim()));

@@ -45,8 +45,7 @@ pub fn proptest_config(default_cases: u32) -> ProptestConfig {
 /// `max_tokens_per_step` tokens and 1 to 3 sequences, a prefill cap or none, either
 /// reuse granularity.
 pub fn scheduler_config(
-    num_blocks: Range<usize>,
-    max_tokens_per_step: Range<usize>,
+    num_blocks: Range<usize>, max_tokens_per_step: Range<usize>,
 ) -> impl Strategy<Value = SchedulerConfig> {
     let cap = prop::option::of(1usize..64);
     (num_blocks, prop_oneof![Just(2usize), Just(4)], max_tokens_per_step, 1usize..4, cap, any::<bool>())
@@ -97,9 +96,7 @@ pub enum Op {
 /// Operations in the proportions both suites use; admitted tails are
 /// `tail_len` units long, for a tenant in `tenants`.
 pub fn op(
-    unit: impl Strategy<Value = u32>,
-    tail_len: Range<usize>,
-    tenants: Range<u64>,
+    unit: impl Strategy<Value = u32>, tail_len: Range<usize>, tenants: Range<u64>,
 ) -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0usize..4, prop::collection::vec(unit, tail_len), tenants)
@@ -300,10 +297,7 @@ impl<R: Runner> Machine<R> {
     /// Admits a new request; a prompt longer than the whole pool must be
     /// refused with `RequestTooLarge` and change nothing. Returns whether it was admitted.
     pub fn admit(
-        &mut self,
-        tenant: u64,
-        units: &[u32],
-        max_new_tokens: usize,
+        &mut self, tenant: u64, units: &[u32], max_new_tokens: usize,
     ) -> Result<bool, TestCaseError> {
         let req = Request { max_new_tokens, ..self.runner.request(self.next_id, tenant, units) };
         self.next_id += 1;
@@ -496,9 +490,7 @@ impl<R: Runner> Machine<R> {
     /// start this step or were already running. `before`: each live request's
     /// (holds blocks, computed tokens) before the step.
     fn check_prefill_cap(
-        &self,
-        batch: &ScheduledBatch,
-        before: &HashMap<RequestId, (bool, usize)>,
+        &self, batch: &ScheduledBatch, before: &HashMap<RequestId, (bool, usize)>,
     ) -> Result<(), TestCaseError> {
         let cfg = *self.sched.config();
         let Some(cap) = cfg.prefill_cap_tokens() else { return Ok(()) };

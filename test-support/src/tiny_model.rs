@@ -158,8 +158,7 @@ pub fn equal_outputs(got: &SeqOutput, want: &omniprefix::runner::Outputs) -> std
 }
 
 fn close(
-    got: impl Iterator<Item = f32>,
-    want: impl Iterator<Item = f32> + Clone,
+    got: impl Iterator<Item = f32>, want: impl Iterator<Item = f32> + Clone,
 ) -> std::result::Result<(), String> {
     let scale = want.clone().fold(1f32, |m, v| m.max(v.abs()));
     match got.zip(want).enumerate().find(|(_, (g, w))| (g - w).abs() > TOLERANCE * scale || g.is_nan()) {

@@ -46,9 +46,7 @@ fn check(sched: &Scheduler) -> Result<()> {
 
 /// Schedules one step and runs it on the model.
 fn step(
-    sched: &mut Scheduler,
-    model: &TinyModel,
-    pages: &mut CpuPages,
+    sched: &mut Scheduler, model: &TinyModel, pages: &mut CpuPages,
 ) -> Result<(ScheduledBatch, Vec<SeqOutput>)> {
     let batch = sched.schedule()?;
     let outs = model.execute(&batch, pages)?;
@@ -59,10 +57,7 @@ fn step(
 /// Runs request `id` (already admitted) to the end and returns its outputs
 /// and the number of tokens it reused.
 fn run_to_end(
-    sched: &mut Scheduler,
-    model: &TinyModel,
-    pages: &mut CpuPages,
-    id: u64,
+    sched: &mut Scheduler, model: &TinyModel, pages: &mut CpuPages, id: u64,
 ) -> TestResult<(SeqOutput, usize)> {
     let mut reused = None;
     loop {
@@ -153,8 +148,7 @@ fn abort_with_a_chunk_on_the_runner_commits_nothing_of_it() -> TestResult {
 /// `max_tokens_per_step` that has run `UNITS` as request 1 to the end, so
 /// all its full blocks are cached; with the inputs of `UNITS`.
 fn warmed(
-    seed: u64,
-    max_tokens_per_step: usize,
+    seed: u64, max_tokens_per_step: usize,
 ) -> TestResult<(TinyModel, CpuPages, Scheduler, PromptInputs)> {
     let model = TinyModel::new(seed)?;
     let mut pages = model.pages(NUM_BLOCKS, BLOCK)?;

@@ -324,9 +324,7 @@ fn unknown_tenants_are_rejected_and_change_nothing() -> TestResult {
 
 /// `image` with DeepStack `levels` (each `[rows, cols]`).
 fn deep_image<'a>(
-    content: &'a ArrayD<u8>,
-    embeddings: Option<Array2<f32>>,
-    levels: Vec<Array2<f32>>,
+    content: &'a ArrayD<u8>, embeddings: Option<Array2<f32>>, levels: Vec<Array2<f32>>,
 ) -> ItemInput<'a> {
     ItemInput { deepstack: Some(Arc::new(levels)), ..image(content, embeddings) }
 }

@@ -58,11 +58,7 @@ impl RecordedOutputs for Reference {
 /// Checks each of our outputs of prompt `p` (output name → matrix) against the reference.
 /// Returns the worst relative error, or every failure message.
 fn check_prompt(
-    model: &str,
-    p: &str,
-    reference: &Reference,
-    ours: &BTreeMap<String, Array2<f32>>,
-    tolerance: f32,
+    model: &str, p: &str, reference: &Reference, ours: &BTreeMap<String, Array2<f32>>, tolerance: f32,
 ) -> Result<f32, Vec<String>> {
     let mut worst = 0f32;
     let mut failures = Vec::new();
@@ -106,10 +102,7 @@ fn named(hidden: Vec<(CaptureName, Array2<f32>)>) -> BTreeMap<String, Array2<f32
 
 /// Runs a prompt as [`Mode::Chunked`] says; returns the captures and `last_logits`.
 fn run_chunked(
-    runner: &ModelRunner<CpuBackend>,
-    inputs: &PromptInputs,
-    chunk: usize,
-    block_size: usize,
+    runner: &ModelRunner<CpuBackend>, inputs: &PromptInputs, chunk: usize, block_size: usize,
 ) -> TestResult<BTreeMap<String, Array2<f32>>> {
     let len = inputs.token_ids.len();
     let needed = len.div_ceil(block_size);
@@ -148,12 +141,7 @@ fn check_model_file(model: &str, file: &str, expected_prompts: &[&str], mode: Mo
 /// [`check_model_file`] with the weight matrices stored as `dtype`, every output
 /// within `tolerance`.
 fn check_model_as(
-    model: &str,
-    file: &str,
-    expected_prompts: &[&str],
-    mode: Mode,
-    dtype: Dtype,
-    tolerance: f32,
+    model: &str, file: &str, expected_prompts: &[&str], mode: Mode, dtype: Dtype, tolerance: f32,
 ) -> TestResult<f32> {
     let backend = Arc::new(CpuBackend::new());
     let thinker = Arc::new(Thinker::from_dir_as(&*backend, &model_dir(model), Some(dtype))?);

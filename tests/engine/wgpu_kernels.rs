@@ -53,8 +53,7 @@ fn assert_close(what: &str, got: &Array2<f32>, want: &Array2<f32>) {
 
 /// The same op on both backends, downloaded.
 fn both(
-    gpu: &WgpuBackend,
-    f_gpu: impl FnOnce(&WgpuBackend) -> Result<<WgpuBackend as Backend>::Tensor>,
+    gpu: &WgpuBackend, f_gpu: impl FnOnce(&WgpuBackend) -> Result<<WgpuBackend as Backend>::Tensor>,
     f_cpu: impl FnOnce(&CpuBackend) -> Result<Array2<f32>>,
 ) -> (Array2<f32>, Array2<f32>) {
     let g = f_gpu(gpu).and_then(|t| gpu.download(&t)).expect("gpu op");
@@ -97,11 +96,7 @@ struct AttnSetup {
 }
 
 fn setup_attention(
-    gpu: &WgpuBackend,
-    rng: &mut ChaCha8Rng,
-    spec: PagesSpec,
-    heads: AttnHeads,
-    layer: usize,
+    gpu: &WgpuBackend, rng: &mut ChaCha8Rng, spec: PagesSpec, heads: AttnHeads, layer: usize,
     lens: &[(usize, usize)],
 ) -> AttnSetup {
     let seqs = random_batch(rng, &spec, lens);
@@ -468,11 +463,7 @@ fn tile_edge_lens(rng: &mut ChaCha8Rng, rows: usize, kt: usize) -> Vec<(usize, u
 
 /// `lens` through the prefill kernel alone and through the routed kernels, against the CPU.
 fn prefill_matches_cpu(
-    gpu: &WgpuBackend,
-    rng: &mut ChaCha8Rng,
-    spec: PagesSpec,
-    heads: AttnHeads,
-    lens: &[(usize, usize)],
+    gpu: &WgpuBackend, rng: &mut ChaCha8Rng, spec: PagesSpec, heads: AttnHeads, lens: &[(usize, usize)],
     what: &str,
 ) {
     let s = setup_attention(gpu, rng, spec, heads, 0, lens);
@@ -1228,10 +1219,7 @@ mod forward {
     }
 
     fn assert_outputs(
-        what: &str,
-        hidden: &[(CaptureName, Array2<f32>)],
-        last_logits: &[f32],
-        want: &Outputs,
+        what: &str, hidden: &[(CaptureName, Array2<f32>)], last_logits: &[f32], want: &Outputs,
     ) {
         assert_eq!(hidden.len(), want.hidden.len(), "{what}: captures");
         for ((name, got), (_, w)) in hidden.iter().zip(&want.hidden) {

@@ -47,9 +47,7 @@ const MODELS: [(&str, &[&str]); 3] = [
 
 /// Output name → matrix: every capture, `last_logits` as `[1, vocab]`, and `logits` when present.
 fn named(
-    hidden: &[(CaptureName, Array2<f32>)],
-    last_logits: &[f32],
-    logits: Option<&Array2<f32>>,
+    hidden: &[(CaptureName, Array2<f32>)], last_logits: &[f32], logits: Option<&Array2<f32>>,
 ) -> TestResult<BTreeMap<String, Array2<f32>>> {
     let mut out: BTreeMap<String, Array2<f32>> =
         hidden.iter().map(|(n, m)| (n.to_string(), m.clone())).collect();
@@ -62,9 +60,7 @@ fn named(
 
 /// Compares every output of `got` with the same-named one of `want`; returns the worst error.
 fn compare_all(
-    label: &str,
-    got: &BTreeMap<String, Array2<f32>>,
-    want: &BTreeMap<String, Array2<f32>>,
+    label: &str, got: &BTreeMap<String, Array2<f32>>, want: &BTreeMap<String, Array2<f32>>,
 ) -> TestResult<f32> {
     if got.keys().ne(want.keys()) {
         return Err(format!("{label}: outputs {:?}, expected {:?}", got.keys(), want.keys()).into());
@@ -120,11 +116,7 @@ fn fixtures_on_wgpu_match_cpu_and_transformers() -> TestResult {
 /// One-step prefill of prompt `p` of `reference` on the GPU against the CPU backend
 /// and the transformers tensors; returns the worst errors (vs cpu, vs transformers).
 fn uncached_prompt_on_wgpu(
-    gpu: &WgpuBackend,
-    m: &Loaded,
-    reference: &Reference,
-    label: &str,
-    p: &str,
+    gpu: &WgpuBackend, m: &Loaded, reference: &Reference, label: &str, p: &str,
 ) -> TestResult<(f32, f32)> {
     let inputs = reference.prompt(p)?;
     let ours = uncached_outputs(&run_uncached(&m.gpu, gpu, &inputs, &m.capture, true)?)?;
@@ -156,12 +148,8 @@ fn deepstack_fixture_on_wgpu_matches_cpu_and_transformers() -> TestResult {
 /// Runs `inputs` positions `range` as request `request` over `table` in steps of at most
 /// `chunk`, with `copies` before the first step; returns the last step's outputs.
 fn run_steps(
-    runner: &ModelRunner<WgpuBackend>,
-    pages: &mut <WgpuBackend as Backend>::Pages,
-    inputs: &PromptInputs,
-    (request, table, block_size): (u64, &[u32], usize),
-    range: Range<usize>,
-    chunk: usize,
+    runner: &ModelRunner<WgpuBackend>, pages: &mut <WgpuBackend as Backend>::Pages, inputs: &PromptInputs,
+    (request, table, block_size): (u64, &[u32], usize), range: Range<usize>, chunk: usize,
     mut copies: Vec<BlockCopy>,
 ) -> TestResult<Vec<SeqOutput>> {
     let mut outputs = Vec::new();
@@ -326,9 +314,7 @@ fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
 
 /// Schedules and executes until request `id` returns its output.
 fn drive(
-    sched: &mut Scheduler,
-    runner: &ModelRunner<WgpuBackend>,
-    pages: &mut <WgpuBackend as Backend>::Pages,
+    sched: &mut Scheduler, runner: &ModelRunner<WgpuBackend>, pages: &mut <WgpuBackend as Backend>::Pages,
     id: u64,
 ) -> TestResult<(usize, SeqOutput)> {
     let mut first_computed = None;

@@ -82,21 +82,14 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
 }
 
 fn run_wgpu(
-    gpu: WgpuBackend,
-    model: &ModelChoice,
-    options: &DemoOptions,
-    out: &mut dyn Write,
+    gpu: WgpuBackend, model: &ModelChoice, options: &DemoOptions, out: &mut dyn Write,
 ) -> Result<DemoReport> {
     let label = format!("wgpu: {}", gpu.context().adapter_name());
     run_on(Arc::new(gpu), label, model, options, out)
 }
 
 fn run_on<B: Backend>(
-    backend: Arc<B>,
-    label: String,
-    model: &ModelChoice,
-    options: &DemoOptions,
-    out: &mut dyn Write,
+    backend: Arc<B>, label: String, model: &ModelChoice, options: &DemoOptions, out: &mut dyn Write,
 ) -> Result<DemoReport> {
     out.flush().map_err(output)?;
     let report = run_demo(backend, label, model, options)?;

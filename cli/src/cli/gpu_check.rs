@@ -91,9 +91,7 @@ struct ParityReport {
 
 /// Every capture and the last logits of one uncached step of `prompt`, by name, flattened.
 fn outputs<B: Backend>(
-    backend: B,
-    args: &ParityArgs,
-    prompt: &PromptInputs,
+    backend: B, args: &ParityArgs, prompt: &PromptInputs,
 ) -> Result<Vec<(String, Vec<f32>)>> {
     let backend = Arc::new(backend);
     let thinker = Arc::new(Thinker::from_dir_as(&*backend, &args.model, args.dtype.0)?);

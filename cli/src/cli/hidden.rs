@@ -109,9 +109,7 @@ pub struct JobRun<T> {
 /// Selects the backend, builds the engine, runs `job` in the `--threads` pool
 /// (`purpose` names it), then closes the engine's KV-event sockets (after `--linger-s`).
 pub fn on_selected_backend<J: EngineJob>(
-    purpose: &'static str,
-    args: &EngineArgs,
-    job: J,
+    purpose: &'static str, args: &EngineArgs, job: J,
 ) -> Result<JobRun<J::Output>> {
     let config = args.engine_config()?;
     let Ran { reason, output: (output, kv_events) } =
@@ -190,9 +188,7 @@ pub fn required_request(args: &EngineArgs) -> Result<&Path> {
 
 /// Prints `num_cached_tokens` and each captured point's shape, one per line.
 pub fn print_shapes(
-    out: &mut dyn Write,
-    num_cached_tokens: usize,
-    hidden: &[(CaptureName, Array2<f32>)],
+    out: &mut dyn Write, num_cached_tokens: usize, hidden: &[(CaptureName, Array2<f32>)],
 ) -> Result<()> {
     writeln!(out, "num_cached_tokens: {num_cached_tokens}").map_err(output)?;
     for (name, h) in hidden {
@@ -206,9 +202,7 @@ pub type F32Tensor = (String, Vec<usize>, Vec<u8>);
 
 /// `values` as a named f32 tensor of `shape`.
 pub fn f32_tensor<'a>(
-    name: String,
-    shape: Vec<usize>,
-    values: impl IntoIterator<Item = &'a f32>,
+    name: String, shape: Vec<usize>, values: impl IntoIterator<Item = &'a f32>,
 ) -> F32Tensor {
     (name, shape, values.into_iter().flat_map(|v| v.to_le_bytes()).collect())
 }

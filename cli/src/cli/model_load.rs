@@ -14,11 +14,7 @@ use crate::error::Result;
 /// The thinker in `dir` with its special ids, or (no `dir`) the seeded random
 /// model `random` describes, matrices stored as `dtype`.
 pub fn load_thinker<B: Backend>(
-    backend: &B,
-    dir: Option<&Path>,
-    random: Config,
-    seed: u64,
-    dtype: DtypeArg,
+    backend: &B, dir: Option<&Path>, random: Config, seed: u64, dtype: DtypeArg,
 ) -> Result<(Thinker<B>, Option<OmniTokens>)> {
     Ok(match dir {
         Some(dir) => {

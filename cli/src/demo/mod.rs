@@ -118,10 +118,7 @@ pub fn demo_config(quick: bool) -> Config {
 
 /// Runs the demo on `backend` (described as `backend_label` in the report).
 pub fn run_demo<B: Backend>(
-    backend: Arc<B>,
-    backend_label: String,
-    model: &ModelChoice,
-    options: &DemoOptions,
+    backend: Arc<B>, backend_label: String, model: &ModelChoice, options: &DemoOptions,
 ) -> Result<DemoReport> {
     let start = Instant::now();
     let (thinker, source) = match model {

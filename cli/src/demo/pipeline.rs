@@ -124,11 +124,7 @@ pub struct WayInputs<'a, B: Backend> {
 
 /// The engine of one way: room for `tokens` prompt tokens of `requests` requests in `waves` waves.
 fn way_engine<B: Backend>(
-    inputs: &WayInputs<'_, B>,
-    way: Way,
-    tokens: usize,
-    requests: usize,
-    waves: usize,
+    inputs: &WayInputs<'_, B>, way: Way, tokens: usize, requests: usize, waves: usize,
 ) -> Result<Engine<B>> {
     // Room for every prompt's blocks at once, plus a copy-on-write block each.
     let num_blocks = tokens.div_ceil(BLOCK_SIZE) * 2 + 2 * requests + waves;
@@ -154,11 +150,7 @@ fn way_engine<B: Backend>(
 /// re-sending the history, the engine's own (greedy, `reply_len`-token) reply
 /// to the previous round and the new turn. Returns the runs and the prompts sent.
 pub fn run_conversation<B: Backend>(
-    inputs: &WayInputs<'_, B>,
-    way: Way,
-    turns: &[ChatTurn],
-    reply_len: usize,
-    progress: &ProgressBar,
+    inputs: &WayInputs<'_, B>, way: Way, turns: &[ChatTurn], reply_len: usize, progress: &ProgressBar,
 ) -> Result<(Vec<RequestRun>, Vec<RequestPlan>)> {
     let tokens = OmniTokens::qwen3_omni();
     let mut plan = RequestPlan { token_ids: Vec::new(), items: Vec::new() };
@@ -204,10 +196,7 @@ pub fn run_conversation<B: Backend>(
 /// submitted at once and run to completion before the next; `progress` counts
 /// the prompt tokens of finished requests.
 pub fn run_way<B: Backend>(
-    inputs: &WayInputs<'_, B>,
-    way: Way,
-    waves: &[Wave],
-    progress: &ProgressBar,
+    inputs: &WayInputs<'_, B>, way: Way, waves: &[Wave], progress: &ProgressBar,
 ) -> Result<Vec<RequestRun>> {
     let total_tokens: usize = waves.iter().flatten().map(|p| expanded_len(p, inputs.media)).sum();
     let requests = waves.iter().map(Vec::len).sum::<usize>();

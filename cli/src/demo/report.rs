@@ -232,8 +232,7 @@ fn ratio(num: u64, den: u64) -> f64 {
 
 /// Largest [`rel_diff`] over the captured points; infinite when they do not pair up.
 fn hidden_rel_diff(
-    a: &[(CaptureName, ndarray::Array2<f32>)],
-    b: &[(CaptureName, ndarray::Array2<f32>)],
+    a: &[(CaptureName, ndarray::Array2<f32>)], b: &[(CaptureName, ndarray::Array2<f32>)],
 ) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;

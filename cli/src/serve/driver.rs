@@ -41,10 +41,7 @@ struct Stream {
 
 /// Runs every workload × arrival, caching on then off, on `thinker` (whose special ids are `tokens`).
 pub fn run_serve<B: Backend + 'static>(
-    backend: Arc<B>,
-    thinker: Arc<Thinker<B>>,
-    tokens: OmniTokens,
-    options: &ServeOptions,
+    backend: Arc<B>, thinker: Arc<Thinker<B>>, tokens: OmniTokens, options: &ServeOptions,
 ) -> Result<Vec<ServeReport>> {
     let media = Media::new(options.mm_scale, thinker.config().hidden_size, options.seed)?;
     let bench = Serve { backend, thinker, tokens, media, options };
@@ -146,11 +143,7 @@ impl<B: Backend + 'static> Serve<'_, B> {
     }
 
     fn run(
-        &self,
-        workload: ServeWorkload,
-        streams: &[Stream],
-        arrival: Arrival,
-        cache: bool,
+        &self, workload: ServeWorkload, streams: &[Stream], arrival: Arrival, cache: bool,
     ) -> Result<ServeReport> {
         let o = self.options;
         let served = self.engine(streams, arrival, cache)?.serve(ServedOptions::default())?;

@@ -8,10 +8,7 @@ use crate::{Error, Result};
 
 /// A shape error for operand `what` of `op`.
 pub(crate) fn shape_error(
-    op: &'static str,
-    what: &'static str,
-    expected: String,
-    found: &Array2<f32>,
+    op: &'static str, what: &'static str, expected: String, found: &Array2<f32>,
 ) -> Error {
     BackendError::OpShape { op, what, expected, found: found.shape().to_vec() }.into()
 }

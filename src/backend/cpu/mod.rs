@@ -221,33 +221,19 @@ impl Backend for CpuBackend {
     }
 
     fn write_kv(
-        &self,
-        pages: &mut CpuPages,
-        layer: usize,
-        k: &Array2<f32>,
-        v: &Array2<f32>,
-        slots: &[i64],
+        &self, pages: &mut CpuPages, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64],
     ) -> Result<()> {
         pages.write_kv(layer, k, v, slots)
     }
 
     fn paged_attention(
-        &self,
-        q: &Array2<f32>,
-        pages: &CpuPages,
-        layer: usize,
-        heads: AttnHeads,
-        seqs: &[AttnSeq<'_>],
+        &self, q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>],
     ) -> Result<Array2<f32>> {
         attention::paged_attention(q, pages, layer, heads, seqs)
     }
 
     fn write_hidden(
-        &self,
-        pages: &mut CpuPages,
-        capture: usize,
-        x: &Array2<f32>,
-        slots: &[i64],
+        &self, pages: &mut CpuPages, capture: usize, x: &Array2<f32>, slots: &[i64],
     ) -> Result<()> {
         pages.write_hidden(capture, x, slots)
     }

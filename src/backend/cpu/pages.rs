@@ -79,11 +79,7 @@ impl CpuPages {
     }
 
     pub(crate) fn write_kv(
-        &mut self,
-        layer: usize,
-        k: &Array2<f32>,
-        v: &Array2<f32>,
-        slots: &[i64],
+        &mut self, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64],
     ) -> Result<()> {
         const OP: &str = "write_kv";
         let l = self.layer_index(OP, layer)?;

@@ -133,21 +133,14 @@ unsafe impl Sync for Out {}
 /// `x @ w^T` restricted to output columns `cols`: `x [m, k]` f32, `data` a packed
 /// `[n, k]` weight ([`pack`]) with `cols` inside `0..n` → `[m, cols.len()]` f32.
 pub(crate) fn matmul_t<T: Element>(
-    x: ArrayView2<'_, f32>,
-    data: &[T],
-    k: usize,
-    cols: Range<usize>,
+    x: ArrayView2<'_, f32>, data: &[T], k: usize, cols: Range<usize>,
 ) -> Array2<f32> {
     matmul_t_on(Simd::detect(), x, data, k, cols)
 }
 
 /// [`matmul_t`] on the lanes of `simd`.
 fn matmul_t_on<T: Element>(
-    simd: Simd,
-    x: ArrayView2<'_, f32>,
-    data: &[T],
-    k: usize,
-    cols: Range<usize>,
+    simd: Simd, x: ArrayView2<'_, f32>, data: &[T], k: usize, cols: Range<usize>,
 ) -> Array2<f32> {
     let m = x.nrows();
     assert_eq!(x.ncols(), k, "matmul_t: x and w disagree on k");
@@ -292,11 +285,7 @@ unsafe fn run_tile<W: Wide, T: Element, const MR: usize>(w: W, t: &TileTask<'_, 
 /// every `out` pointer `NV * W::WIDTH` writable floats.
 #[inline(always)]
 unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize>(
-    w: W,
-    x: [*const f32; R],
-    panel: [*const T; P],
-    k: usize,
-    out: [[*mut f32; P]; R],
+    w: W, x: [*const f32; R], panel: [*const T; P], k: usize, out: [[*mut f32; P]; R],
 ) {
     let mut acc = [[[w.zero(); NV]; P]; R];
     for c in 0..k {

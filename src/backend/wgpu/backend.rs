@@ -227,12 +227,7 @@ impl Backend for WgpuBackend {
     }
 
     fn write_kv(
-        &self,
-        pages: &mut WgpuPages,
-        layer: usize,
-        k: &GpuTensor,
-        v: &GpuTensor,
-        slots: &[i64],
+        &self, pages: &mut WgpuPages, layer: usize, k: &GpuTensor, v: &GpuTensor, slots: &[i64],
     ) -> Result<()> {
         const OP: &str = "write_kv";
         let pools = pages.layer(OP, layer)?;
@@ -247,12 +242,7 @@ impl Backend for WgpuBackend {
     }
 
     fn paged_attention(
-        &self,
-        q: &GpuTensor,
-        pages: &WgpuPages,
-        layer: usize,
-        heads: AttnHeads,
-        seqs: &[AttnSeq<'_>],
+        &self, q: &GpuTensor, pages: &WgpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>],
     ) -> Result<GpuTensor> {
         if heads.kv_heads != pages.spec.kv_heads || heads.head_dim != pages.spec.head_dim {
             return Err(BackendError::OpShape {
@@ -267,11 +257,7 @@ impl Backend for WgpuBackend {
     }
 
     fn write_hidden(
-        &self,
-        pages: &mut WgpuPages,
-        capture: usize,
-        x: &GpuTensor,
-        slots: &[i64],
+        &self, pages: &mut WgpuPages, capture: usize, x: &GpuTensor, slots: &[i64],
     ) -> Result<()> {
         let cols = pages.capture_columns("write_hidden", capture)?;
         self.ctx.scatter_to_pool("write_hidden", &pages.hidden, x, slots, cols)

@@ -248,10 +248,7 @@ impl GpuContext {
 impl GpuContext {
     /// The pipeline of `entry` in `shader` with override `constants`, built on first use.
     pub(crate) fn pipeline(
-        &self,
-        shader: Shader,
-        entry: &'static str,
-        constants: &[(&'static str, u32)],
+        &self, shader: Shader, entry: &'static str, constants: &[(&'static str, u32)],
     ) -> Result<Arc<wgpu::ComputePipeline>> {
         let key = (shader, entry, constants.to_vec());
         if let Some(found) = lock(&self.pipelines.pipelines).get(&key) {
@@ -294,11 +291,7 @@ impl GpuContext {
 
     /// Builds a compute pipeline with an automatic layout; failures are [`GpuError::ShaderCompile`].
     pub fn build_pipeline(
-        &self,
-        name: &str,
-        module: &wgpu::ShaderModule,
-        entry: &str,
-        constants: &[(&str, u32)],
+        &self, name: &str, module: &wgpu::ShaderModule, entry: &str, constants: &[(&str, u32)],
     ) -> Result<wgpu::ComputePipeline> {
         let constants: Vec<(&str, f64)> = constants.iter().map(|&(k, v)| (k, f64::from(v))).collect();
         self.scoped("create_compute_pipeline", || {

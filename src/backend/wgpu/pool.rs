@@ -24,11 +24,7 @@ pub struct PoolPlan {
 /// Plans a pool of `num_blocks` blocks of `block_elems` 4-byte words over buffers of at most
 /// `max_binding_bytes`; at most `max_chunks` buffers when every chunk must be bound at once.
 pub fn plan_pool(
-    adapter: &str,
-    what: &str,
-    num_blocks: usize,
-    block_elems: usize,
-    max_binding_bytes: u64,
+    adapter: &str, what: &str, num_blocks: usize, block_elems: usize, max_binding_bytes: u64,
     max_chunks: Option<usize>,
 ) -> Result<PoolPlan> {
     let block_bytes = (block_elems as u64).saturating_mul(4);
@@ -120,10 +116,7 @@ impl GpuContext {
     /// halves per 32-bit word, so that writing a slot never touches another's word);
     /// `max_chunks` bounds the buffers it may be split into.
     pub(crate) fn alloc_pool(
-        &self,
-        what: &str,
-        (num_blocks, block_size, slot_elems): (usize, usize, usize),
-        dtype: Dtype,
+        &self, what: &str, (num_blocks, block_size, slot_elems): (usize, usize, usize), dtype: Dtype,
         max_chunks: Option<usize>,
     ) -> Result<PagedPool> {
         if dtype == Dtype::F16 && !slot_elems.is_multiple_of(2) {

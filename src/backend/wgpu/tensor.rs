@@ -172,11 +172,7 @@ impl GpuContext {
 
     /// Uploads `len` elements of `dtype` (their little-endian `bytes`) as a `[rows, cols]` tensor.
     fn upload_elems(
-        &self,
-        bytes: &[u8],
-        dtype: Dtype,
-        len: usize,
-        [rows, cols]: [usize; 2],
+        &self, bytes: &[u8], dtype: Dtype, len: usize, [rows, cols]: [usize; 2],
     ) -> Result<GpuTensor> {
         let expected = rows.checked_mul(cols);
         if expected != Some(len) {
@@ -406,10 +402,7 @@ impl GpuContext {
     /// Encodes one dispatch of `groups` workgroups (laid out in x, then y, as the shaders
     /// expect: `flat = wid.x + wid.y * nwg.x`) and queues it ([`GpuContext::submit`]).
     pub(crate) fn dispatch(
-        &self,
-        op: &'static str,
-        pipeline: &wgpu::ComputePipeline,
-        bindings: &[(u32, &wgpu::Buffer)],
+        &self, op: &'static str, pipeline: &wgpu::ComputePipeline, bindings: &[(u32, &wgpu::Buffer)],
         groups: u64,
     ) -> Result<()> {
         if groups == 0 {
@@ -433,10 +426,7 @@ impl GpuContext {
 
     /// Encodes one dispatch with an explicit 2-D workgroup grid and queues it.
     pub(crate) fn dispatch_xy(
-        &self,
-        op: &'static str,
-        pipeline: &wgpu::ComputePipeline,
-        bindings: &[(u32, &wgpu::Buffer)],
+        &self, op: &'static str, pipeline: &wgpu::ComputePipeline, bindings: &[(u32, &wgpu::Buffer)],
         (x, y): (u32, u32),
     ) -> Result<()> {
         self.scoped(op, || {

@@ -110,10 +110,7 @@ pub fn none_hash(hash_fn: HashFn, seed: &str) -> BlockHash {
 /// block, chained on its parent. An empty `extra_keys` is encoded as `None`,
 /// as vLLM does.
 pub fn hash_block_tokens(
-    hash_fn: HashFn,
-    parent: &BlockHash,
-    tokens: &[u32],
-    extra_keys: &[ExtraKey<'_>],
+    hash_fn: HashFn, parent: &BlockHash, tokens: &[u32], extra_keys: &[ExtraKey<'_>],
 ) -> BlockHash {
     let mut buf = Vec::with_capacity(64 + tokens.len() * 5);
     hash_block_into(&mut buf, hash_fn, parent, tokens, extra_keys)
@@ -121,11 +118,7 @@ pub fn hash_block_tokens(
 
 /// [`hash_block_tokens`] reusing `buf` for the encoding.
 fn hash_block_into(
-    buf: &mut Vec<u8>,
-    hash_fn: HashFn,
-    parent: &BlockHash,
-    tokens: &[u32],
-    extra_keys: &[ExtraKey<'_>],
+    buf: &mut Vec<u8>, hash_fn: HashFn, parent: &BlockHash, tokens: &[u32], extra_keys: &[ExtraKey<'_>],
 ) -> BlockHash {
     buf.clear();
     cbor::array(buf, 3);
@@ -233,11 +226,7 @@ impl BlockHasher {
 /// multimodal items, cache salt on block 0) and returns the first item that
 /// may still overlap a later block (vLLM's `start_mm_idx` cursor).
 fn block_extra_keys<'a>(
-    req: &BlockKeyRequest<'a>,
-    start: usize,
-    end: usize,
-    mut cursor: usize,
-    keys: &mut Vec<ExtraKey<'a>>,
+    req: &BlockKeyRequest<'a>, start: usize, end: usize, mut cursor: usize, keys: &mut Vec<ExtraKey<'a>>,
 ) -> usize {
     if let Some(name) = req.lora_name {
         keys.push(ExtraKey::Lora(name));

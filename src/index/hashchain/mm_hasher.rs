@@ -184,10 +184,7 @@ fn serialize_array(view: &TensorView<'_>, sink: Sink<'_>) {
 /// `"ndarray" → {"dtype", "shape", "data"}` for an array of `T`. `scalar`
 /// renders a 0-d array's `obj.item()` (a Python int or float, so i64 / f64).
 fn ndarray_item<T, const N: usize>(
-    dtype: &str,
-    v: &ArrayViewD<'_, T>,
-    scalar: impl Fn(&T) -> [u8; 8],
-    sink: Sink<'_>,
+    dtype: &str, v: &ArrayViewD<'_, T>, scalar: impl Fn(&T) -> [u8; 8], sink: Sink<'_>,
 ) where
     T: bytemuck::Pod + ToLeBytes<N>,
 {

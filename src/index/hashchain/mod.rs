@@ -144,10 +144,7 @@ impl HashChainIndex {
     /// Hashes of the first `max_blocks` full blocks of `prompt`, with item `i`
     /// identified by `mm_hashes[i]` (the whole vLLM request hashing path).
     pub fn block_hashes_upto(
-        &self,
-        prompt: &CanonicalPrompt,
-        mm_hashes: &[String],
-        max_blocks: usize,
+        &self, prompt: &CanonicalPrompt, mm_hashes: &[String], max_blocks: usize,
     ) -> Result<Vec<BlockHash>> {
         let mm_items = placeholders(prompt, mm_hashes)?;
         let salt = tenant_salt(prompt.tenant);
@@ -168,9 +165,7 @@ impl HashChainIndex {
     /// `match_prefix` with items identified by `mm_hashes` (e.g. from
     /// [`hash_mm_item`] over raw media) instead of their fingerprints.
     pub fn match_with_mm_hashes(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        mm_hashes: &[String],
+        &mut self, prompt: &CanonicalPrompt, mm_hashes: &[String],
     ) -> Result<PrefixMatch> {
         let hashes = self.block_hashes(prompt, mm_hashes)?;
         Ok(self.lookup(prompt.len(), &hashes))
@@ -178,10 +173,7 @@ impl HashChainIndex {
 
     /// `insert` with items identified by `mm_hashes`.
     pub fn insert_with_mm_hashes(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        mm_hashes: &[String],
-        blocks: &[BlockId],
+        &mut self, prompt: &CanonicalPrompt, mm_hashes: &[String], blocks: &[BlockId],
     ) -> Result<InsertOutcome> {
         let full = prompt.len() / self.hasher.block_size();
         if blocks.len() > full {
@@ -318,10 +310,7 @@ impl PrefixIndex for HashChainIndex {
     /// `cached` reports the full blocks. An id the index already holds
     /// there (a full block over these positions) is in neither list.
     fn insert_partial(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        blocks: &[BlockId],
-        tokens: usize,
+        &mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize,
     ) -> Result<InsertOutcome> {
         let bs = self.hasher.block_size();
         super::check_partial_args(bs, prompt.len(), blocks.len(), tokens)?;

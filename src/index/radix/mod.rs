@@ -407,10 +407,7 @@ impl RadixIndex {
     /// Caches the first `total` positions of `prompt` held by `blocks`
     /// (`ceil(total / bs)` of them, arguments already checked).
     fn insert_upto(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        blocks: &[BlockId],
-        total: usize,
+        &mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], total: usize,
     ) -> Result<InsertOutcome> {
         let Plan { walk, mut cached, extend } = self.plan_insert(prompt, blocks, total)?;
         let mut outcome = InsertOutcome::default();
@@ -607,10 +604,7 @@ impl PrefixIndex for RadixIndex {
     /// module docs). Errors with [`CacheError::LockedPartialBlock`] when it
     /// would have to grow a partial leaf a lock pins.
     fn insert_partial(
-        &mut self,
-        prompt: &CanonicalPrompt,
-        blocks: &[BlockId],
-        tokens: usize,
+        &mut self, prompt: &CanonicalPrompt, blocks: &[BlockId], tokens: usize,
     ) -> Result<InsertOutcome> {
         let atoms = Self::atoms_len(prompt)?;
         check_partial_args(self.config.block_size, atoms, blocks.len(), tokens)?;

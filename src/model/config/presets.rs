@@ -158,23 +158,14 @@ impl Config {
 
     /// Positional shorthand for [`TinyModel`] with [`TinyFamily::Qwen2Omni`].
     pub fn tiny_qwen2_omni(
-        hidden: usize,
-        layers: usize,
-        heads: usize,
-        kv_heads: usize,
-        vocab: usize,
+        hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize,
     ) -> Self {
         TinyModel { family: TinyFamily::Qwen2Omni, hidden, layers, heads, kv_heads, vocab }.config()
     }
 
     /// Positional shorthand for [`TinyModel`] with [`TinyFamily::Qwen3OmniMoe`].
     pub fn tiny_qwen3_omni_moe(
-        hidden: usize,
-        layers: usize,
-        heads: usize,
-        kv_heads: usize,
-        vocab: usize,
-        num_experts: usize,
+        hidden: usize, layers: usize, heads: usize, kv_heads: usize, vocab: usize, num_experts: usize,
         top_k: usize,
     ) -> Self {
         let family = TinyFamily::Qwen3OmniMoe { experts: num_experts, top_k };

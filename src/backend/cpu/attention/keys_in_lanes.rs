@@ -23,13 +23,8 @@ use crate::backend::{AttnHeads, AttnSeq};
 /// index of `keys`, `vals[j]` readable for `(dv0 + DV) · 8` floats.
 #[inline(always)]
 unsafe fn weigh<L: Lanes, const R: usize, const DV: usize>(
-    l: L,
-    acc: [*mut f32; R],
-    p: [*const f32; R],
-    alpha: Option<[f32; R]>,
-    vals: &[*const f32],
-    keys: Range<usize>,
-    dv0: usize,
+    l: L, acc: [*mut f32; R], p: [*const f32; R], alpha: Option<[f32; R]>, vals: &[*const f32],
+    keys: Range<usize>, dv0: usize,
 ) {
     let mut a = [[l.zero(); DV]; R];
     // SAFETY: the caller keeps the contract above: every row and key pointer is in bounds.
@@ -69,13 +64,8 @@ unsafe fn weigh<L: Lanes, const R: usize, const DV: usize>(
 /// As [`weigh`] with `dv0 + DV` replaced by `hd / 8`.
 #[inline(always)]
 unsafe fn weigh_all<L: Lanes, const R: usize, const DV: usize>(
-    l: L,
-    acc: [*mut f32; R],
-    p: [*const f32; R],
-    alpha: Option<[f32; R]>,
-    vals: &[*const f32],
-    keys: Range<usize>,
-    hd: usize,
+    l: L, acc: [*mut f32; R], p: [*const f32; R], alpha: Option<[f32; R]>, vals: &[*const f32],
+    keys: Range<usize>, hd: usize,
 ) {
     let nv = hd / 8;
     let mut dv0 = 0;

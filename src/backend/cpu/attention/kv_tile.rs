@@ -33,12 +33,7 @@ impl TileRows {
     /// which then stream in while this tile computes.
     #[inline(always)]
     pub(super) fn load<L: Lanes>(
-        &mut self,
-        l: L,
-        call: &Call<'_>,
-        seq: &AttnSeq<'_>,
-        job: &Job,
-        positions: Range<usize>,
+        &mut self, l: L, call: &Call<'_>, seq: &AttnSeq<'_>, job: &Job, positions: Range<usize>,
     ) {
         let hd = call.heads.head_dim;
         let (bs, width) = (call.block_size, call.heads.kv_heads * hd);

@@ -130,9 +130,7 @@ impl Job {
     /// (its head's `head_dim` floats, unscaled) and exclusive key limit (its position + 1).
     #[inline(always)]
     fn lane_rows<'a>(
-        &'a self,
-        call: &'a Call<'_>,
-        seq: &'a AttnSeq<'_>,
+        &'a self, call: &'a Call<'_>, seq: &'a AttnSeq<'_>,
     ) -> impl Iterator<Item = (&'a [f32], usize)> {
         let hd = call.heads.head_dim;
         let group = call.heads.num_heads / call.heads.kv_heads;
@@ -180,22 +178,13 @@ impl WideKernel for JobTask<'_> {
 
 /// See [`crate::backend::Backend::paged_attention`].
 pub(crate) fn paged_attention(
-    q: &Array2<f32>,
-    pages: &CpuPages,
-    layer: usize,
-    heads: AttnHeads,
-    seqs: &[AttnSeq<'_>],
+    q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>],
 ) -> Result<Array2<f32>> {
     attention_with(Simd::detect(), q, pages, layer, heads, seqs)
 }
 
 fn attention_with(
-    simd: Simd,
-    q: &Array2<f32>,
-    pages: &CpuPages,
-    layer: usize,
-    heads: AttnHeads,
-    seqs: &[AttnSeq<'_>],
+    simd: Simd, q: &Array2<f32>, pages: &CpuPages, layer: usize, heads: AttnHeads, seqs: &[AttnSeq<'_>],
 ) -> Result<Array2<f32>> {
     let spec = pages.spec;
     if heads.kv_heads != spec.kv_heads
@@ -274,11 +263,7 @@ mod tests {
 
     /// Dense causal attention of one sequence (f64): q `[new, H*d]`, k/v `[len, KH*d]`.
     fn dense(
-        q: &Array2<f32>,
-        k: &Array2<f32>,
-        v: &Array2<f32>,
-        computed: usize,
-        heads: AttnHeads,
+        q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>, computed: usize, heads: AttnHeads,
     ) -> Array2<f64> {
         let d = heads.head_dim;
         let group = heads.num_heads / heads.kv_heads;
@@ -307,9 +292,7 @@ mod tests {
     /// Pages with one sequence per entry of `lens` in shuffled blocks; their
     /// tables and K/V (`[len, KH*d]`, position order) as stored: rounded to `spec.kv_dtype`.
     pub(super) fn fill(
-        rng: &mut ChaCha8Rng,
-        spec: PagesSpec,
-        lens: &[usize],
+        rng: &mut ChaCha8Rng, spec: PagesSpec, lens: &[usize],
     ) -> (CpuPages, Vec<Vec<u32>>, Vec<KvRows>) {
         let mut pages = CpuPages::new(spec).unwrap();
         let mut blocks: Vec<u32> = (0..spec.num_blocks as u32).collect();
@@ -420,13 +403,8 @@ mod tests {
     /// computed as the steps `cuts` (consecutive ranges of positions), each step in
     /// a batch with `other` (a sequence of its own placed before it).
     fn stepped(
-        simd: Simd,
-        pages: &CpuPages,
-        heads: AttnHeads,
-        q: &Array2<f32>,
-        table: &[u32],
-        cuts: &[Range<usize>],
-        other: Option<(&Array2<f32>, &[u32], usize)>,
+        simd: Simd, pages: &CpuPages, heads: AttnHeads, q: &Array2<f32>, table: &[u32],
+        cuts: &[Range<usize>], other: Option<(&Array2<f32>, &[u32], usize)>,
     ) -> Array2<f32> {
         let mut out = Array2::zeros(q.raw_dim());
         for cut in cuts {

@@ -49,12 +49,7 @@ struct State {
 /// `hd` rows, `st` for `NK`); `keys` hold `NK` rows of `hd` floats.
 #[inline(always)]
 unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(
-    w: W,
-    qt: *const f32,
-    rpad: usize,
-    keys: &[*const f32],
-    hd: usize,
-    st: *mut f32,
+    w: W, qt: *const f32, rpad: usize, keys: &[*const f32], hd: usize, st: *mut f32,
 ) {
     let kp: [*const f32; NK] = std::array::from_fn(|i| keys[i]);
     let mut acc = [[w.zero(); RV]; NK];
@@ -86,12 +81,7 @@ unsafe fn qk_block<W: Wide, const NK: usize, const RV: usize>(
 /// As [`qk_block`], `st` valid for `keys.len()` rows.
 #[inline(always)]
 unsafe fn qk_rows<W: Wide, const RV: usize>(
-    w: W,
-    qt: *const f32,
-    rpad: usize,
-    keys: &[*const f32],
-    hd: usize,
-    st: *mut f32,
+    w: W, qt: *const f32, rpad: usize, keys: &[*const f32], hd: usize, st: *mut f32,
 ) {
     let n = keys.len();
     let mut j = 0;
@@ -138,13 +128,7 @@ unsafe fn qk_rows<W: Wide, const RV: usize>(
 /// hold `d0 + DB` floats; `pt` holds `vals.len()` rows.
 #[inline(always)]
 unsafe fn pv_block<W: Wide, const DB: usize, const RV: usize, const MASK: bool>(
-    w: W,
-    acc: *mut f32,
-    rpad: usize,
-    alpha: *const f32,
-    pt: *const f32,
-    vals: &[*const f32],
-    d0: usize,
+    w: W, acc: *mut f32, rpad: usize, alpha: *const f32, pt: *const f32, vals: &[*const f32], d0: usize,
     n: [W::V; RV],
 ) {
     let mut a = [[w.zero(); RV]; DB];
@@ -183,13 +167,7 @@ unsafe fn pv_block<W: Wide, const DB: usize, const RV: usize, const MASK: bool>(
 /// As [`pv_block`] with `acc` at dim row 0 and `vals` rows of `hd` floats.
 #[inline(always)]
 unsafe fn pv_rows<W: Wide, const RV: usize>(
-    w: W,
-    acc: *mut f32,
-    rpad: usize,
-    alpha: *const f32,
-    pt: *const f32,
-    vals: &[*const f32],
-    hd: usize,
+    w: W, acc: *mut f32, rpad: usize, alpha: *const f32, pt: *const f32, vals: &[*const f32], hd: usize,
     n: Option<[W::V; RV]>,
 ) {
     let mut d0 = 0;
@@ -247,13 +225,7 @@ unsafe fn pv_rows<W: Wide, const RV: usize>(
 /// into lane vectors `v0..` of `st`.
 #[inline(always)]
 fn fold_tile<W: Wide>(
-    w: W,
-    st: &mut State,
-    v0: usize,
-    j0: usize,
-    keys: &[*const f32],
-    vals: &[*const f32],
-    hd: usize,
+    w: W, st: &mut State, v0: usize, j0: usize, keys: &[*const f32], vals: &[*const f32], hd: usize,
 ) {
     let rpad = st.stride;
     let nk = keys.len();

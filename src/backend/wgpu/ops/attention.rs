@@ -200,11 +200,7 @@ impl GpuContext {
     /// Varlen causal attention (see [`crate::backend::Backend::paged_attention`]):
     /// sequences with one new row take the decode kernel, the rest the prefill kernel.
     pub fn paged_attention(
-        &self,
-        q: &GpuTensor,
-        kv: KvPools<'_>,
-        heads: AttnHeads,
-        seqs: &[AttnSeq<'_>],
+        &self, q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_>],
     ) -> Result<GpuTensor> {
         self.attention(q, kv, heads, seqs, Route::ByNewRows)
     }
@@ -212,11 +208,7 @@ impl GpuContext {
     /// Attention with the prefill kernel for every sequence (one workgroup per query tile,
     /// KV head and head subset; sequences with one new row get a tile of one row).
     pub fn paged_prefill_attention(
-        &self,
-        q: &GpuTensor,
-        kv: KvPools<'_>,
-        heads: AttnHeads,
-        seqs: &[AttnSeq<'_>],
+        &self, q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_>],
     ) -> Result<GpuTensor> {
         self.attention(q, kv, heads, seqs, Route::Prefill)
     }
@@ -224,24 +216,14 @@ impl GpuContext {
     /// Attention with the decode kernel: every sequence has one new row; contexts are
     /// split into `split_len`-key parts that are merged by a reduce pass.
     pub fn paged_decode_attention(
-        &self,
-        q: &GpuTensor,
-        kv: KvPools<'_>,
-        heads: AttnHeads,
-        seqs: &[AttnSeq<'_>],
-        split_len: usize,
+        &self, q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_>], split_len: usize,
     ) -> Result<GpuTensor> {
         self.attention(q, kv, heads, seqs, Route::Decode(split_len))
     }
 
     /// Checks the call, then runs the kernels `route` picks into a zeroed output shaped like `q`.
     fn attention(
-        &self,
-        q: &GpuTensor,
-        kv: KvPools<'_>,
-        heads: AttnHeads,
-        seqs: &[AttnSeq<'_>],
-        route: Route,
+        &self, q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[AttnSeq<'_>], route: Route,
     ) -> Result<GpuTensor> {
         validate(q, kv, heads, seqs)?;
         if let Route::Decode(split_len) = route {
@@ -305,11 +287,7 @@ impl GpuContext {
     /// row or tile info (2), and each pool's two chunks (K 3-4, V 5-6; a pool of one chunk
     /// binds it twice, read-only aliasing).
     fn attention_bindings<'a>(
-        &self,
-        uniform: &'a wgpu::Buffer,
-        q: &'a GpuTensor,
-        info: &'a wgpu::Buffer,
-        kv: KvPools<'a>,
+        &self, uniform: &'a wgpu::Buffer, q: &'a GpuTensor, info: &'a wgpu::Buffer, kv: KvPools<'a>,
     ) -> Result<[(u32, &'a wgpu::Buffer); 7]> {
         let chunks = |pool: &'a PagedPool| {
             debug_assert!(
@@ -324,12 +302,7 @@ impl GpuContext {
 
     /// Prefill kernel over `seqs` (any num_new), writing their rows of `out`.
     fn run_prefill(
-        &self,
-        q: &GpuTensor,
-        kv: KvPools<'_>,
-        heads: AttnHeads,
-        seqs: &[&AttnSeq<'_>],
-        out: &GpuTensor,
+        &self, q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[&AttnSeq<'_>], out: &GpuTensor,
     ) -> Result<()> {
         let (tq, kt) = prefill_tiles(heads.head_dim);
         let group = heads.num_heads / heads.kv_heads;
@@ -361,12 +334,7 @@ impl GpuContext {
     }
 
     fn run_decode(
-        &self,
-        q: &GpuTensor,
-        kv: KvPools<'_>,
-        heads: AttnHeads,
-        seqs: &[&AttnSeq<'_>],
-        split_len: usize,
+        &self, q: &GpuTensor, kv: KvPools<'_>, heads: AttnHeads, seqs: &[&AttnSeq<'_>], split_len: usize,
         out: &GpuTensor,
     ) -> Result<()> {
         let n_rows = seqs.len();

@@ -31,12 +31,8 @@ impl GpuContext {
 
     /// `y[:, y_col0 .. y_col0 + n_out] = x @ w_block^T` for a block of `n_out` rows of `w`.
     fn matmul_block(
-        &self,
-        x: &GpuTensor,
-        x_buffer: &wgpu::Buffer,
-        (w, w_block, n_out): (&GpuTensor, &wgpu::Buffer, usize),
-        y: &GpuTensor,
-        y_col0: usize,
+        &self, x: &GpuTensor, x_buffer: &wgpu::Buffer,
+        (w, w_block, n_out): (&GpuTensor, &wgpu::Buffer, usize), y: &GpuTensor, y_col0: usize,
     ) -> Result<()> {
         let params = MatmulParams {
             m: x.rows as u32,
@@ -77,12 +73,7 @@ impl GpuContext {
 
     /// One in-place elementwise entry of `elementwise.wgsl` over `len` outputs.
     fn elementwise(
-        &self,
-        op: &'static str,
-        entry: &'static str,
-        acc: &GpuTensor,
-        rhs: &GpuTensor,
-        width: usize,
+        &self, op: &'static str, entry: &'static str, acc: &GpuTensor, rhs: &GpuTensor, width: usize,
     ) -> Result<()> {
         let len = acc.len();
         if len == 0 {
@@ -127,11 +118,7 @@ impl GpuContext {
 
     /// RMSNorm of each `head_dim` group of columns (Qwen3 qk-norm): `w [1, head_dim]`.
     pub fn rms_norm_heads(
-        &self,
-        x: &GpuTensor,
-        w: &GpuTensor,
-        head_dim: usize,
-        eps: f32,
+        &self, x: &GpuTensor, w: &GpuTensor, head_dim: usize, eps: f32,
     ) -> Result<GpuTensor> {
         w.expect_rows("rms_norm_heads", "weight", 1)?;
         w.expect_cols("rms_norm_heads", "weight", head_dim)?;

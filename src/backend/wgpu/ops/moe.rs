@@ -136,12 +136,7 @@ impl GpuContext {
     /// one row block at a time; each dispatch covers the experts its block holds rows
     /// of, and an expert cut by a block edge gets its columns from both.
     fn matmul_routed(
-        &self,
-        x: &GpuTensor,
-        w: &GpuTensor,
-        lists: &ExpertLists,
-        in_div: usize,
-        out: &GpuTensor,
+        &self, x: &GpuTensor, w: &GpuTensor, lists: &ExpertLists, in_div: usize, out: &GpuTensor,
     ) -> Result<()> {
         let num_experts = lists.counts.cols;
         let n_out = out.cols;

@@ -91,12 +91,7 @@ pub(crate) fn checked_slots(op: &'static str, slots: &[i64], num_slots: usize) -
 impl GpuContext {
     /// Runs the row kernel once per chunk that holds at least one of `slots`.
     fn rows_per_chunk(
-        &self,
-        op: &'static str,
-        direction: Direction<'_>,
-        pool: &PagedPool,
-        slots: &[i32],
-        cols: SlotColumns,
+        &self, op: &'static str, direction: Direction<'_>, pool: &PagedPool, slots: &[i32], cols: SlotColumns,
     ) -> Result<()> {
         let RowKernel { entry, rows_binding, pool_binding, elems_per_invocation } =
             direction.kernel(op, pool, cols)?;
@@ -134,12 +129,7 @@ impl GpuContext {
     /// Writes row `i` of `rows [slots.len(), cols.width]` into slot `slots[i]` at
     /// `cols.offset`; negative slots skip their row.
     pub(crate) fn scatter_to_pool(
-        &self,
-        op: &'static str,
-        pool: &PagedPool,
-        rows: &GpuTensor,
-        slots: &[i64],
-        cols: SlotColumns,
+        &self, op: &'static str, pool: &PagedPool, rows: &GpuTensor, slots: &[i64], cols: SlotColumns,
     ) -> Result<()> {
         rows.expect_rows(op, "rows", slots.len())?;
         rows.expect_cols(op, "rows", cols.width)?;
@@ -150,11 +140,7 @@ impl GpuContext {
     /// Reads slot `slots[i]` at `cols` into row `i` of a new `[slots.len(), cols.width]`
     /// tensor; rows of negative slots stay zero.
     pub(crate) fn gather_from_pool(
-        &self,
-        op: &'static str,
-        pool: &PagedPool,
-        slots: &[i64],
-        cols: SlotColumns,
+        &self, op: &'static str, pool: &PagedPool, slots: &[i64], cols: SlotColumns,
     ) -> Result<GpuTensor> {
         let slots = checked_slots(op, slots, pool.num_slots())?;
         let out = self.zeros([slots.len(), cols.width])?;

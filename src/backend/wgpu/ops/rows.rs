@@ -19,12 +19,7 @@ fn check_indices(op: &'static str, what: &'static str, indices: &[u32], bound: u
 
 impl GpuContext {
     fn move_rows(
-        &self,
-        op: &'static str,
-        entry: &'static str,
-        src: &GpuTensor,
-        indices: &[u32],
-        dst: &GpuTensor,
+        &self, op: &'static str, entry: &'static str, src: &GpuTensor, indices: &[u32], dst: &GpuTensor,
     ) -> Result<()> {
         let src_buffer = self.whole(src, op)?;
         self.move_rows_of(op, entry, (src_buffer, src.rows, src.cols, false), indices, dst)
@@ -33,11 +28,8 @@ impl GpuContext {
     /// [`Self::move_rows`] with the source given as `(buffer, rows, cols, f16)`: one
     /// row block of a split (or f16) table. Indices at or past `rows` are skipped by the kernel.
     fn move_rows_of(
-        &self,
-        op: &'static str,
-        entry: &'static str,
-        (src, src_rows, cols, src_f16): (&wgpu::Buffer, usize, usize, bool),
-        indices: &[u32],
+        &self, op: &'static str, entry: &'static str,
+        (src, src_rows, cols, src_f16): (&wgpu::Buffer, usize, usize, bool), indices: &[u32],
         dst: &GpuTensor,
     ) -> Result<()> {
         if indices.is_empty() || cols == 0 {
