@@ -5,8 +5,7 @@
 //! expects the walk to cost about as much as a short text
 //! compare, independent of how many rows the item spans hold.
 
-#[path = "../proptests/common/mod.rs"]
-mod common;
+use support::index_oracle as common;
 
 use std::hint::black_box;
 

@@ -6,7 +6,7 @@
 //! common prefix with a cached prompt of the same tenant; with validation off
 //! the same generator must find wrong hits (so this fuzzer can fail).
 
-mod common;
+use support::index_oracle as common;
 
 use common::{ItemModel, Ledger, Oracle, Piece, cases, pieces};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};

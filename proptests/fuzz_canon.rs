@@ -10,7 +10,7 @@
 //!
 //! Cases default to 256; `scripts/fuzz.sh` runs it for a time budget.
 
-mod fuzz_common;
+use support::fuzz as fuzz_common;
 
 use half::{bf16, f16};
 use ndarray::{ArrayD, ArrayViewD, Axis, IxDyn, Slice};

@@ -7,7 +7,7 @@
 //!
 //! Cases default to 64; `scripts/fuzz.sh` runs it for a time budget.
 
-mod fuzz_common;
+use support::fuzz as fuzz_common;
 
 use std::path::{Path, PathBuf};
 

@@ -7,7 +7,7 @@
 //!
 //! Cases default to 128; `scripts/fuzz.sh` runs it for a time budget.
 
-mod fuzz_common;
+use support::fuzz as fuzz_common;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -16,7 +16,7 @@
 //! content extends, and an insert may fail only by growing a partial block a
 //! live lock pins.
 
-mod common;
+use support::index_oracle as common;
 
 use std::collections::HashSet;
 

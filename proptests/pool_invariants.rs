@@ -12,12 +12,10 @@
 //!
 //! Case count: `PROPTEST_CASES`, default 4096 per test (the binary runs in
 //! about 3 s on 2 busy cores). The nightly size is one variable away:
-//! `PROPTEST_CASES=10000 cargo test --test pool_invariants` (about 7 s). The
+//! `PROPTEST_CASES=10000 cargo test --test proptests pool_invariants::` (about 7 s). The
 //! two cases issue 22 found only at thousands of cases are fixed tests at the end.
 
-#[path = "support/sched_driver.rs"]
-mod sched_driver;
-mod support;
+use support::sched_driver;
 
 use omniprefix::batch::{RequestId, ScheduledBatch};
 use omniprefix::canon::FingerprintKey;
@@ -29,7 +27,7 @@ use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 use sched_driver::{EventConsumer, Machine, Op, Runner, op, scheduler_config};
-use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
+use support::sched::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 
 /// Schedule/complete rounds a drain may take before a request counts as stuck.
 const DRAIN_ROUNDS: usize = 2000;

@@ -12,9 +12,7 @@ use omniprefix::prompt::{
 };
 use proptest::prelude::*;
 
-#[path = "../tests/support/items.rs"]
-mod items;
-use items::placeholder_item;
+use support::items::placeholder_item;
 
 /// One step of a random prompt.
 #[derive(Debug, Clone)]

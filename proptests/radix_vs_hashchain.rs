@@ -13,7 +13,7 @@
 //! chain the oracle of the block-aligned prefixes, and on every insert both
 //! treat the full blocks alike.
 
-mod common;
+use support::index_oracle as common;
 
 use common::{ItemModel, Oracle, Piece, cases, pieces};
 use omniprefix::index::hashchain::HashChainIndex;

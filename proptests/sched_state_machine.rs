@@ -15,11 +15,10 @@
 //!
 //! Cases: `PROPTEST_CASES`, default 1024 (about 6 s on 2 busy cores). The
 //! nightly size is one variable away:
-//! `PROPTEST_CASES=10000 cargo test --test sched_state_machine` (about 60 s).
+//! `PROPTEST_CASES=10000 cargo test --test proptests sched_state_machine::` (about 60 s).
 
-#[path = "support/sched_driver.rs"]
-mod sched_driver;
-mod tiny_model;
+use support::sched_driver;
+use support::tiny_model;
 
 use std::collections::HashMap;
 

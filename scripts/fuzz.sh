@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 total=${FUZZ_SECONDS:-600}
 seed=${FUZZ_SEED:-$(date +%s)}
 cases=${PROPTEST_CASES:-512}
+# Module (proptests/MODULE.rs, in the `proptests` test binary) and test name.
 targets=(
   "fuzz_canon fuzz_canonicalisation"
   "fuzz_canon fuzz_encoded_items"
@@ -25,14 +26,14 @@ targets=(
 per=$(awk "BEGIN { print $total / ${#targets[@]} }")
 echo "fuzz: ${#targets[@]} targets, ${per} s each, first seed ${seed}, ${cases} cases per batch"
 
-cargo test --release --test fuzz_canon --test fuzz_loader --test fuzz_request_file --no-run
+cargo test --release --test proptests --no-run
 status=0
 log=$(mktemp)
 for t in "${targets[@]}"; do
-  read -r bin name <<<"$t"
+  read -r module name <<<"$t"
   rc=0
   FUZZ_SECONDS=$per FUZZ_SEED=$seed PROPTEST_CASES=$cases \
-    cargo test --release --test "$bin" -- --exact "$name" --nocapture --test-threads=1 >"$log" 2>&1 || rc=$?
+    cargo test --release --test proptests -- --exact "$module::$name" --nocapture --test-threads=1 >"$log" 2>&1 || rc=$?
   # The harness prints "test NAME ... " and the target's summary on one line.
   grep -oE "fuzz [a-z-]+: [0-9]+ execs in [0-9.]+ s|panicked.*|minimal input.*|seed [0-9]+ fails.*" "$log" || true
   if [ "$rc" -ne 0 ]; then

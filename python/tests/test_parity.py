@@ -4,7 +4,7 @@ The committed references were made by transformers (``fixtures/make_tiny_models.
 ``reference.safetensors`` (one forward: every hidden state, the final norm, every row's
 logits) and ``generate_reference.safetensors`` (greedy ``generate``, 12 tokens, no eos).
 Every tensor must match within 1e-4 relative error, ``max|ours - ref| / max(|ref|)``,
-as ``tests/hf_parity.rs`` and ``tests/hf_generate.rs`` require of the Rust engine.
+as ``tests/engine/hf_parity.rs`` and ``tests/engine/hf_generate.rs`` require of the Rust engine.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-//! The tiny Omni model and image items of the engine tests (`tests/engine_api.rs`,
-//! `tests/served.rs`): a 4x4x3 picture whose 1x4x4 patch grid merges into 4
+//! The tiny Omni model and image items of the engine tests (`tests/engine/engine_api.rs`,
+//! `tests/engine/served.rs`): a 4x4x3 picture whose 1x4x4 patch grid merges into 4
 //! tokens, its stand-in embeddings, and prompts around its unexpanded
 //! placeholder (the tiny ids of `OmniTokens::tiny()`).
 

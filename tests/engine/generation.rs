@@ -16,9 +16,7 @@ use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::{FinishReason, SamplingParams};
 use omniprefix::sched::{PrefillCap, SchedulerConfig};
 
-#[path = "support/images.rs"]
-#[allow(dead_code)] // the other engine tests use the rest
-mod images;
+use support::images;
 
 type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
 

@@ -1,5 +1,5 @@
-//! The reference side of the parity tests (`tests/hf_parity.rs`,
-//! `tests/wgpu_model_parity.rs`): the tiny HF checkpoints' recorded tensors
+//! The reference side of the parity tests (`tests/engine/hf_parity.rs`,
+//! `tests/engine/wgpu_model_parity.rs`): the tiny HF checkpoints' recorded tensors
 //! (`fixtures/tiny/<model>/reference.safetensors`, see `fixtures/tiny/README.md`)
 //! and the relative error every parity check measures against them.
 
@@ -23,7 +23,7 @@ const TINY: f32 = 1e-6;
 
 /// The committed checkpoint folder of `model` (`qwen3_dense`, `omni_thinker`, `qwen2_dense`).
 pub fn model_dir(model: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny").join(model)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny").join(model)
 }
 
 /// The f32 matrices and i64 vectors of one `reference.safetensors`, decoded to host types.

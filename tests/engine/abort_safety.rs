@@ -7,8 +7,7 @@
 //! Lock safety: evicting everything while a request runs never takes the
 //! prefix it locked, and its outputs still equal the uncached run.
 
-#[path = "../proptests/tiny_model/mod.rs"]
-mod tiny_model;
+use support::tiny_model;
 
 use omniprefix::backend::cpu::CpuPages;
 use omniprefix::batch::ScheduledBatch;

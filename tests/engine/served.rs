@@ -19,8 +19,7 @@ use omniprefix::error::{EmbeddingPart, RequestError};
 use omniprefix::prompt::OmniTokens;
 use omniprefix::sample::SamplingParams;
 
-#[path = "support/images.rs"]
-mod images;
+use support::images;
 
 use images::{HIDDEN, image, model, pixels, rows, with_image};
 use omniprefix::sched::SchedulerConfig;

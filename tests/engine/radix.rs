@@ -1,8 +1,7 @@
 //! Behaviour of the radix index on hand-made cases: payload placement across
 //! splits, collision siblings, locking, LRU eviction, bad input, structure size.
 
-#[path = "../proptests/common/mod.rs"]
-mod common;
+use support::index_oracle as common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! A short soak in CI: 2000 requests with Zipf prefix reuse (text, images,
 //! audio) through a pool far smaller than the working set. Nothing leaks,
 //! the cache is reused, eviction runs, and the index stays bounded.
-//! `SOAK_REQUESTS=100000 cargo test --release --test soak_short -- --ignored`
+//! `SOAK_REQUESTS=100000 cargo test --release --test cli soak_short:: -- --ignored`
 //! runs the full soak and prints its JSON report.
 
 use omniprefix_cli::Result;

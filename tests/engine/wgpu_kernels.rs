@@ -8,7 +8,7 @@
 //! `OMNIPREFIX_REQUIRE_GPU=1` (CI) makes them fail (see `shared_gpu`). Run with
 //! `WGPU_BACKEND=vulkan` on machines with lavapipe. Case counts scale with `PROPTEST_CASES`.
 
-mod shared_gpu;
+use crate::shared_gpu;
 
 use std::io::Write;
 use std::sync::Arc;

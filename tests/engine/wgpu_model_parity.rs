@@ -12,9 +12,8 @@
 //!
 //! GPU availability: see `shared_gpu` (skip loudly, or fail under `OMNIPREFIX_REQUIRE_GPU=1`).
 
-#[path = "support/reference.rs"]
-mod reference;
-mod shared_gpu;
+use crate::shared_gpu;
+use support::reference;
 
 use std::collections::BTreeMap;
 use std::ops::Range;

@@ -1,4 +1,4 @@
-//! Hand-made item identities for prompt tests (`tests/mrope_vectors.rs`,
+//! Hand-made item identities for prompt tests (`tests/engine/mrope_vectors.rs`,
 //! `proptests/prompt_positions.rs`): only the layout and token count matter to
 //! positions, so the content fields stay empty.
 

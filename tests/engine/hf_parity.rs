@@ -17,8 +17,7 @@
 //! `mm` prompt with per-level rows on its image and video items, which HF adds
 //! after the first decoder layers.
 
-#[path = "support/reference.rs"]
-mod reference;
+use support::reference;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -32,8 +31,13 @@ use omniprefix::model::{CaptureName, CaptureSpec, Thinker};
 use omniprefix::runner::{ModelRunner, PromptInputs, run_uncached};
 use reference::{Reference, TOLERANCE, TestResult, model_dir, relative_error, relative_error_within};
 
-/// Reference-only views of the recorded tensors.
-impl Reference {
+/// Reference-only views of the recorded tensors (a trait: `Reference` is the support crate's type).
+trait RecordedOutputs {
+    fn prompts(&self) -> Vec<&str>;
+    fn outputs_of<'a>(&'a self, p: &str) -> impl Iterator<Item = &'a str>;
+}
+
+impl RecordedOutputs for Reference {
     /// The prompts recorded (every prompt has `<p>.logits`), in name order.
     fn prompts(&self) -> Vec<&str> {
         self.f32s.keys().filter_map(|k| k.strip_suffix(".logits")).collect()

@@ -1,8 +1,5 @@
 //! Scheduler behaviour on the committed scenarios, against the reference index.
 
-#[path = "../proptests/support/mod.rs"]
-mod support;
-
 use std::sync::Arc;
 
 use ndarray::Array2;
@@ -12,7 +9,7 @@ use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::Positions;
 use omniprefix::sched::{PrefillCap, Request, RequestChecks, Scheduler, SchedulerConfig};
 use omniprefix::{Error, Result};
-use support::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
+use support::sched::{IMAGE_MARKER, ReferenceIndex, ShadowPages, request};
 
 /// A test that can also fail outside omniprefix (a fixture that does not parse, shadow pages that disagree).
 type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;

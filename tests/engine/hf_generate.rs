@@ -24,11 +24,9 @@
 //! (`pads_suppressed`; facts in `suppress_reference.json`). The engine's default (masked)
 //! generation must equal the second, with `allow_special_ids` the first.
 
-#[path = "support/reference.rs"]
-#[allow(dead_code)] // the prompt-building half serves the parity tests
-mod reference;
 #[cfg(feature = "wgpu")]
-mod shared_gpu;
+use crate::shared_gpu;
+use support::reference;
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! Test support shared by `tests/scheduler.rs` and `proptests/pool_invariants.rs`:
+//! Test support shared by `tests/engine/scheduler.rs` and `proptests/pool_invariants.rs`:
 //! a reference index, hand-built prompts, and a shadow runner that tracks what
 //! every KV slot holds so a wrong reuse shows up as a wrong read.
 

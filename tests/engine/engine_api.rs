@@ -13,8 +13,7 @@ use omniprefix::error::RequestError;
 use omniprefix::model::Config;
 use omniprefix::prompt::OmniTokens;
 
-#[path = "support/images.rs"]
-mod images;
+use support::images;
 
 use images::{HIDDEN, image, model, pixels, rows, with_image};
 use omniprefix::sched::SchedulerConfig;

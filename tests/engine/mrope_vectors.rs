@@ -8,9 +8,7 @@ use omniprefix::canon::{ItemIdentity, ItemLayout, Modality};
 use omniprefix::prompt::{OmniTokens, PlaceholderForm, Positions, PromptBuilder, positions_from_atoms};
 use serde_json::Value;
 
-#[path = "support/items.rs"]
-mod items;
-use items::placeholder_item;
+use support::items::placeholder_item;
 
 /// A test that can also fail outside omniprefix (a fixture that does not parse).
 type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;

@@ -1,7 +1,7 @@
 //! Every `omniprefix` command line in the README's shell blocks is one the binary accepts, so a
 //! renamed flag or subcommand cannot leave the front page behind.
 //!
-//! `cli/tests/quickstart.rs` runs the quick start and checks what it prints; this test covers
+//! `cli/tests/cli/quickstart.rs` runs the quick start and checks what it prints; this test covers
 //! every other command of the README too, by parsing it with the binary's own argument parser
 //! (`Cli`, clap), which is what rejects an unknown flag, a missing value or a bad one. A command
 //! is a line of a ```sh, ```bash or ```shell block (`\` continues it; a `#` word starts a

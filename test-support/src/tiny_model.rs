@@ -1,7 +1,7 @@
 //! A tiny random thinker on the CPU backend driven through the real
 //! scheduler: requests over a tiny vocabulary with images (so prompts share
 //! blocks), and the uncached reference every cached output must equal.
-//! Shared by `proptests/sched_state_machine.rs` and `tests/abort_safety.rs`.
+//! Shared by `proptests/sched_state_machine.rs` and `tests/engine/abort_safety.rs`.
 
 #![allow(dead_code)]
 
