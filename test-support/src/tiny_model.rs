@@ -131,18 +131,7 @@ pub fn request(id: RequestId, tenant: u64, units: &[u32]) -> (Request, PromptInp
     let positions = Positions::linear(prompt.token_ids.len());
     prompt.positions = positions.clone();
     let inputs = PromptInputs { token_ids: prompt.token_ids.clone(), embeds, positions };
-    (
-        Request {
-            id,
-            prompt,
-            item_embeddings: embeddings,
-            item_deepstack: vec![],
-            item_routing: vec![],
-            hidden_size: Some(HIDDEN),
-            max_new_tokens: 0,
-        },
-        inputs,
-    )
+    (Request { item_embeddings: embeddings, hidden_size: Some(HIDDEN), ..Request::new(id, prompt) }, inputs)
 }
 
 /// `Ok` when every captured hidden state and the last logits of `got` equal

@@ -71,15 +71,7 @@ fn image_prompt(tenant: u64, seed: u8) -> Result<CanonicalPrompt> {
 fn request(id: u64, prompt: CanonicalPrompt) -> Request {
     let item_embeddings =
         prompt.items.iter().map(|i| Arc::new(Array2::from_elem((i.num_tokens, HIDDEN), 0.5f32))).collect();
-    Request {
-        id,
-        prompt,
-        item_embeddings,
-        item_deepstack: vec![],
-        item_routing: vec![],
-        hidden_size: Some(HIDDEN),
-        max_new_tokens: 0,
-    }
+    Request { item_embeddings, hidden_size: Some(HIDDEN), ..Request::new(id, prompt) }
 }
 
 /// Runs everything admitted to the end without a model, finishing each request.

@@ -381,15 +381,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
 
     let image = request(5, 0, &[1, 2, 3, IMAGE_MARKER, 4, 5]);
     let (prompt, emb) = (image.prompt, image.item_embeddings[0].clone());
-    let missing = Request {
-        id: 5,
-        prompt: prompt.clone(),
-        item_embeddings: vec![],
-        item_deepstack: vec![],
-        item_routing: vec![],
-        hidden_size: None,
-        max_new_tokens: 0,
-    };
+    let missing = Request::new(5, prompt.clone());
     let err = sched.admit(missing).err();
     assert_err!(
         err,
@@ -401,17 +393,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
         }))
     );
     let short = Arc::new(Array2::<f32>::zeros((2, 2)));
-    let err = sched
-        .admit(Request {
-            id: 6,
-            prompt: prompt.clone(),
-            item_embeddings: vec![short],
-            item_deepstack: vec![],
-            item_routing: vec![],
-            hidden_size: None,
-            max_new_tokens: 0,
-        })
-        .err();
+    let err = sched.admit(Request { item_embeddings: vec![short], ..Request::new(6, prompt.clone()) }).err();
     assert_err!(
         err,
         Some(Error::Request(RequestError::EmbeddingMismatch {
@@ -423,13 +405,9 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
     );
     let err = sched
         .admit(Request {
-            id: 7,
-            prompt: prompt.clone(),
             item_embeddings: vec![emb.clone()],
-            item_deepstack: vec![],
-            item_routing: vec![],
             hidden_size: Some(16),
-            max_new_tokens: 0,
+            ..Request::new(7, prompt.clone())
         })
         .err();
     assert_err!(
@@ -443,17 +421,7 @@ fn rejected_requests_and_batches_change_nothing() -> TestResult {
     );
     let mut out_of_range = prompt;
     out_of_range.index_map.spans[0].start = 6;
-    let err = sched
-        .admit(Request {
-            id: 8,
-            prompt: out_of_range,
-            item_embeddings: vec![emb],
-            item_deepstack: vec![],
-            item_routing: vec![],
-            hidden_size: None,
-            max_new_tokens: 0,
-        })
-        .err();
+    let err = sched.admit(Request { item_embeddings: vec![emb], ..Request::new(8, out_of_range) }).err();
     assert_err!(
         err,
         Some(Error::Request(RequestError::PromptMismatch {

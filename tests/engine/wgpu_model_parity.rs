@@ -302,15 +302,7 @@ fn text_request(id: u64, ids: &[u32], hidden: usize) -> Request {
         index_map: IndexMap::default(),
         positions: Positions::linear(ids.len()),
     };
-    Request {
-        id,
-        prompt,
-        item_embeddings: vec![],
-        item_deepstack: vec![],
-        item_routing: vec![],
-        hidden_size: Some(hidden),
-        max_new_tokens: 0,
-    }
+    Request { hidden_size: Some(hidden), ..Request::new(id, prompt) }
 }
 
 /// Schedules and executes until request `id` returns its output.

@@ -86,15 +86,7 @@ pub fn request(id: RequestId, tenant: u64, marked: &[u32]) -> Request {
     }
     prompt.positions = positions_from_atoms(&prompt.atoms, &OmniTokens::tiny(), PositionKind::Mrope)
         .expect("test images are 1x3 grids under the tiny merge size");
-    Request {
-        id,
-        prompt,
-        item_embeddings: embeddings,
-        item_deepstack: vec![],
-        item_routing: vec![],
-        hidden_size: Some(2),
-        max_new_tokens: 0,
-    }
+    Request { item_embeddings: embeddings, hidden_size: Some(2), ..Request::new(id, prompt) }
 }
 
 /// What each pool slot holds, written the way a runner would write KV.
