@@ -232,12 +232,12 @@ mod tests {
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
 
-    use super::super::tests::fill;
+    use super::super::tests::{fill, kv_spec};
     use super::super::{Call, Job, OP, ROW_PATH_MAX, rows_in_lanes};
     use super::*;
+    use crate::backend::Dtype;
     use crate::backend::cpu::lanes::{Simd, Wide, WideKernel};
     use crate::backend::test_support::rand_rows_from;
-    use crate::backend::{Dtype, PagesSpec};
 
     /// One job through both layouts.
     struct BothLayouts<'a> {
@@ -269,16 +269,7 @@ mod tests {
             for (num_heads, kv_heads) in [(4, 4), (4, 2), (8, 2)] {
                 let heads = AttnHeads { num_heads, kv_heads, head_dim: hd };
                 let lens = [1, 3, 64, 65, 130, 200];
-                let spec = PagesSpec {
-                    num_layers: 2,
-                    num_blocks: 40,
-                    block_size: 16,
-                    kv_heads,
-                    head_dim: hd,
-                    captured: 0,
-                    hidden: 1,
-                    kv_dtype,
-                };
+                let spec = kv_spec(40, 16, kv_heads, hd, kv_dtype);
                 let (pages, tables, _) = fill(&mut rng, spec, &lens);
                 let (k, v) = pages.kv(OP, 1).unwrap();
                 let group = num_heads / kv_heads;

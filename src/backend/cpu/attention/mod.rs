@@ -289,6 +289,22 @@ mod tests {
         out
     }
 
+    /// The pages the attention tests fill: 2 layers of K/V pages, no hidden captures.
+    pub(super) fn kv_spec(
+        num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize, kv_dtype: Dtype,
+    ) -> PagesSpec {
+        PagesSpec {
+            num_layers: 2,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            captured: 0,
+            hidden: 1,
+            kv_dtype,
+        }
+    }
+
     /// Pages with one sequence per entry of `lens` in shuffled blocks; their
     /// tables and K/V (`[len, KH*d]`, position order) as stored: rounded to `spec.kv_dtype`.
     pub(super) fn fill(
@@ -341,16 +357,7 @@ mod tests {
                 let heads = AttnHeads { num_heads, kv_heads, head_dim: d };
                 let lens: Vec<usize> = shapes.iter().map(|&(c, n)| c + n).collect();
                 let num_blocks = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 3;
-                let spec = PagesSpec {
-                    num_layers: 2,
-                    num_blocks,
-                    block_size,
-                    kv_heads,
-                    head_dim: d,
-                    captured: 0,
-                    hidden: 1,
-                    kv_dtype,
-                };
+                let spec = kv_spec(num_blocks, block_size, kv_heads, d, kv_dtype);
                 let (pages, tables, kvs) = fill(&mut rng, spec, &lens);
                 let mut q_all = Vec::new();
                 let mut expected = Vec::new();
@@ -455,16 +462,7 @@ mod tests {
                     let len: usize = 203;
                     let other_len: usize = 150;
                     let num_blocks = len.div_ceil(block_size) + other_len.div_ceil(block_size) + 4;
-                    let spec = PagesSpec {
-                        num_layers: 2,
-                        num_blocks,
-                        block_size,
-                        kv_heads,
-                        head_dim: d,
-                        captured: 0,
-                        hidden: 1,
-                        kv_dtype,
-                    };
+                    let spec = kv_spec(num_blocks, block_size, kv_heads, d, kv_dtype);
                     let (pages, tables, _) = fill(&mut rng, spec, &[len, other_len]);
                     let q = rand_rows_from(&mut rng, len, num_heads * d);
                     let other_q = rand_rows_from(&mut rng, 40, num_heads * d);
@@ -517,16 +515,7 @@ mod tests {
         let heads = AttnHeads { num_heads: 8, kv_heads: 2, head_dim: 64 };
         let lens = [1, 63, 64, 65, 130, 300];
         let num_blocks = lens.iter().map(|l: &usize| l.div_ceil(16)).sum::<usize>();
-        let spec = PagesSpec {
-            num_layers: 2,
-            num_blocks,
-            block_size: 16,
-            kv_heads: 2,
-            head_dim: 64,
-            captured: 0,
-            hidden: 1,
-            kv_dtype: Dtype::F32,
-        };
+        let spec = kv_spec(num_blocks, 16, 2, 64, Dtype::F32);
         let (pages, tables, _) = fill(&mut rng, spec, &lens);
         let q = rand_rows_from(&mut rng, lens.len(), 8 * 64);
         let seqs: Vec<AttnSeq<'_>> = lens
