@@ -401,11 +401,9 @@ async def serve(args: argparse.Namespace) -> int:
         # The relay subscribes to the engine's PUB socket before the model is announced, so
         # no request's events go out before someone listens. With image_token_id it hashes a
         # block's image rows under the marker the engine wrote first in its extra_keys.
-        if mm_routing:
-            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=engine.kv_events_endpoint,
-                                     image_token_id=engine.image_token_id)
-        else:
-            relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=engine.kv_events_endpoint)
+        image_keys = {"image_token_id": engine.image_token_id} if mm_routing else {}
+        relay = KvEventPublisher(endpoint, kv_block_size=engine.block_size, zmq_endpoint=engine.kv_events_endpoint,
+                                 **image_keys)
         runtime_config = ModelRuntimeConfig()
         if engine.context_len is None:
             raise SystemExit(f"{model_dir / 'config.json'} has no max_position_embeddings")
