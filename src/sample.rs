@@ -40,8 +40,11 @@ use crate::prompt::OmniTokens;
 /// assert_eq!(params.positions_needed(100), 131);
 ///
 /// // Placeholder ids are masked unless `allow_special_ids`.
-/// assert_eq!(params.suppressed_ids(&[500, 501, 502]), &[500, 501, 502]);
+/// assert_eq!(params.suppressed_ids(&[502, 500, 501]), [500, 501, 502]);
 /// assert!(SamplingParams { allow_special_ids: true, ..params.clone() }.suppressed_ids(&[500]).is_empty());
+/// // `suppress_ids` (HF `suppress_tokens`) adds to them.
+/// let banned = SamplingParams { suppress_ids: vec![7, 500], ..params.clone() };
+/// assert_eq!(banned.suppressed_ids(&[500, 501]), [7, 500, 501]);
 ///
 /// // The checkpoint's eos ids stop generation unless `stop` replaces them.
 /// assert_eq!(params.stop_ids(&[2, 3]), &[2, 3]);
@@ -76,6 +79,10 @@ pub struct SamplingParams {
     /// reply can be re-sent as the next round's prompt, where a pad outside an
     /// item span is rejected. Turn it on only to see the model's raw choices.
     pub allow_special_ids: bool,
+    /// Ids never sampled (HF `suppress_tokens`): they get `-inf` logits before
+    /// any other filter, as the placeholder ids do. Each must be below the vocab
+    /// size, and at least one id must stay drawable.
+    pub suppress_ids: Vec<u32>,
 }
 
 impl SamplingParams {
@@ -91,6 +98,7 @@ impl SamplingParams {
             ignore_eos: false,
             run_last_token: false,
             allow_special_ids: false,
+            suppress_ids: Vec::new(),
         }
     }
 
@@ -110,7 +118,8 @@ impl SamplingParams {
     /// a temperature that is negative or not finite, `top_p` outside (0, 1]
     /// (NaN included), `top_k` of `Some(0)`;
     /// [`StopIdOutOfVocab`](RequestError::StopIdOutOfVocab) for a `stop` id
-    /// `>= vocab_size`.
+    /// `>= vocab_size`; [`InvalidSampling`](RequestError::InvalidSampling) for a
+    /// `suppress_ids` id `>= vocab_size` or a `suppress_ids` that bans every id.
     pub fn check(&self, vocab_size: usize) -> Result<()> {
         let invalid =
             |param, expected, found: String| RequestError::InvalidSampling { param, expected, found };
@@ -131,6 +140,20 @@ impl SamplingParams {
         if let Some(&id) = self.stop.iter().flatten().find(|&&id| id as usize >= vocab_size) {
             return Err(RequestError::StopIdOutOfVocab { id, vocab_size }.into());
         }
+        if let Some(&id) = self.suppress_ids.iter().find(|&&id| id as usize >= vocab_size) {
+            return Err(invalid("suppress_ids", "ids below the vocab size", id.to_string()).into());
+        }
+        let mut banned = self.suppress_ids.clone();
+        banned.sort_unstable();
+        banned.dedup();
+        if banned.len() >= vocab_size {
+            return Err(invalid(
+                "suppress_ids",
+                "at least one id left to sample",
+                format!("all {vocab_size} ids"),
+            )
+            .into());
+        }
         Ok(())
     }
 
@@ -141,10 +164,14 @@ impl SamplingParams {
     }
 
     /// The ids the sampler masks given the model's `special` ids (what
-    /// [`placeholder_ids`] returns): `special`, or none with
-    /// [`allow_special_ids`](Self::allow_special_ids).
-    pub fn suppressed_ids<'a>(&self, special: &'a [u32]) -> &'a [u32] {
-        if self.allow_special_ids { &[] } else { special }
+    /// [`placeholder_ids`] returns), sorted and distinct: [`suppress_ids`](Self::suppress_ids)
+    /// and `special`, the latter not with [`allow_special_ids`](Self::allow_special_ids).
+    pub fn suppressed_ids(&self, special: &[u32]) -> Vec<u32> {
+        let special = if self.allow_special_ids { &[][..] } else { special };
+        let mut ids: Vec<u32> = self.suppress_ids.iter().chain(special).copied().collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 }
 
@@ -163,6 +190,41 @@ impl SamplingParams {
 /// ```
 pub fn placeholder_ids(tokens: &OmniTokens) -> [u32; 3] {
     [Modality::Image, Modality::Video, Modality::Audio].map(|m| tokens.pad_id(m))
+}
+
+/// Parses a list of token ids written with commas and inclusive ranges, as
+/// the CLI's `--suppress-ids` takes it: `"151643-151644,151646-152063"` or
+/// `"3, 7-9"` (spaces around items are ignored; an empty string is no ids).
+///
+/// ```
+/// use omniprefix::sample::parse_id_ranges;
+///
+/// assert_eq!(parse_id_ranges("3, 7-9")?, [3, 7, 8, 9]);
+/// assert!(parse_id_ranges("")?.is_empty());
+/// assert!(parse_id_ranges("9-7").is_err());
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub fn parse_id_ranges(spec: &str) -> Result<Vec<u32>> {
+    let bad = |item: &str| RequestError::InvalidSampling {
+        param: "suppress_ids",
+        expected: "comma-separated ids or inclusive ranges LO-HI with LO <= HI",
+        found: item.to_string(),
+    };
+    let id = |text: &str, item: &str| text.trim().parse::<u32>().map_err(|_| bad(item));
+    let mut ids = Vec::new();
+    for item in spec.split(',').map(str::trim).filter(|item| !item.is_empty()) {
+        match item.split_once('-') {
+            Some((lo, hi)) => {
+                let (lo, hi) = (id(lo, item)?, id(hi, item)?);
+                if lo > hi {
+                    return Err(bad(item).into());
+                }
+                ids.extend(lo..=hi);
+            }
+            None => ids.push(id(item, item)?),
+        }
+    }
+    Ok(ids)
 }
 
 impl Default for SamplingParams {
@@ -280,7 +342,24 @@ impl Sampler {
 /// The token when nothing is left to choose from: the lowest id of `0..len`
 /// not in `suppressed`; 0 when there is none.
 fn fallback(len: usize, suppressed: &[u32]) -> u32 {
-    (0..len as u32).find(|id| !suppressed.contains(id)).unwrap_or(0)
+    let banned = Banned::new(suppressed);
+    (0..len as u32).find(|&id| !banned.contains(id)).unwrap_or(0)
+}
+
+/// A set of suppressed ids that answers `contains` in `O(log n)`, so a long
+/// `suppress_ids` list (a whole special range) costs little per logit.
+struct Banned(Vec<u32>);
+
+impl Banned {
+    fn new(ids: &[u32]) -> Self {
+        let mut ids = ids.to_vec();
+        ids.sort_unstable();
+        Banned(ids)
+    }
+
+    fn contains(&self, id: u32) -> bool {
+        self.0.binary_search(&id).is_ok()
+    }
 }
 
 /// NaN as `-inf`.
@@ -291,12 +370,12 @@ fn clean(x: f32) -> f32 {
 /// The first index of the largest logit (NaN and `suppressed` ids = `-inf`);
 /// `None` when all are `-inf` or there are none.
 fn argmax(logits: &[f32], suppressed: &[u32]) -> Option<u32> {
-    let first = |skip: &[u32]| {
+    let first = |skip: Option<&Banned>| {
         let mut best = None;
         let mut value = f32::NEG_INFINITY;
         for (i, &x) in logits.iter().enumerate() {
             let x = clean(x);
-            if x > value && !skip.contains(&(i as u32)) {
+            if x > value && !skip.is_some_and(|s| s.contains(i as u32)) {
                 best = Some(i as u32);
                 value = x;
             }
@@ -305,8 +384,8 @@ fn argmax(logits: &[f32], suppressed: &[u32]) -> Option<u32> {
     };
     // Masking only lowers logits, so an unmasked argmax that is not suppressed
     // stays the first of the largest: scan with the mask only when it matters.
-    match first(&[]) {
-        Some(best) if suppressed.contains(&best) => first(suppressed),
+    match first(None) {
+        Some(best) if suppressed.contains(&best) => first(Some(&Banned::new(suppressed))),
         best => best,
     }
 }
@@ -742,6 +821,22 @@ mod tests {
         ));
         // The checkpoint's eos ids are not the caller's to check.
         assert!(SamplingParams { stop: None, ..ok.clone() }.check(1).is_ok());
+        let ban = |ids: Vec<u32>| SamplingParams { suppress_ids: ids, ..ok.clone() };
+        assert!(ban((0..99).collect()).check(100).is_ok(), "one id left is enough");
+        assert_eq!(bad(ban((0..100).chain([5]).collect())), ("suppress_ids", "all 100 ids".into()));
+        assert_eq!(bad(ban(vec![1, 100])), ("suppress_ids", "100".into()));
+    }
+
+    #[test]
+    fn id_ranges_parse_commas_and_inclusive_ranges() {
+        assert_eq!(
+            parse_id_ranges("151643-151644,151646-151648").unwrap(),
+            [151643, 151644, 151646, 151647, 151648]
+        );
+        assert_eq!(parse_id_ranges(" 5 , 2-2 ,").unwrap(), [5, 2]);
+        for bad in ["x", "3-", "-3", "4-2", "1,,2-a", "99999999999"] {
+            assert_eq!(invalid(parse_id_ranges(bad).unwrap_err()).0, "suppress_ids", "{bad}");
+        }
     }
 
     #[test]
@@ -781,6 +876,7 @@ mod tests {
             ignore_eos: true,
             run_last_token: true,
             allow_special_ids: true,
+            suppress_ids: vec![4, 9],
         };
         let json = serde_json::to_string(&full).unwrap();
         assert_eq!(serde_json::from_str::<SamplingParams>(&json).unwrap(), full);

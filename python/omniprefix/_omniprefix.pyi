@@ -345,6 +345,7 @@ class GenerateOptions(RequestOptions, total=False):
     ignore_eos: bool  # default False
     run_last_token: bool  # default False
     allow_special_ids: bool  # default False
+    suppress_ids: Sequence[int]  # default []
 
 
 @type_check_only
@@ -477,7 +478,7 @@ class Engine:
         (an unknown name raises :class:`RequestError`). ``run_last_token`` also runs the last
         token (its KV and hidden row); the placeholder ids (image, audio and video pads) are
         never sampled unless ``allow_special_ids``, since a reply holding one could not be sent
-        back. ``generate`` and :meth:`stream` take the same arguments."""
+        back; ``suppress_ids`` bans more ids (transformers' ``suppress_tokens``). ``generate`` and :meth:`stream` take the same arguments."""
     def stream(
         self,
         token_ids: _TokenIds,

@@ -19,7 +19,7 @@ pub(super) struct Decoding {
     pub(super) seed: u64,
     /// Stop ids in force (empty with `ignore_eos`).
     stop: Vec<u32>,
-    /// Ids the sampler masks (empty with `allow_special_ids`).
+    /// Ids the sampler masks: `suppress_ids` and, unless `allow_special_ids`, the placeholders.
     suppressed: Vec<u32>,
     /// Tokens sampled so far.
     pub(super) sampled: usize,
@@ -45,7 +45,7 @@ impl Decoding {
     /// masked unless the request allows them.
     pub(super) fn new(params: SamplingParams, seed: u64, eos: &[u32], special: &[u32]) -> Self {
         let stop = params.stop_ids(eos).to_vec();
-        let suppressed = params.suppressed_ids(special).to_vec();
+        let suppressed = params.suppressed_ids(special);
         Decoding {
             sampler: Sampler::new(seed),
             params,

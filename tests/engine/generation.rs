@@ -402,6 +402,36 @@ fn an_mm_prompt_decodes_after_its_item_and_the_reply_is_reused() -> TestResult {
     Ok(())
 }
 
+/// `suppress_ids` (HF `suppress_tokens`) bans ids from the reply: banning the greedy reply's
+/// first token changes that token and nothing before it, and the banned ids never appear;
+/// a ban of every id or of an id past the vocab is an `InvalidSampling` error naming
+/// `suppress_ids`, with nothing cached.
+#[test]
+fn suppress_ids_ban_tokens_and_a_ban_of_everything_is_rejected() -> TestResult {
+    let model = Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, VOCAB, 4, 2);
+    let prompt = ids(9, 1);
+    let mut e = engine(&model, config(true))?;
+    let free = e.run(text(&prompt).generate(greedy(6)))?;
+    let banned = vec![free.tokens[0], free.tokens[1]];
+    let params = SamplingParams { suppress_ids: banned.clone(), ignore_eos: true, ..greedy(6) };
+    let got = e.run(text(&prompt).generate(params))?;
+    assert_ne!(got.tokens[0], free.tokens[0]);
+    assert!(got.tokens.iter().all(|t| !banned.contains(t)), "{:?} holds one of {banned:?}", got.tokens);
+
+    let before = e.stats();
+    for bad in [(0..VOCAB as u32).collect::<Vec<u32>>(), vec![VOCAB as u32]] {
+        let params = SamplingParams { suppress_ids: bad, ..greedy(6) };
+        match e.run(text(&ids(7, 3)).generate(params)) {
+            Err(omniprefix::Error::Request(RequestError::InvalidSampling {
+                param: "suppress_ids", ..
+            })) => {}
+            other => return Err(format!("expected InvalidSampling(suppress_ids), got {other:?}").into()),
+        }
+    }
+    assert_eq!(e.stats(), before, "a rejected request changes no cache state");
+    Ok(())
+}
+
 /// The tiny Omni model's greedy reply to `ids(9, 1)` holds a video pad (found by a search
 /// over `ids(n, seed)`); the next round re-sends prompt + reply as text, where a pad outside
 /// an item span is a request error. Masked by default: the reply avoids the pads and re-sends;

@@ -17,7 +17,7 @@ use serde_json::Value;
 use omniprefix::backend::Backend;
 use omniprefix::engine::{Engine, Output, Request, millis};
 use omniprefix::request_file::RequestFile;
-use omniprefix::sample::{FinishReason, SamplingParams};
+use omniprefix::sample::{FinishReason, SamplingParams, parse_id_ranges};
 
 use omniprefix::events::PublisherStats;
 
@@ -65,12 +65,26 @@ pub struct GenerateArgs {
     /// Generate `--max-tokens` tokens whatever the stop ids.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Token ids never sampled (HF `suppress_tokens`): commas and inclusive ranges,
+    /// e.g. `151643-151644,151646-152063`.
+    #[arg(long, value_parser = IdList::parse, default_value = "")]
+    pub suppress_ids: IdList,
     /// Also write the hidden states of every position that ran to this safetensors file.
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Print one JSON object instead of lines of text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A `--suppress-ids` value: the library's [`parse_id_ranges`] of one argument.
+#[derive(Debug, Clone, Default)]
+pub struct IdList(pub Vec<u32>);
+
+impl IdList {
+    fn parse(spec: &str) -> std::result::Result<Self, String> {
+        parse_id_ranges(spec).map(IdList).map_err(|e| e.to_string())
+    }
 }
 
 impl GenerateArgs {
@@ -86,6 +100,7 @@ impl GenerateArgs {
             ignore_eos: self.ignore_eos,
             run_last_token: false,
             allow_special_ids: false,
+            suppress_ids: self.suppress_ids.0.clone(),
         }
     }
 
