@@ -253,6 +253,12 @@ pub enum RequestError {
     /// A stop token id at or past the vocabulary size.
     #[error("stop token id {id} is not below the vocab size {vocab_size}")]
     StopIdOutOfVocab { id: u32, vocab_size: usize },
+
+    // ---- speech ----
+    /// Audio asked of a prompt that opens no assistant turn
+    /// (`<|im_start|>assistant` and a newline): the talker has no reply to speak.
+    #[error("audio output needs a prompt ending in an assistant turn opening; none in {prompt_len} tokens")]
+    NoAssistantTurn { prompt_len: usize },
 }
 
 impl RequestError {

@@ -54,6 +54,7 @@ pub mod request_file;
 pub mod runner;
 pub mod sample;
 pub mod sched;
+pub mod speech;
 
 pub use dtype::{Dtype, UnknownDtype};
 pub use engine::{

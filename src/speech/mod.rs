@@ -1,0 +1,7 @@
+//! The talker stage's view of a thinker conversation: which thinker rows feed
+//! the talker, and the chat ids that frame them. The talker model and code2wav
+//! live in [`crate::model`]; this module joins them to the thinker's output.
+
+mod turns;
+
+pub use turns::{ChatIds, Turns, turns};
