@@ -2,6 +2,8 @@
 //! the talker, and the chat ids that frame them. The talker model and code2wav
 //! live in [`crate::model`]; this module joins them to the thinker's output.
 
+mod layout;
 mod turns;
 
+pub use layout::{ASSISTANT_ROWS, TalkerLayout};
 pub use turns::{ChatIds, Turns, turns};
