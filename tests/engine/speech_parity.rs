@@ -23,10 +23,13 @@ fn chat_ids() -> TestResult<ChatIds> {
     Ok(ChatIds::from_config(&serde_json::from_str(&text)?)?)
 }
 
+/// An image's layout, its encoder rows and its DeepStack levels.
+type ImageRows = (ItemLayout, Arc<ndarray::Array2<f32>>, Arc<Vec<ndarray::Array2<f32>>>);
+
 /// Case `case`'s thinker prompt with its image (HF's encoder rows and DeepStack level given).
 struct Case {
     ids: Vec<u32>,
-    items: Vec<(ItemLayout, Arc<ndarray::Array2<f32>>, Arc<Vec<ndarray::Array2<f32>>>)>,
+    items: Vec<ImageRows>,
     content: ArrayD<u8>,
 }
 
