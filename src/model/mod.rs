@@ -14,5 +14,5 @@ pub mod weights;
 pub use capture::{CaptureName, CaptureSpec};
 pub use config::{Config, MoeConfig, TinyFamily, TinyModel};
 pub use encoder_cache::EncoderCache;
-pub use thinker::{StepMeta, Thinker, random_source};
+pub use thinker::{StepMeta, Thinker, WeightNames, random_source};
 pub use weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
