@@ -614,6 +614,38 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_expert_adds_under_its_gate_and_a_zero_one_adds_nothing() {
+        let mut cfg = tiny();
+        if let Some(m) = cfg.moe.as_mut() {
+            m.shared_expert_intermediate_size = 8;
+        }
+        let src = random_source(&cfg, 6).unwrap();
+        let shared = Thinker::load(&CpuBackend, cfg.clone(), &src).unwrap();
+        let mut plain_src = src.clone();
+        let mut zeroed = src.clone();
+        for leaf in [
+            "shared_expert.gate_proj.weight",
+            "shared_expert.up_proj.weight",
+            "shared_expert.down_proj.weight",
+            "shared_expert_gate.weight",
+        ] {
+            let name = format!("model.layers.1.mlp.{leaf}");
+            let t = plain_src.remove(&name).unwrap();
+            if leaf.starts_with("shared_expert.down") {
+                zeroed.insert(name, HostTensor { data: vec![0.0; t.data.len()], shape: t.shape });
+            }
+        }
+        let mut plain_cfg = cfg.clone();
+        if let Some(m) = plain_cfg.moe.as_mut() {
+            m.shared_expert_intermediate_size = 0;
+        }
+        let plain = Thinker::load(&CpuBackend, plain_cfg, &plain_src).unwrap();
+        let zero = Thinker::load(&CpuBackend, cfg, &zeroed).unwrap();
+        assert_eq!(logits_of(&zero), logits_of(&plain));
+        assert_ne!(logits_of(&shared), logits_of(&plain));
+    }
+
+    #[test]
     fn fused_v5_expert_layout_equals_per_expert_layout() {
         let cfg = tiny();
         let src = random_source(&cfg, 4).unwrap();
