@@ -34,7 +34,7 @@ pub struct Reference {
 }
 
 impl Reference {
-    /// Reads `model`'s reference file; f32 tensors must be 2-D, i64 ones are flattened.
+    /// Reads `model`'s reference file; f32 tensors must be 2-D (1-D ones become one row), i64 ones are flattened.
     pub fn open(model: &str) -> TestResult<Self> {
         Self::open_file(model, "reference.safetensors")
     }
@@ -50,6 +50,11 @@ impl Reference {
                 (StDtype::F32, &[rows, cols]) => {
                     let data = bytemuck::pod_collect_to_vec(view.data());
                     f32s.insert(name, Array2::from_shape_vec((rows, cols), data)?);
+                }
+                // A waveform: one row.
+                (StDtype::F32, &[len]) => {
+                    let data = bytemuck::pod_collect_to_vec(view.data());
+                    f32s.insert(name, Array2::from_shape_vec((1, len), data)?);
                 }
                 (StDtype::I64, _) => {
                     i64s.insert(name, bytemuck::pod_collect_to_vec(view.data()));

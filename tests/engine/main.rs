@@ -20,6 +20,7 @@ mod scheduler;
 mod served;
 #[cfg(feature = "wgpu")]
 mod shared_gpu;
+mod talker_parity;
 mod vllm_vectors;
 #[cfg(feature = "wgpu")]
 mod wgpu_kernels;

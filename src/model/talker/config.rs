@@ -1,5 +1,5 @@
 //! The `talker_config` object of a Qwen3-Omni `config.json` → [`TalkerConfig`]: the
-//! talker decoder's and the code predictor's [`Config`]s, and the codec ids and
+//! talker decoder's and the code predictor's [`Config`](crate::model::Config)s, and the codec ids and
 //! sizes the generation loop needs.
 
 use std::collections::BTreeMap;

@@ -6,7 +6,7 @@
 //! the frame's 16 codec embeddings plus the next `trailing_text_hidden` row (or
 //! `tts_pad_embed` once they run out) as the next decode row.
 //!
-//! The talker's KV lives in paged KV run by the thinker's [`ModelRunner`], so a
+//! The talker's KV lives in paged KV run by the thinker's [`ModelRunner`](crate::runner::ModelRunner), so a
 //! caller holding a prefilled prefix (pages + block table) can start after it.
 
 use std::sync::Arc;
