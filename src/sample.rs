@@ -471,6 +471,147 @@ fn pick(probs: &[f64], u: f64) -> Option<u32> {
     last
 }
 
+/// HF `RepetitionPenaltyLogitsProcessor` on one row of logits, before any other
+/// filter: each distinct id of `previous` (ids past the row ignored) has its logit
+/// multiplied by `penalty` when negative, divided by it otherwise (in f32, as torch).
+/// The talker applies it over the codes it generated (HF `generate` given only
+/// `inputs_embeds` starts with no `input_ids`, so the prompt is not penalised).
+///
+/// ```
+/// use omniprefix::sample::apply_repetition_penalty;
+/// let mut logits = [2.0f32, -1.0, 0.5];
+/// apply_repetition_penalty(&mut logits, &[0, 1, 0, 9], 2.0);
+/// assert_eq!(logits, [1.0, -2.0, 0.5]);
+/// ```
+pub fn apply_repetition_penalty(logits: &mut [f32], previous: &[u32], penalty: f32) {
+    let mut seen = vec![false; logits.len()];
+    for &id in previous {
+        let id = id as usize;
+        let (Some(x), Some(seen)) = (logits.get_mut(id), seen.get_mut(id)) else { continue };
+        if std::mem::replace(seen, true) {
+            continue;
+        }
+        *x = if *x < 0.0 { *x * penalty } else { *x / penalty };
+    }
+}
+
+/// How the talker draws its codes: HF `Qwen3OmniMoeForConditionalGeneration.generate`'s
+/// `talker_*` arguments (defaults equal HF's), and the code predictor's draw.
+///
+/// A temperature of 0 is greedy (HF `talker_do_sample=False`): the repetition
+/// penalty and the suppressed ids still apply, and the code predictor is greedy
+/// too. Sampling (temperature > 0) draws the predictor's codes with
+/// `predictor_top_k` / `predictor_top_p` at `predictor_temperature` (HF: 50, 0.8, 1.0).
+///
+/// ```
+/// use omniprefix::sample::TalkerSampling;
+/// let greedy = TalkerSampling { temperature: 0.0, ..TalkerSampling::default() };
+/// greedy.check()?;
+/// assert_eq!(greedy.talker_params().temperature, 0.0);
+/// let bad = TalkerSampling { repetition_penalty: 0.0, ..TalkerSampling::default() };
+/// assert!(bad.check().unwrap_err().to_string().contains("repetition_penalty"));
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TalkerSampling {
+    /// Softmax temperature of the talker's first code; 0 = greedy. Finite and >= 0.
+    pub temperature: f32,
+    /// Keep the `k` largest logits; 0 = off (HF).
+    pub top_k: usize,
+    /// Nucleus mass in (0, 1]; 1 = off.
+    pub top_p: f32,
+    /// HF `repetition_penalty` over the generated first codes; finite and > 0 (1 = off).
+    pub repetition_penalty: f32,
+    /// Codes the talker samples at most (the final one, EOS or not, gets no frame): >= 1.
+    pub max_new_tokens: usize,
+    /// Seed of the talker's and the code predictor's samplers.
+    pub seed: u64,
+    /// The code predictor's temperature when sampling; finite and > 0.
+    pub predictor_temperature: f32,
+    /// The code predictor's top-k when sampling; 0 = off.
+    pub predictor_top_k: usize,
+    /// The code predictor's top-p when sampling, in (0, 1].
+    pub predictor_top_p: f32,
+}
+
+impl Default for TalkerSampling {
+    /// HF's talker defaults: temperature 0.9, top-k 50, top-p 1.0, penalty 1.05, 4096 codes.
+    fn default() -> Self {
+        TalkerSampling {
+            temperature: 0.9,
+            top_k: 50,
+            top_p: 1.0,
+            repetition_penalty: 1.05,
+            max_new_tokens: 4096,
+            seed: 0,
+            predictor_temperature: 1.0,
+            predictor_top_k: 50,
+            predictor_top_p: 0.8,
+        }
+    }
+}
+
+impl TalkerSampling {
+    /// HF's greedy talker (`talker_do_sample=False`): every default but the temperature.
+    pub fn greedy() -> Self {
+        TalkerSampling { temperature: 0.0, ..Self::default() }
+    }
+
+    /// Checks every field; the error is [`RequestError::InvalidSampling`] naming the first bad one.
+    pub fn check(&self) -> Result<()> {
+        let invalid = |param, expected, found: String| {
+            Err(RequestError::InvalidSampling { param, expected, found }.into())
+        };
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        let unit = |p: f32| p > 0.0 && p <= 1.0;
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return invalid("temperature", "finite and >= 0", self.temperature.to_string());
+        }
+        if !unit(self.top_p) {
+            return invalid("top_p", "in (0, 1]", self.top_p.to_string());
+        }
+        if !positive(self.repetition_penalty) {
+            return invalid("repetition_penalty", "finite and > 0", self.repetition_penalty.to_string());
+        }
+        if self.max_new_tokens == 0 {
+            return invalid("max_new_tokens", "at least 1", "0".into());
+        }
+        if !positive(self.predictor_temperature) {
+            return invalid(
+                "predictor_temperature",
+                "finite and > 0",
+                self.predictor_temperature.to_string(),
+            );
+        }
+        if !unit(self.predictor_top_p) {
+            return invalid("predictor_top_p", "in (0, 1]", self.predictor_top_p.to_string());
+        }
+        Ok(())
+    }
+
+    /// The [`Sampler`] filters of the talker's first code.
+    pub fn talker_params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: (self.top_k > 0).then_some(self.top_k),
+            top_p: Some(self.top_p),
+            ..SamplingParams::greedy(self.max_new_tokens)
+        }
+    }
+
+    /// The [`Sampler`] filters of the code predictor's codes: greedy when the talker is.
+    pub fn predictor_params(&self) -> SamplingParams {
+        let temperature = if self.temperature == 0.0 { 0.0 } else { self.predictor_temperature };
+        SamplingParams {
+            temperature,
+            top_k: (self.predictor_top_k > 0).then_some(self.predictor_top_k),
+            top_p: Some(self.predictor_top_p),
+            ..SamplingParams::greedy(1)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -489,6 +630,53 @@ mod tests {
     fn random_logits(seed: u64, n: usize) -> Vec<f32> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         (0..n).map(|_| rng.random_range(-4.0f32..4.0)).collect()
+    }
+
+    #[test]
+    fn repetition_penalty_matches_the_hf_oracle() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let logits: Vec<f32> = (0..40).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+        let previous: Vec<u32> = (0..30).map(|_| rng.random_range(0..45u32)).collect();
+        let mut got = logits.clone();
+        apply_repetition_penalty(&mut got, &previous, 1.05);
+        // HF: gather the previous ids' scores, penalise, scatter (duplicates write the same value).
+        let mut want = logits.clone();
+        for &id in &previous {
+            if let Some(&x) = logits.get(id as usize) {
+                want[id as usize] = if x < 0.0 { x * 1.05 } else { x / 1.05 };
+            }
+        }
+        assert_eq!(got, want);
+        assert!(got.iter().zip(&logits).any(|(a, b)| a != b));
+        let mut unchanged = logits.clone();
+        apply_repetition_penalty(&mut unchanged, &[], 1.05);
+        assert_eq!(unchanged, logits);
+    }
+
+    #[test]
+    fn talker_sampling_checks_name_the_field_and_greedy_reaches_the_predictor() {
+        assert!(TalkerSampling::default().check().is_ok());
+        let d = TalkerSampling::default();
+        let cases = [
+            (TalkerSampling { temperature: -0.1, ..d.clone() }, "temperature"),
+            (TalkerSampling { temperature: f32::NAN, ..d.clone() }, "temperature"),
+            (TalkerSampling { top_p: 0.0, ..d.clone() }, "top_p"),
+            (TalkerSampling { repetition_penalty: f32::INFINITY, ..d.clone() }, "repetition_penalty"),
+            (TalkerSampling { max_new_tokens: 0, ..d.clone() }, "max_new_tokens"),
+            (TalkerSampling { predictor_temperature: 0.0, ..d.clone() }, "predictor_temperature"),
+            (TalkerSampling { predictor_top_p: 1.5, ..d.clone() }, "predictor_top_p"),
+        ];
+        for (s, field) in cases {
+            assert!(
+                matches!(s.check(), Err(Error::Request(RequestError::InvalidSampling { param, .. })) if param == field),
+                "{field}"
+            );
+        }
+        assert_eq!(TalkerSampling::greedy().predictor_params().temperature, 0.0);
+        let sampled = d.predictor_params();
+        assert_eq!((sampled.temperature, sampled.top_k, sampled.top_p), (1.0, Some(50), Some(0.8)));
+        let t = d.talker_params();
+        assert_eq!((t.temperature, t.top_k, t.top_p), (0.9, Some(50), Some(1.0)));
     }
 
     #[test]

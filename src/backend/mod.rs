@@ -331,6 +331,34 @@ pub trait Backend: Send + Sync {
     /// weighted sum of those experts' SwiGLU MLPs `down_e(silu(gate_e x) * up_e x)`.
     fn moe(&self, x: &Self::Tensor, w: &MoeWeights<Self::Weight>) -> Result<Self::Tensor>;
 
+    /// `x * sigmoid(x)` of every element: `[n, c]` → `[n, c]` (the activation of the
+    /// talker's text and hidden projections, which are not gated).
+    ///
+    /// The default goes through the host (download, map, upload), so a backend
+    /// without a kernel of its own still runs the talker.
+    fn silu(&self, x: &Self::Tensor) -> Result<Self::Tensor> {
+        let mut host = self.download(x)?;
+        host.mapv_inplace(|v| v / (1.0 + (-v).exp()));
+        self.upload(host.view())
+    }
+
+    /// `x[i, j] += sigmoid(gate[i, 0]) * y[i, j]`: `x`, `y [n, c]`, `gate [n, 1]` —
+    /// a shared expert's output `y` added under its per-row gate (Qwen2-MoE and
+    /// the Qwen3-Omni talker: `moe(x) + sigmoid(x @ g^T) * shared(x)`).
+    ///
+    /// Shapes are checked before anything changes; the default goes through the host.
+    fn add_sigmoid_gated(&self, x: &mut Self::Tensor, y: &Self::Tensor, gate: &Self::Tensor) -> Result<()> {
+        let [rows, cols] = self.shape(x);
+        check_shape("add_sigmoid_gated", "y", [rows, cols], self.shape(y))?;
+        check_shape("add_sigmoid_gated", "gate", [rows, 1], self.shape(gate))?;
+        let mut host = self.download(x)?;
+        let y = self.download(y)?;
+        let gate = self.download(gate)?;
+        add_sigmoid_gated_host(&mut host, &y, &gate);
+        *x = self.upload(host.view())?;
+        Ok(())
+    }
+
     /// Writes rows of `k`, `v [n, kv_heads*head_dim]` into layer `layer`'s pages at
     /// `slots[i]`; a negative slot skips its row.
     fn write_kv(
@@ -362,4 +390,29 @@ pub trait Backend: Send + Sync {
     /// Copies whole blocks `src → dst` (every layer's K and V and all hidden pages), in
     /// order; used for copy-on-write before a step runs.
     fn copy_blocks(&self, pages: &mut Self::Pages, copies: &[(BlockId, BlockId)]) -> Result<()>;
+}
+
+/// A [`BackendError::OpShape`](crate::error::BackendError::OpShape) unless `found == expected`.
+pub(crate) fn check_shape(
+    op: &'static str, what: &'static str, expected: [usize; 2], found: [usize; 2],
+) -> Result<()> {
+    if found == expected {
+        return Ok(());
+    }
+    Err(crate::error::BackendError::OpShape {
+        op,
+        what,
+        expected: format!("[{}, {}]", expected[0], expected[1]),
+        found: found.to_vec(),
+    }
+    .into())
+}
+
+/// [`Backend::add_sigmoid_gated`] on host matrices whose shapes were checked;
+/// the sigmoid in f32 as torch computes it.
+pub(crate) fn add_sigmoid_gated_host(x: &mut Array2<f32>, y: &Array2<f32>, gate: &Array2<f32>) {
+    for ((mut row, y), g) in x.rows_mut().into_iter().zip(y.rows()).zip(gate.column(0)) {
+        let s = 1.0 / (1.0 + (-g).exp());
+        row.zip_mut_with(&y, |a, &b| *a += s * b);
+    }
 }

@@ -6,6 +6,8 @@ pub mod capture;
 pub mod config;
 /// Encoder outputs cached by item fingerprint.
 pub mod encoder_cache;
+/// The Qwen3-Omni talker: codec codes from the thinker's rows.
+pub mod talker;
 /// The decoder layers over a [`crate::backend::Backend`].
 pub mod thinker;
 /// Weight sources (mmapped safetensors, in-memory) and prefix paths.
@@ -14,5 +16,6 @@ pub mod weights;
 pub use capture::{CaptureName, CaptureSpec};
 pub use config::{Config, MoeConfig, TinyFamily, TinyModel};
 pub use encoder_cache::EncoderCache;
-pub use thinker::{StepMeta, Thinker, random_source};
+pub use talker::{Talker, TalkerConfig};
+pub use thinker::{StepMeta, Thinker, WeightNames, random_source};
 pub use weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};

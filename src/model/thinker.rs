@@ -30,11 +30,19 @@ struct Attention<T, W> {
 /// The feed-forward block of one layer.
 enum Mlp<W> {
     /// `down(silu(gate x) * up x)` with gate and up fused row-wise `[2I, H]`.
-    Dense {
-        gate_up: W,
-        down: W,
-    },
-    Sparse(MoeWeights<W>),
+    Dense { gate_up: W, down: W },
+    /// Routed experts, plus a gated shared expert where the config has one.
+    Sparse { routed: MoeWeights<W>, shared: Option<SharedExpert<W>> },
+}
+
+/// The shared expert of a sparse layer: a SwiGLU MLP every row takes, scaled by
+/// `sigmoid(x @ gate^T)` (HF `shared_expert` and `shared_expert_gate`).
+struct SharedExpert<W> {
+    /// gate and up fused row-wise `[2I, H]`.
+    gate_up: W,
+    down: W,
+    /// `[1, H]`.
+    gate: W,
 }
 
 struct Layer<T, W> {
@@ -75,12 +83,38 @@ pub struct Thinker<B: Backend> {
     lm_head: Option<B::Weight>,
 }
 
-/// The weight-name prefixes of a checkpoint (plain HF or Omni `thinker.`).
-fn prefixes(source: &dyn WeightSource) -> Result<(&'static str, &'static str)> {
+/// Where one decoder's weights live in a checkpoint, so the same loader reads
+/// the thinker (`thinker.model.embed_tokens`, `thinker.lm_head`), the talker
+/// (`talker.model.codec_embedding`, `talker.codec_head`) and the code predictor.
+///
+/// ```
+/// use omniprefix::model::thinker::WeightNames;
+/// let talker = WeightNames::new("talker.model", "codec_embedding", "talker.codec_head");
+/// assert_eq!(talker.embed, "codec_embedding");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightNames {
+    /// Prefix of `layers.N.*` and `norm` (e.g. `model`, `talker.model`).
+    pub model: String,
+    /// The input embedding table, under `model` (e.g. `embed_tokens`).
+    pub embed: String,
+    /// Prefix of the output head's `weight` (e.g. `lm_head`); unused when tied.
+    pub head: String,
+}
+
+impl WeightNames {
+    /// Names from their three parts.
+    pub fn new(model: &str, embed: &str, head: &str) -> Self {
+        WeightNames { model: model.into(), embed: embed.into(), head: head.into() }
+    }
+}
+
+/// The weight names of a thinker checkpoint (plain HF or Omni `thinker.`).
+fn prefixes(source: &dyn WeightSource) -> Result<WeightNames> {
     if source.contains("thinker.model.embed_tokens.weight") {
-        Ok(("thinker.model", "thinker.lm_head"))
+        Ok(WeightNames::new("thinker.model", "embed_tokens", "thinker.lm_head"))
     } else if source.contains("model.embed_tokens.weight") {
-        Ok(("model", "lm_head"))
+        Ok(WeightNames::new("model", "embed_tokens", "lm_head"))
     } else {
         Err(CheckpointError::MissingTensor { name: "model.embed_tokens.weight".into() }.into())
     }
@@ -179,17 +213,25 @@ impl<B: Backend> Thinker<B> {
     pub fn load_as(
         backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>,
     ) -> Result<Self> {
+        let names = prefixes(source)?;
+        Self::load_named(backend, config, source, dtype, &names)
+    }
+
+    /// [`Thinker::load_as`] of a decoder stored under `names` (the talker's, the
+    /// code predictor's): the same layers, norms and experts, another prefix.
+    pub fn load_named(
+        backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>, names: &WeightNames,
+    ) -> Result<Self> {
         // Each packed matrix is made beside its host copy: let those copies' pages go (crate::alloc).
-        crate::alloc::while_loading(|| Self::load_packed(backend, config, source, dtype))
+        crate::alloc::while_loading(|| Self::load_packed(backend, config, source, dtype, names))
     }
 
     fn load_packed(
-        backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>,
+        backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>, names: &WeightNames,
     ) -> Result<Self> {
         config.validate()?;
-        let (model_prefix, head_prefix) = prefixes(source)?;
-        let root = Weights::root(source, model_prefix);
-        let dtype = resolve_dtype(backend, &root.pp("embed_tokens"), dtype)?;
+        let root = Weights::root(source, &names.model);
+        let dtype = resolve_dtype(backend, &root.pp(&names.embed), dtype)?;
         let c = &config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (q_out, kv_out) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
@@ -205,7 +247,7 @@ impl<B: Backend> Thinker<B> {
         let matrix =
             |at: &Weights<'_>, rows: usize, cols: usize| at.weight("weight", rows, cols, dtype).and_then(upw);
 
-        let embed = matrix(&root.pp("embed_tokens"), c.vocab_size, h)?;
+        let embed = matrix(&root.pp(&names.embed), c.vocab_size, h)?;
         let mut layers = Vec::new();
         for i in 0..c.num_hidden_layers {
             let lw = root.pp("layers").pp(i);
@@ -237,14 +279,28 @@ impl<B: Backend> Thinker<B> {
                 Some(m) => {
                     let [gate_up, down] =
                         load_experts(&mw, c, m.num_experts, m.moe_intermediate_size, dtype)?;
-                    Mlp::Sparse(MoeWeights {
+                    let routed = MoeWeights {
                         router: matrix(&mw.pp("gate"), m.num_experts, h)?,
                         gate_up: upw(gate_up)?,
                         down: upw(down)?,
                         num_experts: m.num_experts,
                         top_k: m.num_experts_per_tok,
                         norm_topk_prob: m.norm_topk_prob,
-                    })
+                    };
+                    let shared = match m.shared_expert_intermediate_size {
+                        0 => None,
+                        inter => {
+                            let sw = mw.pp("shared_expert");
+                            let gate = sw.pp("gate_proj").weight("weight", inter, h, dtype)?;
+                            let upm = sw.pp("up_proj").weight("weight", inter, h, dtype)?;
+                            Some(SharedExpert {
+                                gate_up: upw(stack(vec![gate, upm], sw.name("gate_proj+up_proj"))?)?,
+                                down: matrix(&sw.pp("down_proj"), h, inter)?,
+                                gate: matrix(&mw.pp("shared_expert_gate"), 1, h)?,
+                            })
+                        }
+                    };
+                    Mlp::Sparse { routed, shared }
                 }
                 None => {
                     let gate = mw.pp("gate_proj").weight("weight", c.intermediate_size, h, dtype)?;
@@ -266,7 +322,7 @@ impl<B: Backend> Thinker<B> {
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(matrix(&Weights::root(source, head_prefix), c.vocab_size, h)?)
+            Some(matrix(&Weights::root(source, &names.head), c.vocab_size, h)?)
         };
         Ok(Self {
             rope: config.rope_spec(),
@@ -356,7 +412,15 @@ impl<B: Backend> Thinker<B> {
             Mlp::Dense { gate_up, down } => {
                 backend.matmul_t(&backend.swiglu(&backend.matmul_t(&h, gate_up)?)?, down)?
             }
-            Mlp::Sparse(w) => backend.moe(&h, w)?,
+            Mlp::Sparse { routed, shared } => {
+                let mut out = backend.moe(&h, routed)?;
+                if let Some(s) = shared {
+                    let y =
+                        backend.matmul_t(&backend.swiglu(&backend.matmul_t(&h, &s.gate_up)?)?, &s.down)?;
+                    backend.add_sigmoid_gated(&mut out, &y, &backend.matmul_t(&h, &s.gate)?)?;
+                }
+                out
+            }
         };
         backend.add(x, &mlp_out)
     }
@@ -364,6 +428,11 @@ impl<B: Backend> Thinker<B> {
     /// The final RMSNorm of `x [n, hidden]`.
     pub fn final_norm(&self, backend: &B, x: &B::Tensor) -> Result<B::Tensor> {
         backend.rms_norm(x, &self.norm, self.config.rms_norm_eps as f32)
+    }
+
+    /// The number of decoder layers (what [`Thinker::forward_layer`] accepts).
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
     }
 
     /// Logits `[n, vocab]` of final-normed rows.
@@ -411,6 +480,13 @@ pub fn random_source(config: &Config, seed: u64) -> Result<MemorySource> {
                     put(format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![inter, h], lin(h), 0.0);
                     put(format!("{p}.mlp.experts.{e}.up_proj.weight"), vec![inter, h], lin(h), 0.0);
                     put(format!("{p}.mlp.experts.{e}.down_proj.weight"), vec![h, inter], lin(inter), 0.0);
+                }
+                let shared = m.shared_expert_intermediate_size;
+                if shared > 0 {
+                    put(format!("{p}.mlp.shared_expert.gate_proj.weight"), vec![shared, h], lin(h), 0.0);
+                    put(format!("{p}.mlp.shared_expert.up_proj.weight"), vec![shared, h], lin(h), 0.0);
+                    put(format!("{p}.mlp.shared_expert.down_proj.weight"), vec![h, shared], lin(shared), 0.0);
+                    put(format!("{p}.mlp.shared_expert_gate.weight"), vec![1, h], lin(h), 0.0);
                 }
             }
             None => {
@@ -535,6 +611,38 @@ mod tests {
         assert_eq!(logits_of(&loaded), logits_of(&reference));
         assert_eq!(logits_of(&widened), logits_of(&Thinker::load(&CpuBackend, cfg, &rounded).unwrap()));
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn a_shared_expert_adds_under_its_gate_and_a_zero_one_adds_nothing() {
+        let mut cfg = tiny();
+        if let Some(m) = cfg.moe.as_mut() {
+            m.shared_expert_intermediate_size = 8;
+        }
+        let src = random_source(&cfg, 6).unwrap();
+        let shared = Thinker::load(&CpuBackend, cfg.clone(), &src).unwrap();
+        let mut plain_src = src.clone();
+        let mut zeroed = src.clone();
+        for leaf in [
+            "shared_expert.gate_proj.weight",
+            "shared_expert.up_proj.weight",
+            "shared_expert.down_proj.weight",
+            "shared_expert_gate.weight",
+        ] {
+            let name = format!("model.layers.1.mlp.{leaf}");
+            let t = plain_src.remove(&name).unwrap();
+            if leaf.starts_with("shared_expert.down") {
+                zeroed.insert(name, HostTensor { data: vec![0.0; t.data.len()], shape: t.shape });
+            }
+        }
+        let mut plain_cfg = cfg.clone();
+        if let Some(m) = plain_cfg.moe.as_mut() {
+            m.shared_expert_intermediate_size = 0;
+        }
+        let plain = Thinker::load(&CpuBackend, plain_cfg, &plain_src).unwrap();
+        let zero = Thinker::load(&CpuBackend, cfg, &zeroed).unwrap();
+        assert_eq!(logits_of(&zero), logits_of(&plain));
+        assert_ne!(logits_of(&shared), logits_of(&plain));
     }
 
     #[test]

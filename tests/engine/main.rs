@@ -21,6 +21,7 @@ mod served;
 #[cfg(feature = "wgpu")]
 mod shared_gpu;
 mod speech_parity;
+mod talker_parity;
 mod vllm_vectors;
 #[cfg(feature = "wgpu")]
 mod wgpu_kernels;

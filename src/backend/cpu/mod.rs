@@ -19,6 +19,7 @@ use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 use crate::Result;
 use crate::backend::{
     AttnHeads, AttnSeq, Backend, Dtype, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec,
+    add_sigmoid_gated_host, check_shape,
 };
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
@@ -220,6 +221,18 @@ impl Backend for CpuBackend {
         moe::forward(x, w)
     }
 
+    fn silu(&self, x: &Array2<f32>) -> Result<Array2<f32>> {
+        Ok(x.mapv(silu))
+    }
+
+    fn add_sigmoid_gated(&self, x: &mut Array2<f32>, y: &Array2<f32>, gate: &Array2<f32>) -> Result<()> {
+        let [rows, cols] = [x.nrows(), x.ncols()];
+        check_shape("add_sigmoid_gated", "y", [rows, cols], [y.nrows(), y.ncols()])?;
+        check_shape("add_sigmoid_gated", "gate", [rows, 1], [gate.nrows(), gate.ncols()])?;
+        add_sigmoid_gated_host(x, y, gate);
+        Ok(())
+    }
+
     fn write_kv(
         &self, pages: &mut CpuPages, layer: usize, k: &Array2<f32>, v: &Array2<f32>, slots: &[i64],
     ) -> Result<()> {
@@ -254,6 +267,59 @@ mod tests {
     use crate::backend::test_support::rand_rows;
     use crate::error::BackendError;
     use ndarray::array;
+
+    #[test]
+    fn silu_and_sigmoid_gated_add_match_naive_loops_row_by_row() {
+        let b = CpuBackend;
+        let x = rand_rows(11, 5, 7);
+        let y = rand_rows(12, 5, 7);
+        let gate = rand_rows(13, 5, 1).mapv(|g| g * 6.0);
+        let naive_silu = |v: f32| v / (1.0 + (-v).exp());
+        let s = b.silu(&x).unwrap();
+        let mut gated = x.clone();
+        b.add_sigmoid_gated(&mut gated, &y, &gate).unwrap();
+        for r in 0..5 {
+            let sig = 1.0 / (1.0 + (-gate[[r, 0]]).exp());
+            for c in 0..7 {
+                assert!((s[[r, c]] - naive_silu(x[[r, c]])).abs() <= 1e-6, "silu ({r},{c})");
+                let want = x[[r, c]] + sig * y[[r, c]];
+                assert!((gated[[r, c]] - want).abs() <= 1e-6, "gated ({r},{c})");
+            }
+            // A row alone gives the same bits as in the batch.
+            let row = |m: &Array2<f32>| m.slice(ndarray::s![r..r + 1, ..]).to_owned();
+            assert_eq!(b.silu(&row(&x)).unwrap(), row(&s));
+            let mut alone = row(&x);
+            b.add_sigmoid_gated(&mut alone, &row(&y), &row(&gate)).unwrap();
+            assert_eq!(alone, row(&gated));
+        }
+        // Bad shapes are typed errors and leave x untouched.
+        let before = gated.clone();
+        assert!(matches!(
+            b.add_sigmoid_gated(&mut gated, &rand_rows(1, 4, 7), &gate),
+            Err(Error::Backend(BackendError::OpShape { op: "add_sigmoid_gated", what: "y", .. }))
+        ));
+        assert!(matches!(
+            b.add_sigmoid_gated(&mut gated, &y, &rand_rows(1, 5, 2)),
+            Err(Error::Backend(BackendError::OpShape { op: "add_sigmoid_gated", what: "gate", ref found, .. })) if found == &[5, 2]
+        ));
+        assert_eq!(gated, before);
+    }
+
+    /// The host helper behind the trait's defaults (what wgpu runs) equals the CPU kernels.
+    #[test]
+    fn default_silu_and_gated_add_equal_the_cpu_kernels() {
+        let x = rand_rows(21, 3, 6);
+        let y = rand_rows(22, 3, 6);
+        let gate = rand_rows(23, 3, 1);
+        let mut want = x.clone();
+        CpuBackend.add_sigmoid_gated(&mut want, &y, &gate).unwrap();
+        let mut host = x.clone();
+        crate::backend::add_sigmoid_gated_host(&mut host, &y, &gate);
+        assert_eq!(host, want);
+        let s = CpuBackend.silu(&x).unwrap();
+        let d = x.mapv(|v| v / (1.0 + (-v).exp()));
+        assert!(s.iter().zip(&d).all(|(a, b)| (a - b).abs() <= 1e-6));
+    }
 
     #[test]
     fn norms_and_swiglu_match_naive_loops() {

@@ -30,6 +30,8 @@ struct RawConfig {
     rope_scaling: Option<RawRope>,
     rope_parameters: Option<RawRope>,
     num_experts: Option<usize>,
+    /// What transformers writes for `num_experts` when it saves some configs (an attribute alias).
+    num_local_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
     norm_topk_prob: Option<bool>,
@@ -157,6 +159,16 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Parses one decoder's text-config object as it stands (no search for
+    /// `thinker_config`, no eos ids): the talker's `text_config` and
+    /// `code_predictor_config` are decoders of their own inside an Omni `config.json`.
+    pub fn from_text_value(text: &serde_json::Value) -> Result<Self> {
+        let raw = RawConfig::deserialize(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+        let cfg = Self::from_raw(raw)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     fn from_raw(raw: RawConfig) -> Result<Self> {
         let model_type = raw.model_type.unwrap_or_default();
         let (qk_norm, default_bias) = if model_type.starts_with("qwen3") {
@@ -176,13 +188,6 @@ impl Config {
                 "sliding-window attention is not implemented",
             ));
         }
-        if raw.shared_expert_intermediate_size.is_some_and(|s| s > 0) {
-            return Err(unsupported(
-                "shared_expert_intermediate_size",
-                raw.shared_expert_intermediate_size,
-                "shared experts are not implemented",
-            ));
-        }
         let rope = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
         if let Some(kind) = rope.and_then(|r| r.rope_type.as_deref().or(r.type_.as_deref()))
             && !matches!(kind, "default" | "mrope")
@@ -196,7 +201,7 @@ impl Config {
         };
         let mrope_interleaved = rope.is_some_and(|r| r.mrope_interleaved.or(r.interleaved).unwrap_or(false));
         let rope_theta = rope.and_then(|r| r.rope_theta).or(raw.rope_theta).unwrap_or(10_000.0);
-        let moe = match raw.num_experts.filter(|&n| n > 0) {
+        let moe = match raw.num_experts.or(raw.num_local_experts).filter(|&n| n > 0) {
             None => None,
             Some(num_experts) => Some(MoeConfig {
                 num_experts,
@@ -209,6 +214,7 @@ impl Config {
                 norm_topk_prob: raw.norm_topk_prob.unwrap_or(true),
                 decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
                 mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
+                shared_expert_intermediate_size: raw.shared_expert_intermediate_size.unwrap_or(0),
             }),
         };
         // Without an explicit head_dim the heads split the hidden size evenly.

@@ -26,6 +26,9 @@ pub struct MoeConfig {
     pub decoder_sparse_step: usize,
     /// ...unless listed here.
     pub mlp_only_layers: Vec<usize>,
+    /// Intermediate size of the shared expert every sparse layer adds under a
+    /// sigmoid gate (Qwen2-MoE, the Qwen3-Omni talker); 0 = no shared expert.
+    pub shared_expert_intermediate_size: usize,
 }
 
 /// Everything the thinker's decoder needs to know about its shape.
@@ -112,6 +115,7 @@ impl Config {
             ("head_dim", self.head_dim),
             ("num_experts", moe.map_or(0, |m| m.num_experts)),
             ("moe_intermediate_size", moe.map_or(0, |m| m.moe_intermediate_size)),
+            ("shared_expert_intermediate_size", moe.map_or(0, |m| m.shared_expert_intermediate_size)),
         ];
         if let Some((field, value)) = dims.into_iter().find(|&(_, v)| v > MAX_DIM) {
             return Err(unsupported(field, value, "larger than any supported model (limit 2^20)"));

@@ -131,6 +131,7 @@ impl TinyModel {
                     norm_topk_prob: true,
                     decoder_sparse_step: 1,
                     mlp_only_layers: vec![0],
+                    shared_expert_intermediate_size: 0,
                 }),
                 ..qwen3
             },
