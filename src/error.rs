@@ -253,6 +253,14 @@ pub enum RequestError {
     /// A stop token id at or past the vocabulary size.
     #[error("stop token id {id} is not below the vocab size {vocab_size}")]
     StopIdOutOfVocab { id: u32, vocab_size: usize },
+
+    // ---- audio output ----
+    /// A codec code given to code2wav outside its codebook (`0..codebook_size`): a
+    /// talker or a corrupt checkpoint produced a code the vocoder has no embedding for.
+    #[error(
+        "codec code {code} of quantizer {quantizer}, frame {frame} is outside the codebook 0..{codebook_size}"
+    )]
+    CodecCodeOutOfRange { quantizer: usize, frame: usize, code: i64, codebook_size: usize },
 }
 
 impl RequestError {

@@ -60,7 +60,7 @@ fn rows_par(rows: usize, cols: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> A
 }
 
 /// HF `Conv1d.weight [cout, cin/groups, kernel]` (flat, row-major) in the layout
-/// [`causal_conv1d`] reads: `[kernel * cin/groups, cout]`, row `j * cin_g + c`,
+/// [`Backend::causal_conv1d`](crate::backend::Backend::causal_conv1d) reads: `[kernel * cin/groups, cout]`, row `j * cin_g + c`,
 /// column `o` holding `weight[o, c, j]` (each tap's weights for one input channel
 /// are a contiguous row over the output channels).
 pub fn conv1d_weight_from_hf(
@@ -74,7 +74,7 @@ pub fn conv1d_weight_from_hf(
 }
 
 /// HF `ConvTranspose1d.weight [cin, cout, kernel]` (flat, row-major) in the layout
-/// [`causal_conv_transpose1d`] reads: `[kernel * cin, cout]`, row `j * cin + c`,
+/// [`Backend::causal_conv_transpose1d`](crate::backend::Backend::causal_conv_transpose1d) reads: `[kernel * cin, cout]`, row `j * cin + c`,
 /// column `o` holding `weight[c, o, j]`.
 pub fn conv_transpose1d_weight_from_hf(
     weight: &[f32], cin: usize, cout: usize, kernel: usize,
@@ -261,8 +261,8 @@ pub(crate) fn scale_cols(x: &mut Array2<f32>, scale: ArrayView2<'_, f32>) -> Res
 
 /// `x = min(max(x, min), max)` element-wise, NaN kept (as `torch.clamp`); `min <= max`.
 pub(crate) fn clamp(x: &mut Array2<f32>, min: f32, max: f32) -> Result<()> {
-    // `!(min <= max)` also refuses NaN bounds.
-    if !(min <= max) {
+    // A NaN bound compares as `None`: refused too.
+    if !matches!(min.partial_cmp(&max), Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)) {
         return Err(shape_err("clamp", "bounds", format!("min {min} <= max {max}"), x.shape()));
     }
     x.mapv_inplace(|v| {
