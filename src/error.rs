@@ -259,6 +259,13 @@ pub enum RequestError {
     /// (`<|im_start|>assistant` and a newline): the talker has no reply to speak.
     #[error("audio output needs a prompt ending in an assistant turn opening; none in {prompt_len} tokens")]
     NoAssistantTurn { prompt_len: usize },
+
+    /// A codec code given to code2wav outside its codebook (`0..codebook_size`): a
+    /// talker or a corrupt checkpoint produced a code the vocoder has no embedding for.
+    #[error(
+        "codec code {code} of quantizer {quantizer}, frame {frame} is outside the codebook 0..{codebook_size}"
+    )]
+    CodecCodeOutOfRange { quantizer: usize, frame: usize, code: i64, codebook_size: usize },
 }
 
 impl RequestError {

@@ -247,6 +247,28 @@ impl MoeWeights<Array2<f32>> {
     }
 }
 
+/// A causal 1-D convolution over time (stride 1), HF `Qwen3OmniMoeCausalConvNet`:
+/// see [`Backend::causal_conv1d`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv1dSpec {
+    /// Taps.
+    pub kernel: usize,
+    /// Rows between taps; the input is left-padded with `(kernel - 1) * dilation` zeros.
+    pub dilation: usize,
+    /// Channel groups (`groups == channels` is depthwise); both channel counts divide by it.
+    pub groups: usize,
+}
+
+/// A causal transposed 1-D convolution, HF `Qwen3OmniMoeCausalTransConvNet`:
+/// see [`Backend::causal_conv_transpose1d`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvTranspose1dSpec {
+    /// Taps, `stride..=2 * stride`.
+    pub kernel: usize,
+    /// Output rows per input row.
+    pub stride: usize,
+}
+
 /// The ops of a Qwen-family decoder forward over paged KV.
 ///
 /// Every op's contract is stated in terms of `[rows, cols]` row-major f32 matrices.
@@ -324,6 +346,99 @@ pub trait Backend: Send + Sync {
     /// SwiGLU on a fused gate/up product: `gate_up [n, 2I]` (gate columns first) →
     /// `silu(gate) * up`, `[n, I]`.
     fn swiglu(&self, gate_up: &Self::Tensor) -> Result<Self::Tensor>;
+
+    // ---- code2wav (audio decoder) ops: time on rows, channels on columns ----
+    // Each has a default that downloads its operands, runs the CPU kernel
+    // (`cpu::conv`, `cpu::dense_attention`) and uploads the result, so every backend
+    // runs the audio decoder; a backend overrides the ones it has kernels for.
+
+    /// Causal 1-D convolution (stride 1) of `x [T, cin]` → `[T, cout]`:
+    /// `out[t, o] = bias[0, o] + Σ_j Σ_c x[t - (k-1-j)·dilation, g·cin_g + c] · w[j·cin_g + c, o]`
+    /// over taps whose source row is `>= 0` (HF's left padding), `g = o / (cout / groups)`,
+    /// `cin_g = cin / groups`. `w [kernel * cin_g, cout]` holds HF's
+    /// `weight[o, c, j]` at row `j·cin_g + c` ([`cpu::conv::conv1d_weight_from_hf`]);
+    /// `bias [1, cout]`. A row reads only rows at or before it.
+    fn causal_conv1d(
+        &self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>, spec: Conv1dSpec,
+    ) -> Result<Self::Tensor> {
+        let bias = bias.map(|b| self.download(b)).transpose()?;
+        let (x, w) = (self.download(x)?, self.download(w)?);
+        let out = cpu::conv::causal_conv1d(x.view(), w.view(), bias.as_ref().map(|b| b.view()), spec)?;
+        self.upload(out.view())
+    }
+
+    /// Causal transposed 1-D convolution of `x [T, cin]`: `ConvTranspose1d(kernel,
+    /// stride)` with `kernel - stride` rows trimmed from both ends →
+    /// `[(T + 1)·stride - kernel, cout]` ([`cpu::conv::conv_transpose1d_len`]);
+    /// output row `m` is `bias + Σ x[i, c] · w[j·cin + c, o]` over `i·stride + j = m + kernel - stride`.
+    /// `w [kernel * cin, cout]` holds HF's `weight[c, o, j]` at row `j·cin + c`
+    /// ([`cpu::conv::conv_transpose1d_weight_from_hf`]); `stride <= kernel <= 2·stride`.
+    fn causal_conv_transpose1d(
+        &self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>, spec: ConvTranspose1dSpec,
+    ) -> Result<Self::Tensor> {
+        let bias = bias.map(|b| self.download(b)).transpose()?;
+        let (x, w) = (self.download(x)?, self.download(w)?);
+        let out =
+            cpu::conv::causal_conv_transpose1d(x.view(), w.view(), bias.as_ref().map(|b| b.view()), spec)?;
+        self.upload(out.view())
+    }
+
+    /// SnakeBeta per channel: `x + 1 / (exp(beta[0, c]) + 1e-9) · sin(x · exp(alpha[0, c]))²`;
+    /// `alpha`, `beta [1, C]` are the checkpoint's log-scale parameters.
+    fn snake_beta(
+        &self, x: &Self::Tensor, alpha: &Self::Tensor, beta: &Self::Tensor,
+    ) -> Result<Self::Tensor> {
+        let (x, a, b) = (self.download(x)?, self.download(alpha)?, self.download(beta)?);
+        self.upload(cpu::conv::snake_beta(x.view(), a.view(), b.view())?.view())
+    }
+
+    /// LayerNorm of whole rows: `(x - mean) / sqrt(var + eps) · w[0, j] + b[0, j]`
+    /// (biased variance, as `torch.nn.LayerNorm`); `w`, `b [1, cols]`.
+    fn layer_norm(
+        &self, x: &Self::Tensor, w: &Self::Tensor, b: &Self::Tensor, eps: f32,
+    ) -> Result<Self::Tensor> {
+        let (x, w, b) = (self.download(x)?, self.download(w)?, self.download(b)?);
+        self.upload(cpu::conv::layer_norm(x.view(), w.view(), b.view(), eps)?.view())
+    }
+
+    /// Exact GELU element-wise: `0.5 · x · (1 + erf(x / √2))` (`torch.nn.GELU()`).
+    fn gelu(&self, x: &Self::Tensor) -> Result<Self::Tensor> {
+        let x = self.download(x)?;
+        self.upload(cpu::conv::gelu(x.view()).view())
+    }
+
+    /// `x[i, j] *= scale[0, j]` in place (LayerScale, ConvNeXt's gamma): `scale [1, cols]`.
+    fn scale_cols(&self, x: &mut Self::Tensor, scale: &Self::Tensor) -> Result<()> {
+        let (mut host, scale) = (self.download(x)?, self.download(scale)?);
+        cpu::conv::scale_cols(&mut host, scale.view())?;
+        *x = self.upload(host.view())?;
+        Ok(())
+    }
+
+    /// `x = min(max(x, min), max)` in place, NaN kept (`torch.clamp`); `min <= max`,
+    /// else a shape error on `bounds`.
+    fn clamp(&self, x: &mut Self::Tensor, min: f32, max: f32) -> Result<()> {
+        let mut host = self.download(x)?;
+        cpu::conv::clamp(&mut host, min, max)?;
+        *x = self.upload(host.view())?;
+        Ok(())
+    }
+
+    /// Dense causal attention of one sequence, optionally windowed: `q [Tq,
+    /// num_heads*head_dim]`, `k`, `v [Tk, kv_heads*head_dim]`, `Tq <= Tk`. Query row `r`
+    /// is position `p = Tk - Tq + r` (a chunk's queries against cached keys + its own)
+    /// and sees key `j` iff `j <= p` and, with `window = Some(w)`, `j > p - w` (HF's
+    /// sliding-window causal mask: `w` keys, itself included). GQA, scale and softmax
+    /// as [`Backend::paged_attention`]. A row's result depends only on its q row and
+    /// the K/V rows it sees. Output `[Tq, num_heads*head_dim]`.
+    fn causal_attention(
+        &self, q: &Self::Tensor, k: &Self::Tensor, v: &Self::Tensor, heads: AttnHeads, window: Option<usize>,
+    ) -> Result<Self::Tensor> {
+        let (q, k, v) = (self.download(q)?, self.download(k)?, self.download(v)?);
+        self.upload(
+            cpu::dense_attention::causal_attention(q.view(), k.view(), v.view(), heads, window)?.view(),
+        )
+    }
 
     /// The Qwen MoE block on `x [n, hidden]` → `[n, hidden]`: per row, router logits
     /// `x @ router^T`, softmax over experts, the `top_k` largest probabilities (ties to

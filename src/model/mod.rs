@@ -2,6 +2,8 @@
 
 /// Which hidden states a forward keeps per position.
 pub mod capture;
+/// Qwen3-Omni's code2wav: codec codes → 24 kHz waveform, one pass or streamed.
+pub mod code2wav;
 /// HF `config.json` → [`Config`]; [`TinyModel`] for small random-weight models.
 pub mod config;
 /// Encoder outputs cached by item fingerprint.
@@ -14,6 +16,7 @@ pub mod thinker;
 pub mod weights;
 
 pub use capture::{CaptureName, CaptureSpec};
+pub use code2wav::{Code2Wav, Code2WavConfig, Code2WavStream};
 pub use config::{Config, MoeConfig, TinyFamily, TinyModel};
 pub use encoder_cache::EncoderCache;
 pub use talker::{Talker, TalkerConfig};

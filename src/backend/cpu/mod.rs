@@ -6,6 +6,8 @@
 
 mod attention;
 mod check;
+pub mod conv;
+pub(crate) mod dense_attention;
 mod fast_exp;
 mod lanes;
 mod moe;
@@ -18,8 +20,8 @@ use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
 
 use crate::Result;
 use crate::backend::{
-    AttnHeads, AttnSeq, Backend, Dtype, HostWeight, MoeWeights, PagesSpec, RopePositions, RopeSpec,
-    add_sigmoid_gated_host, check_shape,
+    AttnHeads, AttnSeq, Backend, Conv1dSpec, ConvTranspose1dSpec, Dtype, HostWeight, MoeWeights, PagesSpec,
+    RopePositions, RopeSpec, add_sigmoid_gated_host, check_shape,
 };
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
@@ -215,6 +217,47 @@ impl Backend for CpuBackend {
             return Err(check::shape_error("swiglu", "gate_up", "[n, 2I]".into(), gate_up));
         }
         Ok(swiglu(gate_up.view()))
+    }
+
+    // The code2wav ops run their kernels on the arrays themselves (the trait's
+    // defaults would copy every operand).
+
+    fn causal_conv1d(
+        &self, x: &Array2<f32>, w: &Array2<f32>, bias: Option<&Array2<f32>>, spec: Conv1dSpec,
+    ) -> Result<Array2<f32>> {
+        conv::causal_conv1d(x.view(), w.view(), bias.map(|b| b.view()), spec)
+    }
+
+    fn causal_conv_transpose1d(
+        &self, x: &Array2<f32>, w: &Array2<f32>, bias: Option<&Array2<f32>>, spec: ConvTranspose1dSpec,
+    ) -> Result<Array2<f32>> {
+        conv::causal_conv_transpose1d(x.view(), w.view(), bias.map(|b| b.view()), spec)
+    }
+
+    fn snake_beta(&self, x: &Array2<f32>, alpha: &Array2<f32>, beta: &Array2<f32>) -> Result<Array2<f32>> {
+        conv::snake_beta(x.view(), alpha.view(), beta.view())
+    }
+
+    fn layer_norm(&self, x: &Array2<f32>, w: &Array2<f32>, b: &Array2<f32>, eps: f32) -> Result<Array2<f32>> {
+        conv::layer_norm(x.view(), w.view(), b.view(), eps)
+    }
+
+    fn gelu(&self, x: &Array2<f32>) -> Result<Array2<f32>> {
+        Ok(conv::gelu(x.view()))
+    }
+
+    fn scale_cols(&self, x: &mut Array2<f32>, scale: &Array2<f32>) -> Result<()> {
+        conv::scale_cols(x, scale.view())
+    }
+
+    fn clamp(&self, x: &mut Array2<f32>, min: f32, max: f32) -> Result<()> {
+        conv::clamp(x, min, max)
+    }
+
+    fn causal_attention(
+        &self, q: &Array2<f32>, k: &Array2<f32>, v: &Array2<f32>, heads: AttnHeads, window: Option<usize>,
+    ) -> Result<Array2<f32>> {
+        dense_attention::causal_attention(q.view(), k.view(), v.view(), heads, window)
     }
 
     fn moe(&self, x: &Array2<f32>, w: &MoeWeights<PackedWeight>) -> Result<Array2<f32>> {

@@ -1,0 +1,458 @@
+//! The host kernels of the audio decoder (Qwen3-Omni code2wav): causal and
+//! transposed 1-D convolutions over time, SnakeBeta, LayerNorm, exact GELU, a
+//! per-channel scale and a clamp.
+//!
+//! A signal is a `[T, C]` matrix: time on rows, channels on columns, so a
+//! convolution's output row is a sum of weight rows scaled by input values (an
+//! `axpy` over contiguous output channels) and the time axis is the one rayon
+//! splits. Every output row is computed by one task in one fixed order (taps,
+//! then input channels, each ascending), so a row's value depends only on the
+//! input rows it reads, never on the length of the signal or on which rows
+//! share a task: decoding a window of a stream gives, bit for bit, the samples
+//! one pass over the whole stream gives (see `model::code2wav`'s streaming).
+//!
+//! These are the CPU backend's ops and the host fallbacks every other backend's
+//! default [`Backend`](crate::backend::Backend) methods call.
+
+use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
+
+use crate::backend::{Conv1dSpec, ConvTranspose1dSpec};
+use crate::error::BackendError;
+use crate::{Error, Result};
+
+/// A shape error for operand `what` of `op`.
+fn shape_err(op: &'static str, what: &'static str, expected: String, found: &[usize]) -> Error {
+    BackendError::OpShape { op, what, expected, found: found.to_vec() }.into()
+}
+
+/// `v` must be a `[1, n]` vector.
+fn expect_vector(op: &'static str, what: &'static str, v: ArrayView2<'_, f32>, n: usize) -> Result<()> {
+    if v.dim() == (1, n) { Ok(()) } else { Err(shape_err(op, what, format!("[1, {n}]"), v.shape())) }
+}
+
+/// The elements of a `[1, n]` vector, in column order.
+fn values(v: ArrayView2<'_, f32>) -> Vec<f32> {
+    v.iter().copied().collect()
+}
+
+/// `out += a * w`, element by element (the inner loop of both convolutions).
+#[inline]
+fn axpy(out: &mut [f32], a: f32, w: &[f32]) {
+    for (o, w) in out.iter_mut().zip(w) {
+        *o += a * w;
+    }
+}
+
+/// A row-major copy whose rows are contiguous slices (no copy when already so).
+fn standard(x: ArrayView2<'_, f32>) -> Array2<f32> {
+    x.as_standard_layout().into_owned()
+}
+
+/// Rows `0..rows` of `[rows, cols]`, each filled by `f(row, out)` on rayon.
+fn rows_par(rows: usize, cols: usize, f: impl Fn(usize, &mut [f32]) + Sync) -> Array2<f32> {
+    let mut out = Array2::zeros((rows, cols));
+    out.axis_iter_mut(Axis(0)).into_par_iter().enumerate().for_each(|(t, mut row)| {
+        if let Some(row) = row.as_slice_mut() {
+            f(t, row);
+        }
+    });
+    out
+}
+
+/// HF `Conv1d.weight [cout, cin/groups, kernel]` (flat, row-major) in the layout
+/// [`Backend::causal_conv1d`](crate::backend::Backend::causal_conv1d) reads: `[kernel * cin/groups, cout]`, row `j * cin_g + c`,
+/// column `o` holding `weight[o, c, j]` (each tap's weights for one input channel
+/// are a contiguous row over the output channels).
+pub fn conv1d_weight_from_hf(
+    weight: &[f32], cout: usize, cin_g: usize, kernel: usize,
+) -> Option<Array2<f32>> {
+    (weight.len() == cout * cin_g * kernel).then(|| {
+        Array2::from_shape_fn((kernel * cin_g, cout), |(r, o)| {
+            weight[(o * cin_g + r % cin_g) * kernel + r / cin_g]
+        })
+    })
+}
+
+/// HF `ConvTranspose1d.weight [cin, cout, kernel]` (flat, row-major) in the layout
+/// [`Backend::causal_conv_transpose1d`](crate::backend::Backend::causal_conv_transpose1d) reads: `[kernel * cin, cout]`, row `j * cin + c`,
+/// column `o` holding `weight[c, o, j]`.
+pub fn conv_transpose1d_weight_from_hf(
+    weight: &[f32], cin: usize, cout: usize, kernel: usize,
+) -> Option<Array2<f32>> {
+    (weight.len() == cin * cout * kernel).then(|| {
+        Array2::from_shape_fn((kernel * cin, cout), |(r, o)| weight[(r % cin * cout + o) * kernel + r / cin])
+    })
+}
+
+/// Causal 1-D convolution, stride 1, HF `Qwen3OmniMoeCausalConvNet`: the input is
+/// left-padded with `(kernel - 1) * dilation` zeros, so
+/// `out[t, o] = bias[o] + Σ_j Σ_c x[t - (kernel-1-j)·dilation, g·cin_g + c] · w[j·cin_g + c, o]`
+/// over taps `j` whose source row is `>= 0`, where `g = o / (cout / groups)`.
+///
+/// `x [T, cin]`, `w [kernel * cin/groups, cout]` (see [`conv1d_weight_from_hf`]),
+/// `bias [1, cout]` → `[T, cout]`.
+pub(crate) fn causal_conv1d(
+    x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>, bias: Option<ArrayView2<'_, f32>>, spec: Conv1dSpec,
+) -> Result<Array2<f32>> {
+    const OP: &str = "causal_conv1d";
+    let Conv1dSpec { kernel, dilation, groups } = spec;
+    let spec_shape = [kernel, dilation, groups];
+    if kernel == 0 || dilation == 0 || groups == 0 {
+        return Err(shape_err(OP, "spec", "kernel, dilation, groups all > 0".into(), &spec_shape));
+    }
+    let (cin, cout) = (x.ncols(), w.ncols());
+    if !cin.is_multiple_of(groups) {
+        return Err(shape_err(OP, "x", format!("[T, k * {groups}] (groups)"), x.shape()));
+    }
+    let cin_g = cin / groups;
+    if w.nrows() != kernel * cin_g || !cout.is_multiple_of(groups) {
+        let expected = format!("[{kernel} * {cin_g}, k * {groups}]");
+        return Err(shape_err(OP, "weight", expected, w.shape()));
+    }
+    if let Some(b) = bias {
+        expect_vector(OP, "bias", b, cout)?;
+    }
+    let cout_g = cout / groups;
+    let (x, w) = (standard(x), standard(w));
+    let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
+    Ok(rows_par(x.nrows(), cout, |t, out| {
+        out.copy_from_slice(&bias);
+        for j in 0..kernel {
+            let shift = (kernel - 1 - j) * dilation;
+            let Some(src) = t.checked_sub(shift) else { continue };
+            let (Some(xr), Some(wj)) = (x.row(src).to_slice(), w.as_slice()) else { continue };
+            let wj = &wj[j * cin_g * cout..(j + 1) * cin_g * cout];
+            if cin_g == 1 && cout_g == 1 {
+                // Depthwise: channel o reads input channel o.
+                for ((o, &xv), &wv) in out.iter_mut().zip(xr).zip(wj) {
+                    *o += xv * wv;
+                }
+                continue;
+            }
+            for g in 0..groups {
+                let outs = g * cout_g..(g + 1) * cout_g;
+                for c in 0..cin_g {
+                    let row = &wj[c * cout..(c + 1) * cout];
+                    axpy(&mut out[outs.clone()], xr[g * cin_g + c], &row[outs.clone()]);
+                }
+            }
+        }
+    }))
+}
+
+/// Rows of a causal transposed convolution's output for `rows` input rows:
+/// `ConvTranspose1d`'s `(rows - 1) * stride + kernel`, less `kernel - stride` at
+/// each end (HF `Qwen3OmniMoeCausalTransConvNet`), i.e. `(rows + 1) * stride - kernel`
+/// (`rows * stride` when `kernel == stride`, `(rows - 1) * stride` when `kernel == 2 * stride`).
+pub fn conv_transpose1d_len(rows: usize, spec: ConvTranspose1dSpec) -> usize {
+    if rows == 0 { 0 } else { ((rows + 1) * spec.stride).saturating_sub(spec.kernel) }
+}
+
+/// Causal transposed 1-D convolution, HF `Qwen3OmniMoeCausalTransConvNet`:
+/// `ConvTranspose1d(kernel, stride)` then `kernel - stride` rows trimmed from both
+/// ends, so `out[m, o] = bias[o] + Σ x[i, c] · w[j·cin + c, o]` over `i·stride + j =
+/// m + kernel - stride` (taps `j` ascending, then `c`). Output row `m` reads input
+/// rows `⌊m / stride⌋ ..= ⌊(m + kernel - stride) / stride⌋`: one row ahead when
+/// `kernel > stride`, which the trim keeps inside the input (the output is
+/// [`conv_transpose1d_len`] rows, shorter than `rows * stride`).
+///
+/// `x [T, cin]`, `w [kernel * cin, cout]` (see [`conv_transpose1d_weight_from_hf`]),
+/// `bias [1, cout]`; `stride <= kernel <= 2 * stride`.
+pub(crate) fn causal_conv_transpose1d(
+    x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>, bias: Option<ArrayView2<'_, f32>>,
+    spec: ConvTranspose1dSpec,
+) -> Result<Array2<f32>> {
+    const OP: &str = "causal_conv_transpose1d";
+    let ConvTranspose1dSpec { kernel, stride } = spec;
+    if stride == 0 || kernel < stride || kernel > 2 * stride {
+        let expected = "stride > 0, stride <= kernel <= 2 * stride".into();
+        return Err(shape_err(OP, "spec", expected, &[kernel, stride]));
+    }
+    let (cin, cout) = (x.ncols(), w.ncols());
+    if w.nrows() != kernel * cin {
+        return Err(shape_err(OP, "weight", format!("[{kernel} * {cin}, cout]"), w.shape()));
+    }
+    if let Some(b) = bias {
+        expect_vector(OP, "bias", b, cout)?;
+    }
+    let (x, w) = (standard(x), standard(w));
+    let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
+    let trim = kernel - stride;
+    Ok(rows_par(conv_transpose1d_len(x.nrows(), spec), cout, |m, out| {
+        out.copy_from_slice(&bias);
+        let full = m + trim;
+        for j in 0..kernel {
+            let Some(n) = full.checked_sub(j).filter(|n| n.is_multiple_of(stride)) else { continue };
+            let i = n / stride;
+            if i >= x.nrows() {
+                continue;
+            }
+            let (Some(xr), Some(wj)) = (x.row(i).to_slice(), w.as_slice()) else { continue };
+            for (c, &xv) in xr.iter().enumerate() {
+                let r = (j * cin + c) * cout;
+                axpy(out, xv, &wj[r..r + cout]);
+            }
+        }
+    }))
+}
+
+/// SnakeBeta, HF `Qwen3OmniMoeSnakeBeta`, per channel `c`:
+/// `x + 1 / (exp(beta[c]) + 1e-9) · sin(x · exp(alpha[c]))²`. `alpha` and `beta`
+/// are the checkpoint's log-scale parameters `[1, C]`.
+pub(crate) fn snake_beta(
+    x: ArrayView2<'_, f32>, alpha: ArrayView2<'_, f32>, beta: ArrayView2<'_, f32>,
+) -> Result<Array2<f32>> {
+    expect_vector("snake_beta", "alpha", alpha, x.ncols())?;
+    expect_vector("snake_beta", "beta", beta, x.ncols())?;
+    let a: Vec<f32> = alpha.iter().map(|v| v.exp()).collect();
+    let inv_b: Vec<f32> = beta.iter().map(|v| 1.0 / (v.exp() + 1e-9)).collect();
+    let x = standard(x);
+    Ok(rows_par(x.nrows(), x.ncols(), |t, out| {
+        if let Some(xr) = x.row(t).to_slice() {
+            for (c, (o, &v)) in out.iter_mut().zip(xr).enumerate() {
+                let s = (v * a[c]).sin();
+                *o = v + inv_b[c] * (s * s);
+            }
+        }
+    }))
+}
+
+/// LayerNorm of whole rows, `torch.nn.LayerNorm`: `(x - mean) / sqrt(var + eps) · w + b`
+/// with the biased variance; `w`, `b [1, C]`.
+pub(crate) fn layer_norm(
+    x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>, b: ArrayView2<'_, f32>, eps: f32,
+) -> Result<Array2<f32>> {
+    expect_vector("layer_norm", "weight", w, x.ncols())?;
+    expect_vector("layer_norm", "bias", b, x.ncols())?;
+    let (w, b) = (values(w), values(b));
+    let x = standard(x);
+    let n = x.ncols().max(1) as f32;
+    Ok(rows_par(x.nrows(), x.ncols(), |t, out| {
+        if let Some(xr) = x.row(t).to_slice() {
+            let mean = xr.iter().sum::<f32>() / n;
+            let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+            let inv = 1.0 / (var + eps).sqrt();
+            for (c, (o, &v)) in out.iter_mut().zip(xr).enumerate() {
+                *o = (v - mean) * inv * w[c] + b[c];
+            }
+        }
+    }))
+}
+
+/// Exact GELU, `torch.nn.GELU()`: `0.5 · x · (1 + erf(x / √2))` (libm's `erff`;
+/// std's `erf` is not stable Rust).
+pub(crate) fn gelu(x: ArrayView2<'_, f32>) -> Array2<f32> {
+    let x = standard(x);
+    rows_par(x.nrows(), x.ncols(), |t, out| {
+        if let Some(xr) = x.row(t).to_slice() {
+            for (o, &v) in out.iter_mut().zip(xr) {
+                *o = 0.5 * v * (1.0 + libm::erff(v * std::f32::consts::FRAC_1_SQRT_2));
+            }
+        }
+    })
+}
+
+/// `x[t, c] *= scale[0, c]` (HF LayerScale, ConvNeXt's gamma, a mean's `1/n`).
+pub(crate) fn scale_cols(x: &mut Array2<f32>, scale: ArrayView2<'_, f32>) -> Result<()> {
+    expect_vector("scale_cols", "scale", scale, x.ncols())?;
+    *x *= &scale;
+    Ok(())
+}
+
+/// `x = min(max(x, min), max)` element-wise, NaN kept (as `torch.clamp`); `min <= max`.
+pub(crate) fn clamp(x: &mut Array2<f32>, min: f32, max: f32) -> Result<()> {
+    // A NaN bound compares as `None`: refused too.
+    if !matches!(min.partial_cmp(&max), Some(std::cmp::Ordering::Less | std::cmp::Ordering::Equal)) {
+        return Err(shape_err("clamp", "bounds", format!("min {min} <= max {max}"), x.shape()));
+    }
+    x.mapv_inplace(|v| {
+        if v < min {
+            min
+        } else if v > max {
+            max
+        } else {
+            v
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::test_support::rand_rows;
+    use ndarray::array;
+
+    fn close(got: &Array2<f32>, want: &Array2<f32>, tol: f32, what: &str) {
+        assert_eq!(got.dim(), want.dim(), "{what}: shape");
+        for ((idx, g), w) in got.indexed_iter().zip(want.iter()) {
+            assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what} at {idx:?}: {g} vs {w}");
+        }
+    }
+
+    /// HF-layout weights `[cout, cin_g, k]` as a flat vector.
+    fn hf_weight(seed: u64, a: usize, b: usize, k: usize) -> Vec<f32> {
+        rand_rows(seed, a * b, k).iter().copied().collect()
+    }
+
+    /// `torch.nn.functional.conv1d` on the left-padded input, written plainly.
+    fn naive_conv(x: &Array2<f32>, w: &[f32], bias: &[f32], cout: usize, spec: Conv1dSpec) -> Array2<f32> {
+        let Conv1dSpec { kernel, dilation, groups } = spec;
+        let (t_len, cin) = x.dim();
+        let (cin_g, cout_g) = (cin / groups, cout / groups);
+        let pad = (kernel - 1) * dilation;
+        Array2::from_shape_fn((t_len, cout), |(t, o)| {
+            let g = o / cout_g;
+            let mut acc = bias[o];
+            for c in 0..cin_g {
+                for j in 0..kernel {
+                    let p = t + j * dilation;
+                    if p >= pad {
+                        acc += w[(o * cin_g + c) * kernel + j] * x[[p - pad, g * cin_g + c]];
+                    }
+                }
+            }
+            acc
+        })
+    }
+
+    #[test]
+    fn causal_conv_matches_a_padded_convolution() {
+        for (cin, cout, spec) in [
+            (5, 7, Conv1dSpec { kernel: 7, dilation: 1, groups: 1 }),
+            (6, 4, Conv1dSpec { kernel: 7, dilation: 3, groups: 2 }),
+            (8, 8, Conv1dSpec { kernel: 7, dilation: 1, groups: 8 }),
+            (6, 3, Conv1dSpec { kernel: 1, dilation: 1, groups: 1 }),
+            (4, 4, Conv1dSpec { kernel: 3, dilation: 9, groups: 1 }),
+        ] {
+            let x = rand_rows(1, 40, cin);
+            let w_hf = hf_weight(2, cout, cin / spec.groups, spec.kernel);
+            let bias: Vec<f32> = rand_rows(3, 1, cout).iter().copied().collect();
+            let w = conv1d_weight_from_hf(&w_hf, cout, cin / spec.groups, spec.kernel).unwrap();
+            let b = Array2::from_shape_vec((1, cout), bias.clone()).unwrap();
+            let got = causal_conv1d(x.view(), w.view(), Some(b.view()), spec).unwrap();
+            close(&got, &naive_conv(&x, &w_hf, &bias, cout, spec), 1e-5, &format!("{spec:?}"));
+            // A window's rows are the whole signal's rows, bit for bit, once its left context is in.
+            let ctx = (spec.kernel - 1) * spec.dilation;
+            let part = causal_conv1d(x.slice(ndarray::s![10.., ..]), w.view(), Some(b.view()), spec).unwrap();
+            assert_eq!(part.slice(ndarray::s![ctx.., ..]), got.slice(ndarray::s![10 + ctx.., ..]));
+        }
+    }
+
+    #[test]
+    fn causal_conv_rejects_bad_shapes() {
+        let x = rand_rows(1, 4, 6);
+        let spec = Conv1dSpec { kernel: 3, dilation: 1, groups: 1 };
+        let w = rand_rows(2, 18, 5);
+        let err = |r: Result<Array2<f32>>| match r {
+            Err(Error::Backend(BackendError::OpShape { op: "causal_conv1d", what, .. })) => what,
+            other => panic!("expected a shape error, got {other:?}"),
+        };
+        assert_eq!(err(causal_conv1d(x.view(), rand_rows(2, 17, 5).view(), None, spec)), "weight");
+        assert_eq!(err(causal_conv1d(x.view(), w.view(), Some(rand_rows(3, 1, 4).view()), spec)), "bias");
+        assert_eq!(err(causal_conv1d(x.view(), w.view(), None, Conv1dSpec { groups: 4, ..spec })), "x");
+        assert_eq!(err(causal_conv1d(x.view(), w.view(), None, Conv1dSpec { dilation: 0, ..spec })), "spec");
+        assert_eq!(causal_conv1d(x.view(), w.view(), None, spec).unwrap().dim(), (4, 5));
+    }
+
+    /// `ConvTranspose1d` written plainly, then the causal trim.
+    fn naive_trans(x: &Array2<f32>, w: &[f32], bias: &[f32], cout: usize, k: usize, s: usize) -> Array2<f32> {
+        let (t_len, cin) = x.dim();
+        let full_len = (t_len - 1) * s + k;
+        let mut full = Array2::from_shape_fn((full_len, cout), |(_, o)| bias[o]);
+        for i in 0..t_len {
+            for c in 0..cin {
+                for o in 0..cout {
+                    for j in 0..k {
+                        full[[i * s + j, o]] += x[[i, c]] * w[(c * cout + o) * k + j];
+                    }
+                }
+            }
+        }
+        let trim = k - s;
+        full.slice(ndarray::s![trim..full_len - trim, ..]).to_owned()
+    }
+
+    #[test]
+    fn transposed_conv_matches_conv_transpose_then_trim() {
+        for (cin, cout, k, s) in [(4, 3, 8, 4), (3, 5, 2, 2), (6, 2, 6, 3), (2, 2, 5, 3), (3, 3, 1, 1)] {
+            for t_len in [1, 2, 9] {
+                let x = rand_rows(4, t_len, cin);
+                let w_hf = hf_weight(5, cin, cout, k);
+                let bias: Vec<f32> = rand_rows(6, 1, cout).iter().copied().collect();
+                let w = conv_transpose1d_weight_from_hf(&w_hf, cin, cout, k).unwrap();
+                let b = Array2::from_shape_vec((1, cout), bias.clone()).unwrap();
+                let spec = ConvTranspose1dSpec { kernel: k, stride: s };
+                let got = causal_conv_transpose1d(x.view(), w.view(), Some(b.view()), spec).unwrap();
+                assert_eq!(got.nrows(), conv_transpose1d_len(t_len, spec));
+                close(
+                    &got,
+                    &naive_trans(&x, &w_hf, &bias, cout, k, s),
+                    1e-5,
+                    &format!("k {k} s {s} T {t_len}"),
+                );
+            }
+        }
+        let spec = ConvTranspose1dSpec { kernel: 5, stride: 2 };
+        let err = causal_conv_transpose1d(rand_rows(1, 3, 2).view(), rand_rows(2, 10, 2).view(), None, spec);
+        assert!(matches!(err, Err(Error::Backend(BackendError::OpShape { what: "spec", .. }))));
+        let spec = ConvTranspose1dSpec { kernel: 4, stride: 2 };
+        let err = causal_conv_transpose1d(rand_rows(1, 3, 2).view(), rand_rows(2, 9, 2).view(), None, spec);
+        assert!(matches!(err, Err(Error::Backend(BackendError::OpShape { what: "weight", .. }))));
+    }
+
+    #[test]
+    fn activations_and_norms_match_their_formulas() {
+        let x = rand_rows(7, 6, 5).mapv(|v| v * 3.0);
+        let alpha = rand_rows(8, 1, 5);
+        let beta = rand_rows(9, 1, 5);
+        let got = snake_beta(x.view(), alpha.view(), beta.view()).unwrap();
+        let want = Array2::from_shape_fn((6, 5), |(t, c)| {
+            let v = x[[t, c]] as f64;
+            let a = (alpha[[0, c]] as f64).exp();
+            let b = (beta[[0, c]] as f64).exp();
+            (v + 1.0 / (b + 1e-9) * (v * a).sin().powi(2)) as f32
+        });
+        close(&got, &want, 1e-5, "snake_beta");
+        assert!(matches!(
+            snake_beta(x.view(), alpha.view(), rand_rows(1, 1, 4).view()),
+            Err(Error::Backend(BackendError::OpShape { op: "snake_beta", what: "beta", .. }))
+        ));
+
+        let (w, b) = (rand_rows(10, 1, 5), rand_rows(11, 1, 5));
+        let got = layer_norm(x.view(), w.view(), b.view(), 1e-6).unwrap();
+        let want = Array2::from_shape_fn((6, 5), |(t, c)| {
+            let row: Vec<f64> = x.row(t).iter().map(|&v| v as f64).collect();
+            let mean = row.iter().sum::<f64>() / 5.0;
+            let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 5.0;
+            ((row[c] - mean) / (var + 1e-6).sqrt() * w[[0, c]] as f64 + b[[0, c]] as f64) as f32
+        });
+        close(&got, &want, 1e-5, "layer_norm");
+        assert!(matches!(
+            layer_norm(x.view(), rand_rows(1, 1, 6).view(), b.view(), 1e-6),
+            Err(Error::Backend(BackendError::OpShape { op: "layer_norm", what: "weight", .. }))
+        ));
+
+        // erf(1/√2) = 0.682689492..., erf(2/√2) = 0.954499736...
+        let got = gelu(array![[1.0f32, -2.0, 0.0]].view());
+        let want = array![[0.5 * 1.682_689_5, -0.5 * 2.0 * (1.0 - 0.954_499_7), 0.0]];
+        close(&got, &want, 1e-6, "gelu");
+
+        let mut s = x.clone();
+        scale_cols(&mut s, w.view()).unwrap();
+        close(&s, &Array2::from_shape_fn((6, 5), |(t, c)| x[[t, c]] * w[[0, c]]), 0.0, "scale_cols");
+        assert!(matches!(
+            scale_cols(&mut s, rand_rows(1, 2, 5).view()),
+            Err(Error::Backend(BackendError::OpShape { op: "scale_cols", what: "scale", .. }))
+        ));
+
+        let mut c = array![[-3.0f32, -0.5, 0.25, 2.0, f32::NAN]];
+        clamp(&mut c, -1.0, 1.0).unwrap();
+        assert_eq!(c.slice(ndarray::s![.., ..4]), array![[-1.0f32, -0.5, 0.25, 1.0]]);
+        assert!(c[[0, 4]].is_nan(), "NaN stays NaN, as torch.clamp");
+        assert!(matches!(
+            clamp(&mut c, 1.0, -1.0),
+            Err(Error::Backend(BackendError::OpShape { op: "clamp", what: "bounds", .. }))
+        ));
+    }
+}

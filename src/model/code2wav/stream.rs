@@ -1,0 +1,190 @@
+//! Streaming code2wav: frames in as the talker makes them, audio out as soon as
+//! it is final, the concatenation equal to one [`Code2Wav::forward`] over all frames.
+//!
+//! # What a sample depends on
+//!
+//! * **The transformer** is causal with a sliding window of `w` keys per layer, so
+//!   its output at frame `f` reaches back `num_hidden_layers * (w - 1)` frames (568
+//!   for Qwen3-Omni: 8 layers × 71). Re-running it over a window of frames would
+//!   need that much context; instead each layer keeps the post-RoPE K/V rows of its
+//!   last `w - 1` frames, and a chunk's frames run through it once, at their own
+//!   positions, attending to those rows: the rows one pass gives.
+//! * **The convolutions** (upsampling, decoder) run over a window of transformer
+//!   output, re-decoded each time: sample `n` reads frames from
+//!   [`Code2WavConfig::first_frame_of_sample`]`(n)` on (causal convs read
+//!   `(kernel-1)·dilation` rows back, a transposed conv's row `m` reads input row
+//!   `⌊m / stride⌋` and, with `kernel = 2 * stride`, the row after it), at most
+//!   [`Code2WavConfig::conv_left_context`] frames before its own (10 for Qwen3-Omni).
+//! * **To the right**, HF trims `stride` rows from each end of a decoder block's
+//!   transposed conv, so one pass over `F` frames gives
+//!   [`Code2WavConfig::output_len`]`(F)` samples (`1920·F − 555` for Qwen3-Omni):
+//!   the 555 missing ones would read frame `F`. Every sample one pass over `F` frames
+//!   gives is therefore final: more frames never change it.
+//!
+//! So after `F` frames the stream emits samples `emitted..output_len(F)`, decoding
+//! the convolutions over frames `first_frame_of_sample(emitted)..F` (from frame 0
+//! near the start, with the zero padding one pass has there) and dropping the
+//! samples before `emitted`. Every kernel computes a row from the rows it reads in
+//! one fixed order, so the samples are the one-pass ones bit for bit on the CPU.
+//!
+//! HF's `chunked_decode(chunk_size=300, left_context_size=25)` is not this: 25
+//! frames of left context cover the convolutions but not the transformer's 568,
+//! and each chunk's last 555 samples are dropped, not held back, so for inputs
+//! longer than one chunk its output differs from (and is shorter than) one pass.
+
+use ndarray::{Array2, ArrayView2};
+
+use super::{Code2Wav, KvWindow, concat_rows, last_rows};
+use crate::Result;
+use crate::backend::Backend;
+use crate::error::{BackendError, ConfigError};
+
+/// An incremental decode of one utterance's codec frames.
+///
+/// Frames wait until `first_chunk` (the first decode: a short wait for the first
+/// audio) or `chunk` (later decodes) of them are pending, as vllm-omni's code2wav
+/// streams; [`Code2WavStream::finish`] decodes whatever is left.
+///
+/// ```
+/// use ndarray::{Array2, s};
+/// use omniprefix::backend::cpu::CpuBackend;
+/// use omniprefix::model::code2wav::{Code2Wav, Code2WavConfig, Code2WavStream};
+/// let model = Code2Wav::random(&CpuBackend, Code2WavConfig::tiny(), 7)?;
+/// let codes = Array2::from_shape_fn((4, 30), |(q, t)| ((q * 7 + t * 3) % 64) as i64);
+/// let mut stream = Code2WavStream::new(&model, 4, 10)?;
+/// let mut wav = Vec::new();
+/// for t in 0..30 {
+///     wav.extend(stream.push(&CpuBackend, codes.slice(s![.., t..t + 1]))?);
+/// }
+/// wav.extend(stream.finish(&CpuBackend)?);
+/// assert_eq!(wav, model.forward(&CpuBackend, codes.view())?);
+/// # Ok::<(), omniprefix::Error>(())
+/// ```
+pub struct Code2WavStream<'m, B: Backend> {
+    model: &'m Code2Wav<B>,
+    first_chunk: usize,
+    chunk: usize,
+    /// Codes of frames not yet decoded, per quantizer.
+    pending: Vec<Vec<i64>>,
+    /// Frames through the transformer.
+    frames: usize,
+    /// Per layer, the K/V rows of the last `sliding_window - 1` frames.
+    window: KvWindow<B::Tensor>,
+    /// Transformer output of frames `hidden_start..frames`: the conv context.
+    hidden: Option<B::Tensor>,
+    hidden_start: usize,
+    /// Samples emitted so far.
+    emitted: usize,
+}
+
+impl<'m, B: Backend> Code2WavStream<'m, B> {
+    /// A stream that decodes once `first_chunk` frames are pending, then every
+    /// `chunk` frames (vllm-omni uses small first chunks, e.g. 4, then e.g. 25);
+    /// both must be positive ([`ConfigError::Invalid`]).
+    pub fn new(model: &'m Code2Wav<B>, first_chunk: usize, chunk: usize) -> Result<Self> {
+        ConfigError::require_positive("code2wav stream", "first_chunk", first_chunk)?;
+        ConfigError::require_positive("code2wav stream", "chunk", chunk)?;
+        Ok(Self {
+            model,
+            first_chunk,
+            chunk,
+            pending: vec![Vec::new(); model.config().num_quantizers],
+            frames: 0,
+            window: model.empty_window(),
+            hidden: None,
+            hidden_start: 0,
+            emitted: 0,
+        })
+    }
+
+    /// Frames pushed so far (decoded or pending).
+    pub fn frames_received(&self) -> usize {
+        self.frames + self.pending.first().map_or(0, Vec::len)
+    }
+
+    /// Samples emitted so far.
+    pub fn samples_emitted(&self) -> usize {
+        self.emitted
+    }
+
+    /// Appends `codes [num_quantizers, n]` (the next `n` frames) and, once enough
+    /// frames are pending, decodes them: the new final samples (often none). Codes
+    /// are checked as [`Code2Wav::forward`] checks them (frames numbered from the
+    /// stream's start); a rejected push leaves the stream as it was.
+    pub fn push(&mut self, backend: &B, codes: ArrayView2<'_, i64>) -> Result<Vec<f32>> {
+        self.model.check_codes(codes, self.frames_received())?;
+        for (p, row) in self.pending.iter_mut().zip(codes.rows()) {
+            p.extend(row.iter().copied());
+        }
+        let due = if self.frames == 0 { self.first_chunk } else { self.chunk };
+        if self.pending.first().map_or(0, Vec::len) >= due { self.decode(backend) } else { Ok(Vec::new()) }
+    }
+
+    /// Decodes the frames still pending: the rest of the waveform.
+    pub fn finish(mut self, backend: &B) -> Result<Vec<f32>> {
+        self.decode(backend)
+    }
+
+    /// Runs the pending frames through the transformer, then the convolutions over
+    /// the window the not-yet-emitted samples need; returns those samples.
+    fn decode(&mut self, backend: &B) -> Result<Vec<f32>> {
+        let n = self.pending.first().map_or(0, Vec::len);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let nq = self.pending.len();
+        let flat: Vec<i64> = self.pending.iter().flatten().copied().collect();
+        let codes = Array2::from_shape_vec((nq, n), flat).map_err(|_| BackendError::OpShape {
+            op: "code2wav stream",
+            what: "pending codes",
+            expected: format!("[{nq}, {n}]"),
+            found: vec![nq, n],
+        })?;
+        let x = self.model.embed_codes(backend, codes.view())?;
+        let h = self.model.transformer(backend, x, self.frames, &mut self.window)?;
+        self.pending.iter_mut().for_each(Vec::clear);
+        self.frames += n;
+        self.hidden = Some(match self.hidden.take() {
+            Some(old) => concat_rows(backend, &old, &h)?,
+            None => h,
+        });
+
+        let cfg = self.model.config();
+        let u = cfg.total_upsample();
+        let target = cfg.output_len(self.frames);
+        if target <= self.emitted {
+            return Ok(Vec::new());
+        }
+        let first = self.first_frame(self.emitted);
+        let Some(hidden) = &self.hidden else { return Ok(Vec::new()) };
+        let rows = (first - self.hidden_start..self.frames - self.hidden_start)
+            .map(|r| r as u32)
+            .collect::<Vec<_>>();
+        let wav = self.model.decode_hidden(backend, &backend.gather_rows(hidden, &rows)?)?;
+        let want = target - first * u;
+        let skip = self.emitted - first * u;
+        if wav.len() != want {
+            return Err(BackendError::OpCount {
+                op: "code2wav stream",
+                what: "samples",
+                expected: want,
+                found: wav.len(),
+            }
+            .into());
+        }
+        let out = wav[skip..].to_vec();
+        self.emitted = target;
+        // Keep only the frames the next decode can read.
+        let keep_from = self.first_frame(self.emitted);
+        self.hidden = Some(last_rows(backend, hidden, self.frames - keep_from)?);
+        self.hidden_start = keep_from;
+        Ok(out)
+    }
+
+    /// The first frame sample `n` reads (0 near the start), never before the
+    /// frames still held.
+    fn first_frame(&self, n: usize) -> usize {
+        let f = self.model.config().first_frame_of_sample(n).max(0) as usize;
+        f.clamp(self.hidden_start, self.frames)
+    }
+}
