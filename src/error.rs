@@ -259,7 +259,16 @@ pub enum RequestError {
     /// (`<|im_start|>assistant` and a newline): the talker has no reply to speak.
     #[error("audio output needs a prompt ending in an assistant turn opening; none in {prompt_len} tokens")]
     NoAssistantTurn { prompt_len: usize },
-
+    /// Audio asked of a reply too short to speak: the talker's prompt needs the
+    /// assistant opening and a first reply token that ran (4 rows).
+    #[error("audio output needs a reply of at least 2 tokens; the assistant turn has {rows} rows that ran")]
+    ReplyTooShort { rows: usize },
+    /// Audio asked of a checkpoint without a talker and code2wav.
+    #[error("audio output needs a checkpoint with a talker; {model} has none")]
+    NoTalker { model: String },
+    /// A speaker the checkpoint does not name.
+    #[error("unknown speaker {speaker:?}; the checkpoint names {known:?}")]
+    UnknownSpeaker { speaker: String, known: Vec<String> },
     /// A codec code given to code2wav outside its codebook (`0..codebook_size`): a
     /// talker or a corrupt checkpoint produced a code the vocoder has no embedding for.
     #[error(

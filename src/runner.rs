@@ -108,6 +108,12 @@ impl<B: Backend> ModelRunner<B> {
         &self.backend
     }
 
+    /// The model and the backend, shared: for a stage that reads the thinker on
+    /// another thread (the talker stage embeds reply tokens with it).
+    pub fn shared(&self) -> (Arc<B>, Arc<Thinker<B>>) {
+        (Arc::clone(&self.backend), Arc::clone(&self.thinker))
+    }
+
     /// Executes one step of a batch built by hand (or by a scheduler that was
     /// not given this model). The whole batch is checked first: an invalid
     /// batch returns [`RunnerError::InvalidBatch`] (or [`BackendError::OpShape`] /

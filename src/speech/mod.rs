@@ -3,7 +3,9 @@
 //! live in [`crate::model`]; this module joins them to the thinker's output.
 
 mod layout;
+mod stage;
 mod turns;
 
 pub use layout::{ASSISTANT_ROWS, TalkerLayout};
+pub use stage::{Speech, SpeechOptions, SpeechStage};
 pub use turns::{ChatIds, Turns, turns};

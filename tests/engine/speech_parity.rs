@@ -8,7 +8,8 @@ use std::sync::Arc;
 use ndarray::{ArrayD, IxDyn};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, ItemInput, PlaceholderForm, Request};
-use omniprefix::speech::{ASSISTANT_ROWS, ChatIds, TalkerLayout};
+use omniprefix::sample::{SamplingParams, TalkerSampling};
+use omniprefix::speech::{ASSISTANT_ROWS, ChatIds, SpeechOptions, SpeechStage, TalkerLayout};
 use support::reference::{Reference, TestResult, model_dir};
 
 const MODEL: &str = "omni_audio";
@@ -108,6 +109,86 @@ fn the_talker_layout_equals_hf_ids_and_positions() -> TestResult {
         let delta = hf.ints(&format!("{case}.talker_rope_delta"))?[0];
         assert_eq!(layout.positions.rope_delta().unwrap_or(0), delta, "{case}: rope delta");
         assert_eq!(layout.ids[rows - ASSISTANT_ROWS..], [chat.tts_pad_token_id; ASSISTANT_ROWS]);
+    }
+    Ok(())
+}
+
+/// HF's generate kwargs of the fixture (`audio_reference.json`): the thinker's reply
+/// length and suppressed ids, the talker's length cap.
+struct Recorded {
+    thinker_max_new_tokens: usize,
+    thinker_suppress: Vec<u32>,
+    talker_max_new_tokens: usize,
+}
+
+fn recorded() -> TestResult<Recorded> {
+    let text = std::fs::read_to_string(model_dir(MODEL).join("audio_reference.json"))?;
+    let json: serde_json::Value = serde_json::from_str(&text)?;
+    let kwargs = &json["generate_kwargs"];
+    let number = |v: &serde_json::Value| v.as_u64().map(|n| n as usize).ok_or("not a number");
+    Ok(Recorded {
+        thinker_max_new_tokens: number(&kwargs["thinker_max_new_tokens"])?,
+        thinker_suppress: serde_json::from_value(kwargs["thinker_suppress_tokens"].clone())?,
+        talker_max_new_tokens: number(&json["cases"]["text"]["talker_max_new_tokens"])?,
+    })
+}
+
+/// The whole chain against HF's `generate(return_audio=True)`, greedy: our thinker's
+/// reply, then the talker's prompt from its rows (accept-layer rows at the image,
+/// projected embeddings elsewhere), the talker's codes (equal, code for code) and
+/// code2wav's waveform (within 1e-4), streamed to the caller in chunks whose
+/// concatenation is the waveform.
+#[test]
+fn thinker_talker_and_code2wav_equal_hf_audio() -> TestResult {
+    let hf = reference()?;
+    let rec = recorded()?;
+    let dir = model_dir(MODEL);
+    let probe = Engine::from_dir(&dir, EngineConfig::default())?;
+    let (backend, thinker) = probe.runner().shared();
+    let stage = SpeechStage::from_dir(backend, thinker, &dir)?;
+    let config = EngineConfig { capture: Some(vec![stage.accept_capture()]), ..EngineConfig::default() };
+    let mut engine = Engine::from_dir(&dir, config)?;
+    let options = SpeechOptions {
+        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
+        ..SpeechOptions::default()
+    };
+    for case in CASES {
+        let c = Case::open(&hf, case)?;
+        let params = SamplingParams {
+            suppress_ids: rec.thinker_suppress.clone(),
+            ..SamplingParams::greedy(rec.thinker_max_new_tokens)
+        };
+        let prepared = engine.prepare(c.request().generate(params))?;
+        let layout = TalkerLayout::of(prepared.prompt(), stage.chat_ids(), engine.tokens())?;
+        let id = engine.submit_prepared(prepared)?;
+        let out = engine.run_all()?.into_iter().find(|o| o.request == id).ok_or("no output")?;
+        let want_seq: Vec<u32> =
+            hf.ints(&format!("{case}.thinker_sequences"))?.iter().map(|&t| t as u32).collect();
+        assert_eq!(out.tokens[..], want_seq[c.ids.len()..], "{case}: thinker reply");
+
+        let accept = out.hidden_at(stage.accept_capture()).ok_or("no accept-layer capture")?;
+        let mut chunks = Vec::new();
+        let speech =
+            stage.speak(&layout, &c.ids, &out.tokens, accept.view(), &options, |chunk: &[f32]| {
+                chunks.push(chunk.to_vec());
+                Ok(())
+            })?;
+        let want_codes = hf.ints(&format!("{case}.codes"))?;
+        let frames = speech.codes.ncols();
+        let got_codes: Vec<i64> = speech.codes.iter().map(|&c| i64::from(c)).collect();
+        assert_eq!(got_codes, want_codes, "{case}: codes [16, {frames}]");
+        let want_wav = hf.matrix(&format!("{case}.waveform"))?;
+        assert_eq!(speech.audio.len(), want_wav.ncols(), "{case}: samples");
+        let worst = speech.audio.iter().zip(want_wav.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!(
+            "{case}: {frames} frames, {} samples, max |ours - HF| = {worst:.2e}, {} chunks",
+            speech.audio.len(),
+            chunks.len()
+        );
+        assert!(worst <= 1e-4, "{case}: waveform differs by {worst}");
+        assert_eq!(chunks.concat(), speech.audio, "{case}: the streamed chunks are the waveform");
+        assert!(chunks.len() > 1, "{case}: audio came in chunks");
+        assert_eq!(speech.talker_prompt_rows, layout.prefill_rows());
     }
     Ok(())
 }

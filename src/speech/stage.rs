@@ -1,0 +1,270 @@
+//! The talker stage after a thinker reply: the talker's prompt built from the
+//! thinker's rows (HF `Qwen3OmniMoeForConditionalGeneration.generate`), the
+//! talker's frames, and code2wav streaming them to audio as they come.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ndarray::{Array2, ArrayView2, Axis, concatenate, s};
+
+use crate::Result;
+use crate::backend::Backend;
+use crate::error::{BackendError, CheckpointError, IoError, RequestError};
+use crate::model::code2wav::{Code2Wav, Code2WavStream};
+use crate::model::talker::{Talker, TalkerInputs};
+use crate::model::{CaptureName, Thinker};
+use crate::sample::{FinishReason, TalkerSampling};
+
+use super::layout::TalkerLayout;
+use super::turns::ChatIds;
+
+/// How one reply is spoken.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpeechOptions {
+    /// A speaker the checkpoint names (case-insensitive, as HF looks it up).
+    pub speaker: String,
+    /// The talker's sampling; the default is the checkpoint's (HF's).
+    pub talker: TalkerSampling,
+    /// Frames code2wav waits for before its first decode: a small first chunk
+    /// is a short wait for the first audio.
+    pub first_chunk: usize,
+    /// Frames per later decode.
+    pub chunk: usize,
+}
+
+impl Default for SpeechOptions {
+    /// Speaker `ethan` (HF's default), HF's talker sampling, chunks of 4 then 25 frames.
+    fn default() -> Self {
+        SpeechOptions {
+            speaker: "ethan".into(),
+            talker: TalkerSampling::default(),
+            first_chunk: 4,
+            chunk: 25,
+        }
+    }
+}
+
+/// A spoken reply.
+#[derive(Debug, Clone)]
+pub struct Speech {
+    /// Codec codes `[num_code_groups, frames]`.
+    pub codes: Array2<u32>,
+    /// Mono audio at [`sample_rate`](Self::sample_rate).
+    pub audio: Vec<f32>,
+    pub sample_rate: u32,
+    /// Rows of the talker's prefill (the user rows and the assistant rows).
+    pub talker_prompt_rows: usize,
+    /// Prefill rows whose talker KV was reused.
+    pub talker_cached_rows: usize,
+    /// `Stop` at the codec EOS, `Length` at the talker's `max_new_tokens`.
+    pub finish: FinishReason,
+    /// From the start of [`SpeechStage::speak`] to its first audio chunk; `None`
+    /// when the reply made no audio.
+    pub first_audio: Option<Duration>,
+}
+
+/// The talker and code2wav of a full Omni checkpoint, with the thinker whose
+/// embeddings frame the talker's prompt.
+pub struct SpeechStage<B: Backend> {
+    backend: Arc<B>,
+    thinker: Arc<Thinker<B>>,
+    talker: Talker<B>,
+    code2wav: Code2Wav<B>,
+    chat: ChatIds,
+}
+
+impl<B: Backend> SpeechStage<B> {
+    /// Loads the talker and code2wav of the checkpoint in `dir`, beside its
+    /// loaded `thinker`. A checkpoint without them (no `talker_config`, or
+    /// `enable_audio_output: false`) is [`RequestError::NoTalker`].
+    pub fn from_dir(backend: Arc<B>, thinker: Arc<Thinker<B>>, dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| IoError::read(&path, source))?;
+        let root: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+        if !has_talker(&root) {
+            return Err(RequestError::NoTalker { model: dir.display().to_string() }.into());
+        }
+        let chat = ChatIds::from_config(&root)?;
+        let talker = Talker::from_dir(&*backend, dir)?;
+        let code2wav = Code2Wav::from_dir(&*backend, dir)?;
+        Ok(SpeechStage { backend, thinker, talker, code2wav, chat })
+    }
+
+    /// The chat ids the talker's prompt is cut by.
+    pub fn chat_ids(&self) -> &ChatIds {
+        &self.chat
+    }
+
+    /// The thinker capture the talker reads at item rows (HF `accept_hidden_layer`).
+    pub fn accept_capture(&self) -> CaptureName {
+        CaptureName::Hidden(self.talker.config().accept_hidden_layer)
+    }
+
+    /// The talker.
+    pub fn talker(&self) -> &Talker<B> {
+        &self.talker
+    }
+
+    /// The vocoder.
+    pub fn code2wav(&self) -> &Code2Wav<B> {
+        &self.code2wav
+    }
+
+    /// The codec id of `speaker` (case-insensitive); an unknown one is
+    /// [`RequestError::UnknownSpeaker`] listing the known ones.
+    pub fn speaker_id(&self, speaker: &str) -> Result<u32> {
+        let ids = &self.talker.config().speaker_id;
+        ids.get(&speaker.to_lowercase()).copied().ok_or_else(|| {
+            RequestError::UnknownSpeaker {
+                speaker: speaker.to_string(),
+                known: ids.keys().cloned().collect(),
+            }
+            .into()
+        })
+    }
+
+    /// The talker's inputs for a thinker reply (HF `_get_talker_user_parts` and
+    /// `_get_talker_assistant_parts`): `prompt_ids` the thinker prompt laid out as
+    /// `layout`, `reply` its generated tokens (the last one never ran), and
+    /// `accept_rows` the thinker's [`accept_capture`](Self::accept_capture) rows of
+    /// at least the prompt's positions.
+    pub fn inputs(
+        &self, layout: &TalkerLayout, prompt_ids: &[u32], reply: &[u32], accept_rows: ArrayView2<'_, f32>,
+        speaker_id: u32,
+    ) -> Result<TalkerInputs> {
+        let cfg = self.talker.config();
+        let b = &*self.backend;
+        let text = |ids: &[u32]| -> Result<Array2<f32>> {
+            let embeds = b.download(&self.thinker.embed(b, ids)?)?;
+            self.talker.project_text(b, &embeds)
+        };
+        // The assistant turn as HF slices it: from its `<|im_start|>` over the reply,
+        // up to the last position that ran.
+        let assistant: Vec<u32> = prompt_ids[layout.assistant_start..].iter().chain(reply).copied().collect();
+        let ran = assistant.len().saturating_sub(1);
+        if ran < 4 {
+            return Err(RequestError::ReplyTooShort { rows: ran }.into());
+        }
+        if accept_rows.nrows() < prompt_ids.len() {
+            return Err(RequestError::ReplyTooShort { rows: accept_rows.nrows() }.into());
+        }
+
+        // User rows: text from its embedding, items from the accept layer.
+        let hidden = cfg.text.hidden_size;
+        let mut user = Array2::zeros((layout.user.len(), hidden));
+        let (items, texts): (Vec<(usize, usize)>, Vec<(usize, usize)>) =
+            layout.user.iter().copied().enumerate().partition(|&(row, _)| layout.is_item[row]);
+        if !texts.is_empty() {
+            let ids: Vec<u32> = texts.iter().map(|&(_, p)| prompt_ids[p]).collect();
+            for (&(row, _), projected) in texts.iter().zip(text(&ids)?.rows()) {
+                user.row_mut(row).assign(&projected);
+            }
+        }
+        if !items.is_empty() {
+            let rows = Array2::from_shape_fn((items.len(), accept_rows.ncols()), |(i, c)| {
+                accept_rows[[items[i].1, c]]
+            });
+            for (&(row, _), projected) in items.iter().zip(self.talker.project_hidden(b, &rows)?.rows()) {
+                user.row_mut(row).assign(&projected);
+            }
+        }
+
+        let tts =
+            text(&[self.chat.tts_bos_token_id, self.chat.tts_eos_token_id, self.chat.tts_pad_token_id])?;
+        let (tts_bos, tts_eos, tts_pad) =
+            (tts.slice(s![0..1, ..]), tts.slice(s![1..2, ..]), tts.slice(s![2..3, ..]));
+        let opening = text(&assistant[..4])?;
+        let pads = stack_rows(&[tts_pad; 4])?;
+        let assistant_text =
+            stack_rows(&[opening.slice(s![0..3, ..]), pads.view(), tts_bos, opening.slice(s![3..4, ..])])?;
+        let codec = self.talker.codec_embed(
+            b,
+            &[
+                cfg.codec_nothink_id,
+                cfg.codec_think_bos_id,
+                cfg.codec_think_eos_id,
+                speaker_id,
+                cfg.codec_pad_id,
+                cfg.codec_bos_id,
+            ],
+        )?;
+        let mut assistant_rows = assistant_text;
+        assistant_rows.slice_mut(s![3.., ..]).zip_mut_with(&codec, |a, c| *a += c);
+
+        let trailing_text = if ran > 4 { Some(text(&assistant[4..ran])?) } else { None };
+        let trailing = match &trailing_text {
+            Some(rows) => stack_rows(&[rows.view(), tts_eos])?,
+            None => tts_eos.to_owned(),
+        };
+        let embeds = stack_rows(&[user.view(), assistant_rows.view()])?;
+        Ok(TalkerInputs {
+            embeds,
+            positions: layout.positions.iter().collect(),
+            rope_delta: layout.positions.rope_delta().unwrap_or(0),
+            trailing_text_hidden: trailing,
+            tts_pad_embed: tts_pad.to_owned(),
+        })
+    }
+
+    /// Speaks a thinker reply (see [`inputs`](Self::inputs)): the talker's frames
+    /// go to code2wav as they come, and each audio chunk to `on_audio` as soon as
+    /// it is final (an error from it ends the run with that error).
+    pub fn speak(
+        &self, layout: &TalkerLayout, prompt_ids: &[u32], reply: &[u32], accept_rows: ArrayView2<'_, f32>,
+        options: &SpeechOptions, mut on_audio: impl FnMut(&[f32]) -> Result<()>,
+    ) -> Result<Speech> {
+        let started = Instant::now();
+        let speaker_id = self.speaker_id(&options.speaker)?;
+        options.talker.check()?;
+        let inputs = self.inputs(layout, prompt_ids, reply, accept_rows, speaker_id)?;
+        let b = &*self.backend;
+        let mut stream = Code2WavStream::new(&self.code2wav, options.first_chunk, options.chunk)?;
+        let mut audio = Vec::new();
+        let mut first_audio = None;
+        let mut emit = |chunk: Vec<f32>, audio: &mut Vec<f32>| -> Result<()> {
+            if !chunk.is_empty() {
+                first_audio.get_or_insert_with(|| started.elapsed());
+                on_audio(&chunk)?;
+                audio.extend(chunk);
+            }
+            Ok(())
+        };
+        let out = self.talker.generate(&self.backend, &inputs, &options.talker, |frame: &[u32]| {
+            let codes = Array2::from_shape_fn((frame.len(), 1), |(q, _)| i64::from(frame[q]));
+            emit(stream.push(b, codes.view())?, &mut audio)
+        })?;
+        emit(stream.finish(b)?, &mut audio)?;
+        Ok(Speech {
+            codes: out.codes,
+            audio,
+            sample_rate: self.code2wav.sample_rate(),
+            talker_prompt_rows: inputs.embeds.nrows(),
+            talker_cached_rows: 0,
+            finish: out.finish,
+            first_audio,
+        })
+    }
+}
+
+/// Rows of `parts` one after another; every part is the talker's width, so a
+/// mismatch is an internal shape error, never a panic.
+fn stack_rows(parts: &[ArrayView2<'_, f32>]) -> Result<Array2<f32>> {
+    concatenate(Axis(0), parts).map_err(|_| {
+        BackendError::OpShape {
+            op: "talker prompt",
+            what: "rows",
+            expected: "one width".into(),
+            found: parts.iter().map(|p| p.ncols()).collect(),
+        }
+        .into()
+    })
+}
+
+/// Whether a full Omni config carries a talker that is switched on.
+fn has_talker(root: &serde_json::Value) -> bool {
+    root.get("talker_config").is_some_and(|t| !t.is_null())
+        && root.get("code2wav_config").is_some_and(|c| !c.is_null())
+        && root.get("enable_audio_output").and_then(serde_json::Value::as_bool) != Some(false)
+}
