@@ -115,3 +115,31 @@ fn hf_chunked_decode_drops_samples_one_pass_keeps() -> TestResult {
     assert!(max_diff(&one[..first], &chunked[..first]) <= TOLERANCE);
     Ok(())
 }
+
+/// The wgpu backend runs code2wav through the trait's host-fallback ops (convolutions,
+/// SnakeBeta, LayerNorm, GELU, scale, clamp, windowed attention) and its own kernels
+/// (embedding, products, RMSNorm, RoPE, SwiGLU): the same waveform as HF, and streamed
+/// as one pass.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_backend_matches_transformers() -> TestResult {
+    let Some(gpu) = crate::shared_gpu::gpu() else { return Ok(()) };
+    let model = Code2Wav::from_dir(&gpu, &model_dir("omni_audio"))?;
+    let names = ["text", "round2"];
+    for (name, case) in names.iter().zip(load_cases(&names)?) {
+        let ours = model.forward(&gpu, case.codes.view())?;
+        let diff = max_diff(&ours, &case.waveform);
+        assert!(diff <= TOLERANCE, "wgpu {name}: max |ours - HF| = {diff}");
+        let mut stream = Code2WavStream::new(&model, 4, 5)?;
+        let mut wav = Vec::new();
+        for t in 0..case.codes.ncols() {
+            wav.extend(stream.push(&gpu, case.codes.slice(s![.., t..t + 1]))?);
+        }
+        wav.extend(stream.finish(&gpu)?);
+        let streamed = max_diff(&wav, &ours);
+        eprintln!("wgpu code2wav {name}: max |ours - HF| = {diff:e}, streamed vs one pass {streamed:e}");
+        assert_eq!(wav.len(), ours.len());
+        assert!(streamed <= STREAM_TOLERANCE, "wgpu {name}: max |streamed - one pass| = {streamed}");
+    }
+    Ok(())
+}
