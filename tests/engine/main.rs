@@ -6,6 +6,7 @@
 
 mod abort_safety;
 mod bad_inputs;
+mod code2wav_parity;
 mod engine_api;
 mod engine_full_hidden_states;
 mod generation;

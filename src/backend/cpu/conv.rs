@@ -6,7 +6,7 @@
 //! convolution's output row is a sum of weight rows scaled by input values (an
 //! `axpy` over contiguous output channels) and the time axis is the one rayon
 //! splits. Every output row is computed by one task in one fixed order (taps,
-//! then input channels, each ascending), so a row's value depends only on the
+//! then input channels, each ascending, summed in f64), so a row's value depends only on the
 //! input rows it reads, never on the length of the signal or on which rows
 //! share a task: decoding a window of a stream gives, bit for bit, the samples
 //! one pass over the whole stream gives (see `model::code2wav`'s streaming).
@@ -35,17 +35,31 @@ fn values(v: ArrayView2<'_, f32>) -> Vec<f32> {
     v.iter().copied().collect()
 }
 
-/// `out += a * w`, element by element (the inner loop of both convolutions).
+/// `out += a * w`, element by element, in f64 (the inner loop of both convolutions).
 #[inline]
-fn axpy(out: &mut [f32], a: f32, w: &[f32]) {
-    for (o, w) in out.iter_mut().zip(w) {
-        *o += a * w;
+fn axpy(out: &mut [f64], a: f32, w: &[f32]) {
+    let a = f64::from(a);
+    for (o, &w) in out.iter_mut().zip(w) {
+        *o += a * f64::from(w);
     }
 }
 
 /// A row-major copy whose rows are contiguous slices (no copy when already so).
 fn standard(x: ArrayView2<'_, f32>) -> Array2<f32> {
     x.as_standard_layout().into_owned()
+}
+
+/// Rows `0..rows` of `[rows, cols]`, each accumulated by `f(row, acc)` in f64 from
+/// `init` (a conv sums thousands of products a sample; f64 keeps that sum from
+/// drifting from torch's blocked one) and rounded once, on rayon.
+fn rows_par_f64(rows: usize, init: &[f32], f: impl Fn(usize, &mut [f64]) + Sync) -> Array2<f32> {
+    rows_par(rows, init.len(), |t, out| {
+        let mut acc: Vec<f64> = init.iter().map(|&b| f64::from(b)).collect();
+        f(t, &mut acc);
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = a as f32;
+        }
+    })
 }
 
 /// Rows `0..rows` of `[rows, cols]`, each filled by `f(row, out)` on rayon.
@@ -115,8 +129,7 @@ pub(crate) fn causal_conv1d(
     let cout_g = cout / groups;
     let (x, w) = (standard(x), standard(w));
     let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
-    Ok(rows_par(x.nrows(), cout, |t, out| {
-        out.copy_from_slice(&bias);
+    Ok(rows_par_f64(x.nrows(), &bias, |t, out| {
         for j in 0..kernel {
             let shift = (kernel - 1 - j) * dilation;
             let Some(src) = t.checked_sub(shift) else { continue };
@@ -125,7 +138,7 @@ pub(crate) fn causal_conv1d(
             if cin_g == 1 && cout_g == 1 {
                 // Depthwise: channel o reads input channel o.
                 for ((o, &xv), &wv) in out.iter_mut().zip(xr).zip(wj) {
-                    *o += xv * wv;
+                    *o += f64::from(xv) * f64::from(wv);
                 }
                 continue;
             }
@@ -178,8 +191,7 @@ pub(crate) fn causal_conv_transpose1d(
     let (x, w) = (standard(x), standard(w));
     let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
     let trim = kernel - stride;
-    Ok(rows_par(conv_transpose1d_len(x.nrows(), spec), cout, |m, out| {
-        out.copy_from_slice(&bias);
+    Ok(rows_par_f64(conv_transpose1d_len(x.nrows(), spec), &bias, |m, out| {
         let full = m + trim;
         for j in 0..kernel {
             let Some(n) = full.checked_sub(j).filter(|n| n.is_multiple_of(stride)) else { continue };
