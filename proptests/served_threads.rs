@@ -231,6 +231,7 @@ fn read_to_the_end(handle: &mut RequestHandle) -> Result<Output, String> {
         match event.map_err(|e| e.to_string())? {
             Event::Token(t) => tokens.push(t.token),
             Event::Finished(out) => finished = Some(out),
+            Event::Audio(_) => return Err("no audio was asked".into()),
         }
     }
     let out = finished.ok_or("a stream ended without its output")?;

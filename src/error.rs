@@ -263,6 +263,9 @@ pub enum RequestError {
     /// assistant opening and a first reply token that ran (4 rows).
     #[error("audio output needs a reply of at least 2 tokens; the assistant turn has {rows} rows that ran")]
     ReplyTooShort { rows: usize },
+    /// Audio asked of a request that generates nothing (a prefill).
+    #[error("audio output needs a generation: a prefill has no reply to speak")]
+    AudioNeedsGeneration,
     /// Audio asked of a checkpoint without a talker and code2wav.
     #[error("audio output needs a checkpoint with a talker; {model} has none")]
     NoTalker { model: String },

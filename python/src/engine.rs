@@ -157,8 +157,15 @@ impl PyEngine {
         let raised = Mutex::new(None);
         let served = &*self.served;
         let submitted = py.detach(|| {
-            let mut request =
-                Request { tenant, token_ids: ids, placeholders, items: inputs, task, encoder: None };
+            let mut request = Request {
+                tenant,
+                token_ids: ids,
+                placeholders,
+                items: inputs,
+                task,
+                encoder: None,
+                audio: None,
+            };
             if let Some(callable) = encoder {
                 request = request.with_encoder(PyEncoder { callable, items: &items, raised: &raised });
             }

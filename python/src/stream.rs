@@ -95,6 +95,8 @@ impl StreamState {
                 }
                 Ok(Read::Token(token.token, token.hidden, token.finish_reason))
             }
+            // Python asks for no audio yet.
+            Some(Ok(Event::Audio(_))) => Ok(Read::Empty),
             Some(Ok(Event::Finished(output))) => {
                 *self.result.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()) = Some(output);
                 ended(&mut guard);

@@ -59,6 +59,9 @@ pub struct EngineConfig {
     /// `None` (default) = none. Block hashes are keyed by `fingerprint_key`, which
     /// every replica and frontend of a fleet then shares.
     pub kv_events: Option<KvEventsConfig>,
+    /// Load the checkpoint's talker and code2wav, when it has them, so requests
+    /// may ask for audio (default on; off saves their memory).
+    pub speech: bool,
 }
 
 impl EngineConfig {
@@ -95,6 +98,7 @@ impl Default for EngineConfig {
             dtype: None,
             kv_dtype: Dtype::F32,
             kv_events: None,
+            speech: true,
         }
     }
 }

@@ -107,7 +107,7 @@ impl RequestHandle {
     fn took(&mut self, event: Option<HandleEvent>) -> Option<HandleEvent> {
         match &event {
             None | Some(Err(_)) | Some(Ok(Event::Finished(_))) => self.done = true,
-            Some(Ok(Event::Token(_))) => {
+            Some(Ok(Event::Token(_) | Event::Audio(_))) => {
                 if self.events.len() <= self.flow.capacity / 2 && self.flow.held.swap(false, Ordering::AcqRel)
                 {
                     let _ = self.commands.send(Command::Release(self.id));

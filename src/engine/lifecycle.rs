@@ -7,15 +7,18 @@ use std::time::Instant;
 
 use super::Engine;
 use super::generation::{Decoding, Next};
-use super::output::{Event, Output, Timings, TokenEvent, last_rows};
+use super::output::{AudioEvent, Event, Output, Timings, TokenEvent, last_rows};
 use super::prepare::{Prepared, Preparer};
 use super::request::Request;
 use crate::backend::Backend;
 use crate::batch::{RequestId, ScheduledBatch};
-use crate::error::{Component, Error, Result, SchedError};
+use crate::error::{Component, Error, RequestError, Result, SchedError};
+use crate::model::CaptureName;
 use crate::prompt::Positions;
 use crate::runner::SeqOutput;
 use crate::sample::FinishReason;
+use crate::speech::{CheckedSpeech, Speech};
+use ndarray::Array2;
 
 /// A submitted request until its output is handed out.
 pub(super) struct Pending {
@@ -34,6 +37,8 @@ pub(super) struct Pending {
     held: bool,
     /// The token sampled while held, appended on release.
     deferred: Option<u32>,
+    /// A request that asked for audio: its checked speech and its prompt's ids.
+    speech: Option<(CheckedSpeech, Vec<u32>)>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -60,9 +65,11 @@ impl<B: Backend> Engine<B> {
     /// caches its fresh encoder outputs; on error nothing changes, and the
     /// error names no request id (the caller gets the id only from success).
     pub fn submit_prepared(&mut self, prepared: Prepared) -> Result<RequestId> {
-        let Prepared { checked, fresh, cache_hits, encoded, generate, started, preprocess } = prepared;
+        let Prepared { checked, fresh, cache_hits, encoded, generate, speech, started, preprocess } =
+            prepared;
         let id = checked.request().id;
         let positions = checked.request().prompt.positions.clone();
+        let speech = speech.map(|s| (s, checked.request().prompt.token_ids.clone()));
         self.sched.admit_checked(checked).map_err(Error::unnamed)?;
         // Admitted: only now does anything change.
         self.preparer.admitted(fresh, cache_hits, encoded);
@@ -79,6 +86,7 @@ impl<B: Backend> Engine<B> {
             last_logits: Vec::new(),
             held: false,
             deferred: None,
+            speech,
         };
         self.pending.insert(id, pending);
         Ok(id)
@@ -302,6 +310,15 @@ impl<B: Backend> Engine<B> {
             }
             (None, hidden) => (None, hidden.unwrap_or_default()),
         };
+        let speech = match p.speech.take() {
+            Some((checked, prompt_ids)) => {
+                let speech = self.speak(id, &checked, &prompt_ids, &tokens, &hidden, p.started, events)?;
+                timings.ttfa = speech.first_audio;
+                timings.total = p.started.elapsed();
+                Some(speech)
+            }
+            None => None,
+        };
         self.finished += 1;
         events.push(Event::Finished(Output {
             request: id,
@@ -314,8 +331,44 @@ impl<B: Backend> Engine<B> {
             prompt_len,
             computed_positions,
             timings,
+            speech,
         }));
         Ok(())
+    }
+
+    /// Speaks a finished reply: the talker over the thinker's rows, each audio
+    /// chunk an [`Event::Audio`] as code2wav makes it; the speech's `first_audio`
+    /// is measured from the request's start (its time to first audio).
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one call site, each argument a different part of the request"
+    )]
+    fn speak(
+        &mut self, id: RequestId, checked: &CheckedSpeech, prompt_ids: &[u32], reply: &[u32],
+        hidden: &[(CaptureName, Array2<f32>)], started: Instant, events: &mut Vec<Event>,
+    ) -> Result<Speech> {
+        let stage = self
+            .speech
+            .as_ref()
+            .ok_or(RequestError::NoTalker { model: "this engine's checkpoint".into() })?;
+        let accept = stage.accept_capture();
+        let rows = hidden.iter().find(|(n, _)| *n == accept).map(|(_, h)| h.view()).ok_or_else(|| {
+            Component::Engine.violation(format!("request {id}: the talker's layer {accept} was not captured"))
+        })?;
+        let mut offset = 0;
+        let mut first = None;
+        let mut speech =
+            stage.speak(&checked.layout, prompt_ids, reply, rows, &checked.options, |chunk: &[f32]| {
+                first.get_or_insert_with(|| started.elapsed());
+                events.push(Event::Audio(AudioEvent { request: id, offset, samples: chunk.to_vec() }));
+                offset += chunk.len();
+                Ok(())
+            })?;
+        speech.first_audio = first;
+        if let Some(ttfa) = first {
+            self.latencies.first_audio(ttfa);
+        }
+        Ok(speech)
     }
 
     fn abort_batch(&mut self, batch: &ScheduledBatch) {

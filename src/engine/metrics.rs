@@ -2,7 +2,7 @@
 //! queries and hits counted in prompt tokens, preemptions, dropped KV events,
 //! running and waiting requests, KV-cache usage, and TTFT / inter-token
 //! latency histograms (one ITL observation per gap between two tokens of a
-//! request). The counters and gauges are read from their owners when the text
+//! request), and time to first audio for requests that speak. The counters and gauges are read from their owners when the text
 //! is rendered; only the histograms are kept here, observed as tokens come out.
 
 use std::time::Duration;
@@ -33,11 +33,17 @@ const ITL_BUCKETS: [f64; 22] = [
 pub(super) struct Latencies {
     ttft: Histogram,
     itl: Histogram,
+    /// Time to first audio, of requests that asked for audio.
+    ttfa: Histogram,
 }
 
 impl Default for Latencies {
     fn default() -> Self {
-        Latencies { ttft: Histogram::new(TTFT_BUCKETS), itl: Histogram::new(ITL_BUCKETS) }
+        Latencies {
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            ttfa: Histogram::new(TTFT_BUCKETS),
+        }
     }
 }
 
@@ -45,6 +51,12 @@ impl Latencies {
     /// A request's first token (a prefill: its output), `elapsed` after it was submitted.
     pub(super) fn first_token(&self, elapsed: Duration) {
         self.ttft.observe(elapsed.as_secs_f64());
+    }
+
+    /// A speaking request's first audio sample, `elapsed` after it was submitted
+    /// (TTFT's buckets: the same scale, a few steps later).
+    pub(super) fn first_audio(&self, elapsed: Duration) {
+        self.ttfa.observe(elapsed.as_secs_f64());
     }
 
     /// The gap between two consecutive tokens of one request.
@@ -118,6 +130,12 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
         "Between two consecutive tokens of a request",
         Unit::Seconds,
         latencies.itl.clone(),
+    );
+    registry.register_with_unit(
+        "time_to_first_audio",
+        "From submission to the first audio sample of a request that asked for audio",
+        Unit::Seconds,
+        latencies.ttfa.clone(),
     );
     let mut text = String::new();
     encode(&mut text, &registry)

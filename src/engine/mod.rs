@@ -51,6 +51,7 @@ use crate::preprocess::Preprocessor;
 use crate::prompt::{OmniTokens, PositionKind};
 use crate::runner::ModelRunner;
 use crate::sched::{RequestChecks, Scheduler};
+use crate::speech::SpeechStage;
 use lifecycle::Pending;
 use prepare::Preparer;
 
@@ -58,7 +59,7 @@ pub use channel::{HandleEvent, ReadySender};
 pub use config::{EngineConfig, EngineStats, IndexKind};
 pub use handle::{Aborter, RequestHandle};
 pub use kv_events::request_block_hashes;
-pub use output::{Event, Output, Timings, TokenEvent};
+pub use output::{AudioEvent, Event, Output, Timings, TokenEvent};
 pub use prepare::{Prepared, SharedEncoder};
 pub use request::{Encoder, EncoderOutput, ItemInput, PlaceholderForm, Request, Task};
 pub use served::{ServedEngine, ServedOptions};
@@ -105,6 +106,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     publisher: Option<kv_events::Publisher>,
     /// TTFT and inter-token latency histograms ([`metrics`](Self::metrics)).
     latencies: metrics::Latencies,
+    /// The talker and code2wav, when the checkpoint has them and speech is on.
+    speech: Option<Arc<SpeechStage<B>>>,
 }
 
 impl Engine<CpuBackend> {
@@ -131,11 +134,24 @@ impl<B: Backend> Engine<B> {
             config.tokens = tokens_from_config_file(&dir.join("config.json"))?;
         }
         let thinker = Arc::new(Thinker::from_dir_as(&*backend, dir, config.dtype)?);
-        Self::new(backend, thinker, config)
+        let speech = match config.speech && SpeechStage::<B>::in_checkpoint(dir)? {
+            true => Some(SpeechStage::from_dir(Arc::clone(&backend), Arc::clone(&thinker), dir)?),
+            false => None,
+        };
+        Self::with_speech(backend, thinker, config, speech)
     }
 
     /// An engine over a loaded thinker (several engines may share one).
     pub fn new(backend: Arc<B>, thinker: Arc<Thinker<B>>, config: EngineConfig) -> Result<Self> {
+        Self::with_speech(backend, thinker, config, None)
+    }
+
+    /// [`Engine::new`] with a talker stage that speaks the replies of requests
+    /// asking for audio; the thinker then also captures the layer the talker
+    /// reads (HF `accept_hidden_layer`), which the outputs hold too.
+    pub fn with_speech(
+        backend: Arc<B>, thinker: Arc<Thinker<B>>, config: EngineConfig, speech: Option<SpeechStage<B>>,
+    ) -> Result<Self> {
         config.check_dtypes()?;
         if let Some(dtype) = config.dtype.filter(|&d| d != thinker.dtype()) {
             return Err(ConfigError::Invalid {
@@ -147,10 +163,17 @@ impl<B: Backend> Engine<B> {
             .into());
         }
         let model = thinker.config().clone();
-        let capture = match &config.capture {
+        let mut capture = match &config.capture {
             Some(points) => CaptureSpec::new(points.iter().copied(), model.num_hidden_layers)?,
             None => CaptureSpec::default_for(model.num_hidden_layers),
         };
+        if let Some(stage) = &speech {
+            let accept = stage.accept_capture();
+            if capture.index_of(accept).is_none() {
+                let points = capture.points().iter().copied().chain([accept]);
+                capture = CaptureSpec::new(points, model.num_hidden_layers)?;
+            }
+        }
         let index: Box<dyn PrefixIndex> = match config.index {
             IndexKind::Radix => {
                 Box::new(RadixIndex::new(RadixConfig { block_size: config.scheduler.block_size })?)
@@ -183,7 +206,13 @@ impl<B: Backend> Engine<B> {
             if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
         let preprocessor = Preprocessor::new(fingerprinter, tokens).with_positions(position_kind);
         let encoder_cache = EncoderCache::new(config.encoder_cache_bytes);
-        let preparer = Preparer::new(preprocessor, checks, config.cache, encoder_cache);
+        let preparer = Preparer::new(
+            preprocessor,
+            checks,
+            config.cache,
+            encoder_cache,
+            speech.as_ref().map(|s| s.checks()),
+        );
         Ok(Engine {
             config,
             runner,
@@ -194,6 +223,7 @@ impl<B: Backend> Engine<B> {
             pending: FxHashMap::default(),
             publisher,
             latencies: metrics::Latencies::default(),
+            speech: speech.map(Arc::new),
         })
     }
 

@@ -9,6 +9,7 @@ use crate::batch::RequestId;
 use crate::model::CaptureName;
 use crate::prompt::Positions;
 use crate::sample::FinishReason;
+use crate::speech::Speech;
 
 /// What a finished request returns, prefill or generation alike (a prefill
 /// simply has no tokens).
@@ -37,6 +38,9 @@ pub struct Output {
     /// the prompt's positions cut by [`Positions::slice`], as every chunk's were.
     pub computed_positions: Positions,
     pub timings: Timings,
+    /// The spoken reply, for a request that asked for audio
+    /// ([`Request::speak`](super::Request::speak)).
+    pub speech: Option<Speech>,
 }
 
 impl Output {
@@ -59,6 +63,8 @@ pub struct Timings {
     pub ttft: Duration,
     /// To each sampled token (empty for a prefill).
     pub token_times: Vec<Duration>,
+    /// To the first audio sample, for a request that asked for audio.
+    pub ttfa: Option<Duration>,
     /// To the end.
     pub total: Duration,
 }
@@ -98,6 +104,17 @@ pub struct TokenEvent {
     pub finish_reason: Option<FinishReason>,
 }
 
+/// A chunk of a spoken reply, final as soon as it is made: the chunks of a
+/// request, in order, are its [`Speech::audio`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct AudioEvent {
+    pub request: RequestId,
+    /// Index of the chunk's first sample in the reply's audio.
+    pub offset: usize,
+    /// Mono samples at the talker's sample rate.
+    pub samples: Vec<f32>,
+}
+
 /// What one engine step produced for one request.
 #[derive(Debug, Clone)]
 #[expect(
@@ -107,6 +124,8 @@ pub struct TokenEvent {
 pub enum Event {
     /// A generating request sampled a token.
     Token(TokenEvent),
+    /// A speaking request made audio.
+    Audio(AudioEvent),
     /// A request finished; its last event.
     Finished(Output),
 }
@@ -116,6 +135,7 @@ impl Event {
     pub fn request(&self) -> RequestId {
         match self {
             Event::Token(t) => t.request,
+            Event::Audio(a) => a.request,
             Event::Finished(o) => o.request,
         }
     }

@@ -26,6 +26,7 @@ use crate::preprocess::Preprocessor;
 use crate::prompt::{CanonicalPrompt, OmniTokens, TenantSalt};
 use crate::sample::{SamplingParams, random_seed};
 use crate::sched::{Checked, RequestChecks};
+use crate::speech::{CheckedSpeech, SpeechChecks};
 
 /// An engine-wide encoder: called from whichever thread prepares a request.
 pub type SharedEncoder = Arc<dyn Encoder + Send + Sync>;
@@ -47,6 +48,8 @@ pub struct Prepared {
     pub(super) encoded: u64,
     /// The sampling settings and the seed in force, for a generation.
     pub(super) generate: Option<(SamplingParams, u64)>,
+    /// The reply's speech, checked, when the request asked for audio.
+    pub(super) speech: Option<CheckedSpeech>,
     pub(super) started: Instant,
     pub(super) preprocess: Duration,
 }
@@ -72,6 +75,8 @@ pub(super) struct Preparer {
     cache: bool,
     encoder_cache: Mutex<EncoderCache>,
     encoder: RwLock<Option<SharedEncoder>>,
+    /// The talker's checks; `None` when the engine speaks no audio.
+    speech: Option<SpeechChecks>,
     /// Items the encoder ran for (each an encoder-cache miss), counted when
     /// their request is admitted: a rejected request changes no counter.
     encoder_calls: AtomicU64,
@@ -81,6 +86,7 @@ pub(super) struct Preparer {
 impl Preparer {
     pub(super) fn new(
         preprocessor: Preprocessor, checks: Arc<RequestChecks>, cache: bool, encoder_cache: EncoderCache,
+        speech: Option<SpeechChecks>,
     ) -> Self {
         Preparer {
             preprocessor,
@@ -88,6 +94,7 @@ impl Preparer {
             cache,
             encoder_cache: Mutex::new(encoder_cache),
             encoder: RwLock::new(None),
+            speech,
             encoder_calls: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
         }
@@ -135,6 +142,14 @@ impl Preparer {
                 Some((params.clone(), params.seed.unwrap_or_else(random_seed)))
             }
         };
+        let speech = match (&request.audio, &self.speech) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(RequestError::NoTalker { model: "this engine's checkpoint".into() }.into());
+            }
+            (Some(_), Some(_)) if generate.is_none() => return Err(RequestError::AudioNeedsGeneration.into()),
+            (Some(options), Some(checks)) => Some(checks.check(options, &prompt, self.tokens())?),
+        };
         // Positions the sequence may grow by: every sampled token but the last runs.
         let max_new_tokens =
             generate.as_ref().map_or(0, |(p, _)| p.positions_needed(prompt.len()) - prompt.len());
@@ -162,6 +177,7 @@ impl Preparer {
             cache_hits: rows.cache_hits,
             encoded: rows.encoded,
             generate,
+            speech,
             started,
             preprocess: started.elapsed(),
         })

@@ -13,6 +13,7 @@ use crate::error::Result;
 pub use crate::preprocess::PlaceholderForm;
 use crate::prompt::TenantSalt;
 use crate::sample::SamplingParams;
+use crate::speech::SpeechOptions;
 
 /// One multimodal item of a request.
 #[derive(Debug, Clone)]
@@ -123,6 +124,10 @@ pub struct Request<'a> {
     /// This request's encoder; `None` falls back to the engine's
     /// ([`Engine::set_encoder`](super::Engine::set_encoder)), if any.
     pub encoder: Option<Arc<dyn Encoder + Send + Sync + 'a>>,
+    /// Speak the reply (a generation on an engine whose checkpoint has a
+    /// talker): audio chunks come as [`Event::Audio`](super::Event::Audio) and the
+    /// whole in [`Output::speech`](super::Output::speech).
+    pub audio: Option<SpeechOptions>,
 }
 
 impl<'a> Request<'a> {
@@ -134,6 +139,11 @@ impl<'a> Request<'a> {
     /// The same prompt, generating with `params`.
     pub fn generate(self, params: SamplingParams) -> Self {
         Request { task: Task::Generate(params), ..self }
+    }
+
+    /// The same request, its reply spoken with `options` (see [`Request::audio`]).
+    pub fn speak(self, options: SpeechOptions) -> Self {
+        Request { audio: Some(options), ..self }
     }
 
     /// The same request, with `encoder` for its items that need one.
@@ -151,6 +161,7 @@ impl fmt::Debug for Request<'_> {
             .field("items", &self.items)
             .field("task", &self.task)
             .field("encoder", &self.encoder.as_ref().map(|_| "<encoder>"))
+            .field("audio", &self.audio)
             .finish()
     }
 }

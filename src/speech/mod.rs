@@ -2,10 +2,12 @@
 //! the talker, and the chat ids that frame them. The talker model and code2wav
 //! live in [`crate::model`]; this module joins them to the thinker's output.
 
+mod checks;
 mod layout;
 mod stage;
 mod turns;
 
+pub use checks::{CheckedSpeech, SpeechChecks};
 pub use layout::{ASSISTANT_ROWS, TalkerLayout};
 pub use stage::{Speech, SpeechOptions, SpeechStage};
 pub use turns::{ChatIds, Turns, turns};

@@ -16,6 +16,7 @@ use crate::model::talker::{Talker, TalkerInputs};
 use crate::model::{CaptureName, Thinker};
 use crate::sample::{FinishReason, TalkerSampling};
 
+use super::checks::SpeechChecks;
 use super::layout::TalkerLayout;
 use super::turns::ChatIds;
 
@@ -31,6 +32,25 @@ pub struct SpeechOptions {
     pub first_chunk: usize,
     /// Frames per later decode.
     pub chunk: usize,
+}
+
+impl SpeechOptions {
+    /// The talker's sampling in range and both chunk sizes positive; the error
+    /// is [`RequestError::InvalidSampling`] naming the field.
+    pub fn check(&self) -> Result<()> {
+        self.talker.check()?;
+        for (param, n) in [("first_chunk", self.first_chunk), ("chunk", self.chunk)] {
+            if n == 0 {
+                return Err(RequestError::InvalidSampling {
+                    param,
+                    expected: "at least 1 frame",
+                    found: "0".into(),
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Default for SpeechOptions {
@@ -79,10 +99,7 @@ impl<B: Backend> SpeechStage<B> {
     /// loaded `thinker`. A checkpoint without them (no `talker_config`, or
     /// `enable_audio_output: false`) is [`RequestError::NoTalker`].
     pub fn from_dir(backend: Arc<B>, thinker: Arc<Thinker<B>>, dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| IoError::read(&path, source))?;
-        let root: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+        let root = read_config(dir)?;
         if !has_talker(&root) {
             return Err(RequestError::NoTalker { model: dir.display().to_string() }.into());
         }
@@ -90,6 +107,11 @@ impl<B: Backend> SpeechStage<B> {
         let talker = Talker::from_dir(&*backend, dir)?;
         let code2wav = Code2Wav::from_dir(&*backend, dir)?;
         Ok(SpeechStage { backend, thinker, talker, code2wav, chat })
+    }
+
+    /// Whether the checkpoint in `dir` has a talker (and code2wav) switched on.
+    pub fn in_checkpoint(dir: &Path) -> Result<bool> {
+        Ok(has_talker(&read_config(dir)?))
     }
 
     /// The chat ids the talker's prompt is cut by.
@@ -112,17 +134,10 @@ impl<B: Backend> SpeechStage<B> {
         &self.code2wav
     }
 
-    /// The codec id of `speaker` (case-insensitive); an unknown one is
-    /// [`RequestError::UnknownSpeaker`] listing the known ones.
-    pub fn speaker_id(&self, speaker: &str) -> Result<u32> {
-        let ids = &self.talker.config().speaker_id;
-        ids.get(&speaker.to_lowercase()).copied().ok_or_else(|| {
-            RequestError::UnknownSpeaker {
-                speaker: speaker.to_string(),
-                known: ids.keys().cloned().collect(),
-            }
-            .into()
-        })
+    /// What a request asking for audio is checked against.
+    pub fn checks(&self) -> SpeechChecks {
+        let speakers = self.talker.config().speaker_id.iter().map(|(k, v)| (k.to_lowercase(), *v)).collect();
+        SpeechChecks { chat: self.chat, speakers }
     }
 
     /// The talker's inputs for a thinker reply (HF `_get_talker_user_parts` and
@@ -154,8 +169,11 @@ impl<B: Backend> SpeechStage<B> {
         // User rows: text from its embedding, items from the accept layer.
         let hidden = cfg.text.hidden_size;
         let mut user = Array2::zeros((layout.user.len(), hidden));
-        let (items, texts): (Vec<(usize, usize)>, Vec<(usize, usize)>) =
-            layout.user.iter().copied().enumerate().partition(|&(row, _)| layout.is_item[row]);
+        // (talker row, thinker position) of the item rows and of the text rows.
+        let rows_where = |item: bool| -> Vec<(usize, usize)> {
+            layout.user.iter().copied().enumerate().filter(|&(row, _)| layout.is_item[row] == item).collect()
+        };
+        let (items, texts) = (rows_where(true), rows_where(false));
         if !texts.is_empty() {
             let ids: Vec<u32> = texts.iter().map(|&(_, p)| prompt_ids[p]).collect();
             for (&(row, _), projected) in texts.iter().zip(text(&ids)?.rows()) {
@@ -216,8 +234,8 @@ impl<B: Backend> SpeechStage<B> {
         options: &SpeechOptions, mut on_audio: impl FnMut(&[f32]) -> Result<()>,
     ) -> Result<Speech> {
         let started = Instant::now();
-        let speaker_id = self.speaker_id(&options.speaker)?;
-        options.talker.check()?;
+        let speaker_id = self.checks().speaker_id(&options.speaker)?;
+        options.check()?;
         let inputs = self.inputs(layout, prompt_ids, reply, accept_rows, speaker_id)?;
         let b = &*self.backend;
         let mut stream = Code2WavStream::new(&self.code2wav, options.first_chunk, options.chunk)?;
@@ -260,6 +278,13 @@ fn stack_rows(parts: &[ArrayView2<'_, f32>]) -> Result<Array2<f32>> {
         }
         .into()
     })
+}
+
+/// The checkpoint's `config.json`.
+fn read_config(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| IoError::read(&path, source))?;
+    serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()).into())
 }
 
 /// Whether a full Omni config carries a talker that is switched on.

@@ -113,6 +113,7 @@ fn the_last_token_event_carries_the_finish_reason() -> TestResult {
                     match event {
                         Event::Token(t) => reasons.push(t.finish_reason),
                         Event::Finished(o) => output = Some(o),
+                        Event::Audio(_) => return Err("no audio was asked".into()),
                     }
                 }
             }
@@ -266,6 +267,7 @@ fn streaming_yields_each_token_with_the_rows_of_the_position_that_chose_it() -> 
             match event {
                 Event::Token(t) => events.push(t),
                 Event::Finished(out) => finished = Some(out),
+                Event::Audio(_) => return Err("no audio was asked".into()),
             }
         }
     }

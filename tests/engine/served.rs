@@ -69,6 +69,7 @@ fn read_all(handle: &mut omniprefix::engine::RequestHandle) -> TestResult<(Vec<u
         match event? {
             Event::Token(t) => tokens.push(t.token),
             Event::Finished(out) => return Ok((tokens, out)),
+            Event::Audio(_) => return Err("no audio was asked".into()),
         }
     }
     Err("the stream ended without its output".into())
@@ -248,6 +249,7 @@ fn handles_are_read_async() -> TestResult {
             match event? {
                 Event::Token(t) => tokens.push(t.token),
                 Event::Finished(out) => return Ok::<_, Error>((tokens, out)),
+                Event::Audio(_) => {}
             }
         }
         Err(omniprefix::error::SchedError::UnknownRequest { id: handle.id() }.into())

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use ndarray::{ArrayD, IxDyn};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
-use omniprefix::engine::{Engine, EngineConfig, ItemInput, PlaceholderForm, Request};
+use omniprefix::engine::{Engine, EngineConfig, Event, ItemInput, PlaceholderForm, Request};
 use omniprefix::sample::{SamplingParams, TalkerSampling};
-use omniprefix::speech::{ASSISTANT_ROWS, ChatIds, SpeechOptions, SpeechStage, TalkerLayout};
+use omniprefix::speech::{ASSISTANT_ROWS, ChatIds, SpeechOptions, TalkerLayout};
 use support::reference::{Reference, TestResult, model_dir};
 
 const MODEL: &str = "omni_audio";
@@ -133,21 +133,16 @@ fn recorded() -> TestResult<Recorded> {
     })
 }
 
-/// The whole chain against HF's `generate(return_audio=True)`, greedy: our thinker's
-/// reply, then the talker's prompt from its rows (accept-layer rows at the image,
-/// projected embeddings elsewhere), the talker's codes (equal, code for code) and
-/// code2wav's waveform (within 1e-4), streamed to the caller in chunks whose
-/// concatenation is the waveform.
+/// The whole chain against HF's `generate(return_audio=True)`, greedy, through the engine:
+/// our thinker's reply, then the talker's prompt from its rows (accept-layer rows at the
+/// image, projected embeddings elsewhere), the talker's codes (equal, code for code) and
+/// code2wav's waveform (within 1e-4), streamed as `Event::Audio` chunks whose concatenation
+/// is the output's waveform.
 #[test]
 fn thinker_talker_and_code2wav_equal_hf_audio() -> TestResult {
     let hf = reference()?;
     let rec = recorded()?;
-    let dir = model_dir(MODEL);
-    let probe = Engine::from_dir(&dir, EngineConfig::default())?;
-    let (backend, thinker) = probe.runner().shared();
-    let stage = SpeechStage::from_dir(backend, thinker, &dir)?;
-    let config = EngineConfig { capture: Some(vec![stage.accept_capture()]), ..EngineConfig::default() };
-    let mut engine = Engine::from_dir(&dir, config)?;
+    let mut engine = Engine::from_dir(&model_dir(MODEL), EngineConfig::default())?;
     let options = SpeechOptions {
         talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
         ..SpeechOptions::default()
@@ -158,21 +153,26 @@ fn thinker_talker_and_code2wav_equal_hf_audio() -> TestResult {
             suppress_ids: rec.thinker_suppress.clone(),
             ..SamplingParams::greedy(rec.thinker_max_new_tokens)
         };
-        let prepared = engine.prepare(c.request().generate(params))?;
-        let layout = TalkerLayout::of(prepared.prompt(), stage.chat_ids(), engine.tokens())?;
-        let id = engine.submit_prepared(prepared)?;
-        let out = engine.run_all()?.into_iter().find(|o| o.request == id).ok_or("no output")?;
+        let id = engine.submit(c.request().generate(params).speak(options.clone()))?;
+        let mut chunks = Vec::new();
+        let mut output = None;
+        while engine.has_pending() {
+            for event in engine.step()? {
+                match event {
+                    Event::Audio(a) if a.request == id => {
+                        assert_eq!(a.offset, chunks.iter().map(Vec::len).sum::<usize>(), "{case}: offsets");
+                        chunks.push(a.samples);
+                    }
+                    Event::Finished(out) => output = Some(out),
+                    _ => {}
+                }
+            }
+        }
+        let out = output.ok_or("no output")?;
         let want_seq: Vec<u32> =
             hf.ints(&format!("{case}.thinker_sequences"))?.iter().map(|&t| t as u32).collect();
         assert_eq!(out.tokens[..], want_seq[c.ids.len()..], "{case}: thinker reply");
-
-        let accept = out.hidden_at(stage.accept_capture()).ok_or("no accept-layer capture")?;
-        let mut chunks = Vec::new();
-        let speech =
-            stage.speak(&layout, &c.ids, &out.tokens, accept.view(), &options, |chunk: &[f32]| {
-                chunks.push(chunk.to_vec());
-                Ok(())
-            })?;
+        let speech = out.speech.as_ref().ok_or("no speech")?;
         let want_codes = hf.ints(&format!("{case}.codes"))?;
         let frames = speech.codes.ncols();
         let got_codes: Vec<i64> = speech.codes.iter().map(|&c| i64::from(c)).collect();
@@ -181,14 +181,81 @@ fn thinker_talker_and_code2wav_equal_hf_audio() -> TestResult {
         assert_eq!(speech.audio.len(), want_wav.ncols(), "{case}: samples");
         let worst = speech.audio.iter().zip(want_wav.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         eprintln!(
-            "{case}: {frames} frames, {} samples, max |ours - HF| = {worst:.2e}, {} chunks",
+            "{case}: {frames} frames, {} samples, max |ours - HF| = {worst:.2e}, {} chunks, ttfa {:?}",
             speech.audio.len(),
-            chunks.len()
+            chunks.len(),
+            out.timings.ttfa
         );
         assert!(worst <= 1e-4, "{case}: waveform differs by {worst}");
         assert_eq!(chunks.concat(), speech.audio, "{case}: the streamed chunks are the waveform");
         assert!(chunks.len() > 1, "{case}: audio came in chunks");
-        assert_eq!(speech.talker_prompt_rows, layout.prefill_rows());
+        assert!(out.timings.ttfa.is_some_and(|t| t <= out.timings.total));
     }
+    Ok(())
+}
+
+/// Each bad speech request is a typed error naming the problem, with nothing cached: audio
+/// of a checkpoint without a talker, an unknown speaker, talker options out of range, audio
+/// on a prefill, a prompt with no assistant turn, and (for the thinker) a `suppress_ids`
+/// that bans every id.
+#[test]
+fn bad_speech_requests_are_typed_errors_that_change_nothing() -> TestResult {
+    use omniprefix::Error;
+    use omniprefix::error::RequestError;
+    let hf = reference()?;
+    let c = Case::open(&hf, "text")?;
+    let mut engine = Engine::from_dir(&model_dir(MODEL), EngineConfig::default())?;
+    let greedy = || c.request().generate(SamplingParams::greedy(4));
+    let before = engine.stats();
+    let speaker = SpeechOptions { speaker: "nobody".into(), ..SpeechOptions::default() };
+    match engine.submit(greedy().speak(speaker)) {
+        Err(Error::Request(RequestError::UnknownSpeaker { speaker, known })) => {
+            assert_eq!(speaker, "nobody");
+            assert!(known.contains(&"ethan".to_string()), "{known:?}");
+        }
+        other => return Err(format!("unknown speaker: {other:?}").into()),
+    }
+    for (field, talker) in [
+        ("temperature", TalkerSampling { temperature: -1.0, ..TalkerSampling::default() }),
+        ("top_p", TalkerSampling { top_p: 0.0, ..TalkerSampling::default() }),
+        ("repetition_penalty", TalkerSampling { repetition_penalty: f32::NAN, ..TalkerSampling::default() }),
+        ("max_new_tokens", TalkerSampling { max_new_tokens: 0, ..TalkerSampling::default() }),
+    ] {
+        let options = SpeechOptions { talker, ..SpeechOptions::default() };
+        match engine.submit(greedy().speak(options)) {
+            Err(Error::Request(RequestError::InvalidSampling { param, .. })) if param == field => {}
+            other => return Err(format!("talker {field}: {other:?}").into()),
+        }
+    }
+    let chunk = SpeechOptions { first_chunk: 0, ..SpeechOptions::default() };
+    assert!(matches!(
+        engine.submit(greedy().speak(chunk)),
+        Err(Error::Request(RequestError::InvalidSampling { param: "first_chunk", .. }))
+    ));
+    assert!(matches!(
+        engine.submit(c.request().speak(SpeechOptions::default())),
+        Err(Error::Request(RequestError::AudioNeedsGeneration))
+    ));
+    let no_turn = Request { token_ids: c.ids[..c.ids.len() - 3].to_vec(), ..c.request() };
+    assert!(matches!(
+        engine.submit(no_turn.generate(SamplingParams::greedy(4)).speak(SpeechOptions::default())),
+        Err(Error::Request(RequestError::NoAssistantTurn { .. }))
+    ));
+    let vocab = engine.model_config().vocab_size as u32;
+    let ban_all = SamplingParams { suppress_ids: (0..vocab).collect(), ..SamplingParams::greedy(4) };
+    assert!(matches!(
+        engine.submit(c.request().generate(ban_all).speak(SpeechOptions::default())),
+        Err(Error::Request(RequestError::InvalidSampling { param: "suppress_ids", .. }))
+    ));
+    assert_eq!(engine.stats(), before, "a rejected request changes no cache state");
+    assert!(!engine.has_pending());
+
+    // A checkpoint without a talker.
+    let mut plain = Engine::from_dir(&model_dir("omni_thinker"), EngineConfig::default())?;
+    let text = Request::text(vec![1, 2, 3]).generate(SamplingParams::greedy(2));
+    assert!(matches!(
+        plain.submit(text.speak(SpeechOptions::default())),
+        Err(Error::Request(RequestError::NoTalker { .. }))
+    ));
     Ok(())
 }

@@ -316,6 +316,8 @@ impl Caller<'_> {
                     }
                     last_token = Some(now);
                 }
+                // This driver asks for no audio.
+                Event::Audio(_) => {}
                 Event::Finished(out) => {
                     sample.prompt_tokens = out.prompt_len;
                     sample.cached_tokens = out.num_cached_tokens;
