@@ -6,22 +6,28 @@
 //! the frame's 16 codec embeddings plus the next `trailing_text_hidden` row (or
 //! `tts_pad_embed` once they run out) as the next decode row.
 //!
-//! The talker's KV lives in paged KV run by the thinker's [`ModelRunner`](crate::runner::ModelRunner), so a
-//! caller holding a prefilled prefix (pages + block table) can start after it.
+//! The talker's KV lives in paged KV run by the thinker's
+//! [`ModelRunner`](crate::runner::ModelRunner), so a caller holding a prefilled
+//! prefix (pages + block table) can start after it.
+//!
+//! [`Talker::generate_in`](crate::model::talker::Talker::generate_in) is a loop of
+//! [`Talker::step`](crate::model::talker::Talker::step) over one
+//! [`TalkerSeq`](crate::model::talker::TalkerSeq) that has every trailing row up
+//! front: the engine's step-wise, batched path and this one are the same code.
 
 use std::sync::Arc;
 
 use ndarray::{Array2, s};
 
 use super::Talker;
+use super::step::{TalkerBlocks, TalkerSeq};
 use crate::backend::Backend;
-use crate::batch::{EmbedRows, ScheduledBatch, ScheduledSeq};
+use crate::batch::RequestId;
 use crate::error::{BackendError, RunnerError};
 use crate::kv::BlockTable;
 use crate::model::{CaptureName, CaptureSpec};
-use crate::prompt::Positions;
-use crate::runner::{ModelRunner, SeqOutput};
-use crate::sample::{FinishReason, Sampler, TalkerSampling, apply_repetition_penalty};
+use crate::runner::ModelRunner;
+use crate::sample::{FinishReason, TalkerSampling};
 use crate::{Error, Result};
 
 /// Block size of the pages [`Talker::generate`] allocates for itself.
@@ -52,8 +58,9 @@ impl TalkerInputs {
         TalkerInputs { embeds, positions, rope_delta: 0, trailing_text_hidden, tts_pad_embed }
     }
 
-    fn check(&self, hidden: usize) -> Result<()> {
-        let bad = |what: String| Err(Error::Runner(RunnerError::InvalidBatch { request: 0, what }));
+    /// Widths and lengths against a talker `hidden` wide; errors name `request`.
+    pub(super) fn check(&self, request: RequestId, hidden: usize) -> Result<()> {
+        let bad = |what: String| Err(Error::Runner(RunnerError::InvalidBatch { request, what }));
         let rows = self.embeds.nrows();
         if rows == 0 {
             return bad("the talker prompt has no rows".into());
@@ -145,145 +152,36 @@ impl<B: Backend> Talker<B> {
         &self, backend: &Arc<B>, kv: TalkerKv<'_, B>, inputs: &TalkerInputs, sampling: &TalkerSampling,
         mut on_frame: impl FnMut(&[u32]) -> Result<()>,
     ) -> Result<TalkerOutput> {
-        sampling.check()?;
-        let cfg = &self.config;
-        let hidden = cfg.text.hidden_size;
-        inputs.check(hidden)?;
-        let rows = inputs.embeds.nrows();
-        let needed = rows + sampling.max_new_tokens - 1;
-        if !kv.block_table.covers(needed) {
+        let blocks = TalkerBlocks { block_table: kv.block_table, num_cached: kv.num_cached };
+        let mut seq = TalkerSeq::new(&self.config, 0, inputs.clone(), sampling, blocks)?;
+        // Every trailing row (HF's tts_eos included) is in `inputs`.
+        seq.finish_trailing();
+        let needed = seq.positions_needed();
+        if !seq.block_table().covers(needed) {
             return Err(RunnerError::InvalidBatch {
                 request: 0,
                 what: format!(
                     "talker block table of {} blocks cannot hold {needed} positions",
-                    kv.block_table.len()
+                    seq.block_table().len()
                 ),
             }
             .into());
         }
         let runner = self.runner(backend)?;
-        let b = &**backend;
-        let mut cp_pages = self.code_predictor.alloc_pages(b)?;
-        let mut talker_sampler = Sampler::new(sampling.seed);
-        let mut cp_sampler = Sampler::new(sampling.seed.wrapping_add(1));
-        let (talker_params, cp_params) = (sampling.talker_params(), sampling.predictor_params());
-        let suppressed: Vec<u32> = cfg.suppressed_codes().collect();
-
-        let start = kv.num_cached.min(rows - 1);
-        let prefill = ScheduledSeq {
-            request: 0,
-            block_table: kv.block_table.clone(),
-            num_computed_tokens: start,
-            token_ids: vec![0; rows - start],
-            embeds: vec![EmbedRows {
-                step_offset: 0,
-                embeddings: Arc::new(inputs.embeds.clone()),
-                rows: start..rows,
-                deepstack: None,
-            }],
-            positions: Positions::given(inputs.positions[start..].to_vec(), inputs.rope_delta),
-            seq_len: rows,
-            emits_output: true,
-            output_from: rows - 1,
-        };
-        let mut out = step(&runner, prefill, kv.pages)?;
-
-        let groups = cfg.num_code_groups;
-        let mut sampled: Vec<u32> = Vec::new();
-        let mut frames: Vec<u32> = Vec::new();
-        let mut past_hidden: Vec<f32> = Vec::new();
-        let mut step_embeds: Vec<f32> = Vec::new();
-        let finish = loop {
-            let mut logits = out.last_logits;
-            apply_repetition_penalty(&mut logits, &sampled, sampling.repetition_penalty);
-            for &id in &suppressed {
-                if let Some(x) = logits.get_mut(id as usize) {
-                    *x = f32::NEG_INFINITY;
-                }
+        while !seq.is_finished() {
+            let frame = self.step(backend, &runner, kv.pages, &mut [&mut seq])?.pop().flatten();
+            if let Some(frame) = frame {
+                on_frame(&frame)?;
             }
-            let code0 = talker_sampler.sample(&logits, &talker_params, &[]);
-            sampled.push(code0);
-            if code0 == cfg.codec_eos_token_id {
-                break FinishReason::Stop;
-            }
-            if sampled.len() == sampling.max_new_tokens {
-                break FinishReason::Length;
-            }
-            // The frame of code0: the predictor starts from the row that sampled it.
-            let hidden_row = final_row(&out.hidden, hidden)?;
-            let past = b.upload(hidden_row.view())?;
-            let code0_embed = self.model.embed(b, &[code0])?;
-            let pred = self.code_predictor.predict(
-                b,
-                &past,
-                &code0_embed,
-                &mut cp_pages,
-                &cp_params,
-                &mut cp_sampler,
-            )?;
-            let mut frame = Vec::with_capacity(groups);
-            frame.push(code0);
-            frame.extend_from_slice(&pred.codes);
-            on_frame(&frame)?;
-            frames.extend_from_slice(&frame);
-            past_hidden.extend(hidden_row.iter());
-
-            // The next decode row: the frame's embeddings plus this step's text row.
-            let s = sampled.len() - 1;
-            let mut row = b.download(&pred.embed_sum)?;
-            match inputs.trailing_text_hidden.nrows() > s {
-                true => row += &inputs.trailing_text_hidden.slice(s![s..s + 1, ..]),
-                false => row += &inputs.tts_pad_embed,
-            }
-            step_embeds.extend(row.iter());
-            let at = rows + s;
-            let pos = at as i64 + inputs.rope_delta;
-            let decode = ScheduledSeq {
-                request: 0,
-                block_table: kv.block_table.clone(),
-                num_computed_tokens: at,
-                token_ids: vec![0],
-                embeds: vec![EmbedRows {
-                    step_offset: 0,
-                    embeddings: Arc::new(row),
-                    rows: 0..1,
-                    deepstack: None,
-                }],
-                positions: Positions::given(vec![[pos; 3]], inputs.rope_delta),
-                seq_len: at + 1,
-                emits_output: true,
-                output_from: at,
-            };
-            out = step(&runner, decode, kv.pages)?;
-        };
-        let n = sampled.len() - 1;
-        let by_frame = Array2::from_shape_vec((n, groups), frames)
-            .map_err(|e| crate::error::Component::Runner.violation(format!("talker frames: {e}")))?;
-        let shaped = |v: Vec<f32>| {
-            Array2::from_shape_vec((n, hidden), v)
-                .map_err(|e| crate::error::Component::Runner.violation(format!("talker rows: {e}")))
-        };
-        Ok(TalkerOutput {
-            codes: by_frame.reversed_axes().as_standard_layout().into_owned(),
-            past_hidden: shaped(past_hidden)?,
-            step_embeds: shaped(step_embeds)?,
-            sampled,
-            finish,
+        }
+        seq.into_output().ok_or_else(|| {
+            crate::error::Component::Runner.violation("a finished talker seq has no output").into()
         })
     }
 }
 
-/// Runs one talker step (one sequence) and returns its output.
-fn step<B: Backend>(runner: &ModelRunner<B>, seq: ScheduledSeq, pages: &mut B::Pages) -> Result<SeqOutput> {
-    let batch = ScheduledBatch { copies: vec![], seqs: vec![seq] };
-    runner
-        .execute(&batch, pages)?
-        .pop()
-        .ok_or_else(|| crate::error::Component::Runner.violation("a talker step returned no output").into())
-}
-
 /// The last final-normed row of a step's captured hidden rows, `[1, hidden]`.
-fn final_row(hidden: &[(CaptureName, Array2<f32>)], width: usize) -> Result<Array2<f32>> {
+pub(super) fn final_row(hidden: &[(CaptureName, Array2<f32>)], width: usize) -> Result<Array2<f32>> {
     let rows = hidden.iter().find(|(name, _)| *name == CaptureName::Final).map(|(_, m)| m);
     match rows {
         Some(m) if m.nrows() > 0 && m.ncols() == width => Ok(m.slice(s![m.nrows() - 1.., ..]).to_owned()),

@@ -2,7 +2,9 @@
 //! Qwen3-MoE with shared experts over `codec_embedding`, `codec_head` on top), the
 //! text and hidden projections that turn thinker rows into talker rows, and the
 //! code predictor that completes each frame. [`Talker::generate`] produces the
-//! codec codes `[num_code_groups, frames]` code2wav turns into audio, frame by frame.
+//! codec codes `[num_code_groups, frames]` code2wav turns into audio, frame by frame;
+//! [`Talker::step`] advances many [`TalkerSeq`](crate::model::talker::TalkerSeq)s one frame each in one batched
+//! forward, for an engine interleaving the talker with the thinker.
 
 /// The code predictor (residual codes of a frame).
 pub mod code_predictor;
@@ -10,11 +12,13 @@ pub mod code_predictor;
 pub mod config;
 /// The frame loop: prefill, sample, predict, feed back.
 pub mod generate;
+/// The talker a step at a time, batched, trailing text arriving as the thinker makes it.
+pub mod step;
 #[cfg(test)]
 mod tests;
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ndarray::Array2;
 use rand::{Rng, SeedableRng};
@@ -28,6 +32,7 @@ use crate::model::{HostTensor, MemorySource, SafetensorsSource, WeightSource, We
 pub use code_predictor::{CodePredictor, Prediction};
 pub use config::TalkerConfig;
 pub use generate::{TalkerInputs, TalkerKv, TalkerOutput};
+pub use step::{TalkerBlocks, TalkerSeq};
 
 /// HF `Qwen3OmniMoeTalkerResizeMLP`: `fc2(silu(fc1 x + b1)) + b2`, thinker width → talker width.
 struct ResizeMlp<T, W> {
@@ -68,6 +73,10 @@ pub struct Talker<B: Backend> {
     hidden_projection: ResizeMlp<B::Tensor, B::Weight>,
     model: Arc<Thinker<B>>,
     code_predictor: CodePredictor<B>,
+    /// The code predictor's pages between steps: a frame's KV is scratch (each
+    /// frame rewrites positions `0..num_code_groups` before reading them), so one
+    /// set serves every seq, allocated once rather than per step.
+    predictor_pages: Mutex<Option<B::Pages>>,
 }
 
 impl<B: Backend> Talker<B> {
@@ -113,6 +122,7 @@ impl<B: Backend> Talker<B> {
             hidden_projection: resize("hidden_projection")?,
             model: Arc::new(model),
             code_predictor,
+            predictor_pages: Mutex::new(None),
             config,
         })
     }
@@ -161,6 +171,18 @@ impl<B: Backend> Talker<B> {
         let mut out = backend.matmul_t(&backend.silu(&h)?, &mlp.fc2)?;
         backend.add_bias(&mut out, &mlp.b2)?;
         backend.download(&out)
+    }
+
+    /// The code predictor's scratch pages: the kept ones, or new ones when another
+    /// step holds them.
+    fn take_predictor_pages(&self, backend: &B) -> Result<B::Pages> {
+        let kept = self.predictor_pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        kept.map_or_else(|| self.code_predictor.alloc_pages(backend), Ok)
+    }
+
+    /// Keeps the code predictor's scratch pages for the next step.
+    fn put_predictor_pages(&self, pages: B::Pages) {
+        *self.predictor_pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(pages);
     }
 
     /// The talker's codec embeddings of `ids` `[ids.len(), hidden]` (HF

@@ -1,6 +1,6 @@
 use std::sync::Arc;
 
-use ndarray::Array2;
+use ndarray::{Array2, s};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -118,4 +118,189 @@ fn projections_match_a_host_oracle() {
     assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "{got} vs {want}");
     assert_ne!(talker.project_hidden(&*backend, &x).unwrap(), got);
     assert_eq!(talker.codec_embed(&*backend, &[3, 40]).unwrap().dim(), (2, 32));
+}
+
+/// A seq of `inputs` whose trailing rows come later, on blocks `first..first + n` of 4 positions.
+fn seq_of(
+    talker: &Talker<CpuBackend>, request: u64, inputs: &TalkerInputs, sampling: &TalkerSampling,
+    blocks: std::ops::Range<u32>,
+) -> TalkerSeq {
+    let late = TalkerInputs { trailing_text_hidden: Array2::zeros((0, 32)), ..inputs.clone() };
+    let blocks = TalkerBlocks { block_table: BlockTable::new(blocks.collect(), 4), num_cached: 0 };
+    TalkerSeq::new(talker.config(), request, late, sampling, blocks).unwrap()
+}
+
+fn assert_same(got: &TalkerOutput, want: &TalkerOutput, what: &str) {
+    assert_eq!(got.sampled, want.sampled, "{what}: sampled");
+    assert_eq!(got.codes, want.codes, "{what}: codes");
+    assert_eq!(got.finish, want.finish, "{what}: finish");
+    // Bit for bit: the same f32s, not merely close ones.
+    let bits = |m: &Array2<f32>| m.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got.past_hidden), bits(&want.past_hidden), "{what}: past_hidden");
+    assert_eq!(bits(&got.step_embeds), bits(&want.step_embeds), "{what}: step_embeds");
+}
+
+/// Three replies: different prompts, trailing rows and sampling (greedy, seeded, seeded).
+fn three() -> Vec<(TalkerInputs, TalkerSampling)> {
+    let (_, _, base) = setup();
+    let seeded = |seed, max| TalkerSampling { max_new_tokens: max, seed, ..TalkerSampling::default() };
+    vec![
+        (base.clone(), sampling(9)),
+        (TalkerInputs::linear(rows(11, 6, 32), rows(12, 2, 32), rows(13, 1, 32)), seeded(4, 10)),
+        (TalkerInputs { trailing_text_hidden: rows(14, 5, 32), ..base }, seeded(77, 8)),
+    ]
+}
+
+#[test]
+fn seqs_stepped_together_give_what_they_give_alone() {
+    let (backend, talker, _) = setup();
+    let runner = talker.runner(&backend).unwrap();
+    let cases = three();
+    let alone: Vec<TalkerOutput> =
+        cases.iter().map(|(i, s)| talker.generate(&backend, i, s, |_: &[u32]| Ok(())).unwrap()).collect();
+    for (k, out) in alone.iter().enumerate() {
+        // The replies must reach past their trailing rows (tts_pad) to test anything.
+        assert!(out.codes.ncols() > cases[k].0.trailing_text_hidden.nrows(), "case {k}: {out:?}");
+    }
+    let mut pages = talker.alloc_pages(&backend, 16, 4).unwrap();
+    let mut seqs: Vec<TalkerSeq> = cases
+        .iter()
+        .enumerate()
+        .map(|(k, (inputs, s))| {
+            let mut seq = seq_of(&talker, k as u64, inputs, s, 5 * k as u32..5 * k as u32 + 5);
+            seq.push_trailing(inputs.trailing_text_hidden.view()).unwrap();
+            seq.finish_trailing();
+            seq
+        })
+        .collect();
+    // The third reply's prompt runs in chunks of 4 beside the others' decode rows.
+    seqs[2] = seqs[2].clone().with_prefill_chunk(std::num::NonZeroUsize::new(4).unwrap());
+    let mut streamed: Vec<Vec<Vec<u32>>> = vec![vec![]; 3];
+    let mut steps = 0;
+    while seqs.iter().any(|s| !s.is_finished()) {
+        // The first reply joins late, so prompts and decode rows share batches.
+        let join = if steps < 2 { 1 } else { 0 };
+        let mut batch: Vec<&mut TalkerSeq> = seqs.iter_mut().skip(join).collect();
+        let frames = talker.step(&backend, &runner, &mut pages, &mut batch).unwrap();
+        for (k, frame) in frames.into_iter().enumerate() {
+            streamed[k + join].extend(frame);
+        }
+        steps += 1;
+        assert!(steps < 40);
+    }
+    for (k, seq) in seqs.into_iter().enumerate() {
+        let got = seq.into_output().unwrap();
+        assert_same(&got, &alone[k], &format!("case {k}"));
+        let cols: Vec<Vec<u32>> = (0..got.codes.ncols()).map(|f| got.codes.column(f).to_vec()).collect();
+        assert_eq!(streamed[k], cols, "case {k}: streamed frames");
+    }
+}
+
+#[test]
+fn trailing_rows_arriving_late_and_in_pieces_give_generates_codes() {
+    let (backend, talker, _) = setup();
+    let runner = talker.runner(&backend).unwrap();
+    for (k, (inputs, s)) in three().into_iter().enumerate() {
+        let want = talker.generate(&backend, &inputs, &s, |_: &[u32]| Ok(())).unwrap();
+        let n = inputs.trailing_text_hidden.nrows();
+        for schedule in 0..6u64 {
+            let mut rng = ChaCha8Rng::seed_from_u64(schedule * 10 + k as u64);
+            let mut seq = seq_of(&talker, 0, &inputs, &s, 0..5);
+            let mut pages = talker.alloc_pages(&backend, 5, 4).unwrap();
+            let mut pushed = 0;
+            let mut steps = 0;
+            while !seq.is_finished() {
+                // A thinker step: maybe some rows (schedule 0 pushes all of them only when the talker is stuck).
+                let piece = match schedule {
+                    0 if seq.is_ready() => 0,
+                    0 => n - pushed,
+                    _ => rng.random_range(0..3usize).min(n - pushed),
+                };
+                if piece > 0 {
+                    seq.push_trailing(inputs.trailing_text_hidden.slice(s![pushed..pushed + piece, ..]))
+                        .unwrap();
+                    pushed += piece;
+                }
+                if pushed == n && !seq.trailing_finished() && (schedule == 0 || rng.random_bool(0.5)) {
+                    seq.finish_trailing();
+                }
+                let (ready, before) = (seq.is_ready(), seq.sampled().len());
+                let frames = talker.step(&backend, &runner, &mut pages, &mut [&mut seq]).unwrap();
+                if !ready {
+                    // A seq waiting for its trailing row is left out and left as it was.
+                    assert!(frames[0].is_none() && seq.sampled().len() == before, "schedule {schedule}");
+                }
+                steps += 1;
+                assert!(steps < 100, "case {k} schedule {schedule} never finished");
+            }
+            assert_same(&seq.into_output().unwrap(), &want, &format!("case {k} schedule {schedule}"));
+        }
+    }
+}
+
+#[test]
+fn step_errors_are_typed_and_leave_the_seq_as_it_was() {
+    let (backend, talker, inputs) = setup();
+    let runner = talker.runner(&backend).unwrap();
+    let want = talker.generate(&backend, &inputs, &sampling(6), |_: &[u32]| Ok(())).unwrap();
+    let invalid = |e: Error, request| matches!(e, Error::Runner(RunnerError::InvalidBatch { request: r, .. }) if r == request);
+
+    // Construction: sampling and widths.
+    let blocks = TalkerBlocks { block_table: BlockTable::new(vec![0, 1], 4), num_cached: 0 };
+    let bad = TalkerSampling { temperature: -1.0, ..sampling(6) };
+    assert!(matches!(
+        TalkerSeq::new(talker.config(), 3, inputs.clone(), &bad, blocks.clone()),
+        Err(Error::Request(RequestError::InvalidSampling { param: "temperature", .. }))
+    ));
+    let narrow = TalkerInputs { embeds: rows(1, 9, 31), ..inputs.clone() };
+    assert!(invalid(TalkerSeq::new(talker.config(), 3, narrow, &sampling(6), blocks).unwrap_err(), 3));
+
+    // Trailing rows: width, and none after finish_trailing.
+    let mut seq = seq_of(&talker, 3, &inputs, &sampling(6), 0..2);
+    assert!(invalid(seq.push_trailing(rows(1, 2, 31).view()).unwrap_err(), 3));
+    assert_eq!(seq.trailing_rows(), 0);
+
+    // A block table too small for the step: an error naming the request, nothing
+    // changed; after the caller adds blocks the same seq goes on to generate's codes.
+    let mut pages = talker.alloc_pages(&backend, 4, 4).unwrap();
+    assert_eq!(seq.next_positions(), 9);
+    assert_eq!(seq.positions_needed(), 9 + 6 - 1);
+    assert!(invalid(talker.step(&backend, &runner, &mut pages, &mut [&mut seq]).unwrap_err(), 3));
+    assert!(seq.sampled().is_empty() && seq.is_ready() && seq.finish().is_none());
+    seq.extend_blocks([2]);
+    seq.push_trailing(inputs.trailing_text_hidden.view()).unwrap();
+    seq.finish_trailing();
+    assert!(invalid(seq.push_trailing(inputs.trailing_text_hidden.view()).unwrap_err(), 3));
+    // Blocks outside the pages: the runner's check, the request named.
+    let mut outside = seq.clone();
+    outside.extend_blocks([9, 9]);
+    let mut small = talker.alloc_pages(&backend, 3, 4).unwrap();
+    assert!(invalid(talker.step(&backend, &runner, &mut small, &mut [&mut outside]).unwrap_err(), 3));
+    while !seq.is_finished() {
+        let needed = seq.next_positions();
+        if !seq.block_table().covers(needed) {
+            seq.extend_blocks([3]);
+        }
+        talker.step(&backend, &runner, &mut pages, &mut [&mut seq]).unwrap();
+    }
+    assert_same(&seq.into_output().unwrap(), &want, "grown block table");
+
+    // A seq of another talker, or another talker's runner.
+    let mut cfg = TalkerConfig::tiny();
+    cfg.num_code_groups = 8;
+    let mut other = seq_of(&talker, 5, &inputs, &sampling(6), 0..4);
+    other.push_trailing(inputs.trailing_text_hidden.view()).unwrap();
+    let twin = Talker::random(&*backend, TalkerConfig::tiny(), 5).unwrap();
+    let twin_runner = twin.runner(&backend).unwrap();
+    assert!(invalid(talker.step(&backend, &twin_runner, &mut pages, &mut [&mut other]).unwrap_err(), 5));
+    let blocks = TalkerBlocks { block_table: BlockTable::new(vec![0, 1, 2, 3], 4), num_cached: 0 };
+    let mut eight = TalkerSeq::new(&cfg, 6, inputs.clone(), &sampling(6), blocks).unwrap();
+    assert!(invalid(talker.step(&backend, &runner, &mut pages, &mut [&mut eight]).unwrap_err(), 6));
+    // Nothing ready: nothing runs.
+    let mut done = seq_of(&talker, 7, &inputs, &sampling(1), 0..4);
+    while !done.is_finished() {
+        talker.step(&backend, &runner, &mut pages, &mut [&mut done]).unwrap();
+    }
+    assert_eq!(done.sampled().len(), 1, "max_new_tokens 1: one code, no frame");
+    assert_eq!(talker.step(&backend, &runner, &mut pages, &mut [&mut done]).unwrap(), vec![None]);
 }
