@@ -109,6 +109,14 @@ impl<B: Backend> SpeechStage<B> {
         Ok(SpeechStage { backend, thinker, talker, code2wav, chat })
     }
 
+    /// A stage over loaded parts (e.g. seeded random ones, for benches): `chat`
+    /// are the thinker's ids that frame the talker's prompt.
+    pub fn new(
+        backend: Arc<B>, thinker: Arc<Thinker<B>>, talker: Talker<B>, code2wav: Code2Wav<B>, chat: ChatIds,
+    ) -> Self {
+        SpeechStage { backend, thinker, talker, code2wav, chat }
+    }
+
     /// Whether the checkpoint in `dir` has a talker (and code2wav) switched on.
     pub fn in_checkpoint(dir: &Path) -> Result<bool> {
         Ok(has_talker(&read_config(dir)?))
