@@ -588,3 +588,226 @@ fn item_identity(
     };
     fingerprinter.identify(item, &spec)
 }
+
+#[cfg(test)]
+mod tests {
+    use ndarray::{ArrayD, IxDyn};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::canon::{FingerprintKey, ItemLayout, Modality, ValidationPolicy};
+    use crate::error::{Error, TestResult};
+    use crate::index::radix::{RadixConfig, RadixIndex};
+    use crate::prompt::PromptBuilder;
+    use crate::speech::ChatIds;
+
+    const CHAT: ChatIds = ChatIds {
+        im_start_token_id: 1,
+        user_token_id: 2,
+        assistant_token_id: 3,
+        tts_pad_token_id: 7,
+        tts_bos_token_id: 8,
+        tts_eos_token_id: 9,
+    };
+    const WIDTH: usize = 24;
+
+    fn fingerprinter() -> Fingerprinter {
+        Fingerprinter::new(FingerprintKey::fixed(0), 1, ValidationPolicy::SecondDigest).unwrap()
+    }
+
+    /// A thinker prompt: a system turn `system`, a user turn of text `a`, a
+    /// 2x2-merged image (4 rows) and text `b`, then the assistant opening.
+    fn thinker(system: u32, a: &[u32], b: &[u32]) -> CanonicalPrompt {
+        let pixels = ArrayD::<u8>::from_elem(IxDyn(&[56, 56, 3]), 3);
+        let spec = ItemSpec {
+            modality: Modality::Image,
+            layout: ItemLayout::Image { grid_thw: [1, 4, 4] },
+            content: ItemContent::Tensor(TensorView::U8(pixels.view())),
+            params: Default::default(),
+        };
+        let image = Arc::new(fingerprinter().identify(0, &spec).unwrap());
+        let mut builder = PromptBuilder::new(OmniTokens::tiny());
+        builder.push_text(&[1, system, 5, 6, 1, 2, 5]).unwrap();
+        builder.push_text(a).unwrap().push_text(&[503]).unwrap();
+        builder.push_item(image).unwrap();
+        builder.push_text(&[504]).unwrap().push_text(b).unwrap().push_text(&[6, 1, 3, 5]).unwrap();
+        builder.build().unwrap()
+    }
+
+    fn accept(seed: u64, rows: usize) -> Array2<f32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        Array2::from_shape_fn((rows, WIDTH), |_| rng.random::<f32>() - 0.5)
+    }
+
+    fn key_of(prompt: &CanonicalPrompt, accept: &Array2<f32>) -> (TalkerLayout, CanonicalPrompt) {
+        let layout = TalkerLayout::of(prompt, &CHAT, &OmniTokens::tiny()).unwrap();
+        let key = talker_key(&layout, prompt, accept.view(), &fingerprinter(), &OmniTokens::tiny()).unwrap();
+        (layout, key)
+    }
+
+    fn cache(num_blocks: usize, block_size: usize) -> TalkerCache {
+        let index = RadixIndex::new(RadixConfig { block_size }).unwrap();
+        TalkerCache::new(TalkerCacheConfig { num_blocks, block_size }, Box::new(index)).unwrap()
+    }
+
+    /// Begins, "runs", commits and releases one talker prompt; returns the cached rows.
+    fn round(cache: &mut TalkerCache, key: &CanonicalPrompt) -> TestResult<usize> {
+        let total = key.len() + 9 + 3;
+        let mut slot = cache.begin(key.clone(), total)?.ok_or("pool short")?;
+        assert!(slot.block_table().covers(total));
+        let cached = slot.num_cached();
+        cache.commit(&mut slot)?;
+        cache.release(slot)?;
+        cache.validate()?;
+        Ok(cached)
+    }
+
+    #[test]
+    fn the_key_is_the_user_rows_with_items_keyed_by_their_accept_rows() -> TestResult {
+        let prompt = thinker(4, &[10, 11], &[12, 13, 14]);
+        let rows = accept(1, prompt.len());
+        let (layout, key) = key_of(&prompt, &rows);
+        assert_eq!(key.len(), layout.user.len());
+        assert_eq!(key.token_ids[..], layout.ids[..layout.user.len()]);
+        assert_eq!(key.positions, layout.positions.slice(0..layout.user.len())?);
+        let [Atom::Text(head), Atom::Item { id, rows: item_rows }, Atom::Text(tail)] = &key.atoms[..] else {
+            return Err(format!("atoms {:?}", key.atoms).into());
+        };
+        assert_eq!(head[..], [1, 2, 5, 10, 11, 503]);
+        assert_eq!(*item_rows, 0..4);
+        assert_eq!(tail[..], [504, 12, 13, 14, 6]);
+        // Not the thinker's identity of the image: the talker's is of its accept rows.
+        assert_ne!(id.fingerprint, prompt.items[0].fingerprint);
+        assert_eq!((id.layout, id.num_tokens), (prompt.items[0].layout, 4));
+        // The same rows give the same identity; a system turn that changes the
+        // accept rows changes it, though the text rows stay.
+        assert_eq!(key_of(&prompt, &rows).1.items[0].fingerprint, id.fingerprint);
+        let other = thinker(40, &[10, 11], &[12, 13, 14]);
+        let (_, other_key) = key_of(&other, &accept(2, other.len()));
+        assert_ne!(other_key.items[0].fingerprint, id.fingerprint);
+        // Short accept rows are an error.
+        let short = accept(1, prompt.len() - 1);
+        assert!(talker_key(&layout, &prompt, short.view(), &fingerprinter(), &OmniTokens::tiny()).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_later_round_reuses_the_full_blocks_of_the_earlier_user_rows() -> TestResult {
+        let mut cache = cache(32, 4);
+        let one = thinker(4, &[10, 11], &[12, 13, 14]);
+        let rows = accept(1, one.len());
+        let (_, key1) = key_of(&one, &rows);
+        assert_eq!(key1.len(), 15);
+        assert_eq!(round(&mut cache, &key1)?, 0);
+        // Round 2: the same user rows, then more; its key starts with round 1's.
+        let mut two = key1.clone();
+        for t in [1u32, 2, 5, 20, 21, 22, 23, 6] {
+            two.push_text(t);
+        }
+        assert_eq!(round(&mut cache, &two)?, 12, "the 3 full blocks of round 1's 15 user rows");
+        // The same round again reuses all of its own full blocks.
+        assert_eq!(round(&mut cache, &two)?, 20);
+        let s = cache.stats();
+        assert_eq!((s.queries, s.hits, s.hit_rows, s.query_rows), (3, 2, 32, 15 + 23 + 23));
+        assert_eq!((s.blocks_cached, s.blocks_in_use, s.live_slots), (5, 0, 0));
+        Ok(())
+    }
+
+    #[test]
+    fn item_rows_that_differ_by_one_bit_are_a_miss_from_that_item_on() -> TestResult {
+        for block_size in [1, 2, 3, 4, 8] {
+            let mut cache = cache(64, block_size);
+            let prompt = thinker(4, &[10, 11], &[12, 13, 14]);
+            let rows = accept(1, prompt.len());
+            let (layout, key) = key_of(&prompt, &rows);
+            assert_eq!(round(&mut cache, &key)?, 0);
+            let first_item = layout.is_item.iter().position(|&m| m).ok_or("no item row")?;
+            let item_pos = layout.user[first_item + 2];
+            let mut flipped = rows.clone();
+            flipped[[item_pos, 7]] = f32::from_bits(flipped[[item_pos, 7]].to_bits() ^ 1);
+            let (_, other) = key_of(&prompt, &flipped);
+            let cached = round(&mut cache, &other)?;
+            assert_eq!(cached, first_item / block_size * block_size, "block size {block_size}");
+            // Forced collision: the same fingerprint over other rows fails validation (a miss).
+            let mut forged = other.clone();
+            let mut id = (*other.items[0]).clone();
+            id.fingerprint = key.items[0].fingerprint;
+            let id = Arc::new(id);
+            forged.items = vec![Arc::clone(&id)];
+            for atom in &mut forged.atoms {
+                if let Atom::Item { id: slot, .. } = atom {
+                    *slot = Arc::clone(&id);
+                }
+            }
+            let failures = cache.index_stats().validation_failures;
+            assert_eq!(round(&mut cache, &forged)?, first_item / block_size * block_size);
+            assert!(cache.index_stats().validation_failures > failures);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_short_pool_refuses_with_nothing_changed_and_bad_calls_are_errors() -> TestResult {
+        let mut cache = cache(6, 4);
+        let prompt = thinker(4, &[10, 11], &[12, 13, 14]);
+        let (_, key) = key_of(&prompt, &accept(1, prompt.len()));
+        // Never fits: 25 rows need 7 blocks of 4.
+        assert!(matches!(
+            cache.begin(key.clone(), 25),
+            Err(Error::Request(RequestError::RequestTooLarge { needed: 7, num_blocks: 6, .. }))
+        ));
+        assert!(matches!(
+            cache.begin(key.clone(), key.len()),
+            Err(Error::Sched(SchedError::TalkerRows { user_rows: 15, total_rows: 15 }))
+        ));
+        let mut held = cache.begin(key.clone(), 24)?.ok_or("pool short")?;
+        cache.commit(&mut held)?;
+        let before = (cache.stats(), cache.index_stats());
+        // Six blocks: the held slot pins 3 cached ones and holds 3 private ones.
+        let other = {
+            let mut p = key.clone();
+            p.push_text(30);
+            p
+        };
+        assert!(cache.begin(other.clone(), 24)?.is_none());
+        let after = cache.stats();
+        assert_eq!((after.refusals, after.queries), (1, before.0.queries));
+        assert_eq!(
+            (after.blocks_free, after.blocks_in_use, after.blocks_cached, after.live_slots),
+            (before.0.blocks_free, before.0.blocks_in_use, before.0.blocks_cached, 1)
+        );
+        assert_eq!(cache.index_stats().cached_blocks, before.1.cached_blocks);
+        cache.validate()?;
+        // A slot of another cache, or one released, is refused.
+        let mut stranger = self::cache(6, 4);
+        let foreign = stranger.begin(key.clone(), 16)?.ok_or("pool short")?;
+        assert!(matches!(cache.release(foreign), Err(Error::Sched(SchedError::UnknownTalkerSlot { .. }))));
+        cache.release(held)?;
+        // Once released, its cached blocks are evictable: the next begin gets its blocks.
+        let slot = cache.begin(other, 24)?.ok_or("pool short after release")?;
+        assert_eq!(slot.num_cached(), 12);
+        cache.release(slot)?;
+        cache.validate()?;
+        Ok(())
+    }
+
+    #[test]
+    fn eviction_takes_unpinned_talker_blocks_only() -> TestResult {
+        let mut cache = cache(16, 4);
+        let prompt = thinker(4, &[10, 11], &[12, 13, 14]);
+        let (_, key) = key_of(&prompt, &accept(1, prompt.len()));
+        round(&mut cache, &key)?;
+        let mut slot = cache.begin(key.clone(), 30)?.ok_or("pool short")?;
+        assert_eq!(slot.num_cached(), 12);
+        // The pinned prefix stays.
+        assert_eq!(cache.evict(usize::MAX)?, 0);
+        cache.commit(&mut slot)?;
+        cache.release(slot)?;
+        assert_eq!(cache.evict(usize::MAX)?, 3);
+        assert_eq!(cache.stats().blocks_cached, 0);
+        assert_eq!(round(&mut cache, &key)?, 0, "an evicted prefix is recomputed");
+        cache.validate()?;
+        Ok(())
+    }
+}
