@@ -214,7 +214,8 @@ fn talker_inputs(
     accept: &Array2<f32>, table: &Array2<f32>, visit_seed: u64,
 ) -> Result<TalkerInputs, TestCaseError> {
     let mut user = Array2::zeros((layout.user.len(), TALKER));
-    let (items, texts): (Vec<(usize, usize)>, Vec<(usize, usize)>) =
+    type Rows = Vec<(usize, usize)>;
+    let (items, texts): (Rows, Rows) =
         layout.user.iter().copied().enumerate().partition(|&(row, _)| layout.is_item[row]);
     let fail = |e: omniprefix::Error| TestCaseError::fail(e.to_string());
     for (part, project_item) in [(&texts, false), (&items, true)] {
@@ -245,8 +246,11 @@ fn talker_inputs(
     })
 }
 
+/// A visit's talker input rows of its user rows, and their positions.
+type UserRows = (Array2<f32>, Vec<[i64; 3]>);
+
 /// Leading user rows two visits share, input rows and positions bit for bit.
-fn common_rows(a: &(Array2<f32>, Vec<[i64; 3]>), b: &(Array2<f32>, Vec<[i64; 3]>)) -> usize {
+fn common_rows(a: &UserRows, b: &UserRows) -> usize {
     let n = a.0.nrows().min(b.0.nrows());
     (0..n)
         .position(|r| {
@@ -286,7 +290,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
     let mut pages =
         talker.alloc_pages(&backend, num_blocks, bs).map_err(|e| TestCaseError::fail(e.to_string()))?;
     // User rows of every committed visit, and whether it was an unflipped (system, round).
-    let mut committed: Vec<((Array2<f32>, Vec<[i64; 3]>), Option<(usize, usize)>)> = Vec::new();
+    let mut committed: Vec<(UserRows, Option<(usize, usize)>)> = Vec::new();
     let mut held = None;
     for (v, visit) in case.visits.iter().enumerate() {
         let prompt = &prompts[visit.system][visit.round];

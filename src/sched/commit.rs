@@ -265,13 +265,13 @@ pub(super) fn insert_full_blocks(
     }
     adopted_at.sort_unstable();
     index.lock(&m);
-    for i in num_shared..n_full {
-        let (old, new) = (table[i], m.blocks[i]);
+    for (slot, &new) in table[num_shared..n_full].iter_mut().zip(&m.blocks[num_shared..]) {
+        let old = *slot;
         if old != new {
             if matches!(pool.state(old)?, BlockState::InUse { .. }) {
                 pool.release(old)?;
             }
-            table[i] = new;
+            *slot = new;
         }
         if pool.state(new)? != BlockState::Indexed {
             return Err(
