@@ -16,3 +16,4 @@ mod radix_vs_hashchain;
 mod runner_chunking;
 mod sched_state_machine;
 mod served_threads;
+mod talker_cache;

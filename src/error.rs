@@ -442,6 +442,13 @@ pub enum SchedError {
     /// `EngineDeadError`). A server should withdraw and restart the engine.
     #[error("the engine is dead: {reason}")]
     EngineDead { reason: String },
+    /// A talker slot its [`TalkerCache`](crate::sched::TalkerCache) did not
+    /// hand out, or one it already released.
+    #[error("talker slot {slot} is not live in this talker cache")]
+    UnknownTalkerSlot { slot: u64 },
+    /// A talker prompt that does not hold its key's user rows and at least one more row.
+    #[error("a talker prompt of {total_rows} rows cannot hold {user_rows} user rows and the rows after them")]
+    TalkerRows { user_rows: usize, total_rows: usize },
 }
 
 /// A batch handed to [`crate::runner::ModelRunner::execute`] (or cut by

@@ -6,7 +6,9 @@ use fxhash::FxHashSet;
 
 use crate::batch::{RequestId, ScheduledBatch};
 use crate::error::{CacheError, Error, InvariantViolation, Result, SchedError};
-use crate::kv::{BlockId, BlockState};
+use crate::index::{PrefixIndex, PrefixMatch};
+use crate::kv::{BlockId, BlockPool, BlockState};
+use crate::prompt::CanonicalPrompt;
 
 use super::step::pinned_part;
 use super::{Phase, Scheduler, index_broke};
@@ -99,52 +101,30 @@ impl Scheduler {
         if n_full <= t.num_shared {
             return Ok(());
         }
-        let outcome = match self.index.insert(&t.req.prompt, &t.block_table[..n_full]) {
+        let who = format!("request {id}");
+        let table = &mut t.block_table[..];
+        let Some(done) = insert_full_blocks(
+            &mut *self.index,
+            &mut self.pool,
+            &t.req.prompt,
+            table,
+            t.num_shared,
+            n_full,
+            &who,
+        )?
+        else {
             // Another request's copy-on-write source is in the way; retried
             // at this request's next completion and at its finish.
-            Err(e) if grows_pinned_partial_block(&e) => return Ok(()),
-            result => result?,
+            return Ok(());
         };
-        let m = outcome.cached;
-        if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
-            let matched = m.aligned_tokens / bs;
-            return Err(index_broke(format!(
-                "request {id}: {matched} of {n_full} just inserted blocks match again"
-            ))
-            .into());
-        }
-        let mut adopted_at = Vec::with_capacity(outcome.adopted.len());
-        for &b in &outcome.adopted {
-            let Some(i) = t.block_table[t.num_shared..n_full].iter().position(|&x| x == b) else {
-                return Err(adopted_unoffered(id, b).into());
-            };
-            self.pool.adopt_by_index(b)?;
-            adopted_at.push((t.num_shared + i, b));
-        }
         if let Some(log) = self.events.as_mut() {
-            adopted_at.sort_unstable();
-            log.stored(&t.req.prompt, &t.req.item_routing, bs, &mut t.block_hashes, &adopted_at);
+            log.stored(&t.req.prompt, &t.req.item_routing, bs, &mut t.block_hashes, &done.adopted_at);
         }
-        self.index.lock(&m);
-        for i in t.num_shared..n_full {
-            let (old, new) = (t.block_table[i], m.blocks[i]);
-            if old != new {
-                if matches!(self.pool.state(old)?, BlockState::InUse { .. }) {
-                    self.pool.release(old)?;
-                }
-                t.block_table[i] = new;
-            }
-            if self.pool.state(new)? != BlockState::Indexed {
-                return Err(
-                    index_broke(format!("match returned block {new}, which the index does not own")).into()
-                );
-            }
-        }
-        if let Some(old) = t.lock.replace(m) {
+        if let Some(old) = t.lock.replace(done.lock) {
             self.index.unlock(&old);
         }
         t.num_shared = n_full;
-        self.reclaim_released(&outcome.released)
+        self.reclaim_released(&done.released)
     }
 
     /// Caches a finishing sequence's last, partly filled block: every
@@ -166,7 +146,7 @@ impl Scheduler {
         let tail = t.block_table[n_blocks - 1];
         for &b in &outcome.adopted {
             if b != tail {
-                return Err(adopted_unoffered(id, b).into());
+                return Err(adopted_unoffered(&format!("request {id}"), b).into());
             }
             self.pool.adopt_by_index(b)?;
             // The index owns it now: releasing the request must not free it.
@@ -239,7 +219,70 @@ fn grows_pinned_partial_block(e: &Error) -> bool {
     matches!(e, Error::Cache(CacheError::LockedPartialBlock { .. }))
 }
 
+/// What [`insert_full_blocks`] did.
+pub(super) struct Inserted {
+    /// The lock it took on the inserted prefix (the caller replaces its old
+    /// lock by it and unlocks the old one).
+    pub(super) lock: PrefixMatch,
+    /// `(table index, block)` of each block the index adopted, ascending.
+    pub(super) adopted_at: Vec<(usize, BlockId)>,
+    /// Blocks the index gave up (superseded partial blocks): back to the free list.
+    pub(super) released: Vec<BlockId>,
+}
+
+/// Commits `table[..n_full]` (the first `n_full` full blocks of `prompt`,
+/// KV written; `table[..num_shared]` already index-owned) into `index`: the
+/// index adopts what it did not have ([`BlockPool::adopt_by_index`]), the
+/// blocks it already had replace the caller's copies in `table` (which go
+/// back to `pool`), and the inserted prefix is locked without a second match.
+/// `None`, with nothing changed, when the insert would grow a partly filled
+/// block another lock pins (see "Several batches out"). `who` names the
+/// caller in contract errors. The one commit path of the thinker's
+/// [`Scheduler`] and the talker's [`TalkerCache`](super::TalkerCache).
+pub(super) fn insert_full_blocks(
+    index: &mut dyn PrefixIndex, pool: &mut BlockPool, prompt: &CanonicalPrompt, table: &mut [BlockId],
+    num_shared: usize, n_full: usize, who: &str,
+) -> Result<Option<Inserted>> {
+    let bs = index.block_size();
+    let outcome = match index.insert(prompt, &table[..n_full]) {
+        Err(e) if grows_pinned_partial_block(&e) => return Ok(None),
+        result => result?,
+    };
+    let m = outcome.cached;
+    if m.tokens != n_full * bs || m.aligned_tokens != m.tokens || m.blocks.len() != n_full {
+        let matched = m.aligned_tokens / bs;
+        return Err(
+            index_broke(format!("{who}: {matched} of {n_full} just inserted blocks match again")).into()
+        );
+    }
+    let mut adopted_at = Vec::with_capacity(outcome.adopted.len());
+    for &b in &outcome.adopted {
+        let Some(i) = table[num_shared..n_full].iter().position(|&x| x == b) else {
+            return Err(adopted_unoffered(who, b).into());
+        };
+        pool.adopt_by_index(b)?;
+        adopted_at.push((num_shared + i, b));
+    }
+    adopted_at.sort_unstable();
+    index.lock(&m);
+    for (slot, &new) in table[num_shared..n_full].iter_mut().zip(&m.blocks[num_shared..]) {
+        let old = *slot;
+        if old != new {
+            if matches!(pool.state(old)?, BlockState::InUse { .. }) {
+                pool.release(old)?;
+            }
+            *slot = new;
+        }
+        if pool.state(new)? != BlockState::Indexed {
+            return Err(
+                index_broke(format!("match returned block {new}, which the index does not own")).into()
+            );
+        }
+    }
+    Ok(Some(Inserted { lock: m, adopted_at, released: outcome.released }))
+}
+
 /// An insert that adopted a block the request did not offer.
-fn adopted_unoffered(id: RequestId, block: BlockId) -> InvariantViolation {
-    index_broke(format!("insert adopted block {block}, which request {id} did not offer"))
+fn adopted_unoffered(who: &str, block: BlockId) -> InvariantViolation {
+    index_broke(format!("insert adopted block {block}, which {who} did not offer"))
 }

@@ -60,6 +60,7 @@ mod events;
 mod lifecycle;
 mod request;
 mod step;
+mod talker;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -78,6 +79,9 @@ pub use admission::{Checked, RequestChecks};
 
 pub use config::{PrefillCap, SchedulerConfig, SchedulerStats};
 pub use request::Request;
+pub use talker::{
+    TALKER_KEY_PARAM, TalkerCache, TalkerCacheConfig, TalkerCacheStats, TalkerSlot, talker_key,
+};
 
 /// The scheduler's prefix index answered against the [`PrefixIndex`]
 /// contract (a bug in that index): the scheduler stops rather than hand out

@@ -6,8 +6,9 @@
 
 use crate::batch::{self, BlockCopy, RequestId, ScheduledBatch};
 use crate::error::{Result, SchedError};
-use crate::index::PrefixMatch;
+use crate::index::{PrefixIndex, PrefixMatch};
 use crate::kv::{BlockId, BlockTable};
+use crate::prompt::CanonicalPrompt;
 
 use super::{Phase, Scheduler, Tracked, index_broke};
 
@@ -90,15 +91,7 @@ impl Scheduler {
         let bs = self.config.block_size;
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         let len = t.req.prompt.len();
-        let m = self.index.match_prefix(&t.req.prompt);
-        if m.tokens > len || m.blocks.len() != m.tokens.div_ceil(bs) || m.aligned_tokens != m.tokens / bs * bs
-        {
-            let (tokens, aligned, blocks) = (m.tokens, m.aligned_tokens, m.blocks.len());
-            let what = format!(
-                "match of {tokens} tokens ({aligned} aligned) with {blocks} blocks for a {len}-token prompt"
-            );
-            return Err(index_broke(what).into());
-        }
+        let m = checked_match(&mut *self.index, &t.req.prompt)?;
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
         let mut computed = if self.config.token_granular_reuse { usable } else { usable / bs * bs };
@@ -275,6 +268,23 @@ impl LongPrefills {
             _ => true,
         }
     }
+}
+
+/// `index`'s match of `prompt`, held to the [`PrefixIndex`] contract (within
+/// the prompt, `ceil(tokens / block_size)` blocks, aligned tokens rounded
+/// down): the one lookup of the thinker's [`Scheduler`] and the talker's
+/// [`TalkerCache`](super::TalkerCache).
+pub(super) fn checked_match(index: &mut dyn PrefixIndex, prompt: &CanonicalPrompt) -> Result<PrefixMatch> {
+    let (bs, len) = (index.block_size(), prompt.len());
+    let m = index.match_prefix(prompt);
+    if m.tokens > len || m.blocks.len() != m.tokens.div_ceil(bs) || m.aligned_tokens != m.tokens / bs * bs {
+        let (tokens, aligned, blocks) = (m.tokens, m.aligned_tokens, m.blocks.len());
+        let what = format!(
+            "match of {tokens} tokens ({aligned} aligned) with {blocks} blocks for a {len}-token prompt"
+        );
+        return Err(index_broke(what).into());
+    }
+    Ok(m)
 }
 
 /// The part of a match a request actually reads: its first `tokens` tokens.

@@ -9,7 +9,7 @@ use ndarray::{ArrayD, IxDyn};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, Event, ItemInput, PlaceholderForm, Request};
 use omniprefix::sample::{SamplingParams, TalkerSampling};
-use omniprefix::speech::{ASSISTANT_ROWS, ChatIds, SpeechOptions, TalkerLayout};
+use omniprefix::speech::{ASSISTANT_ROWS, ChatIds, SpeechOptions, SpeechStage, TalkerLayout};
 use support::reference::{Reference, TestResult, model_dir};
 
 const MODEL: &str = "omni_audio";
@@ -257,5 +257,95 @@ fn bad_speech_requests_are_typed_errors_that_change_nothing() -> TestResult {
         plain.submit(text.speak(SpeechOptions::default())),
         Err(Error::Request(RequestError::NoTalker { .. }))
     ));
+    Ok(())
+}
+
+/// The talker's prefix cache on the fixture: round 2 (`round2`: the image round, its reply
+/// and a second user turn) reuses round 1's (`image`) talker KV for every full block of
+/// round 1's user rows (the image's rows keyed by their accept-layer rows, which the
+/// thinker's cache hands back bit for bit), and its codes equal both a cache-off run and
+/// HF's; with the talker's blocks evicted (the thinker's cache untouched: it still reuses
+/// round 1) round 2 recomputes its user rows and its codes are unchanged.
+#[test]
+fn round2_reuses_round1_talker_kv_and_its_codes_stay() -> TestResult {
+    use omniprefix::canon::{FingerprintKey, Fingerprinter, ValidationPolicy};
+    use omniprefix::index::radix::{RadixConfig, RadixIndex};
+    use omniprefix::model::talker::TalkerKv;
+    use omniprefix::sched::{TalkerCache, TalkerCacheConfig, talker_key};
+
+    let hf = reference()?;
+    let rec = recorded()?;
+    let dir = model_dir(MODEL);
+    let probe = Engine::from_dir(&dir, EngineConfig::default())?;
+    let (backend, thinker) = probe.runner().shared();
+    let stage = SpeechStage::from_dir(backend.clone(), thinker, &dir)?;
+    let config = EngineConfig { capture: Some(vec![stage.accept_capture()]), ..EngineConfig::default() };
+    let mut engine = Engine::from_dir(&dir, config)?;
+    let fingerprinter = Fingerprinter::new(FingerprintKey::fixed(0), 1, ValidationPolicy::SecondDigest)?;
+    let sampling = TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() };
+    let speaker = stage.checks().speaker_id("ethan")?;
+    let talker = stage.talker();
+    let (block_size, num_blocks) = (4, 256);
+    let index = RadixIndex::new(RadixConfig { block_size })?;
+    let mut cache = TalkerCache::new(TalkerCacheConfig { num_blocks, block_size }, Box::new(index))?;
+    let mut pages = talker.alloc_pages(&backend, num_blocks, block_size)?;
+    let mut round1_rows = 0;
+    for (visit, case) in ["image", "round2", "round2"].into_iter().enumerate() {
+        if visit == 2 {
+            assert!(cache.evict(usize::MAX)? > 0, "round 2's talker blocks were cached");
+        }
+        let c = Case::open(&hf, case)?;
+        let params = SamplingParams {
+            suppress_ids: rec.thinker_suppress.clone(),
+            ..SamplingParams::greedy(rec.thinker_max_new_tokens)
+        };
+        let prepared = engine.prepare(c.request().generate(params))?;
+        let prompt = prepared.prompt().clone();
+        let layout = TalkerLayout::of(&prompt, stage.chat_ids(), engine.tokens())?;
+        let id = engine.submit_prepared(prepared)?;
+        let out = engine.run_all()?.into_iter().find(|o| o.request == id).ok_or("no output")?;
+        if visit > 0 {
+            assert!(out.num_cached_tokens > 0, "{case}: the thinker's cache reused round 1");
+        }
+        let accept = out.hidden_at(stage.accept_capture()).ok_or("no accept-layer capture")?;
+        let inputs = stage.inputs(&layout, &c.ids, &out.tokens, accept.view(), speaker)?;
+        let want = talker.generate(&backend, &inputs, &sampling, |_: &[u32]| Ok(()))?;
+        let key = talker_key(&layout, &prompt, accept.view(), &fingerprinter, engine.tokens())?;
+        assert_eq!(key.len(), layout.user.len());
+        let total = layout.prefill_rows() + sampling.max_new_tokens - 1;
+        let mut slot = cache.begin(key, total)?.ok_or("the talker pool is short")?;
+        let expected = match visit {
+            1 => round1_rows / block_size * block_size,
+            _ => 0,
+        };
+        eprintln!(
+            "{case} (visit {visit}): {} talker user rows, {} cached (expected {expected}); thinker cached {}",
+            layout.user.len(),
+            slot.num_cached(),
+            out.num_cached_tokens
+        );
+        assert_eq!(slot.num_cached(), expected, "{case} (visit {visit}): cached talker rows");
+        let kv = TalkerKv {
+            pages: &mut pages,
+            block_table: slot.block_table().clone(),
+            num_cached: slot.num_cached(),
+        };
+        let got = talker.generate_in(&backend, kv, &inputs, &sampling, |_: &[u32]| Ok(()))?;
+        assert_eq!(got.codes, want.codes, "{case} (visit {visit}): codes with the talker cache");
+        let hf_codes = hf.ints(&format!("{case}.codes"))?;
+        assert_eq!(
+            got.codes.iter().map(|&c| i64::from(c)).collect::<Vec<_>>(),
+            hf_codes,
+            "{case}: HF's codes"
+        );
+        cache.commit(&mut slot)?;
+        cache.release(slot)?;
+        cache.validate()?;
+        if visit == 0 {
+            round1_rows = layout.user.len();
+        }
+    }
+    let stats = cache.stats();
+    assert_eq!((stats.queries, stats.hits, stats.live_slots), (3, 1, 0));
     Ok(())
 }
