@@ -7,7 +7,7 @@ use crate::events::KvEventsConfig;
 use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
 use crate::prompt::{OmniTokens, TenantSalt};
-use crate::sched::{SchedulerConfig, SchedulerStats};
+use crate::sched::{SchedulerConfig, SchedulerStats, TalkerCacheConfig, TalkerCacheStats};
 
 /// Which prefix index the engine's scheduler matches with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -62,6 +62,9 @@ pub struct EngineConfig {
     /// Load the checkpoint's talker and code2wav, when it has them, so requests
     /// may ask for audio (default on; off saves their memory).
     pub speech: bool,
+    /// The talker's KV pool and prefix cache (1024 blocks of 16 rows): a
+    /// speaking request needs its talker prompt plus `max_new_tokens - 1` rows.
+    pub talker_cache: TalkerCacheConfig,
 }
 
 impl EngineConfig {
@@ -99,6 +102,7 @@ impl Default for EngineConfig {
             kv_dtype: Dtype::F32,
             kv_events: None,
             speech: true,
+            talker_cache: TalkerCacheConfig { num_blocks: 1024, block_size: crate::kv::DEFAULT_BLOCK_SIZE },
         }
     }
 }
@@ -117,4 +121,6 @@ pub struct EngineStats {
     pub encoder_calls: u64,
     /// Requests that returned their outputs.
     pub finished: u64,
+    /// The talker's prefix cache, when the engine speaks.
+    pub talker: Option<TalkerCacheStats>,
 }

@@ -67,6 +67,13 @@ impl Decoding {
         }
     }
 
+    /// The rows of capture `capture` (of `width` columns) of every position
+    /// that ran so far, the prompt's first.
+    pub(super) fn rows(&self, capture: usize, width: usize) -> Option<ndarray::ArrayView2<'_, f32>> {
+        let rows = self.rows.get(capture)?;
+        ndarray::ArrayView2::from_shape((rows.len() / width.max(1), width), rows).ok()
+    }
+
     /// Samples the next token from `logits` and decides what follows.
     pub(super) fn sample(&mut self, logits: &[f32], elapsed: Duration) -> Next {
         let token = self.sampler.sample(logits, &self.params, &self.suppressed);

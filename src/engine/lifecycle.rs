@@ -7,18 +7,15 @@ use std::time::Instant;
 
 use super::Engine;
 use super::generation::{Decoding, Next};
-use super::output::{AudioEvent, Event, Output, Timings, TokenEvent, last_rows};
+use super::output::{Event, Output, Timings, TokenEvent, last_rows};
 use super::prepare::{Prepared, Preparer};
 use super::request::Request;
 use crate::backend::Backend;
 use crate::batch::{RequestId, ScheduledBatch};
-use crate::error::{Component, Error, RequestError, Result, SchedError};
-use crate::model::CaptureName;
+use crate::error::{Component, Error, Result, SchedError};
 use crate::prompt::Positions;
 use crate::runner::SeqOutput;
 use crate::sample::FinishReason;
-use crate::speech::{CheckedSpeech, Speech};
-use ndarray::Array2;
 
 /// A submitted request until its output is handed out.
 pub(super) struct Pending {
@@ -37,8 +34,6 @@ pub(super) struct Pending {
     held: bool,
     /// The token sampled while held, appended on release.
     deferred: Option<u32>,
-    /// A request that asked for audio: its checked speech and its prompt's ids.
-    speech: Option<(CheckedSpeech, Vec<u32>)>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -69,7 +64,7 @@ impl<B: Backend> Engine<B> {
             prepared;
         let id = checked.request().id;
         let positions = checked.request().prompt.positions.clone();
-        let speech = speech.map(|s| (s, checked.request().prompt.token_ids.clone()));
+        let speech = speech.map(|s| (s, checked.request().prompt.clone()));
         self.sched.admit_checked(checked).map_err(Error::unnamed)?;
         // Admitted: only now does anything change.
         self.preparer.admitted(fresh, cache_hits, encoded);
@@ -86,9 +81,11 @@ impl<B: Backend> Engine<B> {
             last_logits: Vec::new(),
             held: false,
             deferred: None,
-            speech,
         };
         self.pending.insert(id, pending);
+        if let (Some(talkers), Some((checked, prompt))) = (self.talkers.as_mut(), speech) {
+            talkers.add(id, checked, prompt, started);
+        }
         Ok(id)
     }
 
@@ -96,25 +93,35 @@ impl<B: Backend> Engine<B> {
     /// decoding): its blocks and locks go back, its partly written blocks
     /// never enter the index, and no event of it follows.
     pub fn abort(&mut self, id: RequestId) -> Result<()> {
-        if self.pending.remove(&id).is_none() {
+        let talking = self.talkers.as_ref().is_some_and(|t| t.contains(id));
+        let thinking = self.pending.remove(&id).is_some();
+        if !thinking && !talking {
             return Err(SchedError::UnknownRequest { id }.into());
         }
-        self.sched.abort(id)
+        if let Some(talkers) = self.talkers.as_mut() {
+            talkers.abort(id)?;
+        }
+        if thinking { self.sched.abort(id) } else { Ok(()) }
     }
 
     /// True while some submitted request has not finished.
     pub fn has_pending(&self) -> bool {
-        !self.pending.is_empty()
+        !self.pending.is_empty() || self.talkers.as_ref().is_some_and(|t| !t.is_empty())
     }
 
     /// True while request `id` has not finished (nor been aborted).
     pub(crate) fn is_pending(&self, id: RequestId) -> bool {
-        self.pending.contains_key(&id)
+        self.pending.contains_key(&id) || self.talkers.as_ref().is_some_and(|t| t.contains(id))
     }
 
     /// True while a step would make progress: some request is pending and not
     /// parked by [`hold`](Self::hold) with a token waiting.
     pub(crate) fn has_runnable(&self) -> bool {
+        self.thinker_runnable() || self.talkers.as_ref().is_some_and(|t| t.has_work())
+    }
+
+    /// True while a thinker step would make progress.
+    fn thinker_runnable(&self) -> bool {
         self.pending.values().any(|p| p.deferred.is_none())
     }
 
@@ -157,8 +164,8 @@ impl<B: Backend> Engine<B> {
     /// requests are pending (their events would be lost): use
     /// [`step`](Self::step) or [`run_all`](Self::run_all) then.
     pub fn run(&mut self, request: Request<'_>) -> Result<Output> {
-        if !self.pending.is_empty() {
-            return Err(SchedError::Busy { pending: self.pending.len() }.into());
+        if self.has_pending() {
+            return Err(SchedError::Busy { pending: self.pending.len().max(1) }.into());
         }
         let id = self.submit(request)?;
         let outputs = self.run_all()?;
@@ -182,6 +189,18 @@ impl<B: Backend> Engine<B> {
 
     /// One step of the pipeline after admission, its events appended to `events`.
     fn step_into(&mut self, events: &mut Vec<Event>) -> Result<()> {
+        if self.thinker_runnable() {
+            self.thinker_step(events)?;
+        }
+        let latencies = &self.latencies;
+        if let Some(talkers) = self.talkers.as_mut() {
+            talkers.step(events, |ttfa| latencies.first_audio(ttfa))?;
+        }
+        Ok(())
+    }
+
+    /// The thinker's part of a step, its events appended to `events`.
+    fn thinker_step(&mut self, events: &mut Vec<Event>) -> Result<()> {
         let t0 = Instant::now();
         let batch = self.sched.schedule()?;
         let schedule = t0.elapsed();
@@ -235,6 +254,13 @@ impl<B: Backend> Engine<B> {
             return self.finish_output(id, num_cached, Some(hidden), None, Vec::new(), events);
         };
         d.add_rows(&hidden);
+        if let Some(talkers) = self.talkers.as_mut().filter(|t| t.contains(id)) {
+            let accept = talkers.stage().accept_capture();
+            let width = self.runner.thinker().config().hidden_size;
+            if let Some(rows) = self.runner.capture().index_of(accept).and_then(|c| d.rows(c, width)) {
+                talkers.on_prompt_rows(id, rows);
+            }
+        }
         let next = match d.stopping {
             // Its last token just ran (`run_last_token`).
             Some(reason) => Next::Finish(reason, None),
@@ -258,6 +284,9 @@ impl<B: Backend> Engine<B> {
                     Next::RunLast(_) => d.stopping,
                     Next::Finish(reason, _) => Some(reason),
                 };
+                if let Some(talkers) = self.talkers.as_mut() {
+                    talkers.on_token(id, token);
+                }
                 events.push(Event::Token(TokenEvent {
                     request: id,
                     token,
@@ -310,17 +339,8 @@ impl<B: Backend> Engine<B> {
             }
             (None, hidden) => (None, hidden.unwrap_or_default()),
         };
-        let speech = match p.speech.take() {
-            Some((checked, prompt_ids)) => {
-                let speech = self.speak(id, &checked, &prompt_ids, &tokens, &hidden, p.started, events)?;
-                timings.ttfa = speech.first_audio;
-                timings.total = p.started.elapsed();
-                Some(speech)
-            }
-            None => None,
-        };
         self.finished += 1;
-        events.push(Event::Finished(Output {
+        let output = Output {
             request: id,
             tokens,
             finish_reason,
@@ -331,44 +351,15 @@ impl<B: Backend> Engine<B> {
             prompt_len,
             computed_positions,
             timings,
-            speech,
-        }));
+            speech: None,
+        };
+        // A speaking request's output waits for its speech.
+        let output = match self.talkers.as_mut() {
+            Some(talkers) => talkers.on_thinker_done(output),
+            None => Some(output),
+        };
+        events.extend(output.map(Event::Finished));
         Ok(())
-    }
-
-    /// Speaks a finished reply: the talker over the thinker's rows, each audio
-    /// chunk an [`Event::Audio`] as code2wav makes it; the speech's `first_audio`
-    /// is measured from the request's start (its time to first audio).
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "one call site, each argument a different part of the request"
-    )]
-    fn speak(
-        &mut self, id: RequestId, checked: &CheckedSpeech, prompt_ids: &[u32], reply: &[u32],
-        hidden: &[(CaptureName, Array2<f32>)], started: Instant, events: &mut Vec<Event>,
-    ) -> Result<Speech> {
-        let stage = self
-            .speech
-            .as_ref()
-            .ok_or(RequestError::NoTalker { model: "this engine's checkpoint".into() })?;
-        let accept = stage.accept_capture();
-        let rows = hidden.iter().find(|(n, _)| *n == accept).map(|(_, h)| h.view()).ok_or_else(|| {
-            Component::Engine.violation(format!("request {id}: the talker's layer {accept} was not captured"))
-        })?;
-        let mut offset = 0;
-        let mut first = None;
-        let mut speech =
-            stage.speak(&checked.layout, prompt_ids, reply, rows, &checked.options, |chunk: &[f32]| {
-                first.get_or_insert_with(|| started.elapsed());
-                events.push(Event::Audio(AudioEvent { request: id, offset, samples: chunk.to_vec() }));
-                offset += chunk.len();
-                Ok(())
-            })?;
-        speech.first_audio = first;
-        if let Some(ttfa) = first {
-            self.latencies.first_audio(ttfa);
-        }
-        Ok(speech)
     }
 
     fn abort_batch(&mut self, batch: &ScheduledBatch) {

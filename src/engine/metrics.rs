@@ -119,6 +119,18 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
         "KV blocks in use or cached over the pool",
         ConstGauge::<f64>::new(used),
     );
+    if let Some(t) = &r.stats.talker {
+        registry.register(
+            "talker_prefix_cache_queries",
+            "Talker prompt rows looked up in the talker's prefix cache",
+            ConstCounter::new(t.query_rows),
+        );
+        registry.register(
+            "talker_prefix_cache_hits",
+            "Talker prompt rows whose KV came from the talker's prefix cache",
+            ConstCounter::new(t.hit_rows),
+        );
+    }
     registry.register_with_unit(
         "time_to_first_token",
         "From submission to the first token (a prefill: to its output)",

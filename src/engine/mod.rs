@@ -31,6 +31,7 @@ mod prepare;
 mod request;
 mod served;
 mod step_loop;
+mod talk;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -106,8 +107,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     publisher: Option<kv_events::Publisher>,
     /// TTFT and inter-token latency histograms ([`metrics`](Self::metrics)).
     latencies: metrics::Latencies,
-    /// The talker and code2wav, when the checkpoint has them and speech is on.
-    speech: Option<Arc<SpeechStage<B>>>,
+    /// The talker stage, when the checkpoint has a talker and speech is on.
+    talkers: Option<talk::Talkers<B>>,
 }
 
 impl Engine<CpuBackend> {
@@ -206,13 +207,18 @@ impl<B: Backend> Engine<B> {
             if model.mrope_section.is_some() { PositionKind::Mrope } else { PositionKind::Linear };
         let preprocessor = Preprocessor::new(fingerprinter, tokens).with_positions(position_kind);
         let encoder_cache = EncoderCache::new(config.encoder_cache_bytes);
-        let preparer = Preparer::new(
-            preprocessor,
-            checks,
-            config.cache,
-            encoder_cache,
-            speech.as_ref().map(|s| s.checks()),
-        );
+        let speech_checks = speech
+            .as_ref()
+            .map(|s| s.checks().with_pool(config.talker_cache.block_size, config.talker_cache.num_blocks));
+        let talkers = match speech {
+            Some(stage) => {
+                let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), 1, config.validation)?;
+                let tokens = preprocessor.tokens().clone();
+                Some(talk::Talkers::new(stage, config.talker_cache, fingerprinter, tokens)?)
+            }
+            None => None,
+        };
+        let preparer = Preparer::new(preprocessor, checks, config.cache, encoder_cache, speech_checks);
         Ok(Engine {
             config,
             runner,
@@ -223,7 +229,7 @@ impl<B: Backend> Engine<B> {
             pending: FxHashMap::default(),
             publisher,
             latencies: metrics::Latencies::default(),
-            speech: speech.map(Arc::new),
+            talkers,
         })
     }
 
@@ -281,6 +287,7 @@ impl<B: Backend> Engine<B> {
             encoder_cache_hits: self.preparer.encoder_cache().hits(),
             encoder_calls: self.preparer.encoder_calls(),
             finished: self.finished,
+            talker: self.talkers.as_ref().map(talk::Talkers::cache_stats),
         }
     }
 

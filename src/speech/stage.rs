@@ -90,7 +90,7 @@ pub struct SpeechStage<B: Backend> {
     backend: Arc<B>,
     thinker: Arc<Thinker<B>>,
     talker: Talker<B>,
-    code2wav: Code2Wav<B>,
+    code2wav: Arc<Code2Wav<B>>,
     chat: ChatIds,
 }
 
@@ -106,7 +106,7 @@ impl<B: Backend> SpeechStage<B> {
         let chat = ChatIds::from_config(&root)?;
         let talker = Talker::from_dir(&*backend, dir)?;
         let code2wav = Code2Wav::from_dir(&*backend, dir)?;
-        Ok(SpeechStage { backend, thinker, talker, code2wav, chat })
+        Ok(SpeechStage::new(backend, thinker, talker, code2wav, chat))
     }
 
     /// A stage over loaded parts (e.g. seeded random ones, for benches): `chat`
@@ -114,7 +114,7 @@ impl<B: Backend> SpeechStage<B> {
     pub fn new(
         backend: Arc<B>, thinker: Arc<Thinker<B>>, talker: Talker<B>, code2wav: Code2Wav<B>, chat: ChatIds,
     ) -> Self {
-        SpeechStage { backend, thinker, talker, code2wav, chat }
+        SpeechStage { backend, thinker, talker, code2wav: Arc::new(code2wav), chat }
     }
 
     /// Whether the checkpoint in `dir` has a talker (and code2wav) switched on.
@@ -142,37 +142,65 @@ impl<B: Backend> SpeechStage<B> {
         &self.code2wav
     }
 
+    /// The vocoder, shared (a stream per speaking request holds it).
+    pub fn code2wav_shared(&self) -> Arc<Code2Wav<B>> {
+        Arc::clone(&self.code2wav)
+    }
+
+    /// The backend the stage runs on.
+    pub fn backend(&self) -> Arc<B> {
+        Arc::clone(&self.backend)
+    }
+
     /// What a request asking for audio is checked against.
     pub fn checks(&self) -> SpeechChecks {
         let speakers = self.talker.config().speaker_id.iter().map(|(k, v)| (k.to_lowercase(), *v)).collect();
-        SpeechChecks { chat: self.chat, speakers }
+        SpeechChecks { chat: self.chat, speakers, pool: None }
     }
 
-    /// The talker's inputs for a thinker reply (HF `_get_talker_user_parts` and
-    /// `_get_talker_assistant_parts`): `prompt_ids` the thinker prompt laid out as
-    /// `layout`, `reply` its generated tokens (the last one never ran), and
-    /// `accept_rows` the thinker's [`accept_capture`](Self::accept_capture) rows of
-    /// at least the prompt's positions.
-    pub fn inputs(
-        &self, layout: &TalkerLayout, prompt_ids: &[u32], reply: &[u32], accept_rows: ArrayView2<'_, f32>,
-        speaker_id: u32,
+    /// The talker's projection of thinker text ids (HF `text_projection` of the
+    /// thinker's embeddings): user text rows, the assistant opening and the
+    /// `trailing_text_hidden` rows a reply's tokens become.
+    pub fn text_rows(&self, ids: &[u32]) -> Result<Array2<f32>> {
+        let b = &*self.backend;
+        let embeds = b.download(&self.thinker.embed(b, ids)?)?;
+        self.talker.project_text(b, &embeds)
+    }
+
+    /// The `tts_eos` row that follows a reply's last trailing row.
+    pub fn tts_eos_row(&self) -> Result<Array2<f32>> {
+        self.text_rows(&[self.chat.tts_eos_token_id])
+    }
+
+    /// The assistant turn as HF slices it: the thinker ids from the last
+    /// `<|im_start|>assistant` of the prompt on, then the reply. Its first 4 ids
+    /// open the talker's prompt; ids `4..` that ran become trailing rows.
+    pub fn assistant_ids(layout: &TalkerLayout, prompt_ids: &[u32], reply: &[u32]) -> Vec<u32> {
+        prompt_ids[layout.assistant_start.min(prompt_ids.len())..].iter().chain(reply).copied().collect()
+    }
+
+    /// The talker's prompt (HF `_get_talker_user_parts` and
+    /// `_get_talker_assistant_parts`), with no trailing rows yet: `prompt_ids`
+    /// the thinker prompt laid out as `layout`, `assistant` its
+    /// [`assistant_ids`](Self::assistant_ids) (at least 4), `accept_rows` the
+    /// thinker's [`accept_capture`](Self::accept_capture) rows of at least the
+    /// prompt's positions. The assistant turn's later ids become trailing rows
+    /// ([`text_rows`](Self::text_rows)) as they run.
+    pub fn prompt_inputs(
+        &self, layout: &TalkerLayout, prompt_ids: &[u32], assistant: &[u32],
+        accept_rows: ArrayView2<'_, f32>, speaker_id: u32,
     ) -> Result<TalkerInputs> {
         let cfg = self.talker.config();
         let b = &*self.backend;
-        let text = |ids: &[u32]| -> Result<Array2<f32>> {
-            let embeds = b.download(&self.thinker.embed(b, ids)?)?;
-            self.talker.project_text(b, &embeds)
-        };
-        // The assistant turn as HF slices it: from its `<|im_start|>` over the reply,
-        // up to the last position that ran.
-        let assistant: Vec<u32> = prompt_ids[layout.assistant_start..].iter().chain(reply).copied().collect();
-        let ran = assistant.len().saturating_sub(1);
-        if ran < 4 {
-            return Err(RequestError::ReplyTooShort { rows: ran }.into());
-        }
         if accept_rows.nrows() < prompt_ids.len() {
-            return Err(RequestError::ReplyTooShort { rows: accept_rows.nrows() }.into());
+            let what =
+                format!("{} accept-layer rows for a prompt of {}", accept_rows.nrows(), prompt_ids.len());
+            return Err(crate::error::RunnerError::InvalidBatch { request: 0, what }.into());
         }
+        // `<|im_start|>`, `assistant`, the newline, then the first reply token.
+        let Some(opening) = assistant.get(..4) else {
+            return Err(RequestError::ReplyTooShort { rows: assistant.len() }.into());
+        };
 
         // User rows: text from its embedding, items from the accept layer.
         let hidden = cfg.text.hidden_size;
@@ -184,7 +212,7 @@ impl<B: Backend> SpeechStage<B> {
         let (items, texts) = (rows_where(true), rows_where(false));
         if !texts.is_empty() {
             let ids: Vec<u32> = texts.iter().map(|&(_, p)| prompt_ids[p]).collect();
-            for (&(row, _), projected) in texts.iter().zip(text(&ids)?.rows()) {
+            for (&(row, _), projected) in texts.iter().zip(self.text_rows(&ids)?.rows()) {
                 user.row_mut(row).assign(&projected);
             }
         }
@@ -197,11 +225,9 @@ impl<B: Backend> SpeechStage<B> {
             }
         }
 
-        let tts =
-            text(&[self.chat.tts_bos_token_id, self.chat.tts_eos_token_id, self.chat.tts_pad_token_id])?;
-        let (tts_bos, tts_eos, tts_pad) =
-            (tts.slice(s![0..1, ..]), tts.slice(s![1..2, ..]), tts.slice(s![2..3, ..]));
-        let opening = text(&assistant[..4])?;
+        let tts = self.text_rows(&[self.chat.tts_bos_token_id, self.chat.tts_pad_token_id])?;
+        let (tts_bos, tts_pad) = (tts.slice(s![0..1, ..]), tts.slice(s![1..2, ..]));
+        let opening = self.text_rows(opening)?;
         let pads = stack_rows(&[tts_pad; 4])?;
         let assistant_text =
             stack_rows(&[opening.slice(s![0..3, ..]), pads.view(), tts_bos, opening.slice(s![3..4, ..])])?;
@@ -218,20 +244,36 @@ impl<B: Backend> SpeechStage<B> {
         )?;
         let mut assistant_rows = assistant_text;
         assistant_rows.slice_mut(s![3.., ..]).zip_mut_with(&codec, |a, c| *a += c);
-
-        let trailing_text = if ran > 4 { Some(text(&assistant[4..ran])?) } else { None };
-        let trailing = match &trailing_text {
-            Some(rows) => stack_rows(&[rows.view(), tts_eos])?,
-            None => tts_eos.to_owned(),
-        };
-        let embeds = stack_rows(&[user.view(), assistant_rows.view()])?;
         Ok(TalkerInputs {
-            embeds,
+            embeds: stack_rows(&[user.view(), assistant_rows.view()])?,
             positions: layout.positions.iter().collect(),
             rope_delta: layout.positions.rope_delta().unwrap_or(0),
-            trailing_text_hidden: trailing,
+            trailing_text_hidden: Array2::zeros((0, hidden)),
             tts_pad_embed: tts_pad.to_owned(),
         })
+    }
+
+    /// The talker's inputs for a whole thinker reply: [`prompt_inputs`](Self::prompt_inputs)
+    /// and every trailing row, the reply's tokens that ran (all but its first and
+    /// last), then `tts_eos`. A reply of fewer than 2 tokens is
+    /// [`RequestError::ReplyTooShort`]: its first token never ran.
+    pub fn inputs(
+        &self, layout: &TalkerLayout, prompt_ids: &[u32], reply: &[u32], accept_rows: ArrayView2<'_, f32>,
+        speaker_id: u32,
+    ) -> Result<TalkerInputs> {
+        let assistant = Self::assistant_ids(layout, prompt_ids, reply);
+        // The last reply token never ran.
+        let ran = assistant.len().saturating_sub(1);
+        if ran < 4 {
+            return Err(RequestError::ReplyTooShort { rows: ran }.into());
+        }
+        let mut inputs = self.prompt_inputs(layout, prompt_ids, &assistant, accept_rows, speaker_id)?;
+        let eos = self.tts_eos_row()?;
+        inputs.trailing_text_hidden = match ran > 4 {
+            true => stack_rows(&[self.text_rows(&assistant[4..ran])?.view(), eos.view()])?,
+            false => eos,
+        };
+        Ok(inputs)
     }
 
     /// Speaks a thinker reply (see [`inputs`](Self::inputs)): the talker's frames
@@ -246,7 +288,7 @@ impl<B: Backend> SpeechStage<B> {
         options.check()?;
         let inputs = self.inputs(layout, prompt_ids, reply, accept_rows, speaker_id)?;
         let b = &*self.backend;
-        let mut stream = Code2WavStream::new(&self.code2wav, options.first_chunk, options.chunk)?;
+        let mut stream = Code2WavStream::new(&*self.code2wav, options.first_chunk, options.chunk)?;
         let mut audio = Vec::new();
         let mut first_audio = None;
         let mut emit = |chunk: Vec<f32>, audio: &mut Vec<f32>| -> Result<()> {

@@ -349,3 +349,66 @@ fn round2_reuses_round1_talker_kv_and_its_codes_stay() -> TestResult {
     assert_eq!((stats.queries, stats.hits, stats.live_slots), (3, 1, 0));
     Ok(())
 }
+
+/// Runs `case` through `engine` asking for audio; every event in order and the output.
+fn speak_case(
+    engine: &mut Engine, hf: &Reference, rec: &Recorded, case: &str, options: &SpeechOptions,
+) -> TestResult<(Vec<Event>, omniprefix::engine::Output)> {
+    let c = Case::open(hf, case)?;
+    let params = SamplingParams {
+        suppress_ids: rec.thinker_suppress.clone(),
+        ..SamplingParams::greedy(rec.thinker_max_new_tokens)
+    };
+    let id = engine.submit(c.request().generate(params).speak(options.clone()))?;
+    let mut events = Vec::new();
+    while engine.has_pending() {
+        events.extend(engine.step()?.into_iter().filter(|e| e.request() == id));
+    }
+    let out = match events.pop() {
+        Some(Event::Finished(out)) => out,
+        other => return Err(format!("{case}: the last event is {other:?}").into()),
+    };
+    Ok((events, out))
+}
+
+/// The talker starts while the thinker still generates (the first audio comes before the
+/// reply's last token), with one-frame code2wav chunks; the talker's prefix cache hands
+/// round 2 every full block of round 1's user rows, and with caching off nothing; codes and
+/// audio are the same in all three runs and equal HF's.
+#[test]
+fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestResult {
+    let hf = reference()?;
+    let rec = recorded()?;
+    let options = SpeechOptions {
+        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
+        first_chunk: 1,
+        chunk: 2,
+        ..SpeechOptions::default()
+    };
+    let mut runs = Vec::new();
+    for cache in [true, false] {
+        let mut engine =
+            Engine::from_dir(&model_dir(MODEL), EngineConfig { cache, ..EngineConfig::default() })?;
+        let (events, _) = speak_case(&mut engine, &hf, &rec, "image", &options)?;
+        let first_audio = events.iter().position(|e| matches!(e, Event::Audio(_))).ok_or("no audio")?;
+        let last_token = events.iter().rposition(|e| matches!(e, Event::Token(_))).ok_or("no tokens")?;
+        assert!(
+            first_audio < last_token,
+            "audio at event {first_audio}, the reply's last token at {last_token}"
+        );
+        let (_, out) = speak_case(&mut engine, &hf, &rec, "round2", &options)?;
+        let speech = out.speech.ok_or("no speech")?;
+        let block = EngineConfig::default().talker_cache.block_size;
+        let want_cached = if cache { 57 / block * block } else { 0 };
+        assert_eq!(speech.talker_cached_rows, want_cached, "cache {cache}: talker rows reused");
+        let stats = engine.stats().talker.ok_or("no talker stats")?;
+        assert_eq!(stats.hit_rows as usize, want_cached);
+        assert!(engine.metrics()?.contains("omniprefix_talker_prefix_cache_hits_total"));
+        assert!(engine.metrics()?.contains("omniprefix_time_to_first_audio_seconds_count 2"));
+        let hf_codes = hf.ints("round2.codes")?;
+        assert_eq!(speech.codes.iter().map(|&c| i64::from(c)).collect::<Vec<_>>(), hf_codes, "cache {cache}");
+        runs.push(speech.audio);
+    }
+    assert_eq!(runs[0], runs[1], "the talker's cache changes no sample");
+    Ok(())
+}

@@ -32,6 +32,8 @@
 //! and each chunk's last 555 samples are dropped, not held back, so for inputs
 //! longer than one chunk its output differs from (and is shorter than) one pass.
 
+use std::ops::Deref;
+
 use ndarray::{Array2, ArrayView2};
 
 use super::{Code2Wav, KvWindow, concat_rows, last_rows};
@@ -60,8 +62,11 @@ use crate::error::{BackendError, ConfigError};
 /// assert_eq!(wav, model.forward(&CpuBackend, codes.view())?);
 /// # Ok::<(), omniprefix::Error>(())
 /// ```
-pub struct Code2WavStream<'m, B: Backend> {
-    model: &'m Code2Wav<B>,
+///
+/// The stream holds its model by any pointer to it (`&Code2Wav`, `Arc<Code2Wav>`):
+/// an engine keeps one stream per speaking request beside the shared model.
+pub struct Code2WavStream<M: Deref<Target = Code2Wav<B>>, B: Backend> {
+    model: M,
     first_chunk: usize,
     chunk: usize,
     /// Codes of frames not yet decoded, per quantizer.
@@ -77,20 +82,20 @@ pub struct Code2WavStream<'m, B: Backend> {
     emitted: usize,
 }
 
-impl<'m, B: Backend> Code2WavStream<'m, B> {
+impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
     /// A stream that decodes once `first_chunk` frames are pending, then every
     /// `chunk` frames (vllm-omni uses small first chunks, e.g. 4, then e.g. 25);
     /// both must be positive ([`ConfigError::Invalid`]).
-    pub fn new(model: &'m Code2Wav<B>, first_chunk: usize, chunk: usize) -> Result<Self> {
+    pub fn new(model: M, first_chunk: usize, chunk: usize) -> Result<Self> {
         ConfigError::require_positive("code2wav stream", "first_chunk", first_chunk)?;
         ConfigError::require_positive("code2wav stream", "chunk", chunk)?;
         Ok(Self {
-            model,
             first_chunk,
             chunk,
             pending: vec![Vec::new(); model.config().num_quantizers],
             frames: 0,
             window: model.empty_window(),
+            model,
             hidden: None,
             hidden_start: 0,
             emitted: 0,

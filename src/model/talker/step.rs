@@ -298,6 +298,19 @@ impl TalkerSeq {
         &self.block_table
     }
 
+    /// Replaces the block table with `table`, which must hold the same KV at
+    /// every position written so far (a prefix cache swapping a block for its
+    /// indexed twin after a commit).
+    pub fn set_block_table(&mut self, table: BlockTable) {
+        self.block_table = table;
+    }
+
+    /// Whether the whole prompt has run (the seq is decoding or finished): the
+    /// moment its full prompt blocks can be committed to a prefix cache.
+    pub fn prompt_done(&self) -> bool {
+        !matches!(self.phase, Phase::Prefill { .. })
+    }
+
     /// Appends blocks to the block table (for KV allocated as the reply grows).
     pub fn extend_blocks(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
         self.block_table.extend(blocks);

@@ -1,0 +1,378 @@
+//! The talker stage inside the engine's step loop: after each thinker step,
+//! every speaking request whose talker can move takes one talker step, all of
+//! them in one batched forward, and each frame goes through code2wav as it is
+//! made. A talker starts once its reply's first token has run through the
+//! thinker (its prompt's last row), and decode step `s` waits until the reply's
+//! token `s + 1` has run (its trailing text row), so the codes are HF's whatever
+//! the interleaving. Talker KV lives in the talker's own pool, whose prefix
+//! index ([`TalkerCache`]) lets a later round reuse every earlier user turn.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ndarray::{Array2, ArrayView2};
+
+use super::output::{AudioEvent, Event, Output};
+use crate::Result;
+use crate::backend::Backend;
+use crate::batch::RequestId;
+use crate::canon::Fingerprinter;
+use crate::index::PrefixIndex;
+use crate::index::radix::{RadixConfig, RadixIndex};
+use crate::model::code2wav::{Code2Wav, Code2WavStream};
+use crate::model::talker::{TalkerBlocks, TalkerSeq};
+use crate::prompt::{CanonicalPrompt, OmniTokens};
+use crate::runner::ModelRunner;
+use crate::sample::FinishReason;
+use crate::sched::{TalkerCache, TalkerCacheConfig, TalkerCacheStats, TalkerSlot, talker_key};
+use crate::speech::{CheckedSpeech, Speech, SpeechStage};
+
+/// The talker stage of an engine: the stage's models, the talker's pages and
+/// prefix cache, and every speaking request's state.
+pub(super) struct Talkers<B: Backend> {
+    stage: Arc<SpeechStage<B>>,
+    code2wav: Arc<Code2Wav<B>>,
+    runner: ModelRunner<B>,
+    pages: B::Pages,
+    cache: TalkerCache,
+    fingerprinter: Fingerprinter,
+    tokens: OmniTokens,
+    /// Ordered by id, so a step's batch is the same whatever the insertion order.
+    talks: BTreeMap<RequestId, Talk<B>>,
+}
+
+/// One speaking request.
+struct Talk<B: Backend> {
+    checked: CheckedSpeech,
+    prompt: CanonicalPrompt,
+    started: Instant,
+    /// The assistant turn so far: the prompt's ids from its last assistant
+    /// opening, then every reply token sampled (the last one has not run).
+    assistant: Vec<u32>,
+    /// The thinker's accept-layer rows of the prompt, once the prompt ran.
+    accept: Option<Array2<f32>>,
+    /// The thinker's output, held until the speech ends.
+    output: Option<Output>,
+    audio: Vec<f32>,
+    first_audio: Option<Duration>,
+    state: State<B>,
+}
+
+enum State<B: Backend> {
+    /// Until the reply's first token ran (or the talker pool has room).
+    Waiting,
+    Running(Box<Running<B>>),
+    /// The talker finished (or there was nothing to say).
+    Done {
+        codes: Array2<u32>,
+        finish: FinishReason,
+        prompt_rows: usize,
+        cached_rows: usize,
+    },
+}
+
+struct Running<B: Backend> {
+    seq: TalkerSeq,
+    slot: TalkerSlot,
+    stream: Code2WavStream<Arc<Code2Wav<B>>, B>,
+    /// The prompt's full blocks went to the talker's index.
+    committed: bool,
+    /// Assistant ids `4..pushed` are trailing rows of the seq already.
+    pushed: usize,
+}
+
+/// What one talker step did for one request.
+struct Stepped {
+    id: RequestId,
+    frame: Option<Vec<u32>>,
+}
+
+impl<B: Backend> Talkers<B> {
+    pub(super) fn new(
+        stage: SpeechStage<B>, cache: TalkerCacheConfig, fingerprinter: Fingerprinter, tokens: OmniTokens,
+    ) -> Result<Self> {
+        let backend = stage.backend();
+        let runner = stage.talker().runner(&backend)?;
+        let pages = runner.alloc_pages(cache.num_blocks, cache.block_size)?;
+        let index: Box<dyn PrefixIndex> =
+            Box::new(RadixIndex::new(RadixConfig { block_size: cache.block_size })?);
+        let code2wav = stage.code2wav_shared();
+        Ok(Talkers {
+            stage: Arc::new(stage),
+            code2wav,
+            runner,
+            pages,
+            cache: TalkerCache::new(cache, index)?,
+            fingerprinter,
+            tokens,
+            talks: BTreeMap::new(),
+        })
+    }
+
+    pub(super) fn stage(&self) -> &SpeechStage<B> {
+        &self.stage
+    }
+
+    pub(super) fn cache_stats(&self) -> TalkerCacheStats {
+        self.cache.stats()
+    }
+
+    /// A request that asked for audio was admitted.
+    pub(super) fn add(
+        &mut self, id: RequestId, checked: CheckedSpeech, prompt: CanonicalPrompt, started: Instant,
+    ) {
+        let start = checked.layout.assistant_start.min(prompt.token_ids.len());
+        let assistant = prompt.token_ids[start..].to_vec();
+        let talk = Talk {
+            checked,
+            prompt,
+            started,
+            assistant,
+            accept: None,
+            output: None,
+            audio: Vec::new(),
+            first_audio: None,
+            state: State::Waiting,
+        };
+        self.talks.insert(id, talk);
+    }
+
+    pub(super) fn contains(&self, id: RequestId) -> bool {
+        self.talks.contains_key(&id)
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.talks.is_empty()
+    }
+
+    /// The thinker's rows of the prompt arrived: `rows` holds the accept layer's
+    /// rows of every position that ran so far (the prompt's first).
+    pub(super) fn on_prompt_rows(&mut self, id: RequestId, rows: ArrayView2<'_, f32>) {
+        if let Some(talk) = self.talks.get_mut(&id).filter(|t| t.accept.is_none()) {
+            let n = talk.prompt.len().min(rows.nrows());
+            talk.accept = Some(rows.slice(ndarray::s![..n, ..]).to_owned());
+        }
+    }
+
+    /// The thinker sampled `token` for `id`.
+    pub(super) fn on_token(&mut self, id: RequestId, token: u32) {
+        if let Some(talk) = self.talks.get_mut(&id) {
+            talk.assistant.push(token);
+        }
+    }
+
+    /// The thinker finished `id`: its output waits for the speech. `None` when
+    /// `id` does not speak (the caller emits the output itself).
+    pub(super) fn on_thinker_done(&mut self, output: Output) -> Option<Output> {
+        match self.talks.get_mut(&output.request) {
+            Some(talk) => {
+                talk.output = Some(output);
+                None
+            }
+            None => Some(output),
+        }
+    }
+
+    /// Whether a talker step would make progress: some talk can start or step,
+    /// or waits only for its finished thinker's output to go out.
+    pub(super) fn has_work(&self) -> bool {
+        self.talks.values().any(|t| match &t.state {
+            State::Waiting => t.accept.is_some() && (t.assistant.len() > 4 || t.output.is_some()),
+            State::Running(r) => r.seq.is_ready() || t.output.is_some(),
+            State::Done { .. } => t.output.is_some(),
+        })
+    }
+
+    /// Drops `id`'s talk (an abort): its talker blocks go back, none indexed
+    /// unless its prompt had run.
+    pub(super) fn abort(&mut self, id: RequestId) -> Result<()> {
+        if let Some(talk) = self.talks.remove(&id)
+            && let State::Running(run) = talk.state
+        {
+            self.cache.release(run.slot)?;
+        }
+        Ok(())
+    }
+
+    /// One talker step: starts the talks that can, hands each running one the
+    /// reply rows that ran since, steps every ready one in one batch, streams
+    /// their frames through code2wav, and finishes the talks that ended.
+    /// `first_audio` is told each request's time to first audio.
+    pub(super) fn step(
+        &mut self, events: &mut Vec<Event>, mut first_audio: impl FnMut(Duration),
+    ) -> Result<()> {
+        let ids: Vec<RequestId> = self.talks.keys().copied().collect();
+        for &id in &ids {
+            self.start_or_feed(id)?;
+        }
+        self.step_ready(events, &mut first_audio)?;
+        for id in ids {
+            self.finish_if_done(id, events)?;
+        }
+        Ok(())
+    }
+
+    /// Starts `id`'s talker once its prompt's last row (the reply's first
+    /// token) ran, or feeds a running one its new trailing rows.
+    fn start_or_feed(&mut self, id: RequestId) -> Result<()> {
+        let Some(talk) = self.talks.get_mut(&id) else { return Ok(()) };
+        let thinker_done = talk.output.is_some();
+        // The last assistant id has not run (the reply's last token never does).
+        let ran = talk.assistant.len().saturating_sub(1);
+        match &mut talk.state {
+            State::Waiting => {
+                let Some(accept) = &talk.accept else { return Ok(()) };
+                if ran < 4 {
+                    if thinker_done {
+                        // The reply ended before its first token ran: nothing to say.
+                        let groups = self.stage.talker().config().num_code_groups;
+                        talk.state = State::Done {
+                            codes: Array2::zeros((groups, 0)),
+                            finish: FinishReason::Stop,
+                            prompt_rows: 0,
+                            cached_rows: 0,
+                        };
+                    }
+                    return Ok(());
+                }
+                let c = &talk.checked;
+                let inputs = self.stage.prompt_inputs(
+                    &c.layout,
+                    &talk.prompt.token_ids,
+                    &talk.assistant,
+                    accept.view(),
+                    c.speaker_id,
+                )?;
+                let key =
+                    talker_key(&c.layout, &talk.prompt, accept.view(), &self.fingerprinter, &self.tokens)?;
+                let total = inputs.embeds.nrows() + c.options.talker.max_new_tokens - 1;
+                let Some(slot) = self.cache.begin(key, total)? else { return Ok(()) };
+                let blocks =
+                    TalkerBlocks { block_table: slot.block_table().clone(), num_cached: slot.num_cached() };
+                let config = self.stage.talker().config();
+                let seq = match TalkerSeq::new(config, id, inputs, &c.options.talker, blocks) {
+                    Ok(seq) => seq,
+                    Err(e) => {
+                        self.cache.release(slot)?;
+                        return Err(e);
+                    }
+                };
+                let stream =
+                    Code2WavStream::new(Arc::clone(&self.code2wav), c.options.first_chunk, c.options.chunk)?;
+                talk.state =
+                    State::Running(Box::new(Running { seq, slot, stream, committed: false, pushed: 4 }));
+                // The rows that already ran become trailing rows right away.
+                self.start_or_feed(id)
+            }
+            State::Running(run) => {
+                if ran > run.pushed {
+                    let rows = self.stage.text_rows(&talk.assistant[run.pushed..ran])?;
+                    run.seq.push_trailing(rows.view())?;
+                    run.pushed = ran;
+                }
+                if thinker_done && !run.seq.trailing_finished() {
+                    run.seq.push_trailing(self.stage.tts_eos_row()?.view())?;
+                    run.seq.finish_trailing();
+                }
+                Ok(())
+            }
+            State::Done { .. } => Ok(()),
+        }
+    }
+
+    /// One batched talker forward over every ready seq; their frames go to
+    /// code2wav and the audio out as events.
+    fn step_ready(&mut self, events: &mut Vec<Event>, first_audio: &mut impl FnMut(Duration)) -> Result<()> {
+        let backend = self.stage.backend();
+        let mut ready: Vec<(RequestId, &mut TalkerSeq)> = self
+            .talks
+            .iter_mut()
+            .filter_map(|(&id, t)| match &mut t.state {
+                State::Running(run) if run.seq.is_ready() => Some((id, &mut run.seq)),
+                _ => None,
+            })
+            .collect();
+        if ready.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<RequestId> = ready.iter().map(|(id, _)| *id).collect();
+        let mut seqs: Vec<&mut TalkerSeq> = ready.iter_mut().map(|(_, seq)| &mut **seq).collect();
+        let frames = self.stage.talker().step(&backend, &self.runner, &mut self.pages, &mut seqs)?;
+        let stepped: Vec<Stepped> =
+            ids.into_iter().zip(frames).map(|(id, frame)| Stepped { id, frame }).collect();
+        for Stepped { id, frame } in stepped {
+            let Some(talk) = self.talks.get_mut(&id) else { continue };
+            let State::Running(run) = &mut talk.state else { continue };
+            if !run.committed && run.seq.prompt_done() {
+                // Index the prompt's full blocks; the index may hand back its own copy of one.
+                self.cache.commit(&mut run.slot)?;
+                run.seq.set_block_table(run.slot.block_table().clone());
+                run.committed = true;
+            }
+            let mut chunk = match frame {
+                Some(codes) => {
+                    let column = Array2::from_shape_fn((codes.len(), 1), |(q, _)| i64::from(codes[q]));
+                    run.stream.push(&*backend, column.view())?
+                }
+                None => Vec::new(),
+            };
+            if run.seq.is_finished() {
+                let State::Running(run) = std::mem::replace(&mut talk.state, State::Waiting) else {
+                    continue;
+                };
+                let Running { seq, slot, stream, .. } = *run;
+                chunk.extend(stream.finish(&*backend)?);
+                let (prompt_rows, cached_rows) = (seq.prompt_rows(), slot.num_cached());
+                self.cache.release(slot)?;
+                let out = seq.into_output().ok_or_else(|| {
+                    crate::error::Component::Engine
+                        .violation(format!("request {id}: a finished talker has no output"))
+                })?;
+                talk.state = State::Done { codes: out.codes, finish: out.finish, prompt_rows, cached_rows };
+            }
+            if !chunk.is_empty() {
+                if talk.first_audio.is_none() {
+                    let ttfa = talk.started.elapsed();
+                    talk.first_audio = Some(ttfa);
+                    first_audio(ttfa);
+                }
+                events.push(Event::Audio(AudioEvent {
+                    request: id,
+                    offset: talk.audio.len(),
+                    samples: chunk.clone(),
+                }));
+                talk.audio.extend(chunk);
+            }
+        }
+        Ok(())
+    }
+
+    /// Emits `id`'s output, its speech attached, once both stages are done.
+    fn finish_if_done(&mut self, id: RequestId, events: &mut Vec<Event>) -> Result<()> {
+        let done =
+            self.talks.get(&id).is_some_and(|t| t.output.is_some() && matches!(t.state, State::Done { .. }));
+        if !done {
+            return Ok(());
+        }
+        let Some(talk) = self.talks.remove(&id) else { return Ok(()) };
+        let (State::Done { codes, finish, prompt_rows, cached_rows }, Some(mut output)) =
+            (talk.state, talk.output)
+        else {
+            return Ok(());
+        };
+        output.timings.ttfa = talk.first_audio;
+        output.timings.total = talk.started.elapsed();
+        output.speech = Some(Speech {
+            codes,
+            audio: talk.audio,
+            sample_rate: self.code2wav.sample_rate(),
+            talker_prompt_rows: prompt_rows,
+            talker_cached_rows: cached_rows,
+            finish,
+            first_audio: talk.first_audio,
+        });
+        events.push(Event::Finished(output));
+        Ok(())
+    }
+}
