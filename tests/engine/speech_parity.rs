@@ -351,8 +351,8 @@ fn round2_reuses_round1_talker_kv_and_its_codes_stay() -> TestResult {
 }
 
 /// Runs `case` through `engine` asking for audio; every event in order and the output.
-fn speak_case(
-    engine: &mut Engine, hf: &Reference, rec: &Recorded, case: &str, options: &SpeechOptions,
+fn speak_case<B: omniprefix::backend::Backend>(
+    engine: &mut Engine<B>, hf: &Reference, rec: &Recorded, case: &str, options: &SpeechOptions,
 ) -> TestResult<(Vec<Event>, omniprefix::engine::Output)> {
     let c = Case::open(hf, case)?;
     let params = SamplingParams {
@@ -410,5 +410,33 @@ fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestRes
         runs.push(speech.audio);
     }
     assert_eq!(runs[0], runs[1], "the talker's cache changes no sample");
+    Ok(())
+}
+
+/// The whole chain on the wgpu backend: the thinker and the talker's decoders on its
+/// kernels, the talker's projections, code predictor glue and code2wav's convolutions
+/// through the trait's host fallbacks; codes equal HF's, audio within 1e-4.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_speech_chain_runs_on_wgpu() -> TestResult {
+    let Some(gpu) = crate::shared_gpu::gpu() else { return Ok(()) };
+    let hf = reference()?;
+    let rec = recorded()?;
+    let mut engine = Engine::from_dir_on(Arc::new(gpu), &model_dir(MODEL), EngineConfig::default())?;
+    let options = SpeechOptions {
+        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
+        ..SpeechOptions::default()
+    };
+    for case in CASES {
+        let (_, out) = speak_case(&mut engine, &hf, &rec, case, &options)?;
+        let speech = out.speech.ok_or("no speech")?;
+        let codes: Vec<i64> = speech.codes.iter().map(|&c| i64::from(c)).collect();
+        assert_eq!(codes, hf.ints(&format!("{case}.codes"))?, "wgpu {case}: codes");
+        let want = hf.matrix(&format!("{case}.waveform"))?;
+        assert_eq!(speech.audio.len(), want.ncols());
+        let worst = speech.audio.iter().zip(want.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        eprintln!("wgpu {case}: max |ours - HF| = {worst:.2e}");
+        assert!(worst <= 1e-4, "wgpu {case}: waveform differs by {worst}");
+    }
     Ok(())
 }
