@@ -7,7 +7,10 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use crate::demo::{DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, print_tables, run_demo};
+use crate::demo::{
+    DemoOptions, DemoReport, DemoScale, DemoWorkload, ModelChoice, SpokenChatOptions, default_speech_model,
+    has_talker, print_tables, run_demo, run_spoken_chat,
+};
 use crate::error::{HarnessError, Result, output};
 use omniprefix::backend::Backend;
 use omniprefix::backend::auto::{BackendKind, SelectedBackend, select};
@@ -42,6 +45,40 @@ pub struct DemoArgs {
     /// Fingerprint threads.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: u16,
+    /// The full Omni checkpoint (with a talker) of the spoken chat. Default: `--model` when it
+    /// has a talker, else the repository's `fixtures/tiny/omni_audio` when it is there.
+    #[arg(long, conflicts_with = "no_speech")]
+    pub speech_model: Option<PathBuf>,
+    /// Rounds of the spoken chat (each re-sends the conversation and asks for audio).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=3))]
+    pub speech_rounds: u16,
+    /// Skip the spoken chat.
+    #[arg(long)]
+    pub no_speech: bool,
+}
+
+impl DemoArgs {
+    /// The spoken chat's checkpoint: `--speech-model`, else `--model` with a talker, else the
+    /// repository's tiny one; `None` with `--no-speech` or when there is none.
+    fn speech_model(&self) -> Result<Option<PathBuf>> {
+        if self.no_speech {
+            return Ok(None);
+        }
+        if let Some(dir) = &self.speech_model {
+            if !has_talker(dir)? {
+                return Err(
+                    omniprefix::error::RequestError::NoTalker { model: dir.display().to_string() }.into()
+                );
+            }
+            return Ok(Some(dir.clone()));
+        }
+        if let Some(dir) = &self.model
+            && has_talker(dir)?
+        {
+            return Ok(Some(dir.clone()));
+        }
+        Ok(default_speech_model())
+    }
 }
 
 /// Checks the arguments, picks the backend, runs the demo, prints the tables
@@ -59,6 +96,10 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
     if let Some(path) = &args.json {
         check_writable(path)?;
     }
+    let speech = args.speech_model()?.map(|dir| SpokenChatOptions {
+        rounds: usize::from(args.speech_rounds),
+        ..SpokenChatOptions::new(dir)
+    });
     let options = DemoOptions {
         workloads,
         scale: if args.quick { DemoScale::quick() } else { DemoScale::full(args.video_grid_t)? },
@@ -69,8 +110,10 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
     let selection = select(args.backend)?;
     writeln!(out, "backend: {}", selection.reason).map_err(output)?;
     let report = match selection.backend {
-        SelectedBackend::Cpu(cpu) => run_on(Arc::new(cpu), "cpu".into(), &model, &options, out)?,
-        SelectedBackend::Wgpu(gpu) => run_wgpu(gpu, &model, &options, out)?,
+        SelectedBackend::Cpu(cpu) => {
+            run_on(Arc::new(cpu), "cpu".into(), &model, &options, speech.as_ref(), out)?
+        }
+        SelectedBackend::Wgpu(gpu) => run_wgpu(gpu, &model, &options, speech.as_ref(), out)?,
     };
     if let Some(path) = &args.json {
         let json = serde_json::to_string_pretty(&report)
@@ -82,17 +125,23 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write) -> Result<()> {
 }
 
 fn run_wgpu(
-    gpu: WgpuBackend, model: &ModelChoice, options: &DemoOptions, out: &mut dyn Write,
+    gpu: WgpuBackend, model: &ModelChoice, options: &DemoOptions, speech: Option<&SpokenChatOptions>,
+    out: &mut dyn Write,
 ) -> Result<DemoReport> {
     let label = format!("wgpu: {}", gpu.context().adapter_name());
-    run_on(Arc::new(gpu), label, model, options, out)
+    run_on(Arc::new(gpu), label, model, options, speech, out)
 }
 
+/// The demo's workloads, then the spoken chat on the same backend, then the tables.
 fn run_on<B: Backend>(
-    backend: Arc<B>, label: String, model: &ModelChoice, options: &DemoOptions, out: &mut dyn Write,
+    backend: Arc<B>, label: String, model: &ModelChoice, options: &DemoOptions,
+    speech: Option<&SpokenChatOptions>, out: &mut dyn Write,
 ) -> Result<DemoReport> {
     out.flush().map_err(output)?;
-    let report = run_demo(backend, label, model, options)?;
+    let mut report = run_demo(Arc::clone(&backend), label, model, options)?;
+    if let Some(speech) = speech {
+        report.spoken_chat = Some(run_spoken_chat(backend, speech)?);
+    }
     print_tables(&report, out).map_err(output)?;
     Ok(report)
 }

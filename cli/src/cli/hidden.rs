@@ -197,23 +197,28 @@ pub fn print_shapes(
     Ok(())
 }
 
-/// One f32 tensor to write: name, shape, little-endian bytes.
-pub type F32Tensor = (String, Vec<usize>, Vec<u8>);
+/// One tensor to write: name, dtype, shape, little-endian bytes.
+#[derive(Debug, Clone)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
 
 /// `values` as a named f32 tensor of `shape`.
-pub fn f32_tensor<'a>(
-    name: String, shape: Vec<usize>, values: impl IntoIterator<Item = &'a f32>,
-) -> F32Tensor {
-    (name, shape, values.into_iter().flat_map(|v| v.to_le_bytes()).collect())
+pub fn f32_tensor<'a>(name: String, shape: Vec<usize>, values: impl IntoIterator<Item = &'a f32>) -> Tensor {
+    let bytes = values.into_iter().flat_map(|v| v.to_le_bytes()).collect();
+    Tensor { name, dtype: Dtype::F32, shape, bytes }
 }
 
 /// Every captured point as `hidden.<L>` / `hidden.final`, `[rows, hidden]`.
-pub fn hidden_tensors(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<F32Tensor> {
+pub fn hidden_tensors(hidden: &[(CaptureName, Array2<f32>)]) -> Vec<Tensor> {
     hidden.iter().map(|(name, h)| f32_tensor(name.key(), vec![h.nrows(), h.ncols()], h.iter())).collect()
 }
 
-/// Writes `tensors` as one safetensors file (f32).
-pub fn write_tensors(tensors: Vec<F32Tensor>, path: &Path) -> Result<()> {
+/// Writes `tensors` as one safetensors file.
+pub fn write_tensors(tensors: Vec<Tensor>, path: &Path) -> Result<()> {
     let st_err = |e: safetensors::SafeTensorError| {
         Error::Checkpoint(CheckpointError::Safetensors {
             path: path.display().to_string(),
@@ -222,9 +227,7 @@ pub fn write_tensors(tensors: Vec<F32Tensor>, path: &Path) -> Result<()> {
     };
     let views = tensors
         .iter()
-        .map(|(name, shape, bytes)| {
-            Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(st_err)?))
-        })
+        .map(|t| Ok((t.name.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.bytes).map_err(st_err)?)))
         .collect::<omniprefix::Result<Vec<_>>>()?;
     Ok(safetensors::tensor::serialize_to_file(views, &None, path).map_err(st_err)?)
 }

@@ -24,6 +24,7 @@
 mod machine;
 mod pipeline;
 mod report;
+mod speech;
 mod workloads;
 
 use std::path::PathBuf;
@@ -45,6 +46,10 @@ pub use pipeline::{BLOCK_SIZE, ItemEmbeddings, RequestRun, Way, WayInputs, run_c
 pub use report::{
     DemoReport, MediaInfo, ModelInfo, RequestFacts, Row, Summary, WorkloadReport, print_summary,
     print_tables, rel_diff, workload_rows,
+};
+pub use speech::{
+    SPOKEN_TURNS, SpokenChatOptions, SpokenChatReport, SpokenRound, default_speech_model, has_talker,
+    print_spoken_chat, run_spoken_chat, spoken_summary_line,
 };
 pub use workloads::{DemoScale, DemoWorkload, Wave, demo_media, expanded_len, waves};
 
@@ -187,6 +192,7 @@ pub fn run_demo<B: Backend>(
         media: media_info(&media, &options.scale),
         workloads: workload_reports,
         summary,
+        spoken_chat: None,
         wall_s: start.elapsed().as_secs_f64(),
     })
 }

@@ -27,6 +27,9 @@ pub struct DemoReport {
     pub workloads: Vec<WorkloadReport>,
     /// The claims at a glance, from the rows above.
     pub summary: Summary,
+    /// The spoken multi-round chat on a full Omni checkpoint (`demo --speech-model`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spoken_chat: Option<super::speech::SpokenChatReport>,
     /// Wall time of the whole demo (model build, media, every run).
     pub wall_s: f64,
 }
@@ -320,7 +323,13 @@ pub fn print_tables(report: &DemoReport, out: &mut dyn Write) -> std::io::Result
             )?;
         }
     }
+    if let Some(spoken) = &report.spoken_chat {
+        super::speech::print_spoken_chat(spoken, out)?;
+    }
     print_summary(&report.summary, out)?;
+    if let Some(spoken) = &report.spoken_chat {
+        writeln!(out, "{}", super::speech::spoken_summary_line(spoken))?;
+    }
     writeln!(out, "\nwall time: {:.1} s", report.wall_s)?;
     Ok(())
 }

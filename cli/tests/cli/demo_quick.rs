@@ -105,6 +105,14 @@ fn the_json_report_carries_the_table_numbers_and_the_machine() -> TestResult {
         assert!(line.starts_with(start), "{line:?} should start with {start:?}");
     }
     assert!(summary[1].contains("generated replies identical"), "{text}");
+    // The spoken chat (the tiny full Omni checkpoint): its table, then one more summary line.
+    assert!(text.contains("== spoken_chat =="), "{text}");
+    let spoken = text.lines().skip_while(|l| *l != "== summary ==").nth(5).unwrap_or_default();
+    assert!(
+        spoken.starts_with("TTFA, last spoken_chat round: ") && spoken.contains(" ms uncached, "),
+        "{text}"
+    );
+    assert!(spoken.ends_with("audio identical to uncached"), "{spoken}");
     let json: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(&path).map_err(|source| IoError::read(&path_arg, source))?,
     )?;
@@ -114,6 +122,25 @@ fn the_json_report_carries_the_table_numbers_and_the_machine() -> TestResult {
     assert_eq!(json["summary"]["radix_reply_cached"].as_u64(), Some(21));
     let row = &json["workloads"][0]["rows"][3];
     assert_eq!((row["way"].as_str(), row["cached_tokens"].as_u64()), (Some("radix"), Some(46)));
+    let spoken = &json["spoken_chat"];
+    let rounds = spoken["rounds"].as_array().ok_or("spoken_chat rounds")?;
+    assert_eq!(rounds.len(), 3, "{spoken}");
+    assert_eq!(spoken["sample_rate"].as_u64(), Some(24_000));
+    assert_eq!(rounds[0]["cached_tokens"].as_u64(), Some(0), "{spoken}");
+    for (i, round) in rounds.iter().enumerate() {
+        assert!(round["ttfa_ms"].as_f64().is_some_and(|t| t > 0.0), "round {i}: {round}");
+        assert!(round["ttfa_ms_uncached"].as_f64().is_some_and(|t| t > 0.0), "round {i}: {round}");
+        assert!(round["codec_frames"].as_u64().is_some_and(|f| f > 0), "round {i}: {round}");
+        assert_eq!(round["same_audio_as_uncached"], true, "round {i}: {round}");
+        let prompt = round["prompt_tokens"].as_u64().unwrap_or_default();
+        if i > 0 {
+            // Each round re-sends the conversation: the earlier rounds' prompt is cached.
+            let previous = rounds[i - 1]["prompt_tokens"].as_u64().unwrap_or_default();
+            let cached = round["cached_tokens"].as_u64().unwrap_or_default();
+            assert!(prompt > previous && cached >= previous / 16 * 16, "round {i}: {round}");
+        }
+    }
+    assert!(spoken["last_round_ttfa_ratio"].as_f64().is_some_and(|r| r > 0.0), "{spoken}");
     std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }
@@ -161,6 +188,12 @@ fn bad_input_is_a_typed_error_before_anything_runs() -> Result<()> {
         ),
         "{err:?}"
     );
+    // The spoken chat needs a checkpoint with a talker.
+    let thinker = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/omni_thinker");
+    assert!(matches!(
+        demo(&["--speech-model", &thinker.display().to_string()]),
+        Err(HarnessError::Engine(Error::Request(RequestError::NoTalker { .. })))
+    ));
     let unwritable = "/nonexistent-dir/omniprefix/report.json";
     assert!(
         matches!(demo(&["--json", unwritable]), Err(HarnessError::Engine(Error::Io(IoError { path, .. }))) if path == unwritable)

@@ -7,6 +7,7 @@ mod chat_reference;
 mod cli_bench_match;
 mod demo_quick;
 mod engine_cli;
+mod generate_audio;
 mod generate_cli;
 mod generate_text_cli;
 mod gpu_bench_quick;
