@@ -384,10 +384,10 @@ class RequestOptions(TypedDict, total=False):
 
 
 @type_check_only
-class GenerateOptions(RequestOptions, total=False):
-    """:class:`RequestOptions` plus the sampling keywords of :meth:`Engine.generate` and
-    :meth:`Engine.stream`: the library's ``SamplingParams`` fields (``python/tests`` checks this
-    list against them); :meth:`Engine.generate` says what they do."""
+class SamplingOptions(TypedDict, total=False):
+    """The sampling keywords of :meth:`Engine.generate` and :meth:`Engine.stream`: the library's
+    ``SamplingParams`` fields (``python/tests`` checks this list against them);
+    :meth:`Engine.generate` says what they do."""
 
     max_tokens: Required[int]
     temperature: float  # default 0.0
@@ -399,6 +399,12 @@ class GenerateOptions(RequestOptions, total=False):
     run_last_token: bool  # default False
     allow_special_ids: bool  # default False
     suppress_ids: Sequence[int]  # default []
+
+
+@type_check_only
+class GenerateOptions(RequestOptions, SamplingOptions, total=False):
+    """:class:`RequestOptions` plus :class:`SamplingOptions`: the keywords of
+    :meth:`Engine.generate` and :meth:`Engine.stream` (besides the speech ones)."""
 
 
 @type_check_only
@@ -573,9 +579,12 @@ class Engine:
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
         pump: Optional[EventPump] = None,
         audio: Literal[False] = False,
-        **options: Unpack[GenerateOptions],
+        **options: Unpack[SamplingOptions],
     ) -> Stream[_TokenRows]: ...
     @overload
     def stream(
@@ -583,13 +592,16 @@ class Engine:
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
         pump: Optional[EventPump] = None,
         audio: Literal[True],
         speaker: Optional[str] = None,
         talker: Optional[TalkerOptions] = None,
         audio_first_chunk: Optional[int] = None,
         audio_chunk: Optional[int] = None,
-        **options: Unpack[GenerateOptions],
+        **options: Unpack[SamplingOptions],
     ) -> Stream[Union[_TokenRows, AudioChunk]]: ...
     @overload
     def stream(
@@ -597,13 +609,16 @@ class Engine:
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
         pump: Optional[EventPump] = None,
         audio: bool = False,
         speaker: Optional[str] = None,
         talker: Optional[TalkerOptions] = None,
         audio_first_chunk: Optional[int] = None,
         audio_chunk: Optional[int] = None,
-        **options: Unpack[GenerateOptions],
+        **options: Unpack[SamplingOptions],
     ) -> Stream[Union[_TokenRows, AudioChunk]]:
         """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
         same tokens as :meth:`generate` with the same seed. The engine keeps generating while

@@ -177,7 +177,7 @@ def test_bad_speech_requests_are_request_errors_that_change_nothing(engine, ref)
             engine.generate(**dict(speak(ref), talker=talker))
     with pytest.raises(omniprefix.RequestError, match="first_chunk"):
         engine.generate(**speak(ref), audio_first_chunk=0)
-    with pytest.raises(omniprefix.RequestError, match="unknown talker option 'x'"):
+    with pytest.raises(omniprefix.RequestError, match='unknown talker option "x"'):
         engine.stream(**dict(speak(ref), talker={"x": 1}))
     with pytest.raises(TypeError, match="need audio=True"):
         engine.generate(**request(ref), speaker="ethan")
