@@ -19,14 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from os import PathLike
-from typing import Any, Literal, Optional, Tuple, TypedDict, Union, final, type_check_only
+from typing import Any, Generic, Literal, Optional, Tuple, TypedDict, Union, final, overload, type_check_only
 
-from typing_extensions import Required, Unpack
+from typing_extensions import Required, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "AudioChunk",
     "CacheError",
     "CheckpointError",
     "ConfigError",
@@ -96,6 +97,13 @@ _Key = Union[bytes, str]
 
 #: A ZMQ TCP endpoint, ``"tcp://host:port"`` (``*`` binds every interface; port 0 picks a free one).
 _Endpoint = str
+
+#: One token of a stream: ``(token, {capture: row [hidden]})``.
+_TokenRows = Tuple[int, dict[str, npt.NDArray[np.float32]]]
+
+#: What a :class:`Stream` yields: ``(token, rows)`` tuples, and :class:`AudioChunk` s too when
+#: the request asked for audio (``Engine.stream(..., audio=True)``).
+_StreamItem = TypeVar("_StreamItem", default=_TokenRows)
 
 # ----------------------------------------------------------------------------------- exceptions
 
@@ -260,17 +268,61 @@ class Generation:
     @property
     def decode_tokens_per_s(self) -> float:
         """Tokens per second after the first."""
+    @property
+    def codes(self) -> Optional[npt.NDArray[np.int64]]:
+        """With ``audio=True``: the talker's codec codes, ``[code groups, frames]``; else ``None``."""
+    @property
+    def audio(self) -> Optional[npt.NDArray[np.float32]]:
+        """With ``audio=True``: the spoken reply, mono float32 at :attr:`sample_rate` (the
+        stream's :class:`AudioChunk` s, concatenated); else ``None``."""
+    @property
+    def sample_rate(self) -> Optional[int]:
+        """Samples per second of :attr:`audio` (24000 for Qwen3-Omni); ``None`` without audio."""
+    @property
+    def ttfa_s(self) -> Optional[float]:
+        """Seconds from submission to the first audio sample; ``None`` without audio (or when
+        the reply made none)."""
+    @property
+    def talker_prompt_rows(self) -> Optional[int]:
+        """Rows of the talker's prefill (its user rows and assistant rows); ``None`` without audio."""
+    @property
+    def talker_cached_rows(self) -> Optional[int]:
+        """Rows of the talker's prefill whose KV was reused; ``None`` without audio."""
+    @property
+    def audio_finish_reason(self) -> Optional[Literal["stop", "length"]]:
+        """Why the talker stopped: ``"stop"`` at the codec's end, ``"length"`` at its
+        ``max_tokens``; ``None`` without audio."""
 
 @final
-class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
+class AudioChunk:
+    """A chunk of a spoken reply, yielded by a stream of a request with ``audio=True`` as soon
+    as code2wav made it (final: never revised). A request's chunks, in order, concatenate to
+    its :attr:`Generation.audio`."""
+
+    @property
+    def offset(self) -> int:
+        """Index of the chunk's first sample in the reply's audio."""
+    @property
+    def samples(self) -> npt.NDArray[np.float32]:
+        """Mono samples at the generation's :attr:`~Generation.sample_rate`."""
+    def __len__(self) -> int:
+        """Samples in the chunk."""
+
+@final
+class Stream(Iterator[_StreamItem], Generic[_StreamItem]):
     """Iterator of ``(token, {capture: row [hidden]})``, one per generated token, from
     :meth:`Engine.stream`. The row is the hidden state of the position that produced the token
     (token ``i`` comes from position ``prompt_len - 1 + i``), equal to that row of the
     :class:`Generation`'s ``hidden``. Several streams of one engine may be interleaved
-    (continuous batching); each ``next()`` releases the GIL while the engine steps."""
+    (continuous batching); each ``next()`` releases the GIL while the engine steps.
 
-    def __iter__(self) -> Stream: ...
-    def __next__(self) -> Tuple[int, dict[str, npt.NDArray[np.float32]]]: ...
+    A stream of a request with ``audio=True`` (a ``Stream[Union[tuple, AudioChunk]]``) also
+    yields an :class:`AudioChunk` for each chunk of audio, in the order the engine made tokens
+    and chunks: tell them apart with ``isinstance(item, AudioChunk)``. Chunks keep coming after
+    the last token (the talker speaks behind the thinker) until the stream ends."""
+
+    def __iter__(self) -> Stream[_StreamItem]: ...
+    def __next__(self) -> _StreamItem: ...
     @property
     def finish_reason(self) -> Optional[str]:
         """Why the generation stops (``"stop"`` or ``"length"``), set as soon as its last token
@@ -289,9 +341,9 @@ class Stream(Iterator[Tuple[int, dict[str, npt.NDArray[np.float32]]]]):
     @property
     def request_id(self) -> int:
         """The engine's id of the request (what :meth:`EventPump.wait` names it by)."""
-    def next_batch(self) -> list[Tuple[int, dict[str, npt.NDArray[np.float32]]]]:
-        """Wait (GIL released) for the next event and return every buffered token; ``[]`` once
-        the stream ended."""
+    def next_batch(self) -> list[_StreamItem]:
+        """Wait (GIL released) for the next event and return every buffered item (tokens, and
+        audio chunks of an ``audio=True`` request); ``[]`` once the stream ended."""
     def close(self) -> None:
         """Abort the generation (also done when the stream is garbage collected); the engine
         keeps no block or lock of it. Safe from another thread while one waits in ``next()``."""
@@ -303,14 +355,15 @@ class EventPump:
     ``wait`` in a loop from one thread."""
 
     def __init__(self) -> None: ...
-    def watch(self, stream: Stream) -> None:
+    def watch(self, stream: Stream[Any]) -> None:
         """Start reading ``stream`` (submitted with ``pump=`` this pump); events that came
         before are read at the next :meth:`wait`."""
-    def wait(self, timeout_s: float) -> list[Tuple[int, list[Tuple[int, dict[str, npt.NDArray[np.float32]], Optional[str]]], Union[None, bool, Error]]]:
+    def wait(self, timeout_s: float) -> list[Tuple[int, list[Union[Tuple[int, dict[str, npt.NDArray[np.float32]], Optional[str]], AudioChunk]], Union[None, bool, Error]]]:
         """Wait up to ``timeout_s`` (GIL released) until a watched stream has events; then
-        ``[(request_id, [(token, {capture: row}, finish_reason), ...], end)]`` for each that had
-        some: ``finish_reason`` is ``"stop"`` / ``"length"`` on the request's last token, else
-        None; ``end`` is None while it runs, True once it ended (its ``generation`` / ``output``
+        ``[(request_id, [(token, {capture: row}, finish_reason) | AudioChunk, ...], end)]`` for
+        each that had some: ``finish_reason`` is ``"stop"`` / ``"length"`` on the request's last
+        token, else None; an :class:`AudioChunk` comes for each chunk of an ``audio=True``
+        request, in order with the tokens; ``end`` is None while it runs, True once it ended (its ``generation`` / ``output``
         is set), or the exception that ended it. ``[]`` when the time ran out."""
     def __len__(self) -> int:
         """Streams watched that have not ended."""
@@ -331,10 +384,10 @@ class RequestOptions(TypedDict, total=False):
 
 
 @type_check_only
-class GenerateOptions(RequestOptions, total=False):
-    """:class:`RequestOptions` plus the sampling keywords of :meth:`Engine.generate` and
-    :meth:`Engine.stream`: the library's ``SamplingParams`` fields (``python/tests`` checks this
-    list against them); :meth:`Engine.generate` says what they do."""
+class SamplingOptions(TypedDict, total=False):
+    """The sampling keywords of :meth:`Engine.generate` and :meth:`Engine.stream`: the library's
+    ``SamplingParams`` fields (``python/tests`` checks this list against them);
+    :meth:`Engine.generate` says what they do."""
 
     max_tokens: Required[int]
     temperature: float  # default 0.0
@@ -346,6 +399,30 @@ class GenerateOptions(RequestOptions, total=False):
     run_last_token: bool  # default False
     allow_special_ids: bool  # default False
     suppress_ids: Sequence[int]  # default []
+
+
+@type_check_only
+class GenerateOptions(RequestOptions, SamplingOptions, total=False):
+    """:class:`RequestOptions` plus :class:`SamplingOptions`: the keywords of
+    :meth:`Engine.generate` and :meth:`Engine.stream` (besides the speech ones)."""
+
+
+@type_check_only
+class TalkerOptions(TypedDict, total=False):
+    """The ``talker`` dict of ``audio=True`` requests: the library's ``TalkerSampling`` fields,
+    ``max_new_tokens`` spelled ``max_tokens`` as the thinker's (``python/tests`` checks this list
+    against the extension's). Missing keys take the checkpoint's (transformers') defaults; an
+    unknown key, or a value out of range, is a :class:`RequestError` naming it."""
+
+    temperature: float  # default 0.9; 0 = greedy; finite and >= 0
+    top_k: int  # default 50; 0 = off
+    top_p: float  # default 1.0; in (0, 1]
+    repetition_penalty: float  # default 1.05; finite and > 0
+    max_tokens: int  # default 4096: codes the talker samples at most, >= 1
+    seed: int  # default 0: the talker's and the code predictor's samplers
+    predictor_temperature: float  # default 1.0; finite and > 0
+    predictor_top_k: int  # default 50; 0 = off
+    predictor_top_p: float  # default 0.8; in (0, 1]
 
 
 @type_check_only
@@ -466,6 +543,12 @@ class Engine:
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
+        *,
+        audio: bool = False,
+        speaker: Optional[str] = None,
+        talker: Optional[TalkerOptions] = None,
+        audio_first_chunk: Optional[int] = None,
+        audio_chunk: Optional[int] = None,
         **options: Unpack[GenerateOptions],
     ) -> Generation:
         """Prefill, then decode up to ``max_tokens`` tokens (``temperature=0``: greedy, lowest id
@@ -478,21 +561,73 @@ class Engine:
         (an unknown name raises :class:`RequestError`). ``run_last_token`` also runs the last
         token (its KV and hidden row); the placeholder ids (image, audio and video pads) are
         never sampled unless ``allow_special_ids``, since a reply holding one could not be sent
-        back; ``suppress_ids`` bans more ids (transformers' ``suppress_tokens``). ``generate`` and :meth:`stream` take the same arguments."""
+        back; ``suppress_ids`` bans more ids (transformers' ``suppress_tokens``). ``generate`` and :meth:`stream` take the same arguments.
+
+        ``audio=True`` also speaks the reply, on a checkpoint with a talker (the full
+        Qwen3-Omni; else :class:`RequestError` ``NoTalker``): the talker runs beside the thinker
+        as its tokens come and code2wav turns its codes into audio, in the :class:`Generation`'s
+        ``codes``, ``audio``, ``sample_rate``, ``ttfa_s``, ``talker_prompt_rows`` /
+        ``talker_cached_rows`` and ``audio_finish_reason``. The prompt must end with an open
+        assistant turn. ``speaker`` (default ``"ethan"``; an unknown name is a
+        :class:`RequestError` listing the checkpoint's), ``talker`` (:class:`TalkerOptions`:
+        the talker's sampling, default the checkpoint's), ``audio_first_chunk`` (frames before
+        the first decode, default 4: a short wait for the first audio) and ``audio_chunk``
+        (frames per later decode, default 25) need ``audio=True`` (else ``TypeError``)."""
+    @overload
     def stream(
         self,
         token_ids: _TokenIds,
         items: Optional[Sequence[Item]] = None,
         *,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
         pump: Optional[EventPump] = None,
-        **options: Unpack[GenerateOptions],
-    ) -> Stream:
+        audio: Literal[False] = False,
+        **options: Unpack[SamplingOptions],
+    ) -> Stream[_TokenRows]: ...
+    @overload
+    def stream(
+        self,
+        token_ids: _TokenIds,
+        items: Optional[Sequence[Item]] = None,
+        *,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
+        pump: Optional[EventPump] = None,
+        audio: Literal[True],
+        speaker: Optional[str] = None,
+        talker: Optional[TalkerOptions] = None,
+        audio_first_chunk: Optional[int] = None,
+        audio_chunk: Optional[int] = None,
+        **options: Unpack[SamplingOptions],
+    ) -> Stream[Union[_TokenRows, AudioChunk]]: ...
+    @overload
+    def stream(
+        self,
+        token_ids: _TokenIds,
+        items: Optional[Sequence[Item]] = None,
+        *,
+        tenant: int = 0,
+        encoder: Optional[_Encoder] = None,
+        placeholders: _Placeholders = "unexpanded",
+        pump: Optional[EventPump] = None,
+        audio: bool = False,
+        speaker: Optional[str] = None,
+        talker: Optional[TalkerOptions] = None,
+        audio_first_chunk: Optional[int] = None,
+        audio_chunk: Optional[int] = None,
+        **options: Unpack[SamplingOptions],
+    ) -> Stream[Union[_TokenRows, AudioChunk]]:
         """:meth:`generate`, yielding ``(token, {capture: row})`` per step (for a talker stage);
         same tokens as :meth:`generate` with the same seed. The engine keeps generating while
         nobody reads, until 256 events are buffered; then the request holds until the reader
         catches up (its blocks go to other requests that need them; it recomputes later).
         With ``pump``, that :class:`EventPump` is told whenever the stream has events (read
-        them with ``pump.watch(stream)`` and ``pump.wait()``: what :class:`AsyncEngine` does)."""
+        them with ``pump.watch(stream)`` and ``pump.wait()``: what :class:`AsyncEngine` does).
+        With ``audio=True`` (and the speech keywords of :meth:`generate`) the stream also yields
+        an :class:`AudioChunk` for each chunk of audio as code2wav makes it."""
     def submit_prefill(
         self,
         token_ids: _TokenIds,

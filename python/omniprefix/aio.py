@@ -16,6 +16,10 @@ nothing of it is cached.
     gen = await engine.generate(ids, max_tokens=16)
     async for token, rows in engine.stream(ids, max_tokens=16):
         ...
+    # audio=True (a checkpoint with a talker): AudioChunks come between the tokens.
+    async for item in engine.stream(ids, max_tokens=16, audio=True):
+        if isinstance(item, AudioChunk):
+            play(item.samples)
 
 After a step of the engine panicked, every pending and later call raises
 :class:`~omniprefix.EngineDeadError` and :attr:`AsyncEngine.errored` is true.
@@ -29,13 +33,14 @@ import concurrent.futures
 import functools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, Generic, Literal, Optional, Sequence, TypeVar, Union, cast, overload
 
-from ._omniprefix import Engine, EventPump, Generation, Output, Stream
+from ._omniprefix import AudioChunk, Engine, EventPump, Generation, Output, Stream
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+    from typing_extensions import TypeVar as DefaultTypeVar
 
     from ._omniprefix import Error, Item
 
@@ -43,9 +48,13 @@ if TYPE_CHECKING:
     _Token = tuple[int, dict[str, npt.NDArray[np.float32]]]
     # A token as the pump hands it on: with "stop" / "length" when it is the request's last.
     _PumpedToken = tuple[int, dict[str, npt.NDArray[np.float32]], Optional[str]]
-    # What the pump hands a request's queue: its tokens, and None while it runs, True once it
-    # ended, or the exception that ended it (EventPump.wait).
-    _Event = tuple[list[_PumpedToken], Union[None, bool, Error]]
+    # What the pump hands a request's queue: its tokens and audio chunks, and None while it
+    # runs, True once it ended, or the exception that ended it (EventPump.wait).
+    _Event = tuple[list[Union[_PumpedToken, AudioChunk]], Union[None, bool, Error]]
+    # What an AsyncStream yields: tokens, and AudioChunks too for an audio=True request.
+    _Item = DefaultTypeVar("_Item", default=_Token)
+else:
+    _Item = TypeVar("_Item")
 
 _T = TypeVar("_T")
 
@@ -96,8 +105,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
-    async def _submit(self, submit: Callable[..., Stream], *args: Any,
-                      **kwargs: Any) -> tuple[Stream, asyncio.Queue[_Event]]:
+    async def _submit(self, submit: Callable[..., Stream[Any]], *args: Any,
+                      **kwargs: Any) -> tuple[Stream[Any], asyncio.Queue[_Event]]:
         """Submits in a submit thread and has the pump watch the stream; a stream that
         arrives after its task was cancelled is closed (the request aborted) right away."""
         loop = asyncio.get_running_loop()
@@ -136,10 +145,24 @@ class AsyncEngine:
         # Set, as in prefill.
         return cast(Generation, stream.generation)
 
-    def stream(self, token_ids: Any, items: Optional[Sequence[Item]] = None, **kwargs: Any) -> "AsyncStream":
-        """``Engine.stream`` as an async iterator of ``(token, {capture: row})``;
+    @overload
+    def stream(self, token_ids: Any, items: Optional[Sequence[Item]] = None, *, audio: Literal[False] = False,
+               **kwargs: Any) -> "AsyncStream[_Token]": ...
+
+    @overload
+    def stream(self, token_ids: Any, items: Optional[Sequence[Item]] = None, *, audio: Literal[True],
+               **kwargs: Any) -> "AsyncStream[Union[_Token, AudioChunk]]": ...
+
+    @overload
+    def stream(self, token_ids: Any, items: Optional[Sequence[Item]] = None, *, audio: bool = False,
+               **kwargs: Any) -> "AsyncStream[Union[_Token, AudioChunk]]": ...
+
+    def stream(self, token_ids: Any, items: Optional[Sequence[Item]] = None, *, audio: bool = False,
+               **kwargs: Any) -> "AsyncStream[Any]":
+        """``Engine.stream`` as an async iterator of ``(token, {capture: row})`` and, with
+        ``audio=True``, :class:`~omniprefix.AudioChunk` s in the order they were made;
         submitted when first iterated. ``.generation`` holds the result at the end."""
-        return AsyncStream(self, functools.partial(self.engine.stream, token_ids, items, **kwargs))
+        return AsyncStream(self, functools.partial(self.engine.stream, token_ids, items, audio=audio, **kwargs))
 
     async def stats(self) -> dict[str, int]:
         """``Engine.stats``, answered between two engine steps without blocking the event loop."""
@@ -159,24 +182,25 @@ class AsyncEngine:
         return f"Async{self.engine!r}"
 
 
-class AsyncStream:
-    """The tokens of one generation, awaited: ``async for token, rows in stream``.
-    Leaving the loop early (``break``, an exception, a cancelled task) or
+class AsyncStream(Generic[_Item]):
+    """The tokens of one generation, awaited: ``async for token, rows in stream``; with
+    ``audio=True`` the :class:`~omniprefix.AudioChunk` s too, between them (tell them apart with
+    ``isinstance``). Leaving the loop early (``break``, an exception, a cancelled task) or
     ``await stream.aclose()`` aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, submit: Callable[..., Stream]):
+    def __init__(self, engine: AsyncEngine, submit: Callable[..., Stream[Any]]):
         self._engine = engine
         self._submit = submit
-        self._stream: Optional[Stream] = None
+        self._stream: Optional[Stream[Any]] = None
         self._queue: Optional[asyncio.Queue[_Event]] = None
-        self._buffer: collections.deque[_PumpedToken] = collections.deque()
+        self._buffer: collections.deque[Union[_PumpedToken, AudioChunk]] = collections.deque()
         self._ended = False
         self._finish_reason: Optional[str] = None
 
-    def __aiter__(self) -> "AsyncStream":
+    def __aiter__(self) -> "AsyncStream[_Item]":
         return self
 
-    async def __anext__(self) -> _Token:
+    async def __anext__(self) -> _Item:
         try:
             queue = self._queue
             if queue is None:  # the first call: submit (the stream and its queue are set together)
@@ -188,9 +212,12 @@ class AsyncStream:
                 tokens, end = await queue.get()
                 self._buffer.extend(tokens)
                 self._ended = _ended(end)
-            token, rows, finish_reason = self._buffer.popleft()
+            item = self._buffer.popleft()
+            if isinstance(item, AudioChunk):
+                return cast(_Item, item)
+            token, rows, finish_reason = item
             self._finish_reason = finish_reason
-            return token, rows
+            return cast(_Item, (token, rows))
         except asyncio.CancelledError:
             self._close()
             raise
@@ -245,7 +272,7 @@ def _ended(end: Any) -> bool:
     return end is not None
 
 
-async def _drain(stream: Stream, queue: asyncio.Queue[_Event]) -> None:
+async def _drain(stream: Stream[Any], queue: asyncio.Queue[_Event]) -> None:
     """Reads ``stream``'s events from ``queue`` to its end; a cancelled wait aborts the request."""
     try:
         while True:
@@ -257,6 +284,6 @@ async def _drain(stream: Stream, queue: asyncio.Queue[_Event]) -> None:
         raise
 
 
-def _close_when_submitted(future: "asyncio.Future[Stream]") -> None:
+def _close_when_submitted(future: "asyncio.Future[Stream[Any]]") -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().close()

@@ -20,7 +20,8 @@ use omniprefix::engine::{
 };
 use omniprefix::error::RequestError;
 use omniprefix::model::{Config, Thinker};
-use omniprefix::sample::SamplingParams;
+use omniprefix::sample::{SamplingParams, TalkerSampling};
+use omniprefix::speech::SpeechOptions;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -125,6 +126,67 @@ fn sampling_params(sampling: Option<&Bound<'_, PyDict>>) -> PyResult<SamplingPar
         .map_err(|e| crate::errors::RequestError::new_err(format!("sampling options: {e}")))
 }
 
+/// The talker's option names as Python spells them: `TalkerSampling`'s fields
+/// (read from the library, so none is missed), `max_new_tokens` as `max_tokens`
+/// like the thinker's.
+fn talker_option_names() -> Vec<String> {
+    let defaults = serde_json::to_value(TalkerSampling::default()).unwrap_or_default();
+    let fields: Vec<String> = defaults.as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+    fields.into_iter().map(|k| if k == "max_new_tokens" { "max_tokens".into() } else { k }).collect()
+}
+
+/// The `talker` dict of a request: the library's `TalkerSampling`, keys as
+/// [`talker_option_names`] spells them, missing ones taking its defaults (HF's).
+/// Unknown keys are a `RequestError` naming them; ranges are the engine's check.
+fn talker_sampling(talker: Option<&Bound<'_, PyDict>>) -> PyResult<TalkerSampling> {
+    let Some(talker) = talker else { return Ok(TalkerSampling::default()) };
+    let known = talker_option_names();
+    let renamed = PyDict::new(talker.py());
+    let mut unknown = Vec::new();
+    for (key, value) in talker.iter() {
+        let name: String =
+            key.extract().map_err(|_| PyTypeError::new_err("talker option names must be str"))?;
+        if !known.contains(&name) {
+            unknown.push(format!("{name:?}"));
+            continue;
+        }
+        let field = if name == "max_tokens" { "max_new_tokens" } else { name.as_str() };
+        renamed.set_item(field, value)?;
+    }
+    if !unknown.is_empty() {
+        return Err(crate::errors::RequestError::new_err(format!(
+            "unknown talker option {}: the talker options are {}",
+            unknown.join(", "),
+            known.join(", ")
+        )));
+    }
+    pythonize::depythonize::<TalkerSampling>(renamed.as_any())
+        .map_err(|e| crate::errors::RequestError::new_err(format!("talker options: {e}")))
+}
+
+/// The speech keywords of `generate` / `stream`: `SpeechOptions` when `audio`,
+/// else None (and then none of the others may be given).
+fn speech_options(
+    audio: bool, speaker: Option<String>, talker: Option<&Bound<'_, PyDict>>, first_chunk: Option<usize>,
+    chunk: Option<usize>,
+) -> PyResult<Option<SpeechOptions>> {
+    if !audio {
+        if speaker.is_some() || talker.is_some() || first_chunk.is_some() || chunk.is_some() {
+            return Err(PyTypeError::new_err(
+                "speaker, talker, audio_first_chunk and audio_chunk need audio=True",
+            ));
+        }
+        return Ok(None);
+    }
+    let defaults = SpeechOptions::default();
+    Ok(Some(SpeechOptions {
+        speaker: speaker.unwrap_or(defaults.speaker),
+        talker: talker_sampling(talker)?,
+        first_chunk: first_chunk.unwrap_or(defaults.first_chunk),
+        chunk: chunk.unwrap_or(defaults.chunk),
+    }))
+}
+
 /// `max_position_embeddings` of the checkpoint in `model_dir`, read by the engine's
 /// own config parser (what `Engine.context_len` says once it is loaded); None when
 /// the checkpoint names none. For a process that runs no engine (the fleet's edge).
@@ -147,8 +209,8 @@ impl PyEngine {
     /// Prepares and submits one request with the GIL released (the encoder,
     /// if called, takes it back while it runs); returns its handle.
     fn submit(
-        &self, py: Python<'_>, prompt: Prompt<'_>, task: Task, encoder: Option<Py<PyAny>>,
-        pump: Option<&EventPump>,
+        &self, py: Python<'_>, prompt: Prompt<'_>, task: Task, audio: Option<SpeechOptions>,
+        encoder: Option<Py<PyAny>>, pump: Option<&EventPump>,
     ) -> PyResult<RequestHandle> {
         let ready = pump.map(EventPump::ready_sender);
         let Prompt { ids, borrowed, tenant, placeholders } = prompt;
@@ -157,15 +219,8 @@ impl PyEngine {
         let raised = Mutex::new(None);
         let served = &*self.served;
         let submitted = py.detach(|| {
-            let mut request = Request {
-                tenant,
-                token_ids: ids,
-                placeholders,
-                items: inputs,
-                task,
-                encoder: None,
-                audio: None,
-            };
+            let mut request =
+                Request { tenant, token_ids: ids, placeholders, items: inputs, task, encoder: None, audio };
             if let Some(callable) = encoder {
                 request = request.with_encoder(PyEncoder { callable, items: &items, raised: &raised });
             }
@@ -290,41 +345,49 @@ impl PyEngine {
         encoder: Option<Py<PyAny>>, placeholders: &str,
     ) -> PyResult<PyOutput> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
-        let handle = self.submit(py, prompt, Task::Prefill, encoder, None)?;
+        let handle = self.submit(py, prompt, Task::Prefill, None, encoder, None)?;
         PyOutput::new(py, wait(py, handle)?)
     }
 
     /// Generates tokens; returns them with the hidden rows of every position
     /// that ran. Sampling keywords go to `SamplingParams` as they are:
     /// max_tokens (required), temperature (0: greedy), top_k, top_p, seed,
-    /// stop, ignore_eos, run_last_token.
-    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", **sampling))]
+    /// stop, ignore_eos, run_last_token. `audio=True` speaks the reply (a
+    /// checkpoint with a talker): `speaker`, `talker` (a dict of `TalkerSampling`),
+    /// `audio_first_chunk` and `audio_chunk` (frames per code2wav decode).
+    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", audio=false, speaker=None, talker=None, audio_first_chunk=None, audio_chunk=None, **sampling))]
     #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn generate(
         &self, py: Python<'_>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>, tenant: u64,
-        encoder: Option<Py<PyAny>>, placeholders: &str, sampling: Option<&Bound<'_, PyDict>>,
+        encoder: Option<Py<PyAny>>, placeholders: &str, audio: bool, speaker: Option<String>,
+        talker: Option<&Bound<'_, PyDict>>, audio_first_chunk: Option<usize>, audio_chunk: Option<usize>,
+        sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyGeneration> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let task = Task::Generate(sampling_params(sampling)?);
-        let handle = self.submit(py, prompt, task, encoder, None)?;
+        let speech = speech_options(audio, speaker, talker, audio_first_chunk, audio_chunk)?;
+        let handle = self.submit(py, prompt, task, speech, encoder, None)?;
         PyGeneration::new(py, wait(py, handle)?)
     }
 
-    /// `generate`, yielding `(token, {capture: row})` as each token is sampled.
+    /// `generate`, yielding `(token, {capture: row})` as each token is sampled
+    /// and, with `audio=True`, an `AudioChunk` as each chunk of audio is made.
     /// The engine keeps generating while nobody reads (up to 256 buffered
-    /// tokens); closing or dropping the stream aborts the request. With
+    /// events); closing or dropping the stream aborts the request. With
     /// `pump`, that `EventPump` is told whenever the stream has events (read
     /// them with `pump.watch(stream)` and `pump.wait()`).
-    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", pump=None, **sampling))]
+    #[pyo3(signature = (token_ids, items=None, *, tenant=0, encoder=None, placeholders="unexpanded", pump=None, audio=false, speaker=None, talker=None, audio_first_chunk=None, audio_chunk=None, **sampling))]
     #[allow(clippy::too_many_arguments, reason = "Python's keyword arguments, one parameter each")]
     fn stream(
         slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>, tenant: u64,
-        encoder: Option<Py<PyAny>>, placeholders: &str, pump: Option<PyRef<'_, EventPump>>,
-        sampling: Option<&Bound<'_, PyDict>>,
+        encoder: Option<Py<PyAny>>, placeholders: &str, pump: Option<PyRef<'_, EventPump>>, audio: bool,
+        speaker: Option<String>, talker: Option<&Bound<'_, PyDict>>, audio_first_chunk: Option<usize>,
+        audio_chunk: Option<usize>, sampling: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
         let task = Task::Generate(sampling_params(sampling)?);
-        let handle = slf.get().submit(slf.py(), prompt, task, encoder, pump.as_deref())?;
+        let speech = speech_options(audio, speaker, talker, audio_first_chunk, audio_chunk)?;
+        let handle = slf.get().submit(slf.py(), prompt, task, speech, encoder, pump.as_deref())?;
         Ok(Stream::new(handle, slf.as_any()))
     }
 
@@ -338,7 +401,7 @@ impl PyEngine {
         encoder: Option<Py<PyAny>>, placeholders: &str, pump: Option<PyRef<'_, EventPump>>,
     ) -> PyResult<Stream> {
         let prompt = Prompt::parse(token_ids, items, tenant, placeholders)?;
-        let handle = slf.get().submit(slf.py(), prompt, Task::Prefill, encoder, pump.as_deref())?;
+        let handle = slf.get().submit(slf.py(), prompt, Task::Prefill, None, encoder, pump.as_deref())?;
         Ok(Stream::new(handle, slf.as_any()))
     }
 

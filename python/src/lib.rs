@@ -5,7 +5,7 @@
 //! | [`engine`] | `Engine` (prefill, generate, stream) |
 //! | [`stream`] | `Stream`: one request's events, and its result |
 //! | [`pump`] | `EventPump`: one reader for many streams (`AsyncEngine`'s) |
-//! | [`outputs`] | `Output`, `Generation` |
+//! | [`outputs`] | `Output`, `Generation`, `AudioChunk` |
 //! | [`item`] | `Item` and the borrowed item specs of one call |
 //! | [`matcher`] | `fingerprint`, `Prompt`, `PrefixIndex`, `Match` |
 //! | [`kv_events`] | `block_hashes`: a request's KV event block hashes, without a model |
@@ -36,6 +36,7 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pump::EventPump>()?;
     m.add_class::<outputs::PyOutput>()?;
     m.add_class::<outputs::PyGeneration>()?;
+    m.add_class::<outputs::PyAudioChunk>()?;
     m.add_class::<item::Item>()?;
     m.add_class::<matcher::Prompt>()?;
     m.add_class::<matcher::PyPrefixIndex>()?;

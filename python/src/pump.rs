@@ -18,14 +18,15 @@ use omniprefix::engine::ReadySender;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::{PyBool, PyDict};
+use pyo3::types::PyBool;
 
 use crate::arrays::row_dict;
-use crate::stream::{Read, Stream, StreamState};
+use crate::stream::{Read, Stream, StreamState, audio_item};
 
-/// A stream's tokens as the pump hands them on: `[(token, {capture: row}, finish_reason), ...]`,
-/// `finish_reason` (`"stop"`, `"length"`) on the request's last token, else None.
-type Tokens = Vec<(u32, Py<PyDict>, Option<String>)>;
+/// A stream's items as the pump hands them on: `[(token, {capture: row}, finish_reason) | AudioChunk, ...]`,
+/// `finish_reason` (`"stop"`, `"length"`) on the request's last token, else None; an
+/// `AudioChunk` for each chunk of a request that asked for audio.
+type Tokens = Vec<Py<PyAny>>;
 
 /// What [`EventPump::wait`] found for one stream: its request id, the tokens
 /// read, and `None` (still running), `True` (ended; its result is on the
@@ -73,7 +74,7 @@ impl EventPump {
     }
 
     /// Waits up to `timeout_s` (GIL released) until a watched stream has
-    /// events, then returns `[(request_id, [(token, {capture: row}), ...], end)]`
+    /// events, then returns `[(request_id, [(token, {capture: row}, finish_reason) | AudioChunk, ...], end)]`
     /// for each that had any: `end` is None while it runs, True once it ended
     /// (its `.generation` / `.output` is set), or the exception that ended it.
     /// `[]` when the time ran out.
@@ -115,8 +116,10 @@ fn drain(py: Python<'_>, state: &StreamState) -> PyResult<(Tokens, Option<Py<PyA
     loop {
         match state.read(py, false) {
             Ok(Read::Token(token, rows, finish)) => {
-                tokens.push((token, row_dict(py, rows)?.unbind(), finish.map(|r| r.to_string())))
+                let item = (token, row_dict(py, rows)?, finish.map(|r| r.to_string()));
+                tokens.push(item.into_pyobject(py)?.into_any().unbind())
             }
+            Ok(Read::Audio(audio)) => tokens.push(audio_item(py, audio)?),
             Ok(Read::Empty) => return Ok((tokens, None)),
             Ok(Read::End) => return Ok((tokens, Some(PyBool::new(py, true).to_owned().into_any().unbind()))),
             Err(error) => return Ok((tokens, Some(error.into_value(py).into_any()))),

@@ -4,19 +4,19 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use omniprefix::engine::{Aborter, Event, Output, RequestHandle};
+use omniprefix::engine::{Aborter, AudioEvent, Event, Output, RequestHandle};
 use omniprefix::sample::FinishReason;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::PyDict;
 
 use crate::arrays::row_dict;
 use crate::errors::to_py;
-use crate::outputs::{PyGeneration, PyOutput};
+use crate::outputs::{PyAudioChunk, PyGeneration, PyOutput};
 
-/// The events of one request as they come: iterate for `(token, {capture: row})`;
-/// `.generation` (a generation) or `.output` (a prefill) holds the result once
-/// it ends. Closing (or dropping) it early aborts the request.
+/// The events of one request as they come: iterate for `(token, {capture: row})`
+/// and, for a request that asked for audio, `AudioChunk`s in the order they
+/// were made; `.generation` (a generation) or `.output` (a prefill) holds the
+/// result once it ends. Closing (or dropping) it early aborts the request.
 #[pyclass(module = "omniprefix")]
 pub struct Stream {
     pub(crate) state: Arc<StreamState>,
@@ -62,6 +62,8 @@ impl Stream {
 pub(crate) enum Read {
     /// A token, its rows, and why the request stops when it is the last.
     Token(u32, Vec<(omniprefix::model::CaptureName, Vec<f32>)>, Option<FinishReason>),
+    /// A chunk of the spoken reply (a request that asked for audio).
+    Audio(AudioEvent),
     /// Nothing buffered (a read that does not wait).
     Empty,
     /// The stream ended (its result kept) or was closed.
@@ -95,8 +97,7 @@ impl StreamState {
                 }
                 Ok(Read::Token(token.token, token.hidden, token.finish_reason))
             }
-            // Python asks for no audio yet.
-            Some(Ok(Event::Audio(_))) => Ok(Read::Empty),
+            Some(Ok(Event::Audio(audio))) => Ok(Read::Audio(audio)),
             Some(Ok(Event::Finished(output))) => {
                 *self.result.lock_py_attached(py).unwrap_or_else(|p| p.into_inner()) = Some(output);
                 ended(&mut guard);
@@ -123,27 +124,47 @@ impl StreamState {
     }
 }
 
+/// A token as a stream yields it: `(token, {capture: row})`.
+fn token_item(
+    py: Python<'_>, token: u32, rows: Vec<(omniprefix::model::CaptureName, Vec<f32>)>,
+) -> PyResult<Py<PyAny>> {
+    Ok((token, row_dict(py, rows)?).into_pyobject(py)?.into_any().unbind())
+}
+
+/// An audio chunk as a stream yields it: an `AudioChunk`.
+pub(crate) fn audio_item(py: Python<'_>, audio: AudioEvent) -> PyResult<Py<PyAny>> {
+    Ok(Py::new(py, PyAudioChunk::new(py, audio))?.into_any())
+}
+
 #[pymethods]
 impl Stream {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
 
-    fn __next__(&self, py: Python<'_>) -> PyResult<Option<(u32, Py<PyDict>)>> {
-        match self.state.read(py, true)? {
-            Read::Token(token, rows, _) => Ok(Some((token, row_dict(py, rows)?.unbind()))),
-            Read::Empty | Read::End => Ok(None),
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        loop {
+            match self.state.read(py, true)? {
+                Read::Token(token, rows, _) => return Ok(Some(token_item(py, token, rows)?)),
+                Read::Audio(audio) => return Ok(Some(audio_item(py, audio)?)),
+                // A blocking read is never empty; read on if it were.
+                Read::Empty => continue,
+                Read::End => return Ok(None),
+            }
         }
     }
 
     /// Waits (GIL released) for the next event and returns every buffered
-    /// token as `[(token, {capture: row}), ...]`; `[]` once the stream ended.
-    fn next_batch(&self, py: Python<'_>) -> PyResult<Vec<(u32, Py<PyDict>)>> {
+    /// item as `[(token, {capture: row}) | AudioChunk, ...]`; `[]` once the stream ended.
+    fn next_batch(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
         let mut batch = Vec::new();
-        while let Read::Token(token, rows, _) = self.state.read(py, batch.is_empty())? {
-            batch.push((token, row_dict(py, rows)?.unbind()));
+        loop {
+            match self.state.read(py, batch.is_empty())? {
+                Read::Token(token, rows, _) => batch.push(token_item(py, token, rows)?),
+                Read::Audio(audio) => batch.push(audio_item(py, audio)?),
+                Read::Empty | Read::End => return Ok(batch),
+            }
         }
-        Ok(batch)
     }
 
     /// Why the generation stops (`"stop"` or `"length"`), set as soon as its

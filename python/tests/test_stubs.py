@@ -1,6 +1,6 @@
 """The type stubs say what the extension does: the options `_omniprefix.pyi` declares once
-(`EngineOptions` for `Engine.from_dir` / `Engine.random`, `GenerateOptions` for `generate` /
-`stream`) are the ones it accepts."""
+(`EngineOptions` for `Engine.from_dir` / `Engine.random`, `SamplingOptions` for `generate` /
+`stream`; `TalkerOptions` is checked in test_speech.py) are the ones it accepts."""
 
 import ast
 import pathlib
@@ -33,7 +33,7 @@ def test_the_stub_declares_the_sampling_keywords_the_extension_accepts(qwen3_con
         engine.generate([1, 2, 3], max_tokens=1, no_such_option=1)
     accepted = set(re.findall(r"`(\w+)`", str(info.value).split("expected one of", 1)[1]))
     assert "temperature" in accepted
-    assert stub_fields("GenerateOptions") == accepted
+    assert stub_fields("SamplingOptions") == accepted
 
 
 def test_the_stub_exports_what_the_extension_exports():
