@@ -36,14 +36,7 @@ use proptest::test_runner::Config as PtConfig;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const CHAT: ChatIds = ChatIds {
-    im_start_token_id: 1,
-    user_token_id: 2,
-    assistant_token_id: 3,
-    tts_pad_token_id: 7,
-    tts_bos_token_id: 8,
-    tts_eos_token_id: 9,
-};
+const CHAT: ChatIds = ChatIds::tiny();
 /// The tiny talker's `thinker_hidden_size`.
 const THINKER: usize = 24;
 const TALKER: usize = 32;

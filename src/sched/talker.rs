@@ -602,14 +602,7 @@ mod tests {
     use crate::prompt::PromptBuilder;
     use crate::speech::ChatIds;
 
-    const CHAT: ChatIds = ChatIds {
-        im_start_token_id: 1,
-        user_token_id: 2,
-        assistant_token_id: 3,
-        tts_pad_token_id: 7,
-        tts_bos_token_id: 8,
-        tts_eos_token_id: 9,
-    };
+    const CHAT: ChatIds = ChatIds::tiny();
     const WIDTH: usize = 24;
 
     fn fingerprinter() -> Fingerprinter {

@@ -34,6 +34,20 @@ pub struct ChatIds {
 }
 
 impl ChatIds {
+    /// Small ids for tests over tiny vocabularies: `<|im_start|>` 1, `user` 2,
+    /// `assistant` 3, `tts_pad` 7, `tts_bos` 8, `tts_eos` 9.
+    #[doc(hidden)]
+    pub const fn tiny() -> Self {
+        ChatIds {
+            im_start_token_id: 1,
+            user_token_id: 2,
+            assistant_token_id: 3,
+            tts_pad_token_id: 7,
+            tts_bos_token_id: 8,
+            tts_eos_token_id: 9,
+        }
+    }
+
     /// The ids at the root of a full Omni `config.json`; a missing one is a
     /// [`CheckpointError::ConfigParse`] naming it.
     pub fn from_config(root: &serde_json::Value) -> Result<Self> {
@@ -94,14 +108,7 @@ mod tests {
     use super::*;
     use crate::Error;
 
-    const CHAT: ChatIds = ChatIds {
-        im_start_token_id: 1,
-        user_token_id: 2,
-        assistant_token_id: 3,
-        tts_pad_token_id: 7,
-        tts_bos_token_id: 8,
-        tts_eos_token_id: 9,
-    };
+    const CHAT: ChatIds = ChatIds::tiny();
 
     /// HF's rule written as HF writes it: cumulative max of `<|im_start|>` positions
     /// (−1 elsewhere) clamped to 0, the role read one past it (clamped to the end).
