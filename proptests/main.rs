@@ -16,4 +16,5 @@ mod radix_vs_hashchain;
 mod runner_chunking;
 mod sched_state_machine;
 mod served_threads;
+mod speech_cache;
 mod talker_cache;
