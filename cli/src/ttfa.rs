@@ -98,7 +98,7 @@ impl TtfaOptions {
             size,
             rounds: if bench { 4 } else { 2 },
             concurrency: if bench { vec![1, 4, 8] } else { vec![1, 2] },
-            conversations: if bench { 8 } else { 2 },
+            conversations: if bench { 4 } else { 2 },
             max_tokens: if bench { 16 } else { 4 },
             frames: if bench { 16 } else { 4 },
             mm_scale: if bench { 2 } else { 8 },

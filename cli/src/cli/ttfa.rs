@@ -26,7 +26,7 @@ pub struct TtfaArgs {
     /// Closed-loop runs: conversations in flight, comma-separated (default 1,4,8).
     #[arg(long, value_delimiter = ',')]
     pub concurrency: Option<Vec<usize>>,
-    /// Conversations per run (at least its concurrency; default 8).
+    /// Conversations per run (at least its concurrency; default 4).
     #[arg(long)]
     pub conversations: Option<usize>,
     /// Rounds per conversation (default 4).
