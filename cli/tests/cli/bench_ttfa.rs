@@ -45,7 +45,9 @@ fn quick_run_reports_ttfa_per_round_cache_on_and_off() -> TestResult {
         assert_eq!(rounds.len(), 2, "{x}");
         for round in rounds.iter().chain([&x["later_rounds"]]) {
             assert_eq!(u(round, "requests"), 2, "{round}");
-            assert_eq!((u(round, "frames"), u(round, "audio_samples")), (4, 4 * 1920), "{round}");
+            assert_eq!(u(round, "frames"), 4, "{round}");
+            // code2wav's causal convolutions trim the edge: under 1920 samples a frame, over 3.
+            assert!((3 * 1920..=4 * 1920).contains(&u(round, "audio_samples")), "{round}");
             assert!(u(round, "talker_prompt_rows") > 0, "{round}");
             for key in ["ttfa_ms_p50", "ttfa_ms_p99", "engine_ttfa_ms_p50", "ttft_ms_p50", "reply_end_ms_p50"]
             {
