@@ -13,7 +13,8 @@
 # table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table; every
 # claim's figure, which the README's headline figures summarise), docs/serve.md "Figures" (the
 # bench serve table: `scripts/serve_table.py < docs/reports/bench_serve.jsonl`), docs/scale-out.md
-# "Figures" (the routing table: `scripts/route_bench.py --table docs/reports/route_bench.jsonl`).
+# "Figures" (the routing table: `scripts/route_bench.py --table docs/reports/route_bench.jsonl`), the README's
+# TTFA table (`scripts/ttfa_table.py docs/reports/bench_ttfa.json`).
 # Nothing here rewrites them: update them from the new reports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,10 @@ if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
     "$bin" bench match --workload all --threads "$threads" --runs 21 --json > "$reports/bench_match_Nt.jsonl"
     if "$bin" bench ttft --help > /dev/null 2>&1; then
         "$bin" bench ttft --runs 7 --json > "$reports/bench_ttft.jsonl"
+    fi
+    # The README's TTFA table: `python3 scripts/ttfa_table.py docs/reports/bench_ttfa.json` (~3 min on 2 cores).
+    if "$bin" bench ttfa --help > /dev/null 2>&1; then
+        "$bin" bench ttfa --json "$reports/bench_ttfa.json" | tee "$reports/bench_ttfa.txt"
     fi
 fi
 # The serve report alone (SERVE_ONLY=1 skips the rest, e.g. on shared cores); the bench serve

@@ -1,7 +1,7 @@
 //! # omniprefix-cli
 //!
 //! The harnesses around the [`omniprefix`] engine: the `omniprefix` command
-//! line, the demo, `bench match` / `bench ttft` / `bench soak` / `bench serve`, and the seeded
+//! line, the demo, `bench match` / `bench ttft` / `bench ttfa` / `bench soak` / `bench serve`, and the seeded
 //! workload generators they share. None of this is the engine's API: a thinker
 //! stage depends on `omniprefix` alone.
 
@@ -13,6 +13,7 @@ pub mod error;
 pub mod scenarios;
 pub mod serve;
 pub mod soak;
+pub mod ttfa;
 pub mod ttft;
 pub mod workloads;
 

@@ -521,21 +521,35 @@ fn scaled_layouts(scale: u32) -> [(Modality, ItemLayout, Vec<usize>); 3] {
     ]
 }
 
+impl MediaItem {
+    /// A random item of `modality` with the layout [`Media`] gives it at `scale`:
+    /// random content (its own fingerprint) and random encoder rows `hidden` wide.
+    pub(crate) fn random(
+        modality: Modality, scale: u32, hidden: usize, rng: &mut ChaCha8Rng,
+    ) -> Result<Self> {
+        let (modality, layout, shape) = scaled_layouts(scale)
+            .into_iter()
+            .find(|(m, _, _)| *m == modality)
+            .ok_or_else(|| HarnessError::Fixture {
+                file: SCENARIOS_FILE,
+                problem: format!("no synthetic layout for {modality:?}"),
+            })?;
+        let tokens = layout.try_num_tokens(0)?;
+        let mut bytes = vec![0u8; shape.iter().product()];
+        rng.fill(bytes.as_mut_slice());
+        let content = ArrayD::from_shape_vec(IxDyn(&shape), bytes)
+            .map_err(|source| HarnessError::GeneratedMedia { what: "ttft media", source })?;
+        let embeddings = Array2::from_shape_simple_fn((tokens, hidden), || rng.random::<f32>() * 2.0 - 1.0);
+        Ok(MediaItem { modality, layout, content, embeddings: Arc::new(embeddings), tokens })
+    }
+}
+
 impl Media {
     pub(crate) fn new(scale: u32, hidden: usize, seed: u64) -> Result<Self> {
         let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5EED);
         let items = scaled_layouts(scale)
             .into_iter()
-            .map(|(modality, layout, shape)| {
-                let tokens = layout.try_num_tokens(0)?;
-                let mut bytes = vec![0u8; shape.iter().product()];
-                rng.fill(bytes.as_mut_slice());
-                let content = ArrayD::from_shape_vec(IxDyn(&shape), bytes)
-                    .map_err(|source| HarnessError::GeneratedMedia { what: "ttft media", source })?;
-                let embeddings =
-                    Array2::from_shape_simple_fn((tokens, hidden), || rng.random::<f32>() * 2.0 - 1.0);
-                Ok(MediaItem { modality, layout, content, embeddings: Arc::new(embeddings), tokens })
-            })
+            .map(|(modality, _, _)| MediaItem::random(modality, scale, hidden, &mut rng))
             .collect::<Result<_>>()?;
         Ok(Media { items })
     }

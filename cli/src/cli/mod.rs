@@ -35,6 +35,8 @@ pub mod runtime;
 pub mod serve;
 /// `omniprefix bench soak`.
 pub mod soak;
+/// `omniprefix bench ttfa`.
+pub mod ttfa;
 /// `omniprefix bench ttft`.
 pub mod ttft;
 
@@ -74,6 +76,8 @@ pub enum BenchCommand {
     Match(bench_match::MatchArgs),
     /// Time to first token, cached vs uncached, on shared-prefix and multi-round workloads.
     Ttft(ttft::TtftArgs),
+    /// Time to first audio of a spoken multi-round voice chat, caching on and off, at several concurrencies.
+    Ttfa(ttfa::TtfaArgs),
     /// Zipf prefix reuse under eviction pressure, no model compute: hit rate, evictions, peak memory, leaks.
     Soak(soak::SoakArgs),
     /// `vllm bench serve` on the generation API: TTFT/ITL percentiles, output tokens/s, hit rate, cache on and off.
@@ -92,6 +96,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Generate(args) => generate::run(&args, out),
         Command::BlockHashes(args) => block_hashes::run(&args, out),
         Command::Bench(BenchCommand::Ttft(args)) => ttft::run(&args, out),
+        Command::Bench(BenchCommand::Ttfa(args)) => ttfa::run(&args, out),
         Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),
         Command::Bench(BenchCommand::Serve(args)) => serve::run(&args, out),
         Command::GpuInfo(args) => gpu_check::info(&args, out),

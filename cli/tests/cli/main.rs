@@ -3,6 +3,7 @@
 //! every file here (they were 12 binaries). Run one file with `cargo test --test cli demo_quick::`.
 
 mod bench_serve;
+mod bench_ttfa;
 mod chat_reference;
 mod cli_bench_match;
 mod demo_quick;

@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Markdown TTFA table of `omniprefix bench ttfa --json PATH` for the README ("Time to first audio").
+
+    cargo build --release -p omniprefix-cli
+    target/release/omniprefix bench ttfa --json docs/reports/bench_ttfa.json
+    python3 scripts/ttfa_table.py docs/reports/bench_ttfa.json
+
+Prints the machine line, one row per round with caller TTFA p50 / p99 caching on and off at c=1 and
+their ratio, the rounds-2.. headline, TTFA p50 at the highest concurrency over c=1, and where the
+first audio's time went (medians, rounds 2.., c=1). Every figure is read from the report.
+"""
+import json
+import sys
+
+r = json.load(open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin)
+m, s = r["machine"], r["shapes"]
+features = " ".join(m["cpu_features"]) or "no AVX2"
+print(
+    f"{m['cpu_model']}, {m['cores']} cores ({features}), {m['threads']} threads; {r['size']} model "
+    f"(thinker {s['thinker']['hidden']}x{s['thinker']['layers']}, talker {s['talker']['hidden']}x{s['talker']['layers']} "
+    f"with {s['talker']['experts']} experts top-{s['talker']['experts_per_token']}, code2wav "
+    f"{s['code2wav_hidden']}x{s['code2wav_layers']} + decoder {s['code2wav_decoder_dim']}, {r['dtype']}); "
+    f"reply {r['max_tokens']} tokens, {r['frames']} frames, first chunk {r['first_chunk']} frames\n"
+)
+
+runs = {(x["cache"], x["concurrency"]): x for x in r["runs"]}
+on, off = runs.get((True, 1)), runs.get((False, 1))
+print("| round | prompt tokens (hit) | talker rows (hit) | TTFA p50 ms on / off | TTFA p99 ms on / off | on / off |")
+print("|---|---:|---:|---:|---:|---:|")
+for a, b in zip(on["rounds"] + [on["later_rounds"]], off["rounds"] + [off["later_rounds"]]):
+    name = str(a["round"]) if a["round"] else "2-" + str(r["rounds"])
+    print(
+        f"| {name} | {a['prompt_tokens']} ({a['cached_tokens']}) | {a['talker_prompt_rows']} ({a['talker_cached_rows']}) "
+        f"| {a['ttfa_ms_p50']:.0f} / {b['ttfa_ms_p50']:.0f} | {a['ttfa_ms_p99']:.0f} / {b['ttfa_ms_p99']:.0f} "
+        f"| {a['ttfa_ms_p50'] / b['ttfa_ms_p50']:.3f} |"
+    )
+
+print(
+    f"\nTTFA p50, rounds 2-{r['rounds']}, c=1: cached / uncached = {r['later_rounds_cached_over_uncached_c1']:.3f}. "
+    f"TTFA p50 at c={r['top_c']} / c=1: {r['ttfa_p50_top_c_over_c1_cached']:.2f} caching on, "
+    f"{r['ttfa_p50_top_c_over_c1_uncached']:.2f} off."
+)
+for b in r["breakdown"]:
+    print(
+        f"First audio, rounds 2-{r['rounds']}, c={b['concurrency']}, caching {'on' if b['cache'] else 'off'} (ms): "
+        f"prepare {b['prepare_ms']:.1f}, thinker prefill {b['thinker_prefill_ms']:.1f}, reply decode {b['thinker_decode_ms']:.1f}, "
+        f"reply end to first chunk {b['reply_end_to_audio_ms']:.1f}, chunk to caller {b['audio_delivery_ms']:.1f}."
+    )
+p = r.get("probe")
+if p:
+    print(
+        f"The talker and code2wav alone ({p['talker_rows']} talker rows): prefill + first frame "
+        f"{p['talker_prefill_first_frame_ms']:.1f} ms, {p['talker_frame_ms']:.1f} ms a frame, code2wav's first chunk "
+        f"{p['code2wav_first_chunk_ms']:.1f} ms."
+    )
