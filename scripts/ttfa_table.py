@@ -43,8 +43,9 @@ print(
 for b in r["breakdown"]:
     print(
         f"First audio, rounds 2-{r['rounds']}, c={b['concurrency']}, caching {'on' if b['cache'] else 'off'} (ms): "
-        f"prepare {b['prepare_ms']:.1f}, thinker prefill {b['thinker_prefill_ms']:.1f}, reply decode {b['thinker_decode_ms']:.1f}, "
-        f"reply end to first chunk {b['reply_end_to_audio_ms']:.1f}, chunk to caller {b['audio_delivery_ms']:.1f}."
+        f"prepare {b['prepare_ms']:.1f}, thinker prefill {b['thinker_prefill_ms']:.1f}, "
+        f"first token to first chunk {b['first_token_to_audio_ms']:.1f} (talker start, prefill, first frames, code2wav), "
+        f"chunk to caller {b['audio_delivery_ms']:.1f}; the audio began {b['audio_before_reply_end_ms']:.1f} ms before the reply's last token."
     )
 p = r.get("probe")
 if p:

@@ -382,13 +382,14 @@ pub struct Breakdown {
     pub prepare_ms: f64,
     /// Preparation to the first reply token (queue + thinker prefill + first sample): `Timings::ttft - preprocess`.
     pub thinker_prefill_ms: f64,
-    /// First to last reply token (thinker decode).
-    pub thinker_decode_ms: f64,
-    /// The reply's last token to the first audio chunk made (`Timings::ttfa` minus the
-    /// last token time; negative when audio starts before the reply ends). The engine
-    /// does not report its split into talker inputs, talker prefill, the first
-    /// frames and the first code2wav chunk: see the probe.
-    pub reply_end_to_audio_ms: f64,
+    /// The first reply token to the first audio chunk made (`Timings::ttfa - ttft`):
+    /// the talker waits for the reply's first token to run, then its prefill, its
+    /// first frames (each waiting for a reply token to run) and code2wav's first
+    /// chunk. The engine does not report that split: see the probe.
+    pub first_token_to_audio_ms: f64,
+    /// For context: the reply's last token minus the first audio chunk made (positive:
+    /// the audio started before the reply ended, as the talker streams beside the thinker).
+    pub audio_before_reply_end_ms: f64,
     /// The first chunk made (`Timings::ttfa`) to its `Event::Audio` reaching the caller.
     pub audio_delivery_ms: f64,
     /// The caller's TTFA (sum of the above, up to rounding of medians).
@@ -397,7 +398,7 @@ pub struct Breakdown {
 
 /// The talker and code2wav of the same model timed alone at the measured
 /// shapes, outside the engine (no events: direct calls), to split
-/// `reply_end_to_audio_ms`.
+/// `first_token_to_audio_ms`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct StageProbe {
     /// Talker prompt rows timed (the median of the cached rounds 2.., c=1, uncached).
@@ -880,8 +881,8 @@ fn breakdown(cache: bool, concurrency: usize, samples: &[Sample]) -> Breakdown {
         concurrency,
         prepare_ms: med(&|s| millis(s.timings.preprocess)),
         thinker_prefill_ms: med(&|s| millis(s.timings.ttft.saturating_sub(s.timings.preprocess))),
-        thinker_decode_ms: med(&|s| last(s) - millis(s.timings.ttft)),
-        reply_end_to_audio_ms: med(&|s| engine_ttfa(s) - last(s)),
+        first_token_to_audio_ms: med(&|s| engine_ttfa(s) - millis(s.timings.ttft)),
+        audio_before_reply_end_ms: med(&|s| last(s) - engine_ttfa(s)),
         audio_delivery_ms: med(&|s| millis(s.ttfa) - engine_ttfa(s)),
         ttfa_ms: med(&|s| millis(s.ttfa)),
     }
@@ -959,15 +960,15 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
     ));
     for b in &r.breakdown {
         out.push(format!(
-            "first audio, rounds 2.., c={}, caching {}: prepare {:.1} + thinker prefill {:.1} + reply decode {:.1} + reply end -> first chunk {:.1} + delivery {:.1} = {:.1} ms",
+            "first audio, rounds 2.., c={}, caching {}: prepare {:.1} + thinker prefill {:.1} + first token -> first chunk {:.1} + delivery {:.1} = {:.1} ms ({:.1} ms before the reply's last token)",
             b.concurrency,
             if b.cache { "on" } else { "off" },
             b.prepare_ms,
             b.thinker_prefill_ms,
-            b.thinker_decode_ms,
-            b.reply_end_to_audio_ms,
+            b.first_token_to_audio_ms,
             b.audio_delivery_ms,
-            b.ttfa_ms
+            b.ttfa_ms,
+            b.audio_before_reply_end_ms
         ));
     }
     if let Some(p) = &r.probe {

@@ -81,8 +81,8 @@ fn quick_run_reports_ttfa_per_round_cache_on_and_off() -> TestResult {
         for key in [
             "prepare_ms",
             "thinker_prefill_ms",
-            "thinker_decode_ms",
-            "reply_end_to_audio_ms",
+            "first_token_to_audio_ms",
+            "audio_before_reply_end_ms",
             "audio_delivery_ms",
             "ttfa_ms",
         ] {
