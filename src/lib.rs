@@ -31,6 +31,7 @@
 //!     match event? {
 //!         Event::Token(token) => assert_eq!(token.hidden.len(), 3), // rows per captured layer
 //!         Event::Finished(out) => assert_eq!(out.num_cached_tokens, 12), // the system prompt hit
+//!         Event::Audio(_) => unreachable!("no audio was asked"),
 //!     }
 //! }
 //! # Ok::<(), omniprefix::Error>(())

@@ -82,6 +82,7 @@ struct Facts {
 ///     match event? {
 ///         Event::Token(t) => tokens.push(t.token),
 ///         Event::Finished(out) => assert_eq!(out.tokens, tokens),
+///         Event::Audio(_) => unreachable!("no audio was asked"),
 ///     }
 /// }
 /// assert_eq!(tokens.len(), 5);
