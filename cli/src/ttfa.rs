@@ -57,7 +57,7 @@ const SYSTEM: u32 = 8948;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Size {
-    /// The release's structure at a quarter of its widths (see [`Shapes::bench`]).
+    /// The release's structure at a quarter of its widths (the shapes `bench ttfa` prints).
     Bench,
     /// A few-layer model of the same structure for tests.
     Tiny,
