@@ -647,7 +647,8 @@ class Engine:
         """Every counter of the engine: ``queries``, ``query_tokens`` (prompt tokens matched),
         ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``, ``block_copies``,
         ``blocks_free``, ``blocks_in_use``, ``blocks_cached``, ``waiting``, ``running``,
-        ``encoder_cache_hits``, ``encoder_calls`` (items the encoder ran for), ``finished``."""
+        ``encoder_cache_hits``, ``encoder_calls`` (items the encoder ran for), ``finished``, and
+        ``talker`` (the talker's prefix-cache counters, a dict) on a checkpoint that speaks."""
     def metrics(self) -> str:
         """The engine's metrics in Prometheus text format (OpenMetrics, ending in ``# EOF``),
         with vLLM's meanings: counters ``omniprefix_prefix_cache_queries_total`` and

@@ -121,6 +121,8 @@ pub struct EngineStats {
     pub encoder_calls: u64,
     /// Requests that returned their outputs.
     pub finished: u64,
-    /// The talker's prefix cache, when the engine speaks.
+    /// The talker's prefix cache, when the engine speaks (absent from the
+    /// serialized stats otherwise, so a thinker-only engine's keys stay as they were).
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub talker: Option<TalkerCacheStats>,
 }
