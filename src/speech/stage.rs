@@ -4,14 +4,14 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ndarray::{Array2, ArrayView2, Axis, concatenate, s};
 
 use crate::Result;
 use crate::backend::Backend;
 use crate::error::{BackendError, CheckpointError, IoError, RequestError};
-use crate::model::code2wav::{Code2Wav, Code2WavStream};
+use crate::model::code2wav::Code2Wav;
 use crate::model::talker::{Talker, TalkerInputs};
 use crate::model::{CaptureName, Thinker};
 use crate::sample::{FinishReason, TalkerSampling};
@@ -79,7 +79,7 @@ pub struct Speech {
     pub talker_cached_rows: usize,
     /// `Stop` at the codec EOS, `Length` at the talker's `max_new_tokens`.
     pub finish: FinishReason,
-    /// From the start of [`SpeechStage::speak`] to its first audio chunk; `None`
+    /// From the request's start to its first audio chunk (its time to first audio); `None`
     /// when the reply made no audio.
     pub first_audio: Option<Duration>,
 }
@@ -274,45 +274,6 @@ impl<B: Backend> SpeechStage<B> {
             false => eos,
         };
         Ok(inputs)
-    }
-
-    /// Speaks a thinker reply (see [`inputs`](Self::inputs)): the talker's frames
-    /// go to code2wav as they come, and each audio chunk to `on_audio` as soon as
-    /// it is final (an error from it ends the run with that error).
-    pub fn speak(
-        &self, layout: &TalkerLayout, prompt_ids: &[u32], reply: &[u32], accept_rows: ArrayView2<'_, f32>,
-        options: &SpeechOptions, mut on_audio: impl FnMut(&[f32]) -> Result<()>,
-    ) -> Result<Speech> {
-        let started = Instant::now();
-        let speaker_id = self.checks().speaker_id(&options.speaker)?;
-        options.check()?;
-        let inputs = self.inputs(layout, prompt_ids, reply, accept_rows, speaker_id)?;
-        let b = &*self.backend;
-        let mut stream = Code2WavStream::new(&*self.code2wav, options.first_chunk, options.chunk)?;
-        let mut audio = Vec::new();
-        let mut first_audio = None;
-        let mut emit = |chunk: Vec<f32>, audio: &mut Vec<f32>| -> Result<()> {
-            if !chunk.is_empty() {
-                first_audio.get_or_insert_with(|| started.elapsed());
-                on_audio(&chunk)?;
-                audio.extend(chunk);
-            }
-            Ok(())
-        };
-        let out = self.talker.generate(&self.backend, &inputs, &options.talker, |frame: &[u32]| {
-            let codes = Array2::from_shape_fn((frame.len(), 1), |(q, _)| i64::from(frame[q]));
-            emit(stream.push(b, codes.view())?, &mut audio)
-        })?;
-        emit(stream.finish(b)?, &mut audio)?;
-        Ok(Speech {
-            codes: out.codes,
-            audio,
-            sample_rate: self.code2wav.sample_rate(),
-            talker_prompt_rows: inputs.embeds.nrows(),
-            talker_cached_rows: 0,
-            finish: out.finish,
-            first_audio,
-        })
     }
 }
 
