@@ -285,7 +285,7 @@ impl<B: Backend> Engine<B> {
                     Next::Finish(reason, _) => Some(reason),
                 };
                 if let Some(talkers) = self.talkers.as_mut() {
-                    talkers.on_token(id, token);
+                    talkers.on_token(id, token, finish_reason.is_some());
                 }
                 events.push(Event::Token(TokenEvent {
                     request: id,

@@ -1,10 +1,13 @@
 //! The talker stage inside the engine's step loop: after each thinker step,
 //! every speaking request whose talker can move takes one talker step, all of
 //! them in one batched forward, and each frame goes through code2wav as it is
-//! made. A talker starts once its reply's first token has run through the
-//! thinker (its prompt's last row), and decode step `s` waits until the reply's
-//! token `s + 1` has run (its trailing text row), so the codes are HF's whatever
-//! the interleaving. Talker KV lives in the talker's own pool, whose prefix
+//! made. A talker starts once its reply's first token is sampled and is not the
+//! reply's last (its prompt's last row), and decode step `s` waits for the reply's
+//! token `s + 1` likewise (its trailing text row). HF's rows are the thinker's
+//! input embeddings of every token that ran, i.e. all but the last sampled one;
+//! a token's row is its embedding, so it is final as soon as the sampler says the
+//! reply goes on, a thinker step before the token runs. The codes are HF's
+//! whatever the interleaving. Talker KV lives in the talker's own pool, whose prefix
 //! index ([`TalkerCache`]) lets a later round reuse every earlier user turn.
 
 use std::collections::BTreeMap;
@@ -48,8 +51,11 @@ struct Talk<B: Backend> {
     prompt: CanonicalPrompt,
     started: Instant,
     /// The assistant turn so far: the prompt's ids from its last assistant
-    /// opening, then every reply token sampled (the last one has not run).
+    /// opening, then every reply token sampled.
     assistant: Vec<u32>,
+    /// Leading ids of `assistant` that are talker rows: all but the reply's last
+    /// token (which HF's thinker never runs), once it is known to be the last.
+    settled: usize,
     /// The thinker's accept-layer rows of the prompt, once the prompt ran.
     accept: Option<Array2<f32>>,
     /// The thinker's output, held until the speech ends.
@@ -60,7 +66,7 @@ struct Talk<B: Backend> {
 }
 
 enum State<B: Backend> {
-    /// Until the reply's first token ran (or the talker pool has room).
+    /// Until the reply's first token settled (or the talker pool has room).
     Waiting,
     Running(Box<Running<B>>),
     /// The talker finished (or there was nothing to say).
@@ -128,6 +134,7 @@ impl<B: Backend> Talkers<B> {
             checked,
             prompt,
             started,
+            settled: assistant.len(),
             assistant,
             accept: None,
             output: None,
@@ -155,10 +162,13 @@ impl<B: Backend> Talkers<B> {
         }
     }
 
-    /// The thinker sampled `token` for `id`.
-    pub(super) fn on_token(&mut self, id: RequestId, token: u32) {
+    /// The thinker sampled `token` for `id`; `last`: the reply ends with it.
+    pub(super) fn on_token(&mut self, id: RequestId, token: u32, last: bool) {
         if let Some(talk) = self.talks.get_mut(&id) {
             talk.assistant.push(token);
+            if !last {
+                talk.settled = talk.assistant.len();
+            }
         }
     }
 
@@ -178,7 +188,7 @@ impl<B: Backend> Talkers<B> {
     /// or waits only for its finished thinker's output to go out.
     pub(super) fn has_work(&self) -> bool {
         self.talks.values().any(|t| match &t.state {
-            State::Waiting => t.accept.is_some() && (t.assistant.len() > 4 || t.output.is_some()),
+            State::Waiting => t.accept.is_some() && (t.settled >= 4 || t.output.is_some()),
             State::Running(r) => r.seq.is_ready() || t.output.is_some(),
             State::Done { .. } => t.output.is_some(),
         })
@@ -196,7 +206,7 @@ impl<B: Backend> Talkers<B> {
     }
 
     /// One talker step: starts the talks that can, hands each running one the
-    /// reply rows that ran since, steps every ready one in one batch, streams
+    /// reply rows that settled since, steps every ready one in one batch, streams
     /// their frames through code2wav, and finishes the talks that ended.
     /// `first_audio` is told each request's time to first audio.
     pub(super) fn step(
@@ -214,18 +224,17 @@ impl<B: Backend> Talkers<B> {
     }
 
     /// Starts `id`'s talker once its prompt's last row (the reply's first
-    /// token) ran, or feeds a running one its new trailing rows.
+    /// token) settled, or feeds a running one its new trailing rows.
     fn start_or_feed(&mut self, id: RequestId) -> Result<()> {
         let Some(talk) = self.talks.get_mut(&id) else { return Ok(()) };
         let thinker_done = talk.output.is_some();
-        // The last assistant id has not run (the reply's last token never does).
-        let ran = talk.assistant.len().saturating_sub(1);
+        let settled = talk.settled;
         match &mut talk.state {
             State::Waiting => {
                 let Some(accept) = &talk.accept else { return Ok(()) };
-                if ran < 4 {
+                if settled < 4 {
                     if thinker_done {
-                        // The reply ended before its first token ran: nothing to say.
+                        // The reply ended with its first token: nothing to say.
                         let groups = self.stage.talker().config().num_code_groups;
                         talk.state = State::Done {
                             codes: Array2::zeros((groups, 0)),
@@ -262,14 +271,14 @@ impl<B: Backend> Talkers<B> {
                     Code2WavStream::new(Arc::clone(&self.code2wav), c.options.first_chunk, c.options.chunk)?;
                 talk.state =
                     State::Running(Box::new(Running { seq, slot, stream, committed: false, pushed: 4 }));
-                // The rows that already ran become trailing rows right away.
+                // The rows that already settled become trailing rows right away.
                 self.start_or_feed(id)
             }
             State::Running(run) => {
-                if ran > run.pushed {
-                    let rows = self.stage.text_rows(&talk.assistant[run.pushed..ran])?;
+                if settled > run.pushed {
+                    let rows = self.stage.text_rows(&talk.assistant[run.pushed..settled])?;
                     run.seq.push_trailing(rows.view())?;
-                    run.pushed = ran;
+                    run.pushed = settled;
                 }
                 if thinker_done && !run.seq.trailing_finished() {
                     run.seq.push_trailing(self.stage.tts_eos_row()?.view())?;

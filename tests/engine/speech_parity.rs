@@ -371,8 +371,8 @@ fn speak_case<B: omniprefix::backend::Backend>(
     Ok((events, out))
 }
 
-/// The talker starts while the thinker still generates (the first audio comes before the
-/// reply's last token), with one-frame code2wav chunks; the talker's prefix cache hands
+/// The talker starts while the thinker still generates (the first audio comes in the step
+/// that sampled the reply's first token), with one-frame code2wav chunks; the talker's prefix cache hands
 /// round 2 every full block of round 1's user rows, and with caching off nothing; codes and
 /// audio are the same in all three runs and equal HF's.
 #[test]
@@ -390,11 +390,16 @@ fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestRes
         let mut engine =
             Engine::from_dir(&model_dir(MODEL), EngineConfig { cache, ..EngineConfig::default() })?;
         let (events, _) = speak_case(&mut engine, &hf, &rec, "image", &options)?;
+        // The first frame needs only the reply's first token, as soon as the sampler says
+        // the reply goes on: the talker starts in the step that sampled it, and one frame is
+        // a chunk, so the first audio comes before the reply's second token.
         let first_audio = events.iter().position(|e| matches!(e, Event::Audio(_))).ok_or("no audio")?;
-        let last_token = events.iter().rposition(|e| matches!(e, Event::Token(_))).ok_or("no tokens")?;
+        let tokens: Vec<usize> =
+            events.iter().enumerate().filter(|(_, e)| matches!(e, Event::Token(_))).map(|(i, _)| i).collect();
+        assert!(tokens.len() > 2, "the reply is long enough to tell");
         assert!(
-            first_audio < last_token,
-            "audio at event {first_audio}, the reply's last token at {last_token}"
+            tokens[0] < first_audio && first_audio < tokens[1],
+            "audio at event {first_audio}, the reply's tokens at {tokens:?}"
         );
         let (_, out) = speak_case(&mut engine, &hf, &rec, "round2", &options)?;
         let speech = out.speech.ok_or("no speech")?;
