@@ -571,8 +571,8 @@ class Engine:
         assistant turn. ``speaker`` (default ``"ethan"``; an unknown name is a
         :class:`RequestError` listing the checkpoint's), ``talker`` (:class:`TalkerOptions`:
         the talker's sampling, default the checkpoint's), ``audio_first_chunk`` (frames before
-        the first decode, default 4: a short wait for the first audio) and ``audio_chunk``
-        (frames per later decode, default 25) need ``audio=True`` (else ``TypeError``)."""
+        the first decode, default 1: a short wait for the first audio) and ``audio_chunk``
+        (most frames a later decode waits for, default 25; chunks double up to it) need ``audio=True`` (else ``TypeError``)."""
     @overload
     def stream(
         self,

@@ -30,7 +30,8 @@ pub struct SpeechOptions {
     /// Frames code2wav waits for before its first decode: a small first chunk
     /// is a short wait for the first audio.
     pub first_chunk: usize,
-    /// Frames per later decode.
+    /// Most frames a later decode waits for (chunks double up to it: see
+    /// [`Code2WavStream`](crate::model::code2wav::Code2WavStream)).
     pub chunk: usize,
 }
 
@@ -54,12 +55,14 @@ impl SpeechOptions {
 }
 
 impl Default for SpeechOptions {
-    /// Speaker `ethan` (HF's default), HF's talker sampling, chunks of 4 then 25 frames.
+    /// Speaker `ethan` (HF's default), HF's talker sampling, a first chunk of 1
+    /// frame (the first audio needs the reply's first token only), then doubling
+    /// chunks up to 25 frames.
     fn default() -> Self {
         SpeechOptions {
             speaker: "ethan".into(),
             talker: TalkerSampling::default(),
-            first_chunk: 4,
+            first_chunk: 1,
             chunk: 25,
         }
     }

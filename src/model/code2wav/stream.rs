@@ -43,9 +43,13 @@ use crate::error::{BackendError, ConfigError};
 
 /// An incremental decode of one utterance's codec frames.
 ///
-/// Frames wait until `first_chunk` (the first decode: a short wait for the first
-/// audio) or `chunk` (later decodes) of them are pending, as vllm-omni's code2wav
-/// streams; [`Code2WavStream::finish`] decodes whatever is left.
+/// Frames wait until `first_chunk` of them are pending (the first decode: a short
+/// wait for the first audio), then each later decode waits for as many frames as
+/// were decoded before it, at most `chunk`: chunks double (1, 1, 2, 4, … from a
+/// first chunk of 1), so the audio a listener holds grows with what was said, and
+/// the context each decode re-reads is paid ever more rarely. vllm-omni's code2wav
+/// streams a small first chunk, then fixed ones. [`Code2WavStream::finish`]
+/// decodes whatever is left.
 ///
 /// ```
 /// use ndarray::{Array2, s};
@@ -83,9 +87,9 @@ pub struct Code2WavStream<M: Deref<Target = Code2Wav<B>>, B: Backend> {
 }
 
 impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
-    /// A stream that decodes once `first_chunk` frames are pending, then every
-    /// `chunk` frames (vllm-omni uses small first chunks, e.g. 4, then e.g. 25);
-    /// both must be positive ([`ConfigError::Invalid`]).
+    /// A stream that decodes once `first_chunk` frames are pending, then in
+    /// doubling chunks of at most `chunk` frames (see the type's doc); both must
+    /// be positive ([`ConfigError::Invalid`]).
     pub fn new(model: M, first_chunk: usize, chunk: usize) -> Result<Self> {
         ConfigError::require_positive("code2wav stream", "first_chunk", first_chunk)?;
         ConfigError::require_positive("code2wav stream", "chunk", chunk)?;
@@ -121,7 +125,7 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
         for (p, row) in self.pending.iter_mut().zip(codes.rows()) {
             p.extend(row.iter().copied());
         }
-        let due = if self.frames == 0 { self.first_chunk } else { self.chunk };
+        let due = if self.frames == 0 { self.first_chunk } else { self.frames.clamp(1, self.chunk) };
         if self.pending.first().map_or(0, Vec::len) >= due { self.decode(backend) } else { Ok(Vec::new()) }
     }
 

@@ -62,14 +62,18 @@ fn streamed_audio_equals_one_pass() {
 fn stream_emits_audio_as_soon_as_it_is_final() {
     let cfg = Code2WavConfig::tiny();
     let model = Code2Wav::random(&CpuBackend, cfg.clone(), 3).unwrap();
-    let codes = random_codes(9, &cfg, 12);
-    let mut stream = Code2WavStream::new(&model, 4, 5).unwrap();
-    assert!(stream.push(&CpuBackend, codes.slice(s![.., 0..3])).unwrap().is_empty(), "3 < first chunk");
-    let first = stream.push(&CpuBackend, codes.slice(s![.., 3..4])).unwrap();
-    assert_eq!(first.len(), cfg.output_len(4), "all of 4 frames' samples are final");
-    assert!(stream.push(&CpuBackend, codes.slice(s![.., 4..8])).unwrap().is_empty(), "4 < chunk");
-    let second = stream.push(&CpuBackend, codes.slice(s![.., 8..9])).unwrap();
-    assert_eq!(second.len(), cfg.output_len(9) - cfg.output_len(4));
+    let codes = random_codes(9, &cfg, 13);
+    let mut stream = Code2WavStream::new(&model, 2, 5).unwrap();
+    let mut push = |from: usize, to: usize| stream.push(&CpuBackend, codes.slice(s![.., from..to])).unwrap();
+    assert!(push(0, 1).is_empty(), "1 < first chunk");
+    assert_eq!(push(1, 2).len(), cfg.output_len(2), "all of 2 frames' samples are final");
+    // Later chunks double (2 frames decoded: wait for 2 more, then 4), up to `chunk` (5).
+    assert!(push(2, 3).is_empty(), "1 < 2 frames decoded");
+    assert_eq!(push(3, 4).len(), cfg.output_len(4) - cfg.output_len(2));
+    assert!(push(4, 7).is_empty(), "3 < 4 frames decoded");
+    assert_eq!(push(7, 8).len(), cfg.output_len(8) - cfg.output_len(4));
+    assert!(push(8, 12).is_empty(), "4 < chunk (5), not 8");
+    assert_eq!(push(12, 13).len(), cfg.output_len(13) - cfg.output_len(8));
     assert!(matches!(
         Code2WavStream::new(&model, 0, 5),
         Err(Error::Config(crate::error::ConfigError::Invalid { field: "first_chunk", .. }))
