@@ -352,7 +352,8 @@ pub trait Backend: Send + Sync {
     // (`cpu::conv`, `cpu::dense_attention`) and uploads the result, so every backend
     // runs the audio decoder; a backend overrides the ones it has kernels for.
 
-    /// Causal 1-D convolution (stride 1) of `x [T, cin]` → `[T, cout]`:
+    /// Grouped causal 1-D convolution (stride 1) of `x [T, cin]` → `[T, cout]`, for
+    /// the depthwise convs (a dense one is [`Backend::dense_causal_conv1d`]):
     /// `out[t, o] = bias[0, o] + Σ_j Σ_c x[t - (k-1-j)·dilation, g·cin_g + c] · w[j·cin_g + c, o]`
     /// over taps whose source row is `>= 0` (HF's left padding), `g = o / (cout / groups)`,
     /// `cin_g = cin / groups`. `w [kernel * cin_g, cout]` holds HF's
@@ -367,20 +368,33 @@ pub trait Backend: Send + Sync {
         self.upload(out.view())
     }
 
+    /// Dense causal 1-D convolution (stride 1, `groups == 1`) of `x [T, cin]` →
+    /// `[T, cout]`: `out[t, o] = bias[0, o] + Σ_j Σ_c x[t - (k-1-j)·dilation, c] · weight[o, c, j]`
+    /// over taps whose source row is `>= 0`. `w` is a weight `[kernel * cout, cin]`
+    /// holding HF's `weight[o, :, j]` at row `j·cout + o`
+    /// ([`cpu::conv::dense_conv1d_weight_from_hf`]), so the default is one
+    /// [`Backend::matmul_t`] (every tap's products) and the taps' sum on the host.
+    fn dense_causal_conv1d(
+        &self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Tensor>, spec: Conv1dSpec,
+    ) -> Result<Self::Tensor> {
+        let z = self.download(&self.matmul_t(x, w)?)?;
+        let bias = bias.map(|b| self.download(b)).transpose()?;
+        self.upload(cpu::conv::sum_causal_taps(z.view(), bias.as_ref().map(|b| b.view()), spec)?.view())
+    }
+
     /// Causal transposed 1-D convolution of `x [T, cin]`: `ConvTranspose1d(kernel,
     /// stride)` with `kernel - stride` rows trimmed from both ends →
     /// `[(T + 1)·stride - kernel, cout]` ([`cpu::conv::conv_transpose1d_len`]);
-    /// output row `m` is `bias + Σ x[i, c] · w[j·cin + c, o]` over `i·stride + j = m + kernel - stride`.
-    /// `w [kernel * cin, cout]` holds HF's `weight[c, o, j]` at row `j·cin + c`
-    /// ([`cpu::conv::conv_transpose1d_weight_from_hf`]); `stride <= kernel <= 2·stride`.
+    /// output row `m` is `bias + Σ x[i, c] · weight[c, o, j]` over `i·stride + j = m + kernel - stride`.
+    /// `w` is a weight `[kernel * cout, cin]` holding HF's `weight[:, o, j]` at row
+    /// `j·cout + o` ([`cpu::conv::conv_transpose1d_weight_from_hf`]); `stride <= kernel
+    /// <= 2·stride`. The default is one [`Backend::matmul_t`] and the taps' sum on the host.
     fn causal_conv_transpose1d(
-        &self, x: &Self::Tensor, w: &Self::Tensor, bias: Option<&Self::Tensor>, spec: ConvTranspose1dSpec,
+        &self, x: &Self::Tensor, w: &Self::Weight, bias: Option<&Self::Tensor>, spec: ConvTranspose1dSpec,
     ) -> Result<Self::Tensor> {
+        let z = self.download(&self.matmul_t(x, w)?)?;
         let bias = bias.map(|b| self.download(b)).transpose()?;
-        let (x, w) = (self.download(x)?, self.download(w)?);
-        let out =
-            cpu::conv::causal_conv_transpose1d(x.view(), w.view(), bias.as_ref().map(|b| b.view()), spec)?;
-        self.upload(out.view())
+        self.upload(cpu::conv::sum_transposed_taps(z.view(), bias.as_ref().map(|b| b.view()), spec)?.view())
     }
 
     /// SnakeBeta per channel: `x + 1 / (exp(beta[0, c]) + 1e-9) · sin(x · exp(alpha[0, c]))²`;

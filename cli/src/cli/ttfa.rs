@@ -38,10 +38,11 @@ pub struct TtfaArgs {
     /// Talker frames per reply (default 16; 1920 samples each).
     #[arg(long)]
     pub frames: Option<usize>,
-    /// Frames code2wav waits for before its first decode (default: the engine's, 4).
+    /// Frames code2wav waits for before its first decode (default: the engine's, 1).
     #[arg(long)]
     pub first_chunk: Option<usize>,
-    /// Frames per later code2wav decode (default: the engine's, 25).
+    /// Most frames a later code2wav decode waits for (default: the engine's, 25; chunks
+    /// double up to it).
     #[arg(long)]
     pub chunk: Option<usize>,
     /// Divide the image's grid sides (the audio's length by the square) by this (default 2).

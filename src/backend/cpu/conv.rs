@@ -2,19 +2,31 @@
 //! transposed 1-D convolutions over time, SnakeBeta, LayerNorm, exact GELU, a
 //! per-channel scale and a clamp.
 //!
-//! A signal is a `[T, C]` matrix: time on rows, channels on columns, so a
-//! convolution's output row is a sum of weight rows scaled by input values (an
-//! `axpy` over contiguous output channels) and the time axis is the one rayon
-//! splits. Every output row is computed by one task in one fixed order (taps,
-//! then input channels, each ascending, summed in f64), so a row's value depends only on the
-//! input rows it reads, never on the length of the signal or on which rows
-//! share a task: decoding a window of a stream gives, bit for bit, the samples
-//! one pass over the whole stream gives (see `model::code2wav`'s streaming).
+//! A signal is a `[T, C]` matrix: time on rows, channels on columns, and the
+//! time axis is the one rayon splits.
+//!
+//! * A **dense** convolution (every conv of code2wav but ConvNeXt's depthwise
+//!   one) is one matrix product and a sum: `z = x @ w^T`, every tap's products of
+//!   every input row at once (`w [kernel * cout, cin]`, packed once at load like
+//!   any weight: [`dense_conv1d_weight_from_hf`]), then each output row adds its
+//!   taps' rows of `z` to the bias in ascending tap order ([`sum_causal_taps`],
+//!   [`sum_transposed_taps`]). The backend's matrix product computes each element
+//!   as one chain over the input channels, whatever the number of rows.
+//! * A **grouped** (depthwise) convolution ([`causal_conv1d`]) sums its few
+//!   products per output element in f64, a row at a time (an `axpy` over
+//!   contiguous output channels).
+//!
+//! Either way a row's value depends only on the input rows it reads, never on
+//! the length of the signal or on which rows share a task: decoding a window of
+//! a stream gives, bit for bit, the samples one pass over the whole stream gives
+//! (see `model::code2wav`'s streaming). The product form is what makes a stream's
+//! small chunks cheap: summing products in f64 one weight row at a time (this
+//! module's first form of the dense convs) re-read every weight per output row.
 //!
 //! These are the CPU backend's ops and the host fallbacks every other backend's
 //! default [`Backend`](crate::backend::Backend) methods call.
 
-use ndarray::{Array2, ArrayView2, Axis, parallel::prelude::*};
+use ndarray::{Array2, ArrayView1, ArrayView2, Axis, parallel::prelude::*, s};
 
 use crate::backend::{Conv1dSpec, ConvTranspose1dSpec};
 use crate::error::BackendError;
@@ -87,15 +99,102 @@ pub fn conv1d_weight_from_hf(
     })
 }
 
-/// HF `ConvTranspose1d.weight [cin, cout, kernel]` (flat, row-major) in the layout
-/// [`Backend::causal_conv_transpose1d`](crate::backend::Backend::causal_conv_transpose1d) reads: `[kernel * cin, cout]`, row `j * cin + c`,
-/// column `o` holding `weight[c, o, j]`.
+/// HF `Conv1d.weight [cout, cin, kernel]` (flat, row-major, `groups == 1`) as the
+/// weight of [`Backend::dense_causal_conv1d`](crate::backend::Backend::dense_causal_conv1d):
+/// a Linear's `[kernel * cout, cin]`, row `j * cout + o` holding `weight[o, :, j]`, so
+/// `x @ w^T` gives every tap's products at once.
+pub fn dense_conv1d_weight_from_hf(
+    weight: &[f32], cout: usize, cin: usize, kernel: usize,
+) -> Option<Array2<f32>> {
+    (weight.len() == cout * cin * kernel).then(|| {
+        Array2::from_shape_fn((kernel * cout, cin), |(r, c)| weight[(r % cout * cin + c) * kernel + r / cout])
+    })
+}
+
+/// HF `ConvTranspose1d.weight [cin, cout, kernel]` (flat, row-major) as the weight of
+/// [`Backend::causal_conv_transpose1d`](crate::backend::Backend::causal_conv_transpose1d):
+/// a Linear's `[kernel * cout, cin]`, row `j * cout + o` holding `weight[:, o, j]`.
 pub fn conv_transpose1d_weight_from_hf(
     weight: &[f32], cin: usize, cout: usize, kernel: usize,
 ) -> Option<Array2<f32>> {
     (weight.len() == cin * cout * kernel).then(|| {
-        Array2::from_shape_fn((kernel * cin, cout), |(r, o)| weight[(r % cin * cout + o) * kernel + r / cin])
+        Array2::from_shape_fn((kernel * cout, cin), |(r, c)| {
+            weight[(c * cout + r % cout) * kernel + r / cout]
+        })
     })
+}
+
+/// `z [T, kernel * cout]`'s output channels per tap, checked against `bias [1, cout]`.
+fn tap_width(
+    op: &'static str, z: ArrayView2<'_, f32>, kernel: usize, bias: Option<ArrayView2<'_, f32>>,
+) -> Result<usize> {
+    if kernel == 0 || !z.ncols().is_multiple_of(kernel) {
+        return Err(shape_err(op, "products", format!("[T, {kernel} * cout]"), z.shape()));
+    }
+    let cout = z.ncols() / kernel;
+    if let Some(b) = bias {
+        expect_vector(op, "bias", b, cout)?;
+    }
+    Ok(cout)
+}
+
+/// `a += b`, element by element (a tap's products into an output row).
+#[inline]
+fn add_row(out: &mut [f32], b: ArrayView1<'_, f32>) {
+    for (o, &v) in out.iter_mut().zip(b) {
+        *o += v;
+    }
+}
+
+/// The second half of a dense causal convolution: from every tap's products
+/// `z [T, kernel * cout]` (`z[t, j·cout + o] = Σ_c x[t, c] · weight[o, c, j]`),
+/// `out[t, o] = bias[o] + Σ_j z[t - (kernel-1-j)·dilation, j·cout + o]` over taps
+/// whose source row is `>= 0` (HF's left padding), added in ascending `j` → `[T, cout]`.
+pub(crate) fn sum_causal_taps(
+    z: ArrayView2<'_, f32>, bias: Option<ArrayView2<'_, f32>>, spec: Conv1dSpec,
+) -> Result<Array2<f32>> {
+    const OP: &str = "dense_causal_conv1d";
+    let Conv1dSpec { kernel, dilation, groups } = spec;
+    if dilation == 0 || groups != 1 {
+        return Err(shape_err(OP, "spec", "dilation > 0, groups == 1".into(), &[kernel, dilation, groups]));
+    }
+    let cout = tap_width(OP, z, kernel, bias)?;
+    let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
+    Ok(rows_par(z.nrows(), cout, |t, out| {
+        out.copy_from_slice(&bias);
+        for j in 0..kernel {
+            if let Some(src) = t.checked_sub((kernel - 1 - j) * dilation) {
+                add_row(out, z.slice(s![src, j * cout..(j + 1) * cout]));
+            }
+        }
+    }))
+}
+
+/// The second half of a causal transposed convolution: from every tap's products
+/// `z [T, kernel * cout]` (`z[i, j·cout + o] = Σ_c x[i, c] · weight[c, o, j]`),
+/// `out[m, o] = bias[o] + Σ z[i, j·cout + o]` over `i·stride + j = m + kernel - stride`,
+/// added in ascending `j` → [`conv_transpose1d_len`]`(T)` rows.
+pub(crate) fn sum_transposed_taps(
+    z: ArrayView2<'_, f32>, bias: Option<ArrayView2<'_, f32>>, spec: ConvTranspose1dSpec,
+) -> Result<Array2<f32>> {
+    const OP: &str = "causal_conv_transpose1d";
+    let ConvTranspose1dSpec { kernel, stride } = spec;
+    if stride == 0 || kernel < stride || kernel > 2 * stride {
+        let expected = "stride > 0, stride <= kernel <= 2 * stride".into();
+        return Err(shape_err(OP, "spec", expected, &[kernel, stride]));
+    }
+    let cout = tap_width(OP, z, kernel, bias)?;
+    let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
+    let trim = kernel - stride;
+    Ok(rows_par(conv_transpose1d_len(z.nrows(), spec), cout, |m, out| {
+        out.copy_from_slice(&bias);
+        for j in 0..kernel {
+            let Some(n) = (m + trim).checked_sub(j).filter(|n| n.is_multiple_of(stride)) else { continue };
+            if n / stride < z.nrows() {
+                add_row(out, z.slice(s![n / stride, j * cout..(j + 1) * cout]));
+            }
+        }
+    }))
 }
 
 /// Causal 1-D convolution, stride 1, HF `Qwen3OmniMoeCausalConvNet`: the input is
@@ -159,53 +258,6 @@ pub(crate) fn causal_conv1d(
 /// (`rows * stride` when `kernel == stride`, `(rows - 1) * stride` when `kernel == 2 * stride`).
 pub fn conv_transpose1d_len(rows: usize, spec: ConvTranspose1dSpec) -> usize {
     if rows == 0 { 0 } else { ((rows + 1) * spec.stride).saturating_sub(spec.kernel) }
-}
-
-/// Causal transposed 1-D convolution, HF `Qwen3OmniMoeCausalTransConvNet`:
-/// `ConvTranspose1d(kernel, stride)` then `kernel - stride` rows trimmed from both
-/// ends, so `out[m, o] = bias[o] + Σ x[i, c] · w[j·cin + c, o]` over `i·stride + j =
-/// m + kernel - stride` (taps `j` ascending, then `c`). Output row `m` reads input
-/// rows `⌊m / stride⌋ ..= ⌊(m + kernel - stride) / stride⌋`: one row ahead when
-/// `kernel > stride`, which the trim keeps inside the input (the output is
-/// [`conv_transpose1d_len`] rows, shorter than `rows * stride`).
-///
-/// `x [T, cin]`, `w [kernel * cin, cout]` (see [`conv_transpose1d_weight_from_hf`]),
-/// `bias [1, cout]`; `stride <= kernel <= 2 * stride`.
-pub(crate) fn causal_conv_transpose1d(
-    x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>, bias: Option<ArrayView2<'_, f32>>,
-    spec: ConvTranspose1dSpec,
-) -> Result<Array2<f32>> {
-    const OP: &str = "causal_conv_transpose1d";
-    let ConvTranspose1dSpec { kernel, stride } = spec;
-    if stride == 0 || kernel < stride || kernel > 2 * stride {
-        let expected = "stride > 0, stride <= kernel <= 2 * stride".into();
-        return Err(shape_err(OP, "spec", expected, &[kernel, stride]));
-    }
-    let (cin, cout) = (x.ncols(), w.ncols());
-    if w.nrows() != kernel * cin {
-        return Err(shape_err(OP, "weight", format!("[{kernel} * {cin}, cout]"), w.shape()));
-    }
-    if let Some(b) = bias {
-        expect_vector(OP, "bias", b, cout)?;
-    }
-    let (x, w) = (standard(x), standard(w));
-    let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
-    let trim = kernel - stride;
-    Ok(rows_par_f64(conv_transpose1d_len(x.nrows(), spec), &bias, |m, out| {
-        let full = m + trim;
-        for j in 0..kernel {
-            let Some(n) = full.checked_sub(j).filter(|n| n.is_multiple_of(stride)) else { continue };
-            let i = n / stride;
-            if i >= x.nrows() {
-                continue;
-            }
-            let (Some(xr), Some(wj)) = (x.row(i).to_slice(), w.as_slice()) else { continue };
-            for (c, &xv) in xr.iter().enumerate() {
-                let r = (j * cin + c) * cout;
-                axpy(out, xv, &wj[r..r + cout]);
-            }
-        }
-    }))
 }
 
 /// SnakeBeta, HF `Qwen3OmniMoeSnakeBeta`, per channel `c`:
@@ -385,17 +437,63 @@ mod tests {
         full.slice(ndarray::s![trim..full_len - trim, ..]).to_owned()
     }
 
+    /// The CPU backend's op on a packed weight (the matrix product, then the taps' sum).
+    fn backend_weight(w: Array2<f32>) -> crate::backend::cpu::PackedWeight {
+        use crate::backend::Backend;
+        crate::backend::cpu::CpuBackend.upload_weight(crate::backend::HostWeight::from_f32(w)).unwrap()
+    }
+
+    #[test]
+    fn dense_conv_is_the_padded_convolution_and_a_window_is_the_whole_bit_for_bit() {
+        use crate::backend::Backend;
+        let cpu = crate::backend::cpu::CpuBackend;
+        for (cin, cout, kernel, dilation) in [(5, 7, 7, 1), (6, 3, 1, 1), (4, 4, 3, 9), (40, 33, 7, 3)] {
+            let spec = Conv1dSpec { kernel, dilation, groups: 1 };
+            let x = rand_rows(1, 40, cin);
+            let w_hf = hf_weight(2, cout, cin, kernel);
+            let bias: Vec<f32> = rand_rows(3, 1, cout).iter().copied().collect();
+            let w = backend_weight(dense_conv1d_weight_from_hf(&w_hf, cout, cin, kernel).unwrap());
+            let b = Array2::from_shape_vec((1, cout), bias.clone()).unwrap();
+            let got = cpu.dense_causal_conv1d(&x, &w, Some(&b), spec).unwrap();
+            close(&got, &naive_conv(&x, &w_hf, &bias, cout, spec), 1e-5, &format!("{spec:?}"));
+            let ctx = (kernel - 1) * dilation;
+            let part = cpu
+                .dense_causal_conv1d(&x.slice(ndarray::s![10.., ..]).to_owned(), &w, Some(&b), spec)
+                .unwrap();
+            assert_eq!(part.slice(ndarray::s![ctx.., ..]), got.slice(ndarray::s![10 + ctx.., ..]));
+        }
+        let spec = Conv1dSpec { kernel: 3, dilation: 1, groups: 1 };
+        let w = backend_weight(rand_rows(2, 3 * 5, 6));
+        let shape_what = |r: Result<Array2<f32>>| match r {
+            Err(Error::Backend(BackendError::OpShape { what, .. })) => what,
+            other => panic!("expected a shape error, got {other:?}"),
+        };
+        let x = rand_rows(1, 4, 6);
+        assert_eq!(shape_what(cpu.dense_causal_conv1d(&x, &w, Some(&rand_rows(3, 1, 4)), spec)), "bias");
+        assert_eq!(
+            shape_what(cpu.dense_causal_conv1d(&x, &w, None, Conv1dSpec { groups: 2, ..spec })),
+            "spec"
+        );
+        assert_eq!(
+            shape_what(cpu.dense_causal_conv1d(&x, &w, None, Conv1dSpec { kernel: 4, ..spec })),
+            "products"
+        );
+        assert_eq!(cpu.dense_causal_conv1d(&x, &w, None, spec).unwrap().dim(), (4, 5));
+    }
+
     #[test]
     fn transposed_conv_matches_conv_transpose_then_trim() {
+        use crate::backend::Backend;
+        let cpu = crate::backend::cpu::CpuBackend;
         for (cin, cout, k, s) in [(4, 3, 8, 4), (3, 5, 2, 2), (6, 2, 6, 3), (2, 2, 5, 3), (3, 3, 1, 1)] {
             for t_len in [1, 2, 9] {
                 let x = rand_rows(4, t_len, cin);
                 let w_hf = hf_weight(5, cin, cout, k);
                 let bias: Vec<f32> = rand_rows(6, 1, cout).iter().copied().collect();
-                let w = conv_transpose1d_weight_from_hf(&w_hf, cin, cout, k).unwrap();
+                let w = backend_weight(conv_transpose1d_weight_from_hf(&w_hf, cin, cout, k).unwrap());
                 let b = Array2::from_shape_vec((1, cout), bias.clone()).unwrap();
                 let spec = ConvTranspose1dSpec { kernel: k, stride: s };
-                let got = causal_conv_transpose1d(x.view(), w.view(), Some(b.view()), spec).unwrap();
+                let got = cpu.causal_conv_transpose1d(&x, &w, Some(&b), spec).unwrap();
                 assert_eq!(got.nrows(), conv_transpose1d_len(t_len, spec));
                 close(
                     &got,
@@ -405,12 +503,13 @@ mod tests {
                 );
             }
         }
+        let x = rand_rows(1, 3, 2);
         let spec = ConvTranspose1dSpec { kernel: 5, stride: 2 };
-        let err = causal_conv_transpose1d(rand_rows(1, 3, 2).view(), rand_rows(2, 10, 2).view(), None, spec);
+        let err = cpu.causal_conv_transpose1d(&x, &backend_weight(rand_rows(2, 10, 2)), None, spec);
         assert!(matches!(err, Err(Error::Backend(BackendError::OpShape { what: "spec", .. }))));
         let spec = ConvTranspose1dSpec { kernel: 4, stride: 2 };
-        let err = causal_conv_transpose1d(rand_rows(1, 3, 2).view(), rand_rows(2, 9, 2).view(), None, spec);
-        assert!(matches!(err, Err(Error::Backend(BackendError::OpShape { what: "weight", .. }))));
+        let err = cpu.causal_conv_transpose1d(&x, &backend_weight(rand_rows(2, 9, 2)), None, spec);
+        assert!(matches!(err, Err(Error::Backend(BackendError::OpShape { what: "products", .. }))));
     }
 
     #[test]

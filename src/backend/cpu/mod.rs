@@ -228,10 +228,16 @@ impl Backend for CpuBackend {
         conv::causal_conv1d(x.view(), w.view(), bias.map(|b| b.view()), spec)
     }
 
-    fn causal_conv_transpose1d(
-        &self, x: &Array2<f32>, w: &Array2<f32>, bias: Option<&Array2<f32>>, spec: ConvTranspose1dSpec,
+    fn dense_causal_conv1d(
+        &self, x: &Array2<f32>, w: &PackedWeight, bias: Option<&Array2<f32>>, spec: Conv1dSpec,
     ) -> Result<Array2<f32>> {
-        conv::causal_conv_transpose1d(x.view(), w.view(), bias.map(|b| b.view()), spec)
+        conv::sum_causal_taps(self.matmul_t(x, w)?.view(), bias.map(|b| b.view()), spec)
+    }
+
+    fn causal_conv_transpose1d(
+        &self, x: &Array2<f32>, w: &PackedWeight, bias: Option<&Array2<f32>>, spec: ConvTranspose1dSpec,
+    ) -> Result<Array2<f32>> {
+        conv::sum_transposed_taps(self.matmul_t(x, w)?.view(), bias.map(|b| b.view()), spec)
     }
 
     fn snake_beta(&self, x: &Array2<f32>, alpha: &Array2<f32>, beta: &Array2<f32>) -> Result<Array2<f32>> {

@@ -27,7 +27,9 @@ pub use config::{Code2WavConfig, SAMPLE_RATE};
 pub use stream::Code2WavStream;
 
 use crate::Result;
-use crate::backend::cpu::conv::{conv_transpose1d_weight_from_hf, conv1d_weight_from_hf};
+use crate::backend::cpu::conv::{
+    conv_transpose1d_weight_from_hf, conv1d_weight_from_hf, dense_conv1d_weight_from_hf,
+};
 use crate::backend::{
     AttnHeads, Backend, Conv1dSpec, ConvTranspose1dSpec, HostWeight, RopeKind, RopePositions, RopeSpec,
 };
@@ -35,16 +37,18 @@ use crate::error::{CheckpointError, RequestError};
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
 use config::RESIDUAL_DILATIONS;
 
-/// A causal conv's weight `[kernel * cin/groups, cout]`, bias `[1, cout]` and shape.
-struct Conv<T> {
-    w: T,
+/// A causal conv's weight, bias `[1, cout]` and shape. A dense conv's weight `W`
+/// is a backend weight `[kernel * cout, cin]` (one matrix product gives every
+/// tap); a depthwise conv's is a tensor `[kernel, channels]`.
+struct Conv<T, W = T> {
+    w: W,
     b: T,
     spec: Conv1dSpec,
 }
 
-/// A causal transposed conv's weight `[kernel * cin, cout]`, bias and shape.
-struct TransConv<T> {
-    w: T,
+/// A causal transposed conv's weight `[kernel * cout, cin]`, bias and shape.
+struct TransConv<T, W> {
+    w: W,
     b: T,
     spec: ConvTranspose1dSpec,
 }
@@ -55,17 +59,17 @@ struct Snake<T> {
     beta: T,
 }
 
-struct ResidualUnit<T> {
+struct ResidualUnit<T, W> {
     act1: Snake<T>,
-    conv1: Conv<T>,
+    conv1: Conv<T, W>,
     act2: Snake<T>,
-    conv2: Conv<T>,
+    conv2: Conv<T, W>,
 }
 
-struct DecoderBlock<T> {
+struct DecoderBlock<T, W> {
     act: Snake<T>,
-    up: TransConv<T>,
-    units: Vec<ResidualUnit<T>>,
+    up: TransConv<T, W>,
+    units: Vec<ResidualUnit<T, W>>,
 }
 
 struct ConvNeXt<T, W> {
@@ -81,7 +85,7 @@ struct ConvNeXt<T, W> {
 
 /// One upsampling stage: a transposed conv (`kernel == stride`), then a ConvNeXt block.
 struct Upsample<T, W> {
-    up: TransConv<T>,
+    up: TransConv<T, W>,
     block: ConvNeXt<T, W>,
 }
 
@@ -127,10 +131,10 @@ pub struct Code2Wav<B: Backend> {
     layers: Vec<Layer<B::Tensor, B::Weight>>,
     norm: B::Tensor,
     upsample: Vec<Upsample<B::Tensor, B::Weight>>,
-    pre_conv: Conv<B::Tensor>,
-    blocks: Vec<DecoderBlock<B::Tensor>>,
+    pre_conv: Conv<B::Tensor, B::Weight>,
+    blocks: Vec<DecoderBlock<B::Tensor, B::Weight>>,
     post_act: Snake<B::Tensor>,
-    post_conv: Conv<B::Tensor>,
+    post_conv: Conv<B::Tensor, B::Weight>,
 }
 
 /// Uploads the weights under one prefix, shape-checked against the config.
@@ -152,25 +156,43 @@ impl<B: Backend> Loader<'_, B> {
             .into()
     }
 
-    /// A `Qwen3OmniMoeCausalConvNet` at `at` (its `conv.weight`, `conv.bias`).
-    fn conv(&self, at: &Weights<'_>, cin: usize, cout: usize, spec: Conv1dSpec) -> Result<Conv<B::Tensor>> {
+    /// A dense `Qwen3OmniMoeCausalConvNet` at `at` (its `conv.weight`, `conv.bias`).
+    fn conv(
+        &self, at: &Weights<'_>, cin: usize, cout: usize, spec: Conv1dSpec,
+    ) -> Result<Conv<B::Tensor, B::Weight>> {
         let at = at.pp("conv");
-        let cin_g = cin / spec.groups;
-        let t = at.get("weight", &[cout, cin_g, spec.kernel])?;
-        let w = conv1d_weight_from_hf(&t.data, cout, cin_g, spec.kernel)
+        let t = at.get("weight", &[cout, cin, spec.kernel])?;
+        let w = dense_conv1d_weight_from_hf(&t.data, cout, cin, spec.kernel)
             .ok_or_else(|| Self::layout_error(&at))?;
-        Ok(Conv { w: self.backend.upload(w.view())?, b: self.vector(&at, "bias", cout)?, spec })
+        Ok(Conv {
+            w: self.backend.upload_weight(HostWeight::from_f32(w))?,
+            b: self.vector(&at, "bias", cout)?,
+            spec,
+        })
+    }
+
+    /// A depthwise `Qwen3OmniMoeCausalConvNet` (`groups == channels`) at `at`.
+    fn depthwise_conv(&self, at: &Weights<'_>, channels: usize, spec: Conv1dSpec) -> Result<Conv<B::Tensor>> {
+        let at = at.pp("conv");
+        let t = at.get("weight", &[channels, 1, spec.kernel])?;
+        let w = conv1d_weight_from_hf(&t.data, channels, 1, spec.kernel)
+            .ok_or_else(|| Self::layout_error(&at))?;
+        Ok(Conv { w: self.backend.upload(w.view())?, b: self.vector(&at, "bias", channels)?, spec })
     }
 
     /// A `Qwen3OmniMoeCausalTransConvNet` at `at`.
     fn trans_conv(
         &self, at: &Weights<'_>, cin: usize, cout: usize, spec: ConvTranspose1dSpec,
-    ) -> Result<TransConv<B::Tensor>> {
+    ) -> Result<TransConv<B::Tensor, B::Weight>> {
         let at = at.pp("conv");
         let t = at.get("weight", &[cin, cout, spec.kernel])?;
         let w = conv_transpose1d_weight_from_hf(&t.data, cin, cout, spec.kernel)
             .ok_or_else(|| Self::layout_error(&at))?;
-        Ok(TransConv { w: self.backend.upload(w.view())?, b: self.vector(&at, "bias", cout)?, spec })
+        Ok(TransConv {
+            w: self.backend.upload_weight(HostWeight::from_f32(w))?,
+            b: self.vector(&at, "bias", cout)?,
+            spec,
+        })
     }
 
     fn snake(&self, at: &Weights<'_>, c: usize) -> Result<Snake<B::Tensor>> {
@@ -254,7 +276,11 @@ impl<B: Backend> Code2Wav<B> {
             let up = ld.trans_conv(&at.pp(0), h, h, ConvTranspose1dSpec { kernel: f, stride: f })?;
             let nx = at.pp(1);
             let block = ConvNeXt {
-                dwconv: ld.conv(&nx.pp("dwconv"), h, h, Conv1dSpec { kernel: 7, dilation: 1, groups: h })?,
+                dwconv: ld.depthwise_conv(
+                    &nx.pp("dwconv"),
+                    h,
+                    Conv1dSpec { kernel: 7, dilation: 1, groups: h },
+                )?,
                 norm_w: ld.vector(&nx.pp("norm"), "weight", h)?,
                 norm_b: ld.vector(&nx.pp("norm"), "bias", h)?,
                 pwconv1: ld.linear(&nx.pp("pwconv1"), 4 * h, h)?,
@@ -462,7 +488,9 @@ impl<B: Backend> Code2Wav<B> {
             backend.add(&mut y, &h)?;
             x = Some(y);
         }
-        let conv = |x: &B::Tensor, c: &Conv<B::Tensor>| backend.causal_conv1d(x, &c.w, Some(&c.b), c.spec);
+        let conv = |x: &B::Tensor, c: &Conv<B::Tensor, B::Weight>| {
+            backend.dense_causal_conv1d(x, &c.w, Some(&c.b), c.spec)
+        };
         let mut x = conv(x.as_ref().unwrap_or(hidden), &self.pre_conv)?;
         for block in &self.blocks {
             let y = backend.snake_beta(&x, &block.act.alpha, &block.act.beta)?;
