@@ -202,7 +202,8 @@ class Edge:
         if self.speech_route is None:
             raise Rejected("this edge has no route to the workers for spoken replies (start it with the fleet)",
                            "modalities", status=501, code="unsupported_parameter")
-        prepared = self.speech_route.preprocess(body, speech)
+        # The template and the tokenizer are CPU work: off the event loop, which serves every stream.
+        prepared = await asyncio.to_thread(self.speech_route.preprocess, body, speech)
         if not speech.stream:
             try:
                 return web.json_response(await self.speech_route.reply(prepared, speech))
