@@ -1,7 +1,7 @@
 """The fleet's HTTP edge: a thin aiohttp proxy on loopback in front of Dynamo's OpenAI frontend.
 
     python -m omniprefix.edge --upstream http://127.0.0.1:8001 [--port 8000] [--max-body-bytes N]
-        [--model-dir DIR]
+        [--model-dir DIR [--speech-router kv|round-robin --block-size N]]
 
 Why it exists: Dynamo 1.6.1's frontend limits a body only by ``DYN_HTTP_BODY_LIMIT_MB`` (whole
 MiB, default 45 MiB; lib/llm/src/http/service/openai.rs ``get_body_limit``), so a multi-MB
@@ -299,7 +299,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--model-dir", type=Path, help="the checkpoint, for the context and the prompt-text bound")
-    return p.parse_args(argv)
+    speech = p.add_argument_group("spoken chats (a --model-dir with a talker); Dynamo's planes from DYN_* / "
+                                  "ETCD_ENDPOINTS as for the workers")
+    speech.add_argument("--speech-router", choices=["kv", "round-robin"],
+                        help="route spoken chats to the workers with Dynamo's KvRouter or round-robin client "
+                             "(unset: they are refused with a 501)")
+    speech.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (default %(default)s)")
+    speech.add_argument("--model-name", help="the name clients send (default: --model-dir's name)")
+    speech.add_argument("--endpoint", default="omniprefix.worker.generate",
+                        help="the workers' Dynamo NAMESPACE.COMPONENT.ENDPOINT (default %(default)s)")
+    args = p.parse_args(argv)
+    if args.speech_router and not args.model_dir:
+        p.error("--speech-router needs --model-dir (the checkpoint's template, tokenizer and voices)")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -307,10 +319,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     from .speech import speech_caps
 
     limits = limits_for(args.model_dir, args.max_body_bytes) if args.model_dir else Limits(args.max_body_bytes)
-    # Standalone, the edge refuses spoken chats (501): routing them needs the fleet's Dynamo planes.
-    edge = Edge(args.upstream, limits, args.host, args.port,
-                speech_caps=speech_caps(args.model_dir) if args.model_dir else None)
-    print(json.dumps({"edge": edge.start(), "upstream": edge.upstream}), flush=True)
+    caps = speech_caps(args.model_dir) if args.model_dir else None
+    route = None
+    if caps is not None and args.speech_router:
+        from .speech_route import SpeechRoute
+
+        route = SpeechRoute(args.model_dir.resolve(), args.model_name or args.model_dir.resolve().name,
+                            args.speech_router, args.block_size, args.endpoint)
+    # Without --speech-router the edge refuses spoken chats (501): routing them needs Dynamo's planes.
+    edge = Edge(args.upstream, limits, args.host, args.port, speech_caps=caps, speech_route=route)
+    print(json.dumps({"edge": edge.start(timeout_s=60.0), "upstream": edge.upstream}), flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -74,3 +74,13 @@ def test_pcm16_rounds_and_clips_and_the_wav_holds_it():
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2, 24000, len(samples))
         assert w.readframes(len(samples)) == pcm16(samples)
     assert data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+
+
+def test_the_standalone_edge_routes_speech_only_with_a_checkpoint():
+    from omniprefix.edge import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--upstream", "http://127.0.0.1:1", "--speech-router", "kv"])
+    args = parse_args(["--upstream", "http://127.0.0.1:1", "--model-dir", str(FIXTURES / "omni_audio"),
+                       "--speech-router", "round-robin", "--block-size", "8"])
+    assert (args.speech_router, args.block_size, args.endpoint) == ("round-robin", 8, "omniprefix.worker.generate")
