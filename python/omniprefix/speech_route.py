@@ -23,6 +23,7 @@ ChatChoice``); a Python chat engine (the ``chat_engine_factory`` hook of
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import threading
@@ -89,6 +90,8 @@ class SpeechRoute:
         self._started: Optional[asyncio.Future[None]] = None
         self._tokenizer: Any = None
         self._loading: Optional[threading.Thread] = None
+        self._image_processor: Optional[dict[str, Any]] = None
+        self._image_pad: Optional[int] = None
         self._router: Any = None
         self._client: Any = None
         self._runtime: Any = None
@@ -129,7 +132,17 @@ class SpeechRoute:
     def _load_tokenizer(self) -> None:
         from transformers import AutoTokenizer
 
-        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        # Image routing keys, as the frontend makes them for a checkpoint with a Qwen2-VL-style
+        # preprocessor_config.json (its condition for MM-aware routing).
+        try:
+            self._image_processor = json.loads((self.model_dir / "preprocessor_config.json").read_text())
+        except (OSError, ValueError):
+            self._image_processor = None
+        name = json.loads((self.model_dir / "tokenizer_config.json").read_text()).get("image_token", "<|image_pad|>") \
+            if (self.model_dir / "tokenizer_config.json").is_file() else "<|image_pad|>"
+        self._image_pad = tokenizer.convert_tokens_to_ids(name)
+        self._tokenizer = tokenizer
 
     def close(self) -> None:
         if self._runtime is not None:
@@ -162,7 +175,62 @@ class SpeechRoute:
         }
         if media:
             request["multi_modal_data"] = media
+            routing = self.image_routing(list(ids), [m["Url"] for m in media.get("image_url", [])])
+            if routing is not None:
+                request["extra_args"]["mm_hashes"], request["mm_routing_info"] = routing
         return request
+
+    def image_routing(self, ids: list[int], urls: list[str]) -> Optional[tuple[list[str], dict[str, Any]]]:
+        """The frontend's image routing keys for a prompt (``omniprefix.dynamo_keys``): each
+        image named ``xxh3_64`` of its URL's bytes, its placeholder expanded to the engine's N rows
+        of ``pad_value(h) = 1_000_000 + (h & (2**30 - 1))``; returned as ``extra_args.mm_hashes``
+        (the worker writes them into its KV events) and ``mm_routing_info`` (what the router
+        matches), so a spoken chat's images route as the frontend routes a text chat's. None
+        without images, on a checkpoint without an image processor, or when the placeholders and
+        the images disagree (the worker answers that)."""
+        if not urls or self._image_processor is None:
+            return None
+        pad = self._image_pad
+        if sum(1 for t in ids if t == pad) != len(urls):
+            return None
+        import xxhash
+
+        hashes: list[str] = []
+        routing: list[int] = []
+        images = iter(urls)
+        for token in ids:
+            if token != pad:
+                routing.append(token)
+                continue
+            url = next(images)
+            rows = self._image_rows(url)
+            if rows is None:
+                return None
+            h = xxhash.xxh3_64_intdigest(url.encode())
+            hashes.append(f"{h:016x}")
+            routing.extend([1_000_000 + (h & (2**30 - 1))] * rows)
+        return hashes, {"routing_token_ids": routing, "block_mm_infos": [], "expanded_prompt_len": len(routing)}
+
+    def _image_rows(self, url: str) -> Optional[int]:
+        """The placeholder rows of an image (a data URL) after the processor's ``smart_resize``
+        and the 2x2 merge, as the engine expands it; None if it does not decode."""
+        from PIL import Image, UnidentifiedImageError
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        from .encoder import MediaError, decode_data_url
+
+        config = cast(dict[str, Any], self._image_processor)
+        try:
+            _, data = decode_data_url(url, "image")
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+            factor = int(config["patch_size"]) * int(config["merge_size"])
+            size = config.get("size") or {}
+            h, w = smart_resize(height, width, factor=factor, min_pixels=size.get("shortest_edge", config.get("min_pixels")),
+                                max_pixels=size.get("longest_edge", config.get("max_pixels")))
+        except (MediaError, UnidentifiedImageError, OSError, ValueError, KeyError):
+            return None
+        return int((h // factor) * (w // factor))
 
     def decode(self, tokens: list[int]) -> str:
         """The transcript of ``tokens``: the tokenizer's text, special tokens left out."""

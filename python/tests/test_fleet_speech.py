@@ -137,6 +137,22 @@ def test_a_greedy_spoken_reply_equals_engine_generate(fleet, engine, tokenizer):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_kv_routing_sends_a_repeated_image_to_the_worker_that_caches_it(fleet):
+    """The edge names a spoken chat's images as the frontend does (``mm_hashes``, the routing
+    tokens): Dynamo's router matches the image's blocks, so every repeat lands where it is cached
+    (without the keys, ties between 2 workers break at random)."""
+    image = "data:image/png;base64," + base64.b64encode((FIXTURES.parent / "media" / "image_a.png").read_bytes()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": "Describe this aloud."}]}]
+    cached = []
+    for _ in range(5):
+        status, reply = post(fleet, spoken("pcm16", messages=messages, max_tokens=4))
+        assert status == 200, reply
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # The image's 35 rows end at prompt position 40: a repeat reuses it all.
+    assert cached[0] < 40 and all(c >= 40 for c in cached[1:]), cached
+
+
 #: (case, the request's changed fields, the param the 400 names, a part of its message).
 BAD = [
     ("unknown voice", {"audio": {"voice": "alloy", "format": "wav"}}, "audio.voice", "voices: aiden, chelsie, ethan"),
