@@ -92,6 +92,12 @@ LOOPBACK_ENV = {
 }
 
 
+#: The log level the fleet sets for Dynamo's runtime in its own process (the edge's router) when
+#: the environment sets none; noted, so that the children of a later fleet do not inherit it.
+_OWN_DYN_LOG = "warn"
+_set_dyn_log: list[bool] = []
+
+
 class FleetError(RuntimeError):
     """The fleet could not start, or a process of it died."""
 
@@ -205,6 +211,8 @@ class Fleet:
         self.discovery = self.dir / "discovery"
         self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.discovery)}
         self.env.pop("DYN_SYSTEM_PORT", None)
+        if _set_dyn_log and self.env.get("DYN_LOG") == _OWN_DYN_LOG:  # an earlier fleet's, not for children
+            del self.env["DYN_LOG"]
         self.frontend: Optional[subprocess.Popen[bytes]] = None
         self.slots = [Slot(k) for k in range(workers)]
         # The edge listens on `port`; Dynamo's frontend behind it on a free one, with its own
@@ -283,7 +291,9 @@ class Fleet:
         from .speech_route import SpeechRoute
 
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("DYN_")})
-        os.environ.setdefault("DYN_LOG", "warn")  # its runtime logs on the fleet's stderr: warnings only
+        if "DYN_LOG" not in os.environ:  # its runtime logs on the fleet's stderr: warnings only
+            os.environ["DYN_LOG"] = _OWN_DYN_LOG
+            _set_dyn_log.append(True)
         # The block size is the workers' (their ready lines), set before the edge starts.
         self.speech_route = SpeechRoute(self.model, self.name, self.router, block_size=0)
         self.speech_route.preload()
