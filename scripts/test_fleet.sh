@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The fleet tests (python/tests/test_fleet.py; test_fleet_faults.py: killed workers, engine
-# panics, clients that leave; test_edge.py: bad HTTP input at the edge): Dynamo's OpenAI frontend and omniprefix workers
+# panics, clients that leave; test_edge.py: bad HTTP input at the edge; test_fleet_speech.py: spoken
+# replies, OpenAI's audio output through the edge and Dynamo's KV router): Dynamo's OpenAI frontend and omniprefix workers
 # as real processes on loopback, driven over HTTP; and test_encoder.py (the checkpoint encoder,
 # which needs this venv's torch and transformers). Installs into VENV with
 # scripts/install_fleet.sh (idempotent: reuses the venv and cargo's build), adds
@@ -18,7 +19,7 @@ bash scripts/install_fleet.sh "$venv"
 # From outside the source tree, so the tests import the installed wheel, not python/omniprefix.
 python="$(cd "$venv" && pwd)/bin/python"
 (cd python/tests && OMNIPREFIX_REQUIRE_FLEET=1 "$python" -m pytest -q -p no:cacheprovider test_encoder.py test_fleet.py \
-  test_fleet_faults.py test_edge.py)
+  test_fleet_faults.py test_edge.py test_fleet_speech.py)
 # A short soak (scripts/fleet_soak.py; its defaults are 32 clients for 600 s): 4 clients for 30 s
 # of image and text chats through a 2-worker fleet and its edge, replies checked against
 # Engine.generate (about 50 s with the fleet's start and the check). RSS is flat after 3 s here, but

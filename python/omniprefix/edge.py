@@ -1,7 +1,7 @@
 """The fleet's HTTP edge: a thin aiohttp proxy on loopback in front of Dynamo's OpenAI frontend.
 
     python -m omniprefix.edge --upstream http://127.0.0.1:8001 [--port 8000] [--max-body-bytes N]
-        [--model-dir DIR]
+        [--model-dir DIR [--speech-router kv|round-robin --block-size N]]
 
 Why it exists: Dynamo 1.6.1's frontend limits a body only by ``DYN_HTTP_BODY_LIMIT_MB`` (whole
 MiB, default 45 MiB; lib/llm/src/http/service/openai.rs ``get_body_limit``), so a multi-MB
@@ -13,6 +13,11 @@ prompt is tokenized before any check; and it answers some bodies it cannot serve
   connection (dropping what the client still sends for at most ``LINGER_S``);
 * checks a ``/v1/chat/completions`` or ``/v1/completions`` body (UTF-8, JSON, fields) and answers
   a bad one in OpenAI's error shape naming the field;
+* answers a spoken chat (``"modalities": ["text", "audio"]``) itself, since Dynamo 1.6.1's
+  frontend cannot carry audio to a client: it checks the voice, format and talker options
+  (:mod:`omniprefix.speech`), then routes the request with Dynamo's own KV router to a worker
+  and streams the worker's text and audio back in OpenAI's ``message.audio`` / ``delta.audio``
+  shape (:mod:`omniprefix.speech_route`);
 * otherwise forwards the request unchanged, and the response chunk by chunk as the frontend
   writes it (SSE streams are not buffered). A client that goes away cancels the handler, which
   closes the upstream request, so Dynamo cancels the generation.
@@ -26,9 +31,13 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from .openai_checks import CHECKED_PATHS, Limits, Rejected, check_request, max_token_bytes, parse_body, too_large
+from .speech import SpeechCaps, check_speech, wants_audio
+
+if TYPE_CHECKING:
+    from .speech_route import SpeechRoute
 
 __all__ = ["Edge", "limits_for", "main"]
 
@@ -57,9 +66,14 @@ class Edge:
     """The proxy, served on its own thread's event loop (:meth:`start`, :meth:`stop`), so a
     synchronous supervisor (``omniprefix.fleet``) can run it beside its processes."""
 
-    def __init__(self, upstream: str, limits: Limits, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, upstream: str, limits: Limits, host: str = "127.0.0.1", port: int = 0,
+                 speech_caps: Optional[SpeechCaps] = None, speech_route: Optional[SpeechRoute] = None):
         self.upstream = upstream.rstrip("/")
         self.limits = limits
+        # What the fleet's checkpoint can say (None: it has no talker), and the route spoken
+        # chats take to the workers (Dynamo's KV router), connected when the edge starts.
+        self.speech_caps = speech_caps
+        self.speech_route = speech_route
         self.host, self.port = host, port
         self._models_checked = 0.0
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -88,6 +102,8 @@ class Edge:
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                                      lingering_time=LINGER_S)
         await self._runner.setup()
+        if self.speech_route is not None:
+            await self.speech_route.start()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         # Started, so the site's server is the asyncio.Server loop.create_server made.
@@ -96,6 +112,8 @@ class Edge:
     async def _teardown(self) -> None:
         await self._runner.cleanup()
         await self._session.close()
+        if self.speech_route is not None:
+            self.speech_route.close()
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Serves on a daemon thread; returns the URL once it listens."""
@@ -167,9 +185,54 @@ class Edge:
                 parsed = parse_body(body)
                 await self._refresh_models(parsed.get("model"))
                 check_request(request.path, parsed, self.limits)
+                if request.path == "/v1/chat/completions" and wants_audio(parsed):
+                    return await self._speak(request, parsed)
         except Rejected as e:
             return self._reply(e)
         return await self._proxy(request, body)
+
+    async def _speak(self, request: Any, body: dict[str, Any]) -> Any:
+        """A spoken chat: checked, routed by Dynamo's KV router to a worker, answered as OpenAI's
+        ``message.audio`` or a stream of ``delta.audio`` chunks forwarded as the worker makes them."""
+        from aiohttp import web
+
+        from .speech_route import UpstreamError
+
+        speech = check_speech(body, self.speech_caps)
+        if self.speech_route is None:
+            raise Rejected("this edge has no route to the workers for spoken replies (start it with the fleet)",
+                           "modalities", status=501, code="unsupported_parameter")
+        # The template and the tokenizer are CPU work: off the event loop, which serves every stream.
+        prepared = await asyncio.to_thread(self.speech_route.preprocess, body, speech)
+        if not speech.stream:
+            try:
+                return web.json_response(await self.speech_route.reply(prepared, speech))
+            except UpstreamError as e:
+                return web.json_response(_error(e), status=e.status)
+        events = self.speech_route.stream(prepared)
+        try:
+            # The first chunk decides the status: a worker's refusal is still a 400.
+            first = await events.__anext__()
+        except UpstreamError as e:
+            await events.aclose()
+            return web.json_response(_error(e), status=e.status)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        try:
+            await out.write(_sse(first))
+            async for event in events:
+                await out.write(_sse(event))
+            await out.write(b"data: [DONE]\n\n")
+        except UpstreamError as e:
+            await out.write(_sse(_error(e)))
+        except ConnectionResetError:  # the client went away between two writes
+            return out
+        finally:
+            # A client gone cancels this handler here: closing the events drops the router's
+            # stream, which cancels the request on its worker (both stages stop).
+            await events.aclose()
+        await out.write_eof()
+        return out
 
     async def _refresh_models(self, name: Any) -> None:
         """Learns the served models from the frontend's ``/v1/models`` when a name is new
@@ -219,6 +282,16 @@ class Edge:
             upstream.release() if done else upstream.close()
 
 
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error(e: Exception) -> dict[str, Any]:
+    status = getattr(e, "status", 500)
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    return {"error": {"message": str(e), "type": kind, "param": None, "code": None}}
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m omniprefix.edge", description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", required=True, help="Dynamo's frontend, e.g. http://127.0.0.1:8001")
@@ -226,14 +299,36 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--model-dir", type=Path, help="the checkpoint, for the context and the prompt-text bound")
-    return p.parse_args(argv)
+    speech = p.add_argument_group("spoken chats (a --model-dir with a talker); Dynamo's planes from DYN_* / "
+                                  "ETCD_ENDPOINTS as for the workers")
+    speech.add_argument("--speech-router", choices=["kv", "round-robin"],
+                        help="route spoken chats to the workers with Dynamo's KvRouter or round-robin client "
+                             "(unset: they are refused with a 501)")
+    speech.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (default %(default)s)")
+    speech.add_argument("--model-name", help="the name clients send (default: --model-dir's name)")
+    speech.add_argument("--endpoint", default="omniprefix.worker.generate",
+                        help="the workers' Dynamo NAMESPACE.COMPONENT.ENDPOINT (default %(default)s)")
+    args = p.parse_args(argv)
+    if args.speech_router and not args.model_dir:
+        p.error("--speech-router needs --model-dir (the checkpoint's template, tokenizer and voices)")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    from .speech import speech_caps
+
     limits = limits_for(args.model_dir, args.max_body_bytes) if args.model_dir else Limits(args.max_body_bytes)
-    edge = Edge(args.upstream, limits, args.host, args.port)
-    print(json.dumps({"edge": edge.start(), "upstream": edge.upstream}), flush=True)
+    caps = speech_caps(args.model_dir) if args.model_dir else None
+    route = None
+    if caps is not None and args.speech_router:
+        from .speech_route import SpeechRoute
+
+        route = SpeechRoute(args.model_dir.resolve(), args.model_name or args.model_dir.resolve().name,
+                            args.speech_router, args.block_size, args.endpoint)
+    # Without --speech-router the edge refuses spoken chats (501): routing them needs Dynamo's planes.
+    edge = Edge(args.upstream, limits, args.host, args.port, speech_caps=caps, speech_route=route)
+    print(json.dumps({"edge": edge.start(timeout_s=60.0), "upstream": edge.upstream}), flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -1,6 +1,7 @@
 """A local fleet in one command: Dynamo's OpenAI frontend and N omniprefix workers.
 
     python -m omniprefix.fleet --model DIR --workers N [--router kv|round-robin] [--port P]
+        [--talker-temperature T] [--talker-max-tokens M]
 
 Starts ``python -m dynamo.frontend`` and N ``python -m omniprefix.worker`` processes on loopback,
 with no etcd and no NATS: file discovery under a temporary directory, the TCP request plane and
@@ -13,6 +14,12 @@ flushes::
      "workers": [{"pid": ..., "metrics": "http://127.0.0.1:Q/metrics"}, ...]}
 
 (``frontend``: the edge, what clients use; ``dynamo_frontend``: Dynamo's own, unchecked.)
+
+On a checkpoint with a talker, the edge also answers spoken chats (``"modalities": ["text",
+"audio"]``): it routes them with Dynamo's KV router (``dynamo.llm.KvRouter``, in this process,
+over the workers' KV events; Dynamo's round-robin client under ``--router round-robin``) to the
+workers, which speak them (:mod:`omniprefix.speech_route`). ``--talker-temperature`` and
+``--talker-max-tokens`` are the workers' defaults for the talker options a request leaves out.
 
 then supervises until SIGINT or SIGTERM (exit status 0) or until the frontend exits (reported on
 stderr, exit status 1):
@@ -49,9 +56,11 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, cast
 
 from .ports import LOOPBACK, check_listenable, free_port
+from .speech import MAX_TALKER_TOKENS
 
 if TYPE_CHECKING:
     from .edge import Edge
+    from .speech_route import SpeechRoute
 
 __all__ = ["Fleet", "main", "terminate", "worker_metrics"]
 
@@ -83,6 +92,12 @@ LOOPBACK_ENV = {
 }
 
 
+#: The log level the fleet sets for Dynamo's runtime in its own process (the edge's router) when
+#: the environment sets none; noted, so that the children of a later fleet do not inherit it.
+_OWN_DYN_LOG = "warn"
+_set_dyn_log: list[bool] = []
+
+
 class FleetError(RuntimeError):
     """The fleet could not start, or a process of it died."""
 
@@ -95,6 +110,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="the edge's HTTP port on 127.0.0.1 (default 8000; 0: a free one)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="the largest request body the edge reads (default %(default)s: 16 MiB)")
+    p.add_argument("--talker-temperature", type=float,
+                   help="the talker's temperature when a spoken request sets none (0: greedy; default: the checkpoint's)")
+    p.add_argument("--talker-max-tokens", type=int,
+                   help="codec frames a spoken reply takes at most when the request sets none")
     # Tests: an environment variable for the first process of worker K only (a fault to inject
     # that its replacement must not inherit). Not in --help.
     p.add_argument("--first-env", action="append", default=[], dest="first_env_specs", help=argparse.SUPPRESS)
@@ -115,6 +134,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for needed in ("config.json", "tokenizer.json"):
         if not (args.model / needed).is_file():
             p.error(f"--model {args.model}: no {needed} there")
+    if args.talker_temperature is not None and not 0.0 <= args.talker_temperature <= 2.0:
+        p.error(f"--talker-temperature must be in [0, 2], not {args.talker_temperature}")
+    if args.talker_max_tokens is not None and not 1 <= args.talker_max_tokens <= MAX_TALKER_TOKENS:
+        p.error(f"--talker-max-tokens must be in [1, {MAX_TALKER_TOKENS}], not {args.talker_max_tokens}")
     if args.port == 0:
         args.port = free_port()
     else:
@@ -160,6 +183,7 @@ class Slot:
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.info: Optional[dict[str, Any]] = None
         self.instance: Optional[int] = None  # its Dynamo instance id (the ready line's "instance")
+        self.block_size: Optional[int] = None  # its engine's KV block size (the ready line's "block_size")
         self.announced = False  # whether the frontend listed it (and its model) since it started
         self.started = 0.0
         self.spawns = 0
@@ -187,6 +211,8 @@ class Fleet:
         self.discovery = self.dir / "discovery"
         self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.discovery)}
         self.env.pop("DYN_SYSTEM_PORT", None)
+        if _set_dyn_log and self.env.get("DYN_LOG") == _OWN_DYN_LOG:  # an earlier fleet's, not for children
+            del self.env["DYN_LOG"]
         self.frontend: Optional[subprocess.Popen[bytes]] = None
         self.slots = [Slot(k) for k in range(workers)]
         # The edge listens on `port`; Dynamo's frontend behind it on a free one, with its own
@@ -195,6 +221,7 @@ class Fleet:
         self.frontend_port = free_port()
         self.env["DYN_HTTP_BODY_LIMIT_MB"] = str(-(-max_body_bytes // (1024 * 1024)))
         self.edge: Optional[Edge] = None
+        self.speech_route: Optional[SpeechRoute] = None
 
     @property
     def url(self) -> str:
@@ -238,6 +265,7 @@ class Fleet:
             # here that tier is the working cache, worth as much as a device hit.
             frontend += ["--router-host-cache-hit-weight", "1.0"]
         self.frontend = self._spawn("frontend", frontend, subprocess.DEVNULL)
+        self._prepare_speech()
         for slot in self.slots:
             self._spawn_worker(slot)
         for slot in self.slots:
@@ -252,14 +280,41 @@ class Fleet:
         return {"frontend": self._start_edge(), "dynamo_frontend": self.url, "model": self.name,
                 "workers": self.workers}
 
+    def _prepare_speech(self) -> None:
+        """On a checkpoint that speaks: the edge's route for spoken chats, its tokenizer loading
+        while the workers boot. Dynamo's runtime in this process (the route's router) reads the
+        fleet's planes from the environment, as the children do."""
+        from .speech import speech_caps
+
+        if speech_caps(self.model) is None:
+            return
+        from .speech_route import SpeechRoute
+
+        os.environ.update({k: v for k, v in self.env.items() if k.startswith("DYN_")})
+        if "DYN_LOG" not in os.environ:  # its runtime logs on the fleet's stderr: warnings only
+            os.environ["DYN_LOG"] = _OWN_DYN_LOG
+            _set_dyn_log.append(True)
+        # The block size is the workers' (their ready lines), set before the edge starts.
+        self.speech_route = SpeechRoute(self.model, self.name, self.router, block_size=0)
+        self.speech_route.preload()
+
     def _start_edge(self) -> str:
         from .edge import Edge, limits_for
+        from .speech import speech_caps
 
         limits = limits_for(self.model, self.max_body_bytes)
         limits.models = {self.name}
-        edge = self.edge = Edge(self.url, limits, LOOPBACK, self.port)
+        caps = speech_caps(self.model)
+        route = self.speech_route
+        if route is not None:
+            block_size = next((slot.block_size for slot in self.slots if slot.block_size is not None), None)
+            if block_size is None:
+                raise FleetError("the workers did not say their KV block size (the ready line's block_size)")
+            route.block_size = block_size
+        edge = self.edge = Edge(self.url, limits, LOOPBACK, self.port, speech_caps=caps, speech_route=route)
         try:
-            return edge.start()
+            # Longer with a spoken route: it loads the tokenizer and connects Dynamo's router first.
+            return edge.start(timeout_s=10.0 if route is None else 60.0)
         except RuntimeError as e:
             raise FleetError(str(e)) from None
 
@@ -290,6 +345,7 @@ class Fleet:
         try:
             ready = json.loads(line)
             slot.instance = int(ready["instance"])
+            slot.block_size = int(ready["block_size"]) if ready.get("block_size") is not None else None
             return {"pid": int(ready["pid"]), "metrics": str(ready["metrics"])}
         except (ValueError, KeyError, TypeError):
             raise FleetError(f"{slot.label} printed {line[:200]!r} instead of its ready line") from None
@@ -474,8 +530,13 @@ def terminate(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    fleet = Fleet(args.model, args.workers, args.router, args.port, first_env=args.first_env,
-                  max_body_bytes=args.max_body_bytes)
+    worker_args = []
+    if args.talker_temperature is not None:
+        worker_args += ["--talker-temperature", repr(args.talker_temperature)]
+    if args.talker_max_tokens is not None:
+        worker_args += ["--talker-max-tokens", str(args.talker_max_tokens)]
+    fleet = Fleet(args.model, args.workers, args.router, args.port, worker_args=worker_args,
+                  first_env=args.first_env, max_body_bytes=args.max_body_bytes)
     stopping = []
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["Limits", "Rejected", "parse_body", "check_request", "max_token_bytes", "CHECKED_PATHS"]
+__all__ = ["Limits", "Rejected", "parse_body", "check_request", "max_token_bytes", "CHECKED_PATHS", "SPEECH_FIELDS"]
 
 #: The endpoints whose bodies are checked; every other path is only size-limited.
 CHECKED_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -33,7 +33,11 @@ UNSUPPORTED = {
     "logit_bias": (), "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],),
     "prediction": (), "web_search_options": (), "logprobs": (False,), "top_logprobs": (), "echo": (False,),
     "suffix": (), "guided_json": (), "guided_regex": (), "guided_grammar": (), "guided_choice": (),
+    "talker": (),
 }
+#: What a spoken chat (``"audio"`` in ``modalities``) sets, checked by :func:`omniprefix.speech.check_speech`
+#: instead (the edge answers such a chat itself).
+SPEECH_FIELDS = ("audio", "modalities", "talker")
 #: Content part types the worker takes (input_audio: the worker answers why Dynamo drops it).
 PART_TYPES = {"text", "image_url", "audio_url", "video_url", "input_audio"}
 MEDIA_PARTS = ("image_url", "audio_url", "video_url")
@@ -154,7 +158,15 @@ def check_request(path: str, body: dict[str, Any], limits: Limits) -> None:
     if limits.models and model not in limits.models:
         raise Rejected(f"the model {model!r} does not exist (served: {', '.join(sorted(limits.models))})", "model",
                        status=404, code="model_not_found")
+    spoken = path == "/v1/chat/completions" and isinstance(body.get("modalities"), list) \
+        and "audio" in body["modalities"]
     for name, neutral in UNSUPPORTED.items():
+        if spoken and name in SPEECH_FIELDS:
+            continue
+        if name == "talker" and body.get(name) is not None:
+            raise Rejected("talker sets the spoken reply's talker: it needs \"modalities\": [\"text\", \"audio\"]"
+                           + (" on /v1/chat/completions" if path != "/v1/chat/completions" else ""), name,
+                           code="unsupported_parameter")
         if not _unused(body.get(name), neutral):
             raise Rejected(f"{name} is not supported by this server (the engine cannot honour it; leave it out)",
                            name, code="unsupported_parameter")

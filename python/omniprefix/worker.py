@@ -23,6 +23,14 @@
   frontend's hash of it (``extra_args.mm_hashes``, in prompt order) as its ``routing_hash``, and
   the engine writes it into its blocks' ``extra_keys`` in the form Dynamo 1.6.1 routes on, so a
   repeated image goes to the worker that caches it (see ``omniprefix.dynamo_keys``).
+* **Speech.** On a checkpoint with a talker, a request whose ``extra_args`` hold
+  ``omniprefix_speech: {"voice": V, "talker": {...}}`` (the fleet's edge sends it for an OpenAI
+  chat with ``"modalities": ["text", "audio"]``, :mod:`omniprefix.speech_route`) is spoken:
+  its tokens stream as usual and, between them, each audio chunk as code2wav makes it, as PCM16
+  in the chunk's ``extra_args.audio_chunk`` (``{"offset", "pcm16"}``, base64); the last chunk
+  carries ``finish_reason``, the usage and ``extra_args.speech`` (the sample rate, why the
+  talker stopped, its rows and cached rows). Talker options the request leaves out take
+  ``--talker-temperature`` and ``--talker-max-tokens``, else the checkpoint's defaults.
 * **Metrics.** ``Engine.metrics()`` (Prometheus text) at ``http://HOST:PORT/metrics``.
 * **Engine death.** When an engine step panics, every pending and later call raises
   ``EngineDeadError``: each request in flight ends with an error the client sees (an HTTP 500,
@@ -31,8 +39,8 @@
   status 1, for ``omniprefix.fleet`` (or whatever supervises it) to start a fresh one.
 
 When it serves, the worker prints one JSON line on stdout, ``{"pid": ..., "metrics": URL,
-"kv_events": ENDPOINT, "model": NAME, "instance": ID}`` (``ID``: its Dynamo instance id, as
-``/health`` lists it), which ``python -m omniprefix.fleet`` reads.
+"kv_events": ENDPOINT, "model": NAME, "instance": ID, "block_size": N}`` (``ID``: its Dynamo
+instance id, as ``/health`` lists it), which ``python -m omniprefix.fleet`` reads.
 Dynamo's planes come from ``--discovery-backend``, ``--request-plane`` and ``--event-plane``
 (defaults: Dynamo's own environment variables, ``DYN_DISCOVERY_BACKEND`` etc.).
 Needs ``ai-dynamo`` 1.6.1: ``bash scripts/install_fleet.sh VENV``.
@@ -51,10 +59,11 @@ import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Mapping, Optional, cast
 
-from . import EngineDeadError, Error, Generation, RequestError
+from . import AudioChunk, EngineDeadError, Error, Generation, RequestError
 from .aio import AsyncEngine
 from .dynamo_keys import routed_items
 from .encoder import MAX_IMAGE_PIXELS, MAX_MEDIA_BYTES, encoder_for
+from .speech import CHUNK_KEY, DONE_KEY, MAX_TALKER_TOKENS, REQUEST_KEY, b64, pcm16
 
 __all__ = ["sampling_options", "MetricsServer", "main"]
 
@@ -233,8 +242,11 @@ class Worker:
     """The request handler: one engine (and the checkpoint's encoder, if it has towers),
     Dynamo's requests in, token chunks out."""
 
-    def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None, mm_routing: bool = False):
+    def __init__(self, engine: AsyncEngine, context_len: int, encoder: Any = None, mm_routing: bool = False,
+                 talker_defaults: Optional[dict[str, Any]] = None):
         self.engine = engine
+        # The talker options a spoken request leaves out (--talker-temperature, --talker-max-tokens).
+        self.talker_defaults = dict(talker_defaults or {})
         # Set when a call finds the engine dead (a step panicked): `serve` then withdraws the
         # worker and exits.
         self.dead = asyncio.Event()
@@ -260,6 +272,11 @@ class Worker:
             raise InvalidArgument(str(e)) from None
         if items:
             options.update(encoder=self.encoder)
+        speech = (request.get("extra_args") or {}).get(REQUEST_KEY)
+        if speech is not None:
+            async for chunk in self._speak(token_ids, items, options, speech, context):
+                yield chunk
+            return
         # The frontend ends a reply by itself at max_tokens or a stop id, possibly before a
         # separate closing chunk arrives: so the last token (the engine marks it, with why)
         # carries finish_reason and the usage (the engine's cached tokens included), sent once
@@ -303,6 +320,71 @@ class Worker:
         }
 
 
+    async def _speak(self, token_ids: list[int], items: list[Any], options: dict[str, Any], speech: Any,
+                     context: Any) -> AsyncIterator[dict[str, Any]]:
+        """A spoken request (the edge's, :mod:`omniprefix.speech_route`): each token and each
+        audio chunk (PCM16, base64, in ``extra_args.audio_chunk``) as the engine makes it, then a
+        last chunk with ``finish_reason``, the usage and ``extra_args.speech``."""
+        from dynamo.llm.exceptions import InvalidArgument, Unknown
+
+        if not isinstance(speech, dict) or not isinstance(speech.get("voice"), str) \
+                or not isinstance(speech.get("talker", {}), dict):
+            raise InvalidArgument(f"extra_args.{REQUEST_KEY} must be {{\"voice\": str, \"talker\": {{...}}}}")
+        talker = {**self.talker_defaults, **speech.get("talker", {})}
+        stream = self.engine.stream(token_ids, items or None, audio=True, speaker=speech["voice"], talker=talker,
+                                    **options)
+        produced = 0
+        try:
+            async for item in stream:
+                if context.is_stopped():
+                    return
+                if isinstance(item, AudioChunk):
+                    yield {"token_ids": [], "index": 0,
+                           "extra_args": {CHUNK_KEY: {"offset": item.offset, "pcm16": b64(pcm16(item.samples))}}}
+                else:
+                    produced += 1
+                    yield {"token_ids": [item[0]], "index": 0}
+        except RequestError as e:
+            raise InvalidArgument(str(e)) from None
+        except TypeError as e:  # a talker option of the wrong type (the edge checks them first)
+            raise InvalidArgument(str(e)) from None
+        except EngineDeadError as e:
+            self.dead.set()
+            raise Unknown(f"the worker's engine died ({e}); retry: the fleet replaces the worker") from None
+        except Error as e:
+            raise Unknown(f"{type(e).__name__}: {e}") from None
+        finally:
+            await stream.aclose()
+        generation = cast(Generation, stream.generation)
+        yield {
+            "token_ids": [],
+            "index": 0,
+            "finish_reason": generation.finish_reason,
+            "completion_usage": {"prompt_tokens": len(token_ids), "completion_tokens": produced,
+                                 "total_tokens": len(token_ids) + produced,
+                                 "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}},
+            "extra_args": {DONE_KEY: {
+                "sample_rate": generation.sample_rate,
+                "samples": 0 if generation.audio is None else int(generation.audio.shape[0]),
+                "audio_finish_reason": generation.audio_finish_reason,
+                "ttfa_s": generation.ttfa_s,
+                "talker_prompt_rows": generation.talker_prompt_rows,
+                "talker_cached_rows": generation.talker_cached_rows,
+            }},
+        }
+
+
+def talker_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The talker options of ``--talker-temperature`` and ``--talker-max-tokens`` (unset: the
+    checkpoint's)."""
+    out: dict[str, Any] = {}
+    if args.talker_temperature is not None:
+        out["temperature"] = args.talker_temperature
+    if args.talker_max_tokens is not None:
+        out["max_tokens"] = args.talker_max_tokens
+    return out
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m omniprefix.worker", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -321,6 +403,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for name, (kind, choices) in ENGINE_FLAGS.items():
         engine.add_argument("--" + name.replace("_", "-"), type=kind, choices=choices)
     engine.add_argument("--fingerprint-key", help="the fleet key, 64 hex digits (default: a random one)")
+    engine.add_argument("--cache", choices=["on", "off"],
+                        help="prefix caching (both stages; default on): off recomputes every prompt (benchmarks)")
     p.add_argument("--dynamo-mm-keys", default="on", choices=["on", "off"],
                    help="add the frontend's image hashes to the KV events Dynamo routes on (default %(default)s)")
     media = p.add_argument_group("media (checkpoints with a processor and towers)")
@@ -328,7 +412,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                        help="largest decoded image, in pixels (default %(default)s)")
     media.add_argument("--max-media-bytes", type=int, default=MAX_MEDIA_BYTES,
                        help="largest encoded image or audio (default %(default)s)")
+    speech = p.add_argument_group("speech (checkpoints with a talker)")
+    speech.add_argument("--talker-temperature", type=float,
+                        help="the talker's temperature when a request sets none (0: greedy; default: the checkpoint's)")
+    speech.add_argument("--talker-max-tokens", type=int,
+                        help=f"codec frames a reply speaks at most when a request sets none (1 to {MAX_TALKER_TOKENS})")
     args = p.parse_args(argv)
+    if args.talker_temperature is not None and not 0.0 <= args.talker_temperature <= 2.0:
+        p.error(f"--talker-temperature must be in [0, 2], not {args.talker_temperature}")
+    if args.talker_max_tokens is not None and not 1 <= args.talker_max_tokens <= MAX_TALKER_TOKENS:
+        p.error(f"--talker-max-tokens must be in [1, {MAX_TALKER_TOKENS}], not {args.talker_max_tokens}")
     if not (args.model / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there")
     if not (args.model / "tokenizer.json").is_file():
@@ -343,6 +436,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for name in (*ENGINE_FLAGS, "fingerprint_key"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
+    if args.cache is not None:
+        options["cache"] = args.cache == "on"
     return options
 
 
@@ -413,9 +508,10 @@ async def serve(args: argparse.Namespace) -> int:
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, str(model_dir),
                              name, worker_type=WorkerType.Aggregated, kv_cache_block_size=engine.block_size,
                              runtime_config=runtime_config)
-        worker = Worker(engine, runtime_config.context_length, encoder, mm_routing)
+        worker = Worker(engine, runtime_config.context_length, encoder, mm_routing, talker_defaults(args))
         print(json.dumps({"pid": os.getpid(), "metrics": metrics.url, "kv_events": engine.kv_events_endpoint,
-                          "model": name, "instance": endpoint.connection_id()}), flush=True)
+                          "model": name, "instance": endpoint.connection_id(), "block_size": engine.block_size}),
+              flush=True)
         serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.generate))
         died = asyncio.ensure_future(engine_death(worker))
         await asyncio.wait({serving, died}, return_when=asyncio.FIRST_COMPLETED)

@@ -177,6 +177,11 @@ CASES = [
     ("logprobs", "edge", CHAT, chat(logprobs=True), 400, "logprobs is not supported", "logprobs"),
     ("frequency_penalty", "worker", CHAT, chat(frequency_penalty=0.5), 400, "frequency_penalty=0.5 is not supported",
      None),
+    ("audio from a checkpoint without a talker", "edge", CHAT,
+     chat(modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"}), 400, "this model cannot speak",
+     "modalities"),
+    ("talker options without audio", "edge", CHAT, chat(talker={"temperature": 0}), 400,
+     "it needs \"modalities\": [\"text\", \"audio\"]", "talker"),
 ]
 
 

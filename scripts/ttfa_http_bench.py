@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+"""Time to first audio through HTTP: multi-round voice chats against a fleet, spoken replies out.
+
+Each tenant has a system prompt and one conversation of ``--rounds`` rounds; each round's user
+turn carries an audio (a seeded 16 kHz WAV as an ``input_audio`` part), every other tenant's
+first and third rounds an image too (``image_url``), and a question; the reply comes back as
+speech (``"modalities": ["text", "audio"]``, streamed PCM16), and its transcript goes into the
+next round as the assistant's turn. ``--concurrency`` conversations are in flight at once (each
+conversation's rounds one after the other). Every (router, caching) pair runs on a fresh fleet
+(``omniprefix.fleet.Fleet``: Dynamo's frontend, N ``omniprefix.worker`` processes, the edge that
+routes spoken chats with Dynamo's KV router); each concurrency sends conversations of its own
+(their prompts seeded by it), so one run does not warm the next.
+
+Per request: TTFA (send to the first ``delta.audio.data`` chunk), time to the last audio chunk,
+audio seconds (samples / the checkpoint's rate) and the real-time factor (audio seconds / wall
+seconds to the last chunk). Per run: the workers' token hit rates of both stages
+(``omniprefix_prefix_cache_{hits,queries}_total`` and ``omniprefix_talker_prefix_cache_*``), read
+before and after. ``--json FILE`` appends one object per run; ``--table FILE`` prints the
+Markdown table of such a file; ``--figure FILE.svg`` draws TTFA p50 against concurrency from it.
+
+    python scripts/ttfa_http_bench.py --json docs/reports/ttfa_http_bench.jsonl
+    python scripts/ttfa_http_bench.py --table docs/reports/ttfa_http_bench.jsonl
+    python scripts/ttfa_http_bench.py --figure docs/figures/ttfa_http.svg docs/reports/ttfa_http_bench.jsonl
+
+Run it in the venv of ``scripts/install_fleet.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import platform
+import random
+import sys
+import threading
+import time
+import urllib.request
+import wave
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "fixtures" / "tiny" / "omni_audio"
+IMAGE = REPO / "fixtures" / "media" / "image_a.png"
+WORDS = ("voice", "river", "mountain", "window", "garden", "music", "engine", "letter", "morning", "signal",
+         "market", "island", "paper", "bridge", "summer", "forest", "silver", "planet", "doctor", "coffee")
+
+
+def tone_wav(seed: int, seconds: float = 1.0, rate: int = 16000) -> str:
+    """A seeded WAV (a tone plus noise, 16 kHz mono PCM16: the feature extractor's rate), base64."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    wav = 0.3 * np.sin(2 * np.pi * rng.uniform(150, 900) * t) + 0.02 * rng.standard_normal(t.size)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(wav, -1, 1) * 32767).astype("<i2").tobytes())
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def conversation(seed: int, tenant: int, rounds: int, system_words: int) -> list[dict[str, Any]]:
+    """The user turns of one tenant's conversation (the assistant's come from the replies)."""
+    rng = random.Random(seed * 1000 + tenant)
+    image = "data:image/png;base64," + base64.b64encode(IMAGE.read_bytes()).decode()
+    turns = []
+    for r in range(rounds):
+        parts: list[dict[str, Any]] = [{"type": "input_audio",
+                                        "input_audio": {"data": tone_wav(seed * 1000 + tenant * 10 + r),
+                                                        "format": "wav"}}]
+        if tenant % 2 == 0 and r in (0, 2):
+            parts.append({"type": "image_url", "image_url": {"url": image}})
+        parts.append({"type": "text", "text": text(rng, 12) + "?"})
+        turns.append({"role": "user", "content": parts})
+    system = {"role": "system", "content": f"Tenant {seed}-{tenant}. " + text(rng, system_words)}
+    return [system] + turns
+
+
+def speak(url: str, model: str, messages: list[dict[str, Any]], options: dict[str, Any]) -> dict[str, Any]:
+    """One streamed spoken request: its timings, audio and transcript."""
+    body = {"model": model, "messages": messages, "modalities": ["text", "audio"],
+            "audio": {"voice": "ethan", "format": "pcm16"}, "stream": True, **options}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    sent = time.perf_counter()
+    first = last = None
+    samples, transcript, finish = 0, "", None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream failed: {chunk['error']}")
+            choice = chunk["choices"][0]
+            audio = choice["delta"].get("audio") or {}
+            if audio.get("data"):
+                now = time.perf_counter()
+                first = now if first is None else first
+                last = now
+                samples += len(base64.b64decode(audio["data"])) // 2
+            transcript += audio.get("transcript", "")
+            finish = choice["finish_reason"] or finish
+    done = time.perf_counter()
+    return {"ttfa_s": None if first is None else first - sent, "last_audio_s": None if last is None else last - sent,
+            "total_s": done - sent, "samples": samples, "transcript": transcript, "finish": finish}
+
+
+def run_trace(url: str, model: str, concurrency: int, tenants: int, rounds: int, system_words: int,
+              options: dict[str, Any], rate: int) -> list[dict[str, Any]]:
+    """``max(tenants, concurrency)`` conversations, ``concurrency`` in flight; per request its row."""
+    count = max(tenants, concurrency)
+    convs = [conversation(concurrency, t, rounds, system_words) for t in range(count)]
+    rows: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def one(t: int) -> None:
+        history = [convs[t][0]]
+        for r in range(rounds):
+            history.append(convs[t][1 + r])
+            row = speak(url, model, history, options)
+            history.append({"role": "assistant", "content": row["transcript"]})
+            row.update(tenant=t, round=r + 1, audio_s=row["samples"] / rate)
+            row["rtf"] = row["audio_s"] / row["last_audio_s"] if row["last_audio_s"] else None
+            with lock:
+                rows.append(row)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(one, t) for t in range(count)]:
+            f.result()  # a failed request fails the run
+    return rows
+
+
+def hit_rates(before: list[dict[str, float]], after: list[dict[str, float]]) -> dict[str, Optional[float]]:
+    def rate(hits: str, queries: str) -> Optional[float]:
+        h = sum(a.get(hits, 0.0) - b.get(hits, 0.0) for a, b in zip(after, before))
+        q = sum(a.get(queries, 0.0) - b.get(queries, 0.0) for a, b in zip(after, before))
+        return h / q if q else None
+
+    engine_ttfa = rate("omniprefix_time_to_first_audio_seconds_sum", "omniprefix_time_to_first_audio_seconds_count")
+    return {"thinker_hit_rate": rate("omniprefix_prefix_cache_hits_total", "omniprefix_prefix_cache_queries_total"),
+            "talker_hit_rate": rate("omniprefix_talker_prefix_cache_hits_total",
+                                    "omniprefix_talker_prefix_cache_queries_total"),
+            # The engines' own TTFA (submission to the first sample), mean: the rest is HTTP, the
+            # edge (template, tokenizer, router) and the worker's media decoding.
+            "engine_ttfa_mean_ms": _ms(engine_ttfa)}
+
+
+def pct(values: list[float], q: float) -> Optional[float]:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summary(rows: list[dict[str, Any]], **where: Any) -> dict[str, Any]:
+    ttfa = [r["ttfa_s"] for r in rows if r["ttfa_s"] is not None]
+    later = [r["ttfa_s"] for r in rows if r["ttfa_s"] is not None and r["round"] >= 2]
+    last = [r["last_audio_s"] for r in rows if r["last_audio_s"] is not None]
+    rtf = [r["rtf"] for r in rows if r["rtf"] is not None]
+    return {**where, "requests": len(rows), "no_audio": sum(r["ttfa_s"] is None for r in rows),
+            "ttfa_p50_ms": _ms(pct(ttfa, 50)), "ttfa_p99_ms": _ms(pct(ttfa, 99)),
+            "ttfa_round2plus_p50_ms": _ms(pct(later, 50)), "last_audio_p50_ms": _ms(pct(last, 50)),
+            "audio_s_total": sum(r["audio_s"] for r in rows), "rtf_p50": pct(rtf, 50)}
+
+
+def _ms(s: Optional[float]) -> Optional[float]:
+    return None if s is None else round(1000 * s, 2)
+
+
+def machine() -> str:
+    cpu, flags = platform.processor() or "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu in ("?", "x86_64", ""):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    import os
+
+    simd = " ".join(f for f in ("avx2", "avx512f", "fma", "f16c") if f in flags)
+    return f"{cpu}, {os.cpu_count()} cores ({simd})"
+
+
+def bench(args: argparse.Namespace) -> None:
+    from omniprefix.fleet import Fleet, worker_metrics
+    from omniprefix.ports import free_port
+
+    model = Path(args.model).resolve()
+    options = {"max_tokens": args.reply_tokens, "temperature": 0,
+               "talker": {"temperature": 0, "max_tokens": args.talker_tokens}}
+    where = machine()
+    for router in args.routers:
+        for cache in args.cache:
+            fleet = Fleet(model, args.workers, router, free_port(), worker_args=["--cache", cache])
+            try:
+                url = fleet.start(timeout_s=180)["frontend"]
+                rate = int(json.loads((model / "audio_reference.json").read_text()).get("sample_rate", 24000)) \
+                    if (model / "audio_reference.json").exists() else 24000
+                # One request first: the first call of each worker loads its encoder's towers.
+                run_trace(url, model.name, 1, 1, 1, 8, options, rate)
+                for c in args.concurrency:
+                    before = [worker_metrics(w["metrics"]) for w in fleet.workers]
+                    started = time.perf_counter()
+                    rows = run_trace(url, model.name, c, args.tenants, args.rounds, args.system_words, options, rate)
+                    wall = time.perf_counter() - started
+                    after = [worker_metrics(w["metrics"]) for w in fleet.workers]
+                    result = summary(rows, router=router, cache=cache, concurrency=c, workers=args.workers,
+                                     tenants=max(args.tenants, c), rounds=args.rounds, model=model.name,
+                                     machine=where, wall_s=round(wall, 3))
+                    result.update(hit_rates(before, after))
+                    result["audio_s_per_wall_s"] = result["audio_s_total"] / wall
+                    print(json.dumps(result), flush=True)
+                    if args.json:
+                        with open(args.json, "a") as f:
+                            f.write(json.dumps(result) + "\n")
+            finally:
+                fleet.stop()
+
+
+def table(path: Path) -> str:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = [f"{rows[0]['machine']}; {rows[0]['model']}, {rows[0]['workers']} workers, {rows[0]['rounds']} rounds"
+           if rows else "", "",
+           "| router | caching | c | TTFA p50 ms | TTFA p99 ms | TTFA p50 rounds 2-4 ms | engine TTFA mean ms | "
+           "last audio p50 ms | RTF p50 | thinker hits | talker hits | no audio |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in rows:
+        out.append(f"| {r['router']} | {r['cache']} | {r['concurrency']} | {fmt(r['ttfa_p50_ms'], '.1f')} | "
+                   f"{fmt(r['ttfa_p99_ms'], '.1f')} | {fmt(r['ttfa_round2plus_p50_ms'], '.1f')} | "
+                   f"{fmt(r.get('engine_ttfa_mean_ms'), '.1f')} | "
+                   f"{fmt(r['last_audio_p50_ms'], '.1f')} | {fmt(r['rtf_p50'], '.2f')} | "
+                   f"{fmt(r['thinker_hit_rate'], '.3f')} | {fmt(r['talker_hit_rate'], '.3f')} | {r['no_audio']} |")
+    return "\n".join(out)
+
+
+def figure(path: Path, out: Path) -> None:
+    """TTFA p50 against concurrency, one line per (router, caching), as an SVG (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key in sorted({(r["router"], r["cache"]) for r in rows}):
+        pts = sorted((r["concurrency"], r["ttfa_p50_ms"]) for r in rows if (r["router"], r["cache"]) == key
+                     and r["ttfa_p50_ms"] is not None)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}, caching {key[1]}")
+    ax.set_xlabel("conversations in flight")
+    ax.set_ylabel("TTFA p50 (ms)")
+    ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+    ax.set_title("Time to first audio through HTTP")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(MODEL), help="a checkpoint with a talker (default: the tiny fixture)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--tenants", type=int, default=4, help="conversations (at least --concurrency)")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=150, help="words in each tenant's system prompt")
+    p.add_argument("--reply-tokens", type=int, default=16)
+    p.add_argument("--talker-tokens", type=int, default=64)
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
+    p.add_argument("--cache", type=lambda s: s.split(","), default=["on", "off"])
+    p.add_argument("--routers", type=lambda s: s.split(","), default=["kv", "round-robin"])
+    p.add_argument("--json", type=Path, help="append one JSON line per run here")
+    p.add_argument("--table", type=Path, help="print the Markdown table of a --json file, and exit")
+    p.add_argument("--figure", nargs=2, type=Path, metavar=("OUT_SVG", "JSONL"),
+                   help="draw TTFA p50 against concurrency from a --json file, and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    if args.figure:
+        figure(args.figure[1], args.figure[0])
+        return 0
+    bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
