@@ -445,3 +445,65 @@ fn the_speech_chain_runs_on_wgpu() -> TestResult {
     }
     Ok(())
 }
+
+/// A newcomer's first audio goes first: while request B waits for its first token or first
+/// audio, request A, which already speaks, defers its due code2wav decodes (at most
+/// `MAX_DEFERRED_STEPS`, 4, steps in a row), then catches up; A's audio is the audio it
+/// makes alone, sample for sample.
+#[test]
+fn a_speaking_request_defers_its_decodes_while_another_waits_for_first_audio() -> TestResult {
+    let hf = reference()?;
+    let rec = recorded()?;
+    // A decode is due after every frame, so a deferral shows as a step without A's audio.
+    let options = SpeechOptions {
+        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
+        first_chunk: 1,
+        chunk: 1,
+        ..SpeechOptions::default()
+    };
+    let params = SamplingParams {
+        suppress_ids: rec.thinker_suppress.clone(),
+        ..SamplingParams::greedy(rec.thinker_max_new_tokens)
+    };
+    let config = EngineConfig { cache: false, ..EngineConfig::default() };
+    let (text, image) = (Case::open(&hf, "text")?, Case::open(&hf, "image")?);
+    let audio_of = |events: &[Event], id| -> Vec<f32> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Audio(a) if a.request == id => Some(a.samples.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    };
+
+    let mut alone = Engine::from_dir(&model_dir(MODEL), config.clone())?;
+    let a = alone.submit(text.request().generate(params.clone()).speak(options.clone()))?;
+    let mut events = Vec::new();
+    while alone.has_pending() {
+        events.extend(alone.step()?);
+    }
+    let want = audio_of(&events, a);
+
+    let mut engine = Engine::from_dir(&model_dir(MODEL), config)?;
+    let a = engine.submit(text.request().generate(params.clone()).speak(options.clone()))?;
+    let mut steps: Vec<Vec<Event>> = Vec::new();
+    while !steps.iter().flatten().any(|e| matches!(e, Event::Audio(x) if x.request == a)) {
+        steps.push(engine.step()?);
+    }
+    let b = engine.submit(image.request().generate(params).speak(options))?;
+    let submitted = steps.len();
+    while engine.has_pending() {
+        steps.push(engine.step()?);
+    }
+    let speaks = |step: &[Event], id| step.iter().any(|e| matches!(e, Event::Audio(x) if x.request == id));
+    let b_first = (submitted..steps.len()).find(|&s| speaks(&steps[s], b)).ok_or("B never spoke")?;
+    // B's step of first audio included: its decode came after A's in that step's pass.
+    let waited = submitted..=b_first;
+    let a_waits = waited.clone().filter(|&s| !speaks(&steps[s], a)).count();
+    assert_eq!(a_waits, waited.count().min(4), "A's decodes wait while B has no audio, 4 steps at most");
+    assert!(speaks(&steps[b_first + 1], a), "A catches up once B speaks");
+    assert_eq!(audio_of(&steps.concat(), a), want, "A's audio is the audio it makes alone");
+    Ok(())
+}
