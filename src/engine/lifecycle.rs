@@ -194,9 +194,7 @@ impl<B: Backend> Engine<B> {
         }
         let latencies = &self.latencies;
         if let Some(talkers) = self.talkers.as_mut() {
-            let first_token_waits =
-                self.pending.values().any(|p| p.decoding.as_ref().is_none_or(|d| d.token_times.is_empty()));
-            talkers.step(events, first_token_waits, |ttfa| latencies.first_audio(ttfa))?;
+            talkers.step(events, |ttfa| latencies.first_audio(ttfa))?;
         }
         Ok(())
     }

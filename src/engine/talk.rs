@@ -86,14 +86,7 @@ struct Running<B: Backend> {
     committed: bool,
     /// Assistant ids `4..pushed` are trailing rows of the seq already.
     pushed: usize,
-    /// Steps in a row this stream's due decode waited for another request's first audio.
-    deferred: usize,
 }
-
-/// Most steps in a row a stream that already speaks defers its due code2wav decode
-/// while another request waits for its first token or first audio: the newcomer's
-/// first audio comes sooner, and no listener waits more than this many steps.
-const MAX_DEFERRED_STEPS: usize = 4;
 
 /// What one talker step did for one request.
 struct Stepped {
@@ -196,7 +189,7 @@ impl<B: Backend> Talkers<B> {
     pub(super) fn has_work(&self) -> bool {
         self.talks.values().any(|t| match &t.state {
             State::Waiting => t.accept.is_some() && (t.settled >= 4 || t.output.is_some()),
-            State::Running(r) => r.seq.is_ready() || r.stream.is_due() || t.output.is_some(),
+            State::Running(r) => r.seq.is_ready() || t.output.is_some(),
             State::Done { .. } => t.output.is_some(),
         })
     }
@@ -215,16 +208,15 @@ impl<B: Backend> Talkers<B> {
     /// One talker step: starts the talks that can, hands each running one the
     /// reply rows that settled since, steps every ready one in one batch, streams
     /// their frames through code2wav, and finishes the talks that ended.
-    /// `first_audio` is told each request's time to first audio. `first_token_waits`:
-    /// some request still waits for its first token (its prefill has not ended).
+    /// `first_audio` is told each request's time to first audio.
     pub(super) fn step(
-        &mut self, events: &mut Vec<Event>, first_token_waits: bool, mut first_audio: impl FnMut(Duration),
+        &mut self, events: &mut Vec<Event>, mut first_audio: impl FnMut(Duration),
     ) -> Result<()> {
         let ids: Vec<RequestId> = self.talks.keys().copied().collect();
         for &id in &ids {
             self.start_or_feed(id)?;
         }
-        self.step_ready(events, first_token_waits, &mut first_audio)?;
+        self.step_ready(events, &mut first_audio)?;
         for id in ids {
             self.finish_if_done(id, events)?;
         }
@@ -277,14 +269,8 @@ impl<B: Backend> Talkers<B> {
                 };
                 let stream =
                     Code2WavStream::new(Arc::clone(&self.code2wav), c.options.first_chunk, c.options.chunk)?;
-                talk.state = State::Running(Box::new(Running {
-                    seq,
-                    slot,
-                    stream,
-                    committed: false,
-                    pushed: 4,
-                    deferred: 0,
-                }));
+                talk.state =
+                    State::Running(Box::new(Running { seq, slot, stream, committed: false, pushed: 4 }));
                 // The rows that already settled become trailing rows right away.
                 self.start_or_feed(id)
             }
@@ -305,12 +291,8 @@ impl<B: Backend> Talkers<B> {
     }
 
     /// One batched talker forward over every ready seq; their frames go to
-    /// code2wav and the audio out as events. A stream that already speaks defers
-    /// its due decode (at most [`MAX_DEFERRED_STEPS`] in a row) while another
-    /// request waits for its first token or first audio.
-    fn step_ready(
-        &mut self, events: &mut Vec<Event>, first_token_waits: bool, first_audio: &mut impl FnMut(Duration),
-    ) -> Result<()> {
+    /// code2wav and the audio out as events.
+    fn step_ready(&mut self, events: &mut Vec<Event>, first_audio: &mut impl FnMut(Duration)) -> Result<()> {
         let backend = self.stage.backend();
         let mut ready: Vec<(RequestId, &mut TalkerSeq)> = self
             .talks
@@ -320,24 +302,14 @@ impl<B: Backend> Talkers<B> {
                 _ => None,
             })
             .collect();
+        if ready.is_empty() {
+            return Ok(());
+        }
         let ids: Vec<RequestId> = ready.iter().map(|(id, _)| *id).collect();
         let mut seqs: Vec<&mut TalkerSeq> = ready.iter_mut().map(|(_, seq)| &mut **seq).collect();
-        let frames = if seqs.is_empty() {
-            Vec::new()
-        } else {
-            self.stage.talker().step(&backend, &self.runner, &mut self.pages, &mut seqs)?
-        };
-        let mut frames: BTreeMap<RequestId, Option<Vec<u32>>> = ids.into_iter().zip(frames).collect();
-        let first_audio_waits = first_token_waits
-            || self.talks.values().any(|t| t.first_audio.is_none() && !matches!(t.state, State::Done { .. }));
-        let running: Vec<RequestId> = self
-            .talks
-            .iter()
-            .filter(|(_, t)| matches!(t.state, State::Running(_)))
-            .map(|(&id, _)| id)
-            .collect();
+        let frames = self.stage.talker().step(&backend, &self.runner, &mut self.pages, &mut seqs)?;
         let stepped: Vec<Stepped> =
-            running.into_iter().map(|id| Stepped { id, frame: frames.remove(&id).flatten() }).collect();
+            ids.into_iter().zip(frames).map(|(id, frame)| Stepped { id, frame }).collect();
         for Stepped { id, frame } in stepped {
             let Some(talk) = self.talks.get_mut(&id) else { continue };
             let State::Running(run) = &mut talk.state else { continue };
@@ -347,21 +319,12 @@ impl<B: Backend> Talkers<B> {
                 run.seq.set_block_table(run.slot.block_table().clone());
                 run.committed = true;
             }
-            if let Some(codes) = frame {
-                let column = Array2::from_shape_fn((codes.len(), 1), |(q, _)| i64::from(codes[q]));
-                run.stream.append(column.view())?;
-            }
-            let defer = first_audio_waits
-                && talk.first_audio.is_some()
-                && run.stream.is_due()
-                && run.deferred < MAX_DEFERRED_STEPS
-                && !run.seq.is_finished();
-            let mut chunk = if defer {
-                run.deferred += 1;
-                Vec::new()
-            } else {
-                run.deferred = 0;
-                run.stream.decode_due(&*backend)?
+            let mut chunk = match frame {
+                Some(codes) => {
+                    let column = Array2::from_shape_fn((codes.len(), 1), |(q, _)| i64::from(codes[q]));
+                    run.stream.push(&*backend, column.view())?
+                }
+                None => Vec::new(),
             };
             if run.seq.is_finished() {
                 let State::Running(run) = std::mem::replace(&mut talk.state, State::Waiting) else {

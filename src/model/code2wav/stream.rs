@@ -121,31 +121,12 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
     /// are checked as [`Code2Wav::forward`] checks them (frames numbered from the
     /// stream's start); a rejected push leaves the stream as it was.
     pub fn push(&mut self, backend: &B, codes: ArrayView2<'_, i64>) -> Result<Vec<f32>> {
-        self.append(codes)?;
-        if self.is_due() { self.decode(backend) } else { Ok(Vec::new()) }
-    }
-
-    /// [`push`](Self::push) without the decode: the frames wait until
-    /// [`decode_due`](Self::decode_due) (an engine defers a stream's decode while
-    /// another request waits for its first audio).
-    pub fn append(&mut self, codes: ArrayView2<'_, i64>) -> Result<()> {
         self.model.check_codes(codes, self.frames_received())?;
         for (p, row) in self.pending.iter_mut().zip(codes.rows()) {
             p.extend(row.iter().copied());
         }
-        Ok(())
-    }
-
-    /// Whether enough frames are pending for the next decode.
-    pub fn is_due(&self) -> bool {
         let due = if self.frames == 0 { self.first_chunk } else { self.frames.clamp(1, self.chunk) };
-        self.pending.first().map_or(0, Vec::len) >= due
-    }
-
-    /// Decodes the pending frames if they are due (see [`is_due`](Self::is_due)):
-    /// the new final samples, else none.
-    pub fn decode_due(&mut self, backend: &B) -> Result<Vec<f32>> {
-        if self.is_due() { self.decode(backend) } else { Ok(Vec::new()) }
+        if self.pending.first().map_or(0, Vec::len) >= due { self.decode(backend) } else { Ok(Vec::new()) }
     }
 
     /// Decodes the frames still pending: the rest of the waveform.
