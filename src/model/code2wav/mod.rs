@@ -365,7 +365,7 @@ impl<B: Backend> Code2Wav<B> {
         }
         let x = self.embed_codes(backend, codes)?;
         let hidden = self.transformer(backend, x, 0, &mut self.empty_window())?;
-        self.decode_hidden(backend, &hidden)
+        self.decode_hidden(backend, &hidden, &mut ConvHistory::default())
     }
 
     /// Checks a codes matrix; its column `t` is frame `first_frame + t` (for errors).
@@ -471,14 +471,19 @@ impl<B: Backend> Code2Wav<B> {
         backend.rms_norm(&x, &self.norm, eps)
     }
 
-    /// The convolutions and the clamp on transformer output `hidden [frames, hidden]`:
-    /// [`Code2WavConfig::output_len`] samples, on the host.
-    pub(crate) fn decode_hidden(&self, backend: &B, hidden: &B::Tensor) -> Result<Vec<f32>> {
+    /// The convolutions and the clamp on the transformer output of the next frames,
+    /// `hidden [frames, hidden]`, after the frames `history` saw (none for one
+    /// pass): the samples those frames make final, on the host. Over all chunks
+    /// they are [`Code2WavConfig::output_len`]`(frames)` samples, the one pass's.
+    pub(crate) fn decode_hidden(
+        &self, backend: &B, hidden: &B::Tensor, history: &mut ConvHistory<B::Tensor>,
+    ) -> Result<Vec<f32>> {
+        history.next = 0;
         let mut x: Option<B::Tensor> = None;
         for Upsample { up, block: nx } in &self.upsample {
             let input = x.as_ref().unwrap_or(hidden);
-            let mut y = backend.causal_conv_transpose1d(input, &up.w, Some(&up.b), up.spec)?;
-            let h = backend.causal_conv1d(&y, &nx.dwconv.w, Some(&nx.dwconv.b), nx.dwconv.spec)?;
+            let mut y = self.transposed(backend, history, input, up)?;
+            let h = self.depthwise(backend, history, &y, &nx.dwconv)?;
             let h = backend.layer_norm(&h, &nx.norm_w, &nx.norm_b, 1e-6)?;
             let mut h = backend.matmul_t(&h, &nx.pwconv1)?;
             backend.add_bias(&mut h, &nx.pwconv1_b)?;
@@ -488,23 +493,110 @@ impl<B: Backend> Code2Wav<B> {
             backend.add(&mut y, &h)?;
             x = Some(y);
         }
-        let conv = |x: &B::Tensor, c: &Conv<B::Tensor, B::Weight>| {
-            backend.dense_causal_conv1d(x, &c.w, Some(&c.b), c.spec)
-        };
-        let mut x = conv(x.as_ref().unwrap_or(hidden), &self.pre_conv)?;
+        let mut x = self.causal(backend, history, x.as_ref().unwrap_or(hidden), &self.pre_conv)?;
         for block in &self.blocks {
             let y = backend.snake_beta(&x, &block.act.alpha, &block.act.beta)?;
-            x = backend.causal_conv_transpose1d(&y, &block.up.w, Some(&block.up.b), block.up.spec)?;
+            x = self.transposed(backend, history, &y, &block.up)?;
             for u in &block.units {
-                let h = conv(&backend.snake_beta(&x, &u.act1.alpha, &u.act1.beta)?, &u.conv1)?;
-                let h = conv(&backend.snake_beta(&h, &u.act2.alpha, &u.act2.beta)?, &u.conv2)?;
+                let h = self.causal(
+                    backend,
+                    history,
+                    &backend.snake_beta(&x, &u.act1.alpha, &u.act1.beta)?,
+                    &u.conv1,
+                )?;
+                let h = self.causal(
+                    backend,
+                    history,
+                    &backend.snake_beta(&h, &u.act2.alpha, &u.act2.beta)?,
+                    &u.conv2,
+                )?;
                 backend.add(&mut x, &h)?;
             }
         }
-        let mut wav =
-            conv(&backend.snake_beta(&x, &self.post_act.alpha, &self.post_act.beta)?, &self.post_conv)?;
+        let y = backend.snake_beta(&x, &self.post_act.alpha, &self.post_act.beta)?;
+        let mut wav = self.causal(backend, history, &y, &self.post_conv)?;
         backend.clamp(&mut wav, -1.0, 1.0)?;
         Ok(backend.download(&wav)?.into_iter().collect())
+    }
+
+    /// A dense causal conv of the new rows `x`: over the conv's history and `x`,
+    /// the rows of `x` kept.
+    fn causal(
+        &self, backend: &B, history: &mut ConvHistory<B::Tensor>, x: &B::Tensor,
+        c: &Conv<B::Tensor, B::Weight>,
+    ) -> Result<B::Tensor> {
+        let keep = (c.spec.kernel - 1) * c.spec.dilation;
+        history.run(backend, x, keep, |w| backend.dense_causal_conv1d(w, &c.w, Some(&c.b), c.spec))
+    }
+
+    /// [`Self::causal`] for a depthwise conv.
+    fn depthwise(
+        &self, backend: &B, history: &mut ConvHistory<B::Tensor>, x: &B::Tensor, c: &Conv<B::Tensor>,
+    ) -> Result<B::Tensor> {
+        let keep = (c.spec.kernel - 1) * c.spec.dilation;
+        history.run(backend, x, keep, |w| backend.causal_conv1d(w, &c.w, Some(&c.b), c.spec))
+    }
+
+    /// A causal transposed conv of the new rows `x`: every output row it makes is
+    /// new and final. Output row `m` reads input rows `m / stride` and, when
+    /// `kernel > stride`, the row after it, so the last input row seen leads the
+    /// next window, whose output is `(rows - 1) * stride` rows: those of `x`.
+    fn transposed(
+        &self, backend: &B, history: &mut ConvHistory<B::Tensor>, x: &B::Tensor,
+        c: &TransConv<B::Tensor, B::Weight>,
+    ) -> Result<B::Tensor> {
+        let keep = usize::from(c.spec.kernel > c.spec.stride);
+        history.window(backend, x, keep, |w| backend.causal_conv_transpose1d(w, &c.w, Some(&c.b), c.spec))
+    }
+}
+
+/// What a stream keeps between decodes: per convolution, in the order
+/// [`Code2Wav::decode_hidden`] runs them, the last input rows its next output
+/// rows read (a causal conv's `(kernel - 1) * dilation`, a transposed conv's one
+/// when `kernel > stride`). A chunk's convolutions then run over those rows and
+/// the chunk's own, never over earlier frames again, and every row is computed
+/// from the rows one pass would read: the samples are one pass's, bit for bit.
+pub(crate) struct ConvHistory<T> {
+    rows: Vec<Option<T>>,
+    /// The next convolution's slot in `rows` during a decode.
+    next: usize,
+}
+
+impl<T> Default for ConvHistory<T> {
+    fn default() -> Self {
+        ConvHistory { rows: Vec::new(), next: 0 }
+    }
+}
+
+impl<T> ConvHistory<T> {
+    /// Runs `op` on the next conv's window (its history, then `x`) and keeps the
+    /// window's last `keep` rows as its history.
+    fn window<B: Backend<Tensor = T>, R>(
+        &mut self, backend: &B, x: &T, keep: usize, op: impl FnOnce(&T) -> Result<R>,
+    ) -> Result<R> {
+        let slot = self.next;
+        self.next += 1;
+        if self.rows.len() <= slot {
+            self.rows.resize_with(slot + 1, || None);
+        }
+        let window = match self.rows[slot].take() {
+            Some(h) => Some(concat_rows(backend, &h, x)?),
+            None => None,
+        };
+        let w = window.as_ref().unwrap_or(x);
+        let out = op(w)?;
+        self.rows[slot] = if keep == 0 { None } else { Some(last_rows(backend, w, keep)?) };
+        Ok(out)
+    }
+
+    /// Runs a causal conv `op` over the next conv's window and returns the rows
+    /// of `x` (the window's leading history rows dropped).
+    fn run<B: Backend<Tensor = T>>(
+        &mut self, backend: &B, x: &T, keep: usize, op: impl FnOnce(&T) -> Result<T>,
+    ) -> Result<T> {
+        let rows = backend.shape(x)[0];
+        let out = self.window(backend, x, keep, op)?;
+        if backend.shape(&out)[0] == rows { Ok(out) } else { last_rows(backend, &out, rows) }
     }
 }
 

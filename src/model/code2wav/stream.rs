@@ -9,23 +9,23 @@
 //!   need that much context; instead each layer keeps the post-RoPE K/V rows of its
 //!   last `w - 1` frames, and a chunk's frames run through it once, at their own
 //!   positions, attending to those rows: the rows one pass gives.
-//! * **The convolutions** (upsampling, decoder) run over a window of transformer
-//!   output, re-decoded each time: sample `n` reads frames from
-//!   [`Code2WavConfig::first_frame_of_sample`]`(n)` on (causal convs read
-//!   `(kernel-1)·dilation` rows back, a transposed conv's row `m` reads input row
-//!   `⌊m / stride⌋` and, with `kernel = 2 * stride`, the row after it), at most
-//!   [`Code2WavConfig::conv_left_context`] frames before its own (10 for Qwen3-Omni).
+//! * **The convolutions** (upsampling, decoder) keep, each, the last input rows
+//!   their next output rows read (a causal conv's `(kernel-1)·dilation`, a
+//!   transposed conv's one row ahead; [`Code2WavConfig::conv_left_context`] frames
+//!   in all, 10 for Qwen3-Omni): a chunk's rows run through every conv once, after
+//!   those rows, and earlier frames are never decoded again. Each row is computed
+//!   from the rows one pass gives it, in one fixed order, so the samples are the
+//!   one-pass ones bit for bit on the CPU.
 //! * **To the right**, HF trims `stride` rows from each end of a decoder block's
 //!   transposed conv, so one pass over `F` frames gives
 //!   [`Code2WavConfig::output_len`]`(F)` samples (`1920·F − 555` for Qwen3-Omni):
 //!   the 555 missing ones would read frame `F`. Every sample one pass over `F` frames
-//!   gives is therefore final: more frames never change it.
+//!   gives is therefore final, and a chunk's decode makes exactly the samples its
+//!   frames make final: `output_len(F) - output_len(F_before)`.
 //!
-//! So after `F` frames the stream emits samples `emitted..output_len(F)`, decoding
-//! the convolutions over frames `first_frame_of_sample(emitted)..F` (from frame 0
-//! near the start, with the zero padding one pass has there) and dropping the
-//! samples before `emitted`. Every kernel computes a row from the rows it reads in
-//! one fixed order, so the samples are the one-pass ones bit for bit on the CPU.
+//! The first form of this stream re-decoded the convolutions over a window reaching
+//! back to the first frame any unsent sample reads: with doubling chunks that was
+//! most of code2wav's work (a one-frame chunk re-read ten frames of context).
 //!
 //! HF's `chunked_decode(chunk_size=300, left_context_size=25)` is not this: 25
 //! frames of left context cover the convolutions but not the transformer's 568,
@@ -36,7 +36,7 @@ use std::ops::Deref;
 
 use ndarray::{Array2, ArrayView2};
 
-use super::{Code2Wav, KvWindow, concat_rows, last_rows};
+use super::{Code2Wav, ConvHistory, KvWindow};
 use crate::Result;
 use crate::backend::Backend;
 use crate::error::{BackendError, ConfigError};
@@ -79,9 +79,8 @@ pub struct Code2WavStream<M: Deref<Target = Code2Wav<B>>, B: Backend> {
     frames: usize,
     /// Per layer, the K/V rows of the last `sliding_window - 1` frames.
     window: KvWindow<B::Tensor>,
-    /// Transformer output of frames `hidden_start..frames`: the conv context.
-    hidden: Option<B::Tensor>,
-    hidden_start: usize,
+    /// Per convolution, the input rows its next outputs read.
+    history: ConvHistory<B::Tensor>,
     /// Samples emitted so far.
     emitted: usize,
 }
@@ -100,8 +99,7 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
             frames: 0,
             window: model.empty_window(),
             model,
-            hidden: None,
-            hidden_start: 0,
+            history: ConvHistory::default(),
             emitted: 0,
         })
     }
@@ -134,8 +132,8 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
         self.decode(backend)
     }
 
-    /// Runs the pending frames through the transformer, then the convolutions over
-    /// the window the not-yet-emitted samples need; returns those samples.
+    /// Runs the pending frames through the transformer, then the convolutions
+    /// after their history; returns the samples they make final.
     fn decode(&mut self, backend: &B) -> Result<Vec<f32>> {
         let n = self.pending.first().map_or(0, Vec::len);
         if n == 0 {
@@ -153,25 +151,8 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
         let h = self.model.transformer(backend, x, self.frames, &mut self.window)?;
         self.pending.iter_mut().for_each(Vec::clear);
         self.frames += n;
-        self.hidden = Some(match self.hidden.take() {
-            Some(old) => concat_rows(backend, &old, &h)?,
-            None => h,
-        });
-
-        let cfg = self.model.config();
-        let u = cfg.total_upsample();
-        let target = cfg.output_len(self.frames);
-        if target <= self.emitted {
-            return Ok(Vec::new());
-        }
-        let first = self.first_frame(self.emitted);
-        let Some(hidden) = &self.hidden else { return Ok(Vec::new()) };
-        let rows = (first - self.hidden_start..self.frames - self.hidden_start)
-            .map(|r| r as u32)
-            .collect::<Vec<_>>();
-        let wav = self.model.decode_hidden(backend, &backend.gather_rows(hidden, &rows)?)?;
-        let want = target - first * u;
-        let skip = self.emitted - first * u;
+        let wav = self.model.decode_hidden(backend, &h, &mut self.history)?;
+        let want = self.model.config().output_len(self.frames) - self.emitted;
         if wav.len() != want {
             return Err(BackendError::OpCount {
                 op: "code2wav stream",
@@ -181,19 +162,7 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
             }
             .into());
         }
-        let out = wav[skip..].to_vec();
-        self.emitted = target;
-        // Keep only the frames the next decode can read.
-        let keep_from = self.first_frame(self.emitted);
-        self.hidden = Some(last_rows(backend, hidden, self.frames - keep_from)?);
-        self.hidden_start = keep_from;
-        Ok(out)
-    }
-
-    /// The first frame sample `n` reads (0 near the start), never before the
-    /// frames still held.
-    fn first_frame(&self, n: usize) -> usize {
-        let f = self.model.config().first_frame_of_sample(n).max(0) as usize;
-        f.clamp(self.hidden_start, self.frames)
+        self.emitted += wav.len();
+        Ok(wav)
     }
 }
