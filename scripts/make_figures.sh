@@ -36,7 +36,7 @@ if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
     fi
     # The README's TTFA table: `python3 scripts/ttfa_table.py docs/reports/bench_ttfa.json` (~3 min on 2 cores).
     if "$bin" bench ttfa --help > /dev/null 2>&1; then
-        "$bin" bench ttfa --json "$reports/bench_ttfa.json" | tee "$reports/bench_ttfa.txt"
+        "$bin" bench ttfa --conversations 8 --json "$reports/bench_ttfa.json" | tee "$reports/bench_ttfa.txt"
     fi
 fi
 # The serve report alone (SERVE_ONLY=1 skips the rest, e.g. on shared cores); the bench serve
