@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.server
 import json
 import os
@@ -57,7 +58,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping, Optional, cast
+from typing import Any, AsyncIterator, Callable, Iterator, Mapping, Optional, cast
 
 from . import AudioChunk, EngineDeadError, Error, Generation, RequestError
 from .aio import AsyncEngine
@@ -259,7 +260,7 @@ class Worker:
         self.pads = {"image": engine.image_token_id, "audio": engine.audio_token_id, "video": engine.video_token_id}
 
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
-        from dynamo.llm.exceptions import InvalidArgument, Unknown
+        from dynamo.llm.exceptions import InvalidArgument
 
         token_ids = request.get("token_ids") or []
         try:
@@ -284,26 +285,18 @@ class Worker:
         stream = self.engine.stream(token_ids, items or None, **options)
         reply: list[Optional[int]] = []  # None last: the stream ended after a token already sent
         try:
-            async for token, _rows in stream:
-                if context.is_stopped():
-                    return
-                reply.append(token)
-                if stream.finish_reason is not None:
-                    async for _ in stream:
-                        pass
-                    break
-                yield {"token_ids": [token], "index": 0}
-            else:
-                reply.append(None)  # the stream ended after a token already sent
-        except RequestError as e:
-            raise InvalidArgument(str(e)) from None
-        except EngineDeadError as e:
-            # Unknown, not EngineShutdown: the frontend migrates EngineShutdown to another
-            # worker, and a request that made this engine panic could take each one down.
-            self.dead.set()
-            raise Unknown(f"the worker's engine died ({e}); retry: the fleet replaces the worker") from None
-        except Error as e:
-            raise Unknown(f"{type(e).__name__}: {e}") from None
+            with self._engine_errors():
+                async for token, _rows in stream:
+                    if context.is_stopped():
+                        return
+                    reply.append(token)
+                    if stream.finish_reason is not None:
+                        async for _ in stream:
+                            pass
+                        break
+                    yield {"token_ids": [token], "index": 0}
+                else:
+                    reply.append(None)  # the stream ended after a token already sent
         finally:
             await stream.aclose()
         # Set: the stream was read to its end (the early returns above leave before this).
@@ -314,10 +307,29 @@ class Worker:
             "token_ids": [] if last is None else [last],
             "index": 0,
             "finish_reason": generation.finish_reason,
-            "completion_usage": {"prompt_tokens": len(token_ids), "completion_tokens": produced,
-                                 "total_tokens": len(token_ids) + produced,
-                                 "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}},
+            "completion_usage": completion_usage(len(token_ids), produced, generation),
         }
+
+    @contextlib.contextmanager
+    def _engine_errors(self, *bad_input: type[Exception]) -> Iterator[None]:
+        """Dynamo's error for what the engine raised inside: ``InvalidArgument`` for a bad
+        request (a :class:`RequestError`, or one of ``bad_input``), ``Unknown`` for the rest; a
+        dead engine also marks the worker dead."""
+        from dynamo.llm.exceptions import InvalidArgument, Unknown
+
+        try:
+            yield
+        except RequestError as e:
+            raise InvalidArgument(str(e)) from None
+        except bad_input as e:
+            raise InvalidArgument(str(e)) from None
+        except EngineDeadError as e:
+            # Unknown, not EngineShutdown: the frontend migrates EngineShutdown to another
+            # worker, and a request that made this engine panic could take each one down.
+            self.dead.set()
+            raise Unknown(f"the worker's engine died ({e}); retry: the fleet replaces the worker") from None
+        except Error as e:
+            raise Unknown(f"{type(e).__name__}: {e}") from None
 
 
     async def _speak(self, token_ids: list[int], items: list[Any], options: dict[str, Any], speech: Any,
@@ -325,7 +337,7 @@ class Worker:
         """A spoken request (the edge's, :mod:`omniprefix.speech_route`): each token and each
         audio chunk (PCM16, base64, in ``extra_args.audio_chunk``) as the engine makes it, then a
         last chunk with ``finish_reason``, the usage and ``extra_args.speech``."""
-        from dynamo.llm.exceptions import InvalidArgument, Unknown
+        from dynamo.llm.exceptions import InvalidArgument
 
         if not isinstance(speech, dict) or not isinstance(speech.get("voice"), str) \
                 or not isinstance(speech.get("talker", {}), dict):
@@ -335,24 +347,17 @@ class Worker:
                                     **options)
         produced = 0
         try:
-            async for item in stream:
-                if context.is_stopped():
-                    return
-                if isinstance(item, AudioChunk):
-                    yield {"token_ids": [], "index": 0,
-                           "extra_args": {CHUNK_KEY: {"offset": item.offset, "pcm16": b64(pcm16(item.samples))}}}
-                else:
-                    produced += 1
-                    yield {"token_ids": [item[0]], "index": 0}
-        except RequestError as e:
-            raise InvalidArgument(str(e)) from None
-        except TypeError as e:  # a talker option of the wrong type (the edge checks them first)
-            raise InvalidArgument(str(e)) from None
-        except EngineDeadError as e:
-            self.dead.set()
-            raise Unknown(f"the worker's engine died ({e}); retry: the fleet replaces the worker") from None
-        except Error as e:
-            raise Unknown(f"{type(e).__name__}: {e}") from None
+            # TypeError: a talker option of the wrong type (the edge checks them first).
+            with self._engine_errors(TypeError):
+                async for item in stream:
+                    if context.is_stopped():
+                        return
+                    if isinstance(item, AudioChunk):
+                        yield {"token_ids": [], "index": 0,
+                               "extra_args": {CHUNK_KEY: {"offset": item.offset, "pcm16": b64(pcm16(item.samples))}}}
+                    else:
+                        produced += 1
+                        yield {"token_ids": [item[0]], "index": 0}
         finally:
             await stream.aclose()
         generation = cast(Generation, stream.generation)
@@ -360,9 +365,7 @@ class Worker:
             "token_ids": [],
             "index": 0,
             "finish_reason": generation.finish_reason,
-            "completion_usage": {"prompt_tokens": len(token_ids), "completion_tokens": produced,
-                                 "total_tokens": len(token_ids) + produced,
-                                 "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}},
+            "completion_usage": completion_usage(len(token_ids), produced, generation),
             "extra_args": {DONE_KEY: {
                 "sample_rate": generation.sample_rate,
                 "samples": 0 if generation.audio is None else int(generation.audio.shape[0]),
@@ -372,6 +375,12 @@ class Worker:
                 "talker_cached_rows": generation.talker_cached_rows,
             }},
         }
+
+
+def completion_usage(prompt: int, produced: int, generation: Generation) -> dict[str, Any]:
+    """A reply's usage as Dynamo's ``completion_usage``: the engine's cached tokens included."""
+    return {"prompt_tokens": prompt, "completion_tokens": produced, "total_tokens": prompt + produced,
+            "prompt_tokens_details": {"cached_tokens": generation.num_cached_tokens}}
 
 
 def talker_defaults(args: argparse.Namespace) -> dict[str, Any]:

@@ -114,23 +114,30 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def kv_fleet():
-    fleet = RunningFleet("--model", str(MODEL), "--workers", "2", "--router", "kv", "--port", "0")
-    yield fleet
-    fleet.stop()
+def fleet_fixtures(model: Path, fleet_name: str):
+    """A fleet suite's module fixtures over checkpoint ``model``: a 2-worker fleet with kv routing
+    (named ``fleet_name``), and the ``engine`` and ``tokenizer`` its replies are checked against."""
+
+    @pytest.fixture(scope="module", name=fleet_name)
+    def fleet():
+        running = RunningFleet("--model", str(model), "--workers", "2", "--router", "kv", "--port", "0")
+        yield running
+        running.stop()
+
+    @pytest.fixture(scope="module", name="engine")
+    def engine():
+        return omniprefix.Engine.from_dir(model)
+
+    @pytest.fixture(scope="module", name="tokenizer")
+    def tokenizer():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model))
+
+    return fleet, engine, tokenizer
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return omniprefix.Engine.from_dir(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(MODEL))
+kv_fleet, engine, tokenizer = fleet_fixtures(MODEL, "kv_fleet")
 
 
 def test_the_fleet_is_ready_within_30_s_and_names_its_processes(kv_fleet):

@@ -27,9 +27,8 @@ import wave
 import numpy as np
 import pytest
 
-import omniprefix
 from conftest import FIXTURES
-from test_fleet import REQUEST_S, RunningFleet, alive, pytestmark  # noqa: F401  (the module's skip mark)
+from test_fleet import REQUEST_S, RunningFleet, alive, fleet_fixtures, pytestmark  # noqa: F401  (the module's skip mark)
 
 from omniprefix.fleet import worker_metrics
 from omniprefix.speech import pcm16
@@ -43,23 +42,7 @@ QUERIES = "omniprefix_prefix_cache_queries_total"
 RUNNING = "omniprefix_num_requests_running"
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    fleet = RunningFleet("--model", str(MODEL), "--workers", "2", "--router", "kv", "--port", "0")
-    yield fleet
-    fleet.stop()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return omniprefix.Engine.from_dir(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(MODEL))
+fleet, engine, tokenizer = fleet_fixtures(MODEL, "fleet")
 
 
 def spoken(fmt: str = "wav", **fields) -> dict:

@@ -5,10 +5,9 @@
 
 use clap::Parser;
 
+use super::common::TestResult;
 use omniprefix_cli::HarnessError;
 use omniprefix_cli::cli::{Cli, run};
-
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 fn serve(args: &[&str]) -> Result<String, HarnessError> {
     let base = ["omniprefix", "bench", "serve", "--quick", "--threads", "1"];

@@ -4,9 +4,8 @@
 
 use clap::Parser;
 
+use super::common::TestResult;
 use omniprefix_cli::cli::{Cli, run};
-
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 fn f(v: &serde_json::Value, key: &str) -> f64 {
     v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"))

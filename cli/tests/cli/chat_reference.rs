@@ -3,19 +3,14 @@
 //! (`AutoTokenizer.from_pretrained(<folder>)`, `apply_chat_template`, `encode`, `decode`; made by
 //! `fixtures/make_tokenizers.py`), and bad folders, templates and messages as typed errors.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde_json::{Map, Value};
 
+use super::common::{TestResult, fixture};
 use omniprefix_cli::chat::{Chat, ChatError, Messages};
 
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
-
 const MODELS: [&str; 3] = ["qwen3_dense", "qwen2_dense", "omni_thinker"];
-
-fn fixture(model: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny").join(model)
-}
 
 fn reference(model: &str) -> TestResult<Value> {
     Ok(serde_json::from_str(&std::fs::read_to_string(fixture(model).join("chat_reference.json"))?)?)

@@ -1,12 +1,10 @@
 //! `omniprefix bench match` run in process on tiny media: argument errors are
 //! typed, and every JSON line has every field (no timing assertions).
 
+use super::common::TestResult;
 use clap::Parser;
 use omniprefix_cli::cli::{Cli, run};
 use omniprefix_cli::{HarnessError, Result};
-
-/// A test that can also fail outside omniprefix (output that is not the JSON it should be).
-type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 fn run_args(args: &[&str]) -> Result<String> {
     let cli = Cli::try_parse_from(["omniprefix", "bench", "match"].iter().chain(args))?;

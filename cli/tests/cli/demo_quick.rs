@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use super::common::TestResult;
 use clap::Parser;
 use omniprefix::Error;
 use omniprefix::backend::cpu::CpuBackend;
@@ -9,9 +10,6 @@ use omniprefix::error::{CheckpointError, IoError, RequestError};
 use omniprefix_cli::cli::{Cli, run};
 use omniprefix_cli::demo::{DemoOptions, DemoReport, ModelChoice, Row, Way, WorkloadReport, run_demo};
 use omniprefix_cli::{HarnessError, Result};
-
-/// A test that can also fail outside omniprefix (output that is not the JSON it should be).
-type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 fn quick_report(model: &ModelChoice) -> Result<DemoReport> {
     run_demo(Arc::new(CpuBackend::new()), "cpu".into(), model, &DemoOptions::quick())

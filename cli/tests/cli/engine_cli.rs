@@ -2,27 +2,16 @@
 //! output tensors' names, shapes and values (cached = uncached), and bad input
 //! as one `error:` line with a non-zero exit.
 
-use std::error::Error as StdError;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use super::common::{self, TestResult, fixture, p};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
-type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
-
-fn model(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny").join(name)
-}
-
 /// A fresh scratch folder per test.
 fn scratch(test: &str) -> TestResult<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("omniprefix-engine-cli-{}-{test}", std::process::id()));
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir)?;
-    }
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+    common::scratch("engine-cli", test)
 }
 
 /// A scratch dir holding `req.json`, a request of the text tokens 1, 2, 3.
@@ -70,10 +59,6 @@ fn read_tensors(path: &Path) -> TestResult<Vec<Named>> {
     Ok(out)
 }
 
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap_or_default()
-}
-
 #[test]
 fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
     let dir = scratch("text")?;
@@ -81,7 +66,7 @@ fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
     std::fs::write(&warm, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}]}"#)?;
     std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10]}, {"text": [11, 12, 13, 99, 98]}]}"#)?;
     let (cached, uncached) = (dir.join("cached.safetensors"), dir.join("uncached.safetensors"));
-    let m = model("qwen3_dense");
+    let m = fixture("qwen3_dense");
     let common = [
         "hidden",
         "--model",
@@ -166,7 +151,7 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     };
     let req = dir.join("req.json");
     std::fs::write(&req, request("emb"))?;
-    let (m, out) = (model("omni_thinker"), dir.join("out.safetensors"));
+    let (m, out) = (fixture("omni_thinker"), dir.join("out.safetensors"));
     let run = |req: &Path| {
         omniprefix(&[
             "hidden",
@@ -223,7 +208,7 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
 
 /// `bench ttft --json` lines of a small run on the tiny Omni thinker.
 fn bench_ttft_lines(backend: &str) -> TestResult<Vec<serde_json::Value>> {
-    let m = model("omni_thinker");
+    let m = fixture("omni_thinker");
     let args = [
         "bench",
         "ttft",
@@ -299,7 +284,7 @@ fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
 /// warmed up, without captures; the cached prefill beats the uncached one.
 #[test]
 fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> TestResult {
-    let m = model("qwen3_dense");
+    let m = fixture("qwen3_dense");
     let args = [
         "bench",
         "ttft",
@@ -357,7 +342,7 @@ fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> Test
 /// `--kv-dtype f16` runs the same workload over half-precision pages.
 #[test]
 fn bench_ttft_dtype_stores_the_weights_as_asked() -> TestResult {
-    let m = model("qwen3_dense");
+    let m = fixture("qwen3_dense");
     let report = |flag: &str, dtype: &str| -> TestResult<serde_json::Value> {
         let args = [
             "bench",
@@ -411,7 +396,7 @@ fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestRes
     let (warm, req) = (dir.join("warm.json"), dir.join("req.json"));
     std::fs::write(&warm, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}]}"#)?;
     std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42]}]}"#)?;
-    let m = model("qwen3_dense");
+    let m = fixture("qwen3_dense");
     let run = |backend: &str, out: &Path| -> TestResult<Output> {
         omniprefix(&[
             "hidden",
@@ -541,7 +526,7 @@ fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestRe
                   "embeddings": {"file": "img.safetensors", "tensor": "emb"}}},
         {"text": [251, 3, 4, 5]}]}"#,
     )?;
-    let m = model("omni_thinker");
+    let m = fixture("omni_thinker");
     let config = m.join("config.json");
     let key = "0f".repeat(32);
     let hashes = |key: &str| -> TestResult<Vec<u64>> {
@@ -654,7 +639,7 @@ fn calm_auto_line(line: &str) -> bool {
 #[test]
 fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stderr() -> TestResult {
     let (dir, req) = text_request("auto_quiet")?;
-    let m = model("qwen3_dense");
+    let m = fixture("qwen3_dense");
     let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
         .args([
             "hidden",
@@ -689,7 +674,7 @@ fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stde
 #[test]
 fn bad_kv_event_flags_are_one_line_errors() -> TestResult {
     let (dir, req) = text_request("kv_bad")?;
-    let m = model("qwen3_dense");
+    let m = fixture("qwen3_dense");
     let hidden = |extra: &[&str]| {
         omniprefix(&[&["hidden", "--model", p(&m), "--request", p(&req), "--out", p(&dir.join("o.safetensors"))][..], extra].concat())
     };

@@ -7,12 +7,11 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use safetensors::SafeTensors;
 
+use super::common::{TestResult, p};
 use omniprefix::Error;
 use omniprefix::error::RequestError;
 use omniprefix_cli::HarnessError;
 use omniprefix_cli::cli::{Cli, run};
-
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// A scratch folder with a warm-up request and a request sharing its first 8 ids.
 fn requests(test: &str) -> TestResult<(PathBuf, PathBuf, PathBuf)> {
@@ -22,10 +21,6 @@ fn requests(test: &str) -> TestResult<(PathBuf, PathBuf, PathBuf)> {
     std::fs::write(&warm, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]}]}"#)?;
     std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12]}, {"text": [40, 41, 42]}]}"#)?;
     Ok((dir, warm, req))
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap_or_default()
 }
 
 /// Runs `generate` on the tiny dense checkpoint with `args`; stdout on success.

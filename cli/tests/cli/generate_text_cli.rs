@@ -9,25 +9,14 @@ use clap::Parser;
 use clap::error::ErrorKind;
 use serde_json::Value;
 
+use super::common::{self, TestResult, fixture, p};
 use omniprefix::Error;
 use omniprefix_cli::HarnessError;
 use omniprefix_cli::chat::{Chat, ChatError};
 use omniprefix_cli::cli::{Cli, run};
 
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
-
-fn fixture(model: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny").join(model)
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap_or_default()
-}
-
 fn scratch(test: &str) -> TestResult<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("omniprefix-generate-text-{}-{test}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+    common::scratch("generate-text", test)
 }
 
 /// `generate --model <model> <args>` in process; stdout on success.

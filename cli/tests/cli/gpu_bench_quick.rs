@@ -9,9 +9,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
+use super::common::TestResult;
 use serde_json::Value;
-
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// The JSON objects of `dir/file`, one a line.
 fn lines(dir: &Path, file: &str) -> TestResult<Vec<Value>> {

@@ -6,6 +6,7 @@ mod bench_serve;
 mod bench_ttfa;
 mod chat_reference;
 mod cli_bench_match;
+mod common;
 mod demo_quick;
 mod engine_cli;
 mod generate_audio;

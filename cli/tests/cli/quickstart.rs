@@ -11,9 +11,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use super::common::{self, TestResult};
 use serde_json::Value;
-
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// One command of the quick start and the lines the README shows for it.
 #[derive(Debug)]
@@ -185,9 +184,7 @@ fn check(expected: &[String], stdout: &str) -> Result<(), String> {
 }
 
 fn scratch(test: &str) -> TestResult<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("omniprefix-quickstart-{}-{test}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+    common::scratch("quickstart", test)
 }
 
 #[test]

@@ -11,10 +11,9 @@
 
 use std::path::{Path, PathBuf};
 
+use super::common::TestResult;
 use clap::Parser;
 use omniprefix_cli::cli::Cli;
-
-type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
 
 /// One command of the README: the line it starts on and the binary's arguments.
 #[derive(Debug)]

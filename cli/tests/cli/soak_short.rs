@@ -4,11 +4,11 @@
 //! `SOAK_REQUESTS=100000 cargo test --release --test cli soak_short:: -- --ignored`
 //! runs the full soak and prints its JSON report.
 
+use super::common::TestResult;
 use omniprefix_cli::Result;
 use omniprefix_cli::soak::{SoakOptions, run_soak};
 
 /// A test that can also fail outside omniprefix (output that is not the JSON it should be).
-type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 #[test]
 fn short_soak_leaks_nothing_and_reuses_under_eviction() -> Result<()> {

@@ -9,10 +9,10 @@
 //!   one) is one matrix product and a sum: `z = x @ w^T`, every tap's products of
 //!   every input row at once (`w [kernel * cout, cin]`, packed once at load like
 //!   any weight: [`dense_conv1d_weight_from_hf`]), then each output row adds its
-//!   taps' rows of `z` to the bias in ascending tap order ([`sum_causal_taps`],
-//!   [`sum_transposed_taps`]). The backend's matrix product computes each element
+//!   taps' rows of `z` to the bias in ascending tap order (`sum_causal_taps`,
+//!   `sum_transposed_taps`). The backend's matrix product computes each element
 //!   as one chain over the input channels, whatever the number of rows.
-//! * A **grouped** (depthwise) convolution ([`causal_conv1d`]) sums its few
+//! * A **grouped** (depthwise) convolution (`causal_conv1d`) sums its few
 //!   products per output element in f64, a row at a time (an `axpy` over
 //!   contiguous output channels).
 //!

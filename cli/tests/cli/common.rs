@@ -1,0 +1,26 @@
+//! Helpers the harness test files share.
+
+use std::path::{Path, PathBuf};
+
+/// A test's result: an error fails the test with its message.
+pub type TestResult<T = ()> = Result<T, Box<dyn std::error::Error>>;
+
+/// A tiny checkpoint under `fixtures/tiny` (made by the fixture scripts).
+pub fn fixture(model: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny").join(model)
+}
+
+/// A path as a command-line argument.
+pub fn p(path: &Path) -> &str {
+    path.to_str().unwrap_or_default()
+}
+
+/// A fresh, empty scratch folder for test `test` of test file `file` (one per process).
+pub fn scratch(file: &str, test: &str) -> TestResult<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("omniprefix-{file}-{}-{test}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
