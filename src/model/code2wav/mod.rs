@@ -483,7 +483,9 @@ impl<B: Backend> Code2Wav<B> {
         for Upsample { up, block: nx } in &self.upsample {
             let input = x.as_ref().unwrap_or(hidden);
             let mut y = self.transposed(backend, history, input, up)?;
-            let h = self.depthwise(backend, history, &y, &nx.dwconv)?;
+            let dw = &nx.dwconv;
+            let h = history
+                .causal(backend, &y, dw.spec, |w| backend.causal_conv1d(w, &dw.w, Some(&dw.b), dw.spec))?;
             let h = backend.layer_norm(&h, &nx.norm_w, &nx.norm_b, 1e-6)?;
             let mut h = backend.matmul_t(&h, &nx.pwconv1)?;
             backend.add_bias(&mut h, &nx.pwconv1_b)?;
@@ -525,16 +527,7 @@ impl<B: Backend> Code2Wav<B> {
         &self, backend: &B, history: &mut ConvHistory<B::Tensor>, x: &B::Tensor,
         c: &Conv<B::Tensor, B::Weight>,
     ) -> Result<B::Tensor> {
-        let keep = (c.spec.kernel - 1) * c.spec.dilation;
-        history.run(backend, x, keep, |w| backend.dense_causal_conv1d(w, &c.w, Some(&c.b), c.spec))
-    }
-
-    /// [`Self::causal`] for a depthwise conv.
-    fn depthwise(
-        &self, backend: &B, history: &mut ConvHistory<B::Tensor>, x: &B::Tensor, c: &Conv<B::Tensor>,
-    ) -> Result<B::Tensor> {
-        let keep = (c.spec.kernel - 1) * c.spec.dilation;
-        history.run(backend, x, keep, |w| backend.causal_conv1d(w, &c.w, Some(&c.b), c.spec))
+        history.causal(backend, x, c.spec, |w| backend.dense_causal_conv1d(w, &c.w, Some(&c.b), c.spec))
     }
 
     /// A causal transposed conv of the new rows `x`: every output row it makes is
@@ -589,13 +582,14 @@ impl<T> ConvHistory<T> {
         Ok(out)
     }
 
-    /// Runs a causal conv `op` over the next conv's window and returns the rows
-    /// of `x` (the window's leading history rows dropped).
-    fn run<B: Backend<Tensor = T>>(
-        &mut self, backend: &B, x: &T, keep: usize, op: impl FnOnce(&T) -> Result<T>,
+    /// Runs a causal conv `op` of shape `spec` (dense or depthwise) over the next
+    /// conv's window, keeping the `(kernel - 1) * dilation` rows its next outputs
+    /// read, and returns the rows of `x` (the window's leading history rows dropped).
+    fn causal<B: Backend<Tensor = T>>(
+        &mut self, backend: &B, x: &T, spec: Conv1dSpec, op: impl FnOnce(&T) -> Result<T>,
     ) -> Result<T> {
         let rows = backend.shape(x)[0];
-        let out = self.window(backend, x, keep, op)?;
+        let out = self.window(backend, x, (spec.kernel - 1) * spec.dilation, op)?;
         if backend.shape(&out)[0] == rows { Ok(out) } else { last_rows(backend, &out, rows) }
     }
 }
