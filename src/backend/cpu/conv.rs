@@ -26,8 +26,9 @@
 //! These are the CPU backend's ops and the host fallbacks every other backend's
 //! default [`Backend`](crate::backend::Backend) methods call.
 
-use ndarray::{Array2, ArrayView1, ArrayView2, Axis, parallel::prelude::*, s};
+use ndarray::{Array2, ArrayView2, Axis, CowArray, Ix2, parallel::prelude::*};
 
+use super::fast_sin::{SIN_SQUARED_LIMIT, sin_squared};
 use crate::backend::{Conv1dSpec, ConvTranspose1dSpec};
 use crate::error::BackendError;
 use crate::{Error, Result};
@@ -57,8 +58,8 @@ fn axpy(out: &mut [f64], a: f32, w: &[f32]) {
 }
 
 /// A row-major copy whose rows are contiguous slices (no copy when already so).
-fn standard(x: ArrayView2<'_, f32>) -> Array2<f32> {
-    x.as_standard_layout().into_owned()
+fn standard(x: ArrayView2<'_, f32>) -> CowArray<'_, f32, Ix2> {
+    if x.is_standard_layout() { x.into() } else { x.as_standard_layout().into_owned().into() }
 }
 
 /// Rows `0..rows` of `[rows, cols]`, each accumulated by `f(row, acc)` in f64 from
@@ -140,7 +141,7 @@ fn tap_width(
 
 /// `a += b`, element by element (a tap's products into an output row).
 #[inline]
-fn add_row(out: &mut [f32], b: ArrayView1<'_, f32>) {
+fn add_row(out: &mut [f32], b: &[f32]) {
     for (o, &v) in out.iter_mut().zip(b) {
         *o += v;
     }
@@ -160,11 +161,16 @@ pub(crate) fn sum_causal_taps(
     }
     let cout = tap_width(OP, z, kernel, bias)?;
     let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
-    Ok(rows_par(z.nrows(), cout, |t, out| {
+    let (rows, z) = (z.nrows(), standard(z));
+    let Some(z) = z.as_slice() else {
+        return Err(shape_err(OP, "products", "contiguous rows".into(), &[rows, kernel * cout]));
+    };
+    let tap = |row: usize, j: usize| z.get((row * kernel + j) * cout..(row * kernel + j + 1) * cout);
+    Ok(rows_par(rows, cout, |t, out| {
         out.copy_from_slice(&bias);
         for j in 0..kernel {
-            if let Some(src) = t.checked_sub((kernel - 1 - j) * dilation) {
-                add_row(out, z.slice(s![src, j * cout..(j + 1) * cout]));
+            if let Some(src) = t.checked_sub((kernel - 1 - j) * dilation).and_then(|r| tap(r, j)) {
+                add_row(out, src);
             }
         }
     }))
@@ -186,12 +192,17 @@ pub(crate) fn sum_transposed_taps(
     let cout = tap_width(OP, z, kernel, bias)?;
     let bias = bias.map(values).unwrap_or_else(|| vec![0.0; cout]);
     let trim = kernel - stride;
-    Ok(rows_par(conv_transpose1d_len(z.nrows(), spec), cout, |m, out| {
+    let (rows, z) = (z.nrows(), standard(z));
+    let Some(z) = z.as_slice() else {
+        return Err(shape_err(OP, "products", "contiguous rows".into(), &[rows, kernel * cout]));
+    };
+    let tap = |row: usize, j: usize| z.get((row * kernel + j) * cout..(row * kernel + j + 1) * cout);
+    Ok(rows_par(conv_transpose1d_len(rows, spec), cout, |m, out| {
         out.copy_from_slice(&bias);
         for j in 0..kernel {
             let Some(n) = (m + trim).checked_sub(j).filter(|n| n.is_multiple_of(stride)) else { continue };
-            if n / stride < z.nrows() {
-                add_row(out, z.slice(s![n / stride, j * cout..(j + 1) * cout]));
+            if let Some(src) = tap(n / stride, j) {
+                add_row(out, src);
             }
         }
     }))
@@ -273,9 +284,21 @@ pub(crate) fn snake_beta(
     let x = standard(x);
     Ok(rows_par(x.nrows(), x.ncols(), |t, out| {
         if let Some(xr) = x.row(t).to_slice() {
-            for (c, (o, &v)) in out.iter_mut().zip(xr).enumerate() {
-                let s = (v * a[c]).sin();
-                *o = v + inv_b[c] * (s * s);
+            // One SIMD pass; the rare row with an argument beyond the fast sine's range again with libm.
+            let mut beyond = false;
+            for (((o, &v), &a), &inv_b) in out.iter_mut().zip(xr).zip(&a).zip(&inv_b) {
+                let y = v * a;
+                beyond |= y.abs() > SIN_SQUARED_LIMIT;
+                *o = v + inv_b * sin_squared(y);
+            }
+            if beyond {
+                for (((o, &v), &a), &inv_b) in out.iter_mut().zip(xr).zip(&a).zip(&inv_b) {
+                    let y = v * a;
+                    if y.abs() > SIN_SQUARED_LIMIT {
+                        let s = y.sin();
+                        *o = v + inv_b * (s * s);
+                    }
+                }
             }
         }
     }))
@@ -525,6 +548,16 @@ mod tests {
             (v + 1.0 / (b + 1e-9) * (v * a).sin().powi(2)) as f32
         });
         close(&got, &want, 1e-5, "snake_beta");
+        // Arguments far beyond the fast sine's range (channel 1's scale is about 1e6) take libm's.
+        let mut wide = alpha.clone();
+        wide[[0, 1]] = 13.8;
+        let got = snake_beta(x.view(), wide.view(), beta.view()).unwrap();
+        let want = Array2::from_shape_fn((6, 5), |(t, c)| {
+            let y = x[[t, c]] * wide[[0, c]].exp();
+            let s = y.sin() as f64;
+            (x[[t, c]] as f64 + 1.0 / ((beta[[0, c]] as f64).exp() + 1e-9) * s * s) as f32
+        });
+        close(&got, &want, 1e-5, "snake_beta beyond the fast sine");
         assert!(matches!(
             snake_beta(x.view(), alpha.view(), rand_rows(1, 1, 4).view()),
             Err(Error::Backend(BackendError::OpShape { op: "snake_beta", what: "beta", .. }))

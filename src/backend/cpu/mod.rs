@@ -9,6 +9,7 @@ mod check;
 pub mod conv;
 pub(crate) mod dense_attention;
 mod fast_exp;
+mod fast_sin;
 mod lanes;
 mod moe;
 mod packed_weight;
