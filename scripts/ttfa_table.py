@@ -20,7 +20,8 @@ print(
     f"(thinker {s['thinker']['hidden']}x{s['thinker']['layers']}, talker {s['talker']['hidden']}x{s['talker']['layers']} "
     f"with {s['talker']['experts']} experts top-{s['talker']['experts_per_token']}, code2wav "
     f"{s['code2wav_hidden']}x{s['code2wav_layers']} + decoder {s['code2wav_decoder_dim']}, {r['dtype']}); "
-    f"reply {r['max_tokens']} tokens, {r['frames']} frames, first chunk {r['first_chunk']} frames\n"
+    f"reply {r['max_tokens']} tokens, {r['frames']} frames, first chunk {r['first_chunk']} frames; prefill cap "
+    f"{r.get('prefill_cap') or 'off'}\n"
 )
 
 runs = {(x["cache"], x["concurrency"]): x for x in r["runs"]}
@@ -47,10 +48,23 @@ for b in r["breakdown"]:
         f"first token to first chunk {b['first_token_to_audio_ms']:.1f} (talker start, prefill, first frames, code2wav), "
         f"chunk to caller {b['audio_delivery_ms']:.1f}; the audio began {b['audio_before_reply_end_ms']:.1f} ms before the reply's last token."
     )
+print(
+    "\nBy concurrency, caching on, rounds 2-" + str(r["rounds"]) + " (p50 ms; stall: the silence a listener playing each "
+    "chunk as it arrives hears after the first audio):"
+)
+print("| c | TTFT | TTFA | TTFA p99 | stall | stall p99 |")
+print("|---:|---:|---:|---:|---:|---:|")
+for x in r["runs"]:
+    if x["cache"]:
+        l = x["later_rounds"]
+        print(
+            f"| {x['concurrency']} | {l['ttft_ms_p50']:.0f} | {l['ttfa_ms_p50']:.0f} | {l['ttfa_ms_p99']:.0f} "
+            f"| {l.get('stall_ms_p50', float('nan')):.0f} | {l.get('stall_ms_p99', float('nan')):.0f} |"
+        )
 p = r.get("probe")
 if p:
     print(
         f"The talker and code2wav alone ({p['talker_rows']} talker rows): prefill + first frame "
         f"{p['talker_prefill_first_frame_ms']:.1f} ms, {p['talker_frame_ms']:.1f} ms a frame, code2wav's first chunk "
-        f"{p['code2wav_first_chunk_ms']:.1f} ms."
+        f"{p['code2wav_first_chunk_ms']:.1f} ms, then {p.get('code2wav_ms_per_frame', float('nan')):.1f} ms a frame."
     )

@@ -36,7 +36,7 @@ use omniprefix::model::talker::{Talker, TalkerConfig, TalkerInputs};
 use omniprefix::model::{Config, Thinker};
 use omniprefix::prompt::{OmniTokens, TenantSalt};
 use omniprefix::sample::{SamplingParams, TalkerSampling};
-use omniprefix::sched::SchedulerConfig;
+use omniprefix::sched::{PrefillCap, SchedulerConfig};
 use omniprefix::speech::{ChatIds, SpeechOptions, SpeechStage};
 
 /// Qwen3-Omni's chat ids (the root of its `config.json`): the thinker's vocabulary.
@@ -52,6 +52,14 @@ pub const QWEN3_OMNI_CHAT: ChatIds = ChatIds {
 const IM_END: u32 = 151_645;
 const NEWLINE: u32 = 198;
 const SYSTEM: u32 = 8948;
+
+/// The prefill cap `bench ttfa` serves with: 256 tokens, an eighth of the default
+/// step budget, where text serving's default is a 32nd (64). The cap bounds how long
+/// reply tokens wait behind prompts; a spoken reply's token is needed only by its
+/// talker frame (80 ms of audio), and a new turn (here 123 tokens) then prefills in
+/// one step instead of two. Measured back to back on 2 AVX2 cores: c=8's TTFA p50
+/// (rounds 2..) 609 ms at 64 and 318 ms at 256 (`--prefill-cap` reruns either).
+pub const SPEECH_PREFILL_CAP: PrefillCap = PrefillCap::Tokens(256);
 
 /// How big the embedded model is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -83,6 +91,8 @@ pub struct TtfaOptions {
     pub first_chunk: usize,
     pub chunk: usize,
     pub block_size: usize,
+    /// Prefill tokens a step that carries reply tokens may add ([`SPEECH_PREFILL_CAP`] by default).
+    pub prefill_cap: PrefillCap,
     pub kv_dtype: Dtype,
     /// Weight dtype of the three stages (`None`: f32).
     pub dtype: Option<Dtype>,
@@ -105,6 +115,7 @@ impl TtfaOptions {
             first_chunk: if bench { speech.first_chunk } else { 2 },
             chunk: if bench { speech.chunk } else { 2 },
             block_size: omniprefix::kv::DEFAULT_BLOCK_SIZE,
+            prefill_cap: SPEECH_PREFILL_CAP,
             kv_dtype: Dtype::F32,
             dtype: None,
             seed: 0,
@@ -356,6 +367,10 @@ pub struct RoundReport {
     pub reply_end_ms_p50: f64,
     /// To `Event::Finished`, caller side.
     pub total_ms_p50: f64,
+    /// Silence a listener playing each chunk as it arrives hears after the
+    /// first audio (chunks later than the audio before them lasts), per request.
+    pub stall_ms_p50: f64,
+    pub stall_ms_p99: f64,
 }
 
 /// One (cache mode, concurrency) run.
@@ -409,6 +424,8 @@ pub struct StageProbe {
     pub talker_frame_ms: f64,
     /// code2wav's decode of its first chunk (`first_chunk` frames).
     pub code2wav_first_chunk_ms: f64,
+    /// code2wav's one pass over the reply's frames, per frame (the cost every chunk after the first pays).
+    pub code2wav_ms_per_frame: f64,
     /// Talker prefill + frames up to `first_chunk` + the first decode.
     pub first_audio_after_talker_start_ms: f64,
 }
@@ -426,6 +443,8 @@ pub struct TtfaReport {
     pub frames: usize,
     pub first_chunk: usize,
     pub chunk: usize,
+    /// The scheduler's prefill cap in tokens (`None`: uncapped).
+    pub prefill_cap: Option<usize>,
     pub mm_scale: u32,
     pub image_tokens: usize,
     pub audio_tokens: usize,
@@ -455,6 +474,8 @@ struct Sample {
     frames: usize,
     audio_samples: usize,
     ttfa: Duration,
+    /// See [`RoundReport::stall_ms_p50`].
+    stall: Duration,
     timings: Timings,
     total: Duration,
 }
@@ -519,6 +540,8 @@ pub fn run<B: Backend + 'static>(
         frames: o.frames,
         first_chunk: o.first_chunk,
         chunk: o.chunk,
+        prefill_cap: SchedulerConfig { prefill_cap: o.prefill_cap, ..Default::default() }
+            .prefill_cap_tokens(),
         mm_scale: o.mm_scale,
         image_tokens: bench.image_tokens,
         audio_tokens: bench.audio_tokens,
@@ -613,7 +636,12 @@ impl<'a, B: Backend + 'static> Bench<'a, B> {
         // Every conversation in flight twice over, and room for the cache to keep some.
         let num_blocks = (3 * in_flight + 2) * self.longest().div_ceil(o.block_size) + 64;
         let config = EngineConfig {
-            scheduler: SchedulerConfig { block_size: o.block_size, num_blocks, ..Default::default() },
+            scheduler: SchedulerConfig {
+                block_size: o.block_size,
+                num_blocks,
+                prefill_cap: o.prefill_cap,
+                ..Default::default()
+            },
             capture: Some(Vec::new()),
             cache,
             tokens: Some(self.tokens.clone()),
@@ -749,11 +777,13 @@ impl<'a, B: Backend + 'static> Bench<'a, B> {
         let t0 = Instant::now();
         let mut handle = served.submit(request)?;
         let mut first_audio = None;
+        let mut playback = Playback::new(self.configs.code2wav.sample_rate);
         while let Some(event) = handle.recv() {
             match event? {
                 Event::Token(_) => {}
-                Event::Audio(_) => {
+                Event::Audio(audio) => {
                     first_audio.get_or_insert_with(|| t0.elapsed());
+                    playback.arrived(audio.samples.len());
                 }
                 Event::Finished(out) => {
                     let speech = out.speech.as_ref();
@@ -766,6 +796,7 @@ impl<'a, B: Backend + 'static> Bench<'a, B> {
                         frames: speech.map_or(0, |s| s.codes.ncols()),
                         audio_samples: speech.map_or(0, |s| s.audio.len()),
                         ttfa: first_audio.ok_or(HarnessError::NoOutput { what: "a spoken round's audio" })?,
+                        stall: playback.stall,
                         timings: out.timings.clone(),
                         total: t0.elapsed(),
                     };
@@ -825,14 +856,51 @@ impl<'a, B: Backend + 'static> Bench<'a, B> {
         // Once untimed, then timed.
         decode_first()?;
         let c2w = decode_first()?;
+        let all = Array2::from_shape_fn((groups, frames.len()), |(q, t)| i64::from(frames[t][q]));
+        code2wav.forward(&**b, all.view())?; // untimed: the first pass of this size allocates
+        let start = Instant::now();
+        code2wav.forward(&**b, all.view())?;
+        let per_frame = millis(start.elapsed()) / frames.len().max(1) as f64;
         let until_chunk = at.get(o.first_chunk.saturating_sub(1)).copied().unwrap_or(first);
         Ok(StageProbe {
             talker_rows: rows,
             talker_prefill_first_frame_ms: millis(first),
             talker_frame_ms: percentile(&gaps, 50.0),
             code2wav_first_chunk_ms: millis(c2w),
+            code2wav_ms_per_frame: per_frame,
             first_audio_after_talker_start_ms: millis(until_chunk + c2w),
         })
+    }
+}
+
+/// A listener who plays each audio chunk as soon as it arrives: the silence it
+/// hears after the first chunk, when a chunk comes later than the audio before it ends.
+struct Playback {
+    sample_rate: f64,
+    /// When the audio received so far stops playing (none before the first chunk).
+    ends: Option<Instant>,
+    stall: Duration,
+}
+
+impl Playback {
+    fn new(sample_rate: u32) -> Self {
+        Playback { sample_rate: f64::from(sample_rate), ends: None, stall: Duration::ZERO }
+    }
+
+    fn arrived(&mut self, samples: usize) {
+        self.arrived_at(Instant::now(), samples);
+    }
+
+    fn arrived_at(&mut self, now: Instant, samples: usize) {
+        let start = match self.ends {
+            Some(ends) if ends < now => {
+                self.stall += now - ends;
+                now
+            }
+            Some(ends) => ends,
+            None => now,
+        };
+        self.ends = Some(start + Duration::from_secs_f64(samples as f64 / self.sample_rate));
     }
 }
 
@@ -868,6 +936,8 @@ fn round_report<'s>(round: usize, samples: impl Iterator<Item = &'s Sample> + Cl
             50.0,
         ),
         total_ms_p50: percentile(&ms(|s| millis(s.total)), 50.0),
+        stall_ms_p50: percentile(&ms(|s| millis(s.stall)), 50.0),
+        stall_ms_p99: percentile(&ms(|s| millis(s.stall)), 99.0),
     }
 }
 
@@ -901,7 +971,7 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
             if m.cpu_features.is_empty() { "no AVX2".into() } else { m.cpu_features.join(" ") }
         ),
         format!(
-            "model ({:?}, {}): random full Omni; {} rounds, reply {} tokens, {} frames ({} samples), first chunk {} frames; image {} tokens, audio {} tokens",
+            "model ({:?}, {}): random full Omni; {} rounds, reply {} tokens, {} frames ({} samples), first chunk {} frames; image {} tokens, audio {} tokens; prefill cap {}",
             r.size,
             r.dtype,
             r.rounds,
@@ -910,12 +980,13 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
             r.frames * r.shapes.samples_per_frame,
             r.first_chunk,
             r.image_tokens,
-            r.audio_tokens
+            r.audio_tokens,
+            r.prefill_cap.map_or("off".to_string(), |c| format!("{c} tokens"))
         ),
     ];
     out.extend(r.shapes.lines().into_iter().map(|l| format!("  {l}")));
     out.push(format!(
-        "{:<5} {:>2} {:>5} {:>6} {:>6} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:<5} {:>2} {:>5} {:>6} {:>6} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
         "cache",
         "c",
         "round",
@@ -927,13 +998,14 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
         "reply end",
         "ttfa p50",
         "ttfa p99",
-        "eng p50"
+        "eng p50",
+        "stall p50"
     ));
     for run in &r.runs {
         for x in run.rounds.iter().chain([&run.later_rounds]) {
             let round = if x.round == 0 { "2..".to_string() } else { x.round.to_string() };
             out.push(format!(
-                "{:<5} {:>2} {:>5} {:>6} {:>6} {:>7} {:>7} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms",
+                "{:<5} {:>2} {:>5} {:>6} {:>6} {:>7} {:>7} {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms {:>7.1}ms",
                 if run.cache { "on" } else { "off" },
                 run.concurrency,
                 round,
@@ -945,7 +1017,8 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
                 x.reply_end_ms_p50,
                 x.ttfa_ms_p50,
                 x.ttfa_ms_p99,
-                x.engine_ttfa_ms_p50
+                x.engine_ttfa_ms_p50,
+                x.stall_ms_p50
             ));
         }
     }
@@ -973,11 +1046,12 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
     }
     if let Some(p) = &r.probe {
         out.push(format!(
-            "probe (outside the engine, {} talker rows): talker prefill + first frame {:.1} ms, then {:.1} ms/frame; code2wav first chunk {:.1} ms; talker start -> first audio {:.1} ms",
+            "probe (outside the engine, {} talker rows): talker prefill + first frame {:.1} ms, then {:.1} ms/frame; code2wav first chunk {:.1} ms, then {:.1} ms/frame; talker start -> first audio {:.1} ms",
             p.talker_rows,
             p.talker_prefill_first_frame_ms,
             p.talker_frame_ms,
             p.code2wav_first_chunk_ms,
+            p.code2wav_ms_per_frame,
             p.first_audio_after_talker_start_ms
         ));
     }
@@ -985,4 +1059,22 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
         out.push(format!("not exposed by the engine: {n}"));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn playback_counts_the_silence_between_late_chunks() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut p = Playback::new(24_000);
+        p.arrived_at(t0, 2400); // 100 ms of audio, playing until t0 + 100 ms
+        p.arrived_at(t0 + ms(150), 2400); // 50 ms late: plays until 250 ms
+        p.arrived_at(t0 + ms(200), 4800); // early: queued, plays until 450 ms
+        assert_eq!(p.stall, ms(50));
+        p.arrived_at(t0 + ms(500), 240); // 50 ms late again
+        assert_eq!(p.stall, ms(100));
+    }
 }

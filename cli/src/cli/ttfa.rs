@@ -12,6 +12,7 @@ use crate::error::{HarnessError, Result, output};
 use crate::ttfa::{MachineInfo, Size, TtfaOptions, TtfaReport, omni_configs, run as run_ttfa, table};
 use omniprefix::backend::Backend;
 use omniprefix::error::IoError;
+use omniprefix::sched::PrefillCap;
 
 /// Arguments of `omniprefix bench ttfa`.
 #[derive(Debug, Clone, Args)]
@@ -51,6 +52,10 @@ pub struct TtfaArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = omniprefix::kv::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
+    /// Prefill tokens a step that carries reply tokens may add (default 256, see
+    /// `SPEECH_PREFILL_CAP`; text serving's default is 64).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub prefill_cap: Option<u64>,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
     /// Seed of the weights, ids and media.
@@ -76,6 +81,7 @@ impl TtfaArgs {
             first_chunk: self.first_chunk.unwrap_or(d.first_chunk),
             chunk: self.chunk.unwrap_or(d.chunk),
             block_size: self.block_size,
+            prefill_cap: self.prefill_cap.map_or(d.prefill_cap, |n| PrefillCap::Tokens(n as usize)),
             kv_dtype: self.runtime.kv_dtype,
             dtype: self.runtime.dtype.0,
             seed: self.seed,

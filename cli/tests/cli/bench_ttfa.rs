@@ -53,6 +53,7 @@ fn quick_run_reports_ttfa_per_round_cache_on_and_off() -> TestResult {
                 assert!(f(round, key) > 0.0, "{key} in {round}");
             }
             assert!(f(round, "ttfa_ms_p50") <= f(round, "ttfa_ms_p99"), "{round}");
+            assert!((0.0..=f(round, "stall_ms_p99")).contains(&f(round, "stall_ms_p50")), "{round}");
             // The caller hears the audio no sooner than the engine makes it.
             assert!(f(round, "ttfa_ms_p50") >= f(round, "engine_ttfa_ms_p50"), "{round}");
         }
@@ -73,6 +74,7 @@ fn quick_run_reports_ttfa_per_round_cache_on_and_off() -> TestResult {
         assert!(f(&r, key) > 0.0, "{key}");
     }
     assert_eq!(u(&r, "top_c"), 2);
+    assert_eq!(u(&r, "prefill_cap"), 256, "bench ttfa serves with SPEECH_PREFILL_CAP");
     assert_eq!(r["cached_over_uncached_c1_by_round"].as_array().map(Vec::len), Some(2));
     let breakdown = r["breakdown"].as_array().ok_or("breakdown")?;
     assert_eq!(breakdown.len(), 2);
@@ -90,7 +92,9 @@ fn quick_run_reports_ttfa_per_round_cache_on_and_off() -> TestResult {
     }
     let probe = &r["probe"];
     assert!(
-        f(probe, "talker_prefill_first_frame_ms") > 0.0 && f(probe, "code2wav_first_chunk_ms") > 0.0,
+        f(probe, "talker_prefill_first_frame_ms") > 0.0
+            && f(probe, "code2wav_first_chunk_ms") > 0.0
+            && f(probe, "code2wav_ms_per_frame") > 0.0,
         "{probe}"
     );
     assert!(!r["not_exposed"].as_array().ok_or("not_exposed")?.is_empty());
