@@ -175,9 +175,12 @@ impl<B: Backend> Talker<B> {
 
     /// The code predictor's scratch pages: the kept ones, or new ones when another
     /// step holds them.
-    fn take_predictor_pages(&self, backend: &B) -> Result<B::Pages> {
+    fn take_predictor_pages(&self, backend: &B, frames: usize) -> Result<B::Pages> {
         let kept = self.predictor_pages.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
-        kept.map_or_else(|| self.code_predictor.alloc_pages(backend), Ok)
+        match kept {
+            Some(pages) if self.code_predictor.pages_hold(backend, &pages, frames) => Ok(pages),
+            _ => self.code_predictor.alloc_pages(backend, frames),
+        }
     }
 
     /// Keeps the code predictor's scratch pages for the next step.

@@ -25,8 +25,8 @@ use std::sync::Arc;
 
 use ndarray::{Array2, ArrayView2};
 
-use super::Talker;
 use super::generate::{TalkerInputs, TalkerOutput, final_row};
+use super::{Prediction, Talker};
 use crate::backend::Backend;
 use crate::batch::{EmbedRows, RequestId, ScheduledBatch, ScheduledSeq};
 use crate::error::{Component, RunnerError};
@@ -564,12 +564,13 @@ impl<B: Backend> Talker<B> {
         let b = &**backend;
         let suppressed: Vec<u32> = cfg.suppressed_codes().collect();
         let mut outputs = outputs.into_iter();
-        let mut scratch = None;
-        let mut outcomes = Vec::with_capacity(batch.seqs.len());
+        // Each seq's outcome, or what its frame waits for: the step's frames are predicted together.
+        let mut drafts = Vec::with_capacity(batch.seqs.len());
+        let mut frames: Vec<(Array2<f32>, u32, &SamplingParams, Sampler)> = Vec::new();
         for (scheduled, seq) in batch.seqs.iter().zip(seqs) {
             if !scheduled.emits_output {
                 let next = scheduled.num_computed_tokens + scheduled.token_ids.len();
-                outcomes.push(Outcome::Chunk { next });
+                drafts.push(Err(Outcome::Chunk { next }));
                 continue;
             }
             let out = outputs
@@ -582,40 +583,77 @@ impl<B: Backend> Talker<B> {
                     *x = f32::NEG_INFINITY;
                 }
             }
-            let (mut talker_sampler, mut cp_sampler) = (seq.talker_sampler.clone(), seq.cp_sampler.clone());
+            let mut talker_sampler = seq.talker_sampler.clone();
             let code0 = talker_sampler.sample(&logits, &seq.talker_params, &[]);
-            let next = if code0 == cfg.codec_eos_token_id {
-                Next::Done(FinishReason::Stop)
+            let done = if code0 == cfg.codec_eos_token_id {
+                Some(FinishReason::Stop)
             } else if seq.sampled.len() + 1 == seq.max_new_tokens {
-                Next::Done(FinishReason::Length)
+                Some(FinishReason::Length)
             } else {
-                // The frame of code0: the predictor starts from the row that sampled it.
-                let hidden_row = final_row(&out.hidden, cfg.text.hidden_size)?;
-                let past = b.upload(hidden_row.view())?;
-                let code0_embed = self.model.embed(b, &[code0])?;
-                let cp_pages = match &mut scratch {
-                    Some(pages) => pages,
-                    None => scratch.insert(self.take_predictor_pages(b)?),
-                };
-                let pred = self.code_predictor.predict(
-                    b,
-                    &past,
-                    &code0_embed,
-                    cp_pages,
-                    &seq.cp_params,
-                    &mut cp_sampler,
-                )?;
-                let mut frame = Vec::with_capacity(cfg.num_code_groups);
-                frame.push(code0);
-                frame.extend_from_slice(&pred.codes);
-                Next::Frame { frame, past_hidden: hidden_row, embed_sum: b.download(&pred.embed_sum)? }
+                None
             };
-            let samplers = Box::new((talker_sampler, cp_sampler));
-            outcomes.push(Outcome::Sampled { code0, samplers, next });
+            match done {
+                Some(reason) => {
+                    let samplers = Box::new((talker_sampler, seq.cp_sampler.clone()));
+                    drafts.push(Err(Outcome::Sampled { code0, samplers, next: Next::Done(reason) }));
+                }
+                None => {
+                    // The frame of code0: the predictor starts from the row that sampled it.
+                    let hidden_row = final_row(&out.hidden, cfg.text.hidden_size)?;
+                    frames.push((hidden_row, code0, &seq.cp_params, seq.cp_sampler.clone()));
+                    drafts.push(Ok(talker_sampler));
+                }
+            }
         }
-        if let Some(pages) = scratch {
-            self.put_predictor_pages(pages);
+        let mut predicted = self.predict_frames(b, &frames)?.into_iter();
+        let mut frames = frames.into_iter();
+        let mut outcomes = Vec::with_capacity(drafts.len());
+        for draft in drafts {
+            let talker_sampler = match draft {
+                Err(outcome) => {
+                    outcomes.push(outcome);
+                    continue;
+                }
+                Ok(sampler) => sampler,
+            };
+            let (Some((hidden_row, code0, ..)), Some((pred, cp_sampler))) = (frames.next(), predicted.next())
+            else {
+                return Err(Component::Runner.violation("the code predictor returned too few frames").into());
+            };
+            let mut frame = Vec::with_capacity(cfg.num_code_groups);
+            frame.push(code0);
+            frame.extend_from_slice(&pred.codes);
+            let next = Next::Frame { frame, past_hidden: hidden_row, embed_sum: pred.embed_sum };
+            outcomes.push(Outcome::Sampled { code0, samplers: Box::new((talker_sampler, cp_sampler)), next });
         }
         Ok(outcomes)
+    }
+
+    /// The frames of one step, `(talker hidden row, code0, predictor params, predictor
+    /// sampler)` each, in one predictor forward per group: each frame's prediction and
+    /// its sampler moved on.
+    fn predict_frames(
+        &self, b: &B, frames: &[(Array2<f32>, u32, &SamplingParams, Sampler)],
+    ) -> Result<Vec<(Prediction, Sampler)>> {
+        if frames.is_empty() {
+            return Ok(Vec::new());
+        }
+        let hidden = self.config.text.hidden_size;
+        let past = Array2::from_shape_fn((frames.len(), hidden), |(f, c)| frames[f].0[[0, c]]);
+        let code0s: Vec<u32> = frames.iter().map(|f| f.1).collect();
+        let code0_embed = b.download(&self.model.embed(b, &code0s)?)?;
+        let params: Vec<&SamplingParams> = frames.iter().map(|f| f.2).collect();
+        let mut samplers: Vec<Sampler> = frames.iter().map(|f| f.3.clone()).collect();
+        let mut pages = self.take_predictor_pages(b, frames.len())?;
+        let predicted = self.code_predictor.predict(
+            b,
+            past.view(),
+            code0_embed.view(),
+            &mut pages,
+            &params,
+            &mut samplers,
+        );
+        self.put_predictor_pages(pages);
+        Ok(predicted?.into_iter().zip(samplers).collect())
     }
 }
