@@ -172,3 +172,55 @@ fn forget(pending: &Pending, hash: u64, payload: &Arc<[u8]>) {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+
+    use super::*;
+    use crate::tier::file::tests::identity;
+    use crate::tier::store::tests::{Scratch, payload_of};
+
+    #[test]
+    fn a_full_queue_drops_and_counts_queued_blocks_are_readable_at_once() {
+        let dir = Scratch::new("writer-drops");
+        let id = identity(1, 2);
+        let store = TierStore::open(&dir.0, 64 * id.layout.file_bytes(), id).unwrap();
+        // Another holder of the directory lock (as another process would be) stalls the writer.
+        let other = File::options().read(true).write(true).open(dir.0.join(".lock")).unwrap();
+        other.lock().unwrap();
+        let writer = TierWriter::start(store, 2).unwrap();
+        let accepted: Vec<u64> = (0..10).filter(|&h| writer.submit(h, payload_of(&id, h).into())).collect();
+        // One block in the stalled writer's hands, two queued: the rest dropped.
+        assert!(accepted.len() <= 3, "{accepted:?}");
+        assert_eq!(writer.stats().write_drops, 10 - accepted.len() as u64);
+        for &h in &accepted {
+            let got = writer.get(h).expect("a queued block is readable at once");
+            assert!(matches!(got, Loaded::Queued(_)));
+            assert_eq!(got.payload(), &payload_of(&id, h)[..]);
+            assert!(writer.contains(h));
+        }
+        other.unlock().unwrap();
+        writer.flush();
+        assert_eq!(writer.stats().written, accepted.len() as u64);
+        for &h in &accepted {
+            assert!(matches!(writer.get(h), Some(Loaded::File(_))));
+        }
+    }
+
+    #[test]
+    fn dropping_the_writer_writes_what_is_queued() {
+        let dir = Scratch::new("writer-drop");
+        let id = identity(1, 2);
+        let bound = 64 * id.layout.file_bytes();
+        let writer = TierWriter::start(TierStore::open(&dir.0, bound, id).unwrap(), 32).unwrap();
+        for h in 0..20 {
+            assert!(writer.submit(h, payload_of(&id, h).into()));
+        }
+        drop(writer);
+        let store = TierStore::open(&dir.0, bound, id).unwrap();
+        for h in 0..20 {
+            assert_eq!(store.get(h).unwrap().payload(), &payload_of(&id, h)[..]);
+        }
+    }
+}
