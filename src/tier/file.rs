@@ -85,6 +85,20 @@ impl BlockLayout {
         kv * self.kv_dtype.size_bytes() + self.captured as usize * bs * self.hidden as usize * 4
     }
 
+    /// The layout of one block of pages allocated as `spec`.
+    pub fn of(spec: &crate::backend::PagesSpec) -> Self {
+        let word = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        BlockLayout {
+            block_size: word(spec.block_size),
+            layers: word(spec.num_layers),
+            kv_heads: word(spec.kv_heads),
+            head_dim: word(spec.head_dim),
+            kv_dtype: spec.kv_dtype,
+            captured: word(spec.captured),
+            hidden: word(spec.hidden),
+        }
+    }
+
     /// Bytes of one block's file: its header and payload (what the bound counts).
     pub fn file_bytes(&self) -> u64 {
         (HEADER_BYTES + self.payload_bytes()) as u64
