@@ -75,7 +75,8 @@ pub struct EngineConfig {
     /// another worker of this host, or this engine after a restart reuses them.
     /// `None` (default) = no tier. Created 0700 if absent; one that is a file,
     /// cannot be written or is group- or world-writable is a `ConfigError` on
-    /// field `tier_dir`, as is a tier on a backend whose pages it cannot reach.
+    /// field `tier_dir`, as is a tier on a backend whose pages it cannot reach
+    /// (only the CPU backend's for now) or with `cache` off.
     ///
     /// Files are found again only under the same `fingerprint_key`: an engine
     /// keeps the key it is given (a fresh random one by default, so its files

@@ -51,6 +51,16 @@ pub(super) fn precheck<B: Backend>(config: &EngineConfig, backend: &B) -> Result
     if !backend.tier_capable() {
         return Err(no_tier(backend.name()));
     }
+    if !config.cache {
+        // With caching off every request is its own tenant: nothing written could be hit.
+        return Err(crate::error::ConfigError::Invalid {
+            component: "engine",
+            field: "tier_dir",
+            expected: "none with caching off".into(),
+            found: "a tier".into(),
+        }
+        .into());
+    }
     if config.tier_bytes == 0 {
         return Err(crate::error::ConfigError::Invalid {
             component: "engine",
@@ -264,5 +274,6 @@ mod tests {
         let file = dir.0.join("file");
         std::fs::write(&file, b"x").unwrap();
         assert_eq!(field(config(Some(file))), "tier_dir");
+        assert_eq!(field(EngineConfig { cache: false, ..config(Some(dir.0.join("t"))) }), "tier_dir");
     }
 }
