@@ -19,7 +19,7 @@ use omniprefix::sample::SamplingParams;
 use omniprefix::sched::SchedulerConfig;
 use omniprefix::tier::BlockLayout;
 use proptest::prelude::*;
-use proptest::test_runner::Config as PtConfig;
+use proptest::test_runner::{Config as PtConfig, FileFailurePersistence};
 
 fn cases() -> u32 {
     std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(12)
@@ -118,6 +118,10 @@ fn block_files(dir: &Path) -> Vec<(PathBuf, u64)> {
 
 fn corrupt(path: &Path, kind: u8, other: Option<&Path>) {
     let Ok(mut bytes) = std::fs::read(path) else { return };
+    if bytes.len() < 12 {
+        // Already damaged past its header by an earlier op: nothing more to break.
+        return;
+    }
     match kind {
         0 => {
             let at = bytes.len() / 2;
@@ -197,7 +201,12 @@ fn run_case(case: &Case, dir: &Path) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(PtConfig { cases: cases(), ..PtConfig::default() })]
+    // Failures persist beside this file, as the other suites' do.
+    #![proptest_config(PtConfig {
+        cases: cases(),
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..PtConfig::default()
+    })]
 
     #[test]
     fn the_tier_is_invisible_through_evictions_restarts_and_corruption(case in case()) {
