@@ -160,23 +160,7 @@ mod tests {
     use crate::model::Config;
     use crate::sample::SamplingParams;
     use crate::sched::SchedulerConfig;
-
-    struct Scratch(PathBuf);
-
-    impl Scratch {
-        fn new(name: &str) -> Self {
-            let path =
-                std::env::temp_dir().join(format!("omniprefix-engine-tier-{name}-{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&path);
-            Scratch(path)
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
+    use crate::tier::scratch::Scratch;
 
     fn model() -> Config {
         Config::tiny_qwen3(32, 2, 4, 2, 600)

@@ -156,7 +156,7 @@ pub fn key_fingerprint(key: &crate::canon::FingerprintKey) -> [u8; 16] {
 pub enum Rejected {
     /// Shorter than its header says, or not a tier file at all.
     Truncated,
-    /// The first bytes are not [`MAGIC`].
+    /// The first bytes are not the tier's magic (`OPXTIER\0`).
     NotATierFile,
     /// Written by another format version.
     Version { found: u32 },

@@ -69,7 +69,7 @@ pub fn tier_key(dir: &Path) -> Result<FingerprintKey> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tier::store::tests::Scratch;
+    use crate::tier::scratch::Scratch;
     use std::os::unix::fs::PermissionsExt;
 
     #[test]

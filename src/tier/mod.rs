@@ -19,6 +19,9 @@ mod key_file;
 mod store;
 mod writer;
 
+#[cfg(test)]
+pub(crate) mod scratch;
+
 pub use file::{BlockLayout, FORMAT_VERSION, Identity, ModelId, Rejected, key_fingerprint};
 pub use key_file::{KEY_FILE, tier_key};
 pub use store::{Put, TierBlock, TierStats, TierStore};

@@ -179,7 +179,8 @@ mod tests {
 
     use super::*;
     use crate::tier::file::tests::identity;
-    use crate::tier::store::tests::{Scratch, payload_of};
+    use crate::tier::scratch::Scratch;
+    use crate::tier::store::tests::payload_of;
 
     #[test]
     fn a_full_queue_drops_and_counts_queued_blocks_are_readable_at_once() {

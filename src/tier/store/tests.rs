@@ -4,26 +4,7 @@ use std::process::Command;
 use super::*;
 use crate::tier::file::tests::identity;
 use crate::tier::file::{FORMAT_VERSION, encode};
-
-/// A fresh directory under the system temp dir (removed on drop).
-pub(crate) struct Scratch(pub(crate) PathBuf);
-
-impl Scratch {
-    pub(crate) fn new(name: &str) -> Self {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("omniprefix-tier-{name}-{}-{n}", std::process::id()));
-        let _ = fs::remove_dir_all(&path);
-        Scratch(path)
-    }
-}
-
-static NEXT: AtomicU64 = AtomicU64::new(0);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
+use crate::tier::scratch::Scratch;
 
 /// A payload that says which block it is, so a wrong hit is visible.
 pub(crate) fn payload_of(id: &Identity, hash: u64) -> Vec<u8> {
