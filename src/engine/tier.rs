@@ -245,6 +245,19 @@ mod tests {
     }
 
     #[test]
+    fn a_served_engine_spills_to_the_tier_when_it_stops() {
+        let dir = Scratch::new("served");
+        let engine = Engine::random(model(), 5, config(Some(dir.0.clone()))).unwrap();
+        let served = engine.serve(crate::engine::ServedOptions::default()).unwrap();
+        served.submit(request(0)).unwrap().wait().unwrap();
+        drop(served); // the serving thread drops the engine: spill and flush
+        let mut restarted = Engine::random(model(), 5, config(Some(dir.0.clone()))).unwrap();
+        let out = restarted.run(request(0)).unwrap();
+        assert_eq!(out.num_cached_tokens, 19);
+        assert_same(&out, &cache_off(0));
+    }
+
+    #[test]
     fn bad_tier_settings_are_config_errors_naming_the_field() {
         let dir = Scratch::new("bad");
         let field = |config: EngineConfig| match Engine::random(model(), 5, config) {
