@@ -226,6 +226,34 @@ mod tests {
     }
 
     #[test]
+    fn files_that_fail_their_check_after_the_lookup_are_computed_instead() {
+        let dir = Scratch::new("late-corrupt");
+        let mut engine = Engine::random(model(), 5, config(Some(dir.0.clone()))).unwrap();
+        engine.run(request(0)).unwrap();
+        engine.flush_tier().unwrap();
+        // Every file is found by name (the lookup), then fails its checksum (the read).
+        let files: Vec<PathBuf> = std::fs::read_dir(&dir.0)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "blk"))
+            .collect();
+        assert!(files.len() >= 5);
+        for path in &files {
+            let mut bytes = std::fs::read(path).unwrap();
+            let last = bytes.len() - 1;
+            bytes[last] ^= 1;
+            std::fs::write(path, bytes).unwrap();
+        }
+        let out = engine.run(request(0)).unwrap();
+        assert_eq!(out.num_cached_tokens, 0);
+        assert_same(&out, &cache_off(0));
+        let stats = engine.tier_stats().unwrap();
+        assert_eq!((stats.hit_tokens, stats.files.errors), (0, 1), "the first bad file ends the run");
+        engine.validate().unwrap();
+    }
+
+    #[test]
     fn a_restart_on_the_same_directory_and_key_hits_the_tier() {
         let dir = Scratch::new("restart");
         let mut engine = Engine::random(model(), 5, config(Some(dir.0.clone()))).unwrap();

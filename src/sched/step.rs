@@ -98,16 +98,17 @@ impl Scheduler {
         let mut computed = if self.config.token_granular_reuse { usable } else { usable / bs * bs };
         // Index-owned blocks the request starts on; past them, blocks read from the tier.
         let mut shared = computed / bs;
-        let mut loads = self.tier_run(id, m.aligned_tokens / bs, len);
-        if !loads.is_empty() {
+        // Only looked up here (no read): a request that cannot start yet reads nothing.
+        let mut planned = self.tier_probe(id, m.aligned_tokens / bs, len);
+        if !planned.is_empty() {
             shared = m.aligned_tokens / bs;
-            computed = ((shared + loads.len()) * bs).min(len - 1);
+            computed = ((shared + planned.len()) * bs).min(len - 1);
         }
         if !long.admit(len - computed, decodes) {
             return Ok(false);
         }
         // Pin before evicting so eviction cannot take what was just matched.
-        let pinned = if loads.is_empty() { computed } else { shared * bs };
+        let pinned = if planned.is_empty() { computed } else { shared * bs };
         let mut lock = (pinned > 0).then(|| pinned_part(m, pinned, bs));
         if let Some(m) = &lock {
             self.index.lock(m);
@@ -130,15 +131,23 @@ impl Scheduler {
             }
             computed = 0;
             shared = 0;
-            loads.clear();
+            planned.clear();
             whole_prompt = true;
             // Alone in the step, so the long slot is free: take it if the whole prompt is long.
             long.admit(len, decodes);
         };
-        let chunk = (len - computed).min(budget);
+        // The blocks are the request's now: read them (a file that vanished or fails its
+        // check since the lookup ends the run; those positions are computed instead, in
+        // the blocks already reserved for them).
+        let loads = self.tier_read(&planned);
+        if loads.len() < planned.len() {
+            computed = (shared + loads.len()) * bs;
+        }
+        let reserved_end = (shared + fresh.len()) * bs;
+        let chunk = (len - computed).min(budget).min(reserved_end - computed);
         let copy_src = lock
             .as_ref()
-            .filter(|_| computed % bs != 0 && loads.is_empty())
+            .filter(|_| computed % bs != 0 && planned.is_empty())
             .and_then(|m| m.blocks.get(shared).copied());
         self.tier_loaded(&fresh, loads, len - shared * bs);
         if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {

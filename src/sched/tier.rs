@@ -102,12 +102,13 @@ impl super::Scheduler {
         self.tier.as_ref().map(|t| &t.writer)
     }
 
-    /// The blocks of request `id`'s prompt from block `from` on that the tier
-    /// holds, read now (full blocks of the prompt only, up to the first miss).
-    pub(super) fn tier_run(&mut self, id: RequestId, from: usize, len: usize) -> Vec<Loaded> {
+    /// The hashes of request `id`'s prompt blocks from block `from` on that the
+    /// tier holds (full blocks of the prompt only, up to the first it lacks): a
+    /// lookup by name, nothing read.
+    pub(super) fn tier_probe(&mut self, id: RequestId, from: usize, len: usize) -> Vec<u64> {
         let bs = self.config.block_size;
         let (Some(tier), Some(log), Some(t)) =
-            (self.tier.as_mut(), self.events.as_ref(), self.requests.get_mut(&id))
+            (self.tier.as_ref(), self.events.as_ref(), self.requests.get_mut(&id))
         else {
             return Vec::new();
         };
@@ -116,7 +117,12 @@ impl super::Scheduler {
             return Vec::new();
         }
         log.hasher().extend(&t.req.prompt, bs, full, &mut t.block_hashes);
-        tier.read_run(&t.block_hashes[from..full])
+        t.block_hashes[from..full].iter().copied().take_while(|&h| tier.writer.contains(h)).collect()
+    }
+
+    /// The blocks of `hashes` read and checked, up to the first that fails.
+    pub(super) fn tier_read(&mut self, hashes: &[u64]) -> Vec<Loaded> {
+        self.tier.as_mut().map(|tier| tier.read_run(hashes)).unwrap_or_default()
     }
 
     /// Lists `loads` into the first of `fresh` and counts a tier query of `asked` tokens.
