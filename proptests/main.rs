@@ -18,3 +18,4 @@ mod sched_state_machine;
 mod served_threads;
 mod speech_cache;
 mod talker_cache;
+mod tier_invisible;

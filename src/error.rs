@@ -520,6 +520,8 @@ pub enum Component {
     /// Stored weights and K/V pages, whose [`crate::Dtype`] was checked to be a
     /// float type where it was given.
     Storage,
+    /// [`crate::tier::TierStore`]: a block handed to it has its layout's size.
+    Tier,
 }
 
 impl Component {
@@ -540,6 +542,7 @@ impl fmt::Display for Component {
             Component::Runner => f.write_str("model runner"),
             Component::Engine => f.write_str("engine"),
             Component::Storage => f.write_str("weight and page storage"),
+            Component::Tier => f.write_str("disk tier"),
         }
     }
 }

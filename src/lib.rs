@@ -56,6 +56,7 @@ pub mod runner;
 pub mod sample;
 pub mod sched;
 pub mod speech;
+pub mod tier;
 
 pub use dtype::{Dtype, UnknownDtype};
 pub use engine::{

@@ -143,6 +143,16 @@ impl FloatVec {
             FloatVec::F16(e) => e.copy_within(src, dst),
         }
     }
+
+    /// Elements `range` as their stored bytes, to be overwritten in place (the
+    /// disk tier restores a block's pages so; host byte order, as [`FloatSlice::as_bytes`]).
+    pub fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+        match self {
+            FloatVec::F32(e) => bytemuck::cast_slice_mut(&mut e[range]),
+            FloatVec::Bf16(e) => bytemuck::cast_slice_mut(&mut e[range]),
+            FloatVec::F16(e) => bytemuck::cast_slice_mut(&mut e[range]),
+        }
+    }
 }
 
 impl<'a> FloatSlice<'a> {
@@ -173,6 +183,16 @@ impl<'a> FloatSlice<'a> {
             FloatSlice::F32(e) => FloatSlice::F32(&e[range]),
             FloatSlice::Bf16(e) => FloatSlice::Bf16(&e[range]),
             FloatSlice::F16(e) => FloatSlice::F16(&e[range]),
+        }
+    }
+
+    /// The elements as their stored bytes, in host byte order: what the disk
+    /// tier writes (a tier is shared by the processes of one host only).
+    pub fn as_bytes(self) -> &'a [u8] {
+        match self {
+            FloatSlice::F32(e) => bytemuck::cast_slice(e),
+            FloatSlice::Bf16(e) => bytemuck::cast_slice(e),
+            FloatSlice::F16(e) => bytemuck::cast_slice(e),
         }
     }
 

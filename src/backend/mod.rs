@@ -519,6 +519,38 @@ pub trait Backend: Send + Sync {
     /// Copies whole blocks `src → dst` (every layer's K and V and all hidden pages), in
     /// order; used for copy-on-write before a step runs.
     fn copy_blocks(&self, pages: &mut Self::Pages, copies: &[(BlockId, BlockId)]) -> Result<()>;
+
+    /// Whether the disk tier can read and write this backend's pages
+    /// ([`Backend::export_block`], [`Backend::import_block`]). An engine given a
+    /// `tier_dir` on a backend without them is refused when it is built.
+    fn tier_capable(&self) -> bool {
+        false
+    }
+
+    /// Appends block `block`'s K and V of every layer (layer by layer, K then V),
+    /// then its hidden rows, to `out` as stored bytes: the disk tier's payload.
+    /// A backend that is not [`tier_capable`](Backend::tier_capable) refuses.
+    fn export_block(&self, pages: &Self::Pages, block: BlockId, out: &mut Vec<u8>) -> Result<()> {
+        let _ = (pages, block, out);
+        Err(no_tier(self.name()))
+    }
+
+    /// Writes `bytes`, as [`Backend::export_block`] made them, into block `block`.
+    fn import_block(&self, pages: &mut Self::Pages, block: BlockId, bytes: &[u8]) -> Result<()> {
+        let _ = (pages, block, bytes);
+        Err(no_tier(self.name()))
+    }
+}
+
+/// A disk tier asked of a backend whose pages it cannot reach.
+pub(crate) fn no_tier(backend: &str) -> crate::Error {
+    crate::error::ConfigError::Invalid {
+        component: "engine",
+        field: "tier_dir",
+        expected: "none on this backend (the disk tier reads and writes the cpu backend's pages)".into(),
+        found: format!("a tier on the {backend} backend"),
+    }
+    .into()
 }
 
 /// A [`BackendError::OpShape`](crate::error::BackendError::OpShape) unless `found == expected`.

@@ -1,5 +1,7 @@
 //! What an [`Engine`](super::Engine) is sized by, and what it counts.
 
+use std::path::PathBuf;
+
 use crate::backend::Dtype;
 use crate::canon::FingerprintKey;
 use crate::error::{ConfigError, Result};
@@ -8,6 +10,9 @@ use crate::index::ValidationPolicy;
 use crate::model::CaptureName;
 use crate::prompt::{OmniTokens, TenantSalt};
 use crate::sched::{SchedulerConfig, SchedulerStats, TalkerCacheConfig, TalkerCacheStats};
+
+/// The default bound of a disk tier (`EngineConfig::tier_bytes`): 8 GiB.
+pub const DEFAULT_TIER_BYTES: u64 = 8 << 30;
 
 /// Which prefix index the engine's scheduler matches with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -65,6 +70,23 @@ pub struct EngineConfig {
     /// The talker's KV pool and prefix cache (1024 blocks of 16 rows): a
     /// speaking request needs its talker prompt plus `max_new_tokens - 1` rows.
     pub talker_cache: TalkerCacheConfig,
+    /// The disk tier's directory: blocks the prefix index evicts are kept there
+    /// (KV pages and captured rows, checked on every read), so a later request,
+    /// another worker of this host, or this engine after a restart reuses them.
+    /// `None` (default) = no tier. Created 0700 if absent; one that is a file,
+    /// cannot be written or is group- or world-writable is a `ConfigError` on
+    /// field `tier_dir`, as is a tier on a backend whose pages it cannot reach
+    /// (only the CPU backend's for now) or with `cache` off.
+    ///
+    /// Files are found again only under the same `fingerprint_key`: an engine
+    /// keeps the key it is given (a fresh random one by default, so its files
+    /// outlive eviction but not a restart). A caller with no fleet key takes
+    /// [`tier_key`](crate::tier::tier_key), the key kept in the directory (the
+    /// CLI does so when `--tier-dir` comes without `--fingerprint-key`).
+    pub tier_dir: Option<PathBuf>,
+    /// The tier's bound in apparent bytes of its files (default 8 GiB); below one
+    /// block's file (or 0) is a `ConfigError` on field `tier_bytes`.
+    pub tier_bytes: u64,
 }
 
 impl EngineConfig {
@@ -103,6 +125,8 @@ impl Default for EngineConfig {
             kv_events: None,
             speech: true,
             talker_cache: TalkerCacheConfig { num_blocks: 1024, block_size: crate::kv::DEFAULT_BLOCK_SIZE },
+            tier_dir: None,
+            tier_bytes: DEFAULT_TIER_BYTES,
         }
     }
 }
@@ -125,4 +149,7 @@ pub struct EngineStats {
     /// serialized stats otherwise, so a thinker-only engine's keys stay as they were).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub talker: Option<TalkerCacheStats>,
+    /// The disk tier's counters, when the engine has one (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<super::TierEngineStats>,
 }

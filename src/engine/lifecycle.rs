@@ -207,6 +207,10 @@ impl<B: Backend> Engine<B> {
         if batch.seqs.is_empty() {
             return Err(crate::sched::stalled(self.pending.len()).into());
         }
+        if let Err(e) = self.run_tier_work() {
+            self.abort_batch(&batch);
+            return Err(e);
+        }
         let t1 = Instant::now();
         let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages) {
             Ok(outputs) => outputs,

@@ -71,6 +71,8 @@ pub(super) struct Reading<'a> {
     pub(super) num_blocks: usize,
     /// KV events the publisher dropped (`None`: no publisher).
     pub(super) kv_events_dropped: Option<u64>,
+    /// The disk tier's load latencies (`None`: no tier; its counters are in `stats`).
+    pub(super) tier_load_seconds: Option<&'a Histogram>,
 }
 
 /// The metrics as Prometheus text (OpenMetrics, ending in `# EOF`).
@@ -129,6 +131,39 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
             "talker_prefix_cache_hits",
             "Talker prompt rows whose KV came from the talker's prefix cache",
             ConstCounter::new(t.hit_rows),
+        );
+    }
+    if let (Some(t), Some(loads)) = (&r.stats.tier, r.tier_load_seconds) {
+        registry.register(
+            "tier_hits",
+            "Prompt tokens whose KV and rows were loaded from the disk tier",
+            ConstCounter::new(t.hit_tokens),
+        );
+        registry.register(
+            "tier_misses",
+            "Prompt tokens past the pool's match that the disk tier did not hold",
+            ConstCounter::new(t.query_tokens - t.hit_tokens),
+        );
+        registry.register(
+            "tier_errors",
+            "Tier files that failed a check (deleted) or could not be read or written",
+            ConstCounter::new(t.files.errors),
+        );
+        registry.register(
+            "tier_write_drops",
+            "Evicted blocks not written to the tier because its write queue was full",
+            ConstCounter::new(t.files.write_drops),
+        );
+        registry.register(
+            "tier_bytes",
+            "Apparent bytes of the tier directory's block files",
+            ConstGauge::new(t.files.bytes as i64),
+        );
+        registry.register_with_unit(
+            "tier_load",
+            "Reading and checking one block from the tier",
+            Unit::Seconds,
+            loads.clone(),
         );
     }
     registry.register_with_unit(

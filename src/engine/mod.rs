@@ -32,6 +32,7 @@ mod request;
 mod served;
 mod step_loop;
 mod talk;
+mod tier;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -44,7 +45,9 @@ use crate::backend::{Backend, Dtype};
 use crate::batch::{ModelShape, RequestId};
 use crate::canon::Fingerprinter;
 use crate::error::{ConfigError, InvariantViolation, Result};
+use crate::events::Medium;
 use crate::index::PrefixIndex;
+use crate::index::block_hash::FleetHasher;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
 use crate::model::{CaptureSpec, Config, EncoderCache, Thinker};
@@ -65,6 +68,7 @@ pub use prepare::{Prepared, SharedEncoder};
 pub use request::{Encoder, EncoderOutput, ItemInput, PlaceholderForm, Request, Task};
 pub use served::{ServedEngine, ServedOptions};
 pub use step_loop::FAULT_STEP_PANIC_ENV;
+pub use tier::TierEngineStats;
 
 /// A thinker stage with prefix caching: the synchronous core. Prepare and
 /// submit requests, step, read events; or [`run`](Engine::run) one request to
@@ -109,6 +113,8 @@ pub struct Engine<B: Backend = CpuBackend> {
     latencies: metrics::Latencies,
     /// The talker stage, when the checkpoint has a talker and speech is on.
     talkers: Option<talk::Talkers<B>>,
+    /// The disk tier under the pool (`config.tier_dir`).
+    tier: Option<tier::EngineTier>,
 }
 
 impl Engine<CpuBackend> {
@@ -122,6 +128,7 @@ impl Engine<CpuBackend> {
     pub fn random(model: Config, seed: u64, config: EngineConfig) -> Result<Self> {
         config.check_dtypes()?;
         let backend = Arc::new(CpuBackend::new());
+        tier::precheck(&config, &*backend)?;
         let thinker = Arc::new(Thinker::random_as(&*backend, model, seed, config.dtype)?);
         Self::new(backend, thinker, config)
     }
@@ -131,6 +138,8 @@ impl<B: Backend> Engine<B> {
     /// An engine on `backend` over the checkpoint in `dir`.
     pub fn from_dir_on(backend: Arc<B>, dir: &Path, mut config: EngineConfig) -> Result<Self> {
         config.check_dtypes()?;
+        // Before the weights load: a tier this backend cannot use is refused at once.
+        tier::precheck(&config, &*backend)?;
         if config.tokens.is_none() {
             config.tokens = tokens_from_config_file(&dir.join("config.json"))?;
         }
@@ -195,6 +204,17 @@ impl<B: Backend> Engine<B> {
         let sched = Scheduler::new(config.scheduler, index)?.with_checks(Arc::clone(&checks));
         let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(config.kv_dtype);
         let pages = runner.alloc_pages(config.scheduler.num_blocks, config.scheduler.block_size)?;
+        let spec = runner.backend().pages_spec(&pages);
+        let tier =
+            tier::open(&config, runner.backend(), runner.thinker().identity(), runner.capture(), &spec)?;
+        let sched = match &tier {
+            Some(t) => sched.with_tier(
+                Arc::clone(&t.writer),
+                FleetHasher::new(&config.fingerprint_key),
+                Medium::of_backend(runner.backend().name()),
+            ),
+            None => sched,
+        };
         // Last, so a failure above does not wait out a publisher's linger.
         let (sched, publisher) = kv_events::start(sched, &config, runner.backend().name())?;
         let tokens = config.tokens.clone().unwrap_or_else(OmniTokens::qwen3_omni);
@@ -230,6 +250,7 @@ impl<B: Backend> Engine<B> {
             publisher,
             latencies: metrics::Latencies::default(),
             talkers,
+            tier,
         })
     }
 
@@ -288,6 +309,7 @@ impl<B: Backend> Engine<B> {
             encoder_calls: self.preparer.encoder_calls(),
             finished: self.finished,
             talker: self.talkers.as_ref().map(talk::Talkers::cache_stats),
+            tier: self.tier_stats(),
         }
     }
 
@@ -317,6 +339,7 @@ impl<B: Backend> Engine<B> {
             stats: &stats,
             num_blocks: self.config.scheduler.num_blocks,
             kv_events_dropped,
+            tier_load_seconds: self.tier.as_ref().map(|t| &t.load_seconds),
         };
         metrics::render(&self.latencies, reading)
     }

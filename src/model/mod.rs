@@ -8,6 +8,8 @@ pub mod code2wav;
 pub mod config;
 /// Encoder outputs cached by item fingerprint.
 pub mod encoder_cache;
+/// The digest of a loaded model that the disk tier's files carry.
+mod identity;
 /// The Qwen3-Omni talker: codec codes from the thinker's rows.
 pub mod talker;
 /// The decoder layers over a [`crate::backend::Backend`].

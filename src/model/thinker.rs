@@ -13,7 +13,9 @@ use crate::backend::weight::unsupported_dtype;
 use crate::backend::{AttnHeads, AttnSeq, Backend, Dtype, HostWeight, MoeWeights, RopePositions, RopeSpec};
 use crate::error::{BackendError, CheckpointError};
 use crate::model::config::Config;
+use crate::model::identity::Recording;
 use crate::model::weights::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
+use crate::tier::ModelId;
 
 /// Attention weights of one layer, on the device: matrices `W`, vectors `T`.
 struct Attention<T, W> {
@@ -76,6 +78,8 @@ pub struct Thinker<B: Backend> {
     rope: RopeSpec,
     dtype: Dtype,
     weight_bytes: usize,
+    /// A digest of the weights read (names, shapes, dtypes, each one's first bytes) and the config.
+    identity: ModelId,
     embed: B::Weight,
     layers: Vec<Layer<B::Tensor, B::Weight>>,
     norm: B::Tensor,
@@ -230,6 +234,8 @@ impl<B: Backend> Thinker<B> {
         backend: &B, config: Config, source: &dyn WeightSource, dtype: Option<Dtype>, names: &WeightNames,
     ) -> Result<Self> {
         config.validate()?;
+        let recording = Recording::new(source);
+        let source: &dyn WeightSource = &recording;
         let root = Weights::root(source, &names.model);
         let dtype = resolve_dtype(backend, &root.pp(&names.embed), dtype)?;
         let c = &config;
@@ -324,11 +330,13 @@ impl<B: Backend> Thinker<B> {
         } else {
             Some(matrix(&Weights::root(source, &names.head), c.vocab_size, h)?)
         };
+        let identity = recording.identity(&[format!("{config:?}").as_bytes(), dtype.name().as_bytes()]);
         Ok(Self {
             rope: config.rope_spec(),
             config,
             dtype,
             weight_bytes: weight_bytes.get(),
+            identity,
             embed,
             layers,
             norm,
@@ -355,6 +363,12 @@ impl<B: Backend> Thinker<B> {
     /// The dtype the matrices are stored in.
     pub fn dtype(&self) -> Dtype {
         self.dtype
+    }
+
+    /// What this model is, as the disk tier checks it: a digest of its config and of
+    /// every weight it read (name, shape, stored dtype and first bytes).
+    pub fn identity(&self) -> ModelId {
+        self.identity
     }
 
     /// Bytes of all weights as stored (matrices in [`Thinker::dtype`], vectors in f32).

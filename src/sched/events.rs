@@ -108,6 +108,11 @@ impl EventLog {
         self.pending.push(KvEvent::AllBlocksCleared);
     }
 
+    /// The hasher of the fleet key the blocks are published under.
+    pub(super) fn hasher(&self) -> &FleetHasher {
+        &self.hasher
+    }
+
     /// The events recorded since the last call.
     pub(super) fn take(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.pending)

@@ -61,6 +61,7 @@ mod lifecycle;
 mod request;
 mod step;
 mod talker;
+mod tier;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -82,6 +83,7 @@ pub use request::Request;
 pub use talker::{
     TALKER_KEY_PARAM, TalkerCache, TalkerCacheConfig, TalkerCacheStats, TalkerSlot, talker_key,
 };
+pub use tier::{TierTokens, TierWork};
 
 /// The scheduler's prefix index answered against the [`PrefixIndex`]
 /// contract (a bug in that index): the scheduler stops rather than hand out
@@ -200,8 +202,10 @@ pub struct Scheduler {
     admission: Arc<RequestChecks>,
     arrivals: u64,
     stats: SchedulerStats,
-    /// KV events, when asked for ([`Scheduler::with_kv_events`]).
+    /// KV events, when asked for ([`Scheduler::with_kv_events`]); kept for a tier too (its block hashes).
     events: Option<EventLog>,
+    /// The disk tier, when the engine has one ([`Scheduler::with_tier`]).
+    tier: Option<tier::SchedTier>,
 }
 
 impl Scheduler {
@@ -244,6 +248,7 @@ impl Scheduler {
             arrivals: 0,
             stats: SchedulerStats::default(),
             events: None,
+            tier: None,
         })
     }
 

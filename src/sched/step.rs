@@ -91,44 +91,65 @@ impl Scheduler {
         let bs = self.config.block_size;
         let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
         let len = t.req.prompt.len();
+        let decodes = t.req.max_new_tokens > 0;
         let m = checked_match(&mut *self.index, &t.req.prompt)?;
         // At least the last token runs, so a fully cached prompt still yields outputs.
         let usable = m.tokens.min(len - 1);
         let mut computed = if self.config.token_granular_reuse { usable } else { usable / bs * bs };
-        let decodes = t.req.max_new_tokens > 0;
+        // Index-owned blocks the request starts on; past them, blocks read from the tier.
+        let mut shared = computed / bs;
+        // Only looked up here (no read): a request that cannot start yet reads nothing.
+        let mut planned = self.tier_probe(id, m.aligned_tokens / bs, len);
+        if !planned.is_empty() {
+            shared = m.aligned_tokens / bs;
+            computed = ((shared + planned.len()) * bs).min(len - 1);
+        }
         if !long.admit(len - computed, decodes) {
             return Ok(false);
         }
         // Pin before evicting so eviction cannot take what was just matched.
-        let mut lock = (computed > 0).then(|| pinned_part(m, computed, bs));
+        let pinned = if planned.is_empty() { computed } else { shared * bs };
+        let mut lock = (pinned > 0).then(|| pinned_part(m, pinned, bs));
         if let Some(m) = &lock {
             self.index.lock(m);
         }
         let mut whole_prompt = false;
         let fresh = loop {
             let upto = if whole_prompt { len } else { computed + (len - computed).min(budget) };
-            if let Some(fresh) = self.reserve(upto.div_ceil(bs) - computed / bs, None)? {
+            if let Some(fresh) = self.reserve(upto.div_ceil(bs) - shared, None)? {
                 break fresh;
             }
-            let Some(m) = lock.take() else {
-                return Ok(false);
-            };
-            self.index.unlock(&m);
+            let m = lock.take();
+            if let Some(m) = &m {
+                self.index.unlock(m);
+            }
             // An index may pin more than the match (a whole tree node). When
             // nothing else runs, start without reuse and take every block the
             // prompt needs now, so later locks cannot starve it.
-            if !self.running.is_empty() {
+            if m.is_none() || !self.running.is_empty() {
                 return Ok(false);
             }
             computed = 0;
+            shared = 0;
+            planned.clear();
             whole_prompt = true;
             // Alone in the step, so the long slot is free: take it if the whole prompt is long.
             long.admit(len, decodes);
         };
-        let shared = computed / bs;
-        let chunk = (len - computed).min(budget);
-        let copy_src =
-            lock.as_ref().filter(|_| computed % bs != 0).and_then(|m| m.blocks.get(shared).copied());
+        // The blocks are the request's now: read them (a file that vanished or fails its
+        // check since the lookup ends the run; those positions are computed instead, in
+        // the blocks already reserved for them).
+        let loads = self.tier_read(&planned);
+        if loads.len() < planned.len() {
+            computed = (shared + loads.len()) * bs;
+        }
+        let reserved_end = (shared + fresh.len()) * bs;
+        let chunk = (len - computed).min(budget).min(reserved_end - computed);
+        let copy_src = lock
+            .as_ref()
+            .filter(|_| computed % bs != 0 && planned.is_empty())
+            .and_then(|m| m.blocks.get(shared).copied());
+        self.tier_loaded(&fresh, loads, len - shared * bs);
         if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {
             batch.copies.push(BlockCopy { src, dst });
             self.stats.block_copies += 1;

@@ -15,6 +15,7 @@ use safetensors::tensor::TensorView;
 
 use super::fleet::{self, FleetArgs};
 use super::runtime::{BackendJob, Ran, RuntimeArgs};
+use super::tier::TierArgs;
 use crate::error::{Result, output};
 use omniprefix::backend::Backend;
 use omniprefix::engine::{Engine, EngineConfig, Output};
@@ -59,6 +60,8 @@ pub struct EngineArgs {
     pub capture: Option<String>,
     #[command(flatten)]
     pub fleet: FleetArgs,
+    #[command(flatten)]
+    pub tier: TierArgs,
 }
 
 impl EngineArgs {
@@ -84,6 +87,7 @@ impl EngineArgs {
             ..Default::default()
         };
         self.fleet.apply(&mut config)?;
+        self.tier.apply(&mut config, self.fleet.fingerprint_key.is_some())?;
         Ok(config)
     }
 }

@@ -35,6 +35,8 @@ pub mod runtime;
 pub mod serve;
 /// `omniprefix bench soak`.
 pub mod soak;
+/// `--tier-dir` and `--tier-bytes`: the disk tier.
+pub mod tier;
 /// `omniprefix bench ttfa`.
 pub mod ttfa;
 /// `omniprefix bench ttft`.

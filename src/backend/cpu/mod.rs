@@ -308,6 +308,18 @@ impl Backend for CpuBackend {
     fn copy_blocks(&self, pages: &mut CpuPages, copies: &[(BlockId, BlockId)]) -> Result<()> {
         pages.copy_blocks(copies)
     }
+
+    fn tier_capable(&self) -> bool {
+        true
+    }
+
+    fn export_block(&self, pages: &CpuPages, block: BlockId, out: &mut Vec<u8>) -> Result<()> {
+        pages.export_block(block, out)
+    }
+
+    fn import_block(&self, pages: &mut CpuPages, block: BlockId, bytes: &[u8]) -> Result<()> {
+        pages.import_block(block, bytes)
+    }
 }
 
 #[cfg(test)]

@@ -160,4 +160,52 @@ impl CpuPages {
         }
         Ok(())
     }
+
+    /// Block `block`'s K and V of every layer, then its hidden rows, appended to
+    /// `out` as stored bytes (the disk tier's payload, [`crate::tier::BlockLayout`]'s order).
+    pub(crate) fn export_block(&self, block: BlockId, out: &mut Vec<u8>) -> Result<()> {
+        let (kv, hidden) = self.block_ranges("export_block", block)?;
+        for (k, v) in self.k.iter().zip(&self.v) {
+            out.extend_from_slice(k.view().slice(kv.clone()).as_bytes());
+            out.extend_from_slice(v.view().slice(kv.clone()).as_bytes());
+        }
+        out.extend_from_slice(bytemuck::cast_slice(&self.hidden[hidden]));
+        Ok(())
+    }
+
+    /// Writes `bytes` (as [`export_block`](Self::export_block) made them) into block `block`.
+    pub(crate) fn import_block(&mut self, block: BlockId, bytes: &[u8]) -> Result<()> {
+        const OP: &str = "import_block";
+        let (kv, hidden) = self.block_ranges(OP, block)?;
+        let kv_bytes = kv.len() * self.spec.kv_dtype.size_bytes();
+        let expected = 2 * self.spec.num_layers * kv_bytes + hidden.len() * 4;
+        if bytes.len() != expected {
+            return Err(crate::error::BackendError::OpCount {
+                op: OP,
+                what: "payload bytes",
+                expected,
+                found: bytes.len(),
+            }
+            .into());
+        }
+        let mut parts = bytes.chunks_exact(kv_bytes.max(1));
+        for page in self.k.iter_mut().zip(self.v.iter_mut()).flat_map(|(k, v)| [k, v]) {
+            if let Some(part) = parts.next() {
+                page.bytes_mut(kv.clone()).copy_from_slice(part);
+            }
+        }
+        let hidden_bytes = &bytes[2 * self.spec.num_layers * kv_bytes..];
+        bytemuck::cast_slice_mut::<f32, u8>(&mut self.hidden[hidden]).copy_from_slice(hidden_bytes);
+        Ok(())
+    }
+
+    /// The element ranges of block `block` in a K/V page and in the hidden page.
+    fn block_ranges(
+        &self, op: &'static str, block: BlockId,
+    ) -> Result<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+        let b = row_index(op, "block", block as i64, self.spec.num_blocks)?;
+        let kv_block = self.spec.block_size * self.spec.kv_width();
+        let hidden_block = self.spec.block_size * self.spec.captured * self.spec.hidden;
+        Ok((b * kv_block..(b + 1) * kv_block, b * hidden_block..(b + 1) * hidden_block))
+    }
 }
