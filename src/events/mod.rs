@@ -30,6 +30,9 @@ pub enum Medium {
     Cpu,
     /// Device memory (the wgpu backend).
     Gpu,
+    /// The disk tier under the pool ([`crate::tier`]): blocks the pool evicted,
+    /// loadable back (vLLM's offloading connector writes `"DISK"` for its file tier).
+    Disk,
 }
 
 impl Medium {
@@ -38,11 +41,12 @@ impl Medium {
         if name == "cpu" { Medium::Cpu } else { Medium::Gpu }
     }
 
-    /// The string vLLM writes: `"CPU"` or `"GPU"`.
+    /// The string vLLM writes: `"CPU"`, `"GPU"` or `"DISK"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Medium::Cpu => "CPU",
             Medium::Gpu => "GPU",
+            Medium::Disk => "DISK",
         }
     }
 }

@@ -159,10 +159,10 @@ impl Scheduler {
     /// that a longer one superseded; no request reads them) and records the
     /// published ones as removed.
     pub(super) fn reclaim_released(&mut self, released: &[BlockId]) -> Result<()> {
-        self.tier_save(released);
+        let saved = self.tier_save(released);
         self.free_to_pool(released)?;
         if let Some(log) = self.events.as_mut() {
-            log.removed(released);
+            log.removed(released, &saved);
         }
         Ok(())
     }

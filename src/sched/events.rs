@@ -3,7 +3,7 @@
 //! reset. Only full blocks are published (a router hashes full blocks only);
 //! a finished sequence's partly filled last block stays private to the engine.
 
-use fxhash::FxHashMap;
+use fxhash::{FxHashMap, FxHashSet};
 
 use crate::canon::Fingerprint;
 use crate::events::{ItemRows, KvEvent, Medium, RoutingHash};
@@ -28,11 +28,30 @@ pub(super) struct EventLog {
     pending: Vec<KvEvent>,
     /// Published (full, index-owned) blocks and their hashes.
     published: FxHashMap<BlockId, u64>,
+    /// What each published block's `BlockStored` said, to say it again for the disk tier.
+    stored: FxHashMap<BlockId, StoredBlock>,
+    /// Hashes published as on the disk tier ([`Medium::Disk`]) and not since removed.
+    on_disk: FxHashSet<u64>,
+}
+
+/// One block's part of a `BlockStored`.
+#[derive(Debug, Clone)]
+struct StoredBlock {
+    parent: Option<u64>,
+    token_ids: Vec<u32>,
+    extra: Option<Vec<ItemRows>>,
 }
 
 impl EventLog {
     pub(super) fn new(hasher: FleetHasher, medium: Medium) -> Self {
-        EventLog { hasher, medium, pending: Vec::new(), published: FxHashMap::default() }
+        EventLog {
+            hasher,
+            medium,
+            pending: Vec::new(),
+            published: FxHashMap::default(),
+            stored: FxHashMap::default(),
+            on_disk: FxHashSet::default(),
+        }
     }
 
     /// Records that the index adopted the full blocks `blocks` (`(position, id)`,
@@ -79,8 +98,14 @@ impl EventLog {
                     (!rows.is_empty()).then_some(rows)
                 })
                 .collect();
-            for &(i, id) in run {
+            for (&(i, id), extra) in run.iter().zip(&extra) {
                 self.published.insert(id, chain[i]);
+                let stored = StoredBlock {
+                    parent: i.checked_sub(1).map(|p| chain[p]),
+                    token_ids: prompt.token_ids[i * block_size..(i + 1) * block_size].to_vec(),
+                    extra: extra.clone(),
+                };
+                self.stored.insert(id, stored);
             }
             self.pending.push(KvEvent::BlockStored {
                 block_hashes: run.iter().map(|&(i, _)| chain[i]).collect(),
@@ -94,17 +119,52 @@ impl EventLog {
         }
     }
 
-    /// Records that `blocks` left the index (those that were published).
-    pub(super) fn removed(&mut self, blocks: &[BlockId]) {
-        let hashes: Vec<u64> = blocks.iter().filter_map(|b| self.published.remove(b)).collect();
+    /// Records that `blocks` left the index (those that were published), and
+    /// that those of them in `to_disk` went down to the disk tier: their removal
+    /// from the pool's medium first, then a `BlockStored` on [`Medium::Disk`]
+    /// (so a router that reads no medium still ends holding the block, which
+    /// the tier can give back).
+    pub(super) fn removed(&mut self, blocks: &[BlockId], to_disk: &[BlockId]) {
+        let mut hashes = Vec::new();
+        let mut down = Vec::new();
+        for b in blocks {
+            let stored = self.stored.remove(b);
+            let Some(hash) = self.published.remove(b) else { continue };
+            hashes.push(hash);
+            if let Some(stored) = stored.filter(|_| to_disk.contains(b)) {
+                down.push((hash, stored));
+            }
+        }
         if !hashes.is_empty() {
             self.pending.push(KvEvent::BlockRemoved { block_hashes: hashes, medium: self.medium });
+        }
+        for (hash, stored) in down {
+            if self.on_disk.insert(hash) {
+                self.pending.push(KvEvent::BlockStored {
+                    block_hashes: vec![hash],
+                    parent_block_hash: stored.parent,
+                    block_size: stored.token_ids.len(),
+                    token_ids: stored.token_ids,
+                    medium: Medium::Disk,
+                    extra_keys: stored.extra.map(|rows| vec![Some(rows)]),
+                });
+            }
+        }
+    }
+
+    /// Records that the disk tier no longer holds `hashes` (those published on it).
+    pub(super) fn left_disk(&mut self, hashes: &[u64]) {
+        let gone: Vec<u64> = hashes.iter().copied().filter(|h| self.on_disk.remove(h)).collect();
+        if !gone.is_empty() {
+            self.pending.push(KvEvent::BlockRemoved { block_hashes: gone, medium: Medium::Disk });
         }
     }
 
     /// Records that the whole cache was dropped.
     pub(super) fn cleared(&mut self) {
         self.published.clear();
+        self.stored.clear();
+        self.on_disk.clear();
         self.pending.push(KvEvent::AllBlocksCleared);
     }
 
@@ -121,5 +181,58 @@ impl EventLog {
     /// The published blocks the index holds, with their hashes.
     pub(super) fn published(&self) -> &FxHashMap<BlockId, u64> {
         &self.published
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::canon::FingerprintKey;
+    use crate::prompt::{Atom, IndexMap, Positions};
+
+    fn text(ids: Vec<u32>) -> CanonicalPrompt {
+        CanonicalPrompt {
+            tenant: 0,
+            atoms: vec![Atom::Text(ids.clone())],
+            positions: Positions::linear(ids.len()),
+            token_ids: ids,
+            items: vec![],
+            index_map: IndexMap::default(),
+        }
+    }
+
+    #[test]
+    fn blocks_spilled_to_the_tier_are_published_on_disk_after_their_removal() {
+        let mut log = EventLog::new(FleetHasher::new(&FingerprintKey::fixed(1)), Medium::Cpu);
+        let prompt = text((10..22).collect());
+        let mut chain = Vec::new();
+        log.stored(&prompt, &[], 4, &mut chain, &[(0, 7), (1, 8), (2, 9)]);
+        let [KvEvent::BlockStored { block_hashes, .. }] = &log.take()[..] else { panic!("one stored run") };
+        assert_eq!(block_hashes, &chain[..3]);
+        // Blocks 8 and 9 leave the pool; only 9 went down to the tier.
+        log.removed(&[8, 9], &[9]);
+        let events = log.take();
+        assert_eq!(
+            events,
+            [
+                KvEvent::BlockRemoved { block_hashes: vec![chain[1], chain[2]], medium: Medium::Cpu },
+                KvEvent::BlockStored {
+                    block_hashes: vec![chain[2]],
+                    parent_block_hash: Some(chain[1]),
+                    token_ids: vec![18, 19, 20, 21],
+                    block_size: 4,
+                    medium: Medium::Disk,
+                    extra_keys: None,
+                },
+            ]
+        );
+        // The tier lets 9 go (and one it never published): only 9's removal is said, once.
+        log.left_disk(&[chain[2], 12345]);
+        log.left_disk(&[chain[2]]);
+        assert_eq!(
+            log.take(),
+            [KvEvent::BlockRemoved { block_hashes: vec![chain[2]], medium: Medium::Disk }]
+        );
+        assert!(log.published().contains_key(&7) && log.published().len() == 1);
     }
 }

@@ -264,6 +264,7 @@ impl Scheduler {
     /// The KV events recorded since the last call (none unless
     /// [`with_kv_events`](Self::with_kv_events)); the engine publishes them once per step.
     pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.note_tier_departures();
         self.events.as_mut().map(EventLog::take).unwrap_or_default()
     }
 

@@ -134,10 +134,23 @@ impl super::Scheduler {
         tier.work.loads.extend(fresh.iter().copied().zip(loads));
     }
 
-    /// Lists the published blocks of `released` (full, hashed) as saves.
-    pub(super) fn tier_save(&mut self, released: &[BlockId]) {
-        let (Some(tier), Some(log)) = (self.tier.as_mut(), self.events.as_ref()) else { return };
+    /// Lists the published blocks of `released` (full, hashed) as saves; returns them.
+    pub(super) fn tier_save(&mut self, released: &[BlockId]) -> Vec<BlockId> {
+        let (Some(tier), Some(log)) = (self.tier.as_mut(), self.events.as_ref()) else { return Vec::new() };
         let published = log.published();
-        tier.work.saves.extend(released.iter().filter_map(|b| published.get(b).map(|&h| (*b, h))));
+        let saves: Vec<(BlockId, u64)> =
+            released.iter().filter_map(|b| published.get(b).map(|&h| (*b, h))).collect();
+        let saved = saves.iter().map(|&(b, _)| b).collect();
+        tier.work.saves.extend(saves);
+        saved
+    }
+
+    /// Records, for KV events, the tier's files this process deleted since the last call.
+    pub(super) fn note_tier_departures(&mut self) {
+        let (Some(tier), Some(log)) = (self.tier.as_ref(), self.events.as_mut()) else { return };
+        let gone = tier.writer.store().take_departed();
+        if !gone.is_empty() {
+            log.left_disk(&gone);
+        }
     }
 }

@@ -131,6 +131,9 @@ pub struct TierStore {
     lock: Mutex<File>,
     next_tmp: AtomicU64,
     pub(crate) counters: Counters,
+    /// Blocks of this identity whose files this process deleted (evicted or
+    /// rejected) since the last [`take_departed`](Self::take_departed): KV events say they left.
+    departed: Mutex<Vec<u64>>,
 }
 
 impl TierStore {
@@ -171,6 +174,7 @@ impl TierStore {
             lock: Mutex::new(lock),
             next_tmp: AtomicU64::new(0),
             counters: Counters::default(),
+            departed: Mutex::new(Vec::new()),
         };
         // Recount at open: files may have come or gone while no engine ran.
         store.locked(|lock| {
@@ -214,6 +218,29 @@ impl TierStore {
     /// The path block `hash` is stored under.
     pub fn path_of(&self, hash: u64) -> PathBuf {
         self.dir.join(format!("{hash:016x}-{}{BLOCK_SUFFIX}", self.namespace))
+    }
+
+    /// The block hash of a file name [`path_of`](Self::path_of) gives, if it is this identity's.
+    fn hash_of(&self, name: &str) -> Option<u64> {
+        let (hash, rest) = name.split_once('-')?;
+        let namespace = rest.strip_suffix(BLOCK_SUFFIX)?;
+        (hash.len() == 16 && namespace == self.namespace)
+            .then(|| u64::from_str_radix(hash, 16).ok())
+            .flatten()
+    }
+
+    /// Notes that this process deleted the file `path` of a block.
+    fn departed(&self, path: &Path) {
+        if let Some(hash) = path.file_name().and_then(|n| self.hash_of(&n.to_string_lossy())) {
+            self.departed.lock().unwrap_or_else(|p| p.into_inner()).push(hash);
+        }
+    }
+
+    /// The blocks of this identity whose files this process deleted since the
+    /// last call (evicted for the bound, or failing a check), oldest first.
+    /// Another process's evictions in a shared directory are not seen here.
+    pub fn take_departed(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.departed.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Block `hash`, if a file of it is here and passes every check. A file that
@@ -337,7 +364,10 @@ impl TierStore {
                 break;
             }
             match fs::remove_file(&path) {
-                Ok(()) => bump(&self.counters.evicted),
+                Ok(()) => {
+                    bump(&self.counters.evicted);
+                    self.departed(&path);
+                }
                 Err(e) if e.kind() == ErrorKind::NotFound => {}
                 Err(e) => return Err(IoError::write(&path, e).into()),
             }
@@ -352,9 +382,11 @@ impl TierStore {
         let _ = self.locked(|lock| {
             if let Ok(meta) = fs::metadata(path)
                 && fs::remove_file(path).is_ok()
-                && let Some(usage) = read_usage(lock)
             {
-                write_usage(lock, usage.saturating_sub(meta.len()));
+                self.departed(path);
+                if let Some(usage) = read_usage(lock) {
+                    write_usage(lock, usage.saturating_sub(meta.len()));
+                }
             }
             Ok(())
         });

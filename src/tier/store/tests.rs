@@ -80,6 +80,7 @@ fn every_corruption_is_a_counted_miss_and_deleted() {
         let stats = store.stats();
         assert_eq!((stats.errors, stats.misses, stats.hits), (n as u64 + 1, n as u64 + 1, 0), "{what}");
         assert!(!store.path_of(5).exists(), "{what} was not deleted");
+        assert_eq!(store.take_departed(), [5], "{what}: KV events must say block 5 left");
     }
     // The good file is still served after all that.
     fs::write(store.path_of(5), good).unwrap();
@@ -104,6 +105,11 @@ fn bound_holds_and_eviction_keeps_the_recently_used() {
         assert!(store.get(0).is_some(), "the most recently used block was evicted at {hash}");
     }
     assert!(store.stats().evicted >= 29);
+    // Every eviction is a departure of its block, block 0 (kept in use) never.
+    let departed = store.take_departed();
+    assert_eq!(departed.len() as u64, store.stats().evicted);
+    assert!(departed.contains(&1) && !departed.contains(&0), "{departed:?}");
+    assert!(store.take_departed().is_empty());
     assert!(store.get(1).is_none(), "the least recently used block survived");
     assert!(store.get(39).is_some());
 }
