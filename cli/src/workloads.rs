@@ -501,6 +501,20 @@ pub fn conversation_turns() -> Result<Vec<ChatTurn>> {
     Ok(turns)
 }
 
+/// `rounds` turns of one `many_clients` conversation: the 4-round
+/// conversation's turns (an image in the first, then audio, video, text), then
+/// its last, text-only turn again for each further round, so a conversation
+/// grows by a question and a reply per round without re-sending an item twice.
+pub fn client_turns(rounds: usize) -> Result<Vec<ChatTurn>> {
+    let mut turns = conversation_turns()?;
+    let last = turns
+        .last()
+        .cloned()
+        .ok_or(HarnessError::Fixture { file: SCENARIOS_FILE, problem: "no rounds".into() })?;
+    turns.resize(rounds, last);
+    Ok(turns)
+}
+
 /// A generated reply as a chat client re-sends it: without the multimodal
 /// special ids (placeholders, vision/audio start and end), which detokenizing
 /// with `skip_special_tokens` drops and which would otherwise ask for items.
@@ -621,6 +635,15 @@ mod tests {
     }
 
     #[test]
+    fn client_turns_repeat_the_text_turn_past_round_four() -> Result<()> {
+        let (turns, six) = (conversation_turns()?, client_turns(6)?);
+        assert_eq!(six[..4], turns[..]);
+        assert!(six[4..].iter().all(|t| *t == turns[3] && t.new_items.is_empty()));
+        assert_eq!(client_turns(2)?, turns[..2]);
+        Ok(())
+    }
+
+    #[test]
     fn unknown_workload_names_the_known_ones() {
         let err = by_name::<WorkloadName>("text64k");
         let known = "mixed, image, audio, video, text1k, text8k, text32k, multi_round, all";
@@ -636,7 +659,7 @@ mod tests {
         assert_eq!(names, ["mixed", "image", "audio", "video", "text1k", "text8k", "text32k", "multi_round"]);
         let serve: Vec<String> =
             crate::serve::ServeWorkload::value_variants().iter().map(ToString::to_string).collect();
-        assert_eq!(serve, ["prefix_repetition", "multi_round"]);
+        assert_eq!(serve, ["prefix_repetition", "multi_round", "many_clients"]);
         let demo: Vec<String> =
             crate::demo::DemoWorkload::value_variants().iter().map(ToString::to_string).collect();
         assert_eq!(demo, ["rfc_text_pair", "multi_round", "prefix_repetition"]);

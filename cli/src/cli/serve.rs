@@ -15,14 +15,17 @@ use super::fleet::FleetArgs;
 use super::model_load::load_thinker;
 use super::runtime::{BackendJob, Ran, RuntimeArgs};
 use crate::error::{HarnessError, Result, output};
-use crate::serve::{Arrival, ServeOptions, ServeReport, ServeWorkload, run_serve};
+use crate::serve::{
+    Arrival, ClientsReport, ServeOptions, ServeReport, ServeWorkload, clients_model, run_serve,
+};
 use crate::ttft::bench_model;
 use crate::workloads::select;
 
 /// Arguments of `omniprefix bench serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// prefix_repetition, multi_round (comma-separated), or all.
+    /// prefix_repetition, multi_round, many_clients (comma-separated), or all
+    /// (the first two; many_clients runs only when named).
     #[arg(long, default_value = "all")]
     pub workload: String,
     /// Closed loop: requests in flight, comma-separated for several runs
@@ -65,9 +68,18 @@ pub struct ServeArgs {
     /// multi_round: conversations (4 rounds each).
     #[arg(long)]
     pub conversations: Option<usize>,
-    /// multi_round: divide the image/video grid sides (audio by the square) by this.
+    /// multi_round, many_clients: divide the image/video grid sides (audio by the square) by this.
     #[arg(long)]
     pub mm_scale: Option<u32>,
+    /// many_clients: conversations, each its own tenant (default 64; 8 with --quick).
+    #[arg(long)]
+    pub clients: Option<usize>,
+    /// many_clients: rounds of each conversation (default 6; 4 with --quick).
+    #[arg(long)]
+    pub rounds: Option<usize>,
+    /// many_clients: requests in flight within a round (default 4; 2 with --quick).
+    #[arg(long)]
+    pub client_concurrency: Option<usize>,
     /// Milliseconds the stand-in encoder sleeps per item it encodes (an
     /// encoder-cache miss), on the thread that submits the request.
     #[arg(long, default_value_t = 0)]
@@ -101,7 +113,12 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// `--quick` or the full sizes, with every size flag given applied on top.
     pub fn options(&self) -> Result<ServeOptions> {
-        let base = if self.quick { ServeOptions::quick()? } else { ServeOptions::full()? };
+        let workloads = self.workloads()?;
+        let base = match (self.quick, workloads == [ServeWorkload::ManyClients]) {
+            (quick, true) => ServeOptions::many_clients(quick)?,
+            (true, false) => ServeOptions::quick()?,
+            (false, false) => ServeOptions::full()?,
+        };
         let mut arrivals: Vec<Arrival> =
             self.rate.iter().flatten().map(|&rate| Arrival::Poisson { rate }).collect();
         let concurrency = match (&self.concurrency, arrivals.is_empty()) {
@@ -124,7 +141,7 @@ impl ServeArgs {
             }
         }
         Ok(ServeOptions {
-            workloads: select::<ServeWorkload>(&self.workload)?,
+            workloads,
             arrivals,
             prefix_len: self.prefix_len.unwrap_or(base.prefix_len),
             suffix_len: self.suffix_len.unwrap_or(base.suffix_len),
@@ -133,6 +150,9 @@ impl ServeArgs {
             output_len: self.output_len.unwrap_or(base.output_len),
             conversations: self.conversations.unwrap_or(base.conversations),
             mm_scale: self.mm_scale.unwrap_or(base.mm_scale),
+            clients: self.clients.unwrap_or(base.clients),
+            client_rounds: self.rounds.unwrap_or(base.client_rounds),
+            client_concurrency: self.client_concurrency.unwrap_or(base.client_concurrency),
             max_seqs: self.max_seqs.unwrap_or(base.max_seqs),
             max_tokens_per_step: self.max_tokens_per_step.unwrap_or(base.max_tokens_per_step),
             prefill_cap: self.prefill_cap.or(base.prefill_cap),
@@ -146,10 +166,24 @@ impl ServeArgs {
         })
     }
 
-    /// The random model: `bench ttft`'s (hidden 512, 8 layers, Qwen's vocabulary)
-    /// or, with `--quick`, hidden 32, 2 layers, 600 ids; heads keep their head_dim.
+    /// `--workload`: named workloads, or `all`, the ones that compare caching on and off.
+    fn workloads(&self) -> Result<Vec<ServeWorkload>> {
+        if self.workload == "all" {
+            return Ok(ServeWorkload::ALL.to_vec());
+        }
+        select::<ServeWorkload>(&self.workload)
+    }
+
+    /// The random model: `bench ttft`'s (hidden 512, 8 layers, Qwen's vocabulary),
+    /// [`clients_model`]'s for `many_clients` alone, or, with `--quick`, hidden 32,
+    /// 2 layers, 600 ids; heads keep their head_dim.
     pub fn random_model(&self) -> Config {
-        let base = if self.quick { Config::tiny_qwen3(32, 2, 2, 1, 600) } else { bench_model() };
+        let clients_only = self.workloads().is_ok_and(|w| w == [ServeWorkload::ManyClients]);
+        let base = match (self.quick, clients_only) {
+            (true, _) => Config::tiny_qwen3(32, 2, 2, 1, 600),
+            (false, true) => clients_model(),
+            (false, false) => bench_model(),
+        };
         let hidden = self.hidden.unwrap_or(base.hidden_size);
         let heads = (hidden / base.head_dim).max(1);
         let kv_ratio = (base.num_attention_heads / base.num_key_value_heads).max(1);
@@ -188,7 +222,8 @@ pub fn run(args: &ServeArgs, out: &mut dyn Write) -> Result<()> {
         return Ok(());
     }
     writeln!(out, "backend: {reason}").map_err(output)?;
-    print_table(&reports, out)
+    print_table(&reports, out)?;
+    print_rounds(&reports, out)
 }
 
 /// Loads or builds the model on the backend and runs the benchmark.
@@ -258,6 +293,40 @@ pub fn print_table(reports: &[ServeReport], out: &mut dyn Write) -> Result<()> {
             r.encoder_calls
         )
         .map_err(output)?;
+    }
+    Ok(())
+}
+
+/// `many_clients`: one row per round, a hit rate and TTFT p50 per engine (a `*`
+/// marks the restart's first round on the rebuilt engine); nothing without it.
+pub fn print_rounds(reports: &[ServeReport], out: &mut dyn Write) -> Result<()> {
+    let runs: Vec<&ClientsReport> = reports.iter().filter_map(|r| r.many_clients.as_ref()).collect();
+    let Some(first) = runs.first() else { return Ok(()) };
+    writeln!(
+        out,
+        "\nmany_clients: {} conversations, concurrency {}, pool {} of {} blocks ({:.2}; unbounded: all)",
+        first.conversations,
+        first.concurrency,
+        first.pool_blocks,
+        first.working_set_blocks,
+        first.pool_blocks as f64 / first.working_set_blocks.max(1) as f64
+    )
+    .map_err(output)?;
+    let header: String = runs.iter().map(|r| format!(" {:>10} {:>9}", r.engine.name(), "ttft p50")).collect();
+    writeln!(out, "{:<6}{header}", "round").map_err(output)?;
+    let rounds = runs.iter().map(|r| r.rounds.len()).max().unwrap_or(0);
+    for i in 0..rounds {
+        let cells: String = runs
+            .iter()
+            .map(|r| match r.rounds.get(i) {
+                Some(round) => {
+                    let mark = if r.restart_round == Some(round.round) { "*" } else { " " };
+                    format!(" {:>9.3}{mark} {:>7.1}ms", round.hit_rate, round.ttft_ms_p50)
+                }
+                None => format!(" {:>10} {:>9}", "-", "-"),
+            })
+            .collect();
+        writeln!(out, "{:<6}{cells}", i + 1).map_err(output)?;
     }
     Ok(())
 }

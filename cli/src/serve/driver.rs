@@ -9,6 +9,7 @@
 //! after `--encoder-ms` of sleep, for each item that misses the engine's
 //! encoder cache. The calls are counted.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
@@ -29,14 +30,28 @@ use super::{
 };
 use crate::error::Result;
 use crate::ttft::{Media, map_ids, text_id_limit};
-use crate::workloads::{ChatTurn, conversation_turns, prefix_repetition_prompts, reply_for_history};
+use crate::workloads::{
+    ChatTurn, client_turns, conversation_turns, prefix_repetition_prompts, reply_for_history,
+};
 use omniprefix::sched::{PrefillCap, SchedulerConfig};
 
 /// Requests that run in order (a conversation's rounds), all of one tenant.
 #[derive(Debug, Clone)]
-struct Stream {
-    tenant: TenantSalt,
-    turns: Vec<ChatTurn>,
+pub(super) struct Stream {
+    pub(super) tenant: TenantSalt,
+    pub(super) turns: Vec<ChatTurn>,
+}
+
+/// A conversation's history so far: its ids (replies included) and its items.
+pub(super) type History = (Vec<u32>, Vec<Modality>);
+
+/// What one [`Serve::drive`] hands back: each finished request's round and
+/// sample, the stand-in encoder's calls, and when the last token came.
+pub(super) struct Driven {
+    pub(super) samples: Vec<(usize, RequestSample)>,
+    pub(super) encoder_calls: u64,
+    pub(super) start: Instant,
+    pub(super) end: Instant,
 }
 
 /// Runs every workload × arrival, caching on then off, on `thinker` (whose special ids are `tokens`).
@@ -48,6 +63,10 @@ pub fn run_serve<B: Backend + 'static>(
     let mut reports = Vec::new();
     for &workload in &options.workloads {
         let streams = bench.streams(workload)?;
+        if workload == ServeWorkload::ManyClients {
+            reports.extend(bench.many_clients(&streams)?);
+            continue;
+        }
         for &arrival in &options.arrivals {
             for cache in [true, false] {
                 reports.push(bench.run(workload, &streams, arrival, cache)?);
@@ -57,12 +76,13 @@ pub fn run_serve<B: Backend + 'static>(
     Ok(reports)
 }
 
-struct Serve<'a, B: Backend> {
-    backend: Arc<B>,
+/// The model, media and options every run of one `bench serve` shares.
+pub(super) struct Serve<'a, B: Backend> {
+    pub(super) backend: Arc<B>,
     thinker: Arc<Thinker<B>>,
     tokens: OmniTokens,
     media: Media,
-    options: &'a ServeOptions,
+    pub(super) options: &'a ServeOptions,
 }
 
 impl<B: Backend + 'static> Serve<'_, B> {
@@ -81,21 +101,24 @@ impl<B: Backend + 'static> Serve<'_, B> {
                     })
                     .collect()
             }
-            ServeWorkload::MultiRound => {
-                let turns: Vec<ChatTurn> = conversation_turns()?
-                    .into_iter()
-                    .map(|t| ChatTurn { token_ids: map_ids(&t.token_ids, &self.tokens, vocab), ..t })
-                    .collect();
-                // One tenant per conversation: each reuses only its own history.
-                (0..o.conversations)
-                    .map(|c| Stream { tenant: c as TenantSalt + 1, turns: turns.clone() })
-                    .collect()
-            }
+            ServeWorkload::MultiRound => self.conversations(conversation_turns()?, o.conversations),
+            ServeWorkload::ManyClients => self.conversations(client_turns(o.client_rounds)?, o.clients),
         })
     }
 
+    /// `count` conversations of `turns` (ids mapped to the model's vocabulary),
+    /// one tenant each: each reuses only its own history.
+    fn conversations(&self, turns: Vec<ChatTurn>, count: usize) -> Vec<Stream> {
+        let vocab = self.thinker.config().vocab_size;
+        let turns: Vec<ChatTurn> = turns
+            .into_iter()
+            .map(|t| ChatTurn { token_ids: map_ids(&t.token_ids, &self.tokens, vocab), ..t })
+            .collect();
+        (0..count).map(|c| Stream { tenant: c as TenantSalt + 1, turns: turns.clone() }).collect()
+    }
+
     /// Tokens of `stream`'s last round: every turn, its items' rows and every reply.
-    fn longest(&self, stream: &Stream) -> Result<usize> {
+    pub(super) fn longest(&self, stream: &Stream) -> Result<usize> {
         let mut len = stream.turns.len() * self.options.output_len;
         for turn in &stream.turns {
             len += turn.token_ids.len();
@@ -106,16 +129,22 @@ impl<B: Backend + 'static> Serve<'_, B> {
         Ok(len)
     }
 
-    fn engine(&self, streams: &[Stream], arrival: Arrival, cache: bool) -> Result<Engine<B>> {
+    /// Blocks for a caching on/off run: every sequence in flight twice over
+    /// (copy-on-write, reply blocks) plus the shared prefixes, so nothing is evicted early.
+    fn serve_blocks(&self, streams: &[Stream], arrival: Arrival) -> Result<usize> {
         let o = self.options;
         let longest = streams.iter().map(|s| self.longest(s)).try_fold(0, |m, l| l.map(|l| m.max(l)))?;
         let in_flight = match arrival {
             Arrival::Concurrency(c) => c.min(streams.len()),
             Arrival::Poisson { .. } => streams.len(),
         };
-        // Every sequence in flight twice over (copy-on-write, reply blocks) plus the shared prefixes.
-        let num_blocks = (2 * in_flight + o.num_prefixes) * longest.div_ceil(o.block_size) + 64;
-        let config = EngineConfig {
+        Ok((2 * in_flight + o.num_prefixes) * longest.div_ceil(o.block_size) + 64)
+    }
+
+    /// The engine settings every run shares, with a pool of `num_blocks` and caching `cache`.
+    pub(super) fn config(&self, num_blocks: usize, cache: bool) -> EngineConfig {
+        let o = self.options;
+        EngineConfig {
             scheduler: SchedulerConfig {
                 block_size: o.block_size,
                 num_blocks,
@@ -131,7 +160,11 @@ impl<B: Backend + 'static> Serve<'_, B> {
             fingerprint_key: o.fingerprint_key.clone(),
             kv_events: o.kv_events.clone(),
             ..Default::default()
-        };
+        }
+    }
+
+    /// An engine of `config`, serving, after an untimed warm-up request.
+    pub(super) fn serve(&self, config: EngineConfig) -> Result<ServedEngine> {
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;
         if let Some((endpoint, replay)) = engine.kv_events_endpoints() {
             crate::cli::fleet::announce(endpoint, replay);
@@ -139,19 +172,60 @@ impl<B: Backend + 'static> Serve<'_, B> {
         // Untimed: thread pools and allocator warm up before the clock runs.
         let warm = Request { tenant: TenantSalt::MAX / 2, ..Request::text(vec![1; 32]) };
         engine.run(warm.generate(SamplingParams { ignore_eos: true, ..SamplingParams::greedy(2) }))?;
-        Ok(engine)
+        Ok(engine.serve(ServedOptions::default())?)
     }
 
     fn run(
         &self, workload: ServeWorkload, streams: &[Stream], arrival: Arrival, cache: bool,
     ) -> Result<ServeReport> {
+        let served = self.serve(self.config(self.serve_blocks(streams, arrival)?, cache))?;
+        let mut history = vec![History::default(); streams.len()];
+        let driven = self.drive(&served, streams, arrival, 0..usize::MAX, &mut history)?;
+        let samples: Vec<RequestSample> = driven.samples.iter().map(|(_, s)| s.clone()).collect();
+        let name = workload.to_string();
+        let duration = driven.end.saturating_duration_since(driven.start);
+        let facts = self.facts(&name, &served, cache, arrival, duration, driven.encoder_calls);
+        let kv_events = drained_kv_events(&served)?;
+        let trace = self.options.trace.then(|| itl_trace(&samples));
+        Ok(ServeReport { kv_events, itl_trace: trace, ..ServeReport::new(facts, &samples) })
+    }
+
+    /// The settings and totals a report of a run on `served` names: it took
+    /// `duration` (first arrival to last token) and called the encoder `encoder_calls` times.
+    pub(super) fn facts<'w>(
+        &self, workload: &'w str, served: &ServedEngine, cache: bool, arrival: Arrival, duration: Duration,
+        encoder_calls: u64,
+    ) -> RunFacts<'w> {
+        let sched = served.config().scheduler;
+        RunFacts {
+            workload,
+            backend: self.backend.name(),
+            cache,
+            arrival,
+            max_tokens_per_step: sched.max_tokens_per_step,
+            prefill_cap: sched.prefill_cap_tokens().unwrap_or(sched.max_tokens_per_step),
+            long_prefills_per_step: sched.long_prefills_per_step(),
+            duration: duration.max(Duration::from_nanos(1)),
+            encoder_ms: self.options.encoder_ms,
+            encoder_calls,
+        }
+    }
+
+    /// Sends the turns of `rounds` (indices, clipped to each stream's) of every
+    /// stream to `served` as `arrival` says, each round after its stream's
+    /// previous one, extending `history` with each turn and reply; returns when
+    /// all finished. One call runs a whole caching on/off run, or one round of
+    /// `many_clients` (so its rounds, and a restart between two, have clear edges).
+    pub(super) fn drive(
+        &self, served: &ServedEngine, streams: &[Stream], arrival: Arrival, rounds: Range<usize>,
+        history: &mut [History],
+    ) -> Result<Driven> {
         let o = self.options;
-        let served = self.engine(streams, arrival, cache)?.serve(ServedOptions::default())?;
-        let rounds: Vec<usize> = streams.iter().map(|s| s.turns.len()).collect();
-        let mut dispatcher = Dispatcher::new(arrival, &rounds, o.seed);
-        let mut history: Vec<(Vec<u32>, Vec<Modality>)> = vec![Default::default(); streams.len()];
+        let counts: Vec<usize> =
+            streams.iter().map(|s| s.turns.len().min(rounds.end).saturating_sub(rounds.start)).collect();
+        let mut dispatcher = Dispatcher::new(arrival, &counts, o.seed);
         let caller = Caller {
-            served: &served,
+            served,
             media: &self.media,
             output_len: o.output_len,
             encoder_delay: Duration::from_millis(o.encoder_ms),
@@ -166,11 +240,13 @@ impl<B: Backend + 'static> Serve<'_, B> {
             loop {
                 for due in dispatcher.due(start.elapsed()) {
                     let stream = &streams[due.stream];
+                    let round = rounds.start + due.round;
                     let (ids, items) = &mut history[due.stream];
-                    ids.extend(&stream.turns[due.round].token_ids);
-                    items.extend(&stream.turns[due.round].new_items);
+                    ids.extend(&stream.turns[round].token_ids);
+                    items.extend(&stream.turns[round].new_items);
                     let job = Job {
                         stream: due.stream,
+                        round,
                         tenant: stream.tenant,
                         token_ids: ids.clone(),
                         items: items.clone(),
@@ -213,26 +289,11 @@ impl<B: Backend + 'static> Serve<'_, B> {
                 in_flight -= 1;
                 history[d.stream].0.extend(reply_for_history(&d.reply, &self.tokens));
                 dispatcher.finished(d.stream);
-                samples.push(d.sample);
+                samples.push((d.round, d.sample));
                 end = end.max(d.at);
             }
         })?;
-        let sched = served.config().scheduler;
-        let facts = RunFacts {
-            workload: &workload.to_string(),
-            backend: self.backend.name(),
-            cache,
-            arrival,
-            max_tokens_per_step: sched.max_tokens_per_step,
-            prefill_cap: sched.prefill_cap_tokens().unwrap_or(sched.max_tokens_per_step),
-            long_prefills_per_step: sched.long_prefills_per_step(),
-            duration: end.saturating_duration_since(start).max(Duration::from_nanos(1)),
-            encoder_ms: o.encoder_ms,
-            encoder_calls: caller.encoder_calls.load(Ordering::Relaxed),
-        };
-        let kv_events = drained_kv_events(&served)?;
-        let trace = o.trace.then(|| itl_trace(&samples));
-        Ok(ServeReport { kv_events, itl_trace: trace, ..ServeReport::new(facts, &samples) })
+        Ok(Driven { samples, encoder_calls: caller.encoder_calls.load(Ordering::Relaxed), start, end })
     }
 }
 
@@ -255,6 +316,8 @@ fn drained_kv_events(served: &ServedEngine) -> Result<Option<PublisherStats>> {
 /// One request for a caller thread: `stream`'s next round, its whole history.
 struct Job {
     stream: usize,
+    /// Which turn of the stream it sends (its history up to that turn).
+    round: usize,
     tenant: TenantSalt,
     token_ids: Vec<u32>,
     items: Vec<Modality>,
@@ -266,6 +329,7 @@ struct Job {
 /// What a caller thread hands back when its request finished.
 struct Done {
     stream: usize,
+    round: usize,
     reply: Vec<u32>,
     sample: RequestSample,
     /// When the last event arrived.
@@ -322,7 +386,13 @@ impl Caller<'_> {
                     sample.prompt_tokens = out.prompt_len;
                     sample.cached_tokens = out.num_cached_tokens;
                     sample.output_tokens = out.tokens.len();
-                    return Ok(Done { stream: job.stream, reply: out.tokens, sample, at: now });
+                    return Ok(Done {
+                        stream: job.stream,
+                        round: job.round,
+                        reply: out.tokens,
+                        sample,
+                        at: now,
+                    });
                 }
             }
         }

@@ -10,9 +10,13 @@
 //! Workloads: vLLM's `prefix_repetition` dataset and the 4-round multimodal
 //! conversation of `fixtures/scenarios.json`, whose every round re-sends the
 //! earlier prompts and the engine's own earlier replies (so a conversation's
-//! rounds run in order; several conversations run at once).
+//! rounds run in order; several conversations run at once). And `many_clients`
+//! (named only, not in `all`): many conversations over a pool a tenth of their
+//! size, on the pool alone, over a disk tier, unbounded, and across a restart
+//! (see `clients.rs`).
 
 mod arrival;
+mod clients;
 mod driver;
 mod stats;
 
@@ -21,8 +25,11 @@ use std::fmt;
 use clap::ValueEnum;
 
 pub use arrival::{Arrival, Dispatcher, Due, poisson_offsets};
+pub use clients::clients_model;
 pub use driver::run_serve;
-pub use stats::{RequestSample, RunFacts, ServeReport, itl_trace, percentile};
+pub use stats::{
+    ClientsEngine, ClientsReport, RequestSample, RoundReport, RunFacts, ServeReport, itl_trace, percentile,
+};
 
 use omniprefix::backend::Dtype;
 use omniprefix::canon::FingerprintKey;
@@ -40,6 +47,15 @@ pub enum ServeWorkload {
     PrefixRepetition,
     /// 4-round image/audio/video conversations re-sending their history and replies.
     MultiRound,
+    /// Many conversations × rounds over a pool a tenth of their size: pool alone,
+    /// pool + disk tier, unbounded pool, and pool + tier across a restart.
+    ManyClients,
+}
+
+impl ServeWorkload {
+    /// What `--workload all` runs: the workloads that compare caching on and
+    /// off. `many_clients` runs four engines of its own and only when named.
+    pub const ALL: [ServeWorkload; 2] = [ServeWorkload::PrefixRepetition, ServeWorkload::MultiRound];
 }
 
 impl fmt::Display for ServeWorkload {
@@ -64,8 +80,15 @@ pub struct ServeOptions {
     pub output_len: usize,
     /// `multi_round`: conversations (each its own tenant, 4 rounds).
     pub conversations: usize,
-    /// `multi_round`: divides the image/video grid sides (audio by the square); 1 = real token counts.
+    /// `multi_round`, `many_clients`: divides the image/video grid sides (audio by the square); 1 = real token counts.
     pub mm_scale: u32,
+    /// `many_clients`: conversations (each its own tenant), and rounds of each.
+    pub clients: usize,
+    pub client_rounds: usize,
+    /// `many_clients`: requests in flight within a round (closed loop).
+    pub client_concurrency: usize,
+    /// `many_clients`: the share of the working set the small pool holds.
+    pub pool_share: f64,
     pub block_size: usize,
     /// Sequences per scheduler step (bounds the decode batch).
     pub max_seqs: usize,
@@ -95,7 +118,7 @@ impl ServeOptions {
     pub fn full() -> Result<Self> {
         let p = Scenarios::load()?.prefix_repetition;
         Ok(ServeOptions {
-            workloads: ServeWorkload::value_variants().to_vec(),
+            workloads: ServeWorkload::ALL.to_vec(),
             arrivals: vec![Arrival::Concurrency(1), Arrival::Concurrency(8)],
             prefix_len: p.prefix_len,
             suffix_len: p.suffix_len,
@@ -104,6 +127,10 @@ impl ServeOptions {
             output_len: p.output_len,
             conversations: 4,
             mm_scale: 4,
+            clients: 64,
+            client_rounds: 6,
+            client_concurrency: 4,
+            pool_share: 0.1,
             block_size: omniprefix::kv::DEFAULT_BLOCK_SIZE,
             max_seqs: 16,
             max_tokens_per_step: 2048,
@@ -115,6 +142,15 @@ impl ServeOptions {
             encoder_ms: 0,
             trace: false,
         })
+    }
+
+    /// The sizes of a `many_clients` run alone: [`full`](Self::full) (64
+    /// conversations × 6 rounds) with 16-token replies, so four engines × 384
+    /// requests run in minutes; or [`quick`](Self::quick) (8 × 4).
+    pub fn many_clients(quick: bool) -> Result<Self> {
+        let base = if quick { Self::quick()? } else { Self::full()? };
+        let output_len = if quick { base.output_len } else { 16 };
+        Ok(ServeOptions { workloads: vec![ServeWorkload::ManyClients], output_len, ..base })
     }
 
     /// A CI-sized run: short prompts and replies, few requests (enough that some
@@ -130,6 +166,9 @@ impl ServeOptions {
             output_len: 8,
             conversations: 2,
             mm_scale: 8,
+            clients: 8,
+            client_rounds: 4,
+            client_concurrency: 2,
             ..Self::full()?
         })
     }

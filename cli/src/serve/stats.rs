@@ -96,6 +96,91 @@ pub struct ServeReport {
     /// With `--trace`: every inter-token gap as `[seconds since the run started, ms]`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub itl_trace: Option<Vec<[f64; 2]>>,
+    /// `many_clients`: which engine ran, its pool against the working set, and each round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub many_clients: Option<ClientsReport>,
+}
+
+/// The engines `many_clients` compares on the same requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientsEngine {
+    /// A pool of about a tenth of the working set, no tier: the fall.
+    Pool,
+    /// The same pool over a disk tier in a fresh directory.
+    PoolTier,
+    /// A pool that holds the whole working set: the ceiling.
+    Unbounded,
+    /// Pool + tier, the engine dropped and rebuilt on the same directory and key halfway.
+    Restart,
+}
+
+impl ClientsEngine {
+    /// Every engine, in the order they run and are printed.
+    pub const ALL: [ClientsEngine; 4] =
+        [ClientsEngine::Pool, ClientsEngine::PoolTier, ClientsEngine::Unbounded, ClientsEngine::Restart];
+
+    /// The name the report and the table use.
+    pub fn name(self) -> &'static str {
+        match self {
+            ClientsEngine::Pool => "pool",
+            ClientsEngine::PoolTier => "pool_tier",
+            ClientsEngine::Unbounded => "unbounded",
+            ClientsEngine::Restart => "restart",
+        }
+    }
+}
+
+/// What one `many_clients` engine saw: its sizes and every round's figures.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClientsReport {
+    pub engine: ClientsEngine,
+    pub conversations: usize,
+    /// Closed loop: requests in flight within a round.
+    pub concurrency: usize,
+    /// KV blocks of the pool, and of every conversation's last round together.
+    pub pool_blocks: usize,
+    pub working_set_blocks: usize,
+    /// `restart`: the first round (1-based) run by the rebuilt engine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restart_round: Option<usize>,
+    /// The tier's counters of the last engine (after a restart, the rebuilt one's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<omniprefix::engine::TierEngineStats>,
+    pub rounds: Vec<RoundReport>,
+}
+
+/// One round of every conversation: the requests that re-sent history `round`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoundReport {
+    /// 1-based.
+    pub round: usize,
+    pub requests: usize,
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the pool or the tier; `hit_rate` is their share.
+    pub cached_tokens: usize,
+    pub hit_rate: f64,
+    /// Of `cached_tokens`, those loaded from the tier during the round.
+    pub tier_hit_tokens: u64,
+    pub ttft_ms_p50: f64,
+}
+
+impl RoundReport {
+    /// Hit rate and TTFT p50 of round `round`'s `samples`.
+    pub fn new(round: usize, samples: &[RequestSample], tier_hit_tokens: u64) -> Self {
+        let prompt_tokens = samples.iter().map(|s| s.prompt_tokens).sum::<usize>();
+        let cached_tokens = samples.iter().map(|s| s.cached_tokens).sum::<usize>();
+        let ttft: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
+        RoundReport {
+            round,
+            requests: samples.len(),
+            prompt_tokens,
+            cached_tokens,
+            hit_rate: cached_tokens as f64 / prompt_tokens.max(1) as f64,
+            tier_hit_tokens,
+            ttft_ms_p50: percentile(&ttft, 50.0),
+        }
+    }
 }
 
 /// Where a run's report lines come from: its name, settings and samples.
@@ -154,6 +239,7 @@ impl ServeReport {
             encoder_calls: facts.encoder_calls,
             kv_events: None,
             itl_trace: None,
+            many_clients: None,
         }
     }
 }

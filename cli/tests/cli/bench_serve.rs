@@ -168,3 +168,78 @@ fn bad_arguments_are_errors_before_anything_runs() {
     assert!(matches!(serve(&["--rate=-2"]), Err(HarnessError::Args(_))));
     assert!(matches!(serve(&["--rate", "0"]), Err(HarnessError::Args(_))));
 }
+
+/// `many_clients --quick`: 8 conversations × 4 rounds on four engines. The requests are the
+/// same on each (greedy replies do not depend on where the KV came from); pool + tier keeps at
+/// least pool-only's hit rate from round 3 on, and after the restart (before round 3) the
+/// rebuilt engine's first round hits the tier.
+#[test]
+fn many_clients_runs_four_engines_and_a_restart_hits_the_tier() -> TestResult {
+    let lines = lines(&serve(&["--json", "--workload", "many_clients"])?)?;
+    let clients: Vec<&serde_json::Value> = lines.iter().map(|l| &l["many_clients"]).collect();
+    let engines: Vec<&str> = clients.iter().map(|c| c["engine"].as_str().unwrap_or_default()).collect();
+    assert_eq!(engines, ["pool", "pool_tier", "unbounded", "restart"]);
+    let rounds = |c: &serde_json::Value| c["rounds"].as_array().cloned().unwrap_or_default();
+    for (l, c) in lines.iter().zip(&clients) {
+        assert_eq!(l["workload"], "many_clients", "{l}");
+        assert_eq!((u(l, "requests"), u(l, "output_tokens"), u(c, "conversations")), (32, 256, 8), "{l}");
+        let rs = rounds(c);
+        assert_eq!(rs.len(), 4, "{c}");
+        for (i, r) in rs.iter().enumerate() {
+            assert_eq!((u(r, "round"), u(r, "requests")), (i as u64 + 1, 8), "{r}");
+            assert!(f(r, "ttft_ms_p50") > 0.0 && (0.0..=1.0).contains(&f(r, "hit_rate")), "{r}");
+            let same = &rounds(clients[0])[i];
+            assert_eq!(
+                r["prompt_tokens"],
+                same["prompt_tokens"],
+                "round {}: the same prompts on every engine",
+                i + 1
+            );
+        }
+        let (pool, working_set) = (u(c, "pool_blocks"), u(c, "working_set_blocks"));
+        if c["engine"] == "unbounded" {
+            assert!(pool >= working_set, "{c}");
+        } else {
+            assert!(pool < working_set, "the small pool cannot hold every conversation: {c}");
+        }
+        let tiered = c["engine"] == "pool_tier" || c["engine"] == "restart";
+        assert_eq!(c["tier"].is_object(), tiered, "{c}");
+        if !tiered {
+            assert!(rs.iter().all(|r| u(r, "tier_hit_tokens") == 0), "{c}");
+        }
+    }
+    let (pool, tier, unbounded) = (rounds(clients[0]), rounds(clients[1]), rounds(clients[2]));
+    for i in 2..4 {
+        let (p, t) = (f(&pool[i], "hit_rate"), f(&tier[i], "hit_rate"));
+        assert!(t >= p, "round {}: pool + tier {t} against pool alone {p}", i + 1);
+        assert!(f(&unbounded[i], "hit_rate") >= p, "round {}: the ceiling", i + 1);
+    }
+    assert!(
+        tier.iter().any(|r| u(r, "tier_hit_tokens") > 0),
+        "the small pool evicts, the tier serves: {tier:?}"
+    );
+    let restart = clients[3];
+    assert_eq!(u(restart, "restart_round"), 3, "{restart}");
+    let first = &rounds(restart)[2];
+    assert!(
+        u(first, "tier_hit_tokens") > 0 && f(first, "hit_rate") > 0.0,
+        "the rebuilt engine hits the tier: {first}"
+    );
+    Ok(())
+}
+
+/// The table of `many_clients`: the usual rows, then one row per round with a column pair per engine.
+#[test]
+fn many_clients_prints_a_row_per_round() -> TestResult {
+    let table =
+        serve(&["--workload", "many_clients", "--clients", "2", "--rounds", "2", "--output-len", "2"])?;
+    assert_eq!(table.lines().filter(|l| l.starts_with("many_clients ")).count(), 4, "{table}");
+    let header = table.lines().find(|l| l.starts_with("round")).unwrap_or_default();
+    for engine in ["pool", "pool_tier", "unbounded", "restart"] {
+        assert!(header.contains(engine), "{table}");
+    }
+    let rows: Vec<&str> = table.lines().skip_while(|l| !l.starts_with("round")).skip(1).collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    assert!(rows[1].contains('*'), "the restart's first round is marked: {table}");
+    Ok(())
+}
