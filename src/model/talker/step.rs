@@ -459,6 +459,21 @@ enum Outcome {
     Sampled { code0: u32, samplers: Box<(Sampler, Sampler)>, next: Next },
 }
 
+/// A talker step's seq before the step's frames are predicted: its outcome, or
+/// its talker sampler (moved on) while its frame waits for the predictor.
+enum Draft {
+    Done(Outcome),
+    Frame(Sampler),
+}
+
+/// What the code predictor starts a frame from: the talker's final-normed row
+/// that sampled `code0` (`[1, hidden]`) and the seq's predictor sampling.
+struct FrameStart<'a> {
+    hidden_row: Array2<f32>,
+    code0: u32,
+    params: &'a SamplingParams,
+}
+
 enum Next {
     Done(FinishReason),
     Frame { frame: Vec<u32>, past_hidden: Array2<f32>, embed_sum: Array2<f32> },
@@ -566,11 +581,12 @@ impl<B: Backend> Talker<B> {
         let mut outputs = outputs.into_iter();
         // Each seq's outcome, or what its frame waits for: the step's frames are predicted together.
         let mut drafts = Vec::with_capacity(batch.seqs.len());
-        let mut frames: Vec<(Array2<f32>, u32, &SamplingParams, Sampler)> = Vec::new();
+        let mut frames: Vec<FrameStart<'_>> = Vec::new();
+        let mut cp_samplers = Vec::new();
         for (scheduled, seq) in batch.seqs.iter().zip(seqs) {
             if !scheduled.emits_output {
                 let next = scheduled.num_computed_tokens + scheduled.token_ids.len();
-                drafts.push(Err(Outcome::Chunk { next }));
+                drafts.push(Draft::Done(Outcome::Chunk { next }));
                 continue;
             }
             let out = outputs
@@ -595,28 +611,30 @@ impl<B: Backend> Talker<B> {
             match done {
                 Some(reason) => {
                     let samplers = Box::new((talker_sampler, seq.cp_sampler.clone()));
-                    drafts.push(Err(Outcome::Sampled { code0, samplers, next: Next::Done(reason) }));
+                    drafts.push(Draft::Done(Outcome::Sampled { code0, samplers, next: Next::Done(reason) }));
                 }
                 None => {
                     // The frame of code0: the predictor starts from the row that sampled it.
                     let hidden_row = final_row(&out.hidden, cfg.text.hidden_size)?;
-                    frames.push((hidden_row, code0, &seq.cp_params, seq.cp_sampler.clone()));
-                    drafts.push(Ok(talker_sampler));
+                    frames.push(FrameStart { hidden_row, code0, params: &seq.cp_params });
+                    cp_samplers.push(seq.cp_sampler.clone());
+                    drafts.push(Draft::Frame(talker_sampler));
                 }
             }
         }
-        let mut predicted = self.predict_frames(b, &frames)?.into_iter();
-        let mut frames = frames.into_iter();
+        let mut predicted = self.predict_frames(b, &frames, &mut cp_samplers)?.into_iter();
+        let mut frames = frames.into_iter().zip(cp_samplers);
         let mut outcomes = Vec::with_capacity(drafts.len());
         for draft in drafts {
             let talker_sampler = match draft {
-                Err(outcome) => {
+                Draft::Done(outcome) => {
                     outcomes.push(outcome);
                     continue;
                 }
-                Ok(sampler) => sampler,
+                Draft::Frame(sampler) => sampler,
             };
-            let (Some((hidden_row, code0, ..)), Some((pred, cp_sampler))) = (frames.next(), predicted.next())
+            let (Some((FrameStart { hidden_row, code0, .. }, cp_sampler)), Some(pred)) =
+                (frames.next(), predicted.next())
             else {
                 return Err(Component::Runner.violation("the code predictor returned too few frames").into());
             };
@@ -629,31 +647,23 @@ impl<B: Backend> Talker<B> {
         Ok(outcomes)
     }
 
-    /// The frames of one step, `(talker hidden row, code0, predictor params, predictor
-    /// sampler)` each, in one predictor forward per group: each frame's prediction and
-    /// its sampler moved on.
+    /// The frames of one step in one predictor forward per group, frame `i`
+    /// sampling with `samplers[i]` (moved on in place): each frame's prediction.
     fn predict_frames(
-        &self, b: &B, frames: &[(Array2<f32>, u32, &SamplingParams, Sampler)],
-    ) -> Result<Vec<(Prediction, Sampler)>> {
+        &self, b: &B, frames: &[FrameStart<'_>], samplers: &mut [Sampler],
+    ) -> Result<Vec<Prediction>> {
         if frames.is_empty() {
             return Ok(Vec::new());
         }
         let hidden = self.config.text.hidden_size;
-        let past = Array2::from_shape_fn((frames.len(), hidden), |(f, c)| frames[f].0[[0, c]]);
-        let code0s: Vec<u32> = frames.iter().map(|f| f.1).collect();
+        let past = Array2::from_shape_fn((frames.len(), hidden), |(f, c)| frames[f].hidden_row[[0, c]]);
+        let code0s: Vec<u32> = frames.iter().map(|f| f.code0).collect();
         let code0_embed = b.download(&self.model.embed(b, &code0s)?)?;
-        let params: Vec<&SamplingParams> = frames.iter().map(|f| f.2).collect();
-        let mut samplers: Vec<Sampler> = frames.iter().map(|f| f.3.clone()).collect();
+        let params: Vec<&SamplingParams> = frames.iter().map(|f| f.params).collect();
         let mut pages = self.take_predictor_pages(b, frames.len())?;
-        let predicted = self.code_predictor.predict(
-            b,
-            past.view(),
-            code0_embed.view(),
-            &mut pages,
-            &params,
-            &mut samplers,
-        );
+        let predicted =
+            self.code_predictor.predict(b, past.view(), code0_embed.view(), &mut pages, &params, samplers);
         self.put_predictor_pages(pages);
-        Ok(predicted?.into_iter().zip(samplers).collect())
+        predicted
     }
 }
