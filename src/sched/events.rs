@@ -28,8 +28,10 @@ pub(super) struct EventLog {
     pending: Vec<KvEvent>,
     /// Published (full, index-owned) blocks and their hashes.
     published: FxHashMap<BlockId, u64>,
-    /// What each published block's `BlockStored` said, to say it again for the disk tier.
+    /// What each published block's `BlockStored` said, to say it again for the disk
+    /// tier: kept only under a tier ([`keep_for_disk`](Self::keep_for_disk)).
     stored: FxHashMap<BlockId, StoredBlock>,
+    keeps_stored: bool,
     /// Hashes published as on the disk tier ([`Medium::Disk`]) and not since removed.
     on_disk: FxHashSet<u64>,
 }
@@ -50,8 +52,22 @@ impl EventLog {
             pending: Vec::new(),
             published: FxHashMap::default(),
             stored: FxHashMap::default(),
+            keeps_stored: false,
             on_disk: FxHashSet::default(),
         }
+    }
+
+    /// Keeps each published block's tokens, parent and extra keys from now on, so
+    /// a block that goes down to the disk tier can be published there
+    /// ([`removed`](Self::removed)); without a tier nothing is kept.
+    pub(super) fn keep_for_disk(&mut self) {
+        self.keeps_stored = true;
+    }
+
+    /// Whether [`keep_for_disk`](Self::keep_for_disk) was asked.
+    #[cfg(test)]
+    pub(super) fn keeps_for_disk(&self) -> bool {
+        self.keeps_stored
     }
 
     /// Records that the index adopted the full blocks `blocks` (`(position, id)`,
@@ -100,6 +116,9 @@ impl EventLog {
                 .collect();
             for (&(i, id), extra) in run.iter().zip(&extra) {
                 self.published.insert(id, chain[i]);
+                if !self.keeps_stored {
+                    continue;
+                }
                 let stored = StoredBlock {
                     parent: i.checked_sub(1).map(|p| chain[p]),
                     token_ids: prompt.token_ids[i * block_size..(i + 1) * block_size].to_vec(),
@@ -204,6 +223,7 @@ mod tests {
     #[test]
     fn blocks_spilled_to_the_tier_are_published_on_disk_after_their_removal() {
         let mut log = EventLog::new(FleetHasher::new(&FingerprintKey::fixed(1)), Medium::Cpu);
+        log.keep_for_disk();
         let prompt = text((10..22).collect());
         let mut chain = Vec::new();
         log.stored(&prompt, &[], 4, &mut chain, &[(0, 7), (1, 8), (2, 9)]);

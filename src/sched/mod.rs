@@ -257,7 +257,12 @@ impl Scheduler {
     /// (the fleet key's [`FleetHasher`]), a `BlockRemoved` when it leaves.
     /// `medium` says where the pages live.
     pub fn with_kv_events(mut self, hasher: FleetHasher, medium: Medium) -> Self {
-        self.events = Some(EventLog::new(hasher, medium));
+        let mut log = EventLog::new(hasher, medium);
+        if self.tier.is_some() {
+            // Given in either order, a tier's blocks are published on DISK too.
+            log.keep_for_disk();
+        }
+        self.events = Some(log);
         self
     }
 

@@ -79,9 +79,7 @@ impl super::Scheduler {
     /// (`hasher`); the KV-event log keeps them (recording events that nobody
     /// publishes when the engine has no publisher: it drains them every step).
     pub fn with_tier(mut self, writer: Arc<TierWriter>, hasher: FleetHasher, medium: Medium) -> Self {
-        if self.events.is_none() {
-            self.events = Some(EventLog::new(hasher, medium));
-        }
+        self.events.get_or_insert_with(|| EventLog::new(hasher, medium)).keep_for_disk();
         self.tier = Some(SchedTier::new(writer));
         self
     }
@@ -152,5 +150,60 @@ impl super::Scheduler {
         if !gone.is_empty() {
             log.left_disk(&gone);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Dtype;
+    use crate::canon::FingerprintKey;
+    use crate::index::radix::{RadixConfig, RadixIndex};
+    use crate::sched::{Scheduler, SchedulerConfig};
+    use crate::tier::scratch::Scratch;
+    use crate::tier::{BlockLayout, Identity, ModelId, TierStore};
+
+    /// The engine gives the scheduler its tier before its KV events: the event log
+    /// that replaces the tier's own must still keep what DISK events need.
+    #[test]
+    fn kv_events_given_after_the_tier_still_publish_its_blocks_on_disk() {
+        let dir = Scratch::new("sched-order");
+        let layout = BlockLayout {
+            block_size: 4,
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            kv_dtype: Dtype::F32,
+            captured: 0,
+            hidden: 0,
+        };
+        let id = Identity { model: ModelId::of(["tiny"]), key: [7; 16], layout };
+        let writer = Arc::new(
+            TierWriter::start(TierStore::open(&dir.0, 64 * id.layout.file_bytes(), id).unwrap(), 4).unwrap(),
+        );
+        let hasher = || FleetHasher::new(&FingerprintKey::fixed(1));
+        let sched = || {
+            let index = RadixIndex::new(RadixConfig { block_size: 4 }).unwrap();
+            Scheduler::new(
+                SchedulerConfig { block_size: 4, num_blocks: 8, ..Default::default() },
+                Box::new(index),
+            )
+            .unwrap()
+        };
+        let tier_first = sched()
+            .with_tier(Arc::clone(&writer), hasher(), Medium::Cpu)
+            .with_kv_events(hasher(), Medium::Cpu);
+        let events_first =
+            sched().with_kv_events(hasher(), Medium::Cpu).with_tier(writer, hasher(), Medium::Cpu);
+        for s in [tier_first, events_first] {
+            assert!(s.events.as_ref().is_some_and(EventLog::keeps_for_disk));
+        }
+        assert!(
+            !sched()
+                .with_kv_events(hasher(), Medium::Cpu)
+                .events
+                .as_ref()
+                .is_some_and(EventLog::keeps_for_disk)
+        );
     }
 }
