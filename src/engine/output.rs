@@ -55,7 +55,8 @@ impl Output {
 pub struct Timings {
     /// Preparation: fingerprinting items, the canonical prompt, the encoder calls.
     pub preprocess: Duration,
-    /// Scheduler calls (match, allocate, commit) of the steps the request was in.
+    /// Scheduler calls (match, allocate, commit) of the steps the request was in,
+    /// with the disk tier's reads and page copies before each batch.
     pub schedule: Duration,
     /// Runner steps the request was in (shared with the requests batched with it).
     pub forward: Duration,

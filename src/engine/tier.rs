@@ -130,6 +130,12 @@ impl<B: Backend> Engine<B> {
         Ok(spilled)
     }
 
+    /// Bytes of one block's file in the tier (`None` without a tier): what a
+    /// restored block reads.
+    pub fn tier_block_file_bytes(&self) -> Option<u64> {
+        Some(self.tier.as_ref()?.writer.store().identity().layout.file_bytes())
+    }
+
     /// The tier's counters (`None` without a tier).
     pub fn tier_stats(&self) -> Option<TierEngineStats> {
         let tier = self.tier.as_ref()?;
