@@ -32,7 +32,11 @@ if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
     "$bin" bench match --workload all --threads 1 --runs 21 --json > "$reports/bench_match_1t.jsonl"
     "$bin" bench match --workload all --threads "$threads" --runs 21 --json > "$reports/bench_match_Nt.jsonl"
     if "$bin" bench ttft --help > /dev/null 2>&1; then
-        "$bin" bench ttft --runs 7 --json > "$reports/bench_ttft.jsonl"
+        "$bin" bench ttft --runs 7 --json \
+            --workloads prefix_repetition,prefix_repetition_long,multi_round,capture_overhead \
+            > "$reports/bench_ttft.jsonl"
+        # docs/engine.md "The disk tier": restore against recompute (~20 s).
+        "$bin" bench ttft --runs 7 --json --workloads tier_restore > "$reports/bench_tier_restore.jsonl"
     fi
     # The README's TTFA table: `python3 scripts/ttfa_table.py docs/reports/bench_ttfa.json` (~3 min on 2 cores).
     if "$bin" bench ttfa --help > /dev/null 2>&1; then

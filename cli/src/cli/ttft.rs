@@ -9,7 +9,7 @@ use clap::Args;
 use super::model_load::load_thinker;
 use super::runtime::{BackendJob, Ran, RuntimeArgs};
 use crate::error::{HarnessError, Result, output};
-use crate::ttft::{CaptureReport, TtftOptions, TtftReport, Workload, bench_model, run_all};
+use crate::ttft::{TtftOptions, TtftReports, Workload, bench_model, run_all};
 use omniprefix::backend::Backend;
 
 /// Arguments of `omniprefix bench ttft`.
@@ -72,7 +72,7 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         kv_dtype: args.runtime.kv_dtype,
         seed: args.seed,
     };
-    let Ran { reason, output: (reports, capture) } =
+    let Ran { reason, output: TtftReports { prompts: reports, capture, tier } } =
         args.runtime.run("bench ttft", Measure { args, options: &options })?;
     if args.json {
         for r in &reports {
@@ -81,15 +81,20 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         if let Some(capture) = &capture {
             writeln!(out, "{}", to_json(capture)?).map_err(output)?;
         }
+        if let Some(tier) = &tier {
+            writeln!(out, "{}", to_json(tier)?).map_err(output)?;
+        }
         return Ok(());
     }
     writeln!(out, "backend: {reason}").map_err(output)?;
-    writeln!(
-        out,
-        "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6}",
-        "workload", "prefix", "suffix", "uncached", "cached", "hit", "ideal", "flops", "ratio", "r/ide"
-    )
-    .map_err(output)?;
+    if !reports.is_empty() {
+        writeln!(
+            out,
+            "{:<26} {:>6} {:>6} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6}",
+            "workload", "prefix", "suffix", "uncached", "cached", "hit", "ideal", "flops", "ratio", "r/ide"
+        )
+        .map_err(output)?;
+    }
     for r in &reports {
         writeln!(
             out,
@@ -107,15 +112,33 @@ pub fn run(args: &TtftArgs, out: &mut dyn Write) -> Result<()> {
         )
         .map_err(output)?;
     }
-    let Some(capture) = capture else { return Ok(()) };
+    if let Some(capture) = capture {
+        writeln!(
+            out,
+            "capture_overhead ({} tokens, {} points): {:.1} ms vs {:.1} ms without = {:+.1} %",
+            capture.prompt_tokens,
+            capture.captured,
+            capture.ttft_capture_ms,
+            capture.ttft_no_capture_ms,
+            capture.capture_overhead * 100.0
+        )
+        .map_err(output)?;
+    }
+    let Some(t) = tier else { return Ok(()) };
     writeln!(
         out,
-        "capture_overhead ({} tokens, {} points): {:.1} ms vs {:.1} ms without = {:+.1} %",
-        capture.prompt_tokens,
-        capture.captured,
-        capture.ttft_capture_ms,
-        capture.ttft_no_capture_ms,
-        capture.capture_overhead * 100.0
+        "tier_restore ({} of {}+{} tokens from the tier): restore {:.4} ms/token vs recompute {:.4} = {:.4} \
+         (in TTFT {:.4} ms/token; TTFT computed {:.1} / restored {:.1} / pooled {:.1} ms)",
+        t.restored_tokens,
+        t.prefix,
+        t.suffix,
+        t.restore_ms_per_token,
+        t.recompute_ms_per_token,
+        t.restore_over_recompute,
+        t.restore_ttft_ms_per_token,
+        t.ttft_computed_ms,
+        t.ttft_restored_ms,
+        t.ttft_pooled_ms
     )
     .map_err(output)
 }
@@ -127,7 +150,7 @@ struct Measure<'a> {
 }
 
 impl BackendJob for Measure<'_> {
-    type Output = (Vec<TtftReport>, Option<CaptureReport>);
+    type Output = TtftReports;
 
     fn run<B: Backend + 'static>(self, backend: Arc<B>) -> Result<Self::Output> {
         let args = self.args;

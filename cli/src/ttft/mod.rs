@@ -1,11 +1,15 @@
 //! Time to first token (the whole prefill), cached vs uncached, measured in
 //! the same run: vLLM's shared-prefix workload (`prefix_repetition`), its
-//! long-prefix variant, the 4-round multimodal conversation (`multi_round`)
-//! and the cost of capturing hidden states.
+//! long-prefix variant, the 4-round multimodal conversation (`multi_round`),
+//! the cost of capturing hidden states and of restoring a prefix from the
+//! disk tier ([`tier`]).
 //!
 //! Every figure is a median over `runs`, and every ratio compares two medians
 //! of the same process on the same model.
 
+mod tier;
+
+use std::path::Path;
 use std::sync::Arc;
 
 use ndarray::{Array2, ArrayD, IxDyn};
@@ -83,6 +87,10 @@ pub enum Workload {
     /// `capture_overhead`: three captured layers against none.
     #[value(name = "capture_overhead")]
     CaptureOverhead,
+    /// `tier_restore`: the long prefix restored from the disk tier against
+    /// recomputed (and against the pool).
+    #[value(name = "tier_restore")]
+    TierRestore,
 }
 
 impl TtftOptions {
@@ -197,11 +205,22 @@ fn median_usize(values: Vec<usize>) -> usize {
     median(values.into_iter().map(|v| v as f64).collect()).round() as usize
 }
 
+pub use tier::TierRestoreReport;
+
+/// What `bench ttft` measured: one report per prompt workload, then the
+/// capture and tier figures (`None` when not selected).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TtftReports {
+    pub prompts: Vec<TtftReport>,
+    pub capture: Option<CaptureReport>,
+    pub tier: Option<TierRestoreReport>,
+}
+
 /// Runs the selected workloads (all by default) on `thinker` and returns
-/// their reports in a fixed order, capture last (`None` when not selected).
+/// their reports in a fixed order.
 pub fn run_all<B: Backend>(
     backend: Arc<B>, thinker: Arc<Thinker<B>>, tokens: Option<OmniTokens>, options: &TtftOptions,
-) -> Result<(Vec<TtftReport>, Option<CaptureReport>)> {
+) -> Result<TtftReports> {
     let bench = Bench { backend, thinker, tokens, options: options.clone() };
     let sc = Scenarios::load()?;
     let prefix = options.prefix.unwrap_or(sc.prefix_repetition.prefix_len);
@@ -220,7 +239,13 @@ pub fn run_all<B: Backend>(
         true => Some(bench.capture_overhead(prefix + suffix)?),
         false => None,
     };
-    Ok((reports, capture))
+    // A backend without a tier skips it when every workload runs, and says why when it is asked for.
+    let tier_asked = options.workloads.contains(&Workload::TierRestore);
+    let tier = match tier_asked || (options.workloads.is_empty() && bench.backend.tier_capable()) {
+        true => Some(bench.tier_restore(options.long_prefix, suffix)?),
+        false => None,
+    };
+    Ok(TtftReports { prompts: reports, capture, tier })
 }
 
 struct Bench<B: Backend> {
@@ -233,6 +258,14 @@ struct Bench<B: Backend> {
 impl<B: Backend> Bench<B> {
     fn engine(
         &self, cache: bool, capture: Option<Vec<omniprefix::model::CaptureName>>, max_prompt: usize,
+    ) -> Result<Engine<B>> {
+        self.engine_on(cache, capture, max_prompt, None)
+    }
+
+    /// [`engine`](Self::engine) with a disk tier in `tier_dir` (`None`: none).
+    fn engine_on(
+        &self, cache: bool, capture: Option<Vec<omniprefix::model::CaptureName>>, max_prompt: usize,
+        tier_dir: Option<&Path>,
     ) -> Result<Engine<B>> {
         let block_size = self.options.block_size;
         // Room for three prompts at once; older runs' entries are evicted (LRU).
@@ -248,6 +281,7 @@ impl<B: Backend> Bench<B> {
             cache,
             tokens: self.tokens.clone(),
             kv_dtype: self.options.kv_dtype,
+            tier_dir: tier_dir.map(Path::to_path_buf),
             ..Default::default()
         };
         let mut engine = Engine::new(Arc::clone(&self.backend), Arc::clone(&self.thinker), config)?;

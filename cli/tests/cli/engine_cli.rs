@@ -239,7 +239,9 @@ fn bench_ttft_lines(backend: &str) -> TestResult<Vec<serde_json::Value>> {
 #[test]
 fn bench_ttft_runs_on_wgpu_with_the_cpu_run_s_cache_hits() -> TestResult {
     let (cpu, gpu) = (bench_ttft_lines("cpu")?, bench_ttft_lines("wgpu")?);
-    assert_eq!(cpu.len(), gpu.len());
+    // The disk tier needs pages on the host: wgpu skips `tier_restore`, the CPU's last line.
+    assert_eq!(cpu.len(), gpu.len() + 1);
+    assert_eq!(cpu.last().and_then(|l| l["workload"].as_str()), Some("tier_restore"));
     for (c, g) in cpu.iter().zip(&gpu) {
         assert_eq!((c["backend"].as_str(), g["backend"].as_str()), (Some("cpu"), Some("wgpu")));
         assert_eq!(
@@ -263,7 +265,8 @@ fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
             "multi_round.round2",
             "multi_round.round3",
             "multi_round.round4",
-            "capture_overhead"
+            "capture_overhead",
+            "tier_restore"
         ]
     );
     assert_eq!((lines[0]["prefix"].as_u64(), lines[0]["suffix"].as_u64()), (Some(16), Some(8)));
@@ -276,6 +279,9 @@ fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
         assert!(line["ttft_cached_ms"].as_f64().is_some_and(|v| v > 0.0) && line["ratio"].as_f64().is_some());
     }
     assert_eq!(lines[6]["captured"].as_u64(), Some(3));
+    // The long prefix's 8 full blocks of 4 come back from the tier, and cost something to read.
+    assert_eq!(lines[7]["restored_tokens"].as_u64(), Some(32));
+    assert!(lines[7]["restore_ms_per_token"].as_f64().is_some_and(|v| v > 0.0), "{}", lines[7]);
     Ok(())
 }
 
