@@ -1,5 +1,7 @@
 //! The disk tier is invisible. Random conversations over a pool too small to
 //! hold them (so the index evicts into the tier and matches continue into it),
+//! some of them submitted together (so a request reads its blocks from the
+//! tier while others' steps run, and may be preempted while it waits),
 //! interleaved with spills (every cached block down to the tier), restarts on
 //! the same directory and key, and corrupted files (a flipped byte, a
 //! truncation, an older format version, another block's file under the name):
@@ -33,6 +35,8 @@ fn model() -> Config {
 enum Op {
     /// Run request `i` of the case.
     Run(usize),
+    /// Submit these requests of the case together and run them all.
+    RunTogether(Vec<usize>),
     /// Every cached block down to the tier.
     Spill,
     /// Drop the engine (it spills) and build another on the same directory.
@@ -58,6 +62,7 @@ fn case() -> impl Strategy<Value = Case> {
     let request = (0usize..24, prop::collection::vec(0u32..240, 1..8), 1usize..4);
     let op = prop_oneof![
         6 => (0usize..8).prop_map(Op::Run),
+        3 => prop::collection::vec(0usize..8, 2..5).prop_map(Op::RunTogether),
         1 => Just(Op::Spill),
         1 => Just(Op::Restart),
         2 => (0u8..4, 0usize..64).prop_map(|(kind, at)| Op::Corrupt { kind, at }),
@@ -173,6 +178,22 @@ fn run_case(case: &Case, dir: &Path) -> Result<(), TestCaseError> {
                 let got = engine.run(request(ids.clone(), new_tokens)).expect("a run with a tier");
                 let mut alone = Engine::random(model(), 3, config(false, false)).expect("a cache-off engine");
                 same(&got, &alone.run(request(ids, new_tokens)).expect("a cache-off run"))?;
+                engine.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Op::RunTogether(ref picks) => {
+                let prompts: Vec<(Vec<u32>, usize)> = picks.iter().map(|&i| prompt(case, i)).collect();
+                let ids: Vec<_> = prompts
+                    .iter()
+                    .map(|(p, g)| engine.submit(request(p.clone(), *g)).expect("a submitted request"))
+                    .collect();
+                let outputs = engine.run_all().expect("requests run together with a tier");
+                prop_assert_eq!(outputs.len(), ids.len());
+                for (id, (p, g)) in ids.iter().zip(prompts) {
+                    let got = outputs.iter().find(|o| o.request == *id).expect("every request finishes");
+                    let mut alone =
+                        Engine::random(model(), 3, config(false, false)).expect("a cache-off engine");
+                    same(got, &alone.run(request(p, g)).expect("a cache-off run"))?;
+                }
                 engine.validate().map_err(|e| TestCaseError::fail(e.to_string()))?;
             }
             Op::Spill => {

@@ -212,7 +212,7 @@ impl<B: Backend> Engine<B> {
                 Arc::clone(&t.writer),
                 FleetHasher::new(&config.fingerprint_key),
                 Medium::of_backend(runner.backend().name()),
-            ),
+            )?,
             None => sched,
         };
         // Last, so a failure above does not wait out a publisher's linger.

@@ -149,6 +149,8 @@ impl Scheduler {
 
     /// Gives up a request's index lock and private blocks.
     pub(super) fn release_cache_state(&mut self, id: RequestId) -> Result<()> {
+        // A run still being read for it would land in blocks it no longer holds.
+        self.tier_forget_load(id);
         let t = self.requests.get_mut(&id).ok_or(SchedError::UnknownRequest { id })?;
         if let Some(m) = t.lock.take() {
             self.index.unlock(&m);

@@ -25,6 +25,8 @@ impl Scheduler {
     /// `max_long_partial_prefills = 1`). A sequence whose blocks cannot be
     /// found waits; an empty batch means nothing can run now.
     pub fn schedule(&mut self) -> Result<ScheduledBatch> {
+        // Requests whose tier reads finished prefill from what was read.
+        self.tier_collect_loads(false)?;
         let mut batch = ScheduledBatch::default();
         let remaining = |t: &Tracked| t.req.prompt.len() - t.num_computed;
         let (decodes, prefills): (Vec<RequestId>, Vec<RequestId>) = self
@@ -42,13 +44,19 @@ impl Scheduler {
         }
         self.schedule_running(&prefills, &mut budget, &mut long, &mut batch)?;
         while let Some(&id) = self.waiting.front() {
+            let emitted = batch.seqs.len();
             if budget == 0
-                || batch.seqs.len() >= self.config.max_seqs_per_step
+                || emitted >= self.config.max_seqs_per_step
                 || !self.start(id, budget, &mut long, &mut batch)?
             {
                 break;
             }
-            budget -= batch.seqs.last().map_or(0, |s| s.token_ids.len());
+            // A request that started loading from the tier emitted nothing yet.
+            budget -= batch.seqs.get(emitted).map_or(0, |s| s.token_ids.len());
+        }
+        // Nothing else to run: wait for a tier read that a request waits on.
+        if batch.seqs.is_empty() && self.tier_collect_loads(true)? {
+            return self.schedule();
         }
         Ok(batch)
     }
@@ -67,7 +75,8 @@ impl Scheduler {
             let Some(i) = self.running.iter().position(|&r| r == id) else { continue };
             let t = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?;
             let left = t.req.prompt.len() - t.num_computed;
-            if t.in_flight.is_some() || !long.admit(left, t.req.max_new_tokens > 0) {
+            let decodes = t.req.max_new_tokens > 0;
+            if t.in_flight.is_some() || self.tier_is_loading(id) || !long.admit(left, decodes) {
                 continue;
             }
             let chunk = left.min(*budget);
@@ -83,7 +92,8 @@ impl Scheduler {
     }
 
     /// Matches a waiting request, pins its cached prefix, allocates its first
-    /// chunk and emits it; `false` when blocks are short or it is a second
+    /// chunk and emits it (or, with blocks in the tier, starts reading them and
+    /// emits nothing yet); `false` when blocks are short or it is a second
     /// long prompt this step (it stays queued).
     pub(super) fn start(
         &mut self, id: RequestId, budget: usize, long: &mut LongPrefills, batch: &mut ScheduledBatch,
@@ -136,24 +146,47 @@ impl Scheduler {
             // Alone in the step, so the long slot is free: take it if the whole prompt is long.
             long.admit(len, decodes);
         };
-        // The blocks are the request's now: read them (a file that vanished or fails its
-        // check since the lookup ends the run; those positions are computed instead, in
-        // the blocks already reserved for them).
-        let loads = self.tier_read(&planned);
-        if loads.len() < planned.len() {
-            computed = (shared + loads.len()) * bs;
+        if !planned.is_empty() {
+            self.start_loading(id, planned, fresh, lock, shared, len)?;
+            return Ok(true);
         }
         let reserved_end = (shared + fresh.len()) * bs;
         let chunk = (len - computed).min(budget).min(reserved_end - computed);
-        let copy_src = lock
-            .as_ref()
-            .filter(|_| computed % bs != 0 && planned.is_empty())
-            .and_then(|m| m.blocks.get(shared).copied());
-        self.tier_loaded(&fresh, loads, len - shared * bs);
+        let copy_src =
+            lock.as_ref().filter(|_| computed % bs != 0).and_then(|m| m.blocks.get(shared).copied());
         if let (Some(src), Some(&dst)) = (copy_src, fresh.first()) {
             batch.copies.push(BlockCopy { src, dst });
             self.stats.block_copies += 1;
         }
+        self.enter_with(id, lock, shared, fresh, computed)?;
+        self.emit(id, chunk, batch)?;
+        Ok(true)
+    }
+
+    /// Admits request `id` and has the reader thread read its run `planned`
+    /// from the tier into the first of its `fresh` blocks: it prefills once a
+    /// later [`schedule`](Self::schedule) collects the run (a file that
+    /// vanished or fails its check since the lookup ends the run; those
+    /// positions are computed instead, in the blocks already reserved).
+    fn start_loading(
+        &mut self, id: RequestId, planned: Vec<u64>, fresh: Vec<BlockId>, lock: Option<PrefixMatch>,
+        shared: usize, len: usize,
+    ) -> Result<()> {
+        let bs = self.config.block_size;
+        let into = fresh.iter().copied().take(planned.len()).collect();
+        self.enter_with(id, lock, shared, fresh, shared * bs)?;
+        self.tier_begin_load(id, planned, into, shared, len - shared * bs);
+        Ok(())
+    }
+
+    /// Moves waiting request `id` to the running list on its `lock`ed first
+    /// `shared` blocks and its `fresh` ones, `computed` tokens done; counts the query.
+    fn enter_with(
+        &mut self, id: RequestId, lock: Option<PrefixMatch>, shared: usize, fresh: Vec<BlockId>,
+        computed: usize,
+    ) -> Result<()> {
+        let bs = self.config.block_size;
+        let len = self.requests.get(&id).ok_or(SchedError::UnknownRequest { id })?.req.prompt.len();
         self.stats.queries += 1;
         self.stats.query_tokens += len as u64;
         if computed > 0 {
@@ -171,8 +204,7 @@ impl Scheduler {
         let arrival = t.arrival;
         self.waiting.pop_front();
         self.enter_running(id, arrival);
-        self.emit(id, chunk, batch)?;
-        Ok(true)
+        Ok(())
     }
 
     /// Appends request `id`'s next `chunk` tokens to the batch (blocks already

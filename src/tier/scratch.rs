@@ -23,3 +23,22 @@ impl Drop for Scratch {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// A writer over a fresh store in `dir` (room for 64 blocks of the tests'
+/// [`identity(1, 2)`](super::file::tests::identity)), holding `hashes`, each
+/// block's payload [`payload_of`](super::store::tests::payload_of) its hash.
+pub(crate) fn writer_holding(dir: &Scratch, hashes: &[u64]) -> std::sync::Arc<super::TierWriter> {
+    let id = super::file::tests::identity(1, 2);
+    let store = super::TierStore::open(&dir.0, 64 * id.layout.file_bytes(), id).expect("a tier store");
+    let writer = super::TierWriter::start(store, 8).expect("a tier writer");
+    for &hash in hashes {
+        assert!(writer.submit(hash, super::store::tests::payload_of(&id, hash).into()));
+    }
+    writer.flush();
+    std::sync::Arc::new(writer)
+}
+
+/// The payload [`writer_holding`] gives block `hash`.
+pub(crate) fn payload_held(hash: u64) -> Vec<u8> {
+    super::store::tests::payload_of(&super::file::tests::identity(1, 2), hash)
+}

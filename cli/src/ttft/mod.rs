@@ -2,7 +2,7 @@
 //! the same run: vLLM's shared-prefix workload (`prefix_repetition`), its
 //! long-prefix variant, the 4-round multimodal conversation (`multi_round`),
 //! the cost of capturing hidden states and of restoring a prefix from the
-//! disk tier ([`tier`]).
+//! disk tier (`tier_restore`).
 //!
 //! Every figure is a median over `runs`, and every ratio compares two medians
 //! of the same process on the same model.
