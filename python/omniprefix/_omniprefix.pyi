@@ -113,7 +113,8 @@ class Error(Exception):
     Python-side type and value problems raise ``TypeError`` (floats as token ids, wrong
     argument types, unsupported content dtypes such as float64 or bool) or ``ValueError``
     (negative ids, ids past ``2**32 - 1``, unknown option strings, a fingerprint key that is not
-    32 bytes or 64 hex digits, a ``kv_*`` option without ``kv_events``). A call that raises changes nothing: same ``stats()``, same cache.
+    32 bytes or 64 hex digits, a ``kv_*`` option without ``kv_events``, ``tier_bytes`` without
+    ``tier_dir``). A call that raises changes nothing: same ``stats()``, same cache.
     """
 
 class RequestError(Error):
@@ -130,7 +131,9 @@ class ConfigError(Error):
     """An engine option value that cannot work: ``block_size=0``, a capture layer past the
     model's layers, a validation policy name that does not exist, a ``kv_events`` /
     ``kv_replay`` endpoint that is not ``tcp://host:port`` or cannot be bound (a port in use);
-    the message names the endpoint."""
+    the message names the endpoint. A ``tier_dir`` that is a file, group- or world-writable or
+    cannot be created, or set with ``cache=False``, and a ``tier_bytes`` of 0 or below one
+    block's file are errors on that field, named in the message."""
 
 class CacheError(Error):
     """A cache used against its contract: a standalone :class:`PrefixIndex` given a block id
@@ -454,6 +457,8 @@ class EngineOptions(TypedDict, total=False):
     kv_topic: str  # default ""
     kv_buffer_steps: int  # default 10000
     kv_linger_s: float  # default 0.0
+    tier_dir: Optional[Union[str, PathLike[str]]]  # default None
+    tier_bytes: int  # default 8 GiB (8589934592)
 
 
 @final
@@ -507,11 +512,19 @@ class Engine:
           ``kv_buffer_steps``: batches kept for replay; ``kv_linger_s``: how long the sockets stay
           open once the engine is dropped (the GIL is released meanwhile). Port 0 picks a free
           port: see :attr:`kv_events_endpoint`. The scheduler never waits on a subscriber.
+        * ``tier_dir``: a disk tier under the pool (a ``str`` or ``os.PathLike``, created 0700):
+          blocks the pool evicts are written there, and a later prompt (in this engine, another
+          engine on the directory, or one after a restart) loads them instead of recomputing.
+          Without ``fingerprint_key`` the engine takes the key kept in ``tier_dir/fleet.key``
+          (created once), so every engine on the directory finds the others' blocks.
+          ``tier_bytes``: the tier's bound in bytes of its files (default 8 GiB), across every
+          engine sharing the directory. CPU backend only. Its KV events put blocks going down to
+          the tier on ``medium`` ``"DISK"``.
 
         Raises :class:`CheckpointError` (missing or bad folder), :class:`ConfigError` (also an
         endpoint that does not parse or cannot be bound), ``ValueError`` (unknown option
         strings, a key that is not 32 bytes or 64 hex digits, a ``kv_*`` option without
-        ``kv_events``), :class:`GpuError`.
+        ``kv_events``, ``tier_bytes`` without ``tier_dir``), :class:`GpuError`.
         """
     @staticmethod
     def random(
@@ -643,12 +656,16 @@ class Engine:
     def is_dead(self) -> bool:
         """True once a step panicked: every pending and later call raises
         :class:`EngineDeadError`."""
-    def stats(self) -> dict[str, int]:
-        """Every counter of the engine: ``queries``, ``query_tokens`` (prompt tokens matched),
+    def stats(self) -> dict[str, Any]:
+        """Every counter of the engine (ints, but for the ``talker`` and ``tier`` dicts): ``queries``, ``query_tokens`` (prompt tokens matched),
         ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``, ``block_copies``,
         ``blocks_free``, ``blocks_in_use``, ``blocks_cached``, ``waiting``, ``running``,
         ``encoder_cache_hits``, ``encoder_calls`` (items the encoder ran for), ``finished``, and
-        ``talker`` (the talker's prefix-cache counters, a dict) on a checkpoint that speaks."""
+        ``talker`` (the talker's prefix-cache counters, a dict) on a checkpoint that speaks, and
+        ``tier`` (a dict) on an engine with a ``tier_dir``: its files' ``hits``, ``misses``,
+        ``errors``, ``written``, ``write_drops``, ``evicted`` and ``bytes`` (blocks, and the
+        directory's bytes), and ``query_tokens`` / ``hit_tokens`` (prompt tokens past the pool's
+        match looked up in the tier, and those loaded from it)."""
     def metrics(self) -> str:
         """The engine's metrics in Prometheus text format (OpenMetrics, ending in ``# EOF``),
         with vLLM's meanings: counters ``omniprefix_prefix_cache_queries_total`` and

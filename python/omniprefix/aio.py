@@ -164,7 +164,7 @@ class AsyncEngine:
         submitted when first iterated. ``.generation`` holds the result at the end."""
         return AsyncStream(self, functools.partial(self.engine.stream, token_ids, items, audio=audio, **kwargs))
 
-    async def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, Any]:
         """``Engine.stats``, answered between two engine steps without blocking the event loop."""
         return await self._call(self.engine.stats)
 

@@ -1,7 +1,8 @@
 """A local fleet in one command: Dynamo's OpenAI frontend and N omniprefix workers.
 
     python -m omniprefix.fleet --model DIR --workers N [--router kv|round-robin] [--port P]
-        [--talker-temperature T] [--talker-max-tokens M]
+        [--talker-temperature T] [--talker-max-tokens M] [--tier-dir DIR [--tier-bytes SIZE]]
+        [--fingerprint-key HEX]
 
 Starts ``python -m dynamo.frontend`` and N ``python -m omniprefix.worker`` processes on loopback,
 with no etcd and no NATS: file discovery under a temporary directory, the TCP request plane and
@@ -20,6 +21,14 @@ On a checkpoint with a talker, the edge also answers spoken chats (``"modalities
 over the workers' KV events; Dynamo's round-robin client under ``--router round-robin``) to the
 workers, which speak them (:mod:`omniprefix.speech_route`). ``--talker-temperature`` and
 ``--talker-max-tokens`` are the workers' defaults for the talker options a request leaves out.
+
+``--tier-dir DIR`` gives every worker (replacements too) one disk tier, ``--tier-bytes SIZE``
+(default 8 GiB) bounding the whole directory: a block one worker's pool evicted is loaded by any
+of them. A tier hit needs the key that hashed the block: with ``--fingerprint-key`` every worker
+gets that one, else each takes the key kept in ``DIR/fleet.key`` (created once, 0600), never put
+on a command line, and the same after a restart of the fleet. Dynamo's router files the
+workers' ``"DISK"`` events under its disk tier; the fleet gives that tier no weight
+(``--router-disk-cache-hit-weight 0``), since the directory is every worker's alike.
 
 then supervises until SIGINT or SIGTERM (exit status 0) or until the frontend exits (reported on
 stderr, exit status 1):
@@ -56,6 +65,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, cast
 
 from .ports import LOOPBACK, check_listenable, free_port
+from .sizes import byte_size
 from .speech import MAX_TALKER_TOKENS
 
 if TYPE_CHECKING:
@@ -79,6 +89,18 @@ STABLE_S = 30.0
 #: How many times the frontend moves a request whose worker died to another one (its
 #: ``--migration-limit``; 0 would end the request with an error).
 MIGRATION_LIMIT = 3
+
+#: The KV router's weights of the tiers Dynamo files our blocks under (``KvRouterConfig``'s
+#: ``host_cache_hit_weight`` / ``disk_cache_hit_weight``, the frontend's
+#: ``--router-host-cache-hit-weight`` / ``--router-disk-cache-hit-weight``), for the frontend and
+#: the edge's router.
+#: Our CPU backend's events carry medium "CPU", which Dynamo files in its host tier: here that tier
+#: is the working cache, worth as much as a device hit. "DISK" events (workers with a tier) go to
+#: its disk tier, which credits the worker that announced the blocks; but the fleet's workers
+#: share one tier directory and any of them loads those blocks alike, so a weight would only pull
+#: load to the announcer.
+HOST_CACHE_HIT_WEIGHT = 1.0
+DISK_CACHE_HIT_WEIGHT = 0.0
 
 #: Dynamo's environment for a loopback fleet: every listener on 127.0.0.1.
 LOOPBACK_ENV = {
@@ -114,6 +136,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="the talker's temperature when a spoken request sets none (0: greedy; default: the checkpoint's)")
     p.add_argument("--talker-max-tokens", type=int,
                    help="codec frames a spoken reply takes at most when the request sets none")
+    p.add_argument("--tier-dir", type=Path, metavar="DIR",
+                   help="one disk tier under every worker's KV pool, shared by them (created 0700)")
+    p.add_argument("--tier-bytes", type=byte_size, metavar="SIZE",
+                   help="the tier's bound in bytes of its files, for the whole directory (512MiB, 8GiB; default 8GiB)")
+    p.add_argument("--fingerprint-key", metavar="HEX",
+                   help="every worker's fleet key, 64 hex digits (default: the tier's DIR/fleet.key with "
+                        "--tier-dir, else a random one per worker)")
     # Tests: an environment variable for the first process of worker K only (a fault to inject
     # that its replacement must not inherit). Not in --help.
     p.add_argument("--first-env", action="append", default=[], dest="first_env_specs", help=argparse.SUPPRESS)
@@ -127,6 +156,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.first_env.setdefault(int(index), {})[name] = value
     if args.workers < 1:
         p.error(f"--workers must be at least 1, not {args.workers}")
+    if args.tier_bytes is not None and args.tier_dir is None:
+        p.error("--tier-bytes needs --tier-dir")
+    if args.tier_dir is not None and args.tier_dir.exists() and not args.tier_dir.is_dir():
+        p.error(f"--tier-dir {args.tier_dir}: not a directory")
     if args.max_body_bytes < 1024:
         p.error(f"--max-body-bytes must be at least 1024, not {args.max_body_bytes}")
     if not (0 <= args.port <= 65535):
@@ -261,9 +294,8 @@ class Fleet:
                     "--router-mode", self.router, "--discovery-backend", "file", "--request-plane", "tcp",
                     "--event-plane", "zmq", "--migration-limit", str(MIGRATION_LIMIT)]
         if self.router == "kv":
-            # Our CPU backend's events carry medium "CPU", which Dynamo files in its host tier:
-            # here that tier is the working cache, worth as much as a device hit.
-            frontend += ["--router-host-cache-hit-weight", "1.0"]
+            frontend += ["--router-host-cache-hit-weight", repr(HOST_CACHE_HIT_WEIGHT),
+                         "--router-disk-cache-hit-weight", repr(DISK_CACHE_HIT_WEIGHT)]
         self.frontend = self._spawn("frontend", frontend, subprocess.DEVNULL)
         self._prepare_speech()
         for slot in self.slots:
@@ -528,14 +560,27 @@ def terminate(proc: subprocess.Popen[Any], timeout_s: float = 30.0) -> None:
     proc.wait()
 
 
+def worker_args(args: argparse.Namespace) -> list[str]:
+    """The ``python -m omniprefix.worker`` options the fleet's command line gives every worker,
+    replacements included: the talker's defaults, the fleet key, the shared tier (its directory
+    absolute, as every worker must name the same one)."""
+    out = []
+    if args.talker_temperature is not None:
+        out += ["--talker-temperature", repr(args.talker_temperature)]
+    if args.talker_max_tokens is not None:
+        out += ["--talker-max-tokens", str(args.talker_max_tokens)]
+    if args.fingerprint_key is not None:
+        out += ["--fingerprint-key", args.fingerprint_key]
+    if args.tier_dir is not None:
+        out += ["--tier-dir", str(args.tier_dir.resolve())]
+    if args.tier_bytes is not None:
+        out += ["--tier-bytes", str(args.tier_bytes)]
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    worker_args = []
-    if args.talker_temperature is not None:
-        worker_args += ["--talker-temperature", repr(args.talker_temperature)]
-    if args.talker_max_tokens is not None:
-        worker_args += ["--talker-max-tokens", str(args.talker_max_tokens)]
-    fleet = Fleet(args.model, args.workers, args.router, args.port, worker_args=worker_args,
+    fleet = Fleet(args.model, args.workers, args.router, args.port, worker_args=worker_args(args),
                   first_env=args.first_env, max_body_bytes=args.max_body_bytes)
     stopping = []
 

@@ -123,8 +123,12 @@ class SpeechRoute:
                                            event_plane=os.environ.get("DYN_EVENT_PLANE", "zmq"))
         endpoint = self._runtime.endpoint(self.endpoint_name)
         if self.router_mode == "kv":
-            # Our CPU backend's blocks are filed under Dynamo's host tier: count them as device hits.
-            self._router = KvRouter(endpoint, self.block_size, KvRouterConfig(host_cache_hit_weight=1.0))
+            # The frontend's tier weights (our CPU blocks as device hits, a shared disk tier as nothing).
+            from .fleet import DISK_CACHE_HIT_WEIGHT, HOST_CACHE_HIT_WEIGHT
+
+            weights = KvRouterConfig(host_cache_hit_weight=HOST_CACHE_HIT_WEIGHT,
+                                     disk_cache_hit_weight=DISK_CACHE_HIT_WEIGHT)
+            self._router = KvRouter(endpoint, self.block_size, weights)
         else:
             self._client = await endpoint.client()
             await self._client.wait_for_instances()

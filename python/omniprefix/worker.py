@@ -32,6 +32,10 @@
   talker stopped, its rows and cached rows). Talker options the request leaves out take
   ``--talker-temperature`` and ``--talker-max-tokens``, else the checkpoint's defaults.
 * **Metrics.** ``Engine.metrics()`` (Prometheus text) at ``http://HOST:PORT/metrics``.
+* **Disk tier.** ``--tier-dir DIR`` (``--tier-bytes SIZE``) keeps the blocks the pool evicts in
+  DIR; workers sharing DIR load each other's, and without ``--fingerprint-key`` they all take the
+  key kept in ``DIR/fleet.key``, which a tier hit needs. Blocks going down to the tier are KV
+  events on ``medium`` ``"DISK"``.
 * **Engine death.** When an engine step panics, every pending and later call raises
   ``EngineDeadError``: each request in flight ends with an error the client sees (an HTTP 500,
   or an error event in a stream; not one Dynamo migrates, see ``Worker.generate``), the worker
@@ -51,6 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import http.server
 import json
 import os
@@ -64,6 +69,7 @@ from . import AudioChunk, EngineDeadError, Error, Generation, RequestError
 from .aio import AsyncEngine
 from .dynamo_keys import routed_items
 from .encoder import MAX_IMAGE_PIXELS, MAX_MEDIA_BYTES, encoder_for
+from .sizes import byte_size
 from .speech import CHUNK_KEY, DONE_KEY, MAX_TALKER_TOKENS, REQUEST_KEY, b64, pcm16
 
 __all__ = ["sampling_options", "MetricsServer", "main"]
@@ -411,7 +417,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     engine = p.add_argument_group("engine options (Engine.from_dir; unset: the engine's default)")
     for name, (kind, choices) in ENGINE_FLAGS.items():
         engine.add_argument("--" + name.replace("_", "-"), type=kind, choices=choices)
-    engine.add_argument("--fingerprint-key", help="the fleet key, 64 hex digits (default: a random one)")
+    engine.add_argument("--fingerprint-key",
+                        help="the fleet key, 64 hex digits (default: the --tier-dir's key with a tier, else a random one)")
+    engine.add_argument("--tier-dir", metavar="DIR",
+                        help="a disk tier under the KV pool: evicted blocks are kept in DIR (created 0700), which "
+                             "the workers of a host may share; without --fingerprint-key, the key in DIR/fleet.key")
+    engine.add_argument("--tier-bytes", metavar="SIZE", type=byte_size,
+                        help="the tier's bound in bytes of its files, across every worker on DIR (512MiB, 8GiB, "
+                             "10GB; default 8GiB)")
     engine.add_argument("--cache", choices=["on", "off"],
                         help="prefix caching (both stages; default on): off recomputes every prompt (benchmarks)")
     p.add_argument("--dynamo-mm-keys", default="on", choices=["on", "off"],
@@ -427,6 +440,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     speech.add_argument("--talker-max-tokens", type=int,
                         help=f"codec frames a reply speaks at most when a request sets none (1 to {MAX_TALKER_TOKENS})")
     args = p.parse_args(argv)
+    if args.tier_bytes is not None and args.tier_dir is None:
+        p.error("--tier-bytes needs --tier-dir")
     if args.talker_temperature is not None and not 0.0 <= args.talker_temperature <= 2.0:
         p.error(f"--talker-temperature must be in [0, 2], not {args.talker_temperature}")
     if args.talker_max_tokens is not None and not 1 <= args.talker_max_tokens <= MAX_TALKER_TOKENS:
@@ -442,7 +457,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     # No hidden states are captured: Dynamo's token-out responses carry none, so gathering them
     # for every position would be work no one reads.
     options: dict[str, Any] = {"kv_events": args.kv_events, "capture": []}
-    for name in (*ENGINE_FLAGS, "fingerprint_key"):
+    for name in (*ENGINE_FLAGS, "fingerprint_key", "tier_dir", "tier_bytes"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     if args.cache is not None:
@@ -500,6 +515,7 @@ async def serve(args: argparse.Namespace) -> int:
     runtime = DistributedRuntime(loop, args.discovery_backend, args.request_plane, event_plane=args.event_plane)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, runtime.shutdown)
+    worker: Optional[Worker] = None
     try:
         endpoint = runtime.endpoint(args.endpoint)
         # The relay subscribes to the engine's PUB socket before the model is announced, so
@@ -534,6 +550,11 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         metrics.close()
         engine.close()
+        if worker is not None:
+            # Dynamo's runtime keeps `worker.generate`, so the worker, referenced past its
+            # shutdown: the engine must not stay reachable from it, or it is never dropped, and
+            # its drop is what spills the pool to a disk tier for the next worker on it.
+            del worker.engine
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -542,7 +563,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         import uvloop
     except ImportError:
         sys.exit("error: Dynamo is not installed here: bash scripts/install_fleet.sh VENV")
-    sys.exit(uvloop.run(serve(args)))
+    status = uvloop.run(serve(args))
+    # The engine's last references are in reference cycles (the metrics handler's class):
+    # collected now, so it drops (spilling its cache to a tier, waiting for the writes) before
+    # the interpreter exits, which would not drop it.
+    gc.collect()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 //! The keyword options of `Engine.from_dir` / `Engine.random` and of the
 //! standalone matcher, parsed into the engine's types.
 
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use omniprefix::events::KvEventsConfig;
 use omniprefix::index::ValidationPolicy;
 use omniprefix::model::CaptureName;
 use omniprefix::sched::PrefillCap;
+use omniprefix::tier::tier_key;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyFloat, PyInt, PyString};
@@ -49,7 +51,7 @@ pub struct EngineOptions {
 }
 
 /// The option names `Engine.from_dir` and `Engine.random` accept.
-const ENGINE_OPTIONS: [&str; 22] = [
+const ENGINE_OPTIONS: [&str; 24] = [
     "block_size",
     "num_blocks",
     "capture",
@@ -72,6 +74,8 @@ const ENGINE_OPTIONS: [&str; 22] = [
     "kv_topic",
     "kv_buffer_steps",
     "kv_linger_s",
+    "tier_dir",
+    "tier_bytes",
 ];
 
 /// The `kv_*` options as given; they only mean something with `kv_events`.
@@ -113,6 +117,37 @@ impl KvOptions {
     }
 }
 
+/// The disk tier's options as given: `tier_bytes` only means something with `tier_dir`.
+#[derive(Default)]
+struct TierOptions {
+    dir: Option<PathBuf>,
+    bytes: Option<u64>,
+}
+
+impl TierOptions {
+    /// Sets the tier on `config`, as the CLI's `--tier-dir` / `--tier-bytes` do: without a
+    /// `fingerprint_key` (`key_given` false) the engine takes the key kept in the directory, so
+    /// a later engine (or another worker) on it finds the files this one writes. `tier_bytes`
+    /// without `tier_dir` is a `ValueError`; a bound the tier cannot use (0, below one block)
+    /// is left to the engine, whose `ConfigError` names `tier_bytes`.
+    fn apply(self, config: &mut EngineConfig, key_given: bool) -> PyResult<()> {
+        let Some(dir) = self.dir else {
+            return match self.bytes {
+                Some(_) => Err(PyValueError::new_err("tier_bytes needs tier_dir (the tier's directory) too")),
+                None => Ok(()),
+            };
+        };
+        if let Some(bytes) = self.bytes {
+            config.tier_bytes = bytes;
+        }
+        if !key_given {
+            config.fingerprint_key = tier_key(&dir).map_err(to_py)?;
+        }
+        config.tier_dir = Some(dir);
+        Ok(())
+    }
+}
+
 impl EngineOptions {
     /// Parses `**options`; an unknown name is a `TypeError`, a bad value a
     /// `TypeError` / `ValueError` naming the option.
@@ -125,6 +160,8 @@ impl EngineOptions {
         let Some(options) = options else { return Ok(out) };
         let config = &mut out.config;
         let mut kv = KvOptions::default();
+        let mut tier = TierOptions::default();
+        let mut key_given = false;
         for (key, value) in options.iter() {
             let name: String = key.extract()?;
             if value.is_none() {
@@ -148,7 +185,10 @@ impl EngineOptions {
                     config.kv_dtype = dtype(&value)?
                         .ok_or_else(|| PyValueError::new_err("kv_dtype \"auto\": give f32, bf16 or f16"))?
                 }
-                "fingerprint_key" => config.fingerprint_key = fingerprint_key(&value, &name)?,
+                "fingerprint_key" => {
+                    config.fingerprint_key = fingerprint_key(&value, &name)?;
+                    key_given = true;
+                }
                 "validation" => config.validation = validation(&value)?,
                 "tenants" => {
                     config.known_tenants =
@@ -161,6 +201,8 @@ impl EngineOptions {
                 "kv_topic" => kv.topic = Some(string(&value, &name)?),
                 "kv_buffer_steps" => kv.buffer_steps = Some(count(&value, &name)?),
                 "kv_linger_s" => kv.linger = Some(seconds(&value, &name)?),
+                "tier_dir" => tier.dir = Some(path(&value, &name)?),
+                "tier_bytes" => tier.bytes = Some(count(&value, &name)?),
                 other => {
                     return Err(PyTypeError::new_err(format!(
                         "unknown engine option {other:?}; options are {}",
@@ -170,6 +212,7 @@ impl EngineOptions {
             }
         }
         config.kv_events = kv.config()?;
+        tier.apply(config, key_given)?;
         Ok(out)
     }
 }
@@ -186,8 +229,8 @@ fn index_kind(value: &Bound<'_, PyAny>) -> PyResult<IndexKind> {
         .map_err(|_| PyValueError::new_err(format!("index {name:?}: expected \"radix\" or \"hashchain\"")))
 }
 
-/// A non-negative int option.
-fn count(value: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+/// A non-negative int option (`usize` or `u64`).
+fn count<T: for<'a, 'py> FromPyObject<'a, 'py>>(value: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
     if !value.is_instance_of::<PyInt>() {
         return Err(PyTypeError::new_err(format!("{name} must be an int")));
     }
@@ -203,6 +246,11 @@ fn seconds(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s).map_err(|_| {
         PyValueError::new_err(format!("{name} must be a finite number of seconds >= 0, found {s}"))
     })
+}
+
+/// A filesystem path: a `str` or an `os.PathLike` (`pathlib.Path`).
+fn path(value: &Bound<'_, PyAny>, name: &str) -> PyResult<PathBuf> {
+    value.extract().map_err(|_| PyTypeError::new_err(format!("{name} must be a str or an os.PathLike")))
 }
 
 fn string(value: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {

@@ -114,13 +114,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-def fleet_fixtures(model: Path, fleet_name: str):
+def fleet_fixtures(model: Path, fleet_name: str, tier: bool = False):
     """A fleet suite's module fixtures over checkpoint ``model``: a 2-worker fleet with kv routing
-    (named ``fleet_name``), and the ``engine`` and ``tokenizer`` its replies are checked against."""
+    (named ``fleet_name``; with ``tier``, over a disk tier in a fresh directory), and the ``engine``
+    and ``tokenizer`` its replies are checked against."""
 
     @pytest.fixture(scope="module", name=fleet_name)
-    def fleet():
-        running = RunningFleet("--model", str(model), "--workers", "2", "--router", "kv", "--port", "0")
+    def fleet(tmp_path_factory):
+        tier_args = ["--tier-dir", str(tmp_path_factory.mktemp("tier") / "tier")] if tier else []
+        running = RunningFleet("--model", str(model), "--workers", "2", "--router", "kv", "--port", "0", *tier_args)
         yield running
         running.stop()
 
@@ -137,7 +139,8 @@ def fleet_fixtures(model: Path, fleet_name: str):
     return fleet, engine, tokenizer
 
 
-kv_fleet, engine, tokenizer = fleet_fixtures(MODEL, "kv_fleet")
+# Over a disk tier: every reply below must be the same with it (and test_the_workers_share_... uses it).
+kv_fleet, engine, tokenizer = fleet_fixtures(MODEL, "kv_fleet", tier=True)
 
 
 def test_the_fleet_is_ready_within_30_s_and_names_its_processes(kv_fleet):
@@ -485,3 +488,26 @@ def test_kv_routing_tells_images_of_the_same_size_apart(omni_kv_fleet):
     time.sleep(0.3)
     cached = [image_chat(omni_kv_fleet, url)["usage"]["prompt_tokens_details"]["cached_tokens"] for url in urls[::-1]]
     assert all(c >= IMAGE_END for c in cached), cached
+
+
+def test_the_workers_share_the_fleets_tier_directory_and_key(kv_fleet, engine):
+    """``--tier-dir`` reaches every worker, a replacement too, and they share its key: the blocks a
+    worker spilled when it stopped are tier hits for whichever worker serves the prompt next."""
+    argv = kv_fleet.proc.args
+    tier = Path(argv[argv.index("--tier-dir") + 1])
+    assert (tier / "fleet.key").is_file()
+    assert all("omniprefix_tier_bytes" in m for m in kv_fleet.metrics())
+    ids = prompts(seed=9, count=1, length=48)[0]
+    want = engine.generate(ids, max_tokens=4, temperature=0.0, ignore_eos=True).tokens
+    before = kv_fleet.metrics()
+    assert reply_ids(completion(kv_fleet, ids, max_tokens=4, temperature=0, ignore_eos=True)) == want
+    queried = "omniprefix_prefix_cache_queries_total"
+    served = next(k for k, (a, b) in enumerate(zip(kv_fleet.metrics(), before)) if a[queried] > b[queried])
+    # A stopped worker's engine spills its pool to the tier; the fleet starts another in its place.
+    os.kill(kv_fleet.info["workers"][served]["pid"], signal.SIGTERM)
+    kv_fleet.replacement(timeout_s=30)
+    metrics = kv_fleet.metrics()
+    assert "omniprefix_tier_bytes" in metrics[served], "the replacement has no tier"
+    hits = "omniprefix_tier_hits_total"
+    assert reply_ids(completion(kv_fleet, ids, max_tokens=4, temperature=0, ignore_eos=True)) == want
+    assert sum(m[hits] for m in kv_fleet.metrics()) > sum(m[hits] for m in metrics)

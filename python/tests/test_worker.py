@@ -4,6 +4,8 @@ test_fleet.py). Requests are shaped as Dynamo 1.6.1's frontend sends them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import omniprefix
@@ -133,3 +135,34 @@ def test_the_workers_engine_flags_are_engine_options_and_restate_no_default(qwen
     assert set(bare) == {"kv_events", "capture"}, bare
     sized = engine_options(parse_args(["--model", str(FIXTURES / "qwen3_dense"), "--block-size", "4", "--dtype", "bf16"]))
     assert (sized["block_size"], sized["dtype"]) == (4, "bf16")
+
+
+def test_the_tier_flags_reach_the_engine_options_of_every_worker_of_a_fleet(tmp_path, capsys):
+    """``--tier-dir`` / ``--tier-bytes`` (sizes spelled as the CLI's): the worker hands them to the
+    engine, and the fleet to every worker it starts, the directory absolute; a bound without a
+    directory is refused before anything starts."""
+    from omniprefix import fleet, worker
+
+    model = str(FIXTURES / "qwen3_dense")
+    options = worker.engine_options(worker.parse_args(["--model", model, "--tier-dir", str(tmp_path),
+                                                       "--tier-bytes", "8GiB"]))
+    assert (options["tier_dir"], options["tier_bytes"]) == (str(tmp_path), 8 << 30)
+    args = fleet.parse_args(["--model", model, "--workers", "2", "--port", "0", "--tier-dir", "rel/tier",
+                             "--tier-bytes", "512 MiB", "--fingerprint-key", "ab" * 32])
+    argv = fleet.worker_args(args)
+    tier_dir = Path(argv[argv.index("--tier-dir") + 1])
+    assert tier_dir.is_absolute() and tier_dir == Path("rel/tier").resolve()
+    assert argv[argv.index("--tier-bytes") + 1] == str(512 << 20)
+    assert argv[argv.index("--fingerprint-key") + 1] == "ab" * 32
+    assert "--tier-dir" not in fleet.worker_args(fleet.parse_args(["--model", model, "--workers", "1", "--port", "0"]))
+    for parse in (worker.parse_args, lambda a: fleet.parse_args([*a, "--workers", "1", "--port", "0"])):
+        for bad, message in ((["--tier-bytes", "1GiB"], "--tier-bytes needs --tier-dir"),
+                             (["--tier-dir", str(tmp_path), "--tier-bytes", "lots"], "invalid byte_size value")):
+            with pytest.raises(SystemExit):
+                parse(["--model", model, *bad])
+            assert message in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_bytes(b"")
+    with pytest.raises(SystemExit):
+        fleet.parse_args(["--model", model, "--workers", "1", "--port", "0", "--tier-dir", str(a_file)])
+    assert "not a directory" in capsys.readouterr().err
