@@ -93,16 +93,27 @@ pub(super) fn open<B: Backend>(
 impl<B: Backend> Engine<B> {
     /// Runs the scheduler's tier work on the pages: evicted blocks out to the
     /// writer first (their pages may be what a load or this batch writes next),
-    /// then loads in. Called after each `schedule`, before the batch runs.
+    /// then loads in. Called after each `schedule`, before the batch runs; a
+    /// full write queue drops a block rather than delay the step.
     pub(super) fn run_tier_work(&mut self) -> Result<()> {
+        self.move_tier_blocks(false)
+    }
+
+    /// [`run_tier_work`](Self::run_tier_work), waiting for room in the write
+    /// queue instead of dropping when `spill` (no step waits then).
+    fn move_tier_blocks(&mut self, spill: bool) -> Result<()> {
         let Some(tier) = &self.tier else { return Ok(()) };
         let TierWork { saves, loads, load_times } = self.sched.take_tier_work();
         let backend = self.runner.backend();
         for (block, hash) in saves {
             let mut bytes = Vec::with_capacity(tier.writer.store().identity().layout.payload_bytes());
             backend.export_block(&self.pages, block, &mut bytes)?;
-            // A full queue drops the block (counted): recomputed if asked for again.
-            tier.writer.submit(hash, bytes.into());
+            if spill {
+                tier.writer.submit_waiting(hash, bytes.into());
+            } else {
+                // A full queue drops the block (counted): recomputed if asked for again.
+                tier.writer.submit(hash, bytes.into());
+            }
         }
         for (block, loaded) in loads {
             backend.import_block(&mut self.pages, block, loaded.payload())?;
@@ -122,7 +133,8 @@ impl<B: Backend> Engine<B> {
             return Ok(0);
         }
         let spilled = self.sched.evict(usize::MAX)?;
-        self.run_tier_work()?;
+        // Every block reaches the tier: a spill has no step to keep on time.
+        self.move_tier_blocks(true)?;
         self.publish_kv_events();
         if let Some(tier) = &self.tier {
             tier.writer.flush();
@@ -257,6 +269,32 @@ mod tests {
         let stats = engine.tier_stats().unwrap();
         assert_eq!((stats.hit_tokens, stats.files.errors), (0, 1), "the first bad file ends the run");
         engine.validate().unwrap();
+    }
+
+    /// A spill holds more blocks than the write queue: it waits for room, so
+    /// the next engine on the directory finds every block.
+    #[test]
+    fn a_spill_larger_than_the_write_queue_drops_nothing() {
+        let dir = Scratch::new("spill-all");
+        let mut config = config(Some(dir.0.clone()));
+        config.scheduler.num_blocks = 300;
+        config.tier_bytes = 1 << 30;
+        let mut engine = Engine::random(model(), 5, config).unwrap();
+        let ids: Vec<u32> = (0..1101).map(|i| i % 500).collect();
+        engine.run(Request::text(ids)).unwrap();
+        // Another holder of the directory's lock stalls the writer while the spill fills its queue.
+        let other = std::fs::File::options().read(true).write(true).open(dir.0.join(".lock")).unwrap();
+        other.lock().unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            other.unlock().unwrap();
+        });
+        let spilled = engine.flush_tier().unwrap();
+        release.join().unwrap();
+        assert!(spilled > WRITE_QUEUE_BLOCKS, "{spilled} blocks spilled");
+        let stats = engine.tier_stats().unwrap().files;
+        // Every full block (the last, partial one is not published).
+        assert_eq!((stats.write_drops, stats.written), (0, 1101 / 4));
     }
 
     #[test]

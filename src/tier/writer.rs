@@ -109,6 +109,19 @@ impl TierWriter {
         }
     }
 
+    /// Queues block `hash` for writing, waiting for room when the queue is
+    /// full: for a spill (a drop, a restart), where nothing else waits and a
+    /// dropped block would be a lost hit. `false` only once the writer stops.
+    pub fn submit_waiting(&self, hash: u64, payload: Arc<[u8]>) -> bool {
+        let Some(queue) = &self.queue else { return false };
+        lock(&self.pending).insert(hash, Arc::clone(&payload));
+        if queue.send(Job::Write(hash, Arc::clone(&payload))).is_ok() {
+            return true;
+        }
+        forget(&self.pending, hash, &payload);
+        false
+    }
+
     /// Block `hash`: from the write queue if it is still there, else from its file (checked).
     pub fn get(&self, hash: u64) -> Option<Loaded> {
         if let Some(payload) = lock(&self.pending).get(&hash).cloned() {
