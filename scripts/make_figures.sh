@@ -38,6 +38,10 @@ if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
         # docs/engine.md "The disk tier": restore against recompute (~20 s).
         "$bin" bench ttft --runs 7 --json --workloads tier_restore > "$reports/bench_tier_restore.jsonl"
     fi
+    # docs/engine.md "Many clients over a small pool" and the README's hit-rate figure (~1 min).
+    if "$bin" bench serve --help 2> /dev/null | grep -q many_clients; then
+        "$bin" bench serve --workload many_clients --json > "$reports/bench_many_clients.jsonl"
+    fi
     # The README's TTFA table: `python3 scripts/ttfa_table.py docs/reports/bench_ttfa.json` (~3 min on 2 cores).
     if "$bin" bench ttfa --help > /dev/null 2>&1; then
         "$bin" bench ttfa --conversations 8 --json "$reports/bench_ttfa.json" | tee "$reports/bench_ttfa.txt"
@@ -68,4 +72,7 @@ fi
 OMNIPREFIX_REPORTS="$reports" OMNIPREFIX_FIGURES="$figures" \
     OMNIPREFIX_CRITERION="${OMNIPREFIX_CRITERION:-$target_dir/criterion}" \
     "$venv/bin/python" notebooks/execute.py notebooks/*.ipynb
+# The table of docs/engine.md's many_clients section is this script's stdout.
+"$venv/bin/python" scripts/many_clients_table.py "$reports/bench_many_clients.jsonl" \
+    --figure "$figures/many_clients_hits.png" > /dev/null
 ls -l "$figures"
