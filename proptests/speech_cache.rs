@@ -124,6 +124,8 @@ struct Case {
     thinker_spare: Option<usize>,
     talker_block_size: usize,
     talker_spare: Option<usize>,
+    /// The caching engine has a disk tier under both pools (evicted blocks come back from it).
+    tier: bool,
     /// DeepStack levels of the images (0..=2).
     deepstack: usize,
     seed: u64,
@@ -181,13 +183,13 @@ fn case() -> impl Strategy<Value = Case> {
             prop::option::of(1..32usize),
             1..4usize,
         ),
-        (spare(), 1..9usize, spare()),
+        (spare(), 1..9usize, spare(), prop::bool::weighted(0.4)),
         0..3usize,
         any::<u64>(),
     )
         .prop_map(
             |(chats, share_first, waves, (block_size, budget, cap, seqs), pools, deepstack, seed)| {
-                let (thinker_spare, talker_block_size, talker_spare) = pools;
+                let (thinker_spare, talker_block_size, talker_spare, tier) = pools;
                 Case {
                     chats,
                     share_first,
@@ -199,6 +201,7 @@ fn case() -> impl Strategy<Value = Case> {
                     thinker_spare,
                     talker_block_size,
                     talker_spare,
+                    tier,
                     deepstack,
                     seed,
                 }
@@ -398,6 +401,7 @@ fn fail(what: &str) -> impl Fn(omniprefix::Error) -> TestCaseError + '_ {
 /// reference (caching off, default chunking, big pools).
 fn engine(
     case: &Case, backend: &Arc<CpuBackend>, thinker: &Arc<Thinker<CpuBackend>>, cache: bool,
+    tier_dir: Option<&std::path::Path>,
 ) -> Result<Engine, TestCaseError> {
     let mut talker_cfg = TalkerConfig::tiny();
     talker_cfg.thinker_hidden_size = HIDDEN;
@@ -425,6 +429,7 @@ fn engine(
                 num_blocks: case.talker_spare.map_or(big(talker_blocks), |s| talker_blocks + s),
                 block_size: case.talker_block_size,
             },
+            tier_dir: tier_dir.filter(|_| case.tier).map(|d| d.join("tier")),
             ..EngineConfig::default()
         },
         false => EngineConfig {
@@ -520,6 +525,9 @@ struct Tally {
     concurrent_waves: usize,
     twins: usize,
     preemptions: u64,
+    /// Rows and tokens the tier gave back (cases with a tier).
+    talker_tier_hit_rows: usize,
+    thinker_tier_hit_tokens: usize,
 }
 
 fn check(case: &Case, tally: &mut Tally) -> Result<(), TestCaseError> {
@@ -527,8 +535,9 @@ fn check(case: &Case, tally: &mut Tally) -> Result<(), TestCaseError> {
     let model = Config::tiny_qwen3_omni_moe(HIDDEN, 2, 4, 2, VOCAB as usize, 4, 2);
     let thinker = Arc::new(Thinker::random_as(&*backend, model, case.seed, None).map_err(fail("thinker"))?);
     let images = Images::of(case);
-    let mut cached = engine(case, &backend, &thinker, true)?;
-    let mut plain = engine(case, &backend, &thinker, false)?;
+    let dir = tempfile::tempdir().map_err(|e| TestCaseError::fail(format!("a temp dir: {e}")))?;
+    let mut cached = engine(case, &backend, &thinker, true, Some(dir.path()))?;
+    let mut plain = engine(case, &backend, &thinker, false, None)?;
     let tbs = case.talker_block_size;
     let mut replies: [Vec<Vec<u32>>; 2] = [Vec::new(), Vec::new()];
     // Per chat: its last round's talker user rows (when the talker ran) and the talker's
@@ -610,6 +619,8 @@ fn check(case: &Case, tally: &mut Tally) -> Result<(), TestCaseError> {
     tally.thinker_only_evicted += usize::from(thinker_evicted && !talker_evicted);
     tally.both_evicted += usize::from(thinker_evicted && talker_evicted);
     tally.preemptions += stats.sched.preemptions;
+    tally.talker_tier_hit_rows += talker.tier_hit_rows as usize;
+    tally.thinker_tier_hit_tokens += stats.tier.map_or(0, |t| t.hit_tokens as usize);
     Ok(())
 }
 
@@ -673,6 +684,7 @@ fn fixed(thinker_spare: Option<usize>, talker_spare: Option<usize>) -> Case {
         thinker_spare,
         talker_block_size: 3,
         talker_spare,
+        tier: false,
         deepstack: 1,
         seed: 42,
     }

@@ -234,7 +234,12 @@ impl<B: Backend> Engine<B> {
             Some(stage) => {
                 let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), 1, config.validation)?;
                 let tokens = preprocessor.tokens().clone();
-                Some(talk::Talkers::new(stage, config.talker_cache, fingerprinter, tokens)?)
+                let mut talkers = talk::Talkers::new(stage, config.talker_cache, fingerprinter, tokens)?;
+                let (thinker, talker) = (runner.thinker().identity(), talkers.stage().talker().identity());
+                if let Some(writer) = tier::open_talker(&config, thinker, talker, &talkers.pages_spec())? {
+                    talkers.attach_tier(writer, FleetHasher::new(&config.fingerprint_key));
+                }
+                Some(talkers)
             }
             None => None,
         };

@@ -18,10 +18,11 @@ use ndarray::{Array2, ArrayView2};
 
 use super::output::{AudioEvent, Event, Output};
 use crate::Result;
-use crate::backend::Backend;
+use crate::backend::{Backend, PagesSpec};
 use crate::batch::RequestId;
 use crate::canon::Fingerprinter;
 use crate::index::PrefixIndex;
+use crate::index::block_hash::FleetHasher;
 use crate::index::radix::{RadixConfig, RadixIndex};
 use crate::model::code2wav::{Code2Wav, Code2WavStream};
 use crate::model::talker::{TalkerBlocks, TalkerSeq};
@@ -30,6 +31,7 @@ use crate::runner::ModelRunner;
 use crate::sample::FinishReason;
 use crate::sched::{TalkerCache, TalkerCacheConfig, TalkerCacheStats, TalkerSlot, talker_key};
 use crate::speech::{CheckedSpeech, Speech, SpeechStage};
+use crate::tier::{TierStats, TierWriter};
 
 /// The talker stage of an engine: the stage's models, the talker's pages and
 /// prefix cache, and every speaking request's state.
@@ -122,6 +124,35 @@ impl<B: Backend> Talkers<B> {
 
     pub(super) fn cache_stats(&self) -> TalkerCacheStats {
         self.cache.stats()
+    }
+
+    /// The counters of the talker's tier files (`None` without a tier).
+    pub(super) fn tier_stats(&self) -> Option<TierStats> {
+        self.cache.tier().map(|w| w.stats())
+    }
+
+    /// The layout of the talker's pages (what its tier files hold).
+    pub(super) fn pages_spec(&self) -> PagesSpec {
+        self.runner.backend().pages_spec(&self.pages)
+    }
+
+    /// Puts the disk tier's talker store (`writer`) under the talker's pool.
+    pub(super) fn attach_tier(&mut self, writer: Arc<TierWriter>, hasher: FleetHasher) {
+        self.cache.attach_tier(writer, hasher);
+    }
+
+    /// Writes every cached talker block no slot reads to the tier and waits
+    /// for the writes (an engine's drop, a restart); nothing without a tier.
+    pub(super) fn spill_to_tier(&mut self) -> Result<()> {
+        if self.cache.tier().is_none() {
+            return Ok(());
+        }
+        self.cache.evict(usize::MAX)?;
+        move_tier_blocks(&mut self.cache, &self.runner, &mut self.pages, true)?;
+        if let Some(writer) = self.cache.tier() {
+            writer.flush();
+        }
+        Ok(())
     }
 
     /// A request that asked for audio was admitted.
@@ -257,6 +288,12 @@ impl<B: Backend> Talkers<B> {
                     talker_key(&c.layout, &talk.prompt, accept.view(), &self.fingerprinter, &self.tokens)?;
                 let total = inputs.embeds.nrows() + c.options.talker.max_new_tokens - 1;
                 let Some(slot) = self.cache.begin(key, total)? else { return Ok(()) };
+                // Blocks the match evicted go out, blocks it read from the tier come in,
+                // before the talker writes or reads any of them.
+                if let Err(e) = move_tier_blocks(&mut self.cache, &self.runner, &mut self.pages, false) {
+                    self.cache.release(slot)?;
+                    return Err(e);
+                }
                 let blocks =
                     TalkerBlocks { block_table: slot.block_table().clone(), num_cached: slot.num_cached() };
                 let config = self.stage.talker().config();
@@ -384,4 +421,15 @@ impl<B: Backend> Talkers<B> {
         events.push(Event::Finished(output));
         Ok(())
     }
+}
+
+/// The talker cache's tier work on the talker's pages: evicted blocks out,
+/// then blocks read from the tier in (see [`super::tier::move_blocks`]).
+fn move_tier_blocks<B: Backend>(
+    cache: &mut TalkerCache, runner: &ModelRunner<B>, pages: &mut B::Pages, spill: bool,
+) -> Result<()> {
+    let Some(writer) = cache.tier().cloned() else { return Ok(()) };
+    let work = cache.take_tier_work();
+    super::tier::move_blocks(runner.backend(), pages, &writer, work, spill)?;
+    Ok(())
 }

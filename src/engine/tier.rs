@@ -79,15 +79,52 @@ pub(super) fn open<B: Backend>(
     config: &EngineConfig, backend: &B, model: ModelId, capture: &CaptureSpec, spec: &PagesSpec,
 ) -> Result<Option<EngineTier>> {
     precheck(config, backend)?;
-    let Some(dir) = &config.tier_dir else { return Ok(None) };
     // Which points are captured is part of what a block's rows are.
     let points = format!("{:?}", capture.points());
     let model = ModelId::of([&model.0[..], points.as_bytes()]);
+    let writer = start_writer(config, model, spec)?;
+    Ok(writer.map(|writer| EngineTier { writer, load_seconds: Histogram::new(LOAD_BUCKETS) }))
+}
+
+/// The talker's tier in the same directory (`None` without a `tier_dir`): its
+/// files carry the talker's identity with the `thinker`'s (whose embeddings
+/// and accept rows are its input) and the talker pages' layout `spec`.
+pub(super) fn open_talker(
+    config: &EngineConfig, thinker: ModelId, talker: ModelId, spec: &PagesSpec,
+) -> Result<Option<Arc<TierWriter>>> {
+    start_writer(config, ModelId::of([&thinker.0[..], &talker.0[..], b"talker"]), spec)
+}
+
+/// A writer over `config`'s tier directory for blocks of `model` laid out as `spec`.
+fn start_writer(config: &EngineConfig, model: ModelId, spec: &PagesSpec) -> Result<Option<Arc<TierWriter>>> {
+    let Some(dir) = &config.tier_dir else { return Ok(None) };
     let identity =
         Identity { model, key: key_fingerprint(&config.fingerprint_key), layout: BlockLayout::of(spec) };
     let store = TierStore::open(dir, config.tier_bytes, identity)?;
-    let writer = Arc::new(TierWriter::start(store, WRITE_QUEUE_BLOCKS)?);
-    Ok(Some(EngineTier { writer, load_seconds: Histogram::new(LOAD_BUCKETS) }))
+    Ok(Some(Arc::new(TierWriter::start(store, WRITE_QUEUE_BLOCKS)?)))
+}
+
+/// Copies `saves` out of `pages` to `writer` (waiting for room in its queue
+/// when `spill`, else dropping when it is full), then `loads` into them: one
+/// home for the thinker's pages and the talker's.
+pub(super) fn move_blocks<B: Backend>(
+    backend: &B, pages: &mut B::Pages, writer: &TierWriter, work: TierWork, spill: bool,
+) -> Result<Vec<std::time::Duration>> {
+    let TierWork { saves, loads, load_times } = work;
+    for (block, hash) in saves {
+        let mut bytes = Vec::with_capacity(writer.store().identity().layout.payload_bytes());
+        backend.export_block(pages, block, &mut bytes)?;
+        if spill {
+            writer.submit_waiting(hash, bytes.into());
+        } else {
+            // A full queue drops the block (counted): recomputed if asked for again.
+            writer.submit(hash, bytes.into());
+        }
+    }
+    for (block, loaded) in loads {
+        backend.import_block(pages, block, loaded.payload())?;
+    }
+    Ok(load_times)
 }
 
 impl<B: Backend> Engine<B> {
@@ -103,22 +140,8 @@ impl<B: Backend> Engine<B> {
     /// queue instead of dropping when `spill` (no step waits then).
     fn move_tier_blocks(&mut self, spill: bool) -> Result<()> {
         let Some(tier) = &self.tier else { return Ok(()) };
-        let TierWork { saves, loads, load_times } = self.sched.take_tier_work();
-        let backend = self.runner.backend();
-        for (block, hash) in saves {
-            let mut bytes = Vec::with_capacity(tier.writer.store().identity().layout.payload_bytes());
-            backend.export_block(&self.pages, block, &mut bytes)?;
-            if spill {
-                tier.writer.submit_waiting(hash, bytes.into());
-            } else {
-                // A full queue drops the block (counted): recomputed if asked for again.
-                tier.writer.submit(hash, bytes.into());
-            }
-        }
-        for (block, loaded) in loads {
-            backend.import_block(&mut self.pages, block, loaded.payload())?;
-        }
-        for t in load_times {
+        let work = self.sched.take_tier_work();
+        for t in move_blocks(self.runner.backend(), &mut self.pages, &tier.writer, work, spill)? {
             tier.load_seconds.observe(t.as_secs_f64());
         }
         Ok(())
@@ -139,6 +162,10 @@ impl<B: Backend> Engine<B> {
         if let Some(tier) = &self.tier {
             tier.writer.flush();
         }
+        // The talker's cache too, into its own files.
+        if let Some(talkers) = self.talkers.as_mut() {
+            talkers.spill_to_tier()?;
+        }
         Ok(spilled)
     }
 
@@ -148,15 +175,17 @@ impl<B: Backend> Engine<B> {
         Some(self.tier.as_ref()?.writer.store().identity().layout.file_bytes())
     }
 
-    /// The tier's counters (`None` without a tier).
+    /// The tier's counters (`None` without a tier): files of the thinker's and
+    /// the talker's blocks, tokens of the thinker's (the talker's rows are in
+    /// its cache's stats, `tier_hit_rows`).
     pub fn tier_stats(&self) -> Option<TierEngineStats> {
         let tier = self.tier.as_ref()?;
         let tokens = self.sched.tier_tokens().unwrap_or_default();
-        Some(TierEngineStats {
-            files: tier.writer.stats(),
-            query_tokens: tokens.query_tokens,
-            hit_tokens: tokens.hit_tokens,
-        })
+        let mut files = tier.writer.stats();
+        if let Some(talker) = self.talkers.as_ref().and_then(|t| t.tier_stats()) {
+            files = files.merged(talker);
+        }
+        Some(TierEngineStats { files, query_tokens: tokens.query_tokens, hit_tokens: tokens.hit_tokens })
     }
 }
 

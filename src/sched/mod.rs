@@ -61,6 +61,7 @@ mod lifecycle;
 mod request;
 mod step;
 mod talker;
+mod talker_tier;
 mod tier;
 
 use std::collections::VecDeque;

@@ -54,6 +54,7 @@ use ndarray::{Array2, ArrayView2};
 
 use super::commit::insert_full_blocks;
 use super::step::{checked_match, pinned_part};
+use super::talker_tier::TalkerTier;
 use crate::Result;
 use crate::canon::{Fingerprinter, ItemContent, ItemIdentity, ItemSpec, ProcessorParams, TensorView};
 use crate::error::{BackendError, Component, ConfigError, InvariantViolation, RequestError, SchedError};
@@ -98,8 +99,10 @@ pub struct TalkerCacheStats {
     pub query_rows: u64,
     /// Slots that reused at least one row.
     pub hits: u64,
-    /// Rows reused (not recomputed).
+    /// Rows reused (not recomputed), from the pool or the disk tier.
     pub hit_rows: u64,
+    /// Of those, rows whose KV was read from the disk tier.
+    pub tier_hit_rows: u64,
     /// `begin`s refused for want of blocks (nothing changed).
     pub refusals: u64,
     /// Blocks the index gave back (under pool pressure or by [`TalkerCache::evict`]).
@@ -203,6 +206,8 @@ pub struct TalkerCache {
     live: FxHashSet<u64>,
     next_slot: u64,
     stats: TalkerCacheStats,
+    /// The disk tier under the pool ([`TalkerCache::with_tier`]).
+    pub(super) tier: Option<TalkerTier>,
 }
 
 impl TalkerCache {
@@ -227,6 +232,7 @@ impl TalkerCache {
             live: FxHashSet::default(),
             next_slot: 0,
             stats: TalkerCacheStats::default(),
+            tier: None,
         })
     }
 
@@ -297,6 +303,13 @@ impl TalkerCache {
             }
         };
         let shared = cached / bs;
+        // Past the pool's blocks, the tier's: read into the first fresh blocks.
+        if let Some(tier) = self.tier.as_mut() {
+            let loads = tier.read(&key, bs, shared);
+            cached += loads.len() * bs;
+            self.stats.tier_hit_rows += (loads.len() * bs) as u64;
+            tier.work.loads.extend(fresh.iter().copied().zip(loads));
+        }
         let mut block_table =
             BlockTable::new(lock.as_ref().map_or(&[][..], |l| &l.blocks[..shared]).to_vec(), bs);
         block_table.extend(fresh);
@@ -355,6 +368,9 @@ impl TalkerCache {
             self.unlock(&old);
         }
         slot.num_shared = n_full;
+        if let Some(tier) = self.tier.as_mut() {
+            tier.cached(&slot.key, self.block_size, &slot.block_table[..n_full]);
+        }
         for &b in &done.released {
             self.pool.reclaim_evicted(b)?;
         }
@@ -382,6 +398,9 @@ impl TalkerCache {
     pub fn evict(&mut self, max_blocks: usize) -> Result<usize> {
         let evicted = self.index.evict(max_blocks);
         self.stats.evicted_blocks += evicted.len() as u64;
+        if let Some(tier) = self.tier.as_mut() {
+            tier.evicted(&evicted);
+        }
         for &b in &evicted {
             self.pool.reclaim_evicted(b)?;
         }
@@ -421,6 +440,15 @@ impl TalkerCache {
                     Component::Scheduler.violation(format!("talker cache: pinned block {b} is not cached"))
                 );
             }
+        }
+        if let Some(b) = self
+            .tier
+            .iter()
+            .flat_map(|t| t.kept())
+            .find(|&&b| !matches!(self.pool.state(b), Ok(crate::kv::BlockState::Indexed)))
+        {
+            return Err(Component::Scheduler
+                .violation(format!("talker cache: block {b} keeps a tier hash but is not cached")));
         }
         if self.live.is_empty() && !self.pinned.is_empty() {
             return Err(Component::Scheduler.violation("talker cache: blocks pinned with no live slot"));

@@ -68,6 +68,22 @@ pub struct TierStats {
     pub bytes: u64,
 }
 
+impl TierStats {
+    /// The counters of two stores on one directory (the thinker's and the
+    /// talker's files): summed, with the directory's bytes as the later look saw them.
+    pub fn merged(self, other: TierStats) -> TierStats {
+        TierStats {
+            hits: self.hits + other.hits,
+            misses: self.misses + other.misses,
+            errors: self.errors + other.errors,
+            written: self.written + other.written,
+            write_drops: self.write_drops + other.write_drops,
+            evicted: self.evicted + other.evicted,
+            bytes: self.bytes.max(other.bytes),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub(crate) hits: AtomicU64,

@@ -418,6 +418,45 @@ fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestRes
     Ok(())
 }
 
+/// The talker's cache outlives its engine through the disk tier: round 1 on one
+/// engine, which spills both stages' caches to the tier when dropped; round 2 on
+/// another engine on the same directory and key reads every full block of round
+/// 1's talker user rows from the tier, and its codes equal HF's and its audio the
+/// same reply's without caching.
+#[test]
+fn the_talker_cache_outlives_its_engine_through_the_disk_tier() -> TestResult {
+    let hf = reference()?;
+    let rec = recorded()?;
+    let options = SpeechOptions {
+        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
+        ..SpeechOptions::default()
+    };
+    let dir = tempfile::tempdir()?;
+    let config = || EngineConfig {
+        tier_dir: Some(dir.path().join("tier")),
+        fingerprint_key: omniprefix::canon::FingerprintKey::fixed(5),
+        ..EngineConfig::default()
+    };
+    let mut first = Engine::from_dir(&model_dir(MODEL), config())?;
+    speak_case(&mut first, &hf, &rec, "image", &options)?;
+    drop(first);
+    let mut second = Engine::from_dir(&model_dir(MODEL), config())?;
+    let (_, out) = speak_case(&mut second, &hf, &rec, "round2", &options)?;
+    let speech = out.speech.ok_or("no speech")?;
+    let block = EngineConfig::default().talker_cache.block_size;
+    assert_eq!(speech.talker_cached_rows, 57 / block * block, "round 1's full talker blocks, from the tier");
+    let talker = second.stats().talker.ok_or("no talker stats")?;
+    assert_eq!(talker.tier_hit_rows as usize, 57 / block * block);
+    assert!(out.num_cached_tokens > 0, "the thinker's blocks came back too");
+    assert_eq!(second.tier_stats().ok_or("no tier")?.files.errors, 0);
+    assert_eq!(speech.codes.iter().map(|&c| i64::from(c)).collect::<Vec<_>>(), hf.ints("round2.codes")?);
+    let mut uncached =
+        Engine::from_dir(&model_dir(MODEL), EngineConfig { cache: false, ..EngineConfig::default() })?;
+    let (_, want) = speak_case(&mut uncached, &hf, &rec, "round2", &options)?;
+    assert_eq!(speech.audio, want.speech.ok_or("no speech")?.audio, "the tier changes no sample");
+    Ok(())
+}
+
 /// The whole chain on the wgpu backend: the thinker and the talker's decoders on its
 /// kernels, the talker's projections, code predictor glue and code2wav's convolutions
 /// through the trait's host fallbacks; codes equal HF's, audio within 1e-4.

@@ -26,8 +26,10 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::Result;
 use crate::backend::{Backend, Dtype};
+use crate::model::identity::Recording;
 use crate::model::thinker::{Thinker, WeightNames, random_source as decoder_source};
 use crate::model::{HostTensor, MemorySource, SafetensorsSource, WeightSource, Weights};
+use crate::tier::ModelId;
 
 pub use code_predictor::{CodePredictor, Prediction};
 pub use config::TalkerConfig;
@@ -77,6 +79,7 @@ pub struct Talker<B: Backend> {
     /// frame rewrites positions `0..num_code_groups` before reading them), so one
     /// set serves every seq, allocated once rather than per step.
     predictor_pages: Mutex<Option<B::Pages>>,
+    identity: ModelId,
 }
 
 impl<B: Backend> Talker<B> {
@@ -95,6 +98,9 @@ impl<B: Backend> Talker<B> {
         backend: &B, config: TalkerConfig, source: &dyn WeightSource, dtype: Option<Dtype>,
     ) -> Result<Self> {
         config.validate()?;
+        // Every talker weight read goes into the identity its tier files carry.
+        let recording = Recording::new(source);
+        let source: &dyn WeightSource = &recording;
         let names = WeightNames::new("talker.model", "codec_embedding", "talker.codec_head");
         let model = Thinker::load_named(backend, config.text.clone(), source, dtype, &names)?;
         let dtype = Some(model.dtype());
@@ -117,14 +123,24 @@ impl<B: Backend> Talker<B> {
                 b2: backend.upload(w.pp("linear_fc2").vector("bias", hidden)?.view())?,
             })
         };
+        let (text_projection, hidden_projection) = (resize("text_projection")?, resize("hidden_projection")?);
+        let identity =
+            recording.identity(&[format!("{config:?}").as_bytes(), model.dtype().name().as_bytes()]);
         Ok(Talker {
-            text_projection: resize("text_projection")?,
-            hidden_projection: resize("hidden_projection")?,
+            text_projection,
+            hidden_projection,
             model: Arc::new(model),
             code_predictor,
             predictor_pages: Mutex::new(None),
+            identity,
             config,
         })
+    }
+
+    /// A digest of the config and every talker weight read (see
+    /// [`Thinker::identity`]): what the disk tier's talker files carry.
+    pub fn identity(&self) -> ModelId {
+        self.identity
     }
 
     /// A talker with seeded random weights (see [`random_source`]).
