@@ -10,7 +10,7 @@ use std::hint::black_box;
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
-use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -26,15 +26,7 @@ fn requests() -> Vec<Request> {
         .map(|id| {
             let mut ids = prefix.clone();
             ids.extend((SHARED..LEN).map(|_| rng.random_range(0..150_000)));
-            let prompt = CanonicalPrompt {
-                tenant: 0,
-                atoms: vec![Atom::Text(ids.clone())],
-                positions: Positions::linear(LEN),
-                token_ids: ids,
-                items: vec![],
-                index_map: IndexMap::default(),
-            };
-            Request::new(id, prompt)
+            Request::new(id, CanonicalPrompt::text(0, ids))
         })
         .collect()
 }

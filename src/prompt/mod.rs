@@ -98,6 +98,25 @@ pub struct CanonicalPrompt {
 }
 
 impl CanonicalPrompt {
+    /// A prompt of plain text `ids` under `tenant`, at linear positions: what
+    /// a scheduler or index is driven with where no items are involved.
+    ///
+    /// ```
+    /// use omniprefix::prompt::CanonicalPrompt;
+    /// let p = CanonicalPrompt::text(0, vec![5, 6, 7]);
+    /// assert_eq!((p.len(), p.items.len()), (3, 0));
+    /// ```
+    pub fn text(tenant: TenantSalt, ids: Vec<u32>) -> Self {
+        CanonicalPrompt {
+            tenant,
+            atoms: vec![Atom::Text(ids.clone())],
+            positions: Positions::linear(ids.len()),
+            token_ids: ids,
+            items: vec![],
+            index_map: IndexMap::default(),
+        }
+    }
+
     /// Number of positions (tokens) in the prompt.
     pub fn len(&self) -> usize {
         self.token_ids.len()

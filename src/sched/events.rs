@@ -207,17 +207,9 @@ impl EventLog {
 mod tests {
     use super::*;
     use crate::canon::FingerprintKey;
-    use crate::prompt::{Atom, IndexMap, Positions};
 
     fn text(ids: Vec<u32>) -> CanonicalPrompt {
-        CanonicalPrompt {
-            tenant: 0,
-            atoms: vec![Atom::Text(ids.clone())],
-            positions: Positions::linear(ids.len()),
-            token_ids: ids,
-            items: vec![],
-            index_map: IndexMap::default(),
-        }
+        CanonicalPrompt::text(0, ids)
     }
 
     #[test]

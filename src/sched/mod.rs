@@ -145,20 +145,10 @@ struct Tracked {
 ///
 /// ```
 /// use omniprefix::index::radix::{RadixConfig, RadixIndex};
-/// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+/// use omniprefix::prompt::CanonicalPrompt;
 /// use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
 ///
-/// let text = |id, ids: Vec<u32>| {
-///     let prompt = CanonicalPrompt {
-///         tenant: 0,
-///         atoms: vec![Atom::Text(ids.clone())],
-///         positions: Positions::linear(ids.len()),
-///         token_ids: ids,
-///         items: vec![],
-///         index_map: IndexMap::default(),
-///     };
-///     Request::new(id, prompt)
-/// };
+/// let text = |id, ids: Vec<u32>| Request::new(id, CanonicalPrompt::text(0, ids));
 /// let config = SchedulerConfig {
 ///     num_blocks: 8,
 ///     block_size: 4,

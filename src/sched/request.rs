@@ -40,18 +40,10 @@ impl Request {
     /// routing hashes: what a text prompt needs; the rest is set field by field.
     ///
     /// ```
-    /// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+    /// use omniprefix::prompt::CanonicalPrompt;
     /// use omniprefix::sched::Request;
     ///
-    /// let ids: Vec<u32> = (0..8).collect();
-    /// let prompt = CanonicalPrompt {
-    ///     tenant: 0,
-    ///     atoms: vec![Atom::Text(ids.clone())],
-    ///     positions: Positions::linear(ids.len()),
-    ///     token_ids: ids,
-    ///     items: vec![],
-    ///     index_map: IndexMap::default(),
-    /// };
+    /// let prompt = CanonicalPrompt::text(0, (0..8).collect());
     /// let generating = Request { max_new_tokens: 4, ..Request::new(1, prompt) };
     /// assert!(generating.item_embeddings.is_empty() && generating.hidden_size.is_none());
     /// ```

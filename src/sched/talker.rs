@@ -169,17 +169,10 @@ static NEXT_CACHE: AtomicU64 = AtomicU64::new(1);
 ///
 /// ```
 /// use omniprefix::index::radix::{RadixConfig, RadixIndex};
-/// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+/// use omniprefix::prompt::CanonicalPrompt;
 /// use omniprefix::sched::{TalkerCache, TalkerCacheConfig};
 ///
-/// let key = |ids: Vec<u32>| CanonicalPrompt {
-///     tenant: 0,
-///     atoms: vec![Atom::Text(ids.clone())],
-///     positions: Positions::linear(ids.len()),
-///     token_ids: ids,
-///     items: vec![],
-///     index_map: IndexMap::default(),
-/// };
+/// let key = |ids: Vec<u32>| CanonicalPrompt::text(0, ids);
 /// let index = RadixIndex::new(RadixConfig { block_size: 4 })?;
 /// let mut cache = TalkerCache::new(TalkerCacheConfig { num_blocks: 16, block_size: 4 }, Box::new(index))?;
 /// // Round 1: 10 user rows, then 9 assistant rows and 5 decode rows.

@@ -93,19 +93,11 @@ mod tests {
     use super::*;
     use crate::canon::FingerprintKey;
     use crate::index::radix::{RadixConfig, RadixIndex};
-    use crate::prompt::{Atom, IndexMap, Positions};
     use crate::sched::TalkerCacheConfig;
     use crate::tier::scratch::{Scratch, payload_held, writer_holding};
 
     fn key(ids: Vec<u32>) -> CanonicalPrompt {
-        CanonicalPrompt {
-            tenant: 0,
-            atoms: vec![Atom::Text(ids.clone())],
-            positions: Positions::linear(ids.len()),
-            token_ids: ids,
-            items: vec![],
-            index_map: IndexMap::default(),
-        }
+        CanonicalPrompt::text(0, ids)
     }
 
     fn hasher() -> FleetHasher {

@@ -242,17 +242,7 @@ mod tests {
     }
 
     fn text(id: RequestId, len: u32) -> crate::sched::Request {
-        use crate::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
-        let ids: Vec<u32> = (0..len).collect();
-        let prompt = CanonicalPrompt {
-            tenant: 0,
-            atoms: vec![Atom::Text(ids.clone())],
-            positions: Positions::linear(ids.len()),
-            token_ids: ids,
-            items: vec![],
-            index_map: IndexMap::default(),
-        };
-        crate::sched::Request::new(id, prompt)
+        crate::sched::Request::new(id, crate::prompt::CanonicalPrompt::text(0, (0..len).collect()))
     }
 
     #[test]

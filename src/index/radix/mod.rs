@@ -141,16 +141,9 @@ struct Plan {
 /// ```
 /// use omniprefix::index::radix::{RadixConfig, RadixIndex};
 /// use omniprefix::index::PrefixIndex;
-/// use omniprefix::prompt::{Atom, CanonicalPrompt, IndexMap, Positions};
+/// use omniprefix::prompt::CanonicalPrompt;
 ///
-/// let prompt = |ids: Vec<u32>| CanonicalPrompt {
-///     tenant: 0,
-///     atoms: vec![Atom::Text(ids.clone())],
-///     positions: Positions::linear(ids.len()),
-///     token_ids: ids,
-///     items: vec![],
-///     index_map: IndexMap::default(),
-/// };
+/// let prompt = |ids: Vec<u32>| CanonicalPrompt::text(0, ids);
 /// let mut index = RadixIndex::new(RadixConfig { block_size: 4 })?;
 /// index.insert(&prompt((0..8).collect()), &[10, 11])?;
 /// let m = index.match_prefix(&prompt(vec![0, 1, 2, 3, 4, 5, 9, 9]));
