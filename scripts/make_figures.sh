@@ -72,6 +72,8 @@ fi
 OMNIPREFIX_REPORTS="$reports" OMNIPREFIX_FIGURES="$figures" \
     OMNIPREFIX_CRITERION="${OMNIPREFIX_CRITERION:-$target_dir/criterion}" \
     "$venv/bin/python" notebooks/execute.py notebooks/*.ipynb
+# The README's TTFA figure (its table is this script's stdout).
+"$venv/bin/python" scripts/ttfa_table.py "$reports/bench_ttfa.json" --figure "$figures/ttfa_by_round.png" > /dev/null
 # The table of docs/engine.md's many_clients section is this script's stdout.
 "$venv/bin/python" scripts/many_clients_table.py "$reports/bench_many_clients.jsonl" \
     --figure "$figures/many_clients_hits.png" > /dev/null

@@ -8,11 +8,19 @@
 Prints the machine line, one row per round with caller TTFA p50 / p99 caching on and off at c=1 and
 their ratio, the rounds-2.. headline, TTFA p50 at the highest concurrency over c=1, and where the
 first audio's time went (medians, rounds 2.., c=1). Every figure is read from the report.
+``--figure PATH`` (needs matplotlib) also draws the README's figure: TTFA p50 by round, caching on
+and off, one line per concurrency.
 """
 import json
 import sys
 
-r = json.load(open(sys.argv[1]) if len(sys.argv) > 1 else sys.stdin)
+args = sys.argv[1:]
+figure = None
+if "--figure" in args:
+    at = args.index("--figure")
+    figure = args[at + 1]
+    del args[at:at + 2]
+r = json.load(open(args[0]) if args else sys.stdin)
 m, s = r["machine"], r["shapes"]
 features = " ".join(m["cpu_features"]) or "no AVX2"
 print(
@@ -68,3 +76,25 @@ if p:
         f"{p['talker_prefill_first_frame_ms']:.1f} ms, {p['talker_frame_ms']:.1f} ms a frame, code2wav's first chunk "
         f"{p['code2wav_first_chunk_ms']:.1f} ms, then {p.get('code2wav_ms_per_frame', float('nan')):.1f} ms a frame."
     )
+
+if figure:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    cs = sorted({x["concurrency"] for x in r["runs"]})
+    for x in sorted(r["runs"], key=lambda x: (not x["cache"], x["concurrency"])):
+        rs = x["rounds"]
+        style = "-o" if x["cache"] else "--x"
+        ax.plot([q["round"] for q in rs], [q["ttfa_ms_p50"] for q in rs], style, color=f"C{cs.index(x['concurrency'])}",
+                label=f"c={x['concurrency']}, caching {'on' if x['cache'] else 'off'}")
+    ax.set_xlabel("round of the voice chat")
+    ax.set_ylabel("time to first audio, p50 (ms)")
+    ax.set_xticks([q["round"] for q in r["runs"][0]["rounds"]])
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"bench ttfa: {m['cpu_model']}, {m['cores']} cores")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
