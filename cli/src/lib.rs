@@ -11,6 +11,7 @@ pub mod cli;
 pub mod demo;
 pub mod error;
 pub mod scenarios;
+pub mod scratch;
 pub mod serve;
 pub mod soak;
 pub mod ttfa;

@@ -117,6 +117,13 @@ pub struct Engine<B: Backend = CpuBackend> {
     tier: Option<tier::EngineTier>,
 }
 
+/// What `config` asks that can be refused before any weight loads: its dtypes,
+/// and a tier `backend` cannot use.
+fn check_before_load<B: Backend>(config: &EngineConfig, backend: &B) -> Result<()> {
+    config.check_dtypes()?;
+    tier::precheck(config, backend)
+}
+
 impl Engine<CpuBackend> {
     /// An engine on the CPU backend over the HF checkpoint in `dir`
     /// (`config.json` + safetensors; special ids from its `thinker_config`).
@@ -126,9 +133,8 @@ impl Engine<CpuBackend> {
 
     /// An engine on the CPU backend over a model with seeded random weights.
     pub fn random(model: Config, seed: u64, config: EngineConfig) -> Result<Self> {
-        config.check_dtypes()?;
         let backend = Arc::new(CpuBackend::new());
-        tier::precheck(&config, &*backend)?;
+        check_before_load(&config, &*backend)?;
         let thinker = Arc::new(Thinker::random_as(&*backend, model, seed, config.dtype)?);
         Self::new(backend, thinker, config)
     }
@@ -137,9 +143,7 @@ impl Engine<CpuBackend> {
 impl<B: Backend> Engine<B> {
     /// An engine on `backend` over the checkpoint in `dir`.
     pub fn from_dir_on(backend: Arc<B>, dir: &Path, mut config: EngineConfig) -> Result<Self> {
-        config.check_dtypes()?;
-        // Before the weights load: a tier this backend cannot use is refused at once.
-        tier::precheck(&config, &*backend)?;
+        check_before_load(&config, &*backend)?;
         if config.tokens.is_none() {
             config.tokens = tokens_from_config_file(&dir.join("config.json"))?;
         }

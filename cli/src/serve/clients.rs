@@ -6,8 +6,7 @@
 //! ceiling), and pool + tier dropped and rebuilt halfway on the same directory
 //! and key (a restart). Each reports every round's hit rate and TTFT p50.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 use std::time::Duration;
 
 use omniprefix::backend::Backend;
@@ -17,6 +16,7 @@ use omniprefix::model::Config;
 use super::driver::{History, Serve, Stream};
 use super::{Arrival, ClientsEngine, ClientsReport, RequestSample, RoundReport, ServeReport, ServeWorkload};
 use crate::error::Result;
+use crate::scratch::private_temp_dir;
 
 /// The random model of a full `many_clients` run (hidden 256, 4 layers of 4
 /// heads over 2 KV heads, 1024 ids): four engines × 64 conversations × 6 rounds
@@ -28,30 +28,6 @@ pub fn clients_model() -> Config {
         mrope_section: Some([12, 10, 10]),
         mrope_interleaved: true,
         ..Config::tiny_qwen3(256, 4, 4, 2, 1024)
-    }
-}
-
-/// A directory for one tier run, removed with everything in it when dropped
-/// (so an error midway leaves nothing behind in the temp dir).
-struct TierDir(PathBuf);
-
-impl TierDir {
-    /// A path under the temp dir that no other run of any process uses; the engine creates it (0700).
-    fn fresh(engine: ClientsEngine) -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let name = format!("omniprefix-many-clients-{}-{n}-{}", std::process::id(), engine.name());
-        TierDir(std::env::temp_dir().join(name))
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TierDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -103,8 +79,11 @@ impl<B: Backend + 'static> Serve<'_, B> {
         let o = self.options;
         let arrival = Arrival::Concurrency(o.client_concurrency.max(1));
         let tiered = matches!(engine, ClientsEngine::PoolTier | ClientsEngine::Restart);
-        let dir = tiered.then(|| TierDir::fresh(engine));
-        let config = self.clients_config(engine, pools, dir.as_ref().map(TierDir::path));
+        let dir = match tiered {
+            true => Some(private_temp_dir(&format!("omniprefix-many-clients-{}-", engine.name()))?),
+            false => None,
+        };
+        let config = self.clients_config(engine, pools, dir.as_ref().map(tempfile::TempDir::path));
         let rounds = streams.iter().map(|s| s.turns.len()).max().unwrap_or(0);
         let restart_round = (engine == ClientsEngine::Restart).then_some(rounds / 2);
         let mut served = self.serve(config.clone())?;

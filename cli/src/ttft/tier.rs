@@ -21,12 +21,12 @@
 
 use omniprefix::backend::Backend;
 use omniprefix::engine::{Output, Request, millis};
-use omniprefix::error::IoError;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::{Bench, median};
-use crate::error::{HarnessError, Result};
+use crate::error::Result;
+use crate::scratch::private_temp_dir;
 
 /// One JSON line of `bench ttft`: the tier's restore against recomputing.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -60,10 +60,7 @@ pub struct TierRestoreReport {
 impl<B: Backend> Bench<B> {
     /// The three prompts of every run (see the module doc), `prefix + suffix` long.
     pub(super) fn tier_restore(&self, prefix: usize, suffix: usize) -> Result<TierRestoreReport> {
-        let dir = tempfile::Builder::new()
-            .prefix("omniprefix-bench-tier-")
-            .tempdir()
-            .map_err(|e| HarnessError::Engine(IoError::write(std::env::temp_dir(), e).into()))?;
+        let dir = private_temp_dir("omniprefix-bench-tier-")?;
         let mut engine = self.engine_on(true, self.options.capture(), prefix + suffix, Some(dir.path()))?;
         let mut rng = ChaCha8Rng::seed_from_u64(self.options.seed ^ 0x7137);
         let mut runs = Vec::new();
