@@ -126,6 +126,9 @@ struct Case {
     talker_spare: Option<usize>,
     /// The caching engine has a disk tier under both pools (evicted blocks come back from it).
     tier: bool,
+    /// With a tier: after this wave the caching engine is dropped (spilling both caches) and
+    /// rebuilt on the same directory and key, so later rounds read from the tier into fresh pages.
+    restart_after: Option<usize>,
     /// DeepStack levels of the images (0..=2).
     deepstack: usize,
     seed: u64,
@@ -183,13 +186,13 @@ fn case() -> impl Strategy<Value = Case> {
             prop::option::of(1..32usize),
             1..4usize,
         ),
-        (spare(), 1..9usize, spare(), prop::bool::weighted(0.4)),
+        (spare(), 1..9usize, spare(), prop::bool::weighted(0.4), prop::option::weighted(0.5, 0..4usize)),
         0..3usize,
         any::<u64>(),
     )
         .prop_map(
             |(chats, share_first, waves, (block_size, budget, cap, seqs), pools, deepstack, seed)| {
-                let (thinker_spare, talker_block_size, talker_spare, tier) = pools;
+                let (thinker_spare, talker_block_size, talker_spare, tier, restart_after) = pools;
                 Case {
                     chats,
                     share_first,
@@ -202,6 +205,7 @@ fn case() -> impl Strategy<Value = Case> {
                     talker_block_size,
                     talker_spare,
                     tier,
+                    restart_after: restart_after.filter(|_| tier),
                     deepstack,
                     seed,
                 }
@@ -430,6 +434,8 @@ fn engine(
                 block_size: case.talker_block_size,
             },
             tier_dir: tier_dir.filter(|_| case.tier).map(|d| d.join("tier")),
+            // The same key after a restart, so the tier's blocks are found again.
+            fingerprint_key: omniprefix::canon::FingerprintKey::fixed(case.seed),
             ..EngineConfig::default()
         },
         false => EngineConfig {
@@ -528,6 +534,7 @@ struct Tally {
     /// Rows and tokens the tier gave back (cases with a tier).
     talker_tier_hit_rows: usize,
     thinker_tier_hit_tokens: usize,
+    restarts: usize,
 }
 
 fn check(case: &Case, tally: &mut Tally) -> Result<(), TestCaseError> {
@@ -544,7 +551,7 @@ fn check(case: &Case, tally: &mut Tally) -> Result<(), TestCaseError> {
     // evicted-block count before the wave it ran in.
     let mut last: [Option<(usize, u64)>; 2] = [None, None];
     let mut rounds = 0;
-    for (chats, wave) in case.schedule() {
+    for (w, (chats, wave)) in case.schedule().into_iter().enumerate() {
         let evicted_before = talker_stats(&cached.stats())?.evicted_blocks;
         let mut rounds_now: Vec<(usize, usize, bool)> =
             chats.iter().map(|&c| (c, replies[c].len(), false)).collect();
@@ -607,6 +614,14 @@ fn check(case: &Case, tally: &mut Tally) -> Result<(), TestCaseError> {
                 rounds += 1;
             }
         }
+        if case.restart_after == Some(w) {
+            tally_tier(&cached.stats(), tally)?;
+            drop(cached); // spills both stages' caches to the tier and waits for the writes
+            cached = engine(case, &backend, &thinker, true, Some(dir.path()))?;
+            // The new engine's counters start at 0: no floor from before the restart.
+            last = [None, None];
+            tally.restarts += 1;
+        }
     }
     prop_assert_eq!(rounds, case.rounds(0) + case.rounds(1));
     let stats = cached.stats();
@@ -619,7 +634,12 @@ fn check(case: &Case, tally: &mut Tally) -> Result<(), TestCaseError> {
     tally.thinker_only_evicted += usize::from(thinker_evicted && !talker_evicted);
     tally.both_evicted += usize::from(thinker_evicted && talker_evicted);
     tally.preemptions += stats.sched.preemptions;
-    tally.talker_tier_hit_rows += talker.tier_hit_rows as usize;
+    tally_tier(&stats, tally)
+}
+
+/// Adds what `stats`' engine read from its tier to the tally.
+fn tally_tier(stats: &EngineStats, tally: &mut Tally) -> Result<(), TestCaseError> {
+    tally.talker_tier_hit_rows += talker_stats(stats)?.tier_hit_rows as usize;
     tally.thinker_tier_hit_tokens += stats.tier.map_or(0, |t| t.hit_tokens as usize);
     Ok(())
 }
@@ -685,6 +705,7 @@ fn fixed(thinker_spare: Option<usize>, talker_spare: Option<usize>) -> Case {
         talker_block_size: 3,
         talker_spare,
         tier: false,
+        restart_after: None,
         deepstack: 1,
         seed: 42,
     }
