@@ -105,7 +105,7 @@ impl Scheduler {
             ));
         }
         // A block published as stored and not yet as removed is still the index's.
-        for (&b, hash) in self.events.iter().flat_map(|e| e.published()) {
+        for (b, hash) in self.events.iter().flat_map(|e| e.published()) {
             if self.pool.state(b).map_err(|e| e.to_string())? != BlockState::Indexed {
                 return Err(format!(
                     "block {b} (hash {hash:#x}) is published as cached but is not index-owned"

@@ -26,14 +26,20 @@ pub(super) struct EventLog {
     hasher: FleetHasher,
     medium: Medium,
     pending: Vec<KvEvent>,
-    /// Published (full, index-owned) blocks and their hashes.
-    published: FxHashMap<BlockId, u64>,
-    /// What each published block's `BlockStored` said, to say it again for the disk
-    /// tier: kept only under a tier ([`keep_for_disk`](Self::keep_for_disk)).
-    stored: FxHashMap<BlockId, StoredBlock>,
+    /// Published (full, index-owned) blocks: their hashes, and under a tier
+    /// ([`keep_for_disk`](Self::keep_for_disk)) what their `BlockStored` said,
+    /// to say it again for the disk tier.
+    published: FxHashMap<BlockId, Published>,
     keeps_stored: bool,
     /// Hashes published as on the disk tier ([`Medium::Disk`]) and not since removed.
     on_disk: FxHashSet<u64>,
+}
+
+/// A published block: its hash, and what its `BlockStored` said when kept.
+#[derive(Debug, Clone)]
+struct Published {
+    hash: u64,
+    stored: Option<StoredBlock>,
 }
 
 /// One block's part of a `BlockStored`.
@@ -51,7 +57,6 @@ impl EventLog {
             medium,
             pending: Vec::new(),
             published: FxHashMap::default(),
-            stored: FxHashMap::default(),
             keeps_stored: false,
             on_disk: FxHashSet::default(),
         }
@@ -115,16 +120,12 @@ impl EventLog {
                 })
                 .collect();
             for (&(i, id), extra) in run.iter().zip(&extra) {
-                self.published.insert(id, chain[i]);
-                if !self.keeps_stored {
-                    continue;
-                }
-                let stored = StoredBlock {
+                let stored = self.keeps_stored.then(|| StoredBlock {
                     parent: i.checked_sub(1).map(|p| chain[p]),
                     token_ids: prompt.token_ids[i * block_size..(i + 1) * block_size].to_vec(),
                     extra: extra.clone(),
-                };
-                self.stored.insert(id, stored);
+                });
+                self.published.insert(id, Published { hash: chain[i], stored });
             }
             self.pending.push(KvEvent::BlockStored {
                 block_hashes: run.iter().map(|&(i, _)| chain[i]).collect(),
@@ -147,8 +148,7 @@ impl EventLog {
         let mut hashes = Vec::new();
         let mut down = Vec::new();
         for b in blocks {
-            let stored = self.stored.remove(b);
-            let Some(hash) = self.published.remove(b) else { continue };
+            let Some(Published { hash, stored }) = self.published.remove(b) else { continue };
             hashes.push(hash);
             if let Some(stored) = stored.filter(|_| to_disk.contains(b)) {
                 down.push((hash, stored));
@@ -182,7 +182,6 @@ impl EventLog {
     /// Records that the whole cache was dropped.
     pub(super) fn cleared(&mut self) {
         self.published.clear();
-        self.stored.clear();
         self.on_disk.clear();
         self.pending.push(KvEvent::AllBlocksCleared);
     }
@@ -198,8 +197,13 @@ impl EventLog {
     }
 
     /// The published blocks the index holds, with their hashes.
-    pub(super) fn published(&self) -> &FxHashMap<BlockId, u64> {
-        &self.published
+    pub(super) fn published(&self) -> impl Iterator<Item = (BlockId, u64)> + '_ {
+        self.published.iter().map(|(&b, p)| (b, p.hash))
+    }
+
+    /// The hash block `b` was published under, if it is published.
+    pub(super) fn hash_of(&self, b: BlockId) -> Option<u64> {
+        self.published.get(&b).map(|p| p.hash)
     }
 }
 
@@ -245,6 +249,6 @@ mod tests {
             log.take(),
             [KvEvent::BlockRemoved { block_hashes: vec![chain[2]], medium: Medium::Disk }]
         );
-        assert!(log.published().contains_key(&7) && log.published().len() == 1);
+        assert_eq!(log.published().map(|(b, _)| b).collect::<Vec<_>>(), [7]);
     }
 }

@@ -268,7 +268,7 @@ impl Scheduler {
     /// what a consumer of the events must have rebuilt.
     pub fn cached_block_hashes(&self) -> Vec<u64> {
         let mut hashes: Vec<u64> =
-            self.events.as_ref().map_or_else(Vec::new, |e| e.published().values().copied().collect());
+            self.events.as_ref().map_or_else(Vec::new, |e| e.published().map(|(_, h)| h).collect());
         hashes.sort_unstable();
         hashes
     }

@@ -204,9 +204,8 @@ impl super::Scheduler {
     /// Lists the published blocks of `released` (full, hashed) as saves; returns them.
     pub(super) fn tier_save(&mut self, released: &[BlockId]) -> Vec<BlockId> {
         let (Some(tier), Some(log)) = (self.tier.as_mut(), self.events.as_ref()) else { return Vec::new() };
-        let published = log.published();
         let saves: Vec<(BlockId, u64)> =
-            released.iter().filter_map(|b| published.get(b).map(|&h| (*b, h))).collect();
+            released.iter().filter_map(|&b| log.hash_of(b).map(|h| (b, h))).collect();
         let saved = saves.iter().map(|&(b, _)| b).collect();
         tier.work.saves.extend(saves);
         saved
