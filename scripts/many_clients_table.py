@@ -9,16 +9,16 @@ TTFT p50 against pool-only's) and what the restart's round took from the tier.
 
 ``--figure PATH`` (needs matplotlib) also draws the README's figure: hit rate by round, one line per engine.
 """
+import argparse
 import json
 import sys
 
-args = sys.argv[1:]
-figure = None
-if "--figure" in args:
-    at = args.index("--figure")
-    figure = args[at + 1]
-    del args[at:at + 2]
-lines = [json.loads(l) for l in (open(args[0]) if args else sys.stdin) if l.strip()]
+parser = argparse.ArgumentParser(description="many_clients' table (and figure) from its --json report")
+parser.add_argument("report", nargs="?", type=argparse.FileType(), default=sys.stdin)
+parser.add_argument("--figure", help="also draw hit rate by round to this file (needs matplotlib)")
+args = parser.parse_args()
+figure = args.figure
+lines = [json.loads(l) for l in args.report if l.strip()]
 runs = {l["many_clients"]["engine"]: l["many_clients"] for l in lines}
 order = [e for e in ("pool", "pool_tier", "unbounded", "restart") if e in runs]
 names = {"pool": "pool", "pool_tier": "pool + tier", "unbounded": "unbounded", "restart": "restart"}

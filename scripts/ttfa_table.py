@@ -11,16 +11,16 @@ first audio's time went (medians, rounds 2.., c=1). Every figure is read from th
 ``--figure PATH`` (needs matplotlib) also draws the README's figure: TTFA p50 by round, caching on
 and off, one line per concurrency.
 """
+import argparse
 import json
 import sys
 
-args = sys.argv[1:]
-figure = None
-if "--figure" in args:
-    at = args.index("--figure")
-    figure = args[at + 1]
-    del args[at:at + 2]
-r = json.load(open(args[0]) if args else sys.stdin)
+parser = argparse.ArgumentParser(description="bench ttfa's README table (and figure) from its --json report")
+parser.add_argument("report", nargs="?", type=argparse.FileType(), default=sys.stdin)
+parser.add_argument("--figure", help="also draw TTFA p50 by round to this file (needs matplotlib)")
+args = parser.parse_args()
+figure = args.figure
+r = json.load(args.report)
 m, s = r["machine"], r["shapes"]
 features = " ".join(m["cpu_features"]) or "no AVX2"
 print(
