@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_fleet import MODEL, RunningFleet, alive, pytestmark  # noqa: F401  (the module's skip mark)
+from test_fleet import MODEL, RunningFleet, alive, leave_mid_stream, pytestmark  # noqa: F401  (the module's skip mark)
 
 from omniprefix.fleet import MAX_BODY_BYTES, worker_metrics
 from omniprefix.openai_checks import MAX_STOP, max_token_bytes
@@ -250,18 +250,8 @@ def test_a_client_that_goes_away_mid_stream_stops_its_generation(fleet):
 
     gaps = "omniprefix_inter_token_latency_seconds_count"
     before = sum(worker_metrics(w["metrics"])[gaps] for w in fleet.info["workers"])
-    body = json.dumps(completion(max_tokens=CONTEXT - 8, ignore_eos=True, temperature=0, stream=True)).encode()
-    port = urllib.parse.urlsplit(fleet.url).port
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while b"data: " not in got:
-            got += s.recv(4096)
-        assert running() == 1
-    deadline = time.monotonic() + 10
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    body = completion(max_tokens=CONTEXT - 8, ignore_eos=True, temperature=0, stream=True)
+    leave_mid_stream(fleet, COMPLETIONS, body, b"data: ", running)
     assert running() == 0, "the generation kept running after its client went away"
     made = sum(worker_metrics(w["metrics"])[gaps] for w in fleet.info["workers"]) - before
     assert made < CONTEXT - 8 - 1, f"{made} tokens: the generation ran to max_tokens"

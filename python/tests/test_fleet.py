@@ -12,12 +12,15 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -112,6 +115,26 @@ def alive(pid: int) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def leave_mid_stream(fleet: RunningFleet, path: str, body: dict, marker: bytes,
+                     running: Callable[[], float], timeout_s: float = 10.0) -> None:
+    """Streams ``body`` to ``path`` on a raw socket until ``marker`` arrives, checks that one
+    request runs, hangs up, and waits (up to ``timeout_s``) for the workers to run none."""
+    data = json.dumps(body).encode()
+    port = urllib.parse.urlsplit(fleet.url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        got = b""
+        while marker not in got:
+            more = s.recv(65536)
+            assert more, f"the stream ended before {marker!r}"
+            got += more
+        assert running() == 1
+    deadline = time.monotonic() + timeout_s
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def fleet_fixtures(model: Path, fleet_name: str, tier: bool = False):

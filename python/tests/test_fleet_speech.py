@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
 import time
 import urllib.error
 import urllib.parse
@@ -28,7 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import FIXTURES
-from test_fleet import REQUEST_S, RunningFleet, alive, fleet_fixtures, pytestmark  # noqa: F401  (the module's skip mark)
+from test_fleet import REQUEST_S, RunningFleet, alive, fleet_fixtures, leave_mid_stream, pytestmark  # noqa: F401  (the module's skip mark)
 
 from omniprefix.fleet import worker_metrics
 from omniprefix.speech import pcm16
@@ -171,18 +170,6 @@ def test_a_client_that_leaves_mid_stream_stops_both_stages(fleet):
 
     # 3000 tokens (about 2 s here), cut after the first audio chunk. (The tiny random talker ends
     # its speech after a few frames by itself, so the thinker is what still runs.)
-    body = json.dumps(spoken("pcm16", stream=True, max_tokens=3000, talker={"max_tokens": 4000})).encode()
-    port = urllib.parse.urlsplit(fleet.url).port
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while b'"data":' not in got:
-            more = s.recv(65536)
-            assert more, "the stream ended before its first audio"
-            got += more
-        assert running() == 1
-    deadline = time.monotonic() + 10
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    body = spoken("pcm16", stream=True, max_tokens=3000, talker={"max_tokens": 4000})
+    leave_mid_stream(fleet, CHAT, body, b'"data":', running)
     assert running() == 0, "the spoken request kept running after its client went away"
