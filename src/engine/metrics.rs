@@ -132,6 +132,13 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
             "Talker prompt rows whose KV came from the talker's prefix cache",
             ConstCounter::new(t.hit_rows),
         );
+        if r.stats.tier.is_some() {
+            registry.register(
+                "talker_tier_hits",
+                "Talker prompt rows whose KV was loaded from the disk tier (of the cache's hits)",
+                ConstCounter::new(t.tier_hit_rows),
+            );
+        }
     }
     if let (Some(t), Some(loads)) = (&r.stats.tier, r.tier_load_seconds) {
         registry.register(

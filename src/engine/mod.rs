@@ -240,8 +240,13 @@ impl<B: Backend> Engine<B> {
                 let tokens = preprocessor.tokens().clone();
                 let mut talkers = talk::Talkers::new(stage, config.talker_cache, fingerprinter, tokens)?;
                 let (thinker, talker) = (runner.thinker().identity(), talkers.stage().talker().identity());
-                if let Some(writer) = tier::open_talker(&config, thinker, talker, &talkers.pages_spec())? {
-                    talkers.attach_tier(writer, FleetHasher::new(&config.fingerprint_key));
+                let writer = tier::open_talker(&config, thinker, talker, &talkers.pages_spec())?;
+                if let (Some(writer), Some(t)) = (writer, &tier) {
+                    talkers.attach_tier(
+                        writer,
+                        FleetHasher::new(&config.fingerprint_key),
+                        t.load_seconds.clone(),
+                    );
                 }
                 Some(talkers)
             }

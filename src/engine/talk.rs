@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ndarray::{Array2, ArrayView2};
+use prometheus_client::metrics::histogram::Histogram;
 
 use super::output::{AudioEvent, Event, Output};
 use crate::Result;
@@ -45,6 +46,8 @@ pub(super) struct Talkers<B: Backend> {
     tokens: OmniTokens,
     /// Ordered by id, so a step's batch is the same whatever the insertion order.
     talks: BTreeMap<RequestId, Talk<B>>,
+    /// The engine's tier load histogram, with a tier.
+    tier_load_seconds: Option<Histogram>,
 }
 
 /// One speaking request.
@@ -115,6 +118,7 @@ impl<B: Backend> Talkers<B> {
             fingerprinter,
             tokens,
             talks: BTreeMap::new(),
+            tier_load_seconds: None,
         })
     }
 
@@ -136,9 +140,13 @@ impl<B: Backend> Talkers<B> {
         self.runner.backend().pages_spec(&self.pages)
     }
 
-    /// Puts the disk tier's talker store (`writer`) under the talker's pool.
-    pub(super) fn attach_tier(&mut self, writer: Arc<TierWriter>, hasher: FleetHasher) {
+    /// Puts the disk tier's talker store (`writer`) under the talker's pool;
+    /// its block reads are timed into `load_seconds` (the engine's tier histogram).
+    pub(super) fn attach_tier(
+        &mut self, writer: Arc<TierWriter>, hasher: FleetHasher, load_seconds: Histogram,
+    ) {
         self.cache.attach_tier(writer, hasher);
+        self.tier_load_seconds = Some(load_seconds);
     }
 
     /// Writes every cached talker block no slot reads to the tier and waits
@@ -148,7 +156,7 @@ impl<B: Backend> Talkers<B> {
             return Ok(());
         }
         self.cache.evict(usize::MAX)?;
-        move_tier_blocks(&mut self.cache, &self.runner, &mut self.pages, true)?;
+        move_tier_blocks(&mut self.cache, &self.runner, &mut self.pages, true, None)?;
         if let Some(writer) = self.cache.tier() {
             writer.flush();
         }
@@ -290,7 +298,9 @@ impl<B: Backend> Talkers<B> {
                 let Some(slot) = self.cache.begin(key, total)? else { return Ok(()) };
                 // Blocks the match evicted go out, blocks it read from the tier come in,
                 // before the talker writes or reads any of them.
-                if let Err(e) = move_tier_blocks(&mut self.cache, &self.runner, &mut self.pages, false) {
+                let loads = self.tier_load_seconds.as_ref();
+                if let Err(e) = move_tier_blocks(&mut self.cache, &self.runner, &mut self.pages, false, loads)
+                {
                     self.cache.release(slot)?;
                     return Err(e);
                 }
@@ -424,12 +434,18 @@ impl<B: Backend> Talkers<B> {
 }
 
 /// The talker cache's tier work on the talker's pages: evicted blocks out,
-/// then blocks read from the tier in (see [`super::tier::move_blocks`]).
+/// then blocks read from the tier in (see [`super::tier::move_blocks`]), each
+/// read's time into `load_seconds`.
 fn move_tier_blocks<B: Backend>(
     cache: &mut TalkerCache, runner: &ModelRunner<B>, pages: &mut B::Pages, spill: bool,
+    load_seconds: Option<&Histogram>,
 ) -> Result<()> {
     let Some(writer) = cache.tier().cloned() else { return Ok(()) };
     let work = cache.take_tier_work();
-    super::tier::move_blocks(runner.backend(), pages, &writer, work, spill)?;
+    for t in super::tier::move_blocks(runner.backend(), pages, &writer, work, spill)? {
+        if let Some(h) = load_seconds {
+            h.observe(t.as_secs_f64());
+        }
+    }
     Ok(())
 }

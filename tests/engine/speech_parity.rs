@@ -447,6 +447,11 @@ fn the_talker_cache_outlives_its_engine_through_the_disk_tier() -> TestResult {
     assert_eq!(speech.talker_cached_rows, 57 / block * block, "round 1's full talker blocks, from the tier");
     let talker = second.stats().talker.ok_or("no talker stats")?;
     assert_eq!(talker.tier_hit_rows as usize, 57 / block * block);
+    let metrics = second.metrics()?;
+    assert!(
+        metrics.contains(&format!("omniprefix_talker_tier_hits_total {}\n", 57 / block * block)),
+        "{metrics}"
+    );
     assert!(out.num_cached_tokens > 0, "the thinker's blocks came back too");
     assert_eq!(second.tier_stats().ok_or("no tier")?.files.errors, 0);
     assert_eq!(speech.codes.iter().map(|&c| i64::from(c)).collect::<Vec<_>>(), hf.ints("round2.codes")?);
