@@ -459,6 +459,9 @@ class EngineOptions(TypedDict, total=False):
     kv_linger_s: float  # default 0.0
     tier_dir: Optional[Union[str, PathLike[str]]]  # default None
     tier_bytes: int  # default 8 GiB (8589934592)
+    speech: bool  # default True
+    talker_num_blocks: int  # default 1024
+    talker_block_size: int  # default 16
 
 
 @final
@@ -520,6 +523,10 @@ class Engine:
           ``tier_bytes``: the tier's bound in bytes of its files (default 8 GiB), across every
           engine sharing the directory. CPU backend only. Its KV events put blocks going down to
           the tier on ``medium`` ``"DISK"``.
+        * ``speech``: load the checkpoint's talker and code2wav when it has them (default True;
+          False serves the thinker alone, and asking it for audio is a :class:`RequestError`);
+          ``talker_num_blocks`` / ``talker_block_size``: the talker's own KV pool and prefix
+          cache (1024 blocks of 16 rows).
 
         Raises :class:`CheckpointError` (missing or bad folder), :class:`ConfigError` (also an
         endpoint that does not parse or cannot be bound), ``ValueError`` (unknown option

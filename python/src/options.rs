@@ -51,7 +51,7 @@ pub struct EngineOptions {
 }
 
 /// The option names `Engine.from_dir` and `Engine.random` accept.
-const ENGINE_OPTIONS: [&str; 24] = [
+const ENGINE_OPTIONS: [&str; 27] = [
     "block_size",
     "num_blocks",
     "capture",
@@ -76,6 +76,9 @@ const ENGINE_OPTIONS: [&str; 24] = [
     "kv_linger_s",
     "tier_dir",
     "tier_bytes",
+    "speech",
+    "talker_num_blocks",
+    "talker_block_size",
 ];
 
 /// The `kv_*` options as given; they only mean something with `kv_events`.
@@ -203,6 +206,9 @@ impl EngineOptions {
                 "kv_linger_s" => kv.linger = Some(seconds(&value, &name)?),
                 "tier_dir" => tier.dir = Some(path(&value, &name)?),
                 "tier_bytes" => tier.bytes = Some(count(&value, &name)?),
+                "speech" => config.speech = flag(&value, &name)?,
+                "talker_num_blocks" => config.talker_cache.num_blocks = count(&value, &name)?,
+                "talker_block_size" => config.talker_cache.block_size = count(&value, &name)?,
                 other => {
                     return Err(PyTypeError::new_err(format!(
                         "unknown engine option {other:?}; options are {}",

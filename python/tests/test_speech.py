@@ -193,6 +193,19 @@ def test_a_checkpoint_without_a_talker_cannot_speak(ref):
         plain.stream(ref["text.input_ids"], max_tokens=2, audio=True)
 
 
+def test_speech_off_serves_the_thinker_alone_and_the_talker_pool_is_sized_by_its_options(ref):
+    silent = omniprefix.Engine.from_dir(model_dir(MODEL), speech=False)
+    with pytest.raises(omniprefix.RequestError, match="talker"):
+        silent.generate(**speak(ref))
+    assert silent.generate(**request(ref)).tokens, "the thinker still answers"
+    # A talker pool of 2 blocks of 4 rows cannot hold the reply's talker rows: refused, typed.
+    small = omniprefix.Engine.from_dir(model_dir(MODEL), talker_num_blocks=2, talker_block_size=4)
+    with pytest.raises(omniprefix.RequestError, match="blocks"):
+        small.generate(**speak(ref))
+    with pytest.raises(omniprefix.ConfigError, match="block_size"):
+        omniprefix.Engine.from_dir(model_dir(MODEL), talker_block_size=0)
+
+
 def test_the_stub_declares_the_talker_options_the_extension_accepts(engine, ref):
     with pytest.raises(omniprefix.RequestError, match="unknown talker option") as info:
         engine.generate(**dict(speak(ref), talker={"no_such_option": 1}))

@@ -103,18 +103,21 @@ impl<B: Backend> Talkers<B> {
     pub(super) fn new(
         stage: SpeechStage<B>, cache: TalkerCacheConfig, fingerprinter: Fingerprinter, tokens: OmniTokens,
     ) -> Result<Self> {
+        // The cache first: it refuses a pool of 0 blocks or rows as a `ConfigError`,
+        // before the pages are asked for them.
+        let index: Box<dyn PrefixIndex> =
+            Box::new(RadixIndex::new(RadixConfig { block_size: cache.block_size })?);
+        let talker_cache = TalkerCache::new(cache, index)?;
         let backend = stage.backend();
         let runner = stage.talker().runner(&backend)?;
         let pages = runner.alloc_pages(cache.num_blocks, cache.block_size)?;
-        let index: Box<dyn PrefixIndex> =
-            Box::new(RadixIndex::new(RadixConfig { block_size: cache.block_size })?);
         let code2wav = stage.code2wav_shared();
         Ok(Talkers {
             stage: Arc::new(stage),
             code2wav,
             runner,
             pages,
-            cache: TalkerCache::new(cache, index)?,
+            cache: talker_cache,
             fingerprinter,
             tokens,
             talks: BTreeMap::new(),

@@ -418,6 +418,27 @@ fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestRes
     Ok(())
 }
 
+/// A talker pool of no blocks or no rows a block is refused when the engine is
+/// built, as a `ConfigError` naming the field (it reached the backend's page
+/// allocation before, as an internal error).
+#[test]
+fn a_talker_pool_of_zero_blocks_or_rows_is_a_config_error() -> TestResult {
+    use omniprefix::error::ConfigError;
+    use omniprefix::sched::TalkerCacheConfig;
+    for (num_blocks, block_size, want) in [(0, 16, "num_blocks"), (16, 0, "block_size")] {
+        let config = EngineConfig {
+            talker_cache: TalkerCacheConfig { num_blocks, block_size },
+            ..EngineConfig::default()
+        };
+        match Engine::from_dir(&model_dir(MODEL), config) {
+            Err(omniprefix::Error::Config(ConfigError::Invalid { field, .. })) => assert_eq!(field, want),
+            Err(e) => return Err(format!("{want}: expected a config error, got {e}").into()),
+            Ok(_) => return Err(format!("{want}: an engine over an empty talker pool").into()),
+        }
+    }
+    Ok(())
+}
+
 /// The talker's cache outlives its engine through the disk tier: round 1 on one
 /// engine, which spills both stages' caches to the tier when dropped; round 2 on
 /// another engine on the same directory and key reads every full block of round
