@@ -145,6 +145,15 @@ fn random_lens(rng: &mut ChaCha8Rng, block_size: usize, n: usize) -> Vec<(usize,
         .collect()
 }
 
+/// Pages of K/V only (no captured rows): `num_layers` layers of `num_blocks`
+/// blocks of `block_size` slots, `kv_heads` heads of `head_dim`, in `kv_dtype`.
+fn kv_pages(
+    num_layers: usize, num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize,
+    kv_dtype: Dtype,
+) -> PagesSpec {
+    PagesSpec { num_layers, num_blocks, block_size, kv_heads, head_dim, captured: 0, hidden: 0, kv_dtype }
+}
+
 #[test]
 fn paged_attention_matches_cpu_for_mixed_batches_and_gqa() {
     let Some(gpu) = gpu() else { return };
@@ -168,16 +177,7 @@ fn mixed_batches_match_cpu(gpu: &WgpuBackend, kv_dtype: Dtype, seed: u64) {
         let head_dim = [8, 12, 16][rng.random_range(0..3)];
         let block_size = [4, 5, 16][rng.random_range(0..3)];
         let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
-        let spec = PagesSpec {
-            num_layers: 2,
-            num_blocks: 40,
-            block_size,
-            kv_heads,
-            head_dim,
-            captured: 0,
-            hidden: 0,
-            kv_dtype,
-        };
+        let spec = kv_pages(2, 40, block_size, kv_heads, head_dim, kv_dtype);
         let n_seqs = rng.random_range(1..5);
         let lens = random_lens(&mut rng, block_size, n_seqs);
         let s = setup_attention(gpu, &mut rng, spec, heads, 1, &lens);
@@ -208,16 +208,7 @@ fn decode_attention_split_kv_matches_cpu_for_every_split_length() {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     for (group, kv_dtype) in [(1, Dtype::F32), (2, Dtype::F32), (4, Dtype::F32), (2, Dtype::F16)] {
         let heads = AttnHeads { num_heads: 2 * group, kv_heads: 2, head_dim: 16 };
-        let spec = PagesSpec {
-            num_layers: 1,
-            num_blocks: 64,
-            block_size: 8,
-            kv_heads: 2,
-            head_dim: 16,
-            captured: 0,
-            hidden: 0,
-            kv_dtype,
-        };
+        let spec = kv_pages(1, 64, 8, 2, 16, kv_dtype);
         // Long, short, block-aligned and single-key contexts in one decode batch.
         let lens = [(149, 1), (7, 1), (64, 1), (0, 1)];
         let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &lens);
@@ -308,16 +299,7 @@ fn decode_batches_match_cpu(gpu: &WgpuBackend, seed: u64) -> Vec<Array2<f32>> {
         let heads = AttnHeads { num_heads: kv_heads * group, kv_heads, head_dim };
         let lens = random_decode_lens(&mut rng, block_size);
         let num_blocks = lens.iter().map(|&(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 3;
-        let spec = PagesSpec {
-            num_layers: 1,
-            num_blocks,
-            block_size,
-            kv_heads,
-            head_dim,
-            captured: 0,
-            hidden: 0,
-            kv_dtype,
-        };
+        let spec = kv_pages(1, num_blocks, block_size, kv_heads, head_dim, kv_dtype);
         let s = setup_attention(gpu, &mut rng, spec, heads, 0, &lens);
         let seqs = attn_seqs(&s.seqs);
         let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
@@ -382,16 +364,7 @@ fn decode_over_two_chunk_pools_matches_cpu_in_both_kernels() {
     // K blocks: 4 slots x 2 heads x 12 dims x 4 B = 384 B → 10 blocks per chunk (f16: 21).
     for (kv_dtype, num_blocks, seed) in [(Dtype::F32, 20, 31), (Dtype::F16, 30, 32)] {
         let heads = AttnHeads { num_heads: 8, kv_heads: 2, head_dim: 12 };
-        let spec = PagesSpec {
-            num_layers: 1,
-            num_blocks,
-            block_size: 4,
-            kv_heads: 2,
-            head_dim: 12,
-            captured: 0,
-            hidden: 0,
-            kv_dtype,
-        };
+        let spec = kv_pages(1, num_blocks, 4, 2, 12, kv_dtype);
         for backend in [&gpu, &portable] {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
             let s = setup_attention(backend, &mut rng, spec, heads, 0, &[(37, 1), (0, 1), (20, 1), (11, 1)]);
@@ -424,16 +397,7 @@ fn long_contexts_span_several_key_tiles_in_both_kernels() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     // Contexts of 1..3 tiles of 64 keys, prefixes ending mid-tile and on a tile edge.
     let heads = AttnHeads { num_heads: 4, kv_heads: 2, head_dim: 8 };
-    let spec = PagesSpec {
-        num_layers: 1,
-        num_blocks: 128,
-        block_size: 4,
-        kv_heads: 2,
-        head_dim: 8,
-        captured: 0,
-        hidden: 0,
-        kv_dtype: Dtype::F32,
-    };
+    let spec = kv_pages(1, 128, 4, 2, 8, Dtype::F32);
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(130, 5), (64, 3), (0, 70), (191, 1)]);
     let seqs = attn_seqs(&s.seqs);
     let want = CpuBackend.paged_attention(&s.q, &s.cpu_pages, 0, heads, &seqs).unwrap();
@@ -515,16 +479,7 @@ fn tiled_prefill_matches_cpu_at_tile_edges_for_every_head_dim() {
         let (rows, tile_heads) = prefill_slots(tiles.0, group);
         let lens = tile_edge_lens(&mut rng, rows, tiles.1);
         let num_blocks = lens.iter().map(|&(c, n)| (c + n).div_ceil(block_size)).sum::<usize>() + 3;
-        let spec = PagesSpec {
-            num_layers: 1,
-            num_blocks,
-            block_size,
-            kv_heads,
-            head_dim,
-            captured: 0,
-            hidden: 0,
-            kv_dtype,
-        };
+        let spec = kv_pages(1, num_blocks, block_size, kv_heads, head_dim, kv_dtype);
         let what = format!(
             "case {case} {kv_dtype} {heads:?} tiles {tiles:?} slots {rows} x {tile_heads} block {block_size} lens {lens:?}"
         );
@@ -546,16 +501,7 @@ fn tiled_prefill_reads_tiles_across_pool_chunks() {
         for (kv_dtype, elem_bytes) in [(Dtype::F32, 4), (Dtype::F16, 2)] {
             // Blocks of 4 slots x 8 dims: two chunks' worth under the small binding.
             let num_blocks = 2 * SMALL_BINDING as usize / (4 * 8 * elem_bytes);
-            let spec = PagesSpec {
-                num_layers: 1,
-                num_blocks,
-                block_size: 4,
-                kv_heads: 1,
-                head_dim: 8,
-                captured: 0,
-                hidden: 0,
-                kv_dtype,
-            };
+            let spec = kv_pages(1, num_blocks, 4, 1, 8, kv_dtype);
             // q and out must fit the small binding too: at most 1024 floats (49 rows of 8,
             // 25 of 16, 8 of 64 here).
             let lens = [(kt, rows), (kt + 6, rows + 1), (0, (rows - 1).max(2)), (13, 1)];
@@ -573,16 +519,7 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
-    let spec = PagesSpec {
-        num_layers: 1,
-        num_blocks: 8,
-        block_size: 4,
-        kv_heads: 1,
-        head_dim: 8,
-        captured: 0,
-        hidden: 0,
-        kv_dtype: Dtype::F32,
-    };
+    let spec = kv_pages(1, 8, 4, 1, 8, Dtype::F32);
     let s = setup_attention(&gpu, &mut rng, spec, heads, 0, &[(3, 2)]);
     let q = gpu.upload(s.q.view()).unwrap();
     let kv = s.gpu_pages.layer("test", 0).unwrap();
@@ -593,16 +530,7 @@ fn decode_kernel_rejects_rows_that_are_not_single_tokens() {
 #[test]
 fn attention_rejects_bad_tables_and_unsupported_heads() {
     let Some(gpu) = gpu() else { return };
-    let spec = PagesSpec {
-        num_layers: 1,
-        num_blocks: 4,
-        block_size: 4,
-        kv_heads: 1,
-        head_dim: 8,
-        captured: 0,
-        hidden: 0,
-        kv_dtype: Dtype::F32,
-    };
+    let spec = kv_pages(1, 4, 4, 1, 8, Dtype::F32);
     let pages = gpu.alloc_pages(spec).unwrap();
     let heads = AttnHeads { num_heads: 2, kv_heads: 1, head_dim: 8 };
     let q = gpu.upload(Array2::zeros((3, 16)).view()).unwrap();
@@ -1374,16 +1302,7 @@ fn bf16_weights_and_pages_are_a_config_error_on_wgpu() {
     assert_eq!(thinker.dtype(), Dtype::F16);
     let thinker = omniprefix::model::Thinker::random(&gpu, cfg, 1).expect("auto on wgpu loads");
     assert_eq!(thinker.dtype(), Dtype::F32);
-    let spec = PagesSpec {
-        num_layers: 1,
-        num_blocks: 2,
-        block_size: 4,
-        kv_heads: 1,
-        head_dim: 4,
-        captured: 0,
-        hidden: 0,
-        kv_dtype: Dtype::Bf16,
-    };
+    let spec = kv_pages(1, 2, 4, 1, 4, Dtype::Bf16);
     let Err(err) = gpu.alloc_pages(spec) else { panic!("bf16 pages on wgpu must fail") };
     assert!(
         matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "bf16"),
@@ -1408,16 +1327,7 @@ fn without_f16_conversions_f16_is_a_config_error_and_f32_runs() {
         matches!(&err, Error::Config(ConfigError::Invalid { field: "weight dtype", found, .. }) if found == "f16"),
         "{err}"
     );
-    let spec = PagesSpec {
-        num_layers: 1,
-        num_blocks: 2,
-        block_size: 4,
-        kv_heads: 1,
-        head_dim: 4,
-        captured: 0,
-        hidden: 0,
-        kv_dtype: Dtype::F16,
-    };
+    let spec = kv_pages(1, 2, 4, 1, 4, Dtype::F16);
     let Err(err) = gpu.alloc_pages(spec) else { panic!("f16 pages must fail") };
     assert!(
         matches!(&err, Error::Config(ConfigError::Invalid { field: "kv dtype", found, .. }) if found == "f16"),
