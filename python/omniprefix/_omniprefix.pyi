@@ -307,7 +307,11 @@ class AudioChunk:
         """Index of the chunk's first sample in the reply's audio."""
     @property
     def samples(self) -> npt.NDArray[np.float32]:
-        """Mono samples at the generation's :attr:`~Generation.sample_rate`."""
+        """Mono samples at :attr:`sample_rate`."""
+    @property
+    def sample_rate(self) -> int:
+        """Samples a second (the generation's :attr:`~Generation.sample_rate`, known from the
+        first chunk on)."""
     def __len__(self) -> int:
         """Samples in the chunk."""
 

@@ -203,14 +203,21 @@ pub struct PyAudioChunk {
     /// Index of the chunk's first sample in the reply's audio.
     #[pyo3(get)]
     offset: usize,
-    /// float32 `[samples]`, mono at the generation's `sample_rate`.
+    /// float32 `[samples]`, mono at `sample_rate`.
     #[pyo3(get)]
     samples: Py<PyArray1<f32>>,
+    /// Samples a second (the generation's `sample_rate`).
+    #[pyo3(get)]
+    sample_rate: u32,
 }
 
 impl PyAudioChunk {
     pub fn new(py: Python<'_>, event: AudioEvent) -> Self {
-        PyAudioChunk { offset: event.offset, samples: PyArray1::from_vec(py, event.samples).unbind() }
+        PyAudioChunk {
+            offset: event.offset,
+            samples: PyArray1::from_vec(py, event.samples).unbind(),
+            sample_rate: event.sample_rate,
+        }
     }
 }
 

@@ -98,6 +98,7 @@ def assert_chunks_make(chunks, gen) -> None:
     offset = 0
     for chunk in chunks:
         assert chunk.offset == offset
+        assert chunk.sample_rate == gen.sample_rate
         assert chunk.samples.dtype == np.float32
         assert len(chunk) == len(chunk.samples) > 0
         offset += len(chunk)

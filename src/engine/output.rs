@@ -112,8 +112,11 @@ pub struct AudioEvent {
     pub request: RequestId,
     /// Index of the chunk's first sample in the reply's audio.
     pub offset: usize,
-    /// Mono samples at the talker's sample rate.
+    /// Mono samples at `sample_rate`.
     pub samples: Vec<f32>,
+    /// Samples a second (code2wav's, 24 kHz in the release): what a player of
+    /// the chunks needs before the reply's `Speech` comes.
+    pub sample_rate: u32,
 }
 
 /// What one engine step produced for one request.

@@ -400,6 +400,7 @@ impl<B: Backend> Talkers<B> {
                     request: id,
                     offset: talk.audio.len(),
                     samples: chunk.clone(),
+                    sample_rate: self.code2wav.sample_rate(),
                 }));
                 talk.audio.extend(chunk);
             }

@@ -161,6 +161,7 @@ fn thinker_talker_and_code2wav_equal_hf_audio() -> TestResult {
                 match event {
                     Event::Audio(a) if a.request == id => {
                         assert_eq!(a.offset, chunks.iter().map(Vec::len).sum::<usize>(), "{case}: offsets");
+                        assert_eq!(a.sample_rate, 24_000, "{case}: the chunk says its rate");
                         chunks.push(a.samples);
                     }
                     Event::Finished(out) => output = Some(out),
