@@ -446,10 +446,5 @@ fn move_tier_blocks<B: Backend>(
 ) -> Result<()> {
     let Some(writer) = cache.tier().cloned() else { return Ok(()) };
     let work = cache.take_tier_work();
-    for t in super::tier::move_blocks(runner.backend(), pages, &writer, work, spill)? {
-        if let Some(h) = load_seconds {
-            h.observe(t.as_secs_f64());
-        }
-    }
-    Ok(())
+    super::tier::move_blocks(runner.backend(), pages, &writer, work, spill, load_seconds)
 }

@@ -105,11 +105,13 @@ fn start_writer(config: &EngineConfig, model: ModelId, spec: &PagesSpec) -> Resu
 }
 
 /// Copies `saves` out of `pages` to `writer` (waiting for room in its queue
-/// when `spill`, else dropping when it is full), then `loads` into them: one
-/// home for the thinker's pages and the talker's.
+/// when `spill`, else dropping when it is full), then `loads` into them, each
+/// load's read time into `load_seconds`: one home for the thinker's pages and
+/// the talker's.
 pub(super) fn move_blocks<B: Backend>(
     backend: &B, pages: &mut B::Pages, writer: &TierWriter, work: TierWork, spill: bool,
-) -> Result<Vec<std::time::Duration>> {
+    load_seconds: Option<&Histogram>,
+) -> Result<()> {
     let TierWork { saves, loads, load_times } = work;
     for (block, hash) in saves {
         let mut bytes = Vec::with_capacity(writer.store().identity().layout.payload_bytes());
@@ -124,7 +126,10 @@ pub(super) fn move_blocks<B: Backend>(
     for (block, loaded) in loads {
         backend.import_block(pages, block, loaded.payload())?;
     }
-    Ok(load_times)
+    if let Some(h) = load_seconds {
+        load_times.iter().for_each(|t| h.observe(t.as_secs_f64()));
+    }
+    Ok(())
 }
 
 impl<B: Backend> Engine<B> {
@@ -141,10 +146,14 @@ impl<B: Backend> Engine<B> {
     fn move_tier_blocks(&mut self, spill: bool) -> Result<()> {
         let Some(tier) = &self.tier else { return Ok(()) };
         let work = self.sched.take_tier_work();
-        for t in move_blocks(self.runner.backend(), &mut self.pages, &tier.writer, work, spill)? {
-            tier.load_seconds.observe(t.as_secs_f64());
-        }
-        Ok(())
+        move_blocks(
+            self.runner.backend(),
+            &mut self.pages,
+            &tier.writer,
+            work,
+            spill,
+            Some(&tier.load_seconds),
+        )
     }
 
     /// Writes every cached block no request reads to the tier and waits until

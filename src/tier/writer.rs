@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -97,29 +97,32 @@ impl TierWriter {
 
     /// Queues block `hash` for writing; `false` (a counted drop) when the queue is full.
     pub fn submit(&self, hash: u64, payload: Arc<[u8]>) -> bool {
-        let Some(queue) = &self.queue else { return false };
-        lock(&self.pending).insert(hash, Arc::clone(&payload));
-        match queue.try_send(Job::Write(hash, Arc::clone(&payload))) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                forget(&self.pending, hash, &payload);
-                self.store.counters.write_drops.fetch_add(1, Ordering::Relaxed);
-                false
-            }
+        let sent = self.enqueue(hash, payload, |queue, job| queue.try_send(job).is_ok());
+        if !sent {
+            self.store.counters.write_drops.fetch_add(1, Ordering::Relaxed);
         }
+        sent
     }
 
     /// Queues block `hash` for writing, waiting for room when the queue is
     /// full: for a spill (a drop, a restart), where nothing else waits and a
     /// dropped block would be a lost hit. `false` only once the writer stops.
     pub fn submit_waiting(&self, hash: u64, payload: Arc<[u8]>) -> bool {
+        self.enqueue(hash, payload, |queue, job| queue.send(job).is_ok())
+    }
+
+    /// Makes `payload` readable at once, then hands it to the writer with
+    /// `send`; whatever `send` does not take is forgotten again.
+    fn enqueue(
+        &self, hash: u64, payload: Arc<[u8]>, send: impl FnOnce(&SyncSender<Job>, Job) -> bool,
+    ) -> bool {
         let Some(queue) = &self.queue else { return false };
         lock(&self.pending).insert(hash, Arc::clone(&payload));
-        if queue.send(Job::Write(hash, Arc::clone(&payload))).is_ok() {
-            return true;
+        let sent = send(queue, Job::Write(hash, Arc::clone(&payload)));
+        if !sent {
+            forget(&self.pending, hash, &payload);
         }
-        forget(&self.pending, hash, &payload);
-        false
+        sent
     }
 
     /// Block `hash`: from the write queue if it is still there, else from its file (checked).
