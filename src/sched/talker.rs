@@ -128,6 +128,8 @@ pub struct TalkerSlot {
     num_cached: usize,
     total_rows: usize,
     lock: Option<PrefixMatch>,
+    /// The key's full blocks' content hashes, with a tier (else empty).
+    tier_hashes: Vec<u64>,
 }
 
 impl TalkerSlot {
@@ -199,7 +201,7 @@ pub struct TalkerCache {
     live: FxHashSet<u64>,
     next_slot: u64,
     stats: TalkerCacheStats,
-    /// The disk tier under the pool ([`TalkerCache::with_tier`]).
+    /// The disk tier under the pool ([`TalkerCache::attach_tier`]).
     pub(super) tier: Option<TalkerTier>,
 }
 
@@ -297,8 +299,10 @@ impl TalkerCache {
         };
         let shared = cached / bs;
         // Past the pool's blocks, the tier's: read into the first fresh blocks.
+        let mut tier_hashes = Vec::new();
         if let Some(tier) = self.tier.as_mut() {
-            let loads = tier.read(&key, bs, shared);
+            tier_hashes = tier.block_hashes(&key, bs);
+            let loads = tier.read(&tier_hashes, shared);
             cached += loads.len() * bs;
             self.stats.tier_hit_rows += (loads.len() * bs) as u64;
             tier.work.loads.extend(fresh.iter().copied().zip(loads));
@@ -324,6 +328,7 @@ impl TalkerCache {
             num_cached: cached,
             total_rows,
             lock,
+            tier_hashes,
         }))
     }
 
@@ -362,7 +367,7 @@ impl TalkerCache {
         }
         slot.num_shared = n_full;
         if let Some(tier) = self.tier.as_mut() {
-            tier.cached(&slot.key, self.block_size, &slot.block_table[..n_full]);
+            tier.cached(&slot.tier_hashes, &slot.block_table[..n_full]);
         }
         for &b in &done.released {
             self.pool.reclaim_evicted(b)?;

@@ -37,10 +37,16 @@ impl TalkerTier {
         TalkerTier { writer, hasher, hashes: FxHashMap::default(), work: TierWork::default() }
     }
 
-    /// The run of `key`'s full blocks from block `from` on that the tier holds,
-    /// read and checked now, up to the first it lacks or that fails its check.
-    pub(super) fn read(&mut self, key: &CanonicalPrompt, block_size: usize, from: usize) -> Vec<Loaded> {
-        let hashes = self.hasher.block_hashes(key, block_size);
+    /// The content hashes of `key`'s full blocks (computed once a slot: its
+    /// read and its commit both use them).
+    pub(super) fn block_hashes(&self, key: &CanonicalPrompt, block_size: usize) -> Vec<u64> {
+        self.hasher.block_hashes(key, block_size)
+    }
+
+    /// The run of `hashes` (a key's full blocks) from block `from` on that the
+    /// tier holds, read and checked now, up to the first it lacks or that fails
+    /// its check.
+    pub(super) fn read(&mut self, hashes: &[u64], from: usize) -> Vec<Loaded> {
         let found: Vec<u64> =
             hashes.iter().skip(from).copied().take_while(|&h| self.writer.contains(h)).collect();
         let (blocks, times) = read_run(&self.writer, &found);
@@ -48,11 +54,10 @@ impl TalkerTier {
         blocks
     }
 
-    /// Records the hashes of `key`'s first `blocks.len()` full blocks, which
-    /// the index now holds as `blocks`.
-    pub(super) fn cached(&mut self, key: &CanonicalPrompt, block_size: usize, blocks: &[BlockId]) {
-        let hashes = self.hasher.block_hashes(key, block_size);
-        self.hashes.extend(blocks.iter().copied().zip(hashes));
+    /// Records `hashes` (a key's full blocks, in order) for `blocks`, which the
+    /// index now holds as the key's first blocks.
+    pub(super) fn cached(&mut self, hashes: &[u64], blocks: &[BlockId]) {
+        self.hashes.extend(blocks.iter().copied().zip(hashes.iter().copied()));
     }
 
     /// Lists the blocks the index evicted as saves (each under its hash).
