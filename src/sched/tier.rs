@@ -229,15 +229,23 @@ mod tests {
     use crate::sched::{Scheduler, SchedulerConfig};
     use crate::tier::scratch::{Scratch, payload_held, writer_holding};
 
-    /// A scheduler of 8 blocks of 4 over a tier in `dir` holding blocks 1, 2 and 3.
-    fn sched_over_tier(dir: &Scratch) -> Scheduler {
+    /// A scheduler of 8 blocks of 4, no tier.
+    fn sched() -> Scheduler {
         let index = RadixIndex::new(RadixConfig { block_size: 4 }).unwrap();
-        let config = SchedulerConfig { block_size: 4, num_blocks: 8, ..Default::default() };
-        let hasher = FleetHasher::new(&FingerprintKey::fixed(1));
-        Scheduler::new(config, Box::new(index))
-            .unwrap()
-            .with_tier(writer_holding(dir, &[1, 2, 3]), hasher, Medium::Cpu)
-            .unwrap()
+        Scheduler::new(
+            SchedulerConfig { block_size: 4, num_blocks: 8, ..Default::default() },
+            Box::new(index),
+        )
+        .unwrap()
+    }
+
+    fn hasher() -> FleetHasher {
+        FleetHasher::new(&FingerprintKey::fixed(1))
+    }
+
+    /// [`sched`] over a tier in `dir` holding blocks 1, 2 and 3.
+    fn sched_over_tier(dir: &Scratch) -> Scheduler {
+        sched().with_tier(writer_holding(dir, &[1, 2, 3]), hasher(), Medium::Cpu).unwrap()
     }
 
     fn text(id: RequestId, len: u32) -> crate::sched::Request {
@@ -283,15 +291,6 @@ mod tests {
     fn kv_events_given_after_the_tier_still_publish_its_blocks_on_disk() {
         let dir = Scratch::new("sched-order");
         let writer = writer_holding(&dir, &[]);
-        let hasher = || FleetHasher::new(&FingerprintKey::fixed(1));
-        let sched = || {
-            let index = RadixIndex::new(RadixConfig { block_size: 4 }).unwrap();
-            Scheduler::new(
-                SchedulerConfig { block_size: 4, num_blocks: 8, ..Default::default() },
-                Box::new(index),
-            )
-            .unwrap()
-        };
         let tier_first = sched()
             .with_tier(Arc::clone(&writer), hasher(), Medium::Cpu)
             .unwrap()

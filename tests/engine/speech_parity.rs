@@ -121,6 +121,13 @@ struct Recorded {
     talker_max_new_tokens: usize,
 }
 
+impl Recorded {
+    /// HF's talker settings of the fixture: greedy, its step cap.
+    fn greedy_talker(&self) -> TalkerSampling {
+        TalkerSampling { max_new_tokens: self.talker_max_new_tokens, ..TalkerSampling::greedy() }
+    }
+}
+
 fn recorded() -> TestResult<Recorded> {
     let text = std::fs::read_to_string(model_dir(MODEL).join("audio_reference.json"))?;
     let json: serde_json::Value = serde_json::from_str(&text)?;
@@ -143,10 +150,7 @@ fn thinker_talker_and_code2wav_equal_hf_audio() -> TestResult {
     let hf = reference()?;
     let rec = recorded()?;
     let mut engine = Engine::from_dir(&model_dir(MODEL), EngineConfig::default())?;
-    let options = SpeechOptions {
-        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
-        ..SpeechOptions::default()
-    };
+    let options = SpeechOptions { talker: rec.greedy_talker(), ..SpeechOptions::default() };
     for case in CASES {
         let c = Case::open(&hf, case)?;
         let params = SamplingParams {
@@ -283,7 +287,7 @@ fn round2_reuses_round1_talker_kv_and_its_codes_stay() -> TestResult {
     let config = EngineConfig { capture: Some(vec![stage.accept_capture()]), ..EngineConfig::default() };
     let mut engine = Engine::from_dir(&dir, config)?;
     let fingerprinter = Fingerprinter::new(FingerprintKey::fixed(0), 1, ValidationPolicy::SecondDigest)?;
-    let sampling = TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() };
+    let sampling = rec.greedy_talker();
     let speaker = stage.checks().speaker_id("ethan")?;
     let talker = stage.talker();
     let (block_size, num_blocks) = (4, 256);
@@ -380,12 +384,8 @@ fn speak_case<B: omniprefix::backend::Backend>(
 fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestResult {
     let hf = reference()?;
     let rec = recorded()?;
-    let options = SpeechOptions {
-        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
-        first_chunk: 1,
-        chunk: 2,
-        ..SpeechOptions::default()
-    };
+    let options =
+        SpeechOptions { talker: rec.greedy_talker(), first_chunk: 1, chunk: 2, ..SpeechOptions::default() };
     let mut runs = Vec::new();
     for cache in [true, false] {
         let mut engine =
@@ -449,10 +449,7 @@ fn a_talker_pool_of_zero_blocks_or_rows_is_a_config_error() -> TestResult {
 fn the_talker_cache_outlives_its_engine_through_the_disk_tier() -> TestResult {
     let hf = reference()?;
     let rec = recorded()?;
-    let options = SpeechOptions {
-        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
-        ..SpeechOptions::default()
-    };
+    let options = SpeechOptions { talker: rec.greedy_talker(), ..SpeechOptions::default() };
     let dir = tempfile::tempdir()?;
     let config = || EngineConfig {
         tier_dir: Some(dir.path().join("tier")),
@@ -494,10 +491,7 @@ fn the_speech_chain_runs_on_wgpu() -> TestResult {
     let hf = reference()?;
     let rec = recorded()?;
     let mut engine = Engine::from_dir_on(Arc::new(gpu), &model_dir(MODEL), EngineConfig::default())?;
-    let options = SpeechOptions {
-        talker: TalkerSampling { max_new_tokens: rec.talker_max_new_tokens, ..TalkerSampling::greedy() },
-        ..SpeechOptions::default()
-    };
+    let options = SpeechOptions { talker: rec.greedy_talker(), ..SpeechOptions::default() };
     for case in CASES {
         let (_, out) = speak_case(&mut engine, &hf, &rec, case, &options)?;
         let speech = out.speech.ok_or("no speech")?;
