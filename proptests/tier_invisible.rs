@@ -106,7 +106,7 @@ fn block_file_bytes(block_size: usize) -> u64 {
         hidden: 32,
         kv_dtype: Dtype::F32,
     };
-    BlockLayout::of(&spec).file_bytes()
+    BlockLayout::of(&spec, 0).file_bytes()
 }
 
 fn block_files(dir: &Path) -> Vec<(PathBuf, u64)> {

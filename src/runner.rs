@@ -7,6 +7,11 @@
 //! hidden]`, cached rows gathered from the hidden pages; for a decode step its
 //! one new row) and the last position's logits, which the engine samples from.
 //!
+//! A capture kept only at item positions ([`ItemCapture`], the talker's accept
+//! layer) is written beside the pages rather than into them: a step clears its
+//! slots there, stores its item positions' rows, and an emitting sequence gets
+//! the rows its output positions hold ([`SeqOutput::items`]).
+//!
 //! The runner never touches an index or a pool: everything it needs is in the batch.
 //!
 //! Batches from the scheduler are well-formed by construction (admission
@@ -26,7 +31,7 @@ use crate::batch::{
     self, BlockCopy, EmbedRows, LevelMismatch, ModelShape, RequestId, ScheduledBatch, ScheduledSeq,
 };
 use crate::error::{BackendError, Component, RunnerError};
-use crate::kv::{BlockId, BlockTable};
+use crate::kv::{BlockId, BlockTable, ItemCapture};
 use crate::model::{CaptureName, CaptureSpec, StepMeta, Thinker};
 use crate::prompt::{Positions, out_of_vocab};
 use crate::{Error, Result};
@@ -39,6 +44,34 @@ pub struct SeqOutput {
     pub hidden: Vec<(CaptureName, Array2<f32>)>,
     /// Logits `[vocab]` of the sequence's last position.
     pub last_logits: Vec<f32>,
+    /// The item-position capture's rows among positions `output_from..seq_len`,
+    /// when the step kept one ([`ModelRunner::execute_with_items`]).
+    pub items: Option<ItemCaptureRows>,
+}
+
+/// Rows of an item-position capture ([`ItemCapture`]) that one output covers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ItemCaptureRows {
+    /// The captured point.
+    pub point: CaptureName,
+    /// Sequence positions holding a row, ascending.
+    pub positions: Vec<usize>,
+    /// Their rows, `[positions.len(), hidden]`.
+    pub rows: Array2<f32>,
+}
+
+impl ItemCaptureRows {
+    /// The rows laid out by position, `[len, hidden]`, zeros where no item sits:
+    /// what a reader indexing by position (the talker's prompt) takes.
+    pub fn dense(&self, len: usize) -> Array2<f32> {
+        let mut out = Array2::zeros((len, self.rows.ncols()));
+        for (&pos, row) in self.positions.iter().zip(self.rows.rows()) {
+            if pos < len {
+                out.row_mut(pos).assign(&row);
+            }
+        }
+        out
+    }
 }
 
 /// Runs scheduled steps of one thinker on one backend.
@@ -120,8 +153,21 @@ impl<B: Backend> ModelRunner<B> {
     /// [`BackendError::OpIndex`] for pages or copies that do not fit) and leaves the
     /// pages untouched.
     pub fn execute(&self, batch: &ScheduledBatch, pages: &mut B::Pages) -> Result<Vec<SeqOutput>> {
+        self.execute_with_items(batch, pages, None)
+    }
+
+    /// [`execute`](Self::execute), also keeping `items`' point at the batch's
+    /// item positions in `items` (beside the pages, which must be the ones
+    /// `items` follows): each output then says which of its positions hold a
+    /// row ([`SeqOutput::items`]). Errors as `execute`.
+    pub fn execute_with_items(
+        &self, batch: &ScheduledBatch, pages: &mut B::Pages, items: Option<&mut ItemCapture>,
+    ) -> Result<Vec<SeqOutput>> {
         check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages))?;
-        Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, false)?.outputs)
+        if let Some(store) = &items {
+            check_item_rows(&self.thinker, store)?;
+        }
+        Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, items, false)?.outputs)
     }
 
     /// Executes a batch the scheduler built from requests admitted against
@@ -129,14 +175,30 @@ impl<B: Backend> ModelRunner<B> {
     /// on pages this runner allocated: well-formed by construction, so only
     /// debug builds check it.
     pub(crate) fn execute_scheduled(
-        &self, batch: &ScheduledBatch, pages: &mut B::Pages,
+        &self, batch: &ScheduledBatch, pages: &mut B::Pages, items: Option<&mut ItemCapture>,
     ) -> Result<Vec<SeqOutput>> {
         debug_assert!(
             check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages)).is_ok(),
             "a scheduled batch is well-formed by construction"
         );
-        Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, false)?.outputs)
+        Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, items, false)?.outputs)
     }
+}
+
+/// An item-row store fits the model: its point is one of the forward's, its width the model's.
+fn check_item_rows<B: Backend>(thinker: &Thinker<B>, items: &ItemCapture) -> Result<()> {
+    let cfg = thinker.config();
+    CaptureSpec::new([items.point()], cfg.num_hidden_layers)?;
+    if items.width() != cfg.hidden_size {
+        return Err(BackendError::OpShape {
+            op: "item rows",
+            what: "store width",
+            expected: format!("{}", cfg.hidden_size),
+            found: vec![items.width()],
+        }
+        .into());
+    }
+    Ok(())
 }
 
 fn pages_spec<B: Backend>(
@@ -221,7 +283,7 @@ pub fn run_uncached<B: Backend>(
     let batch = ScheduledBatch { copies: vec![], seqs: vec![seq] };
     let mut pages = backend.alloc_pages(pages_spec(thinker, &capture, num_blocks, UNCACHED_BLOCK))?;
     check_batch(thinker, &capture, &batch, &backend.pages_spec(&pages))?;
-    let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, all_logits)?;
+    let mut step = run_step(thinker, backend, &capture, &batch, &mut pages, None, all_logits)?;
     let out = step
         .outputs
         .pop()
@@ -393,10 +455,13 @@ fn add_deepstack<B: Backend>(
 /// The core of [`ModelRunner::execute`] and [`run_uncached`].
 fn run_step<B: Backend>(
     thinker: &Thinker<B>, backend: &B, capture: &CaptureSpec, batch: &ScheduledBatch, pages: &mut B::Pages,
-    all_logits: bool,
+    mut items: Option<&mut ItemCapture>, all_logits: bool,
 ) -> Result<StepResult> {
     let copies: Vec<_> = batch.copies.iter().map(|c| (c.src, c.dst)).collect();
     backend.copy_blocks(pages, &copies)?;
+    if let Some(store) = items.as_deref_mut() {
+        store.copy_blocks(&copies);
+    }
 
     let mut starts = Vec::with_capacity(batch.seqs.len());
     let mut total = 0;
@@ -428,6 +493,15 @@ fn run_step<B: Backend>(
         seqs: &seqs,
     };
 
+    // The step rows of item positions and their slots, for the item-position capture.
+    let item_point = items.as_ref().map(|store| store.point());
+    let (item_step_rows, item_slots): (Vec<u32>, Vec<i64>) = match item_point {
+        Some(_) => item_step_rows(batch, &starts).map(|row| (row as u32, slots[row])).unzip(),
+        None => Default::default(),
+    };
+    let keep_items = |point: CaptureName| item_point == Some(point) && !item_step_rows.is_empty();
+    let mut item_tensor = None;
+
     let mut x = embed_step(thinker, backend, batch, &starts)?;
     let num_layers = thinker.config().num_hidden_layers;
     let levels = batch
@@ -441,6 +515,9 @@ fn run_step<B: Backend>(
         if let Some(c) = capture.index_of(CaptureName::Hidden(layer)) {
             backend.write_hidden(pages, c, &x, &slots)?;
         }
+        if keep_items(CaptureName::Hidden(layer)) {
+            item_tensor = Some(backend.gather_rows(&x, &item_step_rows)?);
+        }
         // HF records a layer's output before its DeepStack add (a forward hook),
         // so `hidden.<layer + 1>` is captured above before the add here.
         if layer > 0 && layer <= levels {
@@ -452,10 +529,15 @@ fn run_step<B: Backend>(
     }
 
     let final_slot = capture.index_of(CaptureName::Final);
-    let normed =
-        if final_slot.is_some() || all_logits { Some(thinker.final_norm(backend, &x)?) } else { None };
+    let normed = match final_slot.is_some() || all_logits || keep_items(CaptureName::Final) {
+        true => Some(thinker.final_norm(backend, &x)?),
+        false => None,
+    };
     if let (Some(c), Some(normed)) = (final_slot, &normed) {
         backend.write_hidden(pages, c, normed, &slots)?;
+    }
+    if let (true, Some(normed)) = (keep_items(CaptureName::Final), &normed) {
+        item_tensor = Some(backend.gather_rows(normed, &item_step_rows)?);
     }
     let emitting: Vec<usize> = (0..batch.seqs.len()).filter(|&i| batch.seqs[i].emits_output).collect();
     let last_rows: Vec<u32> =
@@ -481,7 +563,9 @@ fn run_step<B: Backend>(
         _ => None,
     };
     let (has_last_logits, has_every_logit) = (last_logits.is_some(), every_logit.is_some());
-    let reads: Vec<B::Tensor> = last_logits.into_iter().chain(hidden).chain(every_logit).collect();
+    let has_item_rows = item_tensor.is_some();
+    let reads: Vec<B::Tensor> =
+        last_logits.into_iter().chain(hidden).chain(every_logit).chain(item_tensor).collect();
     let asked = reads.len();
     let host = backend.take_to_host(reads)?;
     if host.len() != asked {
@@ -509,17 +593,38 @@ fn run_step<B: Backend>(
         }
         .into());
     }
-    let outputs = emitting
+    let mut outputs: Vec<SeqOutput> = emitting
         .iter()
         .enumerate()
         .map(|(k, &i)| SeqOutput {
             request: batch.seqs[i].request,
             hidden: capture.points().iter().map(|&name| (name, host.next().unwrap_or_default())).collect(),
             last_logits: last_logits.row(k).to_vec(),
+            items: None,
         })
         .collect();
     let all_logits = has_every_logit.then(|| host.next()).flatten();
+    if let Some(store) = items {
+        let rows = match has_item_rows {
+            true => host.next().unwrap_or_default(),
+            false => Array2::zeros((0, store.width())),
+        };
+        store.write(&slots, &item_slots, rows.view())?;
+        for (out, &i) in outputs.iter_mut().zip(&emitting) {
+            let seq = &batch.seqs[i];
+            let (found, rows) = store.gather(&seq.block_table.slots(seq.output_from..seq.seq_len));
+            let positions = found.into_iter().map(|k| seq.output_from + k).collect();
+            out.items = Some(ItemCaptureRows { point: store.point(), positions, rows });
+        }
+    }
     Ok(StepResult { outputs, all_logits })
+}
+
+/// The step rows (offsets into the step's new tokens) that item embeddings fill.
+fn item_step_rows<'a>(batch: &'a ScheduledBatch, starts: &'a [usize]) -> impl Iterator<Item = usize> + 'a {
+    batch.seqs.iter().zip(starts).flat_map(|(seq, &start)| {
+        seq.embeds.iter().flat_map(move |e| (0..e.rows.len()).map(move |k| start + e.step_offset + k))
+    })
 }
 
 #[cfg(test)]
@@ -678,11 +783,28 @@ mod tests {
         }
     }
 
+    /// `out`'s item-position rows are at `items` exactly and equal its paged
+    /// `hidden.1` there (the item store keeps that point).
+    fn assert_items(out: &SeqOutput, items: Range<usize>) {
+        let kept = out.items.as_ref().expect("the step kept item rows");
+        assert_eq!(kept.positions, items.clone().collect::<Vec<_>>());
+        let paged = &out.hidden[1];
+        assert_eq!(paged.0, CaptureName::Hidden(1));
+        for (k, &pos) in kept.positions.iter().enumerate() {
+            assert_eq!(kept.rows.row(k), paged.1.row(pos), "item row at {pos}");
+        }
+        assert_eq!(kept.dense(paged.1.nrows()).row(0), ndarray::Array1::<f32>::zeros(paged.1.ncols()));
+    }
+
+    /// Also checks the item-position capture through the same steps: B's copied
+    /// block holds an item row from A, which the copy must carry.
     #[test]
     fn shared_prefix_with_copy_on_write_in_a_mixed_batch() {
         for (ci, cfg) in configs().into_iter().enumerate() {
             let r = runner(cfg.clone(), 40 + ci as u64);
-            let a = prompt(&cfg, 14, 4, 1);
+            let mut items = ItemCapture::new(CaptureName::Hidden(1), cfg.hidden_size, BS);
+            // A's item sits at positions 3..9.
+            let a = prompt(&cfg, 14, 6, 1);
             // B shares A's first 10 positions (two full blocks and half of the third).
             let mut b = prompt(&cfg, 19, 4, 2);
             b.token_ids[..10].copy_from_slice(&a.token_ids[..10]);
@@ -696,12 +818,14 @@ mod tests {
             let mut pages = r.alloc_pages(16, BS).unwrap();
             let table_a = [5u32, 2, 9, 0];
             let outs_a = r
-                .execute(
+                .execute_with_items(
                     &ScheduledBatch { copies: vec![], seqs: vec![chunk(&a, 1, &table_a, 0, 14)] },
                     &mut pages,
+                    Some(&mut items),
                 )
                 .unwrap();
             assert_same(&outs_a[0], &run_uncached(r.thinker(), r.backend(), &a, r.capture(), false).unwrap());
+            assert_items(&outs_a[0], 3..9);
             // B reuses blocks 5 and 2, copies block 9 to 11 and continues at position 10;
             // C's first chunk runs in the same step.
             let table_b = [5u32, 2, 11, 3, 14];
@@ -710,16 +834,21 @@ mod tests {
                 copies: vec![BlockCopy { src: 9, dst: 11 }],
                 seqs: vec![chunk(&c, 3, &table_c, 0, 5), chunk(&b, 2, &table_b, 10, 19)],
             };
-            let outs = r.execute(&batch, &mut pages).unwrap();
+            let outs = r.execute_with_items(&batch, &mut pages, Some(&mut items)).unwrap();
             assert_eq!(outs.len(), 1);
             assert_same(&outs[0], &run_uncached(r.thinker(), r.backend(), &b, r.capture(), false).unwrap());
+            assert_items(&outs[0], 3..9);
             let outs_c = r
-                .execute(
+                .execute_with_items(
                     &ScheduledBatch { copies: vec![], seqs: vec![chunk(&c, 3, &table_c, 5, 9)] },
                     &mut pages,
+                    Some(&mut items),
                 )
                 .unwrap();
             assert_same(&outs_c[0], &run_uncached(r.thinker(), r.backend(), &c, r.capture(), false).unwrap());
+            assert_items(&outs_c[0], 3..5);
+            // Held: A's six (B's five in blocks 5 and 2 are A's), the copy's one, C's two.
+            assert_eq!(items.len(), 6 + 1 + 2);
         }
     }
 

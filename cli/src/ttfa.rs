@@ -385,6 +385,12 @@ pub struct RunReport {
     pub later_rounds: RoundReport,
     /// Caller TTFA p50 over every request of the run.
     pub ttfa_ms_p50_all: f64,
+    /// At the run's end: the talker's accept layer as the thinker keeps it
+    /// (rows at item positions only, `stats().item_capture`), and the tokens the
+    /// pool caches; paging that layer would cost `hidden × 4` bytes at every one.
+    pub accept_rows_held: usize,
+    pub accept_bytes_held: usize,
+    pub pool_tokens_cached: usize,
 }
 
 /// Medians (ms) of where the first audio's time went, rounds 2.. of one run,
@@ -709,6 +715,8 @@ impl<'a, B: Backend + 'static> Bench<'a, B> {
             (1..=o.rounds).map(|r| round_report(r, samples.iter().filter(|s| s.round == r))).collect();
         let later_rounds = round_report(0, samples.iter().filter(|s| s.round >= 2));
         let ttfa_ms_p50_all = median_of(samples.iter().map(|s| millis(s.ttfa)));
+        let stats = served.stats()?;
+        let held = stats.item_capture.unwrap_or_default();
         let report = RunReport {
             cache,
             concurrency: c,
@@ -717,6 +725,9 @@ impl<'a, B: Backend + 'static> Bench<'a, B> {
             rounds,
             later_rounds,
             ttfa_ms_p50_all,
+            accept_rows_held: held.rows,
+            accept_bytes_held: held.bytes,
+            pool_tokens_cached: stats.sched.blocks_cached * o.block_size,
         };
         Ok((report, samples))
     }
@@ -1031,6 +1042,17 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
         "TTFA p50 at c={} / c=1: {:.2} caching on, {:.2} off",
         r.top_c, r.ttfa_p50_top_c_over_c1_cached, r.ttfa_p50_top_c_over_c1_uncached
     ));
+    if let Some(run) = r.runs.iter().find(|run| run.cache && run.pool_tokens_cached > 0) {
+        let paged = r.shapes.thinker.hidden * 4;
+        out.push(format!(
+            "accept layer kept at item positions (c={}, run's end): {} rows, {} bytes over {} cached tokens = {:.0} B a token (paged at every position: {paged} B)",
+            run.concurrency,
+            run.accept_rows_held,
+            run.accept_bytes_held,
+            run.pool_tokens_cached,
+            run.accept_bytes_held as f64 / run.pool_tokens_cached as f64
+        ));
+    }
     for b in &r.breakdown {
         out.push(format!(
             "first audio, rounds 2.., c={}, caching {}: prepare {:.1} + thinker prefill {:.1} + first token -> first chunk {:.1} + delivery {:.1} = {:.1} ms ({:.1} ms before the reply's last token)",

@@ -668,7 +668,7 @@ class Engine:
         """True once a step panicked: every pending and later call raises
         :class:`EngineDeadError`."""
     def stats(self) -> dict[str, Any]:
-        """Every counter of the engine (ints, but for the ``talker`` and ``tier`` dicts): ``queries``, ``query_tokens`` (prompt tokens matched),
+        """Every counter of the engine (ints, but for the ``talker``, ``tier`` and ``item_capture`` dicts): ``queries``, ``query_tokens`` (prompt tokens matched),
         ``hits``, ``hit_tokens``, ``evicted_blocks``, ``preemptions``, ``block_copies``,
         ``blocks_free``, ``blocks_in_use``, ``blocks_cached``, ``waiting``, ``running``,
         ``encoder_cache_hits``, ``encoder_calls`` (items the encoder ran for), ``finished``, and
@@ -676,7 +676,9 @@ class Engine:
         ``tier`` (a dict) on an engine with a ``tier_dir``: its files' ``hits``, ``misses``,
         ``errors``, ``written``, ``write_drops``, ``evicted`` and ``bytes`` (blocks, and the
         directory's bytes), and ``query_tokens`` / ``hit_tokens`` (prompt tokens past the pool's
-        match looked up in the tier, and those loaded from it)."""
+        match looked up in the tier, and those loaded from it), and ``item_capture`` (a dict:
+        ``rows`` and ``bytes`` of the talker's accept layer kept at item positions) on an engine
+        that speaks."""
     def metrics(self) -> str:
         """The engine's metrics in Prometheus text format (OpenMetrics, ending in ``# EOF``),
         with vLLM's meanings: counters ``omniprefix_prefix_cache_queries_total`` and

@@ -152,4 +152,17 @@ pub struct EngineStats {
     /// The disk tier's counters, when the engine has one (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tier: Option<super::TierEngineStats>,
+    /// The talker's accept layer kept at item positions, when the engine
+    /// speaks and does not page that layer (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub item_capture: Option<ItemCaptureStats>,
+}
+
+/// What the rows kept only at item positions hold ([`ItemCapture`](crate::kv::ItemCapture)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ItemCaptureStats {
+    /// Rows held: one per pool slot whose last write was an item position.
+    pub rows: usize,
+    /// Bytes of their values (`rows × hidden × 4`).
+    pub bytes: usize,
 }

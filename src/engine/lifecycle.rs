@@ -214,7 +214,7 @@ impl<B: Backend> Engine<B> {
         // cache work the batch waits for, not the model's.
         let schedule = t0.elapsed();
         let t1 = Instant::now();
-        let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages) {
+        let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages, self.item_rows.as_mut()) {
             Ok(outputs) => outputs,
             Err(e) => {
                 self.abort_batch(&batch);
@@ -252,7 +252,7 @@ impl<B: Backend> Engine<B> {
         let Some(p) = self.pending.get_mut(&id) else { return Ok(()) };
         let num_cached = *p.num_cached.get_or_insert_with(|| self.sched.num_cached_tokens(id).unwrap_or(0));
         let elapsed = p.started.elapsed();
-        let SeqOutput { hidden, last_logits, .. } = out;
+        let SeqOutput { hidden, last_logits, items, .. } = out;
         let Some(d) = p.decoding.as_mut() else {
             self.latencies.first_token(elapsed);
             p.last_logits = last_logits;
@@ -260,10 +260,15 @@ impl<B: Backend> Engine<B> {
             return self.finish_output(id, num_cached, Some(hidden), None, Vec::new(), events);
         };
         d.add_rows(&hidden);
-        if let Some(talkers) = self.talkers.as_mut().filter(|t| t.contains(id)) {
+        if let Some(talkers) = self.talkers.as_mut().filter(|t| t.wants_prompt_rows(id)) {
             let accept = talkers.stage().accept_capture();
             let width = self.runner.thinker().config().hidden_size;
-            if let Some(rows) = self.runner.capture().index_of(accept).and_then(|c| d.rows(c, width)) {
+            // The item-position rows, or the capture's where it pages that layer.
+            let rows = match (items, self.runner.capture().index_of(accept)) {
+                (Some(items), None) => Some(items.dense(p.positions.len())),
+                (_, c) => c.and_then(|c| d.rows(c, width)).map(|r| r.to_owned()),
+            };
+            if let Some(rows) = rows {
                 talkers.on_prompt_rows(id, rows);
             }
         }

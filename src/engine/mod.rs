@@ -50,6 +50,7 @@ use crate::index::PrefixIndex;
 use crate::index::block_hash::FleetHasher;
 use crate::index::hashchain::HashChainIndex;
 use crate::index::radix::{RadixConfig, RadixIndex};
+use crate::kv::ItemCapture;
 use crate::model::{CaptureSpec, Config, EncoderCache, Thinker};
 use crate::preprocess::Preprocessor;
 use crate::prompt::{OmniTokens, PositionKind};
@@ -60,7 +61,7 @@ use lifecycle::Pending;
 use prepare::Preparer;
 
 pub use channel::{HandleEvent, ReadySender};
-pub use config::{EngineConfig, EngineStats, IndexKind};
+pub use config::{EngineConfig, EngineStats, IndexKind, ItemCaptureStats};
 pub use handle::{Aborter, RequestHandle};
 pub use kv_events::request_block_hashes;
 pub use output::{AudioEvent, Event, Output, Timings, TokenEvent};
@@ -102,6 +103,9 @@ pub struct Engine<B: Backend = CpuBackend> {
     config: EngineConfig,
     runner: ModelRunner<B>,
     pages: B::Pages,
+    /// The talker's accept layer at item positions, beside the pages, unless
+    /// the capture pages it at every position anyway.
+    item_rows: Option<ItemCapture>,
     sched: Scheduler,
     /// What callers prepare requests with (shared with a served engine's callers).
     preparer: Arc<Preparer>,
@@ -161,8 +165,10 @@ impl<B: Backend> Engine<B> {
     }
 
     /// [`Engine::new`] with a talker stage that speaks the replies of requests
-    /// asking for audio; the thinker then also captures the layer the talker
-    /// reads (HF `accept_hidden_layer`), which the outputs hold too.
+    /// asking for audio; the thinker then also keeps the layer the talker
+    /// reads (HF `accept_hidden_layer`) at item positions, the only rows of it
+    /// the talker reads ([`ItemCapture`]; text rows come from the ids). Outputs
+    /// hold it only where `config.capture` names it.
     pub fn with_speech(
         backend: Arc<B>, thinker: Arc<Thinker<B>>, config: EngineConfig, speech: Option<SpeechStage<B>>,
     ) -> Result<Self> {
@@ -177,17 +183,15 @@ impl<B: Backend> Engine<B> {
             .into());
         }
         let model = thinker.config().clone();
-        let mut capture = match &config.capture {
+        let capture = match &config.capture {
             Some(points) => CaptureSpec::new(points.iter().copied(), model.num_hidden_layers)?,
             None => CaptureSpec::default_for(model.num_hidden_layers),
         };
-        if let Some(stage) = &speech {
-            let accept = stage.accept_capture();
-            if capture.index_of(accept).is_none() {
-                let points = capture.points().iter().copied().chain([accept]);
-                capture = CaptureSpec::new(points, model.num_hidden_layers)?;
-            }
-        }
+        let item_rows = speech
+            .as_ref()
+            .map(|stage| stage.accept_capture())
+            .filter(|&accept| capture.index_of(accept).is_none())
+            .map(|accept| ItemCapture::new(accept, model.hidden_size, config.scheduler.block_size));
         let index: Box<dyn PrefixIndex> = match config.index {
             IndexKind::Radix => {
                 Box::new(RadixIndex::new(RadixConfig { block_size: config.scheduler.block_size })?)
@@ -209,8 +213,14 @@ impl<B: Backend> Engine<B> {
         let runner = ModelRunner::new(backend, thinker, capture)?.with_kv_dtype(config.kv_dtype);
         let pages = runner.alloc_pages(config.scheduler.num_blocks, config.scheduler.block_size)?;
         let spec = runner.backend().pages_spec(&pages);
-        let tier =
-            tier::open(&config, runner.backend(), runner.thinker().identity(), runner.capture(), &spec)?;
+        let tier = tier::open(
+            &config,
+            runner.backend(),
+            runner.thinker().identity(),
+            runner.capture(),
+            item_rows.as_ref(),
+            &spec,
+        )?;
         let sched = match &tier {
             Some(t) => sched.with_tier(
                 Arc::clone(&t.writer),
@@ -257,6 +267,7 @@ impl<B: Backend> Engine<B> {
             config,
             runner,
             pages,
+            item_rows,
             sched,
             preparer: Arc::new(preparer),
             finished: 0,
@@ -324,6 +335,10 @@ impl<B: Backend> Engine<B> {
             finished: self.finished,
             talker: self.talkers.as_ref().map(talk::Talkers::cache_stats),
             tier: self.tier_stats(),
+            item_capture: self
+                .item_rows
+                .as_ref()
+                .map(|items| ItemCaptureStats { rows: items.len(), bytes: items.bytes() }),
         }
     }
 

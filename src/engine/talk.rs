@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::Array2;
 use prometheus_client::metrics::histogram::Histogram;
 
 use super::output::{AudioEvent, Event, Output};
@@ -195,12 +195,18 @@ impl<B: Backend> Talkers<B> {
         self.talks.is_empty()
     }
 
+    /// True while `id` speaks and its prompt's accept rows have not arrived.
+    pub(super) fn wants_prompt_rows(&self, id: RequestId) -> bool {
+        self.talks.get(&id).is_some_and(|t| t.accept.is_none())
+    }
+
     /// The thinker's rows of the prompt arrived: `rows` holds the accept layer's
-    /// rows of every position that ran so far (the prompt's first).
-    pub(super) fn on_prompt_rows(&mut self, id: RequestId, rows: ArrayView2<'_, f32>) {
+    /// rows by position, at least at the prompt's item positions (the prompt's first output).
+    pub(super) fn on_prompt_rows(&mut self, id: RequestId, mut rows: Array2<f32>) {
         if let Some(talk) = self.talks.get_mut(&id).filter(|t| t.accept.is_none()) {
             let n = talk.prompt.len().min(rows.nrows());
-            talk.accept = Some(rows.slice(ndarray::s![..n, ..]).to_owned());
+            rows.slice_collapse(ndarray::s![..n, ..]);
+            talk.accept = Some(rows);
         }
     }
 
@@ -446,5 +452,5 @@ fn move_tier_blocks<B: Backend>(
 ) -> Result<()> {
     let Some(writer) = cache.tier().cloned() else { return Ok(()) };
     let work = cache.take_tier_work();
-    super::tier::move_blocks(runner.backend(), pages, &writer, work, spill, load_seconds)
+    super::tier::move_blocks(runner.backend(), pages, None, &writer, work, spill, load_seconds)
 }

@@ -9,6 +9,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use super::{Engine, EngineConfig};
 use crate::Result;
 use crate::backend::{Backend, PagesSpec, no_tier};
+use crate::kv::ItemCapture;
 use crate::model::CaptureSpec;
 use crate::sched::TierWork;
 use crate::tier::{BlockLayout, Identity, ModelId, TierStats, TierStore, TierWriter, key_fingerprint};
@@ -74,15 +75,16 @@ pub(super) fn precheck<B: Backend>(config: &EngineConfig, backend: &B) -> Result
 }
 
 /// The tier `config` asks for, over pages of `spec`, for blocks of `model`
-/// captured at `capture`; `None` without a `tier_dir`.
+/// captured at `capture` (and at item positions into `items`); `None` without a `tier_dir`.
 pub(super) fn open<B: Backend>(
-    config: &EngineConfig, backend: &B, model: ModelId, capture: &CaptureSpec, spec: &PagesSpec,
+    config: &EngineConfig, backend: &B, model: ModelId, capture: &CaptureSpec, items: Option<&ItemCapture>,
+    spec: &PagesSpec,
 ) -> Result<Option<EngineTier>> {
     precheck(config, backend)?;
     // Which points are captured is part of what a block's rows are.
-    let points = format!("{:?}", capture.points());
+    let points = format!("{:?} items {:?}", capture.points(), items.map(|i| i.point()));
     let model = ModelId::of([&model.0[..], points.as_bytes()]);
-    let writer = start_writer(config, model, spec)?;
+    let writer = start_writer(config, model, spec, items.map_or(0, |i| i.width()))?;
     Ok(writer.map(|writer| EngineTier { writer, load_seconds: Histogram::new(LOAD_BUCKETS) }))
 }
 
@@ -92,30 +94,37 @@ pub(super) fn open<B: Backend>(
 pub(super) fn open_talker(
     config: &EngineConfig, thinker: ModelId, talker: ModelId, spec: &PagesSpec,
 ) -> Result<Option<Arc<TierWriter>>> {
-    start_writer(config, ModelId::of([&thinker.0[..], &talker.0[..], b"talker"]), spec)
+    start_writer(config, ModelId::of([&thinker.0[..], &talker.0[..], b"talker"]), spec, 0)
 }
 
-/// A writer over `config`'s tier directory for blocks of `model` laid out as `spec`.
-fn start_writer(config: &EngineConfig, model: ModelId, spec: &PagesSpec) -> Result<Option<Arc<TierWriter>>> {
+/// A writer over `config`'s tier directory for blocks of `model` laid out as
+/// `spec`, with item rows of `item_width` floats after the pages (0 for none).
+fn start_writer(
+    config: &EngineConfig, model: ModelId, spec: &PagesSpec, item_width: usize,
+) -> Result<Option<Arc<TierWriter>>> {
     let Some(dir) = &config.tier_dir else { return Ok(None) };
-    let identity =
-        Identity { model, key: key_fingerprint(&config.fingerprint_key), layout: BlockLayout::of(spec) };
+    let layout = BlockLayout::of(spec, item_width);
+    let identity = Identity { model, key: key_fingerprint(&config.fingerprint_key), layout };
     let store = TierStore::open(dir, config.tier_bytes, identity)?;
     Ok(Some(Arc::new(TierWriter::start(store, WRITE_QUEUE_BLOCKS)?)))
 }
 
-/// Copies `saves` out of `pages` to `writer` (waiting for room in its queue
-/// when `spill`, else dropping when it is full), then `loads` into them, each
-/// load's read time into `load_seconds`: one home for the thinker's pages and
-/// the talker's.
+/// Copies `saves` out of `pages` (and `items`) to `writer` (waiting for room
+/// in its queue when `spill`, else dropping when it is full), then `loads`
+/// into them, each load's read time into `load_seconds`: one home for the
+/// thinker's pages and the talker's.
 pub(super) fn move_blocks<B: Backend>(
-    backend: &B, pages: &mut B::Pages, writer: &TierWriter, work: TierWork, spill: bool,
-    load_seconds: Option<&Histogram>,
+    backend: &B, pages: &mut B::Pages, mut items: Option<&mut ItemCapture>, writer: &TierWriter,
+    work: TierWork, spill: bool, load_seconds: Option<&Histogram>,
 ) -> Result<()> {
     let TierWork { saves, loads, load_times } = work;
+    let page_bytes = writer.store().identity().layout.payload_bytes();
     for (block, hash) in saves {
-        let mut bytes = Vec::with_capacity(writer.store().identity().layout.payload_bytes());
+        let mut bytes = Vec::with_capacity(page_bytes);
         backend.export_block(pages, block, &mut bytes)?;
+        if let Some(items) = items.as_deref() {
+            items.export_block(block, &mut bytes);
+        }
         if spill {
             writer.submit_waiting(hash, bytes.into());
         } else {
@@ -124,7 +133,11 @@ pub(super) fn move_blocks<B: Backend>(
         }
     }
     for (block, loaded) in loads {
-        backend.import_block(pages, block, loaded.payload())?;
+        let (page, tail) = loaded.payload().split_at_checked(page_bytes).unwrap_or((loaded.payload(), &[]));
+        if let Some(items) = items.as_deref_mut() {
+            items.import_block(block, tail)?;
+        }
+        backend.import_block(pages, block, page)?;
     }
     if let Some(h) = load_seconds {
         load_times.iter().for_each(|t| h.observe(t.as_secs_f64()));
@@ -149,6 +162,7 @@ impl<B: Backend> Engine<B> {
         move_blocks(
             self.runner.backend(),
             &mut self.pages,
+            self.item_rows.as_mut(),
             &tier.writer,
             work,
             spill,

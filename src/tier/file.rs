@@ -1,4 +1,6 @@
-//! One tier file: a fixed header, then the block's payload.
+//! One tier file: a fixed header, then the block's payload (its page bytes,
+//! then, where the layout keeps rows at item positions, those rows:
+//! [`ItemCapture::export_block`](crate::kv::ItemCapture::export_block)).
 //!
 //! The header says whose block this is (model identity, fleet-key fingerprint,
 //! block hash), how its payload is laid out, and which format wrote it; an
@@ -15,11 +17,11 @@ use xxhash_rust::xxh3::Xxh3;
 pub(crate) const MAGIC: [u8; 8] = *b"OPXTIER\0";
 
 /// The format this build writes and reads; a file of any other version is a miss.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Header bytes: magic 8, version 4, model 32, key fingerprint 16, block hash 8,
-/// layout 7 × 4, payload length 8, checksum 8.
-pub(crate) const HEADER_BYTES: usize = 8 + 4 + 32 + 16 + 8 + 7 * 4 + 8 + 8;
+/// layout 8 × 4, payload length 8, checksum 8.
+pub(crate) const HEADER_BYTES: usize = 8 + 4 + 32 + 16 + 8 + 8 * 4 + 8 + 8;
 
 /// Where the checksum sits: the header's last 8 bytes.
 const CHECKSUM_AT: usize = HEADER_BYTES - 8;
@@ -68,15 +70,19 @@ pub struct BlockLayout {
     pub captured: u32,
     /// Width of one captured row (f32 elements).
     pub hidden: u32,
+    /// Width of the rows kept only at item positions, after the page bytes
+    /// (f32 elements; 0 for none): a variable tail.
+    pub item_width: u32,
 }
 
 impl BlockLayout {
-    /// Bytes of one block's payload: K and V of every layer, then the captured rows (f32).
+    /// Bytes of one block's page payload: K and V of every layer, then the
+    /// captured rows (f32). Rows at item positions follow when `item_width` is set.
     ///
     /// ```
     /// use omniprefix::tier::BlockLayout;
     /// use omniprefix::Dtype;
-    /// let l = BlockLayout { block_size: 4, layers: 2, kv_heads: 1, head_dim: 8, kv_dtype: Dtype::F16, captured: 3, hidden: 16 };
+    /// let l = BlockLayout { block_size: 4, layers: 2, kv_heads: 1, head_dim: 8, kv_dtype: Dtype::F16, captured: 3, hidden: 16, item_width: 0 };
     /// assert_eq!(l.payload_bytes(), 2 * 2 * 4 * 8 * 2 + 3 * 4 * 16 * 4);
     /// ```
     pub fn payload_bytes(&self) -> usize {
@@ -85,8 +91,9 @@ impl BlockLayout {
         kv * self.kv_dtype.size_bytes() + self.captured as usize * bs * self.hidden as usize * 4
     }
 
-    /// The layout of one block of pages allocated as `spec`.
-    pub fn of(spec: &crate::backend::PagesSpec) -> Self {
+    /// The layout of one block of pages allocated as `spec`, with item rows
+    /// of `item_width` floats (0 for none).
+    pub fn of(spec: &crate::backend::PagesSpec, item_width: usize) -> Self {
         let word = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
         BlockLayout {
             block_size: word(spec.block_size),
@@ -96,19 +103,30 @@ impl BlockLayout {
             kv_dtype: spec.kv_dtype,
             captured: word(spec.captured),
             hidden: word(spec.hidden),
+            item_width: word(item_width),
         }
     }
 
-    /// Bytes of one block's file: its header and payload (what the bound counts).
+    /// Bytes of one block's file without item rows: its header and page
+    /// payload (the least a file takes; the bound counts each file's own size).
     pub fn file_bytes(&self) -> u64 {
         (HEADER_BYTES + self.payload_bytes()) as u64
+    }
+
+    /// True when a payload of `len` bytes fits this layout: the page bytes
+    /// exactly, plus at least an item-row count where item rows follow.
+    pub fn fits(&self, len: usize) -> bool {
+        match self.item_width {
+            0 => len == self.payload_bytes(),
+            _ => len >= self.payload_bytes() + 4,
+        }
     }
 
     fn dtype_tag(dtype: Dtype) -> u32 {
         Dtype::ALL.iter().position(|&d| d == dtype).unwrap_or(usize::MAX) as u32
     }
 
-    fn words(&self) -> [u32; 7] {
+    fn words(&self) -> [u32; 8] {
         [
             self.block_size,
             self.layers,
@@ -117,6 +135,7 @@ impl BlockLayout {
             Self::dtype_tag(self.kv_dtype),
             self.captured,
             self.hidden,
+            self.item_width,
         ]
     }
 }
@@ -264,6 +283,7 @@ pub(crate) mod tests {
                 kv_dtype: Dtype::F32,
                 captured: 1,
                 hidden: 8,
+                item_width: 0,
             },
         }
     }

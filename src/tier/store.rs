@@ -125,7 +125,7 @@ pub enum Put {
 /// use omniprefix::tier::{BlockLayout, Identity, ModelId, TierStore};
 /// use omniprefix::Dtype;
 /// let dir = std::env::temp_dir().join(format!("omniprefix-doc-tier-{}", std::process::id()));
-/// let layout = BlockLayout { block_size: 4, layers: 1, kv_heads: 1, head_dim: 2, kv_dtype: Dtype::F32, captured: 0, hidden: 0 };
+/// let layout = BlockLayout { block_size: 4, layers: 1, kv_heads: 1, head_dim: 2, kv_dtype: Dtype::F32, captured: 0, hidden: 0, item_width: 0 };
 /// let id = Identity { model: ModelId::of(["tiny"]), key: [7; 16], layout };
 /// let store = TierStore::open(&dir, 64 * layout.file_bytes(), id)?;
 /// let payload = vec![1u8; layout.payload_bytes()];
@@ -294,10 +294,14 @@ impl TierStore {
     /// under the lock), evicting the least recently used files first if the
     /// bound would be passed. A block already on disk is left as it is.
     pub fn put(&self, hash: u64, payload: &[u8]) -> Result<Put> {
-        let expected = self.identity.layout.payload_bytes();
-        if payload.len() != expected {
-            let what =
-                format!("block {hash:016x}: payload of {} bytes, its layout's is {expected}", payload.len());
+        let layout = &self.identity.layout;
+        if !layout.fits(payload.len()) {
+            let expected = layout.payload_bytes();
+            let what = format!(
+                "block {hash:016x}: payload of {} bytes, its layout's pages take {expected} (item width {})",
+                payload.len(),
+                layout.item_width
+            );
             return Err(Component::Tier.violation(what).into());
         }
         let target = self.path_of(hash);

@@ -50,7 +50,7 @@ impl Loaded {
 /// use omniprefix::tier::{BlockLayout, Identity, ModelId, TierStore, TierWriter};
 /// use omniprefix::Dtype;
 /// let dir = std::env::temp_dir().join(format!("omniprefix-doc-writer-{}", std::process::id()));
-/// let layout = BlockLayout { block_size: 4, layers: 1, kv_heads: 1, head_dim: 2, kv_dtype: Dtype::F32, captured: 0, hidden: 0 };
+/// let layout = BlockLayout { block_size: 4, layers: 1, kv_heads: 1, head_dim: 2, kv_dtype: Dtype::F32, captured: 0, hidden: 0, item_width: 0 };
 /// let id = Identity { model: ModelId::of(["tiny"]), key: [7; 16], layout };
 /// let writer = TierWriter::start(TierStore::open(&dir, 64 * layout.file_bytes(), id)?, 8)?;
 /// assert!(writer.submit(5, vec![3u8; layout.payload_bytes()].into()));

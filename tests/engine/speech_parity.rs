@@ -402,6 +402,21 @@ fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestRes
             tokens[0] < first_audio && first_audio < tokens[1],
             "audio at event {first_audio}, the reply's tokens at {tokens:?}"
         );
+        // The talker's accept layer is kept at the image's positions only: not paged
+        // (the capture is the default one), one row per item position, none for text.
+        let image = Case::open(&hf, "image")?;
+        let item_positions =
+            image.ids.iter().filter(|&&t| engine.tokens().placeholder_modality(t).is_some()).count();
+        let hidden = engine.model_config().hidden_size;
+        let layers = engine.model_config().num_hidden_layers;
+        assert_eq!(engine.capture(), &omniprefix::model::CaptureSpec::default_for(layers));
+        let held = engine.stats().item_capture.ok_or("no item capture")?;
+        assert_eq!((held.rows, held.bytes), (item_positions, item_positions * hidden * 4), "cache {cache}");
+        assert!(
+            0 < item_positions && item_positions < image.ids.len(),
+            "{item_positions} of {}",
+            image.ids.len()
+        );
         let (_, out) = speak_case(&mut engine, &hf, &rec, "round2", &options)?;
         let speech = out.speech.ok_or("no speech")?;
         let block = EngineConfig::default().talker_cache.block_size;
