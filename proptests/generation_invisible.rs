@@ -14,6 +14,7 @@ use omniprefix::sample::SamplingParams;
 use omniprefix::sched::{PrefillCap, SchedulerConfig};
 use proptest::prelude::*;
 use proptest::test_runner::Config as PtConfig;
+use support::sampling::greedy_or_seeded;
 
 const HIDDEN: usize = 32;
 const VOCAB: usize = 256;
@@ -68,17 +69,7 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 fn params(n: usize, seed: Option<u64>) -> SamplingParams {
-    let greedy = SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) };
-    match seed {
-        Some(seed) => SamplingParams {
-            temperature: 1.0,
-            top_k: Some(20),
-            top_p: Some(0.95),
-            seed: Some(seed),
-            ..greedy
-        },
-        None => greedy,
-    }
+    greedy_or_seeded(SamplingParams { ignore_eos: true, ..SamplingParams::greedy(n) }, seed)
 }
 
 fn engine(case: &Case, cache: bool, num_blocks: usize) -> Result<Engine, TestCaseError> {

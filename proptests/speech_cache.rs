@@ -41,6 +41,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as PtConfig, FileFailurePersistence, TestRunner};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use support::sampling::greedy_or_seeded;
 
 const HIDDEN: usize = 32;
 const VOCAB: u32 = 512;
@@ -253,16 +254,7 @@ impl Case {
         let t = self.own(chat, round);
         let suppress_ids = (0..TEXT.start).chain(TEXT.end..VOCAB).collect();
         let greedy = SamplingParams { ignore_eos: true, suppress_ids, ..SamplingParams::greedy(t.reply) };
-        match t.thinker_seed {
-            Some(seed) => SamplingParams {
-                temperature: 1.0,
-                top_k: Some(20),
-                top_p: Some(0.95),
-                seed: Some(seed),
-                ..greedy
-            },
-            None => greedy,
-        }
+        greedy_or_seeded(greedy, t.thinker_seed)
     }
 
     fn speech(&self, chat: usize, round: usize) -> SpeechOptions {

@@ -12,6 +12,7 @@ pub mod images;
 pub mod index_oracle;
 pub mod items;
 pub mod reference;
+pub mod sampling;
 pub mod sched;
 pub mod sched_driver;
 pub mod tiny_model;
