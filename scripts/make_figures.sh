@@ -13,7 +13,7 @@
 # table: `cat docs/reports/bench_match_*.jsonl | scripts/match_table.py`; the TTFT table; every
 # claim's figure, which the README's headline figures summarise), docs/serve.md "Figures" (the
 # bench serve table: `scripts/serve_table.py < docs/reports/bench_serve.jsonl`), docs/scale-out.md
-# "Figures" (the routing table: `scripts/route_bench.py --table docs/reports/route_bench.jsonl`), the README's
+# "Figures" (the routing table: `scripts/route_bench.py --table docs/reports/route_bench.jsonl`), docs/engine.md's
 # TTFA table (`scripts/ttfa_table.py docs/reports/bench_ttfa.json`).
 # Nothing here rewrites them: update them from the new reports.
 set -euo pipefail
@@ -42,7 +42,7 @@ if [[ -z "${FIGURES_ONLY:-}" && -z "${SERVE_ONLY:-}" ]]; then
     if "$bin" bench serve --help 2> /dev/null | grep -q many_clients; then
         "$bin" bench serve --workload many_clients --json > "$reports/bench_many_clients.jsonl"
     fi
-    # The README's TTFA table: `python3 scripts/ttfa_table.py docs/reports/bench_ttfa.json` (~3 min on 2 cores).
+    # docs/engine.md's TTFA table: `python3 scripts/ttfa_table.py docs/reports/bench_ttfa.json` (~3 min on 2 cores).
     if "$bin" bench ttfa --help > /dev/null 2>&1; then
         "$bin" bench ttfa --conversations 8 --json "$reports/bench_ttfa.json" | tee "$reports/bench_ttfa.txt"
     fi

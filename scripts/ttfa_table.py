@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Markdown TTFA table of `omniprefix bench ttfa --json PATH` for the README ("Time to first audio").
+"""Markdown TTFA table of `omniprefix bench ttfa --json PATH` for docs/engine.md ("Time to first audio").
 
     cargo build --release -p omniprefix-cli
     target/release/omniprefix bench ttfa --json docs/reports/bench_ttfa.json
@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-parser = argparse.ArgumentParser(description="bench ttfa's README table (and figure) from its --json report")
+parser = argparse.ArgumentParser(description="bench ttfa's table (and the README's figure) from its --json report")
 parser.add_argument("report", nargs="?", type=argparse.FileType(), default=sys.stdin)
 parser.add_argument("--figure", help="also draw TTFA p50 by round to this file (needs matplotlib)")
 args = parser.parse_args()
