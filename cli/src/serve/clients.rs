@@ -19,14 +19,15 @@ use crate::error::Result;
 use crate::scratch::private_temp_dir;
 
 /// The random model of a full `many_clients` run (hidden 256, 4 layers of 4
-/// heads over 2 KV heads, 1024 ids): four engines × 64 conversations × 6 rounds
-/// run in minutes on two cores, and a block still costs far more to recompute
-/// than to read back.
+/// heads over 2 KV heads, 1024 ids; `bench ttft`'s M-RoPE, its head_dim being
+/// the same): four engines × 64 conversations × 6 rounds run in minutes on two
+/// cores, and a block still costs far more to recompute than to read back.
 pub fn clients_model() -> Config {
+    let bench = crate::ttft::bench_model();
     Config {
         intermediate_size: 768,
-        mrope_section: Some([12, 10, 10]),
-        mrope_interleaved: true,
+        mrope_section: bench.mrope_section,
+        mrope_interleaved: bench.mrope_interleaved,
         ..Config::tiny_qwen3(256, 4, 4, 2, 1024)
     }
 }
