@@ -10,7 +10,7 @@ use support::index_oracle as common;
 use std::hint::black_box;
 
 use common::{ItemModel, Piece};
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use rand::{Rng, SeedableRng};
@@ -44,4 +44,3 @@ fn omni_prompt_match(c: &mut Criterion) {
 }
 
 criterion_group!(benches, omni_prompt_match);
-criterion_main!(benches);

@@ -7,23 +7,23 @@
 //! buffers), single-threaded and with `Throughput::Bytes` of the item; plus
 //! fingerprint + check on 2 threads (the 60 MB item takes the leaf tree).
 //!
-//! `cargo bench --bench fingerprint` measures the release profile. To reuse
+//! `cargo bench --bench engine -- _MB/` measures the release profile. To reuse
 //! the dev dependency builds instead, turn off the debug assertions and
 //! overflow checks that slow xxh3 ~2.5x in dev:
 //!
 //! ```text
-//! cargo bench --profile dev --bench fingerprint \
+//! cargo bench --profile dev --bench engine \
 //!   --config profile.dev.package.xxhash-rust.debug-assertions=false \
 //!   --config profile.dev.package.xxhash-rust.overflow-checks=false \
 //!   --config profile.dev.package.omniprefix.opt-level=3 \
 //!   --config profile.dev.package.omniprefix.debug-assertions=false \
 //!   --config profile.dev.package.omniprefix.overflow-checks=false \
-//!   -- --warm-up-time 1 --measurement-time 3
+//!   -- _MB/ --warm-up-time 1 --measurement-time 3
 //! ```
 
 use std::hint::black_box;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use ndarray::{ArrayD, IxDyn};
 use omniprefix::canon::{
     FingerprintKey, Fingerprinter, ItemContent, ItemLayout, ItemSpec, Modality, TensorView, read_floor,
@@ -99,4 +99,3 @@ fn fingerprint(c: &mut Criterion) {
 }
 
 criterion_group!(benches, fingerprint);
-criterion_main!(benches);

@@ -9,7 +9,7 @@
 use std::hint::black_box;
 use std::sync::Arc;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::batch::ScheduledBatch;
 use omniprefix::kv::BlockTable;
@@ -57,4 +57,3 @@ fn prefill(c: &mut Criterion) {
 }
 
 criterion_group!(benches, prefill);
-criterion_main!(benches);

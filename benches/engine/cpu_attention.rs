@@ -11,7 +11,7 @@
 //! The same bench runs on any commit (it uses only the public `Backend` API), so a
 //! kernel change is measured as before/after on one machine.
 //!
-//! `cargo bench --bench cpu_attention`
+//! `cargo bench --bench engine -- cpu_attention_`
 //!
 //! On a shared machine wall time swings with the other load; with
 //! `CPU_ATTENTION_ITERS=n` the bench instead runs each case `n` times and prints
@@ -20,7 +20,7 @@
 
 use std::hint::black_box;
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use ndarray::Array2;
 use omniprefix::backend::cpu::{CpuBackend, CpuPages};
 use omniprefix::backend::{AttnHeads, AttnSeq, Backend, Dtype, PagesSpec};
@@ -150,4 +150,3 @@ fn cpu_attention(c: &mut Criterion) {
 }
 
 criterion_group!(benches, cpu_attention);
-criterion_main!(benches);

@@ -8,7 +8,7 @@
 
 use std::hint::black_box;
 
-use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, Criterion, Throughput, criterion_group};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::prompt::CanonicalPrompt;
 use omniprefix::sched::{PrefillCap, Request, Scheduler, SchedulerConfig};
@@ -72,4 +72,3 @@ fn bench(c: &mut Criterion) {
 }
 
 criterion_group!(benches, bench);
-criterion_main!(benches);

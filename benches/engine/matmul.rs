@@ -13,7 +13,7 @@
 
 use std::hint::black_box;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use ndarray::{Array2, ArrayView2, Axis, linalg::general_mat_mul, parallel::prelude::*};
 use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::backend::{Backend, Dtype, HostWeight};
@@ -102,4 +102,3 @@ fn matmul(c: &mut Criterion) {
 }
 
 criterion_group!(benches, matmul);
-criterion_main!(benches);
