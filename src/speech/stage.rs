@@ -10,8 +10,9 @@ use ndarray::{Array2, ArrayView2, Axis, concatenate, s};
 
 use crate::Result;
 use crate::backend::Backend;
-use crate::error::{BackendError, CheckpointError, IoError, RequestError};
+use crate::error::{BackendError, RequestError};
 use crate::model::code2wav::Code2Wav;
+use crate::model::config::{parse_json, read_text};
 use crate::model::talker::{Talker, TalkerInputs};
 use crate::model::{CaptureName, Thinker};
 use crate::sample::{FinishReason, TalkerSampling};
@@ -296,9 +297,7 @@ fn stack_rows(parts: &[ArrayView2<'_, f32>]) -> Result<Array2<f32>> {
 
 /// The checkpoint's `config.json`.
 fn read_config(dir: &Path) -> Result<serde_json::Value> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| IoError::read(&path, source))?;
-    serde_json::from_str(&text).map_err(|e| CheckpointError::ConfigParse(e.to_string()).into())
+    parse_json(&read_text(&dir.join("config.json"))?)
 }
 
 /// Whether a full Omni config carries a talker that is switched on.

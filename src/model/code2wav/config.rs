@@ -8,7 +8,8 @@ use serde::Deserialize;
 
 use crate::Result;
 use crate::backend::{Conv1dSpec, ConvTranspose1dSpec};
-use crate::error::{CheckpointError, IoError};
+use crate::error::CheckpointError;
+use crate::model::config::{parse_json, read_text};
 
 /// Qwen3-Omni's code2wav output rate: HF writes its waveform at 24 kHz (the
 /// config does not say it).
@@ -87,8 +88,7 @@ pub(crate) enum ConvStage {
 impl Code2WavConfig {
     /// Reads `code2wav_config` of a full Qwen3-Omni `config.json` file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
-        Self::from_json_str(&text)
+        Self::from_json_str(&read_text(path)?)
     }
 
     /// Reads `code2wav_config` of a full Qwen3-Omni `config.json` (or the object
@@ -98,8 +98,7 @@ impl Code2WavConfig {
     /// the default, sizes that do not fit together) is
     /// [`CheckpointError::UnsupportedConfig`].
     pub fn from_json_str(json: &str) -> Result<Self> {
-        let root: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+        let root = parse_json(json)?;
         let node = match root.get("code2wav_config") {
             Some(node) => node,
             None if root.get("codebook_size").is_some() => &root,

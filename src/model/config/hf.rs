@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::{Config, MoeConfig, unsupported};
+use super::{Config, MoeConfig, parse_json, read_text, unsupported};
 use crate::Result;
 use crate::error::{CheckpointError, IoError};
 use crate::prompt::OmniTokens;
@@ -127,15 +127,13 @@ impl Config {
     /// Reads `config.json` from a file (eos ids from it alone; [`Config::from_dir`]
     /// also reads `generation_config.json`).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
-        Self::from_json_str(&text)
+        Self::from_json_str(&read_text(path)?)
     }
 
     /// Parses a HF config; for Omni checkpoints the text config is found under
     /// `thinker_config.text_config` or `text_config`.
     pub fn from_json_str(json: &str) -> Result<Self> {
-        let root: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+        let root = parse_json(json)?;
         let text =
             root.pointer("/thinker_config/text_config").or_else(|| root.get("text_config")).unwrap_or(&root);
         let raw = RawConfig::deserialize(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
@@ -257,14 +255,12 @@ impl Config {
 /// Special ids from a checkpoint's `config.json` (`thinker_config` of Omni
 /// checkpoints, or the root); `None` when it names none (a text-only model).
 pub fn tokens_from_config_file(path: &Path) -> Result<Option<OmniTokens>> {
-    let text = std::fs::read_to_string(path).map_err(|source| IoError::read(path, source))?;
-    tokens_from_config_json(&text)
+    tokens_from_config_json(&read_text(path)?)
 }
 
 /// [`tokens_from_config_file`] over the text of a `config.json`.
 pub fn tokens_from_config_json(text: &str) -> Result<Option<OmniTokens>> {
-    let root: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+    let root = parse_json(text)?;
     let node = root.get("thinker_config").unwrap_or(&root);
     if node.get("image_token_id").is_none() {
         return Ok(None);

@@ -91,6 +91,18 @@ fn unsupported(field: &'static str, value: impl std::fmt::Debug, reason: &'stati
     CheckpointError::UnsupportedConfig { field, value: format!("{value:?}"), reason }.into()
 }
 
+/// The text of a checkpoint's file at `path`; an unreadable one is an
+/// [`IoError`](crate::error::IoError) naming it. One rule for every config reader.
+pub(crate) fn read_text(path: &std::path::Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| crate::error::IoError::read(path, source).into())
+}
+
+/// The root of a checkpoint's JSON text; text that is not JSON is
+/// [`CheckpointError::ConfigParse`].
+pub(crate) fn parse_json(text: &str) -> Result<serde_json::Value> {
+    serde_json::from_str(text).map_err(|e| CheckpointError::ConfigParse(e.to_string()).into())
+}
+
 impl Config {
     /// Checks the sizes fit together (heads divide, sections cover the head).
     pub fn validate(&self) -> Result<()> {

@@ -7,8 +7,9 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::error::{CheckpointError, IoError};
+use crate::error::CheckpointError;
 use crate::model::Config;
+use crate::model::config::{parse_json, read_text};
 use crate::{Error, Result};
 
 /// HF's `mrope_section` when the talker's `rope_parameters` names none
@@ -85,9 +86,7 @@ fn missing(field: &str) -> Error {
 impl TalkerConfig {
     /// Reads the `talker_config` of the `config.json` in `dir`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| IoError::read(&path, source))?;
-        Self::from_json_str(&text)
+        Self::from_json_str(&read_text(&dir.join("config.json"))?)
     }
 
     /// Parses a full Omni `config.json` (its `talker_config`), or a bare talker config.
@@ -95,8 +94,7 @@ impl TalkerConfig {
     /// Errors: not JSON or a field of the wrong type → [`CheckpointError::ConfigParse`];
     /// sizes that do not fit together → [`CheckpointError::UnsupportedConfig`] naming the field.
     pub fn from_json_str(json: &str) -> Result<Self> {
-        let root: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| CheckpointError::ConfigParse(e.to_string()))?;
+        let root = parse_json(json)?;
         let talker = root.get("talker_config").unwrap_or(&root);
         let raw = RawTalker::deserialize(talker)
             .map_err(|e| CheckpointError::ConfigParse(format!("talker_config: {e}")))?;
