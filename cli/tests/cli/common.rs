@@ -15,6 +15,11 @@ pub fn p(path: &Path) -> &str {
     path.to_str().unwrap_or_default()
 }
 
+/// `hidden --model MODEL --request REQUEST`, then `rest`: where the `hidden` tests' command lines start.
+pub fn hidden_args<'a>(model: &'a Path, request: &'a Path, rest: &[&'a str]) -> Vec<&'a str> {
+    ["hidden", "--model", p(model), "--request", p(request)].into_iter().chain(rest.iter().copied()).collect()
+}
+
 /// A fresh, empty scratch folder for test `test` of test file `file` (one per process).
 pub fn scratch(file: &str, test: &str) -> TestResult<PathBuf> {
     let dir = std::env::temp_dir().join(format!("omniprefix-{file}-{}-{test}", std::process::id()));

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use super::common::{self, TestResult, fixture, p};
+use super::common::{self, TestResult, fixture, hidden_args, p};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
@@ -67,19 +67,7 @@ fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
     std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10]}, {"text": [11, 12, 13, 99, 98]}]}"#)?;
     let (cached, uncached) = (dir.join("cached.safetensors"), dir.join("uncached.safetensors"));
     let m = fixture("qwen3_dense");
-    let common = [
-        "hidden",
-        "--model",
-        p(&m),
-        "--request",
-        p(&req),
-        "--warm",
-        p(&warm),
-        "--block-size",
-        "4",
-        "--capture",
-        "0,2,final",
-    ];
+    let common = hidden_args(&m, &req, &["--warm", p(&warm), "--block-size", "4", "--capture", "0,2,final"]);
     let stdout = ok_stdout(&omniprefix(&[&common[..], &["--out", p(&cached)]].concat())?)?;
     // The warm request cached all its 10 positions; the request shares 9 of them.
     assert!(stdout.contains("num_cached_tokens: 9"), "{stdout}");
@@ -102,17 +90,7 @@ fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
         assert!(x.iter().zip(y).all(|(u, v)| (u - v).abs() <= 1e-5 * scale), "{name} differs");
     }
     let all = dir.join("all.safetensors");
-    ok_stdout(&omniprefix(&[
-        "hidden",
-        "--model",
-        p(&m),
-        "--request",
-        p(&req),
-        "--out",
-        p(&all),
-        "--capture",
-        "all",
-    ])?)?;
+    ok_stdout(&omniprefix(&hidden_args(&m, &req, &["--out", p(&all), "--capture", "all"]))?)?;
     assert_eq!(read_tensors(&all)?.len(), 3 + 1 + 1 + 1, "hidden.0..=3, hidden.final, logits");
     Ok(())
 }
@@ -153,19 +131,7 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     std::fs::write(&req, request("emb"))?;
     let (m, out) = (fixture("omni_thinker"), dir.join("out.safetensors"));
     let run = |req: &Path| {
-        omniprefix(&[
-            "hidden",
-            "--model",
-            p(&m),
-            "--request",
-            p(req),
-            "--out",
-            p(&out),
-            "--warm",
-            p(req),
-            "--block-size",
-            "4",
-        ])
+        omniprefix(&hidden_args(&m, req, &["--out", p(&out), "--warm", p(req), "--block-size", "4"]))
     };
     let stdout = ok_stdout(&run(&req)?)?;
     // The warm run of the same 11 positions cached them all; the last one always runs.
@@ -404,21 +370,8 @@ fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestRes
     std::fs::write(&req, r#"{"segments": [{"text": [5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 42]}]}"#)?;
     let m = fixture("qwen3_dense");
     let run = |backend: &str, out: &Path| -> TestResult<Output> {
-        omniprefix(&[
-            "hidden",
-            "--model",
-            p(&m),
-            "--request",
-            p(&req),
-            "--warm",
-            p(&warm),
-            "--block-size",
-            "4",
-            "--backend",
-            backend,
-            "--out",
-            p(out),
-        ])
+        let rest = ["--warm", p(&warm), "--block-size", "4", "--backend", backend, "--out", p(out)];
+        omniprefix(&hidden_args(&m, &req, &rest))
     };
     let (on_cpu, on_gpu) = (dir.join("cpu.safetensors"), dir.join("gpu.safetensors"));
     let stdout = ok_stdout(&run("cpu", &on_cpu)?)?;
@@ -436,17 +389,7 @@ fn hidden_on_wgpu_equals_the_cpu_backend_and_says_which_backend_ran() -> TestRes
         let worst = x.iter().zip(y).map(|(u, v)| (u - v).abs()).fold(0f32, f32::max);
         assert!(worst <= 1e-4 * scale, "{name}: wgpu differs from cpu by {worst} (scale {scale})");
     }
-    let bad = omniprefix(&[
-        "hidden",
-        "--model",
-        p(&m),
-        "--request",
-        p(&req),
-        "--out",
-        p(&on_cpu),
-        "--backend",
-        "metal",
-    ])?;
+    let bad = omniprefix(&hidden_args(&m, &req, &["--out", p(&on_cpu), "--backend", "metal"]))?;
     assert!(!bad.status.success(), "an unknown backend must fail");
     Ok(())
 }
@@ -566,17 +509,7 @@ fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestRe
     // `hidden` publishes them on free ports (port 0), which it names on stderr
     // before it runs; the replay endpoint stays up for the linger.
     let mut child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
-        .args([
-            "hidden",
-            "--model",
-            p(&m),
-            "--request",
-            p(&req),
-            "--out",
-            p(&dir.join("out.safetensors")),
-            "--block-size",
-            "4",
-        ])
+        .args(hidden_args(&m, &req, &["--out", p(&dir.join("out.safetensors")), "--block-size", "4"]))
         .args([
             "--fingerprint-key",
             &key,
@@ -647,17 +580,7 @@ fn backend_auto_without_xdg_runtime_dir_prints_one_calm_line_and_nothing_on_stde
     let (dir, req) = text_request("auto_quiet")?;
     let m = fixture("qwen3_dense");
     let child = Command::new(env!("CARGO_BIN_EXE_omniprefix"))
-        .args([
-            "hidden",
-            "--model",
-            p(&m),
-            "--request",
-            p(&req),
-            "--out",
-            p(&dir.join("o.safetensors")),
-            "--backend",
-            "auto",
-        ])
+        .args(hidden_args(&m, &req, &["--out", p(&dir.join("o.safetensors")), "--backend", "auto"]))
         .env_remove("XDG_RUNTIME_DIR")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
