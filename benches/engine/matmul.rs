@@ -1,5 +1,5 @@
 //! Questions: how fast are the CPU backend's products over weights packed once into
-//! panels (`backend::cpu::panel_matmul`), against the `gemm` crate (which packs the weight
+//! panels (`backend::cpu::panel_matmul`), against the `gemm` crate (`--features bench-gemm`; it packs the weight
 //! on every call) and ndarray's `matrixmultiply`, at decode (1 and 8 rows) and prefill
 //! sizes? And what do bf16 and f16 weights cost against f32 ones?
 //!
@@ -36,7 +36,9 @@ fn matrixmultiply_split(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array
     out
 }
 
-/// `x @ w^T` in one `gemm` call on rayon's pool (it packs `w` on every call).
+/// `x @ w^T` in one `gemm` call on rayon's pool (it packs `w` on every call);
+/// with `--features bench-gemm` only (its kernels take a minute to compile).
+#[cfg(feature = "bench-gemm")]
 fn gemm_t(x: ArrayView2<'_, f32>, w: ArrayView2<'_, f32>) -> Array2<f32> {
     let (m, n, k) = (x.nrows(), w.nrows(), w.ncols());
     let (x, w) = (x.as_standard_layout(), w.as_standard_layout());
@@ -86,6 +88,7 @@ fn matmul(c: &mut Criterion) {
             group.bench_with_input(BenchmarkId::new("matrixmultiply", name), &(), |b, _| {
                 b.iter(|| black_box(matrixmultiply_split(x.view(), w.view())))
             });
+            #[cfg(feature = "bench-gemm")]
             group.bench_with_input(BenchmarkId::new("gemm", name), &(), |b, _| {
                 b.iter(|| black_box(gemm_t(x.view(), w.view())))
             });
