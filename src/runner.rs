@@ -163,9 +163,10 @@ impl<B: Backend> ModelRunner<B> {
     pub fn execute_with_items(
         &self, batch: &ScheduledBatch, pages: &mut B::Pages, items: Option<&mut ItemCapture>,
     ) -> Result<Vec<SeqOutput>> {
-        check_batch(&self.thinker, &self.capture, batch, &self.backend.pages_spec(pages))?;
+        let spec = self.backend.pages_spec(pages);
+        check_batch(&self.thinker, &self.capture, batch, &spec)?;
         if let Some(store) = &items {
-            check_item_rows(&self.thinker, store)?;
+            check_item_rows(&self.thinker, store, &spec)?;
         }
         Ok(run_step(&self.thinker, &*self.backend, &self.capture, batch, pages, items, false)?.outputs)
     }
@@ -185,18 +186,25 @@ impl<B: Backend> ModelRunner<B> {
     }
 }
 
-/// An item-row store fits the model: its point is one of the forward's, its width the model's.
-fn check_item_rows<B: Backend>(thinker: &Thinker<B>, items: &ItemCapture) -> Result<()> {
+/// An item-row store fits the model and the pages it follows: its point is one
+/// of the forward's, its width the model's, its blocks the pages' (a copy or a
+/// tier move of another block size would carry the wrong slots' rows).
+fn check_item_rows<B: Backend>(thinker: &Thinker<B>, items: &ItemCapture, spec: &PagesSpec) -> Result<()> {
     let cfg = thinker.config();
     CaptureSpec::new([items.point()], cfg.num_hidden_layers)?;
-    if items.width() != cfg.hidden_size {
-        return Err(BackendError::OpShape {
-            op: "item rows",
-            what: "store width",
-            expected: format!("{}", cfg.hidden_size),
-            found: vec![items.width()],
+    for (what, expected, found) in [
+        ("store width", cfg.hidden_size, items.width()),
+        ("store block size", spec.block_size, items.block_size()),
+    ] {
+        if found != expected {
+            return Err(BackendError::OpShape {
+                op: "item rows",
+                what,
+                expected: expected.to_string(),
+                found: vec![found],
+            }
+            .into());
         }
-        .into());
     }
     Ok(())
 }
@@ -963,6 +971,20 @@ mod tests {
             r.execute(&bad_copy, &mut pages),
             Err(Error::Backend(BackendError::OpIndex { what: "copy block", index: 4, .. }))
         ));
+        // An item store of another width or block size than the model's and the pages'.
+        for (what, mut store) in [
+            ("store width", ItemCapture::new(CaptureName::Hidden(1), 31, BS)),
+            ("store block size", ItemCapture::new(CaptureName::Hidden(1), 32, 2 * BS)),
+        ] {
+            let batch =
+                ScheduledBatch { copies: vec![BlockCopy { src: 0, dst: 3 }], seqs: vec![good.clone()] };
+            let err = r.execute_with_items(&batch, &mut pages, Some(&mut store)).unwrap_err();
+            assert!(
+                matches!(err, Error::Backend(BackendError::OpShape { what: w, .. }) if w == what),
+                "{err}"
+            );
+            assert!(pages_equal(&pages, &before) && store.is_empty(), "{what}: pages or store changed");
+        }
         let mut wrong_pages =
             r.backend().alloc_pages(PagesSpec { captured: 1, ..r.pages_spec(4, BS) }).unwrap();
         let err =

@@ -64,6 +64,11 @@ impl ItemCapture {
         self.width
     }
 
+    /// Slots per block: the pages' block size, which copies and tier bytes go by.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     /// Rows held.
     pub fn len(&self) -> usize {
         self.rows.len()
