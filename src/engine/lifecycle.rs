@@ -214,7 +214,8 @@ impl<B: Backend> Engine<B> {
         // cache work the batch waits for, not the model's.
         let schedule = t0.elapsed();
         let t1 = Instant::now();
-        let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages, self.item_rows.as_mut()) {
+        let outputs = match self.runner.execute_scheduled(&batch, &mut self.pages, self.item_capture.as_mut())
+        {
             Ok(outputs) => outputs,
             Err(e) => {
                 self.abort_batch(&batch);

@@ -105,7 +105,7 @@ pub struct Engine<B: Backend = CpuBackend> {
     pages: B::Pages,
     /// The talker's accept layer at item positions, beside the pages, unless
     /// the capture pages it at every position anyway.
-    item_rows: Option<ItemCapture>,
+    item_capture: Option<ItemCapture>,
     sched: Scheduler,
     /// What callers prepare requests with (shared with a served engine's callers).
     preparer: Arc<Preparer>,
@@ -187,7 +187,7 @@ impl<B: Backend> Engine<B> {
             Some(points) => CaptureSpec::new(points.iter().copied(), model.num_hidden_layers)?,
             None => CaptureSpec::default_for(model.num_hidden_layers),
         };
-        let item_rows = speech
+        let item_capture = speech
             .as_ref()
             .map(|stage| stage.accept_capture())
             .filter(|&accept| capture.index_of(accept).is_none())
@@ -218,7 +218,7 @@ impl<B: Backend> Engine<B> {
             runner.backend(),
             runner.thinker().identity(),
             runner.capture(),
-            item_rows.as_ref(),
+            item_capture.as_ref(),
             &spec,
         )?;
         let sched = match &tier {
@@ -267,7 +267,7 @@ impl<B: Backend> Engine<B> {
             config,
             runner,
             pages,
-            item_rows,
+            item_capture,
             sched,
             preparer: Arc::new(preparer),
             finished: 0,
@@ -336,7 +336,7 @@ impl<B: Backend> Engine<B> {
             talker: self.talkers.as_ref().map(talk::Talkers::cache_stats),
             tier: self.tier_stats(),
             item_capture: self
-                .item_rows
+                .item_capture
                 .as_ref()
                 .map(|items| ItemCaptureStats { rows: items.len(), bytes: items.bytes() }),
         }

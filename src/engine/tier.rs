@@ -162,7 +162,7 @@ impl<B: Backend> Engine<B> {
         move_blocks(
             self.runner.backend(),
             &mut self.pages,
-            self.item_rows.as_mut(),
+            self.item_capture.as_mut(),
             &tier.writer,
             work,
             spill,
