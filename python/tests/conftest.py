@@ -161,16 +161,11 @@ def small_config() -> dict:
 def large_config() -> dict:
     """A larger Qwen3-shaped config whose prefill of ~1-2k tokens takes a noticeable time."""
     config = copy.deepcopy(load_config("qwen3_dense"))
+    layers = 4
     config.update(
-        hidden_size=256,
-        intermediate_size=768,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        num_hidden_layers=4,
-        layer_types=["full_attention"] * 4,
-        vocab_size=512,
-        max_position_embeddings=8192,
+        vocab_size=512, hidden_size=256, intermediate_size=768, max_position_embeddings=8192,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+        num_hidden_layers=layers, layer_types=["full_attention"] * layers,
     )
     return config
 
