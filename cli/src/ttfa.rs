@@ -93,6 +93,8 @@ pub struct TtfaOptions {
     pub block_size: usize,
     /// Prefill tokens a step that carries reply tokens may add ([`SPEECH_PREFILL_CAP`] by default).
     pub prefill_cap: PrefillCap,
+    /// The engine's [`EngineConfig::audio_yield`] (`None`: decode each chunk when due).
+    pub audio_yield: Option<Duration>,
     pub kv_dtype: Dtype,
     /// Weight dtype of the three stages (`None`: f32).
     pub dtype: Option<Dtype>,
@@ -116,6 +118,7 @@ impl TtfaOptions {
             chunk: if bench { speech.chunk } else { 2 },
             block_size: omniprefix::kv::DEFAULT_BLOCK_SIZE,
             prefill_cap: SPEECH_PREFILL_CAP,
+            audio_yield: Some(omniprefix::engine::DEFAULT_AUDIO_YIELD),
             kv_dtype: Dtype::F32,
             dtype: None,
             seed: 0,
@@ -451,6 +454,9 @@ pub struct TtfaReport {
     pub chunk: usize,
     /// The scheduler's prefill cap in tokens (`None`: uncapped).
     pub prefill_cap: Option<usize>,
+    /// Milliseconds a playing reply's decodes may wait past its audio for
+    /// another's first audio (`None`: they never wait).
+    pub audio_yield_ms: Option<f64>,
     pub mm_scale: u32,
     pub image_tokens: usize,
     pub audio_tokens: usize,
@@ -548,6 +554,7 @@ pub fn run<B: Backend + 'static>(
         chunk: o.chunk,
         prefill_cap: SchedulerConfig { prefill_cap: o.prefill_cap, ..Default::default() }
             .prefill_cap_tokens(),
+        audio_yield_ms: o.audio_yield.map(millis),
         mm_scale: o.mm_scale,
         image_tokens: bench.image_tokens,
         audio_tokens: bench.audio_tokens,
@@ -652,6 +659,7 @@ impl<'a, B: Backend + 'static> Bench<'a, B> {
             cache,
             tokens: Some(self.tokens.clone()),
             kv_dtype: o.kv_dtype,
+            audio_yield: o.audio_yield,
             ..Default::default()
         };
         let engine = Engine::with_speech(
@@ -982,7 +990,7 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
             if m.cpu_features.is_empty() { "no AVX2".into() } else { m.cpu_features.join(" ") }
         ),
         format!(
-            "model ({:?}, {}): random full Omni; {} rounds, reply {} tokens, {} frames ({} samples), first chunk {} frames; image {} tokens, audio {} tokens; prefill cap {}",
+            "model ({:?}, {}): random full Omni; {} rounds, reply {} tokens, {} frames ({} samples), first chunk {} frames; image {} tokens, audio {} tokens; prefill cap {}; audio yield {}",
             r.size,
             r.dtype,
             r.rounds,
@@ -992,7 +1000,8 @@ pub fn table(r: &TtfaReport) -> Vec<String> {
             r.first_chunk,
             r.image_tokens,
             r.audio_tokens,
-            r.prefill_cap.map_or("off".to_string(), |c| format!("{c} tokens"))
+            r.prefill_cap.map_or("off".to_string(), |c| format!("{c} tokens")),
+            r.audio_yield_ms.map_or("off".to_string(), |ms| format!("{ms:.0} ms"))
         ),
     ];
     out.extend(r.shapes.lines().into_iter().map(|l| format!("  {l}")));

@@ -1,6 +1,7 @@
 //! What an [`Engine`](super::Engine) is sized by, and what it counts.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::backend::Dtype;
 use crate::canon::FingerprintKey;
@@ -13,6 +14,9 @@ use crate::sched::{SchedulerConfig, SchedulerStats, TalkerCacheConfig, TalkerCac
 
 /// The default bound of a disk tier (`EngineConfig::tier_bytes`): 8 GiB.
 pub const DEFAULT_TIER_BYTES: u64 = 8 << 30;
+
+/// The default [`EngineConfig::audio_yield`]: 1 s.
+pub const DEFAULT_AUDIO_YIELD: Duration = Duration::from_millis(1000);
 
 /// Which prefix index the engine's scheduler matches with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -70,6 +74,14 @@ pub struct EngineConfig {
     /// The talker's KV pool and prefix cache (1024 blocks of 16 rows): a
     /// speaking request needs its talker prompt plus `max_new_tokens - 1` rows.
     pub talker_cache: TalkerCacheConfig,
+    /// First audio first: while a speaking request awaits its first audio, a
+    /// reply its listener already hears holds its due code2wav decodes until
+    /// the audio it sent has played out plus this long, then decodes all it
+    /// held in one chunk (default 1 s; zero: only while its audio plays;
+    /// `None`: every chunk is decoded as soon as it is due). Batching the held
+    /// frames also makes the decodes cheaper: on 2 AVX2 cores `bench ttfa` at
+    /// c=8 ends sooner with fewer stalls (docs/engine.md).
+    pub audio_yield: Option<Duration>,
     /// The disk tier's directory: blocks the prefix index evicts are kept there
     /// (KV pages and captured rows, checked on every read), so a later request,
     /// another worker of this host, or this engine after a restart reuses them.
@@ -125,6 +137,7 @@ impl Default for EngineConfig {
             kv_events: None,
             speech: true,
             talker_cache: TalkerCacheConfig { num_blocks: 1024, block_size: crate::kv::DEFAULT_BLOCK_SIZE },
+            audio_yield: Some(DEFAULT_AUDIO_YIELD),
             tier_dir: None,
             tier_bytes: DEFAULT_TIER_BYTES,
         }

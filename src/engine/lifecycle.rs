@@ -189,12 +189,13 @@ impl<B: Backend> Engine<B> {
 
     /// One step of the pipeline after admission, its events appended to `events`.
     fn step_into(&mut self, events: &mut Vec<Event>) -> Result<()> {
-        if self.thinker_runnable() {
+        let thinker_ran = self.thinker_runnable();
+        if thinker_ran {
             self.thinker_step(events)?;
         }
         let latencies = &self.latencies;
         if let Some(talkers) = self.talkers.as_mut() {
-            talkers.step(events, |ttfa| latencies.first_audio(ttfa))?;
+            talkers.step(events, thinker_ran, |ttfa| latencies.first_audio(ttfa))?;
         }
         Ok(())
     }

@@ -61,7 +61,7 @@ use lifecycle::Pending;
 use prepare::Preparer;
 
 pub use channel::{HandleEvent, ReadySender};
-pub use config::{EngineConfig, EngineStats, IndexKind, ItemCaptureStats};
+pub use config::{DEFAULT_AUDIO_YIELD, EngineConfig, EngineStats, IndexKind, ItemCaptureStats};
 pub use handle::{Aborter, RequestHandle};
 pub use kv_events::request_block_hashes;
 pub use output::{AudioEvent, Event, Output, Timings, TokenEvent};
@@ -248,7 +248,13 @@ impl<B: Backend> Engine<B> {
             Some(stage) => {
                 let fingerprinter = Fingerprinter::new(config.fingerprint_key.clone(), 1, config.validation)?;
                 let tokens = preprocessor.tokens().clone();
-                let mut talkers = talk::Talkers::new(stage, config.talker_cache, fingerprinter, tokens)?;
+                let mut talkers = talk::Talkers::new(
+                    stage,
+                    config.talker_cache,
+                    fingerprinter,
+                    tokens,
+                    config.audio_yield,
+                )?;
                 let (thinker, talker) = (runner.thinker().identity(), talkers.stage().talker().identity());
                 let writer = tier::open_talker(&config, thinker, talker, &talkers.pages_spec())?;
                 if let (Some(writer), Some(t)) = (writer, &tier) {

@@ -9,6 +9,11 @@
 //! reply goes on, a thinker step before the token runs. The codes are HF's
 //! whatever the interleaving. Talker KV lives in the talker's own pool, whose prefix
 //! index ([`TalkerCache`]) lets a later round reuse every earlier user turn.
+//!
+//! First audio goes first: while a speaking request awaits its first audio and the
+//! step had other work, a stream that already plays holds its due code2wav decodes
+//! until its listener's audio runs out plus [`EngineConfig::audio_yield`](super::EngineConfig::audio_yield),
+//! then decodes all it holds at once. The samples are the same whatever the chunks.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -46,6 +51,9 @@ pub(super) struct Talkers<B: Backend> {
     tokens: OmniTokens,
     /// Ordered by id, so a step's batch is the same whatever the insertion order.
     talks: BTreeMap<RequestId, Talk<B>>,
+    /// How long past its listener's audio a playing stream's decode may wait
+    /// while another request awaits its first audio (`None`: never).
+    audio_yield: Option<Duration>,
     /// The engine's tier load histogram, with a tier.
     tier_load_seconds: Option<Histogram>,
 }
@@ -67,13 +75,44 @@ struct Talk<B: Backend> {
     output: Option<Output>,
     audio: Vec<f32>,
     first_audio: Option<Duration>,
-    state: State<B>,
+    /// The reply's code2wav stream, from the talker's start until its last samples are out.
+    voice: Option<Voice<B>>,
+    state: State,
 }
 
-enum State<B: Backend> {
+/// A speaking request's code2wav stream.
+struct Voice<B: Backend> {
+    stream: Code2WavStream<Arc<Code2Wav<B>>, B>,
+    /// The talker made its last frame: whatever is pending is due.
+    ended: bool,
+}
+
+impl<B: Backend> Voice<B> {
+    fn is_due(&self) -> bool {
+        self.ended || self.stream.is_due()
+    }
+}
+
+impl<B: Backend> Talk<B> {
+    /// Still before its first audio, with audio to come.
+    fn awaits_first_audio(&self) -> bool {
+        self.first_audio.is_none() && (self.voice.is_some() || !matches!(self.state, State::Done { .. }))
+    }
+
+    /// Its listener already hears it, and the audio out so far plays on until
+    /// at least `allowance` before `now`: a decode for it may wait.
+    fn may_yield(&self, now: Instant, allowance: Duration, sample_rate: u32) -> bool {
+        self.first_audio.is_some_and(|first| {
+            let heard = Duration::from_secs_f64(self.audio.len() as f64 / f64::from(sample_rate.max(1)));
+            now < self.started + first + heard + allowance
+        })
+    }
+}
+
+enum State {
     /// Until the reply's first token settled (or the talker pool has room).
     Waiting,
-    Running(Box<Running<B>>),
+    Running(Box<Running>),
     /// The talker finished (or there was nothing to say).
     Done {
         codes: Array2<u32>,
@@ -83,10 +122,9 @@ enum State<B: Backend> {
     },
 }
 
-struct Running<B: Backend> {
+struct Running {
     seq: TalkerSeq,
     slot: TalkerSlot,
-    stream: Code2WavStream<Arc<Code2Wav<B>>, B>,
     /// The prompt's full blocks went to the talker's index.
     committed: bool,
     /// Assistant ids `4..pushed` are trailing rows of the seq already.
@@ -102,6 +140,7 @@ struct Stepped {
 impl<B: Backend> Talkers<B> {
     pub(super) fn new(
         stage: SpeechStage<B>, cache: TalkerCacheConfig, fingerprinter: Fingerprinter, tokens: OmniTokens,
+        audio_yield: Option<Duration>,
     ) -> Result<Self> {
         // The cache first: it refuses a pool of 0 blocks or rows as a `ConfigError`,
         // before the pages are asked for them.
@@ -121,6 +160,7 @@ impl<B: Backend> Talkers<B> {
             fingerprinter,
             tokens,
             talks: BTreeMap::new(),
+            audio_yield,
             tier_load_seconds: None,
         })
     }
@@ -182,6 +222,7 @@ impl<B: Backend> Talkers<B> {
             output: None,
             audio: Vec::new(),
             first_audio: None,
+            voice: None,
             state: State::Waiting,
         };
         self.talks.insert(id, talk);
@@ -233,12 +274,15 @@ impl<B: Backend> Talkers<B> {
     }
 
     /// Whether a talker step would make progress: some talk can start or step,
-    /// or waits only for its finished thinker's output to go out.
+    /// has a decode due, or waits only for its finished thinker's output to go out.
     pub(super) fn has_work(&self) -> bool {
-        self.talks.values().any(|t| match &t.state {
-            State::Waiting => t.accept.is_some() && (t.settled >= 4 || t.output.is_some()),
-            State::Running(r) => r.seq.is_ready() || t.output.is_some(),
-            State::Done { .. } => t.output.is_some(),
+        self.talks.values().any(|t| {
+            t.voice.as_ref().is_some_and(Voice::is_due)
+                || match &t.state {
+                    State::Waiting => t.accept.is_some() && (t.settled >= 4 || t.output.is_some()),
+                    State::Running(r) => r.seq.is_ready() || t.output.is_some(),
+                    State::Done { .. } => t.output.is_some(),
+                }
         })
     }
 
@@ -254,17 +298,19 @@ impl<B: Backend> Talkers<B> {
     }
 
     /// One talker step: starts the talks that can, hands each running one the
-    /// reply rows that settled since, steps every ready one in one batch, streams
-    /// their frames through code2wav, and finishes the talks that ended.
+    /// reply rows that settled since, steps every ready one in one batch, hands
+    /// their frames to code2wav, decodes the chunks due (first audio first), and
+    /// finishes the talks that ended. `thinker_ran`: the step's thinker part ran.
     /// `first_audio` is told each request's time to first audio.
     pub(super) fn step(
-        &mut self, events: &mut Vec<Event>, mut first_audio: impl FnMut(Duration),
+        &mut self, events: &mut Vec<Event>, thinker_ran: bool, mut first_audio: impl FnMut(Duration),
     ) -> Result<()> {
         let ids: Vec<RequestId> = self.talks.keys().copied().collect();
         for &id in &ids {
             self.start_or_feed(id)?;
         }
-        self.step_ready(events, &mut first_audio)?;
+        let talker_ran = self.step_ready()?;
+        self.decode_due(events, thinker_ran || talker_ran, &mut first_audio)?;
         for id in ids {
             self.finish_if_done(id, events)?;
         }
@@ -323,10 +369,19 @@ impl<B: Backend> Talkers<B> {
                         return Err(e);
                     }
                 };
-                let stream =
-                    Code2WavStream::new(Arc::clone(&self.code2wav), c.options.first_chunk, c.options.chunk)?;
-                talk.state =
-                    State::Running(Box::new(Running { seq, slot, stream, committed: false, pushed: 4 }));
+                let stream = match Code2WavStream::new(
+                    Arc::clone(&self.code2wav),
+                    c.options.first_chunk,
+                    c.options.chunk,
+                ) {
+                    Ok(stream) => stream,
+                    Err(e) => {
+                        self.cache.release(slot)?;
+                        return Err(e);
+                    }
+                };
+                talk.voice = Some(Voice { stream, ended: false });
+                talk.state = State::Running(Box::new(Running { seq, slot, committed: false, pushed: 4 }));
                 // The rows that already settled become trailing rows right away.
                 self.start_or_feed(id)
             }
@@ -346,9 +401,9 @@ impl<B: Backend> Talkers<B> {
         }
     }
 
-    /// One batched talker forward over every ready seq; their frames go to
-    /// code2wav and the audio out as events.
-    fn step_ready(&mut self, events: &mut Vec<Event>, first_audio: &mut impl FnMut(Duration)) -> Result<()> {
+    /// One batched talker forward over every ready seq; each frame goes to its
+    /// request's code2wav stream. Whether a forward ran.
+    fn step_ready(&mut self) -> Result<bool> {
         let backend = self.stage.backend();
         let mut ready: Vec<(RequestId, &mut TalkerSeq)> = self
             .talks
@@ -359,7 +414,7 @@ impl<B: Backend> Talkers<B> {
             })
             .collect();
         if ready.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let ids: Vec<RequestId> = ready.iter().map(|(id, _)| *id).collect();
         let mut seqs: Vec<&mut TalkerSeq> = ready.iter_mut().map(|(_, seq)| &mut **seq).collect();
@@ -375,19 +430,20 @@ impl<B: Backend> Talkers<B> {
                 run.seq.set_block_table(run.slot.block_table().clone());
                 run.committed = true;
             }
-            let mut chunk = match frame {
-                Some(codes) => {
-                    let column = Array2::from_shape_fn((codes.len(), 1), |(q, _)| i64::from(codes[q]));
-                    run.stream.push(&*backend, column.view())?
-                }
-                None => Vec::new(),
-            };
+            let voice = talk.voice.as_mut().ok_or_else(|| {
+                crate::error::Component::Engine
+                    .violation(format!("request {id}: a running talker has no stream"))
+            })?;
+            if let Some(codes) = frame {
+                let column = Array2::from_shape_fn((codes.len(), 1), |(q, _)| i64::from(codes[q]));
+                voice.stream.append(column.view())?;
+            }
             if run.seq.is_finished() {
+                voice.ended = true;
                 let State::Running(run) = std::mem::replace(&mut talk.state, State::Waiting) else {
                     continue;
                 };
-                let Running { seq, slot, stream, .. } = *run;
-                chunk.extend(stream.finish(&*backend)?);
+                let Running { seq, slot, .. } = *run;
                 let (prompt_rows, cached_rows) = (seq.prompt_rows(), slot.num_cached());
                 self.cache.release(slot)?;
                 let out = seq.into_output().ok_or_else(|| {
@@ -396,28 +452,61 @@ impl<B: Backend> Talkers<B> {
                 })?;
                 talk.state = State::Done { codes: out.codes, finish: out.finish, prompt_rows, cached_rows };
             }
-            if !chunk.is_empty() {
-                if talk.first_audio.is_none() {
-                    let ttfa = talk.started.elapsed();
-                    talk.first_audio = Some(ttfa);
-                    first_audio(ttfa);
-                }
-                events.push(Event::Audio(AudioEvent {
-                    request: id,
-                    offset: talk.audio.len(),
-                    samples: chunk.clone(),
-                    sample_rate: self.code2wav.sample_rate(),
-                }));
-                talk.audio.extend(chunk);
+        }
+        Ok(true)
+    }
+
+    /// Decodes every stream's due chunk, first audio first: while another
+    /// request awaits its first audio and the step had other work (`busy`), a
+    /// stream its listener still hears (past [`Talk::may_yield`]'s allowance)
+    /// waits. Without other work, waiting would only idle the engine.
+    fn decode_due(
+        &mut self, events: &mut Vec<Event>, busy: bool, first_audio: &mut impl FnMut(Duration),
+    ) -> Result<()> {
+        let backend = self.stage.backend();
+        let rate = self.code2wav.sample_rate();
+        let now = Instant::now();
+        let allowance =
+            self.audio_yield.filter(|_| busy && self.talks.values().any(Talk::awaits_first_audio));
+        for (&id, talk) in &mut self.talks {
+            if !talk.voice.as_ref().is_some_and(Voice::is_due)
+                || allowance.is_some_and(|a| talk.may_yield(now, a, rate))
+            {
+                continue;
             }
+            let chunk = match talk.voice.take() {
+                Some(voice) if voice.ended => voice.stream.finish(&*backend)?,
+                Some(mut voice) => {
+                    let chunk = voice.stream.decode_if_due(&*backend)?;
+                    talk.voice = Some(voice);
+                    chunk
+                }
+                None => continue,
+            };
+            if chunk.is_empty() {
+                continue;
+            }
+            if talk.first_audio.is_none() {
+                let ttfa = talk.started.elapsed();
+                talk.first_audio = Some(ttfa);
+                first_audio(ttfa);
+            }
+            events.push(Event::Audio(AudioEvent {
+                request: id,
+                offset: talk.audio.len(),
+                samples: chunk.clone(),
+                sample_rate: rate,
+            }));
+            talk.audio.extend(chunk);
         }
         Ok(())
     }
 
     /// Emits `id`'s output, its speech attached, once both stages are done.
     fn finish_if_done(&mut self, id: RequestId, events: &mut Vec<Event>) -> Result<()> {
-        let done =
-            self.talks.get(&id).is_some_and(|t| t.output.is_some() && matches!(t.state, State::Done { .. }));
+        let done = self.talks.get(&id).is_some_and(|t| {
+            t.output.is_some() && t.voice.is_none() && matches!(t.state, State::Done { .. })
+        });
         if !done {
             return Ok(());
         }

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use ndarray::{ArrayD, IxDyn};
+use omniprefix::backend::cpu::CpuBackend;
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::{Engine, EngineConfig, Event, ItemInput, PlaceholderForm, Request};
 use omniprefix::sample::{SamplingParams, TalkerSampling};
@@ -431,6 +432,92 @@ fn the_talker_streams_beside_the_thinker_and_its_cache_is_invisible() -> TestRes
         runs.push(speech.audio);
     }
     assert_eq!(runs[0], runs[1], "the talker's cache changes no sample");
+    Ok(())
+}
+
+/// First audio first: while `image` awaits its first audio, `text`, already heard, holds
+/// its due code2wav decodes (an allowance of an hour holds them until `image` is heard),
+/// then sends them in one chunk; with `audio_yield: None` it sends them as they come due,
+/// which is what makes this test able to fail. Either way each reply's codes are HF's, its
+/// audio is one code2wav pass over them, sample for sample, and its chunks concatenate to it.
+#[test]
+fn a_heard_reply_holds_its_decodes_while_another_awaits_first_audio() -> TestResult {
+    let hf = reference()?;
+    let rec = recorded()?;
+    // One-frame chunks: without the yield, every frame of `text` is a decode.
+    let options =
+        SpeechOptions { talker: rec.greedy_talker(), first_chunk: 1, chunk: 1, ..SpeechOptions::default() };
+    let params = || SamplingParams {
+        suppress_ids: rec.thinker_suppress.clone(),
+        ..SamplingParams::greedy(rec.thinker_max_new_tokens)
+    };
+    let code2wav = omniprefix::model::code2wav::Code2Wav::from_dir(&CpuBackend, &model_dir(MODEL))?;
+    let (text, image) = (Case::open(&hf, "text")?, Case::open(&hf, "image")?);
+    for audio_yield in [Some(std::time::Duration::from_secs(3600)), None] {
+        let config = EngineConfig { audio_yield, ..EngineConfig::default() };
+        let mut engine = Engine::from_dir(&model_dir(MODEL), config)?;
+        let a = engine.submit(text.request().generate(params()).speak(options.clone()))?;
+        let heard = |events: &[Event], id| {
+            events.iter().position(|e| matches!(e, Event::Audio(x) if x.request == id))
+        };
+        let mut events = Vec::new();
+        while heard(&events, a).is_none() {
+            events.extend(engine.step()?);
+        }
+        let b = engine.submit(image.request().generate(params()).speak(options.clone()))?;
+        let submitted = events.len();
+        while engine.has_pending() {
+            events.extend(engine.step()?);
+        }
+        let b_heard = submitted + heard(&events[submitted..], b).ok_or("no audio for image")?;
+        let a_chunks_meanwhile = events[submitted..b_heard]
+            .iter()
+            .filter(|e| matches!(e, Event::Audio(x) if x.request == a))
+            .count();
+        let a_chunk = |e: &Event| match e {
+            Event::Audio(x) if x.request == a => Some(x.samples.len()),
+            _ => None,
+        };
+        let largest_before = events[..submitted].iter().filter_map(a_chunk).max().unwrap_or(0);
+        let first_after = events[b_heard..].iter().find_map(a_chunk).ok_or("text had nothing left to say")?;
+        match audio_yield {
+            Some(_) => {
+                assert_eq!(a_chunks_meanwhile, 0, "text decoded while image awaited its first audio");
+                assert!(first_after > largest_before, "the held frames come out in one chunk");
+            }
+            None => assert!(
+                a_chunks_meanwhile > 0,
+                "text had no chunk due while image awaited: the test cannot tell"
+            ),
+        }
+        for (id, case) in [(a, "text"), (b, "image")] {
+            let streamed: Vec<f32> = events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Audio(x) if x.request == id => Some(x.samples.iter().copied()),
+                    _ => None,
+                })
+                .flatten()
+                .collect();
+            let out = events
+                .iter()
+                .find_map(|e| match e {
+                    Event::Finished(o) if o.request == id => Some(o),
+                    _ => None,
+                })
+                .ok_or("no output")?;
+            let speech = out.speech.as_ref().ok_or("no speech")?;
+            let codes = speech.codes.mapv(i64::from);
+            assert_eq!(
+                codes.iter().copied().collect::<Vec<_>>(),
+                hf.ints(&format!("{case}.codes"))?,
+                "{case}"
+            );
+            let one_pass = code2wav.forward(&CpuBackend, codes.view())?;
+            assert_eq!(speech.audio, one_pass, "{case}, yield {audio_yield:?}: one pass over its codes");
+            assert_eq!(streamed, one_pass, "{case}: its chunks concatenate to its audio");
+        }
+    }
     Ok(())
 }
 

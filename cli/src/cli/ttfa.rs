@@ -56,6 +56,10 @@ pub struct TtfaArgs {
     /// `SPEECH_PREFILL_CAP`; text serving's default is 64).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub prefill_cap: Option<u64>,
+    /// Milliseconds a playing reply's code2wav decodes may wait past its audio while
+    /// another awaits its first audio (default 1000, the engine's), or `off`: never.
+    #[arg(long, value_parser = parse_audio_yield)]
+    pub audio_yield_ms: Option<AudioYield>,
     #[command(flatten)]
     pub runtime: RuntimeArgs,
     /// Seed of the weights, ids and media.
@@ -82,6 +86,7 @@ impl TtfaArgs {
             chunk: self.chunk.unwrap_or(d.chunk),
             block_size: self.block_size,
             prefill_cap: self.prefill_cap.map_or(d.prefill_cap, |n| PrefillCap::Tokens(n as usize)),
+            audio_yield: self.audio_yield_ms.map_or(d.audio_yield, |y| y.0),
             kv_dtype: self.runtime.kv_dtype,
             dtype: self.runtime.dtype.0,
             seed: self.seed,
@@ -121,4 +126,17 @@ impl BackendJob for Measure<'_> {
 fn to_json(report: &TtfaReport) -> Result<String> {
     serde_json::to_string_pretty(report)
         .map_err(|source| HarnessError::Report { what: "the ttfa report".into(), source })
+}
+
+/// `--audio-yield-ms`: milliseconds, or `off`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AudioYield(pub Option<std::time::Duration>);
+
+fn parse_audio_yield(s: &str) -> std::result::Result<AudioYield, String> {
+    if s == "off" {
+        return Ok(AudioYield(None));
+    }
+    let ms: u64 =
+        s.parse().map_err(|_| format!("`{s}` is neither a whole number of milliseconds nor `off`"))?;
+    Ok(AudioYield(Some(std::time::Duration::from_millis(ms))))
 }

@@ -106,7 +106,7 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
 
     /// Frames pushed so far (decoded or pending).
     pub fn frames_received(&self) -> usize {
-        self.frames + self.pending.first().map_or(0, Vec::len)
+        self.frames + self.pending_frames()
     }
 
     /// Samples emitted so far.
@@ -119,12 +119,39 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
     /// are checked as [`Code2Wav::forward`] checks them (frames numbered from the
     /// stream's start); a rejected push leaves the stream as it was.
     pub fn push(&mut self, backend: &B, codes: ArrayView2<'_, i64>) -> Result<Vec<f32>> {
+        self.append(codes)?;
+        self.decode_if_due(backend)
+    }
+
+    /// Appends `codes [num_quantizers, n]` without decoding: a caller that
+    /// schedules decodes itself (an engine serving first audio first) calls
+    /// [`decode_if_due`](Self::decode_if_due) when it chooses. Checked as
+    /// [`push`](Self::push) checks; a rejected append leaves the stream as it was.
+    pub fn append(&mut self, codes: ArrayView2<'_, i64>) -> Result<()> {
         self.model.check_codes(codes, self.frames_received())?;
         for (p, row) in self.pending.iter_mut().zip(codes.rows()) {
             p.extend(row.iter().copied());
         }
+        Ok(())
+    }
+
+    /// Frames appended and not yet decoded.
+    pub fn pending_frames(&self) -> usize {
+        self.pending.first().map_or(0, Vec::len)
+    }
+
+    /// Whether enough frames are pending for the next chunk (see the type's doc).
+    pub fn is_due(&self) -> bool {
         let due = if self.frames == 0 { self.first_chunk } else { self.frames.clamp(1, self.chunk) };
-        if self.pending.first().map_or(0, Vec::len) >= due { self.decode(backend) } else { Ok(Vec::new()) }
+        self.pending_frames() >= due
+    }
+
+    /// Decodes every pending frame when [`is_due`](Self::is_due): the new final
+    /// samples (none otherwise). A decode that waited carries all that is
+    /// pending, more than `chunk` frames if need be, and the samples are the
+    /// same whatever the chunks.
+    pub fn decode_if_due(&mut self, backend: &B) -> Result<Vec<f32>> {
+        if self.is_due() { self.decode(backend) } else { Ok(Vec::new()) }
     }
 
     /// Decodes the frames still pending: the rest of the waveform.
@@ -135,7 +162,7 @@ impl<M: Deref<Target = Code2Wav<B>>, B: Backend> Code2WavStream<M, B> {
     /// Runs the pending frames through the transformer, then the convolutions
     /// after their history; returns the samples they make final.
     fn decode(&mut self, backend: &B) -> Result<Vec<f32>> {
-        let n = self.pending.first().map_or(0, Vec::len);
+        let n = self.pending_frames();
         if n == 0 {
             return Ok(Vec::new());
         }

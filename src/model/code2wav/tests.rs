@@ -80,6 +80,33 @@ fn stream_emits_audio_as_soon_as_it_is_final() {
     ));
 }
 
+/// A caller that holds decodes (an engine serving first audio first) appends frames
+/// past a due chunk; the late decode carries all of them, and the audio is one pass's.
+#[test]
+fn a_held_decode_carries_every_pending_frame() {
+    let cfg = Code2WavConfig::tiny();
+    let model = Code2Wav::random(&CpuBackend, cfg.clone(), 3).unwrap();
+    let codes = random_codes(5, &cfg, 21);
+    let mut stream = Code2WavStream::new(&model, 1, 2).unwrap();
+    let mut wav = stream.push(&CpuBackend, codes.slice(s![.., 0..1])).unwrap();
+    assert_eq!(wav.len(), cfg.output_len(1));
+    for t in 1..9 {
+        stream.append(codes.slice(s![.., t..t + 1])).unwrap();
+        assert!(stream.is_due(), "a chunk of 1 (then 2) frames is due from frame 2 on");
+    }
+    assert_eq!(stream.pending_frames(), 8, "appends decode nothing");
+    let held = stream.decode_if_due(&CpuBackend).unwrap();
+    assert_eq!(held.len(), cfg.output_len(9) - cfg.output_len(1), "8 frames in one chunk, more than `chunk`");
+    assert_eq!(stream.pending_frames(), 0);
+    assert!(!stream.is_due() && stream.decode_if_due(&CpuBackend).unwrap().is_empty());
+    wav.extend(held);
+    for t in 9..21 {
+        wav.extend(stream.push(&CpuBackend, codes.slice(s![.., t..t + 1])).unwrap());
+    }
+    wav.extend(stream.finish(&CpuBackend).unwrap());
+    assert_eq!(wav, model.forward(&CpuBackend, codes.view()).unwrap(), "bit for bit on the CPU");
+}
+
 #[test]
 fn bad_codes_are_request_errors_naming_quantizer_and_frame() {
     let cfg = Code2WavConfig::tiny();
