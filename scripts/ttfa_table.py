@@ -29,7 +29,8 @@ print(
     f"with {s['talker']['experts']} experts top-{s['talker']['experts_per_token']}, code2wav "
     f"{s['code2wav_hidden']}x{s['code2wav_layers']} + decoder {s['code2wav_decoder_dim']}, {r['dtype']}); "
     f"reply {r['max_tokens']} tokens, {r['frames']} frames, first chunk {r['first_chunk']} frames; prefill cap "
-    f"{r.get('prefill_cap') or 'off'}\n"
+    f"{r.get('prefill_cap') or 'off'}; audio yield "
+    f"{'off' if r.get('audio_yield_ms') is None else format(r['audio_yield_ms'], '.0f') + ' ms'}\n"
 )
 
 runs = {(x["cache"], x["concurrency"]): x for x in r["runs"]}
