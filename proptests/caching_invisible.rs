@@ -27,14 +27,12 @@ use proptest::prelude::*;
 use proptest::test_runner::Config as PtConfig;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use support::images::image_markers;
 
 const HIDDEN: usize = 32;
 const VOCAB: usize = 512;
 /// Text ids stay below the tiny vocabulary's special ids (500..507).
 const TEXT_IDS: u32 = 480;
-const VISION_START: u32 = 503;
-const IMAGE_PAD: u32 = 500;
-const VISION_END: u32 = 504;
 
 fn cases() -> u32 {
     std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64)
@@ -90,7 +88,7 @@ fn case() -> impl Strategy<Value = Case> {
                     |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..TEXT_IDS)).collect() };
                 let mut main = text(head);
                 if image.is_some() {
-                    main.extend([VISION_START, IMAGE_PAD, VISION_END]);
+                    main.extend(image_markers());
                 }
                 main.extend(text(tail));
                 let mut warm = main[..cut.min(main.len())].to_vec();
@@ -128,7 +126,8 @@ fn identical(what: &str, got: &[f32], want: &[f32]) -> Result<(), TestCaseError>
 
 /// Length of the common prefix of two expanded prompts (the pad expands to `tokens` copies of one image).
 fn expanded(ids: &[u32], tokens: usize) -> Vec<u32> {
-    ids.iter().flat_map(|&t| std::iter::repeat_n(t, if t == IMAGE_PAD { tokens } else { 1 })).collect()
+    let pad = OmniTokens::tiny().image_token_id;
+    ids.iter().flat_map(|&t| std::iter::repeat_n(t, if t == pad { tokens } else { 1 })).collect()
 }
 
 /// Runs the case uncached and with the warm prefix cached, checks the invariants
@@ -172,7 +171,7 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
         .then(|| Arc::new((0..case.deepstack_levels).map(|_| rows()).collect::<Vec<_>>()));
     let request = |ids: &Vec<u32>| Request {
         token_ids: ids.clone(),
-        items: match case.grid.filter(|_| ids.contains(&IMAGE_PAD)) {
+        items: match case.grid.filter(|_| ids.contains(&OmniTokens::tiny().image_token_id)) {
             Some(grid_thw) => vec![ItemInput {
                 spec: ItemSpec {
                     modality: Modality::Image,
@@ -285,7 +284,7 @@ fn a_warm_prefix_ending_inside_a_deepstack_image_is_invisible() -> Result<(), Te
 /// The case of [`a_warm_prefix_ending_inside_a_deepstack_image_is_invisible`] with `levels` DeepStack levels.
 fn deepstack_case(levels: usize) -> Case {
     let head: Vec<u32> = vec![11, 12, 13, 14, 15];
-    let image = [VISION_START, IMAGE_PAD, VISION_END];
+    let image = image_markers();
     let main = [&head[..], &image, &[20, 21, 22, 23, 24, 25]].concat();
     let warm = [&head[..], &image, &[30, 31, 32, 33]].concat();
     Case {

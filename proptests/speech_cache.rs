@@ -41,6 +41,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as PtConfig, FileFailurePersistence, TestRunner};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use support::images::image_markers;
 use support::sampling::greedy_or_seeded;
 
 const HIDDEN: usize = 32;
@@ -48,23 +49,12 @@ const VOCAB: u32 = 512;
 /// Text ids (prompt and reply) stay in here: below are the chat markers, above the tiny
 /// vocabulary's special ids (500..507).
 const TEXT: std::ops::Range<u32> = 10..480;
-const IM_START: u32 = 1;
-const USER: u32 = 2;
-const ASSISTANT: u32 = 3;
+/// The stage's chat ids, which the prompts below are written with: `<|im_start|>` 1,
+/// `user` 2, `assistant` 3 (then `system` 4, `\n` 5, `<|im_end|>` 6 below).
+const CHAT: ChatIds = ChatIds::tiny();
 const SYSTEM: u32 = 4;
 const NEWLINE: u32 = 5;
 const IM_END: u32 = 6;
-const VISION_START: u32 = 503;
-const IMAGE_PAD: u32 = 500;
-const VISION_END: u32 = 504;
-const CHAT: ChatIds = ChatIds {
-    im_start_token_id: IM_START,
-    user_token_id: USER,
-    assistant_token_id: ASSISTANT,
-    tts_pad_token_id: 7,
-    tts_bos_token_id: 8,
-    tts_eos_token_id: 9,
-};
 /// Steps one wave may take before the test calls it a hang.
 const MAX_STEPS: usize = 20_000;
 
@@ -353,16 +343,16 @@ impl Images {
 fn request<'a>(
     case: &Case, images: &'a Images, chat: usize, round: usize, replies: &[Vec<u32>],
 ) -> Request<'a> {
-    let mut ids = vec![IM_START, SYSTEM, NEWLINE];
+    let mut ids = vec![CHAT.im_start_token_id, SYSTEM, NEWLINE];
     ids.extend(&case.chats[chat].system);
     ids.extend([IM_END, NEWLINE]);
     let mut items = Vec::new();
     for j in 0..=round {
         let (turn, key) = case.turn(chat, j);
-        ids.extend([IM_START, USER, NEWLINE]);
+        ids.extend([CHAT.im_start_token_id, CHAT.user_token_id, NEWLINE]);
         ids.extend(&turn.a);
         if let Some((h, w)) = turn.image {
-            ids.extend([VISION_START, IMAGE_PAD, VISION_END]);
+            ids.extend(image_markers());
             let (embeds, deepstack) = &images.rows[&key];
             items.push(ItemInput {
                 spec: ItemSpec {
@@ -379,12 +369,12 @@ fn request<'a>(
         ids.extend(&turn.b);
         ids.extend([IM_END, NEWLINE]);
         if let Some(reply) = replies.get(j).filter(|_| j < round) {
-            ids.extend([IM_START, ASSISTANT, NEWLINE]);
+            ids.extend([CHAT.im_start_token_id, CHAT.assistant_token_id, NEWLINE]);
             ids.extend(reply);
             ids.extend([IM_END, NEWLINE]);
         }
     }
-    ids.extend([IM_START, ASSISTANT, NEWLINE]);
+    ids.extend([CHAT.im_start_token_id, CHAT.assistant_token_id, NEWLINE]);
     let request = Request { token_ids: ids, items, ..Default::default() };
     request.generate(case.thinker_params(chat, round)).speak(case.speech(chat, round))
 }

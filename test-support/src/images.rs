@@ -9,6 +9,7 @@ use ndarray::{Array2, ArrayD, IxDyn};
 use omniprefix::canon::{ItemContent, ItemLayout, ItemSpec, Modality, TensorView};
 use omniprefix::engine::ItemInput;
 use omniprefix::model::Config;
+use omniprefix::prompt::OmniTokens;
 
 /// The model's width (and every embedding's).
 pub const HIDDEN: usize = 32;
@@ -43,7 +44,13 @@ pub fn rows(n: usize, cols: usize, seed: f32) -> Array2<f32> {
     Array2::from_shape_fn((n, cols), |(r, c)| ((r * cols + c) as f32 * 0.37 + seed).sin())
 }
 
-/// Text, `vision_start image_pad vision_end`, text (unexpanded).
+/// An unexpanded image in the tiny vocabulary (`OmniTokens::tiny()`, 500..507):
+/// `vision_start image_pad vision_end`.
+pub fn image_markers() -> [u32; 3] {
+    OmniTokens::tiny().unexpanded_item(Modality::Image)
+}
+
+/// Text, an unexpanded image ([`image_markers`]), text.
 pub fn with_image(head: &[u32], tail: &[u32]) -> Vec<u32> {
-    [head, &[503, 500, 504], tail].concat()
+    [head, &image_markers()[..], tail].concat()
 }
