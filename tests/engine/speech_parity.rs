@@ -123,6 +123,14 @@ struct Recorded {
 }
 
 impl Recorded {
+    /// HF's thinker settings of the fixture: greedy, its reply length, its suppressed ids.
+    fn thinker_params(&self) -> SamplingParams {
+        SamplingParams {
+            suppress_ids: self.thinker_suppress.clone(),
+            ..SamplingParams::greedy(self.thinker_max_new_tokens)
+        }
+    }
+
     /// HF's talker settings of the fixture: greedy, its step cap.
     fn greedy_talker(&self) -> TalkerSampling {
         TalkerSampling { max_new_tokens: self.talker_max_new_tokens, ..TalkerSampling::greedy() }
@@ -154,10 +162,7 @@ fn thinker_talker_and_code2wav_equal_hf_audio() -> TestResult {
     let options = SpeechOptions { talker: rec.greedy_talker(), ..SpeechOptions::default() };
     for case in CASES {
         let c = Case::open(&hf, case)?;
-        let params = SamplingParams {
-            suppress_ids: rec.thinker_suppress.clone(),
-            ..SamplingParams::greedy(rec.thinker_max_new_tokens)
-        };
+        let params = rec.thinker_params();
         let id = engine.submit(c.request().generate(params).speak(options.clone()))?;
         let mut chunks = Vec::new();
         let mut output = None;
@@ -301,10 +306,7 @@ fn round2_reuses_round1_talker_kv_and_its_codes_stay() -> TestResult {
             assert!(cache.evict(usize::MAX)? > 0, "round 2's talker blocks were cached");
         }
         let c = Case::open(&hf, case)?;
-        let params = SamplingParams {
-            suppress_ids: rec.thinker_suppress.clone(),
-            ..SamplingParams::greedy(rec.thinker_max_new_tokens)
-        };
+        let params = rec.thinker_params();
         let prepared = engine.prepare(c.request().generate(params))?;
         let prompt = prepared.prompt().clone();
         let layout = TalkerLayout::of(&prompt, stage.chat_ids(), engine.tokens())?;
@@ -361,10 +363,7 @@ fn speak_case<B: omniprefix::backend::Backend>(
     engine: &mut Engine<B>, hf: &Reference, rec: &Recorded, case: &str, options: &SpeechOptions,
 ) -> TestResult<(Vec<Event>, omniprefix::engine::Output)> {
     let c = Case::open(hf, case)?;
-    let params = SamplingParams {
-        suppress_ids: rec.thinker_suppress.clone(),
-        ..SamplingParams::greedy(rec.thinker_max_new_tokens)
-    };
+    let params = rec.thinker_params();
     let id = engine.submit(c.request().generate(params).speak(options.clone()))?;
     let mut events = Vec::new();
     while engine.has_pending() {
@@ -447,16 +446,12 @@ fn a_heard_reply_holds_its_decodes_while_another_awaits_first_audio() -> TestRes
     // One-frame chunks: without the yield, every frame of `text` is a decode.
     let options =
         SpeechOptions { talker: rec.greedy_talker(), first_chunk: 1, chunk: 1, ..SpeechOptions::default() };
-    let params = || SamplingParams {
-        suppress_ids: rec.thinker_suppress.clone(),
-        ..SamplingParams::greedy(rec.thinker_max_new_tokens)
-    };
     let code2wav = omniprefix::model::code2wav::Code2Wav::from_dir(&CpuBackend, &model_dir(MODEL))?;
     let (text, image) = (Case::open(&hf, "text")?, Case::open(&hf, "image")?);
     for audio_yield in [Some(std::time::Duration::from_secs(3600)), None] {
         let config = EngineConfig { audio_yield, ..EngineConfig::default() };
         let mut engine = Engine::from_dir(&model_dir(MODEL), config)?;
-        let a = engine.submit(text.request().generate(params()).speak(options.clone()))?;
+        let a = engine.submit(text.request().generate(rec.thinker_params()).speak(options.clone()))?;
         let heard = |events: &[Event], id| {
             events.iter().position(|e| matches!(e, Event::Audio(x) if x.request == id))
         };
@@ -464,7 +459,7 @@ fn a_heard_reply_holds_its_decodes_while_another_awaits_first_audio() -> TestRes
         while heard(&events, a).is_none() {
             events.extend(engine.step()?);
         }
-        let b = engine.submit(image.request().generate(params()).speak(options.clone()))?;
+        let b = engine.submit(image.request().generate(rec.thinker_params()).speak(options.clone()))?;
         let submitted = events.len();
         while engine.has_pending() {
             events.extend(engine.step()?);

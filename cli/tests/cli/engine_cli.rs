@@ -59,6 +59,17 @@ fn read_tensors(path: &Path) -> TestResult<Vec<Named>> {
     Ok(out)
 }
 
+/// Each tensor's name and shape, in the file's (sorted) order.
+fn names_and_shapes(tensors: &[Named]) -> Vec<(&str, &[usize])> {
+    tensors.iter().map(|(n, s, _)| (n.as_str(), s.as_slice())).collect()
+}
+
+/// What capturing `hidden.0`, `middle` and `final` writes for 11 positions of a 64-wide
+/// tiny checkpoint with a 256-id vocabulary: the three layers and the last position's logits.
+fn captured_11(middle: &'static str) -> Vec<(&'static str, &'static [usize])> {
+    vec![("hidden.0", &[11, 64][..]), (middle, &[11, 64]), ("hidden.final", &[11, 64]), ("logits", &[1, 256])]
+}
+
 #[test]
 fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
     let dir = scratch("text")?;
@@ -75,16 +86,7 @@ fn hidden_writes_full_hidden_states_equal_to_the_uncached_run() -> TestResult {
     let stdout = ok_stdout(&omniprefix(&[&common[..], &["--out", p(&uncached), "--no-cache"]].concat())?)?;
     assert!(stdout.contains("num_cached_tokens: 0"), "{stdout}");
     let (a, b) = (read_tensors(&cached)?, read_tensors(&uncached)?);
-    let names: Vec<(&str, &[usize])> = a.iter().map(|(n, s, _)| (n.as_str(), s.as_slice())).collect();
-    assert_eq!(
-        names,
-        vec![
-            ("hidden.0", &[11, 64][..]),
-            ("hidden.2", &[11, 64]),
-            ("hidden.final", &[11, 64]),
-            ("logits", &[1, 256])
-        ]
-    );
+    assert_eq!(names_and_shapes(&a), captured_11("hidden.2"));
     for ((name, _, x), (_, _, y)) in a.iter().zip(&b) {
         let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
         assert!(x.iter().zip(y).all(|(u, v)| (u - v).abs() <= 1e-5 * scale), "{name} differs");
@@ -105,9 +107,9 @@ fn write_st(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) -> Test
     Ok(())
 }
 
-#[test]
-fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestResult {
-    let dir = scratch("mm")?;
+/// The tiny Omni checkpoint's test image in `dir/img.safetensors`: 8x8x3 `pixels`, and
+/// its 6 rows of 64-wide embeddings as `emb` and flattened as `flat` (a shape a request refuses).
+fn write_image(dir: &Path) -> TestResult {
     let emb: Vec<u8> = (0..6 * 64).flat_map(|i| ((i as f32) * 0.01).sin().to_le_bytes()).collect();
     write_st(
         &dir.join("img.safetensors"),
@@ -116,17 +118,29 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
             ("emb", Dtype::F32, vec![6, 64], emb.clone()),
             ("flat", Dtype::F32, vec![6 * 64], emb),
         ],
-    )?;
-    // Special ids of the tiny Omni checkpoint: vision_start 250, vision_end 251.
-    let request = |emb: &str| {
-        format!(
-            r#"{{"segments": [{{"text": [1, 2, 250]}},
-                {{"item": {{"modality": "image", "layout": {{"kind": "image", "grid_thw": [1, 4, 6]}},
-                           "content": {{"file": "img.safetensors", "tensor": "pixels"}},
-                           "embeddings": {{"file": "img.safetensors", "tensor": "{emb}"}}}}}},
-                {{"text": [251, 3]}}]}}"#
-        )
-    };
+    )
+}
+
+/// A request file's JSON: ids `1 2 <vision_start>`, [`write_image`]'s image (its 1x4x6
+/// grid, 6 rows) with embeddings tensor `emb`, then `<vision_end>` and `tail` (the tiny
+/// Omni checkpoint's special ids: vision_start 250, vision_end 251).
+fn image_request(emb: &str, tail: &[u32]) -> String {
+    let tail: Vec<String> = std::iter::once(251).chain(tail.iter().copied()).map(|t| t.to_string()).collect();
+    format!(
+        r#"{{"segments": [{{"text": [1, 2, 250]}},
+            {{"item": {{"modality": "image", "layout": {{"kind": "image", "grid_thw": [1, 4, 6]}},
+                       "content": {{"file": "img.safetensors", "tensor": "pixels"}},
+                       "embeddings": {{"file": "img.safetensors", "tensor": "{emb}"}}}}}},
+            {{"text": [{}]}}]}}"#,
+        tail.join(", ")
+    )
+}
+
+#[test]
+fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestResult {
+    let dir = scratch("mm")?;
+    write_image(&dir)?;
+    let request = |emb: &str| image_request(emb, &[3]);
     let req = dir.join("req.json");
     std::fs::write(&req, request("emb"))?;
     let (m, out) = (fixture("omni_thinker"), dir.join("out.safetensors"));
@@ -137,17 +151,8 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     // The warm run of the same 11 positions cached them all; the last one always runs.
     assert!(stdout.contains("num_cached_tokens: 10"), "{stdout}");
     let tensors = read_tensors(&out)?;
-    let shapes: Vec<(&str, &[usize])> = tensors.iter().map(|(n, s, _)| (n.as_str(), s.as_slice())).collect();
     // Default capture of a 3-layer model: hidden.0, hidden.1 (the middle), final.
-    assert_eq!(
-        shapes,
-        vec![
-            ("hidden.0", &[11, 64][..]),
-            ("hidden.1", &[11, 64]),
-            ("hidden.final", &[11, 64]),
-            ("logits", &[1, 256])
-        ]
-    );
+    assert_eq!(names_and_shapes(&tensors), captured_11("hidden.1"));
     // hidden.0 rows 3..9 are the item's embeddings.
     let first_row: Vec<f32> = (0..64).map(|i| ((i as f32) * 0.01).sin()).collect();
     assert_eq!(&tensors[0].2[3 * 64..4 * 64], first_row.as_slice());
@@ -172,34 +177,22 @@ fn hidden_runs_multimodal_requests_and_reports_bad_input_in_one_line() -> TestRe
     Ok(())
 }
 
-/// `bench ttft --json` lines of a small run on the tiny Omni thinker.
-fn bench_ttft_lines(backend: &str) -> TestResult<Vec<serde_json::Value>> {
-    let m = fixture("omni_thinker");
-    let args = [
-        "bench",
-        "ttft",
-        "--model",
-        p(&m),
-        "--prefix",
-        "16",
-        "--suffix",
-        "8",
-        "--long-prefix",
-        "32",
-        "--runs",
-        "1",
-        "--mm-scale",
-        "8",
-        "--block-size",
-        "4",
-        "--threads",
-        "1",
-        "--backend",
-        backend,
-        "--json",
-    ];
+/// The `--json` lines of `omniprefix bench ttft --model <model> <flags>`, where `flags` is
+/// written as on a command line.
+fn bench_ttft_json(model: &Path, flags: &str) -> TestResult<Vec<serde_json::Value>> {
+    let args: Vec<&str> = ["bench", "ttft", "--model", p(model)]
+        .into_iter()
+        .chain(flags.split_whitespace())
+        .chain(["--json"])
+        .collect();
     let stdout = ok_stdout(&omniprefix(&args)?)?;
     Ok(stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
+}
+
+/// `bench ttft --json` lines of a small run on the tiny Omni thinker.
+fn bench_ttft_lines(backend: &str) -> TestResult<Vec<serde_json::Value>> {
+    let flags = "--prefix 16 --suffix 8 --long-prefix 32 --runs 1 --mm-scale 8 --block-size 4 --threads 1";
+    bench_ttft_json(&fixture("omni_thinker"), &format!("{flags} --backend {backend}"))
 }
 
 #[test]
@@ -256,33 +249,11 @@ fn bench_ttft_prints_one_json_line_per_workload() -> TestResult {
 /// warmed up, without captures; the cached prefill beats the uncached one.
 #[test]
 fn bench_ttft_loads_a_qwen3_checkpoint_and_runs_the_selected_workloads() -> TestResult {
-    let m = fixture("qwen3_dense");
-    let args = [
-        "bench",
-        "ttft",
-        "--model",
-        p(&m),
-        "--workloads",
-        "prefix_repetition,prefix_repetition_long",
-        "--prefix",
-        "32",
-        "--suffix",
-        "16",
-        "--long-prefix",
-        "512",
-        "--runs",
-        "3",
-        "--warmup",
-        "1",
-        "--no-capture",
-        "--threads",
-        "1",
-        "--json",
-    ];
-    let stdout = ok_stdout(&omniprefix(&args)?)?;
-    let lines: Vec<serde_json::Value> = stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let flags = "--workloads prefix_repetition,prefix_repetition_long --prefix 32 --suffix 16 \
+                 --long-prefix 512 --runs 3 --warmup 1 --no-capture --threads 1";
+    let lines = bench_ttft_json(&fixture("qwen3_dense"), flags)?;
     let names: Vec<&str> = lines.iter().filter_map(|l| l["workload"].as_str()).collect();
-    assert_eq!(names, ["prefix_repetition", "prefix_repetition_long"], "{stdout}");
+    assert_eq!(names, ["prefix_repetition", "prefix_repetition_long"], "{lines:?}");
     for (line, prefix) in lines.iter().zip([32, 512]) {
         assert_eq!((line["backend"].as_str(), line["runs"].as_u64()), (Some("cpu"), Some(3)), "{line}");
         assert_eq!((line["prefix"].as_u64(), line["suffix"].as_u64()), (Some(prefix), Some(16)), "{line}");
@@ -457,24 +428,10 @@ fn bound_endpoints(line: &str) -> TestResult<(String, Option<String>)> {
 #[test]
 fn block_hashes_equal_what_hidden_publishes_for_a_multimodal_request() -> TestResult {
     let dir = scratch("kv_events")?;
-    let emb: Vec<u8> = (0..6 * 64).flat_map(|i| ((i as f32) * 0.01).sin().to_le_bytes()).collect();
-    write_st(
-        &dir.join("img.safetensors"),
-        &[
-            ("pixels", Dtype::U8, vec![8, 8, 3], (0..192).map(|i| i as u8).collect()),
-            ("emb", Dtype::F32, vec![6, 64], emb),
-        ],
-    )?;
+    write_image(&dir)?;
     // 3 ids, 6 image rows, 4 ids: 13 positions, 3 full blocks of 4.
     let req = dir.join("req.json");
-    std::fs::write(
-        &req,
-        r#"{"segments": [{"text": [1, 2, 250]},
-        {"item": {"modality": "image", "layout": {"kind": "image", "grid_thw": [1, 4, 6]},
-                  "content": {"file": "img.safetensors", "tensor": "pixels"},
-                  "embeddings": {"file": "img.safetensors", "tensor": "emb"}}},
-        {"text": [251, 3, 4, 5]}]}"#,
-    )?;
+    std::fs::write(&req, image_request("emb", &[3, 4, 5]))?;
     let m = fixture("omni_thinker");
     let config = m.join("config.json");
     let key = "0f".repeat(32);
