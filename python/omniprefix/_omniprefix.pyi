@@ -466,6 +466,7 @@ class EngineOptions(TypedDict, total=False):
     speech: bool  # default True
     talker_num_blocks: int  # default 1024
     talker_block_size: int  # default 16
+    audio_yield_s: float  # default 1.0
 
 
 @final
@@ -530,7 +531,9 @@ class Engine:
         * ``speech``: load the checkpoint's talker and code2wav when it has them (default True;
           False serves the thinker alone, and asking it for audio is a :class:`RequestError`);
           ``talker_num_blocks`` / ``talker_block_size``: the talker's own KV pool and prefix
-          cache (1024 blocks of 16 rows).
+          cache (1024 blocks of 16 rows); ``audio_yield_s``: first audio first, how long past
+          its listener's audio a reply already heard may hold its code2wav decodes while
+          another request awaits its first audio (default 1.0; 0: only while its audio plays).
 
         Raises :class:`CheckpointError` (missing or bad folder), :class:`ConfigError` (also an
         endpoint that does not parse or cannot be bound), ``ValueError`` (unknown option

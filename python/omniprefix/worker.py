@@ -89,6 +89,7 @@ ENGINE_FLAGS: dict[str, tuple[Callable[[str], Any], Optional[list[str]]]] = {
     "backend": (str, ["cpu", "wgpu", "auto"]),
     "dtype": (str, ["auto", "f32", "bf16", "f16"]),
     "kv_dtype": (str, ["f32", "bf16", "f16"]),
+    "audio_yield_s": (float, None),
 }
 
 

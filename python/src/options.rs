@@ -51,7 +51,7 @@ pub struct EngineOptions {
 }
 
 /// The option names `Engine.from_dir` and `Engine.random` accept.
-const ENGINE_OPTIONS: [&str; 27] = [
+const ENGINE_OPTIONS: [&str; 28] = [
     "block_size",
     "num_blocks",
     "capture",
@@ -79,6 +79,7 @@ const ENGINE_OPTIONS: [&str; 27] = [
     "speech",
     "talker_num_blocks",
     "talker_block_size",
+    "audio_yield_s",
 ];
 
 /// The `kv_*` options as given; they only mean something with `kv_events`.
@@ -209,6 +210,7 @@ impl EngineOptions {
                 "speech" => config.speech = flag(&value, &name)?,
                 "talker_num_blocks" => config.talker_cache.num_blocks = count(&value, &name)?,
                 "talker_block_size" => config.talker_cache.block_size = count(&value, &name)?,
+                "audio_yield_s" => config.audio_yield = Some(seconds(&value, &name)?),
                 other => {
                     return Err(PyTypeError::new_err(format!(
                         "unknown engine option {other:?}; options are {}",

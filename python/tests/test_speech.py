@@ -207,6 +207,18 @@ def test_speech_off_serves_the_thinker_alone_and_the_talker_pool_is_sized_by_its
         omniprefix.Engine.from_dir(model_dir(MODEL), talker_block_size=0)
 
 
+def test_audio_yield_s_is_seconds_and_leaves_the_audio_as_it_is(ref):
+    """First audio first changes when chunks are decoded, never the samples; its option is a
+    non-negative number of seconds, refused otherwise with the option's name."""
+    audio = [omniprefix.Engine.from_dir(model_dir(MODEL), audio_yield_s=s).generate(**speak(ref)).audio
+             for s in (0.0, 2.5)]
+    assert np.array_equal(audio[0], audio[1])
+    with pytest.raises(ValueError, match="audio_yield_s"):
+        omniprefix.Engine.from_dir(model_dir(MODEL), audio_yield_s=-1.0)
+    with pytest.raises(TypeError, match="audio_yield_s"):
+        omniprefix.Engine.from_dir(model_dir(MODEL), audio_yield_s="1s")
+
+
 def test_the_stub_declares_the_talker_options_the_extension_accepts(engine, ref):
     with pytest.raises(omniprefix.RequestError, match="unknown talker option") as info:
         engine.generate(**dict(speak(ref), talker={"no_such_option": 1}))
