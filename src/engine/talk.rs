@@ -76,27 +76,25 @@ struct Talk<B: Backend> {
     audio: Vec<f32>,
     first_audio: Option<Duration>,
     /// The reply's code2wav stream, from the talker's start until its last samples are out.
-    voice: Option<Voice<B>>,
+    stream: Option<Code2WavStream<Arc<Code2Wav<B>>, B>>,
     state: State,
 }
 
-/// A speaking request's code2wav stream.
-struct Voice<B: Backend> {
-    stream: Code2WavStream<Arc<Code2Wav<B>>, B>,
-    /// The talker made its last frame: whatever is pending is due.
-    ended: bool,
-}
-
-impl<B: Backend> Voice<B> {
-    fn is_due(&self) -> bool {
-        self.ended || self.stream.is_due()
-    }
-}
-
 impl<B: Backend> Talk<B> {
+    /// The talker made its last frame (or had nothing to say).
+    fn talker_done(&self) -> bool {
+        matches!(self.state, State::Done { .. })
+    }
+
+    /// A decode is due: enough frames are pending for the next chunk, or the
+    /// talker is done and whatever is pending is the rest of the audio.
+    fn decode_is_due(&self) -> bool {
+        self.stream.as_ref().is_some_and(|s| self.talker_done() || s.is_due())
+    }
+
     /// Still before its first audio, with audio to come.
     fn awaits_first_audio(&self) -> bool {
-        self.first_audio.is_none() && (self.voice.is_some() || !matches!(self.state, State::Done { .. }))
+        self.first_audio.is_none() && (self.stream.is_some() || !self.talker_done())
     }
 
     /// Its listener already hears it, and the audio out so far plays on until
@@ -222,7 +220,7 @@ impl<B: Backend> Talkers<B> {
             output: None,
             audio: Vec::new(),
             first_audio: None,
-            voice: None,
+            stream: None,
             state: State::Waiting,
         };
         self.talks.insert(id, talk);
@@ -277,7 +275,7 @@ impl<B: Backend> Talkers<B> {
     /// has a decode due, or waits only for its finished thinker's output to go out.
     pub(super) fn has_work(&self) -> bool {
         self.talks.values().any(|t| {
-            t.voice.as_ref().is_some_and(Voice::is_due)
+            t.decode_is_due()
                 || match &t.state {
                     State::Waiting => t.accept.is_some() && (t.settled >= 4 || t.output.is_some()),
                     State::Running(r) => r.seq.is_ready() || t.output.is_some(),
@@ -380,7 +378,7 @@ impl<B: Backend> Talkers<B> {
                         return Err(e);
                     }
                 };
-                talk.voice = Some(Voice { stream, ended: false });
+                talk.stream = Some(stream);
                 talk.state = State::Running(Box::new(Running { seq, slot, committed: false, pushed: 4 }));
                 // The rows that already settled become trailing rows right away.
                 self.start_or_feed(id)
@@ -430,16 +428,16 @@ impl<B: Backend> Talkers<B> {
                 run.seq.set_block_table(run.slot.block_table().clone());
                 run.committed = true;
             }
-            let voice = talk.voice.as_mut().ok_or_else(|| {
+            let stream = talk.stream.as_mut().ok_or_else(|| {
                 crate::error::Component::Engine
                     .violation(format!("request {id}: a running talker has no stream"))
             })?;
             if let Some(codes) = frame {
                 let column = Array2::from_shape_fn((codes.len(), 1), |(q, _)| i64::from(codes[q]));
-                voice.stream.append(column.view())?;
+                stream.append(column.view())?;
             }
             if run.seq.is_finished() {
-                voice.ended = true;
+                // Done from here on: whatever the stream holds is due.
                 let State::Running(run) = std::mem::replace(&mut talk.state, State::Waiting) else {
                     continue;
                 };
@@ -469,19 +467,14 @@ impl<B: Backend> Talkers<B> {
         let allowance =
             self.audio_yield.filter(|_| busy && self.talks.values().any(Talk::awaits_first_audio));
         for (&id, talk) in &mut self.talks {
-            if !talk.voice.as_ref().is_some_and(Voice::is_due)
-                || allowance.is_some_and(|a| talk.may_yield(now, a, rate))
-            {
+            if !talk.decode_is_due() || allowance.is_some_and(|a| talk.may_yield(now, a, rate)) {
                 continue;
             }
-            let chunk = match talk.voice.take() {
-                Some(voice) if voice.ended => voice.stream.finish(&*backend)?,
-                Some(mut voice) => {
-                    let chunk = voice.stream.decode_if_due(&*backend)?;
-                    talk.voice = Some(voice);
-                    chunk
-                }
-                None => continue,
+            let chunk = if talk.talker_done() {
+                // The last decode: the stream goes with it.
+                talk.stream.take().map(|s| s.finish(&*backend)).transpose()?.unwrap_or_default()
+            } else {
+                talk.stream.as_mut().map(|s| s.decode_if_due(&*backend)).transpose()?.unwrap_or_default()
             };
             if chunk.is_empty() {
                 continue;
@@ -504,9 +497,8 @@ impl<B: Backend> Talkers<B> {
 
     /// Emits `id`'s output, its speech attached, once both stages are done.
     fn finish_if_done(&mut self, id: RequestId, events: &mut Vec<Event>) -> Result<()> {
-        let done = self.talks.get(&id).is_some_and(|t| {
-            t.output.is_some() && t.voice.is_none() && matches!(t.state, State::Done { .. })
-        });
+        let done =
+            self.talks.get(&id).is_some_and(|t| t.output.is_some() && t.stream.is_none() && t.talker_done());
         if !done {
             return Ok(());
         }
