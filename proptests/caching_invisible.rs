@@ -34,10 +34,6 @@ const VOCAB: usize = 512;
 /// Text ids stay below the tiny vocabulary's special ids (500..507).
 const TEXT_IDS: u32 = 480;
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64)
-}
-
 fn model(kind: usize) -> Config {
     match kind {
         0 => Config::tiny_qwen2_omni(HIDDEN, 2, 4, 2, VOCAB),
@@ -224,7 +220,7 @@ fn check(case: &Case) -> Result<Output, TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(PtConfig { cases: cases(), ..PtConfig::default() })]
+    #![proptest_config(PtConfig { cases: support::cases(64), ..PtConfig::default() })]
 
     #[test]
     fn cached_outputs_equal_uncached_outputs(case in case()) {

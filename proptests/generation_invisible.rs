@@ -19,10 +19,6 @@ use support::sampling::greedy_or_seeded;
 const HIDDEN: usize = 32;
 const VOCAB: usize = 256;
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32)
-}
-
 #[derive(Debug, Clone)]
 struct Case {
     moe: bool,
@@ -161,7 +157,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(PtConfig { cases: cases(), ..PtConfig::default() })]
+    #![proptest_config(PtConfig { cases: support::cases(32), ..PtConfig::default() })]
 
     #[test]
     fn generation_is_the_same_with_caching_on_and_off(case in case()) {

@@ -5,7 +5,7 @@
 //! Case count: `PROPTEST_CASES` (default 32).
 
 use omniprefix::Result;
-use omniprefix::canon::{ItemLayout, Modality};
+use omniprefix::canon::ItemLayout;
 use omniprefix::prompt::{
     CanonicalPrompt, OmniTokens, PlaceholderForm, PositionKind, Positions, PromptBuilder,
     positions_from_atoms,
@@ -52,35 +52,24 @@ fn build(steps: &[Step], kind: PositionKind) -> Result<CanonicalPrompt> {
         }
         match s {
             Step::Text(ids) => b.push_text(ids)?,
-            Step::Image(g) => b.push_item(placeholder_item(
-                &tokens,
-                n as u128,
-                Modality::Image,
-                ItemLayout::Image { grid_thw: *g },
-            )?)?,
+            Step::Image(g) => {
+                b.push_item(placeholder_item(&tokens, n as u128, ItemLayout::Image { grid_thw: *g })?)?
+            }
             Step::Video(g, s) => {
                 let layout = ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s };
-                b.push_item(placeholder_item(&tokens, n as u128, Modality::Video, layout)?)?
+                b.push_item(placeholder_item(&tokens, n as u128, layout)?)?
             }
-            Step::Audio(mel) => b.push_item(placeholder_item(
-                &tokens,
-                n as u128,
-                Modality::Audio,
-                ItemLayout::Audio { mel_frames: *mel },
-            )?)?,
+            Step::Audio(mel) => {
+                b.push_item(placeholder_item(&tokens, n as u128, ItemLayout::Audio { mel_frames: *mel })?)?
+            }
             Step::AudioInVideo(g, s, mel) => {
                 let video = placeholder_item(
                     &tokens,
                     n as u128,
-                    Modality::Video,
                     ItemLayout::Video { grid_thw: *g, seconds_per_grid: *s },
                 )?;
-                let audio = placeholder_item(
-                    &tokens,
-                    (n + 1000) as u128,
-                    Modality::Audio,
-                    ItemLayout::Audio { mel_frames: *mel },
-                )?;
+                let audio =
+                    placeholder_item(&tokens, (n + 1000) as u128, ItemLayout::Audio { mel_frames: *mel })?;
                 b.push_audio_in_video(video, audio)?
             }
         };
@@ -93,12 +82,8 @@ fn concat(parts: Vec<Positions>, rope_delta: i64) -> Positions {
     Positions::given(parts.iter().flat_map(Positions::iter).collect(), rope_delta)
 }
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32)
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(cases()))]
+    #![proptest_config(ProptestConfig::with_cases(support::cases(32)))]
 
     #[test]
     fn slices_concatenate_to_the_whole(steps in prop::collection::vec(step(), 1..8), cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..6)) {

@@ -20,10 +20,6 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(12)
-}
-
 fn model(kind: usize) -> Config {
     match kind {
         0 => Config::tiny_qwen3(32, 2, 4, 2, 64),
@@ -63,7 +59,7 @@ fn close(got: &[f32], want: &[f32]) -> Result<(), String> {
 }
 
 proptest! {
-    #![proptest_config(PtConfig { cases: cases(), ..PtConfig::default() })]
+    #![proptest_config(PtConfig { cases: support::cases(12), ..PtConfig::default() })]
 
     #[test]
     fn chunked_cached_prefill_equals_uncached(

@@ -32,10 +32,6 @@ const HIDDEN: usize = 32;
 const VOCAB: usize = 256;
 const BLOCK: usize = 4;
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(96)
-}
-
 /// What a thread does with a request's handle.
 #[derive(Debug, Clone, Copy)]
 enum Reading {
@@ -291,7 +287,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(PtConfig { cases: cases(), ..PtConfig::default() })]
+    #![proptest_config(PtConfig { cases: support::cases(96), ..PtConfig::default() })]
 
     #[test]
     fn served_requests_from_threads_equal_their_uncached_runs(case in case()) {

@@ -58,10 +58,6 @@ const IM_END: u32 = 6;
 /// Steps one wave may take before the test calls it a hang.
 const MAX_STEPS: usize = 20_000;
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32)
-}
-
 /// One round of a chat: the user turn (text, an optional image of `h * w` rows, text),
 /// how the thinker replies and how the reply is spoken.
 #[derive(Debug, Clone)]
@@ -632,7 +628,7 @@ fn talker_stats(stats: &EngineStats) -> Result<omniprefix::sched::TalkerCacheSta
 
 #[test]
 fn speech_is_the_same_with_caching_on_and_off() {
-    let cases = cases();
+    let cases = support::cases(32);
     // Failures persist beside this file, as the `proptest!` suites' do.
     let persistence = FileFailurePersistence::WithSource("proptest-regressions");
     let mut runner = TestRunner::new(PtConfig {

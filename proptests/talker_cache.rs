@@ -42,10 +42,6 @@ const THINKER: usize = 24;
 const TALKER: usize = 32;
 const NEW_TOKENS: usize = 3;
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(12)
-}
-
 /// One user turn: text, an optional image (grid halves h, w), more text; then the reply.
 #[derive(Debug, Clone)]
 struct Turn {
@@ -385,7 +381,7 @@ fn check(case: &Case) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(PtConfig { cases: cases(), ..PtConfig::default() })]
+    #![proptest_config(PtConfig { cases: support::cases(12), ..PtConfig::default() })]
 
     #[test]
     fn talker_codes_with_the_talker_cache_equal_a_cache_off_run(case in case()) {

@@ -23,10 +23,6 @@ use omniprefix::tier::BlockLayout;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as PtConfig, FileFailurePersistence};
 
-fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(12)
-}
-
 fn model() -> Config {
     Config::tiny_qwen3(32, 2, 4, 2, 256)
 }
@@ -224,7 +220,7 @@ fn run_case(case: &Case, dir: &Path) -> Result<(), TestCaseError> {
 proptest! {
     // Failures persist beside this file, as the other suites' do.
     #![proptest_config(PtConfig {
-        cases: cases(),
+        cases: support::cases(12),
         failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
         ..PtConfig::default()
     })]

@@ -16,10 +16,7 @@ use proptest::prelude::*;
 /// Placeholder token id of item positions (Qwen image pad).
 pub const PAD: u32 = 151_655;
 
-/// Case count: `PROPTEST_CASES` if set, else the suite's small default.
-pub fn cases(default: u32) -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
-}
+pub use crate::cases;
 
 /// What a position really holds: the ground truth the oracle compares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,18 +5,18 @@
 use std::sync::Arc;
 
 use omniprefix::Result;
-use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{Evidence, Fingerprint, ItemIdentity, ItemLayout};
 use omniprefix::prompt::OmniTokens;
 
-/// Item `fingerprint` of `modality` laid out as `layout`, with the placeholder
-/// count `tokens` gives that layout (so the builder accepts it).
+/// Item `fingerprint` laid out as `layout` (of the layout's modality), with the
+/// placeholder count `tokens` gives that layout (so the builder accepts it).
 pub fn placeholder_item(
-    tokens: &OmniTokens, fingerprint: u128, modality: Modality, layout: ItemLayout,
+    tokens: &OmniTokens, fingerprint: u128, layout: ItemLayout,
 ) -> Result<Arc<ItemIdentity>> {
     Ok(Arc::new(ItemIdentity {
         fingerprint: Fingerprint(fingerprint),
         evidence: Evidence::Unvalidated,
-        modality,
+        modality: layout.modality(),
         layout,
         num_tokens: tokens.placeholder_count(&layout)?,
         content_bytes: 0,

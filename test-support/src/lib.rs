@@ -16,3 +16,9 @@ pub mod sampling;
 pub mod sched;
 pub mod sched_driver;
 pub mod tiny_model;
+
+/// A property suite's case count: `PROPTEST_CASES` if set, else the suite's default, sized for
+/// CI on two cores (a nightly-size run is one variable away).
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}

@@ -35,7 +35,7 @@ use proptest::prelude::*;
 /// targets have no lib.rs beside them to persist failures next to).
 pub fn proptest_config(default_cases: u32) -> ProptestConfig {
     ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default_cases),
+        cases: crate::cases(default_cases),
         failure_persistence: None,
         ..ProptestConfig::default()
     }

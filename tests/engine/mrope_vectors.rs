@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use omniprefix::Result;
-use omniprefix::canon::{ItemIdentity, ItemLayout, Modality};
+use omniprefix::canon::{ItemIdentity, ItemLayout};
 use omniprefix::prompt::{OmniTokens, PlaceholderForm, Positions, PromptBuilder, positions_from_atoms};
 use serde_json::Value;
 
@@ -37,26 +37,16 @@ fn grids(v: &Value) -> Vec<[u32; 3]> {
 fn case_items(tokens: &OmniTokens, case: &Value) -> Result<Vec<Arc<ItemIdentity>>> {
     let mut items = Vec::new();
     for grid_thw in grids(&case["image_grid_thw"]) {
-        items.push(placeholder_item(
-            tokens,
-            items.len() as u128,
-            Modality::Image,
-            ItemLayout::Image { grid_thw },
-        )?);
+        items.push(placeholder_item(tokens, items.len() as u128, ItemLayout::Image { grid_thw })?);
     }
     let seconds: Vec<f64> =
         case["second_per_grid"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
     for (grid_thw, spg) in grids(&case["video_grid_thw"]).into_iter().zip(seconds) {
         let layout = ItemLayout::Video { grid_thw, seconds_per_grid: spg as f32 };
-        items.push(placeholder_item(tokens, items.len() as u128, Modality::Video, layout)?);
+        items.push(placeholder_item(tokens, items.len() as u128, layout)?);
     }
     for mel_frames in u32s(&case["audio_mel_frames"]) {
-        items.push(placeholder_item(
-            tokens,
-            items.len() as u128,
-            Modality::Audio,
-            ItemLayout::Audio { mel_frames },
-        )?);
+        items.push(placeholder_item(tokens, items.len() as u128, ItemLayout::Audio { mel_frames })?);
     }
     Ok(items)
 }

@@ -32,10 +32,6 @@ const TOL: f32 = 1e-4;
 /// Binding cap small enough to split the test pools into several chunks.
 const SMALL_BINDING: u64 = 4096;
 
-fn cases() -> u64 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(6)
-}
-
 fn rand_matrix(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Array2<f32> {
     Array2::from_shape_fn((rows, cols), |_| rng.random::<f32>() * 2.0 - 1.0)
 }
@@ -171,7 +167,7 @@ fn f16_pages_match_cpu_f16_pages_for_mixed_batches_and_gqa() {
 /// the routed kernels and the prefill kernel alone against the CPU.
 fn mixed_batches_match_cpu(gpu: &WgpuBackend, kv_dtype: Dtype, seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    for case in 0..cases() {
+    for case in 0..u64::from(support::cases(6)) {
         let group = [1, 2, 4, 8, 3, 6][case as usize % 6];
         let kv_heads = rng.random_range(1..3);
         let head_dim = [8, 12, 16][rng.random_range(0..3)];
@@ -466,7 +462,7 @@ fn tiled_prefill_matches_cpu_at_tile_edges_for_every_head_dim() {
     ];
     let mut shapes: Vec<(usize, usize, Dtype)> =
         fixed.iter().flat_map(|&(d, g)| [(d, g, Dtype::F32), (d, g, Dtype::F16)]).collect();
-    for case in 0..cases() {
+    for case in 0..u64::from(support::cases(6)) {
         let kv_dtype = [Dtype::F32, Dtype::F16][case as usize % 2];
         shapes.push((rng.random_range(1..=256), rng.random_range(1..=8), kv_dtype));
     }
@@ -565,7 +561,7 @@ fn attention_rejects_bad_tables_and_unsupported_heads() {
 fn hidden_pages_and_copy_blocks_match_cpu() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(4);
-    for case in 0..cases() {
+    for case in 0..u64::from(support::cases(6)) {
         // f32 and f16 K/V pages in turn (hidden pages are f32 either way).
         let kv_dtype = [Dtype::F32, Dtype::F16][case as usize % 2];
         let spec = PagesSpec {
@@ -760,7 +756,7 @@ fn rejected_writes_leave_pages_unchanged() {
 fn dense_ops_match_cpu_on_random_shapes() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(6);
-    for case in 0..cases() {
+    for case in 0..u64::from(support::cases(6)) {
         let (n, k, m) = (rng.random_range(1..80), rng.random_range(1..70), rng.random_range(1..90));
         let x = rand_matrix(&mut rng, n, k);
         let w = rand_matrix(&mut rng, m, k);
@@ -1047,7 +1043,7 @@ fn f16_weights_match_cpu_f16_weights() {
     let Some(gpu) = gpu() else { return };
     let mut rng = ChaCha8Rng::seed_from_u64(15);
     let half = |a: Array2<f32>| HostWeight::from_f32(a).to_dtype(Dtype::F16).unwrap();
-    for case in 0..cases() {
+    for case in 0..u64::from(support::cases(6)) {
         let (n, k, m) = (rng.random_range(1..80), rng.random_range(1..70), rng.random_range(1..90));
         let x = rand_matrix(&mut rng, n, k);
         let w = half(rand_matrix(&mut rng, m, k));

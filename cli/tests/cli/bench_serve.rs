@@ -5,7 +5,7 @@
 
 use clap::Parser;
 
-use super::common::TestResult;
+use super::common::{TestResult, f, u};
 use omniprefix_cli::HarnessError;
 use omniprefix_cli::cli::{Cli, run};
 
@@ -18,14 +18,6 @@ fn serve(args: &[&str]) -> Result<String, HarnessError> {
 
 fn lines(stdout: &str) -> TestResult<Vec<serde_json::Value>> {
     Ok(stdout.lines().map(serde_json::from_str).collect::<Result<_, _>>()?)
-}
-
-fn u(v: &serde_json::Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
-}
-
-fn f(v: &serde_json::Value, key: &str) -> f64 {
-    v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"))
 }
 
 #[test]

@@ -4,16 +4,8 @@
 
 use clap::Parser;
 
-use super::common::TestResult;
+use super::common::{TestResult, f, u};
 use omniprefix_cli::cli::{Cli, run};
-
-fn f(v: &serde_json::Value, key: &str) -> f64 {
-    v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"))
-}
-
-fn u(v: &serde_json::Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
-}
 
 #[test]
 fn quick_run_reports_ttfa_per_round_cache_on_and_off() -> TestResult {

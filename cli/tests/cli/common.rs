@@ -29,3 +29,13 @@ pub fn scratch(file: &str, test: &str) -> TestResult<PathBuf> {
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
 }
+
+/// `v[key]` of a JSON report as a whole number; a missing or mistyped key fails the test by name.
+pub fn u(v: &serde_json::Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+/// `v[key]` of a JSON report as a float; a missing or mistyped key fails the test by name.
+pub fn f(v: &serde_json::Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
