@@ -406,6 +406,22 @@ impl ConfigError {
         }
         Ok(())
     }
+
+    /// `Ok` where a cache's `block_size` is its prefix index's, else
+    /// [`ConfigError::Invalid`]: a cache and its index count tokens per block alike.
+    pub fn require_index_block_size(
+        component: &'static str, block_size: usize, index_block_size: usize,
+    ) -> Result<(), ConfigError> {
+        if block_size != index_block_size {
+            return Err(ConfigError::Invalid {
+                component,
+                field: "block_size",
+                expected: format!("the index's block size {index_block_size}"),
+                found: block_size.to_string(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The scheduler's protocol: which requests exist, which batch was handed out,

@@ -218,15 +218,7 @@ impl Scheduler {
                 .into());
             }
         }
-        if config.block_size != index.block_size() {
-            return Err(ConfigError::Invalid {
-                component: "scheduler",
-                field: "block_size",
-                expected: format!("the index's block size {}", index.block_size()),
-                found: config.block_size.to_string(),
-            }
-            .into());
-        }
+        ConfigError::require_index_block_size("scheduler", config.block_size, index.block_size())?;
         Ok(Self {
             pool: BlockPool::new(config.num_blocks)?,
             config,

@@ -209,15 +209,7 @@ impl TalkerCache {
     /// A talker cache over `index` with an empty pool of `config.num_blocks` blocks.
     pub fn new(config: TalkerCacheConfig, index: Box<dyn PrefixIndex>) -> Result<Self> {
         ConfigError::require_positive("talker cache", "block_size", config.block_size)?;
-        if config.block_size != index.block_size() {
-            return Err(ConfigError::Invalid {
-                component: "talker cache",
-                field: "block_size",
-                expected: format!("the index's block size {}", index.block_size()),
-                found: config.block_size.to_string(),
-            }
-            .into());
-        }
+        ConfigError::require_index_block_size("talker cache", config.block_size, index.block_size())?;
         Ok(TalkerCache {
             id: NEXT_CACHE.fetch_add(1, Ordering::Relaxed),
             block_size: config.block_size,

@@ -156,19 +156,26 @@ impl<B: Backend> Loader<'_, B> {
             .into()
     }
 
+    /// The `conv.weight` of shape `hf_shape` and `conv.bias` (`bias` wide) at `at`, the weight
+    /// reordered by `reorder` (a dense or transposed conv's layout) and uploaded for matmuls.
+    fn conv_weights(
+        &self, at: &Weights<'_>, hf_shape: [usize; 3], bias: usize,
+        reorder: impl FnOnce(&[f32]) -> Option<ndarray::Array2<f32>>,
+    ) -> Result<(B::Weight, B::Tensor)> {
+        let at = at.pp("conv");
+        let t = at.get("weight", &hf_shape)?;
+        let w = reorder(&t.data).ok_or_else(|| Self::layout_error(&at))?;
+        Ok((self.backend.upload_weight(HostWeight::from_f32(w))?, self.vector(&at, "bias", bias)?))
+    }
+
     /// A dense `Qwen3OmniMoeCausalConvNet` at `at` (its `conv.weight`, `conv.bias`).
     fn conv(
         &self, at: &Weights<'_>, cin: usize, cout: usize, spec: Conv1dSpec,
     ) -> Result<Conv<B::Tensor, B::Weight>> {
-        let at = at.pp("conv");
-        let t = at.get("weight", &[cout, cin, spec.kernel])?;
-        let w = dense_conv1d_weight_from_hf(&t.data, cout, cin, spec.kernel)
-            .ok_or_else(|| Self::layout_error(&at))?;
-        Ok(Conv {
-            w: self.backend.upload_weight(HostWeight::from_f32(w))?,
-            b: self.vector(&at, "bias", cout)?,
-            spec,
-        })
+        let (w, b) = self.conv_weights(at, [cout, cin, spec.kernel], cout, |hf| {
+            dense_conv1d_weight_from_hf(hf, cout, cin, spec.kernel)
+        })?;
+        Ok(Conv { w, b, spec })
     }
 
     /// A depthwise `Qwen3OmniMoeCausalConvNet` (`groups == channels`) at `at`.
@@ -184,15 +191,10 @@ impl<B: Backend> Loader<'_, B> {
     fn trans_conv(
         &self, at: &Weights<'_>, cin: usize, cout: usize, spec: ConvTranspose1dSpec,
     ) -> Result<TransConv<B::Tensor, B::Weight>> {
-        let at = at.pp("conv");
-        let t = at.get("weight", &[cin, cout, spec.kernel])?;
-        let w = conv_transpose1d_weight_from_hf(&t.data, cin, cout, spec.kernel)
-            .ok_or_else(|| Self::layout_error(&at))?;
-        Ok(TransConv {
-            w: self.backend.upload_weight(HostWeight::from_f32(w))?,
-            b: self.vector(&at, "bias", cout)?,
-            spec,
-        })
+        let (w, b) = self.conv_weights(at, [cin, cout, spec.kernel], cout, |hf| {
+            conv_transpose1d_weight_from_hf(hf, cin, cout, spec.kernel)
+        })?;
+        Ok(TransConv { w, b, spec })
     }
 
     fn snake(&self, at: &Weights<'_>, c: usize) -> Result<Snake<B::Tensor>> {
