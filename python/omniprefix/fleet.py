@@ -16,6 +16,8 @@ flushes::
 
 (``frontend``: the edge, what clients use; ``dynamo_frontend``: Dynamo's own, unchecked.)
 
+Each worker's engine computes on its share of the cores (:func:`worker_threads`).
+
 On a checkpoint with a talker, the edge also answers spoken chats (``"modalities": ["text",
 "audio"]``): it routes them with Dynamo's KV router (``dynamo.llm.KvRouter``, in this process,
 over the workers' KV events; Dynamo's round-robin client under ``--router round-robin``) to the
@@ -118,6 +120,15 @@ LOOPBACK_ENV = {
 #: the environment sets none; noted, so that the children of a later fleet do not inherit it.
 _OWN_DYN_LOG = "warn"
 _set_dyn_log: list[bool] = []
+
+
+def worker_threads(workers: int) -> int:
+    """Compute threads each of `workers` engines on this machine gets: its cores split evenly, at
+    least one. Each engine's pool would otherwise take every core, and at load the workers' pools
+    fight over them (2 workers on 2 cores, bench size: TTFA p50 at c=8 347 ms with 2 threads each
+    against 294 ms with 1, c=1 143 against 145). `RAYON_NUM_THREADS` set for the fleet wins."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))
 
 
 class FleetError(RuntimeError):
@@ -243,6 +254,8 @@ class Fleet:
         self.dir = Path(tempfile.mkdtemp(prefix="omniprefix-fleet-"))
         self.discovery = self.dir / "discovery"
         self.env = {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(self.discovery)}
+        # Each worker's share of the cores, unless the fleet's environment sets its own.
+        self.worker_env = {} if "RAYON_NUM_THREADS" in os.environ else {"RAYON_NUM_THREADS": str(worker_threads(workers))}
         self.env.pop("DYN_SYSTEM_PORT", None)
         if _set_dyn_log and self.env.get("DYN_LOG") == _OWN_DYN_LOG:  # an earlier fleet's, not for children
             del self.env["DYN_LOG"]
@@ -278,7 +291,7 @@ class Fleet:
     def _spawn_worker(self, slot: Slot) -> None:
         argv = [self.python, "-m", "omniprefix.worker", "--model", str(self.model), "--discovery-backend", "file",
                 "--request-plane", "tcp", "--event-plane", "zmq", *self.worker_args]
-        env = self.first_env.get(slot.index) if slot.spawns == 0 else None
+        env = {**self.worker_env, **(self.first_env.get(slot.index, {}) if slot.spawns == 0 else {})}
         slot.proc = self._spawn(slot.label, argv, subprocess.PIPE, env)
         slot.info, slot.restart_at, slot.announced = None, None, False
         slot.started = time.monotonic()

@@ -166,3 +166,23 @@ def test_the_tier_flags_reach_the_engine_options_of_every_worker_of_a_fleet(tmp_
     with pytest.raises(SystemExit):
         fleet.parse_args(["--model", model, "--workers", "1", "--port", "0", "--tier-dir", str(a_file)])
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_a_fleet_splits_the_cores_among_its_workers_unless_told(tmp_path, monkeypatch):
+    """Each worker's engine gets its share of the cores (``RAYON_NUM_THREADS``), at least one; a
+    fleet started with ``RAYON_NUM_THREADS`` set passes that on instead."""
+    import shutil
+
+    from omniprefix import fleet
+
+    monkeypatch.setattr(fleet.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
+    assert [fleet.worker_threads(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    split = fleet.Fleet(FIXTURES / "qwen3_dense", 2, "kv", 0)
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+    told = fleet.Fleet(FIXTURES / "qwen3_dense", 2, "kv", 0)
+    try:
+        assert split.worker_env == {"RAYON_NUM_THREADS": "2"}
+        assert told.worker_env == {} and told.env["RAYON_NUM_THREADS"] == "3"
+    finally:
+        shutil.rmtree(split.dir), shutil.rmtree(told.dir)
