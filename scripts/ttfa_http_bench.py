@@ -6,10 +6,13 @@ turn carries an audio (a seeded 16 kHz WAV as an ``input_audio`` part), every ot
 first and third rounds an image too (``image_url``), and a question; the reply comes back as
 speech (``"modalities": ["text", "audio"]``, streamed PCM16), and its transcript goes into the
 next round as the assistant's turn. ``--concurrency`` conversations are in flight at once (each
-conversation's rounds one after the other). Every (router, caching) pair runs on a fresh fleet
-(``omniprefix.fleet.Fleet``: Dynamo's frontend, N ``omniprefix.worker`` processes, the edge that
-routes spoken chats with Dynamo's KV router); each concurrency sends conversations of its own
-(their prompts seeded by it), so one run does not warm the next.
+conversation's rounds one after the other, each turn sent after a seeded pause of 0 to
+``--think-ms``: the user's, which also keeps the conversations from moving in lockstep, where
+round-robin would send each tenant to the same worker every round by accident). Every (router,
+caching) pair runs on a fresh fleet (``omniprefix.fleet.Fleet``: Dynamo's frontend, N
+``omniprefix.worker`` processes, the edge that routes spoken chats with Dynamo's KV router); each
+concurrency sends conversations of its own (their prompts seeded by it), so one run does not warm
+the next.
 
 Per request: TTFA (send to the first ``delta.audio.data`` chunk), time to the last audio chunk,
 audio seconds (samples / the checkpoint's rate) and the real-time factor (audio seconds / wall
@@ -18,9 +21,14 @@ seconds to the last chunk). Per run: the workers' token hit rates of both stages
 before and after. ``--json FILE`` appends one object per run; ``--table FILE`` prints the
 Markdown table of such a file; ``--figure FILE.svg`` draws TTFA p50 against concurrency from it.
 
-    python scripts/ttfa_http_bench.py --json docs/reports/ttfa_http_bench.jsonl
+    python scripts/make_bench_omni.py    # the bench-size checkpoint, target/bench_omni (~20 s)
+    python scripts/ttfa_http_bench.py --json docs/reports/ttfa_http_bench.jsonl    # 3 runs, ~20 min
     python scripts/ttfa_http_bench.py --table docs/reports/ttfa_http_bench.jsonl
     python scripts/ttfa_http_bench.py --figure docs/figures/ttfa_http.svg docs/reports/ttfa_http_bench.jsonl
+
+The checkpoint is ``scripts/make_bench_omni.py``'s by default: ``bench ttfa``'s sizes with random
+weights, where a request does enough work for caching and batching to show (on the tiny fixture a
+request is 20-150 ms of mostly fixed costs and a reply ~17 ms of audio).
 
 Run it in the venv of ``scripts/install_fleet.sh``.
 """
@@ -45,7 +53,7 @@ from typing import Any, Optional
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = REPO / "fixtures" / "tiny" / "omni_audio"
+MODEL = REPO / "target" / "bench_omni"  # scripts/make_bench_omni.py
 IMAGE = REPO / "fixtures" / "media" / "image_a.png"
 WORDS = ("voice", "river", "mountain", "window", "garden", "music", "engine", "letter", "morning", "signal",
          "market", "island", "paper", "bridge", "summer", "forest", "silver", "planet", "doctor", "coffee")
@@ -117,7 +125,7 @@ def speak(url: str, model: str, messages: list[dict[str, Any]], options: dict[st
 
 
 def run_trace(url: str, model: str, concurrency: int, tenants: int, rounds: int, system_words: int,
-              options: dict[str, Any], rate: int) -> list[dict[str, Any]]:
+              options: dict[str, Any], rate: int, think_s: float = 0.0) -> list[dict[str, Any]]:
     """``max(tenants, concurrency)`` conversations, ``concurrency`` in flight; per request its row."""
     count = max(tenants, concurrency)
     convs = [conversation(concurrency, t, rounds, system_words) for t in range(count)]
@@ -126,7 +134,9 @@ def run_trace(url: str, model: str, concurrency: int, tenants: int, rounds: int,
 
     def one(t: int) -> None:
         history = [convs[t][0]]
+        pauses = random.Random(concurrency * 1000 + t + 500)
         for r in range(rounds):
+            time.sleep(pauses.uniform(0, think_s))
             history.append(convs[t][1 + r])
             row = speak(url, model, history, options)
             history.append({"role": "assistant", "content": row["transcript"]})
@@ -200,38 +210,76 @@ def bench(args: argparse.Namespace) -> None:
     options = {"max_tokens": args.reply_tokens, "temperature": 0,
                "talker": {"temperature": 0, "max_tokens": args.talker_tokens}}
     where = machine()
-    for router in args.routers:
-        for cache in args.cache:
-            fleet = Fleet(model, args.workers, router, free_port(), worker_args=["--cache", cache])
-            try:
-                url = fleet.start(timeout_s=180)["frontend"]
-                rate = int(json.loads((model / "audio_reference.json").read_text()).get("sample_rate", 24000)) \
-                    if (model / "audio_reference.json").exists() else 24000
-                # One request first: the first call of each worker loads its encoder's towers.
-                run_trace(url, model.name, 1, 1, 1, 8, options, rate)
-                for c in args.concurrency:
-                    before = [worker_metrics(w["metrics"]) for w in fleet.workers]
-                    started = time.perf_counter()
-                    rows = run_trace(url, model.name, c, args.tenants, args.rounds, args.system_words, options, rate)
-                    wall = time.perf_counter() - started
-                    after = [worker_metrics(w["metrics"]) for w in fleet.workers]
-                    result = summary(rows, router=router, cache=cache, concurrency=c, workers=args.workers,
-                                     tenants=max(args.tenants, c), rounds=args.rounds, model=model.name,
-                                     machine=where, wall_s=round(wall, 3))
-                    result.update(hit_rates(before, after))
-                    result["audio_s_per_wall_s"] = result["audio_s_total"] / wall
-                    print(json.dumps(result), flush=True)
-                    if args.json:
-                        with open(args.json, "a") as f:
-                            f.write(json.dumps(result) + "\n")
-            finally:
-                fleet.stop()
+    for run, router, cache in ((k, r, c) for k in range(args.runs) for r in args.routers for c in args.cache):
+        fleet = Fleet(model, args.workers, router, free_port(), worker_args=["--cache", cache])
+        try:
+            url = fleet.start(timeout_s=180)["frontend"]
+            rate = int(json.loads((model / "audio_reference.json").read_text()).get("sample_rate", 24000)) \
+                if (model / "audio_reference.json").exists() else 24000
+            # One request first: the first call of each worker loads its encoder's towers.
+            run_trace(url, model.name, 1, 1, 1, 8, options, rate)
+            for c in args.concurrency:
+                before = [worker_metrics(w["metrics"]) for w in fleet.workers]
+                started = time.perf_counter()
+                rows = run_trace(url, model.name, c, args.tenants, args.rounds, args.system_words, options, rate,
+                                 args.think_ms / 1000)
+                wall = time.perf_counter() - started
+                after = [worker_metrics(w["metrics"]) for w in fleet.workers]
+                result = summary(rows, router=router, cache=cache, concurrency=c, workers=args.workers,
+                                 tenants=max(args.tenants, c), rounds=args.rounds, model=model.name,
+                                 think_ms=args.think_ms, run=run,
+                                 machine=where, wall_s=round(wall, 3))
+                result.update(hit_rates(before, after))
+                result["audio_s_per_wall_s"] = result["audio_s_total"] / wall
+                print(json.dumps(result), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(result) + "\n")
+        finally:
+            fleet.stop()
+
+
+def load_runs(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a ``--json`` file, one per (router, caching, c): each figure the median over the
+    file's runs (``--runs``; the machine moves single runs by up to 2 x), and the number of runs."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["router"], r["cache"], r["concurrency"]), []).append(r)
+    merged = []
+    for runs in groups.values():
+        row = dict(runs[0])
+        for key, value in runs[0].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("concurrency", "run"):
+                values = [r[key] for r in runs if r.get(key) is not None]
+                if len(set(values)) > 1:
+                    row[key] = float(np.median(values))
+        merged.append(row)
+    return merged, len({r.get("run", 0) for r in rows})
+
+
+def targets(path: Path) -> list[tuple[str, list[float], float]]:
+    """The issue's three ratios in each run of a ``--json`` file: (what, per run, the target)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    at = {(r.get("run", 0), r["router"], r["cache"], r["concurrency"]): r for r in rows}
+    runs = sorted({r.get("run", 0) for r in rows})
+
+    def ratio(num: tuple[str, str, int], den: tuple[str, str, int], key: str) -> list[float]:
+        return [at[(k, *num)][key] / at[(k, *den)][key] for k in runs
+                if (k, *num) in at and (k, *den) in at and at[(k, *num)][key] and at[(k, *den)][key]]
+
+    top = max(r["concurrency"] for r in rows)
+    return [("caching on / off, rounds 2-4, kv, c=1", ratio(("kv", "on", 1), ("kv", "off", 1), "ttfa_round2plus_p50_ms"),
+             0.35),
+            (f"c={top} / c=1, kv, caching on", ratio(("kv", "on", top), ("kv", "on", 1), "ttfa_p50_ms"), 2.5),
+            ("kv / round-robin, c=4, caching on", ratio(("kv", "on", 4), ("round-robin", "on", 4), "ttfa_p50_ms"), 0.6)]
 
 
 def table(path: Path) -> str:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    out = [f"{rows[0]['machine']}; {rows[0]['model']}, {rows[0]['workers']} workers, {rows[0]['rounds']} rounds"
-           if rows else "", "",
+    rows, runs = load_runs(path)
+    where = (f"{rows[0]['machine']}; {rows[0]['model']}, {rows[0]['workers']} workers, {rows[0]['rounds']} rounds, "
+             f"{rows[0]['tenants']} tenants; median of {runs} run{'s' if runs > 1 else ''}") if rows else ""
+    out = [where, "",
            "| router | caching | c | TTFA p50 ms | TTFA p99 ms | TTFA p50 rounds 2-4 ms | engine TTFA mean ms | "
            "last audio p50 ms | RTF p50 | thinker hits | talker hits | no audio |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -241,7 +289,11 @@ def table(path: Path) -> str:
                    f"{fmt(r['ttfa_p99_ms'], '.1f')} | {fmt(r['ttfa_round2plus_p50_ms'], '.1f')} | "
                    f"{fmt(r.get('engine_ttfa_mean_ms'), '.1f')} | "
                    f"{fmt(r['last_audio_p50_ms'], '.1f')} | {fmt(r['rtf_p50'], '.2f')} | "
-                   f"{fmt(r['thinker_hit_rate'], '.3f')} | {fmt(r['talker_hit_rate'], '.3f')} | {r['no_audio']} |")
+                   f"{fmt(r['thinker_hit_rate'], '.3f')} | {fmt(r['talker_hit_rate'], '.3f')} | {fmt(r['no_audio'], '.0f')} |")
+    out += ["", "| ratio of TTFA p50 | each run | median | target |", "|---|---|---:|---:|"]
+    for what, values, goal in targets(path):
+        each = ", ".join(f"{v:.2f}" for v in values)
+        out.append(f"| {what} | {each} | {fmt(float(np.median(values)) if values else None, '.2f')} | {goal} |")
     return "\n".join(out)
 
 
@@ -252,7 +304,7 @@ def figure(path: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, runs = load_runs(path)
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in sorted({(r["router"], r["cache"]) for r in rows}):
         pts = sorted((r["concurrency"], r["ttfa_p50_ms"]) for r in rows if (r["router"], r["cache"]) == key
@@ -261,7 +313,7 @@ def figure(path: Path, out: Path) -> None:
     ax.set_xlabel("conversations in flight")
     ax.set_ylabel("TTFA p50 (ms)")
     ax.set_xticks(sorted({r["concurrency"] for r in rows}))
-    ax.set_title("Time to first audio through HTTP")
+    ax.set_title(f"Time to first audio through HTTP ({rows[0]['workers']} workers, median of {runs} runs)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -270,13 +322,17 @@ def figure(path: Path, out: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(MODEL), help="a checkpoint with a talker (default: the tiny fixture)")
+    p.add_argument("--model", default=str(MODEL),
+                   help="a checkpoint with a talker (default: scripts/make_bench_omni.py's; the tiny fixture: "
+                        "fixtures/tiny/omni_audio)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--tenants", type=int, default=4, help="conversations (at least --concurrency)")
+    p.add_argument("--tenants", type=int, default=8, help="conversations (at least --concurrency)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--system-words", type=int, default=150, help="words in each tenant's system prompt")
     p.add_argument("--reply-tokens", type=int, default=16)
-    p.add_argument("--talker-tokens", type=int, default=64)
+    p.add_argument("--talker-tokens", type=int, default=32, help="codec frames a reply takes at most")
+    p.add_argument("--runs", type=int, default=3, help="sweeps, one after another (the table shows medians)")
+    p.add_argument("--think-ms", type=float, default=300, help="each turn waits a seeded 0 to this many ms")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
     p.add_argument("--cache", type=lambda s: s.split(","), default=["on", "off"])
     p.add_argument("--routers", type=lambda s: s.split(","), default=["kv", "round-robin"])
@@ -291,6 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.figure:
         figure(args.figure[1], args.figure[0])
         return 0
+    if not (Path(args.model) / "config.json").exists():
+        p.error(f"no checkpoint at {args.model}: run scripts/make_bench_omni.py first, or name one with --model")
     bench(args)
     return 0
 
