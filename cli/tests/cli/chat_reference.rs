@@ -28,6 +28,18 @@ fn text(value: &Value) -> TestResult<&str> {
     Ok(value.as_str().ok_or("a string")?)
 }
 
+/// `want` decodes as `case["decode"]`, and with special tokens skipped as
+/// `case["decode_skip_special"]` (what transformers' `decode` gave for each).
+fn assert_decodes(chat: &Chat, want: &[u32], case: &Value, what: &str) -> TestResult {
+    assert_eq!(chat.decode(want, false)?, text(&case["decode"])?, "{what}: decode");
+    assert_eq!(
+        chat.decode(want, true)?,
+        text(&case["decode_skip_special"])?,
+        "{what}: decode, special skipped"
+    );
+    Ok(())
+}
+
 #[test]
 fn chat_templates_render_and_encode_as_transformers_does() -> TestResult {
     for model in MODELS {
@@ -49,12 +61,7 @@ fn chat_templates_render_and_encode_as_transformers_does() -> TestResult {
             if add_generation_prompt && kwargs.is_empty() {
                 assert_eq!(chat.prompt_ids(&messages)?, want, "{name}: prompt_ids");
             }
-            assert_eq!(chat.decode(&want, false)?, text(&case["decode"])?, "{name}: decode");
-            assert_eq!(
-                chat.decode(&want, true)?,
-                text(&case["decode_skip_special"])?,
-                "{name}: decode, special tokens skipped"
-            );
+            assert_decodes(&chat, &want, case, &name)?;
         }
     }
     Ok(())
@@ -69,18 +76,12 @@ fn texts_and_every_id_encode_and_decode_as_transformers_does() -> TestResult {
             let source = text(&case["text"])?;
             let want = ids(&case["ids"])?;
             assert_eq!(chat.encode(source)?, want, "{model}: {source:?}");
-            assert_eq!(chat.decode(&want, false)?, text(&case["decode"])?, "{model}: {source:?}");
-            assert_eq!(chat.decode(&want, true)?, text(&case["decode_skip_special"])?, "{model}: {source:?}");
+            assert_decodes(&chat, &want, case, &format!("{model}: {source:?}"))?;
         }
         let every = &reference["every_id"];
         let all = ids(&every["ids"])?;
         assert_eq!(all, (0..256).collect::<Vec<u32>>(), "{model}: the whole vocabulary");
-        assert_eq!(chat.decode(&all, false)?, text(&every["decode"])?, "{model}: every id");
-        assert_eq!(
-            chat.decode(&all, true)?,
-            text(&every["decode_skip_special"])?,
-            "{model}: every id, special skipped"
-        );
+        assert_decodes(&chat, &all, every, &format!("{model}: every id"))?;
     }
     Ok(())
 }

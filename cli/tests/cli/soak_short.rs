@@ -43,25 +43,20 @@ fn same_seed_same_figures() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn bench_soak_cli_prints_json_with_zero_leaks() -> TestResult {
+/// `omniprefix bench soak --json` with `args`, in this process; its report.
+fn bench_soak(args: &[&str]) -> TestResult<serde_json::Value> {
     use clap::Parser;
-    let args = [
-        "omniprefix",
-        "bench",
-        "soak",
-        "--requests",
-        "400",
-        "--pool-blocks",
-        "64",
-        "--prefixes",
-        "256",
-        "--json",
-    ];
-    let cli = omniprefix_cli::cli::Cli::try_parse_from(args)?;
+    let cli = omniprefix_cli::cli::Cli::try_parse_from(
+        ["omniprefix", "bench", "soak", "--json"].iter().chain(args),
+    )?;
     let mut out = Vec::new();
     omniprefix_cli::cli::run(cli, &mut out)?;
-    let json: serde_json::Value = serde_json::from_slice(&out)?;
+    Ok(serde_json::from_slice(&out)?)
+}
+
+#[test]
+fn bench_soak_cli_prints_json_with_zero_leaks() -> TestResult {
+    let json = bench_soak(&["--requests", "400", "--pool-blocks", "64", "--prefixes", "256"])?;
     assert_eq!(json["requests"], 400);
     assert_eq!(json["leaked_blocks"], 0);
     assert!(json["evicted_blocks"].as_u64().is_some_and(|e| e > 0), "{json}");
@@ -71,31 +66,21 @@ fn bench_soak_cli_prints_json_with_zero_leaks() -> TestResult {
 
 #[test]
 fn soak_publishes_kv_events_without_drops_and_reports_the_index_size() -> TestResult {
-    use clap::Parser;
-    let args = [
-        "omniprefix",
-        "bench",
-        "soak",
+    let key = "5a".repeat(32);
+    let json = bench_soak(&[
         "--requests",
         "600",
         "--pool-blocks",
         "64",
         "--prefixes",
         "256",
-        "--json",
-    ];
-    let events = [
         "--kv-events",
         "tcp://127.0.0.1:0",
         "--kv-replay",
         "tcp://127.0.0.1:0",
         "--fingerprint-key",
-        &"5a".repeat(32),
-    ];
-    let cli = omniprefix_cli::cli::Cli::try_parse_from(args.iter().chain(&events))?;
-    let mut out = Vec::new();
-    omniprefix_cli::cli::run(cli, &mut out)?;
-    let json: serde_json::Value = serde_json::from_slice(&out)?;
+        &key,
+    ])?;
     let index_blocks = json["index_blocks"].as_u64().ok_or("index_blocks")?;
     let published = json["published_blocks"].as_u64().ok_or("published_blocks")?;
     // The pool is full of cached blocks at the end; most of them full (published) ones.
