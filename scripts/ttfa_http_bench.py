@@ -211,7 +211,8 @@ def bench(args: argparse.Namespace) -> None:
                "talker": {"temperature": 0, "max_tokens": args.talker_tokens}}
     where = machine()
     for run, router, cache in ((k, r, c) for k in range(args.runs) for r in args.routers for c in args.cache):
-        fleet = Fleet(model, args.workers, router, free_port(), worker_args=["--cache", cache])
+        pool = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+        fleet = Fleet(model, args.workers, router, free_port(), worker_args=["--cache", cache, *pool])
         try:
             url = fleet.start(timeout_s=180)["frontend"]
             rate = int(json.loads((model / "audio_reference.json").read_text()).get("sample_rate", 24000)) \
@@ -227,7 +228,7 @@ def bench(args: argparse.Namespace) -> None:
                 after = [worker_metrics(w["metrics"]) for w in fleet.workers]
                 result = summary(rows, router=router, cache=cache, concurrency=c, workers=args.workers,
                                  tenants=max(args.tenants, c), rounds=args.rounds, model=model.name,
-                                 think_ms=args.think_ms, run=run,
+                                 think_ms=args.think_ms, run=run, num_blocks=args.num_blocks,
                                  machine=where, wall_s=round(wall, 3))
                 result.update(hit_rates(before, after))
                 result["audio_s_per_wall_s"] = result["audio_s_total"] / wall
@@ -331,6 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--system-words", type=int, default=150, help="words in each tenant's system prompt")
     p.add_argument("--reply-tokens", type=int, default=16)
     p.add_argument("--talker-tokens", type=int, default=32, help="codec frames a reply takes at most")
+    p.add_argument("--num-blocks", type=int, help="KV blocks per worker (16 tokens each; default: the worker's)")
     p.add_argument("--runs", type=int, default=3, help="sweeps, one after another (the table shows medians)")
     p.add_argument("--think-ms", type=float, default=300, help="each turn waits a seeded 0 to this many ms")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8])
