@@ -45,15 +45,12 @@ MM_ITEMS: list[tuple[Any, dict[str, Any]]] = [
     ("video", {"kind": "video", "grid_thw": [2, 4, 4], "seconds_per_grid": 1.0}),
 ]
 
-#: Special ids of the tiny Omni checkpoint (its ``thinker_config``).
-OMNI = {
-    "audio": 249,
-    "vision_start": 250,
-    "vision_end": 251,
-    "audio_start": 252,
-    "audio_end": 253,
-    "image": 254,
-    "video": 255,
+#: The tiny Omni checkpoint's placeholder and marker ids, read from its ``thinker_config``
+#: (``image`` is its ``image_token_id``, and so on).
+_OMNI_THINKER = json.loads((FIXTURES / "omni_thinker" / "config.json").read_text())["thinker_config"]
+OMNI: dict[str, int] = {
+    name: _OMNI_THINKER[f"{name}_token_id"]
+    for name in ("audio", "vision_start", "vision_end", "audio_start", "audio_end", "image", "video")
 }
 
 #: An image of the tiny Omni checkpoint: grid 1x4x4 patches, 2x2-merged into 4 tokens.
