@@ -114,7 +114,7 @@ impl ServeArgs {
     /// `--quick` or the full sizes, with every size flag given applied on top.
     pub fn options(&self) -> Result<ServeOptions> {
         let workloads = self.workloads()?;
-        let base = match (self.quick, workloads == [ServeWorkload::ManyClients]) {
+        let base = match (self.quick, Self::many_clients_alone(&workloads)) {
             (quick, true) => ServeOptions::many_clients(quick)?,
             (true, false) => ServeOptions::quick()?,
             (false, false) => ServeOptions::full()?,
@@ -174,11 +174,16 @@ impl ServeArgs {
         select::<ServeWorkload>(&self.workload)
     }
 
+    /// `many_clients` alone takes its own sizes and model (so its four engines × 384 requests run in minutes).
+    fn many_clients_alone(workloads: &[ServeWorkload]) -> bool {
+        workloads == [ServeWorkload::ManyClients]
+    }
+
     /// The random model: `bench ttft`'s (hidden 512, 8 layers, Qwen's vocabulary),
     /// [`clients_model`]'s for `many_clients` alone, or, with `--quick`, hidden 32,
     /// 2 layers, 600 ids; heads keep their head_dim.
     pub fn random_model(&self) -> Config {
-        let clients_only = self.workloads().is_ok_and(|w| w == [ServeWorkload::ManyClients]);
+        let clients_only = self.workloads().is_ok_and(|w| Self::many_clients_alone(&w));
         let base = match (self.quick, clients_only) {
             (true, _) => Config::tiny_qwen3(32, 2, 2, 1, 600),
             (false, true) => clients_model(),
