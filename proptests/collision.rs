@@ -6,9 +6,10 @@
 //! common prefix with a cached prompt of the same tenant; with validation off
 //! the same generator must find wrong hits (so this fuzzer can fail).
 
+use support::cases;
 use support::index_oracle as common;
 
-use common::{ItemModel, Ledger, Oracle, Piece, cases, pieces};
+use common::{ItemModel, Ledger, Oracle, Piece, pieces};
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};
 use proptest::prelude::*;

@@ -16,11 +16,12 @@
 //! content extends, and an insert may fail only by growing a partial block a
 //! live lock pins.
 
+use support::cases;
 use support::index_oracle as common;
 
 use std::collections::HashSet;
 
-use common::{ItemModel, Ledger, Oracle, Piece, Truth, cases, pieces};
+use common::{ItemModel, Ledger, Oracle, Piece, Truth, pieces};
 use omniprefix::Error;
 use omniprefix::error::CacheError;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};

@@ -13,9 +13,10 @@
 //! chain the oracle of the block-aligned prefixes, and on every insert both
 //! treat the full blocks alike.
 
+use support::cases;
 use support::index_oracle as common;
 
-use common::{ItemModel, Oracle, Piece, cases, pieces};
+use common::{ItemModel, Oracle, Piece, pieces};
 use omniprefix::index::hashchain::HashChainIndex;
 use omniprefix::index::radix::{RadixConfig, RadixIndex};
 use omniprefix::index::{PrefixIndex, ValidationPolicy};

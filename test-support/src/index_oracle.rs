@@ -16,8 +16,6 @@ use proptest::prelude::*;
 /// Placeholder token id of item positions (Qwen image pad).
 pub const PAD: u32 = 151_655;
 
-pub use crate::cases;
-
 /// What a position really holds: the ground truth the oracle compares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Truth {
