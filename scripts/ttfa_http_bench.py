@@ -210,13 +210,13 @@ def bench(args: argparse.Namespace) -> None:
     options = {"max_tokens": args.reply_tokens, "temperature": 0,
                "talker": {"temperature": 0, "max_tokens": args.talker_tokens}}
     where = machine()
+    pool = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+    rate = int(json.loads((model / "audio_reference.json").read_text()).get("sample_rate", 24000)) \
+        if (model / "audio_reference.json").exists() else 24000
     for run, router, cache in ((k, r, c) for k in range(args.runs) for r in args.routers for c in args.cache):
-        pool = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
         fleet = Fleet(model, args.workers, router, free_port(), worker_args=["--cache", cache, *pool])
         try:
             url = fleet.start(timeout_s=180)["frontend"]
-            rate = int(json.loads((model / "audio_reference.json").read_text()).get("sample_rate", 24000)) \
-                if (model / "audio_reference.json").exists() else 24000
             # One request first: the first call of each worker loads its encoder's towers.
             run_trace(url, model.name, 1, 1, 1, 8, options, rate)
             for c in args.concurrency:
@@ -240,10 +240,14 @@ def bench(args: argparse.Namespace) -> None:
             fleet.stop()
 
 
-def load_runs(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The rows of a ``--json`` file, one per (router, caching, c): each figure the median over the
-    file's runs (``--runs``; the machine moves single runs by up to 2 x), and the number of runs."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The objects of a ``--json`` file, one per (run, router, caching, c)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_runs(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``rows`` (of :func:`read_rows`), one per (router, caching, c): each figure the median over
+    the runs (``--runs``; the machine moves single runs by up to 2 x), and the number of runs."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["router"], r["cache"], r["concurrency"]), []).append(r)
@@ -259,9 +263,8 @@ def load_runs(path: Path) -> tuple[list[dict[str, Any]], int]:
     return merged, len({r.get("run", 0) for r in rows})
 
 
-def targets(path: Path) -> list[tuple[str, list[float], float]]:
-    """The issue's three ratios in each run of a ``--json`` file: (what, per run, the target)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def targets(rows: list[dict[str, Any]]) -> list[tuple[str, list[float], float]]:
+    """The issue's three ratios in each run of ``rows`` (of :func:`read_rows`): (what, per run, the target)."""
     at = {(r.get("run", 0), r["router"], r["cache"], r["concurrency"]): r for r in rows}
     runs = sorted({r.get("run", 0) for r in rows})
 
@@ -277,7 +280,8 @@ def targets(path: Path) -> list[tuple[str, list[float], float]]:
 
 
 def table(path: Path) -> str:
-    rows, runs = load_runs(path)
+    every = read_rows(path)
+    rows, runs = load_runs(every)
     where = (f"{rows[0]['machine']}; {rows[0]['model']}, {rows[0]['workers']} workers, {rows[0]['rounds']} rounds, "
              f"{rows[0]['tenants']} tenants; median of {runs} run{'s' if runs > 1 else ''}") if rows else ""
     out = [where, "",
@@ -292,7 +296,7 @@ def table(path: Path) -> str:
                    f"{fmt(r['last_audio_p50_ms'], '.1f')} | {fmt(r['rtf_p50'], '.2f')} | "
                    f"{fmt(r['thinker_hit_rate'], '.3f')} | {fmt(r['talker_hit_rate'], '.3f')} | {fmt(r['no_audio'], '.0f')} |")
     out += ["", "| ratio of TTFA p50 | each run | median | target |", "|---|---|---:|---:|"]
-    for what, values, goal in targets(path):
+    for what, values, goal in targets(every):
         each = ", ".join(f"{v:.2f}" for v in values)
         out.append(f"| {what} | {each} | {fmt(float(np.median(values)) if values else None, '.2f')} | {goal} |")
     return "\n".join(out)
@@ -305,7 +309,7 @@ def figure(path: Path, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, runs = load_runs(path)
+    rows, runs = load_runs(read_rows(path))
     fig, ax = plt.subplots(figsize=(6, 4))
     for key in sorted({(r["router"], r["cache"]) for r in rows}):
         pts = sorted((r["concurrency"], r["ttfa_p50_ms"]) for r in rows if (r["router"], r["cache"]) == key
