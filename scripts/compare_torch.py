@@ -33,7 +33,9 @@ ids below 151643 (Qwen's regular BPE ids).
 
 `--dtype bf16` saves the checkpoint in bf16: transformers then runs in bf16 (weights and
 activations), while omniprefix keeps the weight matrices in bf16 (`--dtype auto`, the
-checkpoint's own) and computes in f32, so greedy tokens need not agree.
+checkpoint's own), rounds each product's input to bf16 (`vdpbf16ps` where the CPU has
+AVX512-BF16) and keeps everything else in f32, so greedy tokens need not agree. The machine
+line names the CPU's flags and the build omniprefix ran (`omniprefix cpu-info`).
 
 Setup: without `--venv` a venv at target/torch-venv is created if missing and torch,
 transformers and safetensors are installed into it from PyPI (the Linux torch wheel pulls
@@ -120,16 +122,22 @@ def omniprefix_binary(args):
     return target / "release" / "omniprefix"
 
 
+# The /proc/cpuinfo flags that decide which kernels either engine runs.
+CPU_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"}
+
+
 def machine(binary):
     """The machine and the binary; torch's side comes from the save worker (the parent never imports torch)."""
-    cpu = "unknown"
+    cpu, flags = "unknown", []
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            if line.startswith("flags") and not flags:
+                flags = sorted(f for f in line.split(":", 1)[1].split() if f in CPU_FLAGS)
     except OSError:
         pass
+    builds = json.loads(subprocess.run([str(binary), "cpu-info"], capture_output=True, text=True, check=True).stdout)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -137,6 +145,8 @@ def machine(binary):
     return {
         "machine": platform.node(),
         "cpu": cpu,
+        "cpu_flags": flags,
+        "omniprefix_simd": builds["simd_running"],
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)),
         "os": f"{platform.system()} {platform.release()}",
@@ -427,7 +437,8 @@ def main():
     info["omniprefix_commands"] = [" ".join(pre_cmd), " ".join(dec_cmd)]
     info["samples"] = {"omniprefix_decode_tok_s": omni_dec["all_tokens_per_s"], "torch_decode_tok_s": torch_dec["all_tokens_per_s"],
                        "torch_uncached_ms": torch_pre["uncached_all_ms"], "torch_cached_ms": torch_pre["cached_all_ms"]}
-    print(f"{info['cpu']} ({info['usable_cpus']} of {info['logical_cpus']} CPUs usable), {args.threads} threads each; "
+    print(f"{info['cpu']} ({info['usable_cpus']} of {info['logical_cpus']} CPUs usable; {' '.join(info['cpu_flags'])}), "
+          f"{args.threads} threads each, omniprefix's {info['omniprefix_simd']} kernels; "
           f"torch {info['torch']} ({info['torch_cpu_capability']}), transformers {info['transformers']}; "
           f"checkpoint {args.dtype}, {args.lm_head} lm_head, {info['parameters'] / 1e6:.1f} M parameters; medians of {args.runs} runs")
     print(table(rows, args.markdown))

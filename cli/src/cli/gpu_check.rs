@@ -1,5 +1,6 @@
 //! The hidden commands `scripts/gpu_bench.sh` runs on whatever adapter wgpu opens:
-//! `omniprefix gpu-info` (the adapter, its driver, limits and subgroups, as one JSON line) and
+//! `omniprefix gpu-info` (the adapter, its driver, limits and subgroups, as one JSON line),
+//! `omniprefix cpu-info` (the CPU kernels' builds, for `scripts/cpu_report.sh`) and
 //! `omniprefix bench parity` (a checkpoint on wgpu against the CPU backend, same
 //! weight and K/V dtypes, every capture and the last logits, as one JSON line).
 
@@ -53,6 +54,22 @@ pub fn info(_args: &GpuInfoArgs, out: &mut dyn Write) -> Result<()> {
             "max_compute_invocations_per_workgroup": l.max_compute_invocations_per_workgroup,
             "max_compute_workgroups_per_dimension": l.max_compute_workgroups_per_dimension,
         },
+    });
+    writeln!(out, "{line}").map_err(output)
+}
+
+/// Arguments of `omniprefix cpu-info` (none).
+#[derive(Debug, Clone, Args)]
+pub struct CpuInfoArgs {}
+
+/// Prints the CPU's kernel builds (the one running and the ones it has) as one JSON line.
+pub fn cpu_info(_args: &CpuInfoArgs, out: &mut dyn Write) -> Result<()> {
+    let builds = omniprefix::backend::cpu::simd_builds();
+    let line = json!({
+        "kind": "cpu",
+        "simd_running": builds.running,
+        "simd_available": builds.available,
+        "threads": rayon::current_num_threads(),
     });
     writeln!(out, "{line}").map_err(output)
 }

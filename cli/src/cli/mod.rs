@@ -67,6 +67,9 @@ pub enum Command {
     /// The wgpu adapter, its driver and limits, as one JSON line (for `scripts/gpu_bench.sh`).
     #[command(hide = true)]
     GpuInfo(gpu_check::GpuInfoArgs),
+    /// The CPU kernels' builds (the one running, the ones this CPU has), as one JSON line (for `scripts/cpu_report.sh`).
+    #[command(hide = true)]
+    CpuInfo(gpu_check::CpuInfoArgs),
 }
 
 /// `omniprefix bench ...`.
@@ -102,6 +105,7 @@ pub fn run(cli: Cli, out: &mut dyn Write) -> Result<()> {
         Command::Bench(BenchCommand::Soak(args)) => soak::run(&args, out),
         Command::Bench(BenchCommand::Serve(args)) => serve::run(&args, out),
         Command::GpuInfo(args) => gpu_check::info(&args, out),
+        Command::CpuInfo(args) => gpu_check::cpu_info(&args, out),
         Command::Bench(BenchCommand::Parity(args)) => gpu_check::parity(&args, out),
     }
 }

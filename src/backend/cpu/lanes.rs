@@ -1,7 +1,9 @@
 //! Eight f32 lanes for the CPU attention kernels: AVX2 + FMA registers where the
 //! CPU has them ([`Avx2`]), plain arrays elsewhere ([`Portable`]); and the widest
 //! registers the CPU has ([`Wide`]: 16 lanes with AVX-512) for the matrix products
-//! and the prefill attention layout.
+//! and the prefill attention layout. Products over bf16 weights take the weights in
+//! pairs ([`Wide::dot_bf16_pairs`]): one `vdpbf16ps` where the CPU has AVX512-BF16,
+//! two fused multiply-adds elsewhere, with the same bits.
 //!
 //! Kernels are written once, generic over [`Wide`] (reaching 8-lane [`Lanes`]
 //! through [`Wide::narrow`] where they need a fixed count), and marked `#[inline(always)]`
@@ -71,7 +73,16 @@ pub(crate) enum Simd {
     /// holding the token proves AVX-512F as well as AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     Avx512(Avx512),
+    /// [`Avx512`] lanes whose bf16 pairs take one `vdpbf16ps`; holding the token
+    /// proves AVX512-BF16 as well.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16(Avx512<DpPairs>),
 }
+
+/// The variable that caps the build every kernel takes (a build's [`Simd::name`]),
+/// so a benchmark can time a slower build on the same machine. Unset, or naming a
+/// build this CPU lacks, the best one runs.
+pub const SIMD_ENV: &str = "OMNIPREFIX_SIMD";
 
 /// A kernel written once over [`Wide`] lanes; [`Simd::run_wide`] compiles it for
 /// each build.
@@ -84,20 +95,32 @@ pub(crate) trait WideKernel {
 }
 
 impl Simd {
-    /// The best build this CPU runs (checked once).
+    /// The build every kernel runs: the best this CPU has, or the one [`SIMD_ENV`]
+    /// names where the CPU has it (decided once per process).
     pub(crate) fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(l) = Avx2::new() {
-            return match Avx512::new(l) {
-                Some(z) => Simd::Avx512(z),
-                None => Simd::Avx2(l),
-            };
-        }
-        Simd::Portable
+        static CHOSEN: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let all = Self::all();
+            let best = *all.last().unwrap_or(&Simd::Portable);
+            let Ok(name) = std::env::var(SIMD_ENV) else { return best };
+            let found = all.into_iter().find(|s| s.name() == name.trim());
+            if found.is_none() {
+                let why = if Self::NAMES.contains(&name.trim()) {
+                    "this CPU lacks that build"
+                } else {
+                    "no such build"
+                };
+                eprintln!(
+                    "{SIMD_ENV}={name}: {why} (builds: {}); running {}",
+                    Self::NAMES.join(", "),
+                    best.name()
+                );
+            }
+            found.unwrap_or(best)
+        })
     }
 
-    /// Every build this CPU runs, the portable one first (tests run each).
-    #[cfg(test)]
+    /// Every build this CPU runs, the portable one first and the best last (tests run each).
     pub(crate) fn all() -> Vec<Self> {
         let mut all = vec![Simd::Portable];
         #[cfg(target_arch = "x86_64")]
@@ -105,9 +128,28 @@ impl Simd {
             all.push(Simd::Avx2(l));
             if let Some(z) = Avx512::new(l) {
                 all.push(Simd::Avx512(z));
+                if let Some(b) = z.with_bf16() {
+                    all.push(Simd::Avx512Bf16(b));
+                }
             }
         }
         all
+    }
+
+    /// Every build's name, in [`Simd::all`]'s order, whether this CPU runs it or not.
+    pub(crate) const NAMES: [&'static str; 4] = ["portable", "avx2", "avx512", "avx512bf16"];
+
+    /// The build's name (one of [`Simd::NAMES`]), as [`SIMD_ENV`] and test reports give it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2(_) => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512(_) => "avx512",
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Bf16(_) => "avx512bf16",
+        }
     }
 
     /// Runs `kernel` on this build's widest lanes.
@@ -121,6 +163,9 @@ impl Simd {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the `Avx512` token proves the CPU has the entry point's features.
             Simd::Avx512(z) => unsafe { run_avx512(z, kernel) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the `Avx512<DpPairs>` token proves the CPU has the entry point's features.
+            Simd::Avx512Bf16(b) => unsafe { run_avx512_bf16(b, kernel) },
         }
     }
 }
@@ -137,6 +182,13 @@ fn run_wide_avx2<K: WideKernel>(l: Avx2, kernel: K) -> K::Out {
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 fn run_avx512<K: WideKernel>(z: Avx512, kernel: K) -> K::Out {
     kernel.run(z)
+}
+
+/// The AVX512-BF16 entry point: `kernel` (inlined) compiled with AVX512-BF16 beside [`run_avx512`]'s features.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+fn run_avx512_bf16<K: WideKernel>(b: Avx512<DpPairs>, kernel: K) -> K::Out {
+    kernel.run(b)
 }
 
 /// The widest f32 vector the CPU has, for kernels that need no fixed lane count
@@ -160,11 +212,26 @@ pub(crate) trait Wide: Copy + Send + Sync {
     /// # Safety
     /// `p` must be valid for reading `WIDTH` floats.
     unsafe fn load(self, p: *const f32) -> Self::V;
-    /// `WIDTH` bf16 widened (exact).
+    /// An activation pair `x[c], x[c + 1]` (bf16) in every lane, as [`Wide::dot_bf16_pairs`] takes it.
+    type Bf16Pair: Copy;
+    /// `WIDTH` weight pairs `w[j][c], w[j][c + 1]` (bf16, interleaved), as [`Wide::dot_bf16_pairs`] takes them.
+    type Bf16Pairs: Copy;
+    /// The two bf16 at `p` in every lane.
     ///
     /// # Safety
-    /// `p` must be valid for reading `WIDTH` elements.
-    unsafe fn load_bf16(self, p: *const half::bf16) -> Self::V;
+    /// `p` must be valid for reading 2 elements.
+    unsafe fn splat_bf16_pair(self, p: *const half::bf16) -> Self::Bf16Pair;
+    /// `2 * WIDTH` bf16 from `p`: lane `j`'s pair is elements `2j` and `2j + 1`.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `2 * WIDTH` elements.
+    unsafe fn load_bf16_pairs(self, p: *const half::bf16) -> Self::Bf16Pairs;
+    /// Lane `j`: `fma(x0, w0, fma(x1, w1, acc))` with `(x0, x1)` the pair `x` and
+    /// `(w0, w1)` lane `j`'s pair of `w`, both widened (exact): the second product
+    /// first, as `vdpbf16ps` adds them, each rounded once. (`vdpbf16ps` also reads a
+    /// subnormal as zero and flushes a subnormal result: callers keep their inputs
+    /// normal or zero, and its results agree with the other builds' in f32's normal range.)
+    fn dot_bf16_pairs(self, acc: Self::V, x: Self::Bf16Pair, w: Self::Bf16Pairs) -> Self::V;
     /// `WIDTH` f16 widened (exact).
     ///
     /// # Safety
@@ -263,6 +330,17 @@ pub(crate) fn widen_bf16(src: &[half::bf16], dst: &mut [f32]) {
     }
 }
 
+/// The two bf16 at `p`, widened (exact).
+///
+/// # Safety
+/// `p` must be valid for reading 2 elements.
+#[inline(always)]
+unsafe fn bf16_pair(p: *const half::bf16) -> [f32; 2] {
+    // SAFETY: the caller guarantees 2 readable elements.
+    let [a, b] = unsafe { p.cast::<[half::bf16; 2]>().read_unaligned() };
+    [a.to_f32(), b.to_f32()]
+}
+
 /// Largest lane (no NaN).
 #[inline(always)]
 pub(crate) fn tree_max(a: [f32; 8]) -> f32 {
@@ -348,10 +426,21 @@ impl Wide for Portable {
     type V = [f32; 8];
     const WIDTH: usize = 8;
     wide_as_lanes!();
+    type Bf16Pair = [f32; 2];
+    type Bf16Pairs = [half::bf16; 16];
     #[inline(always)]
-    unsafe fn load_bf16(self, p: *const half::bf16) -> [f32; 8] {
-        // SAFETY: the caller guarantees 8 readable elements at `p`.
-        unsafe { p.cast::<[half::bf16; 8]>().read_unaligned() }.map(half::bf16::to_f32)
+    unsafe fn splat_bf16_pair(self, p: *const half::bf16) -> [f32; 2] {
+        // SAFETY: forwarded from the caller.
+        unsafe { bf16_pair(p) }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(self, p: *const half::bf16) -> [half::bf16; 16] {
+        // SAFETY: the caller guarantees 16 readable elements at `p`.
+        unsafe { p.cast::<[half::bf16; 16]>().read_unaligned() }
+    }
+    #[inline(always)]
+    fn dot_bf16_pairs(self, acc: [f32; 8], [x0, x1]: [f32; 2], w: [half::bf16; 16]) -> [f32; 8] {
+        std::array::from_fn(|j| x0.mul_add(w[2 * j].to_f32(), x1.mul_add(w[2 * j + 1].to_f32(), acc[j])))
     }
     #[inline(always)]
     unsafe fn load_f16(self, p: *const half::f16) -> [f32; 8] {
@@ -395,7 +484,7 @@ fn exp_lanes<W: ExpBits>(w: W, x: W::V) -> W::V {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::Avx2;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::Avx512;
+pub(crate) use avx512::{Avx512, DpPairs};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -573,12 +662,27 @@ mod avx2_wide {
         type V = __m256;
         const WIDTH: usize = 8;
         wide_as_lanes!();
+        type Bf16Pair = [__m256; 2];
+        type Bf16Pairs = __m256i;
         #[inline(always)]
-        unsafe fn load_bf16(self, p: *const half::bf16) -> __m256 {
-            // bf16 is the top half of an f32: widen to 32 bits, shift up.
-            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
+        unsafe fn splat_bf16_pair(self, p: *const half::bf16) -> [__m256; 2] {
+            // SAFETY: forwarded from the caller.
+            unsafe { super::bf16_pair(p) }.map(|x| Lanes::splat(self, x))
+        }
+        #[inline(always)]
+        unsafe fn load_bf16_pairs(self, p: *const half::bf16) -> __m256i {
+            // SAFETY: `Avx2` proves the features; the caller guarantees 16 readable elements.
+            unsafe { _mm256_loadu_si256(p.cast()) }
+        }
+        #[inline(always)]
+        fn dot_bf16_pairs(self, acc: __m256, [x0, x1]: [__m256; 2], w: __m256i) -> __m256 {
+            // A pair fills a 32-bit lane, its second element in the top half: that
+            // half masked is the second weight as an f32, the lane shifted up the first.
+            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
             unsafe {
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+                let w1 = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF_0000_u32 as i32)));
+                let w0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+                _mm256_fmadd_ps(x0, w0, _mm256_fmadd_ps(x1, w1, acc))
             }
         }
         #[inline(always)]
@@ -617,22 +721,92 @@ mod avx512 {
 
     /// 512-bit AVX-512F registers (16 lanes). Only [`Avx512::new`] makes one
     /// (through [`super::Simd::detect`]); it holds the CPU's [`Avx2`] token, its
-    /// [`Wide::narrow`] lanes.
+    /// [`Wide::narrow`] lanes, and `B`, how it multiplies bf16 pairs.
     #[derive(Debug, Clone, Copy)]
-    pub(crate) struct Avx512(Avx2);
+    pub(crate) struct Avx512<B = FmaPairs>(Avx2, B);
+
+    /// How 16 lanes multiply bf16 pairs ([`Wide::dot_bf16_pairs`]).
+    pub(crate) trait Bf16Dot: Copy + Send + Sync {
+        type Pair: Copy;
+        /// The pair at `p` in every lane.
+        ///
+        /// # Safety
+        /// `p` must be valid for reading 2 elements.
+        unsafe fn splat(self, p: *const half::bf16) -> Self::Pair;
+        fn dot(self, acc: __m512, x: Self::Pair, w: __m512i) -> __m512;
+    }
+
+    /// bf16 pairs as two fused multiply-adds (any AVX-512F CPU).
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct FmaPairs;
+
+    /// bf16 pairs in one `vdpbf16ps`. Only [`Avx512::with_bf16`] makes one: holding
+    /// it proves AVX512-BF16.
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct DpPairs(());
+
+    // SAFETY (both impls): an `Avx512<B>` exists only where the CPU has AVX-512F, and
+    // a `DpPairs` only where it has AVX512-BF16; pointer validity is the caller's contract.
+    impl Bf16Dot for FmaPairs {
+        type Pair = [__m512; 2];
+        #[inline(always)]
+        unsafe fn splat(self, p: *const half::bf16) -> [__m512; 2] {
+            // SAFETY: see the impl's note; the caller guarantees 2 readable elements.
+            unsafe { super::bf16_pair(p).map(|x| _mm512_set1_ps(x)) }
+        }
+        #[inline(always)]
+        fn dot(self, acc: __m512, [x0, x1]: [__m512; 2], w: __m512i) -> __m512 {
+            // As the AVX2 build: the top half of each 32-bit lane is the second weight, the lane shifted up the first.
+            // SAFETY: see the impl's note.
+            unsafe {
+                let w1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF_0000_u32 as i32)));
+                let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+                _mm512_fmadd_ps(x0, w0, _mm512_fmadd_ps(x1, w1, acc))
+            }
+        }
+    }
+
+    impl Bf16Dot for DpPairs {
+        type Pair = __m512i;
+        #[inline(always)]
+        unsafe fn splat(self, p: *const half::bf16) -> __m512i {
+            // SAFETY: see the impl's note; the caller guarantees 2 readable elements (one 32-bit lane).
+            unsafe { _mm512_set1_epi32(p.cast::<i32>().read_unaligned()) }
+        }
+        #[inline(always)]
+        fn dot(self, acc: __m512, x: __m512i, w: __m512i) -> __m512 {
+            // `vdpbf16ps` adds the pair's second product, then its first, each rounded once
+            // (measured bit for bit against that chain of two FMAs on AMD Zen 4, as Intel's manual defines it).
+            // SAFETY: see the impl's note; `__m512bh` and `__m512i` are both 512 plain bits.
+            unsafe {
+                _mm512_dpbf16_ps(
+                    acc,
+                    std::mem::transmute::<__m512i, __m512bh>(x),
+                    std::mem::transmute::<__m512i, __m512bh>(w),
+                )
+            }
+        }
+    }
 
     impl Avx512 {
         /// The token when this CPU (which has AVX2: `l`) has AVX-512F (checked once).
         pub(super) fn new(l: Avx2) -> Option<Self> {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let ok = *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"));
-            ok.then_some(Avx512(l))
+            ok.then_some(Avx512(l, FmaPairs))
+        }
+
+        /// These lanes with `vdpbf16ps` for bf16 pairs, when this CPU has AVX512-BF16 (checked once).
+        pub(super) fn with_bf16(self) -> Option<Avx512<DpPairs>> {
+            static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let ok = *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512bf16"));
+            ok.then_some(Avx512(self.0, DpPairs(())))
         }
     }
 
     // SAFETY (every `unsafe` block below): an `Avx512` exists only where the CPU has
     // AVX-512F (and, beside it, AVX2, FMA and F16C); pointer validity is the caller's contract.
-    impl Wide for Avx512 {
+    impl<B: Bf16Dot> Wide for Avx512<B> {
         type V = __m512;
         const WIDTH: usize = 16;
         type Narrow = Avx2;
@@ -660,14 +834,21 @@ mod avx512 {
             // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
             unsafe { _mm512_loadu_ps(p) }
         }
+        type Bf16Pair = B::Pair;
+        type Bf16Pairs = __m512i;
         #[inline(always)]
-        unsafe fn load_bf16(self, p: *const half::bf16) -> __m512 {
-            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
-            unsafe {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                    p.cast(),
-                ))))
-            }
+        unsafe fn splat_bf16_pair(self, p: *const half::bf16) -> B::Pair {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.1.splat(p) }
+        }
+        #[inline(always)]
+        unsafe fn load_bf16_pairs(self, p: *const half::bf16) -> __m512i {
+            // SAFETY: `Avx512` proves the features; the caller guarantees 32 readable elements.
+            unsafe { _mm512_loadu_si512(p.cast()) }
+        }
+        #[inline(always)]
+        fn dot_bf16_pairs(self, acc: __m512, x: B::Pair, w: __m512i) -> __m512 {
+            self.1.dot(acc, x, w)
         }
         #[inline(always)]
         unsafe fn load_f16(self, p: *const half::f16) -> __m512 {
@@ -721,7 +902,7 @@ mod avx512 {
         }
     }
 
-    impl ExpBits for Avx512 {
+    impl<B: Bf16Dot> ExpBits for Avx512<B> {
         #[inline(always)]
         fn clamp(self, x: __m512, lo: f32, hi: f32) -> __m512 {
             // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
@@ -857,6 +1038,22 @@ mod tests {
             f32::MIN_POSITIVE,
         ];
         assert_eq!(bits(w.exp(v(edges))), want(&|h| p.exp(half(&edges, h))), "exp at the edges");
+        // bf16 pairs: lane j takes weights 2j and 2j + 1, the second product first.
+        let weights: [half::bf16; 32] =
+            std::array::from_fn(|i| half::bf16::from_f32(sample::<32>(4)[i] * 0.73));
+        let xs = [half::bf16::from_f32(1.37), half::bf16::from_f32(-0.21)];
+        // SAFETY: 32 readable weights, 2 readable activations.
+        let dotted = unsafe {
+            w.dot_bf16_pairs(v(c), w.splat_bf16_pair(xs.as_ptr()), w.load_bf16_pairs(weights.as_ptr()))
+        };
+        let chain: Vec<u32> = (0..n)
+            .map(|j| {
+                let (x0, x1, w0, w1) =
+                    (xs[0].to_f32(), xs[1].to_f32(), weights[2 * j].to_f32(), weights[2 * j + 1].to_f32());
+                x0.mul_add(w0, x1.mul_add(w1, c[j])).to_bits()
+            })
+            .collect();
+        assert_eq!(bits(dotted), chain, "dot_bf16_pairs");
         for i in -3000..3000 {
             let x = sample::<16>(i as u32).map(|s| s * i as f32 * 0.0077);
             assert_eq!(bits(w.exp(v(x))), want(&|h| p.exp(half(&x, h))), "exp at step {i}");
@@ -875,9 +1072,16 @@ mod tests {
         }
         let all = Simd::all();
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512f") {
+        if is_x86_feature_detected!("avx512bf16") {
+            assert!(matches!(all.last(), Some(Simd::Avx512Bf16(_))), "this CPU's bf16 build is tested");
+        } else if is_x86_feature_detected!("avx512f") {
             assert!(matches!(all.last(), Some(Simd::Avx512(_))), "this CPU's 16-lane build is tested");
         }
+        assert_eq!(
+            all.iter().map(|s| s.name()).collect::<Vec<_>>(),
+            Simd::NAMES[..all.len()],
+            "names in order"
+        );
         for simd in all {
             simd.run_wide(SameAsPortable);
         }

@@ -26,8 +26,32 @@ use crate::backend::{
 };
 use crate::kv::BlockId;
 use check::{expect_cols, expect_rows, row_index};
+pub use lanes::SIMD_ENV;
 pub use packed_weight::PackedWeight;
 pub use pages::CpuPages;
+
+/// The CPU's kernel builds: which it runs, and which it has, by name.
+///
+/// ```
+/// let builds = omniprefix::backend::cpu::simd_builds();
+/// assert_eq!(builds.available[0], "portable");
+/// assert!(builds.available.contains(&builds.running));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimdBuilds {
+    /// The build every kernel runs (the best available, unless [`SIMD_ENV`] caps it).
+    pub running: &'static str,
+    /// Every build this CPU runs, slowest first: `portable`, then `avx2`, `avx512`, `avx512bf16` as it has them.
+    pub available: Vec<&'static str>,
+}
+
+/// This CPU's [`SimdBuilds`] (detected once per process).
+pub fn simd_builds() -> SimdBuilds {
+    SimdBuilds {
+        running: lanes::Simd::detect().name(),
+        available: lanes::Simd::all().into_iter().map(lanes::Simd::name).collect(),
+    }
+}
 
 /// The ndarray reference backend.
 #[derive(Debug, Clone, Copy, Default)]
@@ -430,11 +454,13 @@ mod tests {
                     .unwrap();
                 let wide = w.to_f32();
                 let x = rand_rows(4, 70, 9);
+                // Beside bf16 weights the products read x rounded to bf16 (as torch does).
+                let read = |v: f32| if dtype == Dtype::Bf16 { half::bf16::from_f32(v).to_f32() } else { v };
                 let all = b.matmul_t(&x, &w).unwrap();
                 assert_eq!(all.dim(), (70, n));
                 for r in [0, 33, 69] {
                     for c in (0..n).step_by(n / 50) {
-                        let want: f32 = (0..9).map(|k| x[[r, k]] * wide[[c, k]]).sum();
+                        let want: f32 = (0..9).map(|k| read(x[[r, k]]) * wide[[c, k]]).sum();
                         assert!((all[[r, c]] - want).abs() < 1e-5, "{dtype} n {n}: ({r},{c})");
                     }
                     let alone = b.matmul_t(&x.slice(ndarray::s![r..r + 1, ..]).to_owned(), &w).unwrap();

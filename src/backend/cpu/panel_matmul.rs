@@ -2,18 +2,21 @@
 //! product, for f32, bf16 and f16 weights, accumulated in f32.
 //!
 //! At upload a weight `[n, k]` (HF Linear layout) is rearranged ([`pack`]) into
-//! panels of [`PANEL`] output columns, each stored k-major (`[k][PANEL]`,
-//! zero-padded past `n`). A kernel call multiplies a few rows of `x` by one or
-//! more panels: for each `k` in order it broadcasts `x[r][k]` and adds its
-//! products with the panel's row of weights into the row's accumulators, one
-//! fused multiply-add each.
+//! panels of [`PANEL`] output columns, each stored step-major (`[k / STEP][PANEL][STEP]`,
+//! zero-padded past `n` and `k`). A step is one `k` for f32 and f16 weights and a pair
+//! of `k` for bf16 ones: the layout `vdpbf16ps` reads. A kernel call multiplies a few
+//! rows of `x` by one or more panels: for each step in order it broadcasts the step's
+//! `x` of a row and adds its products with the panel's step of weights into the row's
+//! accumulators, one fused multiply-add per `k` (or one `vdpbf16ps` per pair).
 //!
 //! So every output element is the same chain, `fma(x[k-1], w[k-1], … fma(x[0],
-//! w[0], 0))` over `k` in order, whatever rows, panels, tiles, threads or vector
+//! w[0], 0))` over `k` in order, except that a bf16 weight's chain takes each pair's
+//! second product first (`vdpbf16ps`'s order) and reads `x` rounded to bf16 (as
+//! torch's bf16 products do). That holds whatever rows, panels, tiles, threads or vector
 //! width share the call: a row's result never depends on its batch (cached and
-//! uncached prefills agree to the last bit), every build (AVX-512, AVX2, portable)
-//! gives the same bits, and the tests hold all of them to that chain written as a
-//! scalar loop.
+//! uncached prefills agree to the last bit), every build (AVX512-BF16, AVX-512, AVX2,
+//! portable) gives the same bits, and the tests hold all of them to that chain
+//! written as a scalar loop.
 //!
 //! Packing once is what makes a decode step cheap: each call reads the weight in
 //! place, in its stored width, once for all of its rows (the `gemm` crate this
@@ -21,6 +24,7 @@
 //! that stay in L2 while every row of a block passes over them, so a prefill
 //! reuses each weight from cache.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use half::{bf16, f16};
@@ -46,33 +50,107 @@ const MIN_PANELS_PER_TASK: usize = 4;
 /// against 13.8; 8 and 32 rows ahead were no better.
 const PREFETCH_ROWS: usize = 16;
 
-/// A stored weight element that widens exactly to f32.
+/// A stored weight element, and what the products read of `x` beside it.
 pub(crate) trait Element: Copy + Default + Send + Sync {
-    /// `W::WIDTH` elements from `p`, widened.
-    ///
+    /// `k` per step of the product (a panel row): 1, or 2 where the weights are
+    /// stored in pairs (bf16, the layout `vdpbf16ps` reads).
+    const STEP: usize;
+    /// What the products read of `x`: f32 as given, or rounded to bf16 beside bf16 weights.
+    type X: Copy + Default + Send + Sync + Into<f32>;
+    /// One step of `x` in every lane.
+    type Splat<W: Wide>: Copy;
+    /// One step of `W::WIDTH` columns of weights, as loaded.
+    type Loaded<W: Wide>: Copy;
+    /// `x` (rows of `k`) as the products read it: rows of `k` rounded up to [`Self::STEP`], zero-padded.
+    fn activations(x: &[f32], k: usize) -> Cow<'_, [Self::X]>;
     /// # Safety
-    /// `p` must be valid for reading `W::WIDTH` elements.
-    unsafe fn load<W: Wide>(w: W, p: *const Self) -> W::V;
+    /// `x` must be valid for reading `STEP` elements.
+    unsafe fn splat<W: Wide>(w: W, x: *const Self::X) -> Self::Splat<W>;
+    /// # Safety
+    /// `p` must be valid for reading `STEP * W::WIDTH` elements.
+    unsafe fn load<W: Wide>(w: W, p: *const Self) -> Self::Loaded<W>;
+    /// `acc` plus one step's products, each a fused multiply-add, the step's last `k` first.
+    fn update<W: Wide>(w: W, acc: W::V, x: Self::Splat<W>, weights: Self::Loaded<W>) -> W::V;
+    /// The element as packed and multiplied (bf16 subnormals become zero, as `vdpbf16ps` reads them).
+    fn packed(self) -> Self;
     fn to_f32(self) -> f32;
 }
 
-impl Element for f32 {
-    #[inline(always)]
-    unsafe fn load<W: Wide>(w: W, p: *const f32) -> W::V {
-        // SAFETY: forwarded from the caller.
-        unsafe { w.load(p) }
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
+/// The f32 and f16 weights: one `k` a step, `x` as given, each weight widened.
+macro_rules! element_widened {
+    ($t:ty, $load:ident) => {
+        impl Element for $t {
+            const STEP: usize = 1;
+            type X = f32;
+            type Splat<W: Wide> = W::V;
+            type Loaded<W: Wide> = W::V;
+            fn activations(x: &[f32], _k: usize) -> Cow<'_, [f32]> {
+                Cow::Borrowed(x)
+            }
+            #[inline(always)]
+            unsafe fn splat<W: Wide>(w: W, x: *const f32) -> W::V {
+                // SAFETY: forwarded from the caller.
+                unsafe { w.splat_at(x) }
+            }
+            #[inline(always)]
+            unsafe fn load<W: Wide>(w: W, p: *const $t) -> W::V {
+                // SAFETY: forwarded from the caller.
+                unsafe { w.$load(p) }
+            }
+            #[inline(always)]
+            fn update<W: Wide>(w: W, acc: W::V, x: W::V, weights: W::V) -> W::V {
+                w.mul_add(x, weights, acc)
+            }
+            fn packed(self) -> Self {
+                self
+            }
+            #[inline(always)]
+            fn to_f32(self) -> f32 {
+                self.into()
+            }
+        }
+    };
 }
+element_widened!(f32, load);
+element_widened!(f16, load_f16);
 
+/// bf16 weights: `x` rounded to bf16 as well (as torch's bf16 products take it),
+/// two `k` a step (one `vdpbf16ps` on AVX512-BF16).
 impl Element for bf16 {
+    const STEP: usize = 2;
+    type X = bf16;
+    type Splat<W: Wide> = W::Bf16Pair;
+    type Loaded<W: Wide> = W::Bf16Pairs;
+    fn activations(x: &[f32], k: usize) -> Cow<'_, [bf16]> {
+        if k == 0 {
+            return Cow::Owned(Vec::new());
+        }
+        let kp = k.next_multiple_of(2);
+        let mut out = vec![bf16::ZERO; x.len() / k * kp];
+        for (o, x) in out.chunks_exact_mut(kp).zip(x.chunks_exact(k)) {
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o = bf16::from_f32(x).packed();
+            }
+        }
+        Cow::Owned(out)
+    }
     #[inline(always)]
-    unsafe fn load<W: Wide>(w: W, p: *const bf16) -> W::V {
+    unsafe fn splat<W: Wide>(w: W, x: *const bf16) -> W::Bf16Pair {
         // SAFETY: forwarded from the caller.
-        unsafe { w.load_bf16(p) }
+        unsafe { w.splat_bf16_pair(x) }
+    }
+    #[inline(always)]
+    unsafe fn load<W: Wide>(w: W, p: *const bf16) -> W::Bf16Pairs {
+        // SAFETY: forwarded from the caller.
+        unsafe { w.load_bf16_pairs(p) }
+    }
+    #[inline(always)]
+    fn update<W: Wide>(w: W, acc: W::V, x: W::Bf16Pair, weights: W::Bf16Pairs) -> W::V {
+        w.dot_bf16_pairs(acc, x, weights)
+    }
+    fn packed(self) -> Self {
+        // A zero exponent with a nonzero fraction is subnormal: keep the sign only.
+        if self.to_bits() & 0x7F80 == 0 { bf16::from_bits(self.to_bits() & 0x8000) } else { self }
     }
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -80,36 +158,30 @@ impl Element for bf16 {
     }
 }
 
-impl Element for f16 {
-    #[inline(always)]
-    unsafe fn load<W: Wide>(w: W, p: *const f16) -> W::V {
-        // SAFETY: forwarded from the caller.
-        unsafe { w.load_f16(p) }
-    }
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
+/// Elements a packed `[n, k]` weight occupies (`n` rounded up to whole panels, `k` to whole steps).
+pub(crate) fn packed_len<T: Element>(n: usize, k: usize) -> usize {
+    n.div_ceil(PANEL) * PANEL * k.next_multiple_of(T::STEP)
 }
 
-/// Elements a packed `[n, k]` weight occupies (`n` rounded up to whole panels).
-pub(crate) fn packed_len(n: usize, k: usize) -> usize {
-    n.div_ceil(PANEL) * PANEL * k
+/// Where element `(j, c)` of a `[_, k]` weight lies once packed: in panel
+/// `j / PANEL`, step `c / STEP`, at `(j % PANEL) * STEP + c % STEP` of the step.
+fn packed_index<T: Element>(k: usize, j: usize, c: usize) -> usize {
+    let step = PANEL * T::STEP;
+    j / PANEL * k.next_multiple_of(T::STEP) * PANEL + c / T::STEP * step + j % PANEL * T::STEP + c % T::STEP
 }
 
-/// `w [n, k]` rearranged into panels: element `(j, c)` lands at
-/// `(j / PANEL) * k * PANEL + c * PANEL + j % PANEL`; padding is zero.
-pub(crate) fn pack<T: Copy + Default + Send + Sync>(w: ArrayView2<'_, T>) -> Vec<T> {
+/// `w [n, k]` rearranged into panels ([`packed_index`]); padding is zero.
+pub(crate) fn pack<T: Element>(w: ArrayView2<'_, T>) -> Vec<T> {
     let (n, k) = w.dim();
-    let mut data = vec![T::default(); packed_len(n, k)];
+    let mut data = vec![T::default(); packed_len::<T>(n, k)];
     if k == 0 {
         return data;
     }
-    data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
+    data.par_chunks_mut(k.next_multiple_of(T::STEP) * PANEL).enumerate().for_each(|(p, panel)| {
         let rows = w.slice(s![p * PANEL..n.min((p + 1) * PANEL), ..]);
         for (l, row) in rows.rows().into_iter().enumerate() {
             for (c, &v) in row.iter().enumerate() {
-                panel[c * PANEL + l] = v;
+                panel[packed_index::<T>(k, l, c)] = v.packed();
             }
         }
     });
@@ -118,8 +190,7 @@ pub(crate) fn pack<T: Copy + Default + Send + Sync>(w: ArrayView2<'_, T>) -> Vec
 
 /// Row `j` of a packed `[_, k]` weight, widened (an embedding lookup).
 pub(crate) fn row_f32<T: Element>(data: &[T], k: usize, j: usize) -> impl Iterator<Item = f32> + '_ {
-    let base = j / PANEL * k * PANEL + j % PANEL;
-    (0..k).map(move |c| data[base + c * PANEL].to_f32())
+    (0..k).map(move |c| data[packed_index::<T>(k, j, c)].to_f32())
 }
 
 /// The output pointer tasks write disjoint tiles through.
@@ -153,6 +224,7 @@ fn matmul_t_on<T: Element>(
     let mut out = Array2::<f32>::zeros((m, width));
     let x = x.as_standard_layout();
     let Some(xs) = x.as_slice() else { unreachable!("standard layout is contiguous") };
+    let xs = T::activations(xs, k);
     // Whole multiples of every kernel's row count, so only a block's last rows take a narrower kernel.
     let rows_per_block = (ROW_BLOCK_BYTES / (4 * k.max(1))).max(24) / 24 * 24;
     let row_blocks = m.div_ceil(rows_per_block);
@@ -165,7 +237,7 @@ fn matmul_t_on<T: Element>(
     let first = panels.start;
     tiles.into_par_iter().for_each(|(rb, pc)| {
         let task = TileTask {
-            xs,
+            xs: &xs,
             data,
             k,
             rows: rb * rows_per_block..m.min((rb + 1) * rows_per_block),
@@ -185,10 +257,11 @@ fn matmul_t_on<T: Element>(
 }
 
 /// One tile of one [`matmul_t_on`] call. Only that function makes one: `rows` lie
-/// inside `xs` (`[m, k]`), `panels` inside `data`, `out` points at `[m, width]`
-/// whose column 0 is panel `first`'s, and no two tasks share a tile.
-struct TileTask<'a, T> {
-    xs: &'a [f32],
+/// inside `xs` (`[m, k]`, each row rounded up to whole steps: [`Element::activations`]),
+/// `panels` inside `data`, `out` points at `[m, width]` whose column 0 is panel
+/// `first`'s, and no two tasks share a tile.
+struct TileTask<'a, T: Element> {
+    xs: &'a [T::X],
     data: &'a [T],
     k: usize,
     rows: Range<usize>,
@@ -222,7 +295,7 @@ const NV: usize = 2;
 #[inline(always)]
 unsafe fn run_tile<W: Wide, T: Element, const MR: usize>(w: W, t: &TileTask<'_, T>) {
     assert_eq!(PANEL % (NV * W::WIDTH), 0, "kernel calls cover whole panels");
-    let k = t.k;
+    let k = t.k.next_multiple_of(T::STEP);
     let group = (PANEL_GROUP_BYTES / (k.max(1) * PANEL * std::mem::size_of::<T>())).max(1);
     let mut g0 = t.panels.start;
     while g0 < t.panels.end {
@@ -237,18 +310,18 @@ unsafe fn run_tile<W: Wide, T: Element, const MR: usize>(w: W, t: &TileTask<'_, 
                         let x = |i: usize| t.xs[(r0 + i) * k..].as_ptr();
                         for col in (0..PANEL).step_by(NV * W::WIDTH) {
                             // SAFETY: panels p..p + $np lie inside the tile's panels, inside `data`.
-                            let panel = |q: usize| unsafe { t.data.as_ptr().add((p + q) * k * PANEL + col) };
+                            let panel = |q: usize| unsafe { t.data.as_ptr().add((p + q) * k * PANEL + col * T::STEP) };
                             let out = |i: usize| {
                                 std::array::from_fn(|q| {
                                     // SAFETY: row r0 + i and panel p + q lie in the tile, inside `[m, width]`.
                                     unsafe { t.out.0.add((r0 + i) * t.width + (p + q - t.first) * PANEL + col) }
                                 })
                             };
-                            // SAFETY: each x pointer starts a row of k floats, each panel pointer
-                            // k rows of PANEL elements (from column `col`), each out pointer
-                            // NV * WIDTH writable floats no other task writes.
+                            // SAFETY: each x pointer starts a row of k elements, each panel pointer
+                            // k / STEP steps of PANEL * STEP elements (from column `col`), each out
+                            // pointer NV * WIDTH writable floats no other task writes.
                             unsafe {
-                                kernel::<W, T, $mr, $np>(w, std::array::from_fn(x), std::array::from_fn(panel), k, std::array::from_fn(out))
+                                kernel::<W, T, $mr, $np>(w, std::array::from_fn(x), std::array::from_fn(panel), k / T::STEP, std::array::from_fn(out))
                             };
                         }
                         p += $np;
@@ -275,35 +348,36 @@ unsafe fn run_tile<W: Wide, T: Element, const MR: usize>(w: W, t: &TileTask<'_, 
     }
 }
 
-/// `R` rows of `x` by `NV` vectors of columns of `P` panels: for each `k` in
-/// order, every accumulator takes one fused multiply-add. The same operations per
-/// element whatever `R`, `P` and the columns.
+/// `R` rows of `x` by `NV` vectors of columns of `P` panels: for each step in
+/// order, every accumulator takes the step's products ([`Element::update`]). The
+/// same operations per element whatever `R`, `P` and the columns.
 ///
 /// # Safety
-/// Every `x` pointer starts `k` readable floats, every panel pointer `k` rows of
-/// `PANEL` (it may start inside a row) with `NV * W::WIDTH` readable from each,
-/// every `out` pointer `NV * W::WIDTH` writable floats.
+/// Every `x` pointer starts `steps * STEP` readable elements, every panel pointer
+/// `steps` steps of `PANEL * STEP` (it may start inside a step) with
+/// `NV * W::WIDTH * STEP` readable from each, every `out` pointer `NV * W::WIDTH`
+/// writable floats.
 #[inline(always)]
 unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize>(
-    w: W, x: [*const f32; R], panel: [*const T; P], k: usize, out: [[*mut f32; P]; R],
+    w: W, x: [*const T::X; R], panel: [*const T; P], steps: usize, out: [[*mut f32; P]; R],
 ) {
+    let step = PANEL * T::STEP;
     let mut acc = [[[w.zero(); NV]; P]; R];
-    for c in 0..k {
+    for c in 0..steps {
         for p in &panel {
-            // Past the panel's end near the last rows: a prefetch never faults.
-            w.prefetch(p.wrapping_add((c + PREFETCH_ROWS) * PANEL).cast());
+            // Past the panel's end near the last steps: a prefetch never faults.
+            w.prefetch(p.wrapping_add((c + PREFETCH_ROWS / T::STEP) * step).cast());
         }
-        // SAFETY: c < k, so each load stays inside its panel.
-        let wv: [[W::V; NV]; P] = std::array::from_fn(|q| {
-            // SAFETY: `c * PANEL + v * WIDTH` stays inside the panel, which holds `k * PANEL` weights.
-            std::array::from_fn(|v| unsafe { T::load(w, panel[q].add(c * PANEL + v * W::WIDTH)) })
+        let wv: [[T::Loaded<W>; NV]; P] = std::array::from_fn(|q| {
+            // SAFETY: c < steps, and `c * step + (v + 1) * WIDTH * STEP` stays inside the panel.
+            std::array::from_fn(|v| unsafe { T::load(w, panel[q].add(c * step + v * W::WIDTH * T::STEP)) })
         });
         for (a, xp) in acc.iter_mut().zip(&x) {
-            // SAFETY: c < k.
-            let xb = unsafe { w.splat_at(xp.add(c)) };
+            // SAFETY: c < steps.
+            let xb = unsafe { T::splat(w, xp.add(c * T::STEP)) };
             for (a, wv) in a.iter_mut().zip(&wv) {
                 for (a, wv) in a.iter_mut().zip(wv) {
-                    *a = w.mul_add(xb, *wv, *a);
+                    *a = T::update(w, *a, xb, *wv);
                 }
             }
         }
@@ -323,10 +397,39 @@ mod tests {
     use super::*;
     use crate::backend::test_support::{pool, rand_rows};
 
-    /// The definition every build must meet to the bit: one fused multiply-add per
-    /// `k`, in order, from zero.
-    fn chain(x: &Array2<f32>, w: &Array2<f32>, r: usize, j: usize) -> f32 {
-        (0..x.ncols()).fold(0.0f32, |acc, c| x[[r, c]].mul_add(w[[j, c]], acc))
+    /// The definition every build must meet to the bit: from zero, one fused
+    /// multiply-add per `k`, a step at a time in order and each step's last `k`
+    /// first, of `x` as the products read it (bf16 beside bf16 weights) and the
+    /// weights as packed.
+    fn chain<T: Element>(x: &Array2<f32>, w: &Array2<T>) -> Array2<f32> {
+        let k = x.ncols();
+        let x = x.as_standard_layout();
+        let xs = T::activations(x.as_slice().expect("standard layout"), k);
+        let kp = k.next_multiple_of(T::STEP);
+        Array2::from_shape_fn((x.nrows(), w.nrows()), |(r, j)| {
+            let mut acc = 0.0f32;
+            for s in (0..k).step_by(T::STEP.max(1)) {
+                for c in (s..k.min(s + T::STEP)).rev() {
+                    acc = xs[r * kp + c].into().mul_add(w[[j, c]].packed().to_f32(), acc);
+                }
+            }
+            acc
+        })
+    }
+
+    #[test]
+    fn bf16_products_read_x_rounded_and_their_pairs_second_first() {
+        // x[0] = 1 + 2^-9 is read as 1 (bf16 keeps 7 fraction bits), so the first pair
+        // leaves exactly 1. The second adds 2^-23 (its second product) first: 1 + 2^-23,
+        // then 2^-24, a tie rounded to the even 1 + 2^-22. In k order it would be 1, then 1 + 2^-23.
+        let t = |e: i32| 2f32.powi(e);
+        let x = ndarray::array![[1.0 + t(-9), 0.0, t(-12), t(-12)]];
+        let w = ndarray::array![[1.0, 0.0, t(-12), t(-11)]].mapv(bf16::from_f32);
+        for simd in Simd::all() {
+            let got = matmul_t_on(simd, x.view(), &pack(w.view()), 4, 0..1);
+            assert_eq!(got[[0, 0]], 1.0 + t(-22), "{}", simd.name());
+        }
+        assert_eq!(chain(&x, &w)[[0, 0]], 1.0 + t(-22));
     }
 
     /// Each element type on every build this CPU runs, against the scalar chain,
@@ -338,11 +441,10 @@ mod tests {
         // n below, at and across panels; k from 0 to a few hundred.
         for (n, k) in [(1, 7), (5, 0), (32, 8), (37, 29), (64, 512), (130, 100), (1000, 64)] {
             let stored = rand_rows(n as u64, n, k).mapv(narrow);
-            let widened = stored.mapv(T::to_f32);
             let data = pack(stored.view());
             let x = rand_rows(k as u64 + 9, ALL, k);
-            let want = Array2::from_shape_fn((ALL, n), |(r, j)| chain(&x, &widened, r, j));
-            for simd in Simd::all() {
+            let want = chain(&x, &stored);
+            for simd in builds_run("products") {
                 let product =
                     |x: ArrayView2<'_, f32>, cols: Range<usize>| matmul_t_on(simd, x, &data, k, cols);
                 let all = pool(2).install(|| product(x.view(), 0..n));
@@ -384,21 +486,14 @@ mod tests {
         check(f16::from_f32);
     }
 
-    /// The builds `Simd::all()` gives on this CPU, by name; the ones it lacks are
-    /// printed as not run (and fail the test when `OMNIPREFIX_REQUIRE_SIMD` names
+    /// The builds `Simd::all()` gives on this CPU; the ones it lacks are printed
+    /// by name as not run (and fail the test when `OMNIPREFIX_REQUIRE_SIMD` names
     /// them, comma-separated, as a CI machine known to have them should).
     fn builds_run(test: &str) -> Vec<Simd> {
         let all = Simd::all();
-        let name = |s: &Simd| match s {
-            Simd::Portable => "portable",
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx2(_) => "avx2",
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx512(_) => "avx512",
-        };
-        let have: Vec<&str> = all.iter().map(name).collect();
+        let have: Vec<&str> = all.iter().map(|s| s.name()).collect();
         let required = std::env::var("OMNIPREFIX_REQUIRE_SIMD").unwrap_or_default();
-        for build in ["portable", "avx2", "avx512"] {
+        for build in Simd::NAMES {
             if !have.contains(&build) {
                 eprintln!("{test}: the {build} build NOT RUN: this CPU lacks it");
                 assert!(
@@ -419,10 +514,9 @@ mod tests {
         const ALL: usize = 60;
         for (n, k) in [(32, 37), (70, 37), (128, 19), (159, 37)] {
             let stored = rand_rows(n as u64 + 1, n, k).mapv(narrow);
-            let widened = stored.mapv(T::to_f32);
             let data = pack(stored.view());
             let x = rand_rows(k as u64 + 3, ALL, k);
-            let want = Array2::from_shape_fn((ALL, n), |(r, j)| chain(&x, &widened, r, j));
+            let want = chain(&x, &stored);
             for simd in builds_run(test) {
                 for threads in [1, 2] {
                     for m in 1..=48 {
@@ -448,10 +542,9 @@ mod tests {
         // k = 2048: 96-row blocks, so 97..=112 rows end in a second block's tail.
         let (n, k) = (40, 2048);
         let stored = rand_rows(5, n, k).mapv(narrow);
-        let widened = stored.mapv(T::to_f32);
         let data = pack(stored.view());
         let x = rand_rows(6, 112, k);
-        let want = Array2::from_shape_fn((112, n), |(r, j)| chain(&x, &widened, r, j));
+        let want = chain(&x, &stored);
         for simd in builds_run(test) {
             for m in 97..=112 {
                 let got = pool(2).install(|| matmul_t_on(simd, x.slice(s![..m, ..]), &data, k, 0..n));
@@ -482,7 +575,7 @@ mod tests {
     fn packed_rows_read_back_exactly() {
         let w = rand_rows(3, 45, 11).mapv(bf16::from_f32);
         let data = pack(w.view());
-        assert_eq!(data.len(), 64 * 11, "45 rows take two whole panels");
+        assert_eq!(data.len(), 64 * 12, "45 rows take two whole panels, 11 columns six bf16 pairs");
         for j in [0, 31, 32, 44] {
             let row: Vec<f32> = row_f32(&data, 11, j).collect();
             assert_eq!(row, w.row(j).iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "row {j}");
