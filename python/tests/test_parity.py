@@ -17,6 +17,7 @@ from conftest import (
     BLOCK_SIZE,
     GEN_TOKENS,
     MODELS,
+    TOLERANCE,
     all_captures,
     assert_bit_equal,
     assert_close,
@@ -68,12 +69,14 @@ def test_prefill_matches_transformers(model, prompt):
         assert out.timings[key] >= 0.0, key
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("dtype,tol", [("bf16", 1e-3), ("f16", TOLERANCE)])
 @pytest.mark.parametrize("model", ["qwen3_dense", "omni_thinker"])
-def test_half_precision_weights_match_transformers_over_the_same_rounded_weights(model, dtype):
-    """``dtype=`` stores the matrices rounded to bf16 / f16 and computes in f32: transformers in
-    f32 over the same rounded weights (``fixtures/make_half_references.py``) within 1e-4, and a
-    cached rerun bit-identical."""
+def test_half_precision_weights_match_transformers_over_the_same_rounded_weights(model, dtype, tol):
+    """``dtype=`` stores the matrices rounded to bf16 / f16 and computes in f32 between products
+    (bf16 products read their input rounded to bf16): transformers over the same rounded weights
+    (and, for bf16, inputs; ``fixtures/make_half_references.py``) within 1e-4, 1e-3 for bf16 (a
+    rounding tie decided the other way moves a value a bf16 step: tests/engine/hf_parity.rs's
+    BF16_PRODUCTS_TOLERANCE), and a cached rerun bit-identical."""
     ref = load_reference(model, f"{dtype}_weights_reference.safetensors")
     engine = open_engine(model, dtype=dtype)
     assert engine.dtype == dtype
@@ -82,7 +85,7 @@ def test_half_precision_weights_match_transformers_over_the_same_rounded_weights
         ids = ref[f"{prompt}.input_ids"]
         out = engine.prefill(ids)
         for name, hidden in out.hidden.items():
-            assert_close(f"{model}/{prompt} {dtype} {name}", hidden, ref[reference_name(prompt, name)])
+            assert_close(f"{model}/{prompt} {dtype} {name}", hidden, ref[reference_name(prompt, name)], tol)
         again = engine.prefill(ids)
         assert again.num_cached_tokens > 0
         assert_bit_equal(f"{model}/{prompt} {dtype} cached", again.hidden, out.hidden)
