@@ -1,5 +1,5 @@
-//! The builds of canon's per-byte kernels (the keyed xxh3 stripes): portable
-//! code, AVX2 and AVX-512, picked once per process.
+//! The builds of canon's per-byte kernels (the keyed xxh3 stripes, the float
+//! scan): portable code, AVX2 and AVX-512, picked once per process.
 //!
 //! A [`Build`] holds a token whose existence proves the CPU runs that build,
 //! so a kernel can be handed one explicitly (the tests run every build the
@@ -68,6 +68,41 @@ impl Build {
             Build::Avx512(_) => "avx512",
         }
     }
+
+    /// Runs `kernel`, compiled for this build's CPU features (the compiler
+    /// vectorises its loops with the build's registers).
+    #[inline]
+    pub(crate) fn vectorise<K: Vectorised>(self, kernel: K) -> K::Out {
+        match self {
+            Build::Portable => kernel.run(),
+            // SAFETY: the token proves the CPU has AVX2.
+            #[cfg(target_arch = "x86_64")]
+            Build::Avx2(_) => unsafe { vectorise_avx2(kernel) },
+            // SAFETY: the token proves the CPU has AVX-512F, AVX-512BW and AVX2.
+            #[cfg(target_arch = "x86_64")]
+            Build::Avx512(_) => unsafe { vectorise_avx512(kernel) },
+        }
+    }
+}
+
+/// A loop written once in plain Rust, for [`Build::vectorise`] to compile per
+/// build. Mark `run` `#[inline(always)]` (and what it calls on the hot path),
+/// so it is compiled inside the build's entry point with that build's features.
+pub(crate) trait Vectorised {
+    type Out;
+    fn run(self) -> Self::Out;
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn vectorise_avx2<K: Vectorised>(kernel: K) -> K::Out {
+    kernel.run()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+fn vectorise_avx512<K: Vectorised>(kernel: K) -> K::Out {
+    kernel.run()
 }
 
 /// The builds a test runs: every one this CPU has. Each one it lacks is
