@@ -39,11 +39,24 @@ const TREE_TAG: &[u8] = b"omniprefix/tree/v1";
 /// bytes[19] = 3; // tail bytes count as themselves
 /// assert_eq!(read_floor(&bytes), 6);
 /// ```
+///
+/// Words are summed 64 bytes at a time into eight lanes, so the loop does
+/// four 16-byte loads an iteration: a two-load loop ran at 100 or 58 GB/s on
+/// the same cache-resident bytes depending only on where the linker put it
+/// (whether it crossed a 64-byte line), which moved every ratio against it.
 #[inline(never)]
 pub fn read_floor(bytes: &[u8]) -> u64 {
     let (head, words, tail) = bytemuck::pod_align_to::<u8, u64>(bytes);
     let edges = head.iter().chain(tail).fold(0u64, |acc, &b| acc.wrapping_add(u64::from(b)));
-    words.iter().fold(edges, |acc, &w| acc.wrapping_add(u64::from_le(w)))
+    let lines = words.chunks_exact(8);
+    let rest = lines.remainder().iter().fold(edges, |acc, &w| acc.wrapping_add(u64::from_le(w)));
+    let lanes = lines.fold([0u64; 8], |mut lanes, line| {
+        for (lane, &w) in lanes.iter_mut().zip(line) {
+            *lane = lane.wrapping_add(u64::from_le(w));
+        }
+        lanes
+    });
+    lanes.iter().fold(rest, |acc, &lane| acc.wrapping_add(lane))
 }
 
 /// Computes [`ItemIdentity`]s: the keyed fingerprint plus the validation
@@ -378,6 +391,24 @@ mod tests {
 
     fn fp_of(fp: &Fingerprinter, item: &ItemSpec<'_>) -> Result<Fingerprint> {
         Ok(fp.identify(0, item)?.fingerprint)
+    }
+
+    #[test]
+    fn the_read_floor_sums_every_word_at_any_offset_and_length() {
+        let bytes = noise_u8(1000, 3);
+        for start in 0..9 {
+            for len in (0..300).chain([600, 991]) {
+                let piece = &bytes[start..start + len];
+                let (head, words, tail) = bytemuck::pod_align_to::<u8, u64>(piece);
+                let want = head
+                    .iter()
+                    .chain(tail)
+                    .map(|&b| u64::from(b))
+                    .chain(words.iter().map(|&w| u64::from_le(w)))
+                    .fold(0u64, u64::wrapping_add);
+                assert_eq!(read_floor(piece), want, "{len} bytes from {start}");
+            }
+        }
     }
 
     #[test]

@@ -22,6 +22,9 @@
 use twox_hash::XxHash3_128;
 
 use super::key::SECRET_BYTES;
+use super::simd::Build;
+#[cfg(target_arch = "x86_64")]
+use super::simd::{Avx2, Avx512};
 
 /// Inputs up to this length take XXH3's short path.
 const SHORT_INPUT: usize = 240;
@@ -54,6 +57,8 @@ const MERGE_HIGH_SECRET: usize = SECRET_BYTES - STRIPE - 11;
 #[derive(Clone)]
 pub(crate) struct KeyedXxh3<const N: usize = 1> {
     secrets: [[u8; SECRET_BYTES]; N],
+    /// The build of the stripe kernel (the widest the CPU runs, unless a test picks one).
+    build: Build,
     state: State<N>,
 }
 
@@ -89,6 +94,11 @@ impl KeyedXxh3<1> {
 impl<const N: usize> KeyedXxh3<N> {
     /// Hashers keyed by `secrets`, one digest each.
     pub(crate) fn with_secrets(secrets: [[u8; SECRET_BYTES]; N]) -> Self {
+        Self::on(Build::detect(), secrets)
+    }
+
+    /// [`KeyedXxh3::with_secrets`] on a given build of the stripe kernel.
+    fn on(build: Build, secrets: [[u8; SECRET_BYTES]; N]) -> Self {
         let state = State {
             acc: [INITIAL_ACC; N],
             block_stripes: 0,
@@ -98,7 +108,7 @@ impl<const N: usize> KeyedXxh3<N> {
             head: [0; SHORT_INPUT],
             len: 0,
         };
-        KeyedXxh3 { secrets, state }
+        KeyedXxh3 { secrets, build, state }
     }
 
     /// The state after everything fed so far, to [`KeyedXxh3::rollback`] to.
@@ -139,13 +149,13 @@ impl<const N: usize> KeyedXxh3<N> {
             }
             // A full pending stripe with more input after it.
             let stripe = s.pending;
-            s.block_stripes = accumulate(&mut s.acc, &stripe, &self.secrets, s.block_stripes);
+            s.block_stripes = accumulate(self.build, &mut s.acc, &stripe, &self.secrets, s.block_stripes);
             s.pending_len = 0;
         }
         // Every stripe but the one holding the last byte seen so far.
         let stripes = (rest.len() - 1) / STRIPE;
         let (body, left) = rest.split_at(stripes * STRIPE);
-        s.block_stripes = accumulate(&mut s.acc, body, &self.secrets, s.block_stripes);
+        s.block_stripes = accumulate(self.build, &mut s.acc, body, &self.secrets, s.block_stripes);
         s.pending[..left.len()].copy_from_slice(left);
         s.pending_len = left.len();
     }
@@ -163,8 +173,9 @@ impl<const N: usize> KeyedXxh3<N> {
         let len = s.len as u64;
         let mut out = [0u128; N];
         for ((digest, acc), secret) in out.iter_mut().zip(&s.acc).zip(&self.secrets) {
-            let mut acc = *acc;
-            accumulate_lanes(&mut acc, &lanes(&s.tail), secret, LAST_STRIPE_SECRET);
+            let data = lanes(&s.tail);
+            let key = lanes(&secret[LAST_STRIPE_SECRET..]);
+            let acc = Portable.add(Portable.step(*acc, data, key), Portable.swap_pairs(data));
             let low = merge(&acc, secret, MERGE_LOW_SECRET, len.wrapping_mul(PRIME64_1));
             let high = merge(&acc, secret, MERGE_HIGH_SECRET, !len.wrapping_mul(PRIME64_2));
             *digest = (u128::from(high) << 64) | u128::from(low);
@@ -173,166 +184,313 @@ impl<const N: usize> KeyedXxh3<N> {
     }
 }
 
-/// Accumulates whole stripes into every accumulator set, the first one at
-/// stripe `position` of its block, scrambling at every block end; returns
-/// the position in the block after the last one.
+/// Accumulates whole stripes into every accumulator set on `build`, the
+/// first one at stripe `position` of its block, scrambling at every block
+/// end; returns the position in the block after the last one.
 fn accumulate<const N: usize>(
-    acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], position: usize,
+    build: Build, acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], position: usize,
 ) -> usize {
     debug_assert!(stripes.len().is_multiple_of(STRIPE));
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked above), the only requirement
-        // of a `target_feature(enable = "avx2")` function.
-        return unsafe { accumulate_avx2(acc, stripes, secrets, position) };
+    match build {
+        Build::Portable => accumulate_on(Portable, acc, stripes, secrets, position),
+        // SAFETY: the token proves the CPU has AVX2, the entry point's only requirement.
+        #[cfg(target_arch = "x86_64")]
+        Build::Avx2(l) => unsafe { accumulate_avx2(l, acc, stripes, secrets, position) },
+        // SAFETY: the token proves the CPU has AVX-512F and AVX-512BW, the entry point's requirements.
+        #[cfg(target_arch = "x86_64")]
+        Build::Avx512(z) => unsafe { accumulate_avx512(z, acc, stripes, secrets, position) },
     }
-    accumulate_portable(acc, stripes, secrets, position)
 }
 
-fn accumulate_portable<const N: usize>(
-    acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], mut position: usize,
-) -> usize {
-    for stripe in stripes.chunks_exact(STRIPE) {
-        let data = lanes(stripe);
-        for (acc, secret) in acc.iter_mut().zip(secrets) {
-            accumulate_lanes(acc, &data, secret, position * 8);
-        }
-        position += 1;
-        if position == STRIPES_PER_BLOCK {
-            for (acc, secret) in acc.iter_mut().zip(secrets) {
-                scramble(acc, secret);
-            }
-            position = 0;
-        }
-    }
-    position
-}
-
-/// [`accumulate_portable`] with AVX2: each stripe is loaded once as two
-/// 256-bit words and its lane swap is shared by every digest; the
-/// accumulators stay in registers for the whole call.
+/// [`accumulate_on`] compiled with AVX2: two 256-bit words a stripe.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn accumulate_avx2<const N: usize>(
-    acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], mut position: usize,
+    l: Avx2, acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], position: usize,
 ) -> usize {
-    use std::arch::x86_64::{
-        __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_mul_epu32, _mm256_set1_epi64x,
-        _mm256_setzero_si256, _mm256_shuffle_epi32, _mm256_slli_epi64, _mm256_srli_epi64,
-        _mm256_storeu_si256, _mm256_xor_si256,
-    };
-    /// Two 256-bit words from the first 64 bytes.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn load(bytes: &[u8]) -> [__m256i; 2] {
-        let (lo, hi) = bytes[..STRIPE].split_at(32);
-        // SAFETY: each half is 32 readable bytes; the loads are unaligned.
-        unsafe { [_mm256_loadu_si256(lo.as_ptr().cast()), _mm256_loadu_si256(hi.as_ptr().cast())] }
-    }
-    /// `acc + (swapped + lo32(data ^ key) * hi32(data ^ key))`, per 64-bit
-    /// lane: one add on the accumulator's dependency chain per stripe.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn step(acc: __m256i, data: __m256i, swapped: __m256i, key: __m256i) -> __m256i {
-        let value = _mm256_xor_si256(data, key);
-        let product = _mm256_mul_epu32(value, _mm256_srli_epi64::<32>(value));
-        _mm256_add_epi64(acc, _mm256_add_epi64(swapped, product))
-    }
-    /// One stripe into every accumulator set, under the keys at `offset`.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn stripe_into<const N: usize>(
-        regs: &mut [[__m256i; 2]; N], stripe: &[u8], secrets: &[[u8; SECRET_BYTES]; N], offset: usize,
-    ) {
-        let [d0, d1] = load(stripe);
-        let s0 = _mm256_shuffle_epi32::<0b01_00_11_10>(d0);
-        let s1 = _mm256_shuffle_epi32::<0b01_00_11_10>(d1);
-        for j in 0..N {
-            let [k0, k1] = load(&secrets[j][offset..]);
-            regs[j] = [step(regs[j][0], d0, s0, k0), step(regs[j][1], d1, s1, k1)];
-        }
-    }
-    /// `((acc ^ acc >> 47) ^ key) * PRIME32_1`, per 64-bit lane.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn scramble(acc: __m256i, key: __m256i) -> __m256i {
-        let x = _mm256_xor_si256(_mm256_xor_si256(acc, _mm256_srli_epi64::<47>(acc)), key);
-        let prime = _mm256_set1_epi64x(PRIME32_1 as i64);
-        let low = _mm256_mul_epu32(x, prime);
-        let high = _mm256_mul_epu32(_mm256_srli_epi64::<32>(x), prime);
-        _mm256_add_epi64(low, _mm256_slli_epi64::<32>(high))
-    }
-    let mut regs = [[_mm256_setzero_si256(); 2]; N];
-    let mut scramble_keys = [[_mm256_setzero_si256(); 2]; N];
+    accumulate_on(l, acc, stripes, secrets, position)
+}
+
+/// [`accumulate_on`] compiled with AVX-512: one 512-bit word a stripe.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+fn accumulate_avx512<const N: usize>(
+    z: Avx512, acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], position: usize,
+) -> usize {
+    accumulate_on(z, acc, stripes, secrets, position)
+}
+
+/// The eight 64-bit lanes of a stripe in one build's registers; the value is
+/// the build's token. Every operation is lane-wise (or swaps lanes in pairs),
+/// so each build computes XXH3's long path to the bit.
+trait Stripes: Copy {
+    /// A stripe's eight lanes.
+    type V: Copy;
+    /// The first 64 bytes of `bytes`, as eight little-endian words.
+    fn load(self, bytes: &[u8]) -> Self::V;
+    fn load_words(self, words: &[u64; 8]) -> Self::V;
+    fn store_words(self, v: Self::V) -> [u64; 8];
+    /// Lane `i` of the result is lane `i ^ 1` of `v`.
+    fn swap_pairs(self, v: Self::V) -> Self::V;
+    /// `a + b`, per lane (wrapping).
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `acc + lo32(data ^ key) * hi32(data ^ key)`, per lane: XXH3's stripe
+    /// step without the swapped data, which [`accumulate_on`] adds per block.
+    fn step(self, acc: Self::V, data: Self::V, key: Self::V) -> Self::V;
+    /// `((acc ^ acc >> 47) ^ key) * PRIME32_1`, per lane.
+    fn scramble(self, acc: Self::V, key: Self::V) -> Self::V;
+}
+
+/// XXH3's accumulate loop on build `s`: each stripe is loaded once for every
+/// digest, and the accumulators and the scramble keys stay in registers for
+/// the whole call.
+///
+/// XXH3 adds each stripe's lane-swapped data to every accumulator; sums wrap,
+/// so the order of the adds is free until a scramble reads the accumulators.
+/// The stripes' data is therefore summed once (one add a stripe, no swap) and
+/// the swapped sum added to every accumulator before each scramble and at the
+/// end: for two digests 9 vector operations a stripe instead of 11. Inlined into each build's entry
+/// point, so it is compiled with that build's features: neither it nor what
+/// it calls may hold a closure (one would be compiled without them, and its
+/// intrinsics become calls).
+#[inline(always)]
+fn accumulate_on<S: Stripes, const N: usize>(
+    s: S, acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], mut position: usize,
+) -> usize {
+    let zero = s.load_words(&[0; 8]);
+    let (mut regs, mut scramble_keys) = ([zero; N], [zero; N]);
     for j in 0..N {
-        regs[j] = load(bytemuck::cast_slice(&acc[j][..]));
-        scramble_keys[j] = load(&secrets[j][SCRAMBLE_SECRET..]);
+        regs[j] = s.load_words(&acc[j]);
+        scramble_keys[j] = s.load(&secrets[j][SCRAMBLE_SECRET..]);
     }
+    // The data of the stripes since the last scramble (or the call's start).
+    let mut sum = zero;
     let mut rest = stripes;
     while !rest.is_empty() {
         if position == 0 && rest.len() >= STRIPE * STRIPES_PER_BLOCK {
             // A whole block: the secret offsets are the loop's constants.
             let (block, later) = rest.split_at(STRIPE * STRIPES_PER_BLOCK);
             for (i, stripe) in block.chunks_exact(STRIPE).enumerate() {
-                stripe_into(&mut regs, stripe, secrets, i * 8);
+                sum = stripe_into(s, &mut regs, sum, stripe, secrets, i * 8);
             }
             rest = later;
             position = STRIPES_PER_BLOCK;
         } else {
             let (stripe, later) = rest.split_at(STRIPE);
-            stripe_into(&mut regs, stripe, secrets, position * 8);
+            sum = stripe_into(s, &mut regs, sum, stripe, secrets, position * 8);
             rest = later;
             position += 1;
         }
         if position == STRIPES_PER_BLOCK {
+            let swapped = s.swap_pairs(sum);
             for j in 0..N {
-                regs[j] =
-                    [scramble(regs[j][0], scramble_keys[j][0]), scramble(regs[j][1], scramble_keys[j][1])];
+                regs[j] = s.scramble(s.add(regs[j], swapped), scramble_keys[j]);
             }
+            sum = zero;
             position = 0;
         }
     }
-    for (words, [lo, hi]) in acc.iter_mut().zip(regs) {
-        let (first_half, second_half) = words.split_at_mut(4);
-        // SAFETY: each half is four u64s, 32 writable bytes; the stores are unaligned.
-        unsafe {
-            _mm256_storeu_si256(first_half.as_mut_ptr().cast(), lo);
-            _mm256_storeu_si256(second_half.as_mut_ptr().cast(), hi);
-        }
+    let swapped = s.swap_pairs(sum);
+    for j in 0..N {
+        acc[j] = s.store_words(s.add(regs[j], swapped));
     }
     position
+}
+
+/// One stripe into every accumulator set, under the keys at `offset`; returns
+/// `sum` plus the stripe's data.
+#[inline(always)]
+fn stripe_into<S: Stripes, const N: usize>(
+    s: S, regs: &mut [S::V; N], sum: S::V, stripe: &[u8], secrets: &[[u8; SECRET_BYTES]; N], offset: usize,
+) -> S::V {
+    let data = s.load(stripe);
+    for j in 0..N {
+        regs[j] = s.step(regs[j], data, s.load(&secrets[j][offset..]));
+    }
+    s.add(sum, data)
+}
+
+/// [`Stripes`] as plain words, for any CPU (and the final stripe of every build).
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl Stripes for Portable {
+    type V = [u64; 8];
+    #[inline(always)]
+    fn load(self, bytes: &[u8]) -> [u64; 8] {
+        lanes(bytes)
+    }
+    #[inline(always)]
+    fn load_words(self, words: &[u64; 8]) -> [u64; 8] {
+        *words
+    }
+    #[inline(always)]
+    fn store_words(self, v: [u64; 8]) -> [u64; 8] {
+        v
+    }
+    #[inline(always)]
+    fn swap_pairs(self, v: [u64; 8]) -> [u64; 8] {
+        std::array::from_fn(|i| v[i ^ 1])
+    }
+    #[inline(always)]
+    fn add(self, a: [u64; 8], b: [u64; 8]) -> [u64; 8] {
+        std::array::from_fn(|i| a[i].wrapping_add(b[i]))
+    }
+    #[inline(always)]
+    fn step(self, acc: [u64; 8], data: [u64; 8], key: [u64; 8]) -> [u64; 8] {
+        std::array::from_fn(|i| {
+            let value = data[i] ^ key[i];
+            acc[i].wrapping_add((value & 0xFFFF_FFFF).wrapping_mul(value >> 32))
+        })
+    }
+    #[inline(always)]
+    fn scramble(self, acc: [u64; 8], key: [u64; 8]) -> [u64; 8] {
+        std::array::from_fn(|i| ((acc[i] ^ (acc[i] >> 47)) ^ key[i]).wrapping_mul(PRIME32_1))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{Avx2, Avx512, PRIME32_1, STRIPE, Stripes};
+
+    // Every `unsafe` block below is sound because an `Avx2` token exists only
+    // where the CPU has AVX2, and a load or store touches exactly the 64 bytes
+    // that the slice index or the array type bounds.
+    impl Stripes for Avx2 {
+        type V = [__m256i; 2];
+        #[inline(always)]
+        fn load(self, bytes: &[u8]) -> [__m256i; 2] {
+            let (lo, hi) = bytes[..STRIPE].split_at(32);
+            // SAFETY: the CPU has the token's features; 2 × 32 readable bytes.
+            unsafe { [_mm256_loadu_si256(lo.as_ptr().cast()), _mm256_loadu_si256(hi.as_ptr().cast())] }
+        }
+        #[inline(always)]
+        fn load_words(self, words: &[u64; 8]) -> [__m256i; 2] {
+            self.load(bytemuck::cast_slice(words))
+        }
+        #[inline(always)]
+        fn store_words(self, [lo, hi]: [__m256i; 2]) -> [u64; 8] {
+            let mut words = [0u64; 8];
+            let (first, second) = words.split_at_mut(4);
+            // SAFETY: the CPU has the token's features; 2 × 32 writable bytes.
+            unsafe {
+                _mm256_storeu_si256(first.as_mut_ptr().cast(), lo);
+                _mm256_storeu_si256(second.as_mut_ptr().cast(), hi);
+            }
+            words
+        }
+        #[inline(always)]
+        fn swap_pairs(self, [lo, hi]: [__m256i; 2]) -> [__m256i; 2] {
+            // SAFETY: the CPU has the token's features.
+            unsafe { [_mm256_shuffle_epi32::<0b01_00_11_10>(lo), _mm256_shuffle_epi32::<0b01_00_11_10>(hi)] }
+        }
+        #[inline(always)]
+        fn add(self, a: [__m256i; 2], b: [__m256i; 2]) -> [__m256i; 2] {
+            // SAFETY: the CPU has the token's features.
+            unsafe { [_mm256_add_epi64(a[0], b[0]), _mm256_add_epi64(a[1], b[1])] }
+        }
+        #[inline(always)]
+        fn step(self, acc: [__m256i; 2], data: [__m256i; 2], key: [__m256i; 2]) -> [__m256i; 2] {
+            [step(self, acc[0], data[0], key[0]), step(self, acc[1], data[1], key[1])]
+        }
+        #[inline(always)]
+        fn scramble(self, acc: [__m256i; 2], key: [__m256i; 2]) -> [__m256i; 2] {
+            [scramble(self, acc[0], key[0]), scramble(self, acc[1], key[1])]
+        }
+    }
+
+    /// [`Stripes::step`] on half a stripe.
+    #[inline(always)]
+    fn step(_: Avx2, acc: __m256i, data: __m256i, key: __m256i) -> __m256i {
+        // SAFETY: the CPU has the token's features.
+        unsafe {
+            let value = _mm256_xor_si256(data, key);
+            _mm256_add_epi64(acc, _mm256_mul_epu32(value, _mm256_srli_epi64::<32>(value)))
+        }
+    }
+
+    /// [`Stripes::scramble`] on half a stripe.
+    #[inline(always)]
+    fn scramble(_: Avx2, acc: __m256i, key: __m256i) -> __m256i {
+        // SAFETY: the CPU has the token's features.
+        unsafe {
+            let x = _mm256_xor_si256(_mm256_xor_si256(acc, _mm256_srli_epi64::<47>(acc)), key);
+            let prime = _mm256_set1_epi64x(PRIME32_1 as i64);
+            let low = _mm256_mul_epu32(x, prime);
+            let high = _mm256_mul_epu32(_mm256_srli_epi64::<32>(x), prime);
+            _mm256_add_epi64(low, _mm256_slli_epi64::<32>(high))
+        }
+    }
+
+    // Every `unsafe` block below is sound because an `Avx512` token exists only
+    // where the CPU has AVX-512F and AVX-512BW, and a load or store touches
+    // exactly the 64 bytes that the slice index or the array type bounds.
+    impl Stripes for Avx512 {
+        type V = __m512i;
+        #[inline(always)]
+        fn load(self, bytes: &[u8]) -> __m512i {
+            // SAFETY: the CPU has the token's features; 64 readable bytes.
+            unsafe { _mm512_loadu_si512(bytes[..STRIPE].as_ptr().cast()) }
+        }
+        #[inline(always)]
+        fn load_words(self, words: &[u64; 8]) -> __m512i {
+            // SAFETY: the CPU has the token's features; 64 readable bytes.
+            unsafe { _mm512_loadu_si512(words.as_ptr().cast()) }
+        }
+        #[inline(always)]
+        fn store_words(self, v: __m512i) -> [u64; 8] {
+            let mut words = [0u64; 8];
+            // SAFETY: the CPU has the token's features; 64 writable bytes.
+            unsafe { _mm512_storeu_si512(words.as_mut_ptr().cast(), v) };
+            words
+        }
+        #[inline(always)]
+        fn swap_pairs(self, v: __m512i) -> __m512i {
+            // SAFETY: the CPU has the token's features.
+            unsafe { _mm512_shuffle_epi32::<_MM_PERM_BADC>(v) }
+        }
+        #[inline(always)]
+        fn add(self, a: __m512i, b: __m512i) -> __m512i {
+            // SAFETY: the CPU has the token's features.
+            unsafe { _mm512_add_epi64(a, b) }
+        }
+        /// As xxhash.h's `XXH3_accumulate_512_avx512`, less the swapped data.
+        #[inline(always)]
+        fn step(self, acc: __m512i, data: __m512i, key: __m512i) -> __m512i {
+            // SAFETY: the CPU has the token's features.
+            unsafe {
+                let value = _mm512_xor_si512(data, key);
+                _mm512_add_epi64(acc, _mm512_mul_epu32(value, _mm512_shuffle_epi32::<_MM_PERM_CDAB>(value)))
+            }
+        }
+        /// As xxhash.h's `XXH3_scrambleAcc_avx512`: the xor-shift-xor is one
+        /// ternary logic operation (`0x96` is `a ^ b ^ c`).
+        #[inline(always)]
+        fn scramble(self, acc: __m512i, key: __m512i) -> __m512i {
+            // SAFETY: the CPU has the token's features.
+            unsafe {
+                let x = _mm512_ternarylogic_epi64::<0x96>(acc, _mm512_srli_epi64::<47>(acc), key);
+                let prime = _mm512_set1_epi64(PRIME32_1 as i64);
+                let low = _mm512_mul_epu32(x, prime);
+                let high = _mm512_mul_epu32(_mm512_shuffle_epi32::<_MM_PERM_CDAB>(x), prime);
+                _mm512_add_epi64(low, _mm512_slli_epi64::<32>(high))
+            }
+        }
+    }
 }
 
 /// The eight little-endian words of a stripe.
 #[inline(always)]
 fn lanes(stripe: &[u8]) -> [u64; 8] {
     let mut out = [0u64; 8];
-    for (word, bytes) in out.iter_mut().zip(stripe.chunks_exact(8)) {
+    for (word, bytes) in out.iter_mut().zip(stripe[..STRIPE].chunks_exact(8)) {
         let mut le = [0u8; 8];
         le.copy_from_slice(bytes);
         *word = u64::from_le_bytes(le);
     }
     out
-}
-
-/// XXH3's `accumulate_512` of one stripe (as words) under `secret[offset..]`.
-#[inline(always)]
-fn accumulate_lanes(acc: &mut [u64; 8], data: &[u64; 8], secret: &[u8; SECRET_BYTES], offset: usize) {
-    let key = lanes(&secret[offset..offset + STRIPE]);
-    for i in 0..8 {
-        let value = data[i] ^ key[i];
-        let product = (value & 0xFFFF_FFFF).wrapping_mul(value >> 32);
-        acc[i] = acc[i].wrapping_add(data[i ^ 1]).wrapping_add(product);
-    }
-}
-
-fn scramble(acc: &mut [u64; 8], secret: &[u8; SECRET_BYTES]) {
-    let key = lanes(&secret[SCRAMBLE_SECRET..]);
-    for (a, k) in acc.iter_mut().zip(key) {
-        *a ^= *a >> 47;
-        *a ^= k;
-        *a = a.wrapping_mul(PRIME32_1);
-    }
 }
 
 fn merge(acc: &[u64; 8], secret: &[u8; SECRET_BYTES], offset: usize, start: u64) -> u64 {
@@ -355,6 +513,7 @@ fn avalanche(mut h: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::canon::simd::builds_run;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
     use xxhash_rust::xxh3::xxh3_128_with_secret;
@@ -366,24 +525,30 @@ mod tests {
         secrets
     }
 
+    /// Every build the CPU has, each a one-digest and a two-digest hasher fed
+    /// in pieces of several sizes, against xxhash-rust's one-shot XXH3-128.
     #[test]
     fn equals_the_reference_one_shot_digest_for_every_length_and_split() {
+        let test = "equals_the_reference_one_shot_digest_for_every_length_and_split";
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let [secret, check] = secrets::<2>(1);
         let data: Vec<u8> = (0..300_000).map(|_| rng.random()).collect();
         let lengths = (0..=1300).chain([2047, 2048, 2049, 4096, 16_385, 65_537, 300_000]);
+        let builds = builds_run(test);
         for len in lengths {
-            let want = xxh3_128_with_secret(&data[..len], &secret);
+            let want = [secret, check].map(|s| xxh3_128_with_secret(&data[..len], &s));
             for piece in [rng.random_range(1..=300), 64, 1024, 65_536] {
-                let mut one = KeyedXxh3::new(secret);
-                let mut two = KeyedXxh3::with_secrets([secret, check]);
-                for chunk in data[..len].chunks(piece) {
-                    one.update(chunk);
-                    two.update(chunk);
+                for &build in &builds {
+                    let mut one = KeyedXxh3::on(build, [secret]);
+                    let mut two = KeyedXxh3::on(build, [secret, check]);
+                    for chunk in data[..len].chunks(piece) {
+                        one.update(chunk);
+                        two.update(chunk);
+                    }
+                    let name = build.name();
+                    assert_eq!(one.digest128(), want[0], "{name}: length {len}, pieces of {piece}");
+                    assert_eq!(two.digests(), want, "{name}: both digests, length {len}, pieces of {piece}");
                 }
-                assert_eq!(one.digest128(), want, "length {len}, pieces of {piece}");
-                let both = [want, xxh3_128_with_secret(&data[..len], &check)];
-                assert_eq!(two.digests(), both, "both digests, length {len}, pieces of {piece}");
             }
         }
     }
@@ -418,16 +583,31 @@ mod tests {
         }
     }
 
+    /// Each build's kernel from every position in a block, over blocks and
+    /// partial blocks, for one and two digests: the portable kernel's
+    /// accumulators and end position, to the bit.
     #[test]
-    fn the_portable_kernel_equals_the_dispatched_one() {
+    fn every_build_of_the_kernel_equals_the_portable_one() {
+        let test = "every_build_of_the_kernel_equals_the_portable_one";
         let mut rng = ChaCha8Rng::seed_from_u64(10);
         let pair = secrets::<2>(13);
         let data: Vec<u8> = (0..STRIPE * 53).map(|_| rng.random()).collect();
-        for position in [0, 5, 15] {
-            let (mut a, mut b) = ([INITIAL_ACC; 2], [INITIAL_ACC; 2]);
-            let end = accumulate(&mut a, &data, &pair, position);
-            assert_eq!(end, accumulate_portable(&mut b, &data, &pair, position));
-            assert_eq!(a, b, "from stripe {position} of a block");
+        let builds = builds_run(test);
+        for position in 0..STRIPES_PER_BLOCK {
+            for stripes in [1, 15, 16, 17, 53] {
+                let data = &data[..stripes * STRIPE];
+                let (mut want_one, mut want_two) = ([INITIAL_ACC], [INITIAL_ACC; 2]);
+                let end_one = accumulate(Build::Portable, &mut want_one, data, &[pair[0]], position);
+                let end_two = accumulate(Build::Portable, &mut want_two, data, &pair, position);
+                assert_eq!((end_one, end_two), ((position + stripes) % STRIPES_PER_BLOCK, end_one));
+                for &build in &builds {
+                    let (mut one, mut two) = ([INITIAL_ACC], [INITIAL_ACC; 2]);
+                    let at = format!("{}: {stripes} stripes from stripe {position} of a block", build.name());
+                    assert_eq!(accumulate(build, &mut one, data, &[pair[0]], position), end_one, "{at}");
+                    assert_eq!(accumulate(build, &mut two, data, &pair, position), end_two, "{at}");
+                    assert_eq!((one, two), (want_one, want_two), "{at}");
+                }
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ mod header;
 mod key;
 mod keyed_xxh3;
 mod layout;
+mod simd;
 mod stream;
 
 /// Element type of an item's content tensor (every one of the six).

@@ -15,6 +15,7 @@ use std::ops::Range;
 
 use ndarray::{ArrayView1, ArrayViewD, Axis, Ix1, Slice};
 
+use super::simd::{Build, Vectorised};
 use super::{Dtype, TensorView};
 use crate::error::{Error, RequestError, Result};
 
@@ -221,28 +222,43 @@ fn walk<T: CanonElem, S: ByteSink>(
 }
 
 /// Whether every element's native bits are its canonical bits (finite, not
-/// `-0.0`): one read-only scan, with 256-bit vectors where the CPU has AVX2.
+/// `-0.0`): one read-only scan, with the widest vectors the CPU has.
 fn all_canonical<T: CanonElem>(piece: &[T]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked above), the only requirement
-        // of a `target_feature(enable = "avx2")` function.
-        return unsafe { all_canonical_avx2(piece) };
+    all_canonical_on(Build::detect(), piece)
+}
+
+/// [`CanonElem::all_native_canonical`] compiled for `build` (the compiler
+/// vectorises the scan with its registers: 512-bit ones on AVX-512).
+fn all_canonical_on<T: CanonElem>(build: Build, piece: &[T]) -> bool {
+    struct Scan<'p, T>(&'p [T]);
+    impl<T: CanonElem> Vectorised for Scan<'_, T> {
+        type Out = bool;
+        #[inline(always)]
+        fn run(self) -> bool {
+            T::all_native_canonical(self.0)
+        }
     }
-    all_canonical_portable(piece)
+    build.vectorise(Scan(piece))
 }
 
-/// [`all_canonical_portable`] compiled for AVX2 (the compiler vectorises the
-/// scan with 256-bit registers instead of SSE2's 128).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn all_canonical_avx2<T: CanonElem>(piece: &[T]) -> bool {
-    all_canonical_portable(piece)
-}
-
-#[inline(always)]
-fn all_canonical_portable<T: CanonElem>(piece: &[T]) -> bool {
-    T::all_native_canonical(piece)
+/// Writes the canonical bits of `src` to `dst` (same lengths), `-0.0`
+/// folded, compiled for `build`; returns whether every element is finite.
+fn fold_on<T: CanonElem>(build: Build, src: &[T], dst: &mut [T::Bits]) -> bool {
+    struct Fold<'p, T: CanonElem>(&'p [T], &'p mut [T::Bits]);
+    impl<T: CanonElem> Vectorised for Fold<'_, T> {
+        type Out = bool;
+        #[inline(always)]
+        fn run(self) -> bool {
+            let mut all_finite = true;
+            for (d, &s) in self.1.iter_mut().zip(self.0) {
+                all_finite &= s.finite();
+                *d = s.canonical();
+            }
+            all_finite
+        }
+    }
+    debug_assert_eq!(src.len(), dst.len());
+    build.vectorise(Fold(src, dst))
 }
 
 /// Turns elements into canonical bytes through a bounded staging buffer.
@@ -321,12 +337,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
             let (piece, tail) = rest.split_at(room.min(rest.len()));
             let filled = self.filled;
             let dst = &mut self.staging()[filled..filled + piece.len()];
-            let mut all_finite = true;
-            for (d, &s) in dst.iter_mut().zip(piece) {
-                all_finite &= s.finite();
-                *d = s.canonical();
-            }
-            if !all_finite {
+            if !fold_on(Build::detect(), piece, dst) {
                 return Err(self.non_finite(piece.iter().copied()));
             }
             self.advance(piece.len());
@@ -385,6 +396,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::canon::simd::builds_run;
     use crate::error::TestResult;
     use ndarray::{ArrayD, IxDyn};
 
@@ -524,18 +536,38 @@ mod tests {
         Ok(())
     }
 
+    /// On every build the CPU has: the scan is false exactly when some value
+    /// is non-finite or `-0.0` (alone, and at lanes across a vector-sized run),
+    /// and the fold writes the portable fold's bits and finiteness.
     #[test]
     fn the_clean_scan_flags_exactly_non_finite_values_and_negative_zero() {
-        fn agrees<T: CanonElem + std::fmt::Debug>(values: &[T]) {
+        let builds = builds_run("the_clean_scan_flags_exactly_non_finite_values_and_negative_zero");
+        fn agrees_on<T: CanonElem + std::fmt::Debug>(builds: &[Build], values: &[T]) {
             for &v in values {
                 let canonical = v.finite() && bytemuck::bytes_of(&v.canonical()) == bytemuck::bytes_of(&v);
-                // Alone, and at every lane of a vector-sized run of clean values.
-                assert_eq!(all_canonical(&[v]), canonical, "{v:?}");
-                for at in [0, 7, 31, 32, 63] {
-                    let mut run = vec![values[0]; 64];
-                    run[at] = v;
-                    assert_eq!(all_canonical(&run), canonical, "{v:?} at {at}");
-                    assert_eq!(all_canonical_portable(&run), canonical, "{v:?} at {at}, portable");
+                assert_eq!(all_canonical(&[v]), canonical, "{v:?}, the detected build");
+                for &build in builds {
+                    let name = build.name();
+                    assert_eq!(all_canonical_on(build, &[v]), canonical, "{v:?}, {name}");
+                    // At every lane of a vector-sized run of clean values (and past it).
+                    for at in [0, 7, 31, 32, 63, 64, 127, 128, 200] {
+                        let mut run = vec![values[0]; 201];
+                        run[at] = v;
+                        assert_eq!(all_canonical_on(build, &run), canonical, "{v:?} at {at}, {name}");
+                        let mut want = vec![T::Bits::default(); run.len()];
+                        let mut got = want.clone();
+                        let finite = fold_on(Build::Portable, &run, &mut want);
+                        assert_eq!(finite, v.finite(), "{v:?} at {at}: the portable fold's finiteness");
+                        assert_eq!(
+                            fold_on(build, &run, &mut got),
+                            finite,
+                            "{v:?} at {at}, {name}: finiteness"
+                        );
+                        assert!(
+                            bytemuck::cast_slice::<_, u8>(&got) == bytemuck::cast_slice::<_, u8>(&want),
+                            "{v:?} at {at}, {name}: folded bits"
+                        );
+                    }
                 }
             }
         }
@@ -551,19 +583,19 @@ mod tests {
                     f32::from_bits(0x7f80_0001),
                 ])
                 .collect::<Vec<_>>();
-        agrees(&f32s);
+        agrees_on(&builds, &f32s);
         let f16s = f32s
             .iter()
             .map(|&x| half::f16::from_f32(x))
             .chain([half::f16::MAX, half::f16::MIN])
             .collect::<Vec<_>>();
-        agrees(&f16s);
+        agrees_on(&builds, &f16s);
         let bf16s = f32s
             .iter()
             .map(|&x| half::bf16::from_f32(x))
             .chain([half::bf16::MAX, half::bf16::MIN])
             .collect::<Vec<_>>();
-        agrees(&bf16s);
+        agrees_on(&builds, &bf16s);
     }
 
     #[test]
