@@ -40,6 +40,8 @@
 pub mod alloc;
 pub mod backend;
 pub mod batch;
+#[cfg(test)]
+mod builds_run;
 pub mod canon;
 mod dtype;
 pub mod engine;

@@ -492,16 +492,7 @@ mod tests {
     fn builds_run(test: &str) -> Vec<Simd> {
         let all = Simd::all();
         let have: Vec<&str> = all.iter().map(|s| s.name()).collect();
-        let required = std::env::var("OMNIPREFIX_REQUIRE_SIMD").unwrap_or_default();
-        for build in Simd::NAMES {
-            if !have.contains(&build) {
-                eprintln!("{test}: the {build} build NOT RUN: this CPU lacks it");
-                assert!(
-                    !required.split(',').any(|r| r.trim() == build),
-                    "{test}: OMNIPREFIX_REQUIRE_SIMD names {build}, which this CPU lacks"
-                );
-            }
-        }
+        crate::builds_run::report_missing(test, &Simd::NAMES, &have);
         all
     }
 
