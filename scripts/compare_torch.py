@@ -137,7 +137,9 @@ def machine(binary):
                 flags = sorted(f for f in line.split(":", 1)[1].split() if f in CPU_FLAGS)
     except OSError:
         pass
-    builds = json.loads(subprocess.run([str(binary), "cpu-info"], capture_output=True, text=True, check=True).stdout)
+    info = subprocess.run([str(binary), "cpu-info"], capture_output=True, text=True)
+    # A binary older than `cpu-info` (to time an earlier commit) names no build.
+    builds = json.loads(info.stdout) if info.returncode == 0 else {"simd_running": "unknown"}
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
