@@ -4,12 +4,14 @@
 #   compare_torch{,_bf16,_untied,_bf16_untied}.jsonl  omniprefix against torch, f32 and bf16,
 #                                  tied and untied lm_head (scripts/compare_torch.py, ~7 min)
 #   bench_match_1t.jsonl, bench_match_Nt.jsonl  bench match --workload all, 1 and nproc threads (~3 min)
-#   bench_serve_prefix_repetition.jsonl  bench serve prefix_repetition at c=1 and 8, caching on
-#                                  and off (~2 min)
+#   bench_serve_prefix_repetition.jsonl  bench serve prefix_repetition, 5 prefixes x 4 prompts,
+#                                  64 tokens out (scripts/prefill_policy.sh's), c=1 and 8, caching
+#                                  on and off (~2 min)
 #   bench_ttft.jsonl               bench ttft, the README's workloads (~2 min)
 #   cpu_report.json                the machine (model, flags, the kernel build that ran) and every
 #                                  headline ratio above, each beside the target issue 40 set
-# Env: TORCH_VENV (the venv compare_torch.py uses; default target/torch-venv, made if missing),
+# Env: STEPS (which runs, comma-separated, of torch,match,serve,ttft; default all: the summary
+#      reads the others' reports from OUT_DIR as they are), TORCH_VENV (the venv compare_torch.py uses; default target/torch-venv, made if missing),
 #      OMNIPREFIX_BIN (a built binary; default: cargo build --release, then target/release),
 #      RUNS (compare_torch's runs, default 3), OMNIPREFIX_SIMD (cap the kernels' build: the
 #      report names the one that ran).
@@ -35,21 +37,30 @@ venv=${TORCH_VENV:-$root/target/torch-venv}
 runs=${RUNS:-3}
 threads=$(nproc)
 
-for dtype in f32 bf16; do
-    for head in tied untied; do
-        name=compare_torch
-        [[ $dtype == bf16 ]] && name+=_bf16
-        [[ $head == untied ]] && name+=_untied
-        python3 scripts/compare_torch.py --venv "$venv" --omniprefix "$bin" --runs "$runs" \
-            --threads "$threads" --dtype "$dtype" --lm-head "$head" --json "$out/$name.jsonl"
+steps=",${STEPS:-torch,match,serve,ttft},"
+if [[ $steps == *,torch,* ]]; then
+    for dtype in f32 bf16; do
+        for head in tied untied; do
+            name=compare_torch
+            [[ $dtype == bf16 ]] && name+=_bf16
+            [[ $head == untied ]] && name+=_untied
+            python3 scripts/compare_torch.py --venv "$venv" --omniprefix "$bin" --runs "$runs" \
+                --threads "$threads" --dtype "$dtype" --lm-head "$head" --json "$out/$name.jsonl"
+        done
     done
-done
-"$bin" bench match --workload all --threads 1 --runs 21 --json > "$out/bench_match_1t.jsonl"
-"$bin" bench match --workload all --threads "$threads" --runs 21 --json > "$out/bench_match_Nt.jsonl"
-"$bin" bench serve --workload prefix_repetition --output-len 128 --concurrency 1,8 --json \
-    > "$out/bench_serve_prefix_repetition.jsonl"
-"$bin" bench ttft --runs 7 --json \
-    --workloads prefix_repetition,prefix_repetition_long,multi_round,capture_overhead > "$out/bench_ttft.jsonl"
+fi
+if [[ $steps == *,match,* ]]; then
+    "$bin" bench match --workload all --threads 1 --runs 21 --json > "$out/bench_match_1t.jsonl"
+    "$bin" bench match --workload all --threads "$threads" --runs 21 --json > "$out/bench_match_Nt.jsonl"
+fi
+if [[ $steps == *,serve,* ]]; then
+    "$bin" bench serve --workload prefix_repetition --num-prefixes 5 --prompts-per-prefix 4 \
+        --output-len 64 --concurrency 1,8 --json > "$out/bench_serve_prefix_repetition.jsonl"
+fi
+if [[ $steps == *,ttft,* ]]; then
+    "$bin" bench ttft --runs 7 --json \
+        --workloads prefix_repetition,prefix_repetition_long,multi_round,capture_overhead > "$out/bench_ttft.jsonl"
+fi
 
 "$bin" cpu-info > "$out/cpu_info.json"
 python3 - "$out" <<'EOF'

@@ -79,9 +79,10 @@ pub(crate) enum Simd {
     Avx512Bf16(Avx512<DpPairs>),
 }
 
-/// The variable that caps the build every kernel takes (a build's [`Simd::name`]),
-/// so a benchmark can time a slower build on the same machine. Unset, or naming a
-/// build this CPU lacks, the best one runs.
+/// The variable that caps the build every kernel takes (`portable`, `avx2`, `avx512` or
+/// `avx512bf16`, as [`simd_builds`](super::simd_builds) names them), so a benchmark can
+/// time a slower build on the same machine. Unset, or naming a build this CPU lacks,
+/// the best one runs.
 pub const SIMD_ENV: &str = "OMNIPREFIX_SIMD";
 
 /// A kernel written once over [`Wide`] lanes; [`Simd::run_wide`] compiles it for
