@@ -22,9 +22,9 @@
 use twox_hash::XxHash3_128;
 
 use super::key::SECRET_BYTES;
-use super::simd::Build;
+use crate::backend::cpu::lanes::Simd;
 #[cfg(target_arch = "x86_64")]
-use super::simd::{Avx2, Avx512};
+use crate::backend::cpu::lanes::{Avx2, Avx512};
 
 /// Inputs up to this length take XXH3's short path.
 const SHORT_INPUT: usize = 240;
@@ -58,7 +58,7 @@ const MERGE_HIGH_SECRET: usize = SECRET_BYTES - STRIPE - 11;
 pub(crate) struct KeyedXxh3<const N: usize = 1> {
     secrets: [[u8; SECRET_BYTES]; N],
     /// The build of the stripe kernel (the widest the CPU runs, unless a test picks one).
-    build: Build,
+    build: Simd,
     state: State<N>,
 }
 
@@ -94,11 +94,11 @@ impl KeyedXxh3<1> {
 impl<const N: usize> KeyedXxh3<N> {
     /// Hashers keyed by `secrets`, one digest each.
     pub(crate) fn with_secrets(secrets: [[u8; SECRET_BYTES]; N]) -> Self {
-        Self::on(Build::detect(), secrets)
+        Self::on(Simd::detect(), secrets)
     }
 
     /// [`KeyedXxh3::with_secrets`] on a given build of the stripe kernel.
-    fn on(build: Build, secrets: [[u8; SECRET_BYTES]; N]) -> Self {
+    fn on(build: Simd, secrets: [[u8; SECRET_BYTES]; N]) -> Self {
         let state = State {
             acc: [INITIAL_ACC; N],
             block_stripes: 0,
@@ -188,17 +188,20 @@ impl<const N: usize> KeyedXxh3<N> {
 /// first one at stripe `position` of its block, scrambling at every block
 /// end; returns the position in the block after the last one.
 fn accumulate<const N: usize>(
-    build: Build, acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], position: usize,
+    build: Simd, acc: &mut [[u64; 8]; N], stripes: &[u8], secrets: &[[u8; SECRET_BYTES]; N], position: usize,
 ) -> usize {
     debug_assert!(stripes.len().is_multiple_of(STRIPE));
     match build {
-        Build::Portable => accumulate_on(Portable, acc, stripes, secrets, position),
+        Simd::Portable => accumulate_on(Portable, acc, stripes, secrets, position),
         // SAFETY: the token proves the CPU has AVX2, the entry point's only requirement.
         #[cfg(target_arch = "x86_64")]
-        Build::Avx2(l) => unsafe { accumulate_avx2(l, acc, stripes, secrets, position) },
+        Simd::Avx2(l) => unsafe { accumulate_avx2(l, acc, stripes, secrets, position) },
         // SAFETY: the token proves the CPU has AVX-512F and AVX-512BW, the entry point's requirements.
         #[cfg(target_arch = "x86_64")]
-        Build::Avx512(z) => unsafe { accumulate_avx512(z, acc, stripes, secrets, position) },
+        Simd::Avx512(z) => unsafe { accumulate_avx512(z, acc, stripes, secrets, position) },
+        // SAFETY: as `Avx512`'s (the bf16 products play no part here).
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512Bf16(b) => unsafe { accumulate_avx512(b.fma_pairs(), acc, stripes, secrets, position) },
     }
 }
 
@@ -513,7 +516,7 @@ fn avalanche(mut h: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::canon::simd::builds_run;
+    use crate::builds_run::builds_run;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
     use xxhash_rust::xxh3::xxh3_128_with_secret;
@@ -597,8 +600,8 @@ mod tests {
             for stripes in [1, 15, 16, 17, 53] {
                 let data = &data[..stripes * STRIPE];
                 let (mut want_one, mut want_two) = ([INITIAL_ACC], [INITIAL_ACC; 2]);
-                let end_one = accumulate(Build::Portable, &mut want_one, data, &[pair[0]], position);
-                let end_two = accumulate(Build::Portable, &mut want_two, data, &pair, position);
+                let end_one = accumulate(Simd::Portable, &mut want_one, data, &[pair[0]], position);
+                let end_two = accumulate(Simd::Portable, &mut want_two, data, &pair, position);
                 assert_eq!((end_one, end_two), ((position + stripes) % STRIPES_PER_BLOCK, end_one));
                 for &build in &builds {
                     let (mut one, mut two) = ([INITIAL_ACC], [INITIAL_ACC; 2]);

@@ -15,8 +15,9 @@ use std::ops::Range;
 
 use ndarray::{ArrayView1, ArrayViewD, Axis, Ix1, Slice};
 
-use super::simd::{Build, Vectorised};
+use super::simd::{Vectorised, vectorise};
 use super::{Dtype, TensorView};
+use crate::backend::cpu::lanes::Simd;
 use crate::error::{Error, RequestError, Result};
 
 /// Bytes of the staging buffer floats and strided views are encoded into.
@@ -224,12 +225,12 @@ fn walk<T: CanonElem, S: ByteSink>(
 /// Whether every element's native bits are its canonical bits (finite, not
 /// `-0.0`): one read-only scan, with the widest vectors the CPU has.
 fn all_canonical<T: CanonElem>(piece: &[T]) -> bool {
-    all_canonical_on(Build::detect(), piece)
+    all_canonical_on(Simd::detect(), piece)
 }
 
 /// [`CanonElem::all_native_canonical`] compiled for `build` (the compiler
 /// vectorises the scan with its registers: 512-bit ones on AVX-512).
-fn all_canonical_on<T: CanonElem>(build: Build, piece: &[T]) -> bool {
+fn all_canonical_on<T: CanonElem>(build: Simd, piece: &[T]) -> bool {
     struct Scan<'p, T>(&'p [T]);
     impl<T: CanonElem> Vectorised for Scan<'_, T> {
         type Out = bool;
@@ -238,12 +239,12 @@ fn all_canonical_on<T: CanonElem>(build: Build, piece: &[T]) -> bool {
             T::all_native_canonical(self.0)
         }
     }
-    build.vectorise(Scan(piece))
+    vectorise(build, Scan(piece))
 }
 
 /// Writes the canonical bits of `src` to `dst` (same lengths), `-0.0`
 /// folded, compiled for `build`; returns whether every element is finite.
-fn fold_on<T: CanonElem>(build: Build, src: &[T], dst: &mut [T::Bits]) -> bool {
+fn fold_on<T: CanonElem>(build: Simd, src: &[T], dst: &mut [T::Bits]) -> bool {
     struct Fold<'p, T: CanonElem>(&'p [T], &'p mut [T::Bits]);
     impl<T: CanonElem> Vectorised for Fold<'_, T> {
         type Out = bool;
@@ -258,7 +259,7 @@ fn fold_on<T: CanonElem>(build: Build, src: &[T], dst: &mut [T::Bits]) -> bool {
         }
     }
     debug_assert_eq!(src.len(), dst.len());
-    build.vectorise(Fold(src, dst))
+    vectorise(build, Fold(src, dst))
 }
 
 /// Turns elements into canonical bytes through a bounded staging buffer.
@@ -337,7 +338,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
             let (piece, tail) = rest.split_at(room.min(rest.len()));
             let filled = self.filled;
             let dst = &mut self.staging()[filled..filled + piece.len()];
-            if !fold_on(Build::detect(), piece, dst) {
+            if !fold_on(Simd::detect(), piece, dst) {
                 return Err(self.non_finite(piece.iter().copied()));
             }
             self.advance(piece.len());
@@ -396,7 +397,7 @@ impl<'s, T: CanonElem, S: ByteSink> Encoder<'s, T, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::canon::simd::builds_run;
+    use crate::builds_run::builds_run;
     use crate::error::TestResult;
     use ndarray::{ArrayD, IxDyn};
 
@@ -542,7 +543,7 @@ mod tests {
     #[test]
     fn the_clean_scan_flags_exactly_non_finite_values_and_negative_zero() {
         let builds = builds_run("the_clean_scan_flags_exactly_non_finite_values_and_negative_zero");
-        fn agrees_on<T: CanonElem + std::fmt::Debug>(builds: &[Build], values: &[T]) {
+        fn agrees_on<T: CanonElem + std::fmt::Debug>(builds: &[Simd], values: &[T]) {
             for &v in values {
                 let canonical = v.finite() && bytemuck::bytes_of(&v.canonical()) == bytemuck::bytes_of(&v);
                 assert_eq!(all_canonical(&[v]), canonical, "{v:?}, the detected build");
@@ -556,7 +557,7 @@ mod tests {
                         assert_eq!(all_canonical_on(build, &run), canonical, "{v:?} at {at}, {name}");
                         let mut want = vec![T::Bits::default(); run.len()];
                         let mut got = want.clone();
-                        let finite = fold_on(Build::Portable, &run, &mut want);
+                        let finite = fold_on(Simd::Portable, &run, &mut want);
                         assert_eq!(finite, v.finite(), "{v:?} at {at}: the portable fold's finiteness");
                         assert_eq!(
                             fold_on(build, &run, &mut got),

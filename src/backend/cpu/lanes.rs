@@ -60,7 +60,7 @@ pub(crate) trait Lanes: Copy + Send + Sync {
 }
 
 /// The lanes this CPU runs, found once: the one CPU-feature token every kernel
-/// dispatches on. A machine always takes the same build, so a result never
+/// dispatches on (canon's byte kernels too). A machine always takes the same build, so a result never
 /// depends on which call computed it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Simd {
@@ -790,10 +790,12 @@ mod avx512 {
     }
 
     impl Avx512 {
-        /// The token when this CPU (which has AVX2: `l`) has AVX-512F (checked once).
+        /// The token when this CPU (which has AVX2: `l`) has AVX-512F and AVX-512BW
+        /// (checked once; canon's byte kernels use BW's byte and word lanes).
         pub(super) fn new(l: Avx2) -> Option<Self> {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let ok = *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"));
+            let ok = *AVAILABLE
+                .get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"));
             ok.then_some(Avx512(l, FmaPairs))
         }
 
@@ -802,6 +804,13 @@ mod avx512 {
             static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
             let ok = *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512bf16"));
             ok.then_some(Avx512(self.0, DpPairs(())))
+        }
+    }
+
+    impl<B> Avx512<B> {
+        /// These lanes with bf16 pairs as two fused multiply-adds (for kernels with no bf16 products).
+        pub(crate) fn fma_pairs(self) -> Avx512 {
+            Avx512(self.0, FmaPairs)
         }
     }
 

@@ -10,7 +10,7 @@ pub mod conv;
 pub(crate) mod dense_attention;
 mod fast_exp;
 mod fast_sin;
-mod lanes;
+pub(crate) mod lanes;
 mod moe;
 mod packed_weight;
 mod pages;

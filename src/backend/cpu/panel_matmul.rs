@@ -396,6 +396,7 @@ unsafe fn kernel<W: Wide, T: Element, const R: usize, const P: usize>(
 mod tests {
     use super::*;
     use crate::backend::test_support::{pool, rand_rows};
+    use crate::builds_run::builds_run;
 
     /// The definition every build must meet to the bit: from zero, one fused
     /// multiply-add per `k`, a step at a time in order and each step's last `k`
@@ -484,16 +485,6 @@ mod tests {
     #[test]
     fn f16_products_are_the_fused_chain_on_every_build_and_batch() {
         check(f16::from_f32);
-    }
-
-    /// The builds `Simd::all()` gives on this CPU; the ones it lacks are printed
-    /// by name as not run (and fail the test when `OMNIPREFIX_REQUIRE_SIMD` names
-    /// them, comma-separated, as a CI machine known to have them should).
-    fn builds_run(test: &str) -> Vec<Simd> {
-        let all = Simd::all();
-        let have: Vec<&str> = all.iter().map(|s| s.name()).collect();
-        crate::builds_run::report_missing(test, &Simd::NAMES, &have);
-        all
     }
 
     /// Every row tail of every kernel (1..=16 rows left and more: 8 rows a call on
