@@ -18,21 +18,9 @@
 # Run it with nothing else busy: another process skews both engines (torch's OpenMP most).
 set -euo pipefail
 
-if [[ $# -ne 1 ]]; then
-    echo "usage: $0 OUT_DIR" >&2
-    exit 2
-fi
-out=$1
-root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$root"
+source "$(dirname "$0")/report_setup.sh"
+report_setup "$0 OUT_DIR" "$@"
 
-bin=${OMNIPREFIX_BIN:-}
-if [[ -z "$bin" ]]; then
-    cargo build --release --quiet -p omniprefix-cli
-    bin="${CARGO_TARGET_DIR:-$root/target}/release/omniprefix"
-fi
 venv=${TORCH_VENV:-$root/target/torch-venv}
 runs=${RUNS:-3}
 threads=$(nproc)

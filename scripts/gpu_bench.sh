@@ -22,21 +22,8 @@ if [[ "${1:-}" == "--quick" ]]; then
     quick=1
     shift
 fi
-if [[ $# -ne 1 ]]; then
-    echo "usage: $0 [--quick] OUT_DIR" >&2
-    exit 2
-fi
-out=$1
-root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-cd "$root"
-
-bin=${OMNIPREFIX_BIN:-}
-if [[ -z "$bin" ]]; then
-    cargo build --release -p omniprefix-cli
-    bin="${CARGO_TARGET_DIR:-$root/target}/release/omniprefix"
-fi
+source "$(dirname "$0")/report_setup.sh"
+report_setup "$0 [--quick] OUT_DIR" "$@"
 
 # timing NAME T0 T1: one line of timing.jsonl.
 timing() {
