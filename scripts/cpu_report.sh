@@ -7,10 +7,14 @@
 #   bench_serve_prefix_repetition.jsonl  bench serve prefix_repetition, 5 prefixes x 4 prompts,
 #                                  64 tokens out (scripts/prefill_policy.sh's), c=1 and 8, caching
 #                                  on and off (~2 min)
+#   bench_serve_decode.jsonl       the same with 16 + 16-token prompts and 128 tokens out: decode
+#                                  batching alone, without the prompts' prefill (~1 min)
+#   real_width_rss.json            peak RSS of a real-width bf16 thinker against its file
+#                                  (scripts/real_width_rss.py; writes 3.7 GB under /tmp once, ~1 min)
 #   bench_ttft.jsonl               bench ttft, the README's workloads (~2 min)
 #   cpu_report.json                the machine (model, flags, the kernel build that ran) and every
 #                                  headline ratio above, each beside the target issue 40 set
-# Env: STEPS (which runs, comma-separated, of torch,match,serve,ttft; default all: the summary
+# Env: STEPS (which runs, comma-separated, of torch,match,serve,ttft,rss; default all: the summary
 #      reads the others' reports from OUT_DIR as they are), TORCH_VENV (the venv compare_torch.py uses; default target/torch-venv, made if missing),
 #      OMNIPREFIX_BIN (a built binary; default: cargo build --release, then target/release),
 #      RUNS (compare_torch's runs, default 3), OMNIPREFIX_SIMD (cap the kernels' build: the
@@ -25,7 +29,7 @@ venv=${TORCH_VENV:-$root/target/torch-venv}
 runs=${RUNS:-3}
 threads=$(nproc)
 
-steps=",${STEPS:-torch,match,serve,ttft},"
+steps=",${STEPS:-torch,match,serve,ttft,rss},"
 if [[ $steps == *,torch,* ]]; then
     for dtype in f32 bf16; do
         for head in tied untied; do
@@ -44,10 +48,17 @@ fi
 if [[ $steps == *,serve,* ]]; then
     "$bin" bench serve --workload prefix_repetition --num-prefixes 5 --prompts-per-prefix 4 \
         --output-len 64 --concurrency 1,8 --json > "$out/bench_serve_prefix_repetition.jsonl"
+    "$bin" bench serve --workload prefix_repetition --num-prefixes 5 --prompts-per-prefix 4 \
+        --prefix-len 16 --suffix-len 16 --output-len 128 --concurrency 1,8 --json > "$out/bench_serve_decode.jsonl"
 fi
 if [[ $steps == *,ttft,* ]]; then
     "$bin" bench ttft --runs 7 --json \
         --workloads prefix_repetition,prefix_repetition_long,multi_round,capture_overhead > "$out/bench_ttft.jsonl"
+fi
+if [[ $steps == *,rss,* ]]; then
+    python=$venv/bin/python
+    [[ -x $python ]] || python=python3
+    "$python" scripts/real_width_rss.py --bin "$bin" > "$out/real_width_rss.json"
 fi
 
 "$bin" cpu-info > "$out/cpu_info.json"
@@ -96,9 +107,14 @@ serve = {(r["concurrency"], r["cache"]): r for r in lines("bench_serve_prefix_re
 c1, c8 = serve[(1, True)], serve[(8, True)]
 ratio("serve prefix_repetition, caching on: tok/s c=8 / c=1", c8["output_tokens_per_s"] / c1["output_tokens_per_s"], ">= 4", lambda v: v >= 4)
 ratio("serve prefix_repetition, caching on, c=8: ITL p99 / p50", c8["itl_ms_p99"] / c8["itl_ms_p50"], "<= 2", lambda v: v <= 2)
+decode = {(r["concurrency"], r["cache"]): r for r in lines("bench_serve_decode.jsonl")}
+ratio("serve decode only (16 + 16-token prompts, 128 out), caching on: tok/s c=8 / c=1",
+      decode[(8, True)]["output_tokens_per_s"] / decode[(1, True)]["output_tokens_per_s"], None)
 for r in lines("bench_ttft.jsonl"):
     if r["workload"] == "prefix_repetition_long":
         ratio("ttft 256 over 2048 cached: cached / uncached", r["ratio"], f"ideal {r['ideal_ratio']:.3f}")
+[rss] = lines("real_width_rss.json")
+ratio("real-width bf16 thinker: peak RSS / checkpoint file", rss["peak_over_file"], "<= 1.25", lambda v: v <= 1.25)
 report = {
     "kind": "cpu_report",
     "machine": {"cpu": model, "flags": flags, "threads": cpu["threads"], "omniprefix_simd": cpu["simd_running"],
@@ -107,6 +123,7 @@ report = {
 }
 (out / "cpu_report.json").write_text(json.dumps(report, indent=1) + "\n")
 for r in ratios:
-    print(f"{r['what']}: {r['value']} (target {r['target']}{', NOT met' if r['met'] is False else ''})")
+    target = f" (target {r['target']}{', NOT met' if r['met'] is False else ''})" if r["target"] else ""
+    print(f"{r['what']}: {r['value']}{target}")
 EOF
 rm -f "$out/cpu_info.json"
