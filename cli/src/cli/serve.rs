@@ -181,9 +181,10 @@ impl ServeArgs {
 
     /// The random model: `bench ttft`'s (hidden 512, 8 layers, Qwen's vocabulary),
     /// [`clients_model`]'s for `many_clients` alone, or, with `--quick`, hidden 32,
-    /// 2 layers, 600 ids; heads keep their head_dim.
-    pub fn random_model(&self) -> Config {
-        let clients_only = self.workloads().is_ok_and(|w| Self::many_clients_alone(&w));
+    /// 2 layers, 600 ids; heads keep their head_dim. `options` are [`ServeArgs::options`]'
+    /// (so the workloads are parsed once).
+    pub fn random_model(&self, options: &ServeOptions) -> Config {
+        let clients_only = Self::many_clients_alone(&options.workloads);
         let base = match (self.quick, clients_only) {
             (true, _) => Config::tiny_qwen3(32, 2, 2, 1, 600),
             (false, true) => clients_model(),
@@ -245,7 +246,7 @@ impl BackendJob for Measure<'_> {
         let (thinker, tokens) = load_thinker(
             &*backend,
             args.model.as_deref(),
-            args.random_model(),
+            args.random_model(self.options),
             args.seed,
             args.runtime.dtype,
         )?;
