@@ -70,7 +70,7 @@ pub(crate) enum Simd {
     #[cfg(target_arch = "x86_64")]
     Avx2(Avx2),
     /// [`Avx512`] lanes (16 wide; their [`Wide::narrow`] lanes are [`Avx2`]);
-    /// holding the token proves AVX-512F as well as AVX2, FMA and F16C.
+    /// holding the token proves AVX-512F and AVX-512BW as well as AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     Avx512(Avx512),
     /// [`Avx512`] lanes whose bf16 pairs take one `vdpbf16ps`; holding the token
@@ -815,7 +815,7 @@ mod avx512 {
     }
 
     // SAFETY (every `unsafe` block below): an `Avx512` exists only where the CPU has
-    // AVX-512F (and, beside it, AVX2, FMA and F16C); pointer validity is the caller's contract.
+    // AVX-512F and AVX-512BW (and, beside them, AVX2, FMA and F16C); pointer validity is the caller's contract.
     impl<B: Bf16Dot> Wide for Avx512<B> {
         type V = __m512;
         const WIDTH: usize = 16;
