@@ -479,6 +479,11 @@ fn a_prefill_cap_of_zero_or_above_the_budget_is_a_config_error() {
     );
 }
 
+/// Each sequence of a batch as (request, tokens it runs this step).
+fn shape(batch: &ScheduledBatch) -> Vec<(RequestId, usize)> {
+    batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
+}
+
 /// With a cap, a step that carries decodes adds at most `prefill_cap` prefill
 /// tokens: a long prompt is chunked across steps (and still progresses every
 /// step) instead of stalling the decode; without decodes it takes the budget.
@@ -487,9 +492,6 @@ fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestRe
     let mut sched = scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(3), ..config(32, 8, true) })?;
     // Alone, a prompt takes the whole budget.
     sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 8))?;
-    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
-        batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
-    };
     let batch = sched.schedule()?;
     assert_eq!(shape(&batch), vec![(1, 5)]);
     complete(&mut sched, &batch)?;
@@ -516,9 +518,6 @@ fn a_prefill_cap_chunks_prompts_beside_decodes_and_keeps_them_moving() -> TestRe
 fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestResult {
     let mut sched =
         scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(3), ..config(32, 16, true) })?;
-    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
-        batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
-    };
     sched.admit(generating(1, &(0..5).collect::<Vec<_>>(), 8))?;
     sched.admit(generating(2, &(100..105).collect::<Vec<_>>(), 8))?;
     let batch = sched.schedule()?;
@@ -552,9 +551,6 @@ fn a_prefill_cap_starts_one_long_prompt_per_step_and_packs_short_ones() -> TestR
 fn prefill_only_prompts_pack_under_a_prefill_cap() -> TestResult {
     let mut sched =
         scheduler(SchedulerConfig { prefill_cap: PrefillCap::Tokens(3), ..config(32, 16, true) })?;
-    let shape = |batch: &ScheduledBatch| -> Vec<(RequestId, usize)> {
-        batch.seqs.iter().map(|s| (s.request, s.token_ids.len())).collect()
-    };
     sched.admit(request(1, 0, &(0..5).collect::<Vec<_>>()))?;
     sched.admit(request(2, 0, &(100..105).collect::<Vec<_>>()))?;
     sched.admit(generating(3, &(200..205).collect::<Vec<_>>(), 4))?;
