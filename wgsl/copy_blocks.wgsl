@@ -6,7 +6,7 @@
 
 const WG: u32 = 256u;
 
-// p: CopyParams (uniform, binding 0), declared once in src/backend/wgpu/ops/paging.rs
+// p: CopyParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read> pairs: array<u32>;
 @group(0) @binding(2) var<storage, read_write> pool: array<u32>;

@@ -7,7 +7,7 @@
 
 const WG: u32 = 256u;
 
-// p: EwParams (uniform, binding 0), declared once in src/backend/wgpu/ops/dense.rs
+// p: EwParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read_write> acc: array<f32>;
 @group(0) @binding(2) var<storage, read> rhs: array<f32>;

@@ -27,7 +27,7 @@ const NO_ROW: u32 = 0xffffffffu;
 
 override W_F16: bool = false;
 
-// p: MatmulParams (uniform, binding 0), declared once in src/backend/wgpu/ops/dense.rs
+// p: MatmulParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> w: array<u32>;

@@ -10,7 +10,7 @@
 
 const WG: u32 = 64u;
 
-// p: MoeParams (uniform, binding 0), declared once in src/backend/wgpu/ops/moe.rs
+// p: MoeParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 // router_topk
 @group(0) @binding(1) var<storage, read> logits: array<f32>;

@@ -9,7 +9,7 @@ const DIMS_PER_THREAD: u32 = 4u; // MAX_HEAD_DIM (256) / WG
 const MAX_GROUP: u32 = 8u;
 const NEG_BIG: f32 = -3.0e38;
 
-// p: AttnParams (uniform, binding 0), declared once in src/backend/wgpu/ops/attention.rs
+// p: AttnParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read> q: array<f32>;
 @group(0) @binding(2) var<storage, read> row_info: array<u32>;

@@ -12,7 +12,7 @@
 
 const WG: u32 = 256u;
 
-// p: RowParams (uniform, binding 0), declared once in src/backend/wgpu/ops/paging.rs
+// p: RowParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read> slots: array<i32>;
 // scatter_rows

@@ -4,7 +4,7 @@
 
 const WG: u32 = 64u;
 
-// p: NormParams (uniform, binding 0), declared once in src/backend/wgpu/ops/dense.rs
+// p: NormParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> weight: array<f32>;

@@ -10,7 +10,7 @@
 
 const WG: u32 = 256u;
 
-// p: RopeParams (uniform, binding 0), declared once in src/backend/wgpu/ops/rope.rs
+// p: RopeParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read> positions: array<i32>;
 @group(0) @binding(2) var<storage, read> inv_freq: array<f32>;

@@ -9,7 +9,7 @@ const WG: u32 = 256u;
 
 override SRC_F16: bool = false;
 
-// p: DenseRowParams (uniform, binding 0), declared once in src/backend/wgpu/ops/rows.rs
+// p: DenseRowParams (uniform, binding 0), declared once in src/backend/wgpu/kernel_params.rs
 // and composed before this file.
 @group(0) @binding(1) var<storage, read> idx: array<u32>;
 @group(0) @binding(2) var<storage, read> src: array<u32>;
