@@ -64,7 +64,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 IN_VENV = "OMNIPREFIX_COMPARE_TORCH_IN_VENV"
 
-# The embedded bench model of cli/src/ttft.rs (`bench_model`).
+# The embedded bench model of cli/src/ttft/mod.rs (`bench_model`).
 MODEL = dict(
     vocab_size=151_936,
     hidden_size=512,
