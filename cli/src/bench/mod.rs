@@ -1,4 +1,4 @@
-//! Match measurement of `omniprefix bench match`:
+//! Match measurement shared by `omniprefix bench match` and `benches/match.rs`:
 //! a [`MatchFixture`] per workload (indexes warmed, each path one method) and
 //! [`measure`], which takes medians of those paths into a [`MatchReport`].
 
