@@ -86,8 +86,28 @@ pub struct Fingerprinter {
     check_secret: [u8; super::key::SECRET_BYTES],
     policy: ValidationPolicy,
     threads: usize,
-    /// Workers for tree leaves; `None` hashes on the caller's thread.
-    pool: Option<rayon::ThreadPool>,
+    /// Workers for tree leaves ([`shared_pool`]); `None` hashes on the caller's thread.
+    pool: Option<Arc<rayon::ThreadPool>>,
+}
+
+/// The process's fingerprint pool of `threads` workers, built on first use and
+/// shared by every [`Fingerprinter`] of that size. Building one spawns its threads,
+/// which costs more than hashing a small item; `vllm_uuids(threads=2)` made a
+/// fingerprinter, and so a pool, on every call.
+fn shared_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
+    static POOLS: std::sync::Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = std::sync::Mutex::new(Vec::new());
+    let mut pools = POOLS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, pool)) = pools.iter().find(|(n, _)| *n == threads) {
+        return Ok(Arc::clone(pool));
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("omniprefix-fp-{i}"))
+        .build()
+        .map_err(|source| Error::ThreadPool { purpose: "fingerprint", threads, source })?;
+    let pool = Arc::new(pool);
+    pools.push((threads, Arc::clone(&pool)));
+    Ok(pool)
 }
 
 impl std::fmt::Debug for Fingerprinter {
@@ -199,16 +219,7 @@ impl Fingerprinter {
     /// 1), producing the validation material `policy` needs.
     pub fn new(key: FingerprintKey, threads: usize, policy: ValidationPolicy) -> Result<Self> {
         let threads = threads.max(1);
-        let pool = if threads > 1 {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .thread_name(|i| format!("omniprefix-fp-{i}"))
-                .build()
-                .map_err(|source| Error::ThreadPool { purpose: "fingerprint", threads, source })?;
-            Some(pool)
-        } else {
-            None
-        };
+        let pool = if threads > 1 { Some(shared_pool(threads)?) } else { None };
         Ok(Fingerprinter {
             fingerprint_secret: key.fingerprint_secret(),
             check_secret: key.check_secret(),
@@ -366,6 +377,22 @@ mod tests {
 
     fn fingerprinter(threads: usize, policy: ValidationPolicy) -> Result<Fingerprinter> {
         Fingerprinter::new(FingerprintKey::fixed(42), threads, policy)
+    }
+
+    /// Fingerprinters of one size share the process's pool, so making one per call
+    /// (as `vllm_uuids` does) spawns no threads after the first.
+    #[test]
+    fn fingerprinters_of_one_size_share_one_pool() -> TestResult {
+        let first = fingerprinter(3, ValidationPolicy::Unvalidated)?;
+        let second = Fingerprinter::new(FingerprintKey::fixed(7), 3, ValidationPolicy::SecondDigest)?;
+        let (Some(a), Some(b)) = (&first.pool, &second.pool) else {
+            return Err("3 threads make a pool".into());
+        };
+        assert!(Arc::ptr_eq(a, b), "a second fingerprinter of 3 threads built its own pool");
+        let other = fingerprinter(2, ValidationPolicy::Unvalidated)?;
+        assert!(other.pool.as_ref().is_some_and(|c| !Arc::ptr_eq(a, c) && c.current_num_threads() == 2));
+        assert!(fingerprinter(1, ValidationPolicy::Unvalidated)?.pool.is_none());
+        Ok(())
     }
 
     fn image<'a>(view: TensorView<'a>, grid_thw: [u32; 3]) -> ItemSpec<'a> {
