@@ -164,6 +164,14 @@ class ReplicaView:
             applied += 1
         return applied
 
+    def catch_up(self) -> int:
+        """Applies whatever the replay endpoint holds from :attr:`next_seq` on; returns how many.
+
+        A view finds a gap only when a later batch arrives: batches published before its
+        subscription took effect, with nothing after them, would stay unseen.
+        """
+        return self.replay_from(self.next_seq or 0)
+
     def replay_from(self, start: int, upto: Optional[int] = None, timeout_ms: int = 5000) -> int:
         """Applies the buffered batches ``start <= seq < upto`` from the replay endpoint."""
         if not self.replay_endpoint:
@@ -189,6 +197,10 @@ class ReplicaView:
             dealer.close(linger=0)
         self.replays += 1
         return applied
+
+
+#: How long :meth:`Router.wait_for` waits between asking a view's replay endpoint to catch up.
+CATCH_UP_S = 0.25
 
 
 def wait_until(done: Callable[[], object], timeout_s: float, interval_s: float) -> bool:
@@ -265,12 +277,23 @@ class Router:
         return choice
 
     def wait_for(self, replica: int, hashes: Sequence[int], timeout_s: float = 5.0) -> bool:
-        """Waits until replica ``replica``'s view caches every hash of ``hashes`` (bounded)."""
+        """Waits until replica ``replica``'s view caches every hash of ``hashes`` (bounded).
+
+        Every :data:`CATCH_UP_S` without them, the view asks the replay endpoint for what it
+        may have missed (:meth:`ReplicaView.catch_up`): a request whose batches all went out
+        before the view's subscription took effect is otherwise seen only at the next batch.
+        """
         wanted = set(hashes)
+        view = self.replicas[replica]
+        last_catch_up = time.monotonic()
 
         def cached() -> bool:
+            nonlocal last_catch_up
             with self._lock:
-                return wanted <= self.replicas[replica].cached
+                if not wanted <= view.cached and time.monotonic() - last_catch_up >= CATCH_UP_S:
+                    view.catch_up()
+                    last_catch_up = time.monotonic()
+                return wanted <= view.cached
 
         return wait_until(cached, timeout_s, 0.002)
 

@@ -52,6 +52,21 @@ def serve(router: Router, engines: list, ids, items=None, tenant: int = 0) -> in
     return choice
 
 
+def test_a_router_that_subscribes_after_a_request_still_sees_its_blocks(omni_config):
+    # Every batch of the request goes out before the router exists, and nothing follows it,
+    # so no later batch reveals the gap: wait_for must ask the replay endpoint itself.
+    [engine] = replicas(1, omni_config)
+    prompt = random_ids(3, 20)
+    engine.generate(prompt, tenant=0, max_tokens=2, ignore_eos=True)
+    router = Router([ReplicaView(engine.kv_events_endpoint, engine.kv_replay_endpoint)],
+                    fingerprint_key=KEY, block_size=BLOCK, tokens=omni_config)
+    try:
+        assert router.wait_for(0, hashes(prompt, None, omni_config), timeout_s=10.0)
+        assert sorted(router.replicas[0].cached) == engine.cached_block_hashes()
+    finally:
+        router.close()
+
+
 def test_kv_routing_follows_tenants_and_images_where_round_robin_does_not(omni_config):
     engines = replicas(2, omni_config)
     views = [ReplicaView(e.kv_events_endpoint, e.kv_replay_endpoint) for e in engines]
