@@ -116,8 +116,9 @@ class ReplicaView:
 
     Call :meth:`poll` (or let a :class:`Router` do it) to apply what arrived. A
     gap in the seq numbers is filled from the replay endpoint, so a view that
-    connects late or drops a batch still converges; ``replays`` counts how
-    often that happened.
+    connects late or drops a batch still converges: at the next batch, or at
+    :meth:`catch_up` when none follows (:meth:`Router.wait_for` calls it);
+    ``replays`` counts how often the replay endpoint was asked.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
