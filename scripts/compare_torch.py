@@ -126,8 +126,9 @@ def omniprefix_binary(args):
 CPU_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"}
 
 
-def machine(binary):
-    """The machine and the binary; torch's side comes from the save worker (the parent never imports torch)."""
+def cpu_model_and_flags():
+    """The CPU's model name and which of CPU_FLAGS it has, from /proc/cpuinfo (scripts/cpu_report.sh
+    reads them here too)."""
     cpu, flags = "unknown", []
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -137,6 +138,12 @@ def machine(binary):
                 flags = sorted(f for f in line.split(":", 1)[1].split() if f in CPU_FLAGS)
     except OSError:
         pass
+    return cpu, flags
+
+
+def machine(binary):
+    """The machine and the binary; torch's side comes from the save worker (the parent never imports torch)."""
+    cpu, flags = cpu_model_and_flags()
     info = subprocess.run([str(binary), "cpu-info"], capture_output=True, text=True)
     # A binary older than `cpu-info` (to time an earlier commit) names no build.
     builds = json.loads(info.stdout) if info.returncode == 0 else {"simd_running": "unknown"}

@@ -68,15 +68,12 @@ import pathlib
 import platform
 import sys
 
+sys.path.insert(0, "scripts")
+from compare_torch import cpu_model_and_flags  # noqa: E402 (one reader of /proc/cpuinfo for both reports)
+
 out = pathlib.Path(sys.argv[1])
 lines = lambda name: [json.loads(l) for l in (out / name).read_text().splitlines() if l.strip()]
-flags, model = [], "unknown"
-for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-    if line.startswith("model name") and model == "unknown":
-        model = line.split(":", 1)[1].strip()
-    if line.startswith("flags") and not flags:
-        wanted = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"}
-        flags = sorted(f for f in line.split(":", 1)[1].split() if f in wanted)
+model, flags = cpu_model_and_flags()
 cpu = json.loads((out / "cpu_info.json").read_text())
 ratios = []
 
