@@ -262,6 +262,14 @@ pub(crate) trait Wide: Copy + Send + Sync {
 /// The [`Wide`] operations that are the [`Lanes`] ones, for a type that is both
 /// with the same 8-lane vector.
 macro_rules! wide_as_lanes {
+    (binary: $($op:ident),*) => {
+        $(
+            #[inline(always)]
+            fn $op(self, a: Self::V, b: Self::V) -> Self::V {
+                Lanes::$op(self, a, b)
+            }
+        )*
+    };
     () => {
         type Narrow = Self;
         #[inline(always)]
@@ -295,22 +303,7 @@ macro_rules! wide_as_lanes {
         fn mul_add(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V {
             Lanes::mul_add(self, a, b, c)
         }
-        #[inline(always)]
-        fn add(self, a: Self::V, b: Self::V) -> Self::V {
-            Lanes::add(self, a, b)
-        }
-        #[inline(always)]
-        fn sub(self, a: Self::V, b: Self::V) -> Self::V {
-            Lanes::sub(self, a, b)
-        }
-        #[inline(always)]
-        fn mul(self, a: Self::V, b: Self::V) -> Self::V {
-            Lanes::mul(self, a, b)
-        }
-        #[inline(always)]
-        fn max(self, a: Self::V, b: Self::V) -> Self::V {
-            Lanes::max(self, a, b)
-        }
+        wide_as_lanes!(binary: add, sub, mul, max);
         #[inline(always)]
         fn select_lt(self, a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V {
             Lanes::select_lt(self, a, b, x, y)
@@ -482,6 +475,134 @@ fn exp_lanes<W: ExpBits>(w: W, x: W::V) -> W::V {
     w.mul(p, w.pow2(t, ROUND))
 }
 
+/// Writes [`i256`] and [`i512`]: one name per x86 intrinsic at each register width,
+/// so that the operations the AVX2 and AVX-512 builds share are written once
+/// ([`x86_float_ops`]): `i256::add_ps` is `_mm256_add_ps`, `i512::add_ps` is `_mm512_add_ps`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_width_names {
+    ($($name:ident: $at256:ident, $at512:ident;)*) => {
+        /// The 256-bit intrinsics under their width-free names.
+        mod i256 {
+            $(pub(super) use std::arch::x86_64::$at256 as $name;)*
+        }
+        /// The 512-bit intrinsics under their width-free names.
+        mod i512 {
+            $(pub(super) use std::arch::x86_64::$at512 as $name;)*
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+x86_width_names! {
+    add_epi32: _mm256_add_epi32, _mm512_add_epi32;
+    add_ps: _mm256_add_ps, _mm512_add_ps;
+    and_si: _mm256_and_si256, _mm512_and_si512;
+    castps_si: _mm256_castps_si256, _mm512_castps_si512;
+    castsi_ps: _mm256_castsi256_ps, _mm512_castsi512_ps;
+    fmadd_ps: _mm256_fmadd_ps, _mm512_fmadd_ps;
+    loadu_ps: _mm256_loadu_ps, _mm512_loadu_ps;
+    max_ps: _mm256_max_ps, _mm512_max_ps;
+    min_ps: _mm256_min_ps, _mm512_min_ps;
+    mul_ps: _mm256_mul_ps, _mm512_mul_ps;
+    set1_epi32: _mm256_set1_epi32, _mm512_set1_epi32;
+    set1_ps: _mm256_set1_ps, _mm512_set1_ps;
+    setzero_ps: _mm256_setzero_ps, _mm512_setzero_ps;
+    slli_epi32: _mm256_slli_epi32, _mm512_slli_epi32;
+    storeu_ps: _mm256_storeu_ps, _mm512_storeu_ps;
+    sub_epi32: _mm256_sub_epi32, _mm512_sub_epi32;
+    sub_ps: _mm256_sub_ps, _mm512_sub_ps;
+}
+
+/// The element-wise operations that are one intrinsic at either width (`$m`:
+/// [`i256`] or [`i512`]; `$v` its float vector), for the [`Lanes`] impl of
+/// [`Avx2`] and the [`Wide`] impl of [`Avx512`]. Every `unsafe` block needs only
+/// the features that the implementing token proves, and pointer validity (for the
+/// vector's lanes) is the caller's contract on `load` and `store`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_float_ops {
+    ($m:ident, $v:ty, binary: $($op:ident = $intrinsic:ident),*) => {
+        $(
+            #[inline(always)]
+            fn $op(self, a: $v, b: $v) -> $v {
+                // SAFETY: the token proves the CPU features.
+                unsafe { $m::$intrinsic(a, b) }
+            }
+        )*
+    };
+    ($m:ident, $v:ty) => {
+        #[inline(always)]
+        fn zero(self) -> $v {
+            // SAFETY: the token proves the CPU features.
+            unsafe { $m::setzero_ps() }
+        }
+        #[inline(always)]
+        fn splat(self, x: f32) -> $v {
+            // SAFETY: the token proves the CPU features.
+            unsafe { $m::set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn load(self, p: *const f32) -> $v {
+            // SAFETY: the token proves the features; the caller guarantees `p` is valid for the lanes.
+            unsafe { $m::loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32, v: $v) {
+            // SAFETY: the token proves the features; the caller guarantees `p` is valid for the lanes.
+            unsafe { $m::storeu_ps(p, v) }
+        }
+        x86_float_ops!($m, $v, binary: add = add_ps, sub = sub_ps, mul = mul_ps);
+        #[inline(always)]
+        fn mul_add(self, a: $v, b: $v, c: $v) -> $v {
+            // SAFETY: the token proves the CPU features.
+            unsafe { $m::fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        fn max(self, a: $v, b: $v) -> $v {
+            // `b > a ? b : a`, like the portable lanes (maxps returns its second operand
+            // unless the first is greater).
+            // SAFETY: the token proves the CPU features.
+            unsafe { $m::max_ps(b, a) }
+        }
+    };
+}
+
+/// [`ExpBits`] for a vector build whose token proves its features (`$m`, `$v`: as [`x86_float_ops`]).
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_exp_bits {
+    ($m:ident, $v:ty) => {
+        #[inline(always)]
+        fn clamp(self, x: $v, lo: f32, hi: f32) -> $v {
+            // SAFETY: the token proves the CPU features.
+            unsafe { $m::min_ps($m::max_ps(x, $m::set1_ps(lo)), $m::set1_ps(hi)) }
+        }
+        #[inline(always)]
+        fn pow2(self, t: $v, round: f32) -> $v {
+            // SAFETY: the token proves the CPU features.
+            unsafe {
+                let n = $m::sub_epi32($m::castps_si(t), $m::set1_epi32(round.to_bits() as i32));
+                $m::castsi_ps($m::slli_epi32::<23>($m::add_epi32(n, $m::set1_epi32(127))))
+            }
+        }
+    };
+}
+
+/// `acc + x0 · w0 + x1 · w1` lane by lane, where each 32-bit lane of `w` holds a bf16
+/// pair (the second element in the top half: that half masked is `w1` as an f32,
+/// the lane shifted up `w0`), in [`Wide::dot_bf16_pairs`]' order: the second product
+/// first, each rounded once. `$m` as [`x86_float_ops`]; the caller's token proves the features.
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_fma_pair_dot {
+    ($m:ident, $acc:expr, $x0:expr, $x1:expr, $w:expr) => {{
+        let (acc, x0, x1, w) = ($acc, $x0, $x1, $w);
+        // SAFETY: the token proves the CPU features.
+        unsafe {
+            let w1 = $m::castsi_ps($m::and_si(w, $m::set1_epi32(0xFFFF_0000_u32 as i32)));
+            let w0 = $m::castsi_ps($m::slli_epi32::<16>(w));
+            $m::fmadd_ps(x0, w0, $m::fmadd_ps(x1, w1, acc))
+        }
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx2::Avx2;
 #[cfg(target_arch = "x86_64")]
@@ -491,7 +612,7 @@ pub(crate) use avx512::{Avx512, DpPairs};
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::Lanes;
+    use super::{Lanes, i256};
 
     /// 256-bit AVX2 registers with fused multiply-add. Only [`Avx2::new`] makes one
     /// (through [`super::Simd::detect`], the one place that asks the CPU).
@@ -516,30 +637,11 @@ mod avx2 {
     // validity is the caller's contract on `load` / `store`.
     impl Lanes for Avx2 {
         type V = __m256;
-        #[inline(always)]
-        fn zero(self) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_setzero_ps() }
-        }
-        #[inline(always)]
-        fn splat(self, x: f32) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_set1_ps(x) }
-        }
-        #[inline(always)]
-        unsafe fn load(self, p: *const f32) -> __m256 {
-            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
-            unsafe { _mm256_loadu_ps(p) }
-        }
+        x86_float_ops!(i256, __m256);
         #[inline(always)]
         unsafe fn splat_at(self, p: *const f32) -> __m256 {
             // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
             unsafe { _mm256_broadcast_ss(&*p) }
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32, v: __m256) {
-            // SAFETY: `Avx2` proves the features; the caller guarantees `p` is valid for 8 floats.
-            unsafe { _mm256_storeu_ps(p, v) }
         }
         #[inline(always)]
         fn to_array(self, v: __m256) -> [f32; 8] {
@@ -547,26 +649,6 @@ mod avx2 {
             // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU. `a` holds 8 floats.
             unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
             a
-        }
-        #[inline(always)]
-        fn add(self, a: __m256, b: __m256) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_add_ps(a, b) }
-        }
-        #[inline(always)]
-        fn sub(self, a: __m256, b: __m256) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_sub_ps(a, b) }
-        }
-        #[inline(always)]
-        fn mul(self, a: __m256, b: __m256) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_mul_ps(a, b) }
-        }
-        #[inline(always)]
-        fn mul_add(self, a: __m256, b: __m256, c: __m256) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_fmadd_ps(a, b, c) }
         }
         #[inline(always)]
         fn widen_f16(self, src: &[half::f16], dst: &mut [f32]) {
@@ -584,13 +666,6 @@ mod avx2 {
             for (d, s) in dst[full..n].iter_mut().zip(&src[full..n]) {
                 *d = s.to_f32();
             }
-        }
-        #[inline(always)]
-        fn max(self, a: __m256, b: __m256) -> __m256 {
-            // `b > a ? b : a`, like the portable lanes (maxps returns its second operand
-            // unless the first is greater).
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_max_ps(b, a) }
         }
         #[inline(always)]
         fn select_lt(self, a: __m256, b: __m256, x: __m256, y: __m256) -> __m256 {
@@ -655,7 +730,7 @@ mod avx2 {
 mod avx2_wide {
     use std::arch::x86_64::*;
 
-    use super::{Avx2, ExpBits, Lanes, Wide};
+    use super::{Avx2, ExpBits, Lanes, Wide, i256};
 
     // SAFETY (every `unsafe` block below): an `Avx2` proves AVX2, FMA and F16C;
     // pointer validity is the caller's contract.
@@ -677,14 +752,7 @@ mod avx2_wide {
         }
         #[inline(always)]
         fn dot_bf16_pairs(self, acc: __m256, [x0, x1]: [__m256; 2], w: __m256i) -> __m256 {
-            // A pair fills a 32-bit lane, its second element in the top half: that
-            // half masked is the second weight as an f32, the lane shifted up the first.
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe {
-                let w1 = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(0xFFFF_0000_u32 as i32)));
-                let w0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-                _mm256_fmadd_ps(x0, w0, _mm256_fmadd_ps(x1, w1, acc))
-            }
+            x86_fma_pair_dot!(i256, acc, x0, x1, w)
         }
         #[inline(always)]
         unsafe fn load_f16(self, p: *const half::f16) -> __m256 {
@@ -698,19 +766,7 @@ mod avx2_wide {
     }
 
     impl ExpBits for Avx2 {
-        #[inline(always)]
-        fn clamp(self, x: __m256, lo: f32, hi: f32) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe { _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi)) }
-        }
-        #[inline(always)]
-        fn pow2(self, t: __m256, round: f32) -> __m256 {
-            // SAFETY: `Avx2::new` proved AVX2, FMA and F16C on this CPU.
-            unsafe {
-                let n = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(round.to_bits() as i32));
-                _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(n, _mm256_set1_epi32(127))))
-            }
-        }
+        x86_exp_bits!(i256, __m256);
     }
 }
 
@@ -718,7 +774,7 @@ mod avx2_wide {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{Avx2, ExpBits, Wide};
+    use super::{Avx2, ExpBits, Wide, i512};
 
     /// 512-bit AVX-512F registers (16 lanes). Only [`Avx512::new`] makes one
     /// (through [`super::Simd::detect`]); it holds the CPU's [`Avx2`] token, its
@@ -757,13 +813,7 @@ mod avx512 {
         }
         #[inline(always)]
         fn dot(self, acc: __m512, [x0, x1]: [__m512; 2], w: __m512i) -> __m512 {
-            // As the AVX2 build: the top half of each 32-bit lane is the second weight, the lane shifted up the first.
-            // SAFETY: see the impl's note.
-            unsafe {
-                let w1 = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF_0000_u32 as i32)));
-                let w0 = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
-                _mm512_fmadd_ps(x0, w0, _mm512_fmadd_ps(x1, w1, acc))
-            }
+            x86_fma_pair_dot!(i512, acc, x0, x1, w)
         }
     }
 
@@ -820,29 +870,15 @@ mod avx512 {
         type V = __m512;
         const WIDTH: usize = 16;
         type Narrow = Avx2;
+        x86_float_ops!(i512, __m512);
         #[inline(always)]
         fn narrow(self) -> Avx2 {
             self.0
         }
         #[inline(always)]
-        fn zero(self) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_setzero_ps() }
-        }
-        #[inline(always)]
-        fn splat(self, x: f32) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_set1_ps(x) }
-        }
-        #[inline(always)]
         unsafe fn splat_at(self, p: *const f32) -> __m512 {
             // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
             unsafe { _mm512_set1_ps(*p) }
-        }
-        #[inline(always)]
-        unsafe fn load(self, p: *const f32) -> __m512 {
-            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
-            unsafe { _mm512_loadu_ps(p) }
         }
         type Bf16Pair = B::Pair;
         type Bf16Pairs = __m512i;
@@ -866,40 +902,9 @@ mod avx512 {
             unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
         }
         #[inline(always)]
-        fn mul_add(self, a: __m512, b: __m512, c: __m512) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_fmadd_ps(a, b, c) }
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32, v: __m512) {
-            // SAFETY: `Avx512` proves the features; the caller guarantees `p` is valid for 16 floats.
-            unsafe { _mm512_storeu_ps(p, v) }
-        }
-        #[inline(always)]
         fn prefetch(self, p: *const u8) {
             // SAFETY: a prefetch never faults, whatever the address; SSE is baseline on x86_64.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
-        }
-        #[inline(always)]
-        fn add(self, a: __m512, b: __m512) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_add_ps(a, b) }
-        }
-        #[inline(always)]
-        fn sub(self, a: __m512, b: __m512) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_sub_ps(a, b) }
-        }
-        #[inline(always)]
-        fn mul(self, a: __m512, b: __m512) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_mul_ps(a, b) }
-        }
-        #[inline(always)]
-        fn max(self, a: __m512, b: __m512) -> __m512 {
-            // `b > a ? b : a` (maxps returns its second operand unless the first is greater).
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_max_ps(b, a) }
         }
         #[inline(always)]
         fn select_lt(self, a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
@@ -913,19 +918,7 @@ mod avx512 {
     }
 
     impl<B: Bf16Dot> ExpBits for Avx512<B> {
-        #[inline(always)]
-        fn clamp(self, x: __m512, lo: f32, hi: f32) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe { _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(lo)), _mm512_set1_ps(hi)) }
-        }
-        #[inline(always)]
-        fn pow2(self, t: __m512, round: f32) -> __m512 {
-            // SAFETY: `Avx512::new` proved AVX-512F on this CPU.
-            unsafe {
-                let n = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(round.to_bits() as i32));
-                _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(n, _mm512_set1_epi32(127))))
-            }
-        }
+        x86_exp_bits!(i512, __m512);
     }
 }
 
