@@ -75,39 +75,39 @@ pub(super) struct Reading<'a> {
     pub(super) tier_load_seconds: Option<&'a Histogram>,
 }
 
+/// Registers each `(name, help, value)` row as a counter.
+fn counters<const N: usize>(registry: &mut Registry, rows: [(&str, &str, u64); N]) {
+    for (name, help, value) in rows {
+        registry.register(name, help, ConstCounter::new(value));
+    }
+}
+
 /// The metrics as Prometheus text (OpenMetrics, ending in `# EOF`).
 pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
     let s = &r.stats.sched;
     let mut registry = Registry::with_prefix("omniprefix");
-    registry.register(
-        "prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache (each time a request starts)",
-        ConstCounter::new(s.query_tokens),
-    );
-    registry.register(
-        "prefix_cache_hits",
-        "Prompt tokens served from the prefix cache",
-        ConstCounter::new(s.hit_tokens),
-    );
-    registry.register(
-        "num_preemptions",
-        "Requests whose blocks were taken back (recomputed later)",
-        ConstCounter::new(s.preemptions),
-    );
-    registry.register(
-        "encoder_cache_hits",
-        "Items of admitted requests whose embeddings came from the encoder cache",
-        ConstCounter::new(r.stats.encoder_cache_hits),
-    );
-    registry.register(
-        "encoder_calls",
-        "Items the encoder ran for (encoder-cache misses)",
-        ConstCounter::new(r.stats.encoder_calls),
-    );
-    registry.register(
-        "kv_events_dropped",
-        "KV events the publisher dropped (0 without a publisher)",
-        ConstCounter::new(r.kv_events_dropped.unwrap_or(0)),
+    counters(
+        &mut registry,
+        [
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache (each time a request starts)",
+                s.query_tokens,
+            ),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.hit_tokens),
+            ("num_preemptions", "Requests whose blocks were taken back (recomputed later)", s.preemptions),
+            (
+                "encoder_cache_hits",
+                "Items of admitted requests whose embeddings came from the encoder cache",
+                r.stats.encoder_cache_hits,
+            ),
+            ("encoder_calls", "Items the encoder ran for (encoder-cache misses)", r.stats.encoder_calls),
+            (
+                "kv_events_dropped",
+                "KV events the publisher dropped (0 without a publisher)",
+                r.kv_events_dropped.unwrap_or(0),
+            ),
+        ],
     );
     registry.register(
         "num_requests_running",
@@ -122,44 +122,53 @@ pub(super) fn render(latencies: &Latencies, r: Reading<'_>) -> Result<String> {
         ConstGauge::<f64>::new(used),
     );
     if let Some(t) = &r.stats.talker {
-        registry.register(
-            "talker_prefix_cache_queries",
-            "Talker prompt rows looked up in the talker's prefix cache",
-            ConstCounter::new(t.query_rows),
-        );
-        registry.register(
-            "talker_prefix_cache_hits",
-            "Talker prompt rows whose KV came from the talker's prefix cache",
-            ConstCounter::new(t.hit_rows),
+        counters(
+            &mut registry,
+            [
+                (
+                    "talker_prefix_cache_queries",
+                    "Talker prompt rows looked up in the talker's prefix cache",
+                    t.query_rows,
+                ),
+                (
+                    "talker_prefix_cache_hits",
+                    "Talker prompt rows whose KV came from the talker's prefix cache",
+                    t.hit_rows,
+                ),
+            ],
         );
         if r.stats.tier.is_some() {
-            registry.register(
-                "talker_tier_hits",
-                "Talker prompt rows whose KV was loaded from the disk tier (of the cache's hits)",
-                ConstCounter::new(t.tier_hit_rows),
+            counters(
+                &mut registry,
+                [(
+                    "talker_tier_hits",
+                    "Talker prompt rows whose KV was loaded from the disk tier (of the cache's hits)",
+                    t.tier_hit_rows,
+                )],
             );
         }
     }
     if let (Some(t), Some(loads)) = (&r.stats.tier, r.tier_load_seconds) {
-        registry.register(
-            "tier_hits",
-            "Prompt tokens whose KV and rows were loaded from the disk tier",
-            ConstCounter::new(t.hit_tokens),
-        );
-        registry.register(
-            "tier_misses",
-            "Prompt tokens past the pool's match that the disk tier did not hold",
-            ConstCounter::new(t.query_tokens - t.hit_tokens),
-        );
-        registry.register(
-            "tier_errors",
-            "Tier files that failed a check (deleted) or could not be read or written",
-            ConstCounter::new(t.files.errors),
-        );
-        registry.register(
-            "tier_write_drops",
-            "Evicted blocks not written to the tier because its write queue was full",
-            ConstCounter::new(t.files.write_drops),
+        counters(
+            &mut registry,
+            [
+                ("tier_hits", "Prompt tokens whose KV and rows were loaded from the disk tier", t.hit_tokens),
+                (
+                    "tier_misses",
+                    "Prompt tokens past the pool's match that the disk tier did not hold",
+                    t.query_tokens - t.hit_tokens,
+                ),
+                (
+                    "tier_errors",
+                    "Tier files that failed a check (deleted) or could not be read or written",
+                    t.files.errors,
+                ),
+                (
+                    "tier_write_drops",
+                    "Evicted blocks not written to the tier because its write queue was full",
+                    t.files.write_drops,
+                ),
+            ],
         );
         registry.register(
             "tier_bytes",
