@@ -57,27 +57,25 @@ pub struct RawRequest<'a> {
 #[derive(Debug)]
 pub struct Preprocessor {
     fingerprinter: Fingerprinter,
-    tokens: OmniTokens,
-    tenant: TenantSalt,
-    positions: PositionKind,
+    /// The empty prompt every request starts from: the model's special ids, the
+    /// tenant and the position layout live there, once.
+    empty: PromptBuilder,
 }
 
 impl Preprocessor {
     /// A preprocessor for tenant 0 of the model whose special ids are `tokens`.
     pub fn new(fingerprinter: Fingerprinter, tokens: OmniTokens) -> Self {
-        Preprocessor { fingerprinter, tokens, tenant: 0, positions: PositionKind::default() }
+        Preprocessor { fingerprinter, empty: PromptBuilder::new(tokens) }
     }
 
     /// Lays positions out as `kind` (1-D for plain RoPE models, 3-D M-RoPE for Omni ones).
-    pub fn with_positions(mut self, kind: PositionKind) -> Self {
-        self.positions = kind;
-        self
+    pub fn with_positions(self, kind: PositionKind) -> Self {
+        Preprocessor { empty: self.empty.with_positions(kind), ..self }
     }
 
     /// Salts every prompt with `tenant`: prompts of different tenants never share cache.
-    pub fn with_tenant(mut self, tenant: TenantSalt) -> Self {
-        self.tenant = tenant;
-        self
+    pub fn with_tenant(self, tenant: TenantSalt) -> Self {
+        Preprocessor { empty: self.empty.with_tenant(tenant), ..self }
     }
 
     /// The fingerprinter (its key, policy and threads).
@@ -87,13 +85,13 @@ impl Preprocessor {
 
     /// The model's special token ids.
     pub fn tokens(&self) -> &OmniTokens {
-        &self.tokens
+        self.empty.tokens()
     }
 
     /// Fingerprints every item, then expands the placeholders and computes
     /// positions. Any bad item or id is a typed error naming it.
     pub fn preprocess(&self, request: &RawRequest<'_>) -> Result<CanonicalPrompt> {
-        self.canonicalise(self.tenant, request.token_ids, request.placeholders, &request.items)
+        self.fill(self.empty.clone(), request.token_ids, request.placeholders, &request.items)
     }
 
     /// [`Preprocessor::preprocess`] for callers that keep items in a request type
@@ -103,13 +101,19 @@ impl Preprocessor {
         &self, tenant: TenantSalt, token_ids: &[u32], form: PlaceholderForm,
         items: impl IntoIterator<Item = &'i ItemSpec<'a>>,
     ) -> Result<CanonicalPrompt> {
+        self.fill(self.empty.clone().with_tenant(tenant), token_ids, form, items)
+    }
+
+    /// Fingerprints `items` and lays them out with `token_ids` in `builder`.
+    fn fill<'i, 'a: 'i>(
+        &self, mut builder: PromptBuilder, token_ids: &[u32], form: PlaceholderForm,
+        items: impl IntoIterator<Item = &'i ItemSpec<'a>>,
+    ) -> Result<CanonicalPrompt> {
         let items = items
             .into_iter()
             .enumerate()
             .map(|(index, item)| self.fingerprinter.identify(index, item).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
-        let mut builder =
-            PromptBuilder::new(self.tokens.clone()).with_tenant(tenant).with_positions(self.positions);
         builder.extend(token_ids, &items, form)?;
         builder.into_prompt()
     }

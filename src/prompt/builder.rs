@@ -76,6 +76,11 @@ impl PromptBuilder {
         self
     }
 
+    /// The model's special token ids.
+    pub fn tokens(&self) -> &OmniTokens {
+        &self.tokens
+    }
+
     /// Number of positions so far.
     pub fn len(&self) -> usize {
         self.token_ids.len()
