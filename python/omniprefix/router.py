@@ -117,8 +117,9 @@ class ReplicaView:
     Call :meth:`poll` (or let a :class:`Router` do it) to apply what arrived. A
     gap in the seq numbers is filled from the replay endpoint, so a view that
     connects late or drops a batch still converges: at the next batch, or at
-    :meth:`catch_up` when none follows (:meth:`Router.wait_for` calls it);
-    ``replays`` counts how often the replay endpoint was asked.
+    :meth:`catch_up` when none follows (a :class:`Router` calls it once a view has
+    been quiet for :data:`CATCH_UP_S`); ``replays`` counts how often the replay
+    endpoint was asked.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
@@ -165,13 +166,13 @@ class ReplicaView:
             applied += 1
         return applied
 
-    def catch_up(self) -> int:
+    def catch_up(self, timeout_ms: int = 5000) -> int:
         """Applies whatever the replay endpoint holds from :attr:`next_seq` on; returns how many.
 
         A view finds a gap only when a later batch arrives: batches published before its
-        subscription took effect, with nothing after them, would stay unseen.
+        subscription took effect, or dropped last before a quiet spell, would stay unseen.
         """
-        return self.replay_from(self.next_seq or 0)
+        return self.replay_from(self.next_seq or 0, timeout_ms=timeout_ms)
 
     def replay_from(self, start: int, upto: Optional[int] = None, timeout_ms: int = 5000) -> int:
         """Applies the buffered batches ``start <= seq < upto`` from the replay endpoint."""
@@ -200,8 +201,11 @@ class ReplicaView:
         return applied
 
 
-#: How long :meth:`Router.wait_for` waits between asking a view's replay endpoint to catch up.
+#: How long a :class:`Router`'s view is quiet (no batch) before it asks its replay endpoint,
+#: once, for what it may have missed.
 CATCH_UP_S = 0.25
+#: How long that ask may wait for a replica's answer (the router's lock is held meanwhile).
+CATCH_UP_TIMEOUT_MS = 200
 
 
 def wait_until(done: Callable[[], object], timeout_s: float, interval_s: float) -> bool:
@@ -231,7 +235,10 @@ class Router:
     caches (the hashes come from :func:`omniprefix.block_hashes` under the
     fleet key) and takes the best, the least used one on a tie;
     ``policy="round_robin"`` ignores the cache. A background thread applies the
-    events as they arrive (:meth:`close` stops it).
+    events as they arrive, and asks a view's replay endpoint once after each
+    :data:`CATCH_UP_S` of quiet, so that what a view missed last (or before it
+    subscribed) is scored without waiting for the replica's next batch
+    (:meth:`close` stops it).
     """
 
     def __init__(self, replicas: Sequence[ReplicaView], *, fingerprint_key: Union[bytes, str], block_size: int,
@@ -250,11 +257,20 @@ class Router:
         self._thread.start()
 
     def _follow(self) -> None:
+        # Per view: when its last batch (or the router's start) was, and whether the
+        # replay endpoint was asked since.
+        quiet_since = [time.monotonic()] * len(self.replicas)
+        caught_up = [False] * len(self.replicas)
         while not self._stop.is_set():
             busy = False
-            for view in self.replicas:
+            for r, view in enumerate(self.replicas):
                 with self._lock:
-                    busy |= view.poll(0) > 0
+                    now = time.monotonic()
+                    if view.poll(0) > 0:
+                        busy, quiet_since[r], caught_up[r] = True, now, False
+                    elif not caught_up[r] and now - quiet_since[r] >= CATCH_UP_S:
+                        view.catch_up(CATCH_UP_TIMEOUT_MS)
+                        caught_up[r] = True
             if not busy:
                 time.sleep(0.001)
 
@@ -278,22 +294,12 @@ class Router:
         return choice
 
     def wait_for(self, replica: int, hashes: Sequence[int], timeout_s: float = 5.0) -> bool:
-        """Waits until replica ``replica``'s view caches every hash of ``hashes`` (bounded).
-
-        Every :data:`CATCH_UP_S` without them, the view asks the replay endpoint for what it
-        may have missed (:meth:`ReplicaView.catch_up`): a request whose batches all went out
-        before the view's subscription took effect is otherwise seen only at the next batch.
-        """
+        """Waits until replica ``replica``'s view caches every hash of ``hashes`` (bounded)."""
         wanted = set(hashes)
         view = self.replicas[replica]
-        last_catch_up = time.monotonic()
 
         def cached() -> bool:
-            nonlocal last_catch_up
             with self._lock:
-                if not wanted <= view.cached and time.monotonic() - last_catch_up >= CATCH_UP_S:
-                    view.catch_up()
-                    last_catch_up = time.monotonic()
                 return wanted <= view.cached
 
         return wait_until(cached, timeout_s, 0.002)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import omniprefix
-from omniprefix.router import DynamoIndexer, ReplicaView, Router, leading_hits
+from omniprefix.router import DynamoIndexer, ReplicaView, Router, leading_hits, wait_until
 from conftest import REPO_ROOT, image_item, importable, load_config, random_ids, unexpanded_image
 
 KEY = bytes(range(32))
@@ -52,17 +52,19 @@ def serve(router: Router, engines: list, ids, items=None, tenant: int = 0) -> in
     return choice
 
 
-def test_a_router_that_subscribes_after_a_request_still_sees_its_blocks(omni_config):
+def test_a_router_that_subscribes_after_a_request_still_scores_its_blocks(omni_config):
     # Every batch of the request goes out before the router exists, and nothing follows it,
-    # so no later batch reveals the gap: wait_for must ask the replay endpoint itself.
+    # so no later batch reveals the gap: the quiet view must ask the replay endpoint itself.
     [engine] = replicas(1, omni_config)
     prompt = random_ids(3, 20)
     engine.generate(prompt, tenant=0, max_tokens=2, ignore_eos=True)
     router = Router([ReplicaView(engine.kv_events_endpoint, engine.kv_replay_endpoint)],
                     fingerprint_key=KEY, block_size=BLOCK, tokens=omni_config)
     try:
-        assert router.wait_for(0, hashes(prompt, None, omni_config), timeout_s=10.0)
+        whole = len(hashes(prompt, None, omni_config))
+        assert wait_until(lambda: router.scores(prompt) == [whole], timeout_s=10.0, interval_s=0.01)
         assert sorted(router.replicas[0].cached) == engine.cached_block_hashes()
+        assert router.replicas[0].replays == 1  # once, after the first quiet spell
     finally:
         router.close()
 
