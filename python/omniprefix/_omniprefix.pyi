@@ -29,6 +29,7 @@ import numpy.typing as npt
 __all__ = [
     "AudioChunk",
     "CacheError",
+    "DEFAULT_BLOCK_SIZE",
     "CheckpointError",
     "ConfigError",
     "Engine",
@@ -55,6 +56,8 @@ __all__ = [
 
 #: The package version.
 __version__: str
+#: Tokens per KV block where a call or an engine option does not say (the engine's default: 16).
+DEFAULT_BLOCK_SIZE: int
 
 # ---------------------------------------------------------------------------------------- types
 
@@ -770,7 +773,7 @@ def block_hashes(
     items: Optional[Sequence[Item]] = None,
     *,
     fingerprint_key: _Key,
-    block_size: int = 16,
+    block_size: int = ...,
     tenant: int = 0,
     placeholders: _Placeholders = "unexpanded",
     tokens: Optional[Mapping[str, Any]] = None,
@@ -890,7 +893,7 @@ class PrefixIndex:
     """The validated radix prefix index on its own: maps prompt prefixes to caller-chosen
     block ids. A :class:`Prompt` made under another validation policy raises ``ValueError``."""
 
-    def __new__(cls, block_size: int = 16, validation: Optional[_Validation] = None) -> PrefixIndex:
+    def __new__(cls, block_size: int = ..., validation: Optional[_Validation] = None) -> PrefixIndex:
         """``validation=None`` is ``"second_digest"``."""
     @property
     def block_size(self) -> int: ...

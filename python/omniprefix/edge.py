@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, cast
 
+from ._omniprefix import DEFAULT_BLOCK_SIZE
 from .openai_checks import CHECKED_PATHS, Limits, Rejected, check_request, max_token_bytes, parse_body, too_large
 from .speech import SpeechCaps, check_speech, wants_audio
 
@@ -304,7 +305,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     speech.add_argument("--speech-router", choices=["kv", "round-robin"],
                         help="route spoken chats to the workers with Dynamo's KvRouter or round-robin client "
                              "(unset: they are refused with a 501)")
-    speech.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (default %(default)s)")
+    speech.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                        help="the workers' KV block size (default %(default)s)")
     speech.add_argument("--model-name", help="the name clients send (default: --model-dir's name)")
     speech.add_argument("--endpoint", default="omniprefix.worker.generate",
                         help="the workers' Dynamo NAMESPACE.COMPONENT.ENDPOINT (default %(default)s)")

@@ -13,7 +13,7 @@ use crate::options::fingerprint_key as parse_key;
 /// The hashes of a request's full blocks as an engine under `fingerprint_key`
 /// publishes them in `BlockStored` events (items need no embeddings here).
 #[pyfunction]
-#[pyo3(signature = (token_ids, items=None, *, fingerprint_key, block_size=16, tenant=0, placeholders="unexpanded", tokens=None))]
+#[pyo3(signature = (token_ids, items=None, *, fingerprint_key, block_size=omniprefix::kv::DEFAULT_BLOCK_SIZE, tenant=0, placeholders="unexpanded", tokens=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn block_hashes(
     py: Python<'_>, token_ids: &Bound<'_, PyAny>, items: Option<&Bound<'_, PyAny>>,

@@ -47,5 +47,6 @@ fn _omniprefix(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kv_events::block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(engine::checkpoint_context_len, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DEFAULT_BLOCK_SIZE", omniprefix::kv::DEFAULT_BLOCK_SIZE)?;
     Ok(())
 }

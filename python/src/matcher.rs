@@ -258,7 +258,7 @@ impl PyPrefixIndex {
 #[pymethods]
 impl PyPrefixIndex {
     #[new]
-    #[pyo3(signature = (block_size=16, validation=None))]
+    #[pyo3(signature = (block_size=omniprefix::kv::DEFAULT_BLOCK_SIZE, validation=None))]
     fn new(block_size: usize, validation: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let index = RadixIndex::new(RadixConfig { block_size }).map_err(to_py)?;
         Ok(PyPrefixIndex { index: Mutex::new(index), policy: policy_of(validation)? })

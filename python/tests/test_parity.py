@@ -189,3 +189,19 @@ def test_the_engine_says_its_context_and_pool_as_the_checkpoint_and_options_do(m
     assert (engine.context_len, engine.num_blocks) == (context, 96)
     assert omniprefix.checkpoint_context_len(model_dir(model)) == context
     assert omniprefix.Engine.from_dir(model_dir(model)).num_blocks == 1024  # SchedulerConfig's default
+
+
+def test_every_default_block_size_is_the_engines():
+    """`DEFAULT_BLOCK_SIZE` is the engine's default, and what the matcher, `block_hashes` and the
+    edge's speech router take when not told: a router keyed on another size would hash other blocks."""
+    from omniprefix.edge import parse_args
+
+    engine = omniprefix.Engine.from_dir(model_dir("qwen3_dense"))
+    assert engine.block_size == omniprefix.DEFAULT_BLOCK_SIZE == 16
+    assert omniprefix.PrefixIndex().block_size == omniprefix.DEFAULT_BLOCK_SIZE
+    ids = list(range(1, 2 * omniprefix.DEFAULT_BLOCK_SIZE + 1))
+    key = bytes(32)
+    assert omniprefix.block_hashes(ids, fingerprint_key=key) == omniprefix.block_hashes(
+        ids, fingerprint_key=key, block_size=omniprefix.DEFAULT_BLOCK_SIZE)
+    assert len(omniprefix.block_hashes(ids, fingerprint_key=key)) == 2
+    assert parse_args(["--upstream", "http://127.0.0.1:1"]).block_size == omniprefix.DEFAULT_BLOCK_SIZE

@@ -64,7 +64,7 @@ impl Default for TtftOptions {
             workloads: Vec::new(),
             no_capture: false,
             mm_scale: 4,
-            block_size: 16,
+            block_size: omniprefix::kv::DEFAULT_BLOCK_SIZE,
             kv_dtype: Dtype::F32,
             seed: 0,
         }
