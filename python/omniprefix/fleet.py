@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Optional, Sequence, cast
 
 from .ports import LOOPBACK, check_listenable, free_port
+from .router_weights import DISK_CACHE_HIT_WEIGHT, HOST_CACHE_HIT_WEIGHT
 from .sizes import byte_size
 from .speech import MAX_TALKER_TOKENS
 
@@ -92,17 +93,6 @@ STABLE_S = 30.0
 #: ``--migration-limit``; 0 would end the request with an error).
 MIGRATION_LIMIT = 3
 
-#: The KV router's weights of the tiers Dynamo files our blocks under (``KvRouterConfig``'s
-#: ``host_cache_hit_weight`` / ``disk_cache_hit_weight``, the frontend's
-#: ``--router-host-cache-hit-weight`` / ``--router-disk-cache-hit-weight``), for the frontend and
-#: the edge's router.
-#: Our CPU backend's events carry medium "CPU", which Dynamo files in its host tier: here that tier
-#: is the working cache, worth as much as a device hit. "DISK" events (workers with a tier) go to
-#: its disk tier, which credits the worker that announced the blocks; but the fleet's workers
-#: share one tier directory and any of them loads those blocks alike, so a weight would only pull
-#: load to the announcer.
-HOST_CACHE_HIT_WEIGHT = 1.0
-DISK_CACHE_HIT_WEIGHT = 0.0
 
 #: Dynamo's environment for a loopback fleet: every listener on 127.0.0.1.
 LOOPBACK_ENV = {

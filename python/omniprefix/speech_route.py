@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, AsyncGenerator, AsyncIterator, Optional, cast
 
 from .openai_checks import Rejected
+from .router_weights import DISK_CACHE_HIT_WEIGHT, HOST_CACHE_HIT_WEIGHT
 from .speech import (CHUNK_KEY, DONE_KEY, REQUEST_KEY, SpeechRequest, audio_id, b64, expires_at, wav_bytes)
 
 __all__ = ["SpeechRoute", "SpeechReply", "UpstreamError", "DEFAULT_ENDPOINT"]
@@ -124,8 +125,6 @@ class SpeechRoute:
         endpoint = self._runtime.endpoint(self.endpoint_name)
         if self.router_mode == "kv":
             # The frontend's tier weights (our CPU blocks as device hits, a shared disk tier as nothing).
-            from .fleet import DISK_CACHE_HIT_WEIGHT, HOST_CACHE_HIT_WEIGHT
-
             weights = KvRouterConfig(host_cache_hit_weight=HOST_CACHE_HIT_WEIGHT,
                                      disk_cache_hit_weight=DISK_CACHE_HIT_WEIGHT)
             self._router = KvRouter(endpoint, self.block_size, weights)
