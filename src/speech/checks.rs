@@ -9,7 +9,7 @@ use crate::error::RequestError;
 use crate::prompt::{CanonicalPrompt, OmniTokens};
 
 use super::layout::TalkerLayout;
-use super::stage::SpeechOptions;
+use super::options::SpeechOptions;
 use super::turns::ChatIds;
 
 /// A request's speech, checked: its options, the talker prompt's layout over

@@ -4,10 +4,12 @@
 
 mod checks;
 mod layout;
+mod options;
 mod stage;
 mod turns;
 
 pub use checks::{CheckedSpeech, SpeechChecks};
 pub use layout::{ASSISTANT_ROWS, TalkerLayout};
-pub use stage::{Speech, SpeechOptions, SpeechStage};
+pub use options::SpeechOptions;
+pub use stage::{Speech, SpeechStage};
 pub use turns::{ChatIds, Turns, turns};

@@ -12,6 +12,8 @@ pub mod code_predictor;
 pub mod config;
 /// The frame loop: prefill, sample, predict, feed back.
 pub mod generate;
+/// What a talker run takes and produces.
+pub mod inputs;
 /// The talker a step at a time, batched, trailing text arriving as the thinker makes it.
 pub mod step;
 #[cfg(test)]
@@ -33,7 +35,8 @@ use crate::tier::ModelId;
 
 pub use code_predictor::{CodePredictor, Prediction};
 pub use config::TalkerConfig;
-pub use generate::{TalkerInputs, TalkerKv, TalkerOutput};
+pub use generate::TalkerKv;
+pub use inputs::{TalkerInputs, TalkerOutput};
 pub use step::{TalkerBlocks, TalkerSeq};
 
 /// HF `Qwen3OmniMoeTalkerResizeMLP`: `fc2(silu(fc1 x + b1)) + b2`, thinker width → talker width.

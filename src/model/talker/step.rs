@@ -23,14 +23,15 @@
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
-use ndarray::{Array2, ArrayView2};
+use ndarray::{Array2, ArrayView2, s};
 
-use super::generate::{TalkerInputs, TalkerOutput, final_row};
+use super::inputs::{TalkerInputs, TalkerOutput};
 use super::{Prediction, Talker};
 use crate::backend::Backend;
 use crate::batch::{EmbedRows, RequestId, ScheduledBatch, ScheduledSeq};
-use crate::error::{Component, RunnerError};
+use crate::error::{BackendError, Component, RunnerError};
 use crate::kv::{BlockId, BlockTable};
+use crate::model::CaptureName;
 use crate::model::talker::TalkerConfig;
 use crate::prompt::Positions;
 use crate::runner::{ModelRunner, SeqOutput};
@@ -665,5 +666,20 @@ impl<B: Backend> Talker<B> {
             self.code_predictor.predict(b, past.view(), code0_embed.view(), &mut pages, &params, samplers);
         self.put_predictor_pages(pages);
         predicted
+    }
+}
+
+/// The last final-normed row of a step's captured hidden rows, `[1, hidden]`.
+fn final_row(hidden: &[(CaptureName, Array2<f32>)], width: usize) -> Result<Array2<f32>> {
+    let rows = hidden.iter().find(|(name, _)| *name == CaptureName::Final).map(|(_, m)| m);
+    match rows {
+        Some(m) if m.nrows() > 0 && m.ncols() == width => Ok(m.slice(s![m.nrows() - 1.., ..]).to_owned()),
+        _ => Err(BackendError::OpShape {
+            op: "talker",
+            what: "final hidden rows",
+            expected: format!("[>=1, {width}]"),
+            found: rows.map_or(vec![], |m| m.shape().to_vec()),
+        }
+        .into()),
     }
 }
