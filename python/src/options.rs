@@ -9,7 +9,8 @@ use omniprefix::backend::Dtype;
 use omniprefix::backend::auto::BackendKind;
 use omniprefix::canon::FingerprintKey;
 use omniprefix::engine::{EngineConfig, IndexKind};
-use omniprefix::events::KvEventsConfig;
+use omniprefix::error::ConfigError;
+use omniprefix::events::KvEventsOptions;
 use omniprefix::index::ValidationPolicy;
 use omniprefix::model::CaptureName;
 use omniprefix::sched::PrefillCap;
@@ -82,45 +83,6 @@ const ENGINE_OPTIONS: [&str; 28] = [
     "audio_yield_s",
 ];
 
-/// The `kv_*` options as given; they only mean something with `kv_events`.
-#[derive(Default)]
-struct KvOptions {
-    endpoint: Option<String>,
-    replay: Option<String>,
-    topic: Option<String>,
-    buffer_steps: Option<usize>,
-    linger: Option<Duration>,
-}
-
-impl KvOptions {
-    /// The publisher's config; a `kv_*` option without `kv_events` is a `ValueError`.
-    fn config(self) -> PyResult<Option<KvEventsConfig>> {
-        let Some(endpoint) = self.endpoint else {
-            let given = [
-                ("kv_replay", self.replay.is_some()),
-                ("kv_topic", self.topic.is_some()),
-                ("kv_buffer_steps", self.buffer_steps.is_some()),
-                ("kv_linger_s", self.linger.is_some()),
-            ];
-            return match given.iter().find(|(_, set)| *set) {
-                Some((name, _)) => {
-                    Err(PyValueError::new_err(format!("{name} needs kv_events (the PUB endpoint) too")))
-                }
-                None => Ok(None),
-            };
-        };
-        let defaults = KvEventsConfig::default();
-        Ok(Some(KvEventsConfig {
-            endpoint,
-            replay_endpoint: self.replay,
-            topic: self.topic.unwrap_or(defaults.topic),
-            buffer_steps: self.buffer_steps.unwrap_or(defaults.buffer_steps),
-            linger: self.linger.unwrap_or(defaults.linger),
-            ..defaults
-        }))
-    }
-}
-
 /// The disk tier's options as given: `tier_bytes` only means something with `tier_dir`.
 #[derive(Default)]
 struct TierOptions {
@@ -163,7 +125,7 @@ impl EngineOptions {
         };
         let Some(options) = options else { return Ok(out) };
         let config = &mut out.config;
-        let mut kv = KvOptions::default();
+        let mut kv = KvEventsOptions::default();
         let mut tier = TierOptions::default();
         let mut key_given = false;
         for (key, value) in options.iter() {
@@ -201,10 +163,10 @@ impl EngineOptions {
                         })?)
                 }
                 "kv_events" => kv.endpoint = Some(string(&value, &name)?),
-                "kv_replay" => kv.replay = Some(string(&value, &name)?),
+                "kv_replay" => kv.replay_endpoint = Some(string(&value, &name)?),
                 "kv_topic" => kv.topic = Some(string(&value, &name)?),
                 "kv_buffer_steps" => kv.buffer_steps = Some(count(&value, &name)?),
-                "kv_linger_s" => kv.linger = Some(seconds(&value, &name)?),
+                "kv_linger_s" => kv.linger_s = Some(number(&value, &name)?),
                 "tier_dir" => tier.dir = Some(path(&value, &name)?),
                 "tier_bytes" => tier.bytes = Some(count(&value, &name)?),
                 "speech" => config.speech = flag(&value, &name)?,
@@ -219,10 +181,25 @@ impl EngineOptions {
                 }
             }
         }
-        config.kv_events = kv.config()?;
+        config.kv_events = kv.config().map_err(kv_option_error)?;
         tier.apply(config, key_given)?;
         Ok(out)
     }
+}
+
+/// A [`KvEventsOptions::config`] error as a `ValueError` naming the option as Python spells it.
+fn kv_option_error(e: ConfigError) -> PyErr {
+    let ConfigError::Invalid { field, expected, found, .. } = &e else {
+        return PyValueError::new_err(e.to_string());
+    };
+    let option = match *field {
+        "replay_endpoint" => "kv_replay",
+        "topic" => "kv_topic",
+        "buffer_steps" => "kv_buffer_steps",
+        "linger" => "kv_linger_s",
+        other => other,
+    };
+    PyValueError::new_err(format!("{option} must be {expected}, found {found}"))
 }
 
 /// A bool option.
@@ -245,12 +222,17 @@ fn count<T: for<'a, 'py> FromPyObject<'a, 'py>>(value: &Bound<'_, PyAny>, name: 
     value.extract().map_err(|_| PyValueError::new_err(format!("{name} must be a non-negative int")))
 }
 
-/// A non-negative, finite number of seconds (an int or a float).
-fn seconds(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
+/// A number of seconds as given (an int or a float).
+fn number(value: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
     if !value.is_instance_of::<PyFloat>() && !value.is_instance_of::<PyInt>() {
         return Err(PyTypeError::new_err(format!("{name} must be a number of seconds")));
     }
-    let s: f64 = value.extract()?;
+    value.extract()
+}
+
+/// A non-negative, finite number of seconds (an int or a float).
+fn seconds(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Duration> {
+    let s = number(value, name)?;
     Duration::try_from_secs_f64(s).map_err(|_| {
         PyValueError::new_err(format!("{name} must be a finite number of seconds >= 0, found {s}"))
     })

@@ -19,7 +19,7 @@ mod config;
 mod publisher;
 pub mod wire;
 
-pub use config::{KvEventsConfig, PublisherStats};
+pub use config::{KvEventsConfig, KvEventsOptions, PublisherStats};
 #[cfg(feature = "kv-events")]
 pub use publisher::KvEventPublisher;
 

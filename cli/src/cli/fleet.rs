@@ -2,15 +2,13 @@
 //! `hidden`, `generate`, `bench soak` and `bench serve` share to join a fleet
 //! behind a cache-aware router.
 
-use std::time::Duration;
-
 use clap::Args;
 
 use omniprefix::canon::FingerprintKey;
 use omniprefix::engine::EngineConfig;
-use omniprefix::events::{KvEventsConfig, PublisherStats};
+use omniprefix::events::{KvEventsConfig, KvEventsOptions, PublisherStats};
 
-use crate::error::{HarnessError, Result};
+use crate::error::Result;
 
 /// The fleet key and the KV-event endpoints.
 #[derive(Debug, Clone, Default, Args)]
@@ -42,19 +40,13 @@ impl FleetArgs {
 
     /// The publisher's settings, if `--kv-events` was given.
     pub fn kv_events(&self) -> Result<Option<KvEventsConfig>> {
-        let Some(endpoint) = &self.kv_events else { return Ok(None) };
-        let linger = Duration::try_from_secs_f64(self.linger_s).map_err(|_| {
-            HarnessError::Args(clap::Error::raw(
-                clap::error::ErrorKind::ValueValidation,
-                format!("--linger-s {}: must be a non-negative number of seconds", self.linger_s),
-            ))
-        })?;
-        Ok(Some(KvEventsConfig {
-            endpoint: endpoint.clone(),
+        let options = KvEventsOptions {
+            endpoint: self.kv_events.clone(),
             replay_endpoint: self.kv_replay.clone(),
-            linger,
+            linger_s: self.kv_events.as_ref().map(|_| self.linger_s),
             ..Default::default()
-        }))
+        };
+        Ok(options.config()?)
     }
 
     /// Sets the engine's fleet key and KV events from these arguments.

@@ -572,6 +572,8 @@ fn bad_kv_event_flags_are_one_line_errors() -> TestResult {
     assert!(line.contains("cannot bind"), "{line}");
     let line = error_line(&hidden(&["--fingerprint-key", "abc"])?)?;
     assert!(line.contains("64 hex digits"), "{line}");
+    let line = error_line(&hidden(&["--kv-events", "tcp://127.0.0.1:0", "--linger-s=-1"])?)?;
+    assert!(line.contains("linger") && line.contains("seconds >= 0") && line.contains("-1"), "{line}");
     let line = error_line(&omniprefix(&[
         "block-hashes",
         "--request",
