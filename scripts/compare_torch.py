@@ -61,6 +61,8 @@ import sys
 import tempfile
 import time
 
+from cpuinfo import cpu_model_and_flags
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 IN_VENV = "OMNIPREFIX_COMPARE_TORCH_IN_VENV"
 
@@ -120,25 +122,6 @@ def omniprefix_binary(args):
     if not target.is_absolute():
         target = ROOT / target
     return target / "release" / "omniprefix"
-
-
-# The /proc/cpuinfo flags that decide which kernels either engine runs.
-CPU_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16"}
-
-
-def cpu_model_and_flags():
-    """The CPU's model name and which of CPU_FLAGS it has, from /proc/cpuinfo (scripts/cpu_report.sh
-    reads them here too)."""
-    cpu, flags = "unknown", []
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == "unknown":
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = sorted(f for f in line.split(":", 1)[1].split() if f in CPU_FLAGS)
-    except OSError:
-        pass
-    return cpu, flags
 
 
 def machine(binary):

@@ -69,7 +69,7 @@ import platform
 import sys
 
 sys.path.insert(0, "scripts")
-from compare_torch import cpu_model_and_flags  # noqa: E402 (one reader of /proc/cpuinfo for both reports)
+from cpuinfo import cpu_model_and_flags  # noqa: E402 (one reader of /proc/cpuinfo for every report)
 
 out = pathlib.Path(sys.argv[1])
 lines = lambda name: [json.loads(l) for l in (out / name).read_text().splitlines() if l.strip()]

@@ -39,7 +39,7 @@ import argparse
 import base64
 import io
 import json
-import platform
+import os
 import random
 import sys
 import threading
@@ -51,6 +51,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+
+from cpuinfo import cpu_model_and_flags
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "target" / "bench_omni"  # scripts/make_bench_omni.py
@@ -186,20 +188,8 @@ def _ms(s: Optional[float]) -> Optional[float]:
 
 
 def machine() -> str:
-    cpu, flags = platform.processor() or "?", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu in ("?", "x86_64", ""):
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    import os
-
-    simd = " ".join(f for f in ("avx2", "avx512f", "fma", "f16c") if f in flags)
-    return f"{cpu}, {os.cpu_count()} cores ({simd})"
+    cpu, flags = cpu_model_and_flags()
+    return f"{cpu}, {os.cpu_count()} cores ({' '.join(flags)})"
 
 
 def bench(args: argparse.Namespace) -> None:

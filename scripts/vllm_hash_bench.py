@@ -78,6 +78,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cpuinfo import cpu_model_and_flags
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "fixtures" / "qwen3_omni.json"
 #: A fixed fleet key (any 32 bytes); the benchmark's numbers do not depend on it.
@@ -137,16 +139,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu, flags = cpu_model_and_flags()
     return {
-        "cpu": cpu,
+        "cpu": cpu if cpu != "unknown" else platform.processor(),
+        "cpu_flags": flags,
         "cores": os.cpu_count(),
         "loadavg_at_start": list(os.getloadavg()),
         "platform": platform.platform(),
