@@ -43,6 +43,7 @@ impl FleetArgs {
         let options = KvEventsOptions {
             endpoint: self.kv_events.clone(),
             replay_endpoint: self.kv_replay.clone(),
+            // `--linger-s` has a default, so it counts as given only beside `--kv-events`.
             linger_s: self.kv_events.as_ref().map(|_| self.linger_s),
             ..Default::default()
         };
